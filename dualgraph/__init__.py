@@ -1,0 +1,32 @@
+"""dualgraph: CUDA graphs for modules whose outputs hold None, constants and frozen tensors.
+
+The core (this package) describes trees without importing any framework; the adapters live in
+``dualgraph.torch`` and ``dualgraph.jax`` and the cross-check in ``dualgraph.parity``.
+
+>>> import numpy as np, dualgraph
+>>> dualgraph.describe((np.zeros((2, 3), np.float32), None))
+TreeSpec((float32[2, 3](grad), None))
+"""
+
+from ._containers import register_dataclass
+from ._dtypes import DIFFERENTIABLE_DTYPES, is_differentiable_dtype
+from ._errors import CaptureError, DualgraphError, SpecMismatchError, UnsupportedLeafError
+from ._leaves import register_array_type
+from ._spec import LeafSpec, TreeSpec, describe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DIFFERENTIABLE_DTYPES",
+    "CaptureError",
+    "DualgraphError",
+    "LeafSpec",
+    "SpecMismatchError",
+    "TreeSpec",
+    "UnsupportedLeafError",
+    "__version__",
+    "describe",
+    "is_differentiable_dtype",
+    "register_array_type",
+    "register_dataclass",
+]
