@@ -86,7 +86,7 @@ def compile_spec(node: Node, array_positions: list[int]) -> CompiledSpec:
         ]
     )
     namespace = writer.namespace
-    exec(compile(source, "<dualgraph spec>", "exec"), namespace)  # noqa: S102 - code we wrote
+    exec(compile(source, "<dualgraph spec>", "exec"), namespace)
     return CompiledSpec(namespace["flatten"], namespace["check"], namespace["unflatten"], source)
 
 
@@ -135,8 +135,8 @@ class _Writer:
                 return [f"if type({var}) is not {cls} or {var} != {name}: {fail}"]
             position = self._positions[len(self._arrays)]
             self._arrays.append((position, var))
-            if not full:
-                return []
+            if not full:  # shapes and dtypes are check's job, but None is part of the structure
+                return [f"if {var} is None: {fail}"]
             expected = self.bind((tuple(node["shape"]), node["dtype"]), "e")
             return [f"if _signature({var}) != {expected}: {fail}"]
         kind = node["node"]
@@ -155,9 +155,6 @@ class _Writer:
             lines.append(f"if type({var}) is not {cls}: {fail}")
             accessors = [f"{var}.{field}" for field in node["fields"]]
         for accessor, child in zip(accessors, children):
-            if "leaf" in child and child["leaf"] == "array" and not full:
-                lines.extend(self.structure(child, accessor, full=full))
-                continue
             child_var = self.fresh()
             lines.append(f"{child_var} = {accessor}")
             lines.extend(self.structure(child, child_var, full=full))

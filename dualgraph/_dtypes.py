@@ -11,8 +11,10 @@ DIFFERENTIABLE_DTYPES: frozenset[str] = frozenset(
         "bfloat16",
         "float32",
         "float64",
+        "float128",  # numpy's long double on most 64-bit platforms
         "complex64",
         "complex128",
+        "complex256",
         "float8_e4m3fn",
         "float8_e4m3fnuz",
         "float8_e5m2",

@@ -1,0 +1,23 @@
+"""PyTorch adapter: CUDA graphs of training callables whose outputs are any tree.
+
+>>> import torch, dualgraph.torch as dgt
+>>> f = dgt.make_graphed_callables(lambda x: (x * 2, None), (torch.ones(2),), backend="emulate")
+>>> f(torch.ones(2))
+(tensor([2., 2.]), None)
+"""
+
+from . import _leaves as _leaves  # registers torch.Tensor with the core
+from ._graphed import EagerCallable, diagnostics, make_graphed_callables, owned, restore
+from ._inputs import InputGuard
+from ._replay import CaptureDiagnostics, GraphedCallable
+
+__all__ = [
+    "CaptureDiagnostics",
+    "EagerCallable",
+    "GraphedCallable",
+    "InputGuard",
+    "diagnostics",
+    "make_graphed_callables",
+    "owned",
+    "restore",
+]

@@ -1,0 +1,299 @@
+"""What happens once, at capture: static buffers, warmup, forward and backward graphs.
+
+``"cuda"`` follows the rules of CUDA graph capture: warmup iterations on a side stream, then the
+forward graphs of all callables in execution order, then their backward graphs in reverse order,
+all in one memory pool. ``"emulate"`` builds the same static buffers without a graph and re-runs
+the callable on them, so aliasing mistakes show up on a CPU too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import CaptureError, DualgraphError
+from .._spec import TreeSpec, describe
+from ._replay import GraphedCallable
+
+__all__ = [
+    "Progress",
+    "capture_cuda",
+    "capture_emulated",
+    "prepare_static_inputs",
+    "repair_cuda_rng",
+]
+
+
+@dataclass
+class Progress:
+    """Where a capture is, so that a failure can name the callable and the phase."""
+
+    name: str = ""
+    phase: str = "setup"
+
+
+def prepare_static_inputs(graphed: GraphedCallable, sample_tensors: Sequence[torch.Tensor]) -> None:
+    """Static input buffers: owned copies of the sample tensors, with their ``requires_grad``."""
+    graphed.static_inputs = [
+        t.detach().clone().requires_grad_(t.requires_grad) for t in sample_tensors
+    ]
+    graphed.diagnostics.static_input_bytes = _bytes(graphed.static_inputs)
+
+
+def capture_emulated(
+    graphs: Sequence[GraphedCallable],
+    *,
+    num_warmup_iters: int,
+    allow_unused_input: bool,
+    progress: Progress,
+) -> None:
+    """Static buffers and replay functions that re-run each callable instead of a graph."""
+    for graphed in graphs:
+        progress.name = graphed.name
+        start = time.perf_counter()
+        progress.phase = "warmup"
+        grads: tuple[torch.Tensor | None, ...] = ()
+        for _ in range(max(1, num_warmup_iters)):
+            grads = _forward_backward(graphed, allow_unused_input, record=True)
+        progress.phase = "capture"
+        with torch.enable_grad():
+            outputs = _run(graphed)
+        flat = _record_outputs(graphed, outputs)
+        graphed.static_outputs = [torch.empty_like(t.detach()) for t in flat]
+        graphed.static_grad_outputs = [
+            torch.empty_like(flat[i].detach()) for i in graphed.diff_outputs
+        ]
+        if graphed.static_grad_outputs and _diff_inputs(graphed):
+            _spread_grads(graphed, [None if g is None else torch.zeros_like(g) for g in grads])
+        _install_emulated_replay(graphed, allow_unused_input)
+        _finish(graphed, time.perf_counter() - start)
+
+
+def capture_cuda(
+    graphs: Sequence[GraphedCallable],
+    *,
+    num_warmup_iters: int,
+    allow_unused_input: bool,
+    pool: Any,
+    progress: Progress,
+) -> None:
+    """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
+    device = _device_of(graphs)
+    start = time.perf_counter()
+    torch.cuda.synchronize(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    if pool is None:
+        pool = torch.cuda.graph_pool_handle()
+    side_stream = torch.cuda.Stream(device)
+    side_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side_stream):
+        for graphed in graphs:
+            progress.name, progress.phase = graphed.name, "warmup"
+            for _ in range(num_warmup_iters):
+                _forward_backward(graphed, allow_unused_input, record=False)
+    torch.cuda.current_stream(device).wait_stream(side_stream)
+    torch.cuda.synchronize(device)
+
+    live_outputs: dict[int, list[torch.Tensor]] = {}
+    for graphed in graphs:
+        progress.name, progress.phase = graphed.name, "forward capture"
+        forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(forward_graph, pool=pool):
+            outputs = _run(graphed)
+        flat = _record_outputs(graphed, outputs)
+        del outputs
+        live_outputs[id(graphed)] = flat
+        graphed.static_outputs = [t.detach() for t in flat]
+        graphed.replay_forward = _replayer(forward_graph)
+        graphed.forward_graph = forward_graph  # type: ignore[attr-defined]
+
+    for graphed in reversed(graphs):
+        progress.name, progress.phase = graphed.name, "backward capture"
+        flat = live_outputs.pop(id(graphed))
+        differentiable = [flat[i] for i in graphed.diff_outputs]
+        diff_inputs = _diff_inputs(graphed)
+        if differentiable and diff_inputs:
+            graphed.static_grad_outputs = [torch.empty_like(t.detach()) for t in differentiable]
+            backward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(backward_graph, pool=pool):
+                grads = torch.autograd.grad(
+                    differentiable,
+                    diff_inputs,
+                    grad_outputs=graphed.static_grad_outputs,
+                    only_inputs=True,
+                    allow_unused=allow_unused_input,
+                )
+            _spread_grads(graphed, grads)
+            graphed.replay_backward = backward_graph.replay
+            graphed.backward_graph = backward_graph  # type: ignore[attr-defined]
+        del flat, differentiable
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+    for graphed in graphs:
+        graphed.diagnostics.pool_bytes = pool_bytes
+        _finish(graphed, elapsed)
+
+
+def repair_cuda_rng() -> None:
+    """Make the CUDA RNG usable again after a capture that touched it failed.
+
+    Without this every later CUDA RNG call fails with "Offset increment outside graph capture
+    encountered unexpectedly" (see FIELD-NOTES); re-installing the generator's own state fixes it.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    for generator in torch.cuda.default_generators:
+        generator.graphsafe_set_state(generator.clone_state())
+
+
+def describe_failure(error: BaseException, progress: Progress, backend: str) -> CaptureError:
+    """A :class:`CaptureError` naming the callable, the phase and the root cause."""
+    root = error
+    while root.__context__ is not None and root.__cause__ is None and root is not root.__context__:
+        root = root.__context__
+    cause = f"{type(root).__name__}: {root}"
+    if root is not error:
+        cause += f" (then {type(error).__name__}: {error})"
+    hint = ""
+    if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
+        hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
+    return CaptureError(
+        f"capturing {progress.name} ({backend}) failed during {progress.phase}: {cause}{hint}"
+    )
+
+
+# -- shared steps ---------------------------------------------------------------------------------
+
+
+def _run(graphed: GraphedCallable) -> Any:
+    return graphed.fn(*graphed.static_args, **graphed.static_kwargs)  # type: ignore[attr-defined]
+
+
+def _diff_inputs(graphed: GraphedCallable) -> list[torch.Tensor]:
+    return [t for t in graphed.static_inputs if t.requires_grad] + list(graphed.params)
+
+
+def _forward_backward(
+    graphed: GraphedCallable, allow_unused_input: bool, *, record: bool
+) -> tuple[torch.Tensor | None, ...]:
+    with torch.enable_grad():
+        outputs = _run(graphed)
+    flat = _output_tensors(graphed, describe(outputs), outputs)
+    differentiable = [t for t in flat if t.requires_grad]
+    diff_inputs = _diff_inputs(graphed)
+    if not (differentiable and diff_inputs):
+        return ()
+    grads = torch.autograd.grad(
+        differentiable,
+        diff_inputs,
+        grad_outputs=[torch.ones_like(t) for t in differentiable],
+        only_inputs=True,
+        allow_unused=allow_unused_input,
+    )
+    return tuple(grads) if record else ()
+
+
+def _output_tensors(graphed: GraphedCallable, spec: TreeSpec, outputs: Any) -> list[torch.Tensor]:
+    flat = spec.flatten(outputs)
+    for path, leaf in zip(spec.array_paths, flat):
+        if not isinstance(leaf, torch.Tensor):
+            raise DualgraphError(
+                f"{graphed.name}: output {path or '<root>'} is a "
+                f"{type(leaf).__module__}.{type(leaf).__qualname__}; outputs of a torch callable "
+                "hold tensors, None and int/float/bool/str constants"
+            )
+    return flat
+
+
+def _record_outputs(graphed: GraphedCallable, outputs: Any) -> list[torch.Tensor]:
+    spec = describe(outputs)
+    flat = _output_tensors(graphed, spec, outputs)
+    graphed.out_spec = spec
+    mask = spec.grad_mask
+    graphed.diff_outputs = tuple(i for i, grad in enumerate(mask) if grad)
+    graphed.nondiff_outputs = tuple(i for i, grad in enumerate(mask) if not grad)
+    return flat
+
+
+def _spread_grads(graphed: GraphedCallable, grads: Sequence[torch.Tensor | None]) -> None:
+    """Place the grads of the differentiable inputs at their slots among all replay inputs."""
+    slots = _all_diff_slots(graphed)
+    spread: list[torch.Tensor | None] = [None] * (len(graphed.static_inputs) + len(graphed.params))
+    for slot, grad in zip(slots, grads, strict=True):
+        spread[slot] = grad
+    graphed.static_grad_inputs = tuple(spread)
+
+
+def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool) -> None:
+    live: list[torch.Tensor] = []
+    diff_inputs = _diff_inputs(graphed)
+    spec = graphed.spec
+    grad_slots = [i for i, g in enumerate(graphed.static_grad_inputs) if g is not None]
+
+    def replay_forward(grad_enabled: bool) -> None:
+        with torch.set_grad_enabled(grad_enabled):
+            outputs = _run(graphed)
+        flat = spec.flatten(outputs)
+        live[:] = [flat[i] for i in graphed.diff_outputs] if grad_enabled else []
+        for static, tensor in zip(graphed.static_outputs, flat):
+            static.copy_(tensor.detach())
+
+    def replay_backward() -> None:
+        if not live:
+            raise DualgraphError(f"{graphed.name}: backward without a forward under autograd")
+        grads = torch.autograd.grad(
+            live,
+            diff_inputs,
+            grad_outputs=graphed.static_grad_outputs,
+            retain_graph=True,  # a CUDA graph's backward can be replayed again too
+            allow_unused=allow_unused_input,
+        )
+        grad_of_slot = dict(zip(_all_diff_slots(graphed), grads, strict=True))
+        for slot in grad_slots:
+            static = graphed.static_grad_inputs[slot]
+            grad = grad_of_slot[slot]
+            assert static is not None
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
+
+    graphed.replay_forward = replay_forward
+    graphed.replay_backward = replay_backward
+
+
+def _all_diff_slots(graphed: GraphedCallable) -> list[int]:
+    slots = [i for i, t in enumerate(graphed.static_inputs) if t.requires_grad]
+    return slots + [len(graphed.static_inputs) + j for j in range(len(graphed.params))]
+
+
+def _finish(graphed: GraphedCallable, seconds: float) -> None:
+    graphed.diagnostics.static_output_bytes = _bytes(graphed.static_outputs)
+    grad_buffers = [g for g in graphed.static_grad_inputs if g is not None]
+    graphed.diagnostics.static_grad_bytes = _bytes(graphed.static_grad_outputs + grad_buffers)
+    graphed.diagnostics.capture_seconds = seconds
+    graphed.finish()
+
+
+def _replayer(graph: torch.cuda.CUDAGraph) -> Any:
+    def replay(_grad_enabled: bool) -> None:
+        graph.replay()
+
+    return replay
+
+
+def _device_of(graphs: Sequence[GraphedCallable]) -> torch.device:
+    for graphed in graphs:
+        for tensor in (*graphed.static_inputs, *graphed.params):
+            if tensor.is_cuda:
+                return tensor.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

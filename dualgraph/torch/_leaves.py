@@ -1,0 +1,35 @@
+"""Registers ``torch.Tensor`` with the core: shape, neutral dtype name, ``requires_grad``."""
+
+from __future__ import annotations
+
+import torch
+
+from .._leaves import register_array_type
+
+__all__ = ["dtype_name", "tensor_signature"]
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype, /) -> str:
+    """The framework-neutral name of a torch dtype.
+
+    >>> dtype_name(torch.half), dtype_name(torch.bfloat16), dtype_name(torch.long)
+    ('float16', 'bfloat16', 'int64')
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def tensor_signature(tensor: torch.Tensor, /) -> tuple[tuple[int, ...], str]:
+    """``(shape, dtype name)`` of a tensor, as the core describes arrays."""
+    return tuple(tensor.shape), dtype_name(tensor.dtype)
+
+
+def _requires_grad(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad
+
+
+register_array_type(torch.Tensor, signature=tensor_signature, requires_grad=_requires_grad)

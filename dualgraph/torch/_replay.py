@@ -1,0 +1,171 @@
+"""What happens on every call of a graphed callable (the hot path).
+
+A call validates its inputs, copies them into the static input buffers, replays the forward
+graph and hands back the static outputs, rebuilt into the captured output tree (``None`` leaves
+and constants restored). Under autograd the replay is one :class:`torch.autograd.Function` whose
+backward copies the incoming grads into the static grad buffers and replays the backward graph.
+Everything a call needs was precomputed at capture time (see ``_capture.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import DualgraphError
+from .._spec import TreeSpec
+from ._inputs import InputGuard
+
+__all__ = ["CaptureDiagnostics", "GraphedCallable", "autocast_state"]
+
+
+@dataclass
+class CaptureDiagnostics:
+    """Sizes and times of one captured callable.
+
+    ``pool_bytes`` is the growth of reserved CUDA memory over the capture of all callables that
+    share the pool (the same number on each of them); 0 off the GPU.
+    """
+
+    name: str
+    backend: str
+    static_input_bytes: int = 0
+    static_output_bytes: int = 0
+    static_grad_bytes: int = 0
+    pool_bytes: int = 0
+    capture_seconds: float = 0.0
+    has_backward_graph: bool = False
+    replays: int = field(default=0)
+
+
+class GraphedCallable:
+    """A captured callable; calling it replays (see the module docstring).
+
+    Built by :func:`dualgraph.torch.make_graphed_callables`; the attributes are filled in by
+    the capture.
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], guard: InputGuard, backend: str) -> None:
+        self.name = name
+        self.fn = fn
+        self.guard = guard
+        self.backend = backend
+        self.static_inputs: list[torch.Tensor] = []
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.out_spec: TreeSpec | None = None
+        self.static_outputs: list[torch.Tensor] = []
+        self.diff_outputs: tuple[int, ...] = ()
+        self.nondiff_outputs: tuple[int, ...] = ()
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
+        self.replay_forward: Callable[[bool], None] = _not_captured
+        self.replay_backward: Callable[[], None] = _not_captured
+        self.clone_outputs = False
+        self.autocast_state: tuple[Any, ...] = ()
+        self.generation = 0
+        self.diagnostics = CaptureDiagnostics(name=name, backend=backend)
+        self._has_backward = False
+        self._copy_pairs: tuple[int, ...] = ()
+
+    def finish(self) -> None:
+        """Precompute what the hot path reads, once the capture filled in the buffers."""
+        self._has_backward = bool(self.diff_outputs) and any(
+            g is not None for g in self.static_grad_inputs
+        )
+        self.diagnostics.has_backward_graph = self._has_backward
+
+    @property
+    def spec(self) -> TreeSpec:
+        """The output spec recorded at capture."""
+        assert self.out_spec is not None
+        return self.out_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = self.guard.tensors(args, kwargs)
+        if autocast_state() != self.autocast_state:
+            raise DualgraphError(
+                f"{self.name}: called with autocast state {autocast_state()} but captured with "
+                f"{self.autocast_state}; a graph replays the precision it was captured in"
+            )
+        self.diagnostics.replays += 1
+        if self._has_backward and torch.is_grad_enabled():
+            outputs = _Replay.apply(self, *tensors, *self.params)
+        else:
+            outputs = self.forward_without_grad(tensors)
+        return self.out_spec.unflatten(outputs)  # type: ignore[union-attr]
+
+    # -- the two halves of a replay -----------------------------------------------------------
+
+    def copy_inputs(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
+        for static, tensor in zip(self.static_inputs, tensors):
+            if static.data_ptr() != tensor.data_ptr():
+                static.copy_(tensor)
+
+    def forward_without_grad(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.copy_inputs(tensors)
+        self.generation += 1  # a pending backward would now read overwritten activations
+        self.replay_forward(False)
+        if self.clone_outputs:
+            return [o.clone() for o in self.static_outputs]
+        return [o.detach() for o in self.static_outputs]
+
+
+class _Replay(torch.autograd.Function):
+    """One replay under autograd: the forward graph, then (on backward) the backward graph."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, graphed: GraphedCallable, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        graphed.copy_inputs(inputs)
+        graphed.generation += 1
+        graphed.replay_forward(True)
+        ctx.graphed = graphed
+        ctx.generation = graphed.generation
+        ctx.set_materialize_grads(False)
+        if graphed.clone_outputs:
+            outputs = tuple(o.clone() for o in graphed.static_outputs)
+        else:
+            outputs = tuple(o.detach() for o in graphed.static_outputs)
+        if graphed.nondiff_outputs:
+            ctx.mark_non_differentiable(*(outputs[i] for i in graphed.nondiff_outputs))
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        graphed: GraphedCallable = ctx.graphed
+        if ctx.generation != graphed.generation:
+            raise DualgraphError(
+                f"{graphed.name}: backward of an earlier replay after a later forward replay "
+                "overwrote the activations it needs; run each replay's backward before the "
+                "next forward of the same callable"
+            )
+        for static, index in zip(graphed.static_grad_outputs, graphed.diff_outputs):
+            grad = grads[index]
+            if grad is None:
+                static.zero_()
+            elif static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        graphed.replay_backward()
+        # The static grad tensors themselves (not detached aliases) go back to autograd: being
+        # referenced here, they are never stolen into a ``.grad``, so gradient accumulation over
+        # several replays stays correct (the bug of pytorch issue 181723).
+        return (None, *graphed.static_grad_inputs)
+
+
+def autocast_state() -> tuple[Any, ...]:
+    """``()`` outside autocast, else the autocast dtype per device type (False where off)."""
+    if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+        return ()
+    return (
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+    )
+
+
+def _not_captured(*_: Any) -> None:
+    raise DualgraphError("this callable was not captured")
