@@ -10,7 +10,13 @@ TreeSpec((float32[2, 3](grad), None))
 
 from ._containers import register_dataclass
 from ._dtypes import DIFFERENTIABLE_DTYPES, is_differentiable_dtype
-from ._errors import CaptureError, DualgraphError, SpecMismatchError, UnsupportedLeafError
+from ._errors import (
+    CaptureError,
+    DualgraphError,
+    DualgraphWarning,
+    SpecMismatchError,
+    UnsupportedLeafError,
+)
 from ._leaves import register_array_type
 from ._spec import LeafSpec, TreeSpec, describe
 
@@ -20,6 +26,7 @@ __all__ = [
     "DIFFERENTIABLE_DTYPES",
     "CaptureError",
     "DualgraphError",
+    "DualgraphWarning",
     "LeafSpec",
     "SpecMismatchError",
     "TreeSpec",

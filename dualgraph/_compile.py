@@ -9,6 +9,7 @@ indexing for each leaf, and a literal that rebuilds the tree. The generated ``fl
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,11 @@ def signature_of(leaf: Any) -> tuple[tuple[int, ...], str] | None:
 
 
 def _same_float(found: Any, expected: float) -> bool:
-    return type(found) is float and (found == expected or (found != found and expected != expected))
+    if type(found) is not float:
+        return False
+    if found != found:  # NaN matches NaN
+        return expected != expected
+    return found == expected and math.copysign(1.0, found) == math.copysign(1.0, expected)
 
 
 class CompiledSpec:
@@ -146,9 +151,13 @@ class _Writer:
             lines.append(f"if type({var}) is not {kind} or len({var}) != {len(children)}: {fail}")
             accessors = [f"{var}[{i}]" for i in range(len(children))]
         elif kind in ("dict", "ordereddict"):
-            cls = "dict" if kind == "dict" else self.bind(collections.OrderedDict, "T")
-            keys = self.bind(frozenset(node["keys"]), "k")
-            lines.append(f"if type({var}) is not {cls} or {var}.keys() != {keys}: {fail}")
+            if kind == "dict":  # a dict's key order doesn't matter, an OrderedDict's does
+                keys = self.bind(frozenset(node["keys"]), "k")
+                lines.append(f"if type({var}) is not dict or {var}.keys() != {keys}: {fail}")
+            else:
+                cls = self.bind(collections.OrderedDict, "T")
+                keys = self.bind(list(node["keys"]), "k")
+                lines.append(f"if type({var}) is not {cls} or list({var}) != {keys}: {fail}")
             accessors = [f"{var}[{self.bind(key, 'k')}]" for key in node["keys"]]
         else:
             cls = self.bind(resolve_type(node["type"]), "T")

@@ -19,6 +19,12 @@ DIFFERENTIABLE_DTYPES: frozenset[str] = frozenset(
         "float8_e4m3fnuz",
         "float8_e5m2",
         "float8_e5m2fnuz",
+        "float8_e4m3",
+        "float8_e3m4",
+        "float8_e8m0fnu",
+        "float6_e2m3fn",
+        "float6_e3m2fn",
+        "float4_e2m1fn",
     }
 )
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["CaptureError", "DualgraphError", "SpecMismatchError", "UnsupportedLeafError"]
+__all__ = [
+    "CaptureError",
+    "DualgraphError",
+    "DualgraphWarning",
+    "SpecMismatchError",
+    "UnsupportedLeafError",
+]
 
 
 class DualgraphError(Exception):
@@ -36,3 +42,13 @@ class UnsupportedLeafError(DualgraphError, TypeError):
 
 class CaptureError(DualgraphError, RuntimeError):
     """Warmup or capture of a callable failed; the message names the callable and the cause."""
+
+
+class DualgraphWarning(UserWarning):
+    """Something works, but probably not as meant: e.g. a donated buffer no output can reuse.
+
+    Issued once, where the problem is found (at capture or compile time, not on every call).
+
+    >>> issubclass(DualgraphWarning, UserWarning)
+    True
+    """

@@ -81,8 +81,12 @@ def array_type_of(cls: type, /) -> ArrayType | None:
     if found is None:
         module = _LAZY_REGISTRATIONS.get(cls.__module__.partition(".")[0])
         if module is not None:
-            importlib.import_module(module)
-            found = _lookup(cls)
+            try:
+                importlib.import_module(module)
+            except ImportError:  # the adapter's own dependencies are missing: not an array
+                pass
+            else:
+                found = _lookup(cls)
     _RESOLVED[cls] = found
     return found
 

@@ -84,6 +84,7 @@ class TreeSpec:
 
     __slots__ = (
         "_array_index",
+        "_array_positions",
         "_compiled",
         "_hash",
         "_json",
@@ -104,6 +105,7 @@ class TreeSpec:
         self._treedef = treedef
         self._leaves = leaves
         self._array_index = tuple(i for i, leaf in enumerate(leaves) if leaf.kind == "array")
+        self._array_positions = positions
         self._compiled = compile_spec(node, positions)
         self._json: str | None = None
         self._hash: int | None = None
@@ -152,7 +154,8 @@ class TreeSpec:
             raise DualgraphError(
                 f"grad mask has {len(mask)} entries, the spec has {self.num_arrays} array leaves"
             )
-        flags = iter(mask)
+        # The mask is in flatten order (dict keys sorted); the node lists keys in the user's order.
+        flags = iter([mask[position] for position in self._array_positions])
         return TreeSpec(_map_array_nodes(self._node, lambda leaf: {**leaf, "grad": next(flags)}))
 
     # -- the hot path -------------------------------------------------------------------------
@@ -435,6 +438,8 @@ def _first_difference(expected: Node, found: Node, path: str) -> tuple[str, str]
             if key not in expected_children:
                 extra = _show_brief(found_children[key])
                 return join_path(path, key, "key"), f"unexpected entry {extra}"
+        if kind == "ordereddict" and expected["keys"] != found["keys"]:
+            return path, f"expected keys in the order {expected['keys']}, got {found['keys']}"
         for key in _sorted_keys(expected["keys"]):
             difference = _first_difference(
                 expected_children[key], found_children[key], join_path(path, key, "key")
@@ -470,10 +475,8 @@ def _leaf_identity(node: Node) -> tuple[Any, ...]:
         return ("array", tuple(node["shape"]), node["dtype"])
     if kind == "const":
         value = node["value"]
-        if node["type"] == "float":
-            value = float(value)
-            if value != value:
-                return ("const", "float", "nan")
+        if node["type"] == "float":  # by repr: NaN equals NaN, 0.0 differs from -0.0
+            return ("const", "float", repr(float(value)))
         return ("const", node["type"], value)
     if kind == "object":
         return ("object", node["type"])
@@ -495,7 +498,8 @@ def _show_brief(node: Node) -> str:
         return f"an object of type {node['type'].replace(':', '.')}"
     container = node["node"]
     if container in _MAPPING_NODES:
-        return f"a {container} with keys {node['keys']}"
+        article = "an" if container == "ordereddict" else "a"
+        return f"{article} {container} with keys {node['keys']}"
     if container in _FIELD_NODES:
         return f"a {node['type'].replace(':', '.')}"
     return f"a {container} of length {len(node['children'])}"
@@ -574,6 +578,10 @@ def _validate_node(node: Any, path: str) -> None:
         not isinstance(labels, list) or len(labels) != len(children)
     ):
         fail(f"{kind} needs one key or field per child")
+    if kind in _MAPPING_NODES and any(type(key) not in (str, int) for key in labels):
+        fail(f"{kind} keys must be str or int, got {labels!r}")
+    if kind in _FIELD_NODES and not all(isinstance(f, str) and f.isidentifier() for f in labels):
+        fail(f"{kind} fields must be identifiers, got {labels!r}")
     if kind in _FIELD_NODES and not isinstance(node.get("type"), str):
         fail(f"{kind} needs a type name")
     for i, child in enumerate(children):

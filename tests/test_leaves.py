@@ -1,0 +1,214 @@
+"""Which objects are leaves, how array leaves are read, and lazy adapter registration."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from trees import ml_dtypes
+
+import dualgraph
+from dualgraph import (
+    SpecMismatchError,
+    UnsupportedLeafError,
+    _leaves,
+    describe,
+    register_array_type,
+)
+from dualgraph._leaves import _LAZY_REGISTRATIONS, CONSTANT_TYPES, array_type_of
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeArray:
+    """An array type the core does not know until a test registers it."""
+
+    def __init__(self, *shape: int, dtype: str = "float32", trainable: bool = True) -> None:
+        self.shape, self.dtype, self.trainable = shape, dtype, trainable
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Registrations made by the test are undone afterwards."""
+    monkeypatch.setattr(_leaves, "_REGISTERED", dict(_leaves._REGISTERED))
+    _leaves._RESOLVED.clear()
+    yield
+    _leaves._RESOLVED.clear()
+
+
+def register_fake_array() -> None:
+    register_array_type(
+        FakeArray,
+        signature=lambda x: (x.shape, x.dtype),
+        requires_grad=lambda x: x.trainable,
+    )
+
+
+def test_constants_are_bool_int_float_str() -> None:
+    assert set(CONSTANT_TYPES) == {bool, int, float, str}
+
+
+def test_bool_constant_is_kept_apart_from_int() -> None:
+    assert describe(True) != describe(1)
+    assert describe(1) != describe(1.0)
+
+
+def test_numpy_arrays_are_known_without_registration() -> None:
+    assert array_type_of(np.ndarray) is not None
+
+
+def test_numpy_subclasses_are_arrays() -> None:
+    spec = describe(np.ma.masked_array(np.zeros((2, 3), np.float32)))
+    assert repr(spec) == "TreeSpec(float32[2, 3](grad))"
+
+
+@pytest.mark.parametrize("cls", [set, object, FakeArray, np.float32], ids=lambda c: c.__name__)
+def test_other_types_are_not_arrays(cls: type) -> None:
+    assert array_type_of(cls) is None
+
+
+def test_numpy_scalars_are_unsupported_leaves() -> None:
+    with pytest.raises(UnsupportedLeafError, match=r"numpy\.float32"):
+        describe((np.float32(1.0),))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128],
+    ids=lambda d: np.dtype(d).name,
+)
+def test_numpy_floating_and_complex_arrays_carry_a_gradient(dtype: Any) -> None:
+    assert describe(np.zeros(2, dtype)).grad_mask == (True,)
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_numpy_bfloat16_arrays_carry_a_gradient() -> None:
+    spec = describe(np.zeros(2, ml_dtypes.bfloat16))
+    assert repr(spec) == "TreeSpec(bfloat16[2](grad))"
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.bool_, np.int8, np.int32, np.int64, np.uint8], ids=lambda d: np.dtype(d).name
+)
+def test_numpy_integer_and_bool_arrays_carry_no_gradient(dtype: Any) -> None:
+    assert describe(np.zeros(2, dtype)).grad_mask == (False,)
+
+
+def test_registered_array_type_is_described_by_its_signature_and_grad(registry: None) -> None:
+    register_fake_array()
+    spec = describe((FakeArray(2, 3, dtype="bfloat16"), FakeArray(4, trainable=False)))
+    assert repr(spec) == "TreeSpec((bfloat16[2, 3](grad), float32[4]))"
+
+
+def test_registered_array_type_is_flattened_and_checked(registry: None) -> None:
+    register_fake_array()
+    x = FakeArray(2)
+    spec = describe({"x": x})
+    assert spec.flatten({"x": x}, check=True) == [x]
+    with pytest.raises(
+        SpecMismatchError, match=r"^\['x'\]: expected float32\[2\], got float32\[3\]"
+    ):
+        spec.check({"x": FakeArray(3)})
+
+
+def test_subclasses_of_a_registered_array_type_are_arrays(registry: None) -> None:
+    class Sub(FakeArray):
+        pass
+
+    register_fake_array()
+    assert repr(describe(Sub(2))) == "TreeSpec(float32[2](grad))"
+
+
+def test_registering_forgets_earlier_lookups(registry: None) -> None:
+    assert array_type_of(FakeArray) is None
+    register_fake_array()
+    assert array_type_of(FakeArray) is not None
+
+
+def test_lazy_registrations_name_the_adapter_modules() -> None:
+    assert _LAZY_REGISTRATIONS == {
+        "torch": "dualgraph.torch._leaves",
+        "jax": "dualgraph.jax._leaves",
+        "jaxlib": "dualgraph.jax._leaves",
+    }
+
+
+@pytest.fixture
+def fake_framework(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registry: None
+) -> Iterator[Any]:
+    """A framework ``fakeframework`` whose adapter module registers its array type on import."""
+    (tmp_path / "fakeframework.py").write_text(
+        textwrap.dedent(
+            """
+            class Array:
+                def __init__(self, *shape):
+                    self.shape = shape
+
+            class Device:
+                pass
+            """
+        )
+    )
+    (tmp_path / "fake_adapter_leaves.py").write_text(
+        textwrap.dedent(
+            """
+            import fakeframework
+            from dualgraph import register_array_type
+
+            register_array_type(
+                fakeframework.Array,
+                signature=lambda x: (x.shape, "float32"),
+                requires_grad=lambda x: True,
+            )
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(_LAZY_REGISTRATIONS, "fakeframework", "fake_adapter_leaves")
+    import fakeframework
+
+    yield fakeframework
+    for name in ("fakeframework", "fake_adapter_leaves"):
+        sys.modules.pop(name, None)
+
+
+def test_first_array_of_a_framework_imports_its_adapter(fake_framework: Any) -> None:
+    assert "fake_adapter_leaves" not in sys.modules
+    spec = describe((fake_framework.Array(2, 3), None))
+    assert "fake_adapter_leaves" in sys.modules
+    assert repr(spec) == "TreeSpec((float32[2, 3](grad), None))"
+
+
+def test_framework_object_that_is_not_an_array_is_unsupported(fake_framework: Any) -> None:
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: unsupported leaf .*fakeframework"):
+        describe((fake_framework.Device(),))
+
+
+def test_describing_numpy_trees_imports_no_framework() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        import dualgraph
+        from trees import TREES
+
+        for build in TREES.values():
+            dualgraph.describe(build())
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib")))
+        """
+    )
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_register_array_type_is_exported() -> None:
+    assert dualgraph.register_array_type is register_array_type

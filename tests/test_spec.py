@@ -1,0 +1,715 @@
+"""TreeSpec: describe, flatten, unflatten, check, grad mask, JSON, equality, repr and pickling."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import itertools
+import json
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+from trees import (
+    GRAD_DTYPES,
+    TREES,
+    Attention,
+    EncoderOutput,
+    array,
+    assert_same_tree,
+    leaf_at,
+    leaves_of,
+)
+
+import dualgraph
+from dualgraph import (
+    DualgraphError,
+    LeafSpec,
+    SpecMismatchError,
+    TreeSpec,
+    UnsupportedLeafError,
+    describe,
+)
+
+NAMES = list(TREES)
+
+
+def mismatch(expected_tree: Any, found_tree: Any, *, root: str = "") -> SpecMismatchError:
+    """The error ``check`` raises for ``found_tree`` against the spec of ``expected_tree``."""
+    with pytest.raises(SpecMismatchError) as caught:
+        describe(expected_tree).check(found_tree, root=root)
+    return caught.value
+
+
+# -- describe --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_spec_has_one_leaf_per_leaf_of_the_tree_in_optree_order(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    kinds = [
+        "none" if leaf is None else "array" if isinstance(leaf, np.ndarray) else "const"
+        for leaf in leaves_of(tree)
+    ]
+    assert [leaf.kind for leaf in spec.leaves] == kinds
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_path_addresses_its_leaf_in_the_tree(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    for path, leaf in zip(spec.paths, leaves_of(tree), strict=True):
+        assert leaf_at(tree, path) is leaf
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paths_are_unique(name: str) -> None:
+    paths = describe(TREES[name]()).paths
+    assert len(set(paths)) == len(paths)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_array_leaves_record_shape_dtype_and_grad(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    for leaf in spec.arrays:
+        found = leaf_at(tree, leaf.path)
+        assert (leaf.shape, leaf.dtype) == (found.shape, found.dtype.name)
+        assert leaf.grad is (found.dtype.name in GRAD_DTYPES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_constant_leaves_keep_type_and_value(name: str) -> None:
+    tree = TREES[name]()
+    for leaf in describe(tree).leaves:
+        if leaf.kind == "const":
+            found = leaf_at(tree, leaf.path)
+            assert type(leaf.value) is type(found)
+            assert repr(leaf.value) == repr(found)
+
+
+def test_paths_name_indices_keys_and_fields() -> None:
+    tree = {"layers": [(array(2), None)], "out": Attention(weights=array(2), bias=None), 3: 1}
+    assert describe(tree).paths == (
+        "[3]",
+        "['layers'][0][0]",
+        "['layers'][0][1]",
+        "['out'].weights",
+        "['out'].bias",
+    )
+
+
+def test_root_leaf_has_the_empty_path() -> None:
+    assert describe(array(2)).paths == ("",)
+    assert describe(None).paths == ("",)
+    assert describe("vit").paths == ("",)
+
+
+def test_empty_containers_have_no_leaves() -> None:
+    spec = describe(TREES["empty_containers"]())
+    assert spec.leaves == ()
+    assert spec.flatten(TREES["empty_containers"]()) == []
+
+
+def test_none_position_is_part_of_the_structure() -> None:
+    x = array(2)
+    assert describe((x, None)) != describe((None, x))
+
+
+def test_arrays_lists_only_array_leaves_aligned_with_array_paths() -> None:
+    spec = describe(TREES["encoder_dict"]())
+    assert [leaf.path for leaf in spec.arrays] == list(spec.array_paths)
+    assert spec.array_paths == ("['hidden']", "['pooled']")
+    assert spec.num_arrays == 2
+
+
+@pytest.mark.parametrize(
+    ("leaf", "type_name"),
+    [({1, 2}, "builtins.set"), (lambda: 0, "builtins.function"), (object(), "builtins.object")],
+    ids=["set", "lambda", "object"],
+)
+def test_unsupported_leaf_error_names_path_type_and_how_to_register(
+    leaf: Any, type_name: str
+) -> None:
+    with pytest.raises(UnsupportedLeafError) as caught:
+        describe({"outputs": [array(2), leaf]})
+    message = str(caught.value)
+    assert caught.value.path == "['outputs'][1]"
+    assert message.startswith(f"['outputs'][1]: unsupported leaf of type {type_name}.")
+    assert "dualgraph.register_dataclass(cls)" in message
+    assert "dualgraph.register_array_type(" in message
+
+
+def test_unsupported_root_leaf_is_named_root() -> None:
+    with pytest.raises(UnsupportedLeafError, match=r"^<root>: unsupported leaf of type builtins\."):
+        describe(object())
+
+
+def test_unregistered_dataclass_is_an_unsupported_leaf() -> None:
+    @dataclasses.dataclass
+    class Unregistered:
+        x: Any
+
+    with pytest.raises(UnsupportedLeafError, match="register_dataclass"):
+        describe((Unregistered(1),))
+
+
+def test_dict_subclass_is_an_unsupported_leaf() -> None:
+    with pytest.raises(UnsupportedLeafError, match=r"collections\.defaultdict"):
+        describe(collections.defaultdict(list))
+
+
+@pytest.mark.parametrize("key", [(1, 2), 1.5, True, None], ids=repr)
+def test_dict_key_that_is_not_str_or_int_is_unsupported(key: Any) -> None:
+    with pytest.raises(UnsupportedLeafError) as caught:
+        describe({"out": {key: array(2)}})
+    assert caught.value.path == "['out']"
+    assert f"dict key {key!r} of type {type(key).__name__} is not supported" in str(caught.value)
+
+
+# -- flatten ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flatten_returns_the_array_leaves_in_spec_order(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    arrays = spec.flatten(tree)
+    assert type(arrays) is list
+    assert len(arrays) == len(spec.array_paths)
+    for found, path in zip(arrays, spec.array_paths, strict=True):
+        assert found is leaf_at(tree, path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flatten_with_check_returns_the_same_arrays(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    assert [id(a) for a in spec.flatten(tree, check=True)] == [id(a) for a in spec.flatten(tree)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flatten_accepts_a_fresh_tree_of_the_same_structure(name: str) -> None:
+    spec = describe(TREES[name]())
+    fresh = TREES[name]()
+    assert len(spec.flatten(fresh, check=True)) == spec.num_arrays
+
+
+def test_flatten_without_check_skips_shapes_and_dtypes() -> None:
+    spec = describe((array(2, 8), None))
+    other = array(3, dtype="float16")
+    assert spec.flatten((other, None)) == [other]
+
+
+def test_flatten_with_check_compares_shapes() -> None:
+    spec = describe((array(2, 8), None))
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected float32\[2, 8\], got "):
+        spec.flatten((array(3), None), check=True)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_flatten_rejects_none_in_an_array_slot(check: bool) -> None:
+    spec = describe((array(2), None))
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected float32\[2\], got None$"):
+        spec.flatten((None, None), check=check)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_flatten_rejects_an_array_in_a_none_slot(check: bool) -> None:
+    spec = describe((array(2), None))
+    with pytest.raises(SpecMismatchError, match=r"^\[1\]: expected None, got float32\[2\]$"):
+        spec.flatten((array(2), array(2)), check=check)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_flatten_rejects_a_changed_constant(check: bool) -> None:
+    spec = describe((array(2), "vit"))
+    with pytest.raises(SpecMismatchError, match=r"^\[1\]: expected str 'vit', got str 'deit'$"):
+        spec.flatten((array(2), "deit"), check=check)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_flatten_rejects_another_container_type(check: bool) -> None:
+    spec = describe((array(2), None))
+    with pytest.raises(SpecMismatchError, match=r"^<root>: expected a tuple"):
+        spec.flatten([array(2), None], check=check)
+
+
+def test_flatten_error_paths_start_at_root() -> None:
+    spec = describe({"mask": array(2)})
+    with pytest.raises(SpecMismatchError) as caught:
+        spec.flatten({"mask": None}, root="kwargs")
+    assert caught.value.path == "kwargs['mask']"
+
+
+# -- unflatten -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unflatten_of_flatten_rebuilds_the_tree(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unflatten_puts_each_array_at_its_path(name: str) -> None:
+    spec = describe(TREES[name]())
+    arrays = [np.zeros(leaf.shape, "float64") for leaf in spec.arrays]
+    rebuilt = spec.unflatten(arrays)
+    for given, path in zip(arrays, spec.array_paths, strict=True):
+        assert leaf_at(rebuilt, path) is given
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unflatten_restores_none_and_constants(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    rebuilt = spec.unflatten(spec.flatten(TREES[name]()))
+    for leaf in spec.leaves:
+        if leaf.kind == "none":
+            assert leaf_at(rebuilt, leaf.path) is None
+        elif leaf.kind == "const":
+            assert repr(leaf_at(rebuilt, leaf.path)) == repr(leaf_at(tree, leaf.path))
+
+
+def test_unflatten_keeps_the_users_dict_key_order() -> None:
+    spec = describe({"zeta": array(2), "alpha": None, "mid": array(3)})
+    rebuilt = spec.unflatten(spec.flatten({"mid": array(3), "alpha": None, "zeta": array(2)}))
+    assert list(rebuilt) == ["zeta", "alpha", "mid"]
+
+
+def test_flatten_orders_dict_arrays_by_sorted_key_whatever_the_users_order() -> None:
+    zeta, mid = array(2), array(3)
+    spec = describe({"zeta": zeta, "mid": mid})
+    assert spec.array_paths == ("['mid']", "['zeta']")
+    assert spec.flatten({"zeta": zeta, "mid": mid}) == [mid, zeta]
+    assert spec.flatten({"mid": mid, "zeta": zeta}) == [mid, zeta]
+
+
+def test_unflatten_accepts_any_sequence_of_arrays() -> None:
+    spec = describe((array(2), None))
+    x = array(2)
+    assert spec.unflatten((x,))[0] is x
+
+
+@pytest.mark.parametrize("count", [0, 2])
+def test_unflatten_rejects_the_wrong_number_of_arrays(count: int) -> None:
+    spec = describe((array(2), None))
+    with pytest.raises(SpecMismatchError, match=f"^unflatten: expected 1 arrays, got {count}$"):
+        spec.unflatten([array(2)] * count)
+
+
+# -- grad mask -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_grad_mask_has_one_flag_per_array_leaf(name: str) -> None:
+    spec = describe(TREES[name]())
+    assert spec.grad_mask == tuple(leaf.grad for leaf in spec.arrays)
+
+
+def test_grad_mask_is_true_for_floating_and_complex_arrays_only() -> None:
+    spec = describe(TREES["mixed_dtypes"]())
+    grads = dict(zip(spec.array_paths, spec.grad_mask, strict=True))
+    assert grads["['float32']"] and grads["['float16']"] and grads["['complex64']"]
+    assert not grads["['int64']"] and not grads["['bool']"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_with_grad_mask_changes_only_the_grad_mask(name: str) -> None:
+    spec = describe(TREES[name]())
+    flipped = [not flag for flag in spec.grad_mask]
+    changed = spec.with_grad_mask(flipped)
+    assert changed.grad_mask == tuple(flipped)
+    assert changed.paths == spec.paths
+    assert [(a.shape, a.dtype) for a in changed.arrays] == [(a.shape, a.dtype) for a in spec.arrays]
+
+
+def test_with_grad_mask_follows_array_paths_order_not_the_users_key_order() -> None:
+    spec = describe({"zeta": array(2), "alpha": array(2)})
+    assert spec.array_paths == ("['alpha']", "['zeta']")
+    changed = spec.with_grad_mask([False, True])
+    grads = {leaf.path: leaf.grad for leaf in changed.arrays}
+    assert grads == {"['alpha']": False, "['zeta']": True}
+    assert repr(changed) == "TreeSpec({'zeta': float32[2](grad), 'alpha': float32[2]})"
+
+
+def test_with_grad_mask_leaves_the_original_spec_unchanged() -> None:
+    spec = describe(TREES["vit_layer"]())
+    spec.with_grad_mask([False])
+    assert spec.grad_mask == (True,)
+
+
+def test_with_grad_mask_makes_an_unequal_spec() -> None:
+    spec = describe(TREES["vit_layer"]())
+    assert spec.with_grad_mask([False]) != spec
+    assert spec.with_grad_mask([True]) == spec
+
+
+def test_with_grad_mask_rejects_the_wrong_length() -> None:
+    spec = describe(TREES["encoder_dict"]())
+    with pytest.raises(DualgraphError, match="grad mask has 1 entries, the spec has 2 array"):
+        spec.with_grad_mask([True])
+
+
+def test_check_ignores_the_grad_flag() -> None:
+    tree = TREES["encoder_dict"]()
+    describe(tree).with_grad_mask([False, False]).check(tree)
+
+
+# -- check -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_check_accepts_the_described_tree(name: str) -> None:
+    tree = TREES[name]()
+    assert describe(tree).check(tree) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_check_accepts_a_fresh_tree_of_the_same_structure(name: str) -> None:
+    describe(TREES[name]()).check(TREES[name]())
+
+
+def test_check_accepts_a_dict_in_another_key_order() -> None:
+    describe({"hidden": array(2), "aux_loss": None}).check({"aux_loss": None, "hidden": array(2)})
+
+
+def test_check_names_shape_mismatch_with_root() -> None:
+    error = mismatch({"mask": array(2, 8)}, {"mask": array(2, 9)}, root="kwargs")
+    assert str(error) == "kwargs['mask']: expected float32[2, 8], got float32[2, 9]"
+    assert error.path == "kwargs['mask']"
+
+
+def test_check_names_dtype_mismatch() -> None:
+    error = mismatch((array(2, 16), None), (array(2, 16, dtype="float16"), None))
+    assert str(error) == "[0]: expected float32[2, 16], got float16[2, 16]"
+    assert error.path == "[0]"
+
+
+def test_check_names_none_where_an_array_was() -> None:
+    error = mismatch((array(2, 16), None), (None, None))
+    assert str(error) == "[0]: expected float32[2, 16], got None"
+    assert error.path == "[0]"
+
+
+def test_check_names_an_array_where_none_was() -> None:
+    error = mismatch((array(2, 16), None), (array(2, 16), array(2)))
+    assert str(error) == "[1]: expected None, got float32[2]"
+    assert error.path == "[1]"
+
+
+def test_check_names_a_missing_key() -> None:
+    error = mismatch(TREES["encoder_dict"](), {"hidden": array(2, 16, 64), "aux_loss": None})
+    assert str(error) == "['pooled']: missing (expected float32[2, 64])"
+    assert error.path == "['pooled']"
+
+
+def test_check_names_an_extra_key() -> None:
+    error = mismatch(TREES["encoder_dict"](), {**TREES["encoder_dict"](), "extra": None})
+    assert str(error) == "['extra']: unexpected entry None"
+    assert error.path == "['extra']"
+
+
+def test_check_names_another_container_type() -> None:
+    error = mismatch((array(2), None), [array(2), None])
+    assert str(error) == "<root>: expected a tuple of length 2, got a list of length 2"
+    assert error.path == ""
+
+
+def test_check_names_another_length() -> None:
+    error = mismatch({"layers": [array(2), array(2)]}, {"layers": [array(2)]})
+    assert str(error) == "['layers']: expected a list of length 2, got a list of length 1"
+    assert error.path == "['layers']"
+
+
+def test_check_names_another_namedtuple_type() -> None:
+    error = mismatch(Attention(array(2), None), (array(2), None))
+    assert str(error) == "<root>: expected a trees.Attention, got a tuple of length 2"
+
+
+def test_check_names_a_dataclass_field() -> None:
+    error = mismatch(TREES["dataclass"](), EncoderOutput(hidden=None, pooled=array(2)))
+    assert str(error) == ".hidden: expected float32[2, 8], got None"
+    assert error.path == ".hidden"
+
+
+@pytest.mark.parametrize(
+    ("expected", "found", "message"),
+    [
+        (16, 17, "expected int 16, got int 17"),
+        (16, 16.0, "expected int 16, got float 16.0"),
+        (1, True, "expected int 1, got bool True"),
+        (1.5, 2.5, "expected float 1.5, got float 2.5"),
+        (float("nan"), 0.0, "expected float nan, got float 0.0"),
+        ("vit", "deit", "expected str 'vit', got str 'deit'"),
+        ("vit", None, "expected str 'vit', got None"),
+    ],
+    ids=["int", "int-vs-float", "int-vs-bool", "float", "nan", "str", "str-vs-none"],
+)
+def test_check_names_a_changed_constant(expected: Any, found: Any, message: str) -> None:
+    error = mismatch((array(2), expected), (array(2), found))
+    assert str(error) == f"[1]: {message}"
+    assert error.path == "[1]"
+
+
+def test_check_accepts_nan_constant_equal_to_itself() -> None:
+    describe((float("nan"),)).check((float("nan"),))
+
+
+def test_check_tells_negative_zero_from_zero() -> None:
+    error = mismatch((array(2), -0.0), (array(2), 0.0))
+    assert str(error) == "[1]: expected float -0.0, got float 0.0"
+
+
+def test_check_compares_ordereddict_key_order() -> None:
+    expected = collections.OrderedDict([("a", array(2)), ("b", None)])
+    found = collections.OrderedDict([("b", None), ("a", array(2))])
+    error = mismatch(expected, found)
+    assert str(error) == "<root>: expected keys in the order ['a', 'b'], got ['b', 'a']"
+
+
+def test_check_names_an_unsupported_object_in_the_tree() -> None:
+    error = mismatch({"aux_loss": None}, {"aux_loss": {1, 2}})
+    assert str(error) == "['aux_loss']: expected None, got an object of type builtins.set"
+
+
+def test_check_names_the_first_difference_in_spec_order() -> None:
+    error = mismatch({"b": array(2), "a": array(2)}, {"b": array(3), "a": array(3)})
+    assert error.path == "['a']"
+    error = mismatch((array(2), array(2)), (array(3), array(3)))
+    assert error.path == "[0]"
+
+
+def test_spec_mismatch_error_is_a_dualgraph_error_and_a_value_error() -> None:
+    error = mismatch((array(2),), (None,))
+    assert isinstance(error, DualgraphError)
+    assert isinstance(error, ValueError)
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_round_trip_gives_an_equal_spec(name: str) -> None:
+    spec = describe(TREES[name]())
+    assert TreeSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_round_trip_gives_identical_json(name: str) -> None:
+    text = describe(TREES[name]()).to_json()
+    assert TreeSpec.from_json(text).to_json() == text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_spec_loaded_from_json_rebuilds_the_tree(name: str) -> None:
+    tree = TREES[name]()
+    loaded = TreeSpec.from_json(describe(tree).to_json())
+    loaded.check(tree)
+    assert_same_tree(loaded.unflatten(loaded.flatten(tree)), tree)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_is_compact_with_sorted_keys(name: str) -> None:
+    text = describe(TREES[name]()).to_json()
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_is_versioned(name: str) -> None:
+    document = json.loads(describe(TREES[name]()).to_json())
+    assert (document["format"], document["version"]) == ("dualgraph.TreeSpec", 1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_holds_no_framework_or_device_name(name: str) -> None:
+    text = describe(TREES[name]()).to_json().lower()
+    for word in ("numpy", "ndarray", "torch", "jax", "cuda", "cpu", "device"):
+        assert word not in text
+
+
+def test_json_is_strict_even_for_nan_and_infinite_constants() -> None:
+    text = describe(TREES["constants"]()).to_json()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    json.loads(text, parse_constant=refuse)
+
+
+def test_json_float_constants_round_trip_exactly() -> None:
+    tree = TREES["constants"]()
+    loaded = TreeSpec.from_json(describe(tree).to_json())
+    assert_same_tree(loaded.unflatten([]), tree)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not a TreeSpec JSON document: "),
+        ("[]", "not a TreeSpec JSON document (format must be 'dualgraph.TreeSpec')"),
+        ('{"format": "other"}', "format must be 'dualgraph.TreeSpec'"),
+        ('{"format": "dualgraph.TreeSpec", "version": 99}', "TreeSpec JSON version 99 is not"),
+    ],
+    ids=["not-json", "not-an-object", "other-format", "other-version"],
+)
+def test_from_json_rejects_other_documents(text: str, message: str) -> None:
+    with pytest.raises(DualgraphError) as caught:
+        TreeSpec.from_json(text)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("tree", "where"),
+    [
+        ({"leaf": "array", "shape": [-1], "dtype": "float32", "grad": True}, "<root>: bad shape"),
+        ({"leaf": "array", "shape": [2], "grad": True}, "<root>: an array leaf needs a dtype"),
+        ({"leaf": "const", "type": "float", "value": "x"}, "<root>: bad float constant"),
+        ({"leaf": "const", "type": "int", "value": "1"}, "<root>: bad constant"),
+        ({"leaf": "tensor"}, "<root>: unknown leaf kind 'tensor'"),
+        ({"node": "set", "children": []}, "<root>: unknown or incomplete node 'set'"),
+        ({"node": "dict", "keys": [], "children": [{"leaf": "none"}]}, "one key or field per"),
+        ({"node": "tuple", "children": [{"leaf": "none"}, 3]}, "at [1]: expected an object"),
+    ],
+    ids=["shape", "dtype", "float", "int", "leaf-kind", "node-kind", "keys", "child"],
+)
+def test_from_json_rejects_a_malformed_tree_naming_where(tree: Any, where: str) -> None:
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 1, "tree": tree})
+    with pytest.raises(DualgraphError, match=r"^malformed TreeSpec JSON at ") as caught:
+        TreeSpec.from_json(text)
+    assert where in str(caught.value)
+
+
+def test_from_json_rejects_a_type_it_cannot_import() -> None:
+    tree = {"node": "namedtuple", "type": "no_such_module:Out", "fields": [], "children": []}
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 1, "tree": tree})
+    with pytest.raises(DualgraphError, match="cannot resolve type 'no_such_module:Out'"):
+        TreeSpec.from_json(text)
+
+
+def test_from_json_rejects_a_dataclass_that_is_not_registered() -> None:
+    tree = {"node": "dataclass", "type": f"{__name__}:Unregistered", "fields": [], "children": []}
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 1, "tree": tree})
+    with pytest.raises(DualgraphError, match="is not a registered dataclass"):
+        TreeSpec.from_json(text)
+
+
+@dataclasses.dataclass
+class Unregistered:
+    """A dataclass that tests name in JSON without ever registering it."""
+
+
+# -- equality, hashing, repr, pickling -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_specs_of_fresh_trees_are_equal_with_equal_hashes(name: str) -> None:
+    first, second = describe(TREES[name]()), describe(TREES[name]())
+    assert first == second
+    assert hash(first) == hash(second)
+
+
+def test_specs_of_different_table_trees_differ() -> None:
+    specs = {name: describe(build()) for name, build in TREES.items()}
+    for (a, first), (b, second) in itertools.combinations(specs.items(), 2):
+        assert first != second, f"{a} and {b}"
+
+
+def test_specs_of_dicts_in_another_key_order_differ() -> None:
+    # The key order is kept so unflatten can restore it, so it is part of the spec.
+    assert describe({"a": None, "b": 1}) != describe({"b": 1, "a": None})
+
+
+def test_spec_is_never_equal_to_another_type() -> None:
+    spec = describe(None)
+    assert spec != None  # noqa: E711 - __eq__ itself is under test
+    assert spec != "TreeSpec(None)"
+
+
+def test_equal_specs_are_one_dict_key() -> None:
+    cache = {describe(TREES["vit_layer"]()): "graph"}
+    assert cache[describe(TREES["vit_layer"]())] == "graph"
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("vit_layer", "TreeSpec((float32[2, 16, 64](grad), None))"),
+        (
+            "encoder_dict",
+            "TreeSpec({'hidden': float32[2, 16, 64](grad), 'pooled': float32[2, 64](grad), "
+            "'aux_loss': None})",
+        ),
+        ("none", "TreeSpec(None)"),
+        ("array", "TreeSpec(float32[3, 4](grad))"),
+        ("scalar_array", "TreeSpec(float32[](grad))"),
+        ("constant", "TreeSpec(16)"),
+        ("empty_containers", "TreeSpec(((), [], {}, OrderedDict({})))"),
+        ("one_tuple", "TreeSpec((float32[2](grad),))"),
+        (
+            "nested_namedtuple",
+            "TreeSpec(LayerOutput(hidden=float32[2, 4, 8](grad), "
+            "attention=Attention(weights=float32[2, 4, 4](grad), bias=None), "
+            "cache=(float32[2, 4, 8](grad), float32[2, 4, 8](grad))))",
+        ),
+        (
+            "ordered_dict",
+            "TreeSpec(OrderedDict({'zeta': float32[3](grad), 'alpha': None, 'mid': 3}))",
+        ),
+        (
+            "dataclass",
+            "TreeSpec(EncoderOutput(hidden=float32[2, 8](grad), pooled=float32[2](grad), "
+            "aux_loss=None))",
+        ),
+        ("int_keyed_dict", "TreeSpec({3: float32[2](grad), 1: None, 2: 5})"),
+        (
+            "constants",
+            "TreeSpec((0, -7, 1180591620717411303424, 1.5, 1e-310, 0.0, -0.0, nan, inf, -inf, "
+            "True, False))",
+        ),
+    ],
+)
+def test_repr_shows_the_tree_with_leaves_described(name: str, shown: str) -> None:
+    assert repr(describe(TREES[name]())) == shown
+
+
+def test_repr_marks_only_arrays_that_carry_a_gradient() -> None:
+    spec = describe((array(2), array(2, dtype="int64")))
+    assert repr(spec) == "TreeSpec((float32[2](grad), int64[2]))"
+
+
+def test_leaf_spec_prints_as_in_the_tree_repr() -> None:
+    spec = describe((array(2, 3), None, "vit", 0.5))
+    assert [str(leaf) for leaf in spec.leaves] == ["float32[2, 3]", "None", "'vit'", "0.5"]
+
+
+def test_leaf_spec_fields() -> None:
+    spec = describe((array(2, 3, dtype="int64"), "vit"))
+    assert spec.leaves == (
+        LeafSpec("array", "[0]", shape=(2, 3), dtype="int64", grad=False),
+        LeafSpec("const", "[1]", value="vit"),
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pickle_round_trip_gives_an_equal_working_spec(name: str) -> None:
+    tree = TREES[name]()
+    spec = describe(tree)
+    loaded = pickle.loads(pickle.dumps(spec))
+    assert loaded == spec
+    assert_same_tree(loaded.unflatten(loaded.flatten(tree, check=True)), tree)
+
+
+def test_deepcopy_gives_an_equal_spec() -> None:
+    spec = describe(TREES["nested_namedtuple"]())
+    assert copy.deepcopy(spec) == spec
+
+
+def test_describe_is_exported_with_the_spec_types() -> None:
+    assert dualgraph.describe is describe
+    assert dualgraph.TreeSpec is TreeSpec

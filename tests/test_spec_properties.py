@@ -1,0 +1,167 @@
+"""Properties of TreeSpec over random trees: round trips, JSON, and check against mutations."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trees import TREES, EncoderOutput, assert_same_tree, leaves_of, ml_dtypes, replace_leaves
+
+from dualgraph import SpecMismatchError, TreeSpec, describe
+
+REPO = Path(__file__).resolve().parents[1]
+
+DTYPES = ["float32", "float16", "float64", "complex64", "int64", "int32", "bool"]
+if ml_dtypes is not None:
+    DTYPES.append("bfloat16")
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+@st.composite
+def arrays(draw: st.DrawFn) -> np.ndarray:
+    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**16))
+    values = np.asarray(np.random.default_rng(seed).standard_normal(shape))
+    return values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+
+constants = st.one_of(st.booleans(), st.integers(-(2**80), 2**80), st.floats(), st.text(max_size=6))
+keys = st.one_of(st.text(max_size=4), st.integers(-3, 3))
+
+
+def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=4).map(tuple),
+        st.lists(children, max_size=4),
+        st.dictionaries(keys, children, max_size=4),
+        st.dictionaries(st.text(max_size=4), children, max_size=3).map(collections.OrderedDict),
+        st.builds(Pair, children, children),
+        st.builds(EncoderOutput, children, children, children),
+    )
+
+
+trees = st.recursive(st.one_of(st.none(), constants, arrays()), containers, max_leaves=12)
+
+properties = settings(max_examples=100, deadline=None)
+
+
+def with_fresh_values(tree: Any) -> Any:
+    """The same structure with new array values and new (equal) float constant objects."""
+
+    def fresh(_: int, leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray):
+            return np.ones_like(leaf)
+        if type(leaf) is float:
+            return float(repr(leaf))
+        return leaf
+
+    return replace_leaves(tree, fresh)
+
+
+def replace_leaf(tree: Any, index: int, replacement: Any) -> Any:
+    return replace_leaves(tree, lambda i, leaf: replacement if i == index else leaf)
+
+
+def other_dtype(name: str) -> str:
+    return next(d for d in DTYPES if d != name and d != "bfloat16")
+
+
+def mutations(leaf: Any) -> list[Any]:
+    """Replacements for ``leaf`` that a spec of the original tree must reject."""
+    if leaf is None:
+        return [np.zeros(1, "float32"), 0, ""]
+    if isinstance(leaf, np.ndarray):
+        return [
+            np.zeros((*leaf.shape, 1), leaf.dtype),
+            np.zeros(leaf.shape, other_dtype(leaf.dtype.name)),
+            None,
+            0,
+        ]
+    if type(leaf) is bool:
+        changed: list[Any] = [not leaf, int(leaf)]
+    elif type(leaf) is int:
+        changed = [leaf + 1, float(leaf), leaf > 0]
+    elif type(leaf) is float:
+        changed = [1.5 if leaf == 0.5 else 0.5, repr(leaf)]
+    else:
+        changed = [leaf + "!"]
+    return [*changed, None, np.zeros(1, "float32")]
+
+
+@properties
+@given(trees)
+def test_unflatten_of_flatten_rebuilds_any_tree(tree: Any) -> None:
+    spec = describe(tree)
+    assert_same_tree(spec.unflatten(spec.flatten(tree, check=True)), tree)
+
+
+@properties
+@given(trees)
+def test_json_round_trip_gives_an_equal_spec_and_identical_json(tree: Any) -> None:
+    spec = describe(tree)
+    loaded = TreeSpec.from_json(spec.to_json())
+    assert loaded == spec
+    assert loaded.to_json() == spec.to_json()
+
+
+@properties
+@given(trees)
+def test_paths_align_with_the_leaves_of_any_tree(tree: Any) -> None:
+    spec = describe(tree)
+    assert len(spec.paths) == len(leaves_of(tree)) == len(set(spec.paths))
+
+
+@properties
+@given(trees)
+def test_check_accepts_the_same_structure_with_fresh_values(tree: Any) -> None:
+    describe(tree).check(with_fresh_values(tree))
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees)
+def test_check_rejects_every_single_leaf_mutation_naming_its_path(tree: Any) -> None:
+    spec = describe(tree)
+    for index, leaf in enumerate(leaves_of(tree)):
+        for replacement in mutations(leaf):
+            mutated = replace_leaf(tree, index, replacement)
+            with pytest.raises(SpecMismatchError) as caught:
+                spec.check(mutated)
+            assert caught.value.path == spec.paths[index], f"{leaf!r} -> {replacement!r}"
+
+
+@pytest.mark.parametrize("hash_seed", ["0", "12345"])
+def test_json_is_identical_in_a_fresh_process(hash_seed: str) -> None:
+    script = textwrap.dedent(
+        """
+        import json
+        import dualgraph
+        from trees import TREES
+
+        specs = {name: dualgraph.describe(build()) for name, build in TREES.items()}
+        print(json.dumps({name: spec.to_json() for name, spec in specs.items()}))
+        """
+    )
+    env = {
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "PYTHONHASHSEED": hash_seed,
+        "PATH": "/usr/bin:/bin",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    here = {name: describe(build()).to_json() for name, build in TREES.items()}
+    assert json.loads(result.stdout) == here
