@@ -11,6 +11,8 @@ CUDA events):
   ``(hidden, None)`` output, so this variant graphs a wrapper that returns ``hidden`` alone
   (what users must write today).
 - ``dualgraph``: ``dualgraph.torch.make_graphed_callables`` per block, ``(hidden, None)`` as is.
+- ``dg-in-graph``: the same with ``param_grads="in_graph"`` (parameter grads accumulated inside
+  the backward graph instead of through autograd).
 - ``whole-graph``: one raw CUDA graph of the entire step (forward, backward, grad accumulation);
   the floor that per-block graphing can approach.
 
@@ -94,6 +96,20 @@ def build_variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
         run_stack(dg_graphed, x, tuple_out=True).float().sum().backward()
 
     variants["dualgraph"] = step_dualgraph
+
+    fast_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
+    samples = tuple(
+        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in fast_blocks
+    )
+    fast_graphed = dgt.make_graphed_callables(
+        tuple(fast_blocks), samples, backend="cuda", param_grads="in_graph"
+    )
+
+    def step_in_graph() -> None:
+        x = inputs.detach().requires_grad_()
+        run_stack(fast_graphed, x, tuple_out=True).float().sum().backward()
+
+    variants["dg-in-graph"] = step_in_graph
 
     whole_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
     static_x = inputs.detach().clone().requires_grad_()

@@ -83,6 +83,24 @@ def capture_cuda(
 ) -> None:
     """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
     device = _device_of(graphs)
+    caller_stream = torch.cuda.current_stream(device)
+    try:
+        _capture_cuda(graphs, device, num_warmup_iters, allow_unused_input, pool, progress)
+    finally:
+        # When a capture is invalidated (a CPU sync inside it), ``torch.cuda.graph.__exit__``
+        # raises from ``capture_end`` before it leaves its stream context, which would leave
+        # torch's capture stream current for all later work; give the caller its stream back.
+        torch.cuda.set_stream(caller_stream)
+
+
+def _capture_cuda(
+    graphs: Sequence[GraphedCallable],
+    device: torch.device,
+    num_warmup_iters: int,
+    allow_unused_input: bool,
+    pool: Any,
+    progress: Progress,
+) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
     reserved_before = torch.cuda.memory_reserved(device)
@@ -127,6 +145,7 @@ def capture_cuda(
                     only_inputs=True,
                     allow_unused=allow_unused_input,
                 )
+                accumulate_param_grads(graphed, grads)
             _spread_grads(graphed, grads)
             graphed.replay_backward = backward_graph.replay
             graphed.backward_graph = backward_graph  # type: ignore[attr-defined]
@@ -156,15 +175,21 @@ def describe_failure(error: BaseException, progress: Progress, backend: str) -> 
     root = error
     while root.__context__ is not None and root.__cause__ is None and root is not root.__context__:
         root = root.__context__
-    cause = f"{type(root).__name__}: {root}"
+    cause = f"{type(root).__name__}: {_first_line(root)}"
     if root is not error:
-        cause += f" (then {type(error).__name__}: {error})"
+        cause += f" (then {type(error).__name__}: {_first_line(error)})"
     hint = ""
     if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
         hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
     return CaptureError(
         f"capturing {progress.name} ({backend}) failed during {progress.phase}: {cause}{hint}"
     )
+
+
+def _first_line(error: BaseException) -> str:
+    # CUDA errors append several lines of generic advice; the first line is the cause.
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 # -- shared steps ---------------------------------------------------------------------------------
@@ -176,6 +201,17 @@ def _run(graphed: GraphedCallable) -> Any:
 
 def _diff_inputs(graphed: GraphedCallable) -> list[torch.Tensor]:
     return [t for t in graphed.static_inputs if t.requires_grad] + list(graphed.params)
+
+
+def prepare_params(graphed: GraphedCallable, params: Sequence[torch.Tensor], mode: str) -> None:
+    """Which parameters get grads, and how they reach ``.grad`` (see ``GraphedCallable``)."""
+    graphed.params = tuple(params)
+    graphed.param_grads = mode
+    if mode == "autograd" or not params:
+        graphed.edge_params = graphed.params
+        return
+    graphed.param_grad_buffers = [torch.zeros_like(p) for p in params]
+    graphed.edge_params = (torch.empty(0, device=params[0].device, requires_grad=True),)
 
 
 def _forward_backward(
@@ -226,7 +262,19 @@ def _spread_grads(graphed: GraphedCallable, grads: Sequence[torch.Tensor | None]
     spread: list[torch.Tensor | None] = [None] * (len(graphed.static_inputs) + len(graphed.params))
     for slot, grad in zip(slots, grads, strict=True):
         spread[slot] = grad
+    if graphed.param_grad_buffers:  # parameter grads stay inside the graph
+        spread = spread[: len(graphed.static_inputs)] + [None] * len(graphed.edge_params)
     graphed.static_grad_inputs = tuple(spread)
+
+
+def accumulate_param_grads(graphed: GraphedCallable, grads: Sequence[torch.Tensor | None]) -> None:
+    """Add the parameter part of ``grads`` into the static parameter grad buffers."""
+    if not graphed.param_grad_buffers:
+        return
+    param_grads = grads[len(grads) - len(graphed.params) :]
+    pairs = [(b, g) for b, g in zip(graphed.param_grad_buffers, param_grads) if g is not None]
+    if pairs:
+        torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
 
 
 def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool) -> None:
@@ -253,6 +301,7 @@ def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool)
             retain_graph=True,  # a CUDA graph's backward can be replayed again too
             allow_unused=allow_unused_input,
         )
+        accumulate_param_grads(graphed, grads)
         grad_of_slot = dict(zip(_all_diff_slots(graphed), grads, strict=True))
         for slot in grad_slots:
             static = graphed.static_grad_inputs[slot]
@@ -275,6 +324,7 @@ def _all_diff_slots(graphed: GraphedCallable) -> list[int]:
 def _finish(graphed: GraphedCallable, seconds: float) -> None:
     graphed.diagnostics.static_output_bytes = _bytes(graphed.static_outputs)
     grad_buffers = [g for g in graphed.static_grad_inputs if g is not None]
+    grad_buffers += graphed.param_grad_buffers
     graphed.diagnostics.static_grad_bytes = _bytes(graphed.static_grad_outputs + grad_buffers)
     graphed.diagnostics.capture_seconds = seconds
     graphed.finish()

@@ -17,6 +17,7 @@ from ._capture import (
     capture_cuda,
     capture_emulated,
     describe_failure,
+    prepare_params,
     prepare_static_inputs,
     repair_cuda_rng,
 )
@@ -26,6 +27,7 @@ from ._replay import CaptureDiagnostics, GraphedCallable, autocast_state
 __all__ = ["EagerCallable", "diagnostics", "make_graphed_callables", "owned", "restore"]
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
+ParamGrads = Literal["autograd", "in_graph"]
 _BACKENDS = ("auto", "cuda", "emulate", "eager")
 
 
@@ -39,6 +41,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
+    param_grads: ParamGrads = "autograd",
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -58,6 +61,12 @@ def make_graphed_callables(
     pass ``clone_outputs=True`` (or use :func:`owned`) to get tensors you own. Each replay's
     backward must run before the next forward replay of the same callable.
 
+    ``param_grads``: ``"autograd"`` (default) returns parameter grads through autograd, so
+    ``.grad`` hooks and ``DistributedDataParallel`` see them. ``"in_graph"`` adds them into
+    static ``.grad`` buffers inside the backward graph: much less host work per replay, the
+    same ``.grad`` values (accumulation and ``zero_grad`` included), but no autograd hooks fire
+    for parameters, so it is not for DDP or anything else that hooks parameter grads.
+
     Backends: ``"cuda"`` real graphs; ``"emulate"`` the same static-buffer semantics without a
     graph (re-runs the callable on the static buffers; finds aliasing bugs on a CPU); ``"eager"``
     a plain call with input validation; ``"auto"``: cuda when a sample tensor is on a CUDA
@@ -70,6 +79,8 @@ def make_graphed_callables(
     """
     if backend not in _BACKENDS:
         raise DualgraphError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if param_grads not in ("autograd", "in_graph"):
+        raise DualgraphError(f"param_grads must be 'autograd' or 'in_graph', got {param_grads!r}")
     single = not isinstance(callables, tuple)
     if single:
         callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
@@ -95,8 +106,12 @@ def make_graphed_callables(
         n_args = graphed.guard.num_args_tensors
         graphed.static_args = graphed.guard.args_spec.unflatten(graphed.static_inputs[:n_args])  # type: ignore[attr-defined]
         graphed.static_kwargs = graphed.guard.kwargs_spec.unflatten(graphed.static_inputs[n_args:])  # type: ignore[attr-defined]
-        if isinstance(fn, torch.nn.Module):
-            graphed.params = tuple(p for p in fn.parameters() if p.requires_grad)
+        params = (
+            [p for p in fn.parameters() if p.requires_grad]
+            if isinstance(fn, torch.nn.Module)
+            else []
+        )
+        prepare_params(graphed, params, param_grads)
         graphed.clone_outputs = clone_outputs
         graphed.autocast_state = autocast_state()
         graphs.append(graphed)

@@ -54,7 +54,13 @@ class GraphedCallable:
         self.guard = guard
         self.backend = backend
         self.static_inputs: list[torch.Tensor] = []
+        # Parameters whose grads the backward computes, and the tensors passed to the replay
+        # Function after the inputs: the parameters themselves ("autograd" param grads), or one
+        # empty anchor that keeps the replay in the autograd graph ("in_graph" param grads).
         self.params: tuple[torch.Tensor, ...] = ()
+        self.edge_params: tuple[torch.Tensor, ...] = ()
+        self.param_grads = "autograd"
+        self.param_grad_buffers: list[torch.Tensor] = []
         self.out_spec: TreeSpec | None = None
         self.static_outputs: list[torch.Tensor] = []
         self.diff_outputs: tuple[int, ...] = ()
@@ -68,14 +74,15 @@ class GraphedCallable:
         self.generation = 0
         self.diagnostics = CaptureDiagnostics(name=name, backend=backend)
         self._has_backward = False
-        self._copy_pairs: tuple[int, ...] = ()
+        self._param_buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def finish(self) -> None:
         """Precompute what the hot path reads, once the capture filled in the buffers."""
-        self._has_backward = bool(self.diff_outputs) and any(
-            g is not None for g in self.static_grad_inputs
+        self._has_backward = bool(self.diff_outputs) and (
+            any(g is not None for g in self.static_grad_inputs) or bool(self.param_grad_buffers)
         )
         self.diagnostics.has_backward_graph = self._has_backward
+        self._param_buffers = tuple(zip(self.params, self.param_grad_buffers))
 
     @property
     def spec(self) -> TreeSpec:
@@ -92,7 +99,7 @@ class GraphedCallable:
             )
         self.diagnostics.replays += 1
         if self._has_backward and torch.is_grad_enabled():
-            outputs = _Replay.apply(self, *tensors, *self.params)
+            outputs = _Replay.apply(self, *tensors, *self.edge_params)
         else:
             outputs = self.forward_without_grad(tensors)
         return self.out_spec.unflatten(outputs)  # type: ignore[union-attr]
@@ -103,6 +110,30 @@ class GraphedCallable:
         for static, tensor in zip(self.static_inputs, tensors):
             if static.data_ptr() != tensor.data_ptr():
                 static.copy_(tensor)
+
+    def backward_into_param_grads(self) -> None:
+        """Replay the backward graph, which adds the parameter grads into static buffers.
+
+        Keeps the ``.grad`` contract: a ``.grad`` set to ``None`` (``zero_grad``) starts from
+        zero, one the user replaced is carried over, and afterwards each ``.grad`` is its buffer.
+        """
+        pending = None
+        for param, buffer in self._param_buffers:
+            if param.grad is not buffer:
+                if pending is None:
+                    pending = []
+                pending.append((param, buffer, param.grad))
+        if pending:
+            zeroed = [buffer for _, buffer, grad in pending if grad is None]
+            if zeroed:
+                torch._foreach_zero_(zeroed)
+            for _, buffer, grad in pending:
+                if grad is not None:
+                    buffer.copy_(grad)
+        self.replay_backward()
+        if pending:
+            for param, buffer, _ in pending:
+                param.grad = buffer
 
     def forward_without_grad(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         self.copy_inputs(tensors)
@@ -150,7 +181,10 @@ class _Replay(torch.autograd.Function):
                 static.zero_()
             elif static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
-        graphed.replay_backward()
+        if graphed.param_grad_buffers:
+            graphed.backward_into_param_grads()
+        else:
+            graphed.replay_backward()
         # The static grad tensors themselves (not detached aliases) go back to autograd: being
         # referenced here, they are never stolen into a ``.grad``, so gradient accumulation over
         # several replays stays correct (the bug of pytorch issue 181723).
