@@ -263,7 +263,13 @@ def _spread_grads(graphed: GraphedCallable, grads: Sequence[torch.Tensor | None]
     for slot, grad in zip(slots, grads, strict=True):
         spread[slot] = grad
     if graphed.param_grad_buffers:  # parameter grads stay inside the graph
-        spread = spread[: len(graphed.static_inputs)] + [None] * len(graphed.edge_params)
+        spread, param_grads = (
+            spread[: len(graphed.static_inputs)],
+            spread[len(graphed.static_inputs) :],
+        )
+        spread += [None] * len(graphed.edge_params)
+        # As with autograd, a parameter the callable does not use keeps its ``.grad`` None.
+        graphed.params_with_grad = tuple(grad is not None for grad in param_grads)
     graphed.static_grad_inputs = tuple(spread)
 
 

@@ -61,6 +61,7 @@ class GraphedCallable:
         self.edge_params: tuple[torch.Tensor, ...] = ()
         self.param_grads = "autograd"
         self.param_grad_buffers: list[torch.Tensor] = []
+        self.params_with_grad: tuple[bool, ...] = ()
         self.out_spec: TreeSpec | None = None
         self.static_outputs: list[torch.Tensor] = []
         self.diff_outputs: tuple[int, ...] = ()
@@ -72,6 +73,7 @@ class GraphedCallable:
         self.clone_outputs = False
         self.autocast_state: tuple[Any, ...] = ()
         self.generation = 0
+        self.backward_generation = -1
         self.diagnostics = CaptureDiagnostics(name=name, backend=backend)
         self._has_backward = False
         self._param_buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
@@ -82,7 +84,13 @@ class GraphedCallable:
             any(g is not None for g in self.static_grad_inputs) or bool(self.param_grad_buffers)
         )
         self.diagnostics.has_backward_graph = self._has_backward
-        self._param_buffers = tuple(zip(self.params, self.param_grad_buffers))
+        self._param_buffers = tuple(
+            (param, buffer)
+            for param, buffer, used in zip(
+                self.params, self.param_grad_buffers, self.params_with_grad
+            )
+            if used
+        )
 
     @property
     def spec(self) -> TreeSpec:
@@ -136,7 +144,10 @@ class GraphedCallable:
                 param.grad = buffer
 
     def forward_without_grad(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        self.copy_inputs(tensors)
+        # Also reached with grad enabled when nothing is differentiable; the static inputs may
+        # still be leaves that require grad, which autograd refuses to copy into.
+        with torch.no_grad():
+            self.copy_inputs(tensors)
         self.generation += 1  # a pending backward would now read overwritten activations
         self.replay_forward(False)
         if self.clone_outputs:
@@ -175,6 +186,13 @@ class _Replay(torch.autograd.Function):
                 "overwrote the activations it needs; run each replay's backward before the "
                 "next forward of the same callable"
             )
+        if graphed.backward_generation == ctx.generation:
+            raise DualgraphError(
+                f"{graphed.name}: a second backward through the same replay; the backward graph "
+                "may reuse the memory of activations it has consumed, so each replay supports "
+                "one backward (retain_graph=True cannot keep a graph's activations)"
+            )
+        graphed.backward_generation = ctx.generation
         for static, index in zip(graphed.static_grad_outputs, graphed.diff_outputs):
             grad = grads[index]
             if grad is None:

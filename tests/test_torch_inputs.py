@@ -1,0 +1,222 @@
+"""``InputGuard``: every call's arguments are checked against the samples before any copy.
+
+The guard returns the input tensors in capture order (positional args, then kwargs by sorted
+key) and otherwise raises :class:`dualgraph.SpecMismatchError` naming the first bad leaf's path.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError
+from dualgraph.torch import InputGuard
+
+
+class Batch(NamedTuple):
+    pixels: Any
+    labels: Any
+
+
+def _samples() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``f(x, {"mask", "bias"}, Batch(pixels, labels), 3, *, scale=2.0, mask=m, note=None)``."""
+    args = (
+        torch.randn(2, 8, requires_grad=True),
+        {"mask": torch.rand(2, 8), "bias": torch.randn(8, requires_grad=True)},
+        Batch(pixels=torch.randn(2, 3, 4, 4), labels=torch.arange(2)),
+        3,
+    )
+    kwargs = {"scale": 2.0, "mask": torch.rand(2, 8, requires_grad=True), "note": None}
+    return args, kwargs
+
+
+def _guard() -> InputGuard:
+    return InputGuard(*_samples())
+
+
+def _message(guard: InputGuard, args: Any, kwargs: Any) -> str:
+    with pytest.raises(SpecMismatchError) as info:
+        guard.tensors(args, kwargs)
+    assert info.value.path == str(info.value).partition(":")[0]
+    return str(info.value)
+
+
+def test_paths_name_every_input_tensor_args_first_then_kwargs_by_key() -> None:
+    assert _guard().paths == (
+        "args[0]",
+        "args[1]['bias']",
+        "args[1]['mask']",
+        "args[2].pixels",
+        "args[2].labels",
+        "kwargs['mask']",
+    )
+
+
+def test_tensors_come_back_in_the_order_of_the_paths() -> None:
+    args, kwargs = _samples()
+    tensors = _guard().tensors(args, kwargs)
+    expected = [args[0], args[1]["bias"], args[1]["mask"], *args[2], kwargs["mask"]]
+    assert len(tensors) == len(expected)
+    assert all(t is e for t, e in zip(tensors, expected))
+
+
+def test_requires_grad_and_the_number_of_args_tensors_are_recorded() -> None:
+    guard = _guard()
+    assert guard.requires_grad == (True, True, False, False, False, True)
+    assert guard.num_args_tensors == 5
+
+
+def test_kwargs_order_and_mapping_type_do_not_matter() -> None:
+    guard = _guard()
+    args, kwargs = _samples()
+    reordered = dict(reversed(list(kwargs.items())))
+    assert guard.tensors(args, reordered)[-1] is kwargs["mask"]
+    assert guard.tensors(args, types.MappingProxyType(kwargs))[-1] is kwargs["mask"]
+
+
+def test_a_guard_without_kwargs_accepts_an_empty_call_and_refuses_any_kwarg() -> None:
+    x = torch.randn(3)
+    guard = InputGuard((x,), None)
+    assert guard.tensors((x,), {}) == [x]
+    assert _message(guard, (x,), {"extra": x}) == "kwargs['extra']: unexpected entry float32[3]"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda a, k: ((torch.randn(3, 8, requires_grad=True), *a[1:]), k),
+            "args[0]: expected float32[2, 8] on cpu, got float32[3, 8] on cpu",
+        ),
+        (
+            lambda a, k: ((a[0].detach().half(), *a[1:]), k),
+            "args[0]: expected float32[2, 8] on cpu, got float16[2, 8] on cpu",
+        ),
+        (
+            lambda a, k: ((a[0], {**a[1], "mask": torch.rand(8, 2)}, *a[2:]), k),
+            "args[1]['mask']: expected float32[2, 8] on cpu, got float32[8, 2] on cpu",
+        ),
+        (
+            lambda a, k: ((*a[:2], a[2]._replace(labels=torch.arange(2.0)), a[3]), k),
+            "args[2].labels: expected int64[2] on cpu, got float32[2] on cpu",
+        ),
+        (
+            lambda a, k: ((*a[:2], tuple(a[2]), a[3]), k),
+            f"args[2]: expected a {Batch.__module__}.Batch, got a tuple of length 2",
+        ),
+        (
+            lambda a, k: ((*a[:3], 4), k),
+            "args[3]: expected int 3, got int 4",
+        ),
+        (
+            lambda a, k: ((*a[:3], 3.0), k),
+            "args[3]: expected int 3, got float 3.0",
+        ),
+        (
+            lambda a, k: ((a[0].detach().numpy(), *a[1:]), k),
+            "args[0]: expected float32[2, 8] on cpu, got an object of type numpy.ndarray",
+        ),
+        (
+            lambda a, k: ((7, *a[1:]), k),
+            "args[0]: expected float32[2, 8] on cpu, got an object of type builtins.int",
+        ),
+        (
+            lambda a, k: ((None, *a[1:]), k),
+            "args[0]: expected float32[2, 8], got None",
+        ),
+        (
+            lambda a, k: (a[:3], k),
+            "args: expected a tuple of length 4, got a tuple of length 3",
+        ),
+        (
+            lambda a, k: (a, {**k, "note": "hi"}),
+            "kwargs['note']: expected None, got str 'hi'",
+        ),
+        (
+            lambda a, k: (a, {**k, "mask": None}),
+            "kwargs['mask']: expected float32[2, 8], got None",
+        ),
+        (
+            lambda a, k: (a, {key: v for key, v in k.items() if key != "scale"}),
+            "kwargs['scale']: missing (expected float 2.0)",
+        ),
+        (
+            lambda a, k: (a, {**k, "scale": 2}),
+            "kwargs['scale']: expected float 2.0, got int 2",
+        ),
+        (
+            lambda a, k: (a, {**k, "extra": 1}),
+            "kwargs['extra']: unexpected entry int 1",
+        ),
+    ],
+    ids=[
+        "shape",
+        "dtype",
+        "nested_shape",
+        "namedtuple_field_dtype",
+        "tuple_for_a_namedtuple",
+        "changed_constant",
+        "float_for_an_int",
+        "numpy_for_a_tensor",
+        "int_for_a_tensor",
+        "none_for_a_tensor",
+        "missing_arg",
+        "value_for_a_none",
+        "none_for_a_tensor_kwarg",
+        "missing_kwarg",
+        "int_for_a_float_kwarg",
+        "unexpected_kwarg",
+    ],
+)
+def test_a_mismatch_names_its_path(change: Any, message: str) -> None:
+    assert _message(_guard(), *change(*_samples())) == message
+
+
+def test_a_tensor_that_requires_grad_where_the_sample_did_not_is_refused_under_grad() -> None:
+    guard = _guard()
+    args, kwargs = _samples()
+    args = (args[0], {**args[1], "mask": torch.rand(2, 8, requires_grad=True)}, *args[2:])
+    assert _message(guard, args, kwargs) == (
+        "args[1]['mask']: requires grad, but was captured without requires_grad, so no gradient "
+        "would reach it; pass a sample that requires grad when capturing"
+    )
+    with torch.no_grad():
+        assert len(guard.tensors(args, kwargs)) == 6  # no grad would flow anyway
+
+
+def test_a_tensor_without_grad_where_the_sample_required_it_is_accepted() -> None:
+    args, kwargs = _samples()
+    args = (args[0].detach(), *args[1:])
+    assert len(_guard().tensors(args, kwargs)) == 6
+
+
+def test_the_error_is_a_value_error_and_a_dualgraph_error() -> None:
+    args, kwargs = _samples()
+    with pytest.raises(ValueError, match=r"^args\[3\]"):
+        _guard().tensors((*args[:3], 5), kwargs)
+    assert issubclass(SpecMismatchError, DualgraphError)
+
+
+def test_array_samples_must_be_torch_tensors() -> None:
+    with pytest.raises(DualgraphError) as info:
+        InputGuard((torch.zeros(2), {"w": np.zeros(2, np.float32)}), None)
+    assert str(info.value) == (
+        "args[1]['w']: array leaves of a torch callable's inputs must be torch tensors, "
+        "got numpy.ndarray"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "path"),
+    [((torch.zeros(2), object()), None, "args[1]"), ((), {"cache": {1, 2}}, "kwargs['cache']")],
+    ids=["arg", "kwarg"],
+)
+def test_an_unsupported_sample_leaf_is_named_by_its_path(args: Any, kwargs: Any, path: str) -> None:
+    with pytest.raises(UnsupportedLeafError) as info:
+        InputGuard(args, kwargs)
+    assert info.value.path == path
+    assert str(info.value).startswith(f"{path}: unsupported leaf of type builtins.")
