@@ -899,7 +899,8 @@ def test_cpu_sync_in_capture_fails_cleanly_and_cuda_keeps_working() -> None:
     torch.cuda.synchronize()
 
     module.sync = False
-    dgt.make_graphed_callables(module, (torch.ones(16, 32, device="cuda"),), backend=CUDA)
+    sample = torch.ones(16, 32, device="cuda", requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=CUDA)
     masks = []
     for _ in range(2):
         x = torch.ones(16, 32, device="cuda", requires_grad=True)

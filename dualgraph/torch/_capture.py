@@ -103,7 +103,6 @@ def _capture_cuda(
 ) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
-    reserved_before = torch.cuda.memory_reserved(device)
     if pool is None:
         pool = torch.cuda.graph_pool_handle()
     side_stream = torch.cuda.Stream(device)
@@ -115,6 +114,7 @@ def _capture_cuda(
                 _forward_backward(graphed, allow_unused_input, record=False)
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
+    allocated_before = torch.cuda.memory_allocated(device)
 
     live_outputs: dict[int, list[torch.Tensor]] = {}
     for graphed in graphs:
@@ -152,7 +152,9 @@ def _capture_cuda(
         del flat, differentiable
     torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+    pool_bytes = _pool_bytes(pool, device) or max(
+        0, torch.cuda.memory_allocated(device) - allocated_before
+    )
     for graphed in graphs:
         graphed.diagnostics.pool_bytes = pool_bytes
         _finish(graphed, elapsed)
@@ -341,6 +343,21 @@ def _replayer(graph: torch.cuda.CUDAGraph) -> Any:
         graph.replay()
 
     return replay
+
+
+def _pool_bytes(pool: Any, device: torch.device) -> int:
+    """Bytes of the segments the CUDA caching allocator holds for ``pool`` (0 if unknown)."""
+    try:
+        wanted = tuple(pool)
+        segments = torch.cuda.memory_snapshot()
+    except (TypeError, RuntimeError):
+        return 0
+    return sum(
+        int(segment.get("total_size", 0))
+        for segment in segments
+        if tuple(segment.get("segment_pool_id", ())) == wanted
+        and segment.get("device", device.index) == device.index
+    )
 
 
 def _device_of(graphs: Sequence[GraphedCallable]) -> torch.device:

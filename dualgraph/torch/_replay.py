@@ -26,8 +26,9 @@ __all__ = ["CaptureDiagnostics", "GraphedCallable", "autocast_state"]
 class CaptureDiagnostics:
     """Sizes and times of one captured callable.
 
-    ``pool_bytes`` is the growth of reserved CUDA memory over the capture of all callables that
-    share the pool (the same number on each of them); 0 off the GPU.
+    ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
+    (the same number on each of them): the allocator's segments of that pool, else the memory
+    the capture left allocated; 0 off the GPU.
     """
 
     name: str
