@@ -38,6 +38,14 @@ def signature_of(leaf: Any) -> tuple[tuple[int, ...], str] | None:
     return None if array_type is None else array_type.signature(leaf)
 
 
+def _numpy_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype of a neutral dtype name, where numpy (or ml_dtypes) knows it."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
 def _same_float(found: Any, expected: float) -> bool:
     if type(found) is not float:
         return False
@@ -101,6 +109,7 @@ class _Writer:
             "_signature": signature_of,
             "_same_float": _same_float,
             "_OrderedDict": collections.OrderedDict,
+            "_ndarray": np.ndarray,
         }
         self._positions = array_positions
         self._arrays: list[tuple[int, str]] = []
@@ -142,8 +151,15 @@ class _Writer:
             self._arrays.append((position, var))
             if not full:  # shapes and dtypes are check's job, but None is part of the structure
                 return [f"if {var} is None: {fail}"]
-            expected = self.bind((tuple(node["shape"]), node["dtype"]), "e")
-            return [f"if _signature({var}) != {expected}: {fail}"]
+            shape = tuple(node["shape"])
+            expected = self.bind((shape, node["dtype"]), "e")
+            numpy_dtype = _numpy_dtype(node["dtype"])
+            if numpy_dtype is None:
+                return [f"if _signature({var}) != {expected}: {fail}"]
+            # numpy arrays are compared natively (no dtype name lookup); the rest by signature
+            native = f"type({var}) is _ndarray and {var}.shape == {self.bind(shape, 's')}"
+            native += f" and {var}.dtype == {self.bind(numpy_dtype, 'd')}"
+            return [f"if not ({native}) and _signature({var}) != {expected}: {fail}"]
         kind = node["node"]
         children = node["children"]
         lines: list[str] = []

@@ -183,6 +183,11 @@ def describe_failure(error: BaseException, progress: Progress, backend: str) -> 
     hint = ""
     if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
         hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
+    if "legacy stream depend on a capturing blocking stream" in cause:
+        hint = (
+            " (is the model already wrapped in DistributedDataParallel? Graph its layers first,"
+            " then wrap it: see docs/ddp.md)"
+        )
     return CaptureError(
         f"capturing {progress.name} ({backend}) failed during {progress.phase}: {cause}{hint}"
     )

@@ -106,6 +106,12 @@ class GraphedCallable:
                 f"{self.name}: called with autocast state {autocast_state()} but captured with "
                 f"{self.autocast_state}; a graph replays the precision it was captured in"
             )
+        if self.param_grad_buffers and _ddp_is_running():
+            raise DualgraphError(
+                f"{self.name}: captured with param_grads='in_graph', whose parameter grads bypass "
+                "the autograd hooks DistributedDataParallel all-reduces through; capture with "
+                "param_grads='autograd' to train under DDP"
+            )
         self.diagnostics.replays += 1
         if self._has_backward and torch.is_grad_enabled():
             outputs = _Replay.apply(self, *tensors, *self.edge_params)
@@ -218,6 +224,12 @@ def autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
     )
+
+
+def _ddp_is_running() -> bool:
+    # DDP marks the module whose forward is running (public hook for TorchDynamo).
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return getattr(ddp, "_active_ddp_module", None) is not None
 
 
 def _not_captured(*_: Any) -> None:

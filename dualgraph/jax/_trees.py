@@ -1,0 +1,41 @@
+"""Specs derived from other specs: shapes for ``jax.jit``'s lowering, cotangent and grad trees."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optree
+
+from .._containers import NAMESPACE
+from .._spec import LeafSpec, TreeSpec, describe
+
+__all__ = ["keep_arrays", "struct_of"]
+
+
+def struct_of(leaf: LeafSpec, sharding: Any = None) -> jax.ShapeDtypeStruct:
+    """The ``ShapeDtypeStruct`` of an array leaf of a spec."""
+    return jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype), sharding=sharding)
+
+
+def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:
+    """``spec`` with ``None`` at its constants and at the array leaves where ``keep`` is False.
+
+    ``keep`` has one bool per array leaf, in flatten order. The result describes the trees of
+    cotangents (kept: the grad mask) and of gradients (kept: the differentiable inputs).
+
+    >>> import numpy as np
+    >>> spec = describe((np.zeros(2, np.float32), np.zeros(2, np.int32), 3))
+    >>> keep_arrays(spec, [True, False])
+    TreeSpec((float32[2](grad), None, None))
+    """
+    stand_ins = [struct_of(leaf) if k else None for leaf, k in zip(spec.arrays, keep)]
+    tree = optree.tree_map(
+        lambda leaf: leaf if isinstance(leaf, jax.ShapeDtypeStruct) else None,
+        spec.unflatten(stand_ins),
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
+    return describe(tree)

@@ -1,0 +1,108 @@
+"""The VJP of a graphed function under its output grad mask: two compiled programs.
+
+The forward program returns the outputs and the residuals of :func:`jax.vjp` (the arrays the
+backward needs), so donated inputs can be consumed by the forward; the backward program maps the
+residuals and the cotangents of the masked outputs to the gradients of the differentiable
+(floating or complex) inputs. Both are compiled once, at the first :meth:`Graphed.vjp`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .._dtypes import is_differentiable_dtype
+from .._spec import LeafSpec, TreeSpec
+from ._donation import jax_donation_warnings
+from ._env import enable_x64, x64_enabled
+from ._trees import keep_arrays, struct_of
+
+__all__ = ["Pullback", "VJPProgram"]
+
+
+class VJPProgram:
+    """The compiled forward-with-residuals and backward of one graphed function."""
+
+    def __init__(
+        self,
+        flat_fn: Callable[..., list[Any]],
+        inputs: Sequence[LeafSpec],
+        args_spec: TreeSpec,
+        kwargs_spec: TreeSpec,
+        out_spec: TreeSpec,
+        donated: Sequence[int],
+    ) -> None:
+        differentiable = [is_differentiable_dtype(leaf.dtype or "") for leaf in inputs]
+        diff_inputs = [i for i, d in enumerate(differentiable) if d]
+        masked_outputs = [j for j, m in enumerate(out_spec.grad_mask) if m]
+        n_args = args_spec.num_arrays
+        self.cotangent_spec = keep_arrays(out_spec, out_spec.grad_mask)
+        self.args_grad_spec = keep_arrays(args_spec, differentiable[:n_args])
+        self.kwargs_grad_spec = keep_arrays(kwargs_spec, differentiable[n_args:])
+        self.num_args_grads = sum(differentiable[:n_args])
+        pullback_tree: list[Any] = []
+
+        def forward(*arrays: Any) -> tuple[list[Any], list[Any]]:
+            def masked(*diff: Any) -> tuple[list[Any], list[Any]]:
+                full = list(arrays)
+                for i, x in zip(diff_inputs, diff):
+                    full[i] = x
+                outputs = flat_fn(*full)
+                return [outputs[j] for j in masked_outputs], outputs
+
+            primals = [arrays[i] for i in diff_inputs]
+            _, pullback, outputs = jax.vjp(masked, *primals, has_aux=True)
+            residuals, tree = jax.tree_util.tree_flatten(pullback)
+            pullback_tree[:] = [tree]
+            return outputs, residuals
+
+        def backward(residuals: list[Any], cotangents: list[Any]) -> list[Any]:
+            pullback = jax.tree_util.tree_unflatten(pullback_tree[0], residuals)
+            return list(pullback(list(cotangents)))
+
+        structs = [struct_of(leaf) for leaf in inputs]
+        with jax_donation_warnings():  # reported once already, by the plain forward's compile
+            lowered = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
+            lowered = lowered.lower(*structs)
+            self.forward = lowered.compile()
+        cotangent_structs = [struct_of(leaf) for leaf in self.cotangent_spec.arrays]
+        residual_structs = lowered.out_info[1]
+        self.backward = jax.jit(backward).lower(residual_structs, cotangent_structs).compile()
+
+
+class Pullback:
+    """The backward of one :meth:`Graphed.vjp` call: cotangents in, input gradients out.
+
+    Call it with a tree shaped like the output whose masked leaves (the output spec's grad mask)
+    are arrays of the output's shape and dtype and whose other leaves are ``None``, constants
+    included; :attr:`cotangent_spec` describes it. It returns ``(args_grads, kwargs_grads)``:
+    trees shaped like the call's args and kwargs with a gradient at every floating or complex
+    array and ``None`` elsewhere. It can be called more than once.
+    """
+
+    __slots__ = ("_program", "_residuals", "_x64")
+
+    def __init__(self, program: VJPProgram, residuals: list[Any], x64: bool) -> None:
+        self._program = program
+        self._residuals = residuals
+        self._x64 = x64
+
+    @property
+    def cotangent_spec(self) -> TreeSpec:
+        """The spec of the cotangent tree: the masked output arrays, ``None`` elsewhere."""
+        return self._program.cotangent_spec
+
+    def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        program = self._program
+        cotangents = program.cotangent_spec.flatten(cotangent, check=True, root="cotangent")
+        if self._x64 and not x64_enabled():
+            with enable_x64():
+                grads = program.backward(self._residuals, cotangents)
+        else:
+            grads = program.backward(self._residuals, cotangents)
+        n = program.num_args_grads
+        args_grads = program.args_grad_spec.unflatten(grads[:n])
+        kwargs_grads = program.kwargs_grad_spec.unflatten(grads[n:])
+        return args_grads, kwargs_grads

@@ -1,0 +1,395 @@
+"""dualgraph.jax.graphed: jax.jit under dualgraph's contract (outputs, checks, donation, VJP)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optree
+import pytest
+import torch
+from trees import TREES, assert_same_tree
+
+import dualgraph
+import dualgraph.jax as dgj
+from dualgraph import DualgraphError, DualgraphWarning, SpecMismatchError, describe
+
+
+def x64() -> Any:
+    """A context with JAX's 64-bit mode on, so that int64 and float64 leaves stay 64-bit."""
+    return jax.enable_x64(True)
+
+
+def identity_of(tree: Any) -> tuple[Any, list[np.ndarray]]:
+    """A function of the array leaves of ``tree`` that returns ``tree`` rebuilt from them."""
+    spec = describe(tree)
+    return (lambda *arrays: spec.unflatten(list(arrays))), spec.flatten(tree)
+
+
+def to_numpy(tree: Any) -> Any:
+    """``tree`` with its JAX arrays as numpy arrays."""
+    return optree.tree_map(
+        lambda leaf: np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf,
+        tree,
+        none_is_leaf=True,
+        namespace="dualgraph",
+    )
+
+
+def to_torch(tree: Any) -> Any:
+    """``tree`` with torch tensors (floating ones requiring grad, as a module's outputs do)."""
+
+    def convert(leaf: Any) -> Any:
+        if not isinstance(leaf, np.ndarray):
+            return leaf
+        tensor = torch.from_dlpack(jnp.asarray(leaf)).clone()
+        return tensor.requires_grad_(dualgraph.is_differentiable_dtype(leaf.dtype.name))
+
+    return optree.tree_map(convert, tree, none_is_leaf=True, namespace="dualgraph")
+
+
+def encoder_layer(x: jax.Array, *, scale: float = 2.0) -> dict[str, Any]:
+    hidden = x * scale
+    return {"hidden": hidden, "pooled": hidden.mean(0), "aux_loss": None, "depth": 2}
+
+
+# -- outputs: None leaves and constants ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_none_leaves_and_constants_come_back_at_their_paths(name: str) -> None:
+    tree = TREES[name]()
+    fn, arrays = identity_of(tree)
+    with x64():
+        out = dgj.graphed(fn, arrays)(*arrays)
+    assert_same_tree(to_numpy(out), tree)
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_spec_json_is_the_numpy_description_of_the_same_tree(name: str) -> None:
+    tree = TREES[name]()
+    fn, arrays = identity_of(tree)
+    with x64():
+        spec = dgj.graphed(fn, arrays).spec
+    assert spec.to_json() == describe(tree).to_json()
+
+
+@pytest.mark.parametrize("name", ["vit_layer", "encoder_dict", "nested_namedtuple", "deep"])
+def test_spec_json_is_the_torch_description_of_the_same_tree(name: str) -> None:
+    tree = TREES[name]()
+    fn, arrays = identity_of(tree)
+    assert dgj.graphed(fn, arrays).spec.to_json() == describe(to_torch(tree)).to_json()
+
+
+def test_kwargs_constants_are_static_and_outputs_keep_the_users_order() -> None:
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})
+    out = g(jnp.ones((2, 3)), scale=3.0)
+    assert list(out) == ["hidden", "pooled", "aux_loss", "depth"]
+    assert out["aux_loss"] is None and out["depth"] == 2
+    np.testing.assert_array_equal(out["pooled"], np.full(3, 3.0, np.float32))
+
+
+def test_shape_dtype_structs_and_numpy_arrays_serve_as_samples_and_inputs() -> None:
+    g = dgj.graphed(encoder_layer, (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),))
+    out = g(np.ones((2, 3), jnp.bfloat16))
+    assert out["hidden"].dtype == jnp.bfloat16
+    assert g.spec.arrays[0].dtype == "bfloat16"
+
+
+def test_an_unsupported_output_leaf_names_its_output_path() -> None:
+    with pytest.raises(dualgraph.UnsupportedLeafError, match=r"output\['bad'\]") as caught:
+        dgj.graphed(lambda x: {"x": x, "bad": object()}, (jnp.ones(2),))
+    assert caught.value.path == "output['bad']"
+
+
+# -- out_spec ------------------------------------------------------------------------------------
+
+
+def test_out_spec_from_torch_json_supplies_the_grad_mask() -> None:
+    torch_out = (torch.ones(2, 3, requires_grad=True), None, torch.ones(2, 3))  # last: detached
+    written = describe(torch_out).to_json()
+    g = dgj.graphed(lambda x: (x * 2, None, x + 1), (jnp.ones((2, 3)),), out_spec=written)
+    assert g.spec.grad_mask == (True, False)
+    assert g.spec.to_json() == written
+
+
+def test_out_spec_mismatch_names_the_output_path() -> None:
+    expected = describe({"hidden": np.zeros((2, 5), np.float32), "aux_loss": None})
+    with pytest.raises(SpecMismatchError) as caught:
+        dgj.graphed(
+            lambda x: {"hidden": x, "aux_loss": None}, (jnp.ones((2, 4)),), out_spec=expected
+        )
+    assert caught.value.path == "output['hidden']"
+    assert "output['hidden']: expected float32[2, 5], got float32[2, 4]" in str(caught.value)
+
+
+def test_out_spec_with_a_none_where_the_function_returns_an_array_is_refused() -> None:
+    expected = describe((np.zeros(2, np.float32), None))
+    with pytest.raises(SpecMismatchError, match=r"output\[1\]: expected None, got float32\[2\]"):
+        dgj.graphed(lambda x: (x, x), (jnp.ones(2),), out_spec=expected)
+
+
+def test_out_spec_masking_an_integer_output_is_refused() -> None:
+    expected = describe((np.zeros(2, np.int32),)).with_grad_mask([True])
+    with pytest.raises(DualgraphError, match=r"output\[0\]"):
+        dgj.graphed(lambda x: (x.astype(jnp.int32),), (jnp.ones(2),), out_spec=expected)
+
+
+# -- validation of calls -------------------------------------------------------------------------
+
+
+def masked_mean(batch: dict[str, jax.Array], w: jax.Array, *, mask: jax.Array) -> jax.Array:
+    return ((batch["x"] @ w) * mask).mean()
+
+
+def sample_batch(columns: int = 8) -> dict[str, jax.Array]:
+    return {"x": jnp.ones((2, 4)), "mask": jnp.ones((2, columns))}
+
+
+def test_a_wrong_shape_in_args_is_named_by_its_path() -> None:
+    g = dgj.graphed(masked_mean, (sample_batch(), jnp.ones((4, 8))), {"mask": jnp.ones((2, 8))})
+    with pytest.raises(SpecMismatchError) as caught:
+        g(sample_batch(9), jnp.ones((4, 8)), mask=jnp.ones((2, 8)))
+    assert str(caught.value) == "args[0]['mask']: expected float32[2, 8], got float32[2, 9]"
+
+
+def test_a_wrong_kwarg_is_named_by_its_path() -> None:
+    g = dgj.graphed(masked_mean, (sample_batch(), jnp.ones((4, 8))), {"mask": jnp.ones((2, 8))})
+    with pytest.raises(SpecMismatchError) as caught:
+        g(sample_batch(), jnp.ones((4, 8)), mask=jnp.ones((2, 8), jnp.bfloat16))
+    assert str(caught.value) == "kwargs['mask']: expected float32[2, 8], got bfloat16[2, 8]"
+
+
+def test_a_changed_static_constant_is_refused() -> None:
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})
+    with pytest.raises(SpecMismatchError, match=r"kwargs\['scale'\]"):
+        g(jnp.ones((2, 3)), scale=4.0)
+
+
+def test_a_rejected_call_donates_nothing_and_the_next_call_works() -> None:
+    g = dgj.graphed(
+        lambda state, x, *, mask: (state + x * mask, None),
+        (jnp.ones((2, 8)), jnp.ones((2, 8))),
+        {"mask": jnp.ones((2, 8))},
+        donate_argnums=0,
+    )
+    state = jnp.ones((2, 8))
+    with pytest.raises(SpecMismatchError, match=r"kwargs\['mask'\]"):
+        g(state, jnp.ones((2, 8)), mask=jnp.ones((2, 9)))
+    assert not state.is_deleted()
+    new_state, nothing = g(state, jnp.ones((2, 8)), mask=jnp.ones((2, 8)))
+    assert nothing is None and state.is_deleted()
+    np.testing.assert_array_equal(new_state, np.full((2, 8), 2.0, np.float32))
+
+
+# -- donation ------------------------------------------------------------------------------------
+
+
+def accumulate(state: dict[str, jax.Array], grads: dict[str, jax.Array]) -> dict[str, Any]:
+    return {name: state[name] + grads[name] for name in state} | {"step": None}
+
+
+def params_like() -> dict[str, jax.Array]:
+    return {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
+
+
+def test_donated_inputs_are_deleted_after_the_call_and_others_are_not() -> None:
+    g = dgj.graphed(accumulate, (params_like(), params_like()), donate_argnums=0)
+    state, grads = params_like(), params_like()
+    out = g(state, grads)
+    assert state["w"].is_deleted() and state["b"].is_deleted()
+    assert not grads["w"].is_deleted()
+    assert out["step"] is None
+    np.testing.assert_array_equal(out["w"], np.full((3, 4), 2.0, np.float32))
+
+
+def test_reusing_a_donated_array_is_refused_naming_its_path() -> None:
+    g = dgj.graphed(accumulate, (params_like(), params_like()), donate_argnums=0)
+    state = params_like()
+    g(state, params_like())
+    with pytest.raises(DualgraphError, match=r"args\[0\]\['b'\]: this array has been deleted"):
+        g(state, params_like())
+
+
+def test_a_donation_no_output_can_reuse_is_warned_once_in_dualgraph_words() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = dgj.graphed(
+            lambda w, x: (x @ w).sum(), (jnp.ones((3, 4)), jnp.ones((2, 3))), donate_argnums=0
+        )
+        w = jnp.ones((3, 4))
+        g(w, jnp.ones((2, 3)))
+        g(jnp.ones((3, 4)), jnp.ones((2, 3)))
+    assert [r.category for r in caught] == [DualgraphWarning]
+    message = str(caught[0].message)
+    assert "donated args[0] (float32[3, 4]) cannot be reused by any output" in message
+    assert "Some donated buffers" not in message
+    assert w.is_deleted()  # consumed all the same: the contract does not depend on XLA's choice
+
+
+def test_a_donation_that_an_output_reuses_is_not_warned() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dgj.graphed(accumulate, (params_like(), params_like()), donate_argnums=0)
+    assert caught == []
+
+
+def test_the_same_buffer_twice_with_one_donated_is_refused() -> None:
+    g = dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
+    shared = jnp.ones(3)
+    with pytest.raises(
+        DualgraphError, match=r"args\[0\] is donated, but .* also passed as args\[1\]"
+    ):
+        g(shared, shared)
+    assert not shared.is_deleted()
+
+
+def test_the_same_buffer_under_two_array_objects_is_refused() -> None:
+    g = dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
+    tensor = torch.ones(3)
+    with pytest.raises(DualgraphError, match=r"args\[0\] is donated"):
+        g(jax.dlpack.from_dlpack(tensor), jax.dlpack.from_dlpack(tensor))
+
+
+@pytest.mark.parametrize("argnums", [2, -3, (0, 5)])
+def test_donate_argnums_out_of_range_is_refused(argnums: Any) -> None:
+    with pytest.raises(DualgraphError, match="donate_argnums"):
+        dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=argnums)
+
+
+def test_donating_a_constant_argument_is_refused() -> None:
+    with pytest.raises(DualgraphError, match=r"args\[1\] holds no array"):
+        dgj.graphed(lambda s, n: s * n, (jnp.ones(3), 2), donate_argnums=1)
+
+
+# -- VJP -----------------------------------------------------------------------------------------
+
+
+def layer(params: dict[str, jax.Array], x: jax.Array, ids: jax.Array, n: int) -> Any:
+    hidden = jnp.tanh(x @ params["w"] + params["b"]) * n
+    return {"hidden": hidden, "aux": None, "ids": ids + 1, "summary": hidden.sum(0)}
+
+
+def layer_inputs() -> tuple[Any, ...]:
+    key = jax.random.key(0)
+    params = {"w": jax.random.normal(key, (3, 4)), "b": jnp.linspace(-1, 1, 4)}
+    return params, jnp.linspace(-2, 2, 6).reshape(2, 3), jnp.arange(2), 3
+
+
+def test_vjp_gives_jax_vjp_gradients_for_float_inputs_and_none_elsewhere() -> None:
+    inputs = layer_inputs()
+    g = dgj.graphed(layer, inputs)
+    out, pullback = g.vjp(*inputs)
+    cotangent = {"hidden": jnp.ones((2, 4)), "aux": None, "ids": None, "summary": jnp.ones(4)}
+    (params_grads, x_grad, ids_grad, n_grad), kwargs_grads = pullback(cotangent)
+
+    def reference(params: Any, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out = layer(params, x, inputs[2], 3)
+        return out["hidden"], out["summary"]
+
+    @jax.jit
+    def reference_grads(params: Any, x: jax.Array) -> Any:
+        return jax.vjp(reference, params, x)[1]((jnp.ones((2, 4)), jnp.ones(4)))
+
+    expected_params, expected_x = reference_grads(inputs[0], inputs[1])
+    np.testing.assert_allclose(params_grads["w"], expected_params["w"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(x_grad, expected_x, rtol=1e-5, atol=1e-6)
+    assert ids_grad is None and n_grad is None and kwargs_grads == {}
+    assert out["aux"] is None and out["ids"].tolist() == [1, 2]
+
+
+def test_vjp_gives_an_unmasked_output_no_cotangent() -> None:
+    written = describe((np.zeros(3, np.float32), np.zeros(3, np.float32))).with_grad_mask(
+        [True, False]
+    )
+    g = dgj.graphed(lambda x: (x * 2.0, x * 5.0), (jnp.ones(3),), out_spec=written)
+    _, pullback = g.vjp(jnp.ones(3))
+    assert pullback.cotangent_spec == describe((np.zeros(3, np.float32), None))
+    (x_grad,), _ = pullback((jnp.ones(3), None))
+    np.testing.assert_array_equal(x_grad, np.full(3, 2.0, np.float32))
+    with pytest.raises(SpecMismatchError, match=r"cotangent\[1\]: expected None, got float32\[3\]"):
+        pullback((jnp.ones(3), jnp.ones(3)))
+
+
+def test_vjp_consumes_donated_inputs_and_its_pullback_can_run_twice() -> None:
+    g = dgj.graphed(lambda s, x: (s * x, None), (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
+    state = jnp.full(3, 2.0)
+    _, pullback = g.vjp(state, jnp.full(3, 5.0))
+    assert state.is_deleted()
+    first = pullback((jnp.ones(3), None))
+    second = pullback((jnp.ones(3), None))
+    np.testing.assert_array_equal(first[0][0], np.full(3, 5.0, np.float32))
+    np.testing.assert_array_equal(second[0][1], np.full(3, 2.0, np.float32))
+
+
+def test_vjp_checks_its_inputs_like_a_call() -> None:
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),))
+    with pytest.raises(SpecMismatchError, match=r"args\[0\]: expected float32\[2, 3\]"):
+        g.vjp(jnp.ones((2, 4)))
+
+
+# -- 64-bit --------------------------------------------------------------------------------------
+
+
+def test_float64_without_x64_is_refused_clearly() -> None:
+    with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
+        dgj.graphed(lambda x: x * 2, (np.ones(2, np.float64),))
+
+
+def test_a_program_compiled_with_x64_keeps_float64_outside_the_context() -> None:
+    with x64():
+        g = dgj.graphed(lambda x: (x * 2, None), (np.ones(2, np.float64),))
+    out, _ = g(np.full(2, 1 / 3))
+    _, pullback = g.vjp(np.ones(2))
+    (grad,), _ = pullback((np.ones(2), None))
+    assert out.dtype == np.float64 and grad.dtype == np.float64
+    assert float(out[0]) == 2 / 3
+
+
+# -- the environment -----------------------------------------------------------------------------
+
+
+def run_python(code: str, **env: str) -> str:
+    path = os.pathsep.join([os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **env}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_import_turns_preallocation_off_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    importlib.reload(dualgraph.jax._env)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    importlib.reload(dualgraph.jax._env)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+
+def test_disable_command_buffers_before_the_backend_starts_sets_xla_flags() -> None:
+    code = (
+        "import os, dualgraph.jax as dgj; dgj.disable_command_buffers(); "
+        "import jax.numpy as jnp; print(float(jnp.ones(2).sum()), os.environ['XLA_FLAGS'])"
+    )
+    assert run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=1") == (
+        "2.0 --xla_force_host_platform_device_count=1 --xla_gpu_enable_command_buffer="
+    )
+
+
+def test_disable_command_buffers_after_the_backend_started_is_an_error() -> None:
+    jnp.ones(1).block_until_ready()
+    if "--xla_gpu_enable_command_buffer=" in os.environ.get("XLA_FLAGS", "").split():
+        pytest.skip("this process was started with command buffers off")
+    with pytest.raises(DualgraphError, match="too late"):
+        dgj.disable_command_buffers()
