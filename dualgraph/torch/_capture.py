@@ -41,6 +41,9 @@ def prepare_static_inputs(graphed: GraphedCallable, sample_tensors: Sequence[tor
     graphed.static_inputs = [
         t.detach().clone().requires_grad_(t.requires_grad) for t in sample_tensors
     ]
+    n_args = graphed.guard.num_args_tensors
+    graphed.static_args = graphed.guard.args_spec.unflatten(graphed.static_inputs[:n_args])
+    graphed.static_kwargs = graphed.guard.kwargs_spec.unflatten(graphed.static_inputs[n_args:])
     graphed.diagnostics.static_input_bytes = _bytes(graphed.static_inputs)
 
 
@@ -127,7 +130,7 @@ def _capture_cuda(
         live_outputs[id(graphed)] = flat
         graphed.static_outputs = [t.detach() for t in flat]
         graphed.replay_forward = _replayer(forward_graph)
-        graphed.forward_graph = forward_graph  # type: ignore[attr-defined]
+        graphed.cuda_graphs.append(forward_graph)
 
     for graphed in reversed(graphs):
         progress.name, progress.phase = graphed.name, "backward capture"
@@ -148,7 +151,7 @@ def _capture_cuda(
                 accumulate_param_grads(graphed, grads)
             _spread_grads(graphed, grads)
             graphed.replay_backward = backward_graph.replay
-            graphed.backward_graph = backward_graph  # type: ignore[attr-defined]
+            graphed.cuda_graphs.append(backward_graph)
         del flat, differentiable
     torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
@@ -203,7 +206,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _run(graphed: GraphedCallable) -> Any:
-    return graphed.fn(*graphed.static_args, **graphed.static_kwargs)  # type: ignore[attr-defined]
+    return graphed.fn(*graphed.static_args, **graphed.static_kwargs)
 
 
 def _diff_inputs(graphed: GraphedCallable) -> list[torch.Tensor]:

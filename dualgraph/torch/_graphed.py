@@ -103,9 +103,6 @@ def make_graphed_callables(
         graphed = GraphedCallable(_name_of(fn), _forward_of(fn), InputGuard(args, kwargs), backend)
         tensors = graphed.guard.tensors(tuple(args), dict(kwargs or {}))
         prepare_static_inputs(graphed, tensors)
-        n_args = graphed.guard.num_args_tensors
-        graphed.static_args = graphed.guard.args_spec.unflatten(graphed.static_inputs[:n_args])  # type: ignore[attr-defined]
-        graphed.static_kwargs = graphed.guard.kwargs_spec.unflatten(graphed.static_inputs[n_args:])  # type: ignore[attr-defined]
         params = (
             [p for p in fn.parameters() if p.requires_grad]
             if isinstance(fn, torch.nn.Module)

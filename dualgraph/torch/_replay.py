@@ -55,6 +55,9 @@ class GraphedCallable:
         self.guard = guard
         self.backend = backend
         self.static_inputs: list[torch.Tensor] = []
+        self.static_args: tuple[Any, ...] = ()  # the static inputs in the callable's own tree
+        self.static_kwargs: dict[str, Any] = {}
+        self.cuda_graphs: list[torch.cuda.CUDAGraph] = []  # kept alive with the callable
         # Parameters whose grads the backward computes, and the tensors passed to the replay
         # Function after the inputs: the parameters themselves ("autograd" param grads), or one
         # empty anchor that keeps the replay in the autograd graph ("in_graph" param grads).
