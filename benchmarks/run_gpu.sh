@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one go (one device call): the CUDA tests, the replay
+# benchmark and the vision-encoder demo. Logs go under $OUT (the device tool's folder) or ./gpu-out.
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=$PWD:/tmp/site; bash benchmarks/run_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+status=0
+python -m pytest -q -m cuda -p no:cacheprovider -rfE tests 2>&1 | tee "$out/cuda_tests.log" | tail -15 || status=1
+python benchmarks/bench_torch_replay.py --rounds 5 --json "$out/bench.json" 2>&1 \
+    | tee "$out/bench.log" | tail -25 || status=1
+python examples/vision_encoder.py --steps 20 2>&1 | tee "$out/demo.log" | tail -15 || status=1
+exit $status
