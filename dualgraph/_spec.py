@@ -56,8 +56,11 @@ class LeafSpec:
         return _show_leaf(_leaf_node(self))
 
 
-def describe(tree: Any, /) -> TreeSpec:
+def describe(tree: Any, /, *, root: str = "") -> TreeSpec:
     """Describe ``tree``: its containers, ``None`` leaves, constants and array leaves.
+
+    ``root`` prefixes the paths in error messages (e.g. ``"args"``); the spec's own
+    :attr:`~TreeSpec.paths` always start at the tree's root.
 
     >>> import numpy as np
     >>> spec = describe({"hidden": np.ones((2, 4), np.float32), "aux_loss": None, "n": 3})
@@ -66,7 +69,7 @@ def describe(tree: Any, /) -> TreeSpec:
     >>> spec.paths
     ("['aux_loss']", "['hidden']", "['n']")
     """
-    return TreeSpec(_node_of(tree, "", strict=True))
+    return TreeSpec(_node_of(tree, root, strict=True))
 
 
 class TreeSpec:

@@ -713,3 +713,11 @@ def test_deepcopy_gives_an_equal_spec() -> None:
 def test_describe_is_exported_with_the_spec_types() -> None:
     assert dualgraph.describe is describe
     assert dualgraph.TreeSpec is TreeSpec
+
+
+def test_describe_root_prefixes_unsupported_leaf_paths_but_not_spec_paths() -> None:
+    with pytest.raises(UnsupportedLeafError) as caught:
+        describe(({"x": {1, 2}},), root="args")
+    assert caught.value.path == "args[0]['x']"
+    assert str(caught.value).startswith("args[0]['x']: unsupported leaf of type builtins.set")
+    assert describe((array(2),), root="args").paths == ("[0]",)

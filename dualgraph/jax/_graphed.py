@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from .._dtypes import is_differentiable_dtype
-from .._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
+from .._errors import DualgraphError, SpecMismatchError
 from .._spec import LeafSpec, TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
@@ -108,8 +108,8 @@ class Graphed:
         self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
         args = tuple(sample_args)
         kwargs = dict(sample_kwargs or {})
-        self.args_spec = describe(args)
-        self.kwargs_spec = describe(kwargs)
+        self.args_spec = describe(args, root="args")
+        self.kwargs_spec = describe(kwargs, root="kwargs")
         self._inputs: tuple[LeafSpec, ...] = (*self.args_spec.arrays, *self.kwargs_spec.arrays)
         self._paths = (
             *("args" + p for p in self.args_spec.array_paths),
@@ -162,12 +162,7 @@ class Graphed:
         args = self.args_spec.unflatten(arrays[:n])
         kwargs = self.kwargs_spec.unflatten(arrays[n:])
         outputs = self.fn(*args, **kwargs)
-        try:
-            spec = describe(outputs)
-        except UnsupportedLeafError as error:
-            path = "output" + error.path
-            detail = str(error).partition(": ")[2]
-            raise UnsupportedLeafError(f"{self.name}: {path}: {detail}", path=path) from None
+        spec = describe(outputs, root="output")
         if self._traced_spec is None:
             self._traced_spec = spec
         return spec.flatten(outputs)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
+from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._leaves import dtype_name
 
@@ -43,8 +43,8 @@ class InputGuard:
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
         args = tuple(args)
         kwargs = dict(kwargs or {})
-        self.args_spec: TreeSpec = _describe(args, "args")
-        self.kwargs_spec: TreeSpec = _describe(kwargs, "kwargs")
+        self.args_spec: TreeSpec = describe(args, root="args")
+        self.kwargs_spec: TreeSpec = describe(kwargs, root="kwargs")
         self._has_kwargs = bool(kwargs)
         tensors = self.args_spec.flatten(args) + self.kwargs_spec.flatten(kwargs)
         paths = [f"args{p}" for p in self.args_spec.array_paths]
@@ -107,13 +107,3 @@ class InputGuard:
                     path=path,
                 )
         return SpecMismatchError("the inputs do not match the captured ones")
-
-
-def _describe(tree: Any, root: str) -> TreeSpec:
-    # The core names paths from the tree's own root; say whether a bad leaf is in args or kwargs.
-    try:
-        return describe(tree)
-    except UnsupportedLeafError as error:
-        path = root + error.path
-        message = str(error).removeprefix(f"{error.path or '<root>'}:")
-        raise UnsupportedLeafError(f"{path}:{message}", path=path) from None
