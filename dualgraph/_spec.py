@@ -19,7 +19,7 @@ import optree
 from ._compile import compile_spec
 from ._containers import NAMESPACE, dataclass_fields, qualified_name, resolve_type
 from ._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
-from ._leaves import _RESOLVED, CONSTANT_TYPES, array_type_of
+from ._leaves import CONSTANT_TYPES, array_type_of
 from ._paths import EntryKind, join_path, show_path
 
 __all__ = ["SPEC_FORMAT", "SPEC_VERSION", "LeafSpec", "TreeSpec", "describe"]
@@ -279,7 +279,7 @@ def _node_of(obj: Any, path: str, *, strict: bool) -> Node:
     if cls in _CONSTANT_TYPE_NAMES:
         value = repr(obj) if cls is float else obj
         return {"leaf": "const", "type": _CONSTANT_TYPE_NAMES[cls], "value": value}
-    array_type = _RESOLVED[cls] if cls in _RESOLVED else array_type_of(cls)
+    array_type = array_type_of(cls)
     if array_type is not None:
         shape, dtype = array_type.signature(obj)
         grad = bool(array_type.requires_grad(obj))

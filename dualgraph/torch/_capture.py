@@ -297,7 +297,12 @@ def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool)
     live: list[torch.Tensor] = []
     diff_inputs = _diff_inputs(graphed)
     spec = graphed.spec
-    grad_slots = [i for i, g in enumerate(graphed.static_grad_inputs) if g is not None]
+    # grads come in _all_diff_slots order; which of them land in a static grad buffer
+    copies = [
+        (graphed.static_grad_inputs[slot], k)
+        for k, slot in enumerate(_all_diff_slots(graphed))
+        if slot < len(graphed.static_grad_inputs) and graphed.static_grad_inputs[slot] is not None
+    ]
 
     def replay_forward(grad_enabled: bool) -> None:
         with torch.set_grad_enabled(grad_enabled):
@@ -314,15 +319,11 @@ def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool)
             live,
             diff_inputs,
             grad_outputs=graphed.static_grad_outputs,
-            retain_graph=True,  # a CUDA graph's backward can be replayed again too
             allow_unused=allow_unused_input,
         )
         accumulate_param_grads(graphed, grads)
-        grad_of_slot = dict(zip(_all_diff_slots(graphed), grads, strict=True))
-        for slot in grad_slots:
-            static = graphed.static_grad_inputs[slot]
-            grad = grad_of_slot[slot]
-            assert static is not None
+        for static, k in copies:
+            grad = grads[k]
             if grad is None:
                 static.zero_()
             else:

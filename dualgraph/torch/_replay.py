@@ -119,7 +119,7 @@ class GraphedCallable:
         if self._has_backward and torch.is_grad_enabled():
             outputs = _Replay.apply(self, *tensors, *self.edge_params)
         else:
-            outputs = self.forward_without_grad(tensors)
+            outputs = self.run_forward(tensors, False)
         return self.out_spec.unflatten(outputs)  # type: ignore[union-attr]
 
     # -- the two halves of a replay -----------------------------------------------------------
@@ -153,16 +153,19 @@ class GraphedCallable:
             for param, buffer, _ in pending:
                 param.grad = buffer
 
-    def forward_without_grad(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        # Also reached with grad enabled when nothing is differentiable; the static inputs may
-        # still be leaves that require grad, which autograd refuses to copy into.
+    def run_forward(
+        self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad_enabled: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """Copy the inputs in, replay the forward, hand back the static outputs."""
+        # Without autograd, grad mode may still be on here (nothing differentiable), and
+        # autograd refuses copies into static inputs that are leaves requiring grad.
         with torch.no_grad():
             self.copy_inputs(tensors)
         self.generation += 1  # a pending backward would now read overwritten activations
-        self.replay_forward(False)
+        self.replay_forward(grad_enabled)
         if self.clone_outputs:
-            return [o.clone() for o in self.static_outputs]
-        return [o.detach() for o in self.static_outputs]
+            return tuple(o.clone() for o in self.static_outputs)
+        return tuple(o.detach() for o in self.static_outputs)
 
 
 class _Replay(torch.autograd.Function):
@@ -172,16 +175,10 @@ class _Replay(torch.autograd.Function):
     def forward(
         ctx: Any, graphed: GraphedCallable, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        graphed.copy_inputs(inputs)
-        graphed.generation += 1
-        graphed.replay_forward(True)
+        outputs = graphed.run_forward(inputs, True)
         ctx.graphed = graphed
         ctx.generation = graphed.generation
         ctx.set_materialize_grads(False)
-        if graphed.clone_outputs:
-            outputs = tuple(o.clone() for o in graphed.static_outputs)
-        else:
-            outputs = tuple(o.detach() for o in graphed.static_outputs)
         if graphed.nondiff_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed.nondiff_outputs))
         return outputs
