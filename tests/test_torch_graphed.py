@@ -1096,3 +1096,12 @@ def test_bfloat16_module_matches_eager() -> None:
         )
         fn.zero_grad()
         twin.zero_grad()
+
+
+def test_a_non_tensor_array_output_is_refused_naming_its_path() -> None:
+    def returns_numpy(x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        return x * 2, np.zeros(2, np.float32)
+
+    with pytest.raises(CaptureError) as caught:
+        dgt.make_graphed_callables(returns_numpy, (torch.ones(2),), backend="emulate")
+    assert "output[1]: expected a torch tensor, got numpy.ndarray" in str(caught.value)

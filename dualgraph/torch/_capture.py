@@ -249,9 +249,9 @@ def _output_tensors(graphed: GraphedCallable, spec: TreeSpec, outputs: Any) -> l
     for path, leaf in zip(spec.array_paths, flat):
         if not isinstance(leaf, torch.Tensor):
             raise DualgraphError(
-                f"{graphed.name}: output {path or '<root>'} is a "
-                f"{type(leaf).__module__}.{type(leaf).__qualname__}; outputs of a torch callable "
-                "hold tensors, None and int/float/bool/str constants"
+                f"{graphed.name}: output{path}: expected a torch tensor, got "
+                f"{type(leaf).__module__}.{type(leaf).__qualname__} (outputs of a torch callable "
+                "hold tensors, None and int/float/bool/str constants)"
             )
     return flat
 
