@@ -18,6 +18,7 @@ import torch
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
 from ._replay import GraphedCallable
+from ._transformer_engine import transformer_engine_capture
 
 __all__ = [
     "Progress",
@@ -88,7 +89,10 @@ def capture_cuda(
     device = _device_of(graphs)
     caller_stream = torch.cuda.current_stream(device)
     try:
-        _capture_cuda(graphs, device, num_warmup_iters, allow_unused_input, pool, progress)
+        with transformer_engine_capture() as te_generators:
+            _capture_cuda(
+                graphs, device, num_warmup_iters, allow_unused_input, pool, progress, te_generators
+            )
     finally:
         # When a capture is invalidated (a CPU sync inside it), ``torch.cuda.graph.__exit__``
         # raises from ``capture_end`` before it leaves its stream context, which would leave
@@ -103,6 +107,7 @@ def _capture_cuda(
     allow_unused_input: bool,
     pool: Any,
     progress: Progress,
+    extra_generators: Sequence[Any],
 ) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
@@ -122,7 +127,7 @@ def _capture_cuda(
     live_outputs: dict[int, list[torch.Tensor]] = {}
     for graphed in graphs:
         progress.name, progress.phase = graphed.name, "forward capture"
-        forward_graph = torch.cuda.CUDAGraph()
+        forward_graph = _new_graph(extra_generators)
         with torch.cuda.graph(forward_graph, pool=pool):
             outputs = _run(graphed)
         flat = _record_outputs(graphed, outputs)
@@ -139,7 +144,7 @@ def _capture_cuda(
         diff_inputs = _diff_inputs(graphed)
         if differentiable and diff_inputs:
             graphed.static_grad_outputs = [torch.empty_like(t.detach()) for t in differentiable]
-            backward_graph = torch.cuda.CUDAGraph()
+            backward_graph = _new_graph(extra_generators)
             with torch.cuda.graph(backward_graph, pool=pool):
                 grads = torch.autograd.grad(
                     differentiable,
@@ -345,6 +350,15 @@ def _finish(graphed: GraphedCallable, seconds: float) -> None:
     graphed.diagnostics.static_grad_bytes = _bytes(graphed.static_grad_outputs + grad_buffers)
     graphed.diagnostics.capture_seconds = seconds
     graphed.finish()
+
+
+def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:
+    # torch registers the default CUDA generator itself; others (TE's RNG tracker) must be
+    # registered so that dropout draws fresh values on every replay.
+    graph = torch.cuda.CUDAGraph()
+    for generator_state in extra_generators:
+        graph.register_generator_state(generator_state)
+    return graph
 
 
 def _replayer(graph: torch.cuda.CUDAGraph) -> Any:

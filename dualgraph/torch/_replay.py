@@ -119,7 +119,10 @@ class GraphedCallable:
         if self._has_backward and torch.is_grad_enabled():
             outputs = _Replay.apply(self, *tensors, *self.edge_params)
         else:
-            outputs = self.run_forward(tensors, False)
+            # Grad mode may be on (nothing differentiable to replay), and autograd refuses
+            # copies into static inputs that are leaves requiring grad.
+            with torch.no_grad():
+                outputs = self.run_forward(tensors, False)
         return self.out_spec.unflatten(outputs)  # type: ignore[union-attr]
 
     # -- the two halves of a replay -----------------------------------------------------------
@@ -156,11 +159,11 @@ class GraphedCallable:
     def run_forward(
         self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad_enabled: bool
     ) -> tuple[torch.Tensor, ...]:
-        """Copy the inputs in, replay the forward, hand back the static outputs."""
-        # Without autograd, grad mode may still be on here (nothing differentiable), and
-        # autograd refuses copies into static inputs that are leaves requiring grad.
-        with torch.no_grad():
-            self.copy_inputs(tensors)
+        """Copy the inputs in, replay the forward, hand back the static outputs.
+
+        Runs with grad mode off: inside the replay Function, or under ``no_grad`` from a call.
+        """
+        self.copy_inputs(tensors)
         self.generation += 1  # a pending backward would now read overwritten activations
         self.replay_forward(grad_enabled)
         if self.clone_outputs:
