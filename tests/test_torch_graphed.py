@@ -912,6 +912,31 @@ def test_cpu_sync_in_capture_fails_cleanly_and_cuda_keeps_working() -> None:
     assert not torch.equal(masks[0], masks[1])
 
 
+@pytest.mark.cuda
+def test_cuda_capture_holds_automatic_garbage_collection_and_gives_it_back() -> None:
+    # The collector may destroy an unreachable graph during another capture (pytorch PR 161037).
+    seen: list[bool] = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return x * 2
+
+    assert gc.isenabled()
+    sample = torch.ones(4, device="cuda", requires_grad=True)
+    graphed = dgt.make_graphed_callables(double, (sample,), backend=CUDA, num_warmup_iters=1)
+    assert seen == [False, False]  # one warmup, one capture
+    assert gc.isenabled()
+    torch.testing.assert_close(
+        graphed(torch.full((4,), 3.0, device="cuda")), torch.full((4,), 6.0, device="cuda")
+    )
+
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    assert "boom" in capture_error(fails, (sample,), backend=CUDA)
+    assert gc.isenabled()
+
+
 # -- outputs alias static buffers ----------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ the callable on them, so aliasing mistakes show up on a CPU too.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,12 +89,18 @@ def capture_cuda(
     """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
     device = _device_of(graphs)
     caller_stream = torch.cuda.current_stream(device)
+    # The garbage collector may destroy an unreachable CUDA graph while another one is being
+    # captured, which fails the capture (pytorch PR 161037); it waits until the capture is over.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         with transformer_engine_capture() as te_generators:
             _capture_cuda(
                 graphs, device, num_warmup_iters, allow_unused_input, pool, progress, te_generators
             )
     finally:
+        if gc_was_enabled:
+            gc.enable()
         # When a capture is invalidated (a CPU sync inside it), ``torch.cuda.graph.__exit__``
         # raises from ``capture_end`` before it leaves its stream context, which would leave
         # torch's capture stream current for all later work; give the caller its stream back.
