@@ -10,6 +10,8 @@ CUDA events):
 - ``torch``: ``torch.cuda.make_graphed_callables`` per block. It crashes on the blocks'
   ``(hidden, None)`` output, so this variant graphs a wrapper that returns ``hidden`` alone
   (what users must write today).
+- ``te``: Transformer Engine's ``make_graphed_callables`` per block, ``(hidden, None)`` as is
+  (only where ``transformer_engine`` imports; skipped with the reason otherwise).
 - ``dualgraph``: ``dualgraph.torch.make_graphed_callables`` per block, ``(hidden, None)`` as is.
 - ``dg-in-graph``: the same with ``param_grads="in_graph"`` (parameter grads accumulated inside
   the backward graph instead of through autograd).
@@ -58,6 +60,27 @@ def run_stack(blocks: Any, x: torch.Tensor, *, tuple_out: bool) -> torch.Tensor:
     return x
 
 
+def transformer_engine_graphed(
+    args: argparse.Namespace, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[Any, ...] | None:
+    """The blocks graphed by TE's make_graphed_callables; None (reason printed once) without TE."""
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as error:  # ImportError, or TE failing to load its CUDA libraries
+        if not _TE_SKIP_REPORTED:
+            print(f"te variant skipped: {type(error).__name__}: {error}", file=sys.stderr)
+            _TE_SKIP_REPORTED.append(True)
+        return None
+    te_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
+    samples = tuple(
+        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in te_blocks
+    )
+    return tuple(te.make_graphed_callables(tuple(te_blocks), samples))
+
+
+_TE_SKIP_REPORTED: list[bool] = []
+
+
 def build_variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     dtype = torch.bfloat16
     shape = (args.batch, args.tokens, args.dim)
@@ -84,6 +107,15 @@ def build_variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
         run_stack(torch_graphed, x, tuple_out=False).float().sum().backward()
 
     variants["torch"] = step_torch
+
+    te_graphed = transformer_engine_graphed(args, shape, dtype)
+    if te_graphed is not None:
+
+        def step_te() -> None:
+            x = inputs.detach().requires_grad_()
+            run_stack(te_graphed, x, tuple_out=True).float().sum().backward()
+
+        variants["te"] = step_te
 
     dg_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
     samples = tuple(

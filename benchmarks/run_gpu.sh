@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Transformer Engine links cuDNN's sub-libraries by name; where a system cuDNN differs from the one
+# torch's wheel bundles, the loader would mix the two ("undefined symbol ... libcudnn_graph.so.9").
+# Put torch's cuDNN first so TE and torch share it.
+torch_cudnn=$(python -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null) \
+    && export LD_LIBRARY_PATH=$torch_cudnn${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
 python -m pytest -q -m cuda -p no:cacheprovider -rfE tests 2>&1 | tee "$out/cuda_tests.log" | tail -15 || status=1
 python benchmarks/bench_torch_replay.py --rounds 5 --json "$out/bench.json" 2>&1 \
