@@ -60,6 +60,23 @@ def run_stack(blocks: Any, x: torch.Tensor, *, tuple_out: bool) -> torch.Tensor:
     return x
 
 
+def sample_args(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, ...]:
+    """One ``(x,)`` sample per block, as the graphing wrappers take them."""
+    return tuple(
+        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in range(count)
+    )
+
+
+def training_step(blocks: Any, inputs: torch.Tensor, *, tuple_out: bool) -> Callable[[], None]:
+    """One forward + backward of the stack on a fresh leaf view of ``inputs``."""
+
+    def step() -> None:
+        x = inputs.detach().requires_grad_()
+        run_stack(blocks, x, tuple_out=tuple_out).float().sum().backward()
+
+    return step
+
+
 def transformer_engine_graphed(
     args: argparse.Namespace, shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[Any, ...] | None:
@@ -72,9 +89,7 @@ def transformer_engine_graphed(
             _TE_SKIP_REPORTED.append(True)
         return None
     te_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
-    samples = tuple(
-        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in te_blocks
-    )
+    samples = sample_args(args.blocks, shape, dtype)
     return tuple(te.make_graphed_callables(tuple(te_blocks), samples))
 
 
@@ -85,65 +100,33 @@ def build_variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     dtype = torch.bfloat16
     shape = (args.batch, args.tokens, args.dim)
     inputs = torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def blocks() -> torch.nn.ModuleList:  # every variant gets its own copy of the same weights
+        return make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
+
+    def samples() -> tuple[Any, ...]:
+        return sample_args(args.blocks, shape, dtype)
+
     variants: dict[str, Callable[[], None]] = {}
+    variants["eager"] = training_step(blocks(), inputs, tuple_out=True)
 
-    eager = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
-
-    def step_eager() -> None:
-        x = inputs.detach().requires_grad_()
-        run_stack(eager, x, tuple_out=True).float().sum().backward()
-
-    variants["eager"] = step_eager
-
-    torch_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
-    wrapped = tuple(HiddenOnly(b) for b in torch_blocks)
-    samples = tuple(
-        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in wrapped
-    )
-    torch_graphed = torch.cuda.make_graphed_callables(wrapped, samples)
-
-    def step_torch() -> None:
-        x = inputs.detach().requires_grad_()
-        run_stack(torch_graphed, x, tuple_out=False).float().sum().backward()
-
-    variants["torch"] = step_torch
+    wrapped = tuple(HiddenOnly(b) for b in blocks())
+    torch_graphed = torch.cuda.make_graphed_callables(wrapped, samples())
+    variants["torch"] = training_step(torch_graphed, inputs, tuple_out=False)
 
     te_graphed = transformer_engine_graphed(args, shape, dtype)
     if te_graphed is not None:
+        variants["te"] = training_step(te_graphed, inputs, tuple_out=True)
 
-        def step_te() -> None:
-            x = inputs.detach().requires_grad_()
-            run_stack(te_graphed, x, tuple_out=True).float().sum().backward()
+    dg_graphed = dgt.make_graphed_callables(tuple(blocks()), samples(), backend="cuda")
+    variants["dualgraph"] = training_step(dg_graphed, inputs, tuple_out=True)
 
-        variants["te"] = step_te
-
-    dg_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
-    samples = tuple(
-        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in dg_blocks
-    )
-    dg_graphed = dgt.make_graphed_callables(tuple(dg_blocks), samples, backend="cuda")
-
-    def step_dualgraph() -> None:
-        x = inputs.detach().requires_grad_()
-        run_stack(dg_graphed, x, tuple_out=True).float().sum().backward()
-
-    variants["dualgraph"] = step_dualgraph
-
-    fast_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
-    samples = tuple(
-        (torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in fast_blocks
-    )
     fast_graphed = dgt.make_graphed_callables(
-        tuple(fast_blocks), samples, backend="cuda", param_grads="in_graph"
+        tuple(blocks()), samples(), backend="cuda", param_grads="in_graph"
     )
+    variants["dg-in-graph"] = training_step(fast_graphed, inputs, tuple_out=True)
 
-    def step_in_graph() -> None:
-        x = inputs.detach().requires_grad_()
-        run_stack(fast_graphed, x, tuple_out=True).float().sum().backward()
-
-    variants["dg-in-graph"] = step_in_graph
-
-    whole_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
+    whole_blocks = blocks()
     static_x = inputs.detach().clone().requires_grad_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
