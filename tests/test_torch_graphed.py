@@ -114,6 +114,16 @@ def test_unknown_param_grads_mode_is_rejected() -> None:
         )
 
 
+def test_unknown_capture_error_mode_is_rejected() -> None:
+    with pytest.raises(DualgraphError, match="capture_error_mode must be one of"):
+        dgt.make_graphed_callables(
+            TinyMLP(),
+            (torch.randn(4, 8),),
+            backend="emulate",
+            capture_error_mode="strict",  # type: ignore[arg-type]
+        )
+
+
 def test_auto_backend_is_eager_for_cpu_samples() -> None:
     graphed = dgt.make_graphed_callables(TinyMLP(), (torch.randn(4, 8),))
     assert dgt.diagnostics(graphed).backend == "eager"

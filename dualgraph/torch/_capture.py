@@ -85,6 +85,7 @@ def capture_cuda(
     allow_unused_input: bool,
     pool: Any,
     progress: Progress,
+    capture_error_mode: str,
 ) -> None:
     """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
     device = _device_of(graphs)
@@ -96,7 +97,14 @@ def capture_cuda(
     try:
         with transformer_engine_capture() as te_generators:
             _capture_cuda(
-                graphs, device, num_warmup_iters, allow_unused_input, pool, progress, te_generators
+                graphs,
+                device,
+                num_warmup_iters,
+                allow_unused_input,
+                pool,
+                progress,
+                te_generators,
+                capture_error_mode,
             )
     finally:
         if gc_was_enabled:
@@ -115,6 +123,7 @@ def _capture_cuda(
     pool: Any,
     progress: Progress,
     extra_generators: Sequence[Any],
+    capture_error_mode: str,
 ) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
@@ -135,7 +144,7 @@ def _capture_cuda(
     for graphed in graphs:
         progress.name, progress.phase = graphed.name, "forward capture"
         forward_graph = _new_graph(extra_generators)
-        with torch.cuda.graph(forward_graph, pool=pool):
+        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=capture_error_mode):
             outputs = _run(graphed)
         flat = _record_outputs(graphed, outputs)
         del outputs
@@ -152,7 +161,7 @@ def _capture_cuda(
         if differentiable and diff_inputs:
             graphed.static_grad_outputs = [torch.empty_like(t.detach()) for t in differentiable]
             backward_graph = _new_graph(extra_generators)
-            with torch.cuda.graph(backward_graph, pool=pool):
+            with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=capture_error_mode):
                 grads = torch.autograd.grad(
                     differentiable,
                     diff_inputs,

@@ -28,7 +28,9 @@ __all__ = ["EagerCallable", "diagnostics", "make_graphed_callables", "owned", "r
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
 ParamGrads = Literal["autograd", "in_graph"]
+CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 _BACKENDS = ("auto", "cuda", "emulate", "eager")
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
 def make_graphed_callables(
@@ -42,6 +44,7 @@ def make_graphed_callables(
     backend: Backend = "auto",
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
+    capture_error_mode: CaptureErrorMode = "global",
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -67,6 +70,10 @@ def make_graphed_callables(
     same ``.grad`` values (accumulation and ``zero_grad`` included), but no autograd hooks fire
     for parameters, so it is not for DDP or anything else that hooks parameter grads.
 
+    ``capture_error_mode`` (``"cuda"`` only) is torch's: under ``"global"`` (default) a CUDA
+    call of *another* thread that is unsafe during capture (a JAX runtime or a data loader
+    working on the same GPU) invalidates the capture; ``"thread_local"`` lets other threads be.
+
     Backends: ``"cuda"`` real graphs; ``"emulate"`` the same static-buffer semantics without a
     graph (re-runs the callable on the static buffers; finds aliasing bugs on a CPU); ``"eager"``
     a plain call with input validation; ``"auto"``: cuda when a sample tensor is on a CUDA
@@ -81,6 +88,10 @@ def make_graphed_callables(
         raise DualgraphError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if param_grads not in ("autograd", "in_graph"):
         raise DualgraphError(f"param_grads must be 'autograd' or 'in_graph', got {param_grads!r}")
+    if capture_error_mode not in _CAPTURE_ERROR_MODES:
+        raise DualgraphError(
+            f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}"
+        )
     single = not isinstance(callables, tuple)
     if single:
         callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
@@ -122,6 +133,7 @@ def make_graphed_callables(
                 allow_unused_input=allow_unused_input,
                 pool=pool,
                 progress=progress,
+                capture_error_mode=capture_error_mode,
             )
         else:
             capture_emulated(
