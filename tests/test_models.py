@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import functools
-import threading
 from typing import Any
 
 import jax
@@ -146,8 +144,10 @@ def test_encoder_with_graphed_blocks_matches_jax_in_float32() -> None:
 
 # -- parity on the GPU (JAX on the GPU too) ------------------------------------------------------
 
-# JAX's runtime keeps threads of its own that call CUDA; under the default "global" capture mode
-# such a call invalidates a capture in progress, so the captures here are thread-local.
+# JAX works from threads of its own beside torch here; captures are thread-local so that no other
+# thread's CUDA call can invalidate them (one bf16 capture here failed once under "global" with
+# CUBLAS_STATUS_EXECUTION_FAILED; the cause was not found, and a JAX worker thread did not
+# reproduce it).
 GPU_DTYPES = [torch.float32, torch.bfloat16]
 # torch's one-time note when its autograd thread first meets cuBLAS (that thread has no CUDA
 # context yet); harmless, and not ours to fix.
@@ -178,68 +178,3 @@ def test_encoder_with_cuda_graphed_blocks_matches_jax_on_the_gpu(dtype: torch.dt
     encoder = make_encoder("cuda", dtype)
     graph_blocks(encoder, "cuda", capture_error_mode="thread_local")
     check_parity(encoder, jax_encoder, encoder, images("cuda", dtype))
-
-
-class JaxWorker:
-    """Runs a jitted matmul on the GPU in a background thread until stopped."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.stop = threading.Event()
-        self.calls = 0
-        self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        square_sum = jax.jit(lambda a: (a @ a).sum())
-        a = jax.numpy.ones((512, 512))
-        while not self.stop.is_set():
-            try:
-                square_sum(a).block_until_ready()
-            except Exception as error:  # reported by the test, not lost in the thread
-                self.errors.append(error)
-                return
-            self.calls += 1
-            self.started.set()
-
-    def __enter__(self) -> JaxWorker:
-        self.thread.start()
-        assert self.started.wait(60), "the JAX worker never ran"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(60)
-
-
-@pytest.mark.cuda
-@cublas_note
-def test_thread_local_capture_while_jax_runs_in_another_thread_matches_eager() -> None:
-    with JaxWorker() as worker:
-        calls_before = worker.calls
-        graphed_blocks = []
-        for _ in range(4):  # several captures, each overlapping the worker's GPU calls
-            block = make_block("cuda")
-            eager = copy.deepcopy(block)
-            sample = hidden_states("cuda").requires_grad_()
-            dgt.make_graphed_callables(
-                block, (sample,), backend="cuda", capture_error_mode="thread_local"
-            )
-            graphed_blocks.append((block, eager))
-        calls_during = worker.calls - calls_before
-    assert not worker.errors, worker.errors
-    assert calls_during > 0, "JAX did no work while the blocks were captured"
-    for block, eager in graphed_blocks:
-        for seed in range(2):
-            x = torch.randn(BATCH, TOKENS, DIM, device="cuda") * (seed + 1)
-            x_eager = x.clone().requires_grad_()
-            x.requires_grad_()
-            hidden, extra = block(x)
-            hidden_eager, _ = eager(x_eager)
-            assert extra is None
-            torch.testing.assert_close(hidden, hidden_eager)
-            hidden.square().sum().backward()
-            hidden_eager.square().sum().backward()
-            torch.testing.assert_close(x.grad, x_eager.grad)
-        for param, param_eager in zip(block.parameters(), eager.parameters()):
-            torch.testing.assert_close(param.grad, param_eager.grad)

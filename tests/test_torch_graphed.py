@@ -12,6 +12,7 @@ consumed inside helpers, and a failed capture's exception is dropped before the 
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Any
 
 import numpy as np
@@ -889,6 +890,60 @@ class SyncsAfterDropout(nn.Module):
         if self.sync and h.sum().item() > 1e30:  # never true; .item() is the point
             h = h * 0
         return h
+
+
+class CudaMallocWorker:
+    """Another thread that keeps calling cudaMalloc (fresh sizes, cache emptied between)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        step = 0
+        while not self.stop.is_set():
+            try:  # 1 to 64 MiB, so memory stays bounded while a capture defers empty_cache
+                torch.empty((1 + step % 64) << 18, device="cuda")
+                torch.cuda.empty_cache()
+            except Exception:  # refused during a global-mode capture: the point of the worker
+                pass
+            step += 1
+            self.started.set()
+
+    def __enter__(self) -> CudaMallocWorker:
+        self.thread.start()
+        assert self.started.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+@pytest.mark.cuda
+def test_capture_error_mode_decides_whether_another_threads_cuda_malloc_breaks_capture() -> None:
+    torch.manual_seed(0)
+    module = TinyMLP().cuda()
+    eager = TinyMLP().cuda()
+    eager.load_state_dict(module.state_dict())
+    sample = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with CudaMallocWorker():
+        message = capture_error(module, (sample,), backend=CUDA)  # the default, "global"
+        assert "forward" not in module.__dict__  # the failed capture left the module as it was
+        dgt.make_graphed_callables(
+            module, (sample,), backend=CUDA, capture_error_mode="thread_local"
+        )
+    assert message.startswith("capturing TinyMLP (cuda) failed during ")
+    for _ in range(3):  # fresh inputs; parameter grads accumulate over the replays
+        x = torch.randn(4, 8, device="cuda", requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, out_eager = module(x), eager(x_eager)
+        torch.testing.assert_close(out, out_eager)
+        out.square().sum().backward()
+        out_eager.square().sum().backward()
+        torch.testing.assert_close(x.grad, x_eager.grad)
+    torch.testing.assert_close(grads_of(parameters_of(module)), grads_of(parameters_of(eager)))
 
 
 @pytest.mark.cuda
