@@ -25,8 +25,8 @@ _HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 needs_te = pytest.mark.skipif(not _HAS_TE, reason="needs transformer-engine (the [te] extra)")
 
 SEQ, BATCH, HIDDEN, FFN, HEADS = 32, 2, 256, 1024, 4
-# TE compiles some fused ops with torch.compile; Dynamo, tracing them on the first call (graphed
-# or eager alike), reads ``.grad`` of non-leaf tensors and torch warns about it.
+# Seen on the H200 with TE 2.20.2: during the first (warmup) call, TorchDynamo, tracing one of
+# TE's torch.compile'd fused ops, reads ``.grad`` of a non-leaf tensor and torch warns about it.
 te_dynamo_warning = pytest.mark.filterwarnings(
     "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"
 )
