@@ -25,6 +25,7 @@ divided by blocks) with the GPU work made tiny (batch 1, dim 64, 4 tokens).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -77,23 +78,15 @@ def training_step(blocks: Any, inputs: torch.Tensor, *, tuple_out: bool) -> Call
     return step
 
 
-def transformer_engine_graphed(
-    args: argparse.Namespace, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[Any, ...] | None:
-    """The blocks graphed by TE's make_graphed_callables; None (reason printed once) without TE."""
+@functools.cache
+def transformer_engine() -> Any:
+    """``transformer_engine.pytorch``, or None (the reason printed once) where it does not load."""
     try:
         import transformer_engine.pytorch as te
     except Exception as error:  # ImportError, or TE failing to load its CUDA libraries
-        if not _TE_SKIP_REPORTED:
-            print(f"te variant skipped: {type(error).__name__}: {error}", file=sys.stderr)
-            _TE_SKIP_REPORTED.append(True)
+        print(f"te variant skipped: {type(error).__name__}: {error}", file=sys.stderr)
         return None
-    te_blocks = make_blocks(args.blocks, args.dim, args.heads, dtype, 0)
-    samples = sample_args(args.blocks, shape, dtype)
-    return tuple(te.make_graphed_callables(tuple(te_blocks), samples))
-
-
-_TE_SKIP_REPORTED: list[bool] = []
+    return te
 
 
 def build_variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
@@ -114,8 +107,9 @@ def build_variants(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     torch_graphed = torch.cuda.make_graphed_callables(wrapped, samples())
     variants["torch"] = training_step(torch_graphed, inputs, tuple_out=False)
 
-    te_graphed = transformer_engine_graphed(args, shape, dtype)
-    if te_graphed is not None:
+    te = transformer_engine()
+    if te is not None:
+        te_graphed = te.make_graphed_callables(tuple(blocks()), samples())
         variants["te"] = training_step(te_graphed, inputs, tuple_out=True)
 
     dg_graphed = dgt.make_graphed_callables(tuple(blocks()), samples(), backend="cuda")

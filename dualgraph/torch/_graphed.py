@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import optree
 import torch
@@ -30,7 +30,7 @@ Backend = Literal["auto", "cuda", "emulate", "eager"]
 ParamGrads = Literal["autograd", "in_graph"]
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 _BACKENDS = ("auto", "cuda", "emulate", "eager")
-_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_CAPTURE_ERROR_MODES = get_args(CaptureErrorMode)
 
 
 def make_graphed_callables(
@@ -71,8 +71,8 @@ def make_graphed_callables(
     for parameters, so it is not for DDP or anything else that hooks parameter grads.
 
     ``capture_error_mode`` (``"cuda"`` only) is torch's: under ``"global"`` (default) a CUDA
-    call of *another* thread that is unsafe during capture (a JAX runtime or a data loader
-    working on the same GPU) invalidates the capture; ``"thread_local"`` lets other threads be.
+    call of *another* thread that is unsafe during capture (a ``cudaMalloc`` by a data loader or
+    prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets other threads be.
 
     Backends: ``"cuda"`` real graphs; ``"emulate"`` the same static-buffer semantics without a
     graph (re-runs the callable on the static buffers; finds aliasing bugs on a CPU); ``"eager"``
