@@ -15,7 +15,9 @@ torch_cudnn=$(python -c "import os, nvidia.cudnn as c; print(os.path.join(list(c
     && export LD_LIBRARY_PATH=$torch_cudnn${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
 python -m pytest -q -m cuda -p no:cacheprovider -rfE tests 2>&1 | tee "$out/cuda_tests.log" | tail -15 || status=1
-python benchmarks/bench_torch_replay.py --rounds 5 --json "$out/bench.json" 2>&1 \
-    | tee "$out/bench.log" | tail -25 || status=1
+baseline=()  # BASELINE=DIR compares another copy of the package (DIR/dualgraph) in the same run
+[ -n "${BASELINE:-}" ] && baseline=(--baseline "$BASELINE")
+python benchmarks/bench_torch_replay.py --rounds 5 "${baseline[@]}" --json "$out/bench.json" \
+    --plot "$out/bench.png" 2>&1 | tee "$out/bench.log" | tail -60 || status=1
 python examples/vision_encoder.py --steps 20 2>&1 | tee "$out/demo.log" | tail -15 || status=1
 exit $status
