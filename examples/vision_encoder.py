@@ -1,4 +1,4 @@
-"""Train a vision encoder eagerly and with its blocks graphed three ways; compare, check vs JAX.
+"""Train a vision encoder eagerly and with its blocks graphed by torch, TE and dualgraph; vs JAX.
 
 The encoder (``dualgraph.models.torch_vit.VisionEncoder``) has blocks that return
 ``(hidden, None)``: an output ``torch.cuda.make_graphed_callables`` cannot capture. From one
@@ -71,6 +71,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "batch": 32,
         "dtype": "bfloat16",
         "steps": 100,
+        "warmup": 3,
         "plot": DEFAULT_PLOT,
     },
     "cpu": {
@@ -82,6 +83,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "batch": 8,
         "dtype": "float32",
         "steps": 10,
+        "warmup": 1,
         "plot": None,
     },
 }
@@ -134,6 +136,13 @@ def png_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"must be a path ending in .png, got {text!r}")
     if path.exists() and not path.is_file():
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a file")
+    folder = path.absolute().parent  # made when the chart is saved, if it is not there
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot make a folder for {text!r}: {folder} is a file")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder} is read-only")
     return path
 
 
@@ -187,8 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup",
         type=non_negative_int,
-        default=1,
-        help="untimed training steps per variant first (default: %(default)s)",
+        help=by_device("warmup", "untimed training steps per variant, first"),
     )
     parser.add_argument(
         "--rounds",
@@ -200,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--parity-dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="dtype of the parity check against JAX: a per-leaf tolerance holds for float32 at "
-        "any depth, while bfloat16 rounding through many blocks exceeds bfloat16's on some "
-        "grads (default: %(default)s)",
+        help="dtype of the parity check against JAX; in bfloat16, rounding through many blocks "
+        "can exceed its per-leaf tolerance on some grads (12 blocks did on a CPU) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--backend",
@@ -215,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--plot",
         type=png_path,
+        metavar="PATH",
         help="save a bar chart of the step times here (default on a GPU: "
         f"{DEFAULT_PLOT.relative_to(ROOT)}; on the CPU: none)",
     )
@@ -694,6 +703,17 @@ def configure(device: torch.device) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except torch.cuda.OutOfMemoryError as error:
+        print(
+            f"vision_encoder: out of GPU memory, try a smaller --batch ({error})", file=sys.stderr
+        )
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build, graph and train every variant, check parity, report; 1 if something is off."""
     device = torch.device(args.device)
     backend, why = choose_backend(args.backend, device)
     configure(device)
@@ -709,14 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu" and args.batch * tokens * args.dim**2 > CPU_SLOW_WORK:
         print("note: a GPU-sized encoder on the CPU: expect tens of seconds a step")
 
-    try:
-        variants = build_variants(args, backend)
-        train(variants, args)
-    except torch.cuda.OutOfMemoryError as error:
-        print(
-            f"vision_encoder: out of GPU memory ({error}); try a smaller --batch", file=sys.stderr
-        )
-        return 1
+    variants = build_variants(args, backend)
+    train(variants, args)
 
     print(f"\nvariants (a step: forward, backward, AdamW; warm-up steps: {args.warmup})")
     for variant in variants:

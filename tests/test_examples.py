@@ -220,6 +220,17 @@ def test_plot_of_a_folder_is_a_clean_error(
     )
 
 
+def test_plot_under_a_file_is_a_clean_error(
+    demo: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes.txt").write_text("")
+    chart = tmp_path / "notes.txt" / "charts" / "chart.png"
+    assert parse_error(demo, ["--device", "cpu", "--plot", str(chart)], capsys) == (
+        f"argument --plot: cannot make a folder for {str(chart)!r}: {tmp_path / 'notes.txt'} "
+        "is a file"
+    )
+
+
 def test_plot_without_matplotlib_is_a_clean_error(
     demo: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -239,6 +250,7 @@ def test_defaults_follow_the_device(demo: ModuleType, has_cuda: bool) -> None:
         assert (args.device, args.layers, args.dim, args.heads) == ("cpu", 2, 64, 4)
         assert (args.image_size, args.patch, args.batch, args.dtype) == (32, 8, 8, "float32")
         assert args.plot is None
+    assert (args.steps, args.warmup) == ((100, 3) if has_cuda else (10, 1))
     assert (args.backend, args.parity_dtype, args.rounds) == ("auto", "float32", 5)
     assert demo.parse_args(["--device", "cpu", "--layers", "3"]).layers == 3
 
