@@ -403,7 +403,7 @@ def build_variants(args: argparse.Namespace, backend: str) -> list[Variant]:
         variants.append(variant)
         if skipped:
             continue
-        model = copy.deepcopy(base)
+        model = base if graph is None else copy.deepcopy(base)  # copied before any training
         if graph is not None:
             try:
                 variant.capture_seconds, variant.pool_bytes = timed_capture(graph, model, device)
