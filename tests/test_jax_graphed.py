@@ -77,7 +77,7 @@ def test_spec_json_is_the_numpy_description_of_the_same_tree(name: str) -> None:
     tree = TREES[name]()
     fn, arrays = identity_of(tree)
     with x64():
-        spec = dgj.graphed(fn, arrays).spec
+        spec = dgj.graphed(fn, arrays).out_spec
     assert spec.to_json() == describe(tree).to_json()
 
 
@@ -85,11 +85,11 @@ def test_spec_json_is_the_numpy_description_of_the_same_tree(name: str) -> None:
 def test_spec_json_is_the_torch_description_of_the_same_tree(name: str) -> None:
     tree = TREES[name]()
     fn, arrays = identity_of(tree)
-    assert dgj.graphed(fn, arrays).spec.to_json() == describe(to_torch(tree)).to_json()
+    assert dgj.graphed(fn, arrays).out_spec.to_json() == describe(to_torch(tree)).to_json()
 
 
 def test_kwargs_constants_are_static_and_outputs_keep_the_users_order() -> None:
-    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs={"scale": 3.0})
     out = g(jnp.ones((2, 3)), scale=3.0)
     assert list(out) == ["hidden", "pooled", "aux_loss", "depth"]
     assert out["aux_loss"] is None and out["depth"] == 2
@@ -100,7 +100,7 @@ def test_shape_dtype_structs_and_numpy_arrays_serve_as_samples_and_inputs() -> N
     g = dgj.graphed(encoder_layer, (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),))
     out = g(np.ones((2, 3), jnp.bfloat16))
     assert out["hidden"].dtype == jnp.bfloat16
-    assert g.spec.arrays[0].dtype == "bfloat16"
+    assert g.out_spec.arrays[0].dtype == "bfloat16"
 
 
 def test_an_unsupported_output_leaf_names_its_output_path() -> None:
@@ -116,8 +116,8 @@ def test_out_spec_from_torch_json_supplies_the_grad_mask() -> None:
     torch_out = (torch.ones(2, 3, requires_grad=True), None, torch.ones(2, 3))  # last: detached
     written = describe(torch_out).to_json()
     g = dgj.graphed(lambda x: (x * 2, None, x + 1), (jnp.ones((2, 3)),), out_spec=written)
-    assert g.spec.grad_mask == (True, False)
-    assert g.spec.to_json() == written
+    assert g.out_spec.grad_mask == (True, False)
+    assert g.out_spec.to_json() == written
 
 
 def test_out_spec_mismatch_names_the_output_path() -> None:
@@ -154,21 +154,25 @@ def sample_batch(columns: int = 8) -> dict[str, jax.Array]:
 
 
 def test_a_wrong_shape_in_args_is_named_by_its_path() -> None:
-    g = dgj.graphed(masked_mean, (sample_batch(), jnp.ones((4, 8))), {"mask": jnp.ones((2, 8))})
+    g = dgj.graphed(
+        masked_mean, (sample_batch(), jnp.ones((4, 8))), sample_kwargs={"mask": jnp.ones((2, 8))}
+    )
     with pytest.raises(SpecMismatchError) as caught:
         g(sample_batch(9), jnp.ones((4, 8)), mask=jnp.ones((2, 8)))
     assert str(caught.value) == "args[0]['mask']: expected float32[2, 8], got float32[2, 9]"
 
 
 def test_a_wrong_kwarg_is_named_by_its_path() -> None:
-    g = dgj.graphed(masked_mean, (sample_batch(), jnp.ones((4, 8))), {"mask": jnp.ones((2, 8))})
+    g = dgj.graphed(
+        masked_mean, (sample_batch(), jnp.ones((4, 8))), sample_kwargs={"mask": jnp.ones((2, 8))}
+    )
     with pytest.raises(SpecMismatchError) as caught:
         g(sample_batch(), jnp.ones((4, 8)), mask=jnp.ones((2, 8), jnp.bfloat16))
     assert str(caught.value) == "kwargs['mask']: expected float32[2, 8], got bfloat16[2, 8]"
 
 
 def test_a_changed_static_constant_is_refused() -> None:
-    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs={"scale": 3.0})
     with pytest.raises(SpecMismatchError, match=r"kwargs\['scale'\]"):
         g(jnp.ones((2, 3)), scale=4.0)
 
@@ -177,7 +181,7 @@ def test_a_rejected_call_donates_nothing_and_the_next_call_works() -> None:
     g = dgj.graphed(
         lambda state, x, *, mask: (state + x * mask, None),
         (jnp.ones((2, 8)), jnp.ones((2, 8))),
-        {"mask": jnp.ones((2, 8))},
+        sample_kwargs={"mask": jnp.ones((2, 8))},
         donate_argnums=0,
     )
     state = jnp.ones((2, 8))
