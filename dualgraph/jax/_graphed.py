@@ -18,11 +18,11 @@ from typing import Any
 
 import jax
 
+from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
-from ._callspec import CallSpec, describe_call
 from ._donation import (
     check_donated_inputs,
     delete_donated,

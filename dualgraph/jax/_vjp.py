@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
+from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
 from .._spec import TreeSpec
-from ._callspec import CallSpec
 from ._donation import jax_donation_warnings
 from ._env import enable_x64
 from ._transforms import leaves_with_paths, tracer_error

@@ -12,12 +12,12 @@ import numpy as np
 import optree
 import torch
 
+from .._call import CallSpec, describe_call
 from .._containers import NAMESPACE
 from .._dtypes import is_differentiable_dtype
 from .._errors import SpecMismatchError
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
-from ..jax._callspec import CallSpec, describe_call
 from ._arrays import compare_arrays
 from ._bridge import as_torch, random_like, to_numpy
 from ._jax_side import JaxRun, run_jax
