@@ -142,6 +142,15 @@ def test_encoder_with_graphed_blocks_matches_jax_in_float32() -> None:
     check_parity(encoder, jax_encoder, encoder, images())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_block_matches_jax_in_low_precision_on_the_cpu(dtype: torch.dtype) -> None:
+    # Two independent low-precision computations (torch's CPU kernels, XLA's): they differ by
+    # rounding, and the default tolerances of the dtype hold them.
+    block = make_block(dtype=dtype)
+    report = check_parity(block, jax_block, block, hidden_states(dtype=dtype))
+    assert report.worst.max_abs > 0 and report.worst.usage < 0.5
+
+
 # -- parity on the GPU (JAX on the GPU too) ------------------------------------------------------
 
 # JAX works from threads of its own beside torch here; captures are thread-local so that no other

@@ -55,6 +55,19 @@ class LeafReport:
         return self.reason is None
 
     @property
+    def usage(self) -> float:
+        """The largest fraction of a limit the leaf uses: :attr:`score`, the relative L2 error
+        over its limit, or ``1 - cosine`` over ``1 - min_cosine`` (above 1: over the limit)."""
+        limits = self.tolerance
+        if limits is None or self.rel_l2 is None or self.cosine is None:
+            return self.score
+        return max(
+            self.score,
+            _fraction(self.rel_l2, limits.max_rel_l2),
+            _fraction(1.0 - self.cosine, 1.0 - limits.min_cosine),
+        )
+
+    @property
     def reason(self) -> str | None:
         """Why the leaf fails, in one line; ``None`` when it passes."""
         if self.problem is not None:
@@ -93,8 +106,8 @@ class ParityReport:
 
     @property
     def worst(self) -> LeafReport | None:
-        """The first failing leaf with the highest score, else the leaf closest to failing."""
-        return max(self.entries, key=lambda e: (not e.ok, e.score), default=None)
+        """The failing leaf furthest over a limit, else the leaf closest to one (by usage)."""
+        return max(self.entries, key=lambda e: (not e.ok, e.usage), default=None)
 
     @property
     def worst_path(self) -> str | None:
@@ -124,12 +137,18 @@ class ParityReport:
         if self.ok:
             return (
                 f"parity OK: {len(self.entries)} leaves within tolerance (worst: {worst.path} "
-                f"at {worst.score:.2g} of its tolerance{note})"
+                f"at {worst.usage:.2g} of its tolerance{note})"
             )
         return (
             f"parity FAILED: {len(self.failures)} of {len(self.entries)} leaves (worst: "
             f"{worst.path}: {worst.reason}{note})"
         )
+
+
+def _fraction(value: float, limit: float) -> float:
+    if value <= 0.0:
+        return 0.0
+    return value / limit if limit > 0.0 else float("inf")
 
 
 _TITLES = (
