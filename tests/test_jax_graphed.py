@@ -303,9 +303,10 @@ def test_donate_argnums_none_donates_nothing() -> None:
         ([0, 1.5], r"1\.5 \(float\) is not an integer index"),
         ([[0]], r"\[0\] \(list\) is not an integer index"),
         (object(), "expected an int or a sequence of ints"),
+        ({0: "state"}, "expected an int or a sequence of ints"),
         ([np.bool_(True)], r"True_ \(bool\) is not an integer index"),
     ],
-    ids=["float", "str", "bool", "float-in-list", "nested", "object", "np.bool_"],
+    ids=["float", "str", "bool", "float-in-list", "nested", "object", "dict", "np.bool_"],
 )
 def test_donate_argnums_that_are_not_indices_are_refused_clearly(
     argnums: Any, message: str
@@ -545,6 +546,11 @@ def test_a_graphed_callable_reads_like_the_torch_one() -> None:
     assert g.out_spec == describe({"hidden": jnp.ones((2, 3)), "pooled": jnp.ones(3),
                                    "aux_loss": None, "depth": 2})  # fmt: skip
     assert repr(g).startswith("GraphedCallable(encoder_layer, call=CallSpec(args=(float32[2, 3]")
+
+
+def test_sample_args_that_are_not_a_tuple_are_refused() -> None:
+    with pytest.raises(DualgraphError, match=r"sample_args must be a tuple .* got ArrayImpl"):
+        dgj.graphed(double, jnp.ones(3))
 
 
 def test_sample_kwargs_are_keyword_only() -> None:

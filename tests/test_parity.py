@@ -317,6 +317,19 @@ def test_allow_nan_accepts_an_all_nan_leaf_and_still_reports_it() -> None:
 # -- NaN and infinities --------------------------------------------------------------------------
 
 
+def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
+    x = np.array([np.inf, -np.inf, np.nan], np.float32)
+    leaf = compare_arrays("out", x, x)
+    assert leaf.warning.startswith("no finite value on either side") and not leaf.ok
+    assert compare_arrays("out", x, x, allow_nan=True).ok
+
+
+def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
+    zeros = np.zeros(4, np.float32)
+    assert compare_arrays("grad", zeros, zeros).ok
+    assert not compare_arrays("grad", np.full(4, 1e-30, np.float32), zeros).ok
+
+
 def test_nan_and_inf_at_the_same_positions_pass_and_are_counted() -> None:
     x = np.array([np.nan, 1.0, np.inf, -np.inf], np.float32)
     report = assert_parity(lambda t: t * 1, lambda a: a * 1, (x,), grads=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -68,7 +68,7 @@ def donated_argnums(donate_argnums: Any, args_spec: TreeSpec, num_args: int) -> 
 def _argnum_list(donate_argnums: Any) -> list[int]:
     if donate_argnums is None:
         return []
-    if not isinstance(donate_argnums, (str, bytes, bool)):
+    if not isinstance(donate_argnums, (str, bytes, bool, Mapping)):
         try:
             return [operator.index(donate_argnums)]
         except TypeError:

@@ -66,5 +66,5 @@ def refuse_narrowed_inputs(name: str, paths: Sequence[str], leaves: Sequence[Lea
             raise DualgraphError(
                 f"graphed({name}): {path} is {leaf}, but {why}JAX would silently compute it "
                 f"as {computed}. Turn the 64-bit mode on (jax.config.update('jax_enable_x64', "
-                f"True), or build inside `with jax.enable_x64(True):`) or pass a {computed} array"
+                f"True), or build inside `with jax.enable_x64(True):`) or pass {computed} values"
             )

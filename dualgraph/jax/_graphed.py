@@ -121,6 +121,11 @@ class GraphedCallable:
             raise DualgraphError(f"graphed: {fn!r} is not callable")
         self.fn = fn
         self.name: str = getattr(fn, "__qualname__", None) or type(fn).__name__
+        if not isinstance(sample_args, (tuple, list)):
+            raise DualgraphError(
+                f"graphed({self.name}): sample_args must be a tuple of the positional sample "
+                f"arguments, got {type(sample_args).__name__} (for one argument x: (x,))"
+            )
         args = tuple(sample_args)
         self.call_spec: CallSpec = describe_call(args, dict(sample_kwargs or {}))
         self._paths = self.call_spec.array_paths

@@ -66,8 +66,8 @@ def compare(
       ``.grad`` (putting the previous ``.grad`` back), so a graphed callable that accumulates
       parameter grads inside its backward graph is measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
-      name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that are NaN
-      everywhere on both sides (still reported as a warning).
+      name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
+      value on either side, e.g. NaN everywhere (still reported as a warning).
     - 64-bit: when an input, a parameter or a torch output is int64, uint64, float64 or
       complex128 and JAX's 64-bit mode is off, the JAX side runs inside
       :func:`dualgraph.jax.enable_x64`, so nothing is narrowed.
