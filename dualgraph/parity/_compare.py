@@ -76,7 +76,8 @@ def compare(
     structure, ``None`` positions, constants, shapes or dtypes; value differences are reported.
     """
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
-    inputs = _prepare_inputs(torch_fn, args, kwargs, grads, params is not None, torch_params)
+    both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
+    inputs = _prepare_inputs(args, kwargs, grads, both_params)
     torch_out = _run_torch(torch_fn, inputs)
     wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
     with enable_x64(wide is not None):
@@ -84,9 +85,7 @@ def compare(
         spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
         entries = _compare_outputs(spec, torch_out, run.outputs, judge)
         if grads:
-            entries += _compare_grads(
-                spec, torch_out, run, inputs, params, params_from_torch, judge, seed
-            )
+            entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
     return ParityReport(tuple(entries))
 
 
@@ -114,28 +113,42 @@ def assert_parity(*args: Any, **kwargs: Any) -> ParityReport:
 
 
 @dataclass(frozen=True)
+class _Params:
+    """The parameters on both sides: JAX's tree, torch's named tensors, the map between them."""
+
+    jax: Any
+    torch: dict[str, torch.Tensor]
+    from_torch: Callable[[dict[str, np.ndarray]], Any]
+
+
+def _params_of(
+    torch_fn: Any,
+    params: Any,
+    params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None,
+    torch_params: Mapping[str, torch.Tensor] | None,
+) -> _Params | None:
+    if params is None:
+        return None
+    return _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
+
+
+@dataclass(frozen=True)
 class _Inputs:
     """The call as torch sees it: flat tensors (requiring grad where compared), parameters."""
 
     call_spec: CallSpec
     tensors: list[torch.Tensor]
     wants_grad: list[bool]
-    params: dict[str, torch.Tensor]
+    params: _Params | None
 
 
 def _prepare_inputs(
-    torch_fn: Any,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any] | None,
-    grads: bool,
-    with_params: bool,
-    torch_params: Mapping[str, torch.Tensor] | None,
+    args: Sequence[Any], kwargs: Mapping[str, Any] | None, grads: bool, params: _Params | None
 ) -> _Inputs:
     kwargs = dict(kwargs or {})
     call_spec = describe_call(tuple(args), kwargs)
     samples = call_spec.flatten(tuple(args), kwargs)
-    params = named_params(torch_fn, torch_params) if with_params else {}
-    device = torch_device([*samples, *params.values()])
+    device = torch_device([*samples, *(params.torch.values() if params else ())])
     wants_grad = [grads and is_differentiable_dtype(leaf.dtype or "") for leaf in call_spec.arrays]
     tensors = [as_torch(x, device) for x in samples]
     for tensor, wanted in zip(tensors, wants_grad, strict=True):
@@ -202,14 +215,7 @@ def _compare_outputs(
 
 
 def _compare_grads(
-    spec: TreeSpec,
-    torch_out: Any,
-    run: JaxRun,
-    inputs: _Inputs,
-    params: Any,
-    params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None,
-    judge: Judge,
-    seed: int,
+    spec: TreeSpec, torch_out: Any, run: JaxRun, inputs: _Inputs, judge: Judge, seed: int
 ) -> list[LeafReport]:
     """The same seeded cotangents through both backwards; input grads, then parameter grads."""
     assert run.pullback is not None
@@ -221,7 +227,8 @@ def _compare_grads(
     ]
     cotangents = [random_like(rng, leaf.dtype or "", leaf.shape or ()) for leaf, _ in masked]
 
-    trainable = {name: p for name, p in inputs.params.items() if p.requires_grad}
+    params = inputs.params
+    trainable = {n: p for n, p in params.torch.items() if p.requires_grad} if params else {}
     targets = [t for t, wanted in zip(inputs.tensors, inputs.wants_grad, strict=True) if wanted]
     torch_grads = read_grads(
         [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
@@ -243,9 +250,7 @@ def _compare_grads(
     ]
     if params is not None:
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
-        entries += _param_grad_reports(
-            params, param_grads, inputs.params, torch_param_grads, params_from_torch, judge
-        )
+        entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
     return entries
 
 
@@ -255,16 +260,14 @@ def _grad_as_numpy(grad: torch.Tensor | None, like: Any) -> np.ndarray:
 
 
 def _param_grad_reports(
-    params: Any,
+    params: _Params,
     jax_grads: Any,
-    named: Mapping[str, torch.Tensor],
     torch_grads: Mapping[str, torch.Tensor | None],
-    params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None,
     judge: Judge,
 ) -> list[LeafReport]:
     """Torch's parameter grads mapped into the JAX params tree, compared leaf by leaf."""
-    convert = params_from_torch or dict
-    params_spec = describe(params)
+    convert, named = params.from_torch, params.torch
+    params_spec = describe(params.jax)
     as_numpy = {
         name: to_numpy(_grad_or_zeros(torch_grads.get(name), p)) for name, p in named.items()
     }
