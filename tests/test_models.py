@@ -101,6 +101,12 @@ def test_a_float64_state_dict_without_64_bit_jax_is_refused() -> None:
         jax_vit.params_from_state_dict(make_block(dtype=torch.float64).state_dict())
 
 
+def test_an_int64_state_dict_entry_without_64_bit_jax_is_refused() -> None:
+    state = {"pos_embed": torch.tensor([2**40], dtype=torch.int64)}
+    with pytest.raises(DualgraphError, match=r"'pos_embed'\] is int64.* compute it as int32"):
+        jax_vit.params_from_state_dict(state)
+
+
 # -- parity on the CPU ---------------------------------------------------------------------------
 
 
