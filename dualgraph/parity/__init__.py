@@ -8,12 +8,13 @@ floating inputs and for the parameters. :func:`assert_parity` is the pytest form
 :func:`compare_arrays` judges one pair of arrays.
 
 The tolerance model (:data:`DEFAULT_TOLERANCES`, per dtype): integers and bools compare exactly
-in their own dtype; a floating leaf passes when ``|torch - jax| <= rtol * |jax| + atol * rms``
-everywhere (``rms``: the root mean square of the reference leaf, its typical scale), its cosine
-similarity with the reference is at least ``min_cosine``, and NaN and infinities sit at the same
-positions on both sides. A leaf NaN everywhere on both sides is a warning, and fails unless
-``allow_nan=True``. Nothing is coerced: dtypes and shapes must agree, and 64-bit leaves are
-compared in 64 bits (the JAX side runs in its 64-bit mode for them).
+in their own dtype; a floating leaf passes when every entry has
+``|torch - jax| <= rtol * |jax| + atol * rms`` (``rms``: the root mean square of the reference
+leaf, its typical scale), the leaf's relative L2 error is at most ``max_rel_l2``, its cosine
+similarity with the reference at least ``min_cosine``, and NaN and infinities sit at the same
+positions on both sides. A leaf with no finite value (NaN everywhere) is a warning, and fails
+unless ``allow_nan=True``. Nothing is coerced: dtypes and shapes must agree, and 64-bit leaves
+are compared in 64 bits (the JAX side runs in its 64-bit mode for them).
 
 float32 is compared at full precision: TF32 is turned off in PyTorch for the duration (and
 restored), and the JAX reference is traced under ``jax.default_matmul_precision("highest")``
