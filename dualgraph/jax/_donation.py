@@ -26,6 +26,7 @@ __all__ = [
     "check_donated_inputs",
     "delete_donated",
     "donated_argnums",
+    "donated_leaves",
     "explain_failed_call",
     "jax_donation_warnings",
     "unusable_donations",
@@ -63,6 +64,11 @@ def donated_argnums(donate_argnums: Any, args_spec: TreeSpec, num_args: int) -> 
             )
         result.add(index)
     return tuple(sorted(result))
+
+
+def donated_leaves(args_spec: TreeSpec, argnums: Sequence[int]) -> tuple[int, ...]:
+    """The positions, among the flat input arrays, of the arrays inside the donated args."""
+    return tuple(i for i, path in enumerate(args_spec.array_paths) if _top_index(path) in argnums)
 
 
 def _argnum_list(donate_argnums: Any) -> list[int]:

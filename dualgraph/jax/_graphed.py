@@ -27,6 +27,7 @@ from ._donation import (
     check_donated_inputs,
     delete_donated,
     donated_argnums,
+    donated_leaves,
     explain_failed_call,
     jax_donation_warnings,
     unusable_donations,
@@ -134,11 +135,7 @@ class GraphedCallable:
         self._precision = config_value("jax_default_matmul_precision")
         refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
         self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
-        self._donated = tuple(
-            i
-            for i, path in enumerate(self.call_spec.args_spec.array_paths)
-            if int(path[1 : path.index("]")]) in self.donate_argnums
-        )
+        self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
         self._traced_spec: TreeSpec | None = None
         self._compiled: jax.stages.Compiled | None = None
         self._vjp_program: VJPProgram | None = None
