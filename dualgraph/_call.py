@@ -16,7 +16,7 @@ from typing import Any
 from ._containers import DictNode, TupleNode
 from ._errors import DualgraphError, SpecMismatchError
 from ._json import read_document, write_document
-from ._nodes import clip
+from ._nodes import clip, clip_text
 from ._spec import LeafSpec, TreeSpec, describe
 
 __all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
@@ -172,17 +172,18 @@ class CallSpec:
                 )
             args = tuple(args)
         arrays = self.args_spec.flatten(args, check=check, root="args")
-        if kwargs or self._has_kwargs:
-            if type(kwargs) is not dict:
+        if type(kwargs) is not dict:
+            if kwargs is None:
+                if not self._has_kwargs:
+                    return arrays
+                kwargs = {}
+            else:
                 kwargs, problem = _kwargs_dict(kwargs)
                 if problem is not None:
                     raise SpecMismatchError(problem, path="kwargs")
-            arrays += self.kwargs_spec.flatten(kwargs, check=check, root="kwargs")
-        elif kwargs is not None and not isinstance(kwargs, Mapping):
-            raise SpecMismatchError(
-                f"kwargs: expected a mapping of keyword arguments, got {_type_name(kwargs)}",
-                path="kwargs",
-            )
+        elif not kwargs and not self._has_kwargs:
+            return arrays
+        arrays += self.kwargs_spec.flatten(kwargs, check=check, root="kwargs")
         return arrays
 
     def unflatten(self, arrays: Sequence[Any], /) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -246,7 +247,10 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
         return {}, None
     if not isinstance(kwargs, Mapping):
         return {}, f"kwargs: expected a mapping of keyword arguments, got {_type_name(kwargs)}"
-    result = dict(kwargs)
+    try:
+        result = dict(kwargs)
+    except Exception as error:
+        return {}, f"kwargs: reading the mapping raised {type(error).__name__}: {clip_text(error)}"
     for key in result:
         if type(key) is not str:
             return {}, f"kwargs: keyword names must be str, got {key!r} ({_type_name(key)})"

@@ -105,7 +105,7 @@ class _Sequence(Container):
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         if type(obj) is self.python_type and len(obj) == self.arity:
-            return obj  # type: ignore[no-any-return]
+            return obj
         return None
 
     def guard(self, var: str, bind: Bind) -> str:
@@ -281,7 +281,7 @@ class DictNode(_Mapping):
     sorts_keys = True
 
     def same_keys(self, obj: Any) -> bool:
-        return obj.keys() == self.keyset  # type: ignore[no-any-return]
+        return obj.keys() == self.keyset
 
     def rebuild(self, values: list[Any]) -> Any:
         return dict(self.user_pairs(values))
@@ -329,7 +329,7 @@ class _Named(Container):
     """A user class with named fields, bound by identity; JSON names it ``module:QualName``."""
 
     __slots__ = ("cls", "fields", "name")
-    cls: type
+    cls: type[Any]
     fields: tuple[str, ...]
     name: str
     register_with: ClassVar[str]
@@ -428,15 +428,15 @@ class NamedTupleNode(_Named):
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
         if _KIND_OF.get(typ) is NamedTupleNode:  # registered or described
-            return typ._fields  # type: ignore[attr-defined, no-any-return]
+            return typ._fields  # type: ignore[attr-defined]
         return None
 
     def values_of(self, obj: Any) -> Sequence[Any]:
-        return obj  # type: ignore[no-any-return]
+        return obj
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         if type(obj) is self.cls and len(obj) == self.arity:
-            return obj  # type: ignore[no-any-return]
+            return obj
         return None
 
     def rebuild(self, values: list[Any]) -> Any:

@@ -23,9 +23,8 @@ __all__ = ["MAX_JSON_CHARS", "next_entries", "read_document", "read_tree", "writ
 #: The longest document :func:`read_document` parses (characters).
 MAX_JSON_CHARS = 256 * 2**20
 
-_NODE_CLASSES: dict[str, Any] = {
-    cls.tag: cls for cls in (NoneLeaf, ConstLeaf, ArrayLeaf, *CONTAINER_KINDS)
-}
+_NODE_KINDS: tuple[type[Node], ...] = (NoneLeaf, ConstLeaf, ArrayLeaf, *CONTAINER_KINDS)
+_NODE_CLASSES: dict[str, type[Node]] = {cls.tag: cls for cls in _NODE_KINDS}
 
 
 def write_document(kind: str, version: int, trees: dict[str, list[list[Any]]]) -> str:
@@ -133,6 +132,9 @@ def _node_of_row(row: Any, max_arity: int, what: str, root: str, nodes: list[Nod
         node: Node = cls.from_row(row, max_arity)
     except NodeError as error:
         raise _malformed(what, root, nodes, str(error)) from None
+    except Exception as error:  # a check above missed a case: still a malformed row
+        message = f"unreadable row {clip(row)} ({type(error).__name__}: {clip_text(error)})"
+        raise _malformed(what, root, nodes, message) from None
     return node
 
 

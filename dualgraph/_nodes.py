@@ -14,7 +14,7 @@ equal place of a tree.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from ._dtypes import is_dtype_name, numpy_dtype
 from ._leaves import same_float, signature_of
@@ -80,7 +80,7 @@ class Node:
         raise AttributeError(f"{type(self).__name__} is frozen")
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (type(other) is type(self) and self.key == other.key)  # type: ignore[attr-defined]
+        return self is other or (type(other) is type(self) and self.key == other.key)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -98,6 +98,11 @@ class Node:
 
     def row(self) -> list[Any]:
         """The node's JSON row (children are the rows that follow it)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Node:
+        """The node of a JSON row with at most ``max_arity`` children; else a :class:`NodeError`."""
         raise NotImplementedError
 
 
@@ -203,16 +208,17 @@ class ConstLeaf(Leaf):
 
     @classmethod
     def from_row(cls, row: list[Any], max_arity: int) -> ConstLeaf:
-        if len(row) != 3 or row[1] not in _CONSTANT_TYPES:
+        if len(row) != 3 or type(row[1]) is not str or row[1] not in _CONSTANT_TYPES:
             raise NodeError(f"a const row is ['const', bool|int|float|str, value], got {clip(row)}")
-        type_name, value = row[1], row[2]
+        type_name: str = row[1]
+        value: Any = row[2]
         if type_name == "float":  # stored as its repr: strict JSON has no NaN or infinities
             if type(value) is not str or not _is_float_repr(value):
                 raise NodeError(f"a float constant is stored as its repr, got {clip(value)}")
             return cls(float(value))
         if type(value) is not _CONSTANT_TYPES[type_name]:
             raise NodeError(f"a {type_name} constant holds {clip(value)}")
-        return cls(value)
+        return cls(cast("bool | int | float | str", value))
 
     def matches(self, obj: Any) -> bool:
         value = self.value
@@ -331,7 +337,7 @@ class Container(Node):
     __slots__ = ("arity", "entries")
     op = 0
     #: The exact Python type of a builtin kind (``None`` for user classes).
-    python_type: ClassVar[type | None] = None
+    python_type: ClassVar[Any] = None
     #: The path entry of each child, in flatten order.
     entries: tuple[PathEntry, ...]
 

@@ -179,7 +179,9 @@ class ParityReport:
         widths = [max(len(row[i]) for row in [titles, *rows]) for i in range(len(titles))]
         lines = [header]
         for row in [titles, *rows]:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            lines.append(
+                "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            )
         return "\n".join(lines)
 
 
@@ -231,7 +233,7 @@ def compare(
     device = _torch_device(samples, named_params.values())
     wants_grad = [grads and is_differentiable_dtype(leaf.dtype or "") for leaf in inputs]
     torch_inputs = [_as_torch(x, device) for x in samples]
-    for tensor, wanted in zip(torch_inputs, wants_grad):
+    for tensor, wanted in zip(torch_inputs, wants_grad, strict=True):
         if wanted:
             tensor.requires_grad_(True)
     n_args = args_spec.num_arrays
@@ -275,7 +277,7 @@ def compare(
         entries = []
         torch_leaves = spec.flatten(torch_out)
         for path, leaf, t, j in zip(
-            spec.array_paths, spec.arrays, torch_leaves, spec.flatten(jax_out)
+            spec.array_paths, spec.arrays, torch_leaves, spec.flatten(jax_out), strict=True
         ):
             entries.append(
                 _leaf_report("output" + path, leaf, _torch_to_numpy(t), np.asarray(j), rtol, atol)
@@ -284,26 +286,36 @@ def compare(
             return ParityReport(tuple(entries))
 
         rng = np.random.default_rng(seed)
-        masked = [(leaf, t) for leaf, t, m in zip(spec.arrays, torch_leaves, spec.grad_mask) if m]
+        masked = [
+            (leaf, t)
+            for leaf, t, m in zip(spec.arrays, torch_leaves, spec.grad_mask, strict=True)
+            if m
+        ]
         cotangents = [_random_like(rng, leaf) for leaf, _ in masked]
         trainable = {name: p for name, p in named_params.items() if p.requires_grad}
-        torch_targets = [t for t, wanted in zip(torch_inputs, wants_grad) if wanted]
+        torch_targets = [t for t, wanted in zip(torch_inputs, wants_grad, strict=True) if wanted]
         torch_grads = _torch_grads(
-            [(t, ct) for (_, t), ct in zip(masked, cotangents)],
+            [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
             [*torch_targets, *trainable.values()],
         )
         cotangent_tree = pullback.cotangent_spec.unflatten([jnp.asarray(c) for c in cotangents])
         args_grads, kwargs_grads = pullback(cotangent_tree)
         if params is not None:
             param_grads, args_grads = args_grads[0], args_grads[1:]
-        jax_grads = optree.tree_leaves((args_grads, kwargs_grads), namespace=NAMESPACE)
-        diff_inputs = [(path, leaf) for path, leaf, w in zip(input_paths, inputs, wants_grad) if w]
-        for (path, leaf), t, j in zip(diff_inputs, torch_grads, jax_grads):
+        jax_grads: list[Any] = optree.tree_leaves(
+            (args_grads, kwargs_grads),  # type: ignore[arg-type]
+            namespace=NAMESPACE,
+        )
+        diff_inputs = [
+            (path, leaf) for path, leaf, w in zip(input_paths, inputs, wants_grad, strict=True) if w
+        ]
+        # torch_grads holds the parameter grads after the inputs'
+        for (path, leaf), t, j in zip(diff_inputs, torch_grads, jax_grads, strict=False):
             expected = np.asarray(j)
             actual = np.zeros_like(expected) if t is None else _torch_to_numpy(t)
             entries.append(_leaf_report("grad " + path, leaf, actual, expected, rtol, atol))
         if params is not None:
-            torch_param_grads = dict(zip(trainable, torch_grads[len(torch_targets) :]))
+            torch_param_grads = dict(zip(trainable, torch_grads[len(torch_targets) :], strict=True))
             entries += _param_grad_reports(
                 params, param_grads, named_params, torch_param_grads, params_from_torch, rtol, atol
             )
@@ -394,7 +406,7 @@ def _param_grad_reports(
     params_spec = describe(params)
     as_numpy = {
         name: (
-            _torch_to_numpy(torch_grads[name])
+            _torch_to_numpy(torch_grads[name])  # type: ignore[arg-type]
             if torch_grads.get(name) is not None
             else np.zeros(tuple(p.shape), _numpy_dtype(dtype_name(p.dtype)))
         )
@@ -419,7 +431,12 @@ def _param_grad_reports(
     reports = []
     jax_iter = iter(jax_leaves)
     for path, leaf, t, used, diff in zip(
-        params_spec.array_paths, params_spec.arrays, converted, compared, differentiable
+        params_spec.array_paths,
+        params_spec.arrays,
+        converted,
+        compared,
+        differentiable,
+        strict=True,
     ):
         if not diff:
             continue
@@ -552,7 +569,7 @@ def _torch_grads(
                 )
         return [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
     finally:
-        for leaf, grad in zip(leaves, saved):
+        for leaf, grad in zip(leaves, saved, strict=True):
             leaf.grad = grad
 
 
@@ -561,14 +578,14 @@ def _torch_full_precision() -> Iterator[None]:
     """TF32 off for float32 matmuls and convolutions in PyTorch; the settings are restored."""
     backends = torch.backends
     if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
-        knobs = [backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn]
+        knobs = [backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn]  # type: ignore[attr-defined]
         saved = [knob.fp32_precision for knob in knobs]
         try:
             for knob in knobs:
                 knob.fp32_precision = "ieee"
             yield
         finally:
-            for knob, value in zip(knobs, saved):
+            for knob, value in zip(knobs, saved, strict=True):
                 knob.fp32_precision = value
         return
     legacy = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32)

@@ -220,7 +220,7 @@ def compare_losses(
 ) -> tuple[bool, str]:
     """Whether every step's graphed loss is within ``tolerance`` (relative) of the eager one."""
     worst, worst_step = 0.0, 0
-    for step, (eager, graphed) in enumerate(zip(losses["eager"], losses["graphed"])):
+    for step, (eager, graphed) in enumerate(zip(losses["eager"], losses["graphed"], strict=True)):
         difference = abs(graphed - eager) / max(1.0, abs(eager))
         if difference > worst:
             worst, worst_step = difference, step

@@ -134,7 +134,7 @@ def delete_donated(arrays: Sequence[Any], donated: Sequence[int]) -> None:
 
 def explain_failed_call(error: Exception, arrays: Sequence[Any], paths: Sequence[str]) -> Exception:
     """A clearer error for a failed call when an input had been deleted; else ``error`` itself."""
-    for x, path in zip(arrays, paths):
+    for x, path in zip(arrays, paths, strict=True):
         if isinstance(x, jax.Array) and x.is_deleted():
             return DualgraphError(
                 f"{path}: this array has been deleted (donated to an earlier call, or deleted "

@@ -74,7 +74,7 @@ def x64_enabled() -> bool:
     """Whether JAX's 64-bit types are on (``jax_enable_x64``) where this is called."""
     import jax
 
-    return bool(jax.config.jax_enable_x64)
+    return bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
 
 
 def enable_x64() -> contextlib.AbstractContextManager[Any]:
@@ -84,6 +84,8 @@ def enable_x64() -> contextlib.AbstractContextManager[Any]:
     scoped = getattr(jax, "enable_x64", None)
     if scoped is not None:
         return scoped(True)
-    from jax.experimental import enable_x64 as experimental  # JAX before the move
+    from jax.experimental import (  # type: ignore[attr-defined]  # JAX before the move
+        enable_x64 as experimental,
+    )
 
     return experimental()

@@ -117,7 +117,7 @@ class Graphed:
         )
         # The configuration the program is compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
-        self._precision = jax.config.jax_default_matmul_precision
+        self._precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]
         if not self._x64:
             self._refuse_float64()
         self.donate_argnums = _donate_argnums(donate_argnums, args, self.args_spec)
@@ -138,7 +138,7 @@ class Graphed:
                 self._compiled = self._lowered.compile()
         traced = self._traced_spec
         assert traced is not None
-        self.spec = _output_spec(traced, out_spec, self.name)
+        self.spec: TreeSpec = _output_spec(traced, out_spec, self.name)
         self._vjp_program: VJPProgram | None = None
         unusable = unusable_donations(self._inputs, self._donated, traced.arrays)
         if unusable:
@@ -168,7 +168,7 @@ class Graphed:
         return spec.flatten(outputs)
 
     def _refuse_float64(self) -> None:
-        for path, leaf in zip(self._paths, self._inputs):
+        for path, leaf in zip(self._paths, self._inputs, strict=True):
             if leaf.dtype in _NEEDS_X64:
                 raise DualgraphError(
                     f"graphed({self.name}): {path} is {leaf}, but JAX's 64-bit mode is off, so "
@@ -292,7 +292,7 @@ def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -
             f"graphed({name}): the function's output does not match out_spec: {error}",
             path=error.path,
         ) from None
-    for path, leaf in zip(out_spec.array_paths, out_spec.arrays):
+    for path, leaf in zip(out_spec.array_paths, out_spec.arrays, strict=True):
         if leaf.grad and not is_differentiable_dtype(leaf.dtype or ""):
             raise DualgraphError(
                 f"graphed({name}): out_spec masks output{path} ({leaf}) for backward, but "

@@ -47,7 +47,7 @@ class VJPProgram:
         def forward(*arrays: Any) -> tuple[list[Any], list[Any]]:
             def masked(*diff: Any) -> tuple[list[Any], list[Any]]:
                 full = list(arrays)
-                for i, x in zip(diff_inputs, diff):
+                for i, x in zip(diff_inputs, diff, strict=True):
                     full[i] = x
                 outputs = flat_fn(*full)
                 return [outputs[j] for j in masked_outputs], outputs
@@ -64,8 +64,8 @@ class VJPProgram:
 
         structs = [struct_of(leaf) for leaf in inputs]
         with jax_donation_warnings():  # reported once already, by the plain forward's compile
-            lowered = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
-            lowered = lowered.lower(*structs)
+            jitted = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
+            lowered = jitted.lower(*structs)
             self.forward = lowered.compile()
         cotangent_structs = [struct_of(leaf) for leaf in self.cotangent_spec.arrays]
         residual_structs = lowered.out_info[1]

@@ -193,7 +193,7 @@ def _rule(torch_name: str) -> tuple[tuple[str | int, ...], bool]:
 
 def _to_jax(name: str, value: Any) -> jax.Array:
     dtype = describe(value).leaves[0].dtype
-    if dtype in ("float64", "complex128") and not jax.config.jax_enable_x64:
+    if dtype in ("float64", "complex128") and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
         raise DualgraphError(
             f"state_dict[{name!r}] is {dtype}, but JAX's 64-bit mode is off and would silently "
             "downcast it; turn it on (jax.enable_x64) or convert the model first"
