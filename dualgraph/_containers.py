@@ -426,6 +426,14 @@ class NamedTupleNode(_Named):
     register_with = "register_namedtuple"
 
     @classmethod
+    def claims(cls, typ: type, *, learn: bool) -> bool:
+        if not _is_namedtuple_class(typ):
+            return False
+        if learn:  # described: a spec read back may now name it
+            _bind_name(typ)
+        return True
+
+    @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
         if _KIND_OF.get(typ) is NamedTupleNode:  # registered or described
             return typ._fields  # type: ignore[attr-defined]
@@ -497,18 +505,18 @@ _KIND_OF: dict[type, type[Container]] = {
 def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | None:
     """The container kind (a class of :data:`CONTAINER_KINDS`) of objects of type ``typ``.
 
-    With ``learn=True`` (what :func:`~dualgraph.describe` does) a namedtuple class met for
-    the first time is registered. Returns ``None`` if ``typ`` is not a container.
+    With ``learn=True`` (what :func:`~dualgraph.describe` does) a user class that a kind claims
+    on sight (a namedtuple class) is registered. Returns ``None`` if ``typ`` is no container.
     """
     kind = _KIND_OF.get(typ)
     if kind is not None:
         return kind
-    if not _is_namedtuple_class(typ):
-        return None
-    if learn:
-        _bind_name(typ)
-        _KIND_OF[typ] = NamedTupleNode
-    return NamedTupleNode
+    for kind in CONTAINER_KINDS:
+        if kind.python_type is None and kind.claims(typ, learn=learn):
+            if learn:
+                _KIND_OF[typ] = kind
+            return kind
+    return None
 
 
 def brief_of(obj: Any, /) -> str:

@@ -361,6 +361,12 @@ class Container(Node):
         """What ``obj``, an object of this kind, is, for messages."""
         raise NotImplementedError
 
+    @classmethod
+    def claims(cls, typ: type, *, learn: bool) -> bool:
+        """Whether this kind takes objects of the user class ``typ`` it has not seen yet
+        (``learn``: ``describe`` met one). Builtin kinds match their ``python_type`` instead."""
+        return False
+
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         """The children of ``obj`` in flatten order, or ``None`` if ``obj`` does not match."""
         raise NotImplementedError
