@@ -29,11 +29,12 @@ def document(rows: Any, *, version: Any = 2) -> str:
     return json.dumps({"format": "dualgraph.TreeSpec", "version": version, "tree": rows})
 
 
-@pytest.fixture
-def marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def marker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A module on sys.path that leaves a file behind if it is ever imported or its class built."""
-    touched = tmp_path / "touched"
-    (tmp_path / f"{MARKER}.py").write_text(
+    folder = tmp_path_factory.mktemp("marker")
+    touched = folder / "touched"
+    (folder / f"{MARKER}.py").write_text(
         textwrap.dedent(
             f"""
             import collections, pathlib
@@ -47,10 +48,21 @@ def marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
             """
         )
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield touched
+    sys.path.insert(0, str(folder))
+    try:
+        yield touched
+    finally:
+        sys.path.remove(str(folder))
     assert MARKER not in sys.modules
     assert not touched.exists()
+
+
+def test_the_marker_module_would_show_an_import(marker: Path) -> None:
+    # The marker works: importing it in a child process leaves the file behind.
+    script = f"import sys; sys.path.insert(0, {str(marker.parent)!r}); import {MARKER}"
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert marker.read_text() == "imported"
+    marker.unlink()
 
 
 # -- named attacks -----------------------------------------------------------------------------
@@ -275,9 +287,11 @@ def documents(draw: st.DrawFn) -> Any:
     return json.dumps(document).encode()
 
 
-@given(documents())
+@given(text=documents())
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_hostile_documents_raise_only_dualgraph_errors_and_import_nothing(text: Any) -> None:
+def test_hostile_documents_raise_only_dualgraph_errors_and_import_nothing(
+    marker: Path, text: Any
+) -> None:
     modules = set(sys.modules)
     try:
         spec = TreeSpec.from_json(text)
@@ -289,6 +303,7 @@ def test_hostile_documents_raise_only_dualgraph_errors_and_import_nothing(text: 
         spec.unflatten([None] * spec.num_arrays)
     assert set(sys.modules) == modules
     assert MARKER not in sys.modules
+    assert not marker.exists()
 
 
 @given(st.lists(rows(), min_size=1, max_size=8), st.lists(rows(), min_size=1, max_size=4))
@@ -309,9 +324,9 @@ def test_hostile_call_spec_documents_raise_only_dualgraph_errors(
     assert set(sys.modules) == modules
 
 
-def test_hostile_documents_leave_the_marker_module_unimported(marker: Path) -> None:
-    # The fixture checks, after the test, that the module was neither imported nor called.
+def test_documents_naming_the_marker_module_leave_it_unimported(marker: Path) -> None:
     for name in (f"{MARKER}:Thing", f"{MARKER}:Pair", MARKER):
         for kind in ("namedtuple", "dataclass"):
-            with pytest.raises(DualgraphError):
+            with pytest.raises(DualgraphError, match="is not registered in this process"):
                 TreeSpec.from_json(document([[kind, name, ["a", "b"]], ["none"], ["none"]]))
+    assert MARKER not in sys.modules and not marker.exists()
