@@ -10,12 +10,14 @@ structure, and with ``check=True`` every shape and dtype) and put them back with
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._containers import DictNode, TupleNode
 from ._errors import DualgraphError, SpecMismatchError
-from ._spec import SPEC_FORMAT, SPEC_VERSION, LeafSpec, TreeSpec, describe
+from ._json import read_document, write_document
+from ._nodes import clip, clip_text
+from ._spec import LeafSpec, TreeSpec, describe
 
 __all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
 
@@ -62,52 +64,62 @@ class CallSpec:
     """
 
     __slots__ = ("_arrays", "_has_kwargs", "_hash", "_num_args", "args_spec", "kwargs_spec")
+    args_spec: TreeSpec
+    kwargs_spec: TreeSpec
 
     def __init__(self, args_spec: TreeSpec, kwargs_spec: TreeSpec, /) -> None:
         """Pair the spec of ``tuple(args)`` with that of ``dict(kwargs)``; see describe_call."""
         if not isinstance(args_spec, TreeSpec) or not isinstance(kwargs_spec, TreeSpec):
             raise DualgraphError("CallSpec takes two TreeSpecs: one of args, one of kwargs")
-        if args_spec._node.get("node") != "tuple":
-            raise DualgraphError(f"args: the args spec must describe a tuple, not {args_spec!r}")
-        kwargs_node = kwargs_spec._node
-        if kwargs_node.get("node") != "dict" or not all(
-            type(key) is str for key in kwargs_node["keys"]
+        if type(args_spec._nodes[0]) is not TupleNode:
+            raise DualgraphError(
+                f"args: the args spec must describe a tuple, not {clip(args_spec)}"
+            )
+        kwargs_root = kwargs_spec._nodes[0]
+        if not isinstance(kwargs_root, DictNode) or not all(
+            type(key) is str for key in kwargs_root.keys
         ):
             raise DualgraphError(
-                f"kwargs: the kwargs spec must describe a dict with str keys, not {kwargs_spec!r}"
+                "kwargs: the kwargs spec must describe a dict with str keys, "
+                f"not {clip(kwargs_spec)}"
             )
         self.args_spec = args_spec
         self.kwargs_spec = kwargs_spec
         self._num_args = args_spec.num_arrays
-        self._has_kwargs = bool(kwargs_node["keys"])
-        self._arrays = tuple(
-            dataclasses.replace(leaf, path=root + leaf.path)
-            for root, spec in (("args", args_spec), ("kwargs", kwargs_spec))
-            for leaf in spec.arrays
-        )
+        self._has_kwargs = bool(kwargs_root.keys)
+        self._arrays: tuple[LeafSpec, ...] | None = None
         self._hash: int | None = None
 
     # -- what the spec says -------------------------------------------------------------------
 
     @property
     def arrays(self) -> tuple[LeafSpec, ...]:
-        """The array leaves (args first, then kwargs); their paths start at ``args``/``kwargs``."""
+        """The array leaves (args first, then kwargs); their paths start at ``args``/``kwargs``.
+
+        A leaf's :attr:`~LeafSpec.entries` start at the root of its tree (``args`` or ``kwargs``).
+        """
+        if self._arrays is None:
+            self._arrays = tuple(
+                dataclasses.replace(leaf, path=root + leaf.path)
+                for root, spec in (("args", self.args_spec), ("kwargs", self.kwargs_spec))
+                for leaf in spec.arrays
+            )
         return self._arrays
 
     @property
     def array_paths(self) -> tuple[str, ...]:
         """The path of each array leaf, e.g. ``args[0]`` or ``kwargs['mask']``."""
-        return tuple(leaf.path for leaf in self._arrays)
+        return tuple(leaf.path for leaf in self.arrays)
 
     @property
     def grad_mask(self) -> tuple[bool, ...]:
         """One bool per array leaf (args first): does it take part in backward?"""
-        return tuple(leaf.grad for leaf in self._arrays)
+        return self.args_spec.grad_mask + self.kwargs_spec.grad_mask
 
     @property
     def num_arrays(self) -> int:
         """How many array leaves :meth:`flatten` returns."""
-        return len(self._arrays)
+        return self._num_args + self.kwargs_spec.num_arrays
 
     @property
     def num_args_arrays(self) -> int:
@@ -122,7 +134,10 @@ class CallSpec:
         >>> spec.with_grad_mask([False, True]).grad_mask
         (False, True)
         """
-        flags = [bool(flag) for flag in mask]
+        try:
+            flags = [bool(flag) for flag in mask]
+        except Exception as error:
+            raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
         if len(flags) != self.num_arrays:
             raise DualgraphError(
                 f"grad mask has {len(flags)} entries, the call has {self.num_arrays} array leaves"
@@ -157,25 +172,31 @@ class CallSpec:
                 )
             args = tuple(args)
         arrays = self.args_spec.flatten(args, check=check, root="args")
-        if kwargs or self._has_kwargs:
-            if type(kwargs) is not dict:
+        if type(kwargs) is not dict:
+            if kwargs is None:
+                if not self._has_kwargs:
+                    return arrays
+                kwargs = {}
+            else:
                 kwargs, problem = _kwargs_dict(kwargs)
                 if problem is not None:
                     raise SpecMismatchError(problem, path="kwargs")
-            arrays += self.kwargs_spec.flatten(kwargs, check=check, root="kwargs")
-        elif kwargs is not None and not isinstance(kwargs, Mapping):
-            raise SpecMismatchError(
-                f"kwargs: expected a mapping of keyword arguments, got {_type_name(kwargs)}",
-                path="kwargs",
-            )
+        elif not kwargs and not self._has_kwargs:
+            return arrays
+        arrays += self.kwargs_spec.flatten(kwargs, check=check, root="kwargs")
         return arrays
 
     def unflatten(self, arrays: Sequence[Any], /) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the array leaves (args first)."""
-        if len(arrays) != len(self._arrays):
+        try:
+            count = len(arrays)
+        except Exception:
             raise SpecMismatchError(
-                f"unflatten: expected {len(self._arrays)} arrays, got {len(arrays)}"
-            )
+                f"unflatten: expected a sequence of {self.num_arrays} arrays, "
+                f"got {type(arrays).__name__}"
+            ) from None
+        if count != self.num_arrays:
+            raise SpecMismatchError(f"unflatten: expected {self.num_arrays} arrays, got {count}")
         n = self._num_args
         return self.args_spec.unflatten(arrays[:n]), self.kwargs_spec.unflatten(arrays[n:])
 
@@ -188,39 +209,17 @@ class CallSpec:
         >>> CallSpec.from_json(describe_call((np.zeros(2, np.int8),)).to_json())
         CallSpec(args=(int8[2],), kwargs={})
         """
-        document = {
-            "format": CALL_SPEC_FORMAT,
-            "version": CALL_SPEC_VERSION,
-            "args": self.args_spec._node,
-            "kwargs": self.kwargs_spec._node,
-        }
-        return json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        trees = {"args": self.args_spec._rows(), "kwargs": self.kwargs_spec._rows()}
+        return write_document(CALL_SPEC_FORMAT, CALL_SPEC_VERSION, trees)
 
     @classmethod
-    def from_json(cls, text: str, /) -> CallSpec:
+    def from_json(cls, text: str | bytes, /) -> CallSpec:
         """Load a spec written by :meth:`to_json`; a malformed document is a DualgraphError."""
-        if not isinstance(text, str):
-            raise DualgraphError(f"CallSpec JSON must be a str, got {_type_name(text)}")
-        try:
-            document = json.loads(text)
-        except (ValueError, RecursionError) as error:
-            raise DualgraphError(f"not a CallSpec JSON document: {error}") from None
-        if not isinstance(document, dict) or document.get("format") != CALL_SPEC_FORMAT:
-            raise DualgraphError(
-                f"not a CallSpec JSON document (format must be {CALL_SPEC_FORMAT!r})"
-            )
-        version = document.get("version")
-        if type(version) is not int or version != CALL_SPEC_VERSION:
-            raise DualgraphError(
-                f"CallSpec JSON version {version!r} is not supported "
-                f"(this dualgraph reads version {CALL_SPEC_VERSION})"
-            )
-        specs = []
-        for part in ("args", "kwargs"):
-            if part not in document:
-                raise DualgraphError(f"malformed CallSpec JSON: {part}: missing")
-            tree = {"format": SPEC_FORMAT, "version": SPEC_VERSION, "tree": document[part]}
-            specs.append(TreeSpec.from_json(json.dumps(tree)))
+        document = read_document(text, CALL_SPEC_FORMAT, CALL_SPEC_VERSION, ("args", "kwargs"))
+        specs = [
+            TreeSpec._from_rows(document[part], root=part, what="CallSpec")
+            for part in ("args", "kwargs")
+        ]
         return cls(*specs)
 
     def __eq__(self, other: object) -> bool:
@@ -248,7 +247,10 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
         return {}, None
     if not isinstance(kwargs, Mapping):
         return {}, f"kwargs: expected a mapping of keyword arguments, got {_type_name(kwargs)}"
-    result = dict(kwargs)
+    try:
+        result = dict(kwargs)
+    except Exception as error:
+        return {}, f"kwargs: reading the mapping raised {type(error).__name__}: {clip_text(error)}"
     for key in result:
         if type(key) is not str:
             return {}, f"kwargs: keyword names must be str, got {key!r} ({_type_name(key)})"

@@ -315,7 +315,12 @@ def test_json_is_versioned_with_sorted_keys() -> None:
         ('{"format": "dualgraph.TreeSpec"}', "not a CallSpec JSON document"),
         ('{"format": "dualgraph.CallSpec", "version": 2}', "version 2 is not supported"),
         ('{"format": "dualgraph.CallSpec", "version": true}', "version True is not supported"),
-        ('{"format": "dualgraph.CallSpec", "version": 1}', "args: missing"),
+        ('{"format": "dualgraph.CallSpec", "version": 1}', "'args' is missing"),
+        (
+            '{"format": "dualgraph.CallSpec", "version": 1, "args": [], "kwargs": [], "x": 1}',
+            "unknown key 'x'",
+        ),
+        ('{"format": "dualgraph.CallSpec", "version": 1, "args": [], "kwargs": []}', "at args: "),
     ],
 )
 def test_from_json_rejects_other_documents(text: str, message: str) -> None:
@@ -325,21 +330,32 @@ def test_from_json_rejects_other_documents(text: str, message: str) -> None:
 
 def test_from_json_rejects_args_that_are_not_a_tuple() -> None:
     document = json.loads(describe_call((array(2),)).to_json())
-    document["args"] = {"node": "list", "children": []}
+    document["args"] = [["list", 0]]
     with pytest.raises(DualgraphError, match=r"^args: the args spec must describe a tuple"):
         CallSpec.from_json(json.dumps(document))
 
 
 def test_from_json_rejects_kwargs_with_int_keys() -> None:
     document = json.loads(describe_call((array(2),)).to_json())
-    document["kwargs"] = {"node": "dict", "keys": [1], "children": [{"leaf": "none"}]}
+    document["kwargs"] = [["dict", [1]], ["none"]]
     with pytest.raises(DualgraphError, match=r"^kwargs: the kwargs spec must describe a dict"):
         CallSpec.from_json(json.dumps(document))
 
 
-def test_from_json_rejects_bytes() -> None:
-    with pytest.raises(DualgraphError, match="must be a str"):
-        CallSpec.from_json(describe_call(()).to_json().encode())  # type: ignore[arg-type]
+def test_from_json_reads_utf8_bytes_and_names_other_types() -> None:
+    spec = describe_call((), {"naïve": 1})
+    assert CallSpec.from_json(spec.to_json().encode()) == spec
+    with pytest.raises(DualgraphError, match="not UTF-8"):
+        CallSpec.from_json(b"\xff")
+    with pytest.raises(DualgraphError, match="a CallSpec JSON document is a str, got int"):
+        CallSpec.from_json(3)  # type: ignore[arg-type]
+
+
+def test_from_json_names_malformed_rows_by_call_path() -> None:
+    document = json.loads(describe_call((array(2),), {"m": None}).to_json())
+    document["kwargs"][1] = ["array", "float32", [True], False]
+    with pytest.raises(DualgraphError, match=r"^malformed CallSpec JSON at kwargs\['m'\]: bad sh"):
+        CallSpec.from_json(json.dumps(document))
 
 
 def test_calls_with_different_kwargs_differ() -> None:

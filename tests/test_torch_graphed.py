@@ -344,7 +344,7 @@ def test_backward_runs_only_over_differentiable_outputs(backend: str) -> None:
     assert mask.count(True) == 4 and mask.count(False) == 3
     assert len(runner.static_grad_outputs) == mask.count(True)
     assert [t.shape for t in runner.static_grad_outputs] == [
-        t.shape for t, grad in zip(runner.static_outputs, mask) if grad
+        t.shape for t, grad in zip(runner.static_outputs, mask, strict=True) if grad
     ]
 
 
@@ -486,12 +486,12 @@ def test_training_steps_match_eager(backend: str, param_grads: str, optimizer: s
     optimizers = [make_optimizer(m.parameters()) for m in (fn, twin)]
     for _ in range(4):
         (x,), _ = case.draw(device)
-        for module, opt in zip((fn, twin), optimizers):
+        for module, opt in zip((fn, twin), optimizers, strict=True):
             opt.zero_grad(set_to_none=True)
             for _ in range(2):  # two micro-batches per step
                 backward_of(module(x))
             opt.step()
-        for (name, p), q in zip(fn.named_parameters(), twin.parameters()):
+        for (name, p), q in zip(fn.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.detach(), q.detach(), name, tolerance(backend))
 
 
@@ -545,7 +545,7 @@ def test_vit_encoder_graphed_per_block_trains_like_eager(backend: str, param_gra
     blocks = dgt.make_graphed_callables(
         tuple(encoder.blocks), samples, backend=backend, param_grads=param_grads
     )
-    assert all(a is b for a, b in zip(blocks, encoder.blocks))
+    assert all(a is b for a, b in zip(blocks, encoder.blocks, strict=True))
     if backend == CUDA:
         pools = {dgt.diagnostics(block).pool_bytes for block in blocks}
         assert len(pools) == 1 and pools.pop() > 0
@@ -560,7 +560,7 @@ def test_vit_encoder_graphed_per_block_trains_like_eager(backend: str, param_gra
     for step in range(3):
         images = torch.randn(2, 3, 16, 16, device=device)
         outputs = []
-        for model, opt in zip((encoder, twin), optimizers):
+        for model, opt in zip((encoder, twin), optimizers, strict=True):
             torch.manual_seed(step)
             out = model(images)
             _encoder_loss(out).backward()
@@ -569,7 +569,7 @@ def test_vit_encoder_graphed_per_block_trains_like_eager(backend: str, param_gra
             outputs.append({key: owned_detached(value) for key, value in out.items()})
             del out
         assert_trees_match(outputs[0], outputs[1], tolerance(backend))
-        for (name, p), q in zip(encoder.named_parameters(), twin.parameters()):
+        for (name, p), q in zip(encoder.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.detach(), q.detach(), name, tolerance(backend))
 
 
@@ -788,7 +788,7 @@ def test_rejected_call_leaves_static_inputs_unchanged(backend: str, bad: str) ->
     with pytest.raises(SpecMismatchError) as info:
         graphed(*bad_args, **bad_kwargs)
     assert str(info.value) == message
-    for i, (static, saved) in enumerate(zip(graphed.static_inputs, before)):
+    for i, (static, saved) in enumerate(zip(graphed.static_inputs, before, strict=True)):
         assert_tensors_match(static.detach(), saved, f"static input {i}")
 
 

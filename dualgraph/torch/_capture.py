@@ -267,7 +267,7 @@ def _forward_backward(
 
 def _output_tensors(graphed: GraphedCallable, spec: TreeSpec, outputs: Any) -> list[torch.Tensor]:
     flat = spec.flatten(outputs)
-    for path, leaf in zip(spec.array_paths, flat):
+    for path, leaf in zip(spec.array_paths, flat, strict=True):
         if not isinstance(leaf, torch.Tensor):
             raise DualgraphError(
                 f"{graphed.name}: output{path}: expected a torch tensor, got "
@@ -309,7 +309,11 @@ def accumulate_param_grads(graphed: GraphedCallable, grads: Sequence[torch.Tenso
     if not graphed.param_grad_buffers:
         return
     param_grads = grads[len(grads) - len(graphed.params) :]
-    pairs = [(b, g) for b, g in zip(graphed.param_grad_buffers, param_grads) if g is not None]
+    pairs = [
+        (b, g)
+        for b, g in zip(graphed.param_grad_buffers, param_grads, strict=True)
+        if g is not None
+    ]
     if pairs:
         torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
 
@@ -330,7 +334,7 @@ def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool)
             outputs = _run(graphed)
         flat = spec.flatten(outputs)
         live[:] = [flat[i] for i in graphed.diff_outputs] if grad_enabled else []
-        for static, tensor in zip(graphed.static_outputs, flat):
+        for static, tensor in zip(graphed.static_outputs, flat, strict=True):
             static.copy_(tensor.detach())
 
     def replay_backward() -> None:
@@ -348,7 +352,7 @@ def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool)
             if grad is None:
                 static.zero_()
             else:
-                static.copy_(grad)
+                static.copy_(grad)  # type: ignore[union-attr]
 
     graphed.replay_forward = replay_forward
     graphed.replay_backward = replay_backward

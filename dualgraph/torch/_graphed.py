@@ -98,19 +98,19 @@ def make_graphed_callables(
     elif sample_kwargs is None:
         sample_kwargs = (None,) * len(callables)
     _check_samples(callables, sample_args, sample_kwargs)
-    backend = _resolve_backend(backend, sample_args, sample_kwargs)
+    backend = _resolve_backend(backend, sample_args, sample_kwargs)  # type: ignore[assignment]
     if backend != "eager":
         _check_autocast()
 
     if backend == "eager":
         results: list[Any] = []
-        for fn, kwargs, args in zip(callables, sample_kwargs, sample_args):
+        for fn, kwargs, args in zip(callables, sample_kwargs, sample_args, strict=True):
             eager = EagerCallable(_name_of(fn), _forward_of(fn), InputGuard(args, kwargs))
             results.append(_install(fn, eager))
         return results[0] if single else tuple(results)
 
     graphs: list[GraphedCallable] = []
-    for fn, args, kwargs in zip(callables, sample_args, sample_kwargs):
+    for fn, args, kwargs in zip(callables, sample_args, sample_kwargs, strict=True):
         graphed = GraphedCallable(_name_of(fn), _forward_of(fn), InputGuard(args, kwargs), backend)
         tensors = graphed.guard.tensors(tuple(args), dict(kwargs or {}))
         prepare_static_inputs(graphed, tensors)
@@ -147,7 +147,7 @@ def make_graphed_callables(
             _recover_after_failed_capture()
         raise describe_failure(error, progress, backend) from error
 
-    results = [_install(fn, graphed) for fn, graphed in zip(callables, graphs)]
+    results = [_install(fn, graphed) for fn, graphed in zip(callables, graphs, strict=True)]
     return results[0] if single else tuple(results)
 
 
@@ -264,7 +264,7 @@ def _check_samples(callables: Sequence[Any], sample_args: Any, sample_kwargs: An
         raise DualgraphError(
             f"sample_kwargs must be a tuple with one dict (or None) per callable ({len(callables)})"
         )
-    for fn, args, kwargs in zip(callables, sample_args, sample_kwargs):
+    for fn, args, kwargs in zip(callables, sample_args, sample_kwargs, strict=True):
         name = _name_of(fn)
         if not callable(fn):
             raise DualgraphError(f"{fn!r} is not callable")
@@ -283,7 +283,10 @@ def _check_samples(callables: Sequence[Any], sample_args: Any, sample_kwargs: An
 
 
 def _resolve_backend(backend: str, sample_args: Any, sample_kwargs: Any) -> str:
-    leaves = optree.tree_leaves((sample_args, sample_kwargs), namespace=NAMESPACE)
+    leaves: list[Any] = optree.tree_leaves(
+        (sample_args, sample_kwargs),  # type: ignore[arg-type]
+        namespace=NAMESPACE,
+    )
     on_cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves)
     if backend == "auto":
         return "cuda" if on_cuda else "eager"

@@ -49,7 +49,7 @@ class InputGuard:
         tensors = self.args_spec.flatten(args) + self.kwargs_spec.flatten(kwargs)
         paths = [f"args{p}" for p in self.args_spec.array_paths]
         paths += [f"kwargs{p}" for p in self.kwargs_spec.array_paths]
-        for path, leaf in zip(paths, tensors):
+        for path, leaf in zip(paths, tensors, strict=True):
             if not isinstance(leaf, torch.Tensor):
                 raise DualgraphError(
                     f"{path}: array leaves of a torch callable's inputs must be torch tensors, "
@@ -77,7 +77,9 @@ class InputGuard:
                 kwargs = dict(kwargs)
             tensors += self.kwargs_spec.flatten(kwargs, root="kwargs")
         grad_enabled = torch.is_grad_enabled()
-        for tensor, (shape, dtype, device, requires_grad) in zip(tensors, self._expected):
+        for tensor, (shape, dtype, device, requires_grad) in zip(
+            tensors, self._expected, strict=True
+        ):
             if (
                 not isinstance(tensor, torch.Tensor)
                 or tensor.shape != shape
@@ -90,7 +92,7 @@ class InputGuard:
 
     def _explain(self, tensors: list[Any], grad_enabled: bool) -> SpecMismatchError:
         for path, tensor, (shape, dtype, device, requires_grad) in zip(
-            self._paths, tensors, self._expected
+            self._paths, tensors, self._expected, strict=True
         ):
             expected = f"{dtype_name(dtype)}[{', '.join(map(str, shape))}] on {device}"
             if not isinstance(tensor, torch.Tensor):

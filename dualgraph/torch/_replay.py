@@ -88,10 +88,11 @@ class GraphedCallable:
             any(g is not None for g in self.static_grad_inputs) or bool(self.param_grad_buffers)
         )
         self.diagnostics.has_backward_graph = self._has_backward
+        # param_grad_buffers is empty unless the parameter grads are accumulated in the graph.
         self._param_buffers = tuple(
             (param, buffer)
             for param, buffer, used in zip(
-                self.params, self.param_grad_buffers, self.params_with_grad
+                self.params, self.param_grad_buffers, self.params_with_grad, strict=False
             )
             if used
         )
@@ -128,7 +129,8 @@ class GraphedCallable:
     # -- the two halves of a replay -----------------------------------------------------------
 
     def copy_inputs(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-        for static, tensor in zip(self.static_inputs, tensors):
+        # tensors may go on with the parameters, which are used in place (no static copy).
+        for static, tensor in zip(self.static_inputs, tensors, strict=False):
             if static.data_ptr() != tensor.data_ptr():
                 static.copy_(tensor)
 
@@ -203,7 +205,8 @@ class _Replay(torch.autograd.Function):
                 "one backward (retain_graph=True cannot keep a graph's activations)"
             )
         graphed.backward_generation = ctx.generation
-        for static, index in zip(graphed.static_grad_outputs, graphed.diff_outputs):
+        # static_grad_outputs stays empty when the capture made no backward graph.
+        for static, index in zip(graphed.static_grad_outputs, graphed.diff_outputs, strict=False):
             grad = grads[index]
             if grad is None:
                 static.zero_()
