@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError
-from dualgraph.torch import InputGuard
+from dualgraph.torch._inputs import InputGuard
 
 
 class Batch(NamedTuple):
