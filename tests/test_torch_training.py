@@ -144,7 +144,6 @@ def test_integer_bool_and_detached_outputs_need_no_grad(backend: str) -> None:
     assert runner_of(fn).spec.grad_mask == tuple(t.requires_grad for t in tensors_of(outputs))
 
 
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_backward_graph_when_nothing_is_differentiable(backend: str) -> None:
     device = device_of(backend)
@@ -279,9 +278,6 @@ def test_training_steps_match_eager(backend: str, param_grads: str, optimizer: s
             assert_tensors_match(p.detach(), q.detach(), name, tolerance(backend))
 
 
-
-
-
 def _encoder_loss(outputs: dict[str, Any]) -> torch.Tensor:
     assert outputs["aux_loss"] is None
     return outputs["hidden"].square().mean() + outputs["pooled"].sin().sum()
@@ -387,7 +383,6 @@ def test_dropout_matches_eager_under_the_same_seed(backend: str) -> None:
 
 def _autocast(backend: str, **options: Any) -> torch.autocast:
     return torch.autocast(device_of(backend).type, dtype=torch.bfloat16, **options)
-
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -514,4 +509,3 @@ def test_bfloat16_module_matches_eager() -> None:
         )
         fn.zero_grad()
         twin.zero_grad()
-

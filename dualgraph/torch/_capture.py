@@ -431,6 +431,7 @@ def _capture_emulated(
             grad_targets=targets,
             accumulators=accumulators,
             allow_unused=options.allow_unused_input,
+            hooked_params=item.params if options.param_grads == "autograd" else (),
         )
         item.replay_forward = replay.forward
         item.replay_backward = replay.backward

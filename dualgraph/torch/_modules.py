@@ -2,15 +2,14 @@
 
 A graphed module's ``forward`` replays while the module's ``training`` mode is the one it was
 captured in, and runs the original forward otherwise. The module keeps its own class; the
-graphing lives in two entries of its ``__dict__``: ``forward`` (a method bound to the module)
-and the runner's state. ``copy.deepcopy`` and pickling (``torch.save``) keep the parameters and
-drop the graphs: the copy runs eagerly, with its own weights, and can be graphed on its own.
+graphing lives in two entries of its ``__dict__``: ``forward`` and the runner's state.
+``copy.deepcopy`` and pickling (``torch.save``) keep the parameters and drop the graphs: the
+copy runs eagerly, with its own weights, and can be graphed on its own.
 """
 
 from __future__ import annotations
 
 import copy
-import types
 from typing import Any
 
 import torch
@@ -27,7 +26,10 @@ Runner = GraphedCallable | EagerCallable
 
 
 class _Graphed:
-    """A graphed module's state: its runner, its training mode at capture, its old forward."""
+    """A graphed module's state: its runner, its training mode at capture, its old forward.
+
+    Copies of the module get a :class:`_Copied` in its place, without the runner.
+    """
 
     __slots__ = ("previous", "runner", "training")
 
@@ -55,21 +57,35 @@ class _Copied:
         self.previous = previous
 
 
-def _graphed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state = module.__dict__.get(_STATE)
-    if type(state) is _Graphed:
-        if module.training == state.training:
-            return state.runner(*args, **kwargs)
-        if state.previous is not None:
-            return state.previous(*args, **kwargs)
-        return type(module).forward(module, *args, **kwargs)
-    _ungraph(module)  # a copy of a graphed module: from now on a plain module
-    return module.forward(*args, **kwargs)
+class _GraphedForward:
+    """A graphed module's ``forward``: replay, or the original forward in the other mode.
 
+    In a copy of the module (``copy.deepcopy``, pickling) it finds no runner, puts the copy's
+    own forward back and runs that: copies are plain modules.
+    """
 
-# Pickle stores a bound method as ``getattr(module, __name__)``: on loading, that finds the
-# class's own forward, so an unpickled module is a plain one.
-_graphed_forward.__name__ = "forward"
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        state = module.__dict__.get(_STATE)
+        if type(state) is _Graphed:
+            if module.training == state.training:
+                return state.runner(*args, **kwargs)
+            if state.previous is not None:
+                return state.previous(*args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
+        _ungraph(module)  # a copy of a graphed module: from now on a plain module
+        return module.forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GraphedForward:
+        return _GraphedForward(copy.deepcopy(self.module, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _GraphedForward, (self.module,)
 
 
 def install(fn: Any, runner: Runner) -> Any:
@@ -81,7 +97,7 @@ def install(fn: Any, runner: Runner) -> Any:
         _ungraph(module)
     state = _Graphed(runner, module.training, module.__dict__.get("forward"))
     module.__dict__[_STATE] = state
-    module.__dict__["forward"] = types.MethodType(_graphed_forward, module)
+    module.__dict__["forward"] = _GraphedForward(module)
     return module
 
 

@@ -126,8 +126,9 @@ class ModuleTensors:
             current = owner.get(key)
             if current is not tensor:
                 return DualgraphError(
-                    f"{name}: the {kind} was replaced after capture, but the graphs read the "
-                    f"captured tensor (update it in place, e.g. with copy_, or {again})"
+                    f"{name}: the {kind} was replaced after capture (by assignment, or by .to(), "
+                    ".half(), ...), but the graphs read the captured tensor; update it in place "
+                    f"(copy_), or {again}"
                 )
             if tensor.data_ptr() != ptr:
                 return DualgraphError(

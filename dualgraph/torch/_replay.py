@@ -27,7 +27,7 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
-from ._params import requires_grad_changed
+from ._params import requires_grad_changed, suspended_tensor_hooks
 from ._plan import ReplayPlan
 from ._transformer_engine import fp8_state
 
@@ -531,6 +531,7 @@ class EmulatedReplay:
         "_diff_outputs",
         "_fn",
         "_grad_outputs",
+        "_hooked_params",
         "_kwargs",
         "_live",
         "_out_spec",
@@ -552,6 +553,7 @@ class EmulatedReplay:
         grad_targets: tuple[torch.Tensor | None, ...],
         accumulators: tuple[torch.Tensor | None, ...],
         allow_unused: bool,
+        hooked_params: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self._fn = fn
         self._args = static_args
@@ -570,6 +572,7 @@ class EmulatedReplay:
             if accumulator is not None
         )
         self._allow_unused = allow_unused
+        self._hooked_params = hooked_params
         self._live: list[torch.Tensor] = []
 
     def forward(self, grad_enabled: bool) -> None:
@@ -584,12 +587,15 @@ class EmulatedReplay:
         live, self._live = self._live, []  # one backward per forward, as with a graph
         if not live:
             raise DualgraphError("backward without a forward under autograd")
-        grads = torch.autograd.grad(
-            live,
-            self._diff_inputs,
-            grad_outputs=self._grad_outputs,
-            allow_unused=self._allow_unused,
-        )
+        # Parameter hooks run once, when the replay hands the grads to autograd, as after a
+        # graph's backward (which has them suspended during capture).
+        with suspended_tensor_hooks(self._hooked_params):
+            grads = torch.autograd.grad(
+                live,
+                self._diff_inputs,
+                grad_outputs=self._grad_outputs,
+                allow_unused=self._allow_unused,
+            )
         for k, target in self._targets:
             grad = grads[k]
             if grad is None:
