@@ -8,6 +8,7 @@ The core (this package) describes trees without importing any framework; the ada
 TreeSpec((float32[2, 3](grad), None))
 """
 
+from ._call import CallSpec, describe_call
 from ._containers import register_dataclass
 from ._dtypes import DIFFERENTIABLE_DTYPES, is_differentiable_dtype
 from ._errors import (
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DIFFERENTIABLE_DTYPES",
+    "CallSpec",
     "CaptureError",
     "DualgraphError",
     "DualgraphWarning",
@@ -33,6 +35,7 @@ __all__ = [
     "UnsupportedLeafError",
     "__version__",
     "describe",
+    "describe_call",
     "is_differentiable_dtype",
     "register_array_type",
     "register_dataclass",
