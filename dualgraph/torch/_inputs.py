@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
-from .._spec import TreeSpec, describe
 from ._leaves import dtype_name
 
 __all__ = ["InputGuard", "unsupported_tensor"]
@@ -52,6 +52,9 @@ def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
 class InputGuard:
     """The capture-time description of ``(args, kwargs)``; :meth:`tensors` checks a call.
 
+    Built on the core's :class:`dualgraph.CallSpec` (structure, ``None`` leaves, constants,
+    paths); what a tensor leaf must be is checked here.
+
     >>> guard = InputGuard((torch.zeros(2, 3),), {"scale": 2.0})
     >>> len(guard.tensors((torch.ones(2, 3),), {"scale": 2.0}))
     1
@@ -61,25 +64,13 @@ class InputGuard:
     dualgraph.SpecMismatchError: args[0]: expected float32[2, 3] on cpu, got ...
     """
 
-    __slots__ = (
-        "_expected",
-        "_has_kwargs",
-        "args_spec",
-        "kwargs_spec",
-        "num_args_tensors",
-        "paths",
-        "requires_grad",
-    )
+    __slots__ = ("_expected", "paths", "requires_grad", "spec")
 
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
-        args = tuple(args)
-        kwargs = dict(kwargs or {})
-        self.args_spec: TreeSpec = describe(args, root="args")
-        self.kwargs_spec: TreeSpec = describe(kwargs, root="kwargs")
-        self._has_kwargs = bool(kwargs)
-        tensors = self.args_spec.flatten(args) + self.kwargs_spec.flatten(kwargs)
-        paths = [f"args{p}" for p in self.args_spec.array_paths]
-        paths += [f"kwargs{p}" for p in self.kwargs_spec.array_paths]
+        #: The core's description of the call: structure, constants, array paths.
+        self.spec: CallSpec = describe_call(args, kwargs)
+        tensors = self.spec.flatten(args, kwargs)
+        paths = self.spec.array_paths
         for path, leaf in zip(paths, tensors, strict=True):
             if not isinstance(leaf, torch.Tensor):
                 raise DualgraphError(
@@ -90,21 +81,26 @@ class InputGuard:
             if why is not None:
                 raise SpecMismatchError(f"{path}: cannot be graphed: {why}", path=path)
         #: The path of each input tensor, e.g. ``args[0]`` or ``kwargs['mask']``.
-        self.paths: tuple[str, ...] = tuple(paths)
+        self.paths: tuple[str, ...] = paths
         #: For each input tensor (args first, then kwargs): did its sample require grad?
         self.requires_grad: tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
-        #: How many input tensors come from ``args`` (they come first).
-        self.num_args_tensors: int = self.args_spec.num_arrays
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
 
-    def tensors(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
-        """The input tensors of a call, in capture order; raises naming the first bad leaf."""
-        tensors = self.args_spec.flatten(args, root="args")
-        if kwargs or self._has_kwargs:
-            if type(kwargs) is not dict:
-                kwargs = dict(kwargs)
-            tensors += self.kwargs_spec.flatten(kwargs, root="kwargs")
-        grad_enabled = torch.is_grad_enabled()
+    @property
+    def num_args_tensors(self) -> int:
+        """How many input tensors come from ``args`` (they come first)."""
+        return self.spec.num_args_arrays
+
+    def tensors(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_enabled: bool | None = None
+    ) -> list[torch.Tensor]:
+        """The input tensors of a call, in capture order; raises naming the first bad leaf.
+
+        ``grad_enabled`` is the grad mode of the call (read from torch when not given).
+        """
+        tensors = self.spec.flatten(args, kwargs)
+        if grad_enabled is None:
+            grad_enabled = torch.is_grad_enabled()
         try:
             for tensor, (shape, dtype, device, requires_grad) in zip(
                 tensors, self._expected, strict=True
@@ -127,14 +123,11 @@ class InputGuard:
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` with ``tensors`` (in capture order) at the tensor leaves."""
-        n = self.num_args_tensors
-        return self.args_spec.unflatten(tensors[:n]), self.kwargs_spec.unflatten(tensors[n:])
+        return self.spec.unflatten(tensors)
 
     def describe(self) -> str:
         """The captured inputs, e.g. ``args=(float32[2, 4](grad),), kwargs={}``."""
-        args = repr(self.args_spec)[len("TreeSpec(") : -1]
-        kwargs = repr(self.kwargs_spec)[len("TreeSpec(") : -1]
-        return f"args={args}, kwargs={kwargs}"
+        return repr(self.spec)[len("CallSpec(") : -1]
 
     def _explain(self, tensors: list[Any], grad_enabled: bool) -> SpecMismatchError:
         for path, tensor, (shape, dtype, device, requires_grad) in zip(

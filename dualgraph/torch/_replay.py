@@ -193,8 +193,8 @@ class GraphedCallable:
         if not self._lock.acquire(blocking=False):
             raise self._busy()
         try:
-            tensors = self._inputs.tensors(args, kwargs)
             grad_enabled = torch.is_grad_enabled()
+            tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if self._module_tensors is not None:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             self._check_ambient_state()
