@@ -62,7 +62,7 @@ def test_tensors_come_back_in_the_order_of_the_paths() -> None:
     tensors = _guard().tensors(args, kwargs)
     expected = [args[0], args[1]["bias"], args[1]["mask"], *args[2], kwargs["mask"]]
     assert len(tensors) == len(expected)
-    assert all(t is e for t, e in zip(tensors, expected))
+    assert all(t is e for t, e in zip(tensors, expected, strict=True))
 
 
 def test_requires_grad_and_the_number_of_args_tensors_are_recorded() -> None:

@@ -269,12 +269,12 @@ def test_training_steps_match_eager(backend: str, param_grads: str, optimizer: s
     optimizers = [make_optimizer(m.parameters()) for m in (fn, twin)]
     for _ in range(4):
         (x,), _ = case.draw(device)
-        for module, opt in zip((fn, twin), optimizers):
+        for module, opt in zip((fn, twin), optimizers, strict=True):
             opt.zero_grad(set_to_none=True)
             for _ in range(2):  # two micro-batches per step
                 backward_of(module(x))
             opt.step()
-        for (name, p), q in zip(fn.named_parameters(), twin.parameters()):
+        for (name, p), q in zip(fn.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.detach(), q.detach(), name, tolerance(backend))
 
 
@@ -299,7 +299,7 @@ def test_vit_encoder_graphed_per_block_trains_like_eager(backend: str, param_gra
     blocks = dgt.make_graphed_callables(
         tuple(encoder.blocks), samples, backend=backend, param_grads=param_grads
     )
-    assert all(a is b for a, b in zip(blocks, encoder.blocks))
+    assert all(a is b for a, b in zip(blocks, encoder.blocks, strict=True))
     if backend == CUDA:
         pools = {dgt.diagnostics(block).pool_bytes for block in blocks}
         assert len(pools) == 1 and pools.pop() > 0
@@ -314,7 +314,7 @@ def test_vit_encoder_graphed_per_block_trains_like_eager(backend: str, param_gra
     for step in range(3):
         images = torch.randn(2, 3, 16, 16, device=device)
         outputs = []
-        for model, opt in zip((encoder, twin), optimizers):
+        for model, opt in zip((encoder, twin), optimizers, strict=True):
             torch.manual_seed(step)
             out = model(images)
             _encoder_loss(out).backward()
@@ -323,7 +323,7 @@ def test_vit_encoder_graphed_per_block_trains_like_eager(backend: str, param_gra
             outputs.append({key: owned_detached(value) for key, value in out.items()})
             del out
         assert_trees_match(outputs[0], outputs[1], tolerance(backend))
-        for (name, p), q in zip(encoder.named_parameters(), twin.parameters()):
+        for (name, p), q in zip(encoder.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.detach(), q.detach(), name, tolerance(backend))
 
 

@@ -314,7 +314,7 @@ def assert_trees_match(
     else:
         assert isinstance(expected, (tuple, list)), f"{where}: unexpected {type(expected)}"
         assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_trees_match(a, e, tolerance, f"{path}[{i}]")
 
 
@@ -326,7 +326,7 @@ def assert_grads_match(
 ) -> None:
     """Grads of the same tensors (parameters or inputs) from two runs, compared one by one."""
     assert len(actual) == len(expected) == len(names)
-    for name, a, e in zip(names, actual, expected):
+    for name, a, e in zip(names, actual, expected, strict=True):
         assert_tensors_match(a, e, f"grad of {name}", tolerance)
 
 

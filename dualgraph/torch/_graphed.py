@@ -274,9 +274,8 @@ def _samples_per_callable(
 def _resolve_backend(
     backend: str, sample_args: Sequence[Any], sample_kwargs: Sequence[Any]
 ) -> Literal["cuda", "emulate", "eager"]:
-    leaves = optree.tree_leaves(
-        (tuple(sample_args), tuple(sample_kwargs)), none_is_leaf=True, namespace=NAMESPACE
-    )
+    samples: Any = (tuple(sample_args), tuple(sample_kwargs))
+    leaves: list[Any] = optree.tree_leaves(samples, none_is_leaf=True, namespace=NAMESPACE)
     on_cuda = any(isinstance(leaf, torch.Tensor) and leaf.is_cuda for leaf in leaves)
     if backend == "auto":
         return "cuda" if on_cuda else "emulate"
@@ -301,7 +300,7 @@ def _check_autocast() -> None:
 
 def _forward_of(fn: Any) -> Callable[..., Any]:
     # A module's own forward, so that its hooks run once, around the replay, and not in the graph.
-    return eager_forward(fn) if isinstance(fn, torch.nn.Module) else fn  # type: ignore[no-any-return]
+    return eager_forward(fn) if isinstance(fn, torch.nn.Module) else fn
 
 
 def _name_of(fn: Any) -> str:

@@ -469,7 +469,7 @@ def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
     storage = tensor.untyped_storage()
     return (
         sys.getrefcount(tensor),
-        tensor._use_count(),
+        tensor._use_count(),  # type: ignore[attr-defined]
         torch._C._storage_Use_Count(storage._cdata),
     )
 
@@ -488,7 +488,7 @@ class _Replay(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if graphed._nondiff_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
-        return outputs  # type: ignore[no-any-return]
+        return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -497,7 +497,7 @@ class _Replay(torch.autograd.Function):
         return tuple(graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads))
 
 
-_REPLAY_BACKWARD = _Replay._backward_cls  # type: ignore[attr-defined]
+_REPLAY_BACKWARD = _Replay._backward_cls
 
 
 class CudaGraphForward:

@@ -35,7 +35,9 @@ def transformer_engine_capture() -> Iterator[list[Any]]:
     if "transformer_engine.pytorch" not in sys.modules:
         yield []
         return
-    from transformer_engine.pytorch import graph as te_graph
+    from transformer_engine.pytorch import (  # type: ignore[import-not-found,unused-ignore]
+        graph as te_graph,
+    )
 
     already = te_graph.is_graph_capturing()
     if not already:
@@ -86,7 +88,9 @@ def _fp8_manager() -> Any:
 
 
 def _rng_generator_states() -> list[Any]:
-    from transformer_engine.pytorch import distributed as te_distributed
+    from transformer_engine.pytorch import (  # type: ignore[import-not-found,unused-ignore]
+        distributed as te_distributed,
+    )
 
     if not te_distributed.graph_safe_rng_available():
         return []
