@@ -221,7 +221,7 @@ def test_cpu_sync_in_capture_fails_cleanly_and_cuda_keeps_working() -> None:
 
 @pytest.mark.cuda
 def test_cuda_capture_holds_automatic_garbage_collection_and_gives_it_back() -> None:
-    # The collector may destroy an unreachable graph during another capture (pytorch PR 161037).
+    # The collector may destroy an unreachable graph during another capture (docs/cuda_graphs.md).
     seen: list[bool] = []
 
     def double(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ GPU within ``TOLERANCES`` (TF32 off). Each test runs on ``emulate`` (and ``eager
 applies) on the CPU and on ``cuda`` on a GPU; ``in_graph`` variants accumulate parameter grads
 inside the backward graph.
 
-CUDA tests keep no autograd graph alive across a capture (FIELD-NOTES): losses are built and
+CUDA tests keep no autograd graph alive across a capture (docs/cuda_graphs.md): losses are built and
 consumed inside helpers.
 """
 

@@ -89,7 +89,9 @@ def _train_and_compare(recipe: object | None, tolerance: dict[str, float]) -> No
         hidden_eager.float().square().mean().backward()
         torch.testing.assert_close(x.grad, x_eager.grad, **tolerance)
     torch.cuda.synchronize()
-    for (name, param), param_eager in zip(layer.named_parameters(), eager.parameters(), strict=True):
+    for (name, param), param_eager in zip(
+        layer.named_parameters(), eager.parameters(), strict=True
+    ):
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, param_eager.grad, **tolerance, msg=name)
 

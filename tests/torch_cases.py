@@ -343,7 +343,7 @@ def cuda_hygiene() -> Iterator[None]:
     """Around a CUDA test: TF32 off, and no autograd graph of an earlier test alive at a capture.
 
     A graph alive across a capture makes torch warn that the AccumulateGrad stream does not match
-    (FIELD-NOTES), which ``filterwarnings = error`` turns into a failure.
+    (docs/cuda_graphs.md), which ``filterwarnings = error`` turns into a failure.
     """
     gc.collect()
     with warnings.catch_warnings():

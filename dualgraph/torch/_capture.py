@@ -448,7 +448,7 @@ def _capture_cuda(
     device = _device_of(captures)
     caller_stream = torch.cuda.current_stream(device)
     # The garbage collector may destroy an unreachable CUDA graph while another one is being
-    # captured, which fails the capture (pytorch PR 161037); it waits until the capture is over.
+    # captured, which fails the capture (docs/cuda_graphs.md); it waits until the capture is over.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
