@@ -17,7 +17,7 @@ EXAMPLES = ROOT / "examples"
 
 #: example -> (arguments, lines its output must contain)
 RUNS: dict[str, tuple[list[str], list[str]]] = {
-    "quickstart.py": ([], ["eager: hidden (8, 64), aux None"]),
+    "quickstart.py": ([], ["emulate: hidden (8, 64), aux None"]),
     "vision_encoder.py": (
         ["--steps", "3", "--device", "cpu"],
         [
