@@ -71,7 +71,6 @@ class GraphedCallable:
         "_mutated",
         "_nondiff_outputs",
         "_num_grads",
-        "_num_inputs",
         "_out_spec",
         "_output_versions",
         "_param_grads",
@@ -99,7 +98,6 @@ class GraphedCallable:
         self._out_spec = plan.outputs
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
-        self._num_inputs = len(buffers.inputs)
         self._replay_forward = buffers.replay_forward
         self._replay_backward = buffers.replay_backward
         self._has_backward = plan.has_backward
@@ -190,7 +188,7 @@ class GraphedCallable:
     # -- the forward ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
             grad_enabled = torch.is_grad_enabled()
@@ -216,7 +214,8 @@ class GraphedCallable:
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
         """Copy the inputs in, replay the forward, hand back the static outputs (grad mode off)."""
-        for static, tensor in zip(self._static_inputs, tensors, strict=True):
+        # ``tensors`` may go on with the replay Function's edge tensors: zip stops at the inputs.
+        for static, tensor in zip(self._static_inputs, tensors, strict=False):
             static.copy_(tensor)  # torch skips a copy of a tensor onto itself
         self._generation += 1  # a pending backward would now read overwritten activations
         self._replay_forward(grad_enabled)
@@ -291,7 +290,7 @@ class GraphedCallable:
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
     ) -> list[torch.Tensor | None]:
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
             self._check_backward(generation)
@@ -481,7 +480,7 @@ class _Replay(torch.autograd.Function):
     def forward(
         ctx: Any, graphed: GraphedCallable, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outputs = graphed._forward(inputs[: graphed._num_inputs], True)
+        outputs = graphed._forward(inputs, True)
         ctx.graphed = graphed
         ctx.inputs = inputs
         ctx.generation = graphed._generation
