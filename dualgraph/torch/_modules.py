@@ -10,6 +10,7 @@ copy runs eagerly, with its own weights, and can be graphed on its own.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -57,35 +58,22 @@ class _Copied:
         self.previous = previous
 
 
-class _GraphedForward:
+def _graphed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A graphed module's ``forward``: replay, or the original forward in the other mode.
 
-    In a copy of the module (``copy.deepcopy``, pickling) it finds no runner, puts the copy's
-    own forward back and runs that: copies are plain modules.
+    Installed as ``functools.partial(_graphed_forward, module)``, which ``copy.deepcopy`` and
+    pickle rebuild around the copy. In a copy it finds no runner, puts the copy's own forward
+    back and runs that: copies are plain modules.
     """
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        state = module.__dict__.get(_STATE)
-        if type(state) is _Graphed:
-            if module.training == state.training:
-                return state.runner(*args, **kwargs)
-            if state.previous is not None:
-                return state.previous(*args, **kwargs)
-            return type(module).forward(module, *args, **kwargs)
-        _ungraph(module)  # a copy of a graphed module: from now on a plain module
-        return module.forward(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _GraphedForward:
-        return _GraphedForward(copy.deepcopy(self.module, memo))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _GraphedForward, (self.module,)
+    state = module.__dict__.get(_STATE)
+    if type(state) is _Graphed:
+        if module.training == state.training:
+            return state.runner(*args, **kwargs)
+        if state.previous is not None:
+            return state.previous(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
+    _ungraph(module)  # a copy of a graphed module: from now on a plain module
+    return module.forward(*args, **kwargs)
 
 
 def install(fn: Any, runner: Runner) -> Any:
@@ -97,7 +85,7 @@ def install(fn: Any, runner: Runner) -> Any:
         _ungraph(module)
     state = _Graphed(runner, module.training, module.__dict__.get("forward"))
     module.__dict__[_STATE] = state
-    module.__dict__["forward"] = _GraphedForward(module)
+    module.__dict__["forward"] = functools.partial(_graphed_forward, module)
     return module
 
 

@@ -13,6 +13,7 @@ the two graphs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import operator
@@ -38,7 +39,9 @@ _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
-_is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+_is_any_autocast_enabled = getattr(
+    torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
+)
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
@@ -52,11 +55,15 @@ class GraphedCallable:
 
     __slots__ = (
         "_accumulators",
+        "_ambient_checks",
         "_autocast",
+        "_backward_checks",
         "_backward_generation",
         "_clone_outputs",
         "_ddp_check",
+        "_edge_nones",
         "_edges",
+        "_first_param",
         "_fp8",
         "_generation",
         "_grad_outputs",
@@ -70,11 +77,10 @@ class GraphedCallable:
         "_module_tensors",
         "_mutated",
         "_nondiff_outputs",
-        "_num_grads",
         "_out_spec",
         "_output_versions",
         "_param_grads",
-        "_param_positions",
+        "_params",
         "_replay_backward",
         "_replay_forward",
         "_saved_outputs",
@@ -104,22 +110,15 @@ class GraphedCallable:
         self._nondiff_outputs = plan.nondiff_outputs
         self._grad_outputs = tuple(zip(buffers.grad_outputs, plan.diff_outputs, strict=True))
         self._edges = params.edges
-        # The backward returns one grad per Function input: the callable itself, the input
-        # tensors, then the edge tensors; positions below count from there.
-        self._num_grads = 1 + len(buffers.inputs) + len(self._edges)
         self._input_grads = tuple(
             (1 + i, grad) for i, grad in enumerate(buffers.input_grads) if grad is not None
         )
-        self._param_grads = tuple(
-            (1 + len(buffers.inputs) + j, grad, param)
-            for j, (grad, param) in enumerate(zip(buffers.param_grads, params.params, strict=True))
-            if grad is not None
-        )
-        self._param_positions = (
-            tuple(range(1 + len(buffers.inputs), self._num_grads))
-            if params.mode == "autograd"
-            else ()
-        )
+        # Positions among the Function's inputs (and so its grads): the callable itself, the
+        # input tensors, then the edge tensors (the parameters, or the in-graph anchor).
+        self._first_param = 1 + len(buffers.inputs)
+        self._edge_nones = (None,) * len(self._edges)
+        self._params = params.params if params.mode == "autograd" else ()
+        self._param_grads = buffers.param_grads if params.mode == "autograd" else ()
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
         # ``torch.autograd.grad``: see ``_is_plain_backward``.
         self._sentinel_node = (
@@ -143,9 +142,12 @@ class GraphedCallable:
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
         self._ddp_check = bool(self._accumulators)
+        # Anything besides "no autocast now, none at capture" needs the full check.
+        self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
         self._lock = threading.Lock()
         self._generation = 0
         self._backward_generation = -1
+        self._backward_checks = bool(self._saved_outputs) or bool(self._accumulators)
         self._holder_baseline = self._holder_counts()
 
     # -- what a caller sees -------------------------------------------------------------------
@@ -195,7 +197,8 @@ class GraphedCallable:
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if self._module_tensors is not None:
                 self._module_tensors.check(grad_enabled=grad_enabled)
-            self._check_ambient_state()
+            if self._ambient_checks or _is_any_autocast_enabled():
+                self._check_ambient_state()
             if self._mutated:
                 self._check_mutated_inputs_are_apart(tensors)
             self.diagnostics.replays += 1
@@ -230,9 +233,7 @@ class GraphedCallable:
         if self._autocast:
             if autocast_state() != self._autocast:
                 raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
-        elif (
-            _is_any_autocast_enabled() if _is_any_autocast_enabled is not None else autocast_state()
-        ):
+        elif _is_any_autocast_enabled():
             raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
         if self._fp8 is not None and fp8_state() != self._fp8:
             raise self._ambient_mismatch(
@@ -286,17 +287,21 @@ class GraphedCallable:
     def _backward(
         self,
         generation: int,
-        needs_input_grad: Sequence[bool],
+        needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
-    ) -> list[torch.Tensor | None]:
-        if not self._lock.acquire(False):  # never waits: a second thread is refused
+    ) -> tuple[torch.Tensor | None, ...]:
+        if not self._lock.acquire(False):
             raise self._busy()
         try:
-            self._check_backward(generation)
-            if self._param_positions and not all(
-                needs_input_grad[i] for i in self._param_positions
+            plain = self._is_plain_backward()
+            if (
+                generation != self._generation
+                or self._backward_generation == generation
+                or self._backward_checks
             ):
+                self._check_backward(generation, plain)
+            if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
             self._backward_generation = generation
             for static, index in self._grad_outputs:
@@ -309,18 +314,18 @@ class GraphedCallable:
                 self._backward_into_accumulators()
             else:
                 self._replay_backward()  # type: ignore[misc]
-            return self._hand_out_grads(needs_input_grad, inputs)
+            return self._hand_out_grads(needs_input_grad, inputs, plain)
         finally:
             self._lock.release()
 
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
-        params = self.plan.params
-        for position, name in zip(self._param_positions, params.names, strict=True):
-            if not needs_input_grad[position]:
+        names = self.plan.params.names
+        for name, needed in zip(names, needs_input_grad[self._first_param :], strict=True):
+            if not needed:
                 return requires_grad_changed(name, True)
         return DualgraphError(f"{self.name}: a parameter was frozen after capture")
 
-    def _check_backward(self, generation: int) -> None:
+    def _check_backward(self, generation: int, plain: bool) -> None:
         if generation != self._generation:
             raise DualgraphError(
                 f"{self.name}: backward of an earlier replay after a later forward replay "
@@ -345,11 +350,11 @@ class GraphedCallable:
                         "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
                     )
         if self._accumulators:
-            self._check_in_graph_backward()
+            self._check_in_graph_backward(plain)
 
     def _hand_out_grads(
-        self, needs_input_grad: Sequence[bool], inputs: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
+        self, needs_input_grad: tuple[bool, ...], inputs: Sequence[torch.Tensor], plain: bool
+    ) -> tuple[torch.Tensor | None, ...]:
         """The grads for autograd, never a static buffer that anyone could keep.
 
         The next backward replay overwrites the static grad buffers, while eager hands each
@@ -359,8 +364,7 @@ class GraphedCallable:
         ``.grad``) or to another replay's backward (it copies into its own static buffer), and
         no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
         """
-        result: list[torch.Tensor | None] = [None] * self._num_grads
-        plain = self._is_plain_backward()
+        result: list[torch.Tensor | None] = [None] * self._first_param
         for position, grad in self._input_grads:
             if needs_input_grad[position]:
                 tensor = inputs[position - 1]
@@ -373,11 +377,15 @@ class GraphedCallable:
                     result[position] = grad
                 else:
                     result[position] = grad.clone()
-        for position, grad, param in self._param_grads:
-            if needs_input_grad[position]:
-                consumed = plain and not param._backward_hooks
-                result[position] = grad if consumed else grad.clone()
-        return result
+        if not self._param_grads:
+            return (*result, *self._edge_nones)
+        if plain and not any(map(_tensor_hooks, self._params)):
+            return (*result, *self._param_grads)  # each goes straight into its AccumulateGrad
+        for param_grad, param in zip(self._param_grads, self._params, strict=True):
+            if param_grad is not None and (not plain or param._backward_hooks):
+                param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
+            result.append(param_grad)
+        return tuple(result)
 
     def _is_plain_backward(self) -> bool:
         """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``).
@@ -395,7 +403,7 @@ class GraphedCallable:
 
     # -- param_grads="in_graph" ----------------------------------------------------------------
 
-    def _check_in_graph_backward(self) -> None:
+    def _check_in_graph_backward(self, plain: bool) -> None:
         params = self._in_graph_params
         if any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)):
             name = next(
@@ -408,7 +416,7 @@ class GraphedCallable:
                 "run (the backward graph adds the grad into .grad itself); capture with "
                 "param_grads='autograd' to use parameter hooks"
             )
-        if not self._is_plain_backward():
+        if not plain:
             raise DualgraphError(
                 f"{self.name}: captured with param_grads='in_graph', whose backward adds the "
                 "parameter grads into .grad; this backward leaves the parameters out "
@@ -425,8 +433,8 @@ class GraphedCallable:
         the accumulator, e.g. the old ``.grad``, sees no change). A ``.grad`` the user set is
         added to in place, keeping its identity.
         """
-        if self._all_bound():
-            self._replay_backward()  # type: ignore[misc]
+        if all(map(_is, map(_grad, self._in_graph_params), self._in_graph_accumulators)):
+            self._replay_backward()  # type: ignore[misc]  # every .grad is its accumulator
             return
         held = [
             counts != baseline
@@ -453,9 +461,6 @@ class GraphedCallable:
                 param.grad = accumulator.clone()
             if saved is not None:
                 accumulator.copy_(saved)
-
-    def _all_bound(self) -> bool:
-        return all(map(_is, map(_grad, self._in_graph_params), self._in_graph_accumulators))
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
         # References to each accumulator from Python, from C++ (another tensor's .grad, a saved
@@ -493,10 +498,11 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         graphed: GraphedCallable = ctx.graphed
-        return tuple(graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads))
+        return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads)
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
+_NO_HOOKS = contextlib.nullcontext()
 
 
 class CudaGraphForward:
@@ -588,7 +594,8 @@ class EmulatedReplay:
             raise DualgraphError("backward without a forward under autograd")
         # Parameter hooks run once, when the replay hands the grads to autograd, as after a
         # graph's backward (which has them suspended during capture).
-        with suspended_tensor_hooks(self._hooked_params):
+        hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
+        with hooks:
             grads = torch.autograd.grad(
                 live,
                 self._diff_inputs,
@@ -604,6 +611,9 @@ class EmulatedReplay:
         pairs = [(acc, grads[k]) for k, acc in self._accumulate if grads[k] is not None]
         if pairs:
             torch._foreach_add_([acc for acc, _ in pairs], [grad for _, grad in pairs])
+
+    def _any_hooks(self) -> bool:
+        return any(map(_tensor_hooks, self._hooked_params))
 
 
 def autocast_state() -> tuple[Any, ...]:
