@@ -437,7 +437,7 @@ class GraphedCallable:
             self._replay_backward()  # type: ignore[misc]  # every .grad is its accumulator
             return
         held = [
-            counts != baseline
+            any(map(operator.gt, counts, baseline))  # more holders than when nobody held it
             for counts, baseline in zip(self._holder_counts(), self._holder_baseline, strict=True)
         ]
         pending = [
