@@ -118,7 +118,9 @@ class GraphedCallable:
         self._first_param = 1 + len(buffers.inputs)
         self._edge_nones = (None,) * len(self._edges)
         self._params = params.params if params.mode == "autograd" else ()
-        self._param_grads = buffers.param_grads if params.mode == "autograd" else ()
+        # A tuple of its own (the plan holds another): a static grad referenced from Python only
+        # through one container could count as unreferenced, and AccumulateGrad would steal it.
+        self._param_grads = tuple([*buffers.param_grads]) if params.mode == "autograd" else ()
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
         # ``torch.autograd.grad``: see ``_is_plain_backward``.
         self._sentinel_node = (
