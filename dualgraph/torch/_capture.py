@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list
                 _capture_cuda(captures, options, progress)
             else:
                 _capture_emulated(captures, options, progress)
-        progress.phase = "setup"
+        progress.phase = "planning"
         return [item.plan() for item in captures]
     except Exception as error:
         if options.backend == "cuda":
@@ -118,7 +119,8 @@ class _Capture:
         self.static_args, self.static_kwargs = request.inputs.unflatten(self.static_inputs)
         module = request.module
         if module is not None:
-            lazy = [name for name, t in module.state_dict(keep_vars=True).items() if is_lazy(t)]
+            tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+            lazy = [name for name, tensor in tensors if is_lazy(tensor)]
             if lazy:
                 raise _Refused(
                     f"{lazy[0]} is not initialized yet (a lazy module); run the module once "
