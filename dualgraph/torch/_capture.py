@@ -126,11 +126,7 @@ class _Capture:
                     f"{lazy[0]} is not initialized yet (a lazy module); run the module once "
                     "before graphing it"
                 )
-        self.module_tensors = (
-            ModuleTensors.of(module, watch_trainable=options.param_grads == "in_graph")
-            if module is not None
-            else None
-        )
+        self.module_tensors = ModuleTensors.of(module) if module is not None else None
         named = (
             [(name, p) for name, p in module.named_parameters() if p.requires_grad]
             if module is not None

@@ -44,13 +44,11 @@ class ModuleTensors:
     >>> tensors.names
     ('Linear.weight', 'Linear.bias')
     >>> tensors.check(grad_enabled=True)  # nothing changed
-    >>> layer.bias.requires_grad_(False)
-    Parameter containing:
-    ...
+    >>> layer.bias = torch.nn.Parameter(torch.zeros(2))
     >>> tensors.check(grad_enabled=True)
     Traceback (most recent call last):
     ...
-    dualgraph.DualgraphError: Linear.bias: requires_grad was True at capture and is ...
+    dualgraph.DualgraphError: Linear.bias: the parameter was replaced after capture ...
     """
 
     names: tuple[str, ...]
@@ -60,14 +58,14 @@ class ModuleTensors:
     data_ptrs: tuple[int, ...]
     requires_grad: tuple[bool, ...]
     is_buffer: tuple[bool, ...]
-    # The tensors whose requires_grad each call checks, and what it was at capture. The replay
-    # of a module whose parameter grads go through autograd sees the trainable parameters'
-    # flags for free (as its Function's inputs), so it watches only the others.
+    # The tensors whose requires_grad each call checks: those frozen at capture (usually none).
+    # A trainable parameter frozen since is found by the backward replay, which looks at the
+    # trainable parameters anyway (as its Function's inputs, or for their hooks).
     watched: tuple[torch.Tensor, ...] = ()
     watched_requires_grad: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, module: torch.nn.Module, *, watch_trainable: bool = True) -> ModuleTensors:
+    def of(cls, module: torch.nn.Module) -> ModuleTensors:
         """Record the parameters and buffers of ``module`` as they are now."""
         root = type(module).__name__
         entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
@@ -78,7 +76,7 @@ class ModuleTensors:
                         name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
                         entries.append((name, owner, key, tensor, is_buffer))
         tensors = tuple(entry[3] for entry in entries)
-        watched = tuple(dict.fromkeys(t for t in tensors if watch_trainable or not t.requires_grad))
+        watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
         return cls(
             names=tuple(entry[0] for entry in entries),
             owners=tuple(entry[1] for entry in entries),

@@ -38,7 +38,9 @@ _detach = torch.Tensor.detach
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
-_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+_in_graph_flags = operator.attrgetter(
+    "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
+)
 _is_any_autocast_enabled = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
 )
@@ -70,6 +72,7 @@ class GraphedCallable:
         "_has_backward",
         "_holder_baseline",
         "_in_graph_accumulators",
+        "_in_graph_expected",
         "_in_graph_params",
         "_input_grads",
         "_inputs",
@@ -81,6 +84,7 @@ class GraphedCallable:
         "_output_versions",
         "_param_grads",
         "_params",
+        "_plan_params",
         "_replay_backward",
         "_replay_forward",
         "_saved_outputs",
@@ -142,6 +146,8 @@ class GraphedCallable:
         self._autocast = plan.autocast
         self._fp8 = plan.fp8
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
+        self._plan_params = params.params if params.mode == "in_graph" else ()
+        self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
         self._ddp_check = bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
@@ -205,7 +211,14 @@ class GraphedCallable:
                 self._check_mutated_inputs_are_apart(tensors)
             self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
-                outputs = _Replay.apply(self, *tensors, *self._edges)
+                if _are_functorch_transforms_active():
+                    raise DualgraphError(
+                        f"{self.name}: called under a torch.func transform (vmap, grad, ...); a "
+                        "graph replays fixed buffers and cannot be transformed"
+                    )
+                # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
+                # wrappers (of the inputs here; parameters never are) on the way.
+                outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
             else:
                 # Grad mode may be on (nothing differentiable to replay), and autograd refuses
                 # copies into static inputs that are leaves requiring grad.
@@ -406,18 +419,18 @@ class GraphedCallable:
     # -- param_grads="in_graph" ----------------------------------------------------------------
 
     def _check_in_graph_backward(self, plain: bool) -> None:
-        params = self._in_graph_params
-        if any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params)):
-            name = next(
-                name
-                for param, _, name in self._accumulators
-                if param._backward_hooks or param._post_accumulate_grad_hooks
-            )
-            raise DualgraphError(
-                f"{self.name}: {name} has a grad hook, which param_grads='in_graph' would never "
-                "run (the backward graph adds the grad into .grad itself); capture with "
-                "param_grads='autograd' to use parameter hooks"
-            )
+        # One pass over the parameters: still trainable, and no hook that in-graph grads would
+        # skip (an empty hook dict, left by a removed hook, is looked at on the slow path).
+        if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:
+            for param, name in zip(self._plan_params, self.plan.params.names, strict=True):
+                if not param.requires_grad:
+                    raise requires_grad_changed(name, True)
+                if param._backward_hooks or param._post_accumulate_grad_hooks:
+                    raise DualgraphError(
+                        f"{self.name}: {name} has a grad hook, which param_grads='in_graph' "
+                        "would never run (the backward graph adds the grad into .grad itself); "
+                        "capture with param_grads='autograd' to use parameter hooks"
+                    )
         if not plain:
             raise DualgraphError(
                 f"{self.name}: captured with param_grads='in_graph', whose backward adds the "
@@ -504,6 +517,10 @@ class _Replay(torch.autograd.Function):
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
+# The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
+_apply_replay = super(torch.autograd.Function, _Replay).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
 _NO_HOOKS = contextlib.nullcontext()
 
 
