@@ -3,8 +3,8 @@
 A block may be preceded (on the line before its fence) by one marker, an HTML comment that
 GitHub does not render and that says why the block is not simply run:
 
-- ``<!-- signature: MODULE.NAME -->``: a call that shows a function's parameters with their
-  defaults (``*`` included); checked against ``inspect.signature`` of that function instead;
+- ``<!-- signature: MODULE.NAME -->``: a program with one call of that function passing every
+  keyword-only option at its default; the defaults are checked against ``inspect.signature``;
 - ``<!-- not-run: REASON -->``: an illustration, not a program (skipped with REASON, so that
   pytest's summary lists it);
 - ``<!-- needs-cuda -->``: run only where a CUDA device is (the ``cuda`` mark);
@@ -93,7 +93,7 @@ def _param(block: Block) -> object:
     return pytest.param(block, id=block.name, marks=marks)
 
 
-PROGRAMS = [block for block in BLOCKS if block.marker != "signature"]
+PROGRAMS = BLOCKS  # a signature block runs too
 
 
 @pytest.mark.parametrize("block", [_param(block) for block in PROGRAMS])
@@ -106,32 +106,21 @@ SIGNATURES = [block for block in BLOCKS if block.marker == "signature"]
 
 @pytest.mark.parametrize("block", SIGNATURES, ids=[block.name for block in SIGNATURES])
 def test_readme_signature_matches_the_code(block: Block) -> None:
+    """The block calls the function once with every keyword-only option at its default."""
     module_name, _, name = block.reason.rpartition(".")
     function = getattr(importlib.import_module(module_name), name)
-    # "result = f(a, b, *, c=1)" written as "def f(a, b, *, c=1): pass" is Python to parse.
-    parameters = block.code[block.code.index("(") + 1 : block.code.rindex(")")]
-    definition = ast.parse(f"def documented({parameters}): pass").body[0]
-    assert isinstance(definition, ast.FunctionDef)
-    documented = [(argument.arg, "positional", None) for argument in definition.args.args]
-    positional_defaults = definition.args.defaults
-    for index, default in enumerate(
-        positional_defaults, len(documented) - len(positional_defaults)
-    ):
-        documented[index] = (documented[index][0], "positional", ast.literal_eval(default))
-    documented += [
-        (argument.arg, "keyword", None if default is None else ast.literal_eval(default))
-        for argument, default in zip(
-            definition.args.kwonlyargs, definition.args.kw_defaults, strict=True
-        )
+    calls = [
+        node
+        for node in ast.walk(ast.parse(block.code))
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) == name or getattr(node.func, "id", None) == name)
     ]
-    actual = [
-        (
-            parameter.name,
-            "keyword" if parameter.kind is parameter.KEYWORD_ONLY else "positional",
-            None if parameter.default is parameter.empty else parameter.default,
-        )
-        for parameter in inspect.signature(function).parameters.values()
-    ]
+    assert len(calls) == 1, f"{block.name}: expected one call of {name}, found {len(calls)}"
+    documented = {keyword.arg: ast.literal_eval(keyword.value) for keyword in calls[0].keywords}
+    parameters = inspect.signature(function).parameters.values()
+    positional = [p for p in parameters if p.kind is not p.KEYWORD_ONLY]
+    actual = {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
+    assert len(calls[0].args) == len(positional), f"{block.name}: positional arguments differ"
     assert documented == actual, f"{block.name} documents {block.reason} differently"
 
 

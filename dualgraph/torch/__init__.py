@@ -7,15 +7,16 @@
 """
 
 from . import _leaves as _leaves  # registers torch.Tensor with the core
-from ._graphed import EagerCallable, diagnostics, make_graphed_callables, owned, restore
-from ._inputs import InputGuard
-from ._replay import CaptureDiagnostics, GraphedCallable
+from ._diagnostics import CaptureDiagnostics
+from ._eager import EagerCallable
+from ._graphed import diagnostics, make_graphed_callables, owned
+from ._modules import restore
+from ._replay import GraphedCallable
 
 __all__ = [
     "CaptureDiagnostics",
     "EagerCallable",
     "GraphedCallable",
-    "InputGuard",
     "diagnostics",
     "make_graphed_callables",
     "owned",
