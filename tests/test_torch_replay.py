@@ -320,7 +320,8 @@ def test_the_backward_runs_only_over_differentiable_outputs(backend: str) -> Non
 def test_autograd_param_grads_make_the_parameters_replay_inputs(backend: str) -> None:
     case = CASES["mlp"]
     fn, _ = case.make(device_of(backend))
-    dgt.make_graphed_callables(fn, case.draw(device_of(backend))[0], backend=backend)
+    sample = case.draw(device_of(backend))[0]
+    dgt.make_graphed_callables(fn, sample, backend=backend, param_grads="autograd")
     params = runner_of(fn).plan.params
     assert params.mode == "autograd"
     assert params.edges == params.params == tuple(fn.parameters())

@@ -39,7 +39,7 @@ from ._inputs import InputGuard, unsupported_tensor
 from ._leaves import dtype_name
 from ._params import ModuleTensors, suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ParamLayout, ReplayPlan, StaticBuffers
-from ._replay import CudaGraphForward, EmulatedReplay, autocast_state
+from ._replay import CudaGraphForward, EmulatedReplay, accumulate_into, autocast_state
 from ._transformer_engine import fp8_state, transformer_engine_capture
 
 __all__ = ["CaptureOptions", "CaptureRequest", "capture", "repair_cuda_rng"]
@@ -85,7 +85,7 @@ def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list
             for item in captures:
                 if item.module_tensors is not None:
                     restore.enter_context(item.module_tensors.left_as_found())
-                if options.param_grads == "autograd":
+                if options.param_grads != "in_graph":  # grads may go through autograd
                     restore.enter_context(suspended_tensor_hooks(item.params))
             if options.backend == "cuda":
                 _capture_cuda(captures, options, progress)
@@ -145,7 +145,7 @@ class _Capture:
                     )
         self.accumulators: tuple[torch.Tensor | None, ...] = (
             tuple(torch.zeros_like(p) for p in self.params)
-            if options.param_grads == "in_graph"
+            if options.param_grads != "autograd"
             else ()
         )
         self.grad_input_indices = tuple(
@@ -162,12 +162,18 @@ class _Capture:
         self.param_grads: tuple[torch.Tensor | None, ...] = ()
         self.replay_forward: Callable[[bool], None] | None = None
         self.replay_backward: Callable[[], None] | None = None
+        self.replay_accumulate: Callable[[], None] | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.seconds = 0.0
         self.pool_bytes = 0
 
     def run(self) -> Any:
         return self.request.fn(*self.static_args, **self.static_kwargs)
+
+    @property
+    def fused_accumulators(self) -> tuple[torch.Tensor | None, ...]:
+        """The accumulators the backward graph itself adds into (``"in_graph"`` only)."""
+        return self.accumulators if self.options.param_grads == "in_graph" else ()
 
     def diff_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the backward differentiates for: inputs that require grad, then parameters."""
@@ -205,10 +211,10 @@ class _Capture:
             input_grads[i] = grad
         self.input_grads = tuple(input_grads)
         param_grads = tuple(grads[n:])
-        if self.options.param_grads == "autograd":
+        if self.options.param_grads != "in_graph":
             self.param_grads = param_grads
-        else:  # as with autograd, a parameter the callable does not use keeps .grad None
-            self.accumulators = tuple(
+        if self.accumulators:  # as with autograd, a parameter the callable does not use keeps
+            self.accumulators = tuple(  # .grad None
                 acc if grad is not None else None
                 for acc, grad in zip(self.accumulators, param_grads, strict=True)
             )
@@ -219,8 +225,27 @@ class _Capture:
         params = self.params
         if not self._has_backward():
             self.replay_backward = None
+            self.replay_accumulate = None
             self.accumulators = ()
-        if options.param_grads == "autograd":
+        if options.param_grads == "auto":
+            # The anchor tells a plain .backward() from the others (GraphedCallable
+            # ._is_plain_backward): needed where parameter grads are computed.
+            anchor = (
+                torch.empty(0, device=params[0].device, requires_grad=True)
+                if params and self.replay_backward is not None
+                else None
+            )
+            layout = ParamLayout(
+                mode="auto",
+                params=params,
+                names=self.param_names,
+                nodes=tuple(get_gradient_edge(p).node for p in params),
+                accumulators=self.accumulators or (None,) * len(params),
+                anchor=anchor,
+                anchor_node=None if anchor is None else get_gradient_edge(anchor).node,
+            )
+            param_grads = self.param_grads or (None,) * len(params)
+        elif options.param_grads == "autograd":
             layout = ParamLayout(
                 mode="autograd",
                 params=params,
@@ -250,6 +275,7 @@ class _Capture:
             replay_forward=self.replay_forward,
             replay_backward=self.replay_backward,
             graphs=tuple(self.graphs),
+            replay_accumulate=self.replay_accumulate,
         )
         kept_grads = [g for g in (*self.input_grads, *param_grads) if g is not None]
         kept_grads += [a for a in layout.accumulators if a is not None]
@@ -415,7 +441,7 @@ def _capture_emulated(
         n = len(item.grad_input_indices)
         targets = tuple(item.input_grads[i] for i in item.grad_input_indices)
         targets += item.param_grads or (None,) * len(item.params)
-        accumulators = (None,) * n + (item.accumulators or (None,) * len(item.params))
+        accumulators = (None,) * n + (item.fused_accumulators or (None,) * len(item.params))
         assert item.out_spec is not None
         replay = EmulatedReplay(
             fn=item.request.fn,
@@ -429,10 +455,12 @@ def _capture_emulated(
             grad_targets=targets,
             accumulators=accumulators,
             allow_unused=options.allow_unused_input,
-            hooked_params=item.params if options.param_grads == "autograd" else (),
+            hooked_params=item.params if options.param_grads != "in_graph" else (),
         )
         item.replay_forward = replay.forward
         item.replay_backward = replay.backward
+        if options.param_grads == "auto":
+            item.replay_accumulate = accumulate_into(item.accumulators, item.param_grads)
         item.seconds = time.perf_counter() - start
 
 
@@ -512,10 +540,16 @@ def _capture_cuda_graphs(
                     only_inputs=True,
                     allow_unused=options.allow_unused_input,
                 )
-                _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+                accumulate = accumulate_into(
+                    item.fused_accumulators, grads[len(item.grad_input_indices) :]
+                )
+                if accumulate is not None:
+                    accumulate()
             item.place_grads(grads)
             item.replay_backward = backward_graph.replay
             item.graphs.append(backward_graph)
+            if options.param_grads == "auto":
+                item.replay_accumulate = _capture_accumulate(item, pool, mode)
         del flat, differentiable
     torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
@@ -527,17 +561,20 @@ def _capture_cuda_graphs(
         item.seconds = elapsed
 
 
-def _accumulate(
-    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
-) -> None:
-    """Add the parameter grads into the in-graph accumulators (captured into the graph)."""
-    if not accumulators:
-        return
-    pairs = [
-        (a, g) for a, g in zip(accumulators, grads, strict=True) if a is not None and g is not None
-    ]
-    if pairs:
-        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+def _capture_accumulate(item: _Capture, pool: Any, mode: Any) -> Callable[[], None] | None:
+    """The ``"auto"`` mode's second graph: add the static parameter grads into the accumulators.
+
+    Replayed after the backward graph only when the grads go to ``.grad`` without autograd. It
+    allocates nothing, so it may be captured at any point among the pool's graphs.
+    """
+    accumulate = accumulate_into(item.accumulators, item.param_grads)
+    if accumulate is None:
+        return None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+        accumulate()
+    item.graphs.append(graph)
+    return graph.replay
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:

@@ -14,7 +14,10 @@ class CaptureDiagnostics:
     ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
     (the same number on each of them): the allocator's segments of that pool, else the memory
     the capture left allocated; 0 off the GPU. ``replays`` counts calls that replayed (or, on
-    the ``"eager"`` backend, ran) the callable.
+    the ``"eager"`` backend, ran) the callable. ``param_grads_through_autograd`` counts the
+    backwards that handed the parameter grads to autograd (every one with
+    ``param_grads="autograd"``; with ``"auto"``, those where something needed it, e.g. a
+    parameter hook or DDP) instead of adding them into ``.grad`` in a graph.
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0
@@ -29,3 +32,4 @@ class CaptureDiagnostics:
     capture_seconds: float = 0.0
     has_backward_graph: bool = False
     replays: int = 0
+    param_grads_through_autograd: int = 0

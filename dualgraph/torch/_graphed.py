@@ -21,7 +21,7 @@ from ._transformer_engine import refuse_delayed_scaling
 __all__ = ["diagnostics", "make_graphed_callables", "owned"]
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
-ParamGrads = Literal["autograd", "in_graph"]
+ParamGrads = Literal["auto", "autograd", "in_graph"]
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
@@ -38,7 +38,7 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
 ) -> ModuleT: ...
 
@@ -54,7 +54,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
 ) -> tuple[Any, ...]: ...
 
@@ -70,7 +70,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
 ) -> GraphedCallable | EagerCallable: ...
 
@@ -85,7 +85,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
@@ -123,10 +123,15 @@ def make_graphed_callables(
             ``"auto"`` (default): ``"cuda"`` when a sample tensor is on a CUDA device, else
             ``"emulate"``.
         clone_outputs: return outputs cloned out of the static buffers (see :func:`owned`).
-        param_grads: ``"autograd"`` (default) returns parameter grads through autograd, so
-            hooks and ``DistributedDataParallel`` see them. ``"in_graph"`` adds them into
-            ``.grad`` inside the backward graph: much less host work per replay, the same
-            ``.grad`` values, but no autograd hooks for parameters (refused under DDP).
+        param_grads: how parameter grads reach ``.grad``. ``"auto"`` (default) decides per
+            backward: a plain ``loss.backward()`` adds them into ``.grad`` with a small graph
+            and no per-parameter autograd work, unless a parameter has a hook, the forward ran
+            under ``DistributedDataParallel``, or anomaly mode or ``create_graph`` is on; then,
+            and for ``torch.autograd.grad`` or ``backward(inputs=...)``, they go through
+            autograd. ``"autograd"`` always returns them through autograd. ``"in_graph"`` adds
+            them inside the backward graph and leaves the parameters out of autograd: the
+            least host work per replay, but no parameter hooks, DDP or ``torch.autograd.grad``
+            for parameters (refused where it can tell).
         capture_error_mode: torch's (``"cuda"`` only): under ``"global"`` (default) a CUDA call
             of another thread that is unsafe during capture (a ``cudaMalloc`` by a data loader
             or prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets

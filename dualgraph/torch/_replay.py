@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import operator
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,12 +33,20 @@ from ._params import requires_grad_changed, suspended_tensor_hooks
 from ._plan import ReplayPlan
 from ._transformer_engine import fp8_state
 
-__all__ = ["CudaGraphForward", "EmulatedReplay", "GraphedCallable", "autocast_state"]
+__all__ = [
+    "CudaGraphForward",
+    "EmulatedReplay",
+    "GraphedCallable",
+    "accumulate_into",
+    "autocast_state",
+]
 
 _detach = torch.Tensor.detach
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
+_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+_is_anomaly_enabled = torch.is_anomaly_enabled
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
@@ -58,6 +67,8 @@ class GraphedCallable:
     __slots__ = (
         "_accumulators",
         "_ambient_checks",
+        "_anchor_none",
+        "_auto",
         "_autocast",
         "_backward_checks",
         "_backward_generation",
@@ -85,6 +96,7 @@ class GraphedCallable:
         "_param_grads",
         "_params",
         "_plan_params",
+        "_replay_accumulate",
         "_replay_backward",
         "_replay_forward",
         "_saved_outputs",
@@ -121,15 +133,21 @@ class GraphedCallable:
         # input tensors, then the edge tensors (the parameters, or the in-graph anchor).
         self._first_param = 1 + len(buffers.inputs)
         self._edge_nones = (None,) * len(self._edges)
-        self._params = params.params if params.mode == "autograd" else ()
+        through_autograd = params.mode != "in_graph"  # parameters are Function inputs
+        self._params = params.params if through_autograd else ()
         # A tuple of its own (the plan holds another): a static grad referenced from Python only
         # through one container could count as unreferenced, and AccumulateGrad would steal it.
-        self._param_grads = tuple([*buffers.param_grads]) if params.mode == "autograd" else ()
+        self._param_grads = tuple([*buffers.param_grads]) if through_autograd else ()
+        # "auto": the anchor comes last among the Function's inputs, after the parameters.
+        self._anchor_none = (None,) if params.mode == "auto" and params.anchor is not None else ()
+        # "auto": whether a backward may add the parameter grads into .grad itself.
+        self._auto = params.mode == "auto" and buffers.replay_accumulate is not None
+        self._replay_accumulate = buffers.replay_accumulate
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
         # ``torch.autograd.grad``: see ``_is_plain_backward``.
         self._sentinel_node = (
             params.anchor_node
-            if params.mode == "in_graph"
+            if params.mode != "autograd"
             else (params.nodes[0] if params.nodes else None)
         )
         self._accumulators = tuple(
@@ -149,13 +167,13 @@ class GraphedCallable:
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
-        self._ddp_check = bool(self._accumulators)
+        self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
         self._lock = threading.Lock()
         self._generation = 0
         self._backward_generation = -1
-        self._backward_checks = bool(self._saved_outputs) or bool(self._accumulators)
+        self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
         self._holder_baseline = self._holder_counts()
 
     # -- what a caller sees -------------------------------------------------------------------
@@ -305,6 +323,7 @@ class GraphedCallable:
         needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
+        under_ddp: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         if not self._lock.acquire(False):
             raise self._busy()
@@ -325,13 +344,33 @@ class GraphedCallable:
                     static.zero_()
                 else:
                     static.copy_(grad)
-            if self._accumulators:
-                self._backward_into_accumulators()
-            else:
-                self._replay_backward()  # type: ignore[misc]
+            if self._plan_params:  # "in_graph": the backward graph adds into .grad
+                self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                return self._hand_out_grads(needs_input_grad, inputs, plain)
+            self._replay_backward()  # type: ignore[misc]
+            if self._auto and plain and not under_ddp and self._nothing_watches_params():
+                # "auto": nothing needs the parameter grads to pass through autograd.
+                self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
+                return self._hand_out_grads(needs_input_grad, inputs, plain, params=False)
+            if self._param_grads:
+                self.diagnostics.param_grads_through_autograd += 1
             return self._hand_out_grads(needs_input_grad, inputs, plain)
         finally:
             self._lock.release()
+
+    def _nothing_watches_params(self) -> bool:
+        """Whether ``.grad`` may be updated without the parameters' ``AccumulateGrad`` nodes.
+
+        Those nodes run the parameters' hooks (``register_hook``,
+        ``register_post_accumulate_grad_hook``, and so ``register_multi_grad_hook``), and
+        anomaly mode checks the grads handed to them for NaN.
+        """
+        params = self._params
+        return not (
+            any(map(_tensor_hooks, params))
+            or any(map(_post_accumulate_hooks, params))
+            or _is_anomaly_enabled()
+        )
 
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
         names = self.plan.params.names
@@ -364,11 +403,16 @@ class GraphedCallable:
                         "gradient computation has been modified by an inplace operation); "
                         "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
                     )
-        if self._accumulators:
+        if self._plan_params:
             self._check_in_graph_backward(plain)
 
     def _hand_out_grads(
-        self, needs_input_grad: tuple[bool, ...], inputs: Sequence[torch.Tensor], plain: bool
+        self,
+        needs_input_grad: tuple[bool, ...],
+        inputs: Sequence[torch.Tensor],
+        plain: bool,
+        *,
+        params: bool = True,
     ) -> tuple[torch.Tensor | None, ...]:
         """The grads for autograd, never a static buffer that anyone could keep.
 
@@ -378,6 +422,8 @@ class GraphedCallable:
         delivers it to an ``AccumulateGrad`` (a leaf, a parameter: it copies or adds into
         ``.grad``) or to another replay's backward (it copies into its own static buffer), and
         no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
+
+        ``params=False``: the parameter grads are in ``.grad`` already; autograd gets ``None``.
         """
         result: list[torch.Tensor | None] = [None] * self._first_param
         for position, grad in self._input_grads:
@@ -392,22 +438,24 @@ class GraphedCallable:
                     result[position] = grad
                 else:
                     result[position] = grad.clone()
-        if not self._param_grads:
+        if not params or not self._param_grads:
             return (*result, *self._edge_nones)
         if plain and not any(map(_tensor_hooks, self._params)):
-            return (*result, *self._param_grads)  # each goes straight into its AccumulateGrad
+            # each goes straight into its AccumulateGrad
+            return (*result, *self._param_grads, *self._anchor_none)
         for param_grad, param in zip(self._param_grads, self._params, strict=True):
             if param_grad is not None and (not plain or param._backward_hooks):
                 param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
             result.append(param_grad)
-        return tuple(result)
+        return (*result, *self._anchor_none)
 
     def _is_plain_backward(self) -> bool:
         """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``).
 
-        Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the in-graph anchor):
-        the engine runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it
-        raises for a leaf whose grad is captured).
+        Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the anchor): the engine
+        runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it raises for a
+        leaf whose grad is captured). The anchor, which no caller can name, answers ``True``
+        only in a ``.backward()`` without ``inputs=``, which runs every node it reaches.
         """
         if self._sentinel_node is None or _will_engine_execute_node is None:
             return False
@@ -439,8 +487,10 @@ class GraphedCallable:
                 ".grad. Capture with param_grads='autograd' for that"
             )
 
-    def _backward_into_accumulators(self) -> None:
-        """Replay the backward graph, which adds the parameter grads into static accumulators.
+    def _backward_into_accumulators(self, replay: Callable[[], None]) -> None:
+        """Replay ``replay``, which adds the parameter grads into static accumulators.
+
+        ``replay`` is the backward graph (``"in_graph"``) or the accumulate graph (``"auto"``).
 
         Keeps eager's ``.grad`` contract. A ``.grad`` that is its accumulator is added to in
         place. A ``.grad`` set to ``None`` (``zero_grad``) starts from zero in a tensor nobody
@@ -449,7 +499,7 @@ class GraphedCallable:
         added to in place, keeping its identity.
         """
         if all(map(_is, map(_grad, self._in_graph_params), self._in_graph_accumulators)):
-            self._replay_backward()  # type: ignore[misc]  # every .grad is its accumulator
+            replay()  # every .grad is its accumulator
             return
         held = [
             any(map(operator.gt, counts, baseline))  # more holders than when nobody held it
@@ -466,7 +516,7 @@ class GraphedCallable:
         for _, accumulator, grad, _ in pending:
             if grad is not None:
                 accumulator.copy_(grad)
-        self._replay_backward()  # type: ignore[misc]
+        replay()
         for param, accumulator, grad, saved in pending:
             if grad is not None:
                 grad.copy_(accumulator)
@@ -504,6 +554,9 @@ class _Replay(torch.autograd.Function):
         ctx.graphed = graphed
         ctx.inputs = inputs
         ctx.generation = graphed._generation
+        # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
+        # over by the backward, so it is asked now).
+        ctx.under_ddp = graphed._auto and _ddp_is_running()
         ctx.set_materialize_grads(False)
         if graphed._nondiff_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
@@ -513,7 +566,9 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         graphed: GraphedCallable = ctx.graphed
-        return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads)
+        return graphed._backward(
+            ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp
+        )
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
@@ -633,6 +688,28 @@ class EmulatedReplay:
 
     def _any_hooks(self) -> bool:
         return any(map(_tensor_hooks, self._hooked_params))
+
+
+def accumulate_into(
+    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
+) -> Callable[[], None] | None:
+    """A call that adds each grad into its accumulator (one ``_foreach_add_``), or ``None``.
+
+    Pairs where either side is ``None`` (an unused parameter) are left out. Called once inside
+    a capture, it records the addition into a graph; called on every replay, it is the
+    ``"emulate"`` backend's stand-in for that graph.
+
+    >>> total, grad = torch.zeros(2), torch.ones(2)
+    >>> add = accumulate_into([total, None], [grad, torch.ones(3)])
+    >>> add(); add(); total
+    tensor([2., 2.])
+    """
+    pairs = [
+        (a, g) for a, g in zip(accumulators, grads, strict=False) if a is not None and g is not None
+    ]
+    if not pairs:
+        return None
+    return functools.partial(torch._foreach_add_, [a for a, _ in pairs], [g for _, g in pairs])
 
 
 def autocast_state() -> tuple[Any, ...]:
