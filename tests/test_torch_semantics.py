@@ -916,6 +916,15 @@ def test_auto_checks_parameter_grads_for_nan_in_anomaly_mode(backend: str) -> No
                     backward_of(module(nan))
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_second_order_grad_through_a_replay_raises(backend: str) -> None:
+    mlp, _ = _auto_pair(backend)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    (grad,) = torch.autograd.grad(loss_of(mlp(x)), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        grad.sum().backward()  # a replay is differentiable once: never a silent zero
+
+
 # -- outputs changed in place --------------------------------------------------------------------
 
 

@@ -47,6 +47,8 @@ _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _is_anomaly_enabled = torch.is_anomaly_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_storage_use_count = torch._C._storage_Use_Count
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
@@ -82,6 +84,7 @@ class GraphedCallable:
         "_grad_outputs",
         "_has_backward",
         "_holder_baseline",
+        "_holder_probes",
         "_in_graph_accumulators",
         "_in_graph_expected",
         "_in_graph_params",
@@ -103,6 +106,7 @@ class GraphedCallable:
         "_sentinel_node",
         "_static_inputs",
         "_static_outputs",
+        "_storages",
         "backend",
         "diagnostics",
         "name",
@@ -174,6 +178,15 @@ class GraphedCallable:
         self._generation = 0
         self._backward_generation = -1
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
+        # Each accumulator with its storage's address for the holder counts; the storage objects
+        # are kept alive here (each adds one constant reference to the memory).
+        self._storages = tuple(acc.untyped_storage() for acc in self._in_graph_accumulators)
+        self._holder_probes = tuple(
+            (param, accumulator, storage._cdata)
+            for (param, accumulator, _), storage in zip(
+                self._accumulators, self._storages, strict=True
+            )
+        )
         self._holder_baseline = self._holder_counts()
 
     # -- what a caller sees -------------------------------------------------------------------
@@ -498,24 +511,27 @@ class GraphedCallable:
         the accumulator, e.g. the old ``.grad``, sees no change). A ``.grad`` the user set is
         added to in place, keeping its identity.
         """
-        if all(map(_is, map(_grad, self._in_graph_params), self._in_graph_accumulators)):
+        grads = tuple(map(_grad, self._in_graph_params))
+        if all(map(_is, grads, self._in_graph_accumulators)):
             replay()  # every .grad is its accumulator
             return
-        held = [
-            any(map(operator.gt, counts, baseline))  # more holders than when nobody held it
-            for counts, baseline in zip(self._holder_counts(), self._holder_baseline, strict=True)
-        ]
-        pending = [
-            (param, accumulator, param.grad, accumulator.clone() if shared else None)
-            for (param, accumulator, _), shared in zip(self._accumulators, held, strict=True)
-            if param.grad is not accumulator
-        ]
-        zeroed = [accumulator for _, accumulator, grad, _ in pending if grad is None]
+        pending = []
+        zeroed = []
+        for (param, accumulator, storage), grad, baseline in zip(
+            self._holder_probes, grads, self._holder_baseline, strict=True
+        ):
+            if grad is accumulator:
+                continue
+            # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
+            # a view or a detached alias of it is still in use and must not change.
+            held = any(map(operator.gt, _holders(accumulator, storage), baseline))
+            pending.append((param, accumulator, grad, accumulator.clone() if held else None))
+            if grad is None:
+                zeroed.append(accumulator)
+            else:
+                accumulator.copy_(grad)
         if zeroed:
             torch._foreach_zero_(zeroed)
-        for _, accumulator, grad, _ in pending:
-            if grad is not None:
-                accumulator.copy_(grad)
         replay()
         for param, accumulator, grad, saved in pending:
             if grad is not None:
@@ -528,18 +544,22 @@ class GraphedCallable:
                 accumulator.copy_(saved)
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
-        # References to each accumulator from Python, from C++ (another tensor's .grad, a saved
-        # tensor), and to its memory (views). Compared with the counts at construction, taken
-        # through this same method, they tell whether anyone else holds an accumulator.
-        return tuple(_holders(entry[1]) for entry in self._accumulators)
+        # The counts of each accumulator taken the way _backward_into_accumulators takes them
+        # (the same references held on the way), at construction, when nobody else holds one.
+        counts = []
+        for _, accumulator, storage in self._holder_probes:
+            counts.append(_holders(accumulator, storage))
+        return tuple(counts)
 
 
-def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
-    storage = tensor.untyped_storage()
+def _holders(tensor: torch.Tensor, storage: int) -> tuple[int, int, int]:
+    """References to ``tensor``: from Python, from C++ (another tensor's ``.grad``, a saved
+    tensor, a view's base) and to its memory (``storage``, its storage's ``_cdata``: views,
+    detached aliases)."""
     return (
         sys.getrefcount(tensor),
         tensor._use_count(),  # type: ignore[attr-defined]
-        torch._C._storage_Use_Count(storage._cdata),
+        _storage_use_count(storage),
     )
 
 
@@ -563,12 +583,20 @@ class _Replay(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        graphed: GraphedCallable = ctx.graphed
-        return graphed._backward(
-            ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp
-        )
+        if _is_grad_enabled():  # create_graph=True: a second backward must raise
+            return _backward_once_differentiable(ctx, *grads)
+        return _backward_of(ctx, *grads)
+
+
+def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    graphed: GraphedCallable = ctx.graphed
+    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp)
+
+
+# The engine runs a backward with grad mode off (unless create_graph=True), which is all that
+# ``once_differentiable`` needs to do then; its wrapper (a no_grad context) only runs otherwise.
+_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward_of)
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
