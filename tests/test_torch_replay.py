@@ -332,6 +332,35 @@ def test_autograd_param_grads_make_the_parameters_replay_inputs(backend: str) ->
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_param_grads_keep_the_parameters_inputs_and_add_an_accumulate_replay(
+    backend: str,
+) -> None:
+    case = CASES["mlp"]
+    fn, _ = case.make(device_of(backend))
+    dgt.make_graphed_callables(fn, case.draw(device_of(backend))[0], backend=backend)
+    plan = runner_of(fn).plan
+    params = plan.params
+    assert params.mode == "auto"  # the default
+    *edges, anchor = params.edges  # the parameters, so torch.autograd.grad reaches them
+    assert tuple(edges) == params.params == tuple(fn.parameters())
+    assert anchor.numel() == 0 and anchor.requires_grad and params.anchor_node is not None
+    shapes = [p.shape for p in fn.parameters()]
+    assert [g.shape for g in plan.buffers.param_grads] == shapes
+    assert [a.shape for a in params.accumulators] == shapes
+    assert plan.buffers.replay_accumulate is not None
+    if backend == "cuda":  # forward, backward, and the small graph that adds into .grad
+        assert len(plan.buffers.graphs) == 3
+
+
+def test_auto_param_grads_of_a_function_need_no_anchor() -> None:
+    sample = torch.randn(3, requires_grad=True)
+    graphed = dgt.make_graphed_callables(torch.sin, (sample,), backend="emulate")
+    params = graphed.plan.params
+    assert (params.mode, params.edges, params.anchor) == ("auto", (), None)
+    assert not graphed(torch.randn(3)).requires_grad  # no parameter, no grad: as in eager
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_in_graph_param_grads_leave_the_parameters_out_of_the_replay_inputs(backend: str) -> None:
     case = CASES["mlp"]
     fn, _ = case.make(device_of(backend))
