@@ -341,7 +341,13 @@ class GraphedCallable:
         if not self._lock.acquire(False):
             raise self._busy()
         try:
-            plain = self._is_plain_backward()
+            # _is_plain_backward, inlined: one engine query per backward.
+            plain = False
+            if self._sentinel_node is not None and _will_engine_execute_node is not None:
+                try:
+                    plain = bool(_will_engine_execute_node(self._sentinel_node))
+                except RuntimeError:
+                    pass
             if (
                 generation != self._generation
                 or self._backward_generation == generation
@@ -600,6 +606,10 @@ _backward_once_differentiable = torch.autograd.function.once_differentiable(_bac
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
+# The engine calls a Function's backward node through its ``apply``, which torch defines in
+# Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
+# directly (docs/cuda_graphs.md).
+_REPLAY_BACKWARD.apply = _Replay.backward
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 _apply_replay = super(torch.autograd.Function, _Replay).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
