@@ -723,6 +723,40 @@ def test_in_graph_grads_add_into_a_grad_tensor_the_user_set(backend: str, param_
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+@pytest.mark.parametrize("alias", ["detach", "data"])
+def test_in_graph_grads_add_into_a_grad_that_aliases_their_buffer(
+    backend: str, param_grads: str, alias: str
+) -> None:
+    layer, twin = _in_graph_pair(backend, param_grads)
+    _both(layer, twin, backend)
+    for module in (layer, twin):
+        for param in module.parameters():
+            param.grad = param.grad.detach() if alias == "detach" else param.grad.data
+    mine = layer.weight.grad
+    _both(layer, twin, backend)
+    _both(layer, twin, backend)
+    assert layer.weight.grad is mine  # eager adds into it in place
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+def test_in_graph_grads_refuse_a_grad_in_their_buffer_laid_out_otherwise(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(3, 3).to(device)  # square: a transposed view is a valid .grad
+    x = torch.randn(2, 3, device=device)
+    dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads=param_grads)
+    backward_of(layer(x))
+    layer.weight.grad = layer.weight.grad.t()
+    values = [p.grad.clone() for p in layer.parameters()]
+    with pytest.raises(DualgraphError, match=r"Linear\.weight: \.grad shares memory"):
+        backward_of(layer(x))
+    assert_grads_match(grads_of(list(layer.parameters())), values, ["weight", "bias"])
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_in_graph_grads_refuse_torch_autograd_grad(backend: str) -> None:
     device = device_of(backend)
     layer = nn.Linear(4, 3).to(device)

@@ -67,6 +67,7 @@ class GraphedCallable:
     """
 
     __slots__ = (
+        "_accumulator_names",
         "_accumulators",
         "_ambient_checks",
         "_anchor_none",
@@ -97,6 +98,7 @@ class GraphedCallable:
         "_out_spec",
         "_output_versions",
         "_param_grads",
+        "_param_nodes",
         "_params",
         "_plan_params",
         "_replay_accumulate",
@@ -147,6 +149,7 @@ class GraphedCallable:
         # "auto": whether a backward may add the parameter grads into .grad itself.
         self._auto = params.mode == "auto" and buffers.replay_accumulate is not None
         self._replay_accumulate = buffers.replay_accumulate
+        self._param_nodes = params.nodes if through_autograd else ()
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
         # ``torch.autograd.grad``: see ``_is_plain_backward``.
         self._sentinel_node = (
@@ -171,6 +174,7 @@ class GraphedCallable:
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
+        self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
@@ -346,8 +350,8 @@ class GraphedCallable:
             if self._sentinel_node is not None and _will_engine_execute_node is not None:
                 try:
                     plain = bool(_will_engine_execute_node(self._sentinel_node))
-                except RuntimeError:
-                    pass
+                except RuntimeError:  # raised where torch.autograd.grad captures that leaf
+                    plain = False
             if (
                 generation != self._generation
                 or self._backward_generation == generation
@@ -462,8 +466,12 @@ class GraphedCallable:
         if plain and not any(map(_tensor_hooks, self._params)):
             # each goes straight into its AccumulateGrad
             return (*result, *self._param_grads, *self._anchor_none)
-        for param_grad, param in zip(self._param_grads, self._params, strict=True):
-            if param_grad is not None and (not plain or param._backward_hooks):
+        for param_grad, param, node in zip(
+            self._param_grads, self._params, self._param_nodes, strict=True
+        ):
+            if param_grad is not None and not plain and not _will_execute_or_capture(node):
+                param_grad = None  # e.g. torch.autograd.grad(loss, x): not wanted, no copy
+            elif param_grad is not None and (not plain or param._backward_hooks):
                 param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
             result.append(param_grad)
         return (*result, *self._anchor_none)
@@ -523,15 +531,17 @@ class GraphedCallable:
             return
         pending = []
         zeroed = []
-        for (param, accumulator, storage), grad, baseline in zip(
-            self._holder_probes, grads, self._holder_baseline, strict=True
+        for (param, accumulator, storage), grad, baseline, name in zip(
+            self._holder_probes, grads, self._holder_baseline, self._accumulator_names, strict=True
         ):
-            if grad is accumulator:
-                continue
+            if grad is accumulator or (grad is not None and _aliases(grad, accumulator, name)):
+                continue  # the replay adds into .grad's memory itself
             # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
             # a view or a detached alias of it is still in use and must not change.
             held = any(map(operator.gt, _holders(accumulator, storage), baseline))
             pending.append((param, accumulator, grad, accumulator.clone() if held else None))
+        # Only now, every .grad checked, are the accumulators written.
+        for _, accumulator, grad, _ in pending:
             if grad is None:
                 zeroed.append(accumulator)
             else:
@@ -556,6 +566,33 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
+    """Whether ``grad`` (a ``.grad`` that is not ``accumulator``) is its memory, laid out alike.
+
+    ``p.grad = p.grad.detach()`` (or ``.data``) makes such a ``.grad``: adding into the
+    accumulator adds into it, as eager adds into ``.grad`` in place. Any other overlap cannot be
+    replayed.
+    """
+    if grad.untyped_storage().data_ptr() != accumulator.untyped_storage().data_ptr():
+        return False
+    if grad.data_ptr() == accumulator.data_ptr() and grad.stride() == accumulator.stride():
+        return True
+    raise DualgraphError(
+        f"{name}: .grad shares memory with the graph's grad buffer in another layout, which a "
+        "replay cannot add into; set .grad to None or to a tensor of its own"
+    )
+
+
+def _will_execute_or_capture(node: Any) -> bool:
+    """Whether this backward runs a leaf's ``AccumulateGrad`` node or captures its grad."""
+    if node is None or _will_engine_execute_node is None:
+        return True
+    try:
+        return bool(_will_engine_execute_node(node))
+    except RuntimeError:  # raised for a leaf whose grad torch.autograd.grad captures
+        return True
 
 
 def _holders(tensor: torch.Tensor, storage: int) -> tuple[int, int, int]:
@@ -609,7 +646,7 @@ _REPLAY_BACKWARD = _Replay._backward_cls
 # The engine calls a Function's backward node through its ``apply``, which torch defines in
 # Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
 # directly (docs/cuda_graphs.md).
-_REPLAY_BACKWARD.apply = _Replay.backward
+_REPLAY_BACKWARD.apply = _Replay.backward  # type: ignore[attr-defined]
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 _apply_replay = super(torch.autograd.Function, _Replay).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
