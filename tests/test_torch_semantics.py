@@ -950,6 +950,43 @@ def test_auto_checks_parameter_grads_for_nan_in_anomaly_mode(backend: str) -> No
                     backward_of(module(nan))
 
 
+class _TiedBlock(nn.Module):
+    """A block whose first layer may be another block's (tied weights)."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared, self.own = shared, nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.tanh(self.own(self.shared(x))), None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_sends_the_grads_of_weights_tied_across_callables_through_autograd(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+
+    def stack() -> nn.ModuleList:
+        torch.manual_seed(1)
+        tied = nn.Linear(8, 8)
+        return nn.ModuleList([_TiedBlock(tied), _TiedBlock(tied), _TiedBlock(nn.Linear(8, 8))])
+
+    graphed, eager = stack().to(device), stack().to(device)
+    samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in range(3))
+    dgt.make_graphed_callables(tuple(graphed), samples, backend=backend)
+    for step in range(3):  # eager sums the tied weight's two grads before adding them to .grad
+        x = torch.randn(4, 8, device=device)
+        for model in (graphed, eager):
+            hidden = x.detach().requires_grad_()
+            for block in model:
+                hidden = block(hidden)[0]
+            loss_of(hidden).backward()
+        _assert_same_grads(graphed, eager, backend)
+    through_autograd = [_through_autograd(block) for block in graphed]
+    assert through_autograd == [3, 3, 0]  # only the blocks that share a weight
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_second_order_grad_through_a_replay_raises(backend: str) -> None:
     mlp, _ = _auto_pair(backend)

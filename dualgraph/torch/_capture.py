@@ -78,9 +78,10 @@ def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list
     progress = _Progress()
     try:
         captures = []
+        shared = _shared_parameters(requests)
         for request in requests:
             progress.name = request.name
-            captures.append(_Capture(request, options))
+            captures.append(_Capture(request, options, shared))
         with contextlib.ExitStack() as restore:
             for item in captures:
                 if item.module_tensors is not None:
@@ -99,6 +100,17 @@ def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list
         raise _describe_failure(error, progress, options.backend) from error
 
 
+def _shared_parameters(requests: Sequence[CaptureRequest]) -> frozenset[int]:
+    """The ids of the parameters that more than one of the callables holds (tied weights)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for request in requests:
+        if request.module is not None:
+            for param in request.module.parameters():  # each once per module
+                (shared if id(param) in seen else seen).add(id(param))
+    return frozenset(shared)
+
+
 # -- what is learned about one callable ----------------------------------------------------------
 
 
@@ -109,7 +121,9 @@ class _Refused(DualgraphError):
 class _Capture:
     """The static buffers and facts of one callable, gathered during capture (then a plan)."""
 
-    def __init__(self, request: CaptureRequest, options: CaptureOptions) -> None:
+    def __init__(
+        self, request: CaptureRequest, options: CaptureOptions, shared: frozenset[int] = frozenset()
+    ) -> None:
         self.request = request
         self.options = options
         self.name = request.name
@@ -143,10 +157,15 @@ class _Capture:
                         "(the backward graph adds the grad into .grad itself); capture with "
                         "param_grads='autograd' to use parameter hooks"
                     )
+        # "auto" adds grads into .grad itself only where each parameter's grad comes from this
+        # callable alone. Eager sums the grads of a parameter that several callables use (tied
+        # weights) before adding them to .grad; adding them one callable at a time would round
+        # differently, so such callables hand their grads to autograd, which sums them first.
+        self.in_graph_grads = options.param_grads == "in_graph" or (
+            options.param_grads == "auto" and not any(id(p) in shared for p in self.params)
+        )
         self.accumulators: tuple[torch.Tensor | None, ...] = (
-            tuple(torch.zeros_like(p) for p in self.params)
-            if options.param_grads != "autograd"
-            else ()
+            tuple(torch.zeros_like(p) for p in self.params) if self.in_graph_grads else ()
         )
         self.grad_input_indices = tuple(
             i for i, t in enumerate(self.static_inputs) if t.requires_grad
@@ -459,7 +478,7 @@ def _capture_emulated(
         )
         item.replay_forward = replay.forward
         item.replay_backward = replay.backward
-        if options.param_grads == "auto":
+        if options.param_grads == "auto" and item.accumulators:
             item.replay_accumulate = accumulate_into(item.accumulators, item.param_grads)
         item.seconds = time.perf_counter() - start
 
@@ -548,7 +567,7 @@ def _capture_cuda_graphs(
             item.place_grads(grads)
             item.replay_backward = backward_graph.replay
             item.graphs.append(backward_graph)
-            if options.param_grads == "auto":
+            if options.param_grads == "auto" and item.accumulators:
                 item.replay_accumulate = _capture_accumulate(item, pool, mode)
         del flat, differentiable
     torch.cuda.synchronize(device)
