@@ -975,7 +975,7 @@ def test_auto_sends_the_grads_of_weights_tied_across_callables_through_autograd(
     graphed, eager = stack().to(device), stack().to(device)
     samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in range(3))
     dgt.make_graphed_callables(tuple(graphed), samples, backend=backend)
-    for step in range(3):  # eager sums the tied weight's two grads before adding them to .grad
+    for _ in range(3):  # eager sums the tied weight's two grads before adding them to .grad
         x = torch.randn(4, 8, device=device)
         for model in (graphed, eager):
             hidden = x.detach().requires_grad_()
