@@ -6,9 +6,11 @@ forward and hands back the static outputs, rebuilt into the captured output tree
 leaves and constants restored). Under autograd the replay is one :class:`torch.autograd.Function`
 whose backward copies the incoming grads into the static grad buffers, replays the backward and
 hands the grads on as eager would: input grads as tensors of their own, parameter grads to
-``.grad``. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
+``.grad``, either through autograd or, where nothing needs them to pass through autograd
+(``param_grads="auto"`` in a plain ``.backward()``, or ``"in_graph"``), added into ``.grad``
+by a graph. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
 (``_capture.py`` builds it); :class:`EmulatedReplay` is the ``"emulate"`` backend's stand-in for
-the two graphs.
+the graphs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import operator
 import sys
 import threading
@@ -776,7 +777,9 @@ def accumulate_into(
 
     >>> total, grad = torch.zeros(2), torch.ones(2)
     >>> add = accumulate_into([total, None], [grad, torch.ones(3)])
-    >>> add(); add(); total
+    >>> add()
+    >>> add()
+    >>> total
     tensor([2., 2.])
     """
     pairs = [
@@ -784,7 +787,12 @@ def accumulate_into(
     ]
     if not pairs:
         return None
-    return functools.partial(torch._foreach_add_, [a for a, _ in pairs], [g for _, g in pairs])
+    targets, sources = [a for a, _ in pairs], [g for _, g in pairs]
+
+    def accumulate() -> None:
+        torch._foreach_add_(targets, sources)
+
+    return accumulate
 
 
 def autocast_state() -> tuple[Any, ...]:
