@@ -18,6 +18,7 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
+from ._probe import WarmupProbe, raise_on_lint_errors
 from ._replay import GraphedCallable
 from ._transformer_engine import transformer_engine_capture
 
@@ -55,15 +56,18 @@ def capture_emulated(
     num_warmup_iters: int,
     allow_unused_input: bool,
     progress: Progress,
+    probes: Sequence[WarmupProbe],
 ) -> None:
     """Static buffers and replay functions that re-run each callable instead of a graph."""
-    for graphed in graphs:
+    for graphed, probe in zip(graphs, probes, strict=True):
         progress.name = graphed.name
         start = time.perf_counter()
         progress.phase = "warmup"
         grads: tuple[torch.Tensor | None, ...] = ()
         for _ in range(max(1, num_warmup_iters)):
-            grads = _forward_backward(graphed, allow_unused_input, record=True)
+            with probe:  # issue 19 hook: observes the first iteration only
+                grads = _forward_backward(graphed, allow_unused_input, record=True)
+        raise_on_lint_errors([probe])  # issue 19 hook
         progress.phase = "capture"
         with torch.enable_grad():
             outputs = _run(graphed)
@@ -86,6 +90,7 @@ def capture_cuda(
     pool: Any,
     progress: Progress,
     capture_error_mode: str,
+    probes: Sequence[WarmupProbe],
 ) -> None:
     """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
     device = _device_of(graphs)
@@ -105,6 +110,7 @@ def capture_cuda(
                 progress,
                 te_generators,
                 capture_error_mode,
+                probes,
             )
     finally:
         if gc_was_enabled:
@@ -124,6 +130,7 @@ def _capture_cuda(
     progress: Progress,
     extra_generators: Sequence[Any],
     capture_error_mode: str,
+    probes: Sequence[WarmupProbe],
 ) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
@@ -132,12 +139,14 @@ def _capture_cuda(
     side_stream = torch.cuda.Stream(device)
     side_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side_stream):
-        for graphed in graphs:
+        for graphed, probe in zip(graphs, probes, strict=True):
             progress.name, progress.phase = graphed.name, "warmup"
             for _ in range(num_warmup_iters):
-                _forward_backward(graphed, allow_unused_input, record=False)
+                with probe:  # issue 19 hook: observes the first iteration only
+                    _forward_backward(graphed, allow_unused_input, record=False)
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
+    raise_on_lint_errors(probes)  # issue 19 hook: before anything is captured
     allocated_before = torch.cuda.memory_allocated(device)
 
     live_outputs: dict[int, list[torch.Tensor]] = {}

@@ -22,6 +22,7 @@ from ._capture import (
     repair_cuda_rng,
 )
 from ._inputs import InputGuard
+from ._probe import LintMode, WarmupProbe, attach_probes, check_lint_mode, with_lint_findings
 from ._replay import CaptureDiagnostics, GraphedCallable, autocast_state
 
 __all__ = ["EagerCallable", "diagnostics", "make_graphed_callables", "owned", "restore"]
@@ -45,6 +46,7 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    lint: LintMode = "error",
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -74,6 +76,14 @@ def make_graphed_callables(
     call of *another* thread that is unsafe during capture (a ``cudaMalloc`` by a data loader or
     prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets other threads be.
 
+    ``lint``: the first warmup iteration runs under the capture lint (see
+    :func:`dualgraph.torch.lint`), on every backend, so that a CPU run with ``"emulate"`` reports
+    what a real capture would reject. ``"error"`` (default) raises a
+    :class:`~dualgraph.torch.CaptureLintError` listing the findings before anything is captured;
+    ``"warn"`` issues a :class:`~dualgraph.DualgraphWarning` and captures anyway (a capture that
+    then fails carries the findings); ``"off"`` skips the lint. Findings and the memory plan are
+    in ``diagnostics(graphed).lint`` and ``.memory_plan``.
+
     Backends: ``"cuda"`` real graphs; ``"emulate"`` the same static-buffer semantics without a
     graph (re-runs the callable on the static buffers; finds aliasing bugs on a CPU); ``"eager"``
     a plain call with input validation; ``"auto"``: cuda when a sample tensor is on a CUDA
@@ -97,6 +107,7 @@ def make_graphed_callables(
         callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
     elif sample_kwargs is None:
         sample_kwargs = (None,) * len(callables)
+    check_lint_mode(lint)
     _check_samples(callables, sample_args, sample_kwargs)
     backend = _resolve_backend(backend, sample_args, sample_kwargs)
     if backend != "eager":
@@ -110,6 +121,7 @@ def make_graphed_callables(
         return results[0] if single else tuple(results)
 
     graphs: list[GraphedCallable] = []
+    probes: list[WarmupProbe] = []  # issue 19 hook
     for fn, args, kwargs in zip(callables, sample_args, sample_kwargs):
         graphed = GraphedCallable(_name_of(fn), _forward_of(fn), InputGuard(args, kwargs), backend)
         tensors = graphed.guard.tensors(tuple(args), dict(kwargs or {}))
@@ -123,6 +135,16 @@ def make_graphed_callables(
         graphed.clone_outputs = clone_outputs
         graphed.autocast_state = autocast_state()
         graphs.append(graphed)
+        probes.append(  # issue 19 hook: lint and memory plan of the first warmup iteration
+            WarmupProbe(
+                graphed.name,
+                graphed.fn,
+                inputs=graphed.static_inputs,
+                paths=graphed.guard.paths,
+                params=params,
+                lint=lint,
+            )
+        )
 
     progress = Progress()
     try:
@@ -134,6 +156,7 @@ def make_graphed_callables(
                 pool=pool,
                 progress=progress,
                 capture_error_mode=capture_error_mode,
+                probes=probes,
             )
         else:
             capture_emulated(
@@ -141,11 +164,14 @@ def make_graphed_callables(
                 num_warmup_iters=num_warmup_iters,
                 allow_unused_input=allow_unused_input,
                 progress=progress,
+                probes=probes,
             )
     except Exception as error:
         if backend == "cuda":
             _recover_after_failed_capture()
-        raise describe_failure(error, progress, backend) from error
+        failure = describe_failure(error, progress, backend)
+        raise with_lint_findings(failure, probes, error) from error  # issue 19 hook
+    attach_probes([graphed.diagnostics for graphed in graphs], probes)  # issue 19 hook
 
     results = [_install(fn, graphed) for fn, graphed in zip(callables, graphs)]
     return results[0] if single else tuple(results)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._inputs import InputGuard
+
+if TYPE_CHECKING:  # issue 19 hook: the lint report and memory plan kept with the diagnostics
+    from ._lint import LintReport
+    from ._memory_plan import MemoryPlan
 
 __all__ = ["CaptureDiagnostics", "GraphedCallable", "autocast_state"]
 
@@ -28,7 +32,9 @@ class CaptureDiagnostics:
 
     ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
     (the same number on each of them): the allocator's segments of that pool, else the memory
-    the capture left allocated; 0 off the GPU.
+    the capture left allocated; 0 off the GPU. ``lint`` holds the capture lint's findings and
+    ``memory_plan`` the memory plan with the measured pool beside it (``None`` when the lint was
+    off, or no warmup iteration ran).
     """
 
     name: str
@@ -40,6 +46,9 @@ class CaptureDiagnostics:
     capture_seconds: float = 0.0
     has_backward_graph: bool = False
     replays: int = field(default=0)
+    # issue 19 hook: set after capture by dualgraph.torch._probe.attach_probes
+    lint: LintReport | None = None
+    memory_plan: MemoryPlan | None = None
 
 
 class GraphedCallable:
