@@ -471,11 +471,11 @@ class CaptureLint:
                 else:  # no tensor in, no device=: the default device, the CPU here
                     target_on = torch.get_default_device().type != "cpu"
             self._mark(out, host=not target_on)
-            if target_on and name in _FROM_HOST_DATA:
+            if target_on and _copies_host_data(name, args, kwargs):
                 self.add(CROSS_DEVICE_COPY, name, _HOST_DATA_TO_DEVICE)
                 return
         else:
-            if name in _FROM_HOST_DATA and any(t.is_cuda for t in outputs):
+            if _copies_host_data(name, args, kwargs) and any(t.is_cuda for t in outputs):
                 self.add(CROSS_DEVICE_COPY, name, _HOST_DATA_TO_DEVICE)
                 return
             target_on = any(t.is_cuda for t in outputs)
@@ -790,6 +790,15 @@ def _real_device(target: Any) -> torch.device | None:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _copies_host_data(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a factory call copies host data (not a tensor) into its new tensor."""
+    if name not in _FROM_HOST_DATA:
+        return False
+    position = 1 if name == "Tensor.new_tensor" else 0
+    data = args[position] if len(args) > position else kwargs.get("data", kwargs.get("obj"))
+    return not _tensors_in(data)
 
 
 def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
