@@ -140,8 +140,11 @@ class VerifyReport:
         if worst is None:
             header = f"verify {what}: nothing to compare"
         elif self.ok:
+            leaves = (
+                "1 leaf matches" if len(self.checks) == 1 else f"{len(self.checks)} leaves match"
+            )
             header = (
-                f"verify OK: {what}: {len(self.checks)} leaves match eager (worst: {worst.path}, "
+                f"verify OK: {what}: {leaves} eager (worst: {worst.path}, "
                 f"max abs {worst.max_abs:.3g}, {_finite(worst.score):.3g} of its tolerance)"
             )
         else:
@@ -201,7 +204,7 @@ def verify(
     >>> double = dgt.make_graphed_callables(
     ...     lambda x: (x * 2, None), (torch.ones(3),), backend="emulate")
     >>> print(verify(double, torch.arange(3.0), steps=1))  # doctest: +NORMALIZE_WHITESPACE
-    verify OK: <lambda> (emulate), 1 step: 1 leaves match eager (worst: step 1 output[0],
+    verify OK: <lambda> (emulate), 1 step: 1 leaf matches eager (worst: step 1 output[0],
     max abs 0, 0 of its tolerance)
     leaf             dtype    shape  max abs  max rel  rtol  atol  score
     step 1 output[0] float32  [3]    0        0        0     0     0      ok
