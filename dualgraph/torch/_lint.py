@@ -27,6 +27,7 @@ import contextlib
 import linecache
 import os
 import sys
+import textwrap
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -116,7 +117,7 @@ class LintFinding:
         lines = [f"{self.severity}: {self.kind}: {self.op} {where}{times}"]
         if self.code:
             lines.append(f"    {self.code}")
-        lines.append(f"  {self.detail}")
+        lines += textwrap.wrap(self.detail, 96, initial_indent="  ", subsequent_indent="  ")
         return "\n".join(lines)
 
 
@@ -124,8 +125,9 @@ class LintFinding:
 class LintReport:
     """The findings of one lint pass over one or more callables.
 
-    ``str(report)`` lists them, errors first, each with its source line; ``ok`` says whether a
-    capture may go ahead (no errors; warnings do not block it).
+    ``str(report)`` lists them, errors first, each with its source line (and what to do, the
+    first time each advice applies); ``ok`` says whether a capture may go ahead (no errors;
+    warnings do not block it).
     """
 
     callables: tuple[str, ...]
@@ -158,9 +160,14 @@ class LintReport:
             if n
         ]
         lines = [f"capture lint of {names}: {', '.join(counts)}"]
+        explained: set[str] = set()
         for finding in (*self.errors, *self.warnings):
             prefix = f"[{finding.callable}] " if len(self.callables) > 1 else ""
-            lines.extend("  " + line for line in (prefix + str(finding)).splitlines())
+            shown = (prefix + str(finding)).splitlines()
+            if finding.detail in explained:  # the same advice once is enough
+                shown = shown[: 2 if finding.code else 1]
+            explained.add(finding.detail)
+            lines.extend("  " + line for line in shown)
         return "\n".join(lines)
 
 
