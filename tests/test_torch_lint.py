@@ -8,6 +8,9 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -588,3 +591,33 @@ def test_on_cuda_a_clean_capture_has_an_empty_lint_report() -> None:
         )
     report = dgt.diagnostics(graphed).lint
     assert report is not None and report.findings == ()
+
+
+# -- the README's debugging section runs as written and prints what it shows -------------------
+
+
+def test_the_readme_debugging_example_prints_what_the_readme_shows(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Debugging: lint, verify, memory plan", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "debugging.py").write_text(code)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(dgt.__file__).parents[2]), os.environ.get("PYTHONPATH")])
+        ),
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONWARNINGS": "error",
+    }
+    run = subprocess.run(
+        [sys.executable, "debugging.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == shown
