@@ -6,7 +6,8 @@ Python code makes: ``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.zeros(...
 copies between devices, random ops with their own generator, in-place writes). Each finding names
 the callable, the op, the module path (``blocks.3.attn``), the phase, and the first source line
 outside torch and dualgraph. ``make_graphed_callables`` runs the same lint during its first warmup
-iteration, on every backend, and refuses to capture on an error (``lint="error"``, the default).
+iteration (``cuda`` and ``emulate``) and refuses to capture on an error (``lint="error"``, the
+default).
 
 On a CPU the lint reasons about the device a real capture would use: inputs, parameters and
 whatever is made from them (``*_like``, ``x.new_*``, ``device=x.device``) would be on the GPU;
