@@ -77,12 +77,12 @@ def make_graphed_callables(
     prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets other threads be.
 
     ``lint``: the first warmup iteration runs under the capture lint (see
-    :func:`dualgraph.torch.lint`) on ``"cuda"`` and ``"emulate"``, so that a CPU run with
-    ``"emulate"`` reports what a real capture would reject (``"eager"`` has no warmup). ``"error"`` (default) raises a
-    :class:`~dualgraph.torch.CaptureLintError` listing the findings before anything is captured;
-    ``"warn"`` issues a :class:`~dualgraph.DualgraphWarning` and captures anyway (a capture that
-    then fails carries the findings); ``"off"`` skips the lint. Findings and the memory plan are
-    in ``diagnostics(graphed).lint`` and ``.memory_plan``.
+    :func:`dualgraph.torch.lint`) on ``"cuda"`` and ``"emulate"`` (``"eager"`` has no warmup),
+    so that a CPU run with ``"emulate"`` reports what a real capture would reject. ``"error"``
+    (default) raises a :class:`~dualgraph.torch.CaptureLintError` listing the findings before
+    anything is captured; ``"warn"`` issues a :class:`~dualgraph.DualgraphWarning` and captures
+    anyway (a capture that then fails carries the findings); ``"off"`` skips the lint. Findings
+    and the memory plan are in ``diagnostics(graphed).lint`` and ``.memory_plan``.
 
     Backends: ``"cuda"`` real graphs; ``"emulate"`` the same static-buffer semantics without a
     graph (re-runs the callable on the static buffers; finds aliasing bugs on a CPU); ``"eager"``

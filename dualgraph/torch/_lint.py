@@ -207,7 +207,8 @@ class CaptureLint:
 
     ``inputs`` and ``params`` are ``(path, tensor)`` pairs: in-place writes to them are reported
     by that path. ``root`` is the module whose submodule paths name findings (the callable's
-    module). ``generators``: generators a capture registers besides the default CUDA ones.
+    module). ``generators``: generators a capture registers besides the default CUDA ones (those
+    of Transformer Engine's RNG tracker).
     Enter it as often as needed; :meth:`report` collects everything seen so far.
     """
 

@@ -66,7 +66,9 @@ def probe_once(
     observers: list[Any] = []
     capture_lint = memory_probe = None
     if lint:
-        capture_lint = CaptureLint(name, inputs=inputs, params=params, root=root)
+        capture_lint = CaptureLint(
+            name, inputs=inputs, params=params, root=root, generators=_registered_generators()
+        )
         observers.append(capture_lint)
     if memory:
         memory_probe = MemoryProbe(name, fn)
@@ -130,6 +132,7 @@ class WarmupProbe:
                 inputs=list(zip(paths, inputs, strict=True)),
                 params=[(names.get(id(p), f"parameter {i}"), p) for i, p in enumerate(params)],
                 root=root,
+                generators=_registered_generators(),
             )
         self.memory = MemoryProbe(name, fn)
         self.static_input_bytes = tensor_bytes(inputs)
@@ -255,6 +258,15 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _registered_generators() -> list[Any]:
+    """Generators a capture registers besides the default CUDA ones: Transformer Engine's."""
+    if "transformer_engine.pytorch" not in sys.modules:
+        return []
+    from ._transformer_engine import _rng_generator_states
+
+    return _rng_generator_states()
 
 
 def _caller_level() -> int:
