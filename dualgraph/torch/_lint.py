@@ -270,6 +270,7 @@ class CaptureLint:
     def close(self) -> None:
         """Forget the autograd nodes noted during the forward (they keep its graph alive)."""
         self._node_sites.clear()
+        self._gpu_devices.clear()
 
     def report(self) -> LintReport:
         """What was found so far, in the order first seen."""
@@ -839,5 +840,5 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Ite
 def _storage_id(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError):  # e.g. a sparse tensor: no single storage
+    except Exception:  # sparse tensors, wrapper subclasses: no storage of their own
         return id(tensor)

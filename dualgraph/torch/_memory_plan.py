@@ -419,7 +419,7 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 def _storage_of(tensor: torch.Tensor) -> Any:
     try:
         return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
+    except Exception:  # sparse tensors, wrapper subclasses: no storage of their own
         return None
 
 
