@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 import dualgraph.torch as dgt
 from dualgraph.torch import _memory_plan
@@ -98,6 +99,35 @@ def test_saved_activations_are_what_autograd_keeps_beyond_inputs_and_parameters(
     # ReLU saves its output, which the next Linear saves too: counted once
     mlp = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
     assert dgt.memory_plan(mlp, torch.randn(4, 8)).callables[0].saved_activation_bytes == 4 * 64 * 4
+
+
+def test_saved_tensors_another_pack_hook_collects_are_handed_over() -> None:
+    # Only the innermost saved_tensors_hooks run: an adapter that packs them itself passes them on.
+    probe = _memory_plan.MemoryProbe("exp_of_double", exp_of_double)
+    collected: list[torch.Tensor] = []
+    with probe, saved_tensors_hooks(lambda t: (collected.append(t), t)[1], lambda t: t):
+        exp_of_double(torch.randn(256, requires_grad=True))
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 0
+    probe.note_saved(collected)
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 1024
+    probe.close()
+
+
+def test_the_probe_inside_other_saved_tensor_hooks_hands_over_to_them() -> None:
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        packed.append(t)
+        return ("boxed", t)
+
+    x = torch.randn(256, requires_grad=True)
+    probe = _memory_plan.MemoryProbe("exp_of_double", exp_of_double)
+    with saved_tensors_hooks(pack, lambda box: box[1]), probe:
+        out = exp_of_double(x)
+        out.sum().backward()
+    probe.close()
+    assert len(packed) == 1 and torch.equal(x.grad, 2 * out.detach())
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 1024
 
 
 def test_peaks_follow_the_tensors_alive_at_once() -> None:

@@ -2,7 +2,8 @@
 
 :func:`memory_plan` runs a callable once, forward and backward, watching every tensor torch
 allocates (a ``TorchDispatchMode``; a storage's release is seen through a weak reference) and
-every tensor autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``). From
+every tensor autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``; tensors
+packed by hooks inside the callable, such as activation checkpointing's, are not counted). From
 that it gives, per callable:
 
 - the static input, output and grad buffer bytes a capture makes (as ``diagnostics()`` counts
@@ -223,7 +224,7 @@ class MemoryProbe:
     def __enter__(self) -> MemoryProbe:
         self._open += 1
         self._mode = _AllocationWatch(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks())
         self._hooks.__enter__()
         self._mode.__enter__()
         return self
@@ -323,13 +324,39 @@ class MemoryProbe:
                 return
             self._events.append((self._first_backward is not None, -size))
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def note_saved(self, tensors: Sequence[Any]) -> None:
+        """Count tensors saved for backward that another pack hook collected.
+
+        Only the innermost ``saved_tensors_hooks`` see what autograd saves: code that packs the
+        forward's saved tensors itself (an adapter inspecting them) hands them over here.
+        """
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._count_saved(tensor)
+
+    def _count_saved(self, tensor: torch.Tensor) -> None:
         storage = _storage_of(tensor)
         if storage is not None:
             key = int(storage._cdata)
             if key in self._sizes:
                 self._saved[key] = storage.nbytes()
-        return tensor
+
+    def _saved_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], Any]]:
+        """Pack hooks that count, then hand over to the hooks active here (if any)."""
+        try:
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        except (AttributeError, TypeError):  # a torch without it: nothing outside to hand over to
+            outer = None
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            self._count_saved(tensor)
+            return tensor if outer_pack is None else outer_pack(tensor)
+
+        def unpack(packed: Any) -> Any:
+            return packed if outer_unpack is None else outer_unpack(packed)
+
+        return pack, unpack
 
     def _inside_callable(self) -> bool:
         if self._code is None:
@@ -410,10 +437,6 @@ def _block_size(nbytes: int) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def _storage_of(tensor: torch.Tensor) -> Any:

@@ -156,6 +156,11 @@ class WarmupProbe:
                 if self.lint is not None:
                     self.lint.close()
 
+    def note_saved(self, tensors: Sequence[Any]) -> None:
+        """Tensors the forward saved for backward, collected by the adapter's own pack hook
+        (which, being inside the probe's, is the one autograd calls)."""
+        self.memory.note_saved(tensors)
+
     def report(self) -> LintReport | None:
         """The lint's findings (``None`` with ``lint="off"`` or before the warmup ran)."""
         return self.lint.report() if self.lint is not None and self.used else None
