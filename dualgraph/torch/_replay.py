@@ -32,9 +32,9 @@ class CaptureDiagnostics:
 
     ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
     (the same number on each of them): the allocator's segments of that pool, else the memory
-    the capture left allocated; 0 off the GPU. ``lint`` holds the capture lint's findings and
-    ``memory_plan`` the memory plan with the measured pool beside it (``None`` when the lint was
-    off, or no warmup iteration ran).
+    the capture left allocated; 0 off the GPU. ``lint`` holds the capture lint's findings
+    (``None`` with ``lint="off"``) and ``memory_plan`` the memory plan, with the measured pool
+    beside it on the GPU (both ``None`` when no warmup iteration ran).
     """
 
     name: str

@@ -293,25 +293,29 @@ def _run_steps(
 def _eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
     """The original callable behind ``graphed``, called the way ``graphed`` is called.
 
-    The one place that knows how the adapter installs a graph (a module's instance ``forward``
-    whose ``__dualgraph__`` is the runner; a runner's ``fn`` is the original callable): a module
-    is called as a module, with its hooks, its original ``forward`` put back for the call.
+    The one place that knows how the adapter installs a graph. A graphed module keeps the graph
+    in its instance ``forward``; it is called as a module (its hooks run) with the original
+    ``forward`` put back for the call. The runner keeps the original callable as ``fn`` (or, in
+    the replay-plan layout, as ``plan.fn``); a graphed module's runner is its ``forward``'s
+    ``__dualgraph__`` (or the ``runner`` of its ``_dualgraph_graphed`` entry).
     """
-    if isinstance(graphed, torch.nn.Module):
-        installed = graphed.__dict__.get("forward")
-        runner = getattr(installed, "__dualgraph__", None)
-        if runner is None:
-            raise DualgraphError(f"{type(graphed).__name__} is not a graphed module")
-        graphed.__dict__["forward"] = runner.fn
-        try:
-            yield graphed
-        finally:
-            graphed.__dict__["forward"] = installed
-        return
-    original: Callable[..., Any] | None = getattr(graphed, "fn", None)
+    module = graphed if isinstance(graphed, torch.nn.Module) else None
+    runner = graphed
+    if module is not None:
+        installed = module.__dict__.get("forward")
+        state = module.__dict__.get("_dualgraph_graphed")
+        runner = getattr(installed, "__dualgraph__", None) or getattr(state, "runner", None)
+    original = getattr(runner, "fn", None) or getattr(getattr(runner, "plan", None), "fn", None)
     if original is None:
         raise DualgraphError(f"{graphed!r} was not made by dualgraph.torch.make_graphed_callables")
-    yield original
+    if module is None:
+        yield original
+        return
+    module.__dict__["forward"] = original
+    try:
+        yield module
+    finally:
+        module.__dict__["forward"] = installed
 
 
 # -- state kept and put back -----------------------------------------------------------------------
