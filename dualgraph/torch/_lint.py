@@ -71,7 +71,7 @@ KINDS: dict[str, Severity] = {
     CROSS_DEVICE_COPY: "error",
     UNREGISTERED_GENERATOR: "error",
     INPUT_MUTATION: "warning",
-    PARAMETER_MUTATION: "warning",
+    PARAMETER_MUTATION: "error",
 }
 
 
@@ -701,15 +701,16 @@ _GENERATOR = (
 )
 _MUTATION = {
     INPUT_MUTATION: (
-        "Updates the input {} in place. A graph reads and writes a static copy of each input, "
-        "not your tensor: see the README's rules that come with graphs."
+        "Updates the input {} in place. A graph writes its static copy of the input; your tensor "
+        "sees the update only when it is copied back after each replay (see the README's rules "
+        "that come with graphs)."
     ),
     PARAMETER_MUTATION: (
-        "Updates the parameter {} in place inside the callable: every replay repeats the update, "
-        "and autograd saved values from before it; make sure that is meant."
+        "Updates the parameter {} in place inside the callable: warmup and capture would change "
+        "it already, every replay repeats the update, and autograd saved values from before it. "
+        "Register it as a buffer, or update it outside the graphed callable."
     ),
 }
-
 _UNSEEN_WRITE = (
     " Its version counter moved though no op seen wrote to it (a write through a C++ extension "
     "or a view the lint does not see), so no line is known."
