@@ -71,7 +71,7 @@ KINDS: dict[str, Severity] = {
     CROSS_DEVICE_COPY: "error",
     UNREGISTERED_GENERATOR: "error",
     INPUT_MUTATION: "warning",
-    PARAMETER_MUTATION: "error",
+    PARAMETER_MUTATION: "warning",
 }
 
 
