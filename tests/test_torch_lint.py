@@ -506,10 +506,13 @@ def test_the_report_lists_errors_first_with_the_source_line_and_what_to_do() -> 
 
 
 def test_lint_warn_captures_anyway_and_keeps_the_findings() -> None:
-    with pytest.warns(DualgraphWarning, match=r"capturing despite the capture lint's errors"):
+    with pytest.warns(
+        DualgraphWarning, match=r"capturing despite the capture lint's errors"
+    ) as record:
         graphed = dgt.make_graphed_callables(
             item_sync, (torch.ones(4, requires_grad=True),), backend="emulate", lint="warn"
         )
+    assert record[0].filename == __file__  # points at the capture call
     report = dgt.diagnostics(graphed).lint
     assert report is not None and [f.line for f in report.errors] == [line_of("item")]
     out = graphed(torch.full((4,), 2.0))  # emulate re-runs the callable: .item() works here

@@ -210,8 +210,9 @@ class MemoryProbe:
     def __init__(self, name: str, fn: Callable[..., Any] | None = None) -> None:
         self.name = name
         self._code = _code_of(fn)
-        self._lock = threading.Lock()
-        self._open = 0
+        # re-entrant: a release (a weakref callback) can run inside the bookkeeping, when an
+        # allocation there starts a garbage collection
+        self._lock = threading.RLock()
         self._sizes: dict[int, int] = {}  # storage id -> block size, for storages alive now
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._saved: dict[int, int] = {}  # storage id -> bytes, of saved activations
@@ -222,7 +223,6 @@ class MemoryProbe:
         self._hooks: Any = None
 
     def __enter__(self) -> MemoryProbe:
-        self._open += 1
         self._mode = _AllocationWatch(self)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks())
         self._hooks.__enter__()
@@ -235,7 +235,6 @@ class MemoryProbe:
             self._mode.__exit__(None, None, None)
         finally:
             self._hooks.__exit__(None, None, None)
-            self._open -= 1
 
     def close(self) -> None:
         """Stop following releases (what is alive now stays counted as alive)."""
@@ -285,7 +284,11 @@ class MemoryProbe:
         self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
     ) -> None:
         in_backward = torch._C._current_autograd_node() is not None
-        if not in_backward and self._first_backward is None and not self._inside_callable():
+        if in_backward:
+            with self._lock:
+                if self._first_backward is None:
+                    self._first_backward = len(self._events)
+        elif self._first_backward is None and not self._inside_callable():
             return
         argument_storages: set[int] | None = None
         for tensor in _tensors_in(out):
@@ -307,21 +310,16 @@ class MemoryProbe:
             with self._lock:
                 self._sizes[key] = size
                 self._refs[key] = weakref.ref(storage, functools.partial(self._released, key))
-                if in_backward and self._first_backward is None:
-                    self._first_backward = len(self._events)
                 self._events.append((in_backward, size))
-                if in_backward:
-                    self._last_backward = len(self._events) - 1
-        if in_backward and self._first_backward is None:
+        if in_backward:  # what happened up to here (releases included) was during the backward
             with self._lock:
-                self._first_backward = len(self._events)
                 self._last_backward = len(self._events) - 1
 
     def _released(self, key: int, _ref: Any) -> None:
         with self._lock:
             size = self._sizes.pop(key, None)
-            if self._refs.pop(key, None) is None or size is None or not self._open:
-                return
+            if self._refs.pop(key, None) is None or size is None:
+                return  # released after close(), or never counted
             self._events.append((self._first_backward is not None, -size))
 
     def note_saved(self, tensors: Sequence[Any]) -> None:
