@@ -18,6 +18,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check dualgraph tests examples benchmarks
+	$(VENV)/bin/mypy
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(ARGS)
 
 bench: $(VENV)/.installed

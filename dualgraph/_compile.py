@@ -1,215 +1,246 @@
-"""Per-spec Python functions for the hot path: flatten, check and unflatten.
+"""A spec's hot-path functions: flatten, check and unflatten, generated or walked.
 
-A spec knows its whole tree when it is made, so instead of walking the tree generically on every
-replay it writes straight-line code once: type and length tests for each container, direct
-indexing for each leaf, and a literal that rebuilds the tree. The generated ``flatten`` and
-``check`` return ``None`` on any mismatch; the caller then explains the mismatch (slow path).
+A spec knows its whole tree when it is made, so for a tree of up to :data:`COMPILE_LIMIT` nodes
+it writes straight-line code once: a type (and length or key) test per container, direct
+indexing per child, a test per leaf, and one statement per container to rebuild it. The code
+never nests, whatever the tree's depth; constants, keys, field names and classes are bound
+values in the functions' namespace, never pasted into the source. Each statement carries its
+node's path as a comment, and the source is registered in :mod:`linecache` under a filename of
+its own, so a traceback through it shows the line. A larger tree is run by a loop over its
+nodes instead (the same results, without the cost of compiling a huge function).
+
+``flatten`` and ``check`` return ``None`` on a mismatch; the spec then explains it (slow path).
 """
 
 from __future__ import annotations
 
-import collections
-import math
-from collections.abc import Callable
+import hashlib
+import linecache
+import weakref
+from collections.abc import Callable, Sequence
+from types import CodeType
 from typing import Any
 
 import numpy as np
 
-from ._containers import resolve_type
-from ._leaves import _RESOLVED, array_type_of
+from ._leaves import same_float, signature_of
+from ._nodes import ArrayLeaf, ConstLeaf, Container, Leaf, Node
 
-__all__ = ["CompiledSpec", "compile_spec"]
+__all__ = ["COMPILE_LIMIT", "Program", "compile_program"]
 
-Node = dict[str, Any]
+#: The most nodes a spec generates code for; larger specs walk their nodes in a loop.
+COMPILE_LIMIT = 1000
+_COMMENT_LENGTH = 100
 
-_NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}
-
-
-def signature_of(leaf: Any) -> tuple[tuple[int, ...], str] | None:
-    """``(shape, dtype name)`` of an array leaf, or ``None`` if ``leaf`` is not an array."""
-    cls = type(leaf)
-    if cls is np.ndarray:  # numpy's dtype.name is slow: cache it per dtype
-        dtype = leaf.dtype
-        name = _NUMPY_DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _NUMPY_DTYPE_NAMES[dtype] = dtype.name
-        return leaf.shape, name
-    array_type = _RESOLVED[cls] if cls in _RESOLVED else array_type_of(cls)
-    return None if array_type is None else array_type.signature(leaf)
+Flatten = Callable[[Any], "list[Any] | None"]
 
 
-def _numpy_dtype(name: str) -> np.dtype | None:
-    """The numpy dtype of a neutral dtype name, where numpy (or ml_dtypes) knows it."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        return None
+class Program:
+    """The hot-path functions of one spec (see the module docstring)."""
 
-
-def _same_float(found: Any, expected: float) -> bool:
-    if type(found) is not float:
-        return False
-    if found != found:  # NaN matches NaN
-        return expected != expected
-    return found == expected and math.copysign(1.0, found) == math.copysign(1.0, expected)
-
-
-class CompiledSpec:
-    """The generated functions of one spec (see the module docstring)."""
-
-    __slots__ = ("check", "flatten", "source", "unflatten")
+    __slots__ = ("_code", "check", "flatten", "source", "unflatten")
 
     def __init__(
         self,
-        flatten: Callable[[Any], list[Any] | None],
-        check: Callable[[Any], list[Any] | None],
-        unflatten: Callable[[Any], Any],
-        source: str,
+        flatten: Flatten,
+        check: Flatten,
+        unflatten: Callable[[Sequence[Any]], Any],
+        source: str | None,
+        code: _Code | None = None,
     ) -> None:
         self.flatten = flatten
         self.check = check
         self.unflatten = unflatten
         self.source = source
+        self._code = code  # keeps the linecache entry of the source alive
 
 
-def compile_spec(node: Node, array_positions: list[int]) -> CompiledSpec:
-    """Generate the hot-path functions for the tree described by ``node``.
-
-    ``array_positions[k]`` is the flatten position of the k-th array leaf met walking ``node``
-    in its own (the user's) order.
+def compile_program(nodes: Sequence[Node], paths: Callable[[], Sequence[str]]) -> Program:
+    """The functions for ``nodes`` (pre-order, children in flatten order); generated code up to
+    :data:`COMPILE_LIMIT` nodes. ``paths()`` gives each node's path, for comments.
     """
-    writer = _Writer(array_positions)
-    flatten_body = writer.structure(node, "t", full=False)
-    flatten_return = writer.array_list()
-    writer.reset_arrays()
-    check_body = writer.structure(node, "t", full=True)
-    check_return = writer.array_list()
-    writer.reset_arrays()
-    rebuilt = writer.rebuild(node)
-    source = "\n".join(
-        [
-            "def flatten(t):",
-            *(f"    {line}" for line in flatten_body),
-            f"    return {flatten_return}",
-            "def check(t):",
-            *(f"    {line}" for line in check_body),
-            f"    return {check_return}",
-            "def unflatten(a):",
-            f"    return {rebuilt}",
-        ]
-    )
-    namespace = writer.namespace
-    exec(compile(source, "<dualgraph spec>", "exec"), namespace)
-    return CompiledSpec(namespace["flatten"], namespace["check"], namespace["unflatten"], source)
+    if len(nodes) > COMPILE_LIMIT:
+        return _walker(nodes)
+    return _generate(nodes, paths())
+
+
+# -- generated code ------------------------------------------------------------------------------
+
+
+class _Code:
+    """A compiled source and its linecache entry, shared by the specs with the same source."""
+
+    __slots__ = ("__weakref__", "code", "filename")
+
+    def __init__(self, source: str) -> None:
+        digest = hashlib.sha1(source.encode("utf-8", "backslashreplace")).hexdigest()[:16]
+        self.filename = f"<dualgraph spec {digest}>"
+        self.code: CodeType = compile(source, self.filename, "exec")
+        lines = [line + "\n" for line in source.splitlines()]
+        linecache.cache[self.filename] = (len(source), None, lines, self.filename)
+        weakref.finalize(self, linecache.cache.pop, self.filename, None)
+
+
+_CODES: weakref.WeakValueDictionary[str, _Code] = weakref.WeakValueDictionary()
+
+
+def _code_of(source: str) -> _Code:
+    code = _CODES.get(source)
+    if code is None:
+        code = _CODES[source] = _Code(source)
+    return code
+
+
+def _comment(path: str) -> str:
+    """A path as a comment: printable ASCII only (no newline can end it), clipped."""
+    text = ascii(path or "<root>")[1:-1]
+    if len(text) > _COMMENT_LENGTH:
+        text = "..." + text[-(_COMMENT_LENGTH - 3) :]
+    return "  # " + text
 
 
 class _Writer:
-    def __init__(self, array_positions: list[int]) -> None:
+    def __init__(self) -> None:
         self.namespace: dict[str, Any] = {
             "_signature": signature_of,
-            "_same_float": _same_float,
-            "_OrderedDict": collections.OrderedDict,
+            "_same_float": same_float,
             "_ndarray": np.ndarray,
+            "_getattr": getattr,
         }
-        self._positions = array_positions
-        self._arrays: list[tuple[int, str]] = []
-        self._counter = 0
-
-    def reset_arrays(self) -> None:
-        self._arrays = []
-
-    def array_list(self) -> str:
-        ordered = sorted(self._arrays)
-        return "[" + ", ".join(name for _, name in ordered) + "]"
 
     def bind(self, value: Any, prefix: str) -> str:
-        self._counter += 1
-        name = f"{prefix}{self._counter}"
+        name = f"{prefix}{len(self.namespace)}"
         self.namespace[name] = value
         return name
 
-    def fresh(self) -> str:
-        self._counter += 1
-        return f"n{self._counter}"
 
-    def structure(self, node: Node, var: str, *, full: bool) -> list[str]:
-        """Statements that test ``var`` against ``node`` and bind its array leaves."""
-        fail = "return None"
-        if "leaf" in node:
-            kind = node["leaf"]
-            if kind == "none":
-                return [f"if {var} is not None: {fail}"]
-            if kind == "const":
-                value = node["value"]
-                if node["type"] == "float":
-                    name = self.bind(float(value), "c")
-                    return [f"if not _same_float({var}, {name}): {fail}"]
-                name = self.bind(value, "c")
-                cls = self.bind({"int": int, "bool": bool, "str": str}[node["type"]], "T")
-                return [f"if type({var}) is not {cls} or {var} != {name}: {fail}"]
-            position = self._positions[len(self._arrays)]
-            self._arrays.append((position, var))
-            if not full:  # shapes and dtypes are check's job, but None is part of the structure
-                return [f"if {var} is None: {fail}"]
-            shape = tuple(node["shape"])
-            expected = self.bind((shape, node["dtype"]), "e")
-            numpy_dtype = _numpy_dtype(node["dtype"])
-            if numpy_dtype is None:
-                return [f"if _signature({var}) != {expected}: {fail}"]
-            # numpy arrays are compared natively (no dtype name lookup); the rest by signature
-            native = f"type({var}) is _ndarray and {var}.shape == {self.bind(shape, 's')}"
-            native += f" and {var}.dtype == {self.bind(numpy_dtype, 'd')}"
-            return [f"if not ({native}) and _signature({var}) != {expected}: {fail}"]
-        kind = node["node"]
-        children = node["children"]
-        lines: list[str] = []
-        if kind in ("tuple", "list"):
-            lines.append(f"if type({var}) is not {kind} or len({var}) != {len(children)}: {fail}")
-            accessors = [f"{var}[{i}]" for i in range(len(children))]
-        elif kind in ("dict", "ordereddict"):
-            if kind == "dict":  # a dict's key order doesn't matter, an OrderedDict's does
-                keys = self.bind(frozenset(node["keys"]), "k")
-                lines.append(f"if type({var}) is not dict or {var}.keys() != {keys}: {fail}")
-            else:
-                cls = self.bind(collections.OrderedDict, "T")
-                keys = self.bind(list(node["keys"]), "k")
-                lines.append(f"if type({var}) is not {cls} or list({var}) != {keys}: {fail}")
-            accessors = [f"{var}[{self.bind(key, 'k')}]" for key in node["keys"]]
+def _structure(
+    nodes: Sequence[Node], paths: Sequence[str], writer: _Writer, *, full: bool
+) -> tuple[list[str], list[str]]:
+    """Statements testing ``t`` against ``nodes``, and the array variables in flatten order."""
+    lines: list[str] = []
+    arrays: list[str] = []
+    pending: list[str] = ["t"]  # the variable of each node still to come; the top is next
+    for index, node in enumerate(nodes):
+        var = pending.pop()
+        comment = _comment(paths[index])
+        if isinstance(node, Leaf):
+            if isinstance(node, ArrayLeaf):
+                arrays.append(var)
+            lines.append(f"if {node.guard(var, writer.bind, full=full)}: return None{comment}")
+            continue
+        assert isinstance(node, Container)
+        lines.append(f"if {node.guard(var, writer.bind)}: return None{comment}")
+        children = [f"v{index}_{j}" for j in range(node.arity)]
+        for j, child in enumerate(children):
+            lines.append(f"{child} = {node.child(var, j, writer.bind)}")
+        pending.extend(reversed(children))
+    return lines, arrays
+
+
+def _rebuild(nodes: Sequence[Node], paths: Sequence[str], writer: _Writer) -> tuple[list[str], str]:
+    """Statements rebuilding the tree from ``a`` (innermost containers first), and its name."""
+    lines: list[str] = []
+    values: list[str] = []
+    count = sum(isinstance(node, ArrayLeaf) for node in nodes)
+    for index in range(len(nodes) - 1, -1, -1):
+        node = nodes[index]
+        if isinstance(node, ArrayLeaf):
+            count -= 1
+            values.append(f"a[{count}]")
+        elif isinstance(node, ConstLeaf):
+            values.append(writer.bind(node.value, "c"))
+        elif isinstance(node, Leaf):
+            values.append("None")
         else:
-            cls = self.bind(resolve_type(node["type"]), "T")
-            lines.append(f"if type({var}) is not {cls}: {fail}")
-            accessors = [f"{var}.{field}" for field in node["fields"]]
-        for accessor, child in zip(accessors, children):
-            child_var = self.fresh()
-            lines.append(f"{child_var} = {accessor}")
-            lines.extend(self.structure(child, child_var, full=full))
-        return lines
+            assert isinstance(node, Container)
+            parts = [values.pop() for _ in range(node.arity)]
+            source = node.rebuild_source(parts, writer.bind)
+            lines.append(f"r{index} = {source}{_comment(paths[index])}")
+            values.append(f"r{index}")
+    return lines, values[0]
 
-    def rebuild(self, node: Node) -> str:
-        """An expression that rebuilds ``node`` from the flat array list ``a``."""
-        if "leaf" in node:
-            kind = node["leaf"]
-            if kind == "none":
-                return "None"
-            if kind == "const":
-                value = float(node["value"]) if node["type"] == "float" else node["value"]
-                return self.bind(value, "c")
-            position = self._positions[len(self._arrays)]
-            self._arrays.append((position, ""))
-            return f"a[{position}]"
-        kind = node["node"]
-        parts = [self.rebuild(child) for child in node["children"]]
-        if kind == "tuple":
-            return "(" + "".join(f"{p}, " for p in parts) + ")"
-        if kind == "list":
-            return "[" + ", ".join(parts) + "]"
-        if kind == "dict":
-            keys = [self.bind(key, "k") for key in node["keys"]]
-            return "{" + ", ".join(f"{k}: {p}" for k, p in zip(keys, parts)) + "}"
-        if kind == "ordereddict":
-            keys = [self.bind(key, "k") for key in node["keys"]]
-            return "_OrderedDict([" + ", ".join(f"({k}, {p})" for k, p in zip(keys, parts)) + "])"
-        cls = self.bind(resolve_type(node["type"]), "T")
-        if kind == "namedtuple":
-            return f"{cls}(" + ", ".join(parts) + ")"
-        return f"{cls}(" + ", ".join(f"{f}={p}" for f, p in zip(node["fields"], parts)) + ")"
+
+def _generate(nodes: Sequence[Node], paths: Sequence[str]) -> Program:
+    writer = _Writer()
+    flatten_lines, flatten_arrays = _structure(nodes, paths, writer, full=False)
+    check_lines, check_arrays = _structure(nodes, paths, writer, full=True)
+    rebuild_lines, rebuilt = _rebuild(nodes, paths, writer)
+    source = "\n".join(
+        [
+            "def flatten(t):",
+            *(f"    {line}" for line in flatten_lines),
+            f"    return [{', '.join(flatten_arrays)}]",
+            "def check(t):",
+            *(f"    {line}" for line in check_lines),
+            f"    return [{', '.join(check_arrays)}]",
+            "def unflatten(a):",
+            *(f"    {line}" for line in rebuild_lines),
+            f"    return {rebuilt}",
+            "",
+        ]
+    )
+    code = _code_of(source)
+    namespace = writer.namespace
+    exec(code.code, namespace)
+    return Program(namespace["flatten"], namespace["check"], namespace["unflatten"], source, code)
+
+
+# -- the walker for large trees ------------------------------------------------------------------
+
+_CONTAINER, _NONE, _CONST, _ARRAY = range(4)  # Node.op
+
+
+def _walker(nodes: Sequence[Node]) -> Program:
+    """The functions as one loop over the nodes, for trees too large to generate code for."""
+
+    num_arrays = sum(node.op == _ARRAY for node in nodes)
+
+    def walk(tree: Any, full: bool) -> list[Any] | None:
+        arrays: list[Any] = []
+        stack = [tree]
+        pop, extend, found = stack.pop, stack.extend, arrays.append
+        for node in nodes:
+            obj = pop()
+            op = node.op
+            if op == _CONTAINER:
+                children = node.children_of(obj)  # type: ignore[attr-defined]
+                if children is None:
+                    return None
+                extend(reversed(children))
+            elif op == _ARRAY:
+                if obj is None or (full and not node.matches(obj)):  # type: ignore[attr-defined]
+                    return None
+                found(obj)
+            elif not node.matches(obj):  # type: ignore[attr-defined]
+                return None
+        return arrays
+
+    def flatten(tree: Any) -> list[Any] | None:
+        return walk(tree, False)
+
+    def check(tree: Any) -> list[Any] | None:
+        return walk(tree, True)
+
+    def unflatten(arrays: Sequence[Any]) -> Any:
+        values: list[Any] = []
+        push = values.append
+        count = num_arrays
+        for node in reversed(nodes):
+            op = node.op
+            if op == _CONTAINER:
+                start = len(values) - node.arity
+                parts = values[start:]
+                del values[start:]
+                parts.reverse()
+                push(node.rebuild(parts))  # type: ignore[attr-defined]
+            elif op == _ARRAY:
+                count -= 1
+                push(arrays[count])
+            elif op == _CONST:
+                push(node.value)  # type: ignore[attr-defined]
+            else:
+                push(None)
+        return values[0]
+
+    return Program(flatten, check, unflatten, None)

@@ -1,25 +1,579 @@
-"""Container types a spec can hold, and registration of user dataclasses."""
+"""The container kinds a spec can hold, one class each, and the registry of user classes.
+
+Every kind of container is one :class:`~dualgraph._nodes.Container` subclass below, listed in
+:data:`CONTAINER_KINDS`; adding a kind means adding a class there. Builtin kinds match one exact
+type (a subclass of ``dict`` is not a dict).
+
+Namedtuples and dataclasses are named in JSON as ``module:QualName``. The name is only ever
+looked up among classes this process registered (:func:`register_namedtuple`,
+:func:`register_dataclass`) or described: nothing named in a spec is imported or called unless
+the program itself handed dualgraph that very class. A name means the class most recently
+registered or first described under it; a spec bound to an older class of the same name (a
+class redefined in a notebook, say) still works, but cannot be written to JSON, since reading it
+back would give the newer class.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import importlib
-from typing import Any, TypeVar
+import unicodedata
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeVar
 
 import optree
 
 from ._errors import DualgraphError
+from ._leaves import signature_of
+from ._nodes import Bind, Container, Node, NodeError, check_int, clip, clip_text, show_constant
+from ._paths import Attr, Index, Key, PathEntry
 
-__all__ = ["NAMESPACE", "dataclass_fields", "qualified_name", "register_dataclass", "resolve_type"]
+__all__ = [
+    "CONTAINER_KINDS",
+    "NAMESPACE",
+    "DataclassNode",
+    "DictNode",
+    "ListNode",
+    "NamedTupleNode",
+    "OrderedDictNode",
+    "TupleNode",
+    "brief_of",
+    "container_kind",
+    "dataclass_fields",
+    "qualified_name",
+    "register_dataclass",
+    "register_namedtuple",
+]
 
-#: optree namespace under which dualgraph registers user containers.
+#: optree namespace under which dualgraph registers user dataclasses.
 NAMESPACE = "dualgraph"
-
-_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}
-# Types met by describe(), so specs of locally defined namedtuples and dataclasses resolve.
-_SEEN_TYPES: dict[str, type] = {}
+#: The longest ``module:QualName`` a spec may hold.
+MAX_NAME_LENGTH = 1024
 
 T = TypeVar("T", bound=type)
+
+# name -> class, and the kind of each class the program registered or described.
+_NAMED: dict[str, type] = {}
+_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def qualified_name(cls: type, /) -> str:
+    """``module:QualName``, the way a spec names a user class.
+
+    >>> import collections
+    >>> qualified_name(collections.OrderedDict)
+    'collections:OrderedDict'
+    """
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+# -- the kinds ---------------------------------------------------------------------------------
+
+
+class _Sequence(Container):
+    """A tuple or list of a fixed length."""
+
+    __slots__ = ()
+
+    def __init__(self, length: int) -> None:
+        super().__init__((self.tag, length), tuple(Index(i) for i in range(length)))
+
+    @classmethod
+    def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
+        key = (cls.tag, len(obj))
+        node = intern.get(key)
+        if node is None:
+            node = intern[key] = cls(len(obj))
+        return node, obj
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        if len(row) != 2 or type(row[1]) is not int or row[1] < 0:
+            raise NodeError(f"a {cls.tag} row is ['{cls.tag}', length], got {clip(row)}")
+        _check_arity(row[1], max_arity)
+        return cls(row[1])
+
+    @classmethod
+    def brief_of_object(cls, obj: Any) -> str:
+        return f"a {cls.tag} of length {len(obj)}"
+
+    def brief(self) -> str:
+        return f"a {self.tag} of length {self.arity}"
+
+    def row(self) -> list[Any]:
+        return [self.tag, self.arity]
+
+    def children_of(self, obj: Any) -> Sequence[Any] | None:
+        if type(obj) is self.python_type and len(obj) == self.arity:
+            return obj
+        return None
+
+    def guard(self, var: str, bind: Bind) -> str:
+        return f"type({var}) is not {self.tag} or len({var}) != {self.arity}"
+
+    def child(self, var: str, index: int, bind: Bind) -> str:
+        return f"{var}[{index}]"
+
+    def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        return None, f"expected {self.brief()}, got {brief_of(obj)}"
+
+
+class TupleNode(_Sequence):
+    """A ``tuple``: children by position."""
+
+    __slots__ = ()
+    tag = "tuple"
+    python_type = tuple
+
+    def rebuild(self, values: list[Any]) -> Any:
+        return tuple(values)
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        return "(" + "".join(f"{part}, " for part in parts) + ")"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+class ListNode(_Sequence):
+    """A ``list``: children by position."""
+
+    __slots__ = ()
+    tag = "list"
+    python_type = list
+
+    def rebuild(self, values: list[Any]) -> Any:
+        return values
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        return "[" + ", ".join(parts) + "]"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return f"[{', '.join(parts)}]"
+
+
+def _check_arity(arity: int, max_arity: int) -> None:
+    if arity > max_arity:
+        raise NodeError(
+            f"the row has {arity} children, but the rows after it leave room for {max_arity}"
+        )
+
+
+def check_key(key: Any) -> None:
+    """Refuse a mapping key that is not a ``str`` or an ``int`` (``bool`` is not an int here)."""
+    if type(key) is int:
+        check_int(key)
+    elif type(key) is not str:
+        raise NodeError(
+            f"dict key {clip(key)} of type {type(key).__name__} is not supported; "
+            "spec dict keys are str or int"
+        )
+
+
+def _sorted_order(keys: tuple[Any, ...]) -> list[int]:
+    """Child indices in optree's order: keys sorted (mixed types: by type name, then key)."""
+    try:
+        return sorted(range(len(keys)), key=keys.__getitem__)
+    except TypeError:
+        return sorted(range(len(keys)), key=lambda i: (type(keys[i]).__name__, keys[i]))
+
+
+class _Mapping(Container):
+    """A dict or ``OrderedDict``: children by key; rebuilt and shown in the user's key order."""
+
+    __slots__ = ("flat_keys", "keys", "keyset", "user_order")
+    article: ClassVar[str] = "a"
+    #: Whether leaves flatten in sorted key order (dict) or in the key order (OrderedDict).
+    sorts_keys: ClassVar[bool]
+    #: The keys in the user's order (as rebuilt and shown), and in flatten order.
+    keys: tuple[str | int, ...]
+    flat_keys: tuple[str | int, ...]
+    keyset: frozenset[str | int]
+    #: For each key in the user's order, the flatten position of its child.
+    user_order: tuple[int, ...]
+
+    def __init__(self, keys: tuple[str | int, ...]) -> None:
+        order = _sorted_order(keys) if self.sorts_keys else range(len(keys))
+        flat_keys = tuple(keys[i] for i in order)
+        super().__init__((self.tag, keys), tuple(Key(k) for k in flat_keys))
+        position = {index: flat for flat, index in enumerate(order)}
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "flat_keys", flat_keys)
+        object.__setattr__(self, "keyset", frozenset(keys))
+        object.__setattr__(self, "user_order", tuple(position[i] for i in range(len(keys))))
+
+    @classmethod
+    def make(cls, keys: tuple[str | int, ...]) -> _Mapping:
+        for key in keys:
+            check_key(key)
+        if len(set(keys)) != len(keys):
+            raise NodeError(f"{cls.tag} keys repeat: {clip(list(keys))}")
+        return cls(keys)
+
+    @classmethod
+    def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
+        keys = tuple(obj)
+        # Key types are part of the lookup: True == 1, but a bool key is refused.
+        key = (cls.tag, keys, tuple(map(type, keys)))
+        node = intern.get(key)
+        if node is None:
+            node = intern[key] = cls.make(keys)
+        assert isinstance(node, _Mapping)
+        return node, [obj[k] for k in node.flat_keys]
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        if len(row) != 2 or type(row[1]) is not list:
+            raise NodeError(f"a {cls.tag} row is ['{cls.tag}', [keys]], got {clip(row)}")
+        _check_arity(len(row[1]), max_arity)
+        return cls.make(tuple(row[1]))
+
+    @classmethod
+    def brief_of_object(cls, obj: Any) -> str:
+        return f"{cls.article} {cls.tag} with keys {clip(list(obj))}"
+
+    def brief(self) -> str:
+        return f"{self.article} {self.tag} with keys {clip(list(self.keys))}"
+
+    def row(self) -> list[Any]:
+        return [self.tag, list(self.keys)]
+
+    def children_of(self, obj: Any) -> Sequence[Any] | None:
+        if type(obj) is self.python_type and self.same_keys(obj):
+            return [obj[key] for key in self.flat_keys]
+        return None
+
+    def same_keys(self, obj: Any) -> bool:
+        raise NotImplementedError
+
+    def child(self, var: str, index: int, bind: Bind) -> str:
+        return f"{var}[{bind(self.flat_keys[index], 'k')}]"
+
+    def user_pairs(self, parts: Sequence[Any]) -> list[tuple[Any, Any]]:
+        """``(key, part)`` in the user's key order, from ``parts`` in flatten order."""
+        return [(key, parts[i]) for key, i in zip(self.keys, self.user_order, strict=True)]
+
+    def rebuild_source_pairs(self, parts: Sequence[str], bind: Bind) -> list[str]:
+        return [f"{bind(key, 'k')}: {part}" for key, part in self.user_pairs(parts)]
+
+    def shown_items(self, parts: Sequence[str]) -> str:
+        return ", ".join(f"{key!r}: {part}" for key, part in self.user_pairs(parts))
+
+    def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        if type(obj) is not self.python_type:
+            return None, f"expected {self.brief()}, got {brief_of(obj)}"
+        by_key = dict(zip(self.flat_keys, children, strict=True))
+        for key in self.keys:
+            if key not in obj:
+                return Key(key), f"missing (expected {by_key[key].brief()})"
+        for key in obj:
+            if key not in self.keyset:
+                return Key(key), f"unexpected entry {brief_of(obj[key])}"
+        return None, f"expected keys in the order {clip(list(self.keys))}, got {clip(list(obj))}"
+
+
+class DictNode(_Mapping):
+    """A ``dict``: any key order matches; leaves flatten by sorted key; rebuilt in the user's."""
+
+    __slots__ = ()
+    tag = "dict"
+    python_type = dict
+    sorts_keys = True
+
+    def same_keys(self, obj: Any) -> bool:
+        return obj.keys() == self.keyset
+
+    def rebuild(self, values: list[Any]) -> Any:
+        return dict(self.user_pairs(values))
+
+    def guard(self, var: str, bind: Bind) -> str:
+        return f"type({var}) is not dict or {var}.keys() != {bind(self.keyset, 'k')}"
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        return "{" + ", ".join(self.rebuild_source_pairs(parts, bind)) + "}"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return "{" + self.shown_items(parts) + "}"
+
+
+class OrderedDictNode(_Mapping):
+    """An ``OrderedDict``: its key order is part of the structure (and the flatten order)."""
+
+    __slots__ = ()
+    tag = "ordereddict"
+    python_type = collections.OrderedDict
+    sorts_keys = False
+    article = "an"
+
+    def same_keys(self, obj: Any) -> bool:
+        return tuple(obj) == self.keys
+
+    def rebuild(self, values: list[Any]) -> Any:
+        return collections.OrderedDict(zip(self.keys, values, strict=True))
+
+    def guard(self, var: str, bind: Bind) -> str:
+        cls = bind(collections.OrderedDict, "T")
+        return f"type({var}) is not {cls} or tuple({var}) != {bind(self.keys, 'k')}"
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        items = ", ".join(
+            f"({bind(key, 'k')}, {part})" for key, part in zip(self.keys, parts, strict=True)
+        )
+        return f"{bind(collections.OrderedDict, 'T')}([{items}])"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return "OrderedDict({" + self.shown_items(parts) + "})"
+
+
+class _Named(Container):
+    """A user class with named fields, bound by identity; JSON names it ``module:QualName``."""
+
+    __slots__ = ("cls", "fields", "name")
+    cls: type[Any]
+    fields: tuple[str, ...]
+    name: str
+    register_with: ClassVar[str]
+
+    def __init__(self, cls: type, fields: tuple[str, ...]) -> None:
+        super().__init__((self.tag, cls), tuple(Attr(f) for f in fields))
+        object.__setattr__(self, "cls", cls)
+        object.__setattr__(self, "fields", fields)
+        object.__setattr__(self, "name", qualified_name(cls))
+
+    @classmethod
+    def fields_of(cls, typ: type) -> tuple[str, ...] | None:
+        """The fields of ``typ`` if it is a registered class of this kind, else ``None``."""
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
+        typ = type(obj)
+        node = intern.get(typ)
+        if node is None:
+            fields = cls.fields_of(typ)
+            assert fields is not None  # the caller found the kind by fields_of
+            node = intern[typ] = cls(typ, fields)
+        assert isinstance(node, _Named)
+        return node, node.values_of(obj)
+
+    def values_of(self, obj: Any) -> Sequence[Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        if len(row) != 3 or type(row[1]) is not str or type(row[2]) is not list:
+            raise NodeError(f"a {cls.tag} row is ['{cls.tag}', 'module:QualName', [fields]]")
+        name, fields = row[1], row[2]
+        _check_arity(len(fields), max_arity)
+        if len(name) > MAX_NAME_LENGTH:
+            raise NodeError(f"a class name has at most {MAX_NAME_LENGTH} characters")
+        found = _NAMED.get(name)
+        if found is None:
+            raise NodeError(
+                f"{cls.tag} {name!r} is not registered in this process. dualgraph never imports "
+                "a module or calls a class named in a spec: register the class first, with "
+                f"dualgraph.{cls.register_with}(cls){_DESCRIBED_NOTE.get(cls.tag, '')}"
+            )
+        expected = cls.fields_of(found)
+        if expected is None:
+            raise NodeError(f"{name!r} in this process is not a {cls.tag}")
+        if list(expected) != fields:
+            raise NodeError(
+                f"{name!r} has fields {list(expected)} in this process, "
+                f"the spec says {clip(fields)}"
+            )
+        return cls(found, expected)
+
+    @classmethod
+    def brief_of_object(cls, obj: Any) -> str:
+        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+
+    def brief(self) -> str:
+        return f"a {self.cls.__module__}.{self.cls.__qualname__}"
+
+    def row(self) -> list[Any]:
+        if _NAMED.get(self.name) is not self.cls:
+            raise NodeError(
+                f"{self.name!r} now names another class in this process (was the class "
+                "redefined?), so a spec read back would not rebuild the class it describes; "
+                f"describe a tree of the current class, or dualgraph.{self.register_with}(cls) "
+                "the one you mean"
+            )
+        return [self.tag, self.name, list(self.fields)]
+
+    def show(self, parts: Sequence[str]) -> str:
+        fields = ", ".join(f"{f}={p}" for f, p in zip(self.fields, parts, strict=True))
+        return f"{self.cls.__qualname__}({fields})"
+
+    def guard(self, var: str, bind: Bind) -> str:
+        return f"type({var}) is not {bind(self.cls, 'T')}"
+
+    def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        found = brief_of(obj)
+        if type(obj) is not self.cls and qualified_name(type(obj)) == self.name:
+            found += " (another class of the same name)"
+        return None, f"expected {self.brief()}, got {found}"
+
+
+_DESCRIBED_NOTE = {"namedtuple": " (describing a tree that holds it registers it too)"}
+
+
+class NamedTupleNode(_Named):
+    """A namedtuple class: children by position, shown by field name."""
+
+    __slots__ = ()
+    tag = "namedtuple"
+    register_with = "register_namedtuple"
+
+    @classmethod
+    def claims(cls, typ: type, *, learn: bool) -> bool:
+        if not _is_namedtuple_class(typ):
+            return False
+        if learn:  # described: a spec read back may now name it
+            _bind_name(typ)
+        return True
+
+    @classmethod
+    def fields_of(cls, typ: type) -> tuple[str, ...] | None:
+        if _KIND_OF.get(typ) is NamedTupleNode:  # registered or described
+            return typ._fields  # type: ignore[attr-defined]
+        return None
+
+    def values_of(self, obj: Any) -> Sequence[Any]:
+        return obj
+
+    def children_of(self, obj: Any) -> Sequence[Any] | None:
+        if type(obj) is self.cls and len(obj) == self.arity:
+            return obj
+        return None
+
+    def rebuild(self, values: list[Any]) -> Any:
+        return self.cls(*values)
+
+    def child(self, var: str, index: int, bind: Bind) -> str:
+        return f"{var}[{index}]"  # by position: a field name is never read as an attribute
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        return f"{bind(self.cls, 'T')}({', '.join(parts)})"
+
+
+class DataclassNode(_Named):
+    """A registered dataclass: children are its fields, read with ``getattr``."""
+
+    __slots__ = ()
+    tag = "dataclass"
+    register_with = "register_dataclass"
+
+    @classmethod
+    def fields_of(cls, typ: type) -> tuple[str, ...] | None:
+        return _DATACLASS_FIELDS.get(typ)
+
+    def values_of(self, obj: Any) -> Sequence[Any]:
+        return [getattr(obj, field) for field in self.fields]
+
+    def children_of(self, obj: Any) -> Sequence[Any] | None:
+        return self.values_of(obj) if type(obj) is self.cls else None
+
+    def rebuild(self, values: list[Any]) -> Any:
+        return self.cls(**dict(zip(self.fields, values, strict=True)))
+
+    def child(self, var: str, index: int, bind: Bind) -> str:
+        return f"_getattr({var}, {bind(self.fields[index], 'f')})"
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        pairs = zip(self.fields, parts, strict=True)
+        arguments = ", ".join(f"{bind(f, 'f')}: {p}" for f, p in pairs)
+        return f"{bind(self.cls, 'T')}(**{{{arguments}}})"
+
+
+#: Every container kind.
+CONTAINER_KINDS: tuple[type[Container], ...] = (
+    TupleNode,
+    ListNode,
+    DictNode,
+    OrderedDictNode,
+    NamedTupleNode,
+    DataclassNode,
+)
+
+# The kind of each class seen so far: builtins, and registered or described user classes.
+_KIND_OF: dict[type, type[Container]] = {
+    kind.python_type: kind for kind in CONTAINER_KINDS if kind.python_type is not None
+}
+
+
+def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | None:
+    """The container kind (a class of :data:`CONTAINER_KINDS`) of objects of type ``typ``.
+
+    With ``learn=True`` (what :func:`~dualgraph.describe` does) a user class that a kind claims
+    on sight (a namedtuple class) is registered. Returns ``None`` if ``typ`` is no container.
+    """
+    kind = _KIND_OF.get(typ)
+    if kind is not None:
+        return kind
+    for kind in CONTAINER_KINDS:
+        if kind.python_type is None and kind.claims(typ, learn=learn):
+            if learn:
+                _KIND_OF[typ] = kind
+            return kind
+    return None
+
+
+def brief_of(obj: Any, /) -> str:
+    """What ``obj`` is, for messages: ``float32[2, 3]``, ``a list of length 2``, ``None``."""
+    if obj is None:
+        return "None"
+    typ = type(obj)
+    if typ in (bool, int, float, str):
+        return f"{typ.__name__} {clip_text(show_constant(obj))}"
+    kind = container_kind(typ)
+    if kind is not None:
+        return kind.brief_of_object(obj)
+    try:
+        signature = signature_of(obj)
+        if signature is not None:
+            shape, dtype = signature
+            return clip_text(f"{dtype}[{', '.join(map(str, shape))}]")
+    except Exception:  # the array type's own signature failed: describe the object
+        pass
+    return f"an object of type {typ.__module__}.{typ.__qualname__}"
+
+
+# -- registration --------------------------------------------------------------------------------
+
+
+def _is_namedtuple_class(typ: type) -> bool:
+    """A real namedtuple class: optree's test, with fields that are identifiers."""
+    return optree.is_namedtuple_class(typ) and all(
+        f.isidentifier()
+        for f in typ._fields  # type: ignore[attr-defined]
+    )
+
+
+def _bind_name(cls: type) -> None:
+    _NAMED[qualified_name(cls)] = cls
+
+
+def register_namedtuple(cls: T, /) -> T:
+    """Let specs read from JSON rebuild the namedtuple class ``cls``; usable as a decorator.
+
+    Describing a tree that holds a namedtuple registers its class too; registering names the
+    class a spec's ``module:QualName`` means when a class of that name was redefined.
+
+    >>> from typing import NamedTuple
+    >>> @register_namedtuple
+    ... class Pair(NamedTuple):
+    ...     first: int
+    ...     second: int
+    >>> import dualgraph
+    >>> dualgraph.TreeSpec.from_json(dualgraph.describe(Pair(1, 2)).to_json())
+    TreeSpec(Pair(first=1, second=2))
+    """
+    if not (isinstance(cls, type) and _is_namedtuple_class(cls)):
+        raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
+    _bind_name(cls)
+    _KIND_OF[cls] = NamedTupleNode
+    return cls
 
 
 def register_dataclass(cls: T, /) -> T:
@@ -36,63 +590,37 @@ def register_dataclass(cls: T, /) -> T:
     ('.hidden', '.aux_loss')
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise DualgraphError(f"register_dataclass expects a dataclass type, got {cls!r}")
-    if cls in _DATACLASS_FIELDS:
-        return cls
-    fields = dataclasses.fields(cls)
-    no_init = [f.name for f in fields if not f.init]
-    if no_init:
-        raise DualgraphError(
-            f"cannot register {qualified_name(cls)}: fields {no_init} have init=False, "
-            "so the dataclass cannot be rebuilt from its fields"
-        )
-    names = tuple(f.name for f in fields)
+        raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
+    if cls not in _DATACLASS_FIELDS:
+        fields = dataclasses.fields(cls)
+        no_init = [f.name for f in fields if not f.init]
+        if no_init:
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: fields {no_init} have init=False, "
+                "so the dataclass cannot be rebuilt from its fields"
+            )
+        names = tuple(f.name for f in fields)
+        unnormalized = [n for n in names if unicodedata.normalize("NFKC", n) != n]
+        if unnormalized:
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: Python reads the field names "
+                f"{unnormalized} as {[unicodedata.normalize('NFKC', n) for n in unnormalized]} "
+                "(NFKC) in __init__, so the dataclass cannot be rebuilt from its fields"
+            )
 
-    def flatten(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
-        return [getattr(obj, name) for name in names], None, names
+        def flatten(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
+            return [getattr(obj, name) for name in names], None, names
 
-    def unflatten(_: None, children: Any) -> Any:
-        return cls(**dict(zip(names, children, strict=True)))
+        def unflatten(_: None, children: Any) -> Any:
+            return cls(**dict(zip(names, children, strict=True)))
 
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
-    _DATACLASS_FIELDS[cls] = names
+        optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+        _DATACLASS_FIELDS[cls] = names
+    _bind_name(cls)
+    _KIND_OF[cls] = DataclassNode
     return cls
 
 
 def dataclass_fields(cls: type, /) -> tuple[str, ...] | None:
     """The child fields of a registered dataclass, or ``None`` if ``cls`` is not one."""
     return _DATACLASS_FIELDS.get(cls)
-
-
-def qualified_name(cls: type, /) -> str:
-    """``module:QualName``, the way a spec names a user type (remembered for :func:`resolve_type`).
-
-    >>> import collections
-    >>> qualified_name(collections.OrderedDict)
-    'collections:OrderedDict'
-    """
-    name = f"{cls.__module__}:{cls.__qualname__}"
-    _SEEN_TYPES.setdefault(name, cls)
-    return name
-
-
-def resolve_type(name: str, /) -> type:
-    """Import the type a spec names as ``module:QualName``.
-
-    >>> resolve_type("collections:OrderedDict").__name__
-    'OrderedDict'
-    """
-    if name in _SEEN_TYPES:
-        return _SEEN_TYPES[name]
-    module_name, _, qualname = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as error:
-        raise DualgraphError(
-            f"cannot resolve type {name!r} named in a spec: {error}; import or define it first"
-        ) from None
-    if not isinstance(obj, type):
-        raise DualgraphError(f"{name!r} named in a spec is not a type")
-    return obj

@@ -52,3 +52,15 @@ class DualgraphWarning(UserWarning):
     >>> issubclass(DualgraphWarning, UserWarning)
     True
     """
+
+
+# Errors print as ``dualgraph.SpecMismatchError``, the name users import them by.
+for _public in (
+    CaptureError,
+    DualgraphError,
+    DualgraphWarning,
+    SpecMismatchError,
+    UnsupportedLeafError,
+):
+    _public.__module__ = "dualgraph"
+del _public

@@ -8,6 +8,7 @@ adapter's registration, so ``import dualgraph`` never imports a framework itself
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ __all__ = [
     "ArrayType",
     "array_type_of",
     "register_array_type",
+    "same_float",
+    "signature_of",
 ]
 
 #: Python scalar types kept by value in a spec. ``bool`` is listed before ``int`` on purpose.
@@ -91,6 +94,39 @@ def array_type_of(cls: type, /) -> ArrayType | None:
     return found
 
 
+_NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def signature_of(leaf: Any, /) -> Signature | None:
+    """``(shape, dtype name)`` of an array leaf, or ``None`` if ``leaf`` is not an array.
+
+    >>> signature_of(np.zeros((2, 3), np.int64)), signature_of("x")
+    (((2, 3), 'int64'), None)
+    """
+    cls = type(leaf)
+    if cls is np.ndarray:  # numpy's dtype.name is slow: cache it per dtype
+        dtype = leaf.dtype
+        name = _NUMPY_DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _NUMPY_DTYPE_NAMES[dtype] = dtype.name
+        return leaf.shape, name
+    array_type = _RESOLVED[cls] if cls in _RESOLVED else array_type_of(cls)
+    return None if array_type is None else array_type.signature(leaf)
+
+
+def same_float(found: Any, expected: float, /) -> bool:
+    """Whether ``found`` is a Python float equal to ``expected``: NaN matches NaN, -0.0 not 0.0.
+
+    >>> same_float(float("nan"), float("nan")), same_float(-0.0, 0.0), same_float(1, 1.0)
+    (True, False, False)
+    """
+    if type(found) is not float:
+        return False
+    if found != found:
+        return expected != expected
+    return found == expected and math.copysign(1.0, found) == math.copysign(1.0, expected)
+
+
 def _lookup(cls: type) -> ArrayType | None:
     for base in cls.__mro__:
         if base in _REGISTERED:
@@ -107,6 +143,17 @@ def _numpy_signature(x: np.ndarray) -> Signature:
 
 def _numpy_grad(x: np.ndarray) -> bool:
     return is_differentiable_dtype(x.dtype.name)
+
+
+def numpy_is_native() -> bool:
+    """Whether numpy arrays are described as the core does by default (so it may read them
+    directly, without the registered functions)."""
+    array_type = array_type_of(np.ndarray)
+    return (
+        array_type is not None
+        and array_type.signature is _numpy_signature
+        and array_type.requires_grad is _numpy_grad
+    )
 
 
 register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)

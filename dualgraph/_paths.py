@@ -1,32 +1,75 @@
-"""Readable leaf paths such as ``[1]['aux_loss']`` or ``args[0].mask``."""
+"""Typed leaf paths: how each child is reached, shown as ``[1]['aux_loss']`` or ``args[0].mask``.
+
+A path is a tuple of entries from a tree's root: :class:`Index` (a tuple or list position),
+:class:`Key` (a mapping key) and :class:`Attr` (a namedtuple or dataclass field). Messages show
+a path as the Python accessor expression; the root itself shows as ``<root>``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Literal
+from dataclasses import dataclass
 
-__all__ = ["EntryKind", "join_path", "show_path"]
-
-#: How a child is reached from its container: by position, by mapping key, or by field name.
-EntryKind = Literal["index", "key", "attr"]
+__all__ = ["Attr", "Index", "Key", "PathEntry", "format_path", "show_path"]
 
 
-def join_path(parent: str, entry: Hashable, kind: EntryKind) -> str:
-    """The path of a child reached from ``parent`` through ``entry``.
+@dataclass(frozen=True, slots=True)
+class Index:
+    """A position in a tuple or list: ``[0]``.
 
-    >>> join_path(join_path("", 1, "index"), "aux_loss", "key")
-    "[1]['aux_loss']"
-    >>> join_path("args[0]", "mask", "attr")
-    'args[0].mask'
+    >>> str(Index(0))
+    '[0]'
     """
-    if kind == "attr":
-        return f"{parent}.{entry}"
-    if kind == "key":
-        return f"{parent}[{entry!r}]"
-    return f"{parent}[{entry}]"
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"[{self.index}]"
 
 
-def show_path(path: str) -> str:
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A key of a dict or ``OrderedDict`` (``str`` or ``int``): ``['mask']``.
+
+    >>> str(Key("mask")), str(Key(3))
+    ("['mask']", '[3]')
+    """
+
+    key: str | int
+
+    def __str__(self) -> str:
+        return f"[{self.key!r}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """A field of a namedtuple or dataclass: ``.hidden``.
+
+    >>> str(Attr("hidden"))
+    '.hidden'
+    """
+
+    name: str
+
+    def __str__(self) -> str:
+        return f".{self.name}"
+
+
+#: One step of a path.
+PathEntry = Index | Key | Attr
+
+
+def format_path(entries: tuple[PathEntry, ...], /, root: str = "") -> str:
+    """The accessor expression of a path, after ``root`` (e.g. ``"args"``).
+
+    >>> format_path((Index(1), Key("out"), Attr("aux_loss")))
+    "[1]['out'].aux_loss"
+    >>> format_path((Key("mask"),), root="kwargs")
+    "kwargs['mask']"
+    """
+    return root + "".join([str(entry) for entry in entries])
+
+
+def show_path(path: str, /) -> str:
     """A path for messages: the tree's root has the empty path and shows as ``<root>``.
 
     >>> show_path(""), show_path("[0]")

@@ -2,47 +2,62 @@
 
 A spec records the containers of a tree, where its ``None`` leaves and constants are, each array
 leaf's shape and neutral dtype name, and the grad mask (which array leaves take part in backward).
-Everything that can be is precomputed when the spec is made, so :meth:`TreeSpec.flatten`,
-:meth:`TreeSpec.unflatten` and :meth:`TreeSpec.check` stay cheap enough to run on every replay.
+It holds the tree's nodes (``_nodes.py``, ``_containers.py``) in pre-order, and everything is
+done with loops over them, so any depth of tree works. What can be is precomputed when the spec
+is made (``_compile.py``), so :meth:`TreeSpec.flatten`, :meth:`TreeSpec.unflatten` and
+:meth:`TreeSpec.check` stay cheap enough to run on every replay.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import optree
+import numpy as np
 
-from ._compile import compile_spec
-from ._containers import NAMESPACE, dataclass_fields, qualified_name, resolve_type
+from ._compile import compile_program
+from ._containers import brief_of, container_kind
+from ._dtypes import is_differentiable_dtype
 from ._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
-from ._leaves import CONSTANT_TYPES, array_type_of
-from ._paths import EntryKind, join_path, show_path
+from ._json import next_entries, read_document, read_tree, write_document
+from ._leaves import CONSTANT_TYPES, array_type_of, numpy_is_native
+from ._nodes import (
+    MAX_NODES,
+    NONE,
+    ArrayLeaf,
+    ConstLeaf,
+    Container,
+    Leaf,
+    Node,
+    NodeError,
+    clip,
+    clip_text,
+    show_constant,
+)
+from ._paths import PathEntry, format_path, show_path
 
 __all__ = ["SPEC_FORMAT", "SPEC_VERSION", "LeafSpec", "TreeSpec", "describe"]
 
 SPEC_FORMAT = "dualgraph.TreeSpec"
-SPEC_VERSION = 1
+SPEC_VERSION = 2
 
 Constant = bool | int | float | str
-Node = dict[str, Any]
-
-_CONSTANT_TYPE_NAMES: dict[type, str] = {t: t.__name__ for t in CONSTANT_TYPES}
-_CONSTANT_TYPES_BY_NAME: dict[str, type] = {n: t for t, n in _CONSTANT_TYPE_NAMES.items()}
-_MAPPING_NODES = ("dict", "ordereddict")
-_FIELD_NODES = ("namedtuple", "dataclass")
 
 
 @dataclass(frozen=True)
 class LeafSpec:
     """One leaf of a spec: an array (shape, dtype, grad), a constant (value) or ``None``.
 
+    ``path`` is the leaf's accessor expression; ``entries`` the same path as typed entries
+    (:class:`~dualgraph.Index`, :class:`~dualgraph.Key`, :class:`~dualgraph.Attr`).
+
     >>> import numpy as np
-    >>> describe((np.zeros((2, 3), np.float32), None)).leaves[0]
+    >>> leaf = describe((np.zeros((2, 3), np.float32), None)).leaves[0]
+    >>> leaf
     LeafSpec(kind='array', path='[0]', shape=(2, 3), dtype='float32', grad=True, value=None)
+    >>> leaf.entries
+    (Index(index=0),)
     """
 
     kind: str
@@ -51,16 +66,20 @@ class LeafSpec:
     dtype: str | None = None
     grad: bool = False
     value: Constant | None = None
+    entries: tuple[PathEntry, ...] = field(default=(), repr=False, compare=False)
 
     def __str__(self) -> str:
-        return _show_leaf(_leaf_node(self))
+        if self.kind == "array":
+            return f"{self.dtype}[{', '.join(map(str, self.shape or ()))}]"
+        return "None" if self.kind == "none" else show_constant(self.value)  # type: ignore[arg-type]
 
 
 def describe(tree: Any, /, *, root: str = "") -> TreeSpec:
     """Describe ``tree``: its containers, ``None`` leaves, constants and array leaves.
 
     ``root`` prefixes the paths in error messages (e.g. ``"args"``); the spec's own
-    :attr:`~TreeSpec.paths` always start at the tree's root.
+    :attr:`~TreeSpec.paths` always start at the tree's root. Describing a tree with a namedtuple
+    registers its class (see :func:`~dualgraph.register_namedtuple`).
 
     >>> import numpy as np
     >>> spec = describe({"hidden": np.ones((2, 4), np.float32), "aux_loss": None, "n": 3})
@@ -69,7 +88,7 @@ def describe(tree: Any, /, *, root: str = "") -> TreeSpec:
     >>> spec.paths
     ("['aux_loss']", "['hidden']", "['n']")
     """
-    return TreeSpec(_node_of(tree, root, strict=True))
+    return TreeSpec(_describe_nodes(tree, root))
 
 
 class TreeSpec:
@@ -85,31 +104,21 @@ class TreeSpec:
     (True, (True,))
     """
 
-    __slots__ = (
-        "_array_index",
-        "_array_positions",
-        "_compiled",
-        "_hash",
-        "_json",
-        "_leaves",
-        "_node",
-        "_treedef",
-    )
+    __slots__ = ("_hash", "_json", "_layout", "_leaves", "_nodes", "_num_arrays", "_program")
 
-    def __init__(self, node: Node, /) -> None:
-        """Build a spec from its JSON node; users call :func:`describe` or :meth:`from_json`."""
-        slots: list[_Slot] = []
-        skeleton = _skeleton_of(node, "", slots)
-        ordered, treedef = optree.tree_flatten(skeleton, none_is_leaf=True, namespace=NAMESPACE)
-        leaves = tuple(slot.leaf for slot in ordered)
-        array_rank = {id(s): k for k, s in enumerate(s for s in ordered if s.leaf.kind == "array")}
-        positions = [array_rank[id(s)] for s in slots if s.leaf.kind == "array"]
-        self._node = node
-        self._treedef = treedef
-        self._leaves = leaves
-        self._array_index = tuple(i for i, leaf in enumerate(leaves) if leaf.kind == "array")
-        self._array_positions = positions
-        self._compiled = compile_spec(node, positions)
+    def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
+        """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
+        nodes = tuple(nodes)
+        self._nodes = nodes
+        if _like is None:
+            _check_preorder(nodes)
+            self._layout: _Layout | None = None
+            self._program = compile_program(nodes, lambda: _node_paths(self._get_layout()))
+        else:  # the same tree with other grad flags: what is derived from it is the same
+            self._layout = _like._layout
+            self._program = _like._program
+        self._num_arrays = sum(node.op == ArrayLeaf.op for node in nodes)
+        self._leaves: tuple[LeafSpec, ...] | None = None
         self._json: str | None = None
         self._hash: int | None = None
 
@@ -118,32 +127,50 @@ class TreeSpec:
     @property
     def leaves(self) -> tuple[LeafSpec, ...]:
         """Every leaf (arrays, constants and ``None``) in flatten order."""
+        if self._leaves is None:
+            nodes = self._nodes
+            self._leaves = tuple(
+                self._leaf_spec(i)
+                for i, n in enumerate(nodes)
+                if n.arity == 0 and isinstance(n, Leaf)
+            )
         return self._leaves
 
     @property
     def paths(self) -> tuple[str, ...]:
         """A readable path for every leaf, e.g. ``[1]['aux_loss']``; the root is ``''``."""
-        return tuple(leaf.path for leaf in self._leaves)
+        return tuple(leaf.path for leaf in self.leaves)
 
     @property
     def arrays(self) -> tuple[LeafSpec, ...]:
         """The array leaves, in the order :meth:`flatten` returns them."""
-        return tuple(self._leaves[i] for i in self._array_index)
+        return tuple(self._leaf_spec(i) for i in self._array_indices())
 
     @property
     def array_paths(self) -> tuple[str, ...]:
         """The path of each array leaf, aligned with :meth:`flatten` and :attr:`grad_mask`."""
-        return tuple(self._leaves[i].path for i in self._array_index)
+        return tuple(leaf.path for leaf in self.arrays)
 
     @property
     def num_arrays(self) -> int:
         """How many array leaves :meth:`flatten` returns."""
-        return len(self._array_index)
+        return self._num_arrays
 
     @property
     def grad_mask(self) -> tuple[bool, ...]:
         """One bool per array leaf: does it take part in backward?"""
-        return tuple(self._leaves[i].grad for i in self._array_index)
+        return tuple(node.grad for node in self._nodes if isinstance(node, ArrayLeaf))
+
+    @property
+    def source(self) -> str | None:
+        """The Python source generated for this spec's hot path (``None`` for a tree too
+        large to generate code for, which a loop over its nodes runs instead).
+
+        >>> import numpy as np
+        >>> print(describe((np.zeros(2, np.float32), None)).source.splitlines()[1])
+            if type(t) is not tuple or len(t) != 2: return None  # <root>
+        """
+        return self._program.source
 
     def with_grad_mask(self, mask: Sequence[bool], /) -> TreeSpec:
         """The same spec with another grad mask (one bool per array leaf).
@@ -152,14 +179,18 @@ class TreeSpec:
         >>> describe((np.zeros(2, np.float32),)).with_grad_mask([False]).grad_mask
         (False,)
         """
-        mask = [bool(m) for m in mask]
-        if len(mask) != self.num_arrays:
+        try:
+            flags = [bool(flag) for flag in mask]
+        except Exception as error:
+            raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+        if len(flags) != self._num_arrays:
             raise DualgraphError(
-                f"grad mask has {len(mask)} entries, the spec has {self.num_arrays} array leaves"
+                f"grad mask has {len(flags)} entries, the spec has {self._num_arrays} array leaves"
             )
-        # The mask is in flatten order (dict keys sorted); the node lists keys in the user's order.
-        flags = iter([mask[position] for position in self._array_positions])
-        return TreeSpec(_map_array_nodes(self._node, lambda leaf: {**leaf, "grad": next(flags)}))
+        nodes = list(self._nodes)
+        for index, flag in zip(self._array_indices(), flags, strict=True):
+            nodes[index] = nodes[index].with_grad(flag)  # type: ignore[attr-defined]
+        return TreeSpec(nodes, _like=self)
 
     # -- the hot path -------------------------------------------------------------------------
 
@@ -175,18 +206,29 @@ class TreeSpec:
         >>> spec.flatten({"x": np.ones(2, np.float32), "aux": None})
         [array([1., 1.], dtype=float32)]
         """
-        arrays = (self._compiled.check if check else self._compiled.flatten)(tree)
+        try:
+            arrays = (self._program.check if check else self._program.flatten)(tree)
+        except Exception:  # an object's own code failed while it was read: explain below
+            arrays = None
         if arrays is None:
             raise self.mismatch(tree, root=root)
         return arrays
 
     def unflatten(self, arrays: Sequence[Any], /) -> Any:
         """Rebuild the tree from its array leaves; ``None`` and constants are restored."""
-        if len(arrays) != len(self._array_index):
+        try:
+            count = len(arrays)
+        except Exception:
             raise SpecMismatchError(
-                f"unflatten: expected {len(self._array_index)} arrays, got {len(arrays)}"
-            )
-        return self._compiled.unflatten(arrays)
+                f"unflatten: expected a sequence of {self._num_arrays} arrays, "
+                f"got {brief_of(arrays)}"
+            ) from None
+        if count != self._num_arrays:
+            raise SpecMismatchError(f"unflatten: expected {self._num_arrays} arrays, got {count}")
+        try:
+            return self._program.unflatten(arrays)
+        except Exception as error:
+            raise self._rebuild_error(arrays, error) from error
 
     def check(self, tree: Any, /, *, root: str = "") -> None:
         """Raise :class:`SpecMismatchError` naming the first leaf where ``tree`` differs.
@@ -202,19 +244,27 @@ class TreeSpec:
         ...     print(error)
         kwargs['mask']: expected float32[2, 8], got float32[2, 9]
         """
-        if self._compiled.check(tree) is None:
+        try:
+            matches = self._program.check(tree) is not None
+        except Exception:  # an object's own code failed while it was read: explain below
+            matches = False
+        if not matches:
             raise self.mismatch(tree, root=root)
 
     def mismatch(self, tree: Any, /, *, root: str = "") -> SpecMismatchError:
         """The error explaining how ``tree`` differs from this spec (slow path, for messages)."""
-        found = _node_of(tree, "", strict=False)
-        difference = _first_difference(self._node, found, "")
+        try:
+            difference = _first_difference(self._nodes, self._get_layout(), tree)
+        except Exception as error:  # pragma: no cover - every read above is guarded
+            difference = (0, None, f"the tree could not be read: {clip_text(error)}")
         if difference is None:
             return SpecMismatchError(
-                f"{show_path(root)}: the tree does not match the spec {self!r}", path=root
+                f"{show_path(root)}: the tree does not match the spec {clip(self, 300)}",
+                path=root,
             )
-        path, message = difference
-        path = root + path
+        index, entry, message = difference
+        entries = self._get_layout().entries(index)
+        path = format_path(entries if entry is None else (*entries, entry), root)
         return SpecMismatchError(f"{show_path(path)}: {message}", path=path)
 
     # -- serialization, equality, display -----------------------------------------------------
@@ -223,371 +273,324 @@ class TreeSpec:
         """Serialize: sorted keys, no framework or device names, stable across processes.
 
         >>> import numpy as np
-        >>> describe((np.zeros(2, np.int64), None)).to_json()[:60]
-        '{"format":"dualgraph.TreeSpec","tree":{"children":[{"dtype":'
+        >>> describe((np.zeros(2, np.int64), None)).to_json()
+        '{"format":"dualgraph.TreeSpec","tree":[["tuple",2],["array","int64",[2],false],["none"]],"version":2}'
         """
         if self._json is None:
-            document = {"format": SPEC_FORMAT, "version": SPEC_VERSION, "tree": self._node}
-            self._json = json.dumps(
-                document, sort_keys=True, separators=(",", ":"), allow_nan=False
-            )
+            self._json = write_document(SPEC_FORMAT, SPEC_VERSION, {"tree": self._rows()})
         return self._json
 
+    def _rows(self) -> list[list[Any]]:
+        """The JSON rows of the tree's nodes, in pre-order (what :meth:`to_json` writes)."""
+        rows = []
+        for index, node in enumerate(self._nodes):
+            try:
+                rows.append(node.row())
+            except NodeError as error:
+                path = show_path(format_path(self._get_layout().entries(index)))
+                raise DualgraphError(f"cannot write the spec at {path}: {error}") from None
+        return rows
+
     @classmethod
-    def from_json(cls, text: str, /) -> TreeSpec:
-        """Load a spec written by :meth:`to_json` (in any process, by any framework)."""
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise DualgraphError(f"not a TreeSpec JSON document: {error}") from None
-        if not isinstance(document, dict) or document.get("format") != SPEC_FORMAT:
-            raise DualgraphError(f"not a TreeSpec JSON document (format must be {SPEC_FORMAT!r})")
-        if document.get("version") != SPEC_VERSION:
-            raise DualgraphError(
-                f"TreeSpec JSON version {document.get('version')!r} is not supported "
-                f"(this dualgraph reads version {SPEC_VERSION})"
-            )
-        node = document.get("tree")
-        _validate_node(node, "")
-        return cls(node)
+    def from_json(cls, text: str | bytes, /) -> TreeSpec:
+        """Load a spec written by :meth:`to_json` (in any process, by any framework).
+
+        Reading never imports a module or calls a class the program did not register or
+        describe itself; anything malformed is a :class:`DualgraphError` naming where.
+        """
+        document = read_document(text, SPEC_FORMAT, SPEC_VERSION, ("tree",))
+        return cls(read_tree(document["tree"], "TreeSpec"))
+
+    @classmethod
+    def _from_rows(cls, rows: Any, /, *, root: str = "", what: str = "TreeSpec") -> TreeSpec:
+        """A spec of JSON rows (see :meth:`rows`); errors name paths after ``root``."""
+        return cls(read_tree(rows, what, root))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TreeSpec):
             return NotImplemented
-        return self._node == other._node
+        return self._nodes == other._nodes
 
     def __hash__(self) -> int:
         if self._hash is None:
-            self._hash = hash(self.to_json())
+            self._hash = hash(self._nodes)
         return self._hash
 
     def __repr__(self) -> str:
-        return f"TreeSpec({_show_node(self._node)})"
+        parts: list[str] = []
+        for node in reversed(self._nodes):
+            arity = node.arity
+            children = parts[len(parts) - arity :][::-1]
+            del parts[len(parts) - arity :]
+            parts.append(node.show(children))
+        return f"TreeSpec({parts[0]})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return TreeSpec.from_json, (self.to_json(),)
 
+    def __copy__(self) -> TreeSpec:
+        return self
 
-# -- building the node of a tree ----------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> TreeSpec:
+        return self  # immutable
 
+    # -- helpers ------------------------------------------------------------------------------
 
-def _node_of(obj: Any, path: str, *, strict: bool) -> Node:
-    """The JSON node describing ``obj``; with ``strict=False`` unknown leaves are described too."""
-    if obj is None:
-        return {"leaf": "none"}
-    cls = type(obj)
-    if cls in _CONSTANT_TYPE_NAMES:
-        value = repr(obj) if cls is float else obj
-        return {"leaf": "const", "type": _CONSTANT_TYPE_NAMES[cls], "value": value}
-    array_type = array_type_of(cls)
-    if array_type is not None:
-        shape, dtype = array_type.signature(obj)
-        grad = bool(array_type.requires_grad(obj))
-        return {"leaf": "array", "shape": list(shape), "dtype": dtype, "grad": grad}
-    if cls is tuple or cls is list:
-        children = [
-            _node_of(c, join_path(path, i, "index"), strict=strict) for i, c in enumerate(obj)
-        ]
-        return {"node": cls.__name__, "children": children}
-    if cls is dict or cls is collections.OrderedDict:
-        keys = list(obj)
-        for key in keys:
-            if type(key) not in (str, int):
-                if not strict:
-                    return _object_node(obj)
-                raise UnsupportedLeafError(
-                    f"{show_path(path)}: dict key {key!r} of type {type(key).__name__} is not "
-                    "supported; spec dict keys are str or int",
-                    path=path,
-                )
-        children = [_node_of(obj[k], join_path(path, k, "key"), strict=strict) for k in keys]
-        kind = "dict" if cls is dict else "ordereddict"
-        return {"node": kind, "keys": keys, "children": children}
-    if optree.is_namedtuple_class(cls):
-        fields = list(cls._fields)
-        children = [
-            _node_of(c, join_path(path, f, "attr"), strict=strict) for f, c in zip(fields, obj)
-        ]
-        return {
-            "node": "namedtuple",
-            "type": qualified_name(cls),
-            "fields": fields,
-            "children": children,
-        }
-    fields_of_dataclass = dataclass_fields(cls)
-    if fields_of_dataclass is not None:
-        fields = list(fields_of_dataclass)
-        children = [
-            _node_of(getattr(obj, f), join_path(path, f, "attr"), strict=strict) for f in fields
-        ]
-        return {
-            "node": "dataclass",
-            "type": qualified_name(cls),
-            "fields": fields,
-            "children": children,
-        }
-    if not strict:
-        return _object_node(obj)
-    raise UnsupportedLeafError(
-        f"{show_path(path)}: unsupported leaf of type {cls.__module__}.{cls.__qualname__}. "
-        "A spec holds arrays (numpy, torch, jax), None, int/float/bool/str constants, and "
-        "tuple/list/dict/OrderedDict/namedtuple containers. Register a dataclass with "
-        "dualgraph.register_dataclass(cls) or another array type with "
-        "dualgraph.register_array_type(cls, signature=..., requires_grad=...).",
-        path=path,
-    )
+    def _get_layout(self) -> _Layout:
+        if self._layout is None:
+            self._layout = _Layout(self._nodes)
+        return self._layout
 
+    def _array_indices(self) -> list[int]:
+        return [i for i, node in enumerate(self._nodes) if isinstance(node, ArrayLeaf)]
 
-def _object_node(obj: Any) -> Node:
-    return {"leaf": "object", "type": qualified_name(type(obj))}
+    def _leaf_spec(self, index: int) -> LeafSpec:
+        node = self._nodes[index]
+        entries = self._get_layout().entries(index)
+        path = format_path(entries)
+        if isinstance(node, ArrayLeaf):
+            return LeafSpec("array", path, node.shape, node.dtype, node.grad, entries=entries)
+        if isinstance(node, ConstLeaf):
+            return LeafSpec("const", path, value=node.value, entries=entries)
+        return LeafSpec("none", path, entries=entries)
 
-
-def _map_array_nodes(node: Node, change: Any) -> Node:
-    if "leaf" in node:
-        return change(node) if node["leaf"] == "array" else node
-    return {**node, "children": [_map_array_nodes(c, change) for c in node["children"]]}
-
-
-# -- from a node to the optree structure and leaf specs -----------------------------------------
-
-
-class _Slot:
-    """A stand-in leaf in the skeleton tree from which the optree structure is taken."""
-
-    __slots__ = ("leaf",)
-
-    def __init__(self, leaf: LeafSpec) -> None:
-        self.leaf = leaf
-
-
-def _skeleton_of(node: Node, path: str, slots: list[_Slot]) -> Any:
-    if "leaf" in node:
-        slot = _Slot(_leaf_spec(node, path))
-        slots.append(slot)
-        return slot
-    kind = node["node"]
-    children = node["children"]
-    if kind in ("tuple", "list"):
-        items = [
-            _skeleton_of(c, join_path(path, i, "index"), slots) for i, c in enumerate(children)
-        ]
-        return tuple(items) if kind == "tuple" else items
-    if kind in _MAPPING_NODES:
-        pairs = [
-            (k, _skeleton_of(c, join_path(path, k, "key"), slots))
-            for k, c in zip(node["keys"], children)
-        ]
-        return dict(pairs) if kind == "dict" else collections.OrderedDict(pairs)
-    cls = resolve_type(node["type"])
-    values = [
-        _skeleton_of(c, join_path(path, f, "attr"), slots) for f, c in zip(node["fields"], children)
-    ]
-    if kind == "namedtuple":
-        return cls(*values)
-    if dataclass_fields(cls) is None:
-        raise DualgraphError(
-            f"{show_path(path)}: {node['type']} is not a registered dataclass; "
-            "call dualgraph.register_dataclass on it before loading the spec"
+    def _rebuild_error(self, arrays: Sequence[Any], error: Exception) -> DualgraphError:
+        """Which container could not be rebuilt from ``arrays``, and why (slow path)."""
+        nodes = self._nodes
+        count = self._num_arrays
+        values: list[Any] = []
+        try:
+            for index in range(len(nodes) - 1, -1, -1):
+                node = nodes[index]
+                if isinstance(node, ArrayLeaf):
+                    count -= 1
+                    values.append(arrays[count])
+                elif isinstance(node, Leaf):
+                    values.append(node.value if isinstance(node, ConstLeaf) else None)
+                else:
+                    assert isinstance(node, Container)
+                    parts = values[len(values) - node.arity :][::-1]
+                    del values[len(values) - node.arity :]
+                    try:
+                        values.append(node.rebuild(parts))
+                    except Exception as failure:
+                        path = show_path(format_path(self._get_layout().entries(index)))
+                        return DualgraphError(
+                            f"unflatten: {path}: rebuilding {node.brief()} raised "
+                            f"{type(failure).__name__}: {clip_text(failure)}"
+                        )
+        except Exception as failure:
+            error = failure
+        return SpecMismatchError(
+            f"unflatten: could not read the arrays ({type(error).__name__}: {clip_text(error)})"
         )
-    return cls(**dict(zip(node["fields"], values)))
 
 
-def _leaf_spec(node: Node, path: str) -> LeafSpec:
-    kind = node["leaf"]
-    if kind == "array":
-        return LeafSpec("array", path, tuple(node["shape"]), node["dtype"], node["grad"])
-    if kind == "const":
-        cls = _CONSTANT_TYPES_BY_NAME[node["type"]]
-        value = float(node["value"]) if cls is float else node["value"]
-        return LeafSpec("const", path, value=value)
-    return LeafSpec("none", path)
-
-
-def _leaf_node(leaf: LeafSpec) -> Node:
-    if leaf.kind == "array":
-        return {
-            "leaf": "array",
-            "shape": list(leaf.shape or ()),
-            "dtype": leaf.dtype,
-            "grad": leaf.grad,
-        }
-    if leaf.kind == "const":
-        value = leaf.value
-        shown = repr(value) if type(value) is float else value
-        return {"leaf": "const", "type": type(value).__name__, "value": shown}
-    return {"leaf": "none"}
-
-
-# -- explaining differences ----------------------------------------------------------------------
-
-
-def _first_difference(expected: Node, found: Node, path: str) -> tuple[str, str] | None:
-    """``(path, message)`` of the first place where ``found`` differs from ``expected``."""
-    if "leaf" in expected or "leaf" in found:
-        if _leaf_identity(expected) != _leaf_identity(found):
-            return path, f"expected {_show_brief(expected)}, got {_show_brief(found)}"
-        return None
-    kind = expected["node"]
-    if kind != found["node"] or expected.get("type") != found.get("type"):
-        return path, f"expected {_show_brief(expected)}, got {_show_brief(found)}"
-    if kind in _MAPPING_NODES:
-        expected_children = dict(zip(expected["keys"], expected["children"]))
-        found_children = dict(zip(found["keys"], found["children"]))
-        for key in expected["keys"]:
-            if key not in found_children:
-                missing = _show_brief(expected_children[key])
-                return join_path(path, key, "key"), f"missing (expected {missing})"
-        for key in found["keys"]:
-            if key not in expected_children:
-                extra = _show_brief(found_children[key])
-                return join_path(path, key, "key"), f"unexpected entry {extra}"
-        if kind == "ordereddict" and expected["keys"] != found["keys"]:
-            return path, f"expected keys in the order {expected['keys']}, got {found['keys']}"
-        for key in _sorted_keys(expected["keys"]):
-            difference = _first_difference(
-                expected_children[key], found_children[key], join_path(path, key, "key")
-            )
-            if difference is not None:
-                return difference
-        return None
-    if kind in _FIELD_NODES:
-        if expected["fields"] != found["fields"]:
-            return path, f"expected fields {expected['fields']}, got {found['fields']}"
-        entries: list[tuple[Any, EntryKind]] = [(f, "attr") for f in expected["fields"]]
+def _check_preorder(nodes: tuple[Node, ...]) -> None:
+    """Refuse nodes that are not exactly one tree in pre-order."""
+    expected = 1
+    for node in nodes:
+        if not expected or not isinstance(node, Node):
+            break
+        expected += node.arity - 1
     else:
-        if len(expected["children"]) != len(found["children"]):
-            return path, f"expected {_show_brief(expected)}, got {_show_brief(found)}"
-        entries = [(i, "index") for i in range(len(expected["children"]))]
-    for (entry, entry_kind), e, f in zip(entries, expected["children"], found["children"]):
-        difference = _first_difference(e, f, join_path(path, entry, entry_kind))
-        if difference is not None:
-            return difference
-    return None
+        if not expected:
+            return
+    raise DualgraphError("a TreeSpec is made of the nodes of one tree, in pre-order")
 
 
-def _sorted_keys(keys: list[Any]) -> list[Any]:
+# -- the layout of a tree's nodes -----------------------------------------------------------------
+
+
+class _Layout:
+    """Each node's parent and entry, and where its subtree ends: for paths and messages."""
+
+    __slots__ = ("ends", "entry", "nodes", "parent")
+
+    def __init__(self, nodes: tuple[Node, ...]) -> None:
+        count = len(nodes)
+        parent = [-1] * count
+        entry: list[PathEntry | None] = [None] * count
+        open_containers: list[list[int]] = []  # [node index, children so far]
+        for index, node in enumerate(nodes):
+            if open_containers:
+                waiting = open_containers[-1]
+                parent[index] = waiting[0]
+                entry[index] = nodes[waiting[0]].entries[waiting[1]]  # type: ignore[attr-defined]
+                waiting[1] += 1
+                if waiting[1] == nodes[waiting[0]].arity:
+                    open_containers.pop()
+            if node.arity:
+                open_containers.append([index, 0])
+        ends = list(range(1, count + 1))
+        for index in range(count - 1, -1, -1):
+            end = index + 1
+            for _ in range(nodes[index].arity):
+                end = ends[end]
+            ends[index] = end
+        self.nodes = nodes
+        self.parent = parent
+        self.entry = entry
+        self.ends = ends
+
+    def children(self, index: int) -> list[int]:
+        """The node indices of a container's children."""
+        starts = []
+        start = index + 1
+        for _ in range(self.nodes[index].arity):
+            starts.append(start)
+            start = self.ends[start]
+        return starts
+
+    def entries(self, index: int) -> tuple[PathEntry, ...]:
+        """The path of a node, as typed entries."""
+        found = []
+        while index > 0:
+            found.append(self.entry[index])
+            index = self.parent[index]
+        return tuple(reversed(found))  # type: ignore[arg-type]
+
+
+def _node_paths(layout: _Layout) -> list[str]:
+    """Every node's path (for generated code's comments), each built from its parent's."""
+    paths: list[str] = []
+    for index, parent in enumerate(layout.parent):
+        path = "" if parent < 0 else paths[parent] + str(layout.entry[index])
+        paths.append(path if len(path) <= 400 else "..." + path[-397:])  # comments show the end
+    return paths
+
+
+# -- describing a tree ----------------------------------------------------------------------------
+
+_UNSUPPORTED = (
+    "A spec holds arrays (numpy, torch, jax), None, int/float/bool/str constants, and "
+    "tuple/list/dict/OrderedDict/namedtuple containers. Register a dataclass with "
+    "dualgraph.register_dataclass(cls) or another array type with "
+    "dualgraph.register_array_type(cls, signature=..., requires_grad=...)."
+)
+
+
+class _Exit:
+    """Marks, on describe's stack, the end of a container's subtree."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+
+def _describe_nodes(tree: Any, root: str) -> list[Node]:
+    """The nodes of ``tree`` in pre-order (a loop: no recursion, whatever the depth)."""
+    nodes: list[Node] = []
+    intern: dict[Any, Node] = {}
+    inside: set[int] = set()  # the containers on the path to the current object
+    stack: list[Any] = [tree]
+    constants = frozenset(CONSTANT_TYPES)
+    pop, push, append = stack.pop, stack.append, nodes.append
+    obj: Any = None
+    native_numpy = numpy_is_native()
+
+    def fail(message: str, error: type[DualgraphError] = UnsupportedLeafError) -> DualgraphError:
+        # The object that failed is the next node's: its path is the next one in pre-order.
+        path = format_path(next_entries(nodes), root)
+        if error is UnsupportedLeafError:
+            return UnsupportedLeafError(f"{show_path(path)}: {message}", path=path)
+        return error(f"{show_path(path)}: {message}")
+
     try:
-        return sorted(keys)
-    except TypeError:
-        return list(keys)
+        while stack:
+            obj = pop()
+            cls = type(obj)
+            if cls is _Exit:
+                inside.discard(obj.ident)
+                continue
+            if obj is None:
+                append(NONE)
+                continue
+            if cls is np.ndarray and native_numpy:  # the common leaf, read without a lookup
+                key = (obj.shape, obj.dtype)
+                leaf = intern.get(key)
+                if leaf is None:
+                    name = _numpy_name(obj.dtype)
+                    leaf = intern[key] = ArrayLeaf(obj.shape, name, is_differentiable_dtype(name))
+                append(leaf)
+                continue
+            if cls in constants:
+                key = (cls, repr(obj) if cls is float else obj)
+                leaf = intern.get(key)
+                if leaf is None:
+                    leaf = intern[key] = ConstLeaf(obj)
+                append(leaf)
+                continue
+            kind = container_kind(cls, learn=True)
+            if kind is None:
+                array_type = array_type_of(cls)
+                if array_type is None:
+                    raise fail(
+                        f"unsupported leaf of type {cls.__module__}.{cls.__qualname__}. "
+                        + _UNSUPPORTED
+                    )
+                shape, dtype = array_type.signature(obj)
+                leaf = ArrayLeaf(shape, dtype, bool(array_type.requires_grad(obj)))
+                append(intern.setdefault(leaf.key, leaf))
+                continue
+            if id(obj) in inside:
+                raise fail("the tree contains itself (a reference cycle)", DualgraphError)
+            node, children = kind.describe(obj, intern)
+            if len(nodes) + len(stack) + node.arity >= MAX_NODES:
+                raise fail(
+                    f"the tree has more than {MAX_NODES} nodes, a spec's limit", DualgraphError
+                )
+            append(node)
+            inside.add(id(obj))
+            push(_Exit(id(obj)))
+            push.__self__.extend(reversed(children))  # type: ignore[attr-defined]
+    except DualgraphError:
+        raise
+    except NodeError as error:
+        raise fail(str(error)) from None
+    except Exception as error:  # the object's own code failed while it was read
+        raise fail(
+            f"reading {brief_of(obj)} raised {type(error).__name__}: {clip_text(error)}",
+            DualgraphError,
+        ) from error
+    return nodes
 
 
-def _leaf_identity(node: Node) -> tuple[Any, ...]:
-    kind = node.get("leaf")
-    if kind == "array":
-        return ("array", tuple(node["shape"]), node["dtype"])
-    if kind == "const":
-        value = node["value"]
-        if node["type"] == "float":  # by repr: NaN equals NaN, 0.0 differs from -0.0
-            return ("const", "float", repr(float(value)))
-        return ("const", node["type"], value)
-    if kind == "object":
-        return ("object", node["type"])
-    if kind == "none":
-        return ("none",)
-    return ("node", node["node"])
+def _numpy_name(dtype: np.dtype) -> str:
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None:
+        name = _NUMPY_NAMES[dtype] = dtype.name
+    return name
 
 
-def _show_brief(node: Node) -> str:
-    """A short description of a node for error messages."""
-    kind = node.get("leaf")
-    if kind == "array":
-        return _show_leaf(node)
-    if kind == "const":
-        return f"{node['type']} {_show_leaf(node)}"
-    if kind == "none":
-        return "None"
-    if kind == "object":
-        return f"an object of type {node['type'].replace(':', '.')}"
-    container = node["node"]
-    if container in _MAPPING_NODES:
-        article = "an" if container == "ordereddict" else "a"
-        return f"{article} {container} with keys {node['keys']}"
-    if container in _FIELD_NODES:
-        return f"a {node['type'].replace(':', '.')}"
-    return f"a {container} of length {len(node['children'])}"
+_NUMPY_NAMES: dict[np.dtype, str] = {}
 
 
-def _show_leaf(node: Node) -> str:
-    kind = node["leaf"]
-    if kind == "array":
-        shape = ", ".join(str(d) for d in node["shape"])
-        return f"{node['dtype']}[{shape}]"
-    if kind == "const":
-        return str(node["value"]) if node["type"] == "float" else repr(node["value"])
-    if kind == "none":
-        return "None"
-    return f"<{node['type'].replace(':', '.')}>"
+# -- explaining a mismatch ------------------------------------------------------------------------
 
 
-def _show_node(node: Node) -> str:
-    """The tree as it would print, with leaves described: ``(float32[2, 3](grad), None)``."""
-    if "leaf" in node:
-        shown = _show_leaf(node)
-        return f"{shown}(grad)" if node["leaf"] == "array" and node["grad"] else shown
-    kind = node["node"]
-    parts = [_show_node(c) for c in node["children"]]
-    if kind == "tuple":
-        return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
-    if kind == "list":
-        return f"[{', '.join(parts)}]"
-    if kind in _MAPPING_NODES:
-        body = ", ".join(f"{k!r}: {p}" for k, p in zip(node["keys"], parts))
-        return "{" + body + "}" if kind == "dict" else f"OrderedDict({{{body}}})"
-    name = node["type"].rpartition(":")[2]
-    body = ", ".join(f"{f}={p}" for f, p in zip(node["fields"], parts))
-    return f"{name}({body})"
-
-
-# -- validating JSON input -----------------------------------------------------------------------
-
-
-def _validate_node(node: Any, path: str) -> None:
-    def fail(what: str) -> None:
-        raise DualgraphError(f"malformed TreeSpec JSON at {show_path(path)}: {what}")
-
-    if not isinstance(node, dict):
-        fail(f"expected an object, got {node!r}")
-    if "leaf" in node:
-        kind = node["leaf"]
-        if kind == "array":
-            shape, dtype = node.get("shape"), node.get("dtype")
-            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-                fail(f"bad shape {shape!r}")
-            if not isinstance(dtype, str) or not isinstance(node.get("grad"), bool):
-                fail("an array leaf needs a dtype string and a grad bool")
-        elif kind == "const":
-            cls = _CONSTANT_TYPES_BY_NAME.get(node.get("type", ""))
-            value = node.get("value")
-            stored = str if cls is float else cls
-            if cls is None or type(value) is not stored:
-                fail(f"bad constant {node!r}")
-            if cls is float:
-                try:
-                    float(value)
-                except ValueError:
-                    fail(f"bad float constant {value!r}")
-        elif kind != "none":
-            fail(f"unknown leaf kind {kind!r}")
-        return
-    kind = node.get("node")
-    children = node.get("children")
-    if kind not in ("tuple", "list", *_MAPPING_NODES, *_FIELD_NODES) or not isinstance(
-        children, list
-    ):
-        fail(f"unknown or incomplete node {kind!r}")
-    labels = node.get("keys") if kind in _MAPPING_NODES else node.get("fields")
-    if kind in (*_MAPPING_NODES, *_FIELD_NODES) and (
-        not isinstance(labels, list) or len(labels) != len(children)
-    ):
-        fail(f"{kind} needs one key or field per child")
-    if kind in _MAPPING_NODES and any(type(key) not in (str, int) for key in labels):
-        fail(f"{kind} keys must be str or int, got {labels!r}")
-    if kind in _FIELD_NODES and not all(isinstance(f, str) and f.isidentifier() for f in labels):
-        fail(f"{kind} fields must be identifiers, got {labels!r}")
-    if kind in _FIELD_NODES and not isinstance(node.get("type"), str):
-        fail(f"{kind} needs a type name")
-    for i, child in enumerate(children):
-        label = labels[i] if labels is not None else i
-        entry_kind: EntryKind = "key" if kind in _MAPPING_NODES else "attr" if labels else "index"
-        _validate_node(child, join_path(path, label, entry_kind))
+def _first_difference(
+    nodes: tuple[Node, ...], layout: _Layout, tree: Any
+) -> tuple[int, PathEntry | None, str] | None:
+    """``(node index, entry, message)`` of the first place where ``tree`` differs (the entry
+    names a child of that node, for a missing or unexpected key)."""
+    stack = [tree]
+    for index, node in enumerate(nodes):
+        obj = stack.pop()
+        if isinstance(node, Leaf):
+            if not node.matches(obj):
+                return index, None, f"expected {node.brief()}, got {brief_of(obj)}"
+            continue
+        assert isinstance(node, Container)
+        try:
+            children = node.children_of(obj)
+        except Exception as error:
+            message = f"reading {brief_of(obj)} raised {type(error).__name__}: {clip_text(error)}"
+            return index, None, message
+        if children is None:
+            child_nodes = [nodes[start] for start in layout.children(index)]
+            entry, message = node.difference(obj, child_nodes)
+            return index, entry, message
+        stack.extend(reversed(children))
+    return None

@@ -229,7 +229,7 @@ def train(
 
 def _max_difference(eager: torch.nn.Module, graphed: torch.nn.Module, *, grads: bool) -> float:
     largest = 0.0
-    for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
+    for (name, a), b in zip(eager.named_parameters(), graphed.parameters(), strict=True):
         if grads:
             if a.grad is None or b.grad is None:
                 raise RuntimeError(f"{name}: a parameter without grad after backward")

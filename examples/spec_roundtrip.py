@@ -62,7 +62,7 @@ def jax_side(folder: Path) -> None:
 
     spec = dualgraph.TreeSpec.from_json((folder / "spec.json").read_text())
     print(f"jax: read {spec}")
-    masked = [path for path, grad in zip(spec.array_paths, spec.grad_mask) if grad]
+    masked = [path for path, grad in zip(spec.array_paths, spec.grad_mask, strict=True) if grad]
     print(f"jax: grad mask from torch: cotangents for {', '.join(masked)}")
 
     params = jax_vit.params_from_state_dict(dict(np.load(folder / "weights.npz")))
@@ -72,10 +72,10 @@ def jax_side(folder: Path) -> None:
     program = dgj.graphed(reference, (params, images), out_spec=spec)  # checks the traced output
     out = program(params, images)
     spec.check(out)  # None where torch has None, same shapes and dtypes
-    assert program.spec.grad_mask == spec.grad_mask
+    assert program.out_spec.grad_mask == spec.grad_mask
     difference = max(
         float(np.abs(np.asarray(array) - io[_key(path)]).max())
-        for path, array in zip(spec.array_paths, spec.flatten(out))
+        for path, array in zip(spec.array_paths, spec.flatten(out), strict=True)
     )
     print(
         "jax: the reference's output matches the spec; largest difference from torch's "
@@ -102,7 +102,7 @@ def _key(path: str) -> str:
 def _arrays_of(spec: dualgraph.TreeSpec, out: object) -> dict[str, np.ndarray]:
     return {
         _key(path): array.detach().numpy()
-        for path, array in zip(spec.array_paths, spec.flatten(out))
+        for path, array in zip(spec.array_paths, spec.flatten(out), strict=True)
     }
 
 

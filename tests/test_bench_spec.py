@@ -32,3 +32,16 @@ def test_benchmark_runs_and_reports_every_case(capsys: pytest.CaptureFixture[str
     assert set(medians) == {"flatten", "unflatten", "check", "flatten+unflatten"}
     assert all(us > 0 for us in medians.values())
     assert "TreeSpec on a 16-array tree" in capsys.readouterr().out
+
+
+def test_scale_benchmark_reports_times_memory_and_the_json_load_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    results = load_benchmark().scale(leaves=400, repeat=1)
+    assert set(results) >= {"describe_s", "from_json_s", "from_json_peak_per_json_byte"}
+    assert all(value > 0 for value in results.values())
+    assert "TreeSpec of a 400-leaf tree" in capsys.readouterr().out
+
+
+def test_large_tree_has_the_leaves_asked_for() -> None:
+    assert len(dualgraph.describe(load_benchmark().large_tree(40)).leaves) == 40

@@ -1,181 +1,211 @@
-"""The per-spec generated flatten / check / unflatten functions of the hot path."""
+"""The hot-path functions of a spec: generated straight-line code, or the walker for big trees."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import gc
+import linecache
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from trees import TREES, Attention, EncoderOutput, array
+from trees import TREES, Attention, EncoderOutput, array, assert_same_tree
 
-from dualgraph import describe
-from dualgraph._compile import _same_float, compile_spec, signature_of
-from dualgraph._containers import qualified_name
+import dualgraph
+from dualgraph import DualgraphError, describe
+from dualgraph import _compile as compile_module
 
-
-def array_node(*shape: int, dtype: str = "float32") -> dict[str, Any]:
-    return {"leaf": "array", "shape": list(shape), "dtype": dtype, "grad": True}
+Describe = Callable[[Any], dualgraph.TreeSpec]
 
 
-NONE = {"leaf": "none"}
+@pytest.fixture(params=["generated", "walker"])
+def spec_of(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Describe:
+    """``describe`` with generated code, or with the walker that runs trees over the limit."""
+    if request.param == "walker":
+        monkeypatch.setattr(compile_module, "COMPILE_LIMIT", 0)
+    return describe
 
 
-def test_signature_of_a_numpy_array_is_shape_and_dtype_name() -> None:
-    assert signature_of(np.zeros((2, 3), np.int64)) == ((2, 3), "int64")
+@pytest.mark.parametrize("name", list(TREES))
+def test_generated_code_and_walker_give_the_same_results(name: str, spec_of: Describe) -> None:
+    tree = TREES[name]()
+    spec = spec_of(tree)
+    arrays = spec.flatten(tree, check=True)
+    assert [id(a) for a in arrays] == [id(a) for a in spec.flatten(tree)]
+    assert_same_tree(spec.unflatten(arrays), tree)
 
 
-def test_signature_of_a_numpy_subclass_uses_the_numpy_description() -> None:
-    assert signature_of(np.ma.masked_array(np.zeros(2, np.float16))) == ((2,), "float16")
+def test_walker_has_no_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_module, "COMPILE_LIMIT", 3)
+    assert describe((None, None)).source is not None
+    assert describe((None, None, None)).source is None
 
 
-@pytest.mark.parametrize("leaf", [None, 1.0, "x", [np.zeros(2)]], ids=repr)
-def test_signature_of_a_non_array_is_none(leaf: Any) -> None:
-    assert signature_of(leaf) is None
-
-
-@pytest.mark.parametrize(
-    ("found", "expected", "same"),
-    [
-        (1.5, 1.5, True),
-        (float("nan"), float("nan"), True),
-        (float("inf"), float("inf"), True),
-        (1.5, 2.5, False),
-        (float("nan"), 1.5, False),
-        (1, 1.0, False),
-        (True, 1.0, False),
-        (np.float64(1.5), 1.5, False),
-    ],
-    ids=["equal", "nan", "inf", "different", "nan-vs-number", "int", "bool", "numpy-scalar"],
-)
-def test_same_float_needs_a_python_float_equal_or_both_nan(
-    found: Any, expected: float, same: bool
-) -> None:
-    assert _same_float(found, expected) is same
-
-
-def test_generated_code_is_straight_line() -> None:
-    source = describe(TREES["deep"]())._compiled.source
+def test_generated_code_is_straight_line_whatever_the_depth() -> None:
+    tree: Any = array(2)
+    for level in range(300):
+        tree = [tree] if level % 2 else {"x": tree}
+    source = describe(tree).source
+    assert source is not None
     assert " for " not in source and "while " not in source
+    for line in source.splitlines():
+        assert line.startswith("def ") or (line.startswith("    ") and line[4] != " ")
+    assert max(line.count("(") for line in source.splitlines()) < 10
 
 
-def test_flatten_returns_arrays_in_the_given_positions() -> None:
-    node = {"node": "dict", "keys": ["zeta", "alpha"], "children": [array_node(2), array_node(3)]}
-    compiled = compile_spec(node, [1, 0])
-    zeta, alpha = array(2), array(3)
-    assert compiled.flatten({"zeta": zeta, "alpha": alpha}) == [alpha, zeta]
+def test_every_statement_carries_its_path_as_a_comment() -> None:
+    source = describe({"layers": [(array(2), None)], "n": 3}).source
+    assert source is not None
+    lines = source.splitlines()
+    assert any(line.endswith("is None: return None  # ['layers'][0][0]") for line in lines)
+    assert "# ['n']" in source
+    assert "# <root>" in source
 
 
-def test_unflatten_reads_arrays_from_the_given_positions_in_the_nodes_key_order() -> None:
-    node = {"node": "dict", "keys": ["zeta", "alpha"], "children": [array_node(2), array_node(3)]}
-    compiled = compile_spec(node, [1, 0])
-    rebuilt = compiled.unflatten(["first", "second"])
-    assert list(rebuilt.items()) == [("zeta", "second"), ("alpha", "first")]
+def test_comments_cannot_be_broken_out_of() -> None:
+    key = "x\nimport os  # \u2028 \r"
+    spec = describe({key: array(2)})
+    source = spec.source
+    assert source is not None
+    assert "\nimport os" not in source and "\u2028" not in source and "\r" not in source
+    assert all(line.isascii() for line in source.splitlines())
+    assert spec.flatten({key: array(2)}, check=True)[0].shape == (2,)
 
 
-def test_flatten_returns_none_on_a_structure_mismatch_instead_of_raising() -> None:
-    compiled = compile_spec({"node": "tuple", "children": [array_node(2), NONE]}, [0])
-    assert compiled.flatten([array(2), None]) is None
-    assert compiled.flatten((array(2),)) is None
-    assert compiled.flatten((array(2), 0)) is None
+def test_long_paths_are_clipped_in_comments() -> None:
+    tree: Any = None
+    for _ in range(200):
+        tree = {"a_long_key_name": tree}
+    source = describe(tree).source
+    assert source is not None
+    assert max(len(line) for line in source.splitlines()) < 300
 
 
-def test_flatten_returns_none_for_none_in_an_array_slot() -> None:
-    compiled = compile_spec({"node": "tuple", "children": [array_node(2)]}, [0])
-    assert compiled.flatten((None,)) is None
+def test_field_names_keys_and_constants_are_bound_never_pasted() -> None:
+    tree = {"secret_key": Attention(weights=array(2), bias="secret_value")}
+    source = describe(tree).source
+    assert source is not None
+    code = "\n".join(line.partition("  #")[0] for line in source.splitlines())
+    assert "secret_key" in source  # in the comments only
+    for word in ("secret_key", "weights", "bias", "secret_value", "Attention"):
+        assert word not in code
 
 
-def test_top_level_array_slot_rejects_none() -> None:
-    compiled = compile_spec(array_node(2), [0])
-    assert compiled.flatten(None) is None
-    assert compiled.check(None) is None
+def test_source_is_registered_in_linecache_under_a_filename_of_its_own() -> None:
+    spec = describe((array(2), "only here"))
+    filename = spec._program._code.filename  # type: ignore[union-attr]
+    assert filename.startswith("<dualgraph spec ")
+    assert "".join(linecache.getlines(filename)) == spec.source
+    other = describe((array(3), None))
+    assert other._program._code.filename != filename  # type: ignore[union-attr]
 
 
-def test_only_check_compares_shapes_and_dtypes() -> None:
-    compiled = compile_spec({"node": "list", "children": [array_node(2)]}, [0])
+def test_linecache_entry_goes_with_the_last_spec_using_it() -> None:
+    spec = describe({"linecache_entry_under_test": array(2)})
+    filename = spec._program._code.filename  # type: ignore[union-attr]
+    assert filename in linecache.cache
+    del spec
+    gc.collect()
+    assert filename not in linecache.cache
+
+
+def test_a_traceback_through_generated_code_shows_the_generated_line() -> None:
+    @dualgraph.register_dataclass
+    @dataclasses.dataclass
+    class Checked:
+        value: Any
+
+        def __post_init__(self) -> None:
+            if (self.value < 0).any():
+                raise ValueError("negative")
+
+    spec = describe({"out": [Checked(array(2) ** 2)]})
+    with pytest.raises(DualgraphError) as caught:
+        spec.unflatten([-np.ones(2)])
+    assert str(caught.value).startswith("unflatten: ['out'][0]: rebuilding a ")
+    cause = caught.value.__cause__
+    assert isinstance(cause, ValueError)
+    frames = traceback.extract_tb(cause.__traceback__)
+    generated = [frame for frame in frames if frame.filename.startswith("<dualgraph spec ")]
+    assert generated and "# ['out'][0]" in (generated[0].line or "")
+
+
+def test_flatten_returns_none_on_a_structure_mismatch_instead_of_raising(
+    spec_of: Describe,
+) -> None:
+    program = spec_of((array(2), None))._program
+    assert program.flatten([array(2), None]) is None
+    assert program.flatten((array(2),)) is None
+    assert program.flatten((array(2), 0)) is None
+    assert program.flatten((None, None)) is None
+
+
+def test_only_check_compares_shapes_and_dtypes(spec_of: Describe) -> None:
+    program = spec_of([array(2)])._program
     wrong = [array(3, dtype="float16")]
-    assert compiled.flatten(wrong) == wrong
-    assert compiled.check(wrong) is None
+    assert program.flatten(wrong) == wrong
+    assert program.check(wrong) is None
 
 
-def test_check_returns_the_arrays_when_everything_matches() -> None:
-    compiled = compile_spec({"node": "list", "children": [array_node(2), array_node(1)]}, [0, 1])
-    arrays = [array(2), array(1)]
-    assert compiled.check(arrays) == arrays
-
-
-def test_container_types_are_matched_exactly() -> None:
+def test_container_types_are_matched_exactly(spec_of: Describe) -> None:
     # A namedtuple is a tuple subclass, an OrderedDict a dict subclass: neither is accepted.
-    assert (
-        compile_spec({"node": "tuple", "children": [NONE]}, []).flatten(Attention(None, 1)) is None
-    )
-    node = {"node": "dict", "keys": ["a"], "children": [NONE]}
-    assert compile_spec(node, []).flatten(collections.OrderedDict(a=None)) is None
+    assert spec_of((None, 1))._program.flatten(Attention(None, 1)) is None
+    assert spec_of({"a": None})._program.flatten(collections.OrderedDict(a=None)) is None
 
 
-def test_dict_keys_are_matched_as_a_set() -> None:
-    node = {"node": "dict", "keys": ["a", "b"], "children": [NONE, NONE]}
-    compiled = compile_spec(node, [])
-    assert compiled.flatten({"b": None, "a": None}) == []
-    assert compiled.flatten({"a": None}) is None
-    assert compiled.flatten({"a": None, "b": None, "c": None}) is None
+def test_dict_keys_are_matched_as_a_set(spec_of: Describe) -> None:
+    program = spec_of({"a": None, "b": None})._program
+    assert program.flatten({"b": None, "a": None}) == []
+    assert program.flatten({"a": None}) is None
+    assert program.flatten({"a": None, "b": None, "c": None}) is None
+
+
+def test_ordered_dict_keys_are_matched_in_order(spec_of: Describe) -> None:
+    program = spec_of(collections.OrderedDict(b=None, a=None))._program
+    assert program.flatten(collections.OrderedDict(b=None, a=None)) == []
+    assert program.flatten(collections.OrderedDict(a=None, b=None)) is None
 
 
 @pytest.mark.parametrize(
-    ("constant", "accepted", "rejected"),
-    [
-        ({"type": "int", "value": 3}, 3, 3.0),
-        ({"type": "bool", "value": True}, True, 1),
-        ({"type": "str", "value": "vit"}, "vit", "deit"),
-        ({"type": "float", "value": "nan"}, float("nan"), 0.0),
-        ({"type": "float", "value": "-inf"}, float("-inf"), float("inf")),
-    ],
+    ("constant", "rejected"),
+    [(3, 3.0), (True, 1), ("vit", "deit"), (float("nan"), 0.0), (float("-inf"), float("inf"))],
     ids=["int", "bool", "str", "nan", "inf"],
 )
 def test_constants_are_matched_by_type_and_value(
-    constant: dict[str, Any], accepted: Any, rejected: Any
+    constant: Any, rejected: Any, spec_of: Describe
 ) -> None:
-    compiled = compile_spec({"leaf": "const", **constant}, [])
-    assert compiled.flatten(accepted) == []
-    assert compiled.flatten(rejected) is None
+    program = spec_of(constant)._program
+    assert program.flatten(constant) == []
+    assert program.flatten(rejected) is None
 
 
-def test_unflatten_rebuilds_a_one_element_tuple_as_a_tuple() -> None:
-    compiled = compile_spec({"node": "tuple", "children": [array_node(2)]}, [0])
-    assert compiled.unflatten(["x"]) == ("x",)
+def test_unflatten_rebuilds_a_one_element_tuple_as_a_tuple(spec_of: Describe) -> None:
+    assert spec_of((array(2),))._program.unflatten(["x"]) == ("x",)
 
 
-def test_unflatten_rebuilds_empty_containers() -> None:
-    node = {
-        "node": "tuple",
-        "children": [
-            {"node": "tuple", "children": []},
-            {"node": "list", "children": []},
-            {"node": "dict", "keys": [], "children": []},
-            {"node": "ordereddict", "keys": [], "children": []},
-        ],
-    }
-    rebuilt = compile_spec(node, []).unflatten([])
-    assert rebuilt == ((), [], {}, collections.OrderedDict())
+def test_unflatten_rebuilds_empty_containers(spec_of: Describe) -> None:
+    tree = ((), [], {}, collections.OrderedDict())
+    rebuilt = spec_of(tree)._program.unflatten([])
+    assert rebuilt == tree
     assert type(rebuilt[3]) is collections.OrderedDict
 
 
-def test_unflatten_rebuilds_namedtuples_and_dataclasses_by_field() -> None:
-    node = {
-        "node": "dataclass",
-        "type": qualified_name(EncoderOutput),
-        "fields": ["hidden", "pooled", "aux_loss"],
-        "children": [
-            {
-                "node": "namedtuple",
-                "type": qualified_name(Attention),
-                "fields": ["weights", "bias"],
-                "children": [array_node(2), NONE],
-            },
-            {"leaf": "const", "type": "float", "value": "-0.0"},
-            NONE,
-        ],
-    }
-    rebuilt = compile_spec(node, [0]).unflatten(["w"])
+def test_unflatten_builds_new_lists_and_dicts_every_time(spec_of: Describe) -> None:
+    program = spec_of(([None], {"a": None}))._program
+    first, second = program.unflatten([]), program.unflatten([])
+    assert first[0] is not second[0] and first[1] is not second[1]
+
+
+def test_unflatten_rebuilds_namedtuples_and_dataclasses(spec_of: Describe) -> None:
+    tree = EncoderOutput(hidden=Attention(weights=array(2), bias=None), pooled=-0.0)
+    rebuilt = spec_of(tree)._program.unflatten(["w"])
     assert rebuilt == EncoderOutput(hidden=Attention(weights="w", bias=None), pooled=-0.0)
     assert str(rebuilt.pooled) == "-0.0"
+
+
+def test_unflatten_keeps_the_users_dict_key_order(spec_of: Describe) -> None:
+    rebuilt = spec_of({"zeta": array(2), "alpha": array(3)})._program.unflatten(["a", "z"])
+    assert list(rebuilt.items()) == [("zeta", "z"), ("alpha", "a")]

@@ -1,4 +1,4 @@
-"""Registered dataclasses and how a spec names and finds container types."""
+"""Container kinds, registered user classes, and how a spec names and finds them by identity."""
 
 from __future__ import annotations
 
@@ -11,8 +11,54 @@ import pytest
 from trees import Attention, EncoderOutput, array, assert_same_tree
 
 import dualgraph
-from dualgraph import DualgraphError, TreeSpec, describe, register_dataclass
-from dualgraph._containers import dataclass_fields, qualified_name, resolve_type
+from dualgraph import DualgraphError, TreeSpec, describe, register_dataclass, register_namedtuple
+from dualgraph._containers import (
+    CONTAINER_KINDS,
+    container_kind,
+    dataclass_fields,
+    qualified_name,
+)
+
+
+def rows_of(spec: TreeSpec) -> list[Any]:
+    return json.loads(spec.to_json())["tree"]
+
+
+def from_rows(rows: list[Any]) -> TreeSpec:
+    return TreeSpec.from_json(
+        json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+    )
+
+
+# -- kinds -----------------------------------------------------------------------------------------
+
+
+def test_each_kind_has_its_own_json_tag() -> None:
+    tags = [kind.tag for kind in CONTAINER_KINDS]
+    assert tags == ["tuple", "list", "dict", "ordereddict", "namedtuple", "dataclass"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "tag"),
+    [(tuple, "tuple"), (list, "list"), (dict, "dict"), (collections.OrderedDict, "ordereddict")],
+)
+def test_builtin_containers_have_a_kind_by_exact_type(cls: type, tag: str) -> None:
+    kind = container_kind(cls)
+    assert kind is not None and kind.tag == tag
+
+
+@pytest.mark.parametrize("cls", [collections.defaultdict, set, frozenset, str, bytes])
+def test_subclasses_and_other_types_are_no_container(cls: type) -> None:
+    assert container_kind(cls) is None
+
+
+def test_nodes_are_frozen() -> None:
+    node = describe(((),))._nodes[0]
+    with pytest.raises(AttributeError, match="frozen"):
+        node.arity = 3  # type: ignore[misc]
+
+
+# -- dataclasses -----------------------------------------------------------------------------------
 
 
 def test_register_dataclass_returns_the_class_so_it_works_as_a_decorator() -> None:
@@ -39,15 +85,15 @@ def test_registering_twice_is_harmless() -> None:
     assert dataclass_fields(EncoderOutput) == ("hidden", "pooled", "aux_loss")
 
 
-def test_frozen_dataclass_round_trips() -> None:
+def test_frozen_and_keyword_only_dataclasses_round_trip() -> None:
     @register_dataclass
-    @dataclasses.dataclass(frozen=True)
+    @dataclasses.dataclass(frozen=True, kw_only=True)
     class Frozen:
         x: Any
         tag: str = "frozen"
 
-    tree = Frozen(array(2))
-    spec = describe(tree)
+    tree = Frozen(x=array(2))
+    spec = TreeSpec.from_json(describe(tree).to_json())
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
 
 
@@ -68,8 +114,77 @@ def test_register_dataclass_rejects_fields_that_init_cannot_set() -> None:
     assert dataclass_fields(Derived) is None
 
 
+def test_register_dataclass_rejects_field_names_python_normalises() -> None:
+    # A field named with the ligature "\ufb01" would be "fi" to the generated __init__ (NFKC).
+    # Python 3.11 cannot even make such a dataclass, so rename a field after the fact.
+    @dataclasses.dataclass
+    class Ligature:
+        field: Any
+
+    Ligature.__dataclass_fields__["field"].name = "\ufb01eld"
+    with pytest.raises(
+        DualgraphError, match=r"reads the field names \['\ufb01eld'\] as \['field'\]"
+    ):
+        register_dataclass(Ligature)
+
+
 def test_dataclass_fields_is_none_for_an_unregistered_type() -> None:
     assert dataclass_fields(tuple) is None
+
+
+# -- namedtuples -----------------------------------------------------------------------------------
+
+
+def test_register_namedtuple_returns_the_class_and_lets_json_name_it() -> None:
+    class Registered(NamedTuple):
+        x: Any
+
+    assert register_namedtuple(Registered) is Registered
+    rows = [["namedtuple", qualified_name(Registered), ["x"]], ["none"]]
+    assert from_rows(rows).unflatten([]) == Registered(None)
+
+
+@pytest.mark.parametrize(
+    "not_a_namedtuple", [tuple, EncoderOutput, Attention(1, 2)], ids=["tuple", "dataclass", "inst"]
+)
+def test_register_namedtuple_rejects_anything_but_a_namedtuple_class(not_a_namedtuple: Any) -> None:
+    with pytest.raises(DualgraphError, match="register_namedtuple expects a namedtuple class"):
+        register_namedtuple(not_a_namedtuple)
+
+
+def test_a_tuple_subclass_posing_as_a_namedtuple_is_not_one() -> None:
+    class Impostor(tuple):
+        _fields = ("a\nimport os",)
+
+        def _make(self) -> None: ...
+
+        def _asdict(self) -> None: ...
+
+    assert container_kind(Impostor, learn=True) is None
+    with pytest.raises(dualgraph.UnsupportedLeafError, match="unsupported leaf"):
+        describe(Impostor((1,)))
+
+
+def test_namedtuple_fields_are_read_by_position_so_nfkc_names_work() -> None:
+    # namedtuple keeps the field name as given; Python source would read "\ufb01" as "fi".
+    Ligature = collections.namedtuple("Ligature", ["\ufb01eld", "other"])
+    tree = Ligature(array(2), None)
+    spec = describe(tree)
+    assert spec.paths == (".\ufb01eld", ".other")
+    loaded = TreeSpec.from_json(spec.to_json())
+    rebuilt = loaded.unflatten(loaded.flatten(tree, check=True))
+    assert type(rebuilt) is Ligature and rebuilt[0] is tree[0]
+
+
+def test_a_spec_naming_the_nfkc_form_of_a_field_is_refused() -> None:
+    Ligature = collections.namedtuple("Ligature", ["\ufb01eld"])
+    rows = rows_of(describe(Ligature(None)))
+    rows[0][2] = ["field"]
+    with pytest.raises(DualgraphError, match=r"has fields \['\ufb01eld'\] in this process"):
+        from_rows(rows)
+
+
+# -- names and identity ----------------------------------------------------------------------------
 
 
 def test_qualified_name_is_module_colon_qualname() -> None:
@@ -77,38 +192,77 @@ def test_qualified_name_is_module_colon_qualname() -> None:
     assert qualified_name(Attention) == "trees:Attention"
 
 
-class Outer:
-    class Inner(NamedTuple):
-        x: Any
-
-
-def test_resolve_type_imports_a_named_type() -> None:
-    assert resolve_type("json.decoder:JSONDecodeError") is json.JSONDecodeError
-
-
-def test_resolve_type_follows_a_nested_qualname() -> None:
-    assert resolve_type(f"{__name__}:Outer.Inner") is Outer.Inner
-
-
-def test_resolve_type_finds_a_locally_defined_type_once_described() -> None:
+def test_a_locally_defined_namedtuple_resolves_once_described() -> None:
     Local = collections.namedtuple("Local", "a b")
     text = describe(Local(array(2), None)).to_json()
-    assert resolve_type(qualified_name(Local)) is Local
     assert type(TreeSpec.from_json(text).unflatten([array(2)])) is Local
 
 
-@pytest.mark.parametrize(
-    "name", ["no_such_module:Thing", "collections:NoSuchThing"], ids=["module", "attribute"]
-)
-def test_resolve_type_of_a_missing_name_says_to_define_it(name: str) -> None:
-    with pytest.raises(DualgraphError, match=f"cannot resolve type '{name}' .*define it first"):
-        resolve_type(name)
+def test_a_redefined_class_works_for_the_tree_it_was_described_from() -> None:
+    def define() -> type:
+        class Output(NamedTuple):
+            hidden: Any
+            aux: Any
+
+        return Output
+
+    Old, New = define(), define()
+    assert qualified_name(Old) == qualified_name(New) and Old is not New
+    old_tree, new_tree = Old(array(2), None), New(array(2), None)
+    old_spec, new_spec = describe(old_tree), describe(new_tree)
+    assert old_spec != new_spec
+    assert type(old_spec.unflatten(old_spec.flatten(old_tree))) is Old
+    assert type(new_spec.unflatten(new_spec.flatten(new_tree))) is New
+    with pytest.raises(dualgraph.SpecMismatchError, match="another class of the same name"):
+        old_spec.check(new_tree)
 
 
-def test_resolve_type_rejects_a_name_that_is_not_a_type() -> None:
-    with pytest.raises(DualgraphError, match="is not a type"):
-        resolve_type("os.path:join")
+def test_a_name_means_the_newest_class_and_an_older_spec_cannot_be_written() -> None:
+    def define() -> type:
+        class Output(NamedTuple):
+            hidden: Any
+
+        return Output
+
+    Old = define()
+    old_spec = describe(Old(None))
+    text = old_spec.to_json()  # written while Old is what the name means
+    New = define()
+    new_spec = describe(New(None))
+    assert type(TreeSpec.from_json(text).unflatten([])) is New
+    assert TreeSpec.from_json(new_spec.to_json()) == new_spec
+    fresh_old_spec = describe(Old(array(2)))
+    with pytest.raises(DualgraphError, match=r"now names another class in this process"):
+        fresh_old_spec.to_json()
 
 
-def test_register_dataclass_is_exported() -> None:
+def test_registering_picks_the_class_a_name_means() -> None:
+    def define() -> type:
+        class Output(NamedTuple):
+            hidden: Any
+
+        return Output
+
+    Old = define()
+    describe(Old(None))
+    New = define()
+    describe(New(None))
+    register_namedtuple(Old)
+    assert (
+        type(from_rows([["namedtuple", qualified_name(Old), ["hidden"]], ["none"]]).unflatten([]))
+        is Old
+    )
+
+
+def test_a_name_registered_as_another_kind_is_refused() -> None:
+    rows = [["namedtuple", qualified_name(EncoderOutput), ["hidden", "pooled", "aux_loss"]]]
+    rows += [["none"]] * 3
+    with pytest.raises(
+        DualgraphError, match=r"'trees:EncoderOutput' in this process is not a namedtuple"
+    ):
+        from_rows(rows)
+
+
+def test_register_functions_are_exported() -> None:
     assert dualgraph.register_dataclass is register_dataclass
+    assert dualgraph.register_namedtuple is register_namedtuple

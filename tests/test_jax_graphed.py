@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import operator
 import os
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def test_spec_json_is_the_numpy_description_of_the_same_tree(name: str) -> None:
     tree = TREES[name]()
     fn, arrays = identity_of(tree)
     with x64():
-        spec = dgj.graphed(fn, arrays).spec
+        spec = dgj.graphed(fn, arrays).out_spec
     assert spec.to_json() == describe(tree).to_json()
 
 
@@ -85,11 +86,11 @@ def test_spec_json_is_the_numpy_description_of_the_same_tree(name: str) -> None:
 def test_spec_json_is_the_torch_description_of_the_same_tree(name: str) -> None:
     tree = TREES[name]()
     fn, arrays = identity_of(tree)
-    assert dgj.graphed(fn, arrays).spec.to_json() == describe(to_torch(tree)).to_json()
+    assert dgj.graphed(fn, arrays).out_spec.to_json() == describe(to_torch(tree)).to_json()
 
 
 def test_kwargs_constants_are_static_and_outputs_keep_the_users_order() -> None:
-    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs={"scale": 3.0})
     out = g(jnp.ones((2, 3)), scale=3.0)
     assert list(out) == ["hidden", "pooled", "aux_loss", "depth"]
     assert out["aux_loss"] is None and out["depth"] == 2
@@ -100,7 +101,7 @@ def test_shape_dtype_structs_and_numpy_arrays_serve_as_samples_and_inputs() -> N
     g = dgj.graphed(encoder_layer, (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),))
     out = g(np.ones((2, 3), jnp.bfloat16))
     assert out["hidden"].dtype == jnp.bfloat16
-    assert g.spec.arrays[0].dtype == "bfloat16"
+    assert g.out_spec.arrays[0].dtype == "bfloat16"
 
 
 def test_an_unsupported_output_leaf_names_its_output_path() -> None:
@@ -116,8 +117,8 @@ def test_out_spec_from_torch_json_supplies_the_grad_mask() -> None:
     torch_out = (torch.ones(2, 3, requires_grad=True), None, torch.ones(2, 3))  # last: detached
     written = describe(torch_out).to_json()
     g = dgj.graphed(lambda x: (x * 2, None, x + 1), (jnp.ones((2, 3)),), out_spec=written)
-    assert g.spec.grad_mask == (True, False)
-    assert g.spec.to_json() == written
+    assert g.out_spec.grad_mask == (True, False)
+    assert g.out_spec.to_json() == written
 
 
 def test_out_spec_mismatch_names_the_output_path() -> None:
@@ -154,21 +155,25 @@ def sample_batch(columns: int = 8) -> dict[str, jax.Array]:
 
 
 def test_a_wrong_shape_in_args_is_named_by_its_path() -> None:
-    g = dgj.graphed(masked_mean, (sample_batch(), jnp.ones((4, 8))), {"mask": jnp.ones((2, 8))})
+    g = dgj.graphed(
+        masked_mean, (sample_batch(), jnp.ones((4, 8))), sample_kwargs={"mask": jnp.ones((2, 8))}
+    )
     with pytest.raises(SpecMismatchError) as caught:
         g(sample_batch(9), jnp.ones((4, 8)), mask=jnp.ones((2, 8)))
     assert str(caught.value) == "args[0]['mask']: expected float32[2, 8], got float32[2, 9]"
 
 
 def test_a_wrong_kwarg_is_named_by_its_path() -> None:
-    g = dgj.graphed(masked_mean, (sample_batch(), jnp.ones((4, 8))), {"mask": jnp.ones((2, 8))})
+    g = dgj.graphed(
+        masked_mean, (sample_batch(), jnp.ones((4, 8))), sample_kwargs={"mask": jnp.ones((2, 8))}
+    )
     with pytest.raises(SpecMismatchError) as caught:
         g(sample_batch(), jnp.ones((4, 8)), mask=jnp.ones((2, 8), jnp.bfloat16))
     assert str(caught.value) == "kwargs['mask']: expected float32[2, 8], got bfloat16[2, 8]"
 
 
 def test_a_changed_static_constant_is_refused() -> None:
-    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs={"scale": 3.0})
     with pytest.raises(SpecMismatchError, match=r"kwargs\['scale'\]"):
         g(jnp.ones((2, 3)), scale=4.0)
 
@@ -177,7 +182,7 @@ def test_a_rejected_call_donates_nothing_and_the_next_call_works() -> None:
     g = dgj.graphed(
         lambda state, x, *, mask: (state + x * mask, None),
         (jnp.ones((2, 8)), jnp.ones((2, 8))),
-        {"mask": jnp.ones((2, 8))},
+        sample_kwargs={"mask": jnp.ones((2, 8))},
         donate_argnums=0,
     )
     state = jnp.ones((2, 8))
@@ -264,6 +269,52 @@ def test_donate_argnums_out_of_range_is_refused(argnums: Any) -> None:
         dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=argnums)
 
 
+class Index:
+    """An integer-like that is not an int: anything with ``__index__``."""
+
+    def __index__(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize(
+    "argnums",
+    [np.int64(0), np.int32(-2), Index(), [np.int64(1), 0], np.array([0, 1]), range(2), (0, 0)],
+    ids=["np.int64", "np.int32-negative", "__index__", "list", "np.array", "range", "repeated"],
+)
+def test_donate_argnums_accepts_integer_likes_and_sequences_of_them(argnums: Any) -> None:
+    g = dgj.graphed(lambda s, x: (s + x, s - x), (jnp.ones(3), jnp.ones(3)), donate_argnums=argnums)
+    expected = {operator.index(n) % 2 for n in np.atleast_1d(np.asarray(argnums, dtype=object))}
+    assert g.donate_argnums == tuple(sorted(expected))
+    state, x = jnp.ones(3), jnp.ones(3)
+    g(state, x)
+    assert [state.is_deleted(), x.is_deleted()] == [0 in expected, 1 in expected]
+
+
+def test_donate_argnums_none_donates_nothing() -> None:
+    assert dgj.graphed(lambda s: s * 2, (jnp.ones(3),), donate_argnums=None).donate_argnums == ()
+
+
+@pytest.mark.parametrize(
+    ("argnums", "message"),
+    [
+        (0.0, r"0\.0 \(float\)"),
+        ("0", r"'0' \(str\)"),
+        (True, r"True \(bool\)"),
+        ([0, 1.5], r"1\.5 \(float\) is not an integer index"),
+        ([[0]], r"\[0\] \(list\) is not an integer index"),
+        (object(), "expected an int or a sequence of ints"),
+        ({0: "state"}, "expected an int or a sequence of ints"),
+        ([np.bool_(True)], r"True_ \(bool\) is not an integer index"),
+    ],
+    ids=["float", "str", "bool", "float-in-list", "nested", "object", "dict", "np.bool_"],
+)
+def test_donate_argnums_that_are_not_indices_are_refused_clearly(
+    argnums: Any, message: str
+) -> None:
+    with pytest.raises(DualgraphError, match=rf"^donate_argnums: .*{message}"):
+        dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=argnums)
+
+
 def test_donating_a_constant_argument_is_refused() -> None:
     with pytest.raises(DualgraphError, match=r"args\[1\] holds no array"):
         dgj.graphed(lambda s, n: s * n, (jnp.ones(3), 2), donate_argnums=1)
@@ -338,6 +389,52 @@ def test_vjp_checks_its_inputs_like_a_call() -> None:
 # -- 64-bit --------------------------------------------------------------------------------------
 
 
+NARROWED = {"int64": "int32", "uint64": "uint32", "float64": "float32", "complex128": "complex64"}
+
+
+@pytest.mark.parametrize("dtype", NARROWED)
+def test_a_dtype_jax_would_narrow_is_refused_naming_its_path(dtype: str) -> None:
+    batch = {"ids": np.zeros(3, dtype), "x": np.zeros(3, np.float32)}
+    with pytest.raises(DualgraphError) as caught:
+        dgj.graphed(lambda x, *, batch: x, (jnp.ones(2),), sample_kwargs={"batch": batch})
+    message = str(caught.value)
+    assert f"kwargs['batch']['ids'] is {dtype}[3]" in message
+    assert f"JAX's 64-bit mode is off, so JAX would silently compute it as {NARROWED[dtype]}" in (
+        message
+    )
+
+
+@pytest.mark.parametrize(
+    "array",
+    [np.zeros(2, np.longdouble), np.array(["a", "b"]), np.array(["2020-01-01"], "datetime64[D]")],
+    ids=["longdouble", "str", "datetime64"],
+)
+def test_a_dtype_jax_cannot_hold_is_refused_naming_its_path(array: np.ndarray) -> None:
+    if array.dtype == np.float64:
+        pytest.skip("long double is float64 on this platform")
+    # The core refuses dtypes no spec holds (str, datetime); JAX refuses the rest it can't hold.
+    cannot_hold = r"a dtype JAX cannot compute in|is not one a spec accepts"
+    with pytest.raises(DualgraphError, match=rf"args\[1\]:? .*({cannot_hold})"):
+        dgj.graphed(lambda x, y: x, (jnp.ones(2), array))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["float32", "bfloat16", "float16", "float8_e4m3fn", "int32", "int16", "uint8", "bool"],
+)
+def test_a_dtype_jax_keeps_passes_through_unchanged(dtype: str) -> None:
+    x = jnp.zeros(3, dtype)
+    out = dgj.graphed(lambda a: a, (x,))(x)
+    assert out.dtype == x.dtype
+
+
+def test_int64_under_64_bit_mode_stays_exact() -> None:
+    with x64():
+        g = dgj.graphed(lambda ids: ids + 1, (np.zeros(2, np.int64),))
+    out = g(np.array([1099511627783, 2**62], np.int64))  # outside the mode: turned on again
+    assert out.dtype == np.int64 and out.tolist() == [1099511627784, 2**62 + 1]
+
+
 def test_float64_without_x64_is_refused_clearly() -> None:
     with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
         dgj.graphed(lambda x: x * 2, (np.ones(2, np.float64),))
@@ -351,6 +448,124 @@ def test_a_program_compiled_with_x64_keeps_float64_outside_the_context() -> None
     (grad,), _ = pullback((np.ones(2), None))
     assert out.dtype == np.float64 and grad.dtype == np.float64
     assert float(out[0]) == 2 / 3
+
+
+def test_an_int64_out_spec_against_32_bit_jax_names_the_64_bit_mode() -> None:
+    written = describe((np.zeros(3, np.int64),))
+    with pytest.raises(SpecMismatchError, match=r"output\[0\]: expected int64\[3\].*64-bit mode"):
+        dgj.graphed(lambda x: ((x > 0).astype(int),), (jnp.ones(3),), out_spec=written)
+
+
+def test_enable_x64_is_one_context_that_nests_and_restores() -> None:
+    assert not dgj.x64_enabled()
+    with dgj.enable_x64():
+        with dgj.enable_x64():  # already on: a no-op
+            assert dgj.x64_enabled()
+        assert dgj.x64_enabled()
+        with dgj.enable_x64(False):  # asks for nothing: leaves the mode as it is
+            assert dgj.x64_enabled()
+    assert not dgj.x64_enabled()
+
+
+# -- inside JAX transformations ------------------------------------------------------------------
+
+
+def double(x: jax.Array, *, scale: float = 2.0) -> tuple[jax.Array, None]:
+    return x * scale, None
+
+
+TRANSFORMATIONS = {
+    "jit": (lambda f: jax.jit(f), jnp.ones(3), "DynamicJaxprTracer, from jax.jit"),
+    "vmap": (lambda f: jax.vmap(f), jnp.ones((2, 3)), "BatchTracer, from jax.vmap"),
+    "grad": (lambda f: jax.grad(lambda x: f(x).sum()), jnp.ones(3), "Tracer, from jax.grad"),
+    "jacfwd": (lambda f: jax.jacfwd(f), jnp.ones(3), "JVPTracer, from jax.jvp"),
+    "scan": (
+        lambda f: lambda xs: jax.lax.scan(lambda c, x: (c, f(x)), 0.0, xs)[1],
+        jnp.ones((2, 3)),
+        "DynamicJaxprTracer, from jax.jit (or another staging transformation",
+    ),
+}
+
+
+@pytest.mark.parametrize("donate", [(), 0], ids=["plain", "donated"])
+@pytest.mark.parametrize("name", TRANSFORMATIONS)
+def test_a_call_inside_a_transformation_names_the_real_cause(name: str, donate: Any) -> None:
+    transform, x, kind = TRANSFORMATIONS[name]
+    g = dgj.graphed(double, (jnp.ones(3),), donate_argnums=donate)
+    with pytest.raises(DualgraphError) as caught:
+        transform(lambda a: g(a)[0])(x)
+    message = str(caught.value)
+    assert message.startswith("graphed(double): args[0] is a JAX tracer (") and kind in message
+    assert "cannot be called inside jax.jit, jax.vmap, jax.grad" in message
+    assert "ConcretizationTypeError" not in message and "Concretization" not in repr(caught.value)
+
+
+def test_a_tracer_among_the_kwargs_is_named_by_its_path() -> None:
+    g = dgj.graphed(double, (jnp.ones(3),), sample_kwargs={"scale": 2.0})
+    x = jnp.ones(3)  # concrete: only the scale is traced
+    with pytest.raises(DualgraphError, match=r"^graphed\(double\): kwargs\['scale'\] is a JAX"):
+        jax.jit(lambda s: g(x, scale=s)[0])(2.0)
+
+
+def test_vjp_inside_a_transformation_names_the_real_cause() -> None:
+    g = dgj.graphed(double, (jnp.ones(3),))
+    with pytest.raises(DualgraphError, match=r"args\[0\] is a JAX tracer"):
+        jax.jit(lambda a: g.vjp(a)[0][0])(jnp.ones(3))
+
+
+def test_a_pullback_inside_a_transformation_names_the_real_cause() -> None:
+    _, pullback = dgj.graphed(double, (jnp.ones(3),)).vjp(jnp.ones(3))
+    with pytest.raises(DualgraphError) as caught:
+        jax.jit(lambda ct: pullback((ct, None))[0][0])(jnp.ones(3))
+    assert str(caught.value).startswith(
+        "the pullback of graphed(double): cotangent[0] is a JAX tracer"
+    )
+
+
+def test_the_plain_function_still_works_inside_a_transformation() -> None:
+    g = dgj.graphed(double, (jnp.ones(3),))
+    out = jax.jit(lambda a: g.fn(a)[0])(jnp.ones(3))
+    np.testing.assert_array_equal(out, np.full(3, 2.0, np.float32))
+
+
+def test_a_failing_call_outside_transformations_keeps_its_own_error() -> None:
+    g = dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
+    state = jnp.ones(3)
+    g(state, jnp.ones(3))
+    with pytest.raises(DualgraphError, match=r"args\[0\]: this array has been deleted"):
+        g(state, jnp.ones(3))
+
+
+# -- how it reads: the same names as the PyTorch adapter -------------------------------------------
+
+
+def test_a_graphed_callable_reads_like_the_torch_one() -> None:
+    g = dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs={"scale": 3.0})
+    assert isinstance(g, dgj.GraphedCallable)
+    assert g.name == "encoder_layer"
+    assert g.call_spec == dualgraph.describe_call((jnp.ones((2, 3)),), {"scale": 3.0})
+    assert g.call_spec.array_paths == ("args[0]",)
+    assert g.out_spec == describe({"hidden": jnp.ones((2, 3)), "pooled": jnp.ones(3),
+                                   "aux_loss": None, "depth": 2})  # fmt: skip
+    assert repr(g).startswith("GraphedCallable(encoder_layer, call=CallSpec(args=(float32[2, 3]")
+
+
+def test_sample_args_that_are_not_a_tuple_are_refused() -> None:
+    with pytest.raises(DualgraphError, match=r"sample_args must be a tuple .* got ArrayImpl"):
+        dgj.graphed(double, jnp.ones(3))
+
+
+def test_sample_kwargs_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})  # type: ignore[misc]
+
+
+def test_lazy_compiles_each_program_at_its_first_use() -> None:
+    g = dgj.graphed(double, (jnp.ones(3),), lazy=True)
+    assert g.out_spec == describe((jnp.ones(3), None))  # traced at once
+    assert g._compiled is None
+    out, _ = g(jnp.ones(3))
+    assert g._compiled is not None and out.tolist() == [2.0, 2.0, 2.0]
 
 
 # -- the environment -----------------------------------------------------------------------------
@@ -385,6 +600,29 @@ def test_disable_command_buffers_before_the_backend_starts_sets_xla_flags() -> N
     assert run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=1") == (
         "2.0 --xla_force_host_platform_device_count=1 --xla_gpu_enable_command_buffer="
     )
+
+
+def test_importing_the_adapter_without_jax_says_what_to_install() -> None:
+    code = (
+        "import importlib.abc, sys\n"
+        "class Missing(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('jax', 'jaxlib'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "try:\n"
+        "    import dualgraph.jax\n"
+        "except ImportError as error:\n"
+        "    print(type(error).__name__, error)\n"
+        "import dualgraph, numpy\n"  # the core still works without JAX
+        "print(dualgraph.describe(numpy.zeros(2, numpy.float32)))\n"
+    )
+    first, second = run_python(code).splitlines()
+    assert first == (
+        "ImportError dualgraph.jax needs JAX, which did not import (No module named 'jax'): "
+        "pip install dualgraph[jax]"
+    )
+    assert second == "TreeSpec(float32[2](grad))"
 
 
 def test_disable_command_buffers_after_the_backend_started_is_an_error() -> None:

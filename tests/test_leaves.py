@@ -21,7 +21,14 @@ from dualgraph import (
     describe,
     register_array_type,
 )
-from dualgraph._leaves import _LAZY_REGISTRATIONS, CONSTANT_TYPES, array_type_of
+from dualgraph._leaves import (
+    _LAZY_REGISTRATIONS,
+    CONSTANT_TYPES,
+    array_type_of,
+    numpy_is_native,
+    same_float,
+    signature_of,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,3 +219,65 @@ def test_describing_numpy_trees_imports_no_framework() -> None:
 
 def test_register_array_type_is_exported() -> None:
     assert dualgraph.register_array_type is register_array_type
+
+
+# -- reading array leaves on the hot path ----------------------------------------------------------
+
+
+def test_signature_of_a_numpy_array_is_shape_and_dtype_name() -> None:
+    assert signature_of(np.zeros((2, 3), np.int64)) == ((2, 3), "int64")
+
+
+def test_signature_of_a_numpy_subclass_uses_the_numpy_description() -> None:
+    assert signature_of(np.ma.masked_array(np.zeros(2, np.float16))) == ((2,), "float16")
+
+
+@pytest.mark.parametrize("leaf", [None, 1.0, "x", [np.zeros(2)]], ids=repr)
+def test_signature_of_a_non_array_is_none(leaf: Any) -> None:
+    assert signature_of(leaf) is None
+
+
+@pytest.mark.parametrize(
+    ("found", "expected", "same"),
+    [
+        (1.5, 1.5, True),
+        (float("nan"), float("nan"), True),
+        (float("inf"), float("inf"), True),
+        (1.5, 2.5, False),
+        (float("nan"), 1.5, False),
+        (-0.0, 0.0, False),
+        (1, 1.0, False),
+        (True, 1.0, False),
+        (np.float64(1.5), 1.5, False),
+    ],
+    ids=["equal", "nan", "inf", "different", "nan-vs-number", "signed-zero", "int", "bool", "np"],
+)
+def test_same_float_needs_a_python_float_equal_or_both_nan(
+    found: Any, expected: float, same: bool
+) -> None:
+    assert same_float(found, expected) is same
+
+
+def test_numpy_is_read_natively_until_its_registration_changes(registry: None) -> None:
+    assert numpy_is_native()
+    register_array_type(
+        np.ndarray, signature=lambda x: (x.shape, x.dtype.name), requires_grad=lambda x: False
+    )
+    assert not numpy_is_native()
+    assert describe(np.zeros(2, np.float32)).grad_mask == (False,)
+
+
+def test_an_array_type_with_a_bad_signature_is_refused_naming_the_path(registry: None) -> None:
+    register_array_type(
+        FakeArray, signature=lambda x: (x.shape, x.dtype), requires_grad=lambda x: True
+    )
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: bad shape \(-1,\)"):
+        describe((FakeArray(-1),))
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: dtype 'object' is not one"):
+        describe((FakeArray(2, dtype="object"),))
+
+
+def test_an_array_type_whose_code_fails_is_a_dualgraph_error(registry: None) -> None:
+    register_array_type(FakeArray, signature=lambda x: 1 / 0, requires_grad=lambda x: True)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^\['x'\]: reading .* ZeroDivisionError"):
+        describe({"x": FakeArray(2)})

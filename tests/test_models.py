@@ -101,6 +101,12 @@ def test_a_float64_state_dict_without_64_bit_jax_is_refused() -> None:
         jax_vit.params_from_state_dict(make_block(dtype=torch.float64).state_dict())
 
 
+def test_an_int64_state_dict_entry_without_64_bit_jax_is_refused() -> None:
+    state = {"pos_embed": torch.tensor([2**40], dtype=torch.int64)}
+    with pytest.raises(DualgraphError, match=r"'pos_embed'\] is int64.* compute it as int32"):
+        jax_vit.params_from_state_dict(state)
+
+
 # -- parity on the CPU ---------------------------------------------------------------------------
 
 
@@ -140,6 +146,15 @@ def test_encoder_with_graphed_blocks_matches_jax_in_float32() -> None:
     encoder = make_encoder()
     graph_blocks(encoder, "emulate")
     check_parity(encoder, jax_encoder, encoder, images())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_block_matches_jax_in_low_precision_on_the_cpu(dtype: torch.dtype) -> None:
+    # Two independent low-precision computations (torch's CPU kernels, XLA's): they differ by
+    # rounding, and the default tolerances of the dtype hold them.
+    block = make_block(dtype=dtype)
+    report = check_parity(block, jax_block, block, hidden_states(dtype=dtype))
+    assert report.worst.max_abs > 0 and report.worst.usage < 0.5
 
 
 # -- parity on the GPU (JAX on the GPU too) ------------------------------------------------------

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -12,8 +17,16 @@ import pytest
 import torch
 
 import dualgraph.jax as dgj
+import dualgraph.parity
 from dualgraph import SpecMismatchError
-from dualgraph.parity import DEFAULT_TOLERANCES, _as_jax, assert_parity, compare
+from dualgraph.parity import (
+    DEFAULT_TOLERANCES,
+    Tolerance,
+    assert_parity,
+    compare,
+    compare_arrays,
+)
+from dualgraph.parity._bridge import as_jax
 
 rng = np.random.default_rng(0)
 
@@ -97,7 +110,7 @@ def test_a_graphed_jax_function_with_donation_leaves_torch_inputs_intact() -> No
 
 def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     tensor = torch.zeros(64, 64, device="cuda" if jax.devices()[0].platform == "gpu" else "cpu")
-    assert _as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
+    assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
 # -- differences are found and named -------------------------------------------------------------
@@ -121,9 +134,10 @@ def test_an_integer_output_is_compared_exactly() -> None:
         return {**jax_layer(x, mask=mask), "count": (mask > 0).sum() + 1}
 
     args, kwargs = layer_inputs()
-    report = compare(torch_layer, off_by_one, args, kwargs, grads=False, rtol=1.0, atol=1.0)
+    loose = Tolerance(rtol=1.0, atol=1.0, max_rel_l2=1.0, min_cosine=-1.0)
+    report = compare(torch_layer, off_by_one, args, kwargs, grads=False, tolerances=loose)
     assert report.worst_path == "output['count']"
-    assert (report.worst.rtol, report.worst.atol, report.ok) == (0.0, 0.0, False)
+    assert report.worst.tolerance is None and not report.ok
 
 
 def test_a_torch_gradient_only_difference_fails_on_the_gradient() -> None:
@@ -142,7 +156,7 @@ def test_a_jax_gradient_only_difference_fails_on_the_gradient() -> None:
 def test_a_cotangent_reaches_only_masked_outputs_the_same_way_on_both_sides() -> None:
     # Torch detaches its second output; the JAX side is told so by the torch spec's grad mask.
     x = torch.randn(3)
-    written = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),)).spec.with_grad_mask(
+    written = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),)).out_spec.with_grad_mask(
         [True, False]
     )
     program = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),), out_spec=written)
@@ -173,18 +187,36 @@ def test_a_different_dtype_is_reported_by_path() -> None:
 # -- tolerances ----------------------------------------------------------------------------------
 
 
-def one_percent_off(a: jax.Array) -> jax.Array:
-    return a * jnp.asarray(1.01, a.dtype)
+def ten_percent_larger(a: jax.Array) -> jax.Array:
+    return a * jnp.asarray(1.1, a.dtype)
+
+
+def plus_minus_one(n: int, dtype: Any) -> np.ndarray:
+    """Entries of magnitude 1 (so ``|x| == rms``), random signs."""
+    return np.where(rng.standard_normal(n) > 0, 1.0, -1.0).astype(dtype)
 
 
 @pytest.mark.parametrize(
-    ("dtype", "passes"), [(ml_dtypes.bfloat16, True), (np.float16, False), (np.float32, False)]
+    ("dtype", "passes"), [(ml_dtypes.bfloat16, False), (np.float16, False), (np.float32, False)]
 )
-def test_tolerances_follow_the_dtype(dtype: Any, passes: bool) -> None:
-    report = compare(lambda t: t, one_percent_off, (sample(4, 4, dtype=dtype),), grads=False)
+def test_a_leaf_ten_percent_too_large_fails_in_every_dtype(dtype: Any, passes: bool) -> None:
+    # bfloat16's entry-wise limits let 10% through (rtol 5e-2 + atol 0.3 x rms); its relative
+    # L2 limit (8e-2) does not.
+    report = compare(lambda t: t, ten_percent_larger, (plus_minus_one(64, dtype),), grads=False)
     name = np.dtype(dtype).name
     assert report.ok is passes
-    assert (report.worst.rtol, report.worst.atol) == DEFAULT_TOLERANCES[name]
+    assert report.worst.tolerance == DEFAULT_TOLERANCES[name]
+
+
+def test_a_bfloat16_leaf_within_its_rounding_passes() -> None:
+    # torch computes in float32 and rounds once; JAX computes in bfloat16 throughout.
+    x = sample(64, 64, dtype=ml_dtypes.bfloat16)
+    report = assert_parity(
+        lambda t: (torch.tanh(t.float()) * 3 + t.float() ** 2).to(torch.bfloat16),
+        lambda a: jnp.tanh(a) * 3 + a**2,
+        (x,),
+    )
+    assert report.entries[0].max_abs > 0  # they do differ, by rounding
 
 
 def test_bfloat16_gradients_are_compared_in_bfloat16() -> None:
@@ -196,17 +228,208 @@ def test_bfloat16_gradients_are_compared_in_bfloat16() -> None:
     assert [entry.dtype for entry in report.entries] == ["bfloat16", "bfloat16"]
 
 
-def test_tolerances_can_be_overridden() -> None:
-    x = (sample(4, 4),)
-    assert compare(lambda t: t, one_percent_off, x, grads=False, rtol=0.02).ok
-    assert not compare(lambda t: t, one_percent_off, x, grads=False, rtol=0.0, atol=1e-3).ok
+def test_float32_matmuls_summed_in_another_order_pass() -> None:
+    # TF32 off on the torch side, "highest" precision on the JAX side: only the order of the
+    # float32 additions differs (a 256-term dot product, summed in halves by JAX).
+    x, w = sample(32, 256), sample(256, 64)
+    report = assert_parity(
+        lambda t, v: t @ v, lambda a, v: a[:, :128] @ v[:128] + a[:, 128:] @ v[128:], (x, w)
+    )
+    assert 0 < report.worst.score < 0.1
 
 
-def test_nan_matches_nan_and_nothing_else() -> None:
-    x = np.array([np.nan, 1.0, np.inf], np.float32)
-    assert compare(lambda t: t * 1, lambda a: a * 1, (x,), grads=False).ok
-    report = compare(lambda t: t * 1, lambda a: jnp.where(jnp.isnan(a), 0.0, a), (x,), grads=False)
-    assert report.worst.score == float("inf")
+def test_tolerances_can_be_overridden_for_all_or_by_dtype() -> None:
+    x = (plus_minus_one(16, np.float32),)
+    lenient = Tolerance(rtol=0.2, atol=0.0, max_rel_l2=0.2, min_cosine=0.99)
+    assert compare(lambda t: t, ten_percent_larger, x, grads=False, tolerances=lenient).ok
+    by_dtype = {"float32": lenient}
+    assert compare(lambda t: t, ten_percent_larger, x, grads=False, tolerances=by_dtype).ok
+    other_dtype = {"bfloat16": lenient}
+    assert not compare(lambda t: t, ten_percent_larger, x, grads=False, tolerances=other_dtype).ok
+
+
+def test_a_tolerance_out_of_range_is_refused() -> None:
+    with pytest.raises(dualgraph.DualgraphError, match="min_cosine"):
+        Tolerance(rtol=1e-3, atol=1e-3, max_rel_l2=1e-3, min_cosine=2.0)
+
+
+# -- the blind spots of a max(1, |reference|)-scaled atol, each caught ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "magnitude"),
+    [(np.float32, 1e-6), (np.float32, 1e-30), (ml_dtypes.bfloat16, 1e-2), (np.float16, 1e-3)],
+    ids=["float32-1e-6", "float32-1e-30", "bfloat16-1e-2", "float16-1e-3"],
+)
+def test_a_tiny_leaf_whose_sign_flipped_fails(dtype: Any, magnitude: float) -> None:
+    y = (np.abs(sample(4, 8)) * magnitude).astype(dtype)
+    report = compare(lambda t: -t, lambda a: a, (y,), grads=False)
+    leaf = report.entries[0]
+    assert not leaf.ok and leaf.cosine == pytest.approx(-1.0) and leaf.score > 1
+
+
+def test_a_sign_flip_fails_on_the_cosine_even_under_loose_entry_limits() -> None:
+    loose = Tolerance(rtol=2.0, atol=1.0, max_rel_l2=10.0, min_cosine=0.9)
+    report = compare(lambda t: -t, lambda a: a, (sample(4, 8),), grads=False, tolerances=loose)
+    assert report.worst.score <= 1 and report.worst.rel_l2 <= 10
+    assert report.worst.reason == "cosine similarity -1 < 0.9"
+
+
+class FlippedGradient(torch.autograd.Function):
+    """``y = x * 1e-6`` whose backward returns ``-1e-6 * grad``: a gradient of the wrong sign."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e-6
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad * 1e-6
+
+
+def test_a_sign_flipped_tiny_gradient_fails() -> None:
+    report = compare(FlippedGradient.apply, lambda a: a * 1e-6, (sample(3, 4),))
+    output, gradient = report.entries
+    assert output.ok
+    assert gradient.path == "grad args[0]" and not gradient.ok
+    assert gradient.cosine == pytest.approx(-1.0)
+
+
+def test_a_leaf_nan_everywhere_on_both_sides_is_a_warning_that_fails_by_default() -> None:
+    x = np.full((2, 3), np.nan, np.float32)
+    report = compare(lambda t: t * 2, lambda a: a * 2, (x,), grads=False)
+    leaf = report.entries[0]
+    assert leaf.warning == "NaN everywhere on both sides: no value compared"
+    assert not report.ok and report.warnings == (leaf,)
+    assert str(report).startswith("parity FAILED: 1 of 1 leaves (worst: output: NaN everywhere")
+    with pytest.raises(AssertionError, match="pass allow_nan=True to accept it"):
+        assert_parity(lambda t: t * 2, lambda a: a * 2, (x,), grads=False)
+
+
+def test_allow_nan_accepts_an_all_nan_leaf_and_still_reports_it() -> None:
+    x = np.full((2, 3), np.nan, np.float32)
+    report = assert_parity(lambda t: t * 2, lambda a: a * 2, (x,), grads=False, allow_nan=True)
+    assert report.ok and report.warnings == report.entries
+    assert "1 warning" in str(report).splitlines()[0]
+    assert "ok, warning: NaN everywhere on both sides" in str(report)
+
+
+# -- NaN and infinities --------------------------------------------------------------------------
+
+
+def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
+    x = np.array([np.inf, -np.inf, np.nan], np.float32)
+    leaf = compare_arrays("out", x, x)
+    assert leaf.warning.startswith("no finite value on either side") and not leaf.ok
+    assert compare_arrays("out", x, x, allow_nan=True).ok
+
+
+def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
+    zeros = np.zeros(4, np.float32)
+    assert compare_arrays("grad", zeros, zeros).ok
+    assert not compare_arrays("grad", np.full(4, 1e-30, np.float32), zeros).ok
+
+
+def test_nan_and_inf_at_the_same_positions_pass_and_are_counted() -> None:
+    x = np.array([np.nan, 1.0, np.inf, -np.inf], np.float32)
+    report = assert_parity(lambda t: t * 1, lambda a: a * 1, (x,), grads=False)
+    assert report.entries[0].nonfinite == 3 and report.entries[0].warning is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a: jnp.where(jnp.isnan(a), 0.0, a),  # NaN on the torch side only
+        lambda a: jnp.where(a == 1.0, jnp.nan, a),  # NaN on the JAX side only
+        lambda a: jnp.where(jnp.isinf(a), -a, a),  # infinities of the other sign
+        lambda a: jnp.where(jnp.isinf(a), jnp.nan, a),  # NaN where torch has an infinity
+    ],
+    ids=["nan-vs-number", "number-vs-nan", "inf-sign", "inf-vs-nan"],
+)
+def test_nan_or_inf_positions_that_differ_fail(change: Any) -> None:
+    x = np.array([np.nan, 1.0, np.inf, -np.inf, 2.0], np.float32)
+    report = compare(lambda t: t * 1, change, (x,), grads=False)
+    assert report.worst.score == float("inf") and not report.ok
+    assert report.worst.mismatched >= 1
+
+
+# -- integers, bools, dtypes: exact, never coerced -------------------------------------------------
+
+
+def test_int64_values_that_float64_cannot_tell_apart_fail() -> None:
+    # 2**60 and 2**60 + 1 are the same float64; JAX runs in 64-bit mode for the int64 input.
+    ids = np.array([2**60, 7], np.int64)
+    report = compare(lambda t: t + torch.tensor([1, 0]), lambda a: a, (ids,), grads=False)
+    leaf = report.entries[0]
+    assert (leaf.dtype, leaf.mismatched, leaf.max_abs, leaf.ok) == ("int64", 1, 1.0, False)
+    assert not jax.config.jax_enable_x64  # the mode is restored
+
+
+def test_equal_int64_values_beyond_int32_pass_exactly() -> None:
+    ids = np.array([2**40 + 3, -(2**62)], np.int64)
+    report = assert_parity(lambda t: t * 2, lambda a: a * 2, (ids,), grads=False)
+    assert report.entries[0].dtype == "int64" and report.entries[0].score == 0
+
+
+def test_the_largest_int64_difference_is_exact_without_overflow() -> None:
+    low, high = np.array([np.iinfo(np.int64).min]), np.array([np.iinfo(np.int64).max])
+    leaf = compare_arrays("ids", low, high)
+    assert leaf.max_abs == 2**64 - 1 and "18446744073709551615" in leaf.reason
+
+
+def test_uint64_values_beyond_int64_compare_exactly() -> None:
+    top = np.array([2**64 - 1], np.uint64)
+    assert compare_arrays("ids", top, top).ok
+    leaf = compare_arrays("ids", top - np.uint64(1), top)
+    assert not leaf.ok and leaf.max_abs == 1
+
+
+def test_bools_compare_exactly() -> None:
+    x = np.array([-1.0, 0.25, 1.0], np.float32)
+    assert assert_parity(lambda t: t > 0, lambda a: a > 0, (x,), grads=False).ok
+    report = compare(lambda t: t > 0, lambda a: a >= 0.5, (x,), grads=False)
+    assert not report.ok and report.entries[0].dtype == "bool"
+
+
+def test_int32_overflow_wraps_alike_on_both_sides() -> None:
+    top = np.array([np.iinfo(np.int32).max, 0], np.int32)
+    report = assert_parity(lambda t: t + 1, lambda a: a + 1, (top,), grads=False)
+    assert report.entries[0].dtype == "int32"
+
+
+@pytest.mark.parametrize(
+    ("torch_fn", "jax_fn", "message"),
+    [
+        (lambda t: (t > 0).to(torch.uint8), lambda a: (a > 0).astype(jnp.int8), "int8"),
+        (lambda t: t > 0, lambda a: (a > 0).astype(jnp.int32), "int32"),
+        (lambda t: t.to(torch.float16), lambda a: a.astype(jnp.bfloat16), "bfloat16"),
+        (lambda t: t[:, None], lambda a: a, r"float32\[2, 3\], got float32\[2, 1, 3\]"),
+    ],
+    ids=["uint-vs-int", "bool-vs-int", "float16-vs-bfloat16", "shape"],
+)
+def test_outputs_of_another_dtype_or_shape_are_reported_not_coerced(
+    torch_fn: Any, jax_fn: Any, message: str
+) -> None:
+    with pytest.raises(
+        SpecMismatchError, match=rf"^the torch and JAX outputs .*output: .*{message}"
+    ):
+        compare(torch_fn, jax_fn, (sample(2, 3),), grads=False)
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "problem"),
+    [
+        (np.ones(3, np.float64), np.ones(3, np.float32), "float64[3] where JAX gives float32[3]"),
+        (np.ones(3, np.uint32), np.ones(3, np.int32), "uint32[3] where JAX gives int32[3]"),
+        (np.ones(3, np.bool_), np.ones(3, np.int8), "bool[3] where JAX gives int8[3]"),
+        (np.ones((1, 3), np.float32), np.ones(3, np.float32), "float32[1, 3] where"),
+    ],
+)
+def test_leaves_of_another_dtype_or_shape_fail_naming_both(
+    actual: np.ndarray, expected: np.ndarray, problem: str
+) -> None:
+    leaf = compare_arrays("grad args[0]", actual, expected)
+    assert not leaf.ok and problem in leaf.reason
 
 
 def test_tf32_is_off_during_the_comparison_and_restored_after() -> None:
@@ -305,21 +528,12 @@ def test_frozen_parameters_are_not_compared() -> None:
 def test_the_report_reads_as_a_table_with_the_verdict_first() -> None:
     args, kwargs = layer_inputs()
     text = str(compare(torch_layer, jax_layer, args, kwargs))
-    header, titles, *rows = text.splitlines()
+    header, titles, *rows, footer = text.splitlines()
     assert header.startswith("parity OK: 4 leaves within tolerance (worst: ")
     assert titles.split() == [
-        "leaf",
-        "dtype",
-        "shape",
-        "max",
-        "abs",
-        "max",
-        "rel",
-        "scale",
-        "rtol",
-        "atol",
-        "score",
-    ]
+        "leaf", "dtype", "shape", "max", "abs", "max", "rel", "rms", "score", "rel", "l2",
+        "cosine", "nan/inf",
+    ]  # fmt: skip
     assert [row.split()[0] for row in rows] == [
         "output['count']",
         "output['hidden']",
@@ -327,8 +541,79 @@ def test_the_report_reads_as_a_table_with_the_verdict_first() -> None:
         "grad",
     ]
     assert all(row.rstrip().endswith("ok") for row in rows)
+    assert footer == (
+        "tolerances: int32 exact; float32 rtol 0.0001, atol 0.0001 x rms, rel l2 <= 0.0001, "
+        "cosine >= 0.99999"
+    )
 
 
-def test_an_int64_against_int32_mismatch_explains_the_64_bit_mode() -> None:
-    with pytest.raises(SpecMismatchError, match="64-bit mode is off"):
-        compare(lambda t: (t > 0).sum(), lambda a: (a > 0).sum(), (sample(3),), grads=False)
+def test_a_failing_row_says_why() -> None:
+    text = str(compare(lambda t: -t, lambda a: a, (sample(3),), grads=False))
+    assert text.splitlines()[2].endswith(
+        "FAIL: 3 values over tolerance, worst at "
+        + text.split("worst at ")[1].split("x")[0]
+        + "x (max abs "
+        + text.split("(max abs ")[1].split(")")[0]
+        + ")"
+    )
+
+
+# -- 64-bit --------------------------------------------------------------------------------------
+
+
+def test_int64_outputs_are_compared_in_64_bit() -> None:
+    report = assert_parity(lambda t: (t > 0).sum(), lambda a: (a > 0).sum(), (sample(3),))
+    assert report.entries[0].dtype == "int64"
+    assert not jax.config.jax_enable_x64
+
+
+def test_a_mismatch_under_64_bit_mode_says_why_the_mode_was_on() -> None:
+    ids = np.arange(3, dtype=np.int64)
+    with pytest.raises(SpecMismatchError, match=r"64-bit mode because args\[0\] is int64\[3\]"):
+        # jnp.ones defaults to float64 in 64-bit mode; torch's ones are float32
+        compare(lambda t: torch.ones(3) * t, lambda a: jnp.ones(3) * a, (ids,), grads=False)
+
+
+# -- packaging -----------------------------------------------------------------------------------
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join([os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+    environment = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True
+    )
+
+
+BLOCK_IMPORT = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == {name!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Missing())
+try:
+    import dualgraph.parity
+except ImportError as error:
+    print(type(error).__name__, error)
+"""
+
+
+@pytest.mark.parametrize("missing", ["torch", "jax"])
+def test_importing_parity_without_a_framework_says_what_to_install(missing: str) -> None:
+    done = run_python(BLOCK_IMPORT.format(name=missing))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ImportError dualgraph.parity needs both PyTorch and JAX")
+    assert "pip install dualgraph[torch,jax]" in done.stdout
+
+
+def test_parity_uses_only_the_public_names_of_the_adapters() -> None:
+    package = pathlib.Path(dualgraph.parity.__file__).parent
+    private = []
+    for source in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[0] in ("jax", "torch") and node.level == 2 and len(parts) > 1:
+                    private.append(f"{source.name}: from ..{node.module}")
+    assert private == []

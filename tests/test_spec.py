@@ -523,7 +523,29 @@ def test_json_is_compact_with_sorted_keys(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_json_is_versioned(name: str) -> None:
     document = json.loads(describe(TREES[name]()).to_json())
-    assert (document["format"], document["version"]) == ("dualgraph.TreeSpec", 1)
+    assert (document["format"], document["version"]) == ("dualgraph.TreeSpec", 2)
+    assert sorted(document) == ["format", "tree", "version"]
+
+
+def test_json_lists_nodes_in_pre_order_with_children_in_flatten_order() -> None:
+    tree = {"zeta": (array(2), None), "alpha": 1.5, 7: "x"}
+    rows = json.loads(describe(tree).to_json())["tree"]
+    assert rows == [
+        ["dict", ["zeta", "alpha", 7]],  # the user's key order ...
+        ["const", "str", "x"],  # ... children in flatten order: int keys, then sorted str keys
+        ["const", "float", "1.5"],
+        ["tuple", 2],
+        ["array", "float32", [2], True],
+        ["none"],
+    ]
+
+
+def test_json_rows_never_nest_whatever_the_depth() -> None:
+    tree: Any = None
+    for _ in range(50):
+        tree = [tree]
+    rows = json.loads(describe(tree).to_json())["tree"]
+    assert rows == [["list", 1]] * 50 + [["none"]]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -564,44 +586,74 @@ def test_from_json_rejects_other_documents(text: str, message: str) -> None:
     assert message in str(caught.value)
 
 
+def document(rows: Any) -> str:
+    return json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+
+
 @pytest.mark.parametrize(
-    ("tree", "where"),
+    ("rows", "where"),
     [
-        ({"leaf": "array", "shape": [-1], "dtype": "float32", "grad": True}, "<root>: bad shape"),
-        ({"leaf": "array", "shape": [2], "grad": True}, "<root>: an array leaf needs a dtype"),
-        ({"leaf": "const", "type": "float", "value": "x"}, "<root>: bad float constant"),
-        ({"leaf": "const", "type": "int", "value": "1"}, "<root>: bad constant"),
-        ({"leaf": "tensor"}, "<root>: unknown leaf kind 'tensor'"),
-        ({"node": "set", "children": []}, "<root>: unknown or incomplete node 'set'"),
-        ({"node": "dict", "keys": [], "children": [{"leaf": "none"}]}, "one key or field per"),
-        ({"node": "tuple", "children": [{"leaf": "none"}, 3]}, "at [1]: expected an object"),
+        ([["array", "float32", [-1], True]], "<root>: bad shape [-1]"),
+        ([["array", "float32", [2], 1]], "<root>: grad is a bool, got 1"),
+        ([["array", 3, [2], True]], "<root>: dtype 3 is not one a spec accepts"),
+        ([["const", "float", "x"]], "<root>: a float constant is stored as its repr"),
+        ([["const", "int", "1"]], "<root>: a int constant holds '1'"),
+        ([["tensor"]], "<root>: unknown node kind 'tensor'"),
+        ([["set", 0]], "<root>: unknown node kind 'set'"),
+        (
+            [["dict", ["a"]]],
+            "<root>: the row has 1 children, but the rows after it leave room for 0",
+        ),
+        (
+            [["list", 2], ["list", 1], ["none"]],
+            "at [0]: the row has 1 children, but the rows after",
+        ),
+        ([["tuple", 2], ["none"], 3], "at [1]: a node row is a list starting with its kind"),
+        ([["none"], ["none"]], "at <root>: 1 rows follow the end of the tree"),
     ],
-    ids=["shape", "dtype", "float", "int", "leaf-kind", "node-kind", "keys", "child"],
+    ids=[
+        "shape",
+        "grad",
+        "dtype",
+        "float",
+        "int",
+        "leaf-kind",
+        "node-kind",
+        "keys",
+        "short",
+        "child",
+        "extra",
+    ],
 )
-def test_from_json_rejects_a_malformed_tree_naming_where(tree: Any, where: str) -> None:
-    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 1, "tree": tree})
+def test_from_json_rejects_a_malformed_tree_naming_where(rows: Any, where: str) -> None:
     with pytest.raises(DualgraphError, match=r"^malformed TreeSpec JSON at ") as caught:
-        TreeSpec.from_json(text)
+        TreeSpec.from_json(document(rows))
     assert where in str(caught.value)
 
 
-def test_from_json_rejects_a_type_it_cannot_import() -> None:
-    tree = {"node": "namedtuple", "type": "no_such_module:Out", "fields": [], "children": []}
-    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 1, "tree": tree})
-    with pytest.raises(DualgraphError, match="cannot resolve type 'no_such_module:Out'"):
-        TreeSpec.from_json(text)
+def test_from_json_names_a_namedtuple_it_does_not_know_and_how_to_register_it() -> None:
+    rows = [["namedtuple", "no_such_module:Out", []]]
+    with pytest.raises(DualgraphError) as caught:
+        TreeSpec.from_json(document(rows))
+    message = str(caught.value)
+    assert "namedtuple 'no_such_module:Out' is not registered in this process" in message
+    assert "dualgraph.register_namedtuple(cls)" in message
 
 
-def test_from_json_rejects_a_dataclass_that_is_not_registered() -> None:
-    tree = {"node": "dataclass", "type": f"{__name__}:Unregistered", "fields": [], "children": []}
-    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 1, "tree": tree})
-    with pytest.raises(DualgraphError, match="is not a registered dataclass"):
-        TreeSpec.from_json(text)
+def test_from_json_refuses_a_dataclass_that_is_not_registered() -> None:
+    rows = [["dataclass", f"{__name__}:Unregistered", []]]
+    with pytest.raises(DualgraphError, match=r"dualgraph\.register_dataclass\(cls\)"):
+        TreeSpec.from_json(document(rows))
 
 
 @dataclasses.dataclass
 class Unregistered:
     """A dataclass that tests name in JSON without ever registering it."""
+
+
+def test_from_json_reads_bytes_as_utf8() -> None:
+    spec = describe({"naïve": array(2)})
+    assert TreeSpec.from_json(spec.to_json().encode()) == spec
 
 
 # -- equality, hashing, repr, pickling -------------------------------------------------------------

@@ -115,7 +115,9 @@ def train_side_by_side(
 
 
 def _assert_same(eager: Net, graphed: Net, what: str, when: str) -> None:
-    for (name, p_eager), p_graphed in zip(eager.named_parameters(), graphed.parameters()):
+    for (name, p_eager), p_graphed in zip(
+        eager.named_parameters(), graphed.parameters(), strict=True
+    ):
         a, b = (p_eager.grad, p_graphed.grad) if what == "grad" else (p_eager, p_graphed)
         assert a is not None and b is not None, f"{when}: {name} has no grad"
         if not torch.equal(a, b):

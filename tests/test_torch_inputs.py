@@ -1,7 +1,8 @@
 """``InputGuard``: every call's arguments are checked against the samples before any copy.
 
-The guard returns the input tensors in capture order (positional args, then kwargs by sorted
-key) and otherwise raises :class:`dualgraph.SpecMismatchError` naming the first bad leaf's path.
+The guard describes the sample call with the core's :class:`dualgraph.CallSpec`, returns the
+input tensors in capture order (positional args, then kwargs by sorted key) and otherwise raises
+:class:`dualgraph.SpecMismatchError` naming the first bad leaf's path.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError
-from dualgraph.torch import InputGuard
+from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError, describe_call
+from dualgraph.torch._inputs import InputGuard, unsupported_tensor
 
 
 class Batch(NamedTuple):
@@ -61,7 +62,7 @@ def test_tensors_come_back_in_the_order_of_the_paths() -> None:
     tensors = _guard().tensors(args, kwargs)
     expected = [args[0], args[1]["bias"], args[1]["mask"], *args[2], kwargs["mask"]]
     assert len(tensors) == len(expected)
-    assert all(t is e for t, e in zip(tensors, expected))
+    assert all(t is e for t, e in zip(tensors, expected, strict=True))
 
 
 def test_requires_grad_and_the_number_of_args_tensors_are_recorded() -> None:
@@ -220,3 +221,47 @@ def test_an_unsupported_sample_leaf_is_named_by_its_path(args: Any, kwargs: Any,
         InputGuard(args, kwargs)
     assert info.value.path == path
     assert str(info.value).startswith(f"{path}: unsupported leaf of type builtins.")
+
+
+def test_the_guard_describes_the_call_with_the_core_call_spec() -> None:
+    args, kwargs = _samples()
+    guard = _guard()
+    assert guard.spec == describe_call(args, kwargs)
+    assert guard.paths == guard.spec.array_paths
+    assert guard.describe() == repr(guard.spec)[len("CallSpec(") : -1]
+
+
+def test_sample_args_may_be_a_list() -> None:
+    args, kwargs = _samples()
+    guard = InputGuard(list(args), kwargs)
+    assert guard.spec == _guard().spec
+    assert len(guard.tensors(args, kwargs)) == 6
+
+
+def test_unflatten_puts_tensors_back_at_their_paths() -> None:
+    args, kwargs = _samples()
+    guard = _guard()
+    new_args, new_kwargs = guard.unflatten(guard.tensors(args, kwargs))
+    assert new_args[1]["bias"] is args[1]["bias"] and new_kwargs["mask"] is kwargs["mask"]
+    assert new_args[3] == 3 and new_kwargs["note"] is None
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: torch.zeros(2, 2).to_sparse(), "a torch.sparse_coo tensor"),
+        (lambda: torch.zeros(2, device="meta"), "a meta tensor"),
+        (lambda: torch.nn.Parameter(torch.zeros(2)), None),
+        (lambda: torch.zeros(4).t(), None),
+        (lambda: torch.zeros(2, dtype=torch.complex64).conj(), None),
+    ],
+    ids=["sparse", "meta", "parameter", "view", "conjugate"],
+)
+def test_unsupported_tensor_says_why_a_tensor_cannot_be_a_static_buffer(
+    make: Any, why: str | None
+) -> None:
+    found = unsupported_tensor(make())
+    if why is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(why)

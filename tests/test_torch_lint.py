@@ -153,6 +153,23 @@ def updates_input(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+class HalvesInputInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x.detach().mul_(0.5)  # lint: backward-input
+        return grad * 2
+
+
+def updates_input_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return HalvesInputInBackward.apply(x)
+
+
 class UpdatesParameter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -235,6 +252,13 @@ FINDINGS = {
     ),
     "input": Finding(
         updates_input, _lint.INPUT_MUTATION, "aten.add_ on args[1]", "input", extra_inputs=1
+    ),
+    "backward-input": Finding(
+        updates_input_in_backward,
+        _lint.BACKWARD_INPUT_MUTATION,
+        "aten.mul_ on args[0]",
+        "backward-input",
+        phase="backward",
     ),
     "parameter": Finding(
         UpdatesParameter, _lint.PARAMETER_MUTATION, "aten.mul_ on scale", "parameter"
@@ -640,6 +664,31 @@ def test_on_cuda_a_clean_capture_has_an_empty_lint_report() -> None:
         )
     report = dgt.diagnostics(graphed).lint
     assert report is not None and report.findings == ()
+
+
+# -- a graphed callable is linted through the callable behind it --------------------------------
+
+
+def test_lint_of_a_graphed_module_lints_its_original_forward_and_leaves_it_graphed() -> None:
+    module = Inner()
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(DualgraphWarning):
+        dgt.make_graphed_callables(module, (x,), backend="emulate", lint="warn")
+    graphed_forward = module.__dict__["forward"]
+    report = dgt.lint(module, x)
+    assert [(f.line, f.module) for f in report.errors] == [(line_of("inner"), "")]
+    assert report.callables == ("Inner",)
+    assert module.__dict__["forward"] is graphed_forward
+    assert dgt.diagnostics(module).replays == 0  # the lint did not replay
+
+
+def test_lint_and_memory_plan_of_a_graphed_function_see_the_function() -> None:
+    x = torch.ones(4, requires_grad=True)
+    with pytest.warns(DualgraphWarning):
+        graphed = dgt.make_graphed_callables(item_sync, (x,), backend="emulate", lint="warn")
+    assert [f.line for f in dgt.lint(graphed, x).errors] == [line_of("item")]
+    assert dgt.memory_plan(graphed, x) == dgt.memory_plan(item_sync, x)
+    assert dgt.diagnostics(graphed).replays == 0
 
 
 # -- the README's debugging section runs as written and prints what it shows -------------------

@@ -1,48 +1,46 @@
-"""The replay: the autograd Function around each call, output aliasing, and the generation check.
+"""The replay: what a call returns, the order of forward and backward replays, the plan behind it.
 
-White-box tests of :class:`dualgraph.torch.GraphedCallable`: what a call returns (views of the
-static outputs, or clones), how grads leave the static grad buffers (copied into ``.grad``, never
-stolen), and which orders of forward and backward replays are refused.
+White-box tests of :class:`dualgraph.torch.GraphedCallable`: outputs are views of the static
+outputs (or clones), the outputs hang on one autograd node, which orders of forward and backward
+replays are refused, what the frozen plan holds, and what the diagnostics count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch_cases import (
+    BACKENDS,
     CASES,
     CUDA,
-    TOLERANCES,
+    GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
     assert_grads_match,
     assert_tensors_match,
-    cuda_hygiene,
+    assert_trees_match,
+    backward_of,
     device_of,
+    fresh_copy,
     grads_of,
+    isolation,
     parameter_names,
     parameters_of,
+    runner_of,
+    tolerance,
 )
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
-
-GRAPH_BACKENDS = ["emulate", pytest.param(CUDA, marks=pytest.mark.cuda)]
+from dualgraph.models.torch_vit import ViTBlock
 
 
 @pytest.fixture(autouse=True)
 def _isolated(request: pytest.FixtureRequest) -> Any:
-    torch.manual_seed(0)
-    if request.node.get_closest_marker("cuda") is None:
-        yield
-        return
-    with cuda_hygiene():
-        yield
-
-
-def tolerance(backend: str) -> tuple[float, float] | None:
-    return TOLERANCES[torch.float32] if backend == CUDA else None
+    yield from isolation(request)
 
 
 def _exp_and_sin(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,90 +53,64 @@ def _graph(fn: Any, *shapes: tuple[int, ...], backend: str, **options: Any) -> A
     return dgt.make_graphed_callables(fn, samples, backend=backend, **options)
 
 
-def _linear(backend: str, **options: Any) -> tuple[nn.Linear, nn.Linear, Any]:
-    """A graphed ``Linear(4, 3)`` (input requires grad), its eager twin, and its GraphedCallable."""
+# -- outputs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_alias_static_buffers_the_next_replay_overwrites(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    first, _ = graphed(torch.randn(3, device=device_of(backend)))
+    first_values = first.clone()
+    second, _ = graphed(torch.randn(3, device=device_of(backend)))
+    assert first.data_ptr() == second.data_ptr() == graphed.static_outputs[0].data_ptr()
+    assert torch.equal(first, second) and not torch.equal(first, first_values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clone_outputs_gives_owned_outputs_that_train_like_eager(backend: str) -> None:
     device = device_of(backend)
-    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
-    twin.load_state_dict(layer.state_dict())
-    sample = torch.randn(2, 4, device=device, requires_grad=True)
-    dgt.make_graphed_callables(layer, (sample,), backend=backend, **options)
-    return layer, twin, layer.forward.__dualgraph__
-
-
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_every_forward_replay_advances_the_generation(backend: str) -> None:
-    graphed = _graph(_exp_and_sin, (3,), backend=backend)
-    assert graphed.generation == 0
-    graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
-    with torch.no_grad():
-        graphed(torch.randn(3, device=device_of(backend)))
-    assert graphed.generation == 2
-    assert graphed.diagnostics.replays == 2
-
-
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_each_replay_may_run_its_backward_before_the_next_forward(backend: str) -> None:
-    graphed = _graph(_exp_and_sin, (3,), backend=backend)
-    for _ in range(3):
-        x = torch.randn(3, device=device_of(backend), requires_grad=True)
-        a, b = graphed(x)
-        (a + b).sum().backward()
-        expected = (x.exp() + x.cos()).detach()
-        assert_tensors_match(x.grad, expected, "x.grad", tolerance(backend))
-
-
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_backward_after_a_later_forward_replay_is_refused(backend: str) -> None:
-    graphed = _graph(_exp_and_sin, (3,), backend=backend)
-    x = torch.randn(3, device=device_of(backend), requires_grad=True)
-    first, _ = graphed(x)
-    graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
-    with pytest.raises(DualgraphError) as info:
-        first.sum().backward()
-    assert str(info.value) == (
-        "_exp_and_sin: backward of an earlier replay after a later forward replay overwrote the "
-        "activations it needs; run each replay's backward before the next forward of the same "
-        "callable"
+    fn, twin = CASES["mlp"].make(device)
+    dgt.make_graphed_callables(
+        fn, (torch.randn(4, 8, device=device),), backend=backend, clone_outputs=True
     )
-    assert x.grad is None
+    if backend != "eager":
+        static = {t.data_ptr() for t in runner_of(fn).static_outputs}
+    xs = [torch.randn(4, 8, device=device) for _ in range(2)]
+    first = fn(xs[0])
+    assert first.requires_grad
+    backward_of(first)  # before the next forward: it needs this replay's activations
+    second = fn(xs[1])
+    assert first.data_ptr() != second.data_ptr()
+    if backend != "eager":
+        assert not static & {first.data_ptr(), second.data_ptr()}
+    expected = twin(xs[0])
+    assert_trees_match(first, expected, tolerance(backend))
+    backward_of(expected)
+    assert_grads_match(
+        grads_of(parameters_of(fn)),
+        grads_of(parameters_of(twin)),
+        parameter_names(fn),
+        tolerance(backend),
+    )
 
 
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_a_forward_replay_without_grad_also_invalidates_a_pending_backward(backend: str) -> None:
-    graphed = _graph(_exp_and_sin, (3,), backend=backend)
-    first, _ = graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
-    with torch.no_grad():
-        graphed(torch.randn(3, device=device_of(backend)))
-    with pytest.raises(DualgraphError, match="backward of an earlier replay"):
-        first.sum().backward()
-
-
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_replays_of_other_callables_leave_a_pending_backward_valid(backend: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_owned_gives_outputs_the_next_replay_cannot_touch(backend: str) -> None:
+    case = CASES["every_leaf"]
     device = device_of(backend)
-    samples = tuple((torch.randn(3, device=device, requires_grad=True),) for _ in range(2))
-    first, second = dgt.make_graphed_callables((torch.exp, torch.sin), samples, backend=backend)
-    x = torch.randn(3, device=device, requires_grad=True)
-    second(first(x)).sum().backward()  # forwards in order, backwards in reverse
-    expected = (x.exp().cos() * x.exp()).detach()
-    assert_tensors_match(x.grad, expected, "x.grad", tolerance(backend))
-
-
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_outputs_are_views_of_the_static_outputs(backend: str) -> None:
-    graphed = _graph(_exp_and_sin, (3,), backend=backend)
-    outputs = graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
-    pointers = [t.data_ptr() for t in graphed.static_outputs]
-    assert [t.data_ptr() for t in outputs] == pointers
-
-
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_clone_outputs_returns_tensors_apart_from_the_static_outputs(backend: str) -> None:
-    graphed = _graph(_exp_and_sin, (3,), backend=backend, clone_outputs=True)
-    outputs = graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
-    pointers = {t.data_ptr() for t in graphed.static_outputs}
-    assert not pointers & {t.data_ptr() for t in outputs}
-    assert all(t.requires_grad for t in outputs)
+    fn, twin = case.make(device)
+    args, kwargs = case.draw(device)
+    dgt.make_graphed_callables(fn, args, sample_kwargs=kwargs, backend=backend)
+    args, kwargs = case.draw(device)
+    eager_args, eager_kwargs = fresh_copy((args, kwargs))
+    first = dgt.owned(fn(*args, **kwargs))
+    backward_of(first)  # owned outputs keep their autograd history
+    next_args, next_kwargs = case.draw(device)
+    fn(*next_args, **next_kwargs)  # a replay that overwrites the static outputs
+    expected = twin(*eager_args, **eager_kwargs)
+    assert_trees_match(first, expected, tolerance(backend))
+    backward_of(expected)
+    assert_tensors_match(args[0].grad, eager_args[0].grad, "args[0]", tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -167,13 +139,16 @@ def test_non_differentiable_outputs_have_no_history(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_calls_without_grad_return_outputs_without_history(backend: str) -> None:
-    layer, _, graphed = _linear(backend)
-    x = torch.randn(2, 4, device=device_of(backend))
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend)
+    x = torch.randn(2, 4, device=device)
     with torch.no_grad():
         assert not layer(x).requires_grad
     with torch.inference_mode():
         assert not layer(x).requires_grad
-    assert graphed.generation == 2
+    assert runner_of(layer).generation == 2
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -184,23 +159,112 @@ def test_inputs_that_need_no_grad_give_outputs_without_history(backend: str) -> 
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_grads_are_copied_out_of_the_static_grad_buffers(backend: str) -> None:
-    layer, twin, graphed = _linear(backend)
-    static = {g.data_ptr() for g in graphed.static_grad_inputs if g is not None}
-    xs = [torch.randn(2, 4, device=device_of(backend), requires_grad=True) for _ in range(2)]
-    layer(xs[0]).square().sum().backward()
-    grads = [xs[0].grad, layer.weight.grad, layer.bias.grad]
-    assert not static & {g.data_ptr() for g in grads}  # not stolen: each .grad is the user's own
-    first = xs[0].grad.clone()
-    layer(xs[1]).square().sum().backward()
-    assert_tensors_match(xs[0].grad, first, "x.grad")  # the next backward replay left it alone
-    for x in xs:
-        twin(x.detach()).square().sum().backward()
+def test_a_static_input_buffer_passed_back_in_gives_the_same_result(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    static = graphed.static_inputs[0].detach()
+    with torch.no_grad():
+        outputs = graphed(static)
+    assert_trees_match(outputs, _exp_and_sin(static.clone()), tolerance(backend))
+
+
+# -- the order of forward and backward replays ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_every_forward_replay_advances_the_generation(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    assert graphed.generation == 0
+    graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
+    with torch.no_grad():
+        graphed(torch.randn(3, device=device_of(backend)))
+    assert graphed.generation == 2
+    assert graphed.diagnostics.replays == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_each_replay_may_run_its_backward_before_the_next_forward(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    for _ in range(3):
+        x = torch.randn(3, device=device_of(backend), requires_grad=True)
+        a, b = graphed(x)
+        (a + b).sum().backward()
+        expected = (x.exp() + x.cos()).detach()
+        assert_tensors_match(x.grad, expected, "x.grad", tolerance(backend))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_backward_of_an_earlier_replay_after_a_later_forward_is_refused(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    fn, twin = CASES["mlp"].make(device)
+    dgt.make_graphed_callables(
+        fn, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
+    )
+    xs = [torch.randn(4, 8, device=device) for _ in range(2)]
+    first = fn(xs[0])
+    second = fn(xs[1])
+    with pytest.raises(DualgraphError) as info:
+        first.sum().backward()
+    assert str(info.value) == (
+        "TinyMLP: backward of an earlier replay after a later forward replay overwrote the "
+        "activations it needs; run each replay's backward before the next forward of the same "
+        "callable"
+    )
+    assert all(p.grad is None for p in fn.parameters())  # no silent wrong grads
+    second.sum().backward()  # the latest replay's backward is still right
+    twin(xs[1]).sum().backward()
     assert_grads_match(
-        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(fn)),
         grads_of(parameters_of(twin)),
-        parameter_names(layer),
+        parameter_names(fn),
         tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_forward_replay_without_grad_also_invalidates_a_pending_backward(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    first, _ = graphed(torch.randn(3, device=device_of(backend), requires_grad=True))
+    with torch.no_grad():
+        graphed(torch.randn(3, device=device_of(backend)))
+    with pytest.raises(DualgraphError, match="backward of an earlier replay"):
+        first.sum().backward()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_replays_of_other_callables_leave_a_pending_backward_valid(backend: str) -> None:
+    device = device_of(backend)
+    samples = tuple((torch.randn(3, device=device, requires_grad=True),) for _ in range(2))
+    first, second = dgt.make_graphed_callables((torch.exp, torch.sin), samples, backend=backend)
+    x = torch.randn(3, device=device, requires_grad=True)
+    second(first(x)).sum().backward()  # forwards in order, backwards in reverse
+    expected = (x.exp().cos() * x.exp()).detach()
+    assert_tensors_match(x.grad, expected, "x.grad", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_second_backward_through_one_replay_is_refused(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (2, 4), backend=backend)
+    a, _ = graphed(torch.randn(2, 4, device=device_of(backend), requires_grad=True))
+    loss = a.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(DualgraphError, match="second backward through the same replay"):
+        loss.backward()
+    del loss
+
+
+def test_eager_backend_allows_backward_in_any_order() -> None:
+    fn, twin = CASES["mlp"].make(torch.device("cpu"))
+    dgt.make_graphed_callables(fn, (torch.randn(4, 8),), backend="eager")
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    first, second = fn(xs[0]), fn(xs[1])
+    first.sum().backward()
+    second.sum().backward()
+    twin(xs[0]).sum().backward()
+    twin(xs[1]).sum().backward()
+    assert_grads_match(
+        grads_of(parameters_of(fn)), grads_of(parameters_of(twin)), parameter_names(fn)
     )
 
 
@@ -219,49 +283,108 @@ def test_an_output_left_out_of_the_loss_gets_a_zero_grad(backend: str) -> None:
     assert_tensors_match(x.grad, x.detach().exp(), "x.grad", tolerance(backend))
 
 
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_a_static_input_buffer_passed_back_in_is_not_copied_onto_itself(backend: str) -> None:
-    layer, twin, graphed = _linear(backend)
-    static = graphed.static_inputs[0]
-    with torch.no_grad():
-        out = layer(static.detach())
-        assert_tensors_match(out, twin(static.detach()), "output", tolerance(backend))
+# -- the plan ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_the_replay_function_takes_the_parameters_as_inputs(backend: str) -> None:
+def test_the_plan_is_frozen_and_the_callable_is_built_from_it(backend: str) -> None:
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    plan = graphed.plan
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.clone_outputs = True  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.buffers.inputs = ()  # type: ignore[misc]
+    assert graphed.static_inputs is plan.buffers.inputs
+    assert graphed.static_outputs is plan.buffers.outputs
+    assert graphed.spec is plan.outputs
+    assert (plan.diff_outputs, plan.nondiff_outputs, plan.has_backward) == ((0, 1), (), True)
+    assert not hasattr(graphed, "__dict__")  # no attribute can be added after construction
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_backward_runs_only_over_differentiable_outputs(backend: str) -> None:
+    case = CASES["every_leaf"]
+    fn, _ = case.make(device_of(backend))
+    args, kwargs = case.draw(device_of(backend))
+    dgt.make_graphed_callables(fn, args, sample_kwargs=kwargs, backend=backend)
+    plan = runner_of(fn).plan
+    mask = plan.outputs.grad_mask
+    assert mask.count(True) == 4 and mask.count(False) == 3
+    assert plan.diff_outputs == tuple(i for i, grad in enumerate(mask) if grad)
+    assert [t.shape for t in plan.buffers.grad_outputs] == [
+        t.shape for t, grad in zip(plan.buffers.outputs, mask, strict=True) if grad
+    ]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_autograd_param_grads_make_the_parameters_replay_inputs(backend: str) -> None:
     case = CASES["mlp"]
     fn, _ = case.make(device_of(backend))
     dgt.make_graphed_callables(fn, case.draw(device_of(backend))[0], backend=backend)
-    graphed = fn.forward.__dualgraph__
-    assert graphed.params == tuple(fn.parameters())
-    assert len(graphed.static_grad_inputs) == len(graphed.static_inputs) + len(graphed.params)
-    assert graphed.static_grad_inputs[0] is None  # the input was captured without grad
+    params = runner_of(fn).plan.params
+    assert params.mode == "autograd"
+    assert params.edges == params.params == tuple(fn.parameters())
+    assert params.names == tuple(f"TinyMLP.{name}" for name, _ in fn.named_parameters())
+    buffers = runner_of(fn).plan.buffers
+    assert buffers.input_grads == (None,)  # the input was captured without grad
+    assert [g.shape for g in buffers.param_grads] == [p.shape for p in fn.parameters()]
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_in_graph_param_grads_leave_the_parameters_out_of_the_replay_function(
-    backend: str,
-) -> None:
+def test_in_graph_param_grads_leave_the_parameters_out_of_the_replay_inputs(backend: str) -> None:
     case = CASES["mlp"]
     fn, _ = case.make(device_of(backend))
     sample = case.draw(device_of(backend))[0]
     dgt.make_graphed_callables(fn, sample, backend=backend, param_grads="in_graph")
-    graphed = fn.forward.__dualgraph__
-    (anchor,) = graphed.edge_params  # keeps the replay in the autograd graph
+    params = runner_of(fn).plan.params
+    (anchor,) = params.edges  # keeps the replay in the autograd graph
     assert anchor.numel() == 0 and anchor.requires_grad
-    assert graphed.static_grad_inputs == (None, None)  # nothing flows back to the anchor
-    assert [b.shape for b in graphed.param_grad_buffers] == [p.shape for p in fn.parameters()]
+    assert runner_of(fn).plan.buffers.param_grads == (None,) * 4
+    assert [a.shape for a in params.accumulators] == [p.shape for p in fn.parameters()]
 
 
-@pytest.mark.parametrize("backend", ["emulate", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_second_backward_through_one_replay_is_refused(backend: str) -> None:
-    device = "cuda" if backend == "cuda" else "cpu"
-    layer = torch.nn.Linear(4, 4, device=device)
-    sample = torch.randn(2, 4, device=device, requires_grad=True)
-    graphed = dgt.make_graphed_callables(layer, (sample,), backend=backend)
-    loss = graphed(torch.randn(2, 4, device=device, requires_grad=True)).sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(DualgraphError, match="second backward through the same replay"):
-        loss.backward()
-    del loss
+# -- diagnostics ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_diagnostics_count_static_buffer_bytes(backend: str, param_grads: str) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads=param_grads)
+    report = dgt.diagnostics(layer)
+    assert (report.name, report.backend, report.has_backward_graph) == ("Linear", backend, True)
+    assert report.static_input_bytes == 2 * 4 * 4  # x
+    assert report.static_output_bytes == 2 * 3 * 4  # y
+    assert report.static_grad_bytes == (2 * 3 + 2 * 4 + 3 * 4 + 3) * 4  # dy, dx, dW, db
+    assert report.capture_seconds > 0
+    assert report.replays == 0
+    layer(x)
+    layer(x)
+    assert report.replays == 2
+
+
+def test_eager_backend_diagnostics_count_calls_only() -> None:
+    layer = nn.Linear(4, 3)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4),), backend="eager")
+    layer(torch.randn(2, 4))
+    report = dgt.diagnostics(layer)
+    assert (report.backend, report.replays, report.has_backward_graph) == ("eager", 1, False)
+    assert report.static_input_bytes == report.static_output_bytes == report.pool_bytes == 0
+
+
+def test_emulate_backend_reports_no_pool() -> None:
+    layer = nn.Linear(4, 3)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4),), backend="emulate")
+    assert dgt.diagnostics(layer).pool_bytes == 0
+
+
+@pytest.mark.cuda
+def test_callables_graphed_together_share_one_pool() -> None:
+    blocks = tuple(ViTBlock(dim=16, heads=2).cuda() for _ in range(2))
+    samples = tuple((torch.randn(2, 5, 16, device="cuda", requires_grad=True),) for _ in blocks)
+    dgt.make_graphed_callables(blocks, samples, backend=CUDA)
+    reports = [dgt.diagnostics(block) for block in blocks]
+    assert reports[0].pool_bytes > 0
+    assert reports[0].pool_bytes == reports[1].pool_bytes
+    assert all(r.capture_seconds > 0 and r.has_backward_graph for r in reports)

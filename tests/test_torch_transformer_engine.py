@@ -1,7 +1,8 @@
-"""Transformer Engine support: the capture context (everywhere, with a stand-in for TE) and TE
-modules graphed through dualgraph in bf16 and FP8 with current scaling (CUDA and the ``[te]``
-extra; skipped otherwise). The layer returns ``(hidden, None)``
-as Megatron's vision layers do, the case TE's own wrapper once needed a patch for.
+"""Transformer Engine support: the capture context and TE's FP8 autocast state (everywhere, with
+a stand-in for TE), and TE modules graphed through dualgraph in bf16 and FP8 with current scaling
+(CUDA and the ``[te]`` extra; skipped otherwise), with delayed scaling refused. The layer returns
+``(hidden, None)`` as Megatron's vision layers do, the case TE's own wrapper once needed a patch
+for.
 
 Tolerances: the graph replays the same TE kernels as eager, so outputs and grads are compared
 with bf16 tolerances (rtol 1.6e-2, atol 1e-2) in bf16, and FP8 tolerances (rtol 5e-2, atol 5e-2)
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 import dualgraph.torch as dgt
-from dualgraph.torch._transformer_engine import transformer_engine_capture
+from dualgraph import CaptureError, DualgraphError
+from dualgraph.torch._transformer_engine import fp8_state, transformer_engine_capture
 
 _HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 needs_te = pytest.mark.skipif(not _HAS_TE, reason="needs transformer-engine (the [te] extra)")
@@ -87,7 +89,9 @@ def _train_and_compare(recipe: object | None, tolerance: dict[str, float]) -> No
         hidden_eager.float().square().mean().backward()
         torch.testing.assert_close(x.grad, x_eager.grad, **tolerance)
     torch.cuda.synchronize()
-    for (name, param), param_eager in zip(layer.named_parameters(), eager.parameters()):
+    for (name, param), param_eager in zip(
+        layer.named_parameters(), eager.parameters(), strict=True
+    ):
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, param_eager.grad, **tolerance, msg=name)
 
@@ -112,13 +116,65 @@ def test_te_transformer_layer_in_fp8_current_scaling_matches_eager_over_replays(
     _train_and_compare(recipe.Float8CurrentScaling(), FP8)
 
 
-# -- the capture context, with a stand-in for TE (runs everywhere) ------------------------------
+@pytest.mark.cuda
+@needs_te
+@te_dynamo_warning
+def test_te_transformer_layer_under_delayed_scaling_is_refused_naming_the_recipe() -> None:
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    available, reason = te.is_fp8_available(return_reason=True)
+    if not available:
+        pytest.skip(f"FP8 not available: {reason}")
+    layer = VisionLayer().cuda()
+    with _quantization(recipe.DelayedScaling()), pytest.raises(CaptureError) as info:
+        dgt.make_graphed_callables(layer, (_hidden(),), backend="cuda")
+    assert "under Transformer Engine's FP8 recipe" in str(info.value)
+    assert "DelayedScaling" in str(info.value)
+    assert "forward" not in layer.__dict__
+
+
+# -- the capture context and the FP8 state, with a stand-in for TE (runs everywhere) -------------
+
+
+class DelayedScaling:
+    """Stand-in for ``transformer_engine.common.recipe.DelayedScaling``."""
+
+    @classmethod
+    def delayed(cls) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "recipe_type=DelayedScaling, margin=0"
+
+
+class Float8CurrentScaling:
+    """Stand-in for ``transformer_engine.common.recipe.Float8CurrentScaling``."""
+
+    @classmethod
+    def delayed(cls) -> bool:
+        return False
 
 
 class _FakeTransformerEngine:
-    """Stand-in modules for the two TE entry points the capture context uses."""
+    """Stand-in modules for the TE entry points dualgraph uses."""
 
     def __init__(self, *, graph_safe_rng: bool = True) -> None:
+        self.fp8_enabled = False
+        self.recipe: object = None
+        fake = self
+
+        class FP8GlobalStateManager:
+            @classmethod
+            def is_fp8_enabled(cls) -> bool:
+                return fake.fp8_enabled
+
+            @classmethod
+            def get_fp8_recipe(cls) -> object:
+                return fake.recipe
+
+        self.quantization = types.ModuleType("transformer_engine.pytorch.quantization")
+        self.quantization.FP8GlobalStateManager = FP8GlobalStateManager
         self.capturing = False
         self.events: list[str] = []
         self.generator_states = ["tracker-state-a", "tracker-state-b"]
@@ -134,6 +190,7 @@ class _FakeTransformerEngine:
         self.pytorch = types.ModuleType("transformer_engine.pytorch")
         self.pytorch.graph = self.graph
         self.pytorch.distributed = self.distributed
+        self.pytorch.quantization = self.quantization
 
     def _start(self) -> None:
         self.capturing = True
@@ -149,6 +206,13 @@ class _FakeTransformerEngine:
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", self.pytorch)
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.graph", self.graph)
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.distributed", self.distributed)
+        monkeypatch.setitem(
+            sys.modules, "transformer_engine.pytorch.quantization", self.quantization
+        )
+
+    def fp8(self, recipe: object | None) -> None:
+        """Enter (a recipe) or leave (``None``) TE's FP8 autocast."""
+        self.fp8_enabled, self.recipe = recipe is not None, recipe
 
 
 @pytest.mark.skipif(_HAS_TE, reason="TE is installed: the no-TE case is not reachable")
@@ -200,3 +264,65 @@ def test_capture_context_registers_no_generators_without_graph_safe_rng(
     fake.install(monkeypatch)
     with transformer_engine_capture() as generators:
         assert generators == []
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_fp8_state_is_none_without_transformer_engine_and_read_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not _HAS_TE:
+        assert fp8_state() is None
+    fake = _FakeTransformerEngine()
+    fake.install(monkeypatch)
+    assert fp8_state() == (False, None)
+    fake.fp8(Float8CurrentScaling())
+    assert fp8_state() == (True, "Float8CurrentScaling")
+
+
+def test_capture_under_delayed_scaling_is_refused_naming_the_recipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeTransformerEngine()
+    fake.install(monkeypatch)
+    fake.fp8(DelayedScaling())
+    layer = torch.nn.Linear(4, 4)
+    with pytest.raises(CaptureError) as info:
+        dgt.make_graphed_callables(layer, (torch.randn(2, 4),), backend="emulate")
+    assert str(info.value).startswith(
+        "capturing Linear under Transformer Engine's FP8 recipe recipe_type=DelayedScaling, "
+        "margin=0 is not supported: with delayed scaling, TE updates the amax history and "
+        "scales when an autocast region exits"
+    )
+    assert "forward" not in layer.__dict__
+
+
+def test_replays_run_in_the_fp8_state_they_were_captured_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeTransformerEngine()
+    fake.install(monkeypatch)
+    fake.fp8(Float8CurrentScaling())
+    graphed = dgt.make_graphed_callables(_double, (torch.ones(3),), backend="emulate")
+    assert torch.equal(graphed(torch.ones(3)), torch.full((3,), 2.0))
+    fake.fp8(None)
+    with pytest.raises(DualgraphError) as info:
+        graphed(torch.ones(3))
+    assert str(info.value) == (
+        "_double: called with Transformer Engine FP8 autocast (enabled, recipe) (False, None) "
+        "but captured with (True, 'Float8CurrentScaling'); a graph replays the precision it was "
+        "captured in"
+    )
+
+
+def test_replays_of_a_capture_without_fp8_are_refused_under_fp8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeTransformerEngine()
+    fake.install(monkeypatch)
+    graphed = dgt.make_graphed_callables(_double, (torch.ones(3),), backend="emulate")
+    fake.fp8(Float8CurrentScaling())
+    with pytest.raises(DualgraphError, match="Transformer Engine FP8 autocast"):
+        graphed(torch.ones(3))

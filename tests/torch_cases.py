@@ -19,15 +19,33 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import optree
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import dualgraph
 from dualgraph.models.torch_vit import VisionEncoder, ViTBlock
+from dualgraph.torch._modules import runner_of as runner_of
 
 #: The backend that needs a GPU; test parameters for it carry the ``cuda`` marker.
 CUDA = "cuda"
+
+#: Every backend; ``eager`` has no static buffers (a plain call with input checks).
+BACKENDS = ["emulate", "eager", pytest.param(CUDA, marks=pytest.mark.cuda)]
+#: The backends with static buffers: outputs alias them, capture can fail, grads go through them.
+GRAPH_BACKENDS = ["emulate", pytest.param(CUDA, marks=pytest.mark.cuda)]
+#: ``(backend, param_grads)``: parameter grads returned through autograd, or added into static
+#: ``.grad`` buffers inside the backward graph (the eager backend has no graph to add them in).
+GRAD_MODES = [
+    pytest.param("emulate", "autograd", id="emulate"),
+    pytest.param("emulate", "in_graph", id="emulate-in_graph"),
+    pytest.param("eager", "autograd", id="eager"),
+    pytest.param(CUDA, "autograd", marks=pytest.mark.cuda, id="cuda"),
+    pytest.param(CUDA, "in_graph", marks=pytest.mark.cuda, id="cuda-in_graph"),
+]
+#: The same on the backends with graphs.
+GRAPH_GRAD_MODES = [p for p in GRAD_MODES if p.values[0] != "eager"]
 
 #: ``(atol, rtol)`` of graphed vs eager on a GPU, per dtype (TF32 off); CPU results are exact.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -44,6 +62,21 @@ def device_of(backend: str) -> torch.device:
         if backend == CUDA
         else torch.device("cpu")
     )
+
+
+def tolerance(backend: str, dtype: torch.dtype = torch.float32) -> tuple[float, float] | None:
+    """``None`` (bit for bit) on the CPU; the dtype's tolerance on the GPU."""
+    return TOLERANCES[dtype] if backend == CUDA else None
+
+
+def isolation(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Body of each torch test file's autouse fixture: a fixed seed, and CUDA hygiene."""
+    torch.manual_seed(0)
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    with cuda_hygiene():
+        yield
 
 
 # -- example callables ---------------------------------------------------------------------------
@@ -281,7 +314,7 @@ def assert_trees_match(
     else:
         assert isinstance(expected, (tuple, list)), f"{where}: unexpected {type(expected)}"
         assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_trees_match(a, e, tolerance, f"{path}[{i}]")
 
 
@@ -293,7 +326,7 @@ def assert_grads_match(
 ) -> None:
     """Grads of the same tensors (parameters or inputs) from two runs, compared one by one."""
     assert len(actual) == len(expected) == len(names)
-    for name, a, e in zip(names, actual, expected):
+    for name, a, e in zip(names, actual, expected, strict=True):
         assert_tensors_match(a, e, f"grad of {name}", tolerance)
 
 
@@ -310,7 +343,7 @@ def cuda_hygiene() -> Iterator[None]:
     """Around a CUDA test: TF32 off, and no autograd graph of an earlier test alive at a capture.
 
     A graph alive across a capture makes torch warn that the AccumulateGrad stream does not match
-    (FIELD-NOTES), which ``filterwarnings = error`` turns into a failure.
+    (docs/cuda_graphs.md), which ``filterwarnings = error`` turns into a failure.
     """
     gc.collect()
     with warnings.catch_warnings():

@@ -11,18 +11,22 @@ before anything is consumed.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from .._errors import DualgraphError, DualgraphWarning
-from .._spec import LeafSpec
+from .._spec import LeafSpec, TreeSpec
+from ._leaves import TRACER_TYPE
 
 __all__ = [
     "check_donated_inputs",
     "delete_donated",
+    "donated_argnums",
+    "donated_leaves",
     "explain_failed_call",
     "jax_donation_warnings",
     "unusable_donations",
@@ -30,6 +34,78 @@ __all__ = [
 ]
 
 _JAX_DONATION_WARNING = "Some donated buffers were not usable"
+
+
+def donated_argnums(donate_argnums: Any, args_spec: TreeSpec, num_args: int) -> tuple[int, ...]:
+    """The positional args to donate, from an int-like or a sequence of them; sorted, unique.
+
+    Anything :func:`operator.index` accepts is an index (``np.int64(0)`` too, not ``True``);
+    negative indices count from the end, as in :func:`jax.jit`. ``None`` donates nothing.
+
+    >>> import numpy as np
+    >>> from dualgraph import describe
+    >>> spec = describe((np.ones(2), np.ones(2)))
+    >>> donated_argnums(np.int64(-1), spec, 2), donated_argnums([1, 0, 1], spec, 2)
+    ((1,), (0, 1))
+    """
+    holding_arrays = {_top_index(path) for path in args_spec.array_paths}
+    result = set()
+    for number in _argnum_list(donate_argnums):
+        if not -num_args <= number < num_args:
+            raise DualgraphError(
+                f"donate_argnums: {number} is not the index of one of the {num_args} positional "
+                "sample args"
+            )
+        index = number % num_args
+        if index not in holding_arrays:
+            raise DualgraphError(
+                f"donate_argnums: args[{index}] holds no array (constants and None are compiled "
+                "in); only arrays can be donated"
+            )
+        result.add(index)
+    return tuple(sorted(result))
+
+
+def donated_leaves(args_spec: TreeSpec, argnums: Sequence[int]) -> tuple[int, ...]:
+    """The positions, among the flat input arrays, of the arrays inside the donated args."""
+    return tuple(i for i, path in enumerate(args_spec.array_paths) if _top_index(path) in argnums)
+
+
+def _argnum_list(donate_argnums: Any) -> list[int]:
+    if donate_argnums is None:
+        return []
+    if not isinstance(donate_argnums, (str, bytes, bool, Mapping)):
+        try:
+            return [operator.index(donate_argnums)]
+        except TypeError:
+            pass
+        try:
+            items = list(donate_argnums)
+        except TypeError:
+            pass
+        else:
+            return [_argnum(item) for item in items]
+    raise DualgraphError(
+        f"donate_argnums: expected an int or a sequence of ints, got {donate_argnums!r} "
+        f"({type(donate_argnums).__name__})"
+    )
+
+
+def _argnum(item: Any) -> int:
+    if not isinstance(item, (bool, str, bytes)):
+        try:
+            return operator.index(item)
+        except TypeError:
+            pass
+    raise DualgraphError(
+        f"donate_argnums: {item!r} ({type(item).__name__}) is not an integer index of a "
+        "positional arg"
+    )
+
+
+def _top_index(path: str) -> int:
+    """The positional argument an args leaf belongs to: ``"[1]['w']"`` -> 1."""
+    return int(path[1 : path.index("]")])
 
 
 def unusable_donations(
@@ -134,8 +210,8 @@ def delete_donated(arrays: Sequence[Any], donated: Sequence[int]) -> None:
 
 def explain_failed_call(error: Exception, arrays: Sequence[Any], paths: Sequence[str]) -> Exception:
     """A clearer error for a failed call when an input had been deleted; else ``error`` itself."""
-    for x, path in zip(arrays, paths):
-        if isinstance(x, jax.Array) and x.is_deleted():
+    for x, path in zip(arrays, paths, strict=True):
+        if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE) and x.is_deleted():
             return DualgraphError(
                 f"{path}: this array has been deleted (donated to an earlier call, or deleted "
                 "explicitly); pass a fresh array"

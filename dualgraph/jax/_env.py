@@ -22,6 +22,7 @@ from .._errors import DualgraphError
 __all__ = [
     "COMMAND_BUFFER_FLAG",
     "backend_initialized",
+    "config_value",
     "disable_command_buffers",
     "enable_x64",
     "x64_enabled",
@@ -70,20 +71,38 @@ def disable_command_buffers() -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, COMMAND_BUFFER_FLAG])
 
 
-def x64_enabled() -> bool:
-    """Whether JAX's 64-bit types are on (``jax_enable_x64``) where this is called."""
+def config_value(name: str, /) -> Any:
+    """The current value of a JAX configuration option, e.g. ``"jax_enable_x64"``."""
     import jax
 
-    return bool(jax.config.jax_enable_x64)
+    return getattr(jax.config, name)  # options are dynamic attributes, unknown to type checkers
 
 
-def enable_x64() -> contextlib.AbstractContextManager[Any]:
-    """A context in which JAX's 64-bit types are on (``jax.enable_x64(True)`` in recent JAX)."""
+def x64_enabled() -> bool:
+    """Whether JAX's 64-bit types are on (``jax_enable_x64``) where this is called."""
+    return bool(config_value("jax_enable_x64"))
+
+
+def enable_x64(enabled: bool = True, /) -> contextlib.AbstractContextManager[Any]:
+    """A context in which JAX's 64-bit types are on; a no-op when they already are or ``enabled``
+    is False.
+
+    The one place dualgraph turns 64-bit mode on: a program compiled with it on runs inside it,
+    and :mod:`dualgraph.parity` runs a JAX reference inside it when a 64-bit array is involved.
+
+    >>> with enable_x64():
+    ...     x64_enabled()
+    True
+    """
+    if not enabled or x64_enabled():
+        return contextlib.nullcontext()
     import jax
 
     scoped = getattr(jax, "enable_x64", None)
     if scoped is not None:
         return scoped(True)
-    from jax.experimental import enable_x64 as experimental  # JAX before the move
+    from jax.experimental import (  # type: ignore[attr-defined,unused-ignore]  # JAX < 0.7
+        enable_x64 as experimental,
+    )
 
     return experimental()

@@ -1,11 +1,12 @@
 """``graphed``: a JAX function compiled ahead of time under dualgraph's contract.
 
-What happens once (in :class:`Graphed`'s constructor): the inputs are described, the function is
-traced by :func:`jax.jit` on ``ShapeDtypeStruct``s of the samples' array leaves (constants and
-``None`` are compiled in), its output spec is recorded while it traces, and the program is
-compiled. What happens on every call (:meth:`Graphed.__call__`): the inputs are checked against
-the input spec, donated inputs are checked, the executable runs on the flat array leaves, and the
-output tree is rebuilt from the spec, so ``None`` leaves and constants come back where the Python
+What happens once (in :class:`GraphedCallable`'s constructor): the call is described (its
+:attr:`~GraphedCallable.call_spec`), dtypes JAX would narrow are refused, the function is traced
+by :func:`jax.jit` on ``ShapeDtypeStruct``s of the samples' array leaves (constants and ``None``
+are compiled in), its output spec is recorded while it traces, and the program is compiled. What
+happens on every call (:meth:`GraphedCallable.__call__`): the inputs are checked against the call
+spec, donated inputs are checked, the executable runs on the flat array leaves, and the output
+tree is rebuilt from the spec, so ``None`` leaves and constants come back where the Python
 function put them (JAX itself treats ``None`` as an empty subtree and cannot return constants).
 """
 
@@ -17,36 +18,39 @@ from typing import Any
 
 import jax
 
+from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
-from .._spec import LeafSpec, TreeSpec, describe
+from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
     check_donated_inputs,
     delete_donated,
+    donated_argnums,
+    donated_leaves,
     explain_failed_call,
     jax_donation_warnings,
     unusable_donations,
     warn_unusable,
 )
-from ._env import enable_x64, x64_enabled
+from ._dtypes import refuse_narrowed_inputs
+from ._env import config_value, enable_x64, x64_enabled
+from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
 
-__all__ = ["Graphed", "graphed"]
-
-# 64-bit floating dtypes and what JAX would silently compute them in with its 64-bit mode off.
-_NEEDS_X64 = {"float64": "float32", "complex128": "complex64"}
+__all__ = ["GraphedCallable", "graphed"]
 
 
 def graphed(
     fn: Callable[..., Any],
     sample_args: Sequence[Any],
-    sample_kwargs: Mapping[str, Any] | None = None,
     *,
-    donate_argnums: int | Sequence[int] = (),
+    sample_kwargs: Mapping[str, Any] | None = None,
+    donate_argnums: Any = (),
     out_spec: TreeSpec | str | None = None,
-) -> Graphed:
+    lazy: bool = False,
+) -> GraphedCallable:
     """Compile ``fn`` ahead of time for calls shaped like ``fn(*sample_args, **sample_kwargs)``.
 
     The JAX counterpart of ``dualgraph.torch.make_graphed_callables``: :func:`jax.jit` compiled
@@ -55,96 +59,103 @@ def graphed(
     - Array leaves of the args and kwargs are the program's inputs; constants (int, float,
       bool, str) and ``None`` are static, compiled in, and checked on every call.
     - Outputs keep their ``None`` leaves and constants at the paths the function returns them.
-      :attr:`Graphed.spec` is the output spec; for the same logical output its JSON is the one
-      the PyTorch side writes.
+      :attr:`GraphedCallable.out_spec` is the output spec; for the same logical output its JSON
+      is the one the PyTorch side writes.
     - ``out_spec`` (a :class:`~dualgraph.TreeSpec` or its JSON, e.g. written by the PyTorch
       side) is checked against the traced output, naming the first differing path, and supplies
-      the grad mask used by :meth:`Graphed.vjp`. Without it, floating outputs are masked.
-    - Calls are checked against the input spec before anything runs or is donated:
+      the grad mask used by :meth:`GraphedCallable.vjp`. Without it, floating outputs are masked.
+    - Calls are checked against the call spec before anything runs or is donated:
       ``args[0]['mask']: expected float32[2, 8], got float32[2, 9]``.
-    - ``donate_argnums``: positional args whose buffers the call consumes, as a CUDA graph's
-      static inputs: every JAX array in them is deleted after each call, and outputs of the same
-      shape and dtype may be written into them. A donation no output can reuse is reported once,
-      here, as a :class:`~dualgraph.DualgraphWarning`; a donated buffer also passed elsewhere in
-      the same call is a :class:`~dualgraph.DualgraphError`.
-    - float64 inputs need JAX's 64-bit mode (``jax.enable_x64``) when compiling: dualgraph
-      refuses rather than let JAX compute them in float32. A program compiled with it on turns
-      it on again around its own calls.
+    - ``donate_argnums``: an int (``np.int64`` and other integer-likes too) or a sequence of
+      them, the positional args whose buffers the call consumes, as a CUDA graph's static inputs:
+      every JAX array in them is deleted after each call, and outputs of the same shape and dtype
+      may be written into them. A donation no output can reuse is reported once, here, as a
+      :class:`~dualgraph.DualgraphWarning`; a donated buffer also passed elsewhere in the same
+      call is a :class:`~dualgraph.DualgraphError`.
+    - Inputs JAX would narrow are refused, naming their path: int64, uint64, float64 and
+      complex128 need JAX's 64-bit mode (``jax.enable_x64``) when compiling, rather than be
+      computed in 32 bits; float128 and non-numeric arrays are refused always. A program
+      compiled with the mode on turns it on again around its own calls.
+    - ``lazy=True``: trace now (the output spec and tracing errors come at once) but compile
+      each program at its first use, for callers that only need :meth:`GraphedCallable.vjp`.
+    - It cannot be called inside ``jax.jit``/``vmap``/``grad``: a tracer among its inputs is
+      an error that says so. Call ``.fn`` there instead.
 
     >>> import jax.numpy as jnp
     >>> def layer(x, *, scale):
     ...     return {"hidden": x * scale, "aux_loss": None, "n": 2}
-    >>> g = graphed(layer, (jnp.ones(3),), {"scale": 2.0})
+    >>> g = graphed(layer, (jnp.ones(3),), sample_kwargs={"scale": 2.0})
     >>> g(jnp.ones(3), scale=2.0)
     {'hidden': Array([2., 2., 2.], dtype=float32), 'aux_loss': None, 'n': 2}
-    >>> g.spec
+    >>> g.out_spec
     TreeSpec({'hidden': float32[3](grad), 'aux_loss': None, 'n': 2})
     """
-    return Graphed(fn, sample_args, sample_kwargs, donate_argnums=donate_argnums, out_spec=out_spec)
+    return GraphedCallable(
+        fn,
+        sample_args,
+        sample_kwargs=sample_kwargs,
+        donate_argnums=donate_argnums,
+        out_spec=out_spec,
+        lazy=lazy,
+    )
 
 
-class Graphed:
+class GraphedCallable:
     """A function compiled by :func:`graphed`; call it like the function, or :meth:`vjp` it.
 
-    Attributes: ``spec`` (output spec), ``args_spec`` and ``kwargs_spec`` (input specs),
-    ``donate_argnums``, :attr:`compiled` (the forward program).
+    Attributes (named as on ``dualgraph.torch``'s graphed callables): ``name``, ``fn``,
+    ``call_spec`` (the inputs: a :class:`~dualgraph.CallSpec`), ``out_spec`` (the outputs, with
+    the grad mask :meth:`vjp` uses), ``donate_argnums`` and :attr:`compiled` (the forward).
     """
 
     def __init__(
         self,
         fn: Callable[..., Any],
         sample_args: Sequence[Any],
-        sample_kwargs: Mapping[str, Any] | None = None,
         *,
-        donate_argnums: int | Sequence[int] = (),
+        sample_kwargs: Mapping[str, Any] | None = None,
+        donate_argnums: Any = (),
         out_spec: TreeSpec | str | None = None,
-        _compile_forward: bool = True,
+        lazy: bool = False,
     ) -> None:
-        # _compile_forward=False: only trace now, compile the plain forward at its first call
-        # (for dualgraph.parity, which runs the VJP programs alone).
         if not callable(fn):
             raise DualgraphError(f"graphed: {fn!r} is not callable")
         self.fn = fn
-        self.name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.name: str = getattr(fn, "__qualname__", None) or type(fn).__name__
+        if not isinstance(sample_args, (tuple, list)):
+            raise DualgraphError(
+                f"graphed({self.name}): sample_args must be a tuple of the positional sample "
+                f"arguments, got {type(sample_args).__name__} (for one argument x: (x,))"
+            )
         args = tuple(sample_args)
-        kwargs = dict(sample_kwargs or {})
-        self.args_spec = describe(args, root="args")
-        self.kwargs_spec = describe(kwargs, root="kwargs")
-        self._inputs: tuple[LeafSpec, ...] = (*self.args_spec.arrays, *self.kwargs_spec.arrays)
-        self._paths = (
-            *("args" + p for p in self.args_spec.array_paths),
-            *("kwargs" + p for p in self.kwargs_spec.array_paths),
-        )
-        # The configuration the program is compiled under; the VJP, compiled later, reuses it.
+        self.call_spec: CallSpec = describe_call(args, dict(sample_kwargs or {}))
+        self._paths = self.call_spec.array_paths
+        # The configuration the programs are compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
-        self._precision = jax.config.jax_default_matmul_precision
-        if not self._x64:
-            self._refuse_float64()
-        self.donate_argnums = _donate_argnums(donate_argnums, args, self.args_spec)
-        self._donated = tuple(
-            i
-            for i, path in enumerate(self.args_spec.array_paths)
-            if _top_index(path) in self.donate_argnums
-        )
+        self._precision = config_value("jax_default_matmul_precision")
+        refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
+        self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
+        self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
         self._traced_spec: TreeSpec | None = None
         self._compiled: jax.stages.Compiled | None = None
-        structs = [struct_of(leaf) for leaf in self._inputs]
+        self._vjp_program: VJPProgram | None = None
+        structs = [struct_of(leaf) for leaf in self.call_spec.arrays]
         with jax_donation_warnings() as jax_warned:
             jitted = jax.jit(
                 self._flat, donate_argnums=self._donated, keep_unused=bool(self._donated)
             )
             self._lowered = jitted.lower(*structs)
-            if _compile_forward:
+            if not lazy:
                 self._compiled = self._lowered.compile()
         traced = self._traced_spec
         assert traced is not None
-        self.spec = _output_spec(traced, out_spec, self.name)
-        self._vjp_program: VJPProgram | None = None
-        unusable = unusable_donations(self._inputs, self._donated, traced.arrays)
+        self.out_spec: TreeSpec = _output_spec(traced, out_spec, self.name)
+        inputs = self.call_spec.arrays
+        unusable = unusable_donations(inputs, self._donated, traced.arrays)
         if unusable:
-            warn_unusable(self.name, unusable, self._paths, self._inputs)
+            warn_unusable(self.name, unusable, self._paths, inputs)
         elif jax_warned:
-            warn_unusable(self.name, self._donated, self._paths, self._inputs)
+            warn_unusable(self.name, self._donated, self._paths, inputs)
 
     @property
     def compiled(self) -> jax.stages.Compiled:
@@ -158,38 +169,26 @@ class Graphed:
 
     def _flat(self, *arrays: Any) -> list[Any]:
         """The function of the flat input arrays that returns the flat output arrays."""
-        n = self.args_spec.num_arrays
-        args = self.args_spec.unflatten(arrays[:n])
-        kwargs = self.kwargs_spec.unflatten(arrays[n:])
+        args, kwargs = self.call_spec.unflatten(arrays)
         outputs = self.fn(*args, **kwargs)
         spec = describe(outputs, root="output")
         if self._traced_spec is None:
             self._traced_spec = spec
         return spec.flatten(outputs)
 
-    def _refuse_float64(self) -> None:
-        for path, leaf in zip(self._paths, self._inputs):
-            if leaf.dtype in _NEEDS_X64:
-                raise DualgraphError(
-                    f"graphed({self.name}): {path} is {leaf}, but JAX's 64-bit mode is off, so "
-                    f"JAX would compute it in {_NEEDS_X64[leaf.dtype]}. Turn it on "
-                    "(jax.config.update('jax_enable_x64', True), or build inside "
-                    "`with jax.enable_x64(True):`) or pass a 32-bit array"
-                )
-
     # -- every call -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         arrays = self._checked_inputs(args, kwargs)
-        return self.spec.unflatten(self._run(self._compiled or self.compiled, arrays))
+        return self.out_spec.unflatten(self._run(self._compiled or self.compiled, arrays))
 
     def vjp(self, *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:
         """``(outputs, pullback)`` for a call like ``self(*args, **kwargs)``, as :func:`jax.vjp`.
 
         ``pullback(cotangent)`` takes arrays at the masked output leaves (the grad mask of
-        :attr:`spec`) and ``None`` elsewhere, and returns ``(args_grads, kwargs_grads)`` with a
-        gradient at each floating or complex input array and ``None`` elsewhere. Parameters
-        are an argument like any other: ``fn(params, x)`` gets its parameter grads in
+        :attr:`out_spec`) and ``None`` elsewhere, and returns ``(args_grads, kwargs_grads)``
+        with a gradient at each floating or complex input array and ``None`` elsewhere.
+        Parameters are an argument like any other: ``fn(params, x)`` gets its parameter grads in
         ``args_grads[0]``. Both programs are compiled at the first call; donation applies as for
         a plain call.
 
@@ -205,41 +204,38 @@ class Graphed:
         if program is None:
             with self._compile_config():
                 program = self._vjp_program = VJPProgram(
-                    self._flat,
-                    self._inputs,
-                    self.args_spec,
-                    self.kwargs_spec,
-                    self.spec,
-                    self._donated,
+                    self.name, self._flat, self.call_spec, self.out_spec, self._donated
                 )
         outputs, residuals = self._run(program.forward, arrays)
-        return self.spec.unflatten(outputs), Pullback(program, residuals, self._x64)
+        return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
-        with jax.default_matmul_precision(self._precision):
-            if self._x64 and not x64_enabled():
-                with enable_x64():
-                    yield
-            else:
-                yield
+        with jax.default_matmul_precision(self._precision), enable_x64(self._x64):
+            yield
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        arrays = self.args_spec.flatten(args, check=True, root="args")
-        arrays += self.kwargs_spec.flatten(kwargs, check=True, root="kwargs")
-        if self._donated:
-            check_donated_inputs(arrays, self._donated, self._paths)
+        try:
+            arrays = self.call_spec.flatten(args, kwargs, check=True)
+            if self._donated:
+                check_donated_inputs(arrays, self._donated, self._paths)
+        except Exception as error:  # a tracer fails these checks in many ways: name the cause
+            explained = tracer_error(f"graphed({self.name})", call_leaves(args, kwargs))
+            if explained is None:
+                raise
+            raise explained from error
         return arrays
 
     def _run(self, executable: Callable[..., Any], arrays: list[Any]) -> Any:
         try:
-            if self._x64 and not x64_enabled():
-                with enable_x64():
-                    result = executable(*arrays)
-            else:
+            with enable_x64(self._x64):
                 result = executable(*arrays)
         except Exception as error:
-            explained = explain_failed_call(error, arrays, self._paths)
+            explained: Exception | None = tracer_error(
+                f"graphed({self.name})", zip(self._paths, arrays, strict=True)
+            )
+            if explained is None:
+                explained = explain_failed_call(error, arrays, self._paths)
             if explained is error:
                 raise
             raise explained from error
@@ -248,34 +244,7 @@ class Graphed:
         return result
 
     def __repr__(self) -> str:
-        return f"Graphed({self.name}, args={self.args_spec!r}, output={self.spec!r})"
-
-
-def _top_index(path: str) -> int:
-    """The positional argument an args leaf belongs to: ``"[1]['w']"`` -> 1."""
-    return int(path[1 : path.index("]")])
-
-
-def _donate_argnums(
-    donate_argnums: int | Sequence[int], args: tuple[Any, ...], spec: TreeSpec
-) -> tuple[int, ...]:
-    numbers = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    holding_arrays = {_top_index(path) for path in spec.array_paths}
-    result = []
-    for number in numbers:
-        if type(number) is not int or not -len(args) <= number < len(args):
-            raise DualgraphError(
-                f"donate_argnums: {number!r} is not the index of one of the {len(args)} "
-                "positional sample args"
-            )
-        index = number % len(args)
-        if index not in holding_arrays:
-            raise DualgraphError(
-                f"donate_argnums: args[{index}] holds no array (constants and None are compiled "
-                "in); only arrays can be donated"
-            )
-        result.append(index)
-    return tuple(sorted(set(result)))
+        return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
 
 
 def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -> TreeSpec:
@@ -288,11 +257,16 @@ def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -
     try:
         out_spec.check(stand_ins, root="output")
     except SpecMismatchError as error:
+        hint = ""
+        if not x64_enabled() and any(
+            leaf.dtype in ("int64", "uint64", "float64", "complex128") for leaf in out_spec.arrays
+        ):
+            hint = " (JAX's 64-bit mode is off, so JAX computes 64-bit types in 32 bits)"
         raise SpecMismatchError(
-            f"graphed({name}): the function's output does not match out_spec: {error}",
+            f"graphed({name}): the function's output does not match out_spec: {error}{hint}",
             path=error.path,
         ) from None
-    for path, leaf in zip(out_spec.array_paths, out_spec.arrays):
+    for path, leaf in zip(out_spec.array_paths, out_spec.arrays, strict=True):
         if leaf.grad and not is_differentiable_dtype(leaf.dtype or ""):
             raise DualgraphError(
                 f"graphed({name}): out_spec masks output{path} ({leaf}) for backward, but "

@@ -23,9 +23,11 @@ __all__ = ["TRACER_TYPE", "jax_signature"]
 
 
 def _tracer_type() -> type:
-    tracer = getattr(jax.core, "Tracer", None)
+    tracer: type | None = getattr(jax.core, "Tracer", None)
     if tracer is None:  # jax.core's public names are being thinned out
-        from jax._src.core import Tracer as tracer
+        from jax._src.core import Tracer
+
+        tracer = Tracer
     return tracer
 
 

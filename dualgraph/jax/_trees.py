@@ -31,7 +31,7 @@ def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:
     >>> keep_arrays(spec, [True, False])
     TreeSpec((float32[2](grad), None, None))
     """
-    stand_ins = [struct_of(leaf) if k else None for leaf, k in zip(spec.arrays, keep)]
+    stand_ins = [struct_of(leaf) if k else None for leaf, k in zip(spec.arrays, keep, strict=True)]
     tree = optree.tree_map(
         lambda leaf: leaf if isinstance(leaf, jax.ShapeDtypeStruct) else None,
         spec.unflatten(stand_ins),

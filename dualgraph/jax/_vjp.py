@@ -3,7 +3,7 @@
 The forward program returns the outputs and the residuals of :func:`jax.vjp` (the arrays the
 backward needs), so donated inputs can be consumed by the forward; the backward program maps the
 residuals and the cotangents of the masked outputs to the gradients of the differentiable
-(floating or complex) inputs. Both are compiled once, at the first :meth:`Graphed.vjp`.
+(floating or complex) inputs. Both are compiled once, at the first :meth:`GraphedCallable.vjp`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from typing import Any
 
 import jax
 
+from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
-from .._spec import LeafSpec, TreeSpec
+from .._spec import TreeSpec
 from ._donation import jax_donation_warnings
-from ._env import enable_x64, x64_enabled
+from ._env import enable_x64
+from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
 
 __all__ = ["Pullback", "VJPProgram"]
@@ -27,27 +29,28 @@ class VJPProgram:
 
     def __init__(
         self,
+        name: str,
         flat_fn: Callable[..., list[Any]],
-        inputs: Sequence[LeafSpec],
-        args_spec: TreeSpec,
-        kwargs_spec: TreeSpec,
+        call_spec: CallSpec,
         out_spec: TreeSpec,
         donated: Sequence[int],
     ) -> None:
+        self.name = name
+        inputs = call_spec.arrays
         differentiable = [is_differentiable_dtype(leaf.dtype or "") for leaf in inputs]
         diff_inputs = [i for i, d in enumerate(differentiable) if d]
         masked_outputs = [j for j, m in enumerate(out_spec.grad_mask) if m]
-        n_args = args_spec.num_arrays
+        n_args = call_spec.num_args_arrays
         self.cotangent_spec = keep_arrays(out_spec, out_spec.grad_mask)
-        self.args_grad_spec = keep_arrays(args_spec, differentiable[:n_args])
-        self.kwargs_grad_spec = keep_arrays(kwargs_spec, differentiable[n_args:])
+        self.args_grad_spec = keep_arrays(call_spec.args_spec, differentiable[:n_args])
+        self.kwargs_grad_spec = keep_arrays(call_spec.kwargs_spec, differentiable[n_args:])
         self.num_args_grads = sum(differentiable[:n_args])
         pullback_tree: list[Any] = []
 
         def forward(*arrays: Any) -> tuple[list[Any], list[Any]]:
             def masked(*diff: Any) -> tuple[list[Any], list[Any]]:
                 full = list(arrays)
-                for i, x in zip(diff_inputs, diff):
+                for i, x in zip(diff_inputs, diff, strict=True):
                     full[i] = x
                 outputs = flat_fn(*full)
                 return [outputs[j] for j in masked_outputs], outputs
@@ -64,8 +67,8 @@ class VJPProgram:
 
         structs = [struct_of(leaf) for leaf in inputs]
         with jax_donation_warnings():  # reported once already, by the plain forward's compile
-            lowered = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
-            lowered = lowered.lower(*structs)
+            jitted = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
+            lowered = jitted.lower(*structs)
             self.forward = lowered.compile()
         cotangent_structs = [struct_of(leaf) for leaf in self.cotangent_spec.arrays]
         residual_structs = lowered.out_info[1]
@@ -73,7 +76,7 @@ class VJPProgram:
 
 
 class Pullback:
-    """The backward of one :meth:`Graphed.vjp` call: cotangents in, input gradients out.
+    """The backward of one :meth:`GraphedCallable.vjp` call: cotangents in, input gradients out.
 
     Call it with a tree shaped like the output whose masked leaves (the output spec's grad mask)
     are arrays of the output's shape and dtype and whose other leaves are ``None``, constants
@@ -96,12 +99,18 @@ class Pullback:
 
     def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], dict[str, Any]]:
         program = self._program
-        cotangents = program.cotangent_spec.flatten(cotangent, check=True, root="cotangent")
-        if self._x64 and not x64_enabled():
-            with enable_x64():
+        try:
+            cotangents = program.cotangent_spec.flatten(cotangent, check=True, root="cotangent")
+            with enable_x64(self._x64):
                 grads = program.backward(self._residuals, cotangents)
-        else:
-            grads = program.backward(self._residuals, cotangents)
+        except Exception as error:  # a tracer fails these in many ways: name the cause
+            explained = tracer_error(
+                f"the pullback of graphed({program.name})",
+                leaves_with_paths(cotangent, "cotangent"),
+            )
+            if explained is None:
+                raise
+            raise explained from error
         n = program.num_args_grads
         args_grads = program.args_grad_spec.unflatten(grads[:n])
         kwargs_grads = program.kwargs_grad_spec.unflatten(grads[n:])

@@ -32,6 +32,7 @@ from jax import lax
 
 from .. import describe
 from .._errors import DualgraphError
+from ..jax._dtypes import jax_dtype
 
 __all__ = ["param_path", "params_from_state_dict", "vision_encoder", "vit_block"]
 
@@ -192,11 +193,15 @@ def _rule(torch_name: str) -> tuple[tuple[str | int, ...], bool]:
 
 
 def _to_jax(name: str, value: Any) -> jax.Array:
-    dtype = describe(value).leaves[0].dtype
-    if dtype in ("float64", "complex128") and not jax.config.jax_enable_x64:
+    dtype = describe(value).leaves[0].dtype or ""
+    computed = jax_dtype(dtype)
+    if computed != dtype:
+        why = f"JAX's 64-bit mode is off and would silently compute it as {computed}"
+        if computed is None:
+            why = "JAX has no such dtype"
         raise DualgraphError(
-            f"state_dict[{name!r}] is {dtype}, but JAX's 64-bit mode is off and would silently "
-            "downcast it; turn it on (jax.enable_x64) or convert the model first"
+            f"state_dict[{name!r}] is {dtype}, but {why}; turn the mode on (jax.enable_x64) or "
+            "convert the model first"
         )
     if isinstance(value, np.ndarray | jax.Array):
         array = jnp.asarray(value)

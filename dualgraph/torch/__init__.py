@@ -7,11 +7,13 @@
 """
 
 from . import _leaves as _leaves  # registers torch.Tensor with the core
-from ._graphed import EagerCallable, diagnostics, make_graphed_callables, owned, restore
-from ._inputs import InputGuard
+from ._diagnostics import CaptureDiagnostics
+from ._eager import EagerCallable
+from ._graphed import diagnostics, make_graphed_callables, owned
 from ._lint import CaptureLintError, LintFinding, LintReport, lint
 from ._memory_plan import CallableMemory, MemoryPlan, memory_plan
-from ._replay import CaptureDiagnostics, GraphedCallable
+from ._modules import restore
+from ._replay import GraphedCallable
 from ._verify import LeafCheck, VerifyReport, verify
 
 __all__ = [
@@ -20,7 +22,6 @@ __all__ = [
     "CaptureLintError",
     "EagerCallable",
     "GraphedCallable",
-    "InputGuard",
     "LeafCheck",
     "LintFinding",
     "LintReport",

@@ -1,117 +1,487 @@
-"""What happens once, at capture: static buffers, warmup, forward and backward graphs.
+"""What happens once, at capture: static buffers, warmup, graphs, and the finished plan.
 
 ``"cuda"`` follows the rules of CUDA graph capture: warmup iterations on a side stream, then the
 forward graphs of all callables in execution order, then their backward graphs in reverse order,
-all in one memory pool. ``"emulate"`` builds the same static buffers without a graph and re-runs
-the callable on them, so aliasing mistakes show up on a CPU too.
+all in one memory pool. ``"emulate"`` builds the same static buffers without a graph and an
+:class:`EmulatedReplay` that re-runs the callable on them, so aliasing mistakes show up on a CPU.
+
+The first warmup call of each callable is also inspected, because a graph replays kernels and
+not Python, and some eager behaviour has to be carried over or refused up front:
+
+- inputs the callable updates in place (their version counters move): each replay copies the
+  update back into the caller's tensor; an update during backward is refused;
+- outputs the backward reads (saved for backward): changing them in place is refused at backward;
+- tensors that require grad but are neither inputs nor parameters (a closure over another
+  module's weights): refused, since a replay would give them no gradient;
+- the output structure must stay the same from call to call.
+
+That first call also runs under the capture lint and the memory probe (``_probe.py``): the lint's
+errors refuse the capture before anything is captured (``lint="error"``), and the findings and
+the memory plan end up in each plan's diagnostics.
+
+Either way :func:`capture` returns one frozen :class:`ReplayPlan` per callable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.nn.parameter import is_lazy
 
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
-from ._probe import WarmupProbe, raise_on_lint_errors
-from ._replay import GraphedCallable
-from ._transformer_engine import transformer_engine_capture
+from ._diagnostics import CaptureDiagnostics
+from ._inputs import InputGuard, unsupported_tensor
+from ._leaves import dtype_name
+from ._lint import CaptureLintError
+from ._params import ModuleTensors, suspended_tensor_hooks
+from ._plan import Backend, ParamGradsMode, ParamLayout, ReplayPlan, StaticBuffers
+from ._probe import (
+    LintMode,
+    WarmupProbe,
+    attach_probes,
+    raise_on_lint_errors,
+    with_lint_findings,
+)
+from ._replay import CudaGraphForward, EmulatedReplay, autocast_state
+from ._transformer_engine import fp8_state, transformer_engine_capture
 
-__all__ = [
-    "Progress",
-    "capture_cuda",
-    "capture_emulated",
-    "prepare_static_inputs",
-    "repair_cuda_rng",
-]
-
-
-@dataclass
-class Progress:
-    """Where a capture is, so that a failure can name the callable and the phase."""
-
-    name: str = ""
-    phase: str = "setup"
+__all__ = ["CaptureOptions", "CaptureRequest", "capture", "repair_cuda_rng"]
 
 
-def prepare_static_inputs(graphed: GraphedCallable, sample_tensors: Sequence[torch.Tensor]) -> None:
-    """Static input buffers: owned copies of the sample tensors, with their ``requires_grad``."""
-    graphed.static_inputs = [
-        t.detach().clone().requires_grad_(t.requires_grad) for t in sample_tensors
-    ]
-    n_args = graphed.guard.num_args_tensors
-    graphed.static_args = graphed.guard.args_spec.unflatten(graphed.static_inputs[:n_args])
-    graphed.static_kwargs = graphed.guard.kwargs_spec.unflatten(graphed.static_inputs[n_args:])
-    graphed.diagnostics.static_input_bytes = _bytes(graphed.static_inputs)
+@dataclass(frozen=True)
+class CaptureRequest:
+    """One callable to capture: its forward, its module (if any) and its checked samples."""
+
+    name: str
+    fn: Callable[..., Any]
+    module: torch.nn.Module | None
+    inputs: InputGuard
+    sample_tensors: tuple[torch.Tensor, ...]
 
 
-def capture_emulated(
-    graphs: Sequence[GraphedCallable],
-    *,
-    num_warmup_iters: int,
-    allow_unused_input: bool,
-    progress: Progress,
-    probes: Sequence[WarmupProbe],
+@dataclass(frozen=True)
+class CaptureOptions:
+    """The options of :func:`dualgraph.torch.make_graphed_callables` that shape a capture."""
+
+    backend: Backend
+    num_warmup_iters: int
+    allow_unused_input: bool
+    pool: Any
+    capture_error_mode: str
+    clone_outputs: bool
+    param_grads: ParamGradsMode
+    lint: LintMode = "error"  # issue 19 hook: the capture lint of the first warmup iteration
+
+
+def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list[ReplayPlan]:
+    """Warm up and capture every request (in order); one finished plan each.
+
+    Raises :class:`CaptureError` naming the callable, the phase and the cause; then no capture
+    is left open, buffers and hooks are as they were, and the CUDA RNG works.
+    """
+    progress = _Progress()
+    probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
+    try:
+        captures = []
+        for request in requests:
+            progress.name = request.name
+            captures.append(_Capture(request, options))
+            probes.append(captures[-1].probe)
+        with contextlib.ExitStack() as restore:
+            for item in captures:
+                if item.module_tensors is not None:
+                    restore.enter_context(item.module_tensors.left_as_found())
+                if options.param_grads == "autograd":
+                    restore.enter_context(suspended_tensor_hooks(item.params))
+            if options.backend == "cuda":
+                _capture_cuda(captures, options, progress)
+            else:
+                _capture_emulated(captures, options, progress)
+        progress.phase = "planning"
+        plans = [item.plan() for item in captures]
+        attach_probes([plan.diagnostics for plan in plans], probes)  # issue 19 hook
+        return plans
+    except Exception as error:
+        if options.backend == "cuda":
+            _recover_cuda()
+        failure = _describe_failure(error, progress, options.backend)
+        raise with_lint_findings(failure, probes, error) from error  # issue 19 hook
+
+
+# -- what is learned about one callable ----------------------------------------------------------
+
+
+class _Refused(DualgraphError):
+    """A capture refused on purpose; its message is the cause, without a type name."""
+
+
+class _Capture:
+    """The static buffers and facts of one callable, gathered during capture (then a plan)."""
+
+    def __init__(self, request: CaptureRequest, options: CaptureOptions) -> None:
+        self.request = request
+        self.options = options
+        self.name = request.name
+        self.static_inputs = tuple(
+            t.detach().clone().requires_grad_(t.requires_grad) for t in request.sample_tensors
+        )
+        self.static_args, self.static_kwargs = request.inputs.unflatten(self.static_inputs)
+        module = request.module
+        if module is not None:
+            tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+            lazy = [name for name, tensor in tensors if is_lazy(tensor)]
+            if lazy:
+                raise _Refused(
+                    f"{lazy[0]} is not initialized yet (a lazy module); run the module once "
+                    "before graphing it"
+                )
+        self.module_tensors = ModuleTensors.of(module) if module is not None else None
+        named = (
+            [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+            if module is not None
+            else []
+        )
+        prefix = f"{type(module).__name__}." if module is not None else ""
+        self.param_names = tuple(prefix + name for name, _ in named)
+        self.params = tuple(p for _, p in named)
+        if options.param_grads == "in_graph":
+            for name, param in zip(self.param_names, self.params, strict=True):
+                if param._backward_hooks or param._post_accumulate_grad_hooks:
+                    raise _Refused(
+                        f"{name} has a grad hook, which param_grads='in_graph' would never run "
+                        "(the backward graph adds the grad into .grad itself); capture with "
+                        "param_grads='autograd' to use parameter hooks"
+                    )
+        self.accumulators: tuple[torch.Tensor | None, ...] = (
+            tuple(torch.zeros_like(p) for p in self.params)
+            if options.param_grads == "in_graph"
+            else ()
+        )
+        self.grad_input_indices = tuple(
+            i for i, t in enumerate(self.static_inputs) if t.requires_grad
+        )
+        # learned during warmup and capture
+        self.out_spec: TreeSpec | None = None
+        self.diff_outputs: tuple[int, ...] = ()
+        self.saved_outputs: tuple[int, ...] = ()
+        self.mutated: set[int] = set()
+        self.static_outputs: tuple[torch.Tensor, ...] = ()
+        self.grad_outputs: tuple[torch.Tensor, ...] = ()
+        self.input_grads: tuple[torch.Tensor | None, ...] = (None,) * len(self.static_inputs)
+        self.param_grads: tuple[torch.Tensor | None, ...] = ()
+        self.replay_forward: Callable[[bool], None] | None = None
+        self.replay_backward: Callable[[], None] | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.seconds = 0.0
+        self.pool_bytes = 0
+        # issue 19 hook: the lint and the memory plan observe the first warmup iteration
+        self.probe = WarmupProbe(
+            request.name,
+            request.fn,
+            module=module,
+            inputs=self.static_inputs,
+            paths=request.inputs.paths,
+            lint=options.lint,
+        )
+
+    def run(self) -> Any:
+        return self.request.fn(*self.static_args, **self.static_kwargs)
+
+    def diff_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What the backward differentiates for: inputs that require grad, then parameters."""
+        return tuple(self.static_inputs[i] for i in self.grad_input_indices) + self.params
+
+    def record_outputs(self, outputs: Any) -> list[torch.Tensor]:
+        """The output tensors, checked; the first call fixes the spec, later ones must match it."""
+        spec = describe(outputs)
+        flat = spec.flatten(outputs)
+        for path, leaf in zip(spec.array_paths, flat, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                raise _Refused(
+                    f"output{path}: expected a torch tensor, got "
+                    f"{type(leaf).__module__}.{type(leaf).__qualname__} (outputs of a torch "
+                    "callable hold tensors, None and int/float/bool/str constants)"
+                )
+            why = unsupported_tensor(leaf)
+            if why is not None:
+                raise _Refused(f"output{path}: a graph cannot return {why}")
+        if self.out_spec is None:
+            self.out_spec = spec
+            self.diff_outputs = tuple(i for i, grad in enumerate(spec.grad_mask) if grad)
+        elif spec != self.out_spec:
+            raise _Refused(
+                f"the outputs differ from one call to the next ({self.out_spec!r}, then "
+                f"{spec!r}); a graph replays one call's structure"
+            )
+        return flat
+
+    def place_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Spread the grads of :meth:`diff_inputs` over the inputs and the parameters."""
+        n = len(self.grad_input_indices)
+        input_grads: list[torch.Tensor | None] = [None] * len(self.static_inputs)
+        for i, grad in zip(self.grad_input_indices, grads[:n], strict=True):
+            input_grads[i] = grad
+        self.input_grads = tuple(input_grads)
+        param_grads = tuple(grads[n:])
+        if self.options.param_grads == "autograd":
+            self.param_grads = param_grads
+        else:  # as with autograd, a parameter the callable does not use keeps .grad None
+            self.accumulators = tuple(
+                acc if grad is not None else None
+                for acc, grad in zip(self.accumulators, param_grads, strict=True)
+            )
+
+    def plan(self) -> ReplayPlan:
+        assert self.out_spec is not None and self.replay_forward is not None
+        options = self.options
+        params = self.params
+        if not self._has_backward():
+            self.replay_backward = None
+            self.accumulators = ()
+        if options.param_grads == "autograd":
+            layout = ParamLayout(
+                mode="autograd",
+                params=params,
+                names=self.param_names,
+                nodes=tuple(get_gradient_edge(p).node for p in params),
+                accumulators=(None,) * len(params),
+            )
+            param_grads = self.param_grads or (None,) * len(params)
+        else:
+            anchor = torch.empty(0, device=params[0].device, requires_grad=True) if params else None
+            layout = ParamLayout(
+                mode="in_graph",
+                params=params,
+                names=self.param_names,
+                nodes=(None,) * len(params),
+                accumulators=self.accumulators or (None,) * len(params),
+                anchor=anchor,
+                anchor_node=None if anchor is None else get_gradient_edge(anchor).node,
+            )
+            param_grads = (None,) * len(params)
+        buffers = StaticBuffers(
+            inputs=self.static_inputs,
+            outputs=self.static_outputs,
+            grad_outputs=self.grad_outputs,
+            input_grads=self.input_grads,
+            param_grads=param_grads,
+            replay_forward=self.replay_forward,
+            replay_backward=self.replay_backward,
+            graphs=tuple(self.graphs),
+        )
+        kept_grads = [g for g in (*self.input_grads, *param_grads) if g is not None]
+        kept_grads += [a for a in layout.accumulators if a is not None]
+        diagnostics = CaptureDiagnostics(
+            name=self.name,
+            backend=options.backend,
+            static_input_bytes=_bytes(self.static_inputs),
+            static_output_bytes=_bytes(self.static_outputs),
+            static_grad_bytes=_bytes([*self.grad_outputs, *kept_grads]),
+            pool_bytes=self.pool_bytes,
+            capture_seconds=self.seconds,
+            has_backward_graph=buffers.replay_backward is not None,
+        )
+        return ReplayPlan(
+            name=self.name,
+            backend=options.backend,
+            fn=self.request.fn,
+            inputs=self.request.inputs,
+            outputs=self.out_spec,
+            diff_outputs=self.diff_outputs,
+            saved_outputs=self.saved_outputs,
+            mutated_inputs=tuple(sorted(self.mutated)),
+            module_tensors=self.module_tensors,
+            params=layout,
+            buffers=buffers,
+            clone_outputs=options.clone_outputs,
+            autocast=autocast_state(),
+            fp8=fp8_state(),
+            diagnostics=diagnostics,
+        )
+
+    def _has_backward(self) -> bool:
+        if not self.diff_outputs or self.replay_backward is None:
+            return False
+        grads = (*self.input_grads, *self.param_grads, *self.accumulators)
+        return any(g is not None for g in grads)
+
+
+# -- warmup: shared by both backends -------------------------------------------------------------
+
+
+def _warmup(
+    item: _Capture, allow_unused: bool, *, inspect: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """One eager forward and backward on the static buffers; the first one is inspected."""
+    before = [t._version for t in item.static_inputs]
+    saved: list[torch.Tensor] = []
+    with torch.enable_grad():
+        if inspect:
+            with saved_tensors_hooks(_keeper(saved), _unpack):
+                outputs = item.run()
+            item.probe.note_saved(saved)  # issue 19 hook: the probe's own hook sees none of them
+        else:
+            outputs = item.run()
+    after_forward = [t._version for t in item.static_inputs]
+    flat = item.record_outputs(outputs)
+    differentiable = [flat[i] for i in item.diff_outputs]
+    if inspect:
+        item.saved_outputs = _saved_outputs(flat, saved)
+        _refuse_foreign_leaves(item, flat)
+    del outputs, saved
+    diff_inputs = item.diff_inputs()
+    grads: tuple[torch.Tensor | None, ...] = ()
+    if differentiable and diff_inputs:
+        grads = tuple(
+            torch.autograd.grad(
+                differentiable,
+                diff_inputs,
+                grad_outputs=[torch.ones_like(t) for t in differentiable],
+                allow_unused=allow_unused,
+            )
+        )
+    paths = item.request.inputs.paths
+    for i, (v0, v1, t) in enumerate(zip(before, after_forward, item.static_inputs, strict=True)):
+        if t._version != v1:
+            raise _Refused(
+                f"{paths[i]} is updated in place during backward; dualgraph hands in-place "
+                "updates back to the caller after the forward only"
+            )
+        if v1 != v0:
+            item.mutated.add(i)
+    return grads
+
+
+def _keeper(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    return pack
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage(tensor: Any) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else 0
+    except Exception:  # a tensor without a plain storage (e.g. a TE FP8 tensor)
+        return 0
+
+
+def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[Any]) -> tuple[int, ...]:
+    storages = {_storage(t) for t in saved if isinstance(t, torch.Tensor)} - {0}
+    return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
+
+
+def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None:
+    """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
+    known = {id(t) for t in item.diff_inputs()}
+    seen: set[int] = set()
+    stack: list[Any] = []
+    foreign: list[torch.Tensor] = []
+    for tensor in flat:
+        if tensor.grad_fn is not None:
+            stack.append(tensor.grad_fn)
+        elif tensor.requires_grad and id(tensor) not in known:
+            foreign.append(tensor)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.Tensor):
+            if id(variable) not in known:
+                foreign.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if foreign:
+        shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
+        owner = "parameters of the module" if item.request.module is not None else "arguments"
+        raise _Refused(
+            f"the outputs depend on {len(foreign)} tensor(s) that require grad but are neither "
+            f"inputs nor {owner} ({shapes}), e.g. a closure over another module's weights; a "
+            "replay would give them no gradient. Pass them as inputs, or graph the module that "
+            "holds them"
+        )
+
+
+# -- the emulate backend -------------------------------------------------------------------------
+
+
+def _capture_emulated(
+    captures: Sequence[_Capture], options: CaptureOptions, progress: _Progress
 ) -> None:
-    """Static buffers and replay functions that re-run each callable instead of a graph."""
-    for graphed, probe in zip(graphs, probes, strict=True):
-        progress.name = graphed.name
+    for item in captures:
+        progress.name = item.name
         start = time.perf_counter()
         progress.phase = "warmup"
         grads: tuple[torch.Tensor | None, ...] = ()
-        for _ in range(max(1, num_warmup_iters)):
-            with probe:  # issue 19 hook: observes the first iteration only
-                grads = _forward_backward(graphed, allow_unused_input, record=True)
-        raise_on_lint_errors([probe])  # issue 19 hook
+        for i in range(max(1, options.num_warmup_iters)):
+            with item.probe:  # issue 19 hook: observes the first iteration only
+                grads = _warmup(item, options.allow_unused_input, inspect=i == 0)
+        raise_on_lint_errors([item.probe])  # issue 19 hook
         progress.phase = "capture"
         with torch.enable_grad():
-            outputs = _run(graphed)
-        flat = _record_outputs(graphed, outputs)
-        graphed.static_outputs = [torch.empty_like(t.detach()) for t in flat]
-        graphed.static_grad_outputs = [
-            torch.empty_like(flat[i].detach()) for i in graphed.diff_outputs
-        ]
-        if graphed.static_grad_outputs and _diff_inputs(graphed):
-            _spread_grads(graphed, [None if g is None else torch.zeros_like(g) for g in grads])
-        _install_emulated_replay(graphed, allow_unused_input)
-        _finish(graphed, time.perf_counter() - start)
+            flat = item.record_outputs(item.run())
+        item.static_outputs = tuple(torch.empty_like(t.detach()) for t in flat)
+        item.grad_outputs = tuple(torch.empty_like(flat[i].detach()) for i in item.diff_outputs)
+        del flat
+        diff_inputs = item.diff_inputs()
+        if item.grad_outputs and diff_inputs:
+            item.place_grads([None if g is None else torch.zeros_like(g) for g in grads])
+        n = len(item.grad_input_indices)
+        targets = tuple(item.input_grads[i] for i in item.grad_input_indices)
+        targets += item.param_grads or (None,) * len(item.params)
+        accumulators = (None,) * n + (item.accumulators or (None,) * len(item.params))
+        assert item.out_spec is not None
+        replay = EmulatedReplay(
+            fn=item.request.fn,
+            static_args=item.static_args,
+            static_kwargs=item.static_kwargs,
+            out_spec=item.out_spec,
+            static_outputs=item.static_outputs,
+            diff_outputs=item.diff_outputs,
+            diff_inputs=diff_inputs,
+            grad_outputs=item.grad_outputs,
+            grad_targets=targets,
+            accumulators=accumulators,
+            allow_unused=options.allow_unused_input,
+            hooked_params=item.params if options.param_grads == "autograd" else (),
+        )
+        item.replay_forward = replay.forward
+        item.replay_backward = replay.backward
+        item.seconds = time.perf_counter() - start
 
 
-def capture_cuda(
-    graphs: Sequence[GraphedCallable],
-    *,
-    num_warmup_iters: int,
-    allow_unused_input: bool,
-    pool: Any,
-    progress: Progress,
-    capture_error_mode: str,
-    probes: Sequence[WarmupProbe],
+# -- the cuda backend ----------------------------------------------------------------------------
+
+
+def _capture_cuda(
+    captures: Sequence[_Capture], options: CaptureOptions, progress: _Progress
 ) -> None:
     """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
-    device = _device_of(graphs)
+    device = _device_of(captures)
     caller_stream = torch.cuda.current_stream(device)
     # The garbage collector may destroy an unreachable CUDA graph while another one is being
-    # captured, which fails the capture (pytorch PR 161037); it waits until the capture is over.
+    # captured, which fails the capture (docs/cuda_graphs.md); it waits until the capture is over.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         with transformer_engine_capture() as te_generators:
-            _capture_cuda(
-                graphs,
-                device,
-                num_warmup_iters,
-                allow_unused_input,
-                pool,
-                progress,
-                te_generators,
-                capture_error_mode,
-                probes,
-            )
+            _capture_cuda_graphs(captures, options, progress, device, te_generators)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -121,260 +491,85 @@ def capture_cuda(
         torch.cuda.set_stream(caller_stream)
 
 
-def _capture_cuda(
-    graphs: Sequence[GraphedCallable],
+def _capture_cuda_graphs(
+    captures: Sequence[_Capture],
+    options: CaptureOptions,
+    progress: _Progress,
     device: torch.device,
-    num_warmup_iters: int,
-    allow_unused_input: bool,
-    pool: Any,
-    progress: Progress,
     extra_generators: Sequence[Any],
-    capture_error_mode: str,
-    probes: Sequence[WarmupProbe],
 ) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
-    if pool is None:
-        pool = torch.cuda.graph_pool_handle()
+    pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+    mode: Any = options.capture_error_mode
     side_stream = torch.cuda.Stream(device)
     side_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side_stream):
-        for graphed, probe in zip(graphs, probes, strict=True):
-            progress.name, progress.phase = graphed.name, "warmup"
-            for _ in range(num_warmup_iters):
-                with probe:  # issue 19 hook: observes the first iteration only
-                    _forward_backward(graphed, allow_unused_input, record=False)
+        for item in captures:
+            progress.name, progress.phase = item.name, "warmup"
+            for i in range(max(1, options.num_warmup_iters)):
+                with item.probe:  # issue 19 hook: observes the first iteration only
+                    _warmup(item, options.allow_unused_input, inspect=i == 0)
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
-    raise_on_lint_errors(probes)  # issue 19 hook: before anything is captured
+    raise_on_lint_errors([item.probe for item in captures])  # issue 19 hook: before any capture
     allocated_before = torch.cuda.memory_allocated(device)
 
     live_outputs: dict[int, list[torch.Tensor]] = {}
-    for graphed in graphs:
-        progress.name, progress.phase = graphed.name, "forward capture"
+    for item in captures:
+        progress.name, progress.phase = item.name, "forward capture"
         forward_graph = _new_graph(extra_generators)
-        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=capture_error_mode):
-            outputs = _run(graphed)
-        flat = _record_outputs(graphed, outputs)
+        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
+            outputs = item.run()
+        flat = item.record_outputs(outputs)
         del outputs
-        live_outputs[id(graphed)] = flat
-        graphed.static_outputs = [t.detach() for t in flat]
-        graphed.replay_forward = _replayer(forward_graph)
-        graphed.cuda_graphs.append(forward_graph)
+        live_outputs[id(item)] = flat
+        item.static_outputs = tuple(t.detach() for t in flat)
+        item.replay_forward = CudaGraphForward(forward_graph)
+        item.graphs.append(forward_graph)
 
-    for graphed in reversed(graphs):
-        progress.name, progress.phase = graphed.name, "backward capture"
-        flat = live_outputs.pop(id(graphed))
-        differentiable = [flat[i] for i in graphed.diff_outputs]
-        diff_inputs = _diff_inputs(graphed)
+    for item in reversed(captures):
+        progress.name, progress.phase = item.name, "backward capture"
+        flat = live_outputs.pop(id(item))
+        differentiable = [flat[i] for i in item.diff_outputs]
+        diff_inputs = item.diff_inputs()
         if differentiable and diff_inputs:
-            graphed.static_grad_outputs = [torch.empty_like(t.detach()) for t in differentiable]
+            item.grad_outputs = tuple(torch.empty_like(t.detach()) for t in differentiable)
             backward_graph = _new_graph(extra_generators)
-            with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=capture_error_mode):
+            with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
                 grads = torch.autograd.grad(
                     differentiable,
                     diff_inputs,
-                    grad_outputs=graphed.static_grad_outputs,
+                    grad_outputs=item.grad_outputs,
                     only_inputs=True,
-                    allow_unused=allow_unused_input,
+                    allow_unused=options.allow_unused_input,
                 )
-                accumulate_param_grads(graphed, grads)
-            _spread_grads(graphed, grads)
-            graphed.replay_backward = backward_graph.replay
-            graphed.cuda_graphs.append(backward_graph)
+                _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+            item.place_grads(grads)
+            item.replay_backward = backward_graph.replay
+            item.graphs.append(backward_graph)
         del flat, differentiable
     torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     pool_bytes = _pool_bytes(pool, device) or max(
         0, torch.cuda.memory_allocated(device) - allocated_before
     )
-    for graphed in graphs:
-        graphed.diagnostics.pool_bytes = pool_bytes
-        _finish(graphed, elapsed)
+    for item in captures:
+        item.pool_bytes = pool_bytes
+        item.seconds = elapsed
 
 
-def repair_cuda_rng() -> None:
-    """Make the CUDA RNG usable again after a capture that touched it failed.
-
-    Without this every later CUDA RNG call fails with "Offset increment outside graph capture
-    encountered unexpectedly" (see FIELD-NOTES); re-installing the generator's own state fixes it.
-    """
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+def _accumulate(
+    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """Add the parameter grads into the in-graph accumulators (captured into the graph)."""
+    if not accumulators:
         return
-    for generator in torch.cuda.default_generators:
-        generator.graphsafe_set_state(generator.clone_state())
-
-
-def describe_failure(error: BaseException, progress: Progress, backend: str) -> CaptureError:
-    """A :class:`CaptureError` naming the callable, the phase and the root cause."""
-    root = error
-    while root.__context__ is not None and root.__cause__ is None and root is not root.__context__:
-        root = root.__context__
-    cause = f"{type(root).__name__}: {_first_line(root)}"
-    if root is not error:
-        cause += f" (then {type(error).__name__}: {_first_line(error)})"
-    hint = ""
-    if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
-        hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
-    if "legacy stream depend on a capturing blocking stream" in cause:
-        hint = (
-            " (is the model already wrapped in DistributedDataParallel? Graph its layers first,"
-            " then wrap it: see docs/ddp.md)"
-        )
-    return CaptureError(
-        f"capturing {progress.name} ({backend}) failed during {progress.phase}: {cause}{hint}"
-    )
-
-
-def _first_line(error: BaseException) -> str:
-    # CUDA errors append several lines of generic advice; the first line is the cause.
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
-
-
-# -- shared steps ---------------------------------------------------------------------------------
-
-
-def _run(graphed: GraphedCallable) -> Any:
-    return graphed.fn(*graphed.static_args, **graphed.static_kwargs)
-
-
-def _diff_inputs(graphed: GraphedCallable) -> list[torch.Tensor]:
-    return [t for t in graphed.static_inputs if t.requires_grad] + list(graphed.params)
-
-
-def prepare_params(graphed: GraphedCallable, params: Sequence[torch.Tensor], mode: str) -> None:
-    """Which parameters get grads, and how they reach ``.grad`` (see ``GraphedCallable``)."""
-    graphed.params = tuple(params)
-    graphed.param_grads = mode
-    if mode == "autograd" or not params:
-        graphed.edge_params = graphed.params
-        return
-    graphed.param_grad_buffers = [torch.zeros_like(p) for p in params]
-    graphed.edge_params = (torch.empty(0, device=params[0].device, requires_grad=True),)
-
-
-def _forward_backward(
-    graphed: GraphedCallable, allow_unused_input: bool, *, record: bool
-) -> tuple[torch.Tensor | None, ...]:
-    with torch.enable_grad():
-        outputs = _run(graphed)
-    flat = _output_tensors(graphed, describe(outputs), outputs)
-    differentiable = [t for t in flat if t.requires_grad]
-    diff_inputs = _diff_inputs(graphed)
-    if not (differentiable and diff_inputs):
-        return ()
-    grads = torch.autograd.grad(
-        differentiable,
-        diff_inputs,
-        grad_outputs=[torch.ones_like(t) for t in differentiable],
-        only_inputs=True,
-        allow_unused=allow_unused_input,
-    )
-    return tuple(grads) if record else ()
-
-
-def _output_tensors(graphed: GraphedCallable, spec: TreeSpec, outputs: Any) -> list[torch.Tensor]:
-    flat = spec.flatten(outputs)
-    for path, leaf in zip(spec.array_paths, flat):
-        if not isinstance(leaf, torch.Tensor):
-            raise DualgraphError(
-                f"{graphed.name}: output{path}: expected a torch tensor, got "
-                f"{type(leaf).__module__}.{type(leaf).__qualname__} (outputs of a torch callable "
-                "hold tensors, None and int/float/bool/str constants)"
-            )
-    return flat
-
-
-def _record_outputs(graphed: GraphedCallable, outputs: Any) -> list[torch.Tensor]:
-    spec = describe(outputs)
-    flat = _output_tensors(graphed, spec, outputs)
-    graphed.out_spec = spec
-    mask = spec.grad_mask
-    graphed.diff_outputs = tuple(i for i, grad in enumerate(mask) if grad)
-    graphed.nondiff_outputs = tuple(i for i, grad in enumerate(mask) if not grad)
-    return flat
-
-
-def _spread_grads(graphed: GraphedCallable, grads: Sequence[torch.Tensor | None]) -> None:
-    """Place the grads of the differentiable inputs at their slots among all replay inputs."""
-    slots = _all_diff_slots(graphed)
-    spread: list[torch.Tensor | None] = [None] * (len(graphed.static_inputs) + len(graphed.params))
-    for slot, grad in zip(slots, grads, strict=True):
-        spread[slot] = grad
-    if graphed.param_grad_buffers:  # parameter grads stay inside the graph
-        spread, param_grads = (
-            spread[: len(graphed.static_inputs)],
-            spread[len(graphed.static_inputs) :],
-        )
-        spread += [None] * len(graphed.edge_params)
-        # As with autograd, a parameter the callable does not use keeps its ``.grad`` None.
-        graphed.params_with_grad = tuple(grad is not None for grad in param_grads)
-    graphed.static_grad_inputs = tuple(spread)
-
-
-def accumulate_param_grads(graphed: GraphedCallable, grads: Sequence[torch.Tensor | None]) -> None:
-    """Add the parameter part of ``grads`` into the static parameter grad buffers."""
-    if not graphed.param_grad_buffers:
-        return
-    param_grads = grads[len(grads) - len(graphed.params) :]
-    pairs = [(b, g) for b, g in zip(graphed.param_grad_buffers, param_grads) if g is not None]
-    if pairs:
-        torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
-
-
-def _install_emulated_replay(graphed: GraphedCallable, allow_unused_input: bool) -> None:
-    live: list[torch.Tensor] = []
-    diff_inputs = _diff_inputs(graphed)
-    spec = graphed.spec
-    # grads come in _all_diff_slots order; which of them land in a static grad buffer
-    copies = [
-        (graphed.static_grad_inputs[slot], k)
-        for k, slot in enumerate(_all_diff_slots(graphed))
-        if slot < len(graphed.static_grad_inputs) and graphed.static_grad_inputs[slot] is not None
+    pairs = [
+        (a, g) for a, g in zip(accumulators, grads, strict=True) if a is not None and g is not None
     ]
-
-    def replay_forward(grad_enabled: bool) -> None:
-        with torch.set_grad_enabled(grad_enabled):
-            outputs = _run(graphed)
-        flat = spec.flatten(outputs)
-        live[:] = [flat[i] for i in graphed.diff_outputs] if grad_enabled else []
-        for static, tensor in zip(graphed.static_outputs, flat):
-            static.copy_(tensor.detach())
-
-    def replay_backward() -> None:
-        if not live:
-            raise DualgraphError(f"{graphed.name}: backward without a forward under autograd")
-        grads = torch.autograd.grad(
-            live,
-            diff_inputs,
-            grad_outputs=graphed.static_grad_outputs,
-            allow_unused=allow_unused_input,
-        )
-        accumulate_param_grads(graphed, grads)
-        for static, k in copies:
-            grad = grads[k]
-            if grad is None:
-                static.zero_()
-            else:
-                static.copy_(grad)
-
-    graphed.replay_forward = replay_forward
-    graphed.replay_backward = replay_backward
-
-
-def _all_diff_slots(graphed: GraphedCallable) -> list[int]:
-    slots = [i for i, t in enumerate(graphed.static_inputs) if t.requires_grad]
-    return slots + [len(graphed.static_inputs) + j for j in range(len(graphed.params))]
-
-
-def _finish(graphed: GraphedCallable, seconds: float) -> None:
-    graphed.diagnostics.static_output_bytes = _bytes(graphed.static_outputs)
-    grad_buffers = [g for g in graphed.static_grad_inputs if g is not None]
-    grad_buffers += graphed.param_grad_buffers
-    graphed.diagnostics.static_grad_bytes = _bytes(graphed.static_grad_outputs + grad_buffers)
-    graphed.diagnostics.capture_seconds = seconds
-    graphed.finish()
+    if pairs:
+        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:
@@ -384,13 +579,6 @@ def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:
     for generator_state in extra_generators:
         graph.register_generator_state(generator_state)
     return graph
-
-
-def _replayer(graph: torch.cuda.CUDAGraph) -> Any:
-    def replay(_grad_enabled: bool) -> None:
-        graph.replay()
-
-    return replay
 
 
 def _pool_bytes(pool: Any, device: torch.device) -> int:
@@ -408,12 +596,72 @@ def _pool_bytes(pool: Any, device: torch.device) -> int:
     )
 
 
-def _device_of(graphs: Sequence[GraphedCallable]) -> torch.device:
-    for graphed in graphs:
-        for tensor in (*graphed.static_inputs, *graphed.params):
+def _device_of(captures: Sequence[_Capture]) -> torch.device:
+    for item in captures:
+        for tensor in (*item.static_inputs, *item.params):
             if tensor.is_cuda:
                 return tensor.device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def repair_cuda_rng() -> None:
+    """Make the CUDA RNG usable again after a capture that touched it failed.
+
+    Without this every later CUDA RNG call fails with "Offset increment outside graph capture
+    encountered unexpectedly" (docs/cuda_graphs.md); re-installing the generator's own state
+    fixes it.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    for generator in torch.cuda.default_generators:
+        generator.graphsafe_set_state(generator.clone_state())
+
+
+def _recover_cuda() -> None:
+    with contextlib.suppress(RuntimeError):  # the failed capture's own error is reported
+        torch.cuda.synchronize()
+    repair_cuda_rng()
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Progress:
+    """Where a capture is, so that a failure can name the callable and the phase."""
+
+    name: str = ""
+    phase: str = "setup"
+
+
+def _describe_failure(error: BaseException, progress: _Progress, backend: str) -> CaptureError:
+    """A :class:`CaptureError` naming the callable, the phase and the root cause."""
+    root = error
+    while root.__context__ is not None and root.__cause__ is None and root is not root.__context__:
+        root = root.__context__
+    cause = _show(root)
+    if root is not error:
+        cause += f" (then {_show(error)})"
+    name = progress.name
+    hint = ""
+    if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
+        hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
+    if "legacy stream depend on a capturing blocking stream" in cause:
+        hint = (
+            " (is the model already wrapped in DistributedDataParallel? Graph its layers first,"
+            " then wrap it: see docs/ddp.md)"
+        )
+    where = f"capturing {name} ({backend})" if name else f"capturing ({backend})"
+    return CaptureError(f"{where} failed during {progress.phase}: {cause}{hint}")
+
+
+def _show(error: BaseException) -> str:
+    # CUDA errors append several lines of generic advice; the first line is the cause.
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(error, _Refused | CaptureLintError) or type(error) is DualgraphError:
+        return first
+    return f"{type(error).__name__}: {first}"
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:

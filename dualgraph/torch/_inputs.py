@@ -1,8 +1,9 @@
-"""Validation of a graphed callable's arguments against what it was captured with.
+"""Validation of a graphed callable's arguments against the samples it was captured with.
 
 Runs on every call, before any static buffer is written: structure, ``None`` positions and
-non-tensor values through the core spec's compiled flatten, then each tensor's shape, dtype,
-device and ``requires_grad`` against values precomputed at capture time.
+constants through the core's call spec, then each tensor against what was recorded from its
+sample: a plain dense tensor (no subclass, sparse, nested or quantized tensor) of the same
+shape, dtype and device, and no ``requires_grad`` where the sample had none.
 """
 
 from __future__ import annotations
@@ -12,15 +13,47 @@ from typing import Any
 
 import torch
 
+from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
-from .._spec import TreeSpec, describe
 from ._leaves import dtype_name
 
-__all__ = ["InputGuard"]
+__all__ = ["InputGuard", "unsupported_tensor"]
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
+
+
+def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
+    """Why ``tensor`` cannot be copied into a static buffer and replayed, or ``None``.
+
+    >>> unsupported_tensor(torch.zeros(2, 2).to_sparse())
+    'a torch.sparse_coo tensor (static buffers are dense, strided tensors)'
+    >>> unsupported_tensor(torch.zeros(2)) is None
+    True
+    """
+    cls = type(tensor)
+    if cls is not _Tensor and cls is not _Parameter:
+        return (
+            f"a tensor subclass {cls.__module__}.{cls.__qualname__} (a replay runs the captured "
+            "kernels, not the subclass's Python code)"
+        )
+    if tensor.is_nested:
+        return "a nested tensor (static buffers are dense, strided tensors)"
+    if tensor.layout is not _STRIDED:
+        return f"a {tensor.layout} tensor (static buffers are dense, strided tensors)"
+    if tensor.is_quantized:
+        return "a quantized tensor (static buffers are dense, strided tensors)"
+    if tensor.is_meta:
+        return "a meta tensor (it holds no data to replay on)"
+    return None
 
 
 class InputGuard:
     """The capture-time description of ``(args, kwargs)``; :meth:`tensors` checks a call.
+
+    Built on the core's :class:`dualgraph.CallSpec` (structure, ``None`` leaves, constants,
+    paths); what a tensor leaf must be is checked here.
 
     >>> guard = InputGuard((torch.zeros(2, 3),), {"scale": 2.0})
     >>> len(guard.tensors((torch.ones(2, 3),), {"scale": 2.0}))
@@ -28,74 +61,85 @@ class InputGuard:
     >>> guard.tensors((torch.ones(2, 4),), {"scale": 2.0})
     Traceback (most recent call last):
     ...
-    dualgraph._errors.SpecMismatchError: args[0]: expected float32[2, 3] on cpu, got ...
+    dualgraph.SpecMismatchError: args[0]: expected float32[2, 3] on cpu, got ...
     """
 
-    __slots__ = (
-        "_expected",
-        "_has_kwargs",
-        "_paths",
-        "args_spec",
-        "kwargs_spec",
-        "num_args_tensors",
-    )
+    __slots__ = ("_expected", "paths", "requires_grad", "spec")
 
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
-        args = tuple(args)
-        kwargs = dict(kwargs or {})
-        self.args_spec: TreeSpec = describe(args, root="args")
-        self.kwargs_spec: TreeSpec = describe(kwargs, root="kwargs")
-        self._has_kwargs = bool(kwargs)
-        tensors = self.args_spec.flatten(args) + self.kwargs_spec.flatten(kwargs)
-        paths = [f"args{p}" for p in self.args_spec.array_paths]
-        paths += [f"kwargs{p}" for p in self.kwargs_spec.array_paths]
-        for path, leaf in zip(paths, tensors):
+        #: The core's description of the call: structure, constants, array paths.
+        self.spec: CallSpec = describe_call(args, kwargs)
+        tensors = self.spec.flatten(args, kwargs)
+        paths = self.spec.array_paths
+        for path, leaf in zip(paths, tensors, strict=True):
             if not isinstance(leaf, torch.Tensor):
                 raise DualgraphError(
                     f"{path}: array leaves of a torch callable's inputs must be torch tensors, "
                     f"got {type(leaf).__module__}.{type(leaf).__qualname__}"
                 )
-        self.num_args_tensors = self.args_spec.num_arrays
-        self._paths = tuple(paths)
+            why = unsupported_tensor(leaf)
+            if why is not None:
+                raise SpecMismatchError(f"{path}: cannot be graphed: {why}", path=path)
+        #: The path of each input tensor, e.g. ``args[0]`` or ``kwargs['mask']``.
+        self.paths: tuple[str, ...] = paths
+        #: For each input tensor (args first, then kwargs): did its sample require grad?
+        self.requires_grad: tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
 
     @property
-    def requires_grad(self) -> tuple[bool, ...]:
-        """For each input tensor (args first, then kwargs): did it require grad at capture?"""
-        return tuple(expected[3] for expected in self._expected)
+    def num_args_tensors(self) -> int:
+        """How many input tensors come from ``args`` (they come first)."""
+        return self.spec.num_args_arrays
 
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The path of each input tensor, e.g. ``args[0]`` or ``kwargs['mask']``."""
-        return self._paths
+    def tensors(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_enabled: bool | None = None
+    ) -> list[torch.Tensor]:
+        """The input tensors of a call, in capture order; raises naming the first bad leaf.
 
-    def tensors(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
-        """The input tensors of a call, in capture order; raises naming the first bad leaf."""
-        tensors = self.args_spec.flatten(args, root="args")
-        if kwargs or self._has_kwargs:
-            if type(kwargs) is not dict:
-                kwargs = dict(kwargs)
-            tensors += self.kwargs_spec.flatten(kwargs, root="kwargs")
-        grad_enabled = torch.is_grad_enabled()
-        for tensor, (shape, dtype, device, requires_grad) in zip(tensors, self._expected):
-            if (
-                not isinstance(tensor, torch.Tensor)
-                or tensor.shape != shape
-                or tensor.dtype != dtype
-                or tensor.device != device
-                or (tensor.requires_grad and not requires_grad and grad_enabled)
+        ``grad_enabled`` is the grad mode of the call (read from torch when not given).
+        """
+        tensors = self.spec.flatten(args, kwargs)
+        if grad_enabled is None:
+            grad_enabled = torch.is_grad_enabled()
+        try:
+            for tensor, (shape, dtype, device, requires_grad) in zip(
+                tensors, self._expected, strict=True
             ):
-                raise self._explain(tensors, grad_enabled)
+                cls = type(tensor)
+                if (
+                    (cls is not _Tensor and cls is not _Parameter)
+                    or tensor.layout is not _STRIDED
+                    or tensor.shape != shape
+                    or tensor.dtype is not dtype
+                    or tensor.device != device
+                    or (tensor.requires_grad and not requires_grad and grad_enabled)
+                ):
+                    raise self._explain(tensors, grad_enabled)
+        except SpecMismatchError:
+            raise
+        except Exception:  # e.g. a nested tensor has no shape to compare
+            raise self._explain(tensors, grad_enabled) from None
         return tensors
+
+    def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` with ``tensors`` (in capture order) at the tensor leaves."""
+        return self.spec.unflatten(tensors)
+
+    def describe(self) -> str:
+        """The captured inputs, e.g. ``args=(float32[2, 4](grad),), kwargs={}``."""
+        return repr(self.spec)[len("CallSpec(") : -1]
 
     def _explain(self, tensors: list[Any], grad_enabled: bool) -> SpecMismatchError:
         for path, tensor, (shape, dtype, device, requires_grad) in zip(
-            self._paths, tensors, self._expected
+            self.paths, tensors, self._expected, strict=True
         ):
             expected = f"{dtype_name(dtype)}[{', '.join(map(str, shape))}] on {device}"
             if not isinstance(tensor, torch.Tensor):
                 found = f"an object of type {type(tensor).__module__}.{type(tensor).__qualname__}"
                 return SpecMismatchError(f"{path}: expected {expected}, got {found}", path=path)
+            why = unsupported_tensor(tensor)
+            if why is not None:
+                return SpecMismatchError(f"{path}: expected {expected}, got {why}", path=path)
             shape_found = ", ".join(map(str, tensor.shape))
             found = f"{dtype_name(tensor.dtype)}[{shape_found}] on {tensor.device}"
             if found != expected:

@@ -24,7 +24,13 @@ def dtype_name(dtype: torch.dtype, /) -> str:
 
 
 def tensor_signature(tensor: torch.Tensor, /) -> tuple[tuple[int, ...], str]:
-    """``(shape, dtype name)`` of a tensor, as the core describes arrays."""
+    """``(shape, dtype name)`` of a tensor, as the core describes arrays.
+
+    A nested tensor has no single shape; it is described as a scalar, so that a spec can still
+    be made and the adapter can refuse it by its path.
+    """
+    if tensor.is_nested:
+        return (), dtype_name(tensor.dtype)
     return tuple(tensor.shape), dtype_name(tensor.dtype)
 
 

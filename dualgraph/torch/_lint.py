@@ -37,10 +37,10 @@ from typing import Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import CaptureError
+from ._op_watch import OpWatch
 
 __all__ = [
     "CaptureLint",
@@ -59,10 +59,11 @@ HOST_TENSOR = "CPU tensor made in the callable"
 CROSS_DEVICE_COPY = "cross-device copy"
 UNREGISTERED_GENERATOR = "unregistered RNG generator"
 INPUT_MUTATION = "input updated in place"
+BACKWARD_INPUT_MUTATION = "input updated in place during backward"
 PARAMETER_MUTATION = "parameter updated in place"
 
-#: Every kind of finding, and whether it is an error (a real capture fails, or a replay silently
-#: differs from eager) or a warning (works, but probably not as meant).
+#: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
+#: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
 KINDS: dict[str, Severity] = {
     HOST_SYNC: "error",
     DATA_DEPENDENT_SHAPE: "error",
@@ -71,7 +72,8 @@ KINDS: dict[str, Severity] = {
     CROSS_DEVICE_COPY: "error",
     UNREGISTERED_GENERATOR: "error",
     INPUT_MUTATION: "warning",
-    PARAMETER_MUTATION: "warning",
+    BACKWARD_INPUT_MUTATION: "error",
+    PARAMETER_MUTATION: "error",
 }
 
 
@@ -246,21 +248,31 @@ class CaptureLint:
         self._module_names: dict[int, str] | None = None
         # autograd node id -> (node, where the forward made it), until close()
         self._node_sites: dict[int, tuple[Any, tuple[str | None, int | None, str, str]]] = {}
-        self._modes: list[tuple[TorchFunctionMode, TorchDispatchMode]] = []
+        self._entered: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> CaptureLint:
-        modes = (_FunctionLint(self), _DispatchLint(self))
-        self._modes.append(modes)
-        modes[0].__enter__()
-        modes[1].__enter__()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.watching())
+        self._entered.append(stack)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        function_mode, dispatch_mode = self._modes.pop()
+        self._entered.pop().close()
+
+    @contextlib.contextmanager
+    def watching(self, *, dispatch: bool = True) -> Iterator[None]:
+        """Lint what runs inside; ``dispatch=False`` leaves the ATen ops to a shared
+        :class:`~dualgraph.torch._op_watch.OpWatch` that calls :meth:`before_op`."""
         try:
-            dispatch_mode.__exit__(None, None, None)
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(_FunctionLint(self))
+                if dispatch:
+                    modes.enter_context(OpWatch(before=[self]))
+                yield
         finally:
-            function_mode.__exit__(None, None, None)
+            self._check_versions()
+
+    def _check_versions(self) -> None:
         for kind, path, tensor, version in self._versions:
             if tensor._version != version and path not in self._mutated:
                 self._mutated.add(path)
@@ -496,9 +508,19 @@ class CaptureLint:
 
     # -- what the dispatch mode checks ----------------------------------------------------------
 
+    def before_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Check one ATen op (forward or backward), unless a call reported already runs it."""
+        if not self._suppressed:
+            self.check_op(func, args, kwargs)
+
     def check_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Check one ATen op (forward or backward)."""
-        name = func.overloadpacket.__name__
+        checks = _OP_CHECKS.get(func)
+        if checks is None:
+            checks = _op_checks(func)
+        if checks is _NOTHING_TO_CHECK:  # most ops: one lookup
+            return
+        name, generators, written = checks
         op = f"aten.{name}"
         if name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS:
             tensors = _tensors_in((args, kwargs))
@@ -512,13 +534,15 @@ class CaptureLint:
                 self.add(DATA_DEPENDENT_SHAPE, f"{op} with a boolean mask", _MASK_INDEX)
             elif name in _COPY_OPS and self.capture_device is not None:
                 self._check_copy_op(op, name, args, kwargs)
-        for value in (*args, *kwargs.values()):
+        for value in _arguments(generators, args, kwargs):
             if isinstance(value, torch.Generator) and not self._registered(value):
                 self.add(UNREGISTERED_GENERATOR, f"{op}(generator=...)", _GENERATOR)
-        for tensor in _written(func, args, kwargs):
+        for tensor in _tensors_in(list(_arguments(written, args, kwargs))):
             watched = self._watched.get(_storage_id(tensor))
             if watched is not None:
                 kind, path = watched
+                if kind == INPUT_MUTATION and torch._C._current_autograd_node() is not None:
+                    kind = BACKWARD_INPUT_MUTATION
                 self._mutated.add(path)
                 self.add(kind, f"{op} on {path}", _MUTATION[kind].format(path))
 
@@ -579,24 +603,6 @@ class _FunctionLint(TorchFunctionMode):
             out = func(*args, **kwargs)
         lint.after_call(name, args, kwargs, out)
         return out
-
-
-class _DispatchLint(TorchDispatchMode):
-    def __init__(self, lint: CaptureLint) -> None:
-        super().__init__()
-        self.lint = lint
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not self.lint._suppressed:
-            self.lint.check_op(func, args, kwargs)
-        return func(*args, **kwargs)
 
 
 # -- tables of what is reported, and why -----------------------------------------------------------
@@ -701,13 +707,18 @@ _GENERATOR = (
 )
 _MUTATION = {
     INPUT_MUTATION: (
-        "Updates the input {} in place. A graph writes its static copy of the input; your tensor "
-        "sees the update only when it is copied back after each replay (see the README's rules "
-        "that come with graphs)."
+        "Updates the input {} in place. A replay writes the graph's static copy of the input, "
+        "and dualgraph copies it back into your tensor after each forward, as eager would leave "
+        "it: one extra copy per call. Return the new value as an output to avoid the copy."
+    ),
+    BACKWARD_INPUT_MUTATION: (
+        "Updates the input {} in place during backward; dualgraph hands in-place updates back "
+        "to the caller after the forward only, so it refuses to capture this. Update the input "
+        "in the forward, or outside the graphed callable."
     ),
     PARAMETER_MUTATION: (
         "Updates the parameter {} in place inside the callable: warmup and capture would change "
-        "it already, every replay repeats the update, and autograd saved values from before it. "
+        "it already and every replay repeats the update, so dualgraph refuses to capture it. "
         "Register it as a buffer, or update it outside the graphed callable."
     ),
 }
@@ -727,12 +738,13 @@ _MODULE_CALLS = frozenset({"_call_impl", "_wrapped_call_impl"})
 _MODULE_FILE = torch.nn.Module._call_impl.__code__.co_filename
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _ADAPTER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: The lint's and the memory probe's own files: their frames are skipped, not a stop.
+#: The files of the lint, the memory probe and their shared dispatch mode: their frames are
+#: skipped, not a stop.
 _MACHINERY_FILES = frozenset(
     [
         *(
             os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-            for name in ("_lint.py", "_memory_plan.py")
+            for name in ("_lint.py", "_memory_plan.py", "_op_watch.py")
         ),
         contextlib.__file__,  # the context managers the lint is entered through
     ]
@@ -761,6 +773,8 @@ def _call_name(func: Any) -> str:
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # most calls return one tensor
+        return [tree]
     found: list[torch.Tensor] = []
     stack = [tree]
     while stack:
@@ -820,22 +834,37 @@ def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     )
 
 
-_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
+#: Per ATen op: ``(name, generator arguments, written arguments)`` (each argument as ``(position,
+#: name)``), or ``_NOTHING_TO_CHECK`` for an op that is in no table, takes no generator and
+#: writes to no argument: the lint's cost for most ops is one dict lookup.
+_OP_CHECKS: dict[Any, Any] = {}
+_NOTHING_TO_CHECK = ("", (), ())
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
-    """The tensors an op writes to (its schema's mutable arguments, ``out=`` included)."""
-    positions = _WRITTEN_ARGS.get(func)
-    if positions is None:
-        positions = tuple(
-            (i, argument.name)
-            for i, argument in enumerate(func._schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        )
-        _WRITTEN_ARGS[func] = positions
+def _op_checks(func: Any) -> Any:
+    name = func.overloadpacket.__name__
+    try:
+        arguments = list(func._schema.arguments)
+    except AttributeError:
+        arguments = []
+    generators = tuple((i, a.name) for i, a in enumerate(arguments) if "Generator" in str(a.type))
+    written = tuple(
+        (i, a.name)
+        for i, a in enumerate(arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    tabled = name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS
+    checks = (name, generators, written) if tabled or generators or written else _NOTHING_TO_CHECK
+    _OP_CHECKS[func] = checks
+    return checks
+
+
+def _arguments(
+    positions: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Iterator[Any]:
+    """The values of an op's arguments at ``positions`` (passed by position or by name)."""
     for index, name in positions:
-        value = args[index] if index < len(args) else kwargs.get(name)
-        yield from _tensors_in(value)
+        yield args[index] if index < len(args) else kwargs.get(name)
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

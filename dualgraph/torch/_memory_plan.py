@@ -33,6 +33,7 @@ callable  static in  static out  static grads  saved activations  forward peak .
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import threading
@@ -42,7 +43,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._op_watch import OpWatch
 
 __all__ = ["CallableMemory", "MemoryPlan", "MemoryProbe", "memory_plan"]
 
@@ -219,22 +221,26 @@ class MemoryProbe:
         self._events: list[tuple[bool, int]] = []  # (in backward, +/- block size)
         self._first_backward: int | None = None
         self._last_backward = -1
-        self._mode: _AllocationWatch | None = None
-        self._hooks: Any = None
+        self._entered: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> MemoryProbe:
-        self._mode = _AllocationWatch(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks())
-        self._hooks.__enter__()
-        self._mode.__enter__()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.watching())
+        self._entered.append(stack)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._mode is not None
-        try:
-            self._mode.__exit__(None, None, None)
-        finally:
-            self._hooks.__exit__(None, None, None)
+        self._entered.pop().close()
+
+    @contextlib.contextmanager
+    def watching(self, *, dispatch: bool = True) -> Iterator[None]:
+        """Watch what runs inside; ``dispatch=False`` leaves the ATen ops to a shared
+        :class:`~dualgraph.torch._op_watch.OpWatch` that calls :meth:`after_op`."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks()))
+            if dispatch:
+                stack.enter_context(OpWatch(after=[self]))
+            yield
 
     def close(self) -> None:
         """Stop following releases (what is alive now stays counted as alive)."""
@@ -280,15 +286,19 @@ class MemoryProbe:
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
-    def _allocated(
+    def after_op(
         self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
     ) -> None:
+        """Count the storages an ATen op allocated (forward or backward)."""
         in_backward = torch._C._current_autograd_node() is not None
         if in_backward:
             with self._lock:
                 if self._first_backward is None:
                     self._first_backward = len(self._events)
-        elif self._first_backward is None and not self._inside_callable():
+                if _returns_alias(func):  # a view or an in-place op: nothing new
+                    self._last_backward = len(self._events) - 1
+                    return
+        elif _returns_alias(func) or (self._first_backward is None and not self._inside_callable()):
             return
         argument_storages: set[int] | None = None
         for tensor in _tensors_in(out):
@@ -369,24 +379,6 @@ class MemoryProbe:
         return False
 
 
-class _AllocationWatch(TorchDispatchMode):
-    def __init__(self, probe: MemoryProbe) -> None:
-        super().__init__()
-        self.probe = probe
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.probe._allocated(func, args, kwargs, out)
-        return out
-
-
 class _Pool:
     """Live bytes by kind of segment, their peaks, and the segments those peaks need."""
 
@@ -421,6 +413,22 @@ class _Pool:
         )
 
 
+_RETURNS_ALIAS: dict[Any, bool] = {}
+
+
+def _returns_alias(func: Any) -> bool:
+    """Whether an op's schema says all its outputs alias arguments (views, in-place, ``out=``)."""
+    aliases = _RETURNS_ALIAS.get(func)
+    if aliases is None:
+        try:
+            returns = func._schema.returns
+        except AttributeError:
+            returns = ()
+        aliases = bool(returns) and all(r.alias_info is not None for r in returns)
+        _RETURNS_ALIAS[func] = aliases
+    return aliases
+
+
 def _segment_kind(size: int) -> int:
     if size <= _SMALL_BLOCK:
         return 0
@@ -444,15 +452,20 @@ def _storage_of(tensor: torch.Tensor) -> Any:
         return None
 
 
-def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, tuple | list):
-        for item in tree:
-            yield from _tensors_in(item)
-    elif isinstance(tree, Mapping):
-        for item in tree.values():
-            yield from _tensors_in(item)
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # most ops return one tensor
+        return [tree]
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, tuple | list):
+            stack.extend(reversed(item))
+        elif isinstance(item, Mapping):
+            stack.extend(reversed(list(item.values())))
+    return found
 
 
 def _code_of(fn: Any) -> Any:
@@ -460,7 +473,7 @@ def _code_of(fn: Any) -> Any:
     while isinstance(fn, functools.partial):
         fn = fn.func
     if isinstance(fn, torch.nn.Module):
-        fn = type(fn).forward
+        fn = fn.forward  # an instance-level forward, or the class's
     fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
     if code is None and callable(fn):  # an object with a __call__ method

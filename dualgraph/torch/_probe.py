@@ -26,8 +26,12 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
+from ._eager import EagerCallable
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
+from ._modules import is_graphed
+from ._op_watch import OpWatch
+from ._replay import GraphedCallable
 
 __all__ = [
     "LintMode",
@@ -58,12 +62,28 @@ def probe_once(
     lint: bool,
     memory: bool,
 ) -> tuple[LintReport | None, MemoryPlan | None]:
-    """Run ``fn`` forward and backward once under the lint and/or the memory probe."""
+    """Run ``fn`` forward and backward once under the lint and/or the memory probe.
+
+    A graphed ``fn`` (what ``make_graphed_callables`` returned) is observed through the callable
+    behind it, which is what a capture runs.
+    """
+    with _ungraphed(fn) as fn:
+        return _probe_once(fn, args, kwargs, lint=lint, memory=memory)
+
+
+def _probe_once(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    lint: bool,
+    memory: bool,
+) -> tuple[LintReport | None, MemoryPlan | None]:
     name = name_of(fn)
     root = module_of(fn)
     args_clone, kwargs_clone, inputs = _cloned_inputs(tuple(args), dict(kwargs))
     params = list(root.named_parameters()) if root is not None else []
-    observers: list[Any] = []
+    observers: list[CaptureLint | MemoryProbe] = []
     capture_lint = memory_probe = None
     if lint:
         capture_lint = CaptureLint(
@@ -108,7 +128,9 @@ class WarmupProbe:
     """The lint and the memory probe around the first warmup iteration of one callable.
 
     ``with probe:`` observes the first time and does nothing afterwards, so a warmup loop can
-    wrap every iteration. ``inputs`` are the static input buffers, ``paths`` their paths.
+    wrap every iteration. ``fn`` is what the warmup calls, ``module`` the module being graphed
+    (``None`` for a function): in-place writes to any of its parameters are findings, as the
+    adapter refuses them. ``inputs`` are the static input buffers, ``paths`` their paths.
     """
 
     def __init__(
@@ -116,22 +138,20 @@ class WarmupProbe:
         name: str,
         fn: Callable[..., Any],
         *,
+        module: torch.nn.Module | None,
         inputs: Sequence[torch.Tensor],
         paths: Sequence[str],
-        params: Sequence[torch.Tensor],
         lint: LintMode,
     ) -> None:
         check_lint_mode(lint)
-        root = module_of(fn)
-        names = {id(p): n for n, p in root.named_parameters()} if root is not None else {}
         self.mode = lint
         self.lint: CaptureLint | None = None
         if lint != "off":
             self.lint = CaptureLint(
                 name,
                 inputs=list(zip(paths, inputs, strict=True)),
-                params=[(names.get(id(p), f"parameter {i}"), p) for i, p in enumerate(params)],
-                root=root,
+                params=list(module.named_parameters()) if module is not None else [],
+                root=module,
                 generators=_registered_generators(),
             )
         self.memory = MemoryProbe(name, fn)
@@ -143,7 +163,10 @@ class WarmupProbe:
         if not self.used:
             self.used = True
             self._stack = contextlib.ExitStack()
-            self._stack.enter_context(_observed([o for o in (self.lint, self.memory) if o]))
+            observers: list[CaptureLint | MemoryProbe] = [self.memory]
+            if self.lint is not None:
+                observers.insert(0, self.lint)
+            self._stack.enter_context(_observed(observers))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -176,8 +199,8 @@ def raise_on_lint_errors(probes: Sequence[WarmupProbe]) -> None:
     mode = probes[0].mode
     if mode == "error":
         raise CaptureLintError(
-            "the capture lint found what a CUDA graph cannot hold (lint='warn' captures anyway, "
-            f"lint='off' skips the lint)\n{report}",
+            "the capture lint found what a graphed callable cannot do (lint='warn' captures "
+            f"anyway, lint='off' skips the lint)\n{report}",
             report,
         )
     if mode == "warn":
@@ -241,11 +264,33 @@ def module_of(fn: Any) -> torch.nn.Module | None:
 
 
 @contextlib.contextmanager
-def _observed(observers: Sequence[Any]) -> Iterator[None]:
+def _observed(observers: Sequence[CaptureLint | MemoryProbe]) -> Iterator[None]:
+    """The observers, their ATen ops watched through one dispatch mode (see ``_op_watch``)."""
     with contextlib.ExitStack() as stack:
         for observer in observers:
-            stack.enter_context(observer)
+            stack.enter_context(observer.watching(dispatch=False))
+        stack.enter_context(
+            OpWatch(
+                before=[o for o in observers if isinstance(o, CaptureLint)],
+                after=[o for o in observers if isinstance(o, MemoryProbe)],
+            )
+        )
         yield
+
+
+@contextlib.contextmanager
+def _ungraphed(fn: Any) -> Iterator[Any]:
+    """``fn``, or the callable behind it when it was graphed (a module keeps its hooks)."""
+    graphed = isinstance(fn, GraphedCallable | EagerCallable) or (
+        isinstance(fn, torch.nn.Module) and is_graphed(fn)
+    )
+    if not graphed:
+        yield fn
+        return
+    from ._verify import eager_twin  # _verify imports the adapter, which imports this module
+
+    with eager_twin(fn) as twin:
+        yield twin
 
 
 @contextlib.contextmanager

@@ -1,183 +1,496 @@
 """What happens on every call of a graphed callable (the hot path).
 
-A call validates its inputs, copies them into the static input buffers, replays the forward
-graph and hands back the static outputs, rebuilt into the captured output tree (``None`` leaves
-and constants restored). Under autograd the replay is one :class:`torch.autograd.Function` whose
-backward copies the incoming grads into the static grad buffers and replays the backward graph.
-Everything a call needs was precomputed at capture time (see ``_capture.py``).
+A call checks its inputs, the module's parameters and the ambient state (autocast, TE's FP8
+autocast) against the plan, copies the inputs into the static input buffers, replays the
+forward and hands back the static outputs, rebuilt into the captured output tree (``None``
+leaves and constants restored). Under autograd the replay is one :class:`torch.autograd.Function`
+whose backward copies the incoming grads into the static grad buffers, replays the backward and
+hands the grads on as eager would: input grads as tensors of their own, parameter grads to
+``.grad``. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
+(``_capture.py`` builds it); :class:`EmulatedReplay` is the ``"emulate"`` backend's stand-in for
+the two graphs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+import contextlib
+import copy
+import dataclasses
+import operator
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._inputs import InputGuard
+from ._diagnostics import CaptureDiagnostics
+from ._eager import EagerCallable
+from ._params import requires_grad_changed, suspended_tensor_hooks
+from ._plan import ReplayPlan
+from ._transformer_engine import fp8_state
 
-if TYPE_CHECKING:  # issue 19 hook: the lint report and memory plan kept with the diagnostics
-    from ._lint import LintReport
-    from ._memory_plan import MemoryPlan
+__all__ = ["CudaGraphForward", "EmulatedReplay", "GraphedCallable", "autocast_state"]
 
-__all__ = ["CaptureDiagnostics", "GraphedCallable", "autocast_state"]
-
-
-@dataclass
-class CaptureDiagnostics:
-    """Sizes and times of one captured callable.
-
-    ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
-    (the same number on each of them): the allocator's segments of that pool, else the memory
-    the capture left allocated; 0 off the GPU. ``lint`` holds the capture lint's findings
-    (``None`` with ``lint="off"``) and ``memory_plan`` the memory plan, with the measured pool
-    beside it on the GPU (both ``None`` when no warmup iteration ran).
-    """
-
-    name: str
-    backend: str
-    static_input_bytes: int = 0
-    static_output_bytes: int = 0
-    static_grad_bytes: int = 0
-    pool_bytes: int = 0
-    capture_seconds: float = 0.0
-    has_backward_graph: bool = False
-    replays: int = field(default=0)
-    # issue 19 hook: set after capture by dualgraph.torch._probe.attach_probes
-    lint: LintReport | None = None
-    memory_plan: MemoryPlan | None = None
+_detach = torch.Tensor.detach
+_is = operator.is_
+_grad = operator.attrgetter("grad")
+_tensor_hooks = operator.attrgetter("_backward_hooks")
+_in_graph_flags = operator.attrgetter(
+    "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
+)
+_is_any_autocast_enabled = getattr(
+    torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
+)
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 class GraphedCallable:
     """A captured callable; calling it replays (see the module docstring).
 
-    Built by :func:`dualgraph.torch.make_graphed_callables`; the attributes are filled in by
-    the capture.
+    Built complete from a :class:`ReplayPlan` by :func:`dualgraph.torch.make_graphed_callables`.
+    ``copy.copy``, ``copy.deepcopy`` and pickling give the ungraphed callable instead (an
+    :class:`EagerCallable` of a copy of the function): a copy never shares static buffers.
     """
 
-    def __init__(self, name: str, fn: Callable[..., Any], guard: InputGuard, backend: str) -> None:
-        self.name = name
-        self.fn = fn
-        self.guard = guard
-        self.backend = backend
-        self.static_inputs: list[torch.Tensor] = []
-        self.static_args: tuple[Any, ...] = ()  # the static inputs in the callable's own tree
-        self.static_kwargs: dict[str, Any] = {}
-        self.cuda_graphs: list[torch.cuda.CUDAGraph] = []  # kept alive with the callable
-        # Parameters whose grads the backward computes, and the tensors passed to the replay
-        # Function after the inputs: the parameters themselves ("autograd" param grads), or one
-        # empty anchor that keeps the replay in the autograd graph ("in_graph" param grads).
-        self.params: tuple[torch.Tensor, ...] = ()
-        self.edge_params: tuple[torch.Tensor, ...] = ()
-        self.param_grads = "autograd"
-        self.param_grad_buffers: list[torch.Tensor] = []
-        self.params_with_grad: tuple[bool, ...] = ()
-        self.out_spec: TreeSpec | None = None
-        self.static_outputs: list[torch.Tensor] = []
-        self.diff_outputs: tuple[int, ...] = ()
-        self.nondiff_outputs: tuple[int, ...] = ()
-        self.static_grad_outputs: list[torch.Tensor] = []
-        self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
-        self.replay_forward: Callable[[bool], None] = _not_captured
-        self.replay_backward: Callable[[], None] = _not_captured
-        self.clone_outputs = False
-        self.autocast_state: tuple[Any, ...] = ()
-        self.generation = 0
-        self.backward_generation = -1
-        self.diagnostics = CaptureDiagnostics(name=name, backend=backend)
-        self._has_backward = False
-        self._param_buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    __slots__ = (
+        "_accumulators",
+        "_ambient_checks",
+        "_autocast",
+        "_backward_checks",
+        "_backward_generation",
+        "_clone_outputs",
+        "_ddp_check",
+        "_edge_nones",
+        "_edges",
+        "_first_param",
+        "_fp8",
+        "_generation",
+        "_grad_outputs",
+        "_has_backward",
+        "_holder_baseline",
+        "_in_graph_accumulators",
+        "_in_graph_expected",
+        "_in_graph_params",
+        "_input_grads",
+        "_inputs",
+        "_lock",
+        "_module_tensors",
+        "_mutated",
+        "_nondiff_outputs",
+        "_out_spec",
+        "_output_versions",
+        "_param_grads",
+        "_params",
+        "_plan_params",
+        "_replay_backward",
+        "_replay_forward",
+        "_saved_outputs",
+        "_sentinel_node",
+        "_static_inputs",
+        "_static_outputs",
+        "backend",
+        "diagnostics",
+        "name",
+        "plan",
+    )
 
-    def finish(self) -> None:
-        """Precompute what the hot path reads, once the capture filled in the buffers."""
-        self._has_backward = bool(self.diff_outputs) and (
-            any(g is not None for g in self.static_grad_inputs) or bool(self.param_grad_buffers)
+    def __init__(self, plan: ReplayPlan) -> None:
+        buffers, params = plan.buffers, plan.params
+        self.plan = plan
+        self.name = plan.name
+        self.backend = plan.backend
+        self.diagnostics: CaptureDiagnostics = dataclasses.replace(plan.diagnostics)
+        self._inputs = plan.inputs
+        self._module_tensors = plan.module_tensors
+        self._out_spec = plan.outputs
+        self._static_inputs = buffers.inputs
+        self._static_outputs = buffers.outputs
+        self._replay_forward = buffers.replay_forward
+        self._replay_backward = buffers.replay_backward
+        self._has_backward = plan.has_backward
+        self._nondiff_outputs = plan.nondiff_outputs
+        self._grad_outputs = tuple(zip(buffers.grad_outputs, plan.diff_outputs, strict=True))
+        self._edges = params.edges
+        self._input_grads = tuple(
+            (1 + i, grad) for i, grad in enumerate(buffers.input_grads) if grad is not None
         )
-        self.diagnostics.has_backward_graph = self._has_backward
-        self._param_buffers = tuple(
-            (param, buffer)
-            for param, buffer, used in zip(
-                self.params, self.param_grad_buffers, self.params_with_grad
+        # Positions among the Function's inputs (and so its grads): the callable itself, the
+        # input tensors, then the edge tensors (the parameters, or the in-graph anchor).
+        self._first_param = 1 + len(buffers.inputs)
+        self._edge_nones = (None,) * len(self._edges)
+        self._params = params.params if params.mode == "autograd" else ()
+        # A tuple of its own (the plan holds another): a static grad referenced from Python only
+        # through one container could count as unreferenced, and AccumulateGrad would steal it.
+        self._param_grads = tuple([*buffers.param_grads]) if params.mode == "autograd" else ()
+        # A leaf node that runs in every ``.backward()`` through a replay, and never in
+        # ``torch.autograd.grad``: see ``_is_plain_backward``.
+        self._sentinel_node = (
+            params.anchor_node
+            if params.mode == "in_graph"
+            else (params.nodes[0] if params.nodes else None)
+        )
+        self._accumulators = tuple(
+            (param, accumulator, name)
+            for param, accumulator, name in zip(
+                params.params, params.accumulators, params.names, strict=True
             )
-            if used
+            if accumulator is not None
         )
+        self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
+        self._output_versions: tuple[int, ...] = ()
+        self._mutated = plan.mutated_inputs
+        self._clone_outputs = plan.clone_outputs
+        self._autocast = plan.autocast
+        self._fp8 = plan.fp8
+        self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
+        self._plan_params = params.params if params.mode == "in_graph" else ()
+        self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
+        self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
+        self._ddp_check = bool(self._accumulators)
+        # Anything besides "no autocast now, none at capture" needs the full check.
+        self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._backward_generation = -1
+        self._backward_checks = bool(self._saved_outputs) or bool(self._accumulators)
+        self._holder_baseline = self._holder_counts()
+
+    # -- what a caller sees -------------------------------------------------------------------
 
     @property
     def spec(self) -> TreeSpec:
         """The output spec recorded at capture."""
-        assert self.out_spec is not None
-        return self.out_spec
+        return self._out_spec
+
+    @property
+    def static_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The static input buffers (args first, then kwargs): each call copies into them."""
+        return self._static_inputs
+
+    @property
+    def static_outputs(self) -> tuple[torch.Tensor, ...]:
+        """The static output buffers, which outputs alias unless ``clone_outputs=True``."""
+        return self._static_outputs
+
+    @property
+    def generation(self) -> int:
+        """How many forward replays have run: a backward pairs with the latest one only."""
+        return self._generation
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphedCallable({self.name!r}, backend={self.backend!r}, "
+            f"inputs=({self._inputs.describe()}), outputs={self._out_spec!r})"
+        )
+
+    def __copy__(self) -> EagerCallable:
+        return EagerCallable(self.name, self.plan.fn, self._inputs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EagerCallable:
+        return EagerCallable(self.name, copy.deepcopy(self.plan.fn, memo), self._inputs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return EagerCallable, (self.name, self.plan.fn, self._inputs)
+
+    # -- the forward ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = self.guard.tensors(args, kwargs)
-        if autocast_state() != self.autocast_state:
-            raise DualgraphError(
-                f"{self.name}: called with autocast state {autocast_state()} but captured with "
-                f"{self.autocast_state}; a graph replays the precision it was captured in"
+        if not self._lock.acquire(False):  # never waits: a second thread is refused
+            raise self._busy()
+        try:
+            grad_enabled = torch.is_grad_enabled()
+            tensors = self._inputs.tensors(args, kwargs, grad_enabled)
+            if self._module_tensors is not None:
+                self._module_tensors.check(grad_enabled=grad_enabled)
+            if self._ambient_checks or _is_any_autocast_enabled():
+                self._check_ambient_state()
+            if self._mutated:
+                self._check_mutated_inputs_are_apart(tensors)
+            self.diagnostics.replays += 1
+            if self._has_backward and grad_enabled:
+                if _are_functorch_transforms_active():
+                    raise DualgraphError(
+                        f"{self.name}: called under a torch.func transform (vmap, grad, ...); a "
+                        "graph replays fixed buffers and cannot be transformed"
+                    )
+                # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
+                # wrappers (of the inputs here; parameters never are) on the way.
+                outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
+            else:
+                # Grad mode may be on (nothing differentiable to replay), and autograd refuses
+                # copies into static inputs that are leaves requiring grad.
+                with torch.no_grad():
+                    outputs = self._forward(tensors)
+            if self._mutated:
+                self._copy_back(tensors)
+            return self._out_spec.unflatten(outputs)
+        finally:
+            self._lock.release()
+
+    def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
+        """Copy the inputs in, replay the forward, hand back the static outputs (grad mode off)."""
+        # ``tensors`` may go on with the replay Function's edge tensors: zip stops at the inputs.
+        for static, tensor in zip(self._static_inputs, tensors, strict=False):
+            static.copy_(tensor)  # torch skips a copy of a tensor onto itself
+        self._generation += 1  # a pending backward would now read overwritten activations
+        self._replay_forward(grad_enabled)
+        if self._saved_outputs:
+            outputs = self._static_outputs
+            self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
+        if self._clone_outputs:
+            return tuple(o.clone() for o in self._static_outputs)
+        return tuple(map(_detach, self._static_outputs))
+
+    def _check_ambient_state(self) -> None:
+        if self._autocast:
+            if autocast_state() != self._autocast:
+                raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
+        elif _is_any_autocast_enabled():
+            raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
+        if self._fp8 is not None and fp8_state() != self._fp8:
+            raise self._ambient_mismatch(
+                "Transformer Engine FP8 autocast (enabled, recipe)", fp8_state(), self._fp8
             )
-        if self.param_grad_buffers and _ddp_is_running():
+        if self._ddp_check and _ddp_is_running():
             raise DualgraphError(
                 f"{self.name}: captured with param_grads='in_graph', whose parameter grads bypass "
                 "the autograd hooks DistributedDataParallel all-reduces through; capture with "
                 "param_grads='autograd' to train under DDP"
             )
-        self.diagnostics.replays += 1
-        if self._has_backward and torch.is_grad_enabled():
-            outputs = _Replay.apply(self, *tensors, *self.edge_params)
-        else:
-            # Grad mode may be on (nothing differentiable to replay), and autograd refuses
-            # copies into static inputs that are leaves requiring grad.
-            with torch.no_grad():
-                outputs = self.run_forward(tensors, False)
-        return self.out_spec.unflatten(outputs)  # type: ignore[union-attr]
 
-    # -- the two halves of a replay -----------------------------------------------------------
+    def _ambient_mismatch(self, what: str, now: Any, captured: Any) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: called with {what} {now} but captured with {captured}; a graph "
+            "replays the precision it was captured in"
+        )
 
-    def copy_inputs(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> None:
-        for static, tensor in zip(self.static_inputs, tensors):
-            if static.data_ptr() != tensor.data_ptr():
-                static.copy_(tensor)
+    def _check_mutated_inputs_are_apart(self, tensors: Sequence[torch.Tensor]) -> None:
+        paths = self._inputs.paths
+        for i in self._mutated:
+            mutated = tensors[i]
+            if mutated.numel() == 0:
+                continue
+            storage = mutated.untyped_storage().data_ptr()
+            for j, other in enumerate(tensors):
+                if j != i and other.numel() and other.untyped_storage().data_ptr() == storage:
+                    raise DualgraphError(
+                        f"{self.name}: {paths[i]} and {paths[j]} share memory, and the callable "
+                        f"updates {paths[i]} in place: eager would see the update through "
+                        f"{paths[j]}, a replay would not; pass tensors that do not share memory"
+                    )
 
-    def backward_into_param_grads(self) -> None:
-        """Replay the backward graph, which adds the parameter grads into static buffers.
+    def _copy_back(self, tensors: Sequence[torch.Tensor]) -> None:
+        # The callable updated these inputs in place (found at capture): as in eager, the
+        # caller's tensors get the update.
+        with torch.no_grad():
+            for i in self._mutated:
+                tensors[i].copy_(self._static_inputs[i])
 
-        Keeps the ``.grad`` contract: a ``.grad`` set to ``None`` (``zero_grad``) starts from
-        zero, one the user replaced is carried over, and afterwards each ``.grad`` is its buffer.
+    def _busy(self) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: called while another thread is running it; a graphed callable has one "
+            "set of static buffers, so concurrent calls would overwrite each other's inputs, "
+            "outputs and grads. Call it from one thread at a time (separate graphed callables "
+            "may run in separate threads)"
+        )
+
+    # -- the backward --------------------------------------------------------------------------
+
+    def _backward(
+        self,
+        generation: int,
+        needs_input_grad: tuple[bool, ...],
+        inputs: Sequence[torch.Tensor],
+        grads: Sequence[Any],
+    ) -> tuple[torch.Tensor | None, ...]:
+        if not self._lock.acquire(False):
+            raise self._busy()
+        try:
+            plain = self._is_plain_backward()
+            if (
+                generation != self._generation
+                or self._backward_generation == generation
+                or self._backward_checks
+            ):
+                self._check_backward(generation, plain)
+            if self._param_grads and not all(needs_input_grad[self._first_param :]):
+                raise self._frozen_since_capture(needs_input_grad)
+            self._backward_generation = generation
+            for static, index in self._grad_outputs:
+                grad = grads[index]
+                if grad is None:
+                    static.zero_()
+                else:
+                    static.copy_(grad)
+            if self._accumulators:
+                self._backward_into_accumulators()
+            else:
+                self._replay_backward()  # type: ignore[misc]
+            return self._hand_out_grads(needs_input_grad, inputs, plain)
+        finally:
+            self._lock.release()
+
+    def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
+        names = self.plan.params.names
+        for name, needed in zip(names, needs_input_grad[self._first_param :], strict=True):
+            if not needed:
+                return requires_grad_changed(name, True)
+        return DualgraphError(f"{self.name}: a parameter was frozen after capture")
+
+    def _check_backward(self, generation: int, plain: bool) -> None:
+        if generation != self._generation:
+            raise DualgraphError(
+                f"{self.name}: backward of an earlier replay after a later forward replay "
+                "overwrote the activations it needs; run each replay's backward before the "
+                "next forward of the same callable"
+            )
+        if self._backward_generation == generation:
+            raise DualgraphError(
+                f"{self.name}: a second backward through the same replay; the backward graph "
+                "may reuse the memory of activations it has consumed, so each replay supports "
+                "one backward (retain_graph=True cannot keep a graph's activations)"
+            )
+        if self._saved_outputs:
+            outputs = self._static_outputs
+            for i, version in zip(self._saved_outputs, self._output_versions, strict=True):
+                if outputs[i]._version != version:
+                    path = self._out_spec.array_paths[i]
+                    raise DualgraphError(
+                        f"{self.name}: output{path} was modified in place after the replay, but "
+                        "the backward reads it (eager would raise: a variable needed for "
+                        "gradient computation has been modified by an inplace operation); "
+                        "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
+                    )
+        if self._accumulators:
+            self._check_in_graph_backward(plain)
+
+    def _hand_out_grads(
+        self, needs_input_grad: tuple[bool, ...], inputs: Sequence[torch.Tensor], plain: bool
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The grads for autograd, never a static buffer that anyone could keep.
+
+        The next backward replay overwrites the static grad buffers, while eager hands each
+        backward new tensors. A buffer goes out as it is only where it is consumed at once: a
+        plain ``.backward()`` (not ``torch.autograd.grad``, which returns what it captures)
+        delivers it to an ``AccumulateGrad`` (a leaf, a parameter: it copies or adds into
+        ``.grad``) or to another replay's backward (it copies into its own static buffer), and
+        no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
         """
-        pending = None
-        for param, buffer in self._param_buffers:
-            if param.grad is not buffer:
-                if pending is None:
-                    pending = []
-                pending.append((param, buffer, param.grad))
-        if pending:
-            zeroed = [buffer for _, buffer, grad in pending if grad is None]
-            if zeroed:
-                torch._foreach_zero_(zeroed)
-            for _, buffer, grad in pending:
-                if grad is not None:
-                    buffer.copy_(grad)
-        self.replay_backward()
-        if pending:
-            for param, buffer, _ in pending:
-                param.grad = buffer
+        result: list[torch.Tensor | None] = [None] * self._first_param
+        for position, grad in self._input_grads:
+            if needs_input_grad[position]:
+                tensor = inputs[position - 1]
+                if (
+                    plain
+                    and not tensor._backward_hooks
+                    and not tensor.retains_grad
+                    and (tensor.grad_fn is None or type(tensor.grad_fn) is _REPLAY_BACKWARD)
+                ):
+                    result[position] = grad
+                else:
+                    result[position] = grad.clone()
+        if not self._param_grads:
+            return (*result, *self._edge_nones)
+        if plain and not any(map(_tensor_hooks, self._params)):
+            return (*result, *self._param_grads)  # each goes straight into its AccumulateGrad
+        for param_grad, param in zip(self._param_grads, self._params, strict=True):
+            if param_grad is not None and (not plain or param._backward_hooks):
+                param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
+            result.append(param_grad)
+        return tuple(result)
 
-    def run_forward(
-        self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], grad_enabled: bool
-    ) -> tuple[torch.Tensor, ...]:
-        """Copy the inputs in, replay the forward, hand back the static outputs.
+    def _is_plain_backward(self) -> bool:
+        """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``).
 
-        Runs with grad mode off: inside the replay Function, or under ``no_grad`` from a call.
+        Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the in-graph anchor):
+        the engine runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it
+        raises for a leaf whose grad is captured).
         """
-        self.copy_inputs(tensors)
-        self.generation += 1  # a pending backward would now read overwritten activations
-        self.replay_forward(grad_enabled)
-        if self.clone_outputs:
-            return tuple(o.clone() for o in self.static_outputs)
-        return tuple(o.detach() for o in self.static_outputs)
+        if self._sentinel_node is None or _will_engine_execute_node is None:
+            return False
+        try:
+            return bool(_will_engine_execute_node(self._sentinel_node))
+        except RuntimeError:
+            return False
+
+    # -- param_grads="in_graph" ----------------------------------------------------------------
+
+    def _check_in_graph_backward(self, plain: bool) -> None:
+        # One pass over the parameters: still trainable, and no hook that in-graph grads would
+        # skip (an empty hook dict, left by a removed hook, is looked at on the slow path).
+        if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:
+            for param, name in zip(self._plan_params, self.plan.params.names, strict=True):
+                if not param.requires_grad:
+                    raise requires_grad_changed(name, True)
+                if param._backward_hooks or param._post_accumulate_grad_hooks:
+                    raise DualgraphError(
+                        f"{self.name}: {name} has a grad hook, which param_grads='in_graph' "
+                        "would never run (the backward graph adds the grad into .grad itself); "
+                        "capture with param_grads='autograd' to use parameter hooks"
+                    )
+        if not plain:
+            raise DualgraphError(
+                f"{self.name}: captured with param_grads='in_graph', whose backward adds the "
+                "parameter grads into .grad; this backward leaves the parameters out "
+                "(torch.autograd.grad, or backward(inputs=...)), and would still change "
+                ".grad. Capture with param_grads='autograd' for that"
+            )
+
+    def _backward_into_accumulators(self) -> None:
+        """Replay the backward graph, which adds the parameter grads into static accumulators.
+
+        Keeps eager's ``.grad`` contract. A ``.grad`` that is its accumulator is added to in
+        place. A ``.grad`` set to ``None`` (``zero_grad``) starts from zero in a tensor nobody
+        else holds: the accumulator itself if it is free, else a new tensor (whoever still holds
+        the accumulator, e.g. the old ``.grad``, sees no change). A ``.grad`` the user set is
+        added to in place, keeping its identity.
+        """
+        if all(map(_is, map(_grad, self._in_graph_params), self._in_graph_accumulators)):
+            self._replay_backward()  # type: ignore[misc]  # every .grad is its accumulator
+            return
+        held = [
+            any(map(operator.gt, counts, baseline))  # more holders than when nobody held it
+            for counts, baseline in zip(self._holder_counts(), self._holder_baseline, strict=True)
+        ]
+        pending = [
+            (param, accumulator, param.grad, accumulator.clone() if shared else None)
+            for (param, accumulator, _), shared in zip(self._accumulators, held, strict=True)
+            if param.grad is not accumulator
+        ]
+        zeroed = [accumulator for _, accumulator, grad, _ in pending if grad is None]
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+        for _, accumulator, grad, _ in pending:
+            if grad is not None:
+                accumulator.copy_(grad)
+        self._replay_backward()  # type: ignore[misc]
+        for param, accumulator, grad, saved in pending:
+            if grad is not None:
+                grad.copy_(accumulator)
+            elif saved is None:
+                param.grad = accumulator
+            else:
+                param.grad = accumulator.clone()
+            if saved is not None:
+                accumulator.copy_(saved)
+
+    def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
+        # References to each accumulator from Python, from C++ (another tensor's .grad, a saved
+        # tensor), and to its memory (views). Compared with the counts at construction, taken
+        # through this same method, they tell whether anyone else holds an accumulator.
+        return tuple(_holders(entry[1]) for entry in self._accumulators)
+
+
+def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
+    storage = tensor.untyped_storage()
+    return (
+        sys.getrefcount(tensor),
+        tensor._use_count(),  # type: ignore[attr-defined]
+        torch._C._storage_Use_Count(storage._cdata),
+    )
 
 
 class _Replay(torch.autograd.Function):
@@ -187,45 +500,139 @@ class _Replay(torch.autograd.Function):
     def forward(
         ctx: Any, graphed: GraphedCallable, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outputs = graphed.run_forward(inputs, True)
+        outputs = graphed._forward(inputs, True)
         ctx.graphed = graphed
-        ctx.generation = graphed.generation
+        ctx.inputs = inputs
+        ctx.generation = graphed._generation
         ctx.set_materialize_grads(False)
-        if graphed.nondiff_outputs:
-            ctx.mark_non_differentiable(*(outputs[i] for i in graphed.nondiff_outputs))
+        if graphed._nondiff_outputs:
+            ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
         return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         graphed: GraphedCallable = ctx.graphed
-        if ctx.generation != graphed.generation:
-            raise DualgraphError(
-                f"{graphed.name}: backward of an earlier replay after a later forward replay "
-                "overwrote the activations it needs; run each replay's backward before the "
-                "next forward of the same callable"
+        return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads)
+
+
+_REPLAY_BACKWARD = _Replay._backward_cls
+# The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
+_apply_replay = super(torch.autograd.Function, _Replay).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_NO_HOOKS = contextlib.nullcontext()
+
+
+class CudaGraphForward:
+    """A forward graph as the plan calls it: ``replay(grad_enabled)`` (the graph ignores it)."""
+
+    __slots__ = ("_replay",)
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self._replay = graph.replay
+
+    def __call__(self, grad_enabled: bool) -> None:
+        self._replay()
+
+
+class EmulatedReplay:
+    """The ``"emulate"`` backend's forward and backward "graphs": the callable, re-run.
+
+    :meth:`forward` runs the callable on the static inputs and copies its outputs into the
+    static outputs; :meth:`backward` differentiates that run with the static grad outputs and
+    copies the grads into the static grad buffers (``grad_targets``, one per differentiable
+    input, ``None`` where nothing is kept) or adds them into ``accumulators`` (in-graph
+    parameter grads). The same buffers are read and written as by CUDA graphs, so aliasing
+    mistakes show up on a CPU.
+    """
+
+    __slots__ = (
+        "_accumulate",
+        "_allow_unused",
+        "_args",
+        "_diff_inputs",
+        "_diff_outputs",
+        "_fn",
+        "_grad_outputs",
+        "_hooked_params",
+        "_kwargs",
+        "_live",
+        "_out_spec",
+        "_static_outputs",
+        "_targets",
+    )
+
+    def __init__(
+        self,
+        *,
+        fn: Any,
+        static_args: tuple[Any, ...],
+        static_kwargs: dict[str, Any],
+        out_spec: TreeSpec,
+        static_outputs: tuple[torch.Tensor, ...],
+        diff_outputs: tuple[int, ...],
+        diff_inputs: tuple[torch.Tensor, ...],
+        grad_outputs: tuple[torch.Tensor, ...],
+        grad_targets: tuple[torch.Tensor | None, ...],
+        accumulators: tuple[torch.Tensor | None, ...],
+        allow_unused: bool,
+        hooked_params: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self._fn = fn
+        self._args = static_args
+        self._kwargs = static_kwargs
+        self._out_spec = out_spec
+        self._static_outputs = static_outputs
+        self._diff_outputs = diff_outputs
+        self._diff_inputs = diff_inputs
+        self._grad_outputs = grad_outputs
+        self._targets = tuple(
+            (k, target) for k, target in enumerate(grad_targets) if target is not None
+        )
+        self._accumulate = tuple(
+            (k, accumulator)
+            for k, accumulator in enumerate(accumulators)
+            if accumulator is not None
+        )
+        self._allow_unused = allow_unused
+        self._hooked_params = hooked_params
+        self._live: list[torch.Tensor] = []
+
+    def forward(self, grad_enabled: bool) -> None:
+        with torch.set_grad_enabled(grad_enabled):
+            outputs = self._fn(*self._args, **self._kwargs)
+        flat = self._out_spec.flatten(outputs, check=True, root="output")
+        self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []
+        for static, tensor in zip(self._static_outputs, flat, strict=True):
+            static.copy_(tensor.detach())
+
+    def backward(self) -> None:
+        live, self._live = self._live, []  # one backward per forward, as with a graph
+        if not live:
+            raise DualgraphError("backward without a forward under autograd")
+        # Parameter hooks run once, when the replay hands the grads to autograd, as after a
+        # graph's backward (which has them suspended during capture).
+        hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
+        with hooks:
+            grads = torch.autograd.grad(
+                live,
+                self._diff_inputs,
+                grad_outputs=self._grad_outputs,
+                allow_unused=self._allow_unused,
             )
-        if graphed.backward_generation == ctx.generation:
-            raise DualgraphError(
-                f"{graphed.name}: a second backward through the same replay; the backward graph "
-                "may reuse the memory of activations it has consumed, so each replay supports "
-                "one backward (retain_graph=True cannot keep a graph's activations)"
-            )
-        graphed.backward_generation = ctx.generation
-        for static, index in zip(graphed.static_grad_outputs, graphed.diff_outputs):
-            grad = grads[index]
+        for k, target in self._targets:
+            grad = grads[k]
             if grad is None:
-                static.zero_()
-            elif static.data_ptr() != grad.data_ptr():
-                static.copy_(grad)
-        if graphed.param_grad_buffers:
-            graphed.backward_into_param_grads()
-        else:
-            graphed.replay_backward()
-        # The static grad tensors themselves (not detached aliases) go back to autograd: being
-        # referenced here, they are never stolen into a ``.grad``, so gradient accumulation over
-        # several replays stays correct (the bug of pytorch issue 181723).
-        return (None, *graphed.static_grad_inputs)
+                target.zero_()
+            else:
+                target.copy_(grad)
+        pairs = [(acc, grads[k]) for k, acc in self._accumulate if grads[k] is not None]
+        if pairs:
+            torch._foreach_add_([acc for acc, _ in pairs], [grad for _, grad in pairs])
+
+    def _any_hooks(self) -> bool:
+        return any(map(_tensor_hooks, self._hooked_params))
 
 
 def autocast_state() -> tuple[Any, ...]:
@@ -242,7 +649,3 @@ def _ddp_is_running() -> bool:
     # DDP marks the module whose forward is running (public hook for TorchDynamo).
     ddp = torch.nn.parallel.DistributedDataParallel
     return getattr(ddp, "_active_ddp_module", None) is not None
-
-
-def _not_captured(*_: Any) -> None:
-    raise DualgraphError("this callable was not captured")

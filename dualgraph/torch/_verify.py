@@ -65,8 +65,10 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._graphed import diagnostics
 from ._leaves import dtype_name
+from ._modules import runner_of
+from ._replay import GraphedCallable
 
-__all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "verify"]
+__all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
 
 #: ``dtype -> (rtol, atol)`` for floating leaves on the GPU; on the CPU everything is exact.
 CUDA_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -226,7 +228,7 @@ def verify(
                 "nothing to verify (set .train()/.eval() as at capture)"
             )
         _restore(params, buffers, state)
-        with _eager_twin(graphed) as eager:
+        with eager_twin(graphed) as eager:
             eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
 
     checks: list[LeafCheck] = []
@@ -290,32 +292,24 @@ def _run_steps(
 
 
 @contextlib.contextmanager
-def _eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
+def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
     """The original callable behind ``graphed``, called the way ``graphed`` is called.
 
-    The one place that knows how the adapter installs a graph. A graphed module keeps the graph
-    in its instance ``forward``; it is called as a module (its hooks run) with the original
-    ``forward`` put back for the call. The runner keeps the original callable as ``fn`` (or, in
-    the replay-plan layout, as ``plan.fn``); a graphed module's runner is its ``forward``'s
-    ``__dualgraph__`` (or the ``runner`` of its ``_dualgraph_graphed`` entry).
+    The runner (a :class:`GraphedCallable`'s plan, or an :class:`EagerCallable`) keeps the
+    callable it runs: for a module, the ``forward`` it had at capture. A graphed module is called
+    as a module (its hooks run), with that ``forward`` in place of the graphed one for the call.
     """
-    module = graphed if isinstance(graphed, torch.nn.Module) else None
-    runner = graphed
-    if module is not None:
-        installed = module.__dict__.get("forward")
-        state = module.__dict__.get("_dualgraph_graphed")
-        runner = getattr(installed, "__dualgraph__", None) or getattr(state, "runner", None)
-    original = getattr(runner, "fn", None) or getattr(getattr(runner, "plan", None), "fn", None)
-    if original is None:
-        raise DualgraphError(f"{graphed!r} was not made by dualgraph.torch.make_graphed_callables")
-    if module is None:
+    runner = runner_of(graphed)
+    original = runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
+    if not isinstance(graphed, torch.nn.Module):
         yield original
         return
-    module.__dict__["forward"] = original
+    installed = graphed.__dict__["forward"]
+    graphed.__dict__["forward"] = original
     try:
-        yield module
+        yield graphed
     finally:
-        module.__dict__["forward"] = installed
+        graphed.__dict__["forward"] = installed
 
 
 # -- state kept and put back -----------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""CallSpec: the spec of a call's ``(args, kwargs)``, the inputs of a graphed callable.
+
+Adapters describe the sample call once (:func:`describe_call`), then on every call take the
+array leaves out of ``(args, kwargs)`` with :meth:`CallSpec.flatten` (which checks the
+structure, and with ``check=True`` every shape and dtype) and put them back with
+:meth:`CallSpec.unflatten`. Paths start at ``args`` and ``kwargs``: ``args[0]['x']``,
+``kwargs['mask']``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._containers import DictNode, TupleNode
+from ._errors import DualgraphError, SpecMismatchError
+from ._json import read_document, write_document
+from ._nodes import clip, clip_text
+from ._spec import LeafSpec, TreeSpec, describe
+
+__all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
+
+CALL_SPEC_FORMAT = "dualgraph.CallSpec"
+CALL_SPEC_VERSION = 1
+
+
+def describe_call(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, /) -> CallSpec:
+    """Describe the inputs of a call: ``args`` (a tuple or list) and ``kwargs`` (or ``None``).
+
+    >>> import numpy as np
+    >>> spec = describe_call((np.zeros(2, np.float32), {"x": None}), {"mask": np.ones(3, bool)})
+    >>> spec
+    CallSpec(args=(float32[2](grad), {'x': None}), kwargs={'mask': bool[3]})
+    >>> spec.array_paths, spec.grad_mask
+    (('args[0]', "kwargs['mask']"), (True, False))
+    """
+    if type(args) is not tuple:
+        if not isinstance(args, (tuple, list)):
+            raise DualgraphError(
+                f"args: expected a tuple or list of positional arguments, got {_type_name(args)}"
+            )
+        args = tuple(args)
+    kwargs, problem = _kwargs_dict(kwargs)
+    if problem is not None:
+        raise DualgraphError(problem)
+    return CallSpec(describe(args, root="args"), describe(kwargs, root="kwargs"))
+
+
+class CallSpec:
+    """The spec of ``(args, kwargs)``: one :class:`TreeSpec` for each, seen as one call.
+
+    Array leaves are numbered args first, then kwargs, each in its spec's flatten order.
+
+    >>> import numpy as np
+    >>> spec = describe_call((np.zeros(2, np.float32),), {"scale": 2.0})
+    >>> arrays = spec.flatten((np.ones(2, np.float32),), {"scale": 2.0})
+    >>> spec.unflatten(arrays)
+    ((array([1., 1.], dtype=float32),), {'scale': 2.0})
+    >>> spec.flatten((np.ones(2, np.float32),), {})
+    Traceback (most recent call last):
+    ...
+    dualgraph.SpecMismatchError: kwargs['scale']: missing (expected float 2.0)
+    """
+
+    __slots__ = ("_arrays", "_has_kwargs", "_hash", "_num_args", "args_spec", "kwargs_spec")
+    args_spec: TreeSpec
+    kwargs_spec: TreeSpec
+
+    def __init__(self, args_spec: TreeSpec, kwargs_spec: TreeSpec, /) -> None:
+        """Pair the spec of ``tuple(args)`` with that of ``dict(kwargs)``; see describe_call."""
+        if not isinstance(args_spec, TreeSpec) or not isinstance(kwargs_spec, TreeSpec):
+            raise DualgraphError("CallSpec takes two TreeSpecs: one of args, one of kwargs")
+        if type(args_spec._nodes[0]) is not TupleNode:
+            raise DualgraphError(
+                f"args: the args spec must describe a tuple, not {clip(args_spec)}"
+            )
+        kwargs_root = kwargs_spec._nodes[0]
+        if not isinstance(kwargs_root, DictNode) or not all(
+            type(key) is str for key in kwargs_root.keys
+        ):
+            raise DualgraphError(
+                "kwargs: the kwargs spec must describe a dict with str keys, "
+                f"not {clip(kwargs_spec)}"
+            )
+        self.args_spec = args_spec
+        self.kwargs_spec = kwargs_spec
+        self._num_args = args_spec.num_arrays
+        self._has_kwargs = bool(kwargs_root.keys)
+        self._arrays: tuple[LeafSpec, ...] | None = None
+        self._hash: int | None = None
+
+    # -- what the spec says -------------------------------------------------------------------
+
+    @property
+    def arrays(self) -> tuple[LeafSpec, ...]:
+        """The array leaves (args first, then kwargs); their paths start at ``args``/``kwargs``.
+
+        A leaf's :attr:`~LeafSpec.entries` start at the root of its tree (``args`` or ``kwargs``).
+        """
+        if self._arrays is None:
+            self._arrays = tuple(
+                dataclasses.replace(leaf, path=root + leaf.path)
+                for root, spec in (("args", self.args_spec), ("kwargs", self.kwargs_spec))
+                for leaf in spec.arrays
+            )
+        return self._arrays
+
+    @property
+    def array_paths(self) -> tuple[str, ...]:
+        """The path of each array leaf, e.g. ``args[0]`` or ``kwargs['mask']``."""
+        return tuple(leaf.path for leaf in self.arrays)
+
+    @property
+    def grad_mask(self) -> tuple[bool, ...]:
+        """One bool per array leaf (args first): does it take part in backward?"""
+        return self.args_spec.grad_mask + self.kwargs_spec.grad_mask
+
+    @property
+    def num_arrays(self) -> int:
+        """How many array leaves :meth:`flatten` returns."""
+        return self._num_args + self.kwargs_spec.num_arrays
+
+    @property
+    def num_args_arrays(self) -> int:
+        """How many of them come from ``args`` (they come first)."""
+        return self._num_args
+
+    def with_grad_mask(self, mask: Sequence[bool], /) -> CallSpec:
+        """The same spec with another grad mask (one bool per array leaf, args first).
+
+        >>> import numpy as np
+        >>> spec = describe_call((np.zeros(2, np.float32),), {"b": np.zeros(1, np.float32)})
+        >>> spec.with_grad_mask([False, True]).grad_mask
+        (False, True)
+        """
+        try:
+            flags = [bool(flag) for flag in mask]
+        except Exception as error:
+            raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+        if len(flags) != self.num_arrays:
+            raise DualgraphError(
+                f"grad mask has {len(flags)} entries, the call has {self.num_arrays} array leaves"
+            )
+        n = self._num_args
+        return CallSpec(
+            self.args_spec.with_grad_mask(flags[:n]), self.kwargs_spec.with_grad_mask(flags[n:])
+        )
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def flatten(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any] | None, /, *, check: bool = False
+    ) -> list[Any]:
+        """The array leaves of a call, args first; raises :class:`SpecMismatchError` on a mismatch.
+
+        Structure, ``None`` positions and constants are always checked, with ``check=True``
+        every array's shape and dtype too. ``kwargs=None`` means no keyword arguments.
+
+        >>> import numpy as np
+        >>> spec = describe_call(({"x": np.zeros((2, 3), np.float32)},))
+        >>> spec.flatten(({"x": np.zeros((2, 4), np.float32)},), None, check=True)
+        Traceback (most recent call last):
+        ...
+        dualgraph.SpecMismatchError: args[0]['x']: expected float32[2, 3], got float32[2, 4]
+        """
+        if type(args) is not tuple:
+            if not isinstance(args, (tuple, list)):
+                raise SpecMismatchError(
+                    f"args: expected a tuple of positional arguments, got {_type_name(args)}",
+                    path="args",
+                )
+            args = tuple(args)
+        arrays = self.args_spec.flatten(args, check=check, root="args")
+        if type(kwargs) is not dict:
+            if kwargs is None:
+                if not self._has_kwargs:
+                    return arrays
+                kwargs = {}
+            else:
+                kwargs, problem = _kwargs_dict(kwargs)
+                if problem is not None:
+                    raise SpecMismatchError(problem, path="kwargs")
+        elif not kwargs and not self._has_kwargs:
+            return arrays
+        arrays += self.kwargs_spec.flatten(kwargs, check=check, root="kwargs")
+        return arrays
+
+    def unflatten(self, arrays: Sequence[Any], /) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Rebuild ``(args, kwargs)`` from the array leaves (args first)."""
+        try:
+            count = len(arrays)
+        except Exception:
+            raise SpecMismatchError(
+                f"unflatten: expected a sequence of {self.num_arrays} arrays, "
+                f"got {type(arrays).__name__}"
+            ) from None
+        if count != self.num_arrays:
+            raise SpecMismatchError(f"unflatten: expected {self.num_arrays} arrays, got {count}")
+        n = self._num_args
+        return self.args_spec.unflatten(arrays[:n]), self.kwargs_spec.unflatten(arrays[n:])
+
+    # -- serialization, equality, display -----------------------------------------------------
+
+    def to_json(self) -> str:
+        """Serialize: sorted keys, versioned, no framework or device names.
+
+        >>> import numpy as np
+        >>> CallSpec.from_json(describe_call((np.zeros(2, np.int8),)).to_json())
+        CallSpec(args=(int8[2],), kwargs={})
+        """
+        trees = {"args": self.args_spec._rows(), "kwargs": self.kwargs_spec._rows()}
+        return write_document(CALL_SPEC_FORMAT, CALL_SPEC_VERSION, trees)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, /) -> CallSpec:
+        """Load a spec written by :meth:`to_json`; a malformed document is a DualgraphError."""
+        document = read_document(text, CALL_SPEC_FORMAT, CALL_SPEC_VERSION, ("args", "kwargs"))
+        specs = [
+            TreeSpec._from_rows(document[part], root=part, what="CallSpec")
+            for part in ("args", "kwargs")
+        ]
+        return cls(*specs)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CallSpec):
+            return NotImplemented
+        return self.args_spec == other.args_spec and self.kwargs_spec == other.kwargs_spec
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash((self.args_spec, self.kwargs_spec))
+        return self._hash
+
+    def __repr__(self) -> str:
+        args = repr(self.args_spec)[len("TreeSpec(") : -1]
+        kwargs = repr(self.kwargs_spec)[len("TreeSpec(") : -1]
+        return f"CallSpec(args={args}, kwargs={kwargs})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return CallSpec.from_json, (self.to_json(),)
+
+
+def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
+    """``(kwargs as a plain dict, None)``, or ``({}, what is wrong)``; ``None`` means ``{}``."""
+    if kwargs is None:
+        return {}, None
+    if not isinstance(kwargs, Mapping):
+        return {}, f"kwargs: expected a mapping of keyword arguments, got {_type_name(kwargs)}"
+    try:
+        result = dict(kwargs)
+    except Exception as error:
+        return {}, f"kwargs: reading the mapping raised {type(error).__name__}: {clip_text(error)}"
+    for key in result:
+        if type(key) is not str:
+            return {}, f"kwargs: keyword names must be str, got {key!r} ({_type_name(key)})"
+    return result, None
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )

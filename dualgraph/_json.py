@@ -1,0 +1,167 @@
+"""Spec documents: JSON in, validated nodes out (and back), within fixed bounds.
+
+A document is a small object (format, version, and one list of rows per tree); a tree is its
+nodes in pre-order, one flat JSON list per node, e.g. ``["tuple",2]``, ``["array","float32",
+[2,3],true]``, ``["none"]``. The format never nests, so reading it never recurses, whatever the
+depth of the tree. Every row is checked by its node class; anything malformed is a
+:class:`~dualgraph.DualgraphError` naming the path of the row where it was found.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ._containers import CONTAINER_KINDS
+from ._errors import DualgraphError
+from ._nodes import MAX_NODES, ArrayLeaf, ConstLeaf, Node, NodeError, NoneLeaf, clip, clip_text
+from ._paths import PathEntry, format_path, show_path
+
+__all__ = ["MAX_JSON_CHARS", "next_entries", "read_document", "read_tree", "write_document"]
+
+#: The longest document :func:`read_document` parses (characters).
+MAX_JSON_CHARS = 256 * 2**20
+
+_NODE_KINDS: tuple[type[Node], ...] = (NoneLeaf, ConstLeaf, ArrayLeaf, *CONTAINER_KINDS)
+_NODE_CLASSES: dict[str, type[Node]] = {cls.tag: cls for cls in _NODE_KINDS}
+
+
+def write_document(kind: str, version: int, trees: dict[str, list[list[Any]]]) -> str:
+    """The canonical JSON text: sorted keys, no spaces, ASCII only."""
+    document: dict[str, Any] = {"format": kind, "version": version, **trees}
+    try:
+        return json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError as error:  # e.g. an int beyond this interpreter's str-conversion limit
+        raise DualgraphError(f"cannot write the {kind} as JSON: {error}") from None
+
+
+def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> dict[str, Any]:
+    """Parse ``text`` and check its format, version and keys; ``trees`` name its row lists."""
+    name = kind.rpartition(".")[2]
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise DualgraphError(f"not a {name} JSON document: not UTF-8 ({error})") from None
+    if type(text) is not str:
+        raise DualgraphError(f"a {name} JSON document is a str, got {type(text).__name__}")
+    if len(text) > MAX_JSON_CHARS:
+        raise DualgraphError(
+            f"{name} JSON of {len(text)} characters is over the limit of {MAX_JSON_CHARS}"
+        )
+    try:
+        document = json.loads(text, object_pairs_hook=_without_repeated_keys)
+    except DualgraphError:
+        raise
+    except (ValueError, RecursionError, MemoryError) as error:
+        raise DualgraphError(f"not a {name} JSON document: {clip_text(error, 200)}") from None
+    if type(document) is not dict or document.get("format") != kind:
+        raise DualgraphError(f"not a {name} JSON document (format must be {kind!r})")
+    found = document.get("version")
+    if type(found) is not int or found != version:
+        raise DualgraphError(
+            f"{name} JSON version {clip(found)} is not supported "
+            f"(this dualgraph reads version {version})"
+        )
+    expected = {"format", "version", *trees}
+    for key in document:
+        if key not in expected:
+            raise DualgraphError(f"malformed {name} JSON: unknown key {clip(key)}")
+    for key in trees:
+        if key not in document:
+            raise DualgraphError(f"malformed {name} JSON: {key!r} is missing")
+    return document
+
+
+def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise DualgraphError(f"malformed JSON: the key {clip(repeated)} appears twice in an object")
+    return document
+
+
+def read_tree(rows: Any, what: str, root: str = "") -> tuple[Node, ...]:
+    """The nodes of a tree's rows (pre-order), each validated; ``root`` starts error paths."""
+    if type(rows) is not list or not rows:
+        raise _malformed(
+            what, root, [], f"a tree is a non-empty list of node rows, got {clip(rows)}"
+        )
+    if len(rows) > MAX_NODES:
+        raise _malformed(
+            what, root, [], f"a tree has at most {MAX_NODES} nodes, this one {len(rows)}"
+        )
+    nodes: list[Node] = []
+    append = nodes.append
+    # Equal rows make one node: looked up by repr, which tells JSON values apart by type too.
+    by_repr: dict[str, Node] = {}
+    by_key: dict[Any, Node] = {}
+    expected = 1  # how many more nodes the rows must hold
+    count = len(rows)
+    for index, row in enumerate(rows):
+        if not expected:
+            raise _malformed(what, root, nodes, f"{count - index} rows follow the end of the tree")
+        try:
+            text = repr(row)
+        except RecursionError:
+            text = ""
+        node = by_repr.get(text) if text else None
+        if node is None:
+            node = _node_of_row(row, count - index - expected, what, root, nodes)
+            node = by_key.setdefault(node.key, node)
+            if text:
+                by_repr[text] = node
+        elif node.arity > count - index - expected:
+            node = _node_of_row(row, count - index - expected, what, root, nodes)
+        append(node)
+        expected += node.arity - 1
+    assert not expected  # each row's children were checked to fit in the rows after it
+    return tuple(nodes)
+
+
+def _node_of_row(row: Any, max_arity: int, what: str, root: str, nodes: list[Node]) -> Node:
+    if type(row) is not list or not row or type(row[0]) is not str:
+        message = f"a node row is a list starting with its kind, got {clip(row)}"
+        raise _malformed(what, root, nodes, message)
+    cls = _NODE_CLASSES.get(row[0])
+    if cls is None:
+        raise _malformed(what, root, nodes, f"unknown node kind {clip(row[0])}")
+    try:
+        node: Node = cls.from_row(row, max_arity)
+    except NodeError as error:
+        raise _malformed(what, root, nodes, str(error)) from None
+    except Exception as error:  # a check above missed a case: still a malformed row
+        message = f"unreadable row {clip(row)} ({type(error).__name__}: {clip_text(error)})"
+        raise _malformed(what, root, nodes, message) from None
+    return node
+
+
+def _malformed(what: str, root: str, nodes: Sequence[Node], message: str) -> DualgraphError:
+    """The error for the row after ``nodes``, naming that row's path."""
+    path = show_path(format_path(next_entries(nodes), root))
+    return DualgraphError(f"malformed {what} JSON at {path}: {message}")
+
+
+def next_entries(nodes: Sequence[Node]) -> tuple[PathEntry, ...]:
+    """The path of the node that comes after ``nodes`` (a pre-order prefix of a tree).
+
+    Once the tree is complete this is the path of its innermost unfinished container's
+    position, so for a tree that ends early it names where the rows stop.
+    """
+    # [entries of the container's children, how many of them have come]
+    open_containers: list[list[Any]] = []
+    for node in nodes:
+        if open_containers:
+            open_containers[-1][1] += 1
+        if node.arity:
+            open_containers.append([node.entries, 0])  # type: ignore[attr-defined]
+        while open_containers and open_containers[-1][1] == len(open_containers[-1][0]):
+            open_containers.pop()
+    if not open_containers:
+        return ()
+    # Each open container is inside its last child so far, except the innermost one.
+    path = [entries[done - 1] for entries, done in open_containers[:-1]]
+    entries, done = open_containers[-1]
+    return (*path, entries[done])

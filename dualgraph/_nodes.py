@@ -1,0 +1,410 @@
+"""The node model of a spec: frozen, typed nodes, one class per leaf kind and container kind.
+
+A spec holds its tree's nodes in pre-order (each container followed by its children's
+subtrees), a flat tuple that every operation walks with a loop, so no depth of tree makes
+anything recurse. A node knows only itself: a leaf its value or array signature, a container its
+kind and its children's labels. Each node class says, for its kind, how to test an object (also
+as generated source), how to take it apart and rebuild it, how to show it and how to write and
+read its JSON row. The leaves live here; the containers in ``_containers.py``.
+
+Nodes compare by value (a class by identity) and are immutable, so one node object serves every
+equal place of a tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, cast
+
+from ._dtypes import is_dtype_name, numpy_dtype
+from ._leaves import same_float, signature_of
+from ._paths import PathEntry
+
+__all__ = [
+    "MAX_DIM",
+    "MAX_INT_BITS",
+    "MAX_NDIM",
+    "MAX_NODES",
+    "NONE",
+    "ArrayLeaf",
+    "Bind",
+    "ConstLeaf",
+    "Container",
+    "Leaf",
+    "Node",
+    "NodeError",
+    "NoneLeaf",
+    "check_int",
+    "clip",
+    "clip_text",
+    "show_constant",
+]
+
+#: The most nodes (leaves and containers) a spec may have.
+MAX_NODES = 2**20
+#: The most dimensions an array leaf may have (numpy's own limit).
+MAX_NDIM = 64
+#: The largest size of one dimension.
+MAX_DIM = 2**63 - 1
+#: The most bits of an ``int`` constant or key, so that it prints and serializes everywhere.
+MAX_INT_BITS = 4096
+
+#: Binds a value into generated code's namespace and returns the name it has there.
+Bind = Callable[[Any, str], str]
+
+
+class NodeError(Exception):
+    """A node cannot be made from what was given; the caller adds the path and re-raises."""
+
+
+class Node:
+    """One node of a spec. Frozen; compares by :attr:`key`."""
+
+    __slots__ = ("key",)
+
+    #: The node's name in JSON rows, e.g. ``"tuple"`` or ``"array"``.
+    tag: ClassVar[str]
+    #: What the generic walker does with the node: 0 container, 1 None, 2 constant, 3 array.
+    op: ClassVar[int]
+    #: How many children follow the node in pre-order.
+    arity: int
+    key: tuple[Any, ...]
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        object.__setattr__(self, "key", key)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is type(self) and self.key == other.key)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.brief()}>"
+
+    def brief(self) -> str:
+        """What the node is, for messages: ``float32[2, 3]``, ``a tuple of length 2``."""
+        raise NotImplementedError
+
+    def show(self, parts: Sequence[str]) -> str:
+        """The node as it prints in a spec's repr, given its children's ``parts``."""
+        raise NotImplementedError
+
+    def row(self) -> list[Any]:
+        """The node's JSON row (children are the rows that follow it)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Node:
+        """The node of a JSON row with at most ``max_arity`` children; else a :class:`NodeError`."""
+        raise NotImplementedError
+
+
+class Leaf(Node):
+    """A leaf: ``None``, a constant or an array."""
+
+    __slots__ = ()
+    arity = 0
+    #: The kind a :class:`~dualgraph.LeafSpec` reports: ``"none"``, ``"const"`` or ``"array"``.
+    kind: ClassVar[str]
+
+    def fits(self, obj: Any) -> bool:
+        """Whether ``obj`` may stand here in a flatten without checks (structure only)."""
+        return self.matches(obj)
+
+    def matches(self, obj: Any) -> bool:
+        """Whether ``obj`` matches the leaf fully (arrays: shape and dtype too)."""
+        raise NotImplementedError
+
+    def guard(self, var: str, bind: Bind, *, full: bool) -> str:
+        """Source of a condition that is true when ``var`` does not match (see :meth:`fits`)."""
+        raise NotImplementedError
+
+
+class NoneLeaf(Leaf):
+    """``None``: part of the structure."""
+
+    __slots__ = ()
+    tag = kind = "none"
+    op = 1
+
+    def __init__(self) -> None:
+        super().__init__(("none",))
+
+    def brief(self) -> str:
+        return "None"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return "None"
+
+    def row(self) -> list[Any]:
+        return ["none"]
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> NoneLeaf:
+        if len(row) != 1:
+            raise NodeError(f"a none row is ['none'], got {clip(row)}")
+        return NONE
+
+    def matches(self, obj: Any) -> bool:
+        return obj is None
+
+    def guard(self, var: str, bind: Bind, *, full: bool) -> str:
+        return f"{var} is not None"
+
+
+#: The one ``None`` leaf.
+NONE = NoneLeaf()
+
+
+def show_constant(value: bool | int | float | str) -> str:
+    """A constant as a spec shows it: floats by ``str`` (``nan``, ``-0.0``), others by ``repr``."""
+    return str(value) if type(value) is float else repr(value)
+
+
+def check_int(value: int) -> None:
+    """Refuse an ``int`` too large to print or serialize in every interpreter."""
+    if value.bit_length() > MAX_INT_BITS:
+        raise NodeError(f"an int of {value.bit_length()} bits is over the {MAX_INT_BITS}-bit limit")
+
+
+_CONSTANT_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+class ConstLeaf(Leaf):
+    """A ``bool``, ``int``, ``float`` or ``str`` kept by value (floats compare by ``repr``)."""
+
+    __slots__ = ("value",)
+    tag = kind = "const"
+    op = 2
+    value: bool | int | float | str
+
+    def __init__(self, value: bool | int | float | str) -> None:
+        cls = type(value)
+        if cls not in (bool, int, float, str):
+            raise NodeError(f"a constant is a bool, int, float or str, not {cls.__name__}")
+        if cls is int:
+            check_int(value)  # type: ignore[arg-type]
+        # By repr, a float key tells -0.0 from 0.0 and makes NaN equal to itself.
+        canonical = repr(value) if cls is float else value
+        super().__init__(("const", cls.__name__, canonical))
+        object.__setattr__(self, "value", value)
+
+    def brief(self) -> str:
+        return f"{type(self.value).__name__} {clip_text(show_constant(self.value))}"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return show_constant(self.value)
+
+    def row(self) -> list[Any]:
+        value = self.value
+        return ["const", type(value).__name__, repr(value) if type(value) is float else value]
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> ConstLeaf:
+        if len(row) != 3 or type(row[1]) is not str or row[1] not in _CONSTANT_TYPES:
+            raise NodeError(f"a const row is ['const', bool|int|float|str, value], got {clip(row)}")
+        type_name: str = row[1]
+        value: Any = row[2]
+        if type_name == "float":  # stored as its repr: strict JSON has no NaN or infinities
+            if type(value) is not str or not _is_float_repr(value):
+                raise NodeError(f"a float constant is stored as its repr, got {clip(value)}")
+            return cls(float(value))
+        if type(value) is not _CONSTANT_TYPES[type_name]:
+            raise NodeError(f"a {type_name} constant holds {clip(value)}")
+        return cls(cast("bool | int | float | str", value))
+
+    def matches(self, obj: Any) -> bool:
+        value = self.value
+        if type(value) is float:
+            return same_float(obj, value)
+        return type(obj) is type(value) and obj == value
+
+    def guard(self, var: str, bind: Bind, *, full: bool) -> str:
+        value = self.value
+        if type(value) is float:
+            return f"not _same_float({var}, {bind(value, 'c')})"
+        return f"type({var}) is not {bind(type(value), 'T')} or {var} != {bind(value, 'c')}"
+
+
+def _is_float_repr(text: str) -> bool:
+    if len(text) > 32:
+        return False
+    try:
+        return repr(float(text)) == text
+    except ValueError:
+        return False
+
+
+class ArrayLeaf(Leaf):
+    """An array: its shape, neutral dtype name and whether it takes part in backward."""
+
+    __slots__ = ("dtype", "grad", "shape", "signature")
+    tag = kind = "array"
+    op = 3
+    shape: tuple[int, ...]
+    dtype: str
+    grad: bool
+    signature: tuple[tuple[int, ...], str]
+
+    def __init__(self, shape: Sequence[int], dtype: str, grad: bool) -> None:
+        shape = check_shape(shape)
+        if not is_dtype_name(dtype):
+            raise NodeError(
+                f"dtype {clip(dtype)} is not one a spec accepts (numeric, bool or JAX key "
+                "dtypes; see dualgraph.DTYPE_NAMES)"
+            )
+        if type(grad) is not bool:
+            raise NodeError(f"grad is a bool, got {clip(grad)}")
+        super().__init__(("array", shape, dtype, grad))
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "grad", grad)
+        object.__setattr__(self, "signature", (shape, dtype))
+
+    def brief(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    def show(self, parts: Sequence[str]) -> str:
+        return f"{self.brief()}(grad)" if self.grad else self.brief()
+
+    def row(self) -> list[Any]:
+        return ["array", self.dtype, list(self.shape), self.grad]
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> ArrayLeaf:
+        if len(row) != 4 or type(row[2]) is not list:
+            raise NodeError(f"an array row is ['array', dtype, [dims], grad], got {clip(row)}")
+        return cls(row[2], row[1], row[3])
+
+    def with_grad(self, grad: bool) -> ArrayLeaf:
+        return self if grad is self.grad else ArrayLeaf(self.shape, self.dtype, grad)
+
+    def fits(self, obj: Any) -> bool:
+        return obj is not None
+
+    def matches(self, obj: Any) -> bool:
+        try:
+            found = signature_of(obj)
+        except Exception:  # an array type's own signature failed: not a match
+            return False
+        return found is not None and found == self.signature
+
+    def guard(self, var: str, bind: Bind, *, full: bool) -> str:
+        if not full:  # shapes and dtypes are check's job, but None is part of the structure
+            return f"{var} is None"
+        expected = bind(self.signature, "e")
+        dtype = numpy_dtype(self.dtype)
+        if dtype is None:
+            return f"_signature({var}) != {expected}"
+        # numpy arrays compare natively (no dtype name lookup); other arrays by signature
+        native = f"type({var}) is _ndarray and {var}.shape == {bind(self.shape, 's')}"
+        native += f" and {var}.dtype == {bind(dtype, 'd')}"
+        return f"not ({native}) and _signature({var}) != {expected}"
+
+
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, each in ``[0, MAX_DIM]``, at most ``MAX_NDIM`` of them."""
+    if not isinstance(shape, (tuple, list)):
+        raise NodeError(f"a shape is a sequence of ints, got {clip(shape)}")
+    if len(shape) > MAX_NDIM:
+        raise NodeError(f"a shape has at most {MAX_NDIM} dimensions, got {len(shape)}")
+    dims = []
+    for dim in shape:
+        if type(dim) is not int:
+            if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+                raise NodeError(f"bad shape {clip(shape)}: {clip(dim)} is not an int")
+            dim = dim.__index__()
+        if not 0 <= dim <= MAX_DIM:
+            raise NodeError(f"bad shape {clip(shape)}: dimensions are in [0, 2**63 - 1]")
+        dims.append(dim)
+    return tuple(dims)
+
+
+class Container(Node):
+    """A container kind; see ``_containers.py`` for one class per kind.
+
+    A container's children are in *flatten order*: the order their leaves flatten in, which
+    is the user's order except for a dict's keys, sorted as optree sorts them.
+    """
+
+    __slots__ = ("arity", "entries")
+    op = 0
+    #: The exact Python type of a builtin kind (``None`` for user classes).
+    python_type: ClassVar[Any] = None
+    #: The path entry of each child, in flatten order.
+    entries: tuple[PathEntry, ...]
+
+    def __init__(self, key: tuple[Any, ...], entries: tuple[PathEntry, ...]) -> None:
+        super().__init__(key)
+        object.__setattr__(self, "arity", len(entries))
+        object.__setattr__(self, "entries", entries)
+
+    @classmethod
+    def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
+        """The node of ``obj`` (shared through ``intern``) and ``obj``'s children."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        """The node of a JSON row with at most ``max_arity`` children; else a :class:`NodeError`."""
+        raise NotImplementedError
+
+    @classmethod
+    def brief_of_object(cls, obj: Any) -> str:
+        """What ``obj``, an object of this kind, is, for messages."""
+        raise NotImplementedError
+
+    @classmethod
+    def claims(cls, typ: type, *, learn: bool) -> bool:
+        """Whether this kind takes objects of the user class ``typ`` it has not seen yet
+        (``learn``: ``describe`` met one). Builtin kinds match their ``python_type`` instead."""
+        return False
+
+    def children_of(self, obj: Any) -> Sequence[Any] | None:
+        """The children of ``obj`` in flatten order, or ``None`` if ``obj`` does not match."""
+        raise NotImplementedError
+
+    def rebuild(self, values: list[Any]) -> Any:
+        """An object of this kind with ``values`` (in flatten order) as its children."""
+        raise NotImplementedError
+
+    def guard(self, var: str, bind: Bind) -> str:
+        """Source of a condition that is true when ``var`` is not an object of this node."""
+        raise NotImplementedError
+
+    def child(self, var: str, index: int, bind: Bind) -> str:
+        """Source of an expression for the ``index``-th child of ``var`` (flatten order)."""
+        raise NotImplementedError
+
+    def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
+        """Source of an expression rebuilding this node from its children's (flatten order)."""
+        raise NotImplementedError
+
+    def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        """How ``obj``, which :meth:`children_of` refused, differs: (child entry or None, text)."""
+        raise NotImplementedError
+
+
+def clip(value: Any, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages (never raises)."""
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails, or an int too long to print
+        text = f"<{type(value).__name__}>"
+    return clip_text(text, limit)
+
+
+def clip_text(value: Any, limit: int = 120) -> str:
+    """``str(value)`` cut to ``limit`` characters, for messages (never raises)."""
+    try:
+        text = value if type(value) is str else str(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,70 @@
+"""Which dtypes JAX computes exactly as given, and the refusal of those it would narrow.
+
+With its 64-bit mode off, JAX silently computes ``int64`` as ``int32``, ``uint64`` as ``uint32``,
+``float64`` as ``float32`` and ``complex128`` as ``complex64`` (``1099511627784`` comes back as
+``8``); some numpy dtypes (``float128``, strings, objects, dates) it cannot hold at all.
+:func:`refuse_narrowed_inputs` turns both into an error naming the input's path, before anything
+is compiled.
+
+>>> jax_dtype("bfloat16"), jax_dtype("float128")
+('bfloat16', None)
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import DualgraphError
+from .._spec import LeafSpec
+from ._env import x64_enabled
+
+__all__ = ["jax_dtype", "refuse_narrowed_inputs"]
+
+
+def jax_dtype(name: str, /) -> str | None:
+    """The dtype JAX computes an array of dtype ``name`` in, under the current 64-bit mode.
+
+    ``None`` when JAX has no such dtype. With the 64-bit mode off, ``jax_dtype("int64")`` is
+    ``"int32"``.
+    """
+    return _jax_dtype(name, x64_enabled())
+
+
+@functools.cache
+def _jax_dtype(name: str, x64: bool) -> str | None:
+    del x64  # part of the cache key: the answer depends on the mode
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX's "will be truncated" warning: we answer instead
+        try:
+            made = jax.eval_shape(lambda: jnp.zeros((0,), dtype))
+        except TypeError:  # "JAX only supports number, bool, and string dtypes"
+            return None
+    return str(made.dtype.name)
+
+
+def refuse_narrowed_inputs(name: str, paths: Sequence[str], leaves: Sequence[LeafSpec]) -> None:
+    """Raise naming the first input whose dtype JAX would narrow or cannot hold."""
+    for path, leaf in zip(paths, leaves, strict=True):
+        dtype = leaf.dtype or ""
+        computed = jax_dtype(dtype)
+        if computed is None:
+            raise DualgraphError(
+                f"graphed({name}): {path} is {leaf}, a dtype JAX cannot compute in; convert it "
+                "(e.g. to float32 or int32) before the call"
+            )
+        if computed != dtype:
+            why = "JAX's 64-bit mode is off, so " if not x64_enabled() else ""
+            raise DualgraphError(
+                f"graphed({name}): {path} is {leaf}, but {why}JAX would silently compute it "
+                f"as {computed}. Turn the 64-bit mode on (jax.config.update('jax_enable_x64', "
+                f"True), or build inside `with jax.enable_x64(True):`) or pass {computed} values"
+            )

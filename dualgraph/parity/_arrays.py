@@ -1,0 +1,174 @@
+"""One leaf of torch against the same leaf of JAX, as numpy arrays: the tolerance model at work.
+
+Nothing is coerced: the two arrays must have the same dtype and shape (else the leaf fails and
+says so). Integers and bools are compared exactly, in their own dtype. Floating and complex
+leaves follow :mod:`._tolerances`; NaN and infinities must sit at the same positions (with the
+same sign) on both sides, and are counted.
+
+>>> import numpy as np
+>>> y = np.full(4, 1e-7, np.float32)
+>>> compare_arrays("out", -y, y).reason
+'4 values over tolerance, worst at 1e+04x (max abs 2e-07)'
+>>> compare_arrays("ids", np.array([2**60 + 1]), np.array([2**60])).reason
+'1 values differ (largest difference 1)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .._dtypes import is_differentiable_dtype
+from ._report import LeafReport
+from ._tolerances import Tolerance, tolerance_for
+
+__all__ = ["compare_arrays"]
+
+
+def compare_arrays(
+    path: str,
+    actual: np.ndarray,
+    expected: np.ndarray,
+    *,
+    tolerances: Tolerance | Mapping[str, Tolerance] | None = None,
+    allow_nan: bool = False,
+) -> LeafReport:
+    """Compare ``actual`` (torch's) with ``expected`` (JAX's reference) at leaf ``path``."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    dtype = expected.dtype.name
+    shape = tuple(expected.shape)
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return _differing_leaves(path, actual, expected)
+    if not is_differentiable_dtype(dtype):  # integers (int4 too), bools
+        return _compare_exact(path, actual, expected)
+    tolerance = tolerance_for(dtype, tolerances)
+    a, b = _widened(actual), _widened(expected)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    inf_a, inf_b = np.isinf(a) & ~nan_a, np.isinf(b) & ~nan_b
+    finite = ~(nan_a | nan_b | inf_a | inf_b)
+    nonfinite_differs = (nan_a != nan_b) | (inf_a != inf_b) | (inf_a & inf_b & (a != b))
+    a_fin, b_fin = a[finite], b[finite]
+    diff = np.abs(a_fin - b_fin)
+    magnitude = np.abs(b_fin)
+    scale = _rms(magnitude)
+    allowed = tolerance.rtol * magnitude + tolerance.atol * scale
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(diff == 0, 0.0, diff / allowed)  # allowed == 0 < diff: inf
+        relative = np.where((diff == 0) | (magnitude == 0), 0.0, diff / magnitude)
+    over = int(np.count_nonzero(ratio > 1)) + int(np.count_nonzero(nonfinite_differs))
+    score = float(ratio.max(initial=0.0))
+    if nonfinite_differs.any():
+        score = float("inf")
+    nonfinite = int(np.count_nonzero(~finite & ~nonfinite_differs))
+    warning = None
+    if expected.size and nonfinite == expected.size:
+        warning = _all_nonfinite(nan_b)
+    return LeafReport(
+        path=path,
+        dtype=dtype,
+        shape=shape,
+        max_abs=float(diff.max(initial=0.0)),
+        max_rel=float(relative.max(initial=0.0)),
+        scale=scale,
+        score=score,
+        rel_l2=_relative_l2(diff, magnitude),
+        cosine=_cosine(a_fin, b_fin),
+        mismatched=over,
+        tolerance=tolerance,
+        nonfinite=nonfinite,
+        warning=warning,
+        allow_nan=allow_nan,
+    )
+
+
+def _differing_leaves(path: str, actual: np.ndarray, expected: np.ndarray) -> LeafReport:
+    def show(x: np.ndarray) -> str:
+        return f"{x.dtype.name}[{', '.join(map(str, x.shape))}]"
+
+    return LeafReport(
+        path=path,
+        dtype=expected.dtype.name,
+        shape=tuple(expected.shape),
+        max_abs=float("inf"),
+        max_rel=float("inf"),
+        scale=0.0,
+        score=float("inf"),
+        rel_l2=None,
+        cosine=None,
+        mismatched=int(expected.size),
+        tolerance=None,
+        problem=f"torch gives {show(actual)} where JAX gives {show(expected)}",
+    )
+
+
+def _compare_exact(path: str, actual: np.ndarray, expected: np.ndarray) -> LeafReport:
+    differs = actual != expected  # in the leaves' own dtype: no rounding through float64
+    mismatched = int(np.count_nonzero(differs))
+    largest = 0
+    if mismatched:  # exact, as Python ints: int64 differences can overflow int64
+        pairs = zip(actual[differs].tolist(), expected[differs].tolist(), strict=True)
+        largest = max(abs(int(x) - int(y)) for x, y in pairs)
+    return LeafReport(
+        path=path,
+        dtype=expected.dtype.name,
+        shape=tuple(expected.shape),
+        max_abs=largest,
+        max_rel=0.0,
+        scale=0.0,
+        score=float("inf") if mismatched else 0.0,
+        rel_l2=None,
+        cosine=None,
+        mismatched=mismatched,
+        tolerance=None,
+    )
+
+
+def _widened(x: np.ndarray) -> np.ndarray:
+    """``x`` in a dtype that holds its values and their differences without rounding them away."""
+    if x.dtype.kind == "c":
+        wide = np.promote_types(x.dtype, np.complex128)
+    elif x.dtype.kind == "f":
+        wide = np.promote_types(x.dtype, np.float64)
+    else:  # bfloat16, float8 and the other ml_dtypes floats
+        wide = np.dtype(np.float64)
+    return np.atleast_1d(x.astype(wide))
+
+
+def _rms(magnitude: np.ndarray) -> float:
+    """The root mean square of non-negative values, without overflowing on huge ones."""
+    return _norm(magnitude) / float(np.sqrt(magnitude.size)) if magnitude.size else 0.0
+
+
+def _norm(magnitude: np.ndarray) -> float:
+    """The L2 norm of non-negative values, scaled by their peak so that squares cannot overflow."""
+    peak = float(magnitude.max(initial=0.0))
+    if peak == 0.0 or not np.isfinite(peak):
+        return peak
+    return peak * float(np.sqrt(np.sum(np.square(magnitude / peak))))
+
+
+def _relative_l2(diff: np.ndarray, magnitude: np.ndarray) -> float:
+    """``||torch - jax|| / ||jax||``: 0 when both are zero, ``inf`` when only the reference is."""
+    error, size = _norm(diff), _norm(magnitude)
+    if error == 0.0:
+        return 0.0
+    return error / size if size else float("inf")
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """``Re<a, b> / (|a| |b|)``: 1 when both are zero, 0 when only one is."""
+    peak_a = float(np.abs(a).max(initial=0.0))
+    peak_b = float(np.abs(b).max(initial=0.0))
+    if peak_a == 0.0 or peak_b == 0.0:
+        return 1.0 if peak_a == peak_b else 0.0
+    a, b = a / peak_a, b / peak_b
+    dot = float(np.real(np.vdot(b, a)))
+    norms = float(np.linalg.norm(a)) * float(np.linalg.norm(b))
+    return max(-1.0, min(1.0, dot / norms))
+
+
+def _all_nonfinite(nan: np.ndarray) -> str:
+    if nan.all():
+        return "NaN everywhere on both sides: no value compared"
+    return "no finite value on either side (NaN and infinities only): no value compared"

@@ -1,0 +1,112 @@
+"""Moving arrays between torch, numpy and JAX without changing a bit or a dtype.
+
+The parity harness's own seam to both frameworks: it uses their public APIs only (DLPack, bit
+views for the dtypes numpy lacks natively: bfloat16 and float8 through ``ml_dtypes``).
+
+>>> import torch
+>>> to_numpy(torch.ones(2, dtype=torch.bfloat16)).dtype.name
+'bfloat16'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optree
+import torch
+
+from .._containers import NAMESPACE
+from .._errors import DualgraphError
+from .._spec import describe
+
+__all__ = [
+    "as_jax",
+    "as_torch",
+    "copied",
+    "numpy_dtype",
+    "random_like",
+    "to_numpy",
+    "to_torch",
+]
+
+# Unsigned views of the same width, to carry the bits of dtypes one side lacks.
+_TORCH_BITS = {1: torch.uint8, 2: torch.int16}
+_NUMPY_BITS = {1: np.uint8, 2: np.int16}
+
+
+def numpy_dtype(name: str, /) -> np.dtype:
+    """The numpy dtype of a neutral dtype name (``ml_dtypes`` for bfloat16, float8...).
+
+    >>> numpy_dtype("float8_e4m3fn").name, numpy_dtype("int64").name
+    ('float8_e4m3fn', 'int64')
+    """
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:
+    """A torch tensor as a numpy array of the same dtype (on the host)."""
+    tensor = tensor.detach().cpu()
+    name = describe(tensor).arrays[0].dtype or ""  # the neutral name, as the torch adapter says
+    if hasattr(np, name):
+        return tensor.numpy()
+    bits = _TORCH_BITS.get(tensor.element_size())
+    if bits is None:
+        raise DualgraphError(f"a torch {name} tensor has no numpy counterpart to compare in")
+    return tensor.view(bits).numpy().view(numpy_dtype(name))
+
+
+def to_torch(array: np.ndarray, device: torch.device, /) -> torch.Tensor:
+    """A numpy array as a torch tensor of the same dtype on ``device`` (a copy)."""
+    array = np.array(array, copy=True, order="C")
+    name = array.dtype.name
+    if hasattr(np, name):
+        return torch.from_numpy(array).to(device)
+    bits = _NUMPY_BITS[array.dtype.itemsize]
+    return torch.from_numpy(array.view(bits)).view(getattr(torch, name)).to(device)
+
+
+def as_torch(value: Any, device: torch.device, /) -> torch.Tensor:
+    """An input (tensor or array) as a detached torch tensor; arrays go to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return to_torch(np.asarray(value), device)
+
+
+def as_jax(tensor: torch.Tensor, /) -> jax.Array:
+    """The tensor as a JAX array on JAX's default device, without a copy where possible."""
+    tensor = tensor.detach()
+    device = jax.devices()[0]
+    same_kind = (tensor.device.type == "cuda") == (device.platform == "gpu")
+    if same_kind:
+        try:
+            array = jax.dlpack.from_dlpack(tensor)
+        except Exception:  # e.g. a layout DLPack cannot carry: fall back to a copy
+            array = None
+        if array is not None:
+            return array if array.devices() == {device} else jax.device_put(array, device)
+    return jax.device_put(to_numpy(tensor), device)
+
+
+def copied(tree: Any, /) -> Any:
+    """``tree`` with a fresh copy of each JAX array (for donation, which consumes its inputs)."""
+    return optree.tree_map(
+        lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
+        tree,
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
+
+
+def random_like(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], /) -> np.ndarray:
+    """Standard normal values (complex: real and imaginary parts) of ``dtype`` and ``shape``."""
+    values = rng.standard_normal(shape)
+    if dtype.startswith("complex"):
+        values = values + 1j * rng.standard_normal(shape)
+    return values.astype(numpy_dtype(dtype))

@@ -1,0 +1,311 @@
+"""``compare`` in five steps: prepare inputs, run torch, run JAX, compare outputs, compare grads."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optree
+import torch
+
+from .._call import CallSpec, describe_call
+from .._containers import NAMESPACE
+from .._dtypes import is_differentiable_dtype
+from .._errors import SpecMismatchError
+from .._spec import LeafSpec, TreeSpec, describe
+from ..jax import GraphedCallable, enable_x64, x64_enabled
+from ._arrays import compare_arrays
+from ._bridge import as_torch, random_like, to_numpy
+from ._jax_side import JaxRun, run_jax
+from ._report import LeafReport, ParityReport
+from ._tolerances import Tolerance
+from ._torch_side import full_precision, named_params, read_grads, torch_device
+
+__all__ = ["assert_parity", "compare"]
+
+#: dtypes that JAX narrows to 32 bits unless its 64-bit mode is on.
+_WIDE_DTYPES = frozenset({"int64", "uint64", "float64", "complex128"})
+
+Judge = Callable[[str, np.ndarray, np.ndarray], LeafReport]
+
+
+def compare(
+    torch_fn: Callable[..., Any],
+    jax_fn: Callable[..., Any] | GraphedCallable,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    grads: bool = True,
+    params: Any = None,
+    params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None = None,
+    torch_params: Mapping[str, torch.Tensor] | None = None,
+    tolerances: Tolerance | Mapping[str, Tolerance] | None = None,
+    allow_nan: bool = False,
+    seed: int = 0,
+) -> ParityReport:
+    """Run ``torch_fn(*args, **kwargs)`` and its JAX reference; compare outputs and gradients.
+
+    - ``args``/``kwargs`` hold numpy arrays or torch tensors (and constants, ``None``). numpy
+      inputs go to the device of ``torch_fn``'s parameters (the CPU when it has none).
+    - ``torch_fn``: an ``nn.Module`` (graphed or not) or any callable.
+    - ``jax_fn``: a function (compiled here with :func:`dualgraph.jax.graphed`) or a
+      :class:`~dualgraph.jax.GraphedCallable`. With ``params``, it is called as
+      ``jax_fn(params, *args, **kwargs)``.
+    - ``params``: the JAX parameter pytree. Parameter gradients are compared after mapping the
+      torch ones (``torch_params``, by default ``torch_fn.named_parameters()``) through
+      ``params_from_torch({name: numpy array})`` into the same pytree, e.g.
+      :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
+      dict keyed by the torch parameter names. Frozen torch parameters are not compared.
+    - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
+      spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
+      every floating input array and the parameters. The torch side runs one backward and reads
+      ``.grad`` (putting the previous ``.grad`` back), so a graphed callable that accumulates
+      parameter grads inside its backward graph is measured as its users see them.
+    - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
+      name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
+      value on either side, e.g. NaN everywhere (still reported as a warning).
+    - 64-bit: when an input, a parameter or a torch output is int64, uint64, float64 or
+      complex128 and JAX's 64-bit mode is off, the JAX side runs inside
+      :func:`dualgraph.jax.enable_x64`, so nothing is narrowed.
+
+    Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
+    structure, ``None`` positions, constants, shapes or dtypes; value differences are reported.
+    """
+    judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
+    both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
+    inputs = _prepare_inputs(args, kwargs, grads, both_params)
+    torch_out = _run_torch(torch_fn, inputs)
+    wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
+    with enable_x64(wide is not None):
+        run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
+        spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
+        entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+        if grads:
+            entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
+    return ParityReport(tuple(entries))
+
+
+def assert_parity(*args: Any, **kwargs: Any) -> ParityReport:
+    """:func:`compare`, failing (``AssertionError``) with the worst leaf's path and the table.
+
+    >>> import numpy as np, torch, jax.numpy as jnp
+    >>> x = np.ones((2, 2), np.float32)
+    >>> try:
+    ...     assert_parity(lambda t: t * 2, lambda a: a * 2.001, (x,), grads=False)
+    ... except AssertionError as error:
+    ...     print(str(error).splitlines()[0])
+    torch and JAX differ at output: 4 values over tolerance, worst at 2.5x (max abs 0.001)
+    """
+    __tracebackhide__ = True
+    report = compare(*args, **kwargs)
+    if not report.ok:
+        worst = report.worst
+        assert worst is not None
+        raise AssertionError(f"torch and JAX differ at {worst.path}: {worst.reason}\n{report}")
+    return report
+
+
+# -- 1. prepare the inputs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The parameters on both sides: JAX's tree, torch's named tensors, the map between them."""
+
+    jax: Any
+    torch: dict[str, torch.Tensor]
+    from_torch: Callable[[dict[str, np.ndarray]], Any]
+
+
+def _params_of(
+    torch_fn: Any,
+    params: Any,
+    params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None,
+    torch_params: Mapping[str, torch.Tensor] | None,
+) -> _Params | None:
+    if params is None:
+        return None
+    return _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """The call as torch sees it: flat tensors (requiring grad where compared), parameters."""
+
+    call_spec: CallSpec
+    tensors: list[torch.Tensor]
+    wants_grad: list[bool]
+    params: _Params | None
+
+
+def _prepare_inputs(
+    args: Sequence[Any], kwargs: Mapping[str, Any] | None, grads: bool, params: _Params | None
+) -> _Inputs:
+    kwargs = dict(kwargs or {})
+    call_spec = describe_call(tuple(args), kwargs)
+    samples = call_spec.flatten(tuple(args), kwargs)
+    device = torch_device([*samples, *(params.torch.values() if params else ())])
+    wants_grad = [grads and is_differentiable_dtype(leaf.dtype or "") for leaf in call_spec.arrays]
+    tensors = [as_torch(x, device) for x in samples]
+    for tensor, wanted in zip(tensors, wants_grad, strict=True):
+        tensor.requires_grad_(wanted)
+    return _Inputs(call_spec, tensors, wants_grad, params)
+
+
+# -- 2. run torch ----------------------------------------------------------------------------------
+
+
+def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
+    args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
+    with full_precision(), torch.enable_grad():
+        return torch_fn(*args, **kwargs)
+
+
+# -- 3. run JAX (in 64-bit mode when a 64-bit leaf is involved) ------------------------------------
+
+
+def _first_wide_leaf(call_spec: CallSpec, params: Any, torch_out: Any) -> str | None:
+    """``"<path> is <leaf>"`` for the first 64-bit leaf JAX would narrow; ``None`` if none is."""
+    if x64_enabled():
+        return None
+    for path, leaf in _leaves_to_check(call_spec, params, torch_out):
+        if leaf.dtype in _WIDE_DTYPES:
+            return f"{path} is {leaf}"
+    return None
+
+
+def _leaves_to_check(
+    call_spec: CallSpec, params: Any, torch_out: Any
+) -> Iterator[tuple[str, LeafSpec]]:
+    yield from zip(call_spec.array_paths, call_spec.arrays, strict=True)
+    for root, tree in (("params", params), ("output", torch_out)):
+        spec = describe(tree, root=root)
+        yield from zip((root + p for p in spec.array_paths), spec.arrays, strict=True)
+
+
+# -- 4. compare outputs ----------------------------------------------------------------------------
+
+
+def _agreed_output_spec(jax_spec: TreeSpec, torch_out: Any, wide: str | None) -> TreeSpec:
+    """JAX's output spec, once torch's output is known to match it (else the path that differs)."""
+    try:
+        jax_spec.check(torch_out, root="output")
+    except SpecMismatchError as error:
+        hint = f"; the JAX side ran in 64-bit mode because {wide}" if wide else ""
+        raise SpecMismatchError(
+            f"the torch and JAX outputs differ in structure: {error} (expected: what JAX "
+            f"returns, got: what torch returns){hint}",
+            path=error.path,
+        ) from None
+    return jax_spec
+
+
+def _compare_outputs(
+    spec: TreeSpec, torch_out: Any, jax_out: Any, judge: Judge
+) -> list[LeafReport]:
+    pairs = zip(spec.array_paths, spec.flatten(torch_out), spec.flatten(jax_out), strict=True)
+    return [judge("output" + path, to_numpy(t), np.asarray(j)) for path, t, j in pairs]
+
+
+# -- 5. compare gradients --------------------------------------------------------------------------
+
+
+def _compare_grads(
+    spec: TreeSpec, torch_out: Any, run: JaxRun, inputs: _Inputs, judge: Judge, seed: int
+) -> list[LeafReport]:
+    """The same seeded cotangents through both backwards; input grads, then parameter grads."""
+    assert run.pullback is not None
+    rng = np.random.default_rng(seed)
+    masked = [
+        (leaf, t)
+        for leaf, t, m in zip(spec.arrays, spec.flatten(torch_out), spec.grad_mask, strict=True)
+        if m
+    ]
+    cotangents = [random_like(rng, leaf.dtype or "", leaf.shape or ()) for leaf, _ in masked]
+
+    params = inputs.params
+    trainable = {n: p for n, p in params.torch.items() if p.requires_grad} if params else {}
+    targets = [t for t, wanted in zip(inputs.tensors, inputs.wants_grad, strict=True) if wanted]
+    torch_grads = read_grads(
+        [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
+        [*targets, *trainable.values()],
+    )
+    cotangent_tree = run.pullback.cotangent_spec.unflatten([jnp.asarray(c) for c in cotangents])
+    args_grads, kwargs_grads = run.pullback(cotangent_tree)
+    if params is not None:
+        param_grads, args_grads = args_grads[0], args_grads[1:]
+
+    paths = [p for p, w in zip(inputs.call_spec.array_paths, inputs.wants_grad, strict=True) if w]
+    jax_grads: list[Any] = optree.tree_leaves(
+        (args_grads, kwargs_grads),  # type: ignore[arg-type]  # optree's PyTree type is narrow
+        namespace=NAMESPACE,
+    )
+    entries = [
+        judge("grad " + path, _grad_as_numpy(t, j), np.asarray(j))
+        for path, t, j in zip(paths, torch_grads[: len(targets)], jax_grads, strict=True)
+    ]
+    if params is not None:
+        torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
+        entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
+    return entries
+
+
+def _grad_as_numpy(grad: torch.Tensor | None, like: Any) -> np.ndarray:
+    """A torch grad as numpy; an input torch left without a grad (unused) has a zero one."""
+    return np.zeros_like(np.asarray(like)) if grad is None else to_numpy(grad)
+
+
+def _param_grad_reports(
+    params: _Params,
+    jax_grads: Any,
+    torch_grads: Mapping[str, torch.Tensor | None],
+    judge: Judge,
+) -> list[LeafReport]:
+    """Torch's parameter grads mapped into the JAX params tree, compared leaf by leaf."""
+    convert, named = params.from_torch, params.torch
+    params_spec = describe(params.jax)
+    as_numpy = {
+        name: to_numpy(_grad_or_zeros(torch_grads.get(name), p)) for name, p in named.items()
+    }
+    try:
+        converted = params_spec.flatten(convert(as_numpy), check=True, root="params")
+    except SpecMismatchError as error:
+        raise SpecMismatchError(
+            "the torch parameter grads, mapped by params_from_torch, do not match the JAX "
+            f"params: {error}",
+            path=error.path,
+        ) from None
+    compared = _trained_leaves(params_spec, as_numpy, torch_grads, convert)
+    jax_leaves = iter(optree.tree_leaves(jax_grads, namespace=NAMESPACE))
+    reports = []
+    for path, leaf, torch_grad, used in zip(
+        params_spec.array_paths, params_spec.arrays, converted, compared, strict=True
+    ):
+        if not is_differentiable_dtype(leaf.dtype or ""):
+            continue  # JAX gives no grad for it; nor does torch
+        expected = np.asarray(next(jax_leaves))
+        if used:
+            reports.append(judge("grad params" + path, np.asarray(torch_grad), expected))
+    return reports
+
+
+def _grad_or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(param, requires_grad=False) if grad is None else grad
+
+
+def _trained_leaves(
+    params_spec: TreeSpec,
+    as_numpy: Mapping[str, np.ndarray],
+    torch_grads: Mapping[str, Any],
+    convert: Callable[[dict[str, np.ndarray]], Any],
+) -> list[bool]:
+    """For each params leaf, whether it comes from trainable torch parameters only."""
+    if len(torch_grads) == len(as_numpy):
+        return [True] * params_spec.num_arrays
+    # Frozen parameters: map a mask through the same conversion to find the leaves they become.
+    trained = {name: np.full(a.shape, name in torch_grads, a.dtype) for name, a in as_numpy.items()}
+    return [bool(np.all(np.asarray(m))) for m in params_spec.flatten(convert(trained))]

@@ -1,0 +1,54 @@
+"""The JAX side of a comparison: the reference compiled with dualgraph's adapter, run once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import torch
+
+from ..jax import GraphedCallable, Pullback
+from ._bridge import as_jax, copied
+
+__all__ = ["JaxRun", "run_jax"]
+
+
+@dataclass(frozen=True)
+class JaxRun:
+    """What the reference returned, and its pullback (``None`` without gradients)."""
+
+    program: GraphedCallable
+    outputs: Any
+    pullback: Pullback | None
+
+
+def run_jax(
+    jax_fn: Callable[..., Any] | GraphedCallable,
+    unflatten: Callable[[Sequence[Any]], tuple[tuple[Any, ...], dict[str, Any]]],
+    tensors: Sequence[torch.Tensor],
+    params: Any,
+    *,
+    grads: bool,
+) -> JaxRun:
+    """Run ``jax_fn`` on the same inputs as torch (``params`` first, when given).
+
+    A plain function is compiled here with TF32-free ``"highest"`` matmul precision; a
+    :class:`~dualgraph.jax.GraphedCallable` keeps the precision it was compiled with. Inputs
+    shared with torch through DLPack are copied first if the program donates them.
+    """
+    args, kwargs = unflatten([as_jax(t) for t in tensors])
+    if params is not None:
+        args = (params, *args)
+    if isinstance(jax_fn, GraphedCallable):
+        program = jax_fn
+    else:
+        with jax.default_matmul_precision("highest"):
+            program = GraphedCallable(jax_fn, args, sample_kwargs=kwargs, lazy=True)
+    if program.donate_argnums:  # donation would consume arrays that share torch's memory
+        args, kwargs = copied((args, kwargs))
+    if grads:
+        outputs, pullback = program.vjp(*args, **kwargs)
+        return JaxRun(program, outputs, pullback)
+    return JaxRun(program, program(*args, **kwargs), None)

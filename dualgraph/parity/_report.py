@@ -1,0 +1,208 @@
+"""What a comparison found: a :class:`LeafReport` per array leaf, and the :class:`ParityReport`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._tolerances import Tolerance
+
+__all__ = ["LeafReport", "ParityReport"]
+
+
+@dataclass(frozen=True)
+class LeafReport:
+    """How one array leaf compares (torch is "actual", JAX the reference).
+
+    - ``max_abs``, ``max_rel``: the largest ``|torch - jax|`` and ``|torch - jax| / |jax|`` over
+      the positions finite on both sides (integers: the exact largest difference, an ``int``).
+    - ``scale``: the RMS of the reference's finite values, which ``atol`` multiplies.
+    - ``score``: the worst ``|torch - jax| / (rtol * |jax| + atol * scale)``; at most 1 passes
+      (integers and bools: 0 when equal, ``inf`` otherwise; ``inf`` too when NaN or infinity
+      positions differ).
+    - ``rel_l2``: ``||torch - jax|| / ||jax||``; ``cosine``: the cosine similarity of the two
+      leaves (both ``None`` for integers and bools).
+    - ``mismatched``: entries outside tolerance (integers: differing), NaN/inf positions that
+      differ included; ``nonfinite``: positions NaN or infinite alike on both sides.
+    - ``tolerance``: the limits applied (``None``: compared exactly).
+    - ``warning``: e.g. a leaf NaN everywhere on both sides (nothing compared); it fails unless
+      the comparison allowed NaN. ``problem``: the two sides' leaves differ in dtype or shape.
+    """
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    max_abs: float
+    max_rel: float
+    scale: float
+    score: float
+    rel_l2: float | None
+    cosine: float | None
+    mismatched: int
+    tolerance: Tolerance | None
+    nonfinite: int = 0
+    warning: str | None = None
+    problem: str | None = None
+    allow_nan: bool = False
+
+    @property
+    def exact(self) -> bool:
+        """Whether the leaf is compared exactly (integers, bools)."""
+        return self.tolerance is None
+
+    @property
+    def ok(self) -> bool:
+        """Within every limit, and no unallowed warning or problem."""
+        return self.reason is None
+
+    @property
+    def usage(self) -> float:
+        """The largest fraction of a limit the leaf uses: :attr:`score`, the relative L2 error
+        over its limit, or ``1 - cosine`` over ``1 - min_cosine`` (above 1: over the limit)."""
+        limits = self.tolerance
+        if limits is None or self.rel_l2 is None or self.cosine is None:
+            return self.score
+        return max(
+            self.score,
+            _fraction(self.rel_l2, limits.max_rel_l2),
+            _fraction(1.0 - self.cosine, 1.0 - limits.min_cosine),
+        )
+
+    @property
+    def reason(self) -> str | None:
+        """Why the leaf fails, in one line; ``None`` when it passes."""
+        if self.problem is not None:
+            return self.problem
+        if self.warning is not None and not self.allow_nan:
+            return f"{self.warning} (pass allow_nan=True to accept it)"
+        limits = self.tolerance
+        if self.score > 1.0:
+            if limits is None:
+                return f"{self.mismatched} values differ (largest difference {self.max_abs})"
+            return (
+                f"{self.mismatched} values over tolerance, worst at {self.score:.3g}x "
+                f"(max abs {self.max_abs:.3g})"
+            )
+        if limits is not None and self.rel_l2 is not None and self.rel_l2 > limits.max_rel_l2:
+            return f"relative L2 error {self.rel_l2:.3g} > {limits.max_rel_l2:.3g}"
+        if limits is not None and self.cosine is not None and self.cosine < limits.min_cosine:
+            return f"cosine similarity {self.cosine:.10g} < {limits.min_cosine:.10g}"
+        return None
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """Every compared leaf (outputs, then input grads, then parameter grads) and the verdict.
+
+    ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used in
+    the footer.
+    """
+
+    entries: tuple[LeafReport, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every leaf passes (within tolerance, same direction, no unallowed NaN)."""
+        return all(entry.ok for entry in self.entries)
+
+    @property
+    def worst(self) -> LeafReport | None:
+        """The failing leaf furthest over a limit, else the leaf closest to one (by usage)."""
+        return max(self.entries, key=lambda e: (not e.ok, e.usage), default=None)
+
+    @property
+    def worst_path(self) -> str | None:
+        """The path of :attr:`worst`, e.g. ``output['hidden']`` or ``grad params['pos']``."""
+        worst = self.worst
+        return None if worst is None else worst.path
+
+    @property
+    def failures(self) -> tuple[LeafReport, ...]:
+        """The leaves that fail."""
+        return tuple(entry for entry in self.entries if not entry.ok)
+
+    @property
+    def warnings(self) -> tuple[LeafReport, ...]:
+        """The leaves with a warning (allowed or not)."""
+        return tuple(entry for entry in self.entries if entry.warning is not None)
+
+    def __str__(self) -> str:
+        return "\n".join([self._header(), *_table(self.entries), *_footer(self.entries)])
+
+    def _header(self) -> str:
+        worst = self.worst
+        if worst is None:
+            return "parity: nothing to compare (no array leaves)"
+        warned = len(self.warnings)
+        note = f"; {warned} warning{'s' * (warned > 1)}" if warned else ""
+        if self.ok:
+            return (
+                f"parity OK: {len(self.entries)} leaves within tolerance (worst: {worst.path} "
+                f"at {worst.usage:.2g} of its tolerance{note})"
+            )
+        return (
+            f"parity FAILED: {len(self.failures)} of {len(self.entries)} leaves (worst: "
+            f"{worst.path}: {worst.reason}{note})"
+        )
+
+
+def _fraction(value: float, limit: float) -> float:
+    if value <= 0.0:
+        return 0.0
+    return value / limit if limit > 0.0 else float("inf")
+
+
+_TITLES = (
+    "leaf",
+    "dtype",
+    "shape",
+    "max abs",
+    "max rel",
+    "rms",
+    "score",
+    "rel l2",
+    "cosine",
+    "nan/inf",
+    "",
+)
+
+
+def _table(entries: tuple[LeafReport, ...]) -> list[str]:
+    rows = [_TITLES, *(_row(e) for e in entries)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_TITLES))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+
+
+def _row(e: LeafReport) -> tuple[str, ...]:
+    status = "ok" if e.ok else f"FAIL: {e.reason}"
+    if e.ok and e.warning is not None:
+        status = f"ok, warning: {e.warning}"
+    return (
+        e.path,
+        e.dtype,
+        "[" + ", ".join(map(str, e.shape)) + "]",
+        f"{e.max_abs:.3g}",
+        "-" if e.exact else f"{e.max_rel:.3g}",
+        "-" if e.exact else f"{e.scale:.3g}",
+        f"{e.score:.3g}",
+        "-" if e.rel_l2 is None else f"{e.rel_l2:.3g}",
+        "-" if e.cosine is None else f"{e.cosine:.6f}",
+        str(e.nonfinite) if e.nonfinite else "",
+        status,
+    )
+
+
+def _footer(entries: tuple[LeafReport, ...]) -> list[str]:
+    seen: dict[str, str] = {}
+    for e in entries:
+        t = e.tolerance
+        if t is None:
+            seen.setdefault(e.dtype, f"{e.dtype} exact")
+        else:
+            limits = (
+                f"rtol {t.rtol:.2g}, atol {t.atol:.2g} x rms, rel l2 <= {t.max_rel_l2:.2g}, "
+                f"cosine >= {t.min_cosine:.10g}"
+            )
+            seen.setdefault(e.dtype, f"{e.dtype} {limits}")
+    return ["tolerances: " + "; ".join(seen.values())] if seen else []

@@ -1,0 +1,102 @@
+"""How far apart torch and JAX may be, per dtype: entry by entry, as a whole, and in direction.
+
+A floating leaf passes when, over the positions where both sides are finite,
+
+- every entry: ``|torch - jax| <= rtol * |jax| + atol * rms``, ``rms`` being the root mean
+  square of the reference leaf (its typical scale);
+- the whole leaf: ``||torch - jax|| / ||jax|| <= max_rel_l2`` (the relative L2 error);
+- its direction: the cosine similarity of the two leaves is at least ``min_cosine``.
+
+``rtol`` bounds the error of the large entries; ``atol * rms`` is the floor the entries near zero
+are held to: rounding errors of a sum follow the size of its terms, not of its result, so an
+entry that nearly cancels is judged against the leaf's typical magnitude rather than its own,
+yet a leaf of tiny values is judged at its own scale, never against an absolute 1 (a leaf of
+``1e-7``'s whose sign flipped fails). In low precision the entries of a deep network's gradients
+scatter by several ulps, so the entry-wise bounds must be loose; the relative L2 error, which
+averages that scatter, stays small and catches what they let through (a leaf scaled by 10% in
+bfloat16). The cosine is the sign and direction check. Integers and bools compare exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .._errors import DualgraphError
+
+__all__ = ["DEFAULT_TOLERANCES", "Tolerance", "tolerance_for"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The limits for one dtype: ``rtol`` (of ``|jax|``), ``atol`` (of the leaf's RMS),
+    ``max_rel_l2`` (of the leaf's L2 norm) and ``min_cosine``.
+
+    >>> DEFAULT_TOLERANCES["float32"]
+    Tolerance(rtol=0.0001, atol=0.0001, max_rel_l2=0.0001, min_cosine=0.99999)
+    """
+
+    rtol: float
+    atol: float
+    max_rel_l2: float
+    min_cosine: float
+
+    def __post_init__(self) -> None:
+        limits = (self.rtol, self.atol, self.max_rel_l2)
+        if not (all(limit >= 0 for limit in limits) and -1 <= self.min_cosine <= 1):
+            raise DualgraphError(
+                f"{self}: rtol, atol and max_rel_l2 must be >= 0, min_cosine within [-1, 1]"
+            )
+
+
+def _narrow(eps: float) -> Tolerance:
+    """8 bits and fewer (``eps`` is the format's machine epsilon): the final rounding dominates,
+    so one ulp apart is a match."""
+    return Tolerance(rtol=2 * eps, atol=eps, max_rel_l2=eps, min_cosine=max(0.5, 1 - 2 * eps**2))
+
+
+#: ``dtype name -> Tolerance`` for floating and complex leaves; integers and bools are exact.
+#: Chosen from measured differences (see the README's table): outputs and gradients of the
+#: dualgraph ViT encoder, torch vs JAX.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(rtol=1e-9, atol=1e-9, max_rel_l2=1e-9, min_cosine=0.999999999),
+    "complex128": Tolerance(rtol=1e-9, atol=1e-9, max_rel_l2=1e-9, min_cosine=0.999999999),
+    "float32": Tolerance(rtol=1e-4, atol=1e-4, max_rel_l2=1e-4, min_cosine=0.99999),
+    "complex64": Tolerance(rtol=1e-4, atol=1e-4, max_rel_l2=1e-4, min_cosine=0.99999),
+    "float16": Tolerance(rtol=1e-2, atol=5e-2, max_rel_l2=1e-2, min_cosine=0.9999),
+    "bfloat16": Tolerance(rtol=5e-2, atol=3e-1, max_rel_l2=8e-2, min_cosine=0.995),
+    "float8_e4m3fn": _narrow(0.125),
+    "float8_e4m3fnuz": _narrow(0.125),
+    "float8_e4m3": _narrow(0.125),
+    "float8_e4m3b11fnuz": _narrow(0.125),
+    "float8_e5m2": _narrow(0.25),
+    "float8_e5m2fnuz": _narrow(0.25),
+    "float8_e3m4": _narrow(0.0625),
+    "float8_e8m0fnu": _narrow(1.0),
+    "float6_e2m3fn": _narrow(0.125),
+    "float6_e3m2fn": _narrow(0.25),
+    "float4_e2m1fn": _narrow(0.5),
+}
+
+
+def tolerance_for(
+    dtype: str, overrides: Tolerance | Mapping[str, Tolerance] | None = None
+) -> Tolerance:
+    """The tolerance of a floating or complex ``dtype``: ``overrides`` first, then the table.
+
+    ``overrides`` is one :class:`Tolerance` for every floating dtype, or a mapping by dtype name.
+
+    >>> tolerance_for("bfloat16", {"bfloat16": Tolerance(0.1, 0.1, 0.1, 0.9)}).rtol
+    0.1
+    """
+    if isinstance(overrides, Tolerance):
+        return overrides
+    if overrides is not None and dtype in overrides:
+        return overrides[dtype]
+    try:
+        return DEFAULT_TOLERANCES[dtype]
+    except KeyError:
+        raise DualgraphError(
+            f"no default tolerance for dtype {dtype}; pass tolerances={{{dtype!r}: "
+            "Tolerance(rtol=..., atol=..., max_rel_l2=..., min_cosine=...)}"
+        ) from None

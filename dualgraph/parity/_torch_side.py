@@ -1,0 +1,91 @@
+"""The PyTorch side of a comparison: its parameters, its device, full precision, one backward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import DualgraphError
+from ._bridge import to_torch
+
+__all__ = ["full_precision", "named_params", "read_grads", "torch_device"]
+
+
+def named_params(
+    torch_fn: Any, torch_params: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """``torch_params``, else ``torch_fn.named_parameters()`` (for a module, graphed or not)."""
+    if torch_params is not None:
+        return dict(torch_params)
+    named = getattr(torch_fn, "named_parameters", None)
+    if named is None:
+        raise DualgraphError(
+            "compare(params=...): torch_fn has no named_parameters(); pass torch_params= "
+            "(a mapping from parameter names to tensors)"
+        )
+    return dict(named())
+
+
+def torch_device(values: Iterable[Any]) -> torch.device:
+    """The device of the first tensor among ``values`` (inputs, then parameters); else the CPU."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def read_grads(
+    outputs: Sequence[tuple[torch.Tensor, np.ndarray]], leaves: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The ``.grad`` that one backward of the cotangents gives each leaf (inputs, parameters).
+
+    ``outputs`` pairs each masked output with its cotangent; outputs that do not require grad
+    take no part. Read from ``.grad`` rather than through ``torch.autograd.grad`` so that
+    graphed callables that accumulate parameter grads inside their backward graph are measured
+    as users see them; the leaves' previous ``.grad`` are put back afterwards.
+    """
+    live = [(t, ct) for t, ct in outputs if t.requires_grad]
+    saved = [leaf.grad for leaf in leaves]
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        if live:
+            with full_precision():
+                torch.autograd.backward(
+                    [t for t, _ in live], grad_tensors=[to_torch(ct, t.device) for t, ct in live]
+                )
+        return [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
+    finally:
+        for leaf, grad in zip(leaves, saved, strict=True):
+            leaf.grad = grad
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """TF32 off for float32 matmuls and convolutions in PyTorch; the settings are restored."""
+    backends = torch.backends
+    if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
+        cudnn: Any = backends.cudnn  # conv and rnn are missing from torch's stubs
+        knobs = [backends.cuda.matmul, cudnn.conv, cudnn.rnn]
+        saved = [knob.fp32_precision for knob in knobs]
+        try:
+            for knob in knobs:
+                knob.fp32_precision = "ieee"
+            yield
+        finally:
+            for knob, value in zip(knobs, saved, strict=True):
+                knob.fp32_precision = value
+        return
+    legacy = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        yield
+    finally:
+        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = legacy
+        torch.set_float32_matmul_precision(precision)

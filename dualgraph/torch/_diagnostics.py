@@ -1,0 +1,41 @@
+"""What :func:`dualgraph.torch.diagnostics` reports about a graphed callable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # issue 19 hook: the lint report and memory plan kept with the diagnostics
+    from ._lint import LintReport
+    from ._memory_plan import MemoryPlan
+
+__all__ = ["CaptureDiagnostics"]
+
+
+@dataclass
+class CaptureDiagnostics:
+    """Sizes and times of one captured callable, and how often it ran.
+
+    ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
+    (the same number on each of them): the allocator's segments of that pool, else the memory
+    the capture left allocated; 0 off the GPU. ``replays`` counts calls that replayed (or, on
+    the ``"eager"`` backend, ran) the callable. ``lint`` holds the capture lint's findings
+    (``None`` with ``lint="off"`` and on the ``"eager"`` backend) and ``memory_plan`` the memory
+    plan of the callables captured together, with the measured pool beside it on the GPU.
+
+    >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
+    0
+    """
+
+    name: str
+    backend: str
+    static_input_bytes: int = 0
+    static_output_bytes: int = 0
+    static_grad_bytes: int = 0
+    pool_bytes: int = 0
+    capture_seconds: float = 0.0
+    has_backward_graph: bool = False
+    replays: int = 0
+    # issue 19 hook: set at capture by dualgraph.torch._probe.attach_probes
+    lint: LintReport | None = None
+    memory_plan: MemoryPlan | None = None

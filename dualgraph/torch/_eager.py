@@ -1,0 +1,58 @@
+"""The ``"eager"`` backend: validate the inputs against the samples, then call the callable.
+
+It is also what a copy of a graphed callable becomes (``copy.deepcopy``, pickling): the same
+function and input checks, without static buffers to share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import DualgraphError
+from .._spec import TreeSpec, describe
+from ._diagnostics import CaptureDiagnostics
+from ._inputs import InputGuard
+
+__all__ = ["EagerCallable"]
+
+
+class EagerCallable:
+    """A callable run eagerly, its inputs checked against the samples it was made with.
+
+    >>> import torch
+    >>> double = EagerCallable("double", lambda x: x * 2, InputGuard((torch.ones(2),), None))
+    >>> double(torch.ones(2))
+    tensor([2., 2.])
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], guard: InputGuard) -> None:
+        self.name = name
+        self.fn = fn
+        self.backend = "eager"
+        self.diagnostics = CaptureDiagnostics(name=name, backend="eager")
+        self._guard = guard
+        self._out_spec: TreeSpec | None = None
+
+    @property
+    def spec(self) -> TreeSpec:
+        """The output spec, recorded at the first call."""
+        if self._out_spec is None:
+            raise DualgraphError(
+                f"{self.name}: the eager backend records its spec at the first call"
+            )
+        return self._out_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._guard.tensors(args, kwargs)
+        outputs = self.fn(*args, **kwargs)
+        if self._out_spec is None:
+            self._out_spec = describe(outputs)
+        else:
+            self._out_spec.flatten(outputs, root="output")
+        self.diagnostics.replays += 1
+        return outputs
+
+    def __repr__(self) -> str:
+        outputs = "recorded at the first call" if self._out_spec is None else repr(self._out_spec)
+        return f"EagerCallable({self.name!r}, inputs=({self._guard.describe()}), outputs={outputs})"

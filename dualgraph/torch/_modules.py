@@ -1,0 +1,134 @@
+"""Graphed modules: the ``forward`` a module gets, how it comes back, and what copies get.
+
+A graphed module's ``forward`` replays while the module's ``training`` mode is the one it was
+captured in, and runs the original forward otherwise. The module keeps its own class; the
+graphing lives in two entries of its ``__dict__``: ``forward`` and the runner's state.
+``copy.deepcopy`` and pickling (``torch.save``) keep the parameters and drop the graphs: the
+copy runs eagerly, with its own weights, and can be graphed on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+
+from .._errors import DualgraphError
+from ._eager import EagerCallable
+from ._replay import GraphedCallable
+
+__all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of"]
+
+_STATE = "_dualgraph_graphed"
+
+Runner = GraphedCallable | EagerCallable
+
+
+class _Graphed:
+    """A graphed module's state: its runner, its training mode at capture, its old forward.
+
+    Copies of the module get a :class:`_Copied` in its place, without the runner.
+    """
+
+    __slots__ = ("previous", "runner", "training")
+
+    def __init__(self, runner: Runner, training: bool, previous: Any) -> None:
+        self.runner = runner
+        self.training = training
+        self.previous = previous  # an instance-level forward the module had before, or None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Copied:
+        return _Copied(copy.deepcopy(self.previous, memo))
+
+    def __copy__(self) -> _Copied:
+        return _Copied(self.previous)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Copied, (self.previous,)
+
+
+class _Copied:
+    """Left in a copy of a graphed module: the copy runs eagerly and drops this on first use."""
+
+    __slots__ = ("previous",)
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+
+def _graphed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A graphed module's ``forward``: replay, or the original forward in the other mode.
+
+    Installed as ``functools.partial(_graphed_forward, module)``, which ``copy.deepcopy`` and
+    pickle rebuild around the copy. In a copy it finds no runner, puts the copy's own forward
+    back and runs that: copies are plain modules.
+    """
+    state = module.__dict__.get(_STATE)
+    if type(state) is _Graphed:
+        if module.training == state.training:
+            return state.runner(*args, **kwargs)
+        if state.previous is not None:
+            return state.previous(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
+    _ungraph(module)  # a copy of a graphed module: from now on a plain module
+    return module.forward(*args, **kwargs)
+
+
+def install(fn: Any, runner: Runner) -> Any:
+    """Give a module ``runner`` as its forward (a module comes back); a function is ``runner``."""
+    if not isinstance(fn, torch.nn.Module):
+        return runner
+    module = fn
+    if isinstance(module.__dict__.get(_STATE), _Copied):
+        _ungraph(module)
+    state = _Graphed(runner, module.training, module.__dict__.get("forward"))
+    module.__dict__[_STATE] = state
+    module.__dict__["forward"] = functools.partial(_graphed_forward, module)
+    return module
+
+
+def eager_forward(module: torch.nn.Module) -> Any:
+    """The forward ``module`` runs without graphs (a copy of a graphed module is cleaned first)."""
+    if isinstance(module.__dict__.get(_STATE), _Copied):
+        _ungraph(module)
+    return module.forward
+
+
+def is_graphed(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is graphed (a copy of a graphed module is not)."""
+    return type(module.__dict__.get(_STATE)) is _Graphed
+
+
+def restore(module: torch.nn.Module, /) -> torch.nn.Module:
+    """Give a graphed module its original ``forward`` back (a copy of one is cleaned up too).
+
+    >>> import dualgraph.torch as dgt
+    >>> layer = dgt.make_graphed_callables(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    >>> dgt.restore(layer)(torch.ones(3, 2)).shape  # eager again: any batch size
+    torch.Size([3, 2])
+    """
+    if not isinstance(module, torch.nn.Module) or _STATE not in module.__dict__:
+        raise DualgraphError(f"{type(module).__name__} is not a graphed module")
+    _ungraph(module)
+    return module
+
+
+def runner_of(graphed: Any) -> Runner:
+    """The :class:`GraphedCallable` (or :class:`EagerCallable`) behind a graphed object."""
+    if isinstance(graphed, GraphedCallable | EagerCallable):
+        return graphed
+    state = getattr(graphed, "__dict__", {}).get(_STATE)
+    if type(state) is not _Graphed:
+        raise DualgraphError(f"{graphed!r} was not made by dualgraph.torch.make_graphed_callables")
+    return state.runner
+
+
+def _ungraph(module: torch.nn.Module) -> None:
+    state = module.__dict__.pop(_STATE, None)
+    previous = getattr(state, "previous", None)
+    if previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = previous

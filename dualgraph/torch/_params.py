@@ -1,0 +1,198 @@
+"""The parameters and buffers of a graphed module: as the graphs read them, checked per call.
+
+A graph reads each parameter and buffer at the address it had at capture, and its backward
+computes grads for the parameters that required grad then. :class:`ModuleTensors` records that
+and :meth:`ModuleTensors.check` refuses a call, naming the tensor, when the module no longer
+matches: a parameter or buffer replaced (``module.weight = nn.Parameter(...)``), moved or
+re-allocated (``.to()``, ``.half()``, ``param.data = ...``), or a parameter frozen or unfrozen.
+
+At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
+running statistics are updated on every warmup call, as if those calls had been steps), and
+:func:`suspended_tensor_hooks` keeps parameter hooks out of the captured backward, so that they
+run once per replay, through autograd, as in eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import DualgraphError
+
+__all__ = ["ModuleTensors", "requires_grad_changed", "suspended_tensor_hooks"]
+
+_getitem = operator.getitem
+_is = operator.is_
+_data_ptr = torch.Tensor.data_ptr
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+@dataclass(frozen=True, eq=False)
+class ModuleTensors:
+    """Every parameter and buffer of a module, where it lives, and what the graphs captured.
+
+    One entry per ``(submodule, name)``, so a tensor shared by two submodules (tied weights) is
+    checked in both places.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> tensors = ModuleTensors.of(layer)
+    >>> tensors.names
+    ('Linear.weight', 'Linear.bias')
+    >>> tensors.check(grad_enabled=True)  # nothing changed
+    >>> layer.bias = torch.nn.Parameter(torch.zeros(2))
+    >>> tensors.check(grad_enabled=True)
+    Traceback (most recent call last):
+    ...
+    dualgraph.DualgraphError: Linear.bias: the parameter was replaced after capture ...
+    """
+
+    names: tuple[str, ...]
+    owners: tuple[dict[str, Any], ...]  # the submodule's _parameters or _buffers dict
+    keys: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    data_ptrs: tuple[int, ...]
+    requires_grad: tuple[bool, ...]
+    is_buffer: tuple[bool, ...]
+    # The tensors whose requires_grad each call checks: those frozen at capture (usually none).
+    # A trainable parameter frozen since is found by the backward replay, which looks at the
+    # trainable parameters anyway (as its Function's inputs, or for their hooks).
+    watched: tuple[torch.Tensor, ...] = ()
+    watched_requires_grad: tuple[bool, ...] = ()
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ModuleTensors:
+        """Record the parameters and buffers of ``module`` as they are now."""
+        root = type(module).__name__
+        entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
+        for prefix, submodule in module.named_modules():
+            for is_buffer, owner in ((False, submodule._parameters), (True, submodule._buffers)):
+                for key, tensor in owner.items():
+                    if tensor is not None:
+                        name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
+                        entries.append((name, owner, key, tensor, is_buffer))
+        tensors = tuple(entry[3] for entry in entries)
+        watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
+        return cls(
+            names=tuple(entry[0] for entry in entries),
+            owners=tuple(entry[1] for entry in entries),
+            keys=tuple(entry[2] for entry in entries),
+            tensors=tensors,
+            data_ptrs=tuple(map(_data_ptr, tensors)),
+            requires_grad=tuple(map(_requires_grad, tensors)),
+            is_buffer=tuple(entry[4] for entry in entries),
+            watched=watched,
+            watched_requires_grad=tuple(map(_requires_grad, watched)),
+        )
+
+    def check(self, *, grad_enabled: bool) -> None:
+        """Raise :class:`DualgraphError` naming the first tensor the graphs would misread.
+
+        ``requires_grad`` only matters under grad mode: without it no grad is computed anyway.
+        """
+        try:
+            current = tuple(map(_getitem, self.owners, self.keys))
+        except KeyError:
+            raise self._explain(grad_enabled) from None
+        if (
+            not all(map(_is, current, self.tensors))
+            or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
+            or (
+                grad_enabled
+                and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
+            )
+        ):
+            raise self._explain(grad_enabled)
+
+    def _explain(self, grad_enabled: bool) -> DualgraphError:
+        again = "restore the module (dualgraph.torch.restore) and graph it again"
+        for name, owner, key, tensor, ptr, grad, is_buffer in zip(
+            self.names,
+            self.owners,
+            self.keys,
+            self.tensors,
+            self.data_ptrs,
+            self.requires_grad,
+            self.is_buffer,
+            strict=True,
+        ):
+            kind = "buffer" if is_buffer else "parameter"
+            current = owner.get(key)
+            if current is not tensor:
+                return DualgraphError(
+                    f"{name}: the {kind} was replaced after capture (by assignment, or by .to(), "
+                    ".half(), ...), but the graphs read the captured tensor; update it in place "
+                    f"(copy_), or {again}"
+                )
+            if tensor.data_ptr() != ptr:
+                return DualgraphError(
+                    f"{name}: the {kind}'s memory changed after capture (.to(), .half(), "
+                    f"assigning .data?), but the graphs read the captured memory; {again}"
+                )
+            if grad_enabled and tensor.requires_grad != grad:
+                return requires_grad_changed(name, grad)
+        return DualgraphError("the module's parameters changed since capture")
+
+    @contextlib.contextmanager
+    def left_as_found(self) -> Iterator[None]:
+        """Put back the buffers warmup and capture update; refuse parameters they update.
+
+        In eager, graphing runs nothing: the buffers (BatchNorm's running statistics, its batch
+        count) must be as they were, so that the replays alone update them, as eager steps do.
+        """
+        buffers = [
+            (tensor, tensor.detach().clone())
+            for tensor, is_buffer in zip(self.tensors, self.is_buffer, strict=True)
+            if is_buffer
+        ]
+        versions = [tensor._version for tensor in self.tensors]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, saved in buffers:
+                    tensor.copy_(saved)
+        for name, tensor, version, is_buffer in zip(
+            self.names, self.tensors, versions, self.is_buffer, strict=True
+        ):
+            if not is_buffer and tensor._version != version:
+                raise DualgraphError(
+                    f"{name}: the callable updates this parameter in place, so warmup and "
+                    "capture changed it already (dualgraph undoes that only for buffers); "
+                    "register it as a buffer, or update it outside the graphed callable"
+                )
+
+
+def requires_grad_changed(name: str, at_capture: bool) -> DualgraphError:
+    """The error for a parameter frozen or unfrozen after capture."""
+    return DualgraphError(
+        f"{name}: requires_grad was {at_capture} at capture and is {not at_capture} now; the "
+        "captured backward computes grads for the parameters that required grad at capture, so "
+        "restore the module (dualgraph.torch.restore) and graph it again"
+    )
+
+
+@contextlib.contextmanager
+def suspended_tensor_hooks(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Keep the parameters' tensor hooks out of warmup and the captured backward.
+
+    A hook inside the captured backward would run again when the replay hands the grad to
+    autograd: twice per replay. A leaf's hooks live in its ``_backward_hooks`` dict, which
+    autograd reads when it runs them; emptying it for the capture and refilling it keeps the
+    user's handles valid.
+    """
+    suspended: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+    for param in params:
+        hooks = param._backward_hooks
+        if hooks:
+            suspended.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in suspended:
+            hooks.update(saved)

@@ -1,0 +1,125 @@
+"""The replay plan: everything a capture fixed, from which a graphed callable is built complete.
+
+A :class:`ReplayPlan` is frozen. Its parts follow what later work replicates:
+
+- :class:`StaticBuffers`: one set of static buffers and the replayers (graphs, or the
+  ``"emulate"`` stand-in) that read and write them, i.e. one replay in flight. Several
+  micro-batches in flight would each get one.
+- the specs and index tuples (inputs, outputs, which outputs are differentiable, which inputs
+  the callable updates in place): one per input shape, so a shape bucket would get its own.
+- :class:`ParamLayout`: the parameters whose grads the backward computes and how those grads
+  reach ``.grad``, shared by every slot and bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .._spec import TreeSpec
+from ._diagnostics import CaptureDiagnostics
+from ._inputs import InputGuard
+from ._params import ModuleTensors
+
+__all__ = ["Backend", "ParamGradsMode", "ParamLayout", "ReplayPlan", "StaticBuffers"]
+
+#: The backends that capture a plan ("eager" has none).
+Backend = Literal["cuda", "emulate"]
+ParamGradsMode = Literal["autograd", "in_graph"]
+
+
+@dataclass(frozen=True, eq=False)
+class StaticBuffers:
+    """One set of static buffers and the replays that read and write them.
+
+    ``input_grads`` lines up with ``inputs`` (``None`` where an input takes no grad) and
+    ``param_grads`` with :attr:`ParamLayout.params` (``"autograd"`` mode only; ``None`` for a
+    parameter the callable does not use). ``replay_backward`` is ``None`` when nothing
+    differentiable comes out, or nothing takes a grad.
+    """
+
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    grad_outputs: tuple[torch.Tensor, ...]
+    input_grads: tuple[torch.Tensor | None, ...]
+    param_grads: tuple[torch.Tensor | None, ...]
+    replay_forward: Callable[[bool], None]
+    replay_backward: Callable[[], None] | None
+    graphs: tuple[Any, ...] = ()  # CUDA graphs, kept alive with the plan
+
+    def __post_init__(self) -> None:
+        if len(self.input_grads) != len(self.inputs):
+            raise ValueError("input_grads must line up with inputs")
+
+
+@dataclass(frozen=True, eq=False)
+class ParamLayout:
+    """The parameters whose grads the backward computes, and how the grads reach ``.grad``.
+
+    ``"autograd"``: the parameters are inputs of the replay's autograd Function (``edges``),
+    and their grads go back through autograd, so hooks and DDP see them. ``nodes`` holds each
+    parameter's ``AccumulateGrad`` node, to ask the engine whether a backward consumes it.
+
+    ``"in_graph"``: the backward graph adds the grads into ``accumulators`` (one per
+    parameter, ``None`` for an unused one); a single empty ``anchor`` tensor is the Function's
+    only extra input, which keeps the replay in the autograd graph.
+    """
+
+    mode: ParamGradsMode
+    params: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    nodes: tuple[Any, ...]  # "autograd": one per parameter; else None each
+    accumulators: tuple[torch.Tensor | None, ...]  # "in_graph": one per parameter; else None each
+    anchor: torch.Tensor | None = None
+    anchor_node: Any = None
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        if not (len(self.names) == len(self.nodes) == len(self.accumulators) == n):
+            raise ValueError("names, nodes and accumulators must line up with params")
+
+    @property
+    def edges(self) -> tuple[torch.Tensor, ...]:
+        """The tensors passed to the replay Function after the inputs."""
+        if self.mode == "autograd":
+            return self.params
+        return () if self.anchor is None else (self.anchor,)
+
+
+@dataclass(frozen=True, eq=False)
+class ReplayPlan:
+    """What one capture of one callable produced; :class:`GraphedCallable` is built from it.
+
+    Index tuples count output tensors in the output spec's flatten order and input tensors in
+    the input guard's order (args first, then kwargs).
+    """
+
+    name: str
+    backend: Backend
+    fn: Callable[..., Any]
+    inputs: InputGuard
+    outputs: TreeSpec
+    diff_outputs: tuple[int, ...]
+    saved_outputs: tuple[int, ...]  # outputs the backward reads: changing them in place is refused
+    mutated_inputs: tuple[int, ...]  # inputs the callable updates in place: copied back
+    module_tensors: ModuleTensors | None
+    params: ParamLayout
+    buffers: StaticBuffers
+    clone_outputs: bool
+    autocast: tuple[Any, ...]
+    fp8: tuple[Any, ...] | None  # Transformer Engine's FP8 state, when TE was imported
+    diagnostics: CaptureDiagnostics
+
+    @property
+    def nondiff_outputs(self) -> tuple[int, ...]:
+        """The outputs that take no part in backward."""
+        diff = set(self.diff_outputs)
+        return tuple(i for i in range(len(self.buffers.outputs)) if i not in diff)
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether a call under autograd hangs the outputs on a backward replay."""
+        return self.buffers.replay_backward is not None

@@ -1,0 +1,140 @@
+"""Spec documents: parsing within bounds, the document's own checks, and row paths in errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from dualgraph import DualgraphError, TreeSpec, describe
+from dualgraph import _json as json_module
+from dualgraph._json import next_entries, read_document, read_tree
+from dualgraph._paths import Index, Key
+
+FORMAT = "dualgraph.TreeSpec"
+
+
+def load(text: Any) -> TreeSpec:
+    return TreeSpec.from_json(text)
+
+
+def document(**fields: Any) -> str:
+    return json.dumps({"format": FORMAT, "version": 2, "tree": [["none"]], **fields})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "not a TreeSpec JSON document: Expecting value"),
+        ("{", "not a TreeSpec JSON document: "),
+        ("[" * 100_000, "not a TreeSpec JSON document: "),  # deeper than the parser recurses
+        ("1" * 5000, "not a TreeSpec JSON document: "),  # past int's str-conversion limit
+        ('"\\ud800"', "not a TreeSpec JSON document (format must be"),
+        ("null", "not a TreeSpec JSON document (format must be"),
+        ("[]", "not a TreeSpec JSON document (format must be"),
+        (
+            '{"format": "other"}',
+            "not a TreeSpec JSON document (format must be 'dualgraph.TreeSpec')",
+        ),
+    ],
+    ids=["empty", "truncated", "deep", "huge-int", "surrogate", "null", "list", "format"],
+)
+def test_documents_that_are_not_specs_are_refused(text: str, message: str) -> None:
+    with pytest.raises(DualgraphError, match="^" + re.escape(message)):
+        load(text)
+
+
+@pytest.mark.parametrize("version", [1, 3, True, 2.0, "2", None, [2], 10**100], ids=repr)
+def test_only_version_2_is_read_and_bools_are_not_ints(version: Any) -> None:
+    with pytest.raises(DualgraphError, match=r"TreeSpec JSON version .* is not supported"):
+        load(document(version=version))
+
+
+def test_a_repeated_key_is_refused() -> None:
+    text = '{"format":"dualgraph.TreeSpec","version":2,"tree":[["none"]],"tree":[["none"]]}'
+    with pytest.raises(DualgraphError, match="the key 'tree' appears twice"):
+        load(text)
+
+
+def test_an_unknown_key_is_refused() -> None:
+    with pytest.raises(DualgraphError, match="unknown key 'extra'"):
+        load(document(extra=1))
+
+
+def test_a_missing_tree_is_refused() -> None:
+    with pytest.raises(DualgraphError, match="'tree' is missing"):
+        load('{"format": "dualgraph.TreeSpec", "version": 2}')
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"], ids=["nan", "inf", "-inf"])
+def test_non_standard_json_constants_are_refused_where_they_stand(constant: str) -> None:
+    text = '{"format":"dualgraph.TreeSpec","version":2,"tree":[["array","float32",[%s],true]]}'
+    with pytest.raises(DualgraphError, match=r"^malformed TreeSpec JSON at <root>: bad shape"):
+        load(text % constant)
+
+
+def test_bytes_are_read_as_utf8() -> None:
+    spec = describe({"é": 1})
+    assert load(spec.to_json().encode()) == spec
+    assert load(bytearray(spec.to_json().encode())) == spec
+    for bad in (b"\xff", b'{"\xed\xa0\x80": 1}'):  # not UTF-8; an encoded surrogate
+        with pytest.raises(DualgraphError, match="not UTF-8"):
+            load(bad)
+
+
+@pytest.mark.parametrize("text", [3, None, ["[]"], object()], ids=repr)
+def test_a_document_is_a_str_or_bytes(text: Any) -> None:
+    with pytest.raises(DualgraphError, match="a TreeSpec JSON document is a str"):
+        load(text)
+
+
+def test_documents_over_the_size_limit_are_refused_before_parsing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(json_module, "MAX_JSON_CHARS", 10)
+    with pytest.raises(DualgraphError, match="over the limit of 10"):
+        load(document())
+
+
+def test_a_tree_over_the_node_limit_is_refused_before_reading_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(json_module, "MAX_NODES", 3)
+    with pytest.raises(DualgraphError, match="a tree has at most 3 nodes, this one 4"):
+        load(document(tree=[["tuple", 3]] + [["none"]] * 3))
+
+
+def test_a_row_cannot_announce_more_children_than_rows_follow() -> None:
+    with pytest.raises(DualgraphError, match="the row has 1000000000 children"):
+        load(document(tree=[["tuple", 10**9], ["none"]]))
+
+
+def test_unicode_keys_and_surrogates_round_trip() -> None:
+    tree = {"\ud800": None, "naïve ✓": "\udfff", "\x00": 1}
+    spec = describe(tree)
+    assert spec.to_json().isascii()
+    assert load(spec.to_json()) == spec
+    assert load(spec.to_json()).unflatten([]) == tree
+
+
+def test_read_tree_names_the_path_of_a_bad_row() -> None:
+    rows = [["dict", ["b", "a"]], ["list", 2], ["none"], ["bad"], ["none"]]  # "a" comes first
+    with pytest.raises(DualgraphError, match=r"^malformed Spec JSON at out\['a'\]\[1\]: unknown"):
+        read_tree(rows, "Spec", root="out")
+
+
+def test_next_entries_is_the_path_after_a_pre_order_prefix() -> None:
+    nodes = describe(({"k": [None, None]}, None))._nodes
+    assert next_entries(nodes[:0]) == ()
+    assert next_entries(nodes[:1]) == (Index(0),)
+    assert next_entries(nodes[:2]) == (Index(0), Key("k"))
+    assert next_entries(nodes[:4]) == (Index(0), Key("k"), Index(1))
+    assert next_entries(nodes[:5]) == (Index(1),)
+    assert next_entries(nodes) == ()
+
+
+def test_read_document_returns_the_checked_document() -> None:
+    found = read_document(document(), FORMAT, 2, ("tree",))
+    assert found == {"format": FORMAT, "version": 2, "tree": [["none"]]}

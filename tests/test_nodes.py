@@ -1,0 +1,164 @@
+"""The node model: frozen leaf nodes that validate what they are made of and compare by value."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dualgraph._nodes import (
+    MAX_DIM,
+    MAX_INT_BITS,
+    MAX_NDIM,
+    NONE,
+    ArrayLeaf,
+    ConstLeaf,
+    NodeError,
+    NoneLeaf,
+    check_shape,
+    clip,
+    clip_text,
+)
+
+
+def test_leaf_nodes_are_frozen() -> None:
+    for node in (NONE, ConstLeaf(1), ArrayLeaf((2,), "float32", True)):
+        with pytest.raises(AttributeError, match="frozen"):
+            node.key = ()  # type: ignore[misc]
+        with pytest.raises(AttributeError, match="frozen"):
+            del node.key
+
+
+def test_equal_nodes_compare_and_hash_equal() -> None:
+    assert ArrayLeaf((2, 3), "float32", True) == ArrayLeaf([2, 3], "float32", True)
+    assert hash(ConstLeaf(-0.0)) == hash(ConstLeaf(-0.0))
+    assert ConstLeaf(math.nan) == ConstLeaf(math.nan)
+    assert NoneLeaf() == NONE
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(True, 1), (1, 1.0), (0.0, -0.0), ("1", 1), (False, 0)],
+    ids=["bool-int", "int-float", "zero-signs", "str-int", "false-zero"],
+)
+def test_constants_of_another_type_or_sign_differ(first: Any, second: Any) -> None:
+    assert ConstLeaf(first) != ConstLeaf(second)
+
+
+def test_array_nodes_differ_by_shape_dtype_and_grad() -> None:
+    node = ArrayLeaf((2,), "float32", True)
+    assert node != ArrayLeaf((3,), "float32", True)
+    assert node != ArrayLeaf((2,), "float16", True)
+    assert node != ArrayLeaf((2,), "float32", False)
+    assert node.with_grad(False) == ArrayLeaf((2,), "float32", False)
+    assert node.with_grad(True) is node
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((-1,), "dimensions are in"),
+        ((MAX_DIM + 1,), "dimensions are in"),
+        ((True, 2), "True is not an int"),
+        ((2.0,), "2.0 is not an int"),
+        (("2",), "'2' is not an int"),
+        ((2,) * (MAX_NDIM + 1), f"at most {MAX_NDIM} dimensions"),
+        ("22", "a shape is a sequence of ints"),
+        (None, "a shape is a sequence of ints"),
+    ],
+    ids=["negative", "huge", "bool", "float", "str", "too-many", "string", "none"],
+)
+def test_absurd_shapes_are_refused(shape: Any, message: str) -> None:
+    with pytest.raises(NodeError, match=message):
+        check_shape(shape)
+
+
+def test_shapes_accept_index_types_such_as_numpy_ints() -> None:
+    assert check_shape((np.int64(2), 0, MAX_DIM)) == (2, 0, MAX_DIM)
+    assert all(type(d) is int for d in check_shape([np.int32(3)]))
+
+
+@pytest.mark.parametrize("dtype", ["O", "object", "S100000000000", "<f4", "f4", "float32,int8", 3])
+def test_dtypes_outside_the_vocabulary_are_refused(dtype: Any) -> None:
+    with pytest.raises(NodeError, match="is not one a spec accepts"):
+        ArrayLeaf((2,), dtype, True)
+
+
+def test_grad_must_be_a_bool() -> None:
+    with pytest.raises(NodeError, match="grad is a bool, got 1"):
+        ArrayLeaf((2,), "float32", 1)  # type: ignore[arg-type]
+
+
+def test_int_constants_are_bounded() -> None:
+    assert ConstLeaf(2**MAX_INT_BITS - 1).value == 2**MAX_INT_BITS - 1
+    with pytest.raises(NodeError, match=f"over the {MAX_INT_BITS}-bit limit"):
+        ConstLeaf(2**MAX_INT_BITS)
+
+
+@pytest.mark.parametrize("value", [None, b"x", 1j, [1], np.float32(1)], ids=repr)
+def test_only_python_scalars_are_constants(value: Any) -> None:
+    with pytest.raises(NodeError, match="a constant is a bool, int, float or str"):
+        ConstLeaf(value)
+
+
+@pytest.mark.parametrize(
+    "node",
+    [NONE, ConstLeaf(True), ConstLeaf(-0.0), ConstLeaf(math.inf), ConstLeaf("x"), ConstLeaf(2**70)],
+    ids=repr,
+)
+def test_leaf_rows_round_trip(node: Any) -> None:
+    assert type(node).from_row(node.row(), 0) == node
+
+
+def test_array_rows_round_trip() -> None:
+    node = ArrayLeaf((2, 0), "bfloat16", False)
+    assert node.row() == ["array", "bfloat16", [2, 0], False]
+    assert ArrayLeaf.from_row(node.row(), 0) == node
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        ["none", 1],
+        ["const", "int"],
+        ["const", "int", True],
+        ["const", "bool", 1],
+        ["const", "float", 1.5],
+        ["const", "float", "1.50"],
+        ["const", "float", " 1.5"],
+        ["const", "float", "1_0.0"],
+        ["const", "float", "NaN"],
+        ["const", "complex", "1j"],
+        ["const", ["int"], 1],
+        ["array", "float32", [2], True, "extra"],
+        ["array", "float32", 2, True],
+    ],
+    ids=repr,
+)
+def test_malformed_leaf_rows_are_node_errors(row: list[Any]) -> None:
+    cls = {"none": NoneLeaf, "const": ConstLeaf, "array": ArrayLeaf}[row[0]]
+    with pytest.raises(NodeError):
+        cls.from_row(row, 0)
+
+
+def test_float_constants_are_stored_by_their_exact_repr() -> None:
+    for value in (0.1, -0.0, 1e-310, math.nan, -math.inf, 1.7976931348623157e308):
+        row = ConstLeaf(value).row()
+        assert row[2] == repr(value)
+        assert repr(ConstLeaf.from_row(row, 0).value) == repr(value)
+
+
+def test_clip_never_raises_and_bounds_messages() -> None:
+    class Unprintable:
+        def __repr__(self) -> str:
+            raise RuntimeError
+
+        def __str__(self) -> str:
+            raise RuntimeError
+
+    assert clip(Unprintable()) == "<Unprintable>"
+    assert clip_text(Unprintable()) == "<Unprintable>"
+    assert clip("x" * 1000).endswith("...") and len(clip("x" * 1000)) == 120
+    assert clip(10**5000) == "<int>"

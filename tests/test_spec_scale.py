@@ -1,0 +1,140 @@
+"""Any tree a user can build works, or fails cleanly: deep trees, wide trees, cycles, limits.
+
+Speed targets for large trees live in benchmarks/bench_spec.py; these tests keep sizes small
+enough to run in a few seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pickle
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+from trees import EncoderOutput, array, assert_same_tree
+
+from dualgraph import DualgraphError, SpecMismatchError, TreeSpec, describe
+from dualgraph import _json as json_module
+from dualgraph import _spec as spec_module
+
+DEPTH = 10_000
+
+
+class Wrapper(NamedTuple):
+    inner: Any
+    tag: Any
+
+
+WRAPS: dict[str, Callable[[Any], Any]] = {
+    "list": lambda t: [t],
+    "tuple": lambda t: (t, None),
+    "dict": lambda t: {"k": t, "n": 1},
+    "ordereddict": lambda t: collections.OrderedDict(k=t),
+    "namedtuple": lambda t: Wrapper(t, "w"),
+    "dataclass": lambda t: EncoderOutput(hidden=t, pooled=None),
+}
+
+
+def deep(wrap: Callable[[Any], Any], depth: int, leaf: Any) -> Any:
+    tree = leaf
+    for _ in range(depth):
+        tree = wrap(tree)
+    return tree
+
+
+@pytest.mark.parametrize("kind", list(WRAPS))
+def test_a_tree_ten_thousand_levels_deep_works_end_to_end(kind: str) -> None:
+    wrap = WRAPS[kind]
+    tree = deep(wrap, DEPTH, array(2))
+    spec = describe(tree)
+    loaded = TreeSpec.from_json(spec.to_json())
+    assert loaded == spec and hash(loaded) == hash(spec)
+    (x,) = loaded.flatten(tree, check=True)
+    rebuilt = loaded.unflatten([x])
+    assert type(rebuilt) is type(tree)
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert repr(spec).startswith("TreeSpec(")
+    (leaf,) = spec.arrays
+    assert len(leaf.entries) == DEPTH and leaf.path.startswith(str(leaf.entries[0]))
+    with pytest.raises(SpecMismatchError) as caught:
+        spec.check(deep(wrap, DEPTH, array(3)))
+    assert str(caught.value).endswith("expected float32[2], got float32[3]")
+    assert len(caught.value.path) > DEPTH
+
+
+def test_a_mismatch_deep_down_names_its_whole_path() -> None:
+    spec = describe(deep(WRAPS["list"], 3000, None))
+    with pytest.raises(SpecMismatchError) as caught:
+        spec.flatten(deep(WRAPS["list"], 3000, 1))
+    assert caught.value.path == "[0]" * 3000
+
+
+def test_a_wide_tree_runs_on_the_walker_with_the_same_results() -> None:
+    tree = {"layers": [(array(2), None, {"n": i}) for i in range(5000)]}
+    spec = describe(tree)
+    assert spec.source is None  # too large to generate code for
+    loaded = TreeSpec.from_json(spec.to_json())
+    assert loaded == spec
+    arrays = loaded.flatten(tree, check=True)
+    assert len(arrays) == 5000 and arrays[17] is tree["layers"][17][0]
+    assert_same_tree(loaded.unflatten(arrays), tree)
+    tree["layers"][4321] = (array(2), None, {"n": -1})
+    with pytest.raises(SpecMismatchError, match=r"^\['layers'\]\[4321\]\[2\]\['n'\]: expected int"):
+        loaded.check(tree)
+
+
+def test_a_list_containing_itself_is_refused_naming_where() -> None:
+    loop: list[Any] = [array(2)]
+    loop.append({"again": loop})
+    with pytest.raises(DualgraphError, match=r"^\[1\]\['again'\]: the tree contains itself"):
+        describe(loop)
+
+
+def test_a_dict_containing_itself_is_refused() -> None:
+    loop: dict[str, Any] = {}
+    loop["self"] = loop
+    with pytest.raises(DualgraphError, match=r"^\['self'\]: the tree contains itself"):
+        describe(loop)
+
+
+def test_the_same_object_twice_is_no_cycle() -> None:
+    shared = [array(2)]
+    spec = describe((shared, shared, {"a": shared}))
+    assert spec.num_arrays == 3
+
+
+def test_describe_refuses_a_tree_over_the_node_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spec_module, "MAX_NODES", 100)
+    describe([None] * 98)
+    with pytest.raises(DualgraphError, match="the tree has more than 100 nodes, a spec's limit"):
+        describe([[None] * 50, [None] * 50])
+
+
+def test_from_json_refuses_a_tree_over_the_node_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = describe([None] * 200).to_json()
+    monkeypatch.setattr(json_module, "MAX_NODES", 100)
+    with pytest.raises(DualgraphError, match="a tree has at most 100 nodes, this one 201"):
+        TreeSpec.from_json(text)
+
+
+def test_deep_json_inside_a_row_is_a_clean_error() -> None:
+    text = '{"format":"dualgraph.TreeSpec","version":2,"tree":[["none", %s]]}'
+    with pytest.raises(DualgraphError, match="not a TreeSpec JSON document"):
+        TreeSpec.from_json(text % ("[" * 100_000 + "]" * 100_000))
+    nested = "[" * 500 + "]" * 500  # parses, and is still no row
+    with pytest.raises(DualgraphError, match="a none row is"):
+        TreeSpec.from_json(text % nested)
+
+
+def test_json_rows_of_a_deep_tree_stay_flat() -> None:
+    rows = json.loads(describe(deep(WRAPS["dict"], 100, None)).to_json())["tree"]
+    assert all(isinstance(part, (str, int, bool)) or part == ["k", "n"] for r in rows for part in r)
+
+
+def test_numpy_arrays_of_every_shape_kind_share_leaf_nodes() -> None:
+    tree = [np.zeros((2, 3), np.float32) for _ in range(100)]
+    nodes = describe(tree)._nodes
+    assert len({id(node) for node in nodes[1:]}) == 1

@@ -1,0 +1,564 @@
+"""``dualgraph.torch.make_graphed_callables``: its options and samples, what comes back, and how
+every call is checked before any static buffer is written.
+
+Each behaviour is checked on the backends it applies to: ``emulate`` (static buffers, no graph)
+and ``eager`` on the CPU, ``cuda`` (real graphs, marked ``cuda``) on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch_cases import (
+    BACKENDS,
+    CASES,
+    CUDA,
+    GRAPH_BACKENDS,
+    TinyMLP,
+    assert_grads_match,
+    assert_tensors_match,
+    assert_trees_match,
+    backward_of,
+    device_of,
+    fresh_copy,
+    grads_of,
+    isolation,
+    runner_of,
+    tolerance,
+)
+
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError, SpecMismatchError
+from dualgraph.models.torch_vit import ViTBlock
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
+# -- options and samples -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        (
+            "backend",
+            "xla",
+            "backend must be one of ('auto', 'cuda', 'emulate', 'eager'), got 'xla'",
+        ),
+        (
+            "param_grads",
+            "fused",
+            "param_grads must be one of ('autograd', 'in_graph'), got 'fused'",
+        ),
+        (
+            "capture_error_mode",
+            "strict",
+            "capture_error_mode must be one of ('global', 'thread_local', 'relaxed'), got 'strict'",
+        ),
+        ("num_warmup_iters", -1, "num_warmup_iters must be an int >= 0, got -1"),
+        ("num_warmup_iters", 2.0, "num_warmup_iters must be an int >= 0, got 2.0"),
+    ],
+)
+def test_an_unknown_option_value_is_refused_naming_the_option(
+    option: str, value: Any, message: str
+) -> None:
+    with pytest.raises(DualgraphError) as info:
+        dgt.make_graphed_callables(TinyMLP(), (torch.randn(4, 8),), **{option: value})
+    assert str(info.value) == message
+
+
+def test_auto_backend_is_emulate_for_cpu_samples() -> None:
+    graphed = dgt.make_graphed_callables(TinyMLP(), (torch.randn(4, 8),))
+    assert dgt.diagnostics(graphed).backend == "emulate"
+
+
+@pytest.mark.cuda
+def test_auto_backend_is_cuda_for_cuda_samples() -> None:
+    module = TinyMLP().cuda()
+    graphed = dgt.make_graphed_callables(module, (torch.randn(4, 8, device="cuda"),))
+    assert dgt.diagnostics(graphed).backend == "cuda"
+
+
+def test_cuda_backend_needs_cuda_samples() -> None:
+    with pytest.raises(DualgraphError, match="backend='cuda' needs"):
+        dgt.make_graphed_callables(TinyMLP(), (torch.randn(4, 8),), backend="cuda")
+
+
+def test_sample_args_need_one_entry_per_callable() -> None:
+    modules = (TinyMLP(), TinyMLP())
+    with pytest.raises(DualgraphError, match=r"one tuple of args per callable \(2\)"):
+        dgt.make_graphed_callables(modules, ((torch.randn(4, 8),),))
+    with pytest.raises(DualgraphError, match=r"one dict \(or None\) per callable \(2\)"):
+        samples = ((torch.randn(4, 8),), (torch.randn(4, 8),))
+        dgt.make_graphed_callables(modules, samples, sample_kwargs=({},))
+
+
+def test_sample_args_must_be_a_sequence_of_args() -> None:
+    with pytest.raises(DualgraphError, match="TinyMLP: sample args must be a tuple"):
+        dgt.make_graphed_callables(TinyMLP(), torch.randn(4, 8))
+    with pytest.raises(DualgraphError, match="TinyMLP: sample kwargs must be a dict"):
+        dgt.make_graphed_callables(TinyMLP(), (torch.randn(4, 8),), sample_kwargs=[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sample_args_may_be_lists(backend: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    assert dgt.make_graphed_callables(module, [torch.randn(4, 8, device=device)], backend=backend)
+    pair = dgt.make_graphed_callables(
+        [torch.tanh, torch.sin],
+        [[torch.randn(3, device=device)], [torch.randn(3, device=device)]],
+        backend=backend,
+    )
+    assert isinstance(pair, tuple) and len(pair) == 2
+    x = torch.randn(3, device=device)
+    assert_tensors_match(pair[1](x), torch.sin(x), "sin", tolerance(backend))
+
+
+def test_the_same_callable_twice_is_refused() -> None:
+    module = TinyMLP()
+    with pytest.raises(DualgraphError, match="the same callable appears twice"):
+        dgt.make_graphed_callables((module, module), ((torch.randn(4, 8),),) * 2)
+
+
+def test_sample_tensors_must_be_torch_tensors() -> None:
+    with pytest.raises(DualgraphError, match=r"args\[0\]: .* must be torch tensors"):
+        dgt.make_graphed_callables(lambda x: x, (np.zeros(3, np.float32),), backend="emulate")
+
+
+def test_test_only_internals_are_not_exported() -> None:
+    assert set(dgt.__all__) == {
+        "CallableMemory",
+        "CaptureDiagnostics",
+        "CaptureLintError",
+        "EagerCallable",
+        "GraphedCallable",
+        "LeafCheck",
+        "LintFinding",
+        "LintReport",
+        "MemoryPlan",
+        "VerifyReport",
+        "diagnostics",
+        "lint",
+        "make_graphed_callables",
+        "memory_plan",
+        "owned",
+        "restore",
+        "verify",
+    }
+    assert not hasattr(dgt, "InputGuard")
+
+
+# -- what comes back -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_comes_back_graphed_in_place(backend: str) -> None:
+    module = TinyMLP().to(device_of(backend))
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device_of(backend)),), backend=backend
+    )
+    assert graphed is module and type(module) is TinyMLP
+    assert dgt.diagnostics(module).backend == backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_function_comes_back_as_a_graphed_callable(backend: str) -> None:
+    graphed = dgt.make_graphed_callables(
+        torch.sin, (torch.randn(3, device=device_of(backend)),), backend=backend
+    )
+    kind = dgt.EagerCallable if backend == "eager" else dgt.GraphedCallable
+    assert isinstance(graphed, kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tuple_of_callables_comes_back_as_a_tuple(backend: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    graphed = dgt.make_graphed_callables(
+        (module, torch.tanh),
+        ((torch.randn(4, 8, device=device),), (torch.randn(4, 8, device=device),)),
+        backend=backend,
+    )
+    assert isinstance(graphed, tuple) and len(graphed) == 2
+    assert graphed[0] is module
+    x = torch.randn(4, 8, device=device)
+    assert_tensors_match(graphed[1](x), torch.tanh(x), "tanh", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_repr_names_the_callable_the_backend_and_the_specs(backend: str) -> None:
+    sample = torch.randn(2, 4, device=device_of(backend), requires_grad=True)
+
+    def double(x: torch.Tensor, *, scale: float) -> tuple[torch.Tensor, None]:
+        return x * scale, None
+
+    graphed = dgt.make_graphed_callables(
+        double, (sample,), sample_kwargs={"scale": 2.0}, backend=backend
+    )
+    assert repr(graphed) == (
+        "GraphedCallable('test_repr_names_the_callable_the_backend_and_the_specs.<locals>.double', "
+        f"backend='{backend}', inputs=(args=(float32[2, 4](grad),), kwargs={{'scale': 2.0}}), "
+        "outputs=TreeSpec((float32[2, 4](grad), None)))"
+    )
+
+
+def sine(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+def test_eager_callable_repr_shows_the_output_spec_once_known() -> None:
+    graphed = dgt.make_graphed_callables(sine, (torch.ones(2),), backend="eager")
+    assert repr(graphed) == (
+        "EagerCallable('sine', inputs=(args=(float32[2],), kwargs={}), "
+        "outputs=recorded at the first call)"
+    )
+    graphed(torch.ones(2))
+    assert repr(graphed).endswith("outputs=TreeSpec(float32[2]))")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graphing_a_graphed_module_again_is_rejected(backend: str) -> None:
+    module = TinyMLP().to(device_of(backend))
+    sample = (torch.randn(4, 8, device=device_of(backend)),)
+    dgt.make_graphed_callables(module, sample, backend=backend)
+    with pytest.raises(DualgraphError, match=r"already graphed; call dualgraph\.torch\.restore"):
+        dgt.make_graphed_callables(module, sample, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restore_gives_the_module_its_forward_back(backend: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    assert dgt.restore(module) is module
+    assert "forward" not in module.__dict__
+    with pytest.raises(DualgraphError, match="was not made by"):
+        dgt.diagnostics(module)
+    with torch.no_grad():
+        assert module(torch.randn(7, 8, device=device)).shape == (7, 8)  # eager: any batch size
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    assert dgt.diagnostics(module).backend == backend
+
+
+def test_restore_puts_back_a_forward_the_module_had_before() -> None:
+    module = TinyMLP()
+    module.forward = lambda x: x + 1  # an instance-level forward of the user's
+    dgt.make_graphed_callables(module, (torch.zeros(4, 8),), backend="emulate")
+    dgt.restore(module)
+    assert torch.equal(module(torch.zeros(2, 8)), torch.ones(2, 8))
+
+
+def test_restore_rejects_a_module_that_is_not_graphed() -> None:
+    with pytest.raises(DualgraphError, match="TinyMLP is not a graphed module"):
+        dgt.restore(TinyMLP())
+
+
+def test_diagnostics_reject_a_plain_callable() -> None:
+    with pytest.raises(DualgraphError, match="was not made by"):
+        dgt.diagnostics(TinyMLP())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_runs_eagerly_when_its_training_mode_differs_from_capture(backend: str) -> None:
+    device = device_of(backend)
+    module = ViTBlock(dim=16, heads=2, dropout=0.5).to(device)
+    twin = ViTBlock(dim=16, heads=2, dropout=0.5).to(device)
+    twin.load_state_dict(module.state_dict())
+    dgt.make_graphed_callables(module, (torch.randn(2, 5, 16, device=device),), backend=backend)
+    replays = dgt.diagnostics(module).replays
+
+    module.eval()
+    twin.eval()
+    x = torch.randn(2, 5, 16, device=device)
+    hidden, extra = module(x)
+    expected, _ = twin(x)
+    assert extra is None
+    assert_tensors_match(hidden.detach(), expected.detach(), "hidden", tolerance(backend))
+    assert dgt.diagnostics(module).replays == replays  # the original forward ran, not a replay
+    if backend != "eager":
+        static = {t.data_ptr() for t in runner_of(module).static_outputs}
+        assert hidden.data_ptr() not in static
+
+    module.train()
+    with torch.no_grad():
+        module(x)
+    assert dgt.diagnostics(module).replays == replays + 1
+
+
+# -- every call is checked first -----------------------------------------------------------------
+
+
+def _bad_calls(device: torch.device) -> dict[str, tuple[Any, str]]:
+    """Per name: a change to valid ``(args, kwargs)`` of ``gated``, and the message it must give."""
+    on = f"on {device}"
+
+    def nested(**changes: Any) -> Any:
+        return lambda args, kwargs: ((args[0], {**args[1], **changes}), kwargs)
+
+    def kwarg(**changes: Any) -> Any:
+        return lambda args, kwargs: (args, {**kwargs, **changes})
+
+    return {
+        "shape": (
+            lambda args, kwargs: ((torch.randn(3, 8, device=device), args[1]), kwargs),
+            f"args[0]: expected float32[2, 8] {on}, got float32[3, 8] {on}",
+        ),
+        "dtype": (
+            lambda args, kwargs: ((args[0].double(), args[1]), kwargs),
+            f"args[0]: expected float32[2, 8] {on}, got float64[2, 8] {on}",
+        ),
+        "nested_shape": (
+            nested(mask=torch.rand(2, 9, device=device)),
+            f"args[1]['mask']: expected float32[2, 8] {on}, got float32[2, 9] {on}",
+        ),
+        "none_for_a_tensor": (
+            nested(mask=None),
+            "args[1]['mask']: expected float32[2, 8], got None",
+        ),
+        "missing_key": (
+            lambda args, kwargs: ((args[0], {"bias": args[1]["bias"]}), kwargs),
+            "args[1]['mask']: missing (expected float32[2, 8])",
+        ),
+        "list_for_a_dict": (
+            lambda args, kwargs: ((args[0], list(args[1].values())), kwargs),
+            "args[1]: expected a dict with keys ['mask', 'bias'], got a list of length 2",
+        ),
+        "too_few_args": (
+            lambda args, kwargs: ((args[0],), kwargs),
+            "args: expected a tuple of length 2, got a tuple of length 1",
+        ),
+        "missing_kwarg": (
+            lambda args, kwargs: (args, {"scale": kwargs["scale"]}),
+            "kwargs['mask']: missing (expected float32[2, 8])",
+        ),
+        "unexpected_kwarg": (kwarg(extra=1), "kwargs['extra']: unexpected entry int 1"),
+        "changed_constant_kwarg": (
+            kwarg(scale=3.0),
+            "kwargs['scale']: expected float 2.0, got float 3.0",
+        ),
+        "kwarg_shape": (
+            kwarg(mask=torch.rand(2, 7, device=device)),
+            f"kwargs['mask']: expected float32[2, 8] {on}, got float32[2, 7] {on}",
+        ),
+        "requires_grad_not_captured": (
+            nested(mask=torch.rand(2, 8, device=device, requires_grad=True)),
+            "args[1]['mask']: requires grad, but was captured without requires_grad, so no "
+            "gradient would reach it; pass a sample that requires grad when capturing",
+        ),
+        "sparse_tensor": (
+            nested(mask=torch.rand(2, 8, device=device).to_sparse()),
+            f"args[1]['mask']: expected float32[2, 8] {on}, got a torch.sparse_coo tensor "
+            "(static buffers are dense, strided tensors)",
+        ),
+    }
+
+
+BAD_CALLS = sorted(_bad_calls(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", BAD_CALLS)
+def test_rejected_call_names_the_path(backend: str, bad: str) -> None:
+    case = CASES["gated_function"]
+    device = device_of(backend)
+    args, kwargs = case.draw(device)
+    graphed = dgt.make_graphed_callables(case.build(), args, sample_kwargs=kwargs, backend=backend)
+    change, message = _bad_calls(device)[bad]
+    bad_args, bad_kwargs = change(*case.draw(device))
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(*bad_args, **bad_kwargs)
+    assert str(info.value) == message
+    assert info.value.path == message.partition(":")[0]
+
+
+@pytest.mark.cuda
+def test_rejected_call_names_the_wrong_device() -> None:
+    case = CASES["gated_function"]
+    args, kwargs = case.draw(torch.device("cuda"))
+    graphed = dgt.make_graphed_callables(case.build(), args, sample_kwargs=kwargs, backend=CUDA)
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(args[0].detach().cpu(), args[1], **kwargs)
+    device = args[0].device
+    assert (
+        str(info.value) == f"args[0]: expected float32[2, 8] on {device}, got float32[2, 8] on cpu"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("bad", BAD_CALLS)
+def test_rejected_call_leaves_static_inputs_unchanged(backend: str, bad: str) -> None:
+    case = CASES["gated_function"]
+    device = device_of(backend)
+    args, kwargs = case.draw(device)
+    graphed = dgt.make_graphed_callables(case.build(), args, sample_kwargs=kwargs, backend=backend)
+    before = [t.detach().clone() for t in graphed.static_inputs]
+    change, message = _bad_calls(device)[bad]
+    bad_args, bad_kwargs = change(*case.draw(device))  # the valid leaves hold new values
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(*bad_args, **bad_kwargs)
+    assert str(info.value) == message
+    for i, (static, saved) in enumerate(zip(graphed.static_inputs, before, strict=True)):
+        assert_tensors_match(static.detach(), saved, f"static input {i}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_valid_call_after_a_rejected_call_is_correct(backend: str) -> None:
+    case = CASES["gated_function"]
+    device = device_of(backend)
+    args, kwargs = case.draw(device)
+    fn = case.build()
+    graphed = dgt.make_graphed_callables(fn, args, sample_kwargs=kwargs, backend=backend)
+    for bad in BAD_CALLS:
+        change, _ = _bad_calls(device)[bad]
+        bad_args, bad_kwargs = change(*case.draw(device))
+        with pytest.raises(SpecMismatchError):
+            graphed(*bad_args, **bad_kwargs)
+        args, kwargs = case.draw(device)
+        eager_args, eager_kwargs = fresh_copy((args, kwargs))
+        outputs = graphed(*args, **kwargs)
+        expected = fn(*eager_args, **eager_kwargs)
+        assert_trees_match(outputs, expected, tolerance(backend))
+        backward_of(outputs)
+        backward_of(expected)
+        assert_grads_match(
+            grads_of([args[0], args[1]["bias"], kwargs["mask"]]),
+            grads_of([eager_args[0], eager_args[1]["bias"], eager_kwargs["mask"]]),
+            ["args[0]", "args[1]['bias']", "kwargs['mask']"],
+            tolerance(backend),
+        )
+
+
+# -- tensors that are not plain dense tensors ----------------------------------------------------
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass (its Python overrides would not run in a replay)."""
+
+
+def _odd_tensors(device: torch.device) -> dict[str, Any]:
+    """Per kind: a function making a ``float32[2, 8]``-like tensor of that kind from a dense one."""
+    kinds: dict[str, Any] = {
+        "sparse_coo": (lambda t: t.to_sparse(), "a torch.sparse_coo tensor"),
+        "sparse_csr": (lambda t: t.to_sparse_csr(), "a torch.sparse_csr tensor"),
+        "subclass": (lambda t: t.as_subclass(Tagged), f"a tensor subclass {__name__}.Tagged"),
+        "nested": (
+            lambda t: torch.nested.as_nested_tensor([t[0], t[1, :5]], layout=torch.jagged),
+            "a tensor subclass torch.nested._internal.nested_tensor.NestedTensor",
+        ),
+        "meta": (lambda t: t.to("meta"), "a meta tensor (it holds no data to replay on)"),
+    }
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        kinds["mkldnn"] = (lambda t: t.to_mkldnn(), "a torch._mkldnn tensor")
+    return kinds
+
+
+ODD_KINDS = sorted(_odd_tensors(torch.device("cpu")))
+
+
+# torch's notice on first making a CSR tensor
+sparse_csr_beta = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+
+
+@sparse_csr_beta
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("kind", ODD_KINDS)
+def test_a_sample_that_cannot_be_a_static_buffer_is_refused_naming_its_path(
+    backend: str, kind: str
+) -> None:
+    device = device_of(backend)
+    kinds = _odd_tensors(device)
+    if kind not in kinds:
+        pytest.skip(f"no {kind} tensors on {device}")
+    make, why = kinds[kind]
+    odd = make(torch.rand(2, 8, device=device))
+    with pytest.raises(SpecMismatchError) as info:
+        dgt.make_graphed_callables(
+            lambda x, y: x * 2, (torch.ones(2, device=device), odd), backend=backend
+        )
+    assert str(info.value).startswith(f"args[1]: cannot be graphed: {why}")
+    assert info.value.path == "args[1]"
+
+
+@sparse_csr_beta
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ODD_KINDS)
+def test_a_call_with_a_tensor_that_cannot_be_copied_in_is_refused_naming_its_path(
+    backend: str, kind: str
+) -> None:
+    device = device_of(backend)
+    kinds = _odd_tensors(device)
+    if kind not in kinds:
+        pytest.skip(f"no {kind} tensors on {device}")
+    make, why = kinds[kind]
+    graphed = dgt.make_graphed_callables(
+        lambda x, mask: x * mask, (torch.ones(2, 8, device=device),) * 2, backend=backend
+    )
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(torch.ones(2, 8, device=device), make(torch.rand(2, 8, device=device)))
+    expected = f"args[1]: expected float32[2, 8] on {device}, got "
+    assert str(info.value).startswith(expected)
+    assert why in str(info.value) or kind == "meta"  # a meta tensor is on another device
+    assert info.value.path == "args[1]"
+
+
+def _layouts(device: torch.device) -> dict[str, torch.Tensor]:
+    """The same ``float32[4, 6]`` values in tensors with other strides and memory formats."""
+    base = torch.randn(6, 4, device=device)
+    wide = torch.randn(4, 12, device=device)
+    return {
+        "transposed": base.t(),
+        "every_other_column": wide[:, ::2],
+        "expanded_row": torch.randn(1, 6, device=device).expand(4, 6),
+        "channels_last": torch.randn(4, 6, 1, 1, device=device)
+        .to(memory_format=torch.channels_last)
+        .view(4, 6),
+    }
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("layout", sorted(_layouts(torch.device("cpu"))))
+def test_inputs_with_other_strides_are_copied_in_by_value(backend: str, layout: str) -> None:
+    device = device_of(backend)
+    weight = torch.randn(6, device=device)
+
+    def scaled_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * weight + 1, (x * weight).sum(dim=1)
+
+    graphed = dgt.make_graphed_callables(
+        scaled_sum, (torch.randn(4, 6, device=device),), backend=backend
+    )
+    x = _layouts(device)[layout]
+    assert_trees_match(graphed(x), scaled_sum(x.contiguous()), tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_conjugate_and_negative_views_are_copied_in_by_value(backend: str) -> None:
+    device = device_of(backend)
+    z = torch.randn(5, dtype=torch.complex64, device=device)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * 1j
+
+    graphed = dgt.make_graphed_callables(rotate, (z,), backend=backend)
+    for view in (z.conj(), torch._neg_view(z)):
+        assert view.is_conj() or view.is_neg()
+        expected = rotate(view.resolve_conj().resolve_neg())
+        assert_tensors_match(graphed(view), expected, "rotated", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_passed_as_an_input_is_a_plain_input(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.ones(3, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(lambda x: x * 2, (sample,), backend=backend)
+    param = nn.Parameter(torch.ones(3, device=device))
+    graphed(param).sum().backward()
+    assert_tensors_match(param.grad, torch.full((3,), 2.0, device=device), "param.grad")

@@ -1,0 +1,501 @@
+"""Captures that fail or are refused: the error names the callable, the phase and the cause,
+and the module and the process are left usable (no capture open, the caller's stream current,
+the CUDA RNG working, buffers and hooks as they were).
+
+Refused on purpose, because a replay would differ from eager without a word: outputs that
+depend on tensors requiring grad that are neither inputs nor parameters, outputs whose structure
+changes from call to call, outputs no static buffer can hold, parameters the callable updates in
+place, inputs updated during backward, lazy modules, and parameter hooks under in-graph grads.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch_cases import (
+    CUDA,
+    GRAPH_BACKENDS,
+    TinyMLP,
+    assert_grads_match,
+    assert_tensors_match,
+    backward_of,
+    device_of,
+    grads_of,
+    isclose_fraction,
+    isolation,
+    parameter_names,
+    parameters_of,
+    tolerance,
+)
+
+import dualgraph.torch as dgt
+from dualgraph import CaptureError, DualgraphWarning
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
+def capture_error(fn: Any, args: tuple[Any, ...], **options: Any) -> str:
+    """The message of the CaptureError that graphing ``fn`` raises; nothing of it is kept alive."""
+    try:
+        dgt.make_graphed_callables(fn, args, **options)
+    except CaptureError as error:
+        return str(error)
+    raise AssertionError(f"graphing {fn!r} raised no CaptureError")
+
+
+def step_grads(fn: Any, args: tuple[Any, ...]) -> list[Any]:
+    """Forward, backward of ``loss_of``, and the parameters' grads; no graph outlives the call."""
+    backward_of(fn(*args))
+    grads = grads_of(parameters_of(fn))
+    fn.zero_grad(set_to_none=True)
+    return grads
+
+
+# -- failed capture ------------------------------------------------------------------------------
+
+
+class Exploding(nn.Module):
+    """Raises from its forward from the ``fail_at``-th call on (``None``: never)."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # some GPU work first, so that a capture is not empty
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise ValueError("exploded on purpose")
+        return h
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("phase", ["warmup", "capture"])
+def test_failed_capture_names_the_callable_and_the_cause(backend: str, phase: str) -> None:
+    warmup = 3
+    module = Exploding(fail_at=1 if phase == "warmup" else warmup + 1).to(device_of(backend))
+    sample = (torch.randn(2, 8, device=device_of(backend)),)
+    message = capture_error(module, sample, backend=backend, num_warmup_iters=warmup)
+    during = "forward capture" if phase == "capture" and backend == CUDA else phase
+    assert message == (
+        f"capturing Exploding ({backend}) failed during {during}: ValueError: exploded on purpose"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_failed_capture_leaves_the_module_usable_and_graphable(backend: str) -> None:
+    device = device_of(backend)
+    module = Exploding(fail_at=2).to(device)
+    twin = Exploding(fail_at=None).to(device)
+    twin.load_state_dict(module.state_dict())
+    capture_error(module, (torch.randn(2, 8, device=device),), backend=backend)
+    gc.collect()
+    assert "forward" not in module.__dict__  # not graphed
+
+    module.fail_at = None
+    x = torch.randn(2, 8, device=device)
+    assert_grads_match(
+        step_grads(module, (x,)),
+        step_grads(twin, (x,)),
+        parameter_names(module),
+        tolerance(backend),
+    )
+
+    dgt.make_graphed_callables(module, (torch.randn(2, 8, device=device),), backend=backend)
+    for _ in range(2):
+        x = torch.randn(2, 8, device=device)
+        assert_tensors_match(module(x).detach(), twin(x).detach(), "output", tolerance(backend))
+
+
+class SyncsAfterDropout(nn.Module):
+    """Draws a dropout mask, then reads a value back to the CPU: fine eagerly, not in a capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.sync = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.fc(x), 0.25, self.training)
+        if self.sync and h.sum().item() > 1e30:  # never true; .item() is the point
+            h = h * 0
+        return h
+
+
+class CudaMallocWorker:
+    """Another thread that keeps calling cudaMalloc (fresh sizes, cache emptied between)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        step = 0
+        while not self.stop.is_set():
+            try:  # 1 to 64 MiB, so memory stays bounded while a capture defers empty_cache
+                torch.empty((1 + step % 64) << 18, device="cuda")
+                torch.cuda.empty_cache()
+            except Exception:  # refused during a global-mode capture: the point of the worker
+                pass
+            step += 1
+            self.started.set()
+
+    def __enter__(self) -> CudaMallocWorker:
+        self.thread.start()
+        assert self.started.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+@pytest.mark.cuda
+def test_capture_error_mode_decides_whether_another_threads_cuda_malloc_breaks_capture() -> None:
+    torch.manual_seed(0)
+    module = TinyMLP().cuda()
+    eager = TinyMLP().cuda()
+    eager.load_state_dict(module.state_dict())
+    sample = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with CudaMallocWorker():
+        message = capture_error(module, (sample,), backend=CUDA)  # the default, "global"
+        assert "forward" not in module.__dict__  # the failed capture left the module as it was
+        dgt.make_graphed_callables(
+            module, (sample,), backend=CUDA, capture_error_mode="thread_local"
+        )
+    assert message.startswith("capturing TinyMLP (cuda) failed during ")
+    for _ in range(3):  # fresh inputs; parameter grads accumulate over the replays
+        x = torch.randn(4, 8, device="cuda", requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, out_eager = module(x), eager(x_eager)
+        torch.testing.assert_close(out, out_eager)
+        out.square().sum().backward()
+        out_eager.square().sum().backward()
+        torch.testing.assert_close(x.grad, x_eager.grad)
+    torch.testing.assert_close(grads_of(parameters_of(module)), grads_of(parameters_of(eager)))
+
+
+@pytest.mark.cuda
+def test_cpu_sync_in_capture_fails_cleanly_and_cuda_keeps_working() -> None:
+    module = SyncsAfterDropout().cuda()
+    stream = torch.cuda.current_stream()
+    # lint="off": the capture lint would refuse the .item() before the capture; this is about
+    # what a real failed capture leaves behind
+    message = capture_error(module, (torch.ones(16, 32, device="cuda"),), backend=CUDA, lint="off")
+    gc.collect()
+    assert message.startswith("capturing SyncsAfterDropout (cuda) failed during forward capture: ")
+    assert "forward" not in module.__dict__
+    assert torch.cuda.current_stream() == stream  # not torch's capture stream
+
+    # The capture drew from the CUDA generator before it failed: the generator must still work.
+    assert torch.randn(1000, device="cuda").std().item() > 0.5
+    kept = F.dropout(torch.ones(1000, device="cuda"), 0.5).ne(0).float().mean().item()
+    assert isclose_fraction(kept, 0.5)
+    step_grads(module, (torch.randn(16, 32, device="cuda"),))  # eager, .item() included
+    torch.cuda.synchronize()
+
+    module.sync = False
+    sample = torch.ones(16, 32, device="cuda", requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=CUDA)
+    masks = []
+    for _ in range(2):
+        x = torch.ones(16, 32, device="cuda", requires_grad=True)
+        out = module(x)
+        out.sum().backward()
+        kept = out.detach() != 0
+        assert isclose_fraction(kept.float().mean().item(), 0.75)
+        masks.append(kept)
+    assert not torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.cuda
+def test_cuda_capture_holds_automatic_garbage_collection_and_gives_it_back() -> None:
+    # The collector may destroy an unreachable graph during another capture (docs/cuda_graphs.md).
+    seen: list[bool] = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return x * 2
+
+    assert gc.isenabled()
+    sample = torch.ones(4, device="cuda", requires_grad=True)
+    graphed = dgt.make_graphed_callables(double, (sample,), backend=CUDA, num_warmup_iters=1)
+    assert seen == [False, False]  # one warmup, one capture
+    assert gc.isenabled()
+    torch.testing.assert_close(
+        graphed(torch.full((4,), 3.0, device="cuda")), torch.full((4,), 6.0, device="cuda")
+    )
+
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    assert "boom" in capture_error(fails, (sample,), backend=CUDA)
+    assert gc.isenabled()
+
+
+# -- refused on purpose --------------------------------------------------------------------------
+
+
+def _scale_first(x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class HalfUsed(nn.Module):
+    """A module with a parameter its forward never touches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_unused_input_is_a_capture_error_without_allow_unused_input(backend: str) -> None:
+    device = device_of(backend)
+    x, y = (torch.randn(3, device=device, requires_grad=True) for _ in range(2))
+    message = capture_error(_scale_first, (x, y), backend=backend)
+    assert message.startswith(f"capturing _scale_first ({backend}) failed during warmup: ")
+    assert "not have been used in the graph" in message
+    message = capture_error(
+        HalfUsed().to(device), (torch.randn(2, 4, device=device),), backend=backend
+    )
+    assert "not have been used in the graph" in message
+
+
+def _autocast(backend: str, **options: Any) -> torch.autocast:
+    return torch.autocast(device_of(backend).type, dtype=torch.bfloat16, **options)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_autocast_capture_needs_the_cache_disabled(backend: str) -> None:
+    module = TinyMLP().to(device_of(backend))
+    with _autocast(backend), pytest.raises(CaptureError, match=r"cache_enabled=False"):
+        dgt.make_graphed_callables(
+            module, (torch.randn(4, 8, device=device_of(backend)),), backend=backend
+        )
+    assert "forward" not in module.__dict__
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_non_tensor_array_output_is_refused_naming_its_path(backend: str) -> None:
+    def returns_numpy(x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        return x * 2, np.zeros(2, np.float32)
+
+    message = capture_error(
+        returns_numpy, (torch.ones(2, device=device_of(backend)),), backend=backend
+    )
+    assert "output[1]: expected a torch tensor, got numpy.ndarray" in message
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_no_static_buffer_can_hold_is_refused_naming_its_path(backend: str) -> None:
+    def returns_sparse(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"dense": x * 2, "sparse": (x * 3).to_sparse()}
+
+    message = capture_error(
+        returns_sparse, (torch.ones(2, 2, device=device_of(backend)),), backend=backend
+    )
+    assert message.endswith(
+        "output['sparse']: a graph cannot return a torch.sparse_coo tensor "
+        "(static buffers are dense, strided tensors)"
+    )
+
+
+class UsesAnotherModulesWeight(nn.Module):
+    """Reads a parameter it does not own (a weight shared from elsewhere, held as a plain attr)."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.__dict__["shared"] = shared  # not a submodule: its parameters are not ours
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.shared(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_that_depend_on_a_foreign_tensor_requiring_grad_are_refused(backend: str) -> None:
+    """A replay would give a closure's or another module's parameters no gradient."""
+    device = device_of(backend)
+    shared = nn.Linear(4, 4).to(device)
+    module = UsesAnotherModulesWeight(shared).to(device)
+    message = capture_error(module, (torch.randn(2, 4, device=device),), backend=backend)
+    assert message == (
+        f"capturing UsesAnotherModulesWeight ({backend}) failed during warmup: the outputs "
+        "depend on 2 tensor(s) that require grad but are neither inputs nor parameters of the "
+        "module (float32[4, 4], float32[4]), e.g. a closure over another module's weights; a "
+        "replay would give them no gradient. Pass them as inputs, or graph the module that "
+        "holds them"
+    )
+    weight = torch.randn(4, device=device, requires_grad=True)
+    message = capture_error(lambda x: x * weight, (torch.randn(4, device=device),), backend=backend)
+    assert "neither inputs nor arguments (float32[4])" in message
+    assert shared.weight.grad is None and weight.grad is None
+
+
+class ChangesItsOutputs(nn.Module):
+    """Returns ``(h, None)`` on its first call and ``(h, h)`` afterwards (e.g. a cache filled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.calls += 1
+        h = self.fc(x)
+        return h, (None if self.calls == 1 else h * 2)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_whose_structure_changes_between_calls_are_refused(backend: str) -> None:
+    device = device_of(backend)
+    message = capture_error(
+        ChangesItsOutputs().to(device), (torch.randn(2, 4, device=device),), backend=backend
+    )
+    assert message == (
+        f"capturing ChangesItsOutputs ({backend}) failed during warmup: the outputs differ from "
+        "one call to the next (TreeSpec((float32[2, 4](grad), None)), then "
+        "TreeSpec((float32[2, 4](grad), float32[2, 4](grad)))); a graph replays one call's "
+        "structure"
+    )
+
+
+class ClampsItsWeight(nn.Module):
+    """Updates a parameter in place in its forward (what warmup cannot undo for parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.1, 0.1)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("lint", ["error", "warn", "off"])
+def test_a_parameter_the_callable_updates_in_place_is_refused(backend: str, lint: str) -> None:
+    device = device_of(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DualgraphWarning)  # lint="warn" warns first
+        message = capture_error(
+            ClampsItsWeight().to(device),
+            (torch.randn(2, 4, device=device),),
+            backend=backend,
+            lint=lint,
+        )
+    if lint != "error":  # the adapter's own check, after warmup
+        assert "ClampsItsWeight.fc.weight: the callable updates this parameter in place" in message
+    if lint != "off":  # the lint's finding, with the line that does it
+        assert "parameter updated in place: aten.clamp_ on fc.weight at test_torch_capture.py:" in (
+            message
+        )
+
+
+def _scales_input_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _ScaleInBackward.apply(x)
+
+
+class _ScaleInBackward(torch.autograd.Function):
+    """Identity whose backward also halves a saved input in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x.detach().mul_(0.5)
+        return grad
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_updated_in_place_during_backward_is_refused(backend: str) -> None:
+    sample = torch.randn(3, device=device_of(backend), requires_grad=True)
+    message = capture_error(_scales_input_in_backward, (sample,), backend=backend)
+    assert message.startswith(
+        f"capturing _scales_input_in_backward ({backend}) failed during warmup: args[0] is updated "
+        "in place during backward; dualgraph hands in-place updates back to the caller after the "
+        "forward only\n"
+    )
+    # the capture lint's finding follows, with the line in the backward that does it
+    assert (
+        "error: input updated in place during backward: aten.mul_ on args[0] at "
+        "test_torch_capture.py:"
+    ) in message
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_lazy_module_is_refused_until_it_ran_once(backend: str) -> None:
+    device = device_of(backend)
+    module = nn.LazyLinear(4).to(device)
+    message = capture_error(module, (torch.randn(2, 3, device=device),), backend=backend)
+    assert "weight is not initialized yet (a lazy module); run the module once" in message
+    module(torch.randn(2, 3, device=device))
+    dgt.make_graphed_callables(module, (torch.randn(2, 3, device=device),), backend=backend)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_parameter_hooks_are_refused_with_in_graph_param_grads(backend: str) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(4, 4).to(device)
+    layer.weight.register_hook(lambda grad: grad * 2)
+    message = capture_error(
+        layer, (torch.randn(2, 4, device=device),), backend=backend, param_grads="in_graph"
+    )
+    assert message == (
+        f"capturing Linear ({backend}) failed during setup: Linear.weight has a grad hook, which "
+        "param_grads='in_graph' would never run (the backward graph adds the grad into .grad "
+        "itself); capture with param_grads='autograd' to use parameter hooks"
+    )
+
+
+class NormedThenExploding(nn.Module):
+    """BatchNorm (whose statistics warmup updates), then a failure on the third call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("exploded on purpose")
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_leaves_buffers_and_hooks_as_they_were(backend: str) -> None:
+    device = device_of(backend)
+    module = NormedThenExploding().to(device)
+    seen: list[torch.Tensor] = []
+    module.norm.weight.register_hook(lambda grad: seen.append(grad) or grad)
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    capture_error(module, (torch.randn(8, 4, device=device),), backend=backend)
+    for name, b in module.named_buffers():
+        assert_tensors_match(b, buffers[name], name)
+    module.calls = -100
+    module(torch.randn(8, 4, device=device)).sum().backward()
+    assert len(seen) == 1  # the hook is still there, and ran once

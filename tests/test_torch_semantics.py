@@ -1,0 +1,798 @@
+"""Graphed = eager where a demanding user looks, or a clear error: never a silent difference.
+
+The rules that come with graphs (README), one behaviour per test, each on ``emulate`` and on
+``cuda``:
+
+- grads handed out never alias a buffer a later replay overwrites (``torch.autograd.grad``,
+  tensor hooks, ``retain_grad``, kwargs, inputs used twice, views, parameters);
+- inputs the callable updates in place are updated for the caller, as in eager;
+- parameters frozen, unfrozen, replaced or moved after capture are refused by name;
+- copies (``copy.deepcopy``, pickling) of graphed modules and functions run eagerly;
+- one graphed callable refuses concurrent calls from two threads;
+- ``param_grads="in_graph"`` keeps eager's ``.grad`` contract (``zero_grad(set_to_none=True)``
+  gives a new tensor), and refuses what it cannot do (``torch.autograd.grad``, hooks);
+- outputs the backward reads may not be changed in place (eager would raise too).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch_cases import (
+    GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
+    TinyMLP,
+    assert_grads_match,
+    assert_tensors_match,
+    backward_of,
+    device_of,
+    grads_of,
+    isolation,
+    parameter_names,
+    parameters_of,
+    runner_of,
+    tolerance,
+)
+
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError
+from dualgraph.models.torch_vit import VisionEncoder
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
+# -- grads handed out are the caller's own -------------------------------------------------------
+
+
+def scaled_tanh(x: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).tanh()
+
+
+def _grab_autograd_grad(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.autograd.grad(loss(), x)[0]
+
+
+def _grab_hook(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+    x.register_hook(seen.append)
+    loss().backward()
+    return seen[0]
+
+
+def _grab_retained(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    x.retain_grad()
+    loss().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def _grab_backward_inputs(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    loss().backward(inputs=[x])
+    assert x.grad is not None
+    return x.grad
+
+
+GRABS = {
+    "autograd_grad": _grab_autograd_grad,
+    "hook": _grab_hook,
+    "retain_grad": _grab_retained,
+    "backward_inputs": _grab_backward_inputs,
+}
+
+#: How the input reaches the callable: ``(make the tensor the grad is taken of, call)``.
+INPUT_KINDS = ["leaf", "non_leaf", "view", "kwarg", "used_twice"]
+
+
+def _call(kind: str, graphed: Any, device: torch.device) -> tuple[torch.Tensor, Any, Any]:
+    """``(tensor whose grad is taken, graphed loss, eager loss)`` for one fresh draw."""
+    base = torch.randn(3, 4, device=device, requires_grad=True)
+    w = torch.randn(3, 4, device=device, requires_grad=True)
+    if kind == "leaf":
+        x = base
+        arg, kwarg = (lambda: x), (lambda: w)
+    elif kind == "non_leaf":
+        x = base * 1
+        arg, kwarg = (lambda: x), (lambda: w)
+    elif kind == "view":
+        wide = torch.randn(3, 8, device=device, requires_grad=True)
+        x = wide
+        arg, kwarg = (lambda: wide[:, 2:6]), (lambda: w)
+    elif kind == "kwarg":
+        x = w
+        arg, kwarg = (lambda: base), (lambda: w)
+    else:  # the same tensor as both inputs
+        x = base
+        arg, kwarg = (lambda: x), (lambda: x)
+
+    def graphed_loss() -> torch.Tensor:
+        return graphed(arg(), w=kwarg()).square().sum()
+
+    def eager_loss() -> torch.Tensor:
+        return scaled_tanh(arg(), w=kwarg()).square().sum()
+
+    return x, graphed_loss, eager_loss
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("kind", INPUT_KINDS)
+@pytest.mark.parametrize("grab", sorted(GRABS))
+def test_input_grads_are_never_overwritten_by_a_later_replay(
+    backend: str, kind: str, grab: str
+) -> None:
+    device = device_of(backend)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        scaled_tanh, (sample,), sample_kwargs={"w": sample.clone()}, backend=backend
+    )
+    take = GRABS[grab]
+    kept = []
+    for _ in range(3):
+        x, graphed_loss, eager_loss = _call(kind, graphed, device)
+        grad = take(graphed_loss, x)
+        expected = torch.autograd.grad(eager_loss(), x)[0]
+        assert_tensors_match(grad, expected, f"grad of {kind}", tolerance(backend))
+        kept.append((grad, expected))
+    for i, (grad, expected) in enumerate(kept):  # later replays left earlier grads alone
+        assert_tensors_match(grad, expected, f"grad {i} of {kind}", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("grab", ["autograd_grad", "hook"])
+def test_parameter_grads_are_never_overwritten_by_a_later_replay(backend: str, grab: str) -> None:
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, device=device),), backend=backend)
+    kept = []
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device)
+        grad = GRABS[grab](lambda x=x: layer(x).square().sum(), layer.weight)
+        expected = torch.autograd.grad(twin(x).square().sum(), twin.weight)[0]
+        kept.append((grad, expected))
+    for i, (grad, expected) in enumerate(kept):
+        assert_tensors_match(grad, expected, f"weight grad {i}", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_hook_registered_before_capture_runs_once_per_replay(backend: str) -> None:
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    calls = []
+    for module in (layer, twin):
+        module.weight.register_hook(lambda grad, m=module: calls.append(m) or grad * 2)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, device=device),), backend=backend)
+    calls.clear()
+    for _ in range(2):
+        x = torch.randn(2, 4, device=device)
+        backward_of(layer(x))
+        backward_of(twin(x))
+    assert calls.count(layer) == calls.count(twin) == 2
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        parameter_names(layer),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_grads_flow_through_a_stack_of_graphed_blocks_like_eager(
+    backend: str, param_grads: str
+) -> None:
+    """Each block's input grad goes straight to the block before it (no copy there)."""
+    device = device_of(backend)
+    blocks = [TinyMLP().to(device) for _ in range(3)]
+    twins = [TinyMLP().to(device) for _ in range(3)]
+    for block, twin in zip(blocks, twins, strict=True):
+        twin.load_state_dict(block.state_dict())
+    samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in blocks)
+    dgt.make_graphed_callables(tuple(blocks), samples, backend=backend, param_grads=param_grads)
+    for _ in range(3):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        h, h_eager = x, x_eager
+        for block, twin in zip(blocks, twins, strict=True):
+            h, h_eager = block(h), twin(h_eager)
+        backward_of(h)
+        backward_of(h_eager)
+        assert_tensors_match(x.grad, x_eager.grad, "x.grad", tolerance(backend))
+    for block, twin in zip(blocks, twins, strict=True):
+        assert_grads_match(
+            grads_of(parameters_of(block)),
+            grads_of(parameters_of(twin)),
+            parameter_names(block),
+            tolerance(backend),
+        )
+
+
+# -- inputs the callable updates in place --------------------------------------------------------
+
+
+def track(x: torch.Tensor, stats: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Updates a running mean and a call count in place, like a cache or running statistic."""
+    stats.mul_(0.9).add_(x.detach().mean(dim=0), alpha=0.1)
+    count.add_(1)
+    return x * 2 + stats
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_inputs_the_callable_updates_in_place_are_updated_for_the_caller(backend: str) -> None:
+    device = device_of(backend)
+    stats, count = torch.zeros(4, device=device), torch.zeros((), device=device, dtype=torch.long)
+    graphed = dgt.make_graphed_callables(
+        track, (torch.randn(3, 4, device=device), stats.clone(), count.clone()), backend=backend
+    )
+    assert graphed.plan.mutated_inputs == (1, 2)
+    eager_stats, eager_count = stats.clone(), count.clone()
+    for _ in range(3):
+        x = torch.randn(3, 4, device=device)
+        out = graphed(x, stats, count)
+        expected = track(x, eager_stats, eager_count)
+        assert_tensors_match(out, expected, "output", tolerance(backend))
+        assert_tensors_match(stats, eager_stats, "stats", tolerance(backend))
+        assert_tensors_match(count, eager_count, "count")
+    with torch.no_grad():
+        graphed(torch.randn(3, 4, device=device), stats, count)
+    assert int(count) == 4
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_place_updates_reach_the_caller_through_a_view(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        track,
+        (
+            torch.randn(3, 4, device=device),
+            torch.zeros(4, device=device),
+            torch.zeros((), device=device),
+        ),
+        backend=backend,
+    )
+    state = torch.zeros(2, 4, device=device)
+    count = torch.zeros((), device=device)
+    x = torch.ones(3, 4, device=device)
+    graphed(x, state[1], count)
+    assert_tensors_match(
+        state[1], torch.full((4,), 0.1, device=device), "state[1]", tolerance(backend)
+    )
+    assert_tensors_match(state[0], torch.zeros(4, device=device), "state[0]")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_updated_input_that_shares_memory_with_another_input_is_refused(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        track,
+        (
+            torch.randn(3, 4, device=device),
+            torch.zeros(4, device=device),
+            torch.zeros((), device=device),
+        ),
+        backend=backend,
+    )
+    x = torch.randn(3, 4, device=device)
+    before = x.clone()
+    with pytest.raises(DualgraphError) as info:
+        graphed(x, x[0], torch.zeros((), device=device))  # eager would see stats through x
+    assert str(info.value) == (
+        "track: args[1] and args[0] share memory, and the callable updates args[1] in place: "
+        "eager would see the update through args[0], a replay would not; pass tensors that do "
+        "not share memory"
+    )
+    assert torch.equal(x, before)
+
+
+# -- parameters and buffers after capture --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_unfrozen_after_capture_is_refused_naming_it(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    module.fc1.weight.requires_grad_(False)
+    dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
+    )
+    module.fc1.weight.requires_grad_(True)
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))
+    assert str(info.value) == (
+        "TinyMLP.fc1.weight: requires_grad was False at capture and is True now; the captured "
+        "backward computes grads for the parameters that required grad at capture, so restore "
+        "the module (dualgraph.torch.restore) and graph it again"
+    )
+    with torch.no_grad():  # no grad is computed: the flag does not matter
+        module(torch.randn(4, 8, device=device))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_frozen_after_capture_is_refused_naming_it(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
+    )
+    module.fc2.bias.requires_grad_(False)
+    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc2\.bias: requires_grad was True"):
+        backward_of(module(torch.randn(4, 8, device=device)))
+    assert all(p.grad is None for p in module.parameters())
+
+
+def _replace_weight(module: TinyMLP) -> None:
+    module.fc1.weight = nn.Parameter(module.fc1.weight.detach().clone())
+
+
+def _reassign_data(module: TinyMLP) -> None:
+    module.fc1.weight.data = module.fc1.weight.data.clone()
+
+
+def _to_double(module: TinyMLP) -> None:
+    module.double()
+
+
+def _delete_bias(module: TinyMLP) -> None:
+    del module.fc1.bias
+    module.fc1.bias = None
+
+
+def _replace_buffer(module: TinyMLP) -> None:
+    module.scale = torch.full((8,), 3.0, device=module.scale.device)
+
+
+class ScaledMLP(TinyMLP):
+    """TinyMLP with a buffer its forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+CHANGES = {
+    "replaced": (_replace_weight, "ScaledMLP.fc1.weight: the parameter was replaced after capture"),
+    "data_assigned": (_reassign_data, "ScaledMLP.fc1.weight: the parameter's memory changed"),
+    "moved_by_to": (_to_double, "ScaledMLP.scale: the buffer was replaced after capture (by"),
+    "deleted": (_delete_bias, "ScaledMLP.fc1.bias: the parameter was replaced after capture"),
+    "buffer_replaced": (_replace_buffer, "ScaledMLP.scale: the buffer was replaced after capture"),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_parameter_or_buffer_replaced_after_capture_is_refused_naming_it(
+    backend: str, change: str
+) -> None:
+    device = device_of(backend)
+    module = ScaledMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    make_change, message = CHANGES[change]
+    make_change(module)
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))  # as captured: the module is what changed
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_parameters_updated_in_place_are_seen_by_the_next_replay(backend: str) -> None:
+    device = device_of(backend)
+    module, other = TinyMLP().to(device), TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    module.load_state_dict(other.state_dict())  # copies in place
+    x = torch.randn(4, 8, device=device)
+    assert_tensors_match(module(x).detach(), other(x).detach(), "output", tolerance(backend))
+
+
+# -- copies --------------------------------------------------------------------------------------
+
+
+def _train_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = module(x)
+    backward_of(out)
+    return out.detach().clone()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_deepcopy_of_a_graphed_module_is_an_eager_copy_with_its_own_weights(backend: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    replays = dgt.diagnostics(module).replays
+    twin = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2)  # the copy's weights, not the original's
+    reference = TinyMLP().to(device)
+    reference.load_state_dict(twin.state_dict())
+    x = torch.randn(5, 8, device=device)  # another batch size: only an eager module takes it
+    assert_tensors_match(
+        _train_step(twin, x), _train_step(reference, x), "copy", tolerance(backend)
+    )
+    assert all(p.grad is None for p in module.parameters())  # the original saw nothing
+    assert dgt.diagnostics(module).replays == replays
+    with pytest.raises(DualgraphError, match="was not made by"):
+        dgt.diagnostics(twin)
+    assert "forward" not in twin.__dict__  # the copy dropped what was left of the graphing
+    assert dgt.diagnostics(module).backend == backend  # the original still replays
+    module(torch.randn(4, 8, device=device))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_copy_of_a_graphed_module_can_be_graphed_on_its_own(backend: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    twin = copy.deepcopy(module)
+    dgt.make_graphed_callables(twin, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    assert_tensors_match(twin(x).detach(), module(x).detach(), "output", tolerance(backend))
+    assert dgt.restore(twin) is twin and "forward" not in twin.__dict__
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_deepcopy_of_a_model_with_graphed_blocks_evaluates_like_it(backend: str) -> None:
+    """The EMA / eval-snapshot pattern: copy the model whose blocks are graphed."""
+    device = device_of(backend)
+    encoder = VisionEncoder(image_size=16, patch_size=8, dim=16, depth=2, heads=2).to(device)
+    samples = tuple(
+        (torch.randn(2, 4, 16, device=device, requires_grad=True),) for _ in encoder.blocks
+    )
+    dgt.make_graphed_callables(tuple(encoder.blocks), samples, backend=backend)
+    snapshot = copy.deepcopy(encoder)
+    images = torch.randn(2, 3, 16, 16, device=device)
+    with torch.no_grad():
+        expected = encoder(images)["hidden"].clone()
+        assert_tensors_match(snapshot(images)["hidden"], expected, "hidden", tolerance(backend))
+        for p in snapshot.parameters():
+            p.add_(0.5)
+        assert not torch.allclose(snapshot(images)["hidden"], expected)
+        assert_tensors_match(encoder(images)["hidden"], expected, "original", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_graphed_module_loads_as_an_eager_module(backend: str, how: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(module))
+    else:
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(5, 8, device=device)
+    with torch.no_grad():
+        assert_tensors_match(loaded(x), TinyMLP.forward(module, x), "output", tolerance(backend))
+    with pytest.raises(DualgraphError, match="was not made by"):
+        dgt.diagnostics(loaded)
+    assert "forward" not in loaded.__dict__
+
+
+def double_it(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copy_of_a_graphed_function_is_an_eager_callable(backend: str, how: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        double_it, (torch.ones(3, device=device),), backend=backend
+    )
+    copied = {
+        "copy": copy.copy,
+        "deepcopy": copy.deepcopy,
+        "pickle": lambda g: pickle.loads(pickle.dumps(g)),
+    }[how](graphed)
+    assert isinstance(copied, dgt.EagerCallable)
+    x = torch.randn(3, device=device)
+    out = copied(x)
+    assert out.data_ptr() not in {t.data_ptr() for t in graphed.static_outputs}
+    assert_tensors_match(out, x * 2, "output")
+    with pytest.raises(DualgraphError, match=r"args\[0\]: expected float32\[3\]"):
+        copied(torch.ones(4, device=device))  # still checked against the samples
+
+
+# -- threads -------------------------------------------------------------------------------------
+
+
+def _hold_a_call(graphed: Any, x: torch.Tensor) -> tuple[threading.Thread, threading.Event]:
+    """Start ``graphed(x)`` in another thread; return once that call is inside its replay."""
+    entered, release = threading.Event(), threading.Event()
+    replay = graphed._replay_forward
+
+    def held_replay(grad_enabled: bool) -> None:
+        entered.set()
+        assert release.wait(30)
+        replay(grad_enabled)
+
+    graphed._replay_forward = held_replay
+    thread = threading.Thread(target=graphed, args=(x,))
+    thread.start()
+    assert entered.wait(30)
+    graphed._replay_forward = replay  # later calls replay as usual
+    return thread, release
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_call_while_another_thread_is_inside_the_same_callable_is_refused(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        double_it, (torch.ones(3, device=device),), backend=backend
+    )
+    thread, release = _hold_a_call(graphed, torch.ones(3, device=device))
+    try:
+        with pytest.raises(DualgraphError) as info:
+            graphed(torch.full((3,), 5.0, device=device))
+    finally:
+        release.set()
+        thread.join(30)
+    assert str(info.value).startswith(
+        "double_it: called while another thread is running it; a graphed callable has one set "
+        "of static buffers"
+    )
+    assert_tensors_match(graphed.static_inputs[0], torch.ones(3, device=device), "static input")
+    x = torch.randn(3, device=device)
+    assert_tensors_match(graphed(x), x * 2, "a later call")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_backward_while_another_thread_is_inside_the_forward_is_refused(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.ones(3, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(double_it, (sample,), backend=backend)
+    x = torch.randn(3, device=device, requires_grad=True)
+    out = graphed(x)
+    thread, release = _hold_a_call(graphed, torch.ones(3, device=device))
+    try:
+        with pytest.raises(DualgraphError, match="called while another thread is running it"):
+            out.sum().backward()
+    finally:
+        release.set()
+        thread.join(30)
+    assert x.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_separate_graphed_callables_work_in_separate_threads(backend: str) -> None:
+    device = device_of(backend)
+    # Captured separately: callables captured together share a memory pool and must replay in
+    # their capture order, which two threads do not keep.
+    graphed = [
+        dgt.make_graphed_callables(fn, (torch.ones(64, device=device),), backend=backend)
+        for fn in (double_it, torch.neg)
+    ]
+    wrong: list[str] = []
+
+    def hammer(fn: Any, expect: Callable[[torch.Tensor], torch.Tensor], label: str) -> None:
+        for _ in range(300):
+            x = torch.randn(64, device=device)
+            if not torch.equal(fn(x), expect(x)):
+                wrong.append(label)
+
+    threads = [
+        threading.Thread(target=hammer, args=(graphed[0], double_it, "double")),
+        threading.Thread(target=hammer, args=(graphed[1], torch.neg, "neg")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert wrong == []
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_one_graphed_callable_hammered_from_two_threads_never_returns_a_wrong_result(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        double_it, (torch.ones(64, device=device),), backend=backend, clone_outputs=True
+    )
+    results = {"right": 0, "refused": 0, "wrong": 0}
+    lock = threading.Lock()
+
+    def hammer() -> None:
+        for _ in range(500):
+            x = torch.randn(64, device=device)
+            try:
+                out = graphed(x)
+            except DualgraphError:
+                outcome = "refused"
+            else:
+                outcome = "right" if torch.equal(out, x * 2) else "wrong"
+            with lock:
+                results[outcome] += 1
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results["wrong"] == 0 and results["right"] + results["refused"] == 1000
+
+
+# -- param_grads="in_graph" and the .grad contract -----------------------------------------------
+
+
+def _in_graph_pair(backend: str) -> tuple[nn.Linear, nn.Linear]:
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    dgt.make_graphed_callables(
+        layer, (torch.randn(2, 4, device=device),), backend=backend, param_grads="in_graph"
+    )
+    return layer, twin
+
+
+def _both(layer: nn.Module, twin: nn.Module, backend: str) -> None:
+    x = torch.randn(2, 4, device=device_of(backend))
+    backward_of(layer(x))
+    backward_of(twin(x))
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        ["weight", "bias"],
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_grads_accumulate_in_place_like_eager(backend: str) -> None:
+    layer, twin = _in_graph_pair(backend)
+    _both(layer, twin, backend)
+    grad = layer.weight.grad
+    _both(layer, twin, backend)
+    assert layer.weight.grad is grad  # eager adds into the same .grad tensor
+    layer.zero_grad(set_to_none=False)
+    twin.zero_grad(set_to_none=False)
+    _both(layer, twin, backend)
+    assert layer.weight.grad is grad
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("held", ["tensor", "view"])
+def test_in_graph_grads_after_zero_grad_set_to_none_are_new_tensors(
+    backend: str, held: str
+) -> None:
+    layer, twin = _in_graph_pair(backend)
+    _both(layer, twin, backend)
+    old = layer.weight.grad if held == "tensor" else layer.weight.grad[0]
+    old_values = old.clone()
+    layer.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+    _both(layer, twin, backend)
+    assert layer.weight.grad is not old
+    assert_tensors_match(old, old_values, "the .grad the user held")
+    _both(layer, twin, backend)  # accumulates into the new tensor
+    assert_tensors_match(old, old_values, "the .grad the user held")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_grads_reuse_their_buffer_when_nobody_holds_the_old_grad(backend: str) -> None:
+    layer, twin = _in_graph_pair(backend)
+    _both(layer, twin, backend)
+    pointer = layer.weight.grad.data_ptr()
+    layer.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+    _both(layer, twin, backend)
+    assert layer.weight.grad.data_ptr() == pointer  # no copy: the graph's buffer, free again
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_grads_add_into_a_grad_tensor_the_user_set(backend: str) -> None:
+    layer, twin = _in_graph_pair(backend)
+    mine = torch.ones_like(layer.weight)
+    layer.weight.grad = mine
+    twin.weight.grad = torch.ones_like(twin.weight)
+    _both(layer, twin, backend)
+    assert layer.weight.grad is mine  # eager adds into the user's tensor
+    _both(layer, twin, backend)
+    assert layer.weight.grad is mine
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_grads_refuse_torch_autograd_grad(backend: str) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads="in_graph")
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    with pytest.raises(DualgraphError, match="this backward leaves the parameters out"):
+        torch.autograd.grad(layer(x).sum(), x)
+    assert layer.weight.grad is None and layer.bias.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("hook", ["tensor_hook", "post_accumulate_grad_hook"])
+def test_in_graph_grads_refuse_parameter_hooks_registered_after_capture(
+    backend: str, hook: str
+) -> None:
+    layer, _ = _in_graph_pair(backend)
+    if hook == "tensor_hook":
+        layer.bias.register_hook(lambda grad: grad * 2)
+    else:
+        layer.bias.register_post_accumulate_grad_hook(lambda param: None)
+    with pytest.raises(DualgraphError) as info:
+        backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    assert str(info.value).startswith("Linear: Linear.bias has a grad hook")
+    assert layer.bias.grad is None
+
+
+# -- outputs changed in place --------------------------------------------------------------------
+
+
+def exp_of(x: torch.Tensor) -> torch.Tensor:
+    return x.exp()  # its backward reads its output
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_the_backward_reads_may_not_be_changed_in_place(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.randn(3, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(exp_of, (sample,), backend=backend)
+    assert graphed.plan.saved_outputs == (0,)
+    x = torch.randn(3, device=device, requires_grad=True)
+    out = graphed(x)
+    out.mul_(2)
+    with pytest.raises(DualgraphError) as info:
+        out.sum().backward()
+    assert str(info.value).startswith(
+        "exp_of: output was modified in place after the replay, but the backward reads it"
+    )
+    eager = exp_of(x.detach().clone().requires_grad_())
+    eager.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager.sum().backward()  # eager refuses it too
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_the_backward_does_not_read_may_be_changed_in_place(backend: str) -> None:
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, device=device),), backend=backend)
+    assert runner_of(layer).plan.saved_outputs == ()
+    x = torch.randn(2, 4, device=device)
+    out, expected = layer(x), twin(x)
+    out.add_(1)
+    expected.add_(1)
+    backward_of(out)
+    backward_of(expected)
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        parameter_names(layer),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_cloned_outputs_may_be_changed_in_place(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.randn(3, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(exp_of, (sample,), backend=backend, clone_outputs=True)
+    x = torch.randn(3, device=device, requires_grad=True)
+    out = graphed(x)
+    out.mul_(2)  # a clone of its own: the static output the backward reads is untouched
+    out.sum().backward()
+    assert_tensors_match(x.grad, 2 * x.detach().exp(), "x.grad", tolerance(backend))
