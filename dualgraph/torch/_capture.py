@@ -388,6 +388,9 @@ def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[Any]) -> tuple[
 def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None:
     """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
     known = {id(t) for t in item.diff_inputs()}
+    # Python wrappers of autograd nodes are made on demand and die with their last reference,
+    # so an id() seen here could come back for another node: keep every visited node alive.
+    visited: list[Any] = []
     seen: set[int] = set()
     stack: list[Any] = []
     foreign: list[torch.Tensor] = []
@@ -401,6 +404,7 @@ def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        visited.append(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if isinstance(variable, torch.Tensor):
             if id(variable) not in known:

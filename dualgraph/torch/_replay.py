@@ -645,7 +645,9 @@ def autocast_state() -> tuple[Any, ...]:
     )
 
 
+_DDP = torch.nn.parallel.DistributedDataParallel
+
+
 def _ddp_is_running() -> bool:
     # DDP marks the module whose forward is running (public hook for TorchDynamo).
-    ddp = torch.nn.parallel.DistributedDataParallel
-    return getattr(ddp, "_active_ddp_module", None) is not None
+    return getattr(_DDP, "_active_ddp_module", None) is not None
