@@ -308,12 +308,8 @@ class MemoryProbe:
             key = int(storage._cdata)
             if key in self._sizes:
                 continue
-            if argument_storages is None:
-                argument_storages = {
-                    int(s._cdata)
-                    for s in (_storage_of(t) for t in _tensors_in((args, kwargs)))
-                    if s is not None
-                }
+            if argument_storages is None:  # an op whose schema hides an alias (_unsafe_view)
+                argument_storages = _storages_of((*args, *kwargs.values()))
             if key in argument_storages or storage.nbytes() == 0:
                 continue
             size = _block_size(storage.nbytes())
@@ -450,6 +446,18 @@ def _storage_of(tensor: torch.Tensor) -> Any:
         return tensor.untyped_storage()
     except Exception:  # sparse tensors, wrapper subclasses: no storage of their own
         return None
+
+
+def _storages_of(arguments: Sequence[Any]) -> set[int]:
+    """The storages of an op's tensor arguments (and of tensors in list arguments)."""
+    keys = set()
+    for value in arguments:
+        for tensor in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                storage = _storage_of(tensor)
+                if storage is not None:
+                    keys.add(int(storage._cdata))
+    return keys
 
 
 def _tensors_in(tree: Any) -> list[torch.Tensor]:
