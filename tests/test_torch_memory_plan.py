@@ -53,6 +53,10 @@ CALLABLES: dict[str, tuple[Callable[[], Any], Callable[[], tuple[Any, dict[str, 
         lambda: ((torch.randn(2, 16, requires_grad=True),), {"scale": torch.rand(32)}),
     ),
     "function": (lambda: exp_of_double, lambda: ((torch.randn(64, requires_grad=True),), {})),
+    "mlp-saving-activations": (
+        lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)),
+        lambda: ((torch.randn(32, 64, requires_grad=True),), {}),
+    ),
 }
 
 
@@ -85,18 +89,9 @@ def test_the_plan_a_capture_keeps_is_the_plan_made_before_it(name: str) -> None:
     )
     kept = dgt.diagnostics(graphed).memory_plan
     assert kept is not None and len(kept.callables) == 1
-    (a, b) = (kept.callables[0], before.callables[0])
-    assert (a.static_input_bytes, a.static_output_bytes, a.static_grad_bytes) == (
-        b.static_input_bytes,
-        b.static_output_bytes,
-        b.static_grad_bytes,
-    )
-    assert (a.saved_activation_bytes, a.forward_peak_bytes) == (
-        b.saved_activation_bytes,
-        b.forward_peak_bytes,
-    )
-    # The warmup's backward may keep a tensor or two of its own alive a little longer than
-    # memory_plan's; the segments the pool needs are the same.
+    # Every number, the backward peak included: the capture's first warmup call holds no saved
+    # activation longer than autograd does (its pack hook notes storages, not tensors).
+    assert kept.callables == before.callables
     assert kept.expected_pool_bytes == before.expected_pool_bytes
     assert kept.pool_bytes is None  # emulate has no pool to measure
 

@@ -323,12 +323,11 @@ def _warmup(
 ) -> tuple[torch.Tensor | None, ...]:
     """One eager forward and backward on the static buffers; the first one is inspected."""
     before = [t._version for t in item.static_inputs]
-    saved: list[torch.Tensor] = []
+    saved: list[int] = []  # the storages of the tensors the forward saves for backward
     with torch.enable_grad():
         if inspect:
-            with saved_tensors_hooks(_keeper(saved), _unpack):
+            with saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
                 outputs = item.run()
-            item.probe.note_saved(saved)  # issue 19 hook: the probe's own hook sees none of them
         else:
             outputs = item.run()
     after_forward = [t._version for t in item.static_inputs]
@@ -361,9 +360,13 @@ def _warmup(
     return grads
 
 
-def _keeper(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A pack hook that notes the storage of each saved tensor, not the tensor: autograd keeps
+    the hook (and so ``saved``) until the backward is over, and would keep the tensors too."""
+
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor)
+        saved.append(_storage(tensor))
+        probe.note_saved((tensor,))  # issue 19 hook: the probe's own pack hook is outside this one
         return tensor
 
     return pack
@@ -380,8 +383,8 @@ def _storage(tensor: Any) -> int:
         return 0
 
 
-def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[Any]) -> tuple[int, ...]:
-    storages = {_storage(t) for t in saved if isinstance(t, torch.Tensor)} - {0}
+def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[int, ...]:
+    storages = set(saved) - {0}
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
 
 
