@@ -28,6 +28,7 @@ import bisect
 import copy
 import dataclasses
 import inspect
+import itertools
 import logging
 import operator
 import threading
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import DualgraphError, SpecMismatchError
-from .._spec import TreeSpec
+from .._spec import TreeSpec, describe
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
@@ -425,7 +426,10 @@ class BucketedCallable:
         spec = self._out_spec
         if spec is None:
             return
-        flat = spec.flatten(outputs, root="output")
+        try:
+            flat = spec.flatten(outputs)
+        except SpecMismatchError:
+            raise _output_difference(spec, outputs) from None
         for leaf, tensor in zip(spec.arrays, flat, strict=True):
             if not isinstance(tensor, torch.Tensor) or dtype_name(tensor.dtype) != leaf.dtype:
                 found = (
@@ -471,6 +475,42 @@ class BucketedCallable:
             f"{path} dim {dim}"
             for path, (_, dim) in zip(self._padding.input_paths, self._padding.inputs, strict=True)
         )
+
+
+def _output_difference(spec: TreeSpec, outputs: Any) -> SpecMismatchError:
+    """How an eager call's outputs differ from the buckets' in structure (shapes aside)."""
+    actual = describe(outputs, root="output")
+    pairs = itertools.zip_longest(spec.leaves, actual.leaves)
+    for expected, found in pairs:
+        if (
+            expected is None
+            or found is None
+            or (expected.path, expected.kind)
+            != (
+                found.path,
+                found.kind,
+            )
+            or (expected.kind == "const" and repr(expected.value) != repr(found.value))
+        ):
+            path = "output" + (expected or found).path
+            return SpecMismatchError(
+                f"{path}: the eager call returned {_show_leaf(found)} where the buckets return "
+                f"{_show_leaf(expected)}; a graphed callable returns one output structure",
+                path=path,
+            )
+    return SpecMismatchError(
+        f"output: the eager call returned {actual!r}, the buckets {spec!r}", path="output"
+    )
+
+
+def _show_leaf(leaf: Any) -> str:
+    if leaf is None:
+        return "nothing"
+    if leaf.kind == "array":
+        return f"a {leaf.dtype} tensor"
+    if leaf.kind == "const":
+        return repr(leaf.value)
+    return "None"
 
 
 def _differing_position(shapes: Sequence[Any], buckets: Sequence[Sequence[Any]]) -> int:
