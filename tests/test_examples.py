@@ -368,7 +368,7 @@ def test_plot_is_a_png_with_a_bar_per_variant_that_ran(demo: ModuleType, tmp_pat
     [
         (["--sizes", "20,24"], "--sizes [20, 24]: each a multiple of --patch (8)"),
         (["--sizes", "big"], "--sizes: comma-separated integers, got 'big'"),
-        (["--dim", "30"], "--dim (30) must be a multiple of --heads (2)"),
+        (["--dim", "33"], "--dim (33) must be a multiple of --heads (2)"),
     ],
 )
 def test_variable_resolution_bad_flags_are_clean_errors(
