@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one go (one device call): the CUDA tests, the replay
-# benchmark, the vision-encoder demo, the shape-bucket memory benchmark and example. Logs go under $OUT (the device tool's folder) or ./gpu-out.
+# benchmark, the vision-encoder demo, the shape-bucket memory benchmark and example. Logs go
+# under $OUT (the device tool's folder) or ./gpu-out.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=$PWD:/tmp/site; bash benchmarks/run_gpu.sh
 set -uo pipefail
