@@ -198,6 +198,25 @@ def test_backward_after_another_bucket_replayed_is_refused(backend: str) -> None
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_eager_call_between_a_replay_and_its_backward_leaves_the_backward_valid(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, fallback="eager"
+    )
+    x, y = tokens(device, 5), tokens(device, 6)  # y has no bucket: it runs eagerly
+    x_eager, y_eager = fresh_copy(x), fresh_copy(y)
+    (block(x)[0].square().mean() + block(y)[0].square().mean()).backward()
+    (twin(x_eager)[0].square().mean() + twin(y_eager)[0].square().mean()).backward()
+    assert_tensors_match(x.grad, x_eager.grad, "replayed input's grad", tolerance(backend))
+    assert_tensors_match(y.grad, y_eager.grad, "eager input's grad", tolerance(backend))
+    for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, f"grad of {name}", tolerance(backend))
+
+
 # -- calls of other shapes -------------------------------------------------------------------
 
 
@@ -296,7 +315,9 @@ def test_an_unknown_shape_of_the_wrong_dtype_is_refused_under_any_fallback(fallb
 # -- fallback="pad" ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [*GRAPH_GRAD_MODES, pytest.param("eager", "autograd", id="eager")]
+)
 def test_padded_calls_match_eager_on_the_unpadded_input(backend: str, param_grads: str) -> None:
     device = device_of(backend)
     block, twin = twins(lambda: ViTBlock(16, 2), device)
