@@ -490,6 +490,56 @@ def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: s
         block(torch.randn(2, 5, 16), valid_length=5)
 
 
+def test_the_log_says_which_bucket_a_call_was_padded_to_and_why_one_was_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(
+        block,
+        buckets=block_buckets(torch.device("cpu")),
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+    )
+    with caplog.at_level(logging.DEBUG, logger="dualgraph.torch.buckets"):
+        block(tokens(torch.device("cpu"), 6))
+    assert caplog.messages == [
+        "ViTBlock: bucket 1 (args[0]=[2, 7, 16]) served a call, padded from length 6 to 7"
+    ]
+    plain, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(plain, buckets=block_buckets(torch.device("cpu")))
+    caplog.clear()
+    level = caplog.at_level(logging.DEBUG, logger="dualgraph.torch.buckets")
+    with level, pytest.raises(SpecMismatchError):
+        plain(tokens(torch.device("cpu"), 6))
+    assert caplog.messages[0].startswith(
+        "ViTBlock: a call was refused: args[0]: got shape [2, 6, 16], which no bucket"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_bucket_capture_names_the_bucket_and_leaves_the_module_as_it_was(
+    backend: str,
+) -> None:
+    class FailsAtSeven(ViTBlock):
+        def forward(self, x: torch.Tensor, valid_length: Any = None) -> Any:
+            if x.shape[1] == 7:
+                raise ValueError("seven tokens")
+            return super().forward(x, valid_length)
+
+    device = device_of(backend)
+    block = FailsAtSeven(16, 2).to(device)
+    with pytest.raises(DualgraphError) as error:
+        dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    assert str(error.value).startswith(
+        f"capturing FailsAtSeven[args[0]=[2, 7, 16]] ({backend}) failed during warmup: "
+        "ValueError: seven tokens"
+    )
+    assert "forward" not in block.__dict__
+    assert block(tokens(device, 6))[0].shape == (2, 6, 16)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device, (5, 9)), backend=backend)
+    assert dgt.diagnostics(block).backend == backend
+
+
 # -- bad requests ----------------------------------------------------------------------------------
 
 
@@ -638,10 +688,13 @@ def test_pool_of_all_buckets_is_at_most_a_quarter_larger_than_the_largest_alone(
     dgt.make_graphed_callables(encoder, buckets=[(images(s),) for s in sizes])
     report = dgt.diagnostics(encoder)
     assert largest > 0 and report.pool_bytes > 0
-    assert report.largest_bucket_pool_bytes == largest
-    assert report.pool_bytes <= 1.25 * largest, (
-        f"pool of {len(sizes)} buckets {report.pool_bytes} B vs the largest alone {largest} B"
-    )
+    # Against the largest captured alone, and against the same pool after its first capture
+    # (that of the largest bucket): a one-time allocation such as cuBLAS's workspace for the
+    # capture stream lands in whichever pool is captured first in the process.
+    for reference in (largest, report.largest_bucket_pool_bytes):
+        assert report.pool_bytes <= 1.25 * reference, (
+            f"pool of {len(sizes)} buckets {report.pool_bytes} B vs the largest alone {reference} B"
+        )
     separate = 0
     for size in sizes:  # what one pool per bucket would take
         one = VisionEncoder(**settings).to(device)
