@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -173,8 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     if device.type == "cuda":
+        # torch's one-time note when its autograd thread first meets cuBLAS during a capture
+        warnings.filterwarnings("ignore", "Attempting to run cuBLAS, but there was no current")
+        # full float32 products and a deterministic patch-embedding convolution, so that eager
+        # agrees with itself (and so with the graphs) to the last bit
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
     torch.manual_seed(args.seed)
     eager = Model(args).to(device, dtype)
     graphed = copy.deepcopy(eager)

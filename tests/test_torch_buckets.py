@@ -84,7 +84,7 @@ def loss_and_grads(
 
 @pytest.fixture
 def deterministic_cudnn() -> Any:
-    """cuDNN's conv weight grads differ from run to run otherwise (docs/cuda_graphs.md)."""
+    """cuDNN's conv weight grads differ from run to run otherwise (seen on the H200)."""
     saved = torch.backends.cudnn.deterministic
     torch.backends.cudnn.deterministic = True
     yield
