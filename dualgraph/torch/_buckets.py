@@ -585,7 +585,8 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
     padding, lengths = _padding_of(request, guard, shapes)
     if padding is not None:
         _check_padding_can_be_correct(request)
-    device = expected[0][1] if expected else torch.device("cpu")
+    # valid_length lives where the first padded input does
+    device = expected[padding.inputs[0][0]][1] if padding is not None else None
     full_lengths: list[torch.Tensor | None] = [
         None if length is None else torch.full((), length, dtype=torch.int64, device=device)
         for length in lengths
