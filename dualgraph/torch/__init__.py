@@ -7,6 +7,7 @@
 """
 
 from . import _leaves as _leaves  # registers torch.Tensor with the core
+from ._buckets import BucketDiagnostics, BucketedCallable, BucketedDiagnostics
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._graphed import diagnostics, make_graphed_callables, owned
@@ -14,6 +15,9 @@ from ._modules import restore
 from ._replay import GraphedCallable
 
 __all__ = [
+    "BucketDiagnostics",
+    "BucketedCallable",
+    "BucketedDiagnostics",
     "CaptureDiagnostics",
     "EagerCallable",
     "GraphedCallable",
