@@ -691,6 +691,34 @@ def test_lint_and_memory_plan_of_a_graphed_function_see_the_function() -> None:
     assert dgt.diagnostics(graphed).replays == 0
 
 
+# -- shape buckets: each bucket's capture is linted -----------------------------------------------
+
+
+def test_each_bucket_is_linted_and_the_bucketed_diagnostics_merge_the_reports() -> None:
+    graphed = dgt.make_graphed_callables(
+        updates_input,
+        buckets=[(torch.ones(n, requires_grad=True), torch.zeros(n)) for n in (4, 2)],
+        backend="emulate",
+    )
+    info = dgt.diagnostics(graphed)
+    reports = [bucket.lint for bucket in info.buckets]
+    assert all(
+        r is not None and [f.line for f in r.warnings] == [line_of("input")] for r in reports
+    )
+    assert info.lint is not None
+    assert info.lint.callables == tuple(r.callables[0] for r in reports if r is not None)
+    assert len(info.lint.warnings) == 2 and info.lint.ok
+
+
+def test_a_bucket_the_lint_refuses_is_named() -> None:
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(
+            item_sync, buckets=[(torch.ones(n, requires_grad=True),) for n in (4, 2)]
+        )
+    assert str(caught.value).startswith("capturing item_sync[args[0]=[4]] (emulate) failed during")
+    assert [f.line for f in caught.value.report.errors] == [line_of("item")]
+
+
 # -- the README's debugging section runs as written and prints what it shows -------------------
 
 

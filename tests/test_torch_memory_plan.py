@@ -8,6 +8,7 @@ non-differentiable outputs, kwargs, frozen and unused parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable
 from typing import Any
@@ -242,6 +243,20 @@ def test_the_warmup_iterations_after_the_first_are_not_watched() -> None:
 
 
 # -- on the GPU: the plan beside the measured pool --------------------------------------------
+
+
+def test_each_bucket_keeps_its_plan_and_the_bucketed_callable_the_largest() -> None:
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    samples = [(torch.randn(n, 64, requires_grad=True),) for n in (8, 32)]
+    graphed = dgt.make_graphed_callables(mlp, buckets=samples, backend="emulate")
+    info = dgt.diagnostics(graphed)
+    for bucket, sample in zip(info.buckets, samples, strict=True):
+        assert bucket.memory_plan is not None
+        (kept,) = bucket.memory_plan.callables
+        (before,) = dgt.memory_plan(mlp, *sample).callables
+        assert kept.name.startswith("Sequential[args[0]=")  # the bucket's name
+        assert dataclasses.replace(kept, name=before.name) == before
+    assert info.memory_plan is info.buckets[1].memory_plan  # the largest, which sizes the pool
 
 
 @pytest.mark.cuda

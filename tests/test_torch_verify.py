@@ -180,8 +180,8 @@ def test_verify_catches_a_hook_that_changes_a_static_output_buffer() -> None:
 
 
 def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:
-    # Eager updates the caller's tensor; whether a graphed call does is the adapter's rule.
-    # verify compares the input after the call and must say whether both sides agree.
+    # Eager updates the caller's tensor, and so does a replay (the adapter copies the update
+    # back); verify compares the input after the call on both sides.
     def accumulates(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         total.add_(x.detach())
         return x * 2
@@ -195,7 +195,22 @@ def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:
     report = dgt.verify(graphed, torch.ones(3, requires_grad=True), torch.zeros(3), steps=1)
     after = [c for c in report.checks if c.path == "step 1 input args[1] after the call"]
     assert len(after) == 1
-    assert after[0].ok == graphed_updates_the_caller == report.ok
+    assert after[0].ok and graphed_updates_the_caller and report.ok
+
+
+def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> None:
+    module = Block()
+    graphed = dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(n, 8, requires_grad=True),) for n in (4, 2)],
+        sample_kwargs={"mask": torch.ones(8)},
+        backend="emulate",
+    )
+    for n in (2, 4):
+        report = dgt.verify(graphed, torch.randn(n, 8, requires_grad=True), mask=torch.ones(8))
+        assert report.ok, str(report)
+        assert "step 2 grad fc.weight" in [c.path for c in report.checks]
+    assert [bucket.calls for bucket in dgt.diagnostics(graphed).buckets] == [2, 2]
 
 
 def test_a_module_that_would_run_eagerly_is_refused() -> None:

@@ -7,6 +7,7 @@
 """
 
 from . import _leaves as _leaves  # registers torch.Tensor with the core
+from ._buckets import BucketDiagnostics, BucketedCallable, BucketedDiagnostics
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._graphed import diagnostics, make_graphed_callables, owned
@@ -17,6 +18,9 @@ from ._replay import GraphedCallable
 from ._verify import LeafCheck, VerifyReport, verify
 
 __all__ = [
+    "BucketDiagnostics",
+    "BucketedCallable",
+    "BucketedDiagnostics",
     "CallableMemory",
     "CaptureDiagnostics",
     "CaptureLintError",

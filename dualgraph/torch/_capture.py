@@ -20,6 +20,11 @@ errors refuse the capture before anything is captured (``lint="error"``), and th
 the memory plan end up in each plan's diagnostics.
 
 Either way :func:`capture` returns one frozen :class:`ReplayPlan` per callable.
+
+With ``results_outside_pool`` (shape buckets, ``_buckets.py``) the graphs copy their outputs and
+grads into static buffers allocated outside the pool, so that everything left in the pool is
+written by a replay before that replay reads it; and ``param_grad_buffers`` lets captures of one
+callable share their parameter grad buffers (or in-graph accumulators).
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class CaptureRequest:
     module: torch.nn.Module | None
     inputs: InputGuard
     sample_tensors: tuple[torch.Tensor, ...]
+    # Static buffers for the parameter grads (one per parameter that requires grad), shared with
+    # other captures of the same callable: "autograd" copies the grads into them, "in_graph"
+    # adds them (they are the accumulators). ``None``: new ones.
+    param_grad_buffers: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class CaptureOptions:
     capture_error_mode: str
     clone_outputs: bool
     param_grads: ParamGradsMode
+    # "cuda": static outputs and grads are buffers allocated outside the pool, which the graphs
+    # copy into; the pool then holds only memory a replay writes before it reads it.
+    results_outside_pool: bool = False
     lint: LintMode = "error"  # issue 19 hook: the capture lint of the first warmup iteration
 
 
@@ -161,8 +173,9 @@ class _Capture:
                         "(the backward graph adds the grad into .grad itself); capture with "
                         "param_grads='autograd' to use parameter hooks"
                     )
+        given = request.param_grad_buffers
         self.accumulators: tuple[torch.Tensor | None, ...] = (
-            tuple(torch.zeros_like(p) for p in self.params)
+            (given if given is not None else tuple(torch.zeros_like(p) for p in self.params))
             if options.param_grads == "in_graph"
             else ()
         )
@@ -183,6 +196,9 @@ class _Capture:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.seconds = 0.0
         self.pool_bytes = 0
+        # results_outside_pool: how the last warmup's outputs and grads were laid out
+        self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
+        self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
         # issue 19 hook: the lint and the memory plan observe the first warmup iteration
         self.probe = WarmupProbe(
             request.name,
@@ -214,6 +230,8 @@ class _Capture:
             why = unsupported_tensor(leaf)
             if why is not None:
                 raise _Refused(f"output{path}: a graph cannot return {why}")
+        if self.options.results_outside_pool:
+            self.output_layouts = tuple(_layout(t) for t in flat)
         if self.out_spec is None:
             self.out_spec = spec
             self.diff_outputs = tuple(i for i, grad in enumerate(spec.grad_mask) if grad)
@@ -223,6 +241,42 @@ class _Capture:
                 f"{spec!r}); a graph replays one call's structure"
             )
         return flat
+
+    def grad_buffers(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """Static buffers (outside any pool) for grads laid out like ``grads``, ``None`` for none.
+
+        Parameter grads go into the given ``param_grad_buffers``; under ``"in_graph"`` the entry
+        is the parameter's accumulator, which the backward adds into itself.
+        """
+        n = len(self.grad_input_indices)
+        given = self.request.param_grad_buffers
+        buffers: list[torch.Tensor | None] = []
+        for k, grad in enumerate(grads):
+            if grad is None:
+                buffers.append(None)
+            elif k >= n and self.options.param_grads == "in_graph":
+                buffers.append(self.accumulators[k - n])
+            elif k >= n and given is not None:
+                buffers.append(given[k - n])
+            else:
+                buffers.append(torch.zeros_like(grad))
+        return tuple(buffers)
+
+    def keep_grads(
+        self, grads: Sequence[torch.Tensor | None], buffers: Sequence[torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Copy ``grads`` into their :meth:`grad_buffers` (in the backward graph); the buffers."""
+        # Under "in_graph" the parameter grads were added into their accumulators already.
+        copied = len(self.grad_input_indices) if self.options.param_grads == "in_graph" else None
+        for k, (buffer, grad) in enumerate(zip(buffers, grads, strict=True)):
+            if (grad is None) != (buffer is None):
+                raise _Refused(
+                    "the captured backward gives grads to other inputs or parameters than the "
+                    "warmup did; a graph replays one call's structure"
+                )
+            if grad is not None and buffer is not None and (copied is None or k < copied):
+                buffer.copy_(grad)
+        return tuple(buffers)
 
     def place_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Spread the grads of :meth:`diff_inputs` over the inputs and the parameters."""
@@ -448,7 +502,7 @@ def _capture_emulated(
         del flat
         diff_inputs = item.diff_inputs()
         if item.grad_outputs and diff_inputs:
-            item.place_grads([None if g is None else torch.zeros_like(g) for g in grads])
+            item.place_grads(item.grad_buffers(grads))
         n = len(item.grad_input_indices)
         targets = tuple(item.input_grads[i] for i in item.grad_input_indices)
         targets += item.param_grads or (None,) * len(item.params)
@@ -516,7 +570,10 @@ def _capture_cuda_graphs(
             progress.name, progress.phase = item.name, "warmup"
             for i in range(max(1, options.num_warmup_iters)):
                 with item.probe:  # issue 19 hook: observes the first iteration only
-                    _warmup(item, options.allow_unused_input, inspect=i == 0)
+                    grads = _warmup(item, options.allow_unused_input, inspect=i == 0)
+            if options.results_outside_pool:
+                item.grad_layouts = tuple(None if g is None else g.detach() for g in grads)
+            del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
     raise_on_lint_errors([item.probe for item in captures])  # issue 19 hook: before any capture
@@ -526,12 +583,14 @@ def _capture_cuda_graphs(
     for item in captures:
         progress.name, progress.phase = item.name, "forward capture"
         forward_graph = _new_graph(extra_generators)
+        kept = tuple(_empty(layout) for layout in item.output_layouts)  # outside the pool
         with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
-            outputs = item.run()
-        flat = item.record_outputs(outputs)
-        del outputs
+            flat = item.record_outputs(item.run())
+            if kept:
+                for static, tensor in zip(kept, flat, strict=True):
+                    static.copy_(tensor.detach())
         live_outputs[id(item)] = flat
-        item.static_outputs = tuple(t.detach() for t in flat)
+        item.static_outputs = kept or tuple(t.detach() for t in flat)
         item.replay_forward = CudaGraphForward(forward_graph)
         item.graphs.append(forward_graph)
 
@@ -542,6 +601,8 @@ def _capture_cuda_graphs(
         diff_inputs = item.diff_inputs()
         if differentiable and diff_inputs:
             item.grad_outputs = tuple(torch.empty_like(t.detach()) for t in differentiable)
+            buffers = item.grad_buffers(item.grad_layouts) if item.grad_layouts else ()
+            item.grad_layouts = ()
             backward_graph = _new_graph(extra_generators)
             with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
                 grads = torch.autograd.grad(
@@ -552,6 +613,8 @@ def _capture_cuda_graphs(
                     allow_unused=options.allow_unused_input,
                 )
                 _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+                if buffers:
+                    grads = item.keep_grads(grads, buffers)
             item.place_grads(grads)
             item.replay_backward = backward_graph.replay
             item.graphs.append(backward_graph)
@@ -577,6 +640,17 @@ def _accumulate(
     ]
     if pairs:
         torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+
+
+def _layout(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+    """What :func:`_empty` needs to allocate a buffer like ``tensor``, holding no memory."""
+    return torch.empty_like(tensor, device="meta"), tensor.device
+
+
+def _empty(layout: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
+    # empty_like keeps the strides of a dense tensor, and makes an expanded one contiguous
+    like, device = layout
+    return torch.empty_like(like, device=device)
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import DualgraphError
+from ._buckets import BucketedCallable
 from ._eager import EagerCallable
 from ._replay import GraphedCallable
 
@@ -23,7 +24,7 @@ __all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of"]
 
 _STATE = "_dualgraph_graphed"
 
-Runner = GraphedCallable | EagerCallable
+Runner = GraphedCallable | EagerCallable | BucketedCallable
 
 
 class _Graphed:
@@ -116,8 +117,9 @@ def restore(module: torch.nn.Module, /) -> torch.nn.Module:
 
 
 def runner_of(graphed: Any) -> Runner:
-    """The :class:`GraphedCallable` (or :class:`EagerCallable`) behind a graphed object."""
-    if isinstance(graphed, GraphedCallable | EagerCallable):
+    """The :class:`GraphedCallable` (:class:`EagerCallable`, :class:`BucketedCallable`) behind
+    a graphed object."""
+    if isinstance(graphed, GraphedCallable | EagerCallable | BucketedCallable):
         return graphed
     state = getattr(graphed, "__dict__", {}).get(_STATE)
     if type(state) is not _Graphed:

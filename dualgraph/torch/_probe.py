@@ -26,12 +26,9 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
-from ._eager import EagerCallable
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
-from ._modules import is_graphed
 from ._op_watch import OpWatch
-from ._replay import GraphedCallable
 
 __all__ = [
     "LintMode",
@@ -281,14 +278,15 @@ def _observed(observers: Sequence[CaptureLint | MemoryProbe]) -> Iterator[None]:
 @contextlib.contextmanager
 def _ungraphed(fn: Any) -> Iterator[Any]:
     """``fn``, or the callable behind it when it was graphed (a module keeps its hooks)."""
-    graphed = isinstance(fn, GraphedCallable | EagerCallable) or (
-        isinstance(fn, torch.nn.Module) and is_graphed(fn)
-    )
-    if not graphed:
+    # imported here: the adapter's modules import this one
+    from ._modules import runner_of
+    from ._verify import eager_twin
+
+    try:
+        runner_of(fn)
+    except DualgraphError:  # not made by make_graphed_callables (a copy of a graphed module)
         yield fn
         return
-    from ._verify import eager_twin  # _verify imports the adapter, which imports this module
-
     with eager_twin(fn) as twin:
         yield twin
 

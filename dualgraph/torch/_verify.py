@@ -295,9 +295,10 @@ def _run_steps(
 def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
     """The original callable behind ``graphed``, called the way ``graphed`` is called.
 
-    The runner (a :class:`GraphedCallable`'s plan, or an :class:`EagerCallable`) keeps the
-    callable it runs: for a module, the ``forward`` it had at capture. A graphed module is called
-    as a module (its hooks run), with that ``forward`` in place of the graphed one for the call.
+    The runner (a :class:`GraphedCallable`'s plan, an :class:`EagerCallable`, a
+    :class:`BucketedCallable`) keeps the callable it runs: for a module, the ``forward`` it had
+    at capture. A graphed module is called as a module (its hooks run), with that ``forward``
+    in place of the graphed one for the call.
     """
     runner = runner_of(graphed)
     original = runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
