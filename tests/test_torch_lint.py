@@ -552,7 +552,8 @@ def test_lint_off_skips_the_lint_but_not_the_memory_plan() -> None:
 
 
 def test_an_unknown_lint_mode_is_refused() -> None:
-    with pytest.raises(DualgraphError, match=r"lint must be one of \('error', 'warn', 'off'\)"):
+    modes = r"\('auto', 'error', 'warn', 'off'\)"
+    with pytest.raises(DualgraphError, match=rf"lint must be one of {modes}"):
         dgt.make_graphed_callables(item_sync, (torch.ones(4),), backend="emulate", lint="on")  # type: ignore[arg-type]
 
 
@@ -634,7 +635,9 @@ def test_on_cuda_the_default_generator_and_device_factories_are_fine() -> None:
 def test_on_cuda_the_lint_refuses_before_anything_is_captured() -> None:
     module = Inner().cuda()
     with pytest.raises(dgt.CaptureLintError) as caught:
-        dgt.make_graphed_callables(module, (torch.randn(2, 4, device="cuda"),), backend="cuda")
+        dgt.make_graphed_callables(
+            module, (torch.randn(2, 4, device="cuda"),), backend="cuda", lint="error"
+        )
     assert str(caught.value).startswith("capturing Inner (cuda) failed during warmup")
     assert "forward" not in module.__dict__
     assert torch.randn(1000, device="cuda").std().item() > 0.5  # the CUDA RNG is untouched
@@ -660,7 +663,9 @@ def test_on_cuda_a_clean_capture_has_an_empty_lint_report() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         graphed = dgt.make_graphed_callables(
-            CleanModule().cuda(), (torch.randn(3, 4, device="cuda", requires_grad=True),)
+            CleanModule().cuda(),
+            (torch.randn(3, 4, device="cuda", requires_grad=True),),
+            lint="error",
         )
     report = dgt.diagnostics(graphed).lint
     assert report is not None and report.findings == ()

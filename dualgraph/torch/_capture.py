@@ -91,7 +91,7 @@ class CaptureOptions:
     # "cuda": static outputs and grads are buffers allocated outside the pool, which the graphs
     # copy into; the pool then holds only memory a replay writes before it reads it.
     results_outside_pool: bool = False
-    lint: LintMode = "error"  # issue 19 hook: the capture lint of the first warmup iteration
+    lint: LintMode = "auto"  # issue 19 hook: the capture lint of the first warmup iteration
 
 
 def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list[ReplayPlan]:
@@ -207,6 +207,7 @@ class _Capture:
             inputs=self.static_inputs,
             paths=request.inputs.paths,
             lint=options.lint,
+            backend=options.backend,
         )
 
     def run(self) -> Any:

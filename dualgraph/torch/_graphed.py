@@ -46,7 +46,7 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     buckets: Sequence[Sequence[Any]] | None = None,
     fallback: Fallback = "error",
     dynamic_dims: Mapping[str, int] | None = None,
-    lint: LintMode = "error",
+    lint: LintMode = "auto",
 ) -> ModuleT: ...
 
 
@@ -66,7 +66,7 @@ def make_graphed_callables(
     buckets: None = None,
     fallback: Literal["error"] = "error",
     dynamic_dims: None = None,
-    lint: LintMode = "error",
+    lint: LintMode = "auto",
 ) -> tuple[Any, ...]: ...
 
 
@@ -86,7 +86,7 @@ def make_graphed_callables(
     buckets: Sequence[Sequence[Any]] | None = None,
     fallback: Fallback = "error",
     dynamic_dims: Mapping[str, int] | None = None,
-    lint: LintMode = "error",
+    lint: LintMode = "auto",
 ) -> GraphedCallable | EagerCallable | BucketedCallable: ...
 
 
@@ -105,7 +105,7 @@ def make_graphed_callables(
     buckets: Any = None,
     fallback: Fallback = "error",
     dynamic_dims: Mapping[str, int] | None = None,
-    lint: LintMode = "error",
+    lint: LintMode = "auto",
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -165,11 +165,14 @@ def make_graphed_callables(
             share one length) and the output dims to cut back, e.g.
             ``{"args[0]": 1, "output[0]": 1}``.
         lint: the first warmup iteration runs under the capture lint
-            (:func:`dualgraph.torch.lint`) on ``"cuda"`` and ``"emulate"``, so that a CPU run
-            reports what a real capture would reject. ``"error"`` (default) raises a
-            :class:`~dualgraph.torch.CaptureLintError` listing the findings before anything is
-            captured; ``"warn"`` issues a :class:`~dualgraph.DualgraphWarning` and captures
-            anyway (a capture that then fails carries the findings); ``"off"`` skips the lint.
+            (:func:`dualgraph.torch.lint`). ``"auto"`` (default): ``"error"`` on
+            ``"emulate"``, so that a CPU run reports what a real capture would reject, and no
+            lint on ``"cuda"``, where the real capture is the authority and the warmup runs
+            unobserved. ``"error"`` raises a :class:`~dualgraph.torch.CaptureLintError` listing
+            the findings before anything is captured; ``"warn"`` issues a
+            :class:`~dualgraph.DualgraphWarning` and captures anyway (a capture that then fails
+            carries the findings: pass it on ``"cuda"`` to learn why a capture fails);
+            ``"off"`` skips the lint.
             The findings and the memory plan are in ``diagnostics(graphed).lint`` and
             ``.memory_plan``.
 

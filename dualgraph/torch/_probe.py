@@ -42,7 +42,7 @@ __all__ = [
 
 #: What a capture does with the lint's errors: refuse (``"error"``), warn and capture anyway
 #: (``"warn"``), or not lint at all (``"off"``).
-LintMode = Literal["error", "warn", "off"]
+LintMode = Literal["auto", "error", "warn", "off"]
 _LINT_MODES = get_args(LintMode)
 
 
@@ -139,8 +139,16 @@ class WarmupProbe:
         inputs: Sequence[torch.Tensor],
         paths: Sequence[str],
         lint: LintMode,
+        backend: str = "emulate",
     ) -> None:
         check_lint_mode(lint)
+        # "auto": on emulate the lint is the only thing that can report what a real capture
+        # would reject, so it refuses; on cuda the real capture is the authority, and the
+        # warmup runs unobserved (no dispatch mode in the way of the capture, no findings that
+        # the capture itself would not confirm).
+        self.observed = not (lint == "auto" and backend == "cuda")
+        if lint == "auto":
+            lint = "error" if backend == "emulate" else "off"
         self.mode = lint
         self.lint: CaptureLint | None = None
         if lint != "off":
@@ -157,7 +165,7 @@ class WarmupProbe:
         self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> WarmupProbe:
-        if not self.used:
+        if not self.used and self.observed:
             self.used = True
             self._stack = contextlib.ExitStack()
             observers: list[CaptureLint | MemoryProbe] = [self.memory]
