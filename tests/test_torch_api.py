@@ -138,9 +138,12 @@ def test_test_only_internals_are_not_exported() -> None:
         "CaptureDiagnostics",
         "EagerCallable",
         "GraphedCallable",
+        "Schedule",
+        "SlottedCallable",
         "diagnostics",
         "make_graphed_callables",
         "owned",
+        "reset_slots",
         "restore",
     }
     assert not hasattr(dgt, "InputGuard")

@@ -9,16 +9,21 @@
 from . import _leaves as _leaves  # registers torch.Tensor with the core
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
-from ._graphed import diagnostics, make_graphed_callables, owned
+from ._graphed import diagnostics, make_graphed_callables, owned, reset_slots
 from ._modules import restore
 from ._replay import GraphedCallable
+from ._schedule import Schedule
+from ._slots import SlottedCallable
 
 __all__ = [
     "CaptureDiagnostics",
     "EagerCallable",
     "GraphedCallable",
+    "Schedule",
+    "SlottedCallable",
     "diagnostics",
     "make_graphed_callables",
     "owned",
+    "reset_slots",
     "restore",
 ]

@@ -14,7 +14,11 @@ class CaptureDiagnostics:
     ``pool_bytes`` is the size of the CUDA memory pool that all callables captured together share
     (the same number on each of them): the allocator's segments of that pool, else the memory
     the capture left allocated; 0 off the GPU. ``replays`` counts calls that replayed (or, on
-    the ``"eager"`` backend, ran) the callable.
+    the ``"eager"`` backend, ran) the callable. With several replay slots (``slots=`` or
+    ``schedule=``), the bytes count every buffer once, ``pool_bytes`` sums the slots' own pools
+    (or is the schedule's shared pool), ``slots`` is their number, ``in_flight`` the slots
+    whose backward is pending, and ``reused_buffer_bytes`` what slots share instead of each
+    holding a copy (static inputs and grad outputs of micro-batches never in flight together).
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0
@@ -29,3 +33,6 @@ class CaptureDiagnostics:
     capture_seconds: float = 0.0
     has_backward_graph: bool = False
     replays: int = 0
+    slots: int = 1
+    in_flight: tuple[int, ...] = ()
+    reused_buffer_bytes: int = 0

@@ -16,9 +16,11 @@ from ._eager import EagerCallable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
 from ._replay import GraphedCallable
+from ._schedule import Schedule
+from ._slots import SlottedCallable, capture_slotted, checked_slots, reset_slots_of
 from ._transformer_engine import refuse_delayed_scaling
 
-__all__ = ["diagnostics", "make_graphed_callables", "owned"]
+__all__ = ["diagnostics", "make_graphed_callables", "owned", "reset_slots"]
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
 ParamGrads = Literal["autograd", "in_graph"]
@@ -40,6 +42,8 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> ModuleT: ...
 
 
@@ -56,6 +60,8 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> tuple[Any, ...]: ...
 
 
@@ -72,7 +78,9 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
-) -> GraphedCallable | EagerCallable: ...
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
+) -> GraphedCallable | SlottedCallable | EagerCallable: ...
 
 
 def make_graphed_callables(
@@ -87,6 +95,8 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -131,6 +141,16 @@ def make_graphed_callables(
             of another thread that is unsafe during capture (a ``cudaMalloc`` by a data loader
             or prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets
             other threads be.
+        slots: replay slots per callable: up to ``slots`` replays in flight (forward run,
+            backward pending), each in its own slot, with its own buffers and graphs captured
+            into a memory pool of its own, so that they replay in any order; a backward finds
+            its slot through autograd. Default: one.
+        schedule: a pipeline schedule (:class:`Schedule`, or its order as a list of ints like
+            Transformer Engine's ``_order``: ``+c`` forward and ``-c`` backward through chunk
+            ``c``, callables split evenly over the chunks): each callable gets a slot per
+            micro-batch of the step, all captured into one pool in the schedule's order, and
+            every replay must follow that order (else :class:`DualgraphError`, before any buffer
+            is touched). Memory then follows the schedule, as eager's does.
 
     Returns:
         The module (graphed in place), a :class:`GraphedCallable` for a function (an
@@ -145,6 +165,10 @@ def make_graphed_callables(
     >>> graphed = make_graphed_callables(layer, (torch.randn(2, 4),), backend="emulate")
     >>> graphed(torch.randn(2, 4)).shape
     torch.Size([2, 4])
+    >>> stage = make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), slots=2)
+    >>> first, second = stage(torch.randn(2, 4)), stage(torch.randn(2, 4))  # two in flight
+    >>> diagnostics(stage).in_flight
+    (0, 1)
     """
     _check_choice("backend", backend, get_args(Backend))
     _check_choice("param_grads", param_grads, get_args(ParamGrads))
@@ -153,6 +177,7 @@ def make_graphed_callables(
         raise DualgraphError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
     single = not isinstance(callables, tuple | list)
     fns, all_args, all_kwargs = _samples_per_callable(callables, sample_args, sample_kwargs, single)
+    slots, schedule = checked_slots(slots, schedule, callables=len(fns), pool=pool)
     guards = [InputGuard(args, kwargs) for args, kwargs in zip(all_args, all_kwargs, strict=True)]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
@@ -188,8 +213,12 @@ def make_graphed_callables(
         clone_outputs=bool(clone_outputs),
         param_grads=param_grads,
     )
-    plans = capture(requests, options)
-    results = [install(fn, GraphedCallable(plan)) for fn, plan in zip(fns, plans, strict=True)]
+    runners: Sequence[GraphedCallable | SlottedCallable]
+    if slots is None and schedule is None:
+        runners = [GraphedCallable(plan) for plan in capture(requests, options)]
+    else:
+        runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
+    results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
 
 
@@ -202,6 +231,21 @@ def diagnostics(graphed: Any, /) -> CaptureDiagnostics:
     ('emulate', 32, 0)
     """
     return runner_of(graphed).diagnostics
+
+
+def reset_slots(graphed: Any, /) -> None:
+    """Drop the replays in flight of a callable graphed with slots or a schedule; restart it.
+
+    Their backwards then raise; a schedule starts its step over (for every callable graphed
+    with it). For a step abandoned half-way, e.g. after an error.
+
+    >>> stage = make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), slots=2)
+    >>> kept = stage(torch.randn(2, 4))
+    >>> reset_slots(stage)
+    >>> diagnostics(stage).in_flight
+    ()
+    """
+    reset_slots_of(runner_of(graphed))
 
 
 def owned(tree: Any, /) -> Any:

@@ -18,12 +18,13 @@ import torch
 from .._errors import DualgraphError
 from ._eager import EagerCallable
 from ._replay import GraphedCallable
+from ._slots import SlottedCallable
 
 __all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of"]
 
 _STATE = "_dualgraph_graphed"
 
-Runner = GraphedCallable | EagerCallable
+Runner = GraphedCallable | SlottedCallable | EagerCallable
 
 
 class _Graphed:
@@ -116,8 +117,8 @@ def restore(module: torch.nn.Module, /) -> torch.nn.Module:
 
 
 def runner_of(graphed: Any) -> Runner:
-    """The :class:`GraphedCallable` (or :class:`EagerCallable`) behind a graphed object."""
-    if isinstance(graphed, GraphedCallable | EagerCallable):
+    """The :class:`GraphedCallable` (or slotted, or eager callable) behind a graphed object."""
+    if isinstance(graphed, GraphedCallable | SlottedCallable | EagerCallable):
         return graphed
     state = getattr(graphed, "__dict__", {}).get(_STATE)
     if type(state) is not _Graphed:
