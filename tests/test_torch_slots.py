@@ -184,7 +184,7 @@ def _x(backend: str, grad: bool = True) -> torch.Tensor:
 def _snapshot(graphed: Any) -> list[torch.Tensor]:
     """Every static buffer of every slot, cloned."""
     tensors: list[torch.Tensor] = []
-    for replay in runner_of(graphed).slots:
+    for replay in runner_of(graphed)._replays:
         buffers = replay.plan.buffers
         for tensor in (
             *buffers.inputs,
@@ -393,7 +393,7 @@ def test_diagnostics_count_each_slots_buffers(backend: str) -> None:
     assert three.static_output_bytes == 3 * one.static_output_bytes
     assert three.static_grad_bytes == 3 * one.static_grad_bytes
     if backend == CUDA:  # a pool per slot, each counted
-        pools = [replay.diagnostics.pool_bytes for replay in runner_of(graphed).slots]
+        pools = [replay.diagnostics.pool_bytes for replay in runner_of(graphed)._replays]
         assert one.pool_bytes > 0 and min(pools) > 0 and three.pool_bytes == sum(pools)
 
 
@@ -489,7 +489,7 @@ def test_a_schedule_shares_buffers_between_microbatches_never_in_flight_together
     backend: str,
 ) -> None:
     (graphed,) = _scheduled(backend, dgt.Schedule.one_f_one_b(stages=2, microbatches=6, stage=0))
-    replays = runner_of(graphed).slots
+    replays = runner_of(graphed)._replays
     assert len(replays) == 6
     assert replays[0].static_inputs[0] is replays[2].static_inputs[0]
     assert replays[1].static_inputs[0] is replays[3].static_inputs[0]
@@ -552,3 +552,21 @@ def test_the_eager_backend_ignores_slots_and_schedules() -> None:
     assert isinstance(graphed, dgt.EagerCallable)
     graphed = _graph(torch.tanh, "eager", schedule=[1, -1])
     assert isinstance(graphed, dgt.EagerCallable)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_replay_with_nothing_requiring_grad_holds_no_slot(backend: str) -> None:
+    graphed = _graph(torch.tanh, backend, slots=2)  # a function: no parameters
+    for _ in range(3):
+        out = graphed(_x(backend, grad=False))  # under grad mode, but nothing requires grad
+        assert out.grad_fn is None
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_forward_that_no_backward_can_follow_is_refused(backend: str) -> None:
+    graphed = _graph(torch.tanh, backend, schedule=[1, -1])
+    with pytest.raises(DualgraphError, match="ran with no input or parameter requiring grad"):
+        graphed(_x(backend, grad=False))
+    out = graphed(_x(backend))  # the schedule did not move on
+    out.sum().backward()

@@ -34,6 +34,7 @@ captured; one graph per micro-batch, in schedule order, is the simple order that
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import weakref
 from collections.abc import Sequence
@@ -111,20 +112,20 @@ class SlotReplay(GraphedCallable):
 class SlottedCallable:
     """A graphed callable with several replay slots (see the module docstring).
 
-    Calling it replays in a slot its gate gives (a free one, or the schedule's); ``slots`` are
-    the per-slot replays, ``in_flight`` the slots whose backward is pending.
+    Calling it replays in a slot its gate gives (a free one, or the schedule's); ``slots`` is
+    their number, ``in_flight`` the slots whose backward is pending.
 
     ``copy.copy``, ``copy.deepcopy`` and pickling give the ungraphed callable, as for
     :class:`GraphedCallable`.
     """
 
-    __slots__ = ("_gate", "_lock", "_pending", "_unique_bytes", "backend", "name", "slots")
+    __slots__ = ("_gate", "_lock", "_pending", "_replays", "_unique_bytes", "backend", "name")
 
     def __init__(self, replays: Sequence[SlotReplay], gate: FreeSlots | ScheduleCursor) -> None:
         first = replays[0]
         self.name = first.name
         self.backend = first.backend
-        self.slots: tuple[SlotReplay, ...] = tuple(replays)
+        self._replays: tuple[SlotReplay, ...] = tuple(replays)
         self._gate = gate
         self._lock = gate.lock
         # Per slot: a weak reference to the autograd node of the replay in flight there.
@@ -138,17 +139,22 @@ class SlottedCallable:
     @property
     def spec(self) -> TreeSpec:
         """The output spec recorded at capture."""
-        return self.slots[0].spec
+        return self._replays[0].spec
+
+    @property
+    def slots(self) -> int:
+        """How many replays can be in flight at once (one per micro-batch with a schedule)."""
+        return len(self._replays)
 
     @property
     def in_flight(self) -> tuple[int, ...]:
         """The slots whose forward has replayed and whose backward is still to come."""
-        return tuple(i for i in range(len(self.slots)) if self._is_in_flight(i))
+        return tuple(i for i in range(len(self._replays)) if self._is_in_flight(i))
 
     @property
     def diagnostics(self) -> CaptureDiagnostics:
         """Every slot together: buffers counted once, pools summed (or the shared one), replays."""
-        parts = [replay.diagnostics for replay in self.slots]
+        parts = [replay.diagnostics for replay in self._replays]
         first = parts[0]
         inputs, outputs, grads, reused = self._unique_bytes
         shared_pool = isinstance(self._gate, ScheduleCursor)
@@ -162,28 +168,28 @@ class SlottedCallable:
             capture_seconds=first.capture_seconds,
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
-            slots=len(self.slots),
+            slots=len(self._replays),
             in_flight=self.in_flight,
             reused_buffer_bytes=reused,
         )
 
     def __repr__(self) -> str:
-        first = self.slots[0]
+        first = self._replays[0]
         return (
-            f"SlottedCallable({self.name!r}, backend={self.backend!r}, slots={len(self.slots)}, "
+            f"SlottedCallable({self.name!r}, backend={self.backend!r}, slots={len(self._replays)}, "
             f"inputs=({first._inputs.describe()}), outputs={first.spec!r})"
         )
 
     def __copy__(self) -> EagerCallable:
-        first = self.slots[0]
+        first = self._replays[0]
         return EagerCallable(self.name, first.plan.fn, first._inputs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EagerCallable:
-        first = self.slots[0]
+        first = self._replays[0]
         return EagerCallable(self.name, copy.deepcopy(first.plan.fn, memo), first._inputs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        first = self.slots[0]
+        first = self._replays[0]
         return EagerCallable, (self.name, first.plan.fn, first._inputs)
 
     # -- a call --------------------------------------------------------------------------------
@@ -194,15 +200,18 @@ class SlottedCallable:
             raise self._busy()
         try:
             index = self._gate.take(self, torch.is_grad_enabled())
-            replay = self.slots[index]
+            replay = self._replays[index]
             try:
                 outputs = replay(*args, **kwargs)
                 probe = replay._probe
             finally:
                 replay._probe = None
-            if probe is not None:  # a replay in flight: its backward is to come
-                self._pending[index] = weakref.ref(probe.grad_fn)
+            node = None if probe is None else probe.grad_fn
+            if node is not None:  # a replay in flight: its backward is to come
+                self._pending[index] = weakref.ref(node)
                 self._gate.started(self, index)
+            elif isinstance(self._gate, ScheduleCursor):
+                raise self._gate.no_backward(self)
             return outputs
         finally:
             lock.release()
@@ -229,12 +238,15 @@ class FreeSlots:
         self.lock = threading.Lock()
 
     def take(self, front: SlottedCallable, grad_enabled: bool) -> int:
-        for index in range(len(front.slots)):
-            if not front._is_in_flight(index):
-                return index
-        slots = ", ".join(map(str, range(len(front.slots))))
+        for attempt in range(2):
+            for index in range(len(front._replays)):
+                if not front._is_in_flight(index):
+                    return index
+            if attempt == 0:
+                gc.collect()  # outputs dropped in a reference cycle free their slot too
+        slots = ", ".join(map(str, range(len(front._replays))))
         raise DualgraphError(
-            f"{front.name}: all {len(front.slots)} slots are in flight (slots {slots}: forward "
+            f"{front.name}: all {len(front._replays)} slots are in flight (slots {slots}: forward "
             "replayed, backward not yet run); another forward would overwrite the activations "
             "of one of them. Run a backward first, drop the outputs of a replay you will not "
             "backpropagate, or capture with more slots"
@@ -250,7 +262,7 @@ class FreeSlots:
         pass
 
     def reset(self, front: SlottedCallable) -> None:
-        front._pending = [None] * len(front.slots)
+        front._pending = [None] * len(front._replays)
 
 
 class ScheduleCursor:
@@ -298,7 +310,15 @@ class ScheduleCursor:
     def reset(self, front: SlottedCallable) -> None:
         self.position = 0
         for member in self.fronts:
-            member._pending = [None] * len(member.slots)
+            member._pending = [None] * len(member._replays)
+
+    def no_backward(self, front: SlottedCallable) -> DualgraphError:
+        """The error for a scheduled forward that left nothing for its backward to run on."""
+        return DualgraphError(
+            f"{front.name}: {self.describe(self.passes[self.position])} ran with no input or "
+            "parameter requiring grad, so no backward can follow it, and in a schedule every "
+            "forward takes a backward; pass inputs that require grad, as at capture"
+        )
 
     def describe(self, scheduled: ScheduledPass) -> str:
         """``the backward of Block for micro-batch 3 (chunk 2)``."""
@@ -409,7 +429,7 @@ def capture_slotted(
         plans = capture_copies(requests, options, SlotLayout(slots))
         fronts = [_build(group, FreeSlots()) for group in plans]
     for front in fronts:
-        for replay in front.slots:
+        for replay in front._replays:
             # The slots share in-graph accumulators: count their holders now that all exist.
             replay._holder_baseline = replay._holder_counts()
     return fronts
