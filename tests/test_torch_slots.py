@@ -198,11 +198,15 @@ def _snapshot(graphed: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def _assert_unchanged(graphed: Any, before: list[torch.Tensor]) -> None:
-    after = _snapshot(graphed)
+def _assert_same_bits(after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
     assert len(after) == len(before)
-    for k, (a, b) in enumerate(zip(after, before, strict=True)):
-        assert_tensors_match(a, b, f"static buffer {k}")
+    for k, (a, b) in enumerate(zip(after, before, strict=True)):  # NaN in an unwritten buffer too
+        bits_a, bits_b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        assert torch.equal(bits_a, bits_b), f"static buffer {k} changed"
+
+
+def _assert_unchanged(graphed: Any, before: list[torch.Tensor]) -> None:
+    _assert_same_bits(_snapshot(graphed), before)
 
 
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
@@ -446,9 +450,7 @@ def test_the_callables_of_a_chunk_run_in_turn_forward_then_in_reverse(backend: s
     with pytest.raises(DualgraphError) as info:
         second(_x(backend))
     assert "pass 3 of 8 of the step is the forward of TinyMLP for micro-batch 1" in str(info.value)
-    _assert_unchanged_pair = _snapshot(first) + _snapshot(second)
-    for k, (a, b) in enumerate(zip(_assert_unchanged_pair, before, strict=True)):
-        assert_tensors_match(a, b, f"static buffer {k}")
+    _assert_same_bits(_snapshot(first) + _snapshot(second), before)
     outputs.append(second(first(_x(backend))))
     with pytest.raises(DualgraphError) as info:
         outputs[1].sum().backward()
@@ -484,21 +486,58 @@ def test_a_step_abandoned_half_way_starts_over_after_reset(backend: str) -> None
     assert dgt.diagnostics(graphed).in_flight == ()
 
 
+@pytest.mark.parametrize("param_grads", ["autograd", "in_graph"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_schedule_shares_buffers_between_microbatches_never_in_flight_together(
-    backend: str,
+    backend: str, param_grads: str
 ) -> None:
-    (graphed,) = _scheduled(backend, dgt.Schedule.one_f_one_b(stages=2, microbatches=6, stage=0))
+    schedule = dgt.Schedule.one_f_one_b(stages=2, microbatches=6, stage=0)  # 2 in flight
+    (graphed,) = _scheduled(backend, schedule, param_grads=param_grads)
     replays = runner_of(graphed)._replays
     assert len(replays) == 6
-    assert replays[0].static_inputs[0] is replays[2].static_inputs[0]
-    assert replays[1].static_inputs[0] is replays[3].static_inputs[0]
+    for k in range(2, 6):  # micro-batch k reuses the buffers of micro-batch k % 2
+        same, other = replays[k % 2].plan.buffers, replays[k].plan.buffers
+        assert same.inputs == other.inputs and same.outputs == other.outputs
+        assert same.grad_outputs == other.grad_outputs
+        assert same.input_grads == other.input_grads and same.param_grads == other.param_grads
     assert replays[0].static_inputs[0] is not replays[1].static_inputs[0]
     report = dgt.diagnostics(graphed)
-    one_input = replays[0].static_inputs[0].numel() * 4
+    slots = dgt.diagnostics(_graph(TinyMLP().to(device_of(backend)), backend, slots=2,
+                                   param_grads=param_grads))  # fmt: skip
     assert report.slots == 6
-    assert report.static_input_bytes == 2 * one_input
-    assert report.reused_buffer_bytes == 4 * one_input * 2  # inputs and grad outputs
+    assert report.static_input_bytes == slots.static_input_bytes
+    assert report.static_output_bytes == slots.static_output_bytes
+    assert report.static_grad_bytes == slots.static_grad_bytes
+    accumulators = sum(p.numel() * 4 for p in TinyMLP().parameters())
+    if param_grads == "in_graph":  # one .grad per parameter: not a per-slot buffer
+        per_slot = (slots.static_grad_bytes - accumulators) // 2
+    else:
+        per_slot = slots.static_grad_bytes // 2
+    per_slot += (slots.static_input_bytes + slots.static_output_bytes) // 2
+    assert report.reused_buffer_bytes == 4 * per_slot
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_and_grads_of_a_schedule_land_in_the_shared_buffers(backend: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    (graphed,) = dgt.make_graphed_callables(
+        (model,),
+        ((torch.randn(4, 8, device=device, requires_grad=True),),),
+        backend=backend,
+        schedule=[1, -1, 1, -1, 1, -1],  # one in flight: three micro-batches, one set of buffers
+    )
+    for _ in range(3):
+        x = _x(backend)
+        e = x.detach().clone().requires_grad_()
+        out, expected = graphed(x), twin(e)
+        assert_tensors_match(out.detach(), expected.detach(), "output", tolerance(backend))
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, q.grad, "parameter grad", tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

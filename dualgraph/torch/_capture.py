@@ -169,8 +169,10 @@ class _Capture:
     """The static buffers and facts of one callable, gathered during capture (then a plan).
 
     A copy made ``like`` another (a replay slot of the same callable) shares its module,
-    parameters and in-graph accumulators and learns what its warmup found; one made with
-    ``buffers_from`` another also shares its static input and grad-output buffers.
+    parameters and in-graph accumulators and learns what its warmup found. One made with
+    ``buffers_from`` another (a replay never in flight with it) also shares all its static
+    buffers: inputs and grad outputs, and the outputs and grads its graphs copy into the
+    other's (the other's graphs wrote them where they were computed).
     """
 
     def __init__(
@@ -313,6 +315,29 @@ class _Capture:
                 acc if grad is not None else None
                 for acc, grad in zip(self.accumulators, param_grads, strict=True)
             )
+        donor = self.buffers_from
+        if donor is not None:  # the grads were copied into the donor's buffers
+            self.input_grads, self.param_grads = donor.input_grads, donor.param_grads
+
+    def copy_into_donor(
+        self, outputs: Sequence[torch.Tensor] = (), grads: Sequence[torch.Tensor | None] = ()
+    ) -> None:
+        """Copy outputs, or the grads of :meth:`diff_inputs`, into the donor's static buffers.
+
+        Captured into this copy's graphs, so that its replays leave their results where the
+        donor's do (with no donor, nothing to do).
+        """
+        donor = self.buffers_from
+        if donor is None:
+            return
+        for static, output in zip(donor.static_outputs, outputs, strict=False):
+            static.copy_(output.detach())
+        targets: list[torch.Tensor | None] = [donor.input_grads[i] for i in self.grad_input_indices]
+        if self.options.param_grads == "autograd":
+            targets += donor.param_grads
+        for target, grad in zip(targets, grads, strict=False):
+            if target is not None and grad is not None:
+                target.copy_(grad)
 
     def plan(self) -> ReplayPlan:
         assert self.out_spec is not None and self.replay_forward is not None
@@ -511,7 +536,12 @@ def _capture_emulated(
         progress.phase = "capture"
         with torch.enable_grad():
             flat = item.record_outputs(item.run())
-        item.static_outputs = tuple(torch.empty_like(t.detach()) for t in flat)
+        donor = item.buffers_from
+        item.static_outputs = (
+            donor.static_outputs
+            if donor is not None
+            else tuple(torch.empty_like(t.detach()) for t in flat)
+        )
         item.grad_outputs = _grad_output_buffers(item, flat)
         del flat
         diff_inputs = item.diff_inputs()
@@ -625,9 +655,16 @@ def _capture_cuda_graphs(
         forward_graph = _new_graph(extra_generators)
         with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
             outputs = item.run()
-        live_outputs[id(item)] = item.record_outputs(outputs)
-        del outputs
-        item.static_outputs = tuple(t.detach() for t in live_outputs[id(item)])
+            flat = item.record_outputs(outputs)  # (reads Python objects only)
+            item.copy_into_donor(outputs=flat)
+        live_outputs[id(item)] = flat
+        del outputs, flat
+        donor = item.buffers_from
+        item.static_outputs = (
+            donor.static_outputs
+            if donor is not None
+            else tuple(t.detach() for t in live_outputs[id(item)])
+        )
         item.replay_forward = CudaGraphForward(forward_graph)
         item.graphs.append(forward_graph)
     del live_outputs  # forwards without a backward step: their activations go back to the pool
@@ -665,6 +702,7 @@ def _capture_backward(
                 allow_unused=options.allow_unused_input,
             )
             _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+            item.copy_into_donor(grads=grads)
         item.place_grads(grads)
         item.replay_backward = backward_graph.replay
         item.graphs.append(backward_graph)
