@@ -195,7 +195,7 @@ def build_variants(args: argparse.Namespace, dtype: torch.dtype) -> list[Variant
     variants = []
     for name in ("eager", "dualgraph schedule", "dualgraph slots"):
         stages = copy.deepcopy(reference)
-        before = held_memory(args.device)
+        pools_before = graph_pools(args.device)
         for s, stage in enumerate(stages):
             if name == "eager":
                 continue
@@ -207,33 +207,80 @@ def build_variants(args: argparse.Namespace, dtype: torch.dtype) -> list[Variant
                 param_grads=args.param_grads,
                 **how,
             )
-        held = held_memory(args.device) - before
-        if args.device == "cpu":
-            held = sum(static_bytes(block) for stage in stages for block in stage.blocks)
+        pools = {
+            pool: segments
+            for pool, segments in graph_pools(args.device).items()
+            if pool not in pools_before
+        }
+        held = held_bytes(stages, pools)
         optimizer = torch.optim.AdamW([p for stage in stages for p in stage.parameters()], 1e-3)
         variants.append(Variant(name, stages, optimizer, held_bytes=held))
     return variants
 
 
-def static_bytes(block: nn.Module) -> int:
-    """The static buffers of a graphed block (0 for an eager one)."""
-    try:
-        report = dgt.diagnostics(block)
-    except Exception:  # not graphed
-        return 0
-    return report.static_input_bytes + report.static_output_bytes + report.static_grad_bytes
-
-
-def held_memory(device: str) -> int:
-    """GPU: memory allocated plus what graph pools hold unallocated; 0 on the CPU."""
+def graph_pools(device: str) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """GPU: each CUDA graph pool's segments, ``(address, size)``; none on the CPU."""
     if device != "cuda":
-        return 0
-    pool_free = sum(
-        segment["total_size"] - segment["allocated_size"]
-        for segment in torch.cuda.memory_snapshot()
-        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
-    )
-    return torch.cuda.memory_allocated() + pool_free
+        return {}
+    pools: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0):  # (0, 0): the default pool, not a graph's
+            pools.setdefault(pool, []).append((segment["address"], segment["total_size"]))
+    return pools
+
+
+def held_bytes(stages: Sequence[Stage], pools: dict[tuple[int, ...], list[tuple[int, int]]]) -> int:
+    """What the graphs of ``stages`` keep: their pools, and static buffers outside them.
+
+    On the CPU (no pools): every static buffer, less the in-graph accumulators, which are the
+    parameters' ``.grad`` (which every variant has, and the CPU count leaves out).
+    """
+    segments = [segment for pool in pools.values() for segment in pool]
+
+    def in_a_pool(tensor: torch.Tensor) -> bool:
+        address = tensor.data_ptr()
+        return any(start <= address < start + size for start, size in segments)
+
+    buffers, accumulators = graph_buffers(stages)
+    if not pools:
+        return sum(nbytes(t) for t in buffers)
+    outside = [t for t in (*buffers, *accumulators) if not in_a_pool(t)]
+    return sum(size for _, size in segments) + sum(nbytes(t) for t in outside)
+
+
+def graph_buffers(stages: Sequence[Stage]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The static buffers of every graphed block, each once, and the in-graph accumulators.
+
+    An internal view of the graphed blocks (their slots' plans), for counting memory only.
+    """
+    from dualgraph import DualgraphError
+    from dualgraph.torch._modules import runner_of
+
+    buffers: dict[int, torch.Tensor] = {}
+    accumulators: dict[int, torch.Tensor] = {}
+    for stage in stages:
+        for block in stage.blocks:
+            try:
+                runner = runner_of(block)
+            except DualgraphError:  # an eager block
+                continue
+            for replay in getattr(runner, "_replays", (runner,)):  # slots, or one
+                plan = replay.plan
+                for t in (
+                    *plan.buffers.inputs, *plan.buffers.outputs, *plan.buffers.grad_outputs,
+                    *plan.buffers.input_grads, *plan.buffers.param_grads,
+                ):  # fmt: skip
+                    if t is not None:
+                        buffers[id(t)] = t
+                for t in plan.params.accumulators:
+                    if t is not None:
+                        accumulators[id(t)] = t
+    return list(buffers.values()), list(accumulators.values())
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -319,33 +366,12 @@ def measure_step(variant: Variant, run_step: Callable[[], float], device: str) -
         torch.cuda.synchronize()
         variant.step_peak_bytes = torch.cuda.max_memory_allocated() - resident
         return loss
-    counter = SavedActivations(static_storages(variant.stages))
+    buffers, accumulators = graph_buffers(variant.stages)
+    counter = SavedActivations({t.untyped_storage().data_ptr() for t in (*buffers, *accumulators)})
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda holder: holder.tensor):
         loss = run_step()
     variant.step_peak_bytes = counter.peak
     return loss
-
-
-def static_storages(stages: Sequence[Stage]) -> set[int]:
-    """Where the static buffers of graphed blocks live (none for eager ones), for the CPU count.
-
-    An internal view of the slots (their buffers are already counted as held); used only here.
-    """
-    from dualgraph import DualgraphError
-    from dualgraph.torch._modules import runner_of
-
-    storages = set()
-    for stage in stages:
-        for block in stage.blocks:
-            try:
-                runner = runner_of(block)
-            except DualgraphError:  # an eager block
-                continue
-            for replay in getattr(runner, "_replays", (runner,)):  # slots, or one
-                buffers = replay.plan.buffers
-                for t in (*buffers.inputs, *buffers.outputs, *buffers.grad_outputs):
-                    storages.add(t.untyped_storage().data_ptr())
-    return storages
 
 
 def synchronize(device: str) -> None:
@@ -390,12 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.microbatches)
         ]
 
-    # The first step measures memory (untimed); the warm-up steps are not timed either.
+    # Warm-up steps are not timed; the last of them measures memory (lazy allocations done).
     for index in range(args.warmup + args.steps):
         step_batches = batches()
         for variant in variants[index % 3 :] + variants[: index % 3]:  # rotated each step
             run_step = functools.partial(train_step, variant, order, step_batches)
-            if index == 0:
+            if index == args.warmup - 1:
                 variant.losses.append(measure_step(variant, run_step, device))
                 continue
             synchronize(device)
