@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pipeline_cases import Pass, Pipeline, device_order, make_data, make_pieces, samples
+from test_torch_transformer_engine import BF16, VisionLayer, needs_te, te_dynamo_warning
+from test_torch_transformer_engine import _hidden as te_hidden
 from torch import nn
 from torch_cases import (
     CUDA,
@@ -609,3 +611,31 @@ def test_a_scheduled_forward_that_no_backward_can_follow_is_refused(backend: str
         graphed(_x(backend, grad=False))
     out = graphed(_x(backend))  # the schedule did not move on
     out.sum().backward()
+
+
+@pytest.mark.cuda
+@needs_te
+@te_dynamo_warning
+@pytest.mark.parametrize(
+    "how", [{"slots": 2}, {"schedule": [1, 1, -1, -1]}], ids=["slots", "schedule"]
+)
+def test_a_transformer_engine_layer_with_two_in_flight_matches_eager(how: dict[str, Any]) -> None:
+    layer = VisionLayer().cuda()
+    eager = copy.deepcopy(layer)
+    graphed = dgt.make_graphed_callables(layer, (te_hidden(),), backend="cuda", **how)
+    for _ in range(2):  # two steps of two micro-batches, both in flight
+        xs = [te_hidden() for _ in range(2)]
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        outputs = [graphed(x) for x in xs]
+        expected = [eager(x) for x in eager_xs]
+        for (hidden, extra), (hidden_eager, _) in zip(outputs, expected, strict=True):
+            assert extra is None
+            torch.testing.assert_close(hidden, hidden_eager, **BF16)
+            hidden.float().square().mean().backward()
+            hidden_eager.float().square().mean().backward()
+        for x, e in zip(xs, eager_xs, strict=True):
+            torch.testing.assert_close(x.grad, e.grad, **BF16)
+    for (name, param), param_eager in zip(
+        layer.named_parameters(), eager.parameters(), strict=True
+    ):
+        torch.testing.assert_close(param.grad, param_eager.grad, **BF16, msg=name)
