@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one go (one device call): the CUDA tests, the replay
-# benchmark and the vision-encoder demo. Logs go under $OUT (the device tool's folder) or ./gpu-out.
+# benchmark, the vision-encoder demo, the shape-bucket memory benchmark and example. Logs go
+# under $OUT (the device tool's folder) or ./gpu-out.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=$PWD:/tmp/site; bash benchmarks/run_gpu.sh
 set -uo pipefail
@@ -20,4 +21,7 @@ baseline=()  # BASELINE=DIR compares another copy of the package (DIR/dualgraph)
 python benchmarks/bench_torch_replay.py --rounds 5 "${baseline[@]}" --json "$out/bench.json" \
     --plot "$out/bench.png" 2>&1 | tee "$out/bench.log" | tail -60 || status=1
 python examples/vision_encoder.py --steps 20 2>&1 | tee "$out/demo.log" | tail -15 || status=1
+python benchmarks/bench_buckets_memory.py --json "$out/buckets_memory.json" 2>&1 \
+    | tee "$out/buckets_memory.log" | tail -8 || status=1
+python examples/variable_resolution.py 2>&1 | tee "$out/variable_resolution.log" | tail -10 || status=1
 exit $status

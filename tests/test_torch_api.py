@@ -135,6 +135,9 @@ def test_sample_tensors_must_be_torch_tensors() -> None:
 
 def test_test_only_internals_are_not_exported() -> None:
     assert set(dgt.__all__) == {
+        "BucketDiagnostics",
+        "BucketedCallable",
+        "BucketedDiagnostics",
         "CaptureDiagnostics",
         "EagerCallable",
         "GraphedCallable",

@@ -7,6 +7,7 @@
 """
 
 from . import _leaves as _leaves  # registers torch.Tensor with the core
+from ._buckets import BucketDiagnostics, BucketedCallable, BucketedDiagnostics
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._graphed import diagnostics, make_graphed_callables, owned, reset_slots
@@ -16,6 +17,9 @@ from ._schedule import Schedule
 from ._slots import SlottedCallable
 
 __all__ = [
+    "BucketDiagnostics",
+    "BucketedCallable",
+    "BucketedDiagnostics",
     "CaptureDiagnostics",
     "EagerCallable",
     "GraphedCallable",

@@ -19,6 +19,11 @@ Either way :func:`capture` returns one frozen :class:`ReplayPlan` per callable.
 :func:`capture_copies` captures several copies of each callable (replay slots, each with its own
 static buffers and graphs, ``_slots.py``) in an order and into pools a :class:`CaptureLayout`
 chooses; the callable is warmed up once, and its copies learn what warmup found.
+
+With ``results_outside_pool`` (shape buckets, ``_buckets.py``) the graphs copy their outputs and
+grads into static buffers allocated outside the pool, so that everything left in the pool is
+written by a replay before that replay reads it; and ``param_grad_buffers`` lets captures of one
+callable share their parameter grad buffers (or in-graph accumulators).
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class CaptureRequest:
     module: torch.nn.Module | None
     inputs: InputGuard
     sample_tensors: tuple[torch.Tensor, ...]
+    # Static buffers for the parameter grads (one per parameter that requires grad), shared with
+    # other captures of the same callable: "autograd" copies the grads into them, "in_graph"
+    # adds them (they are the accumulators). ``None``: new ones.
+    param_grad_buffers: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class CaptureOptions:
     capture_error_mode: str
     clone_outputs: bool
     param_grads: ParamGradsMode
+    # "cuda": static outputs and grads are buffers allocated outside the pool, which the graphs
+    # copy into; the pool then holds only memory a replay writes before it reads it.
+    results_outside_pool: bool = False
 
 
 def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list[ReplayPlan]:
@@ -239,8 +251,9 @@ class _Capture:
                         "(the backward graph adds the grad into .grad itself); capture with "
                         "param_grads='autograd' to use parameter hooks"
                     )
+        given = self.request.param_grad_buffers
         self.accumulators = (
-            tuple(torch.zeros_like(p) for p in self.params)
+            (given if given is not None else tuple(torch.zeros_like(p) for p in self.params))
             if options.param_grads == "in_graph"
             else ()
         )
@@ -261,6 +274,9 @@ class _Capture:
         self.seconds = 0.0
         self.pool_bytes = 0
         self.warmup_grads: tuple[torch.Tensor | None, ...] = ()
+        # results_outside_pool: how the last warmup's outputs and grads were laid out
+        self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
+        self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
 
     def learn_from(self, original: _Capture) -> None:
         """Take over what the warmup of ``original`` (the same callable) found."""
@@ -268,6 +284,7 @@ class _Capture:
         self.saved_outputs = original.saved_outputs
         self.mutated = set(original.mutated)
         self.warmup_grads = original.warmup_grads
+        self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
 
     def run(self) -> Any:
         return self.request.fn(*self.static_args, **self.static_kwargs)
@@ -290,6 +307,8 @@ class _Capture:
             why = unsupported_tensor(leaf)
             if why is not None:
                 raise _Refused(f"output{path}: a graph cannot return {why}")
+        if self.options.results_outside_pool:
+            self.output_layouts = tuple(_layout(t) for t in flat)
         if self.out_spec is None:
             self.out_spec = spec
             self.diff_outputs = tuple(i for i, grad in enumerate(spec.grad_mask) if grad)
@@ -299,6 +318,42 @@ class _Capture:
                 f"{spec!r}); a graph replays one call's structure"
             )
         return flat
+
+    def grad_buffers(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """Static buffers (outside any pool) for grads laid out like ``grads``, ``None`` for none.
+
+        Parameter grads go into the given ``param_grad_buffers``; under ``"in_graph"`` the entry
+        is the parameter's accumulator, which the backward adds into itself.
+        """
+        n = len(self.grad_input_indices)
+        given = self.request.param_grad_buffers
+        buffers: list[torch.Tensor | None] = []
+        for k, grad in enumerate(grads):
+            if grad is None:
+                buffers.append(None)
+            elif k >= n and self.options.param_grads == "in_graph":
+                buffers.append(self.accumulators[k - n])
+            elif k >= n and given is not None:
+                buffers.append(given[k - n])
+            else:
+                buffers.append(torch.zeros_like(grad))
+        return tuple(buffers)
+
+    def keep_grads(
+        self, grads: Sequence[torch.Tensor | None], buffers: Sequence[torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Copy ``grads`` into their :meth:`grad_buffers` (in the backward graph); the buffers."""
+        # Under "in_graph" the parameter grads were added into their accumulators already.
+        copied = len(self.grad_input_indices) if self.options.param_grads == "in_graph" else None
+        for k, (buffer, grad) in enumerate(zip(buffers, grads, strict=True)):
+            if (grad is None) != (buffer is None):
+                raise _Refused(
+                    "the captured backward gives grads to other inputs or parameters than the "
+                    "warmup did; a graph replays one call's structure"
+                )
+            if grad is not None and buffer is not None and (copied is None or k < copied):
+                buffer.copy_(grad)
+        return tuple(buffers)
 
     def place_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Spread the grads of :meth:`diff_inputs` over the inputs and the parameters."""
@@ -486,6 +541,9 @@ def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[Any]) -> tuple[
 def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None:
     """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
     known = {id(t) for t in item.diff_inputs()}
+    # Python wrappers of autograd nodes are made on demand and die with their last reference,
+    # so an id() seen here could come back for another node: keep every visited node alive.
+    visited: list[Any] = []
     seen: set[int] = set()
     stack: list[Any] = []
     foreign: list[torch.Tensor] = []
@@ -499,6 +557,7 @@ def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        visited.append(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
         if isinstance(variable, torch.Tensor):
             if id(variable) not in known:
@@ -530,7 +589,7 @@ def _capture_emulated(
             grads: tuple[torch.Tensor | None, ...] = ()
             for i in range(max(1, options.num_warmup_iters)):
                 grads = _warmup(item, options.allow_unused_input, inspect=i == 0)
-            item.warmup_grads = tuple(None if g is None else torch.zeros_like(g) for g in grads)
+            item.warmup_grads = tuple(None if g is None else g.detach() for g in grads)
         else:
             item.learn_from(item.like)
         progress.phase = "capture"
@@ -546,9 +605,7 @@ def _capture_emulated(
         del flat
         diff_inputs = item.diff_inputs()
         if item.grad_outputs and diff_inputs:
-            item.place_grads(
-                [None if g is None else torch.zeros_like(g) for g in item.warmup_grads]
-            )
+            item.place_grads(item.grad_buffers(item.warmup_grads))
         n = len(item.grad_input_indices)
         targets = tuple(item.input_grads[i] for i in item.grad_input_indices)
         targets += item.param_grads or (None,) * len(item.params)
@@ -625,10 +682,14 @@ def _capture_cuda_graphs(
     side_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side_stream):
         for item in captures:
-            if item.like is None:  # copies of a callable learn from its warmup
-                progress.name, progress.phase = item.name, "warmup"
-                for i in range(max(1, options.num_warmup_iters)):
-                    _warmup(item, options.allow_unused_input, inspect=i == 0)
+            if item.like is not None:  # copies of a callable learn from its warmup
+                continue
+            progress.name, progress.phase = item.name, "warmup"
+            for i in range(max(1, options.num_warmup_iters)):
+                grads = _warmup(item, options.allow_unused_input, inspect=i == 0)
+            if options.results_outside_pool:
+                item.grad_layouts = tuple(None if g is None else g.detach() for g in grads)
+            del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
     for item in captures:
@@ -653,17 +714,21 @@ def _capture_cuda_graphs(
             continue
         progress.name, progress.phase = item.name, "forward capture"
         forward_graph = _new_graph(extra_generators)
+        # outside the pool (results_outside_pool), unless the outputs go into a donor's buffers
+        layouts = item.output_layouts if item.buffers_from is None else ()
+        kept = tuple(_empty(layout) for layout in layouts)
         with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
-            outputs = item.run()
-            flat = item.record_outputs(outputs)  # (reads Python objects only)
+            flat = item.record_outputs(item.run())  # (reads Python objects only)
+            for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
+                static.copy_(tensor.detach())
             item.copy_into_donor(outputs=flat)
         live_outputs[id(item)] = flat
-        del outputs, flat
+        del flat
         donor = item.buffers_from
         item.static_outputs = (
             donor.static_outputs
             if donor is not None
-            else tuple(t.detach() for t in live_outputs[id(item)])
+            else kept or tuple(t.detach() for t in live_outputs[id(item)])
         )
         item.replay_forward = CudaGraphForward(forward_graph)
         item.graphs.append(forward_graph)
@@ -692,7 +757,12 @@ def _capture_backward(
     diff_inputs = item.diff_inputs()
     if differentiable and diff_inputs:
         item.grad_outputs = _grad_output_buffers(item, flat)
+        # outside the pool (results_outside_pool), unless the grads go into a donor's buffers
+        layouts = item.grad_layouts if item.buffers_from is None else ()
+        buffers = item.grad_buffers(layouts) if layouts else ()
+        item.grad_layouts = ()
         backward_graph = _new_graph(extra_generators)
+        grads: tuple[torch.Tensor | None, ...]
         with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
             grads = torch.autograd.grad(
                 differentiable,
@@ -702,6 +772,8 @@ def _capture_backward(
                 allow_unused=options.allow_unused_input,
             )
             _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+            if buffers:
+                grads = item.keep_grads(grads, buffers)
             item.copy_into_donor(grads=grads)
         item.place_grads(grads)
         item.replay_backward = backward_graph.replay
@@ -720,6 +792,17 @@ def _accumulate(
     ]
     if pairs:
         torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+
+
+def _layout(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+    """What :func:`_empty` needs to allocate a buffer like ``tensor``, holding no memory."""
+    return torch.empty_like(tensor, device="meta"), tensor.device
+
+
+def _empty(layout: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
+    # empty_like keeps the strides of a dense tensor, and makes an expanded one contiguous
+    like, device = layout
+    return torch.empty_like(like, device=device)
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, overload
 
@@ -10,6 +11,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError
+from ._buckets import BucketedCallable, BucketRequest, Fallback, capture_buckets
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
@@ -32,7 +34,7 @@ ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 @overload
 def make_graphed_callables(  # type: ignore[overload-overlap]
     callables: ModuleT,
-    sample_args: Sequence[Any],
+    sample_args: Sequence[Any] | None = None,
     *,
     sample_kwargs: Mapping[str, Any] | None = None,
     num_warmup_iters: int = 3,
@@ -42,6 +44,9 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: Sequence[Sequence[Any]] | None = None,
+    fallback: Fallback = "error",
+    dynamic_dims: Mapping[str, int] | None = None,
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
 ) -> ModuleT: ...
@@ -60,6 +65,9 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: None = None,
+    fallback: Literal["error"] = "error",
+    dynamic_dims: None = None,
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
 ) -> tuple[Any, ...]: ...
@@ -68,7 +76,7 @@ def make_graphed_callables(
 @overload
 def make_graphed_callables(
     callables: Callable[..., Any],
-    sample_args: Sequence[Any],
+    sample_args: Sequence[Any] | None = None,
     *,
     sample_kwargs: Mapping[str, Any] | None = None,
     num_warmup_iters: int = 3,
@@ -78,14 +86,17 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: Sequence[Sequence[Any]] | None = None,
+    fallback: Fallback = "error",
+    dynamic_dims: Mapping[str, int] | None = None,
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
-) -> GraphedCallable | SlottedCallable | EagerCallable: ...
+) -> GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable: ...
 
 
 def make_graphed_callables(
     callables: Any,
-    sample_args: Any,
+    sample_args: Any = None,
     *,
     sample_kwargs: Any = None,
     num_warmup_iters: int = 3,
@@ -95,6 +106,9 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "autograd",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: Any = None,
+    fallback: Fallback = "error",
+    dynamic_dims: Mapping[str, int] | None = None,
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
 ) -> Any:
@@ -141,6 +155,20 @@ def make_graphed_callables(
             of another thread that is unsafe during capture (a ``cudaMalloc`` by a data loader
             or prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets
             other threads be.
+        buckets: instead of ``sample_args``, for one callable: a list with one tuple of sample
+            args per input shape (``sample_kwargs`` then a dict for all, or a list with one per
+            bucket). Each bucket gets its own forward and backward graphs, all in one pool
+            sized by the largest; a call replays the bucket of its input shapes (see
+            :class:`BucketedCallable`).
+        fallback: what a call of shapes no bucket has does: ``"error"`` (default) raises
+            :class:`dualgraph.SpecMismatchError` naming the path and the buckets; ``"eager"``
+            runs the callable eagerly; ``"pad"`` pads the ``dynamic_dims`` with zeros up to the
+            smallest bucket that holds them, passes the callable ``valid_length=`` (a 0-d int64
+            tensor: the positions before it are the call's, the rest padding) and cuts the
+            declared output dims back.
+        dynamic_dims: for ``fallback="pad"``: ``{path: dim}`` of the input dims to pad (they
+            share one length) and the output dims to cut back, e.g.
+            ``{"args[0]": 1, "output[0]": 1}``.
         slots: replay slots per callable: up to ``slots`` replays in flight (forward run,
             backward pending), each in its own slot, with its own buffers and graphs captured
             into a memory pool of its own, so that they replay in any order; a backward finds
@@ -173,8 +201,33 @@ def make_graphed_callables(
     _check_choice("backend", backend, get_args(Backend))
     _check_choice("param_grads", param_grads, get_args(ParamGrads))
     _check_choice("capture_error_mode", capture_error_mode, get_args(CaptureErrorMode))
+    _check_choice("fallback", fallback, get_args(Fallback))
     if type(num_warmup_iters) is not int or num_warmup_iters < 0:
         raise DualgraphError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    options = CaptureOptions(
+        backend="emulate",  # set below
+        num_warmup_iters=num_warmup_iters,
+        allow_unused_input=bool(allow_unused_input),
+        pool=pool,
+        capture_error_mode=capture_error_mode,
+        clone_outputs=bool(clone_outputs),
+        param_grads=param_grads,
+    )
+    if buckets is not None:
+        if slots is not None or schedule is not None:
+            raise DualgraphError(
+                "buckets= does not combine with slots= or schedule= (several shapes, or several "
+                "micro-batches in flight: one of the two per callable)"
+            )
+        return _graph_buckets(
+            callables, sample_args, sample_kwargs, buckets, backend, options, fallback, dynamic_dims
+        )
+    if fallback != "error" or dynamic_dims is not None:
+        raise DualgraphError(
+            "fallback= and dynamic_dims= go with buckets= (the shapes a call may have)"
+        )
+    if sample_args is None:
+        raise DualgraphError("sample_args is required (or buckets=, one sample call per shape)")
     single = not isinstance(callables, tuple | list)
     fns, all_args, all_kwargs = _samples_per_callable(callables, sample_args, sample_kwargs, single)
     slots, schedule = checked_slots(slots, schedule, callables=len(fns), pool=pool)
@@ -204,22 +257,72 @@ def make_graphed_callables(
             fns, names, guards, all_args, all_kwargs, strict=True
         )
     ]
-    options = CaptureOptions(
-        backend=resolved,
-        num_warmup_iters=num_warmup_iters,
-        allow_unused_input=bool(allow_unused_input),
-        pool=pool,
-        capture_error_mode=capture_error_mode,
-        clone_outputs=bool(clone_outputs),
-        param_grads=param_grads,
-    )
     runners: Sequence[GraphedCallable | SlottedCallable]
+    options = dataclasses.replace(options, backend=resolved)
     if slots is None and schedule is None:
         runners = [GraphedCallable(plan) for plan in capture(requests, options)]
     else:
         runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
+
+
+def _graph_buckets(
+    fn: Any,
+    sample_args: Any,
+    sample_kwargs: Any,
+    buckets: Any,
+    backend: Backend,
+    options: CaptureOptions,
+    fallback: Fallback,
+    dynamic_dims: Mapping[str, int] | None,
+) -> Any:
+    """``make_graphed_callables(fn, buckets=...)``: check the request, capture, install."""
+    if isinstance(fn, tuple | list):
+        raise DualgraphError(
+            "buckets= graphs one callable (whose buckets share one pool); graph each callable "
+            "with its own buckets"
+        )
+    if sample_args is not None:
+        raise DualgraphError(
+            "pass the sample calls either as sample_args (one shape) or as buckets= (one per "
+            "shape), not both"
+        )
+    if not isinstance(buckets, tuple | list) or not buckets:
+        raise DualgraphError(
+            f"buckets= is a non-empty list with one tuple of sample args per input shape, got "
+            f"{buckets!r:.80}"
+        )
+    count = len(buckets)
+    if sample_kwargs is None or isinstance(sample_kwargs, Mapping):
+        kwargs_list = [sample_kwargs] * count
+    elif isinstance(sample_kwargs, tuple | list) and len(sample_kwargs) == count:
+        kwargs_list = list(sample_kwargs)
+    else:
+        raise DualgraphError(
+            f"with buckets=, sample_kwargs is one dict for every bucket or a list with one dict "
+            f"(or None) per bucket ({count})"
+        )
+    samples = []
+    for args, kwargs in zip(buckets, kwargs_list, strict=True):
+        _, (checked,), (kwargs,) = _samples_per_callable(fn, args, kwargs, True)
+        samples.append((checked, dict(kwargs or {})))
+    resolved = _resolve_backend(backend, [a for a, _ in samples], [k for _, k in samples])
+    name = _name_of(fn)
+    if resolved != "eager":
+        _check_autocast()
+        refuse_delayed_scaling(name)
+    request = BucketRequest(
+        name=name,
+        fn=_forward_of(fn),
+        module=fn if isinstance(fn, torch.nn.Module) else None,
+        samples=tuple(samples),
+        backend=resolved,
+        options=None if resolved == "eager" else dataclasses.replace(options, backend=resolved),
+        fallback=fallback,
+        dynamic_dims=dynamic_dims,
+    )
+    return install(fn, capture_buckets(request))
 
 
 def diagnostics(graphed: Any, /) -> CaptureDiagnostics:

@@ -64,7 +64,7 @@ class InputGuard:
     dualgraph.SpecMismatchError: args[0]: expected float32[2, 3] on cpu, got ...
     """
 
-    __slots__ = ("_expected", "paths", "requires_grad", "spec")
+    __slots__ = ("_expected", "_flatten_args", "_has_kwargs", "paths", "requires_grad", "spec")
 
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
         #: The core's description of the call: structure, constants, array paths.
@@ -85,6 +85,8 @@ class InputGuard:
         #: For each input tensor (args first, then kwargs): did its sample require grad?
         self.requires_grad: tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+        self._has_kwargs = self.spec.kwargs_spec.num_arrays > 0 or bool(kwargs)
+        self._flatten_args = self.spec.args_spec.flatten
 
     @property
     def num_args_tensors(self) -> int:
@@ -98,7 +100,10 @@ class InputGuard:
 
         ``grad_enabled`` is the grad mode of the call (read from torch when not given).
         """
-        tensors = self.spec.flatten(args, kwargs)
+        if kwargs or self._has_kwargs:
+            tensors = self.spec.flatten(args, kwargs)
+        else:  # the usual call: positional args only (``args`` is the call's own tuple)
+            tensors = self._flatten_args(args, root="args")
         if grad_enabled is None:
             grad_enabled = torch.is_grad_enabled()
         try:

@@ -97,7 +97,9 @@ class GraphedCallable:
         "plan",
     )
 
-    def __init__(self, plan: ReplayPlan) -> None:
+    def __init__(self, plan: ReplayPlan, *, lock: threading.Lock | None = None) -> None:
+        # ``lock``: one shared by callables whose graphs share activations (shape buckets), so
+        # that no two of them replay at once.
         buffers, params = plan.buffers, plan.params
         self.plan = plan
         self.name = plan.name
@@ -152,7 +154,7 @@ class GraphedCallable:
         self._ddp_check = bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
         self._backward_checks = bool(self._saved_outputs) or bool(self._accumulators)
@@ -179,6 +181,22 @@ class GraphedCallable:
     def generation(self) -> int:
         """How many forward replays have run: a backward pairs with the latest one only."""
         return self._generation
+
+    def expire_backward(self) -> None:
+        """Refuse the backward of the latest replay from now on: its activations are gone.
+
+        For callables whose graphs share one pool's activations (shape buckets): a replay of
+        one overwrites what the pending backward of another would read.
+        """
+        self._generation += 1
+
+    def recount_holders(self) -> None:
+        """Take the present holders of the in-graph accumulators as their owners.
+
+        For callables that share accumulators (shape buckets), once all of them are built; a
+        holder beyond these (a ``.grad`` kept after ``zero_grad(set_to_none=True)``) then counts.
+        """
+        self._holder_baseline = self._holder_counts()
 
     def __repr__(self) -> str:
         return (
@@ -645,7 +663,9 @@ def autocast_state() -> tuple[Any, ...]:
     )
 
 
+_DDP = torch.nn.parallel.DistributedDataParallel
+
+
 def _ddp_is_running() -> bool:
     # DDP marks the module whose forward is running (public hook for TorchDynamo).
-    ddp = torch.nn.parallel.DistributedDataParallel
-    return getattr(ddp, "_active_ddp_module", None) is not None
+    return getattr(_DDP, "_active_ddp_module", None) is not None

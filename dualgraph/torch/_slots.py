@@ -430,8 +430,7 @@ def capture_slotted(
         fronts = [_build(group, FreeSlots()) for group in plans]
     for front in fronts:
         for replay in front._replays:
-            # The slots share in-graph accumulators: count their holders now that all exist.
-            replay._holder_baseline = replay._holder_counts()
+            replay.recount_holders()  # the slots share in-graph accumulators: all exist now
     return fronts
 
 
