@@ -12,11 +12,14 @@ micro-batch, buffers shared between micro-batches never in flight together); ``s
 (``slots=`` the micro-batches in flight: a pool per slot); each with parameter grads through
 autograd and in the graph (``in_graph``).
 
-Columns: "held" is what the graphs keep between steps: on the GPU their pools (every segment)
-and the static buffers outside them; on the CPU, with no pools, the static buffers (the in-graph
-accumulators aside: they are the parameters' ``.grad``). "step" is the transient peak of a step
-above what was allocated before it: on the GPU the allocator's; on the CPU the activations saved
-for backward that are alive at once. "total" is their sum, "x eager" its ratio to eager's.
+Columns: "held" is what the graphs keep between steps: on the GPU their pools (every
+segment) and the static buffers outside them; on the CPU, with no pools, the static buffers
+(the in-graph accumulators aside: they are the parameters' ``.grad``). "step" is the transient
+peak of a step above what was allocated before it: on the GPU the allocator's; on the CPU the
+activations saved for backward that are alive at once. "total" is their sum, "x eager" its
+ratio to eager's, "per mb" the total per micro-batch in flight, "pools" the graph pools,
+"slots" the replay slots per block, "reused" the static buffer bytes that micro-batches never
+in flight together share.
 """
 
 from __future__ import annotations
@@ -170,16 +173,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         for param_grads in ("autograd", "in_graph"):
             results.append(measure(variant, param_grads, blocks, schedule, args, counters))
     eager_total = results[0]["total"]
+    in_flight = schedule.in_flight[0]
     print(
         f"{'variant':<20}{'held MiB':>10}{'step MiB':>10}{'total MiB':>11}{'x eager':>9}"
-        f"{'pools':>7}{'slots':>7}{'reused MiB':>12}"
+        f"{'per mb MiB':>12}{'pools':>7}{'slots':>7}{'reused MiB':>12}"
     )
     for row in results:
+        row["per_microbatch"] = row["total"] / in_flight
         print(
             f"{row['variant']:<20}{row['held'] / 2**20:>10.2f}{row['step'] / 2**20:>10.2f}"
-            f"{row['total'] / 2**20:>11.2f}{row['total'] / eager_total:>9.2f}{row['pools']:>7}"
-            f"{row['slots']:>7}{row['reused'] / 2**20:>12.2f}"
+            f"{row['total'] / 2**20:>11.2f}{row['total'] / eager_total:>9.2f}"
+            f"{row['per_microbatch'] / 2**20:>12.2f}{row['pools']:>7}{row['slots']:>7}"
+            f"{row['reused'] / 2**20:>12.2f}"
         )
+    print(f"per mb: the total over the {in_flight} micro-batches in flight at most")
     if args.json is not None:
         args.json.write_text(
             json.dumps(

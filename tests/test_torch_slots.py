@@ -639,3 +639,24 @@ def test_a_transformer_engine_layer_with_two_in_flight_matches_eager(how: dict[s
         layer.named_parameters(), eager.parameters(), strict=True
     ):
         torch.testing.assert_close(param.grad, param_eager.grad, **BF16, msg=name)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_hook_runs_once_per_replay_in_any_slot(backend: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+    expected: list[torch.Tensor] = []
+    model.fc1.weight.register_hook(lambda grad: seen.append(grad.clone()))
+    twin.fc1.weight.register_hook(lambda grad: expected.append(grad.clone()))
+    graphed = _graph(model, backend, slots=2)
+    xs = [_x(backend) for _ in range(2)]
+    outputs = [graphed(x) for x in xs]
+    eager_outputs = [twin(x.detach().clone().requires_grad_()) for x in xs]
+    for k in (1, 0):
+        outputs[k].square().sum().backward()
+        eager_outputs[k].square().sum().backward()
+    assert len(seen) == len(expected) == 2
+    for a, e in zip(seen, expected, strict=True):
+        assert_tensors_match(a, e, "hooked grad", tolerance(backend))
