@@ -24,4 +24,9 @@ python examples/vision_encoder.py --steps 20 2>&1 | tee "$out/demo.log" | tail -
 python benchmarks/bench_buckets_memory.py --json "$out/buckets_memory.json" 2>&1 \
     | tee "$out/buckets_memory.log" | tail -8 || status=1
 python examples/variable_resolution.py 2>&1 | tee "$out/variable_resolution.log" | tail -10 || status=1
+python benchmarks/bench_pipeline_memory.py --json "$out/pipeline_memory.json" 2>&1 \
+    | tee "$out/pipeline_memory.log" | tail -8 || status=1
+python examples/pipeline_schedule.py 2>&1 | tee "$out/pipeline_schedule.log" | tail -12 || status=1
+python examples/pipeline_schedule.py --param-grads in_graph --batch 2 2>&1 \
+    | tee "$out/pipeline_schedule_b2.log" | tail -12 || status=1
 exit $status

@@ -50,6 +50,15 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
             "jax: torch imported in this process: no",
         ],
     ),
+    "pipeline_schedule.py": (
+        ["--device", "cpu", "--steps", "2"],
+        [
+            "micro-batches in flight per stage at most: 4, 3, 2, 1",
+            "dualgraph schedule: losses match eager: 3 steps, largest relative difference 0",
+            "dualgraph slots: losses match eager: 3 steps, largest relative difference 0",
+            "pipeline_schedule: OK",
+        ],
+    ),
     "variable_resolution.py": (
         [],
         [

@@ -20,6 +20,9 @@ errors refuse the capture before anything is captured (``lint="error"``), and th
 the memory plan end up in each plan's diagnostics.
 
 Either way :func:`capture` returns one frozen :class:`ReplayPlan` per callable.
+:func:`capture_copies` captures several copies of each callable (replay slots, each with its own
+static buffers and graphs, ``_slots.py``) in an order and into pools a :class:`CaptureLayout`
+chooses; the callable is warmed up once, and its copies learn what warmup found.
 
 With ``results_outside_pool`` (shape buckets, ``_buckets.py``) the graphs copy their outputs and
 grads into static buffers allocated outside the pool, so that everything left in the pool is
@@ -30,12 +33,13 @@ callable share their parameter grad buffers (or in-graph accumulators).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
@@ -59,7 +63,15 @@ from ._probe import (
 from ._replay import CudaGraphForward, EmulatedReplay, autocast_state
 from ._transformer_engine import fp8_state, transformer_engine_capture
 
-__all__ = ["CaptureOptions", "CaptureRequest", "capture", "repair_cuda_rng"]
+__all__ = [
+    "CaptureLayout",
+    "CaptureOptions",
+    "CaptureRequest",
+    "CaptureStep",
+    "capture",
+    "capture_copies",
+    "repair_cuda_rng",
+]
 
 
 @dataclass(frozen=True)
@@ -100,27 +112,74 @@ def capture(requests: Sequence[CaptureRequest], options: CaptureOptions) -> list
     Raises :class:`CaptureError` naming the callable, the phase and the cause; then no capture
     is left open, buffers and hooks are as they were, and the CUDA RNG works.
     """
+    return [plans[0] for plans in capture_copies(requests, options, _OneEach())]
+
+
+@dataclass(frozen=True)
+class CaptureStep:
+    """One graph to capture (``"cuda"``): the forward or the backward of one copy, into a pool.
+
+    ``pool`` ``None`` means the pool shared by the whole capture (``options.pool``, or a new one).
+    """
+
+    copy: _Capture
+    backward: bool
+    pool: Any = None
+
+
+class CaptureLayout(Protocol):
+    """Which copies of each callable to capture, and the order and pools of their graphs."""
+
+    def copies(self, index: int, make: Callable[..., _Capture]) -> list[_Capture]:
+        """The copies of request ``index``; ``make(like=..., buffers_from=...)`` builds one."""
+        ...
+
+    def steps(self, copies: Sequence[Sequence[_Capture]]) -> list[CaptureStep]:
+        """Every graph to capture, in capture order (``"cuda"`` only)."""
+        ...
+
+
+class _OneEach:
+    """One copy per callable: forwards in the order given, backwards in reverse, one pool."""
+
+    def copies(self, index: int, make: Callable[..., _Capture]) -> list[_Capture]:
+        return [make()]
+
+    def steps(self, copies: Sequence[Sequence[_Capture]]) -> list[CaptureStep]:
+        items = [item for group in copies for item in group]
+        return [CaptureStep(item, False) for item in items] + [
+            CaptureStep(item, True) for item in reversed(items)
+        ]
+
+
+def capture_copies(
+    requests: Sequence[CaptureRequest], options: CaptureOptions, layout: CaptureLayout
+) -> list[list[ReplayPlan]]:
+    """Like :func:`capture`, with the copies and graph order ``layout`` gives: plans per request."""
     progress = _Progress()
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
-        captures = []
-        for request in requests:
+        copies: list[list[_Capture]] = []
+        for index, request in enumerate(requests):
             progress.name = request.name
-            captures.append(_Capture(request, options))
-            probes.append(captures[-1].probe)
+            copies.append(layout.copies(index, functools.partial(_Capture, request, options)))
+            probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
+        captures = [item for group in copies for item in group]
         with contextlib.ExitStack() as restore:
             for item in captures:
+                if item.like is not None:
+                    continue  # shares the module and parameters of its original
                 if item.module_tensors is not None:
                     restore.enter_context(item.module_tensors.left_as_found())
                 if options.param_grads == "autograd":
                     restore.enter_context(suspended_tensor_hooks(item.params))
             if options.backend == "cuda":
-                _capture_cuda(captures, options, progress)
+                _capture_cuda(captures, layout.steps(copies), options, progress)
             else:
                 _capture_emulated(captures, options, progress)
         progress.phase = "planning"
-        plans = [item.plan() for item in captures]
-        attach_probes([plan.diagnostics for plan in plans], probes)  # issue 19 hook
+        plans = [[item.plan() for item in group] for group in copies]
+        attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook
         return plans
     except Exception as error:
         if options.backend == "cuda":
@@ -137,17 +196,54 @@ class _Refused(DualgraphError):
 
 
 class _Capture:
-    """The static buffers and facts of one callable, gathered during capture (then a plan)."""
+    """The static buffers and facts of one callable, gathered during capture (then a plan).
 
-    def __init__(self, request: CaptureRequest, options: CaptureOptions) -> None:
+    A copy made ``like`` another (a replay slot of the same callable) shares its module,
+    parameters and in-graph accumulators and learns what its warmup found. One made with
+    ``buffers_from`` another (a replay never in flight with it) also shares all its static
+    buffers: inputs and grad outputs, and the outputs and grads its graphs copy into the
+    other's (the other's graphs wrote them where they were computed).
+    """
+
+    def __init__(
+        self,
+        request: CaptureRequest,
+        options: CaptureOptions,
+        *,
+        like: _Capture | None = None,
+        buffers_from: _Capture | None = None,
+    ) -> None:
         self.request = request
         self.options = options
         self.name = request.name
-        self.static_inputs = tuple(
-            t.detach().clone().requires_grad_(t.requires_grad) for t in request.sample_tensors
+        self.like = like
+        self.buffers_from = buffers_from
+        self.static_inputs: tuple[torch.Tensor, ...] = (
+            buffers_from.static_inputs
+            if buffers_from is not None
+            else tuple(
+                t.detach().clone().requires_grad_(t.requires_grad) for t in request.sample_tensors
+            )
         )
         self.static_args, self.static_kwargs = request.inputs.unflatten(self.static_inputs)
-        module = request.module
+        self.grad_input_indices = tuple(
+            i for i, t in enumerate(self.static_inputs) if t.requires_grad
+        )
+        self._learned_nothing_yet()
+        self.module_tensors: ModuleTensors | None
+        self.param_names: tuple[str, ...]
+        self.params: tuple[torch.Tensor, ...]
+        self.accumulators: tuple[torch.Tensor | None, ...]
+        if like is None:
+            self._own_parameters()
+        else:
+            self.module_tensors = like.module_tensors
+            self.param_names, self.params = like.param_names, like.params
+            self.accumulators = like.accumulators  # one .grad per parameter, whatever the copy
+
+    def _own_parameters(self) -> None:
+        options = self.options
+        module = self.request.module
         if module is not None:
             tensors = itertools.chain(module.named_parameters(), module.named_buffers())
             lazy = [name for name, tensor in tensors if is_lazy(tensor)]
@@ -173,15 +269,14 @@ class _Capture:
                         "(the backward graph adds the grad into .grad itself); capture with "
                         "param_grads='autograd' to use parameter hooks"
                     )
-        given = request.param_grad_buffers
-        self.accumulators: tuple[torch.Tensor | None, ...] = (
+        given = self.request.param_grad_buffers
+        self.accumulators = (
             (given if given is not None else tuple(torch.zeros_like(p) for p in self.params))
             if options.param_grads == "in_graph"
             else ()
         )
-        self.grad_input_indices = tuple(
-            i for i, t in enumerate(self.static_inputs) if t.requires_grad
-        )
+
+    def _learned_nothing_yet(self) -> None:
         # learned during warmup and capture
         self.out_spec: TreeSpec | None = None
         self.diff_outputs: tuple[int, ...] = ()
@@ -196,19 +291,28 @@ class _Capture:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.seconds = 0.0
         self.pool_bytes = 0
+        self.warmup_grads: tuple[torch.Tensor | None, ...] = ()
         # results_outside_pool: how the last warmup's outputs and grads were laid out
         self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
         self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
         # issue 19 hook: the lint and the memory plan observe the first warmup iteration
         self.probe = WarmupProbe(
-            request.name,
-            request.fn,
-            module=module,
+            self.request.name,
+            self.request.fn,
+            module=self.request.module,
             inputs=self.static_inputs,
-            paths=request.inputs.paths,
-            lint=options.lint,
-            backend=options.backend,
+            paths=self.request.inputs.paths,
+            lint=self.options.lint,
+            backend=self.options.backend,
         )
+
+    def learn_from(self, original: _Capture) -> None:
+        """Take over what the warmup of ``original`` (the same callable) found."""
+        self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
+        self.saved_outputs = original.saved_outputs
+        self.mutated = set(original.mutated)
+        self.warmup_grads = original.warmup_grads
+        self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
 
     def run(self) -> Any:
         return self.request.fn(*self.static_args, **self.static_kwargs)
@@ -294,6 +398,29 @@ class _Capture:
                 acc if grad is not None else None
                 for acc, grad in zip(self.accumulators, param_grads, strict=True)
             )
+        donor = self.buffers_from
+        if donor is not None:  # the grads were copied into the donor's buffers
+            self.input_grads, self.param_grads = donor.input_grads, donor.param_grads
+
+    def copy_into_donor(
+        self, outputs: Sequence[torch.Tensor] = (), grads: Sequence[torch.Tensor | None] = ()
+    ) -> None:
+        """Copy outputs, or the grads of :meth:`diff_inputs`, into the donor's static buffers.
+
+        Captured into this copy's graphs, so that its replays leave their results where the
+        donor's do (with no donor, nothing to do).
+        """
+        donor = self.buffers_from
+        if donor is None:
+            return
+        for static, output in zip(donor.static_outputs, outputs, strict=False):
+            static.copy_(output.detach())
+        targets: list[torch.Tensor | None] = [donor.input_grads[i] for i in self.grad_input_indices]
+        if self.options.param_grads == "autograd":
+            targets += donor.param_grads
+        for target, grad in zip(targets, grads, strict=False):
+            if target is not None and grad is not None:
+                target.copy_(grad)
 
     def plan(self) -> ReplayPlan:
         assert self.out_spec is not None and self.replay_forward is not None
@@ -489,21 +616,30 @@ def _capture_emulated(
     for item in captures:
         progress.name = item.name
         start = time.perf_counter()
-        progress.phase = "warmup"
-        grads: tuple[torch.Tensor | None, ...] = ()
-        for i in range(max(1, options.num_warmup_iters)):
-            with item.probe:  # issue 19 hook: observes the first iteration only
-                grads = _warmup(item, options.allow_unused_input, inspect=i == 0)
-        raise_on_lint_errors([item.probe])  # issue 19 hook
+        if item.like is None:
+            progress.phase = "warmup"
+            grads: tuple[torch.Tensor | None, ...] = ()
+            for i in range(max(1, options.num_warmup_iters)):
+                with item.probe:  # issue 19 hook: observes the first iteration only
+                    grads = _warmup(item, options.allow_unused_input, inspect=i == 0)
+            raise_on_lint_errors([item.probe])  # issue 19 hook
+            item.warmup_grads = tuple(None if g is None else g.detach() for g in grads)
+        else:
+            item.learn_from(item.like)
         progress.phase = "capture"
         with torch.enable_grad():
             flat = item.record_outputs(item.run())
-        item.static_outputs = tuple(torch.empty_like(t.detach()) for t in flat)
-        item.grad_outputs = tuple(torch.empty_like(flat[i].detach()) for i in item.diff_outputs)
+        donor = item.buffers_from
+        item.static_outputs = (
+            donor.static_outputs
+            if donor is not None
+            else tuple(torch.empty_like(t.detach()) for t in flat)
+        )
+        item.grad_outputs = _grad_output_buffers(item, flat)
         del flat
         diff_inputs = item.diff_inputs()
         if item.grad_outputs and diff_inputs:
-            item.place_grads(item.grad_buffers(grads))
+            item.place_grads(item.grad_buffers(item.warmup_grads))
         n = len(item.grad_input_indices)
         targets = tuple(item.input_grads[i] for i in item.grad_input_indices)
         targets += item.param_grads or (None,) * len(item.params)
@@ -531,10 +667,21 @@ def _capture_emulated(
 # -- the cuda backend ----------------------------------------------------------------------------
 
 
+def _grad_output_buffers(item: _Capture, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The static grad-output buffers: new, or those of the copy ``item`` shares buffers with."""
+    donor = item.buffers_from
+    if donor is not None and donor.grad_outputs:
+        return donor.grad_outputs
+    return tuple(torch.empty_like(flat[i].detach()) for i in item.diff_outputs)
+
+
 def _capture_cuda(
-    captures: Sequence[_Capture], options: CaptureOptions, progress: _Progress
+    captures: Sequence[_Capture],
+    steps: Sequence[CaptureStep],
+    options: CaptureOptions,
+    progress: _Progress,
 ) -> None:
-    """Warm up on a side stream, then capture forward graphs in order, backward in reverse."""
+    """Warm up on a side stream, then capture the graphs ``steps`` list, in that order."""
     device = _device_of(captures)
     caller_stream = torch.cuda.current_stream(device)
     # The garbage collector may destroy an unreachable CUDA graph while another one is being
@@ -543,7 +690,7 @@ def _capture_cuda(
     gc.disable()
     try:
         with transformer_engine_capture() as te_generators:
-            _capture_cuda_graphs(captures, options, progress, device, te_generators)
+            _capture_cuda_graphs(captures, steps, options, progress, device, te_generators)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -555,6 +702,7 @@ def _capture_cuda(
 
 def _capture_cuda_graphs(
     captures: Sequence[_Capture],
+    steps: Sequence[CaptureStep],
     options: CaptureOptions,
     progress: _Progress,
     device: torch.device,
@@ -562,12 +710,14 @@ def _capture_cuda_graphs(
 ) -> None:
     start = time.perf_counter()
     torch.cuda.synchronize(device)
-    pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+    shared_pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
     mode: Any = options.capture_error_mode
     side_stream = torch.cuda.Stream(device)
     side_stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side_stream):
         for item in captures:
+            if item.like is not None:  # copies of a callable learn from its warmup
+                continue
             progress.name, progress.phase = item.name, "warmup"
             for i in range(max(1, options.num_warmup_iters)):
                 with item.probe:  # issue 19 hook: observes the first iteration only
@@ -577,57 +727,95 @@ def _capture_cuda_graphs(
             del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
-    raise_on_lint_errors([item.probe for item in captures])  # issue 19 hook: before any capture
+    originals = [item for item in captures if item.like is None]
+    raise_on_lint_errors([item.probe for item in originals])  # issue 19 hook: before any capture
+    for item in captures:
+        if item.like is not None:
+            item.learn_from(item.like)
     allocated_before = torch.cuda.memory_allocated(device)
 
     live_outputs: dict[int, list[torch.Tensor]] = {}
-    for item in captures:
+    pools: list[Any] = []  # each pool once, in order of first use
+    item_pools: dict[int, list[int]] = {id(item): [] for item in captures}
+    for step in steps:
+        item = step.copy
+        pool = shared_pool if step.pool is None else step.pool
+        if pool not in pools:
+            pools.append(pool)
+        if pools.index(pool) not in item_pools[id(item)]:
+            item_pools[id(item)].append(pools.index(pool))
+        if step.backward:
+            flat = live_outputs.pop(id(item))
+            _capture_backward(item, flat, pool, options, progress, extra_generators)
+            del flat
+            continue
         progress.name, progress.phase = item.name, "forward capture"
         forward_graph = _new_graph(extra_generators)
-        kept = tuple(_empty(layout) for layout in item.output_layouts)  # outside the pool
+        # outside the pool (results_outside_pool), unless the outputs go into a donor's buffers
+        layouts = item.output_layouts if item.buffers_from is None else ()
+        kept = tuple(_empty(layout) for layout in layouts)
         with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
-            flat = item.record_outputs(item.run())
-            if kept:
-                for static, tensor in zip(kept, flat, strict=True):
-                    static.copy_(tensor.detach())
+            flat = item.record_outputs(item.run())  # (reads Python objects only)
+            for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
+                static.copy_(tensor.detach())
+            item.copy_into_donor(outputs=flat)
         live_outputs[id(item)] = flat
-        item.static_outputs = kept or tuple(t.detach() for t in flat)
+        del flat
+        donor = item.buffers_from
+        item.static_outputs = (
+            donor.static_outputs
+            if donor is not None
+            else kept or tuple(t.detach() for t in live_outputs[id(item)])
+        )
         item.replay_forward = CudaGraphForward(forward_graph)
         item.graphs.append(forward_graph)
-
-    for item in reversed(captures):
-        progress.name, progress.phase = item.name, "backward capture"
-        flat = live_outputs.pop(id(item))
-        differentiable = [flat[i] for i in item.diff_outputs]
-        diff_inputs = item.diff_inputs()
-        if differentiable and diff_inputs:
-            item.grad_outputs = tuple(torch.empty_like(t.detach()) for t in differentiable)
-            buffers = item.grad_buffers(item.grad_layouts) if item.grad_layouts else ()
-            item.grad_layouts = ()
-            backward_graph = _new_graph(extra_generators)
-            with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
-                grads = torch.autograd.grad(
-                    differentiable,
-                    diff_inputs,
-                    grad_outputs=item.grad_outputs,
-                    only_inputs=True,
-                    allow_unused=options.allow_unused_input,
-                )
-                _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
-                if buffers:
-                    grads = item.keep_grads(grads, buffers)
-            item.place_grads(grads)
-            item.replay_backward = backward_graph.replay
-            item.graphs.append(backward_graph)
-        del flat, differentiable
+    del live_outputs  # forwards without a backward step: their activations go back to the pool
     torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    pool_bytes = _pool_bytes(pool, device) or max(
-        0, torch.cuda.memory_allocated(device) - allocated_before
-    )
+    sizes = [_pool_bytes(pool, device) for pool in pools]
+    fallback = max(0, torch.cuda.memory_allocated(device) - allocated_before)
     for item in captures:
-        item.pool_bytes = pool_bytes
+        item.pool_bytes = sum(sizes[i] for i in item_pools[id(item)]) if any(sizes) else fallback
         item.seconds = elapsed
+
+
+def _capture_backward(
+    item: _Capture,
+    flat: list[torch.Tensor],
+    pool: Any,
+    options: CaptureOptions,
+    progress: _Progress,
+    extra_generators: Sequence[Any],
+) -> None:
+    """Capture the backward graph of ``item`` from its forward's outputs ``flat``."""
+    mode: Any = options.capture_error_mode
+    progress.name, progress.phase = item.name, "backward capture"
+    differentiable = [flat[i] for i in item.diff_outputs]
+    diff_inputs = item.diff_inputs()
+    if differentiable and diff_inputs:
+        item.grad_outputs = _grad_output_buffers(item, flat)
+        # outside the pool (results_outside_pool), unless the grads go into a donor's buffers
+        layouts = item.grad_layouts if item.buffers_from is None else ()
+        buffers = item.grad_buffers(layouts) if layouts else ()
+        item.grad_layouts = ()
+        backward_graph = _new_graph(extra_generators)
+        grads: tuple[torch.Tensor | None, ...]
+        with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
+            grads = torch.autograd.grad(
+                differentiable,
+                diff_inputs,
+                grad_outputs=item.grad_outputs,
+                only_inputs=True,
+                allow_unused=options.allow_unused_input,
+            )
+            _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+            if buffers:
+                grads = item.keep_grads(grads, buffers)
+            item.copy_into_donor(grads=grads)
+        item.place_grads(grads)
+        item.replay_backward = backward_graph.replay
+        item.graphs.append(backward_graph)
+    del flat, differentiable
 
 
 def _accumulate(

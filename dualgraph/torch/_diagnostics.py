@@ -22,6 +22,11 @@ class CaptureDiagnostics:
     the ``"eager"`` backend, ran) the callable. ``lint`` holds the capture lint's findings
     (``None`` with ``lint="off"`` and on the ``"eager"`` backend) and ``memory_plan`` the memory
     plan of the callables captured together, with the measured pool beside it on the GPU.
+    With several replay slots (``slots=`` or
+    ``schedule=``), the bytes count every buffer once, ``pool_bytes`` sums the slots' own pools
+    (or is the schedule's shared pool), ``slots`` is their number, ``in_flight`` the slots
+    whose backward is pending, and ``reused_buffer_bytes`` what slots share instead of each
+    holding a copy (static inputs and grad outputs of micro-batches never in flight together).
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0
@@ -39,3 +44,6 @@ class CaptureDiagnostics:
     # issue 19 hook: set at capture by dualgraph.torch._probe.attach_probes
     lint: LintReport | None = None
     memory_plan: MemoryPlan | None = None
+    slots: int = 1
+    in_flight: tuple[int, ...] = ()
+    reused_buffer_bytes: int = 0

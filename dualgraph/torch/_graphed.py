@@ -19,9 +19,11 @@ from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
 from ._probe import LintMode
 from ._replay import GraphedCallable
+from ._schedule import Schedule
+from ._slots import SlottedCallable, capture_slotted, checked_slots, reset_slots_of
 from ._transformer_engine import refuse_delayed_scaling
 
-__all__ = ["diagnostics", "make_graphed_callables", "owned"]
+__all__ = ["diagnostics", "make_graphed_callables", "owned", "reset_slots"]
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
 ParamGrads = Literal["autograd", "in_graph"]
@@ -47,6 +49,8 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     fallback: Fallback = "error",
     dynamic_dims: Mapping[str, int] | None = None,
     lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> ModuleT: ...
 
 
@@ -67,6 +71,8 @@ def make_graphed_callables(
     fallback: Literal["error"] = "error",
     dynamic_dims: None = None,
     lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> tuple[Any, ...]: ...
 
 
@@ -87,7 +93,9 @@ def make_graphed_callables(
     fallback: Fallback = "error",
     dynamic_dims: Mapping[str, int] | None = None,
     lint: LintMode = "auto",
-) -> GraphedCallable | EagerCallable | BucketedCallable: ...
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
+) -> GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable: ...
 
 
 def make_graphed_callables(
@@ -106,6 +114,8 @@ def make_graphed_callables(
     fallback: Fallback = "error",
     dynamic_dims: Mapping[str, int] | None = None,
     lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -175,6 +185,16 @@ def make_graphed_callables(
             ``"off"`` skips the lint.
             The findings and the memory plan are in ``diagnostics(graphed).lint`` and
             ``.memory_plan``.
+        slots: replay slots per callable: up to ``slots`` replays in flight (forward run,
+            backward pending), each in its own slot, with its own buffers and graphs captured
+            into a memory pool of its own, so that they replay in any order; a backward finds
+            its slot through autograd. Default: one.
+        schedule: a pipeline schedule (:class:`Schedule`, or its order as a list of ints like
+            Transformer Engine's ``_order``: ``+c`` forward and ``-c`` backward through chunk
+            ``c``, callables split evenly over the chunks): each callable gets a slot per
+            micro-batch of the step, all captured into one pool in the schedule's order, and
+            every replay must follow that order (else :class:`DualgraphError`, before any buffer
+            is touched). Memory then follows the schedule, as eager's does.
 
     Returns:
         The module (graphed in place), a :class:`GraphedCallable` for a function (an
@@ -191,6 +211,10 @@ def make_graphed_callables(
     >>> graphed = make_graphed_callables(layer, (torch.randn(2, 4),), backend="emulate")
     >>> graphed(torch.randn(2, 4)).shape
     torch.Size([2, 4])
+    >>> stage = make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), slots=2)
+    >>> first, second = stage(torch.randn(2, 4)), stage(torch.randn(2, 4))  # two in flight
+    >>> diagnostics(stage).in_flight
+    (0, 1)
     """
     _check_choice("backend", backend, get_args(Backend))
     _check_choice("param_grads", param_grads, get_args(ParamGrads))
@@ -210,6 +234,11 @@ def make_graphed_callables(
         lint=lint,
     )
     if buckets is not None:
+        if slots is not None or schedule is not None:
+            raise DualgraphError(
+                "buckets= does not combine with slots= or schedule= (several shapes, or several "
+                "micro-batches in flight: one of the two per callable)"
+            )
         return _graph_buckets(
             callables, sample_args, sample_kwargs, buckets, backend, options, fallback, dynamic_dims
         )
@@ -221,6 +250,7 @@ def make_graphed_callables(
         raise DualgraphError("sample_args is required (or buckets=, one sample call per shape)")
     single = not isinstance(callables, tuple | list)
     fns, all_args, all_kwargs = _samples_per_callable(callables, sample_args, sample_kwargs, single)
+    slots, schedule = checked_slots(slots, schedule, callables=len(fns), pool=pool)
     guards = [InputGuard(args, kwargs) for args, kwargs in zip(all_args, all_kwargs, strict=True)]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
@@ -247,8 +277,13 @@ def make_graphed_callables(
             fns, names, guards, all_args, all_kwargs, strict=True
         )
     ]
-    plans = capture(requests, dataclasses.replace(options, backend=resolved))
-    results = [install(fn, GraphedCallable(plan)) for fn, plan in zip(fns, plans, strict=True)]
+    runners: Sequence[GraphedCallable | SlottedCallable]
+    options = dataclasses.replace(options, backend=resolved)
+    if slots is None and schedule is None:
+        runners = [GraphedCallable(plan) for plan in capture(requests, options)]
+    else:
+        runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
+    results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
 
 
@@ -319,6 +354,21 @@ def diagnostics(graphed: Any, /) -> CaptureDiagnostics:
     ('emulate', 32, 0)
     """
     return runner_of(graphed).diagnostics
+
+
+def reset_slots(graphed: Any, /) -> None:
+    """Drop the replays in flight of a callable graphed with slots or a schedule; restart it.
+
+    Their backwards then raise; a schedule starts its step over (for every callable graphed
+    with it). For a step abandoned half-way, e.g. after an error.
+
+    >>> stage = make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), slots=2)
+    >>> kept = stage(torch.randn(2, 4))
+    >>> reset_slots(stage)
+    >>> diagnostics(stage).in_flight
+    ()
+    """
+    reset_slots_of(runner_of(graphed))
 
 
 def owned(tree: Any, /) -> Any:

@@ -67,6 +67,7 @@ from ._graphed import diagnostics
 from ._leaves import dtype_name
 from ._modules import runner_of
 from ._replay import GraphedCallable
+from ._slots import SlottedCallable
 
 __all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
 
@@ -301,6 +302,8 @@ def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
     in place of the graphed one for the call.
     """
     runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable):
+        runner = runner._replays[0]  # every slot replays the same callable
     original = runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
     if not isinstance(graphed, torch.nn.Module):
         yield original
