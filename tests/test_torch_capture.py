@@ -437,8 +437,10 @@ def test_an_input_updated_in_place_during_backward_is_refused(backend: str) -> N
     assert message.startswith(
         f"capturing _scales_input_in_backward ({backend}) failed during warmup: args[0] is updated "
         "in place during backward; dualgraph hands in-place updates back to the caller after the "
-        "forward only\n"
+        "forward only"
     )
+    if backend != "emulate":
+        return  # lint="auto" lints on emulate only; cuda's warmup runs unobserved
     # the capture lint's finding follows, with the line in the backward that does it
     assert (
         "error: input updated in place during backward: aten.mul_ on args[0] at "
