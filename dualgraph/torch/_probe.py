@@ -35,6 +35,7 @@ __all__ = [
     "WarmupProbe",
     "attach_probes",
     "check_lint_mode",
+    "cloned_inputs",
     "probe_once",
     "raise_on_lint_errors",
     "with_lint_findings",
@@ -78,7 +79,7 @@ def _probe_once(
 ) -> tuple[LintReport | None, MemoryPlan | None]:
     name = name_of(fn)
     root = module_of(fn)
-    args_clone, kwargs_clone, inputs = _cloned_inputs(tuple(args), dict(kwargs))
+    args_clone, kwargs_clone, inputs = cloned_inputs(tuple(args), dict(kwargs))
     params = list(root.named_parameters()) if root is not None else []
     observers: list[CaptureLint | MemoryProbe] = []
     capture_lint = memory_probe = None
@@ -338,7 +339,7 @@ def _leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def _cloned_inputs(
+def cloned_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, torch.Tensor]]]:
     """Clones of the tensors in ``args``/``kwargs`` (``requires_grad`` kept) and their paths."""

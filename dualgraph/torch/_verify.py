@@ -57,15 +57,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import optree
 import torch
 
-from .._containers import NAMESPACE
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._graphed import diagnostics
 from ._leaves import dtype_name
 from ._modules import runner_of
+from ._probe import cloned_inputs
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
@@ -265,7 +264,7 @@ def _run_steps(
         param.grad = None
     results = []
     for step in range(steps):
-        call_args, call_kwargs, inputs = _cloned(tuple(args), dict(kwargs))
+        call_args, call_kwargs, inputs = cloned_inputs(tuple(args), dict(kwargs))
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
         before.update({f"buffer {n}": b.detach().clone() for n, b in buffers})
         with torch.enable_grad():
@@ -483,25 +482,3 @@ def _cotangent(output: torch.Tensor, step: int, index: int) -> torch.Tensor:
     return values.to(dtype=output.dtype, device=output.device)
 
 
-def _cloned(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    inputs: list[tuple[str, torch.Tensor]] = []
-
-    def clone(root: str, tree: Any) -> Any:
-        paths, leaves, treedef = optree.tree_flatten_with_path(
-            tree, none_is_leaf=True, namespace=NAMESPACE
-        )
-        cloned = []
-        for path, leaf in zip(paths, leaves, strict=True):
-            if isinstance(leaf, torch.Tensor):
-                leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
-                inputs.append((root + "".join(_entry(e) for e in path), leaf))
-            cloned.append(leaf)
-        return optree.tree_unflatten(treedef, cloned)
-
-    return clone("args", args), clone("kwargs", kwargs), inputs
-
-
-def _entry(entry: Any) -> str:
-    return f"[{entry}]" if isinstance(entry, int) else f"[{entry!r}]"
