@@ -46,7 +46,7 @@ from .._spec import TreeSpec, describe
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
-from ._inputs import InputGuard, unsupported_tensor
+from ._inputs import InputGuard
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
@@ -223,7 +223,6 @@ class BucketedCallable:
         name: str,
         fn: Callable[..., Any],
         guard: InputGuard,
-        expected: Sequence[tuple[torch.dtype, torch.device, bool]],
         buckets: Sequence[_Bucket],
         fallback: Fallback,
         padding: _Padding | None,
@@ -237,7 +236,6 @@ class BucketedCallable:
         self.diagnostics = diagnostics
         self._guard = guard
         self._spec = guard.spec
-        self._expected = tuple(expected)  # (dtype, device, requires_grad) of each input
         self._buckets = tuple(buckets)
         self._by_shapes = {bucket.shapes: bucket for bucket in buckets}
         self._padding = padding
@@ -409,26 +407,9 @@ class BucketedCallable:
 
     def _check_tensors(self, tensors: Sequence[Any]) -> None:
         """What a bucket would check of each input tensor, but its shape."""
-        grad_enabled = torch.is_grad_enabled()
-        for path, tensor, (dtype, device, requires_grad) in zip(
-            self._guard.paths, tensors, self._expected, strict=True
-        ):
-            expected = f"a {dtype_name(dtype)} tensor on {device}"
-            if not isinstance(tensor, torch.Tensor):
-                found = f"an object of type {type(tensor).__module__}.{type(tensor).__qualname__}"
-                raise SpecMismatchError(f"{path}: expected {expected}, got {found}", path=path)
-            why = unsupported_tensor(tensor)
-            if why is not None:
-                raise SpecMismatchError(f"{path}: expected {expected}, got {why}", path=path)
-            if tensor.dtype is not dtype or tensor.device != device:
-                found = f"a {dtype_name(tensor.dtype)} tensor on {tensor.device}"
-                raise SpecMismatchError(f"{path}: expected {expected}, got {found}", path=path)
-            if tensor.requires_grad and not requires_grad and grad_enabled:
-                raise SpecMismatchError(
-                    f"{path}: requires grad, but the buckets were captured without "
-                    "requires_grad, so no gradient would reach it",
-                    path=path,
-                )
+        error = self._guard.first_mismatch(tensors, torch.is_grad_enabled(), shapes=False)
+        if error is not None:
+            raise error
 
     def _check_outputs(self, outputs: Any) -> None:
         """An eager call returns the tree a replay would: containers, None, constants, dtypes."""
@@ -692,7 +673,6 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         name=request.name,
         fn=request.fn,
         guard=guard,
-        expected=expected,
         buckets=buckets,
         fallback=request.fallback,
         padding=padding,
