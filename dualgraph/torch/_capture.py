@@ -434,7 +434,6 @@ class _Capture:
                 mode="autograd",
                 params=params,
                 names=self.param_names,
-                nodes=tuple(get_gradient_edge(p).node for p in params),
                 accumulators=(None,) * len(params),
             )
             param_grads = self.param_grads or (None,) * len(params)
@@ -444,7 +443,6 @@ class _Capture:
                 mode="in_graph",
                 params=params,
                 names=self.param_names,
-                nodes=(None,) * len(params),
                 accumulators=self.accumulators or (None,) * len(params),
                 anchor=anchor,
                 anchor_node=None if anchor is None else get_gradient_edge(anchor).node,

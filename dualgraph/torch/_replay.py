@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
@@ -45,6 +46,11 @@ _is_any_autocast_enabled = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
 )
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+# A leaf's AccumulateGrad node (made if none is alive): torch.autograd.graph's, without the
+# GradientEdge that get_gradient_edge wraps it in.
+_grad_accumulator = getattr(
+    torch.autograd.graph, "_get_grad_fn_or_grad_acc", lambda t: get_gradient_edge(t).node
+)
 
 
 class GraphedCallable:
@@ -89,6 +95,7 @@ class GraphedCallable:
         "_replay_forward",
         "_saved_outputs",
         "_sentinel_node",
+        "_sentinel_param",
         "_static_inputs",
         "_static_outputs",
         "backend",
@@ -128,12 +135,11 @@ class GraphedCallable:
         # through one container could count as unreferenced, and AccumulateGrad would steal it.
         self._param_grads = tuple([*buffers.param_grads]) if params.mode == "autograd" else ()
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
-        # ``torch.autograd.grad``: see ``_is_plain_backward``.
-        self._sentinel_node = (
-            params.anchor_node
-            if params.mode == "in_graph"
-            else (params.nodes[0] if params.nodes else None)
-        )
+        # ``torch.autograd.grad``: see ``_is_plain_backward``. The in-graph anchor's node is
+        # ours to keep; a parameter's is looked up during the backward (when the replay's graph
+        # holds it): kept here, it would outlive the step with the stream it was made on.
+        self._sentinel_node = params.anchor_node if params.mode == "in_graph" else None
+        self._sentinel_param = self._params[0] if self._params else None
         self._accumulators = tuple(
             (param, accumulator, name)
             for param, accumulator, name in zip(
@@ -427,10 +433,13 @@ class GraphedCallable:
         the engine runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it
         raises for a leaf whose grad is captured).
         """
-        if self._sentinel_node is None or _will_engine_execute_node is None:
+        node = self._sentinel_node
+        if node is None and self._sentinel_param is not None:
+            node = _grad_accumulator(self._sentinel_param)
+        if node is None or _will_engine_execute_node is None:
             return False
         try:
-            return bool(_will_engine_execute_node(self._sentinel_node))
+            return bool(_will_engine_execute_node(node))
         except RuntimeError:
             return False
 

@@ -480,5 +480,3 @@ def _cotangent(output: torch.Tensor, step: int, index: int) -> torch.Tensor:
     dtype = torch.complex128 if output.is_complex() else torch.float64
     values = torch.randn(output.shape, generator=generator, dtype=dtype)
     return values.to(dtype=output.dtype, device=output.device)
-
-
