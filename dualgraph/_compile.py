@@ -78,17 +78,32 @@ class _Code:
         self.code: CodeType = compile(source, self.filename, "exec")
         lines = [line + "\n" for line in source.splitlines()]
         linecache.cache[self.filename] = (len(source), None, lines, self.filename)
-        weakref.finalize(self, linecache.cache.pop, self.filename, None)
+        _LIVE[self.filename] = self
+        # Not popped by the finalizer itself: it may run (a garbage collection) while
+        # linecache.checkcache walks a list of the cache's keys, which then fails on the key.
+        weakref.finalize(self, _RETIRED.append, self.filename)
 
 
 _CODES: weakref.WeakValueDictionary[str, _Code] = weakref.WeakValueDictionary()
+_LIVE: weakref.WeakValueDictionary[str, _Code] = weakref.WeakValueDictionary()
+#: Filenames whose code is gone; their linecache entries go at the next compile.
+_RETIRED: list[str] = []
 
 
 def _code_of(source: str) -> _Code:
+    _forget_retired()
     code = _CODES.get(source)
     if code is None:
         code = _CODES[source] = _Code(source)
     return code
+
+
+def _forget_retired() -> None:
+    """Drop the linecache entries of codes that are gone (unless compiled again since)."""
+    while _RETIRED:
+        filename = _RETIRED.pop()
+        if filename not in _LIVE:
+            linecache.cache.pop(filename, None)
 
 
 def _comment(path: str) -> str:

@@ -6,8 +6,10 @@ import collections
 import dataclasses
 import gc
 import linecache
+import os
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -103,12 +105,48 @@ def test_source_is_registered_in_linecache_under_a_filename_of_its_own() -> None
     assert other._program._code.filename != filename  # type: ignore[union-attr]
 
 
-def test_linecache_entry_goes_with_the_last_spec_using_it() -> None:
+def test_linecache_entry_goes_after_the_last_spec_using_it() -> None:
     spec = describe({"linecache_entry_under_test": array(2)})
     filename = spec._program._code.filename  # type: ignore[union-attr]
     assert filename in linecache.cache
     del spec
     gc.collect()
+    describe({"the_next_spec_compiled": array(2)})  # entries of dead specs go at a compile
+    assert filename not in linecache.cache
+
+
+def test_a_spec_compiled_again_keeps_its_linecache_entry() -> None:
+    spec = describe({"compiled_twice": array(2)})
+    filename = spec._program._code.filename  # type: ignore[union-attr]
+    del spec
+    gc.collect()
+    again = describe({"compiled_twice": array(2)})
+    assert again._program._code.filename == filename  # type: ignore[union-attr]
+    describe({"another_spec": array(2)})
+    assert "".join(linecache.getlines(filename)) == again.source
+
+
+def test_a_spec_dying_while_linecache_checks_its_cache_breaks_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # checkcache walks a list of the cache's keys and stats real files; a garbage collection
+    # there may finalize a spec's code, whose entry must still be there when the walk reaches it
+    source = tmp_path / "stale.py"
+    source.write_text("x = 1\n")
+    linecache.cache[str(source)] = (0, 0.0, ["x = 1\n"], str(source))  # stale: gets a stat
+    holder = [describe({"dies_during_checkcache": array(2)})]
+    filename = holder[0]._program._code.filename  # type: ignore[union-attr]
+    real_stat = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        holder.clear()  # the last spec using the code goes mid-walk
+        gc.collect()
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    linecache.checkcache()  # no KeyError
+    monkeypatch.undo()
+    describe({"the_next_spec_compiled": array(3)})
     assert filename not in linecache.cache
 
 

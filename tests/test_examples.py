@@ -50,6 +50,25 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
             "jax: torch imported in this process: no",
         ],
     ),
+    "pipeline_schedule.py": (
+        ["--device", "cpu", "--steps", "2"],
+        [
+            "micro-batches in flight per stage at most: 4, 3, 2, 1",
+            "dualgraph schedule: losses match eager: 3 steps, largest relative difference 0",
+            "dualgraph slots: losses match eager: 3 steps, largest relative difference 0",
+            "pipeline_schedule: OK",
+        ],
+    ),
+    "variable_resolution.py": (
+        [],
+        [
+            "dualgraph backend emulate, 3 buckets captured",
+            "steps per bucket: 16 px: 3, 24 px: 3, 32 px: 3",
+            "dualgraph buckets: losses match eager: 9 steps, largest relative difference 0 ",
+            "pool memory: none on the CPU",
+            "variable_resolution: OK",
+        ],
+    ),
     "ddp_train.py": (
         ["--steps", "2", "--layers", "1"],
         [
@@ -351,3 +370,21 @@ def test_plot_is_a_png_with_a_bar_per_variant_that_ran(demo: ModuleType, tmp_pat
     demo.save_plot(path, measured(demo), "title")
     assert path.read_bytes().startswith(PNG_MAGIC)
     assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sizes", "20,24"], "--sizes [20, 24]: each a multiple of --patch (8)"),
+        (["--sizes", "big"], "--sizes: comma-separated integers, got 'big'"),
+        (["--dim", "33"], "--dim (33) must be a multiple of --heads (2)"),
+    ],
+)
+def test_variable_resolution_bad_flags_are_clean_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = load_example("variable_resolution.py")
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err

@@ -135,13 +135,29 @@ def test_sample_tensors_must_be_torch_tensors() -> None:
 
 def test_test_only_internals_are_not_exported() -> None:
     assert set(dgt.__all__) == {
+        "BucketDiagnostics",
+        "BucketedCallable",
+        "BucketedDiagnostics",
+        "CallableMemory",
         "CaptureDiagnostics",
+        "CaptureLintError",
         "EagerCallable",
         "GraphedCallable",
+        "LeafCheck",
+        "LintFinding",
+        "LintReport",
+        "MemoryPlan",
+        "VerifyReport",
+        "Schedule",
+        "SlottedCallable",
         "diagnostics",
+        "lint",
         "make_graphed_callables",
+        "memory_plan",
         "owned",
+        "reset_slots",
         "restore",
+        "verify",
     }
     assert not hasattr(dgt, "InputGuard")
 

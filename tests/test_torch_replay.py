@@ -420,3 +420,83 @@ def test_callables_graphed_together_share_one_pool() -> None:
     assert reports[0].pool_bytes > 0
     assert reports[0].pool_bytes == reports[1].pool_bytes
     assert all(r.capture_seconds > 0 and r.has_backward_graph for r in reports)
+
+
+# -- what a plan keeps alive ---------------------------------------------------------------------
+
+
+def _mark_accumulate_grad_nodes(params: Any) -> None:
+    for param in params:
+        torch.autograd.graph.get_gradient_edge(param).node.metadata["marked"] = True
+
+
+def _marked_accumulate_grad_nodes(params: Any) -> list[bool]:
+    # a node still alive keeps its metadata; one made anew starts with none
+    return ["marked" in torch.autograd.graph.get_gradient_edge(p).node.metadata for p in params]
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_graphed_callable_keeps_no_parameters_accumulate_grad_node_alive(
+    backend: str, param_grads: str
+) -> None:
+    # An AccumulateGrad node kept alive keeps the stream it was made on; a later capture of the
+    # same parameters then has to synchronise with that stream inside the capture, which CUDA
+    # refuses (the legacy stream). Nothing of a plan, a replay or a finished step may keep one.
+    block = ViTBlock(dim=16, heads=2).to(device_of(backend))
+    params = list(block.parameters())
+    x = torch.randn(2, 5, 16, device=device_of(backend), requires_grad=True)
+    graphed = dgt.make_graphed_callables(block, (x,), backend=backend, param_grads=param_grads)
+    _mark_accumulate_grad_nodes(params)
+    assert not any(_marked_accumulate_grad_nodes(params)), "the capture left nodes alive"
+    graphed(x.detach().clone().requires_grad_())[0].float().sum().backward()
+    _mark_accumulate_grad_nodes(params)
+    assert not any(_marked_accumulate_grad_nodes(params)), "a training step left nodes alive"
+    del graphed
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("path", ["hook", "autograd_grad", "backward_inputs"])
+def test_auto_keeps_no_accumulate_grad_node_alive_on_its_autograd_paths(
+    backend: str, path: str
+) -> None:
+    # the backwards "auto" hands to autograd look the parameters' nodes up; none may outlive them
+    block = ViTBlock(dim=16, heads=2).to(device_of(backend))
+    params = list(block.parameters())
+    x = torch.randn(2, 5, 16, device=device_of(backend), requires_grad=True)
+    graphed = dgt.make_graphed_callables(block, (x,), backend=backend, param_grads="auto")
+    handle = block.fc1.bias.register_hook(lambda grad: grad) if path == "hook" else None
+    for _ in range(2):
+        loss = graphed(x.detach().clone().requires_grad_())[0].float().sum()
+        if path == "autograd_grad":
+            grads = torch.autograd.grad(loss, params[:2])
+            assert all(g is not None for g in grads)
+            del grads
+        elif path == "backward_inputs":
+            loss.backward(inputs=params[:2])
+        else:
+            loss.backward()
+        del loss
+        _mark_accumulate_grad_nodes(params)
+        assert not any(_marked_accumulate_grad_nodes(params)), f"a step ({path}) left nodes alive"
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 2
+    if handle is not None:
+        handle.remove()
+    del graphed
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_a_module_graphed_again_after_training_steps_captures_on_cuda(param_grads: str) -> None:
+    torch.manual_seed(0)
+    block = ViTBlock(dim=16, heads=2).cuda()
+    twin = fresh_copy(block)
+    x = torch.randn(2, 5, 16, device="cuda", requires_grad=True)
+    first = dgt.make_graphed_callables(block, (x,), backend="cuda", param_grads=param_grads)
+    first(x)[0].float().sum().backward()
+    twin(x)[0].float().sum().backward()
+    # the same parameters, graphed again at another shape while the first graphs live
+    y = torch.randn(2, 9, 16, device="cuda", requires_grad=True)
+    second = dgt.make_graphed_callables(block, (y,), backend="cuda", param_grads=param_grads)
+    second(y)[0].float().sum().backward()
+    twin(y)[0].float().sum().backward()
+    assert_grads_match(grads_of(block), grads_of(twin), tolerance(torch.float32, "cuda"))

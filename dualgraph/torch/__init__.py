@@ -7,18 +7,40 @@
 """
 
 from . import _leaves as _leaves  # registers torch.Tensor with the core
+from ._buckets import BucketDiagnostics, BucketedCallable, BucketedDiagnostics
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
-from ._graphed import diagnostics, make_graphed_callables, owned
+from ._graphed import diagnostics, make_graphed_callables, owned, reset_slots
+from ._lint import CaptureLintError, LintFinding, LintReport, lint
+from ._memory_plan import CallableMemory, MemoryPlan, memory_plan
 from ._modules import restore
 from ._replay import GraphedCallable
+from ._schedule import Schedule
+from ._slots import SlottedCallable
+from ._verify import LeafCheck, VerifyReport, verify
 
 __all__ = [
+    "BucketDiagnostics",
+    "BucketedCallable",
+    "BucketedDiagnostics",
+    "CallableMemory",
     "CaptureDiagnostics",
+    "CaptureLintError",
     "EagerCallable",
     "GraphedCallable",
+    "LeafCheck",
+    "LintFinding",
+    "LintReport",
+    "MemoryPlan",
+    "VerifyReport",
+    "Schedule",
+    "SlottedCallable",
     "diagnostics",
+    "lint",
     "make_graphed_callables",
+    "memory_plan",
     "owned",
+    "reset_slots",
     "restore",
+    "verify",
 ]

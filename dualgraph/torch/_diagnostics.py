@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # issue 19 hook: the lint report and memory plan kept with the diagnostics
+    from ._lint import LintReport
+    from ._memory_plan import MemoryPlan
 
 __all__ = ["CaptureDiagnostics"]
 
@@ -17,7 +22,14 @@ class CaptureDiagnostics:
     the ``"eager"`` backend, ran) the callable. ``param_grads_through_autograd`` counts the
     backwards that handed the parameter grads to autograd (every one with
     ``param_grads="autograd"``; with ``"auto"``, those where something needed it, e.g. a
-    parameter hook or DDP) instead of adding them into ``.grad`` in a graph.
+    parameter hook or DDP) instead of adding them into ``.grad`` in a graph. ``lint`` holds the
+    capture lint's findings (``None`` with ``lint="off"`` and on the ``"eager"`` backend) and
+    ``memory_plan`` the memory plan of the callables captured together, with the measured pool
+    beside it on the GPU. With several replay slots (``slots=`` or
+    ``schedule=``), the bytes count every buffer once, ``pool_bytes`` sums the slots' own pools
+    (or is the schedule's shared pool), ``slots`` is their number, ``in_flight`` the slots
+    whose backward is pending, and ``reused_buffer_bytes`` what slots share instead of each
+    holding a copy (static inputs and grad outputs of micro-batches never in flight together).
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0
@@ -33,3 +45,9 @@ class CaptureDiagnostics:
     has_backward_graph: bool = False
     replays: int = 0
     param_grads_through_autograd: int = 0
+    # issue 19 hook: set at capture by dualgraph.torch._probe.attach_probes
+    lint: LintReport | None = None
+    memory_plan: MemoryPlan | None = None
+    slots: int = 1
+    in_flight: tuple[int, ...] = ()
+    reused_buffer_bytes: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, overload
 
@@ -10,15 +11,19 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError
+from ._buckets import BucketedCallable, BucketRequest, Fallback, capture_buckets
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
+from ._probe import LintMode
 from ._replay import GraphedCallable
+from ._schedule import Schedule
+from ._slots import SlottedCallable, capture_slotted, checked_slots, reset_slots_of
 from ._transformer_engine import refuse_delayed_scaling
 
-__all__ = ["diagnostics", "make_graphed_callables", "owned"]
+__all__ = ["diagnostics", "make_graphed_callables", "owned", "reset_slots"]
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
 ParamGrads = Literal["auto", "autograd", "in_graph"]
@@ -30,7 +35,7 @@ ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 @overload
 def make_graphed_callables(  # type: ignore[overload-overlap]
     callables: ModuleT,
-    sample_args: Sequence[Any],
+    sample_args: Sequence[Any] | None = None,
     *,
     sample_kwargs: Mapping[str, Any] | None = None,
     num_warmup_iters: int = 3,
@@ -40,6 +45,12 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     clone_outputs: bool = False,
     param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: Sequence[Sequence[Any]] | None = None,
+    fallback: Fallback = "error",
+    dynamic_dims: Mapping[str, int] | None = None,
+    lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> ModuleT: ...
 
 
@@ -56,13 +67,19 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: None = None,
+    fallback: Literal["error"] = "error",
+    dynamic_dims: None = None,
+    lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> tuple[Any, ...]: ...
 
 
 @overload
 def make_graphed_callables(
     callables: Callable[..., Any],
-    sample_args: Sequence[Any],
+    sample_args: Sequence[Any] | None = None,
     *,
     sample_kwargs: Mapping[str, Any] | None = None,
     num_warmup_iters: int = 3,
@@ -72,12 +89,18 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
-) -> GraphedCallable | EagerCallable: ...
+    buckets: Sequence[Sequence[Any]] | None = None,
+    fallback: Fallback = "error",
+    dynamic_dims: Mapping[str, int] | None = None,
+    lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
+) -> GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable: ...
 
 
 def make_graphed_callables(
     callables: Any,
-    sample_args: Any,
+    sample_args: Any = None,
     *,
     sample_kwargs: Any = None,
     num_warmup_iters: int = 3,
@@ -87,6 +110,12 @@ def make_graphed_callables(
     clone_outputs: bool = False,
     param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
+    buckets: Any = None,
+    fallback: Fallback = "error",
+    dynamic_dims: Mapping[str, int] | None = None,
+    lint: LintMode = "auto",
+    slots: int | None = None,
+    schedule: Schedule | Sequence[int] | None = None,
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -136,6 +165,41 @@ def make_graphed_callables(
             of another thread that is unsafe during capture (a ``cudaMalloc`` by a data loader
             or prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets
             other threads be.
+        buckets: instead of ``sample_args``, for one callable: a list with one tuple of sample
+            args per input shape (``sample_kwargs`` then a dict for all, or a list with one per
+            bucket). Each bucket gets its own forward and backward graphs, all in one pool
+            sized by the largest; a call replays the bucket of its input shapes (see
+            :class:`BucketedCallable`).
+        fallback: what a call of shapes no bucket has does: ``"error"`` (default) raises
+            :class:`dualgraph.SpecMismatchError` naming the path and the buckets; ``"eager"``
+            runs the callable eagerly; ``"pad"`` pads the ``dynamic_dims`` with zeros up to the
+            smallest bucket that holds them, passes the callable ``valid_length=`` (a 0-d int64
+            tensor: the positions before it are the call's, the rest padding) and cuts the
+            declared output dims back.
+        dynamic_dims: for ``fallback="pad"``: ``{path: dim}`` of the input dims to pad (they
+            share one length) and the output dims to cut back, e.g.
+            ``{"args[0]": 1, "output[0]": 1}``.
+        lint: the first warmup iteration runs under the capture lint
+            (:func:`dualgraph.torch.lint`). ``"auto"`` (default): ``"error"`` on
+            ``"emulate"``, so that a CPU run reports what a real capture would reject, and no
+            lint on ``"cuda"``, where the real capture is the authority and the warmup runs
+            unobserved. ``"error"`` raises a :class:`~dualgraph.torch.CaptureLintError` listing
+            the findings before anything is captured; ``"warn"`` issues a
+            :class:`~dualgraph.DualgraphWarning` and captures anyway (a capture that then fails
+            carries the findings: pass it on ``"cuda"`` to learn why a capture fails);
+            ``"off"`` skips the lint.
+            The findings and the memory plan are in ``diagnostics(graphed).lint`` and
+            ``.memory_plan``.
+        slots: replay slots per callable: up to ``slots`` replays in flight (forward run,
+            backward pending), each in its own slot, with its own buffers and graphs captured
+            into a memory pool of its own, so that they replay in any order; a backward finds
+            its slot through autograd. Default: one.
+        schedule: a pipeline schedule (:class:`Schedule`, or its order as a list of ints like
+            Transformer Engine's ``_order``: ``+c`` forward and ``-c`` backward through chunk
+            ``c``, callables split evenly over the chunks): each callable gets a slot per
+            micro-batch of the step, all captured into one pool in the schedule's order, and
+            every replay must follow that order (else :class:`DualgraphError`, before any buffer
+            is touched). Memory then follows the schedule, as eager's does.
 
     Returns:
         The module (graphed in place), a :class:`GraphedCallable` for a function (an
@@ -144,20 +208,54 @@ def make_graphed_callables(
     Raises:
         DualgraphError: a bad option or sample.
         CaptureError: warmup or capture failed; the message names the callable, the phase and
-            the cause, and the module is left as it was.
+            the cause, and the module is left as it was; a
+            :class:`~dualgraph.torch.CaptureLintError` (a subclass) when the capture lint
+            found errors, or carries findings of a capture that failed.
 
     >>> layer = torch.nn.Linear(4, 4)
     >>> graphed = make_graphed_callables(layer, (torch.randn(2, 4),), backend="emulate")
     >>> graphed(torch.randn(2, 4)).shape
     torch.Size([2, 4])
+    >>> stage = make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), slots=2)
+    >>> first, second = stage(torch.randn(2, 4)), stage(torch.randn(2, 4))  # two in flight
+    >>> diagnostics(stage).in_flight
+    (0, 1)
     """
     _check_choice("backend", backend, get_args(Backend))
     _check_choice("param_grads", param_grads, get_args(ParamGrads))
     _check_choice("capture_error_mode", capture_error_mode, get_args(CaptureErrorMode))
+    _check_choice("fallback", fallback, get_args(Fallback))
+    _check_choice("lint", lint, get_args(LintMode))
     if type(num_warmup_iters) is not int or num_warmup_iters < 0:
         raise DualgraphError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    options = CaptureOptions(
+        backend="emulate",  # set below
+        num_warmup_iters=num_warmup_iters,
+        allow_unused_input=bool(allow_unused_input),
+        pool=pool,
+        capture_error_mode=capture_error_mode,
+        clone_outputs=bool(clone_outputs),
+        param_grads=param_grads,
+        lint=lint,
+    )
+    if buckets is not None:
+        if slots is not None or schedule is not None:
+            raise DualgraphError(
+                "buckets= does not combine with slots= or schedule= (several shapes, or several "
+                "micro-batches in flight: one of the two per callable)"
+            )
+        return _graph_buckets(
+            callables, sample_args, sample_kwargs, buckets, backend, options, fallback, dynamic_dims
+        )
+    if fallback != "error" or dynamic_dims is not None:
+        raise DualgraphError(
+            "fallback= and dynamic_dims= go with buckets= (the shapes a call may have)"
+        )
+    if sample_args is None:
+        raise DualgraphError("sample_args is required (or buckets=, one sample call per shape)")
     single = not isinstance(callables, tuple | list)
     fns, all_args, all_kwargs = _samples_per_callable(callables, sample_args, sample_kwargs, single)
+    slots, schedule = checked_slots(slots, schedule, callables=len(fns), pool=pool)
     guards = [InputGuard(args, kwargs) for args, kwargs in zip(all_args, all_kwargs, strict=True)]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
@@ -184,18 +282,72 @@ def make_graphed_callables(
             fns, names, guards, all_args, all_kwargs, strict=True
         )
     ]
-    options = CaptureOptions(
-        backend=resolved,
-        num_warmup_iters=num_warmup_iters,
-        allow_unused_input=bool(allow_unused_input),
-        pool=pool,
-        capture_error_mode=capture_error_mode,
-        clone_outputs=bool(clone_outputs),
-        param_grads=param_grads,
-    )
-    plans = capture(requests, options)
-    results = [install(fn, GraphedCallable(plan)) for fn, plan in zip(fns, plans, strict=True)]
+    runners: Sequence[GraphedCallable | SlottedCallable]
+    options = dataclasses.replace(options, backend=resolved)
+    if slots is None and schedule is None:
+        runners = [GraphedCallable(plan) for plan in capture(requests, options)]
+    else:
+        runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
+    results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
+
+
+def _graph_buckets(
+    fn: Any,
+    sample_args: Any,
+    sample_kwargs: Any,
+    buckets: Any,
+    backend: Backend,
+    options: CaptureOptions,
+    fallback: Fallback,
+    dynamic_dims: Mapping[str, int] | None,
+) -> Any:
+    """``make_graphed_callables(fn, buckets=...)``: check the request, capture, install."""
+    if isinstance(fn, tuple | list):
+        raise DualgraphError(
+            "buckets= graphs one callable (whose buckets share one pool); graph each callable "
+            "with its own buckets"
+        )
+    if sample_args is not None:
+        raise DualgraphError(
+            "pass the sample calls either as sample_args (one shape) or as buckets= (one per "
+            "shape), not both"
+        )
+    if not isinstance(buckets, tuple | list) or not buckets:
+        raise DualgraphError(
+            f"buckets= is a non-empty list with one tuple of sample args per input shape, got "
+            f"{buckets!r:.80}"
+        )
+    count = len(buckets)
+    if sample_kwargs is None or isinstance(sample_kwargs, Mapping):
+        kwargs_list = [sample_kwargs] * count
+    elif isinstance(sample_kwargs, tuple | list) and len(sample_kwargs) == count:
+        kwargs_list = list(sample_kwargs)
+    else:
+        raise DualgraphError(
+            f"with buckets=, sample_kwargs is one dict for every bucket or a list with one dict "
+            f"(or None) per bucket ({count})"
+        )
+    samples = []
+    for args, kwargs in zip(buckets, kwargs_list, strict=True):
+        _, (checked,), (kwargs,) = _samples_per_callable(fn, args, kwargs, True)
+        samples.append((checked, dict(kwargs or {})))
+    resolved = _resolve_backend(backend, [a for a, _ in samples], [k for _, k in samples])
+    name = _name_of(fn)
+    if resolved != "eager":
+        _check_autocast()
+        refuse_delayed_scaling(name)
+    request = BucketRequest(
+        name=name,
+        fn=_forward_of(fn),
+        module=fn if isinstance(fn, torch.nn.Module) else None,
+        samples=tuple(samples),
+        backend=resolved,
+        options=None if resolved == "eager" else dataclasses.replace(options, backend=resolved),
+        fallback=fallback,
+        dynamic_dims=dynamic_dims,
+    )
+    return install(fn, capture_buckets(request))
 
 
 def diagnostics(graphed: Any, /) -> CaptureDiagnostics:
@@ -207,6 +359,21 @@ def diagnostics(graphed: Any, /) -> CaptureDiagnostics:
     ('emulate', 32, 0)
     """
     return runner_of(graphed).diagnostics
+
+
+def reset_slots(graphed: Any, /) -> None:
+    """Drop the replays in flight of a callable graphed with slots or a schedule; restart it.
+
+    Their backwards then raise; a schedule starts its step over (for every callable graphed
+    with it). For a step abandoned half-way, e.g. after an error.
+
+    >>> stage = make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), slots=2)
+    >>> kept = stage(torch.randn(2, 4))
+    >>> reset_slots(stage)
+    >>> diagnostics(stage).in_flight
+    ()
+    """
+    reset_slots_of(runner_of(graphed))
 
 
 def owned(tree: Any, /) -> Any:

@@ -135,18 +135,35 @@ class InputGuard:
         return repr(self.spec)[len("CallSpec(") : -1]
 
     def _explain(self, tensors: list[Any], grad_enabled: bool) -> SpecMismatchError:
+        return self.first_mismatch(tensors, grad_enabled) or SpecMismatchError(
+            "the inputs do not match the captured ones"
+        )
+
+    def first_mismatch(
+        self, tensors: Sequence[Any], grad_enabled: bool, *, shapes: bool = True
+    ) -> SpecMismatchError | None:
+        """The error naming the first input tensor that differs from capture, or ``None``.
+
+        ``shapes=False`` compares everything but the shapes (the shape buckets' dispatch does).
+        """
         for path, tensor, (shape, dtype, device, requires_grad) in zip(
             self.paths, tensors, self._expected, strict=True
         ):
-            expected = f"{dtype_name(dtype)}[{', '.join(map(str, shape))}] on {device}"
+            if shapes:
+                expected = f"{dtype_name(dtype)}[{', '.join(map(str, shape))}] on {device}"
+            else:
+                expected = f"a {dtype_name(dtype)} tensor on {device}"
             if not isinstance(tensor, torch.Tensor):
                 found = f"an object of type {type(tensor).__module__}.{type(tensor).__qualname__}"
                 return SpecMismatchError(f"{path}: expected {expected}, got {found}", path=path)
             why = unsupported_tensor(tensor)
             if why is not None:
                 return SpecMismatchError(f"{path}: expected {expected}, got {why}", path=path)
-            shape_found = ", ".join(map(str, tensor.shape))
-            found = f"{dtype_name(tensor.dtype)}[{shape_found}] on {tensor.device}"
+            if shapes:
+                shape_found = ", ".join(map(str, tensor.shape))
+                found = f"{dtype_name(tensor.dtype)}[{shape_found}] on {tensor.device}"
+            else:
+                found = f"a {dtype_name(tensor.dtype)} tensor on {tensor.device}"
             if found != expected:
                 return SpecMismatchError(f"{path}: expected {expected}, got {found}", path=path)
             if tensor.requires_grad and not requires_grad and grad_enabled:
@@ -155,4 +172,4 @@ class InputGuard:
                     "gradient would reach it; pass a sample that requires grad when capturing",
                     path=path,
                 )
-        return SpecMismatchError("the inputs do not match the captured ones")
+        return None

@@ -16,14 +16,16 @@ from typing import Any
 import torch
 
 from .._errors import DualgraphError
+from ._buckets import BucketedCallable
 from ._eager import EagerCallable
 from ._replay import GraphedCallable
+from ._slots import SlottedCallable
 
 __all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of"]
 
 _STATE = "_dualgraph_graphed"
 
-Runner = GraphedCallable | EagerCallable
+Runner = GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable
 
 
 class _Graphed:
@@ -116,8 +118,9 @@ def restore(module: torch.nn.Module, /) -> torch.nn.Module:
 
 
 def runner_of(graphed: Any) -> Runner:
-    """The :class:`GraphedCallable` (or :class:`EagerCallable`) behind a graphed object."""
-    if isinstance(graphed, GraphedCallable | EagerCallable):
+    """The :class:`GraphedCallable` (:class:`SlottedCallable`, :class:`EagerCallable`,
+    :class:`BucketedCallable`) behind a graphed object."""
+    if isinstance(graphed, GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable):
         return graphed
     state = getattr(graphed, "__dict__", {}).get(_STATE)
     if type(state) is not _Graphed:

@@ -65,8 +65,10 @@ class ParamLayout:
     """The parameters whose grads the backward computes, and how the grads reach ``.grad``.
 
     ``"autograd"``: the parameters are inputs of the replay's autograd Function (``edges``),
-    and their grads go back through autograd, so hooks and DDP see them. ``nodes`` holds each
-    parameter's ``AccumulateGrad`` node, to ask the engine whether a backward consumes it.
+    and their grads go back through autograd, so hooks and DDP see them. The plan holds no
+    parameter's ``AccumulateGrad`` node: a node kept alive keeps the stream it was made on,
+    and a later capture of the same parameters (another bucket, another call of
+    ``make_graphed_callables``) would have to synchronise with it inside the capture.
 
     ``"in_graph"``: the backward graph adds the grads into ``accumulators`` (one per
     parameter, ``None`` for an unused one); a single empty ``anchor`` tensor is the Function's
@@ -76,21 +78,21 @@ class ParamLayout:
     ``torch.autograd.grad`` and ``backward(inputs=...)`` reach them); each backward either adds
     the grads into ``accumulators`` itself and hands autograd ``None`` for the parameters (a
     plain ``.backward()`` that nothing else watches), or hands autograd the grads as
-    ``"autograd"`` does. The anchor's node tells the two kinds of backward apart.
+    ``"autograd"`` does. The anchor's node tells the two kinds of backward apart. As with
+    ``"autograd"``, no parameter's ``AccumulateGrad`` node is kept.
     """
 
     mode: ParamGradsMode
     params: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
-    nodes: tuple[Any, ...]  # "autograd", "auto": one per parameter; else None each
     accumulators: tuple[torch.Tensor | None, ...]  # "in_graph", "auto": one per parameter
     anchor: torch.Tensor | None = None
     anchor_node: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
-        if not (len(self.names) == len(self.nodes) == len(self.accumulators) == n):
-            raise ValueError("names, nodes and accumulators must line up with params")
+        if not (len(self.names) == len(self.accumulators) == n):
+            raise ValueError("names and accumulators must line up with params")
 
     @property
     def edges(self) -> tuple[torch.Tensor, ...]:

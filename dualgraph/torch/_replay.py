@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
@@ -57,6 +58,11 @@ _is_any_autocast_enabled = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
 )
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+# A leaf's AccumulateGrad node (made if none is alive): torch.autograd.graph's, without the
+# GradientEdge that get_gradient_edge wraps it in.
+_grad_accumulator = getattr(
+    torch.autograd.graph, "_get_grad_fn_or_grad_acc", lambda t: get_gradient_edge(t).node
+)
 
 
 class GraphedCallable:
@@ -96,10 +102,10 @@ class GraphedCallable:
         "_module_tensors",
         "_mutated",
         "_nondiff_outputs",
+        "_other_uses",
         "_out_spec",
         "_output_versions",
         "_param_grads",
-        "_param_nodes",
         "_params",
         "_plan_params",
         "_replay_accumulate",
@@ -107,6 +113,7 @@ class GraphedCallable:
         "_replay_forward",
         "_saved_outputs",
         "_sentinel_node",
+        "_sentinel_param",
         "_static_inputs",
         "_static_outputs",
         "_storages",
@@ -116,7 +123,15 @@ class GraphedCallable:
         "plan",
     )
 
-    def __init__(self, plan: ReplayPlan) -> None:
+    def __init__(
+        self,
+        plan: ReplayPlan,
+        *,
+        lock: threading.Lock | None = None,
+        other_uses: Callable[[], bool] | None = None,
+    ) -> None:
+        # ``lock``: one shared by callables whose graphs share activations (shape buckets), so
+        # that no two of them replay at once. ``other_uses``: see _params_used_elsewhere.
         buffers, params = plan.buffers, plan.params
         self.plan = plan
         self.name = plan.name
@@ -150,13 +165,15 @@ class GraphedCallable:
         # "auto": whether a backward may add the parameter grads into .grad itself.
         self._auto = params.mode == "auto" and buffers.replay_accumulate is not None
         self._replay_accumulate = buffers.replay_accumulate
-        self._param_nodes = params.nodes if through_autograd else ()
+        self._other_uses = other_uses
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
-        # ``torch.autograd.grad``: see ``_is_plain_backward``.
-        self._sentinel_node = (
-            params.anchor_node
-            if params.mode != "autograd"
-            else (params.nodes[0] if params.nodes else None)
+        # ``torch.autograd.grad``: see ``_is_plain_backward``. The anchor's node ("in_graph",
+        # "auto") is ours to keep; a parameter's is looked up during the backward (when the
+        # replay's graph holds it): kept here, it would outlive the step with the stream it was
+        # made on.
+        self._sentinel_node = params.anchor_node if params.mode != "autograd" else None
+        self._sentinel_param = (
+            self._params[0] if params.mode == "autograd" and self._params else None
         )
         self._accumulators = tuple(
             (param, accumulator, name)
@@ -179,7 +196,7 @@ class GraphedCallable:
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
@@ -215,6 +232,22 @@ class GraphedCallable:
     def generation(self) -> int:
         """How many forward replays have run: a backward pairs with the latest one only."""
         return self._generation
+
+    def expire_backward(self) -> None:
+        """Refuse the backward of the latest replay from now on: its activations are gone.
+
+        For callables whose graphs share one pool's activations (shape buckets): a replay of
+        one overwrites what the pending backward of another would read.
+        """
+        self._generation += 1
+
+    def recount_holders(self) -> None:
+        """Take the present holders of the in-graph accumulators as their owners.
+
+        For callables that share accumulators (shape buckets), once all of them are built; a
+        holder beyond these (a ``.grad`` kept after ``zero_grad(set_to_none=True)``) then counts.
+        """
+        self._holder_baseline = self._holder_counts()
 
     def __repr__(self) -> str:
         return (
@@ -347,10 +380,13 @@ class GraphedCallable:
             raise self._busy()
         try:
             # _is_plain_backward, inlined: one engine query per backward.
+            node = self._sentinel_node
+            if node is None and self._sentinel_param is not None:
+                node = _grad_accumulator(self._sentinel_param)  # held by this backward's graph
             plain = False
-            if self._sentinel_node is not None and _will_engine_execute_node is not None:
+            if node is not None and _will_engine_execute_node is not None:
                 try:
-                    plain = bool(_will_engine_execute_node(self._sentinel_node))
+                    plain = bool(_will_engine_execute_node(node))
                 except RuntimeError:  # raised where torch.autograd.grad captures that leaf
                     plain = False
             if (
@@ -372,7 +408,13 @@ class GraphedCallable:
                 self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
                 return self._hand_out_grads(needs_input_grad, inputs, plain)
             self._replay_backward()  # type: ignore[misc]
-            if self._auto and plain and not under_ddp and self._nothing_watches_params():
+            if (
+                self._auto
+                and plain
+                and not under_ddp
+                and self._nothing_watches_params()
+                and not self._params_used_elsewhere()
+            ):
                 # "auto": nothing needs the parameter grads to pass through autograd.
                 self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
                 return self._hand_out_grads(needs_input_grad, inputs, plain, params=False)
@@ -395,6 +437,18 @@ class GraphedCallable:
             or any(map(_post_accumulate_hooks, params))
             or _is_anomaly_enabled()
         )
+
+    def _params_used_elsewhere(self) -> bool:
+        """Whether this backward may also bring the parameters grads from another use of them.
+
+        Eager sums the grads a parameter gets from every use in one backward before adding the
+        sum into ``.grad``; ``"auto"`` adding this replay's share into ``.grad`` itself would
+        round differently, so then it hands the grads to autograd. Uses it can see: other slots
+        (:class:`SlotReplay` overrides this), and what ``other_uses`` (given at construction)
+        reports, e.g. a shape-bucketed callable's eager fallback.
+        """
+        other_uses = self._other_uses
+        return other_uses is not None and other_uses()
 
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
         names = self.plan.params.names
@@ -467,10 +521,8 @@ class GraphedCallable:
         if plain and not any(map(_tensor_hooks, self._params)):
             # each goes straight into its AccumulateGrad
             return (*result, *self._param_grads, *self._anchor_none)
-        for param_grad, param, node in zip(
-            self._param_grads, self._params, self._param_nodes, strict=True
-        ):
-            if param_grad is not None and not plain and not _will_execute_or_capture(node):
+        for param_grad, param in zip(self._param_grads, self._params, strict=True):
+            if param_grad is not None and not plain and not _will_execute_or_capture(param):
                 param_grad = None  # e.g. torch.autograd.grad(loss, x): not wanted, no copy
             elif param_grad is not None and (not plain or param._backward_hooks):
                 param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
@@ -485,10 +537,13 @@ class GraphedCallable:
         leaf whose grad is captured). The anchor, which no caller can name, answers ``True``
         only in a ``.backward()`` without ``inputs=``, which runs every node it reaches.
         """
-        if self._sentinel_node is None or _will_engine_execute_node is None:
+        node = self._sentinel_node
+        if node is None and self._sentinel_param is not None:
+            node = _grad_accumulator(self._sentinel_param)
+        if node is None or _will_engine_execute_node is None:
             return False
         try:
-            return bool(_will_engine_execute_node(self._sentinel_node))
+            return bool(_will_engine_execute_node(node))
         except RuntimeError:
             return False
 
@@ -586,12 +641,16 @@ def _aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
     )
 
 
-def _will_execute_or_capture(node: Any) -> bool:
-    """Whether this backward runs a leaf's ``AccumulateGrad`` node or captures its grad."""
-    if node is None or _will_engine_execute_node is None:
+def _will_execute_or_capture(param: torch.Tensor) -> bool:
+    """Whether this backward runs the ``AccumulateGrad`` node of ``param`` or captures its grad.
+
+    The node is looked up, not kept: during a backward through a replay, whose Function has the
+    parameter as an input, it exists already (the lookup makes none).
+    """
+    if _will_engine_execute_node is None:
         return True
     try:
-        return bool(_will_engine_execute_node(node))
+        return bool(_will_engine_execute_node(_grad_accumulator(param)))
     except RuntimeError:  # raised for a leaf whose grad torch.autograd.grad captures
         return True
 

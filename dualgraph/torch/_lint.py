@@ -1,0 +1,874 @@
+"""Capture lint: what in a callable a CUDA graph cannot hold, and where in the user's code it is.
+
+:func:`lint` runs a callable once, forward and backward, under a ``TorchFunctionMode`` (the calls
+Python code makes: ``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.zeros(...)``) and a
+``TorchDispatchMode`` (every ATen op, the backward's included: ``nonzero``, boolean-mask indexing,
+copies between devices, random ops with their own generator, in-place writes). Each finding names
+the callable, the op, the module path (``blocks.3.attn``), the phase, and the first source line
+outside torch and dualgraph. ``make_graphed_callables`` runs the same lint during its first warmup
+iteration (``cuda`` and ``emulate``) and refuses to capture on an error (``lint="error"``, the
+default).
+
+On a CPU the lint reasons about the device a real capture would use: inputs, parameters and
+whatever is made from them (``*_like``, ``x.new_*``, ``device=x.device``) would be on the GPU;
+tensors made with no device, or ``device="cpu"``, would stay on the CPU. So ``.item()`` or
+``torch.arange(n)`` inside a callable is reported on a CPU as it would fail on a GPU.
+
+>>> import torch
+>>> def scale(x):
+...     return x / x.abs().max().item()
+>>> report = lint(scale, torch.randn(4, requires_grad=True))
+>>> report.ok, report.findings[0].kind, report.findings[0].op
+(False, 'host sync', 'Tensor.item')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+import textwrap
+import threading
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._errors import CaptureError
+from ._op_watch import OpWatch
+
+__all__ = [
+    "CaptureLint",
+    "CaptureLintError",
+    "LintFinding",
+    "LintReport",
+    "lint",
+]
+
+Severity = Literal["error", "warning"]
+
+HOST_SYNC = "host sync"
+DATA_DEPENDENT_SHAPE = "data-dependent shape"
+TENSOR_CONTROL_FLOW = "control flow on a tensor"
+HOST_TENSOR = "CPU tensor made in the callable"
+CROSS_DEVICE_COPY = "cross-device copy"
+UNREGISTERED_GENERATOR = "unregistered RNG generator"
+INPUT_MUTATION = "input updated in place"
+BACKWARD_INPUT_MUTATION = "input updated in place during backward"
+PARAMETER_MUTATION = "parameter updated in place"
+
+#: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
+#: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
+KINDS: dict[str, Severity] = {
+    HOST_SYNC: "error",
+    DATA_DEPENDENT_SHAPE: "error",
+    TENSOR_CONTROL_FLOW: "error",
+    HOST_TENSOR: "error",
+    CROSS_DEVICE_COPY: "error",
+    UNREGISTERED_GENERATOR: "error",
+    INPUT_MUTATION: "warning",
+    BACKWARD_INPUT_MUTATION: "error",
+    PARAMETER_MUTATION: "error",
+}
+
+
+@dataclass(frozen=True)
+class LintFinding:
+    """One thing a CUDA graph cannot hold (or holds differently from eager), and where it is.
+
+    ``module`` is the path of the innermost module running (``"blocks.3.attn"``; ``""`` at the
+    callable's top level or where no module runs); ``file``/``line``/``code`` are the first frame
+    outside torch and dualgraph, ``None`` when the op came from torch itself (e.g. a backward
+    kernel); ``count`` is how many times the same op ran at the same place.
+    """
+
+    kind: str
+    callable: str
+    op: str
+    detail: str
+    module: str = ""
+    phase: str = "forward"
+    file: str | None = None
+    line: int | None = None
+    code: str = ""
+    count: int = 1
+
+    @property
+    def severity(self) -> Severity:
+        """``"error"`` or ``"warning"``, by :data:`KINDS`."""
+        return KINDS[self.kind]
+
+    @property
+    def location(self) -> str:
+        """``file:line`` (the file's name only), or ``torch`` when the op came from torch itself."""
+        if self.file is None or self.line is None:
+            return "torch"
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+    def __str__(self) -> str:
+        where = f"at {self.location}" if self.file is not None else "in torch's code"
+        if self.module:
+            where += f" in {self.module}"
+        if self.phase != "forward":
+            where += f" ({self.phase})"
+        times = f" ({self.count}x)" if self.count > 1 else ""
+        lines = [f"{self.severity}: {self.kind}: {self.op} {where}{times}"]
+        if self.code:
+            lines.append(f"    {self.code}")
+        lines += textwrap.wrap(self.detail, 96, initial_indent="  ", subsequent_indent="  ")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LintReport:
+    """The findings of one lint pass over one or more callables.
+
+    ``str(report)`` lists them, errors first, each with its source line (and what to do, the
+    first time each advice applies); ``ok`` says whether a capture may go ahead (no errors;
+    warnings do not block it).
+    """
+
+    callables: tuple[str, ...]
+    findings: tuple[LintFinding, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """No error-level finding."""
+        return not self.errors
+
+    @property
+    def errors(self) -> tuple[LintFinding, ...]:
+        return tuple(f for f in self.findings if f.severity == "error")
+
+    @property
+    def warnings(self) -> tuple[LintFinding, ...]:
+        return tuple(f for f in self.findings if f.severity == "warning")
+
+    def merged(self, other: LintReport) -> LintReport:
+        """Both reports' callables and findings, in order."""
+        return LintReport(self.callables + other.callables, self.findings + other.findings)
+
+    def __str__(self) -> str:
+        names = ", ".join(self.callables) or "nothing"
+        if not self.findings:
+            return f"capture lint of {names}: nothing found"
+        counts = [
+            f"{n} {word}{'s' if n != 1 else ''}"
+            for n, word in ((len(self.errors), "error"), (len(self.warnings), "warning"))
+            if n
+        ]
+        lines = [f"capture lint of {names}: {', '.join(counts)}"]
+        explained: set[str] = set()
+        for finding in (*self.errors, *self.warnings):
+            prefix = f"[{finding.callable}] " if len(self.callables) > 1 else ""
+            shown = (prefix + str(finding)).splitlines()
+            if finding.detail in explained:  # the same advice once is enough
+                shown = shown[: 2 if finding.code else 1]
+            explained.add(finding.detail)
+            lines.extend("  " + line for line in shown)
+        return "\n".join(lines)
+
+
+class CaptureLintError(CaptureError):
+    """A capture refused (or failed) where the capture lint found errors; ``report`` has them."""
+
+    def __init__(self, message: str, report: LintReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def lint(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> LintReport:
+    """Run ``fn(*args, **kwargs)`` once, forward and backward, and report what a graph can't hold.
+
+    Tensors in ``args``/``kwargs`` are cloned first (with their ``requires_grad``), the backward
+    runs ``torch.autograd.grad`` (no ``.grad`` is touched) with ones as output grads, and the
+    RNG states and the buffers of ``fn`` (when it is a module or a module's method) are put back
+    afterwards, so the model is left as it was. See the module docstring for what is found.
+
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> print(lint(layer, torch.randn(2, 4)))
+    capture lint of Linear: nothing found
+    """
+    from ._probe import probe_once
+
+    report, _ = probe_once(fn, args, kwargs, lint=True, memory=False)
+    assert report is not None
+    return report
+
+
+# -- the observer ---------------------------------------------------------------------------------
+
+
+class CaptureLint:
+    """Lint everything that runs inside ``with`` blocks (forward and backward); see :func:`lint`.
+
+    ``inputs`` and ``params`` are ``(path, tensor)`` pairs: in-place writes to them are reported
+    by that path. ``root`` is the module whose submodule paths name findings (the callable's
+    module). ``generators``: generators a capture registers besides the default CUDA ones (those
+    of Transformer Engine's RNG tracker).
+    Enter it as often as needed; :meth:`report` collects everything seen so far.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        inputs: Sequence[tuple[str, torch.Tensor]] = (),
+        params: Sequence[tuple[str, torch.Tensor]] = (),
+        root: torch.nn.Module | None = None,
+        generators: Sequence[Any] = (),
+    ) -> None:
+        self.name = name
+        self.root = root
+        tensors = [t for _, t in (*inputs, *params)]
+        cuda = next((t.device for t in tensors if t.is_cuda), None)
+        #: The device a capture runs on; ``None`` on a CPU, where the lint reasons about a GPU.
+        self.capture_device: torch.device | None = cuda
+        self._watched: dict[int, tuple[str, str]] = {}
+        # and their version counters, to catch in-place writes no op's schema declared
+        self._versions: list[tuple[str, str, torch.Tensor, int]] = []
+        for kind, pairs in ((PARAMETER_MUTATION, params), (INPUT_MUTATION, inputs)):
+            for path, tensor in pairs:
+                self._watched[_storage_id(tensor)] = (kind, path)
+                self._versions.append((kind, path, tensor, tensor._version))
+        self._mutated: set[str] = set()
+        self._generators = {id(g) for g in generators}
+        self._findings: dict[tuple[Any, ...], LintFinding] = {}
+        self._lock = threading.Lock()
+        self._suppressed = 0
+        # On a CPU: tensors that would stay on the CPU under a real capture, and the device
+        # objects read off tensors that would be on the GPU (``device=x.device`` follows x).
+        self._host = WeakIdKeyDictionary()
+        self._gpu_devices: dict[int, torch.device] = {}
+        self._module_names: dict[int, str] | None = None
+        # autograd node id -> (node, where the forward made it), until close()
+        self._node_sites: dict[int, tuple[Any, tuple[str | None, int | None, str, str]]] = {}
+        self._entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> CaptureLint:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.watching())
+        self._entered.append(stack)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._entered.pop().close()
+
+    @contextlib.contextmanager
+    def watching(self, *, dispatch: bool = True) -> Iterator[None]:
+        """Lint what runs inside; ``dispatch=False`` leaves the ATen ops to a shared
+        :class:`~dualgraph.torch._op_watch.OpWatch` that calls :meth:`before_op`."""
+        try:
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(_FunctionLint(self))
+                if dispatch:
+                    modes.enter_context(OpWatch(before=[self]))
+                yield
+        finally:
+            self._check_versions()
+
+    def _check_versions(self) -> None:
+        for kind, path, tensor, version in self._versions:
+            if tensor._version != version and path not in self._mutated:
+                self._mutated.add(path)
+                detail = _MUTATION[kind].format(path) + _UNSEEN_WRITE
+                self._record(LintFinding(kind, self.name, f"an in-place write to {path}", detail))
+
+    def close(self) -> None:
+        """Forget the autograd nodes noted during the forward (they keep its graph alive)."""
+        self._node_sites.clear()
+        self._gpu_devices.clear()
+
+    def report(self) -> LintReport:
+        """What was found so far, in the order first seen."""
+        with self._lock:
+            return LintReport((self.name,), tuple(self._findings.values()))
+
+    # -- devices, as a real capture would see them ------------------------------------------------
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the lint reasons about a GPU it does not run on (inputs on the CPU)."""
+        return self.capture_device is None
+
+    @property
+    def device_name(self) -> str:
+        return "the GPU" if self.capture_device is None else str(self.capture_device)
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` would live on the GPU under a real capture."""
+        if self.capture_device is not None:
+            return bool(tensor.is_cuda)
+        return tensor.device.type != "meta" and tensor not in self._host
+
+    def _target_on_device(self, device: Any) -> bool | None:
+        """Whether a ``device=`` argument means the capture's device; ``None`` when absent."""
+        if device is None:
+            return None
+        if isinstance(device, torch.Tensor):
+            return self.on_device(device)
+        if self.simulated and self._gpu_devices.get(id(device)) is device:
+            return True  # read off a tensor that would be on the GPU: device=x.device
+        if isinstance(device, int):
+            return True  # a CUDA device index
+        try:
+            kind = torch.device(device).type
+        except (TypeError, RuntimeError):
+            return None
+        return kind == "cuda" if not self.simulated else kind not in ("cpu", "meta")
+
+    def _mark(self, outputs: Any, host: bool) -> None:
+        for tensor in _tensors_in(outputs):
+            if host:
+                self._host[tensor] = True
+            elif tensor in self._host:
+                del self._host[tensor]
+
+    # -- recording --------------------------------------------------------------------------------
+
+    def add(self, kind: str, op: str, detail: str) -> None:
+        """Record a finding at the current place in the user's code.
+
+        An op of the backward is placed at the forward call that made its autograd node.
+        """
+        node = torch._C._current_autograd_node()
+        phase = "forward" if node is None else "backward"
+        site = self._site()
+        if site[0] is None and node is not None:
+            known = self._node_sites.get(id(node))
+            if known is not None and known[0] is node:
+                site = known[1]
+        file, line, code, module = site
+        self._record(LintFinding(kind, self.name, op, detail, module, phase, file, line, code))
+
+    def _record(self, finding: LintFinding) -> None:
+        f = finding
+        key = (f.kind, f.op, f.module, f.phase, f.file, f.line)
+        with self._lock:
+            seen = self._findings.get(key)
+            self._findings[key] = finding if seen is None else replace(seen, count=seen.count + 1)
+
+    def _site(self) -> tuple[str | None, int | None, str, str]:
+        """``(file, line, code, module path)`` of the current place in the user's code."""
+        frame, module = self._where()
+        if frame is None:
+            return None, None, "", module
+        file, line = frame.f_code.co_filename, frame.f_lineno
+        return file, line, linecache.getline(file, line).strip(), module
+
+    def _remember_nodes(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Note where the forward made each output's autograd node, for the backward's findings."""
+        site = None
+        for tensor in outputs:
+            node = tensor.grad_fn
+            if node is None or id(node) in self._node_sites:
+                continue
+            if site is None:
+                site = self._site()
+            self._node_sites[id(node)] = (node, site)
+
+    def _where(self) -> tuple[types.FrameType | None, str]:
+        """The first frame of the user's code, and the path of the innermost module running.
+
+        Walks out from here through torch's frames and the lint's own; dualgraph's other frames
+        are the layer that called the callable, so the walk stops there (an op of torch's own,
+        such as a backward kernel, has no user frame).
+        """
+        frame: types.FrameType | None = sys._getframe(1)
+        user: types.FrameType | None = None
+        module: torch.nn.Module | None = None
+        while frame is not None:
+            code = frame.f_code
+            file = code.co_filename
+            if module is None and code.co_name in _MODULE_CALLS and file == _MODULE_FILE:
+                candidate = frame.f_locals.get("self")
+                if isinstance(candidate, torch.nn.Module):
+                    module = candidate
+            if file in _MACHINERY_FILES or file.startswith(_TORCH_DIR):
+                frame = frame.f_back
+                continue
+            if file.startswith(_ADAPTER_DIR):
+                break
+            if user is None:
+                user = frame
+            if module is not None:
+                break
+            frame = frame.f_back
+        return user, self._module_path(module)
+
+    def _module_path(self, module: torch.nn.Module | None) -> str:
+        if module is None or module is self.root:
+            return ""
+        if self._module_names is None:
+            self._module_names = {}
+            if self.root is not None:
+                self._module_names = {id(m): n for n, m in self.root.named_modules() if n}
+        return self._module_names.get(id(module), type(module).__name__)
+
+    # -- what the function mode checks ----------------------------------------------------------
+
+    def before_call(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        """Check a call before it runs; ``True`` when it was reported (its inner ops are not)."""
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _SYNC_CALLS:
+            tensors = _tensors_in((args, kwargs))
+            if any(self.on_device(t) for t in tensors):
+                kind = TENSOR_CONTROL_FLOW if name == "Tensor.__bool__" else HOST_SYNC
+                self.add(kind, _SYNC_CALLS[name][0], _SYNC_CALLS[name][1])
+                return True
+            return False
+        if first is not None and name in _MOVES:
+            return self._check_move(name, first, args, kwargs)
+        return False
+
+    def _check_move(
+        self, name: str, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> bool:
+        target_on: bool | None
+        if name == "Tensor.copy_":
+            source = args[1] if len(args) > 1 else kwargs.get("src")
+            if not isinstance(source, torch.Tensor):
+                return False
+            source_on, target_on = self.on_device(source), self.on_device(tensor)
+        else:
+            source_on = self.on_device(tensor)
+            target = _move_target(name, args, kwargs)
+            target_on = {"Tensor.cuda": True, "Tensor.cpu": False}.get(name)
+            if target_on is None:
+                target_on = self._target_on_device(target)
+            if target_on is None:
+                return False
+            other_gpu = _real_device(target) not in (None, tensor.device)
+            if not self.simulated and source_on and target_on and other_gpu:
+                self.add(CROSS_DEVICE_COPY, f"{name}({target})", _OTHER_GPU)
+                return True
+        if source_on and not target_on:
+            self.add(HOST_SYNC, name, _DEVICE_TO_HOST)
+            return True
+        if target_on and not source_on:
+            self.add(CROSS_DEVICE_COPY, name, _HOST_TO_DEVICE)
+            return True
+        return False
+
+    def after_call(
+        self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
+    ) -> None:
+        """Follow devices through a call (on a CPU) and report tensors made on the host."""
+        if name == "Tensor.device":
+            owner = args[0] if args else None
+            if self.simulated and isinstance(owner, torch.Tensor) and self.on_device(owner):
+                self._gpu_devices[id(out)] = out
+            return
+        outputs = _tensors_in(out)
+        if not outputs:
+            return
+        if torch._C._current_autograd_node() is None and any(t.grad_fn for t in outputs):
+            self._remember_nodes(outputs)
+        inputs = _tensors_in((args, kwargs))
+        device = kwargs.get("device")
+        if name in _MOVES:
+            if self.simulated:
+                target = _move_target(name, args, kwargs) if name != "Tensor.copy_" else None
+                to_host = name == "Tensor.cpu" or (
+                    target is not None and self._target_on_device(target) is False
+                )
+                to_device = name == "Tensor.cuda" or (
+                    target is not None and self._target_on_device(target) is True
+                )
+                if to_host or to_device:
+                    self._mark(out, host=to_host)
+                elif inputs and not self.on_device(inputs[0]):
+                    self._mark(out, host=True)
+            return
+        target_on = self._target_on_device(device)
+        if self.simulated:
+            if target_on is None:
+                if inputs:
+                    target_on = any(self.on_device(t) for t in inputs)
+                else:  # no tensor in, no device=: the default device, the CPU here
+                    target_on = torch.get_default_device().type != "cpu"
+            self._mark(out, host=not target_on)
+            if target_on and _copies_host_data(name, args, kwargs):
+                self.add(CROSS_DEVICE_COPY, name, _HOST_DATA_TO_DEVICE)
+                return
+        else:
+            if _copies_host_data(name, args, kwargs) and any(t.is_cuda for t in outputs):
+                self.add(CROSS_DEVICE_COPY, name, _HOST_DATA_TO_DEVICE)
+                return
+            target_on = any(t.is_cuda for t in outputs)
+        made_here = not inputs or device is not None
+        if made_here and not target_on and any(t.dim() > 0 for t in outputs):
+            how = "device='cpu'" if device is not None else "no device="
+            self.add(HOST_TENSOR, f"{name} ({how})", _HOST_TENSOR.format(self.device_name))
+
+    # -- what the dispatch mode checks ----------------------------------------------------------
+
+    def before_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Check one ATen op (forward or backward), unless a call reported already runs it."""
+        if not self._suppressed:
+            self.check_op(func, args, kwargs)
+
+    def check_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Check one ATen op (forward or backward)."""
+        checks = _OP_CHECKS.get(func)
+        if checks is None:
+            checks = _op_checks(func)
+        if checks is _NOTHING_TO_CHECK:  # most ops: one lookup
+            return
+        name, generators, written = checks
+        op = f"aten.{name}"
+        if name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS:
+            tensors = _tensors_in((args, kwargs))
+            on_device = [t for t in tensors if self.on_device(t)]
+            if name in _SYNC_OPS and on_device:
+                self.add(HOST_SYNC, op, _SYNC_OPS[name])
+            elif name in _SHAPE_OPS and on_device:
+                if not (name == "repeat_interleave" and kwargs.get("output_size") is not None):
+                    self.add(DATA_DEPENDENT_SHAPE, op, _SHAPE_OPS[name])
+            elif name in _INDEX_OPS and on_device and _has_mask_index(args, kwargs):
+                self.add(DATA_DEPENDENT_SHAPE, f"{op} with a boolean mask", _MASK_INDEX)
+            elif name in _COPY_OPS and self.capture_device is not None:
+                self._check_copy_op(op, name, args, kwargs)
+        for value in _arguments(generators, args, kwargs):
+            if isinstance(value, torch.Generator) and not self._registered(value):
+                self.add(UNREGISTERED_GENERATOR, f"{op}(generator=...)", _GENERATOR)
+        for tensor in _tensors_in(list(_arguments(written, args, kwargs))):
+            watched = self._watched.get(_storage_id(tensor))
+            if watched is not None:
+                kind, path = watched
+                if kind == INPUT_MUTATION and torch._C._current_autograd_node() is not None:
+                    kind = BACKWARD_INPUT_MUTATION
+                self._mutated.add(path)
+                self.add(kind, f"{op} on {path}", _MUTATION[kind].format(path))
+
+    def _check_copy_op(
+        self, op: str, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        if name == "copy_":
+            target, source = args[0], args[1] if len(args) > 1 else kwargs.get("src")
+            if not isinstance(source, torch.Tensor):
+                return
+            source_device, target_device = source.device, target.device
+        else:
+            source = args[0]
+            source_device = source.device
+            target_device = kwargs.get("device") or source_device
+        if source_device == target_device:
+            return
+        if source_device.type == "cuda" and target_device.type != "cuda":
+            self.add(HOST_SYNC, op, _DEVICE_TO_HOST)
+        elif target_device.type == "cuda" and source_device.type != "cuda":
+            self.add(CROSS_DEVICE_COPY, op, _HOST_TO_DEVICE)
+        else:
+            self.add(CROSS_DEVICE_COPY, op, _OTHER_GPU)
+
+    def _registered(self, generator: torch.Generator) -> bool:
+        if id(generator) in self._generators:
+            return True
+        if generator.device.type == "cuda" and torch.cuda.is_initialized():
+            return any(generator is g for g in torch.cuda.default_generators)
+        return False
+
+
+class _FunctionLint(TorchFunctionMode):
+    def __init__(self, lint: CaptureLint) -> None:
+        super().__init__()
+        self.lint = lint
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        lint = self.lint
+        if lint._suppressed:
+            return func(*args, **kwargs)
+        name = _call_name(func)
+        reported = lint.before_call(name, args, kwargs)
+        if reported:
+            lint._suppressed += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                lint._suppressed -= 1
+        else:
+            out = func(*args, **kwargs)
+        lint.after_call(name, args, kwargs, out)
+        return out
+
+
+# -- tables of what is reported, and why -----------------------------------------------------------
+
+_SYNC_HINT = (
+    "A capture cannot wait for a value to reach the host, so a real capture fails here. "
+    "Keep the value on the device (torch.where, masking, clamp) or compute it before the call."
+)
+_PRINT_HINT = (
+    "Printing a tensor reads its values on the host, which a capture cannot do; print outside "
+    "the graphed callable."
+)
+_CONTROL_FLOW_HINT = (
+    "Python branches on a tensor value (if tensor:, while, assert, and/or) read it on the host, "
+    "which a capture cannot do; and a graph would keep the branch taken at capture forever. "
+    "Use torch.where or compute the condition outside the callable."
+)
+#: Python-level calls that read a tensor's values on the host: op shown, and why.
+_SYNC_CALLS: dict[str, tuple[str, str]] = {
+    "Tensor.item": ("Tensor.item", _SYNC_HINT),
+    "Tensor.tolist": ("Tensor.tolist", _SYNC_HINT),
+    "Tensor.numpy": ("Tensor.numpy", _SYNC_HINT),
+    "Tensor.__array__": ("numpy.asarray(tensor)", _SYNC_HINT),
+    "Tensor.__int__": ("int(tensor)", _SYNC_HINT),
+    "Tensor.__float__": ("float(tensor)", _SYNC_HINT),
+    "Tensor.__complex__": ("complex(tensor)", _SYNC_HINT),
+    "Tensor.__index__": ("operator.index(tensor)", _SYNC_HINT),
+    "Tensor.__contains__": ("value in tensor", _SYNC_HINT),
+    "Tensor.__bool__": ("bool(tensor)", _CONTROL_FLOW_HINT),
+    "Tensor.__repr__": ("print(tensor)", _PRINT_HINT),
+    "Tensor.__str__": ("str(tensor)", _PRINT_HINT),
+    "Tensor.__format__": ("f'{tensor}'", _PRINT_HINT),
+    "torch.equal": ("torch.equal", _SYNC_HINT),
+    "Tensor.equal": ("Tensor.equal", _SYNC_HINT),
+    "torch.allclose": ("torch.allclose", _SYNC_HINT),
+    "Tensor.allclose": ("Tensor.allclose", _SYNC_HINT),
+}
+#: ATen ops that read a value on the host (reached from torch's own code, or from backward).
+_SYNC_OPS = {
+    "_local_scalar_dense": "Reads a tensor value on the host (.item(), int(), float() or bool() "
+    "inside torch). " + _SYNC_HINT,
+    "equal": _SYNC_HINT,
+    "allclose": _SYNC_HINT,
+    "is_nonzero": _CONTROL_FLOW_HINT,
+}
+_SHAPE_HINT = (
+    "Its output's shape depends on tensor values, which the host must read (a sync) and which a "
+    "graph would freeze at the capture's values. Use a fixed-size form: torch.where(mask, x, 0), "
+    "masked_fill, nonzero_static, or repeat_interleave(..., output_size=n)."
+)
+_SHAPE_OPS = {
+    name: _SHAPE_HINT
+    for name in (
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "unique_dim_consecutive",
+        "bincount",
+        "repeat_interleave",
+    )
+}
+_INDEX_OPS = frozenset({"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"})
+_MASK_INDEX = (
+    "Indexing with a boolean mask (x[mask], x[mask] = v) turns the mask into indices on the host "
+    "(a sync), and the result's shape depends on the mask. Use torch.where(mask, x, other) or "
+    "x.masked_fill(~mask, 0) to keep shapes fixed."
+)
+_COPY_OPS = frozenset({"_to_copy", "copy_"})
+_DEVICE_TO_HOST = (
+    "Copies a tensor to the CPU: the host waits for the GPU, which a capture cannot do. Return "
+    "the tensor from the callable and move it after the call."
+)
+_HOST_TO_DEVICE = (
+    "Copies a CPU tensor to the GPU inside the callable: a capture fails on a copy from pageable "
+    "memory, and a captured copy from pinned memory would replay the same host buffer forever. "
+    "Make the tensor on the device (device=x.device), or pass it in as an input."
+)
+_HOST_DATA_TO_DEVICE = (
+    "Makes a tensor on the GPU from host data (a list, a number, a numpy array): a host-to-device "
+    "copy that a capture cannot hold, and whose values a graph would freeze. Register the values "
+    "as a buffer, pass them as an input, or build them with torch.full/arange on the device."
+)
+_OTHER_GPU = (
+    "Copies between two GPUs inside the callable; a graph captures the work of one device's "
+    "stream. Keep the callable on one device."
+)
+_HOST_TENSOR = (
+    "Makes a tensor on the CPU inside the callable; under a capture on {} it stays on the CPU: "
+    "moving it to the GPU is a copy the graph cannot repeat, mixing it with GPU tensors fails, "
+    "and work on it is not replayed. Make it on the input's device (device=x.device, "
+    "torch.zeros_like(x)) or register it as a buffer."
+)
+_GENERATOR = (
+    "Draws random numbers from a generator that is not the default CUDA generator, the only one "
+    "a capture registers (with Transformer Engine's RNG tracker, when TE is imported): a real "
+    "capture fails, or a replay repeats the same numbers. Use the default generator (seed it with "
+    "torch.cuda.manual_seed) or register yours with the graph."
+)
+_MUTATION = {
+    INPUT_MUTATION: (
+        "Updates the input {} in place. A replay writes the graph's static copy of the input, "
+        "and dualgraph copies it back into your tensor after each forward, as eager would leave "
+        "it: one extra copy per call. Return the new value as an output to avoid the copy."
+    ),
+    BACKWARD_INPUT_MUTATION: (
+        "Updates the input {} in place during backward; dualgraph hands in-place updates back "
+        "to the caller after the forward only, so it refuses to capture this. Update the input "
+        "in the forward, or outside the graphed callable."
+    ),
+    PARAMETER_MUTATION: (
+        "Updates the parameter {} in place inside the callable: warmup and capture would change "
+        "it already and every replay repeats the update, so dualgraph refuses to capture it. "
+        "Register it as a buffer, or update it outside the graphed callable."
+    ),
+}
+_UNSEEN_WRITE = (
+    " Its version counter moved though no op seen wrote to it (a write through a C++ extension "
+    "or a view the lint does not see), so no line is known."
+)
+
+#: Calls that move a tensor between devices.
+_MOVES = frozenset({"Tensor.to", "Tensor.cpu", "Tensor.cuda", "Tensor.copy_"})
+#: Factories that copy host data (lists, numbers, numpy arrays) into a new tensor.
+_FROM_HOST_DATA = frozenset(
+    {"torch.tensor", "torch.as_tensor", "torch.asarray", "Tensor.new_tensor", "torch.from_numpy"}
+)
+
+_MODULE_CALLS = frozenset({"_call_impl", "_wrapped_call_impl"})
+_MODULE_FILE = torch.nn.Module._call_impl.__code__.co_filename
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_ADAPTER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: The files of the lint, the memory probe and their shared dispatch mode: their frames are
+#: skipped, not a stop.
+_MACHINERY_FILES = frozenset(
+    [
+        *(
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+            for name in ("_lint.py", "_memory_plan.py", "_op_watch.py")
+        ),
+        contextlib.__file__,  # the context managers the lint is entered through
+    ]
+)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _call_name(func: Any) -> str:
+    """A readable name for what the function mode sees: ``Tensor.item``, ``torch.zeros``."""
+    name = getattr(func, "__name__", "") or ""
+    if name == "__get__":  # a tensor property, e.g. Tensor.device
+        owner = getattr(func, "__self__", None)
+        return f"Tensor.{getattr(owner, '__name__', '?')}"
+    qualname = getattr(func, "__qualname__", "") or name
+    owner, _, attribute = qualname.rpartition(".")
+    if owner in ("TensorBase", "Tensor", "_TensorBase"):
+        return f"Tensor.{attribute}"
+    if owner == "_VariableFunctionsClass":
+        return f"torch.{attribute}"
+    module = getattr(func, "__module__", None) or "torch"
+    if module == "torch" or module.startswith("torch."):
+        return f"{module}.{qualname}"
+    return qualname or repr(func)
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # most calls return one tensor
+        return [tree]
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, tuple | list):
+            stack.extend(reversed(item))
+        elif isinstance(item, Mapping):
+            stack.extend(reversed(list(item.values())))
+    return found
+
+
+def _move_target(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The device (or tensor) ``.to``/``.cuda`` moves to; ``None`` when it keeps the device."""
+    if "device" in kwargs and kwargs["device"] is not None:
+        return kwargs["device"]
+    if name == "Tensor.cuda":
+        return args[1] if len(args) > 1 else None
+    if name != "Tensor.to":
+        return None
+    for value in args[1:]:
+        if isinstance(value, torch.Tensor | torch.device | str | int) and not isinstance(
+            value, bool
+        ):
+            return value
+    other = kwargs.get("other")
+    return other if isinstance(other, torch.Tensor) else None
+
+
+def _real_device(target: Any) -> torch.device | None:
+    if isinstance(target, torch.Tensor):
+        return target.device
+    try:
+        device = torch.device(target)
+    except (TypeError, RuntimeError):
+        return None
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _copies_host_data(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a factory call copies host data (not a tensor) into its new tensor."""
+    if name not in _FROM_HOST_DATA:
+        return False
+    position = 1 if name == "Tensor.new_tensor" else 0
+    data = args[position] if len(args) > position else kwargs.get("data", kwargs.get("obj"))
+    return not _tensors_in(data)
+
+
+def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return any(
+        isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+        for index in (indices or ())
+    )
+
+
+#: Per ATen op: ``(name, generator arguments, written arguments)`` (each argument as ``(position,
+#: name)``), or ``_NOTHING_TO_CHECK`` for an op that is in no table, takes no generator and
+#: writes to no argument: the lint's cost for most ops is one dict lookup.
+_OP_CHECKS: dict[Any, Any] = {}
+_NOTHING_TO_CHECK = ("", (), ())
+
+
+def _op_checks(func: Any) -> Any:
+    name = func.overloadpacket.__name__
+    try:
+        arguments = list(func._schema.arguments)
+    except AttributeError:
+        arguments = []
+    generators = tuple((i, a.name) for i, a in enumerate(arguments) if "Generator" in str(a.type))
+    written = tuple(
+        (i, a.name)
+        for i, a in enumerate(arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    tabled = name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS
+    checks = (name, generators, written) if tabled or generators or written else _NOTHING_TO_CHECK
+    _OP_CHECKS[func] = checks
+    return checks
+
+
+def _arguments(
+    positions: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Iterator[Any]:
+    """The values of an op's arguments at ``positions`` (passed by position or by name)."""
+    for index, name in positions:
+        yield args[index] if index < len(args) else kwargs.get(name)
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except Exception:  # sparse tensors, wrapper subclasses: no storage of their own
+        return id(tensor)

@@ -1,0 +1,375 @@
+"""One forward and backward of a callable under observation: the lint and the memory plan.
+
+:func:`probe_once` is what :func:`~dualgraph.torch.lint` and :func:`~dualgraph.torch.memory_plan`
+run: a pass that leaves the model as it was (inputs cloned, grads through ``torch.autograd.grad``,
+RNG states and module buffers put back). :class:`WarmupProbe` is the same observation hooked into
+the first warmup iteration of a capture, so that it costs no extra call of the callable.
+
+>>> import torch
+>>> layer = torch.nn.Linear(2, 2)
+>>> report, plan = probe_once(layer, (torch.ones(1, 2),), {}, lint=True, memory=True)
+>>> report.ok, plan.callables[0].name
+(True, 'Linear')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, get_args
+
+import optree
+import torch
+
+from .._containers import NAMESPACE
+from .._errors import CaptureError, DualgraphError, DualgraphWarning
+from ._lint import CaptureLint, CaptureLintError, LintReport
+from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
+from ._op_watch import OpWatch
+
+__all__ = [
+    "LintMode",
+    "WarmupProbe",
+    "attach_probes",
+    "check_lint_mode",
+    "cloned_inputs",
+    "probe_once",
+    "raise_on_lint_errors",
+    "with_lint_findings",
+]
+
+#: What a capture does with the lint's errors: refuse (``"error"``), warn and capture anyway
+#: (``"warn"``), or not lint at all (``"off"``).
+LintMode = Literal["auto", "error", "warn", "off"]
+_LINT_MODES = get_args(LintMode)
+
+
+def check_lint_mode(mode: str) -> None:
+    if mode not in _LINT_MODES:
+        raise DualgraphError(f"lint must be one of {_LINT_MODES}, got {mode!r}")
+
+
+def probe_once(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    lint: bool,
+    memory: bool,
+) -> tuple[LintReport | None, MemoryPlan | None]:
+    """Run ``fn`` forward and backward once under the lint and/or the memory probe.
+
+    A graphed ``fn`` (what ``make_graphed_callables`` returned) is observed through the callable
+    behind it, which is what a capture runs.
+    """
+    with _ungraphed(fn) as fn:
+        return _probe_once(fn, args, kwargs, lint=lint, memory=memory)
+
+
+def _probe_once(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    lint: bool,
+    memory: bool,
+) -> tuple[LintReport | None, MemoryPlan | None]:
+    name = name_of(fn)
+    root = module_of(fn)
+    args_clone, kwargs_clone, inputs = cloned_inputs(tuple(args), dict(kwargs))
+    params = list(root.named_parameters()) if root is not None else []
+    observers: list[CaptureLint | MemoryProbe] = []
+    capture_lint = memory_probe = None
+    if lint:
+        capture_lint = CaptureLint(
+            name, inputs=inputs, params=params, root=root, generators=_registered_generators()
+        )
+        observers.append(capture_lint)
+    if memory:
+        memory_probe = MemoryProbe(name, fn)
+        observers.append(memory_probe)
+
+    with _model_kept(root):
+        try:
+            with _observed(observers), torch.enable_grad():
+                outputs = fn(*args_clone, **kwargs_clone)
+            flat = [t for t in _leaves(outputs) if isinstance(t, torch.Tensor)]
+            differentiable = [t for t in flat if t.requires_grad]
+            inputs_needing_grad = [t for _, t in inputs if t.requires_grad]
+            targets = inputs_needing_grad + [p for _, p in params if p.requires_grad]
+            grads: Sequence[torch.Tensor | None] = ()
+            if differentiable and targets:
+                cotangents = [torch.ones_like(t) for t in differentiable]
+                with _observed(observers):
+                    grads = torch.autograd.grad(
+                        differentiable, targets, cotangents, allow_unused=True
+                    )
+            report = capture_lint.report() if capture_lint is not None else None
+            plan = None
+            if memory_probe is not None:
+                grad_bytes = tensor_bytes(differentiable)
+                grad_bytes += tensor_bytes([g for g in grads if g is not None])
+                # param_grads="auto" (the default) also holds each parameter's .grad accumulator
+                grad_bytes += tensor_bytes(
+                    [g for g in grads[len(inputs_needing_grad) :] if g is not None]
+                )
+                static = (tensor_bytes([t for _, t in inputs]), tensor_bytes(flat), grad_bytes)
+                plan = plan_of([memory_probe], [static])
+        finally:
+            if memory_probe is not None:
+                memory_probe.close()
+            if capture_lint is not None:
+                capture_lint.close()
+    return report, plan
+
+
+class WarmupProbe:
+    """The lint and the memory probe around the first warmup iteration of one callable.
+
+    ``with probe:`` observes the first time and does nothing afterwards, so a warmup loop can
+    wrap every iteration. ``fn`` is what the warmup calls, ``module`` the module being graphed
+    (``None`` for a function): in-place writes to any of its parameters are findings, as the
+    adapter refuses them. ``inputs`` are the static input buffers, ``paths`` their paths.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        module: torch.nn.Module | None,
+        inputs: Sequence[torch.Tensor],
+        paths: Sequence[str],
+        lint: LintMode,
+        backend: str = "emulate",
+    ) -> None:
+        check_lint_mode(lint)
+        # "auto": on emulate the lint is the only thing that can report what a real capture
+        # would reject, so it refuses; on cuda the real capture is the authority, and the
+        # warmup runs unobserved (no dispatch mode in the way of the capture, no findings that
+        # the capture itself would not confirm).
+        self.observed = not (lint == "auto" and backend == "cuda")
+        if lint == "auto":
+            lint = "error" if backend == "emulate" else "off"
+        self.mode = lint
+        self.lint: CaptureLint | None = None
+        if lint != "off":
+            self.lint = CaptureLint(
+                name,
+                inputs=list(zip(paths, inputs, strict=True)),
+                params=list(module.named_parameters()) if module is not None else [],
+                root=module,
+                generators=_registered_generators(),
+            )
+        self.memory = MemoryProbe(name, fn)
+        self.static_input_bytes = tensor_bytes(inputs)
+        self.used = False
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> WarmupProbe:
+        if not self.used and self.observed:
+            self.used = True
+            self._stack = contextlib.ExitStack()
+            observers: list[CaptureLint | MemoryProbe] = [self.memory]
+            if self.lint is not None:
+                observers.insert(0, self.lint)
+            self._stack.enter_context(_observed(observers))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            try:
+                stack.close()
+            finally:
+                self.memory.close()
+                if self.lint is not None:
+                    self.lint.close()
+
+    def note_saved(self, tensors: Sequence[Any]) -> None:
+        """Tensors the forward saved for backward, collected by the adapter's own pack hook
+        (which, being inside the probe's, is the one autograd calls)."""
+        self.memory.note_saved(tensors)
+
+    def report(self) -> LintReport | None:
+        """The lint's findings (``None`` with ``lint="off"`` or before the warmup ran)."""
+        return self.lint.report() if self.lint is not None and self.used else None
+
+
+def raise_on_lint_errors(probes: Sequence[WarmupProbe]) -> None:
+    """After warmup, before capture: refuse (``"error"``) or warn (``"warn"``) on lint errors."""
+    reports = [p.report() for p in probes]
+    found = [r for r in reports if r is not None and not r.ok]
+    if not found:
+        return
+    report = _merged(found)
+    mode = probes[0].mode
+    if mode == "error":
+        raise CaptureLintError(
+            "the capture lint found what a graphed callable cannot do (lint='warn' captures "
+            f"anyway, lint='off' skips the lint)\n{report}",
+            report,
+        )
+    if mode == "warn":
+        warnings.warn(
+            f"capturing despite the capture lint's errors (lint='warn'):\n{report}",
+            DualgraphWarning,
+            stacklevel=_caller_level(),
+        )
+
+
+def with_lint_findings(
+    error: CaptureError, probes: Sequence[WarmupProbe], cause: BaseException
+) -> CaptureError:
+    """The error a failed capture raises, carrying the lint's findings when there are any.
+
+    ``error`` names the callable, the phase and the first line of ``cause``; the findings follow.
+    """
+    if isinstance(cause, CaptureLintError):
+        return CaptureLintError(f"{error}\n{cause.report}", cause.report)
+    reports = [r for r in (p.report() for p in probes) if r is not None and r.findings]
+    if not reports:
+        return error
+    report = _merged(reports)
+    return CaptureLintError(f"{error}\nThe capture lint had found:\n{report}", report)
+
+
+def attach_probes(diagnostics: Sequence[Any], probes: Sequence[WarmupProbe]) -> None:
+    """After capture: each callable's lint report and the plan of the shared pool."""
+    for diag, probe in zip(diagnostics, probes, strict=True):
+        diag.lint = probe.report()
+    if not all(p.used for p in probes):
+        return
+    static = [
+        (probe.static_input_bytes, d.static_output_bytes, d.static_grad_bytes)
+        for probe, d in zip(probes, diagnostics, strict=True)
+    ]
+    plan = plan_of([p.memory for p in probes], static)
+    pool = diagnostics[0].pool_bytes if diagnostics[0].backend == "cuda" else None
+    plan = plan.with_measured_pool(pool)
+    for diag in diagnostics:
+        diag.memory_plan = plan
+
+
+def name_of(fn: Any) -> str:
+    """The name findings and plans give a callable: a module's class, a function's qualname."""
+    root = module_of(fn)
+    if root is not None:
+        return type(root).__name__
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def module_of(fn: Any) -> torch.nn.Module | None:
+    """The module a callable is, or whose method it is."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _observed(observers: Sequence[CaptureLint | MemoryProbe]) -> Iterator[None]:
+    """The observers, their ATen ops watched through one dispatch mode (see ``_op_watch``)."""
+    with contextlib.ExitStack() as stack:
+        for observer in observers:
+            stack.enter_context(observer.watching(dispatch=False))
+        stack.enter_context(
+            OpWatch(
+                before=[o for o in observers if isinstance(o, CaptureLint)],
+                after=[o for o in observers if isinstance(o, MemoryProbe)],
+            )
+        )
+        yield
+
+
+@contextlib.contextmanager
+def _ungraphed(fn: Any) -> Iterator[Any]:
+    """``fn``, or the callable behind it when it was graphed (a module keeps its hooks)."""
+    # imported here: the adapter's modules import this one
+    from ._modules import runner_of
+    from ._verify import eager_twin
+
+    try:
+        runner_of(fn)
+    except DualgraphError:  # not made by make_graphed_callables (a copy of a graphed module)
+        yield fn
+        return
+    with eager_twin(fn) as twin:
+        yield twin
+
+
+@contextlib.contextmanager
+def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
+    """Put the RNG states (CPU, every initialised CUDA device) and the module's buffers back."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _registered_generators() -> list[Any]:
+    """Generators a capture registers besides the default CUDA ones: Transformer Engine's."""
+    if "transformer_engine.pytorch" not in sys.modules:
+        return []
+    from ._transformer_engine import _rng_generator_states
+
+    return _rng_generator_states()
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside dualgraph (the user's capture call)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def cloned_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """Clones of the tensors in ``args``/``kwargs`` (``requires_grad`` kept) and their paths."""
+    inputs: list[tuple[str, torch.Tensor]] = []
+
+    def clone(root: str, tree: Any) -> Any:
+        paths, leaves, treedef = optree.tree_flatten_with_path(
+            tree, none_is_leaf=True, namespace=NAMESPACE
+        )
+        cloned = []
+        for path, leaf in zip(paths, leaves, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+                inputs.append((root + "".join(_entry(e) for e in path), leaf))
+            cloned.append(leaf)
+        return optree.tree_unflatten(treedef, cloned)
+
+    return clone("args", args), clone("kwargs", kwargs), inputs
+
+
+def _entry(entry: Any) -> str:
+    return f"[{entry}]" if isinstance(entry, int) else f"[{entry!r}]"
+
+
+def _merged(reports: Sequence[LintReport]) -> LintReport:
+    merged = reports[0]
+    for report in reports[1:]:
+        merged = merged.merged(report)
+    return merged

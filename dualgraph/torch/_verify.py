@@ -1,0 +1,482 @@
+"""A check against eager: does a graphed callable still compute what its eager twin computes?
+
+:func:`verify` runs the graphed callable for ``steps`` calls with their backward, then puts the
+model back as it was and runs the original (eager) callable the same way from the same state:
+the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` starting from
+``None`` and accumulating over the steps on both sides. It compares, leaf by leaf and step by
+step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
+the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
+inputs and buffers the calls changed. Both sides backpropagate the same seeded random output
+grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values) and
+the RNG states are as they were. Usable in a training script between steps (after
+``optimizer.step()``, not between a forward and its backward); like any replay, the calls
+overwrite the static outputs of earlier replays.
+
+Tolerances. On the CPU every dtype must match exactly: the emulate and eager backends run the same
+kernels in the same order. On the GPU a replay runs the kernels eager runs, but kernels that
+accumulate with atomics (``index_add``, scatter backward, cuDNN weight grads unless
+``torch.backends.cudnn.deterministic``) differ between any two runs, eager ones included; so a
+leaf passes where ``|graphed - eager| <= atol * scale + rtol * |eager|`` elementwise, ``scale``
+being the leaf's largest ``|eager|`` (at least 1), with ``torch.testing.assert_close``'s
+per-dtype defaults:
+
+===================  ==========  ==========
+dtype (on the GPU)   rtol        atol
+===================  ==========  ==========
+float64, complex128  1e-7        1e-7
+float32, complex64   1.3e-6      1e-5
+float16              1e-3        1e-5
+bfloat16             1.6e-2      1e-5
+float8 (all)         1.25e-1     1.25e-1
+integers, bool       exact       exact
+===================  ==========  ==========
+
+``rtol=``/``atol=`` override them for every floating leaf.
+
+Randomness. Both sides start from the same RNG states. Under ``emulate`` and ``eager`` the
+replay re-runs the callable, so dropout draws the same masks as eager. Under ``cuda``, torch's
+graph-safe Philox RNG gives each random kernel in a replay the offset the CUDA generator holds at
+replay time plus the offset it had inside the capture, which is the offset eager gives it; so the
+same masks are expected when the graph and eager draw in the same order (``test_torch_verify.py``
+has a CUDA test with dropout). Random numbers drawn from anything else (a generator of your own,
+Transformer Engine's RNG tracker) are not reset by ``verify``: compare with such dropout off.
+
+>>> import torch, dualgraph.torch as dgt
+>>> layer = dgt.make_graphed_callables(
+...     torch.nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate")
+>>> report = verify(layer, torch.randn(2, 4, requires_grad=True))
+>>> report.ok, report.worst_path
+(True, 'step 1 output')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import DualgraphError, SpecMismatchError
+from .._spec import TreeSpec, describe
+from ._graphed import diagnostics
+from ._leaves import dtype_name
+from ._modules import runner_of
+from ._probe import cloned_inputs
+from ._replay import GraphedCallable
+from ._slots import SlottedCallable
+
+__all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
+
+#: ``dtype -> (rtol, atol)`` for floating leaves on the GPU; on the CPU everything is exact.
+CUDA_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.complex128: (1e-7, 1e-7),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.complex64: (1.3e-6, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    **{
+        getattr(torch, name): (1.25e-1, 1.25e-1)
+        for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+        if hasattr(torch, name)
+    },
+}
+
+
+@dataclass(frozen=True)
+class LeafCheck:
+    """One compared leaf: ``score`` is the worst ``|diff| / allowed`` (``inf`` on an exact miss).
+
+    ``problem`` describes a difference that has no number (a ``None`` where eager has a tensor,
+    another output structure); such a leaf never passes.
+    """
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    max_abs: float
+    max_rel: float
+    rtol: float
+    atol: float
+    score: float
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.score <= 1.0
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Every leaf compared over the steps, and the verdict; ``str()`` is a table, worst first."""
+
+    name: str
+    backend: str
+    steps: int
+    checks: tuple[LeafCheck, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def failures(self) -> tuple[LeafCheck, ...]:
+        return tuple(check for check in self.checks if not check.ok)
+
+    @property
+    def worst(self) -> LeafCheck | None:
+        """The leaf furthest from (or over) its tolerance; problems first."""
+        return max(self.checks, key=lambda c: (bool(c.problem), _finite(c.score)), default=None)
+
+    @property
+    def worst_path(self) -> str | None:
+        worst = self.worst
+        return None if worst is None else worst.path
+
+    def __str__(self) -> str:
+        worst = self.worst
+        what = f"{self.name} ({self.backend}), {self.steps} step{'s' * (self.steps != 1)}"
+        if worst is None:
+            header = f"verify {what}: nothing to compare"
+        elif self.ok:
+            leaves = (
+                "1 leaf matches" if len(self.checks) == 1 else f"{len(self.checks)} leaves match"
+            )
+            header = (
+                f"verify OK: {what}: {leaves} eager (worst: {worst.path}, "
+                f"max abs {worst.max_abs:.3g}, {_finite(worst.score):.3g} of its tolerance)"
+            )
+        else:
+            header = (
+                f"verify FAILED: {what}: {len(self.failures)} of {len(self.checks)} leaves differ "
+                f"from eager (worst: {worst.path}"
+                + (f": {worst.problem})" if worst.problem else f", max abs {worst.max_abs:.3g})")
+            )
+        if self.backend == "eager":
+            header += "\n(the eager backend runs the callable itself: both sides are eager)"
+        titles = ("leaf", "dtype", "shape", "max abs", "max rel", "rtol", "atol", "score", "")
+        rows = [
+            (
+                c.path,
+                c.dtype,
+                "[" + ", ".join(map(str, c.shape)) + "]",
+                f"{c.max_abs:.3g}",
+                f"{c.max_rel:.3g}",
+                f"{c.rtol:.2g}",
+                f"{c.atol:.2g}",
+                f"{c.score:.3g}",
+                "ok" if c.ok else "FAIL",
+            )
+            for c in self.checks
+            if not c.problem
+        ]
+        widths = [max(len(row[i]) for row in [titles, *rows]) for i in range(len(titles))]
+        lines = [header]
+        if rows:
+            for row in [titles, *rows]:
+                cells = [cell.ljust(w) for cell, w in zip(row, widths, strict=True)]
+                lines.append("  ".join(cells).rstrip())
+        lines += [f"{c.path}: FAIL: {c.problem}" for c in self.checks if c.problem]
+        return "\n".join(lines)
+
+
+def verify(
+    graphed: Any,
+    /,
+    *args: Any,
+    steps: int = 2,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **kwargs: Any,
+) -> VerifyReport:
+    """Run ``graphed`` and its eager twin ``steps`` times from the same state; compare everything.
+
+    ``graphed`` is what :func:`~dualgraph.torch.make_graphed_callables` returned (a module or a
+    :class:`~dualgraph.torch.GraphedCallable`), ``args``/``kwargs`` one call's inputs (cloned for
+    each call on each side, ``requires_grad`` kept). The keywords ``steps``, ``rtol`` and ``atol``
+    are verify's own. Parameter grads and buffers are compared for graphed modules (a graphed
+    function's parameters are not known). See the module docstring for tolerances and RNG.
+    Raises :class:`~dualgraph.DualgraphError` when the graphed call would not replay (a module
+    whose ``training`` mode differs from capture time runs eagerly).
+
+    >>> import torch, dualgraph.torch as dgt
+    >>> double = dgt.make_graphed_callables(
+    ...     lambda x: (x * 2, None), (torch.ones(3),), backend="emulate")
+    >>> print(verify(double, torch.arange(3.0), steps=1))  # doctest: +NORMALIZE_WHITESPACE
+    verify OK: <lambda> (emulate), 1 step: 1 leaf matches eager (worst: step 1 output[0],
+    max abs 0, 0 of its tolerance)
+    leaf             dtype    shape  max abs  max rel  rtol  atol  score
+    step 1 output[0] float32  [3]    0        0        0     0     0      ok
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise DualgraphError(f"steps must be a positive int, got {steps!r}")
+    info = diagnostics(graphed)
+    module = graphed if isinstance(graphed, torch.nn.Module) else None
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if module else []
+    buffers = list(module.named_buffers()) if module is not None else []
+
+    with _state_kept(params, buffers) as state:
+        replays = info.replays
+        graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
+        if info.replays - replays != steps:
+            raise DualgraphError(
+                f"{info.name}: {steps} calls replayed {info.replays - replays} times; a graphed "
+                "module whose training mode differs from capture time runs eagerly, so there is "
+                "nothing to verify (set .train()/.eval() as at capture)"
+            )
+        _restore(params, buffers, state)
+        with eager_twin(graphed) as eager:
+            eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
+
+    checks: list[LeafCheck] = []
+    for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
+        checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
+    return VerifyReport(info.name, info.backend, steps, tuple(checks))
+
+
+# -- one side ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """What one call and its backward left: outputs, grads, and changed inputs and buffers."""
+
+    spec: TreeSpec
+    outputs: list[torch.Tensor]
+    input_grads: dict[str, torch.Tensor | None]
+    param_grads: dict[str, torch.Tensor | None]
+    after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean": after the call
+    changed: set[str]  # the keys of ``after`` whose values the call changed
+
+
+def _run_steps(
+    call: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    steps: int,
+    params: Sequence[tuple[str, torch.Tensor]],
+    buffers: Sequence[tuple[str, torch.Tensor]],
+) -> list[_Step]:
+    for _, param in params:
+        param.grad = None
+    results = []
+    for step in range(steps):
+        call_args, call_kwargs, inputs = cloned_inputs(tuple(args), dict(kwargs))
+        before = {f"input {p}": t.detach().clone() for p, t in inputs}
+        before.update({f"buffer {n}": b.detach().clone() for n, b in buffers})
+        with torch.enable_grad():
+            out = call(*call_args, **call_kwargs)
+        spec = describe(out)
+        flat = spec.flatten(out)
+        outputs = [_owned(t) for t in flat]
+        live = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        if live:
+            cotangents = [_cotangent(t, step, i) for i, t in enumerate(live)]
+            torch.autograd.backward(live, cotangents)
+        after = {f"input {p}": t.detach().clone() for p, t in inputs}
+        after.update({f"buffer {n}": b.detach().clone() for n, b in buffers})
+        results.append(
+            _Step(
+                spec=spec,
+                outputs=outputs,
+                input_grads={p: _owned(t.grad) for p, t in inputs if t.requires_grad},
+                param_grads={n: _owned(p.grad) for n, p in params},
+                after=after,
+                changed={key for key, value in after.items() if not _same(value, before[key])},
+            )
+        )
+    return results
+
+
+@contextlib.contextmanager
+def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
+    """The original callable behind ``graphed``, called the way ``graphed`` is called.
+
+    The runner (a :class:`GraphedCallable`'s plan, an :class:`EagerCallable`, a
+    :class:`BucketedCallable`) keeps the callable it runs: for a module, the ``forward`` it had
+    at capture. A graphed module is called as a module (its hooks run), with that ``forward``
+    in place of the graphed one for the call.
+    """
+    runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable):
+        runner = runner._replays[0]  # every slot replays the same callable
+    original = runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
+    if not isinstance(graphed, torch.nn.Module):
+        yield original
+        return
+    installed = graphed.__dict__["forward"]
+    graphed.__dict__["forward"] = original
+    try:
+        yield graphed
+    finally:
+        graphed.__dict__["forward"] = installed
+
+
+# -- state kept and put back -----------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    grads: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # the object, its values
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+
+
+@contextlib.contextmanager
+def _state_kept(
+    params: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[tuple[str, torch.Tensor]]
+) -> Iterator[_State]:
+    """The saved state; on exit everything is put back, ``.grad`` objects and values included."""
+    with torch.no_grad():
+        state = _State(
+            params=[p.detach().clone() for _, p in params],
+            buffers=[b.detach().clone() for _, b in buffers],
+            grads=[(p.grad, _owned(p.grad)) for _, p in params],
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        )
+    try:
+        yield state
+    finally:
+        _restore(params, buffers, state)
+        for (_, param), (grad, values) in zip(params, state.grads, strict=True):
+            if grad is not None and values is not None:
+                with torch.no_grad():
+                    grad.copy_(values)
+            param.grad = grad
+
+
+def _restore(
+    params: Sequence[tuple[str, torch.Tensor]],
+    buffers: Sequence[tuple[str, torch.Tensor]],
+    state: _State,
+) -> None:
+    """Parameters, buffers and RNG as saved; ``.grad`` set to ``None`` (put back at the end)."""
+    with torch.no_grad():
+        for (_, param), saved in zip(params, state.params, strict=True):
+            param.copy_(saved)
+            param.grad = None
+        for (_, buffer), saved in zip(buffers, state.buffers, strict=True):
+            buffer.copy_(saved)
+    torch.set_rng_state(state.cpu_rng)
+    if state.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(state.cuda_rng)
+
+
+# -- comparing -----------------------------------------------------------------------------------
+
+
+def _compare_step(
+    prefix: str, ours: _Step, theirs: _Step, rtol: float | None, atol: float | None
+) -> list[LeafCheck]:
+    checks: list[LeafCheck] = []
+    problem = _structure_problem(ours, theirs)
+    if problem:
+        checks.append(_problem(prefix + "output", problem))
+    else:
+        for path, a, b in zip(theirs.spec.array_paths, ours.outputs, theirs.outputs, strict=True):
+            checks.append(_compare(f"{prefix}output{path}", a, b, rtol, atol))
+    for mine, other in (
+        (ours.input_grads, theirs.input_grads),
+        (ours.param_grads, theirs.param_grads),
+    ):
+        for name, expected in other.items():
+            checks.append(_compare(f"{prefix}grad {name}", mine.get(name), expected, rtol, atol))
+    for key in sorted(ours.changed | theirs.changed):  # inputs and buffers a call changed
+        path = f"{prefix}{key} after the call"
+        checks.append(_compare(path, ours.after[key], theirs.after[key], rtol, atol))
+    return checks
+
+
+def _structure_problem(ours: _Step, theirs: _Step) -> str:
+    if ours.spec == theirs.spec:
+        return ""
+    try:
+        theirs.spec.check(ours.spec.unflatten(ours.outputs), root="output")
+    except SpecMismatchError as error:
+        return f"graphed and eager outputs differ in structure: {error}"
+    differ = [
+        f"output{path} requires grad {g} (eager: {e})"
+        for path, g, e in zip(
+            theirs.spec.array_paths, ours.spec.grad_mask, theirs.spec.grad_mask, strict=True
+        )
+        if g != e
+    ]
+    return "; ".join(differ) or f"specs differ: {ours.spec} vs eager {theirs.spec}"
+
+
+def _compare(
+    path: str, actual: Any, expected: Any, rtol: float | None, atol: float | None
+) -> LeafCheck:
+    if expected is None or actual is None:
+        if expected is None and actual is None:
+            return LeafCheck(path, "", (), 0.0, 0.0, 0.0, 0.0, 0.0)
+        which = "graphed" if actual is None else "eager"
+        return _problem(path, f"None in {which}, a tensor in the other")
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        return _problem(path, f"expected a tensor, got {type(actual).__name__}")
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return _problem(
+            path,
+            f"graphed {dtype_name(actual.dtype)}{list(actual.shape)} vs eager "
+            f"{dtype_name(expected.dtype)}{list(expected.shape)}",
+        )
+    leaf_rtol, leaf_atol = _tolerance(expected, rtol, atol)
+    wide = torch.complex128 if expected.is_complex() else torch.float64
+    a = actual.detach().to(wide)
+    b = expected.detach().to(wide)
+    diff = (a - b).abs()
+    diff = torch.where((a == b) | (a.isnan() & b.isnan()), torch.zeros_like(diff), diff)
+    diff = torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff)
+    magnitude = b.abs()
+    finite = torch.where(magnitude.isfinite(), magnitude, torch.zeros_like(magnitude))
+    scale = max(1.0, float(finite.max())) if finite.numel() else 1.0
+    allowed = leaf_atol * scale + leaf_rtol * finite
+    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / allowed)
+    relative = torch.where((diff == 0) | (magnitude == 0), torch.zeros_like(diff), diff / magnitude)
+    return LeafCheck(
+        path,
+        dtype_name(expected.dtype),
+        tuple(expected.shape),
+        float(diff.max()) if diff.numel() else 0.0,
+        float(relative.max()) if relative.numel() else 0.0,
+        leaf_rtol,
+        leaf_atol,
+        float(ratio.max()) if ratio.numel() else 0.0,
+    )
+
+
+def _tolerance(tensor: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return 0.0, 0.0
+    default = CUDA_TOLERANCES.get(tensor.dtype, (0.0, 0.0)) if tensor.is_cuda else (0.0, 0.0)
+    return (default[0] if rtol is None else rtol), (default[1] if atol is None else atol)
+
+
+def _problem(path: str, text: str) -> LeafCheck:
+    return LeafCheck(path, "", (), math.inf, math.inf, 0.0, 0.0, math.inf, problem=text)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def _finite(score: float) -> float:
+    return score if math.isfinite(score) else float("inf")
+
+
+def _owned(tensor: Any) -> Any:
+    return tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
+
+
+def _cotangent(output: torch.Tensor, step: int, index: int) -> torch.Tensor:
+    """The same random output grad on both sides: seeded by step and output, CPU-generated."""
+    generator = torch.Generator().manual_seed(1_000_003 * step + index)
+    dtype = torch.complex128 if output.is_complex() else torch.float64
+    values = torch.randn(output.shape, generator=generator, dtype=dtype)
+    return values.to(dtype=output.dtype, device=output.device)

@@ -1,0 +1,814 @@
+"""Shape buckets: one graphed callable, several input shapes, one pool (``buckets=``).
+
+Graphed and eager twins see the same inputs in a random order of shapes: outputs, input grads,
+parameter grads and trained weights are bit-identical on the CPU (within ``TOLERANCES`` on a
+GPU); padded calls (``fallback="pad"``) match eager up to rounding. CUDA tests also check that a
+replay of one bucket leaves what another bucket handed out alone, and the memory bound: the pool
+of all buckets is at most 1.25x the pool of the largest bucket captured alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch_cases import (
+    CUDA,
+    GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
+    assert_tensors_match,
+    assert_trees_match,
+    device_of,
+    fresh_copy,
+    isolation,
+    runner_of,
+    tolerance,
+)
+
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError, SpecMismatchError
+from dualgraph.models.torch_vit import VisionEncoder, ViTBlock
+
+#: Padded calls run other kernels' sizes than eager: equal up to rounding, not bit for bit.
+PAD_TOLERANCE = (1e-5, 1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
+def twins(build: Any, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    module = build().to(device)
+    twin = build().to(device)
+    twin.load_state_dict(module.state_dict())
+    return module, twin
+
+
+def encoder_sizes(backend: str) -> tuple[dict[str, int], list[int]]:
+    """Encoder settings and three image sizes: 196, 256 and 324 tokens on a GPU, 4/9/16 on a CPU."""
+    if backend == CUDA:
+        return {"image_size": 224, "patch_size": 16, "dim": 64, "depth": 2, "heads": 4}, [
+            224,
+            256,
+            288,
+        ]
+    return {"image_size": 24, "patch_size": 8, "dim": 16, "depth": 2, "heads": 2}, [16, 24, 32]
+
+
+def tokens(device: torch.device, length: int, batch: int = 2, dim: int = 16) -> torch.Tensor:
+    return torch.randn(batch, length, dim, device=device, requires_grad=True)
+
+
+def block_buckets(device: torch.device, lengths: tuple[int, ...] = (5, 7, 9)) -> list[Any]:
+    return [(tokens(device, n),) for n in lengths]
+
+
+def loss_and_grads(
+    module: nn.Module, x: torch.Tensor, **kwargs: Any
+) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+    hidden, _ = module(x, **kwargs)
+    loss = hidden.square().mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+    return loss.item(), x.grad.clone(), grads  # type: ignore[union-attr]
+
+
+# -- training on several shapes matches eager ------------------------------------------------
+
+
+@pytest.fixture
+def deterministic_cudnn() -> Any:
+    """cuDNN's conv weight grads differ from run to run otherwise (seen on the H200)."""
+    saved = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    yield
+    torch.backends.cudnn.deterministic = saved
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.usefixtures("deterministic_cudnn")
+def test_encoder_trained_on_sizes_in_random_order_matches_eager(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    settings, sizes = encoder_sizes(backend)
+    encoder, twin = twins(lambda: VisionEncoder(**settings), device)
+
+    def images(size: int) -> torch.Tensor:
+        return torch.randn(2, 3, size, size, device=device)
+
+    dgt.make_graphed_callables(
+        encoder, buckets=[(images(s),) for s in sizes], param_grads=param_grads, backend=backend
+    )
+    assert len(dgt.diagnostics(encoder).buckets) == 3
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (encoder, twin)]
+    order = random.Random(0).choices(sizes, k=9)
+    assert set(order) == set(sizes)
+    for step, size in enumerate(order):
+        batch = images(size)
+        outputs = encoder(batch)
+        expected = twin(batch.clone())
+        assert_trees_match(outputs, expected, tolerance(backend))
+        for out in (outputs, expected):
+            (out["hidden"].square().mean() + out["pooled"].abs().mean()).backward()
+        for (name, p), q in zip(encoder.named_parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(
+                p.grad, q.grad, f"step {step} ({size} px): grad of {name}", tolerance(backend)
+            )
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+    for (name, p), q in zip(encoder.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.detach(), q.detach(), f"trained {name}", tolerance(backend))
+    assert dgt.diagnostics(encoder).replays == len(order)
+    assert [b.calls for b in dgt.diagnostics(encoder).buckets] == [order.count(s) for s in sizes]
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_alternating_buckets_with_grads_accumulating_across_them_match_eager(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, param_grads=param_grads
+    )
+    for length in (5, 9, 5, 7, 9, 7, 5):  # grads accumulate across buckets: no zero_grad
+        x = tokens(device, length)
+        x_eager = fresh_copy(x)
+        with torch.no_grad():  # a forward-only call of another bucket in between changes nothing
+            block(tokens(device, 7 if length != 7 else 9))
+        loss, x_grad, grads = loss_and_grads(block, x)
+        eager_loss, eager_x_grad, eager_grads = loss_and_grads(twin, x_eager)
+        assert loss == eager_loss or backend == CUDA
+        assert_tensors_match(x_grad, eager_x_grad, f"input grad ({length})", tolerance(backend))
+        for i, (g, e) in enumerate(zip(grads, eager_grads, strict=True)):
+            assert_tensors_match(g, e, f"parameter {i} grad ({length})", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_of_one_bucket_survive_replays_of_the_others(backend: str) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    x5, x7, x9 = tokens(device, 5), tokens(device, 7), tokens(device, 9)
+    with torch.no_grad():
+        kept = block(x5)[0]  # aliases bucket 0's static output
+        block(x9)
+        block(x7)
+        expected = twin(x5)[0]
+    assert_tensors_match(
+        kept, expected, "bucket 0's output after buckets 2 and 1 ran", tolerance(backend)
+    )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_in_graph_and_autograd_grads_land_in_one_grad_per_parameter(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    block, _ = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, param_grads=param_grads
+    )
+    block(tokens(device, 5))[0].sum().backward()
+    grads = [p.grad for p in block.parameters()]
+    block(tokens(device, 9))[0].sum().backward()
+    assert all(p.grad is g for p, g in zip(block.parameters(), grads, strict=True))
+    old = block.fc1.weight.grad
+    kept = old.clone()  # type: ignore[union-attr]
+    block.zero_grad(set_to_none=True)
+    block(tokens(device, 7))[0].sum().backward()
+    assert block.fc1.weight.grad is not None and block.fc1.weight.grad is not old
+    assert torch.equal(old, kept), "a .grad kept after zero_grad changed"
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_shares_one_grad_buffer_and_one_accumulator_per_parameter_across_buckets(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, param_grads="auto"
+    )
+    plans = [runner.plan for runner in runner_of(block).runners]  # type: ignore[union-attr]
+    first = plans[0]
+    assert all(plan.buffers.param_grads == first.buffers.param_grads for plan in plans)
+    assert all(plan.params.accumulators == first.params.accumulators for plan in plans)
+    params = list(block.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    per_bucket = sum(
+        t.numel() * t.element_size()
+        for plan in plans
+        for t in (*plan.buffers.grad_outputs, *plan.buffers.input_grads)
+        if t is not None
+    )
+    assert dgt.diagnostics(block).static_grad_bytes == per_bucket + 2 * grad_bytes
+    for length in (5, 9, 7, 5):  # .grad accumulates across buckets
+        x = tokens(device, length)
+        block(x)[0].square().sum().backward()
+        twin(x.detach().clone().requires_grad_())[0].square().sum().backward()
+    for p, e in zip(params, twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert all(p.grad is a for p, a in zip(params, first.params.accumulators, strict=True))
+    assert dgt.diagnostics(block).param_grads_through_autograd == 0
+    block.fc1.bias.register_hook(lambda grad: grad * 2)  # a hook: autograd, in every bucket
+    twin.fc1.bias.register_hook(lambda grad: grad * 2)
+    for length in (9, 5):
+        x = tokens(device, length)
+        block(x)[0].square().sum().backward()
+        twin(x.detach().clone().requires_grad_())[0].square().sum().backward()
+    for p, e in zip(params, twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad after a hook", tolerance(backend))
+    assert dgt.diagnostics(block).param_grads_through_autograd == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_sums_a_bucket_and_an_eager_fallback_in_one_backward_as_eager_does(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, fallback="eager"
+    )
+
+    def loss(module: nn.Module, xs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((module(x)[0].square().sum() for x in xs), torch.zeros((), device=device))
+
+    for lengths in ((5, 6), (8, 9), (7, 6)):  # a bucket and no bucket (eager), either order
+        xs = [tokens(device, n) for n in lengths]
+        loss(block, xs).backward()  # .grad accumulates: eager adds the sum of both uses' grads
+        loss(twin, [x.detach().clone().requires_grad_() for x in xs]).backward()
+        for p, e in zip(block.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    report = dgt.diagnostics(block)
+    assert (report.eager_calls, report.param_grads_through_autograd) == (3, 3)
+    x = tokens(device, 9)  # the eager graphs are gone: the bucket adds into .grad itself again
+    loss(block, [x]).backward()
+    loss(twin, [x.detach().clone().requires_grad_()]).backward()
+    for p, e in zip(block.parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert dgt.diagnostics(block).param_grads_through_autograd == 3
+
+
+# -- one replay in flight ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_backward_after_another_bucket_replayed_is_refused(backend: str) -> None:
+    device = device_of(backend)
+    block, _ = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    first, _ = block(tokens(device, 5))
+    second, _ = block(tokens(device, 9))  # may overwrite the activations of the first
+    second.sum().backward()
+    with pytest.raises(DualgraphError, match="backward of an earlier replay after a later forward"):
+        first.sum().backward()
+    del first
+    x = tokens(device, 5)
+    block(x)[0].sum().backward()  # the bucket works again
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_eager_call_between_a_replay_and_its_backward_leaves_the_backward_valid(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, fallback="eager"
+    )
+    x, y = tokens(device, 5), tokens(device, 6)  # y has no bucket: it runs eagerly
+    x_eager, y_eager = fresh_copy(x), fresh_copy(y)
+    (block(x)[0].square().mean() + block(y)[0].square().mean()).backward()
+    (twin(x_eager)[0].square().mean() + twin(y_eager)[0].square().mean()).backward()
+    assert_tensors_match(x.grad, x_eager.grad, "replayed input's grad", tolerance(backend))
+    assert_tensors_match(y.grad, y_eager.grad, "eager input's grad", tolerance(backend))
+    for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, f"grad of {name}", tolerance(backend))
+
+
+# -- calls of other shapes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_an_unknown_shape_is_an_error_naming_the_path_and_the_buckets(backend: str) -> None:
+    device = device_of(backend)
+    block, _ = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    with pytest.raises(SpecMismatchError) as error:
+        block(tokens(device, 6))
+    assert error.value.path == "args[0]"
+    assert str(error.value).startswith(
+        "args[0]: got shape [2, 6, 16], which no bucket of ViTBlock takes (fallback='error'"
+    )
+    assert "the buckets take args[0]=[2, 5, 16] | args[0]=[2, 7, 16] | args[0]=[2, 9, 16]" in str(
+        error.value
+    )
+
+
+def test_the_error_names_the_input_that_matches_no_bucket() -> None:
+    def fn(x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return x * mask
+
+    buckets = [(torch.randn(2, n),) for n in (3, 5)]
+    masks = [{"mask": torch.randn(2, n)} for n in (3, 5)]
+    graphed = dgt.make_graphed_callables(fn, buckets=buckets, sample_kwargs=masks)
+    with pytest.raises(SpecMismatchError) as error:
+        graphed(torch.randn(2, 3), mask=torch.randn(2, 4))
+    assert error.value.path == "kwargs['mask']"
+    with pytest.raises(SpecMismatchError) as error:  # each shape is a bucket's, not together
+        graphed(torch.randn(2, 3), mask=torch.randn(2, 5))
+    assert error.value.path == "kwargs['mask']"
+    assert "args[0]=[2, 3], kwargs['mask']=[2, 3] | args[0]=[2, 5]" in str(error.value)
+
+
+class EveryLeafBlock(nn.Module):
+    """Returns a differentiable tensor, None, constants, an int and a bool tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.proj(x)
+        return h, None, {"n": 3, "top": h.argmax(dim=-1), "on": h > 0, "scale": 0.5}
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_an_unknown_shape_runs_eagerly_with_the_full_output_contract(backend: str) -> None:
+    device = device_of(backend)
+    module, twin = twins(EveryLeafBlock, device)
+    buckets = [(torch.randn(n, 8, device=device, requires_grad=True),) for n in (2, 4)]
+    dgt.make_graphed_callables(module, buckets=buckets, backend=backend, fallback="eager")
+    for rows in (3, 4, 5, 3):
+        x = torch.randn(rows, 8, device=device, requires_grad=True)
+        x_eager = fresh_copy(x)
+        outputs, expected = module(x), twin(x_eager)
+        assert_trees_match(outputs, expected, tolerance(backend) if rows == 4 else None)
+        outputs[0].square().sum().backward()
+        expected[0].square().sum().backward()
+        assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))
+        assert_tensors_match(
+            module.proj.weight.grad, twin.proj.weight.grad, "weight grad", tolerance(backend)
+        )
+    report = dgt.diagnostics(module)
+    assert (report.eager_calls, report.replays) == (3, 1)
+
+
+def test_an_eager_call_must_return_the_buckets_output_structure() -> None:
+    def fn(x: torch.Tensor) -> Any:
+        return (x * 2, None) if x.shape[0] < 4 else (x * 2, x)
+
+    graphed = dgt.make_graphed_callables(
+        fn, buckets=[(torch.randn(n),) for n in (1, 2)], fallback="eager"
+    )
+    assert graphed(torch.randn(3))[1] is None
+    returned = (
+        r"output\[1\]: the eager call returned a float32 tensor where the buckets return None"
+    )
+    with pytest.raises(SpecMismatchError, match=returned):
+        graphed(torch.randn(5))
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager", "pad"])
+def test_an_unknown_shape_of_the_wrong_dtype_is_refused_under_any_fallback(fallback: str) -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dims = {"args[0]": 1, "output[0]": 1} if fallback == "pad" else None
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(torch.device("cpu")), fallback=fallback, dynamic_dims=dims
+    )
+    with pytest.raises(SpecMismatchError, match=r"args\[0\]: expected a float32 tensor on cpu"):
+        block(torch.randn(2, 6, 16, dtype=torch.float64))
+    assert dgt.diagnostics(block).eager_calls == 0
+
+
+# -- fallback="pad" ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [*GRAPH_GRAD_MODES, pytest.param("eager", "autograd", id="eager")]
+)
+def test_padded_calls_match_eager_on_the_unpadded_input(backend: str, param_grads: str) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block,
+        buckets=block_buckets(device),
+        backend=backend,
+        param_grads=param_grads,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+    )
+    for length in (3, 5, 8, 6, 9, 1):
+        x = tokens(device, length)
+        x_eager = fresh_copy(x)
+        exact = length in (5, 7, 9)
+        close = tolerance(backend) if exact else (tolerance(backend) or PAD_TOLERANCE)
+        loss, x_grad, grads = loss_and_grads(block, x)
+        eager_loss, eager_x_grad, eager_grads = loss_and_grads(twin, x_eager)
+        assert x_grad.shape == (2, length, 16)
+        assert_tensors_match(torch.tensor(loss), torch.tensor(eager_loss), "loss", close)
+        assert_tensors_match(x_grad, eager_x_grad, f"input grad ({length})", close)
+        for i, (g, e) in enumerate(zip(grads, eager_grads, strict=True)):
+            assert_tensors_match(g, e, f"parameter {i} grad ({length})", close)
+        block.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+    report = dgt.diagnostics(block)
+    assert report.padded_calls == 4
+    assert [(b.length, b.calls, b.padded_calls) for b in report.buckets] == [
+        (5, 3, 2),
+        (7, 1, 1),
+        (9, 2, 1),
+    ]
+
+
+def masked_mean(
+    x: torch.Tensor, *, mask: torch.Tensor, valid_length: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position values and a mean over the valid positions only."""
+    weighted = torch.tanh(x) * mask
+    if valid_length is None:
+        return weighted, weighted.mean(dim=1)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length
+    return weighted, (weighted * keep).sum(dim=1) / valid_length
+
+
+def test_pad_pads_every_declared_input_and_cuts_every_declared_output() -> None:
+    buckets = [(torch.randn(2, n, requires_grad=True),) for n in (4, 8)]
+    masks = [{"mask": torch.rand(2, n) > 0.5} for n in (4, 8)]
+    graphed = dgt.make_graphed_callables(
+        masked_mean,
+        buckets=buckets,
+        sample_kwargs=masks,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "kwargs['mask']": 1, "output[0]": 1},
+    )
+    x = torch.randn(2, 6, requires_grad=True)
+    mask = torch.rand(2, 6) > 0.5  # a bool tensor, padded with False
+    x_eager = fresh_copy(x)
+    weighted, mean = graphed(x, mask=mask)
+    expected_weighted, expected_mean = masked_mean(x_eager, mask=mask)
+    assert weighted.shape == (2, 6) and mean.shape == (2,)
+    assert_tensors_match(weighted, expected_weighted, "per position", PAD_TOLERANCE)
+    assert_tensors_match(mean, expected_mean, "mean over valid positions", PAD_TOLERANCE)
+    (weighted.sum() + mean.sum()).backward()
+    (expected_weighted.sum() + expected_mean.sum()).backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", PAD_TOLERANCE)
+    with pytest.raises(SpecMismatchError, match=r"kwargs\['mask'\]: length 5 along dim 1, but"):
+        graphed(x, mask=torch.rand(2, 5) > 0.5)
+
+
+class Normalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.norm(x)
+
+
+def in_place(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    x.mul_(2)
+    return x.sum(dim=1)
+
+
+REFUSED_PADDING = {
+    "no valid_length": (
+        lambda: lambda x: x * 2,
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output": 1},
+        "takes no 'valid_length' argument, so it could not tell padding from data",
+    ),
+    "batch norm": (
+        Normalized,
+        [(torch.randn(2, 4, n),) for n in (3, 5)],
+        {"args[0]": 2, "output": 2},
+        r"Normalized.norm is a BatchNorm1d, whose statistics run over positions",
+    ),
+    "output not cut back": (
+        lambda: ViTBlock(16, 2),
+        [(torch.randn(2, n, 16),) for n in (3, 5)],
+        {"args[0]": 1},
+        r"output\[0\] dim 1 changes with the length \(3, 5 across buckets\) but is not in "
+        r"dynamic_dims",
+    ),
+    "output dim of another size": (
+        lambda: ViTBlock(16, 2),
+        [(torch.randn(2, n, 16),) for n in (3, 5)],
+        {"args[0]": 1, "output[0]": 2},
+        r"output\[0\] dim 2 has size 16 in buckets\[0\], whose length is 3",
+    ),
+    "padded input updated in place": (
+        lambda: in_place,
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1},
+        r"updates args\[0\] in place, but a padded call passes it a padded copy",
+    ),
+    "no input dim": (
+        lambda: ViTBlock(16, 2),
+        [(torch.randn(2, n, 16),) for n in (3, 5)],
+        {"output[0]": 1},
+        "dynamic_dims names no input dim",
+    ),
+    "unknown input path": (
+        lambda: ViTBlock(16, 2),
+        [(torch.randn(2, n, 16),) for n in (3, 5)],
+        {"args[1]": 1},
+        r"dynamic_dims: args\[1\] is not an input tensor",
+    ),
+    "dim out of range": (
+        lambda: ViTBlock(16, 2),
+        [(torch.randn(2, n, 16),) for n in (3, 5)],
+        {"args[0]": 3},
+        r"args\[0\] has 3 dims, so it has no dim 3",
+    ),
+    "no dynamic_dims": (
+        lambda: ViTBlock(16, 2),
+        [(torch.randn(2, n, 16),) for n in (3, 5)],
+        None,
+        "fallback='pad' needs dynamic_dims=",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_PADDING))
+def test_pad_refuses_what_it_cannot_make_correct(case: str) -> None:
+    build, buckets, dims, message = REFUSED_PADDING[case]
+    with pytest.raises(DualgraphError, match=message):
+        dgt.make_graphed_callables(build(), buckets=buckets, fallback="pad", dynamic_dims=dims)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((2, 10, 16), r"args\[0\]: length 10 along dim 1 is longer than any bucket"),
+        ((3, 6, 16), r"args\[0\]: got shape \[3, 6, 16\], which no bucket of ViTBlock takes"),
+        ((2, 0, 16), r"args\[0\]: length 0 along dim 1"),
+    ],
+)
+def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: str) -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(
+        block,
+        buckets=block_buckets(torch.device("cpu")),
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+    )
+    with pytest.raises(SpecMismatchError, match=message):
+        block(torch.randn(*shape))
+    with pytest.raises(SpecMismatchError, match=r"kwargs\['valid_length'\]: ViTBlock passes"):
+        block(torch.randn(2, 5, 16), valid_length=5)
+
+
+def test_the_log_says_which_bucket_a_call_was_padded_to_and_why_one_was_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(
+        block,
+        buckets=block_buckets(torch.device("cpu")),
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+    )
+    with caplog.at_level(logging.DEBUG, logger="dualgraph.torch.buckets"):
+        block(tokens(torch.device("cpu"), 6))
+    assert caplog.messages == [
+        "ViTBlock: bucket 1 (args[0]=[2, 7, 16]) served a call, padded from length 6 to 7"
+    ]
+    plain, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(plain, buckets=block_buckets(torch.device("cpu")))
+    caplog.clear()
+    level = caplog.at_level(logging.DEBUG, logger="dualgraph.torch.buckets")
+    with level, pytest.raises(SpecMismatchError):
+        plain(tokens(torch.device("cpu"), 6))
+    assert caplog.messages[0].startswith(
+        "ViTBlock: a call was refused: args[0]: got shape [2, 6, 16], which no bucket"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_bucket_capture_names_the_bucket_and_leaves_the_module_as_it_was(
+    backend: str,
+) -> None:
+    class FailsAtSeven(ViTBlock):
+        def forward(self, x: torch.Tensor, valid_length: Any = None) -> Any:
+            if x.shape[1] == 7:
+                raise ValueError("seven tokens")
+            return super().forward(x, valid_length)
+
+    device = device_of(backend)
+    block = FailsAtSeven(16, 2).to(device)
+    with pytest.raises(DualgraphError) as error:
+        dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    assert str(error.value).startswith(
+        f"capturing FailsAtSeven[args[0]=[2, 7, 16]] ({backend}) failed during warmup: "
+        "ValueError: seven tokens"
+    )
+    assert "forward" not in block.__dict__
+    assert block(tokens(device, 6))[0].shape == (2, 6, 16)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device, (5, 9)), backend=backend)
+    assert dgt.diagnostics(block).backend == backend
+
+
+# -- bad requests ----------------------------------------------------------------------------------
+
+
+BAD_REQUESTS = {
+    "dtype differs": (
+        {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 5, dtype=torch.float64),)]},
+        r"buckets\[1\]: args\[0\] is float64 on cpu but float32 on cpu in buckets\[0\]",
+    ),
+    "structure differs": (
+        {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 5), None)]},
+        r"buckets\[1\]: .*buckets differ only in the shapes",
+    ),
+    "same shapes twice": (
+        {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 3),)]},
+        r"buckets\[1\] has the same input shapes as buckets\[0\]",
+    ),
+    "empty": ({"buckets": []}, "buckets= is a non-empty list"),
+    "sample_args too": (
+        {"sample_args": (torch.randn(2, 3),), "buckets": [(torch.randn(2, 3),)]},
+        "not both",
+    ),
+    "fallback without buckets": (
+        {"sample_args": (torch.randn(2, 3),), "fallback": "eager"},
+        "go with buckets=",
+    ),
+    "dynamic_dims without pad": (
+        {"buckets": [(torch.randn(2, 3),)], "dynamic_dims": {"args[0]": 1}},
+        "dynamic_dims= goes with fallback='pad'",
+    ),
+    "unknown fallback": (
+        {"buckets": [(torch.randn(2, 3),)], "fallback": "resize"},
+        "fallback must be one of",
+    ),
+    "kwargs per bucket of another count": (
+        {"buckets": [(torch.randn(2, 3),)], "sample_kwargs": [{}, {}]},
+        "a list with one dict",
+    ),
+    "no samples": ({}, "sample_args is required"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_bucket_requests_are_refused(case: str) -> None:
+    options, message = BAD_REQUESTS[case]
+
+    def double(x: torch.Tensor, y: Any = None) -> torch.Tensor:
+        return x * 2
+
+    with pytest.raises(DualgraphError, match=message):
+        dgt.make_graphed_callables(double, **options)
+
+
+def test_buckets_for_several_callables_or_a_pool_are_refused() -> None:
+    layers = (nn.Linear(3, 3), nn.Linear(3, 3))
+    with pytest.raises(DualgraphError, match="buckets= graphs one callable"):
+        dgt.make_graphed_callables(layers, buckets=[(torch.randn(2, 3),)])
+    with pytest.raises(DualgraphError, match="pool= cannot go with buckets="):
+        dgt.make_graphed_callables(layers[0], buckets=[(torch.randn(2, 3),)], pool=(0, 1))
+    assert not hasattr(layers[0], "_dualgraph_graphed")
+
+
+# -- diagnostics, logs, copies ---------------------------------------------------------------------
+
+
+def test_diagnostics_count_each_buckets_calls_and_bytes() -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(block, buckets=block_buckets(torch.device("cpu")), fallback="eager")
+    for length in (9, 5, 9, 6):
+        block(tokens(torch.device("cpu"), length))
+    report = dgt.diagnostics(block)
+    assert isinstance(report, dgt.BucketedDiagnostics)
+    assert [b.shapes for b in report.buckets] == [{"args[0]": (2, n, 16)} for n in (5, 7, 9)]
+    assert [b.calls for b in report.buckets] == [1, 0, 2]
+    assert (report.replays, report.eager_calls, report.fallback) == (3, 1, "eager")
+    last = [b.last_used for b in report.buckets]
+    assert last[1] is None and last[0] is not None and last[2] is not None and last[0] <= last[2]
+    assert [b.static_input_bytes for b in report.buckets] == [2 * n * 16 * 4 for n in (5, 7, 9)]
+    assert report.static_input_bytes == sum(b.static_input_bytes for b in report.buckets)
+    parameter_bytes = sum(p.numel() * 4 for p in block.parameters())
+    assert report.static_grad_bytes < sum(b.static_grad_bytes for b in report.buckets)
+    assert report.static_grad_bytes >= parameter_bytes  # one set of parameter grads for all
+    assert report.pool_bytes == report.largest_bucket_pool_bytes == 0  # no pool on the CPU
+
+
+def test_the_log_says_which_bucket_served_a_call_and_why_one_fell_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(block, buckets=block_buckets(torch.device("cpu")), fallback="eager")
+    with caplog.at_level(logging.DEBUG, logger="dualgraph.torch.buckets"):
+        block(tokens(torch.device("cpu"), 7))
+        block(tokens(torch.device("cpu"), 4))
+    assert caplog.messages == [
+        "ViTBlock: bucket 1 (args[0]=[2, 7, 16]) served a call",
+        "ViTBlock: a call of args[0]=[2, 4, 16] matches no bucket; fallback='eager': it runs "
+        "eagerly",
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dualgraph.torch.buckets"):
+        block(tokens(torch.device("cpu"), 7))
+    assert caplog.messages == []
+
+
+def test_a_copy_of_a_bucketed_module_is_a_plain_module() -> None:
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    dgt.make_graphed_callables(block, buckets=block_buckets(torch.device("cpu")))
+    clone = copy.deepcopy(block)
+    assert clone(torch.randn(2, 4, 16))[0].shape == (2, 4, 16)  # any shape: eager
+    assert clone.qkv.weight is not block.qkv.weight
+    dgt.restore(block)
+    assert block(torch.randn(2, 4, 16))[0].shape == (2, 4, 16)
+
+
+def test_a_bucketed_function_repr_and_copy() -> None:
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    graphed = dgt.make_graphed_callables(double, buckets=[(torch.ones(2),), (torch.ones(3),)])
+    assert repr(graphed) == (
+        "BucketedCallable('test_a_bucketed_function_repr_and_copy.<locals>.double', "
+        "backend='emulate', buckets=2, fallback='error')"
+    )
+    assert copy.copy(graphed) is double
+    assert [runner.name for runner in graphed.runners] == [
+        "test_a_bucketed_function_repr_and_copy.<locals>.double[args[0]=[2]]",
+        "test_a_bucketed_function_repr_and_copy.<locals>.double[args[0]=[3]]",
+    ]
+
+
+# -- memory: one pool sized by the largest bucket (GPU) -------------------------------------------
+
+
+@pytest.mark.cuda
+def test_pool_of_all_buckets_is_at_most_a_quarter_larger_than_the_largest_alone() -> None:
+    device = device_of(CUDA)
+    settings, sizes = encoder_sizes(CUDA)
+    batch = 8
+
+    def images(size: int) -> torch.Tensor:
+        return torch.randn(batch, 3, size, size, device=device)
+
+    alone = VisionEncoder(**settings).to(device)
+    dgt.make_graphed_callables(alone, buckets=[(images(max(sizes)),)])
+    largest = dgt.diagnostics(alone).pool_bytes
+    encoder = VisionEncoder(**settings).to(device)
+    dgt.make_graphed_callables(encoder, buckets=[(images(s),) for s in sizes])
+    report = dgt.diagnostics(encoder)
+    assert largest > 0 and report.pool_bytes > 0
+    # Against the largest captured alone, and against the same pool after its first capture
+    # (that of the largest bucket): a one-time allocation such as cuBLAS's workspace for the
+    # capture stream lands in whichever pool is captured first in the process.
+    for reference in (largest, report.largest_bucket_pool_bytes):
+        assert report.pool_bytes <= 1.25 * reference, (
+            f"pool of {len(sizes)} buckets {report.pool_bytes} B vs the largest alone {reference} B"
+        )
+    separate = 0
+    for size in sizes:  # what one pool per bucket would take
+        one = VisionEncoder(**settings).to(device)
+        dgt.make_graphed_callables(one, buckets=[(images(size),)])
+        separate += dgt.diagnostics(one).pool_bytes
+    assert report.pool_bytes < 0.8 * separate
+
+
+@pytest.mark.cuda
+def test_cuda_buckets_keep_outputs_and_grads_outside_the_pool() -> None:
+    device = device_of(CUDA)
+    block = ViTBlock(16, 2).to(device)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device))
+    pools = {
+        tuple(segment["segment_pool_id"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+    }
+    assert pools, "no private pool found"
+    ranges = [
+        (segment["address"], segment["address"] + segment["total_size"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", (0, 0))) in pools
+    ]
+    for runner in runner_of(block).runners:  # type: ignore[union-attr]
+        plan = runner.plan
+        kept = [
+            *plan.buffers.outputs,
+            *plan.buffers.input_grads,
+            *plan.buffers.param_grads,
+            *plan.buffers.grad_outputs,
+            *plan.params.accumulators,
+        ]
+        for tensor in kept:
+            if tensor is not None and tensor.numel():
+                address = tensor.data_ptr()
+                assert not any(start <= address < end for start, end in ranges), runner.name

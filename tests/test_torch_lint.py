@@ -1,0 +1,754 @@
+"""The capture lint: each kind of finding with its source line, the module path, the automatic
+lint during capture (on ``emulate`` here, ``cuda`` where marked), and what it leaves alone.
+
+``FINDINGS`` is the table every finding test walks: a callable, its sample inputs, and the kind,
+op and source line (the line holding the case's ``# lint:`` marker) the lint must report.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dualgraph.torch as dgt
+from dualgraph import CaptureError, DualgraphError, DualgraphWarning
+from dualgraph.models.torch_vit import VisionEncoder
+from dualgraph.torch import _lint
+
+SOURCE = Path(__file__).read_text().splitlines()
+
+
+def line_of(marker: str) -> int:
+    """The line number of the one line of this file that ends with ``# lint: <marker>``."""
+    found = [i for i, text in enumerate(SOURCE, 1) if text.rstrip().endswith(f"# lint: {marker}")]
+    assert len(found) == 1, f"marker {marker!r} found {len(found)} times"
+    return found[0]
+
+
+# -- callables that each hold one thing a graph cannot ------------------------------------------
+
+
+def item_sync(x: torch.Tensor) -> torch.Tensor:
+    return x / x.abs().max().item()  # lint: item
+
+
+def cpu_copy(x: torch.Tensor) -> torch.Tensor:
+    total = x.sum().cpu()  # lint: cpu
+    return x * 2 + total.to(x.device)
+
+
+def to_cpu(x: torch.Tensor) -> torch.Tensor:
+    y = x.to("cpu")  # lint: to-cpu
+    return x + y.to(x.device)
+
+
+def tolist_sync(x: torch.Tensor) -> torch.Tensor:
+    values = x.detach().tolist()  # lint: tolist
+    return x * len(values)
+
+
+def numpy_sync(x: torch.Tensor) -> torch.Tensor:
+    array = x.detach().numpy()  # lint: numpy
+    return x * float(array.size)
+
+
+def int_sync(x: torch.Tensor) -> torch.Tensor:
+    n = int(x.sum() > 0)  # lint: int
+    return x * n
+
+
+def nonzero_shape(x: torch.Tensor) -> torch.Tensor:
+    where = torch.nonzero(x > 0)  # lint: nonzero
+    return x * where.shape[0]
+
+
+def mask_index(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0].sum() * x  # lint: mask-index
+
+
+def masked_select_shape(x: torch.Tensor) -> torch.Tensor:
+    return x.masked_select(x > 0).sum() * x  # lint: masked-select
+
+
+def unique_shape(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.unique(x.detach()).numel()  # lint: unique
+
+
+def repeat_interleave_shape(x: torch.Tensor) -> torch.Tensor:
+    repeats = torch.ones_like(x, dtype=torch.long)
+    return x.repeat_interleave(repeats) * 2  # lint: repeat-interleave
+
+
+def mask_assign(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[x < 0] = 0  # lint: mask-assign
+    return y
+
+
+def equal_sync(x: torch.Tensor) -> torch.Tensor:
+    same = torch.equal(x, x.detach())  # lint: equal
+    return x * same
+
+
+def allclose_sync(x: torch.Tensor) -> torch.Tensor:
+    close = x.allclose(x.detach())  # lint: allclose
+    return x * close
+
+
+def print_tensor(x: torch.Tensor) -> torch.Tensor:
+    print(x, file=io.StringIO())  # lint: print
+    return x * 2
+
+
+def format_tensor(x: torch.Tensor) -> torch.Tensor:
+    text = f"{x.sum():.3f}"  # lint: format
+    return x * len(text)
+
+
+def branch_on_tensor(x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:  # lint: if
+        return x * 2
+    return x * 3
+
+
+def arange_on_host(x: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(x.shape[-1])  # lint: arange
+    return x + positions.to(x.device)
+
+
+def zeros_on_cpu(x: torch.Tensor) -> torch.Tensor:
+    pad = torch.zeros(x.shape, device="cpu")  # lint: zeros-cpu
+    return x + pad.to(x.device)
+
+
+def host_data(x: torch.Tensor) -> torch.Tensor:
+    weights = torch.tensor([0.5, 2.0, 1.0, 1.0], device=x.device)  # lint: host-data
+    return x * weights
+
+
+def copy_to_device(x: torch.Tensor) -> torch.Tensor:
+    ones = torch.ones(4).to(x.device)  # lint: host-to-device
+    return x * ones
+
+
+def own_generator(x: torch.Tensor) -> torch.Tensor:
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    return x * torch.rand(x.shape, generator=generator, device=x.device)  # lint: generator
+
+
+def updates_input(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cache.add_(1)  # lint: input
+    return x * 2
+
+
+class HalvesInputInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x.detach().mul_(0.5)  # lint: backward-input
+        return grad * 2
+
+
+def updates_input_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return HalvesInputInBackward.apply(x)
+
+
+class UpdatesParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.mul_(1.0)  # lint: parameter
+        return x * self.scale
+
+
+class SyncInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2 * grad.abs().max().item()  # lint: backward
+
+
+def custom_backward(x: torch.Tensor) -> torch.Tensor:
+    return SyncInBackward.apply(x)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A callable (or a module class, made fresh for each test) and what the lint must find."""
+
+    fn: Callable[..., Any]
+    kind: str
+    op: str
+    marker: str
+    phase: str = "forward"
+    extra_inputs: int = 0
+
+
+FINDINGS = {
+    "item": Finding(item_sync, _lint.HOST_SYNC, "Tensor.item", "item"),
+    "cpu": Finding(cpu_copy, _lint.HOST_SYNC, "Tensor.cpu", "cpu"),
+    "to-cpu": Finding(to_cpu, _lint.HOST_SYNC, "Tensor.to", "to-cpu"),
+    "tolist": Finding(tolist_sync, _lint.HOST_SYNC, "Tensor.tolist", "tolist"),
+    "numpy": Finding(numpy_sync, _lint.HOST_SYNC, "Tensor.numpy", "numpy"),
+    "int": Finding(int_sync, _lint.HOST_SYNC, "int(tensor)", "int"),
+    "nonzero": Finding(nonzero_shape, _lint.DATA_DEPENDENT_SHAPE, "aten.nonzero", "nonzero"),
+    "mask-index": Finding(
+        mask_index, _lint.DATA_DEPENDENT_SHAPE, "aten.index with a boolean mask", "mask-index"
+    ),
+    "masked-select": Finding(
+        masked_select_shape, _lint.DATA_DEPENDENT_SHAPE, "aten.masked_select", "masked-select"
+    ),
+    "unique": Finding(unique_shape, _lint.DATA_DEPENDENT_SHAPE, "aten._unique2", "unique"),
+    "repeat-interleave": Finding(
+        repeat_interleave_shape,
+        _lint.DATA_DEPENDENT_SHAPE,
+        "aten.repeat_interleave",
+        "repeat-interleave",
+    ),
+    "mask-assign": Finding(
+        mask_assign,
+        _lint.DATA_DEPENDENT_SHAPE,
+        "aten.index_put_ with a boolean mask",
+        "mask-assign",
+    ),
+    "equal": Finding(equal_sync, _lint.HOST_SYNC, "torch.equal", "equal"),
+    "allclose": Finding(allclose_sync, _lint.HOST_SYNC, "Tensor.allclose", "allclose"),
+    "print": Finding(print_tensor, _lint.HOST_SYNC, "print(tensor)", "print"),
+    "format": Finding(format_tensor, _lint.HOST_SYNC, "f'{tensor}'", "format"),
+    "if": Finding(branch_on_tensor, _lint.TENSOR_CONTROL_FLOW, "bool(tensor)", "if"),
+    "arange": Finding(arange_on_host, _lint.HOST_TENSOR, "torch.arange (no device=)", "arange"),
+    "zeros-cpu": Finding(
+        zeros_on_cpu, _lint.HOST_TENSOR, "torch.zeros (device='cpu')", "zeros-cpu"
+    ),
+    "host-data": Finding(host_data, _lint.CROSS_DEVICE_COPY, "torch.tensor", "host-data"),
+    "host-to-device": Finding(
+        copy_to_device, _lint.CROSS_DEVICE_COPY, "Tensor.to", "host-to-device"
+    ),
+    "generator": Finding(
+        own_generator, _lint.UNREGISTERED_GENERATOR, "aten.rand(generator=...)", "generator"
+    ),
+    "input": Finding(
+        updates_input, _lint.INPUT_MUTATION, "aten.add_ on args[1]", "input", extra_inputs=1
+    ),
+    "backward-input": Finding(
+        updates_input_in_backward,
+        _lint.BACKWARD_INPUT_MUTATION,
+        "aten.mul_ on args[0]",
+        "backward-input",
+        phase="backward",
+    ),
+    "parameter": Finding(
+        UpdatesParameter, _lint.PARAMETER_MUTATION, "aten.mul_ on scale", "parameter"
+    ),
+    # Python code of a backward is seen by the dispatch mode only: the op is torch's
+    "backward": Finding(
+        custom_backward, _lint.HOST_SYNC, "aten._local_scalar_dense", "backward", phase="backward"
+    ),
+}
+
+
+def callable_of(case: Finding, device: str = "cpu") -> Callable[..., Any]:
+    """The case's callable; a module class is instantiated on ``device``."""
+    if isinstance(case.fn, type) and issubclass(case.fn, nn.Module):
+        return case.fn().to(device)
+    return case.fn
+
+
+def inputs_for(case: Finding, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    x = torch.tensor([1.0, -2.0, 3.0, 0.5], device=device, requires_grad=True)
+    return (x, *(torch.zeros(4, device=device) for _ in range(case.extra_inputs)))
+
+
+def the_finding(report: dgt.LintReport, case: Finding) -> dgt.LintFinding:
+    matching = [f for f in report.findings if f.kind == case.kind and f.op == case.op]
+    assert matching, f"no {case.kind} finding for {case.op}:\n{report}"
+    return matching[0]
+
+
+# -- each finding, with its source line ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FINDINGS)
+def test_lint_reports_the_op_and_the_users_source_line(name: str) -> None:
+    case = FINDINGS[name]
+    report = dgt.lint(callable_of(case), *inputs_for(case))
+    finding = the_finding(report, case)
+    assert finding.file == __file__
+    assert finding.line == line_of(case.marker)
+    assert finding.code == SOURCE[finding.line - 1].strip()
+    assert finding.phase == case.phase
+    assert finding.severity == _lint.KINDS[case.kind]
+    assert report.ok == (finding.severity == "warning")
+
+
+@pytest.mark.parametrize("name", FINDINGS)
+def test_the_lint_during_an_emulated_capture_reports_what_a_real_capture_rejects(
+    name: str,
+) -> None:
+    case = FINDINGS[name]
+    fn = callable_of(case)
+    if _lint.KINDS[case.kind] == "warning":  # never blocks; the adapter may refuse on its own
+        try:
+            graphed = dgt.make_graphed_callables(fn, inputs_for(case), backend="emulate")
+        except dgt.CaptureLintError as refused:  # then its error carries the findings
+            report = refused.report
+        else:
+            report = dgt.diagnostics(graphed).lint
+        assert report is not None and report.ok
+        assert the_finding(report, case).line == line_of(case.marker)
+        return
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(fn, inputs_for(case), backend="emulate")
+    assert isinstance(caught.value, CaptureError)
+    message = str(caught.value)
+    name = type(fn).__name__ if isinstance(fn, nn.Module) else fn.__qualname__
+    assert message.startswith(f"capturing {name} (emulate) failed during warmup: ")
+    assert f"test_torch_lint.py:{line_of(case.marker)}" in message
+    assert the_finding(caught.value.report, case).line == line_of(case.marker)
+
+
+def test_a_backward_op_of_torch_is_placed_at_the_forward_line_that_made_it() -> None:
+    # x[mask]'s backward scatters through the mask: a sync in torch's own backward code.
+    report = dgt.lint(mask_index, *inputs_for(FINDINGS["mask-index"]))
+    backward = [f for f in report.findings if f.phase == "backward"]
+    assert [f.op for f in backward] == ["aten.index_put with a boolean mask"]
+    assert backward[0].line == line_of("mask-index")
+
+
+def test_the_same_op_at_the_same_line_is_one_finding_with_a_count() -> None:
+    def syncs_in_a_loop(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = x * x.sum().item()  # lint: loop
+        return x
+
+    report = dgt.lint(syncs_in_a_loop, torch.ones(2, requires_grad=True))
+    assert [(f.op, f.line, f.count) for f in report.findings] == [
+        ("Tensor.item", line_of("loop"), 3)
+    ]
+    assert "(3x)" in str(report)
+
+
+def test_an_input_passed_as_a_kwarg_is_named_by_its_path() -> None:
+    def updates(x: torch.Tensor, *, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        state["count"].add_(1)  # lint: kwarg
+        return x * 2
+
+    report = dgt.lint(updates, torch.ones(2), state={"count": torch.zeros(())})
+    assert [(f.op, f.line) for f in report.findings] == [
+        ("aten.add_ on kwargs['state']['count']", line_of("kwarg"))
+    ]
+
+
+def test_a_write_no_op_declared_is_caught_by_the_version_counter() -> None:
+    def hidden_write(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        with torch.utils._python_dispatch._disable_current_modes():  # out of the lint's sight
+            cache.add_(1)
+        return x * 2
+
+    (finding,) = dgt.lint(hidden_write, torch.ones(2), torch.zeros(2)).findings
+    assert (finding.kind, finding.op, finding.line) == (
+        _lint.INPUT_MUTATION,
+        "an in-place write to args[1]",
+        None,
+    )
+    assert "version counter" in finding.detail
+
+
+# -- the module path ------------------------------------------------------------------------------
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * (h.max() > 0).item()  # lint: inner
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Identity(), nn.Sequential(nn.Identity(), Inner())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.zeros(3).sum() + x  # lint: outer
+
+
+def test_findings_name_the_module_path_and_the_callable() -> None:
+    model = Outer()
+    report = dgt.lint(model, torch.randn(2, 4))
+    found = {(f.module, f.line, f.callable) for f in report.findings}
+    assert found == {("blocks.1.1", line_of("inner"), "Outer"), ("", line_of("outer"), "Outer")}
+    assert "in blocks.1.1" in str(report)
+
+
+def test_a_graphed_submodule_is_linted_under_its_own_name() -> None:
+    model = Outer()
+    inner = model.blocks[1][1]
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(inner, (torch.randn(2, 4),), backend="emulate")
+    (finding,) = caught.value.report.findings
+    assert (finding.callable, finding.module, finding.line) == ("Inner", "", line_of("inner"))
+    assert "forward" not in inner.__dict__
+
+
+# -- what is not a finding ------------------------------------------------------------------------
+
+
+class CleanModule(nn.Module):
+    """Everything here stays on the inputs' device and keeps its shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None, int]:
+        h = self.norm(self.fc(x))
+        h = torch.where(h > 0, h, 0.1 * h) + torch.zeros(4, device=x.device)
+        h = h.masked_fill(h < -3, 0) + torch.zeros_like(h) + x.new_ones(4)
+        h = h * torch.tensor(0.5) + torch.randn(h.shape, device=self.fc.weight.device)
+        h = F.dropout(h, 0.1, self.training).to(x.dtype) + self.offset
+        repeats = torch.full((4,), 2, device=x.device)
+        wide = h.repeat_interleave(repeats, dim=1, output_size=8)
+        return wide, None, 3
+
+
+def test_code_that_stays_on_the_device_has_no_findings() -> None:
+    report = dgt.lint(CleanModule(), torch.randn(3, 4, requires_grad=True))
+    assert report.findings == ()
+    assert str(report) == "capture lint of CleanModule: nothing found"
+
+
+def test_the_reference_encoder_has_no_findings() -> None:
+    encoder = VisionEncoder(image_size=16, patch_size=8, dim=32, depth=2, heads=2, dropout=0.1)
+    report = dgt.lint(encoder, torch.randn(2, 3, 16, 16))
+    assert report.findings == ()
+
+
+def test_host_only_work_on_a_tensor_made_on_the_host_is_not_reported_twice() -> None:
+    def table_on_host(x: torch.Tensor) -> torch.Tensor:
+        table = torch.arange(4.0)  # lint: host-table
+        scale = table.max().item()  # a host tensor's value: no device sync
+        return x * scale
+
+    report = dgt.lint(table_on_host, torch.ones(4))
+    assert [(f.kind, f.line) for f in report.findings] == [
+        (_lint.HOST_TENSOR, line_of("host-table"))
+    ]
+
+
+def test_buffers_updated_in_place_are_not_findings() -> None:
+    norm = nn.BatchNorm1d(4)  # updates running_mean, running_var, num_batches_tracked
+    assert dgt.lint(norm, torch.randn(3, 4)).findings == ()
+
+
+# -- the lint leaves everything as it was -------------------------------------------------------
+
+
+def test_lint_leaves_inputs_buffers_grads_and_the_rng_as_they_were() -> None:
+    class Stateful(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.norm = nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+            cache.add_(1)
+            return F.dropout(self.norm(self.fc(x)), 0.5)
+
+    model = Stateful()
+    x, cache = torch.randn(3, 4, requires_grad=True), torch.zeros(4)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    report = dgt.lint(model, x, cache)
+    assert [f.kind for f in report.findings] == [_lint.INPUT_MUTATION]
+    assert torch.equal(cache, torch.zeros(4)) and x.grad is None
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_an_error_in_the_callable_propagates_from_lint() -> None:
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        dgt.lint(fails, torch.ones(2))
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def test_the_report_lists_errors_first_with_the_source_line_and_what_to_do() -> None:
+    report = dgt.lint(updates_input, torch.ones(4), torch.zeros(4)).merged(
+        dgt.lint(item_sync, torch.ones(4))
+    )
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0] == "capture lint of updates_input, item_sync: 1 error, 1 warning"
+    assert (
+        lines[1]
+        == f"  [item_sync] error: host sync: Tensor.item at test_torch_lint.py:{line_of('item')}"
+    )
+    assert lines[2].strip() == SOURCE[line_of("item") - 1].strip()
+    assert lines[3].startswith("    A capture cannot wait for a value to reach the host")
+    assert "Keep the value on the device" in " ".join(line.strip() for line in lines)
+    where = f"test_torch_lint.py:{line_of('input')}"
+    assert f"warning: input updated in place: aten.add_ on args[1] at {where}" in text
+
+
+# -- the lint inside make_graphed_callables ------------------------------------------------------
+
+
+def test_lint_warn_captures_anyway_and_keeps_the_findings() -> None:
+    with pytest.warns(
+        DualgraphWarning, match=r"capturing despite the capture lint's errors"
+    ) as record:
+        graphed = dgt.make_graphed_callables(
+            item_sync, (torch.ones(4, requires_grad=True),), backend="emulate", lint="warn"
+        )
+    assert record[0].filename == __file__  # points at the capture call
+    report = dgt.diagnostics(graphed).lint
+    assert report is not None and [f.line for f in report.errors] == [line_of("item")]
+    out = graphed(torch.full((4,), 2.0))  # emulate re-runs the callable: .item() works here
+    assert torch.equal(out, torch.ones(4))
+
+
+def test_lint_off_skips_the_lint_but_not_the_memory_plan() -> None:
+    graphed = dgt.make_graphed_callables(
+        item_sync, (torch.ones(4, requires_grad=True),), backend="emulate", lint="off"
+    )
+    assert dgt.diagnostics(graphed).lint is None
+    assert dgt.diagnostics(graphed).memory_plan is not None
+
+
+def test_an_unknown_lint_mode_is_refused() -> None:
+    modes = r"\('auto', 'error', 'warn', 'off'\)"
+    with pytest.raises(DualgraphError, match=rf"lint must be one of {modes}"):
+        dgt.make_graphed_callables(item_sync, (torch.ones(4),), backend="emulate", lint="on")  # type: ignore[arg-type]
+
+
+def test_a_clean_capture_keeps_an_empty_report() -> None:
+    graphed = dgt.make_graphed_callables(
+        nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    report = dgt.diagnostics(graphed).lint
+    assert report is not None and report.findings == () and report.callables == ("Linear",)
+
+
+def test_the_lint_names_the_callable_at_fault_among_several() -> None:
+    first, second = nn.Linear(4, 4), Inner()
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(
+            (first, second), ((torch.randn(2, 4),), (torch.randn(2, 4),)), backend="emulate"
+        )
+    assert str(caught.value).startswith("capturing Inner (emulate) failed during warmup")
+    assert [f.callable for f in caught.value.report.findings] == ["Inner"]
+    assert "forward" not in first.__dict__ and "forward" not in second.__dict__
+
+
+def test_a_capture_that_fails_for_another_reason_carries_the_findings() -> None:
+    def mutates_then_returns_numpy(x: torch.Tensor, cache: torch.Tensor) -> Any:
+        cache.add_(1)  # lint: then-numpy
+        return x * 2, torch.zeros(2).numpy()
+
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(
+            mutates_then_returns_numpy, (torch.ones(2), torch.zeros(2)), backend="emulate"
+        )
+    message = str(caught.value)
+    assert "output[1]: expected a torch tensor, got numpy.ndarray" in message
+    assert "The capture lint had found:" in message
+    assert [f.line for f in caught.value.report.warnings] == [line_of("then-numpy")]
+
+
+def test_the_lint_runs_once_not_on_every_warmup_iteration() -> None:
+    calls = []
+
+    def counts(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.overrides._get_current_function_mode_stack())
+        return x * 2
+
+    dgt.make_graphed_callables(counts, (torch.ones(2),), backend="emulate", num_warmup_iters=3)
+    assert [len(modes) > 0 for modes in calls] == [True, False, False, False]
+
+
+# -- on the GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", [n for n in FINDINGS if n != "numpy"])  # raises on CUDA anyway
+def test_lint_on_cuda_inputs_reports_the_same_line(name: str) -> None:
+    case = FINDINGS[name]
+    report = dgt.lint(callable_of(case, "cuda"), *inputs_for(case, "cuda"))
+    finding = the_finding(report, case)
+    assert (finding.line, finding.phase) == (line_of(case.marker), case.phase)
+
+
+@pytest.mark.cuda
+def test_on_cuda_code_on_the_inputs_device_has_no_findings() -> None:
+    report = dgt.lint(CleanModule().cuda(), torch.randn(3, 4, device="cuda", requires_grad=True))
+    assert report.findings == ()
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_default_generator_and_device_factories_are_fine() -> None:
+    def draws(x: torch.Tensor) -> torch.Tensor:
+        generator = torch.cuda.default_generators[x.device.index]
+        noise = torch.rand(x.shape, generator=generator, device=x.device)
+        return x * noise + torch.arange(x.shape[-1], device=x.device) + torch.tensor(2.0)
+
+    report = dgt.lint(draws, torch.randn(3, 4, device="cuda", requires_grad=True))
+    assert report.findings == ()
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_lint_refuses_before_anything_is_captured() -> None:
+    module = Inner().cuda()
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(
+            module, (torch.randn(2, 4, device="cuda"),), backend="cuda", lint="error"
+        )
+    assert str(caught.value).startswith("capturing Inner (cuda) failed during warmup")
+    assert "forward" not in module.__dict__
+    assert torch.randn(1000, device="cuda").std().item() > 0.5  # the CUDA RNG is untouched
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_failed_real_capture_carries_the_lint_findings() -> None:
+    module = Inner().cuda()
+    with pytest.warns(DualgraphWarning), pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(
+            module, (torch.randn(2, 4, device="cuda"),), backend="cuda", lint="warn"
+        )
+    message = str(caught.value)
+    assert message.startswith("capturing Inner (cuda) failed during forward capture")
+    assert f"test_torch_lint.py:{line_of('inner')}" in message
+    assert "forward" not in module.__dict__
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_clean_capture_has_an_empty_lint_report() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed = dgt.make_graphed_callables(
+            CleanModule().cuda(),
+            (torch.randn(3, 4, device="cuda", requires_grad=True),),
+            lint="error",
+        )
+    report = dgt.diagnostics(graphed).lint
+    assert report is not None and report.findings == ()
+
+
+# -- a graphed callable is linted through the callable behind it --------------------------------
+
+
+def test_lint_of_a_graphed_module_lints_its_original_forward_and_leaves_it_graphed() -> None:
+    module = Inner()
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(DualgraphWarning):
+        dgt.make_graphed_callables(module, (x,), backend="emulate", lint="warn")
+    graphed_forward = module.__dict__["forward"]
+    report = dgt.lint(module, x)
+    assert [(f.line, f.module) for f in report.errors] == [(line_of("inner"), "")]
+    assert report.callables == ("Inner",)
+    assert module.__dict__["forward"] is graphed_forward
+    assert dgt.diagnostics(module).replays == 0  # the lint did not replay
+
+
+def test_lint_and_memory_plan_of_a_graphed_function_see_the_function() -> None:
+    x = torch.ones(4, requires_grad=True)
+    with pytest.warns(DualgraphWarning):
+        graphed = dgt.make_graphed_callables(item_sync, (x,), backend="emulate", lint="warn")
+    assert [f.line for f in dgt.lint(graphed, x).errors] == [line_of("item")]
+    assert dgt.memory_plan(graphed, x) == dgt.memory_plan(item_sync, x)
+    assert dgt.diagnostics(graphed).replays == 0
+
+
+# -- shape buckets: each bucket's capture is linted -----------------------------------------------
+
+
+def test_each_bucket_is_linted_and_the_bucketed_diagnostics_merge_the_reports() -> None:
+    graphed = dgt.make_graphed_callables(
+        updates_input,
+        buckets=[(torch.ones(n, requires_grad=True), torch.zeros(n)) for n in (4, 2)],
+        backend="emulate",
+    )
+    info = dgt.diagnostics(graphed)
+    reports = [bucket.lint for bucket in info.buckets]
+    assert all(
+        r is not None and [f.line for f in r.warnings] == [line_of("input")] for r in reports
+    )
+    assert info.lint is not None
+    assert info.lint.callables == tuple(r.callables[0] for r in reports if r is not None)
+    assert len(info.lint.warnings) == 2 and info.lint.ok
+
+
+def test_a_bucket_the_lint_refuses_is_named() -> None:
+    with pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(
+            item_sync, buckets=[(torch.ones(n, requires_grad=True),) for n in (4, 2)]
+        )
+    assert str(caught.value).startswith("capturing item_sync[args[0]=[4]] (emulate) failed during")
+    assert [f.line for f in caught.value.report.errors] == [line_of("item")]
+
+
+# -- the README's debugging section runs as written and prints what it shows -------------------
+
+
+def test_the_readme_debugging_example_prints_what_the_readme_shows(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Debugging: lint, verify, memory plan", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "debugging.py").write_text(code)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(dgt.__file__).parents[2]), os.environ.get("PYTHONPATH")])
+        ),
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONWARNINGS": "error",
+    }
+    run = subprocess.run(
+        [sys.executable, "debugging.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == shown

@@ -1,0 +1,303 @@
+"""The memory plan: static buffer bytes as a capture counts them, activations saved for backward,
+peaks, the expected pool (the caching allocator's rounding), the plan a capture keeps, and on the
+GPU the plan beside the measured pool.
+
+``CALLABLES`` is the table the static-bytes tests walk: callables with ``None``, constant and
+non-differentiable outputs, kwargs, frozen and unused parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+import dualgraph.torch as dgt
+from dualgraph.torch import _memory_plan
+
+MIB = 1 << 20
+
+
+class TwoOutputs(nn.Module):
+    """Returns ``(hidden, None, {"ids": int64, "n": 3})`` and has a frozen and an unused layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.frozen = nn.Linear(32, 32).requires_grad_(False)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> Any:
+        hidden = self.frozen(F.gelu(self.fc(x))) * scale
+        return hidden, None, {"ids": hidden.argmax(-1), "n": 3}
+
+
+def exp_of_double(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).exp()
+
+
+CALLABLES: dict[str, tuple[Callable[[], Any], Callable[[], tuple[Any, dict[str, Any]]]]] = {
+    "linear": (lambda: nn.Linear(8, 4), lambda: ((torch.randn(3, 8, requires_grad=True),), {})),
+    "mlp-frozen-input": (
+        lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8)),
+        lambda: ((torch.randn(5, 8),), {}),
+    ),
+    "tree-outputs-kwargs": (
+        TwoOutputs,
+        lambda: ((torch.randn(2, 16, requires_grad=True),), {"scale": torch.rand(32)}),
+    ),
+    "function": (lambda: exp_of_double, lambda: ((torch.randn(64, requires_grad=True),), {})),
+    "mlp-saving-activations": (
+        lambda: nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)),
+        lambda: ((torch.randn(32, 64, requires_grad=True),), {}),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CALLABLES)
+def test_static_bytes_are_what_a_capture_counts(name: str) -> None:
+    make, sample = CALLABLES[name]
+    fn = make()
+    args, kwargs = sample()
+    plan = dgt.memory_plan(fn, *args, **kwargs)
+    graphed = dgt.make_graphed_callables(
+        fn, args, sample_kwargs=kwargs, backend="emulate", allow_unused_input=True
+    )
+    info = dgt.diagnostics(graphed)
+    (memory,) = plan.callables
+    assert (memory.static_input_bytes, memory.static_output_bytes, memory.static_grad_bytes) == (
+        info.static_input_bytes,
+        info.static_output_bytes,
+        info.static_grad_bytes,
+    )
+
+
+@pytest.mark.parametrize("name", CALLABLES)
+def test_the_plan_a_capture_keeps_is_the_plan_made_before_it(name: str) -> None:
+    make, sample = CALLABLES[name]
+    fn = make()
+    args, kwargs = sample()
+    before = dgt.memory_plan(fn, *args, **kwargs)
+    graphed = dgt.make_graphed_callables(
+        fn, args, sample_kwargs=kwargs, backend="emulate", allow_unused_input=True
+    )
+    kept = dgt.diagnostics(graphed).memory_plan
+    assert kept is not None and len(kept.callables) == 1
+    # Every number, the backward peak included: the capture's first warmup call holds no saved
+    # activation longer than autograd does (its pack hook notes storages, not tensors).
+    assert kept.callables == before.callables
+    assert kept.expected_pool_bytes == before.expected_pool_bytes
+    assert kept.pool_bytes is None  # emulate has no pool to measure
+
+
+def test_saved_activations_are_what_autograd_keeps_beyond_inputs_and_parameters() -> None:
+    x = torch.randn(256, requires_grad=True)  # 1 KiB
+    assert dgt.memory_plan(exp_of_double, x).callables[0].saved_activation_bytes == 1024  # exp()
+    assert dgt.memory_plan(lambda t: t * 3.0, x).callables[0].saved_activation_bytes == 0
+    # a Linear saves its input and weight: an input and a parameter, not activations
+    linear = dgt.memory_plan(nn.Linear(256, 8), x[None]).callables[0]
+    assert linear.saved_activation_bytes == 0
+    # ReLU saves its output, which the next Linear saves too: counted once
+    mlp = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
+    assert dgt.memory_plan(mlp, torch.randn(4, 8)).callables[0].saved_activation_bytes == 4 * 64 * 4
+
+
+def test_saved_tensors_another_pack_hook_collects_are_handed_over() -> None:
+    # Only the innermost saved_tensors_hooks run: an adapter that packs them itself passes them on.
+    probe = _memory_plan.MemoryProbe("exp_of_double", exp_of_double)
+    collected: list[torch.Tensor] = []
+    with probe, saved_tensors_hooks(lambda t: (collected.append(t), t)[1], lambda t: t):
+        exp_of_double(torch.randn(256, requires_grad=True))
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 0
+    probe.note_saved(collected)
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 1024
+    probe.close()
+
+
+def test_the_probe_inside_other_saved_tensor_hooks_hands_over_to_them() -> None:
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        packed.append(t)
+        return ("boxed", t)
+
+    x = torch.randn(256, requires_grad=True)
+    probe = _memory_plan.MemoryProbe("exp_of_double", exp_of_double)
+    with saved_tensors_hooks(pack, lambda box: box[1]), probe:
+        out = exp_of_double(x)
+        out.sum().backward()
+    probe.close()
+    assert len(packed) == 1 and torch.equal(x.grad, 2 * out.detach())
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 1024
+
+
+def test_peaks_follow_the_tensors_alive_at_once() -> None:
+    # forward: t = 2x and exp(t) are alive together (2 KiB); t dies, exp(t) is kept (output,
+    # saved). backward: exp(t) plus grad*exp(t) plus that times 2 (3 KiB).
+    (memory,) = dgt.memory_plan(exp_of_double, torch.randn(256, requires_grad=True)).callables
+    assert (memory.forward_peak_bytes, memory.backward_peak_bytes) == (2048, 3072)
+
+
+def test_blocks_are_rounded_as_the_caching_allocator_rounds_them() -> None:
+    assert [_memory_plan._block_size(n) for n in (1, 512, 513, 1 << 20, 10 * MIB + 1)] == [
+        512,
+        512,
+        1024,
+        1 << 20,
+        12 * MIB,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("elements", "expected_pool"),
+    [
+        (256, 2 * MIB),  # small blocks: one 2 MiB segment
+        (3 * MIB // 4, 20 * MIB),  # 3 MiB blocks share a 20 MiB segment (peak 9 MiB)
+        (12 * MIB // 4, 36 * MIB),  # 12 MiB blocks get their own segments (peak 3 of them)
+    ],
+)
+def test_the_expected_pool_sizes_segments_as_the_caching_allocator_does(
+    elements: int, expected_pool: int
+) -> None:
+    plan = dgt.memory_plan(exp_of_double, torch.randn(elements, requires_grad=True))
+    assert plan.expected_pool_bytes == plan.callables[0].expected_pool_bytes == expected_pool
+
+
+def test_callables_captured_together_share_one_pool_in_capture_order() -> None:
+    # Alone, each peaks at 9 MiB of 3 MiB blocks... here 6 MiB blocks: 18 MiB, one 20 MiB
+    # segment. Together, A's output stays while B runs forward and backward: 30 MiB, two.
+    def a(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).exp()
+
+    def b(x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).exp()
+
+    samples = tuple((torch.randn(6 * MIB // 4, requires_grad=True),) for _ in range(2))
+    graphed = dgt.make_graphed_callables((a, b), samples, backend="emulate")
+    plan = dgt.diagnostics(graphed[0]).memory_plan
+    assert plan is not None and plan is dgt.diagnostics(graphed[1]).memory_plan
+    assert [c.expected_pool_bytes for c in plan.callables] == [20 * MIB, 20 * MIB]
+    assert plan.expected_pool_bytes == 40 * MIB
+    assert str(plan).splitlines()[-1].split()[:3] == ["all", "(one", "pool)"]
+
+
+def test_the_plan_prints_as_a_table() -> None:
+    plan = dgt.memory_plan(nn.Linear(256, 256), torch.randn(64, 256, requires_grad=True))
+    assert str(plan).splitlines() == [
+        "memory plan (bytes; the pool is measured after capture)",
+        "callable  static in  static out  static grads  saved activations  forward peak  "
+        "backward peak  pool (expected)  pool (measured)",
+        # static grads: out, x, then W and b twice (a grad buffer and a .grad accumulator each)
+        "Linear     64.0 KiB    64.0 KiB     642.0 KiB                0 B      64.0 KiB  "
+        "    385.0 KiB          2.0 MiB                -",
+    ]
+    assert plan.with_measured_pool(2 * MIB).pool_bytes == 2 * MIB
+    assert str(plan.with_measured_pool(2 * MIB)).endswith("2.0 MiB          2.0 MiB")
+
+
+def test_rich_renders_the_plan_as_a_table() -> None:
+    rich_console = pytest.importorskip("rich.console")
+    plan = dgt.memory_plan(nn.Linear(4, 4), torch.randn(2, 4))
+    out = io.StringIO()
+    rich_console.Console(file=out, width=200).print(plan)
+    assert "pool (expected)" in out.getvalue() and "Linear" in out.getvalue()
+
+
+def test_bytes_read_for_people() -> None:
+    assert [_memory_plan.format_bytes(n) for n in (0, 1023, 1536, 20 * MIB, 3 << 30)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "20.0 MiB",
+        "3.0 GiB",
+    ]
+
+
+def test_memory_plan_leaves_the_model_as_it_was() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    x = torch.randn(3, 4, requires_grad=True)
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    dgt.memory_plan(model, x)
+    assert all(torch.equal(b, saved) for b, saved in zip(model.buffers(), buffers, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_warmup_iterations_after_the_first_are_not_watched() -> None:
+    # The plan comes from the first warmup iteration; later ones run without the probe.
+    graphed = dgt.make_graphed_callables(
+        exp_of_double,
+        (torch.randn(256, requires_grad=True),),
+        backend="emulate",
+        num_warmup_iters=4,
+    )
+    plan = dgt.diagnostics(graphed).memory_plan
+    assert plan is not None and plan.callables[0].forward_peak_bytes == 2048
+
+
+# -- on the GPU: the plan beside the measured pool --------------------------------------------
+
+
+def test_each_bucket_keeps_its_plan_and_the_bucketed_callable_the_largest() -> None:
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    samples = [(torch.randn(n, 64, requires_grad=True),) for n in (8, 32)]
+    graphed = dgt.make_graphed_callables(mlp, buckets=samples, backend="emulate")
+    info = dgt.diagnostics(graphed)
+    for bucket, sample in zip(info.buckets, samples, strict=True):
+        assert bucket.memory_plan is not None
+        (kept,) = bucket.memory_plan.callables
+        (before,) = dgt.memory_plan(mlp, *sample).callables
+        assert kept.name.startswith("Sequential[args[0]=")  # the bucket's name
+        assert dataclasses.replace(kept, name=before.name) == before
+    assert info.memory_plan is info.buckets[1].memory_plan  # the largest, which sizes the pool
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_plan_before_capture_matches_the_capture() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+    x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
+    before = dgt.memory_plan(mlp, x)
+    graphed = dgt.make_graphed_callables(mlp, (x,), lint="off")  # the memory probe alone
+    info = dgt.diagnostics(graphed)
+    kept = info.memory_plan
+    print(f"\nplan before capture:\n{before}\nplan kept by the capture:\n{kept}")
+    assert kept is not None and kept.pool_bytes == info.pool_bytes > 0
+    (planned,) = before.callables
+    assert (planned.static_input_bytes, planned.static_output_bytes, planned.static_grad_bytes) == (
+        info.static_input_bytes,
+        info.static_output_bytes,
+        info.static_grad_bytes,
+    )
+    assert planned.saved_activation_bytes == kept.callables[0].saved_activation_bytes
+    # The pool holds at least the tensors alive at once during the capture; above the model only
+    # by what is not a tensor (cuBLAS workspaces) and fragmentation.
+    peak = max(planned.forward_peak_bytes, planned.backward_peak_bytes)
+    assert peak <= info.pool_bytes <= before.expected_pool_bytes + 64 * MIB
+
+
+@pytest.mark.cuda
+def test_on_cuda_several_callables_share_the_pool_the_plan_expects() -> None:
+    torch.manual_seed(0)
+    blocks = (
+        nn.Sequential(nn.Linear(512, 2048), nn.GELU()).cuda(),
+        nn.Sequential(nn.Linear(2048, 512), nn.GELU()).cuda(),
+    )
+    samples = (
+        (torch.randn(1024, 512, device="cuda", requires_grad=True),),
+        (torch.randn(1024, 2048, device="cuda", requires_grad=True),),
+    )
+    graphed = dgt.make_graphed_callables(blocks, samples, lint="off")  # the memory probe alone
+    plan = dgt.diagnostics(graphed[0]).memory_plan
+    print(f"\n{plan}")
+    assert plan is not None and plan.pool_bytes is not None
+    peak = max(max(c.forward_peak_bytes, c.backward_peak_bytes) for c in plan.callables)
+    assert peak <= plan.pool_bytes <= plan.expected_pool_bytes + 64 * MIB

@@ -1,0 +1,720 @@
+"""Several micro-batches in flight per graphed callable: ``slots=`` and ``schedule=``.
+
+The pipeline tests simulate a 4-stage pipeline on one device (``pipeline_cases.py``): 1F1B and
+interleaved 1F1B (2 chunks per stage), 8 micro-batches a step, three AdamW steps. Each stage
+is graphed with slots (a pool per slot: any order) or with its schedule (one pool, order
+checked), and the losses, parameter grads and parameters must equal those of the same eager
+pipeline: bit for bit on the CPU (``emulate``), within ``TOLERANCES`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pipeline_cases import Pass, Pipeline, device_order, make_data, make_pieces, samples
+from test_torch_transformer_engine import BF16, VisionLayer, needs_te, te_dynamo_warning
+from test_torch_transformer_engine import _hidden as te_hidden
+from torch import nn
+from torch_cases import (
+    CUDA,
+    GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
+    TinyMLP,
+    assert_tensors_match,
+    device_of,
+    isclose_fraction,
+    isolation,
+    runner_of,
+    tolerance,
+)
+
+import dualgraph.torch as dgt
+from dualgraph import CaptureError, DualgraphError
+
+STAGES, MICROBATCHES, STEPS = 4, 8, 3
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
+def schedules(kind: str) -> list[dgt.Schedule]:
+    """The schedule of each stage: ``1f1b``, or ``interleaved`` with 2 chunks per stage."""
+    if kind == "1f1b":
+        return [
+            dgt.Schedule.one_f_one_b(stages=STAGES, microbatches=MICROBATCHES, stage=s)
+            for s in range(STAGES)
+        ]
+    return [
+        dgt.Schedule.interleaved(stages=STAGES, microbatches=MICROBATCHES, chunks=2, stage=s)
+        for s in range(STAGES)
+    ]
+
+
+def graph_stages(
+    pieces: Sequence[nn.Module],
+    stage_schedules: Sequence[dgt.Schedule],
+    layout: str,
+    device: torch.device,
+    **options: Any,
+) -> None:
+    """Graph each stage's pieces together: with its schedule, or with as many slots as it needs."""
+    for stage, schedule in enumerate(stage_schedules):
+        indices = [chunk * STAGES + stage for chunk in range(schedule.chunks)]
+        args, kwargs = zip(*(samples(i, device) for i in indices), strict=True)
+        how = {"schedule": schedule} if layout == "schedule" else {"slots": max(schedule.in_flight)}
+        dgt.make_graphed_callables(
+            tuple(pieces[i] for i in indices), args, sample_kwargs=kwargs, **how, **options
+        )
+
+
+def train(
+    pipeline: Pipeline, pieces: Sequence[nn.Module], steps: int = STEPS
+) -> tuple[list[list[float]], list[list[torch.Tensor]]]:
+    """``steps`` AdamW steps; the losses and the parameter grads of each step."""
+    params = [p for piece in pieces for p in piece.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    losses, grads = [], []
+    for _ in range(steps):
+        losses.append(pipeline.step())
+        grads.append([p.grad.detach().clone() for p in params])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def assert_pipelines_match(
+    graphed: Sequence[nn.Module],
+    eager: Sequence[nn.Module],
+    order: Sequence[Pass],
+    device: torch.device,
+    backend: str,
+) -> None:
+    data = make_data(MICROBATCHES, device)
+    graphed_losses, graphed_grads = train(Pipeline(graphed, order, STAGES, data), graphed)
+    eager_losses, eager_grads = train(Pipeline(eager, order, STAGES, data), eager)
+    if tolerance(backend) is None:
+        assert graphed_losses == eager_losses
+    else:
+        torch.testing.assert_close(graphed_losses, eager_losses, atol=1e-5, rtol=1e-5)
+    for step, (actual, expected) in enumerate(zip(graphed_grads, eager_grads, strict=True)):
+        for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_tensors_match(a, e, f"step {step}, grad {k}", tolerance(backend))
+    params = [p for piece in graphed for p in piece.parameters()]
+    eager_params = [p for piece in eager for p in piece.parameters()]
+    for k, (a, e) in enumerate(zip(params, eager_params, strict=True)):
+        assert_tensors_match(a.detach(), e.detach(), f"parameter {k}", tolerance(backend))
+
+
+# -- pipelines equal eager -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["schedule", "slots"])
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_pipeline_step_equals_eager_after_three_optimizer_steps(
+    layout: str, kind: str, backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    stage_schedules = schedules(kind)
+    graphed, eager = make_pieces(STAGES * stage_schedules[0].chunks, device)
+    graph_stages(graphed, stage_schedules, layout, device, backend=backend, param_grads=param_grads)
+    assert_pipelines_match(graphed, eager, device_order(stage_schedules), device, backend)
+
+
+@pytest.mark.parametrize("layout", ["schedule", "slots"])
+def test_a_pipeline_with_dropout_equals_eager_drawing_the_same_numbers(layout: str) -> None:
+    # emulate re-runs each piece, so its draws come in eager's order; a graph draws its own
+    device = torch.device("cpu")
+    stage_schedules = schedules("1f1b")
+    graphed, eager = make_pieces(STAGES, device, dropout=0.25)
+    graph_stages(graphed, stage_schedules, layout, device, backend="emulate")
+    order = device_order(stage_schedules)
+    data = make_data(MICROBATCHES, device)
+    torch.manual_seed(1)
+    graphed_losses, _ = train(Pipeline(graphed, order, STAGES, data), graphed, steps=2)
+    torch.manual_seed(1)
+    eager_losses, _ = train(Pipeline(eager, order, STAGES, data), eager, steps=2)
+    assert graphed_losses == eager_losses
+
+
+@pytest.mark.parametrize("layout", ["schedule", "slots"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_pipeline_under_autocast_equals_eager_under_autocast(layout: str, backend: str) -> None:
+    device = device_of(backend)
+    stage_schedules = schedules("interleaved")
+    graphed, eager = make_pieces(2 * STAGES, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    with autocast:
+        graph_stages(graphed, stage_schedules, layout, device, backend=backend)
+    data = make_data(MICROBATCHES, device)
+    order = device_order(stage_schedules)
+    with autocast:
+        graphed_losses, graphed_grads = train(Pipeline(graphed, order, STAGES, data), graphed, 2)
+    with autocast:
+        eager_losses, eager_grads = train(Pipeline(eager, order, STAGES, data), eager, 2)
+    if backend == CUDA:
+        torch.testing.assert_close(graphed_losses, eager_losses, atol=1e-2, rtol=1e-2)
+        return
+    assert graphed_losses == eager_losses
+    for actual, expected in zip(graphed_grads, eager_grads, strict=True):
+        for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_tensors_match(a, e, f"grad {k}")
+
+
+# -- slots ---------------------------------------------------------------------------------------
+
+
+def _graph(fn: Any, backend: str, *, grad: bool = True, **options: Any) -> Any:
+    device = device_of(backend)
+    sample = torch.randn(4, 8, device=device, requires_grad=grad)
+    return dgt.make_graphed_callables(fn, (sample,), backend=backend, **options)
+
+
+def _x(backend: str, grad: bool = True) -> torch.Tensor:
+    return torch.randn(4, 8, device=device_of(backend), requires_grad=grad)
+
+
+def _snapshot(graphed: Any) -> list[torch.Tensor]:
+    """Every static buffer of every slot, cloned."""
+    tensors: list[torch.Tensor] = []
+    for replay in runner_of(graphed)._replays:
+        buffers = replay.plan.buffers
+        for tensor in (
+            *buffers.inputs,
+            *buffers.outputs,
+            *buffers.grad_outputs,
+            *buffers.input_grads,
+            *buffers.param_grads,
+        ):
+            if tensor is not None:
+                tensors.append(tensor.detach().clone())
+    return tensors
+
+
+def _assert_same_bits(after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    assert len(after) == len(before)
+    for k, (a, b) in enumerate(zip(after, before, strict=True)):  # NaN in an unwritten buffer too
+        bits_a, bits_b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        assert torch.equal(bits_a, bits_b), f"static buffer {k} changed"
+
+
+def _assert_unchanged(graphed: Any, before: list[torch.Tensor]) -> None:
+    _assert_same_bits(_snapshot(graphed), before)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_backwards_in_any_order_find_their_slots_and_match_eager(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    graphed = _graph(model, backend, slots=3, param_grads=param_grads)
+    xs = [_x(backend) for _ in range(3)]
+    eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+    outputs = [graphed(x) for x in xs]
+    expected = [twin(x) for x in eager_xs]
+    for k in (2, 0, 1):  # backwards in another order than the forwards
+        assert_tensors_match(
+            outputs[k].detach(), expected[k].detach(), "output", tolerance(backend)
+        )
+        outputs[k].square().sum().backward()
+        expected[k].square().sum().backward()
+        assert_tensors_match(xs[k].grad, eager_xs[k].grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+# "in_graph" adds each slot's grads into .grad in turn, where eager adds their sum: the last bit
+# may differ once .grad holds something (README: param_grads).
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_one_backward_through_several_slots_matches_eager(backend: str, param_grads: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    graphed = _graph(model, backend, slots=2, param_grads=param_grads)
+    for _ in range(3):  # .grad accumulates: eager adds the sum of both uses' grads into it
+        xs = [_x(backend) for _ in range(2)]
+        (graphed(xs[0]) * graphed(xs[1])).sum().backward()  # both replays in one autograd pass
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        (twin(eager_xs[0]) * twin(eager_xs[1])).sum().backward()
+        for x, e in zip(xs, eager_xs, strict=True):
+            assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    # "auto": each slot saw the other in its backward and handed its grads to autograd
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 6
+
+
+@pytest.mark.parametrize("layout", ["slots", "schedule"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_adds_each_slots_grads_into_one_grad_per_parameter(backend: str, layout: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    options: dict[str, Any] = {"slots": 2}
+    if layout == "schedule":
+        options = {"schedule": dgt.Schedule.one_f_one_b(stages=2, microbatches=4, stage=0)}
+    graphed = _graph(model, backend, param_grads="auto", **options)
+    replays = runner_of(graphed)._replays
+    accumulators = replays[0].plan.params.accumulators
+    assert all(r.plan.params.accumulators == accumulators for r in replays)
+    for _ in range(2):  # a step of 1F1B for the first of 2 stages: F F B F B F B B
+        xs = [_x(backend) for _ in range(4)]
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        outputs, expected = [graphed(xs[0])], [twin(eager_xs[0])]
+        for k in range(1, 4):
+            outputs.append(graphed(xs[k]))
+            expected.append(twin(eager_xs[k]))
+            outputs[k - 1].square().sum().backward()
+            expected[k - 1].square().sum().backward()
+        outputs[3].square().sum().backward()
+        expected[3].square().sum().backward()
+        for x, e in zip(xs, eager_xs, strict=True):
+            assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+        assert all(p.grad is a for p, a in zip(model.parameters(), accumulators, strict=True))
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 0  # one slot per backward
+    model.fc1.bias.register_hook(lambda grad: grad * 2)  # a hook: autograd, in any slot
+    twin.fc1.bias.register_hook(lambda grad: grad * 2)
+    xs = [_x(backend) for _ in range(2)]
+    eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+    if layout == "schedule":
+        dgt.reset_slots(graphed)
+    first, second = graphed(xs[0]), graphed(xs[1])
+    first.sum().backward()
+    twin(eager_xs[0]).sum().backward()
+    if layout == "schedule":  # its next passes: F B, then B
+        third = graphed(_x(backend))
+    second.sum().backward()
+    twin(eager_xs[1]).sum().backward()
+    for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad after a hook", tolerance(backend))
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 2
+    if layout == "schedule":
+        del third
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_stays_valid_while_other_slots_replay(backend: str) -> None:
+    graphed = _graph(TinyMLP().to(device_of(backend)), backend, slots=3)
+    first = graphed(_x(backend))
+    kept = first.detach().clone()
+    later = [graphed(_x(backend)) for _ in range(2)]
+    later[0].sum().backward()
+    graphed(_x(backend))  # reuses the freed slot, not the first one's
+    assert_tensors_match(first.detach(), kept, "the first output")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_more_forwards_in_flight_than_slots_are_refused_before_touching_buffers(
+    backend: str,
+) -> None:
+    graphed = _graph(TinyMLP().to(device_of(backend)), backend, slots=2)
+    outputs = [graphed(_x(backend)) for _ in range(2)]
+    before = _snapshot(graphed)
+    with pytest.raises(DualgraphError) as info:
+        graphed(_x(backend))
+    assert str(info.value).startswith(
+        "TinyMLP: all 2 slots are in flight (slots 0, 1: forward replayed, backward not yet run)"
+    )
+    _assert_unchanged(graphed, before)
+    with torch.no_grad(), pytest.raises(DualgraphError, match="all 2 slots are in flight"):
+        graphed(_x(backend, grad=False))  # a forward without grad would overwrite them too
+    _assert_unchanged(graphed, before)
+    outputs.pop(0).sum().backward()
+    graphed(_x(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_slot_whose_outputs_are_dropped_is_free_again(backend: str) -> None:
+    graphed = _graph(TinyMLP().to(device_of(backend)), backend, slots=2)
+    kept = graphed(_x(backend))
+    graphed(_x(backend))  # dropped at once: nothing can run its backward
+    loss = graphed(_x(backend)).sum()  # a tensor computed from the outputs holds the replay
+    assert dgt.diagnostics(graphed).in_flight == (0, 1)
+    with pytest.raises(DualgraphError, match="all 2 slots are in flight"):
+        graphed(_x(backend))
+    del loss
+    assert dgt.diagnostics(graphed).in_flight == (0,)
+    kept.sum().backward()
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_call_without_grad_holds_no_slot(backend: str) -> None:
+    graphed = _graph(TinyMLP().to(device_of(backend)), backend, slots=2)
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(_x(backend, grad=False))
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_backward_after_its_slot_was_reset_and_reused_is_refused(backend: str) -> None:
+    graphed = _graph(TinyMLP().to(device_of(backend)), backend, slots=1 + 1)
+    stale = graphed(_x(backend))
+    dgt.reset_slots(graphed)
+    assert dgt.diagnostics(graphed).in_flight == ()
+    fresh = graphed(_x(backend))  # slot 0 again
+    with pytest.raises(DualgraphError, match="backward of an earlier replay"):
+        stale.sum().backward()
+    fresh.sum().backward()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_each_slot_draws_fresh_random_numbers(backend: str) -> None:
+    def drop(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, 0.5, True)
+
+    graphed = _graph(drop, backend, slots=2)
+    ones = torch.ones(4, 8, device=device_of(backend), requires_grad=True)
+    in_flight = [graphed(ones) for _ in range(2)]  # slots 0 and 1
+    masks = [out.detach() != 0 for out in in_flight]
+    for out in in_flight:
+        out.sum().backward()
+    with torch.no_grad():  # slot 0 again, twice
+        masks += [graphed(ones.detach()) != 0 for _ in range(2)]
+    for mask in masks:
+        assert isclose_fraction(mask.float().mean().item(), 0.5, spread=0.25)
+    for i in range(len(masks)):
+        for j in range(i):
+            assert not torch.equal(masks[i], masks[j]), f"replays {j} and {i} drew the same"
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_module_with_slots_restores_copies_and_pickles_as_eager(backend: str) -> None:
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    _graph(module, backend, slots=2)
+    assert isinstance(runner_of(module), dgt.SlottedCallable)
+    assert "slots=2" in repr(runner_of(module))
+    copied = copy.deepcopy(module)
+    copied(torch.randn(3, 8, device=device))  # eager: any batch
+    restored = pickle.loads(pickle.dumps(module))
+    restored(torch.randn(5, 8, device=device))
+    assert dgt.restore(module) is module
+    module(torch.randn(2, 8, device=device))
+
+
+def test_a_function_with_slots_copies_as_an_eager_callable() -> None:
+    graphed = _graph(torch.tanh, "emulate", slots=2)
+    assert isinstance(graphed, dgt.SlottedCallable)
+    assert isinstance(copy.copy(graphed), dgt.EagerCallable)
+    assert isinstance(copy.deepcopy(graphed), dgt.EagerCallable)
+    assert isinstance(pickle.loads(pickle.dumps(graphed)), dgt.EagerCallable)
+
+
+def test_a_second_thread_is_refused_while_one_runs_a_slotted_callable() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(10)
+        return x * 2
+
+    graphed = _graph(slow, "emulate", slots=2)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            graphed(_x("emulate")).sum().backward()
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    assert entered.wait(10)
+    with pytest.raises(DualgraphError, match="called while another thread is running it"):
+        graphed(_x("emulate"))
+    release.set()
+    worker.join(10)
+    assert not errors
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_diagnostics_count_each_slots_buffers(backend: str) -> None:
+    one = dgt.diagnostics(_graph(TinyMLP().to(device_of(backend)), backend))
+    graphed = _graph(TinyMLP().to(device_of(backend)), backend, slots=3)
+    three = dgt.diagnostics(graphed)
+    assert (three.slots, three.in_flight, three.reused_buffer_bytes) == (3, (), 0)
+    assert three.static_input_bytes == 3 * one.static_input_bytes
+    assert three.static_output_bytes == 3 * one.static_output_bytes
+    # the default "auto": the slots share one accumulator (.grad) per parameter
+    accumulators = sum(p.numel() * p.element_size() for p in TinyMLP().parameters())
+    assert three.static_grad_bytes == 3 * (one.static_grad_bytes - accumulators) + accumulators
+    if backend == CUDA:  # a pool per slot, each counted
+        pools = [replay.diagnostics.pool_bytes for replay in runner_of(graphed)._replays]
+        assert one.pool_bytes > 0 and min(pools) > 0 and three.pool_bytes == sum(pools)
+
+
+# -- schedules -----------------------------------------------------------------------------------
+
+
+def _scheduled(backend: str, schedule: Any, count: int = 1, **options: Any) -> tuple[Any, ...]:
+    device = device_of(backend)
+    modules = tuple(TinyMLP().to(device) for _ in range(count))
+    args = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in modules)
+    graphed = dgt.make_graphed_callables(
+        modules, args, backend=backend, schedule=schedule, **options
+    )
+    return tuple(graphed)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_out_of_order_forward_is_refused_before_touching_buffers(backend: str) -> None:
+    (graphed,) = _scheduled(backend, dgt.Schedule.one_f_one_b(stages=2, microbatches=3, stage=0))
+    outputs = [graphed(_x(backend)) for _ in range(2)]
+    before = _snapshot(graphed)
+    with pytest.raises(DualgraphError) as info:
+        graphed(_x(backend))  # the schedule wants the backward of micro-batch 0 now
+    assert str(info.value).startswith(
+        "TinyMLP: a forward is out of schedule order: pass 3 of 6 of the step is the backward of "
+        "TinyMLP for micro-batch 0. In flight (micro-batch slots): TinyMLP [0, 1]."
+    )
+    _assert_unchanged(graphed, before)
+    with pytest.raises(DualgraphError, match="the backward of micro-batch 1 is out of schedule"):
+        outputs[1].sum().backward()
+    _assert_unchanged(graphed, before)
+    outputs[0].sum().backward()  # in order: fine
+    graphed(_x(backend))
+
+
+class Second(TinyMLP):
+    """A second chunk member, with a name of its own in messages."""
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_callables_of_a_chunk_run_in_turn_forward_then_in_reverse(backend: str) -> None:
+    device = device_of(backend)
+    modules = (TinyMLP().to(device), Second().to(device))
+    args = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in modules)
+    first, second = dgt.make_graphed_callables(
+        modules, args, backend=backend, schedule=[1, 1, -1, -1]
+    )
+    outputs = [second(first(_x(backend)))]
+    before = _snapshot(first) + _snapshot(second)
+    with pytest.raises(DualgraphError) as info:
+        second(_x(backend))
+    assert "pass 3 of 8 of the step is the forward of TinyMLP for micro-batch 1" in str(info.value)
+    _assert_same_bits(_snapshot(first) + _snapshot(second), before)
+    outputs.append(second(first(_x(backend))))
+    with pytest.raises(DualgraphError) as info:
+        outputs[1].sum().backward()
+    assert "pass 5 of 8 of the step is the backward of Second for micro-batch 0" in str(info.value)
+    outputs[0].sum().backward()  # Second's backward, then TinyMLP's
+    outputs[1].sum().backward()
+    assert dgt.diagnostics(first).in_flight == dgt.diagnostics(second).in_flight == ()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_call_without_grad_is_refused(backend: str) -> None:
+    (graphed,) = _scheduled(backend, [1, -1])
+    with torch.no_grad(), pytest.raises(DualgraphError, match="called with grad disabled"):
+        graphed(_x(backend, grad=False))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_step_abandoned_half_way_starts_over_after_reset(backend: str) -> None:
+    (graphed,) = _scheduled(backend, [1, 1, -1, -1])
+    stale = graphed(_x(backend))
+    dropped = graphed(_x(backend))
+    del dropped
+    stale.sum().backward()
+    with pytest.raises(DualgraphError, match="nothing can run that backward any more"):
+        graphed(_x(backend))
+    dgt.reset_slots(graphed)
+    first = graphed(_x(backend))
+    with pytest.raises(DualgraphError, match="out of schedule order"):
+        stale.sum().backward()
+    second = graphed(_x(backend))
+    first.sum().backward()
+    second.sum().backward()
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_schedule_shares_buffers_between_microbatches_never_in_flight_together(
+    backend: str, param_grads: str
+) -> None:
+    schedule = dgt.Schedule.one_f_one_b(stages=2, microbatches=6, stage=0)  # 2 in flight
+    (graphed,) = _scheduled(backend, schedule, param_grads=param_grads)
+    replays = runner_of(graphed)._replays
+    assert len(replays) == 6
+    for k in range(2, 6):  # micro-batch k reuses the buffers of micro-batch k % 2
+        same, other = replays[k % 2].plan.buffers, replays[k].plan.buffers
+        assert same.inputs == other.inputs and same.outputs == other.outputs
+        assert same.grad_outputs == other.grad_outputs
+        assert same.input_grads == other.input_grads and same.param_grads == other.param_grads
+    assert replays[0].static_inputs[0] is not replays[1].static_inputs[0]
+    report = dgt.diagnostics(graphed)
+    slots = dgt.diagnostics(_graph(TinyMLP().to(device_of(backend)), backend, slots=2,
+                                   param_grads=param_grads))  # fmt: skip
+    assert report.slots == 6
+    assert report.static_input_bytes == slots.static_input_bytes
+    assert report.static_output_bytes == slots.static_output_bytes
+    assert report.static_grad_bytes == slots.static_grad_bytes
+    accumulators = sum(p.numel() * 4 for p in TinyMLP().parameters())
+    if param_grads != "autograd":  # one .grad per parameter: not a per-slot buffer
+        per_slot = (slots.static_grad_bytes - accumulators) // 2
+    else:
+        per_slot = slots.static_grad_bytes // 2
+    per_slot += (slots.static_input_bytes + slots.static_output_bytes) // 2
+    assert report.reused_buffer_bytes == 4 * per_slot
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_and_grads_of_a_schedule_land_in_the_shared_buffers(backend: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    (graphed,) = dgt.make_graphed_callables(
+        (model,),
+        ((torch.randn(4, 8, device=device, requires_grad=True),),),
+        backend=backend,
+        schedule=[1, -1, 1, -1, 1, -1],  # one in flight: three micro-batches, one set of buffers
+    )
+    for _ in range(3):
+        x = _x(backend)
+        e = x.detach().clone().requires_grad_()
+        out, expected = graphed(x), twin(e)
+        assert_tensors_match(out.detach(), expected.detach(), "output", tolerance(backend))
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, q.grad, "parameter grad", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_schedule_needs_a_backward(backend: str) -> None:
+    with pytest.raises(CaptureError, match="for a schedule: it has no backward"):
+        dgt.make_graphed_callables(
+            lambda x: x.argmax(-1), (_x(backend),), backend=backend, schedule=[1, -1]
+        )
+
+
+# -- options -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"slots": 0}, "slots must be an int >= 1, got 0"),
+        ({"slots": True}, "slots must be an int >= 1, got True"),
+        ({"slots": 2.0}, "slots must be an int >= 1, got 2.0"),
+        ({"slots": 2, "schedule": [1, -1]}, "pass slots or schedule, not both"),
+        ({"schedule": [1, 0]}, r"schedule order\[1\]: expected a nonzero int"),
+        ({"schedule": [1, 2, -2, -1]}, "1 callable.* do not split evenly into its 2 chunks"),
+        ({"schedule": "1,-1"}, "schedule order must be a sequence of ints"),
+    ],
+)
+def test_bad_slot_options_are_refused(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(DualgraphError, match=message):
+        dgt.make_graphed_callables(TinyMLP(), (torch.randn(4, 8),), **options)
+
+
+@pytest.mark.cuda
+def test_slots_cannot_share_a_pool_passed_in() -> None:
+    pool = torch.cuda.graph_pool_handle()
+    with pytest.raises(DualgraphError, match="each slot into a memory pool of its own"):
+        _graph(TinyMLP().cuda(), CUDA, slots=2, pool=pool)
+
+
+def test_one_slot_is_the_plain_graphed_callable() -> None:
+    graphed = _graph(torch.tanh, "emulate", slots=1)
+    assert isinstance(graphed, dgt.GraphedCallable)
+    assert dgt.diagnostics(graphed).slots == 1
+
+
+def test_reset_slots_needs_a_slotted_callable() -> None:
+    with pytest.raises(DualgraphError, match="graphed with one slot"):
+        dgt.reset_slots(_graph(torch.tanh, "emulate"))
+
+
+def test_the_eager_backend_ignores_slots_and_schedules() -> None:
+    graphed = _graph(torch.tanh, "eager", slots=3)
+    assert isinstance(graphed, dgt.EagerCallable)
+    graphed = _graph(torch.tanh, "eager", schedule=[1, -1])
+    assert isinstance(graphed, dgt.EagerCallable)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_replay_with_nothing_requiring_grad_holds_no_slot(backend: str) -> None:
+    graphed = _graph(torch.tanh, backend, slots=2)  # a function: no parameters
+    for _ in range(3):
+        out = graphed(_x(backend, grad=False))  # under grad mode, but nothing requires grad
+        assert out.grad_fn is None
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_forward_that_no_backward_can_follow_is_refused(backend: str) -> None:
+    graphed = _graph(torch.tanh, backend, schedule=[1, -1])
+    with pytest.raises(DualgraphError, match="ran with no input or parameter requiring grad"):
+        graphed(_x(backend, grad=False))
+    out = graphed(_x(backend))  # the schedule did not move on
+    out.sum().backward()
+
+
+@pytest.mark.cuda
+@needs_te
+@te_dynamo_warning
+@pytest.mark.parametrize(
+    "how", [{"slots": 2}, {"schedule": [1, 1, -1, -1]}], ids=["slots", "schedule"]
+)
+def test_a_transformer_engine_layer_with_two_in_flight_matches_eager(how: dict[str, Any]) -> None:
+    layer = VisionLayer().cuda()
+    eager = copy.deepcopy(layer)
+    graphed = dgt.make_graphed_callables(layer, (te_hidden(),), backend="cuda", **how)
+    for _ in range(2):  # two steps of two micro-batches, both in flight
+        xs = [te_hidden() for _ in range(2)]
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        outputs = [graphed(x) for x in xs]
+        expected = [eager(x) for x in eager_xs]
+        for (hidden, extra), (hidden_eager, _) in zip(outputs, expected, strict=True):
+            assert extra is None
+            torch.testing.assert_close(hidden, hidden_eager, **BF16)
+            hidden.float().square().mean().backward()
+            hidden_eager.float().square().mean().backward()
+        for x, e in zip(xs, eager_xs, strict=True):
+            torch.testing.assert_close(x.grad, e.grad, **BF16)
+    for (name, param), param_eager in zip(
+        layer.named_parameters(), eager.parameters(), strict=True
+    ):
+        torch.testing.assert_close(param.grad, param_eager.grad, **BF16, msg=name)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_hook_runs_once_per_replay_in_any_slot(backend: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+    expected: list[torch.Tensor] = []
+    model.fc1.weight.register_hook(lambda grad: seen.append(grad.clone()))
+    twin.fc1.weight.register_hook(lambda grad: expected.append(grad.clone()))
+    graphed = _graph(model, backend, slots=2)
+    xs = [_x(backend) for _ in range(2)]
+    outputs = [graphed(x) for x in xs]
+    eager_outputs = [twin(x.detach().clone().requires_grad_()) for x in xs]
+    for k in (1, 0):
+        outputs[k].square().sum().backward()
+        eager_outputs[k].square().sum().backward()
+    assert len(seen) == len(expected) == 2
+    for a, e in zip(seen, expected, strict=True):
+        assert_tensors_match(a, e, "hooked grad", tolerance(backend))

@@ -1,0 +1,375 @@
+"""The check against eager: right graphed callables pass, wrong ones are caught at the leaf that
+differs, the model is left as it was, and the report reads like the parity report.
+
+``RIGHT`` is the table of graphed callables ``verify`` must pass: ``None``/constant/integer
+outputs, kwargs, buffers (BatchNorm), dropout, hooks, in-graph parameter grads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dualgraph
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError
+from dualgraph.torch import _verify
+
+
+class Block(nn.Module):
+    """Linear, LayerNorm, GELU, dropout; returns ``(hidden, None, {"ids": int64, "n": 3})``."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> Any:
+        hidden = F.dropout(F.gelu(self.norm(self.fc(x))) * mask, self.dropout, self.training)
+        return hidden, None, {"ids": hidden.argmax(-1), "n": 3}
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+def hooked() -> nn.Module:
+    module = nn.Linear(8, 8)
+    module.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    module.register_forward_hook(lambda m, args, out: out + 1)
+    return module
+
+
+def scaled_tanh(x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tanh(x * 3 + bias), (x > 0).sum()
+
+
+def inputs(device: str = "cpu") -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (torch.randn(4, 8, device=device, requires_grad=True),), {}
+
+
+RIGHT: dict[
+    str,
+    tuple[
+        Callable[[], Any], Callable[[str], tuple[tuple[Any, ...], dict[str, Any]]], dict[str, Any]
+    ],
+] = {
+    "tree-outputs-kwargs": (
+        Block,
+        lambda d: (
+            (torch.randn(4, 8, device=d, requires_grad=True),),
+            {"mask": torch.rand(4, 8, device=d)},
+        ),
+        {},
+    ),
+    "dropout": (
+        lambda: Block(dropout=0.5),
+        lambda d: (
+            (torch.randn(4, 8, device=d, requires_grad=True),),
+            {"mask": torch.ones(4, 8, device=d)},
+        ),
+        {},
+    ),
+    "batchnorm-buffers": (Normed, inputs, {}),
+    "hooks": (hooked, inputs, {}),
+    "in-graph-param-grads": (
+        Block,
+        lambda d: ((torch.randn(4, 8, device=d),), {"mask": torch.ones(4, 8, device=d)}),
+        {"param_grads": "in_graph"},
+    ),
+    "function": (
+        lambda: scaled_tanh,
+        lambda d: (
+            (
+                torch.randn(4, 8, device=d, requires_grad=True),
+                torch.randn(8, device=d, requires_grad=True),
+            ),
+            {},
+        ),
+        {},
+    ),
+}
+
+
+def graphed_case(
+    name: str, backend: str = "emulate", device: str = "cpu"
+) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    make, sample, options = RIGHT[name]
+    fn = make()
+    if isinstance(fn, nn.Module):
+        fn = fn.to(device)
+    args, kwargs = sample(device)
+    graphed = dgt.make_graphed_callables(fn, args, sample_kwargs=kwargs, backend=backend, **options)
+    fresh_args, fresh_kwargs = sample(device)
+    return graphed, fresh_args, fresh_kwargs
+
+
+@pytest.mark.parametrize("name", RIGHT)
+def test_a_right_graphed_callable_passes(name: str) -> None:
+    graphed, args, kwargs = graphed_case(name)
+    report = dgt.verify(graphed, *args, steps=3, **kwargs)
+    assert report.ok, str(report)
+    assert report.steps == 3 and report.backend == "emulate"
+    paths = [check.path for check in report.checks]
+    assert all(any(p.startswith(f"step {s} output") for p in paths) for s in (1, 2, 3))
+    assert all(check.score == 0 for check in report.checks)  # exact on the CPU
+    assert str(report).startswith("verify OK: ")
+
+
+def test_every_output_input_grad_parameter_grad_and_changed_buffer_is_compared() -> None:
+    graphed, args, _ = graphed_case("batchnorm-buffers")
+    report = dgt.verify(graphed, *args, steps=2)
+    assert [c.path for c in report.checks if c.path.startswith("step 2")] == [
+        "step 2 output",
+        "step 2 grad args[0]",
+        "step 2 grad fc.weight",
+        "step 2 grad fc.bias",
+        "step 2 grad bn.weight",
+        "step 2 grad bn.bias",
+        "step 2 buffer bn.num_batches_tracked after the call",
+        "step 2 buffer bn.running_mean after the call",
+        "step 2 buffer bn.running_var after the call",
+    ]
+
+
+def test_none_and_constant_outputs_are_compared_by_structure() -> None:
+    graphed, args, kwargs = graphed_case("tree-outputs-kwargs")
+    report = dgt.verify(graphed, *args, steps=1, **kwargs)
+    outputs = [c.path for c in report.checks if "output" in c.path]
+    assert outputs == ["step 1 output[0]", "step 1 output[2]['ids']"]  # None and 3: structure
+
+
+# -- wrong graphed callables ----------------------------------------------------------------------
+
+
+def recycles_its_last_output(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    """A forward hook that zeroes the previous output to reuse its memory: fine eagerly, but a
+    graphed module's outputs are one static buffer, so it zeroes the current output."""
+    previous = module.__dict__.get("previous")
+    if previous is not None:
+        with torch.no_grad():
+            previous.zero_()
+    module.__dict__["previous"] = output
+
+
+def test_verify_catches_a_hook_that_changes_a_static_output_buffer() -> None:
+    module = nn.Linear(8, 8)
+    module.register_forward_hook(recycles_its_last_output)
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), backend="emulate"
+    )
+    report = dgt.verify(graphed, torch.randn(4, 8, requires_grad=True), steps=2)
+    assert not report.ok
+    assert [c.path for c in report.failures] == ["step 2 output"]
+    assert report.worst_path == "step 2 output"
+    assert str(report).startswith("verify FAILED: Linear (emulate), 2 steps: 1 of ")
+    assert math.isinf(report.failures[0].score) and report.failures[0].max_abs > 0
+
+
+def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:
+    # Eager updates the caller's tensor, and so does a replay (the adapter copies the update
+    # back); verify compares the input after the call on both sides.
+    def accumulates(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        total.add_(x.detach())
+        return x * 2
+
+    graphed = dgt.make_graphed_callables(
+        accumulates, (torch.ones(3, requires_grad=True), torch.zeros(3)), backend="emulate"
+    )
+    total = torch.zeros(3)
+    graphed(torch.ones(3), total)
+    graphed_updates_the_caller = bool(total.ne(0).any())
+    report = dgt.verify(graphed, torch.ones(3, requires_grad=True), torch.zeros(3), steps=1)
+    after = [c for c in report.checks if c.path == "step 1 input args[1] after the call"]
+    assert len(after) == 1
+    assert after[0].ok and graphed_updates_the_caller and report.ok
+
+
+def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> None:
+    module = Block()
+    graphed = dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(n, 8, requires_grad=True),) for n in (4, 2)],
+        sample_kwargs={"mask": torch.ones(8)},
+        backend="emulate",
+    )
+    for n in (2, 4):
+        report = dgt.verify(graphed, torch.randn(n, 8, requires_grad=True), mask=torch.ones(8))
+        assert report.ok, str(report)
+        assert "step 2 grad fc.weight" in [c.path for c in report.checks]
+    assert [bucket.calls for bucket in dgt.diagnostics(graphed).buckets] == [2, 2]
+
+
+def test_a_module_that_would_run_eagerly_is_refused() -> None:
+    graphed = dgt.make_graphed_callables(
+        nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    graphed.eval()  # captured in training mode: an eval call falls back to eager
+    with pytest.raises(DualgraphError, match=r"Linear: 2 calls replayed 0 times"):
+        dgt.verify(graphed, torch.randn(2, 4))
+
+
+def test_steps_must_be_a_positive_int() -> None:
+    graphed, args, _ = graphed_case("hooks")
+    with pytest.raises(DualgraphError, match=r"steps must be a positive int, got 0"):
+        dgt.verify(graphed, *args, steps=0)
+
+
+def test_the_eager_backend_is_compared_with_itself_and_says_so() -> None:
+    graphed = dgt.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),), backend="eager")
+    report = dgt.verify(graphed, torch.randn(2, 4))
+    assert report.ok and report.backend == "eager"
+    assert "both sides are eager" in str(report)
+
+
+def test_something_not_graphed_is_refused() -> None:
+    with pytest.raises(DualgraphError, match=r"was not made by dualgraph"):
+        dgt.verify(nn.Linear(2, 2), torch.ones(1, 2))
+
+
+# -- the model is left as it was ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("param_grads", ["autograd", "in_graph"])
+def test_verify_puts_parameters_buffers_grads_and_rng_back(param_grads: str) -> None:
+    module = Normed()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), backend="emulate", param_grads=param_grads
+    )
+    graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # .grad set, stats moved
+    x = torch.randn(4, 8, requires_grad=True)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    grads = {n: (p.grad, p.grad.clone()) for n, p in module.named_parameters()}
+    rng = torch.get_rng_state()
+    assert dgt.verify(graphed, x, steps=2).ok
+    assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+    for name, param in module.named_parameters():
+        grad, values = grads[name]
+        assert param.grad is grad and torch.equal(param.grad, values)
+    assert torch.equal(torch.get_rng_state(), rng) and x.grad is None
+    graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # training goes on
+
+
+# -- comparing leaves ----------------------------------------------------------------------------
+
+
+def test_on_the_cpu_every_dtype_is_compared_exactly() -> None:
+    a = torch.tensor([1.0, 2.0, 3.0])
+    b = torch.nextafter(a, torch.full_like(a, 10.0))  # one ulp away
+    check = _verify._compare("leaf", b, a, None, None)
+    assert (check.rtol, check.atol, check.ok, check.score) == (0.0, 0.0, False, math.inf)
+    assert check.max_abs == pytest.approx(2.384185791015625e-07)
+    assert _verify._compare("leaf", b, a, 1e-6, 0.0).ok  # an explicit tolerance
+    assert _verify._compare("ids", torch.tensor([1, 2]), torch.tensor([1, 3]), 1.0, 1.0).ok is False
+
+
+def test_nan_at_the_same_places_matches_and_nowhere_else() -> None:
+    nan = float("nan")
+    assert _verify._compare(
+        "leaf", torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0]), None, None
+    ).ok
+    check = _verify._compare("leaf", torch.tensor([nan, 1.0]), torch.tensor([0.0, 1.0]), 1.0, 1.0)
+    assert not check.ok and math.isinf(check.max_abs)
+
+
+def test_a_missing_grad_shape_or_structure_is_a_problem_not_a_number() -> None:
+    grad = _verify._compare("step 1 grad x", None, torch.ones(2), None, None)
+    assert (grad.ok, grad.problem) == (False, "None in graphed, a tensor in the other")
+    shape = _verify._compare("leaf", torch.ones(2), torch.ones(3), None, None)
+    assert shape.problem == "graphed float32[2] vs eager float32[3]"
+
+    def step(tree: Any) -> _verify._Step:
+        spec = dualgraph.describe(tree)
+        return _verify._Step(spec, spec.flatten(tree), {}, {}, {}, set())
+
+    t = torch.ones(2)
+    ours, theirs = step((t, None)), step((t, 3))
+    (check,) = _verify._compare_step("step 1 ", ours, theirs, None, None)
+    assert check.path == "step 1 output" and "output[1]" in check.problem
+    differ = _verify._structure_problem(step((t,)), step((t.requires_grad_(),)))
+    assert differ == "output[0] requires grad False (eager: True)"
+
+
+def doubled(x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return x * 2, None
+
+
+def test_the_report_is_a_table_worst_leaf_in_the_header() -> None:
+    graphed = dgt.make_graphed_callables(doubled, (torch.ones(3),), backend="emulate")
+    lines = str(dgt.verify(graphed, torch.arange(3.0), steps=1)).splitlines()
+    assert lines == [
+        "verify OK: doubled (emulate), 1 step: 1 leaf matches eager (worst: step 1 output[0], "
+        "max abs 0, 0 of its tolerance)",
+        "leaf              dtype    shape  max abs  max rel  rtol  atol  score",
+        "step 1 output[0]  float32  [3]    0        0        0     0     0      ok",
+    ]
+
+
+# -- on the GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", RIGHT)
+def test_on_cuda_a_right_graphed_callable_passes(name: str) -> None:
+    graphed, args, kwargs = graphed_case(name, backend="cuda", device="cuda")
+    report = dgt.verify(graphed, *args, steps=3, **kwargs)
+    print(f"\n{report}")
+    assert report.ok, str(report)
+    floats = [c for c in report.checks if c.dtype == "float32"]
+    assert floats and all((c.rtol, c.atol) == (1.3e-6, 1e-5) for c in floats)
+
+
+@pytest.mark.cuda
+def test_on_cuda_dropout_draws_the_same_masks_in_the_graph_and_in_eager() -> None:
+    # Philox: a replay offsets each random kernel as eager does from the same generator state.
+    graphed, args, kwargs = graphed_case("dropout", backend="cuda", device="cuda")
+    report = dgt.verify(graphed, *args, steps=3, **kwargs)
+    print(f"\n{report}")
+    assert report.ok and all(c.max_abs == 0 for c in report.checks if "output" in c.path)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.cuda
+def test_on_cuda_verify_catches_python_state_baked_into_the_graph() -> None:
+    module = Scaled().cuda()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device="cuda", requires_grad=True),)
+    )
+    module.scale = 3.0  # eager reads it on every call; the graph kept 2.0
+    report = dgt.verify(graphed, torch.randn(4, 8, device="cuda", requires_grad=True), steps=1)
+    print(f"\n{report}")
+    assert not report.ok
+    assert "step 1 output" in [c.path for c in report.failures]
+
+
+@pytest.mark.cuda
+def test_on_cuda_verify_catches_a_hook_that_changes_a_static_output_buffer() -> None:
+    module = nn.Linear(8, 8).cuda()
+    module.register_forward_hook(recycles_its_last_output)
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device="cuda", requires_grad=True),)
+    )
+    report = dgt.verify(graphed, torch.randn(4, 8, device="cuda", requires_grad=True), steps=2)
+    assert [c.path for c in report.failures][:1] == ["step 2 output"]
