@@ -322,19 +322,50 @@ def test_a_parameter_unfrozen_after_capture_is_refused_naming_it(
         module(torch.randn(4, 8, device=device))
 
 
+@pytest.mark.parametrize("frozen", ["fc1.weight", "fc2.bias"])  # the first parameter, the last
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_a_parameter_frozen_after_capture_is_refused_naming_it(
-    backend: str, param_grads: str
+    backend: str, param_grads: str, frozen: str
 ) -> None:
     device = device_of(backend)
     module = TinyMLP().to(device)
     dgt.make_graphed_callables(
         module, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
     )
-    module.fc2.bias.requires_grad_(False)
-    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc2\.bias: requires_grad was True"):
+    module.get_parameter(frozen).requires_grad_(False)
+    with pytest.raises(DualgraphError, match=rf"^TinyMLP\.{frozen}: requires_grad was True"):
         backward_of(module(torch.randn(4, 8, device=device)))
     assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.parametrize("frozen", ["fc1.weight", "fc2.bias"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_frozen_between_forward_and_backward_keeps_its_grad_as_in_eager(
+    backend: str, param_grads: str, frozen: str
+) -> None:
+    # eager's AccumulateGrad skips a parameter that no longer requires grad; the others get theirs
+    device = device_of(backend)
+    module, twin = TinyMLP().to(device), TinyMLP().to(device)
+    twin.load_state_dict(module.state_dict())
+    dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
+    )
+    x = torch.randn(4, 8, device=device)
+    backward_of(module(x))  # .grad holds something: it must not change for the frozen one
+    backward_of(twin(x))
+    x = torch.randn(4, 8, device=device)
+    outputs, expected = module(x), twin(x)
+    for m in (module, twin):
+        m.get_parameter(frozen).requires_grad_(False)
+    if param_grads == "in_graph":  # the backward graph would add into it: refused
+        with pytest.raises(DualgraphError, match=rf"^TinyMLP\.{frozen}: requires_grad was True"):
+            backward_of(outputs)
+        return
+    backward_of(outputs)
+    backward_of(expected)
+    _assert_same_grads(module, twin, backend)
+    if param_grads == "auto":  # autograd skips the frozen parameter, as in eager
+        assert _through_autograd(module) == 1
 
 
 def _replace_weight(module: TinyMLP) -> None:

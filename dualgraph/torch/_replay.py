@@ -47,6 +47,7 @@ _detach = torch.Tensor.detach
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
+_requires_grad = operator.attrgetter("requires_grad")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _is_anomaly_enabled = torch.is_anomaly_enabled
 _is_grad_enabled = torch.is_grad_enabled
@@ -117,6 +118,7 @@ class GraphedCallable:
         "_static_inputs",
         "_static_outputs",
         "_storages",
+        "_untouched_params",
         "backend",
         "diagnostics",
         "name",
@@ -191,6 +193,8 @@ class GraphedCallable:
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
+        # "auto": the flags of parameters nobody froze or hooked since capture
+        self._untouched_params = ((True, None, None),) * len(self._params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -379,16 +383,15 @@ class GraphedCallable:
         if not self._lock.acquire(False):
             raise self._busy()
         try:
-            # _is_plain_backward, inlined: one engine query per backward.
             node = self._sentinel_node
-            if node is None and self._sentinel_param is not None:
-                node = _grad_accumulator(self._sentinel_param)  # held by this backward's graph
-            plain = False
             if node is not None and _will_engine_execute_node is not None:
+                # _is_plain_backward, inlined for the anchor ("auto", "in_graph"): one query
                 try:
                     plain = bool(_will_engine_execute_node(node))
                 except RuntimeError:  # raised where torch.autograd.grad captures that leaf
                     plain = False
+            else:
+                plain = self._is_plain_backward()
             if (
                 generation != self._generation
                 or self._backward_generation == generation
@@ -428,12 +431,16 @@ class GraphedCallable:
         """Whether ``.grad`` may be updated without the parameters' ``AccumulateGrad`` nodes.
 
         Those nodes run the parameters' hooks (``register_hook``,
-        ``register_post_accumulate_grad_hook``, and so ``register_multi_grad_hook``), and
-        anomaly mode checks the grads handed to them for NaN.
+        ``register_post_accumulate_grad_hook``, and so ``register_multi_grad_hook``), skip a
+        parameter frozen since the forward (eager leaves its ``.grad`` alone), and anomaly mode
+        checks the grads handed to them for NaN.
         """
         params = self._params
+        if tuple(map(_in_graph_flags, params)) == self._untouched_params:
+            return not _is_anomaly_enabled()  # the usual case: one pass over the parameters
         return not (
-            any(map(_tensor_hooks, params))
+            not all(map(_requires_grad, params))
+            or any(map(_tensor_hooks, params))  # (an empty dict: a hook was removed)
             or any(map(_post_accumulate_hooks, params))
             or _is_anomaly_enabled()
         )
@@ -539,7 +546,10 @@ class GraphedCallable:
         """
         node = self._sentinel_node
         if node is None and self._sentinel_param is not None:
-            node = _grad_accumulator(self._sentinel_param)
+            # Looked up, not kept (this backward's graph holds it): the first parameter's, or,
+            # if it was frozen since the forward (no node to look up then), another's.
+            param = next((p for p in self._params if p.requires_grad), None)
+            node = None if param is None else _grad_accumulator(param)
         if node is None or _will_engine_execute_node is None:
             return False
         try:
@@ -649,6 +659,8 @@ def _will_execute_or_capture(param: torch.Tensor) -> bool:
     """
     if _will_engine_execute_node is None:
         return True
+    if not param.requires_grad:  # frozen since the forward: autograd skips it, as eager does
+        return False
     try:
         return bool(_will_engine_execute_node(_grad_accumulator(param)))
     except RuntimeError:  # raised for a leaf whose grad torch.autograd.grad captures
@@ -804,22 +816,31 @@ class EmulatedReplay:
         # Parameter hooks run once, when the replay hands the grads to autograd, as after a
         # graph's backward (which has them suspended during capture).
         hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
+        inputs = self._diff_inputs
+        # A parameter frozen since the forward gets no grad (a graph would compute it, and
+        # autograd would skip it); the others are computed as usual.
+        wanted = [k for k, t in enumerate(inputs) if t.requires_grad]
         with hooks:
-            grads = torch.autograd.grad(
+            some = torch.autograd.grad(
                 live,
-                self._diff_inputs,
+                [inputs[k] for k in wanted] if len(wanted) < len(inputs) else inputs,
                 grad_outputs=self._grad_outputs,
                 allow_unused=self._allow_unused,
             )
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for k, computed in zip(wanted, some, strict=True):
+            grads[k] = computed
         for k, target in self._targets:
             grad = grads[k]
             if grad is None:
                 target.zero_()
             else:
                 target.copy_(grad)
-        pairs = [(acc, grads[k]) for k, acc in self._accumulate if grads[k] is not None]
+        pairs = [
+            (acc, g) for acc, g in ((acc, grads[k]) for k, acc in self._accumulate) if g is not None
+        ]
         if pairs:
-            torch._foreach_add_([acc for acc, _ in pairs], [grad for _, grad in pairs])
+            torch._foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
 
     def _any_hooks(self) -> bool:
         return any(map(_tensor_hooks, self._hooked_params))
