@@ -118,7 +118,6 @@ class GraphedCallable:
         "_static_inputs",
         "_static_outputs",
         "_storages",
-        "_untouched_params",
         "backend",
         "diagnostics",
         "name",
@@ -193,8 +192,6 @@ class GraphedCallable:
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
-        # "auto": the flags of parameters nobody froze or hooked since capture
-        self._untouched_params = ((True, None, None),) * len(self._params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -436,12 +433,10 @@ class GraphedCallable:
         checks the grads handed to them for NaN.
         """
         params = self._params
-        if tuple(map(_in_graph_flags, params)) == self._untouched_params:
-            return not _is_anomaly_enabled()  # the usual case: one pass over the parameters
         return not (
-            not all(map(_requires_grad, params))
-            or any(map(_tensor_hooks, params))  # (an empty dict: a hook was removed)
+            any(map(_tensor_hooks, params))
             or any(map(_post_accumulate_hooks, params))
+            or not all(map(_requires_grad, params))
             or _is_anomaly_enabled()
         )
 
@@ -545,10 +540,12 @@ class GraphedCallable:
         only in a ``.backward()`` without ``inputs=``, which runs every node it reaches.
         """
         node = self._sentinel_node
-        if node is None and self._sentinel_param is not None:
+        param = self._sentinel_param
+        if node is None and param is not None:
             # Looked up, not kept (this backward's graph holds it): the first parameter's, or,
             # if it was frozen since the forward (no node to look up then), another's.
-            param = next((p for p in self._params if p.requires_grad), None)
+            if not param.requires_grad:
+                param = next((p for p in self._params if p.requires_grad), None)
             node = None if param is None else _grad_accumulator(param)
         if node is None or _will_engine_execute_node is None:
             return False
