@@ -349,8 +349,8 @@ class BucketedCallable:
                 )
             outputs = self.fn(*args, **kwargs)
             self._check_outputs(outputs)
-            if self._eager_graphs is not None:
-                self._eager_graphs.track(outputs)
+            if self._eager_graphs is not None and self._out_spec is not None:
+                self._eager_graphs.track(self._out_spec.flatten(outputs))
             self._diagnostics.eager_calls += 1
             return outputs
         error = self._no_bucket(shapes)
@@ -560,7 +560,7 @@ class EagerGraphs:
 
     >>> graphs = EagerGraphs()
     >>> out = torch.ones(2, requires_grad=True) * 2
-    >>> graphs.track(out)
+    >>> graphs.track([out, None])
     >>> graphs()
     True
     >>> del out
@@ -576,9 +576,10 @@ class EagerGraphs:
     def __call__(self) -> bool:
         return self.alive > 0
 
-    def track(self, outputs: Any) -> None:
-        """Count the graph behind ``outputs`` (a tree) as alive until its output nodes die."""
-        nodes = {id(node): node for node in map(_grad_fn, _tensor_leaves(outputs)) if node}
+    def track(self, outputs: Sequence[Any]) -> None:
+        """Count the graph behind ``outputs`` (flat leaves) as alive until their nodes die."""
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        nodes = {id(node): node for node in map(_grad_fn, tensors) if node is not None}
         if not nodes:
             return
         token = _Token()
@@ -597,11 +598,6 @@ class _Token:
 
 def _grad_fn(tensor: torch.Tensor) -> Any:
     return tensor.grad_fn
-
-
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    spec = describe(tree)
-    return [t for t in spec.flatten(tree) if isinstance(t, torch.Tensor)]
 
 
 # -- capture -------------------------------------------------------------------------------------
