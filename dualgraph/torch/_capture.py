@@ -47,6 +47,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
+from ._blas_workspaces import prime_capture_stream
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import InputGuard, unsupported_tensor
 from ._leaves import dtype_name
@@ -725,6 +726,7 @@ def _capture_cuda_graphs(
             del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
+    prime_capture_stream(device)  # cuBLAS's workspaces for the capture stream: not in the pool
     originals = [item for item in captures if item.like is None]
     raise_on_lint_errors([item.probe for item in originals])  # issue 19 hook: before any capture
     for item in captures:
