@@ -313,6 +313,34 @@ def test_the_warmup_iterations_after_the_first_are_not_watched() -> None:
     assert plan is not None and plan.callables[0].forward_peak_bytes == 2048
 
 
+def test_a_capture_that_copies_its_results_out_keeps_nothing_in_the_pool() -> None:
+    # Shape buckets on cuda (results_outside_pool): outputs and grads go to buffers outside the
+    # pool; the pool is as large (they are computed there), and keeps none of it.
+    from dualgraph.torch._capture import CaptureOptions, CaptureRequest, capture
+    from dualgraph.torch._inputs import InputGuard
+
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    sample = (torch.randn(32, 64, requires_grad=True),)
+    guard = InputGuard(sample, None)
+    request = CaptureRequest("mlp", mlp.forward, mlp, guard, tuple(guard.tensors(sample, {})))
+    options = CaptureOptions(
+        backend="emulate",
+        num_warmup_iters=1,
+        allow_unused_input=False,
+        pool=None,
+        capture_error_mode="global",
+        clone_outputs=False,
+        param_grads="autograd",
+        results_outside_pool=True,
+    )
+    (plan,) = capture([request], options)
+    kept = plan.diagnostics.memory_plan
+    (before,) = dgt.memory_plan(mlp, *sample).callables
+    assert kept is not None and kept.kept_in_pool_bytes == kept.callables[0].kept_in_pool_bytes == 0
+    assert before.kept_in_pool_bytes > 0
+    assert kept.expected_pool_bytes == before.expected_pool_bytes
+
+
 # -- on the GPU: the plan beside the measured pool --------------------------------------------
 
 

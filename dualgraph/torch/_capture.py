@@ -305,6 +305,7 @@ class _Capture:
             paths=self.request.inputs.paths,
             lint=self.options.lint,
             backend=self.options.backend,
+            results_outside_pool=self.options.results_outside_pool,
         )
 
     def learn_from(self, original: _Capture) -> None:

@@ -12,7 +12,8 @@ that it gives, per callable:
   autograd saved);
 - the peak of the tensors alive at once during the forward and the backward;
 - what the graphs keep in the pool: the outputs and grads a capture computes there and keeps as
-  static buffers (the tensors still alive when the backward ends);
+  static buffers (the tensors still alive when the backward ends; none for shape buckets on
+  cuda, whose captures copy them to buffers outside the pool);
 - the expected pool size: the allocations and releases replayed in capture order (all forwards,
   then all backwards in reverse) through a model of the CUDA caching allocator's placement:
   blocks rounded to 512 B, best fit among the free blocks, blocks split and merged, new segments
@@ -192,17 +193,28 @@ def memory_plan(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MemoryP
     return plan
 
 
-def plan_of(probes: Sequence[MemoryProbe], static: Sequence[tuple[int, int, int]]) -> MemoryPlan:
-    """A plan for callables captured together: ``static[i]`` = (input, output, grad) bytes."""
+def plan_of(
+    probes: Sequence[MemoryProbe],
+    static: Sequence[tuple[int, int, int]],
+    *,
+    results_in_pool: bool = True,
+) -> MemoryPlan:
+    """A plan for callables captured together: ``static[i]`` = (input, output, grad) bytes.
+
+    ``results_in_pool=False``: the capture copies outputs and grads into buffers outside the
+    pool and lets the pool's go (shape buckets on cuda): the pool keeps nothing.
+    """
     callables = tuple(
-        probe.callable_memory(*sizes) for probe, sizes in zip(probes, static, strict=True)
+        probe.callable_memory(*sizes, results_in_pool=results_in_pool)
+        for probe, sizes in zip(probes, static, strict=True)
     )
     pool = CachingAllocatorModel()
     for index, probe in enumerate(probes):
         pool.replay(probe.forward_events, tag=index)
     for index, probe in reversed(list(enumerate(probes))):
         pool.replay(probe.backward_events, tag=index)
-    return MemoryPlan(callables, pool.reserved_bytes, kept_in_pool_bytes=pool.allocated_bytes)
+    kept = pool.allocated_bytes if results_in_pool else 0
+    return MemoryPlan(callables, pool.reserved_bytes, kept_in_pool_bytes=kept)
 
 
 def format_bytes(n: int) -> str:
@@ -276,7 +288,12 @@ class MemoryProbe(OpObserver):
         return self._events[self._first_backward : self._last_backward + 1]
 
     def callable_memory(
-        self, static_input_bytes: int, static_output_bytes: int, static_grad_bytes: int
+        self,
+        static_input_bytes: int,
+        static_output_bytes: int,
+        static_grad_bytes: int,
+        *,
+        results_in_pool: bool = True,
     ) -> CallableMemory:
         forward = _LiveBytes()
         forward.replay(self.forward_events)
@@ -296,7 +313,7 @@ class MemoryProbe(OpObserver):
             forward_peak_bytes=forward.peak,
             backward_peak_bytes=backward.peak,
             expected_pool_bytes=alone.reserved_bytes,
-            kept_in_pool_bytes=alone.allocated_bytes,
+            kept_in_pool_bytes=alone.allocated_bytes if results_in_pool else 0,
         )
 
     # -- bookkeeping -----------------------------------------------------------------------------

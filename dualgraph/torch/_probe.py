@@ -147,6 +147,7 @@ class WarmupProbe:
         paths: Sequence[str],
         lint: LintMode,
         backend: str = "emulate",
+        results_outside_pool: bool = False,
     ) -> None:
         check_lint_mode(lint)
         # "auto": on emulate the lint is the only thing that can report what a real capture
@@ -168,6 +169,8 @@ class WarmupProbe:
                 fn=fn,
             )
         self.memory = MemoryProbe(name, fn)
+        #: The capture copies outputs and grads out of its pool (shape buckets on cuda).
+        self.results_outside_pool = results_outside_pool
         self.static_input_bytes = tensor_bytes(inputs)
         self.used = False
         self._stack: contextlib.ExitStack | None = None
@@ -250,7 +253,8 @@ def attach_probes(diagnostics: Sequence[Any], probes: Sequence[WarmupProbe]) -> 
         (probe.static_input_bytes, d.static_output_bytes, d.static_grad_bytes)
         for probe, d in zip(probes, diagnostics, strict=True)
     ]
-    plan = plan_of([p.memory for p in probes], static)
+    results_in_pool = not probes[0].results_outside_pool
+    plan = plan_of([p.memory for p in probes], static, results_in_pool=results_in_pool)
     pool = diagnostics[0].pool_bytes if diagnostics[0].backend == "cuda" else None
     plan = plan.with_measured_pool(pool)
     for diag in diagnostics:
