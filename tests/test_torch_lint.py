@@ -409,6 +409,19 @@ def test_findings_name_the_module_path_and_the_callable() -> None:
     assert "in blocks.1.1" in str(report)
 
 
+class EmptyBag(nn.ModuleDict):
+    """A container module with no children (so ``bool(self)`` is False) and a forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().item()  # lint: empty-bag
+
+
+def test_an_empty_container_module_is_named_by_its_path() -> None:
+    model = nn.Sequential(nn.Identity(), EmptyBag())
+    (finding,) = dgt.lint(model, torch.ones(2)).findings
+    assert (finding.module, finding.line) == ("1", line_of("empty-bag"))
+
+
 def test_a_graphed_submodule_is_linted_under_its_own_name() -> None:
     model = Outer()
     inner = model.blocks[1][1]

@@ -385,7 +385,8 @@ class CaptureLint(OpObserver):
                 if code.co_name in _MODULE_CALLS and file == _MODULE_FILE:
                     candidate = frame.f_locals.get("self")
                     if isinstance(candidate, torch.nn.Module):
-                        module = module or candidate
+                        if module is None:  # (not `or`: an empty container module is falsy)
+                            module = candidate
                         if candidate is self.root:
                             break
             elif file.startswith(_ADAPTER_DIR):
