@@ -863,9 +863,10 @@ def _generator_key(generator: Any) -> int:
 
 
 def _default_generator_keys() -> set[int]:
-    """The default generators, which a capture registers itself: every CUDA device's (by
-    whichever name: ``torch.cuda.default_generators[i]``, ``torch.cuda.default_generators``
-    through ``torch.random``...) and the CPU's, which on a CPU stands for the GPU's."""
+    """The default generators, which a capture registers itself, by whatever name the code uses
+    (``torch.cuda.default_generators[i]``, ``torch.default_generator``, ``torch.random``'s...):
+    every CUDA device's, and the CPU's, which on a CPU stands for the GPU's (on a GPU, a CPU
+    generator draws CPU tensors, which are findings of their own)."""
     keys = {_generator_key(torch.default_generator)}
     if torch.cuda.is_initialized():
         keys.update(_generator_key(g) for g in torch.cuda.default_generators)
