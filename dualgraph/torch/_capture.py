@@ -48,6 +48,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
+from ._blas_workspaces import prime_capture_stream
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import InputGuard, unsupported_tensor
 from ._leaves import dtype_name
@@ -337,6 +338,7 @@ class _Capture:
             paths=self.request.inputs.paths,
             lint=self.options.lint,
             backend=self.options.backend,
+            results_outside_pool=self.options.results_outside_pool,
         )
 
     def learn_from(self, original: _Capture) -> None:
@@ -784,6 +786,7 @@ def _capture_cuda_graphs(
             del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
+    prime_capture_stream(device)  # cuBLAS's workspaces for the capture stream: not in the pool
     originals = [item for item in captures if item.like is None]
     raise_on_lint_errors([item.probe for item in originals])  # issue 19 hook: before any capture
     for item in captures:
