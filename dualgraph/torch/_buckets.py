@@ -46,11 +46,13 @@ from .._spec import TreeSpec, describe
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
 from ._replay import GraphedCallable
+from ._replay_hooks import call_eagerly
 
 __all__ = [
     "VALID_LENGTH",
@@ -228,6 +230,7 @@ class BucketedCallable:
         padding: _Padding | None,
         diagnostics: BucketedDiagnostics,
         out_spec: TreeSpec | None,
+        hooks: CallableHooks = NO_HOOKS,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -251,6 +254,7 @@ class BucketedCallable:
         self._out_spec = out_spec
         self._graphed = diagnostics.backend != "eager"
         self._last: _Bucket | None = None
+        self._hooks = hooks  # for calls that fall back to eager
 
     @property
     def runners(self) -> tuple[GraphedCallable | EagerCallable, ...]:
@@ -334,7 +338,13 @@ class BucketedCallable:
                     self.name,
                     self._show(shapes),
                 )
-            outputs = self.fn(*args, **kwargs)
+            replay_hooks = self._hooks.replay
+            if replay_hooks is None:
+                outputs = self.fn(*args, **kwargs)
+            else:  # the hooks run around an eager call as around a replay
+                outputs = call_eagerly(
+                    replay_hooks, self.fn, args, kwargs, check=_checked, run=self._hooks.run_eager
+                )
             self._check_outputs(outputs)
             self.diagnostics.eager_calls += 1
             return outputs
@@ -551,6 +561,7 @@ class BucketRequest:
     fallback: Fallback = "error"
     dynamic_dims: Mapping[str, int] | None = None
     shared_lock: threading.Lock = field(default_factory=threading.Lock)
+    hooks: CallableHooks = NO_HOOKS
 
 
 def capture_buckets(request: BucketRequest) -> BucketedCallable:
@@ -598,7 +609,9 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
     if request.options is None:  # the "eager" backend: input checks, no graphs
         for i, (args, kwargs) in enumerate(samples):
             kwargs = _with_length(kwargs, full_lengths[i])
-            runners[i] = EagerCallable(names[i], request.fn, InputGuard(args, kwargs))
+            runners[i] = EagerCallable(
+                names[i], request.fn, InputGuard(args, kwargs), request.hooks
+            )
     else:
         options = request.options
         if options.pool is not None:
@@ -625,6 +638,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
                         inputs=inputs,
                         sample_tensors=tuple(inputs.tensors(args, kwargs)),
                         param_grad_buffers=shared,
+                        hooks=request.hooks,
                     )
                 ],
                 options,
@@ -678,7 +692,12 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         padding=padding,
         diagnostics=summary,
         out_spec=plans[0].outputs if plans[0] is not None else None,
+        hooks=request.hooks,
     )
+
+
+def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """An eager fallback's inputs were checked before the fallback was chosen."""
 
 
 def _bucket_guards(

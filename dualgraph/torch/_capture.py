@@ -48,6 +48,7 @@ from torch.nn.parameter import is_lazy
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
 from ._diagnostics import CaptureDiagnostics
+from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard, unsupported_tensor
 from ._leaves import dtype_name
 from ._lint import CaptureLintError
@@ -61,7 +62,7 @@ from ._probe import (
     with_lint_findings,
 )
 from ._replay import CudaGraphForward, EmulatedReplay, autocast_state
-from ._transformer_engine import fp8_state, transformer_engine_capture
+from ._transformer_engine import transformer_engine_capture
 
 __all__ = [
     "CaptureLayout",
@@ -87,6 +88,9 @@ class CaptureRequest:
     # other captures of the same callable: "autograd" copies the grads into them, "in_graph"
     # adds them (they are the accumulators). ``None``: new ones.
     param_grad_buffers: tuple[torch.Tensor, ...] | None = None
+    # What runs around the callable besides its graphs: the context of its Python, capture-time
+    # hooks around each warmup and capture forward and backward, replay hooks (``_hooks.py``).
+    hooks: CallableHooks = NO_HOOKS
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,7 @@ class _Capture:
         self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
 
     def run(self) -> Any:
-        return self.request.fn(*self.static_args, **self.static_kwargs)
+        return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
 
     def diff_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the backward differentiates for: inputs that require grad, then parameters."""
@@ -484,7 +488,7 @@ class _Capture:
             buffers=buffers,
             clone_outputs=options.clone_outputs,
             autocast=autocast_state(),
-            fp8=fp8_state(),
+            replay_hooks=self.request.hooks.replay,
             diagnostics=diagnostics,
         )
 
@@ -504,7 +508,7 @@ def _warmup(
     """One eager forward and backward on the static buffers; the first one is inspected."""
     before = [t._version for t in item.static_inputs]
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
-    with torch.enable_grad():
+    with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
             with saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
                 outputs = item.run()
@@ -520,14 +524,15 @@ def _warmup(
     diff_inputs = item.diff_inputs()
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
-        grads = tuple(
-            torch.autograd.grad(
-                differentiable,
-                diff_inputs,
-                grad_outputs=[torch.ones_like(t) for t in differentiable],
-                allow_unused=allow_unused,
+        with item.request.hooks.around("backward"):
+            grads = tuple(
+                torch.autograd.grad(
+                    differentiable,
+                    diff_inputs,
+                    grad_outputs=[torch.ones_like(t) for t in differentiable],
+                    allow_unused=allow_unused,
+                )
             )
-        )
     paths = item.request.inputs.paths
     for i, (v0, v1, t) in enumerate(zip(before, after_forward, item.static_inputs, strict=True)):
         if t._version != v1:
@@ -625,7 +630,7 @@ def _capture_emulated(
         else:
             item.learn_from(item.like)
         progress.phase = "capture"
-        with torch.enable_grad():
+        with torch.enable_grad(), item.request.hooks.around("forward"):
             flat = item.record_outputs(item.run())
         donor = item.buffers_from
         item.static_outputs = (
@@ -644,7 +649,7 @@ def _capture_emulated(
         accumulators = (None,) * n + (item.accumulators or (None,) * len(item.params))
         assert item.out_spec is not None
         replay = EmulatedReplay(
-            fn=item.request.fn,
+            fn=item.request.hooks.wrap(item.request.fn),
             static_args=item.static_args,
             static_kwargs=item.static_kwargs,
             out_spec=item.out_spec,
@@ -752,7 +757,10 @@ def _capture_cuda_graphs(
         # outside the pool (results_outside_pool), unless the outputs go into a donor's buffers
         layouts = item.output_layouts if item.buffers_from is None else ()
         kept = tuple(_empty(layout) for layout in layouts)
-        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
+        with (
+            item.request.hooks.around("forward"),  # capture-time hooks: outside the graph
+            torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode),
+        ):
             flat = item.record_outputs(item.run())  # (reads Python objects only)
             for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
                 static.copy_(tensor.detach())
@@ -798,7 +806,10 @@ def _capture_backward(
         item.grad_layouts = ()
         backward_graph = _new_graph(extra_generators)
         grads: tuple[torch.Tensor | None, ...]
-        with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
+        with (
+            item.request.hooks.around("backward"),  # capture-time hooks: outside the graph
+            torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode),
+        ):
             grads = torch.autograd.grad(
                 differentiable,
                 diff_inputs,
