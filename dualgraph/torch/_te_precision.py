@@ -280,7 +280,16 @@ class TECallable:
         return self._in_autocast(graph=True)
 
     def run_eager(self) -> AbstractContextManager[Any]:
-        """The context of a call on the ``"eager"`` backend: TE's own autocast, as in eager."""
+        """The context of a call on the ``"eager"`` backend (given arguments only).
+
+        A callable captured with ``enabled=True`` runs in the caller's autocast, which its
+        replay check requires to be the same: one more autocast inside it would give each
+        callable TE's "first FP8 module" mark (an autocast's exit restores it), where graphed
+        callables, as TE's own, take it once per caller's autocast. One captured with
+        ``enabled=False`` runs inside ``te.autocast(enabled=False, ...)``, as it was captured.
+        """
+        if self.precision.enabled:
+            return contextlib.nullcontext()
         return self._in_autocast(graph=False)
 
     def replay_hooks(self) -> ReplayHooks:
