@@ -36,9 +36,10 @@ __all__ = ["ReplayCall", "ReplayHookRunner", "ReplayHooks", "ReplayKwarg", "call
 
 _NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
 _HOOK_NAMES = ("before_forward", "after_forward", "before_backward", "after_backward")
+_NONE: tuple[tuple[Any, ...], None] = ((), None)  # a hook name with nothing to run
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ReplayCall:
     """One call of a graphed callable, as its replay hooks see it.
 
@@ -124,7 +125,7 @@ class ReplayHookRunner:
     """The hooks of one graphed callable: dualgraph's own first, then the user's, and the kwargs
     its replays take. Built once at capture; a replay calls it four times at most."""
 
-    __slots__ = ("_internal", "_kwargs", "_user", "index", "name")
+    __slots__ = ("_kwargs", "_phases", "index", "name")
 
     def __init__(
         self,
@@ -137,9 +138,15 @@ class ReplayHookRunner:
     ) -> None:
         self.name = name
         self.index = index
-        self._internal = tuple(internal)
-        self._user = user
         self._kwargs = tuple(kwargs)
+        # per hook name: dualgraph's callables, then the user's (or None), fixed here
+        self._phases = {
+            which: (
+                tuple(h for h in (getattr(hooks, which) for hooks in internal) if h is not None),
+                None if user is None else getattr(user, which),
+            )
+            for which in _HOOK_NAMES
+        }
 
     @property
     def eager_kwargs(self) -> tuple[str, ...]:
@@ -172,6 +179,8 @@ class ReplayHookRunner:
         return call
 
     def after_forward(self, call: ReplayCall, outputs: Any) -> None:
+        if self._phases["after_forward"] == _NONE:
+            return
         call.outputs = outputs
         try:
             self._run("after_forward", call)
@@ -185,12 +194,11 @@ class ReplayHookRunner:
         self._run("after_backward", call)
 
     def _run(self, which: str, call: ReplayCall) -> None:
-        for hooks in self._internal:
-            hook = getattr(hooks, which)
-            if hook is not None:
-                hook(call)
-        user = self._user
-        hook = None if user is None else getattr(user, which)
+        internal, hook = self._phases[which]
+        if hook is None and not internal:
+            return
+        for own in internal:
+            own(call)
         if hook is None:
             return
         try:

@@ -90,7 +90,7 @@ class Precision:
     @classmethod
     def off(cls) -> Precision:
         """No FP8: outside any ``te.autocast``, or in one that is off."""
-        return cls(False, False, None, None, True)
+        return _OFF
 
     @property
     def active(self) -> bool:
@@ -108,6 +108,9 @@ class Precision:
         if self.group is not None:
             parts.append(f"amax_reduction_group={self.group!r}")
         return f"te.autocast({', '.join(parts)})"
+
+
+_OFF = Precision(False, False, None, None, True)
 
 
 def ambient_precision(te: TransformerEngine) -> Precision:
@@ -448,7 +451,8 @@ class TECallable:
     def _before_forward(self, call: ReplayCall) -> None:
         te = self.te
         now = ambient_precision(te)
-        self._check_ambient(now)
+        if now is not _OFF or self.precision is not _OFF:
+            self._check_ambient(now)
         if not self.precision.enabled or call.backend == "eager":
             return  # eager calls keep TE's books themselves; high precision keeps none
         manager = te.manager
