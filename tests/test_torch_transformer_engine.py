@@ -505,16 +505,22 @@ def _train_stand_in(
         "cache_quantized_params": caching,
         "num_warmup_iters": 2,
     }
+    sample = torch.ones(2, 4, requires_grad=True)
+    samples = tuple((torch.ones(2, 4, requires_grad=True),) for _ in layers)
     if graphing == "whole":
-        sample = torch.ones(2, 4, requires_grad=True)
         model = dgt.make_graphed_callables(Chain(layers), (sample,), **options)
-    elif graphing == "per_layer":
-        graphed = dgt.make_graphed_callables(
-            tuple(layers), tuple((torch.ones(2, 4, requires_grad=True),) for _ in layers), **options
+    elif graphing == "ambient":  # no precision arguments: the autocast around the capture
+        del options["enabled"], options["recipe"]
+        with te.fp8(recipe):
+            model = dgt.make_graphed_callables(Chain(layers), (sample,), **options)
+    elif graphing in ("per_layer", "slots"):
+        slots = 2 if graphing == "slots" and backend != "eager" else None
+        model = Chain(
+            list(dgt.make_graphed_callables(tuple(layers), samples, **options, slots=slots))
         )
-        model = Chain(list(graphed))
     else:
         model = Chain(layers)
+    te.log.clear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(7)
     record: dict[str, Any] = {"outputs": []}
@@ -543,7 +549,7 @@ def _train_stand_in(
     return record
 
 
-@pytest.mark.parametrize("graphing", ["whole", "per_layer"])
+@pytest.mark.parametrize("graphing", ["whole", "per_layer", "ambient", "slots"])
 @pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "caching"])
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_graphed_training_under_delayed_scaling_equals_eager_with_the_stand_in(
