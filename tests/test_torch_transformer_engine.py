@@ -735,12 +735,21 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 def _fp8_state(layers: list[torch.nn.Module], recipe: Any) -> list[torch.Tensor]:
     """The FP8 scales and amax histories of every TE module, under delayed scaling (the other
-    recipes keep none)."""
+    recipes keep none).
+
+    Not those of ``DotProductAttention``: without the recipe's ``fp8_dpa`` it computes in high
+    precision and never reads them, and TE's own graphed callables (and dualgraph's, alike) do
+    not add its metadata to the global amax buffers, where eager TE does.
+    """
+    import transformer_engine.pytorch as te
+
     found: list[torch.Tensor] = []
     if recipe is None or not recipe.delayed():
         return found
     for layer in layers:
         for module in layer.modules():
+            if isinstance(module, te.DotProductAttention):
+                continue
             tensors = getattr(module, "get_fp8_meta_tensors", None)
             saved = tensors() if callable(tensors) else None
             if isinstance(saved, dict):
