@@ -237,7 +237,7 @@ def _each(
 class TECallable:
     """One callable's TE precision: the contexts it runs in, and what each replay does.
 
-    Built before capture; :meth:`capturing` brackets the capture of all of them; what the
+    Built before capture; :func:`capturing` brackets the capture of all of them; what the
     capture shows (the TE modules its forward ran, the weight-cast flag) is kept for the replays.
     """
 
