@@ -20,15 +20,23 @@ Variants:
 - ``torch``: ``torch.cuda.make_graphed_callables`` per block; it cannot take the blocks'
   ``(hidden, None)`` output, so it graphs a wrapper returning ``hidden`` alone.
 - ``te``: Transformer Engine's ``make_graphed_callables`` per block (only where TE imports).
-- ``dualgraph``: ``dualgraph.torch.make_graphed_callables`` per block, default options.
+- ``dualgraph``: ``dualgraph.torch.make_graphed_callables`` per block, default options
+  (``param_grads="auto"``: a plain ``.backward()`` adds the parameter grads into ``.grad`` in a
+  graph, the parameters stay autograd inputs).
+- ``dg-autograd``: the same with ``param_grads="autograd"`` (the default before ``"auto"``).
 - ``dg-in-graph``: the same with ``param_grads="in_graph"``.
-- ``dg-encoder``: the whole stack as one dualgraph callable (default options).
+- ``dg-encoder`` / ``dg-encoder-in-graph``: the whole stack as one dualgraph callable (default
+  options / ``param_grads="in_graph"``).
 - ``dg-before`` / ``dg-in-graph-before``: ``--baseline DIR`` loads another copy of the package
-  (``DIR/dualgraph``, e.g. the last release) beside this one, to compare two versions in one run.
+  (``DIR/dualgraph``, e.g. the last release) beside this one, to compare two versions in one run
+  (``dg-before`` is that version's default).
 - ``floor``: one raw CUDA graph of the whole step (forward, backward, grad accumulation).
 
 Also measured per graphed variant: capture time and memory held after capture (growth of the
-allocator's allocated and reserved bytes; the same measure for every wrapper), and for ``tiny``
+allocator's allocated and reserved bytes; the same measure for every wrapper), memory held
+after one training step (allocated growth from before the capture: pool, static buffers and
+the ``.grad`` tensors, which some wrappers allocate at capture and others at the first
+backward; for ``eager`` the ``.grad`` tensors alone), and for ``tiny``
 the host time per call (CPU side: ``--host-calls`` calls without waiting for the GPU).
 ``--json`` writes every number; ``--plot`` a bar chart (ms per step per variant, PNG).
 """
@@ -164,6 +172,7 @@ class Built:
     capture_s: float = 0.0
     allocated_bytes: int = 0
     reserved_bytes: int = 0
+    after_step_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -233,12 +242,21 @@ def build_variants(work: Workload, baseline: str) -> dict[str, Built]:
             for _ in range(count)
         )
 
-    variants: dict[str, Built] = {"eager": Built(training_step(blocks(), inputs, tuple_out=True))}
-
     def add(name: str, capture: Callable[[], Any], *, tuple_out: bool) -> None:
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         graphed, seconds, allocated, reserved = measured(capture)
         step = training_step(graphed, inputs, tuple_out=tuple_out)
-        variants[name] = Built(step, seconds, allocated, reserved)
+        step()  # the first step allocates what a wrapper leaves for it (the .grad tensors)
+        torch.cuda.synchronize()
+        gc.collect()
+        after_step = torch.cuda.memory_allocated() - before
+        variants[name] = Built(step, seconds, allocated, reserved, after_step)
+
+    variants: dict[str, Built] = {}
+    eager_blocks = blocks()
+    add("eager", lambda: eager_blocks, tuple_out=True)
 
     wrapped = tuple(HiddenOnly(b) for b in blocks())
     add("torch", lambda: torch.cuda.make_graphed_callables(wrapped, samples()), tuple_out=False)
@@ -254,6 +272,15 @@ def build_variants(work: Workload, baseline: str) -> dict[str, Built]:
             lambda p=package, b=per_block: p.make_graphed_callables(b, samples(), backend="cuda"),
             tuple_out=True,
         )
+        if not suffix:
+            explicit = tuple(blocks())
+            add(
+                "dg-autograd",
+                lambda b=explicit: dgt.make_graphed_callables(
+                    b, samples(), backend="cuda", param_grads="autograd"
+                ),
+                tuple_out=True,
+            )
         add(
             f"dg-in-graph{suffix}",
             lambda p=package, b=in_graph: p.make_graphed_callables(
@@ -262,17 +289,26 @@ def build_variants(work: Workload, baseline: str) -> dict[str, Built]:
             tuple_out=True,
         )
     if work.blocks > 1:
-        stack = Stack(blocks())
+        stack, stack_in_graph = Stack(blocks()), Stack(blocks())
         add(
             "dg-encoder",
             lambda: (dgt.make_graphed_callables(stack, samples(1)[0], backend="cuda"),),
+            tuple_out=True,
+        )
+        add(
+            "dg-encoder-in-graph",
+            lambda: (
+                dgt.make_graphed_callables(
+                    stack_in_graph, samples(1)[0], backend="cuda", param_grads="in_graph"
+                ),
+            ),
             tuple_out=True,
         )
     variants["floor"] = Built(*floor_step(blocks(), inputs))
     return variants
 
 
-def floor_step(blocks: nn.ModuleList, inputs: torch.Tensor) -> tuple[Step, float, int, int]:
+def floor_step(blocks: nn.ModuleList, inputs: torch.Tensor) -> tuple[Step, float, int, int, int]:
     """One raw CUDA graph of the whole step: the least a step can cost."""
     static_x = inputs.detach().clone().requires_grad_()
 
@@ -294,8 +330,13 @@ def floor_step(blocks: nn.ModuleList, inputs: torch.Tensor) -> tuple[Step, float
             whole_step()
         return graph
 
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     graph, seconds, allocated, reserved = measured(capture)
-    return graph.replay, seconds, allocated, reserved
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay, seconds, allocated, reserved, torch.cuda.memory_allocated() - before
 
 
 def time_variants(variants: dict[str, Built], rounds: int, steps: int) -> dict[str, float]:
@@ -335,8 +376,8 @@ def report(work: Workload, times: dict[str, float], variants: dict[str, Built]) 
     floor, peer = times["floor"], times["torch"]
     lines = [
         f"| {work.name} batch {work.batch} | variant | ms/step | x floor | x torch | capture s "
-        "| allocated MiB | reserved MiB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| allocated MiB | reserved MiB | after 1 step MiB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, ms in times.items():
         built = variants[name]
@@ -348,7 +389,7 @@ def report(work: Workload, times: dict[str, float], variants: dict[str, Built]) 
         )
         lines.append(
             f"| | {name} | {ms:.3f} | {ms / floor:.2f} | {ms / peer:.2f} | {capture} "
-            f"| {mib[0]} | {mib[1]} |"
+            f"| {mib[0]} | {mib[1]} | {built.after_step_bytes / 2**20:.1f} |"
         )
     return lines
 
@@ -411,6 +452,7 @@ def main() -> None:
             "capture_s": {n: b.capture_s for n, b in variants.items() if n != "eager"},
             "allocated_bytes": {n: b.allocated_bytes for n, b in variants.items() if n != "eager"},
             "reserved_bytes": {n: b.reserved_bytes for n, b in variants.items() if n != "eager"},
+            "after_step_bytes": {n: b.after_step_bytes for n, b in variants.items()},
         }
         print(f"\n{work.describe()}")
         print("\n".join(report(work, times, variants)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA GPU, in one go (one device call): the CUDA tests, the replay
-# benchmark, the vision-encoder demo, the shape-bucket memory benchmark and example. Logs go
-# under $OUT (the device tool's folder) or ./gpu-out.
+# benchmark, the host-path benchmark, the vision-encoder demo, the shape-bucket memory benchmark
+# and example. Logs go under $OUT (the device tool's folder) or ./gpu-out.
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=$PWD:/tmp/site; bash benchmarks/run_gpu.sh
 set -uo pipefail
@@ -20,6 +20,8 @@ baseline=()  # BASELINE=DIR compares another copy of the package (DIR/dualgraph)
 [ -n "${BASELINE:-}" ] && baseline=(--baseline "$BASELINE")
 python benchmarks/bench_torch_replay.py --rounds 5 "${baseline[@]}" --json "$out/bench.json" \
     --plot "$out/bench.png" 2>&1 | tee "$out/bench.log" | tail -60 || status=1
+python benchmarks/bench_host_overhead.py --device cuda "${baseline[@]}" --json "$out/host.json" \
+    2>&1 | tee "$out/host.log" | tail -40 || status=1
 python examples/vision_encoder.py --steps 20 2>&1 | tee "$out/demo.log" | tail -15 || status=1
 python benchmarks/bench_buckets_memory.py --json "$out/buckets_memory.json" 2>&1 \
     | tee "$out/buckets_memory.log" | tail -8 || status=1

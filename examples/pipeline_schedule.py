@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
     parser.add_argument(
-        "--param-grads", choices=["autograd", "in_graph"], default="autograd",
+        "--param-grads", choices=["auto", "autograd", "in_graph"], default="auto",
         help="how graphed blocks hand parameter grads on (default: %(default)s)",
     )  # fmt: skip
     args = parser.parse_args(argv)

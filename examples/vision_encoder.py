@@ -387,7 +387,7 @@ def build_variants(args: argparse.Namespace, backend: str) -> list[Variant]:
         (
             "dualgraph",
             f"dualgraph.torch.make_graphed_callables per block, backend {backend}",
-            graph_with_dualgraph("autograd"),
+            graph_with_dualgraph("auto"),
             "",
         ),
         (

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -437,3 +438,28 @@ class Chain(torch.nn.Module):
         for layer in self.layers:
             x = layer(x, **kwargs)
         return x
+
+
+class FakeFP8Weight(torch.Tensor):
+    """Stand-in for TE's FP8 weights (``QuantizedTensor`` parameters): a tensor subclass whose
+    ``zeros_like`` is another of its kind, as TE's is, while the ops of a forward and backward
+    give plain tensors (TE's dequantize). :func:`fp8_weight_linear` makes a layer with one."""
+
+    _KEEP = (torch.zeros_like, torch.empty_like, torch.Tensor.detach, torch.Tensor.requires_grad_)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func in cls._KEEP:
+            return result
+        return optree.tree_map(
+            lambda t: t.as_subclass(torch.Tensor) if type(t) is cls else t, result
+        )
+
+
+def fp8_weight_linear(seed: int = 0) -> torch.nn.Linear:
+    """A ``Linear(4, 4)`` whose weight is a :class:`FakeFP8Weight` (the same for one seed)."""
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(4, 4)
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone().as_subclass(FakeFP8Weight))
+    return layer

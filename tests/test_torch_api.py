@@ -55,7 +55,7 @@ def _isolated(request: pytest.FixtureRequest) -> Any:
         (
             "param_grads",
             "fused",
-            "param_grads must be one of ('autograd', 'in_graph'), got 'fused'",
+            "param_grads must be one of ('auto', 'autograd', 'in_graph'), got 'fused'",
         ),
         (
             "capture_error_mode",

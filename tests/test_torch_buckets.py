@@ -189,6 +189,76 @@ def test_in_graph_and_autograd_grads_land_in_one_grad_per_parameter(
     assert torch.equal(old, kept), "a .grad kept after zero_grad changed"
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_shares_one_grad_buffer_and_one_accumulator_per_parameter_across_buckets(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, param_grads="auto"
+    )
+    plans = [runner.plan for runner in runner_of(block).runners]  # type: ignore[union-attr]
+    first = plans[0]
+    assert all(plan.buffers.param_grads == first.buffers.param_grads for plan in plans)
+    assert all(plan.params.accumulators == first.params.accumulators for plan in plans)
+    params = list(block.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    per_bucket = sum(
+        t.numel() * t.element_size()
+        for plan in plans
+        for t in (*plan.buffers.grad_outputs, *plan.buffers.input_grads)
+        if t is not None
+    )
+    assert dgt.diagnostics(block).static_grad_bytes == per_bucket + 2 * grad_bytes
+    for length in (5, 9, 7, 5):  # .grad accumulates across buckets
+        x = tokens(device, length)
+        block(x)[0].square().sum().backward()
+        twin(x.detach().clone().requires_grad_())[0].square().sum().backward()
+    for p, e in zip(params, twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert all(p.grad is a for p, a in zip(params, first.params.accumulators, strict=True))
+    assert dgt.diagnostics(block).param_grads_through_autograd == 0
+    block.fc1.bias.register_hook(lambda grad: grad * 2)  # a hook: autograd, in every bucket
+    twin.fc1.bias.register_hook(lambda grad: grad * 2)
+    for length in (9, 5):
+        x = tokens(device, length)
+        block(x)[0].square().sum().backward()
+        twin(x.detach().clone().requires_grad_())[0].square().sum().backward()
+    for p, e in zip(params, twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad after a hook", tolerance(backend))
+    assert dgt.diagnostics(block).param_grads_through_autograd == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_sums_a_bucket_and_an_eager_fallback_in_one_backward_as_eager_does(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(
+        block, buckets=block_buckets(device), backend=backend, fallback="eager"
+    )
+
+    def loss(module: nn.Module, xs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((module(x)[0].square().sum() for x in xs), torch.zeros((), device=device))
+
+    for lengths in ((5, 6), (8, 9), (7, 6)):  # a bucket and no bucket (eager), either order
+        xs = [tokens(device, n) for n in lengths]
+        loss(block, xs).backward()  # .grad accumulates: eager adds the sum of both uses' grads
+        loss(twin, [x.detach().clone().requires_grad_() for x in xs]).backward()
+        for p, e in zip(block.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    report = dgt.diagnostics(block)
+    assert (report.eager_calls, report.param_grads_through_autograd) == (3, 3)
+    x = tokens(device, 9)  # the eager graphs are gone: the bucket adds into .grad itself again
+    loss(block, [x]).backward()
+    loss(twin, [x.detach().clone().requires_grad_()]).backward()
+    for p, e in zip(block.parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert dgt.diagnostics(block).param_grads_through_autograd == 3
+
+
 # -- one replay in flight ----------------------------------------------------------------------
 
 
@@ -736,6 +806,7 @@ def test_cuda_buckets_keep_outputs_and_grads_outside_the_pool() -> None:
             *plan.buffers.input_grads,
             *plan.buffers.param_grads,
             *plan.buffers.grad_outputs,
+            *plan.params.accumulators,
         ]
         for tensor in kept:
             if tensor is not None and tensor.numel():

@@ -11,6 +11,7 @@ place, inputs updated during backward, lazy modules, and parameter hooks under i
 from __future__ import annotations
 
 import gc
+import queue
 import threading
 import warnings
 from typing import Any
@@ -136,48 +137,80 @@ class SyncsAfterDropout(nn.Module):
 
 
 class CudaMallocWorker:
-    """Another thread that keeps calling cudaMalloc (fresh sizes, cache emptied between)."""
+    """Another thread that calls cudaMalloc when asked, and says what came of it.
+
+    :meth:`malloc_now`, called from inside a captured forward, asks for more than all the free
+    memory the caching allocator holds (so the allocation must call cudaMalloc) and waits until
+    that call has returned: the other thread's cudaMalloc lands inside the capture every time.
+    """
 
     def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.started = threading.Event()
+        self.requests: queue.Queue[int | None] = queue.Queue()
+        self.results: queue.Queue[str] = queue.Queue()
+        self.outcomes: list[str] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        step = 0
-        while not self.stop.is_set():
-            try:  # 1 to 64 MiB, so memory stays bounded while a capture defers empty_cache
-                torch.empty((1 + step % 64) << 18, device="cuda")
-                torch.cuda.empty_cache()
-            except Exception:  # refused during a global-mode capture: the point of the worker
-                pass
-            step += 1
-            self.started.set()
+        while (nbytes := self.requests.get()) is not None:
+            reserved = torch.cuda.memory_reserved()
+            try:
+                block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            except Exception as error:  # refused during a global-mode capture: the point
+                self.results.put(f"refused: {type(error).__name__}")
+                continue
+            grew = torch.cuda.memory_reserved() > reserved
+            del block
+            self.results.put("cudaMalloc" if grew else "served from the cache")
+
+    def malloc_now(self) -> str:
+        free_in_cache = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        self.requests.put(free_in_cache + (64 << 20))
+        outcome = self.results.get(timeout=60)
+        self.outcomes.append(outcome)
+        return outcome
 
     def __enter__(self) -> CudaMallocWorker:
         self.thread.start()
-        assert self.started.wait(30)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(30)
+        self.requests.put(None)
+        self.thread.join(60)
+
+
+class MallocsInAnotherThread(TinyMLP):
+    """A TinyMLP whose forward, while it is being captured, has another thread call cudaMalloc."""
+
+    def __init__(self, worker: CudaMallocWorker) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            self.worker.malloc_now()
+        return super().forward(x)
 
 
 @pytest.mark.cuda
 def test_capture_error_mode_decides_whether_another_threads_cuda_malloc_breaks_capture() -> None:
     torch.manual_seed(0)
-    module = TinyMLP().cuda()
-    eager = TinyMLP().cuda()
-    eager.load_state_dict(module.state_dict())
-    sample = torch.randn(4, 8, device="cuda", requires_grad=True)
-    with CudaMallocWorker():
+    torch.cuda.empty_cache()
+    with CudaMallocWorker() as worker:
+        module = MallocsInAnotherThread(worker).cuda()
+        eager = TinyMLP().cuda()
+        eager.load_state_dict(module.state_dict())
+        sample = torch.randn(4, 8, device="cuda", requires_grad=True)
         message = capture_error(module, (sample,), backend=CUDA)  # the default, "global"
+        assert message.startswith("capturing MallocsInAnotherThread (cuda) failed during ")
         assert "forward" not in module.__dict__  # the failed capture left the module as it was
+        # the other thread's cudaMalloc came once, inside the forward capture: refused (or let
+        # through, the capture invalidated all the same), never served from the cache
+        (refused,) = worker.outcomes
+        assert refused != "served from the cache"
         dgt.make_graphed_callables(
             module, (sample,), backend=CUDA, capture_error_mode="thread_local"
         )
-    assert message.startswith("capturing TinyMLP (cuda) failed during ")
+        assert worker.outcomes[1:] == ["cudaMalloc"]  # allowed, and the capture went through
     for _ in range(3):  # fresh inputs; parameter grads accumulate over the replays
         x = torch.randn(4, 8, device="cuda", requires_grad=True)
         x_eager = x.detach().clone().requires_grad_()
@@ -187,6 +220,7 @@ def test_capture_error_mode_decides_whether_another_threads_cuda_malloc_breaks_c
         out_eager.square().sum().backward()
         torch.testing.assert_close(x.grad, x_eager.grad)
     torch.testing.assert_close(grads_of(parameters_of(module)), grads_of(parameters_of(eager)))
+    assert len(worker.outcomes) == 2  # replays run no Python: the other thread was not asked
 
 
 @pytest.mark.cuda

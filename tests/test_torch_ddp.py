@@ -111,6 +111,11 @@ def train_side_by_side(
 
     replays = [dgt.diagnostics(block).replays for block in graphed.blocks]
     assert replays == [steps * micro_batches] * DEPTH, replays
+    if backend != "eager":  # param_grads="auto" sends the grads through DDP's hooks
+        through_autograd = [
+            dgt.diagnostics(block).param_grads_through_autograd for block in graphed.blocks
+        ]
+        assert through_autograd == replays, through_autograd
     assert {dgt.diagnostics(block).backend for block in graphed.blocks} == {backend}
 
 

@@ -409,6 +409,19 @@ def test_findings_name_the_module_path_and_the_callable() -> None:
     assert "in blocks.1.1" in str(report)
 
 
+class EmptyBag(nn.ModuleDict):
+    """A container module with no children (so ``bool(self)`` is False) and a forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().item()  # lint: empty-bag
+
+
+def test_an_empty_container_module_is_named_by_its_path() -> None:
+    model = nn.Sequential(nn.Identity(), EmptyBag())
+    (finding,) = dgt.lint(model, torch.ones(2)).findings
+    assert (finding.module, finding.line) == ("1", line_of("empty-bag"))
+
+
 def test_a_graphed_submodule_is_linted_under_its_own_name() -> None:
     model = Outer()
     inner = model.blocks[1][1]
@@ -469,6 +482,100 @@ def test_host_only_work_on_a_tensor_made_on_the_host_is_not_reported_twice() -> 
 def test_buffers_updated_in_place_are_not_findings() -> None:
     norm = nn.BatchNorm1d(4)  # updates running_mean, running_var, num_batches_tracked
     assert dgt.lint(norm, torch.randn(3, 4)).findings == ()
+
+
+def draws_from_a_default_generator(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return x * torch.rand(x.shape, generator=generator, device=x.device)
+
+
+@pytest.mark.parametrize(
+    "generator",
+    [torch.default_generator, torch.random.default_generator, torch._C.default_generator],
+    ids=["torch.default_generator", "torch.random.default_generator", "torch._C"],
+)
+def test_the_default_generator_by_any_name_is_registered(generator: torch.Generator) -> None:
+    # On a CPU it stands for the GPU's, which a capture registers itself. Each reaches the
+    # dispatch mode as a new Python object: the lint compares the generators behind them.
+    report = dgt.lint(lambda x: draws_from_a_default_generator(x, generator), torch.ones(4))
+    assert report.findings == ()
+
+
+def test_a_generator_the_capture_registers_is_not_a_finding_and_another_one_is() -> None:
+    registered, unregistered = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    x = torch.ones(4)  # made outside the lint: an input, on the GPU under a real capture
+    lint = _lint.CaptureLint("draws", generators=[registered])
+    with lint:
+        draws_from_a_default_generator(x, registered)
+        x.normal_(generator=registered)
+    assert lint.report().findings == ()
+    with lint:
+        x.normal_(generator=unregistered)  # lint: unregistered
+    (finding,) = lint.report().findings
+    assert (finding.kind, finding.op, finding.line) == (
+        _lint.UNREGISTERED_GENERATOR,
+        "aten.normal_(generator=...)",
+        line_of("unregistered"),
+    )
+
+
+def test_meta_tensors_are_on_no_device_and_not_findings() -> None:
+    def shapes_only(x: torch.Tensor) -> torch.Tensor:
+        layout = torch.empty_like(x, device="meta")
+        blank = torch.zeros(3, 4, device="meta") + x.to("meta").sum()
+        return x * (layout.shape[0] + blank.shape[1])
+
+    assert dgt.lint(shapes_only, torch.ones(4, requires_grad=True)).findings == ()
+
+
+def test_ops_of_dualgraphs_own_code_around_the_callable_are_not_findings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A capture's warmup runs its own bookkeeping (output layouts, grad buffers) while the lint
+    # watches; only what the callable runs is the user's. A stand-in for dualgraph's code:
+    helper = tmp_path / "warmup.py"
+    helper.write_text(
+        "import torch\n"
+        "def warmup(fn, x):\n"
+        "    out = fn(x)\n"
+        "    torch.arange(4), torch.zeros(2, device='cpu'), torch.tensor([1.0, 2.0])\n"
+        "    torch.empty_like(out, device='meta')\n"
+        "    return out\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(helper.read_text(), str(helper), "exec"), namespace)
+    monkeypatch.setattr(_lint, "_ADAPTER_DIR", str(tmp_path) + os.sep)
+    lint = _lint.CaptureLint("arange_on_host", fn=arange_on_host)
+    with lint:
+        namespace["warmup"](arange_on_host, torch.ones(4))
+    findings = lint.report().findings
+    assert [(f.op, f.line) for f in findings] == [("torch.arange (no device=)", line_of("arange"))]
+
+
+def test_a_capture_keeping_its_results_outside_the_pool_lints_clean() -> None:
+    # Shape buckets capture with results_outside_pool: the warmup notes each output's layout
+    # (a meta tensor made by dualgraph, not by the callable), which the lint once reported.
+    from dualgraph.torch._capture import CaptureOptions, CaptureRequest, capture
+    from dualgraph.torch._inputs import InputGuard
+
+    block = CleanModule()
+    sample = (torch.randn(3, 4, requires_grad=True),)
+    guard = InputGuard(sample, None)
+    request = CaptureRequest(
+        "CleanModule", block.forward, block, guard, tuple(guard.tensors(sample, {}))
+    )
+    options = CaptureOptions(
+        backend="emulate",
+        num_warmup_iters=1,
+        allow_unused_input=False,
+        pool=None,
+        capture_error_mode="global",
+        clone_outputs=False,
+        param_grads="autograd",
+        results_outside_pool=True,
+        lint="error",
+    )
+    (plan,) = capture([request], options)
+    assert plan.diagnostics.lint is not None and plan.diagnostics.lint.findings == ()
 
 
 # -- the lint leaves everything as it was -------------------------------------------------------
@@ -621,14 +728,34 @@ def test_on_cuda_code_on_the_inputs_device_has_no_findings() -> None:
 
 
 @pytest.mark.cuda
-def test_on_cuda_the_default_generator_and_device_factories_are_fine() -> None:
+@pytest.mark.parametrize("device", range(torch.cuda.device_count()) or [0])
+def test_on_cuda_the_default_generator_and_device_factories_are_fine(device: int) -> None:
     def draws(x: torch.Tensor) -> torch.Tensor:
         generator = torch.cuda.default_generators[x.device.index]
         noise = torch.rand(x.shape, generator=generator, device=x.device)
+        noise = noise + torch.randn(x.shape, device=x.device)  # the default, by no name
         return x * noise + torch.arange(x.shape[-1], device=x.device) + torch.tensor(2.0)
 
-    report = dgt.lint(draws, torch.randn(3, 4, device="cuda", requires_grad=True))
-    assert report.findings == ()
+    x = torch.randn(3, 4, device=f"cuda:{device}", requires_grad=True)
+    assert dgt.lint(draws, x).findings == ()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_generator_of_ones_own_is_reported() -> None:
+    report = dgt.lint(own_generator, torch.randn(4, device="cuda", requires_grad=True))
+    (finding,) = report.findings
+    assert (finding.kind, finding.line) == (_lint.UNREGISTERED_GENERATOR, line_of("generator"))
+
+
+@pytest.mark.cuda
+def test_on_cuda_shape_buckets_lint_clean() -> None:
+    # Buckets keep their results outside the pool: the warmup notes the layouts of the outputs
+    # (meta tensors dualgraph makes around the callable), which the lint once reported.
+    block = CleanModule().cuda()
+    samples = [(torch.randn(n, 4, device="cuda", requires_grad=True),) for n in (3, 5)]
+    graphed = dgt.make_graphed_callables(block, buckets=samples, lint="error")
+    report = dgt.diagnostics(graphed).lint
+    assert report is not None and report.findings == ()
 
 
 @pytest.mark.cuda

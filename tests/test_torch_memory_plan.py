@@ -145,14 +145,73 @@ def test_peaks_follow_the_tensors_alive_at_once() -> None:
     assert (memory.forward_peak_bytes, memory.backward_peak_bytes) == (2048, 3072)
 
 
-def test_blocks_are_rounded_as_the_caching_allocator_rounds_them() -> None:
-    assert [_memory_plan._block_size(n) for n in (1, 512, 513, 1 << 20, 10 * MIB + 1)] == [
+def test_blocks_and_segments_are_sized_as_the_caching_allocator_sizes_them() -> None:
+    sizes = (1, 512, 513, 1 << 20, (1 << 20) + 1, 10 * MIB - 1, 10 * MIB + 1)
+    assert [_memory_plan._round_size(n) for n in sizes] == [
         512,
         512,
         1024,
         1 << 20,
-        12 * MIB,
+        (1 << 20) + 512,
+        10 * MIB,
+        10 * MIB + 512,
     ]
+    segments = [_memory_plan._allocation_size(_memory_plan._round_size(n)) for n in sizes]
+    assert segments == [2 * MIB] * 4 + [20 * MIB, 10 * MIB, 12 * MIB]
+
+
+def replayed(*events: tuple[int, int]) -> _memory_plan.CachingAllocatorModel:
+    pool = _memory_plan.CachingAllocatorModel()
+    pool.replay(events)
+    return pool
+
+
+def test_the_pool_model_serves_a_request_from_the_smallest_free_block_that_fits() -> None:
+    # 32 and 16 MiB segments; both freed; 16 MiB goes to the 16 MiB one, 32 MiB then still fits
+    pool = replayed((1, 32 * MIB), (2, 16 * MIB), (1, -32 * MIB), (2, -16 * MIB), (3, 16 * MIB))
+    pool.replay([(4, 32 * MIB)])
+    assert (pool.reserved_bytes, pool.allocated_bytes) == (48 * MIB, 48 * MIB)
+
+
+def test_the_pool_model_splits_a_large_block_and_a_later_request_needs_a_new_segment() -> None:
+    # peak of live tensors 48 MiB, but the 16 MiB took half of the freed 32 MiB block: 80 MiB
+    pool = replayed((1, 32 * MIB), (1, -32 * MIB), (2, 16 * MIB), (3, 32 * MIB))
+    assert (pool.reserved_bytes, pool.allocated_bytes) == (64 * MIB, 48 * MIB)
+    pool.replay([(4, 16 * MIB)])  # the other half of the split block
+    assert pool.reserved_bytes == 64 * MIB
+
+
+def test_the_pool_model_keeps_what_remains_of_a_block_only_when_it_is_a_block_of_its_kind() -> None:
+    # Large blocks split when more than 1 MiB remains: 11 MiB takes all of its 12 MiB segment,
+    # 10.5 MiB leaves a 1.5 MiB block; small blocks split when 512 B or more remain.
+    unsplit = replayed((1, 11 * MIB), (2, MIB + 512))
+    assert unsplit.reserved_bytes == 12 * MIB + 20 * MIB
+    assert unsplit.allocated_bytes == 12 * MIB + MIB + 512
+    split = replayed((1, 21 * MIB // 2), (2, 3 * MIB // 2))
+    assert split.reserved_bytes == split.allocated_bytes == 12 * MIB
+    small = replayed((1, 4096), (2, 1024), (1, -4096), (3, 3584), (4, 512))
+    assert small.reserved_bytes == 2 * MIB and small.allocated_bytes == 1024 + 3584 + 512
+
+
+def test_the_pool_model_merges_a_freed_block_with_its_free_neighbours() -> None:
+    # three 6 MiB blocks fill a 20 MiB segment; freed in any order they merge back into one
+    pool = replayed((1, 6 * MIB), (2, 6 * MIB), (3, 6 * MIB), (1, -6 * MIB), (3, -6 * MIB))
+    pool.replay([(2, -6 * MIB), (4, 20 * MIB)])
+    assert pool.reserved_bytes == 20 * MIB
+
+
+def test_the_pool_model_lays_out_the_mlp_of_the_gpu_test_as_the_allocator_does() -> None:
+    # Linear(1024, 4096), GELU, Linear(4096, 1024) on x[2048, 1024] float32, what a capture
+    # allocates: forward h1, g (32 MiB), y (8); backward grad g (32), grad W2 (16), grad b2, g
+    # freed, grad h (32, where g was), grad g and h1 freed, grad x (8, beside y), grad W1 (16),
+    # grad b1, grad h freed. Kept: y, the grads of x, W1, b1, W2, b2.
+    h1, g, y, gg, gw2, gb2, gh, gx, gw1, gb1 = range(10)
+    pool = replayed((h1, 32 * MIB), (g, 32 * MIB), (y, 8 * MIB))
+    pool.replay([(gg, 32 * MIB), (gw2, 16 * MIB), (gb2, 4096), (g, -32 * MIB), (gh, 32 * MIB)])
+    pool.replay([(gg, -32 * MIB), (h1, -32 * MIB), (gx, 8 * MIB), (gw1, 16 * MIB)])
+    pool.replay([(gb1, 16384), (gh, -32 * MIB)])
+    assert pool.reserved_bytes == 134 * MIB  # 3 x 32 + 16 (grad W2) + 20 (y, grad x) + 2 (biases)
+    assert pool.allocated_bytes == 48 * MIB + 4096 + 16384
 
 
 @pytest.mark.parametrize(
@@ -189,16 +248,32 @@ def test_callables_captured_together_share_one_pool_in_capture_order() -> None:
 
 
 def test_the_plan_prints_as_a_table() -> None:
-    plan = dgt.memory_plan(nn.Linear(256, 256), torch.randn(64, 256, requires_grad=True))
+    plan = dgt.memory_plan(nn.Linear(256, 256), torch.randn(64, 256))
     assert str(plan).splitlines() == [
         "memory plan (bytes; the pool is measured after capture)",
         "callable  static in  static out  static grads  saved activations  forward peak  "
-        "backward peak  pool (expected)  pool (measured)",
-        "Linear     64.0 KiB    64.0 KiB     385.0 KiB                0 B      64.0 KiB  "
-        "    385.0 KiB          2.0 MiB                -",
+        "backward peak  kept in pool  pool (expected)  pool (measured)",
+        # static grads: out, x, W and b, then W and b again ("auto"'s .grad accumulators)
+        "Linear     64.0 KiB    64.0 KiB     578.0 KiB                0 B      64.0 KiB  "
+        "    321.0 KiB     321.0 KiB          2.0 MiB                -",
     ]
     assert plan.with_measured_pool(2 * MIB).pool_bytes == 2 * MIB
     assert str(plan.with_measured_pool(2 * MIB)).endswith("2.0 MiB          2.0 MiB")
+
+
+def test_what_the_graphs_keep_in_the_pool_is_their_outputs_and_grads() -> None:
+    # The output, the grads of x, W and b: computed in the pool during capture, kept as static
+    # buffers (the output grad is a buffer a capture makes outside the pool).
+    x = torch.randn(64, 256, requires_grad=True)
+    (linear,) = dgt.memory_plan(nn.Linear(256, 256), x).callables
+    output, weight, bias = 64 * 256 * 4, 256 * 256 * 4, 256 * 4
+    assert linear.kept_in_pool_bytes == output + output + weight + bias  # x's grad as the output
+    # the output grad buffer, the grads in the pool but the output, and "auto"'s .grad
+    # accumulators for W and b (outside the pool)
+    accumulators = weight + bias
+    assert linear.static_grad_bytes == output + linear.kept_in_pool_bytes - output + accumulators
+    (nothing_to_grad,) = dgt.memory_plan(lambda t: t * 2, torch.ones(256)).callables
+    assert nothing_to_grad.kept_in_pool_bytes == 1024  # the output alone
 
 
 def test_rich_renders_the_plan_as_a_table() -> None:
@@ -242,6 +317,34 @@ def test_the_warmup_iterations_after_the_first_are_not_watched() -> None:
     assert plan is not None and plan.callables[0].forward_peak_bytes == 2048
 
 
+def test_a_capture_that_copies_its_results_out_keeps_nothing_in_the_pool() -> None:
+    # Shape buckets on cuda (results_outside_pool): outputs and grads go to buffers outside the
+    # pool; the pool is as large (they are computed there), and keeps none of it.
+    from dualgraph.torch._capture import CaptureOptions, CaptureRequest, capture
+    from dualgraph.torch._inputs import InputGuard
+
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    sample = (torch.randn(32, 64, requires_grad=True),)
+    guard = InputGuard(sample, None)
+    request = CaptureRequest("mlp", mlp.forward, mlp, guard, tuple(guard.tensors(sample, {})))
+    options = CaptureOptions(
+        backend="emulate",
+        num_warmup_iters=1,
+        allow_unused_input=False,
+        pool=None,
+        capture_error_mode="global",
+        clone_outputs=False,
+        param_grads="autograd",
+        results_outside_pool=True,
+    )
+    (plan,) = capture([request], options)
+    kept = plan.diagnostics.memory_plan
+    (before,) = dgt.memory_plan(mlp, *sample).callables
+    assert kept is not None and kept.kept_in_pool_bytes == kept.callables[0].kept_in_pool_bytes == 0
+    assert before.kept_in_pool_bytes > 0
+    assert kept.expected_pool_bytes == before.expected_pool_bytes
+
+
 # -- on the GPU: the plan beside the measured pool --------------------------------------------
 
 
@@ -259,17 +362,47 @@ def test_each_bucket_keeps_its_plan_and_the_bucketed_callable_the_largest() -> N
     assert info.memory_plan is info.buckets[1].memory_plan  # the largest, which sizes the pool
 
 
+def graph_pools() -> dict[tuple[int, ...], list[dict[str, Any]]]:
+    """The segments of every CUDA graph pool now, by pool."""
+    pools: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0):
+            pools.setdefault(pool, []).append(segment)
+    return pools
+
+
+def layout(segments: list[dict[str, Any]]) -> str:
+    """Each segment's blocks in MiB, the allocated ones starred: what to look at on a mismatch."""
+    return "\n".join(
+        f"  segment {segment['total_size'] / MIB:.1f} MiB: "
+        + ", ".join(
+            f"{block['size'] / MIB:.2f}{'*' if block['state'] == 'active_allocated' else ''}"
+            for block in segment["blocks"]
+        )
+        for segment in sorted(segments, key=lambda segment: segment["address"])
+    )
+
+
+def new_pool_segments(before: dict[tuple[int, ...], Any]) -> list[dict[str, Any]]:
+    return [s for pool, segments in graph_pools().items() if pool not in before for s in segments]
+
+
 @pytest.mark.cuda
 def test_on_cuda_the_plan_before_capture_matches_the_capture() -> None:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
     x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
     before = dgt.memory_plan(mlp, x)
+    pools_before = graph_pools()
     graphed = dgt.make_graphed_callables(mlp, (x,), lint="off")  # the memory probe alone
     info = dgt.diagnostics(graphed)
     kept = info.memory_plan
+    segments = new_pool_segments(pools_before)
     print(f"\nplan before capture:\n{before}\nplan kept by the capture:\n{kept}")
+    print(f"the pool (MiB, * allocated):\n{layout(segments)}")
     assert kept is not None and kept.pool_bytes == info.pool_bytes > 0
+    assert info.pool_bytes == sum(segment["total_size"] for segment in segments)
     (planned,) = before.callables
     assert (planned.static_input_bytes, planned.static_output_bytes, planned.static_grad_bytes) == (
         info.static_input_bytes,
@@ -277,10 +410,16 @@ def test_on_cuda_the_plan_before_capture_matches_the_capture() -> None:
         info.static_grad_bytes,
     )
     assert planned.saved_activation_bytes == kept.callables[0].saved_activation_bytes
-    # The pool holds at least the tensors alive at once during the capture; above the model only
-    # by what is not a tensor (cuBLAS workspaces) and fragmentation.
+    assert kept.callables == before.callables
+    # What stays allocated in the pool is the output and the grads of x, the weights and the
+    # biases, nothing else (no cuBLAS workspace: those are made before the capture).
+    allocated = sum(segment["allocated_size"] for segment in segments)
+    assert allocated == planned.kept_in_pool_bytes == 48 * MIB + 4096 + 16384
+    # The pool is as the model of the caching allocator lays out the tensors (134 MiB here),
+    # up to what a kernel allocates besides its tensors: scratch, at most a small segment.
     peak = max(planned.forward_peak_bytes, planned.backward_peak_bytes)
-    assert peak <= info.pool_bytes <= before.expected_pool_bytes + 64 * MIB
+    assert planned.expected_pool_bytes == 134 * MIB
+    assert peak <= info.pool_bytes <= planned.expected_pool_bytes + 2 * MIB
 
 
 @pytest.mark.cuda
@@ -294,9 +433,12 @@ def test_on_cuda_several_callables_share_the_pool_the_plan_expects() -> None:
         (torch.randn(1024, 512, device="cuda", requires_grad=True),),
         (torch.randn(1024, 2048, device="cuda", requires_grad=True),),
     )
+    pools_before = graph_pools()
     graphed = dgt.make_graphed_callables(blocks, samples, lint="off")  # the memory probe alone
     plan = dgt.diagnostics(graphed[0]).memory_plan
-    print(f"\n{plan}")
+    segments = new_pool_segments(pools_before)
+    print(f"\n{plan}\nthe pool (MiB, * allocated):\n{layout(segments)}")
     assert plan is not None and plan.pool_bytes is not None
+    assert sum(segment["allocated_size"] for segment in segments) == plan.kept_in_pool_bytes
     peak = max(max(c.forward_peak_bytes, c.backward_peak_bytes) for c in plan.callables)
-    assert peak <= plan.pool_bytes <= plan.expected_pool_bytes + 64 * MIB
+    assert peak <= plan.pool_bytes <= plan.expected_pool_bytes + 2 * MIB

@@ -16,6 +16,7 @@ from torch_cases import (
     CUDA,
     GRAD_MODES,
     GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
     TinyMLP,
     device_of,
     isolation,
@@ -89,6 +90,40 @@ def test_each_replay_runs_the_four_hooks_in_order_on_every_backend(
     call = recorder.calls[0]
     assert call.backend == backend and call.backward_expected and call.outputs is None
     assert call is recorder.calls[3]  # one ReplayCall per replay, forward to backward
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "autograd"]
+)
+@pytest.mark.parametrize("layout", ["one", "slots", "buckets"])
+def test_after_backward_sees_the_grads_a_graph_adds_into_grad(
+    backend: str, param_grads: str, layout: str
+) -> None:
+    """Where a graph adds the parameter grads (``"auto"``'s accumulate graph, ``"in_graph"``),
+    ``after_backward`` runs once they are in ``.grad``."""
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    seen: list[list[torch.Tensor]] = []
+    hooks = dgt.ReplayHooks(
+        after_backward=lambda call: seen.append([p.grad.clone() for p in module.parameters()])
+    )
+    options: dict[str, Any] = {
+        "backend": backend,
+        "param_grads": param_grads,
+        "replay_hooks": hooks,
+    }
+    if layout == "buckets":
+        buckets = [(torch.randn(n, 8, device=device, requires_grad=True),) for n in (4, 6)]
+        model = dgt.make_graphed_callables(module, buckets=buckets, **options)
+    else:
+        slots = 2 if layout == "slots" else None
+        model = dgt.make_graphed_callables(module, (_x(device),), slots=slots, **options)
+    for step in range(3):
+        model(_x(device)).square().sum().backward()
+        assert len(seen) == step + 1
+        for grad, param in zip(seen[-1], module.parameters(), strict=True):
+            assert torch.equal(grad, param.grad)
+    assert dgt.diagnostics(model).param_grads_through_autograd == 0
 
 
 @pytest.mark.parametrize(

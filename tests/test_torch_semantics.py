@@ -9,8 +9,9 @@ The rules that come with graphs (README), one behaviour per test, each on ``emul
 - parameters frozen, unfrozen, replaced or moved after capture are refused by name;
 - copies (``copy.deepcopy``, pickling) of graphed modules and functions run eagerly;
 - one graphed callable refuses concurrent calls from two threads;
-- ``param_grads="in_graph"`` keeps eager's ``.grad`` contract (``zero_grad(set_to_none=True)``
-  gives a new tensor), and refuses what it cannot do (``torch.autograd.grad``, hooks);
+- ``param_grads="in_graph"`` and ``"auto"`` keep eager's ``.grad`` contract
+  (``zero_grad(set_to_none=True)`` gives a new tensor); ``"in_graph"`` refuses what it cannot do
+  (``torch.autograd.grad``, hooks), ``"auto"`` sends the grads through autograd for those;
 - outputs the backward reads may not be changed in place (eager would raise too).
 """
 
@@ -20,6 +21,7 @@ import copy
 import io
 import pickle
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,7 @@ from torch_cases import (
     device_of,
     grads_of,
     isolation,
+    loss_of,
     parameter_names,
     parameters_of,
     runner_of,
@@ -319,19 +322,50 @@ def test_a_parameter_unfrozen_after_capture_is_refused_naming_it(
         module(torch.randn(4, 8, device=device))
 
 
+@pytest.mark.parametrize("frozen", ["fc1.weight", "fc2.bias"])  # the first parameter, the last
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_a_parameter_frozen_after_capture_is_refused_naming_it(
-    backend: str, param_grads: str
+    backend: str, param_grads: str, frozen: str
 ) -> None:
     device = device_of(backend)
     module = TinyMLP().to(device)
     dgt.make_graphed_callables(
         module, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
     )
-    module.fc2.bias.requires_grad_(False)
-    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc2\.bias: requires_grad was True"):
+    module.get_parameter(frozen).requires_grad_(False)
+    with pytest.raises(DualgraphError, match=rf"^TinyMLP\.{frozen}: requires_grad was True"):
         backward_of(module(torch.randn(4, 8, device=device)))
     assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.parametrize("frozen", ["fc1.weight", "fc2.bias"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_frozen_between_forward_and_backward_keeps_its_grad_as_in_eager(
+    backend: str, param_grads: str, frozen: str
+) -> None:
+    # eager's AccumulateGrad skips a parameter that no longer requires grad; the others get theirs
+    device = device_of(backend)
+    module, twin = TinyMLP().to(device), TinyMLP().to(device)
+    twin.load_state_dict(module.state_dict())
+    dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device),), backend=backend, param_grads=param_grads
+    )
+    x = torch.randn(4, 8, device=device)
+    backward_of(module(x))  # .grad holds something: it must not change for the frozen one
+    backward_of(twin(x))
+    x = torch.randn(4, 8, device=device)
+    outputs, expected = module(x), twin(x)
+    for m in (module, twin):
+        m.get_parameter(frozen).requires_grad_(False)
+    if param_grads == "in_graph":  # the backward graph would add into it: refused
+        with pytest.raises(DualgraphError, match=rf"^TinyMLP\.{frozen}: requires_grad was True"):
+            backward_of(outputs)
+        return
+    backward_of(outputs)
+    backward_of(expected)
+    _assert_same_grads(module, twin, backend)
+    if param_grads == "auto":  # autograd skips the frozen parameter, as in eager
+        assert _through_autograd(module) == 1
 
 
 def _replace_weight(module: TinyMLP) -> None:
@@ -631,15 +665,18 @@ def test_one_graphed_callable_hammered_from_two_threads_never_returns_a_wrong_re
     assert results["wrong"] == 0 and results["right"] + results["refused"] == 1000
 
 
-# -- param_grads="in_graph" and the .grad contract -----------------------------------------------
+# -- param_grads="in_graph" and "auto": the .grad contract ---------------------------------------
+
+#: The modes whose backward adds parameter grads into ``.grad`` itself.
+IN_GRAPH_MODES = ["in_graph", "auto"]
 
 
-def _in_graph_pair(backend: str) -> tuple[nn.Linear, nn.Linear]:
+def _in_graph_pair(backend: str, param_grads: str = "in_graph") -> tuple[nn.Linear, nn.Linear]:
     device = device_of(backend)
     layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
     twin.load_state_dict(layer.state_dict())
     dgt.make_graphed_callables(
-        layer, (torch.randn(2, 4, device=device),), backend=backend, param_grads="in_graph"
+        layer, (torch.randn(2, 4, device=device),), backend=backend, param_grads=param_grads
     )
     return layer, twin
 
@@ -657,8 +694,9 @@ def _both(layer: nn.Module, twin: nn.Module, backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_in_graph_grads_accumulate_in_place_like_eager(backend: str) -> None:
-    layer, twin = _in_graph_pair(backend)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+def test_in_graph_grads_accumulate_in_place_like_eager(backend: str, param_grads: str) -> None:
+    layer, twin = _in_graph_pair(backend, param_grads)
     _both(layer, twin, backend)
     grad = layer.weight.grad
     _both(layer, twin, backend)
@@ -670,11 +708,12 @@ def test_in_graph_grads_accumulate_in_place_like_eager(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
 @pytest.mark.parametrize("held", ["tensor", "view"])
 def test_in_graph_grads_after_zero_grad_set_to_none_are_new_tensors(
-    backend: str, held: str
+    backend: str, param_grads: str, held: str
 ) -> None:
-    layer, twin = _in_graph_pair(backend)
+    layer, twin = _in_graph_pair(backend, param_grads)
     _both(layer, twin, backend)
     old = layer.weight.grad if held == "tensor" else layer.weight.grad[0]
     old_values = old.clone()
@@ -688,8 +727,11 @@ def test_in_graph_grads_after_zero_grad_set_to_none_are_new_tensors(
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_in_graph_grads_reuse_their_buffer_when_nobody_holds_the_old_grad(backend: str) -> None:
-    layer, twin = _in_graph_pair(backend)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+def test_in_graph_grads_reuse_their_buffer_when_nobody_holds_the_old_grad(
+    backend: str, param_grads: str
+) -> None:
+    layer, twin = _in_graph_pair(backend, param_grads)
     _both(layer, twin, backend)
     pointer = layer.weight.grad.data_ptr()
     layer.zero_grad(set_to_none=True)
@@ -699,8 +741,9 @@ def test_in_graph_grads_reuse_their_buffer_when_nobody_holds_the_old_grad(backen
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_in_graph_grads_add_into_a_grad_tensor_the_user_set(backend: str) -> None:
-    layer, twin = _in_graph_pair(backend)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+def test_in_graph_grads_add_into_a_grad_tensor_the_user_set(backend: str, param_grads: str) -> None:
+    layer, twin = _in_graph_pair(backend, param_grads)
     mine = torch.ones_like(layer.weight)
     layer.weight.grad = mine
     twin.weight.grad = torch.ones_like(twin.weight)
@@ -708,6 +751,40 @@ def test_in_graph_grads_add_into_a_grad_tensor_the_user_set(backend: str) -> Non
     assert layer.weight.grad is mine  # eager adds into the user's tensor
     _both(layer, twin, backend)
     assert layer.weight.grad is mine
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+@pytest.mark.parametrize("alias", ["detach", "data"])
+def test_in_graph_grads_add_into_a_grad_that_aliases_their_buffer(
+    backend: str, param_grads: str, alias: str
+) -> None:
+    layer, twin = _in_graph_pair(backend, param_grads)
+    _both(layer, twin, backend)
+    for module in (layer, twin):
+        for param in module.parameters():
+            param.grad = param.grad.detach() if alias == "detach" else param.grad.data
+    mine = layer.weight.grad
+    _both(layer, twin, backend)
+    _both(layer, twin, backend)
+    assert layer.weight.grad is mine  # eager adds into it in place
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+def test_in_graph_grads_refuse_a_grad_in_their_buffer_laid_out_otherwise(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(3, 3).to(device)  # square: a transposed view is a valid .grad
+    x = torch.randn(2, 3, device=device)
+    dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads=param_grads)
+    backward_of(layer(x))
+    layer.weight.grad = layer.weight.grad.t()
+    values = [p.grad.clone() for p in layer.parameters()]
+    with pytest.raises(DualgraphError, match=r"Linear\.weight: \.grad shares memory"):
+        backward_of(layer(x))
+    assert_grads_match(grads_of(list(layer.parameters())), values, ["weight", "bias"])
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -736,6 +813,218 @@ def test_in_graph_grads_refuse_parameter_hooks_registered_after_capture(
         backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
     assert str(info.value).startswith("Linear: Linear.bias has a grad hook")
     assert layer.bias.grad is None
+
+
+# -- param_grads="auto": the path each backward takes -------------------------------------------
+
+
+def _auto_pair(backend: str) -> tuple[TinyMLP, TinyMLP]:
+    """A ``TinyMLP`` graphed with the default ``param_grads="auto"``, and its eager twin."""
+    device = device_of(backend)
+    mlp, twin = TinyMLP().to(device), TinyMLP().to(device)
+    twin.load_state_dict(mlp.state_dict())
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend)
+    assert runner_of(mlp).plan.params.mode == "auto"
+    return mlp, twin
+
+
+def _through_autograd(module: nn.Module) -> int:
+    return dgt.diagnostics(module).param_grads_through_autograd
+
+
+def _grads_in_graph_buffers(module: nn.Module) -> bool:
+    accumulators = runner_of(module).plan.params.accumulators
+    return all(p.grad is a for p, a in zip(module.parameters(), accumulators, strict=True))
+
+
+def _assert_same_grads(mlp: nn.Module, twin: nn.Module, backend: str) -> None:
+    assert_grads_match(
+        grads_of(parameters_of(mlp)),
+        grads_of(parameters_of(twin)),
+        parameter_names(mlp),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_adds_the_grads_of_a_plain_backward_into_grad_without_autograd(
+    backend: str,
+) -> None:
+    mlp, twin = _auto_pair(backend)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mlp, twin)]
+    for step in range(4):
+        for _ in range(2):  # grads accumulate over two replays
+            x = torch.randn(4, 8, device=device_of(backend))
+            backward_of(mlp(x))
+            backward_of(twin(x))
+            _assert_same_grads(mlp, twin, backend)
+        assert _grads_in_graph_buffers(mlp)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+        assert_grads_match(
+            [p.detach() for p in mlp.parameters()],
+            [p.detach() for p in twin.parameters()],
+            parameter_names(mlp),
+            tolerance(backend),
+        )
+    assert _through_autograd(mlp) == 0
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("wrt", ["parameters", "parameters_and_input", "allow_unused"])
+def test_auto_gives_torch_autograd_grad_the_parameter_grads(backend: str, wrt: str) -> None:
+    mlp, twin = _auto_pair(backend)
+    stray = torch.zeros(3, device=device_of(backend), requires_grad=True)  # used by neither
+    kept = []
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+        results = []
+        for module in (mlp, twin):
+            x_here = x.detach().clone().requires_grad_()
+            targets = list(module.parameters())
+            if wrt == "parameters_and_input":
+                targets.append(x_here)
+            if wrt == "allow_unused":
+                targets.append(stray)
+            results.append(
+                torch.autograd.grad(
+                    loss_of(module(x_here)), targets, allow_unused=wrt == "allow_unused"
+                )
+            )
+        graphed, eager = results
+        names = [f"grad {i}" for i in range(len(eager))]
+        assert_grads_match(list(graphed), list(eager), names, tolerance(backend))
+        kept.append((graphed, [g if g is None else g.clone() for g in graphed]))
+    for graphed, values in kept:  # never a buffer that a later replay overwrote
+        assert_grads_match(list(graphed), values, [f"kept grad {i}" for i in range(len(values))])
+    assert all(p.grad is None for p in mlp.parameters())  # torch.autograd.grad leaves .grad be
+    assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_backward_with_inputs_accumulates_only_those(backend: str) -> None:
+    mlp, twin = _auto_pair(backend)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        loss_of(mlp(x)).backward(inputs=[mlp.fc1.weight, mlp.fc2.bias])
+        loss_of(twin(x)).backward(inputs=[twin.fc1.weight, twin.fc2.bias])
+        _assert_same_grads(mlp, twin, backend)
+    assert mlp.fc1.bias.grad is None and mlp.fc2.weight.grad is None
+    backward_of(mlp(x))  # a plain backward after them: in-graph again, same .grad tensors
+    backward_of(twin(x))
+    _assert_same_grads(mlp, twin, backend)
+    assert _through_autograd(mlp) == 2
+
+
+def _double(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("hook", ["tensor_hook", "post_accumulate_grad_hook", "multi_grad_hook"])
+def test_auto_runs_parameter_hooks_registered_after_capture(backend: str, hook: str) -> None:
+    mlp, twin = _auto_pair(backend)
+    x = torch.randn(4, 8, device=device_of(backend))
+    backward_of(mlp(x))  # in graph: .grad is the graph's buffer when the hook comes
+    backward_of(twin(x))
+    calls: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
+    handles = []
+    for module, seen in ((mlp, calls["graphed"]), (twin, calls["eager"])):
+        if hook == "tensor_hook":
+            handles.append(module.fc1.bias.register_hook(_double))
+        elif hook == "post_accumulate_grad_hook":
+            handles.append(
+                module.fc2.weight.register_post_accumulate_grad_hook(
+                    lambda param, seen=seen: seen.append(param.grad.clone())
+                )
+            )
+        else:
+            handles.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    (module.fc1.weight, module.fc2.bias),
+                    lambda grads, seen=seen: seen.extend(g.clone() for g in grads),
+                )
+            )
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        backward_of(mlp(x))
+        backward_of(twin(x))
+        _assert_same_grads(mlp, twin, backend)
+    assert _through_autograd(mlp) == 2
+    assert len(calls["graphed"]) == len(calls["eager"])  # once per replay, as in eager
+    names = [f"hook call {i}" for i in range(len(calls["eager"]))]
+    assert_grads_match(calls["graphed"], calls["eager"], names, tolerance(backend))
+    for handle in handles:
+        handle.remove()
+    backward_of(mlp(x))  # no hook left: in graph again
+    backward_of(twin(x))
+    _assert_same_grads(mlp, twin, backend)
+    assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_checks_parameter_grads_for_nan_in_anomaly_mode(backend: str) -> None:
+    mlp, twin = _auto_pair(backend)
+    with torch.autograd.set_detect_anomaly(True):
+        x = torch.randn(4, 8, device=device_of(backend))
+        backward_of(mlp(x))
+        backward_of(twin(x))
+        _assert_same_grads(mlp, twin, backend)
+        assert _through_autograd(mlp) == 1  # anomaly mode checks what autograd hands on
+        nan = torch.full((4, 8), float("nan"), device=device_of(backend))
+        for module in (twin, mlp):
+            with warnings.catch_warnings():  # anomaly mode warns with the forward's traceback
+                warnings.simplefilter("ignore")
+                with pytest.raises(RuntimeError, match="returned nan values"):
+                    backward_of(module(nan))
+
+
+class _TiedBlock(nn.Module):
+    """A block whose first layer may be another block's (tied weights)."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared, self.own = shared, nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.tanh(self.own(self.shared(x))), None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_sends_the_grads_of_weights_tied_across_callables_through_autograd(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+
+    def stack() -> nn.ModuleList:
+        torch.manual_seed(1)
+        tied = nn.Linear(8, 8)
+        return nn.ModuleList([_TiedBlock(tied), _TiedBlock(tied), _TiedBlock(nn.Linear(8, 8))])
+
+    graphed, eager = stack().to(device), stack().to(device)
+    samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in range(3))
+    dgt.make_graphed_callables(tuple(graphed), samples, backend=backend)
+    for _ in range(3):  # eager sums the tied weight's two grads before adding them to .grad
+        x = torch.randn(4, 8, device=device)
+        for model in (graphed, eager):
+            hidden = x.detach().requires_grad_()
+            for block in model:
+                hidden = block(hidden)[0]
+            loss_of(hidden).backward()
+        _assert_same_grads(graphed, eager, backend)
+    through_autograd = [_through_autograd(block) for block in graphed]
+    assert through_autograd == [3, 3, 0]  # only the blocks that share a weight
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_second_order_grad_through_a_replay_raises(backend: str) -> None:
+    mlp, _ = _auto_pair(backend)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    (grad,) = torch.autograd.grad(loss_of(mlp(x)), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        grad.sum().backward()  # a replay is differentiable once: never a silent zero
 
 
 # -- outputs changed in place --------------------------------------------------------------------

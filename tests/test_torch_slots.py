@@ -235,20 +235,76 @@ def test_backwards_in_any_order_find_their_slots_and_match_eager(
     assert dgt.diagnostics(graphed).in_flight == ()
 
 
+# "in_graph" adds each slot's grads into .grad in turn, where eager adds their sum: the last bit
+# may differ once .grad holds something (README: param_grads).
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_one_backward_through_several_slots_matches_eager(backend: str) -> None:
+def test_one_backward_through_several_slots_matches_eager(backend: str, param_grads: str) -> None:
     device = device_of(backend)
     model = TinyMLP().to(device)
     twin = copy.deepcopy(model)
-    graphed = _graph(model, backend, slots=2)
+    graphed = _graph(model, backend, slots=2, param_grads=param_grads)
+    for _ in range(3):  # .grad accumulates: eager adds the sum of both uses' grads into it
+        xs = [_x(backend) for _ in range(2)]
+        (graphed(xs[0]) * graphed(xs[1])).sum().backward()  # both replays in one autograd pass
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        (twin(eager_xs[0]) * twin(eager_xs[1])).sum().backward()
+        for x, e in zip(xs, eager_xs, strict=True):
+            assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    # "auto": each slot saw the other in its backward and handed its grads to autograd
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 6
+
+
+@pytest.mark.parametrize("layout", ["slots", "schedule"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_adds_each_slots_grads_into_one_grad_per_parameter(backend: str, layout: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    options: dict[str, Any] = {"slots": 2}
+    if layout == "schedule":
+        options = {"schedule": dgt.Schedule.one_f_one_b(stages=2, microbatches=4, stage=0)}
+    graphed = _graph(model, backend, param_grads="auto", **options)
+    replays = runner_of(graphed)._replays
+    accumulators = replays[0].plan.params.accumulators
+    assert all(r.plan.params.accumulators == accumulators for r in replays)
+    for _ in range(2):  # a step of 1F1B for the first of 2 stages: F F B F B F B B
+        xs = [_x(backend) for _ in range(4)]
+        eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+        outputs, expected = [graphed(xs[0])], [twin(eager_xs[0])]
+        for k in range(1, 4):
+            outputs.append(graphed(xs[k]))
+            expected.append(twin(eager_xs[k]))
+            outputs[k - 1].square().sum().backward()
+            expected[k - 1].square().sum().backward()
+        outputs[3].square().sum().backward()
+        expected[3].square().sum().backward()
+        for x, e in zip(xs, eager_xs, strict=True):
+            assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+        assert all(p.grad is a for p, a in zip(model.parameters(), accumulators, strict=True))
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 0  # one slot per backward
+    model.fc1.bias.register_hook(lambda grad: grad * 2)  # a hook: autograd, in any slot
+    twin.fc1.bias.register_hook(lambda grad: grad * 2)
     xs = [_x(backend) for _ in range(2)]
-    (graphed(xs[0]) * graphed(xs[1])).sum().backward()  # both replays in one autograd pass
     eager_xs = [x.detach().clone().requires_grad_() for x in xs]
-    (twin(eager_xs[0]) * twin(eager_xs[1])).sum().backward()
-    for x, e in zip(xs, eager_xs, strict=True):
-        assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+    if layout == "schedule":
+        dgt.reset_slots(graphed)
+    first, second = graphed(xs[0]), graphed(xs[1])
+    first.sum().backward()
+    twin(eager_xs[0]).sum().backward()
+    if layout == "schedule":  # its next passes: F B, then B
+        third = graphed(_x(backend))
+    second.sum().backward()
+    twin(eager_xs[1]).sum().backward()
     for p, e in zip(model.parameters(), twin.parameters(), strict=True):
-        assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+        assert_tensors_match(p.grad, e.grad, "parameter grad after a hook", tolerance(backend))
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 2
+    if layout == "schedule":
+        del third
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -397,7 +453,9 @@ def test_diagnostics_count_each_slots_buffers(backend: str) -> None:
     assert (three.slots, three.in_flight, three.reused_buffer_bytes) == (3, (), 0)
     assert three.static_input_bytes == 3 * one.static_input_bytes
     assert three.static_output_bytes == 3 * one.static_output_bytes
-    assert three.static_grad_bytes == 3 * one.static_grad_bytes
+    # the default "auto": the slots share one accumulator (.grad) per parameter
+    accumulators = sum(p.numel() * p.element_size() for p in TinyMLP().parameters())
+    assert three.static_grad_bytes == 3 * (one.static_grad_bytes - accumulators) + accumulators
     if backend == CUDA:  # a pool per slot, each counted
         pools = [replay.diagnostics.pool_bytes for replay in runner_of(graphed)._replays]
         assert one.pool_bytes > 0 and min(pools) > 0 and three.pool_bytes == sum(pools)
@@ -488,7 +546,7 @@ def test_a_step_abandoned_half_way_starts_over_after_reset(backend: str) -> None
     assert dgt.diagnostics(graphed).in_flight == ()
 
 
-@pytest.mark.parametrize("param_grads", ["autograd", "in_graph"])
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_schedule_shares_buffers_between_microbatches_never_in_flight_together(
     backend: str, param_grads: str
@@ -511,7 +569,7 @@ def test_a_schedule_shares_buffers_between_microbatches_never_in_flight_together
     assert report.static_output_bytes == slots.static_output_bytes
     assert report.static_grad_bytes == slots.static_grad_bytes
     accumulators = sum(p.numel() * 4 for p in TinyMLP().parameters())
-    if param_grads == "in_graph":  # one .grad per parameter: not a per-slot buffer
+    if param_grads != "autograd":  # one .grad per parameter: not a per-slot buffer
         per_slot = (slots.static_grad_bytes - accumulators) // 2
     else:
         per_slot = slots.static_grad_bytes // 2

@@ -33,9 +33,11 @@ from te_stand_in import (
     CustomRecipe,
     DelayedScaling,
     FakeFP8Linear,
+    FakeFP8Weight,
     Float8CurrentScaling,
     FutureRecipe,
     StandIn,
+    fp8_weight_linear,
 )
 
 import dualgraph.torch as dgt
@@ -65,7 +67,9 @@ def _summary(request: pytest.FixtureRequest) -> Iterator[None]:
     for recipe, counts in sorted(SUMMARY.items()):
         line = (
             f"TE graphed vs eager, recipe {recipe}: {counts['passed']} passed, "
-            f"{counts['failed']} failed, {counts['skipped']} skipped"
+            f"{counts['failed']} failed, {counts['skipped']} skipped; param_grads='auto' took "
+            f"autograd in {counts['autograd backwards']} of {counts['graphed backwards']} "
+            "graphed backwards (FP8 weights always do)"
         )
         if reporter is not None:
             reporter.write_line(line)
@@ -576,6 +580,45 @@ def test_the_stand_in_notices_a_missed_update(monkeypatch: pytest.MonkeyPatch) -
     assert not all(torch.equal(a, b) for a, b in zip(graphed["fp8"], eager["fp8"], strict=True))
 
 
+# -- FP8 weights (tensor-subclass parameters) and param_grads -----------------------------------
+
+
+@pytest.mark.parametrize("layout", ["one", "buckets", "slots"])
+def test_auto_hands_the_grads_of_fp8_weights_to_autograd_as_eager(layout: str) -> None:
+    """Eager's ``.grad`` of an FP8 weight is a plain tensor that ``AccumulateGrad`` makes;
+    ``"auto"`` never adds it into an accumulator made like the weight (another FP8 tensor):
+    it hands every such callable's grads to autograd."""
+    layer, eager = fp8_weight_linear(), fp8_weight_linear()
+    assert type(torch.zeros_like(layer.weight)) is FakeFP8Weight  # the danger, as in TE
+    options: dict[str, Any] = {"backend": "emulate"}
+    if layout == "buckets":
+        options["buckets"] = [(torch.ones(n, 4, requires_grad=True),) for n in (2, 3)]
+        graphed = dgt.make_graphed_callables(layer, **options)
+    else:
+        slots = 2 if layout == "slots" else None
+        graphed = dgt.make_graphed_callables(
+            layer, (torch.ones(2, 4, requires_grad=True),), slots=slots, **options
+        )
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):  # grads accumulate over micro-batches
+        x = torch.randn(2, 4, generator=generator)
+        graphed(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    assert dgt.diagnostics(graphed).param_grads_through_autograd == 3
+    for param, expected in zip(layer.parameters(), eager.parameters(), strict=True):
+        assert param.grad is not None and torch.equal(param.grad, expected.grad)
+
+
+def test_in_graph_refuses_fp8_weights_naming_the_parameter() -> None:
+    with pytest.raises(CaptureError, match=r"Linear\.weight is a FakeFP8Weight .*param_grads="):
+        dgt.make_graphed_callables(
+            fp8_weight_linear(),
+            (torch.ones(2, 4, requires_grad=True),),
+            backend="emulate",
+            param_grads="in_graph",
+        )
+
+
 # -- CUDA with Transformer Engine -----------------------------------------------------------------
 
 
@@ -765,8 +808,12 @@ def _train_te(
     fp8_params: bool,
     caching: bool,
     graphing: str | None,
+    paths: collections.Counter[str] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
-    """Three SGD steps of two micro-batches of three ``module`` layers, graphed or eager."""
+    """Three SGD steps of two micro-batches of three ``module`` layers, graphed or eager.
+
+    Graphed with the default ``param_grads="auto"``; ``paths`` counts the graphed backwards and
+    those that handed the parameter grads to autograd."""
     import transformer_engine.pytorch as te
 
     te.quantization.FP8GlobalStateManager.reset()
@@ -786,12 +833,15 @@ def _train_te(
     if graphing == "whole":
         sample = torch.ones(shape, device="cuda", dtype=dtype, requires_grad=True)
         model = dgt.make_graphed_callables(torch.nn.Sequential(*layers), (sample,), **options)
+        graphed = [model]
     elif graphing == "per_layer":
         samples = tuple(
             (torch.ones(shape, device="cuda", dtype=dtype, requires_grad=True),) for _ in layers
         )
-        model = Chain(list(dgt.make_graphed_callables(tuple(layers), samples, **options)))
+        graphed = list(dgt.make_graphed_callables(tuple(layers), samples, **options))
+        model = Chain(graphed)
     else:
+        graphed = []
         model = Chain(layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
     generator = torch.Generator().manual_seed(5678)
@@ -809,11 +859,15 @@ def _train_te(
             record["input grads"].append(x.grad.clone())
         optimizer.step()
     torch.cuda.synchronize()
+    if paths is not None:
+        for callable_ in graphed:
+            paths["graphed backwards"] += 6
+            paths["autograd backwards"] += dgt.diagnostics(callable_).param_grads_through_autograd
     params = [p for layer in layers for p in layer.parameters()]
     record["weights"] = [_plain(p).clone() for p in params]
     record["grads"] = [p.grad.clone() for p in params if p.grad is not None]
     record["fp8 scales"] = _fp8_state(layers, recipe)
-    del model, optimizer, layers
+    del model, optimizer, layers, graphed
     return record
 
 
@@ -882,7 +936,11 @@ def test_te_graphed_training_equals_eager_bit_for_bit(
             pytest.skip("TE: LayerNormMLP(checkpoint=True) under delayed scaling is not graphable")
         outcome = "failed"
         settings = {"fp8_params": fp8_params, "caching": caching}
-        graphed = _train_te(module, dtype, recipe, graphing=graphing, **settings)
+        paths: collections.Counter[str] = collections.Counter()
+        graphed = _train_te(module, dtype, recipe, graphing=graphing, paths=paths, **settings)
+        if fp8_params:  # eager's .grad of an FP8 weight is a plain tensor: autograd makes it
+            assert paths["autograd backwards"] == paths["graphed backwards"]
+        counts.update(paths)
         key = (module, dtype_name, recipe_name, fp8_params, caching)
         if key not in _EAGER:  # the same for one graph and one per layer
             _EAGER[key] = _train_te(module, dtype, recipe, graphing=None, **settings)

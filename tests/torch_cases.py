@@ -35,13 +35,16 @@ CUDA = "cuda"
 BACKENDS = ["emulate", "eager", pytest.param(CUDA, marks=pytest.mark.cuda)]
 #: The backends with static buffers: outputs alias them, capture can fail, grads go through them.
 GRAPH_BACKENDS = ["emulate", pytest.param(CUDA, marks=pytest.mark.cuda)]
-#: ``(backend, param_grads)``: parameter grads returned through autograd, or added into static
-#: ``.grad`` buffers inside the backward graph (the eager backend has no graph to add them in).
+#: ``(backend, param_grads)``: the default (``"auto"``: chosen per backward), parameter grads
+#: always returned through autograd, or added into static ``.grad`` buffers inside the backward
+#: graph (the eager backend has no graph to add them in).
 GRAD_MODES = [
-    pytest.param("emulate", "autograd", id="emulate"),
+    pytest.param("emulate", "auto", id="emulate"),
+    pytest.param("emulate", "autograd", id="emulate-autograd"),
     pytest.param("emulate", "in_graph", id="emulate-in_graph"),
-    pytest.param("eager", "autograd", id="eager"),
-    pytest.param(CUDA, "autograd", marks=pytest.mark.cuda, id="cuda"),
+    pytest.param("eager", "auto", id="eager"),
+    pytest.param(CUDA, "auto", marks=pytest.mark.cuda, id="cuda"),
+    pytest.param(CUDA, "autograd", marks=pytest.mark.cuda, id="cuda-autograd"),
     pytest.param(CUDA, "in_graph", marks=pytest.mark.cuda, id="cuda-in_graph"),
 ]
 #: The same on the backends with graphs.

@@ -11,9 +11,10 @@ Why one pool sized by the largest bucket is correct (the buckets share all of it
 
 - Each bucket is captured with ``results_outside_pool``: its static inputs, outputs, grad
   buffers and grad-of-output buffers are allocated outside the pool (the graphs copy outputs and
-  grads into them), and the parameter grad buffers (or in-graph accumulators) are one set shared
-  by all buckets. So a bucket's replay reads from the pool only what the same replay, or for a
-  backward the forward it pairs with, wrote there.
+  grads into them), and the parameter grad buffers and accumulators (the ``.grad`` that
+  ``"in_graph"`` and ``"auto"`` add into) are one set shared by all buckets. So a bucket's
+  replay reads from the pool only what the same replay, or for a backward the forward it pairs
+  with, wrote there.
 - Buckets are captured one after the other, forward then backward, largest input first; after a
   bucket's capture nothing of it is alive in the pool, so the next bucket's capture reuses the
   same memory: the pool grows to the largest bucket's need, not the sum.
@@ -34,6 +35,7 @@ import logging
 import operator
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,6 +53,7 @@ from ._inputs import InputGuard
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
+from ._params import grad_buffer_like, is_tensor_subclass
 from ._replay import GraphedCallable
 from ._replay_hooks import call_eagerly
 
@@ -59,6 +62,7 @@ __all__ = [
     "BucketDiagnostics",
     "BucketedCallable",
     "BucketedDiagnostics",
+    "EagerGraphs",
     "Fallback",
     "capture_buckets",
 ]
@@ -230,13 +234,14 @@ class BucketedCallable:
         padding: _Padding | None,
         diagnostics: BucketedDiagnostics,
         out_spec: TreeSpec | None,
+        eager_graphs: EagerGraphs | None = None,
         hooks: CallableHooks = NO_HOOKS,
     ) -> None:
         self.name = name
         self.fn = fn
         self.backend = diagnostics.backend
         self.fallback = fallback
-        self.diagnostics = diagnostics
+        self._diagnostics = diagnostics
         self._guard = guard
         self._spec = guard.spec
         self._buckets = tuple(buckets)
@@ -254,7 +259,16 @@ class BucketedCallable:
         self._out_spec = out_spec
         self._graphed = diagnostics.backend != "eager"
         self._last: _Bucket | None = None
+        self._eager_graphs = eager_graphs
         self._hooks = hooks  # for calls that fall back to eager
+
+    @property
+    def diagnostics(self) -> BucketedDiagnostics:
+        """What :func:`dualgraph.torch.diagnostics` reports: the buckets' counts summed."""
+        self._diagnostics.param_grads_through_autograd = sum(
+            runner.diagnostics.param_grads_through_autograd for runner in self.runners
+        )
+        return self._diagnostics
 
     @property
     def runners(self) -> tuple[GraphedCallable | EagerCallable, ...]:
@@ -319,10 +333,10 @@ class BucketedCallable:
         diagnostics = bucket.diagnostics
         diagnostics.calls += 1
         diagnostics.last_used = time.time()
-        self.diagnostics.replays += 1
+        self._diagnostics.replays += 1
         if padded is not None:
             diagnostics.padded_calls += 1
-            self.diagnostics.padded_calls += 1
+            self._diagnostics.padded_calls += 1
         return outputs
 
     def _unmatched(self, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]) -> Any:
@@ -346,7 +360,9 @@ class BucketedCallable:
                     replay_hooks, self.fn, args, kwargs, check=_checked, run=self._hooks.run_eager
                 )
             self._check_outputs(outputs)
-            self.diagnostics.eager_calls += 1
+            if self._eager_graphs is not None and self._out_spec is not None:
+                self._eager_graphs.track(self._out_spec.flatten(outputs))
+            self._diagnostics.eager_calls += 1
             return outputs
         error = self._no_bucket(shapes)
         logger.debug("%s: a call was refused: %s", self.name, error)
@@ -545,6 +561,56 @@ def _output_cuts(padding: _Padding, spec: TreeSpec) -> tuple[tuple[int, int], ..
     return tuple(cuts)
 
 
+class EagerGraphs:
+    """Whether an autograd graph of the eager fallback is alive (``param_grads="auto"``).
+
+    Such a graph gives the parameters grads of its own; a bucket's backward that ran in the same
+    backward and added its grads into ``.grad`` itself would round differently from eager's sum
+    of both, so while one is alive the buckets hand their grads to autograd (which sums them).
+    A graph is tracked through a token in the metadata of its output nodes: it dies with them.
+
+    >>> graphs = EagerGraphs()
+    >>> out = torch.ones(2, requires_grad=True) * 2
+    >>> graphs.track([out, None])
+    >>> graphs()
+    True
+    >>> del out
+    >>> graphs()
+    False
+    """
+
+    __slots__ = ("alive",)
+
+    def __init__(self) -> None:
+        self.alive = 0
+
+    def __call__(self) -> bool:
+        return self.alive > 0
+
+    def track(self, outputs: Sequence[Any]) -> None:
+        """Count the graph behind ``outputs`` (flat leaves) as alive until their nodes die."""
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        nodes = {id(node): node for node in map(_grad_fn, tensors) if node is not None}
+        if not nodes:
+            return
+        token = _Token()
+        weakref.finalize(token, self._release)
+        self.alive += 1
+        for node in nodes.values():
+            node.metadata["dualgraph.eager_fallback"] = token
+
+    def _release(self) -> None:
+        self.alive -= 1
+
+
+class _Token:
+    """Lives as long as the autograd nodes whose metadata hold it."""
+
+
+def _grad_fn(tensor: torch.Tensor) -> Any:
+    return tensor.grad_fn
+
+
 # -- capture -------------------------------------------------------------------------------------
 
 
@@ -606,6 +672,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
     pool_bytes = [0] * len(samples)
     largest_alone = 0
     largest = 0
+    eager_graphs: EagerGraphs | None = None
     if request.options is None:  # the "eager" backend: input checks, no graphs
         for i, (args, kwargs) in enumerate(samples):
             kwargs = _with_length(kwargs, full_lengths[i])
@@ -624,6 +691,12 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
                 options, pool=torch.cuda.graph_pool_handle(), results_outside_pool=True
             )
         shared = _shared_param_grads(request.module)
+        # "auto": the accumulators too (the parameters' .grad), one each for every bucket
+        accumulators = (
+            _shared_param_grads(request.module)
+            if options.param_grads == "auto" and not _any_tensor_subclass(request.module)
+            else None
+        )
         before = 0
         for rank, i in enumerate(_largest_first(samples, guards)):
             args, kwargs = samples[i]
@@ -638,6 +711,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
                         inputs=inputs,
                         sample_tensors=tuple(inputs.tensors(args, kwargs)),
                         param_grad_buffers=shared,
+                        param_accumulators=accumulators,
                         hooks=request.hooks,
                     )
                 ],
@@ -651,7 +725,13 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
                 largest = i
         if padding is not None:
             _check_padded_plans(request, padding, plans, lengths, guard, shapes)
-        runners = [GraphedCallable(plan, lock=request.shared_lock) for plan in plans]
+        # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
+        if options.param_grads == "auto" and request.fallback == "eager":
+            eager_graphs = EagerGraphs()
+        runners = [
+            GraphedCallable(plan, lock=request.shared_lock, other_uses=eager_graphs)
+            for plan in plans
+        ]
         for runner in runners:
             runner.recount_holders()  # every sibling that shares the accumulators exists now
         for diag, plan, growth in zip(diagnostics, plans, pool_bytes, strict=True):
@@ -692,6 +772,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         padding=padding,
         diagnostics=summary,
         out_spec=plans[0].outputs if plans[0] is not None else None,
+        eager_graphs=eager_graphs,
         hooks=request.hooks,
     )
 
@@ -893,10 +974,17 @@ def _largest_first(
 
 
 def _shared_param_grads(module: torch.nn.Module | None) -> tuple[torch.Tensor, ...] | None:
-    """One grad buffer (or in-graph accumulator) per trainable parameter, for every bucket."""
+    """One grad buffer (or accumulator) per trainable parameter, for every bucket."""
     if module is None:
         return None
-    return tuple(torch.zeros_like(p) for _, p in module.named_parameters() if p.requires_grad)
+    return tuple(grad_buffer_like(p) for _, p in module.named_parameters() if p.requires_grad)
+
+
+def _any_tensor_subclass(module: torch.nn.Module | None) -> bool:
+    """Whether a trainable parameter is a tensor subclass ("auto" then takes autograd)."""
+    return module is not None and any(
+        is_tensor_subclass(p) for p in module.parameters() if p.requires_grad
+    )
 
 
 def _unique_grad_bytes(plans: Sequence[Any]) -> int:

@@ -26,8 +26,9 @@ chooses; the callable is warmed up once, and its copies learn what warmup found.
 
 With ``results_outside_pool`` (shape buckets, ``_buckets.py``) the graphs copy their outputs and
 grads into static buffers allocated outside the pool, so that everything left in the pool is
-written by a replay before that replay reads it; and ``param_grad_buffers`` lets captures of one
-callable share their parameter grad buffers (or in-graph accumulators).
+written by a replay before that replay reads it; and ``param_grad_buffers`` (with
+``param_accumulators`` under ``param_grads="auto"``) lets captures of one callable share their
+parameter grad buffers (or in-graph accumulators).
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
+from ._blas_workspaces import prime_capture_stream
 from ._diagnostics import CaptureDiagnostics
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard, unsupported_tensor
 from ._leaves import dtype_name
 from ._lint import CaptureLintError
-from ._params import ModuleTensors, suspended_tensor_hooks
+from ._params import ModuleTensors, is_tensor_subclass, suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ParamLayout, ReplayPlan, StaticBuffers
 from ._probe import (
     LintMode,
@@ -61,7 +63,7 @@ from ._probe import (
     raise_on_lint_errors,
     with_lint_findings,
 )
-from ._replay import CudaGraphForward, EmulatedReplay, autocast_state
+from ._replay import CudaGraphForward, EmulatedReplay, accumulate_into, autocast_state
 from ._transformer_engine import transformer_engine_capture
 
 __all__ = [
@@ -85,9 +87,12 @@ class CaptureRequest:
     inputs: InputGuard
     sample_tensors: tuple[torch.Tensor, ...]
     # Static buffers for the parameter grads (one per parameter that requires grad), shared with
-    # other captures of the same callable: "autograd" copies the grads into them, "in_graph"
-    # adds them (they are the accumulators). ``None``: new ones.
+    # other captures of the same callable: "autograd" and "auto" copy the grads into them,
+    # "in_graph" adds them (they are the accumulators). ``None``: new ones.
     param_grad_buffers: tuple[torch.Tensor, ...] | None = None
+    # "auto": the accumulators (the parameters' .grad) its accumulate graph adds those grads into,
+    # shared the same way. ``None``: new ones.
+    param_accumulators: tuple[torch.Tensor, ...] | None = None
     # What runs around the callable besides its graphs: the context of its Python, capture-time
     # hooks around each warmup and capture forward and backward, replay hooks (``_hooks.py``).
     hooks: CallableHooks = NO_HOOKS
@@ -164,9 +169,11 @@ def capture_copies(
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
         copies: list[list[_Capture]] = []
+        shared = _shared_parameters(requests)
         for index, request in enumerate(requests):
             progress.name = request.name
-            copies.append(layout.copies(index, functools.partial(_Capture, request, options)))
+            make = functools.partial(_Capture, request, options, shared=shared)
+            copies.append(layout.copies(index, make))
             probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
         captures = [item for group in copies for item in group]
         with contextlib.ExitStack() as restore:
@@ -175,7 +182,7 @@ def capture_copies(
                     continue  # shares the module and parameters of its original
                 if item.module_tensors is not None:
                     restore.enter_context(item.module_tensors.left_as_found())
-                if options.param_grads == "autograd":
+                if options.param_grads != "in_graph":  # grads may go through autograd
                     restore.enter_context(suspended_tensor_hooks(item.params))
             if options.backend == "cuda":
                 _capture_cuda(captures, layout.steps(copies), options, progress)
@@ -190,6 +197,17 @@ def capture_copies(
             _recover_cuda()
         failure = _describe_failure(error, progress, options.backend)
         raise with_lint_findings(failure, probes, error) from error  # issue 19 hook
+
+
+def _shared_parameters(requests: Sequence[CaptureRequest]) -> frozenset[int]:
+    """The ids of the parameters that more than one of the callables holds (tied weights)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for request in requests:
+        if request.module is not None:
+            for param in request.module.parameters():  # each once per module
+                (shared if id(param) in seen else seen).add(id(param))
+    return frozenset(shared)
 
 
 # -- what is learned about one callable ----------------------------------------------------------
@@ -216,7 +234,9 @@ class _Capture:
         *,
         like: _Capture | None = None,
         buffers_from: _Capture | None = None,
+        shared: frozenset[int] = frozenset(),
     ) -> None:
+        # ``shared``: the ids of parameters that other callables captured with this one hold.
         self.request = request
         self.options = options
         self.name = request.name
@@ -238,14 +258,16 @@ class _Capture:
         self.param_names: tuple[str, ...]
         self.params: tuple[torch.Tensor, ...]
         self.accumulators: tuple[torch.Tensor | None, ...]
+        self.in_graph_grads: bool  # the parameter grads go into accumulators, not autograd only
         if like is None:
-            self._own_parameters()
+            self._own_parameters(shared)
         else:
             self.module_tensors = like.module_tensors
             self.param_names, self.params = like.param_names, like.params
+            self.in_graph_grads = like.in_graph_grads
             self.accumulators = like.accumulators  # one .grad per parameter, whatever the copy
 
-    def _own_parameters(self) -> None:
+    def _own_parameters(self, shared: frozenset[int]) -> None:
         options = self.options
         module = self.request.module
         if module is not None:
@@ -273,10 +295,33 @@ class _Capture:
                         "(the backward graph adds the grad into .grad itself); capture with "
                         "param_grads='autograd' to use parameter hooks"
                     )
-        given = self.request.param_grad_buffers
+            for name, param in zip(self.param_names, self.params, strict=True):
+                if is_tensor_subclass(param):
+                    raise _Refused(
+                        f"{name} is a {type(param).__name__} (a tensor subclass, e.g. "
+                        "Transformer Engine's FP8 weights), whose grads param_grads='in_graph' "
+                        "cannot add into .grad as eager does; capture with param_grads='auto' "
+                        "or 'autograd'"
+                    )
+        # "auto" adds grads into .grad itself only where each parameter's grad comes from this
+        # callable alone. Eager sums the grads of a parameter that several callables use (tied
+        # weights) before adding them to .grad; adding them one callable at a time would round
+        # differently, so such callables hand their grads to autograd, which sums them first.
+        # So do callables with a tensor-subclass parameter (Transformer Engine's FP8 weights):
+        # eager's .grad of one is a plain tensor that AccumulateGrad makes.
+        self.in_graph_grads = options.param_grads == "in_graph" or (
+            options.param_grads == "auto"
+            and not any(id(p) in shared for p in self.params)
+            and not any(map(is_tensor_subclass, self.params))
+        )
+        given = (
+            self.request.param_grad_buffers
+            if options.param_grads == "in_graph"
+            else self.request.param_accumulators
+        )
         self.accumulators = (
             (given if given is not None else tuple(torch.zeros_like(p) for p in self.params))
-            if options.param_grads == "in_graph"
+            if self.in_graph_grads
             else ()
         )
 
@@ -292,6 +337,7 @@ class _Capture:
         self.param_grads: tuple[torch.Tensor | None, ...] = ()
         self.replay_forward: Callable[[bool], None] | None = None
         self.replay_backward: Callable[[], None] | None = None
+        self.replay_accumulate: Callable[[], None] | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.seconds = 0.0
         self.pool_bytes = 0
@@ -308,6 +354,7 @@ class _Capture:
             paths=self.request.inputs.paths,
             lint=self.options.lint,
             backend=self.options.backend,
+            results_outside_pool=self.options.results_outside_pool,
         )
 
     def learn_from(self, original: _Capture) -> None:
@@ -320,6 +367,11 @@ class _Capture:
 
     def run(self) -> Any:
         return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
+
+    @property
+    def fused_accumulators(self) -> tuple[torch.Tensor | None, ...]:
+        """The accumulators the backward graph itself adds into (``"in_graph"`` only)."""
+        return self.accumulators if self.options.param_grads == "in_graph" else ()
 
     def diff_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the backward differentiates for: inputs that require grad, then parameters."""
@@ -395,10 +447,10 @@ class _Capture:
             input_grads[i] = grad
         self.input_grads = tuple(input_grads)
         param_grads = tuple(grads[n:])
-        if self.options.param_grads == "autograd":
+        if self.options.param_grads != "in_graph":
             self.param_grads = param_grads
-        else:  # as with autograd, a parameter the callable does not use keeps .grad None
-            self.accumulators = tuple(
+        if self.accumulators:  # as with autograd, a parameter the callable does not use keeps
+            self.accumulators = tuple(  # .grad None
                 acc if grad is not None else None
                 for acc, grad in zip(self.accumulators, param_grads, strict=True)
             )
@@ -420,7 +472,7 @@ class _Capture:
         for static, output in zip(donor.static_outputs, outputs, strict=False):
             static.copy_(output.detach())
         targets: list[torch.Tensor | None] = [donor.input_grads[i] for i in self.grad_input_indices]
-        if self.options.param_grads == "autograd":
+        if self.options.param_grads != "in_graph":
             targets += donor.param_grads
         for target, grad in zip(targets, grads, strict=False):
             if target is not None and grad is not None:
@@ -432,8 +484,26 @@ class _Capture:
         params = self.params
         if not self._has_backward():
             self.replay_backward = None
+            self.replay_accumulate = None
             self.accumulators = ()
-        if options.param_grads == "autograd":
+        if options.param_grads == "auto":
+            # The anchor tells a plain .backward() from the others (GraphedCallable
+            # ._is_plain_backward): needed where parameter grads are computed.
+            anchor = (
+                torch.empty(0, device=params[0].device, requires_grad=True)
+                if params and self.replay_backward is not None
+                else None
+            )
+            layout = ParamLayout(
+                mode="auto",
+                params=params,
+                names=self.param_names,
+                accumulators=self.accumulators or (None,) * len(params),
+                anchor=anchor,
+                anchor_node=None if anchor is None else get_gradient_edge(anchor).node,
+            )
+            param_grads = self.param_grads or (None,) * len(params)
+        elif options.param_grads == "autograd":
             layout = ParamLayout(
                 mode="autograd",
                 params=params,
@@ -461,6 +531,7 @@ class _Capture:
             replay_forward=self.replay_forward,
             replay_backward=self.replay_backward,
             graphs=tuple(self.graphs),
+            replay_accumulate=self.replay_accumulate,
         )
         kept_grads = [g for g in (*self.input_grads, *param_grads) if g is not None]
         kept_grads += [a for a in layout.accumulators if a is not None]
@@ -646,7 +717,7 @@ def _capture_emulated(
         n = len(item.grad_input_indices)
         targets = tuple(item.input_grads[i] for i in item.grad_input_indices)
         targets += item.param_grads or (None,) * len(item.params)
-        accumulators = (None,) * n + (item.accumulators or (None,) * len(item.params))
+        accumulators = (None,) * n + (item.fused_accumulators or (None,) * len(item.params))
         assert item.out_spec is not None
         replay = EmulatedReplay(
             fn=item.request.hooks.wrap(item.request.fn),
@@ -660,10 +731,12 @@ def _capture_emulated(
             grad_targets=targets,
             accumulators=accumulators,
             allow_unused=options.allow_unused_input,
-            hooked_params=item.params if options.param_grads == "autograd" else (),
+            hooked_params=item.params if options.param_grads != "in_graph" else (),
         )
         item.replay_forward = replay.forward
         item.replay_backward = replay.backward
+        if options.param_grads == "auto" and item.accumulators:
+            item.replay_accumulate = accumulate_into(item.accumulators, item.param_grads)
         item.seconds = time.perf_counter() - start
 
 
@@ -730,6 +803,7 @@ def _capture_cuda_graphs(
             del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
+    prime_capture_stream(device)  # cuBLAS's workspaces for the capture stream: not in the pool
     originals = [item for item in captures if item.like is None]
     raise_on_lint_errors([item.probe for item in originals])  # issue 19 hook: before any capture
     for item in captures:
@@ -817,27 +891,36 @@ def _capture_backward(
                 only_inputs=True,
                 allow_unused=options.allow_unused_input,
             )
-            _accumulate(item.accumulators, grads[len(item.grad_input_indices) :])
+            accumulate = accumulate_into(
+                item.fused_accumulators, grads[len(item.grad_input_indices) :]
+            )
+            if accumulate is not None:
+                accumulate()
             if buffers:
                 grads = item.keep_grads(grads, buffers)
             item.copy_into_donor(grads=grads)
         item.place_grads(grads)
         item.replay_backward = backward_graph.replay
         item.graphs.append(backward_graph)
+        if options.param_grads == "auto" and item.accumulators:
+            item.replay_accumulate = _capture_accumulate(item, pool, mode)
     del flat, differentiable
 
 
-def _accumulate(
-    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
-) -> None:
-    """Add the parameter grads into the in-graph accumulators (captured into the graph)."""
-    if not accumulators:
-        return
-    pairs = [
-        (a, g) for a, g in zip(accumulators, grads, strict=True) if a is not None and g is not None
-    ]
-    if pairs:
-        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs])
+def _capture_accumulate(item: _Capture, pool: Any, mode: Any) -> Callable[[], None] | None:
+    """The ``"auto"`` mode's second graph: add the static parameter grads into the accumulators.
+
+    Replayed after the backward graph only when the grads go to ``.grad`` without autograd. It
+    allocates nothing, so it may be captured at any point among the pool's graphs.
+    """
+    accumulate = accumulate_into(item.accumulators, item.param_grads)
+    if accumulate is None:
+        return None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+        accumulate()
+    item.graphs.append(graph)
+    return graph.replay
 
 
 def _layout(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:

@@ -28,7 +28,7 @@ from ._te_precision import FIRST_MICROBATCH, PrecisionArgs, capturing, te_callab
 __all__ = ["diagnostics", "make_graphed_callables", "owned", "reset_slots"]
 
 Backend = Literal["auto", "cuda", "emulate", "eager"]
-ParamGrads = Literal["autograd", "in_graph"]
+ParamGrads = Literal["auto", "autograd", "in_graph"]
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
@@ -45,7 +45,7 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
     buckets: Sequence[Sequence[Any]] | None = None,
     fallback: Fallback = "error",
@@ -74,7 +74,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
     buckets: None = None,
     fallback: Literal["error"] = "error",
@@ -103,7 +103,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
     buckets: Sequence[Sequence[Any]] | None = None,
     fallback: Fallback = "error",
@@ -131,7 +131,7 @@ def make_graphed_callables(
     pool: Any = None,
     backend: Backend = "auto",
     clone_outputs: bool = False,
-    param_grads: ParamGrads = "autograd",
+    param_grads: ParamGrads = "auto",
     capture_error_mode: CaptureErrorMode = "global",
     buckets: Any = None,
     fallback: Fallback = "error",
@@ -182,10 +182,15 @@ def make_graphed_callables(
             ``"auto"`` (default): ``"cuda"`` when a sample tensor is on a CUDA device, else
             ``"emulate"``.
         clone_outputs: return outputs cloned out of the static buffers (see :func:`owned`).
-        param_grads: ``"autograd"`` (default) returns parameter grads through autograd, so
-            hooks and ``DistributedDataParallel`` see them. ``"in_graph"`` adds them into
-            ``.grad`` inside the backward graph: much less host work per replay, the same
-            ``.grad`` values, but no autograd hooks for parameters (refused under DDP).
+        param_grads: how parameter grads reach ``.grad``. ``"auto"`` (default) decides per
+            backward: a plain ``loss.backward()`` adds them into ``.grad`` with a small graph
+            and no per-parameter autograd work, unless a parameter has a hook, the forward ran
+            under ``DistributedDataParallel``, or anomaly mode or ``create_graph`` is on; then,
+            and for ``torch.autograd.grad`` or ``backward(inputs=...)``, they go through
+            autograd. ``"autograd"`` always returns them through autograd. ``"in_graph"`` adds
+            them inside the backward graph and leaves the parameters out of autograd: the
+            least host work per replay, but no parameter hooks, DDP or ``torch.autograd.grad``
+            for parameters (refused where it can tell).
         capture_error_mode: torch's (``"cuda"`` only): under ``"global"`` (default) a CUDA call
             of another thread that is unsafe during capture (a ``cudaMalloc`` by a data loader
             or prefetcher on the same GPU) invalidates the capture; ``"thread_local"`` lets

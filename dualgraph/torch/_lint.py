@@ -32,6 +32,7 @@ import textwrap
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import CaptureError
-from ._op_watch import OpWatch
+from ._op_watch import OpObserver, code_of, tensors_in
 
 __all__ = [
     "CaptureLint",
@@ -204,13 +205,14 @@ def lint(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> LintReport:
 # -- the observer ---------------------------------------------------------------------------------
 
 
-class CaptureLint:
+class CaptureLint(OpObserver):
     """Lint everything that runs inside ``with`` blocks (forward and backward); see :func:`lint`.
 
     ``inputs`` and ``params`` are ``(path, tensor)`` pairs: in-place writes to them are reported
     by that path. ``root`` is the module whose submodule paths name findings (the callable's
-    module). ``generators``: generators a capture registers besides the default CUDA ones (those
-    of Transformer Engine's RNG tracker).
+    module). ``generators``: generators a capture registers besides the default ones (those of
+    Transformer Engine's RNG tracker). ``fn`` is the callable: findings are what runs inside it
+    (or in its backward), never what the code around it (dualgraph's warmup) runs.
     Enter it as often as needed; :meth:`report` collects everything seen so far.
     """
 
@@ -222,9 +224,13 @@ class CaptureLint:
         params: Sequence[tuple[str, torch.Tensor]] = (),
         root: torch.nn.Module | None = None,
         generators: Sequence[Any] = (),
+        fn: Callable[..., Any] | None = None,
     ) -> None:
+        super().__init__()
         self.name = name
         self.root = root
+        # The callable's frame (or its root module's call) bounds the user's code on the stack.
+        self._code = code_of(fn) if fn is not None else code_of(root)
         tensors = [t for _, t in (*inputs, *params)]
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         #: The device a capture runs on; ``None`` on a CPU, where the lint reasons about a GPU.
@@ -237,7 +243,7 @@ class CaptureLint:
                 self._watched[_storage_id(tensor)] = (kind, path)
                 self._versions.append((kind, path, tensor, tensor._version))
         self._mutated: set[str] = set()
-        self._generators = {id(g) for g in generators}
+        self._generators = {_generator_key(g) for g in generators}
         self._findings: dict[tuple[Any, ...], LintFinding] = {}
         self._lock = threading.Lock()
         self._suppressed = 0
@@ -248,29 +254,14 @@ class CaptureLint:
         self._module_names: dict[int, str] | None = None
         # autograd node id -> (node, where the forward made it), until close()
         self._node_sites: dict[int, tuple[Any, tuple[str | None, int | None, str, str]]] = {}
-        self._entered: list[contextlib.ExitStack] = []
 
-    def __enter__(self) -> CaptureLint:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.watching())
-        self._entered.append(stack)
-        return self
+    def contexts(self) -> Sequence[AbstractContextManager[Any]]:
+        """The function mode (Python-level calls); ATen ops come through :meth:`before_op`."""
+        return (_FunctionLint(self),)
 
-    def __exit__(self, *exc: object) -> None:
-        self._entered.pop().close()
-
-    @contextlib.contextmanager
-    def watching(self, *, dispatch: bool = True) -> Iterator[None]:
-        """Lint what runs inside; ``dispatch=False`` leaves the ATen ops to a shared
-        :class:`~dualgraph.torch._op_watch.OpWatch` that calls :meth:`before_op`."""
-        try:
-            with contextlib.ExitStack() as modes:
-                modes.enter_context(_FunctionLint(self))
-                if dispatch:
-                    modes.enter_context(OpWatch(before=[self]))
-                yield
-        finally:
-            self._check_versions()
+    def finish(self) -> None:
+        """Catch in-place writes no op declared, through the version counters."""
+        self._check_versions()
 
     def _check_versions(self) -> None:
         for kind, path, tensor, version in self._versions:
@@ -320,10 +311,12 @@ class CaptureLint:
             kind = torch.device(device).type
         except (TypeError, RuntimeError):
             return None
-        return kind == "cuda" if not self.simulated else kind not in ("cpu", "meta")
+        if kind == "meta":
+            return None  # no data, on no device: neither the host nor the GPU
+        return kind == "cuda" if not self.simulated else kind != "cpu"
 
     def _mark(self, outputs: Any, host: bool) -> None:
-        for tensor in _tensors_in(outputs):
+        for tensor in tensors_in(outputs):
             if host:
                 self._host[tensor] = True
             elif tensor in self._host:
@@ -334,11 +327,16 @@ class CaptureLint:
     def add(self, kind: str, op: str, detail: str) -> None:
         """Record a finding at the current place in the user's code.
 
-        An op of the backward is placed at the forward call that made its autograd node.
+        An op of the backward is placed at the forward call that made its autograd node. A
+        forward op that dualgraph's own code ran around the callable (its warmup bookkeeping) or
+        inside it (a nested graphed module's replay) is not the user's, and is not recorded.
         """
         node = torch._C._current_autograd_node()
         phase = "forward" if node is None else "backward"
-        site = self._site()
+        frame, module, in_callable = self._where()
+        if node is None and not in_callable:
+            return
+        site = _site_of(frame, module)
         if site[0] is None and node is not None:
             known = self._node_sites.get(id(node))
             if known is not None and known[0] is node:
@@ -353,14 +351,6 @@ class CaptureLint:
             seen = self._findings.get(key)
             self._findings[key] = finding if seen is None else replace(seen, count=seen.count + 1)
 
-    def _site(self) -> tuple[str | None, int | None, str, str]:
-        """``(file, line, code, module path)`` of the current place in the user's code."""
-        frame, module = self._where()
-        if frame is None:
-            return None, None, "", module
-        file, line = frame.f_code.co_filename, frame.f_lineno
-        return file, line, linecache.getline(file, line).strip(), module
-
     def _remember_nodes(self, outputs: Sequence[torch.Tensor]) -> None:
         """Note where the forward made each output's autograd node, for the backward's findings."""
         site = None
@@ -369,37 +359,47 @@ class CaptureLint:
             if node is None or id(node) in self._node_sites:
                 continue
             if site is None:
-                site = self._site()
+                frame, module, _ = self._where()
+                site = _site_of(frame, module)
             self._node_sites[id(node)] = (node, site)
 
-    def _where(self) -> tuple[types.FrameType | None, str]:
-        """The first frame of the user's code, and the path of the innermost module running.
+    def _where(self) -> tuple[types.FrameType | None, str, bool]:
+        """The innermost frame of the user's code, the innermost module's path, and whether the
+        current op runs inside the callable (and not in dualgraph's own code).
 
-        Walks out from here through torch's frames and the lint's own; dualgraph's other frames
-        are the layer that called the callable, so the walk stops there (an op of torch's own,
-        such as a backward kernel, has no user frame).
+        Walks out from here to the callable's frame (or its root module's call): torch's frames
+        and the lint's own are skipped; user code is any other frame met before a frame of
+        dualgraph's own, which means dualgraph, not the user, runs the op. An op with no user
+        frame (a backward kernel, a module of torch's own) is "in torch's code". Without a known
+        callable, the walk stops at the first frame of dualgraph, as at the callable's edge.
         """
         frame: types.FrameType | None = sys._getframe(1)
         user: types.FrameType | None = None
         module: torch.nn.Module | None = None
+        bounded = self._code is not None or self.root is not None
+        dualgraph_runs_it = False
         while frame is not None:
             code = frame.f_code
             file = code.co_filename
-            if module is None and code.co_name in _MODULE_CALLS and file == _MODULE_FILE:
-                candidate = frame.f_locals.get("self")
-                if isinstance(candidate, torch.nn.Module):
-                    module = candidate
             if file in _MACHINERY_FILES or file.startswith(_TORCH_DIR):
-                frame = frame.f_back
-                continue
-            if file.startswith(_ADAPTER_DIR):
-                break
-            if user is None:
+                if code.co_name in _MODULE_CALLS and file == _MODULE_FILE:
+                    candidate = frame.f_locals.get("self")
+                    if isinstance(candidate, torch.nn.Module):
+                        if module is None:  # (not `or`: an empty container module is falsy)
+                            module = candidate
+                        if candidate is self.root:
+                            break
+            elif file.startswith(_ADAPTER_DIR):
+                if not bounded:
+                    break
+                dualgraph_runs_it = dualgraph_runs_it or user is None
+            elif user is None and not dualgraph_runs_it:
                 user = frame
-            if module is not None:
+            if code is self._code:
                 break
             frame = frame.f_back
-        return user, self._module_path(module)
+        in_callable = frame is not None or not bounded
+        return user, self._module_path(module), in_callable and not dualgraph_runs_it
 
     def _module_path(self, module: torch.nn.Module | None) -> str:
         if module is None or module is self.root:
@@ -416,7 +416,7 @@ class CaptureLint:
         """Check a call before it runs; ``True`` when it was reported (its inner ops are not)."""
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name in _SYNC_CALLS:
-            tensors = _tensors_in((args, kwargs))
+            tensors = tensors_in((args, kwargs))
             if any(self.on_device(t) for t in tensors):
                 kind = TENSOR_CONTROL_FLOW if name == "Tensor.__bool__" else HOST_SYNC
                 self.add(kind, _SYNC_CALLS[name][0], _SYNC_CALLS[name][1])
@@ -464,12 +464,12 @@ class CaptureLint:
             if self.simulated and isinstance(owner, torch.Tensor) and self.on_device(owner):
                 self._gpu_devices[id(out)] = out
             return
-        outputs = _tensors_in(out)
-        if not outputs:
-            return
+        outputs = tensors_in(out)
+        if not outputs or all(t.is_meta for t in outputs):
+            return  # a meta tensor holds no data, on no device
         if torch._C._current_autograd_node() is None and any(t.grad_fn for t in outputs):
             self._remember_nodes(outputs)
-        inputs = _tensors_in((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         device = kwargs.get("device")
         if name in _MOVES:
             if self.simulated:
@@ -523,7 +523,7 @@ class CaptureLint:
         name, generators, written = checks
         op = f"aten.{name}"
         if name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS:
-            tensors = _tensors_in((args, kwargs))
+            tensors = tensors_in((args, kwargs))
             on_device = [t for t in tensors if self.on_device(t)]
             if name in _SYNC_OPS and on_device:
                 self.add(HOST_SYNC, op, _SYNC_OPS[name])
@@ -537,7 +537,7 @@ class CaptureLint:
         for value in _arguments(generators, args, kwargs):
             if isinstance(value, torch.Generator) and not self._registered(value):
                 self.add(UNREGISTERED_GENERATOR, f"{op}(generator=...)", _GENERATOR)
-        for tensor in _tensors_in(list(_arguments(written, args, kwargs))):
+        for tensor in tensors_in(list(_arguments(written, args, kwargs))):
             watched = self._watched.get(_storage_id(tensor))
             if watched is not None:
                 kind, path = watched
@@ -558,7 +558,7 @@ class CaptureLint:
             source = args[0]
             source_device = source.device
             target_device = kwargs.get("device") or source_device
-        if source_device == target_device:
+        if source_device == target_device or "meta" in (source_device.type, target_device.type):
             return
         if source_device.type == "cuda" and target_device.type != "cuda":
             self.add(HOST_SYNC, op, _DEVICE_TO_HOST)
@@ -568,11 +568,8 @@ class CaptureLint:
             self.add(CROSS_DEVICE_COPY, op, _OTHER_GPU)
 
     def _registered(self, generator: torch.Generator) -> bool:
-        if id(generator) in self._generators:
-            return True
-        if generator.device.type == "cuda" and torch.cuda.is_initialized():
-            return any(generator is g for g in torch.cuda.default_generators)
-        return False
+        key = _generator_key(generator)
+        return key in self._generators or key in _default_generator_keys()
 
 
 class _FunctionLint(TorchFunctionMode):
@@ -754,6 +751,14 @@ _MACHINERY_FILES = frozenset(
 # -- helpers --------------------------------------------------------------------------------------
 
 
+def _site_of(frame: types.FrameType | None, module: str) -> tuple[str | None, int | None, str, str]:
+    """``(file, line, code, module path)`` of ``frame`` (``None``s for no frame: torch's code)."""
+    if frame is None:
+        return None, None, "", module
+    file, line = frame.f_code.co_filename, frame.f_lineno
+    return file, line, linecache.getline(file, line).strip(), module
+
+
 def _call_name(func: Any) -> str:
     """A readable name for what the function mode sees: ``Tensor.item``, ``torch.zeros``."""
     name = getattr(func, "__name__", "") or ""
@@ -770,22 +775,6 @@ def _call_name(func: Any) -> str:
     if module == "torch" or module.startswith("torch."):
         return f"{module}.{qualname}"
     return qualname or repr(func)
-
-
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):  # most calls return one tensor
-        return [tree]
-    found: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, tuple | list):
-            stack.extend(reversed(item))
-        elif isinstance(item, Mapping):
-            stack.extend(reversed(list(item.values())))
-    return found
 
 
 def _move_target(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -823,7 +812,7 @@ def _copies_host_data(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any
         return False
     position = 1 if name == "Tensor.new_tensor" else 0
     data = args[position] if len(args) > position else kwargs.get("data", kwargs.get("obj"))
-    return not _tensors_in(data)
+    return not tensors_in(data)
 
 
 def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
@@ -865,6 +854,23 @@ def _arguments(
     """The values of an op's arguments at ``positions`` (passed by position or by name)."""
     for index, name in positions:
         yield args[index] if index < len(args) else kwargs.get(name)
+
+
+def _generator_key(generator: Any) -> int:
+    """What identifies a generator: its C++ object. A generator reaches the dispatch mode as a
+    new Python object each time (even the default ones), so ``is`` never matches there."""
+    return int(getattr(generator, "_cdata", id(generator)))
+
+
+def _default_generator_keys() -> set[int]:
+    """The default generators, which a capture registers itself, by whatever name the code uses
+    (``torch.cuda.default_generators[i]``, ``torch.default_generator``, ``torch.random``'s...):
+    every CUDA device's, and the CPU's, which on a CPU stands for the GPU's (on a GPU, a CPU
+    generator draws CPU tensors, which are findings of their own)."""
+    keys = {_generator_key(torch.default_generator)}
+    if torch.cuda.is_initialized():
+        keys.update(_generator_key(g) for g in torch.cuda.default_generators)
+    return keys
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

@@ -11,11 +11,18 @@ that it gives, per callable:
 - the activations saved for backward (bytes of the distinct storages the forward made and
   autograd saved);
 - the peak of the tensors alive at once during the forward and the backward;
-- the expected pool size: the live tensors replayed in capture order (all forwards, then all
-  backwards in reverse), each block rounded as the CUDA caching allocator rounds it (512 B), each
-  kind of segment as it sizes them (2 MiB for blocks up to 1 MiB, 20 MiB for blocks under 10 MiB,
-  larger blocks in segments of their own rounded to 2 MiB). It is a model: cuBLAS/cuDNN
-  workspaces are not tensors and do not appear, and fragmentation is ignored.
+- what the graphs keep in the pool: the outputs and grads a capture computes there and keeps as
+  static buffers (the tensors still alive when the backward ends; none for shape buckets on
+  cuda, whose captures copy them to buffers outside the pool);
+- the expected pool size: the allocations and releases replayed in capture order (all forwards,
+  then all backwards in reverse) through a model of the CUDA caching allocator's placement:
+  blocks rounded to 512 B, best fit among the free blocks, blocks split and merged, new segments
+  of 2 MiB for blocks up to 1 MiB, of 20 MiB for blocks under 10 MiB, of their own size rounded
+  to 2 MiB above. Segments are never given back during a capture, so the pool is every segment
+  the replay made: the kept results, the activations and temporaries alive at the peak, and the
+  room the segments leave around them. Allocations that are not tensors do not appear: kernels'
+  scratch (small) and cuBLAS workspaces, which a capture makes for its stream only once per
+  process and thread, before its first capture (see ``_blas_workspaces.py``), outside any pool.
 
 ``make_graphed_callables`` makes the same plan during its first warmup iteration and keeps it in
 ``diagnostics(graphed).memory_plan``, with the pool size measured after capture beside it. A plan
@@ -33,35 +40,41 @@ callable  static in  static out  static grads  saved activations  forward peak .
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
+import itertools
+import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ._op_watch import OpWatch
+from ._op_watch import OpObserver, code_of, tensors_in
 
 __all__ = ["CallableMemory", "MemoryPlan", "MemoryProbe", "memory_plan"]
 
 _KIB = 1024
 _MIB = 1024 * _KIB
 #: The CUDA caching allocator's sizes (c10/cuda/CUDACachingAllocator.cpp, default settings).
-_MIN_BLOCK = 512
-_SMALL_BLOCK = 1 * _MIB  # blocks up to this size come from small segments
+_MIN_BLOCK = 512  # blocks are multiples of this
+_SMALL_BLOCK = 1 * _MIB  # blocks up to this size come from the small pool's segments
 _SMALL_SEGMENT = 2 * _MIB
-_LARGE_SEGMENT = 20 * _MIB  # segment for blocks under _MIN_LARGE_ALLOC
+_LARGE_SEGMENT = 20 * _MIB  # the segment for blocks under _MIN_LARGE_ALLOC
 _MIN_LARGE_ALLOC = 10 * _MIB  # blocks from here get a segment of their own...
 _ROUND_LARGE = 2 * _MIB  # ...rounded up to this
 
 
 @dataclass(frozen=True)
 class CallableMemory:
-    """The memory of one captured callable, in bytes; see the module docstring."""
+    """The memory of one captured callable, in bytes; see the module docstring.
+
+    ``kept_in_pool_bytes`` is the part of ``expected_pool_bytes`` the graphs keep: outputs and
+    grads computed in the pool (blocks as the allocator rounds them).
+    """
 
     name: str
     static_input_bytes: int
@@ -71,19 +84,22 @@ class CallableMemory:
     forward_peak_bytes: int
     backward_peak_bytes: int
     expected_pool_bytes: int
+    kept_in_pool_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     """Per-callable memory and the expected size of the pool all of them share.
 
-    ``pool_bytes`` is the pool's size measured after a CUDA capture (``None`` before capture and
-    off the GPU). ``print(plan)`` shows a table; ``rich`` renders it as a rich table.
+    ``kept_in_pool_bytes`` is what the graphs of all callables keep in that pool. ``pool_bytes``
+    is the pool's size measured after a CUDA capture (``None`` before capture and off the GPU).
+    ``print(plan)`` shows a table; ``rich`` renders it as a rich table.
     """
 
     callables: tuple[CallableMemory, ...]
     expected_pool_bytes: int
     pool_bytes: int | None = None
+    kept_in_pool_bytes: int = 0
 
     def with_measured_pool(self, pool_bytes: int | None) -> MemoryPlan:
         """The same plan with the pool size a capture measured."""
@@ -98,6 +114,7 @@ class MemoryPlan:
             "saved activations",
             "forward peak",
             "backward peak",
+            "kept in pool",
             "pool (expected)",
             "pool (measured)",
         ]
@@ -114,6 +131,7 @@ class MemoryPlan:
                         c.saved_activation_bytes,
                         c.forward_peak_bytes,
                         c.backward_peak_bytes,
+                        c.kept_in_pool_bytes,
                         c.expected_pool_bytes,
                     )
                 ),
@@ -123,7 +141,13 @@ class MemoryPlan:
         ]
         if len(self.callables) > 1:
             rows.append(
-                ["all (one pool)", *[""] * 6, format_bytes(self.expected_pool_bytes), measured]
+                [
+                    "all (one pool)",
+                    *[""] * 6,
+                    format_bytes(self.kept_in_pool_bytes),
+                    format_bytes(self.expected_pool_bytes),
+                    measured,
+                ]
             )
         return titles, rows
 
@@ -156,11 +180,12 @@ def memory_plan(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MemoryP
 
     Runs forward and backward once as :func:`dualgraph.torch.lint` does (inputs cloned, no
     ``.grad`` touched, RNG and buffers put back), on the device of the inputs. Parameter grads
-    are counted as ``param_grads="autograd"`` returns them.
+    are counted as the default ``param_grads="auto"`` holds them: a grad buffer and a ``.grad``
+    accumulator each.
 
     >>> layer = torch.nn.Linear(4, 4)
-    >>> memory_plan(layer, torch.randn(2, 4)).callables[0].static_grad_bytes  # out grad, W, b
-    112
+    >>> memory_plan(layer, torch.randn(2, 4)).callables[0].static_grad_bytes  # out grad, 2x W, b
+    192
     """
     from ._probe import probe_once
 
@@ -169,17 +194,28 @@ def memory_plan(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MemoryP
     return plan
 
 
-def plan_of(probes: Sequence[MemoryProbe], static: Sequence[tuple[int, int, int]]) -> MemoryPlan:
-    """A plan for callables captured together: ``static[i]`` = (input, output, grad) bytes."""
+def plan_of(
+    probes: Sequence[MemoryProbe],
+    static: Sequence[tuple[int, int, int]],
+    *,
+    results_in_pool: bool = True,
+) -> MemoryPlan:
+    """A plan for callables captured together: ``static[i]`` = (input, output, grad) bytes.
+
+    ``results_in_pool=False``: the capture copies outputs and grads into buffers outside the
+    pool and lets the pool's go (shape buckets on cuda): the pool keeps nothing.
+    """
     callables = tuple(
-        probe.callable_memory(*sizes) for probe, sizes in zip(probes, static, strict=True)
+        probe.callable_memory(*sizes, results_in_pool=results_in_pool)
+        for probe, sizes in zip(probes, static, strict=True)
     )
-    pool = _Pool()
-    for probe in probes:
-        pool.replay(probe.forward_events)
-    for probe in reversed(probes):
-        pool.replay(probe.backward_events)
-    return MemoryPlan(callables, pool.expected_bytes())
+    pool = CachingAllocatorModel()
+    for index, probe in enumerate(probes):
+        pool.replay(probe.forward_events, tag=index)
+    for index, probe in reversed(list(enumerate(probes))):
+        pool.replay(probe.backward_events, tag=index)
+    kept = pool.allocated_bytes if results_in_pool else 0
+    return MemoryPlan(callables, pool.reserved_bytes, kept_in_pool_bytes=kept)
 
 
 def format_bytes(n: int) -> str:
@@ -199,8 +235,12 @@ def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 # -- watching one run ----------------------------------------------------------------------------
 
+#: One allocation (``+bytes``) or release (``-bytes``) of the storage ``key`` (unique among the
+#: storages alive at once).
+Event = tuple[int, int]
 
-class MemoryProbe:
+
+class MemoryProbe(OpObserver):
     """Watch the tensors a callable's forward and backward allocate; see the module docstring.
 
     Enter it around the forward and around the backward (once, or each in its own ``with``).
@@ -210,37 +250,23 @@ class MemoryProbe:
     """
 
     def __init__(self, name: str, fn: Callable[..., Any] | None = None) -> None:
+        super().__init__()
         self.name = name
-        self._code = _code_of(fn)
+        self._code = code_of(fn)
         # re-entrant: a release (a weakref callback) can run inside the bookkeeping, when an
         # allocation there starts a garbage collection
         self._lock = threading.RLock()
-        self._sizes: dict[int, int] = {}  # storage id -> block size, for storages alive now
+        self._sizes: dict[int, int] = {}  # storage key -> bytes, for storages alive now
         self._refs: dict[int, weakref.ref[Any]] = {}
-        self._saved: dict[int, int] = {}  # storage id -> bytes, of saved activations
-        self._events: list[tuple[bool, int]] = []  # (in backward, +/- block size)
+        self._saved: dict[int, int] = {}  # storage key -> bytes, of saved activations
+        self._events: list[Event] = []
         self._first_backward: int | None = None
         self._last_backward = -1
-        self._entered: list[contextlib.ExitStack] = []
 
-    def __enter__(self) -> MemoryProbe:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.watching())
-        self._entered.append(stack)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._entered.pop().close()
-
-    @contextlib.contextmanager
-    def watching(self, *, dispatch: bool = True) -> Iterator[None]:
-        """Watch what runs inside; ``dispatch=False`` leaves the ATen ops to a shared
-        :class:`~dualgraph.torch._op_watch.OpWatch` that calls :meth:`after_op`."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks()))
-            if dispatch:
-                stack.enter_context(OpWatch(after=[self]))
-            yield
+    def contexts(self) -> Sequence[AbstractContextManager[Any]]:
+        """Saved-tensor hooks that count what autograd saves; ATen ops come through
+        :meth:`after_op`."""
+        return (torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks()),)
 
     def close(self) -> None:
         """Stop following releases (what is alive now stays counted as alive)."""
@@ -250,27 +276,33 @@ class MemoryProbe:
     # -- what it measured ------------------------------------------------------------------------
 
     @property
-    def forward_events(self) -> list[int]:
-        """Block sizes allocated (+) and released (-) during the forward, in order."""
+    def forward_events(self) -> list[Event]:
+        """Storages allocated and released during the forward, in order."""
         end = len(self._events) if self._first_backward is None else self._first_backward
-        return [delta for _, delta in self._events[:end]]
+        return self._events[:end]
 
     @property
-    def backward_events(self) -> list[int]:
+    def backward_events(self) -> list[Event]:
         """The same during the backward, up to its last op (later releases are outputs'/grads')."""
         if self._first_backward is None:
             return []
-        return [delta for _, delta in self._events[self._first_backward : self._last_backward + 1]]
+        return self._events[self._first_backward : self._last_backward + 1]
 
     def callable_memory(
-        self, static_input_bytes: int, static_output_bytes: int, static_grad_bytes: int
+        self,
+        static_input_bytes: int,
+        static_output_bytes: int,
+        static_grad_bytes: int,
+        *,
+        results_in_pool: bool = True,
     ) -> CallableMemory:
-        forward, backward = _Pool(), _Pool()
+        forward = _LiveBytes()
         forward.replay(self.forward_events)
+        backward = _LiveBytes()
         backward.replay(self.forward_events)
-        backward.reset_peak()
+        backward.peak = backward.live
         backward.replay(self.backward_events)
-        alone = _Pool()
+        alone = CachingAllocatorModel()
         alone.replay(self.forward_events)
         alone.replay(self.backward_events)
         return CallableMemory(
@@ -279,9 +311,10 @@ class MemoryProbe:
             static_output_bytes=static_output_bytes,
             static_grad_bytes=static_grad_bytes,
             saved_activation_bytes=sum(self._saved.values()),
-            forward_peak_bytes=forward.peak_bytes(),
-            backward_peak_bytes=backward.peak_bytes(),
-            expected_pool_bytes=alone.expected_bytes(),
+            forward_peak_bytes=forward.peak,
+            backward_peak_bytes=backward.peak,
+            expected_pool_bytes=alone.reserved_bytes,
+            kept_in_pool_bytes=alone.allocated_bytes if results_in_pool else 0,
         )
 
     # -- bookkeeping -----------------------------------------------------------------------------
@@ -301,7 +334,7 @@ class MemoryProbe:
         elif _returns_alias(func) or (self._first_backward is None and not self._inside_callable()):
             return
         argument_storages: set[int] | None = None
-        for tensor in _tensors_in(out):
+        for tensor in tensors_in(out):
             storage = _storage_of(tensor)
             if storage is None:
                 continue
@@ -310,13 +343,13 @@ class MemoryProbe:
                 continue
             if argument_storages is None:  # an op whose schema hides an alias (_unsafe_view)
                 argument_storages = _storages_of((*args, *kwargs.values()))
-            if key in argument_storages or storage.nbytes() == 0:
+            if key in argument_storages or storage.nbytes() == 0 or tensor.is_meta:
                 continue
-            size = _block_size(storage.nbytes())
+            size = storage.nbytes()
             with self._lock:
                 self._sizes[key] = size
                 self._refs[key] = weakref.ref(storage, functools.partial(self._released, key))
-                self._events.append((in_backward, size))
+                self._events.append((key, size))
         if in_backward:  # what happened up to here (releases included) was during the backward
             with self._lock:
                 self._last_backward = len(self._events) - 1
@@ -326,7 +359,7 @@ class MemoryProbe:
             size = self._sizes.pop(key, None)
             if self._refs.pop(key, None) is None or size is None:
                 return  # released after close(), or never counted
-            self._events.append((self._first_backward is not None, -size))
+            self._events.append((key, -size))
 
     def note_saved(self, tensors: Sequence[Any]) -> None:
         """Count tensors saved for backward that another pack hook collected.
@@ -365,8 +398,6 @@ class MemoryProbe:
     def _inside_callable(self) -> bool:
         if self._code is None:
             return True
-        import sys
-
         frame = sys._getframe(3)
         while frame is not None:
             if frame.f_code is self._code:
@@ -375,38 +406,109 @@ class MemoryProbe:
         return False
 
 
-class _Pool:
-    """Live bytes by kind of segment, their peaks, and the segments those peaks need."""
+# -- the pool, as the caching allocator would lay it out ----------------------------------------
+
+
+class _LiveBytes:
+    """Bytes of the storages alive at once (as the allocator's blocks), and their peak."""
 
     def __init__(self) -> None:
-        self.live = [0, 0, 0]  # small blocks, blocks under 10 MiB, larger blocks
-        self.peak = [0, 0, 0]
-        self.total = 0
-        self.total_peak = 0
+        self.live = 0
+        self.peak = 0
 
-    def replay(self, events: Sequence[int]) -> None:
-        for delta in events:
-            kind = _segment_kind(abs(delta))
-            self.live[kind] += delta
-            self.total += delta
+    def replay(self, events: Sequence[Event]) -> None:
+        for _, delta in events:
+            self.live += _round_size(delta) if delta > 0 else -_round_size(-delta)
+            self.peak = max(self.peak, self.live)
+
+
+@dataclass
+class _Block:
+    start: int
+    size: int
+    segment: int
+    small: bool
+    free: bool = True
+
+
+@dataclass
+class CachingAllocatorModel:
+    """Where the CUDA caching allocator would place a sequence of allocations in one pool.
+
+    A model of its placement with default settings, for one stream (a capture's): a request is
+    rounded up to 512 B; the smallest free block of its kind that fits serves it (the lowest
+    address among equals), split when what remains is a block of its kind (512 B or more in
+    small segments, more than 1 MiB in large ones); a block released merges with free neighbours
+    in its segment; with no block to serve a request, a new segment is made, and never given back
+    (the pool of a graph keeps every segment). ``reserved_bytes`` is then the pool's size.
+
+    >>> pool = CachingAllocatorModel()
+    >>> pool.replay([(1, 32 * _MIB), (2, 8 * _MIB), (1, -32 * _MIB), (3, 16 * _MIB)])
+    >>> pool.reserved_bytes // _MIB, pool.allocated_bytes // _MIB  # 32 MiB and 20 MiB segments
+    (52, 24)
+    """
+
+    reserved_bytes: int = 0
+    allocated_bytes: int = 0
+    _blocks: dict[int, _Block] = field(default_factory=dict)  # by start address
+    _free: dict[bool, set[int]] = field(default_factory=lambda: {True: set(), False: set()})
+    _live: dict[tuple[Any, int], _Block] = field(default_factory=dict)
+    _segments: itertools.count[int] = field(default_factory=itertools.count)
+
+    def replay(self, events: Sequence[Event], tag: Any = None) -> None:
+        """Apply ``events``; ``tag`` keeps apart the storage keys of different callables."""
+        for key, delta in events:
             if delta > 0:
-                self.peak[kind] = max(self.peak[kind], self.live[kind])
-                self.total_peak = max(self.total_peak, self.total)
+                self._live[(tag, key)] = self.malloc(delta)
+            else:
+                block = self._live.pop((tag, key), None)
+                if block is not None:
+                    self.free(block)
 
-    def reset_peak(self) -> None:
-        self.peak = list(self.live)
-        self.total_peak = self.total
+    def malloc(self, nbytes: int) -> _Block:
+        size = _round_size(nbytes)
+        small = size <= _SMALL_BLOCK
+        fits = [self._blocks[s] for s in self._free[small] if self._blocks[s].size >= size]
+        if fits:
+            block = min(fits, key=lambda b: (b.size, b.start))
+            self._free[small].discard(block.start)
+        else:
+            segment = _allocation_size(size)
+            block = _Block(self.reserved_bytes, segment, next(self._segments), small)
+            self._blocks[block.start] = block
+            self.reserved_bytes += segment
+        remaining = block.size - size
+        if remaining >= _MIN_BLOCK if small else remaining > _SMALL_BLOCK:
+            rest = _Block(block.start + size, remaining, block.segment, small)
+            self._blocks[rest.start] = rest
+            self._free[small].add(rest.start)
+            block.size = size
+        block.free = False
+        self.allocated_bytes += block.size
+        return block
 
-    def peak_bytes(self) -> int:
-        return self.total_peak
-
-    def expected_bytes(self) -> int:
-        small, medium, large = self.peak
-        return (
-            _round_up(small, _SMALL_SEGMENT)
-            + _round_up(medium, _LARGE_SEGMENT)
-            + _round_up(large, _ROUND_LARGE)
+    def free(self, block: _Block) -> None:
+        block.free = True
+        self.allocated_bytes -= block.size
+        after = self._blocks.get(block.start + block.size)
+        if after is not None and after.free and after.segment == block.segment:
+            self._free[block.small].discard(after.start)
+            del self._blocks[after.start]
+            block.size += after.size
+        before = next(
+            (
+                b
+                for s in self._free[block.small]
+                if (b := self._blocks[s]).start + b.size == block.start
+                and b.segment == block.segment
+            ),
+            None,
         )
+        if before is not None:
+            del self._blocks[block.start]
+            before.size += block.size
+            return
+        self._free[block.small].add(block.start)
 
 
 _RETURNS_ALIAS: dict[Any, bool] = {}
@@ -425,16 +527,18 @@ def _returns_alias(func: Any) -> bool:
     return aliases
 
 
-def _segment_kind(size: int) -> int:
-    if size <= _SMALL_BLOCK:
-        return 0
-    return 1 if size < _MIN_LARGE_ALLOC else 2
-
-
-def _block_size(nbytes: int) -> int:
+def _round_size(nbytes: int) -> int:
     """The size of the block the CUDA caching allocator hands out for ``nbytes``."""
-    size = _round_up(max(nbytes, 1), _MIN_BLOCK)
-    return _round_up(size, _ROUND_LARGE) if size >= _MIN_LARGE_ALLOC else size
+    return _round_up(max(nbytes, 1), _MIN_BLOCK)
+
+
+def _allocation_size(size: int) -> int:
+    """The size of the segment the caching allocator makes for a block of ``size``."""
+    if size <= _SMALL_BLOCK:
+        return _SMALL_SEGMENT
+    if size < _MIN_LARGE_ALLOC:
+        return _LARGE_SEGMENT
+    return _round_up(size, _ROUND_LARGE)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -458,33 +562,3 @@ def _storages_of(arguments: Sequence[Any]) -> set[int]:
                 if storage is not None:
                     keys.add(int(storage._cdata))
     return keys
-
-
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):  # most ops return one tensor
-        return [tree]
-    found: list[torch.Tensor] = []
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, tuple | list):
-            stack.extend(reversed(item))
-        elif isinstance(item, Mapping):
-            stack.extend(reversed(list(item.values())))
-    return found
-
-
-def _code_of(fn: Any) -> Any:
-    """The code object whose frame is on the stack while ``fn`` runs (``None`` if none is)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if isinstance(fn, torch.nn.Module):
-        fn = fn.forward  # an instance-level forward, or the class's
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None and callable(fn):  # an object with a __call__ method
-        call = type(fn).__dict__.get("__call__")
-        code = getattr(call, "__code__", None)
-    return code

@@ -8,7 +8,8 @@ A :class:`ReplayPlan` is frozen. Its parts follow what later work replicates:
 - the specs and index tuples (inputs, outputs, which outputs are differentiable, which inputs
   the callable updates in place): one per input shape, so a shape bucket would get its own.
 - :class:`ParamLayout`: the parameters whose grads the backward computes and how those grads
-  reach ``.grad``, shared by every slot and bucket.
+  reach ``.grad`` (through autograd, added inside the graph, or chosen per backward), shared by
+  every slot and bucket.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ __all__ = ["Backend", "ParamGradsMode", "ParamLayout", "ReplayPlan", "StaticBuff
 
 #: The backends that capture a plan ("eager" has none).
 Backend = Literal["cuda", "emulate"]
-ParamGradsMode = Literal["autograd", "in_graph"]
+#: How parameter grads reach ``.grad``: see :class:`ParamLayout`.
+ParamGradsMode = Literal["auto", "autograd", "in_graph"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,9 +39,11 @@ class StaticBuffers:
     """One set of static buffers and the replays that read and write them.
 
     ``input_grads`` lines up with ``inputs`` (``None`` where an input takes no grad) and
-    ``param_grads`` with :attr:`ParamLayout.params` (``"autograd"`` mode only; ``None`` for a
-    parameter the callable does not use). ``replay_backward`` is ``None`` when nothing
-    differentiable comes out, or nothing takes a grad.
+    ``param_grads`` with :attr:`ParamLayout.params` (``"autograd"`` and ``"auto"`` modes; ``None``
+    for a parameter the callable does not use). ``replay_backward`` is ``None`` when nothing
+    differentiable comes out, or nothing takes a grad. ``replay_accumulate`` (``"auto"`` mode
+    only) adds ``param_grads`` into :attr:`ParamLayout.accumulators`: a second, small graph
+    replayed after the backward graph when the grads go to ``.grad`` without autograd.
     """
 
     inputs: tuple[torch.Tensor, ...]
@@ -50,6 +54,7 @@ class StaticBuffers:
     replay_forward: Callable[[bool], None]
     replay_backward: Callable[[], None] | None
     graphs: tuple[Any, ...] = ()  # CUDA graphs, kept alive with the plan
+    replay_accumulate: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_grads) != len(self.inputs):
@@ -69,12 +74,19 @@ class ParamLayout:
     ``"in_graph"``: the backward graph adds the grads into ``accumulators`` (one per
     parameter, ``None`` for an unused one); a single empty ``anchor`` tensor is the Function's
     only extra input, which keeps the replay in the autograd graph.
+
+    ``"auto"``: both. The parameters and then the ``anchor`` are inputs of the Function (so
+    ``torch.autograd.grad`` and ``backward(inputs=...)`` reach them); each backward either adds
+    the grads into ``accumulators`` itself and hands autograd ``None`` for the parameters (a
+    plain ``.backward()`` that nothing else watches), or hands autograd the grads as
+    ``"autograd"`` does. The anchor's node tells the two kinds of backward apart. As with
+    ``"autograd"``, no parameter's ``AccumulateGrad`` node is kept.
     """
 
     mode: ParamGradsMode
     params: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
-    accumulators: tuple[torch.Tensor | None, ...]  # "in_graph": one per parameter; else None each
+    accumulators: tuple[torch.Tensor | None, ...]  # "in_graph", "auto": one per parameter
     anchor: torch.Tensor | None = None
     anchor_node: Any = None
 
@@ -86,9 +98,12 @@ class ParamLayout:
     @property
     def edges(self) -> tuple[torch.Tensor, ...]:
         """The tensors passed to the replay Function after the inputs."""
+        anchor = () if self.anchor is None else (self.anchor,)
         if self.mode == "autograd":
             return self.params
-        return () if self.anchor is None else (self.anchor,)
+        if self.mode == "auto":
+            return (*self.params, *anchor)
+        return anchor
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,11 +24,12 @@ from typing import Any, Literal, get_args
 import optree
 import torch
 
+from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
-from ._op_watch import OpWatch
+from ._op_watch import OpObserver, observing
 
 __all__ = [
     "LintMode",
@@ -81,11 +82,16 @@ def _probe_once(
     root = module_of(fn)
     args_clone, kwargs_clone, inputs = cloned_inputs(tuple(args), dict(kwargs))
     params = list(root.named_parameters()) if root is not None else []
-    observers: list[CaptureLint | MemoryProbe] = []
+    observers: list[OpObserver] = []
     capture_lint = memory_probe = None
     if lint:
         capture_lint = CaptureLint(
-            name, inputs=inputs, params=params, root=root, generators=_registered_generators()
+            name,
+            inputs=inputs,
+            params=params,
+            root=root,
+            generators=_registered_generators(),
+            fn=fn,
         )
         observers.append(capture_lint)
     if memory:
@@ -94,16 +100,16 @@ def _probe_once(
 
     with _model_kept(root):
         try:
-            with _observed(observers), torch.enable_grad():
+            with observing(observers), torch.enable_grad():
                 outputs = fn(*args_clone, **kwargs_clone)
             flat = [t for t in _leaves(outputs) if isinstance(t, torch.Tensor)]
             differentiable = [t for t in flat if t.requires_grad]
-            targets = [t for _, t in inputs if t.requires_grad]
-            targets += [p for _, p in params if p.requires_grad]
+            inputs_needing_grad = [t for _, t in inputs if t.requires_grad]
+            targets = inputs_needing_grad + [p for _, p in params if p.requires_grad]
             grads: Sequence[torch.Tensor | None] = ()
             if differentiable and targets:
                 cotangents = [torch.ones_like(t) for t in differentiable]
-                with _observed(observers):
+                with observing(observers):
                     grads = torch.autograd.grad(
                         differentiable, targets, cotangents, allow_unused=True
                     )
@@ -112,6 +118,10 @@ def _probe_once(
             if memory_probe is not None:
                 grad_bytes = tensor_bytes(differentiable)
                 grad_bytes += tensor_bytes([g for g in grads if g is not None])
+                # param_grads="auto" (the default) also holds each parameter's .grad accumulator
+                grad_bytes += tensor_bytes(
+                    [g for g in grads[len(inputs_needing_grad) :] if g is not None]
+                )
                 static = (tensor_bytes([t for _, t in inputs]), tensor_bytes(flat), grad_bytes)
                 plan = plan_of([memory_probe], [static])
         finally:
@@ -141,6 +151,7 @@ class WarmupProbe:
         paths: Sequence[str],
         lint: LintMode,
         backend: str = "emulate",
+        results_outside_pool: bool = False,
     ) -> None:
         check_lint_mode(lint)
         # "auto": on emulate the lint is the only thing that can report what a real capture
@@ -159,8 +170,11 @@ class WarmupProbe:
                 params=list(module.named_parameters()) if module is not None else [],
                 root=module,
                 generators=_registered_generators(),
+                fn=fn,
             )
         self.memory = MemoryProbe(name, fn)
+        #: The capture copies outputs and grads out of its pool (shape buckets on cuda).
+        self.results_outside_pool = results_outside_pool
         self.static_input_bytes = tensor_bytes(inputs)
         self.used = False
         self._stack: contextlib.ExitStack | None = None
@@ -169,10 +183,10 @@ class WarmupProbe:
         if not self.used and self.observed:
             self.used = True
             self._stack = contextlib.ExitStack()
-            observers: list[CaptureLint | MemoryProbe] = [self.memory]
+            observers: list[OpObserver] = [self.memory]
             if self.lint is not None:
                 observers.insert(0, self.lint)
-            self._stack.enter_context(_observed(observers))
+            self._stack.enter_context(observing(observers))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,7 +257,8 @@ def attach_probes(diagnostics: Sequence[Any], probes: Sequence[WarmupProbe]) -> 
         (probe.static_input_bytes, d.static_output_bytes, d.static_grad_bytes)
         for probe, d in zip(probes, diagnostics, strict=True)
     ]
-    plan = plan_of([p.memory for p in probes], static)
+    results_in_pool = not probes[0].results_outside_pool
+    plan = plan_of([p.memory for p in probes], static, results_in_pool=results_in_pool)
     pool = diagnostics[0].pool_bytes if diagnostics[0].backend == "cuda" else None
     plan = plan.with_measured_pool(pool)
     for diag in diagnostics:
@@ -267,21 +282,6 @@ def module_of(fn: Any) -> torch.nn.Module | None:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _observed(observers: Sequence[CaptureLint | MemoryProbe]) -> Iterator[None]:
-    """The observers, their ATen ops watched through one dispatch mode (see ``_op_watch``)."""
-    with contextlib.ExitStack() as stack:
-        for observer in observers:
-            stack.enter_context(observer.watching(dispatch=False))
-        stack.enter_context(
-            OpWatch(
-                before=[o for o in observers if isinstance(o, CaptureLint)],
-                after=[o for o in observers if isinstance(o, MemoryProbe)],
-            )
-        )
-        yield
 
 
 @contextlib.contextmanager
@@ -342,26 +342,30 @@ def _leaves(tree: Any) -> list[Any]:
 def cloned_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """Clones of the tensors in ``args``/``kwargs`` (``requires_grad`` kept) and their paths."""
-    inputs: list[tuple[str, torch.Tensor]] = []
+    """Clones of the tensors in ``args``/``kwargs`` (``requires_grad`` kept) and their paths.
 
-    def clone(root: str, tree: Any) -> Any:
-        paths, leaves, treedef = optree.tree_flatten_with_path(
-            tree, none_is_leaf=True, namespace=NAMESPACE
-        )
-        cloned = []
-        for path, leaf in zip(paths, leaves, strict=True):
-            if isinstance(leaf, torch.Tensor):
-                leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
-                inputs.append((root + "".join(_entry(e) for e in path), leaf))
-            cloned.append(leaf)
-        return optree.tree_unflatten(treedef, cloned)
+    The paths are the call spec's (:func:`dualgraph.describe_call`), as the input guard and its
+    errors name leaves: ``args[0]``, ``kwargs['state']['count']``.
 
-    return clone("args", args), clone("kwargs", kwargs), inputs
-
-
-def _entry(entry: Any) -> str:
-    return f"[{entry}]" if isinstance(entry, int) else f"[{entry!r}]"
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> _, kwargs, inputs = cloned_inputs((x,), {"cache": {"n": torch.zeros(1)}})
+    >>> [(path, t.requires_grad, t is x) for path, t in inputs]
+    [('args[0]', True, False), ("kwargs['cache']['n']", False, False)]
+    """
+    spec = describe_call(args, kwargs)
+    leaves = [
+        leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        if isinstance(leaf, torch.Tensor)
+        else leaf
+        for leaf in spec.flatten(args, kwargs)
+    ]
+    args_clone, kwargs_clone = spec.unflatten(leaves)
+    inputs = [
+        (path, leaf)
+        for path, leaf in zip(spec.array_paths, leaves, strict=True)
+        if isinstance(leaf, torch.Tensor)
+    ]
+    return args_clone, kwargs_clone, inputs
 
 
 def _merged(reports: Sequence[LintReport]) -> LintReport:

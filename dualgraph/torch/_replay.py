@@ -6,12 +6,15 @@ forward and hands back the static outputs, rebuilt into the captured output tree
 leaves and constants restored). Under autograd the replay is one :class:`torch.autograd.Function`
 whose backward copies the incoming grads into the static grad buffers, replays the backward and
 hands the grads on as eager would: input grads as tensors of their own, parameter grads to
-``.grad``. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
+``.grad``, either through autograd or, where nothing needs them to pass through autograd
+(``param_grads="auto"`` in a plain ``.backward()``, or ``"in_graph"``), added into ``.grad``
+by a graph. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
 (``_capture.py`` builds it); :class:`EmulatedReplay` is the ``"emulate"`` backend's stand-in for
-the two graphs.
+the graphs.
 
-The plan's replay hooks (``_replay_hooks.py``) run around the forward and the backward replay;
-Transformer Engine's FP8 autocast check and bookkeeping are among them (``_te_precision.py``).
+The plan's replay hooks (``_replay_hooks.py``) run around the forward and the backward replay
+(``after_backward`` once the parameter grads that a graph adds are in ``.grad``); Transformer
+Engine's FP8 autocast check and bookkeeping are among them (``_te_precision.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 import operator
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,12 +39,23 @@ from ._params import requires_grad_changed, suspended_tensor_hooks
 from ._plan import ReplayPlan
 from ._replay_hooks import ReplayCall
 
-__all__ = ["CudaGraphForward", "EmulatedReplay", "GraphedCallable", "autocast_state"]
+__all__ = [
+    "CudaGraphForward",
+    "EmulatedReplay",
+    "GraphedCallable",
+    "accumulate_into",
+    "autocast_state",
+]
 
 _detach = torch.Tensor.detach
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
+_requires_grad = operator.attrgetter("requires_grad")
+_post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
+_is_anomaly_enabled = torch.is_anomaly_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_storage_use_count = torch._C._storage_Use_Count
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
@@ -65,8 +79,11 @@ class GraphedCallable:
     """
 
     __slots__ = (
+        "_accumulator_names",
         "_accumulators",
         "_ambient_checks",
+        "_anchor_none",
+        "_auto",
         "_autocast",
         "_backward_checks",
         "_backward_generation",
@@ -79,6 +96,7 @@ class GraphedCallable:
         "_grad_outputs",
         "_has_backward",
         "_holder_baseline",
+        "_holder_probes",
         "_hooks",
         "_in_graph_accumulators",
         "_in_graph_expected",
@@ -89,11 +107,13 @@ class GraphedCallable:
         "_module_tensors",
         "_mutated",
         "_nondiff_outputs",
+        "_other_uses",
         "_out_spec",
         "_output_versions",
         "_param_grads",
         "_params",
         "_plan_params",
+        "_replay_accumulate",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -102,15 +122,22 @@ class GraphedCallable:
         "_sentinel_param",
         "_static_inputs",
         "_static_outputs",
+        "_storages",
         "backend",
         "diagnostics",
         "name",
         "plan",
     )
 
-    def __init__(self, plan: ReplayPlan, *, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        plan: ReplayPlan,
+        *,
+        lock: threading.Lock | None = None,
+        other_uses: Callable[[], bool] | None = None,
+    ) -> None:
         # ``lock``: one shared by callables whose graphs share activations (shape buckets), so
-        # that no two of them replay at once.
+        # that no two of them replay at once. ``other_uses``: see _params_used_elsewhere.
         buffers, params = plan.buffers, plan.params
         self.plan = plan
         self.name = plan.name
@@ -134,16 +161,26 @@ class GraphedCallable:
         # input tensors, then the edge tensors (the parameters, or the in-graph anchor).
         self._first_param = 1 + len(buffers.inputs)
         self._edge_nones = (None,) * len(self._edges)
-        self._params = params.params if params.mode == "autograd" else ()
+        through_autograd = params.mode != "in_graph"  # parameters are Function inputs
+        self._params = params.params if through_autograd else ()
         # A tuple of its own (the plan holds another): a static grad referenced from Python only
         # through one container could count as unreferenced, and AccumulateGrad would steal it.
-        self._param_grads = tuple([*buffers.param_grads]) if params.mode == "autograd" else ()
+        self._param_grads = tuple([*buffers.param_grads]) if through_autograd else ()
+        # "auto": the anchor comes last among the Function's inputs, after the parameters.
+        self._anchor_none = (None,) if params.mode == "auto" and params.anchor is not None else ()
+        # "auto": whether a backward may add the parameter grads into .grad itself.
+        self._auto = params.mode == "auto" and buffers.replay_accumulate is not None
+        self._replay_accumulate = buffers.replay_accumulate
+        self._other_uses = other_uses
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
-        # ``torch.autograd.grad``: see ``_is_plain_backward``. The in-graph anchor's node is
-        # ours to keep; a parameter's is looked up during the backward (when the replay's graph
-        # holds it): kept here, it would outlive the step with the stream it was made on.
-        self._sentinel_node = params.anchor_node if params.mode == "in_graph" else None
-        self._sentinel_param = self._params[0] if self._params else None
+        # ``torch.autograd.grad``: see ``_is_plain_backward``. The anchor's node ("in_graph",
+        # "auto") is ours to keep; a parameter's is looked up during the backward (when the
+        # replay's graph holds it): kept here, it would outlive the step with the stream it was
+        # made on.
+        self._sentinel_node = params.anchor_node if params.mode != "autograd" else None
+        self._sentinel_param = (
+            self._params[0] if params.mode == "autograd" and self._params else None
+        )
         self._accumulators = tuple(
             (param, accumulator, name)
             for param, accumulator, name in zip(
@@ -162,13 +199,23 @@ class GraphedCallable:
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
-        self._ddp_check = bool(self._accumulators)
+        self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
+        self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._ddp_check
         self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
-        self._backward_checks = bool(self._saved_outputs) or bool(self._accumulators)
+        self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
+        # Each accumulator with its storage's address for the holder counts; the storage objects
+        # are kept alive here (each adds one constant reference to the memory).
+        self._storages = tuple(acc.untyped_storage() for acc in self._in_graph_accumulators)
+        self._holder_probes = tuple(
+            (param, accumulator, storage._cdata)
+            for (param, accumulator, _), storage in zip(
+                self._accumulators, self._storages, strict=True
+            )
+        )
         self._holder_baseline = self._holder_counts()
 
     # -- what a caller sees -------------------------------------------------------------------
@@ -341,11 +388,20 @@ class GraphedCallable:
         needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
+        under_ddp: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         if not self._lock.acquire(False):
             raise self._busy()
         try:
-            plain = self._is_plain_backward()
+            node = self._sentinel_node
+            if node is not None and _will_engine_execute_node is not None:
+                # _is_plain_backward, inlined for the anchor ("auto", "in_graph"): one query
+                try:
+                    plain = bool(_will_engine_execute_node(node))
+                except RuntimeError:  # raised where torch.autograd.grad captures that leaf
+                    plain = False
+            else:
+                plain = self._is_plain_backward()
             if (
                 generation != self._generation
                 or self._backward_generation == generation
@@ -355,24 +411,68 @@ class GraphedCallable:
             if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
             self._backward_generation = generation
-            hooks, call = self._hooks, self._replay_call
-            if hooks is not None and call is not None:
-                hooks.before_backward(call)
+            call = self._replay_call  # set by a forward only where there are replay hooks
+            if call is not None:
+                self._hooks.before_backward(call)  # type: ignore[union-attr]
             for static, index in self._grad_outputs:
                 grad = grads[index]
                 if grad is None:
                     static.zero_()
                 else:
                     static.copy_(grad)
-            if self._accumulators:
-                self._backward_into_accumulators()
-            else:
-                self._replay_backward()  # type: ignore[misc]
-            if hooks is not None and call is not None:
-                hooks.after_backward(call)
+            if self._plan_params:  # "in_graph": the backward graph adds into .grad
+                self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                if call is not None:
+                    self._hooks.after_backward(call)  # type: ignore[union-attr]
+                return self._hand_out_grads(needs_input_grad, inputs, plain)
+            self._replay_backward()  # type: ignore[misc]
+            if (
+                self._auto
+                and plain
+                and not under_ddp
+                and self._nothing_watches_params()
+                and not self._params_used_elsewhere()
+            ):
+                # "auto": nothing needs the parameter grads to pass through autograd.
+                self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
+                if call is not None:
+                    self._hooks.after_backward(call)  # type: ignore[union-attr]
+                return self._hand_out_grads(needs_input_grad, inputs, plain, params=False)
+            if self._param_grads:
+                self.diagnostics.param_grads_through_autograd += 1
+            if call is not None:
+                self._hooks.after_backward(call)  # type: ignore[union-attr]
             return self._hand_out_grads(needs_input_grad, inputs, plain)
         finally:
             self._lock.release()
+
+    def _nothing_watches_params(self) -> bool:
+        """Whether ``.grad`` may be updated without the parameters' ``AccumulateGrad`` nodes.
+
+        Those nodes run the parameters' hooks (``register_hook``,
+        ``register_post_accumulate_grad_hook``, and so ``register_multi_grad_hook``), skip a
+        parameter frozen since the forward (eager leaves its ``.grad`` alone), and anomaly mode
+        checks the grads handed to them for NaN.
+        """
+        params = self._params
+        return not (
+            any(map(_tensor_hooks, params))
+            or any(map(_post_accumulate_hooks, params))
+            or not all(map(_requires_grad, params))
+            or _is_anomaly_enabled()
+        )
+
+    def _params_used_elsewhere(self) -> bool:
+        """Whether this backward may also bring the parameters grads from another use of them.
+
+        Eager sums the grads a parameter gets from every use in one backward before adding the
+        sum into ``.grad``; ``"auto"`` adding this replay's share into ``.grad`` itself would
+        round differently, so then it hands the grads to autograd. Uses it can see: other slots
+        (:class:`SlotReplay` overrides this), and what ``other_uses`` (given at construction)
+        reports, e.g. a shape-bucketed callable's eager fallback.
+        """
+        other_uses = self._other_uses
+        return other_uses is not None and other_uses()
 
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
         names = self.plan.params.names
@@ -405,11 +505,16 @@ class GraphedCallable:
                         "gradient computation has been modified by an inplace operation); "
                         "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
                     )
-        if self._accumulators:
+        if self._plan_params:
             self._check_in_graph_backward(plain)
 
     def _hand_out_grads(
-        self, needs_input_grad: tuple[bool, ...], inputs: Sequence[torch.Tensor], plain: bool
+        self,
+        needs_input_grad: tuple[bool, ...],
+        inputs: Sequence[torch.Tensor],
+        plain: bool,
+        *,
+        params: bool = True,
     ) -> tuple[torch.Tensor | None, ...]:
         """The grads for autograd, never a static buffer that anyone could keep.
 
@@ -419,6 +524,8 @@ class GraphedCallable:
         delivers it to an ``AccumulateGrad`` (a leaf, a parameter: it copies or adds into
         ``.grad``) or to another replay's backward (it copies into its own static buffer), and
         no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
+
+        ``params=False``: the parameter grads are in ``.grad`` already; autograd gets ``None``.
         """
         result: list[torch.Tensor | None] = [None] * self._first_param
         for position, grad in self._input_grads:
@@ -433,26 +540,35 @@ class GraphedCallable:
                     result[position] = grad
                 else:
                     result[position] = grad.clone()
-        if not self._param_grads:
+        if not params or not self._param_grads:
             return (*result, *self._edge_nones)
         if plain and not any(map(_tensor_hooks, self._params)):
-            return (*result, *self._param_grads)  # each goes straight into its AccumulateGrad
+            # each goes straight into its AccumulateGrad
+            return (*result, *self._param_grads, *self._anchor_none)
         for param_grad, param in zip(self._param_grads, self._params, strict=True):
-            if param_grad is not None and (not plain or param._backward_hooks):
+            if param_grad is not None and not plain and not _will_execute_or_capture(param):
+                param_grad = None  # e.g. torch.autograd.grad(loss, x): not wanted, no copy
+            elif param_grad is not None and (not plain or param._backward_hooks):
                 param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
             result.append(param_grad)
-        return tuple(result)
+        return (*result, *self._anchor_none)
 
     def _is_plain_backward(self) -> bool:
         """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``).
 
-        Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the in-graph anchor):
-        the engine runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it
-        raises for a leaf whose grad is captured).
+        Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the anchor): the engine
+        runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it raises for a
+        leaf whose grad is captured). The anchor, which no caller can name, answers ``True``
+        only in a ``.backward()`` without ``inputs=``, which runs every node it reaches.
         """
         node = self._sentinel_node
-        if node is None and self._sentinel_param is not None:
-            node = _grad_accumulator(self._sentinel_param)
+        param = self._sentinel_param
+        if node is None and param is not None:
+            # Looked up, not kept (this backward's graph holds it): the first parameter's, or,
+            # if it was frozen since the forward (no node to look up then), another's.
+            if not param.requires_grad:
+                param = next((p for p in self._params if p.requires_grad), None)
+            node = None if param is None else _grad_accumulator(param)
         if node is None or _will_engine_execute_node is None:
             return False
         try:
@@ -483,8 +599,10 @@ class GraphedCallable:
                 ".grad. Capture with param_grads='autograd' for that"
             )
 
-    def _backward_into_accumulators(self) -> None:
-        """Replay the backward graph, which adds the parameter grads into static accumulators.
+    def _backward_into_accumulators(self, replay: Callable[[], None]) -> None:
+        """Replay ``replay``, which adds the parameter grads into static accumulators.
+
+        ``replay`` is the backward graph (``"in_graph"``) or the accumulate graph (``"auto"``).
 
         Keeps eager's ``.grad`` contract. A ``.grad`` that is its accumulator is added to in
         place. A ``.grad`` set to ``None`` (``zero_grad``) starts from zero in a tensor nobody
@@ -492,25 +610,30 @@ class GraphedCallable:
         the accumulator, e.g. the old ``.grad``, sees no change). A ``.grad`` the user set is
         added to in place, keeping its identity.
         """
-        if all(map(_is, map(_grad, self._in_graph_params), self._in_graph_accumulators)):
-            self._replay_backward()  # type: ignore[misc]  # every .grad is its accumulator
+        grads = tuple(map(_grad, self._in_graph_params))
+        if all(map(_is, grads, self._in_graph_accumulators)):
+            replay()  # every .grad is its accumulator
             return
-        held = [
-            any(map(operator.gt, counts, baseline))  # more holders than when nobody held it
-            for counts, baseline in zip(self._holder_counts(), self._holder_baseline, strict=True)
-        ]
-        pending = [
-            (param, accumulator, param.grad, accumulator.clone() if shared else None)
-            for (param, accumulator, _), shared in zip(self._accumulators, held, strict=True)
-            if param.grad is not accumulator
-        ]
-        zeroed = [accumulator for _, accumulator, grad, _ in pending if grad is None]
+        pending = []
+        zeroed = []
+        for (param, accumulator, storage), grad, baseline, name in zip(
+            self._holder_probes, grads, self._holder_baseline, self._accumulator_names, strict=True
+        ):
+            if grad is accumulator or (grad is not None and _aliases(grad, accumulator, name)):
+                continue  # the replay adds into .grad's memory itself
+            # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
+            # a view or a detached alias of it is still in use and must not change.
+            held = any(map(operator.gt, _holders(accumulator, storage), baseline))
+            pending.append((param, accumulator, grad, accumulator.clone() if held else None))
+        # Only now, every .grad checked, are the accumulators written.
+        for _, accumulator, grad, _ in pending:
+            if grad is None:
+                zeroed.append(accumulator)
+            else:
+                accumulator.copy_(grad)
         if zeroed:
             torch._foreach_zero_(zeroed)
-        for _, accumulator, grad, _ in pending:
-            if grad is not None:
-                accumulator.copy_(grad)
-        self._replay_backward()  # type: ignore[misc]
+        replay()
         for param, accumulator, grad, saved in pending:
             if grad is not None:
                 grad.copy_(accumulator)
@@ -522,18 +645,55 @@ class GraphedCallable:
                 accumulator.copy_(saved)
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
-        # References to each accumulator from Python, from C++ (another tensor's .grad, a saved
-        # tensor), and to its memory (views). Compared with the counts at construction, taken
-        # through this same method, they tell whether anyone else holds an accumulator.
-        return tuple(_holders(entry[1]) for entry in self._accumulators)
+        # The counts of each accumulator taken the way _backward_into_accumulators takes them
+        # (the same references held on the way), at construction, when nobody else holds one.
+        counts = []
+        for _, accumulator, storage in self._holder_probes:
+            counts.append(_holders(accumulator, storage))
+        return tuple(counts)
 
 
-def _holders(tensor: torch.Tensor) -> tuple[int, int, int]:
-    storage = tensor.untyped_storage()
+def _aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
+    """Whether ``grad`` (a ``.grad`` that is not ``accumulator``) is its memory, laid out alike.
+
+    ``p.grad = p.grad.detach()`` (or ``.data``) makes such a ``.grad``: adding into the
+    accumulator adds into it, as eager adds into ``.grad`` in place. Any other overlap cannot be
+    replayed.
+    """
+    if grad.untyped_storage().data_ptr() != accumulator.untyped_storage().data_ptr():
+        return False
+    if grad.data_ptr() == accumulator.data_ptr() and grad.stride() == accumulator.stride():
+        return True
+    raise DualgraphError(
+        f"{name}: .grad shares memory with the graph's grad buffer in another layout, which a "
+        "replay cannot add into; set .grad to None or to a tensor of its own"
+    )
+
+
+def _will_execute_or_capture(param: torch.Tensor) -> bool:
+    """Whether this backward runs the ``AccumulateGrad`` node of ``param`` or captures its grad.
+
+    The node is looked up, not kept: during a backward through a replay, whose Function has the
+    parameter as an input, it exists already (the lookup makes none).
+    """
+    if _will_engine_execute_node is None:
+        return True
+    if not param.requires_grad:  # frozen since the forward: autograd skips it, as eager does
+        return False
+    try:
+        return bool(_will_engine_execute_node(_grad_accumulator(param)))
+    except RuntimeError:  # raised for a leaf whose grad torch.autograd.grad captures
+        return True
+
+
+def _holders(tensor: torch.Tensor, storage: int) -> tuple[int, int, int]:
+    """References to ``tensor``: from Python, from C++ (another tensor's ``.grad``, a saved
+    tensor, a view's base) and to its memory (``storage``, its storage's ``_cdata``: views,
+    detached aliases)."""
     return (
         sys.getrefcount(tensor),
         tensor._use_count(),  # type: ignore[attr-defined]
-        torch._C._storage_Use_Count(storage._cdata),
+        _storage_use_count(storage),
     )
 
 
@@ -548,19 +708,36 @@ class _Replay(torch.autograd.Function):
         ctx.graphed = graphed
         ctx.inputs = inputs
         ctx.generation = graphed._generation
+        # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
+        # over by the backward, so it is asked now).
+        ctx.under_ddp = graphed._auto and _ddp_is_running()
         ctx.set_materialize_grads(False)
         if graphed._nondiff_outputs:
             ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
         return outputs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        graphed: GraphedCallable = ctx.graphed
-        return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads)
+        if _is_grad_enabled():  # create_graph=True: a second backward must raise
+            return _backward_once_differentiable(ctx, *grads)
+        return _backward_of(ctx, *grads)
+
+
+def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    graphed: GraphedCallable = ctx.graphed
+    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp)
+
+
+# The engine runs a backward with grad mode off (unless create_graph=True), which is all that
+# ``once_differentiable`` needs to do then; its wrapper (a no_grad context) only runs otherwise.
+_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward_of)
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
+# The engine calls a Function's backward node through its ``apply``, which torch defines in
+# Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
+# directly (docs/cuda_graphs.md).
+_REPLAY_BACKWARD.apply = _Replay.backward  # type: ignore[attr-defined]
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 _apply_replay = super(torch.autograd.Function, _Replay).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
@@ -658,25 +835,63 @@ class EmulatedReplay:
         # Parameter hooks run once, when the replay hands the grads to autograd, as after a
         # graph's backward (which has them suspended during capture).
         hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
+        inputs = self._diff_inputs
+        # A parameter frozen since the forward gets no grad (a graph would compute it, and
+        # autograd would skip it); the others are computed as usual.
+        wanted = [k for k, t in enumerate(inputs) if t.requires_grad]
         with hooks:
-            grads = torch.autograd.grad(
+            some = torch.autograd.grad(
                 live,
-                self._diff_inputs,
+                [inputs[k] for k in wanted] if len(wanted) < len(inputs) else inputs,
                 grad_outputs=self._grad_outputs,
                 allow_unused=self._allow_unused,
             )
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for k, computed in zip(wanted, some, strict=True):
+            grads[k] = computed
         for k, target in self._targets:
             grad = grads[k]
             if grad is None:
                 target.zero_()
             else:
                 target.copy_(grad)
-        pairs = [(acc, grads[k]) for k, acc in self._accumulate if grads[k] is not None]
+        pairs = [
+            (acc, g) for acc, g in ((acc, grads[k]) for k, acc in self._accumulate) if g is not None
+        ]
         if pairs:
-            torch._foreach_add_([acc for acc, _ in pairs], [grad for _, grad in pairs])
+            torch._foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
 
     def _any_hooks(self) -> bool:
         return any(map(_tensor_hooks, self._hooked_params))
+
+
+def accumulate_into(
+    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
+) -> Callable[[], None] | None:
+    """A call that adds each grad into its accumulator (one ``_foreach_add_``), or ``None``.
+
+    Pairs where either side is ``None`` (an unused parameter) are left out. Called once inside
+    a capture, it records the addition into a graph; called on every replay, it is the
+    ``"emulate"`` backend's stand-in for that graph.
+
+    >>> total, grad = torch.zeros(2), torch.ones(2)
+    >>> add = accumulate_into([total, None], [grad, torch.ones(3)])
+    >>> add()
+    >>> add()
+    >>> total
+    tensor([2., 2.])
+    """
+    pairs = [
+        (a, g) for a, g in zip(accumulators, grads, strict=False) if a is not None and g is not None
+    ]
+    if not pairs:
+        return None
+    targets, sources = [a for a, _ in pairs], [g for _, g in pairs]
+
+    def accumulate() -> None:
+        torch._foreach_add_(targets, sources)
+
+    return accumulate
 
 
 def autocast_state() -> tuple[Any, ...]:

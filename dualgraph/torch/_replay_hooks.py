@@ -78,8 +78,11 @@ class ReplayHooks:
     - ``before_forward(call)``: after the call's inputs are checked, before the forward replay.
     - ``after_forward(call)``: after it, with ``call.outputs`` set.
     - ``before_backward(call)``, ``after_backward(call)``: around the backward replay of that
-      call (on the ``"eager"`` backend: when the backward reaches the call's outputs, and at
-      the end of that backward pass, since autograd marks no single end of one call's backward).
+      call; ``after_backward`` once the parameter grads a graph adds are in ``.grad``
+      (``param_grads="auto"`` in a plain ``.backward()``, ``"in_graph"``; grads handed to
+      autograd reach ``.grad`` after it). On the ``"eager"`` backend: when the backward reaches
+      the call's outputs, and at the end of that backward pass, since autograd marks no single
+      end of one call's backward.
 
     Hooks return ``None``. An exception a hook raises propagates with a note naming the hook and
     the callable; it aborts that call (a forward hook) or that backward (a backward hook).

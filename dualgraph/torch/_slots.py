@@ -62,6 +62,9 @@ __all__ = [
 ]
 
 _Node = Any  # an autograd node (the replay Function's backward object)
+# Asked only in a plain .backward(), which GraphedCallable finds through the same function (so
+# it exists whenever it is asked).
+_will_engine_execute: Any = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 class SlotReplay(GraphedCallable):
@@ -93,6 +96,7 @@ class SlotReplay(GraphedCallable):
         needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
+        under_ddp: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         front = self._front
         assert front is not None
@@ -101,12 +105,29 @@ class SlotReplay(GraphedCallable):
             raise front._busy()
         try:
             front._gate.check_backward(front, self.index)
-            result = super()._backward(generation, needs_input_grad, inputs, grads)
+            result = super()._backward(generation, needs_input_grad, inputs, grads, under_ddp)
             front._pending[self.index] = None
             front._gate.finished(front, self.index)
             return result
         finally:
             lock.release()
+
+    def _params_used_elsewhere(self) -> bool:
+        """Whether this backward also runs through another slot's replay (``"auto"`` asks).
+
+        Eager sums the grads a parameter gets from every use in one backward, then adds the sum
+        into ``.grad``; adding each slot's grads into ``.grad`` in turn would round differently.
+        Then every slot of this backward hands its grads to autograd, which sums them as eager.
+        """
+        front = self._front
+        assert front is not None
+        for index, recent in enumerate(front._recent):
+            if index == self.index or recent is None:
+                continue
+            node = recent()
+            if node is not None and _will_engine_execute(node):
+                return True
+        return False
 
 
 class SlottedCallable:
@@ -119,7 +140,16 @@ class SlottedCallable:
     :class:`GraphedCallable`.
     """
 
-    __slots__ = ("_gate", "_lock", "_pending", "_replays", "_unique_bytes", "backend", "name")
+    __slots__ = (
+        "_gate",
+        "_lock",
+        "_pending",
+        "_recent",
+        "_replays",
+        "_unique_bytes",
+        "backend",
+        "name",
+    )
 
     def __init__(self, replays: Sequence[SlotReplay], gate: FreeSlots | ScheduleCursor) -> None:
         first = replays[0]
@@ -130,6 +160,9 @@ class SlottedCallable:
         self._lock = gate.lock
         # Per slot: a weak reference to the autograd node of the replay in flight there.
         self._pending: list[weakref.ref[_Node] | None] = [None] * len(replays)
+        # Per slot: the same for its latest replay, kept after its backward has run (until the
+        # node dies), so that another slot's backward can tell whether one backward ran both.
+        self._recent: list[weakref.ref[_Node] | None] = [None] * len(replays)
         for replay in replays:
             replay._front = self
         self._unique_bytes = _buffer_bytes(replays)
@@ -168,6 +201,7 @@ class SlottedCallable:
             capture_seconds=first.capture_seconds,
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
+            param_grads_through_autograd=sum(p.param_grads_through_autograd for p in parts),
             slots=len(self._replays),
             in_flight=self.in_flight,
             reused_buffer_bytes=reused,
@@ -208,7 +242,7 @@ class SlottedCallable:
                 replay._probe = None
             node = None if probe is None else probe.grad_fn
             if node is not None:  # a replay in flight: its backward is to come
-                self._pending[index] = weakref.ref(node)
+                self._pending[index] = self._recent[index] = weakref.ref(node)
                 self._gate.started(self, index)
             elif isinstance(self._gate, ScheduleCursor):
                 raise self._gate.no_backward(self)

@@ -1,0 +1,199 @@
+"""Host time of dualgraph's own per-call path: what a replay costs besides the graphs themselves.
+
+Runs anywhere (``python benchmarks/bench_host_overhead.py``; CPU by default, ``--device cuda``
+on a GPU). Each workload is graphed with the ``"emulate"`` backend (on a GPU also ``"cuda"``),
+then its replays are swapped for no-ops, so a call does everything a real call does (input
+checks, the parameter and ambient checks, the copies into static buffers, the autograd
+Function, the ``.grad`` handling) except running the callable: what is left is the adapter's
+host cost, the number a CUDA replay adds to its graph launches. ``eager`` (the plain blocks)
+and ``empty`` (the same step with the blocks taken out) frame it.
+
+A step is: a fresh leaf input, every block called in turn, ``h.sum().backward()``; parameter
+grads accumulate across steps. Medians of ``--rounds`` interleaved rounds of ``--steps``
+steps, in microseconds per step (CPU time of the process on a CPU, one torch thread; wall
+time on a GPU); ``--baseline DIR`` also loads ``DIR/dualgraph`` (another
+version of the package) to compare in one run.
+
+Workloads: ``tiny`` (one ``Linear(64, 64)``, batch 8) and ``vit`` (12
+``dualgraph.models.torch_vit.ViTBlock``, dim 64, 4 heads, 8 tokens, batch 2, per-block
+callables; small sizes, since only the host path is timed), and ``vit-encoder`` (the same 12
+blocks graphed as one callable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
+
+import torch
+from torch import nn
+
+import dualgraph.torch as dgt
+from dualgraph.models.torch_vit import ViTBlock
+
+Step = Callable[[], None]
+MODES = ("auto", "autograd", "in_graph")
+
+
+class Tiny(nn.Module):
+    """One ``Linear`` returning ``(y, None)``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.fc(x), None
+
+
+class Stack(nn.Module):
+    """Blocks as one callable returning ``(hidden, None)``."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for block in self.blocks:
+            x = block(x)[0]
+        return x, None
+
+
+def make_blocks(workload: str, device: torch.device) -> tuple[list[nn.Module], tuple[int, ...]]:
+    torch.manual_seed(0)
+    if workload == "tiny":
+        return [Tiny(64).to(device)], (8, 64)
+    blocks: list[nn.Module] = [ViTBlock(64, 4).to(device) for _ in range(12)]
+    if workload == "vit-encoder":
+        return [Stack(blocks)], (2, 8, 64)
+    return blocks, (2, 8, 64)
+
+
+def step_of(blocks: list[Any], shape: tuple[int, ...], device: torch.device) -> Step:
+    inputs = torch.randn(*shape, device=device)
+
+    def step() -> None:
+        x = inputs.detach().requires_grad_()
+        for block in blocks:
+            x = block(x)[0]
+        x.sum().backward()
+
+    return step
+
+
+def without_replays(package: Any, module: nn.Module) -> None:
+    """Make every replay of a graphed module a no-op: only the adapter's own path is left."""
+    runner = importlib.import_module(package.__name__ + "._modules").runner_of(module)
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    for slot in ("_replay_forward", "_replay_backward", "_replay_accumulate"):
+        if getattr(runner, slot, None) is not None:
+            setattr(runner, slot, nothing)
+
+
+def build(
+    workload: str, device: torch.device, backends: list[str], packages: dict[str, Any]
+) -> dict[str, Step]:
+    variants: dict[str, Step] = {}
+    blocks, shape = make_blocks(workload, device)
+    variants["eager"] = step_of(blocks, shape, device)
+    variants["empty"] = step_of([], shape, device)
+    for suffix, package in packages.items():
+        for backend in backends:
+            for mode in MODES:
+                if mode not in get_args(package._graphed.ParamGrads):
+                    continue  # an older version without this mode
+                blocks, shape = make_blocks(workload, device)
+                sample = tuple(
+                    (torch.randn(*shape, device=device, requires_grad=True),) for _ in blocks
+                )
+                graphed = package.make_graphed_callables(
+                    tuple(blocks), sample, backend=backend, param_grads=mode
+                )
+                for block in graphed:
+                    without_replays(package, block)
+                variants[f"{backend}-{mode}{suffix}"] = step_of(list(graphed), shape, device)
+    return variants
+
+
+def time_steps(variants: dict[str, Step], rounds: int, steps: int, device: torch.device) -> Any:
+    # On a CPU the whole step runs in this process's one thread: its CPU time is what other
+    # processes on a shared machine cannot inflate. On a GPU the backward runs on autograd's
+    # device thread, so wall time is taken (the GPU idles: the replays are no-ops).
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for step in variants.values():
+        for _ in range(3):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, step in variants.items():
+            sync()
+            start = clock()
+            for _ in range(steps):
+                step()
+            samples[name].append((clock() - start) / steps * 1e6)
+            sync()
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def baseline_package(directory: str) -> Any:
+    root = Path(directory) / "dualgraph"
+    spec = importlib.util.spec_from_file_location(
+        "dualgraph_baseline", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dualgraph_baseline"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("dualgraph_baseline.torch")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--workloads", nargs="+", default=["tiny", "vit", "vit-encoder"],
+        choices=["tiny", "vit", "vit-encoder"],
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--baseline", default="", help="a directory holding another dualgraph/")
+    parser.add_argument("--json", default="", help="write every number here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(1)  # host overhead is one thread's work; more threads only contend
+    backends = ["emulate"] + (["cuda"] if device.type == "cuda" else [])
+    packages = {"": dgt} | ({"-before": baseline_package(args.baseline)} if args.baseline else {})
+    results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
+    for workload in args.workloads:
+        times = time_steps(
+            build(workload, device, backends, packages), args.rounds, args.steps, device
+        )
+        results[workload] = times
+        empty = times["empty"]
+        print(f"\n{workload}: us per step (fwd+bwd), medians of {args.rounds} rounds")
+        print("| variant | us/step | minus empty step |")
+        print("| --- | ---: | ---: |")
+        for name, us in times.items():
+            print(f"| {name} | {us:.1f} | {us - empty:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
