@@ -8,6 +8,7 @@ GitHub does not render and that says why the block is not simply run:
 - ``<!-- not-run: REASON -->``: an illustration, not a program (skipped with REASON, so that
   pytest's summary lists it);
 - ``<!-- needs-cuda -->``: run only where a CUDA device is (the ``cuda`` mark);
+- ``<!-- needs-te -->``: run only where a CUDA device is and Transformer Engine is installed;
 - ``<!-- known-broken: REASON -->``: run, and expected to fail until the fix named in REASON
   lands (a strict xfail: once the block runs, the test fails until the marker is removed).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -29,7 +31,8 @@ README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\S*)\s*$")
 MARKER = re.compile(r"^<!--\s*(?P<kind>[a-z-]+)(?::\s*(?P<reason>.*?))?\s*-->$")
 KINDS_WITH_REASON = {"not-run", "known-broken", "signature"}
-KINDS = {*KINDS_WITH_REASON, "needs-cuda"}
+KINDS = {*KINDS_WITH_REASON, "needs-cuda", "needs-te"}
+_HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,10 @@ def _param(block: Block) -> object:
     marks: list[pytest.MarkDecorator] = []
     if block.marker == "not-run":
         marks.append(pytest.mark.skip(reason=f"README block not run: {block.reason}"))
-    if block.marker == "needs-cuda":
+    if block.marker in ("needs-cuda", "needs-te"):
         marks.append(pytest.mark.cuda)
+    if block.marker == "needs-te" and not _HAS_TE:
+        marks.append(pytest.mark.skip(reason="needs transformer-engine (the [te] extra)"))
     if block.marker == "known-broken":
         reason = f"{block.reason}; once this block runs, remove its known-broken marker"
         marks.append(pytest.mark.xfail(strict=True, reason=reason))

@@ -147,6 +147,8 @@ def test_test_only_internals_are_not_exported() -> None:
         "LintFinding",
         "LintReport",
         "MemoryPlan",
+        "ReplayCall",
+        "ReplayHooks",
         "VerifyReport",
         "Schedule",
         "SlottedCallable",

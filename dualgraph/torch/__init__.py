@@ -15,6 +15,7 @@ from ._lint import CaptureLintError, LintFinding, LintReport, lint
 from ._memory_plan import CallableMemory, MemoryPlan, memory_plan
 from ._modules import restore
 from ._replay import GraphedCallable
+from ._replay_hooks import ReplayCall, ReplayHooks
 from ._schedule import Schedule
 from ._slots import SlottedCallable
 from ._verify import LeafCheck, VerifyReport, verify
@@ -32,6 +33,8 @@ __all__ = [
     "LintFinding",
     "LintReport",
     "MemoryPlan",
+    "ReplayCall",
+    "ReplayHooks",
     "VerifyReport",
     "Schedule",
     "SlottedCallable",

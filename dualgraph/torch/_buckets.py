@@ -48,11 +48,14 @@ from .._spec import TreeSpec, describe
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
+from ._params import grad_buffer_like, is_tensor_subclass
 from ._replay import GraphedCallable
+from ._replay_hooks import call_eagerly
 
 __all__ = [
     "VALID_LENGTH",
@@ -232,6 +235,7 @@ class BucketedCallable:
         diagnostics: BucketedDiagnostics,
         out_spec: TreeSpec | None,
         eager_graphs: EagerGraphs | None = None,
+        hooks: CallableHooks = NO_HOOKS,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -256,6 +260,7 @@ class BucketedCallable:
         self._graphed = diagnostics.backend != "eager"
         self._last: _Bucket | None = None
         self._eager_graphs = eager_graphs
+        self._hooks = hooks  # for calls that fall back to eager
 
     @property
     def diagnostics(self) -> BucketedDiagnostics:
@@ -347,7 +352,13 @@ class BucketedCallable:
                     self.name,
                     self._show(shapes),
                 )
-            outputs = self.fn(*args, **kwargs)
+            replay_hooks = self._hooks.replay
+            if replay_hooks is None:
+                outputs = self.fn(*args, **kwargs)
+            else:  # the hooks run around an eager call as around a replay
+                outputs = call_eagerly(
+                    replay_hooks, self.fn, args, kwargs, check=_checked, run=self._hooks.run_eager
+                )
             self._check_outputs(outputs)
             if self._eager_graphs is not None and self._out_spec is not None:
                 self._eager_graphs.track(self._out_spec.flatten(outputs))
@@ -616,6 +627,7 @@ class BucketRequest:
     fallback: Fallback = "error"
     dynamic_dims: Mapping[str, int] | None = None
     shared_lock: threading.Lock = field(default_factory=threading.Lock)
+    hooks: CallableHooks = NO_HOOKS
 
 
 def capture_buckets(request: BucketRequest) -> BucketedCallable:
@@ -664,7 +676,9 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
     if request.options is None:  # the "eager" backend: input checks, no graphs
         for i, (args, kwargs) in enumerate(samples):
             kwargs = _with_length(kwargs, full_lengths[i])
-            runners[i] = EagerCallable(names[i], request.fn, InputGuard(args, kwargs))
+            runners[i] = EagerCallable(
+                names[i], request.fn, InputGuard(args, kwargs), request.hooks
+            )
     else:
         options = request.options
         if options.pool is not None:
@@ -679,7 +693,9 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         shared = _shared_param_grads(request.module)
         # "auto": the accumulators too (the parameters' .grad), one each for every bucket
         accumulators = (
-            _shared_param_grads(request.module) if options.param_grads == "auto" else None
+            _shared_param_grads(request.module)
+            if options.param_grads == "auto" and not _any_tensor_subclass(request.module)
+            else None
         )
         before = 0
         for rank, i in enumerate(_largest_first(samples, guards)):
@@ -696,6 +712,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
                         sample_tensors=tuple(inputs.tensors(args, kwargs)),
                         param_grad_buffers=shared,
                         param_accumulators=accumulators,
+                        hooks=request.hooks,
                     )
                 ],
                 options,
@@ -756,7 +773,12 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         diagnostics=summary,
         out_spec=plans[0].outputs if plans[0] is not None else None,
         eager_graphs=eager_graphs,
+        hooks=request.hooks,
     )
+
+
+def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """An eager fallback's inputs were checked before the fallback was chosen."""
 
 
 def _bucket_guards(
@@ -955,7 +977,14 @@ def _shared_param_grads(module: torch.nn.Module | None) -> tuple[torch.Tensor, .
     """One grad buffer (or accumulator) per trainable parameter, for every bucket."""
     if module is None:
         return None
-    return tuple(torch.zeros_like(p) for _, p in module.named_parameters() if p.requires_grad)
+    return tuple(grad_buffer_like(p) for _, p in module.named_parameters() if p.requires_grad)
+
+
+def _any_tensor_subclass(module: torch.nn.Module | None) -> bool:
+    """Whether a trainable parameter is a tensor subclass ("auto" then takes autograd)."""
+    return module is not None and any(
+        is_tensor_subclass(p) for p in module.parameters() if p.requires_grad
+    )
 
 
 def _unique_grad_bytes(plans: Sequence[Any]) -> int:

@@ -50,10 +50,11 @@ from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec, describe
 from ._blas_workspaces import prime_capture_stream
 from ._diagnostics import CaptureDiagnostics
+from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard, unsupported_tensor
 from ._leaves import dtype_name
 from ._lint import CaptureLintError
-from ._params import ModuleTensors, suspended_tensor_hooks
+from ._params import ModuleTensors, is_tensor_subclass, suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ParamLayout, ReplayPlan, StaticBuffers
 from ._probe import (
     LintMode,
@@ -63,7 +64,7 @@ from ._probe import (
     with_lint_findings,
 )
 from ._replay import CudaGraphForward, EmulatedReplay, accumulate_into, autocast_state
-from ._transformer_engine import fp8_state, transformer_engine_capture
+from ._transformer_engine import transformer_engine_capture
 
 __all__ = [
     "CaptureLayout",
@@ -92,6 +93,9 @@ class CaptureRequest:
     # "auto": the accumulators (the parameters' .grad) its accumulate graph adds those grads into,
     # shared the same way. ``None``: new ones.
     param_accumulators: tuple[torch.Tensor, ...] | None = None
+    # What runs around the callable besides its graphs: the context of its Python, capture-time
+    # hooks around each warmup and capture forward and backward, replay hooks (``_hooks.py``).
+    hooks: CallableHooks = NO_HOOKS
 
 
 @dataclass(frozen=True)
@@ -291,12 +295,24 @@ class _Capture:
                         "(the backward graph adds the grad into .grad itself); capture with "
                         "param_grads='autograd' to use parameter hooks"
                     )
+            for name, param in zip(self.param_names, self.params, strict=True):
+                if is_tensor_subclass(param):
+                    raise _Refused(
+                        f"{name} is a {type(param).__name__} (a tensor subclass, e.g. "
+                        "Transformer Engine's FP8 weights), whose grads param_grads='in_graph' "
+                        "cannot add into .grad as eager does; capture with param_grads='auto' "
+                        "or 'autograd'"
+                    )
         # "auto" adds grads into .grad itself only where each parameter's grad comes from this
         # callable alone. Eager sums the grads of a parameter that several callables use (tied
         # weights) before adding them to .grad; adding them one callable at a time would round
         # differently, so such callables hand their grads to autograd, which sums them first.
+        # So do callables with a tensor-subclass parameter (Transformer Engine's FP8 weights):
+        # eager's .grad of one is a plain tensor that AccumulateGrad makes.
         self.in_graph_grads = options.param_grads == "in_graph" or (
-            options.param_grads == "auto" and not any(id(p) in shared for p in self.params)
+            options.param_grads == "auto"
+            and not any(id(p) in shared for p in self.params)
+            and not any(map(is_tensor_subclass, self.params))
         )
         given = (
             self.request.param_grad_buffers
@@ -350,7 +366,7 @@ class _Capture:
         self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
 
     def run(self) -> Any:
-        return self.request.fn(*self.static_args, **self.static_kwargs)
+        return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
 
     @property
     def fused_accumulators(self) -> tuple[torch.Tensor | None, ...]:
@@ -543,7 +559,7 @@ class _Capture:
             buffers=buffers,
             clone_outputs=options.clone_outputs,
             autocast=autocast_state(),
-            fp8=fp8_state(),
+            replay_hooks=self.request.hooks.replay,
             diagnostics=diagnostics,
         )
 
@@ -563,7 +579,7 @@ def _warmup(
     """One eager forward and backward on the static buffers; the first one is inspected."""
     before = [t._version for t in item.static_inputs]
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
-    with torch.enable_grad():
+    with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
             with saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
                 outputs = item.run()
@@ -579,14 +595,15 @@ def _warmup(
     diff_inputs = item.diff_inputs()
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
-        grads = tuple(
-            torch.autograd.grad(
-                differentiable,
-                diff_inputs,
-                grad_outputs=[torch.ones_like(t) for t in differentiable],
-                allow_unused=allow_unused,
+        with item.request.hooks.around("backward"):
+            grads = tuple(
+                torch.autograd.grad(
+                    differentiable,
+                    diff_inputs,
+                    grad_outputs=[torch.ones_like(t) for t in differentiable],
+                    allow_unused=allow_unused,
+                )
             )
-        )
     paths = item.request.inputs.paths
     for i, (v0, v1, t) in enumerate(zip(before, after_forward, item.static_inputs, strict=True)):
         if t._version != v1:
@@ -684,7 +701,7 @@ def _capture_emulated(
         else:
             item.learn_from(item.like)
         progress.phase = "capture"
-        with torch.enable_grad():
+        with torch.enable_grad(), item.request.hooks.around("forward"):
             flat = item.record_outputs(item.run())
         donor = item.buffers_from
         item.static_outputs = (
@@ -703,7 +720,7 @@ def _capture_emulated(
         accumulators = (None,) * n + (item.fused_accumulators or (None,) * len(item.params))
         assert item.out_spec is not None
         replay = EmulatedReplay(
-            fn=item.request.fn,
+            fn=item.request.hooks.wrap(item.request.fn),
             static_args=item.static_args,
             static_kwargs=item.static_kwargs,
             out_spec=item.out_spec,
@@ -814,7 +831,10 @@ def _capture_cuda_graphs(
         # outside the pool (results_outside_pool), unless the outputs go into a donor's buffers
         layouts = item.output_layouts if item.buffers_from is None else ()
         kept = tuple(_empty(layout) for layout in layouts)
-        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode):
+        with (
+            item.request.hooks.around("forward"),  # capture-time hooks: outside the graph
+            torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode),
+        ):
             flat = item.record_outputs(item.run())  # (reads Python objects only)
             for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
                 static.copy_(tensor.detach())
@@ -860,7 +880,10 @@ def _capture_backward(
         item.grad_layouts = ()
         backward_graph = _new_graph(extra_generators)
         grads: tuple[torch.Tensor | None, ...]
-        with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode):
+        with (
+            item.request.hooks.around("backward"),  # capture-time hooks: outside the graph
+            torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode),
+        ):
             grads = torch.autograd.grad(
                 differentiable,
                 diff_inputs,

@@ -15,13 +15,15 @@ from ._buckets import BucketedCallable, BucketRequest, Fallback, capture_buckets
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._hooks import hooks_per_callable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
 from ._probe import LintMode
 from ._replay import GraphedCallable
+from ._replay_hooks import ReplayHooks
 from ._schedule import Schedule
 from ._slots import SlottedCallable, capture_slotted, checked_slots, reset_slots_of
-from ._transformer_engine import refuse_delayed_scaling
+from ._te_precision import FIRST_MICROBATCH, PrecisionArgs, capturing, te_callables
 
 __all__ = ["diagnostics", "make_graphed_callables", "owned", "reset_slots"]
 
@@ -51,6 +53,13 @@ def make_graphed_callables(  # type: ignore[overload-overlap]
     lint: LintMode = "auto",
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
+    replay_hooks: ReplayHooks | Sequence[ReplayHooks | None] | None = None,
+    capture_time_hooks: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
+    enabled: bool | Sequence[bool] | None = None,
+    recipe: Any = None,
+    amax_reduction_group: Any = None,
+    calibrating: bool | Sequence[bool] | None = None,
+    cache_quantized_params: bool = False,
 ) -> ModuleT: ...
 
 
@@ -73,6 +82,13 @@ def make_graphed_callables(
     lint: LintMode = "auto",
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
+    replay_hooks: ReplayHooks | Sequence[ReplayHooks | None] | None = None,
+    capture_time_hooks: Sequence[Mapping[str, Any] | None] | None = None,
+    enabled: bool | Sequence[bool] | None = None,
+    recipe: Any = None,
+    amax_reduction_group: Any = None,
+    calibrating: bool | Sequence[bool] | None = None,
+    cache_quantized_params: bool = False,
 ) -> tuple[Any, ...]: ...
 
 
@@ -95,6 +111,13 @@ def make_graphed_callables(
     lint: LintMode = "auto",
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
+    replay_hooks: ReplayHooks | Sequence[ReplayHooks | None] | None = None,
+    capture_time_hooks: Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None = None,
+    enabled: bool | Sequence[bool] | None = None,
+    recipe: Any = None,
+    amax_reduction_group: Any = None,
+    calibrating: bool | Sequence[bool] | None = None,
+    cache_quantized_params: bool = False,
 ) -> GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable: ...
 
 
@@ -116,6 +139,13 @@ def make_graphed_callables(
     lint: LintMode = "auto",
     slots: int | None = None,
     schedule: Schedule | Sequence[int] | None = None,
+    replay_hooks: Any = None,
+    capture_time_hooks: Any = None,
+    enabled: Any = None,
+    recipe: Any = None,
+    amax_reduction_group: Any = None,
+    calibrating: Any = None,
+    cache_quantized_params: bool = False,
 ) -> Any:
     """Capture forward and backward CUDA graphs of callables whose outputs are any tree.
 
@@ -200,6 +230,29 @@ def make_graphed_callables(
             micro-batch of the step, all captured into one pool in the schedule's order, and
             every replay must follow that order (else :class:`DualgraphError`, before any buffer
             is touched). Memory then follows the schedule, as eager's does.
+        replay_hooks: a :class:`ReplayHooks` (for every callable) or a tuple with one (or
+            ``None``) per callable: host code run outside the graphs before and after each
+            forward and backward replay (a step counter, an aux-loss tracker), on every backend.
+        capture_time_hooks: as Transformer Engine's: a list with one dict (or ``None``) per
+            callable (one callable: its dict), with keys among ``"forward_pre_hooks"``,
+            ``"forward_hooks"``, ``"backward_pre_hooks"``, ``"backward_hooks"``, each a
+            ``{hook_id: hook}`` dict; ``hook(module)`` runs around each warmup and capture
+            forward or backward, outside the graph, and never at replay (e.g. FSDP's unshard and
+            reshard).
+        enabled, recipe, amax_reduction_group, calibrating: Transformer Engine's autocast
+            arguments for each callable (one value, or a tuple with one per callable), as TE's
+            ``make_graphed_callables`` takes them: each callable is warmed up and captured in
+            ``te.autocast(enabled, calibrating, recipe, amax_reduction_group)`` (``recipe=None``:
+            TE's default), so that e.g. the first and last layers stay in high precision. A
+            callable captured with ``enabled=True`` replays inside a ``te.autocast`` of the
+            same recipe and group (whose exit updates delayed-scaling scales, as in eager).
+            Left out, callables are captured in the ``te.autocast`` around this call, and must
+            replay in the same one. Needs TE (``pip install dualgraph[te]``).
+        cache_quantized_params: cache the FP8 weights across the micro-batches of a step, as
+            TE's weight caching does: every call then passes ``is_first_microbatch=True`` on a
+            step's first micro-batch (the weights are cast again) and ``False`` on the others
+            (the cached casts are reused); the replay takes it (the callable gets it only on
+            the ``"eager"`` backend). Needs TE; not with ``buckets=``.
 
     Returns:
         The module (graphed in place), a :class:`GraphedCallable` for a function (an
@@ -238,14 +291,31 @@ def make_graphed_callables(
         param_grads=param_grads,
         lint=lint,
     )
+    precision = PrecisionArgs(
+        enabled, recipe, amax_reduction_group, calibrating, cache_quantized_params
+    )
     if buckets is not None:
         if slots is not None or schedule is not None:
             raise DualgraphError(
                 "buckets= does not combine with slots= or schedule= (several shapes, or several "
                 "micro-batches in flight: one of the two per callable)"
             )
+        if cache_quantized_params:
+            raise DualgraphError(
+                "cache_quantized_params= does not combine with buckets= yet (a call's "
+                "is_first_microbatch would have to pass the bucket lookup)"
+            )
+        extras = _Extras(precision, replay_hooks, capture_time_hooks)
         return _graph_buckets(
-            callables, sample_args, sample_kwargs, buckets, backend, options, fallback, dynamic_dims
+            callables,
+            sample_args,
+            sample_kwargs,
+            buckets,
+            backend,
+            options,
+            fallback,
+            dynamic_dims,
+            extras,
         )
     if fallback != "error" or dynamic_dims is not None:
         raise DualgraphError(
@@ -259,17 +329,20 @@ def make_graphed_callables(
     guards = [InputGuard(args, kwargs) for args, kwargs in zip(all_args, all_kwargs, strict=True)]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
+    _refuse_replay_kwargs_in_samples(cache_quantized_params, names, all_kwargs)
+    te = te_callables(precision, names, fns, graphed=resolved != "eager")
+    hooks = hooks_per_callable(
+        names, fns, replay_hooks=replay_hooks, capture_time_hooks=capture_time_hooks, te=te
+    )
 
     if resolved == "eager":
         results = [
-            install(fn, EagerCallable(name, _forward_of(fn), guard))
-            for fn, name, guard in zip(fns, names, guards, strict=True)
+            install(fn, EagerCallable(name, _forward_of(fn), guard, callable_hooks))
+            for fn, name, guard, callable_hooks in zip(fns, names, guards, hooks, strict=True)
         ]
         return results[0] if single else tuple(results)
 
     _check_autocast()
-    for name in names:
-        refuse_delayed_scaling(name)
     requests = [
         CaptureRequest(
             name=name,
@@ -277,17 +350,19 @@ def make_graphed_callables(
             module=fn if isinstance(fn, torch.nn.Module) else None,
             inputs=guard,
             sample_tensors=tuple(guard.tensors(tuple(args), dict(kwargs or {}))),
+            hooks=callable_hooks,
         )
-        for fn, name, guard, args, kwargs in zip(
-            fns, names, guards, all_args, all_kwargs, strict=True
+        for fn, name, guard, args, kwargs, callable_hooks in zip(
+            fns, names, guards, all_args, all_kwargs, hooks, strict=True
         )
     ]
     runners: Sequence[GraphedCallable | SlottedCallable]
     options = dataclasses.replace(options, backend=resolved)
-    if slots is None and schedule is None:
-        runners = [GraphedCallable(plan) for plan in capture(requests, options)]
-    else:
-        runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
+    with capturing(te):
+        if slots is None and schedule is None:
+            runners = [GraphedCallable(plan) for plan in capture(requests, options)]
+        else:
+            runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
 
@@ -301,6 +376,7 @@ def _graph_buckets(
     options: CaptureOptions,
     fallback: Fallback,
     dynamic_dims: Mapping[str, int] | None,
+    extras: _Extras,
 ) -> Any:
     """``make_graphed_callables(fn, buckets=...)``: check the request, capture, install."""
     if isinstance(fn, tuple | list):
@@ -334,9 +410,16 @@ def _graph_buckets(
         samples.append((checked, dict(kwargs or {})))
     resolved = _resolve_backend(backend, [a for a, _ in samples], [k for _, k in samples])
     name = _name_of(fn)
+    te = te_callables(extras.precision, [name], [fn], graphed=resolved != "eager")
+    (hooks,) = hooks_per_callable(
+        [name],
+        [fn],
+        replay_hooks=extras.replay_hooks,
+        capture_time_hooks=extras.capture_time_hooks,
+        te=te,
+    )
     if resolved != "eager":
         _check_autocast()
-        refuse_delayed_scaling(name)
     request = BucketRequest(
         name=name,
         fn=_forward_of(fn),
@@ -346,8 +429,11 @@ def _graph_buckets(
         options=None if resolved == "eager" else dataclasses.replace(options, backend=resolved),
         fallback=fallback,
         dynamic_dims=dynamic_dims,
+        hooks=hooks,
     )
-    return install(fn, capture_buckets(request))
+    with capturing(te):
+        bucketed = capture_buckets(request)
+    return install(fn, bucketed)
 
 
 def diagnostics(graphed: Any, /) -> CaptureDiagnostics:
@@ -392,6 +478,29 @@ def owned(tree: Any, /) -> Any:
 
 
 # -- checking the request ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Extras:
+    """The options that shape what runs around the graphs: TE's precision, the hooks."""
+
+    precision: PrecisionArgs
+    replay_hooks: Any
+    capture_time_hooks: Any
+
+
+def _refuse_replay_kwargs_in_samples(
+    cache_quantized_params: bool, names: Sequence[str], all_kwargs: Sequence[Any]
+) -> None:
+    if not cache_quantized_params:
+        return
+    for name, kwargs in zip(names, all_kwargs, strict=True):
+        if kwargs and FIRST_MICROBATCH in kwargs:
+            raise DualgraphError(
+                f"{name}: leave {FIRST_MICROBATCH} out of sample_kwargs: with "
+                "cache_quantized_params=True each call passes it, and the replay takes it (a "
+                "capture casts the weights under a flag that each replay sets from it)"
+            )
 
 
 def _check_choice(option: str, value: Any, choices: tuple[str, ...]) -> None:

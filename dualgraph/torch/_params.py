@@ -24,7 +24,13 @@ import torch
 
 from .._errors import DualgraphError
 
-__all__ = ["ModuleTensors", "requires_grad_changed", "suspended_tensor_hooks"]
+__all__ = [
+    "ModuleTensors",
+    "grad_buffer_like",
+    "is_tensor_subclass",
+    "requires_grad_changed",
+    "suspended_tensor_hooks",
+]
 
 _getitem = operator.getitem
 _is = operator.is_
@@ -165,6 +171,31 @@ class ModuleTensors:
                     "capture changed it already (dualgraph undoes that only for buffers); "
                     "register it as a buffer, or update it outside the graphed callable"
                 )
+
+
+def is_tensor_subclass(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a tensor subclass (not a plain tensor or ``nn.Parameter``).
+
+    Such a parameter (Transformer Engine's FP8 weights, a ``QuantizedTensor``) may hold its
+    values in another form than its grads: ``torch.zeros_like`` of it is another FP8 tensor,
+    which no ``.grad`` may be, and adding into which would quantize the grads.
+
+    >>> is_tensor_subclass(torch.nn.Parameter(torch.ones(2))), is_tensor_subclass(torch.ones(2))
+    (False, False)
+    """
+    return type(param) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def grad_buffer_like(param: torch.Tensor) -> torch.Tensor:
+    """A zeroed plain tensor that holds a grad of ``param``: its shape, dtype, device and, for a
+    plain parameter, its strides (autograd hands a parameter grads of its own dtype).
+
+    >>> grad_buffer_like(torch.nn.Parameter(torch.ones(2, 3))).shape
+    torch.Size([2, 3])
+    """
+    if is_tensor_subclass(param):
+        return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+    return torch.zeros_like(param)
 
 
 def requires_grad_changed(name: str, at_capture: bool) -> DualgraphError:

@@ -24,6 +24,7 @@ from .._spec import TreeSpec
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import InputGuard
 from ._params import ModuleTensors
+from ._replay_hooks import ReplayHookRunner
 
 __all__ = ["Backend", "ParamGradsMode", "ParamLayout", "ReplayPlan", "StaticBuffers"]
 
@@ -126,7 +127,7 @@ class ReplayPlan:
     buffers: StaticBuffers
     clone_outputs: bool
     autocast: tuple[Any, ...]
-    fp8: tuple[Any, ...] | None  # Transformer Engine's FP8 state, when TE was imported
+    replay_hooks: ReplayHookRunner | None  # run outside the graphs around every replay
     diagnostics: CaptureDiagnostics
 
     @property

@@ -11,6 +11,10 @@ hands the grads on as eager would: input grads as tensors of their own, paramete
 by a graph. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
 (``_capture.py`` builds it); :class:`EmulatedReplay` is the ``"emulate"`` backend's stand-in for
 the graphs.
+
+The plan's replay hooks (``_replay_hooks.py``) run around the forward and the backward replay
+(``after_backward`` once the parameter grads that a graph adds are in ``.grad``); Transformer
+Engine's FP8 autocast check and bookkeeping are among them (``_te_precision.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._params import requires_grad_changed, suspended_tensor_hooks
 from ._plan import ReplayPlan
-from ._transformer_engine import fp8_state
+from ._replay_hooks import ReplayCall
 
 __all__ = [
     "CudaGraphForward",
@@ -88,12 +92,12 @@ class GraphedCallable:
         "_edge_nones",
         "_edges",
         "_first_param",
-        "_fp8",
         "_generation",
         "_grad_outputs",
         "_has_backward",
         "_holder_baseline",
         "_holder_probes",
+        "_hooks",
         "_in_graph_accumulators",
         "_in_graph_expected",
         "_in_graph_params",
@@ -111,6 +115,7 @@ class GraphedCallable:
         "_plan_params",
         "_replay_accumulate",
         "_replay_backward",
+        "_replay_call",
         "_replay_forward",
         "_saved_outputs",
         "_sentinel_node",
@@ -188,7 +193,8 @@ class GraphedCallable:
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
         self._autocast = plan.autocast
-        self._fp8 = plan.fp8
+        self._hooks = plan.replay_hooks
+        self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
@@ -196,7 +202,7 @@ class GraphedCallable:
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
-        self._ambient_checks = bool(self._autocast) or self._fp8 is not None or self._ddp_check
+        self._ambient_checks = bool(self._autocast) or self._ddp_check
         self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
@@ -271,6 +277,9 @@ class GraphedCallable:
         if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
+            hooks = self._hooks
+            if hooks is not None:
+                kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             grad_enabled = torch.is_grad_enabled()
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if self._module_tensors is not None:
@@ -279,6 +288,10 @@ class GraphedCallable:
                 self._check_ambient_state()
             if self._mutated:
                 self._check_mutated_inputs_are_apart(tensors)
+            if hooks is not None:
+                call = self._replay_call = hooks.before_forward(
+                    self.backend, grad_enabled and self._has_backward, replay_kwargs
+                )
             self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
                 if _are_functorch_transforms_active():
@@ -296,7 +309,11 @@ class GraphedCallable:
                     outputs = self._forward(tensors)
             if self._mutated:
                 self._copy_back(tensors)
-            return self._out_spec.unflatten(outputs)
+            if hooks is None:
+                return self._out_spec.unflatten(outputs)
+            result = self._out_spec.unflatten(outputs)
+            hooks.after_forward(call, result)
+            return result
         finally:
             self._lock.release()
 
@@ -320,10 +337,6 @@ class GraphedCallable:
                 raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
         elif _is_any_autocast_enabled():
             raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
-        if self._fp8 is not None and fp8_state() != self._fp8:
-            raise self._ambient_mismatch(
-                "Transformer Engine FP8 autocast (enabled, recipe)", fp8_state(), self._fp8
-            )
         if self._ddp_check and _ddp_is_running():
             raise DualgraphError(
                 f"{self.name}: captured with param_grads='in_graph', whose parameter grads bypass "
@@ -398,6 +411,9 @@ class GraphedCallable:
             if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
             self._backward_generation = generation
+            call = self._replay_call  # set by a forward only where there are replay hooks
+            if call is not None:
+                self._hooks.before_backward(call)  # type: ignore[union-attr]
             for static, index in self._grad_outputs:
                 grad = grads[index]
                 if grad is None:
@@ -406,6 +422,8 @@ class GraphedCallable:
                     static.copy_(grad)
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
                 self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                if call is not None:
+                    self._hooks.after_backward(call)  # type: ignore[union-attr]
                 return self._hand_out_grads(needs_input_grad, inputs, plain)
             self._replay_backward()  # type: ignore[misc]
             if (
@@ -417,9 +435,13 @@ class GraphedCallable:
             ):
                 # "auto": nothing needs the parameter grads to pass through autograd.
                 self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
+                if call is not None:
+                    self._hooks.after_backward(call)  # type: ignore[union-attr]
                 return self._hand_out_grads(needs_input_grad, inputs, plain, params=False)
             if self._param_grads:
                 self.diagnostics.param_grads_through_autograd += 1
+            if call is not None:
+                self._hooks.after_backward(call)  # type: ignore[union-attr]
             return self._hand_out_grads(needs_input_grad, inputs, plain)
         finally:
             self._lock.release()

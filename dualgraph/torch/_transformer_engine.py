@@ -1,4 +1,5 @@
-"""Transformer Engine awareness, only when TE is already imported (dualgraph never imports it).
+"""Transformer Engine's entry points, only when TE is imported (dualgraph never imports it itself
+unless it is given TE's arguments).
 
 During a CUDA-graph capture, TE modules ask ``transformer_engine.pytorch.graph.
 is_graph_capturing()`` to pick graph-safe paths (its fused attention passes ``cuda_graph=True``
@@ -6,12 +7,9 @@ to cuDNN; backward FP8 amax reductions are skipped) and keep dropout state in th
 tracker, whose generators a graph must register to draw fresh values per replay. TE's own
 ``make_graphed_callables`` does both; so does :func:`transformer_engine_capture`.
 
-TE's FP8 autocast (``te.autocast``) is ambient state a graph bakes in, like ``torch.autocast``:
-:func:`fp8_state` reads it, so that replays can be refused outside the state they were captured
-in. Under the delayed-scaling recipe, FP8 scales come from an amax history that TE updates when
-an autocast region exits, for the modules whose forward ran in it; a replay runs no TE Python,
-so the scales would go stale. :func:`refuse_delayed_scaling` refuses that capture. The TE facts
-this relies on are in ``docs/transformer_engine.md``.
+:class:`TransformerEngine` gathers the entry points the FP8 support (``_te_precision.py``)
+uses, looked up once per capture. The TE facts this relies on are in
+``docs/transformer_engine.md``.
 
 >>> with transformer_engine_capture() as generators:
 ...     pass  # capture here; register ``generators`` with every CUDA graph
@@ -19,20 +17,24 @@ this relies on are in ``docs/transformer_engine.md``.
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from .._errors import CaptureError
+from .._errors import DualgraphError
 
-__all__ = ["fp8_state", "refuse_delayed_scaling", "transformer_engine_capture"]
+__all__ = ["TransformerEngine", "transformer_engine_capture"]
+
+_PYTORCH = "transformer_engine.pytorch"
 
 
 @contextmanager
 def transformer_engine_capture() -> Iterator[list[Any]]:
     """Tell TE a capture is under way; yield the TE RNG generator states graphs must register."""
-    if "transformer_engine.pytorch" not in sys.modules:
+    if _PYTORCH not in sys.modules:
         yield []
         return
     from transformer_engine.pytorch import (  # type: ignore[import-not-found,unused-ignore]
@@ -49,42 +51,108 @@ def transformer_engine_capture() -> Iterator[list[Any]]:
             te_graph.set_capture_end()
 
 
-def fp8_state() -> tuple[Any, ...] | None:
-    """``None`` without TE; else ``(enabled, recipe type name)`` of TE's FP8 autocast now."""
-    manager = _fp8_manager()
-    if manager is None:
-        return None
-    if not manager.is_fp8_enabled():
-        return (False, None)
-    return (True, type(manager.get_fp8_recipe()).__name__)
+@dataclass(frozen=True, eq=False)
+class TransformerEngine:
+    """The TE entry points dualgraph's FP8 support uses (``None`` where this TE has none).
 
+    - ``manager``: ``FP8GlobalStateManager`` (``transformer_engine.pytorch.quantization``, or
+      ``.fp8`` before TE 2.9): the global FP8 state, amax buffers and their update.
+    - ``autocast(enabled, calibrating, recipe, group, graph)``: TE's autocast context
+      (``quantization.autocast``; ``fp8_autocast`` where there is none) with its ``_graph`` flag.
+    - ``default_recipe()``: the recipe TE uses when none is given.
+    - ``recipe_base``: ``transformer_engine.common.recipe.Recipe``.
+    - ``base_module``, ``basic_operation``, ``op_sequential``, ``attention``: the classes
+      ``TransformerEngineBaseModule``, ``ops.BasicOperation``, ``ops.Sequential`` and
+      ``DotProductAttention``.
+    - ``has_delayed_scaling_state(fp8_meta)``: whether a module's FP8 metadata keeps an amax
+      history (a private TE function; ``None`` where absent).
+    """
 
-def refuse_delayed_scaling(name: str) -> None:
-    """Raise :class:`CaptureError` when TE's FP8 autocast is on with a delayed-scaling recipe."""
-    manager = _fp8_manager()
-    if manager is None or not manager.is_fp8_enabled():
-        return
-    recipe = manager.get_fp8_recipe()
-    delayed = getattr(recipe, "delayed", None)
-    if type(recipe).__name__ == "DelayedScaling" or (callable(delayed) and delayed()):
-        raise CaptureError(
-            f"capturing {name} under Transformer Engine's FP8 recipe {recipe!r} is not supported: "
-            "with delayed scaling, TE updates the amax history and scales when an autocast "
-            "region exits, for the modules whose forward ran in it, and a graph replay runs no "
-            "TE code, so its FP8 scales would go stale. Capture under a recipe that scales from "
-            "the current tensors (e.g. Float8CurrentScaling, MXFP8BlockScaling), or use TE's "
-            "own make_graphed_callables for delayed scaling"
+    manager: Any
+    autocast: Callable[[bool, bool, Any, Any, bool], AbstractContextManager[Any]]
+    default_recipe: Callable[[], Any]
+    recipe_base: type
+    base_module: type | None
+    basic_operation: type | None
+    op_sequential: type | None
+    attention: type | None
+    has_delayed_scaling_state: Callable[[dict[str, Any]], bool] | None
+
+    @classmethod
+    def imported(cls) -> TransformerEngine | None:
+        """TE's entry points if the program imported ``transformer_engine.pytorch``, else None."""
+        if sys.modules.get(_PYTORCH) is None:
+            return None
+        return cls.load()
+
+    @classmethod
+    def load(cls) -> TransformerEngine:
+        """Import TE (when asked for its features) and look its entry points up."""
+        try:
+            pytorch = importlib.import_module(_PYTORCH)
+            recipes = importlib.import_module("transformer_engine.common.recipe")
+        except ImportError as error:
+            raise DualgraphError(
+                "enabled=, recipe=, amax_reduction_group=, calibrating= and "
+                "cache_quantized_params= are Transformer Engine's, which does not import here "
+                f"({type(error).__name__}: {error}); install it with pip install dualgraph[te]"
+            ) from None
+        quantization = _module("quantization") or _module("fp8")
+        manager = getattr(quantization, "FP8GlobalStateManager", None)
+        if manager is None:
+            raise DualgraphError(
+                "this Transformer Engine has no FP8GlobalStateManager where dualgraph looks for "
+                "it (transformer_engine.pytorch.quantization or .fp8); TE >= 2.0 is supported"
+            )
+        ops = _module("ops")
+        return cls(
+            manager=manager,
+            autocast=_autocast_of(quantization),
+            default_recipe=quantization.get_default_fp8_recipe,
+            recipe_base=recipes.Recipe,
+            base_module=getattr(_module("module.base"), "TransformerEngineBaseModule", None),
+            basic_operation=getattr(ops, "BasicOperation", None),
+            op_sequential=getattr(ops, "Sequential", None),
+            attention=getattr(pytorch, "DotProductAttention", None),
+            has_delayed_scaling_state=getattr(quantization, "_has_delayed_scaling_state", None),
         )
 
 
-def _fp8_manager() -> Any:
-    # TE 2.x keeps FP8GlobalStateManager in ``quantization``; earlier releases in ``fp8``.
-    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
-        module = sys.modules.get(name)
-        manager = getattr(module, "FP8GlobalStateManager", None)
-        if manager is not None:
-            return manager
-    return None
+def _module(name: str) -> Any:
+    try:
+        return importlib.import_module(f"{_PYTORCH}.{name}")
+    except ImportError:
+        return None
+
+
+def _autocast_of(
+    quantization: Any,
+) -> Callable[[bool, bool, Any, Any, bool], AbstractContextManager[Any]]:
+    autocast = getattr(quantization, "autocast", None)
+    if autocast is not None:  # TE 2.9+
+
+        def enter(enabled: bool, calibrating: bool, recipe: Any, group: Any, graph: bool) -> Any:
+            return autocast(
+                enabled=enabled,
+                calibrating=calibrating,
+                recipe=recipe,
+                amax_reduction_group=group,
+                _graph=graph,
+            )
+
+        return enter
+    fp8_autocast = quantization.fp8_autocast
+
+    def enter_fp8(enabled: bool, calibrating: bool, recipe: Any, group: Any, graph: bool) -> Any:
+        return fp8_autocast(
+            enabled=enabled,
+            calibrating=calibrating,
+            fp8_recipe=recipe,
+            fp8_group=group,
+            _graph=graph,
+        )
+
+    return enter_fp8
 
 
 def _rng_generator_states() -> list[Any]:
