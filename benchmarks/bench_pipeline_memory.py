@@ -39,12 +39,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
 
 import dualgraph.torch as dgt
 from dualgraph.models.torch_vit import ViTBlock
+from dualgraph.torch import _replay
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
@@ -133,7 +135,12 @@ def measure(
         saved = counters.SavedActivations(
             {t.untyped_storage().data_ptr() for t in (*buffers, *accumulators)}
         )
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda holder: holder.tensor):
+        counting = torch.autograd.graph.saved_tensors_hooks(
+            saved.pack, lambda holder: holder.tensor
+        )
+        # An emulated replay keeps its activations from the caller's saved-tensor hooks (as a
+        # graph keeps them in its pool); its own hooks are swapped for the counting ones here.
+        with counting, mock.patch.object(_replay, "_OWN_SAVED_TENSORS", counting):
             step()
         peak = saved.peak
     report = dgt.diagnostics(stage.blocks[0]) if variant != "eager" else None

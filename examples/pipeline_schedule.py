@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ from torch import nn
 
 import dualgraph.torch as dgt
 from dualgraph.models.torch_vit import VisionEncoder
+from dualgraph.torch import _replay
 
 CLASSES = 10
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -368,7 +370,10 @@ def measure_step(variant: Variant, run_step: Callable[[], float], device: str) -
         return loss
     buffers, accumulators = graph_buffers(variant.stages)
     counter = SavedActivations({t.untyped_storage().data_ptr() for t in (*buffers, *accumulators)})
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda holder: holder.tensor):
+    counting = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda holder: holder.tensor)
+    # An emulated replay keeps its activations from the caller's saved-tensor hooks (as a graph
+    # keeps them in its pool); its own hooks are swapped for the counting ones here.
+    with counting, mock.patch.object(_replay, "_OWN_SAVED_TENSORS", counting):
         loss = run_step()
     variant.step_peak_bytes = counter.peak
     return loss

@@ -64,6 +64,8 @@ def _isolated(request: pytest.FixtureRequest) -> Any:
         ),
         ("num_warmup_iters", -1, "num_warmup_iters must be an int >= 0, got -1"),
         ("num_warmup_iters", 2.0, "num_warmup_iters must be an int >= 0, got 2.0"),
+        ("clone_outputs", "no", "clone_outputs must be True or False, got 'no'"),
+        ("allow_unused_input", None, "allow_unused_input must be True or False, got None"),
     ],
 )
 def test_an_unknown_option_value_is_refused_naming_the_option(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch_cases import (
     BACKENDS,
     CASES,
@@ -514,3 +515,39 @@ def test_parameters_graphed_again_after_training_steps_capture_and_match_eager(
         parameter_names(block),
         tolerance(backend),
     )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize("hooks", ["non_reentrant_checkpoint", "save_on_cpu"])
+def test_a_replay_inside_saved_tensor_hooks_trains_like_eager(
+    backend: str, param_grads: str, hooks: str
+) -> None:
+    # A graph keeps its activations to itself: the caller's saved-tensor hooks (non-reentrant
+    # checkpointing around the graphed callable, offloading) never see them. The emulated replay,
+    # which re-runs the callable under autograd, once handed them to the caller's hooks: the
+    # checkpoint then re-ran the callable inside its own backward.
+    device = device_of(backend)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = fresh_copy(block)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(block, (sample,), backend=backend, param_grads=param_grads)
+
+    def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if hooks == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                return module(x).square().sum()
+        return checkpoint(module, x, use_reentrant=False).square().sum()
+
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device)
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        run(block, inputs[0]).backward()
+        run(twin, inputs[1]).backward()
+        assert_tensors_match(inputs[0].grad, inputs[1].grad, "args[0] grad", tolerance(backend))
+        assert_grads_match(
+            grads_of(parameters_of(block)),
+            grads_of(parameters_of(twin)),
+            parameter_names(block),
+            tolerance(backend),
+        )

@@ -981,6 +981,116 @@ def test_auto_checks_parameter_grads_for_nan_in_anomaly_mode(backend: str) -> No
                     backward_of(module(nan))
 
 
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # eager's too
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_under_create_graph_hands_the_grads_to_autograd_as_eager_does(backend: str) -> None:
+    mlp, twin = _auto_pair(backend)
+    first = {}
+    for step in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        for name, module in (("graphed", mlp), ("eager", twin)):
+            loss_of(module(x)).backward(create_graph=True)
+            if step == 0:
+                first[name] = module.fc1.weight.grad
+        _assert_same_grads(mlp, twin, backend)
+        for ours, theirs in zip(mlp.parameters(), twin.parameters(), strict=True):
+            # eager: .grad is a graph of its own under create_graph, summed out of place
+            assert ours.grad.requires_grad == theirs.grad.requires_grad
+    assert (mlp.fc1.weight.grad is first["graphed"]) == (twin.fc1.weight.grad is first["eager"])
+    assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_refuses_create_graph_before_touching_grad(backend: str) -> None:
+    layer, _ = _in_graph_pair(backend)
+    with pytest.raises(DualgraphError, match=r"Linear: .*create_graph=True"):
+        loss_of(layer(torch.randn(2, 4, device=device_of(backend)))).backward(create_graph=True)
+    assert layer.weight.grad is None and layer.bias.grad is None
+
+
+def _square_pair(backend: str, param_grads: str) -> tuple[nn.Sequential, nn.Sequential]:
+    """Two bias-free square layers (their grads have one shape), graphed, and an eager twin."""
+    device = device_of(backend)
+    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    net = net.to(device)
+    twin = copy.deepcopy(net)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(net, (sample,), backend=backend, param_grads=param_grads)
+    return net, twin
+
+
+def _share_one_grad(module: nn.Module) -> None:
+    shared = torch.ones_like(module[0].weight)
+    module[0].weight.grad = shared  # eager adds both layers' grads into it, one after the other
+    module[2].weight.grad = shared
+
+
+def _sparse_grad(module: nn.Module) -> None:
+    module[0].weight.grad = torch.ones_like(module[0].weight).to_sparse()  # eager: dense after
+
+
+def _grad_in_another_grad(module: nn.Module) -> None:
+    module[2].weight.grad = module[0].weight.grad  # the same tensor, which accumulates twice
+
+
+SHARED_GRADS = {"shared": _share_one_grad, "another_parameters_grad": _grad_in_another_grad}
+
+
+def _square_step(net: nn.Module, twin: nn.Module, backend: str) -> None:
+    x = torch.randn(2, 4, device=device_of(backend))
+    for module in (net, twin):
+        loss_of(module(x)).backward()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_adds_into_a_sparse_grad_through_autograd_as_eager_does(backend: str) -> None:
+    net, twin = _square_pair(backend, "auto")
+    _square_step(net, twin, backend)
+    for module in (net, twin):
+        _sparse_grad(module)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        for ours, theirs in zip(net.parameters(), twin.parameters(), strict=True):
+            assert ours.grad.layout == theirs.grad.layout == torch.strided
+            assert_tensors_match(ours.grad, theirs.grad, "grad", tolerance(backend))
+    assert _through_autograd(net) == 1  # then .grad is dense again: in graph
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("param_grads", "kind"),
+    [("in_graph", "sparse")] + [(mode, kind) for mode in IN_GRAPH_MODES for kind in SHARED_GRADS],
+)
+def test_a_grad_the_graphs_cannot_add_into_as_eager_is_refused_naming_it(
+    backend: str, param_grads: str, kind: str
+) -> None:
+    net, _ = _square_pair(backend, param_grads)
+    loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+    (_sparse_grad if kind == "sparse" else SHARED_GRADS[kind])(net)
+    before = [p.grad.to_dense().clone() for p in net.parameters()]
+    with pytest.raises(DualgraphError, match=r"Sequential: Sequential\.[02]\.weight: \.grad "):
+        loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+    for param, values in zip(net.parameters(), before, strict=True):
+        assert_tensors_match(param.grad.to_dense(), values, "a .grad the refused backward kept")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+def test_in_graph_grads_add_into_views_of_one_flat_grad_buffer(
+    backend: str, param_grads: str
+) -> None:
+    net, twin = _square_pair(backend, param_grads)
+    for module in (net, twin):  # one flat buffer, a view per parameter (Megatron, Apex)
+        flat = torch.zeros(32, device=device_of(backend))
+        module[0].weight.grad = flat[:16].view(4, 4)
+        module[2].weight.grad = flat[16:].view(4, 4)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+    assert net[0].weight.grad._base is net[2].weight.grad._base
+    assert _through_autograd(net) == 0
+
+
 class _TiedBlock(nn.Module):
     """A block whose first layer may be another block's (tied weights)."""
 

@@ -281,6 +281,12 @@ def make_graphed_callables(
     _check_choice("lint", lint, get_args(LintMode))
     if type(num_warmup_iters) is not int or num_warmup_iters < 0:
         raise DualgraphError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    for option, flag in (
+        ("clone_outputs", clone_outputs),
+        ("allow_unused_input", allow_unused_input),
+    ):
+        if not isinstance(flag, bool):  # bool("no") would turn it on
+            raise DualgraphError(f"{option} must be True or False, got {flag!r}")
     options = CaptureOptions(
         backend="emulate",  # set below
         num_warmup_iters=num_warmup_iters,

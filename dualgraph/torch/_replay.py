@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 _detach = torch.Tensor.detach
+_STRIDED = torch.strided
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -80,6 +81,7 @@ class GraphedCallable:
 
     __slots__ = (
         "_accumulator_names",
+        "_accumulator_spans",
         "_accumulators",
         "_ambient_checks",
         "_anchor_none",
@@ -106,6 +108,7 @@ class GraphedCallable:
         "_lock",
         "_module_tensors",
         "_mutated",
+        "_names_of",
         "_nondiff_outputs",
         "_other_uses",
         "_out_spec",
@@ -217,6 +220,9 @@ class GraphedCallable:
             )
         )
         self._holder_baseline = self._holder_counts()
+        # For the rare .grad that is not its accumulator: where the accumulators lie, and names.
+        self._accumulator_spans = tuple(map(_span, self._in_graph_accumulators))
+        self._names_of = dict(zip(self._in_graph_params, self._accumulator_names, strict=True))
 
     # -- what a caller sees -------------------------------------------------------------------
 
@@ -388,11 +394,20 @@ class GraphedCallable:
         needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
-        under_ddp: bool = False,
+        through_autograd: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
+        # ``through_autograd``: the parameter grads must pass through autograd (the forward ran
+        # under DDP, or this backward builds a graph: create_graph=True).
         if not self._lock.acquire(False):
             raise self._busy()
         try:
+            if through_autograd and self._plan_params:
+                raise DualgraphError(
+                    f"{self.name}: captured with param_grads='in_graph', whose backward graph "
+                    "adds the parameter grads into .grad in place; under backward(create_graph="
+                    "True) eager makes each .grad a new tensor with a graph of its own. Capture "
+                    "with param_grads='auto' or 'autograd' for that"
+                )
             node = self._sentinel_node
             if node is not None and _will_engine_execute_node is not None:
                 # _is_plain_backward, inlined for the anchor ("auto", "in_graph"): one query
@@ -429,12 +444,13 @@ class GraphedCallable:
             if (
                 self._auto
                 and plain
-                and not under_ddp
+                and not through_autograd
                 and self._nothing_watches_params()
                 and not self._params_used_elsewhere()
+                # "auto": nothing needs the parameter grads to pass through autograd, and every
+                # .grad is one the accumulate graph can add into (else autograd does, as eager)
+                and self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
             ):
-                # "auto": nothing needs the parameter grads to pass through autograd.
-                self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
                 if call is not None:
                     self._hooks.after_backward(call)  # type: ignore[union-attr]
                 return self._hand_out_grads(needs_input_grad, inputs, plain, params=False)
@@ -599,7 +615,7 @@ class GraphedCallable:
                 ".grad. Capture with param_grads='autograd' for that"
             )
 
-    def _backward_into_accumulators(self, replay: Callable[[], None]) -> None:
+    def _backward_into_accumulators(self, replay: Callable[[], None]) -> bool:
         """Replay ``replay``, which adds the parameter grads into static accumulators.
 
         ``replay`` is the backward graph (``"in_graph"``) or the accumulate graph (``"auto"``).
@@ -609,22 +625,46 @@ class GraphedCallable:
         else holds: the accumulator itself if it is free, else a new tensor (whoever still holds
         the accumulator, e.g. the old ``.grad``, sees no change). A ``.grad`` the user set is
         added to in place, keeping its identity.
+
+        A ``.grad`` no accumulator can stand in for (sparse, or sharing memory with another
+        parameter's ``.grad`` or accumulator, which eager adds into twice) is refused under
+        ``"in_graph"``; under ``"auto"`` this returns ``False``, having written nothing, and
+        autograd adds the grads instead.
         """
         grads = tuple(map(_grad, self._in_graph_params))
         if all(map(_is, grads, self._in_graph_accumulators)):
             replay()  # every .grad is its accumulator
-            return
+            return True
         pending = []
         zeroed = []
         for (param, accumulator, storage), grad, baseline, name in zip(
             self._holder_probes, grads, self._holder_baseline, self._accumulator_names, strict=True
         ):
-            if grad is accumulator or (grad is not None and _aliases(grad, accumulator, name)):
+            if grad is accumulator or (
+                grad is not None and grad.layout is _STRIDED and _aliases(grad, accumulator, name)
+            ):
                 continue  # the replay adds into .grad's memory itself
             # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
             # a view or a detached alias of it is still in use and must not change.
             held = any(map(operator.gt, _holders(accumulator, storage), baseline))
             pending.append((param, accumulator, grad, accumulator.clone() if held else None))
+        problem = _grad_problem(pending, self._accumulator_spans, self._names_of)
+        if problem is not None:
+            name, sparse = problem
+            if sparse:
+                if replay is self._replay_accumulate:
+                    return False  # "auto": autograd adds into it as eager does
+                raise DualgraphError(
+                    f"{name}: .grad is not a dense tensor, which param_grads='in_graph' cannot "
+                    "add into (eager replaces it by the dense sum); set .grad to None or to a "
+                    "dense tensor, or capture with param_grads='auto'"
+                )
+            raise DualgraphError(
+                f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
+                "grad buffer of another parameter): eager adds each parameter's grad into it in "
+                "the order its backward reaches them, which a replay cannot reproduce; give each "
+                "parameter a .grad of its own (views of one flat buffer that do not overlap work)"
+            )
         # Only now, every .grad checked, are the accumulators written.
         for _, accumulator, grad, _ in pending:
             if grad is None:
@@ -643,6 +683,7 @@ class GraphedCallable:
                 param.grad = accumulator.clone()
             if saved is not None:
                 accumulator.copy_(saved)
+        return True
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
         # The counts of each accumulator taken the way _backward_into_accumulators takes them
@@ -668,6 +709,46 @@ def _aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
         f"{name}: .grad shares memory with the graph's grad buffer in another layout, which a "
         "replay cannot add into; set .grad to None or to a tensor of its own"
     )
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes a strided tensor's elements lie in: ``[start, end)``."""
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def _grad_problem(
+    pending: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]],
+    accumulator_spans: Sequence[tuple[int, int]],
+    names: dict[torch.Tensor, str],
+) -> tuple[str, bool] | None:
+    """A ``.grad`` of ``pending`` (each not its accumulator) that no accumulator can stand in
+    for, as ``(its parameter's name, whether it is sparse)``; ``None`` if there is none.
+
+    Eager adds into a sparse ``.grad`` by replacing it with the dense sum, and into one that
+    shares memory with another parameter's ``.grad`` (or accumulator) twice; copied into the
+    accumulators and back, neither would be.
+    """
+    spans: list[tuple[int, int, str | None]] = [(*span, None) for span in accumulator_spans]
+    for param, _, grad, _ in pending:
+        if grad is None:
+            continue
+        if grad.layout is not _STRIDED:
+            return names[param], True
+        spans.append((*_span(grad), names[param]))
+    spans.sort(key=operator.itemgetter(0, 1))
+    end, owner = -1, None
+    for start, stop, name in spans:
+        if start < end and start < stop and (name is not None or owner is not None):
+            return name or owner, False  # type: ignore[return-value]
+        if stop > end:
+            end, owner = stop, name
+    return None
 
 
 def _will_execute_or_capture(param: torch.Tensor) -> bool:
@@ -728,9 +809,20 @@ def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | 
     return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp)
 
 
+def _backward_building_graph(
+    ctx: Any, *grads: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    # create_graph=True: eager's AccumulateGrad then makes .grad a new tensor with a graph of its
+    # own, so the parameter grads go through autograd ("auto"), or are refused ("in_graph").
+    graphed: GraphedCallable = ctx.graphed
+    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True)
+
+
 # The engine runs a backward with grad mode off (unless create_graph=True), which is all that
 # ``once_differentiable`` needs to do then; its wrapper (a no_grad context) only runs otherwise.
-_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward_of)
+_backward_once_differentiable = torch.autograd.function.once_differentiable(
+    _backward_building_graph
+)
 
 
 _REPLAY_BACKWARD = _Replay._backward_cls
@@ -743,6 +835,15 @@ _apply_replay = super(torch.autograd.Function, _Replay).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
 _NO_HOOKS = contextlib.nullcontext()
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+# Saved-tensor hooks that keep a tensor as it is, above the caller's (the innermost pair serves).
+_OWN_SAVED_TENSORS = torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
 class CudaGraphForward:
@@ -821,7 +922,10 @@ class EmulatedReplay:
         self._live: list[torch.Tensor] = []
 
     def forward(self, grad_enabled: bool) -> None:
-        with torch.set_grad_enabled(grad_enabled):
+        # A graph keeps its activations to itself; so does this run: the caller's saved-tensor
+        # hooks (a non-reentrant checkpoint around the replay, offloading) never see them.
+        own = _OWN_SAVED_TENSORS if _top_saved_tensors_hooks(False) is not None else _NO_HOOKS
+        with torch.set_grad_enabled(grad_enabled), own:
             outputs = self._fn(*self._args, **self._kwargs)
         flat = self._out_spec.flatten(outputs, check=True, root="output")
         self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []

@@ -96,7 +96,7 @@ class SlotReplay(GraphedCallable):
         needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
-        under_ddp: bool = False,
+        through_autograd: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         front = self._front
         assert front is not None
@@ -105,7 +105,9 @@ class SlotReplay(GraphedCallable):
             raise front._busy()
         try:
             front._gate.check_backward(front, self.index)
-            result = super()._backward(generation, needs_input_grad, inputs, grads, under_ddp)
+            result = super()._backward(
+                generation, needs_input_grad, inputs, grads, through_autograd
+            )
             front._pending[self.index] = None
             front._gate.finished(front, self.index)
             return result
