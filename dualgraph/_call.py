@@ -253,7 +253,7 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
         return {}, f"kwargs: reading the mapping raised {type(error).__name__}: {clip_text(error)}"
     for key in result:
         if type(key) is not str:
-            return {}, f"kwargs: keyword names must be str, got {key!r} ({_type_name(key)})"
+            return {}, f"kwargs: keyword names must be str, got {clip(key)} ({_type_name(key)})"
     return result, None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import unicodedata
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
@@ -31,6 +32,7 @@ from ._paths import Attr, Index, Key, PathEntry
 __all__ = [
     "CONTAINER_KINDS",
     "NAMESPACE",
+    "NamedContainer",
     "DataclassNode",
     "DictNode",
     "ListNode",
@@ -181,7 +183,7 @@ def _sorted_order(keys: tuple[Any, ...]) -> list[int]:
 class _Mapping(Container):
     """A dict or ``OrderedDict``: children by key; rebuilt and shown in the user's key order."""
 
-    __slots__ = ("flat_keys", "keys", "keyset", "user_order")
+    __slots__ = ("flat_keys", "key_types", "keys", "keyset", "user_order")
     article: ClassVar[str] = "a"
     #: Whether leaves flatten in sorted key order (dict) or in the key order (OrderedDict).
     sorts_keys: ClassVar[bool]
@@ -189,6 +191,9 @@ class _Mapping(Container):
     keys: tuple[str | int, ...]
     flat_keys: tuple[str | int, ...]
     keyset: frozenset[str | int]
+    #: The exact types of the keys: an object's keys equal to ``keys`` must be of these too
+    #: (``True == 1`` and ``1.0 == 1``, but a spec tells a bool key from an int one).
+    key_types: frozenset[type]
     #: For each key in the user's order, the flatten position of its child.
     user_order: tuple[int, ...]
 
@@ -200,6 +205,7 @@ class _Mapping(Container):
         object.__setattr__(self, "keys", keys)
         object.__setattr__(self, "flat_keys", flat_keys)
         object.__setattr__(self, "keyset", frozenset(keys))
+        object.__setattr__(self, "key_types", frozenset(map(type, keys)))
         object.__setattr__(self, "user_order", tuple(position[i] for i in range(len(keys))))
 
     @classmethod
@@ -269,6 +275,13 @@ class _Mapping(Container):
         for key in obj:
             if key not in self.keyset:
                 return Key(key), f"unexpected entry {brief_of(obj[key])}"
+        for key in obj:
+            if type(key) not in self.key_types:
+                ours = next(k for k in self.keys if k == key)
+                return Key(key), (
+                    f"key of type {type(key).__name__}, expected the "
+                    f"{type(ours).__name__} key {clip(ours)}"
+                )
         return None, f"expected keys in the order {clip(list(self.keys))}, got {clip(list(obj))}"
 
 
@@ -281,13 +294,15 @@ class DictNode(_Mapping):
     sorts_keys = True
 
     def same_keys(self, obj: Any) -> bool:
-        return obj.keys() == self.keyset
+        return obj.keys() == self.keyset and self.key_types.issuperset(map(type, obj))
 
     def rebuild(self, values: list[Any]) -> Any:
         return dict(self.user_pairs(values))
 
     def guard(self, var: str, bind: Bind) -> str:
-        return f"type({var}) is not dict or {var}.keys() != {bind(self.keyset, 'k')}"
+        types = bind(self.key_types.issuperset, "k")
+        keys = f"{var}.keys() != {bind(self.keyset, 'k')}"
+        return f"type({var}) is not dict or {keys} or not {types}(map(type, {var}))"
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         return "{" + ", ".join(self.rebuild_source_pairs(parts, bind)) + "}"
@@ -306,14 +321,16 @@ class OrderedDictNode(_Mapping):
     article = "an"
 
     def same_keys(self, obj: Any) -> bool:
-        return tuple(obj) == self.keys
+        return tuple(obj) == self.keys and self.key_types.issuperset(map(type, obj))
 
     def rebuild(self, values: list[Any]) -> Any:
         return collections.OrderedDict(zip(self.keys, values, strict=True))
 
     def guard(self, var: str, bind: Bind) -> str:
         cls = bind(collections.OrderedDict, "T")
-        return f"type({var}) is not {cls} or tuple({var}) != {bind(self.keys, 'k')}"
+        types = bind(self.key_types.issuperset, "k")
+        keys = f"tuple({var}) != {bind(self.keys, 'k')}"
+        return f"type({var}) is not {cls} or {keys} or not {types}(map(type, {var}))"
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         items = ", ".join(
@@ -325,7 +342,7 @@ class OrderedDictNode(_Mapping):
         return "OrderedDict({" + self.shown_items(parts) + "})"
 
 
-class _Named(Container):
+class NamedContainer(Container):
     """A user class with named fields, bound by identity; JSON names it ``module:QualName``."""
 
     __slots__ = ("cls", "fields", "name")
@@ -353,7 +370,7 @@ class _Named(Container):
             fields = cls.fields_of(typ)
             assert fields is not None  # the caller found the kind by fields_of
             node = intern[typ] = cls(typ, fields)
-        assert isinstance(node, _Named)
+        assert isinstance(node, NamedContainer)
         return node, node.values_of(obj)
 
     def values_of(self, obj: Any) -> Sequence[Any]:
@@ -418,7 +435,7 @@ class _Named(Container):
 _DESCRIBED_NOTE = {"namedtuple": " (describing a tree that holds it registers it too)"}
 
 
-class NamedTupleNode(_Named):
+class NamedTupleNode(NamedContainer):
     """A namedtuple class: children by position, shown by field name."""
 
     __slots__ = ()
@@ -457,7 +474,7 @@ class NamedTupleNode(_Named):
         return f"{bind(self.cls, 'T')}({', '.join(parts)})"
 
 
-class DataclassNode(_Named):
+class DataclassNode(NamedContainer):
     """A registered dataclass: children are its fields, read with ``getattr``."""
 
     __slots__ = ()
@@ -607,6 +624,12 @@ def register_dataclass(cls: T, /) -> T:
                 f"{unnormalized} as {[unicodedata.normalize('NFKC', n) for n in unnormalized]} "
                 "(NFKC) in __init__, so the dataclass cannot be rebuilt from its fields"
             )
+        unfit = _init_problem(cls, names)
+        if unfit:
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: its __init__ {unfit}, so the dataclass "
+                "cannot be rebuilt from its fields"
+            )
 
         def flatten(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
             return [getattr(obj, name) for name in names], None, names
@@ -619,6 +642,32 @@ def register_dataclass(cls: T, /) -> T:
     _bind_name(cls)
     _KIND_OF[cls] = DataclassNode
     return cls
+
+
+def _init_problem(cls: type, names: tuple[str, ...]) -> str | None:
+    """Why ``cls(**{name: value for each field})`` cannot work (an ``InitVar`` without a default,
+    an ``__init__`` of its own), or ``None``."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the rebuild will tell
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {p.name for p in parameters if p.kind in keyword}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        accepted.update(names)
+    required = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        and p.name not in names
+    ]
+    if required:
+        return f"requires {required}, which are not fields"
+    unaccepted = [name for name in names if name not in accepted]
+    if unaccepted:
+        return f"does not take the fields {unaccepted} by keyword"
+    return None
 
 
 def dataclass_fields(cls: type, /) -> tuple[str, ...] | None:

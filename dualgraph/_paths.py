@@ -37,7 +37,10 @@ class Key:
     key: str | int
 
     def __str__(self) -> str:
-        return f"[{self.key!r}]"
+        try:
+            return f"[{self.key!r}]"
+        except Exception:  # a key a caller passed (an unexpected entry) that cannot print
+            return f"[<{type(self.key).__name__}>]"
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._compile import compile_program
-from ._containers import brief_of, container_kind
+from ._containers import NamedContainer, brief_of, container_kind
 from ._dtypes import is_differentiable_dtype
 from ._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
 from ._json import next_entries, read_document, read_tree, write_document
@@ -104,7 +104,16 @@ class TreeSpec:
     (True, (True,))
     """
 
-    __slots__ = ("_hash", "_json", "_layout", "_leaves", "_nodes", "_num_arrays", "_program")
+    __slots__ = (
+        "_hash",
+        "_json",
+        "_layout",
+        "_leaves",
+        "_named",
+        "_nodes",
+        "_num_arrays",
+        "_program",
+    )
 
     def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
         """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
@@ -120,6 +129,7 @@ class TreeSpec:
         self._num_arrays = sum(node.op == ArrayLeaf.op for node in nodes)
         self._leaves: tuple[LeafSpec, ...] | None = None
         self._json: str | None = None
+        self._named: list[int] = []  # the nodes of user classes, named in the JSON by name
         self._hash: int | None = None
 
     # -- what the spec says -------------------------------------------------------------------
@@ -278,12 +288,18 @@ class TreeSpec:
         """
         if self._json is None:
             self._json = write_document(SPEC_FORMAT, SPEC_VERSION, {"tree": self._rows()})
+            self._named = [i for i, n in enumerate(self._nodes) if isinstance(n, NamedContainer)]
+        elif self._named:  # a class named in the JSON may have been redefined since it was written
+            self._rows(self._named)
         return self._json
 
-    def _rows(self) -> list[list[Any]]:
-        """The JSON rows of the tree's nodes, in pre-order (what :meth:`to_json` writes)."""
+    def _rows(self, indices: Sequence[int] | None = None) -> list[list[Any]]:
+        """The JSON rows of the tree's nodes (of ``indices``), in pre-order (what
+        :meth:`to_json` writes)."""
         rows = []
-        for index, node in enumerate(self._nodes):
+        nodes = self._nodes
+        for index in range(len(nodes)) if indices is None else indices:
+            node = nodes[index]
             try:
                 rows.append(node.row())
             except NodeError as error:

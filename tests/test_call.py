@@ -93,6 +93,24 @@ def test_describe_call_rejects_keyword_names_that_are_not_str() -> None:
         describe_call((), {1: array(2)})
 
 
+class _UnprintableKey:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.parametrize(
+    "key", [10**5000, _UnprintableKey()], ids=["int-too-long-to-print", "failing-repr"]
+)
+def test_keyword_names_that_cannot_be_printed_are_still_a_dualgraph_error(key: Any) -> None:
+    with pytest.raises(DualgraphError, match=r"^kwargs: keyword names must be str, got <"):
+        describe_call((), {key: 1})
+    spec = describe_call((), {"x": 1})
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: keyword names must be str, got <"):
+        spec.flatten((), types.MappingProxyType({key: 1}))
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\[<int>\]: unexpected entry int 1"):
+        spec.flatten((), {"x": 1, 10**5000: 1})
+
+
 def test_describe_call_names_an_unsupported_leaf_by_its_call_path() -> None:
     with pytest.raises(dualgraph.UnsupportedLeafError, match=r"^kwargs\['opt'\]: unsupported"):
         describe_call((array(2),), {"opt": object()})

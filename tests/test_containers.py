@@ -103,6 +103,40 @@ def test_register_dataclass_rejects_anything_but_a_dataclass_type(not_a_dataclas
         register_dataclass(not_a_dataclass)
 
 
+def test_register_dataclass_rejects_an_init_that_its_fields_cannot_call() -> None:
+    @dataclasses.dataclass
+    class WithInitVar:
+        x: Any
+        scale: dataclasses.InitVar[float]
+
+        def __post_init__(self, scale: float) -> None:
+            self.x = self.x
+
+    @dataclasses.dataclass(init=False)
+    class OwnInit:
+        x: Any
+
+        def __init__(self, value: Any) -> None:
+            self.x = value
+
+    for cls, missing in ((WithInitVar, "'scale'"), (OwnInit, "'value'")):
+        with pytest.raises(DualgraphError, match=rf"__init__ .*{missing}.* cannot be rebuilt"):
+            register_dataclass(cls)
+        assert dataclass_fields(cls) is None
+
+
+def test_register_dataclass_accepts_an_init_var_with_a_default() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class WithDefault:
+        x: Any
+        scale: dataclasses.InitVar[float] = 1.0
+
+    x = array(2)
+    tree = WithDefault(x)
+    assert_same_tree(describe(tree).unflatten([x]), tree)
+
+
 def test_register_dataclass_rejects_fields_that_init_cannot_set() -> None:
     @dataclasses.dataclass
     class Derived:
@@ -234,6 +268,22 @@ def test_a_name_means_the_newest_class_and_an_older_spec_cannot_be_written() -> 
     fresh_old_spec = describe(Old(array(2)))
     with pytest.raises(DualgraphError, match=r"now names another class in this process"):
         fresh_old_spec.to_json()
+
+
+def test_a_spec_written_before_its_class_was_redefined_cannot_be_written_again() -> None:
+    def define() -> type:
+        class Output(NamedTuple):
+            hidden: Any
+
+        return Output
+
+    Old = define()
+    old_spec = describe(Old(array(2)))
+    old_spec.to_json()  # fine while Old is what the name means
+    New = define()
+    describe(New(array(2)))
+    with pytest.raises(DualgraphError, match=r"now names another class in this process"):
+        old_spec.to_json()  # the JSON written before would now be read back as New
 
 
 def test_registering_picks_the_class_a_name_means() -> None:

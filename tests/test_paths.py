@@ -74,3 +74,12 @@ def test_entries_tell_an_int_key_from_an_index() -> None:
 
 def test_path_entries_are_exported() -> None:
     assert (dualgraph.Index, dualgraph.Key, dualgraph.Attr) == (Index, Key, Attr)
+
+
+def test_a_key_that_cannot_print_shows_its_type() -> None:
+    class Unprintable:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    assert str(Key(10**5000)) == "[<int>]"  # over Python's int-to-str limit
+    assert format_path((Index(0), Key(Unprintable())), "kwargs") == "kwargs[0][<Unprintable>]"  # type: ignore[arg-type]

@@ -415,6 +415,33 @@ def test_check_names_an_extra_key() -> None:
     assert error.path == "['extra']"
 
 
+class _StrKey(str):
+    pass
+
+
+class _IntKey(int):
+    pass
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize(
+    ("key", "found"),
+    [(1, True), (0, False), (1, 1.0), (1, np.int64(1)), (1, _IntKey(1)), ("a", _StrKey("a"))],
+    ids=["bool-for-int", "false-for-0", "float-for-int", "numpy-int", "int-subclass", "str-sub"],
+)
+@pytest.mark.parametrize("mapping", [dict, collections.OrderedDict])
+def test_a_key_equal_to_the_specs_but_of_another_type_is_a_mismatch(
+    mapping: type, key: Any, found: Any, check: bool
+) -> None:
+    spec = describe(mapping([(key, array(2)), ("b", None)]))
+    with pytest.raises(SpecMismatchError) as caught:
+        spec.flatten(mapping([(found, array(2)), ("b", None)]), check=check)
+    expected = f"{type(key).__name__} key {key!r}"
+    assert f"[{found!r}]: key of type {type(found).__name__}, expected the {expected}" in str(
+        caught.value
+    )
+
+
 def test_check_names_another_container_type() -> None:
     error = mismatch((array(2), None), [array(2), None])
     assert str(error) == "<root>: expected a tuple of length 2, got a list of length 2"
