@@ -315,6 +315,21 @@ def test_donate_argnums_that_are_not_indices_are_refused_clearly(
         dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=argnums)
 
 
+class Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+@pytest.mark.parametrize(
+    "argnums",
+    [10**5000, [0, -(10**5000)], Unprintable(), [Unprintable()]],
+    ids=["huge-int", "huge-int-in-list", "unprintable", "unprintable-in-list"],
+)
+def test_donate_argnums_that_cannot_print_are_still_refused_clearly(argnums: Any) -> None:
+    with pytest.raises(DualgraphError, match=r"^donate_argnums: "):
+        dgj.graphed(lambda s, x: s + x, (jnp.ones(3), jnp.ones(3)), donate_argnums=argnums)
+
+
 def test_donating_a_constant_argument_is_refused() -> None:
     with pytest.raises(DualgraphError, match=r"args\[1\] holds no array"):
         dgj.graphed(lambda s, n: s * n, (jnp.ones(3), 2), donate_argnums=1)
@@ -498,6 +513,17 @@ def test_a_call_inside_a_transformation_names_the_real_cause(name: str, donate: 
     assert message.startswith("graphed(double): args[0] is a JAX tracer (") and kind in message
     assert "cannot be called inside jax.jit, jax.vmap, jax.grad" in message
     assert "ConcretizationTypeError" not in message and "Concretization" not in repr(caught.value)
+
+
+def test_a_call_or_cotangent_that_contains_itself_is_a_mismatch_naming_its_path() -> None:
+    g = dgj.graphed(lambda x, opt: (x * 2, None), (jnp.ones(3), None))
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    with pytest.raises(SpecMismatchError, match=r"^args\[1\]: expected None, got a list"):
+        g(jnp.ones(3), cycle)
+    _, pullback = g.vjp(jnp.ones(3), None)
+    with pytest.raises(SpecMismatchError, match=r"^cotangent\[1\]: expected None, got a list"):
+        pullback((jnp.ones(3), cycle))
 
 
 def test_a_tracer_among_the_kwargs_is_named_by_its_path() -> None:

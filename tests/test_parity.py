@@ -172,6 +172,12 @@ def test_a_none_where_the_other_side_has_an_array_is_reported_by_path() -> None:
     assert "output[1]: expected float32[2, 3], got None" in str(caught.value)
 
 
+def test_a_torch_side_that_returns_no_tensor_is_reported_by_path() -> None:
+    x = (np.ones(2, np.float32),)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^output\[0\]: torch_fn returned"):
+        compare(lambda t: (t.detach().numpy(), None), lambda a: (a, None), x)
+
+
 def test_a_different_constant_is_reported_by_path() -> None:
     with pytest.raises(SpecMismatchError, match=r"output\['depth'\]: expected int 3, got int 2"):
         compare(
@@ -253,6 +259,27 @@ def test_a_tolerance_out_of_range_is_refused() -> None:
         Tolerance(rtol=1e-3, atol=1e-3, max_rel_l2=1e-3, min_cosine=2.0)
 
 
+@pytest.mark.parametrize(
+    ("tolerances", "message"),
+    [
+        ({"float32": 1e-3}, r"tolerances\['float32'\] is a float, not a Tolerance"),
+        ([1e-3], r"tolerances: expected a Tolerance or a mapping .* got list"),
+        (1e-3, r"tolerances: expected a Tolerance or a mapping .* got float"),
+    ],
+    ids=["number-in-mapping", "list", "number"],
+)
+def test_tolerances_that_are_not_tolerances_are_refused(tolerances: Any, message: str) -> None:
+    x = np.ones(2, np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare_arrays("output", x, x, tolerances=tolerances)
+
+
+@pytest.mark.parametrize("limit", ["1e-3", None, True, complex(1e-3)])
+def test_a_tolerance_of_non_numbers_is_refused(limit: Any) -> None:
+    with pytest.raises(dualgraph.DualgraphError, match="must be real numbers"):
+        Tolerance(rtol=limit, atol=1e-3, max_rel_l2=1e-3, min_cosine=0.9)
+
+
 # -- the blind spots of a max(1, |reference|)-scaled atol, each caught ---------------------------
 
 
@@ -322,6 +349,29 @@ def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
     leaf = compare_arrays("out", x, x)
     assert leaf.warning.startswith("no finite value on either side") and not leaf.ok
     assert compare_arrays("out", x, x, allow_nan=True).ok
+
+
+def test_float64_leaves_near_overflow_are_judged_at_their_scale() -> None:
+    # Their RMS and L2 norm overflow float64: an entry wrong by a factor of 1e300 must still fail.
+    expected = np.array([1.7e308] * 4 + [1.0])
+    report = compare_arrays("grad", np.array([1.7e308] * 4 + [1e300]), expected)
+    assert not report.ok and report.scale == pytest.approx(1.7e308 * np.sqrt(0.8))
+    assert compare_arrays("grad", expected, expected).ok
+    # A difference that overflows (opposite signs) fails, with no NaN and no numpy warning.
+    flipped = compare_arrays("grad", np.array([1.7e308] * 4), np.array([1.7e308] * 3 + [-1.7e308]))
+    assert not flipped.ok and flipped.score == float("inf") and flipped.mismatched == 1
+    assert not np.isnan([flipped.score, flipped.rel_l2, flipped.cosine]).any()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [np.array([None, 1]), np.array(["a", "b"]), np.array([1, 2], "M8[s]"), np.zeros(2, "V4")],
+    ids=["object", "str", "datetime", "void"],
+)
+def test_leaves_of_no_numeric_dtype_fail_naming_it(values: np.ndarray) -> None:
+    report = compare_arrays("output", values, values)
+    assert not report.ok
+    assert report.reason == f"{values.dtype.name} is not a numeric dtype: nothing to compare"
 
 
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:

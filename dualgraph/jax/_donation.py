@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from .._errors import DualgraphError, DualgraphWarning
+from .._nodes import clip
 from .._spec import LeafSpec, TreeSpec
 from ._leaves import TRACER_TYPE
 
@@ -53,8 +54,8 @@ def donated_argnums(donate_argnums: Any, args_spec: TreeSpec, num_args: int) -> 
     for number in _argnum_list(donate_argnums):
         if not -num_args <= number < num_args:
             raise DualgraphError(
-                f"donate_argnums: {number} is not the index of one of the {num_args} positional "
-                "sample args"
+                f"donate_argnums: {clip(number)} is not the index of one of the {num_args} "
+                "positional sample args"
             )
         index = number % num_args
         if index not in holding_arrays:
@@ -86,7 +87,7 @@ def _argnum_list(donate_argnums: Any) -> list[int]:
         else:
             return [_argnum(item) for item in items]
     raise DualgraphError(
-        f"donate_argnums: expected an int or a sequence of ints, got {donate_argnums!r} "
+        f"donate_argnums: expected an int or a sequence of ints, got {clip(donate_argnums)} "
         f"({type(donate_argnums).__name__})"
     )
 
@@ -98,7 +99,7 @@ def _argnum(item: Any) -> int:
         except TypeError:
             pass
     raise DualgraphError(
-        f"donate_argnums: {item!r} ({type(item).__name__}) is not an integer index of a "
+        f"donate_argnums: {clip(item)} ({type(item).__name__}) is not an integer index of a "
         "positional arg"
     )
 

@@ -52,16 +52,19 @@ def tracer_error(where: str, leaves: Iterable[tuple[str, Any]]) -> DualgraphErro
 
     ``where`` names the callable in the message, e.g. ``graphed(layer)``.
     """
-    for path, tracer in leaves:
-        if not isinstance(tracer, TRACER_TYPE):
-            continue
-        kind = type(tracer).__name__
-        transformation = _TRANSFORMATIONS.get(kind, "a JAX transformation")
-        return DualgraphError(
-            f"{where}: {path} is a JAX tracer ({kind}, from {transformation}), not an "
-            "array: this callable is compiled ahead of time for concrete arrays and cannot be "
-            "called inside jax.jit, jax.vmap, jax.grad or another transformation. Call the plain "
-            "function (its .fn) inside the transformation, or call this one outside it (its "
-            ".vjp gives gradients)"
-        )
-    return None
+    try:
+        found = next(((path, x) for path, x in leaves if isinstance(x, TRACER_TYPE)), None)
+    except Exception:  # leaves that cannot even be listed (a tree that contains itself): no tracer
+        return None
+    if found is None:
+        return None
+    path, tracer = found
+    kind = type(tracer).__name__
+    transformation = _TRANSFORMATIONS.get(kind, "a JAX transformation")
+    return DualgraphError(
+        f"{where}: {path} is a JAX tracer ({kind}, from {transformation}), not an "
+        "array: this callable is compiled ahead of time for concrete arrays and cannot be "
+        "called inside jax.jit, jax.vmap, jax.grad or another transformation. Call the plain "
+        "function (its .fn) inside the transformation, or call this one outside it (its "
+        ".vjp gives gradients)"
+    )

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._dtypes import is_differentiable_dtype
+from .._dtypes import is_differentiable_dtype, is_dtype_name
 from ._report import LeafReport
 from ._tolerances import Tolerance, tolerance_for
 
@@ -40,6 +40,9 @@ def compare_arrays(
     shape = tuple(expected.shape)
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         return _differing_leaves(path, actual, expected)
+    if not is_dtype_name(dtype):  # objects, strings, dates: no numbers to compare
+        problem = f"{dtype} is not a numeric dtype: nothing to compare"
+        return _differing_leaves(path, actual, expected, problem)
     if not is_differentiable_dtype(dtype):  # integers (int4 too), bools
         return _compare_exact(path, actual, expected)
     tolerance = tolerance_for(dtype, tolerances)
@@ -49,12 +52,13 @@ def compare_arrays(
     finite = ~(nan_a | nan_b | inf_a | inf_b)
     nonfinite_differs = (nan_a != nan_b) | (inf_a != inf_b) | (inf_a & inf_b & (a != b))
     a_fin, b_fin = a[finite], b[finite]
-    diff = np.abs(a_fin - b_fin)
-    magnitude = np.abs(b_fin)
-    scale = _rms(magnitude)
-    allowed = tolerance.rtol * magnitude + tolerance.atol * scale
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        diff = np.abs(a_fin - b_fin)  # float64 values near its limit: differences may be inf
+        magnitude = np.abs(b_fin)
+        scale = _rms(magnitude)
+        allowed = tolerance.rtol * magnitude + tolerance.atol * scale
         ratio = np.where(diff == 0, 0.0, diff / allowed)  # allowed == 0 < diff: inf
+        ratio[np.isnan(ratio)] = np.inf  # an overflowed difference over an overflowed limit
         relative = np.where((diff == 0) | (magnitude == 0), 0.0, diff / magnitude)
     over = int(np.count_nonzero(ratio > 1)) + int(np.count_nonzero(nonfinite_differs))
     score = float(ratio.max(initial=0.0))
@@ -82,7 +86,9 @@ def compare_arrays(
     )
 
 
-def _differing_leaves(path: str, actual: np.ndarray, expected: np.ndarray) -> LeafReport:
+def _differing_leaves(
+    path: str, actual: np.ndarray, expected: np.ndarray, problem: str | None = None
+) -> LeafReport:
     def show(x: np.ndarray) -> str:
         return f"{x.dtype.name}[{', '.join(map(str, x.shape))}]"
 
@@ -98,7 +104,7 @@ def _differing_leaves(path: str, actual: np.ndarray, expected: np.ndarray) -> Le
         cosine=None,
         mismatched=int(expected.size),
         tolerance=None,
-        problem=f"torch gives {show(actual)} where JAX gives {show(expected)}",
+        problem=problem or f"torch gives {show(actual)} where JAX gives {show(expected)}",
     )
 
 
@@ -137,23 +143,28 @@ def _widened(x: np.ndarray) -> np.ndarray:
 
 def _rms(magnitude: np.ndarray) -> float:
     """The root mean square of non-negative values, without overflowing on huge ones."""
-    return _norm(magnitude) / float(np.sqrt(magnitude.size)) if magnitude.size else 0.0
+    peak, norm = _scaled_norm(magnitude)
+    return peak * (norm / float(np.sqrt(magnitude.size))) if magnitude.size else 0.0
 
 
-def _norm(magnitude: np.ndarray) -> float:
-    """The L2 norm of non-negative values, scaled by their peak so that squares cannot overflow."""
+def _scaled_norm(magnitude: np.ndarray) -> tuple[float, float]:
+    """``(peak, n)`` with ``peak * n`` the L2 norm of non-negative values (never multiplied out
+    here: for float64 values near its limit the product overflows)."""
     peak = float(magnitude.max(initial=0.0))
     if peak == 0.0 or not np.isfinite(peak):
-        return peak
-    return peak * float(np.sqrt(np.sum(np.square(magnitude / peak))))
+        return peak, 1.0
+    return peak, float(np.sqrt(np.sum(np.square(magnitude / peak))))
 
 
 def _relative_l2(diff: np.ndarray, magnitude: np.ndarray) -> float:
     """``||torch - jax|| / ||jax||``: 0 when both are zero, ``inf`` when only the reference is."""
-    error, size = _norm(diff), _norm(magnitude)
-    if error == 0.0:
+    (error_peak, error), (size_peak, size) = _scaled_norm(diff), _scaled_norm(magnitude)
+    if error_peak == 0.0:
         return 0.0
-    return error / size if size else float("inf")
+    if size_peak == 0.0:
+        return float("inf")
+    with np.errstate(over="ignore"):
+        return float(np.float64(error_peak) / size_peak * (error / size))
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

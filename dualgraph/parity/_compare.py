@@ -201,6 +201,13 @@ def _agreed_output_spec(jax_spec: TreeSpec, torch_out: Any, wide: str | None) ->
             f"returns, got: what torch returns){hint}",
             path=error.path,
         ) from None
+    for path, leaf in zip(jax_spec.array_paths, jax_spec.flatten(torch_out), strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+            raise SpecMismatchError(
+                f"output{path}: torch_fn returned a {kind}, not a torch tensor",
+                path="output" + path,
+            )
     return jax_spec
 
 

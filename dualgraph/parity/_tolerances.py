@@ -19,6 +19,7 @@ bfloat16). The cosine is the sign and direction check. Integers and bools compar
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,6 +44,11 @@ class Tolerance:
 
     def __post_init__(self) -> None:
         limits = (self.rtol, self.atol, self.max_rel_l2)
+        if not all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool)
+            for x in (*limits, self.min_cosine)
+        ):
+            raise DualgraphError(f"{self}: the limits of a Tolerance must be real numbers")
         if not (all(limit >= 0 for limit in limits) and -1 <= self.min_cosine <= 1):
             raise DualgraphError(
                 f"{self}: rtol, atol and max_rel_l2 must be >= 0, min_cosine within [-1, 1]"
@@ -91,8 +97,19 @@ def tolerance_for(
     """
     if isinstance(overrides, Tolerance):
         return overrides
-    if overrides is not None and dtype in overrides:
-        return overrides[dtype]
+    if overrides is not None:
+        if not isinstance(overrides, Mapping):
+            raise DualgraphError(
+                "tolerances: expected a Tolerance or a mapping of dtype names to Tolerances, "
+                f"got {type(overrides).__name__}"
+            )
+        if dtype in overrides:
+            found = overrides[dtype]
+            if not isinstance(found, Tolerance):
+                raise DualgraphError(
+                    f"tolerances[{dtype!r}] is a {type(found).__name__}, not a Tolerance"
+                )
+            return found
     try:
         return DEFAULT_TOLERANCES[dtype]
     except KeyError:
