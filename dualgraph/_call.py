@@ -17,7 +17,7 @@ from ._containers import DictNode, TupleNode
 from ._errors import DualgraphError, SpecMismatchError
 from ._json import read_document, write_document
 from ._nodes import clip, clip_text
-from ._spec import LeafSpec, TreeSpec, describe
+from ._spec import LeafSpec, TreeSpec, describe, grad_flags
 
 __all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
 
@@ -134,10 +134,7 @@ class CallSpec:
         >>> spec.with_grad_mask([False, True]).grad_mask
         (False, True)
         """
-        try:
-            flags = [bool(flag) for flag in mask]
-        except Exception as error:
-            raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+        flags = grad_flags(mask)
         if len(flags) != self.num_arrays:
             raise DualgraphError(
                 f"grad mask has {len(flags)} entries, the call has {self.num_arrays} array leaves"

@@ -10,7 +10,7 @@ is made (``_compile.py``), so :meth:`TreeSpec.flatten`, :meth:`TreeSpec.unflatte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,10 +189,7 @@ class TreeSpec:
         >>> describe((np.zeros(2, np.float32),)).with_grad_mask([False]).grad_mask
         (False,)
         """
-        try:
-            flags = [bool(flag) for flag in mask]
-        except Exception as error:
-            raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+        flags = grad_flags(mask)
         if len(flags) != self._num_arrays:
             raise DualgraphError(
                 f"grad mask has {len(flags)} entries, the spec has {self._num_arrays} array leaves"
@@ -610,3 +607,36 @@ def _first_difference(
             return index, entry, message
         stack.extend(reversed(children))
     return None
+
+
+def grad_flags(mask: object) -> list[bool]:
+    """The entries of a grad mask, each a bool (see :func:`_grad_flag`), as a list.
+
+    >>> grad_flags((True, False))
+    [True, False]
+    """
+    if isinstance(mask, str | bytes) or not isinstance(mask, Iterable):
+        raise DualgraphError(
+            f"a grad mask is a sequence of bools, got {type(mask).__module__}."
+            f"{type(mask).__qualname__}"
+        )
+    try:
+        return [_grad_flag(i, flag) for i, flag in enumerate(mask)]
+    except DualgraphError:
+        raise
+    except Exception as error:
+        raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+
+
+def _grad_flag(index: int, flag: object) -> bool:
+    """A grad-mask entry: a bool, or a 0-d boolean array (numpy, torch, jax); nothing coerced."""
+    if isinstance(flag, bool):
+        return flag
+    dtype = getattr(flag, "dtype", None)
+    zero_dimensional = tuple(getattr(flag, "shape", (None,))) == ()
+    if dtype is not None and str(dtype) in {"bool", "torch.bool"} and zero_dimensional:
+        return bool(flag)
+    raise DualgraphError(
+        f"grad mask[{index}]: expected a bool, got {type(flag).__module__}."
+        f"{type(flag).__qualname__} (a grad mask is not coerced: 'False' would mean True)"
+    )

@@ -413,3 +413,9 @@ def test_constructor_rejects_specs_of_other_shapes() -> None:
         CallSpec(dualgraph.describe([array(2)]), dualgraph.describe({}))
     with pytest.raises(DualgraphError, match=r"^kwargs: the kwargs spec must describe a dict"):
         CallSpec(dualgraph.describe(()), dualgraph.describe(()))
+
+
+@pytest.mark.parametrize("entry", ["False", 0, None], ids=repr)
+def test_a_call_grad_mask_coerces_nothing_but_bools(entry: Any) -> None:
+    with pytest.raises(DualgraphError, match=r"grad mask\[2\]: expected a bool"):
+        describe_call(*sample_call()).with_grad_mask([False, True, entry, True])

@@ -356,6 +356,29 @@ def test_with_grad_mask_rejects_the_wrong_length() -> None:
         spec.with_grad_mask([True])
 
 
+@pytest.mark.parametrize(
+    "entry", ["False", 0, 1, 0.0, None, np.zeros(1, bool), np.int64(0)], ids=repr
+)
+def test_with_grad_mask_coerces_nothing_but_bools(entry: Any) -> None:
+    # bool("False") is True: a mask entry that is not a bool is refused, naming its position
+    spec = describe(TREES["vit_layer"]())
+    with pytest.raises(DualgraphError, match=r"grad mask\[0\]: expected a bool"):
+        spec.with_grad_mask([entry])
+
+
+@pytest.mark.parametrize("mask", ["1", b"\x01", 1, None], ids=repr)
+def test_with_grad_mask_is_a_sequence(mask: Any) -> None:
+    spec = describe(TREES["vit_layer"]())
+    with pytest.raises(DualgraphError, match="a grad mask is a sequence of bools"):
+        spec.with_grad_mask(mask)
+
+
+def test_with_grad_mask_takes_zero_dimensional_boolean_arrays() -> None:
+    spec = describe(TREES["vit_layer"]())
+    assert spec.with_grad_mask([np.bool_(False)]).grad_mask == (False,)
+    assert spec.with_grad_mask((np.array(True),)).grad_mask == (True,)
+
+
 def test_check_ignores_the_grad_flag() -> None:
     tree = TREES["encoder_dict"]()
     describe(tree).with_grad_mask([False, False]).check(tree)
