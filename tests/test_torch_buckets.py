@@ -727,6 +727,14 @@ BAD_REQUESTS = {
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 5), None)]},
         r"buckets\[1\]: .*buckets differ only in the shapes",
     ),
+    "a constant differs after a tensor": (
+        {"buckets": [(torch.randn(2, 3), 1), (torch.randn(2, 5), 2)]},
+        r"buckets\[1\]: args\[1\]: expected int 1, got int 2 \(as buckets\[0\] has it\)",
+    ),
+    "a None where a tensor was, after a tensor": (
+        {"buckets": [(torch.randn(2, 3), torch.ones(1)), (torch.randn(2, 5), None)]},
+        r"buckets\[1\]: args\[1\]: expected a float32 tensor, got None \(as buckets\[0\] has it\)",
+    ),
     "same shapes twice": (
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 3),)]},
         r"buckets\[1\] has the same input shapes as buckets\[0\]",

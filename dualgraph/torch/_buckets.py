@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from .._call import CallSpec
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._capture import CaptureOptions, CaptureRequest, capture
@@ -800,8 +801,9 @@ def _bucket_guards(
         try:
             tensors = first.spec.flatten(args, kwargs)
         except SpecMismatchError as error:
+            difference = _difference_but_shapes(first.spec, guards[i].spec) or str(error)
             raise DualgraphError(
-                f"buckets[{i}]: {error} (as buckets[0] has it); buckets differ only in the "
+                f"buckets[{i}]: {difference} (as buckets[0] has it); buckets differ only in the "
                 "shapes of their tensors"
             ) from None
         for path, tensor, kind in zip(first.paths, tensors, expected, strict=True):
@@ -812,6 +814,29 @@ def _bucket_guards(
                     "buckets differ only in the shapes of their tensors"
                 )
     return guards, expected
+
+
+def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
+    """Where two calls' specs first differ in more than array shapes (None: in shapes only)."""
+    for root in ("args", "kwargs"):
+        left = getattr(expected, f"{root}_spec").leaves
+        right = getattr(found, f"{root}_spec").leaves
+        for a, b in itertools.zip_longest(left, right):
+            if a is None:
+                return f"{root}{b.path}: got {_show_input(b)}, expected nothing"
+            if b is None or a.path != b.path:
+                return f"{root}{a.path}: expected {_show_input(a)}, got nothing there"
+            if a.kind != b.kind or (a.kind == "const" and repr(a.value) != repr(b.value)):
+                return f"{root}{a.path}: expected {_show_input(a)}, got {_show_input(b)}"
+    return None
+
+
+def _show_input(leaf: Any) -> str:
+    if leaf.kind == "array":
+        return f"a {leaf.dtype} tensor"
+    if leaf.kind == "const":
+        return f"{type(leaf.value).__name__} {leaf.value!r}"
+    return "None"
 
 
 def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool) -> str:
