@@ -521,6 +521,14 @@ REFUSED_PADDING = {
         r"output\[0\] dim 1 changes with the length \(3, 5 across buckets\) but is not in "
         r"dynamic_dims",
     ),
+    "output with the length in two dims": (
+        lambda: lambda x, valid_length=None: x[:, :, None] * x[:, None, :],
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output": 1},
+        r"output dim 2 changes with the length \(3, 5 across buckets\) but is not in "
+        r"dynamic_dims, so a padded call could not be cut back; dynamic_dims cuts one dim per "
+        r"output \(dim 1 there\)",
+    ),
     "output dim of another size": (
         lambda: ViTBlock(16, 2),
         [(torch.randn(2, n, 16),) for n in (3, 5)],

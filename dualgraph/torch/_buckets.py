@@ -960,11 +960,17 @@ def _check_padded_plans(
             for dim in range(len(leaf.shape or ())):
                 sizes = {plans[i].outputs.arrays[index].shape[dim] for i in members}
                 if len(sizes) > 1 and (index, dim) not in cuts_per_bucket[members[0]]:
+                    declared = dict(padding.output_paths).get(leaf.path)
+                    fix = (
+                        f"add 'output{leaf.path}': {dim}"
+                        if declared is None
+                        else f"dynamic_dims cuts one dim per output (dim {declared} there), so "
+                        "use fallback='eager' or 'error' for a callable that returns it"
+                    )
                     raise DualgraphError(
                         f"fallback='pad': output{leaf.path} dim {dim} changes with the length "
                         f"({', '.join(map(str, sorted(sizes)))} across buckets) but is not in "
-                        f"dynamic_dims, so a padded call could not be cut back; add "
-                        f"'output{leaf.path}': {dim}"
+                        f"dynamic_dims, so a padded call could not be cut back; {fix}"
                     )
 
 
