@@ -482,6 +482,25 @@ def in_place(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     return x.sum(dim=1)
 
 
+class MeanPool(nn.Module):
+    """A mean over every position: it takes valid_length but counts the padding too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.proj(x).mean(dim=1)
+
+
+def unmasked_softmax(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return torch.softmax(x, dim=1)  # padded zeros get weight exp(0) too
+
+
+def length_constant(x: torch.Tensor, valid_length: Any = None) -> tuple[torch.Tensor, int]:
+    return x * 2, x.shape[1]  # a padded call would return the bucket's length
+
+
 REFUSED_PADDING = {
     "no valid_length": (
         lambda: lambda x: x * 2,
@@ -502,6 +521,14 @@ REFUSED_PADDING = {
         r"output\[0\] dim 1 changes with the length \(3, 5 across buckets\) but is not in "
         r"dynamic_dims",
     ),
+    "output with the length in two dims": (
+        lambda: lambda x, valid_length=None: x[:, :, None] * x[:, None, :],
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output": 1},
+        r"output dim 2 changes with the length \(3, 5 across buckets\) but is not in "
+        r"dynamic_dims, so a padded call could not be cut back; dynamic_dims cuts one dim per "
+        r"output \(dim 1 there\)",
+    ),
     "output dim of another size": (
         lambda: ViTBlock(16, 2),
         [(torch.randn(2, n, 16),) for n in (3, 5)],
@@ -513,6 +540,30 @@ REFUSED_PADDING = {
         [(torch.randn(2, n),) for n in (3, 5)],
         {"args[0]": 1},
         r"updates args\[0\] in place, but a padded call passes it a padded copy",
+    ),
+    "a mean that counts the padding": (
+        MeanPool,
+        [(torch.randn(2, n, 4),) for n in (3, 5)],
+        {"args[0]": 1},
+        r"MeanPool: output differs \(by up to .*\) when a call of length 3 is padded to 5 \(with",
+    ),
+    "a mean that counts the padding, one bucket": (
+        MeanPool,
+        [(torch.randn(2, 6, 4),)],
+        {"args[0]": 1},
+        r"MeanPool: output differs .* when a call of length 3 is padded to 6",
+    ),
+    "an unmasked softmax over positions": (
+        lambda: unmasked_softmax,
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output": 1},
+        r"unmasked_softmax: output differs .* when a call of length 3 is padded to 5",
+    ),
+    "a constant of the length": (
+        lambda: length_constant,
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output[0]": 1},
+        r"length_constant: output\[1\] is 5, not 3, when a call of length 3 is padded to 5",
     ),
     "no input dim": (
         lambda: ViTBlock(16, 2),
@@ -546,6 +597,58 @@ def test_pad_refuses_what_it_cannot_make_correct(case: str) -> None:
     build, buckets, dims, message = REFUSED_PADDING[case]
     with pytest.raises(DualgraphError, match=message):
         dgt.make_graphed_callables(build(), buckets=buckets, fallback="pad", dynamic_dims=dims)
+
+
+class CountedMean(MeanPool):
+    """A mean over the valid positions, with dropout and a buffer its forward updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        self.calls.add_(1)
+        hidden = self.drop(self.proj(x))
+        if valid_length is None:
+            return hidden.mean(dim=1)
+        keep = (torch.arange(x.shape[1], device=x.device) < valid_length)[:, None]
+        return (hidden * keep).sum(dim=1) / valid_length
+
+
+def always_dropout(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_at_capture_that_padding_stays_out_of_the_outputs(backend: str) -> None:
+    buckets = [(torch.randn(2, n, 4),) for n in (3, 5)]
+    with pytest.raises(DualgraphError, match=r"MeanPool: output differs .* padded to 5"):
+        dgt.make_graphed_callables(
+            MeanPool(),
+            buckets=buckets,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+    # a callable that masks passes; the check leaves its mode, buffers and the RNG as found
+    module, twin = twins(CountedMean, torch.device("cpu"))
+    state = torch.get_rng_state()
+    graphed = dgt.make_graphed_callables(
+        module, buckets=buckets, fallback="pad", dynamic_dims={"args[0]": 1}, backend=backend
+    )
+    assert module.training and module.drop.training and int(module.calls) == 0
+    assert torch.equal(torch.get_rng_state(), state) or backend != "eager"
+    x = torch.randn(2, 4, 4)
+    module.eval()
+    twin.eval()
+    assert_tensors_match(module(x), twin(x), "eval mode, eager", None)
+    module.train()
+    assert graphed is module
+    # a function that always draws random numbers cannot be judged: it is let through
+    dgt.make_graphed_callables(
+        always_dropout, buckets=buckets, fallback="pad", dynamic_dims={"args[0]": 1, "output": 1}
+    )
 
 
 @pytest.mark.parametrize(
@@ -631,6 +734,14 @@ BAD_REQUESTS = {
     "structure differs": (
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 5), None)]},
         r"buckets\[1\]: .*buckets differ only in the shapes",
+    ),
+    "a constant differs after a tensor": (
+        {"buckets": [(torch.randn(2, 3), 1), (torch.randn(2, 5), 2)]},
+        r"buckets\[1\]: args\[1\]: expected int 1, got int 2 \(as buckets\[0\] has it\)",
+    ),
+    "a None where a tensor was, after a tensor": (
+        {"buckets": [(torch.randn(2, 3), torch.ones(1)), (torch.randn(2, 5), None)]},
+        r"buckets\[1\]: args\[1\]: expected a float32 tensor, got None \(as buckets\[0\] has it\)",
     ),
     "same shapes twice": (
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 3),)]},

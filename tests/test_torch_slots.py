@@ -617,6 +617,7 @@ def test_a_schedule_needs_a_backward(backend: str) -> None:
         ({"slots": 0}, "slots must be an int >= 1, got 0"),
         ({"slots": True}, "slots must be an int >= 1, got True"),
         ({"slots": 2.0}, "slots must be an int >= 1, got 2.0"),
+        ({"slots": 10**9}, r"slots=1000000000: at most 65536 \(each slot is a capture"),
         ({"slots": 2, "schedule": [1, -1]}, "pass slots or schedule, not both"),
         ({"schedule": [1, 0]}, r"schedule order\[1\]: expected a nonzero int"),
         ({"schedule": [1, 2, -2, -1]}, "1 callable.* do not split evenly into its 2 chunks"),

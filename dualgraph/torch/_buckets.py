@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from .._call import CallSpec
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._capture import CaptureOptions, CaptureRequest, capture
@@ -742,6 +743,8 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
             diag.pool_growth_bytes = growth
             diag.lint = plan.diagnostics.lint  # issue 19 hook
             diag.memory_plan = plan.diagnostics.memory_plan
+    if padding is not None:
+        _check_padding_is_masked(request, padding, guards, lengths, shapes)
     summary = BucketedDiagnostics(
         name=request.name,
         backend=request.backend,
@@ -798,8 +801,9 @@ def _bucket_guards(
         try:
             tensors = first.spec.flatten(args, kwargs)
         except SpecMismatchError as error:
+            difference = _difference_but_shapes(first.spec, guards[i].spec) or str(error)
             raise DualgraphError(
-                f"buckets[{i}]: {error} (as buckets[0] has it); buckets differ only in the "
+                f"buckets[{i}]: {difference} (as buckets[0] has it); buckets differ only in the "
                 "shapes of their tensors"
             ) from None
         for path, tensor, kind in zip(first.paths, tensors, expected, strict=True):
@@ -810,6 +814,29 @@ def _bucket_guards(
                     "buckets differ only in the shapes of their tensors"
                 )
     return guards, expected
+
+
+def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
+    """Where two calls' specs first differ in more than array shapes (None: in shapes only)."""
+    for root in ("args", "kwargs"):
+        left = getattr(expected, f"{root}_spec").leaves
+        right = getattr(found, f"{root}_spec").leaves
+        for a, b in itertools.zip_longest(left, right):
+            if a is None:
+                return f"{root}{b.path}: got {_show_input(b)}, expected nothing"
+            if b is None or a.path != b.path:
+                return f"{root}{a.path}: expected {_show_input(a)}, got nothing there"
+            if a.kind != b.kind or (a.kind == "const" and repr(a.value) != repr(b.value)):
+                return f"{root}{a.path}: expected {_show_input(a)}, got {_show_input(b)}"
+    return None
+
+
+def _show_input(leaf: Any) -> str:
+    if leaf.kind == "array":
+        return f"a {leaf.dtype} tensor"
+    if leaf.kind == "const":
+        return f"{type(leaf.value).__name__} {leaf.value!r}"
+    return "None"
 
 
 def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool) -> str:
@@ -933,12 +960,130 @@ def _check_padded_plans(
             for dim in range(len(leaf.shape or ())):
                 sizes = {plans[i].outputs.arrays[index].shape[dim] for i in members}
                 if len(sizes) > 1 and (index, dim) not in cuts_per_bucket[members[0]]:
+                    declared = dict(padding.output_paths).get(leaf.path)
+                    fix = (
+                        f"add 'output{leaf.path}': {dim}"
+                        if declared is None
+                        else f"dynamic_dims cuts one dim per output (dim {declared} there), so "
+                        "use fallback='eager' or 'error' for a callable that returns it"
+                    )
                     raise DualgraphError(
                         f"fallback='pad': output{leaf.path} dim {dim} changes with the length "
                         f"({', '.join(map(str, sorted(sizes)))} across buckets) but is not in "
-                        f"dynamic_dims, so a padded call could not be cut back; add "
-                        f"'output{leaf.path}': {dim}"
+                        f"dynamic_dims, so a padded call could not be cut back; {fix}"
                     )
+
+
+def _check_padding_is_masked(
+    request: BucketRequest,
+    padding: _Padding,
+    guards: Sequence[InputGuard],
+    lengths: Sequence[int | None],
+    shapes: Sequence[tuple[torch.Size, ...]],
+) -> None:
+    """Refuse a callable whose outputs change when a call is padded (it ignores padding).
+
+    Per group of buckets that pad into one another, a short call (the smallest bucket's sample,
+    or the only bucket's cut to half its length) runs eagerly as it is and padded to the group's
+    largest length with ``valid_length``; the outputs, cut back, must agree up to rounding. A
+    module runs in eval mode (dropout off); a callable that still draws random numbers (its
+    reference differs under two seeds) cannot be judged and is let through.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(shapes):
+        groups.setdefault(padding.fixed_shapes(key), []).append(i)
+    for members in groups.values():
+        ordered = sorted(members, key=lambda i: lengths[i])  # type: ignore[arg-type, return-value]
+        short, long = ordered[0], ordered[-1]
+        full: int = lengths[long]  # type: ignore[assignment]
+        length: int = lengths[short] if short != long else full // 2  # type: ignore[assignment]
+        if length < 1:
+            continue  # a single bucket of length 1: no call can be padded into it
+        tensors = [t.detach().clone() for t in guards[short].tensors(*request.samples[short])]
+        for index, dim in padding.inputs:
+            tensors[index] = tensors[index].narrow(dim, 0, length)
+        _compare_padded(request, padding, guards[short], tensors, length, full)
+
+
+def _compare_padded(
+    request: BucketRequest,
+    padding: _Padding,
+    guard: InputGuard,
+    tensors: list[torch.Tensor],
+    length: int,
+    full: int,
+) -> None:
+    padded = list(tensors)
+    for index, dim in padding.inputs:
+        tensor = tensors[index]
+        padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, full - length))
+    device = tensors[padding.inputs[0][0]].device
+    valid = torch.full((), length, dtype=torch.int64, device=device)
+    module = request.module
+    modes = [(m, m.training) for m in module.modules()] if module is not None else []
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+    def run(inputs: list[torch.Tensor], seed: int) -> Any:
+        args, kwargs = guard.unflatten([t.clone() for t in inputs])
+        torch.manual_seed(seed)
+        return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
+
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            if module is not None:
+                module.eval()
+            reference = run(tensors, 0)
+            if _difference(reference, run(tensors, 1), ()) is not None:
+                return  # it draws random numbers: the two calls cannot be compared
+            found = run(padded, 0)
+    finally:
+        for m, training in modes:
+            m.training = training
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    spec = describe(found)
+    difference = _difference(reference, found, _output_cuts(padding, spec), length)
+    if difference is not None:
+        raise DualgraphError(
+            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+            f"padded to {full} (with {VALID_LENGTH}={length}): padded positions reach what it "
+            f"returns for the call's own. It must keep them out of whatever mixes positions "
+            f"(mask attention, count only the first {VALID_LENGTH} positions in a mean or sum, "
+            "mask a softmax over positions); or use fallback='eager' or 'error'"
+        )
+
+
+def _difference(
+    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
+) -> str | None:
+    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
+    spec, other = describe(expected), describe(found)
+    if [(leaf.path, leaf.kind) for leaf in spec.leaves] != [
+        (leaf.path, leaf.kind) for leaf in other.leaves
+    ]:
+        return f"output has another structure ({other!r}, not {spec!r})"
+    for leaf, twin in zip(spec.leaves, other.leaves, strict=True):
+        if leaf.kind == "const" and leaf.value != twin.value:
+            return f"output{leaf.path} is {twin.value!r}, not {leaf.value!r},"
+    arrays = other.flatten(found)
+    for index, dim in cuts:
+        arrays[index] = arrays[index].narrow(dim, 0, length)
+    for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
+        if a.shape != b.shape:
+            return f"output{leaf.path} has shape {list(b.shape)} instead of {list(a.shape)}"
+        if a.dtype.is_floating_point or a.dtype.is_complex:
+            rtol = 1e-3 if a.element_size() >= 4 else 3e-2
+            scale = a.abs().max().item() if a.numel() else 0.0
+            gap = (a - b).abs().max().item() if a.numel() else 0.0
+            if not gap <= rtol * scale + 1e-6:  # also refuses NaN
+                return (
+                    f"output{leaf.path} differs (by up to {gap:.3g}, of values up to {scale:.3g})"
+                )
+        elif not torch.equal(a, b):
+            return f"output{leaf.path} differs"
+    return None
 
 
 def _accepts_valid_length(fn: Callable[..., Any]) -> bool:

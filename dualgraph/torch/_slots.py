@@ -48,7 +48,7 @@ from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, cap
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._replay import GraphedCallable
-from ._schedule import Schedule, ScheduledPass, expand
+from ._schedule import MAX_ORDER, Schedule, ScheduledPass, expand
 
 __all__ = [
     "ScheduleCursor",
@@ -528,6 +528,11 @@ def checked_slots(
     """The ``slots`` and ``schedule`` options, checked: ``(None, None)`` for one slot each."""
     if slots is not None and (type(slots) is not int or slots < 1):
         raise DualgraphError(f"slots must be an int >= 1, got {slots!r}")
+    if slots is not None and slots > MAX_ORDER:
+        raise DualgraphError(
+            f"slots={slots}: at most {MAX_ORDER} (each slot is a capture of its own, with its "
+            "own buffers)"
+        )
     if schedule is None:
         if slots is None or slots == 1:
             return None, None
