@@ -220,6 +220,36 @@ def test_grads_flow_through_a_stack_of_graphed_blocks_like_eager(
         )
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_an_expanded_incoming_grad_gives_eagers_grads_through_batchnorm(
+    backend: str, param_grads: str, slots: int
+) -> None:
+    # BatchNorm's backward rounds differently for an expanded grad (what .sum() hands on) and a
+    # dense one; eager differentiates with the grad as it comes, and so must the replay (on a
+    # GPU the captured kernels read the static buffer: there the dtype's tolerance applies)
+    device = device_of(backend)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32)).to(device)
+    twin = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32)).to(device)
+    twin.load_state_dict(model.state_dict())
+    sample = torch.randn(64, 16, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        model, (sample,), backend=backend, param_grads=param_grads, slots=slots
+    )
+    for _ in range(3):  # the grads accumulate over the steps
+        x = torch.randn(64, 16, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        graphed(x).sum().backward()
+        twin(x_eager).sum().backward()
+        assert_tensors_match(x.grad, x_eager.grad, "x.grad", tolerance(backend))
+    assert_grads_match(
+        grads_of(parameters_of(model)),
+        grads_of(parameters_of(twin)),
+        parameter_names(model),
+        tolerance(backend),
+    )
+
+
 # -- inputs the callable updates in place --------------------------------------------------------
 
 

@@ -93,6 +93,7 @@ class GraphedCallable:
         "_ddp_check",
         "_edge_nones",
         "_edges",
+        "_emulated",
         "_first_param",
         "_generation",
         "_grad_outputs",
@@ -153,6 +154,10 @@ class GraphedCallable:
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
         self._replay_backward = buffers.replay_backward
+        # "emulate": its backward differentiates with the incoming grads themselves (see
+        # EmulatedReplay.backward), so that it is eager's bit for bit whatever their layout.
+        owner = getattr(buffers.replay_backward, "__self__", None)
+        self._emulated = owner if isinstance(owner, EmulatedReplay) else None
         self._has_backward = plan.has_backward
         self._nondiff_outputs = plan.nondiff_outputs
         self._grad_outputs = tuple(zip(buffers.grad_outputs, plan.diff_outputs, strict=True))
@@ -435,6 +440,8 @@ class GraphedCallable:
                     static.zero_()
                 else:
                     static.copy_(grad)
+            if self._emulated is not None:
+                self._emulated.incoming = tuple(grads[index] for _, index in self._grad_outputs)
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
                 self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
                 if call is not None:
@@ -883,6 +890,7 @@ class EmulatedReplay:
         "_out_spec",
         "_static_outputs",
         "_targets",
+        "incoming",
     )
 
     def __init__(
@@ -920,6 +928,10 @@ class EmulatedReplay:
         self._allow_unused = allow_unused
         self._hooked_params = hooked_params
         self._live: list[torch.Tensor] = []
+        # The grads the caller handed the replay (set before each backward; None for a missing
+        # one): an op's backward may round differently by their layout (BatchNorm's, for an
+        # expanded grad such as ``.sum()``'s), and eager differentiates with them as they are.
+        self.incoming: tuple[torch.Tensor | None, ...] | None = None
 
     def forward(self, grad_enabled: bool) -> None:
         # A graph keeps its activations to itself; so does this run: the caller's saved-tensor
@@ -934,8 +946,15 @@ class EmulatedReplay:
 
     def backward(self) -> None:
         live, self._live = self._live, []  # one backward per forward, as with a graph
+        incoming, self.incoming = self.incoming, None
         if not live:
             raise DualgraphError("backward without a forward under autograd")
+        grad_outputs = self._grad_outputs
+        if incoming is not None:  # the static buffers hold the same values (copied before)
+            grad_outputs = tuple(
+                static if grad is None else grad
+                for grad, static in zip(incoming, grad_outputs, strict=True)
+            )
         # Parameter hooks run once, when the replay hands the grads to autograd, as after a
         # graph's backward (which has them suspended during capture).
         hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
@@ -947,7 +966,7 @@ class EmulatedReplay:
             some = torch.autograd.grad(
                 live,
                 [inputs[k] for k in wanted] if len(wanted) < len(inputs) else inputs,
-                grad_outputs=self._grad_outputs,
+                grad_outputs=grad_outputs,
                 allow_unused=self._allow_unused,
             )
         grads: list[torch.Tensor | None] = [None] * len(inputs)
