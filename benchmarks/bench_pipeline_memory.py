@@ -46,7 +46,7 @@ from torch import nn
 
 import dualgraph.torch as dgt
 from dualgraph.models.torch_vit import ViTBlock
-from dualgraph.torch import _replay
+from dualgraph.torch import _replay_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
@@ -140,7 +140,7 @@ def measure(
         )
         # An emulated replay keeps its activations from the caller's saved-tensor hooks (as a
         # graph keeps them in its pool); its own hooks are swapped for the counting ones here.
-        with counting, mock.patch.object(_replay, "_OWN_SAVED_TENSORS", counting):
+        with counting, mock.patch.object(_replay_backends, "_OWN_SAVED_TENSORS", counting):
             step()
         peak = saved.peak
     report = dgt.diagnostics(stage.blocks[0]) if variant != "eager" else None

@@ -49,7 +49,7 @@ from torch import nn
 
 import dualgraph.torch as dgt
 from dualgraph.models.torch_vit import VisionEncoder
-from dualgraph.torch import _replay
+from dualgraph.torch import _replay_backends
 
 CLASSES = 10
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -373,7 +373,7 @@ def measure_step(variant: Variant, run_step: Callable[[], float], device: str) -
     counting = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda holder: holder.tensor)
     # An emulated replay keeps its activations from the caller's saved-tensor hooks (as a graph
     # keeps them in its pool); its own hooks are swapped for the counting ones here.
-    with counting, mock.patch.object(_replay, "_OWN_SAVED_TENSORS", counting):
+    with counting, mock.patch.object(_replay_backends, "_OWN_SAVED_TENSORS", counting):
         loss = run_step()
     variant.step_peak_bytes = counter.peak
     return loss

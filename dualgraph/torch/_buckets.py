@@ -1,11 +1,13 @@
 """Shape buckets: one graphed callable that serves several input shapes from one memory pool.
 
-:func:`capture_buckets` captures one plan (a forward and a backward graph) per sample call, in one
-pool, and :class:`BucketedCallable` dispatches each call on its input shapes (a dict lookup) to the
-matching plan's :class:`GraphedCallable`. A call whose shapes match no bucket follows ``fallback``:
-``"error"`` (a :class:`SpecMismatchError` naming the path and the buckets), ``"eager"`` (the
-callable runs eagerly) or ``"pad"`` (its ``dynamic_dims`` are padded with zeros to the smallest
-bucket that holds them, the callable gets ``valid_length=``, and the outputs are cut back).
+:func:`capture_buckets` (``_bucket_capture.py``) captures one plan (a forward and a backward
+graph) per sample call, in one pool, and :class:`BucketedCallable` dispatches each call on its
+input shapes (a dict lookup) to the matching plan's :class:`GraphedCallable`. A call whose shapes
+match no bucket follows ``fallback``: ``"error"`` (a :class:`SpecMismatchError` naming the path
+and the buckets), ``"eager"`` (the callable runs eagerly) or ``"pad"`` (its ``dynamic_dims`` are
+padded with zeros to the smallest bucket that holds them, the callable gets ``valid_length=``,
+and the outputs are cut back; ``_padding.py`` holds its rules and the checks that padding cannot
+change the results).
 
 Why one pool sized by the largest bucket is correct (the buckets share all of it):
 
@@ -27,26 +29,20 @@ from __future__ import annotations
 
 import bisect
 import copy
-import dataclasses
-import functools
-import inspect
 import itertools
 import logging
 import operator
-import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from .._call import CallSpec
-from .._errors import DualgraphError, SpecMismatchError
+from .._errors import SpecMismatchError
 from .._spec import TreeSpec, describe
-from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
@@ -54,7 +50,7 @@ from ._inputs import InputGuard
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
-from ._params import grad_buffer_like, is_tensor_subclass
+from ._padding import VALID_LENGTH, Padding, output_cuts
 from ._replay import GraphedCallable
 from ._replay_hooks import call_eagerly
 
@@ -65,7 +61,6 @@ __all__ = [
     "BucketedDiagnostics",
     "EagerGraphs",
     "Fallback",
-    "capture_buckets",
 ]
 
 #: The logger that says, at DEBUG, which bucket served each call and why a call fell back.
@@ -73,21 +68,10 @@ logger = logging.getLogger("dualgraph.torch.buckets")
 
 Fallback = Literal["error", "eager", "pad"]
 
-#: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
-#: along the dynamic dims are real (a 0-d int64 tensor); the rest are zero padding.
-VALID_LENGTH = "valid_length"
-
 _shape = operator.attrgetter("shape")
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
-
-#: Modules whose statistics run across positions, so that padding would change them.
-_POSITION_STATISTICS: tuple[type, ...] = (
-    torch.nn.modules.batchnorm._BatchNorm,
-    torch.nn.modules.instancenorm._InstanceNorm,
-    torch.nn.GroupNorm,
-)
 
 
 @dataclass
@@ -168,43 +152,6 @@ class _Bucket:
         self.cut: tuple[tuple[int, int], ...] | None = None  # (output array, dim), found lazily
 
 
-@dataclass(frozen=True)
-class _Padding:
-    """``fallback="pad"``: which input dims share the dynamic length, which output dims follow.
-
-    ``inputs`` and ``outputs`` hold ``(array index, dim)``; output indices are resolved against
-    each bucket's output spec, from ``output_paths``.
-    """
-
-    inputs: tuple[tuple[int, int], ...]
-    input_paths: tuple[str, ...]
-    output_paths: tuple[tuple[str, int], ...]  # (path after "output", dim as declared)
-
-    def length_of(self, shapes: Sequence[Sequence[int]]) -> int:
-        """A call's length along the dynamic dims; raises where two dynamic dims disagree."""
-        (first, first_dim), *rest = self.inputs
-        length = shapes[first][first_dim]
-        for (index, dim), path in zip(rest, self.input_paths[1:], strict=True):
-            other = shapes[index][dim]
-            if other != length:
-                raise SpecMismatchError(
-                    f"{path}: length {other} along dim {dim}, but {self.input_paths[0]} has "
-                    f"length {length} along dim {first_dim}; the dims in dynamic_dims share one "
-                    "length",
-                    path=path,
-                )
-        return int(length)
-
-    def fixed_shapes(self, shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-        """The shapes with each dynamic dim replaced by -1: what a padded bucket must match."""
-        fixed = [tuple(shape) for shape in shapes]
-        for index, dim in self.inputs:
-            shape = list(fixed[index])
-            shape[dim] = -1
-            fixed[index] = tuple(shape)
-        return tuple(fixed)
-
-
 class BucketedCallable:
     """A callable graphed for several input shapes (buckets) that share one memory pool.
 
@@ -232,7 +179,7 @@ class BucketedCallable:
         guard: InputGuard,
         buckets: Sequence[_Bucket],
         fallback: Fallback,
-        padding: _Padding | None,
+        padding: Padding | None,
         diagnostics: BucketedDiagnostics,
         out_spec: TreeSpec | None,
         eager_graphs: EagerGraphs | None = None,
@@ -421,7 +368,7 @@ class BucketedCallable:
         """The outputs with each declared output dim cut back to the call's length."""
         cut = bucket.cut
         if cut is None:
-            cut = bucket.cut = _output_cuts(self._padding, bucket.runner.spec)  # type: ignore[arg-type]
+            cut = bucket.cut = output_cuts(self._padding, bucket.runner.spec)  # type: ignore[arg-type]
         if not cut:
             return outputs
         spec = bucket.runner.spec
@@ -543,25 +490,6 @@ def _differing_position(shapes: Sequence[Any], buckets: Sequence[Sequence[Any]])
     return next(i for i, shape in enumerate(shapes) if tuple(closest[i]) != tuple(shape))
 
 
-def _output_cuts(padding: _Padding, spec: TreeSpec) -> tuple[tuple[int, int], ...]:
-    """``(output array index, dim)`` for each output dim declared in ``dynamic_dims``."""
-    cuts = []
-    for path, dim in padding.output_paths:
-        if path not in spec.array_paths:
-            raise DualgraphError(
-                f"dynamic_dims: output{path} is not a tensor of the outputs (they are "
-                f"{', '.join('output' + p for p in spec.array_paths) or 'none'})"
-            )
-        index = spec.array_paths.index(path)
-        ndim = len(spec.arrays[index].shape or ())
-        if not -ndim <= dim < ndim:
-            raise DualgraphError(
-                f"dynamic_dims: output{path} has {ndim} dims, so it has no dim {dim}"
-            )
-        cuts.append((index, dim % ndim))
-    return tuple(cuts)
-
-
 class EagerGraphs:
     """Whether an autograd graph of the eager fallback is alive (``param_grads="auto"``).
 
@@ -612,539 +540,5 @@ def _grad_fn(tensor: torch.Tensor) -> Any:
     return tensor.grad_fn
 
 
-# -- capture -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BucketRequest:
-    """What :func:`capture_buckets` needs: one callable, one sample call per bucket, options."""
-
-    name: str
-    fn: Callable[..., Any]
-    module: torch.nn.Module | None
-    samples: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]
-    backend: str
-    options: CaptureOptions | None  # None on the "eager" backend
-    fallback: Fallback = "error"
-    dynamic_dims: Mapping[str, int] | None = None
-    shared_lock: threading.Lock = field(default_factory=threading.Lock)
-    hooks: CallableHooks = NO_HOOKS
-
-
-def capture_buckets(request: BucketRequest) -> BucketedCallable:
-    """Check the buckets, capture one plan per bucket into one pool, and build the dispatcher.
-
-    Raises :class:`DualgraphError` for bad buckets or options and :class:`CaptureError` (naming
-    the bucket) when a capture fails; then nothing is left captured.
-    """
-    samples = request.samples
-    guards, expected = _bucket_guards(samples)
-    guard = guards[0]
-    shapes = [
-        tuple(t.shape for t in g.spec.flatten(*sample))
-        for g, sample in zip(guards, samples, strict=True)
-    ]
-    for i, key in enumerate(shapes):
-        if key in shapes[:i]:
-            raise DualgraphError(
-                f"buckets[{i}] has the same input shapes as buckets[{shapes.index(key)}]; each "
-                "bucket is one shape"
-            )
-    padding, lengths = _padding_of(request, guard, shapes)
-    if padding is not None:
-        _check_padding_can_be_correct(request)
-    # valid_length lives where the first padded input does
-    device = expected[padding.inputs[0][0]][1] if padding is not None else None
-    full_lengths: list[torch.Tensor | None] = [
-        None if length is None else torch.full((), length, dtype=torch.int64, device=device)
-        for length in lengths
-    ]
-    names = [f"{request.name}[{_show_shapes(guard.paths, key)}]" for key in shapes]
-    runners: list[Any] = [None] * len(samples)
-    diagnostics = [
-        BucketDiagnostics(
-            index=i,
-            shapes={p: tuple(s) for p, s in zip(guard.paths, key, strict=True)},
-            length=lengths[i],
-        )
-        for i, key in enumerate(shapes)
-    ]
-    plans: list[Any] = [None] * len(samples)
-    pool_bytes = [0] * len(samples)
-    largest_alone = 0
-    largest = 0
-    eager_graphs: EagerGraphs | None = None
-    if request.options is None:  # the "eager" backend: input checks, no graphs
-        for i, (args, kwargs) in enumerate(samples):
-            kwargs = _with_length(kwargs, full_lengths[i])
-            runners[i] = EagerCallable(
-                names[i], request.fn, InputGuard(args, kwargs), request.hooks
-            )
-    else:
-        options = request.options
-        if options.pool is not None:
-            raise DualgraphError(
-                "pool= cannot go with buckets=: a bucketed callable owns its pool, whose "
-                "activations its buckets share, and which no other graph may write"
-            )
-        if options.backend == "cuda":
-            options = dataclasses.replace(
-                options, pool=torch.cuda.graph_pool_handle(), results_outside_pool=True
-            )
-        shared = _shared_param_grads(request.module)
-        # "auto": the accumulators too (the parameters' .grad), one each for every bucket
-        accumulators = (
-            _shared_param_grads(request.module)
-            if options.param_grads == "auto" and not _any_tensor_subclass(request.module)
-            else None
-        )
-        before = 0
-        for rank, i in enumerate(_largest_first(samples, guards)):
-            args, kwargs = samples[i]
-            kwargs = _with_length(kwargs, full_lengths[i])
-            inputs = InputGuard(args, kwargs)
-            (plan,) = capture(
-                [
-                    CaptureRequest(
-                        name=names[i],
-                        fn=request.fn,
-                        module=request.module,
-                        inputs=inputs,
-                        sample_tensors=tuple(inputs.tensors(args, kwargs)),
-                        param_grad_buffers=shared,
-                        param_accumulators=accumulators,
-                        hooks=request.hooks,
-                    )
-                ],
-                options,
-            )
-            plans[i] = plan
-            pool_bytes[i] = max(0, plan.diagnostics.pool_bytes - before)
-            before = max(before, plan.diagnostics.pool_bytes)
-            if rank == 0:
-                largest_alone = plan.diagnostics.pool_bytes
-                largest = i
-        if padding is not None:
-            _check_padded_plans(request, padding, plans, lengths, guard, shapes)
-        # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
-        if options.param_grads == "auto" and request.fallback == "eager":
-            eager_graphs = EagerGraphs()
-        runners = [
-            GraphedCallable(plan, lock=request.shared_lock, other_uses=eager_graphs)
-            for plan in plans
-        ]
-        for runner in runners:
-            runner.recount_holders()  # every sibling that shares the accumulators exists now
-        for diag, plan, growth in zip(diagnostics, plans, pool_bytes, strict=True):
-            diag.static_input_bytes = plan.diagnostics.static_input_bytes
-            diag.static_output_bytes = plan.diagnostics.static_output_bytes
-            diag.static_grad_bytes = plan.diagnostics.static_grad_bytes
-            diag.capture_seconds = plan.diagnostics.capture_seconds
-            diag.pool_growth_bytes = growth
-            diag.lint = plan.diagnostics.lint  # issue 19 hook
-            diag.memory_plan = plan.diagnostics.memory_plan
-    if padding is not None:
-        _check_padding_is_masked(request, padding, guards, lengths, shapes)
-    summary = BucketedDiagnostics(
-        name=request.name,
-        backend=request.backend,
-        static_input_bytes=sum(d.static_input_bytes for d in diagnostics),
-        static_output_bytes=sum(d.static_output_bytes for d in diagnostics),
-        static_grad_bytes=_unique_grad_bytes(plans),
-        pool_bytes=max((p.diagnostics.pool_bytes for p in plans if p is not None), default=0),
-        capture_seconds=sum(d.capture_seconds for d in diagnostics),
-        has_backward_graph=any(p is not None and p.has_backward for p in plans),
-        fallback=request.fallback,
-        buckets=tuple(diagnostics),
-        largest_bucket_pool_bytes=largest_alone,
-    )
-    if plans[0] is not None:  # issue 19 hook: the capture lint and the memory plan
-        reports = [d.lint for d in diagnostics if d.lint is not None]
-        summary.lint = functools.reduce(LintReport.merged, reports) if reports else None
-        summary.memory_plan = diagnostics[largest].memory_plan
-    buckets = [
-        _Bucket(i, tuple(key), runners[i], diagnostics[i], lengths[i], full_lengths[i])
-        for i, key in enumerate(shapes)
-    ]
-    return BucketedCallable(
-        name=request.name,
-        fn=request.fn,
-        guard=guard,
-        buckets=buckets,
-        fallback=request.fallback,
-        padding=padding,
-        diagnostics=summary,
-        out_spec=plans[0].outputs if plans[0] is not None else None,
-        eager_graphs=eager_graphs,
-        hooks=request.hooks,
-    )
-
-
 def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """An eager fallback's inputs were checked before the fallback was chosen."""
-
-
-def _bucket_guards(
-    samples: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
-) -> tuple[list[InputGuard], tuple[tuple[torch.dtype, torch.device, bool], ...]]:
-    """One input guard per bucket, each checked to differ from the first in shapes only; and
-    the ``(dtype, device, requires_grad)`` of each input tensor."""
-    guards = []
-    for i, (args, kwargs) in enumerate(samples):
-        try:
-            guards.append(InputGuard(args, kwargs))
-        except DualgraphError as error:
-            raise type(error)(f"buckets[{i}]: {error}") from None
-    first = guards[0]
-    expected = tuple((t.dtype, t.device, t.requires_grad) for t in first.spec.flatten(*samples[0]))
-    for i, (args, kwargs) in enumerate(samples):
-        try:
-            tensors = first.spec.flatten(args, kwargs)
-        except SpecMismatchError as error:
-            difference = _difference_but_shapes(first.spec, guards[i].spec) or str(error)
-            raise DualgraphError(
-                f"buckets[{i}]: {difference} (as buckets[0] has it); buckets differ only in the "
-                "shapes of their tensors"
-            ) from None
-        for path, tensor, kind in zip(first.paths, tensors, expected, strict=True):
-            found = (tensor.dtype, tensor.device, tensor.requires_grad)
-            if found != kind:
-                raise DualgraphError(
-                    f"buckets[{i}]: {path} is {_kind(*found)} but {_kind(*kind)} in buckets[0]; "
-                    "buckets differ only in the shapes of their tensors"
-                )
-    return guards, expected
-
-
-def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
-    """Where two calls' specs first differ in more than array shapes (None: in shapes only)."""
-    for root in ("args", "kwargs"):
-        left = getattr(expected, f"{root}_spec").leaves
-        right = getattr(found, f"{root}_spec").leaves
-        for a, b in itertools.zip_longest(left, right):
-            if a is None:
-                return f"{root}{b.path}: got {_show_input(b)}, expected nothing"
-            if b is None or a.path != b.path:
-                return f"{root}{a.path}: expected {_show_input(a)}, got nothing there"
-            if a.kind != b.kind or (a.kind == "const" and repr(a.value) != repr(b.value)):
-                return f"{root}{a.path}: expected {_show_input(a)}, got {_show_input(b)}"
-    return None
-
-
-def _show_input(leaf: Any) -> str:
-    if leaf.kind == "array":
-        return f"a {leaf.dtype} tensor"
-    if leaf.kind == "const":
-        return f"{type(leaf.value).__name__} {leaf.value!r}"
-    return "None"
-
-
-def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool) -> str:
-    grad = ", requiring grad" if requires_grad else ""
-    return f"{dtype_name(dtype)} on {device}{grad}"
-
-
-def _padding_of(
-    request: BucketRequest, guard: InputGuard, shapes: Sequence[tuple[torch.Size, ...]]
-) -> tuple[_Padding | None, list[int | None]]:
-    """The padding layout of ``fallback="pad"`` (checked), and each bucket's length."""
-    dims = request.dynamic_dims
-    if request.fallback != "pad":
-        if dims is not None:
-            raise DualgraphError("dynamic_dims= goes with fallback='pad' (the dims it pads)")
-        return None, [None] * len(shapes)
-    if not isinstance(dims, Mapping) or not dims:
-        raise DualgraphError(
-            "fallback='pad' needs dynamic_dims=: the input dims it may pad, and the output dims "
-            "to cut back, by path, e.g. {'args[0]': 1, 'output[0]': 1}"
-        )
-    for _, kwargs in request.samples:
-        if VALID_LENGTH in kwargs:
-            raise DualgraphError(
-                f"sample kwargs hold '{VALID_LENGTH}', which fallback='pad' passes itself"
-            )
-    inputs: list[tuple[int, int]] = []
-    input_paths: list[str] = []
-    outputs: list[tuple[str, int]] = []
-    for path, dim in dims.items():
-        if not isinstance(path, str) or type(dim) is not int:
-            raise DualgraphError(
-                f"dynamic_dims maps a path (str) to a dim (int), got {path!r}: {dim!r}"
-            )
-        if path.startswith("output"):
-            outputs.append((path[len("output") :], dim))
-            continue
-        if path not in guard.paths:
-            raise DualgraphError(
-                f"dynamic_dims: {path} is not an input tensor (they are "
-                f"{', '.join(guard.paths)}; outputs are named output...)"
-            )
-        index = guard.paths.index(path)
-        ndims = {len(key[index]) for key in shapes}
-        ndim = ndims.pop()
-        if ndims:
-            raise DualgraphError(f"dynamic_dims: {path} has a different number of dims per bucket")
-        if not -ndim <= dim < ndim:
-            raise DualgraphError(f"dynamic_dims: {path} has {ndim} dims, so it has no dim {dim}")
-        inputs.append((index, dim % ndim))
-        input_paths.append(path)
-    if not inputs:
-        raise DualgraphError("dynamic_dims names no input dim for fallback='pad' to pad")
-    padding = _Padding(tuple(inputs), tuple(input_paths), tuple(outputs))
-    lengths: list[int | None] = []
-    for i, key in enumerate(shapes):
-        try:
-            length = padding.length_of(key)
-        except SpecMismatchError as error:
-            raise DualgraphError(f"buckets[{i}]: {error}") from None
-        if length < 1:
-            raise DualgraphError(f"buckets[{i}]: length 0 along the dynamic dims")
-        lengths.append(length)
-    return padding, lengths
-
-
-def _check_padding_can_be_correct(request: BucketRequest) -> None:
-    """Refuse ``fallback="pad"`` where padding would change results the callable cannot fix."""
-    if not _accepts_valid_length(request.fn):
-        raise DualgraphError(
-            f"fallback='pad': {request.name} takes no '{VALID_LENGTH}' argument, so it could not "
-            "tell padding from data (attention would attend to it, means would count it); give "
-            f"it a '{VALID_LENGTH}=None' keyword argument and mask with it"
-        )
-    if request.module is not None:
-        for path, module in request.module.named_modules():
-            if isinstance(module, _POSITION_STATISTICS):
-                where = f"{request.name}.{path}" if path else request.name
-                raise DualgraphError(
-                    f"fallback='pad': {where} is a {type(module).__name__}, whose statistics "
-                    "run over positions, so padded positions would change them; use "
-                    "fallback='eager' or 'error', or buckets without padding"
-                )
-
-
-def _check_padded_plans(
-    request: BucketRequest,
-    padding: _Padding,
-    plans: Sequence[Any],
-    lengths: Sequence[int | None],
-    guard: InputGuard,
-    shapes: Sequence[tuple[torch.Size, ...]],
-) -> None:
-    """Refuse what pad cannot cut back or copy back, now that the outputs are known."""
-    padded = {index for index, _ in padding.inputs}
-    cuts_per_bucket = []
-    for i, (plan, length) in enumerate(zip(plans, lengths, strict=True)):
-        for index in plan.mutated_inputs:
-            if index in padded:
-                raise DualgraphError(
-                    f"fallback='pad': {request.name} updates {guard.paths[index]} in place, but a "
-                    "padded call passes it a padded copy, so the caller's tensor would not see "
-                    "the update"
-                )
-        cuts = _output_cuts(padding, plan.outputs)
-        for index, dim in cuts:
-            size = plan.outputs.arrays[index].shape[dim]
-            if size != length:
-                path = plan.outputs.array_paths[index]
-                raise DualgraphError(
-                    f"dynamic_dims: output{path} dim {dim} has size {size} in buckets[{i}], "
-                    f"whose length is {length}; only dims of the bucket's length can be cut back"
-                )
-        cuts_per_bucket.append(set(cuts))
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(shapes):
-        groups.setdefault(padding.fixed_shapes(key), []).append(i)
-    for members in groups.values():
-        first = plans[members[0]].outputs
-        for index, leaf in enumerate(first.arrays):
-            for dim in range(len(leaf.shape or ())):
-                sizes = {plans[i].outputs.arrays[index].shape[dim] for i in members}
-                if len(sizes) > 1 and (index, dim) not in cuts_per_bucket[members[0]]:
-                    declared = dict(padding.output_paths).get(leaf.path)
-                    fix = (
-                        f"add 'output{leaf.path}': {dim}"
-                        if declared is None
-                        else f"dynamic_dims cuts one dim per output (dim {declared} there), so "
-                        "use fallback='eager' or 'error' for a callable that returns it"
-                    )
-                    raise DualgraphError(
-                        f"fallback='pad': output{leaf.path} dim {dim} changes with the length "
-                        f"({', '.join(map(str, sorted(sizes)))} across buckets) but is not in "
-                        f"dynamic_dims, so a padded call could not be cut back; {fix}"
-                    )
-
-
-def _check_padding_is_masked(
-    request: BucketRequest,
-    padding: _Padding,
-    guards: Sequence[InputGuard],
-    lengths: Sequence[int | None],
-    shapes: Sequence[tuple[torch.Size, ...]],
-) -> None:
-    """Refuse a callable whose outputs change when a call is padded (it ignores padding).
-
-    Per group of buckets that pad into one another, a short call (the smallest bucket's sample,
-    or the only bucket's cut to half its length) runs eagerly as it is and padded to the group's
-    largest length with ``valid_length``; the outputs, cut back, must agree up to rounding. A
-    module runs in eval mode (dropout off); a callable that still draws random numbers (its
-    reference differs under two seeds) cannot be judged and is let through.
-    """
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(shapes):
-        groups.setdefault(padding.fixed_shapes(key), []).append(i)
-    for members in groups.values():
-        ordered = sorted(members, key=lambda i: lengths[i])  # type: ignore[arg-type, return-value]
-        short, long = ordered[0], ordered[-1]
-        full: int = lengths[long]  # type: ignore[assignment]
-        length: int = lengths[short] if short != long else full // 2  # type: ignore[assignment]
-        if length < 1:
-            continue  # a single bucket of length 1: no call can be padded into it
-        tensors = [t.detach().clone() for t in guards[short].tensors(*request.samples[short])]
-        for index, dim in padding.inputs:
-            tensors[index] = tensors[index].narrow(dim, 0, length)
-        _compare_padded(request, padding, guards[short], tensors, length, full)
-
-
-def _compare_padded(
-    request: BucketRequest,
-    padding: _Padding,
-    guard: InputGuard,
-    tensors: list[torch.Tensor],
-    length: int,
-    full: int,
-) -> None:
-    padded = list(tensors)
-    for index, dim in padding.inputs:
-        tensor = tensors[index]
-        padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, full - length))
-    device = tensors[padding.inputs[0][0]].device
-    valid = torch.full((), length, dtype=torch.int64, device=device)
-    module = request.module
-    modes = [(m, m.training) for m in module.modules()] if module is not None else []
-    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-
-    def run(inputs: list[torch.Tensor], seed: int) -> Any:
-        args, kwargs = guard.unflatten([t.clone() for t in inputs])
-        torch.manual_seed(seed)
-        return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
-
-    try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            if module is not None:
-                module.eval()
-            reference = run(tensors, 0)
-            if _difference(reference, run(tensors, 1), ()) is not None:
-                return  # it draws random numbers: the two calls cannot be compared
-            found = run(padded, 0)
-    finally:
-        for m, training in modes:
-            m.training = training
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-    spec = describe(found)
-    difference = _difference(reference, found, _output_cuts(padding, spec), length)
-    if difference is not None:
-        raise DualgraphError(
-            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-            f"padded to {full} (with {VALID_LENGTH}={length}): padded positions reach what it "
-            f"returns for the call's own. It must keep them out of whatever mixes positions "
-            f"(mask attention, count only the first {VALID_LENGTH} positions in a mean or sum, "
-            "mask a softmax over positions); or use fallback='eager' or 'error'"
-        )
-
-
-def _difference(
-    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
-) -> str | None:
-    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
-    spec, other = describe(expected), describe(found)
-    if [(leaf.path, leaf.kind) for leaf in spec.leaves] != [
-        (leaf.path, leaf.kind) for leaf in other.leaves
-    ]:
-        return f"output has another structure ({other!r}, not {spec!r})"
-    for leaf, twin in zip(spec.leaves, other.leaves, strict=True):
-        if leaf.kind == "const" and leaf.value != twin.value:
-            return f"output{leaf.path} is {twin.value!r}, not {leaf.value!r},"
-    arrays = other.flatten(found)
-    for index, dim in cuts:
-        arrays[index] = arrays[index].narrow(dim, 0, length)
-    for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
-        if a.shape != b.shape:
-            return f"output{leaf.path} has shape {list(b.shape)} instead of {list(a.shape)}"
-        if a.dtype.is_floating_point or a.dtype.is_complex:
-            # 32-bit on a GPU: TF32 convolutions (torch's default) round differently per shape
-            rtol = (1e-2 if a.is_cuda else 1e-3) if a.element_size() >= 4 else 3e-2
-            scale = a.abs().max().item() if a.numel() else 0.0
-            gap = (a - b).abs().max().item() if a.numel() else 0.0
-            if not gap <= rtol * scale + 1e-6:  # also refuses NaN
-                return (
-                    f"output{leaf.path} differs (by up to {gap:.3g}, of values up to {scale:.3g})"
-                )
-        elif not torch.equal(a, b):
-            return f"output{leaf.path} differs"
-    return None
-
-
-def _accepts_valid_length(fn: Callable[..., Any]) -> bool:
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: warmup will tell
-        return True
-    return any(
-        p.kind is p.VAR_KEYWORD
-        or (p.name == VALID_LENGTH and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-        for p in parameters
-    )
-
-
-def _show_shapes(paths: Sequence[str], shapes: Sequence[Sequence[int]]) -> str:
-    return ", ".join(f"{path}={list(shape)}" for path, shape in zip(paths, shapes, strict=True))
-
-
-def _with_length(kwargs: dict[str, Any], length: torch.Tensor | None) -> dict[str, Any]:
-    return kwargs if length is None else {**kwargs, VALID_LENGTH: length}
-
-
-def _largest_first(
-    samples: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], guards: Sequence[InputGuard]
-) -> list[int]:
-    """Bucket indices, largest input first: its capture sizes the pool the others reuse."""
-
-    def size(i: int) -> int:
-        args, kwargs = samples[i]
-        return sum(t.numel() * t.element_size() for t in guards[i].spec.flatten(args, kwargs))
-
-    return sorted(range(len(samples)), key=lambda i: -size(i))
-
-
-def _shared_param_grads(module: torch.nn.Module | None) -> tuple[torch.Tensor, ...] | None:
-    """One grad buffer (or accumulator) per trainable parameter, for every bucket."""
-    if module is None:
-        return None
-    return tuple(grad_buffer_like(p) for _, p in module.named_parameters() if p.requires_grad)
-
-
-def _any_tensor_subclass(module: torch.nn.Module | None) -> bool:
-    """Whether a trainable parameter is a tensor subclass ("auto" then takes autograd)."""
-    return module is not None and any(
-        is_tensor_subclass(p) for p in module.parameters() if p.requires_grad
-    )
-
-
-def _unique_grad_bytes(plans: Sequence[Any]) -> int:
-    seen: dict[int, torch.Tensor] = {}
-    for plan in plans:
-        if plan is None:
-            continue
-        buffers = plan.buffers
-        for tensor in (
-            *buffers.grad_outputs,
-            *buffers.input_grads,
-            *buffers.param_grads,
-            *plan.params.accumulators,
-        ):
-            if tensor is not None:
-                seen[id(tensor)] = tensor
-    return sum(t.numel() * t.element_size() for t in seen.values())

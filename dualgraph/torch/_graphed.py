@@ -11,7 +11,8 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError
-from ._buckets import BucketedCallable, BucketRequest, Fallback, capture_buckets
+from ._bucket_capture import BucketRequest, capture_buckets
+from ._buckets import BucketedCallable, Fallback
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable

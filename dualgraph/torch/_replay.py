@@ -9,8 +9,9 @@ hands the grads on as eager would: input grads as tensors of their own, paramete
 ``.grad``, either through autograd or, where nothing needs them to pass through autograd
 (``param_grads="auto"`` in a plain ``.backward()``, or ``"in_graph"``), added into ``.grad``
 by a graph. Everything a call needs was fixed at capture, in the :class:`ReplayPlan`
-(``_capture.py`` builds it); :class:`EmulatedReplay` is the ``"emulate"`` backend's stand-in for
-the graphs.
+(``_capture.py`` builds it). What it calls as its graphs is in ``_replay_backends.py``, the
+autograd Function in ``_replay_function.py``, and the checks of ``.grad`` its backward makes
+in ``_grad_checks.py``.
 
 The plan's replay hooks (``_replay_hooks.py``) run around the forward and the backward replay
 (``after_backward`` once the parameter grads that a graph adds are in ``.grad``); Transformer
@@ -19,33 +20,36 @@ Engine's FP8 autocast check and bookkeeping are among them (``_te_precision.py``
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import operator
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
+from ._ambient import autocast_state
+from ._ambient import ddp_is_running as _ddp_is_running
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
-from ._params import requires_grad_changed, suspended_tensor_hooks
+from ._grad_checks import aliases as _aliases
+from ._grad_checks import grad_accumulator as _grad_accumulator
+from ._grad_checks import grad_problem as _grad_problem
+from ._grad_checks import holders as _holders
+from ._grad_checks import span as _span
+from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
+from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._params import requires_grad_changed
 from ._plan import ReplayPlan
+from ._replay_backends import EmulatedReplay
+from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
+from ._replay_function import apply_replay as _apply_replay
 from ._replay_hooks import ReplayCall
 
-__all__ = [
-    "CudaGraphForward",
-    "EmulatedReplay",
-    "GraphedCallable",
-    "accumulate_into",
-    "autocast_state",
-]
+__all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
 _STRIDED = torch.strided
@@ -55,20 +59,14 @@ _tensor_hooks = operator.attrgetter("_backward_hooks")
 _requires_grad = operator.attrgetter("requires_grad")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _is_anomaly_enabled = torch.is_anomaly_enabled
-_is_grad_enabled = torch.is_grad_enabled
-_storage_use_count = torch._C._storage_Use_Count
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
 _is_any_autocast_enabled = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
 )
-_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
-# A leaf's AccumulateGrad node (made if none is alive): torch.autograd.graph's, without the
-# GradientEdge that get_gradient_edge wraps it in.
-_grad_accumulator = getattr(
-    torch.autograd.graph, "_get_grad_fn_or_grad_acc", lambda t: get_gradient_edge(t).node
-)
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class GraphedCallable:
@@ -699,337 +697,3 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
-
-
-def _aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
-    """Whether ``grad`` (a ``.grad`` that is not ``accumulator``) is its memory, laid out alike.
-
-    ``p.grad = p.grad.detach()`` (or ``.data``) makes such a ``.grad``: adding into the
-    accumulator adds into it, as eager adds into ``.grad`` in place. Any other overlap cannot be
-    replayed.
-    """
-    if grad.untyped_storage().data_ptr() != accumulator.untyped_storage().data_ptr():
-        return False
-    if grad.data_ptr() == accumulator.data_ptr() and grad.stride() == accumulator.stride():
-        return True
-    raise DualgraphError(
-        f"{name}: .grad shares memory with the graph's grad buffer in another layout, which a "
-        "replay cannot add into; set .grad to None or to a tensor of its own"
-    )
-
-
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """The bytes a strided tensor's elements lie in: ``[start, end)``."""
-    start = tensor.data_ptr()
-    if tensor.numel() == 0:
-        return start, start
-    last = sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return start, start + (last + 1) * tensor.element_size()
-
-
-def _grad_problem(
-    pending: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]],
-    accumulator_spans: Sequence[tuple[int, int]],
-    names: dict[torch.Tensor, str],
-) -> tuple[str, bool] | None:
-    """A ``.grad`` of ``pending`` (each not its accumulator) that no accumulator can stand in
-    for, as ``(its parameter's name, whether it is sparse)``; ``None`` if there is none.
-
-    Eager adds into a sparse ``.grad`` by replacing it with the dense sum, and into one that
-    shares memory with another parameter's ``.grad`` (or accumulator) twice; copied into the
-    accumulators and back, neither would be.
-    """
-    spans: list[tuple[int, int, str | None]] = [(*span, None) for span in accumulator_spans]
-    for param, _, grad, _ in pending:
-        if grad is None:
-            continue
-        if grad.layout is not _STRIDED:
-            return names[param], True
-        spans.append((*_span(grad), names[param]))
-    spans.sort(key=operator.itemgetter(0, 1))
-    end, owner = -1, None
-    for start, stop, name in spans:
-        if start < end and start < stop and (name is not None or owner is not None):
-            return name or owner, False  # type: ignore[return-value]
-        if stop > end:
-            end, owner = stop, name
-    return None
-
-
-def _will_execute_or_capture(param: torch.Tensor) -> bool:
-    """Whether this backward runs the ``AccumulateGrad`` node of ``param`` or captures its grad.
-
-    The node is looked up, not kept: during a backward through a replay, whose Function has the
-    parameter as an input, it exists already (the lookup makes none).
-    """
-    if _will_engine_execute_node is None:
-        return True
-    if not param.requires_grad:  # frozen since the forward: autograd skips it, as eager does
-        return False
-    try:
-        return bool(_will_engine_execute_node(_grad_accumulator(param)))
-    except RuntimeError:  # raised for a leaf whose grad torch.autograd.grad captures
-        return True
-
-
-def _holders(tensor: torch.Tensor, storage: int) -> tuple[int, int, int]:
-    """References to ``tensor``: from Python, from C++ (another tensor's ``.grad``, a saved
-    tensor, a view's base) and to its memory (``storage``, its storage's ``_cdata``: views,
-    detached aliases)."""
-    return (
-        sys.getrefcount(tensor),
-        tensor._use_count(),  # type: ignore[attr-defined]
-        _storage_use_count(storage),
-    )
-
-
-class _Replay(torch.autograd.Function):
-    """One replay under autograd: the forward graph, then (on backward) the backward graph."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, graphed: GraphedCallable, *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        outputs = graphed._forward(inputs, True)
-        ctx.graphed = graphed
-        ctx.inputs = inputs
-        ctx.generation = graphed._generation
-        # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
-        # over by the backward, so it is asked now).
-        ctx.under_ddp = graphed._auto and _ddp_is_running()
-        ctx.set_materialize_grads(False)
-        if graphed._nondiff_outputs:
-            ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
-        return outputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if _is_grad_enabled():  # create_graph=True: a second backward must raise
-            return _backward_once_differentiable(ctx, *grads)
-        return _backward_of(ctx, *grads)
-
-
-def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    graphed: GraphedCallable = ctx.graphed
-    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp)
-
-
-def _backward_building_graph(
-    ctx: Any, *grads: torch.Tensor | None
-) -> tuple[torch.Tensor | None, ...]:
-    # create_graph=True: eager's AccumulateGrad then makes .grad a new tensor with a graph of its
-    # own, so the parameter grads go through autograd ("auto"), or are refused ("in_graph").
-    graphed: GraphedCallable = ctx.graphed
-    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True)
-
-
-# The engine runs a backward with grad mode off (unless create_graph=True), which is all that
-# ``once_differentiable`` needs to do then; its wrapper (a no_grad context) only runs otherwise.
-_backward_once_differentiable = torch.autograd.function.once_differentiable(
-    _backward_building_graph
-)
-
-
-_REPLAY_BACKWARD = _Replay._backward_cls
-# The engine calls a Function's backward node through its ``apply``, which torch defines in
-# Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
-# directly (docs/cuda_graphs.md).
-_REPLAY_BACKWARD.apply = _Replay.backward  # type: ignore[attr-defined]
-# The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
-_apply_replay = super(torch.autograd.Function, _Replay).apply
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
-_NO_HOOKS = contextlib.nullcontext()
-_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-# Saved-tensor hooks that keep a tensor as it is, above the caller's (the innermost pair serves).
-_OWN_SAVED_TENSORS = torch.autograd.graph.saved_tensors_hooks(_same, _same)
-
-
-class CudaGraphForward:
-    """A forward graph as the plan calls it: ``replay(grad_enabled)`` (the graph ignores it)."""
-
-    __slots__ = ("_replay",)
-
-    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
-        self._replay = graph.replay
-
-    def __call__(self, grad_enabled: bool) -> None:
-        self._replay()
-
-
-class EmulatedReplay:
-    """The ``"emulate"`` backend's forward and backward "graphs": the callable, re-run.
-
-    :meth:`forward` runs the callable on the static inputs and copies its outputs into the
-    static outputs; :meth:`backward` differentiates that run with the static grad outputs and
-    copies the grads into the static grad buffers (``grad_targets``, one per differentiable
-    input, ``None`` where nothing is kept) or adds them into ``accumulators`` (in-graph
-    parameter grads). The same buffers are read and written as by CUDA graphs, so aliasing
-    mistakes show up on a CPU.
-    """
-
-    __slots__ = (
-        "_accumulate",
-        "_allow_unused",
-        "_args",
-        "_diff_inputs",
-        "_diff_outputs",
-        "_fn",
-        "_grad_outputs",
-        "_hooked_params",
-        "_kwargs",
-        "_live",
-        "_out_spec",
-        "_static_outputs",
-        "_targets",
-        "incoming",
-    )
-
-    def __init__(
-        self,
-        *,
-        fn: Any,
-        static_args: tuple[Any, ...],
-        static_kwargs: dict[str, Any],
-        out_spec: TreeSpec,
-        static_outputs: tuple[torch.Tensor, ...],
-        diff_outputs: tuple[int, ...],
-        diff_inputs: tuple[torch.Tensor, ...],
-        grad_outputs: tuple[torch.Tensor, ...],
-        grad_targets: tuple[torch.Tensor | None, ...],
-        accumulators: tuple[torch.Tensor | None, ...],
-        allow_unused: bool,
-        hooked_params: tuple[torch.Tensor, ...] = (),
-    ) -> None:
-        self._fn = fn
-        self._args = static_args
-        self._kwargs = static_kwargs
-        self._out_spec = out_spec
-        self._static_outputs = static_outputs
-        self._diff_outputs = diff_outputs
-        self._diff_inputs = diff_inputs
-        self._grad_outputs = grad_outputs
-        self._targets = tuple(
-            (k, target) for k, target in enumerate(grad_targets) if target is not None
-        )
-        self._accumulate = tuple(
-            (k, accumulator)
-            for k, accumulator in enumerate(accumulators)
-            if accumulator is not None
-        )
-        self._allow_unused = allow_unused
-        self._hooked_params = hooked_params
-        self._live: list[torch.Tensor] = []
-        # The grads the caller handed the replay (set before each backward; None for a missing
-        # one): an op's backward may round differently by their layout (BatchNorm's, for an
-        # expanded grad such as ``.sum()``'s), and eager differentiates with them as they are.
-        self.incoming: tuple[torch.Tensor | None, ...] | None = None
-
-    def forward(self, grad_enabled: bool) -> None:
-        # A graph keeps its activations to itself; so does this run: the caller's saved-tensor
-        # hooks (a non-reentrant checkpoint around the replay, offloading) never see them.
-        own = _OWN_SAVED_TENSORS if _top_saved_tensors_hooks(False) is not None else _NO_HOOKS
-        with torch.set_grad_enabled(grad_enabled), own:
-            outputs = self._fn(*self._args, **self._kwargs)
-        flat = self._out_spec.flatten(outputs, check=True, root="output")
-        self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []
-        for static, tensor in zip(self._static_outputs, flat, strict=True):
-            static.copy_(tensor.detach())
-
-    def backward(self) -> None:
-        live, self._live = self._live, []  # one backward per forward, as with a graph
-        incoming, self.incoming = self.incoming, None
-        if not live:
-            raise DualgraphError("backward without a forward under autograd")
-        grad_outputs = self._grad_outputs
-        if incoming is not None:  # the static buffers hold the same values (copied before)
-            grad_outputs = tuple(
-                static if grad is None else grad
-                for grad, static in zip(incoming, grad_outputs, strict=True)
-            )
-        # Parameter hooks run once, when the replay hands the grads to autograd, as after a
-        # graph's backward (which has them suspended during capture).
-        hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
-        inputs = self._diff_inputs
-        # A parameter frozen since the forward gets no grad (a graph would compute it, and
-        # autograd would skip it); the others are computed as usual.
-        wanted = [k for k, t in enumerate(inputs) if t.requires_grad]
-        with hooks:
-            some = torch.autograd.grad(
-                live,
-                [inputs[k] for k in wanted] if len(wanted) < len(inputs) else inputs,
-                grad_outputs=grad_outputs,
-                allow_unused=self._allow_unused,
-            )
-        grads: list[torch.Tensor | None] = [None] * len(inputs)
-        for k, computed in zip(wanted, some, strict=True):
-            grads[k] = computed
-        for k, target in self._targets:
-            grad = grads[k]
-            if grad is None:
-                target.zero_()
-            else:
-                target.copy_(grad)
-        pairs = [
-            (acc, g) for acc, g in ((acc, grads[k]) for k, acc in self._accumulate) if g is not None
-        ]
-        if pairs:
-            torch._foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
-
-    def _any_hooks(self) -> bool:
-        return any(map(_tensor_hooks, self._hooked_params))
-
-
-def accumulate_into(
-    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
-) -> Callable[[], None] | None:
-    """A call that adds each grad into its accumulator (one ``_foreach_add_``), or ``None``.
-
-    Pairs where either side is ``None`` (an unused parameter) are left out. Called once inside
-    a capture, it records the addition into a graph; called on every replay, it is the
-    ``"emulate"`` backend's stand-in for that graph.
-
-    >>> total, grad = torch.zeros(2), torch.ones(2)
-    >>> add = accumulate_into([total, None], [grad, torch.ones(3)])
-    >>> add()
-    >>> add()
-    >>> total
-    tensor([2., 2.])
-    """
-    pairs = [
-        (a, g) for a, g in zip(accumulators, grads, strict=False) if a is not None and g is not None
-    ]
-    if not pairs:
-        return None
-    targets, sources = [a for a, _ in pairs], [g for _, g in pairs]
-
-    def accumulate() -> None:
-        torch._foreach_add_(targets, sources)
-
-    return accumulate
-
-
-def autocast_state() -> tuple[Any, ...]:
-    """``()`` outside autocast, else the autocast dtype per device type (False where off)."""
-    if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
-        return ()
-    return (
-        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
-        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
-    )
-
-
-_DDP = torch.nn.parallel.DistributedDataParallel
-
-
-def _ddp_is_running() -> bool:
-    # DDP marks the module whose forward is running (public hook for TorchDynamo).
-    return getattr(_DDP, "_active_ddp_module", None) is not None

@@ -1,0 +1,322 @@
+"""The capture of shape buckets: one plan per bucket, into one pool, largest first.
+
+:func:`capture_buckets` checks that the buckets differ in shapes only, captures each bucket's
+plan (sharing parameter grad buffers and accumulators), and builds the
+:class:`BucketedCallable` that dispatches among them (``_buckets.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._call import CallSpec
+from .._errors import DualgraphError, SpecMismatchError
+from ._buckets import (
+    BucketDiagnostics,
+    BucketedCallable,
+    BucketedDiagnostics,
+    EagerGraphs,
+    Fallback,
+    _Bucket,
+)
+from ._capture import CaptureOptions, CaptureRequest, capture
+from ._eager import EagerCallable
+from ._hooks import NO_HOOKS, CallableHooks
+from ._inputs import InputGuard
+from ._leaves import dtype_name
+from ._lint import LintReport
+from ._padding import (
+    VALID_LENGTH,
+    check_padded_plans,
+    check_padding_can_be_correct,
+    check_padding_is_masked,
+    padding_of,
+)
+from ._params import grad_buffer_like, is_tensor_subclass
+from ._replay import GraphedCallable
+
+__all__ = ["BucketRequest", "capture_buckets"]
+
+
+@dataclass(frozen=True)
+class BucketRequest:
+    """What :func:`capture_buckets` needs: one callable, one sample call per bucket, options."""
+
+    name: str
+    fn: Callable[..., Any]
+    module: torch.nn.Module | None
+    samples: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]
+    backend: str
+    options: CaptureOptions | None  # None on the "eager" backend
+    fallback: Fallback = "error"
+    dynamic_dims: Mapping[str, int] | None = None
+    shared_lock: threading.Lock = field(default_factory=threading.Lock)
+    hooks: CallableHooks = NO_HOOKS
+
+
+def capture_buckets(request: BucketRequest) -> BucketedCallable:
+    """Check the buckets, capture one plan per bucket into one pool, and build the dispatcher.
+
+    Raises :class:`DualgraphError` for bad buckets or options and :class:`CaptureError` (naming
+    the bucket) when a capture fails; then nothing is left captured.
+    """
+    samples = request.samples
+    guards, expected = _bucket_guards(samples)
+    guard = guards[0]
+    shapes = [
+        tuple(t.shape for t in g.spec.flatten(*sample))
+        for g, sample in zip(guards, samples, strict=True)
+    ]
+    for i, key in enumerate(shapes):
+        if key in shapes[:i]:
+            raise DualgraphError(
+                f"buckets[{i}] has the same input shapes as buckets[{shapes.index(key)}]; each "
+                "bucket is one shape"
+            )
+    padding, lengths = padding_of(request, guard, shapes)
+    if padding is not None:
+        check_padding_can_be_correct(request)
+    # valid_length lives where the first padded input does
+    device = expected[padding.inputs[0][0]][1] if padding is not None else None
+    full_lengths: list[torch.Tensor | None] = [
+        None if length is None else torch.full((), length, dtype=torch.int64, device=device)
+        for length in lengths
+    ]
+    names = [f"{request.name}[{_show_shapes(guard.paths, key)}]" for key in shapes]
+    runners: list[Any] = [None] * len(samples)
+    diagnostics = [
+        BucketDiagnostics(
+            index=i,
+            shapes={p: tuple(s) for p, s in zip(guard.paths, key, strict=True)},
+            length=lengths[i],
+        )
+        for i, key in enumerate(shapes)
+    ]
+    plans: list[Any] = [None] * len(samples)
+    pool_bytes = [0] * len(samples)
+    largest_alone = 0
+    largest = 0
+    eager_graphs: EagerGraphs | None = None
+    if request.options is None:  # the "eager" backend: input checks, no graphs
+        for i, (args, kwargs) in enumerate(samples):
+            kwargs = _with_length(kwargs, full_lengths[i])
+            runners[i] = EagerCallable(
+                names[i], request.fn, InputGuard(args, kwargs), request.hooks
+            )
+    else:
+        options = request.options
+        if options.pool is not None:
+            raise DualgraphError(
+                "pool= cannot go with buckets=: a bucketed callable owns its pool, whose "
+                "activations its buckets share, and which no other graph may write"
+            )
+        if options.backend == "cuda":
+            options = dataclasses.replace(
+                options, pool=torch.cuda.graph_pool_handle(), results_outside_pool=True
+            )
+        shared = _shared_param_grads(request.module)
+        # "auto": the accumulators too (the parameters' .grad), one each for every bucket
+        accumulators = (
+            _shared_param_grads(request.module)
+            if options.param_grads == "auto" and not _any_tensor_subclass(request.module)
+            else None
+        )
+        before = 0
+        for rank, i in enumerate(_largest_first(samples, guards)):
+            args, kwargs = samples[i]
+            kwargs = _with_length(kwargs, full_lengths[i])
+            inputs = InputGuard(args, kwargs)
+            (plan,) = capture(
+                [
+                    CaptureRequest(
+                        name=names[i],
+                        fn=request.fn,
+                        module=request.module,
+                        inputs=inputs,
+                        sample_tensors=tuple(inputs.tensors(args, kwargs)),
+                        param_grad_buffers=shared,
+                        param_accumulators=accumulators,
+                        hooks=request.hooks,
+                    )
+                ],
+                options,
+            )
+            plans[i] = plan
+            pool_bytes[i] = max(0, plan.diagnostics.pool_bytes - before)
+            before = max(before, plan.diagnostics.pool_bytes)
+            if rank == 0:
+                largest_alone = plan.diagnostics.pool_bytes
+                largest = i
+        if padding is not None:
+            check_padded_plans(request, padding, plans, lengths, guard, shapes)
+        # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
+        if options.param_grads == "auto" and request.fallback == "eager":
+            eager_graphs = EagerGraphs()
+        runners = [
+            GraphedCallable(plan, lock=request.shared_lock, other_uses=eager_graphs)
+            for plan in plans
+        ]
+        for runner in runners:
+            runner.recount_holders()  # every sibling that shares the accumulators exists now
+        for diag, plan, growth in zip(diagnostics, plans, pool_bytes, strict=True):
+            diag.static_input_bytes = plan.diagnostics.static_input_bytes
+            diag.static_output_bytes = plan.diagnostics.static_output_bytes
+            diag.static_grad_bytes = plan.diagnostics.static_grad_bytes
+            diag.capture_seconds = plan.diagnostics.capture_seconds
+            diag.pool_growth_bytes = growth
+            diag.lint = plan.diagnostics.lint  # issue 19 hook
+            diag.memory_plan = plan.diagnostics.memory_plan
+    if padding is not None:
+        check_padding_is_masked(request, padding, guards, lengths, shapes)
+    summary = BucketedDiagnostics(
+        name=request.name,
+        backend=request.backend,
+        static_input_bytes=sum(d.static_input_bytes for d in diagnostics),
+        static_output_bytes=sum(d.static_output_bytes for d in diagnostics),
+        static_grad_bytes=_unique_grad_bytes(plans),
+        pool_bytes=max((p.diagnostics.pool_bytes for p in plans if p is not None), default=0),
+        capture_seconds=sum(d.capture_seconds for d in diagnostics),
+        has_backward_graph=any(p is not None and p.has_backward for p in plans),
+        fallback=request.fallback,
+        buckets=tuple(diagnostics),
+        largest_bucket_pool_bytes=largest_alone,
+    )
+    if plans[0] is not None:  # issue 19 hook: the capture lint and the memory plan
+        reports = [d.lint for d in diagnostics if d.lint is not None]
+        summary.lint = functools.reduce(LintReport.merged, reports) if reports else None
+        summary.memory_plan = diagnostics[largest].memory_plan
+    buckets = [
+        _Bucket(i, tuple(key), runners[i], diagnostics[i], lengths[i], full_lengths[i])
+        for i, key in enumerate(shapes)
+    ]
+    return BucketedCallable(
+        name=request.name,
+        fn=request.fn,
+        guard=guard,
+        buckets=buckets,
+        fallback=request.fallback,
+        padding=padding,
+        diagnostics=summary,
+        out_spec=plans[0].outputs if plans[0] is not None else None,
+        eager_graphs=eager_graphs,
+        hooks=request.hooks,
+    )
+
+
+def _bucket_guards(
+    samples: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+) -> tuple[list[InputGuard], tuple[tuple[torch.dtype, torch.device, bool], ...]]:
+    """One input guard per bucket, each checked to differ from the first in shapes only; and
+    the ``(dtype, device, requires_grad)`` of each input tensor."""
+    guards = []
+    for i, (args, kwargs) in enumerate(samples):
+        try:
+            guards.append(InputGuard(args, kwargs))
+        except DualgraphError as error:
+            raise type(error)(f"buckets[{i}]: {error}") from None
+    first = guards[0]
+    expected = tuple((t.dtype, t.device, t.requires_grad) for t in first.spec.flatten(*samples[0]))
+    for i, (args, kwargs) in enumerate(samples):
+        try:
+            tensors = first.spec.flatten(args, kwargs)
+        except SpecMismatchError as error:
+            difference = _difference_but_shapes(first.spec, guards[i].spec) or str(error)
+            raise DualgraphError(
+                f"buckets[{i}]: {difference} (as buckets[0] has it); buckets differ only in the "
+                "shapes of their tensors"
+            ) from None
+        for path, tensor, kind in zip(first.paths, tensors, expected, strict=True):
+            found = (tensor.dtype, tensor.device, tensor.requires_grad)
+            if found != kind:
+                raise DualgraphError(
+                    f"buckets[{i}]: {path} is {_kind(*found)} but {_kind(*kind)} in buckets[0]; "
+                    "buckets differ only in the shapes of their tensors"
+                )
+    return guards, expected
+
+
+def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
+    """Where two calls' specs first differ in more than array shapes (None: in shapes only)."""
+    for root in ("args", "kwargs"):
+        left = getattr(expected, f"{root}_spec").leaves
+        right = getattr(found, f"{root}_spec").leaves
+        for a, b in itertools.zip_longest(left, right):
+            if a is None:
+                return f"{root}{b.path}: got {_show_input(b)}, expected nothing"
+            if b is None or a.path != b.path:
+                return f"{root}{a.path}: expected {_show_input(a)}, got nothing there"
+            if a.kind != b.kind or (a.kind == "const" and repr(a.value) != repr(b.value)):
+                return f"{root}{a.path}: expected {_show_input(a)}, got {_show_input(b)}"
+    return None
+
+
+def _show_input(leaf: Any) -> str:
+    if leaf.kind == "array":
+        return f"a {leaf.dtype} tensor"
+    if leaf.kind == "const":
+        return f"{type(leaf.value).__name__} {leaf.value!r}"
+    return "None"
+
+
+def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool) -> str:
+    grad = ", requiring grad" if requires_grad else ""
+    return f"{dtype_name(dtype)} on {device}{grad}"
+
+
+def _show_shapes(paths: Sequence[str], shapes: Sequence[Sequence[int]]) -> str:
+    return ", ".join(f"{path}={list(shape)}" for path, shape in zip(paths, shapes, strict=True))
+
+
+def _with_length(kwargs: dict[str, Any], length: torch.Tensor | None) -> dict[str, Any]:
+    return kwargs if length is None else {**kwargs, VALID_LENGTH: length}
+
+
+def _largest_first(
+    samples: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], guards: Sequence[InputGuard]
+) -> list[int]:
+    """Bucket indices, largest input first: its capture sizes the pool the others reuse."""
+
+    def size(i: int) -> int:
+        args, kwargs = samples[i]
+        return sum(t.numel() * t.element_size() for t in guards[i].spec.flatten(args, kwargs))
+
+    return sorted(range(len(samples)), key=lambda i: -size(i))
+
+
+def _shared_param_grads(module: torch.nn.Module | None) -> tuple[torch.Tensor, ...] | None:
+    """One grad buffer (or accumulator) per trainable parameter, for every bucket."""
+    if module is None:
+        return None
+    return tuple(grad_buffer_like(p) for _, p in module.named_parameters() if p.requires_grad)
+
+
+def _any_tensor_subclass(module: torch.nn.Module | None) -> bool:
+    """Whether a trainable parameter is a tensor subclass ("auto" then takes autograd)."""
+    return module is not None and any(
+        is_tensor_subclass(p) for p in module.parameters() if p.requires_grad
+    )
+
+
+def _unique_grad_bytes(plans: Sequence[Any]) -> int:
+    seen: dict[int, torch.Tensor] = {}
+    for plan in plans:
+        if plan is None:
+            continue
+        buffers = plan.buffers
+        for tensor in (
+            *buffers.grad_outputs,
+            *buffers.input_grads,
+            *buffers.param_grads,
+            *plan.params.accumulators,
+        ):
+            if tensor is not None:
+                seen[id(tensor)] = tensor
+    return sum(t.numel() * t.element_size() for t in seen.values())

@@ -1,0 +1,232 @@
+"""The ``"cuda"`` backend's capture: warmup on a side stream, then the graphs, into pools.
+
+The forward and backward graph of each copy are captured in the order the
+:class:`CaptureLayout`'s steps give (by default forwards in order, backwards in reverse, one
+pool); under ``param_grads="auto"`` a third graph adds the parameter grads into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._blas_workspaces import prime_capture_stream
+from ._capture_failure import Progress
+from ._capture_state import _Capture, empty_from_layout, grad_output_buffers
+from ._probe import raise_on_lint_errors
+from ._replay_backends import CudaGraphForward, accumulate_into
+from ._transformer_engine import transformer_engine_capture
+from ._warmup import warmup
+
+if TYPE_CHECKING:
+    from ._capture import CaptureOptions, CaptureStep
+
+__all__ = ["capture_cuda"]
+
+
+def capture_cuda(
+    captures: Sequence[_Capture],
+    steps: Sequence[CaptureStep],
+    options: CaptureOptions,
+    progress: Progress,
+) -> None:
+    """Warm up on a side stream, then capture the graphs ``steps`` list, in that order."""
+    device = _device_of(captures)
+    caller_stream = torch.cuda.current_stream(device)
+    # The garbage collector may destroy an unreachable CUDA graph while another one is being
+    # captured, which fails the capture (docs/cuda_graphs.md); it waits until the capture is over.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with transformer_engine_capture() as te_generators:
+            _capture_cuda_graphs(captures, steps, options, progress, device, te_generators)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        # When a capture is invalidated (a CPU sync inside it), ``torch.cuda.graph.__exit__``
+        # raises from ``capture_end`` before it leaves its stream context, which would leave
+        # torch's capture stream current for all later work; give the caller its stream back.
+        torch.cuda.set_stream(caller_stream)
+
+
+def _capture_cuda_graphs(
+    captures: Sequence[_Capture],
+    steps: Sequence[CaptureStep],
+    options: CaptureOptions,
+    progress: Progress,
+    device: torch.device,
+    extra_generators: Sequence[Any],
+) -> None:
+    start = time.perf_counter()
+    torch.cuda.synchronize(device)
+    shared_pool = options.pool if options.pool is not None else torch.cuda.graph_pool_handle()
+    mode: Any = options.capture_error_mode
+    side_stream = torch.cuda.Stream(device)
+    side_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side_stream):
+        for item in captures:
+            if item.like is not None:  # copies of a callable learn from its warmup
+                continue
+            progress.name, progress.phase = item.name, "warmup"
+            for i in range(max(1, options.num_warmup_iters)):
+                with item.probe:  # issue 19 hook: observes the first iteration only
+                    grads = warmup(item, options.allow_unused_input, inspect=i == 0)
+            if options.results_outside_pool:
+                item.grad_layouts = tuple(None if g is None else g.detach() for g in grads)
+            del grads
+    torch.cuda.current_stream(device).wait_stream(side_stream)
+    torch.cuda.synchronize(device)
+    prime_capture_stream(device)  # cuBLAS's workspaces for the capture stream: not in the pool
+    originals = [item for item in captures if item.like is None]
+    raise_on_lint_errors([item.probe for item in originals])  # issue 19 hook: before any capture
+    for item in captures:
+        if item.like is not None:
+            item.learn_from(item.like)
+    allocated_before = torch.cuda.memory_allocated(device)
+
+    live_outputs: dict[int, list[torch.Tensor]] = {}
+    pools: list[Any] = []  # each pool once, in order of first use
+    item_pools: dict[int, list[int]] = {id(item): [] for item in captures}
+    for step in steps:
+        item = step.copy
+        pool = shared_pool if step.pool is None else step.pool
+        if pool not in pools:
+            pools.append(pool)
+        if pools.index(pool) not in item_pools[id(item)]:
+            item_pools[id(item)].append(pools.index(pool))
+        if step.backward:
+            flat = live_outputs.pop(id(item))
+            _capture_backward(item, flat, pool, options, progress, extra_generators)
+            del flat
+            continue
+        progress.name, progress.phase = item.name, "forward capture"
+        forward_graph = _new_graph(extra_generators)
+        # outside the pool (results_outside_pool), unless the outputs go into a donor's buffers
+        layouts = item.output_layouts if item.buffers_from is None else ()
+        kept = tuple(empty_from_layout(layout) for layout in layouts)
+        with (
+            item.request.hooks.around("forward"),  # capture-time hooks: outside the graph
+            torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode),
+        ):
+            flat = item.record_outputs(item.run())  # (reads Python objects only)
+            for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
+                static.copy_(tensor.detach())
+            item.copy_into_donor(outputs=flat)
+        live_outputs[id(item)] = flat
+        del flat
+        donor = item.buffers_from
+        item.static_outputs = (
+            donor.static_outputs
+            if donor is not None
+            else kept or tuple(t.detach() for t in live_outputs[id(item)])
+        )
+        item.replay_forward = CudaGraphForward(forward_graph)
+        item.graphs.append(forward_graph)
+    del live_outputs  # forwards without a backward step: their activations go back to the pool
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    sizes = [_pool_bytes(pool, device) for pool in pools]
+    fallback = max(0, torch.cuda.memory_allocated(device) - allocated_before)
+    for item in captures:
+        item.pool_bytes = sum(sizes[i] for i in item_pools[id(item)]) if any(sizes) else fallback
+        item.seconds = elapsed
+
+
+def _capture_backward(
+    item: _Capture,
+    flat: list[torch.Tensor],
+    pool: Any,
+    options: CaptureOptions,
+    progress: Progress,
+    extra_generators: Sequence[Any],
+) -> None:
+    """Capture the backward graph of ``item`` from its forward's outputs ``flat``."""
+    mode: Any = options.capture_error_mode
+    progress.name, progress.phase = item.name, "backward capture"
+    differentiable = [flat[i] for i in item.diff_outputs]
+    diff_inputs = item.diff_inputs()
+    if differentiable and diff_inputs:
+        item.grad_outputs = grad_output_buffers(item, flat)
+        # outside the pool (results_outside_pool), unless the grads go into a donor's buffers
+        layouts = item.grad_layouts if item.buffers_from is None else ()
+        buffers = item.grad_buffers(layouts) if layouts else ()
+        item.grad_layouts = ()
+        backward_graph = _new_graph(extra_generators)
+        grads: tuple[torch.Tensor | None, ...]
+        with (
+            item.request.hooks.around("backward"),  # capture-time hooks: outside the graph
+            torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode),
+        ):
+            grads = torch.autograd.grad(
+                differentiable,
+                diff_inputs,
+                grad_outputs=item.grad_outputs,
+                only_inputs=True,
+                allow_unused=options.allow_unused_input,
+            )
+            accumulate = accumulate_into(
+                item.fused_accumulators, grads[len(item.grad_input_indices) :]
+            )
+            if accumulate is not None:
+                accumulate()
+            if buffers:
+                grads = item.keep_grads(grads, buffers)
+            item.copy_into_donor(grads=grads)
+        item.place_grads(grads)
+        item.replay_backward = backward_graph.replay
+        item.graphs.append(backward_graph)
+        if options.param_grads == "auto" and item.accumulators:
+            item.replay_accumulate = _capture_accumulate(item, pool, mode)
+    del flat, differentiable
+
+
+def _capture_accumulate(item: _Capture, pool: Any, mode: Any) -> Callable[[], None] | None:
+    """The ``"auto"`` mode's second graph: add the static parameter grads into the accumulators.
+
+    Replayed after the backward graph only when the grads go to ``.grad`` without autograd. It
+    allocates nothing, so it may be captured at any point among the pool's graphs.
+    """
+    accumulate = accumulate_into(item.accumulators, item.param_grads)
+    if accumulate is None:
+        return None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+        accumulate()
+    item.graphs.append(graph)
+    return graph.replay
+
+
+def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:
+    # torch registers the default CUDA generator itself; others (TE's RNG tracker) must be
+    # registered so that dropout draws fresh values on every replay.
+    graph = torch.cuda.CUDAGraph()
+    for generator_state in extra_generators:
+        graph.register_generator_state(generator_state)
+    return graph
+
+
+def _pool_bytes(pool: Any, device: torch.device) -> int:
+    """Bytes of the segments the CUDA caching allocator holds for ``pool`` (0 if unknown)."""
+    try:
+        wanted = tuple(pool)
+        segments = torch.cuda.memory_snapshot()
+    except (TypeError, RuntimeError):
+        return 0
+    return sum(
+        int(segment.get("total_size", 0))
+        for segment in segments
+        if tuple(segment.get("segment_pool_id", ())) == wanted
+        and segment.get("device", device.index) == device.index
+    )
+
+
+def _device_of(captures: Sequence[_Capture]) -> torch.device:
+    for item in captures:
+        for tensor in (*item.static_inputs, *item.params):
+            if tensor.is_cuda:
+                return tensor.device
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,76 @@
+"""A failed capture: the :class:`CaptureError` that names the callable, the phase and the cause,
+and the repair that leaves CUDA usable afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .._errors import CaptureError, DualgraphError
+from ._lint import CaptureLintError
+
+__all__ = ["Progress", "Refused", "describe_failure", "recover_cuda", "repair_cuda_rng"]
+
+
+class Refused(DualgraphError):
+    """A capture refused on purpose; its message is the cause, without a type name."""
+
+
+def repair_cuda_rng() -> None:
+    """Make the CUDA RNG usable again after a capture that touched it failed.
+
+    Without this every later CUDA RNG call fails with "Offset increment outside graph capture
+    encountered unexpectedly" (docs/cuda_graphs.md); re-installing the generator's own state
+    fixes it.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    for generator in torch.cuda.default_generators:
+        generator.graphsafe_set_state(generator.clone_state())
+
+
+def recover_cuda() -> None:
+    with contextlib.suppress(RuntimeError):  # the failed capture's own error is reported
+        torch.cuda.synchronize()
+    repair_cuda_rng()
+
+
+@dataclass
+class Progress:
+    """Where a capture is, so that a failure can name the callable and the phase."""
+
+    name: str = ""
+    phase: str = "setup"
+
+
+def describe_failure(error: BaseException, progress: Progress, backend: str) -> CaptureError:
+    """A :class:`CaptureError` naming the callable, the phase and the root cause."""
+    root = error
+    while root.__context__ is not None and root.__cause__ is None and root is not root.__context__:
+        root = root.__context__
+    cause = _show(root)
+    if root is not error:
+        cause += f" (then {_show(error)})"
+    name = progress.name
+    hint = ""
+    if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
+        hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
+    if "legacy stream depend on a capturing blocking stream" in cause:
+        hint = (
+            " (is the model already wrapped in DistributedDataParallel? Graph its layers first,"
+            " then wrap it: see docs/ddp.md)"
+        )
+    where = f"capturing {name} ({backend})" if name else f"capturing ({backend})"
+    return CaptureError(f"{where} failed during {progress.phase}: {cause}{hint}")
+
+
+def _show(error: BaseException) -> str:
+    # CUDA errors append several lines of generic advice; the first line is the cause.
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(error, Refused | CaptureLintError) or type(error) is DualgraphError:
+        return first
+    return f"{type(error).__name__}: {first}"

@@ -1,0 +1,407 @@
+"""What is learned about one callable while it is captured, then its :class:`ReplayPlan`.
+
+A ``_Capture`` holds the static buffers of one callable (or of one copy of it: a replay slot)
+and what its warmup and capture found: the output spec, which outputs are differentiable or
+saved for backward, which inputs it updates in place, its graphs or their emulated stand-ins.
+``plan()`` freezes all of it into the plan a :class:`GraphedCallable` replays.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.nn.parameter import is_lazy
+
+from .._spec import TreeSpec, describe
+from ._ambient import autocast_state
+from ._capture_failure import Refused
+from ._diagnostics import CaptureDiagnostics
+from ._inputs import unsupported_tensor
+from ._params import ModuleTensors, is_tensor_subclass
+from ._plan import ParamLayout, ReplayPlan, StaticBuffers
+from ._probe import WarmupProbe
+
+if TYPE_CHECKING:
+    from ._capture import CaptureOptions, CaptureRequest
+
+__all__ = ["empty_from_layout", "grad_output_buffers"]
+
+
+class _Capture:
+    """The static buffers and facts of one callable, gathered during capture (then a plan).
+
+    A copy made ``like`` another (a replay slot of the same callable) shares its module,
+    parameters and in-graph accumulators and learns what its warmup found. One made with
+    ``buffers_from`` another (a replay never in flight with it) also shares all its static
+    buffers: inputs and grad outputs, and the outputs and grads its graphs copy into the
+    other's (the other's graphs wrote them where they were computed).
+    """
+
+    def __init__(
+        self,
+        request: CaptureRequest,
+        options: CaptureOptions,
+        *,
+        like: _Capture | None = None,
+        buffers_from: _Capture | None = None,
+        shared: frozenset[int] = frozenset(),
+    ) -> None:
+        # ``shared``: the ids of parameters that other callables captured with this one hold.
+        self.request = request
+        self.options = options
+        self.name = request.name
+        self.like = like
+        self.buffers_from = buffers_from
+        self.static_inputs: tuple[torch.Tensor, ...] = (
+            buffers_from.static_inputs
+            if buffers_from is not None
+            else tuple(
+                t.detach().clone().requires_grad_(t.requires_grad) for t in request.sample_tensors
+            )
+        )
+        self.static_args, self.static_kwargs = request.inputs.unflatten(self.static_inputs)
+        self.grad_input_indices = tuple(
+            i for i, t in enumerate(self.static_inputs) if t.requires_grad
+        )
+        self._learned_nothing_yet()
+        self.module_tensors: ModuleTensors | None
+        self.param_names: tuple[str, ...]
+        self.params: tuple[torch.Tensor, ...]
+        self.accumulators: tuple[torch.Tensor | None, ...]
+        self.in_graph_grads: bool  # the parameter grads go into accumulators, not autograd only
+        if like is None:
+            self._own_parameters(shared)
+        else:
+            self.module_tensors = like.module_tensors
+            self.param_names, self.params = like.param_names, like.params
+            self.in_graph_grads = like.in_graph_grads
+            self.accumulators = like.accumulators  # one .grad per parameter, whatever the copy
+
+    def _own_parameters(self, shared: frozenset[int]) -> None:
+        options = self.options
+        module = self.request.module
+        if module is not None:
+            tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+            lazy = [name for name, tensor in tensors if is_lazy(tensor)]
+            if lazy:
+                raise Refused(
+                    f"{lazy[0]} is not initialized yet (a lazy module); run the module once "
+                    "before graphing it"
+                )
+        self.module_tensors = ModuleTensors.of(module) if module is not None else None
+        named = (
+            [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+            if module is not None
+            else []
+        )
+        prefix = f"{type(module).__name__}." if module is not None else ""
+        self.param_names = tuple(prefix + name for name, _ in named)
+        self.params = tuple(p for _, p in named)
+        if options.param_grads == "in_graph":
+            for name, param in zip(self.param_names, self.params, strict=True):
+                if param._backward_hooks or param._post_accumulate_grad_hooks:
+                    raise Refused(
+                        f"{name} has a grad hook, which param_grads='in_graph' would never run "
+                        "(the backward graph adds the grad into .grad itself); capture with "
+                        "param_grads='autograd' to use parameter hooks"
+                    )
+            for name, param in zip(self.param_names, self.params, strict=True):
+                if is_tensor_subclass(param):
+                    raise Refused(
+                        f"{name} is a {type(param).__name__} (a tensor subclass, e.g. "
+                        "Transformer Engine's FP8 weights), whose grads param_grads='in_graph' "
+                        "cannot add into .grad as eager does; capture with param_grads='auto' "
+                        "or 'autograd'"
+                    )
+        # "auto" adds grads into .grad itself only where each parameter's grad comes from this
+        # callable alone. Eager sums the grads of a parameter that several callables use (tied
+        # weights) before adding them to .grad; adding them one callable at a time would round
+        # differently, so such callables hand their grads to autograd, which sums them first.
+        # So do callables with a tensor-subclass parameter (Transformer Engine's FP8 weights):
+        # eager's .grad of one is a plain tensor that AccumulateGrad makes.
+        self.in_graph_grads = options.param_grads == "in_graph" or (
+            options.param_grads == "auto"
+            and not any(id(p) in shared for p in self.params)
+            and not any(map(is_tensor_subclass, self.params))
+        )
+        given = (
+            self.request.param_grad_buffers
+            if options.param_grads == "in_graph"
+            else self.request.param_accumulators
+        )
+        self.accumulators = (
+            (given if given is not None else tuple(torch.zeros_like(p) for p in self.params))
+            if self.in_graph_grads
+            else ()
+        )
+
+    def _learned_nothing_yet(self) -> None:
+        # learned during warmup and capture
+        self.out_spec: TreeSpec | None = None
+        self.diff_outputs: tuple[int, ...] = ()
+        self.saved_outputs: tuple[int, ...] = ()
+        self.mutated: set[int] = set()
+        self.static_outputs: tuple[torch.Tensor, ...] = ()
+        self.grad_outputs: tuple[torch.Tensor, ...] = ()
+        self.input_grads: tuple[torch.Tensor | None, ...] = (None,) * len(self.static_inputs)
+        self.param_grads: tuple[torch.Tensor | None, ...] = ()
+        self.replay_forward: Callable[[bool], None] | None = None
+        self.replay_backward: Callable[[], None] | None = None
+        self.replay_accumulate: Callable[[], None] | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.seconds = 0.0
+        self.pool_bytes = 0
+        self.warmup_grads: tuple[torch.Tensor | None, ...] = ()
+        # results_outside_pool: how the last warmup's outputs and grads were laid out
+        self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
+        self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
+        # issue 19 hook: the lint and the memory plan observe the first warmup iteration
+        self.probe = WarmupProbe(
+            self.request.name,
+            self.request.fn,
+            module=self.request.module,
+            inputs=self.static_inputs,
+            paths=self.request.inputs.paths,
+            lint=self.options.lint,
+            backend=self.options.backend,
+            results_outside_pool=self.options.results_outside_pool,
+        )
+
+    def learn_from(self, original: _Capture) -> None:
+        """Take over what the warmup of ``original`` (the same callable) found."""
+        self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
+        self.saved_outputs = original.saved_outputs
+        self.mutated = set(original.mutated)
+        self.warmup_grads = original.warmup_grads
+        self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
+
+    def run(self) -> Any:
+        return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
+
+    @property
+    def fused_accumulators(self) -> tuple[torch.Tensor | None, ...]:
+        """The accumulators the backward graph itself adds into (``"in_graph"`` only)."""
+        return self.accumulators if self.options.param_grads == "in_graph" else ()
+
+    def diff_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What the backward differentiates for: inputs that require grad, then parameters."""
+        return tuple(self.static_inputs[i] for i in self.grad_input_indices) + self.params
+
+    def record_outputs(self, outputs: Any) -> list[torch.Tensor]:
+        """The output tensors, checked; the first call fixes the spec, later ones must match it."""
+        spec = describe(outputs)
+        flat = spec.flatten(outputs)
+        for path, leaf in zip(spec.array_paths, flat, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                raise Refused(
+                    f"output{path}: expected a torch tensor, got "
+                    f"{type(leaf).__module__}.{type(leaf).__qualname__} (outputs of a torch "
+                    "callable hold tensors, None and int/float/bool/str constants)"
+                )
+            why = unsupported_tensor(leaf)
+            if why is not None:
+                raise Refused(f"output{path}: a graph cannot return {why}")
+        if self.options.results_outside_pool:
+            self.output_layouts = tuple(_layout(t) for t in flat)
+        if self.out_spec is None:
+            self.out_spec = spec
+            self.diff_outputs = tuple(i for i, grad in enumerate(spec.grad_mask) if grad)
+        elif spec != self.out_spec:
+            raise Refused(
+                f"the outputs differ from one call to the next ({self.out_spec!r}, then "
+                f"{spec!r}); a graph replays one call's structure"
+            )
+        return flat
+
+    def grad_buffers(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """Static buffers (outside any pool) for grads laid out like ``grads``, ``None`` for none.
+
+        Parameter grads go into the given ``param_grad_buffers``; under ``"in_graph"`` the entry
+        is the parameter's accumulator, which the backward adds into itself.
+        """
+        n = len(self.grad_input_indices)
+        given = self.request.param_grad_buffers
+        buffers: list[torch.Tensor | None] = []
+        for k, grad in enumerate(grads):
+            if grad is None:
+                buffers.append(None)
+            elif k >= n and self.options.param_grads == "in_graph":
+                buffers.append(self.accumulators[k - n])
+            elif k >= n and given is not None:
+                buffers.append(given[k - n])
+            else:
+                buffers.append(torch.zeros_like(grad))
+        return tuple(buffers)
+
+    def keep_grads(
+        self, grads: Sequence[torch.Tensor | None], buffers: Sequence[torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Copy ``grads`` into their :meth:`grad_buffers` (in the backward graph); the buffers."""
+        # Under "in_graph" the parameter grads were added into their accumulators already.
+        copied = len(self.grad_input_indices) if self.options.param_grads == "in_graph" else None
+        for k, (buffer, grad) in enumerate(zip(buffers, grads, strict=True)):
+            if (grad is None) != (buffer is None):
+                raise Refused(
+                    "the captured backward gives grads to other inputs or parameters than the "
+                    "warmup did; a graph replays one call's structure"
+                )
+            if grad is not None and buffer is not None and (copied is None or k < copied):
+                buffer.copy_(grad)
+        return tuple(buffers)
+
+    def place_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Spread the grads of :meth:`diff_inputs` over the inputs and the parameters."""
+        n = len(self.grad_input_indices)
+        input_grads: list[torch.Tensor | None] = [None] * len(self.static_inputs)
+        for i, grad in zip(self.grad_input_indices, grads[:n], strict=True):
+            input_grads[i] = grad
+        self.input_grads = tuple(input_grads)
+        param_grads = tuple(grads[n:])
+        if self.options.param_grads != "in_graph":
+            self.param_grads = param_grads
+        if self.accumulators:  # as with autograd, a parameter the callable does not use keeps
+            self.accumulators = tuple(  # .grad None
+                acc if grad is not None else None
+                for acc, grad in zip(self.accumulators, param_grads, strict=True)
+            )
+        donor = self.buffers_from
+        if donor is not None:  # the grads were copied into the donor's buffers
+            self.input_grads, self.param_grads = donor.input_grads, donor.param_grads
+
+    def copy_into_donor(
+        self, outputs: Sequence[torch.Tensor] = (), grads: Sequence[torch.Tensor | None] = ()
+    ) -> None:
+        """Copy outputs, or the grads of :meth:`diff_inputs`, into the donor's static buffers.
+
+        Captured into this copy's graphs, so that its replays leave their results where the
+        donor's do (with no donor, nothing to do).
+        """
+        donor = self.buffers_from
+        if donor is None:
+            return
+        for static, output in zip(donor.static_outputs, outputs, strict=False):
+            static.copy_(output.detach())
+        targets: list[torch.Tensor | None] = [donor.input_grads[i] for i in self.grad_input_indices]
+        if self.options.param_grads != "in_graph":
+            targets += donor.param_grads
+        for target, grad in zip(targets, grads, strict=False):
+            if target is not None and grad is not None:
+                target.copy_(grad)
+
+    def plan(self) -> ReplayPlan:
+        assert self.out_spec is not None and self.replay_forward is not None
+        options = self.options
+        params = self.params
+        if not self._has_backward():
+            self.replay_backward = None
+            self.replay_accumulate = None
+            self.accumulators = ()
+        if options.param_grads == "auto":
+            # The anchor tells a plain .backward() from the others (GraphedCallable
+            # ._is_plain_backward): needed where parameter grads are computed.
+            anchor = (
+                torch.empty(0, device=params[0].device, requires_grad=True)
+                if params and self.replay_backward is not None
+                else None
+            )
+            layout = ParamLayout(
+                mode="auto",
+                params=params,
+                names=self.param_names,
+                accumulators=self.accumulators or (None,) * len(params),
+                anchor=anchor,
+                anchor_node=None if anchor is None else get_gradient_edge(anchor).node,
+            )
+            param_grads = self.param_grads or (None,) * len(params)
+        elif options.param_grads == "autograd":
+            layout = ParamLayout(
+                mode="autograd",
+                params=params,
+                names=self.param_names,
+                accumulators=(None,) * len(params),
+            )
+            param_grads = self.param_grads or (None,) * len(params)
+        else:
+            anchor = torch.empty(0, device=params[0].device, requires_grad=True) if params else None
+            layout = ParamLayout(
+                mode="in_graph",
+                params=params,
+                names=self.param_names,
+                accumulators=self.accumulators or (None,) * len(params),
+                anchor=anchor,
+                anchor_node=None if anchor is None else get_gradient_edge(anchor).node,
+            )
+            param_grads = (None,) * len(params)
+        buffers = StaticBuffers(
+            inputs=self.static_inputs,
+            outputs=self.static_outputs,
+            grad_outputs=self.grad_outputs,
+            input_grads=self.input_grads,
+            param_grads=param_grads,
+            replay_forward=self.replay_forward,
+            replay_backward=self.replay_backward,
+            graphs=tuple(self.graphs),
+            replay_accumulate=self.replay_accumulate,
+        )
+        kept_grads = [g for g in (*self.input_grads, *param_grads) if g is not None]
+        kept_grads += [a for a in layout.accumulators if a is not None]
+        diagnostics = CaptureDiagnostics(
+            name=self.name,
+            backend=options.backend,
+            static_input_bytes=_bytes(self.static_inputs),
+            static_output_bytes=_bytes(self.static_outputs),
+            static_grad_bytes=_bytes([*self.grad_outputs, *kept_grads]),
+            pool_bytes=self.pool_bytes,
+            capture_seconds=self.seconds,
+            has_backward_graph=buffers.replay_backward is not None,
+        )
+        return ReplayPlan(
+            name=self.name,
+            backend=options.backend,
+            fn=self.request.fn,
+            inputs=self.request.inputs,
+            outputs=self.out_spec,
+            diff_outputs=self.diff_outputs,
+            saved_outputs=self.saved_outputs,
+            mutated_inputs=tuple(sorted(self.mutated)),
+            module_tensors=self.module_tensors,
+            params=layout,
+            buffers=buffers,
+            clone_outputs=options.clone_outputs,
+            autocast=autocast_state(),
+            replay_hooks=self.request.hooks.replay,
+            diagnostics=diagnostics,
+        )
+
+    def _has_backward(self) -> bool:
+        if not self.diff_outputs or self.replay_backward is None:
+            return False
+        grads = (*self.input_grads, *self.param_grads, *self.accumulators)
+        return any(g is not None for g in grads)
+
+
+def grad_output_buffers(item: _Capture, flat: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The static grad-output buffers: new, or those of the copy ``item`` shares buffers with."""
+    donor = item.buffers_from
+    if donor is not None and donor.grad_outputs:
+        return donor.grad_outputs
+    return tuple(torch.empty_like(flat[i].detach()) for i in item.diff_outputs)
+
+
+def _layout(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+    """What :func:`empty_from_layout` needs to allocate a buffer like ``tensor`` (no memory)."""
+    return torch.empty_like(tensor, device="meta"), tensor.device
+
+
+def empty_from_layout(layout: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
+    # empty_like keeps the strides of a dense tensor, and makes an expanded one contiguous
+    like, device = layout
+    return torch.empty_like(like, device=device)
+
+
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

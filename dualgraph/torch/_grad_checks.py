@@ -1,0 +1,121 @@
+"""What a replay's backward asks before it writes ``.grad``: aliasing, holders, the engine.
+
+Whether a ``.grad`` is its accumulator's memory or overlaps another's, who else holds an
+accumulator, and whether the autograd engine runs a parameter's ``AccumulateGrad`` node in this
+backward (``_replay.py`` calls these on its slow paths).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from .._errors import DualgraphError
+
+__all__ = [
+    "aliases",
+    "grad_accumulator",
+    "grad_problem",
+    "holders",
+    "span",
+    "will_engine_execute_node",
+    "will_execute_or_capture",
+]
+
+_STRIDED = torch.strided
+_storage_use_count = torch._C._storage_Use_Count
+will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+# A leaf's AccumulateGrad node (made if none is alive): torch.autograd.graph's, without the
+# GradientEdge that get_gradient_edge wraps it in.
+grad_accumulator = getattr(
+    torch.autograd.graph, "_get_grad_fn_or_grad_acc", lambda t: get_gradient_edge(t).node
+)
+
+
+def aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
+    """Whether ``grad`` (a ``.grad`` that is not ``accumulator``) is its memory, laid out alike.
+
+    ``p.grad = p.grad.detach()`` (or ``.data``) makes such a ``.grad``: adding into the
+    accumulator adds into it, as eager adds into ``.grad`` in place. Any other overlap cannot be
+    replayed.
+    """
+    if grad.untyped_storage().data_ptr() != accumulator.untyped_storage().data_ptr():
+        return False
+    if grad.data_ptr() == accumulator.data_ptr() and grad.stride() == accumulator.stride():
+        return True
+    raise DualgraphError(
+        f"{name}: .grad shares memory with the graph's grad buffer in another layout, which a "
+        "replay cannot add into; set .grad to None or to a tensor of its own"
+    )
+
+
+def span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes a strided tensor's elements lie in: ``[start, end)``."""
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def grad_problem(
+    pending: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]],
+    accumulator_spans: Sequence[tuple[int, int]],
+    names: dict[torch.Tensor, str],
+) -> tuple[str, bool] | None:
+    """A ``.grad`` of ``pending`` (each not its accumulator) that no accumulator can stand in
+    for, as ``(its parameter's name, whether it is sparse)``; ``None`` if there is none.
+
+    Eager adds into a sparse ``.grad`` by replacing it with the dense sum, and into one that
+    shares memory with another parameter's ``.grad`` (or accumulator) twice; copied into the
+    accumulators and back, neither would be.
+    """
+    spans: list[tuple[int, int, str | None]] = [(*span, None) for span in accumulator_spans]
+    for param, _, grad, _ in pending:
+        if grad is None:
+            continue
+        if grad.layout is not _STRIDED:
+            return names[param], True
+        spans.append((*span(grad), names[param]))
+    spans.sort(key=operator.itemgetter(0, 1))
+    end, owner = -1, None
+    for start, stop, name in spans:
+        if start < end and start < stop and (name is not None or owner is not None):
+            return name or owner, False  # type: ignore[return-value]
+        if stop > end:
+            end, owner = stop, name
+    return None
+
+
+def will_execute_or_capture(param: torch.Tensor) -> bool:
+    """Whether this backward runs the ``AccumulateGrad`` node of ``param`` or captures its grad.
+
+    The node is looked up, not kept: during a backward through a replay, whose Function has the
+    parameter as an input, it exists already (the lookup makes none).
+    """
+    if will_engine_execute_node is None:
+        return True
+    if not param.requires_grad:  # frozen since the forward: autograd skips it, as eager does
+        return False
+    try:
+        return bool(will_engine_execute_node(grad_accumulator(param)))
+    except RuntimeError:  # raised for a leaf whose grad torch.autograd.grad captures
+        return True
+
+
+def holders(tensor: torch.Tensor, storage: int) -> tuple[int, int, int]:
+    """References to ``tensor``: from Python, from C++ (another tensor's ``.grad``, a saved
+    tensor, a view's base) and to its memory (``storage``, its storage's ``_cdata``: views,
+    detached aliases)."""
+    return (
+        sys.getrefcount(tensor),
+        tensor._use_count(),  # type: ignore[attr-defined]
+        _storage_use_count(storage),
+    )

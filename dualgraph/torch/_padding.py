@@ -1,0 +1,356 @@
+"""``fallback="pad"``: which dims a call is padded along, and the checks that make it safe.
+
+A padded call gets ``valid_length=`` and its outputs are cut back along the declared output
+dims; :func:`padding_of` reads ``dynamic_dims``, and the checks refuse what padding would
+change: a callable without ``valid_length``, statistics over positions, outputs that cannot be
+cut back, and outputs that differ when a call is padded (compared eagerly at capture).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from .._errors import DualgraphError, SpecMismatchError
+from .._spec import TreeSpec, describe
+from ._inputs import InputGuard
+
+if TYPE_CHECKING:
+    from ._bucket_capture import BucketRequest
+
+__all__ = [
+    "VALID_LENGTH",
+    "Padding",
+    "check_padded_plans",
+    "check_padding_can_be_correct",
+    "check_padding_is_masked",
+    "output_cuts",
+    "padding_of",
+]
+
+#: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
+#: along the dynamic dims are real (a 0-d int64 tensor); the rest are zero padding.
+VALID_LENGTH = "valid_length"
+
+#: Modules whose statistics run across positions, so that padding would change them.
+_POSITION_STATISTICS: tuple[type, ...] = (
+    torch.nn.modules.batchnorm._BatchNorm,
+    torch.nn.modules.instancenorm._InstanceNorm,
+    torch.nn.GroupNorm,
+)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """``fallback="pad"``: which input dims share the dynamic length, which output dims follow.
+
+    ``inputs`` and ``outputs`` hold ``(array index, dim)``; output indices are resolved against
+    each bucket's output spec, from ``output_paths``.
+    """
+
+    inputs: tuple[tuple[int, int], ...]
+    input_paths: tuple[str, ...]
+    output_paths: tuple[tuple[str, int], ...]  # (path after "output", dim as declared)
+
+    def length_of(self, shapes: Sequence[Sequence[int]]) -> int:
+        """A call's length along the dynamic dims; raises where two dynamic dims disagree."""
+        (first, first_dim), *rest = self.inputs
+        length = shapes[first][first_dim]
+        for (index, dim), path in zip(rest, self.input_paths[1:], strict=True):
+            other = shapes[index][dim]
+            if other != length:
+                raise SpecMismatchError(
+                    f"{path}: length {other} along dim {dim}, but {self.input_paths[0]} has "
+                    f"length {length} along dim {first_dim}; the dims in dynamic_dims share one "
+                    "length",
+                    path=path,
+                )
+        return int(length)
+
+    def fixed_shapes(self, shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """The shapes with each dynamic dim replaced by -1: what a padded bucket must match."""
+        fixed = [tuple(shape) for shape in shapes]
+        for index, dim in self.inputs:
+            shape = list(fixed[index])
+            shape[dim] = -1
+            fixed[index] = tuple(shape)
+        return tuple(fixed)
+
+
+def output_cuts(padding: Padding, spec: TreeSpec) -> tuple[tuple[int, int], ...]:
+    """``(output array index, dim)`` for each output dim declared in ``dynamic_dims``."""
+    cuts = []
+    for path, dim in padding.output_paths:
+        if path not in spec.array_paths:
+            raise DualgraphError(
+                f"dynamic_dims: output{path} is not a tensor of the outputs (they are "
+                f"{', '.join('output' + p for p in spec.array_paths) or 'none'})"
+            )
+        index = spec.array_paths.index(path)
+        ndim = len(spec.arrays[index].shape or ())
+        if not -ndim <= dim < ndim:
+            raise DualgraphError(
+                f"dynamic_dims: output{path} has {ndim} dims, so it has no dim {dim}"
+            )
+        cuts.append((index, dim % ndim))
+    return tuple(cuts)
+
+
+def padding_of(
+    request: BucketRequest, guard: InputGuard, shapes: Sequence[tuple[torch.Size, ...]]
+) -> tuple[Padding | None, list[int | None]]:
+    """The padding layout of ``fallback="pad"`` (checked), and each bucket's length."""
+    dims = request.dynamic_dims
+    if request.fallback != "pad":
+        if dims is not None:
+            raise DualgraphError("dynamic_dims= goes with fallback='pad' (the dims it pads)")
+        return None, [None] * len(shapes)
+    if not isinstance(dims, Mapping) or not dims:
+        raise DualgraphError(
+            "fallback='pad' needs dynamic_dims=: the input dims it may pad, and the output dims "
+            "to cut back, by path, e.g. {'args[0]': 1, 'output[0]': 1}"
+        )
+    for _, kwargs in request.samples:
+        if VALID_LENGTH in kwargs:
+            raise DualgraphError(
+                f"sample kwargs hold '{VALID_LENGTH}', which fallback='pad' passes itself"
+            )
+    inputs: list[tuple[int, int]] = []
+    input_paths: list[str] = []
+    outputs: list[tuple[str, int]] = []
+    for path, dim in dims.items():
+        if not isinstance(path, str) or type(dim) is not int:
+            raise DualgraphError(
+                f"dynamic_dims maps a path (str) to a dim (int), got {path!r}: {dim!r}"
+            )
+        if path.startswith("output"):
+            outputs.append((path[len("output") :], dim))
+            continue
+        if path not in guard.paths:
+            raise DualgraphError(
+                f"dynamic_dims: {path} is not an input tensor (they are "
+                f"{', '.join(guard.paths)}; outputs are named output...)"
+            )
+        index = guard.paths.index(path)
+        ndims = {len(key[index]) for key in shapes}
+        ndim = ndims.pop()
+        if ndims:
+            raise DualgraphError(f"dynamic_dims: {path} has a different number of dims per bucket")
+        if not -ndim <= dim < ndim:
+            raise DualgraphError(f"dynamic_dims: {path} has {ndim} dims, so it has no dim {dim}")
+        inputs.append((index, dim % ndim))
+        input_paths.append(path)
+    if not inputs:
+        raise DualgraphError("dynamic_dims names no input dim for fallback='pad' to pad")
+    padding = Padding(tuple(inputs), tuple(input_paths), tuple(outputs))
+    lengths: list[int | None] = []
+    for i, key in enumerate(shapes):
+        try:
+            length = padding.length_of(key)
+        except SpecMismatchError as error:
+            raise DualgraphError(f"buckets[{i}]: {error}") from None
+        if length < 1:
+            raise DualgraphError(f"buckets[{i}]: length 0 along the dynamic dims")
+        lengths.append(length)
+    return padding, lengths
+
+
+def check_padding_can_be_correct(request: BucketRequest) -> None:
+    """Refuse ``fallback="pad"`` where padding would change results the callable cannot fix."""
+    if not _accepts_valid_length(request.fn):
+        raise DualgraphError(
+            f"fallback='pad': {request.name} takes no '{VALID_LENGTH}' argument, so it could not "
+            "tell padding from data (attention would attend to it, means would count it); give "
+            f"it a '{VALID_LENGTH}=None' keyword argument and mask with it"
+        )
+    if request.module is not None:
+        for path, module in request.module.named_modules():
+            if isinstance(module, _POSITION_STATISTICS):
+                where = f"{request.name}.{path}" if path else request.name
+                raise DualgraphError(
+                    f"fallback='pad': {where} is a {type(module).__name__}, whose statistics "
+                    "run over positions, so padded positions would change them; use "
+                    "fallback='eager' or 'error', or buckets without padding"
+                )
+
+
+def check_padded_plans(
+    request: BucketRequest,
+    padding: Padding,
+    plans: Sequence[Any],
+    lengths: Sequence[int | None],
+    guard: InputGuard,
+    shapes: Sequence[tuple[torch.Size, ...]],
+) -> None:
+    """Refuse what pad cannot cut back or copy back, now that the outputs are known."""
+    padded = {index for index, _ in padding.inputs}
+    cuts_per_bucket = []
+    for i, (plan, length) in enumerate(zip(plans, lengths, strict=True)):
+        for index in plan.mutated_inputs:
+            if index in padded:
+                raise DualgraphError(
+                    f"fallback='pad': {request.name} updates {guard.paths[index]} in place, but a "
+                    "padded call passes it a padded copy, so the caller's tensor would not see "
+                    "the update"
+                )
+        cuts = output_cuts(padding, plan.outputs)
+        for index, dim in cuts:
+            size = plan.outputs.arrays[index].shape[dim]
+            if size != length:
+                path = plan.outputs.array_paths[index]
+                raise DualgraphError(
+                    f"dynamic_dims: output{path} dim {dim} has size {size} in buckets[{i}], "
+                    f"whose length is {length}; only dims of the bucket's length can be cut back"
+                )
+        cuts_per_bucket.append(set(cuts))
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(shapes):
+        groups.setdefault(padding.fixed_shapes(key), []).append(i)
+    for members in groups.values():
+        first = plans[members[0]].outputs
+        for index, leaf in enumerate(first.arrays):
+            for dim in range(len(leaf.shape or ())):
+                sizes = {plans[i].outputs.arrays[index].shape[dim] for i in members}
+                if len(sizes) > 1 and (index, dim) not in cuts_per_bucket[members[0]]:
+                    declared = dict(padding.output_paths).get(leaf.path)
+                    fix = (
+                        f"add 'output{leaf.path}': {dim}"
+                        if declared is None
+                        else f"dynamic_dims cuts one dim per output (dim {declared} there), so "
+                        "use fallback='eager' or 'error' for a callable that returns it"
+                    )
+                    raise DualgraphError(
+                        f"fallback='pad': output{leaf.path} dim {dim} changes with the length "
+                        f"({', '.join(map(str, sorted(sizes)))} across buckets) but is not in "
+                        f"dynamic_dims, so a padded call could not be cut back; {fix}"
+                    )
+
+
+def check_padding_is_masked(
+    request: BucketRequest,
+    padding: Padding,
+    guards: Sequence[InputGuard],
+    lengths: Sequence[int | None],
+    shapes: Sequence[tuple[torch.Size, ...]],
+) -> None:
+    """Refuse a callable whose outputs change when a call is padded (it ignores padding).
+
+    Per group of buckets that pad into one another, a short call (the smallest bucket's sample,
+    or the only bucket's cut to half its length) runs eagerly as it is and padded to the group's
+    largest length with ``valid_length``; the outputs, cut back, must agree up to rounding. A
+    module runs in eval mode (dropout off); a callable that still draws random numbers (its
+    reference differs under two seeds) cannot be judged and is let through.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(shapes):
+        groups.setdefault(padding.fixed_shapes(key), []).append(i)
+    for members in groups.values():
+        ordered = sorted(members, key=lambda i: lengths[i])  # type: ignore[arg-type, return-value]
+        short, long = ordered[0], ordered[-1]
+        full: int = lengths[long]  # type: ignore[assignment]
+        length: int = lengths[short] if short != long else full // 2  # type: ignore[assignment]
+        if length < 1:
+            continue  # a single bucket of length 1: no call can be padded into it
+        tensors = [t.detach().clone() for t in guards[short].tensors(*request.samples[short])]
+        for index, dim in padding.inputs:
+            tensors[index] = tensors[index].narrow(dim, 0, length)
+        _compare_padded(request, padding, guards[short], tensors, length, full)
+
+
+def _compare_padded(
+    request: BucketRequest,
+    padding: Padding,
+    guard: InputGuard,
+    tensors: list[torch.Tensor],
+    length: int,
+    full: int,
+) -> None:
+    padded = list(tensors)
+    for index, dim in padding.inputs:
+        tensor = tensors[index]
+        padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, full - length))
+    device = tensors[padding.inputs[0][0]].device
+    valid = torch.full((), length, dtype=torch.int64, device=device)
+    module = request.module
+    modes = [(m, m.training) for m in module.modules()] if module is not None else []
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+    def run(inputs: list[torch.Tensor], seed: int) -> Any:
+        args, kwargs = guard.unflatten([t.clone() for t in inputs])
+        torch.manual_seed(seed)
+        return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
+
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            if module is not None:
+                module.eval()
+            reference = run(tensors, 0)
+            if _difference(reference, run(tensors, 1), ()) is not None:
+                return  # it draws random numbers: the two calls cannot be compared
+            found = run(padded, 0)
+    finally:
+        for m, training in modes:
+            m.training = training
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    spec = describe(found)
+    difference = _difference(reference, found, output_cuts(padding, spec), length)
+    if difference is not None:
+        raise DualgraphError(
+            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+            f"padded to {full} (with {VALID_LENGTH}={length}): padded positions reach what it "
+            f"returns for the call's own. It must keep them out of whatever mixes positions "
+            f"(mask attention, count only the first {VALID_LENGTH} positions in a mean or sum, "
+            "mask a softmax over positions); or use fallback='eager' or 'error'"
+        )
+
+
+def _difference(
+    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
+) -> str | None:
+    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
+    spec, other = describe(expected), describe(found)
+    if [(leaf.path, leaf.kind) for leaf in spec.leaves] != [
+        (leaf.path, leaf.kind) for leaf in other.leaves
+    ]:
+        return f"output has another structure ({other!r}, not {spec!r})"
+    for leaf, twin in zip(spec.leaves, other.leaves, strict=True):
+        if leaf.kind == "const" and leaf.value != twin.value:
+            return f"output{leaf.path} is {twin.value!r}, not {leaf.value!r},"
+    arrays = other.flatten(found)
+    for index, dim in cuts:
+        arrays[index] = arrays[index].narrow(dim, 0, length)
+    for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
+        if a.shape != b.shape:
+            return f"output{leaf.path} has shape {list(b.shape)} instead of {list(a.shape)}"
+        if a.dtype.is_floating_point or a.dtype.is_complex:
+            # 32-bit on a GPU: TF32 convolutions (torch's default) round differently per shape
+            rtol = (1e-2 if a.is_cuda else 1e-3) if a.element_size() >= 4 else 3e-2
+            scale = a.abs().max().item() if a.numel() else 0.0
+            gap = (a - b).abs().max().item() if a.numel() else 0.0
+            if not gap <= rtol * scale + 1e-6:  # also refuses NaN
+                return (
+                    f"output{leaf.path} differs (by up to {gap:.3g}, of values up to {scale:.3g})"
+                )
+        elif not torch.equal(a, b):
+            return f"output{leaf.path} differs"
+    return None
+
+
+def _accepts_valid_length(fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: warmup will tell
+        return True
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == VALID_LENGTH and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        for p in parameters
+    )

@@ -1,0 +1,194 @@
+"""What a plan calls as its graphs: a CUDA graph's forward, the ``"emulate"`` backend's re-run
+of the callable (:class:`EmulatedReplay`), and the addition of grads into accumulators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._errors import DualgraphError
+from .._spec import TreeSpec
+from ._params import suspended_tensor_hooks
+
+__all__ = ["CudaGraphForward", "EmulatedReplay", "accumulate_into"]
+
+_tensor_hooks = operator.attrgetter("_backward_hooks")
+_NO_HOOKS = contextlib.nullcontext()
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+# Saved-tensor hooks that keep a tensor as it is, above the caller's (the innermost pair serves).
+_OWN_SAVED_TENSORS = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+class CudaGraphForward:
+    """A forward graph as the plan calls it: ``replay(grad_enabled)`` (the graph ignores it)."""
+
+    __slots__ = ("_replay",)
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self._replay = graph.replay
+
+    def __call__(self, grad_enabled: bool) -> None:
+        self._replay()
+
+
+class EmulatedReplay:
+    """The ``"emulate"`` backend's forward and backward "graphs": the callable, re-run.
+
+    :meth:`forward` runs the callable on the static inputs and copies its outputs into the
+    static outputs; :meth:`backward` differentiates that run with the static grad outputs and
+    copies the grads into the static grad buffers (``grad_targets``, one per differentiable
+    input, ``None`` where nothing is kept) or adds them into ``accumulators`` (in-graph
+    parameter grads). The same buffers are read and written as by CUDA graphs, so aliasing
+    mistakes show up on a CPU.
+    """
+
+    __slots__ = (
+        "_accumulate",
+        "_allow_unused",
+        "_args",
+        "_diff_inputs",
+        "_diff_outputs",
+        "_fn",
+        "_grad_outputs",
+        "_hooked_params",
+        "_kwargs",
+        "_live",
+        "_out_spec",
+        "_static_outputs",
+        "_targets",
+        "incoming",
+    )
+
+    def __init__(
+        self,
+        *,
+        fn: Any,
+        static_args: tuple[Any, ...],
+        static_kwargs: dict[str, Any],
+        out_spec: TreeSpec,
+        static_outputs: tuple[torch.Tensor, ...],
+        diff_outputs: tuple[int, ...],
+        diff_inputs: tuple[torch.Tensor, ...],
+        grad_outputs: tuple[torch.Tensor, ...],
+        grad_targets: tuple[torch.Tensor | None, ...],
+        accumulators: tuple[torch.Tensor | None, ...],
+        allow_unused: bool,
+        hooked_params: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self._fn = fn
+        self._args = static_args
+        self._kwargs = static_kwargs
+        self._out_spec = out_spec
+        self._static_outputs = static_outputs
+        self._diff_outputs = diff_outputs
+        self._diff_inputs = diff_inputs
+        self._grad_outputs = grad_outputs
+        self._targets = tuple(
+            (k, target) for k, target in enumerate(grad_targets) if target is not None
+        )
+        self._accumulate = tuple(
+            (k, accumulator)
+            for k, accumulator in enumerate(accumulators)
+            if accumulator is not None
+        )
+        self._allow_unused = allow_unused
+        self._hooked_params = hooked_params
+        self._live: list[torch.Tensor] = []
+        # The grads the caller handed the replay (set before each backward; None for a missing
+        # one): an op's backward may round differently by their layout (BatchNorm's, for an
+        # expanded grad such as ``.sum()``'s), and eager differentiates with them as they are.
+        self.incoming: tuple[torch.Tensor | None, ...] | None = None
+
+    def forward(self, grad_enabled: bool) -> None:
+        # A graph keeps its activations to itself; so does this run: the caller's saved-tensor
+        # hooks (a non-reentrant checkpoint around the replay, offloading) never see them.
+        own = _OWN_SAVED_TENSORS if _top_saved_tensors_hooks(False) is not None else _NO_HOOKS
+        with torch.set_grad_enabled(grad_enabled), own:
+            outputs = self._fn(*self._args, **self._kwargs)
+        flat = self._out_spec.flatten(outputs, check=True, root="output")
+        self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []
+        for static, tensor in zip(self._static_outputs, flat, strict=True):
+            static.copy_(tensor.detach())
+
+    def backward(self) -> None:
+        live, self._live = self._live, []  # one backward per forward, as with a graph
+        incoming, self.incoming = self.incoming, None
+        if not live:
+            raise DualgraphError("backward without a forward under autograd")
+        grad_outputs = self._grad_outputs
+        if incoming is not None:  # the static buffers hold the same values (copied before)
+            grad_outputs = tuple(
+                static if grad is None else grad
+                for grad, static in zip(incoming, grad_outputs, strict=True)
+            )
+        # Parameter hooks run once, when the replay hands the grads to autograd, as after a
+        # graph's backward (which has them suspended during capture).
+        hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
+        inputs = self._diff_inputs
+        # A parameter frozen since the forward gets no grad (a graph would compute it, and
+        # autograd would skip it); the others are computed as usual.
+        wanted = [k for k, t in enumerate(inputs) if t.requires_grad]
+        with hooks:
+            some = torch.autograd.grad(
+                live,
+                [inputs[k] for k in wanted] if len(wanted) < len(inputs) else inputs,
+                grad_outputs=grad_outputs,
+                allow_unused=self._allow_unused,
+            )
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for k, computed in zip(wanted, some, strict=True):
+            grads[k] = computed
+        for k, target in self._targets:
+            grad = grads[k]
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad)
+        pairs = [
+            (acc, g) for acc, g in ((acc, grads[k]) for k, acc in self._accumulate) if g is not None
+        ]
+        if pairs:
+            torch._foreach_add_([acc for acc, _ in pairs], [g for _, g in pairs])
+
+    def _any_hooks(self) -> bool:
+        return any(map(_tensor_hooks, self._hooked_params))
+
+
+def accumulate_into(
+    accumulators: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
+) -> Callable[[], None] | None:
+    """A call that adds each grad into its accumulator (one ``_foreach_add_``), or ``None``.
+
+    Pairs where either side is ``None`` (an unused parameter) are left out. Called once inside
+    a capture, it records the addition into a graph; called on every replay, it is the
+    ``"emulate"`` backend's stand-in for that graph.
+
+    >>> total, grad = torch.zeros(2), torch.ones(2)
+    >>> add = accumulate_into([total, None], [grad, torch.ones(3)])
+    >>> add()
+    >>> add()
+    >>> total
+    tensor([2., 2.])
+    """
+    pairs = [
+        (a, g) for a, g in zip(accumulators, grads, strict=False) if a is not None and g is not None
+    ]
+    if not pairs:
+        return None
+    targets, sources = [a for a, _ in pairs], [g for _, g in pairs]
+
+    def accumulate() -> None:
+        torch._foreach_add_(targets, sources)
+
+    return accumulate

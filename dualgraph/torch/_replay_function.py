@@ -1,0 +1,76 @@
+"""One replay under autograd: the :class:`torch.autograd.Function` a graphed call applies.
+
+Its forward and backward call back into the :class:`GraphedCallable` (``_replay.py``); the
+engine calls its backward node directly, without torch's Python lookup.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._ambient import ddp_is_running as _ddp_is_running
+
+if TYPE_CHECKING:
+    from ._replay import GraphedCallable
+
+__all__ = ["REPLAY_BACKWARD", "apply_replay"]
+
+_is_grad_enabled = torch.is_grad_enabled
+
+
+class _Replay(torch.autograd.Function):
+    """One replay under autograd: the forward graph, then (on backward) the backward graph."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, graphed: GraphedCallable, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        outputs = graphed._forward(inputs, True)
+        ctx.graphed = graphed
+        ctx.inputs = inputs
+        ctx.generation = graphed._generation
+        # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
+        # over by the backward, so it is asked now).
+        ctx.under_ddp = graphed._auto and _ddp_is_running()
+        ctx.set_materialize_grads(False)
+        if graphed._nondiff_outputs:
+            ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if _is_grad_enabled():  # create_graph=True: a second backward must raise
+            return _backward_once_differentiable(ctx, *grads)
+        return _backward_of(ctx, *grads)
+
+
+def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    graphed: GraphedCallable = ctx.graphed
+    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp)
+
+
+def _backward_building_graph(
+    ctx: Any, *grads: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    # create_graph=True: eager's AccumulateGrad then makes .grad a new tensor with a graph of its
+    # own, so the parameter grads go through autograd ("auto"), or are refused ("in_graph").
+    graphed: GraphedCallable = ctx.graphed
+    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True)
+
+
+# The engine runs a backward with grad mode off (unless create_graph=True), which is all that
+# ``once_differentiable`` needs to do then; its wrapper (a no_grad context) only runs otherwise.
+_backward_once_differentiable = torch.autograd.function.once_differentiable(
+    _backward_building_graph
+)
+
+
+REPLAY_BACKWARD = _Replay._backward_cls
+# The engine calls a Function's backward node through its ``apply``, which torch defines in
+# Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
+# directly (docs/cuda_graphs.md).
+REPLAY_BACKWARD.apply = _Replay.backward  # type: ignore[attr-defined]
+# The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
+apply_replay = super(torch.autograd.Function, _Replay).apply

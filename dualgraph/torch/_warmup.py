@@ -1,0 +1,139 @@
+"""Warmup, shared by both backends: eager forwards and backwards on the static buffers.
+
+The first warmup call of each callable is also inspected, because a graph replays kernels and
+not Python, and some eager behaviour has to be carried over or refused up front:
+
+- inputs the callable updates in place (their version counters move): each replay copies the
+  update back into the caller's tensor; an update during backward is refused;
+- outputs the backward reads (saved for backward): changing them in place is refused at backward;
+- tensors that require grad but are neither inputs nor parameters (a closure over another
+  module's weights): refused, since a replay would give them no gradient;
+- the output structure must stay the same from call to call.
+
+That first call also runs under the capture lint and the memory probe (``_probe.py``): the lint's
+errors refuse the capture before anything is captured (``lint="error"``), and the findings and
+the memory plan end up in each plan's diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from ._capture_failure import Refused
+from ._leaves import dtype_name
+from ._probe import WarmupProbe
+
+if TYPE_CHECKING:
+    from ._capture_state import _Capture
+
+__all__ = ["warmup"]
+
+
+def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.Tensor | None, ...]:
+    """One eager forward and backward on the static buffers; the first one is inspected."""
+    before = [t._version for t in item.static_inputs]
+    saved: list[int] = []  # the storages of the tensors the forward saves for backward
+    with torch.enable_grad(), item.request.hooks.around("forward"):
+        if inspect:
+            with saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
+                outputs = item.run()
+        else:
+            outputs = item.run()
+    after_forward = [t._version for t in item.static_inputs]
+    flat = item.record_outputs(outputs)
+    differentiable = [flat[i] for i in item.diff_outputs]
+    if inspect:
+        item.saved_outputs = _saved_outputs(flat, saved)
+        _refuse_foreign_leaves(item, flat)
+    del outputs, saved
+    diff_inputs = item.diff_inputs()
+    grads: tuple[torch.Tensor | None, ...] = ()
+    if differentiable and diff_inputs:
+        with item.request.hooks.around("backward"):
+            grads = tuple(
+                torch.autograd.grad(
+                    differentiable,
+                    diff_inputs,
+                    grad_outputs=[torch.ones_like(t) for t in differentiable],
+                    allow_unused=allow_unused,
+                )
+            )
+    paths = item.request.inputs.paths
+    for i, (v0, v1, t) in enumerate(zip(before, after_forward, item.static_inputs, strict=True)):
+        if t._version != v1:
+            raise Refused(
+                f"{paths[i]} is updated in place during backward; dualgraph hands in-place "
+                "updates back to the caller after the forward only"
+            )
+        if v1 != v0:
+            item.mutated.add(i)
+    return grads
+
+
+def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A pack hook that notes the storage of each saved tensor, not the tensor: autograd keeps
+    the hook (and so ``saved``) until the backward is over, and would keep the tensors too."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(_storage(tensor))
+        probe.note_saved((tensor,))  # issue 19 hook: the probe's own pack hook is outside this one
+        return tensor
+
+    return pack
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage(tensor: Any) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else 0
+    except Exception:  # a tensor without a plain storage (e.g. a TE FP8 tensor)
+        return 0
+
+
+def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[int, ...]:
+    storages = set(saved) - {0}
+    return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
+
+
+def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None:
+    """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
+    known = {id(t) for t in item.diff_inputs()}
+    # Python wrappers of autograd nodes are made on demand and die with their last reference,
+    # so an id() seen here could come back for another node: keep every visited node alive.
+    visited: list[Any] = []
+    seen: set[int] = set()
+    stack: list[Any] = []
+    foreign: list[torch.Tensor] = []
+    for tensor in flat:
+        if tensor.grad_fn is not None:
+            stack.append(tensor.grad_fn)
+        elif tensor.requires_grad and id(tensor) not in known:
+            foreign.append(tensor)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        visited.append(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.Tensor):
+            if id(variable) not in known:
+                foreign.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if foreign:
+        shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
+        owner = "parameters of the module" if item.request.module is not None else "arguments"
+        raise Refused(
+            f"the outputs depend on {len(foreign)} tensor(s) that require grad but are neither "
+            f"inputs nor {owner} ({shapes}), e.g. a closure over another module's weights; a "
+            "replay would give them no gradient. Pass them as inputs, or graph the module that "
+            "holds them"
+        )
