@@ -69,9 +69,6 @@ logger = logging.getLogger("dualgraph.torch.buckets")
 Fallback = Literal["error", "eager", "pad"]
 
 _shape = operator.attrgetter("shape")
-_Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
-_STRIDED = torch.strided
 
 
 @dataclass
