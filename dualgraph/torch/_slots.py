@@ -47,6 +47,7 @@ from .._spec import TreeSpec
 from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, capture_copies
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._grad_checks import will_engine_execute_node
 from ._replay import GraphedCallable
 from ._schedule import MAX_ORDER, Schedule, ScheduledPass, expand
 
@@ -62,9 +63,6 @@ __all__ = [
 ]
 
 _Node = Any  # an autograd node (the replay Function's backward object)
-# Asked only in a plain .backward(), which GraphedCallable finds through the same function (so
-# it exists whenever it is asked).
-_will_engine_execute: Any = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 class SlotReplay(GraphedCallable):
@@ -127,7 +125,9 @@ class SlotReplay(GraphedCallable):
             if index == self.index or recent is None:
                 continue
             node = recent()
-            if node is not None and _will_engine_execute(node):
+            # Asked only in a plain .backward(), which GraphedCallable finds through the same
+            # function (so it exists whenever it is asked).
+            if node is not None and will_engine_execute_node(node):
                 return True
         return False
 
