@@ -42,8 +42,10 @@ def aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
 
     ``p.grad = p.grad.detach()`` (or ``.data``) makes such a ``.grad``: adding into the
     accumulator adds into it, as eager adds into ``.grad`` in place. Any other overlap cannot be
-    replayed.
+    replayed. A ``.grad`` that is not strided (sparse) is never its memory.
     """
+    if grad.layout is not _STRIDED:
+        return False
     if grad.untyped_storage().data_ptr() != accumulator.untyped_storage().data_ptr():
         return False
     if grad.data_ptr() == accumulator.data_ptr() and grad.stride() == accumulator.stride():

@@ -52,7 +52,6 @@ from ._replay_hooks import ReplayCall
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
-_STRIDED = torch.strided
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -645,9 +644,7 @@ class GraphedCallable:
         for (param, accumulator, storage), grad, baseline, name in zip(
             self._holder_probes, grads, self._holder_baseline, self._accumulator_names, strict=True
         ):
-            if grad is accumulator or (
-                grad is not None and grad.layout is _STRIDED and _aliases(grad, accumulator, name)
-            ):
+            if grad is accumulator or (grad is not None and _aliases(grad, accumulator, name)):
                 continue  # the replay adds into .grad's memory itself
             # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
             # a view or a detached alias of it is still in use and must not change.
