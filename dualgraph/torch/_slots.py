@@ -33,7 +33,6 @@ captured; one graph per micro-batch, in schedule order, is the simple order that
 
 from __future__ import annotations
 
-import copy
 import gc
 import threading
 import weakref
@@ -217,16 +216,13 @@ class SlottedCallable:
         )
 
     def __copy__(self) -> EagerCallable:
-        first = self._replays[0]
-        return EagerCallable(self.name, first.plan.fn, first._inputs)
+        return self._replays[0].__copy__()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EagerCallable:
-        first = self._replays[0]
-        return EagerCallable(self.name, copy.deepcopy(first.plan.fn, memo), first._inputs)
+        return self._replays[0].__deepcopy__(memo)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        first = self._replays[0]
-        return EagerCallable, (self.name, first.plan.fn, first._inputs)
+        return self._replays[0].__reduce__()
 
     # -- a call --------------------------------------------------------------------------------
 
