@@ -126,7 +126,7 @@ class SlotReplay(GraphedCallable):
             node = recent()
             # Asked only in a plain .backward(), which GraphedCallable finds through the same
             # function (so it exists whenever it is asked).
-            if node is not None and will_engine_execute_node(node):
+            if node is not None and will_engine_execute_node(node):  # type: ignore[misc]
                 return True
         return False
 
