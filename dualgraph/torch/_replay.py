@@ -439,30 +439,30 @@ class GraphedCallable:
                     static.copy_(grad)
             if self._emulated is not None:
                 self._emulated.incoming = tuple(grads[index] for _, index in self._grad_outputs)
+            # Whether the parameter grads go to autograd ("in_graph" has none to hand out).
+            params_through_autograd = True
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
                 self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
-                if call is not None:
-                    self._hooks.after_backward(call)  # type: ignore[union-attr]
-                return self._hand_out_grads(needs_input_grad, inputs, plain)
-            self._replay_backward()  # type: ignore[misc]
-            if (
-                self._auto
-                and plain
-                and not through_autograd
-                and self._nothing_watches_params()
-                and not self._params_used_elsewhere()
-                # "auto": nothing needs the parameter grads to pass through autograd, and every
-                # .grad is one the accumulate graph can add into (else autograd does, as eager)
-                and self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
-            ):
-                if call is not None:
-                    self._hooks.after_backward(call)  # type: ignore[union-attr]
-                return self._hand_out_grads(needs_input_grad, inputs, plain, params=False)
-            if self._param_grads:
-                self.diagnostics.param_grads_through_autograd += 1
+            else:
+                self._replay_backward()  # type: ignore[misc]
+                params_through_autograd = not (
+                    self._auto
+                    and plain
+                    and not through_autograd
+                    and self._nothing_watches_params()
+                    and not self._params_used_elsewhere()
+                    # "auto": nothing needs the parameter grads to pass through autograd, and
+                    # every .grad is one the accumulate graph can add into (else autograd does,
+                    # as eager)
+                    and self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
+                )
+                if params_through_autograd and self._param_grads:
+                    self.diagnostics.param_grads_through_autograd += 1
             if call is not None:
                 self._hooks.after_backward(call)  # type: ignore[union-attr]
-            return self._hand_out_grads(needs_input_grad, inputs, plain)
+            return self._hand_out_grads(
+                needs_input_grad, inputs, plain, params=params_through_autograd
+            )
         finally:
             self._lock.release()
 
