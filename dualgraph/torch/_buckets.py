@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import SpecMismatchError
-from .._spec import TreeSpec, describe
+from .._nodes import show_constant
+from .._spec import LeafSpec, TreeSpec, describe
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
@@ -441,36 +442,49 @@ class BucketedCallable:
 def _output_difference(spec: TreeSpec, outputs: Any) -> SpecMismatchError:
     """How an eager call's outputs differ from the buckets' in structure (shapes aside)."""
     actual = describe(outputs, root="output")
-    pairs = itertools.zip_longest(spec.leaves, actual.leaves)
-    for expected, found in pairs:
-        if (
-            expected is None
-            or found is None
-            or (expected.path, expected.kind)
-            != (
-                found.path,
-                found.kind,
-            )
-            or (expected.kind == "const" and repr(expected.value) != repr(found.value))
-        ):
-            path = "output" + (expected or found).path
-            return SpecMismatchError(
-                f"{path}: the eager call returned {_show_leaf(found)} where the buckets return "
-                f"{_show_leaf(expected)}; a graphed callable returns one output structure",
-                path=path,
-            )
+    difference = difference_but_shapes(spec.leaves, actual.leaves)
+    if difference is not None:
+        where, expected, found = difference
+        path = "output" + where
+        return SpecMismatchError(
+            f"{path}: the eager call returned {found} where the buckets return {expected}; "
+            "a graphed callable returns one output structure",
+            path=path,
+        )
     return SpecMismatchError(
         f"output: the eager call returned {actual!r}, the buckets {spec!r}", path="output"
     )
 
 
-def _show_leaf(leaf: Any) -> str:
+def difference_but_shapes(
+    expected: Sequence[LeafSpec], found: Sequence[LeafSpec]
+) -> tuple[str, str, str] | None:
+    """Where two leaf lists first differ in more than array shapes, as ``(path, expected,
+    found)`` with each side shown; None where they differ in shapes only.
+
+    >>> difference_but_shapes(describe((1, None)).leaves, describe((1, 2.0)).leaves)
+    ('[1]', 'None', 'float 2.0')
+    """
+    for a, b in itertools.zip_longest(expected, found):
+        if a is not None and b is not None and a.path != b.path:
+            b = None  # nothing at a's path
+        if (
+            a is None
+            or b is None
+            or a.kind != b.kind
+            or (a.kind == "const" and repr(a.value) != repr(b.value))
+        ):
+            return (a or b).path, _show_leaf(a), _show_leaf(b)
+    return None
+
+
+def _show_leaf(leaf: LeafSpec | None) -> str:
     if leaf is None:
         return "nothing"
     if leaf.kind == "array":
         return f"a {leaf.dtype} tensor"
     if leaf.kind == "const":
-        return repr(leaf.value)
+        return f"{type(leaf.value).__name__} {show_constant(leaf.value)}"  # type: ignore[arg-type]
     return "None"
 
 
