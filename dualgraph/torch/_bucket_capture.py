@@ -25,12 +25,12 @@ from ._buckets import (
     EagerGraphs,
     Fallback,
     _Bucket,
-    difference_but_shapes,
 )
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
+from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._padding import (

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import itertools
 import logging
 import operator
 import time
@@ -42,12 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import SpecMismatchError
-from .._nodes import show_constant
-from .._spec import LeafSpec, TreeSpec, describe
+from .._spec import TreeSpec, describe
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
+from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
@@ -454,38 +453,6 @@ def _output_difference(spec: TreeSpec, outputs: Any) -> SpecMismatchError:
     return SpecMismatchError(
         f"output: the eager call returned {actual!r}, the buckets {spec!r}", path="output"
     )
-
-
-def difference_but_shapes(
-    expected: Sequence[LeafSpec], found: Sequence[LeafSpec]
-) -> tuple[str, str, str] | None:
-    """Where two leaf lists first differ in more than array shapes, as ``(path, expected,
-    found)`` with each side shown; None where they differ in shapes only.
-
-    >>> difference_but_shapes(describe((1, None)).leaves, describe((1, 2.0)).leaves)
-    ('[1]', 'None', 'float 2.0')
-    """
-    for a, b in itertools.zip_longest(expected, found):
-        if a is not None and b is not None and a.path != b.path:
-            b = None  # nothing at a's path
-        if (
-            a is None
-            or b is None
-            or a.kind != b.kind
-            or (a.kind == "const" and repr(a.value) != repr(b.value))
-        ):
-            return (a or b).path, _show_leaf(a), _show_leaf(b)
-    return None
-
-
-def _show_leaf(leaf: LeafSpec | None) -> str:
-    if leaf is None:
-        return "nothing"
-    if leaf.kind == "array":
-        return f"a {leaf.dtype} tensor"
-    if leaf.kind == "const":
-        return f"{type(leaf.value).__name__} {show_constant(leaf.value)}"  # type: ignore[arg-type]
-    return "None"
 
 
 def _differing_position(shapes: Sequence[Any], buckets: Sequence[Sequence[Any]]) -> int:
