@@ -563,7 +563,7 @@ REFUSED_PADDING = {
         lambda: length_constant,
         [(torch.randn(2, n),) for n in (3, 5)],
         {"args[0]": 1, "output[0]": 1},
-        r"length_constant: output\[1\] is 5, not 3, when a call of length 3 is padded to 5",
+        r"length_constant: output\[1\] is int 5, not int 3, when a call of length 3 is padded to 5",
     ),
     "no input dim": (
         lambda: ViTBlock(16, 2),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ._capture import CaptureOptions, CaptureRequest, capture
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
+from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._padding import (
@@ -248,22 +248,11 @@ def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
     for root in ("args", "kwargs"):
         left = getattr(expected, f"{root}_spec").leaves
         right = getattr(found, f"{root}_spec").leaves
-        for a, b in itertools.zip_longest(left, right):
-            if a is None:
-                return f"{root}{b.path}: got {_show_input(b)}, expected nothing"
-            if b is None or a.path != b.path:
-                return f"{root}{a.path}: expected {_show_input(a)}, got nothing there"
-            if a.kind != b.kind or (a.kind == "const" and repr(a.value) != repr(b.value)):
-                return f"{root}{a.path}: expected {_show_input(a)}, got {_show_input(b)}"
+        difference = difference_but_shapes(left, right)
+        if difference is not None:
+            path, want, got = difference
+            return f"{root}{path}: expected {want}, got {got}"
     return None
-
-
-def _show_input(leaf: Any) -> str:
-    if leaf.kind == "array":
-        return f"a {leaf.dtype} tensor"
-    if leaf.kind == "const":
-        return f"{type(leaf.value).__name__} {leaf.value!r}"
-    return "None"
 
 
 def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import itertools
 import logging
 import operator
 import time
@@ -47,6 +46,7 @@ from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
+from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
@@ -441,37 +441,18 @@ class BucketedCallable:
 def _output_difference(spec: TreeSpec, outputs: Any) -> SpecMismatchError:
     """How an eager call's outputs differ from the buckets' in structure (shapes aside)."""
     actual = describe(outputs, root="output")
-    pairs = itertools.zip_longest(spec.leaves, actual.leaves)
-    for expected, found in pairs:
-        if (
-            expected is None
-            or found is None
-            or (expected.path, expected.kind)
-            != (
-                found.path,
-                found.kind,
-            )
-            or (expected.kind == "const" and repr(expected.value) != repr(found.value))
-        ):
-            path = "output" + (expected or found).path
-            return SpecMismatchError(
-                f"{path}: the eager call returned {_show_leaf(found)} where the buckets return "
-                f"{_show_leaf(expected)}; a graphed callable returns one output structure",
-                path=path,
-            )
+    difference = difference_but_shapes(spec.leaves, actual.leaves)
+    if difference is not None:
+        where, expected, found = difference
+        path = "output" + where
+        return SpecMismatchError(
+            f"{path}: the eager call returned {found} where the buckets return {expected}; "
+            "a graphed callable returns one output structure",
+            path=path,
+        )
     return SpecMismatchError(
         f"output: the eager call returned {actual!r}, the buckets {spec!r}", path="output"
     )
-
-
-def _show_leaf(leaf: Any) -> str:
-    if leaf is None:
-        return "nothing"
-    if leaf.kind == "array":
-        return f"a {leaf.dtype} tensor"
-    if leaf.kind == "const":
-        return repr(leaf.value)
-    return "None"
 
 
 def _differing_position(shapes: Sequence[Any], buckets: Sequence[Sequence[Any]]) -> int:

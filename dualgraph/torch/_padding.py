@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._inputs import InputGuard
+from ._leaf_difference import difference_but_shapes
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -317,13 +318,10 @@ def _difference(
 ) -> str | None:
     """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
     spec, other = describe(expected), describe(found)
-    if [(leaf.path, leaf.kind) for leaf in spec.leaves] != [
-        (leaf.path, leaf.kind) for leaf in other.leaves
-    ]:
-        return f"output has another structure ({other!r}, not {spec!r})"
-    for leaf, twin in zip(spec.leaves, other.leaves, strict=True):
-        if leaf.kind == "const" and leaf.value != twin.value:
-            return f"output{leaf.path} is {twin.value!r}, not {leaf.value!r},"
+    difference = difference_but_shapes(spec.leaves, other.leaves)
+    if difference is not None:
+        path, want, got = difference
+        return f"output{path} is {got}, not {want},"
     arrays = other.flatten(found)
     for index, dim in cuts:
         arrays[index] = arrays[index].narrow(dim, 0, length)
