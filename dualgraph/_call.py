@@ -134,7 +134,7 @@ class CallSpec:
         >>> spec.with_grad_mask([False, True]).grad_mask
         (False, True)
         """
-        flags = grad_flags(mask)
+        flags = grad_flags(mask, self.array_paths)
         if len(flags) != self.num_arrays:
             raise DualgraphError(
                 f"grad mask has {len(flags)} entries, the call has {self.num_arrays} array leaves"

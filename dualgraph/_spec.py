@@ -189,7 +189,7 @@ class TreeSpec:
         >>> describe((np.zeros(2, np.float32),)).with_grad_mask([False]).grad_mask
         (False,)
         """
-        flags = grad_flags(mask)
+        flags = grad_flags(mask, self.array_paths)
         if len(flags) != self._num_arrays:
             raise DualgraphError(
                 f"grad mask has {len(flags)} entries, the spec has {self._num_arrays} array leaves"
@@ -609,8 +609,10 @@ def _first_difference(
     return None
 
 
-def grad_flags(mask: object) -> list[bool]:
+def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
     """The entries of a grad mask, each a bool (see :func:`_grad_flag`), as a list.
+
+    ``paths`` are the array leaves' paths, one per entry, for the error messages.
 
     >>> grad_flags((True, False))
     [True, False]
@@ -621,14 +623,14 @@ def grad_flags(mask: object) -> list[bool]:
             f"{type(mask).__qualname__}"
         )
     try:
-        return [_grad_flag(i, flag) for i, flag in enumerate(mask)]
+        return [_grad_flag(i, flag, paths) for i, flag in enumerate(mask)]
     except DualgraphError:
         raise
     except Exception as error:
         raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
 
 
-def _grad_flag(index: int, flag: object) -> bool:
+def _grad_flag(index: int, flag: object, paths: Sequence[str]) -> bool:
     """A grad-mask entry: a bool, or a 0-d boolean array (numpy, torch, jax); nothing coerced."""
     if isinstance(flag, bool):
         return flag
@@ -636,7 +638,8 @@ def _grad_flag(index: int, flag: object) -> bool:
     zero_dimensional = tuple(getattr(flag, "shape", (None,))) == ()
     if dtype is not None and str(dtype) in {"bool", "torch.bool"} and zero_dimensional:
         return bool(flag)
+    leaf = f" (the array at {paths[index] or '<root>'})" if index < len(paths) else ""
     raise DualgraphError(
-        f"grad mask[{index}]: expected a bool, got {type(flag).__module__}."
+        f"grad mask[{index}]{leaf}: expected a bool, got {type(flag).__module__}."
         f"{type(flag).__qualname__} (a grad mask is not coerced: 'False' would mean True)"
     )

@@ -417,5 +417,7 @@ def test_constructor_rejects_specs_of_other_shapes() -> None:
 
 @pytest.mark.parametrize("entry", ["False", 0, None], ids=repr)
 def test_a_call_grad_mask_coerces_nothing_but_bools(entry: Any) -> None:
-    with pytest.raises(DualgraphError, match=r"grad mask\[2\]: expected a bool"):
+    with pytest.raises(
+        DualgraphError, match=r"grad mask\[2\] \(the array at \S+\): expected a bool"
+    ):
         describe_call(*sample_call()).with_grad_mask([False, True, entry, True])

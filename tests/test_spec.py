@@ -362,7 +362,9 @@ def test_with_grad_mask_rejects_the_wrong_length() -> None:
 def test_with_grad_mask_coerces_nothing_but_bools(entry: Any) -> None:
     # bool("False") is True: a mask entry that is not a bool is refused, naming its position
     spec = describe(TREES["vit_layer"]())
-    with pytest.raises(DualgraphError, match=r"grad mask\[0\]: expected a bool"):
+    with pytest.raises(
+        DualgraphError, match=r"grad mask\[0\] \(the array at \S+\): expected a bool"
+    ):
         spec.with_grad_mask([entry])
 
 
