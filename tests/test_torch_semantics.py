@@ -959,6 +959,7 @@ def test_auto_runs_parameter_hooks_registered_after_capture(backend: str, hook: 
     x = torch.randn(4, 8, device=device_of(backend))
     backward_of(mlp(x))  # in graph: .grad is the graph's buffer when the hook comes
     backward_of(twin(x))
+    grads = [p.grad for p in mlp.parameters()]
     calls: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
     handles = []
     for module, seen in ((mlp, calls["graphed"]), (twin, calls["eager"])):
@@ -983,6 +984,9 @@ def test_auto_runs_parameter_hooks_registered_after_capture(backend: str, hook: 
         backward_of(twin(x))
         _assert_same_grads(mlp, twin, backend)
     assert _through_autograd(mlp) == 2
+    # autograd added into the same .grad tensors, as in eager (the graph's accumulators, which
+    # those backwards borrowed and gave back)
+    assert all(p.grad is grad for p, grad in zip(mlp.parameters(), grads, strict=True))
     assert len(calls["graphed"]) == len(calls["eager"])  # once per replay, as in eager
     names = [f"hook call {i}" for i in range(len(calls["eager"]))]
     assert_grads_match(calls["graphed"], calls["eager"], names, tolerance(backend))

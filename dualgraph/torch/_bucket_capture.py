@@ -122,13 +122,14 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
             options = dataclasses.replace(
                 options, pool=torch.cuda.graph_pool_handle(), results_outside_pool=True
             )
-        shared = _shared_param_grads(request.module)
-        # "auto": the accumulators too (the parameters' .grad), one each for every bucket
+        # "auto": the accumulators (the parameters' .grad) its backward graphs add into, one each
+        # for every bucket; else (and for tensor-subclass parameters) one grad buffer each
         accumulators = (
             _shared_param_grads(request.module)
             if options.param_grads == "auto" and not _any_tensor_subclass(request.module)
             else None
         )
+        shared = _shared_param_grads(request.module) if accumulators is None else None
         before = 0
         for rank, i in enumerate(_largest_first(samples, guards)):
             args, kwargs = samples[i]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -179,25 +179,7 @@ def _capture_backward(
         item.place_grads(grads)
         item.replay_backward = backward_graph.replay
         item.graphs.append(backward_graph)
-        if options.param_grads == "auto" and item.accumulators:
-            item.replay_accumulate = _capture_accumulate(item, pool, mode)
     del flat, differentiable
-
-
-def _capture_accumulate(item: _Capture, pool: Any, mode: Any) -> Callable[[], None] | None:
-    """The ``"auto"`` mode's second graph: add the static parameter grads into the accumulators.
-
-    Replayed after the backward graph only when the grads go to ``.grad`` without autograd. It
-    allocates nothing, so it may be captured at any point among the pool's graphs.
-    """
-    accumulate = accumulate_into(item.accumulators, item.param_grads)
-    if accumulate is None:
-        return None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-        accumulate()
-    item.graphs.append(graph)
-    return graph.replay
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:

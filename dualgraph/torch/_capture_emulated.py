@@ -15,7 +15,7 @@ import torch
 from ._capture_failure import Progress
 from ._capture_state import _Capture, grad_output_buffers
 from ._probe import raise_on_lint_errors
-from ._replay_backends import EmulatedReplay, accumulate_into
+from ._replay_backends import EmulatedReplay
 from ._warmup import warmup
 
 if TYPE_CHECKING:
@@ -75,6 +75,4 @@ def capture_emulated(
         )
         item.replay_forward = replay.forward
         item.replay_backward = replay.backward
-        if options.param_grads == "auto" and item.accumulators:
-            item.replay_accumulate = accumulate_into(item.accumulators, item.param_grads)
         item.seconds = time.perf_counter() - start

@@ -151,7 +151,6 @@ class _Capture:
         self.param_grads: tuple[torch.Tensor | None, ...] = ()
         self.replay_forward: Callable[[bool], None] | None = None
         self.replay_backward: Callable[[], None] | None = None
-        self.replay_accumulate: Callable[[], None] | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.seconds = 0.0
         self.pool_bytes = 0
@@ -183,9 +182,22 @@ class _Capture:
         return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
 
     @property
+    def fuses_accumulation(self) -> bool:
+        """Whether the backward graph adds the parameter grads into the accumulators itself.
+
+        ``"in_graph"`` always; ``"auto"`` wherever it has accumulators (its replay then either
+        keeps that sum in ``.grad``, or, where autograd must see the grads, replays into zeroed
+        accumulators and hands their copies on): no parameter grad buffer of its own, and one
+        backward graph.
+        """
+        return self.options.param_grads == "in_graph" or (
+            self.options.param_grads == "auto" and self.in_graph_grads
+        )
+
+    @property
     def fused_accumulators(self) -> tuple[torch.Tensor | None, ...]:
-        """The accumulators the backward graph itself adds into (``"in_graph"`` only)."""
-        return self.accumulators if self.options.param_grads == "in_graph" else ()
+        """The accumulators the backward graph itself adds into (see :attr:`fuses_accumulation`)."""
+        return self.accumulators if self.fuses_accumulation else ()
 
     def diff_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the backward differentiates for: inputs that require grad, then parameters."""
@@ -220,8 +232,8 @@ class _Capture:
     def grad_buffers(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """Static buffers (outside any pool) for grads laid out like ``grads``, ``None`` for none.
 
-        Parameter grads go into the given ``param_grad_buffers``; under ``"in_graph"`` the entry
-        is the parameter's accumulator, which the backward adds into itself.
+        Parameter grads go into the given ``param_grad_buffers``; where the backward adds them into
+        the accumulators itself (:attr:`fuses_accumulation`) the entry is the accumulator.
         """
         n = len(self.grad_input_indices)
         given = self.request.param_grad_buffers
@@ -229,7 +241,7 @@ class _Capture:
         for k, grad in enumerate(grads):
             if grad is None:
                 buffers.append(None)
-            elif k >= n and self.options.param_grads == "in_graph":
+            elif k >= n and self.fuses_accumulation:
                 buffers.append(self.accumulators[k - n])
             elif k >= n and given is not None:
                 buffers.append(given[k - n])
@@ -241,8 +253,8 @@ class _Capture:
         self, grads: Sequence[torch.Tensor | None], buffers: Sequence[torch.Tensor | None]
     ) -> tuple[torch.Tensor | None, ...]:
         """Copy ``grads`` into their :meth:`grad_buffers` (in the backward graph); the buffers."""
-        # Under "in_graph" the parameter grads were added into their accumulators already.
-        copied = len(self.grad_input_indices) if self.options.param_grads == "in_graph" else None
+        # Where accumulation is fused, the parameter grads were added into the accumulators already.
+        copied = len(self.grad_input_indices) if self.fuses_accumulation else None
         for k, (buffer, grad) in enumerate(zip(buffers, grads, strict=True)):
             if (grad is None) != (buffer is None):
                 raise Refused(
@@ -261,7 +273,7 @@ class _Capture:
             input_grads[i] = grad
         self.input_grads = tuple(input_grads)
         param_grads = tuple(grads[n:])
-        if self.options.param_grads != "in_graph":
+        if not self.fuses_accumulation:
             self.param_grads = param_grads
         if self.accumulators:  # as with autograd, a parameter the callable does not use keeps
             self.accumulators = tuple(  # .grad None
@@ -286,7 +298,7 @@ class _Capture:
         for static, output in zip(donor.static_outputs, outputs, strict=False):
             static.copy_(output.detach())
         targets: list[torch.Tensor | None] = [donor.input_grads[i] for i in self.grad_input_indices]
-        if self.options.param_grads != "in_graph":
+        if not self.fuses_accumulation:
             targets += donor.param_grads
         for target, grad in zip(targets, grads, strict=False):
             if target is not None and grad is not None:
@@ -298,7 +310,6 @@ class _Capture:
         params = self.params
         if not self._has_backward():
             self.replay_backward = None
-            self.replay_accumulate = None
             self.accumulators = ()
         if options.param_grads == "auto":
             # The anchor tells a plain .backward() from the others (GraphedCallable
@@ -345,7 +356,6 @@ class _Capture:
             replay_forward=self.replay_forward,
             replay_backward=self.replay_backward,
             graphs=tuple(self.graphs),
-            replay_accumulate=self.replay_accumulate,
         )
         kept_grads = [g for g in (*self.input_grads, *param_grads) if g is not None]
         kept_grads += [a for a in layout.accumulators if a is not None]

@@ -180,12 +180,12 @@ def memory_plan(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> MemoryP
 
     Runs forward and backward once as :func:`dualgraph.torch.lint` does (inputs cloned, no
     ``.grad`` touched, RNG and buffers put back), on the device of the inputs. Parameter grads
-    are counted as the default ``param_grads="auto"`` holds them: a grad buffer and a ``.grad``
-    accumulator each.
+    are counted as the default ``param_grads="auto"`` holds them: one ``.grad`` accumulator each,
+    which the backward graph adds into.
 
     >>> layer = torch.nn.Linear(4, 4)
-    >>> memory_plan(layer, torch.randn(2, 4)).callables[0].static_grad_bytes  # out grad, 2x W, b
-    192
+    >>> memory_plan(layer, torch.randn(2, 4)).callables[0].static_grad_bytes  # out grad, W, b
+    112
     """
     from ._probe import probe_once
 
@@ -353,6 +353,26 @@ class MemoryProbe(OpObserver):
         if in_backward:  # what happened up to here (releases included) was during the backward
             with self._lock:
                 self._last_backward = len(self._events) - 1
+
+    def release(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Count ``tensors`` as released when the backward ends, where a capture frees them.
+
+        The parameter grads a backward graph adds into ``.grad`` accumulators
+        (``param_grads="auto"``, ``"in_graph"``) are temporaries of its pool, not kept results.
+        """
+        with self._lock:
+            if self._first_backward is None:
+                return
+            for tensor in tensors:
+                storage = None if tensor is None else _storage_of(tensor)
+                if storage is None:
+                    continue
+                key = int(storage._cdata)
+                size = self._sizes.pop(key, None)
+                if self._refs.pop(key, None) is None or size is None:
+                    continue
+                self._last_backward += 1
+                self._events.insert(self._last_backward, (key, -size))
 
     def _released(self, key: int, _ref: Any) -> None:
         with self._lock:

@@ -39,11 +39,10 @@ class StaticBuffers:
     """One set of static buffers and the replays that read and write them.
 
     ``input_grads`` lines up with ``inputs`` (``None`` where an input takes no grad) and
-    ``param_grads`` with :attr:`ParamLayout.params` (``"autograd"`` and ``"auto"`` modes; ``None``
-    for a parameter the callable does not use). ``replay_backward`` is ``None`` when nothing
-    differentiable comes out, or nothing takes a grad. ``replay_accumulate`` (``"auto"`` mode
-    only) adds ``param_grads`` into :attr:`ParamLayout.accumulators`: a second, small graph
-    replayed after the backward graph when the grads go to ``.grad`` without autograd.
+    ``param_grads`` with :attr:`ParamLayout.params` (``None`` for a parameter the callable does
+    not use, and for every parameter whose grads the backward graph adds into its accumulator:
+    ``"in_graph"``, and ``"auto"`` wherever it has accumulators). ``replay_backward`` is ``None``
+    when nothing differentiable comes out, or nothing takes a grad.
     """
 
     inputs: tuple[torch.Tensor, ...]
@@ -54,7 +53,6 @@ class StaticBuffers:
     replay_forward: Callable[[bool], None]
     replay_backward: Callable[[], None] | None
     graphs: tuple[Any, ...] = ()  # CUDA graphs, kept alive with the plan
-    replay_accumulate: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_grads) != len(self.inputs):
@@ -76,11 +74,14 @@ class ParamLayout:
     only extra input, which keeps the replay in the autograd graph.
 
     ``"auto"``: both. The parameters and then the ``anchor`` are inputs of the Function (so
-    ``torch.autograd.grad`` and ``backward(inputs=...)`` reach them); each backward either adds
-    the grads into ``accumulators`` itself and hands autograd ``None`` for the parameters (a
-    plain ``.backward()`` that nothing else watches), or hands autograd the grads as
-    ``"autograd"`` does. The anchor's node tells the two kinds of backward apart. As with
-    ``"autograd"``, no parameter's ``AccumulateGrad`` node is kept.
+    ``torch.autograd.grad`` and ``backward(inputs=...)`` reach them), and the backward graph
+    adds the grads into ``accumulators`` as under ``"in_graph"``. A plain ``.backward()`` that
+    nothing else watches keeps that sum in ``.grad`` and hands autograd ``None`` for the
+    parameters; any other backward replays into zeroed accumulators (what they held put back
+    after) and hands autograd copies of the grads, as ``"autograd"`` would. The anchor's node
+    tells the two kinds of backward apart. Without accumulators (tied or tensor-subclass
+    parameters) ``"auto"`` hands the grads on as ``"autograd"`` does. As with ``"autograd"``,
+    no parameter's ``AccumulateGrad`` node is kept.
     """
 
     mode: ParamGradsMode

@@ -30,6 +30,7 @@ from .._errors import CaptureError, DualgraphError, DualgraphWarning
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._op_watch import OpObserver, observing
+from ._params import is_tensor_subclass
 
 __all__ = [
     "LintMode",
@@ -117,11 +118,13 @@ def _probe_once(
             plan = None
             if memory_probe is not None:
                 grad_bytes = tensor_bytes(differentiable)
+                # one buffer per grad: an input's, and a parameter's (param_grads="auto", the
+                # default, adds into its .grad accumulator inside the backward graph, and frees
+                # the grad it computed in the pool)
                 grad_bytes += tensor_bytes([g for g in grads if g is not None])
-                # param_grads="auto" (the default) also holds each parameter's .grad accumulator
-                grad_bytes += tensor_bytes(
-                    [g for g in grads[len(inputs_needing_grad) :] if g is not None]
-                )
+                param_grads = grads[len(inputs_needing_grad) :]
+                if not any(is_tensor_subclass(p) for _, p in params):
+                    memory_probe.release(param_grads)
                 static = (tensor_bytes([t for _, t in inputs]), tensor_bytes(flat), grad_bytes)
                 plan = plan_of([memory_probe], [static])
         finally:

@@ -78,6 +78,7 @@ class GraphedCallable:
 
     __slots__ = (
         "_accumulator_names",
+        "_accumulator_positions",
         "_accumulator_spans",
         "_accumulators",
         "_ambient_checks",
@@ -114,7 +115,6 @@ class GraphedCallable:
         "_param_grads",
         "_params",
         "_plan_params",
-        "_replay_accumulate",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -173,9 +173,6 @@ class GraphedCallable:
         self._param_grads = tuple([*buffers.param_grads]) if through_autograd else ()
         # "auto": the anchor comes last among the Function's inputs, after the parameters.
         self._anchor_none = (None,) if params.mode == "auto" and params.anchor is not None else ()
-        # "auto": whether a backward may add the parameter grads into .grad itself.
-        self._auto = params.mode == "auto" and buffers.replay_accumulate is not None
-        self._replay_accumulate = buffers.replay_accumulate
         self._other_uses = other_uses
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
         # ``torch.autograd.grad``: see ``_is_plain_backward``. The anchor's node ("in_graph",
@@ -193,6 +190,13 @@ class GraphedCallable:
             )
             if accumulator is not None
         )
+        # Where each accumulator's parameter lies among the parameters (for "auto"'s copies).
+        self._accumulator_positions = tuple(
+            i for i, accumulator in enumerate(params.accumulators) if accumulator is not None
+        )
+        # "auto" with accumulators: the backward graph adds the parameter grads into them, and a
+        # backward either keeps that sum in .grad or hands autograd copies (_backward_into_copies)
+        self._auto = params.mode == "auto" and bool(self._accumulators)
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
@@ -439,30 +443,32 @@ class GraphedCallable:
                     static.copy_(grad)
             if self._emulated is not None:
                 self._emulated.incoming = tuple(grads[index] for _, index in self._grad_outputs)
-            # Whether the parameter grads go to autograd ("in_graph" has none to hand out).
-            params_through_autograd = True
+            # The parameter grads autograd gets: the static buffers ("autograd"), copies
+            # ("auto" when autograd must see them), or none (added into .grad by the graph).
+            param_grads: tuple[torch.Tensor | None, ...] = ()
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
                 self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
-            else:
-                self._replay_backward()  # type: ignore[misc]
-                params_through_autograd = not (
-                    self._auto
-                    and plain
+            elif self._auto:
+                if not (
+                    plain
                     and not through_autograd
                     and self._nothing_watches_params()
                     and not self._params_used_elsewhere()
-                    # "auto": nothing needs the parameter grads to pass through autograd, and
-                    # every .grad is one the accumulate graph can add into (else autograd does,
-                    # as eager)
-                    and self._backward_into_accumulators(self._replay_accumulate)  # type: ignore[arg-type]
-                )
-                if params_through_autograd and self._param_grads:
+                    # nothing needs the parameter grads to pass through autograd, and every
+                    # .grad is one the graph can add into (else autograd adds them, as eager)
+                    and self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                ):
+                    param_grads = self._backward_into_copies()
+                    self.diagnostics.param_grads_through_autograd += 1
+            else:
+                self._replay_backward()  # type: ignore[misc]
+                param_grads = self._param_grads
+                if param_grads:
                     self.diagnostics.param_grads_through_autograd += 1
             if call is not None:
                 self._hooks.after_backward(call)  # type: ignore[union-attr]
-            return self._hand_out_grads(
-                needs_input_grad, inputs, plain, params=params_through_autograd
-            )
+            owned = param_grads is not self._param_grads  # copies made for this backward
+            return self._hand_out_grads(needs_input_grad, inputs, plain, param_grads, owned=owned)
         finally:
             self._lock.release()
 
@@ -533,8 +539,9 @@ class GraphedCallable:
         needs_input_grad: tuple[bool, ...],
         inputs: Sequence[torch.Tensor],
         plain: bool,
+        param_grads: tuple[torch.Tensor | None, ...],
         *,
-        params: bool = True,
+        owned: bool,
     ) -> tuple[torch.Tensor | None, ...]:
         """The grads for autograd, never a static buffer that anyone could keep.
 
@@ -545,7 +552,9 @@ class GraphedCallable:
         ``.grad``) or to another replay's backward (it copies into its own static buffer), and
         no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
 
-        ``params=False``: the parameter grads are in ``.grad`` already; autograd gets ``None``.
+        ``param_grads``: one per parameter, or none (``()``: they are in ``.grad`` already, and
+        autograd gets ``None``); ``owned``: they are copies of this backward's own, which go out
+        as they are.
         """
         result: list[torch.Tensor | None] = [None] * self._first_param
         for position, grad in self._input_grads:
@@ -560,15 +569,15 @@ class GraphedCallable:
                     result[position] = grad
                 else:
                     result[position] = grad.clone()
-        if not params or not self._param_grads:
+        if not param_grads:
             return (*result, *self._edge_nones)
-        if plain and not any(map(_tensor_hooks, self._params)):
+        if plain and (owned or not any(map(_tensor_hooks, self._params))):
             # each goes straight into its AccumulateGrad
-            return (*result, *self._param_grads, *self._anchor_none)
-        for param_grad, param in zip(self._param_grads, self._params, strict=True):
+            return (*result, *param_grads, *self._anchor_none)
+        for param_grad, param in zip(param_grads, self._params, strict=True):
             if param_grad is not None and not plain and not _will_execute_or_capture(param):
                 param_grad = None  # e.g. torch.autograd.grad(loss, x): not wanted, no copy
-            elif param_grad is not None and (not plain or param._backward_hooks):
+            elif param_grad is not None and not owned and (not plain or param._backward_hooks):
                 param_grad = param_grad.clone()  # a hook or torch.autograd.grad may keep it
             result.append(param_grad)
         return (*result, *self._anchor_none)
@@ -632,8 +641,8 @@ class GraphedCallable:
 
         A ``.grad`` no accumulator can stand in for (sparse, or sharing memory with another
         parameter's ``.grad`` or accumulator, which eager adds into twice) is refused under
-        ``"in_graph"``; under ``"auto"`` this returns ``False``, having written nothing, and
-        autograd adds the grads instead.
+        ``"in_graph"``; under ``"auto"`` this returns ``False``, having written and replayed
+        nothing, and autograd adds the grads instead.
         """
         grads = tuple(map(_grad, self._in_graph_params))
         if all(map(_is, grads, self._in_graph_accumulators)):
@@ -654,8 +663,8 @@ class GraphedCallable:
         if problem is not None:
             name, sparse = problem
             if sparse:
-                if replay is self._replay_accumulate:
-                    return False  # "auto": autograd adds into it as eager does
+                if self._auto:
+                    return False  # autograd adds into it as eager does
                 raise DualgraphError(
                     f"{name}: .grad is not a dense tensor, which param_grads='in_graph' cannot "
                     "add into (eager replaces it by the dense sum); set .grad to None or to a "
@@ -686,6 +695,37 @@ class GraphedCallable:
             if saved is not None:
                 accumulator.copy_(saved)
         return True
+
+    def _backward_into_copies(self) -> tuple[torch.Tensor | None, ...]:
+        """Replay the backward into zeroed accumulators; copies of the grads, one per parameter.
+
+        ``"auto"`` where autograd must see the parameter grads (hooks, DDP, ``autograd.grad``,
+        ``inputs=``, anomaly mode, a ``.grad`` no accumulator can stand in for): the graph adds
+        into the accumulators, so they start from zero, and whatever they held (a ``.grad`` is
+        often its accumulator) is put back after. The copies are this backward's own tensors,
+        which autograd may keep (``torch.autograd.grad`` returns them; ``AccumulateGrad`` takes
+        one as ``.grad``) while the next replay reuses the accumulators. Each step copies all
+        the accumulators at once (``torch._foreach_mul`` by one: every value, ``-0.0`` and NaN
+        included, comes out as it went in).
+        """
+        accumulators = self._in_graph_accumulators
+        held = [
+            accumulator
+            for (_, accumulator, storage), baseline in zip(
+                self._holder_probes, self._holder_baseline, strict=True
+            )
+            if any(map(operator.gt, _holders(accumulator, storage), baseline))
+        ]
+        saved = list(torch._foreach_mul(held, 1.0)) if held else []
+        torch._foreach_zero_(accumulators)
+        self._replay_backward()  # type: ignore[misc]
+        copies = torch._foreach_mul(accumulators, 1.0)
+        if held:
+            torch._foreach_copy_(held, saved)
+        grads: list[torch.Tensor | None] = [None] * len(self._params)
+        for position, copy_ in zip(self._accumulator_positions, copies, strict=True):
+            grads[position] = copy_
+        return tuple(grads)
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
         # The counts of each accumulator taken the way _backward_into_accumulators takes them

@@ -62,6 +62,8 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
                     allow_unused=allow_unused,
                 )
             )
+        if inspect and item.fuses_accumulation:  # the graph adds them into .grad, then frees them
+            item.probe.memory.release(grads[len(item.grad_input_indices) :])
     paths = item.request.inputs.paths
     for i, (v0, v1, t) in enumerate(zip(before, after_forward, item.static_inputs, strict=True)):
         if t._version != v1:

@@ -1,0 +1,82 @@
+"""Where the host time of a graphed training step and of a capture goes (cProfile).
+
+``python benchmarks/profile_step.py [--workload sdpa] [--batch 2] [--steps 50]`` on a GPU: 12
+blocks of ``bench_torch_replay.py``'s workload, graphed per block by dualgraph (default mode)
+and by ``torch.cuda.make_graphed_callables``; for each, the capture and then ``--steps`` training
+steps run under :mod:`cProfile`, and the functions with the most time of their own are printed
+(the C++ autograd engine shows as the ``run_backward`` call it is inside). Read it beside
+``bench_torch_replay.py``'s timings, which this script does not replace: a profiler slows the
+Python it watches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_torch_replay import HiddenOnly, training_step, workloads
+
+import dualgraph.torch as dgt
+
+
+def profiled(label: str, run: Callable[[], Any], top: int) -> Any:
+    """Run ``run`` under cProfile; print its ``top`` functions by own time; its result."""
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    result = profile.runcall(run)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    print(f"== {label}")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="sdpa")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--top", type=int, default=22)
+    options = parser.parse_args()
+    (work,) = [w for w in workloads([options.workload]) if w.batch == options.batch]
+    print(work.describe())
+
+    def blocks() -> torch.nn.ModuleList:
+        torch.manual_seed(0)
+        made = torch.nn.ModuleList(work.block(work.dim, work.heads) for _ in range(work.blocks))
+        return made.cuda().to(work.dtype)
+
+    def samples() -> tuple[Any, ...]:
+        return tuple(
+            (torch.randn(*work.shape, device="cuda", dtype=work.dtype, requires_grad=True),)
+            for _ in range(work.blocks)
+        )
+
+    inputs = torch.randn(*work.shape, device="cuda", dtype=work.dtype)
+    ours, theirs = tuple(blocks()), tuple(HiddenOnly(x) for x in blocks())
+    variants: list[tuple[str, Callable[[], Any], bool]] = [
+        ("dualgraph", lambda: dgt.make_graphed_callables(ours, samples()), True),
+        ("torch", lambda: torch.cuda.make_graphed_callables(theirs, samples()), False),
+    ]
+    for name, capture, tuple_out in variants:
+        graphed = profiled(f"{name}: capture", capture, options.top)
+        step = training_step(graphed, inputs, tuple_out=tuple_out)
+        for _ in range(5):
+            step()
+
+        def steps(step: Callable[[], None] = step) -> None:
+            for _ in range(options.steps):
+                step()
+
+        profiled(f"{name}: {options.steps} steps", steps, options.top)
+
+
+if __name__ == "__main__":
+    main()
