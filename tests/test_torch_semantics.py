@@ -419,6 +419,15 @@ def _replace_buffer(module: TinyMLP) -> None:
     module.scale = torch.full((8,), 3.0, device=module.scale.device)
 
 
+def _replace_submodule(module: TinyMLP) -> None:
+    # New tensors the graphs never read; the captured fc1 keeps its own, untouched.
+    module.fc1 = nn.Linear(8, 16).to(module.fc2.weight.device)
+
+
+def _delete_submodule(module: TinyMLP) -> None:
+    del module.fc2
+
+
 class ScaledMLP(TinyMLP):
     """TinyMLP with a buffer its forward reads."""
 
@@ -436,6 +445,8 @@ CHANGES = {
     "moved_by_to": (_to_double, "ScaledMLP.scale: the buffer was replaced after capture (by"),
     "deleted": (_delete_bias, "ScaledMLP.fc1.bias: the parameter was replaced after capture"),
     "buffer_replaced": (_replace_buffer, "ScaledMLP.scale: the buffer was replaced after capture"),
+    "submodule_replaced": (_replace_submodule, "ScaledMLP.fc1: the submodule was replaced or"),
+    "submodule_deleted": (_delete_submodule, "ScaledMLP.fc2: the submodule was replaced or"),
 }
 
 
@@ -452,6 +463,77 @@ def test_a_parameter_or_buffer_replaced_after_capture_is_refused_naming_it(
     with pytest.raises(DualgraphError) as info:
         module(torch.randn(4, 8, device=device))  # as captured: the module is what changed
     assert str(info.value).startswith(message)
+
+
+class DropNormNet(nn.Module):
+    """Linear, dropout, BatchNorm: two submodules whose training mode changes what runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.drop(self.fc(x)))
+
+
+def _dropout_to_eval(module: DropNormNet) -> None:
+    module.drop.eval()  # captured in training mode: the graphs hold a dropout
+
+
+def _all_to_train(module: DropNormNet) -> None:
+    module.train()  # captured with a frozen BatchNorm (norm.eval()): the graphs hold its eval
+
+
+#: How a submodule's mode comes to differ from capture: ``(capture-time modes, change, message)``.
+MODE_CHANGES = {
+    "dropout_to_eval": (None, _dropout_to_eval, "DropNormNet.drop: training was True at capture"),
+    "frozen_norm_to_train": ("norm", _all_to_train, "DropNormNet.norm: training was False at"),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("change", sorted(MODE_CHANGES))
+def test_a_submodule_put_in_another_training_mode_after_capture_is_refused_naming_it(
+    backend: str, change: str
+) -> None:
+    # The module keeps its own mode (which would make it run eagerly), so the replay would run
+    # the submodule's captured mode: its dropout, or its BatchNorm's batch statistics.
+    device = device_of(backend)
+    evaluated, make_change, message = MODE_CHANGES[change]
+    module, twin = DropNormNet().to(device), DropNormNet().to(device)
+    twin.load_state_dict(module.state_dict())
+    for net in (module, twin):
+        if evaluated is not None:
+            net.get_submodule(evaluated).eval()
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(module).static_inputs]
+    make_change(module)
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))
+    assert str(info.value).startswith(message)
+    assert all(map(torch.equal, runner_of(module).static_inputs, static))  # refused before
+    # The mode the module was captured in again: replays train like eager.
+    module.train()
+    if evaluated is not None:
+        module.get_submodule(evaluated).eval()
+    for seed in range(2):
+        x = torch.randn(4, 8, device=device)
+        torch.manual_seed(seed)
+        out = module(x)
+        torch.manual_seed(seed)
+        expected = twin(x)
+        backward_of(out)
+        backward_of(expected)
+        if backend == "emulate":  # on CUDA, a graph's dropout mask is not eager's for a seed
+            assert_tensors_match(out.detach(), expected.detach(), "output")
+            assert_grads_match(
+                grads_of(parameters_of(module)),
+                grads_of(parameters_of(twin)),
+                parameter_names(module),
+            )
+    assert dgt.diagnostics(module).replays == 2
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
