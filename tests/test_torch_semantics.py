@@ -1145,7 +1145,19 @@ def _grad_in_another_grad(module: nn.Module) -> None:
     module[2].weight.grad = module[0].weight.grad  # the same tensor, which accumulates twice
 
 
+def _wider_grad(module: nn.Module) -> None:
+    # eager adds float32 grads into it in float64; copied into a float32 buffer, it would round
+    weight = module[0].weight
+    weight.grad_dtype = None  # any dtype
+    weight.grad = weight.grad.double()
+
+
 SHARED_GRADS = {"shared": _share_one_grad, "another_parameters_grad": _grad_in_another_grad}
+
+#: ``param.grad_dtype`` (a ``.grad`` of another dtype than its parameter's) is newer than torch 2.8.
+needs_grad_dtype = pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"), reason="needs param.grad_dtype (torch >= 2.9)"
+)
 
 
 def _square_step(net: nn.Module, twin: nn.Module, backend: str) -> None:
@@ -1168,17 +1180,44 @@ def test_auto_adds_into_a_sparse_grad_through_autograd_as_eager_does(backend: st
     assert _through_autograd(net) == 1  # then .grad is dense again: in graph
 
 
+@needs_grad_dtype
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("when", ["grad_set_after_a_step", "grad_dtype_set_before"])
+def test_auto_adds_into_a_grad_of_another_dtype_through_autograd_as_eager_does(
+    backend: str, when: str
+) -> None:
+    # e.g. float32 grads of low-precision weights: eager adds in the .grad's dtype, and makes a
+    # new .grad of the grad_dtype; a float32 accumulator would round them, or torch refuse it.
+    net, twin = _square_pair(backend, "auto")
+    if when == "grad_dtype_set_before":
+        for module in (net, twin):
+            module[0].weight.grad_dtype = torch.float64
+    _square_step(net, twin, backend)
+    if when == "grad_set_after_a_step":
+        for module in (net, twin):
+            _wider_grad(module)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        for ours, theirs in zip(net.parameters(), twin.parameters(), strict=True):
+            assert ours.grad.dtype == theirs.grad.dtype
+            assert_tensors_match(ours.grad, theirs.grad, "grad", tolerance(backend))
+    assert net[0].weight.grad.dtype == torch.float64
+    assert _through_autograd(net) == 3 - (when == "grad_set_after_a_step")
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize(
     ("param_grads", "kind"),
-    [("in_graph", "sparse")] + [(mode, kind) for mode in IN_GRAPH_MODES for kind in SHARED_GRADS],
+    [("in_graph", "sparse"), pytest.param("in_graph", "another_dtype", marks=needs_grad_dtype)]
+    + [(mode, kind) for mode in IN_GRAPH_MODES for kind in SHARED_GRADS],
 )
 def test_a_grad_the_graphs_cannot_add_into_as_eager_is_refused_naming_it(
     backend: str, param_grads: str, kind: str
 ) -> None:
     net, _ = _square_pair(backend, param_grads)
     loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
-    (_sparse_grad if kind == "sparse" else SHARED_GRADS[kind])(net)
+    changes = {"sparse": _sparse_grad, "another_dtype": _wider_grad, **SHARED_GRADS}
+    changes[kind](net)
     before = [p.grad.to_dense().clone() for p in net.parameters()]
     with pytest.raises(DualgraphError, match=r"Sequential: Sequential\.[02]\.weight: \.grad "):
         loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
