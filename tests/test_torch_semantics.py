@@ -419,6 +419,15 @@ def _replace_buffer(module: TinyMLP) -> None:
     module.scale = torch.full((8,), 3.0, device=module.scale.device)
 
 
+def _replace_submodule(module: TinyMLP) -> None:
+    # New tensors the graphs never read; the captured fc1 keeps its own, untouched.
+    module.fc1 = nn.Linear(8, 16).to(module.fc2.weight.device)
+
+
+def _delete_submodule(module: TinyMLP) -> None:
+    del module.fc2
+
+
 class ScaledMLP(TinyMLP):
     """TinyMLP with a buffer its forward reads."""
 
@@ -436,6 +445,8 @@ CHANGES = {
     "moved_by_to": (_to_double, "ScaledMLP.scale: the buffer was replaced after capture (by"),
     "deleted": (_delete_bias, "ScaledMLP.fc1.bias: the parameter was replaced after capture"),
     "buffer_replaced": (_replace_buffer, "ScaledMLP.scale: the buffer was replaced after capture"),
+    "submodule_replaced": (_replace_submodule, "ScaledMLP.fc1: the submodule was replaced or"),
+    "submodule_deleted": (_delete_submodule, "ScaledMLP.fc2: the submodule was replaced or"),
 }
 
 
@@ -452,6 +463,77 @@ def test_a_parameter_or_buffer_replaced_after_capture_is_refused_naming_it(
     with pytest.raises(DualgraphError) as info:
         module(torch.randn(4, 8, device=device))  # as captured: the module is what changed
     assert str(info.value).startswith(message)
+
+
+class DropNormNet(nn.Module):
+    """Linear, dropout, BatchNorm: two submodules whose training mode changes what runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.drop(self.fc(x)))
+
+
+def _dropout_to_eval(module: DropNormNet) -> None:
+    module.drop.eval()  # captured in training mode: the graphs hold a dropout
+
+
+def _all_to_train(module: DropNormNet) -> None:
+    module.train()  # captured with a frozen BatchNorm (norm.eval()): the graphs hold its eval
+
+
+#: How a submodule's mode comes to differ from capture: ``(capture-time modes, change, message)``.
+MODE_CHANGES = {
+    "dropout_to_eval": (None, _dropout_to_eval, "DropNormNet.drop: training was True at capture"),
+    "frozen_norm_to_train": ("norm", _all_to_train, "DropNormNet.norm: training was False at"),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("change", sorted(MODE_CHANGES))
+def test_a_submodule_put_in_another_training_mode_after_capture_is_refused_naming_it(
+    backend: str, change: str
+) -> None:
+    # The module keeps its own mode (which would make it run eagerly), so the replay would run
+    # the submodule's captured mode: its dropout, or its BatchNorm's batch statistics.
+    device = device_of(backend)
+    evaluated, make_change, message = MODE_CHANGES[change]
+    module, twin = DropNormNet().to(device), DropNormNet().to(device)
+    twin.load_state_dict(module.state_dict())
+    for net in (module, twin):
+        if evaluated is not None:
+            net.get_submodule(evaluated).eval()
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(module).static_inputs]
+    make_change(module)
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))
+    assert str(info.value).startswith(message)
+    assert all(map(torch.equal, runner_of(module).static_inputs, static))  # refused before
+    # The mode the module was captured in again: replays train like eager.
+    module.train()
+    if evaluated is not None:
+        module.get_submodule(evaluated).eval()
+    for seed in range(2):
+        x = torch.randn(4, 8, device=device)
+        torch.manual_seed(seed)
+        out = module(x)
+        torch.manual_seed(seed)
+        expected = twin(x)
+        backward_of(out)
+        backward_of(expected)
+        if backend == "emulate":  # on CUDA, a graph's dropout mask is not eager's for a seed
+            assert_tensors_match(out.detach(), expected.detach(), "output")
+            assert_grads_match(
+                grads_of(parameters_of(module)),
+                grads_of(parameters_of(twin)),
+                parameter_names(module),
+            )
+    assert dgt.diagnostics(module).replays == 2
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -1067,7 +1149,19 @@ def _grad_in_another_grad(module: nn.Module) -> None:
     module[2].weight.grad = module[0].weight.grad  # the same tensor, which accumulates twice
 
 
+def _wider_grad(module: nn.Module) -> None:
+    # eager adds float32 grads into it in float64; copied into a float32 buffer, it would round
+    weight = module[0].weight
+    weight.grad_dtype = None  # any dtype
+    weight.grad = weight.grad.double()
+
+
 SHARED_GRADS = {"shared": _share_one_grad, "another_parameters_grad": _grad_in_another_grad}
+
+#: ``param.grad_dtype`` (a ``.grad`` of another dtype than its parameter's) is newer than torch 2.8.
+needs_grad_dtype = pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"), reason="needs param.grad_dtype (torch >= 2.9)"
+)
 
 
 def _square_step(net: nn.Module, twin: nn.Module, backend: str) -> None:
@@ -1090,17 +1184,44 @@ def test_auto_adds_into_a_sparse_grad_through_autograd_as_eager_does(backend: st
     assert _through_autograd(net) == 1  # then .grad is dense again: in graph
 
 
+@needs_grad_dtype
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("when", ["grad_set_after_a_step", "grad_dtype_set_before"])
+def test_auto_adds_into_a_grad_of_another_dtype_through_autograd_as_eager_does(
+    backend: str, when: str
+) -> None:
+    # e.g. float32 grads of low-precision weights: eager adds in the .grad's dtype, and makes a
+    # new .grad of the grad_dtype; a float32 accumulator would round them, or torch refuse it.
+    net, twin = _square_pair(backend, "auto")
+    if when == "grad_dtype_set_before":
+        for module in (net, twin):
+            module[0].weight.grad_dtype = torch.float64
+    _square_step(net, twin, backend)
+    if when == "grad_set_after_a_step":
+        for module in (net, twin):
+            _wider_grad(module)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        for ours, theirs in zip(net.parameters(), twin.parameters(), strict=True):
+            assert ours.grad.dtype == theirs.grad.dtype
+            assert_tensors_match(ours.grad, theirs.grad, "grad", tolerance(backend))
+    assert net[0].weight.grad.dtype == torch.float64
+    assert _through_autograd(net) == 3 - (when == "grad_set_after_a_step")
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize(
     ("param_grads", "kind"),
-    [("in_graph", "sparse")] + [(mode, kind) for mode in IN_GRAPH_MODES for kind in SHARED_GRADS],
+    [("in_graph", "sparse"), pytest.param("in_graph", "another_dtype", marks=needs_grad_dtype)]
+    + [(mode, kind) for mode in IN_GRAPH_MODES for kind in SHARED_GRADS],
 )
 def test_a_grad_the_graphs_cannot_add_into_as_eager_is_refused_naming_it(
     backend: str, param_grads: str, kind: str
 ) -> None:
     net, _ = _square_pair(backend, param_grads)
     loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
-    (_sparse_grad if kind == "sparse" else SHARED_GRADS[kind])(net)
+    changes = {"sparse": _sparse_grad, "another_dtype": _wider_grad, **SHARED_GRADS}
+    changes[kind](net)
     before = [p.grad.to_dense().clone() for p in net.parameters()]
     with pytest.raises(DualgraphError, match=r"Sequential: Sequential\.[02]\.weight: \.grad "):
         loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()

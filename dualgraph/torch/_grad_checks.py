@@ -73,17 +73,33 @@ def grad_problem(
     names: dict[torch.Tensor, str],
 ) -> tuple[str, bool] | None:
     """A ``.grad`` of ``pending`` (each not its accumulator) that no accumulator can stand in
-    for, as ``(its parameter's name, whether it is sparse)``; ``None`` if there is none.
+    for, as ``(its parameter's name, whether autograd can add into it as eager does)``;
+    ``None`` if there is none.
 
-    Eager adds into a sparse ``.grad`` by replacing it with the dense sum, and into one that
-    shares memory with another parameter's ``.grad`` (or accumulator) twice; copied into the
-    accumulators and back, neither would be.
+    Eager adds into a sparse ``.grad`` by replacing it with the dense sum, into a ``.grad`` of
+    another dtype than the parameter's (allowed by ``param.grad_dtype``, e.g. float32 grads of
+    bfloat16 weights) in that dtype, and makes a new ``.grad`` of the ``grad_dtype``; copied into
+    the accumulators (of the parameter's dtype) and back, these would be rounded or refused by
+    torch, so autograd must add them (``True``). Eager adds into a ``.grad`` that shares memory
+    with another parameter's ``.grad`` (or accumulator) twice, which nothing reproduces
+    (``False``).
+
+    >>> weight = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> accumulator = torch.zeros(2, dtype=torch.bfloat16)
+    >>> weight.grad_dtype = torch.float32
+    >>> grad_problem([(weight, accumulator, None, None)], [span(accumulator)], {weight: "w"})
+    ('w', True)
     """
     spans: list[tuple[int, int, str | None]] = [(*span, None) for span in accumulator_spans]
-    for param, _, grad, _ in pending:
+    for param, accumulator, grad, _ in pending:
         if grad is None:
+            # A new .grad will be the accumulator (or a clone): of the parameter's dtype, which
+            # torch refuses as the .grad of a parameter whose grad_dtype is another one.
+            wanted = getattr(param, "grad_dtype", None)
+            if wanted is not None and wanted != accumulator.dtype:
+                return names[param], True
             continue
-        if grad.layout is not _STRIDED:
+        if grad.layout is not _STRIDED or grad.dtype != accumulator.dtype:
             return names[param], True
         spans.append((*span(grad), names[param]))
     spans.sort(key=operator.itemgetter(0, 1))

@@ -1,10 +1,14 @@
 """The parameters and buffers of a graphed module: as the graphs read them, checked per call.
 
-A graph reads each parameter and buffer at the address it had at capture, and its backward
-computes grads for the parameters that required grad then. :class:`ModuleTensors` records that
-and :meth:`ModuleTensors.check` refuses a call, naming the tensor, when the module no longer
-matches: a parameter or buffer replaced (``module.weight = nn.Parameter(...)``), moved or
-re-allocated (``.to()``, ``.half()``, ``param.data = ...``), or a parameter frozen or unfrozen.
+A graph reads each parameter and buffer at the address it had at capture, its backward
+computes grads for the parameters that required grad then, and it replays the training mode
+each submodule had then. :class:`ModuleTensors` records that and :meth:`ModuleTensors.check`
+refuses a call, naming the tensor or submodule, when the module no longer matches: a parameter
+or buffer replaced (``module.weight = nn.Parameter(...)``), moved or re-allocated (``.to()``,
+``.half()``, ``param.data = ...``), a parameter frozen or unfrozen, a submodule replaced
+(``module.fc = nn.Linear(...)``, whose tensors the graphs never read), or a submodule put in
+another training mode than the module itself (``module.dropout.eval()``: the graphs would
+replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``).
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
 running statistics are updated on every warmup call, as if those calls had been steps), and
@@ -36,6 +40,7 @@ _getitem = operator.getitem
 _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
 _requires_grad = operator.attrgetter("requires_grad")
+_training = operator.attrgetter("training")
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,6 +60,14 @@ class ModuleTensors:
     Traceback (most recent call last):
     ...
     dualgraph.DualgraphError: Linear.bias: the parameter was replaced after capture ...
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    >>> tensors = ModuleTensors.of(net)
+    >>> net[1].eval()  # doctest: +ELLIPSIS
+    Dropout(...)
+    >>> tensors.check(grad_enabled=True)
+    Traceback (most recent call last):
+    ...
+    dualgraph.DualgraphError: Sequential.1: training was True at capture and is False now; ...
     """
 
     names: tuple[str, ...]
@@ -69,6 +82,13 @@ class ModuleTensors:
     # trainable parameters anyway (as its Function's inputs, or for their hooks).
     watched: tuple[torch.Tensor, ...] = ()
     watched_requires_grad: tuple[bool, ...] = ()
+    # Every submodule below the root, where it hangs (its parent's _modules dict and key), and
+    # its training mode at capture (the root's own mode decides between replay and eager).
+    module_names: tuple[str, ...] = ()
+    module_owners: tuple[dict[str, Any], ...] = ()
+    module_keys: tuple[str, ...] = ()
+    modules: tuple[torch.nn.Module, ...] = ()
+    training: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleTensors:
@@ -83,6 +103,13 @@ class ModuleTensors:
                         entries.append((name, owner, key, tensor, is_buffer))
         tensors = tuple(entry[3] for entry in entries)
         watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
+        hung: list[tuple[str, dict[str, Any], str, torch.nn.Module]] = []
+        for prefix, parent in module.named_modules():
+            for key, child in parent._modules.items():
+                if child is not None:
+                    name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
+                    hung.append((name, parent._modules, key, child))
+        modules = tuple(entry[3] for entry in hung)
         return cls(
             names=tuple(entry[0] for entry in entries),
             owners=tuple(entry[1] for entry in entries),
@@ -93,6 +120,11 @@ class ModuleTensors:
             is_buffer=tuple(entry[4] for entry in entries),
             watched=watched,
             watched_requires_grad=tuple(map(_requires_grad, watched)),
+            module_names=tuple(entry[0] for entry in hung),
+            module_owners=tuple(entry[1] for entry in hung),
+            module_keys=tuple(entry[2] for entry in hung),
+            modules=modules,
+            training=tuple(map(_training, modules)),
         )
 
     def check(self, *, grad_enabled: bool) -> None:
@@ -102,10 +134,13 @@ class ModuleTensors:
         """
         try:
             current = tuple(map(_getitem, self.owners, self.keys))
+            hung = tuple(map(_getitem, self.module_owners, self.module_keys))
         except KeyError:
             raise self._explain(grad_enabled) from None
         if (
             not all(map(_is, current, self.tensors))
+            or not all(map(_is, hung, self.modules))
+            or tuple(map(_training, self.modules)) != self.training
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
             or (
                 grad_enabled
@@ -116,6 +151,27 @@ class ModuleTensors:
 
     def _explain(self, grad_enabled: bool) -> DualgraphError:
         again = "restore the module (dualgraph.torch.restore) and graph it again"
+        for name, owner, key, submodule, training in zip(
+            self.module_names,
+            self.module_owners,
+            self.module_keys,
+            self.modules,
+            self.training,
+            strict=True,
+        ):
+            if owner.get(key) is not submodule:
+                return DualgraphError(
+                    f"{name}: the submodule was replaced or removed after capture, but the "
+                    f"graphs read the captured one's tensors; load the new weights into the "
+                    f"captured submodule in place (load_state_dict), or {again}"
+                )
+            if submodule.training != training:
+                return DualgraphError(
+                    f"{name}: training was {training} at capture and is {not training} now; "
+                    "the graphs replay the mode each submodule was captured in (dropout, "
+                    "BatchNorm's batch statistics). Put its mode back, or change the mode of "
+                    f"the whole graphed module (which then runs eagerly), or {again}"
+                )
         for name, owner, key, tensor, ptr, grad, is_buffer in zip(
             self.names,
             self.owners,
