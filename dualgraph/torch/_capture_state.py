@@ -144,6 +144,7 @@ class _Capture:
         self.out_spec: TreeSpec | None = None
         self.diff_outputs: tuple[int, ...] = ()
         self.saved_outputs: tuple[int, ...] = ()
+        self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
         self.static_outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: tuple[torch.Tensor, ...] = ()
@@ -174,6 +175,7 @@ class _Capture:
         """Take over what the warmup of ``original`` (the same callable) found."""
         self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
         self.saved_outputs = original.saved_outputs
+        self.reach = original.reach
         self.mutated = set(original.mutated)
         self.warmup_grads = original.warmup_grads
         self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
@@ -385,6 +387,8 @@ class _Capture:
             autocast=autocast_state(),
             replay_hooks=self.request.hooks.replay,
             diagnostics=diagnostics,
+            reach=self.reach,
+            grad_inputs=self.grad_input_indices,
         )
 
     def _has_backward(self) -> bool:

@@ -112,7 +112,10 @@ class ReplayPlan:
     """What one capture of one callable produced; :class:`GraphedCallable` is built from it.
 
     Index tuples count output tensors in the output spec's flatten order and input tensors in
-    the input guard's order (args first, then kwargs).
+    the input guard's order (args first, then kwargs). ``reach``: for each input that takes a
+    grad (in that order, see ``grad_inputs``) and then each parameter of ``params``, the
+    positions in ``diff_outputs`` of the outputs whose graph reaches it; ``None`` where every
+    output reaches all of them (``_reach.py``).
     """
 
     name: str
@@ -130,6 +133,8 @@ class ReplayPlan:
     autocast: tuple[Any, ...]
     replay_hooks: ReplayHookRunner | None  # run outside the graphs around every replay
     diagnostics: CaptureDiagnostics
+    reach: tuple[frozenset[int], ...] | None = None
+    grad_inputs: tuple[int, ...] = ()  # the inputs the backward differentiates for
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

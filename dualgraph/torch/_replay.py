@@ -65,6 +65,7 @@ _is_any_autocast_enabled = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
 )
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_NONE: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
 
 
@@ -115,6 +116,8 @@ class GraphedCallable:
         "_param_grads",
         "_params",
         "_plan_params",
+        "_reach_of_inputs",
+        "_reach_of_params",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -124,6 +127,7 @@ class GraphedCallable:
         "_static_inputs",
         "_static_outputs",
         "_storages",
+        "_unreached_memo",
         "backend",
         "diagnostics",
         "name",
@@ -229,6 +233,15 @@ class GraphedCallable:
         # For the rare .grad that is not its accumulator: where the accumulators lie, and names.
         self._accumulator_spans = tuple(map(_span, self._in_graph_accumulators))
         self._names_of = dict(zip(self._in_graph_params, self._accumulator_names, strict=True))
+        # Outputs left out of the loss: the inputs and parameters only they reach get no grad,
+        # as in eager (_unreached). Empty where every output reaches every one of them.
+        reach = plan.reach or ()
+        grad_inputs = len(plan.grad_inputs)
+        self._reach_of_inputs = (
+            tuple(zip(plan.grad_inputs, reach[:grad_inputs], strict=True)) if reach else ()
+        )
+        self._reach_of_params = reach[grad_inputs:]
+        self._unreached_memo: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
 
     # -- what a caller sees -------------------------------------------------------------------
 
@@ -443,14 +456,22 @@ class GraphedCallable:
                     static.copy_(grad)
             if self._emulated is not None:
                 self._emulated.incoming = tuple(grads[index] for _, index in self._grad_outputs)
+            # positions among the Function's inputs, and among the parameters
+            unreached_inputs, unreached_params = (
+                self._unreached(grads) if self._reach_of_params or self._reach_of_inputs else _NONE
+            )
             # The parameter grads autograd gets: the static buffers ("autograd"), copies
             # ("auto" when autograd must see them), or none (added into .grad by the graph).
             param_grads: tuple[torch.Tensor | None, ...] = ()
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
-                self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                if unreached_params:
+                    self._backward_leaving_alone(unreached_params)
+                else:
+                    self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
             elif self._auto:
                 if not (
-                    plain
+                    not unreached_params
+                    and plain
                     and not through_autograd
                     and self._nothing_watches_params()
                     and not self._params_used_elsewhere()
@@ -468,9 +489,54 @@ class GraphedCallable:
             if call is not None:
                 self._hooks.after_backward(call)  # type: ignore[union-attr]
             owned = param_grads is not self._param_grads  # copies made for this backward
-            return self._hand_out_grads(needs_input_grad, inputs, plain, param_grads, owned=owned)
+            if unreached_params and param_grads:
+                param_grads = tuple(
+                    None if i in unreached_params else grad for i, grad in enumerate(param_grads)
+                )
+            return self._hand_out_grads(
+                needs_input_grad, inputs, plain, param_grads, owned=owned, skip=unreached_inputs
+            )
         finally:
             self._lock.release()
+
+    def _unreached(
+        self, grads: Sequence[torch.Tensor | None]
+    ) -> tuple[frozenset[int], frozenset[int]]:
+        """The inputs (positions among the Function's) and parameters (positions among them)
+        that only outputs without a grad reach: eager's backward never gets to them.
+
+        Outputs the loss left out come with ``None`` (the Function does not materialize grads).
+        Parameters that no output reaches at all have no grad anyway and are not counted.
+        """
+        missing = frozenset(
+            k for k, (_, index) in enumerate(self._grad_outputs) if grads[index] is None
+        )
+        if not missing:
+            return _NONE
+        known = self._unreached_memo.get(missing)
+        if known is None:
+            inputs = frozenset(1 + i for i, reach in self._reach_of_inputs if reach <= missing)
+            params = frozenset(
+                i for i, reach in enumerate(self._reach_of_params) if reach and reach <= missing
+            )
+            known = self._unreached_memo[missing] = (inputs, params)
+        return known
+
+    def _backward_leaving_alone(self, unreached: frozenset[int]) -> None:
+        """``"in_graph"``'s backward when parameters are unreached (:meth:`_unreached`): the
+        graph adds a grad into every accumulator, so those parameters' ``.grad`` (the tensor, or
+        ``None``) and its values are put back after."""
+        params = self._plan_params
+        kept = []
+        for i in sorted(unreached):
+            grad = params[i].grad
+            kept.append((params[i], grad, None if grad is None else grad.clone()))
+        self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+        for param, grad, values in kept:
+            if param.grad is not grad:
+                param.grad = grad
+            if grad is not None and values is not None:
+                grad.copy_(values)
 
     def _nothing_watches_params(self) -> bool:
         """Whether ``.grad`` may be updated without the parameters' ``AccumulateGrad`` nodes.
@@ -542,6 +608,7 @@ class GraphedCallable:
         param_grads: tuple[torch.Tensor | None, ...],
         *,
         owned: bool,
+        skip: frozenset[int] = frozenset(),
     ) -> tuple[torch.Tensor | None, ...]:
         """The grads for autograd, never a static buffer that anyone could keep.
 
@@ -554,11 +621,11 @@ class GraphedCallable:
 
         ``param_grads``: one per parameter, or none (``()``: they are in ``.grad`` already, and
         autograd gets ``None``); ``owned``: they are copies of this backward's own, which go out
-        as they are.
+        as they are. ``skip``: inputs (their positions among the Function's) that get ``None``.
         """
         result: list[torch.Tensor | None] = [None] * self._first_param
         for position, grad in self._input_grads:
-            if needs_input_grad[position]:
+            if needs_input_grad[position] and position not in skip:
                 tensor = inputs[position - 1]
                 if (
                     plain
@@ -666,9 +733,11 @@ class GraphedCallable:
                 if self._auto:
                     return False  # autograd adds into it as eager does
                 raise DualgraphError(
-                    f"{name}: .grad is not a dense tensor, which param_grads='in_graph' cannot "
-                    "add into (eager replaces it by the dense sum); set .grad to None or to a "
-                    "dense tensor, or capture with param_grads='auto'"
+                    f"{name}: .grad is sparse, or of another dtype than the parameter (or "
+                    "grad_dtype asks for one), which param_grads='in_graph' cannot add into "
+                    "(eager replaces a sparse .grad by the dense sum, and adds in the .grad's "
+                    "dtype); set .grad to None or to a dense tensor of the parameter's dtype, or "
+                    "capture with param_grads='auto'"
                 )
             raise DualgraphError(
                 f"{name}: .grad shares memory with another parameter's .grad (or the graph's "

@@ -26,6 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ._capture_failure import Refused
 from ._leaves import dtype_name
 from ._probe import WarmupProbe
+from ._reach import reach_of
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -46,11 +47,12 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
     after_forward = [t._version for t in item.static_inputs]
     flat = item.record_outputs(outputs)
     differentiable = [flat[i] for i in item.diff_outputs]
+    diff_inputs = item.diff_inputs()
     if inspect:
         item.saved_outputs = _saved_outputs(flat, saved)
         _refuse_foreign_leaves(item, flat)
+        item.reach = reach_of(differentiable, diff_inputs)
     del outputs, saved
-    diff_inputs = item.diff_inputs()
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
         with item.request.hooks.around("backward"):
