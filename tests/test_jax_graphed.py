@@ -730,3 +730,26 @@ def test_an_array_jax_cannot_take_as_is_is_refused_naming_its_path(make: Any, wh
         g.vjp(*args, **kwargs)
     assert not x.is_deleted()
     assert np.array_equal(g(x, y=x)[0], jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        lambda a: (None, a * 3),  # None and the array swapped
+        lambda a: (a * 3, 1),  # a constant where None was
+        lambda a: (a[:1], None),  # another shape
+    ],
+    ids=["swapped", "constant", "shape"],
+)
+def test_an_output_tree_that_changes_when_traced_again_is_refused(second: Any) -> None:
+    # the VJP traces the function again: its outputs must not be rebuilt by the first spec
+    traces: list[int] = []
+
+    def impure(a: jax.Array) -> Any:
+        traces.append(1)
+        return (a * 2, None) if len(traces) == 1 else second(a)
+
+    g = dgj.graphed(impure, (jnp.ones(2),))
+    with pytest.raises(DualgraphError, match=r"traced again .* output\[\d\]"):
+        g.vjp(jnp.ones(2))
+    assert g(jnp.ones(2))[0].tolist() == [2.0, 2.0]

@@ -173,8 +173,20 @@ class GraphedCallable:
         args, kwargs = self.call_spec.unflatten(arrays)
         outputs = self.fn(*args, **kwargs)
         spec = describe(outputs, root="output")
-        if self._traced_spec is None:
+        traced = self._traced_spec
+        if traced is None:
             self._traced_spec = spec
+        elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
+            try:
+                traced.check(outputs, root="output")
+                difference = f"{spec!r} instead of {traced!r}"
+            except SpecMismatchError as error:
+                difference = str(error)
+            raise DualgraphError(
+                f"graphed({self.name}): the function returned another output tree when traced "
+                f"again (for its VJP): {difference}. Its outputs' structure, None leaves, "
+                "constants, shapes and dtypes must depend only on its inputs' spec"
+            )
         return spec.flatten(outputs)
 
     # -- every call -----------------------------------------------------------------------------
