@@ -7,6 +7,7 @@ adapter's registration, so ``import dualgraph`` never imports a framework itself
 
 from __future__ import annotations
 
+import collections
 import importlib
 import math
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._dtypes import is_differentiable_dtype
+from ._errors import DualgraphError
 
 __all__ = [
     "CONSTANT_TYPES",
@@ -24,6 +26,7 @@ __all__ = [
     "register_array_type",
     "same_float",
     "signature_of",
+    "strict_bool",
 ]
 
 #: Python scalar types kept by value in a spec. ``bool`` is listed before ``int`` on purpose.
@@ -41,6 +44,12 @@ class ArrayType:
 
 
 _REGISTERED: dict[type, ArrayType] = {}
+# Types a spec reads as something else than an array, whatever is registered.
+_BUILTIN_KINDS: dict[type, str] = {
+    **{cls: "a constant" for cls in CONSTANT_TYPES},
+    type(None): "None",
+    **{cls: "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
+}
 _RESOLVED: dict[type, ArrayType | None] = {}
 # Root module of a framework's array type -> the dualgraph module that registers it.
 _LAZY_REGISTRATIONS = {
@@ -65,6 +74,21 @@ def register_array_type(
     >>> import numpy as np
     >>> register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)
     """
+    if not isinstance(cls, type):
+        raise DualgraphError(
+            f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
+        )
+    builtin = _BUILTIN_KINDS.get(cls)
+    if builtin is not None:
+        raise DualgraphError(
+            f"register_array_type: {cls.__qualname__} is {builtin} in a spec, never an array"
+        )
+    for name, function in (("signature", signature), ("requires_grad", requires_grad)):
+        if not callable(function):
+            raise DualgraphError(
+                f"register_array_type({cls.__qualname__}): {name} must be callable, "
+                f"got an object of type {type(function).__qualname__}"
+            )
     _REGISTERED[cls] = ArrayType(signature=signature, requires_grad=requires_grad)
     _RESOLVED.clear()
 
@@ -112,6 +136,26 @@ def signature_of(leaf: Any, /) -> Signature | None:
         return leaf.shape, name
     array_type = _RESOLVED[cls] if cls in _RESOLVED else array_type_of(cls)
     return None if array_type is None else array_type.signature(leaf)
+
+
+def strict_bool(value: Any, /) -> bool | None:
+    """``value`` as a bool if it is one (or a 0-d boolean array: numpy, torch, jax), else
+    ``None``: nothing is coerced (``bool("False")`` is True).
+
+    >>> strict_bool(np.bool_(False)), strict_bool("False"), strict_bool(1)
+    (False, None, None)
+    """
+    if isinstance(value, bool):
+        return value
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or str(dtype) not in {"bool", "torch.bool"}:
+        return None
+    try:
+        if tuple(value.shape) != ():
+            return None
+        return bool(value)
+    except Exception:  # an object that only looks like an array
+        return None
 
 
 def same_float(found: Any, expected: float, /) -> bool:

@@ -10,7 +10,8 @@ is made (``_compile.py``), so :meth:`TreeSpec.flatten`, :meth:`TreeSpec.unflatte
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from ._containers import NamedContainer, brief_of, container_kind
 from ._dtypes import is_differentiable_dtype
 from ._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
 from ._json import next_entries, read_document, read_tree, write_document
-from ._leaves import CONSTANT_TYPES, array_type_of, numpy_is_native
+from ._leaves import CONSTANT_TYPES, array_type_of, numpy_is_native, strict_bool
 from ._nodes import (
     MAX_NODES,
     NONE,
@@ -117,7 +118,13 @@ class TreeSpec:
 
     def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
         """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
-        nodes = tuple(nodes)
+        try:
+            nodes = tuple(nodes)
+        except TypeError:
+            raise DualgraphError(
+                "a TreeSpec is made of the nodes of one tree, in pre-order; got "
+                f"{brief_of(nodes)} (make one with dualgraph.describe or TreeSpec.from_json)"
+            ) from None
         self._nodes = nodes
         if _like is None:
             _check_preorder(nodes)
@@ -544,7 +551,15 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                         + _UNSUPPORTED
                     )
                 shape, dtype = array_type.signature(obj)
-                leaf = ArrayLeaf(shape, dtype, bool(array_type.requires_grad(obj)))
+                answer = array_type.requires_grad(obj)
+                grad = strict_bool(answer)
+                if grad is None:
+                    raise fail(
+                        f"the requires_grad registered for {cls.__module__}.{cls.__qualname__} "
+                        f"answered {clip(answer)}, not a bool",
+                        DualgraphError,
+                    )
+                leaf = ArrayLeaf(shape, dtype, grad)
                 append(intern.setdefault(leaf.key, leaf))
                 continue
             if id(obj) in inside:
@@ -617,7 +632,8 @@ def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
     >>> grad_flags((True, False))
     [True, False]
     """
-    if isinstance(mask, str | bytes) or not isinstance(mask, Iterable):
+    # A set has no order and a mapping's entries are its keys: neither is a mask.
+    if isinstance(mask, str | bytes | AbstractSet | Mapping) or not isinstance(mask, Iterable):
         raise DualgraphError(
             f"a grad mask is a sequence of bools, got {type(mask).__module__}."
             f"{type(mask).__qualname__}"
@@ -632,12 +648,9 @@ def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
 
 def _grad_flag(index: int, flag: object, paths: Sequence[str]) -> bool:
     """A grad-mask entry: a bool, or a 0-d boolean array (numpy, torch, jax); nothing coerced."""
-    if isinstance(flag, bool):
-        return flag
-    dtype = getattr(flag, "dtype", None)
-    zero_dimensional = tuple(getattr(flag, "shape", (None,))) == ()
-    if dtype is not None and str(dtype) in {"bool", "torch.bool"} and zero_dimensional:
-        return bool(flag)
+    found = strict_bool(flag)
+    if found is not None:
+        return found
     leaf = f" (the array at {paths[index] or '<root>'})" if index < len(paths) else ""
     raise DualgraphError(
         f"grad mask[{index}]{leaf}: expected a bool, got {type(flag).__module__}."

@@ -657,3 +657,99 @@ def test_disable_command_buffers_after_the_backend_started_is_an_error() -> None
         pytest.skip("this process was started with command buffers off")
     with pytest.raises(DualgraphError, match="too late"):
         dgj.disable_command_buffers()
+
+
+# -- adversarial: key dtypes, out_spec types, foreign arrays ---------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_typed_prng_keys_go_in_and_come_out_as_with_jax_jit(impl: str) -> None:
+    def sample(key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+        new, sub = jax.random.split(key)
+        return x + jax.random.normal(sub, x.shape), new, None
+
+    key, x = jax.random.key(3, impl=impl), jnp.ones(4)
+    g = dgj.graphed(sample, (key, x), donate_argnums=0)
+    expected = jax.jit(sample)(key, x)
+    out = g(jax.random.key(3, impl=impl), x)
+    assert np.array_equal(out[0], expected[0]) and out[2] is None
+    assert out[1].dtype == expected[1].dtype
+    assert np.array_equal(jax.random.key_data(out[1]), jax.random.key_data(expected[1]))
+    assert g.out_spec.grad_mask == (True, False)
+    (_, dx), _ = g.vjp(jax.random.key(3, impl=impl), x)[1]((jnp.ones(4), None, None))
+    assert np.array_equal(dx, jnp.ones(4))
+
+
+def test_a_key_output_checked_against_an_out_spec_from_json() -> None:
+    def fn(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return x * 2, jax.random.key(0)
+
+    written = dgj.graphed(fn, (jnp.ones(2),)).out_spec.to_json()
+    g = dgj.graphed(fn, (jnp.ones(2),), out_spec=written)
+    assert str(g.out_spec.arrays[1]) == "key<fry>[]"
+
+
+def test_out_spec_as_json_bytes_is_read_like_json_text() -> None:
+    written = describe((np.zeros(2, np.float32), None)).with_grad_mask([False]).to_json()
+    g = dgj.graphed(lambda x: (x + 1, None), (jnp.ones(2),), out_spec=written.encode())
+    assert g.out_spec.grad_mask == (False,)
+
+
+@pytest.mark.parametrize("out_spec", [5, ["tuple", 2], object()], ids=repr)
+def test_an_out_spec_that_is_no_spec_nor_json_is_refused(out_spec: Any) -> None:
+    with pytest.raises(DualgraphError, match="out_spec must be a TreeSpec or its JSON"):
+        dgj.graphed(lambda x: (x + 1, None), (jnp.ones(2),), out_spec=out_spec)
+
+
+FOREIGN_ARRAYS = {
+    "torch-tensor": lambda: torch.ones(2),
+    "masked-array": lambda: np.ma.array(np.ones(2, np.float32), mask=[True, False]),
+    "big-endian": lambda: np.ones(2, ">f4"),
+}
+
+
+@pytest.mark.parametrize("make", FOREIGN_ARRAYS.values(), ids=FOREIGN_ARRAYS.keys())
+@pytest.mark.parametrize("where", ["args", "kwargs", "cotangent"])
+def test_an_array_jax_cannot_take_as_is_is_refused_naming_its_path(make: Any, where: str) -> None:
+    # each has the sample's shape and dtype name, so the spec alone accepts it
+    g = dgj.graphed(lambda x, *, y: (x * y, None), (jnp.ones(2),), sample_kwargs={"y": jnp.ones(2)})
+    foreign = make()
+    x = jnp.ones(2)
+    if where == "cotangent":
+        _, pullback = g.vjp(x, y=x)
+        with pytest.raises(
+            DualgraphError, match=r"^the pullback of graphed\(\S*<lambda>\): cotangent\[0\] is a "
+        ):
+            pullback((foreign, None))
+        return
+    args, kwargs = ((foreign,), {"y": x}) if where == "args" else ((x,), {"y": foreign})
+    path = r"args\[0\]" if where == "args" else r"kwargs\['y'\]"
+    with pytest.raises(DualgraphError, match=rf"^graphed\(\S*<lambda>\): {path} is a "):
+        g(*args, **kwargs)
+    with pytest.raises(DualgraphError, match=rf"^graphed\(\S*<lambda>\): {path} is a "):
+        g.vjp(*args, **kwargs)
+    assert not x.is_deleted()
+    assert np.array_equal(g(x, y=x)[0], jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        lambda a: (None, a * 3),  # None and the array swapped
+        lambda a: (a * 3, 1),  # a constant where None was
+        lambda a: (a[:1], None),  # another shape
+    ],
+    ids=["swapped", "constant", "shape"],
+)
+def test_an_output_tree_that_changes_when_traced_again_is_refused(second: Any) -> None:
+    # the VJP traces the function again: its outputs must not be rebuilt by the first spec
+    traces: list[int] = []
+
+    def impure(a: jax.Array) -> Any:
+        traces.append(1)
+        return (a * 2, None) if len(traces) == 1 else second(a)
+
+    g = dgj.graphed(impure, (jnp.ones(2),))
+    with pytest.raises(DualgraphError, match=r"traced again .* output\[\d\]"):
+        g.vjp(jnp.ones(2))
+    assert g(jnp.ones(2))[0].tolist() == [2.0, 2.0]

@@ -281,3 +281,52 @@ def test_an_array_type_whose_code_fails_is_a_dualgraph_error(registry: None) -> 
     register_array_type(FakeArray, signature=lambda x: 1 / 0, requires_grad=lambda x: True)
     with pytest.raises(dualgraph.DualgraphError, match=r"^\['x'\]: reading .* ZeroDivisionError"):
         describe({"x": FakeArray(2)})
+
+
+@pytest.mark.parametrize(
+    "answer", ["no", "False", 1, 0, None, np.array([True, False]), np.int64(1)], ids=repr
+)
+def test_a_requires_grad_that_is_not_a_bool_is_refused_naming_the_path(
+    registry: None, answer: Any
+) -> None:
+    # bool("no") is True: describe must not coerce what requires_grad answers
+    register_array_type(
+        FakeArray, signature=lambda x: (x.shape, x.dtype), requires_grad=lambda x: answer
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=r"^\['x'\]: .*requires_grad.* a bool"):
+        describe({"x": FakeArray(2)})
+
+
+@pytest.mark.parametrize("answer", [True, False, np.bool_(True), np.array(False)], ids=repr)
+def test_requires_grad_may_answer_a_bool_or_a_zero_dimensional_boolean_array(
+    registry: None, answer: Any
+) -> None:
+    register_array_type(
+        FakeArray, signature=lambda x: (x.shape, x.dtype), requires_grad=lambda x: answer
+    )
+    assert describe((FakeArray(2),)).grad_mask == (bool(answer),)
+
+
+@pytest.mark.parametrize(
+    ("cls", "signature", "requires_grad", "what"),
+    [
+        (5, _leaves._numpy_signature, _leaves._numpy_grad, "a class"),
+        ("numpy:ndarray", _leaves._numpy_signature, _leaves._numpy_grad, "a class"),
+        (FakeArray, None, _leaves._numpy_grad, "signature"),
+        (FakeArray, _leaves._numpy_signature, "yes", "requires_grad"),
+        (int, _leaves._numpy_signature, _leaves._numpy_grad, "constant"),
+        (tuple, _leaves._numpy_signature, _leaves._numpy_grad, "container"),
+        (type(None), _leaves._numpy_signature, _leaves._numpy_grad, "None"),
+    ],
+    ids=repr,
+)
+def test_register_array_type_refuses_what_would_break_the_registry(
+    registry: None, cls: Any, signature: Any, requires_grad: Any, what: str
+) -> None:
+    registered = dict(_leaves._REGISTERED)
+    with pytest.raises(dualgraph.DualgraphError, match=what):
+        register_array_type(cls, signature=signature, requires_grad=requires_grad)
+    assert registered == _leaves._REGISTERED
+    # nothing was registered: other objects are still described as before
+    with pytest.raises(UnsupportedLeafError, match=r"unsupported leaf of type builtins\.object"):
+        describe(object())

@@ -403,6 +403,35 @@ def test_nan_or_inf_positions_that_differ_fail(change: Any) -> None:
     assert report.worst.mismatched >= 1
 
 
+@pytest.mark.parametrize(
+    ("torch_side", "jax_side"),
+    [
+        (complex(np.nan, 1), complex(1, np.nan)),  # NaN in the real part vs the imaginary part
+        (complex(np.nan, 1), complex(np.nan, 7)),  # the same NaN part, the other part differs
+        (complex(np.inf, np.nan), complex(np.nan, np.inf)),  # inf and NaN parts swapped
+        (complex(np.inf, 1), complex(np.inf, -1)),  # the finite part's sign flipped
+        (complex(np.inf, 1), complex(-np.inf, 1)),  # the infinite part's sign flipped
+    ],
+    ids=["nan-real-vs-imag", "nan-other-part", "inf-nan-swapped", "finite-part", "inf-sign"],
+)
+@pytest.mark.parametrize("allow_nan", [False, True])
+def test_complex_entries_are_judged_part_by_part(
+    torch_side: complex, jax_side: complex, allow_nan: bool
+) -> None:
+    # np.isnan of a complex is True for a NaN in either part: that alone hid these differences
+    for dtype in (np.complex64, np.complex128):
+        actual = np.array([torch_side, 2 + 3j], dtype)
+        expected = np.array([jax_side, 2 + 3j], dtype)
+        leaf = compare_arrays("out", actual, expected, allow_nan=allow_nan)
+        assert not leaf.ok and leaf.score == float("inf") and leaf.mismatched == 1, leaf
+
+
+def test_complex_entries_non_finite_alike_in_both_parts_pass_and_are_counted() -> None:
+    x = np.array([complex(np.nan, 1), complex(np.inf, -2), complex(np.nan, np.inf), 2 + 3j])
+    leaf = compare_arrays("out", x, x.copy())
+    assert leaf.ok and leaf.nonfinite == 3 and leaf.mismatched == 0
+
+
 # -- integers, bools, dtypes: exact, never coerced -------------------------------------------------
 
 

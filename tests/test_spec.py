@@ -825,3 +825,19 @@ def test_describe_root_prefixes_unsupported_leaf_paths_but_not_spec_paths() -> N
     assert caught.value.path == "args[0]['x']"
     assert str(caught.value).startswith("args[0]['x']: unsupported leaf of type builtins.set")
     assert describe((array(2),), root="args").paths == ("[0]",)
+
+
+@pytest.mark.parametrize(
+    "mask", [{True}, frozenset({False}), {True: 1}, collections.OrderedDict([(True, 1)])], ids=repr
+)
+def test_with_grad_mask_refuses_unordered_or_keyed_collections(mask: Any) -> None:
+    # a set has no order and a dict's entries are its keys: neither says which leaf is which
+    spec = describe((np.zeros(2, np.float32),))
+    with pytest.raises(DualgraphError, match="a grad mask is a sequence of bools"):
+        spec.with_grad_mask(mask)
+
+
+@pytest.mark.parametrize("nodes", [5, None, 1.5, object()], ids=repr)
+def test_the_treespec_constructor_refuses_what_is_not_a_sequence_of_nodes(nodes: Any) -> None:
+    with pytest.raises(DualgraphError, match="a TreeSpec is made of the nodes of one tree"):
+        TreeSpec(nodes)

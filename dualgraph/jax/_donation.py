@@ -21,6 +21,7 @@ import jax
 from .._errors import DualgraphError, DualgraphWarning
 from .._nodes import clip
 from .._spec import LeafSpec, TreeSpec
+from ._dtypes import dtype_of
 from ._leaves import TRACER_TYPE
 
 __all__ = [
@@ -132,7 +133,10 @@ def unusable_donations(
 
 
 def _alias_key(leaf: LeafSpec) -> tuple[Any, ...]:
-    return leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype)
+    dtype = dtype_of(leaf.dtype or "")
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # PRNG keys
+        return leaf.shape, leaf.dtype
+    return leaf.shape, jax.dtypes.canonicalize_dtype(dtype)
 
 
 def warn_unusable(

@@ -15,32 +15,68 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .._dtypes import is_dtype_name
 from .._errors import DualgraphError
 from .._spec import LeafSpec
 from ._env import x64_enabled
 
-__all__ = ["jax_dtype", "refuse_narrowed_inputs"]
+__all__ = ["dtype_of", "jax_dtype", "refuse_narrowed_inputs"]
+
+#: JAX's own PRNG implementations, whose typed keys (``key<fry>``...) a spec can name.
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+@functools.cache
+def _key_dtypes() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for impl in _KEY_IMPLS:
+        try:
+            dtype = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl)).dtype
+        except Exception:  # an implementation this JAX does not have
+            continue
+        found[dtype.name] = dtype
+    return found
+
+
+def dtype_of(name: str, /) -> Any:
+    """The dtype object JAX uses for the spec dtype name ``name`` (numpy's, or a typed PRNG
+    key's), or ``None`` when JAX has none. Names are looked up, never parsed into new dtypes.
+
+    >>> dtype_of("float32"), dtype_of("key<fry>"), dtype_of("qint8")
+    (dtype('float32'), key<fry>, None)
+    """
+    key = _key_dtypes().get(name)
+    if key is not None:
+        return key
+    if not is_dtype_name(name):
+        return None
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        return None
 
 
 def jax_dtype(name: str, /) -> str | None:
     """The dtype JAX computes an array of dtype ``name`` in, under the current 64-bit mode.
 
     ``None`` when JAX has no such dtype. With the 64-bit mode off, ``jax_dtype("int64")`` is
-    ``"int32"``.
+    ``"int32"``; a typed PRNG key stays itself.
     """
+    if name in _key_dtypes():
+        return name
     return _jax_dtype(name, x64_enabled())
 
 
 @functools.cache
 def _jax_dtype(name: str, x64: bool) -> str | None:
     del x64  # part of the cache key: the answer depends on the mode
-    try:
-        dtype = jnp.dtype(name)
-    except TypeError:
+    dtype = dtype_of(name)
+    if dtype is None:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # JAX's "will be truncated" warning: we answer instead

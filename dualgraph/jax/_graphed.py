@@ -35,6 +35,7 @@ from ._donation import (
 )
 from ._dtypes import refuse_narrowed_inputs
 from ._env import config_value, enable_x64, x64_enabled
+from ._leaves import refuse_foreign_arrays
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -172,8 +173,20 @@ class GraphedCallable:
         args, kwargs = self.call_spec.unflatten(arrays)
         outputs = self.fn(*args, **kwargs)
         spec = describe(outputs, root="output")
-        if self._traced_spec is None:
+        traced = self._traced_spec
+        if traced is None:
             self._traced_spec = spec
+        elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
+            try:
+                traced.check(outputs, root="output")
+                difference = f"{spec!r} instead of {traced!r}"
+            except SpecMismatchError as error:
+                difference = str(error)
+            raise DualgraphError(
+                f"graphed({self.name}): the function returned another output tree when traced "
+                f"again (for its VJP): {difference}. Its outputs' structure, None leaves, "
+                "constants, shapes and dtypes must depend only on its inputs' spec"
+            )
         return spec.flatten(outputs)
 
     # -- every call -----------------------------------------------------------------------------
@@ -217,6 +230,7 @@ class GraphedCallable:
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         try:
             arrays = self.call_spec.flatten(args, kwargs, check=True)
+            refuse_foreign_arrays(f"graphed({self.name})", zip(self._paths, arrays, strict=True))
             if self._donated:
                 check_donated_inputs(arrays, self._donated, self._paths)
         except Exception as error:  # a tracer fails these checks in many ways: name the cause
@@ -251,8 +265,13 @@ def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -
     """The traced output spec, checked against ``out_spec`` and given its grad mask."""
     if out_spec is None:
         return traced
-    if isinstance(out_spec, str):
+    if isinstance(out_spec, (str, bytes, bytearray, memoryview)):
         out_spec = TreeSpec.from_json(out_spec)
+    elif not isinstance(out_spec, TreeSpec):
+        raise DualgraphError(
+            f"graphed({name}): out_spec must be a TreeSpec or its JSON (str or bytes), got "
+            f"{type(out_spec).__module__}.{type(out_spec).__qualname__}"
+        )
     stand_ins = traced.unflatten([struct_of(leaf) for leaf in traced.arrays])
     try:
         out_spec.check(stand_ins, root="output")

@@ -12,14 +12,17 @@ TreeSpec((bfloat16[2, 3](grad), int32[3], None))
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._dtypes import is_differentiable_dtype
+from .._errors import DualgraphError
 from .._leaves import register_array_type
 
-__all__ = ["TRACER_TYPE", "jax_signature"]
+__all__ = ["TRACER_TYPE", "jax_signature", "refuse_foreign_arrays"]
 
 
 def _tracer_type() -> type:
@@ -50,3 +53,50 @@ def _requires_grad(x: Any) -> bool:
 
 for _cls in (jax.Array, TRACER_TYPE, jax.ShapeDtypeStruct):
     register_array_type(_cls, signature=jax_signature, requires_grad=_requires_grad)
+
+
+# Array classes already seen to be JAX arrays (``isinstance(x, jax.Array)`` is an ABC test).
+_JAX_ARRAY_TYPES: set[type] = set()
+
+
+def refuse_foreign_arrays(where: str, leaves: Iterable[tuple[str, Any]], /) -> None:
+    """Raise naming the first ``(path, array)`` JAX would not take as it is.
+
+    A spec compares shapes and dtype names only, so a torch tensor, a numpy masked array (JAX
+    refuses its mask) or a numpy array in non-native byte order passes a spec check; JAX then
+    fails on it with an error that names no path.
+
+    >>> refuse_foreign_arrays("g", [("args[0]", np.ones(2, ">f4"))])
+    Traceback (most recent call last):
+    ...
+    dualgraph.DualgraphError: g: args[0] is a numpy array in non-native byte order (>f4): ...
+    """
+    for path, x in leaves:
+        cls = type(x)
+        if cls is np.ndarray:
+            if x.dtype.isnative:
+                continue
+            problem = (
+                f"a numpy array in non-native byte order ({x.dtype.str}): JAX does not take "
+                "it; pass x.astype(x.dtype.newbyteorder('='))"
+            )
+        elif cls in _JAX_ARRAY_TYPES:
+            continue
+        elif isinstance(x, jax.Array):
+            _JAX_ARRAY_TYPES.add(cls)
+            continue
+        elif isinstance(x, np.ma.MaskedArray):
+            problem = (
+                "a numpy masked array: JAX does not take its mask; pass x.filled(value) or "
+                "np.asarray(x)"
+            )
+        elif isinstance(x, np.ndarray):
+            if x.dtype.isnative:
+                continue
+            problem = f"a numpy array in non-native byte order ({x.dtype.str})"
+        else:
+            problem = (
+                f"a {cls.__module__}.{cls.__qualname__}, not a JAX or numpy array (same shape "
+                "and dtype, but JAX cannot take it as an input)"
+            )
+        raise DualgraphError(f"{where}: {path} is {problem}")

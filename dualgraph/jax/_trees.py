@@ -6,18 +6,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optree
 
 from .._containers import NAMESPACE
+from .._errors import DualgraphError
 from .._spec import LeafSpec, TreeSpec, describe
+from ._dtypes import dtype_of
 
 __all__ = ["keep_arrays", "struct_of"]
 
 
 def struct_of(leaf: LeafSpec, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    """The ``ShapeDtypeStruct`` of an array leaf of a spec."""
-    return jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(leaf.dtype), sharding=sharding)
+    """The ``ShapeDtypeStruct`` of an array leaf of a spec (typed PRNG keys included)."""
+    dtype = dtype_of(leaf.dtype or "")
+    if dtype is None:
+        raise DualgraphError(f"{leaf.path or '<root>'}: JAX has no dtype {leaf.dtype}")
+    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
 
 
 def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:

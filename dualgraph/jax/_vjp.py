@@ -18,6 +18,7 @@ from .._dtypes import is_differentiable_dtype
 from .._spec import TreeSpec
 from ._donation import jax_donation_warnings
 from ._env import enable_x64
+from ._leaves import refuse_foreign_arrays
 from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
 
@@ -42,6 +43,7 @@ class VJPProgram:
         masked_outputs = [j for j, m in enumerate(out_spec.grad_mask) if m]
         n_args = call_spec.num_args_arrays
         self.cotangent_spec = keep_arrays(out_spec, out_spec.grad_mask)
+        self.cotangent_paths = ["cotangent" + p for p in self.cotangent_spec.array_paths]
         self.args_grad_spec = keep_arrays(call_spec.args_spec, differentiable[:n_args])
         self.kwargs_grad_spec = keep_arrays(call_spec.kwargs_spec, differentiable[n_args:])
         self.num_args_grads = sum(differentiable[:n_args])
@@ -101,6 +103,10 @@ class Pullback:
         program = self._program
         try:
             cotangents = program.cotangent_spec.flatten(cotangent, check=True, root="cotangent")
+            refuse_foreign_arrays(
+                f"the pullback of graphed({program.name})",
+                zip(program.cotangent_paths, cotangents, strict=True),
+            )
             with enable_x64(self._x64):
                 grads = program.backward(self._residuals, cotangents)
         except Exception as error:  # a tracer fails these in many ways: name the cause

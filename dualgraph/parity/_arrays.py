@@ -47,10 +47,15 @@ def compare_arrays(
         return _compare_exact(path, actual, expected)
     tolerance = tolerance_for(dtype, tolerances)
     a, b = _widened(actual), _widened(expected)
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    inf_a, inf_b = np.isinf(a) & ~nan_a, np.isinf(b) & ~nan_b
-    finite = ~(nan_a | nan_b | inf_a | inf_b)
-    nonfinite_differs = (nan_a != nan_b) | (inf_a != inf_b) | (inf_a & inf_b & (a != b))
+    # NaN and infinities part by part: a complex entry is NaN for a NaN in either part, so
+    # judged as a whole, NaN in the real part would match NaN in the imaginary part.
+    part_a, part_b = _parts(a), _parts(b)
+    nan_a, nan_b = np.isnan(part_a), np.isnan(part_b)
+    inf_a, inf_b = np.isinf(part_a), np.isinf(part_b)
+    part_finite = ~(nan_a | nan_b | inf_a | inf_b)
+    finite = part_finite.all(axis=-1)
+    part_differs = (nan_a != nan_b) | (inf_a != inf_b) | (inf_a & inf_b & (part_a != part_b))
+    nonfinite_differs = part_differs.any(axis=-1)
     a_fin, b_fin = a[finite], b[finite]
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         diff = np.abs(a_fin - b_fin)  # float64 values near its limit: differences may be inf
@@ -60,6 +65,15 @@ def compare_arrays(
         ratio = np.where(diff == 0, 0.0, diff / allowed)  # allowed == 0 < diff: inf
         ratio[np.isnan(ratio)] = np.inf  # an overflowed difference over an overflowed limit
         relative = np.where((diff == 0) | (magnitude == 0), 0.0, diff / magnitude)
+        # The finite part of an entry whose other part is NaN or infinite (complex only) is
+        # held to the same limits as a finite entry.
+        partial = ~finite & ~nonfinite_differs & part_finite.any(axis=-1)
+        if partial.any():
+            kept = part_finite[partial]
+            x, y = part_a[partial][kept], part_b[partial][kept]
+            over_part = np.abs(x - y) > tolerance.rtol * np.abs(y) + tolerance.atol * scale
+            rows = np.flatnonzero(partial)[np.flatnonzero(kept)[over_part] // kept.shape[-1]]
+            nonfinite_differs[rows] = True
     over = int(np.count_nonzero(ratio > 1)) + int(np.count_nonzero(nonfinite_differs))
     score = float(ratio.max(initial=0.0))
     if nonfinite_differs.any():
@@ -67,7 +81,7 @@ def compare_arrays(
     nonfinite = int(np.count_nonzero(~finite & ~nonfinite_differs))
     warning = None
     if expected.size and nonfinite == expected.size:
-        warning = _all_nonfinite(nan_b)
+        warning = _all_nonfinite(nan_b.any(axis=-1))
     return LeafReport(
         path=path,
         dtype=dtype,
@@ -139,6 +153,13 @@ def _widened(x: np.ndarray) -> np.ndarray:
     else:  # bfloat16, float8 and the other ml_dtypes floats
         wide = np.dtype(np.float64)
     return np.atleast_1d(x.astype(wide))
+
+
+def _parts(x: np.ndarray) -> np.ndarray:
+    """``x`` with a last axis of its parts: the value itself, or a complex's real and imaginary."""
+    if x.dtype.kind == "c":
+        return np.stack([x.real, x.imag], axis=-1)
+    return x[..., np.newaxis]
 
 
 def _rms(magnitude: np.ndarray) -> float:
