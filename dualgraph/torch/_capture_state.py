@@ -16,6 +16,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parameter import is_lazy
 
+from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
 from ._ambient import autocast_state
 from ._capture_failure import Refused
@@ -207,6 +208,20 @@ class _Capture:
 
     def record_outputs(self, outputs: Any) -> list[torch.Tensor]:
         """The output tensors, checked; the first call fixes the spec, later ones must match it."""
+        known = self.out_spec
+        if known is not None and not self.options.results_outside_pool:
+            # Later calls (warmup, capture): one pass of the spec's compiled check (structure,
+            # constants, shapes, dtypes) and the grad flags, instead of describing them anew.
+            try:
+                flat = known.flatten(outputs, check=True)
+            except DualgraphError:
+                flat = None
+            if (
+                flat is not None
+                and all(isinstance(t, torch.Tensor) and unsupported_tensor(t) is None for t in flat)
+                and tuple(t.requires_grad for t in flat) == known.grad_mask
+            ):
+                return flat
         spec = describe(outputs)
         flat = spec.flatten(outputs)
         for path, leaf in zip(spec.array_paths, flat, strict=True):
