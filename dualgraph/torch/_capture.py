@@ -62,10 +62,10 @@ class CaptureRequest:
     inputs: InputGuard
     sample_tensors: tuple[torch.Tensor, ...]
     # Static buffers for the parameter grads (one per parameter that requires grad), shared with
-    # other captures of the same callable: "autograd" and "auto" copy the grads into them,
-    # "in_graph" adds them (they are the accumulators). ``None``: new ones.
+    # other captures of the same callable: "autograd" (and "auto" without accumulators) copy the
+    # grads into them, "in_graph" adds them (they are the accumulators). ``None``: new ones.
     param_grad_buffers: tuple[torch.Tensor, ...] | None = None
-    # "auto": the accumulators (the parameters' .grad) its accumulate graph adds those grads into,
+    # "auto": the accumulators (the parameters' .grad) its backward graph adds those grads into,
     # shared the same way. ``None``: new ones.
     param_accumulators: tuple[torch.Tensor, ...] | None = None
     # What runs around the callable besides its graphs: the context of its Python, capture-time

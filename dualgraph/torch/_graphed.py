@@ -184,8 +184,9 @@ def make_graphed_callables(
             ``"emulate"``.
         clone_outputs: return outputs cloned out of the static buffers (see :func:`owned`).
         param_grads: how parameter grads reach ``.grad``. ``"auto"`` (default) decides per
-            backward: a plain ``loss.backward()`` adds them into ``.grad`` with a small graph
-            and no per-parameter autograd work, unless a parameter has a hook, the forward ran
+            backward: the backward graph adds them into the ``.grad`` accumulators, and a plain
+            ``loss.backward()`` keeps that sum with no per-parameter autograd work, unless a
+            parameter has a hook, the forward ran
             under ``DistributedDataParallel``, or anomaly mode or ``create_graph`` is on; then,
             and for ``torch.autograd.grad`` or ``backward(inputs=...)``, they go through
             autograd. ``"autograd"`` always returns them through autograd. ``"in_graph"`` adds

@@ -698,7 +698,8 @@ class GraphedCallable:
     def _backward_into_accumulators(self, replay: Callable[[], None]) -> bool:
         """Replay ``replay``, which adds the parameter grads into static accumulators.
 
-        ``replay`` is the backward graph (``"in_graph"``) or the accumulate graph (``"auto"``).
+        ``replay`` is the backward graph, which adds into the accumulators (``"in_graph"``, and
+        ``"auto"`` with accumulators).
 
         Keeps eager's ``.grad`` contract. A ``.grad`` that is its accumulator is added to in
         place. A ``.grad`` set to ``None`` (``zero_grad``) starts from zero in a tensor nobody
