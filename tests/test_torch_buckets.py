@@ -924,3 +924,46 @@ def test_cuda_buckets_keep_outputs_and_grads_outside_the_pool() -> None:
             if tensor is not None and tensor.numel():
                 address = tensor.data_ptr()
                 assert not any(start <= address < end for start, end in ranges), runner.name
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager"])
+@pytest.mark.parametrize(
+    ("backend", "param_grads", "kind"),
+    [
+        pytest.param(*p.values, kind, marks=p.marks, id=f"{p.id}-{kind}")
+        for p in GRAPH_GRAD_MODES
+        if p.values[1] != "autograd"
+        for kind in ("plain", "inputs")
+        if not (p.values[1] == "in_graph" and kind == "inputs")
+    ],
+)
+def test_a_grad_kept_after_zero_grad_is_never_written_by_a_bucket(
+    backend: str, param_grads: str, kind: str, fallback: str
+) -> None:
+    # The buckets share the accumulators and count who holds them once all are built: a
+    # reference of the capture's own counted then hid the user's one, whose tensor the next
+    # backward (in-graph, or into zeroed accumulators for autograd's copies) overwrote.
+    device = device_of(backend)
+    layer, twin = twins(lambda: nn.Linear(4, 4), device)
+    samples = [(torch.randn(n, 4, device=device),) for n in (2, 3)]
+    dgt.make_graphed_callables(
+        layer, buckets=samples, backend=backend, param_grads=param_grads, fallback=fallback
+    )
+    for n in (3, 2, 3):
+        x = torch.randn(n, 4, device=device)
+        for module in (layer, twin):
+            module(x).square().sum().backward()
+        held = [(m.weight.grad, m.weight.grad.clone()) for m in (layer, twin)]
+        for module in (layer, twin):
+            module.zero_grad(set_to_none=True)
+        x = torch.randn(5 - n, 4, device=device)  # the other bucket
+        for module in (layer, twin):
+            loss = module(x).square().sum()
+            if kind == "inputs":  # "auto": autograd's copies, from zeroed accumulators
+                loss.backward(inputs=[module.weight, module.bias])
+            else:
+                loss.backward()
+        for module, (grad, values) in zip((layer, twin), held, strict=True):
+            assert_tensors_match(grad, values, "a .grad kept after zero_grad(set_to_none=True)")
+            assert module.weight.grad is not grad
+        assert_tensors_match(layer.weight.grad, twin.weight.grad, "weight grad")

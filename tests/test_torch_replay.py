@@ -324,6 +324,60 @@ def test_what_only_an_output_left_out_of_the_loss_depends_on_gets_no_grad(
             twin.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_hooks_of_what_only_an_output_left_out_of_the_loss_reaches_are_not_called(
+    backend: str, param_grads: str
+) -> None:
+    # The replay's node has an edge to every input and parameter: the engine ran the hooks of
+    # those it gave None (a tensor hook got None, `grad * 2` raised a TypeError), where eager's
+    # backward never reaches them. A hook sees a grad as soon as the loss uses its head again.
+    device = device_of(backend)
+    module, twin = TwoHeads().to(device), TwoHeads().to(device)
+    twin.load_state_dict(module.state_dict())
+    samples = (torch.randn(2, 4, device=device, requires_grad=True),) * 2
+    dgt.make_graphed_callables(module, samples, backend=backend, param_grads=param_grads)
+    calls: dict[str, list[Any]] = {"graphed": [], "eager": []}
+    for net, seen in ((module, calls["graphed"]), (twin, calls["eager"])):
+        net.b.weight.register_hook(lambda grad: grad * 2)
+        net.b.bias.register_post_accumulate_grad_hook(lambda p, seen=seen: seen.append("post"))
+        torch.autograd.graph.register_multi_grad_hook(
+            (net.a.weight, net.b.weight),
+            lambda grads, seen=seen: seen.append([g is None for g in grads]),
+        )
+        torch.autograd.graph.register_multi_grad_hook(
+            (net.b.bias, net.a.bias),
+            lambda grad, seen=seen: seen.append(grad.shape),
+            mode="any",
+        )
+    posts = 0
+    for step, heads in enumerate(((0,), (0, 1), (0,), (1,))):
+        inputs = [torch.randn(2, 4, device=device, requires_grad=True) for _ in range(2)]
+        copies = [t.detach().clone().requires_grad_() for t in inputs]
+        for net, (x, z), seen in (
+            (module, inputs, calls["graphed"]),
+            (twin, copies, calls["eager"]),
+        ):
+            z.register_hook(lambda grad, seen=seen: seen.append("z") or grad * 2)
+            outputs = net(x, z)
+            sum(outputs[i].square().sum() for i in heads).backward()
+        # (in another order: the replay's node hands every grad on at once)
+        graphed, eager = (sorted(map(repr, calls[k])) for k in ("graphed", "eager"))
+        assert graphed == eager, f"step {step}: hook calls"
+        posts += graphed.count("'post'")
+        for seen in calls.values():
+            seen.clear()
+        names = [f"step {step}: {name}" for name in ("x", "z", *parameter_names(module))]
+        assert_grads_match(
+            grads_of([*inputs, *parameters_of(module)]),
+            grads_of([*copies, *parameters_of(twin)]),
+            names,
+            tolerance(backend),
+        )
+    assert posts == 2
+
+
 # -- the plan ------------------------------------------------------------------------------------
 
 

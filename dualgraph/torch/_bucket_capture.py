@@ -161,6 +161,9 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
         if options.param_grads == "auto" and request.fallback == "eager":
             eager_graphs = EagerGraphs()
+        # no reference of this capture's own to the accumulators may outlive it into the
+        # holder counts taken below (each would hide one reference a user keeps)
+        del accumulators, shared
         runners = [
             GraphedCallable(plan, lock=request.shared_lock, other_uses=eager_graphs)
             for plan in plans

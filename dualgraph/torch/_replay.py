@@ -48,6 +48,7 @@ from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
 from ._replay_hooks import ReplayCall
+from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
 __all__ = ["GraphedCallable"]
 
@@ -493,6 +494,9 @@ class GraphedCallable:
                 param_grads = tuple(
                     None if i in unreached_params else grad for i, grad in enumerate(param_grads)
                 )
+                _quiet_hooks(self._params[i] for i in unreached_params)
+            if unreached_inputs:
+                _quiet_hooks(inputs[position - 1] for position in unreached_inputs)
             return self._hand_out_grads(
                 needs_input_grad, inputs, plain, param_grads, owned=owned, skip=unreached_inputs
             )
