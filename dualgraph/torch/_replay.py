@@ -129,6 +129,7 @@ class GraphedCallable:
         "_static_outputs",
         "_storages",
         "_unreached_memo",
+        "_unwatched",
         "backend",
         "diagnostics",
         "name",
@@ -212,6 +213,9 @@ class GraphedCallable:
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
+        # trainable, no tensor hook, no post-accumulate hook: what each parameter's flags read
+        # when nothing watches it (_nothing_watches_params)
+        self._unwatched = ((True, None, None),) * len(self._params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -551,6 +555,8 @@ class GraphedCallable:
         checks the grads handed to them for NaN.
         """
         params = self._params
+        if tuple(map(_in_graph_flags, params)) == self._unwatched:  # one pass, the usual case
+            return not _is_anomaly_enabled()
         return not (
             any(map(_tensor_hooks, params))
             or any(map(_post_accumulate_hooks, params))
