@@ -645,3 +645,84 @@ def test_a_replay_inside_saved_tensor_hooks_trains_like_eager(
             parameter_names(block),
             tolerance(backend),
         )
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (a user op failing inside the callable)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if _FailingBackward.armed:
+            raise ValueError("failing backward")
+        return grad
+
+
+class _FailsInBackward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingBackward.apply(self.fc(x))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_replay.py (the lead's): _backward_into_accumulators zeroes the accumulator that a "
+    "kept .grad still is, then an exception in the replayed backward skips the restore",
+)
+@pytest.mark.parametrize("param_grads", ["auto", "in_graph"])
+def test_a_backward_that_raises_leaves_a_kept_grad_as_it_was(param_grads: str) -> None:
+    """Eager never writes a ``.grad`` kept across ``zero_grad(set_to_none=True)``, even when
+    the next backward fails half-way (``emulate`` re-runs the user's backward, which may raise)."""
+    torch.manual_seed(0)
+    model = _FailsInBackward()
+    dgt.make_graphed_callables(
+        model, (torch.randn(2, 4, requires_grad=True),), backend="emulate", param_grads=param_grads
+    )
+    model(torch.randn(2, 4)).sum().backward()
+    kept = model.fc.weight.grad
+    assert kept is not None
+    values = kept.clone()
+    model.zero_grad(set_to_none=True)
+    _FailingBackward.armed = True
+    try:
+        with pytest.raises(ValueError, match="failing backward"):
+            model(torch.randn(2, 4)).sum().backward()
+    finally:
+        _FailingBackward.armed = False
+    assert model.fc.weight.grad is None
+    assert torch.equal(kept, values)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_replay.py (the lead's): _backward_into_copies zeroes the accumulators, which .grad "
+    "is after a plain backward, then an exception in the replayed backward skips the restore",
+)
+def test_a_backward_that_raises_through_autograd_leaves_the_accumulated_grad() -> None:
+    """``"auto"`` with a parameter hook replays into zeroed accumulators; a backward failing
+    there must leave the ``.grad`` accumulated so far as eager leaves it."""
+    torch.manual_seed(0)
+    model = _FailsInBackward()
+    twin = _FailsInBackward()
+    twin.load_state_dict(model.state_dict())
+    dgt.make_graphed_callables(model, (torch.randn(2, 4, requires_grad=True),), backend="emulate")
+    x = torch.randn(2, 4)
+    for m in (model, twin):
+        m(x).sum().backward()  # .grad is the graph's accumulator now
+        m.fc.weight.register_hook(lambda grad: grad)  # the next backward goes through autograd
+        _FailingBackward.armed = True
+        try:
+            with pytest.raises(ValueError, match="failing backward"):
+                m(x).sum().backward()
+        finally:
+            _FailingBackward.armed = False
+    assert twin.fc.weight.grad is not None and model.fc.weight.grad is not None
+    assert torch.equal(model.fc.weight.grad, twin.fc.weight.grad)

@@ -1035,3 +1035,91 @@ def test_fake_layers_are_te_modules_for_dualgraph(monkeypatch: pytest.MonkeyPatc
     assert entry_points.base_module is not None
     assert isinstance(te.linear("a"), entry_points.base_module)
     assert isinstance(te.linear("a"), FakeFP8Linear)
+
+
+class _TwoHeads(torch.nn.Module):
+    """An FP8-weight layer and a plain one, each giving one output (a loss may leave one out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8 = fp8_weight_linear(0)
+        torch.manual_seed(1)
+        self.plain = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fp8(x).tanh(), self.plain(x) * 2
+
+
+def _graph_two_heads(model: torch.nn.Module, layout: str, param_grads: str) -> None:
+    options: dict[str, Any] = {"backend": "emulate", "param_grads": param_grads}
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    if layout == "slots":
+        options["slots"] = 2
+    elif layout == "schedule":
+        options["schedule"] = [1, 1, -1, -1]
+    dgt.make_graphed_callables(model, sample, **options)
+
+
+@pytest.mark.parametrize("layout", ["one", "slots", "schedule"])
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+def test_fp8_weights_get_eagers_grads_in_every_mode_and_layout(
+    layout: str, param_grads: str
+) -> None:
+    """A tensor-subclass parameter whose ``__torch_function__`` hands back plain tensors (as the
+    stand-in's, and TE's dequantizing ops, do): ``"autograd"`` once gave its ``.grad`` ``None``
+    (the lookup of its ``AccumulateGrad`` node found a fresh alias node instead)."""
+    graphed, eager = _TwoHeads(), _TwoHeads()
+    _graph_two_heads(graphed, layout, param_grads)
+    generator = torch.Generator().manual_seed(5)
+    for step in range(3):
+        for model in (graphed, eager):
+            model.zero_grad(set_to_none=step != 1)
+        xs = [torch.randn(2, 4, generator=generator) for _ in range(2)]
+        for model in (graphed, eager):
+            inputs = [x.clone().requires_grad_() for x in xs]
+            outputs = [model(x) for x in inputs] if layout != "one" else []
+            for k, x in enumerate(inputs):
+                fp8, plain = outputs[k] if outputs else model(x)
+                (fp8.square().sum() + plain.sum()).backward()
+            model.x_grads = [x.grad for x in inputs]  # type: ignore[assignment]
+        for a, e in zip(graphed.x_grads, eager.x_grads, strict=True):  # type: ignore[arg-type]
+            assert torch.equal(a, e)
+        for (name, param), twin in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+            assert twin.grad is not None and type(twin.grad) is torch.Tensor
+            assert param.grad is not None, f"step {step}: {name}.grad is None"
+            assert type(param.grad) is torch.Tensor, name
+            assert torch.equal(param.grad, twin.grad), f"step {step}: {name}"
+
+
+@pytest.mark.parametrize("layout", ["one", "slots", "schedule"])
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+@pytest.mark.parametrize("loss", ["both", "plain_only"])
+def test_hooks_of_fp8_weights_run_as_in_eager(layout: str, param_grads: str, loss: str) -> None:
+    """Their tensor hooks run once per replay with eager's grad (the replay's own backward once
+    ran them too, with the grads it computes, zeros for an output left out of the loss), and not
+    at all where the loss leaves out every output that reaches them."""
+    graphed, eager = _TwoHeads(), _TwoHeads()
+    _graph_two_heads(graphed, layout, param_grads)
+    seen: dict[str, list[Any]] = {"graphed": [], "eager": []}
+    for key, model in (("graphed", graphed), ("eager", eager)):
+        weight = model.fp8.weight
+        weight.register_hook(lambda grad, key=key: seen[key].append(grad.clone()))
+        weight.register_post_accumulate_grad_hook(
+            lambda param, key=key: seen[key].append(("post", param.grad.clone()))
+        )
+    generator = torch.Generator().manual_seed(6)
+    xs = [torch.randn(2, 4, generator=generator) for _ in range(2)]
+    for model in (graphed, eager):
+        inputs = [x.clone().requires_grad_() for x in xs]
+        outputs = [model(x) for x in inputs] if layout != "one" else []
+        for k, x in enumerate(inputs):
+            fp8, plain = outputs[k] if outputs else model(x)
+            (plain.sum() + (fp8.square().sum() if loss == "both" else 0)).backward()
+    assert len(seen["eager"]) == (4 if loss == "both" else 0)
+    assert len(seen["graphed"]) == len(seen["eager"])
+    for a, e in zip(seen["graphed"], seen["eager"], strict=True):
+        if isinstance(e, tuple):
+            assert isinstance(a, tuple) and a[0] == e[0]
+            a, e = a[1], e[1]
+        assert torch.equal(a, e)
+    assert (graphed.fp8.weight.grad is None) == (eager.fp8.weight.grad is None)

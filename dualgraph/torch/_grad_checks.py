@@ -22,6 +22,7 @@ __all__ = [
     "grad_accumulator",
     "grad_problem",
     "holders",
+    "own_hooks",
     "span",
     "will_engine_execute_node",
     "will_execute_or_capture",
@@ -30,11 +31,46 @@ __all__ = [
 _STRIDED = torch.strided
 _storage_use_count = torch._C._storage_Use_Count
 will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
-# A leaf's AccumulateGrad node (made if none is alive): torch.autograd.graph's, without the
-# GradientEdge that get_gradient_edge wraps it in.
-grad_accumulator = getattr(
+_node_of = getattr(
     torch.autograd.graph, "_get_grad_fn_or_grad_acc", lambda t: get_gradient_edge(t).node
 )
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def grad_accumulator(tensor: torch.Tensor) -> Any:
+    """A leaf's ``AccumulateGrad`` node (made if none is alive).
+
+    torch.autograd.graph's lookup, without the ``GradientEdge`` that ``get_gradient_edge`` wraps
+    it in, and past a tensor subclass's ``__torch_function__`` (the lookup differentiates
+    ``tensor.view_as(tensor)``; a subclass that hands back plain tensors, as Transformer
+    Engine's FP8 weights do, would add a node of its own in between).
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> type(grad_accumulator(w)).__name__
+    'AccumulateGrad'
+    """
+    if type(tensor) in _PLAIN:
+        return _node_of(tensor)
+    with _no_torch_function():
+        return _node_of(tensor)
+
+
+def own_hooks(tensor: torch.Tensor, which: str = "_backward_hooks") -> Any:
+    """The hook dict ``which`` of ``tensor`` itself (``None`` if it has none), to change it.
+
+    Read past a tensor subclass's ``__torch_function__``, which may hand back a copy of it
+    (one that rebuilds the containers it returns), in which a change would be lost.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> handle = w.register_hook(lambda grad: grad)
+    >>> own_hooks(w) is w._backward_hooks
+    True
+    """
+    if type(tensor) in _PLAIN:
+        return getattr(tensor, which, None)
+    with _no_torch_function():
+        return getattr(tensor, which, None)
 
 
 def aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .._errors import DualgraphError
+from ._grad_checks import own_hooks
 
 __all__ = [
     "ModuleTensors",
@@ -274,7 +275,7 @@ def suspended_tensor_hooks(params: Sequence[torch.Tensor]) -> Iterator[None]:
     """
     suspended: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
     for param in params:
-        hooks = param._backward_hooks
+        hooks = own_hooks(param)
         if hooks:
             suspended.append((hooks, dict(hooks)))
             hooks.clear()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._grad_checks import grad_accumulator
+from ._grad_checks import grad_accumulator, own_hooks
 
 __all__ = ["quiet_hooks"]
 
@@ -49,13 +49,13 @@ def quiet_hooks(tensors: Iterable[torch.Tensor]) -> None:
     restore: list[tuple[dict[Any, Any], Any, Any, Any]] = []
     handles = []
     for tensor in tensors:
-        hooks = tensor._backward_hooks
+        hooks = own_hooks(tensor)
         if hooks:
             for key, hook in list(hooks.items()):
                 if not _is_multi_grad_counter(hook):
                     hooks[key] = quiet = _tensor_hook(hook)
                     restore.append((hooks, key, hook, quiet))
-        post_hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+        post_hooks = own_hooks(tensor, "_post_accumulate_grad_hooks")
         if post_hooks and tensor.grad_fn is None:
             got_none = [False]
             node = grad_accumulator(tensor)
