@@ -672,11 +672,6 @@ class _FailsInBackward(torch.nn.Module):
         return _FailingBackward.apply(self.fc(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_replay.py (the lead's): _backward_into_accumulators zeroes the accumulator that a "
-    "kept .grad still is, then an exception in the replayed backward skips the restore",
-)
 @pytest.mark.parametrize("param_grads", ["auto", "in_graph"])
 def test_a_backward_that_raises_leaves_a_kept_grad_as_it_was(param_grads: str) -> None:
     """Eager never writes a ``.grad`` kept across ``zero_grad(set_to_none=True)``, even when
@@ -701,11 +696,6 @@ def test_a_backward_that_raises_leaves_a_kept_grad_as_it_was(param_grads: str) -
     assert torch.equal(kept, values)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_replay.py (the lead's): _backward_into_copies zeroes the accumulators, which .grad "
-    "is after a plain backward, then an exception in the replayed backward skips the restore",
-)
 def test_a_backward_that_raises_through_autograd_leaves_the_accumulated_grad() -> None:
     """``"auto"`` with a parameter hook replays into zeroed accumulators; a backward failing
     there must leave the ``.grad`` accumulated so far as eager leaves it."""

@@ -539,12 +539,14 @@ class GraphedCallable:
         for i in sorted(unreached):
             grad = params[i].grad
             kept.append((params[i], grad, None if grad is None else grad.clone()))
-        self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
-        for param, grad, values in kept:
-            if param.grad is not grad:
-                param.grad = grad
-            if grad is not None and values is not None:
-                grad.copy_(values)
+        try:
+            self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+        finally:
+            for param, grad, values in kept:
+                if param.grad is not grad:
+                    param.grad = grad
+                if grad is not None and values is not None:
+                    grad.copy_(values)
 
     def _nothing_watches_params(self) -> bool:
         """Whether ``.grad`` may be updated without the parameters' ``AccumulateGrad`` nodes.
@@ -764,7 +766,13 @@ class GraphedCallable:
                 accumulator.copy_(grad)
         if zeroed:
             torch._foreach_zero_(zeroed)
-        replay()
+        try:
+            replay()
+        except BaseException:  # (emulate) put back what a kept .grad held; nothing else changed
+            for _, accumulator, _, saved in pending:
+                if saved is not None:
+                    accumulator.copy_(saved)
+            raise
         for param, accumulator, grad, saved in pending:
             if grad is not None:
                 grad.copy_(accumulator)
@@ -798,10 +806,12 @@ class GraphedCallable:
         ]
         saved = list(torch._foreach_mul(held, 1.0)) if held else []
         torch._foreach_zero_(accumulators)
-        self._replay_backward()  # type: ignore[misc]
-        copies = torch._foreach_mul(accumulators, 1.0)
-        if held:
-            torch._foreach_copy_(held, saved)
+        try:
+            self._replay_backward()  # type: ignore[misc]
+            copies = torch._foreach_mul(accumulators, 1.0)
+        finally:  # a backward that raised (emulate) leaves every .grad as it found it too
+            if held:
+                torch._foreach_copy_(held, saved)
         grads: list[torch.Tensor | None] = [None] * len(self._params)
         for position, copy_ in zip(self._accumulator_positions, copies, strict=True):
             grads[position] = copy_
