@@ -575,3 +575,22 @@ def test_a_failed_capture_leaves_buffers_and_hooks_as_they_were(backend: str) ->
     module.calls = -100
     module(torch.randn(8, 4, device=device)).sum().backward()
     assert len(seen) == 1  # the hook is still there, and ran once
+
+
+def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pool's segments on the device, summed; a handle that is no pair id counts 0."""
+    from dualgraph.torch import _capture_cuda
+
+    segments = [
+        {"segment_pool_id": (0, 1), "device": 0, "total_size": 2 << 20},
+        {"segment_pool_id": (0, 1), "device": 0, "total_size": 1 << 20},
+        {"segment_pool_id": (0, 1), "device": 1, "total_size": 8 << 20},  # another device
+        {"segment_pool_id": (0, 2), "device": 0, "total_size": 4 << 20},
+        {"segment_pool_id": (0, 0), "device": 0, "total_size": 16 << 20},  # no graph pool
+    ]
+    calls: list[None] = []
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: calls.append(None) or segments)
+    sizes = _capture_cuda._pool_bytes([(0, 1), object(), (0, 2), (0, 3)], torch.device("cuda", 0))
+    assert sizes == [3 << 20, 0, 4 << 20, 0] and len(calls) == 1
+    assert _capture_cuda._pool_bytes([object()], torch.device("cuda", 0)) == [0]
+    assert len(calls) == 1  # no handle to look for: no snapshot
