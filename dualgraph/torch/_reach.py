@@ -17,7 +17,8 @@ import torch
 
 __all__ = ["reach_of", "trace_leaves"]
 
-_ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # the node of a leaf that needs grad
+# The node of a leaf that needs grad (read with getattr: torch's stubs do not declare it).
+_ACCUMULATE_GRAD: Any = getattr(torch._C._functions, "AccumulateGrad")  # noqa: B009
 
 
 def reach_of(
