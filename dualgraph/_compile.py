@@ -9,6 +9,9 @@ node's path as a comment, and the source is registered in :mod:`linecache` under
 its own, so a traceback through it shows the line. A larger tree is run by a loop over its
 nodes instead (the same results, without the cost of compiling a huge function).
 
+Specs of equal nodes (as a capture describes the same call for each of its layers) share one
+program, made for the first of them and kept while any of them lives.
+
 ``flatten`` and ``check`` return ``None`` on a mismatch; the spec then explains it (slow path).
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ._containers import NamedContainer
 from ._leaves import same_float, signature_of
 from ._nodes import ArrayLeaf, ConstLeaf, Container, Leaf, Node
 
@@ -38,7 +42,7 @@ Flatten = Callable[[Any], "list[Any] | None"]
 class Program:
     """The hot-path functions of one spec (see the module docstring)."""
 
-    __slots__ = ("_code", "check", "flatten", "source", "unflatten")
+    __slots__ = ("__weakref__", "_code", "check", "flatten", "source", "unflatten")
 
     def __init__(
         self,
@@ -61,7 +65,23 @@ def compile_program(nodes: Sequence[Node], paths: Callable[[], Sequence[str]]) -
     """
     if len(nodes) > COMPILE_LIMIT:
         return _walker(nodes)
-    return _generate(nodes, paths())
+    key = _program_key(nodes)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS[key] = _generate(nodes, paths())
+    return program
+
+
+#: The programs of the specs alive, by their nodes (see :func:`_program_key`).
+_PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
+
+
+def _program_key(nodes: Sequence[Node]) -> tuple[Any, ...]:
+    """What the generated code of ``nodes`` depends on: the nodes (which compare by value: a
+    constant with its type, an array by shape and dtype, a mapping by its keys, a class by
+    identity), and the fields of each class (read from the class, not part of its node's key)."""
+    fields = tuple(node.fields for node in nodes if isinstance(node, NamedContainer))
+    return (tuple(nodes), fields)
 
 
 # -- generated code ------------------------------------------------------------------------------

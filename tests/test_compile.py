@@ -247,3 +247,62 @@ def test_unflatten_rebuilds_namedtuples_and_dataclasses(spec_of: Describe) -> No
 def test_unflatten_keeps_the_users_dict_key_order(spec_of: Describe) -> None:
     rebuilt = spec_of({"zeta": array(2), "alpha": array(3)})._program.unflatten(["a", "z"])
     assert list(rebuilt.items()) == [("zeta", "z"), ("alpha", "a")]
+
+
+def test_specs_of_equal_trees_share_one_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = describe({"hidden": array(2), "aux": None, "n": 3})
+    generated: list[object] = []
+    generate = compile_module._generate
+    monkeypatch.setattr(compile_module, "_generate", lambda *a: generated.append(a) or generate(*a))
+    again = describe({"hidden": array(2), "aux": None, "n": 3})
+    assert again._program is first._program and not generated
+    reordered = describe({"aux": None, "hidden": array(2), "n": 3})
+    assert reordered._program is not first._program and generated  # rebuilt in its key order
+    assert list(reordered.unflatten(["h"])) == ["aux", "hidden", "n"]
+    assert list(again.unflatten(["h"])) == ["hidden", "aux", "n"]
+
+
+@pytest.mark.parametrize(
+    ("tree", "sibling"),
+    [
+        ((array(2), 1), (array(2), True)),
+        ((array(2), 1), (array(2), 1.0)),
+        ((array(2), 0.0), (array(2), -0.0)),
+        ({1: array(2)}, {"1": array(2)}),
+        ((array(2), None), [array(2), None]),
+        (collections.OrderedDict(a=array(2), b=None), {"a": array(2), "b": None}),
+        ((array(2),), (array(3),)),
+    ],
+    ids=["int-bool", "int-float", "zero-sign", "key-type", "tuple-list", "ordered", "shape"],
+)
+def test_trees_that_differ_get_programs_of_their_own(tree: Any, sibling: Any) -> None:
+    spec, other = describe(tree), describe(sibling)
+    assert spec._program is not other._program
+    for source, described in ((tree, spec), (sibling, other)):
+        rebuilt = described._program.unflatten(described._program.flatten(source))
+        assert_same_tree(rebuilt, source)
+        assert repr(rebuilt) == repr(source)  # constants of their own type, keys as given
+
+
+def test_classes_of_the_same_name_get_programs_of_their_own() -> None:
+    def point_class() -> type:
+        return collections.namedtuple("Point", ["x", "y"])
+
+    first, second = point_class(), point_class()
+    spec, other = describe(first(array(2), None)), describe(second(array(2), None))
+    assert spec._program is not other._program
+    assert type(other.unflatten(["x"])) is second
+    assert other._program.flatten(first("x", None)) is None
+
+
+def test_a_shared_program_goes_with_the_last_spec_using_it() -> None:
+    specs = [describe({"shared_program_under_test": array(2)}) for _ in range(3)]
+    filename = specs[0]._program._code.filename  # type: ignore[union-attr]
+    del specs[:2]
+    gc.collect()
+    describe({"compiled_meanwhile": array(2)})
+    assert filename in linecache.cache  # one spec still uses it
+    del specs
+    gc.collect()
+    describe({"compiled_after": array(2)})
+    assert filename not in linecache.cache

@@ -384,6 +384,46 @@ def test_outputs_that_depend_on_a_foreign_tensor_requiring_grad_are_refused(back
     assert shared.weight.grad is None and weight.grad is None
 
 
+class _ContextNamedVariable(torch.autograd.Function):
+    """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.variable = torch.ones(2, device=x.device, requires_grad=True)  # not in the graph
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class _DoublesThroughAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ContextNamedVariable.apply(self.fc(x))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_custom_function_whose_context_holds_a_variable_is_not_a_foreign_leaf(
+    backend: str,
+) -> None:
+    """Only AccumulateGrad nodes are leaves: a context attribute named ``variable`` is not one."""
+    device = device_of(backend)
+    layer = _DoublesThroughAFunction().to(device)
+    graphed = dgt.make_graphed_callables(
+        layer, (torch.randn(3, 2, device=device, requires_grad=True),), backend=backend
+    )
+    x = torch.randn(3, 2, device=device, requires_grad=True)
+    graphed(x).sum().backward()
+    assert x.grad is not None and layer.fc.weight.grad is not None
+    x_eager = x.detach().clone().requires_grad_(True)
+    (2 * layer.fc(x_eager)).sum().backward()
+    assert torch.allclose(x.grad, x_eager.grad)  # type: ignore[arg-type]
+
+
 class ChangesItsOutputs(nn.Module):
     """Returns ``(h, None)`` on its first call and ``(h, h)`` afterwards (e.g. a cache filled)."""
 
@@ -535,3 +575,22 @@ def test_a_failed_capture_leaves_buffers_and_hooks_as_they_were(backend: str) ->
     module.calls = -100
     module(torch.randn(8, 4, device=device)).sum().backward()
     assert len(seen) == 1  # the hook is still there, and ran once
+
+
+def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pool's segments on the device, summed; a handle that is no pair id counts 0."""
+    from dualgraph.torch import _capture_cuda
+
+    segments = [
+        {"segment_pool_id": (0, 1), "device": 0, "total_size": 2 << 20},
+        {"segment_pool_id": (0, 1), "device": 0, "total_size": 1 << 20},
+        {"segment_pool_id": (0, 1), "device": 1, "total_size": 8 << 20},  # another device
+        {"segment_pool_id": (0, 2), "device": 0, "total_size": 4 << 20},
+        {"segment_pool_id": (0, 0), "device": 0, "total_size": 16 << 20},  # no graph pool
+    ]
+    calls: list[None] = []
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: calls.append(None) or segments)
+    sizes = _capture_cuda._pool_bytes([(0, 1), object(), (0, 2), (0, 3)], torch.device("cuda", 0))
+    assert sizes == [3 << 20, 0, 4 << 20, 0] and len(calls) == 1
+    assert _capture_cuda._pool_bytes([object()], torch.device("cuda", 0)) == [0]
+    assert len(calls) == 1  # no handle to look for: no snapshot

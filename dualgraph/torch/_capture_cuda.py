@@ -129,7 +129,7 @@ def _capture_cuda_graphs(
     del live_outputs  # forwards without a backward step: their activations go back to the pool
     torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    sizes = [_pool_bytes(pool, device) for pool in pools]
+    sizes = _pool_bytes(pools, device)
     fallback = max(0, torch.cuda.memory_allocated(device) - allocated_before)
     for item in captures:
         item.pool_bytes = sum(sizes[i] for i in item_pools[id(item)]) if any(sizes) else fallback
@@ -191,19 +191,28 @@ def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _pool_bytes(pool: Any, device: torch.device) -> int:
-    """Bytes of the segments the CUDA caching allocator holds for ``pool`` (0 if unknown)."""
-    try:
-        wanted = tuple(pool)
-        segments = torch.cuda.memory_snapshot()
-    except (TypeError, RuntimeError):
-        return 0
-    return sum(
-        int(segment.get("total_size", 0))
-        for segment in segments
-        if tuple(segment.get("segment_pool_id", ())) == wanted
-        and segment.get("device", device.index) == device.index
-    )
+def _pool_bytes(pools: Sequence[Any], device: torch.device) -> list[int]:
+    """Bytes of the segments the CUDA caching allocator holds for each of ``pools`` (0 for one
+    it cannot tell), from one snapshot of the allocator (it lists every segment of the process).
+    """
+    wanted: list[tuple[Any, ...] | None] = []
+    for pool in pools:
+        try:
+            wanted.append(tuple(pool))
+        except TypeError:  # not an (id, id) handle
+            wanted.append(None)
+    sizes: dict[tuple[Any, ...] | None, int] = dict.fromkeys(wanted, 0)
+    if any(key is not None for key in wanted):
+        try:
+            segments = torch.cuda.memory_snapshot()
+        except RuntimeError:
+            segments = []
+        for segment in segments:
+            key = tuple(segment.get("segment_pool_id", ()))
+            if key in sizes and segment.get("device", device.index) == device.index:
+                sizes[key] += int(segment.get("total_size", 0))
+    sizes[None] = 0
+    return [sizes[key] for key in wanted]
 
 
 def _device_of(captures: Sequence[_Capture]) -> torch.device:

@@ -1,9 +1,11 @@
-"""Which outputs of a callable each input and parameter takes its grad from.
+"""Which outputs of a callable each input and parameter takes its grad from, and foreign leaves.
 
 Eager's backward reaches a leaf only along the outputs the loss uses: a parameter that only an
 output left out of the loss depends on keeps ``.grad`` ``None`` (and an optimizer skips it). A
 graph's backward computes every grad at once, so the replay needs, for each leaf, the outputs
-that reach it; :func:`reach_of` finds them once, in the autograd graph of a warmup call.
+that reach it; :func:`trace_leaves` finds them once, in the autograd graph of a warmup call, in
+the same walk that finds the leaves requiring grad that are neither inputs nor parameters (which
+a replay could give no gradient: the capture refuses them).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["reach_of"]
+__all__ = ["reach_of", "trace_leaves"]
+
+# The node of a leaf that needs grad (read with getattr: torch's stubs do not declare it).
+_ACCUMULATE_GRAD: Any = getattr(torch._C._functions, "AccumulateGrad")  # noqa: B009
 
 
 def reach_of(
@@ -29,33 +34,91 @@ def reach_of(
     >>> reach_of([x * w, x + b], [x, w, b])
     (frozenset({0, 1}), frozenset({0}), frozenset({1}))
     """
+    return trace_leaves(outputs, leaves)[0]
+
+
+def trace_leaves(
+    outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]
+) -> tuple[tuple[frozenset[int], ...] | None, list[torch.Tensor]]:
+    """:func:`reach_of`, and the leaves the outputs depend on that are not among ``leaves``.
+
+    One walk of the graph, each node once: the foreign leaves come once per leaf node reached
+    (an output that is a foreign leaf itself, once per output).
+
+    >>> x, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    >>> reach, foreign = trace_leaves([x * w], [x])
+    >>> reach, foreign[0] is w
+    (None, True)
+    """
     position = {id(leaf): i for i, leaf in enumerate(leaves)}
-    reach: list[set[int]] = [set() for _ in leaves]
+    leaf_masks = [0] * len(leaves)  # bit k: output k reaches the leaf
+    foreign: list[torch.Tensor] = []
+    # The nodes reached, by node: the dict keeps each one alive (Python wrappers of autograd
+    # nodes are made on demand, and one that died could be mistaken for a new one).
+    index: dict[Any, int] = {}
+    nodes: list[Any] = []
+    masks: list[int] = []  # bit k: output k reaches the node
+    indegree: list[int] = []
+    stack: list[int] = []
     for k, output in enumerate(outputs):
-        for i in _leaves_reached(output, position):
-            reach[i].add(k)
-    frozen = tuple(frozenset(r) for r in reach)
-    everything = frozenset(range(len(outputs)))
-    return None if all(r == everything for r in frozen) else frozen
-
-
-def _leaves_reached(output: torch.Tensor, position: dict[int, int]) -> set[int]:
-    """Positions of the leaves (as in ``position``) the graph of ``output`` reaches."""
-    found: set[int] = set()
-    root = output.grad_fn
-    if root is None:  # the output is a leaf itself
-        if id(output) in position:
-            found.add(position[id(output)])
-        return found
-    seen: set[Any] = set()
-    stack: list[Any] = [root]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
+        root = output.grad_fn
+        if root is None:  # the output is a leaf itself
+            i = position.get(id(output))
+            if i is not None:
+                leaf_masks[i] |= 1 << k
+            elif output.requires_grad:
+                foreign.append(output)
             continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
-        if variable is not None and id(variable) in position:
-            found.add(position[id(variable)])
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+        j = index.get(root)
+        if j is None:
+            j = index[root] = len(nodes)
+            nodes.append(root)
+            masks.append(0)
+            indegree.append(0)
+            stack.append(j)
+        masks[j] |= 1 << k
+    children: list[list[int]] = [[] for _ in nodes]
+    leaf_of: dict[int, int] = {}  # node -> position of its leaf
+    while stack:
+        j = stack.pop()
+        node = nodes[j]
+        if type(node) is _ACCUMULATE_GRAD:
+            variable = node.variable
+            i = position.get(id(variable))
+            if i is None:
+                foreign.append(variable)
+            else:
+                leaf_of[j] = i
+            continue
+        kids = children[j]
+        for next_node, _ in node.next_functions:
+            if next_node is None:
+                continue
+            c = index.get(next_node)
+            if c is None:
+                c = index[next_node] = len(nodes)
+                nodes.append(next_node)
+                masks.append(0)
+                indegree.append(0)
+                children.append([])
+                stack.append(c)
+            indegree[c] += 1
+            kids.append(c)
+    every = (1 << len(outputs)) - 1
+    if len(outputs) == 1:  # one output reaches every node
+        masks = [every] * len(nodes)
+    else:  # spread each node's outputs to the nodes after it, in graph order
+        order = [j for j, count in enumerate(indegree) if count == 0]
+        for j in order:
+            mask = masks[j]
+            for c in children[j]:
+                masks[c] |= mask
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    order.append(c)
+    for j, i in leaf_of.items():
+        leaf_masks[i] |= masks[j]
+    if all(mask == every for mask in leaf_masks):
+        return None, foreign
+    reach = tuple(frozenset(k for k in range(len(outputs)) if mask >> k & 1) for mask in leaf_masks)
+    return reach, foreign

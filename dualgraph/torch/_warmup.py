@@ -26,7 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ._capture_failure import Refused
 from ._leaves import dtype_name
 from ._probe import WarmupProbe
-from ._reach import reach_of
+from ._reach import trace_leaves
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -50,8 +50,10 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
     diff_inputs = item.diff_inputs()
     if inspect:
         item.saved_outputs = _saved_outputs(flat, saved)
-        _refuse_foreign_leaves(item, flat)
-        item.reach = reach_of(differentiable, diff_inputs)
+        reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
+        if foreign:
+            _refuse_foreign_leaves(item, foreign)
+        item.reach = reach
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
@@ -106,38 +108,13 @@ def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
 
 
-def _refuse_foreign_leaves(item: _Capture, flat: Sequence[torch.Tensor]) -> None:
+def _refuse_foreign_leaves(item: _Capture, foreign: Sequence[torch.Tensor]) -> None:
     """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
-    known = {id(t) for t in item.diff_inputs()}
-    # Python wrappers of autograd nodes are made on demand and die with their last reference,
-    # so an id() seen here could come back for another node: keep every visited node alive.
-    visited: list[Any] = []
-    seen: set[int] = set()
-    stack: list[Any] = []
-    foreign: list[torch.Tensor] = []
-    for tensor in flat:
-        if tensor.grad_fn is not None:
-            stack.append(tensor.grad_fn)
-        elif tensor.requires_grad and id(tensor) not in known:
-            foreign.append(tensor)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        visited.append(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if isinstance(variable, torch.Tensor):
-            if id(variable) not in known:
-                foreign.append(variable)
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    if foreign:
-        shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
-        owner = "parameters of the module" if item.request.module is not None else "arguments"
-        raise Refused(
-            f"the outputs depend on {len(foreign)} tensor(s) that require grad but are neither "
-            f"inputs nor {owner} ({shapes}), e.g. a closure over another module's weights; a "
-            "replay would give them no gradient. Pass them as inputs, or graph the module that "
-            "holds them"
-        )
+    shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
+    owner = "parameters of the module" if item.request.module is not None else "arguments"
+    raise Refused(
+        f"the outputs depend on {len(foreign)} tensor(s) that require grad but are neither "
+        f"inputs nor {owner} ({shapes}), e.g. a closure over another module's weights; a "
+        "replay would give them no gradient. Pass them as inputs, or graph the module that "
+        "holds them"
+    )
