@@ -276,6 +276,34 @@ def test_on_the_cpu_every_dtype_is_compared_exactly() -> None:
     assert _verify._compare("ids", torch.tensor([1, 2]), torch.tensor([1, 3]), 1.0, 1.0).ok is False
 
 
+def test_integers_beyond_float64s_precision_are_compared_exactly() -> None:
+    big = torch.tensor([2**60, 7], dtype=torch.int64)
+    check = _verify._compare("ids", big + torch.tensor([1, 0]), big, None, None)
+    assert (check.ok, check.max_abs, check.score) == (False, 1.0, math.inf)
+    assert check.max_rel == 2.0**-60
+    assert _verify._compare("ids", big.clone(), big, None, None).ok
+    flags = torch.tensor([True, False])
+    assert not _verify._compare("mask", ~flags, flags, 1.0, 1.0).ok
+
+
+def strided_counter(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Takes another branch on a transposed input; a replay sees the sample's layout."""
+    count = x.new_full((2,), 2**60, dtype=torch.int64)
+    if x.is_contiguous():
+        count = count + 1
+    return x * 2, count
+
+
+def test_an_int64_output_one_apart_at_2_to_the_60_fails_verify() -> None:
+    graphed = dgt.make_graphed_callables(
+        strided_counter, (torch.randn(4, 4, requires_grad=True),), backend="emulate"
+    )
+    report = dgt.verify(graphed, torch.randn(4, 4).t().requires_grad_(), steps=1)
+    assert not report.ok and "verify FAILED" in str(report)
+    assert [c.path for c in report.failures] == ["step 1 output[1]"]
+    assert report.failures[0].max_abs == 1.0
+
+
 def test_nan_at_the_same_places_matches_and_nowhere_else() -> None:
     nan = float("nan")
     assert _verify._compare(

@@ -426,6 +426,8 @@ def _compare(
             f"graphed {dtype_name(actual.dtype)}{list(actual.shape)} vs eager "
             f"{dtype_name(expected.dtype)}{list(expected.shape)}",
         )
+    if not (expected.is_floating_point() or expected.is_complex()):
+        return _compare_exactly(path, actual, expected)
     leaf_rtol, leaf_atol = _tolerance(expected, rtol, atol)
     wide = torch.complex128 if expected.is_complex() else torch.float64
     a = actual.detach().to(wide)
@@ -449,6 +451,25 @@ def _compare(
         leaf_atol,
         float(ratio.max()) if ratio.numel() else 0.0,
     )
+
+
+def _compare_exactly(path: str, actual: torch.Tensor, expected: torch.Tensor) -> LeafCheck:
+    """Integers and bools: equal or not, the differences computed as Python ints.
+
+    A detour through float64 would round integers beyond 2**53 (``2**60`` and ``2**60 + 1``
+    would compare equal).
+    """
+    differ = actual.detach() != expected.detach()
+    max_abs = max_rel = score = 0.0
+    if bool(differ.any()):
+        mine = actual.detach()[differ].tolist()
+        theirs = expected.detach()[differ].tolist()
+        gaps = [abs(int(a) - int(b)) for a, b in zip(mine, theirs, strict=True)]
+        max_abs = float(max(gaps))
+        max_rel = max(gap / abs(int(b)) if b else 0.0 for gap, b in zip(gaps, theirs, strict=True))
+        score = math.inf
+    shape = tuple(expected.shape)
+    return LeafCheck(path, dtype_name(expected.dtype), shape, max_abs, max_rel, 0.0, 0.0, score)
 
 
 def _tolerance(tensor: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:
