@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -879,3 +880,25 @@ def test_the_readme_debugging_example_prints_what_the_readme_shows(tmp_path: Pat
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == shown
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.from_numpy(np.ones(4, np.float32)),
+        lambda x: torch.Tensor([1.0, 2.0, 3.0, 4.0]),
+    ],
+    ids=["from_numpy", "legacy_constructor"],
+)
+def test_a_tensor_from_host_data_the_function_mode_does_not_see_is_on_the_host(
+    make: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """``torch.from_numpy`` and ``torch.Tensor([...])`` pass no function mode: their copy to the
+    device (which a capture cannot repeat) was reported clean."""
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * make(x).to(x.device)
+
+    report = dgt.lint(scaled, torch.randn(4, 4, requires_grad=True))
+    kinds = sorted(f.kind for f in report.errors)
+    assert kinds == ["CPU tensor made in the callable", "cross-device copy"], str(report)

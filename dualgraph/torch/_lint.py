@@ -247,6 +247,7 @@ class CaptureLint(OpObserver):
         self._findings: dict[tuple[Any, ...], LintFinding] = {}
         self._lock = threading.Lock()
         self._suppressed = 0
+        self._calls = 0  # function-mode calls in progress (their ATen ops are theirs)
         # On a CPU: tensors that would stay on the CPU under a real capture, and the device
         # objects read off tensors that would be on the GPU (``device=x.device`` follows x).
         self._host = WeakIdKeyDictionary()
@@ -508,6 +509,25 @@ class CaptureLint(OpObserver):
 
     # -- what the dispatch mode checks ----------------------------------------------------------
 
+    def after_op(
+        self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any
+    ) -> None:
+        """A tensor made from host data that the function mode does not see: on the host.
+
+        ``torch.from_numpy`` and the legacy ``torch.Tensor([...])`` constructor pass no
+        function mode; their ATen op, ``lift_fresh``, outside any call the function mode saw,
+        is the only trace of them.
+        """
+        if func is not _LIFT_FRESH or self._calls or self._suppressed or not self.simulated:
+            return
+        self._mark(out, host=True)
+        if any(t.dim() > 0 for t in tensors_in(out)):
+            self.add(
+                HOST_TENSOR,
+                "a tensor from host data (torch.from_numpy, torch.Tensor([...]))",
+                _HOST_TENSOR.format(self.device_name),
+            )
+
     def before_op(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Check one ATen op (forward or backward), unless a call reported already runs it."""
         if not self._suppressed:
@@ -590,14 +610,13 @@ class _FunctionLint(TorchFunctionMode):
             return func(*args, **kwargs)
         name = _call_name(func)
         reported = lint.before_call(name, args, kwargs)
-        if reported:
-            lint._suppressed += 1
-            try:
-                out = func(*args, **kwargs)
-            finally:
-                lint._suppressed -= 1
-        else:
+        lint._calls += 1
+        lint._suppressed += reported
+        try:
             out = func(*args, **kwargs)
+        finally:
+            lint._calls -= 1
+            lint._suppressed -= reported
         lint.after_call(name, args, kwargs, out)
         return out
 
@@ -730,6 +749,8 @@ _MOVES = frozenset({"Tensor.to", "Tensor.cpu", "Tensor.cuda", "Tensor.copy_"})
 _FROM_HOST_DATA = frozenset(
     {"torch.tensor", "torch.as_tensor", "torch.asarray", "Tensor.new_tensor", "torch.from_numpy"}
 )
+
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 _MODULE_CALLS = frozenset({"_call_impl", "_wrapped_call_impl"})
 _MODULE_FILE = torch.nn.Module._call_impl.__code__.co_filename
