@@ -215,7 +215,7 @@ class GraphedCallable:
 
         >>> import jax.numpy as jnp
         >>> g = graphed(lambda w, x: (w * x, None), (jnp.ones(2), jnp.ones(2)))
-        >>> out, pullback = g.vjp(jnp.full(2, 3.0, jnp.float32), jnp.ones(2))  # strong, as the sample
+        >>> out, pullback = g.vjp(jnp.full(2, 3.0, jnp.float32), jnp.ones(2))  # strong, as w
         >>> (dw, dx), _ = pullback((jnp.ones(2), None))
         >>> dx
         Array([3., 3.], dtype=float32)
