@@ -753,3 +753,68 @@ def test_an_output_tree_that_changes_when_traced_again_is_refused(second: Any) -
     with pytest.raises(DualgraphError, match=r"traced again .* output\[\d\]"):
         g.vjp(jnp.ones(2))
     assert g(jnp.ones(2))[0].tolist() == [2.0, 2.0]
+
+
+# -- weakly typed inputs (from Python scalars): JAX promotes them differently ---------------------
+
+
+def add(x: jax.Array, y: jax.Array) -> jax.Array:
+    return x + y
+
+
+def test_a_weakly_typed_sample_is_compiled_as_jax_jit_would() -> None:
+    # bfloat16 + a weakly typed float32 scalar is bfloat16 in eager JAX and under jax.jit
+    x, weak = jnp.ones(2, jnp.bfloat16), jnp.asarray(2.0)
+    assert weak.weak_type
+    g = dgj.graphed(add, (x, weak))
+    expected = jax.jit(add)(x, weak)
+    assert expected.dtype == jnp.bfloat16
+    for _ in range(2):
+        got = g(x, jnp.asarray(3.0))
+        assert got.dtype == jnp.bfloat16 and got.tolist() == [4.0, 4.0]
+    assert str(g.out_spec) == "TreeSpec(bfloat16[2](grad))"
+    out, pullback = g.vjp(x, weak)
+    assert out.dtype == jnp.bfloat16
+    (dx, dweak), _ = pullback(jnp.ones(2, jnp.bfloat16))
+    assert dx.dtype == jnp.bfloat16 and dweak.dtype == jnp.float32 and float(dweak) == 2.0
+
+
+@pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
+def test_a_call_whose_weak_typing_differs_from_the_sample_is_refused(sample_weak: bool) -> None:
+    def make(value: float) -> jax.Array:
+        return jnp.asarray(value) if sample_weak else jnp.float32(value)
+
+    def other(value: float) -> jax.Array:
+        return jnp.float32(value) if sample_weak else jnp.asarray(value)
+
+    x = jnp.ones(2, jnp.bfloat16)
+    g = dgj.graphed(lambda a, *, y: a + y, (x,), sample_kwargs={"y": make(2.0)})
+    want, got = ("weakly", "strongly") if sample_weak else ("strongly", "weakly")
+    message = rf"kwargs\['y'\]: expected a {want} typed float32\[\], got a {got} typed one"
+    with pytest.raises(SpecMismatchError, match=message):
+        g(x, y=other(2.0))
+    with pytest.raises(SpecMismatchError, match=message):
+        g.vjp(x, y=other(2.0))
+    assert g(x, y=make(2.0)).dtype == jax.jit(lambda a, y: a + y)(x, make(2.0)).dtype
+
+
+def test_a_weakly_typed_donated_input_is_refused_before_it_is_consumed() -> None:
+    g = dgj.graphed(add, (jnp.ones(()), jnp.ones(())), donate_argnums=0)
+    weak = jnp.asarray(1.0)
+    with pytest.raises(SpecMismatchError, match=r"args\[0\]: expected a strongly typed"):
+        g(weak, jnp.ones(()))
+    assert not weak.is_deleted()
+
+
+def test_numpy_inputs_are_strongly_typed() -> None:
+    g = dgj.graphed(add, (np.ones(2, np.float32), np.ones((), np.float32)))
+    assert g(np.ones(2, np.float32), np.ones((), np.float32)).tolist() == [2.0, 2.0]
+    assert g(jnp.ones(2), jnp.float32(1.0)).tolist() == [2.0, 2.0]
+
+
+def test_weak_typing_that_changes_nothing_is_accepted() -> None:
+    # float32 * weak float32 and float32 * float32 are the same program: no reason to refuse
+    g = dgj.graphed(lambda s, x: (s * x, None), (jnp.ones(3), jnp.ones(3)))
+    out, _ = g(jnp.full(3, 2.0), jnp.full(3, 5.0))  # jnp.full of a Python float is weak
+    assert jnp.full(3, 2.0).weak_type and out.tolist() == [10.0] * 3
+    assert g(jnp.ones(3), jnp.asarray(2.0) * jnp.ones(3))[0].tolist() == [2.0] * 3

@@ -274,6 +274,36 @@ def test_tolerances_that_are_not_tolerances_are_refused(tolerances: Any, message
         compare_arrays("output", x, x, tolerances=tolerances)
 
 
+@pytest.mark.parametrize(
+    "limit",
+    [float("inf"), np.float32("inf"), 10**400],
+    ids=["inf", "numpy-inf", "int-overflowing-float"],
+)
+@pytest.mark.parametrize("field", ["rtol", "atol", "max_rel_l2"])
+def test_an_infinite_tolerance_is_refused(field: str, limit: Any) -> None:
+    # an infinite limit would let any finite difference pass
+    limits = {"rtol": 1e-3, "atol": 1e-3, "max_rel_l2": 1e-3, "min_cosine": 0.9, field: limit}
+    with pytest.raises(dualgraph.DualgraphError, match="must be finite"):
+        Tolerance(**limits)
+
+
+def test_tolerance_limits_are_stored_as_floats() -> None:
+    from fractions import Fraction
+
+    t = Tolerance(rtol=Fraction(1, 10), atol=np.float32(0.5), max_rel_l2=1, min_cosine=0)
+    assert [type(v) for v in (t.rtol, t.atol, t.max_rel_l2, t.min_cosine)] == [float] * 4
+    assert (t.rtol, t.atol) == (0.1, 0.5)
+    x = np.ones(2, np.float32)
+    assert compare_arrays("output", x * 1.05, x, tolerances=t).ok
+
+
+@pytest.mark.parametrize("allow_nan", ["no", 0, None])
+def test_allow_nan_must_be_a_bool(allow_nan: Any) -> None:
+    nan = np.full(2, np.nan, np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match="allow_nan must be True or False"):
+        compare_arrays("output", nan, nan, allow_nan=allow_nan)
+
+
 @pytest.mark.parametrize("limit", ["1e-3", None, True, complex(1e-3)])
 def test_a_tolerance_of_non_numbers_is_refused(limit: Any) -> None:
     with pytest.raises(dualgraph.DualgraphError, match="must be real numbers"):

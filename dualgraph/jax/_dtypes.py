@@ -21,11 +21,17 @@ import jax
 import jax.numpy as jnp
 
 from .._dtypes import is_dtype_name
-from .._errors import DualgraphError
+from .._errors import DualgraphError, SpecMismatchError
 from .._spec import LeafSpec
 from ._env import x64_enabled
 
-__all__ = ["dtype_of", "jax_dtype", "refuse_narrowed_inputs"]
+__all__ = [
+    "dtype_of",
+    "jax_dtype",
+    "refuse_narrowed_inputs",
+    "weak_type_error",
+    "weak_types",
+]
 
 #: JAX's own PRNG implementations, whose typed keys (``key<fry>``...) a spec can name.
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
@@ -104,3 +110,34 @@ def refuse_narrowed_inputs(name: str, paths: Sequence[str], leaves: Sequence[Lea
                 f"as {computed}. Turn the 64-bit mode on (jax.config.update('jax_enable_x64', "
                 f"True), or build inside `with jax.enable_x64(True):`) or pass {computed} values"
             )
+
+
+def weak_types(arrays: Sequence[Any], /) -> tuple[bool, ...]:
+    """For each array, whether JAX types it weakly (made from a Python scalar, as
+    ``jnp.asarray(2.0)``): ``bfloat16 + weak float32`` is bfloat16, ``+ float32`` is float32.
+    numpy arrays are never weak.
+
+    >>> weak_types([jnp.asarray(2.0), jnp.float32(2.0)])
+    (True, False)
+    """
+    return tuple(bool(getattr(x, "weak_type", False)) for x in arrays)
+
+
+def weak_type_error(
+    paths: Sequence[str], leaves: Sequence[LeafSpec], expected: Sequence[bool], got: Sequence[bool]
+) -> SpecMismatchError:
+    """The error naming the first input weakly typed where its sample was not, or the reverse."""
+    i = next(i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e != g)
+    want, have = ("weakly", "strongly") if expected[i] else ("strongly", "weakly")
+    fix = (
+        "pass a weakly typed value (e.g. jnp.asarray of a Python scalar) or compile from a "
+        "strongly typed sample"
+        if expected[i]
+        else f"pass jnp.asarray(x, {leaves[i].dtype}) or compile from a weakly typed sample"
+    )
+    return SpecMismatchError(
+        f"{paths[i]}: expected a {want} typed {leaves[i]}, got a {have} typed one (weak types come "
+        "from Python scalars, and JAX promotes them differently: here the function computes "
+        f"otherwise than the program compiled for the sample): {fix}",
+        path=paths[i],
+    )

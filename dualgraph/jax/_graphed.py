@@ -33,7 +33,7 @@ from ._donation import (
     unusable_donations,
     warn_unusable,
 )
-from ._dtypes import refuse_narrowed_inputs
+from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
 from ._env import config_value, enable_x64, x64_enabled
 from ._leaves import refuse_foreign_arrays
 from ._transforms import call_leaves, tracer_error
@@ -129,8 +129,13 @@ class GraphedCallable:
                 f"arguments, got {type(sample_args).__name__} (for one argument x: (x,))"
             )
         args = tuple(sample_args)
-        self.call_spec: CallSpec = describe_call(args, dict(sample_kwargs or {}))
+        kwargs = dict(sample_kwargs or {})
+        self.call_spec: CallSpec = describe_call(args, kwargs)
         self._paths = self.call_spec.array_paths
+        # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
+        # call must then match them (JAX promotes the two kinds differently).
+        self._weak = weak_types(self.call_spec.flatten(args, kwargs))
+        self._weak_verdicts: dict[tuple[bool, ...], SpecMismatchError | None] = {}
         # The configuration the programs are compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
         self._precision = config_value("jax_default_matmul_precision")
@@ -140,7 +145,10 @@ class GraphedCallable:
         self._traced_spec: TreeSpec | None = None
         self._compiled: jax.stages.Compiled | None = None
         self._vjp_program: VJPProgram | None = None
-        structs = [struct_of(leaf) for leaf in self.call_spec.arrays]
+        structs = [
+            struct_of(leaf, weak_type=weak)
+            for leaf, weak in zip(self.call_spec.arrays, self._weak, strict=True)
+        ]
         with jax_donation_warnings() as jax_warned:
             jitted = jax.jit(
                 self._flat, donate_argnums=self._donated, keep_unused=bool(self._donated)
@@ -207,7 +215,7 @@ class GraphedCallable:
 
         >>> import jax.numpy as jnp
         >>> g = graphed(lambda w, x: (w * x, None), (jnp.ones(2), jnp.ones(2)))
-        >>> out, pullback = g.vjp(jnp.full(2, 3.0), jnp.ones(2))
+        >>> out, pullback = g.vjp(jnp.full(2, 3.0, jnp.float32), jnp.ones(2))  # strong, as w
         >>> (dw, dx), _ = pullback((jnp.ones(2), None))
         >>> dx
         Array([3., 3.], dtype=float32)
@@ -217,7 +225,7 @@ class GraphedCallable:
         if program is None:
             with self._compile_config():
                 program = self._vjp_program = VJPProgram(
-                    self.name, self._flat, self.call_spec, self.out_spec, self._donated
+                    self.name, self._flat, self.call_spec, self.out_spec, self._donated, self._weak
                 )
         outputs, residuals = self._run(program.forward, arrays)
         return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
@@ -231,6 +239,9 @@ class GraphedCallable:
         try:
             arrays = self.call_spec.flatten(args, kwargs, check=True)
             refuse_foreign_arrays(f"graphed({self.name})", zip(self._paths, arrays, strict=True))
+            weak = weak_types(arrays)
+            if weak != self._weak:
+                self._check_weak_types(weak)
             if self._donated:
                 check_donated_inputs(arrays, self._donated, self._paths)
         except Exception as error:  # a tracer fails these checks in many ways: name the cause
@@ -239,6 +250,37 @@ class GraphedCallable:
                 raise
             raise explained from error
         return arrays
+
+    def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
+        """Accept inputs weakly typed otherwise than the samples only where the function traces
+        to the same program (e.g. no promotion involves them); the verdict is kept per pattern."""
+        if weak not in self._weak_verdicts:
+            with self._compile_config():
+                same = self._jaxpr(self._weak) == self._jaxpr(weak)
+            self._weak_verdicts[weak] = (
+                None
+                if same
+                else weak_type_error(self._paths, self.call_spec.arrays, self._weak, weak)
+            )
+        error = self._weak_verdicts[weak]
+        if error is not None:
+            raise error
+
+    def _jaxpr(self, weak: tuple[bool, ...]) -> tuple[str, TreeSpec]:
+        """The function's program, as text, and its output spec, for inputs weakly typed so."""
+        specs: list[TreeSpec] = []
+
+        def flat(*arrays: Any) -> list[Any]:
+            args, kwargs = self.call_spec.unflatten(arrays)
+            outputs = self.fn(*args, **kwargs)
+            specs.append(describe(outputs, root="output"))
+            return specs[-1].flatten(outputs)
+
+        structs = [
+            struct_of(leaf, weak_type=w)
+            for leaf, w in zip(self.call_spec.arrays, weak, strict=True)
+        ]
+        return str(jax.make_jaxpr(flat)(*structs)), specs[-1]
 
     def _run(self, executable: Callable[..., Any], arrays: list[Any]) -> Any:
         try:

@@ -16,12 +16,15 @@ from ._dtypes import dtype_of
 __all__ = ["keep_arrays", "struct_of"]
 
 
-def struct_of(leaf: LeafSpec, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    """The ``ShapeDtypeStruct`` of an array leaf of a spec (typed PRNG keys included)."""
+def struct_of(
+    leaf: LeafSpec, sharding: Any = None, *, weak_type: bool = False
+) -> jax.ShapeDtypeStruct:
+    """The ``ShapeDtypeStruct`` of an array leaf of a spec (typed PRNG keys included);
+    ``weak_type`` for an input that came from a Python scalar (JAX promotes those differently)."""
     dtype = dtype_of(leaf.dtype or "")
     if dtype is None:
         raise DualgraphError(f"{leaf.path or '<root>'}: JAX has no dtype {leaf.dtype}")
-    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding, weak_type=weak_type)
 
 
 def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:

@@ -35,6 +35,7 @@ class VJPProgram:
         call_spec: CallSpec,
         out_spec: TreeSpec,
         donated: Sequence[int],
+        weak_types: Sequence[bool],
     ) -> None:
         self.name = name
         inputs = call_spec.arrays
@@ -67,7 +68,7 @@ class VJPProgram:
             pullback = jax.tree_util.tree_unflatten(pullback_tree[0], residuals)
             return list(pullback(list(cotangents)))
 
-        structs = [struct_of(leaf) for leaf in inputs]
+        structs = [struct_of(x, weak_type=w) for x, w in zip(inputs, weak_types, strict=True)]
         with jax_donation_warnings():  # reported once already, by the plain forward's compile
             jitted = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
             lowered = jitted.lower(*structs)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._dtypes import is_differentiable_dtype, is_dtype_name
+from .._errors import DualgraphError
 from ._report import LeafReport
 from ._tolerances import Tolerance, tolerance_for
 
@@ -35,6 +36,8 @@ def compare_arrays(
     allow_nan: bool = False,
 ) -> LeafReport:
     """Compare ``actual`` (torch's) with ``expected`` (JAX's reference) at leaf ``path``."""
+    if not isinstance(allow_nan, bool):  # "no" would be truthy: NaN leaves would pass
+        raise DualgraphError(f"allow_nan must be True or False, got {allow_nan!r}")
     actual, expected = np.asarray(actual), np.asarray(expected)
     dtype = expected.dtype.name
     shape = tuple(expected.shape)

@@ -19,6 +19,7 @@ bfloat16). The cosine is the sign and direction check. Integers and bools compar
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,16 +44,23 @@ class Tolerance:
     min_cosine: float
 
     def __post_init__(self) -> None:
-        limits = (self.rtol, self.atol, self.max_rel_l2)
-        if not all(
-            isinstance(x, numbers.Real) and not isinstance(x, bool)
-            for x in (*limits, self.min_cosine)
-        ):
+        names = ("rtol", "atol", "max_rel_l2", "min_cosine")
+        values = [getattr(self, name) for name in names]
+        if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in values):
             raise DualgraphError(f"{self}: the limits of a Tolerance must be real numbers")
-        if not (all(limit >= 0 for limit in limits) and -1 <= self.min_cosine <= 1):
+        try:
+            floats = [float(x) for x in values]
+        except OverflowError:
+            floats = [float("inf")]
+        if not all(math.isfinite(x) for x in floats):  # an infinite limit lets anything pass
+            raise DualgraphError(f"{self}: the limits of a Tolerance must be finite")
+        rtol, atol, max_rel_l2, min_cosine = floats
+        if not (min(rtol, atol, max_rel_l2) >= 0 and -1 <= min_cosine <= 1):
             raise DualgraphError(
                 f"{self}: rtol, atol and max_rel_l2 must be >= 0, min_cosine within [-1, 1]"
             )
+        for name, value in zip(names, floats, strict=True):  # numpy and Fraction limits too
+            object.__setattr__(self, name, value)
 
 
 def _narrow(eps: float) -> Tolerance:
