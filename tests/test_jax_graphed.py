@@ -818,3 +818,22 @@ def test_weak_typing_that_changes_nothing_is_accepted() -> None:
     out, _ = g(jnp.full(3, 2.0), jnp.full(3, 5.0))  # jnp.full of a Python float is weak
     assert jnp.full(3, 2.0).weak_type and out.tolist() == [10.0] * 3
     assert g(jnp.ones(3), jnp.asarray(2.0) * jnp.ones(3))[0].tolist() == [2.0] * 3
+
+
+def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
+    code = (
+        "import jax, jax.numpy as jnp, dualgraph.jax as dgj\n"
+        "from dualgraph import DualgraphError\n"
+        "g = dgj.graphed(lambda x, y: x * y, (jnp.ones(2), jnp.ones(2)))\n"
+        "other = jax.device_put(jnp.ones(2), jax.devices()[1])\n"
+        "kept = jnp.ones(2)\n"
+        "try:\n"
+        "    g(kept, other)\n"
+        "except DualgraphError as error:\n"
+        "    print(error)\n"
+        "print(float(g(kept, jnp.ones(2)).sum()))\n"  # the callable still works
+    )
+    out = run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    first, second = out.splitlines()
+    assert first.startswith("args[1]: an array on cpu:1, but graphed programs are compiled for ")
+    assert second == "2.0"

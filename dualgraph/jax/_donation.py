@@ -214,11 +214,33 @@ def delete_donated(arrays: Sequence[Any], donated: Sequence[int]) -> None:
 
 
 def explain_failed_call(error: Exception, arrays: Sequence[Any], paths: Sequence[str]) -> Exception:
-    """A clearer error for a failed call when an input had been deleted; else ``error`` itself."""
+    """A clearer error for a failed call, naming the input's path: one that had been deleted, or
+    one on another device than the programs were compiled for; else ``error`` itself."""
     for x, path in zip(arrays, paths, strict=True):
         if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE) and x.is_deleted():
             return DualgraphError(
                 f"{path}: this array has been deleted (donated to an earlier call, or deleted "
                 "explicitly); pass a fresh array"
             )
+    if isinstance(error, ValueError) and "sharding" in str(error):
+        default = _default_device()
+        for x, path in zip(arrays, paths, strict=True):
+            if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE):
+                devices = x.devices()
+                if devices != {default}:
+                    where = ", ".join(sorted(map(str, devices)))
+                    return DualgraphError(
+                        f"{path}: an array on {where}, but graphed programs are compiled for "
+                        f"JAX's default device, {default}; put the inputs there "
+                        "(jax.device_put), or graph with that device as the default "
+                        "(jax.default_device)"
+                    )
     return error
+
+
+def _default_device() -> Any:
+    """The device JAX compiles for when nothing says otherwise."""
+    chosen = jax.config.jax_default_device
+    if isinstance(chosen, str):
+        return jax.devices(chosen)[0]
+    return chosen if chosen is not None else jax.devices()[0]
