@@ -240,7 +240,7 @@ def explain_failed_call(error: Exception, arrays: Sequence[Any], paths: Sequence
 
 def _default_device() -> Any:
     """The device JAX compiles for when nothing says otherwise."""
-    chosen = jax.config.jax_default_device
+    chosen = getattr(jax.config, "jax_default_device", None)
     if isinstance(chosen, str):
         return jax.devices(chosen)[0]
     return chosen if chosen is not None else jax.devices()[0]
