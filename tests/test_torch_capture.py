@@ -577,6 +577,105 @@ def test_a_failed_capture_leaves_buffers_and_hooks_as_they_were(backend: str) ->
     assert len(seen) == 1  # the hook is still there, and ran once
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("exploded on purpose in backward")
+
+
+class DropsThenExplodes(nn.Module):
+    """Dropout (which draws from the RNG), then a failure at the ``fail_at``-th call, in its
+    forward (a ``KeyboardInterrupt`` with ``interrupt``) or in the backward of that call."""
+
+    def __init__(self, fail_at: int, in_backward: bool = False, interrupt: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.fail_at = fail_at
+        self.interrupt = interrupt
+        self.in_backward = in_backward
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.interrupt:
+                raise KeyboardInterrupt
+            if not self.in_backward:
+                raise ValueError("exploded on purpose")
+            h = _FailsInBackward.apply(h)
+        return h
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("how", "fail_at", "in_backward"),
+    [
+        ("plain", 1, False),  # the first warmup call
+        ("plain", 3, False),  # the last warmup call
+        ("plain", 4, False),  # the capture call
+        ("plain", 2, True),  # a warmup backward
+        ("buckets", 6, False),  # the second bucket, after the first was captured
+        ("slots", 5, False),  # the second slot's capture
+    ],
+)
+def test_a_failed_capture_leaves_the_rng_as_it_found_it(
+    backend: str, how: str, fail_at: int, in_backward: bool
+) -> None:
+    device = device_of(backend)
+    module = DropsThenExplodes(fail_at, in_backward).to(device)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    options: dict[str, Any] = {"backend": backend, "num_warmup_iters": 3}
+    if how == "buckets":
+        options["buckets"] = [sample, (torch.randn(3, 8, device=device, requires_grad=True),)]
+        sample = None  # type: ignore[assignment]
+    elif how == "slots":
+        options["slots"] = 2
+    before = _rng_states(device)
+    with pytest.raises(CaptureError, match="exploded on purpose"):
+        dgt.make_graphed_callables(module, sample, **options)
+    assert module.calls >= fail_at  # the warmup drew dropout masks before the failure
+    for after, was in zip(_rng_states(device), before, strict=True):
+        assert torch.equal(after, was)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_interrupted_capture_leaves_the_rng_and_the_module_as_it_found_them(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = DropsThenExplodes(fail_at=2, interrupt=True).to(device)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    before = _rng_states(device)
+    with pytest.raises(KeyboardInterrupt):  # as raised, not wrapped
+        dgt.make_graphed_callables(module, sample, backend=backend)
+    for after, was in zip(_rng_states(device), before, strict=True):
+        assert torch.equal(after, was)
+    assert "forward" not in module.__dict__  # not graphed
+    module.fail_at = 0
+    module.drop.p = 0.0  # deterministic, to compare with eager
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 8, device=device),), backend=backend
+    )
+    for _ in range(2):
+        x = torch.randn(2, 8, device=device)
+        assert_tensors_match(
+            graphed(x).detach(), module.fc(x).detach(), "output", tolerance(backend)
+        )
+
+
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pool's segments on the device, summed; a handle that is no pair id counts 0."""
     from dualgraph.torch import _capture_cuda

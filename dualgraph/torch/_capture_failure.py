@@ -5,6 +5,7 @@ and the repair that leaves CUDA usable afterwards.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,14 @@ import torch
 from .._errors import CaptureError, DualgraphError
 from ._lint import CaptureLintError
 
-__all__ = ["Progress", "Refused", "describe_failure", "recover_cuda", "repair_cuda_rng"]
+__all__ = [
+    "Progress",
+    "Refused",
+    "describe_failure",
+    "recover_cuda",
+    "repair_cuda_rng",
+    "rng_kept_on_failure",
+]
 
 
 class Refused(DualgraphError):
@@ -30,6 +38,37 @@ def repair_cuda_rng() -> None:
         return
     for generator in torch.cuda.default_generators:
         generator.graphsafe_set_state(generator.clone_state())
+
+
+@contextlib.contextmanager
+def rng_kept_on_failure() -> Iterator[None]:
+    """Put the CPU and CUDA RNG states back as they were if the block fails (any exception,
+    ``KeyboardInterrupt`` too).
+
+    Warmup runs the callable: its dropout draws from the RNG. A graphing that fails must leave
+    the process as it found it, so that a seeded run goes on as it would have without the
+    attempt.
+
+    >>> state = torch.get_rng_state()
+    >>> try:
+    ...     with rng_kept_on_failure():
+    ...         _ = torch.rand(3)
+    ...         raise ValueError("failed")
+    ... except ValueError:
+    ...     pass
+    >>> torch.equal(torch.get_rng_state(), state)
+    True
+    """
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    except BaseException:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
+            torch.cuda.set_rng_state_all(cuda)
+        raise
 
 
 def recover_cuda() -> None:
