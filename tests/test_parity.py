@@ -615,6 +615,52 @@ def test_a_mapping_that_gives_another_tree_is_reported_by_path() -> None:
         )
 
 
+@pytest.mark.parametrize("grads", [True, False])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda p: {**p, "weight": jnp.ones((3, 5))},
+            r"params\['weight'\]: expected float32\[3, 5\]",
+        ),
+        (
+            lambda p: {**p, "bias": jnp.ones(3, jnp.bfloat16)},
+            r"params\['bias'\]: expected bfloat16",
+        ),
+        (lambda p: {**p, "bias": None}, r"params\['bias'\]: expected None"),
+        (lambda p: {"weight": p["weight"]}, r"params\['bias'\]"),
+        (lambda p: {**p, "scale": jnp.ones(1)}, r"params\['scale'\]: missing"),
+    ],
+)
+def test_params_that_are_not_the_torch_ones_are_refused_by_path_before_anything_runs(
+    change: Any, message: str, grads: bool
+) -> None:
+    linear = torch.nn.Linear(4, 3)
+    linear.weight.grad = torch.full((3, 4), 7.0)
+    ran: list[str] = []
+
+    def torch_side(x: torch.Tensor) -> torch.Tensor:
+        ran.append("torch")
+        return linear(x)
+
+    def jax_side(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        ran.append("jax")
+        return linear_jax(params, x)
+
+    with pytest.raises(SpecMismatchError, match=message):
+        compare(
+            torch_side,
+            jax_side,
+            (sample(2, 4),),
+            params=change(jax_params_of(linear)),
+            torch_params=dict(linear.named_parameters()),
+            grads=grads,
+        )
+    assert ran == []
+    assert torch.equal(linear.weight.grad, torch.full((3, 4), 7.0))
+    assert linear.bias.grad is None
+
+
 def test_the_parameters_previous_grads_are_left_as_they_were() -> None:
     linear = torch.nn.Linear(4, 3)
     linear.weight.grad = torch.full((3, 4), 7.0)

@@ -129,7 +129,23 @@ def _params_of(
 ) -> _Params | None:
     if params is None:
         return None
-    return _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
+    both = _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
+    _check_params_match(both)
+    return both
+
+
+def _check_params_match(params: _Params) -> None:
+    """Refuse JAX params that are not the torch ones mapped, naming the path, before either
+    side runs (a wrong shape would otherwise fail deep inside the JAX function)."""
+    mapped = params.from_torch({name: to_numpy(p) for name, p in params.torch.items()})
+    try:
+        describe(params.jax).check(mapped, root="params")
+    except SpecMismatchError as error:
+        raise SpecMismatchError(
+            "the JAX params do not match the torch parameters mapped by params_from_torch "
+            f"(expected: the JAX params, got: the mapped torch ones): {error}",
+            path=error.path,
+        ) from None
 
 
 @dataclass(frozen=True)
