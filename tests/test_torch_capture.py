@@ -676,6 +676,54 @@ def test_an_interrupted_capture_leaves_the_rng_and_the_module_as_it_found_them(
         )
 
 
+class LeavesAmbientStateThenExplodes(nn.Module):
+    """Turns grad mode off and enters an autocast it never leaves, then fails (second call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.fc(x)
+        if self.calls == 2:
+            torch.set_grad_enabled(False)
+            torch.autocast(x.device.type, dtype=torch.float16).__enter__()
+            raise ValueError("exploded on purpose")
+        return h
+
+
+def _ambient_state(device_type: str) -> tuple[Any, ...]:
+    return (
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_leaves_grad_mode_and_autocast_as_it_found_them(backend: str) -> None:
+    device = device_of(backend)
+    module = LeavesAmbientStateThenExplodes().to(device)
+    before = _ambient_state(device.type)
+    try:
+        message = capture_error(module, (torch.randn(2, 8, device=device),), backend=backend)
+        assert message.endswith("ValueError: exploded on purpose")
+        assert _ambient_state(device.type) == before
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_autocast_enabled(device.type, False)
+    module.calls = 10  # never fails again
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 8, device=device, requires_grad=True),), backend=backend
+    )
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    assert graphed(x).dtype == torch.float32  # captured outside autocast
+    assert_tensors_match(graphed(x).detach(), module.fc(x).detach(), "output", tolerance(backend))
+
+
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pool's segments on the device, summed; a handle that is no pair id counts 0."""
     from dualgraph.torch import _capture_cuda

@@ -16,10 +16,10 @@ from ._lint import CaptureLintError
 __all__ = [
     "Progress",
     "Refused",
+    "ambient_kept_on_failure",
     "describe_failure",
     "recover_cuda",
     "repair_cuda_rng",
-    "rng_kept_on_failure",
 ]
 
 
@@ -40,27 +40,37 @@ def repair_cuda_rng() -> None:
         generator.graphsafe_set_state(generator.clone_state())
 
 
-@contextlib.contextmanager
-def rng_kept_on_failure() -> Iterator[None]:
-    """Put the CPU and CUDA RNG states back as they were if the block fails (any exception,
-    ``KeyboardInterrupt`` too).
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
-    Warmup runs the callable: its dropout draws from the RNG. A graphing that fails must leave
-    the process as it found it, so that a seeded run goes on as it would have without the
-    attempt.
+
+@contextlib.contextmanager
+def ambient_kept_on_failure() -> Iterator[None]:
+    """Put the CPU and CUDA RNG states, grad mode and autocast state back as they were if the
+    block fails (any exception, ``KeyboardInterrupt`` too).
+
+    Warmup runs the callable: its dropout draws from the RNG, and a forward that fails half-way
+    may leave grad mode or an autocast it entered behind. A graphing that fails must leave the
+    process as it found it, so that a seeded run goes on as it would have without the attempt.
 
     >>> state = torch.get_rng_state()
     >>> try:
-    ...     with rng_kept_on_failure():
+    ...     with ambient_kept_on_failure():
     ...         _ = torch.rand(3)
+    ...         _ = torch.set_grad_enabled(False)
     ...         raise ValueError("failed")
     ... except ValueError:
     ...     pass
-    >>> torch.equal(torch.get_rng_state(), state)
-    True
+    >>> torch.equal(torch.get_rng_state(), state), torch.is_grad_enabled()
+    (True, True)
     """
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    grad_enabled = torch.is_grad_enabled()
+    autocast = [
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    ]
+    autocast_cache = torch.is_autocast_cache_enabled()
     try:
         yield
     except BaseException:
@@ -68,6 +78,11 @@ def rng_kept_on_failure() -> Iterator[None]:
         if cuda is not None:
             repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
             torch.cuda.set_rng_state_all(cuda)
+        torch.set_grad_enabled(grad_enabled)
+        for device, enabled, dtype in autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(autocast_cache)
         raise
 
 
