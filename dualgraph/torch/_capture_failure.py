@@ -76,8 +76,11 @@ def ambient_kept_on_failure() -> Iterator[None]:
     except BaseException:
         torch.set_rng_state(cpu)
         if cuda is not None:
-            repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
-            torch.cuda.set_rng_state_all(cuda)
+            # never in place of the failure being reported: a CUDA error here is left to the
+            # next CUDA call, as the capture's own recovery does
+            with contextlib.suppress(RuntimeError):
+                repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
+                torch.cuda.set_rng_state_all(cuda)
         torch.set_grad_enabled(grad_enabled)
         for device, enabled, dtype in autocast:
             torch.set_autocast_enabled(device, enabled)
