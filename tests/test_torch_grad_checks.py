@@ -34,7 +34,7 @@ def test_span_covers_the_bytes_of_a_strided_tensor() -> None:
     assert span(empty) == (empty.data_ptr(), empty.data_ptr())
 
 
-def _problem(grad: torch.Tensor | None, **param_attrs: object) -> tuple[str, bool] | None:
+def _problem(grad: torch.Tensor | None, **param_attrs: object) -> tuple[str, str | None] | None:
     weight = torch.nn.Parameter(torch.ones(2, 3))
     for key, value in param_attrs.items():
         setattr(weight, key, value)
@@ -48,9 +48,12 @@ def test_grad_problem_passes_a_dense_grad_of_its_own_or_none() -> None:
 
 
 def test_grad_problem_leaves_to_autograd_what_eager_adds_otherwise() -> None:
-    assert _problem(torch.zeros(2, 3).to_sparse()) == ("w", True)  # eager: the dense sum
-    assert _problem(torch.zeros(2, 3, dtype=torch.float64)) == ("w", True)  # added in float64
-    assert _problem(None, grad_dtype=torch.float64) == ("w", True)  # a new float64 .grad
+    sparse = ".grad is torch.sparse_coo (expected torch.strided)"
+    assert _problem(torch.zeros(2, 3).to_sparse()) == ("w", sparse)  # eager: the dense sum
+    wider = ".grad is float64, the parameter float32"
+    assert _problem(torch.zeros(2, 3, dtype=torch.float64)) == ("w", wider)  # added in float64
+    new = "grad_dtype is float64, the parameter float32"
+    assert _problem(None, grad_dtype=torch.float64) == ("w", new)  # a new float64 .grad
 
 
 def test_grad_problem_refuses_a_grad_in_another_parameters_memory() -> None:
@@ -60,6 +63,6 @@ def test_grad_problem_refuses_a_grad_in_another_parameters_memory() -> None:
     pending = [(weight, accumulators[0], shared, None), (other, accumulators[1], shared, None)]
     names = {weight: "weight", other: "other"}
     assert grad_problem(pending, [span(a) for a in accumulators], names) in {
-        ("weight", False),
-        ("other", False),
+        ("weight", None),
+        ("other", None),
     }

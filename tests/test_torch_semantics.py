@@ -1223,8 +1223,16 @@ def test_a_grad_the_graphs_cannot_add_into_as_eager_is_refused_naming_it(
     changes = {"sparse": _sparse_grad, "another_dtype": _wider_grad, **SHARED_GRADS}
     changes[kind](net)
     before = [p.grad.to_dense().clone() for p in net.parameters()]
-    with pytest.raises(DualgraphError, match=r"Sequential: Sequential\.[02]\.weight: \.grad "):
+    with pytest.raises(
+        DualgraphError, match=r"Sequential: Sequential\.[02]\.weight: \.grad "
+    ) as info:
         loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+    found = {  # what the message says it found, against what it expected
+        "sparse": ".grad is torch.sparse_coo (expected torch.strided)",
+        "another_dtype": ".grad is float64, the parameter float32",
+    }
+    if kind in found:
+        assert found[kind] in str(info.value)
     for param, values in zip(net.parameters(), before, strict=True):
         assert_tensors_match(param.grad.to_dense(), values, "a .grad the refused backward kept")
 

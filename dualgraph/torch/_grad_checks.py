@@ -103,28 +103,33 @@ def span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * tensor.element_size()
 
 
+def _name(of: Any) -> str:
+    """``float32`` for a dtype or a tensor of that dtype."""
+    return str(getattr(of, "dtype", of)).removeprefix("torch.")
+
+
 def grad_problem(
     pending: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]],
     accumulator_spans: Sequence[tuple[int, int]],
     names: dict[torch.Tensor, str],
-) -> tuple[str, bool] | None:
+) -> tuple[str, str | None] | None:
     """A ``.grad`` of ``pending`` (each not its accumulator) that no accumulator can stand in
-    for, as ``(its parameter's name, whether autograd can add into it as eager does)``;
-    ``None`` if there is none.
+    for, as ``(its parameter's name, what autograd adds into as eager does)``, the second
+    ``None`` where nothing can; ``None`` if there is none.
 
     Eager adds into a sparse ``.grad`` by replacing it with the dense sum, into a ``.grad`` of
     another dtype than the parameter's (allowed by ``param.grad_dtype``, e.g. float32 grads of
     bfloat16 weights) in that dtype, and makes a new ``.grad`` of the ``grad_dtype``; copied into
     the accumulators (of the parameter's dtype) and back, these would be rounded or refused by
-    torch, so autograd must add them (``True``). Eager adds into a ``.grad`` that shares memory
-    with another parameter's ``.grad`` (or accumulator) twice, which nothing reproduces
-    (``False``).
+    torch, so autograd must add them (what was found, expected against found). Eager adds into
+    a ``.grad`` that shares memory with another parameter's ``.grad`` (or accumulator) twice,
+    which nothing reproduces (``None``).
 
     >>> weight = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     >>> accumulator = torch.zeros(2, dtype=torch.bfloat16)
     >>> weight.grad_dtype = torch.float32
     >>> grad_problem([(weight, accumulator, None, None)], [span(accumulator)], {weight: "w"})
-    ('w', True)
+    ('w', 'grad_dtype is float32, the parameter bfloat16')
     """
     spans: list[tuple[int, int, str | None]] = [(*span, None) for span in accumulator_spans]
     for param, accumulator, grad, _ in pending:
@@ -133,16 +138,18 @@ def grad_problem(
             # torch refuses as the .grad of a parameter whose grad_dtype is another one.
             wanted = getattr(param, "grad_dtype", None)
             if wanted is not None and wanted != accumulator.dtype:
-                return names[param], True
+                return names[param], f"grad_dtype is {_name(wanted)}, the parameter {_name(param)}"
             continue
-        if grad.layout is not _STRIDED or grad.dtype != accumulator.dtype:
-            return names[param], True
+        if grad.layout is not _STRIDED:
+            return names[param], f".grad is {grad.layout} (expected torch.strided)"
+        if grad.dtype != accumulator.dtype:
+            return names[param], f".grad is {_name(grad)}, the parameter {_name(param)}"
         spans.append((*span(grad), names[param]))
     spans.sort(key=operator.itemgetter(0, 1))
     end, owner = -1, None
     for start, stop, name in spans:
         if start < end and start < stop and (name is not None or owner is not None):
-            return name or owner, False  # type: ignore[return-value]
+            return name or owner, None  # type: ignore[return-value]
         if stop > end:
             end, owner = stop, name
     return None

@@ -741,16 +741,15 @@ class GraphedCallable:
             pending.append((param, accumulator, grad, accumulator.clone() if held else None))
         problem = _grad_problem(pending, self._accumulator_spans, self._names_of)
         if problem is not None:
-            name, sparse = problem
-            if sparse:
+            name, found = problem
+            if found is not None:
                 if self._auto:
                     return False  # autograd adds into it as eager does
                 raise DualgraphError(
-                    f"{name}: .grad is sparse, or of another dtype than the parameter (or "
-                    "grad_dtype asks for one), which param_grads='in_graph' cannot add into "
-                    "(eager replaces a sparse .grad by the dense sum, and adds in the .grad's "
-                    "dtype); set .grad to None or to a dense tensor of the parameter's dtype, or "
-                    "capture with param_grads='auto'"
+                    f"{name}: {found}, which param_grads='in_graph' cannot add into (eager "
+                    "replaces a sparse .grad by the dense sum, and adds in the .grad's dtype); "
+                    "set .grad to None or to a dense tensor of the parameter's dtype, or capture "
+                    "with param_grads='auto'"
                 )
             raise DualgraphError(
                 f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
