@@ -11,9 +11,12 @@ place, inputs updated during backward, lazy modules, and parameter hooks under i
 from __future__ import annotations
 
 import gc
+import importlib
 import queue
 import threading
+import traceback
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -722,6 +725,71 @@ def test_a_failed_capture_leaves_grad_mode_and_autocast_as_it_found_them(backend
     x = torch.randn(2, 8, device=device, requires_grad=True)
     assert graphed(x).dtype == torch.float32  # captured outside autocast
     assert_tensors_match(graphed(x).detach(), module.fc(x).detach(), "output", tolerance(backend))
+
+
+class Tag:
+    """An object that can be weakly referenced."""
+
+
+class FailsHalfWay(nn.Module):
+    """Fails in its second call, after building part of a graph; keeps weak references to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+        self.left: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.fc(x).relu()
+        if self.calls == 2:
+            # the weight's AccumulateGrad, as the graph reaches it: relu <- addmm <- t <- weight
+            ((addmm, _),) = h.grad_fn.next_functions
+            node = next(n for n, _ in addmm.next_functions if n is not None and n.next_functions)
+            node = node.next_functions[0][0]
+            tag = Tag()  # lives as long as the node (nodes cannot be weakly referenced)
+            node.metadata["tag"] = tag
+            self.left = [weakref.ref(h), weakref.ref(tag)]
+            raise ValueError("failed half-way")
+        return h
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(backend: str) -> None:
+    """While the caller still holds the error, no frame of the failed attempt keeps its tensors
+    or the parameters' AccumulateGrad nodes (on CUDA made on the capture's side stream, which
+    later backwards and captures would otherwise be tied to)."""
+    device = device_of(backend)
+    module = FailsHalfWay().to(device)
+    x = torch.randn(2, 8, device=device)
+    # torch imports torch._dynamo at the first op under a TorchFunctionMode (the capture lint's),
+    # and that import leaves a reference cycle through the frames on the stack (torch.fx.wrap)
+    # which only a collection frees: imported here, before the frames hold anything
+    importlib.import_module("torch._dynamo")
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(CaptureError, match="failed half-way") as caught:
+            dgt.make_graphed_callables(module, (x,), backend=backend)
+        assert len(module.left) == 2
+        assert [ref() for ref in module.left] == [None, None]
+        # the traceback still shows where it failed, only without the locals
+        shown = "".join(traceback.format_tb(caught.value.__cause__.__traceback__))
+        assert 'raise ValueError("failed half-way")' in shown
+    finally:
+        gc.enable()
+    module.calls = 10  # never fails again; graphing it now works, the error still held
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's AccumulateGrad stream-mismatch warning too
+        graphed = dgt.make_graphed_callables(
+            module, (torch.randn(2, 8, device=device, requires_grad=True),), backend=backend
+        )
+        y = torch.randn(2, 8, device=device, requires_grad=True)
+        graphed(y).sum().backward()
+    del caught
+    assert_tensors_match(
+        graphed(x).detach(), module.fc(x).relu().detach(), "out", tolerance(backend)
+    )
 
 
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:

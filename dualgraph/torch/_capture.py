@@ -33,7 +33,13 @@ import torch
 
 from ._capture_cuda import capture_cuda
 from ._capture_emulated import capture_emulated
-from ._capture_failure import Progress, describe_failure, recover_cuda, repair_cuda_rng
+from ._capture_failure import (
+    Progress,
+    describe_failure,
+    recover_cuda,
+    release_failed_attempt,
+    repair_cuda_rng,
+)
 from ._capture_state import _Capture
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
@@ -143,35 +149,50 @@ def capture_copies(
     progress = Progress()
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
-        copies: list[list[_Capture]] = []
-        shared = _shared_parameters(requests)
-        for index, request in enumerate(requests):
-            progress.name = request.name
-            make = functools.partial(_Capture, request, options, shared=shared)
-            copies.append(layout.copies(index, make))
-            probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
-        captures = [item for group in copies for item in group]
-        with contextlib.ExitStack() as restore:
-            for item in captures:
-                if item.like is not None:
-                    continue  # shares the module and parameters of its original
-                if item.module_tensors is not None:
-                    restore.enter_context(item.module_tensors.left_as_found())
-                if options.param_grads != "in_graph":  # grads may go through autograd
-                    restore.enter_context(suspended_tensor_hooks(item.params))
-            if options.backend == "cuda":
-                capture_cuda(captures, layout.steps(copies), options, progress)
-            else:
-                capture_emulated(captures, options, progress)
-        progress.phase = "planning"
-        plans = [[item.plan() for item in group] for group in copies]
-        attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook
-        return plans
+        return _capture_copies(requests, options, layout, progress, probes)
     except Exception as error:
         if options.backend == "cuda":
             recover_cuda()
-        failure = describe_failure(error, progress, options.backend)
-        raise with_lint_findings(failure, probes, error) from error  # issue 19 hook
+        failure = with_lint_findings(  # issue 19 hook
+            describe_failure(error, progress, options.backend), probes, error
+        )
+        release_failed_attempt(error)
+        raise failure from error
+
+
+def _capture_copies(
+    requests: Sequence[CaptureRequest],
+    options: CaptureOptions,
+    layout: CaptureLayout,
+    progress: Progress,
+    probes: list[WarmupProbe],
+) -> list[list[ReplayPlan]]:
+    # A function of its own, so that a failure leaves no frame running that holds the copies
+    # (see release_failed_attempt).
+    copies: list[list[_Capture]] = []
+    shared = _shared_parameters(requests)
+    for index, request in enumerate(requests):
+        progress.name = request.name
+        make = functools.partial(_Capture, request, options, shared=shared)
+        copies.append(layout.copies(index, make))
+        probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
+    captures = [item for group in copies for item in group]
+    with contextlib.ExitStack() as restore:
+        for item in captures:
+            if item.like is not None:
+                continue  # shares the module and parameters of its original
+            if item.module_tensors is not None:
+                restore.enter_context(item.module_tensors.left_as_found())
+            if options.param_grads != "in_graph":  # grads may go through autograd
+                restore.enter_context(suspended_tensor_hooks(item.params))
+        if options.backend == "cuda":
+            capture_cuda(captures, layout.steps(copies), options, progress)
+        else:
+            capture_emulated(captures, options, progress)
+    progress.phase = "planning"
+    plans = [[item.plan() for item in group] for group in copies]
+    attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook
+    return plans
 
 
 def _shared_parameters(requests: Sequence[CaptureRequest]) -> frozenset[int]:

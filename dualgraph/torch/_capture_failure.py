@@ -5,6 +5,7 @@ and the repair that leaves CUDA usable afterwards.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ __all__ = [
     "ambient_kept_on_failure",
     "describe_failure",
     "recover_cuda",
+    "release_failed_attempt",
     "repair_cuda_rng",
 ]
 
@@ -87,6 +89,40 @@ def ambient_kept_on_failure() -> Iterator[None]:
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(autocast_cache)
         raise
+
+
+def release_failed_attempt(error: BaseException) -> None:
+    """Free what the frames of a failed capture still hold: the tensors and autograd graphs of
+    its warmup and capture (the traceback keeps its line numbers, not its locals).
+
+    The error's traceback holds every frame it left, and the frame that catches it holds the
+    error in turn, so they would live on until a garbage collection. A forward that failed
+    half-way leaves a graph whose ``AccumulateGrad`` nodes were made on the capture's side
+    stream; while they live, every backward through those parameters runs them there (one more
+    cross-stream wait, and torch's stream-mismatch warning), and a later capture of the same
+    module waits on that stream from inside its graph, which fails it. Frames still running
+    (the caller's) are left alone.
+
+    >>> def fails(x):
+    ...     y = x * 2
+    ...     raise ValueError("failed")
+    >>> try:
+    ...     fails(torch.ones(1))
+    ... except ValueError as error:
+    ...     release_failed_attempt(error)
+    ...     frames = [f for f, _ in traceback.walk_tb(error.__traceback__)]
+    >>> frames[-1].f_locals
+    {}
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += (current.__cause__, current.__context__)
 
 
 def recover_cuda() -> None:
