@@ -308,6 +308,56 @@ def build_variants(work: Workload, baseline: str) -> dict[str, Built]:
     return variants
 
 
+def capture_times(work: Workload, rounds: int, baseline: str) -> dict[str, float]:
+    """Median seconds to graph the blocks, per wrapper, over interleaved rounds.
+
+    Each round graphs fresh copies of the blocks with every wrapper in turn (torch, TE where it
+    imports, dualgraph's default, ``"in_graph"`` and ``--baseline``'s default); building the
+    blocks and samples is not timed, and each result is freed before the next. All wrappers
+    have graphed once already (``build_variants``), so no first-use cost of a process is in it.
+    """
+
+    def blocks() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [work.block(work.dim, work.heads).cuda().to(work.dtype) for _ in range(work.blocks)]
+
+    def samples() -> tuple[Any, ...]:
+        return tuple(
+            (torch.randn(*work.shape, device="cuda", dtype=work.dtype, requires_grad=True),)
+            for _ in range(work.blocks)
+        )
+
+    wrappers: dict[str, Callable[[list[nn.Module], tuple[Any, ...]], Any]] = {
+        "torch": lambda b, s: torch.cuda.make_graphed_callables(tuple(HiddenOnly(m) for m in b), s),
+        "dualgraph": lambda b, s: dgt.make_graphed_callables(tuple(b), s, backend="cuda"),
+        "dg-in-graph": lambda b, s: dgt.make_graphed_callables(
+            tuple(b), s, backend="cuda", param_grads="in_graph"
+        ),
+    }
+    te = transformer_engine()
+    if te is not None:
+        wrappers["te"] = lambda b, s: te.make_graphed_callables(tuple(b), s)
+    if baseline:
+        before = baseline_package(baseline)
+        wrappers["dg-before"] = lambda b, s: before.make_graphed_callables(
+            tuple(b), s, backend="cuda"
+        )
+    seconds: dict[str, list[float]] = {name: [] for name in wrappers}
+    for _ in range(rounds):
+        for name, wrap in wrappers.items():
+            made, inputs = blocks(), samples()
+            gc.collect()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            graphed = wrap(made, inputs)
+            torch.cuda.synchronize()
+            seconds[name].append(time.perf_counter() - start)
+            del graphed, made, inputs
+            gc.collect()
+            torch.cuda.empty_cache()
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
 def floor_step(blocks: nn.ModuleList, inputs: torch.Tensor) -> tuple[Step, float, int, int, int]:
     """One raw CUDA graph of the whole step: the least a step can cost."""
     static_x = inputs.detach().clone().requires_grad_()
@@ -425,7 +475,13 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--tiny-steps", type=int, default=200, help="steps per round of the tiny workload"
+    )
     parser.add_argument("--host-calls", type=int, default=200)
+    parser.add_argument(
+        "--capture-rounds", type=int, default=3, help="interleaved rounds of capture timing"
+    )
     parser.add_argument("--baseline", default="", help="a directory holding another dualgraph/")
     parser.add_argument("--json", default="", help="write every number here")
     parser.add_argument("--plot", default="", help="write a bar chart (PNG) here")
@@ -445,7 +501,8 @@ def main() -> None:
     print(f"{results['device']}, {versions}; medians of {args.rounds} interleaved rounds")
     for work in workloads(args.workloads):
         variants = build_variants(work, args.baseline)
-        times = time_variants(variants, args.rounds, args.steps)
+        steps = args.tiny_steps if work.name == "tiny" else args.steps
+        times = time_variants(variants, args.rounds, steps)
         entry: dict[str, Any] = {
             "workload": work.describe(),
             "ms_per_step": times,
@@ -462,10 +519,17 @@ def main() -> None:
             print(
                 "host us per call (CPU side): " + ", ".join(f"{n} {v:.1f}" for n, v in host.items())
             )
-        results[f"{work.name}-b{work.batch}"] = entry
         del variants
         gc.collect()
         torch.cuda.empty_cache()
+        if args.capture_rounds:
+            captures = capture_times(work, args.capture_rounds, args.baseline)
+            entry["capture_s_median"] = captures
+            print(
+                f"capture s (median of {args.capture_rounds} interleaved rounds): "
+                + ", ".join(f"{n} {v:.3f}" for n, v in captures.items())
+            )
+        results[f"{work.name}-b{work.batch}"] = entry
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if args.plot:

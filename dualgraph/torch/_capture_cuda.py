@@ -2,19 +2,22 @@
 
 The forward and backward graph of each copy are captured in the order the
 :class:`CaptureLayout`'s steps give (by default forwards in order, backwards in reverse, one
-pool); under ``param_grads="auto"`` a third graph adds the parameter grads into ``.grad``.
+pool); where the parameter grads go into accumulators (``"auto"``, ``"in_graph"``), the backward
+graph adds them there itself. The device is synchronized and the allocator's cache emptied once
+before the first graph, not before each (:func:`capturing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._blas_workspaces import prime_capture_stream
+from ._blas_workspaces import capture_stream, prime_capture_stream
 from ._capture_failure import Progress
 from ._capture_state import _Capture, empty_from_layout, grad_output_buffers
 from ._probe import raise_on_lint_errors
@@ -80,6 +83,9 @@ def _capture_cuda_graphs(
             del grads
     torch.cuda.current_stream(device).wait_stream(side_stream)
     torch.cuda.synchronize(device)
+    # What torch.cuda.graph does before every graph, once for all of them: the warmup's cached
+    # blocks go back to the device, for the pools to take.
+    torch.cuda.empty_cache()
     prime_capture_stream(device)  # cuBLAS's workspaces for the capture stream: not in the pool
     originals = [item for item in captures if item.like is None]
     raise_on_lint_errors([item.probe for item in originals])  # issue 19 hook: before any capture
@@ -110,7 +116,7 @@ def _capture_cuda_graphs(
         kept = tuple(empty_from_layout(layout) for layout in layouts)
         with (
             item.request.hooks.around("forward"),  # capture-time hooks: outside the graph
-            torch.cuda.graph(forward_graph, pool=pool, capture_error_mode=mode),
+            capturing(forward_graph, pool, mode),
         ):
             flat = item.record_outputs(item.run())  # (reads Python objects only)
             for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
@@ -159,7 +165,7 @@ def _capture_backward(
         grads: tuple[torch.Tensor | None, ...]
         with (
             item.request.hooks.around("backward"),  # capture-time hooks: outside the graph
-            torch.cuda.graph(backward_graph, pool=pool, capture_error_mode=mode),
+            capturing(backward_graph, pool, mode),
         ):
             grads = torch.autograd.grad(
                 differentiable,
@@ -180,6 +186,24 @@ def _capture_backward(
         item.replay_backward = backward_graph.replay
         item.graphs.append(backward_graph)
     del flat, differentiable
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any, mode: Any) -> Iterator[None]:
+    """Capture what the block runs into ``graph``, on torch's capture stream, into ``pool``.
+
+    ``torch.cuda.graph`` without what it does before every graph (wait for the device, give the
+    allocator's cached blocks back, empty the pinned host cache): :func:`capture_cuda` does that
+    once for all the graphs of a capture. Like ``torch.cuda.graph``, it ends the capture when the
+    block raises (an error of ``capture_end`` then carries the block's as its context), and it
+    also always leaves the capture stream.
+    """
+    with torch.cuda.stream(capture_stream()):
+        graph.capture_begin(pool, capture_error_mode=mode)
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:
