@@ -734,8 +734,9 @@ class Tag:
 class FailsHalfWay(nn.Module):
     """Fails in its second call, after building part of a graph; keeps weak references to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: type[BaseException] = ValueError) -> None:
         super().__init__()
+        self.error = error
         self.fc = nn.Linear(8, 8)
         self.calls = 0
         self.left: list[Any] = []
@@ -751,17 +752,20 @@ class FailsHalfWay(nn.Module):
             tag = Tag()  # lives as long as the node (nodes cannot be weakly referenced)
             node.metadata["tag"] = tag
             self.left = [weakref.ref(h), weakref.ref(tag)]
-            raise ValueError("failed half-way")
+            raise self.error("failed half-way")
         return h
 
 
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(backend: str) -> None:
+def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(
+    backend: str, error: type[BaseException]
+) -> None:
     """While the caller still holds the error, no frame of the failed attempt keeps its tensors
     or the parameters' AccumulateGrad nodes (on CUDA made on the capture's side stream, which
-    later backwards and captures would otherwise be tied to)."""
+    later backwards and captures would otherwise be tied to); an interrupt passes as it is."""
     device = device_of(backend)
-    module = FailsHalfWay().to(device)
+    module = FailsHalfWay(error).to(device)
     x = torch.randn(2, 8, device=device)
     # torch imports torch._dynamo at the first op under a TorchFunctionMode (the capture lint's),
     # and that import leaves a reference cycle through the frames on the stack (torch.fx.wrap)
@@ -769,13 +773,16 @@ def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(backend: str)
     importlib.import_module("torch._dynamo")
     gc.disable()  # only reference counts may free them
     try:
-        with pytest.raises(CaptureError, match="failed half-way") as caught:
+        expected = CaptureError if error is ValueError else error
+        with pytest.raises(expected, match="failed half-way") as caught:
             dgt.make_graphed_callables(module, (x,), backend=backend)
         assert len(module.left) == 2
         assert [ref() for ref in module.left] == [None, None]
         # the traceback still shows where it failed, only without the locals
-        shown = "".join(traceback.format_tb(caught.value.__cause__.__traceback__))
-        assert 'raise ValueError("failed half-way")' in shown
+        raised = caught.value.__cause__ if error is ValueError else caught.value
+        assert raised is not None
+        shown = "".join(traceback.format_tb(raised.__traceback__))
+        assert 'raise self.error("failed half-way")' in shown
     finally:
         gc.enable()
     module.calls = 10  # never fails again; graphing it now works, the error still held

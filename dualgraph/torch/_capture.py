@@ -158,6 +158,9 @@ def capture_copies(
         )
         release_failed_attempt(error)
         raise failure from error
+    except BaseException as interrupted:  # KeyboardInterrupt, SystemExit: passed on as they are
+        release_failed_attempt(interrupted)
+        raise
 
 
 def _capture_copies(
