@@ -10,6 +10,7 @@ place, inputs updated during backward, lazy modules, and parameter hooks under i
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib
 import queue
@@ -797,6 +798,33 @@ def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(
     assert_tensors_match(
         graphed(x).detach(), module.fc(x).relu().detach(), "out", tolerance(backend)
     )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_graphing_while_an_eager_graph_of_the_module_is_alive_works(backend: str) -> None:
+    """An eager output kept across graphing (a reference to compare with) keeps the parameters'
+    AccumulateGrad nodes alive, made on the caller's stream; warmup and capture run on others."""
+    device = device_of(backend)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = copy.deepcopy(module)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    kept = module(x)  # its graph lives on through the capture
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+    )
+    for _ in range(2):
+        y = torch.randn(4, 8, device=device)
+        a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+        graphed(a).square().sum().backward()
+        twin(b).square().sum().backward()
+        assert_tensors_match(a.grad, b.grad, "x.grad", tolerance(backend))
+        for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+    kept.sum().backward()  # the kept graph still works, on its own stream
+    twin(x.detach().requires_grad_()).sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
 
 
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
