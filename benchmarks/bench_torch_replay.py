@@ -2,7 +2,8 @@
 
 Run on a CUDA machine: ``python benchmarks/bench_torch_replay.py [--rounds 5 --steps 20]``.
 Every variant of one workload is built in one process and timed in interleaved rounds (median
-of rounds; each round runs ``--steps`` steps between two CUDA events). A step is forward +
+of rounds; each round runs ``--steps`` steps, ``--tiny-steps`` for the tiny workload, between two
+CUDA events). A step is forward +
 backward with loss ``h.float().sum()`` and fresh input leaves; parameter grads accumulate.
 
 Workloads (``--workloads``; default all):
@@ -33,7 +34,10 @@ Variants:
 - ``floor``: one raw CUDA graph of the whole step (forward, backward, grad accumulation).
 
 Also measured per graphed variant: capture time and memory held after capture (growth of the
-allocator's allocated and reserved bytes; the same measure for every wrapper), memory held
+allocator's allocated and reserved bytes; the same measure for every wrapper); capture time
+again as the median of ``--capture-rounds`` interleaved rounds in which each wrapper graphs
+fresh blocks (no first-use cost of the process in it: the variants above were graphed first);
+memory held
 after one training step (allocated growth from before the capture: pool, static buffers and
 the ``.grad`` tensors, which some wrappers allocate at capture and others at the first
 backward; for ``eager`` the ``.grad`` tensors alone), and for ``tiny``
