@@ -800,19 +800,33 @@ def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(
     )
 
 
+@pytest.mark.parametrize("kept", ["output", "loss after backward"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_graphing_while_an_eager_graph_of_the_module_is_alive_works(backend: str) -> None:
-    """An eager output kept across graphing (a reference to compare with) keeps the parameters'
-    AccumulateGrad nodes alive, made on the caller's stream; warmup and capture run on others."""
+def test_graphing_while_an_eager_graph_of_the_module_is_alive_is_refused_until_it_goes(
+    backend: str, kept: str
+) -> None:
+    """An eager output or loss kept across graphing keeps the parameters' AccumulateGrad nodes
+    alive, made on the caller's stream, which a CUDA capture's backward would wait on from inside
+    the graph (torch warns, then the capture fails): refused by name before anything runs, on
+    a CPU too; once the graph is gone, graphing works and trains as eager."""
     device = device_of(backend)
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
     twin = copy.deepcopy(module)
     x = torch.randn(4, 8, device=device, requires_grad=True)
-    kept = module(x)  # its graph lives on through the capture
-    graphed = dgt.make_graphed_callables(
-        module, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
-    )
+    alive = module(x)
+    if kept == "loss after backward":
+        alive = alive.sum()
+        alive.backward()  # frees the saved tensors, not the graph's nodes
+        twin(x.detach().requires_grad_()).sum().backward()
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing runs: not even torch's stream-mismatch warning
+        message = capture_error(module, sample, backend=backend)
+    assert "Sequential.0.weight's AccumulateGrad node is held by an autograd graph" in message
+    assert "del loss" in message
+    del alive
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
     for _ in range(2):
         y = torch.randn(4, 8, device=device)
         a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
@@ -821,10 +835,6 @@ def test_graphing_while_an_eager_graph_of_the_module_is_alive_works(backend: str
         assert_tensors_match(a.grad, b.grad, "x.grad", tolerance(backend))
         for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
-    kept.sum().backward()  # the kept graph still works, on its own stream
-    twin(x.detach().requires_grad_()).sum().backward()
-    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
-        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
 
 
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:

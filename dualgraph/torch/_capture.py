@@ -35,12 +35,14 @@ from ._capture_cuda import capture_cuda
 from ._capture_emulated import capture_emulated
 from ._capture_failure import (
     Progress,
+    Refused,
     describe_failure,
     recover_cuda,
     release_failed_attempt,
     repair_cuda_rng,
 )
 from ._capture_state import _Capture
+from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._params import suspended_tensor_hooks
@@ -180,6 +182,7 @@ def _capture_copies(
         copies.append(layout.copies(index, make))
         probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
     captures = [item for group in copies for item in group]
+    _refuse_parameters_held_by_graphs(captures, progress)
     with contextlib.ExitStack() as restore:
         for item in captures:
             if item.like is not None:
@@ -196,6 +199,30 @@ def _capture_copies(
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook
     return plans
+
+
+def _refuse_parameters_held_by_graphs(captures: Sequence[_Capture], progress: Progress) -> None:
+    """Refuse a parameter whose ``AccumulateGrad`` node an autograd graph alive keeps.
+
+    A node keeps the stream it was made on; a CUDA warmup and capture run on streams of their
+    own, so the capture's backward would make that stream wait on the capturing one, which fails
+    the capture (torch warns of the mismatch first). Found before anything is run or allocated,
+    by ``"emulate"`` too, so that a CPU run shows what a GPU run would refuse.
+    """
+    for item in captures:
+        if item.like is not None:
+            continue
+        progress.name = item.name
+        for name, param in zip(item.param_names, item.params, strict=True):
+            if held_by_a_graph(param):
+                raise Refused(
+                    f"{name}'s AccumulateGrad node is held by an autograd graph that is still "
+                    "alive (an output or loss kept from a call before graphing, or "
+                    "DistributedDataParallel): that node stays on the stream it was made on, "
+                    "and the capture's backward would wait on it from inside the graph. Delete "
+                    "the references to that graph (e.g. `del loss`) before graphing, and graph "
+                    "the layers before wrapping the model in DDP"
+                )
 
 
 def _shared_parameters(requests: Sequence[CaptureRequest]) -> frozenset[int]:

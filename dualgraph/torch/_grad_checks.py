@@ -21,6 +21,7 @@ __all__ = [
     "aliases",
     "grad_accumulator",
     "grad_problem",
+    "held_by_a_graph",
     "holders",
     "own_hooks",
     "span",
@@ -54,6 +55,33 @@ def grad_accumulator(tensor: torch.Tensor) -> Any:
         return _node_of(tensor)
     with _no_torch_function():
         return _node_of(tensor)
+
+
+_PROBE_KEY = "dualgraph: looked up"
+
+
+def held_by_a_graph(tensor: torch.Tensor) -> bool:
+    """Whether something besides ``tensor`` keeps its ``AccumulateGrad`` node alive: an
+    autograd graph that reaches it (an output or loss kept from an earlier call), or DDP.
+
+    A leaf keeps only a weak reference to its node; a node nobody holds goes when the lookup's
+    reference does, and the next lookup makes a new one. So the node found first is marked, and
+    the mark is still there at the second lookup only where someone else holds that node.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> held_by_a_graph(w)
+    False
+    >>> kept = (w * 2).sum()
+    >>> held_by_a_graph(w)
+    True
+    """
+    node = grad_accumulator(tensor)
+    if node is None:
+        return False
+    node.metadata[_PROBE_KEY] = True
+    del node
+    again = grad_accumulator(tensor)
+    return again is not None and bool(again.metadata.pop(_PROBE_KEY, False))
 
 
 def own_hooks(tensor: torch.Tensor, which: str = "_backward_hooks") -> Any:
