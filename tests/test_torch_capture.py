@@ -488,6 +488,55 @@ def test_a_parameter_the_callable_updates_in_place_is_refused(backend: str, lint
         )
 
 
+class CountsByReassigning(nn.Module):
+    """Replaces a buffer (``self.steps = self.steps + 1``) or a submodule in its forward."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.what == "buffer":
+            self.steps = self.steps + 1  # eager counts; a replay would read the captured tensor
+        elif self.what == "parameter":
+            self.fc.bias = nn.Parameter(self.fc.bias.detach() * 0.5)
+        elif self.what == "submodule":
+            self.fc = nn.Linear(4, 4).to(x.device)
+        return self.fc(x) * self.steps
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("what", "name"),
+    [
+        ("buffer", "CountsByReassigning.steps"),
+        ("parameter", "CountsByReassigning.fc.bias"),
+        ("submodule", "CountsByReassigning.fc"),
+    ],
+)
+def test_a_callable_that_replaces_a_module_tensor_is_refused_at_capture(
+    backend: str, what: str, name: str
+) -> None:
+    device = device_of(backend)
+    module = CountsByReassigning(what).to(device)
+    before = dict(module.named_parameters()), dict(module.named_buffers()), module.fc
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device),), backend=backend, lint="off"
+    )
+    assert f"{name}: the callable replaces" in message
+    # the module holds the tensors and submodules it held before, and still works
+    assert dict(module.named_parameters()) == before[0]
+    assert dict(module.named_buffers()) == before[1] and module.fc is before[2]
+    assert float(module.steps) == 0.0
+    module.what = "nothing"
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, device=device),), backend=backend
+    )
+    assert graphed(torch.randn(2, 4, device=device)).shape == (2, 4)
+
+
 def _scales_input_in_backward(x: torch.Tensor) -> torch.Tensor:
     return _ScaleInBackward.apply(x)
 
