@@ -105,6 +105,7 @@ class GraphedCallable:
         "_in_graph_expected",
         "_in_graph_params",
         "_input_grads",
+        "_input_only_outputs",
         "_inputs",
         "_lock",
         "_module_tensors",
@@ -247,6 +248,19 @@ class GraphedCallable:
         )
         self._reach_of_params = reach[grad_inputs:]
         self._unreached_memo: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
+        self._input_only_outputs = _input_only_outputs(plan)
+
+    def nondiff_outputs_of(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The outputs that take no part in the backward of a call with these input tensors.
+
+        Those of the capture, and those that only inputs reach which need no grad in this call
+        (captured requiring grad): as in eager, they come back without history.
+        """
+        nondiff = self._nondiff_outputs
+        for output, reaching in self._input_only_outputs:
+            if not any(inputs[i].requires_grad for i in reaching):
+                nondiff += (output,)
+        return nondiff
 
     # -- what a caller sees -------------------------------------------------------------------
 
@@ -823,3 +837,26 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _input_only_outputs(plan: ReplayPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each differentiable output that no parameter reaches, with the inputs that reach it.
+
+    Positions among the output tensors and among the input tensors. Such an output needs grad
+    in a call only where one of those inputs does (see :meth:`GraphedCallable.nondiff_outputs_of`).
+    """
+    grad_inputs = plan.grad_inputs
+    reach = plan.reach
+    params = len(plan.params.params)
+    result = []
+    for k, output in enumerate(plan.diff_outputs):
+        if reach is None:  # every output reaches every input and parameter
+            if params:
+                return ()
+            reaching = grad_inputs
+        else:
+            if any(k in leaf for leaf in reach[len(grad_inputs) :]):
+                continue
+            reaching = tuple(i for i, leaf in zip(grad_inputs, reach, strict=False) if k in leaf)
+        result.append((output, reaching))
+    return tuple(result)
