@@ -327,6 +327,37 @@ def test_an_updated_input_that_shares_memory_with_another_input_is_refused(backe
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_an_updated_input_the_update_cannot_be_written_into_is_refused_before_the_replay(
+    backend: str, kind: str
+) -> None:
+    # Eager's in-place update raises on such a tensor; the replay refuses it before any static
+    # buffer is written (else it raised after the replay, with the buffers overwritten).
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        track,
+        (
+            torch.randn(3, 4, device=device),
+            torch.zeros(4, device=device),
+            torch.zeros((), device=device),
+        ),
+        backend=backend,
+    )
+    stats = torch.zeros(1, device=device).expand(4)
+    count = torch.zeros((), device=device)
+    if kind == "inference":
+        with torch.inference_mode():
+            stats, count = torch.zeros(4, device=device), torch.zeros((), device=device)
+    static = [t.clone() for t in graphed.static_inputs]
+    with pytest.raises(
+        DualgraphError, match=r"^track: args\[1\]: the callable updates it in place"
+    ):
+        graphed(torch.randn(3, 4, device=device), stats, count)
+    assert all(map(torch.equal, graphed.static_inputs, static))
+    assert graphed.generation == 0
+
+
 # -- parameters and buffers after capture --------------------------------------------------------
 
 

@@ -331,7 +331,7 @@ class GraphedCallable:
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state()
             if self._mutated:
-                self._check_mutated_inputs_are_apart(tensors)
+                self._check_mutated_inputs(tensors)
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -394,10 +394,19 @@ class GraphedCallable:
             "replays the precision it was captured in"
         )
 
-    def _check_mutated_inputs_are_apart(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _check_mutated_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before any buffer is written, what the copy back of an update cannot do as
+        eager does: an input eager's update could not be written into (it would raise), or one
+        that shares memory with another input (eager would see the update through it)."""
         paths = self._inputs.paths
         for i in self._mutated:
             mutated = tensors[i]
+            why = _unwritable(mutated)
+            if why is not None:
+                raise DualgraphError(
+                    f"{self.name}: {paths[i]}: the callable updates it in place, and {why}, so "
+                    "eager's update would raise; pass a tensor of its own (clone())"
+                )
             if mutated.numel() == 0:
                 continue
             storage = mutated.untyped_storage().data_ptr()
@@ -837,6 +846,15 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _unwritable(tensor: torch.Tensor) -> str | None:
+    """Why an in-place update cannot be written into ``tensor``, or ``None``."""
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: its elements overlap for sure
+        return "its elements share memory (an expanded tensor)"
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        return "it is an inference tensor, outside inference mode"
+    return None
 
 
 def _input_only_outputs(plan: ReplayPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:
