@@ -108,6 +108,7 @@ class GraphedCallable:
         "_input_only_outputs",
         "_inputs",
         "_lock",
+        "_module_storages",
         "_module_tensors",
         "_mutated",
         "_names_of",
@@ -249,6 +250,15 @@ class GraphedCallable:
         self._reach_of_params = reach[grad_inputs:]
         self._unreached_memo: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
         self._input_only_outputs = _input_only_outputs(plan)
+        # Where the module's parameters and buffers live (they stay put: checked on every call),
+        # for the inputs the callable updates in place (_check_mutated_inputs).
+        module_tensors = plan.module_tensors if self._mutated else None
+        self._module_storages: dict[int, str] = {}
+        if module_tensors is not None:
+            for name, tensor in zip(module_tensors.names, module_tensors.tensors, strict=True):
+                storage = _storage_of(tensor)
+                if storage is not None:
+                    self._module_storages.setdefault(storage, name)
 
     def nondiff_outputs_of(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The outputs that take no part in the backward of a call with these input tensors.
@@ -397,7 +407,8 @@ class GraphedCallable:
     def _check_mutated_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse, before any buffer is written, what the copy back of an update cannot do as
         eager does: an input eager's update could not be written into (it would raise), or one
-        that shares memory with another input (eager would see the update through it)."""
+        that shares memory with another input or with a parameter or buffer of the module
+        (eager would see the update through it)."""
         paths = self._inputs.paths
         for i in self._mutated:
             mutated = tensors[i]
@@ -410,6 +421,13 @@ class GraphedCallable:
             if mutated.numel() == 0:
                 continue
             storage = mutated.untyped_storage().data_ptr()
+            owner = self._module_storages.get(storage)
+            if owner is not None:
+                raise DualgraphError(
+                    f"{self.name}: {paths[i]} shares memory with {owner}, and the callable "
+                    f"updates {paths[i]} in place: eager would see the update through {owner}, "
+                    "a replay would not; pass a tensor of its own (clone())"
+                )
             for j, other in enumerate(tensors):
                 if j != i and other.numel() and other.untyped_storage().data_ptr() == storage:
                     raise DualgraphError(
@@ -846,6 +864,14 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _storage_of(tensor: torch.Tensor) -> int | None:
+    """The address of a non-empty tensor's storage (``None`` for none, or no plain storage)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+    except Exception:  # e.g. a tensor subclass without a storage of its own
+        return None
 
 
 def _unwritable(tensor: torch.Tensor) -> str | None:
