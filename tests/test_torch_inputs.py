@@ -103,6 +103,9 @@ def test_a_dict_with_its_keys_in_another_order_is_refused_naming_it() -> None:
     assert message.startswith("args[0][0]['b']: a dict with its keys in the order ['d', 'c']")
     message = _message(nested, same, {"e": {"g": 1, "f": torch.ones(3)}})
     assert message.startswith("kwargs['e']: a dict with its keys in the order ['g', 'f']")
+    fields = InputGuard((Batch(pixels={"a": torch.ones(1), "b": 2}, labels=None),), None)
+    message = _message(fields, (Batch(pixels={"b": 2, "a": torch.ones(1)}, labels=None),), {})
+    assert message.startswith("args[0].pixels: a dict with its keys in the order ['b', 'a']")
 
 
 def test_a_replay_never_follows_another_key_order_than_eager() -> None:

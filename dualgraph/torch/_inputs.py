@@ -79,8 +79,9 @@ def _dict_orders(
             if type(node) is dict and len(node) > 1:
                 found.append((path, steps, tuple(node)))
             children = [(v, f"{path}[{k!r}]", (False, k)) for k, v in node.items()]
-        elif isinstance(node, tuple) and hasattr(type(node), "_fields"):
-            children = [(getattr(node, f), f"{path}.{f}", (True, f)) for f in type(node)._fields]
+        elif isinstance(node, tuple) and hasattr(type(node), "_fields"):  # a namedtuple
+            fields: tuple[str, ...] = getattr(type(node), "_fields")  # noqa: B009
+            children = [(getattr(node, f), f"{path}.{f}", (True, f)) for f in fields]
         elif isinstance(node, tuple | list):
             children = [(v, f"{path}[{i}]", (False, i)) for i, v in enumerate(node)]
         elif dataclasses.is_dataclass(node) and not isinstance(node, type):
