@@ -310,11 +310,12 @@ def test_unused_input_is_a_capture_error_without_allow_unused_input(backend: str
     x, y = (torch.randn(3, device=device, requires_grad=True) for _ in range(2))
     message = capture_error(_scale_first, (x, y), backend=backend)
     assert message.startswith(f"capturing _scale_first ({backend}) failed during warmup: ")
-    assert "not have been used in the graph" in message
+    assert "args[1] requires grad, but no output depends on it" in message  # names it
+    assert "allow_unused_input=True" in message
     message = capture_error(
         HalfUsed().to(device), (torch.randn(2, 4, device=device),), backend=backend
     )
-    assert "not have been used in the graph" in message
+    assert "HalfUsed.unused.weight requires grad, but no output depends on it" in message
 
 
 def _autocast(backend: str, **options: Any) -> torch.autocast:
@@ -487,6 +488,55 @@ def test_a_parameter_the_callable_updates_in_place_is_refused(backend: str, lint
         assert "parameter updated in place: aten.clamp_ on fc.weight at test_torch_capture.py:" in (
             message
         )
+
+
+class CountsByReassigning(nn.Module):
+    """Replaces a buffer (``self.steps = self.steps + 1``) or a submodule in its forward."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.what == "buffer":
+            self.steps = self.steps + 1  # eager counts; a replay would read the captured tensor
+        elif self.what == "parameter":
+            self.fc.bias = nn.Parameter(self.fc.bias.detach() * 0.5)
+        elif self.what == "submodule":
+            self.fc = nn.Linear(4, 4).to(x.device)
+        return self.fc(x) * self.steps
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("what", "name"),
+    [
+        ("buffer", "CountsByReassigning.steps"),
+        ("parameter", "CountsByReassigning.fc.bias"),
+        ("submodule", "CountsByReassigning.fc"),
+    ],
+)
+def test_a_callable_that_replaces_a_module_tensor_is_refused_at_capture(
+    backend: str, what: str, name: str
+) -> None:
+    device = device_of(backend)
+    module = CountsByReassigning(what).to(device)
+    before = dict(module.named_parameters()), dict(module.named_buffers()), module.fc
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device),), backend=backend, lint="off"
+    )
+    assert f"{name}: the callable replaces" in message
+    # the module holds the tensors and submodules it held before, and still works
+    assert dict(module.named_parameters()) == before[0]
+    assert dict(module.named_buffers()) == before[1] and module.fc is before[2]
+    assert float(module.steps) == 0.0
+    module.what = "nothing"
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, device=device),), backend=backend
+    )
+    assert graphed(torch.randn(2, 4, device=device)).shape == (2, 4)
 
 
 def _scales_input_in_backward(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import dualgraph.torch as dgt
 from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError, describe_call
 from dualgraph.torch._inputs import InputGuard, unsupported_tensor
 
@@ -77,6 +78,46 @@ def test_kwargs_order_and_mapping_type_do_not_matter() -> None:
     reordered = dict(reversed(list(kwargs.items())))
     assert guard.tensors(args, reordered)[-1] is kwargs["mask"]
     assert guard.tensors(args, types.MappingProxyType(kwargs))[-1] is kwargs["mask"]
+
+
+def test_a_dict_with_its_keys_in_another_order_is_refused_naming_it() -> None:
+    # The callable sees a dict's key order (d.values(), a sum over it); a replay re-runs the
+    # captured order, so a call must keep it. The kwargs themselves bind by name.
+    guard = _guard()
+    args, kwargs = _samples()
+    swapped = (args[0], dict(reversed(list(args[1].items()))), *args[2:])
+    assert _message(guard, swapped, kwargs) == (
+        "args[1]: a dict with its keys in the order ['bias', 'mask'], captured in the order "
+        "['mask', 'bias']; a replay runs the callable as captured, so whatever follows the key "
+        "order (d.values(), a sum over the dict) would not follow this call's; pass the keys "
+        "in the captured order"
+    )
+    nested = InputGuard(
+        ([{"a": torch.ones(1), "b": {"c": torch.ones(2), "d": None}}],),
+        {"e": {"f": torch.ones(3), "g": 1}},
+    )
+    same = ([{"a": torch.ones(1), "b": {"c": torch.ones(2), "d": None}}],)
+    assert len(nested.tensors(same, {"e": {"f": torch.ones(3), "g": 1}})) == 3
+    inner = ([{"a": torch.ones(1), "b": {"d": None, "c": torch.ones(2)}}],)
+    message = _message(nested, inner, {"e": {"f": torch.ones(3), "g": 1}})
+    assert message.startswith("args[0][0]['b']: a dict with its keys in the order ['d', 'c']")
+    message = _message(nested, same, {"e": {"g": 1, "f": torch.ones(3)}})
+    assert message.startswith("kwargs['e']: a dict with its keys in the order ['g', 'f']")
+    fields = InputGuard((Batch(pixels={"a": torch.ones(1), "b": 2}, labels=None),), None)
+    message = _message(fields, (Batch(pixels={"b": 2, "a": torch.ones(1)}, labels=None),), {})
+    assert message.startswith("args[0].pixels: a dict with its keys in the order ['b', 'a']")
+
+
+def test_a_replay_never_follows_another_key_order_than_eager() -> None:
+    def concat(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts.values())) * 2
+
+    parts = {"a": torch.randn(3, requires_grad=True), "b": torch.randn(2, requires_grad=True)}
+    graphed = dgt.make_graphed_callables(concat, (parts,), backend="emulate")
+    again = {"a": torch.randn(3), "b": torch.randn(2)}
+    assert torch.equal(graphed(again), concat(again))
+    with pytest.raises(SpecMismatchError, match=r"^args\[0\]: a dict with its keys in the order"):
+        graphed({"b": again["b"], "a": again["a"]})  # eager: another result
 
 
 def test_a_guard_without_kwargs_accepts_an_empty_call_and_refuses_any_kwarg() -> None:

@@ -168,6 +168,51 @@ def test_a_static_input_buffer_passed_back_in_gives_the_same_result(backend: str
     assert_trees_match(outputs, _exp_and_sin(static.clone()), tolerance(backend))
 
 
+class _InputsAndWeights(nn.Module):
+    """Outputs that parameters reach, and outputs that only one input or the other reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        return self.proj(x), {"x": x * 2, "y": y.exp(), "both": x * y, "same_x": x}
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_an_output_only_inputs_without_grad_reach_needs_no_grad_as_in_eager(
+    backend: str, param_grads: str, slots: int | None
+) -> None:
+    # Captured with both inputs requiring grad; a call where one does not must give the
+    # outputs only it reaches no history (eager's requires_grad), and their grads as eager's.
+    device = device_of(backend)
+    fn, twin = _InputsAndWeights().to(device), _InputsAndWeights().to(device)
+    twin.load_state_dict(fn.state_dict())
+    samples = tuple(torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2))
+    dgt.make_graphed_callables(fn, samples, backend=backend, param_grads=param_grads, slots=slots)
+    for x_grad, y_grad in [(False, True), (True, False), (False, False), (True, True)]:
+        for _ in range(2):  # grads accumulate over two replays
+            args = tuple(
+                torch.randn(3, 4, device=device).requires_grad_(flag) for flag in (x_grad, y_grad)
+            )
+            eager_args = fresh_copy(args)
+            outputs = fn(*args)
+            expected = twin(*eager_args)
+            assert_trees_match(outputs, expected, tolerance(backend))
+            backward_of(outputs)
+            backward_of(expected)
+            assert_grads_match(
+                grads_of(list(args)), grads_of(list(eager_args)), ["x", "y"], tolerance(backend)
+            )
+    assert_grads_match(
+        grads_of(parameters_of(fn)),
+        grads_of(parameters_of(twin)),
+        parameter_names(fn),
+        tolerance(backend),
+    )
+
+
 # -- the order of forward and backward replays ---------------------------------------------------
 
 

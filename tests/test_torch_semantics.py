@@ -327,6 +327,75 @@ def test_an_updated_input_that_shares_memory_with_another_input_is_refused(backe
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_an_updated_input_the_update_cannot_be_written_into_is_refused_before_the_replay(
+    backend: str, kind: str
+) -> None:
+    # Eager's in-place update raises on such a tensor; the replay refuses it before any static
+    # buffer is written (else it raised after the replay, with the buffers overwritten).
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        track,
+        (
+            torch.randn(3, 4, device=device),
+            torch.zeros(4, device=device),
+            torch.zeros((), device=device),
+        ),
+        backend=backend,
+    )
+    stats = torch.zeros(1, device=device).expand(4)
+    count = torch.zeros((), device=device)
+    if kind == "inference":
+        with torch.inference_mode():
+            stats, count = torch.zeros(4, device=device), torch.zeros((), device=device)
+    static = [t.clone() for t in graphed.static_inputs]
+    with pytest.raises(
+        DualgraphError, match=r"^track: args\[1\]: the callable updates it in place"
+    ):
+        graphed(torch.randn(3, 4, device=device), stats, count)
+    assert all(map(torch.equal, graphed.static_inputs, static))
+    assert graphed.generation == 0
+
+
+class ScalesByItsBuffer(nn.Module):
+    """Updates an input in place, and reads a buffer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        stats.mul_(0.5)
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("which", ["scale", "fc.weight"])
+def test_an_updated_input_that_shares_memory_with_a_module_tensor_is_refused(
+    backend: str, which: str
+) -> None:
+    # Eager's forward reads the update through the module's own tensor, a replay would not.
+    device = device_of(backend)
+    module = ScalesByItsBuffer().to(device)
+    dgt.make_graphed_callables(
+        module, (torch.randn(3, 4, device=device), torch.ones(4, device=device)), backend=backend
+    )
+    tensor = module.get_buffer(which) if which == "scale" else module.get_parameter(which)
+    shared = tensor.detach()[0] if which == "fc.weight" else tensor
+    before = tensor.detach().clone()
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(3, 4, device=device), shared)
+    assert str(info.value) == (
+        f"ScalesByItsBuffer: args[1] shares memory with ScalesByItsBuffer.{which}, and the "
+        "callable updates args[1] in place: eager would see the update through "
+        f"ScalesByItsBuffer.{which}, a replay would not; pass a tensor of its own (clone())"
+    )
+    assert torch.equal(tensor, before)
+    assert runner_of(module).generation == 0
+
+
 # -- parameters and buffers after capture --------------------------------------------------------
 
 

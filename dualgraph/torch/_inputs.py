@@ -8,6 +8,7 @@ shape, dtype and device, and no ``requires_grad`` where the sample had none.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +50,47 @@ def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
     return None
 
 
+_Steps = tuple[tuple[bool, Any], ...]  # from (args, kwargs): (is an attribute, key or index)
+
+
+def _dict_orders(
+    args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[str, _Steps, tuple[Any, ...]], ...]:
+    """Every plain dict of two keys or more in a call (the kwargs themselves bind by name): its
+    path, the steps that reach it and its keys in order. The call was described already, so
+    the tree is finite and holds only containers the core knows.
+
+    >>> _dict_orders(([{"b": 1, "a": 2}],), {"m": {"x": 0, "y": 1}})[0][0::2]
+    ('args[0][0]', ('b', 'a'))
+    """
+    found = []
+    stack: list[tuple[Any, str, _Steps]] = [
+        (value, f"kwargs[{key!r}]", ((False, 1), (False, key)))
+        for key, value in reversed(list((kwargs or {}).items()))
+    ]
+    stack += [
+        (value, f"args[{i}]", ((False, 0), (False, i)))
+        for i, value in reversed(list(enumerate(args)))
+    ]
+    while stack:
+        node, path, steps = stack.pop()
+        children: list[tuple[Any, str, tuple[bool, Any]]] = []
+        if isinstance(node, dict):
+            if type(node) is dict and len(node) > 1:
+                found.append((path, steps, tuple(node)))
+            children = [(v, f"{path}[{k!r}]", (False, k)) for k, v in node.items()]
+        elif isinstance(node, tuple) and hasattr(type(node), "_fields"):  # a namedtuple
+            fields: tuple[str, ...] = getattr(type(node), "_fields")  # noqa: B009
+            children = [(getattr(node, f), f"{path}.{f}", (True, f)) for f in fields]
+        elif isinstance(node, tuple | list):
+            children = [(v, f"{path}[{i}]", (False, i)) for i, v in enumerate(node)]
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            names = [field.name for field in dataclasses.fields(node)]
+            children = [(getattr(node, f), f"{path}.{f}", (True, f)) for f in names]
+        stack += [(child, p, (*steps, step)) for child, p, step in reversed(children)]
+    return tuple(found)
+
+
 class InputGuard:
     """The capture-time description of ``(args, kwargs)``; :meth:`tensors` checks a call.
 
@@ -64,7 +106,15 @@ class InputGuard:
     dualgraph.SpecMismatchError: args[0]: expected float32[2, 3] on cpu, got ...
     """
 
-    __slots__ = ("_expected", "_flatten_args", "_has_kwargs", "paths", "requires_grad", "spec")
+    __slots__ = (
+        "_dict_orders",
+        "_expected",
+        "_flatten_args",
+        "_has_kwargs",
+        "paths",
+        "requires_grad",
+        "spec",
+    )
 
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
         #: The core's description of the call: structure, constants, array paths.
@@ -87,6 +137,8 @@ class InputGuard:
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
         self._has_kwargs = self.spec.kwargs_spec.num_arrays > 0 or bool(kwargs)
         self._flatten_args = self.spec.args_spec.flatten
+        # The core matches a dict whatever its key order; the callable's Python sees that order.
+        self._dict_orders = _dict_orders(args, kwargs)
 
     @property
     def num_args_tensors(self) -> int:
@@ -124,7 +176,25 @@ class InputGuard:
             raise
         except Exception:  # e.g. a nested tensor has no shape to compare
             raise self._explain(tensors, grad_enabled) from None
+        if self._dict_orders:
+            self._check_dict_orders(args, kwargs)
         return tensors
+
+    def _check_dict_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse a dict whose keys come in another order than at capture (the structure
+        matched, so every step of the way is there)."""
+        for path, steps, keys in self._dict_orders:
+            node: Any = (args, kwargs)
+            for is_attr, step in steps:
+                node = getattr(node, step) if is_attr else node[step]
+            if tuple(node) != keys:
+                raise SpecMismatchError(
+                    f"{path}: a dict with its keys in the order {list(node)!r}, captured in the "
+                    f"order {list(keys)!r}; a replay runs the callable as captured, so whatever "
+                    "follows the key order (d.values(), a sum over the dict) would not follow "
+                    "this call's; pass the keys in the captured order",
+                    path=path,
+                )
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` with ``tensors`` (in capture order) at the tensor leaves."""

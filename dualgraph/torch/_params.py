@@ -206,6 +206,8 @@ class ModuleTensors:
 
         In eager, graphing runs nothing: the buffers (BatchNorm's running statistics, its batch
         count) must be as they were, so that the replays alone update them, as eager steps do.
+        A submodule, parameter or buffer the callable replaces (``self.steps = self.steps + 1``)
+        is hung back and refused, naming it: a replay would read the captured one every time.
         """
         buffers = [
             (tensor, tensor.detach().clone())
@@ -215,10 +217,16 @@ class ModuleTensors:
         versions = [tensor._version for tensor in self.tensors]
         try:
             yield
-        finally:
-            with torch.no_grad():
-                for tensor, saved in buffers:
-                    tensor.copy_(saved)
+        except BaseException as error:
+            replaced = self._put_back_replaced()
+            _copy_back(buffers)
+            if replaced is not None and isinstance(error, Exception):
+                raise replaced from error  # the replacement is what broke the capture
+            raise
+        replaced = self._put_back_replaced()
+        _copy_back(buffers)
+        if replaced is not None:
+            raise replaced
         for name, tensor, version, is_buffer in zip(
             self.names, self.tensors, versions, self.is_buffer, strict=True
         ):
@@ -228,6 +236,51 @@ class ModuleTensors:
                     "capture changed it already (dualgraph undoes that only for buffers); "
                     "register it as a buffer, or update it outside the graphed callable"
                 )
+
+    def _put_back_replaced(self) -> DualgraphError | None:
+        """Hang every submodule, parameter and buffer the callable replaced back where it was;
+        the error naming the first one (``None`` where none was replaced)."""
+        error: DualgraphError | None = None
+        advice = (
+            "a replay would read the captured one on every call, and eager's changes would be "
+            "lost. Update it in place (self.x += 1, copy_), or keep it out of the graphed callable"
+        )
+        for name, owner, key, module in zip(
+            self.module_names, self.module_owners, self.module_keys, self.modules, strict=True
+        ):
+            if owner.get(key) is not module:
+                owner[key] = module
+                error = error or DualgraphError(
+                    f"{name}: the callable replaces this submodule (self.{key} = ...); {advice}"
+                )
+        for name, owner, key, tensor, ptr, is_buffer in zip(
+            self.names,
+            self.owners,
+            self.keys,
+            self.tensors,
+            self.data_ptrs,
+            self.is_buffer,
+            strict=True,
+        ):
+            kind = "buffer" if is_buffer else "parameter"
+            if owner.get(key) is not tensor:
+                owner[key] = tensor
+                error = error or DualgraphError(
+                    f"{name}: the callable replaces this {kind} (self.{key} = ...) instead of "
+                    f"updating it in place; {advice}"
+                )
+            elif tensor.data_ptr() != ptr:
+                error = error or DualgraphError(
+                    f"{name}: the callable moves this {kind} to other memory (.data = ...); "
+                    f"{advice}"
+                )
+        return error
+
+
+def _copy_back(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for tensor, saved in buffers:
+            tensor.copy_(saved)
 
 
 def is_tensor_subclass(param: torch.Tensor) -> bool:

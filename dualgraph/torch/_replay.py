@@ -105,8 +105,10 @@ class GraphedCallable:
         "_in_graph_expected",
         "_in_graph_params",
         "_input_grads",
+        "_input_only_outputs",
         "_inputs",
         "_lock",
+        "_module_storages",
         "_module_tensors",
         "_mutated",
         "_names_of",
@@ -247,6 +249,28 @@ class GraphedCallable:
         )
         self._reach_of_params = reach[grad_inputs:]
         self._unreached_memo: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
+        self._input_only_outputs = _input_only_outputs(plan)
+        # Where the module's parameters and buffers live (they stay put: checked on every call),
+        # for the inputs the callable updates in place (_check_mutated_inputs).
+        module_tensors = plan.module_tensors if self._mutated else None
+        self._module_storages: dict[int, str] = {}
+        if module_tensors is not None:
+            for name, tensor in zip(module_tensors.names, module_tensors.tensors, strict=True):
+                storage = _storage_of(tensor)
+                if storage is not None:
+                    self._module_storages.setdefault(storage, name)
+
+    def nondiff_outputs_of(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The outputs that take no part in the backward of a call with these input tensors.
+
+        Those of the capture, and those that only inputs reach which need no grad in this call
+        (captured requiring grad): as in eager, they come back without history.
+        """
+        nondiff = self._nondiff_outputs
+        for output, reaching in self._input_only_outputs:
+            if not any(inputs[i].requires_grad for i in reaching):
+                nondiff += (output,)
+        return nondiff
 
     # -- what a caller sees -------------------------------------------------------------------
 
@@ -317,7 +341,7 @@ class GraphedCallable:
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state()
             if self._mutated:
-                self._check_mutated_inputs_are_apart(tensors)
+                self._check_mutated_inputs(tensors)
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -380,13 +404,30 @@ class GraphedCallable:
             "replays the precision it was captured in"
         )
 
-    def _check_mutated_inputs_are_apart(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _check_mutated_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before any buffer is written, what the copy back of an update cannot do as
+        eager does: an input eager's update could not be written into (it would raise), or one
+        that shares memory with another input or with a parameter or buffer of the module
+        (eager would see the update through it)."""
         paths = self._inputs.paths
         for i in self._mutated:
             mutated = tensors[i]
+            why = _unwritable(mutated)
+            if why is not None:
+                raise DualgraphError(
+                    f"{self.name}: {paths[i]}: the callable updates it in place, and {why}, so "
+                    "eager's update would raise; pass a tensor of its own (clone())"
+                )
             if mutated.numel() == 0:
                 continue
             storage = mutated.untyped_storage().data_ptr()
+            owner = self._module_storages.get(storage)
+            if owner is not None:
+                raise DualgraphError(
+                    f"{self.name}: {paths[i]} shares memory with {owner}, and the callable "
+                    f"updates {paths[i]} in place: eager would see the update through {owner}, "
+                    "a replay would not; pass a tensor of its own (clone())"
+                )
             for j, other in enumerate(tensors):
                 if j != i and other.numel() and other.untyped_storage().data_ptr() == storage:
                     raise DualgraphError(
@@ -823,3 +864,43 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _storage_of(tensor: torch.Tensor) -> int | None:
+    """The address of a non-empty tensor's storage (``None`` for none, or no plain storage)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+    except Exception:  # e.g. a tensor subclass without a storage of its own
+        return None
+
+
+def _unwritable(tensor: torch.Tensor) -> str | None:
+    """Why an in-place update cannot be written into ``tensor``, or ``None``."""
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: its elements overlap for sure
+        return "its elements share memory (an expanded tensor)"
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        return "it is an inference tensor, outside inference mode"
+    return None
+
+
+def _input_only_outputs(plan: ReplayPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each differentiable output that no parameter reaches, with the inputs that reach it.
+
+    Positions among the output tensors and among the input tensors. Such an output needs grad
+    in a call only where one of those inputs does (see :meth:`GraphedCallable.nondiff_outputs_of`).
+    """
+    grad_inputs = plan.grad_inputs
+    reach = plan.reach
+    params = len(plan.params.params)
+    result = []
+    for k, output in enumerate(plan.diff_outputs):
+        if reach is None:  # every output reaches every input and parameter
+            if params:
+                return ()
+            reaching = grad_inputs
+        else:
+            if any(k in leaf for leaf in reach[len(grad_inputs) :]):
+                continue
+            reaching = tuple(i for i, leaf in zip(grad_inputs, reach, strict=False) if k in leaf)
+        result.append((output, reaching))
+    return tuple(result)

@@ -35,8 +35,13 @@ class _Replay(torch.autograd.Function):
         # over by the backward, so it is asked now).
         ctx.under_ddp = graphed._auto and _ddp_is_running()
         ctx.set_materialize_grads(False)
-        if graphed._nondiff_outputs:
-            ctx.mark_non_differentiable(*(outputs[i] for i in graphed._nondiff_outputs))
+        nondiff = (  # an output only inputs that need no grad in this call reach needs none
+            graphed.nondiff_outputs_of(inputs)
+            if graphed._input_only_outputs
+            else graphed._nondiff_outputs
+        )
+        if nondiff:
+            ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
         return outputs
 
     @staticmethod

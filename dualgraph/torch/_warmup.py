@@ -63,9 +63,11 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
                     differentiable,
                     diff_inputs,
                     grad_outputs=[torch.ones_like(t) for t in differentiable],
-                    allow_unused=allow_unused,
+                    allow_unused=True,  # an unused one is refused below, naming it
                 )
             )
+        if not allow_unused and None in grads:
+            _refuse_unused(item, grads.index(None))
         if inspect and item.fuses_accumulation:  # the graph adds them into .grad, then frees them
             item.probe.memory.release(grads[len(item.grad_input_indices) :])
     paths = item.request.inputs.paths
@@ -106,6 +108,21 @@ def _storage(tensor: Any) -> int:
 def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[int, ...]:
     storages = set(saved) - {0}
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
+
+
+def _refuse_unused(item: _Capture, k: int) -> None:
+    """Refuse the ``k``-th of :meth:`_Capture.diff_inputs`, which no output depends on."""
+    n = len(item.grad_input_indices)
+    if k < n:
+        name = item.request.inputs.paths[item.grad_input_indices[k]]
+        advice = "pass a sample that does not require grad there, or allow_unused_input=True"
+    else:
+        name = item.param_names[k - n]
+        advice = "freeze it (requires_grad_(False)), or pass allow_unused_input=True"
+    raise Refused(
+        f"{name} requires grad, but no output depends on it, so it would get no grad; {advice} "
+        "(it then gets none, as in eager)"
+    )
 
 
 def _refuse_foreign_leaves(item: _Capture, foreign: Sequence[torch.Tensor]) -> None:
