@@ -67,6 +67,49 @@ def test_outputs_alias_static_buffers_the_next_replay_overwrites(backend: str) -
     assert torch.equal(first, second) and not torch.equal(first, first_values)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("earlier", ["without_grad", "after_its_backward"])
+def test_an_eager_op_that_saved_an_overwritten_output_raises_at_backward_as_in_eager(
+    backend: str, earlier: str
+) -> None:
+    # A target computed by the same graphed callable without grad (DQN's, BYOL's), or an
+    # output kept past its backward, read by an eager op that saves it: the next replay
+    # overwrites it, as an in-place op would in eager, and the backward must refuse the new
+    # values as eager refuses an input changed in place. A CUDA graph writes its outputs behind
+    # autograd's back, so w.grad was silently the later replay's output.
+    device = device_of(backend)
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    w = torch.randn(3, device=device, requires_grad=True)
+    if earlier == "without_grad":
+        with torch.no_grad():
+            target, _ = graphed(torch.randn(3, device=device))
+    else:
+        target, _ = graphed(torch.randn(3, device=device, requires_grad=True))
+        target.sum().backward()
+    kept = (target * w).sum()  # mul saves target for w's grad
+    out, _ = graphed(torch.randn(3, device=device, requires_grad=True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (kept + out.sum()).backward()
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_with_clone_outputs_an_earlier_output_saved_by_an_eager_op_keeps_its_values(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = _graph(_exp_and_sin, (3,), backend=backend, clone_outputs=True)
+    w = torch.randn(3, device=device, requires_grad=True)
+    with torch.no_grad():
+        target, _ = graphed(torch.randn(3, device=device))
+    expected = target.clone()
+    kept = (target * w).sum()
+    out, _ = graphed(torch.randn(3, device=device, requires_grad=True))
+    (kept + out.sum()).backward()
+    assert w.grad is not None
+    assert_tensors_match(w.grad, expected, "w grad")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_clone_outputs_gives_owned_outputs_that_train_like_eager(backend: str) -> None:
     device = device_of(backend)

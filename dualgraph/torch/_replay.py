@@ -53,6 +53,7 @@ from ._unreached_hooks import quiet_hooks as _quiet_hooks
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
+_increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -114,6 +115,7 @@ class GraphedCallable:
         "_other_uses",
         "_out_spec",
         "_output_versions",
+        "_overwritten_outputs",
         "_param_grads",
         "_params",
         "_plan_params",
@@ -207,6 +209,8 @@ class GraphedCallable:
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
+        # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
+        self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
@@ -354,6 +358,12 @@ class GraphedCallable:
             static.copy_(tensor)  # torch skips a copy of a tensor onto itself
         self._generation += 1  # a pending backward would now read overwritten activations
         self._replay_forward(grad_enabled)
+        if self._overwritten_outputs:
+            # The outputs of the last replay now hold this one's values: autograd must know,
+            # so that an eager op that saved one of them raises at backward, as after eager's
+            # in-place ops, instead of differentiating with the new values (a graph writes its
+            # outputs without autograd seeing it).
+            _increment_version(self._overwritten_outputs)
         if self._saved_outputs:
             outputs = self._static_outputs
             self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
