@@ -690,6 +690,69 @@ def test_a_replay_inside_saved_tensor_hooks_trains_like_eager(
         )
 
 
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_reentrant_checkpoint_around_a_function_calling_the_replay_trains_like_eager(
+    backend: str, param_grads: str
+) -> None:
+    # Its forward replays without grad; its backward replays again, with grad, and runs that
+    # replay's backward: one backward per forward replay.
+    device = device_of(backend)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = fresh_copy(block)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(block, (sample,), backend=backend, param_grads=param_grads)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device)
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        for module, tensor in zip((block, twin), inputs, strict=True):
+            layer = checkpoint(lambda v, m=module: m(v).square(), tensor, use_reentrant=True)
+            layer.sum().backward()
+        assert_tensors_match(inputs[0].grad, inputs[1].grad, "args[0] grad", tolerance(backend))
+        assert_grads_match(
+            grads_of(parameters_of(block)),
+            grads_of(parameters_of(twin)),
+            parameter_names(block),
+            tolerance(backend),
+        )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_non_reentrant_checkpoint_that_recomputes_the_replay_is_refused_saying_so(
+    backend: str, param_grads: str
+) -> None:
+    # Its backward re-runs the function to get what ``square`` saved, so the graphed callable
+    # replays again inside the backward, over the activations its first replay's backward
+    # needs. The error says so (it said "after a later forward replay", which the user never
+    # called), and the module trains on afterwards.
+    device = device_of(backend)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = fresh_copy(block)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(block, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    layer = checkpoint(lambda v: block(v).square(), x, use_reentrant=False)
+    with pytest.raises(DualgraphError, match="non-reentrant activation checkpoint"):
+        layer.sum().backward()
+    del layer
+    assert x.grad is None
+    for module in (block, twin):
+        module.zero_grad(set_to_none=True)
+        checkpoint(module, x, use_reentrant=False).square().sum().backward()
+    assert_grads_match(
+        grads_of(parameters_of(block)),
+        grads_of(parameters_of(twin)),
+        parameter_names(block),
+        tolerance(backend),
+    )
+    # A call made twice outside any backward keeps its own message.
+    first = block(x)
+    block(x)
+    with pytest.raises(DualgraphError, match="after a later forward replay"):
+        first.sum().backward()
+
+
 class _FailingBackward(torch.autograd.Function):
     """Identity whose backward raises while ``armed`` (a user op failing inside the callable)."""
 

@@ -53,6 +53,7 @@ from ._unreached_hooks import quiet_hooks as _quiet_hooks
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
+_current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
 _grad = operator.attrgetter("grad")
@@ -124,6 +125,7 @@ class GraphedCallable:
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
+        "_replayed_in_backward",
         "_saved_outputs",
         "_sentinel_node",
         "_sentinel_param",
@@ -228,6 +230,7 @@ class GraphedCallable:
         self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
+        self._replayed_in_backward = False  # the last replay that overwrote a pending backward
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
         # Each accumulator with its storage's address for the holder counts; the storage objects
         # are kept alive here (each adds one constant reference to the memory).
@@ -281,6 +284,7 @@ class GraphedCallable:
         one overwrites what the pending backward of another would read.
         """
         self._generation += 1
+        self._replayed_in_backward = False
 
     def recount_holders(self) -> None:
         """Take the present holders of the in-graph accumulators as their owners.
@@ -356,6 +360,10 @@ class GraphedCallable:
         # ``tensors`` may go on with the replay Function's edge tensors: zip stops at the inputs.
         for static, tensor in zip(self._static_inputs, tensors, strict=False):
             static.copy_(tensor)  # torch skips a copy of a tensor onto itself
+        if self._backward_generation != self._generation:
+            # A pending backward will be refused; say so better if a backward runs this replay
+            # (a non-reentrant checkpoint recomputing its function).
+            self._replayed_in_backward = _current_graph_task_id() != -1
         self._generation += 1  # a pending backward would now read overwritten activations
         self._replay_forward(grad_enabled)
         if self._overwritten_outputs:
@@ -597,6 +605,15 @@ class GraphedCallable:
 
     def _check_backward(self, generation: int, plain: bool) -> None:
         if generation != self._generation:
+            if self._replayed_in_backward:
+                raise DualgraphError(
+                    f"{self.name}: a forward replay ran during this backward and overwrote the "
+                    "activations that the backward of the earlier replay needs: a non-reentrant "
+                    "activation checkpoint (torch.utils.checkpoint, use_reentrant=False) whose "
+                    "function calls the graphed callable recomputes it there. Checkpoint the "
+                    "graphed callable alone (checkpoint(graphed, x): it re-runs nothing), leave "
+                    "it out of the checkpointed function, or use use_reentrant=True"
+                )
             raise DualgraphError(
                 f"{self.name}: backward of an earlier replay after a later forward replay "
                 "overwrote the activations it needs; run each replay's backward before the "
