@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch_cases import (
@@ -193,6 +194,62 @@ def test_calls_without_grad_return_outputs_without_history(backend: str) -> None
     with torch.inference_mode():
         assert not layer(x).requires_grad
     assert runner_of(layer).generation == 2
+
+
+#: torch's forward-mode AD scripts its decompositions on first use (torch 2.13 warns).
+TORCH_JVP_IMPORT = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
+
+@TORCH_JVP_IMPORT
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_dual_tensor_input_is_refused_naming_its_path(backend: str, grad: bool) -> None:
+    # A graph cannot carry a forward-mode tangent: without grad the replay dropped it (the
+    # output had none, eager's has one), with grad torch raised NotImplementedError (no jvp).
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    twin = fresh_copy(layer)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(layer).static_inputs]
+    x, tangent = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)
+    with torch.set_grad_enabled(grad), fwAD.dual_level():
+        with pytest.raises(DualgraphError, match=r"args\[0\] is a dual tensor"):
+            layer(fwAD.make_dual(x, tangent))
+        assert all(map(torch.equal, runner_of(layer).static_inputs, static))  # refused before
+        # A plain input inside a dual level replays as usual.
+        out = layer(x)
+        assert fwAD.unpack_dual(out).tangent is None
+        assert_tensors_match(out.detach(), twin(x).detach(), "output", tolerance(backend))
+
+
+TRANSFORMS: dict[str, Any] = {
+    "vmap": lambda f, x: torch.func.vmap(f)(x.expand(3, *x.shape)),
+    "grad": lambda f, x: torch.func.grad(lambda v: f(v).sum())(x),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+}
+
+
+@TORCH_JVP_IMPORT
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_a_call_under_a_torch_func_transform_is_refused(
+    backend: str, grad: bool, transform: str
+) -> None:
+    # Refused with grad or without (vmap without grad failed in torch's copy into the static
+    # input, torch.func.grad with a SpecMismatchError about requires_grad).
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    dgt.make_graphed_callables(layer, (torch.randn(4, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(layer).static_inputs]
+    with (
+        torch.set_grad_enabled(grad),
+        pytest.raises(DualgraphError, match=r"torch\.func transform"),
+    ):
+        TRANSFORMS[transform](layer, torch.randn(4, device=device))
+    assert all(map(torch.equal, runner_of(layer).static_inputs, static))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
@@ -315,11 +316,18 @@ class GraphedCallable:
         if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
+            if _are_functorch_transforms_active():  # with grad or without: vmap, jvp, grad
+                raise DualgraphError(
+                    f"{self.name}: called under a torch.func transform (vmap, grad, jvp, ...); "
+                    "a graph replays fixed buffers and cannot be transformed"
+                )
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             grad_enabled = torch.is_grad_enabled()
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
+            if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
+                self._refuse_tangents(tensors)
             if self._module_tensors is not None:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
@@ -332,11 +340,6 @@ class GraphedCallable:
                 )
             self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
-                if _are_functorch_transforms_active():
-                    raise DualgraphError(
-                        f"{self.name}: called under a torch.func transform (vmap, grad, ...); a "
-                        "graph replays fixed buffers and cannot be transformed"
-                    )
                 # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
                 # wrappers (of the inputs here; parameters never are) on the way.
                 outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
@@ -391,6 +394,16 @@ class GraphedCallable:
                 "the autograd hooks DistributedDataParallel all-reduces through; capture with "
                 "param_grads='autograd' to train under DDP"
             )
+
+    def _refuse_tangents(self, tensors: Sequence[torch.Tensor]) -> None:
+        for path, tensor in zip(self._inputs.paths, tensors, strict=True):
+            if _forward_ad.unpack_dual(tensor).tangent is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} is a dual tensor (forward-mode AD): a graph replays "
+                    "fixed kernels on the values copied into its buffers and cannot carry the "
+                    "tangent (a replay without grad dropped it: the output had none); pass its "
+                    "primal, or run this callable eagerly (dualgraph.torch.restore)"
+                )
 
     def _ambient_mismatch(self, what: str, now: Any, captured: Any) -> DualgraphError:
         return DualgraphError(
