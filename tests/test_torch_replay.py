@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch_cases import (
@@ -65,6 +66,49 @@ def test_outputs_alias_static_buffers_the_next_replay_overwrites(backend: str) -
     second, _ = graphed(torch.randn(3, device=device_of(backend)))
     assert first.data_ptr() == second.data_ptr() == graphed.static_outputs[0].data_ptr()
     assert torch.equal(first, second) and not torch.equal(first, first_values)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("earlier", ["without_grad", "after_its_backward"])
+def test_an_eager_op_that_saved_an_overwritten_output_raises_at_backward_as_in_eager(
+    backend: str, earlier: str
+) -> None:
+    # A target computed by the same graphed callable without grad (DQN's, BYOL's), or an
+    # output kept past its backward, read by an eager op that saves it: the next replay
+    # overwrites it, as an in-place op would in eager, and the backward must refuse the new
+    # values as eager refuses an input changed in place. A CUDA graph writes its outputs behind
+    # autograd's back, so w.grad was silently the later replay's output.
+    device = device_of(backend)
+    graphed = _graph(_exp_and_sin, (3,), backend=backend)
+    w = torch.randn(3, device=device, requires_grad=True)
+    if earlier == "without_grad":
+        with torch.no_grad():
+            target, _ = graphed(torch.randn(3, device=device))
+    else:
+        target, _ = graphed(torch.randn(3, device=device, requires_grad=True))
+        target.sum().backward()
+    kept = (target * w).sum()  # mul saves target for w's grad
+    out, _ = graphed(torch.randn(3, device=device, requires_grad=True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (kept + out.sum()).backward()
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_with_clone_outputs_an_earlier_output_saved_by_an_eager_op_keeps_its_values(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = _graph(_exp_and_sin, (3,), backend=backend, clone_outputs=True)
+    w = torch.randn(3, device=device, requires_grad=True)
+    with torch.no_grad():
+        target, _ = graphed(torch.randn(3, device=device))
+    expected = target.clone()
+    kept = (target * w).sum()
+    out, _ = graphed(torch.randn(3, device=device, requires_grad=True))
+    (kept + out.sum()).backward()
+    assert w.grad is not None
+    assert_tensors_match(w.grad, expected, "w grad")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -150,6 +194,62 @@ def test_calls_without_grad_return_outputs_without_history(backend: str) -> None
     with torch.inference_mode():
         assert not layer(x).requires_grad
     assert runner_of(layer).generation == 2
+
+
+#: torch's forward-mode AD scripts its decompositions on first use (torch 2.13 warns).
+TORCH_JVP_IMPORT = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
+
+@TORCH_JVP_IMPORT
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_dual_tensor_input_is_refused_naming_its_path(backend: str, grad: bool) -> None:
+    # A graph cannot carry a forward-mode tangent: without grad the replay dropped it (the
+    # output had none, eager's has one), with grad torch raised NotImplementedError (no jvp).
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    twin = fresh_copy(layer)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(layer).static_inputs]
+    x, tangent = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)
+    with torch.set_grad_enabled(grad), fwAD.dual_level():
+        with pytest.raises(DualgraphError, match=r"args\[0\] is a dual tensor"):
+            layer(fwAD.make_dual(x, tangent))
+        assert all(map(torch.equal, runner_of(layer).static_inputs, static))  # refused before
+        # A plain input inside a dual level replays as usual.
+        out = layer(x)
+        assert fwAD.unpack_dual(out).tangent is None
+        assert_tensors_match(out.detach(), twin(x).detach(), "output", tolerance(backend))
+
+
+TRANSFORMS: dict[str, Any] = {
+    "vmap": lambda f, x: torch.func.vmap(f)(x.expand(3, *x.shape)),
+    "grad": lambda f, x: torch.func.grad(lambda v: f(v).sum())(x),
+    "jvp": lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+}
+
+
+@TORCH_JVP_IMPORT
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_a_call_under_a_torch_func_transform_is_refused(
+    backend: str, grad: bool, transform: str
+) -> None:
+    # Refused with grad or without (vmap without grad failed in torch's copy into the static
+    # input, torch.func.grad with a SpecMismatchError about requires_grad).
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    dgt.make_graphed_callables(layer, (torch.randn(4, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(layer).static_inputs]
+    with (
+        torch.set_grad_enabled(grad),
+        pytest.raises(DualgraphError, match=r"torch\.func transform"),
+    ):
+        TRANSFORMS[transform](layer, torch.randn(4, device=device))
+    assert all(map(torch.equal, runner_of(layer).static_inputs, static))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -690,6 +790,69 @@ def test_a_replay_inside_saved_tensor_hooks_trains_like_eager(
             parameter_names(block),
             tolerance(backend),
         )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_reentrant_checkpoint_around_a_function_calling_the_replay_trains_like_eager(
+    backend: str, param_grads: str
+) -> None:
+    # Its forward replays without grad; its backward replays again, with grad, and runs that
+    # replay's backward: one backward per forward replay.
+    device = device_of(backend)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = fresh_copy(block)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(block, (sample,), backend=backend, param_grads=param_grads)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device)
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        for module, tensor in zip((block, twin), inputs, strict=True):
+            layer = checkpoint(lambda v, m=module: m(v).square(), tensor, use_reentrant=True)
+            layer.sum().backward()
+        assert_tensors_match(inputs[0].grad, inputs[1].grad, "args[0] grad", tolerance(backend))
+        assert_grads_match(
+            grads_of(parameters_of(block)),
+            grads_of(parameters_of(twin)),
+            parameter_names(block),
+            tolerance(backend),
+        )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_non_reentrant_checkpoint_that_recomputes_the_replay_is_refused_saying_so(
+    backend: str, param_grads: str
+) -> None:
+    # Its backward re-runs the function to get what ``square`` saved, so the graphed callable
+    # replays again inside the backward, over the activations its first replay's backward
+    # needs. The error says so (it said "after a later forward replay", which the user never
+    # called), and the module trains on afterwards.
+    device = device_of(backend)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = fresh_copy(block)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(block, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    layer = checkpoint(lambda v: block(v).square(), x, use_reentrant=False)
+    with pytest.raises(DualgraphError, match="non-reentrant activation checkpoint"):
+        layer.sum().backward()
+    del layer
+    assert x.grad is None
+    for module in (block, twin):
+        module.zero_grad(set_to_none=True)
+        checkpoint(module, x, use_reentrant=False).square().sum().backward()
+    assert_grads_match(
+        grads_of(parameters_of(block)),
+        grads_of(parameters_of(twin)),
+        parameter_names(block),
+        tolerance(backend),
+    )
+    # A call made twice outside any backward keeps its own message.
+    first = block(x)
+    block(x)
+    with pytest.raises(DualgraphError, match="after a later forward replay"):
+        first.sum().backward()
 
 
 class _FailingBackward(torch.autograd.Function):

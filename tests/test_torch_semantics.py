@@ -605,6 +605,84 @@ def test_a_submodule_put_in_another_training_mode_after_capture_is_refused_namin
     assert dgt.diagnostics(module).replays == 2
 
 
+def _doubles_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 2
+
+
+def _doubles_input(module: nn.Module, args: Any) -> tuple[torch.Tensor, ...]:
+    return (args[0] * 2,)
+
+
+def _records(*args: Any) -> None:
+    return None
+
+
+#: A hook put on a submodule inside the graphed module: ``(register it, the kind named)``.
+SUBMODULE_HOOKS: dict[str, tuple[Callable[[nn.Module], Any], str]] = {
+    "forward": (lambda m: m.register_forward_hook(_doubles_output), "forward hook"),
+    "forward_pre": (lambda m: m.register_forward_pre_hook(_doubles_input), "forward pre-hook"),
+    "full_backward": (lambda m: m.register_full_backward_hook(_records), "backward hook"),
+    "backward_pre": (lambda m: m.register_full_backward_pre_hook(_records), "backward pre-hook"),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("when", ["registered", "removed"])
+@pytest.mark.parametrize("hook", sorted(SUBMODULE_HOOKS))
+def test_a_submodule_hook_registered_or_removed_after_capture_is_refused_naming_it(
+    backend: str, when: str, hook: str
+) -> None:
+    # A graph replays what the submodules' hooks did at capture: one registered since would
+    # never run (eager runs it: a doubled output, an activation recorder that records nothing),
+    # one removed would still act. ("emulate" re-runs the callable, hooks and all, and so hid it.)
+    device = device_of(backend)
+    torch.manual_seed(0)
+    module = TinyMLP().to(device)
+    twin = copy.deepcopy(module)
+    register, kind = SUBMODULE_HOOKS[hook]
+    handles = [register(m.fc2) for m in (module, twin)] if when == "removed" else []
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(module).static_inputs]
+    if when == "removed":
+        handles[0].remove()
+    else:
+        handles = [register(module.fc2)]
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))
+    assert str(info.value).startswith(f"TinyMLP.fc2: {kind} {when} after capture")
+    assert all(map(torch.equal, runner_of(module).static_inputs, static))  # refused before
+    # The hooks of capture time again: replays train like eager.
+    if when == "removed":
+        handles[0] = register(module.fc2)
+    else:
+        handles[0].remove()
+    x = torch.randn(4, 8, device=device)
+    out, expected = module(x), twin(x)
+    backward_of(out)
+    backward_of(expected)
+    assert_tensors_match(out.detach(), expected.detach(), "output", tolerance(backend))
+    assert_grads_match(
+        grads_of(parameters_of(module)),
+        grads_of(parameters_of(twin)),
+        parameter_names(module),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_hooks_on_the_graphed_module_itself_may_come_and_go(backend: str) -> None:
+    # They run around the replay, through the module's __call__, as in eager.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    plain = module(x).detach().clone()
+    handle = module.register_forward_hook(_doubles_output)
+    assert_tensors_match(module(x).detach(), plain * 2, "output", tolerance(backend))
+    handle.remove()
+    assert_tensors_match(module(x).detach(), plain, "output", tolerance(backend))
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_parameters_updated_in_place_are_seen_by_the_next_replay(backend: str) -> None:
     device = device_of(backend)

@@ -8,7 +8,9 @@ or buffer replaced (``module.weight = nn.Parameter(...)``), moved or re-allocate
 ``.half()``, ``param.data = ...``), a parameter frozen or unfrozen, a submodule replaced
 (``module.fc = nn.Linear(...)``, whose tensors the graphs never read), or a submodule put in
 another training mode than the module itself (``module.dropout.eval()``: the graphs would
-replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``).
+replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``),
+or a submodule given or relieved of a forward or backward hook (the graphs replay the hooks a
+submodule had at capture: one registered since would never run, one removed would still act).
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
 running statistics are updated on every warmup call, as if those calls had been steps), and
@@ -42,6 +44,13 @@ _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
 _requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
+# A module's hook dicts, by the kind of hook each holds.
+_HOOK_KINDS = {
+    "_forward_pre_hooks": "forward pre-hook",
+    "_forward_hooks": "forward hook",
+    "_backward_pre_hooks": "backward pre-hook",
+    "_backward_hooks": "backward hook",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +99,12 @@ class ModuleTensors:
     module_keys: tuple[str, ...] = ()
     modules: tuple[torch.nn.Module, ...] = ()
     training: tuple[bool, ...] = ()
+    # Every submodule's forward and backward hook dicts (the root's run around the replay, so
+    # they are not among them), and how many hooks each held at capture.
+    hook_names: tuple[str, ...] = ()
+    hook_dicts: tuple[dict[Any, Any], ...] = ()
+    hook_counts: tuple[int, ...] = ()
+    any_hooks_at_capture: bool = False
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleTensors:
@@ -111,6 +126,13 @@ class ModuleTensors:
                     name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
                     hung.append((name, parent._modules, key, child))
         modules = tuple(entry[3] for entry in hung)
+        hooked = [
+            (f"{root}.{prefix}", kind, getattr(submodule, attribute))
+            for prefix, submodule in module.named_modules()
+            if prefix
+            for attribute, kind in _HOOK_KINDS.items()
+        ]
+        hook_dicts = tuple(entry[2] for entry in hooked)
         return cls(
             names=tuple(entry[0] for entry in entries),
             owners=tuple(entry[1] for entry in entries),
@@ -126,6 +148,10 @@ class ModuleTensors:
             module_keys=tuple(entry[2] for entry in hung),
             modules=modules,
             training=tuple(map(_training, modules)),
+            hook_names=tuple(f"{name}: {kind}" for name, kind, _ in hooked),
+            hook_dicts=hook_dicts,
+            hook_counts=tuple(map(len, hook_dicts)),
+            any_hooks_at_capture=any(hook_dicts),
         )
 
     def check(self, *, grad_enabled: bool) -> None:
@@ -142,6 +168,11 @@ class ModuleTensors:
             not all(map(_is, current, self.tensors))
             or not all(map(_is, hung, self.modules))
             or tuple(map(_training, self.modules)) != self.training
+            or (
+                tuple(map(len, self.hook_dicts)) != self.hook_counts
+                if self.any_hooks_at_capture
+                else any(self.hook_dicts)  # the usual case: none then, none now
+            )
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
             or (
                 grad_enabled
@@ -172,6 +203,18 @@ class ModuleTensors:
                     "the graphs replay the mode each submodule was captured in (dropout, "
                     "BatchNorm's batch statistics). Put its mode back, or change the mode of "
                     f"the whole graphed module (which then runs eagerly), or {again}"
+                )
+        for name, hooks, count in zip(
+            self.hook_names, self.hook_dicts, self.hook_counts, strict=True
+        ):
+            if len(hooks) != count:
+                change = "registered" if len(hooks) > count else "removed"
+                return DualgraphError(
+                    f"{name} {change} after capture, but the graphs replay what the submodules' "
+                    "hooks did at capture (a hook registered since would never run, one removed "
+                    "would still act); register hooks on submodules before graphing (they run at "
+                    "capture only, as the rest of the callable's Python), put them on the graphed "
+                    f"module itself (they run around each replay), or {again}"
                 )
         for name, owner, key, tensor, ptr, grad, is_buffer in zip(
             self.names,

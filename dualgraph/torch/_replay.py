@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
@@ -53,6 +54,8 @@ from ._unreached_hooks import quiet_hooks as _quiet_hooks
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
+_current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
+_increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
 _grad = operator.attrgetter("grad")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -116,6 +119,7 @@ class GraphedCallable:
         "_other_uses",
         "_out_spec",
         "_output_versions",
+        "_overwritten_outputs",
         "_param_grads",
         "_params",
         "_plan_params",
@@ -124,6 +128,7 @@ class GraphedCallable:
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
+        "_replayed_in_backward",
         "_saved_outputs",
         "_sentinel_node",
         "_sentinel_param",
@@ -209,6 +214,8 @@ class GraphedCallable:
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
+        # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
+        self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
@@ -226,6 +233,7 @@ class GraphedCallable:
         self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
+        self._replayed_in_backward = False  # the last replay that overwrote a pending backward
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
         # Each accumulator with its storage's address for the holder counts; the storage objects
         # are kept alive here (each adds one constant reference to the memory).
@@ -301,6 +309,7 @@ class GraphedCallable:
         one overwrites what the pending backward of another would read.
         """
         self._generation += 1
+        self._replayed_in_backward = False
 
     def recount_holders(self) -> None:
         """Take the present holders of the in-graph accumulators as their owners.
@@ -331,11 +340,18 @@ class GraphedCallable:
         if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
+            if _are_functorch_transforms_active():  # with grad or without: vmap, jvp, grad
+                raise DualgraphError(
+                    f"{self.name}: called under a torch.func transform (vmap, grad, jvp, ...); "
+                    "a graph replays fixed buffers and cannot be transformed"
+                )
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             grad_enabled = torch.is_grad_enabled()
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
+            if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
+                self._refuse_tangents(tensors)
             if self._module_tensors is not None:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
@@ -348,11 +364,6 @@ class GraphedCallable:
                 )
             self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
-                if _are_functorch_transforms_active():
-                    raise DualgraphError(
-                        f"{self.name}: called under a torch.func transform (vmap, grad, ...); a "
-                        "graph replays fixed buffers and cannot be transformed"
-                    )
                 # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
                 # wrappers (of the inputs here; parameters never are) on the way.
                 outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
@@ -376,8 +387,18 @@ class GraphedCallable:
         # ``tensors`` may go on with the replay Function's edge tensors: zip stops at the inputs.
         for static, tensor in zip(self._static_inputs, tensors, strict=False):
             static.copy_(tensor)  # torch skips a copy of a tensor onto itself
+        if self._backward_generation != self._generation:
+            # A pending backward will be refused; say so better if a backward runs this replay
+            # (a non-reentrant checkpoint recomputing its function).
+            self._replayed_in_backward = _current_graph_task_id() != -1
         self._generation += 1  # a pending backward would now read overwritten activations
         self._replay_forward(grad_enabled)
+        if self._overwritten_outputs:
+            # The outputs of the last replay now hold this one's values: autograd must know,
+            # so that an eager op that saved one of them raises at backward, as after eager's
+            # in-place ops, instead of differentiating with the new values (a graph writes its
+            # outputs without autograd seeing it).
+            _increment_version(self._overwritten_outputs)
         if self._saved_outputs:
             outputs = self._static_outputs
             self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
@@ -397,6 +418,16 @@ class GraphedCallable:
                 "the autograd hooks DistributedDataParallel all-reduces through; capture with "
                 "param_grads='autograd' to train under DDP"
             )
+
+    def _refuse_tangents(self, tensors: Sequence[torch.Tensor]) -> None:
+        for path, tensor in zip(self._inputs.paths, tensors, strict=True):
+            if _forward_ad.unpack_dual(tensor).tangent is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} is a dual tensor (forward-mode AD): a graph replays "
+                    "fixed kernels on the values copied into its buffers and cannot carry the "
+                    "tangent (a replay without grad dropped it: the output had none); pass its "
+                    "primal, or run this callable eagerly (dualgraph.torch.restore)"
+                )
 
     def _ambient_mismatch(self, what: str, now: Any, captured: Any) -> DualgraphError:
         return DualgraphError(
@@ -628,6 +659,15 @@ class GraphedCallable:
 
     def _check_backward(self, generation: int, plain: bool) -> None:
         if generation != self._generation:
+            if self._replayed_in_backward:
+                raise DualgraphError(
+                    f"{self.name}: a forward replay ran during this backward and overwrote the "
+                    "activations that the backward of the earlier replay needs: a non-reentrant "
+                    "activation checkpoint (torch.utils.checkpoint, use_reentrant=False) whose "
+                    "function calls the graphed callable recomputes it there. Checkpoint the "
+                    "graphed callable alone (checkpoint(graphed, x): it re-runs nothing), leave "
+                    "it out of the checkpointed function, or use use_reentrant=True"
+                )
             raise DualgraphError(
                 f"{self.name}: backward of an earlier replay after a later forward replay "
                 "overwrote the activations it needs; run each replay's backward before the "

@@ -118,8 +118,10 @@ class EmulatedReplay:
             outputs = self._fn(*self._args, **self._kwargs)
         flat = self._out_spec.flatten(outputs, check=True, root="output")
         self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []
+        # Through ``.data``, which has a version counter of its own: a graph writes its outputs
+        # without autograd knowing, and the replay (``_replay.py``) tells autograd itself.
         for static, tensor in zip(self._static_outputs, flat, strict=True):
-            static.copy_(tensor.detach())
+            static.data.copy_(tensor.detach())
 
     def backward(self) -> None:
         live, self._live = self._live, []  # one backward per forward, as with a graph
