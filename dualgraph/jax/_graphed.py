@@ -35,7 +35,7 @@ from ._donation import (
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
 from ._env import config_value, enable_x64, x64_enabled
-from ._leaves import refuse_foreign_arrays
+from ._leaves import refuse_foreign_arrays, refuse_foreign_outputs
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -158,6 +158,7 @@ class GraphedCallable:
                 self._compiled = self._lowered.compile()
         traced = self._traced_spec
         assert traced is not None
+        _check_returned(self.name, traced, jax.tree_util.tree_leaves(self._lowered.out_info))
         self.out_spec: TreeSpec = _output_spec(traced, out_spec, self.name)
         inputs = self.call_spec.arrays
         unusable = unusable_donations(inputs, self._donated, traced.arrays)
@@ -183,7 +184,11 @@ class GraphedCallable:
         spec = describe(outputs, root="output")
         traced = self._traced_spec
         if traced is None:
+            arrays = spec.flatten(outputs)
+            paths = ["output" + path for path in spec.array_paths]
+            refuse_foreign_outputs(f"graphed({self.name})", zip(paths, arrays, strict=True))
             self._traced_spec = spec
+            return arrays
         elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
             try:
                 traced.check(outputs, root="output")
@@ -301,6 +306,17 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
+
+
+def _check_returned(name: str, traced: TreeSpec, returned: Sequence[Any]) -> None:
+    """Refuse a traced output spec that says otherwise than the program returns (shape, dtype)."""
+    for path, leaf, struct in zip(traced.array_paths, traced.arrays, returned, strict=True):
+        shape, dtype = tuple(struct.shape), struct.dtype.name
+        if (shape, dtype) != (leaf.shape, leaf.dtype):
+            raise DualgraphError(
+                f"graphed({name}): output{path} is {leaf} where the function returns it, but "
+                f"the compiled program returns {dtype}[{', '.join(map(str, shape))}]"
+            )
 
 
 def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -> TreeSpec:
