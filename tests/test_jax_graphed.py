@@ -891,3 +891,25 @@ def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
     first, second = out.splitlines()
     assert first.startswith("args[1]: an array on cpu:1, but graphed programs are compiled for ")
     assert second == "2.0"
+
+
+def transposed_array() -> jax.Array:
+    """A JAX array in another memory layout than a compiled program's (from DLPack of a
+    transposed torch tensor), which jax.jit takes as it is."""
+    return jax.dlpack.from_dlpack(torch.arange(12.0).reshape(3, 4).t())
+
+
+@pytest.mark.parametrize("donate", [(), 0], ids=["kept", "donated"])
+def test_an_input_in_another_memory_layout_is_taken_as_jax_jit_takes_it(donate: Any) -> None:
+    g = dgj.graphed(lambda x: (x * 2, None), (jnp.ones((4, 3)),), donate_argnums=donate)
+    x = transposed_array()
+    expected = np.asarray(x) * 2
+    out, _ = g(x)
+    np.testing.assert_array_equal(out, expected)
+    assert x.is_deleted() == bool(donate == 0)
+    y = transposed_array()
+    (out, _), pullback = g.vjp(y)
+    np.testing.assert_array_equal(out, expected)
+    (grad,), _ = pullback((transposed_array(), None))
+    np.testing.assert_array_equal(grad, np.asarray(transposed_array()) * 2)
+    assert y.is_deleted() == bool(donate == 0)

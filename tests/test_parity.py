@@ -108,6 +108,12 @@ def test_a_graphed_jax_function_with_donation_leaves_torch_inputs_intact() -> No
     torch.testing.assert_close(x, before, rtol=0, atol=0)
 
 
+def test_a_transposed_torch_input_is_compared_like_a_contiguous_one() -> None:
+    x = torch.randn(3, 4).t()  # reaches JAX through DLPack in the tensor's own layout
+    report = assert_parity(lambda t: (t * 2).sum(0), lambda a: (a * 2).sum(0), (x,))
+    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+
+
 def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     tensor = torch.zeros(64, 64, device="cuda" if jax.devices()[0].platform == "gpu" else "cpu")
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()

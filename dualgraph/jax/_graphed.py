@@ -35,7 +35,7 @@ from ._donation import (
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
 from ._env import config_value, enable_x64, x64_enabled
-from ._leaves import refuse_foreign_arrays, refuse_foreign_outputs
+from ._leaves import in_default_layouts, refuse_foreign_arrays, refuse_foreign_outputs
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -287,11 +287,19 @@ class GraphedCallable:
         ]
         return str(jax.make_jaxpr(flat)(*structs)), specs[-1]
 
-    def _run(self, executable: Callable[..., Any], arrays: list[Any]) -> Any:
+    def _run(
+        self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
+    ) -> Any:
         try:
             with enable_x64(self._x64):
                 result = executable(*arrays)
         except Exception as error:
+            copies = None if relaid else in_default_layouts(error, arrays)
+            if copies is not None:  # an input in another memory layout, taken as jax.jit would
+                result = self._run(executable, copies, relaid=True)
+                if self._donated:
+                    delete_donated(arrays, self._donated)
+                return result
             explained: Exception | None = tracer_error(
                 f"graphed({self.name})", zip(self._paths, arrays, strict=True)
             )

@@ -12,10 +12,11 @@ TreeSpec((bfloat16[2, 3](grad), int32[3], None))
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._dtypes import is_differentiable_dtype
@@ -23,7 +24,13 @@ from .._errors import DualgraphError
 from .._leaves import register_array_type
 from ._dtypes import jax_dtype
 
-__all__ = ["TRACER_TYPE", "jax_signature", "refuse_foreign_arrays", "refuse_foreign_outputs"]
+__all__ = [
+    "TRACER_TYPE",
+    "in_default_layouts",
+    "jax_signature",
+    "refuse_foreign_arrays",
+    "refuse_foreign_outputs",
+]
 
 
 def _tracer_type() -> type:
@@ -108,6 +115,25 @@ def refuse_foreign_outputs(where: str, leaves: Iterable[tuple[str, Any]], /) -> 
                 f"{where}: {path} is {problem} (the function returns it, the compiled program "
                 "could not return it as it is)"
             )
+
+
+def in_default_layouts(error: Exception, arrays: Sequence[Any], /) -> list[Any] | None:
+    """``arrays`` with each JAX array copied (into JAX's default memory layout) when ``error`` is
+    a compiled program refusing an input's layout, else ``None``.
+
+    An array made by DLPack from a transposed torch tensor keeps the tensor's strides as its
+    layout: :func:`jax.jit` takes it, an ahead-of-time compiled program refuses it with a
+    ``ValueError`` naming ``arrays[0]``. The copies have the same values, dtype, weak type and
+    device. Only a failed call takes this path, so calls pay nothing for it.
+    """
+    if not isinstance(error, ValueError) or "layout" not in str(error):
+        return None
+    return [
+        jnp.array(x, copy=True)
+        if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE) and not x.is_deleted()
+        else x
+        for x in arrays
+    ]
 
 
 def _foreign_problem(x: Any) -> str | None:
