@@ -640,6 +640,19 @@ def test_sample_kwargs_are_keyword_only() -> None:
         dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("kwargs", ["ab", [("scale", 3.0)], 0, jnp.ones(2)], ids=str)
+def test_sample_kwargs_that_are_no_mapping_are_refused(kwargs: Any) -> None:
+    # "ab" was a ValueError from dict(); a list of pairs and 0 were taken as kwargs
+    with pytest.raises(DualgraphError, match=r"^kwargs: expected a mapping of keyword arguments"):
+        dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("lazy", ["no", 0, None])
+def test_lazy_must_be_a_bool(lazy: Any) -> None:
+    with pytest.raises(DualgraphError, match="lazy must be True or False"):
+        dgj.graphed(double, (jnp.ones(3),), lazy=lazy)
+
+
 def test_lazy_compiles_each_program_at_its_first_use() -> None:
     g = dgj.graphed(double, (jnp.ones(3),), lazy=True)
     assert g.out_spec == describe((jnp.ones(3), None))  # traced at once

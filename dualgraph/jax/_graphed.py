@@ -21,6 +21,7 @@ import jax
 from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
+from .._nodes import clip
 from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
@@ -128,9 +129,13 @@ class GraphedCallable:
                 f"graphed({self.name}): sample_args must be a tuple of the positional sample "
                 f"arguments, got {type(sample_args).__name__} (for one argument x: (x,))"
             )
+        if not isinstance(lazy, bool):  # "no" would be truthy
+            raise DualgraphError(
+                f"graphed({self.name}): lazy must be True or False, got {clip(lazy)}"
+            )
         args = tuple(sample_args)
+        self.call_spec: CallSpec = describe_call(args, sample_kwargs)  # refuses a non-mapping
         kwargs = dict(sample_kwargs or {})
-        self.call_spec: CallSpec = describe_call(args, kwargs)
         self._paths = self.call_spec.array_paths
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
