@@ -80,7 +80,7 @@ class LeafSpec:
         return hash(self._identity())
 
     def _identity(self) -> tuple[Any, ...]:
-        value = self.value
+        value: Any = self.value
         if value is not None:
             value = (type(value).__name__, repr(value) if type(value) is float else value)
         return (self.kind, self.path, self.shape, self.dtype, self.grad, value)

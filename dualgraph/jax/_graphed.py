@@ -189,11 +189,11 @@ class GraphedCallable:
         spec = describe(outputs, root="output")
         traced = self._traced_spec
         if traced is None:
-            arrays = spec.flatten(outputs)
+            returned = spec.flatten(outputs)
             paths = ["output" + path for path in spec.array_paths]
-            refuse_foreign_outputs(f"graphed({self.name})", zip(paths, arrays, strict=True))
+            refuse_foreign_outputs(f"graphed({self.name})", zip(paths, returned, strict=True))
             self._traced_spec = spec
-            return arrays
+            return returned
         elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
             try:
                 traced.check(outputs, root="output")
