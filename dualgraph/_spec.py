@@ -567,6 +567,12 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                         + _UNSUPPORTED
                     )
                 shape, dtype = array_type.signature(obj)
+                if not isinstance(shape, tuple):  # check compares signatures as they come
+                    raise fail(
+                        f"the signature registered for {cls.__module__}.{cls.__qualname__} "
+                        f"gave a shape of type {type(shape).__qualname__}, not a tuple",
+                        DualgraphError,
+                    )
                 answer = array_type.requires_grad(obj)
                 grad = strict_bool(answer)
                 if grad is None:
