@@ -467,8 +467,20 @@ class NamedTupleNode(NamedContainer):
     def rebuild(self, values: list[Any]) -> Any:
         return self.cls(*values)
 
+    def guard(self, var: str, bind: Bind) -> str:
+        # tuple.__new__ can make an instance with more or fewer items than the class's fields
+        return f"type({var}) is not {bind(self.cls, 'T')} or len({var}) != {self.arity}"
+
     def child(self, var: str, index: int, bind: Bind) -> str:
         return f"{var}[{index}]"  # by position: a field name is never read as an attribute
+
+    def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        if type(obj) is self.cls and len(obj) != self.arity:
+            return None, (
+                f"expected {self.brief()} of {self.arity} fields, got {brief_of(obj)} of "
+                f"length {len(obj)}"
+            )
+        return super().difference(obj, children)
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         return f"{bind(self.cls, 'T')}({', '.join(parts)})"

@@ -46,12 +46,14 @@ SPEC_VERSION = 2
 Constant = bool | int | float | str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LeafSpec:
     """One leaf of a spec: an array (shape, dtype, grad), a constant (value) or ``None``.
 
     ``path`` is the leaf's accessor expression; ``entries`` the same path as typed entries
-    (:class:`~dualgraph.Index`, :class:`~dualgraph.Key`, :class:`~dualgraph.Attr`).
+    (:class:`~dualgraph.Index`, :class:`~dualgraph.Key`, :class:`~dualgraph.Attr`). Leaves
+    compare as a spec's nodes do: a constant with its type (``True`` is not ``1``), a float by
+    its ``repr`` (``-0.0`` is not ``0.0``, NaN equals NaN).
 
     >>> import numpy as np
     >>> leaf = describe((np.zeros((2, 3), np.float32), None)).leaves[0]
@@ -68,6 +70,20 @@ class LeafSpec:
     grad: bool = False
     value: Constant | None = None
     entries: tuple[PathEntry, ...] = field(default=(), repr=False, compare=False)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LeafSpec):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def _identity(self) -> tuple[Any, ...]:
+        value: Any = self.value
+        if value is not None:
+            value = (type(value).__name__, repr(value) if type(value) is float else value)
+        return (self.kind, self.path, self.shape, self.dtype, self.grad, value)
 
     def __str__(self) -> str:
         if self.kind == "array":
@@ -551,6 +567,12 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                         + _UNSUPPORTED
                     )
                 shape, dtype = array_type.signature(obj)
+                if not isinstance(shape, tuple):  # check compares signatures as they come
+                    raise fail(
+                        f"the signature registered for {cls.__module__}.{cls.__qualname__} "
+                        f"gave a shape of type {type(shape).__qualname__}, not a tuple",
+                        DualgraphError,
+                    )
                 answer = array_type.requires_grad(obj)
                 grad = strict_bool(answer)
                 if grad is None:

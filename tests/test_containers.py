@@ -11,7 +11,14 @@ import pytest
 from trees import Attention, EncoderOutput, array, assert_same_tree
 
 import dualgraph
-from dualgraph import DualgraphError, TreeSpec, describe, register_dataclass, register_namedtuple
+from dualgraph import (
+    DualgraphError,
+    SpecMismatchError,
+    TreeSpec,
+    describe,
+    register_dataclass,
+    register_namedtuple,
+)
 from dualgraph._containers import (
     CONTAINER_KINDS,
     container_kind,
@@ -224,6 +231,22 @@ def test_a_spec_naming_the_nfkc_form_of_a_field_is_refused() -> None:
 def test_qualified_name_is_module_colon_qualname() -> None:
     assert qualified_name(collections.OrderedDict) == "collections:OrderedDict"
     assert qualified_name(Attention) == "trees:Attention"
+
+
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_namedtuple_instance_of_another_length_is_a_mismatch(length: int, size: int) -> None:
+    # tuple.__new__ makes an instance with more or fewer items than the class has fields; the
+    # generated flatten read the first two and silently dropped the third
+    Pair = collections.namedtuple("Pair", "x y")
+    spec = describe([Pair(array(1), array(2)), *[None] * size])
+    odd = tuple.__new__(Pair, [array(1), array(2), array(3)][:length])
+    for check in (False, True):
+        with pytest.raises(
+            SpecMismatchError,
+            match=rf"^\[0\]: expected .*Pair of 2 fields, got .*Pair of length {length}$",
+        ):
+            spec.flatten([odd, *[None] * size], check=check)
 
 
 def test_a_locally_defined_namedtuple_resolves_once_described() -> None:

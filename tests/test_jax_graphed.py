@@ -471,6 +471,60 @@ def test_an_int64_out_spec_against_32_bit_jax_names_the_64_bit_mode() -> None:
         dgj.graphed(lambda x: ((x > 0).astype(int),), (jnp.ones(3),), out_spec=written)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array([2**40 + 5], np.int64),
+        np.array([2**63 - 1], np.uint64),
+        np.array([1e300], np.float64),
+        np.array([1 / 3 + 1j], np.complex128),
+    ],
+    ids=["int64", "uint64", "float64", "complex128"],
+)
+def test_a_64_bit_numpy_output_jax_would_narrow_is_refused_naming_its_path(
+    value: np.ndarray,
+) -> None:
+    # A numpy array the function returns is converted by JAX: in 32 bits, 2**40 + 5 became 5
+    # while out_spec said int64.
+    x = jnp.ones(2, jnp.float32)
+    narrowed = r"output\[1\]\['ids'\] is a numpy array of .*64-bit mode is off"
+    with pytest.raises(DualgraphError, match=narrowed):
+        dgj.graphed(lambda x: (x, {"ids": value}), (x,))
+    with x64():
+        g = dgj.graphed(lambda x: (x, {"ids": value}), (x,))
+    out = g(x)[1]["ids"]
+    assert out.dtype == value.dtype and out.tolist() == value.tolist()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.ones(2, np.longdouble), torch.ones(2), np.ones(2, ">f4")],
+    ids=["longdouble", "torch-tensor", "big-endian"],
+)
+def test_an_output_jax_cannot_return_as_is_is_refused_naming_its_path(value: Any) -> None:
+    if isinstance(value, np.ndarray) and value.dtype == np.float64:
+        pytest.skip("long double is float64 on this platform")
+    with pytest.raises(DualgraphError, match=r"^graphed\(\S*<lambda>\): output\[1\] "):
+        dgj.graphed(lambda x: (x, value), (jnp.ones(2),))
+
+
+def test_a_numpy_output_jax_keeps_comes_back_with_its_values() -> None:
+    value = np.arange(3, dtype=np.int16)
+    g = dgj.graphed(lambda x: (x, value), (jnp.ones(2),))
+    assert g.out_spec == describe((np.ones(2, np.float32), value))
+    assert g(jnp.ones(2))[1].tolist() == [0, 1, 2]
+
+
+def test_an_output_spec_that_says_otherwise_than_the_program_is_refused() -> None:
+    from dualgraph.jax._graphed import _check_returned
+
+    traced = describe((None, {"ids": np.zeros(2, np.int64)}))
+    returned = [jax.ShapeDtypeStruct((2,), jnp.int32)]
+    with pytest.raises(DualgraphError, match=r"output\[1\]\['ids'\] is int64\[2\] .* int32\[2\]"):
+        _check_returned("f", traced, returned)
+    _check_returned("f", traced, [jax.ShapeDtypeStruct((2,), np.int64)])
+
+
 def test_enable_x64_is_one_context_that_nests_and_restores() -> None:
     assert not dgj.x64_enabled()
     with dgj.enable_x64():
@@ -584,6 +638,19 @@ def test_sample_args_that_are_not_a_tuple_are_refused() -> None:
 def test_sample_kwargs_are_keyword_only() -> None:
     with pytest.raises(TypeError):
         dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs", ["ab", [("scale", 3.0)], 0, jnp.ones(2)], ids=str)
+def test_sample_kwargs_that_are_no_mapping_are_refused(kwargs: Any) -> None:
+    # "ab" was a ValueError from dict(); a list of pairs and 0 were taken as kwargs
+    with pytest.raises(DualgraphError, match=r"^kwargs: expected a mapping of keyword arguments"):
+        dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), sample_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("lazy", ["no", 0, None])
+def test_lazy_must_be_a_bool(lazy: Any) -> None:
+    with pytest.raises(DualgraphError, match="lazy must be True or False"):
+        dgj.graphed(double, (jnp.ones(3),), lazy=lazy)
 
 
 def test_lazy_compiles_each_program_at_its_first_use() -> None:
@@ -837,3 +904,25 @@ def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
     first, second = out.splitlines()
     assert first.startswith("args[1]: an array on cpu:1, but graphed programs are compiled for ")
     assert second == "2.0"
+
+
+def transposed_array() -> jax.Array:
+    """A JAX array in another memory layout than a compiled program's (from DLPack of a
+    transposed torch tensor), which jax.jit takes as it is."""
+    return jax.dlpack.from_dlpack(torch.arange(12.0).reshape(3, 4).t())
+
+
+@pytest.mark.parametrize("donate", [(), 0], ids=["kept", "donated"])
+def test_an_input_in_another_memory_layout_is_taken_as_jax_jit_takes_it(donate: Any) -> None:
+    g = dgj.graphed(lambda x: (x * 2, None), (jnp.ones((4, 3)),), donate_argnums=donate)
+    x = transposed_array()
+    expected = np.asarray(x) * 2
+    out, _ = g(x)
+    np.testing.assert_array_equal(out, expected)
+    assert x.is_deleted() == bool(donate == 0)
+    y = transposed_array()
+    (out, _), pullback = g.vjp(y)
+    np.testing.assert_array_equal(out, expected)
+    (grad,), _ = pullback((transposed_array(), None))
+    np.testing.assert_array_equal(grad, np.asarray(transposed_array()) * 2)
+    assert y.is_deleted() == bool(donate == 0)

@@ -277,6 +277,19 @@ def test_an_array_type_with_a_bad_signature_is_refused_naming_the_path(registry:
         describe((FakeArray(2, dtype="object"),))
 
 
+@pytest.mark.parametrize("shape", [list, np.array], ids=["list", "numpy"])
+def test_a_signature_whose_shape_is_no_tuple_is_refused_naming_the_path(
+    registry: None, shape: Any
+) -> None:
+    # describe read [2] as (2,), but check compared [2] with (2,) and never matched:
+    # "expected float32[2], got float32[2]"
+    register_array_type(
+        FakeArray, signature=lambda x: (shape(x.shape), x.dtype), requires_grad=lambda x: True
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=r"^\['x'\]: the signature .* tuple"):
+        describe({"x": FakeArray(2)})
+
+
 def test_an_array_type_whose_code_fails_is_a_dualgraph_error(registry: None) -> None:
     register_array_type(FakeArray, signature=lambda x: 1 / 0, requires_grad=lambda x: True)
     with pytest.raises(dualgraph.DualgraphError, match=r"^\['x'\]: reading .* ZeroDivisionError"):

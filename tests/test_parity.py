@@ -108,6 +108,12 @@ def test_a_graphed_jax_function_with_donation_leaves_torch_inputs_intact() -> No
     torch.testing.assert_close(x, before, rtol=0, atol=0)
 
 
+def test_a_transposed_torch_input_is_compared_like_a_contiguous_one() -> None:
+    x = torch.randn(3, 4).t()  # reaches JAX through DLPack in the tensor's own layout
+    report = assert_parity(lambda t: (t * 2).sum(0), lambda a: (a * 2).sum(0), (x,))
+    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+
+
 def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     tensor = torch.zeros(64, 64, device="cuda" if jax.devices()[0].platform == "gpu" else "cpu")
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
@@ -302,6 +308,46 @@ def test_allow_nan_must_be_a_bool(allow_nan: Any) -> None:
     nan = np.full(2, np.nan, np.float32)
     with pytest.raises(dualgraph.DualgraphError, match="allow_nan must be True or False"):
         compare_arrays("output", nan, nan, allow_nan=allow_nan)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"x": np.ones(2, np.float32)}, "xy", np.ones(2, np.float32), torch.ones(2), None],
+    ids=["dict", "str", "numpy-array", "tensor", "none"],
+)
+def test_args_that_are_no_tuple_or_list_of_arguments_are_refused(args: Any) -> None:
+    # a dict was read as the tuple of its keys: both sides returned the key, nothing was
+    # compared, and the report passed
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args: expected a tuple or list"):
+        compare(lambda *a: a, lambda *a: a, args)
+
+
+def test_kwargs_that_are_no_mapping_are_refused() -> None:
+    x = np.ones(2, np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^kwargs: expected a mapping"):
+        compare(lambda t, **k: t, lambda a, **k: a, (x,), [("b", x)])
+
+
+@pytest.mark.parametrize("grads", ["no", 0, None])
+def test_grads_must_be_a_bool(grads: Any) -> None:
+    x = np.ones(2, np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match="grads must be True or False"):
+        compare(lambda t: t * 2, lambda a: a * 2, (x,), grads=grads)
+
+
+@pytest.mark.parametrize("seed", ["0", 1.5, True, -1, None])
+def test_a_seed_that_is_no_non_negative_int_is_refused(seed: Any) -> None:
+    x = np.ones(2, np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match="seed must be a non-negative int"):
+        compare(lambda t: t * 2, lambda a: a * 2, (x,), seed=seed)
+
+
+def test_an_input_torch_cannot_hold_is_refused_naming_its_path() -> None:
+    value = np.ones(2, np.longdouble)
+    if value.dtype == np.float64:
+        pytest.skip("long double is float64 on this platform")
+    with pytest.raises(dualgraph.DualgraphError, match=r"args\[1\]\['w'\]: .*float128"):
+        compare(lambda t, d: t, lambda a, d: a, (np.ones(2, np.float32), {"w": value}))
 
 
 @pytest.mark.parametrize("limit", ["1e-3", None, True, complex(1e-3)])

@@ -800,6 +800,26 @@ def test_leaf_spec_fields() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(True, 1), (1, 1.0), (0.0, -0.0), (False, 0), ("1", 1)],
+    ids=["bool-int", "int-float", "zero-signs", "false-zero", "str-int"],
+)
+def test_leaf_specs_of_constants_a_spec_tells_apart_are_unequal(first: Any, second: Any) -> None:
+    a, b = describe((first,)), describe((second,))
+    assert a != b
+    assert a.leaves != b.leaves
+    assert len({*a.leaves, *b.leaves}) == 2
+
+
+def test_a_nan_constant_leaf_spec_equals_itself_read_back() -> None:
+    spec = describe((float("nan"), float("-nan")))
+    loaded = TreeSpec.from_json(spec.to_json())
+    assert loaded == spec
+    assert loaded.leaves == spec.leaves
+    assert hash(loaded.leaves) == hash(spec.leaves)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_pickle_round_trip_gives_an_equal_working_spec(name: str) -> None:
     tree = TREES[name]()

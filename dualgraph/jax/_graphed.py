@@ -21,6 +21,7 @@ import jax
 from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
+from .._nodes import clip
 from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
@@ -35,7 +36,7 @@ from ._donation import (
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
 from ._env import config_value, enable_x64, x64_enabled
-from ._leaves import refuse_foreign_arrays
+from ._leaves import in_default_layouts, refuse_foreign_arrays, refuse_foreign_outputs
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -128,9 +129,13 @@ class GraphedCallable:
                 f"graphed({self.name}): sample_args must be a tuple of the positional sample "
                 f"arguments, got {type(sample_args).__name__} (for one argument x: (x,))"
             )
+        if not isinstance(lazy, bool):  # "no" would be truthy
+            raise DualgraphError(
+                f"graphed({self.name}): lazy must be True or False, got {clip(lazy)}"
+            )
         args = tuple(sample_args)
+        self.call_spec: CallSpec = describe_call(args, sample_kwargs)  # refuses a non-mapping
         kwargs = dict(sample_kwargs or {})
-        self.call_spec: CallSpec = describe_call(args, kwargs)
         self._paths = self.call_spec.array_paths
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
@@ -158,6 +163,7 @@ class GraphedCallable:
                 self._compiled = self._lowered.compile()
         traced = self._traced_spec
         assert traced is not None
+        _check_returned(self.name, traced, jax.tree_util.tree_leaves(self._lowered.out_info))
         self.out_spec: TreeSpec = _output_spec(traced, out_spec, self.name)
         inputs = self.call_spec.arrays
         unusable = unusable_donations(inputs, self._donated, traced.arrays)
@@ -183,7 +189,11 @@ class GraphedCallable:
         spec = describe(outputs, root="output")
         traced = self._traced_spec
         if traced is None:
+            returned = spec.flatten(outputs)
+            paths = ["output" + path for path in spec.array_paths]
+            refuse_foreign_outputs(f"graphed({self.name})", zip(paths, returned, strict=True))
             self._traced_spec = spec
+            return returned
         elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
             try:
                 traced.check(outputs, root="output")
@@ -282,11 +292,19 @@ class GraphedCallable:
         ]
         return str(jax.make_jaxpr(flat)(*structs)), specs[-1]
 
-    def _run(self, executable: Callable[..., Any], arrays: list[Any]) -> Any:
+    def _run(
+        self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
+    ) -> Any:
         try:
             with enable_x64(self._x64):
                 result = executable(*arrays)
         except Exception as error:
+            copies = None if relaid else in_default_layouts(error, arrays)
+            if copies is not None:  # an input in another memory layout, taken as jax.jit would
+                result = self._run(executable, copies, relaid=True)
+                if self._donated:
+                    delete_donated(arrays, self._donated)
+                return result
             explained: Exception | None = tracer_error(
                 f"graphed({self.name})", zip(self._paths, arrays, strict=True)
             )
@@ -301,6 +319,17 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
+
+
+def _check_returned(name: str, traced: TreeSpec, returned: Sequence[Any]) -> None:
+    """Refuse a traced output spec that says otherwise than the program returns (shape, dtype)."""
+    for path, leaf, struct in zip(traced.array_paths, traced.arrays, returned, strict=True):
+        shape, dtype = tuple(struct.shape), struct.dtype.name
+        if (shape, dtype) != (leaf.shape, leaf.dtype):
+            raise DualgraphError(
+                f"graphed({name}): output{path} is {leaf} where the function returns it, but "
+                f"the compiled program returns {dtype}[{', '.join(map(str, shape))}]"
+            )
 
 
 def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -> TreeSpec:

@@ -18,7 +18,7 @@ from .._dtypes import is_differentiable_dtype
 from .._spec import TreeSpec
 from ._donation import jax_donation_warnings
 from ._env import enable_x64
-from ._leaves import refuse_foreign_arrays
+from ._leaves import in_default_layouts, refuse_foreign_arrays
 from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
 
@@ -109,7 +109,13 @@ class Pullback:
                 zip(program.cotangent_paths, cotangents, strict=True),
             )
             with enable_x64(self._x64):
-                grads = program.backward(self._residuals, cotangents)
+                try:
+                    grads = program.backward(self._residuals, cotangents)
+                except ValueError as error:
+                    copies = in_default_layouts(error, cotangents)
+                    if copies is None:
+                        raise
+                    grads = program.backward(self._residuals, copies)
         except Exception as error:  # a tracer fails these in many ways: name the cause
             explained = tracer_error(
                 f"the pullback of graphed({program.name})",

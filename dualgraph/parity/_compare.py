@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,8 @@ import torch
 from .._call import CallSpec, describe_call
 from .._containers import NAMESPACE
 from .._dtypes import is_differentiable_dtype
-from .._errors import SpecMismatchError
+from .._errors import DualgraphError, SpecMismatchError
+from .._nodes import clip, clip_text
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
 from ._arrays import compare_arrays
@@ -75,6 +77,7 @@ def compare(
     Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
     structure, ``None`` positions, constants, shapes or dtypes; value differences are reported.
     """
+    _check_options(grads, seed)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
@@ -110,6 +113,14 @@ def assert_parity(*args: Any, **kwargs: Any) -> ParityReport:
 
 
 # -- 1. prepare the inputs -----------------------------------------------------------------------
+
+
+def _check_options(grads: Any, seed: Any) -> None:
+    """Refuse options that would be coerced (``grads="no"`` is truthy) or fail deep inside."""
+    if not isinstance(grads, bool):
+        raise DualgraphError(f"grads must be True or False, got {clip(grads)}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise DualgraphError(f"seed must be a non-negative int, got {clip(seed)}")
 
 
 @dataclass(frozen=True)
@@ -161,12 +172,19 @@ class _Inputs:
 def _prepare_inputs(
     args: Sequence[Any], kwargs: Mapping[str, Any] | None, grads: bool, params: _Params | None
 ) -> _Inputs:
-    kwargs = dict(kwargs or {})
-    call_spec = describe_call(tuple(args), kwargs)
-    samples = call_spec.flatten(tuple(args), kwargs)
+    call_spec = describe_call(args, kwargs)  # args a tuple or list, kwargs a mapping or None
+    samples = call_spec.flatten(tuple(args), dict(kwargs or {}))
     device = torch_device([*samples, *(params.torch.values() if params else ())])
     wants_grad = [grads and is_differentiable_dtype(leaf.dtype or "") for leaf in call_spec.arrays]
-    tensors = [as_torch(x, device) for x in samples]
+    tensors = []
+    for path, leaf, x in zip(call_spec.array_paths, call_spec.arrays, samples, strict=True):
+        try:
+            tensors.append(as_torch(x, device))
+        except Exception as error:  # a dtype torch has no tensor of, e.g. numpy's long double
+            raise DualgraphError(
+                f"{path}: {leaf} cannot be handed to torch ({type(error).__name__}: "
+                f"{clip_text(error)})"
+            ) from error
     for tensor, wanted in zip(tensors, wants_grad, strict=True):
         tensor.requires_grad_(wanted)
     return _Inputs(call_spec, tensors, wants_grad, params)
