@@ -234,6 +234,37 @@ def test_eager_callable_repr_shows_the_output_spec_once_known() -> None:
     assert repr(graphed).endswith("outputs=TreeSpec(float32[2]))")
 
 
+class Drifts(nn.Module):
+    """Returns ``(x.sin(), extra)``, where ``extra`` is whatever the caller last set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra: Any = torch.zeros(2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return x.sin(), self.extra
+
+
+@pytest.mark.parametrize(
+    ("later", "found"),
+    [
+        (3.0, "got float 3.0"),
+        (torch.zeros(3), "float32[3]"),
+        (torch.zeros(2, dtype=torch.int64), "int64"),
+    ],
+)
+def test_the_eager_backend_refuses_outputs_a_graph_could_not_give(later: Any, found: str) -> None:
+    """The ``"eager"`` backend stands in for a graph: an output whose leaf changes kind, shape
+    or dtype after the first call (which a replay could never give) is refused naming it."""
+    module = Drifts()
+    graphed = dgt.make_graphed_callables(module, (torch.ones(2),), backend="eager")
+    graphed(torch.ones(2))
+    module.extra = later
+    with pytest.raises(SpecMismatchError, match=r"output\[1\]") as info:
+        graphed(torch.ones(2))
+    assert found in str(info.value)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_graphing_a_graphed_module_again_is_rejected(backend: str) -> None:
     module = TinyMLP().to(device_of(backend))

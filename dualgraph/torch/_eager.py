@@ -70,7 +70,7 @@ class EagerCallable:
         if self._out_spec is None:
             self._out_spec = describe(outputs)
         else:
-            self._out_spec.flatten(outputs, root="output")
+            self._out_spec.flatten(outputs, check=True, root="output")
         self.diagnostics.replays += 1
         return outputs
 
