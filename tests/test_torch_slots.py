@@ -719,3 +719,51 @@ def test_a_parameter_hook_runs_once_per_replay_in_any_slot(backend: str) -> None
     assert len(seen) == len(expected) == 2
     for a, e in zip(seen, expected, strict=True):
         assert_tensors_match(a, e, "hooked grad", tolerance(backend))
+
+
+class _FirstWithoutGrad(nn.Module):
+    """Returns first an output that carries no grad in the test's calls, then the hidden state."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        self.first = first
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.lin(h).tanh()
+        if self.first == "int mask":
+            return (hidden > 0).int(), hidden
+        if self.first == "detached":
+            return hidden.detach() * 2, hidden
+        return x * 2, hidden  # "input only": needs grad only where x does (not in these calls)
+
+
+@pytest.mark.parametrize("first", ["int mask", "detached", "input only"])
+@pytest.mark.parametrize("layout", ["slots", "schedule"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_slots_track_a_replay_whose_first_output_carries_no_grad(
+    backend: str, layout: str, first: str
+) -> None:
+    device = device_of(backend)
+    model = _FirstWithoutGrad(first).to(device)
+    twin = copy.deepcopy(model)
+    how: dict[str, Any] = {"slots": 2} if layout == "slots" else {"schedule": [1, 1, -1, -1]}
+    sample = (_x(backend, grad=first == "input only"), _x(backend))
+    graphed = dgt.make_graphed_callables(model, sample, backend=backend, **how)
+    for _ in range(2):  # two micro-batches in flight, backwards oldest first; .grad accumulates
+        xs = [_x(backend, grad=False) for _ in range(2)]
+        hs = [_x(backend) for _ in range(2)]
+        eager_hs = [h.detach().clone().requires_grad_() for h in hs]
+        outputs = [graphed(x, h) for x, h in zip(xs, hs, strict=True)]
+        assert dgt.diagnostics(graphed).in_flight == (0, 1)
+        expected = [twin(x, h) for x, h in zip(xs, eager_hs, strict=True)]
+        for k in range(2):
+            assert_tensors_match(outputs[k][0], expected[k][0], "first output", tolerance(backend))
+            assert outputs[k][0].requires_grad is expected[k][0].requires_grad is False
+            assert_tensors_match(outputs[k][1].detach(), expected[k][1].detach(), "hidden")
+            outputs[k][1].square().sum().backward()
+            expected[k][1].square().sum().backward()
+            assert_tensors_match(hs[k].grad, eager_hs[k].grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert dgt.diagnostics(graphed).in_flight == ()

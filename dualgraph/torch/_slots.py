@@ -71,21 +71,31 @@ class SlotReplay(GraphedCallable):
     afterwards (the slot is free again).
     """
 
-    __slots__ = ("_front", "_probe", "_probe_at", "index")
+    __slots__ = ("_front", "_probe", "index")
 
     def __init__(self, plan: Any, index: int) -> None:
         super().__init__(plan)
         self.index = index
         self._front: SlottedCallable | None = None
-        self._probe: torch.Tensor | None = None
-        diff = plan.diff_outputs
-        self._probe_at = diff[0] if diff else -1
+        self._probe: tuple[torch.Tensor, ...] = ()
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
         outputs = super()._forward(tensors, grad_enabled)
-        if grad_enabled:  # under the replay Function: this output will carry its node
-            self._probe = outputs[self._probe_at]
+        if grad_enabled:  # under the replay Function: its differentiable outputs get its node
+            self._probe = outputs
         return outputs
+
+    def node(self) -> _Node | None:
+        """The autograd node of the replay just run (``None``: no backward can follow it).
+
+        Any output that carries grad carries it: which ones do depends on the call (an output
+        that only inputs reach needs none where they need none), so none is picked in advance.
+        """
+        for output in self._probe:
+            node = output.grad_fn
+            if node is not None:
+                return node
+        return None
 
     def _backward(
         self,
@@ -235,10 +245,9 @@ class SlottedCallable:
             replay = self._replays[index]
             try:
                 outputs = replay(*args, **kwargs)
-                probe = replay._probe
+                node = replay.node()
             finally:
-                replay._probe = None
-            node = None if probe is None else probe.grad_fn
+                replay._probe = ()
             if node is not None:  # a replay in flight: its backward is to come
                 self._pending[index] = self._recent[index] = weakref.ref(node)
                 self._gate.started(self, index)
