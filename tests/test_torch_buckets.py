@@ -967,3 +967,49 @@ def test_a_grad_kept_after_zero_grad_is_never_written_by_a_bucket(
             assert_tensors_match(grad, values, "a .grad kept after zero_grad(set_to_none=True)")
             assert module.weight.grad is not grad
         assert_tensors_match(layer.weight.grad, twin.weight.grad, "weight grad")
+
+
+def _bucket_buffers(graphed: Any) -> list[torch.Tensor]:
+    """Every static buffer of every bucket, cloned."""
+    tensors = []
+    for runner in runner_of(graphed).runners:
+        buffers = runner.plan.buffers
+        for tensor in (*buffers.inputs, *buffers.outputs, *buffers.grad_outputs):
+            tensors.append(tensor.detach().clone().view(torch.uint8))  # NaN equals itself
+    return tensors
+
+
+@pytest.mark.parametrize("refused", ["dtype", "autocast", "shape", "tree"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_refused_call_leaves_the_pending_backward_of_another_bucket_valid(
+    backend: str, refused: str
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    x = tokens(device, 5)
+    hidden, _ = block(x)
+    before = _bucket_buffers(block)
+    report = copy.deepcopy(dgt.diagnostics(block))
+    with pytest.raises(SpecMismatchError if refused != "autocast" else DualgraphError):
+        if refused == "dtype":  # bucket 2's shape, another dtype: found by shape, then refused
+            block(torch.randn(2, 9, 16, device=device, dtype=torch.float64))
+        elif refused == "autocast":
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                block(tokens(device, 9))
+        elif refused == "shape":
+            block(tokens(device, 6))
+        else:
+            block(tokens(device, 9), extra=1)
+    for k, (a, b) in enumerate(zip(_bucket_buffers(block), before, strict=True)):
+        assert torch.equal(a, b), f"static buffer {k} changed"
+    after = dgt.diagnostics(block)
+    assert [b.calls for b in after.buckets] == [b.calls for b in report.buckets]
+    assert after.replays == report.replays
+    x_eager = fresh_copy(x)
+    expected, _ = twin(x_eager)
+    hidden.square().mean().backward()  # the earlier call's backward runs as it would have
+    expected.square().mean().backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))
+    for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, f"grad of {name}", tolerance(backend))

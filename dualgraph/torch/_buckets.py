@@ -260,11 +260,21 @@ class BucketedCallable:
         self, bucket: _Bucket, args: tuple[Any, ...], kwargs: dict[str, Any], padded: int | None
     ) -> Any:
         last = self._last
-        if bucket is not last:
-            # This replay may overwrite the activations the last bucket's backward would read.
-            if last is not None and self._graphed:
-                last.runner.expire_backward()  # type: ignore[union-attr]
+        runner = bucket.runner
+        if bucket is last or last is None or not self._graphed:
+            outputs = runner(*args, **kwargs)
             self._last = bucket
+        else:
+            generation = runner.generation  # type: ignore[union-attr]
+            try:
+                outputs = runner(*args, **kwargs)
+            finally:
+                # Only a call the bucket accepted replays (and bumps its generation): that replay
+                # may have overwritten the activations the last bucket's backward would read. A
+                # call it refused (dtype, autocast, ...) leaves that backward valid.
+                if runner.generation != generation:  # type: ignore[union-attr]
+                    last.runner.expire_backward()  # type: ignore[union-attr]
+                    self._last = bucket
         if logger.isEnabledFor(logging.DEBUG):
             how = "" if padded is None else f", padded from length {padded} to {bucket.length}"
             logger.debug(
@@ -274,7 +284,6 @@ class BucketedCallable:
                 self._show(bucket.shapes),
                 how,
             )
-        outputs = bucket.runner(*args, **kwargs)
         diagnostics = bucket.diagnostics
         diagnostics.calls += 1
         diagnostics.last_used = time.time()
