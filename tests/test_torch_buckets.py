@@ -617,6 +617,38 @@ class CountedMean(MeanPool):
         return (hidden * keep).sum(dim=1) / valid_length
 
 
+def three_layouts(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position outputs in three layouts: as x, transposed, and positions outermost."""
+    y = torch.tanh(x)
+    return y * 2, (y * 3).transpose(1, 2), (y * 4).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_padded_outputs_cut_back_have_eagers_layout(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        three_layouts,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1, "output[1]": 2, "output[2]": 0},
+    )
+    x = torch.randn(2, 6, 4, device=device, requires_grad=True)
+    x_eager = fresh_copy(x)
+    outputs = graphed(x)
+    expected = three_layouts(x_eager)
+    for k, (out, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert (out.shape, out.stride()) == (want.shape, want.stride()), f"output[{k}]"
+        assert out.is_contiguous() is want.is_contiguous(), f"output[{k}]"
+        assert_tensors_match(out, want, f"output[{k}]", tolerance(backend) or PAD_TOLERANCE)
+    sum(out.reshape(-1)[::3].sum() for out in outputs).backward()  # reads through the strides
+    sum(out.reshape(-1)[::3].sum() for out in expected).backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend) or PAD_TOLERANCE)
+    outputs[0].view(-1)  # eager's output is contiguous: so is the cut
+
+
 def always_dropout(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     return torch.nn.functional.dropout(x, 0.5, training=True)
 

@@ -50,7 +50,7 @@ from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
-from ._padding import VALID_LENGTH, Padding, output_cuts
+from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._replay import GraphedCallable
 from ._replay_hooks import call_eagerly
 
@@ -380,7 +380,7 @@ class BucketedCallable:
         spec = bucket.runner.spec
         flat = spec.flatten(outputs)
         for index, dim in cut:
-            flat[index] = flat[index].narrow(dim, 0, length)
+            flat[index] = cut_back(flat[index], dim, length)
         return spec.unflatten(flat)
 
     # -- checks and messages -------------------------------------------------------------------
