@@ -71,13 +71,20 @@ class SlotReplay(GraphedCallable):
     afterwards (the slot is free again).
     """
 
-    __slots__ = ("_front", "_probe", "index")
+    __slots__ = ("_dropped", "_front", "_probe", "index")
 
     def __init__(self, plan: Any, index: int) -> None:
         super().__init__(plan)
         self.index = index
         self._front: SlottedCallable | None = None
         self._probe: tuple[torch.Tensor, ...] = ()
+        self._dropped = -1  # the generation of the replay in flight that reset_slots dropped
+
+    def drop(self) -> None:
+        """Refuse the backward of the replay in flight here (``reset_slots``): its buffers are
+        free for the next forward, and with a schedule shared with other micro-batches."""
+        self._dropped = self._generation
+        self.expire_backward()
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
         outputs = super()._forward(tensors, grad_enabled)
@@ -111,6 +118,13 @@ class SlotReplay(GraphedCallable):
         if not lock.acquire(False):
             raise front._busy()
         try:
+            if generation == self._dropped:
+                raise DualgraphError(
+                    f"{self.name}: the backward of a replay that dualgraph.torch.reset_slots "
+                    f"dropped (slot {self.index}, in flight when the slots were reset); its "
+                    "buffers and activations belong to the replays after the reset. Run the "
+                    "forward again"
+                )
             front._gate.check_backward(front, self.index)
             result = super()._backward(
                 generation, needs_input_grad, inputs, grads, through_autograd
@@ -257,6 +271,13 @@ class SlottedCallable:
         finally:
             lock.release()
 
+    def drop_in_flight(self) -> None:
+        """Free every slot; the backwards of the replays in flight will raise (reset_slots)."""
+        for index, replay in enumerate(self._replays):
+            if self._is_in_flight(index):
+                replay.drop()
+        self._pending = [None] * len(self._replays)
+
     def _is_in_flight(self, index: int) -> bool:
         pending = self._pending[index]
         return pending is not None and pending() is not None
@@ -303,7 +324,7 @@ class FreeSlots:
         pass
 
     def reset(self, front: SlottedCallable) -> None:
-        front._pending = [None] * len(front._replays)
+        front.drop_in_flight()
 
 
 class ScheduleCursor:
@@ -351,7 +372,7 @@ class ScheduleCursor:
     def reset(self, front: SlottedCallable) -> None:
         self.position = 0
         for member in self.fronts:
-            member._pending = [None] * len(member._replays)
+            member.drop_in_flight()
 
     def no_backward(self, front: SlottedCallable) -> DualgraphError:
         """The error for a scheduled forward that left nothing for its backward to run on."""
