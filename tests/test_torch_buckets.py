@@ -649,6 +649,26 @@ def test_padded_outputs_cut_back_have_eagers_layout(backend: str) -> None:
     outputs[0].view(-1)  # eager's output is contiguous: so is the cut
 
 
+def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
+    return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
+
+
+@pytest.mark.parametrize("length", [4, 5], ids=["padded", "exact"])
+def test_pad_refuses_a_dict_in_another_key_order_as_an_exact_call_does(length: int) -> None:
+    buckets = [({"a": torch.randn(2, n, 3), "b": torch.randn(2, n, 4)},) for n in (3, 5)]
+    graphed = dgt.make_graphed_callables(
+        concatenated,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]['a']": 1, "args[0]['b']": 1, "output": 1},
+    )
+    swapped = {"b": torch.randn(2, length, 4), "a": torch.randn(2, length, 3)}
+    with pytest.raises(SpecMismatchError, match=r"args\[0\]: a dict with its keys in the order"):
+        graphed(swapped)  # padding rebuilt it in the captured order: another result than eager's
+    ordered = {"a": swapped["a"], "b": swapped["b"]}
+    assert_tensors_match(graphed(ordered), concatenated(ordered), "output", PAD_TOLERANCE)
+
+
 def always_dropout(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     return torch.nn.functional.dropout(x, 0.5, training=True)
 

@@ -297,6 +297,9 @@ class BucketedCallable:
         """A call whose shapes are no bucket's: checked as a bucket call would be, then fallback."""
         self._check_tensors(tensors)
         if self._padding is not None:
+            # The padded call is rebuilt from the capture's spec, which puts every dict's keys
+            # in the captured order: the callable would see another order than eager's.
+            self._guard.check_dict_orders(args, kwargs)
             return self._padded(tensors)
         shapes = tuple(map(_shape, tensors))
         if self.fallback == "eager":

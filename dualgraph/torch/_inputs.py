@@ -177,10 +177,10 @@ class InputGuard:
         except Exception:  # e.g. a nested tensor has no shape to compare
             raise self._explain(tensors, grad_enabled) from None
         if self._dict_orders:
-            self._check_dict_orders(args, kwargs)
+            self.check_dict_orders(args, kwargs)
         return tensors
 
-    def _check_dict_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    def check_dict_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse a dict whose keys come in another order than at capture (the structure
         matched, so every step of the way is there)."""
         for path, steps, keys in self._dict_orders:
