@@ -796,6 +796,16 @@ BAD_REQUESTS = {
         {"buckets": [(torch.randn(2, 3), torch.ones(1)), (torch.randn(2, 5), None)]},
         r"buckets\[1\]: args\[1\]: expected a float32 tensor, got None \(as buckets\[0\] has it\)",
     ),
+    "a dict in another key order": (
+        {
+            "buckets": [
+                (torch.randn(2, 3), {"a": torch.ones(1), "b": torch.ones(1)}),
+                (torch.randn(2, 5), {"b": torch.ones(1), "a": torch.ones(1)}),
+            ]
+        },
+        r"buckets\[1\]: args\[1\]: a dict with its keys in the order \['b', 'a'\], captured in the "
+        r"order \['a', 'b'\] \(as buckets\[0\] has it\)",
+    ),
     "same shapes twice": (
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 3),)]},
         r"buckets\[1\] has the same input shapes as buckets\[0\]",
