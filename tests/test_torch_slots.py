@@ -666,8 +666,11 @@ def test_a_replay_with_nothing_requiring_grad_holds_no_slot(backend: str) -> Non
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_scheduled_forward_that_no_backward_can_follow_is_refused(backend: str) -> None:
     graphed = _graph(torch.tanh, backend, schedule=[1, -1])
+    before = _snapshot(graphed)
     with pytest.raises(DualgraphError, match="ran with no input or parameter requiring grad"):
         graphed(_x(backend, grad=False))
+    _assert_unchanged(graphed, before)  # refused before its replay
+    assert runner_of(graphed)._replays[0].generation == 0
     out = graphed(_x(backend))  # the schedule did not move on
     out.sum().backward()
 

@@ -34,6 +34,7 @@ captured; one graph per micro-batch, in schedule order, is the simple order that
 from __future__ import annotations
 
 import gc
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
@@ -62,6 +63,7 @@ __all__ = [
 ]
 
 _Node = Any  # an autograd node (the replay Function's backward object)
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class SlotReplay(GraphedCallable):
@@ -87,6 +89,15 @@ class SlotReplay(GraphedCallable):
         self.expire_backward()
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
+        front = self._front
+        if (
+            grad_enabled
+            and front is not None
+            and isinstance(front._gate, ScheduleCursor)
+            and not any(map(_requires_grad, tensors))  # the inputs, then the edge tensors
+        ):
+            # No autograd node will follow, so no backward; refused before a buffer is written.
+            raise front._gate.no_backward(front)
         outputs = super()._forward(tensors, grad_enabled)
         if grad_enabled:  # under the replay Function: its differentiable outputs get its node
             self._probe = outputs
