@@ -617,6 +617,58 @@ class CountedMean(MeanPool):
         return (hidden * keep).sum(dim=1) / valid_length
 
 
+def three_layouts(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-position outputs in three layouts: as x, transposed, and positions outermost."""
+    y = torch.tanh(x)
+    return y * 2, (y * 3).transpose(1, 2), (y * 4).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_padded_outputs_cut_back_have_eagers_layout(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        three_layouts,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1, "output[1]": 2, "output[2]": 0},
+    )
+    x = torch.randn(2, 6, 4, device=device, requires_grad=True)
+    x_eager = fresh_copy(x)
+    outputs = graphed(x)
+    expected = three_layouts(x_eager)
+    for k, (out, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert (out.shape, out.stride()) == (want.shape, want.stride()), f"output[{k}]"
+        assert out.is_contiguous() is want.is_contiguous(), f"output[{k}]"
+        assert_tensors_match(out, want, f"output[{k}]", tolerance(backend) or PAD_TOLERANCE)
+    sum(out.reshape(-1)[::3].sum() for out in outputs).backward()  # reads through the strides
+    sum(out.reshape(-1)[::3].sum() for out in expected).backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend) or PAD_TOLERANCE)
+    outputs[0].view(-1)  # eager's output is contiguous: so is the cut
+
+
+def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
+    return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
+
+
+@pytest.mark.parametrize("length", [4, 5], ids=["padded", "exact"])
+def test_pad_refuses_a_dict_in_another_key_order_as_an_exact_call_does(length: int) -> None:
+    buckets = [({"a": torch.randn(2, n, 3), "b": torch.randn(2, n, 4)},) for n in (3, 5)]
+    graphed = dgt.make_graphed_callables(
+        concatenated,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]['a']": 1, "args[0]['b']": 1, "output": 1},
+    )
+    swapped = {"b": torch.randn(2, length, 4), "a": torch.randn(2, length, 3)}
+    with pytest.raises(SpecMismatchError, match=r"args\[0\]: a dict with its keys in the order"):
+        graphed(swapped)  # padding rebuilt it in the captured order: another result than eager's
+    ordered = {"a": swapped["a"], "b": swapped["b"]}
+    assert_tensors_match(graphed(ordered), concatenated(ordered), "output", PAD_TOLERANCE)
+
+
 def always_dropout(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     return torch.nn.functional.dropout(x, 0.5, training=True)
 
@@ -743,6 +795,16 @@ BAD_REQUESTS = {
     "a None where a tensor was, after a tensor": (
         {"buckets": [(torch.randn(2, 3), torch.ones(1)), (torch.randn(2, 5), None)]},
         r"buckets\[1\]: args\[1\]: expected a float32 tensor, got None \(as buckets\[0\] has it\)",
+    ),
+    "a dict in another key order": (
+        {
+            "buckets": [
+                (torch.randn(2, 3), {"a": torch.ones(1), "b": torch.ones(1)}),
+                (torch.randn(2, 5), {"b": torch.ones(1), "a": torch.ones(1)}),
+            ]
+        },
+        r"buckets\[1\]: args\[1\]: a dict with its keys in the order \['b', 'a'\], captured in the "
+        r"order \['a', 'b'\] \(as buckets\[0\] has it\)",
     ),
     "same shapes twice": (
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 3),)]},
@@ -967,3 +1029,49 @@ def test_a_grad_kept_after_zero_grad_is_never_written_by_a_bucket(
             assert_tensors_match(grad, values, "a .grad kept after zero_grad(set_to_none=True)")
             assert module.weight.grad is not grad
         assert_tensors_match(layer.weight.grad, twin.weight.grad, "weight grad")
+
+
+def _bucket_buffers(graphed: Any) -> list[torch.Tensor]:
+    """Every static buffer of every bucket, cloned."""
+    tensors = []
+    for runner in runner_of(graphed).runners:
+        buffers = runner.plan.buffers
+        for tensor in (*buffers.inputs, *buffers.outputs, *buffers.grad_outputs):
+            tensors.append(tensor.detach().clone().view(torch.uint8))  # NaN equals itself
+    return tensors
+
+
+@pytest.mark.parametrize("refused", ["dtype", "autocast", "shape", "tree"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_refused_call_leaves_the_pending_backward_of_another_bucket_valid(
+    backend: str, refused: str
+) -> None:
+    device = device_of(backend)
+    block, twin = twins(lambda: ViTBlock(16, 2), device)
+    dgt.make_graphed_callables(block, buckets=block_buckets(device), backend=backend)
+    x = tokens(device, 5)
+    hidden, _ = block(x)
+    before = _bucket_buffers(block)
+    report = copy.deepcopy(dgt.diagnostics(block))
+    with pytest.raises(SpecMismatchError if refused != "autocast" else DualgraphError):
+        if refused == "dtype":  # bucket 2's shape, another dtype: found by shape, then refused
+            block(torch.randn(2, 9, 16, device=device, dtype=torch.float64))
+        elif refused == "autocast":
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                block(tokens(device, 9))
+        elif refused == "shape":
+            block(tokens(device, 6))
+        else:
+            block(tokens(device, 9), extra=1)
+    for k, (a, b) in enumerate(zip(_bucket_buffers(block), before, strict=True)):
+        assert torch.equal(a, b), f"static buffer {k} changed"
+    after = dgt.diagnostics(block)
+    assert [b.calls for b in after.buckets] == [b.calls for b in report.buckets]
+    assert after.replays == report.replays
+    x_eager = fresh_copy(x)
+    expected, _ = twin(x_eager)
+    hidden.square().mean().backward()  # the earlier call's backward runs as it would have
+    expected.square().mean().backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))
+    for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, f"grad of {name}", tolerance(backend))

@@ -369,7 +369,7 @@ def test_a_backward_after_its_slot_was_reset_and_reused_is_refused(backend: str)
     dgt.reset_slots(graphed)
     assert dgt.diagnostics(graphed).in_flight == ()
     fresh = graphed(_x(backend))  # slot 0 again
-    with pytest.raises(DualgraphError, match="backward of an earlier replay"):
+    with pytest.raises(DualgraphError, match=r"reset_slots dropped \(slot 0"):
         stale.sum().backward()
     fresh.sum().backward()
 
@@ -666,8 +666,11 @@ def test_a_replay_with_nothing_requiring_grad_holds_no_slot(backend: str) -> Non
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_scheduled_forward_that_no_backward_can_follow_is_refused(backend: str) -> None:
     graphed = _graph(torch.tanh, backend, schedule=[1, -1])
+    before = _snapshot(graphed)
     with pytest.raises(DualgraphError, match="ran with no input or parameter requiring grad"):
         graphed(_x(backend, grad=False))
+    _assert_unchanged(graphed, before)  # refused before its replay
+    assert runner_of(graphed)._replays[0].generation == 0
     out = graphed(_x(backend))  # the schedule did not move on
     out.sum().backward()
 
@@ -719,3 +722,82 @@ def test_a_parameter_hook_runs_once_per_replay_in_any_slot(backend: str) -> None
     assert len(seen) == len(expected) == 2
     for a, e in zip(seen, expected, strict=True):
         assert_tensors_match(a, e, "hooked grad", tolerance(backend))
+
+
+class _FirstWithoutGrad(nn.Module):
+    """Returns first an output that carries no grad in the test's calls, then the hidden state."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        self.first = first
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.lin(h).tanh()
+        if self.first == "int mask":
+            return (hidden > 0).int(), hidden
+        if self.first == "detached":
+            return hidden.detach() * 2, hidden
+        return x * 2, hidden  # "input only": needs grad only where x does (not in these calls)
+
+
+@pytest.mark.parametrize("first", ["int mask", "detached", "input only"])
+@pytest.mark.parametrize("layout", ["slots", "schedule"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_slots_track_a_replay_whose_first_output_carries_no_grad(
+    backend: str, layout: str, first: str
+) -> None:
+    device = device_of(backend)
+    model = _FirstWithoutGrad(first).to(device)
+    twin = copy.deepcopy(model)
+    how: dict[str, Any] = {"slots": 2} if layout == "slots" else {"schedule": [1, 1, -1, -1]}
+    sample = (_x(backend, grad=first == "input only"), _x(backend))
+    graphed = dgt.make_graphed_callables(model, sample, backend=backend, **how)
+    for _ in range(2):  # two micro-batches in flight, backwards oldest first; .grad accumulates
+        xs = [_x(backend, grad=False) for _ in range(2)]
+        hs = [_x(backend) for _ in range(2)]
+        eager_hs = [h.detach().clone().requires_grad_() for h in hs]
+        outputs = [graphed(x, h) for x, h in zip(xs, hs, strict=True)]
+        assert dgt.diagnostics(graphed).in_flight == (0, 1)
+        expected = [twin(x, h) for x, h in zip(xs, eager_hs, strict=True)]
+        for k in range(2):
+            assert_tensors_match(outputs[k][0], expected[k][0], "first output", tolerance(backend))
+            assert outputs[k][0].requires_grad is expected[k][0].requires_grad is False
+            assert_tensors_match(outputs[k][1].detach(), expected[k][1].detach(), "hidden")
+            outputs[k][1].square().sum().backward()
+            expected[k][1].square().sum().backward()
+            assert_tensors_match(hs[k].grad, eager_hs[k].grad, "input grad", tolerance(backend))
+        for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+    assert dgt.diagnostics(graphed).in_flight == ()
+
+
+@pytest.mark.parametrize("layout", ["slots", "schedule"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_backward_of_a_replay_in_flight_at_reset_is_refused(backend: str, layout: str) -> None:
+    device = device_of(backend)
+    model = TinyMLP().to(device)
+    twin = copy.deepcopy(model)
+    how: dict[str, Any] = {"slots": 2} if layout == "slots" else {"schedule": [1, 1, -1, -1]}
+    graphed = _graph(model, backend, **how)
+    stale = [graphed(_x(backend)) for _ in range(2)]
+    dgt.reset_slots(graphed)
+    assert dgt.diagnostics(graphed).in_flight == ()
+    before = _snapshot(graphed)
+    for k in (1, 0):  # nothing has reused slot 1 yet: its buffers hold the dropped replay still
+        with pytest.raises(DualgraphError, match=rf"reset_slots dropped \(slot {k}, in flight"):
+            stale[k].sum().backward()
+    _assert_unchanged(graphed, before)
+    assert all(p.grad is None for p in model.parameters())
+    xs = [_x(backend) for _ in range(2)]
+    eager_xs = [x.detach().clone().requires_grad_() for x in xs]
+    outputs = [graphed(x) for x in xs]  # the slots work on, the schedule from its start
+    with pytest.raises(DualgraphError, match=r"reset_slots dropped \(slot 0"):
+        stale[0].sum().backward()
+    for out, x in zip(outputs, eager_xs, strict=True):
+        out.square().sum().backward()
+        twin(x).square().sum().backward()
+    for x, e in zip(xs, eager_xs, strict=True):
+        assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
+    for p, e in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))

@@ -237,6 +237,12 @@ def _bucket_guards(
                 f"buckets[{i}]: {difference} (as buckets[0] has it); buckets differ only in the "
                 "shapes of their tensors"
             ) from None
+        order = first.dict_order_difference(args, kwargs)
+        if order is not None:  # a callable may follow a dict's key order
+            raise DualgraphError(
+                f"buckets[{i}]: {order[0]}: {order[1]} (as buckets[0] has it); buckets differ "
+                "only in the shapes of their tensors"
+            )
         for path, tensor, kind in zip(first.paths, tensors, expected, strict=True):
             found = (tensor.dtype, tensor.device, tensor.requires_grad)
             if found != kind:

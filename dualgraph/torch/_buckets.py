@@ -50,7 +50,7 @@ from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
-from ._padding import VALID_LENGTH, Padding, output_cuts
+from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._replay import GraphedCallable
 from ._replay_hooks import call_eagerly
 
@@ -260,11 +260,21 @@ class BucketedCallable:
         self, bucket: _Bucket, args: tuple[Any, ...], kwargs: dict[str, Any], padded: int | None
     ) -> Any:
         last = self._last
-        if bucket is not last:
-            # This replay may overwrite the activations the last bucket's backward would read.
-            if last is not None and self._graphed:
-                last.runner.expire_backward()  # type: ignore[union-attr]
+        runner = bucket.runner
+        if bucket is last or last is None or not self._graphed:
+            outputs = runner(*args, **kwargs)
             self._last = bucket
+        else:
+            generation = runner.generation  # type: ignore[union-attr]
+            try:
+                outputs = runner(*args, **kwargs)
+            finally:
+                # Only a call the bucket accepted replays (and bumps its generation): that replay
+                # may have overwritten the activations the last bucket's backward would read. A
+                # call it refused (dtype, autocast, ...) leaves that backward valid.
+                if runner.generation != generation:  # type: ignore[union-attr]
+                    last.runner.expire_backward()  # type: ignore[union-attr]
+                    self._last = bucket
         if logger.isEnabledFor(logging.DEBUG):
             how = "" if padded is None else f", padded from length {padded} to {bucket.length}"
             logger.debug(
@@ -274,7 +284,6 @@ class BucketedCallable:
                 self._show(bucket.shapes),
                 how,
             )
-        outputs = bucket.runner(*args, **kwargs)
         diagnostics = bucket.diagnostics
         diagnostics.calls += 1
         diagnostics.last_used = time.time()
@@ -288,6 +297,9 @@ class BucketedCallable:
         """A call whose shapes are no bucket's: checked as a bucket call would be, then fallback."""
         self._check_tensors(tensors)
         if self._padding is not None:
+            # The padded call is rebuilt from the capture's spec, which puts every dict's keys
+            # in the captured order: the callable would see another order than eager's.
+            self._guard.check_dict_orders(args, kwargs)
             return self._padded(tensors)
         shapes = tuple(map(_shape, tensors))
         if self.fallback == "eager":
@@ -371,7 +383,7 @@ class BucketedCallable:
         spec = bucket.runner.spec
         flat = spec.flatten(outputs)
         for index, dim in cut:
-            flat[index] = flat[index].narrow(dim, 0, length)
+            flat[index] = cut_back(flat[index], dim, length)
         return spec.unflatten(flat)
 
     # -- checks and messages -------------------------------------------------------------------

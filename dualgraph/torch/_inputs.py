@@ -177,24 +177,37 @@ class InputGuard:
         except Exception:  # e.g. a nested tensor has no shape to compare
             raise self._explain(tensors, grad_enabled) from None
         if self._dict_orders:
-            self._check_dict_orders(args, kwargs)
+            self.check_dict_orders(args, kwargs)
         return tensors
 
-    def _check_dict_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    def check_dict_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse a dict whose keys come in another order than at capture (the structure
         matched, so every step of the way is there)."""
+        found = self.dict_order_difference(args, kwargs)
+        if found is not None:
+            path, difference = found
+            raise SpecMismatchError(
+                f"{path}: {difference}; a replay runs the callable as captured, so whatever "
+                "follows the key order (d.values(), a sum over the dict) would not follow this "
+                "call's; pass the keys in the captured order",
+                path=path,
+            )
+
+    def dict_order_difference(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[str, str] | None:
+        """The path of the first dict whose keys come in another order than at capture, and
+        how (``None``: none); the call's structure matched."""
         for path, steps, keys in self._dict_orders:
             node: Any = (args, kwargs)
             for is_attr, step in steps:
                 node = getattr(node, step) if is_attr else node[step]
             if tuple(node) != keys:
-                raise SpecMismatchError(
-                    f"{path}: a dict with its keys in the order {list(node)!r}, captured in the "
-                    f"order {list(keys)!r}; a replay runs the callable as captured, so whatever "
-                    "follows the key order (d.values(), a sum over the dict) would not follow "
-                    "this call's; pass the keys in the captured order",
-                    path=path,
+                return path, (
+                    f"a dict with its keys in the order {list(node)!r}, captured in the order "
+                    f"{list(keys)!r}"
                 )
+        return None
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` with ``tensors`` (in capture order) at the tensor leaves."""

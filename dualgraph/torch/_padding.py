@@ -30,6 +30,7 @@ __all__ = [
     "check_padded_plans",
     "check_padding_can_be_correct",
     "check_padding_is_masked",
+    "cut_back",
     "output_cuts",
     "padding_of",
 ]
@@ -100,6 +101,23 @@ def output_cuts(padding: Padding, spec: TreeSpec) -> tuple[tuple[int, int], ...]
             )
         cuts.append((index, dim % ndim))
     return tuple(cuts)
+
+
+def cut_back(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``tensor`` cut to its first ``length`` positions along ``dim``, laid out as eager's.
+
+    Eager's output for the unpadded call is dense; a plain ``narrow`` of the padded one is not
+    (its other dims keep the padded length's strides), so ``.view`` would fail on it and code
+    that reads strides would see another tensor. The cut is made dense with its dims in the
+    padded output's memory order (a transposed output stays transposed); a cut that is dense
+    already (along the outermost dim) stays a view.
+    """
+    cut = tensor.narrow(dim, 0, length)
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda d: -strides[d])  # outermost first; stable
+    dense = cut.permute(order).contiguous()  # itself where it is dense in that order already
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return dense.permute(inverse)
 
 
 def padding_of(

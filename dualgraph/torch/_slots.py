@@ -34,6 +34,7 @@ captured; one graph per micro-batch, in schedule order, is the simple order that
 from __future__ import annotations
 
 import gc
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
@@ -62,6 +63,7 @@ __all__ = [
 ]
 
 _Node = Any  # an autograd node (the replay Function's backward object)
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class SlotReplay(GraphedCallable):
@@ -71,21 +73,47 @@ class SlotReplay(GraphedCallable):
     afterwards (the slot is free again).
     """
 
-    __slots__ = ("_front", "_probe", "_probe_at", "index")
+    __slots__ = ("_dropped", "_front", "_probe", "index")
 
     def __init__(self, plan: Any, index: int) -> None:
         super().__init__(plan)
         self.index = index
         self._front: SlottedCallable | None = None
-        self._probe: torch.Tensor | None = None
-        diff = plan.diff_outputs
-        self._probe_at = diff[0] if diff else -1
+        self._probe: tuple[torch.Tensor, ...] = ()
+        self._dropped = -1  # the generation of the replay in flight that reset_slots dropped
+
+    def drop(self) -> None:
+        """Refuse the backward of the replay in flight here (``reset_slots``): its buffers are
+        free for the next forward, and with a schedule shared with other micro-batches."""
+        self._dropped = self._generation
+        self.expire_backward()
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
+        front = self._front
+        if (
+            grad_enabled
+            and front is not None
+            and isinstance(front._gate, ScheduleCursor)
+            and not any(map(_requires_grad, tensors))  # the inputs, then the edge tensors
+        ):
+            # No autograd node will follow, so no backward; refused before a buffer is written.
+            raise front._gate.no_backward(front)
         outputs = super()._forward(tensors, grad_enabled)
-        if grad_enabled:  # under the replay Function: this output will carry its node
-            self._probe = outputs[self._probe_at]
+        if grad_enabled:  # under the replay Function: its differentiable outputs get its node
+            self._probe = outputs
         return outputs
+
+    def node(self) -> _Node | None:
+        """The autograd node of the replay just run (``None``: no backward can follow it).
+
+        Any output that carries grad carries it: which ones do depends on the call (an output
+        that only inputs reach needs none where they need none), so none is picked in advance.
+        """
+        for output in self._probe:
+            node = output.grad_fn
+            if node is not None:
+                return node
+        return None
 
     def _backward(
         self,
@@ -101,6 +129,13 @@ class SlotReplay(GraphedCallable):
         if not lock.acquire(False):
             raise front._busy()
         try:
+            if generation == self._dropped:
+                raise DualgraphError(
+                    f"{self.name}: the backward of a replay that dualgraph.torch.reset_slots "
+                    f"dropped (slot {self.index}, in flight when the slots were reset); its "
+                    "buffers and activations belong to the replays after the reset. Run the "
+                    "forward again"
+                )
             front._gate.check_backward(front, self.index)
             result = super()._backward(
                 generation, needs_input_grad, inputs, grads, through_autograd
@@ -235,10 +270,9 @@ class SlottedCallable:
             replay = self._replays[index]
             try:
                 outputs = replay(*args, **kwargs)
-                probe = replay._probe
+                node = replay.node()
             finally:
-                replay._probe = None
-            node = None if probe is None else probe.grad_fn
+                replay._probe = ()
             if node is not None:  # a replay in flight: its backward is to come
                 self._pending[index] = self._recent[index] = weakref.ref(node)
                 self._gate.started(self, index)
@@ -247,6 +281,13 @@ class SlottedCallable:
             return outputs
         finally:
             lock.release()
+
+    def drop_in_flight(self) -> None:
+        """Free every slot; the backwards of the replays in flight will raise (reset_slots)."""
+        for index, replay in enumerate(self._replays):
+            if self._is_in_flight(index):
+                replay.drop()
+        self._pending = [None] * len(self._replays)
 
     def _is_in_flight(self, index: int) -> bool:
         pending = self._pending[index]
@@ -294,7 +335,7 @@ class FreeSlots:
         pass
 
     def reset(self, front: SlottedCallable) -> None:
-        front._pending = [None] * len(front._replays)
+        front.drop_in_flight()
 
 
 class ScheduleCursor:
@@ -342,7 +383,7 @@ class ScheduleCursor:
     def reset(self, front: SlottedCallable) -> None:
         self.position = 0
         for member in self.fronts:
-            member._pending = [None] * len(member._replays)
+            member.drop_in_flight()
 
     def no_backward(self, front: SlottedCallable) -> DualgraphError:
         """The error for a scheduled forward that left nothing for its backward to run on."""
