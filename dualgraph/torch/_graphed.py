@@ -20,6 +20,7 @@ from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
+from ._pool_order import places_in_capture_order
 from ._probe import LintMode
 from ._replay import GraphedCallable
 from ._replay_hooks import ReplayHooks
@@ -369,7 +370,11 @@ def make_graphed_callables(
     options = dataclasses.replace(options, backend=resolved)
     with ambient_kept_on_failure(), capturing(te):
         if slots is None and schedule is None:
-            runners = [GraphedCallable(plan) for plan in capture(requests, options)]
+            plans = capture(requests, options)
+            places = places_in_capture_order(names) if len(plans) > 1 else [None] * len(plans)
+            runners = [
+                GraphedCallable(plan, pool=place) for plan, place in zip(plans, places, strict=True)
+            ]
         else:
             runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
