@@ -235,3 +235,34 @@ def test_callables_graphed_together_refuse_calls_from_two_threads_at_once() -> N
         release.set()
         worker.join()
     second(torch.randn(3))  # free again
+
+
+# -- outputs: an earlier callable's forward may overwrite a later callable's outputs -------------
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_earlier_forward_counts_as_an_in_place_change_of_later_outputs(backend: str) -> None:
+    # The second callable's outputs may lie where the first's forward graph keeps temporaries:
+    # an eager op that saved one raises at backward instead of using what is there now.
+    (first, second), _ = _layers(backend)
+    with torch.no_grad():
+        target = second(_x(backend))
+    weight = torch.randn(2, 4, device=device_of(backend), requires_grad=True)
+    loss = (weight * target).sum()
+    first(_x(backend))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert weight.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_later_forward_leaves_earlier_outputs_alone(backend: str) -> None:
+    # Outputs of the first callable stay alive while the later graphs are captured: kept out.
+    (first, second), _ = _layers(backend)
+    with torch.no_grad():
+        target = first(_x(backend))
+    weight = torch.randn(2, 4, device=device_of(backend), requires_grad=True)
+    loss = (weight * target).sum()
+    second(_x(backend)).sum().backward()
+    loss.backward()
+    assert_tensors_match(weight.grad, target, "weight.grad", tolerance(backend))

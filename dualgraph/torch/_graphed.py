@@ -20,6 +20,7 @@ from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
+from ._plan import ReplayPlan
 from ._pool_order import places_in_capture_order
 from ._probe import LintMode
 from ._replay import GraphedCallable
@@ -370,15 +371,23 @@ def make_graphed_callables(
     options = dataclasses.replace(options, backend=resolved)
     with ambient_kept_on_failure(), capturing(te):
         if slots is None and schedule is None:
-            plans = capture(requests, options)
-            places = places_in_capture_order(names) if len(plans) > 1 else [None] * len(plans)
-            runners = [
-                GraphedCallable(plan, pool=place) for plan, place in zip(plans, places, strict=True)
-            ]
+            runners = _graphed_together(capture(requests, options), names)
         else:
             runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
+
+
+def _graphed_together(plans: Sequence[ReplayPlan], names: Sequence[str]) -> list[GraphedCallable]:
+    """The callables of plans captured together into one pool (``_pool_order.py``)."""
+    if len(plans) == 1:
+        return [GraphedCallable(plans[0])]
+    places = places_in_capture_order(names)
+    runners = [GraphedCallable(plan, pool=place) for plan, place in zip(plans, places, strict=True)]
+    for k, runner in enumerate(runners):
+        # its forward graph's temporaries may lie where the later ones' outputs were captured
+        runner.also_overwrites([t for later in runners[k + 1 :] for t in later.exposed_outputs])
+    return runners
 
 
 def _graph_buckets(
