@@ -367,13 +367,13 @@ def make_graphed_callables(
             fns, names, guards, all_args, all_kwargs, hooks, strict=True
         )
     ]
-    runners: Sequence[GraphedCallable | SlottedCallable]
+    runners: list[GraphedCallable | SlottedCallable] = []
     options = dataclasses.replace(options, backend=resolved)
     with ambient_kept_on_failure(), capturing(te):
         if slots is None and schedule is None:
-            runners = _graphed_together(capture(requests, options), names)
+            runners.extend(_graphed_together(capture(requests, options), names))
         else:
-            runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
+            runners.extend(capture_slotted(requests, options, slots=slots, schedule=schedule))
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
 
