@@ -904,3 +904,100 @@ def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyP
     assert sizes == [3 << 20, 0, 4 << 20, 0] and len(calls) == 1
     assert _capture_cuda._pool_bytes([object()], torch.device("cuda", 0)) == [0]
     assert len(calls) == 1  # no handle to look for: no snapshot
+
+
+# -- a graphed callable called inside another capture ----------------------------------------------
+
+
+def _graphed_sin(backend: str) -> Any:
+    sample = torch.randn(3, device=device_of(backend), requires_grad=True)
+    return dgt.make_graphed_callables(torch.sin, (sample,), backend=backend)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_graphed_function_called_inside_another_capture_is_refused(backend: str) -> None:
+    # Graphs do not nest: the outer capture would hold the copies into the inner's buffers,
+    # not the inner's replay (on CUDA a graph launched while another is being captured).
+    inner = _graphed_sin(backend)
+    replays = inner.diagnostics.replays
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return inner(x) * 2
+
+    sample = torch.randn(3, device=device_of(backend), requires_grad=True)
+    message = capture_error(outer, (sample,), backend=backend)
+    assert f"outer ({backend}) failed during warmup" in message
+    assert "sin is graphed and was called while" in message
+    assert "outer is being captured" in message
+    assert "graphs do not nest" in message and "restore" in message
+    assert inner.diagnostics.replays == replays  # refused before its replay
+    x = torch.randn(3, device=device_of(backend), requires_grad=True)
+    inner(x).sum().backward()  # and it works on
+    assert_tensors_match(x.grad, x.detach().cos(), "x.grad", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_graphed_submodule_called_inside_its_parents_capture_is_refused(backend: str) -> None:
+    # Its parameters are the parent's, so no closure check catches it.
+    device = device_of(backend)
+    parent = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(parent[0], (sample,), backend=backend)
+    message = capture_error(parent, (sample,), backend=backend)
+    assert "Linear is graphed and was called while Sequential is being captured" in message
+    assert "_dualgraph_graphed" not in vars(parent)
+    parent[0](sample).sum().backward()  # the submodule replays on
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_slotted_callable_called_inside_a_capture_is_refused_before_taking_a_slot(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    stage = nn.Linear(4, 4).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(stage, (sample,), backend=backend, slots=2)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return stage(x).relu()
+
+    message = capture_error(outer, (sample,), backend=backend)
+    assert "Linear is graphed and was called while" in message
+    assert "outer is being captured" in message
+    assert dgt.diagnostics(stage).in_flight == ()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_bucketed_callable_called_inside_a_capture_is_refused(backend: str) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(4, 4).to(device)
+    buckets = [(torch.randn(n, 4, device=device, requires_grad=True),) for n in (2, 3)]
+    dgt.make_graphed_callables(layer, buckets=buckets, backend=backend)
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return layer(x).relu()
+
+    message = capture_error(outer, buckets[0], backend=backend)
+    assert "Linear is graphed and was called while" in message
+    assert "outer is being captured" in message
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_graphed_callable_called_in_the_second_of_two_captures_leaves_both_ungraphed(
+    backend: str,
+) -> None:
+    inner = _graphed_sin(backend)
+    device = device_of(backend)
+    first = nn.Linear(3, 3).to(device)
+    weights = [p.detach().clone() for p in first.parameters()]
+
+    def second(x: torch.Tensor) -> torch.Tensor:
+        return inner(x) + 1
+
+    samples = tuple((torch.randn(3, device=device, requires_grad=True),) for _ in range(2))
+    message = capture_error((first, second), samples, backend=backend)
+    assert "failed during warmup" in message and "second is being captured" in message
+    assert "_dualgraph_graphed" not in vars(first)
+    assert all(torch.equal(p, w) for p, w in zip(first.parameters(), weights, strict=True))
+    assert all(p.grad is None for p in first.parameters())
+    dgt.make_graphed_callables(first, samples[0], backend=backend)  # graphs fine on its own

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .._errors import SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._capture_scope import CAPTURE, nested_call
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
@@ -259,6 +260,8 @@ class BucketedCallable:
     def _replay(
         self, bucket: _Bucket, args: tuple[Any, ...], kwargs: dict[str, Any], padded: int | None
     ) -> Any:
+        if self._graphed and CAPTURE.progress is not None:  # before another bucket expires
+            raise nested_call(self.name)
         last = self._last
         if bucket is not last:
             # This replay may overwrite the activations the last bucket's backward would read.

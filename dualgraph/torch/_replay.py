@@ -34,6 +34,8 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._ambient import autocast_state
 from ._ambient import ddp_is_running as _ddp_is_running
+from ._capture_scope import CAPTURE as _CAPTURE
+from ._capture_scope import nested_call
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
@@ -358,6 +360,8 @@ class GraphedCallable:
     # -- the forward ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _CAPTURE.progress is not None:  # inside a capture of this thread: graphs do not nest
+            raise nested_call(self.name)
         if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
