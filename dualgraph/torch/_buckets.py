@@ -42,7 +42,6 @@ import torch.nn.functional as F
 
 from .._errors import SpecMismatchError
 from .._spec import TreeSpec, describe
-from ._capture_scope import CAPTURE, nested_call
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
@@ -51,6 +50,7 @@ from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
+from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, output_cuts
 from ._replay import GraphedCallable
 from ._replay_hooks import call_eagerly
@@ -239,6 +239,8 @@ class BucketedCallable:
     # -- a call --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._graphed and SCOPE.outer is not None:  # inside another graph (_nesting.py)
+            return inside_another(self.name, self.fn, args, kwargs)
         if self._padding is not None and VALID_LENGTH in kwargs:
             raise SpecMismatchError(
                 f"kwargs['{VALID_LENGTH}']: {self.name} passes {VALID_LENGTH} itself under "
@@ -260,8 +262,6 @@ class BucketedCallable:
     def _replay(
         self, bucket: _Bucket, args: tuple[Any, ...], kwargs: dict[str, Any], padded: int | None
     ) -> Any:
-        if self._graphed and CAPTURE.progress is not None:  # before another bucket expires
-            raise nested_call(self.name)
         last = self._last
         if bucket is not last:
             # This replay may overwrite the activations the last bucket's backward would read.

@@ -41,11 +41,11 @@ from ._capture_failure import (
     release_failed_attempt,
     repair_cuda_rng,
 )
-from ._capture_scope import capture_scope
 from ._capture_state import _Capture
 from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
+from ._nesting import capture_scope
 from ._params import suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ReplayPlan
 from ._probe import LintMode, WarmupProbe, attach_probes, with_lint_findings

@@ -34,8 +34,6 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._ambient import autocast_state
 from ._ambient import ddp_is_running as _ddp_is_running
-from ._capture_scope import CAPTURE as _CAPTURE
-from ._capture_scope import nested_call
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
@@ -45,6 +43,8 @@ from ._grad_checks import holders as _holders
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._nesting import SCOPE as _SCOPE
+from ._nesting import inside_another
 from ._params import requires_grad_changed
 from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
@@ -360,8 +360,8 @@ class GraphedCallable:
     # -- the forward ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _CAPTURE.progress is not None:  # inside a capture of this thread: graphs do not nest
-            raise nested_call(self.name)
+        if _SCOPE.outer is not None:  # inside another callable's graph (_nesting.py)
+            return inside_another(self.name, self.plan.fn, args, kwargs)
         if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:

@@ -44,10 +44,10 @@ import torch
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec
 from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, capture_copies
-from ._capture_scope import CAPTURE, nested_call
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import will_engine_execute_node
+from ._nesting import SCOPE, inside_another
 from ._replay import GraphedCallable
 from ._schedule import MAX_ORDER, Schedule, ScheduledPass, expand
 
@@ -228,8 +228,8 @@ class SlottedCallable:
     # -- a call --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if CAPTURE.progress is not None:  # refused before a slot is taken: graphs do not nest
-            raise nested_call(self.name)
+        if SCOPE.outer is not None:  # inside another graph, before a slot is taken (_nesting.py)
+            return inside_another(self.name, self._replays[0].plan.fn, args, kwargs)
         lock = self._lock
         if not lock.acquire(False):
             raise self._busy()
