@@ -542,15 +542,19 @@ def _samples_per_callable(
     else:
         fns = list(callables)
         count = len(fns)
+        if not count:
+            raise DualgraphError("callables is empty: pass at least one callable")
         if not isinstance(sample_args, tuple | list) or len(sample_args) != count:
             raise DualgraphError(
-                f"sample_args must be a tuple with one tuple of args per callable ({count})"
+                f"sample_args must be a tuple with one tuple of args per callable ({count}), "
+                f"got {_count_of(sample_args)}"
             )
         if sample_kwargs is None:
             sample_kwargs = (None,) * count
         if not isinstance(sample_kwargs, tuple | list) or len(sample_kwargs) != count:
             raise DualgraphError(
-                f"sample_kwargs must be a tuple with one dict (or None) per callable ({count})"
+                f"sample_kwargs must be a tuple with one dict (or None) per callable ({count}), "
+                f"got {_count_of(sample_kwargs)}"
             )
         args_list, kwargs_list = list(sample_args), list(sample_kwargs)
     checked_args = []
@@ -573,6 +577,12 @@ def _samples_per_callable(
     if len({id(fn) for fn in fns}) != len(fns):
         raise DualgraphError("the same callable appears twice; each is captured once")
     return fns, checked_args, kwargs_list
+
+
+def _count_of(samples: Any) -> str:
+    if isinstance(samples, tuple | list):
+        return str(len(samples))
+    return f"a {type(samples).__name__}"
 
 
 def _resolve_backend(
