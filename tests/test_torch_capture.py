@@ -904,4 +904,3 @@ def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyP
     assert sizes == [3 << 20, 0, 4 << 20, 0] and len(calls) == 1
     assert _capture_cuda._pool_bytes([object()], torch.device("cuda", 0)) == [0]
     assert len(calls) == 1  # no handle to look for: no snapshot
-
