@@ -9,6 +9,7 @@ a model runs its layers in (and any order that is safe on CUDA) keep working.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch_cases import (
     device_of,
     grads_of,
     isolation,
+    runner_of,
     tolerance,
 )
 
@@ -63,7 +65,7 @@ def test_a_forward_of_an_earlier_callable_expires_a_later_ones_pending_backward(
     out = second(_x(backend))
     with torch.no_grad():
         first(_x(backend))  # its graph may reuse the memory of second's activations
-    with pytest.raises(DualgraphError, match=r"graphed together .* one memory pool") as error:
+    with pytest.raises(DualgraphError, match=r"graphed together, .* one memory pool") as error:
         out.sum().backward()
     message = str(error.value)
     assert "callable 1" in message and "forward replay of callable 0" in message
@@ -266,3 +268,67 @@ def test_a_later_forward_leaves_earlier_outputs_alone(backend: str) -> None:
     second(_x(backend)).sum().backward()
     loss.backward()
     assert_tensors_match(weight.grad, target, "weight.grad", tolerance(backend))
+
+
+# -- callables graphed by separate calls into one pool= -------------------------------------------
+
+POOL = (0, 7)  # a pool handle (the emulate backend keeps none; the order is tracked all the same)
+
+
+def _separately(backend: str) -> tuple[nn.Module, nn.Module, Any]:
+    device = device_of(backend)
+    pool = torch.cuda.graph_pool_handle() if backend == "cuda" else POOL
+    layers = (nn.Linear(4, 4).to(device), nn.Linear(4, 4).to(device))
+    for layer in layers:  # the first call's graphs come first in the pool, both of them
+        sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+        dgt.make_graphed_callables(layer, sample, backend=backend, pool=pool)
+    return layers[0], layers[1], pool
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_later_calls_callable_expires_a_pending_backward_of_an_earlier_calls(
+    backend: str,
+) -> None:
+    # The second call's forward was captured after the first's backward freed its activations.
+    first, second, _ = _separately(backend)
+    x = _x(backend)
+    out = second(first(x))
+    with pytest.raises(DualgraphError, match="forward replay of callable 1") as error:
+        out.sum().backward()
+    assert "callable 0" in str(error.value) and "pool=" in str(error.value)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_callables_of_separate_calls_into_one_pool_run_one_after_the_other(backend: str) -> None:
+    first, second, _ = _separately(backend)
+    for _ in range(2):
+        first(_x(backend)).sum().backward()
+        second(_x(backend)).sum().backward()
+    assert all(p.grad is not None for p in (*first.parameters(), *second.parameters()))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_earlier_calls_backward_counts_as_an_in_place_change_of_a_later_calls_outputs(
+    backend: str,
+) -> None:
+    # The second call's outputs may lie in memory the first call's backward graph freed.
+    first, second, _ = _separately(backend)
+    with torch.no_grad():
+        target = second(_x(backend))
+    out = first(_x(backend))
+    weight = torch.randn(2, 4, device=device_of(backend), requires_grad=True)
+    loss = (weight * target).sum()  # saves target, after first's forward replay
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_pool_order_ends_with_its_callables() -> None:
+    first, second, pool = _separately("emulate")
+    del first, second
+    gc.collect()
+    layer = nn.Linear(4, 4)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),), pool=pool)
+    x = _x("emulate")
+    layer(x).sum().backward()  # callable 0 of a new order: nothing captured before it lives
+    assert runner_of(layer)._pool.index == 0

@@ -21,7 +21,7 @@ from ._hooks import hooks_per_callable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
 from ._plan import ReplayPlan
-from ._pool_order import places_in_capture_order
+from ._pool_order import places_in_capture_order, settle_outputs
 from ._probe import LintMode
 from ._replay import GraphedCallable
 from ._replay_hooks import ReplayHooks
@@ -371,22 +371,23 @@ def make_graphed_callables(
     options = dataclasses.replace(options, backend=resolved)
     with ambient_kept_on_failure(), capturing(te):
         if slots is None and schedule is None:
-            runners.extend(_graphed_together(capture(requests, options), names))
+            runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
             runners.extend(capture_slotted(requests, options, slots=slots, schedule=schedule))
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
 
 
-def _graphed_together(plans: Sequence[ReplayPlan], names: Sequence[str]) -> list[GraphedCallable]:
-    """The callables of plans captured together into one pool (``_pool_order.py``)."""
-    if len(plans) == 1:
+def _graphed_together(
+    plans: Sequence[ReplayPlan], names: Sequence[str], pool: Any
+) -> list[GraphedCallable]:
+    """The callables of plans captured together into one pool, after those captured into the
+    same ``pool=`` before: which replays may overwrite what (``_pool_order.py``)."""
+    if len(plans) == 1 and pool is None:  # a pool of its own: its own replays are all there is
         return [GraphedCallable(plans[0])]
-    places = places_in_capture_order(names)
+    places = places_in_capture_order(names, pool)
     runners = [GraphedCallable(plan, pool=place) for plan, place in zip(plans, places, strict=True)]
-    for k, runner in enumerate(runners):
-        # its forward graph's temporaries may lie where the later ones' outputs were captured
-        runner.also_overwrites([t for later in runners[k + 1 :] for t in later.exposed_outputs])
+    settle_outputs(places, [runner.exposed_outputs for runner in runners])
     return runners
 
 

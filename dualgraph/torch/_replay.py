@@ -326,14 +326,6 @@ class GraphedCallable:
         """The static outputs its callers get views of (none with ``clone_outputs=True``)."""
         return () if self._clone_outputs else self._static_outputs
 
-    def also_overwrites(self, outputs: Sequence[torch.Tensor]) -> None:
-        """Count ``outputs`` among what each forward replay overwrites.
-
-        For callables graphed together: a forward graph may reuse, for its temporaries, the
-        pool's memory that the outputs of the callables graphed after it took later.
-        """
-        self._overwritten_outputs = (*self._overwritten_outputs, *outputs)
-
     def recount_holders(self) -> None:
         """Take the present holders of the in-graph accumulators as their owners.
 
