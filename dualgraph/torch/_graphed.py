@@ -156,9 +156,10 @@ def make_graphed_callables(
     Same calling convention as ``torch.cuda.make_graphed_callables``: one callable (a module or
     a function) with its sample args, or a tuple of callables with one tuple of sample args
     each. Several callables are captured in the order given, which must be the order they run
-    in, and share one memory pool. A module comes back graphed in place (its ``forward``
-    replays; it runs the original forward when its ``training`` mode differs from capture
-    time); a function comes back as a :class:`GraphedCallable`.
+    in, and share one memory pool: a backward whose activations a replay of an earlier callable
+    may have overwritten raises (``_pool_order.py``). A module comes back graphed in place
+    (its ``forward`` replays; it runs the original forward when its ``training`` mode differs
+    from capture time); a function comes back as a :class:`GraphedCallable`.
 
     Outputs may hold ``None``, int/float/bool/str constants, and tensors that need no grad:
     they come back exactly, and backward flows only through the tensors that required grad at
@@ -179,7 +180,8 @@ def make_graphed_callables(
         allow_unused_input: allow inputs and parameters the outputs do not depend on (they get
             no grad), instead of failing the capture.
         pool: a CUDA graph memory pool handle to share (``"cuda"``); by default one new pool
-            for the callables captured together.
+            for the callables captured together. Callables graphed by several calls into one
+            pool follow its capture order, as callables graphed together do.
         backend: ``"cuda"`` real CUDA graphs; ``"emulate"`` the same static-buffer semantics
             without a graph (it re-runs the callable on the static buffers, so a CPU run
             exercises what a replay does); ``"eager"`` a plain call with input checks;
