@@ -332,3 +332,30 @@ def test_a_pool_order_ends_with_its_callables() -> None:
     x = _x("emulate")
     layer(x).sum().backward()  # callable 0 of a new order: nothing captured before it lives
     assert runner_of(layer)._pool.index == 0
+
+
+# -- one callable's output as the next one's input -------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_changed_in_place_before_the_next_callable_takes_it_trains_like_eager(
+    backend: str,
+) -> None:
+    # The first's output aliases its static buffer; the second copies the changed values in,
+    # and the grads flow back through the in-place change as in eager.
+    layers, twins = _layers(backend)
+    for _ in range(2):
+        x = _x(backend)
+        x_twin = x.detach().clone().requires_grad_()
+        for (first, second), tensor in ((layers, x), (twins, x_twin)):
+            hidden = first(tensor)
+            hidden.mul_(2)
+            (second(hidden) ** 2).sum().backward()
+        assert_tensors_match(x.grad, x_twin.grad, "x.grad", tolerance(backend))
+        for layer, twin in zip(layers, twins, strict=True):
+            assert_grads_match(
+                grads_of(list(layer.parameters())),
+                grads_of(list(twin.parameters())),
+                ["weight", "bias"],
+                tolerance(backend),
+            )
