@@ -144,8 +144,9 @@ class PoolPlace:
             "captured: on CUDA this backward would give wrong grads). Run them in the captured "
             "order (callables graphed by an earlier call first), forwards in the order given and "
             "backwards in reverse, each later callable's backward before an earlier callable "
-            "runs again; or graph callables that run in another order with separate "
-            "make_graphed_callables calls and no shared pool= (each then gets a pool of its own)"
+            "runs again; for several micro-batches in flight graph with slots= or schedule=; "
+            "graph callables that run in another order with separate make_graphed_callables "
+            "calls and no shared pool= (each then gets a pool of its own)"
         )
 
 
