@@ -130,6 +130,21 @@ def test_the_same_callable_twice_is_refused() -> None:
         dgt.make_graphed_callables((module, module), ((torch.randn(4, 8),),) * 2)
 
 
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_an_empty_tuple_of_callables_is_refused(backend: str) -> None:
+    with pytest.raises(DualgraphError, match="at least one callable"):
+        dgt.make_graphed_callables((), (), backend=backend)
+
+
+def test_sample_args_for_another_number_of_callables_are_refused_with_both_counts() -> None:
+    layers = (TinyMLP(), TinyMLP())
+    with pytest.raises(DualgraphError, match=r"one tuple of args per callable \(2\), got 1"):
+        dgt.make_graphed_callables(layers, ((torch.randn(4, 8),),))
+    with pytest.raises(DualgraphError, match=r"one dict \(or None\) per callable \(2\), got 3"):
+        dgt.make_graphed_callables(layers, ((torch.randn(4, 8),),) * 2, sample_kwargs=({},) * 3)
+    assert not any("_dualgraph_graphed" in vars(layer) for layer in layers)
+
+
 def test_sample_tensors_must_be_torch_tensors() -> None:
     with pytest.raises(DualgraphError, match=r"args\[0\]: .* must be torch tensors"):
         dgt.make_graphed_callables(lambda x: x, (np.zeros(3, np.float32),), backend="emulate")

@@ -125,6 +125,32 @@ def test_failed_capture_leaves_the_module_usable_and_graphable(backend: str) -> 
         assert_tensors_match(module(x).detach(), twin(x).detach(), "output", tolerance(backend))
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("phase", ["warmup", "capture"])
+def test_a_failed_capture_of_the_second_callable_leaves_the_first_as_it_was(
+    backend: str, phase: str
+) -> None:
+    # The first is warmed up (and on CUDA its forward graph captured) before the second fails:
+    # its buffers, parameters and .grad tensors are as they were, and it is not graphed.
+    device = device_of(backend)
+    first = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(device)
+    for p in first.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    state = {name: t.clone() for name, t in first.state_dict().items()}
+    grads = [p.grad for p in first.parameters()]
+    second = Exploding(fail_at=1 if phase == "warmup" else 4).to(device)
+    samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in range(2))
+    message = capture_error((first, second), samples, backend=backend, num_warmup_iters=3)
+    assert message.startswith(f"capturing Exploding ({backend}) failed during")
+    assert "forward" not in vars(first) and "forward" not in vars(second)
+    for name, tensor in first.state_dict().items():
+        assert_tensors_match(tensor, state[name], name)
+    for p, grad in zip(first.parameters(), grads, strict=True):
+        assert p.grad is grad and bool((grad == 7.0).all())
+    second.fail_at = None
+    dgt.make_graphed_callables((first, second), samples, backend=backend)  # graphs on retry
+
+
 class SyncsAfterDropout(nn.Module):
     """Draws a dropout mask, then reads a value back to the CPU: fine eagerly, not in a capture."""
 

@@ -50,6 +50,7 @@ from ._leaf_difference import difference_but_shapes
 from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
+from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._replay import GraphedCallable
 from ._replay_hooks import call_eagerly
@@ -238,6 +239,8 @@ class BucketedCallable:
     # -- a call --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._graphed and SCOPE.outer is not None:  # inside another graph (_nesting.py)
+            return inside_another(self.name, self.fn, args, kwargs)
         if self._padding is not None and VALID_LENGTH in kwargs:
             raise SpecMismatchError(
                 f"kwargs['{VALID_LENGTH}']: {self.name} passes {VALID_LENGTH} itself under "

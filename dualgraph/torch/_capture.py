@@ -45,6 +45,7 @@ from ._capture_state import _Capture
 from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
+from ._nesting import capture_scope
 from ._params import suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ReplayPlan
 from ._probe import LintMode, WarmupProbe, attach_probes, with_lint_findings
@@ -151,7 +152,8 @@ def capture_copies(
     progress = Progress()
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
-        return _capture_copies(requests, options, layout, progress, probes)
+        with capture_scope(progress):  # a graphed callable called inside is refused
+            return _capture_copies(requests, options, layout, progress, probes)
     except Exception as error:
         if options.backend == "cuda":
             recover_cuda()

@@ -20,6 +20,8 @@ from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
 from ._inputs import InputGuard
 from ._modules import eager_forward, install, is_graphed, runner_of
+from ._plan import ReplayPlan
+from ._pool_order import places_in_capture_order, settle_outputs
 from ._probe import LintMode
 from ._replay import GraphedCallable
 from ._replay_hooks import ReplayHooks
@@ -154,9 +156,10 @@ def make_graphed_callables(
     Same calling convention as ``torch.cuda.make_graphed_callables``: one callable (a module or
     a function) with its sample args, or a tuple of callables with one tuple of sample args
     each. Several callables are captured in the order given, which must be the order they run
-    in, and share one memory pool. A module comes back graphed in place (its ``forward``
-    replays; it runs the original forward when its ``training`` mode differs from capture
-    time); a function comes back as a :class:`GraphedCallable`.
+    in, and share one memory pool: a backward whose activations a replay of an earlier callable
+    may have overwritten raises (``_pool_order.py``). A module comes back graphed in place
+    (its ``forward`` replays; it runs the original forward when its ``training`` mode differs
+    from capture time); a function comes back as a :class:`GraphedCallable`.
 
     Outputs may hold ``None``, int/float/bool/str constants, and tensors that need no grad:
     they come back exactly, and backward flows only through the tensors that required grad at
@@ -177,7 +180,8 @@ def make_graphed_callables(
         allow_unused_input: allow inputs and parameters the outputs do not depend on (they get
             no grad), instead of failing the capture.
         pool: a CUDA graph memory pool handle to share (``"cuda"``); by default one new pool
-            for the callables captured together.
+            for the callables captured together. Callables graphed by several calls into one
+            pool follow its capture order, as callables graphed together do.
         backend: ``"cuda"`` real CUDA graphs; ``"emulate"`` the same static-buffer semantics
             without a graph (it re-runs the callable on the static buffers, so a CPU run
             exercises what a replay does); ``"eager"`` a plain call with input checks;
@@ -365,15 +369,28 @@ def make_graphed_callables(
             fns, names, guards, all_args, all_kwargs, hooks, strict=True
         )
     ]
-    runners: Sequence[GraphedCallable | SlottedCallable]
+    runners: list[GraphedCallable | SlottedCallable] = []
     options = dataclasses.replace(options, backend=resolved)
     with ambient_kept_on_failure(), capturing(te):
         if slots is None and schedule is None:
-            runners = [GraphedCallable(plan) for plan in capture(requests, options)]
+            runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
-            runners = capture_slotted(requests, options, slots=slots, schedule=schedule)
+            runners.extend(capture_slotted(requests, options, slots=slots, schedule=schedule))
     results = [install(fn, runner) for fn, runner in zip(fns, runners, strict=True)]
     return results[0] if single else tuple(results)
+
+
+def _graphed_together(
+    plans: Sequence[ReplayPlan], names: Sequence[str], pool: Any
+) -> list[GraphedCallable]:
+    """The callables of plans captured together into one pool, after those captured into the
+    same ``pool=`` before: which replays may overwrite what (``_pool_order.py``)."""
+    if len(plans) == 1 and pool is None:  # a pool of its own: its own replays are all there is
+        return [GraphedCallable(plans[0])]
+    places = places_in_capture_order(names, pool)
+    runners = [GraphedCallable(plan, pool=place) for plan, place in zip(plans, places, strict=True)]
+    settle_outputs(places, [runner.exposed_outputs for runner in runners])
+    return runners
 
 
 def _graph_buckets(
@@ -528,15 +545,19 @@ def _samples_per_callable(
     else:
         fns = list(callables)
         count = len(fns)
+        if not count:
+            raise DualgraphError("callables is empty: pass at least one callable")
         if not isinstance(sample_args, tuple | list) or len(sample_args) != count:
             raise DualgraphError(
-                f"sample_args must be a tuple with one tuple of args per callable ({count})"
+                f"sample_args must be a tuple with one tuple of args per callable ({count}), "
+                f"got {_count_of(sample_args)}"
             )
         if sample_kwargs is None:
             sample_kwargs = (None,) * count
         if not isinstance(sample_kwargs, tuple | list) or len(sample_kwargs) != count:
             raise DualgraphError(
-                f"sample_kwargs must be a tuple with one dict (or None) per callable ({count})"
+                f"sample_kwargs must be a tuple with one dict (or None) per callable ({count}), "
+                f"got {_count_of(sample_kwargs)}"
             )
         args_list, kwargs_list = list(sample_args), list(sample_kwargs)
     checked_args = []
@@ -559,6 +580,12 @@ def _samples_per_callable(
     if len({id(fn) for fn in fns}) != len(fns):
         raise DualgraphError("the same callable appears twice; each is captured once")
     return fns, checked_args, kwargs_list
+
+
+def _count_of(samples: Any) -> str:
+    if isinstance(samples, tuple | list):
+        return str(len(samples))
+    return f"a {type(samples).__name__}"
 
 
 def _resolve_backend(

@@ -43,8 +43,11 @@ from ._grad_checks import holders as _holders
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._nesting import SCOPE as _SCOPE
+from ._nesting import inside_another
 from ._params import requires_grad_changed
 from ._plan import ReplayPlan
+from ._pool_order import PoolPlace
 from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
@@ -123,6 +126,7 @@ class GraphedCallable:
         "_param_grads",
         "_params",
         "_plan_params",
+        "_pool",
         "_reach_of_inputs",
         "_reach_of_params",
         "_replay_backward",
@@ -149,9 +153,12 @@ class GraphedCallable:
         *,
         lock: threading.Lock | None = None,
         other_uses: Callable[[], bool] | None = None,
+        pool: PoolPlace | None = None,
     ) -> None:
         # ``lock``: one shared by callables whose graphs share activations (shape buckets), so
         # that no two of them replay at once. ``other_uses``: see _params_used_elsewhere.
+        # ``pool``: its place among callables graphed together into one pool (whose lock it
+        # then takes), whose replays may expire its pending backward (``_pool_order.py``).
         buffers, params = plan.buffers, plan.params
         self.plan = plan
         self.name = plan.name
@@ -230,6 +237,9 @@ class GraphedCallable:
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._ddp_check
+        self._pool = pool
+        if pool is not None:
+            lock = pool.order.lock
         self._lock = threading.Lock() if lock is None else lock
         self._generation = 0
         self._backward_generation = -1
@@ -311,6 +321,11 @@ class GraphedCallable:
         self._generation += 1
         self._replayed_in_backward = False
 
+    @property
+    def exposed_outputs(self) -> tuple[torch.Tensor, ...]:
+        """The static outputs its callers get views of (none with ``clone_outputs=True``)."""
+        return () if self._clone_outputs else self._static_outputs
+
     def recount_holders(self) -> None:
         """Take the present holders of the in-graph accumulators as their owners.
 
@@ -337,6 +352,8 @@ class GraphedCallable:
     # -- the forward ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _SCOPE.outer is not None:  # inside another callable's graph (_nesting.py)
+            return inside_another(self.name, self.plan.fn, args, kwargs)
         if not self._lock.acquire(False):  # never waits: a second thread is refused
             raise self._busy()
         try:
@@ -392,6 +409,8 @@ class GraphedCallable:
             # (a non-reentrant checkpoint recomputing its function).
             self._replayed_in_backward = _current_graph_task_id() != -1
         self._generation += 1  # a pending backward would now read overwritten activations
+        if self._pool is not None:  # and so may those of callables graphed after it
+            self._pool.forward_replayed(self._generation, grad_enabled)
         self._replay_forward(grad_enabled)
         if self._overwritten_outputs:
             # The outputs of the last replay now hold this one's values: autograd must know,
@@ -475,6 +494,14 @@ class GraphedCallable:
                 tensors[i].copy_(self._static_inputs[i])
 
     def _busy(self) -> DualgraphError:
+        if self._pool is not None:
+            return DualgraphError(
+                f"{self.name}: called while another thread is running it or a callable graphed "
+                "together with it; their graphs share one memory pool, so concurrent replays "
+                "would overwrite each other's memory. Call them from one thread at a time (graph "
+                "callables that run in separate threads with separate make_graphed_callables "
+                "calls)"
+            )
         return DualgraphError(
             f"{self.name}: called while another thread is running it; a graphed callable has one "
             "set of static buffers, so concurrent calls would overwrite each other's inputs, "
@@ -513,15 +540,19 @@ class GraphedCallable:
                     plain = False
             else:
                 plain = self._is_plain_backward()
+            pool = self._pool
             if (
                 generation != self._generation
                 or self._backward_generation == generation
                 or self._backward_checks
+                or (pool is not None and pool.expired == generation)
             ):
                 self._check_backward(generation, plain)
             if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
             self._backward_generation = generation
+            if pool is not None:  # may expire the pending backwards of callables graphed after
+                pool.backward_replayed()
             call = self._replay_call  # set by a forward only where there are replay hooks
             if call is not None:
                 self._hooks.before_backward(call)  # type: ignore[union-attr]
@@ -658,16 +689,19 @@ class GraphedCallable:
         return DualgraphError(f"{self.name}: a parameter was frozen after capture")
 
     def _check_backward(self, generation: int, plain: bool) -> None:
+        pool = self._pool
+        if generation != self._generation and self._replayed_in_backward:
+            raise DualgraphError(
+                f"{self.name}: a forward replay ran during this backward and overwrote the "
+                "activations that the backward of the earlier replay needs: a non-reentrant "
+                "activation checkpoint (torch.utils.checkpoint, use_reentrant=False) whose "
+                "function calls the graphed callable recomputes it there. Checkpoint the "
+                "graphed callable alone (checkpoint(graphed, x): it re-runs nothing), leave "
+                "it out of the checkpointed function, or use use_reentrant=True"
+            )
+        if pool is not None and pool.expired == generation:  # by a callable graphed before it
+            raise pool.expired_error()
         if generation != self._generation:
-            if self._replayed_in_backward:
-                raise DualgraphError(
-                    f"{self.name}: a forward replay ran during this backward and overwrote the "
-                    "activations that the backward of the earlier replay needs: a non-reentrant "
-                    "activation checkpoint (torch.utils.checkpoint, use_reentrant=False) whose "
-                    "function calls the graphed callable recomputes it there. Checkpoint the "
-                    "graphed callable alone (checkpoint(graphed, x): it re-runs nothing), leave "
-                    "it out of the checkpointed function, or use use_reentrant=True"
-                )
             raise DualgraphError(
                 f"{self.name}: backward of an earlier replay after a later forward replay "
                 "overwrote the activations it needs; run each replay's backward before the "

@@ -13,6 +13,7 @@ import torch
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
+from ._nesting import replay_scope
 from ._params import suspended_tensor_hooks
 
 __all__ = ["CudaGraphForward", "EmulatedReplay", "accumulate_into"]
@@ -114,7 +115,8 @@ class EmulatedReplay:
         # A graph keeps its activations to itself; so does this run: the caller's saved-tensor
         # hooks (a non-reentrant checkpoint around the replay, offloading) never see them.
         own = _OWN_SAVED_TENSORS if _top_saved_tensors_hooks(False) is not None else _NO_HOOKS
-        with torch.set_grad_enabled(grad_enabled), own:
+        # Graphed callables it calls run their original code, as the graph of this one does.
+        with torch.set_grad_enabled(grad_enabled), own, replay_scope():
             outputs = self._fn(*self._args, **self._kwargs)
         flat = self._out_spec.flatten(outputs, check=True, root="output")
         self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []

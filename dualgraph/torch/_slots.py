@@ -48,6 +48,7 @@ from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, cap
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import will_engine_execute_node
+from ._nesting import SCOPE, inside_another
 from ._replay import GraphedCallable
 from ._schedule import MAX_ORDER, Schedule, ScheduledPass, expand
 
@@ -262,6 +263,8 @@ class SlottedCallable:
     # -- a call --------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if SCOPE.outer is not None:  # inside another graph, before a slot is taken (_nesting.py)
+            return inside_another(self.name, self._replays[0].plan.fn, args, kwargs)
         lock = self._lock
         if not lock.acquire(False):
             raise self._busy()
