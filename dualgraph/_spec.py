@@ -587,6 +587,12 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
             if id(obj) in inside:
                 raise fail("the tree contains itself (a reference cycle)", DualgraphError)
             node, children = kind.describe(obj, intern)
+            if len(children) != node.arity:  # a namedtuple made by tuple.__new__
+                raise fail(
+                    f"{brief_of(obj)} of length {len(children)}, but its class has "
+                    f"{node.arity} fields (its children would be read as another tree's)",
+                    DualgraphError,
+                )
             if len(nodes) + len(stack) + node.arity >= MAX_NODES:
                 raise fail(
                     f"the tree has more than {MAX_NODES} nodes, a spec's limit", DualgraphError
