@@ -661,6 +661,25 @@ def test_lazy_compiles_each_program_at_its_first_use() -> None:
     assert g._compiled is not None and out.tolist() == [2.0, 2.0, 2.0]
 
 
+def precise(x: jax.Array) -> jax.Array:
+    """A float32 function whose values depend on JAX's 64-bit mode (``float`` is its widest)."""
+    return jnp.sin(x.astype(float) * 12345.678).astype(jnp.float32)
+
+
+def test_a_vjp_compiled_later_uses_the_64_bit_mode_of_the_first_program() -> None:
+    # Compiled with the mode off, the VJP was compiled (and the function traced again) with the
+    # mode its first call found: on, its outputs and grads were those of the float64
+    # computation, other values than the plain call's.
+    x = jnp.asarray(np.linspace(0.1, 2, 4, dtype=np.float32))
+    g = dgj.graphed(precise, (x,))
+    with x64():
+        out, pullback = g.vjp(x)
+        (grad,), _ = pullback(jnp.ones(4, jnp.float32))
+    np.testing.assert_array_equal(out, g(x))
+    np.testing.assert_array_equal(out, precise(x))
+    np.testing.assert_array_equal(grad, jax.grad(lambda v: precise(v).sum())(x))
+
+
 # -- the environment -----------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from ._donation import (
     warn_unusable,
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
-from ._env import config_value, enable_x64, x64_enabled
+from ._env import config_value, x64_enabled, x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays, refuse_foreign_outputs
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
@@ -242,7 +242,7 @@ class GraphedCallable:
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
-        with jax.default_matmul_precision(self._precision), enable_x64(self._x64):
+        with jax.default_matmul_precision(self._precision), x64_mode(self._x64):
             yield
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -296,7 +296,7 @@ class GraphedCallable:
         self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
     ) -> Any:
         try:
-            with enable_x64(self._x64):
+            with x64_mode(self._x64):
                 result = executable(*arrays)
         except Exception as error:
             copies = None if relaid else in_default_layouts(error, arrays)
