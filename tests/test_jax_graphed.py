@@ -97,6 +97,35 @@ def test_kwargs_constants_are_static_and_outputs_keep_the_users_order() -> None:
     np.testing.assert_array_equal(out["pooled"], np.full(3, 3.0, np.float32))
 
 
+def concatenated(d: dict[str, jax.Array], *, extra: Any = None) -> jax.Array:
+    return jnp.concatenate([*d.values(), *(extra or {}).values()])
+
+
+@pytest.mark.parametrize("where", ["args", "kwargs"])
+def test_a_dict_input_with_its_keys_in_another_order_is_refused_naming_its_path(
+    where: str,
+) -> None:
+    # The core matches a dict whatever its key order, but the program was traced with the
+    # sample's order: concatenating d.values() gave [a, b] where the plain function gave [b, a].
+    a, b = jnp.zeros(2), jnp.ones(2)
+    if where == "args":
+        g = dgj.graphed(concatenated, ({"a": a, "b": b},))
+        call: Any = lambda d: g(d)  # noqa: E731
+        path = r"args\[0\]"
+    else:
+        g = dgj.graphed(concatenated, ({},), sample_kwargs={"extra": {"a": a, "b": b}})
+        call = lambda d: g({}, extra=d)  # noqa: E731
+        path = r"kwargs\['extra'\]"
+    np.testing.assert_array_equal(call({"a": a, "b": b}), [0, 0, 1, 1])
+    with pytest.raises(SpecMismatchError, match=rf"^{path}: a dict with its keys in the order"):
+        call({"b": b, "a": a})
+    with pytest.raises(SpecMismatchError, match=rf"^{path}: a dict with its keys in the order"):
+        g.vjp(
+            *([{"b": b, "a": a}] if where == "args" else [{}]),
+            **({} if where == "args" else {"extra": {"b": b, "a": a}}),
+        )
+
+
 def test_shape_dtype_structs_and_numpy_arrays_serve_as_samples_and_inputs() -> None:
     g = dgj.graphed(encoder_layer, (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),))
     out = g(np.ones((2, 3), jnp.bfloat16))
