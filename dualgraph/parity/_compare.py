@@ -64,9 +64,10 @@ def compare(
       dict keyed by the torch parameter names. Frozen torch parameters are not compared.
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
-      every floating input array and the parameters; complex ones as torch defines them. The torch side runs one backward and reads
-      ``.grad`` (putting the previous ``.grad`` back), so a graphed callable that accumulates
-      parameter grads inside its backward graph is measured as its users see them.
+      every floating input array and the parameters; complex ones as torch defines them. The
+      torch side runs one backward and reads ``.grad`` (putting the previous ``.grad`` back),
+      so a graphed callable that accumulates parameter grads inside its backward graph is
+      measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
       name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
       value on either side, e.g. NaN everywhere (still reported as a warning).
