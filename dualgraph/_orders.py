@@ -5,12 +5,14 @@ traced or captured once saw the sample's order, and whatever follows that order 
 a concatenation or a sum over the dict) is fixed in the program: another order would give the
 plain function another result than the program. :class:`KeyOrders` records where each plain dict
 of two keys or more is, with its keys in the sample's order, and refuses a call whose dict comes
-in another order, naming its path. The keyword arguments themselves bind by name and are left
-out.
+in another order, naming its path. The keyword arguments themselves bind by name, except those
+a function collects in its ``**kwargs``: given the function, their order is kept too.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from ._call import CallSpec
@@ -28,7 +30,8 @@ _Step = tuple[bool, Any]
 
 class KeyOrders:
     """The plain dicts of a call (two keys or more, the kwargs themselves left out) and their
-    keys in the sample's order; :meth:`check` refuses a call with another order.
+    keys in the sample's order, and the keywords ``fn`` collects in its ``**kwargs`` (when
+    given); :meth:`check` refuses a call with another order.
 
     Made once from the call's spec; a call without such dicts costs nothing to check.
 
@@ -41,21 +44,35 @@ class KeyOrders:
     dualgraph.SpecMismatchError: args[0]: a dict with its keys in the order ['a', 'b'], ...
     """
 
-    __slots__ = ("_dicts",)
+    __slots__ = ("_collected", "_dicts")
 
-    def __init__(self, call_spec: CallSpec, /) -> None:
+    def __init__(self, call_spec: CallSpec, /, fn: Callable[..., Any] | None = None) -> None:
         self._dicts = (
             *_dicts_of(call_spec.args_spec, "args", skip_root=False),
             *_dicts_of(call_spec.kwargs_spec, "kwargs", skip_root=True),
         )
+        keywords = call_spec.kwargs_spec._nodes[0].keys  # type: ignore[attr-defined]
+        collected = _collected_keywords(fn, keywords) if fn is not None else ()
+        self._collected = collected if len(collected) > 1 else ()
 
     def __bool__(self) -> bool:
-        return bool(self._dicts)
+        return bool(self._dicts or self._collected)
 
     def check(self, args: Any, kwargs: Any, /) -> None:
         """Raise :class:`~dualgraph.SpecMismatchError` naming the first dict of ``(args,
         kwargs)`` whose keys come in another order than the sample's; the call must already
         match the spec otherwise (every step on the way is there)."""
+        if self._collected:
+            collected = set(self._collected)
+            found = tuple(key for key in kwargs if key in collected)
+            if found != self._collected:
+                raise SpecMismatchError(
+                    f"kwargs: the keywords {list(found)!r} go to the function's **kwargs in "
+                    f"this order, compiled for the order {list(self._collected)!r}; whatever "
+                    "follows their order would not follow this call's; pass them in the "
+                    "compiled order",
+                    path="kwargs",
+                )
         for path, in_kwargs, steps, keys in self._dicts:
             node = kwargs if in_kwargs else args
             for is_attr, step in steps:
@@ -91,6 +108,23 @@ def _dicts_of(
         path = format_path(layout.entries(index), root)
         found.append((path, root == "kwargs", tuple(reversed(steps)), node.keys))
     return found
+
+
+def _collected_keywords(fn: Callable[..., Any], keywords: tuple[Any, ...]) -> tuple[str, ...]:
+    """The ``keywords`` (in order) that ``fn`` collects in its ``**kwargs``; none when it has
+    no ``**kwargs`` or its signature cannot be read."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing known
+        return ()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return ()
+    named = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return tuple(key for key in keywords if key not in named)
 
 
 def _step(parent: Node, entry: PathEntry) -> _Step:

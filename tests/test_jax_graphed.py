@@ -126,6 +126,23 @@ def test_a_dict_input_with_its_keys_in_another_order_is_refused_naming_its_path(
         )
 
 
+def test_keywords_collected_by_var_kwargs_in_another_order_are_refused() -> None:
+    # fn(x, **parts) sees the keywords in the call's order; the program was traced in the
+    # sample's: concatenating parts.values() gave [a, b] where the plain function gave [b, a].
+    def joined(x: jax.Array, *, scale: float = 1.0, **parts: jax.Array) -> jax.Array:
+        return jnp.concatenate([x, *parts.values()]) * scale
+
+    x, a, b = jnp.zeros(1), jnp.ones(1), jnp.full(1, 2.0)
+    g = dgj.graphed(joined, (x,), sample_kwargs={"a": a, "scale": 1.0, "b": b})
+    np.testing.assert_array_equal(g(x, scale=1.0, a=a, b=b), joined(x, a=a, b=b))  # scale named
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['b', 'a'\] go to"):
+        g(x, b=b, a=a, scale=1.0)
+    plain = dgj.graphed(
+        lambda x, *, a, b: jnp.concatenate([x, a, b]), (x,), sample_kwargs={"a": a, "b": b}
+    )
+    np.testing.assert_array_equal(plain(x, b=b, a=a), [0, 1, 2])  # named keywords: any order
+
+
 def test_shape_dtype_structs_and_numpy_arrays_serve_as_samples_and_inputs() -> None:
     g = dgj.graphed(encoder_layer, (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),))
     out = g(np.ones((2, 3), jnp.bfloat16))

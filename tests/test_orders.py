@@ -49,3 +49,20 @@ def test_a_call_without_dicts_of_two_keys_has_nothing_to_check() -> None:
     ordered = collections.OrderedDict(b=array(1), a=array(1))  # its order is its structure
     assert not KeyOrders(describe_call(({"a": array(1)}, ordered, [1, 2]), {"k": 1, "j": 2}))
     assert KeyOrders(describe_call(({"a": array(1), "b": None},)))
+
+
+def collecting(x: Any, /, *, scale: float, **parts: Any) -> None:
+    """Collects every keyword but ``scale`` in ``parts`` (``x`` too, given by keyword)."""
+
+
+def test_keywords_a_function_collects_in_its_var_kwargs_keep_their_order() -> None:
+    kwargs = {"b": array(1), "scale": 1.0, "x": 2, "a": None}
+    orders = KeyOrders(describe_call((array(1),), kwargs), collecting)
+    orders.check((), {"scale": 1.0, "b": 0, "x": 0, "a": 0})  # scale binds by name
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['x', 'b', 'a'\] go to"):
+        orders.check((), {"x": 0, "b": 0, "a": 0, "scale": 1.0})
+
+
+@pytest.mark.parametrize("fn", [lambda **kw: None, max], ids=["one-collected", "no-signature"])
+def test_nothing_is_checked_where_order_cannot_matter_or_cannot_be_known(fn: Any) -> None:
+    assert not KeyOrders(describe_call((), {"b": 1, "a": 2} if fn is max else {"a": 1}), fn)

@@ -69,7 +69,8 @@ def graphed(
       the grad mask used by :meth:`GraphedCallable.vjp`. Without it, floating outputs are masked.
     - Calls are checked against the call spec before anything runs or is donated:
       ``args[0]['mask']: expected float32[2, 8], got float32[2, 9]``. A dict argument must
-      have its keys in the sample's order (the function was traced in that order).
+      have its keys in the sample's order (the function was traced in that order), and so must
+      the keywords the function collects in its ``**kwargs``.
     - ``donate_argnums``: an int (``np.int64`` and other integer-likes too) or a sequence of
       them, the positional args whose buffers the call consumes, as a CUDA graph's static inputs:
       every JAX array in them is deleted after each call, and outputs of the same shape and dtype
@@ -139,8 +140,9 @@ class GraphedCallable:
         self.call_spec: CallSpec = describe_call(args, sample_kwargs)  # refuses a non-mapping
         kwargs = dict(sample_kwargs or {})
         self._paths = self.call_spec.array_paths
-        # The spec matches a dict in any key order; the function is traced in the sample's.
-        self._key_orders = KeyOrders(self.call_spec)
+        # The spec matches a dict (and the keywords) in any order; the function is traced in
+        # the sample's.
+        self._key_orders = KeyOrders(self.call_spec, fn)
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
