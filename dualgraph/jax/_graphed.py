@@ -142,7 +142,7 @@ class GraphedCallable:
         self._paths = self.call_spec.array_paths
         # The spec matches a dict (and the keywords) in any order; the function is traced in
         # the sample's.
-        self._key_orders = KeyOrders(self.call_spec, fn)
+        self._key_orders = KeyOrders(self.call_spec, fn) or None  # None: nothing to check
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
@@ -254,7 +254,7 @@ class GraphedCallable:
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         try:
             arrays = self.call_spec.flatten(args, kwargs, check=True)
-            if self._key_orders:
+            if self._key_orders is not None:
                 self._key_orders.check(args, kwargs)
             refuse_foreign_arrays(f"graphed({self.name})", zip(self._paths, arrays, strict=True))
             weak = weak_types(arrays)
