@@ -71,17 +71,19 @@ class CallSpec:
         """Pair the spec of ``tuple(args)`` with that of ``dict(kwargs)``; see describe_call."""
         if not isinstance(args_spec, TreeSpec) or not isinstance(kwargs_spec, TreeSpec):
             raise DualgraphError("CallSpec takes two TreeSpecs: one of args, one of kwargs")
-        if type(args_spec._nodes[0]) is not TupleNode:
+        # Messages name the root node alone: a document's spec can be too large to show.
+        args_root = args_spec._nodes[0]
+        if type(args_root) is not TupleNode:
             raise DualgraphError(
-                f"args: the args spec must describe a tuple, not {clip(args_spec)}"
+                f"args: the args spec must describe a tuple, not {args_root.brief()}"
             )
         kwargs_root = kwargs_spec._nodes[0]
         if not isinstance(kwargs_root, DictNode) or not all(
             type(key) is str for key in kwargs_root.keys
         ):
             raise DualgraphError(
-                "kwargs: the kwargs spec must describe a dict with str keys, "
-                f"not {clip(kwargs_spec)}"
+                f"kwargs: the kwargs spec must describe a dict with str keys, "
+                f"not {kwargs_root.brief()}"
             )
         self.args_spec = args_spec
         self.kwargs_spec = kwargs_spec

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 import optree
 
 from ._errors import DualgraphError
-from ._leaves import signature_of
+from ._leaves import array_type_of, signature_of
 from ._nodes import Bind, Container, Node, NodeError, check_int, clip, clip_text, show_constant
 from ._paths import Attr, Index, Key, PathEntry
 
@@ -620,6 +620,12 @@ def register_dataclass(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
+    if array_type_of(cls) is not None:  # describe would take it for a container, check not
+        raise DualgraphError(
+            f"cannot register {qualified_name(cls)}: it is an array type "
+            "(dualgraph.register_array_type, or a subclass of one); a class is an array or a "
+            "container in a spec, never both"
+        )
     if cls not in _DATACLASS_FIELDS:
         fields = dataclasses.fields(cls)
         no_init = [f.name for f in fields if not f.init]

@@ -79,6 +79,13 @@ def register_array_type(
             f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
         )
     builtin = _BUILTIN_KINDS.get(cls)
+    if builtin is None:
+        from ._containers import container_kind  # (it imports this module)
+
+        # describe takes a container first, check an array's place by its signature: never both
+        kind = container_kind(cls)
+        if kind is not None:
+            builtin = f"a {kind.tag} class, a container"
     if builtin is not None:
         raise DualgraphError(
             f"register_array_type: {cls.__qualname__} is {builtin} in a spec, never an array"
@@ -200,4 +207,5 @@ def numpy_is_native() -> bool:
     )
 
 
-register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)
+# Registered directly: register_array_type reads the container kinds, which import this module.
+_REGISTERED[np.ndarray] = ArrayType(signature=_numpy_signature, requires_grad=_numpy_grad)

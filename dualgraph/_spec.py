@@ -42,6 +42,9 @@ __all__ = ["SPEC_FORMAT", "SPEC_VERSION", "LeafSpec", "TreeSpec", "describe"]
 
 SPEC_FORMAT = "dualgraph.TreeSpec"
 SPEC_VERSION = 2
+#: The most characters the leaf paths of :attr:`TreeSpec.leaves` (or ``arrays``) may hold: a
+#: tree with leaves at every level of a deep spine has paths quadratic in its size.
+MAX_PATH_CHARS = 2**26
 
 Constant = bool | int | float | str
 
@@ -122,6 +125,7 @@ class TreeSpec:
     """
 
     __slots__ = (
+        "_arrays",
         "_hash",
         "_json",
         "_layout",
@@ -151,6 +155,7 @@ class TreeSpec:
             self._program = _like._program
         self._num_arrays = sum(node.op == ArrayLeaf.op for node in nodes)
         self._leaves: tuple[LeafSpec, ...] | None = None
+        self._arrays: tuple[LeafSpec, ...] | None = None
         self._json: str | None = None
         self._named: list[int] = []  # the nodes of user classes, named in the JSON by name
         self._hash: int | None = None
@@ -162,10 +167,8 @@ class TreeSpec:
         """Every leaf (arrays, constants and ``None``) in flatten order."""
         if self._leaves is None:
             nodes = self._nodes
-            self._leaves = tuple(
-                self._leaf_spec(i)
-                for i, n in enumerate(nodes)
-                if n.arity == 0 and isinstance(n, Leaf)
+            self._leaves = self._leaf_specs(
+                [i for i, n in enumerate(nodes) if n.arity == 0 and isinstance(n, Leaf)]
             )
         return self._leaves
 
@@ -177,7 +180,9 @@ class TreeSpec:
     @property
     def arrays(self) -> tuple[LeafSpec, ...]:
         """The array leaves, in the order :meth:`flatten` returns them."""
-        return tuple(self._leaf_spec(i) for i in self._array_indices())
+        if self._arrays is None:
+            self._arrays = self._leaf_specs(self._array_indices())
+        return self._arrays
 
     @property
     def array_paths(self) -> tuple[str, ...]:
@@ -379,6 +384,21 @@ class TreeSpec:
 
     def _array_indices(self) -> list[int]:
         return [i for i, node in enumerate(self._nodes) if isinstance(node, ArrayLeaf)]
+
+    def _leaf_specs(self, indices: list[int]) -> tuple[LeafSpec, ...]:
+        """The leaves at node ``indices``, once their paths are known to fit the size limit."""
+        layout = self._get_layout()
+        chars = [0] * len(self._nodes)  # each node's path length, from its parent's
+        for index in range(1, len(chars)):
+            chars[index] = chars[layout.parent[index]] + len(str(layout.entry[index]))
+        total = sum(chars[i] for i in indices)
+        if total > MAX_PATH_CHARS:
+            raise DualgraphError(
+                f"the leaf paths of this spec would hold {total} characters, over the limit of "
+                f"{MAX_PATH_CHARS} (leaves at many levels of a deep tree: each path repeats "
+                "its parents'); flatten, unflatten and check work without them"
+            )
+        return tuple(self._leaf_spec(i) for i in indices)
 
     def _leaf_spec(self, index: int) -> LeafSpec:
         node = self._nodes[index]
@@ -587,6 +607,12 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
             if id(obj) in inside:
                 raise fail("the tree contains itself (a reference cycle)", DualgraphError)
             node, children = kind.describe(obj, intern)
+            if len(children) != node.arity:  # a namedtuple made by tuple.__new__
+                raise fail(
+                    f"{brief_of(obj)} of length {len(children)}, but its class has "
+                    f"{node.arity} fields (its children would be read as another tree's)",
+                    DualgraphError,
+                )
             if len(nodes) + len(stack) + node.arity >= MAX_NODES:
                 raise fail(
                     f"the tree has more than {MAX_NODES} nodes, a spec's limit", DualgraphError

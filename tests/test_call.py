@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import pickle
+import re
 import types
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from trees import TREES, Attention, array, assert_same_tree
 
 import dualgraph
-from dualgraph import CallSpec, DualgraphError, SpecMismatchError, describe_call
+from dualgraph import CallSpec, DualgraphError, SpecMismatchError, TreeSpec, describe_call
 
 
 def sample_call() -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -351,6 +352,24 @@ def test_from_json_rejects_args_that_are_not_a_tuple() -> None:
     document["args"] = [["list", 0]]
     with pytest.raises(DualgraphError, match=r"^args: the args spec must describe a tuple"):
         CallSpec.from_json(json.dumps(document))
+
+
+@pytest.mark.parametrize("part", ["args", "kwargs"])
+def test_a_refused_document_is_explained_by_its_root_alone(
+    part: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The message showed the whole spec (clipped after rendering it): a document of nested
+    # dicts with long keys took time quadratic in its size to refuse (10 MB: 80 s).
+    document = json.loads(describe_call((array(2),)).to_json())
+    document[part] = [["dict", [1 if part == "kwargs" else "k" * 100]]] * 50 + [["none"]]
+    rendered: list[object] = []
+    monkeypatch.setattr(TreeSpec, "__repr__", lambda spec: rendered.append(spec) or "TreeSpec()")
+    what = "a tuple" if part == "args" else "a dict with str keys"
+    root = "[1]" if part == "kwargs" else "['" + "k" * 100 + "']"
+    message = f"{part}: the {part} spec must describe {what}, not a dict with keys {root}"
+    with pytest.raises(DualgraphError, match=f"^{re.escape(message)}$"):
+        CallSpec.from_json(json.dumps(document))
+    assert rendered == []
 
 
 def test_from_json_rejects_kwargs_with_int_keys() -> None:

@@ -249,6 +249,26 @@ def test_a_namedtuple_instance_of_another_length_is_a_mismatch(length: int, size
             spec.flatten([odd, *[None] * size], check=check)
 
 
+OddPair = collections.namedtuple("OddPair", "a b")
+ODD_PAIRS = {
+    "short": lambda: [{"x": tuple.__new__(OddPair, (1,))}],
+    "long": lambda: [{"x": tuple.__new__(OddPair, (1, 2, 3))}],
+    # read as [OddPair(a=1, b=OddPair(a=2, b=3)), 4]: a valid pre-order of another tree
+    "short-then-long": lambda: [tuple.__new__(OddPair, (1,)), tuple.__new__(OddPair, (2, 3, 4))],
+}
+
+
+@pytest.mark.parametrize("make", ODD_PAIRS.values(), ids=ODD_PAIRS.keys())
+def test_describing_a_namedtuple_instance_of_another_length_is_refused_naming_its_path(
+    make: Any,
+) -> None:
+    # describe took the node's arity from the class and the children from the instance
+    with pytest.raises(
+        DualgraphError, match=r"^\[0\]\S*: a \S*Pair of length \d, but its class has 2 fields"
+    ):
+        describe(make())
+
+
 def test_a_locally_defined_namedtuple_resolves_once_described() -> None:
     Local = collections.namedtuple("Local", "a b")
     text = describe(Local(array(2), None)).to_json()

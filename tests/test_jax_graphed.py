@@ -97,6 +97,52 @@ def test_kwargs_constants_are_static_and_outputs_keep_the_users_order() -> None:
     np.testing.assert_array_equal(out["pooled"], np.full(3, 3.0, np.float32))
 
 
+def concatenated(d: dict[str, jax.Array], *, extra: Any = None) -> jax.Array:
+    return jnp.concatenate([*d.values(), *(extra or {}).values()])
+
+
+@pytest.mark.parametrize("where", ["args", "kwargs"])
+def test_a_dict_input_with_its_keys_in_another_order_is_refused_naming_its_path(
+    where: str,
+) -> None:
+    # The core matches a dict whatever its key order, but the program was traced with the
+    # sample's order: concatenating d.values() gave [a, b] where the plain function gave [b, a].
+    a, b = jnp.zeros(2), jnp.ones(2)
+    if where == "args":
+        g = dgj.graphed(concatenated, ({"a": a, "b": b},))
+        call: Any = lambda d: g(d)  # noqa: E731
+        path = r"args\[0\]"
+    else:
+        g = dgj.graphed(concatenated, ({},), sample_kwargs={"extra": {"a": a, "b": b}})
+        call = lambda d: g({}, extra=d)  # noqa: E731
+        path = r"kwargs\['extra'\]"
+    np.testing.assert_array_equal(call({"a": a, "b": b}), [0, 0, 1, 1])
+    with pytest.raises(SpecMismatchError, match=rf"^{path}: a dict with its keys in the order"):
+        call({"b": b, "a": a})
+    with pytest.raises(SpecMismatchError, match=rf"^{path}: a dict with its keys in the order"):
+        g.vjp(
+            *([{"b": b, "a": a}] if where == "args" else [{}]),
+            **({} if where == "args" else {"extra": {"b": b, "a": a}}),
+        )
+
+
+def test_keywords_collected_by_var_kwargs_in_another_order_are_refused() -> None:
+    # fn(x, **parts) sees the keywords in the call's order; the program was traced in the
+    # sample's: concatenating parts.values() gave [a, b] where the plain function gave [b, a].
+    def joined(x: jax.Array, *, scale: float = 1.0, **parts: jax.Array) -> jax.Array:
+        return jnp.concatenate([x, *parts.values()]) * scale
+
+    x, a, b = jnp.zeros(1), jnp.ones(1), jnp.full(1, 2.0)
+    g = dgj.graphed(joined, (x,), sample_kwargs={"a": a, "scale": 1.0, "b": b})
+    np.testing.assert_array_equal(g(x, scale=1.0, a=a, b=b), joined(x, a=a, b=b))  # scale named
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['b', 'a'\] go to"):
+        g(x, b=b, a=a, scale=1.0)
+    plain = dgj.graphed(
+        lambda x, *, a, b: jnp.concatenate([x, a, b]), (x,), sample_kwargs={"a": a, "b": b}
+    )
+    np.testing.assert_array_equal(plain(x, b=b, a=a), [0, 1, 2])  # named keywords: any order
+
+
 def test_shape_dtype_structs_and_numpy_arrays_serve_as_samples_and_inputs() -> None:
     g = dgj.graphed(encoder_layer, (jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),))
     out = g(np.ones((2, 3), jnp.bfloat16))
@@ -659,6 +705,25 @@ def test_lazy_compiles_each_program_at_its_first_use() -> None:
     assert g._compiled is None
     out, _ = g(jnp.ones(3))
     assert g._compiled is not None and out.tolist() == [2.0, 2.0, 2.0]
+
+
+def precise(x: jax.Array) -> jax.Array:
+    """A float32 function whose values depend on JAX's 64-bit mode (``float`` is its widest)."""
+    return jnp.sin(x.astype(float) * 12345.678).astype(jnp.float32)
+
+
+def test_a_vjp_compiled_later_uses_the_64_bit_mode_of_the_first_program() -> None:
+    # Compiled with the mode off, the VJP was compiled (and the function traced again) with the
+    # mode its first call found: on, its outputs and grads were those of the float64
+    # computation, other values than the plain call's.
+    x = jnp.asarray(np.linspace(0.1, 2, 4, dtype=np.float32))
+    g = dgj.graphed(precise, (x,))
+    with x64():
+        out, pullback = g.vjp(x)
+        (grad,), _ = pullback(jnp.ones(4, jnp.float32))
+    np.testing.assert_array_equal(out, g(x))
+    np.testing.assert_array_equal(out, precise(x))
+    np.testing.assert_array_equal(grad, jax.grad(lambda v: precise(v).sum())(x))
 
 
 # -- the environment -----------------------------------------------------------------------------

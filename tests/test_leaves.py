@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -318,6 +319,37 @@ def test_requires_grad_may_answer_a_bool_or_a_zero_dimensional_boolean_array(
         FakeArray, signature=lambda x: (x.shape, x.dtype), requires_grad=lambda x: answer
     )
     assert describe((FakeArray(2),)).grad_mask == (bool(answer),)
+
+
+class Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+@dataclasses.dataclass
+class Wrapped:
+    shape: Any
+    dtype: Any
+
+
+def test_a_class_is_an_array_type_or_a_container_never_both(registry: None) -> None:
+    # Registered both ways, describe took it for a container and check for an array: a
+    # Point at an array's place flattened as that array, silently.
+    for container in (Point, dualgraph.register_dataclass(Wrapped)):
+        with pytest.raises(dualgraph.DualgraphError, match=r"is a .* container in a spec"):
+            register_array_type(
+                container, signature=lambda x: ((2,), "float32"), requires_grad=lambda x: True
+            )
+        with pytest.raises(SpecMismatchError):
+            describe((np.zeros(2, np.float32),)).check((container(2, "float32"),))
+    register_fake_array()
+
+    @dataclasses.dataclass
+    class FakeRecord(FakeArray):  # an array type by its base
+        pass
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"FakeRecord: it is an array type"):
+        dualgraph.register_dataclass(FakeRecord)
 
 
 @pytest.mark.parametrize(

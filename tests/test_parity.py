@@ -119,6 +119,55 @@ def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+def complex_sample(*shape: int) -> np.ndarray:
+    return (sample(*shape) + 1j * sample(*shape)).astype(np.complex64)
+
+
+COMPLEX_CASES = {
+    "holomorphic": (lambda t: t * (0.3 + 0.7j), lambda a: a * (0.3 + 0.7j)),
+    "complex-to-real": (lambda t: (t * t).real, lambda a: (a * a).real),
+    "not-holomorphic": (lambda t: t.conj() * t.abs(), lambda a: a.conj() * jnp.abs(a)),
+    "real-to-complex": (lambda t: t.real * (1 - 2j), lambda a: a.real * (1 - 2j)),
+}
+
+
+@pytest.mark.parametrize("torch_fn, jax_fn", COMPLEX_CASES.values(), ids=COMPLEX_CASES.keys())
+def test_equal_complex_math_passes_on_its_gradients(torch_fn: Any, jax_fn: Any) -> None:
+    # torch's complex gradients are the conjugates of JAX's vjp of the conjugate cotangent
+    # (conjugate Wirtinger derivatives): compared as they came, every one failed.
+    assert_parity(torch_fn, jax_fn, (complex_sample(3, 4),))
+
+
+def test_params_of_a_complex_dtype_are_compared_as_torch_defines_their_grads() -> None:
+    weight = torch.from_numpy(complex_sample(3, 4)).requires_grad_(True)
+    report = assert_parity(
+        lambda x: x @ weight.T,
+        lambda p, x: x @ p["weight"].T,
+        (complex_sample(2, 4),),
+        params={"weight": jnp.asarray(weight.detach().numpy())},
+        torch_params={"weight": weight},
+    )
+    assert [entry.path for entry in report.entries][-1] == "grad params['weight']"
+
+
+class ConjugatedGrad(torch.autograd.Function):
+    """``y = c x`` whose backward returns ``c * grad``, JAX's convention: wrong for torch."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * (0.3 + 0.7j)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * (0.3 + 0.7j)
+
+
+def test_a_torch_complex_gradient_in_jax_convention_fails() -> None:
+    # It passed: both sides were compared without the conjugations.
+    report = compare(ConjugatedGrad.apply, lambda a: a * (0.3 + 0.7j), (complex_sample(3),))
+    assert report.entries[0].ok and report.worst_path == "grad args[0]" and not report.ok
+
+
 # -- differences are found and named -------------------------------------------------------------
 
 

@@ -138,3 +138,23 @@ def test_numpy_arrays_of_every_shape_kind_share_leaf_nodes() -> None:
     tree = [np.zeros((2, 3), np.float32) for _ in range(100)]
     nodes = describe(tree)._nodes
     assert len({id(node) for node in nodes[1:]}) == 1
+
+
+def comb_document(depth: int) -> str:
+    """A tree with a leaf at every level: its leaves' paths hold ~depth**2 / 2 entries."""
+    rows = [["tuple", 2], ["array", "float32", [1], True]] * depth + [["none"]]
+    return json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+
+
+def test_leaf_paths_over_the_size_limit_are_refused_before_they_are_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 0.5 MB document (a comb 20,000 levels deep) made spec.paths build 600 MB of strings
+    # in 37 s; a 2 MB one, 10 GB.
+    monkeypatch.setattr(spec_module, "MAX_PATH_CHARS", 10_000)
+    spec = TreeSpec.from_json(comb_document(100))  # its paths: 3 * 100 * 101 / 2 characters
+    for read in (lambda: spec.paths, lambda: spec.leaves, lambda: spec.arrays):
+        with pytest.raises(DualgraphError, match=r"leaf paths .* 15[14]50 characters, over the"):
+            read()
+    assert len(TreeSpec.from_json(comb_document(50)).paths) == 51
+    assert spec.num_arrays == 100 and len(spec.flatten(spec.unflatten([array(1)] * 100))) == 100

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from trees import EncoderOutput, array
+from trees import TREES, EncoderOutput, array
 
 import dualgraph
 from dualgraph import CallSpec, DualgraphError, TreeSpec, describe
@@ -322,6 +322,96 @@ def test_hostile_call_spec_documents_raise_only_dualgraph_errors(
     else:
         assert CallSpec.from_json(spec.to_json()) == spec
     assert set(sys.modules) == modules
+
+
+# -- valid documents, mutated -------------------------------------------------------------------
+
+json_atoms = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**400]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([*TAGS, *NAMES, "float32", "int64", "key<fry>", "O", "-0.0", "nan", "1e999"]),
+    st.sampled_from(["int", "float", "bool", "str", "args", "kwargs", "format", "version"]),
+    st.text(max_size=4),
+)
+json_values = st.recursive(
+    json_atoms,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=6,
+)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, value: Any) -> Any:
+    """``value`` (parsed JSON) with one random change somewhere inside it."""
+    # Choices come first where hypothesis starts (and shrinks to): a small change deep inside.
+    if isinstance(value, list | dict) and value and draw(st.integers(0, 5)) < 5:
+        keys = list(range(len(value))) if isinstance(value, list) else list(value)
+        key = draw(st.sampled_from(keys))
+        copy = list(value) if isinstance(value, list) else dict(value)
+        op = draw(st.sampled_from(["inside", "inside", "replace", "delete", "insert", "copy"]))
+        if op == "inside":
+            copy[key] = draw(mutated(value[key]))
+        elif op == "replace":
+            copy[key] = draw(json_values)
+        elif op == "delete":
+            del copy[key]
+        elif isinstance(copy, list):  # insert a new value, or a copy of a sibling (a row)
+            sibling = copy[draw(st.integers(0, len(copy) - 1))]
+            copy.insert(key, draw(json_values) if op == "insert" else sibling)
+        else:
+            copy[draw(st.text(max_size=8))] = draw(json_values)
+        return copy
+    if not draw(st.booleans()):  # a value of the same JSON type: often still a valid document
+        words = st.sampled_from([*TAGS, "float32", "int64", "bool", "int", "str", "a", "b"])
+        same = {bool: st.booleans(), int: st.integers(-1, 4), str: words | st.text(max_size=3)}
+        return draw(same.get(type(value), json_values))
+    return draw(json_values)
+
+
+def valid_documents() -> list[str]:
+    documents = [describe(build()).to_json() for build in TREES.values()]
+    documents += [
+        dualgraph.describe_call((build(), 3), {"kw": build(), "flag": True}).to_json()
+        for build in TREES.values()
+    ]
+    return documents
+
+
+@given(data=st.data(), start=st.sampled_from(valid_documents()))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_mutated_valid_documents_raise_only_dualgraph_errors_or_read_back_exactly(
+    marker: Path, data: st.DataObject, start: str
+) -> None:
+    document = json.loads(start)
+    for _ in range(data.draw(st.integers(1, 3))):
+        trees = (
+            [k for k in document if k in ("tree", "args", "kwargs")]
+            if isinstance(document, dict)
+            else []
+        )
+        if trees and data.draw(st.integers(0, 9)) < 9:  # mostly the rows of a tree
+            key = data.draw(st.sampled_from(trees))
+            document[key] = data.draw(mutated(document[key]))
+        else:  # now and then anywhere, the format and version too
+            document = data.draw(mutated(document))
+    text = json.dumps(document)  # NaN and Infinity included, as Python writes them
+    kind: Any = TreeSpec if '"dualgraph.TreeSpec"' in start else CallSpec
+    modules = set(sys.modules)
+    try:
+        spec = kind.from_json(text)
+    except DualgraphError as error:
+        assert str(error)  # says what
+    else:  # what reads writes back the same document, and reads back as an equal spec
+        written = spec.to_json()
+        assert json.loads(written) == document
+        again = kind.from_json(written)
+        assert again == spec and hash(again) == hash(spec) and again.to_json() == written
+        assert kind.from_json(text.encode()) == spec
+    assert set(sys.modules) == modules
+    assert not marker.exists()
 
 
 def test_documents_naming_the_marker_module_leave_it_unimported(marker: Path) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "disable_command_buffers",
     "enable_x64",
     "x64_enabled",
+    "x64_mode",
 ]
 
 #: The XLA flag that, with an empty value, turns off every kind of XLA GPU command buffer.
@@ -106,3 +107,32 @@ def enable_x64(enabled: bool = True, /) -> contextlib.AbstractContextManager[Any
     )
 
     return experimental()
+
+
+def x64_mode(enabled: bool, /) -> contextlib.AbstractContextManager[Any]:
+    """A context in which JAX's 64-bit mode is exactly ``enabled`` (on, or off); a no-op when it
+    already is.
+
+    A graphed program runs, and its later programs (the VJP) are traced, in the mode it was
+    compiled in: traced with the mode on, a function compiled with it off computes what
+    ``float`` or ``jnp.zeros(n)`` make in 64 bits, other values than the program it pairs with.
+
+    >>> with enable_x64():
+    ...     with x64_mode(False):
+    ...         x64_enabled()
+    False
+    """
+    if x64_enabled() == enabled:
+        return contextlib.nullcontext()
+    if enabled:
+        return enable_x64()
+    import jax
+
+    scoped = getattr(jax, "enable_x64", None)
+    if scoped is not None:
+        return scoped(False)
+    from jax.experimental import (  # type: ignore[attr-defined,unused-ignore]  # JAX < 0.7
+        disable_x64,
+    )
+
+    return disable_x64()

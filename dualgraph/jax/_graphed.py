@@ -22,6 +22,7 @@ from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
 from .._nodes import clip
+from .._orders import KeyOrders
 from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
@@ -35,7 +36,7 @@ from ._donation import (
     warn_unusable,
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
-from ._env import config_value, enable_x64, x64_enabled
+from ._env import config_value, x64_enabled, x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays, refuse_foreign_outputs
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
@@ -67,7 +68,9 @@ def graphed(
       side) is checked against the traced output, naming the first differing path, and supplies
       the grad mask used by :meth:`GraphedCallable.vjp`. Without it, floating outputs are masked.
     - Calls are checked against the call spec before anything runs or is donated:
-      ``args[0]['mask']: expected float32[2, 8], got float32[2, 9]``.
+      ``args[0]['mask']: expected float32[2, 8], got float32[2, 9]``. A dict argument must
+      have its keys in the sample's order (the function was traced in that order), and so must
+      the keywords the function collects in its ``**kwargs``.
     - ``donate_argnums``: an int (``np.int64`` and other integer-likes too) or a sequence of
       them, the positional args whose buffers the call consumes, as a CUDA graph's static inputs:
       every JAX array in them is deleted after each call, and outputs of the same shape and dtype
@@ -137,6 +140,9 @@ class GraphedCallable:
         self.call_spec: CallSpec = describe_call(args, sample_kwargs)  # refuses a non-mapping
         kwargs = dict(sample_kwargs or {})
         self._paths = self.call_spec.array_paths
+        # The spec matches a dict (and the keywords) in any order; the function is traced in
+        # the sample's.
+        self._key_orders = KeyOrders(self.call_spec, fn) or None  # None: nothing to check
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
@@ -242,12 +248,14 @@ class GraphedCallable:
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
-        with jax.default_matmul_precision(self._precision), enable_x64(self._x64):
+        with jax.default_matmul_precision(self._precision), x64_mode(self._x64):
             yield
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         try:
             arrays = self.call_spec.flatten(args, kwargs, check=True)
+            if self._key_orders is not None:
+                self._key_orders.check(args, kwargs)
             refuse_foreign_arrays(f"graphed({self.name})", zip(self._paths, arrays, strict=True))
             weak = weak_types(arrays)
             if weak != self._weak:
@@ -296,7 +304,7 @@ class GraphedCallable:
         self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
     ) -> Any:
         try:
-            with enable_x64(self._x64):
+            with x64_mode(self._x64):
                 result = executable(*arrays)
         except Exception as error:
             copies = None if relaid else in_default_layouts(error, arrays)

@@ -17,7 +17,7 @@ from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
 from .._spec import TreeSpec
 from ._donation import jax_donation_warnings
-from ._env import enable_x64
+from ._env import x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays
 from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
@@ -108,7 +108,7 @@ class Pullback:
                 f"the pullback of graphed({program.name})",
                 zip(program.cotangent_paths, cotangents, strict=True),
             )
-            with enable_x64(self._x64):
+            with x64_mode(self._x64):
                 try:
                     grads = program.backward(self._residuals, cotangents)
                 except ValueError as error:

@@ -64,9 +64,10 @@ def compare(
       dict keyed by the torch parameter names. Frozen torch parameters are not compared.
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
-      every floating input array and the parameters. The torch side runs one backward and reads
-      ``.grad`` (putting the previous ``.grad`` back), so a graphed callable that accumulates
-      parameter grads inside its backward graph is measured as its users see them.
+      every floating input array and the parameters; complex ones as torch defines them. The
+      torch side runs one backward and reads ``.grad`` (putting the previous ``.grad`` back),
+      so a graphed callable that accumulates parameter grads inside its backward graph is
+      measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
       name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
       value on either side, e.g. NaN everywhere (still reported as a warning).
@@ -275,7 +276,10 @@ def _compare_grads(
         [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
         [*targets, *trainable.values()],
     )
-    cotangent_tree = run.pullback.cotangent_spec.unflatten([jnp.asarray(c) for c in cotangents])
+    # torch's gradients are JAX's conjugated, given the conjugate cotangent (see _in_torch_terms)
+    cotangent_tree = run.pullback.cotangent_spec.unflatten(
+        [jnp.asarray(np.conj(c) if np.iscomplexobj(c) else c) for c in cotangents]
+    )
     args_grads, kwargs_grads = run.pullback(cotangent_tree)
     if params is not None:
         param_grads, args_grads = args_grads[0], args_grads[1:]
@@ -286,13 +290,25 @@ def _compare_grads(
         namespace=NAMESPACE,
     )
     entries = [
-        judge("grad " + path, _grad_as_numpy(t, j), np.asarray(j))
+        judge("grad " + path, _grad_as_numpy(t, j), _in_torch_terms(j))
         for path, t, j in zip(paths, torch_grads[: len(targets)], jax_grads, strict=True)
     ]
     if params is not None:
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
         entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
     return entries
+
+
+def _in_torch_terms(grad: Any) -> np.ndarray:
+    """A JAX gradient as torch defines it: for a complex leaf, its conjugate.
+
+    For the cotangent ``v``, torch's backward gives ``conj(vjp(conj(v)))`` of JAX's (torch
+    differentiates by the conjugate Wirtinger derivative, JAX takes the plain one), so the JAX
+    side is handed ``conj(v)`` and its complex gradients are conjugated; real leaves are the
+    same under both conventions.
+    """
+    grad = np.asarray(grad)
+    return np.conj(grad) if np.iscomplexobj(grad) else grad
 
 
 def _grad_as_numpy(grad: torch.Tensor | None, like: Any) -> np.ndarray:
@@ -328,7 +344,7 @@ def _param_grad_reports(
     ):
         if not is_differentiable_dtype(leaf.dtype or ""):
             continue  # JAX gives no grad for it; nor does torch
-        expected = np.asarray(next(jax_leaves))
+        expected = _in_torch_terms(next(jax_leaves))
         if used:
             reports.append(judge("grad params" + path, np.asarray(torch_grad), expected))
     return reports

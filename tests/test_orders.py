@@ -1,0 +1,68 @@
+"""KeyOrders: the key order of a call's dicts, which a spec lets vary and a program cannot."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, NamedTuple
+
+import pytest
+from trees import EncoderOutput, array
+
+from dualgraph import SpecMismatchError, describe_call
+from dualgraph._orders import KeyOrders
+
+
+class Counted(NamedTuple):
+    index: Any  # a field named like a tuple method: read by position, never as an attribute
+    count: Any
+
+
+def swapped(d: dict[Any, Any]) -> dict[Any, Any]:
+    return dict(reversed(d.items()))
+
+
+def nested(d: dict[Any, Any]) -> tuple[Any, ...]:
+    """``d`` deep inside a call's args: a list, a namedtuple field, a dataclass field, a dict."""
+    return ([None, Counted(index=EncoderOutput(hidden=None, pooled={"in": d}), count=1)],)
+
+
+def test_a_dict_in_another_order_is_refused_naming_its_path_through_every_container() -> None:
+    d = {"b": array(2), "a": array(2)}
+    orders = KeyOrders(describe_call(nested(d)))
+    orders.check(nested(d), {})
+    with pytest.raises(SpecMismatchError) as caught:
+        orders.check(nested(swapped(d)), {})
+    path = "args[0][1].index.pooled['in']"
+    assert caught.value.path == path
+    assert str(caught.value).startswith(f"{path}: a dict with its keys in the order ['a', 'b']")
+
+
+def test_the_keyword_arguments_themselves_bind_by_name() -> None:
+    kwargs = {"b": array(2), "a": array(2), "inner": {"y": 1, "x": array(1)}}
+    orders = KeyOrders(describe_call((), kwargs))
+    orders.check((), swapped(kwargs))  # any order of the keywords
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['inner'\]: a dict with its keys"):
+        orders.check((), {**kwargs, "inner": swapped(kwargs["inner"])})
+
+
+def test_a_call_without_dicts_of_two_keys_has_nothing_to_check() -> None:
+    ordered = collections.OrderedDict(b=array(1), a=array(1))  # its order is its structure
+    assert not KeyOrders(describe_call(({"a": array(1)}, ordered, [1, 2]), {"k": 1, "j": 2}))
+    assert KeyOrders(describe_call(({"a": array(1), "b": None},)))
+
+
+def collecting(x: Any, /, *, scale: float, **parts: Any) -> None:
+    """Collects every keyword but ``scale`` in ``parts`` (``x`` too, given by keyword)."""
+
+
+def test_keywords_a_function_collects_in_its_var_kwargs_keep_their_order() -> None:
+    kwargs = {"b": array(1), "scale": 1.0, "x": 2, "a": None}
+    orders = KeyOrders(describe_call((array(1),), kwargs), collecting)
+    orders.check((), {"scale": 1.0, "b": 0, "x": 0, "a": 0})  # scale binds by name
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['x', 'b', 'a'\] go to"):
+        orders.check((), {"x": 0, "b": 0, "a": 0, "scale": 1.0})
+
+
+@pytest.mark.parametrize("fn", [lambda **kw: None, max], ids=["one-collected", "no-signature"])
+def test_nothing_is_checked_where_order_cannot_matter_or_cannot_be_known(fn: Any) -> None:
+    assert not KeyOrders(describe_call((), {"b": 1, "a": 2} if fn is max else {"a": 1}), fn)
