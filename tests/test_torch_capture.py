@@ -10,6 +10,7 @@ place, inputs updated during backward, lazy modules, and parameter hooks under i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -848,6 +849,110 @@ def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(
     assert_tensors_match(
         graphed(x).detach(), module.fc(x).relu().detach(), "out", tolerance(backend)
     )
+
+
+def _raises_keeping(kept: Any) -> None:
+    """Raises, with ``kept`` among its locals (what a post-mortem debugger would read)."""
+    raise KeyError("the caller's own error")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_failing_in_an_except_block_leaves_the_handled_error_alone(backend: str) -> None:
+    """Graphing inside the caller's ``except`` block: the failure's chain reaches the caller's
+    error, whose frames (locals) belong to the caller, and which is no cause of the failure."""
+    device = device_of(backend)
+    try:
+        _raises_keeping(kept="the caller's local")
+    except KeyError as handled:
+        with pytest.raises(CaptureError) as caught:
+            dgt.make_graphed_callables(
+                Exploding(fail_at=2).to(device),
+                (torch.randn(2, 8, device=device),),
+                backend=backend,
+            )
+        assert str(caught.value).endswith("failed during warmup: ValueError: exploded on purpose")
+        assert isinstance(caught.value.__cause__, ValueError)
+        frames = [frame for frame, _ in traceback.walk_tb(handled.__traceback__)]
+        assert frames[-1].f_locals == {"kept": "the caller's local"}
+        assert caught.value.__cause__.__context__ is handled  # the chain itself is kept
+
+
+class ThrowsIntoItsSchedule(nn.Module):
+    """Keeps a generator it resumes on each call and throws its failures into (which records
+    them and goes on); fails in its second call after that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+        self.schedule = self._steps()
+        next(self.schedule)
+
+    def _steps(self) -> Any:
+        failures = 0
+        while True:
+            try:
+                yield failures
+            except ValueError:
+                failures += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            try:
+                raise ValueError("exploded on purpose")
+            except ValueError as error:
+                self.schedule.throw(error)  # its frame joins the error's traceback, suspended
+                raise
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_leaves_a_suspended_generator_in_its_traceback_running(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = ThrowsIntoItsSchedule().to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a generator closed under it would warn (unraisable)
+        message = capture_error(module, (torch.randn(2, 8, device=device),), backend=backend)
+    assert message.endswith("ValueError: exploded on purpose")
+    assert next(module.schedule) == 1  # not closed: it recorded the failure and goes on
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_failing_inside_a_generator_based_context_manager_keeps_its_state(
+    backend: str,
+) -> None:
+    """Graphing in a ``@contextmanager`` (whose generator is running, and here handles an
+    error): the failure is a CaptureError with the original cause, and the generator, its
+    locals and the error it handles are left as they were."""
+    device = device_of(backend)
+    seen: list[Any] = []
+
+    @contextlib.contextmanager
+    def graphed_or_eager(module: nn.Module) -> Any:
+        mode = "graphed"
+        try:
+            _raises_keeping(kept=mode)
+        except KeyError as handled:
+            try:
+                module = dgt.make_graphed_callables(
+                    module, (torch.randn(2, 8, device=device),), backend=backend
+                )
+            except CaptureError as error:
+                mode = "eager"
+                seen.append(error)
+            frames = [frame for frame, _ in traceback.walk_tb(handled.__traceback__)]
+            seen.append(frames[-1].f_locals)
+        yield module, mode
+
+    with graphed_or_eager(Exploding(fail_at=2).to(device)) as (module, mode):
+        assert mode == "eager" and "forward" not in module.__dict__
+    error, kept_locals = seen
+    assert isinstance(error.__cause__, ValueError)
+    assert str(error).endswith("ValueError: exploded on purpose")
+    assert kept_locals == {"kept": "graphed"}
 
 
 @pytest.mark.parametrize("kept", ["output", "loss after backward"])

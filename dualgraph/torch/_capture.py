@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -148,7 +149,7 @@ def capture_copies(
     requests: Sequence[CaptureRequest], options: CaptureOptions, layout: CaptureLayout
 ) -> list[list[ReplayPlan]]:
     """Like :func:`capture`, with the copies and graph order ``layout`` gives: plans per request."""
-    progress = Progress()
+    progress = Progress(before=sys.exc_info()[1])
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
         return _capture_copies(requests, options, layout, progress, probes)
@@ -158,10 +159,10 @@ def capture_copies(
         failure = with_lint_findings(  # issue 19 hook
             describe_failure(error, progress, options.backend), probes, error
         )
-        release_failed_attempt(error)
+        release_failed_attempt(error, progress.before)
         raise failure from error
     except BaseException as interrupted:  # KeyboardInterrupt, SystemExit: passed on as they are
-        release_failed_attempt(interrupted)
+        release_failed_attempt(interrupted, progress.before)
         raise
 
 

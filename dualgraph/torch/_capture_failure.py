@@ -5,6 +5,7 @@ and the repair that leaves CUDA usable afterwards.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ def ambient_kept_on_failure() -> Iterator[None]:
         raise
 
 
-def release_failed_attempt(error: BaseException) -> None:
+def release_failed_attempt(error: BaseException, before: BaseException | None = None) -> None:
     """Free what the frames of a failed capture still hold: the tensors and autograd graphs of
     its warmup and capture (the traceback keeps its line numbers, not its locals).
 
@@ -100,8 +101,13 @@ def release_failed_attempt(error: BaseException) -> None:
     half-way leaves a graph whose ``AccumulateGrad`` nodes were made on the capture's side
     stream; while they live, every backward through those parameters runs them there (one more
     cross-stream wait, and torch's stream-mismatch warning), and a later capture of the same
-    module waits on that stream from inside its graph, which fails it. Frames still running
-    (the caller's) are left alone.
+    module waits on that stream from inside its graph, which fails it.
+
+    Only the attempt's own frames are cleared. ``before`` is the error the caller was handling
+    when the capture began (``sys.exc_info()[1]`` then): the chain reaches it, but it and its
+    frames are the caller's, to read in a debugger. Frames still running (the caller's) and
+    generators' frames are left alone: clearing a suspended generator's frame closes the
+    generator under its owner, and a finished one's locals are gone already.
 
     >>> def fails(x):
     ...     y = x * 2
@@ -114,15 +120,35 @@ def release_failed_attempt(error: BaseException) -> None:
     >>> frames[-1].f_locals
     {}
     """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
+    for current in _own_errors(error, before):
+        for frame, _ in traceback.walk_tb(current.__traceback__):
+            if frame.f_code.co_flags & _GENERATOR_CODE:
+                continue
+            with contextlib.suppress(RuntimeError):  # still running
+                frame.clear()
+
+
+_GENERATOR_CODE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _chain(error: BaseException | None, stop: frozenset[int] = frozenset()) -> list[BaseException]:
+    """``error`` and every error it was raised from or during, each once, none of ``stop``."""
+    found: list[BaseException] = []
+    seen = set(stop)
+    pending = [error]
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)
+        found.append(current)
         pending += (current.__cause__, current.__context__)
+    return found
+
+
+def _own_errors(error: BaseException, before: BaseException | None) -> list[BaseException]:
+    """The errors of ``error``'s chain raised by the attempt, not those the caller handled."""
+    return _chain(error, frozenset(map(id, _chain(before))))
 
 
 def recover_cuda() -> None:
@@ -137,13 +163,22 @@ class Progress:
 
     name: str = ""
     phase: str = "setup"
+    # The error the caller was handling when the capture began (``sys.exc_info()[1]``): a failure's
+    # chain reaches it, but it is no part of the attempt.
+    before: BaseException | None = None
 
 
 def describe_failure(error: BaseException, progress: Progress, backend: str) -> CaptureError:
     """A :class:`CaptureError` naming the callable, the phase and the root cause."""
+    own = {id(raised) for raised in _own_errors(error, progress.before)}
     root = error
-    while root.__context__ is not None and root.__cause__ is None and root is not root.__context__:
-        root = root.__context__
+    while (
+        (context := root.__context__) is not None
+        and root.__cause__ is None
+        and id(context) in own  # the caller's error is not the attempt's cause
+        and context is not root
+    ):
+        root = context
     cause = _show(root)
     if root is not error:
         cause += f" (then {_show(error)})"
