@@ -992,6 +992,40 @@ def test_graphing_while_an_eager_graph_of_the_module_is_alive_is_refused_until_i
             assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
 
 
+class _Cyclic:
+    """Refers to itself: only a garbage collection frees it (and what it holds)."""
+
+    def __init__(self, held: Any) -> None:
+        self.held = held
+        self.me = self
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_eager_graph_only_a_reference_cycle_keeps_is_collected_not_refused(
+    backend: str,
+) -> None:
+    """An eager loss that is garbage but not yet collected (kept by a reference cycle) holds the
+    AccumulateGrad nodes like a live one; graphing collects it instead of refusing."""
+    device = device_of(backend)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = copy.deepcopy(module)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    gc.disable()  # only the capture's own collection may free it
+    try:
+        left = weakref.ref(_Cyclic(module(x).sum()))
+        assert left() is not None
+        sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+        graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+        assert left() is None
+    finally:
+        gc.enable()
+    y = torch.randn(4, 8, device=device)
+    graphed(y).square().sum().backward()
+    twin(y).square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+
+
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pool's segments on the device, summed; a handle that is no pair id counts 0."""
     from dualgraph.torch import _capture_cuda
