@@ -1026,6 +1026,98 @@ def test_an_eager_graph_only_a_reference_cycle_keeps_is_collected_not_refused(
         assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
 
 
+class DropsAnActivation(nn.Module):
+    """Computes a sigmoid it never uses: autograd saves a sigmoid's output for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        torch.sigmoid(h)  # dropped at once, as eager drops it
+        return h * 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_activation_the_forward_drops_leaves_no_graph_behind_the_warmup(backend: str) -> None:
+    """The first warmup call notes what autograd saves; a pack hook that hands autograd the
+    tensor itself ties an op's saved output to its own node, a cycle no collection frees (the
+    warmup's backward never reaches a dropped result). The parameters' AccumulateGrad nodes
+    stayed alive (on CUDA made on the warmup's side stream): graphing the module again was
+    refused."""
+    device = device_of(backend)
+    module = DropsAnActivation().to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    dgt.make_graphed_callables(module, sample, backend=backend)
+    dgt.restore(module)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    x = torch.randn(2, 8, device=device)
+    graphed(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+
+
+class Foreign(nn.Module):
+    """Closes over a tensor that requires grad but is neither an input nor a parameter (refused);
+    with ``foreign=None`` it is a plain layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.foreign: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))  # tanh saves its output
+        return h if self.foreign is None else h * self.foreign
+
+
+def _fails_once(error: BaseException) -> Any:
+    calls: list[None] = []
+
+    def hook(module: nn.Module) -> None:
+        calls.append(None)
+        if len(calls) == 1:
+            raise error
+
+    return hook
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    "failure", ["refused foreign leaf", "capture-time forward hook", "interrupt in that hook"]
+)
+def test_a_capture_failing_between_the_first_forward_and_its_backward_can_be_retried(
+    backend: str, failure: str
+) -> None:
+    """The first warmup forward's graph, never differentiated, goes with the failure: graphing
+    the module again works (it was refused: the parameters' AccumulateGrad nodes stayed held)
+    and trains as eager."""
+    device = device_of(backend)
+    module = Foreign().to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    options: dict[str, Any] = {"backend": backend}
+    if failure == "refused foreign leaf":
+        module.foreign = torch.ones(8, device=device, requires_grad=True)
+    else:
+        error = (
+            ValueError("failed") if failure == "capture-time forward hook" else KeyboardInterrupt()
+        )
+        options["capture_time_hooks"] = {"forward_hooks": {0: _fails_once(error)}}
+    with pytest.raises(KeyboardInterrupt if failure == "interrupt in that hook" else CaptureError):
+        dgt.make_graphed_callables(module, sample, **options)
+    module.foreign = None
+    graphed = dgt.make_graphed_callables(module, sample, **options)
+    x = torch.randn(2, 8, device=device)
+    graphed(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+
+
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each pool's segments on the device, summed; a handle that is no pair id counts 0."""
     from dualgraph.torch import _capture_cuda
