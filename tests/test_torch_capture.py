@@ -955,6 +955,112 @@ def test_a_capture_failing_inside_a_generator_based_context_manager_keeps_its_st
     assert kept_locals == {"kept": "graphed"}
 
 
+def _graph_again_while_the_error_is_held(module: nn.Module, backend: str, match: str) -> Any:
+    """Graph ``module`` (which fails), then again while the first error is still held and no
+    garbage collection runs: what the failed attempt made must be gone by then."""
+    device = device_of(backend)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    importlib.import_module("torch._dynamo")  # see the test above
+    gc.disable()
+    try:
+        with pytest.raises(CaptureError, match=match) as caught:
+            dgt.make_graphed_callables(module, sample, backend=backend)
+        graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+        del caught
+    finally:
+        gc.enable()
+    return graphed
+
+
+def _fails_on_call(at: int) -> Any:
+    calls: list[None] = []
+
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        calls.append(None)
+        if len(calls) == at:
+            raise ValueError("failed in a hook")
+
+    return hook
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("at", [1, 2], ids=["first warmup (linted)", "second warmup"])
+def test_a_capture_failing_in_a_submodule_hook_frees_its_graph_while_the_error_is_held(
+    backend: str, at: int
+) -> None:
+    """torch runs a module's hooks through a closure over its inputs and output; the cleared
+    frame of that closure still holds it, and its cells held the half-built graph (and in the
+    first warmup, a snapshot of the frame's locals that the capture lint's walk took)."""
+    device = device_of(backend)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = copy.deepcopy(module)
+    module[2].register_forward_hook(_fails_on_call(at))
+    graphed = _graph_again_while_the_error_is_held(module, backend, "failed in a hook")
+    x = torch.randn(2, 8, device=device)
+    assert_tensors_match(graphed(x).detach(), twin(x).detach(), "output", tolerance(backend))
+
+
+class RegistersAHookThenFails(nn.Module):
+    """Its second call registers a hook on its layer, closing over a local, then fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            scale = 3.0
+            self.fc.register_forward_hook(lambda module, args, out: out * scale)
+            raise ValueError("failed after registering a hook")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_keeps_the_cells_of_a_closure_it_left_registered(backend: str) -> None:
+    """The failed frame's variables that a closure still held elsewhere closes over stay."""
+    device = device_of(backend)
+    module = RegistersAHookThenFails().to(device)
+    capture_error(module, (torch.randn(2, 8, device=device),), backend=backend)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        expected = F.linear(x, module.fc.weight, module.fc.bias) * 3
+        assert_tensors_match(module.fc(x), expected, "output", tolerance(backend))
+
+
+class FailsInAGenerator(nn.Module):
+    """Its second call iterates a generator that yields the layer's output, then raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def _steps(self, x: torch.Tensor) -> Any:
+        h = self.fc(x)
+        yield h
+        raise ValueError("failed in a generator")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            return sum(self._steps(x))  # type: ignore[return-value]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_failing_in_a_generator_frees_its_graph_while_the_error_is_held(
+    backend: str,
+) -> None:
+    """A finished generator's frame keeps its locals as any finished frame does (only a
+    suspended one is left alone)."""
+    module = FailsInAGenerator().to(device_of(backend))
+    graphed = _graph_again_while_the_error_is_held(module, backend, "failed in a generator")
+    x = torch.randn(2, 8, device=device_of(backend))
+    assert_tensors_match(graphed(x).detach(), module.fc(x).detach(), "out", tolerance(backend))
+
+
 @pytest.mark.parametrize("kept", ["output", "loss after backward"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_graphing_while_an_eager_graph_of_the_module_is_alive_is_refused_until_it_goes(

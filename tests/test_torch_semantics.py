@@ -725,7 +725,7 @@ def test_a_submodule_hook_registered_again_with_other_flags_is_refused(backend: 
     dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
     handle.remove()
     handle = module.fc2.register_forward_hook(_doubles_last, with_kwargs=True)
-    with pytest.raises(DualgraphError, match="^TinyMLP.fc2: forward hook replaced after capture"):
+    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc2: forward hook replaced after capture"):
         module(torch.randn(4, 8, device=device))
     handle.remove()
     module.fc2.register_forward_hook(_doubles_last)  # as at capture, under a new handle: fine

@@ -5,10 +5,14 @@ and the repair that leaves CUDA usable afterwards.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
+import sys
 import traceback
-from collections.abc import Iterator
+import types
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,8 +110,8 @@ def release_failed_attempt(error: BaseException, before: BaseException | None = 
     Only the attempt's own frames are cleared. ``before`` is the error the caller was handling
     when the capture began (``sys.exc_info()[1]`` then): the chain reaches it, but it and its
     frames are the caller's, to read in a debugger. Frames still running (the caller's) and
-    generators' frames are left alone: clearing a suspended generator's frame closes the
-    generator under its owner, and a finished one's locals are gone already.
+    those of live generators are left alone: clearing a suspended generator's frame closes the
+    generator under its owner (a finished generator's frame is cleared as any other).
 
     >>> def fails(x):
     ...     y = x * 2
@@ -120,15 +124,114 @@ def release_failed_attempt(error: BaseException, before: BaseException | None = 
     >>> frames[-1].f_locals
     {}
     """
-    for current in _own_errors(error, before):
-        for frame, _ in traceback.walk_tb(current.__traceback__):
-            if frame.f_code.co_flags & _GENERATOR_CODE:
-                continue
-            with contextlib.suppress(RuntimeError):  # still running
-                frame.clear()
+    frames = {
+        id(frame): frame
+        for current in _own_errors(error, before)
+        for frame, _ in traceback.walk_tb(current.__traceback__)
+    }
+    cleared, cells = _clear(frames.values(), _of_live_generators(frames))
+    if cells:
+        _empty_unused_cells(cleared, cells)
+
+
+def _clear(
+    frames: Iterable[types.FrameType], live: set[int]
+) -> tuple[list[types.FrameType], dict[int, types.CellType]]:
+    """Clear ``frames`` but those of ``live`` generators and those still running; the frames
+    cleared, and the cells of their own variables that inner functions close over."""
+    cleared: list[types.FrameType] = []
+    cells: dict[int, types.CellType] = {}
+    for frame in frames:
+        if id(frame) in live:
+            continue
+        own = _cells_made_by(frame) if frame.f_code.co_cellvars else {}
+        try:
+            frame.clear()
+        except RuntimeError:  # still running
+            continue
+        cleared.append(frame)
+        cells.update(own)
+        # A snapshot of its locals taken earlier (the capture lint's walk reads f_locals; a
+        # debugger) outlives clear() before Python 3.13; reading f_locals again drops it.
+        frame.f_locals  # noqa: B018
+    return cleared, cells
 
 
 _GENERATOR_CODE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _of_live_generators(frames: dict[int, types.FrameType]) -> set[int]:
+    """The ids among ``frames`` that a generator or coroutine not finished yet runs (a
+    finished one lets go of its frame); one scan of the heap, where any could be one."""
+    candidates = [frame for frame in frames.values() if frame.f_code.co_flags & _GENERATOR_CODE]
+    if not candidates:
+        return set()
+    live: set[int] = set()
+    for referrer in gc.get_referrers(*candidates):
+        if isinstance(referrer, types.GeneratorType):
+            live.add(id(referrer.gi_frame))
+        elif isinstance(referrer, types.CoroutineType):
+            live.add(id(referrer.cr_frame))
+        elif isinstance(referrer, types.AsyncGeneratorType):
+            live.add(id(referrer.ag_frame))
+    return live & frames.keys()
+
+
+def _cells_made_by(frame: types.FrameType) -> dict[int, types.CellType]:
+    """The cells of ``frame``'s own variables that inner functions close over (not those of
+    an enclosing scope, which its function was given)."""
+    held = gc.get_referents(frame)
+    given: set[int] = set()
+    for item in held:
+        if isinstance(item, types.FunctionType) and item.__code__ is frame.f_code:
+            given = {id(cell) for cell in item.__closure__ or ()}
+    return {
+        id(item): item
+        for item in held
+        if isinstance(item, types.CellType) and id(item) not in given
+    }
+
+
+def _empty_unused_cells(
+    frames: Sequence[types.FrameType], cells: dict[int, types.CellType]
+) -> None:
+    """Empty the ``cells`` of the cleared ``frames`` that only closures nothing can call any
+    more still hold.
+
+    A cleared frame still holds its function, and so an inner function it ran holds its cells:
+    torch's ``Module._call_impl`` runs a module's hooks through such a closure over the
+    module's inputs and output, which keep the half-built graph. A closure something besides
+    these frames holds may run again (a hook the forward registered), and keeps its cells. Two
+    scans of the heap (:func:`gc.get_referrers`), on this failure path only.
+    """
+    ours = {id(frame) for frame in frames}
+    functions = {
+        id(held): held
+        for frame in frames
+        for held in gc.get_referents(frame)
+        if isinstance(held, types.FunctionType)
+        and held.__code__ is frame.f_code
+        and held.__closure__ is not None
+    }
+    elsewhere = _held_elsewhere(functions, ours) if functions else set()
+    closures = {
+        id(function.__closure__) for key, function in functions.items() if key not in elsewhere
+    }
+    in_use = _held_elsewhere(cells, ours | closures)
+    for key, cell in cells.items():
+        if key not in in_use:
+            with contextlib.suppress(ValueError):  # empty already
+                del cell.cell_contents
+
+
+def _held_elsewhere(objects: dict[int, Any], allowed: set[int]) -> set[int]:
+    """The ids among ``objects`` that something besides ``allowed`` (ids) refers to."""
+    allowed = allowed | {id(objects), id(sys._getframe(1))}
+    held: set[int] = set()
+    for referrer in gc.get_referrers(*objects.values()):
+        if id(referrer) not in allowed:
+            held.update(id(ref) for ref in gc.get_referents(referrer) if id(ref) in objects)
+    return held
 
 
 def _chain(error: BaseException | None, stop: frozenset[int] = frozenset()) -> list[BaseException]:
