@@ -122,7 +122,10 @@ class ModuleTensors:
     hook_dicts: tuple[dict[Any, Any], ...] = ()
     hook_flags: tuple[tuple[dict[Any, Any], ...], ...] = ()
     hooks_at_capture: tuple[Hooks, ...] = ()
-    any_hooks_at_capture: bool = False
+    # Per call: the dicts empty at capture must be empty still (one any()); the few that held
+    # hooks are compared hook by hook.
+    unhooked_dicts: tuple[dict[Any, Any], ...] = ()
+    hooked: tuple[int, ...] = ()  # indices into hook_dicts
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleTensors:
@@ -176,7 +179,8 @@ class ModuleTensors:
             hook_dicts=hook_dicts,
             hook_flags=hook_flags,
             hooks_at_capture=tuple(map(_hooks_held, hook_dicts, hook_flags)),
-            any_hooks_at_capture=any(hook_dicts),
+            unhooked_dicts=tuple(hooks for hooks in hook_dicts if not hooks),
+            hooked=tuple(i for i, hooks in enumerate(hook_dicts) if hooks),
         )
 
     def check(self, *, grad_enabled: bool) -> None:
@@ -193,11 +197,8 @@ class ModuleTensors:
             not all(map(_is, current, self.tensors))
             or not all(map(_is, hung, self.modules))
             or tuple(map(_training, self.modules)) != self.training
-            or (
-                not all(map(_same_hooks, self._hooks_now(), self.hooks_at_capture))
-                if self.any_hooks_at_capture
-                else any(self.hook_dicts)  # the usual case: none then, none now
-            )
+            or any(self.unhooked_dicts)  # usually all of them: none then, none now
+            or (self.hooked and not self._same_hooks_where_hooked())
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
             or (
                 grad_enabled
@@ -205,6 +206,14 @@ class ModuleTensors:
             )
         ):
             raise self._explain(grad_enabled)
+
+    def _same_hooks_where_hooked(self) -> bool:
+        for i in self.hooked:
+            if not _same_hooks(
+                _hooks_held(self.hook_dicts[i], self.hook_flags[i]), self.hooks_at_capture[i]
+            ):
+                return False
+        return True
 
     def _hooks_now(self) -> Iterator[Hooks]:
         return map(_hooks_held, self.hook_dicts, self.hook_flags)
