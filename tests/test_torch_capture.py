@@ -1000,6 +1000,38 @@ def test_a_capture_failing_in_a_submodule_hook_frees_its_graph_while_the_error_i
     assert_tensors_match(graphed(x).detach(), twin(x).detach(), "output", tolerance(backend))
 
 
+class KeepsWeakReferencesToItsInputs(nn.Module):
+    """Fails in its second call; keeps weak references to what each call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.given: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.given.append(weakref.ref(x))
+        if len(self.given) == 2:
+            raise ValueError("failed")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_frees_its_static_inputs_while_the_error_is_held(backend: str) -> None:
+    """The capture lint keeps the static inputs it watches; the frame that raises the error
+    (which its traceback keeps) held the lint."""
+    device = device_of(backend)
+    module = KeepsWeakReferencesToItsInputs().to(device)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    importlib.import_module("torch._dynamo")  # see test_a_failed_capture_frees_the_graph_...
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(CaptureError, match="failed"):
+            dgt.make_graphed_callables(module, sample, backend=backend, lint="warn")
+        assert [ref() for ref in module.given] == [None, None]
+    finally:
+        gc.enable()
+
+
 class RegistersAHookThenFails(nn.Module):
     """Its second call registers a hook on its layer, closing over a local, then fails."""
 

@@ -160,9 +160,11 @@ def capture_copies(
         failure = with_lint_findings(  # issue 19 hook
             describe_failure(error, progress, options.backend), probes, error
         )
+        probes.clear()  # they hold the static inputs; this frame stays in the error's traceback
         release_failed_attempt(error, progress.before)
         raise failure from error
     except BaseException as interrupted:  # KeyboardInterrupt, SystemExit: passed on as they are
+        probes.clear()
         release_failed_attempt(interrupted, progress.before)
         raise
 
