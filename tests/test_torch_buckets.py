@@ -758,6 +758,34 @@ def test_a_failed_bucket_capture_lets_the_buckets_captured_before_it_go(backend:
         gc.enable()
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_padding_refused_after_capture_lets_the_captured_buckets_go(backend: str) -> None:
+    seen: list[Any] = []
+
+    class SeenMeanPool(MeanPool):
+        def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+            seen.append(weakref.ref(x))
+            return super().forward(x, valid_length)
+
+    device = device_of(backend)
+    buckets = [(torch.randn(2, n, 4, device=device),) for n in (3, 5)]
+    importlib.import_module("torch._dynamo")  # its first import leaves a cycle through frames
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(DualgraphError, match="output differs") as caught:
+            dgt.make_graphed_callables(
+                SeenMeanPool().to(device),
+                buckets=buckets,
+                fallback="pad",
+                dynamic_dims={"args[0]": 1},
+                backend=backend,
+            )
+        assert seen and [ref() for ref in seen] == [None] * len(seen)
+        del caught
+    finally:
+        gc.enable()
+
+
 # -- bad requests ----------------------------------------------------------------------------------
 
 

@@ -131,39 +131,33 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         )
         shared = _shared_param_grads(request.module) if accumulators is None else None
         before = 0
-        try:
-            for rank, i in enumerate(_largest_first(samples, guards)):
-                args, kwargs = samples[i]
-                kwargs = _with_length(kwargs, full_lengths[i])
-                inputs = InputGuard(args, kwargs)
-                (plans[i],) = capture(
-                    [
-                        CaptureRequest(
-                            name=names[i],
-                            fn=request.fn,
-                            module=request.module,
-                            inputs=inputs,
-                            sample_tensors=tuple(inputs.tensors(args, kwargs)),
-                            param_grad_buffers=shared,
-                            param_accumulators=accumulators,
-                            hooks=request.hooks,
-                        )
-                    ],
-                    options,
-                )
-                pool_bytes[i] = max(0, plans[i].diagnostics.pool_bytes - before)
-                before = max(before, plans[i].diagnostics.pool_bytes)
-                if rank == 0:
-                    largest_alone = plans[i].diagnostics.pool_bytes
-                    largest = i
-            if padding is not None:
-                check_padded_plans(request, padding, plans, lengths, guard, shapes)
-        except BaseException:
-            # The error's traceback keeps this frame: the buckets captured before the failure
-            # (their graphs, pool and static buffers) must not live on with it.
-            plans.clear()
-            accumulators = shared = None
-            raise
+        for rank, i in enumerate(_largest_first(samples, guards)):
+            args, kwargs = samples[i]
+            kwargs = _with_length(kwargs, full_lengths[i])
+            inputs = InputGuard(args, kwargs)
+            (plan,) = capture(
+                [
+                    CaptureRequest(
+                        name=names[i],
+                        fn=request.fn,
+                        module=request.module,
+                        inputs=inputs,
+                        sample_tensors=tuple(inputs.tensors(args, kwargs)),
+                        param_grad_buffers=shared,
+                        param_accumulators=accumulators,
+                        hooks=request.hooks,
+                    )
+                ],
+                options,
+            )
+            plans[i] = plan
+            pool_bytes[i] = max(0, plan.diagnostics.pool_bytes - before)
+            before = max(before, plan.diagnostics.pool_bytes)
+            if rank == 0:
+                largest_alone = plan.diagnostics.pool_bytes
+                largest = i
+        if padding is not None:
+            check_padded_plans(request, padding, plans, lengths, guard, shapes)
         # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
         if options.param_grads == "auto" and request.fallback == "eager":
             eager_graphs = EagerGraphs()

@@ -26,6 +26,7 @@ __all__ = [
     "describe_failure",
     "recover_cuda",
     "release_failed_attempt",
+    "released_on_failure",
     "repair_cuda_rng",
 ]
 
@@ -93,6 +94,22 @@ def ambient_kept_on_failure() -> Iterator[None]:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(autocast_cache)
+        raise
+
+
+@contextlib.contextmanager
+def released_on_failure() -> Iterator[None]:
+    """Free what the frames a failure of the block left hold (:func:`release_failed_attempt`).
+
+    Around a whole graphing: besides the capture's own frames, those of what failed after some
+    graphs were captured (a later shape bucket, a check of all of them) hold those graphs, their
+    pool and their static buffers, for as long as the error is held.
+    """
+    before = sys.exc_info()[1]
+    try:
+        yield
+    except BaseException as error:
+        release_failed_attempt(error, before)
         raise
 
 

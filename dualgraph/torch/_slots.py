@@ -445,17 +445,14 @@ def capture_slotted(
     if schedule is not None:
         layout = ScheduleLayout(schedule, len(requests))
         plans = capture_copies(requests, options, layout)
-        without = [
-            r.name for r, group in zip(requests, plans, strict=True) if not group[0].has_backward
-        ]
-        if without:
-            del plans  # the error's traceback keeps this frame: the graphs must not live on
-            raise CaptureError(
-                f"capturing {without[0]} ({options.backend}) for a schedule: it has no "
-                "backward (no output requires grad, or nothing takes a grad), but every "
-                "micro-batch of a schedule runs a forward and a backward; graph it without "
-                "the schedule"
-            )
+        for request, group in zip(requests, plans, strict=True):
+            if not group[0].has_backward:
+                raise CaptureError(
+                    f"capturing {request.name} ({options.backend}) for a schedule: it has no "
+                    "backward (no output requires grad, or nothing takes a grad), but every "
+                    "micro-batch of a schedule runs a forward and a backward; graph it without "
+                    "the schedule"
+                )
         cursor = ScheduleCursor(schedule, layout.passes)
         fronts = [_build(group, cursor) for group in plans]
         cursor.fronts = fronts
