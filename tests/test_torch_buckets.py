@@ -10,8 +10,11 @@ of all buckets is at most 1.25x the pool of the largest bucket captured alone.
 from __future__ import annotations
 
 import copy
+import gc
+import importlib
 import logging
 import random
+import weakref
 from typing import Any
 
 import pytest
@@ -31,7 +34,7 @@ from torch_cases import (
 )
 
 import dualgraph.torch as dgt
-from dualgraph import DualgraphError, SpecMismatchError
+from dualgraph import CaptureError, DualgraphError, SpecMismatchError
 from dualgraph.models.torch_vit import VisionEncoder, ViTBlock
 
 #: Padded calls run other kernels' sizes than eager: equal up to rounding, not bit for bit.
@@ -774,6 +777,65 @@ def test_a_failed_bucket_capture_names_the_bucket_and_leaves_the_module_as_it_wa
     assert block(tokens(device, 6))[0].shape == (2, 6, 16)
     dgt.make_graphed_callables(block, buckets=block_buckets(device, (5, 9)), backend=backend)
     assert dgt.diagnostics(block).backend == backend
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_bucket_capture_lets_the_buckets_captured_before_it_go(backend: str) -> None:
+    """While the error is held, the graphs, pool and static buffers of the buckets captured
+    before the failing one are not kept by it (on CUDA, that pool's memory)."""
+    seen: list[Any] = []
+
+    class FailsOnFive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(weakref.ref(x))
+            if x.shape[0] == 5:
+                raise ValueError("five rows")
+            return self.fc(x)
+
+    device = device_of(backend)
+    module = FailsOnFive().to(device)
+    buckets = [(torch.randn(n, 4, device=device, requires_grad=True),) for n in (5, 9)]
+    importlib.import_module("torch._dynamo")  # its first import leaves a cycle through frames
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(CaptureError, match="five rows") as caught:
+            dgt.make_graphed_callables(module, buckets=buckets, backend=backend)
+        assert seen and [ref() for ref in seen] == [None] * len(seen)
+        del caught
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_padding_refused_after_capture_lets_the_captured_buckets_go(backend: str) -> None:
+    seen: list[Any] = []
+
+    class SeenMeanPool(MeanPool):
+        def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+            seen.append(weakref.ref(x))
+            return super().forward(x, valid_length)
+
+    device = device_of(backend)
+    buckets = [(torch.randn(2, n, 4, device=device),) for n in (3, 5)]
+    importlib.import_module("torch._dynamo")  # its first import leaves a cycle through frames
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(DualgraphError, match="output differs") as caught:
+            dgt.make_graphed_callables(
+                SeenMeanPool().to(device),
+                buckets=buckets,
+                fallback="pad",
+                dynamic_dims={"args[0]": 1},
+                backend=backend,
+            )
+        assert seen and [ref() for ref in seen] == [None] * len(seen)
+        del caught
+    finally:
+        gc.enable()
 
 
 # -- bad requests ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ place, inputs updated during backward, lazy modules, and parameter hooks under i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -876,6 +877,249 @@ def test_a_failed_capture_frees_the_graph_its_forward_left_at_once(
     )
 
 
+def _raises_keeping(kept: Any) -> None:
+    """Raises, with ``kept`` among its locals (what a post-mortem debugger would read)."""
+    raise KeyError("the caller's own error")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_failing_in_an_except_block_leaves_the_handled_error_alone(backend: str) -> None:
+    """Graphing inside the caller's ``except`` block: the failure's chain reaches the caller's
+    error, whose frames (locals) belong to the caller, and which is no cause of the failure."""
+    device = device_of(backend)
+    try:
+        _raises_keeping(kept="the caller's local")
+    except KeyError as handled:
+        with pytest.raises(CaptureError) as caught:
+            dgt.make_graphed_callables(
+                Exploding(fail_at=2).to(device),
+                (torch.randn(2, 8, device=device),),
+                backend=backend,
+            )
+        assert str(caught.value).endswith("failed during warmup: ValueError: exploded on purpose")
+        assert isinstance(caught.value.__cause__, ValueError)
+        frames = [frame for frame, _ in traceback.walk_tb(handled.__traceback__)]
+        assert frames[-1].f_locals == {"kept": "the caller's local"}
+        assert caught.value.__cause__.__context__ is handled  # the chain itself is kept
+
+
+class ThrowsIntoItsSchedule(nn.Module):
+    """Keeps a generator it resumes on each call and throws its failures into (which records
+    them and goes on); fails in its second call after that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+        self.schedule = self._steps()
+        next(self.schedule)
+
+    def _steps(self) -> Any:
+        failures = 0
+        while True:
+            try:
+                yield failures
+            except ValueError:
+                failures += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            try:
+                raise ValueError("exploded on purpose")
+            except ValueError as error:
+                self.schedule.throw(error)  # its frame joins the error's traceback, suspended
+                raise
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_leaves_a_suspended_generator_in_its_traceback_running(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = ThrowsIntoItsSchedule().to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a generator closed under it would warn (unraisable)
+        message = capture_error(module, (torch.randn(2, 8, device=device),), backend=backend)
+    assert message.endswith("ValueError: exploded on purpose")
+    assert next(module.schedule) == 1  # not closed: it recorded the failure and goes on
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_failing_inside_a_generator_based_context_manager_keeps_its_state(
+    backend: str,
+) -> None:
+    """Graphing in a ``@contextmanager`` (whose generator is running, and here handles an
+    error): the failure is a CaptureError with the original cause, and the generator, its
+    locals and the error it handles are left as they were."""
+    device = device_of(backend)
+    seen: list[Any] = []
+
+    @contextlib.contextmanager
+    def graphed_or_eager(module: nn.Module) -> Any:
+        mode = "graphed"
+        try:
+            _raises_keeping(kept=mode)
+        except KeyError as handled:
+            try:
+                module = dgt.make_graphed_callables(
+                    module, (torch.randn(2, 8, device=device),), backend=backend
+                )
+            except CaptureError as error:
+                mode = "eager"
+                seen.append(error)
+            frames = [frame for frame, _ in traceback.walk_tb(handled.__traceback__)]
+            seen.append(frames[-1].f_locals)
+        yield module, mode
+
+    with graphed_or_eager(Exploding(fail_at=2).to(device)) as (module, mode):
+        assert mode == "eager" and "forward" not in module.__dict__
+    error, kept_locals = seen
+    assert isinstance(error.__cause__, ValueError)
+    assert str(error).endswith("ValueError: exploded on purpose")
+    assert kept_locals == {"kept": "graphed"}
+
+
+def _graph_again_while_the_error_is_held(module: nn.Module, backend: str, match: str) -> Any:
+    """Graph ``module`` (which fails), then again while the first error is still held and no
+    garbage collection runs: what the failed attempt made must be gone by then."""
+    device = device_of(backend)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    importlib.import_module("torch._dynamo")  # see the test above
+    gc.disable()
+    try:
+        with pytest.raises(CaptureError, match=match) as caught:
+            dgt.make_graphed_callables(module, sample, backend=backend)
+        graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+        del caught
+    finally:
+        gc.enable()
+    return graphed
+
+
+def _fails_on_call(at: int) -> Any:
+    calls: list[None] = []
+
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        calls.append(None)
+        if len(calls) == at:
+            raise ValueError("failed in a hook")
+
+    return hook
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("at", [1, 2], ids=["first warmup (linted)", "second warmup"])
+def test_a_capture_failing_in_a_submodule_hook_frees_its_graph_while_the_error_is_held(
+    backend: str, at: int
+) -> None:
+    """torch runs a module's hooks through a closure over its inputs and output; the cleared
+    frame of that closure still holds it, and its cells held the half-built graph (and in the
+    first warmup, a snapshot of the frame's locals that the capture lint's walk took)."""
+    device = device_of(backend)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = copy.deepcopy(module)
+    module[2].register_forward_hook(_fails_on_call(at))
+    graphed = _graph_again_while_the_error_is_held(module, backend, "failed in a hook")
+    x = torch.randn(2, 8, device=device)
+    assert_tensors_match(graphed(x).detach(), twin(x).detach(), "output", tolerance(backend))
+
+
+class KeepsWeakReferencesToItsInputs(nn.Module):
+    """Fails in its second call; keeps weak references to what each call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.given: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.given.append(weakref.ref(x))
+        if len(self.given) == 2:
+            raise ValueError("failed")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_frees_its_static_inputs_while_the_error_is_held(backend: str) -> None:
+    """The capture lint keeps the static inputs it watches; the frame that raises the error
+    (which its traceback keeps) held the lint."""
+    device = device_of(backend)
+    module = KeepsWeakReferencesToItsInputs().to(device)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    importlib.import_module("torch._dynamo")  # see test_a_failed_capture_frees_the_graph_...
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(CaptureError, match="failed") as caught:
+            dgt.make_graphed_callables(module, sample, backend=backend, lint="warn")
+        assert [ref() for ref in module.given] == [None, None]
+        del caught
+    finally:
+        gc.enable()
+
+
+class RegistersAHookThenFails(nn.Module):
+    """Its second call registers a hook on its layer, closing over a local, then fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            scale = 3.0
+            self.fc.register_forward_hook(lambda module, args, out: out * scale)
+            raise ValueError("failed after registering a hook")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_failed_capture_keeps_the_cells_of_a_closure_it_left_registered(backend: str) -> None:
+    """The failed frame's variables that a closure still held elsewhere closes over stay."""
+    device = device_of(backend)
+    module = RegistersAHookThenFails().to(device)
+    capture_error(module, (torch.randn(2, 8, device=device),), backend=backend)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        expected = F.linear(x, module.fc.weight, module.fc.bias) * 3
+        assert_tensors_match(module.fc(x), expected, "output", tolerance(backend))
+
+
+class FailsInAGenerator(nn.Module):
+    """Its second call iterates a generator that yields the layer's output, then raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def _steps(self, x: torch.Tensor) -> Any:
+        h = self.fc(x)
+        yield h
+        raise ValueError("failed in a generator")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            return sum(self._steps(x))  # type: ignore[return-value]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_failing_in_a_generator_frees_its_graph_while_the_error_is_held(
+    backend: str,
+) -> None:
+    """A finished generator's frame keeps its locals as any finished frame does (only a
+    suspended one is left alone)."""
+    module = FailsInAGenerator().to(device_of(backend))
+    graphed = _graph_again_while_the_error_is_held(module, backend, "failed in a generator")
+    x = torch.randn(2, 8, device=device_of(backend))
+    assert_tensors_match(graphed(x).detach(), module.fc(x).detach(), "out", tolerance(backend))
+
+
 @pytest.mark.parametrize("kept", ["output", "loss after backward"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_graphing_while_an_eager_graph_of_the_module_is_alive_is_refused_until_it_goes(
@@ -911,6 +1155,132 @@ def test_graphing_while_an_eager_graph_of_the_module_is_alive_is_refused_until_i
         assert_tensors_match(a.grad, b.grad, "x.grad", tolerance(backend))
         for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+
+
+class _Cyclic:
+    """Refers to itself: only a garbage collection frees it (and what it holds)."""
+
+    def __init__(self, held: Any) -> None:
+        self.held = held
+        self.me = self
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_eager_graph_only_a_reference_cycle_keeps_is_collected_not_refused(
+    backend: str,
+) -> None:
+    """An eager loss that is garbage but not yet collected (kept by a reference cycle) holds the
+    AccumulateGrad nodes like a live one; graphing collects it instead of refusing."""
+    device = device_of(backend)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(device)
+    twin = copy.deepcopy(module)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    gc.disable()  # only the capture's own collection may free it
+    try:
+        left = weakref.ref(_Cyclic(module(x).sum()))
+        assert left() is not None
+        sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+        graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+        assert left() is None
+    finally:
+        gc.enable()
+    y = torch.randn(4, 8, device=device)
+    graphed(y).square().sum().backward()
+    twin(y).square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+
+
+class DropsAnActivation(nn.Module):
+    """Computes a sigmoid it never uses: autograd saves a sigmoid's output for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        torch.sigmoid(h)  # dropped at once, as eager drops it
+        return h * 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_activation_the_forward_drops_leaves_no_graph_behind_the_warmup(backend: str) -> None:
+    """The first warmup call notes what autograd saves; a pack hook that hands autograd the
+    tensor itself ties an op's saved output to its own node, a cycle no collection frees (the
+    warmup's backward never reaches a dropped result). The parameters' AccumulateGrad nodes
+    stayed alive (on CUDA made on the warmup's side stream): graphing the module again was
+    refused."""
+    device = device_of(backend)
+    module = DropsAnActivation().to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    dgt.make_graphed_callables(module, sample, backend=backend)
+    dgt.restore(module)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    x = torch.randn(2, 8, device=device)
+    graphed(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
+
+
+class Foreign(nn.Module):
+    """Closes over a tensor that requires grad but is neither an input nor a parameter (refused);
+    with ``foreign=None`` it is a plain layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.foreign: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))  # tanh saves its output
+        return h if self.foreign is None else h * self.foreign
+
+
+def _fails_once(error: BaseException) -> Any:
+    calls: list[None] = []
+
+    def hook(module: nn.Module) -> None:
+        calls.append(None)
+        if len(calls) == 1:
+            raise error
+
+    return hook
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    "failure", ["refused foreign leaf", "capture-time forward hook", "interrupt in that hook"]
+)
+def test_a_capture_failing_between_the_first_forward_and_its_backward_can_be_retried(
+    backend: str, failure: str
+) -> None:
+    """The first warmup forward's graph, never differentiated, goes with the failure: graphing
+    the module again works (it was refused: the parameters' AccumulateGrad nodes stayed held)
+    and trains as eager."""
+    device = device_of(backend)
+    module = Foreign().to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 8, device=device, requires_grad=True),)
+    options: dict[str, Any] = {"backend": backend}
+    if failure == "refused foreign leaf":
+        module.foreign = torch.ones(8, device=device, requires_grad=True)
+    else:
+        error = (
+            ValueError("failed") if failure == "capture-time forward hook" else KeyboardInterrupt()
+        )
+        options["capture_time_hooks"] = {"forward_hooks": {0: _fails_once(error)}}
+    with pytest.raises(KeyboardInterrupt if failure == "interrupt in that hook" else CaptureError):
+        dgt.make_graphed_callables(module, sample, **options)
+    module.foreign = None
+    graphed = dgt.make_graphed_callables(module, sample, **options)
+    x = torch.randn(2, 8, device=device)
+    graphed(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (name, p), q in zip(module.named_parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, name, tolerance(backend))
 
 
 def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:

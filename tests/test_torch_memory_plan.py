@@ -109,6 +109,26 @@ def test_saved_activations_are_what_autograd_keeps_beyond_inputs_and_parameters(
     assert dgt.memory_plan(mlp, torch.randn(4, 8)).callables[0].saved_activation_bytes == 4 * 64 * 4
 
 
+def test_a_plan_of_a_forward_that_drops_an_activation_leaves_no_graph_behind() -> None:
+    # The probe's pack hook hands autograd the saved tensor detached: packed as itself, a saved
+    # output the forward drops held its own node for good, and the parameters' AccumulateGrad
+    # nodes with it (graphing the module afterwards was refused).
+    class DropsASigmoid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            torch.sigmoid(h)  # dropped
+            return h * 2
+
+    module = DropsASigmoid()
+    x = torch.randn(2, 4, requires_grad=True)
+    dgt.memory_plan(module, x)
+    dgt.make_graphed_callables(module, (x,), backend="emulate")
+
+
 def test_saved_tensors_another_pack_hook_collects_are_handed_over() -> None:
     # Only the innermost saved_tensors_hooks run: an adapter that packs them itself passes them on.
     probe = _memory_plan.MemoryProbe("exp_of_double", exp_of_double)

@@ -792,6 +792,30 @@ def test_a_replay_inside_saved_tensor_hooks_trains_like_eager(
         )
 
 
+class _DropsASigmoid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        torch.sigmoid(h)  # dropped: autograd saved its output for a backward that never comes
+        return h * 2
+
+
+def test_an_emulated_replay_inside_saved_tensor_hooks_leaves_no_dropped_graph_behind() -> None:
+    # The emulated replay packs its saved tensors with hooks of its own there; packed as
+    # themselves, a dropped result held its own node for good (a cycle no collection frees),
+    # and the parameters' AccumulateGrad nodes with it: graphing the module again was refused.
+    module = _DropsASigmoid()
+    sample = (torch.randn(4, 8, requires_grad=True),)
+    dgt.make_graphed_callables(module, sample, backend="emulate")
+    with torch.autograd.graph.save_on_cpu():
+        module(torch.randn(4, 8)).sum().backward()
+    dgt.restore(module)
+    dgt.make_graphed_callables(module, sample, backend="emulate")
+
+
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_a_reentrant_checkpoint_around_a_function_calling_the_replay_trains_like_eager(
     backend: str, param_grads: str

@@ -669,6 +669,69 @@ def test_a_submodule_hook_registered_or_removed_after_capture_is_refused_naming_
     )
 
 
+def _triples_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * 3
+
+
+def _triples_input(module: nn.Module, args: Any) -> tuple[torch.Tensor, ...]:
+    return (args[0] * 3,)
+
+
+def _records_too(*args: Any) -> None:
+    return None
+
+
+#: Another hook of each kind, to swap in under the first one's handle.
+OTHER_HOOKS = {
+    "forward": ("_forward_hooks", _triples_output),
+    "forward_pre": ("_forward_pre_hooks", _triples_input),
+    "full_backward": ("_backward_hooks", _records_too),
+    "backward_pre": ("_backward_pre_hooks", _records_too),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("hook", sorted(SUBMODULE_HOOKS))
+def test_a_submodule_hook_replaced_under_its_handle_after_capture_is_refused_naming_it(
+    backend: str, hook: str
+) -> None:
+    # As many hooks as at capture, under the same handle ids, but one is another function
+    # (``module._forward_hooks[handle.id] = other``): eager runs the new one, a graph the old.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    register, kind = SUBMODULE_HOOKS[hook]
+    handle = register(module.fc2)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    attribute, other = OTHER_HOOKS[hook]
+    hooks = getattr(module.fc2, attribute)
+    original = hooks[handle.id]
+    hooks[handle.id] = other
+    with pytest.raises(DualgraphError, match=f"^TinyMLP.fc2: {kind} replaced after capture"):
+        module(torch.randn(4, 8, device=device))
+    hooks[handle.id] = original
+    module(torch.randn(4, 8, device=device))  # the hooks of capture time again
+
+
+def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:
+    return args[-1] * 2  # the output, with or without the kwargs before it
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_submodule_hook_registered_again_with_other_flags_is_refused(backend: str) -> None:
+    # The same function, but called with the forward's kwargs now: torch calls it another way.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    handle = module.fc2.register_forward_hook(_doubles_last)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    handle.remove()
+    handle = module.fc2.register_forward_hook(_doubles_last, with_kwargs=True)
+    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc2: forward hook replaced after capture"):
+        module(torch.randn(4, 8, device=device))
+    handle.remove()
+    module.fc2.register_forward_hook(_doubles_last)  # as at capture, under a new handle: fine
+    module(torch.randn(4, 8, device=device))
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_hooks_on_the_graphed_module_itself_may_come_and_go(backend: str) -> None:
     # They run around the replay, through the module's __call__, as in eager.

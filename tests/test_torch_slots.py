@@ -10,8 +10,11 @@ pipeline: bit for bit on the CPU (``emulate``), within ``TOLERANCES`` on a GPU.
 from __future__ import annotations
 
 import copy
+import gc
+import importlib
 import pickle
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -606,6 +609,29 @@ def test_a_schedule_needs_a_backward(backend: str) -> None:
         dgt.make_graphed_callables(
             lambda x: x.argmax(-1), (_x(backend),), backend=backend, schedule=[1, -1]
         )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_schedule_refused_after_capture_lets_its_graphs_go(backend: str) -> None:
+    """The refusal comes once the copies are captured; while the error is held, their graphs
+    and static buffers are not kept by it."""
+    seen: list[Any] = []
+
+    def no_backward(x: torch.Tensor) -> torch.Tensor:
+        seen.append(weakref.ref(x))
+        return x.argmax(-1)
+
+    importlib.import_module("torch._dynamo")  # its first import leaves a cycle through frames
+    gc.disable()  # only reference counts may free them
+    try:
+        with pytest.raises(CaptureError, match="for a schedule: it has no backward") as caught:
+            dgt.make_graphed_callables(
+                no_backward, (_x(backend),), backend=backend, schedule=[1, -1]
+            )
+        assert seen and [ref() for ref in seen] == [None] * len(seen)
+        del caught
+    finally:
+        gc.enable()
 
 
 # -- options -------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -149,7 +151,7 @@ def capture_copies(
     requests: Sequence[CaptureRequest], options: CaptureOptions, layout: CaptureLayout
 ) -> list[list[ReplayPlan]]:
     """Like :func:`capture`, with the copies and graph order ``layout`` gives: plans per request."""
-    progress = Progress()
+    progress = Progress(before=sys.exc_info()[1])
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
         with capture_scope(progress):  # a graphed callable called inside is refused
@@ -160,10 +162,12 @@ def capture_copies(
         failure = with_lint_findings(  # issue 19 hook
             describe_failure(error, progress, options.backend), probes, error
         )
-        release_failed_attempt(error)
+        probes.clear()  # they hold the static inputs; this frame stays in the error's traceback
+        release_failed_attempt(error, progress.before)
         raise failure from error
     except BaseException as interrupted:  # KeyboardInterrupt, SystemExit: passed on as they are
-        release_failed_attempt(interrupted)
+        probes.clear()
+        release_failed_attempt(interrupted, progress.before)
         raise
 
 
@@ -209,22 +213,30 @@ def _refuse_parameters_held_by_graphs(captures: Sequence[_Capture], progress: Pr
     A node keeps the stream it was made on; a CUDA warmup and capture run on streams of their
     own, so the capture's backward would make that stream wait on the capturing one, which fails
     the capture (torch warns of the mismatch first). Found before anything is run or allocated,
-    by ``"emulate"`` too, so that a CPU run shows what a GPU run would refuse.
+    by ``"emulate"`` too, so that a CPU run shows what a GPU run would refuse. A graph that is
+    garbage kept only by a reference cycle is collected first (once, and only when something
+    would be refused, so that the usual capture pays nothing).
     """
-    for item in captures:
-        if item.like is not None:
-            continue
-        progress.name = item.name
-        for name, param in zip(item.param_names, item.params, strict=True):
-            if held_by_a_graph(param):
-                raise Refused(
-                    f"{name}'s AccumulateGrad node is held by an autograd graph that is still "
-                    "alive (an output or loss kept from a call before graphing, or "
-                    "DistributedDataParallel): that node stays on the stream it was made on, "
-                    "and the capture's backward would wait on it from inside the graph. Delete "
-                    "the references to that graph (e.g. `del loss`) before graphing, and graph "
-                    "the layers before wrapping the model in DDP"
-                )
+    held = [
+        (item.name, name, param)
+        for item in captures
+        if item.like is None
+        for name, param in zip(item.param_names, item.params, strict=True)
+        if held_by_a_graph(param)
+    ]
+    if held:
+        gc.collect()
+    for item_name, name, param in held:
+        if held_by_a_graph(param):
+            progress.name = item_name
+            raise Refused(
+                f"{name}'s AccumulateGrad node is held by an autograd graph that is still "
+                "alive (an output or loss kept from a call before graphing, or "
+                "DistributedDataParallel): that node stays on the stream it was made on, "
+                "and the capture's backward would wait on it from inside the graph. Delete "
+                "the references to that graph (e.g. `del loss`) before graphing, and graph "
+                "the layers before wrapping the model in DDP"
+            )
 
 
 def _shared_parameters(requests: Sequence[CaptureRequest]) -> frozenset[int]:

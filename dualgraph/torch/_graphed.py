@@ -14,7 +14,7 @@ from .._errors import CaptureError, DualgraphError
 from ._bucket_capture import BucketRequest, capture_buckets
 from ._buckets import BucketedCallable, Fallback
 from ._capture import CaptureOptions, CaptureRequest, capture
-from ._capture_failure import ambient_kept_on_failure
+from ._capture_failure import ambient_kept_on_failure, released_on_failure
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
@@ -371,7 +371,7 @@ def make_graphed_callables(
     ]
     runners: list[GraphedCallable | SlottedCallable] = []
     options = dataclasses.replace(options, backend=resolved)
-    with ambient_kept_on_failure(), capturing(te):
+    with ambient_kept_on_failure(), released_on_failure(), capturing(te):
         if slots is None and schedule is None:
             runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
@@ -457,7 +457,7 @@ def _graph_buckets(
         dynamic_dims=dynamic_dims,
         hooks=hooks,
     )
-    with ambient_kept_on_failure(), capturing(te):
+    with ambient_kept_on_failure(), released_on_failure(), capturing(te):
         bucketed = capture_buckets(request)
     return install(fn, bucketed)
 

@@ -408,7 +408,8 @@ class MemoryProbe(OpObserver):
 
         def pack(tensor: torch.Tensor) -> Any:
             self._count_saved(tensor)
-            return tensor if outer_pack is None else outer_pack(tensor)
+            # detached: a saved output packed as itself would hold its own node for good
+            return tensor.detach() if outer_pack is None else outer_pack(tensor)
 
         def unpack(packed: Any) -> Any:
             return packed if outer_unpack is None else outer_unpack(packed)

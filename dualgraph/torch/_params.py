@@ -9,8 +9,9 @@ or buffer replaced (``module.weight = nn.Parameter(...)``), moved or re-allocate
 (``module.fc = nn.Linear(...)``, whose tensors the graphs never read), or a submodule put in
 another training mode than the module itself (``module.dropout.eval()``: the graphs would
 replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``),
-or a submodule given or relieved of a forward or backward hook (the graphs replay the hooks a
-submodule had at capture: one registered since would never run, one removed would still act).
+or a submodule given or relieved of a forward or backward hook, or one swapped for another
+function (the graphs replay the hooks a submodule had at capture: one registered since would
+never run, one removed would still act).
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
 running statistics are updated on every warmup call, as if those calls had been steps), and
@@ -44,13 +45,29 @@ _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
 _requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
-# A module's hook dicts, by the kind of hook each holds.
+# A module's hook dicts, by the kind of hook each holds, with the dicts of flags (keyed by the
+# same handle ids) that change how a hook of that kind is called.
 _HOOK_KINDS = {
-    "_forward_pre_hooks": "forward pre-hook",
-    "_forward_hooks": "forward hook",
-    "_backward_pre_hooks": "backward pre-hook",
-    "_backward_hooks": "backward hook",
+    "_forward_pre_hooks": ("forward pre-hook", ("_forward_pre_hooks_with_kwargs",)),
+    "_forward_hooks": (
+        "forward hook",
+        ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+    ),
+    "_backward_pre_hooks": ("backward pre-hook", ()),
+    "_backward_hooks": ("backward hook", ()),
 }
+#: What a hook dict holds, as the module calls it: its hooks in order, and each flag per hook.
+Hooks = tuple[tuple[Any, ...], tuple[tuple[bool, ...], ...]]
+
+
+def _hooks_held(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
+    return tuple(hooks.values()), tuple(tuple(key in flag for key in hooks) for flag in flags)
+
+
+def _same_hooks(now: Hooks, then: Hooks) -> bool:
+    """The same hook functions (by identity: another function under the same handle id acts
+    differently), in the same order, with the same flags."""
+    return len(now[0]) == len(then[0]) and all(map(_is, now[0], then[0])) and now[1] == then[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,11 +117,15 @@ class ModuleTensors:
     modules: tuple[torch.nn.Module, ...] = ()
     training: tuple[bool, ...] = ()
     # Every submodule's forward and backward hook dicts (the root's run around the replay, so
-    # they are not among them), and how many hooks each held at capture.
+    # they are not among them), their flag dicts, and the hooks each held at capture.
     hook_names: tuple[str, ...] = ()
     hook_dicts: tuple[dict[Any, Any], ...] = ()
-    hook_counts: tuple[int, ...] = ()
-    any_hooks_at_capture: bool = False
+    hook_flags: tuple[tuple[dict[Any, Any], ...], ...] = ()
+    hooks_at_capture: tuple[Hooks, ...] = ()
+    # Per call: the dicts empty at capture must be empty still (one any()); the few that held
+    # hooks are compared hook by hook.
+    unhooked_dicts: tuple[dict[Any, Any], ...] = ()
+    hooked: tuple[int, ...] = ()  # indices into hook_dicts
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleTensors:
@@ -127,12 +148,18 @@ class ModuleTensors:
                     hung.append((name, parent._modules, key, child))
         modules = tuple(entry[3] for entry in hung)
         hooked = [
-            (f"{root}.{prefix}", kind, getattr(submodule, attribute))
+            (
+                f"{root}.{prefix}",
+                kind,
+                getattr(submodule, attribute),
+                tuple(getattr(submodule, flag, {}) for flag in flags),
+            )
             for prefix, submodule in module.named_modules()
             if prefix
-            for attribute, kind in _HOOK_KINDS.items()
+            for attribute, (kind, flags) in _HOOK_KINDS.items()
         ]
         hook_dicts = tuple(entry[2] for entry in hooked)
+        hook_flags = tuple(entry[3] for entry in hooked)
         return cls(
             names=tuple(entry[0] for entry in entries),
             owners=tuple(entry[1] for entry in entries),
@@ -148,10 +175,12 @@ class ModuleTensors:
             module_keys=tuple(entry[2] for entry in hung),
             modules=modules,
             training=tuple(map(_training, modules)),
-            hook_names=tuple(f"{name}: {kind}" for name, kind, _ in hooked),
+            hook_names=tuple(f"{name}: {kind}" for name, kind, _, _ in hooked),
             hook_dicts=hook_dicts,
-            hook_counts=tuple(map(len, hook_dicts)),
-            any_hooks_at_capture=any(hook_dicts),
+            hook_flags=hook_flags,
+            hooks_at_capture=tuple(map(_hooks_held, hook_dicts, hook_flags)),
+            unhooked_dicts=tuple(hooks for hooks in hook_dicts if not hooks),
+            hooked=tuple(i for i, hooks in enumerate(hook_dicts) if hooks),
         )
 
     def check(self, *, grad_enabled: bool) -> None:
@@ -168,11 +197,8 @@ class ModuleTensors:
             not all(map(_is, current, self.tensors))
             or not all(map(_is, hung, self.modules))
             or tuple(map(_training, self.modules)) != self.training
-            or (
-                tuple(map(len, self.hook_dicts)) != self.hook_counts
-                if self.any_hooks_at_capture
-                else any(self.hook_dicts)  # the usual case: none then, none now
-            )
+            or any(self.unhooked_dicts)  # usually all of them: none then, none now
+            or (self.hooked and not self._same_hooks_where_hooked())
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
             or (
                 grad_enabled
@@ -180,6 +206,17 @@ class ModuleTensors:
             )
         ):
             raise self._explain(grad_enabled)
+
+    def _same_hooks_where_hooked(self) -> bool:
+        for i in self.hooked:
+            if not _same_hooks(
+                _hooks_held(self.hook_dicts[i], self.hook_flags[i]), self.hooks_at_capture[i]
+            ):
+                return False
+        return True
+
+    def _hooks_now(self) -> Iterator[Hooks]:
+        return map(_hooks_held, self.hook_dicts, self.hook_flags)
 
     def _explain(self, grad_enabled: bool) -> DualgraphError:
         again = "restore the module (dualgraph.torch.restore) and graph it again"
@@ -204,17 +241,19 @@ class ModuleTensors:
                     "BatchNorm's batch statistics). Put its mode back, or change the mode of "
                     f"the whole graphed module (which then runs eagerly), or {again}"
                 )
-        for name, hooks, count in zip(
-            self.hook_names, self.hook_dicts, self.hook_counts, strict=True
+        for name, now, then in zip(
+            self.hook_names, self._hooks_now(), self.hooks_at_capture, strict=True
         ):
-            if len(hooks) != count:
-                change = "registered" if len(hooks) > count else "removed"
+            if not _same_hooks(now, then):
+                count, was = len(now[0]), len(then[0])
+                change = "registered" if count > was else "removed" if count < was else "replaced"
                 return DualgraphError(
                     f"{name} {change} after capture, but the graphs replay what the submodules' "
-                    "hooks did at capture (a hook registered since would never run, one removed "
-                    "would still act); register hooks on submodules before graphing (they run at "
-                    "capture only, as the rest of the callable's Python), put them on the graphed "
-                    f"module itself (they run around each replay), or {again}"
+                    "hooks did at capture (a hook registered or swapped in since would never "
+                    "run, one removed would still act); register hooks on submodules before "
+                    "graphing (they run at capture only, as the rest of the callable's Python), "
+                    "put them on the graphed module itself (they run around each replay), or "
+                    f"{again}"
                 )
         for name, owner, key, tensor, ptr, grad, is_buffer in zip(
             self.names,

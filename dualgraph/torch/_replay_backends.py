@@ -23,12 +23,18 @@ _NO_HOOKS = contextlib.nullcontext()
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Not the tensor itself: an op's saved output packed as itself holds its own node, a cycle
+    # no garbage collection frees (autograd puts the grad_fn back when it unpacks).
+    return tensor.detach()
+
+
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
 # Saved-tensor hooks that keep a tensor as it is, above the caller's (the innermost pair serves).
-_OWN_SAVED_TENSORS = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+_OWN_SAVED_TENSORS = torch.autograd.graph.saved_tensors_hooks(_detached, _same)
 
 
 class CudaGraphForward:

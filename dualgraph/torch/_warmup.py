@@ -84,12 +84,19 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
 
 def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
     """A pack hook that notes the storage of each saved tensor, not the tensor: autograd keeps
-    the hook (and so ``saved``) until the backward is over, and would keep the tensors too."""
+    the hook (and so ``saved``) until the backward is over, and would keep the tensors too.
+
+    It hands autograd the tensor detached: an op's saved output packed as itself holds its own
+    node, a cycle no garbage collection frees, which only a backward through that node breaks.
+    A result the forward drops, or a failure before the backward, would leave that graph (and
+    the parameters' ``AccumulateGrad`` nodes) alive for good. Autograd puts the grad_fn back
+    when it unpacks.
+    """
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         saved.append(_storage(tensor))
         probe.note_saved((tensor,))  # issue 19 hook: the probe's own pack hook is outside this one
-        return tensor
+        return tensor.detach()
 
     return pack
 
