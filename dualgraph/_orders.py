@@ -62,29 +62,44 @@ class KeyOrders:
         """Raise :class:`~dualgraph.SpecMismatchError` naming the first dict of ``(args,
         kwargs)`` whose keys come in another order than the sample's; the call must already
         match the spec otherwise (every step on the way is there)."""
+        found = self.difference(args, kwargs)
+        if found is None:
+            return
+        path, keys, expected = found
+        if path == "kwargs":
+            raise SpecMismatchError(
+                f"kwargs: the keywords {list(keys)!r} go to the function's **kwargs in "
+                f"this order, compiled for the order {list(expected)!r}; whatever "
+                "follows their order would not follow this call's; pass them in the "
+                "compiled order",
+                path="kwargs",
+            )
+        raise SpecMismatchError(
+            f"{path}: a dict with its keys in the order {list(keys)!r}, compiled for the "
+            f"order {list(expected)!r}; the program runs the function as it was traced, so "
+            "whatever follows the key order (d.values(), a concatenation or a sum over "
+            "the dict) would not follow this call's; pass the keys in the compiled order",
+            path=path,
+        )
+
+    def difference(
+        self, args: Any, kwargs: Any, /
+    ) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
+        """``(path, the call's keys, the sample's keys)`` of the first order that differs, or
+        ``None``; the path is ``kwargs`` for the keywords the function collects. Each adapter
+        words its own error from it; the call must already match the spec."""
         if self._collected:
             collected = set(self._collected)
             found = tuple(key for key in kwargs if key in collected)
             if found != self._collected:
-                raise SpecMismatchError(
-                    f"kwargs: the keywords {list(found)!r} go to the function's **kwargs in "
-                    f"this order, compiled for the order {list(self._collected)!r}; whatever "
-                    "follows their order would not follow this call's; pass them in the "
-                    "compiled order",
-                    path="kwargs",
-                )
+                return "kwargs", found, self._collected
         for path, in_kwargs, steps, keys in self._dicts:
             node = kwargs if in_kwargs else args
             for is_attr, step in steps:
                 node = getattr(node, step) if is_attr else node[step]
             if tuple(node) != keys:
-                raise SpecMismatchError(
-                    f"{path}: a dict with its keys in the order {list(node)!r}, compiled for the "
-                    f"order {list(keys)!r}; the program runs the function as it was traced, so "
-                    "whatever follows the key order (d.values(), a concatenation or a sum over "
-                    "the dict) would not follow this call's; pass the keys in the compiled order",
-                    path=path,
-                )
+                return path, tuple(node), keys
+        return None
 
 
 def _dicts_of(

@@ -66,3 +66,19 @@ def test_keywords_a_function_collects_in_its_var_kwargs_keep_their_order() -> No
 @pytest.mark.parametrize("fn", [lambda **kw: None, max], ids=["one-collected", "no-signature"])
 def test_nothing_is_checked_where_order_cannot_matter_or_cannot_be_known(fn: Any) -> None:
     assert not KeyOrders(describe_call((), {"b": 1, "a": 2} if fn is max else {"a": 1}), fn)
+
+
+def test_difference_gives_the_path_and_both_orders_for_each_adapter_to_word() -> None:
+    kwargs = {"b": array(1), "scale": 1.0, "a": {"y": 1, "x": 2}}
+    orders = KeyOrders(describe_call((), kwargs), collecting)
+    assert orders.difference((), kwargs) is None
+    assert orders.difference((), {**kwargs, "a": {"x": 2, "y": 1}}) == (
+        "kwargs['a']",
+        ("x", "y"),
+        ("y", "x"),
+    )
+    assert orders.difference((), {"a": kwargs["a"], "b": 0, "scale": 1.0}) == (
+        "kwargs",
+        ("a", "b"),
+        ("b", "a"),
+    )

@@ -672,6 +672,56 @@ def test_pad_refuses_a_dict_in_another_key_order_as_an_exact_call_does(length: i
     assert_tensors_match(graphed(ordered), concatenated(ordered), "output", PAD_TOLERANCE)
 
 
+def joined(x: torch.Tensor, valid_length: Any = None, **parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, *parts.values()], dim=-1) * 2  # follows the order of the keywords
+
+
+def _joined_samples(n: int) -> tuple[tuple[torch.Tensor], dict[str, torch.Tensor]]:
+    return (torch.randn(2, n, 2),), {"a": torch.randn(2, n, 3), "b": torch.randn(2, n, 4)}
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+@pytest.mark.parametrize("length", [4, 5], ids=["padded", "exact"])
+def test_keywords_collected_by_var_kwargs_in_another_order_are_refused(
+    length: int, backend: str
+) -> None:
+    samples = [_joined_samples(n) for n in (3, 5)]
+    graphed = dgt.make_graphed_callables(
+        joined,
+        buckets=[args for args, _ in samples],
+        sample_kwargs=[kwargs for _, kwargs in samples],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "kwargs['a']": 1, "kwargs['b']": 1, "output": 1},
+        backend=backend,
+    )
+    (x,), kwargs = _joined_samples(length)
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['b', 'a'\] go to"):
+        graphed(x, b=kwargs["b"], a=kwargs["a"])  # a replay would concatenate a before b
+    assert [bucket.calls for bucket in dgt.diagnostics(graphed).buckets] == [0, 0]
+    out = graphed(x, **kwargs)
+    assert_tensors_match(out, joined(x, **kwargs), "output", PAD_TOLERANCE)
+
+
+def test_bucket_samples_with_collected_keywords_in_another_order_are_refused() -> None:
+    (x3,), first = _joined_samples(3)
+    (x5,), second = _joined_samples(5)
+    swapped = {"b": second["b"], "a": second["a"]}
+    with pytest.raises(
+        DualgraphError,
+        match=r"^buckets\[1\]: kwargs: the keywords \['b', 'a'\] go to the callable's "
+        r"\*\*kwargs in this order, captured in the order \['a', 'b'\] \(as buckets\[0\] has it\)",
+    ):
+        dgt.make_graphed_callables(joined, buckets=[(x3,), (x5,)], sample_kwargs=[first, swapped])
+
+    def named(x: torch.Tensor, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, a, b], dim=-1)
+
+    graphed = dgt.make_graphed_callables(  # named keywords bind in any order
+        named, buckets=[(x3,), (x5,)], sample_kwargs=[first, swapped]
+    )
+    assert torch.equal(graphed(x5, **swapped), named(x5, **second))
+
+
 def always_dropout(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     return torch.nn.functional.dropout(x, 0.5, training=True)
 

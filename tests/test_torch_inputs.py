@@ -7,12 +7,14 @@ input tensors in capture order (positional args, then kwargs by sorted key) and 
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
+from torch_cases import BACKENDS, assert_tensors_match, device_of, runner_of, tolerance
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError, describe_call
@@ -118,6 +120,82 @@ def test_a_replay_never_follows_another_key_order_than_eager() -> None:
     assert torch.equal(graphed(again), concat(again))
     with pytest.raises(SpecMismatchError, match=r"^args\[0\]: a dict with its keys in the order"):
         graphed({"b": again["b"], "a": again["a"]})  # eager: another result
+
+
+def joined(x: torch.Tensor, *, scale: float = 1.0, **parts: torch.Tensor) -> torch.Tensor:
+    """Follows the order of the keywords ``parts`` collects (``scale`` binds by name)."""
+    return torch.cat([x, *parts.values()]) * scale
+
+
+class Joined(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(1))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0, **parts: torch.Tensor) -> Any:
+        return joined(x, scale=scale, **parts) * self.weight
+
+
+def _parts(device: torch.device) -> dict[str, torch.Tensor]:
+    return {
+        "x": torch.randn(2, device=device, requires_grad=True),
+        "a": torch.randn(3, device=device, requires_grad=True),
+        "b": torch.randn(1, device=device, requires_grad=True),
+    }
+
+
+@pytest.mark.parametrize("kind", ["function", "module"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keywords_collected_by_var_kwargs_in_another_order_are_refused(
+    backend: str, kind: str
+) -> None:
+    # forward(x, **parts) sees the keywords in the call's order, a replay the sample's:
+    # torch.cat(parts.values()) gave [x, a, b] where eager gave [x, b, a], silently.
+    device = device_of(backend)
+    fn = joined if kind == "function" else Joined().to(device)
+    eager = fn if kind == "function" else copy.deepcopy(fn)
+    sample = _parts(device)
+    graphed = dgt.make_graphed_callables(
+        fn,
+        (sample["x"],),
+        sample_kwargs={"a": sample["a"], "scale": 2.0, "b": sample["b"]},
+        backend=backend,
+    )
+    static = [t.clone() for t in runner_of(graphed).static_inputs] if backend != "eager" else []
+    call = _parts(device)
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(call["x"], b=call["b"], a=call["a"], scale=2.0)
+    assert info.value.path == "kwargs"
+    assert str(info.value).startswith(
+        "kwargs: the keywords ['b', 'a'] go to the callable's **kwargs in this order, captured "
+        "in the order ['a', 'b']; a replay runs the callable as captured"
+    )
+    if backend != "eager":  # refused before any static buffer was written
+        after = runner_of(graphed).static_inputs
+        assert all(torch.equal(t, s) for t, s in zip(after, static, strict=True))
+    twin = {k: v.detach().clone().requires_grad_() for k, v in call.items()}
+    out = graphed(call["x"], scale=2.0, a=call["a"], b=call["b"])  # scale binds by name
+    want = eager(twin["x"], scale=2.0, a=twin["a"], b=twin["b"])
+    assert_tensors_match(out, want, "output", tolerance(backend))
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for key in call:
+        assert_tensors_match(call[key].grad, twin[key].grad, f"grad {key}", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_named_keywords_still_bind_in_any_order(backend: str) -> None:
+    def named(x: torch.Tensor, *, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, a, b]) * 2
+
+    sample = _parts(device_of(backend))
+    graphed = dgt.make_graphed_callables(
+        named, (sample["x"],), sample_kwargs={"a": sample["a"], "b": sample["b"]}, backend=backend
+    )
+    call = _parts(device_of(backend))
+    out = graphed(call["x"], b=call["b"], a=call["a"])
+    want = named(call["x"], a=call["a"], b=call["b"])
+    assert_tensors_match(out, want, "output", tolerance(backend))
 
 
 def test_a_guard_without_kwargs_accepts_an_empty_call_and_refuses_any_kwarg() -> None:

@@ -39,7 +39,7 @@ from torch_cases import (
 )
 
 import dualgraph.torch as dgt
-from dualgraph import CaptureError, DualgraphError
+from dualgraph import CaptureError, DualgraphError, SpecMismatchError
 
 STAGES, MICROBATCHES, STEPS = 4, 8, 3
 
@@ -339,6 +339,43 @@ def test_more_forwards_in_flight_than_slots_are_refused_before_touching_buffers(
     _assert_unchanged(graphed, before)
     outputs.pop(0).sum().backward()
     graphed(_x(backend))
+
+
+class Joined(nn.Module):
+    """Concatenates the keyword tensors its ``**parts`` collects, in the call's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor, **parts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, *parts.values()]) * self.weight
+
+
+@pytest.mark.parametrize("layout", [{"slots": 2}, {"schedule": [1, -1]}], ids=["slots", "schedule"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_keywords_collected_by_var_kwargs_in_another_order_are_refused_before_touching_buffers(
+    backend: str, layout: dict[str, Any]
+) -> None:
+    device = device_of(backend)
+    module = Joined().to(device)
+    eager = copy.deepcopy(module)
+    a, b = torch.randn(1, 8, device=device), torch.randn(2, 8, device=device)
+    graphed = dgt.make_graphed_callables(
+        module, (_x(backend),), sample_kwargs={"a": a, "b": b}, backend=backend, **layout
+    )
+    before = _snapshot(graphed)
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['b', 'a'\] go to"):
+        graphed(_x(backend), b=b, a=a)  # a replay would concatenate a before b
+    _assert_unchanged(graphed, before)
+    x = _x(backend)
+    twin = x.detach().clone().requires_grad_()
+    out, want = graphed(x, a=a, b=b), eager(twin, a=a, b=b)  # the slot, or the schedule's pass
+    assert_tensors_match(out, want, "output", tolerance(backend))
+    out.sum().backward()
+    want.sum().backward()
+    assert_tensors_match(x.grad, twin.grad, "input grad", tolerance(backend))
+    assert_tensors_match(module.weight.grad, eager.weight.grad, "weight grad", tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

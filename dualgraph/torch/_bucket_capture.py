@@ -69,7 +69,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
     the bucket) when a capture fails; then nothing is left captured.
     """
     samples = request.samples
-    guards, expected = _bucket_guards(samples)
+    guards, expected = _bucket_guards(samples, request.fn)
     guard = guards[0]
     shapes = [
         tuple(t.shape for t in g.spec.flatten(*sample))
@@ -109,7 +109,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         for i, (args, kwargs) in enumerate(samples):
             kwargs = _with_length(kwargs, full_lengths[i])
             runners[i] = EagerCallable(
-                names[i], request.fn, InputGuard(args, kwargs), request.hooks
+                names[i], request.fn, InputGuard(args, kwargs, request.fn), request.hooks
             )
     else:
         options = request.options
@@ -134,7 +134,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         for rank, i in enumerate(_largest_first(samples, guards)):
             args, kwargs = samples[i]
             kwargs = _with_length(kwargs, full_lengths[i])
-            inputs = InputGuard(args, kwargs)
+            inputs = InputGuard(args, kwargs, request.fn)
             (plan,) = capture(
                 [
                     CaptureRequest(
@@ -216,14 +216,14 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
 
 
 def _bucket_guards(
-    samples: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+    samples: Sequence[tuple[tuple[Any, ...], dict[str, Any]]], fn: Callable[..., Any]
 ) -> tuple[list[InputGuard], tuple[tuple[torch.dtype, torch.device, bool], ...]]:
-    """One input guard per bucket, each checked to differ from the first in shapes only; and
-    the ``(dtype, device, requires_grad)`` of each input tensor."""
+    """One input guard per bucket of ``fn``, each checked to differ from the first in shapes
+    only; and the ``(dtype, device, requires_grad)`` of each input tensor."""
     guards = []
     for i, (args, kwargs) in enumerate(samples):
         try:
-            guards.append(InputGuard(args, kwargs))
+            guards.append(InputGuard(args, kwargs, fn))
         except DualgraphError as error:
             raise type(error)(f"buckets[{i}]: {error}") from None
     first = guards[0]
@@ -237,8 +237,8 @@ def _bucket_guards(
                 f"buckets[{i}]: {difference} (as buckets[0] has it); buckets differ only in the "
                 "shapes of their tensors"
             ) from None
-        order = first.dict_order_difference(args, kwargs)
-        if order is not None:  # a callable may follow a dict's key order
+        order = first.key_order_difference(args, kwargs)
+        if order is not None:  # a callable may follow a dict's key order, or its **kwargs'
             raise DualgraphError(
                 f"buckets[{i}]: {order[0]}: {order[1]} (as buckets[0] has it); buckets differ "
                 "only in the shapes of their tensors"

@@ -301,8 +301,9 @@ class BucketedCallable:
         self._check_tensors(tensors)
         if self._padding is not None:
             # The padded call is rebuilt from the capture's spec, which puts every dict's keys
-            # in the captured order: the callable would see another order than eager's.
-            self._guard.check_dict_orders(args, kwargs)
+            # (and the keywords) in the captured order: the callable would see another order
+            # than eager's.
+            self._guard.check_key_orders(args, kwargs)
             return self._padded(tensors)
         shapes = tuple(map(_shape, tensors))
         if self.fallback == "eager":

@@ -339,7 +339,11 @@ def make_graphed_callables(
     single = not isinstance(callables, tuple | list)
     fns, all_args, all_kwargs = _samples_per_callable(callables, sample_args, sample_kwargs, single)
     slots, schedule = checked_slots(slots, schedule, callables=len(fns), pool=pool)
-    guards = [InputGuard(args, kwargs) for args, kwargs in zip(all_args, all_kwargs, strict=True)]
+    forwards = [_forward_of(fn) for fn in fns]
+    guards = [
+        InputGuard(args, kwargs, forward)
+        for args, kwargs, forward in zip(all_args, all_kwargs, forwards, strict=True)
+    ]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
     _refuse_replay_kwargs_in_samples(cache_quantized_params, names, all_kwargs)
@@ -350,8 +354,10 @@ def make_graphed_callables(
 
     if resolved == "eager":
         results = [
-            install(fn, EagerCallable(name, _forward_of(fn), guard, callable_hooks))
-            for fn, name, guard, callable_hooks in zip(fns, names, guards, hooks, strict=True)
+            install(fn, EagerCallable(name, forward, guard, callable_hooks))
+            for fn, forward, name, guard, callable_hooks in zip(
+                fns, forwards, names, guards, hooks, strict=True
+            )
         ]
         return results[0] if single else tuple(results)
 
@@ -359,14 +365,14 @@ def make_graphed_callables(
     requests = [
         CaptureRequest(
             name=name,
-            fn=_forward_of(fn),
+            fn=forward,
             module=fn if isinstance(fn, torch.nn.Module) else None,
             inputs=guard,
             sample_tensors=tuple(guard.tensors(tuple(args), dict(kwargs or {}))),
             hooks=callable_hooks,
         )
-        for fn, name, guard, args, kwargs, callable_hooks in zip(
-            fns, names, guards, all_args, all_kwargs, hooks, strict=True
+        for fn, forward, name, guard, args, kwargs, callable_hooks in zip(
+            fns, forwards, names, guards, all_args, all_kwargs, hooks, strict=True
         )
     ]
     runners: list[GraphedCallable | SlottedCallable] = []

@@ -8,14 +8,14 @@ shape, dtype and device, and no ``requires_grad`` where the sample had none.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
+from .._orders import KeyOrders
 from ._leaves import dtype_name
 
 __all__ = ["InputGuard", "unsupported_tensor"]
@@ -50,52 +50,12 @@ def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
     return None
 
 
-_Steps = tuple[tuple[bool, Any], ...]  # from (args, kwargs): (is an attribute, key or index)
-
-
-def _dict_orders(
-    args: Sequence[Any], kwargs: Mapping[str, Any] | None
-) -> tuple[tuple[str, _Steps, tuple[Any, ...]], ...]:
-    """Every plain dict of two keys or more in a call (the kwargs themselves bind by name): its
-    path, the steps that reach it and its keys in order. The call was described already, so
-    the tree is finite and holds only containers the core knows.
-
-    >>> _dict_orders(([{"b": 1, "a": 2}],), {"m": {"x": 0, "y": 1}})[0][0::2]
-    ('args[0][0]', ('b', 'a'))
-    """
-    found = []
-    stack: list[tuple[Any, str, _Steps]] = [
-        (value, f"kwargs[{key!r}]", ((False, 1), (False, key)))
-        for key, value in reversed(list((kwargs or {}).items()))
-    ]
-    stack += [
-        (value, f"args[{i}]", ((False, 0), (False, i)))
-        for i, value in reversed(list(enumerate(args)))
-    ]
-    while stack:
-        node, path, steps = stack.pop()
-        children: list[tuple[Any, str, tuple[bool, Any]]] = []
-        if isinstance(node, dict):
-            if type(node) is dict and len(node) > 1:
-                found.append((path, steps, tuple(node)))
-            children = [(v, f"{path}[{k!r}]", (False, k)) for k, v in node.items()]
-        elif isinstance(node, tuple) and hasattr(type(node), "_fields"):  # a namedtuple
-            fields: tuple[str, ...] = getattr(type(node), "_fields")  # noqa: B009
-            children = [(getattr(node, f), f"{path}.{f}", (True, f)) for f in fields]
-        elif isinstance(node, tuple | list):
-            children = [(v, f"{path}[{i}]", (False, i)) for i, v in enumerate(node)]
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            names = [field.name for field in dataclasses.fields(node)]
-            children = [(getattr(node, f), f"{path}.{f}", (True, f)) for f in names]
-        stack += [(child, p, (*steps, step)) for child, p, step in reversed(children)]
-    return tuple(found)
-
-
 class InputGuard:
     """The capture-time description of ``(args, kwargs)``; :meth:`tensors` checks a call.
 
     Built on the core's :class:`dualgraph.CallSpec` (structure, ``None`` leaves, constants,
-    paths); what a tensor leaf must be is checked here.
+    paths); what a tensor leaf must be is checked here. Given the callable ``fn`` (a module's
+    forward), the keywords its ``**kwargs`` collects must keep their order, as dicts do.
 
     >>> guard = InputGuard((torch.zeros(2, 3),), {"scale": 2.0})
     >>> len(guard.tensors((torch.ones(2, 3),), {"scale": 2.0}))
@@ -107,16 +67,21 @@ class InputGuard:
     """
 
     __slots__ = (
-        "_dict_orders",
         "_expected",
         "_flatten_args",
         "_has_kwargs",
+        "_key_orders",
         "paths",
         "requires_grad",
         "spec",
     )
 
-    def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        fn: Callable[..., Any] | None = None,
+    ) -> None:
         #: The core's description of the call: structure, constants, array paths.
         self.spec: CallSpec = describe_call(args, kwargs)
         tensors = self.spec.flatten(args, kwargs)
@@ -137,8 +102,9 @@ class InputGuard:
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
         self._has_kwargs = self.spec.kwargs_spec.num_arrays > 0 or bool(kwargs)
         self._flatten_args = self.spec.args_spec.flatten
-        # The core matches a dict whatever its key order; the callable's Python sees that order.
-        self._dict_orders = _dict_orders(args, kwargs)
+        # The core matches a dict (and the keywords) whatever its key order; the callable's
+        # Python sees the order of its dicts, and of the keywords its **kwargs collects.
+        self._key_orders = KeyOrders(self.spec, fn) or None  # None: nothing to check
 
     @property
     def num_args_tensors(self) -> int:
@@ -176,38 +142,49 @@ class InputGuard:
             raise
         except Exception:  # e.g. a nested tensor has no shape to compare
             raise self._explain(tensors, grad_enabled) from None
-        if self._dict_orders:
-            self.check_dict_orders(args, kwargs)
+        if self._key_orders is not None:
+            self.check_key_orders(args, kwargs)
         return tensors
 
-    def check_dict_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """Refuse a dict whose keys come in another order than at capture (the structure
-        matched, so every step of the way is there)."""
-        found = self.dict_order_difference(args, kwargs)
-        if found is not None:
-            path, difference = found
-            raise SpecMismatchError(
-                f"{path}: {difference}; a replay runs the callable as captured, so whatever "
-                "follows the key order (d.values(), a sum over the dict) would not follow this "
-                "call's; pass the keys in the captured order",
-                path=path,
-            )
+    def check_key_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse a dict whose keys, or keywords the callable collects in its ``**kwargs``,
+        come in another order than at capture (the structure matched, so every step of the
+        way is there)."""
+        found = self.key_order_difference(args, kwargs)
+        if found is None:
+            return
+        path, difference = found
+        if path == "kwargs":
+            follows = "their order (kwargs.values(), a concatenation)"
+            advice = "pass them in the captured order"
+        else:
+            follows = "the key order (d.values(), a sum over the dict)"
+            advice = "pass the keys in the captured order"
+        raise SpecMismatchError(
+            f"{path}: {difference}; a replay runs the callable as captured, so whatever "
+            f"follows {follows} would not follow this call's; {advice}",
+            path=path,
+        )
 
-    def dict_order_difference(
+    def key_order_difference(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> tuple[str, str] | None:
-        """The path of the first dict whose keys come in another order than at capture, and
-        how (``None``: none); the call's structure matched."""
-        for path, steps, keys in self._dict_orders:
-            node: Any = (args, kwargs)
-            for is_attr, step in steps:
-                node = getattr(node, step) if is_attr else node[step]
-            if tuple(node) != keys:
-                return path, (
-                    f"a dict with its keys in the order {list(node)!r}, captured in the order "
-                    f"{list(keys)!r}"
-                )
-        return None
+        """The path of the first dict (or ``kwargs``, for the keywords the callable collects in
+        its ``**kwargs``) whose keys come in another order than at capture, and how (``None``:
+        none); the call's structure matched."""
+        found = self._key_orders.difference(args, kwargs) if self._key_orders else None
+        if found is None:
+            return None
+        path, keys, expected = found
+        if path == "kwargs":
+            return path, (
+                f"the keywords {list(keys)!r} go to the callable's **kwargs in this order, "
+                f"captured in the order {list(expected)!r}"
+            )
+        return path, (
+            f"a dict with its keys in the order {list(keys)!r}, captured in the order "
+            f"{list(expected)!r}"
+        )
 
     def unflatten(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` with ``tensors`` (in capture order) at the tensor leaves."""
