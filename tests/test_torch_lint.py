@@ -118,6 +118,30 @@ def format_tensor(x: torch.Tensor) -> torch.Tensor:
     return x * len(text)
 
 
+def _spd(x: torch.Tensor) -> torch.Tensor:
+    return x.unsqueeze(-1) * x + 4 * torch.eye(x.shape[-1], device=x.device)
+
+
+def cholesky_sync(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.cholesky(_spd(x)).sum(0)  # lint: cholesky
+
+
+def cholesky_ex_checked(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.cholesky_ex(_spd(x), check_errors=True).L.sum(0)  # lint: check-errors
+
+
+def eigh_sync(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.eigvalsh(_spd(x))  # lint: eigh
+
+
+def svd_sync(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(_spd(x))  # lint: svd
+
+
+def normal_with_tensor_std(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.normal(torch.zeros_like(x), x.detach().abs())  # lint: normal-std
+
+
 def branch_on_tensor(x: torch.Tensor) -> torch.Tensor:
     if x.sum() > 0:  # lint: if
         return x * 2
@@ -240,6 +264,19 @@ FINDINGS = {
     "print": Finding(print_tensor, _lint.HOST_SYNC, "print(tensor)", "print"),
     "format": Finding(format_tensor, _lint.HOST_SYNC, "f'{tensor}'", "format"),
     "if": Finding(branch_on_tensor, _lint.TENSOR_CONTROL_FLOW, "bool(tensor)", "if"),
+    # kernels that read values on the host themselves, below the dispatch mode
+    "cholesky": Finding(cholesky_sync, _lint.HOST_SYNC, "aten._linalg_check_errors", "cholesky"),
+    "check-errors": Finding(
+        cholesky_ex_checked,
+        _lint.HOST_SYNC,
+        "aten.linalg_cholesky_ex(check_errors=...)",
+        "check-errors",
+    ),
+    "eigh": Finding(eigh_sync, _lint.HOST_SYNC, "aten._linalg_eigh", "eigh"),
+    "svd": Finding(svd_sync, _lint.HOST_SYNC, "aten._linalg_svd", "svd"),
+    "normal-std": Finding(
+        normal_with_tensor_std, _lint.HOST_SYNC, "aten.normal(std=...)", "normal-std"
+    ),
     "arange": Finding(arange_on_host, _lint.HOST_TENSOR, "torch.arange (no device=)", "arange"),
     "zeros-cpu": Finding(
         zeros_on_cpu, _lint.HOST_TENSOR, "torch.zeros (device='cpu')", "zeros-cpu"
@@ -460,6 +497,17 @@ def test_code_that_stays_on_the_device_has_no_findings() -> None:
     report = dgt.lint(CleanModule(), torch.randn(3, 4, requires_grad=True))
     assert report.findings == ()
     assert str(report) == "capture lint of CleanModule: nothing found"
+
+
+def without_host_reads(x: torch.Tensor) -> torch.Tensor:
+    factor = torch.linalg.cholesky_ex(_spd(x)).L.sum(0)  # check_errors=False: no read
+    inverse = torch.linalg.inv_ex(_spd(x)).inverse.sum(0)
+    return x * factor + inverse + torch.normal(torch.zeros_like(x), 0.5)  # a float std
+
+
+def test_the_variants_of_syncing_ops_that_read_nothing_on_the_host_have_no_findings() -> None:
+    report = dgt.lint(without_host_reads, torch.randn(4, requires_grad=True))
+    assert report.findings == ()
 
 
 def test_the_reference_encoder_has_no_findings() -> None:

@@ -3,7 +3,8 @@
 :func:`lint` runs a callable once, forward and backward, under a ``TorchFunctionMode`` (the calls
 Python code makes: ``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.zeros(...)``) and a
 ``TorchDispatchMode`` (every ATen op, the backward's included: ``nonzero``, boolean-mask indexing,
-copies between devices, random ops with their own generator, in-place writes). Each finding names
+copies between devices, random ops with their own generator, in-place writes, and the ops whose
+kernels read values on the host themselves, such as ``torch.linalg.cholesky``). Each finding names
 the callable, the op, the module path (``blocks.3.attn``), the phase, and the first source line
 outside torch and dualgraph. ``make_graphed_callables`` runs the same lint during its first warmup
 iteration (``cuda`` and ``emulate``) and refuses to capture on an error (``lint="error"``, the
@@ -540,8 +541,12 @@ class CaptureLint(OpObserver):
             checks = _op_checks(func)
         if checks is _NOTHING_TO_CHECK:  # most ops: one lookup
             return
-        name, generators, written = checks
+        name, generators, written, host_reads = checks
         op = f"aten.{name}"
+        for position, argument in host_reads:
+            value = next(_arguments(((position, argument),), args, kwargs))
+            if value is True or (isinstance(value, torch.Tensor) and self.on_device(value)):
+                self.add(HOST_SYNC, f"{op}({argument}=...)", _HOST_READ_ARGUMENTS[argument])
         if name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS:
             tensors = tensors_in((args, kwargs))
             on_device = [t for t in tensors if self.on_device(t)]
@@ -656,6 +661,21 @@ _SYNC_CALLS: dict[str, tuple[str, str]] = {
     "torch.allclose": ("torch.allclose", _SYNC_HINT),
     "Tensor.allclose": ("Tensor.allclose", _SYNC_HINT),
 }
+_KERNEL_SYNC_HINT = (
+    "Its kernel reads values on the host (to check for errors, or to run on the CPU), so torch "
+    "documents it as synchronizing with the CPU on CUDA; a capture cannot wait for that. Use "
+    "the *_ex variant without error checks (linalg.cholesky_ex, inv_ex, solve_ex, "
+    "lu_factor_ex: check info after the call) or compute it outside the graphed callable."
+)
+#: Arguments whose value makes an op's kernel read values on the host: a device tensor there
+#: (``torch.normal``'s ``std``, checked for negative values), or ``True`` (``check_errors`` of the
+#: ``linalg.*_ex`` ops, which reads their info).
+_HOST_READ_ARGUMENTS = {
+    "std": "torch.normal with a tensor std checks it for negative values on the host. "
+    + _SYNC_HINT,
+    "check_errors": "check_errors=True reads the info tensor on the host to raise on a failure, "
+    "which a capture cannot do. Pass check_errors=False and check info after the call.",
+}
 #: ATen ops that read a value on the host (reached from torch's own code, or from backward).
 _SYNC_OPS = {
     "_local_scalar_dense": "Reads a tensor value on the host (.item(), int(), float() or bool() "
@@ -663,6 +683,12 @@ _SYNC_OPS = {
     "equal": _SYNC_HINT,
     "allclose": _SYNC_HINT,
     "is_nonzero": _CONTROL_FLOW_HINT,
+    # Kernels that read values on the host themselves, below the dispatch mode (torch documents
+    # them as synchronizing with the CPU on CUDA): the op is the only trace of the read.
+    "_linalg_check_errors": _KERNEL_SYNC_HINT,  # linalg.cholesky, inv, solve, lu_factor, ...
+    "_linalg_eigh": _KERNEL_SYNC_HINT,  # linalg.eigh, eigvalsh (and pinv, matrix_rank, ...)
+    "_linalg_svd": _KERNEL_SYNC_HINT,  # linalg.svd, svdvals (and pinv, matrix_rank, cond, ...)
+    "linalg_eig": _KERNEL_SYNC_HINT,  # linalg.eig, eigvals
 }
 _SHAPE_HINT = (
     "Its output's shape depends on tensor values, which the host must read (a sync) and which a "
@@ -844,11 +870,13 @@ def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     )
 
 
-#: Per ATen op: ``(name, generator arguments, written arguments)`` (each argument as ``(position,
-#: name)``), or ``_NOTHING_TO_CHECK`` for an op that is in no table, takes no generator and
-#: writes to no argument: the lint's cost for most ops is one dict lookup.
+#: Per ATen op: ``(name, generator arguments, written arguments, host-read arguments)`` (each
+#: argument as ``(position, name)``), or ``_NOTHING_TO_CHECK`` for an op that is in no table,
+#: takes no generator, writes to no argument and has no argument of ``_HOST_READ_ARGUMENTS``
+#: (``torch.normal``'s ``std``, any op's ``check_errors``): the lint's cost for most ops is one
+#: dict lookup.
 _OP_CHECKS: dict[Any, Any] = {}
-_NOTHING_TO_CHECK = ("", (), ())
+_NOTHING_TO_CHECK = ("", (), (), ())
 
 
 def _op_checks(func: Any) -> Any:
@@ -863,8 +891,17 @@ def _op_checks(func: Any) -> Any:
         for i, a in enumerate(arguments)
         if a.alias_info is not None and a.alias_info.is_write
     )
+    host_reads = tuple(
+        (i, a.name)
+        for i, a in enumerate(arguments)
+        if a.name == "check_errors" or (name == "normal" and a.name == "std")
+    )
     tabled = name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS
-    checks = (name, generators, written) if tabled or generators or written else _NOTHING_TO_CHECK
+    checks = (
+        (name, generators, written, host_reads)
+        if tabled or generators or written or host_reads
+        else _NOTHING_TO_CHECK
+    )
     _OP_CHECKS[func] = checks
     return checks
 
