@@ -33,6 +33,7 @@ from torch_cases import (
     assert_grads_match,
     assert_tensors_match,
     backward_of,
+    capture_error,
     device_of,
     grads_of,
     isclose_fraction,
@@ -49,15 +50,6 @@ from dualgraph import CaptureError, DualgraphWarning
 @pytest.fixture(autouse=True)
 def _isolated(request: pytest.FixtureRequest) -> Any:
     yield from isolation(request)
-
-
-def capture_error(fn: Any, args: tuple[Any, ...], **options: Any) -> str:
-    """The message of the CaptureError that graphing ``fn`` raises; nothing of it is kept alive."""
-    try:
-        dgt.make_graphed_callables(fn, args, **options)
-    except CaptureError as error:
-        return str(error)
-    raise AssertionError(f"graphing {fn!r} raised no CaptureError")
 
 
 def step_grads(fn: Any, args: tuple[Any, ...]) -> list[Any]:

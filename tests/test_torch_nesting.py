@@ -20,6 +20,7 @@ from torch_cases import (
     GRAPH_GRAD_MODES,
     assert_grads_match,
     assert_tensors_match,
+    capture_error,
     device_of,
     grads_of,
     isolation,
@@ -29,21 +30,11 @@ from torch_cases import (
 )
 
 import dualgraph.torch as dgt
-from dualgraph import CaptureError
 
 
 @pytest.fixture(autouse=True)
 def _isolated(request: pytest.FixtureRequest) -> Any:
     yield from isolation(request)
-
-
-def capture_error(fn: Any, args: tuple[Any, ...], **options: Any) -> str:
-    """The message of the CaptureError that graphing ``fn`` raises."""
-    try:
-        dgt.make_graphed_callables(fn, args, **options)
-    except CaptureError as error:
-        return str(error)
-    raise AssertionError(f"graphing {fn!r} raised no CaptureError")
 
 
 # -- inside a capture: refused ------------------------------------------------------------------

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dualgraph
+import dualgraph.torch as dgt
+from dualgraph import CaptureError
 from dualgraph.models.torch_vit import VisionEncoder, ViTBlock
 from dualgraph.torch._modules import runner_of as runner_of
 
@@ -367,3 +369,12 @@ def cuda_hygiene() -> Iterator[None]:
 def isclose_fraction(fraction: float, expected: float, spread: float = 0.1) -> bool:
     """Whether a measured fraction (of dropped elements, say) is near what was expected."""
     return math.isclose(fraction, expected, abs_tol=spread)
+
+
+def capture_error(fn: Any, args: tuple[Any, ...], **options: Any) -> str:
+    """The message of the CaptureError that graphing ``fn`` raises; nothing of it is kept alive."""
+    try:
+        dgt.make_graphed_callables(fn, args, **options)
+    except CaptureError as error:
+        return str(error)
+    raise AssertionError(f"graphing {fn!r} raised no CaptureError")
