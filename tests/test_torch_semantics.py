@@ -358,6 +358,73 @@ def test_an_updated_input_the_update_cannot_be_written_into_is_refused_before_th
     assert graphed.generation == 0
 
 
+def update_both(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """Updates both its inputs in place."""
+    stats.mul_(0.5)
+    x.add_(1.0)
+    return x * 2 + stats
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("which", ["stats", "x"])
+def test_an_updated_input_that_is_an_earlier_output_of_the_same_callable_is_refused(
+    backend: str, which: str
+) -> None:
+    # An earlier call's output is a view of the static output this replay writes: the copy back
+    # of the update wrote into the new output (silently wrong values), where eager's output is a
+    # tensor of its own.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        update_both,
+        (torch.randn(3, 4, device=device), torch.ones(4, device=device)),
+        backend=backend,
+    )
+    out = graphed(torch.randn(3, 4, device=device), torch.ones(4, device=device))
+    before = out.clone()
+    x, stats = torch.randn(3, 4, device=device), torch.ones(4, device=device)
+    if which == "stats":
+        stats = out[0]
+    else:
+        x = out
+    path = "args[1]" if which == "stats" else "args[0]"
+    with pytest.raises(DualgraphError) as info:
+        graphed(x, stats)
+    assert str(info.value) == (
+        f"update_both: {path} shares memory with output of an earlier call (a static buffer "
+        f"this replay overwrites), and the callable updates {path} in place: the replay "
+        "would write the update into this call's output; pass a copy (clone(), or graph "
+        "with clone_outputs=True)"
+    )
+    assert torch.equal(out, before)
+    assert graphed.generation == 1
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_updated_input_that_is_an_earlier_cloned_output_updates_like_eager(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        track,
+        (
+            torch.randn(3, 4, device=device),
+            torch.zeros(4, device=device),
+            torch.zeros((), device=device),
+        ),
+        backend=backend,
+        clone_outputs=True,
+    )
+    results = []
+    for fn in (graphed, track):
+        torch.manual_seed(0)
+        count = torch.zeros((), device=device)
+        out = fn(torch.randn(3, 4, device=device), torch.zeros(4, device=device), count)
+        results.append((fn(torch.randn(3, 4, device=device), out[0], count), out))
+    (got, got_first), (expected, expected_first) = results
+    assert_tensors_match(got, expected, "output", tolerance(backend))
+    assert_tensors_match(got_first, expected_first, "earlier output", tolerance(backend))
+
+
 class ScalesByItsBuffer(nn.Module):
     """Updates an input in place, and reads a buffer of its own."""
 
