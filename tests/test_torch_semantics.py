@@ -1577,6 +1577,25 @@ def test_a_second_order_grad_through_a_replay_raises(backend: str) -> None:
         grad.sum().backward()  # a replay is differentiable once: never a silent zero
 
 
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_a_gradient_penalty_through_a_replay_raises_even_when_no_incoming_grad_needs_grad(
+    backend: str, param_grads: str
+) -> None:
+    # y.sum()'s grad (ones) needs no grad: once_differentiable then handed back plain grads,
+    # so a penalty on them silently added nothing where eager differentiates it.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    y = mlp(x)
+    (grad,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert grad.requires_grad  # as eager's: it depends on the weights
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        (y.square().sum() + grad.square().sum()).backward()
+
+
 # -- outputs changed in place --------------------------------------------------------------------
 
 
