@@ -358,6 +358,73 @@ def test_an_updated_input_the_update_cannot_be_written_into_is_refused_before_th
     assert graphed.generation == 0
 
 
+def update_both(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """Updates both its inputs in place."""
+    stats.mul_(0.5)
+    x.add_(1.0)
+    return x * 2 + stats
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("which", ["stats", "x"])
+def test_an_updated_input_that_is_an_earlier_output_of_the_same_callable_is_refused(
+    backend: str, which: str
+) -> None:
+    # An earlier call's output is a view of the static output this replay writes: the copy back
+    # of the update wrote into the new output (silently wrong values), where eager's output is a
+    # tensor of its own.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        update_both,
+        (torch.randn(3, 4, device=device), torch.ones(4, device=device)),
+        backend=backend,
+    )
+    out = graphed(torch.randn(3, 4, device=device), torch.ones(4, device=device))
+    before = out.clone()
+    x, stats = torch.randn(3, 4, device=device), torch.ones(4, device=device)
+    if which == "stats":
+        stats = out[0]
+    else:
+        x = out
+    path = "args[1]" if which == "stats" else "args[0]"
+    with pytest.raises(DualgraphError) as info:
+        graphed(x, stats)
+    assert str(info.value) == (
+        f"update_both: {path} shares memory with output of an earlier call (a static buffer "
+        f"this replay overwrites), and the callable updates {path} in place: the replay "
+        "would write the update into this call's output; pass a copy (clone(), or graph "
+        "with clone_outputs=True)"
+    )
+    assert torch.equal(out, before)
+    assert graphed.generation == 1
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_updated_input_that_is_an_earlier_cloned_output_updates_like_eager(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        track,
+        (
+            torch.randn(3, 4, device=device),
+            torch.zeros(4, device=device),
+            torch.zeros((), device=device),
+        ),
+        backend=backend,
+        clone_outputs=True,
+    )
+    results = []
+    for fn in (graphed, track):
+        torch.manual_seed(0)
+        count = torch.zeros((), device=device)
+        out = fn(torch.randn(3, 4, device=device), torch.zeros(4, device=device), count)
+        results.append((fn(torch.randn(3, 4, device=device), out[0], count), out))
+    (got, got_first), (expected, expected_first) = results
+    assert_tensors_match(got, expected, "output", tolerance(backend))
+    assert_tensors_match(got_first, expected_first, "earlier output", tolerance(backend))
+
+
 class ScalesByItsBuffer(nn.Module):
     """Updates an input in place, and reads a buffer of its own."""
 
@@ -1508,6 +1575,25 @@ def test_a_second_order_grad_through_a_replay_raises(backend: str) -> None:
     (grad,) = torch.autograd.grad(loss_of(mlp(x)), x, create_graph=True)
     with pytest.raises(RuntimeError, match="trying to differentiate twice"):
         grad.sum().backward()  # a replay is differentiable once: never a silent zero
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_a_gradient_penalty_through_a_replay_raises_even_when_no_incoming_grad_needs_grad(
+    backend: str, param_grads: str
+) -> None:
+    # y.sum()'s grad (ones) needs no grad: once_differentiable then handed back plain grads,
+    # so a penalty on them silently added nothing where eager differentiates it.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    y = mlp(x)
+    (grad,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert grad.requires_grad  # as eager's: it depends on the weights
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        (y.square().sum() + grad.square().sum()).backward()
 
 
 # -- outputs changed in place --------------------------------------------------------------------

@@ -121,6 +121,7 @@ class GraphedCallable:
         "_nondiff_outputs",
         "_other_uses",
         "_out_spec",
+        "_output_storages",
         "_output_versions",
         "_overwritten_outputs",
         "_param_grads",
@@ -277,6 +278,15 @@ class GraphedCallable:
                 storage = _storage_of(tensor)
                 if storage is not None:
                     self._module_storages.setdefault(storage, name)
+        # And where the static outputs live, which the caller holds views of (an earlier call's
+        # outputs): the copy back of an update into one would write this call's outputs.
+        self._output_storages: dict[int, str] = {}
+        if self._mutated:
+            paths = self._out_spec.array_paths
+            for k, output in enumerate(self._overwritten_outputs):
+                storage = _storage_of(output)
+                if storage is not None:
+                    self._output_storages.setdefault(storage, f"output{paths[k]}")
 
     def nondiff_outputs_of(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The outputs that take no part in the backward of a call with these input tensors.
@@ -477,6 +487,14 @@ class GraphedCallable:
                     f"{self.name}: {paths[i]} shares memory with {owner}, and the callable "
                     f"updates {paths[i]} in place: eager would see the update through {owner}, "
                     "a replay would not; pass a tensor of its own (clone())"
+                )
+            output = self._output_storages.get(storage)
+            if output is not None:
+                raise DualgraphError(
+                    f"{self.name}: {paths[i]} shares memory with {output} of an earlier call (a "
+                    f"static buffer this replay overwrites), and the callable updates {paths[i]} "
+                    "in place: the replay would write the update into this call's output; pass "
+                    "a copy (clone(), or graph with clone_outputs=True)"
                 )
             for j, other in enumerate(tensors):
                 if j != i and other.numel() and other.untyped_storage().data_ptr() == storage:

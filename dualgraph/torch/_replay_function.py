@@ -65,11 +65,29 @@ def _backward_building_graph(
     return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True)
 
 
-# The engine runs a backward with grad mode off (unless create_graph=True), which is all that
-# ``once_differentiable`` needs to do then; its wrapper (a no_grad context) only runs otherwise.
-_backward_once_differentiable = torch.autograd.function.once_differentiable(
-    _backward_building_graph
-)
+_DelayedError = torch._C._functions.DelayedError
+_TWICE = b"trying to differentiate twice a function that was marked with @once_differentiable"
+
+
+def _refusing_a_second_backward(grad: torch.Tensor | None) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    alias = grad.detach()
+    alias.requires_grad_(True)
+    return alias
+
+
+def _backward_once_differentiable(
+    ctx: Any, *grads: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    # The engine runs a backward with grad mode off unless create_graph=True; then eager's grads
+    # have a graph of their own (through the parameters, or the inputs), and these raise when
+    # differentiated. ``once_differentiable`` does that only where an incoming grad requires
+    # grad: a gradient penalty of ``y.sum()``'s grads (ones) would silently add nothing.
+    with torch.no_grad():
+        results = _backward_building_graph(ctx, *grads)
+    refusing = _DelayedError(_TWICE, len(results))
+    return tuple(refusing(*map(_refusing_a_second_backward, results)))  # type: ignore[arg-type]
 
 
 REPLAY_BACKWARD = _Replay._backward_cls
