@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from dualgraph import DualgraphError
-from dualgraph.torch._grad_checks import aliases, grad_problem, span
+from dualgraph.torch._grad_checks import GradProblem, aliases, grad_problem, span
 
 
 def test_aliases_is_true_for_the_accumulators_own_memory_alike() -> None:
@@ -34,7 +36,7 @@ def test_span_covers_the_bytes_of_a_strided_tensor() -> None:
     assert span(empty) == (empty.data_ptr(), empty.data_ptr())
 
 
-def _problem(grad: torch.Tensor | None, **param_attrs: object) -> tuple[str, str | None] | None:
+def _problem(grad: torch.Tensor | None, **param_attrs: object) -> GradProblem | None:
     weight = torch.nn.Parameter(torch.ones(2, 3))
     for key, value in param_attrs.items():
         setattr(weight, key, value)
@@ -42,18 +44,67 @@ def _problem(grad: torch.Tensor | None, **param_attrs: object) -> tuple[str, str
     return grad_problem([(weight, accumulator, grad, None)], [span(accumulator)], {weight: "w"})
 
 
+def _found(grad: torch.Tensor | None, **param_attrs: object) -> tuple[str, str | None, bool]:
+    """What :func:`grad_problem` says of a ``.grad``: the name, what it found, whether eager
+    raises for it."""
+    problem = _problem(grad, **param_attrs)
+    assert problem is not None
+    return problem.name, problem.found, problem.raises_for is not None
+
+
 def test_grad_problem_passes_a_dense_grad_of_its_own_or_none() -> None:
     assert _problem(torch.zeros(2, 3)) is None
     assert _problem(None) is None
 
 
+def test_grad_problem_passes_a_grad_requiring_grad_a_view_or_a_strided_one() -> None:
+    # eager adds into each in place, as the copy back of an accumulator does
+    assert _problem(torch.zeros(2, 3, requires_grad=True)) is None
+    assert _problem(torch.zeros(12, requires_grad=True)[:6].view(2, 3)) is None
+    assert _problem(torch.zeros(3, 2).t()) is None
+    assert _problem(torch.zeros(2, 6)[:, ::2]) is None  # strides eager can't classify
+
+
 def test_grad_problem_leaves_to_autograd_what_eager_adds_otherwise() -> None:
-    sparse = ".grad is torch.sparse_coo (expected torch.strided)"
-    assert _problem(torch.zeros(2, 3).to_sparse()) == ("w", sparse)  # eager: the dense sum
-    wider = ".grad is float64, the parameter float32"
-    assert _problem(torch.zeros(2, 3, dtype=torch.float64)) == ("w", wider)  # added in float64
-    new = "grad_dtype is float64, the parameter float32"
-    assert _problem(None, grad_dtype=torch.float64) == ("w", new)  # a new float64 .grad
+    sparse = (
+        ".grad is torch.sparse_coo (expected torch.strided): eager replaces it by the dense sum"
+    )
+    assert _found(torch.zeros(2, 3).to_sparse()) == ("w", sparse, False)
+    wider = ".grad is float64, the parameter float32: eager adds in the .grad's dtype"
+    assert _found(torch.zeros(2, 3, dtype=torch.float64)) == ("w", wider, False)
+    new = "grad_dtype is float64, the parameter float32: eager makes a .grad of the grad_dtype"
+    assert _found(None, grad_dtype=torch.float64) == ("w", new, False)
+
+
+def _inference_zeros() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(2, 3)
+
+
+_SHARED = ".grad's elements share memory (an expanded tensor?): eager's in-place add into it raises"
+_INFERENCE = (
+    ".grad is an inference tensor: eager's in-place add into it raises outside inference mode"
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "found"),
+    [
+        (lambda: torch.zeros(1, 1).expand(2, 3), _SHARED),
+        (lambda: torch.zeros(3).as_strided((2, 3), (0, 1)), _SHARED),
+        (_inference_zeros, _INFERENCE),
+    ],
+    ids=["expanded", "zero_stride", "inference"],
+)
+def test_grad_problem_names_a_grad_eagers_in_place_add_raises_for(make: Any, found: str) -> None:
+    assert _found(make()) == ("w", found, True)
+
+
+def test_grad_problem_leaves_to_autograd_a_grad_whose_elements_overlap() -> None:
+    # torch can't tell (no error in eager), which adds into each element once per appearance
+    overlapping = torch.zeros(5).as_strided((2, 3), (1, 1))
+    said = ".grad's elements overlap in memory: eager adds into each element in place, one after "
+    assert _found(overlapping) == ("w", said + "another", False)
 
 
 def test_grad_problem_refuses_a_grad_in_another_parameters_memory() -> None:
@@ -63,6 +114,6 @@ def test_grad_problem_refuses_a_grad_in_another_parameters_memory() -> None:
     pending = [(weight, accumulators[0], shared, None), (other, accumulators[1], shared, None)]
     names = {weight: "weight", other: "other"}
     assert grad_problem(pending, [span(a) for a in accumulators], names) in {
-        ("weight", None),
-        ("other", None),
+        ("weight", None, None),
+        ("other", None, None),
     }

@@ -469,6 +469,43 @@ def test_what_only_an_output_left_out_of_the_loss_depends_on_gets_no_grad(
             twin.zero_grad(set_to_none=True)
 
 
+def _expanded_grad(param: torch.Tensor) -> torch.Tensor:
+    return torch.ones(1, device=param.device).expand_as(param)
+
+
+def _inference_grad(param: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones_like(param)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize("make", [_expanded_grad, _inference_grad])
+def test_a_grad_no_add_could_write_is_left_alone_where_only_an_output_left_out_reaches_it(
+    backend: str, param_grads: str, make: Any
+) -> None:
+    # eager never reaches the head left out of the loss; "in_graph" put its .grad's values back
+    # by writing into it, which raised for such a .grad
+    device = device_of(backend)
+    module, twin = TwoHeads().to(device), TwoHeads().to(device)
+    twin.load_state_dict(module.state_dict())
+    samples = (torch.randn(2, 4, device=device, requires_grad=True),) * 2
+    dgt.make_graphed_callables(module, samples, backend=backend, param_grads=param_grads)
+    for net in (module, twin):
+        net.b.weight.grad = make(net.b.weight)
+    mine = module.b.weight.grad
+    for step in range(2):
+        x, z = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)
+        for net in (module, twin):
+            net(x, z)[0].square().sum().backward()
+        assert_grads_match(
+            grads_of(parameters_of(module)),
+            grads_of(parameters_of(twin)),
+            [f"step {step}: {name}" for name in parameter_names(module)],
+            tolerance(backend),
+        )
+    assert module.b.weight.grad is mine
+
+
 @pytest.mark.parametrize(
     ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
 )

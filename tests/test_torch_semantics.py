@@ -1531,6 +1531,135 @@ def test_in_graph_grads_add_into_views_of_one_flat_grad_buffer(
     assert _through_autograd(net) == 0
 
 
+def _inference_grad(param: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones_like(param)
+
+
+#: A ``.grad`` eager's in-place add raises for (``AccumulateGrad``), made for a parameter.
+UNWRITABLE_GRADS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "expanded": lambda param: torch.ones(1, 1, device=param.device).expand_as(param),
+    "inference": _inference_grad,
+}
+#: The error eager raises for each.
+UNWRITABLE_ERRORS = {
+    "expanded": "more than one element of the written-to tensor refers to a single memory",
+    "inference": "Inplace update to inference tensor outside InferenceMode",
+}
+#: ``(backend, param_grads)``: every mode, on the backends with graphs and on ``eager``.
+EVERY_MODE = [
+    pytest.param("eager", "auto", id="eager"),
+    *[pytest.param(*p.values, marks=p.marks, id=p.id) for p in GRAPH_GRAD_MODES],
+]
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)
+@pytest.mark.parametrize("kind", UNWRITABLE_GRADS)
+def test_a_grad_eager_cannot_add_into_raises_before_any_other_grad_changed(
+    backend: str, param_grads: str, kind: str
+) -> None:
+    # Eager's backward reaches the last layer first, and its AccumulateGrad raises there. The
+    # graph added into every other .grad and then raised copying into that one, leaving the
+    # grads half updated and its accumulators as the replay left them.
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    for module in (net, twin):
+        module[2].weight.grad = UNWRITABLE_GRADS[kind](module[2].weight)
+    grads = [p.grad for p in net.parameters()]
+    before = grads_of(list(net.parameters()))
+    x = torch.randn(2, 4, device=device_of(backend))
+    with pytest.raises(RuntimeError, match=UNWRITABLE_ERRORS[kind]):
+        loss_of(twin(x)).backward()
+    expected = DualgraphError if param_grads == "in_graph" else RuntimeError
+    with pytest.raises(expected) as info:
+        loss_of(net(x)).backward()
+    if param_grads == "in_graph":  # refused, naming it, before anything changed
+        assert str(info.value).startswith("Sequential: Sequential.2.weight: .grad")
+        assert_grads_match(grads_of(list(net.parameters())), before, ["0.weight", "2.weight"])
+    else:  # eager's error, from autograd adding the grad as eager does
+        assert UNWRITABLE_ERRORS[kind] in str(info.value)
+        assert_tensors_match(net[2].weight.grad, twin[2].weight.grad, "2.weight", None)
+        if param_grads == "auto":  # autograd got that grad alone: nothing else changed, as eager
+            _assert_same_grads(net, twin, backend)
+        # ("autograd" hands every grad on at once, and which AccumulateGrad runs first is the
+        # engine's choice: the other .grad may have been added to, unlike eager's)
+    assert all(p.grad is grad for p, grad in zip(net.parameters(), grads, strict=True))
+    for module in (net, twin):  # the next steps, into a new .grad, match eager's
+        module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)
+@pytest.mark.parametrize("kind", UNWRITABLE_GRADS)
+def test_a_grad_eager_cannot_add_into_leaves_a_grad_the_user_kept_as_it_was(
+    backend: str, param_grads: str, kind: str
+) -> None:
+    # a .grad kept after zero_grad(set_to_none=True) shares the graph's accumulator: the graph
+    # wrote into it, and the error left it changed
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    kept = net[2].weight.grad
+    values = kept.clone()
+    for module in (net, twin):
+        module.zero_grad(set_to_none=True)
+        module[0].weight.grad = UNWRITABLE_GRADS[kind](module[0].weight)
+    with pytest.raises((RuntimeError, DualgraphError)):
+        loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+    assert_tensors_match(kept, values, "the .grad the user kept")
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+@pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)
+def test_a_grad_whose_elements_overlap_is_added_into_as_eager_or_refused(
+    backend: str, param_grads: str
+) -> None:
+    # torch can't tell that these strides overlap, and eager adds into each element in place,
+    # one after another; a copy back would write each memory location once
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    for module in (net, twin):
+        flat = torch.ones(8, device=device_of(backend))
+        module[2].weight.grad = flat.as_strided((4, 4), (1, 1))
+    before = grads_of(list(net.parameters()))
+    if param_grads == "in_graph":
+        with pytest.raises(DualgraphError, match=r"2\.weight: \.grad's elements overlap"):
+            loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+        assert_grads_match(grads_of(list(net.parameters())), before, ["0.weight", "2.weight"])
+        return
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+
+
+def _grad_requiring_grad(param: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(param).requires_grad_()
+
+
+def _view_of_a_tensor_requiring_grad(param: torch.Tensor) -> torch.Tensor:
+    base = torch.ones(2 * param.numel(), device=param.device, requires_grad=True)
+    return base[param.numel() :].view_as(param)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)
+@pytest.mark.parametrize("make", [_grad_requiring_grad, _view_of_a_tensor_requiring_grad])
+def test_a_grad_that_requires_grad_is_added_into_in_place_as_eager_does(
+    backend: str, param_grads: str, make: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    for module in (net, twin):
+        module[2].weight.grad = make(module[2].weight)
+    mine = net[2].weight.grad
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+        assert net[2].weight.grad is mine
+        assert net[2].weight.grad.requires_grad and twin[2].weight.grad.requires_grad
+        assert type(mine.grad_fn) is type(twin[2].weight.grad.grad_fn)
+
+
 class _TiedBlock(nn.Module):
     """A block whose first layer may be another block's (tied weights)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -18,6 +18,7 @@ from torch.autograd.graph import get_gradient_edge
 from .._errors import DualgraphError
 
 __all__ = [
+    "GradProblem",
     "aliases",
     "grad_accumulator",
     "grad_problem",
@@ -136,28 +137,44 @@ def _name(of: Any) -> str:
     return str(getattr(of, "dtype", of)).removeprefix("torch.")
 
 
+class GradProblem(NamedTuple):
+    """A ``.grad`` no accumulator can stand in for (see :func:`grad_problem`)."""
+
+    name: str  # its parameter's
+    #: What was found and what eager does, which autograd does as eager; ``None`` where nothing
+    #: can (memory shared with another parameter's ``.grad``).
+    found: str | None
+    #: Its parameter, where eager's ``AccumulateGrad`` raises for it: autograd, handed its grad
+    #: alone, raises the same error, having changed no other ``.grad``.
+    raises_for: torch.Tensor | None = None
+
+
 def grad_problem(
     pending: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]],
     accumulator_spans: Sequence[tuple[int, int]],
     names: dict[torch.Tensor, str],
-) -> tuple[str, str | None] | None:
+) -> GradProblem | None:
     """A ``.grad`` of ``pending`` (each not its accumulator) that no accumulator can stand in
-    for, as ``(its parameter's name, what autograd adds into as eager does)``, the second
-    ``None`` where nothing can; ``None`` if there is none.
+    for; ``None`` if there is none.
 
     Eager adds into a sparse ``.grad`` by replacing it with the dense sum, into a ``.grad`` of
     another dtype than the parameter's (allowed by ``param.grad_dtype``, e.g. float32 grads of
     bfloat16 weights) in that dtype, and makes a new ``.grad`` of the ``grad_dtype``; copied into
     the accumulators (of the parameter's dtype) and back, these would be rounded or refused by
-    torch, so autograd must add them (what was found, expected against found). Eager adds into
-    a ``.grad`` that shares memory with another parameter's ``.grad`` (or accumulator) twice,
-    which nothing reproduces (``None``).
+    torch, so autograd must add them (what was found, expected against found). Eager's
+    in-place add into a ``.grad`` it cannot write (:func:`_unwritable`) raises, or adds into
+    overlapping elements one after another; the copy back of an accumulator would raise only
+    after the replay changed other ``.grad`` tensors, or write each element once, so autograd
+    must add into it too. Eager adds into a ``.grad`` that shares memory with another
+    parameter's ``.grad`` (or accumulator) twice, which nothing reproduces (``None``).
 
     >>> weight = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     >>> accumulator = torch.zeros(2, dtype=torch.bfloat16)
-    >>> weight.grad_dtype = torch.float32
     >>> grad_problem([(weight, accumulator, None, None)], [span(accumulator)], {weight: "w"})
-    ('w', 'grad_dtype is float32, the parameter bfloat16')
+    >>> expanded = torch.zeros(1, dtype=torch.bfloat16).expand(2)
+    >>> grad_problem([(weight, accumulator, expanded, None)], [span(accumulator)], {weight: "w"})
+    ... # doctest: +ELLIPSIS
+    GradProblem(name='w', found=".grad's elements share memory (an expanded tensor?): ...)
     """
     spans: list[tuple[int, int, str | None]] = [(*span, None) for span in accumulator_spans]
     for param, accumulator, grad, _ in pending:
@@ -166,21 +183,76 @@ def grad_problem(
             # torch refuses as the .grad of a parameter whose grad_dtype is another one.
             wanted = getattr(param, "grad_dtype", None)
             if wanted is not None and wanted != accumulator.dtype:
-                return names[param], f"grad_dtype is {_name(wanted)}, the parameter {_name(param)}"
+                return GradProblem(
+                    names[param],
+                    (
+                        f"grad_dtype is {_name(wanted)}, the parameter {_name(param)}: eager "
+                        "makes a .grad of the grad_dtype"
+                    ),
+                )
             continue
         if grad.layout is not _STRIDED:
-            return names[param], f".grad is {grad.layout} (expected torch.strided)"
+            return GradProblem(
+                names[param],
+                (
+                    f".grad is {grad.layout} (expected torch.strided): eager replaces it by the "
+                    "dense sum"
+                ),
+            )
         if grad.dtype != accumulator.dtype:
-            return names[param], f".grad is {_name(grad)}, the parameter {_name(param)}"
+            return GradProblem(
+                names[param],
+                (
+                    f".grad is {_name(grad)}, the parameter {_name(param)}: eager adds in the "
+                    ".grad's dtype"
+                ),
+            )
+        unwritable, raises = _unwritable(grad)
+        if unwritable is not None:
+            return GradProblem(names[param], unwritable, param if raises else None)
         spans.append((*span(grad), names[param]))
     spans.sort(key=operator.itemgetter(0, 1))
     end, owner = -1, None
     for start, stop, name in spans:
         if start < end and start < stop and (name is not None or owner is not None):
-            return name or owner, None  # type: ignore[return-value]
+            return GradProblem(name or owner, None)  # type: ignore[arg-type]
         if stop > end:
             end, owner = stop, name
     return None
+
+
+def _unwritable(grad: torch.Tensor) -> tuple[str | None, bool]:
+    """What stops eager's in-place add into a strided ``.grad`` from writing each element once
+    (what was found, and what eager does), or ``None``; and whether eager raises."""
+    if grad.is_inference():  # a backward never runs in inference mode
+        return (
+            ".grad is an inference tensor: eager's in-place add into it raises outside "
+            "inference mode"
+        ), True
+    overlap = torch._debug_has_internal_overlap(grad)  # 0: none, 1: for sure, 2: can't tell
+    if overlap == 1:
+        return (
+            ".grad's elements share memory (an expanded tensor?): eager's in-place add into it "
+            "raises"
+        ), True
+    if overlap == 2 and _may_overlap(grad):
+        return (
+            ".grad's elements overlap in memory: eager adds into each element in place, one "
+            "after another"
+        ), False
+    return None, False
+
+
+def _may_overlap(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` may lie at one address: unless each dimension, by
+    increasing stride, steps past all the elements of the dimensions below it."""
+    extent = 1  # the elements the dimensions so far span, plus one
+    for stride, size in sorted(zip(tensor.stride(), tensor.shape, strict=True)):
+        if size > 1:
+            if stride < extent:
+                return True
+            extent += (size - 1) * stride
+    return False
 
 
 def will_execute_or_capture(param: torch.Tensor) -> bool:

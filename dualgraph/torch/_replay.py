@@ -595,17 +595,19 @@ class GraphedCallable:
                 else:
                     self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
             elif self._auto:
-                if not (
+                added: bool | torch.Tensor = False  # False: autograd adds every grad
+                if (
                     not unreached_params
                     and plain
                     and not through_autograd
                     and self._nothing_watches_params()
                     and not self._params_used_elsewhere()
-                    # nothing needs the parameter grads to pass through autograd, and every
-                    # .grad is one the graph can add into (else autograd adds them, as eager)
-                    and self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
                 ):
-                    param_grads = self._backward_into_copies()
+                    # nothing needs the parameter grads to pass through autograd: the graph
+                    # adds them, if every .grad is one it can add into (else autograd, as eager)
+                    added = self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                if added is not True:
+                    param_grads = self._backward_into_copies(None if added is False else added)
                     self.diagnostics.param_grads_through_autograd += 1
             else:
                 self._replay_backward()  # type: ignore[misc]
@@ -653,21 +655,19 @@ class GraphedCallable:
 
     def _backward_leaving_alone(self, unreached: frozenset[int]) -> None:
         """``"in_graph"``'s backward when parameters are unreached (:meth:`_unreached`): the
-        graph adds a grad into every accumulator, so those parameters' ``.grad`` (the tensor, or
-        ``None``) and its values are put back after."""
+        graph adds a grad into every accumulator, so those parameters' ``.grad`` is ``None``
+        meanwhile (the graph's share goes to a tensor of its own; eager looks at no such
+        ``.grad``, one it could not add into included), and is hung back after."""
         params = self._plan_params
         kept = []
         for i in sorted(unreached):
-            grad = params[i].grad
-            kept.append((params[i], grad, None if grad is None else grad.clone()))
+            kept.append((params[i], params[i].grad))
+            params[i].grad = None
         try:
             self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
         finally:
-            for param, grad, values in kept:
-                if param.grad is not grad:
-                    param.grad = grad
-                if grad is not None and values is not None:
-                    grad.copy_(values)
+            for param, grad in kept:
+                param.grad = grad
 
     def _nothing_watches_params(self) -> bool:
         """Whether ``.grad`` may be updated without the parameters' ``AccumulateGrad`` nodes.
@@ -840,7 +840,7 @@ class GraphedCallable:
                 ".grad. Capture with param_grads='autograd' for that"
             )
 
-    def _backward_into_accumulators(self, replay: Callable[[], None]) -> bool:
+    def _backward_into_accumulators(self, replay: Callable[[], None]) -> bool | torch.Tensor:
         """Replay ``replay``, which adds the parameter grads into static accumulators.
 
         ``replay`` is the backward graph, which adds into the accumulators (``"in_graph"``, and
@@ -852,10 +852,15 @@ class GraphedCallable:
         the accumulator, e.g. the old ``.grad``, sees no change). A ``.grad`` the user set is
         added to in place, keeping its identity.
 
-        A ``.grad`` no accumulator can stand in for (sparse, or sharing memory with another
-        parameter's ``.grad`` or accumulator, which eager adds into twice) is refused under
-        ``"in_graph"``; under ``"auto"`` this returns ``False``, having written and replayed
-        nothing, and autograd adds the grads instead.
+        A ``.grad`` no accumulator can stand in for (sparse, of another dtype, one eager's
+        in-place add cannot write: expanded, overlapping, an inference tensor; or sharing memory
+        with another parameter's ``.grad`` or accumulator, which eager adds into twice) is
+        refused under ``"in_graph"``; under ``"auto"``, having written and replayed nothing,
+        this returns ``False`` (autograd adds the grads instead), or, for a ``.grad`` eager's
+        ``AccumulateGrad`` raises for, its parameter (autograd, handed its grad alone, raises
+        eager's error, having changed no other ``.grad``: as eager where it reaches that
+        parameter first). Either way, before anything is written. ``True``: ``.grad`` holds
+        the sums.
         """
         grads = tuple(map(_grad, self._in_graph_params))
         if all(map(_is, grads, self._in_graph_accumulators)):
@@ -874,15 +879,14 @@ class GraphedCallable:
             pending.append((param, accumulator, grad, accumulator.clone() if held else None))
         problem = _grad_problem(pending, self._accumulator_spans, self._names_of)
         if problem is not None:
-            name, found = problem
+            name, found, raises_for = problem
             if found is not None:
-                if self._auto:
-                    return False  # autograd adds into it as eager does
+                if self._auto:  # autograd adds into it as eager does
+                    return False if raises_for is None else raises_for
                 raise DualgraphError(
-                    f"{name}: {found}, which param_grads='in_graph' cannot add into (eager "
-                    "replaces a sparse .grad by the dense sum, and adds in the .grad's dtype); "
-                    "set .grad to None or to a dense tensor of the parameter's dtype, or capture "
-                    "with param_grads='auto'"
+                    f"{name}: {found}; param_grads='in_graph' cannot add into it as eager does "
+                    "(nothing was changed): set .grad to None or to a dense tensor of its own "
+                    "of the parameter's dtype, or capture with param_grads='auto'"
                 )
             raise DualgraphError(
                 f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
@@ -916,8 +920,11 @@ class GraphedCallable:
                 accumulator.copy_(saved)
         return True
 
-    def _backward_into_copies(self) -> tuple[torch.Tensor | None, ...]:
-        """Replay the backward into zeroed accumulators; copies of the grads, one per parameter.
+    def _backward_into_copies(
+        self, alone: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Replay the backward into zeroed accumulators; copies of the grads, one per parameter
+        (``None`` for all but the parameter ``alone``, if given).
 
         ``"auto"`` where autograd must see the parameter grads (hooks, DDP, ``autograd.grad``,
         ``inputs=``, anomaly mode, a ``.grad`` no accumulator can stand in for): the graph adds
@@ -945,8 +952,11 @@ class GraphedCallable:
             if held:
                 torch._foreach_copy_(held, saved)
         grads: list[torch.Tensor | None] = [None] * len(self._params)
-        for position, copy_ in zip(self._accumulator_positions, copies, strict=True):
-            grads[position] = copy_
+        for position, copy_, param in zip(
+            self._accumulator_positions, copies, self._in_graph_params, strict=True
+        ):
+            if alone is None or param is alone:
+                grads[position] = copy_
         return tuple(grads)
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
