@@ -302,8 +302,13 @@ def test_an_output_only_inputs_without_grad_reach_needs_no_grad_as_in_eager(
             assert_trees_match(outputs, expected, tolerance(backend))
             backward_of(outputs)
             backward_of(expected)
+            # "same_x" is x itself, as in eager: its grad reaches x directly and is added to the
+            # replay's sum of the other three, where eager adds the four one by one (last bit).
             assert_grads_match(
-                grads_of(list(args)), grads_of(list(eager_args)), ["x", "y"], tolerance(backend)
+                grads_of(list(args)),
+                grads_of(list(eager_args)),
+                ["x", "y"],
+                tolerance(backend) or (1e-6, 1e-6),
             )
     assert_grads_match(
         grads_of(parameters_of(fn)),

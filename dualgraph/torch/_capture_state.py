@@ -22,6 +22,7 @@ from ._ambient import autocast_state
 from ._capture_failure import Refused
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
+from ._output_aliases import OutputAliases
 from ._params import ModuleTensors, is_tensor_subclass
 from ._plan import ParamLayout, ReplayPlan, StaticBuffers
 from ._probe import WarmupProbe
@@ -145,6 +146,7 @@ class _Capture:
         self.out_spec: TreeSpec | None = None
         self.diff_outputs: tuple[int, ...] = ()
         self.saved_outputs: tuple[int, ...] = ()
+        self.output_aliases: OutputAliases | None = None
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
         self.static_outputs: tuple[torch.Tensor, ...] = ()
@@ -176,6 +178,7 @@ class _Capture:
         """Take over what the warmup of ``original`` (the same callable) found."""
         self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
         self.saved_outputs = original.saved_outputs
+        self.output_aliases = original.output_aliases
         self.reach = original.reach
         self.mutated = set(original.mutated)
         self.warmup_grads = original.warmup_grads
@@ -394,6 +397,7 @@ class _Capture:
             outputs=self.out_spec,
             diff_outputs=self.diff_outputs,
             saved_outputs=self.saved_outputs,
+            output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
             module_tensors=self.module_tensors,
             params=layout,

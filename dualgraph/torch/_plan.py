@@ -23,6 +23,7 @@ import torch
 from .._spec import TreeSpec
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import InputGuard
+from ._output_aliases import OutputAliases
 from ._params import ModuleTensors
 from ._replay_hooks import ReplayHookRunner
 
@@ -135,6 +136,8 @@ class ReplayPlan:
     diagnostics: CaptureDiagnostics
     reach: tuple[frozenset[int], ...] | None = None
     grad_inputs: tuple[int, ...] = ()  # the inputs the backward differentiates for
+    # outputs that are, or view, other outputs or inputs in eager: handed out so
+    output_aliases: OutputAliases | None = None
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

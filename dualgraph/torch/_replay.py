@@ -89,6 +89,7 @@ class GraphedCallable:
         "_accumulator_positions",
         "_accumulator_spans",
         "_accumulators",
+        "_aliases",
         "_ambient_checks",
         "_anchor_none",
         "_auto",
@@ -168,6 +169,8 @@ class GraphedCallable:
         self._inputs = plan.inputs
         self._module_tensors = plan.module_tensors
         self._out_spec = plan.outputs
+        # Outputs that are, or view, other outputs or inputs in eager (None: none are).
+        self._aliases = plan.output_aliases
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
@@ -385,6 +388,11 @@ class GraphedCallable:
                 self._check_ambient_state()
             if self._mutated:
                 self._check_mutated_inputs(tensors)
+            aliases = self._aliases
+            if aliases is not None and aliases.input_views:
+                aliases.check_inputs(
+                    self.name, tensors, self._inputs.paths, self._out_spec.array_paths
+                )
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -401,6 +409,8 @@ class GraphedCallable:
                     outputs = self._forward(tensors)
             if self._mutated:
                 self._copy_back(tensors)
+            if aliases is not None:  # under the caller's grad mode, as eager made them
+                outputs = aliases.hand_out(outputs, tensors)
             if hooks is None:
                 return self._out_spec.unflatten(outputs)
             result = self._out_spec.unflatten(outputs)

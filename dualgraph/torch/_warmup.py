@@ -6,6 +6,8 @@ not Python, and some eager behaviour has to be carried over or refused up front:
 - inputs the callable updates in place (their version counters move): each replay copies the
   update back into the caller's tensor; an update during backward is refused;
 - outputs the backward reads (saved for backward): changing them in place is refused at backward;
+- outputs that are, or view, another output or an input: each replay hands them out so
+  (``_output_aliases.py``);
 - tensors that require grad but are neither inputs nor parameters (a closure over another
   module's weights): refused, since a replay would give them no gradient;
 - the output structure must stay the same from call to call.
@@ -25,6 +27,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ._capture_failure import Refused
 from ._leaves import dtype_name
+from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
 from ._reach import trace_leaves
 
@@ -49,6 +52,10 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
     differentiable = [flat[i] for i in item.diff_outputs]
     diff_inputs = item.diff_inputs()
     if inspect:
+        assert item.out_spec is not None
+        item.output_aliases = find_output_aliases(
+            flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
+        )
         item.saved_outputs = _saved_outputs(flat, saved)
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:

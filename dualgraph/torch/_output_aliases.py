@@ -1,0 +1,285 @@
+"""Outputs that share memory in eager, handed out by a replay with the same relations.
+
+In eager, ``return h, h`` gives one tensor twice, ``return h, h[0]`` a view of the other output
+(``h[0]._base is h``), and ``return x`` or ``return x[0]`` the caller's input itself or a view
+of it: an in-place change through one is seen through the other. A replay's outputs are static
+buffers of their own, so :func:`find_output_aliases` records at capture, from the first warmup's
+outputs, which output is another one (or an input), or a view of one, and
+:meth:`OutputAliases.hand_out` rebuilds those relations on every replay from the outputs handed
+out (views by ``as_strided`` with the captured size, stride and offset, under the caller's grad
+mode, so autograd sees an ordinary view). A callable whose outputs share no memory has no
+``OutputAliases`` and pays nothing. What a replay cannot give as eager does is refused at
+capture, naming the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._errors import DualgraphError
+from ._capture_failure import Refused
+
+__all__ = ["OutputAliases", "find_output_aliases"]
+
+_ADVICE = "return a copy of one of them (.clone()) in the callable"
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Output ``output`` is made from ``source`` (an output, or an input where ``from_input``).
+
+    ``size`` ``None``: the source itself (detached where ``detach``); else a view of it with
+    this size and stride, ``offset`` elements past the source's storage offset.
+    """
+
+    output: int
+    source: int
+    from_input: bool = False
+    detach: bool = False
+    size: tuple[int, ...] | None = None
+    stride: tuple[int, ...] = ()
+    offset: int = 0
+    source_stride: tuple[int, ...] = ()  # an input view: the input's layout at capture
+
+
+@dataclass(frozen=True)
+class OutputAliases:
+    """How a replay hands out outputs that are, or view, other outputs or inputs (see above)."""
+
+    steps: tuple[_Step, ...]  # sources before the outputs made from them
+    input_views: tuple[_Step, ...]  # views of inputs: the input must keep its captured layout
+
+    def check_inputs(
+        self,
+        name: str,
+        tensors: Sequence[torch.Tensor],
+        paths: Sequence[str],
+        out_paths: Sequence[str],
+    ) -> None:
+        """Refuse an input of another layout than at capture that an output is a view of."""
+        for step in self.input_views:
+            tensor = tensors[step.source]
+            if tensor.stride() != step.source_stride:
+                path = paths[step.source]
+                raise DualgraphError(
+                    f"{name}: output{out_paths[step.output]} is a view of {path}, captured with "
+                    f"strides {step.source_stride}; this call's {path} has strides "
+                    f"{tensor.stride()}, of which a replay cannot make eager's view. Pass "
+                    f"{path} laid out like the sample (.contiguous()), or {_ADVICE}"
+                )
+
+    def hand_out(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """The outputs with the captured relations: ``outputs`` are the replay's own."""
+        result = list(outputs)
+        for step in self.steps:
+            base = inputs[step.source] if step.from_input else result[step.source]
+            if step.detach:
+                base = base.detach()
+            if step.size is not None:
+                base = base.as_strided(step.size, step.stride, base.storage_offset() + step.offset)
+            result[step.output] = base
+        return tuple(result)
+
+
+def find_output_aliases(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    out_paths: Sequence[str],
+    input_paths: Sequence[str],
+) -> OutputAliases | None:
+    """The relations among ``outputs`` (and with ``inputs``) a replay must keep, or ``None``.
+
+    ``outputs``: the flat outputs of a warmup call on the static ``inputs``. Raises
+    :class:`Refused` naming the outputs where a replay cannot give eager's sharing.
+    """
+    steps: list[_Step] = []
+    input_views: list[_Step] = []
+    first: dict[int, int] = {}  # id of an output tensor: its first position
+    storage_of_input: dict[int, int] = {}
+    for i, tensor in enumerate(inputs):
+        if tensor.numel():
+            storage_of_input.setdefault(_storage(tensor), i)
+    groups: dict[int, list[int]] = {}  # storage: distinct output tensors' positions
+    for k, tensor in enumerate(outputs):
+        if id(tensor) in first:
+            continue
+        first[id(tensor)] = k
+        position = next((i for i, t in enumerate(inputs) if t is tensor), None)
+        if position is not None:
+            steps.append(_Step(k, position, from_input=True))
+            continue
+        if not tensor.numel():
+            continue
+        storage = _storage(tensor)
+        source = storage_of_input.get(storage)
+        if source is not None:
+            step = _input_view(k, source, tensor, inputs[source], out_paths, input_paths)
+            steps.append(step)
+            input_views.append(step)
+            continue
+        groups.setdefault(storage, []).append(k)
+    for members in groups.values():
+        if len(members) > 1:
+            steps += _views_within(members, outputs, out_paths)
+    # An output met again is the tensor at its first position, whatever that one became.
+    steps += [
+        _Step(k, first[id(tensor)]) for k, tensor in enumerate(outputs) if first[id(tensor)] != k
+    ]
+    if not steps:
+        return None
+    return OutputAliases(steps=tuple(steps), input_views=tuple(input_views))
+
+
+def _input_view(
+    k: int,
+    i: int,
+    tensor: torch.Tensor,
+    source: torch.Tensor,
+    out_paths: Sequence[str],
+    input_paths: Sequence[str],
+) -> _Step:
+    # The static inputs are leaves of their own: a view of one has it as its base.
+    if tensor._base is not source or tensor.requires_grad != source.requires_grad:
+        raise Refused(
+            f"output{out_paths[k]} shares memory with {input_paths[i]} without being it or a "
+            f"view of it (e.g. .detach() or .data of it), which a replay cannot hand out as "
+            f"eager does; {_ADVICE}"
+        )
+    if tensor.dtype != source.dtype:
+        raise Refused(
+            f"output{out_paths[k]} is a view of {input_paths[i]} as another dtype, which a "
+            f"replay cannot hand out as eager does; {_ADVICE}"
+        )
+    return _Step(
+        k,
+        i,
+        from_input=True,
+        size=tuple(tensor.shape),
+        stride=tensor.stride(),
+        offset=int(tensor.storage_offset() - source.storage_offset()),
+        source_stride=source.stride(),
+    )
+
+
+def _views_within(
+    members: list[int],
+    outputs: Sequence[torch.Tensor],
+    out_paths: Sequence[str],
+) -> list[_Step]:
+    """Steps for distinct outputs that share one storage (none is an input's), one dtype.
+
+    Each output whose elements another one (a root: dense, so its elements are one span of
+    memory) holds is made from that root; outputs that share no element (``h[0]``, ``h[1]``)
+    stay apart, as they are in eager.
+    """
+    # Largest first; among equals a tensor of its own, requiring grad, before a view or an alias.
+    order = sorted(
+        members,
+        key=lambda k: (
+            -outputs[k].numel(),
+            not outputs[k].requires_grad,
+            outputs[k]._base is not None,
+            k,
+        ),
+    )
+    dtypes = {outputs[k].dtype for k in members}
+    if len(dtypes) > 1:
+        a, b = members[0], next(k for k in members if outputs[k].dtype != outputs[members[0]].dtype)
+        raise Refused(
+            f"output{out_paths[a]} and output{out_paths[b]} share memory as different dtypes, "
+            f"which a replay cannot hand out as eager does; {_ADVICE}"
+        )
+    roots: list[int] = []
+    steps: list[_Step] = []
+    for k in order:
+        tensor = outputs[k]
+        root = next((r for r in roots if _covers(outputs[r], tensor)), None)
+        if root is None:
+            clash = next((r for r in roots if _overlap(outputs[r], tensor)), None)
+            if clash is not None:
+                raise Refused(
+                    f"output{out_paths[clash]} and output{out_paths[k]} share memory, but "
+                    f"neither holds all of the other's (overlapping views of one tensor), "
+                    f"which a replay cannot hand out as eager does; {_ADVICE}"
+                )
+            roots.append(k)
+            continue
+        base = outputs[root]
+        if tensor.requires_grad and not base.requires_grad:
+            raise Refused(
+                f"output{out_paths[k]} requires grad and shares memory with output"
+                f"{out_paths[root]}, which does not (a detached alias), which a replay cannot "
+                f"hand out as eager does; {_ADVICE}"
+            )
+        detach = base.requires_grad and not tensor.requires_grad
+        same_layout = (
+            tensor.shape == base.shape
+            and tensor.stride() == base.stride()
+            and tensor.storage_offset() == base.storage_offset()
+        )
+        if detach and same_layout and tensor._base is None:
+            steps.append(_Step(k, root, detach=True))  # .detach() of it
+        else:
+            steps.append(
+                _Step(
+                    k,
+                    root,
+                    detach=detach,
+                    size=tuple(tensor.shape),
+                    stride=tensor.stride(),
+                    offset=int(tensor.storage_offset() - base.storage_offset()),
+                )
+            )
+    return steps
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # a tensor subclass without a plain storage: nothing to share
+        return -id(tensor)
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first and one past the last element of ``tensor`` in its storage (non-empty)."""
+    start = int(tensor.storage_offset())
+    last = start + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return start, last + 1
+
+
+def _covers(root: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is one of ``root``'s (``root`` dense)."""
+    if not _dense(root):
+        return False
+    start, end = _span(root)
+    low, high = _span(tensor)
+    return start <= low and high <= end
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill one span of memory, each once (any dim order)."""
+    expected = 1
+    for size, stride in sorted(
+        (pair for pair in zip(tensor.shape, tensor.stride(), strict=True) if pair[0] != 1),
+        key=lambda pair: pair[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one storage) have an element in common."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    # Interleaved (h[:, 0] and h[:, 1]): mark one's elements, look for the other's.
+    marks = torch.zeros(max(a1, b1), dtype=torch.bool)
+    marks.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset()).any())

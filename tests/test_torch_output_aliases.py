@@ -1,0 +1,233 @@
+"""Outputs that share memory in eager (one tensor twice, a view of another output, an input
+itself or a view of one) come back from a replay with the same relations, compared with eager:
+identity, ``_base``, ``requires_grad``, an in-place change through one seen through the other,
+and the grads of a loss using both. What a replay cannot give as eager does is refused at capture.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch_cases import (
+    GRAD_MODES,
+    GRAPH_BACKENDS,
+    assert_grads_match,
+    assert_trees_match,
+    capture_error,
+    device_of,
+    isolation,
+    loss_of,
+    parameter_names,
+    parameters_of,
+    tensors_of,
+    tolerance,
+)
+
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
+def _outputs(kind: str, x: torch.Tensor, h: torch.Tensor) -> Any:
+    if kind == "twice":
+        return h, h
+    if kind == "index":
+        return h, h[0]
+    if kind == "view":
+        return h, h.view(-1)
+    if kind == "transpose":
+        return h, h.t()
+    if kind == "view_first":
+        return h.view(2, -1), h
+    if kind == "hidden_states":  # HF's output_hidden_states: the last hidden state twice
+        return {"last": h, "all": (h * 2, h)}
+    if kind == "input":
+        return x, h
+    if kind == "input_view":
+        return x[1], h
+    raise AssertionError(kind)
+
+
+KINDS = [
+    "twice",
+    "index",
+    "view",
+    "transpose",
+    "view_first",
+    "hidden_states",
+    "input",
+    "input_view",
+]
+
+
+class Aliasing(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return _outputs(self.kind, x, self.fc(x))
+
+
+def _relations(outputs: Any, x: torch.Tensor) -> list[tuple[Any, ...]]:
+    """What eager's aliasing looks like: identity, bases, flags, among outputs and with ``x``."""
+    flat = tensors_of(outputs)
+    found: list[tuple[Any, ...]] = []
+    for a, t in enumerate(flat):
+        found.append((a, t.requires_grad, t._is_view(), t is x, t._base is x))
+        for b, u in enumerate(flat):
+            found.append((a, b, t is u, t._base is u, _shares(t, u)))
+    return found
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _pair(kind: str, backend: str, param_grads: str) -> tuple[nn.Module, Any]:
+    device = device_of(backend)
+    eager = Aliasing(kind).to(device)
+    module = copy.deepcopy(eager)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    options = {} if backend == "eager" else {"param_grads": param_grads}
+    return eager, dgt.make_graphed_callables(module, (sample,), backend=backend, **options)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("backend", "param_grads"), GRAD_MODES)
+def test_aliased_outputs_keep_eager_relations_in_place_changes_and_grads(
+    kind: str, backend: str, param_grads: str
+) -> None:
+    eager, graphed = _pair(kind, backend, param_grads)
+    tol = tolerance(backend)
+    for _ in range(3):
+        x = torch.randn(3, 4, device=device_of(backend), requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_(True)
+        ours, theirs = graphed(x), eager(x_eager)
+        assert _relations(ours, x) == _relations(theirs, x_eager)
+        # An in-place change through the last output: eager sees it through its aliases.
+        with torch.no_grad():
+            tensors_of(ours)[-1].add_(1.0)
+            tensors_of(theirs)[-1].add_(1.0)
+        assert_trees_match(ours, theirs, tol)
+        assert_trees_match(x.detach(), x_eager.detach(), tol)
+        loss_of(ours).backward()  # every output, both aliases among them
+        loss_of(theirs).backward()
+        assert_grads_match([x.grad], [x_eager.grad], ["x"], tol)
+    assert_grads_match(
+        [p.grad for p in parameters_of(graphed)],
+        [p.grad for p in parameters_of(eager)],
+        parameter_names(eager),
+        tol,
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_aliased_outputs_keep_relations_without_grad_and_with_clone_outputs(
+    kind: str, backend: str
+) -> None:
+    device = device_of(backend)
+    eager = Aliasing(kind).to(device)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        copy.deepcopy(eager), (sample,), backend=backend, clone_outputs=True
+    )
+    x = torch.randn(3, 4, device=device)
+    with torch.no_grad():
+        ours, theirs = graphed(x), eager(x)
+    assert _relations(ours, x) == _relations(theirs, x)
+    with torch.no_grad():
+        tensors_of(ours)[-1].mul_(3.0)
+        tensors_of(theirs)[-1].mul_(3.0)
+    assert_trees_match(ours, theirs, tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_outputs_without_shared_memory_record_no_aliases(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        lambda x: (x.exp(), x.sin(), x.cos().unbind(0)), (sample,), backend=backend
+    )
+    assert graphed.plan.output_aliases is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_views_of_one_hidden_tensor_that_share_no_element_stay_apart(backend: str) -> None:
+    # h[:, 0] and h[:, 1] interleave in memory but share no element: as in eager, a change
+    # of one leaves the other alone.
+    device = device_of(backend)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+
+    def columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * 2
+        return h[:, 0], h[:, 1]
+
+    graphed = dgt.make_graphed_callables(columns, (sample,), backend=backend)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    first, second = graphed(x)
+    with torch.no_grad():
+        first.add_(1.0)
+    assert torch.equal(second, x.detach()[:, 1] * 2)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_overlapping_views_of_a_hidden_tensor_are_refused_at_capture(backend: str) -> None:
+    sample = torch.randn(3, 4, device=device_of(backend), requires_grad=True)
+
+    def overlapping(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * 2
+        return h[:2], h[1:]
+
+    message = capture_error(overlapping, (sample,), backend=backend)
+    assert "output[0] and output[1] share memory" in message and ".clone()" in message
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_detached_alias_of_an_input_is_refused_at_capture(backend: str) -> None:
+    sample = torch.randn(3, 4, device=device_of(backend), requires_grad=True)
+    message = capture_error(lambda x: (x * 2, x.detach()), (sample,), backend=backend)
+    assert "output[1] shares memory with args[0]" in message and ".clone()" in message
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_detached_alias_of_an_output_is_handed_out_detached(backend: str) -> None:
+    sample = torch.randn(3, 4, device=device_of(backend), requires_grad=True)
+
+    def with_detached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * 2
+        return h, h.detach()
+
+    graphed = dgt.make_graphed_callables(with_detached, (sample,), backend=backend)
+    x = torch.randn(3, 4, device=device_of(backend), requires_grad=True)
+    ours, theirs = graphed(x), with_detached(x)
+    assert _relations(ours, x) == _relations(theirs, x)
+    with torch.no_grad():
+        ours[1].add_(1.0)
+    assert torch.equal(ours[0], x.detach() * 2 + 1)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_view_of_an_input_laid_out_otherwise_is_refused_before_any_buffer(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    sample = torch.randn(3, 4, device=device)
+    graphed = dgt.make_graphed_callables(lambda x: (x[1], x * 2), (sample,), backend=backend)
+    before = [t.clone() for t in graphed.static_inputs]
+    transposed = torch.randn(4, 3, device=device).t()
+    with pytest.raises(DualgraphError, match=r"output\[0\] is a view of args\[0\].*strides"):
+        graphed(transposed)
+    assert all(map(torch.equal, graphed.static_inputs, before))
+    first, _ = graphed(transposed.contiguous())
+    assert first._base is not None and torch.equal(first, transposed[1])
