@@ -542,6 +542,12 @@ def _reassign_data(module: TinyMLP) -> None:
     module.fc1.weight.data = module.fc1.weight.data.clone()
 
 
+def _relaid_out(module: TinyMLP) -> None:
+    # The same memory read with other strides: a captured kernel would keep the old ones.
+    weight = module.fc1.weight.data
+    module.fc1.weight.data = weight.as_strided(weight.shape, (1, weight.shape[0]))
+
+
 def _to_double(module: TinyMLP) -> None:
     module.double()
 
@@ -578,6 +584,7 @@ class ScaledMLP(TinyMLP):
 CHANGES = {
     "replaced": (_replace_weight, "ScaledMLP.fc1.weight: the parameter was replaced after capture"),
     "data_assigned": (_reassign_data, "ScaledMLP.fc1.weight: the parameter's memory changed"),
+    "relaid_out": (_relaid_out, "ScaledMLP.fc1.weight: the parameter's layout changed"),
     "moved_by_to": (_to_double, "ScaledMLP.scale: the buffer was replaced after capture (by"),
     "deleted": (_delete_bias, "ScaledMLP.fc1.bias: the parameter was replaced after capture"),
     "buffer_replaced": (_replace_buffer, "ScaledMLP.scale: the buffer was replaced after capture"),
@@ -598,6 +605,39 @@ def test_a_parameter_or_buffer_replaced_after_capture_is_refused_naming_it(
     make_change(module)
     with pytest.raises(DualgraphError) as info:
         module(torch.randn(4, 8, device=device))  # as captured: the module is what changed
+    assert str(info.value).startswith(message)
+
+
+#: How a parameter or buffer that was ``None`` at capture gets a tensor: ``(build, change)``.
+SET_AFTER_CAPTURE = {
+    "bias": (
+        lambda: nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()),
+        lambda module: setattr(module[0], "bias", nn.Parameter(torch.ones(8))),
+        "Sequential.0.bias: the parameter was None at capture",
+    ),
+    "running_mean": (
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False)),
+        lambda module: module[1].register_buffer("running_mean", torch.zeros(8)),
+        "Sequential.1.running_mean: the buffer was None at capture",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("entry", sorted(SET_AFTER_CAPTURE))
+def test_a_parameter_or_buffer_none_at_capture_and_set_after_is_refused_naming_it(
+    backend: str, entry: str
+) -> None:
+    # Eager would use the new tensor (add the bias, update the statistics); the graphs never
+    # read it, so a replay would silently leave it out.
+    device = device_of(backend)
+    build, make_change, message = SET_AFTER_CAPTURE[entry]
+    module = build().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    make_change(module)
+    module.to(device)
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))
     assert str(info.value).startswith(message)
 
 

@@ -5,7 +5,9 @@ computes grads for the parameters that required grad then, and it replays the tr
 each submodule had then. :class:`ModuleTensors` records that and :meth:`ModuleTensors.check`
 refuses a call, naming the tensor or submodule, when the module no longer matches: a parameter
 or buffer replaced (``module.weight = nn.Parameter(...)``), moved or re-allocated (``.to()``,
-``.half()``, ``param.data = ...``), a parameter frozen or unfrozen, a submodule replaced
+``.half()``, ``param.data = ...``) or read with other strides (``param.data = view``), one
+that was ``None`` at capture given a tensor (a bias the graphs never add), a parameter frozen
+or unfrozen, a submodule replaced
 (``module.fc = nn.Linear(...)``, whose tensors the graphs never read), or a submodule put in
 another training mode than the module itself (``module.dropout.eval()``: the graphs would
 replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``),
@@ -22,6 +24,7 @@ run once per replay, through autograd, as in eager.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,8 +44,13 @@ __all__ = [
 ]
 
 _getitem = operator.getitem
+_get = dict.get
+_is_not = operator.is_not
+_NONES = itertools.repeat(None)
 _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+_shape = operator.attrgetter("shape")
 _requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
 # A module's hook dicts, by the kind of hook each holds, with the dicts of flags (keyed by the
@@ -104,6 +112,16 @@ class ModuleTensors:
     data_ptrs: tuple[int, ...]
     requires_grad: tuple[bool, ...]
     is_buffer: tuple[bool, ...]
+    # The layout the captured kernels read the memory with (same address, other strides: a
+    # transposed ``.data``, ``as_strided_``).
+    strides: tuple[tuple[int, ...], ...] = ()
+    shapes: tuple[torch.Size, ...] = ()
+    # The entries that were None at capture (a Linear without bias, BatchNorm's statistics
+    # when it tracks none): the graphs never read them, so a tensor set there since is refused.
+    absent_names: tuple[str, ...] = ()
+    absent_owners: tuple[dict[str, Any], ...] = ()
+    absent_keys: tuple[str, ...] = ()
+    absent_is_buffer: tuple[bool, ...] = ()
     # The tensors whose requires_grad each call checks: those frozen at capture (usually none).
     # A trainable parameter frozen since is found by the backward replay, which looks at the
     # trainable parameters anyway (as its Function's inputs, or for their hooks).
@@ -132,12 +150,15 @@ class ModuleTensors:
         """Record the parameters and buffers of ``module`` as they are now."""
         root = type(module).__name__
         entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
+        absent: list[tuple[str, dict[str, Any], str, bool]] = []
         for prefix, submodule in module.named_modules():
             for is_buffer, owner in ((False, submodule._parameters), (True, submodule._buffers)):
                 for key, tensor in owner.items():
+                    name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
                     if tensor is not None:
-                        name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
                         entries.append((name, owner, key, tensor, is_buffer))
+                    else:
+                        absent.append((name, owner, key, is_buffer))
         tensors = tuple(entry[3] for entry in entries)
         watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
         hung: list[tuple[str, dict[str, Any], str, torch.nn.Module]] = []
@@ -168,6 +189,12 @@ class ModuleTensors:
             data_ptrs=tuple(map(_data_ptr, tensors)),
             requires_grad=tuple(map(_requires_grad, tensors)),
             is_buffer=tuple(entry[4] for entry in entries),
+            strides=tuple(map(_stride, tensors)),
+            shapes=tuple(map(_shape, tensors)),
+            absent_names=tuple(entry[0] for entry in absent),
+            absent_owners=tuple(entry[1] for entry in absent),
+            absent_keys=tuple(entry[2] for entry in absent),
+            absent_is_buffer=tuple(entry[3] for entry in absent),
             watched=watched,
             watched_requires_grad=tuple(map(_requires_grad, watched)),
             module_names=tuple(entry[0] for entry in hung),
@@ -200,6 +227,12 @@ class ModuleTensors:
             or any(self.unhooked_dicts)  # usually all of them: none then, none now
             or (self.hooked and not self._same_hooks_where_hooked())
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
+            or tuple(map(_stride, self.tensors)) != self.strides
+            or tuple(map(_shape, self.tensors)) != self.shapes
+            or (
+                self.absent_keys
+                and any(map(_is_not, map(_get, self.absent_owners, self.absent_keys), _NONES))
+            )
             or (
                 grad_enabled
                 and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
@@ -255,12 +288,14 @@ class ModuleTensors:
                     "put them on the graphed module itself (they run around each replay), or "
                     f"{again}"
                 )
-        for name, owner, key, tensor, ptr, grad, is_buffer in zip(
+        for name, owner, key, tensor, ptr, stride, shape, grad, is_buffer in zip(
             self.names,
             self.owners,
             self.keys,
             self.tensors,
             self.data_ptrs,
+            self.strides,
+            self.shapes,
             self.requires_grad,
             self.is_buffer,
             strict=True,
@@ -278,8 +313,28 @@ class ModuleTensors:
                     f"{name}: the {kind}'s memory changed after capture (.to(), .half(), "
                     f"assigning .data?), but the graphs read the captured memory; {again}"
                 )
+            if tensor.stride() != stride or tensor.shape != shape:
+                return DualgraphError(
+                    f"{name}: the {kind}'s layout changed after capture (shape {tuple(shape)} "
+                    f"strides {stride} then, {tuple(tensor.shape)} {tensor.stride()} now: "
+                    f"assigning .data, as_strided_?), but the graphs read the memory as "
+                    f"captured; copy the new values in place (copy_), or {again}"
+                )
             if grad_enabled and tensor.requires_grad != grad:
                 return requires_grad_changed(name, grad)
+        for name, owner, key, is_buffer in zip(
+            self.absent_names,
+            self.absent_owners,
+            self.absent_keys,
+            self.absent_is_buffer,
+            strict=True,
+        ):
+            if owner.get(key) is not None:
+                kind = "buffer" if is_buffer else "parameter"
+                return DualgraphError(
+                    f"{name}: the {kind} was None at capture and is a tensor now, which eager "
+                    f"would use but the graphs never read; {again}"
+                )
         return DualgraphError("the module's parameters changed since capture")
 
     @contextlib.contextmanager
