@@ -819,6 +819,49 @@ def test_a_submodule_hook_replaced_under_its_handle_after_capture_is_refused_nam
     module(torch.randn(4, 8, device=device))  # the hooks of capture time again
 
 
+def _forward_replaced(module: TinyMLP) -> Callable[[], None]:
+    module.fc2.forward = lambda x: x * 2  # what accelerate's hooks do: an instance-level forward
+    return lambda: module.fc2.__dict__.pop("forward")
+
+
+class _DoubledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def _class_swapped(module: TinyMLP) -> Callable[[], None]:
+    module.fc2.__class__ = _DoubledLinear  # what torch's parametrize does to a module
+    return lambda: setattr(module.fc2, "__class__", nn.Linear)
+
+
+#: How a submodule comes to run another forward than at capture: ``(change, message)``; the
+#: change returns what puts it back.
+FORWARD_CHANGES = {
+    "forward_replaced": (_forward_replaced, r"^TinyMLP\.fc2: its forward was replaced after"),
+    "class_swapped": (
+        _class_swapped,
+        r"^TinyMLP\.fc2: its class was Linear at capture and is _DoubledLinear",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("change", sorted(FORWARD_CHANGES))
+def test_a_submodule_given_another_forward_after_capture_is_refused_naming_it(
+    backend: str, change: str
+) -> None:
+    # Eager runs the new forward; a graph replays the kernels of the one it captured.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    make_change, message = FORWARD_CHANGES[change]
+    put_back = make_change(module)
+    with pytest.raises(DualgraphError, match=message):
+        module(torch.randn(4, 8, device=device))
+    put_back()
+    module(torch.randn(4, 8, device=device))  # the forward of capture time again
+
+
 def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:
     return args[-1] * 2  # the output, with or without the kwargs before it
 

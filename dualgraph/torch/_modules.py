@@ -18,12 +18,13 @@ import torch
 from .._errors import DualgraphError
 from ._buckets import BucketedCallable
 from ._eager import EagerCallable
+from ._params import GRAPHED_STATE
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
 __all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of"]
 
-_STATE = "_dualgraph_graphed"
+_STATE = GRAPHED_STATE
 
 Runner = GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable
 

@@ -13,7 +13,10 @@ another training mode than the module itself (``module.dropout.eval()``: the gra
 replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``),
 or a submodule given or relieved of a forward or backward hook, or one swapped for another
 function (the graphs replay the hooks a submodule had at capture: one registered since would
-never run, one removed would still act).
+never run, one removed would still act), or a submodule given another forward (an
+instance-level ``forward``, as accelerate's hooks set, or another class): the graphs replay the
+kernels of the forward they captured. A submodule graphed itself after its parent keeps running
+inside the parent's replay as captured, so dualgraph's own ``forward`` is not a change.
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
 running statistics are updated on every warmup call, as if those calls had been steps), and
@@ -36,6 +39,7 @@ from .._errors import DualgraphError
 from ._grad_checks import own_hooks
 
 __all__ = [
+    "GRAPHED_STATE",
     "ModuleTensors",
     "grad_buffer_like",
     "is_tensor_subclass",
@@ -47,6 +51,9 @@ _getitem = operator.getitem
 _get = dict.get
 _is_not = operator.is_not
 _NONES = itertools.repeat(None)
+_FORWARD = itertools.repeat("forward")
+#: Where ``_modules.py`` keeps a graphed module's state in its ``__dict__``.
+GRAPHED_STATE = "_dualgraph_graphed"
 _is = operator.is_
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
@@ -134,6 +141,11 @@ class ModuleTensors:
     module_keys: tuple[str, ...] = ()
     modules: tuple[torch.nn.Module, ...] = ()
     training: tuple[bool, ...] = ()
+    # Each submodule's __dict__, the instance-level forward it held at capture (usually None)
+    # and its class: what its forward is.
+    module_dicts: tuple[dict[str, Any], ...] = ()
+    forwards: tuple[Any, ...] = ()
+    classes: tuple[type, ...] = ()
     # Every submodule's forward and backward hook dicts (the root's run around the replay, so
     # they are not among them), their flag dicts, and the hooks each held at capture.
     hook_names: tuple[str, ...] = ()
@@ -202,6 +214,9 @@ class ModuleTensors:
             module_keys=tuple(entry[2] for entry in hung),
             modules=modules,
             training=tuple(map(_training, modules)),
+            module_dicts=tuple(module.__dict__ for module in modules),
+            forwards=tuple(module.__dict__.get("forward") for module in modules),
+            classes=tuple(map(type, modules)),
             hook_names=tuple(f"{name}: {kind}" for name, kind, _, _ in hooked),
             hook_dicts=hook_dicts,
             hook_flags=hook_flags,
@@ -224,6 +239,11 @@ class ModuleTensors:
             not all(map(_is, current, self.tensors))
             or not all(map(_is, hung, self.modules))
             or tuple(map(_training, self.modules)) != self.training
+            or tuple(map(type, self.modules)) != self.classes
+            or (
+                not all(map(_is, map(_get, self.module_dicts, _FORWARD), self.forwards))
+                and self._forward_replaced() is not None
+            )
             or any(self.unhooked_dicts)  # usually all of them: none then, none now
             or (self.hooked and not self._same_hooks_where_hooked())
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
@@ -239,6 +259,20 @@ class ModuleTensors:
             )
         ):
             raise self._explain(grad_enabled)
+
+    def _forward_replaced(self) -> str | None:
+        """The name of the first submodule whose instance-level forward is not the one of
+        capture, nor dualgraph's own around it (a submodule graphed after its parent)."""
+        for name, namespace, forward in zip(
+            self.module_names, self.module_dicts, self.forwards, strict=True
+        ):
+            now = namespace.get("forward")
+            if now is forward:
+                continue
+            state = namespace.get(GRAPHED_STATE)
+            if state is None or getattr(state, "previous", None) is not forward:
+                return name
+        return None
 
     def _same_hooks_where_hooked(self) -> bool:
         for i in self.hooked:
@@ -322,6 +356,20 @@ class ModuleTensors:
                 )
             if grad_enabled and tensor.requires_grad != grad:
                 return requires_grad_changed(name, grad)
+        for name, module, cls in zip(self.module_names, self.modules, self.classes, strict=True):
+            if type(module) is not cls:
+                return DualgraphError(
+                    f"{name}: its class was {cls.__name__} at capture and is "
+                    f"{type(module).__name__} now (a parametrization registered?), but the "
+                    f"graphs replay the forward they captured; {again}"
+                )
+        replaced = self._forward_replaced()
+        if replaced is not None:
+            return DualgraphError(
+                f"{replaced}: its forward was replaced after capture (module.forward = ...), "
+                f"but the graphs replay the forward they captured; set it before graphing, or "
+                f"{again}"
+            )
         for name, owner, key, is_buffer in zip(
             self.absent_names,
             self.absent_owners,
