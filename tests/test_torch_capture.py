@@ -1112,6 +1112,25 @@ def test_a_capture_failing_in_a_generator_frees_its_graph_while_the_error_is_hel
     assert_tensors_match(graphed(x).detach(), module.fc(x).detach(), "out", tolerance(backend))
 
 
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_module_keeping_a_graph_in_a_tensor_attribute_is_refused_naming_the_attribute(
+    backend: str, norm: str
+) -> None:
+    """torch's deprecated weight_norm and spectral_norm keep ``weight`` as a plain attribute
+    with its autograd graph: there is no ``loss`` to delete, so the refusal names the attribute
+    and the parametrizations that replace those functions."""
+    device = device_of(backend)
+    module = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+        getattr(torch.nn.utils, norm)(module[0])
+    module(torch.randn(4, 8, device=device))  # an eager call, its output dropped
+    message = capture_error(module, (torch.randn(4, 8, device=device),), backend=backend)
+    assert "Sequential.0.weight is a tensor attribute that keeps an autograd graph" in message
+    assert "torch.nn.utils.parametrizations" in message
+
+
 @pytest.mark.parametrize("kept", ["output", "loss after backward"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_graphing_while_an_eager_graph_of_the_module_is_alive_is_refused_until_it_goes(

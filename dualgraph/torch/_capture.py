@@ -229,14 +229,35 @@ def _refuse_parameters_held_by_graphs(captures: Sequence[_Capture], progress: Pr
     for item_name, name, param in held:
         if held_by_a_graph(param):
             progress.name = item_name
+            item = next(item for item in captures if item.name == item_name)
+            why = "an output or loss kept from a call before graphing, or DistributedDataParallel"
+            kept = _graph_kept_in_an_attribute(item.request.module)
+            if kept is not None:
+                why = (
+                    f"{kept} is a tensor attribute that keeps an autograd graph, as torch's "
+                    "deprecated weight_norm and spectral_norm keep `weight`: use "
+                    "torch.nn.utils.parametrizations instead"
+                )
             raise Refused(
                 f"{name}'s AccumulateGrad node is held by an autograd graph that is still "
-                "alive (an output or loss kept from a call before graphing, or "
-                "DistributedDataParallel): that node stays on the stream it was made on, "
+                f"alive ({why}): that node stays on the stream it was made on, "
                 "and the capture's backward would wait on it from inside the graph. Delete "
                 "the references to that graph (e.g. `del loss`) before graphing, and graph "
                 "the layers before wrapping the model in DDP"
             )
+
+
+def _graph_kept_in_an_attribute(module: torch.nn.Module | None) -> str | None:
+    """The name of the first plain tensor attribute of ``module`` (or a submodule) that keeps
+    an autograd graph (has a ``grad_fn``), or ``None``."""
+    if module is None:
+        return None
+    root = type(module).__name__
+    for prefix, submodule in module.named_modules():
+        for key, value in vars(submodule).items():
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                return f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
+    return None
 
 
 def _shared_parameters(requests: Sequence[CaptureRequest]) -> frozenset[int]:
