@@ -24,6 +24,7 @@ __all__ = [
     "grad_problem",
     "held_by_a_graph",
     "holders",
+    "in_place_refusal",
     "own_hooks",
     "span",
     "will_engine_execute_node",
@@ -221,21 +222,36 @@ def grad_problem(
     return None
 
 
+def in_place_refusal(tensor: torch.Tensor) -> str | None:
+    """Why torch refuses an in-place update of ``tensor`` here: ``"inference"`` (an inference
+    tensor outside inference mode), ``"overlap"`` (elements that share memory for sure, e.g. an
+    expanded tensor), or ``None``. One test for a mutated input and for a ``.grad``.
+
+    >>> in_place_refusal(torch.zeros(1).expand(3)), in_place_refusal(torch.zeros(3))
+    ('overlap', None)
+    """
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        return "inference"
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 0: none, 1: for sure, 2: can't tell
+        return "overlap"
+    return None
+
+
 def _unwritable(grad: torch.Tensor) -> tuple[str | None, bool]:
     """What stops eager's in-place add into a strided ``.grad`` from writing each element once
     (what was found, and what eager does), or ``None``; and whether eager raises."""
-    if grad.is_inference():  # a backward never runs in inference mode
+    refusal = in_place_refusal(grad)  # a backward never runs in inference mode
+    if refusal == "inference":
         return (
             ".grad is an inference tensor: eager's in-place add into it raises outside "
             "inference mode"
         ), True
-    overlap = torch._debug_has_internal_overlap(grad)  # 0: none, 1: for sure, 2: can't tell
-    if overlap == 1:
+    if refusal == "overlap":
         return (
             ".grad's elements share memory (an expanded tensor?): eager's in-place add into it "
             "raises"
         ), True
-    if overlap == 2 and _may_overlap(grad):
+    if torch._debug_has_internal_overlap(grad) == 2 and _may_overlap(grad):
         return (
             ".grad's elements overlap in memory: eager adds into each element in place, one "
             "after another"

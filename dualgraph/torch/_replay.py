@@ -40,6 +40,7 @@ from ._grad_checks import aliases as _aliases
 from ._grad_checks import grad_accumulator as _grad_accumulator
 from ._grad_checks import grad_problem as _grad_problem
 from ._grad_checks import holders as _holders
+from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
@@ -986,13 +987,16 @@ def _storage_of(tensor: torch.Tensor) -> int | None:
         return None
 
 
+_IN_PLACE_REFUSALS = {
+    "overlap": "its elements share memory (an expanded tensor)",
+    "inference": "it is an inference tensor, outside inference mode",
+}
+
+
 def _unwritable(tensor: torch.Tensor) -> str | None:
     """Why an in-place update cannot be written into ``tensor``, or ``None``."""
-    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: its elements overlap for sure
-        return "its elements share memory (an expanded tensor)"
-    if tensor.is_inference() and not torch.is_inference_mode_enabled():
-        return "it is an inference tensor, outside inference mode"
-    return None
+    refusal = _in_place_refusal(tensor)
+    return None if refusal is None else _IN_PLACE_REFUSALS[refusal]
 
 
 def _input_only_outputs(plan: ReplayPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:
