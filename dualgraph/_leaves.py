@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import importlib
 import math
+import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,8 @@ __all__ = [
     "CONSTANT_TYPES",
     "ArrayType",
     "array_type_of",
+    "float_of_text",
+    "float_text",
     "register_array_type",
     "same_float",
     "signature_of",
@@ -166,16 +170,79 @@ def strict_bool(value: Any, /) -> bool | None:
 
 
 def same_float(found: Any, expected: float, /) -> bool:
-    """Whether ``found`` is a Python float equal to ``expected``: NaN matches NaN, -0.0 not 0.0.
+    """Whether ``found`` is a Python float with the bits of ``expected``: NaN matches a NaN of
+    the same sign and payload, -0.0 not 0.0.
 
     >>> same_float(float("nan"), float("nan")), same_float(-0.0, 0.0), same_float(1, 1.0)
     (True, False, False)
+    >>> same_float(-float("nan"), float("nan"))
+    False
     """
     if type(found) is not float:
         return False
-    if found != found:
-        return expected != expected
-    return found == expected and math.copysign(1.0, found) == math.copysign(1.0, expected)
+    if found == expected:
+        return found != 0.0 or math.copysign(1.0, found) == math.copysign(1.0, expected)
+    return found != found and expected != expected and _bits(found) == _bits(expected)
+
+
+def _bits(value: float) -> int:
+    bits: int = _UNPACK_BITS(_PACK_FLOAT(value))[0]
+    return bits
+
+
+_PACK_FLOAT = struct.Struct("<d").pack
+_UNPACK_BITS = struct.Struct("<Q").unpack
+_UNPACK_FLOAT = struct.Struct("<d").unpack
+_PACK_BITS = struct.Struct("<Q").pack
+_SIGN = 1 << 63
+#: The bits of ``float("nan")`` on every platform CPython supports (IEEE 754 binary64).
+_QUIET_NAN = 0x7FF8_0000_0000_0000
+_NAN_TEXT = re.compile(r"nan:0x[0-9a-f]{16}")
+
+
+def float_text(value: float, /) -> str:
+    """A float as a spec keeps and writes it, exactly: its ``repr``, but a NaN other than
+    ``float("nan")`` as ``-nan`` (its negative) or ``nan:0x`` and its 16 hex digits of bits.
+
+    ``repr`` alone makes every NaN ``nan``; a constant must come back with its sign and payload.
+
+    >>> float_text(0.1), float_text(-0.0), float_text(float("nan")), float_text(-float("nan"))
+    ('0.1', '-0.0', 'nan', '-nan')
+    """
+    if value == value:
+        return repr(value)
+    bits = _bits(value)
+    if bits == _QUIET_NAN:
+        return "nan"
+    if bits == _QUIET_NAN | _SIGN:
+        return "-nan"
+    return f"nan:0x{bits:016x}"
+
+
+def float_of_text(text: str, /) -> float | None:
+    """The float :func:`float_text` wrote as ``text``; ``None`` for any other text.
+
+    >>> float_of_text("1e-310"), float_of_text("1E-310"), float_of_text("-nan")
+    (1e-310, None, nan)
+    """
+    if len(text) > 32:
+        return None
+    if text.startswith(("nan", "-nan")):
+        if text == "nan":
+            bits = _QUIET_NAN
+        elif text == "-nan":
+            bits = _QUIET_NAN | _SIGN
+        elif _NAN_TEXT.fullmatch(text):
+            bits = int(text[6:], 16)
+        else:
+            return None
+        value: float = _UNPACK_FLOAT(_PACK_BITS(bits))[0]
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+    return value if float_text(value) == text else None
 
 
 def _lookup(cls: type) -> ArrayType | None:

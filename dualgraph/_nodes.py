@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 from ._dtypes import is_dtype_name, numpy_dtype
-from ._leaves import same_float, signature_of
+from ._leaves import float_of_text, float_text, same_float, signature_of
 from ._paths import PathEntry
 
 __all__ = [
@@ -164,8 +164,9 @@ NONE = NoneLeaf()
 
 
 def show_constant(value: bool | int | float | str) -> str:
-    """A constant as a spec shows it: floats by ``str`` (``nan``, ``-0.0``), others by ``repr``."""
-    return str(value) if type(value) is float else repr(value)
+    """A constant as a spec shows it: floats as a spec writes them (``nan``, ``-nan``, ``-0.0``;
+    see :func:`~dualgraph._leaves.float_text`), others by ``repr``."""
+    return float_text(value) if type(value) is float else repr(value)
 
 
 def check_int(value: int) -> None:
@@ -178,7 +179,7 @@ _CONSTANT_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "s
 
 
 class ConstLeaf(Leaf):
-    """A ``bool``, ``int``, ``float`` or ``str`` kept by value (floats compare by ``repr``)."""
+    """A ``bool``, ``int``, ``float`` or ``str`` kept by value (floats by their exact text)."""
 
     __slots__ = ("value",)
     tag = kind = "const"
@@ -191,8 +192,9 @@ class ConstLeaf(Leaf):
             raise NodeError(f"a constant is a bool, int, float or str, not {cls.__name__}")
         if cls is int:
             check_int(value)  # type: ignore[arg-type]
-        # By repr, a float key tells -0.0 from 0.0 and makes NaN equal to itself.
-        canonical = repr(value) if cls is float else value
+        # By its exact text, a float key tells -0.0 from 0.0 and one NaN from another, and
+        # makes a NaN equal to itself.
+        canonical = float_text(value) if cls is float else value  # type: ignore[arg-type]
         super().__init__(("const", cls.__name__, canonical))
         object.__setattr__(self, "value", value)
 
@@ -204,7 +206,7 @@ class ConstLeaf(Leaf):
 
     def row(self) -> list[Any]:
         value = self.value
-        return ["const", type(value).__name__, repr(value) if type(value) is float else value]
+        return ["const", type(value).__name__, float_text(value) if type(value) is float else value]
 
     @classmethod
     def from_row(cls, row: list[Any], max_arity: int) -> ConstLeaf:
@@ -212,10 +214,14 @@ class ConstLeaf(Leaf):
             raise NodeError(f"a const row is ['const', bool|int|float|str, value], got {clip(row)}")
         type_name: str = row[1]
         value: Any = row[2]
-        if type_name == "float":  # stored as its repr: strict JSON has no NaN or infinities
-            if type(value) is not str or not _is_float_repr(value):
-                raise NodeError(f"a float constant is stored as its repr, got {clip(value)}")
-            return cls(float(value))
+        if type_name == "float":  # stored as text: strict JSON has no NaN or infinities
+            number = float_of_text(value) if type(value) is str else None
+            if number is None:
+                raise NodeError(
+                    f"a float constant is stored as its repr (a NaN other than float('nan') as "
+                    f"'-nan' or 'nan:0x' and its 16 hex digits of bits), got {clip(value)}"
+                )
+            return cls(number)
         if type(value) is not _CONSTANT_TYPES[type_name]:
             raise NodeError(f"a {type_name} constant holds {clip(value)}")
         return cls(cast("bool | int | float | str", value))
@@ -231,15 +237,6 @@ class ConstLeaf(Leaf):
         if type(value) is float:
             return f"not _same_float({var}, {bind(value, 'c')})"
         return f"type({var}) is not {bind(type(value), 'T')} or {var} != {bind(value, 'c')}"
-
-
-def _is_float_repr(text: str) -> bool:
-    if len(text) > 32:
-        return False
-    try:
-        return repr(float(text)) == text
-    except ValueError:
-        return False
 
 
 class ArrayLeaf(Leaf):

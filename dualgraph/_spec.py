@@ -22,7 +22,7 @@ from ._containers import NamedContainer, brief_of, container_kind
 from ._dtypes import is_differentiable_dtype
 from ._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
 from ._json import next_entries, read_document, read_tree, write_document
-from ._leaves import CONSTANT_TYPES, array_type_of, numpy_is_native, strict_bool
+from ._leaves import CONSTANT_TYPES, array_type_of, float_text, numpy_is_native, strict_bool
 from ._nodes import (
     MAX_NODES,
     NONE,
@@ -56,7 +56,7 @@ class LeafSpec:
     ``path`` is the leaf's accessor expression; ``entries`` the same path as typed entries
     (:class:`~dualgraph.Index`, :class:`~dualgraph.Key`, :class:`~dualgraph.Attr`). Leaves
     compare as a spec's nodes do: a constant with its type (``True`` is not ``1``), a float by
-    its ``repr`` (``-0.0`` is not ``0.0``, NaN equals NaN).
+    its exact text (``-0.0`` is not ``0.0``, NaN equals NaN, ``-nan`` is not ``nan``).
 
     >>> import numpy as np
     >>> leaf = describe((np.zeros((2, 3), np.float32), None)).leaves[0]
@@ -85,7 +85,7 @@ class LeafSpec:
     def _identity(self) -> tuple[Any, ...]:
         value: Any = self.value
         if value is not None:
-            value = (type(value).__name__, repr(value) if type(value) is float else value)
+            value = (type(value).__name__, float_text(value) if type(value) is float else value)
         return (self.kind, self.path, self.shape, self.dtype, self.grad, value)
 
     def __str__(self) -> str:
@@ -572,7 +572,7 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                 append(leaf)
                 continue
             if cls in constants:
-                key = (cls, repr(obj) if cls is float else obj)
+                key = (cls, float_text(obj) if cls is float else obj)
                 leaf = intern.get(key)
                 if leaf is None:
                     leaf = intern[key] = ConstLeaf(obj)

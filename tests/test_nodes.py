@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -130,6 +131,13 @@ def test_array_rows_round_trip() -> None:
         ["const", "float", " 1.5"],
         ["const", "float", "1_0.0"],
         ["const", "float", "NaN"],
+        ["const", "float", "+nan"],
+        ["const", "float", "-NaN"],
+        ["const", "float", "nan:0x7ff8000000000000"],  # float("nan") is written "nan"
+        ["const", "float", "nan:0x7ff0000000000000"],  # the bits of inf, not a NaN
+        ["const", "float", "nan:0xFFF0000000000002"],  # upper-case hex
+        ["const", "float", "nan:0x7ff80000000000001"],
+        ["const", "float", "nan:7ff8000000000001"],
         ["const", "complex", "1j"],
         ["const", ["int"], 1],
         ["array", "float32", [2], True, "extra"],
@@ -148,6 +156,24 @@ def test_float_constants_are_stored_by_their_exact_repr() -> None:
         row = ConstLeaf(value).row()
         assert row[2] == repr(value)
         assert repr(ConstLeaf.from_row(row, 0).value) == repr(value)
+
+
+@pytest.mark.parametrize(
+    ("bits", "text"),
+    [
+        (0x7FF8_0000_0000_0000, "nan"),
+        (0xFFF8_0000_0000_0000, "-nan"),
+        (0x7FF8_0000_0000_0001, "nan:0x7ff8000000000001"),
+        (0xFFF0_0000_0000_0002, "nan:0xfff0000000000002"),
+    ],
+    ids=["nan", "negative", "payload", "signalling"],
+)
+def test_nan_constants_are_stored_with_their_sign_and_payload(bits: int, text: str) -> None:
+    value = struct.unpack("<d", bits.to_bytes(8, "little"))[0]
+    row = ConstLeaf(value).row()
+    assert row == ["const", "float", text]
+    read = ConstLeaf.from_row(row, 0).value
+    assert struct.pack("<d", read) == bits.to_bytes(8, "little")
 
 
 def test_clip_never_raises_and_bounds_messages() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import pickle
+import struct
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from trees import (
     EncoderOutput,
     array,
     assert_same_tree,
+    float_bits,
     leaf_at,
     leaves_of,
 )
@@ -516,6 +518,48 @@ def test_check_accepts_nan_constant_equal_to_itself() -> None:
 def test_check_tells_negative_zero_from_zero() -> None:
     error = mismatch((array(2), -0.0), (array(2), 0.0))
     assert str(error) == "[1]: expected float -0.0, got float 0.0"
+
+
+def nan_with_bits(bits: int) -> float:
+    """The float of these 64 bits (a NaN of another sign or payload than ``float('nan')``)."""
+    value: float = struct.unpack("<d", bits.to_bytes(8, "little"))[0]
+    return value
+
+
+#: NaNs a spec must tell apart: float("nan"), its negative, and two of other payloads.
+NANS = [
+    float("nan"),
+    -float("nan"),
+    nan_with_bits(0x7FF8_0000_0000_0001),
+    nan_with_bits(0xFFF0_0000_0000_0002),  # a signalling NaN with the sign bit
+]
+
+
+def test_check_tells_a_negative_nan_constant_from_nan() -> None:
+    error = mismatch((array(2), float("nan")), (array(2), -float("nan")))
+    assert str(error) == "[1]: expected float nan, got float -nan"
+
+
+@pytest.mark.parametrize("value", NANS[1:], ids=["negative", "payload", "signalling"])
+def test_check_refuses_any_other_nan_in_place_of_a_nan_constant(value: float) -> None:
+    spec = describe((float("nan"),))
+    with pytest.raises(SpecMismatchError):
+        spec.check((value,))
+    describe((value,)).check((nan_with_bits(float_bits(value)),))
+
+
+def test_nan_constants_of_other_signs_and_payloads_come_back_as_they_were() -> None:
+    spec = describe(tuple(NANS))
+    assert [float_bits(value) for value in spec.unflatten([])] == list(map(float_bits, NANS))
+    assert len(set(spec.leaves)) == len(NANS)
+
+
+def test_json_keeps_the_sign_and_payload_of_nan_constants() -> None:
+    spec = describe(tuple(NANS))
+    loaded = TreeSpec.from_json(spec.to_json())
+    assert [float_bits(value) for value in loaded.unflatten([])] == list(map(float_bits, NANS))
+    assert loaded == spec
+    assert loaded.to_json() == spec.to_json()
 
 
 def test_check_compares_ordereddict_key_order() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import struct
 import subprocess
 import sys
 import textwrap
@@ -39,7 +40,16 @@ def arrays(draw: st.DrawFn) -> np.ndarray:
     return values.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
 
 
-constants = st.one_of(st.booleans(), st.integers(-(2**80), 2**80), st.floats(), st.text(max_size=6))
+# NaNs of other signs and payloads too: a constant comes back with its bits.
+def nan_of(negative: bool, payload: int) -> float:
+    value: float = struct.unpack("<d", struct.pack("<Q", negative << 63 | 0x7FF << 52 | payload))[0]
+    return value
+
+
+nans = st.builds(nan_of, st.booleans(), st.integers(1, 2**52 - 1))
+constants = st.one_of(
+    st.booleans(), st.integers(-(2**80), 2**80), st.floats(), nans, st.text(max_size=6)
+)
 keys = st.one_of(st.text(max_size=4), st.integers(-3, 3))
 
 
@@ -65,8 +75,9 @@ def with_fresh_values(tree: Any) -> Any:
     def fresh(_: int, leaf: Any) -> Any:
         if isinstance(leaf, np.ndarray):
             return np.ones_like(leaf)
-        if type(leaf) is float:
-            return float(repr(leaf))
+        if type(leaf) is float:  # a new object of the same bits (a NaN keeps sign and payload)
+            value: float = struct.unpack("<d", struct.pack("<d", leaf))[0]
+            return value
         return leaf
 
     return replace_leaves(tree, fresh)
@@ -96,7 +107,7 @@ def mutations(leaf: Any) -> list[Any]:
     elif type(leaf) is int:
         changed = [leaf + 1, float(leaf), leaf > 0]
     elif type(leaf) is float:
-        changed = [1.5 if leaf == 0.5 else 0.5, repr(leaf)]
+        changed = [1.5 if leaf == 0.5 else 0.5, repr(leaf), -leaf]  # -leaf: -0.0, -nan
     else:
         changed = [leaf + "!"]
     return [*changed, None, np.zeros(1, "float32")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -142,6 +143,11 @@ def replace_leaves(tree: Any, change: Callable[[int, Any], Any]) -> Any:
     return optree.tree_unflatten(treedef, [change(i, leaf) for i, leaf in enumerate(leaves)])
 
 
+def float_bits(value: float) -> int:
+    """The 64 bits of a float: what tells -0.0 from 0.0 and one NaN from another."""
+    return int.from_bytes(struct.pack("<d", value), "little")
+
+
 def assert_same_tree(actual: Any, expected: Any, path: str = "") -> None:
     """Containers of the same type (dict key order included), equal arrays, same constants."""
     where = path or "<root>"
@@ -152,8 +158,10 @@ def assert_same_tree(actual: Any, expected: Any, path: str = "") -> None:
         assert actual.dtype == expected.dtype, f"{where}: {actual.dtype} != {expected.dtype}"
         assert actual.shape == expected.shape, f"{where}: {actual.shape} != {expected.shape}"
         np.testing.assert_array_equal(actual, expected, err_msg=where)
-    elif isinstance(expected, (bool, int, float, str)):
-        # repr tells -0.0 from 0.0 and makes NaN equal to itself.
+    elif type(expected) is float:
+        # By bits: -0.0 is not 0.0, NaN equals itself, and a NaN keeps its sign and payload.
+        assert float_bits(actual) == float_bits(expected), f"{where}: {actual!r} != {expected!r}"
+    elif isinstance(expected, (bool, int, str)):
         assert repr(actual) == repr(expected), f"{where}: {actual!r} != {expected!r}"
     elif isinstance(expected, dict):
         assert list(actual) == list(expected), f"{where}: keys {list(actual)} != {list(expected)}"
