@@ -41,6 +41,7 @@ __all__ = [
     "TupleNode",
     "brief_of",
     "container_kind",
+    "container_subclasses",
     "dataclass_fields",
     "qualified_name",
     "register_dataclass",
@@ -447,6 +448,7 @@ class NamedTupleNode(NamedContainer):
         if not _is_namedtuple_class(typ):
             return False
         if learn:  # described: a spec read back may now name it
+            _refuse_array_type(typ, NodeError)
             _bind_name(typ)
         return True
 
@@ -579,6 +581,26 @@ def _is_namedtuple_class(typ: type) -> bool:
     )
 
 
+def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> None:
+    """Refuse to make ``cls`` a container if it is an array type: describe would take it for a
+    container, check an array's place for an array."""
+    if array_type_of(cls) is not None:
+        raise error(
+            f"{prefix}{qualified_name(cls)}: it is an array type "
+            "(dualgraph.register_array_type, or a subclass of one); a class is an array or a "
+            "container in a spec, never both"
+        )
+
+
+def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
+    """The user classes known as containers (registered or described) that subclass ``cls``."""
+    return [
+        (typ, kind)
+        for typ, kind in _KIND_OF.items()
+        if kind.python_type is None and issubclass(typ, cls)
+    ]
+
+
 def _bind_name(cls: type) -> None:
     _NAMED[qualified_name(cls)] = cls
 
@@ -600,6 +622,7 @@ def register_namedtuple(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
+    _refuse_array_type(cls, DualgraphError, "cannot register ")
     _bind_name(cls)
     _KIND_OF[cls] = NamedTupleNode
     return cls
@@ -620,12 +643,7 @@ def register_dataclass(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
-    if array_type_of(cls) is not None:  # describe would take it for a container, check not
-        raise DualgraphError(
-            f"cannot register {qualified_name(cls)}: it is an array type "
-            "(dualgraph.register_array_type, or a subclass of one); a class is an array or a "
-            "container in a spec, never both"
-        )
+    _refuse_array_type(cls, DualgraphError, "cannot register ")
     if cls not in _DATACLASS_FIELDS:
         fields = dataclasses.fields(cls)
         no_init = [f.name for f in fields if not f.init]

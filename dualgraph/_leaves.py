@@ -84,12 +84,19 @@ def register_array_type(
         )
     builtin = _BUILTIN_KINDS.get(cls)
     if builtin is None:
-        from ._containers import container_kind  # (it imports this module)
+        from ._containers import container_kind, container_subclasses  # (they import this module)
 
         # describe takes a container first, check an array's place by its signature: never both
         kind = container_kind(cls)
         if kind is not None:
             builtin = f"a {kind.tag} class, a container"
+        else:  # the registration would make these containers array types too
+            for subclass, kind in container_subclasses(cls):
+                builtin = (
+                    f"the base of {subclass.__module__}.{subclass.__qualname__}, which is a "
+                    f"{kind.tag} class, a container"
+                )
+                break
     if builtin is not None:
         raise DualgraphError(
             f"register_array_type: {cls.__qualname__} is {builtin} in a spec, never an array"
@@ -117,14 +124,15 @@ def array_type_of(cls: type, /) -> ArrayType | None:
         pass
     found = _lookup(cls)
     if found is None:
-        module = _LAZY_REGISTRATIONS.get(cls.__module__.partition(".")[0])
-        if module is not None:
+        # The class or a base of it (a user's subclass of torch.Tensor) is a framework's.
+        for module in _lazy_registrations(cls):
             try:
                 importlib.import_module(module)
             except ImportError:  # the adapter's own dependencies are missing: not an array
-                pass
-            else:
-                found = _lookup(cls)
+                continue
+            found = _lookup(cls)
+            if found is not None:
+                break
     _RESOLVED[cls] = found
     return found
 
@@ -243,6 +251,17 @@ def float_of_text(text: str, /) -> float | None:
         except ValueError:
             return None
     return value if float_text(value) == text else None
+
+
+def _lazy_registrations(cls: type) -> list[str]:
+    """The adapter modules that register the frameworks ``cls`` or its bases come from."""
+    modules = []
+    for base in cls.__mro__:
+        root = getattr(base, "__module__", None)
+        module = _LAZY_REGISTRATIONS.get(root.partition(".")[0]) if type(root) is str else None
+        if module is not None and module not in modules:
+            modules.append(module)
+    return modules
 
 
 def _lookup(cls: type) -> ArrayType | None:

@@ -352,6 +352,49 @@ def test_a_class_is_an_array_type_or_a_container_never_both(registry: None) -> N
         dualgraph.register_dataclass(FakeRecord)
 
 
+def test_an_array_type_of_which_a_registered_container_is_a_subclass_is_refused(
+    registry: None,
+) -> None:
+    class Base:
+        pass
+
+    @dualgraph.register_dataclass
+    @dataclasses.dataclass
+    class Record(Base):
+        x: Any = None
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"Record.* is a dataclass.* container"):
+        register_array_type(
+            Base, signature=lambda x: ((2,), "float32"), requires_grad=lambda x: True
+        )
+    with pytest.raises(SpecMismatchError):  # a Record at an array's place is no array
+        describe((np.zeros(2, np.float32),)).check((Record(),))
+
+
+def test_a_namedtuple_class_that_is_an_array_type_is_refused(registry: None) -> None:
+    class Mixin:
+        pass
+
+    register_array_type(Mixin, signature=lambda x: ((2,), "float32"), requires_grad=lambda x: True)
+
+    class Both(NamedTuple("Pair", [("a", Any), ("b", Any)]), Mixin):  # type: ignore[misc]
+        pass
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"Both: it is an array type"):
+        dualgraph.register_namedtuple(Both)
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: .*Both.* is an array type"):
+        describe((Both(1, 2),))
+    with pytest.raises(SpecMismatchError):  # not learnt as a container by the refusal
+        describe(((np.zeros(1), np.zeros(1)),)).check((Both(np.zeros(1), np.zeros(1)),))
+
+
+def test_a_subclass_of_a_framework_array_imports_its_adapter(fake_framework: Any) -> None:
+    class Subclass(fake_framework.Array):  # defined here, not in the framework's module
+        pass
+
+    assert repr(describe((Subclass(2),))) == "TreeSpec((float32[2](grad),))"
+
+
 @pytest.mark.parametrize(
     ("cls", "signature", "requires_grad", "what"),
     [
