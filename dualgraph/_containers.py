@@ -173,6 +173,28 @@ def check_key(key: Any) -> None:
         )
 
 
+#: The most int keys of one mapping that may share a hash (below 2**61 only -1 and -2 do).
+MAX_KEYS_PER_HASH = 8
+
+
+def _check_int_hashes(keys: tuple[Any, ...]) -> None:
+    """Refuse int keys that pile up on one hash. Python hashes an int by its value modulo
+    2**61 - 1, so a document can hold any number of keys of one hash, and a set or dict of n
+    of them takes time quadratic in n. Hash values are small ints, which hash to themselves:
+    counting them cannot collide."""
+    if len(keys) <= MAX_KEYS_PER_HASH:
+        return
+    counts = collections.Counter(hash(key) for key in keys if type(key) is int)
+    if counts:
+        value, count = counts.most_common(1)[0]
+        if count > MAX_KEYS_PER_HASH:
+            shared = [key for key in keys if type(key) is int and hash(key) == value][:3]
+            raise NodeError(
+                f"{count} int keys share one hash (e.g. {clip(shared)}); a spec takes at most "
+                f"{MAX_KEYS_PER_HASH}: sets of such keys take time quadratic in their number"
+            )
+
+
 def _sorted_order(keys: tuple[Any, ...]) -> list[int]:
     """Child indices in optree's order: keys sorted (mixed types: by type name, then key)."""
     try:
@@ -213,6 +235,7 @@ class _Mapping(Container):
     def make(cls, keys: tuple[str | int, ...]) -> _Mapping:
         for key in keys:
             check_key(key)
+        _check_int_hashes(keys)
         if len(set(keys)) != len(keys):
             raise NodeError(f"{cls.tag} keys repeat: {clip(list(keys))}")
         return cls(keys)

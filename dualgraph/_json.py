@@ -96,8 +96,10 @@ def read_tree(rows: Any, what: str, root: str = "") -> tuple[Node, ...]:
     nodes: list[Node] = []
     append = nodes.append
     # Equal rows make one node: looked up by repr, which tells JSON values apart by type too.
+    # (Not by the node itself: ints hash by value modulo 2**61 - 1, so a document could make
+    # any number of nodes of one hash, and a dict of n of them takes time quadratic in n; str
+    # hashes are randomized per process.)
     by_repr: dict[str, Node] = {}
-    by_key: dict[Any, Node] = {}
     expected = 1  # how many more nodes the rows must hold
     count = len(rows)
     for index, row in enumerate(rows):
@@ -110,7 +112,6 @@ def read_tree(rows: Any, what: str, root: str = "") -> tuple[Node, ...]:
         node = by_repr.get(text) if text else None
         if node is None:
             node = _node_of_row(row, count - index - expected, what, root, nodes)
-            node = by_key.setdefault(node.key, node)
             if text:
                 by_repr[text] = node
         elif node.arity > count - index - expected:

@@ -15,6 +15,7 @@ from dualgraph import (
     DualgraphError,
     SpecMismatchError,
     TreeSpec,
+    UnsupportedLeafError,
     describe,
     register_dataclass,
     register_namedtuple,
@@ -359,3 +360,29 @@ def test_a_name_registered_as_another_kind_is_refused() -> None:
 def test_register_functions_are_exported() -> None:
     assert dualgraph.register_dataclass is register_dataclass
     assert dualgraph.register_namedtuple is register_namedtuple
+
+
+#: 2**61 - 1: CPython hashes an int by its value modulo this, so its multiples all hash to 0.
+HASH_MODULUS = 2**61 - 1
+
+
+@pytest.mark.parametrize("kind", [dict, collections.OrderedDict])
+def test_int_keys_that_share_one_hash_are_refused_before_a_set_of_them_is_built(kind: type) -> None:
+    # A set of n such keys takes time quadratic in n: a 3.5 MB document of 100,000 keys took
+    # minutes to read.
+    keys = [k * HASH_MODULUS for k in range(9)]
+    assert len({hash(key) for key in keys}) == 1
+    with pytest.raises(UnsupportedLeafError, match=r"^\['x'\]: .*9 int keys share one hash"):
+        describe({"x": kind((key, None) for key in keys)})
+    tag = "dict" if kind is dict else "ordereddict"
+    document = {"format": "dualgraph.TreeSpec", "version": 2}
+    document["tree"] = [["list", 1], [tag, keys]] + [["none"]] * 9
+    with pytest.raises(DualgraphError, match=r"^malformed TreeSpec JSON at \[0\]: .*one hash"):
+        dualgraph.TreeSpec.from_json(json.dumps(document))
+
+
+def test_int_keys_whose_hashes_collide_as_python_makes_them_still_work() -> None:
+    tree = {-1: array(2), -2: None, HASH_MODULUS: 1, 0: 2}  # hash(-1) == hash(-2) == -2
+    spec = describe(tree)
+    assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+    assert dualgraph.TreeSpec.from_json(spec.to_json()) == spec
