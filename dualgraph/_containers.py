@@ -26,7 +26,7 @@ import optree
 
 from ._errors import DualgraphError
 from ._leaves import array_type_of, signature_of
-from ._nodes import Bind, Container, Node, NodeError, check_int, clip, clip_text, show_constant
+from ._nodes import Bind, Container, Node, NodeError, brief_constant, check_int, clip, clip_text
 from ._paths import Attr, Index, Key, PathEntry
 
 __all__ = [
@@ -579,7 +579,7 @@ def brief_of(obj: Any, /) -> str:
         return "None"
     typ = type(obj)
     if typ in (bool, int, float, str):
-        return f"{typ.__name__} {clip_text(show_constant(obj))}"
+        return brief_constant(obj)
     kind = container_kind(typ)
     if kind is not None:
         return kind.brief_of_object(obj)

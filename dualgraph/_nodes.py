@@ -34,6 +34,7 @@ __all__ = [
     "Node",
     "NodeError",
     "NoneLeaf",
+    "brief_constant",
     "check_int",
     "clip",
     "clip_text",
@@ -46,8 +47,9 @@ MAX_NODES = 2**20
 MAX_NDIM = 64
 #: The largest size of one dimension.
 MAX_DIM = 2**63 - 1
-#: The most bits of an ``int`` constant or key, so that it prints and serializes everywhere.
-MAX_INT_BITS = 4096
+#: The most bits of an ``int`` constant or key, so that it prints and serializes everywhere:
+#: under 640 decimal digits, the lowest limit ``sys.set_int_max_str_digits`` takes.
+MAX_INT_BITS = 2048
 
 #: Binds a value into generated code's namespace and returns the name it has there.
 Bind = Callable[[Any, str], str]
@@ -169,6 +171,15 @@ def show_constant(value: bool | int | float | str) -> str:
     return float_text(value) if type(value) is float else repr(value)
 
 
+def brief_constant(value: bool | int | float | str) -> str:
+    """A constant for messages: ``int 3``, ``float -nan``, ``str 'x'`` (never raises)."""
+    try:
+        shown = show_constant(value)
+    except ValueError:  # an int over this interpreter's int/str conversion limit
+        return f"an int of {value.bit_length()} bits"  # type: ignore[union-attr]
+    return f"{type(value).__name__} {clip_text(shown)}"
+
+
 def check_int(value: int) -> None:
     """Refuse an ``int`` too large to print or serialize in every interpreter."""
     if value.bit_length() > MAX_INT_BITS:
@@ -199,7 +210,7 @@ class ConstLeaf(Leaf):
         object.__setattr__(self, "value", value)
 
     def brief(self) -> str:
-        return f"{type(self.value).__name__} {clip_text(show_constant(self.value))}"
+        return brief_constant(self.value)
 
     def show(self, parts: Sequence[str]) -> str:
         return show_constant(self.value)

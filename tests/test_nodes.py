@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+from dualgraph import SpecMismatchError, TreeSpec, describe
 from dualgraph._nodes import (
     MAX_DIM,
     MAX_INT_BITS,
@@ -90,6 +93,36 @@ def test_dtypes_outside_the_vocabulary_are_refused(dtype: Any) -> None:
 def test_grad_must_be_a_bool() -> None:
     with pytest.raises(NodeError, match="grad is a bool, got 1"):
         ArrayLeaf((2,), "float32", 1)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def lowest_int_digits() -> Iterator[None]:
+    """Python's int/str conversion limited to 640 digits, the lowest a program may set."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    yield
+    sys.set_int_max_str_digits(before)
+
+
+def test_every_int_a_spec_takes_prints_and_reads_back_under_any_int_digit_limit(
+    lowest_int_digits: None,
+) -> None:
+    # The limit was 4096 bits (1234 digits): a spec written in one process could not be read,
+    # shown or explained in another that lowered the limit (repr raised ValueError).
+    largest = 2**MAX_INT_BITS - 1
+    spec = describe((largest, -largest, {largest: None}))
+    assert TreeSpec.from_json(spec.to_json()) == spec
+    assert str(largest) in repr(spec)
+    assert str(spec.leaves[0]) == str(largest)
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected int 3231\d+\.\.\., got int 1$"):
+        spec.check((1, -largest, {largest: None}))
+
+
+def test_an_int_too_long_to_print_is_shown_by_its_size(lowest_int_digits: None) -> None:
+    with pytest.raises(
+        SpecMismatchError, match=r"^\[0\]: expected int 1, got an int of 2326 bits$"
+    ):
+        describe((1,)).check((10**700,))
 
 
 def test_int_constants_are_bounded() -> None:

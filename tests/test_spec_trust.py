@@ -201,7 +201,7 @@ MALFORMED = {
     "float-as-json-number": Case(document([["const", "float", 0.5]]), "stored as its repr"),
     "float-not-canonical": Case(document([["const", "float", "0.50"]]), "stored as its repr"),
     "infinite-json-number": Case(document([["const", "int", float("inf")]]), "holds inf"),
-    "huge-int-constant": Case(document([["const", "int", 2**5000]]), "over the 4096-bit"),
+    "huge-int-constant": Case(document([["const", "int", 2**5000]]), "over the 2048-bit"),
     "float-key": Case(document([["dict", [1.5]], ["none"]]), "dict key 1.5 of type float"),
     "null-key": Case(document([["dict", [None]], ["none"]]), "dict key None of type NoneType"),
     "bool-key": Case(document([["dict", [True]], ["none"]]), "dict key True of type bool"),
