@@ -15,10 +15,27 @@ from typing import Any
 
 from ._containers import CONTAINER_KINDS
 from ._errors import DualgraphError
-from ._nodes import MAX_NODES, ArrayLeaf, ConstLeaf, Node, NodeError, NoneLeaf, clip, clip_text
+from ._nodes import (
+    MAX_INT_BITS,
+    MAX_NODES,
+    ArrayLeaf,
+    ConstLeaf,
+    Node,
+    NodeError,
+    NoneLeaf,
+    clip,
+    clip_text,
+)
 from ._paths import PathEntry, format_path, show_path
 
-__all__ = ["MAX_JSON_CHARS", "next_entries", "read_document", "read_tree", "write_document"]
+__all__ = [
+    "MAX_INT_CHARS",
+    "MAX_JSON_CHARS",
+    "next_entries",
+    "read_document",
+    "read_tree",
+    "write_document",
+]
 
 #: The longest document :func:`read_document` parses (characters).
 MAX_JSON_CHARS = 256 * 2**20
@@ -51,7 +68,9 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
             f"{name} JSON of {len(text)} characters is over the limit of {MAX_JSON_CHARS}"
         )
     try:
-        document = json.loads(text, object_pairs_hook=_without_repeated_keys)
+        document = json.loads(
+            text, object_pairs_hook=_without_repeated_keys, parse_int=_bounded_int
+        )
     except DualgraphError:
         raise
     except (ValueError, RecursionError, MemoryError) as error:
@@ -72,6 +91,21 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
         if key not in document:
             raise DualgraphError(f"malformed {name} JSON: {key!r} is missing")
     return document
+
+
+#: The most characters of an int in a document: any int of at most MAX_INT_BITS, signed.
+MAX_INT_CHARS = len(str(-(2**MAX_INT_BITS)))
+
+
+def _bounded_int(text: str) -> int:
+    """An int of the document, refused before it is converted if it is longer than any a spec
+    takes: converting n digits takes time quadratic in n, and a program may have lifted the
+    interpreter's limit (``sys.set_int_max_str_digits(0)``)."""
+    if len(text) > MAX_INT_CHARS:
+        raise ValueError(  # json.loads passes it on: read_document words it
+            f"an int of {len(text)} digits is over the {MAX_INT_BITS}-bit limit of a spec"
+        )
+    return int(text)
 
 
 def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

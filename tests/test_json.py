@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from dualgraph import DualgraphError, TreeSpec, describe
 from dualgraph import _json as json_module
 from dualgraph._json import next_entries, read_document, read_tree
+from dualgraph._nodes import MAX_INT_BITS
 from dualgraph._paths import Index, Key
 
 FORMAT = "dualgraph.TreeSpec"
@@ -167,3 +170,29 @@ def test_rows_whose_nodes_share_one_hash_read_in_linear_time() -> None:
     plain = seconds.pop("plain constants")
     for name, took in seconds.items():
         assert took < 20 * plain + 0.05, f"{name}: {took:.2f} s, plain rows {plain:.3f} s"
+
+
+@pytest.fixture
+def no_int_digit_limit() -> Iterator[None]:
+    """Python's int/str conversion unlimited (``sys.set_int_max_str_digits(0)``)."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    yield
+    sys.set_int_max_str_digits(before)
+
+
+def test_a_long_int_is_refused_before_it_is_converted(no_int_digit_limit: None) -> None:
+    # Converting n digits takes time quadratic in n: without the interpreter's limit, a 1.6 MB
+    # document of one int took 106 s to refuse.
+    text = document(tree=[["const", "int", 0]]).replace("0]]", "7" * 400_000 + "]]")
+    start = time.perf_counter()
+    with pytest.raises(
+        DualgraphError, match=r"^not a TreeSpec JSON document: an int of 400000 digits"
+    ):
+        load(text)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_the_longest_int_a_spec_takes_is_read(no_int_digit_limit: None) -> None:
+    largest = -(2**MAX_INT_BITS - 1)
+    assert load(document(tree=[["const", "int", largest]])).unflatten([]) == largest
