@@ -24,8 +24,11 @@ from ._spec import TreeSpec
 
 __all__ = ["KeyOrders"]
 
-#: How to reach a child from its parent: (read as an attribute?, the key, index or name).
-_Step = tuple[bool, Any]
+#: One step of the walk from the call's roots to its dicts, in pre-order: (the slot of the
+#: object it reads from, read as an attribute?, the key, index or name, the dict's keys in the
+#: sample's order or ``None`` for a container on the way, the node's index in its spec, the
+#: root's name). Slot 0 is ``args``, 1 ``kwargs``, and each step's object takes the next slot.
+_Step = tuple[int, bool, Any, "tuple[Any, ...] | None", int, str]
 
 
 class KeyOrders:
@@ -33,7 +36,9 @@ class KeyOrders:
     keys in the sample's order, and the keywords ``fn`` collects in its ``**kwargs`` (when
     given); :meth:`check` refuses a call with another order.
 
-    Made once from the call's spec; a call without such dicts costs nothing to check.
+    Made once from the call's spec; a call without such dicts costs nothing to check. A check
+    reads each container on the way to the dicts once, so it takes time linear in their number
+    whatever the depth; paths are only made for an error.
 
     >>> import numpy as np
     >>> from dualgraph import describe_call
@@ -44,19 +49,23 @@ class KeyOrders:
     dualgraph.SpecMismatchError: args[0]: a dict with its keys in the order ['a', 'b'], ...
     """
 
-    __slots__ = ("_collected", "_dicts")
+    __slots__ = ("_collected", "_specs", "_steps")
 
     def __init__(self, call_spec: CallSpec, /, fn: Callable[..., Any] | None = None) -> None:
-        self._dicts = (
-            *_dicts_of(call_spec.args_spec, "args", skip_root=False),
-            *_dicts_of(call_spec.kwargs_spec, "kwargs", skip_root=True),
+        args_steps = _steps_to_dicts(call_spec.args_spec, "args", 0, 2, skip_root=False)
+        self._steps: tuple[_Step, ...] = (
+            *args_steps,
+            *_steps_to_dicts(
+                call_spec.kwargs_spec, "kwargs", 1, 2 + len(args_steps), skip_root=True
+            ),
         )
+        self._specs = {"args": call_spec.args_spec, "kwargs": call_spec.kwargs_spec}
         keywords = call_spec.kwargs_spec._nodes[0].keys  # type: ignore[attr-defined]
         collected = _collected_keywords(fn, keywords) if fn is not None else ()
         self._collected = collected if len(collected) > 1 else ()
 
     def __bool__(self) -> bool:
-        return bool(self._dicts or self._collected)
+        return bool(self._steps or self._collected)
 
     def check(self, args: Any, kwargs: Any, /) -> None:
         """Raise :class:`~dualgraph.SpecMismatchError` naming the first dict of ``(args,
@@ -93,36 +102,53 @@ class KeyOrders:
             found = tuple(key for key in kwargs if key in collected)
             if found != self._collected:
                 return "kwargs", found, self._collected
-        for path, in_kwargs, steps, keys in self._dicts:
-            node = kwargs if in_kwargs else args
-            for is_attr, step in steps:
-                node = getattr(node, step) if is_attr else node[step]
-            if tuple(node) != keys:
-                return path, tuple(node), keys
+        if not self._steps:
+            return None
+        objects = [args, kwargs]
+        append = objects.append
+        for start, is_attr, step, keys, index, root in self._steps:
+            obj = objects[start]
+            obj = getattr(obj, step) if is_attr else obj[step]
+            if keys is not None and tuple(obj) != keys:
+                path = format_path(self._specs[root]._get_layout().entries(index), root)
+                return path, tuple(obj), keys
+            append(obj)
         return None
 
 
-def _dicts_of(
-    spec: TreeSpec, root: str, *, skip_root: bool
-) -> list[tuple[str, bool, tuple[_Step, ...], tuple[Any, ...]]]:
-    """``(path, in kwargs, steps from the root, keys)`` of each plain dict of two keys or more."""
+def _steps_to_dicts(
+    spec: TreeSpec, root: str, root_slot: int, first_slot: int, *, skip_root: bool
+) -> list[_Step]:
+    """The steps (see :data:`_Step`) from the spec's root to each plain dict of two keys or
+    more, each container on the way read once; their objects take slots from ``first_slot``."""
     nodes = spec._nodes
     layout = spec._get_layout()
-    found = []
-    for index, node in enumerate(nodes):
-        if type(node) is not DictNode or node.arity < 2 or (skip_root and index == 0):
+    dicts = {
+        index
+        for index, node in enumerate(nodes)
+        if type(node) is DictNode and node.arity >= 2 and not (skip_root and index == 0)
+    }
+    if not dicts:
+        return []
+    on_the_way = bytearray(len(nodes))  # the dicts and the containers above them
+    on_the_way[0] = 1
+    for index in dicts:
+        while not on_the_way[index]:
+            on_the_way[index] = 1
+            index = layout.parent[index]
+    slot_of = {0: root_slot}
+    steps: list[_Step] = []
+    for index in range(1, len(nodes)):  # pre-order: each parent's slot is known before it
+        if not on_the_way[index]:
             continue
-        steps: list[_Step] = []
-        child = index
-        while child > 0:
-            parent = layout.parent[child]
-            entry = layout.entry[child]
-            assert entry is not None
-            steps.append(_step(nodes[parent], entry))
-            child = parent
-        path = format_path(layout.entries(index), root)
-        found.append((path, root == "kwargs", tuple(reversed(steps)), node.keys))
-    return found
+        parent = layout.parent[index]
+        entry = layout.entry[index]
+        assert entry is not None
+        is_attr, step = _step(nodes[parent], entry)
+        keys = nodes[index].keys if index in dicts else None  # type: ignore[attr-defined]
+        slot_of[index] = first_slot + len(steps)
+        steps.append((slot_of[parent], is_attr, step, keys, index, root))
+    return steps
 
 
 def _collected_keywords(fn: Callable[..., Any], keywords: tuple[Any, ...]) -> tuple[str, ...]:
@@ -142,7 +168,7 @@ def _collected_keywords(fn: Callable[..., Any], keywords: tuple[Any, ...]) -> tu
     return tuple(key for key in keywords if key not in named)
 
 
-def _step(parent: Node, entry: PathEntry) -> _Step:
+def _step(parent: Node, entry: PathEntry) -> tuple[bool, Any]:
     """How to read the child at ``entry`` of an object of the node ``parent``: as the spec does
     (a namedtuple by position, a dataclass field as an attribute)."""
     if isinstance(entry, Index):

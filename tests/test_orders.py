@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, NamedTuple
 
 import pytest
@@ -82,3 +83,23 @@ def test_difference_gives_the_path_and_both_orders_for_each_adapter_to_word() ->
         ("a", "b"),
         ("b", "a"),
     )
+
+
+def test_dicts_down_a_deep_spine_are_checked_in_time_linear_in_its_depth() -> None:
+    # Each dict kept its own steps from the root and its path: building took time and memory
+    # quadratic in the depth (4,000 levels: 34 s, 527 MB), and so did every call's check.
+    def spine(depth: int, last: tuple[str, str]) -> dict[str, Any]:
+        tree: dict[str, Any] = dict.fromkeys(last, 1)
+        for _ in range(depth):
+            tree = {"a": tree, "b": 1}
+        return tree
+
+    seconds = []
+    for depth in (500, 4000):
+        start = time.perf_counter()
+        orders = KeyOrders(describe_call((spine(depth, ("x", "y")),)))
+        orders.check((spine(depth, ("x", "y")),), {})
+        with pytest.raises(SpecMismatchError, match=rf"^args\[0\](\['a'\]){{{depth}}}: a dict"):
+            orders.check((spine(depth, ("y", "x")),), {})
+        seconds.append(time.perf_counter() - start)
+    assert seconds[1] < 8 * 4 * seconds[0] + 0.1, seconds  # 8x the depth: at most 4x linear
