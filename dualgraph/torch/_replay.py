@@ -32,8 +32,9 @@ import torch.autograd.forward_ad as _forward_ad
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._ambient import autocast_state
+from ._ambient import autocast_state, numerics_difference
 from ._ambient import ddp_is_running as _ddp_is_running
+from ._ambient import numerics_state as _numerics_state
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
@@ -121,6 +122,7 @@ class GraphedCallable:
         "_mutated",
         "_names_of",
         "_nondiff_outputs",
+        "_numerics",
         "_other_uses",
         "_out_spec",
         "_output_storages",
@@ -229,6 +231,7 @@ class GraphedCallable:
         # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
+        self._numerics = plan.numerics
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
@@ -387,6 +390,8 @@ class GraphedCallable:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state()
+            if _numerics_state() != self._numerics:
+                raise self._numerics_changed()
             if self._mutated:
                 self._check_mutated_inputs(tensors)
             aliases = self._aliases
@@ -458,6 +463,14 @@ class GraphedCallable:
                 "the autograd hooks DistributedDataParallel all-reduces through; capture with "
                 "param_grads='autograd' to train under DDP"
             )
+
+    def _numerics_changed(self) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: called with {numerics_difference(_numerics_state(), self._numerics)}; "
+            "a graph replays the kernels, precision and dtypes chosen at capture, where eager "
+            "would choose again under this setting. Call it under the captured setting, or graph "
+            "it again under this one (a module after dualgraph.torch.restore)"
+        )
 
     def _refuse_tangents(self, tensors: Sequence[torch.Tensor]) -> None:
         for path, tensor in zip(self._inputs.paths, tensors, strict=True):
