@@ -1478,6 +1478,29 @@ def test_auto_checks_parameter_grads_for_nan_in_anomaly_mode(backend: str) -> No
                     backward_of(module(nan))
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_refuses_a_backward_in_anomaly_mode_before_touching_grad(backend: str) -> None:
+    # Eager's anomaly mode raises at the first backward node that returns NaN, before any .grad
+    # is added to; "in_graph" adds the parameter grads into .grad inside the graph, where
+    # nothing can check them (on CUDA a NaN went into .grad silently).
+    device = device_of(backend)
+    mlp, twin = TinyMLP().to(device), TinyMLP().to(device)
+    twin.load_state_dict(mlp.state_dict())
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads="in_graph")
+    x = torch.randn(4, 8, device=device)
+    backward_of(mlp(x))
+    backward_of(twin(x))
+    kept = [p.grad.clone() for p in mlp.parameters()]
+    out = mlp(x)
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(DualgraphError, match="anomaly"):
+        backward_of(out)
+    assert all(torch.equal(p.grad, k) for p, k in zip(mlp.parameters(), kept, strict=True))
+    backward_of(mlp(x))  # out of anomaly mode, as before
+    backward_of(twin(x))
+    _assert_same_grads(mlp, twin, backend)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # eager's too
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_auto_under_create_graph_hands_the_grads_to_autograd_as_eager_does(backend: str) -> None:

@@ -67,6 +67,7 @@ _tensor_hooks = operator.attrgetter("_backward_hooks")
 _requires_grad = operator.attrgetter("requires_grad")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _is_anomaly_enabled = torch.is_anomaly_enabled
+_is_anomaly_check_nan_enabled = torch.is_anomaly_check_nan_enabled
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
@@ -844,6 +845,15 @@ class GraphedCallable:
     # -- param_grads="in_graph" ----------------------------------------------------------------
 
     def _check_in_graph_backward(self, plain: bool) -> None:
+        if _is_anomaly_enabled() and _is_anomaly_check_nan_enabled():
+            # Eager's anomaly mode raises at the first node that returns NaN, before any .grad
+            # is added to; the graph adds the grads into .grad where nothing can check them.
+            raise DualgraphError(
+                f"{self.name}: a backward in anomaly mode (torch.autograd.detect_anomaly), whose "
+                "NaN checks param_grads='in_graph' would skip: its graph adds the parameter "
+                "grads into .grad itself (nothing was changed). Capture with "
+                "param_grads='auto' to debug with anomaly mode"
+            )
         # One pass over the parameters: still trainable, and no hook that in-graph grads would
         # skip (an empty hook dict, left by a removed hook, is looked at on the slow path).
         if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:
