@@ -463,6 +463,50 @@ def test_an_updated_input_that_shares_memory_with_a_module_tensor_is_refused(
     assert runner_of(module).generation == 0
 
 
+class NormsThenAdds(nn.Module):
+    """Updates its BatchNorm statistics in place, then reads an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + stats
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("view", [False, True])
+def test_an_input_sharing_memory_with_a_buffer_the_callable_updates_is_refused(
+    backend: str, view: bool
+) -> None:
+    # Eager reads the input after BatchNorm updated its statistics in place; a replay read the
+    # copy made before (silently another output).
+    device = device_of(backend)
+    module, twin = NormsThenAdds().to(device), NormsThenAdds().to(device)
+    dgt.make_graphed_callables(
+        module, (torch.randn(3, 4, device=device), torch.ones(4, device=device)), backend=backend
+    )
+    stats = module.norm.running_mean
+    shared = stats[:] if view else stats
+    x = torch.randn(3, 4, device=device)
+    before = stats.clone()
+    with pytest.raises(DualgraphError) as info:
+        module(x, shared)
+    message = str(info.value)
+    assert message.startswith(
+        "NormsThenAdds: args[1] shares memory with NormsThenAdds.norm.running_mean, which the "
+        "callable updates in place"
+    )
+    assert "clone()" in message
+    assert torch.equal(stats, before)
+    assert runner_of(module).generation == 0
+    # a copy replays, as eager runs it
+    got = module(x, stats.clone())
+    expected = twin(x, twin.norm.running_mean.clone())
+    assert_tensors_match(got, expected, "output", tolerance(backend))
+    assert_tensors_match(module.norm.running_mean, twin.norm.running_mean, "stats", None)
+
+
 # -- parameters and buffers after capture --------------------------------------------------------
 
 

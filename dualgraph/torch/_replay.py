@@ -147,6 +147,7 @@ class GraphedCallable:
         "_storages",
         "_unreached_memo",
         "_unwatched",
+        "_updated_storages",
         "backend",
         "diagnostics",
         "name",
@@ -286,6 +287,15 @@ class GraphedCallable:
                 storage = _storage_of(tensor)
                 if storage is not None:
                     self._module_storages.setdefault(storage, name)
+        # Where the buffers the callable updates in place live: an input sharing memory with
+        # one would be read, in eager, after the update (_check_inputs_sharing_updated_buffers).
+        self._updated_storages: dict[int, str] = {}
+        if plan.module_tensors is not None:
+            tensors = plan.module_tensors
+            for i in tensors.updated:
+                storage = _storage_of(tensors.tensors[i])
+                if storage is not None:
+                    self._updated_storages.setdefault(storage, tensors.names[i])
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
         self._output_storages: dict[int, str] = {}
@@ -395,6 +405,8 @@ class GraphedCallable:
                 raise self._numerics_changed()
             if self._mutated:
                 self._check_mutated_inputs(tensors)
+            if self._updated_storages:
+                self._check_inputs_sharing_updated_buffers(tensors)
             aliases = self._aliases
             if aliases is not None and aliases.input_views:
                 aliases.check_inputs(
@@ -528,6 +540,21 @@ class GraphedCallable:
                         f"updates {paths[i]} in place: eager would see the update through "
                         f"{paths[j]}, a replay would not; pass tensors that do not share memory"
                     )
+
+    def _check_inputs_sharing_updated_buffers(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before any buffer is written, an input that shares memory with a buffer the
+        callable updates in place: eager would read the input after the update (as the callable
+        has it), a replay reads what was copied into its static input before."""
+        updated = self._updated_storages
+        for path, tensor in zip(self._inputs.paths, tensors, strict=True):
+            storage = _storage_of(tensor)
+            owner = None if storage is None else updated.get(storage)
+            if owner is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} shares memory with {owner}, which the callable updates "
+                    f"in place: eager would see the update through {path}, a replay reads the "
+                    "copy made before it; pass a copy (clone())"
+                )
 
     def _copy_back(self, tensors: Sequence[torch.Tensor]) -> None:
         # The callable updated these inputs in place (found at capture): as in eager, the
