@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "NUMERICS_NAMES",
     "autocast_state",
+    "autograd_records",
     "ddp_is_running",
     "numerics_difference",
     "numerics_state",
@@ -29,6 +30,16 @@ def autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
     )
+
+
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+def autograd_records() -> bool:
+    """Whether ops record history now: grad mode on, outside inference mode (which records
+    nothing even under ``torch.enable_grad()``, its outputs having no history)."""
+    return _is_grad_enabled() and not _is_inference_mode_enabled()
 
 
 _C = torch._C

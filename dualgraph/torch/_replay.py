@@ -32,7 +32,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._ambient import autocast_state, numerics_difference
+from ._ambient import autocast_state, autograd_records, numerics_difference
 from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_state as _numerics_state
 from ._diagnostics import CaptureDiagnostics
@@ -393,7 +393,7 @@ class GraphedCallable:
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
-            grad_enabled = torch.is_grad_enabled()
+            grad_enabled = autograd_records()  # inference mode records nothing
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
