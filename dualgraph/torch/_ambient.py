@@ -57,6 +57,8 @@ _precision = getattr(_C, "_get_fp32_precision_getter", None)
 _default_dtype = torch.get_default_dtype
 _fp16_reduction = _reader("_get_cublas_allow_fp16_reduced_precision_reduction")
 _bf16_reduction = _reader("_get_cublas_allow_bf16_reduced_precision_reduction")
+_fp16_accumulation = _reader("_get_cublas_allow_fp16_accumulation")
+_math_sdp_reduction = _reader("_get_math_sdp_allow_fp16_bf16_reduction")
 _deterministic = _reader("_get_deterministic_algorithms")
 _flash = _reader("_get_flash_sdp_enabled")
 _mem_efficient = _reader("_get_mem_efficient_sdp_enabled")
@@ -80,7 +82,7 @@ else:  # torch before 2.9
 def numerics_state() -> tuple[Any, ...]:
     """What decides the kernels a CUDA graph replays and the dtypes and precision they compute
     in, where eager decides again on every call: the default dtype, TF32 and reduced-precision
-    reductions of matmuls, deterministic algorithms, and the attention kernels
+    reductions and fp16 accumulation of matmuls, deterministic algorithms, and the attention kernels
     ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``).
 
     Read on every call of a graphed callable (about a microsecond); ``NUMERICS_NAMES`` names
@@ -96,6 +98,7 @@ def numerics_state() -> tuple[Any, ...]:
         _matmul_precision(),
         _fp16_reduction(),
         _bf16_reduction(),
+        _fp16_accumulation(),
         _deterministic(),
         _flash(),
         _mem_efficient(),
@@ -103,6 +106,7 @@ def numerics_state() -> tuple[Any, ...]:
         _cudnn_sdp(),
         _fa3(),
         _sdp_priority(),
+        _math_sdp_reduction(),
     )
 
 
@@ -112,6 +116,7 @@ NUMERICS_NAMES: tuple[str, ...] = (
     _MATMUL_NAME,
     "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
     "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_fp16_accumulation",
     "torch.are_deterministic_algorithms_enabled()",
     "torch.backends.cuda.flash_sdp_enabled()",
     "torch.backends.cuda.mem_efficient_sdp_enabled()",
@@ -119,6 +124,7 @@ NUMERICS_NAMES: tuple[str, ...] = (
     "torch.backends.cuda.cudnn_sdp_enabled()",
     "the fa3 attention kernel (sdpa_kernel)",
     "the sdpa_kernel priority order",
+    "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()",
 )
 
 
