@@ -81,9 +81,9 @@ else:  # torch before 2.9
 
 def numerics_state() -> tuple[Any, ...]:
     """What decides the kernels a CUDA graph replays and the dtypes and precision they compute
-    in, where eager decides again on every call: the default dtype, TF32 and reduced-precision
-    reductions and fp16 accumulation of matmuls, deterministic algorithms, and the attention kernels
-    ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``).
+    in, where eager decides again on every call: the default dtype, TF32, reduced-precision
+    reductions and fp16 accumulation of matmuls, deterministic algorithms, and the attention
+    kernels ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``).
 
     Read on every call of a graphed callable (about a microsecond); ``NUMERICS_NAMES`` names
     each entry. Where torch has it, the matmul precision is read through the newer
