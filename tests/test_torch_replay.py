@@ -259,6 +259,31 @@ def test_inputs_that_need_no_grad_give_outputs_without_history(backend: str) -> 
     assert not (a.requires_grad or b.requires_grad)
 
 
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_inference_mode_records_no_history_even_with_grad_enabled_inside(
+    backend: str, param_grads: str, slots: int | None
+) -> None:
+    # torch.enable_grad() inside torch.inference_mode() turns grad mode on, but inference mode
+    # still records nothing: eager's outputs have no history, and no backward can follow
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 4).to(device), nn.Linear(4, 4).to(device)
+    twin.load_state_dict(layer.state_dict())
+    dgt.make_graphed_callables(
+        layer,
+        (torch.randn(2, 4, device=device, requires_grad=True),),
+        backend=backend,
+        param_grads=param_grads,
+        slots=slots,
+    )
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    with torch.inference_mode(), torch.enable_grad():
+        out, expected = layer(x), twin(x)
+    assert (out.requires_grad, out.grad_fn) == (expected.requires_grad, expected.grad_fn)
+    assert_tensors_match(out, expected, "output", tolerance(backend))
+    assert layer.weight.grad is None and x.grad is None
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_static_input_buffer_passed_back_in_gives_the_same_result(backend: str) -> None:
     graphed = _graph(_exp_and_sin, (3,), backend=backend)

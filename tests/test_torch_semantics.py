@@ -463,6 +463,50 @@ def test_an_updated_input_that_shares_memory_with_a_module_tensor_is_refused(
     assert runner_of(module).generation == 0
 
 
+class NormsThenAdds(nn.Module):
+    """Updates its BatchNorm statistics in place, then reads an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) + stats
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("view", [False, True])
+def test_an_input_sharing_memory_with_a_buffer_the_callable_updates_is_refused(
+    backend: str, view: bool
+) -> None:
+    # Eager reads the input after BatchNorm updated its statistics in place; a replay read the
+    # copy made before (silently another output).
+    device = device_of(backend)
+    module, twin = NormsThenAdds().to(device), NormsThenAdds().to(device)
+    dgt.make_graphed_callables(
+        module, (torch.randn(3, 4, device=device), torch.ones(4, device=device)), backend=backend
+    )
+    stats = module.norm.running_mean
+    shared = stats[:] if view else stats
+    x = torch.randn(3, 4, device=device)
+    before = stats.clone()
+    with pytest.raises(DualgraphError) as info:
+        module(x, shared)
+    message = str(info.value)
+    assert message.startswith(
+        "NormsThenAdds: args[1] shares memory with NormsThenAdds.norm.running_mean, which the "
+        "callable updates in place"
+    )
+    assert "clone()" in message
+    assert torch.equal(stats, before)
+    assert runner_of(module).generation == 0
+    # a copy replays, as eager runs it
+    got = module(x, stats.clone())
+    expected = twin(x, twin.norm.running_mean.clone())
+    assert_tensors_match(got, expected, "output", tolerance(backend))
+    assert_tensors_match(module.norm.running_mean, twin.norm.running_mean, "stats", None)
+
+
 # -- parameters and buffers after capture --------------------------------------------------------
 
 
@@ -1476,6 +1520,29 @@ def test_auto_checks_parameter_grads_for_nan_in_anomaly_mode(backend: str) -> No
                 warnings.simplefilter("ignore")
                 with pytest.raises(RuntimeError, match="returned nan values"):
                     backward_of(module(nan))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_refuses_a_backward_in_anomaly_mode_before_touching_grad(backend: str) -> None:
+    # Eager's anomaly mode raises at the first backward node that returns NaN, before any .grad
+    # is added to; "in_graph" adds the parameter grads into .grad inside the graph, where
+    # nothing can check them (on CUDA a NaN went into .grad silently).
+    device = device_of(backend)
+    mlp, twin = TinyMLP().to(device), TinyMLP().to(device)
+    twin.load_state_dict(mlp.state_dict())
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads="in_graph")
+    x = torch.randn(4, 8, device=device)
+    backward_of(mlp(x))
+    backward_of(twin(x))
+    kept = [p.grad.clone() for p in mlp.parameters()]
+    out = mlp(x)
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(DualgraphError, match="anomaly"):
+        backward_of(out)
+    assert all(torch.equal(p.grad, k) for p, k in zip(mlp.parameters(), kept, strict=True))
+    backward_of(mlp(x))  # out of anomaly mode, as before
+    backward_of(twin(x))
+    _assert_same_grads(mlp, twin, backend)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # eager's too

@@ -1,16 +1,25 @@
-"""The ambient state a replay runs in besides its inputs: autocast, and DDP's forward.
+"""The ambient state a replay runs in besides its inputs: autocast, the numerics settings, and
+DDP's forward.
 
-A plan records the autocast state it was captured in; each call compares it with the present
-one (``_replay.py``).
+A plan records the autocast state and the numerics settings it was captured in; each call
+compares them with the present ones (``_replay.py``) before any buffer is written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["autocast_state", "ddp_is_running"]
+__all__ = [
+    "NUMERICS_NAMES",
+    "autocast_state",
+    "autograd_records",
+    "ddp_is_running",
+    "numerics_difference",
+    "numerics_state",
+]
 
 
 def autocast_state() -> tuple[Any, ...]:
@@ -21,6 +30,110 @@ def autocast_state() -> tuple[Any, ...]:
         torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
     )
+
+
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+def autograd_records() -> bool:
+    """Whether ops record history now: grad mode on, outside inference mode (which records
+    nothing even under ``torch.enable_grad()``, its outputs having no history)."""
+    return _is_grad_enabled() and not _is_inference_mode_enabled()
+
+
+_C = torch._C
+
+
+def _absent() -> None:  # a setting this torch does not have
+    return None
+
+
+def _reader(name: str) -> Callable[[], Any]:
+    return getattr(_C, name, _absent)
+
+
+_precision = getattr(_C, "_get_fp32_precision_getter", None)
+_default_dtype = torch.get_default_dtype
+_fp16_reduction = _reader("_get_cublas_allow_fp16_reduced_precision_reduction")
+_bf16_reduction = _reader("_get_cublas_allow_bf16_reduced_precision_reduction")
+_fp16_accumulation = _reader("_get_cublas_allow_fp16_accumulation")
+_math_sdp_reduction = _reader("_get_math_sdp_allow_fp16_bf16_reduction")
+_deterministic = _reader("_get_deterministic_algorithms")
+_flash = _reader("_get_flash_sdp_enabled")
+_mem_efficient = _reader("_get_mem_efficient_sdp_enabled")
+_math = _reader("_get_math_sdp_enabled")
+_cudnn_sdp = _reader("_get_cudnn_sdp_enabled")
+_fa3 = _reader("_get_fa3_sdp_enabled")
+_sdp_priority = _reader("_get_sdp_priority_order")
+if _precision is not None:  # torch's newer API, which never raises (see numerics_state)
+
+    def _matmul_precision() -> Any:
+        precision = _precision("cuda", "matmul")  # type: ignore[misc]
+        # "none" defers to torch.backends.fp32_precision, itself "none" by default: full fp32
+        return "ieee" if precision == "none" else precision
+
+    _MATMUL_NAME = "torch.backends.cuda.matmul.fp32_precision"
+else:  # torch before 2.9
+    _matmul_precision = _reader("_get_float32_matmul_precision")
+    _MATMUL_NAME = "torch.get_float32_matmul_precision()"
+
+
+def numerics_state() -> tuple[Any, ...]:
+    """What decides the kernels a CUDA graph replays and the dtypes and precision they compute
+    in, where eager decides again on every call: the default dtype, TF32, reduced-precision
+    reductions and fp16 accumulation of matmuls, deterministic algorithms, and the attention
+    kernels ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``).
+
+    Read on every call of a graphed callable (about a microsecond); ``NUMERICS_NAMES`` names
+    each entry. Where torch has it, the matmul precision is read through the newer
+    fp32-precision API: the older getters raise once a program has mixed the two APIs, and the
+    newer reflects settings made through either. cuDNN's settings (convolution TF32,
+    ``deterministic``, ``enabled``) are left out: ``dualgraph.parity`` sets convolutions to full
+    precision around every call, which would refuse every callable captured outside it, with a
+    convolution or without.
+    """
+    return (
+        _default_dtype(),
+        _matmul_precision(),
+        _fp16_reduction(),
+        _bf16_reduction(),
+        _fp16_accumulation(),
+        _deterministic(),
+        _flash(),
+        _mem_efficient(),
+        _math(),
+        _cudnn_sdp(),
+        _fa3(),
+        _sdp_priority(),
+        _math_sdp_reduction(),
+    )
+
+
+#: How a user names each entry of :func:`numerics_state`.
+NUMERICS_NAMES: tuple[str, ...] = (
+    "torch.get_default_dtype()",
+    _MATMUL_NAME,
+    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_fp16_accumulation",
+    "torch.are_deterministic_algorithms_enabled()",
+    "torch.backends.cuda.flash_sdp_enabled()",
+    "torch.backends.cuda.mem_efficient_sdp_enabled()",
+    "torch.backends.cuda.math_sdp_enabled()",
+    "torch.backends.cuda.cudnn_sdp_enabled()",
+    "the fa3 attention kernel (sdpa_kernel)",
+    "the sdpa_kernel priority order",
+    "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()",
+)
+
+
+def numerics_difference(now: tuple[Any, ...], captured: tuple[Any, ...]) -> str:
+    """The first setting that differs, as ``name is X, captured with Y``."""
+    for name, value, expected in zip(NUMERICS_NAMES, now, captured, strict=True):
+        if value != expected:
+            return f"{name} is {value!r}, captured with {expected!r}"
+    return "no setting differs"
 
 
 _DDP = torch.nn.parallel.DistributedDataParallel

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .._errors import SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._ambient import autograd_records
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
@@ -394,7 +395,7 @@ class BucketedCallable:
 
     def _check_tensors(self, tensors: Sequence[Any]) -> None:
         """What a bucket would check of each input tensor, but its shape."""
-        error = self._guard.first_mismatch(tensors, torch.is_grad_enabled(), shapes=False)
+        error = self._guard.first_mismatch(tensors, autograd_records(), shapes=False)
         if error is not None:
             raise error
 

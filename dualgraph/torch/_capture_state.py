@@ -18,7 +18,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
-from ._ambient import autocast_state
+from ._ambient import autocast_state, numerics_state
 from ._capture_failure import Refused
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
@@ -404,6 +404,7 @@ class _Capture:
             buffers=buffers,
             clone_outputs=options.clone_outputs,
             autocast=autocast_state(),
+            numerics=numerics_state(),
             replay_hooks=self.request.hooks.replay,
             diagnostics=diagnostics,
             reach=self.reach,

@@ -16,6 +16,7 @@ import torch
 from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
 from .._orders import KeyOrders
+from ._ambient import autograd_records
 from ._leaves import dtype_name
 
 __all__ = ["InputGuard", "unsupported_tensor"]
@@ -123,7 +124,7 @@ class InputGuard:
         else:  # the usual call: positional args only (``args`` is the call's own tuple)
             tensors = self._flatten_args(args, root="args")
         if grad_enabled is None:
-            grad_enabled = torch.is_grad_enabled()
+            grad_enabled = autograd_records()
         try:
             for tensor, (shape, dtype, device, requires_grad) in zip(
                 tensors, self._expected, strict=True

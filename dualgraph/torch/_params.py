@@ -156,6 +156,10 @@ class ModuleTensors:
     # hooks are compared hook by hook.
     unhooked_dicts: tuple[dict[Any, Any], ...] = ()
     hooked: tuple[int, ...] = ()  # indices into hook_dicts
+    # The buffers the callable updates in place (BatchNorm's statistics), found by warmup and
+    # capture (left_as_found): an input sharing memory with one is read, in eager, after the
+    # update, where a replay reads the copy made before it.
+    updated: tuple[int, ...] = ()  # indices into tensors
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleTensors:
@@ -409,6 +413,17 @@ class ModuleTensors:
                 raise replaced from error  # the replacement is what broke the capture
             raise
         replaced = self._put_back_replaced()
+        # By value as well: BatchNorm's kernel writes its statistics without a version bump.
+        saved_of = {id(tensor): saved for tensor, saved in buffers}
+        updated = tuple(
+            i
+            for i, (tensor, version, is_buffer) in enumerate(
+                zip(self.tensors, versions, self.is_buffer, strict=True)
+            )
+            if is_buffer
+            and (tensor._version != version or not torch.equal(tensor, saved_of[id(tensor)]))
+        )
+        object.__setattr__(self, "updated", updated)  # found only now; read by the plan
         _copy_back(buffers)
         if replaced is not None:
             raise replaced

@@ -132,6 +132,7 @@ class ReplayPlan:
     buffers: StaticBuffers
     clone_outputs: bool
     autocast: tuple[Any, ...]
+    numerics: tuple[Any, ...]  # _ambient.numerics_state() at capture: each call must match it
     replay_hooks: ReplayHookRunner | None  # run outside the graphs around every replay
     diagnostics: CaptureDiagnostics
     reach: tuple[frozenset[int], ...] | None = None

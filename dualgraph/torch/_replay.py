@@ -32,8 +32,9 @@ import torch.autograd.forward_ad as _forward_ad
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._ambient import autocast_state
+from ._ambient import autocast_state, autograd_records, numerics_difference
 from ._ambient import ddp_is_running as _ddp_is_running
+from ._ambient import numerics_state as _numerics_state
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
@@ -66,6 +67,7 @@ _tensor_hooks = operator.attrgetter("_backward_hooks")
 _requires_grad = operator.attrgetter("requires_grad")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
 _is_anomaly_enabled = torch.is_anomaly_enabled
+_is_anomaly_check_nan_enabled = torch.is_anomaly_check_nan_enabled
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
@@ -121,6 +123,7 @@ class GraphedCallable:
         "_mutated",
         "_names_of",
         "_nondiff_outputs",
+        "_numerics",
         "_other_uses",
         "_out_spec",
         "_output_storages",
@@ -144,6 +147,7 @@ class GraphedCallable:
         "_storages",
         "_unreached_memo",
         "_unwatched",
+        "_updated_storages",
         "backend",
         "diagnostics",
         "name",
@@ -229,6 +233,7 @@ class GraphedCallable:
         # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
+        self._numerics = plan.numerics
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
@@ -282,6 +287,15 @@ class GraphedCallable:
                 storage = _storage_of(tensor)
                 if storage is not None:
                     self._module_storages.setdefault(storage, name)
+        # Where the buffers the callable updates in place live: an input sharing memory with
+        # one would be read, in eager, after the update (_check_inputs_sharing_updated_buffers).
+        self._updated_storages: dict[int, str] = {}
+        if plan.module_tensors is not None:
+            tensors = plan.module_tensors
+            for i in tensors.updated:
+                storage = _storage_of(tensors.tensors[i])
+                if storage is not None:
+                    self._updated_storages.setdefault(storage, tensors.names[i])
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
         self._output_storages: dict[int, str] = {}
@@ -379,7 +393,7 @@ class GraphedCallable:
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
-            grad_enabled = torch.is_grad_enabled()
+            grad_enabled = autograd_records()  # inference mode records nothing
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
@@ -387,8 +401,12 @@ class GraphedCallable:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state()
+            if _numerics_state() != self._numerics:
+                raise self._numerics_changed()
             if self._mutated:
                 self._check_mutated_inputs(tensors)
+            if self._updated_storages:
+                self._check_inputs_sharing_updated_buffers(tensors)
             aliases = self._aliases
             if aliases is not None and aliases.input_views:
                 aliases.check_inputs(
@@ -459,6 +477,14 @@ class GraphedCallable:
                 "param_grads='autograd' to train under DDP"
             )
 
+    def _numerics_changed(self) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: called with {numerics_difference(_numerics_state(), self._numerics)}; "
+            "a graph replays the kernels, precision and dtypes chosen at capture, where eager "
+            "would choose again under this setting. Call it under the captured setting, or graph "
+            "it again under this one (a module after dualgraph.torch.restore)"
+        )
+
     def _refuse_tangents(self, tensors: Sequence[torch.Tensor]) -> None:
         for path, tensor in zip(self._inputs.paths, tensors, strict=True):
             if _forward_ad.unpack_dual(tensor).tangent is not None:
@@ -514,6 +540,21 @@ class GraphedCallable:
                         f"updates {paths[i]} in place: eager would see the update through "
                         f"{paths[j]}, a replay would not; pass tensors that do not share memory"
                     )
+
+    def _check_inputs_sharing_updated_buffers(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before any buffer is written, an input that shares memory with a buffer the
+        callable updates in place: eager would read the input after the update (as the callable
+        has it), a replay reads what was copied into its static input before."""
+        updated = self._updated_storages
+        for path, tensor in zip(self._inputs.paths, tensors, strict=True):
+            storage = _storage_of(tensor)
+            owner = None if storage is None else updated.get(storage)
+            if owner is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} shares memory with {owner}, which the callable updates "
+                    f"in place: eager would see the update through {path}, a replay reads the "
+                    "copy made before it; pass a copy (clone())"
+                )
 
     def _copy_back(self, tensors: Sequence[torch.Tensor]) -> None:
         # The callable updated these inputs in place (found at capture): as in eager, the
@@ -831,6 +872,15 @@ class GraphedCallable:
     # -- param_grads="in_graph" ----------------------------------------------------------------
 
     def _check_in_graph_backward(self, plain: bool) -> None:
+        if _is_anomaly_enabled() and _is_anomaly_check_nan_enabled():
+            # Eager's anomaly mode raises at the first node that returns NaN, before any .grad
+            # is added to; the graph adds the grads into .grad where nothing can check them.
+            raise DualgraphError(
+                f"{self.name}: a backward in anomaly mode (torch.autograd.detect_anomaly), whose "
+                "NaN checks param_grads='in_graph' would skip: its graph adds the parameter "
+                "grads into .grad itself (nothing was changed). Capture with "
+                "param_grads='auto' to debug with anomaly mode"
+            )
         # One pass over the parameters: still trainable, and no hook that in-graph grads would
         # skip (an empty hook dict, left by a removed hook, is looked at on the slow path).
         if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:

@@ -31,6 +31,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import DualgraphError
+from ._ambient import autograd_records
 
 __all__ = ["ReplayCall", "ReplayHookRunner", "ReplayHooks", "ReplayKwarg", "call_eagerly"]
 
@@ -236,7 +237,7 @@ def call_eagerly(
     call_kwargs = dict(kwargs)
     for name in runner.eager_kwargs:
         call_kwargs[name] = replay_kwargs[name]
-    call = runner.before_forward("eager", torch.is_grad_enabled(), replay_kwargs)
+    call = runner.before_forward("eager", autograd_records(), replay_kwargs)
     if run is None:
         outputs = fn(*args, **call_kwargs)
     else:

@@ -44,6 +44,7 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from .._spec import TreeSpec
+from ._ambient import autograd_records
 from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, capture_copies
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
@@ -269,7 +270,7 @@ class SlottedCallable:
         if not lock.acquire(False):
             raise self._busy()
         try:
-            index = self._gate.take(self, torch.is_grad_enabled())
+            index = self._gate.take(self, autograd_records())
             replay = self._replays[index]
             try:
                 outputs = replay(*args, **kwargs)

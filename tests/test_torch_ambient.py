@@ -1,0 +1,132 @@
+"""The numerics settings a replay runs in (``_ambient.py``): each call must find them as captured.
+
+A CUDA graph replays the kernels, the precision and the dtypes chosen at capture; eager chooses
+again on every call under the present default dtype, TF32 setting, deterministic algorithms and
+attention kernels. A call under other settings is refused by name before any buffer is written,
+and a call under the captured ones still equals eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, tolerance
+
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError
+from dualgraph.torch._ambient import NUMERICS_NAMES, numerics_state
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+@contextlib.contextmanager
+def _tf32_matmuls() -> Iterator[None]:
+    saved = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved)
+
+
+#: A setting changed after capture, and the name the refusal gives it.
+CHANGES: dict[str, tuple[Callable[[], Any], str]] = {
+    "default_dtype": (lambda: _default_dtype(torch.float64), "torch.get_default_dtype()"),
+    "tf32_matmuls": (_tf32_matmuls, "torch.backends.cuda.matmul.fp32_precision"),
+    "deterministic": (_deterministic, "torch.are_deterministic_algorithms_enabled()"),
+    "sdpa_kernel": (
+        lambda: sdpa_kernel(SDPBackend.MATH),
+        "torch.backends.cuda.flash_sdp_enabled()",
+    ),
+}
+
+
+def _attend(x: torch.Tensor) -> torch.Tensor:
+    """An attention, a matmul, and a tensor made in the default dtype."""
+    q = x.unsqueeze(0)
+    out = F.scaled_dot_product_attention(q, q, q)[0] @ x.t()
+    return out + torch.ones(out.shape[-1], device=x.device)
+
+
+def test_the_names_cover_every_setting_read() -> None:
+    assert len(NUMERICS_NAMES) == len(numerics_state())
+
+
+def test_a_matmul_precision_left_to_its_default_reads_as_full_precision() -> None:
+    # "none" defers to the generic setting (full fp32); dualgraph.parity sets "ieee" around its
+    # calls, which must not count as a change
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        before = numerics_state()
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert numerics_state() == before
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_call_under_another_numerics_setting_is_refused_before_any_buffer_is_written(
+    backend: str, change: str
+) -> None:
+    setting, name = CHANGES[change]
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        _attend, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+    )
+    kept = [t.clone() for t in (*graphed.static_inputs, *graphed.static_outputs)]
+    generation = graphed.generation
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    with setting(), pytest.raises(DualgraphError, match=f"called with {re.escape(name)} is"):
+        graphed(x)
+    assert graphed.generation == generation
+    for buffer, before in zip((*graphed.static_inputs, *graphed.static_outputs), kept, strict=True):
+        assert torch.equal(buffer, before)
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_callable_captured_under_a_setting_replays_under_it_as_eager(
+    backend: str, change: str
+) -> None:
+    setting, _ = CHANGES[change]
+    device = device_of(backend)
+    with setting():
+        graphed = dgt.make_graphed_callables(
+            _attend, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+        )
+        for _ in range(2):
+            x = torch.randn(4, 8, device=device, dtype=torch.get_default_dtype())
+            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out, expected = graphed(xg), _attend(xe)
+            assert out.dtype == expected.dtype
+            out.sum().backward()
+            expected.sum().backward()
+            assert_tensors_match(out, expected, tolerance(backend))
+            assert_tensors_match(xg.grad, xe.grad, tolerance(backend))
