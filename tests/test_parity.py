@@ -119,6 +119,45 @@ def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+IN_PLACE_CASES = {
+    "int-array": ((np.zeros(3, np.int32),), True),
+    "float-array-without-grads": ((np.ones(3, np.float32),), False),
+    "torch-tensor": ((torch.ones(3),), False),
+}
+
+
+@pytest.mark.parametrize("args, grads", IN_PLACE_CASES.values(), ids=IN_PLACE_CASES.keys())
+def test_a_torch_fn_that_updates_an_input_in_place_is_refused_naming_it(
+    args: Any, grads: bool
+) -> None:
+    # The input reached JAX through DLPack after torch had changed it: JAX's `a + 0` saw the
+    # new values, so an identity passed against torch's `t.add_(1) + 0`.
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in place"):
+        compare(lambda t: t.add_(1) + 0, lambda a: a + 0, args, grads=grads)
+
+
+def test_an_input_torch_only_reads_is_not_refused() -> None:
+    x = torch.ones(3)
+    assert compare(lambda t: t.view(3) + 1, lambda a: a + 1, (x,)).ok
+
+
+@pytest.mark.parametrize(
+    "torch_fn, jax_fn, dtype",
+    [
+        (torch.conj, jnp.conj, np.complex64),
+        (torch._neg_view, jnp.negative, np.float32),
+    ],
+    ids=["conjugate-bit", "negative-bit"],
+)
+def test_a_lazily_conjugated_or_negated_torch_output_is_compared_by_value(
+    torch_fn: Any, jax_fn: Any, dtype: Any
+) -> None:
+    # torch's lazy conj()/neg views refuse .numpy(): a RuntimeError escaped the comparison
+    x = (sample(3) + 0.5j * sample(3)).astype(dtype) if dtype == np.complex64 else sample(3)
+    assert compare(torch_fn, jax_fn, (x,), grads=False).ok
+    assert not compare(torch_fn, lambda a: a, (x,), grads=False).ok
+
+
 def complex_sample(*shape: int) -> np.ndarray:
     return (sample(*shape) + 1j * sample(*shape)).astype(np.complex64)
 

@@ -52,7 +52,7 @@ def numpy_dtype(name: str, /) -> np.dtype:
 
 def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:
     """A torch tensor as a numpy array of the same dtype (on the host)."""
-    tensor = tensor.detach().cpu()
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()  # lazy views refuse .numpy()
     name = describe(tensor).arrays[0].dtype or ""  # the neutral name, as the torch adapter says
     if hasattr(np, name):
         return tensor.numpy()
