@@ -2,8 +2,9 @@
 
 What happens once (in :class:`GraphedCallable`'s constructor): the call is described (its
 :attr:`~GraphedCallable.call_spec`), dtypes JAX would narrow are refused, the function is traced
-by :func:`jax.jit` on ``ShapeDtypeStruct``s of the samples' array leaves (constants and ``None``
-are compiled in), its output spec is recorded while it traces, and the program is compiled. What
+once on ``ShapeDtypeStruct``s of the samples' array leaves (constants and ``None`` are compiled
+in), its output spec is recorded while it traces, and the program is compiled from that trace,
+as is the VJP later (the function's Python never runs again). What
 happens on every call (:meth:`GraphedCallable.__call__`): the inputs are checked against the call
 spec, donated inputs are checked, the executable runs on the flat array leaves, and the output
 tree is rebuilt from the spec, so ``None`` leaves and constants come back where the Python
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.extend.core import jaxpr_as_fun
 
 from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
@@ -161,8 +163,12 @@ class GraphedCallable:
             for leaf, weak in zip(self.call_spec.arrays, self._weak, strict=True)
         ]
         with jax_donation_warnings() as jax_warned:
+            # The function's Python runs once, here: every program (this forward, the VJP's,
+            # compiled later) is made from this one trace, so none sees Python state (a global,
+            # an attribute, a side effect) as it is at a later first call.
+            self._program = jaxpr_as_fun(jax.make_jaxpr(self._flat)(*structs))
             jitted = jax.jit(
-                self._flat, donate_argnums=self._donated, keep_unused=bool(self._donated)
+                self._program, donate_argnums=self._donated, keep_unused=bool(self._donated)
             )
             self._lowered = jitted.lower(*structs)
             if not lazy:
@@ -193,25 +199,11 @@ class GraphedCallable:
         args, kwargs = self.call_spec.unflatten(arrays)
         outputs = self.fn(*args, **kwargs)
         spec = describe(outputs, root="output")
-        traced = self._traced_spec
-        if traced is None:
-            returned = spec.flatten(outputs)
-            paths = ["output" + path for path in spec.array_paths]
-            refuse_foreign_outputs(f"graphed({self.name})", zip(paths, returned, strict=True))
-            self._traced_spec = spec
-            return returned
-        elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
-            try:
-                traced.check(outputs, root="output")
-                difference = f"{spec!r} instead of {traced!r}"
-            except SpecMismatchError as error:
-                difference = str(error)
-            raise DualgraphError(
-                f"graphed({self.name}): the function returned another output tree when traced "
-                f"again (for its VJP): {difference}. Its outputs' structure, None leaves, "
-                "constants, shapes and dtypes must depend only on its inputs' spec"
-            )
-        return spec.flatten(outputs)
+        returned = spec.flatten(outputs)
+        paths = ["output" + path for path in spec.array_paths]
+        refuse_foreign_outputs(f"graphed({self.name})", zip(paths, returned, strict=True))
+        self._traced_spec = spec
+        return returned
 
     # -- every call -----------------------------------------------------------------------------
 
@@ -241,7 +233,12 @@ class GraphedCallable:
         if program is None:
             with self._compile_config():
                 program = self._vjp_program = VJPProgram(
-                    self.name, self._flat, self.call_spec, self.out_spec, self._donated, self._weak
+                    self.name,
+                    self._program,
+                    self.call_spec,
+                    self.out_spec,
+                    self._donated,
+                    self._weak,
                 )
         outputs, residuals = self._run(program.forward, arrays)
         return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
