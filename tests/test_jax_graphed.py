@@ -985,6 +985,36 @@ def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
     assert second == "2.0"
 
 
+def test_a_cotangent_on_another_device_is_refused_naming_its_path() -> None:
+    # the pullback's program refused it with JAX's ValueError, which named no path
+    code = (
+        "import jax, jax.numpy as jnp, dualgraph.jax as dgj\n"
+        "from dualgraph import DualgraphError\n"
+        "g = dgj.graphed(lambda x: {'y': x * 2}, (jnp.ones(2),))\n"
+        "_, pullback = g.vjp(jnp.ones(2))\n"
+        "try:\n"
+        "    pullback({'y': jax.device_put(jnp.ones(2), jax.devices()[1])})\n"
+        "except DualgraphError as error:\n"
+        "    print(error)\n"
+        "print(float(pullback({'y': jnp.ones(2)})[0][0].sum()))\n"  # the pullback still works
+    )
+    out = run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    first, second = out.splitlines()
+    assert first.startswith("cotangent['y']: an array on cpu:1, but graphed programs are ")
+    assert second == "4.0"
+
+
+def test_a_deleted_cotangent_is_refused_naming_its_path() -> None:
+    # JAX's RuntimeError ("Array has been deleted") named no path
+    g = dgj.graphed(lambda x: {"y": x * 2}, (jnp.ones(2),))
+    _, pullback = g.vjp(jnp.ones(2))
+    cotangent = jnp.ones(2)
+    cotangent.delete()
+    with pytest.raises(DualgraphError, match=r"^cotangent\['y'\]: this array has been deleted"):
+        pullback({"y": cotangent})
+    assert pullback({"y": jnp.ones(2)})[0][0].tolist() == [2.0, 2.0]
+
+
 def transposed_array() -> jax.Array:
     """A JAX array in another memory layout than a compiled program's (from DLPack of a
     transposed torch tensor), which jax.jit takes as it is."""

@@ -16,7 +16,7 @@ import jax
 from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
 from .._spec import TreeSpec
-from ._donation import jax_donation_warnings
+from ._donation import explain_failed_call, jax_donation_warnings
 from ._env import x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays
 from ._transforms import leaves_with_paths, tracer_error
@@ -111,10 +111,13 @@ class Pullback:
             with x64_mode(self._x64):
                 try:
                     grads = program.backward(self._residuals, cotangents)
-                except ValueError as error:
+                except Exception as error:
                     copies = in_default_layouts(error, cotangents)
-                    if copies is None:
-                        raise
+                    if copies is None:  # a deleted cotangent, or one on another device
+                        explained = explain_failed_call(error, cotangents, program.cotangent_paths)
+                        if explained is error:
+                            raise
+                        raise explained from error
                     grads = program.backward(self._residuals, copies)
         except Exception as error:  # a tracer fails these in many ways: name the cause
             explained = tracer_error(
