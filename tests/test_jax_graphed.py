@@ -1015,6 +1015,20 @@ def test_a_deleted_cotangent_is_refused_naming_its_path() -> None:
     assert pullback({"y": jnp.ones(2)})[0][0].tolist() == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("how", ["donated", "deleted"])
+def test_a_vjp_needing_a_closed_over_array_deleted_since_graphing_is_refused(how: str) -> None:
+    # The VJP, traced at its first call, read the deleted array: JAX's RuntimeError escaped
+    closed_over = jnp.ones(3)
+    g = dgj.graphed(lambda x: x + closed_over, (jnp.ones(3),), donate_argnums=0)
+    if how == "donated":
+        g(closed_over)
+    else:
+        closed_over.delete()
+    with pytest.raises(DualgraphError, match=r"^graphed\(.*\): the function closes over an array "):
+        g.vjp(jnp.ones(3))
+    assert g(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]  # the compiled program holds its values
+
+
 def transposed_array() -> jax.Array:
     """A JAX array in another memory layout than a compiled program's (from DLPack of a
     transposed torch tensor), which jax.jit takes as it is."""

@@ -39,7 +39,12 @@ from ._donation import (
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
 from ._env import config_value, x64_enabled, x64_mode
-from ._leaves import in_default_layouts, refuse_foreign_arrays, refuse_foreign_outputs
+from ._leaves import (
+    TRACER_TYPE,
+    in_default_layouts,
+    refuse_foreign_arrays,
+    refuse_foreign_outputs,
+)
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -166,7 +171,9 @@ class GraphedCallable:
             # The function's Python runs once, here: every program (this forward, the VJP's,
             # compiled later) is made from this one trace, so none sees Python state (a global,
             # an attribute, a side effect) as it is at a later first call.
-            self._program = jaxpr_as_fun(jax.make_jaxpr(self._flat)(*structs))
+            trace = jax.make_jaxpr(self._flat)(*structs)
+            self._program = jaxpr_as_fun(trace)
+            self._closed_over = [c for c in trace.consts if isinstance(c, jax.Array)]
             jitted = jax.jit(
                 self._program, donate_argnums=self._donated, keep_unused=bool(self._donated)
             )
@@ -231,6 +238,7 @@ class GraphedCallable:
         arrays = self._checked_inputs(args, kwargs)
         program = self._vjp_program
         if program is None:
+            _refuse_deleted_constants(self.name, self._closed_over)
             with self._compile_config():
                 program = self._vjp_program = VJPProgram(
                     self.name,
@@ -324,6 +332,20 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
+
+
+def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:
+    """Refuse to trace the VJP when an array the function closes over has been deleted since
+    it was graphed (the compiled forward holds its values; a new trace needs the array)."""
+    for x in closed_over:
+        if not isinstance(x, TRACER_TYPE) and x.is_deleted():
+            shown = f"{x.dtype.name}[{', '.join(map(str, x.shape))}]"
+            raise DualgraphError(
+                f"graphed({name}): the function closes over an array ({shown}) that has been "
+                "deleted since it was graphed (donated to a call, or deleted explicitly); the "
+                "VJP, traced at the first .vjp call, needs its values. Pass it as an argument "
+                "rather than closing over it, or keep it until the first .vjp call"
+            )
 
 
 def _check_returned(name: str, traced: TreeSpec, returned: Sequence[Any]) -> None:
