@@ -727,6 +727,24 @@ def test_parameter_grads_are_aligned_by_torch_name() -> None:
     assert paths == ["output", "grad args[0]", "grad params['bias']", "grad params['weight']"]
 
 
+@pytest.mark.parametrize("scale, passes", [(1.0, True), (2.0, False)])
+def test_sparse_parameter_grads_are_compared_by_their_dense_values(
+    scale: float, passes: bool
+) -> None:
+    # An nn.Embedding(sparse=True) gives a sparse .grad: torch's TypeError from .numpy() escaped
+    embedding = torch.nn.Embedding(5, 3, sparse=True)
+    ids = np.array([0, 2, 2], np.int32)
+    report = compare(
+        lambda i: embedding(i.long()),
+        lambda p, i: p["weight"][i] * scale,
+        (ids,),
+        params=jax_params_of(embedding),
+        torch_params=dict(embedding.named_parameters()),
+    )
+    assert report.ok is passes
+    assert [entry.path for entry in report.entries] == ["output", "grad params['weight']"]
+
+
 def test_a_wrong_parameter_mapping_fails_on_that_parameter() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(3, 3)
