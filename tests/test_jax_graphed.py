@@ -432,8 +432,8 @@ def test_vjp_gives_an_unmasked_output_no_cotangent() -> None:
 
 def test_vjp_consumes_donated_inputs_and_its_pullback_can_run_twice() -> None:
     g = dgj.graphed(lambda s, x: (s * x, None), (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
-    state = jnp.full(3, 2.0)
-    _, pullback = g.vjp(state, jnp.full(3, 5.0))
+    state = jnp.full(3, 2.0, jnp.float32)
+    _, pullback = g.vjp(state, jnp.full(3, 5.0, jnp.float32))
     assert state.is_deleted()
     first = pullback((jnp.ones(3), None))
     second = pullback((jnp.ones(3), None))
@@ -959,11 +959,27 @@ def test_numpy_inputs_are_strongly_typed() -> None:
 
 
 def test_weak_typing_that_changes_nothing_is_accepted() -> None:
-    # float32 * weak float32 and float32 * float32 are the same program: no reason to refuse
-    g = dgj.graphed(lambda s, x: (s * x, None), (jnp.ones(3), jnp.ones(3)))
-    out, _ = g(jnp.full(3, 2.0), jnp.full(3, 5.0))  # jnp.full of a Python float is weak
-    assert jnp.full(3, 2.0).weak_type and out.tolist() == [10.0] * 3
+    # `s > 0` is the same program for a weak and a strong s, and the outputs' typing is the
+    # same: no reason to refuse
+    g = dgj.graphed(lambda s, x: (jnp.where(s > 0, x, -x), None), (jnp.ones(3), jnp.ones(3)))
+    s, x = jnp.full(3, -2.0), jnp.full(3, 5.0, jnp.float32)  # jnp.full of a float is weak
+    out, _ = g(s, x)
+    assert s.weak_type and out.tolist() == [-5.0] * 3
+    assert not out.weak_type and not jax.jit(g.fn)(s, x)[0].weak_type
     assert g(jnp.ones(3), jnp.asarray(2.0) * jnp.ones(3))[0].tolist() == [2.0] * 3
+
+
+@pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
+def test_a_call_that_changes_only_the_outputs_weak_types_is_refused(sample_weak: bool) -> None:
+    # `s * 2` is the same program for a weak and a strong s, but jax.jit returns a weak output
+    # for a weak s: the graphed output kept the sample's typing, and `bfloat16 + out` was
+    # float32 where jax.jit's gave bfloat16 (or the reverse)
+    weak, strong = jnp.asarray(3.0), jnp.float32(3.0)
+    sample, other = (weak, strong) if sample_weak else (strong, weak)
+    g = dgj.graphed(lambda s: s * 2, (sample,))
+    with pytest.raises(SpecMismatchError, match=r"^args\[0\]: expected a \w+ typed float32\[\]"):
+        g(other)
+    assert g(sample).weak_type == jax.jit(g.fn)(sample).weak_type == sample_weak
 
 
 def test_an_input_on_another_device_is_refused_naming_its_path() -> None:

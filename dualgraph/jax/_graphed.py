@@ -276,7 +276,9 @@ class GraphedCallable:
 
     def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
         """Accept inputs weakly typed otherwise than the samples only where the function traces
-        to the same program (e.g. no promotion involves them); the verdict is kept per pattern."""
+        to the same program with outputs typed the same (weakly or not: ``jax.jit`` returns a
+        weak output for weak inputs, and ``bfloat16 + out`` depends on it); the verdict is kept
+        per pattern."""
         if weak not in self._weak_verdicts:
             with self._compile_config():
                 same = self._jaxpr(self._weak) == self._jaxpr(weak)
@@ -289,8 +291,9 @@ class GraphedCallable:
         if error is not None:
             raise error
 
-    def _jaxpr(self, weak: tuple[bool, ...]) -> tuple[str, TreeSpec]:
-        """The function's program, as text, and its output spec, for inputs weakly typed so."""
+    def _jaxpr(self, weak: tuple[bool, ...]) -> tuple[str, list[bool], TreeSpec]:
+        """The function's program, as text, its outputs' weak types (the text omits them) and
+        its output spec, for inputs weakly typed so."""
         specs: list[TreeSpec] = []
 
         def flat(*arrays: Any) -> list[Any]:
@@ -303,7 +306,8 @@ class GraphedCallable:
             struct_of(leaf, weak_type=w)
             for leaf, w in zip(self.call_spec.arrays, weak, strict=True)
         ]
-        return str(jax.make_jaxpr(flat)(*structs)), specs[-1]
+        program = jax.make_jaxpr(flat)(*structs)
+        return str(program), [aval.weak_type for aval in program.out_avals], specs[-1]
 
     def _run(
         self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
