@@ -371,6 +371,19 @@ def test_tolerances_that_are_not_tolerances_are_refused(tolerances: Any, message
         compare_arrays("output", x, x, tolerances=tolerances)
 
 
+@pytest.mark.parametrize("key", ["fp32", "float", "int32", "bool", 32], ids=str)
+def test_a_tolerance_keyed_by_no_floating_dtype_name_is_refused(key: Any) -> None:
+    # {"fp32": strict} was ignored: float32 leaves were judged by the default, looser limits
+    # than the caller asked for, and passed
+    strict = Tolerance(rtol=0.0, atol=0.0, max_rel_l2=0.0, min_cosine=1.0)
+    x = (plus_minus_one(16, np.float32),)
+    message = rf"tolerances: {key!r} is not the name of a floating or complex dtype"
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(lambda t: t * (1 + 1e-6), lambda a: a, x, grads=False, tolerances={key: strict})
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare_arrays("output", x[0], x[0], tolerances={key: strict})
+
+
 @pytest.mark.parametrize(
     "limit",
     [float("inf"), np.float32("inf"), 10**400],

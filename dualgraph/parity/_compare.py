@@ -24,7 +24,7 @@ from ._arrays import compare_arrays
 from ._bridge import as_torch, random_like, to_numpy
 from ._jax_side import JaxRun, run_jax
 from ._report import LeafReport, ParityReport
-from ._tolerances import Tolerance
+from ._tolerances import Tolerance, check_tolerances
 from ._torch_side import full_precision, named_params, read_grads, torch_device
 
 __all__ = ["assert_parity", "compare"]
@@ -81,6 +81,7 @@ def compare(
     after torch has run, and has no in-place update to compare with).
     """
     _check_options(grads, seed)
+    check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
