@@ -1001,6 +1001,32 @@ def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
     assert second == "2.0"
 
 
+def test_a_function_graphed_for_another_device_keeps_it_for_its_vjp_and_errors() -> None:
+    # The VJP was compiled for the default device of its first call: the committed input on
+    # cpu:1 was refused there (an uncommitted one went to cpu:0), and an input on cpu:0 given to
+    # the plain program leaked JAX's ValueError, the check naming the default device of the call
+    code = (
+        "import jax, jax.numpy as jnp, dualgraph.jax as dgj\n"
+        "from dualgraph import DualgraphError\n"
+        "d = jax.devices()\n"
+        "x = jax.device_put(jnp.ones(2), d[1])\n"
+        "with jax.default_device(d[1]):\n"
+        "    g = dgj.graphed(lambda x: x * 2, (x,))\n"
+        "out, pullback = g.vjp(x)\n"
+        "(grad,), _ = pullback(jax.device_put(jnp.ones(2), d[1]))\n"
+        "print(out.devices() == g(x).devices() == grad.devices() == {d[1]})\n"
+        "try:\n"
+        "    g(jax.device_put(jnp.ones(2), d[0]))\n"
+        "except DualgraphError as error:\n"
+        "    print(error)\n"
+    )
+    out = run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    first, second = out.splitlines()
+    assert first == "True"
+    assert second.startswith("args[0]: an array on cpu:0, but graphed programs are compiled for ")
+    assert "when graphed, cpu:1" in second
+
+
 def test_a_cotangent_on_another_device_is_refused_naming_its_path() -> None:
     # the pullback's program refused it with JAX's ValueError, which named no path
     code = (

@@ -29,6 +29,7 @@ from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
     check_donated_inputs,
+    default_device,
     delete_donated,
     donated_argnums,
     donated_leaves,
@@ -157,6 +158,7 @@ class GraphedCallable:
         # The configuration the programs are compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
         self._precision = config_value("jax_default_matmul_precision")
+        self._device = default_device()  # what the programs are compiled for, the VJP's too
         refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
         self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
         self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
@@ -247,13 +249,18 @@ class GraphedCallable:
                     self.out_spec,
                     self._donated,
                     self._weak,
+                    self._device,
                 )
         outputs, residuals = self._run(program.forward, arrays)
         return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
-        with jax.default_matmul_precision(self._precision), x64_mode(self._x64):
+        with (
+            jax.default_matmul_precision(self._precision),
+            x64_mode(self._x64),
+            jax.default_device(self._device),
+        ):
             yield
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -326,7 +333,7 @@ class GraphedCallable:
                 f"graphed({self.name})", zip(self._paths, arrays, strict=True)
             )
             if explained is None:
-                explained = explain_failed_call(error, arrays, self._paths)
+                explained = explain_failed_call(error, arrays, self._paths, self._device)
             if explained is error:
                 raise
             raise explained from error

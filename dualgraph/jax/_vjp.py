@@ -36,8 +36,10 @@ class VJPProgram:
         out_spec: TreeSpec,
         donated: Sequence[int],
         weak_types: Sequence[bool],
+        device: Any,
     ) -> None:
         self.name = name
+        self.device = device  # compiled for it (the caller's context makes it JAX's default)
         inputs = call_spec.arrays
         differentiable = [is_differentiable_dtype(leaf.dtype or "") for leaf in inputs]
         diff_inputs = [i for i, d in enumerate(differentiable) if d]
@@ -114,7 +116,9 @@ class Pullback:
                 except Exception as error:
                     copies = in_default_layouts(error, cotangents)
                     if copies is None:  # a deleted cotangent, or one on another device
-                        explained = explain_failed_call(error, cotangents, program.cotangent_paths)
+                        explained = explain_failed_call(
+                            error, cotangents, program.cotangent_paths, program.device
+                        )
                         if explained is error:
                             raise
                         raise explained from error
