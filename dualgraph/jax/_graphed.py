@@ -5,11 +5,10 @@ What happens once (in :class:`GraphedCallable`'s constructor): the call is descr
 once on ``ShapeDtypeStruct``s of the samples' array leaves (constants and ``None`` are compiled
 in), its output spec is recorded while it traces, and the program is compiled from that trace,
 as is the VJP later (the function's Python runs again only to judge a call weakly typed
-otherwise than the samples). What
-happens on every call (:meth:`GraphedCallable.__call__`): the inputs are checked against the call
-spec, donated inputs are checked, the executable runs on the flat array leaves, and the output
-tree is rebuilt from the spec, so ``None`` leaves and constants come back where the Python
-function put them (JAX itself treats ``None`` as an empty subtree and cannot return constants).
+otherwise than the samples). What happens on every call (:meth:`GraphedCallable.__call__`):
+the inputs are checked against the call spec, donated inputs are checked, the executable runs on
+the flat array leaves, and the output tree is rebuilt from the spec, so ``None`` leaves and
+constants come back where the Python function put them (JAX itself treats ``None`` as an empty subtree and cannot return constants).
 """
 
 from __future__ import annotations
