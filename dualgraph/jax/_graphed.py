@@ -8,7 +8,8 @@ as is the VJP later (the function's Python runs again only to judge a call weakl
 otherwise than the samples). What happens on every call (:meth:`GraphedCallable.__call__`):
 the inputs are checked against the call spec, donated inputs are checked, the executable runs on
 the flat array leaves, and the output tree is rebuilt from the spec, so ``None`` leaves and
-constants come back where the Python function put them (JAX itself treats ``None`` as an empty subtree and cannot return constants).
+constants come back where the Python function put them (JAX itself treats ``None`` as an empty
+subtree and cannot return constants).
 """
 
 from __future__ import annotations

@@ -116,12 +116,12 @@ class Pullback:
                 except Exception as error:
                     copies = in_default_layouts(error, cotangents)
                     if copies is None:  # a deleted cotangent, or one on another device
-                        explained = explain_failed_call(
+                        clearer = explain_failed_call(
                             error, cotangents, program.cotangent_paths, program.device
                         )
-                        if explained is error:
+                        if clearer is error:
                             raise
-                        raise explained from error
+                        raise clearer from error
                     grads = program.backward(self._residuals, copies)
         except Exception as error:  # a tracer fails these in many ways: name the cause
             explained = tracer_error(
