@@ -432,8 +432,8 @@ def test_vjp_gives_an_unmasked_output_no_cotangent() -> None:
 
 def test_vjp_consumes_donated_inputs_and_its_pullback_can_run_twice() -> None:
     g = dgj.graphed(lambda s, x: (s * x, None), (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
-    state = jnp.full(3, 2.0)
-    _, pullback = g.vjp(state, jnp.full(3, 5.0))
+    state = jnp.full(3, 2.0, jnp.float32)
+    _, pullback = g.vjp(state, jnp.full(3, 5.0, jnp.float32))
     assert state.is_deleted()
     first = pullback((jnp.ones(3), None))
     second = pullback((jnp.ones(3), None))
@@ -873,8 +873,8 @@ def test_an_array_jax_cannot_take_as_is_is_refused_naming_its_path(make: Any, wh
     ],
     ids=["swapped", "constant", "shape"],
 )
-def test_an_output_tree_that_changes_when_traced_again_is_refused(second: Any) -> None:
-    # the VJP traces the function again: its outputs must not be rebuilt by the first spec
+def test_the_vjp_uses_the_trace_made_when_graphed_not_a_new_one(second: Any) -> None:
+    # The VJP traced the function again: a function whose second trace differs was refused
     traces: list[int] = []
 
     def impure(a: jax.Array) -> Any:
@@ -882,9 +882,23 @@ def test_an_output_tree_that_changes_when_traced_again_is_refused(second: Any) -
         return (a * 2, None) if len(traces) == 1 else second(a)
 
     g = dgj.graphed(impure, (jnp.ones(2),))
-    with pytest.raises(DualgraphError, match=r"traced again .* output\[\d\]"):
-        g.vjp(jnp.ones(2))
-    assert g(jnp.ones(2))[0].tolist() == [2.0, 2.0]
+    out, pullback = g.vjp(jnp.ones(2))
+    assert out[0].tolist() == [2.0, 2.0] and out[1] is None
+    assert pullback((jnp.ones(2), None))[0][0].tolist() == [2.0, 2.0]
+    assert len(traces) == 1
+
+
+def test_python_state_changed_after_graphing_reaches_neither_the_call_nor_the_vjp() -> None:
+    # The VJP, traced at its first call, read the new value: g(x) gave 2x, g.vjp(x) 3x
+    class Config:
+        scale = 2.0
+
+    g = dgj.graphed(lambda x: x * Config.scale, (jnp.ones(2),))
+    Config.scale = 3.0
+    out, pullback = g.vjp(jnp.ones(2))
+    (grad,), _ = pullback(jnp.ones(2))
+    assert out.tolist() == g(jnp.ones(2)).tolist() == [2.0, 2.0]
+    assert grad.tolist() == [2.0, 2.0]
 
 
 # -- weakly typed inputs (from Python scalars): JAX promotes them differently ---------------------
@@ -945,11 +959,27 @@ def test_numpy_inputs_are_strongly_typed() -> None:
 
 
 def test_weak_typing_that_changes_nothing_is_accepted() -> None:
-    # float32 * weak float32 and float32 * float32 are the same program: no reason to refuse
-    g = dgj.graphed(lambda s, x: (s * x, None), (jnp.ones(3), jnp.ones(3)))
-    out, _ = g(jnp.full(3, 2.0), jnp.full(3, 5.0))  # jnp.full of a Python float is weak
-    assert jnp.full(3, 2.0).weak_type and out.tolist() == [10.0] * 3
+    # `s > 0` is the same program for a weak and a strong s, and the outputs' typing is the
+    # same: no reason to refuse
+    g = dgj.graphed(lambda s, x: (jnp.where(s > 0, x, -x), None), (jnp.ones(3), jnp.ones(3)))
+    s, x = jnp.full(3, -2.0), jnp.full(3, 5.0, jnp.float32)  # jnp.full of a float is weak
+    out, _ = g(s, x)
+    assert s.weak_type and out.tolist() == [-5.0] * 3
+    assert not out.weak_type and not jax.jit(g.fn)(s, x)[0].weak_type
     assert g(jnp.ones(3), jnp.asarray(2.0) * jnp.ones(3))[0].tolist() == [2.0] * 3
+
+
+@pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
+def test_a_call_that_changes_only_the_outputs_weak_types_is_refused(sample_weak: bool) -> None:
+    # `s * 2` is the same program for a weak and a strong s, but jax.jit returns a weak output
+    # for a weak s: the graphed output kept the sample's typing, and `bfloat16 + out` was
+    # float32 where jax.jit's gave bfloat16 (or the reverse)
+    weak, strong = jnp.asarray(3.0), jnp.float32(3.0)
+    sample, other = (weak, strong) if sample_weak else (strong, weak)
+    g = dgj.graphed(lambda s: s * 2, (sample,))
+    with pytest.raises(SpecMismatchError, match=r"^args\[0\]: expected a \w+ typed float32\[\]"):
+        g(other)
+    assert g(sample).weak_type == jax.jit(g.fn)(sample).weak_type == sample_weak
 
 
 def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
@@ -969,6 +999,76 @@ def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
     first, second = out.splitlines()
     assert first.startswith("args[1]: an array on cpu:1, but graphed programs are compiled for ")
     assert second == "2.0"
+
+
+def test_a_function_graphed_for_another_device_keeps_it_for_its_vjp_and_errors() -> None:
+    # The VJP was compiled for the default device of its first call: the committed input on
+    # cpu:1 was refused there (an uncommitted one went to cpu:0), and an input on cpu:0 given to
+    # the plain program leaked JAX's ValueError, the check naming the default device of the call
+    code = (
+        "import jax, jax.numpy as jnp, dualgraph.jax as dgj\n"
+        "from dualgraph import DualgraphError\n"
+        "d = jax.devices()\n"
+        "x = jax.device_put(jnp.ones(2), d[1])\n"
+        "with jax.default_device(d[1]):\n"
+        "    g = dgj.graphed(lambda x: x * 2, (x,))\n"
+        "out, pullback = g.vjp(x)\n"
+        "(grad,), _ = pullback(jax.device_put(jnp.ones(2), d[1]))\n"
+        "print(out.devices() == g(x).devices() == grad.devices() == {d[1]})\n"
+        "try:\n"
+        "    g(jax.device_put(jnp.ones(2), d[0]))\n"
+        "except DualgraphError as error:\n"
+        "    print(error)\n"
+    )
+    out = run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    first, second = out.splitlines()
+    assert first == "True"
+    assert second.startswith("args[0]: an array on cpu:0, but graphed programs are compiled for ")
+    assert "when graphed, cpu:1" in second
+
+
+def test_a_cotangent_on_another_device_is_refused_naming_its_path() -> None:
+    # the pullback's program refused it with JAX's ValueError, which named no path
+    code = (
+        "import jax, jax.numpy as jnp, dualgraph.jax as dgj\n"
+        "from dualgraph import DualgraphError\n"
+        "g = dgj.graphed(lambda x: {'y': x * 2}, (jnp.ones(2),))\n"
+        "_, pullback = g.vjp(jnp.ones(2))\n"
+        "try:\n"
+        "    pullback({'y': jax.device_put(jnp.ones(2), jax.devices()[1])})\n"
+        "except DualgraphError as error:\n"
+        "    print(error)\n"
+        "print(float(pullback({'y': jnp.ones(2)})[0][0].sum()))\n"  # the pullback still works
+    )
+    out = run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    first, second = out.splitlines()
+    assert first.startswith("cotangent['y']: an array on cpu:1, but graphed programs are ")
+    assert second == "4.0"
+
+
+def test_a_deleted_cotangent_is_refused_naming_its_path() -> None:
+    # JAX's RuntimeError ("Array has been deleted") named no path
+    g = dgj.graphed(lambda x: {"y": x * 2}, (jnp.ones(2),))
+    _, pullback = g.vjp(jnp.ones(2))
+    cotangent = jnp.ones(2)
+    cotangent.delete()
+    with pytest.raises(DualgraphError, match=r"^cotangent\['y'\]: this array has been deleted"):
+        pullback({"y": cotangent})
+    assert pullback({"y": jnp.ones(2)})[0][0].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("how", ["donated", "deleted"])
+def test_a_vjp_needing_a_closed_over_array_deleted_since_graphing_is_refused(how: str) -> None:
+    # The VJP, traced at its first call, read the deleted array: JAX's RuntimeError escaped
+    closed_over = jnp.ones(3)
+    g = dgj.graphed(lambda x: x + closed_over, (jnp.ones(3),), donate_argnums=0)
+    if how == "donated":
+        g(closed_over)
+    else:
+        closed_over.delete()
+    with pytest.raises(DualgraphError, match=r"^graphed\(.*\): the function closes over an array "):
+        g.vjp(jnp.ones(3))
+    assert g(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]  # the compiled program holds its values
 
 
 def transposed_array() -> jax.Array:

@@ -119,6 +119,45 @@ def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+IN_PLACE_CASES = {
+    "int-array": ((np.zeros(3, np.int32),), True),
+    "float-array-without-grads": ((np.ones(3, np.float32),), False),
+    "torch-tensor": ((torch.ones(3),), False),
+}
+
+
+@pytest.mark.parametrize("args, grads", IN_PLACE_CASES.values(), ids=IN_PLACE_CASES.keys())
+def test_a_torch_fn_that_updates_an_input_in_place_is_refused_naming_it(
+    args: Any, grads: bool
+) -> None:
+    # The input reached JAX through DLPack after torch had changed it: JAX's `a + 0` saw the
+    # new values, so an identity passed against torch's `t.add_(1) + 0`.
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in place"):
+        compare(lambda t: t.add_(1) + 0, lambda a: a + 0, args, grads=grads)
+
+
+def test_an_input_torch_only_reads_is_not_refused() -> None:
+    x = torch.ones(3)
+    assert compare(lambda t: t.view(3) + 1, lambda a: a + 1, (x,)).ok
+
+
+@pytest.mark.parametrize(
+    "torch_fn, jax_fn, dtype",
+    [
+        (torch.conj, jnp.conj, np.complex64),
+        (torch._neg_view, jnp.negative, np.float32),
+    ],
+    ids=["conjugate-bit", "negative-bit"],
+)
+def test_a_lazily_conjugated_or_negated_torch_output_is_compared_by_value(
+    torch_fn: Any, jax_fn: Any, dtype: Any
+) -> None:
+    # torch's lazy conj()/neg views refuse .numpy(): a RuntimeError escaped the comparison
+    x = (sample(3) + 0.5j * sample(3)).astype(dtype) if dtype == np.complex64 else sample(3)
+    assert compare(torch_fn, jax_fn, (x,), grads=False).ok
+    assert not compare(torch_fn, lambda a: a, (x,), grads=False).ok
+
+
 def complex_sample(*shape: int) -> np.ndarray:
     return (sample(*shape) + 1j * sample(*shape)).astype(np.complex64)
 
@@ -330,6 +369,19 @@ def test_tolerances_that_are_not_tolerances_are_refused(tolerances: Any, message
     x = np.ones(2, np.float32)
     with pytest.raises(dualgraph.DualgraphError, match=message):
         compare_arrays("output", x, x, tolerances=tolerances)
+
+
+@pytest.mark.parametrize("key", ["fp32", "float", "int32", "bool", 32], ids=str)
+def test_a_tolerance_keyed_by_no_floating_dtype_name_is_refused(key: Any) -> None:
+    # {"fp32": strict} was ignored: float32 leaves were judged by the default, looser limits
+    # than the caller asked for, and passed
+    strict = Tolerance(rtol=0.0, atol=0.0, max_rel_l2=0.0, min_cosine=1.0)
+    x = (plus_minus_one(16, np.float32),)
+    message = rf"tolerances: {key!r} is not the name of a floating or complex dtype"
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(lambda t: t * (1 + 1e-6), lambda a: a, x, grads=False, tolerances={key: strict})
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare_arrays("output", x[0], x[0], tolerances={key: strict})
 
 
 @pytest.mark.parametrize(
@@ -686,6 +738,24 @@ def test_parameter_grads_are_aligned_by_torch_name() -> None:
     report = assert_parity(linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear))
     paths = [entry.path for entry in report.entries]
     assert paths == ["output", "grad args[0]", "grad params['bias']", "grad params['weight']"]
+
+
+@pytest.mark.parametrize("scale, passes", [(1.0, True), (2.0, False)])
+def test_sparse_parameter_grads_are_compared_by_their_dense_values(
+    scale: float, passes: bool
+) -> None:
+    # An nn.Embedding(sparse=True) gives a sparse .grad: torch's TypeError from .numpy() escaped
+    embedding = torch.nn.Embedding(5, 3, sparse=True)
+    ids = np.array([0, 2, 2], np.int32)
+    report = compare(
+        lambda i: embedding(i.long()),
+        lambda p, i: p["weight"][i] * scale,
+        (ids,),
+        params=jax_params_of(embedding),
+        torch_params=dict(embedding.named_parameters()),
+    )
+    assert report.ok is passes
+    assert [entry.path for entry in report.entries] == ["output", "grad params['weight']"]
 
 
 def test_a_wrong_parameter_mapping_fails_on_that_parameter() -> None:

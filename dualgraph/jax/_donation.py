@@ -26,6 +26,7 @@ from ._leaves import TRACER_TYPE
 
 __all__ = [
     "check_donated_inputs",
+    "default_device",
     "delete_donated",
     "donated_argnums",
     "donated_leaves",
@@ -213,9 +214,12 @@ def delete_donated(arrays: Sequence[Any], donated: Sequence[int]) -> None:
             x.delete()
 
 
-def explain_failed_call(error: Exception, arrays: Sequence[Any], paths: Sequence[str]) -> Exception:
+def explain_failed_call(
+    error: Exception, arrays: Sequence[Any], paths: Sequence[str], device: Any
+) -> Exception:
     """A clearer error for a failed call, naming the input's path: one that had been deleted, or
-    one on another device than the programs were compiled for; else ``error`` itself."""
+    one on another device than ``device``, the one the programs were compiled for; else
+    ``error`` itself."""
     for x, path in zip(arrays, paths, strict=True):
         if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE) and x.is_deleted():
             return DualgraphError(
@@ -223,23 +227,22 @@ def explain_failed_call(error: Exception, arrays: Sequence[Any], paths: Sequence
                 "explicitly); pass a fresh array"
             )
     if isinstance(error, ValueError) and "sharding" in str(error):
-        default = _default_device()
         for x, path in zip(arrays, paths, strict=True):
             if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE):
                 devices = x.devices()
-                if devices != {default}:
+                if devices != {device}:
                     where = ", ".join(sorted(map(str, devices)))
                     return DualgraphError(
                         f"{path}: an array on {where}, but graphed programs are compiled for "
-                        f"JAX's default device, {default}; put the inputs there "
+                        f"JAX's default device when graphed, {device}; put the inputs there "
                         "(jax.device_put), or graph with that device as the default "
                         "(jax.default_device)"
                     )
     return error
 
 
-def _default_device() -> Any:
-    """The device JAX compiles for when nothing says otherwise."""
+def default_device() -> Any:
+    """The device JAX compiles for when nothing says otherwise (``jax.default_device``)."""
     chosen = getattr(jax.config, "jax_default_device", None)
     if isinstance(chosen, str):
         return jax.devices(chosen)[0]

@@ -138,6 +138,7 @@ def weak_type_error(
     return SpecMismatchError(
         f"{paths[i]}: expected a {want} typed {leaves[i]}, got a {have} typed one (weak types come "
         "from Python scalars, and JAX promotes them differently: here the function computes "
-        f"otherwise than the program compiled for the sample): {fix}",
+        "otherwise, or returns outputs typed otherwise, than the program compiled for the "
+        f"sample): {fix}",
         path=paths[i],
     )

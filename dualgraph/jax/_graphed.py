@@ -2,12 +2,14 @@
 
 What happens once (in :class:`GraphedCallable`'s constructor): the call is described (its
 :attr:`~GraphedCallable.call_spec`), dtypes JAX would narrow are refused, the function is traced
-by :func:`jax.jit` on ``ShapeDtypeStruct``s of the samples' array leaves (constants and ``None``
-are compiled in), its output spec is recorded while it traces, and the program is compiled. What
-happens on every call (:meth:`GraphedCallable.__call__`): the inputs are checked against the call
-spec, donated inputs are checked, the executable runs on the flat array leaves, and the output
-tree is rebuilt from the spec, so ``None`` leaves and constants come back where the Python
-function put them (JAX itself treats ``None`` as an empty subtree and cannot return constants).
+once on ``ShapeDtypeStruct``s of the samples' array leaves (constants and ``None`` are compiled
+in), its output spec is recorded while it traces, and the program is compiled from that trace,
+as is the VJP later (the function's Python runs again only to judge a call weakly typed
+otherwise than the samples). What happens on every call (:meth:`GraphedCallable.__call__`):
+the inputs are checked against the call spec, donated inputs are checked, the executable runs on
+the flat array leaves, and the output tree is rebuilt from the spec, so ``None`` leaves and
+constants come back where the Python function put them (JAX itself treats ``None`` as an empty
+subtree and cannot return constants).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.extend.core import jaxpr_as_fun
 
 from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
@@ -27,6 +30,7 @@ from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
     check_donated_inputs,
+    default_device,
     delete_donated,
     donated_argnums,
     donated_leaves,
@@ -37,7 +41,12 @@ from ._donation import (
 )
 from ._dtypes import refuse_narrowed_inputs, weak_type_error, weak_types
 from ._env import config_value, x64_enabled, x64_mode
-from ._leaves import in_default_layouts, refuse_foreign_arrays, refuse_foreign_outputs
+from ._leaves import (
+    TRACER_TYPE,
+    in_default_layouts,
+    refuse_foreign_arrays,
+    refuse_foreign_outputs,
+)
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -150,6 +159,7 @@ class GraphedCallable:
         # The configuration the programs are compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
         self._precision = config_value("jax_default_matmul_precision")
+        self._device = default_device()  # what the programs are compiled for, the VJP's too
         refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
         self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
         self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
@@ -161,8 +171,14 @@ class GraphedCallable:
             for leaf, weak in zip(self.call_spec.arrays, self._weak, strict=True)
         ]
         with jax_donation_warnings() as jax_warned:
+            # The function's Python runs once, here: every program (this forward, the VJP's,
+            # compiled later) is made from this one trace, so none sees Python state (a global,
+            # an attribute, a side effect) as it is at a later first call.
+            trace = jax.make_jaxpr(self._flat)(*structs)
+            self._program = jaxpr_as_fun(trace)
+            self._closed_over = [c for c in trace.consts if isinstance(c, jax.Array)]
             jitted = jax.jit(
-                self._flat, donate_argnums=self._donated, keep_unused=bool(self._donated)
+                self._program, donate_argnums=self._donated, keep_unused=bool(self._donated)
             )
             self._lowered = jitted.lower(*structs)
             if not lazy:
@@ -193,25 +209,11 @@ class GraphedCallable:
         args, kwargs = self.call_spec.unflatten(arrays)
         outputs = self.fn(*args, **kwargs)
         spec = describe(outputs, root="output")
-        traced = self._traced_spec
-        if traced is None:
-            returned = spec.flatten(outputs)
-            paths = ["output" + path for path in spec.array_paths]
-            refuse_foreign_outputs(f"graphed({self.name})", zip(paths, returned, strict=True))
-            self._traced_spec = spec
-            return returned
-        elif spec != traced:  # traced again (for the VJP): outputs are rebuilt by the first spec
-            try:
-                traced.check(outputs, root="output")
-                difference = f"{spec!r} instead of {traced!r}"
-            except SpecMismatchError as error:
-                difference = str(error)
-            raise DualgraphError(
-                f"graphed({self.name}): the function returned another output tree when traced "
-                f"again (for its VJP): {difference}. Its outputs' structure, None leaves, "
-                "constants, shapes and dtypes must depend only on its inputs' spec"
-            )
-        return spec.flatten(outputs)
+        returned = spec.flatten(outputs)
+        paths = ["output" + path for path in spec.array_paths]
+        refuse_foreign_outputs(f"graphed({self.name})", zip(paths, returned, strict=True))
+        self._traced_spec = spec
+        return returned
 
     # -- every call -----------------------------------------------------------------------------
 
@@ -239,16 +241,27 @@ class GraphedCallable:
         arrays = self._checked_inputs(args, kwargs)
         program = self._vjp_program
         if program is None:
+            _refuse_deleted_constants(self.name, self._closed_over)
             with self._compile_config():
                 program = self._vjp_program = VJPProgram(
-                    self.name, self._flat, self.call_spec, self.out_spec, self._donated, self._weak
+                    self.name,
+                    self._program,
+                    self.call_spec,
+                    self.out_spec,
+                    self._donated,
+                    self._weak,
+                    self._device,
                 )
         outputs, residuals = self._run(program.forward, arrays)
         return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
-        with jax.default_matmul_precision(self._precision), x64_mode(self._x64):
+        with (
+            jax.default_matmul_precision(self._precision),
+            x64_mode(self._x64),
+            jax.default_device(self._device),
+        ):
             yield
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -271,7 +284,9 @@ class GraphedCallable:
 
     def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
         """Accept inputs weakly typed otherwise than the samples only where the function traces
-        to the same program (e.g. no promotion involves them); the verdict is kept per pattern."""
+        to the same program with outputs typed the same (weakly or not: ``jax.jit`` returns a
+        weak output for weak inputs, and ``bfloat16 + out`` depends on it); the verdict is kept
+        per pattern."""
         if weak not in self._weak_verdicts:
             with self._compile_config():
                 same = self._jaxpr(self._weak) == self._jaxpr(weak)
@@ -284,8 +299,9 @@ class GraphedCallable:
         if error is not None:
             raise error
 
-    def _jaxpr(self, weak: tuple[bool, ...]) -> tuple[str, TreeSpec]:
-        """The function's program, as text, and its output spec, for inputs weakly typed so."""
+    def _jaxpr(self, weak: tuple[bool, ...]) -> tuple[str, list[bool], TreeSpec]:
+        """The function's program, as text, its outputs' weak types (the text omits them) and
+        its output spec, for inputs weakly typed so."""
         specs: list[TreeSpec] = []
 
         def flat(*arrays: Any) -> list[Any]:
@@ -298,7 +314,8 @@ class GraphedCallable:
             struct_of(leaf, weak_type=w)
             for leaf, w in zip(self.call_spec.arrays, weak, strict=True)
         ]
-        return str(jax.make_jaxpr(flat)(*structs)), specs[-1]
+        program = jax.make_jaxpr(flat)(*structs)
+        return str(program), [aval.weak_type for aval in program.out_avals], specs[-1]
 
     def _run(
         self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
@@ -317,7 +334,7 @@ class GraphedCallable:
                 f"graphed({self.name})", zip(self._paths, arrays, strict=True)
             )
             if explained is None:
-                explained = explain_failed_call(error, arrays, self._paths)
+                explained = explain_failed_call(error, arrays, self._paths, self._device)
             if explained is error:
                 raise
             raise explained from error
@@ -327,6 +344,20 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
+
+
+def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:
+    """Refuse to trace the VJP when an array the function closes over has been deleted since
+    it was graphed (the compiled forward holds its values; a new trace needs the array)."""
+    for x in closed_over:
+        if not isinstance(x, TRACER_TYPE) and x.is_deleted():
+            shown = f"{x.dtype.name}[{', '.join(map(str, x.shape))}]"
+            raise DualgraphError(
+                f"graphed({name}): the function closes over an array ({shown}) that has been "
+                "deleted since it was graphed (donated to a call, or deleted explicitly); the "
+                "VJP, traced at the first .vjp call, needs its values. Pass it as an argument "
+                "rather than closing over it, or keep it until the first .vjp call"
+            )
 
 
 def _check_returned(name: str, traced: TreeSpec, returned: Sequence[Any]) -> None:

@@ -16,7 +16,7 @@ import jax
 from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
 from .._spec import TreeSpec
-from ._donation import jax_donation_warnings
+from ._donation import explain_failed_call, jax_donation_warnings
 from ._env import x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays
 from ._transforms import leaves_with_paths, tracer_error
@@ -36,8 +36,10 @@ class VJPProgram:
         out_spec: TreeSpec,
         donated: Sequence[int],
         weak_types: Sequence[bool],
+        device: Any,
     ) -> None:
         self.name = name
+        self.device = device  # compiled for it (the caller's context makes it JAX's default)
         inputs = call_spec.arrays
         differentiable = [is_differentiable_dtype(leaf.dtype or "") for leaf in inputs]
         diff_inputs = [i for i, d in enumerate(differentiable) if d]
@@ -111,10 +113,15 @@ class Pullback:
             with x64_mode(self._x64):
                 try:
                     grads = program.backward(self._residuals, cotangents)
-                except ValueError as error:
+                except Exception as error:
                     copies = in_default_layouts(error, cotangents)
-                    if copies is None:
-                        raise
+                    if copies is None:  # a deleted cotangent, or one on another device
+                        clearer = explain_failed_call(
+                            error, cotangents, program.cotangent_paths, program.device
+                        )
+                        if clearer is error:
+                            raise
+                        raise clearer from error
                     grads = program.backward(self._residuals, copies)
         except Exception as error:  # a tracer fails these in many ways: name the cause
             explained = tracer_error(

@@ -22,7 +22,7 @@ import numpy as np
 from .._dtypes import is_differentiable_dtype, is_dtype_name
 from .._errors import DualgraphError
 from ._report import LeafReport
-from ._tolerances import Tolerance, tolerance_for
+from ._tolerances import Tolerance, check_tolerances, tolerance_for
 
 __all__ = ["compare_arrays"]
 
@@ -38,6 +38,7 @@ def compare_arrays(
     """Compare ``actual`` (torch's) with ``expected`` (JAX's reference) at leaf ``path``."""
     if not isinstance(allow_nan, bool):  # "no" would be truthy: NaN leaves would pass
         raise DualgraphError(f"allow_nan must be True or False, got {allow_nan!r}")
+    check_tolerances(tolerances)  # a misnamed dtype would be ignored, even for int leaves
     actual, expected = np.asarray(actual), np.asarray(expected)
     dtype = expected.dtype.name
     shape = tuple(expected.shape)

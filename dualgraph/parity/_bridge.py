@@ -51,8 +51,11 @@ def numpy_dtype(name: str, /) -> np.dtype:
 
 
 def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:
-    """A torch tensor as a numpy array of the same dtype (on the host)."""
-    tensor = tensor.detach().cpu()
+    """A torch tensor (strided, or sparse: its dense values) as a numpy array of the same dtype
+    (on the host)."""
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()  # lazy views refuse .numpy()
+    if tensor.layout != torch.strided:  # a sparse grad (nn.Embedding(sparse=True)): its values
+        tensor = tensor.to_dense()
     name = describe(tensor).arrays[0].dtype or ""  # the neutral name, as the torch adapter says
     if hasattr(np, name):
         return tensor.numpy()

@@ -24,7 +24,7 @@ from ._arrays import compare_arrays
 from ._bridge import as_torch, random_like, to_numpy
 from ._jax_side import JaxRun, run_jax
 from ._report import LeafReport, ParityReport
-from ._tolerances import Tolerance
+from ._tolerances import Tolerance, check_tolerances
 from ._torch_side import full_precision, named_params, read_grads, torch_device
 
 __all__ = ["assert_parity", "compare"]
@@ -77,8 +77,11 @@ def compare(
 
     Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
     structure, ``None`` positions, constants, shapes or dtypes; value differences are reported.
+    A ``torch_fn`` that updates an input in place is refused, naming it (JAX reads the inputs
+    after torch has run, and has no in-place update to compare with).
     """
     _check_options(grads, seed)
+    check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
@@ -196,8 +199,21 @@ def _prepare_inputs(
 
 def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
     args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
+    versions = [t._version for t in inputs.tensors]
     with full_precision(), torch.enable_grad():
-        return torch_fn(*args, **kwargs)
+        out = torch_fn(*args, **kwargs)
+    # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
+    # reference that ignores the update would match. JAX functions cannot update in place, so
+    # there is nothing to compare the update with.
+    paths = inputs.call_spec.array_paths
+    for path, t, version in zip(paths, inputs.tensors, versions, strict=True):
+        if t._version != version:
+            raise DualgraphError(
+                f"{path}: torch_fn updated it in place; the JAX reference cannot, and would be "
+                "handed the updated values. Compare a torch_fn that updates a copy "
+                "(x = x.clone()) and returns what the JAX function returns"
+            )
+    return out
 
 
 # -- 3. run JAX (in 64-bit mode when a 64-bit leaf is involved) ------------------------------------

@@ -24,9 +24,10 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError
 
-__all__ = ["DEFAULT_TOLERANCES", "Tolerance", "tolerance_for"]
+__all__ = ["DEFAULT_TOLERANCES", "Tolerance", "check_tolerances", "tolerance_for"]
 
 
 @dataclass(frozen=True)
@@ -93,31 +94,45 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 }
 
 
+def check_tolerances(overrides: Tolerance | Mapping[str, Tolerance] | None, /) -> None:
+    """Refuse ``overrides`` that are no :class:`Tolerance`, or a mapping with a key that names
+    no floating or complex dtype (it would be ignored: ``{"fp32": strict}`` would leave float32
+    leaves to the default, looser limits) or a value that is no :class:`Tolerance`."""
+    if overrides is None or isinstance(overrides, Tolerance):
+        return
+    if not isinstance(overrides, Mapping):
+        raise DualgraphError(
+            "tolerances: expected a Tolerance or a mapping of dtype names to Tolerances, "
+            f"got {type(overrides).__name__}"
+        )
+    for dtype, found in overrides.items():
+        if not (isinstance(dtype, str) and is_differentiable_dtype(dtype)):
+            raise DualgraphError(
+                f"tolerances: {dtype!r} is not the name of a floating or complex dtype (e.g. "
+                "'float32', 'bfloat16', 'complex64'); integers and bools compare exactly"
+            )
+        if not isinstance(found, Tolerance):
+            raise DualgraphError(
+                f"tolerances[{dtype!r}] is a {type(found).__name__}, not a Tolerance"
+            )
+
+
 def tolerance_for(
     dtype: str, overrides: Tolerance | Mapping[str, Tolerance] | None = None
 ) -> Tolerance:
     """The tolerance of a floating or complex ``dtype``: ``overrides`` first, then the table.
 
-    ``overrides`` is one :class:`Tolerance` for every floating dtype, or a mapping by dtype name.
+    ``overrides`` is one :class:`Tolerance` for every floating dtype, or a mapping by dtype name
+    (checked by :func:`check_tolerances`).
 
     >>> tolerance_for("bfloat16", {"bfloat16": Tolerance(0.1, 0.1, 0.1, 0.9)}).rtol
     0.1
     """
+    check_tolerances(overrides)
     if isinstance(overrides, Tolerance):
         return overrides
-    if overrides is not None:
-        if not isinstance(overrides, Mapping):
-            raise DualgraphError(
-                "tolerances: expected a Tolerance or a mapping of dtype names to Tolerances, "
-                f"got {type(overrides).__name__}"
-            )
-        if dtype in overrides:
-            found = overrides[dtype]
-            if not isinstance(found, Tolerance):
-                raise DualgraphError(
-                    f"tolerances[{dtype!r}] is a {type(found).__name__}, not a Tolerance"
-                )
-            return found
+    if overrides is not None and dtype in overrides:
+        return overrides[dtype]
     try:
         return DEFAULT_TOLERANCES[dtype]
     except KeyError:
