@@ -757,13 +757,42 @@ def test_pad_checks_at_capture_that_padding_stays_out_of_the_outputs(backend: st
     )
 
 
+def fast_path_at_eight(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """A softmax over positions that masks the padding, but for lengths that are a multiple of
+    8, where a "fast path" forgets the mask."""
+    if x.shape[1] % 8 == 0 or valid_length is None:
+        return torch.softmax(x, dim=1)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length
+    return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=1)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_every_bucket_a_call_can_be_padded_into(backend: str) -> None:
+    """Calls of length 5 to 8 are padded to the middle bucket, whose capture forgets the mask; a
+    check of the smallest bucket padded to the largest alone would not see it."""
+    buckets = [(torch.randn(2, n, requires_grad=True),) for n in (4, 8, 12)]
+    with pytest.raises(
+        DualgraphError, match=r"fast_path_at_eight: output differs .* length 5 is padded to 8 "
+    ):
+        dgt.make_graphed_callables(
+            fast_path_at_eight,
+            buckets=buckets,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
         ((2, 10, 16), r"args\[0\]: length 10 along dim 1 is longer than any bucket"),
         ((3, 6, 16), r"args\[0\]: got shape \[3, 6, 16\], which no bucket of ViTBlock takes"),
         ((2, 0, 16), r"args\[0\]: length 0 along dim 1"),
+        ((7,), r"args\[0\]: got shape \[7\] \(1 dims\); fallback='pad' pads dim 1 of a 3-dim"),
+        ((), r"args\[0\]: got shape \[\] \(0 dims\); fallback='pad' pads dim 1 of a 3-dim"),
     ],
+    ids=["longer", "other dims", "empty", "fewer dims", "0-d"],
 )
 def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: str) -> None:
     block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
@@ -774,7 +803,7 @@ def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: s
         dynamic_dims={"args[0]": 1, "output[0]": 1},
     )
     with pytest.raises(SpecMismatchError, match=message):
-        block(torch.randn(*shape))
+        block(torch.randn(shape))
     with pytest.raises(SpecMismatchError, match=r"kwargs\['valid_length'\]: ViTBlock passes"):
         block(torch.randn(2, 5, 16), valid_length=5)
 

@@ -58,9 +58,20 @@ class Padding:
     inputs: tuple[tuple[int, int], ...]
     input_paths: tuple[str, ...]
     output_paths: tuple[tuple[str, int], ...]  # (path after "output", dim as declared)
+    ranks: tuple[int, ...]  # how many dims each padded input has in every bucket
 
     def length_of(self, shapes: Sequence[Sequence[int]]) -> int:
-        """A call's length along the dynamic dims; raises where two dynamic dims disagree."""
+        """A call's length along the dynamic dims; raises where a padded input has another
+        number of dims than the buckets' (it has no such dim to pad, or another one) or where
+        two dynamic dims disagree."""
+        for (index, dim), path, rank in zip(self.inputs, self.input_paths, self.ranks, strict=True):
+            shape = shapes[index]
+            if len(shape) != rank:
+                raise SpecMismatchError(
+                    f"{path}: got shape {list(shape)} ({len(shape)} dims); fallback='pad' pads "
+                    f"dim {dim} of a {rank}-dim tensor there, as every bucket has it",
+                    path=path,
+                )
         (first, first_dim), *rest = self.inputs
         length = shapes[first][first_dim]
         for (index, dim), path in zip(rest, self.input_paths[1:], strict=True):
@@ -141,6 +152,7 @@ def padding_of(
             )
     inputs: list[tuple[int, int]] = []
     input_paths: list[str] = []
+    ranks: list[int] = []
     outputs: list[tuple[str, int]] = []
     for path, dim in dims.items():
         if not isinstance(path, str) or type(dim) is not int:
@@ -164,9 +176,10 @@ def padding_of(
             raise DualgraphError(f"dynamic_dims: {path} has {ndim} dims, so it has no dim {dim}")
         inputs.append((index, dim % ndim))
         input_paths.append(path)
+        ranks.append(ndim)
     if not inputs:
         raise DualgraphError("dynamic_dims names no input dim for fallback='pad' to pad")
-    padding = Padding(tuple(inputs), tuple(input_paths), tuple(outputs))
+    padding = Padding(tuple(inputs), tuple(input_paths), tuple(outputs), tuple(ranks))
     lengths: list[int | None] = []
     for i, key in enumerate(shapes):
         try:
@@ -259,26 +272,36 @@ def check_padding_is_masked(
 ) -> None:
     """Refuse a callable whose outputs change when a call is padded (it ignores padding).
 
-    Per group of buckets that pad into one another, a short call (the smallest bucket's sample,
-    or the only bucket's cut to half its length) runs eagerly as it is and padded to the group's
-    largest length with ``valid_length``; the outputs, cut back, must agree up to rounding. A
-    module runs in eval mode (dropout off); a callable that still draws random numbers (its
-    reference differs under two seeds) cannot be judged and is let through.
+    Every bucket is its own capture of the callable's Python, which may take another path per
+    length (``x.shape`` read in Python), so each bucket a call can be padded into is checked: a
+    short call runs eagerly as it is and padded to the bucket's length with ``valid_length``;
+    the outputs, cut back, must agree up to rounding. Per group of buckets that pad into one
+    another, the largest is checked first with the smallest bucket's sample, then each bucket
+    with the shortest call padded into it (one position longer than the bucket below, or half
+    the smallest bucket's length). A module runs in eval mode (dropout off); a callable that
+    still draws random numbers (its reference differs under two seeds) cannot be judged and is
+    let through.
     """
     groups: dict[Any, list[int]] = {}
     for i, key in enumerate(shapes):
         groups.setdefault(padding.fixed_shapes(key), []).append(i)
     for members in groups.values():
-        ordered = sorted(members, key=lambda i: lengths[i])  # type: ignore[arg-type, return-value]
-        short, long = ordered[0], ordered[-1]
-        full: int = lengths[long]  # type: ignore[assignment]
-        length: int = lengths[short] if short != long else full // 2  # type: ignore[assignment]
-        if length < 1:
-            continue  # a single bucket of length 1: no call can be padded into it
-        tensors = [t.detach().clone() for t in guards[short].tensors(*request.samples[short])]
-        for index, dim in padding.inputs:
-            tensors[index] = tensors[index].narrow(dim, 0, length)
-        _compare_padded(request, padding, guards[short], tensors, length, full)
+        sizes = {i: int(lengths[i] or 0) for i in members}
+        ordered = sorted(members, key=sizes.__getitem__)
+        checks = []  # (the bucket whose sample is cut, the call's length, the bucket padded to)
+        if len(ordered) > 1:
+            checks.append((ordered[0], sizes[ordered[0]], ordered[-1]))
+        below = 0
+        for i in ordered:
+            length = below + 1 if below else sizes[i] // 2
+            if 1 <= length < sizes[i]:  # else no call is padded into bucket i
+                checks.append((i, length, i))
+            below = sizes[i]
+        for sample, length, bucket in checks:
+            tensors = [t.detach().clone() for t in guards[sample].tensors(*request.samples[sample])]
+            for index, dim in padding.inputs:
+                tensors[index] = tensors[index].narrow(dim, 0, length)
+            _compare_padded(request, padding, guards[sample], tensors, length, sizes[bucket])
 
 
 def _compare_padded(
