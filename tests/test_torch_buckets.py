@@ -783,6 +783,36 @@ def test_pad_checks_every_bucket_a_call_can_be_padded_into(backend: str) -> None
         )
 
 
+class TokenLengths(nn.Module):
+    """The length of each projected token: no position mixes with another, but the backward of
+    sqrt at a zero (padded) token is inf, and inf times its zero grad is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        h = self.proj(x)
+        return torch.sqrt((h * h).sum(-1))
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_at_capture_that_padding_stays_out_of_the_grads(backend: str) -> None:
+    buckets = [(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)]
+    with pytest.raises(
+        DualgraphError,
+        match=r"TokenLengths: the grad of parameter proj.weight differs \(by up to nan.* "
+        r"padded positions reach the grads",
+    ):
+        dgt.make_graphed_callables(
+            TokenLengths(),
+            buckets=buckets,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
