@@ -652,6 +652,34 @@ def test_padded_outputs_cut_back_have_eagers_layout(backend: str) -> None:
     outputs[0].view(-1)  # eager's output is contiguous: so is the cut
 
 
+def passed_through(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input itself (as a residual stream or HF's hidden states pass it on), and one
+    result returned twice."""
+    y = torch.tanh(x)
+    return x, y, y
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_padded_calls_return_the_callers_input_and_one_output_twice_as_eager(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        passed_through,
+        buckets=[(torch.randn(2, n, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1, "output[1]": 1, "output[2]": 1},
+    )
+    x = torch.randn(2, 6, device=device, requires_grad=True)
+    same, y, again = graphed(x)
+    assert same is x  # an in-place change through it is the caller's, as in eager
+    assert again is y
+    assert_tensors_match(y, torch.tanh(x), "output[1]", tolerance(backend) or PAD_TOLERANCE)
+
+
 def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
     return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
 
