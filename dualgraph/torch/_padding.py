@@ -3,7 +3,8 @@
 A padded call gets ``valid_length=`` and its outputs are cut back along the declared output
 dims; :func:`padding_of` reads ``dynamic_dims``, and the checks refuse what padding would
 change: a callable without ``valid_length``, statistics over positions, outputs that cannot be
-cut back, and outputs that differ when a call is padded (compared eagerly at capture).
+cut back, and outputs or grads that differ when a call is padded (compared eagerly at capture,
+for every bucket a call can be padded into).
 """
 
 from __future__ import annotations
