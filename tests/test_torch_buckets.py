@@ -652,6 +652,34 @@ def test_padded_outputs_cut_back_have_eagers_layout(backend: str) -> None:
     outputs[0].view(-1)  # eager's output is contiguous: so is the cut
 
 
+def passed_through(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input itself (as a residual stream or HF's hidden states pass it on), and one
+    result returned twice."""
+    y = torch.tanh(x)
+    return x, y, y
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_padded_calls_return_the_callers_input_and_one_output_twice_as_eager(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        passed_through,
+        buckets=[(torch.randn(2, n, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1, "output[1]": 1, "output[2]": 1},
+    )
+    x = torch.randn(2, 6, device=device, requires_grad=True)
+    same, y, again = graphed(x)
+    assert same is x  # an in-place change through it is the caller's, as in eager
+    assert again is y
+    assert_tensors_match(y, torch.tanh(x), "output[1]", tolerance(backend) or PAD_TOLERANCE)
+
+
 def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
     return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
 
@@ -757,13 +785,72 @@ def test_pad_checks_at_capture_that_padding_stays_out_of_the_outputs(backend: st
     )
 
 
+def fast_path_at_eight(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """A softmax over positions that masks the padding, but for lengths that are a multiple of
+    8, where a "fast path" forgets the mask."""
+    if x.shape[1] % 8 == 0 or valid_length is None:
+        return torch.softmax(x, dim=1)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length
+    return torch.softmax(x.masked_fill(~keep, float("-inf")), dim=1)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_every_bucket_a_call_can_be_padded_into(backend: str) -> None:
+    """Calls of length 5 to 8 are padded to the middle bucket, whose capture forgets the mask; a
+    check of the smallest bucket padded to the largest alone would not see it."""
+    buckets = [(torch.randn(2, n, requires_grad=True),) for n in (4, 8, 12)]
+    with pytest.raises(
+        DualgraphError, match=r"fast_path_at_eight: output differs .* length 5 is padded to 8 "
+    ):
+        dgt.make_graphed_callables(
+            fast_path_at_eight,
+            buckets=buckets,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
+class TokenLengths(nn.Module):
+    """The length of each projected token: no position mixes with another, but the backward of
+    sqrt at a zero (padded) token is inf, and inf times its zero grad is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        h = self.proj(x)
+        return torch.sqrt((h * h).sum(-1))
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_at_capture_that_padding_stays_out_of_the_grads(backend: str) -> None:
+    buckets = [(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)]
+    with pytest.raises(
+        DualgraphError,
+        match=r"TokenLengths: the grad of parameter proj.weight differs \(by up to nan.* "
+        r"padded positions reach the grads",
+    ):
+        dgt.make_graphed_callables(
+            TokenLengths(),
+            buckets=buckets,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
         ((2, 10, 16), r"args\[0\]: length 10 along dim 1 is longer than any bucket"),
         ((3, 6, 16), r"args\[0\]: got shape \[3, 6, 16\], which no bucket of ViTBlock takes"),
         ((2, 0, 16), r"args\[0\]: length 0 along dim 1"),
+        ((7,), r"args\[0\]: got shape \[7\] \(1 dims\); fallback='pad' pads dim 1 of a 3-dim"),
+        ((), r"args\[0\]: got shape \[\] \(0 dims\); fallback='pad' pads dim 1 of a 3-dim"),
     ],
+    ids=["longer", "other dims", "empty", "fewer dims", "0-d"],
 )
 def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: str) -> None:
     block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
@@ -774,7 +861,7 @@ def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: s
         dynamic_dims={"args[0]": 1, "output[0]": 1},
     )
     with pytest.raises(SpecMismatchError, match=message):
-        block(torch.randn(*shape))
+        block(torch.randn(shape))
     with pytest.raises(SpecMismatchError, match=r"kwargs\['valid_length'\]: ViTBlock passes"):
         block(torch.randn(2, 5, 16), valid_length=5)
 

@@ -368,7 +368,8 @@ class BucketedCallable:
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
         outputs = self._replay(bucket, args, kwargs, length)
-        return self._cut(bucket, outputs, length)
+        callers = {id(padded[index]): tensors[index] for index, _ in padding.inputs}
+        return self._cut(bucket, outputs, length, callers)
 
     def _length_tensor(self, length: int, bucket: _Bucket) -> torch.Tensor:
         tensor = self._lengths.get(length)
@@ -378,17 +379,30 @@ class BucketedCallable:
             self._lengths[length] = tensor
         return tensor
 
-    def _cut(self, bucket: _Bucket, outputs: Any, length: int) -> Any:
-        """The outputs with each declared output dim cut back to the call's length."""
+    def _cut(
+        self, bucket: _Bucket, outputs: Any, length: int, callers: dict[int, torch.Tensor]
+    ) -> Any:
+        """The outputs with each declared output dim cut back to the call's length.
+
+        As eager returns them: an output that is a padded input (a replay hands out the input
+        it was given, here the padded copy) is the caller's own tensor, and an output returned
+        twice is one cut, returned twice.
+        """
         cut = bucket.cut
         if cut is None:
             cut = bucket.cut = output_cuts(self._padding, bucket.runner.spec)  # type: ignore[arg-type]
-        if not cut:
-            return outputs
         spec = bucket.runner.spec
         flat = spec.flatten(outputs)
+        made: dict[int, torch.Tensor] = dict(callers)
         for index, dim in cut:
-            flat[index] = cut_back(flat[index], dim, length)
+            tensor = flat[index]
+            same = made.get(id(tensor))
+            if same is None:
+                same = made[id(tensor)] = cut_back(tensor, dim, length)
+            flat[index] = same
+        for index, tensor in enumerate(flat):  # a padded input returned but not cut back
+            if id(tensor) in callers:
+                flat[index] = callers[id(tensor)]
         return spec.unflatten(flat)
 
     # -- checks and messages -------------------------------------------------------------------

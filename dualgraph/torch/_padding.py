@@ -3,7 +3,8 @@
 A padded call gets ``valid_length=`` and its outputs are cut back along the declared output
 dims; :func:`padding_of` reads ``dynamic_dims``, and the checks refuse what padding would
 change: a callable without ``valid_length``, statistics over positions, outputs that cannot be
-cut back, and outputs that differ when a call is padded (compared eagerly at capture).
+cut back, and outputs or grads that differ when a call is padded (compared eagerly at capture,
+for every bucket a call can be padded into).
 """
 
 from __future__ import annotations
@@ -58,9 +59,20 @@ class Padding:
     inputs: tuple[tuple[int, int], ...]
     input_paths: tuple[str, ...]
     output_paths: tuple[tuple[str, int], ...]  # (path after "output", dim as declared)
+    ranks: tuple[int, ...]  # how many dims each padded input has in every bucket
 
     def length_of(self, shapes: Sequence[Sequence[int]]) -> int:
-        """A call's length along the dynamic dims; raises where two dynamic dims disagree."""
+        """A call's length along the dynamic dims; raises where a padded input has another
+        number of dims than the buckets' (it has no such dim to pad, or another one) or where
+        two dynamic dims disagree."""
+        for (index, dim), path, rank in zip(self.inputs, self.input_paths, self.ranks, strict=True):
+            shape = shapes[index]
+            if len(shape) != rank:
+                raise SpecMismatchError(
+                    f"{path}: got shape {list(shape)} ({len(shape)} dims); fallback='pad' pads "
+                    f"dim {dim} of a {rank}-dim tensor there, as every bucket has it",
+                    path=path,
+                )
         (first, first_dim), *rest = self.inputs
         length = shapes[first][first_dim]
         for (index, dim), path in zip(rest, self.input_paths[1:], strict=True):
@@ -141,6 +153,7 @@ def padding_of(
             )
     inputs: list[tuple[int, int]] = []
     input_paths: list[str] = []
+    ranks: list[int] = []
     outputs: list[tuple[str, int]] = []
     for path, dim in dims.items():
         if not isinstance(path, str) or type(dim) is not int:
@@ -164,9 +177,10 @@ def padding_of(
             raise DualgraphError(f"dynamic_dims: {path} has {ndim} dims, so it has no dim {dim}")
         inputs.append((index, dim % ndim))
         input_paths.append(path)
+        ranks.append(ndim)
     if not inputs:
         raise DualgraphError("dynamic_dims names no input dim for fallback='pad' to pad")
-    padding = Padding(tuple(inputs), tuple(input_paths), tuple(outputs))
+    padding = Padding(tuple(inputs), tuple(input_paths), tuple(outputs), tuple(ranks))
     lengths: list[int | None] = []
     for i, key in enumerate(shapes):
         try:
@@ -259,26 +273,40 @@ def check_padding_is_masked(
 ) -> None:
     """Refuse a callable whose outputs change when a call is padded (it ignores padding).
 
-    Per group of buckets that pad into one another, a short call (the smallest bucket's sample,
-    or the only bucket's cut to half its length) runs eagerly as it is and padded to the group's
-    largest length with ``valid_length``; the outputs, cut back, must agree up to rounding. A
-    module runs in eval mode (dropout off); a callable that still draws random numbers (its
-    reference differs under two seeds) cannot be judged and is let through.
+    Every bucket is its own capture of the callable's Python, which may take another path per
+    length (``x.shape`` read in Python), so each bucket a call can be padded into is checked: a
+    short call runs eagerly as it is and padded to the bucket's length with ``valid_length``;
+    the outputs, cut back, must agree up to rounding. Per group of buckets that pad into one
+    another, the largest is checked first with the smallest bucket's sample, then each bucket
+    with the shortest call padded into it (one position longer than the bucket below, or half
+    the smallest bucket's length). A module runs in eval mode (dropout off); a callable that
+    still draws random numbers (its reference differs under two seeds) cannot be judged and is
+    let through.
     """
     groups: dict[Any, list[int]] = {}
     for i, key in enumerate(shapes):
         groups.setdefault(padding.fixed_shapes(key), []).append(i)
     for members in groups.values():
-        ordered = sorted(members, key=lambda i: lengths[i])  # type: ignore[arg-type, return-value]
-        short, long = ordered[0], ordered[-1]
-        full: int = lengths[long]  # type: ignore[assignment]
-        length: int = lengths[short] if short != long else full // 2  # type: ignore[assignment]
-        if length < 1:
-            continue  # a single bucket of length 1: no call can be padded into it
-        tensors = [t.detach().clone() for t in guards[short].tensors(*request.samples[short])]
-        for index, dim in padding.inputs:
-            tensors[index] = tensors[index].narrow(dim, 0, length)
-        _compare_padded(request, padding, guards[short], tensors, length, full)
+        sizes = {i: int(lengths[i] or 0) for i in members}
+        ordered = sorted(members, key=sizes.__getitem__)
+        checks = []  # (the bucket whose sample is cut, the call's length, the bucket padded to)
+        if len(ordered) > 1:
+            checks.append((ordered[0], sizes[ordered[0]], ordered[-1]))
+        below = 0
+        for i in ordered:
+            length = below + 1 if below else sizes[i] // 2
+            if 1 <= length < sizes[i]:  # else no call is padded into bucket i
+                checks.append((i, length, i))
+            below = sizes[i]
+        for sample, length, bucket in checks:
+            originals = guards[sample].tensors(*request.samples[sample])
+            tensors = [t.detach().clone() for t in originals]
+            for index, dim in padding.inputs:
+                tensors[index] = tensors[index].narrow(dim, 0, length)
+            wants_grad = [t.requires_grad for t in originals]
+            _compare_padded(
+                request, padding, guards[sample], tensors, wants_grad, length, sizes[bucket]
+            )
 
 
 def _compare_padded(
@@ -286,13 +314,14 @@ def _compare_padded(
     padding: Padding,
     guard: InputGuard,
     tensors: list[torch.Tensor],
+    wants_grad: Sequence[bool],
     length: int,
     full: int,
 ) -> None:
-    padded = list(tensors)
-    for index, dim in padding.inputs:
-        tensor = tensors[index]
-        padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, full - length))
+    """Refuse ``request`` if a call of ``tensors`` and the same call padded to ``full`` differ:
+    in their outputs, cut back, or in the grads one upstream grad gives the call's inputs and
+    the module's parameters."""
+    padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
     module = request.module
@@ -305,6 +334,8 @@ def _compare_padded(
         torch.manual_seed(seed)
         return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
 
+    difference: str | None = None
+    grad_difference = False
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             if module is not None:
@@ -313,14 +344,32 @@ def _compare_padded(
             if _difference(reference, run(tensors, 1), ()) is not None:
                 return  # it draws random numbers: the two calls cannot be compared
             found = run(padded, 0)
+            cuts = output_cuts(padding, describe(found))
+            difference = _difference(reference, found, cuts, length)
+            if difference is None:
+                params = [] if module is None else list(module.named_parameters())
+                with torch.enable_grad():
+                    grads = _grads_both_ways(run, padding, tensors, wants_grad, params, full, cuts)
+                if grads is not None:
+                    names = [n for n, wants in zip(guard.paths, wants_grad, strict=True) if wants]
+                    names += [f"parameter {name}" for name, p in params if p.requires_grad]
+                    difference = _grad_difference(names, *grads)
+                    grad_difference = difference is not None
     finally:
         for m, training in modes:
             m.training = training
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-    spec = describe(found)
-    difference = _difference(reference, found, output_cuts(padding, spec), length)
+    if difference is not None and grad_difference:
+        raise DualgraphError(
+            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+            f"padded to {full} (with {VALID_LENGTH}={length}): padded positions reach the grads "
+            "of the call's own (an op whose backward is inf or NaN at the zero padding, such as "
+            "sqrt, log, a division or pow, gives NaN even times the zero grad of a padded "
+            "output). Keep padded positions out of such ops (torch.where before them, an eps), "
+            "or use fallback='eager' or 'error'"
+        )
     if difference is not None:
         raise DualgraphError(
             f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
@@ -329,6 +378,75 @@ def _compare_padded(
             f"(mask attention, count only the first {VALID_LENGTH} positions in a mean or sum, "
             "mask a softmax over positions); or use fallback='eager' or 'error'"
         )
+
+
+def _padded(
+    padding: Padding, tensors: Sequence[torch.Tensor], length: int, full: int
+) -> list[torch.Tensor]:
+    """``tensors`` with each dynamic dim padded with zeros from ``length`` to ``full``."""
+    padded = list(tensors)
+    for index, dim in padding.inputs:
+        tensor = tensors[index]
+        padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, full - length))
+    return padded
+
+
+def _grads_both_ways(
+    run: Callable[[list[torch.Tensor], int], Any],
+    padding: Padding,
+    tensors: Sequence[torch.Tensor],
+    wants_grad: Sequence[bool],
+    params: Sequence[tuple[str, torch.nn.Parameter]],
+    full: int,
+    cuts: Sequence[tuple[int, int]],
+) -> tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None:
+    """The grads of the inputs that want one and of the trainable parameters, for a call and
+    for it padded (its outputs cut back), under one upstream grad; None when there are none.
+
+    ``torch.autograd.grad`` leaves every ``.grad`` alone.
+    """
+    trainable = [p for _, p in params if p.requires_grad]
+    upstream: list[torch.Tensor] | None = None
+    results = []
+    for pad in (False, True):
+        leaves = [
+            t.detach().requires_grad_(wants) for t, wants in zip(tensors, wants_grad, strict=True)
+        ]
+        length = leaves[padding.inputs[0][0]].shape[padding.inputs[0][1]]
+        outputs = run(_padded(padding, leaves, length, full) if pad else leaves, 0)
+        flat = describe(outputs).flatten(outputs)
+        for index, dim in cuts if pad else ():
+            flat[index] = flat[index].narrow(dim, 0, length)
+        carrying = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        targets = [leaf for leaf in leaves if leaf.requires_grad] + trainable
+        if not carrying or not targets:
+            return None
+        if upstream is None:
+            upstream = [torch.randn_like(t) for t in carrying]
+        if len(upstream) != len(carrying):
+            return None  # another set of outputs carries grad: the forward check judges that
+        try:
+            results.append(torch.autograd.grad(carrying, targets, upstream, allow_unused=True))
+        except RuntimeError:
+            return None  # no backward to compare (warmup would have said why)
+    return results[0], results[1]
+
+
+def _grad_difference(
+    names: Sequence[str],
+    expected: Sequence[torch.Tensor | None],
+    found: Sequence[torch.Tensor | None],
+) -> str | None:
+    """How the grads ``found`` differ from ``expected`` (``None``: zero), or None."""
+    for name, a, b in zip(names, expected, found, strict=True):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a  # type: ignore[arg-type]
+        b = torch.zeros_like(a) if b is None else b
+        difference = _tensor_difference(a, b)
+        if difference is not None:
+            return f"the grad of {name} {difference}"
+    return None
 
 
 def _difference(
@@ -346,17 +464,23 @@ def _difference(
     for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
         if a.shape != b.shape:
             return f"output{leaf.path} has shape {list(b.shape)} instead of {list(a.shape)}"
-        if a.dtype.is_floating_point or a.dtype.is_complex:
-            # 32-bit on a GPU: TF32 convolutions (torch's default) round differently per shape
-            rtol = (1e-2 if a.is_cuda else 1e-3) if a.element_size() >= 4 else 3e-2
-            scale = a.abs().max().item() if a.numel() else 0.0
-            gap = (a - b).abs().max().item() if a.numel() else 0.0
-            if not gap <= rtol * scale + 1e-6:  # also refuses NaN
-                return (
-                    f"output{leaf.path} differs (by up to {gap:.3g}, of values up to {scale:.3g})"
-                )
-        elif not torch.equal(a, b):
-            return f"output{leaf.path} differs"
+        gap = _tensor_difference(a, b)
+        if gap is not None:
+            return f"output{leaf.path} {gap}"
+    return None
+
+
+def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """``differs (by up to ...)`` where ``b`` is not ``a`` up to rounding, else None."""
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        # 32-bit on a GPU: TF32 convolutions (torch's default) round differently per shape
+        rtol = (1e-2 if a.is_cuda else 1e-3) if a.element_size() >= 4 else 3e-2
+        scale = a.abs().max().item() if a.numel() else 0.0
+        gap = (a - b).abs().max().item() if a.numel() else 0.0
+        if not gap <= rtol * scale + 1e-6:  # also refuses NaN
+            return f"differs (by up to {gap:.3g}, of values up to {scale:.3g})"
+    elif not torch.equal(a, b):
+        return "differs"
     return None
 
 
