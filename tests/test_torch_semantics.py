@@ -220,6 +220,37 @@ def test_grads_flow_through_a_stack_of_graphed_blocks_like_eager(
         )
 
 
+@pytest.mark.parametrize("hook", ["prehook", "posthook"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_node_hook_on_the_block_before_keeps_a_grad_no_later_replay_overwrites(
+    backend: str, param_grads: str, hook: str
+) -> None:
+    # The block before is a replay too, so the grad goes to it without a copy: a hook on its
+    # node (register_prehook, or register_hook, which also sees the incoming grads) could keep
+    # the next block's static input grad buffer, which the next backward overwrites.
+    device = device_of(backend)
+    blocks = [TinyMLP().to(device) for _ in range(2)]
+    twins = [TinyMLP().to(device) for _ in range(2)]
+    for block, twin in zip(blocks, twins, strict=True):
+        twin.load_state_dict(block.state_dict())
+    samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in blocks)
+    dgt.make_graphed_callables(tuple(blocks), samples, backend=backend, param_grads=param_grads)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(3):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        seen: list[torch.Tensor] = []
+        for first, second in ((blocks[0], blocks[1]), (twins[0], twins[1])):
+            h = first(x)
+            if hook == "prehook":
+                h.grad_fn.register_prehook(lambda grads, seen=seen: seen.append(grads[0]))
+            else:
+                h.grad_fn.register_hook(lambda _, grads, seen=seen: seen.append(grads[0]))
+            backward_of(second(h))
+        kept.append((seen[0], seen[1]))
+    for i, (grad, expected) in enumerate(kept):  # later replays left earlier grads alone
+        assert_tensors_match(grad, expected, f"grad {i} seen by the hook", tolerance(backend))
+
+
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_an_expanded_incoming_grad_gives_eagers_grads_through_batchnorm(

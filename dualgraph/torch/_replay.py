@@ -773,7 +773,8 @@ class GraphedCallable:
         plain ``.backward()`` (not ``torch.autograd.grad``, which returns what it captures)
         delivers it to an ``AccumulateGrad`` (a leaf, a parameter: it copies or adds into
         ``.grad``) or to another replay's backward (it copies into its own static buffer), and
-        no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
+        no hook (on the tensor, or on that replay's node) or ``retain_grad`` sees it. Everywhere
+        else it goes out as a copy.
 
         ``param_grads``: one per parameter, or none (``()``: they are in ``.grad`` already, and
         autograd gets ``None``); ``owned``: they are copies of this backward's own, which go out
@@ -783,11 +784,12 @@ class GraphedCallable:
         for position, grad in self._input_grads:
             if needs_input_grad[position] and position not in skip:
                 tensor = inputs[position - 1]
+                node: Any = tensor.grad_fn
                 if (
                     plain
                     and not tensor._backward_hooks
                     and not tensor.retains_grad
-                    and (tensor.grad_fn is None or type(tensor.grad_fn) is _REPLAY_BACKWARD)
+                    and (node is None or (type(node) is _REPLAY_BACKWARD and not node.hooked))
                 ):
                     result[position] = grad
                 else:

@@ -90,10 +90,24 @@ def _backward_once_differentiable(
     return tuple(refusing(*map(_refusing_a_second_backward, results)))  # type: ignore[arg-type]
 
 
-REPLAY_BACKWARD = _Replay._backward_cls
+def _noting_hooks(register: Any) -> Any:
+    def register_noted(node: Any, hook: Any) -> Any:
+        # A node hook sees the grads coming in, and may keep them: a replay feeding this node
+        # then hands it copies, not its static input grad buffers (``GraphedCallable``).
+        node.hooked = True
+        return register(node, hook)
+
+    return register_noted
+
+
+REPLAY_BACKWARD: Any = _Replay._backward_cls
 # The engine calls a Function's backward node through its ``apply``, which torch defines in
 # Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
 # directly (docs/cuda_graphs.md).
-REPLAY_BACKWARD.apply = _Replay.backward  # type: ignore[attr-defined]
+REPLAY_BACKWARD.apply = _Replay.backward
+REPLAY_BACKWARD.hooked = False
+_NodeBase = torch._C._FunctionBase
+REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook)
+REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook)
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 apply_replay = super(torch.autograd.Function, _Replay).apply
