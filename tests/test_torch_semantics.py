@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -249,6 +250,68 @@ def test_a_node_hook_on_the_block_before_keeps_a_grad_no_later_replay_overwrites
         kept.append((seen[0], seen[1]))
     for i, (grad, expected) in enumerate(kept):  # later replays left earlier grads alone
         assert_tensors_match(grad, expected, f"grad {i} seen by the hook", tolerance(backend))
+
+
+# -- an output the callable also uses inside ---------------------------------------------------
+
+
+class HiddenAndOut(nn.Module):
+    """Returns a hidden state and what it computes from it (HF's ``output_hidden_states``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.first(x).tanh()
+        return hidden, hidden.t(), self.second(hidden).sigmoid()
+
+
+def _watch_hook(tensor: torch.Tensor) -> None:
+    tensor.register_hook(lambda grad: grad * 2)
+
+
+def _watch_retained(tensor: torch.Tensor) -> None:
+    tensor.retain_grad()
+
+
+@pytest.mark.parametrize("watch", [_watch_hook, _watch_retained], ids=["hook", "retain_grad"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_watched_at_an_output_used_inside_is_refused_not_partial(
+    backend: str, param_grads: str, watch: Callable[[torch.Tensor], None]
+) -> None:
+    # Eager's grad at ``hidden`` includes what flows back from the output computed from it; a
+    # replay's only what the loss sends to ``hidden`` itself: a hook or retain_grad there saw a
+    # partial grad (and a hook's change missed the rest), silently.
+    device = device_of(backend)
+    module = HiddenAndOut().to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    outputs = module(torch.randn(2, 4, device=device, requires_grad=True))
+    watch(outputs[0])
+    with pytest.raises(DualgraphError, match=re.escape("output[0]") + ".*used inside"):
+        sum(t.sum() for t in outputs).backward()
+
+
+@pytest.mark.parametrize("output", [1, 2])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_watched_at_an_output_nothing_inside_uses_is_eagers(
+    backend: str, param_grads: str, output: int
+) -> None:
+    # output[1] is a view of output[0] (handed out from it), output[2] the last one
+    device = device_of(backend)
+    module, twin = HiddenAndOut().to(device), HiddenAndOut().to(device)
+    twin.load_state_dict(module.state_dict())
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    for _ in range(2):
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        outputs, expected = module(x), twin(x)
+        for tensors in (outputs, expected):
+            tensors[output].retain_grad()
+            sum(t.sum() for t in tensors).backward()
+        where = f"output[{output}].grad"
+        assert_tensors_match(outputs[output].grad, expected[output].grad, where, tolerance(backend))
 
 
 @pytest.mark.parametrize("slots", [1, 2])

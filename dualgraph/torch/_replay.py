@@ -144,6 +144,7 @@ class GraphedCallable:
         "_storages",
         "_unreached_memo",
         "_unwatched",
+        "_used_inside",
         "backend",
         "diagnostics",
         "name",
@@ -223,6 +224,8 @@ class GraphedCallable:
         # backward either keeps that sum in .grad or hands autograd copies (_backward_into_copies)
         self._auto = params.mode == "auto" and bool(self._accumulators)
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
+        # Outputs other outputs are computed from: eager's grad at one includes theirs share.
+        self._used_inside = plan.used_inside
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
@@ -709,6 +712,26 @@ class GraphedCallable:
         """
         other_uses = self._other_uses
         return other_uses is not None and other_uses()
+
+    def _refuse_grads_watched_inside(
+        self, outputs: Sequence[tuple[int, Callable[[], torch.Tensor | None]]]
+    ) -> None:
+        """Refuse a hook or ``retain_grad`` on an output other outputs are computed from.
+
+        Eager's grad at it includes what flows back from those outputs; a replay's grad at it
+        is only what the loss sends to it directly (the rest stays inside the graph).
+        """
+        for k, output_ref in outputs:
+            output = output_ref()
+            if output is not None and (output._backward_hooks or output.retains_grad):
+                path = self._out_spec.array_paths[k]
+                raise DualgraphError(
+                    f"{self.name}: output{path} has a hook or retains its grad, and is used inside "
+                    "the callable to compute other outputs: eager's grad at it includes what "
+                    "flows back from those, a replay's only what the loss sends to it directly "
+                    "(the rest stays inside the graph). Graph the parts before and after it as "
+                    "separate callables to watch the grad there"
+                )
 
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
         names = self.plan.params.names

@@ -7,6 +7,7 @@ engine calls its backward node directly, without torch's Python lookup.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from weakref import ref as _weakref
 
 import torch
 
@@ -42,10 +43,14 @@ class _Replay(torch.autograd.Function):
         )
         if nondiff:
             ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
+        if graphed._used_inside:  # weakly: a node holding its outputs would keep them alive
+            ctx.used_inside = tuple((k, _weakref(outputs[k])) for k in graphed._used_inside)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if ctx.used_inside:
+            ctx.graphed._refuse_grads_watched_inside(ctx.used_inside)
         if _is_grad_enabled():  # create_graph=True: a second backward must raise
             return _backward_once_differentiable(ctx, *grads)
         return _backward_of(ctx, *grads)
@@ -106,6 +111,7 @@ REPLAY_BACKWARD: Any = _Replay._backward_cls
 # directly (docs/cuda_graphs.md).
 REPLAY_BACKWARD.apply = _Replay.backward
 REPLAY_BACKWARD.hooked = False
+REPLAY_BACKWARD.used_inside = ()  # (position, weak reference) of outputs used inside
 _NodeBase = torch._C._FunctionBase
 REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook)
 REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook)

@@ -29,7 +29,7 @@ from ._capture_failure import Refused
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
-from ._reach import trace_leaves
+from ._reach import trace_leaves, used_inside
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -57,6 +57,11 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
             flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
         )
         item.saved_outputs = _saved_outputs(flat, saved)
+        aliases = item.output_aliases
+        made_from_outputs = frozenset(
+            () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
+        )
+        item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
             _refuse_foreign_leaves(item, foreign)
