@@ -314,6 +314,56 @@ def test_a_grad_watched_at_an_output_nothing_inside_uses_is_eagers(
         assert_tensors_match(outputs[output].grad, expected[output].grad, where, tolerance(backend))
 
 
+@pytest.mark.parametrize("change", ["optimizer_step", "in_place_add"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_the_backward_reads_changed_in_place_before_it_is_refused(
+    backend: str, param_grads: str, change: str
+) -> None:
+    # Eager's backward raises (the weight it saved was modified by an inplace operation); a
+    # backward graph reads the weight's memory as it is then: grads of the new weight, silently.
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads=param_grads)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    backward_of(layer(torch.randn(2, 4, device=device, requires_grad=True)))
+    loss = layer(torch.randn(2, 4, device=device, requires_grad=True)).tanh().sum()
+    if change == "optimizer_step":
+        optimizer.step()
+    else:
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+    kept = [p.grad.clone() for p in layer.parameters()]
+    with pytest.raises(DualgraphError, match=r"Linear\.weight.*modified in place"):
+        loss.backward()
+    for grad, param in zip(kept, layer.parameters(), strict=True):  # nothing was added
+        assert_tensors_match(param.grad, grad, "grad after the refusal", None)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_the_backward_does_not_read_may_change_before_it(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    losses = [module(x).square().sum() for module in (layer, twin)]
+    with torch.no_grad():
+        for module in (layer, twin):
+            module.bias.add_(1.0)  # the bias is in no op's backward
+    for loss in losses:
+        loss.backward()
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        parameter_names(layer),
+        tolerance(backend),
+    )
+
+
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_an_expanded_incoming_grad_gives_eagers_grads_through_batchnorm(

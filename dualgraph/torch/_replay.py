@@ -62,6 +62,7 @@ _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backwar
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
 _grad = operator.attrgetter("grad")
+_version = operator.attrgetter("_version")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _requires_grad = operator.attrgetter("requires_grad")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
@@ -132,6 +133,8 @@ class GraphedCallable:
         "_pool",
         "_reach_of_inputs",
         "_reach_of_params",
+        "_read_by_backward",
+        "_read_by_backward_names",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -226,6 +229,15 @@ class GraphedCallable:
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
         # Outputs other outputs are computed from: eager's grad at one includes theirs share.
         self._used_inside = plan.used_inside
+        # The parameters and buffers the backward graph reads (where eager saves them): changed
+        # in place before the backward, eager raises, and a graph would read the new values.
+        tensors = plan.module_tensors
+        self._read_by_backward = (
+            tuple(tensors.tensors[i] for i in plan.saved_module_tensors) if tensors else ()
+        )
+        self._read_by_backward_names = (
+            tuple(tensors.names[i] for i in plan.saved_module_tensors) if tensors else ()
+        )
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
@@ -712,6 +724,22 @@ class GraphedCallable:
         """
         other_uses = self._other_uses
         return other_uses is not None and other_uses()
+
+    def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
+        """Refuse a backward whose graph would read a parameter or buffer changed in place
+        since its forward replay (eager's backward raises, having saved it)."""
+        now = tuple(map(_version, self._read_by_backward))
+        if now == versions:
+            return
+        for name, before, after in zip(self._read_by_backward_names, versions, now, strict=True):
+            if before != after:
+                raise DualgraphError(
+                    f"{self.name}: {name} was modified in place (version {before} at the forward "
+                    f"replay, {after} now) before the backward that reads it (eager would raise: "
+                    "a variable needed for gradient computation has been modified by an inplace "
+                    "operation); run the backward before changing it (optimizer.step() after "
+                    "backward)"
+                )
 
     def _refuse_grads_watched_inside(
         self, outputs: Sequence[tuple[int, Callable[[], torch.Tensor | None]]]

@@ -6,6 +6,7 @@ engine calls its backward node directly, without torch's Python lookup.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 from weakref import ref as _weakref
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["REPLAY_BACKWARD", "apply_replay"]
 
 _is_grad_enabled = torch.is_grad_enabled
+_version = operator.attrgetter("_version")
 
 
 class _Replay(torch.autograd.Function):
@@ -43,12 +45,16 @@ class _Replay(torch.autograd.Function):
         )
         if nondiff:
             ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
+        if graphed._read_by_backward:  # as saved tensors' versions: checked at backward
+            ctx.versions = tuple(map(_version, graphed._read_by_backward))
         if graphed._used_inside:  # weakly: a node holding its outputs would keep them alive
             ctx.used_inside = tuple((k, _weakref(outputs[k])) for k in graphed._used_inside)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if ctx.versions:
+            ctx.graphed._refuse_changed_since_forward(ctx.versions)
         if ctx.used_inside:
             ctx.graphed._refuse_grads_watched_inside(ctx.used_inside)
         if _is_grad_enabled():  # create_graph=True: a second backward must raise
@@ -112,6 +118,7 @@ REPLAY_BACKWARD: Any = _Replay._backward_cls
 REPLAY_BACKWARD.apply = _Replay.backward
 REPLAY_BACKWARD.hooked = False
 REPLAY_BACKWARD.used_inside = ()  # (position, weak reference) of outputs used inside
+REPLAY_BACKWARD.versions = ()  # of the parameters and buffers the backward reads
 _NodeBase = torch._C._FunctionBase
 REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook)
 REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook)
