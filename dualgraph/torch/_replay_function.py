@@ -12,6 +12,7 @@ from weakref import ref as _weakref
 
 import torch
 
+from .._errors import DualgraphError
 from ._ambient import ddp_is_running as _ddp_is_running
 
 if TYPE_CHECKING:
@@ -20,6 +21,19 @@ if TYPE_CHECKING:
 __all__ = ["REPLAY_BACKWARD", "apply_replay"]
 
 _is_grad_enabled = torch.is_grad_enabled
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_enter_vmap = torch._C._vmapmode_increment_nesting
+_leave_vmap = torch._C._vmapmode_decrement_nesting
+
+
+def _batched() -> bool:
+    """Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
+    whose level only entering one more tells), or a ``torch.func`` transform."""
+    level = _enter_vmap()
+    _leave_vmap()
+    return level > 1 or _are_functorch_transforms_active()
+
+
 _version = operator.attrgetter("_version")
 
 
@@ -53,6 +67,13 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if _batched():
+            raise DualgraphError(
+                f"{ctx.graphed.name}: a batched backward (torch.autograd.grad(..., "
+                "is_grads_batched=True) or a torch.func transform) cannot be replayed: a graph "
+                "takes one grad per output into fixed buffers. Loop over the grads, or run this "
+                "callable eagerly (dualgraph.torch.restore)"
+            )
         if ctx.versions:
             ctx.graphed._refuse_changed_since_forward(ctx.versions)
         if ctx.used_inside:
