@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from dualgraph.torch._reach import reach_of, trace_leaves
+from dualgraph.torch._reach import reach_of, trace_leaves, used_inside
 
 
 def test_every_output_reaching_every_leaf_needs_nothing() -> None:
@@ -112,3 +112,20 @@ def test_a_custom_functions_context_is_not_taken_for_a_leaf() -> None:
     x, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     out = _KeepsAVariable.apply(x * w)
     assert trace_leaves([out, x * 3], [x, w]) == ((frozenset({0, 1}), frozenset({0})), [])
+
+
+def test_used_inside_finds_the_outputs_other_outputs_are_computed_from() -> None:
+    x = torch.ones(2, 3, requires_grad=True)
+    hidden = x * 2
+    view = hidden.t()
+    first, second = (x * 3).split(1)  # two outputs of one node: each its own
+    outputs = [hidden, view, view.exp(), first, second, first.exp(), x + 1]
+    assert used_inside(outputs, range(len(outputs))) == (0, 1, 3)
+
+
+def test_used_inside_does_not_walk_an_output_handed_out_as_a_view_of_another() -> None:
+    x = torch.ones(2, 3, requires_grad=True)
+    hidden = x * 2
+    outputs = [hidden, hidden.t(), x.exp()]
+    assert used_inside(outputs, range(3), frozenset({1})) == ()
+    assert used_inside(outputs, range(3)) == (0,)

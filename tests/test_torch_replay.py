@@ -252,6 +252,29 @@ def test_a_call_under_a_torch_func_transform_is_refused(
     assert all(map(torch.equal, runner_of(layer).static_inputs, static))
 
 
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_batched_backward_is_refused_before_it_writes_anything(
+    backend: str, param_grads: str
+) -> None:
+    # torch.autograd.grad(..., is_grads_batched=True) runs the backward under vmap: the copy of a
+    # batch of grads into the static grad buffer leaked torch's vmap error from inside.
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    dgt.make_graphed_callables(
+        layer,
+        (torch.randn(2, 4, device=device, requires_grad=True),),
+        backend=backend,
+        param_grads=param_grads,
+    )
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    out = layer(x)
+    static = [t.clone() for t in runner_of(layer).plan.buffers.grad_outputs]
+    batch = torch.randn(5, 2, 3, device=device)
+    with pytest.raises(DualgraphError, match="is_grads_batched"):
+        torch.autograd.grad(out, x, grad_outputs=batch, is_grads_batched=True)
+    assert all(map(torch.equal, runner_of(layer).plan.buffers.grad_outputs, static))
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_inputs_that_need_no_grad_give_outputs_without_history(backend: str) -> None:
     graphed = _graph(_exp_and_sin, (3,), backend=backend)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -218,6 +219,149 @@ def test_grads_flow_through_a_stack_of_graphed_blocks_like_eager(
             parameter_names(block),
             tolerance(backend),
         )
+
+
+@pytest.mark.parametrize("hook", ["prehook", "posthook"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_node_hook_on_the_block_before_keeps_a_grad_no_later_replay_overwrites(
+    backend: str, param_grads: str, hook: str
+) -> None:
+    # The block before is a replay too, so the grad goes to it without a copy: a hook on its
+    # node (register_prehook, or register_hook, which also sees the incoming grads) could keep
+    # the next block's static input grad buffer, which the next backward overwrites.
+    device = device_of(backend)
+    blocks = [TinyMLP().to(device) for _ in range(2)]
+    twins = [TinyMLP().to(device) for _ in range(2)]
+    for block, twin in zip(blocks, twins, strict=True):
+        twin.load_state_dict(block.state_dict())
+    samples = tuple((torch.randn(4, 8, device=device, requires_grad=True),) for _ in blocks)
+    dgt.make_graphed_callables(tuple(blocks), samples, backend=backend, param_grads=param_grads)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for _ in range(3):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        seen: list[torch.Tensor] = []
+        for first, second in ((blocks[0], blocks[1]), (twins[0], twins[1])):
+            h = first(x)
+            if hook == "prehook":
+                h.grad_fn.register_prehook(lambda grads, seen=seen: seen.append(grads[0]))
+            else:
+                h.grad_fn.register_hook(lambda _, grads, seen=seen: seen.append(grads[0]))
+            backward_of(second(h))
+        kept.append((seen[0], seen[1]))
+    for i, (grad, expected) in enumerate(kept):  # later replays left earlier grads alone
+        assert_tensors_match(grad, expected, f"grad {i} seen by the hook", tolerance(backend))
+
+
+# -- an output the callable also uses inside ---------------------------------------------------
+
+
+class HiddenAndOut(nn.Module):
+    """Returns a hidden state and what it computes from it (HF's ``output_hidden_states``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.first(x).tanh()
+        return hidden, hidden.t(), self.second(hidden).sigmoid()
+
+
+def _watch_hook(tensor: torch.Tensor) -> None:
+    tensor.register_hook(lambda grad: grad * 2)
+
+
+def _watch_retained(tensor: torch.Tensor) -> None:
+    tensor.retain_grad()
+
+
+@pytest.mark.parametrize("watch", [_watch_hook, _watch_retained], ids=["hook", "retain_grad"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_watched_at_an_output_used_inside_is_refused_not_partial(
+    backend: str, param_grads: str, watch: Callable[[torch.Tensor], None]
+) -> None:
+    # Eager's grad at ``hidden`` includes what flows back from the output computed from it; a
+    # replay's only what the loss sends to ``hidden`` itself: a hook or retain_grad there saw a
+    # partial grad (and a hook's change missed the rest), silently.
+    device = device_of(backend)
+    module = HiddenAndOut().to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    outputs = module(torch.randn(2, 4, device=device, requires_grad=True))
+    watch(outputs[0])
+    with pytest.raises(DualgraphError, match=re.escape("output[0]") + ".*used inside"):
+        sum(t.sum() for t in outputs).backward()
+
+
+@pytest.mark.parametrize("output", [1, 2])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_watched_at_an_output_nothing_inside_uses_is_eagers(
+    backend: str, param_grads: str, output: int
+) -> None:
+    # output[1] is a view of output[0] (handed out from it), output[2] the last one
+    device = device_of(backend)
+    module, twin = HiddenAndOut().to(device), HiddenAndOut().to(device)
+    twin.load_state_dict(module.state_dict())
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    for _ in range(2):
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        outputs, expected = module(x), twin(x)
+        for tensors in (outputs, expected):
+            tensors[output].retain_grad()
+            sum(t.sum() for t in tensors).backward()
+        where = f"output[{output}].grad"
+        assert_tensors_match(outputs[output].grad, expected[output].grad, where, tolerance(backend))
+
+
+@pytest.mark.parametrize("change", ["optimizer_step", "in_place_add"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_the_backward_reads_changed_in_place_before_it_is_refused(
+    backend: str, param_grads: str, change: str
+) -> None:
+    # Eager's backward raises (the weight it saved was modified by an inplace operation); a
+    # backward graph reads the weight's memory as it is then: grads of the new weight, silently.
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads=param_grads)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    backward_of(layer(torch.randn(2, 4, device=device, requires_grad=True)))
+    loss = layer(torch.randn(2, 4, device=device, requires_grad=True)).tanh().sum()
+    if change == "optimizer_step":
+        optimizer.step()
+    else:
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+    kept = [p.grad.clone() for p in layer.parameters()]
+    with pytest.raises(DualgraphError, match=r"Linear\.weight.*modified in place"):
+        loss.backward()
+    for grad, param in zip(kept, layer.parameters(), strict=True):  # nothing was added
+        assert_tensors_match(param.grad, grad, "grad after the refusal", None)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_parameter_the_backward_does_not_read_may_change_before_it(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    losses = [module(x).square().sum() for module in (layer, twin)]
+    with torch.no_grad():
+        for module in (layer, twin):
+            module.bias.add_(1.0)  # the bias is in no op's backward
+    for loss in losses:
+        loss.backward()
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        parameter_names(layer),
+        tolerance(backend),
+    )
 
 
 @pytest.mark.parametrize("slots", [1, 2])

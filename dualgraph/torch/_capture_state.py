@@ -146,6 +146,8 @@ class _Capture:
         self.out_spec: TreeSpec | None = None
         self.diff_outputs: tuple[int, ...] = ()
         self.saved_outputs: tuple[int, ...] = ()
+        self.used_inside: tuple[int, ...] = ()
+        self.saved_module_tensors: tuple[int, ...] = ()
         self.output_aliases: OutputAliases | None = None
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
@@ -178,6 +180,8 @@ class _Capture:
         """Take over what the warmup of ``original`` (the same callable) found."""
         self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
         self.saved_outputs = original.saved_outputs
+        self.used_inside = original.used_inside
+        self.saved_module_tensors = original.saved_module_tensors
         self.output_aliases = original.output_aliases
         self.reach = original.reach
         self.mutated = set(original.mutated)
@@ -397,6 +401,8 @@ class _Capture:
             outputs=self.out_spec,
             diff_outputs=self.diff_outputs,
             saved_outputs=self.saved_outputs,
+            used_inside=self.used_inside,
+            saved_module_tensors=self.saved_module_tensors,
             output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
             module_tensors=self.module_tensors,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["reach_of", "trace_leaves"]
+__all__ = ["reach_of", "trace_leaves", "used_inside"]
 
 # The node of a leaf that needs grad (read with getattr: torch's stubs do not declare it).
 _ACCUMULATE_GRAD: Any = getattr(torch._C._functions, "AccumulateGrad")  # noqa: B009
@@ -122,3 +122,41 @@ def trace_leaves(
         return None, foreign
     reach = tuple(frozenset(k for k in range(len(outputs)) if mask >> k & 1) for mask in leaf_masks)
     return reach, foreign
+
+
+def used_inside(
+    outputs: Sequence[torch.Tensor], candidates: Sequence[int], views: frozenset[int] = frozenset()
+) -> tuple[int, ...]:
+    """The positions among ``candidates`` of the outputs that other outputs are computed from.
+
+    Eager's grad at such an output (``hidden`` in ``return hidden, head(hidden)``) includes what
+    flows back from the outputs computed from it; a replay's, only what the loss sends to it
+    directly. ``views``: outputs a replay hands out as views of another output, whose grads
+    reach it outside the graph (their graph is walked only where another output uses them).
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> hidden = x * 2
+    >>> used_inside([hidden, hidden.exp(), x + 1], [0, 1, 2])
+    (0,)
+    """
+    reached: set[tuple[Any, int]] = set()  # (node, its output's number) some edge leads to
+    seen: dict[Any, None] = {}  # the nodes walked (kept alive: see trace_leaves)
+    stack = []
+    for k in candidates:
+        node = outputs[k].grad_fn
+        if k not in views and node is not None and node not in seen:
+            seen[node] = None
+            stack.append(node)
+    while stack:
+        for next_node, number in stack.pop().next_functions:
+            if next_node is None:
+                continue
+            reached.add((next_node, number))
+            if next_node not in seen:
+                seen[next_node] = None
+                stack.append(next_node)
+    return tuple(
+        k
+        for k in candidates
+        if (node := outputs[k].grad_fn) is not None and (node, outputs[k].output_nr) in reached
+    )

@@ -63,6 +63,7 @@ _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backwar
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
 _grad = operator.attrgetter("grad")
+_version = operator.attrgetter("_version")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _requires_grad = operator.attrgetter("requires_grad")
 _post_accumulate_hooks = operator.attrgetter("_post_accumulate_grad_hooks")
@@ -135,6 +136,8 @@ class GraphedCallable:
         "_pool",
         "_reach_of_inputs",
         "_reach_of_params",
+        "_read_by_backward",
+        "_read_by_backward_names",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -148,6 +151,7 @@ class GraphedCallable:
         "_unreached_memo",
         "_unwatched",
         "_updated_storages",
+        "_used_inside",
         "backend",
         "diagnostics",
         "name",
@@ -227,6 +231,17 @@ class GraphedCallable:
         # backward either keeps that sum in .grad or hands autograd copies (_backward_into_copies)
         self._auto = params.mode == "auto" and bool(self._accumulators)
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
+        # Outputs other outputs are computed from: eager's grad at one includes theirs share.
+        self._used_inside = plan.used_inside
+        # The parameters and buffers the backward graph reads (where eager saves them): changed
+        # in place before the backward, eager raises, and a graph would read the new values.
+        tensors = plan.module_tensors
+        self._read_by_backward = (
+            tuple(tensors.tensors[i] for i in plan.saved_module_tensors) if tensors else ()
+        )
+        self._read_by_backward_names = (
+            tuple(tensors.names[i] for i in plan.saved_module_tensors) if tensors else ()
+        )
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
@@ -751,6 +766,42 @@ class GraphedCallable:
         other_uses = self._other_uses
         return other_uses is not None and other_uses()
 
+    def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
+        """Refuse a backward whose graph would read a parameter or buffer changed in place
+        since its forward replay (eager's backward raises, having saved it)."""
+        now = tuple(map(_version, self._read_by_backward))
+        if now == versions:
+            return
+        for name, before, after in zip(self._read_by_backward_names, versions, now, strict=True):
+            if before != after:
+                raise DualgraphError(
+                    f"{self.name}: {name} was modified in place (version {before} at the forward "
+                    f"replay, {after} now) before the backward that reads it (eager would raise: "
+                    "a variable needed for gradient computation has been modified by an inplace "
+                    "operation); run the backward before changing it (optimizer.step() after "
+                    "backward)"
+                )
+
+    def _refuse_grads_watched_inside(
+        self, outputs: Sequence[tuple[int, Callable[[], torch.Tensor | None]]]
+    ) -> None:
+        """Refuse a hook or ``retain_grad`` on an output other outputs are computed from.
+
+        Eager's grad at it includes what flows back from those outputs; a replay's grad at it
+        is only what the loss sends to it directly (the rest stays inside the graph).
+        """
+        for k, output_ref in outputs:
+            output = output_ref()
+            if output is not None and (output._backward_hooks or output.retains_grad):
+                path = self._out_spec.array_paths[k]
+                raise DualgraphError(
+                    f"{self.name}: output{path} has a hook or retains its grad, and is used inside "
+                    "the callable to compute other outputs: eager's grad at it includes what "
+                    "flows back from those, a replay's only what the loss sends to it directly "
+                    "(the rest stays inside the graph). Graph the parts before and after it as "
+                    "separate callables to watch the grad there"
+                )
+
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
         names = self.plan.params.names
         for name, needed in zip(names, needs_input_grad[self._first_param :], strict=True):
@@ -814,7 +865,8 @@ class GraphedCallable:
         plain ``.backward()`` (not ``torch.autograd.grad``, which returns what it captures)
         delivers it to an ``AccumulateGrad`` (a leaf, a parameter: it copies or adds into
         ``.grad``) or to another replay's backward (it copies into its own static buffer), and
-        no hook or ``retain_grad`` sees it. Everywhere else it goes out as a copy.
+        no hook (on the tensor, or on that replay's node) or ``retain_grad`` sees it. Everywhere
+        else it goes out as a copy.
 
         ``param_grads``: one per parameter, or none (``()``: they are in ``.grad`` already, and
         autograd gets ``None``); ``owned``: they are copies of this backward's own, which go out
@@ -824,11 +876,12 @@ class GraphedCallable:
         for position, grad in self._input_grads:
             if needs_input_grad[position] and position not in skip:
                 tensor = inputs[position - 1]
+                node: Any = tensor.grad_fn
                 if (
                     plain
                     and not tensor._backward_hooks
                     and not tensor.retains_grad
-                    and (tensor.grad_fn is None or type(tensor.grad_fn) is _REPLAY_BACKWARD)
+                    and (node is None or (type(node) is _REPLAY_BACKWARD and not node.hooked))
                 ):
                     result[position] = grad
                 else:

@@ -6,10 +6,13 @@ engine calls its backward node directly, without torch's Python lookup.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
+from weakref import ref as _weakref
 
 import torch
 
+from .._errors import DualgraphError
 from ._ambient import ddp_is_running as _ddp_is_running
 
 if TYPE_CHECKING:
@@ -18,6 +21,20 @@ if TYPE_CHECKING:
 __all__ = ["REPLAY_BACKWARD", "apply_replay"]
 
 _is_grad_enabled = torch.is_grad_enabled
+_are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_enter_vmap = torch._C._vmapmode_increment_nesting
+_leave_vmap = torch._C._vmapmode_decrement_nesting
+
+
+def _batched() -> bool:
+    """Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
+    whose level only entering one more tells), or a ``torch.func`` transform."""
+    level = _enter_vmap()
+    _leave_vmap()
+    return level > 1 or _are_functorch_transforms_active()
+
+
+_version = operator.attrgetter("_version")
 
 
 class _Replay(torch.autograd.Function):
@@ -42,10 +59,25 @@ class _Replay(torch.autograd.Function):
         )
         if nondiff:
             ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
+        if graphed._read_by_backward:  # as saved tensors' versions: checked at backward
+            ctx.versions = tuple(map(_version, graphed._read_by_backward))
+        if graphed._used_inside:  # weakly: a node holding its outputs would keep them alive
+            ctx.used_inside = tuple((k, _weakref(outputs[k])) for k in graphed._used_inside)
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if _batched():
+            raise DualgraphError(
+                f"{ctx.graphed.name}: a batched backward (torch.autograd.grad(..., "
+                "is_grads_batched=True) or a torch.func transform) cannot be replayed: a graph "
+                "takes one grad per output into fixed buffers. Loop over the grads, or run this "
+                "callable eagerly (dualgraph.torch.restore)"
+            )
+        if ctx.versions:
+            ctx.graphed._refuse_changed_since_forward(ctx.versions)
+        if ctx.used_inside:
+            ctx.graphed._refuse_grads_watched_inside(ctx.used_inside)
         if _is_grad_enabled():  # create_graph=True: a second backward must raise
             return _backward_once_differentiable(ctx, *grads)
         return _backward_of(ctx, *grads)
@@ -90,10 +122,26 @@ def _backward_once_differentiable(
     return tuple(refusing(*map(_refusing_a_second_backward, results)))  # type: ignore[arg-type]
 
 
-REPLAY_BACKWARD = _Replay._backward_cls
+def _noting_hooks(register: Any) -> Any:
+    def register_noted(node: Any, hook: Any) -> Any:
+        # A node hook sees the grads coming in, and may keep them: a replay feeding this node
+        # then hands it copies, not its static input grad buffers (``GraphedCallable``).
+        node.hooked = True
+        return register(node, hook)
+
+    return register_noted
+
+
+REPLAY_BACKWARD: Any = _Replay._backward_cls
 # The engine calls a Function's backward node through its ``apply``, which torch defines in
 # Python to find the user's ``backward`` (or ``vjp``) on every call; this node calls ours
 # directly (docs/cuda_graphs.md).
-REPLAY_BACKWARD.apply = _Replay.backward  # type: ignore[attr-defined]
+REPLAY_BACKWARD.apply = _Replay.backward
+REPLAY_BACKWARD.hooked = False
+REPLAY_BACKWARD.used_inside = ()  # (position, weak reference) of outputs used inside
+REPLAY_BACKWARD.versions = ()  # of the parameters and buffers the backward reads
+_NodeBase = torch._C._FunctionBase
+REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook)
+REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook)
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 apply_replay = super(torch.autograd.Function, _Replay).apply

@@ -29,10 +29,11 @@ from ._capture_failure import Refused
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
-from ._reach import trace_leaves
+from ._reach import trace_leaves, used_inside
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
+    from ._params import ModuleTensors
 
 __all__ = ["warmup"]
 
@@ -57,6 +58,12 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
             flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
         )
         item.saved_outputs = _saved_outputs(flat, saved)
+        aliases = item.output_aliases
+        made_from_outputs = frozenset(
+            () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
+        )
+        item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
+        item.saved_module_tensors = _saved_module_tensors(item.module_tensors, saved)
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
             _refuse_foreign_leaves(item, foreign)
@@ -122,6 +129,16 @@ def _storage(tensor: Any) -> int:
 def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[int, ...]:
     storages = set(saved) - {0}
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
+
+
+def _saved_module_tensors(
+    module_tensors: ModuleTensors | None, saved: Sequence[int]
+) -> tuple[int, ...]:
+    """The parameters and buffers (positions among ``module_tensors``) the backward reads."""
+    if module_tensors is None:
+        return ()
+    storages = set(saved) - {0}
+    return tuple(i for i, t in enumerate(module_tensors.tensors) if _storage(t) in storages)
 
 
 def _refuse_unused(item: _Capture, k: int) -> None:
