@@ -145,7 +145,7 @@ def test_read_document_returns_the_checked_document() -> None:
 
 
 #: CPython hashes an int by its value modulo 2**61 - 1: these ints all hash to 0.
-COLLIDING_INTS = [k * (2**61 - 1) for k in range(4000)]
+COLLIDING_INTS = [k * (2**61 - 1) for k in range(8000)]
 
 
 def colliding_rows() -> dict[str, list[list[Any]]]:
@@ -162,11 +162,17 @@ def colliding_rows() -> dict[str, list[list[Any]]]:
 def test_rows_whose_nodes_share_one_hash_read_in_linear_time() -> None:
     # Equal nodes were shared through a dict keyed by the nodes, where n keys of one hash take
     # time quadratic in n: 20,000 such rows (0.9 MB) took 9 s to read.
+    # The best of three reads each, in CPU time, against a bound far above linear and far below
+    # quadratic: a loaded machine (a garbage collection, another process) must not fail it.
     seconds = {}
     for name, rows in colliding_rows().items():
-        start = time.perf_counter()
-        read_tree([["list", len(rows)], *rows], "TreeSpec")
-        seconds[name] = time.perf_counter() - start
+        document = [["list", len(rows)], *rows]
+        tries = []
+        for _ in range(3):
+            start = time.process_time()
+            read_tree(document, "TreeSpec")
+            tries.append(time.process_time() - start)
+        seconds[name] = min(tries)
     plain = seconds.pop("plain constants")
     for name, took in seconds.items():
         assert took < 20 * plain + 0.05, f"{name}: {took:.2f} s, plain rows {plain:.3f} s"
