@@ -20,6 +20,7 @@ import dualgraph
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
 from dualgraph.torch import _verify
+from dualgraph.torch._probe import cloned_inputs
 
 
 class Block(nn.Module):
@@ -196,6 +197,44 @@ def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:
     after = [c for c in report.checks if c.path == "step 1 input args[1] after the call"]
     assert len(after) == 1
     assert after[0].ok and graphed_updates_the_caller and report.ok
+
+
+def test_inputs_passed_sharing_memory_are_verified_sharing_it() -> None:
+    # The call verify checks is the caller's: the same tensor passed twice stays one tensor, so
+    # the replay's refusal of this call comes out of verify instead of a match of another call.
+    def doubles_then_adds(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.mul_(2)
+        return a + b
+
+    graphed = dgt.make_graphed_callables(
+        doubles_then_adds, (torch.ones(3), torch.ones(3)), backend="emulate"
+    )
+    z = torch.randn(3)
+    with pytest.raises(DualgraphError, match=r"args\[0\] and args\[1\] share memory"):
+        dgt.verify(graphed, z, z)
+
+
+def test_the_clones_of_the_inputs_share_memory_as_the_inputs_do() -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    row, column = base[1], base[:, 2]
+    args, kwargs, inputs = cloned_inputs((base, row), {"column": column, "again": base})
+    clone, row_clone = args
+    assert kwargs["again"] is clone and len(inputs) == 4
+    storage = clone.untyped_storage().data_ptr()
+    assert storage != base.untyped_storage().data_ptr()
+    for original, copied in ((row, row_clone), (column, kwargs["column"])):
+        assert copied.untyped_storage().data_ptr() == storage
+        assert copied.storage_offset() == original.storage_offset()
+        assert copied.stride() == original.stride() and torch.equal(copied, original)
+    clone.zero_()
+    assert not row_clone.any() and not kwargs["column"].any() and base.sum() == 66
+
+
+def test_a_tensor_sharing_no_memory_is_cloned_alone_with_its_requires_grad() -> None:
+    x, y = torch.ones(2, requires_grad=True), torch.zeros(2)
+    (x_clone, y_clone), _, _ = cloned_inputs((x, y), {})
+    assert x_clone.requires_grad and x_clone.is_leaf and not y_clone.requires_grad
+    assert x_clone.untyped_storage().nbytes() == 8
 
 
 def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> None:

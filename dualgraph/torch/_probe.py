@@ -356,12 +356,7 @@ def cloned_inputs(
     [('args[0]', True, False), ("kwargs['cache']['n']", False, False)]
     """
     spec = describe_call(args, kwargs)
-    leaves = [
-        leaf.detach().clone().requires_grad_(leaf.requires_grad)
-        if isinstance(leaf, torch.Tensor)
-        else leaf
-        for leaf in spec.flatten(args, kwargs)
-    ]
+    leaves = _clones(spec.flatten(args, kwargs))
     args_clone, kwargs_clone = spec.unflatten(leaves)
     inputs = [
         (path, leaf)
@@ -369,6 +364,58 @@ def cloned_inputs(
         if isinstance(leaf, torch.Tensor)
     ]
     return args_clone, kwargs_clone, inputs
+
+
+def _clones(leaves: Sequence[Any]) -> list[Any]:
+    """Clones of the tensor leaves (``requires_grad`` kept) that share memory as the leaves do.
+
+    The call the tools run is the caller's call: a tensor passed twice stays one tensor, and
+    tensors that view one storage (``x`` and ``x[0]``) view one cloned storage, at the same
+    offsets and strides, so an in-place update through one is seen through the others, and
+    a replay refuses such a call as it would the caller's. A tensor sharing no memory is cloned
+    alone (its storage may be much larger than it).
+    """
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+    for leaf in leaves:
+        key = _storage_key(leaf)
+        if key is not None:
+            group = groups.setdefault(key, [])
+            if not any(t is leaf for t in group):
+                group.append(leaf)
+    clones: dict[int, torch.Tensor] = {}  # id of an original -> its clone
+    for group in groups.values():
+        if len(group) == 1:
+            continue
+        storage = group[0].untyped_storage().clone()
+        for tensor in group:
+            clone = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+            clone.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+            clones[id(tensor)] = clone.requires_grad_(tensor.requires_grad)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            clone = clones.get(id(leaf))
+            if clone is None:  # alone, or not plain memory; the same one again if repeated
+                clone = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+                clones[id(leaf)] = clone
+            leaf = clone
+        out.append(leaf)
+    return out
+
+
+def _storage_key(tensor: Any) -> tuple[torch.device, int] | None:
+    """Which memory a plain dense tensor views (``None`` for anything else, and no memory)."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        return None
+    if tensor.layout != torch.strided or tensor.is_meta:
+        return None
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return tensor.device, storage.data_ptr()
 
 
 def _merged(reports: Sequence[LintReport]) -> LintReport:
