@@ -267,6 +267,22 @@ def test_steps_must_be_a_positive_int() -> None:
         dgt.verify(graphed, *args, steps=0)
 
 
+@pytest.mark.parametrize(
+    "tolerance", [{"rtol": -1.0}, {"atol": -1.0}, {"rtol": math.nan}, {"atol": math.nan}]
+)
+def test_a_tolerance_that_is_negative_or_nan_is_refused(tolerance: dict[str, float]) -> None:
+    # allowed = atol * scale + rtol * |eager| < 0 made every difference's score negative: "OK".
+    graphed, args, _ = graphed_case("hooks")
+    name = next(iter(tolerance))
+    with pytest.raises(DualgraphError, match=rf"{name} must be a number >= 0, got "):
+        dgt.verify(graphed, *args, **tolerance)
+
+
+def test_a_negative_tolerance_never_passes_a_leaf_that_differs() -> None:
+    check = _verify._compare("x", torch.tensor([1.0]), torch.tensor([5.0]), -1.0, -1.0)
+    assert not check.ok
+
+
 def test_the_eager_backend_is_compared_with_itself_and_says_so() -> None:
     graphed = dgt.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),), backend="eager")
     report = dgt.verify(graphed, torch.randn(2, 4))

@@ -31,7 +31,7 @@ float8 (all)         1.25e-1     1.25e-1
 integers, bool       exact       exact
 ===================  ==========  ==========
 
-``rtol=``/``atol=`` override them for every floating leaf.
+``rtol=``/``atol=`` (numbers ``>= 0``) override them for every floating leaf.
 
 Randomness. Both sides start from the same RNG states. Under ``emulate`` and ``eager`` the
 replay re-runs the callable, so dropout draws the same masks as eager. Under ``cuda``, torch's
@@ -213,6 +213,9 @@ def verify(
     """
     if not isinstance(steps, int) or steps < 1:
         raise DualgraphError(f"steps must be a positive int, got {steps!r}")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not _is_tolerance(value):
+            raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
     module = graphed if isinstance(graphed, torch.nn.Module) else None
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if module else []
@@ -438,7 +441,8 @@ def _compare(
     magnitude = b.abs()
     finite = torch.where(magnitude.isfinite(), magnitude, torch.zeros_like(magnitude))
     scale = max(1.0, float(finite.max())) if finite.numel() else 1.0
-    allowed = leaf_atol * scale + leaf_rtol * finite
+    # never below 0: a negative allowance would score every difference as passing
+    allowed = (leaf_atol * scale + leaf_rtol * finite).clamp_min(0.0)
     ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / allowed)
     relative = torch.where((diff == 0) | (magnitude == 0), torch.zeros_like(diff), diff / magnitude)
     return LeafCheck(
@@ -477,6 +481,13 @@ def _tolerance(tensor: torch.Tensor, rtol: float | None, atol: float | None) -> 
         return 0.0, 0.0
     default = CUDA_TOLERANCES.get(tensor.dtype, (0.0, 0.0)) if tensor.is_cuda else (0.0, 0.0)
     return (default[0] if rtol is None else rtol), (default[1] if atol is None else atol)
+
+
+def _is_tolerance(value: Any) -> bool:
+    """A real number ``>= 0`` (``inf`` allowed: it passes every finite difference)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return value >= 0  # False for NaN
 
 
 def _problem(path: str, text: str) -> LeafCheck:
