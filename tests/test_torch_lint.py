@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,6 +222,24 @@ def custom_backward(x: torch.Tensor) -> torch.Tensor:
     return SyncInBackward.apply(x)
 
 
+def python_random(x: torch.Tensor) -> torch.Tensor:
+    return x * random.random()  # lint: python-random
+
+
+def python_random_uniform(x: torch.Tensor) -> torch.Tensor:
+    return x * random.uniform(0.5, 2.0)  # lint: python-uniform
+
+
+def reseeds(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)  # lint: manual-seed
+    return F.dropout(x, 0.5)
+
+
+def reads_the_clock(x: torch.Tensor) -> torch.Tensor:
+    started = time.perf_counter()  # lint: clock
+    return x * 2 + (started - started)
+
+
 @dataclass(frozen=True)
 class Finding:
     """A callable (or a module class, made fresh for each test) and what the lint must find."""
@@ -305,6 +325,13 @@ FINDINGS = {
     "backward": Finding(
         custom_backward, _lint.HOST_SYNC, "aten._local_scalar_dense", "backward", phase="backward"
     ),
+    # Python calls no torch mode sees: random numbers and clocks of the host, reseeding torch
+    "python-random": Finding(python_random, _lint.HOST_RANDOM, "Random.random", "python-random"),
+    "python-uniform": Finding(
+        python_random_uniform, _lint.HOST_RANDOM, "Random.uniform", "python-uniform"
+    ),
+    "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
+    "clock": Finding(reads_the_clock, _lint.HOST_CLOCK, "time.perf_counter", "clock"),
 }
 
 
@@ -628,6 +655,55 @@ def test_a_capture_keeping_its_results_outside_the_pool_lints_clean() -> None:
 
 
 # -- the lint leaves everything as it was -------------------------------------------------------
+
+
+def numpy_random(x: torch.Tensor) -> torch.Tensor:
+    return x * float(np.random.rand())
+
+
+def test_a_draw_from_numpys_global_generator_is_found_by_its_state_without_a_line() -> None:
+    # numpy's random functions are compiled: no profile event, so no line; its state moves
+    report = dgt.lint(numpy_random, torch.ones(4, requires_grad=True))
+    (finding,) = report.findings
+    assert (finding.kind, finding.op) == (_lint.HOST_RANDOM, "numpy.random's global generator")
+    assert finding.line is None and not report.ok
+
+
+def test_one_call_of_the_random_module_is_one_finding() -> None:
+    # random.uniform calls Random.random inside random.py: that call is not the user's
+    report = dgt.lint(python_random_uniform, torch.ones(4, requires_grad=True))
+    assert [(f.op, f.count) for f in report.findings] == [("Random.uniform", 1)]
+
+
+def test_a_profiler_already_running_is_left_alone() -> None:
+    seen: list[str] = []
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        seen.append(event)
+
+    sys.setprofile(profiler)
+    try:
+        report = dgt.lint(python_random, torch.ones(4, requires_grad=True))
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert seen and report.ok  # not looked for while another profiler runs (documented)
+
+
+def test_random_drawn_by_code_around_the_callable_is_not_a_finding() -> None:
+    report = dgt.lint(nn.Linear(4, 4), torch.ones(2, 4))
+    assert report.findings == () and random.random() >= 0
+
+
+def test_lint_leaves_the_python_and_numpy_random_streams_as_they_were() -> None:
+    def draws(x: torch.Tensor) -> torch.Tensor:
+        return x * random.random() * float(np.random.rand())
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    dgt.lint(draws, torch.ones(4))
+    assert random.getstate() == python_state
+    after = np.random.get_state()
+    assert after[2] == numpy_state[2] and np.array_equal(after[1], numpy_state[1])
 
 
 def test_lint_leaves_inputs_buffers_grads_and_the_rng_as_they_were() -> None:

@@ -27,6 +27,7 @@ import torch
 from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
+from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._op_watch import OpObserver, observing
@@ -305,7 +306,9 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
-    """Put the RNG states (CPU, every initialised CUDA device) and the module's buffers back."""
+    """Put the RNG states (CPU, every initialised CUDA device, Python's ``random``, numpy's
+    global generator) and the module's buffers back."""
+    host_rng = host_rng_state()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
@@ -318,6 +321,7 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        set_host_rng_state(host_rng)
 
 
 def _registered_generators() -> list[Any]:
