@@ -8,9 +8,11 @@ outputs, kwargs, buffers (BatchNorm), dropout, hooks, in-graph parameter grads.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -316,6 +318,39 @@ def test_verify_puts_parameters_buffers_grads_and_rng_back(param_grads: str) -> 
         assert param.grad is grad and torch.equal(param.grad, values)
     assert torch.equal(torch.get_rng_state(), rng) and x.grad is None
     graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # training goes on
+
+
+class Counts(nn.Module):
+    """Keeps Python state a call changes: a counter, a list, an attribute added on first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.fc.last_seen = self.calls
+        return self.fc(x) * (1.0 + random.random() * 0 + float(np.random.rand()) * 0)
+
+
+def test_verify_puts_modules_python_attributes_and_the_host_random_streams_back() -> None:
+    module = Counts()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate", lint="off"
+    )
+    calls, attributes = module.calls, dict(module.fc.__dict__)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True)).ok
+    assert module.calls == calls and module.fc.__dict__ == attributes
+    assert random.getstate() == python_state
+    assert np.array_equal(np.random.get_state()[1], numpy_state[1])
+
+
+def test_lint_puts_modules_python_attributes_back() -> None:
+    module = Counts()
+    dgt.lint(module, torch.randn(2, 4))
+    assert module.calls == 0 and "last_seen" not in module.fc.__dict__
 
 
 # -- comparing leaves ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLint, CaptureLintError, LintReport
+from ._module_attributes import module_attributes, put_back
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._op_watch import OpObserver, observing
 from ._params import is_tensor_subclass
@@ -307,8 +308,9 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 @contextlib.contextmanager
 def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
     """Put the RNG states (CPU, every initialised CUDA device, Python's ``random``, numpy's
-    global generator) and the module's buffers back."""
+    global generator), the module's buffers and its submodules' Python attributes back."""
     host_rng = host_rng_state()
+    attributes = module_attributes(root)
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
@@ -322,6 +324,7 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         set_host_rng_state(host_rng)
+        put_back(attributes)
 
 
 def _registered_generators() -> list[Any]:

@@ -7,8 +7,10 @@ the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` sta
 step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
 the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
 inputs and buffers the calls changed. Both sides backpropagate the same seeded random output
-grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values) and
-the RNG states are as they were. Usable in a training script between steps (after
+grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values),
+the RNG states (torch's, Python's ``random``, numpy's global one) and the Python attributes of
+the module and its submodules (a counter ``self.calls += 1``) are as they were; the last two are
+not reset between the sides, since a graph on the GPU does not rerun Python. Usable in a training script between steps (after
 ``optimizer.step()``, not between a forward and its backward); like any replay, the calls
 overwrite the static outputs of earlier replays.
 
@@ -63,6 +65,8 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._graphed import diagnostics
 from ._leaves import dtype_name
+from ._host_rng import host_rng_state, set_host_rng_state
+from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of
 from ._probe import cloned_inputs
 from ._replay import GraphedCallable
@@ -221,7 +225,7 @@ def verify(
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if module else []
     buffers = list(module.named_buffers()) if module is not None else []
 
-    with _state_kept(params, buffers) as state:
+    with _state_kept(params, buffers, module) as state:
         replays = info.replays
         graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
         if info.replays - replays != steps:
@@ -332,9 +336,18 @@ class _State:
 
 @contextlib.contextmanager
 def _state_kept(
-    params: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[tuple[str, torch.Tensor]]
+    params: Sequence[tuple[str, torch.Tensor]],
+    buffers: Sequence[tuple[str, torch.Tensor]],
+    module: torch.nn.Module | None,
 ) -> Iterator[_State]:
-    """The saved state; on exit everything is put back, ``.grad`` objects and values included."""
+    """The saved state; on exit everything is put back, ``.grad`` objects and values included,
+    and so are the modules' Python attributes and the host's random streams (Python's, numpy's).
+
+    Those two are not reset between the sides: a graph on the GPU does not rerun Python, so a
+    difference they make is one a replay would make too.
+    """
+    attributes = module_attributes(module)
+    host_rng = host_rng_state()
     with torch.no_grad():
         state = _State(
             params=[p.detach().clone() for _, p in params],
@@ -346,6 +359,8 @@ def _state_kept(
     try:
         yield state
     finally:
+        put_back(attributes)
+        set_host_rng_state(host_rng)
         _restore(params, buffers, state)
         for (_, param), (grad, values) in zip(params, state.grads, strict=True):
             if grad is not None and values is not None:
