@@ -347,6 +347,27 @@ def test_verify_puts_modules_python_attributes_and_the_host_random_streams_back(
     assert np.array_equal(np.random.get_state()[1], numpy_state[1])
 
 
+def test_a_graphed_method_has_its_modules_buffers_compared_and_put_back() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.fc(x))
+
+    module = Encoder().requires_grad_(False)  # a method's parameters must be frozen
+    graphed = dgt.make_graphed_callables(
+        module.encode, (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+    )
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 buffer bn.running_mean after the call" in [c.path for c in report.checks]
+    assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+
+
 def test_lint_puts_modules_python_attributes_back() -> None:
     module = Counts()
     dgt.lint(module, torch.randn(2, 4))

@@ -68,7 +68,7 @@ from ._leaves import dtype_name
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of
-from ._probe import cloned_inputs
+from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
@@ -201,8 +201,9 @@ def verify(
     ``graphed`` is what :func:`~dualgraph.torch.make_graphed_callables` returned (a module or a
     :class:`~dualgraph.torch.GraphedCallable`), ``args``/``kwargs`` one call's inputs (cloned for
     each call on each side, ``requires_grad`` kept). The keywords ``steps``, ``rtol`` and ``atol``
-    are verify's own. Parameter grads and buffers are compared for graphed modules (a graphed
-    function's parameters are not known). See the module docstring for tolerances and RNG.
+    are verify's own. Parameter grads and buffers are compared for graphed modules, and buffers
+    for a graphed method of a module (what a graphed function closes over is not known). See
+    the module docstring for tolerances and RNG.
     Raises :class:`~dualgraph.DualgraphError` when the graphed call would not replay (a module
     whose ``training`` mode differs from capture time runs eagerly).
 
@@ -221,7 +222,9 @@ def verify(
         if value is not None and not _is_tolerance(value):
             raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
-    module = graphed if isinstance(graphed, torch.nn.Module) else None
+    # a graphed module, or the module whose method was graphed (its parameters are frozen: the
+    # capture refuses a function whose outputs depend on parameters it does not take)
+    module = graphed if isinstance(graphed, torch.nn.Module) else module_of(_original(graphed))
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if module else []
     buffers = list(module.named_buffers()) if module is not None else []
 
@@ -307,10 +310,7 @@ def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
     at capture. A graphed module is called as a module (its hooks run), with that ``forward``
     in place of the graphed one for the call.
     """
-    runner = runner_of(graphed)
-    if isinstance(runner, SlottedCallable):
-        runner = runner._replays[0]  # every slot replays the same callable
-    original = runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
+    original = _original(graphed)
     if not isinstance(graphed, torch.nn.Module):
         yield original
         return
@@ -320,6 +320,14 @@ def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
         yield graphed
     finally:
         graphed.__dict__["forward"] = installed
+
+
+def _original(graphed: Any) -> Callable[..., Any]:
+    """What the runner behind ``graphed`` runs (for a module, its ``forward`` at capture)."""
+    runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable):
+        runner = runner._replays[0]  # every slot replays the same callable
+    return runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
 
 
 # -- state kept and put back -----------------------------------------------------------------------
