@@ -7,6 +7,7 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import random
@@ -693,6 +694,32 @@ def test_a_profiler_already_running_is_left_alone() -> None:
 def test_random_drawn_by_code_around_the_callable_is_not_a_finding() -> None:
     report = dgt.lint(nn.Linear(4, 4), torch.ones(2, 4))
     assert report.findings == () and random.random() >= 0
+
+
+def test_torch_manual_seed_wrapped_by_torch_dynamo_is_found_at_the_users_line() -> None:
+    importlib.import_module("torch._dynamo")  # it wraps torch.manual_seed in a function of its own
+    finding = the_finding(dgt.lint(reseeds, torch.ones(4)), FINDINGS["manual-seed"])
+    assert finding.line == line_of("manual-seed")
+
+
+def test_torch_compile_keeping_the_rng_states_around_a_compilation_is_not_a_finding() -> None:
+    # dynamo reads and restores random's and torch's RNG states while it compiles
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.GELU()), backend="aot_eager")
+    report = dgt.lint(compiled, torch.randn(3, 4, requires_grad=True))
+    assert report.findings == (), str(report)
+
+
+@pytest.mark.cuda
+def test_on_cuda_torch_cuda_synchronize_is_a_host_sync() -> None:
+    def synchronizes(x: torch.Tensor) -> torch.Tensor:
+        torch.cuda.synchronize()  # lint: synchronize
+        return x * 2
+
+    report = dgt.lint(synchronizes, torch.ones(4, device="cuda", requires_grad=True))
+    (finding,) = report.findings
+    assert (finding.kind, finding.op) == (_lint.HOST_SYNC, "torch.cuda.synchronize")
+    assert finding.line == line_of("synchronize")
 
 
 def test_lint_leaves_the_python_and_numpy_random_streams_as_they_were() -> None:

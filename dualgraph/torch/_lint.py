@@ -691,16 +691,23 @@ class _HostCallLint:
         if found is None or caller is None or self.lint._suppressed:
             return
         kind, op, library = found
-        if not _inside_reported_call(caller, library) and not _importing(caller, self.lint._code):
+        if _made_by_the_user(caller, library) and not _importing(caller, self.lint._code):
             self.lint.add(kind, op, _HOST_CALL_HINTS[kind], caller=caller)
 
 
-def _inside_reported_call(frame: types.FrameType | None, library: tuple[str, ...]) -> bool:
-    """Whether ``frame`` is the library's own code running for a call that is reported itself
-    (``random.uniform`` calling ``Random.random``, ``torch.manual_seed`` seeding every device);
-    the library's other frames (torch's wrappers around ``manual_seed``) are passed through."""
-    while frame is not None and frame.f_code.co_filename.startswith(library):
-        if frame.f_code in _HOST_PYTHON_CALLS:
+def _made_by_the_user(frame: types.FrameType | None, library: tuple[str, ...]) -> bool:
+    """Whether the call from ``frame`` is the user's: not the library's own code running for a
+    call reported itself (``random.uniform`` calling ``Random.random``, ``torch.manual_seed``
+    seeding every device), nor torch's (``torch.compile`` keeping the RNG states around a
+    compilation); torch's wrappers around a function (``torch._disable_dynamo``) pass through."""
+    while frame is not None:
+        code = frame.f_code
+        if code in _HOST_PYTHON_CALLS:
+            return False
+        file = code.co_filename
+        if file.startswith(_TORCH_DIR) and file not in _TORCH_WRAPPER_FILES:
+            return False
+        if not file.startswith(library) and file not in _TORCH_WRAPPER_FILES:
             return True
         frame = frame.f_back
     return False
@@ -720,6 +727,8 @@ def _host_c_call(fn: Any) -> tuple[str, str, tuple[str, ...]] | None:
     """``(kind, op, library)`` of a call of a C function the lint reports, else ``None``."""
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, random.Random):
+        if fn.__name__ in _NOT_DRAWS:
+            return None
         return HOST_RANDOM, f"{type(owner).__name__}.{fn.__name__}", _RANDOM_FILES
     if owner is time and fn.__name__ in _CLOCKS:
         return HOST_CLOCK, f"time.{fn.__name__}", ()
@@ -1047,6 +1056,12 @@ def _storage_id(tensor: torch.Tensor) -> int:
 #: Python calls that no torch mode sees, reported by ``(kind, op, the library's files)``: a call
 #: from the library's own files is part of a call already reported.
 _RANDOM_FILES = (random.__file__,)
+#: Where torch wraps functions it exports (``torch.manual_seed`` once ``torch._dynamo`` loaded).
+_TORCH_WRAPPER_FILES = frozenset(
+    os.path.join(_TORCH_DIR, *name.split("/")) for name in ("_compile.py", "_dynamo/eval_frame.py")
+)
+#: What ``random`` offers besides draws: reading, restoring and seeding its state.
+_NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
 _CLOCKS = frozenset(
     name
     for base in ("time", "perf_counter", "monotonic", "process_time", "thread_time")
@@ -1077,7 +1092,7 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
     for cls in (random.Random, random.SystemRandom):
         for name, method in vars(cls).items():
             if isinstance(method, types.FunctionType) and not name.startswith("_"):
-                if name != "getstate":
+                if name not in _NOT_DRAWS:  # torch.compile keeps the state around a compilation
                     calls[method.__code__] = (HOST_RANDOM, f"Random.{name}", _RANDOM_FILES)
     seeding = {
         "torch.manual_seed": torch.manual_seed,
@@ -1092,14 +1107,14 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
         },
     }
     for op, function in seeding.items():
-        calls[function.__code__] = (RNG_RESEEDED, op, (_TORCH_DIR,))
+        calls[function.__code__] = (RNG_RESEEDED, op, ())
     syncs = {
         "torch.cuda.synchronize": torch.cuda.synchronize,
         "torch.cuda.Stream.synchronize": torch.cuda.Stream.synchronize,
         "torch.cuda.Event.synchronize": torch.cuda.Event.synchronize,
     }
     for op, function in syncs.items():
-        calls[function.__code__] = (HOST_SYNC, op, (_TORCH_DIR,))
+        calls[function.__code__] = (HOST_SYNC, op, ())
     return calls
 
 
