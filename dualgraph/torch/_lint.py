@@ -1121,9 +1121,10 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
     calls: dict[types.CodeType, tuple[str, str, tuple[str, ...]]] = {}
     for cls in (random.Random, random.SystemRandom):
         for name, method in vars(cls).items():
-            if isinstance(method, types.FunctionType) and not name.startswith("_"):
-                if name not in _NOT_DRAWS:  # torch.compile keeps the state around a compilation
-                    calls[method.__code__] = (HOST_RANDOM, f"Random.{name}", _RANDOM_FILES)
+            # not what only reads or sets the state: torch.compile keeps it around a compilation
+            public = isinstance(method, types.FunctionType) and not name.startswith("_")
+            if public and name not in _NOT_DRAWS:
+                calls[method.__code__] = (HOST_RANDOM, f"Random.{name}", _RANDOM_FILES)
     seeding = {
         "torch.manual_seed": torch.manual_seed,
         "torch.seed": torch.seed,
@@ -1131,7 +1132,11 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
         **{
             f"torch.cuda.{name}": getattr(torch.cuda, name)
             for name in (
-                "manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state",
+                "manual_seed",
+                "manual_seed_all",
+                "seed",
+                "seed_all",
+                "set_rng_state",
                 "set_rng_state_all",
             )
         },

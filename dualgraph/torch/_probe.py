@@ -29,8 +29,8 @@ from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLint, CaptureLintError, LintReport
-from ._module_attributes import module_attributes, put_back
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
+from ._module_attributes import module_attributes, put_back
 from ._op_watch import OpObserver, observing
 from ._params import is_tensor_subclass
 
@@ -401,11 +401,10 @@ def _clones(leaves: Sequence[Any]) -> list[Any]:
     out = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            clone = clones.get(id(leaf))
-            if clone is None:  # alone, or not plain memory; the same one again if repeated
-                clone = leaf.detach().clone().requires_grad_(leaf.requires_grad)
-                clones[id(leaf)] = clone
-            leaf = clone
+            found = clones.get(id(leaf))
+            if found is None:  # alone, or not plain memory; the same one again if repeated
+                found = clones[id(leaf)] = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+            leaf = found
         out.append(leaf)
     return out
 

@@ -10,9 +10,9 @@ inputs and buffers the calls changed. Both sides backpropagate the same seeded r
 grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values),
 the RNG states (torch's, Python's ``random``, numpy's global one) and the Python attributes of
 the module and its submodules (a counter ``self.calls += 1``) are as they were; the last two are
-not reset between the sides, since a graph on the GPU does not rerun Python. Usable in a training script between steps (after
-``optimizer.step()``, not between a forward and its backward); like any replay, the calls
-overwrite the static outputs of earlier replays.
+not reset between the sides, since a graph on the GPU does not rerun Python. Usable in a
+training script between steps (after ``optimizer.step()``, not between a forward and its
+backward); like any replay, the calls overwrite the static outputs of earlier replays.
 
 Tolerances. On the CPU every dtype must match exactly: the emulate and eager backends run the same
 kernels in the same order. On the GPU a replay runs the kernels eager runs, but kernels that
@@ -64,8 +64,8 @@ import torch
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._graphed import diagnostics
-from ._leaves import dtype_name
 from ._host_rng import host_rng_state, set_host_rng_state
+from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of
 from ._probe import cloned_inputs, module_of
