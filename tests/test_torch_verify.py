@@ -232,6 +232,12 @@ def test_the_clones_of_the_inputs_share_memory_as_the_inputs_do() -> None:
     assert not row_clone.any() and not kwargs["column"].any() and base.sum() == 66
 
 
+def test_a_conjugate_view_of_another_input_is_cloned_with_its_values() -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    (z_clone, conj_clone), _, _ = cloned_inputs((z, z.conj()), {})
+    assert torch.equal(z_clone, z) and torch.equal(conj_clone, z.conj())
+
+
 def test_a_tensor_sharing_no_memory_is_cloned_alone_with_its_requires_grad() -> None:
     x, y = torch.ones(2, requires_grad=True), torch.zeros(2)
     (x_clone, y_clone), _, _ = cloned_inputs((x, y), {})

@@ -413,8 +413,8 @@ def _storage_key(tensor: Any) -> tuple[torch.device, int] | None:
     """Which memory a plain dense tensor views (``None`` for anything else, and no memory)."""
     if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
         return None
-    if tensor.layout != torch.strided or tensor.is_meta:
-        return None
+    if tensor.layout != torch.strided or tensor.is_meta or tensor.is_conj() or tensor.is_neg():
+        return None  # (a conjugate or negative view reads its memory through a flag set_ drops)
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
