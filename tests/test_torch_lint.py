@@ -722,35 +722,6 @@ def test_on_cuda_torch_cuda_synchronize_is_a_host_sync() -> None:
     assert finding.line == line_of("synchronize")
 
 
-class CountsCalls(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        self.fc.seen = True
-        return self.fc(x)
-
-
-def test_a_module_attribute_set_in_the_callable_is_a_warning_named_by_its_path() -> None:
-    module = CountsCalls()
-    report = dgt.lint(module, torch.ones(2, 4))
-    assert [(f.kind, f.op, f.line) for f in report.findings] == [
-        (_lint.MODULE_ATTRIBUTE, "calls", None),
-        (_lint.MODULE_ATTRIBUTE, "fc.seen", None),
-    ]
-    assert report.ok and module.calls == 0 and not hasattr(module.fc, "seen")
-
-
-def test_an_emulated_capture_warns_of_a_module_attribute_set_in_the_callable() -> None:
-    graphed = dgt.make_graphed_callables(CountsCalls(), (torch.ones(2, 4),), backend="emulate")
-    report = dgt.diagnostics(graphed).lint
-    assert report is not None and report.ok
-    assert [f.op for f in report.warnings] == ["calls", "fc.seen"]
-
-
 def test_lint_leaves_the_python_and_numpy_random_streams_as_they_were() -> None:
     def draws(x: torch.Tensor) -> torch.Tensor:
         return x * random.random() * float(np.random.rand())

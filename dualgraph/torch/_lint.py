@@ -47,7 +47,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import CaptureError
 from ._host_rng import numpy_position
-from ._module_attributes import module_attributes
 from ._op_watch import OpObserver, code_of, tensors_in
 
 __all__ = [
@@ -72,7 +71,6 @@ PARAMETER_MUTATION = "parameter updated in place"
 HOST_RANDOM = "random number drawn on the host"
 RNG_RESEEDED = "torch's RNG set in the callable"
 HOST_CLOCK = "host clock read"
-MODULE_ATTRIBUTE = "module attribute set in the callable"
 
 #: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
 #: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
@@ -89,7 +87,6 @@ KINDS: dict[str, Severity] = {
     HOST_RANDOM: "error",
     RNG_RESEEDED: "error",
     HOST_CLOCK: "warning",
-    MODULE_ATTRIBUTE: "warning",
 }
 
 
@@ -286,24 +283,6 @@ class CaptureLint(OpObserver):
                 self._mutated.add(path)
                 detail = _MUTATION[kind].format(path) + _UNSEEN_WRITE
                 self._record(LintFinding(kind, self.name, f"an in-place write to {path}", detail))
-
-    def _check_attributes(self, saved: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-        """Report the module attributes a watched block rebound, added or deleted (no line)."""
-        if self.root is None:
-            return
-        names = {id(m.__dict__): n for n, m in self.root.named_modules()}
-        for live, kept in saved:
-            changed = [
-                name
-                for name in {*live, *kept}
-                if name not in live or name not in kept or live[name] is not kept[name]
-            ]
-            for name in sorted(changed):
-                path = ".".join(p for p in (names.get(id(live), "?"), name) if p)
-                if path not in self._mutated:
-                    self._mutated.add(path)
-                    detail = _ATTRIBUTE_SET.format(path)
-                    self._record(LintFinding(MODULE_ATTRIBUTE, self.name, path, detail))
 
     def close(self) -> None:
         """Forget the autograd nodes noted during the forward (they keep its graph alive)."""
@@ -676,12 +655,10 @@ class _HostCallLint:
         self.lint = lint
         self._installed = False
         self._numpy_position: Any = None
-        self._attributes: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()
 
     def __enter__(self) -> _HostCallLint:
         # numpy's random functions are compiled and make no profile event: their state moves
         self._numpy_position = numpy_position()
-        self._attributes = module_attributes(self.lint.root)
         if sys.getprofile() is None:
             sys.setprofile(self._profile)
             self._installed = True
@@ -691,7 +668,6 @@ class _HostCallLint:
         if self._installed:
             self._installed = False
             sys.setprofile(None)
-        self.lint._check_attributes(self._attributes)
         if numpy_position() != self._numpy_position:
             detail = _HOST_CALL_HINTS[HOST_RANDOM] + _NUMPY_UNSEEN
             self.lint._record(
@@ -898,12 +874,6 @@ _MUTATION = {
         "Register it as a buffer, or update it outside the graphed callable."
     ),
 }
-_ATTRIBUTE_SET = (
-    "Sets the Python attribute {} inside the callable (a counter, a cache): a CUDA graph never "
-    "runs that Python again, so after a replay it keeps the value it got at capture, where "
-    "eager updates it on every call. Keep such state in a buffer updated in place, or update it "
-    "outside the graphed callable. Python attributes show no op to the lint: no line is known."
-)
 _UNSEEN_WRITE = (
     " Its version counter moved though no op seen wrote to it (a write through a C++ extension "
     "or a view the lint does not see), so no line is known."
