@@ -691,26 +691,44 @@ class _HostCallLint:
         if found is None or caller is None or self.lint._suppressed:
             return
         kind, op, library = found
-        if _made_by_the_user(caller, library) and not _importing(caller, self.lint._code):
+        code = self.lint._code
+        if _made_by_the_user(caller, library, code) and not _importing(caller, code):
             self.lint.add(kind, op, _HOST_CALL_HINTS[kind], caller=caller)
 
 
-def _made_by_the_user(frame: types.FrameType | None, library: tuple[str, ...]) -> bool:
+def _made_by_the_user(
+    frame: types.FrameType | None, library: tuple[str, ...], callable_code: Any
+) -> bool:
     """Whether the call from ``frame`` is the user's: not the library's own code running for a
     call reported itself (``random.uniform`` calling ``Random.random``, ``torch.manual_seed``
-    seeding every device), nor torch's (``torch.compile`` keeping the RNG states around a
-    compilation); torch's wrappers around a function (``torch._disable_dynamo``) pass through."""
-    while frame is not None:
+    seeding every device), nor code torch runs (``torch.compile`` keeping the RNG states around
+    a compilation, a mode or hook torch calls inside an op). Between the user's frame and the
+    callable's, only module calls, custom autograd Functions and torch's wrappers around a
+    function (``torch._disable_dynamo``) may stand."""
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        if frame.f_code in _HOST_PYTHON_CALLS:
+            return False
+        frame = frame.f_back
+    while frame is not None and frame.f_code is not callable_code:
         code = frame.f_code
+        file = code.co_filename
+        if file.startswith(_ADAPTER_DIR):
+            return True  # the callable's edge (dualgraph's frames around it)
         if code in _HOST_PYTHON_CALLS:
             return False
-        file = code.co_filename
-        if file.startswith(_TORCH_DIR) and file not in _TORCH_WRAPPER_FILES:
+        if file.startswith(_TORCH_DIR) and not _passed_through(code):
             return False
-        if not file.startswith(library) and file not in _TORCH_WRAPPER_FILES:
-            return True
         frame = frame.f_back
-    return False
+    return True
+
+
+def _passed_through(code: types.CodeType) -> bool:
+    """Torch's frames that stand between a callable and its own code: module calls, custom
+    autograd Functions, wrappers of functions torch exports."""
+    file = code.co_filename
+    if file in _TORCH_WRAPPER_FILES or file == _FUNCTION_FILE:
+        return True
+    return file == _MODULE_FILE and code.co_name in _MODULE_CALLS
 
 
 def _importing(frame: types.FrameType | None, callable_code: Any) -> bool:
@@ -1060,6 +1078,7 @@ _RANDOM_FILES = (random.__file__,)
 _TORCH_WRAPPER_FILES = frozenset(
     os.path.join(_TORCH_DIR, *name.split("/")) for name in ("_compile.py", "_dynamo/eval_frame.py")
 )
+_FUNCTION_FILE = torch.autograd.function.__file__
 #: What ``random`` offers besides draws: reading, restoring and seeding its state.
 _NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
 _CLOCKS = frozenset(
