@@ -13,7 +13,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,11 +235,6 @@ def reseeds(x: torch.Tensor) -> torch.Tensor:
     return F.dropout(x, 0.5)
 
 
-def reads_the_clock(x: torch.Tensor) -> torch.Tensor:
-    started = time.perf_counter()  # lint: clock
-    return x * 2 + (started - started)
-
-
 @dataclass(frozen=True)
 class Finding:
     """A callable (or a module class, made fresh for each test) and what the lint must find."""
@@ -332,7 +326,6 @@ FINDINGS = {
         python_random_uniform, _lint.HOST_RANDOM, "Random.uniform", "python-uniform"
     ),
     "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
-    "clock": Finding(reads_the_clock, _lint.HOST_CLOCK, "time.perf_counter", "clock"),
 }
 
 

@@ -6,7 +6,7 @@ Python code makes: ``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.zeros(...
 copies between devices, random ops with their own generator, in-place writes, and the ops whose
 kernels read values on the host themselves, such as ``torch.linalg.cholesky``) and, through
 ``sys.setprofile``, the Python calls no torch mode sees (``random``, ``numpy.random``,
-``torch.manual_seed``, ``time.perf_counter``, ``torch.cuda.synchronize``). Each finding names
+``torch.manual_seed``, ``torch.cuda.synchronize``). Each finding names
 the callable, the op, the module path (``blocks.3.attn``), the phase, and the first source line
 outside torch and dualgraph. ``make_graphed_callables`` runs the same lint during its first warmup
 iteration (``cuda`` and ``emulate``) and refuses to capture on an error (``lint="error"``, the
@@ -34,7 +34,6 @@ import random
 import sys
 import textwrap
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -70,7 +69,6 @@ BACKWARD_INPUT_MUTATION = "input updated in place during backward"
 PARAMETER_MUTATION = "parameter updated in place"
 HOST_RANDOM = "random number drawn on the host"
 RNG_RESEEDED = "torch's RNG set in the callable"
-HOST_CLOCK = "host clock read"
 
 #: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
 #: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
@@ -86,7 +84,6 @@ KINDS: dict[str, Severity] = {
     PARAMETER_MUTATION: "error",
     HOST_RANDOM: "error",
     RNG_RESEEDED: "error",
-    HOST_CLOCK: "warning",
 }
 
 
@@ -682,7 +679,7 @@ class _HostCallLint:
                 self._report(found, frame.f_back)
         elif event == "c_call":
             owner = getattr(arg, "__self__", None)
-            if owner is time or isinstance(owner, random.Random):
+            if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
 
     def _report(
@@ -748,8 +745,6 @@ def _host_c_call(fn: Any) -> tuple[str, str, tuple[str, ...]] | None:
         if fn.__name__ in _NOT_DRAWS:
             return None
         return HOST_RANDOM, f"{type(owner).__name__}.{fn.__name__}", _RANDOM_FILES
-    if owner is time and fn.__name__ in _CLOCKS:
-        return HOST_CLOCK, f"time.{fn.__name__}", ()
     return None
 
 
@@ -1081,11 +1076,6 @@ _TORCH_WRAPPER_FILES = frozenset(
 _FUNCTION_FILE = torch.autograd.function.__file__
 #: What ``random`` offers besides draws: reading, restoring and seeding its state.
 _NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
-_CLOCKS = frozenset(
-    name
-    for base in ("time", "perf_counter", "monotonic", "process_time", "thread_time")
-    for name in (base, base + "_ns")
-)
 _HOST_CALL_HINTS = {
     HOST_RANDOM: (
         "Draws a random number on the host (Python's random, numpy.random): a CUDA graph keeps "
@@ -1097,10 +1087,6 @@ _HOST_CALL_HINTS = {
         "Sets torch's RNG state inside the callable: a replay does not run it, so where eager "
         "restarts the random stream on every call, the replays draw on from the generator's "
         "offset (and a real capture may refuse it). Seed outside the graphed callable."
-    ),
-    HOST_CLOCK: (
-        "Reads the host clock: a CUDA graph keeps the value read at capture, and nothing of a "
-        "replay is timed by it. Time outside the graphed callable (torch.cuda.Event for GPU time)."
     ),
     HOST_SYNC: "Waits on the host for the GPU. " + _SYNC_HINT,
 }
