@@ -7,8 +7,10 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
+import random
 import subprocess
 import sys
 import warnings
@@ -220,6 +222,19 @@ def custom_backward(x: torch.Tensor) -> torch.Tensor:
     return SyncInBackward.apply(x)
 
 
+def python_random(x: torch.Tensor) -> torch.Tensor:
+    return x * random.random()  # lint: python-random
+
+
+def python_random_uniform(x: torch.Tensor) -> torch.Tensor:
+    return x * random.uniform(0.5, 2.0)  # lint: python-uniform
+
+
+def reseeds(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)  # lint: manual-seed
+    return F.dropout(x, 0.5)
+
+
 @dataclass(frozen=True)
 class Finding:
     """A callable (or a module class, made fresh for each test) and what the lint must find."""
@@ -305,6 +320,12 @@ FINDINGS = {
     "backward": Finding(
         custom_backward, _lint.HOST_SYNC, "aten._local_scalar_dense", "backward", phase="backward"
     ),
+    # Python calls no torch mode sees: random numbers and clocks of the host, reseeding torch
+    "python-random": Finding(python_random, _lint.HOST_RANDOM, "Random.random", "python-random"),
+    "python-uniform": Finding(
+        python_random_uniform, _lint.HOST_RANDOM, "Random.uniform", "python-uniform"
+    ),
+    "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
 }
 
 
@@ -628,6 +649,81 @@ def test_a_capture_keeping_its_results_outside_the_pool_lints_clean() -> None:
 
 
 # -- the lint leaves everything as it was -------------------------------------------------------
+
+
+def numpy_random(x: torch.Tensor) -> torch.Tensor:
+    return x * float(np.random.rand())
+
+
+def test_a_draw_from_numpys_global_generator_is_found_by_its_state_without_a_line() -> None:
+    # numpy's random functions are compiled: no profile event, so no line; its state moves
+    report = dgt.lint(numpy_random, torch.ones(4, requires_grad=True))
+    (finding,) = report.findings
+    assert (finding.kind, finding.op) == (_lint.HOST_RANDOM, "numpy.random's global generator")
+    assert finding.line is None and not report.ok
+
+
+def test_one_call_of_the_random_module_is_one_finding() -> None:
+    # random.uniform calls Random.random inside random.py: that call is not the user's
+    report = dgt.lint(python_random_uniform, torch.ones(4, requires_grad=True))
+    assert [(f.op, f.count) for f in report.findings] == [("Random.uniform", 1)]
+
+
+def test_a_profiler_already_running_is_left_alone() -> None:
+    seen: list[str] = []
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        seen.append(event)
+
+    sys.setprofile(profiler)
+    try:
+        report = dgt.lint(python_random, torch.ones(4, requires_grad=True))
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    assert seen and report.ok  # not looked for while another profiler runs (documented)
+
+
+def test_random_drawn_by_code_around_the_callable_is_not_a_finding() -> None:
+    report = dgt.lint(nn.Linear(4, 4), torch.ones(2, 4))
+    assert report.findings == () and random.random() >= 0
+
+
+def test_torch_manual_seed_wrapped_by_torch_dynamo_is_found_at_the_users_line() -> None:
+    importlib.import_module("torch._dynamo")  # it wraps torch.manual_seed in a function of its own
+    finding = the_finding(dgt.lint(reseeds, torch.ones(4)), FINDINGS["manual-seed"])
+    assert finding.line == line_of("manual-seed")
+
+
+def test_torch_compile_keeping_the_rng_states_around_a_compilation_is_not_a_finding() -> None:
+    # dynamo reads and restores random's and torch's RNG states while it compiles
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.GELU()), backend="aot_eager")
+    report = dgt.lint(compiled, torch.randn(3, 4, requires_grad=True))
+    assert report.findings == (), str(report)
+
+
+@pytest.mark.cuda
+def test_on_cuda_torch_cuda_synchronize_is_a_host_sync() -> None:
+    def synchronizes(x: torch.Tensor) -> torch.Tensor:
+        torch.cuda.synchronize()  # lint: synchronize
+        return x * 2
+
+    report = dgt.lint(synchronizes, torch.ones(4, device="cuda", requires_grad=True))
+    (finding,) = report.findings
+    assert (finding.kind, finding.op) == (_lint.HOST_SYNC, "torch.cuda.synchronize")
+    assert finding.line == line_of("synchronize")
+
+
+def test_lint_leaves_the_python_and_numpy_random_streams_as_they_were() -> None:
+    def draws(x: torch.Tensor) -> torch.Tensor:
+        return x * random.random() * float(np.random.rand())
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    dgt.lint(draws, torch.ones(4))
+    assert random.getstate() == python_state
+    after = np.random.get_state()
+    assert after[2] == numpy_state[2] and np.array_equal(after[1], numpy_state[1])
 
 
 def test_lint_leaves_inputs_buffers_grads_and_the_rng_as_they_were() -> None:

@@ -8,9 +8,11 @@ outputs, kwargs, buffers (BatchNorm), dropout, hooks, in-graph parameter grads.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ import dualgraph
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
 from dualgraph.torch import _verify
+from dualgraph.torch._probe import cloned_inputs
 
 
 class Block(nn.Module):
@@ -198,6 +201,50 @@ def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:
     assert after[0].ok and graphed_updates_the_caller and report.ok
 
 
+def test_inputs_passed_sharing_memory_are_verified_sharing_it() -> None:
+    # The call verify checks is the caller's: the same tensor passed twice stays one tensor, so
+    # the replay's refusal of this call comes out of verify instead of a match of another call.
+    def doubles_then_adds(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a.mul_(2)
+        return a + b
+
+    graphed = dgt.make_graphed_callables(
+        doubles_then_adds, (torch.ones(3), torch.ones(3)), backend="emulate"
+    )
+    z = torch.randn(3)
+    with pytest.raises(DualgraphError, match=r"args\[0\] and args\[1\] share memory"):
+        dgt.verify(graphed, z, z)
+
+
+def test_the_clones_of_the_inputs_share_memory_as_the_inputs_do() -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    row, column = base[1], base[:, 2]
+    args, kwargs, inputs = cloned_inputs((base, row), {"column": column, "again": base})
+    clone, row_clone = args
+    assert kwargs["again"] is clone and len(inputs) == 4
+    storage = clone.untyped_storage().data_ptr()
+    assert storage != base.untyped_storage().data_ptr()
+    for original, copied in ((row, row_clone), (column, kwargs["column"])):
+        assert copied.untyped_storage().data_ptr() == storage
+        assert copied.storage_offset() == original.storage_offset()
+        assert copied.stride() == original.stride() and torch.equal(copied, original)
+    clone.zero_()
+    assert not row_clone.any() and not kwargs["column"].any() and base.sum() == 66
+
+
+def test_a_conjugate_view_of_another_input_is_cloned_with_its_values() -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    (z_clone, conj_clone), _, _ = cloned_inputs((z, z.conj()), {})
+    assert torch.equal(z_clone, z) and torch.equal(conj_clone, z.conj())
+
+
+def test_a_tensor_sharing_no_memory_is_cloned_alone_with_its_requires_grad() -> None:
+    x, y = torch.ones(2, requires_grad=True), torch.zeros(2)
+    (x_clone, y_clone), _, _ = cloned_inputs((x, y), {})
+    assert x_clone.requires_grad and x_clone.is_leaf and not y_clone.requires_grad
+    assert x_clone.untyped_storage().nbytes() == 8
+
+
 def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> None:
     module = Block()
     graphed = dgt.make_graphed_callables(
@@ -226,6 +273,22 @@ def test_steps_must_be_a_positive_int() -> None:
     graphed, args, _ = graphed_case("hooks")
     with pytest.raises(DualgraphError, match=r"steps must be a positive int, got 0"):
         dgt.verify(graphed, *args, steps=0)
+
+
+@pytest.mark.parametrize(
+    "tolerance", [{"rtol": -1.0}, {"atol": -1.0}, {"rtol": math.nan}, {"atol": math.nan}]
+)
+def test_a_tolerance_that_is_negative_or_nan_is_refused(tolerance: dict[str, float]) -> None:
+    # allowed = atol * scale + rtol * |eager| < 0 made every difference's score negative: "OK".
+    graphed, args, _ = graphed_case("hooks")
+    name = next(iter(tolerance))
+    with pytest.raises(DualgraphError, match=rf"{name} must be a number >= 0, got "):
+        dgt.verify(graphed, *args, **tolerance)
+
+
+def test_a_negative_tolerance_never_passes_a_leaf_that_differs() -> None:
+    check = _verify._compare("x", torch.tensor([1.0]), torch.tensor([5.0]), -1.0, -1.0)
+    assert not check.ok
 
 
 def test_the_eager_backend_is_compared_with_itself_and_says_so() -> None:
@@ -261,6 +324,60 @@ def test_verify_puts_parameters_buffers_grads_and_rng_back(param_grads: str) -> 
         assert param.grad is grad and torch.equal(param.grad, values)
     assert torch.equal(torch.get_rng_state(), rng) and x.grad is None
     graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # training goes on
+
+
+class Counts(nn.Module):
+    """Keeps Python state a call changes: a counter, a list, an attribute added on first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.fc.last_seen = self.calls
+        return self.fc(x) * (1.0 + random.random() * 0 + float(np.random.rand()) * 0)
+
+
+def test_verify_puts_modules_python_attributes_and_the_host_random_streams_back() -> None:
+    module = Counts()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate", lint="off"
+    )
+    calls, attributes = module.calls, dict(module.fc.__dict__)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True)).ok
+    assert module.calls == calls and module.fc.__dict__ == attributes
+    assert random.getstate() == python_state
+    assert np.array_equal(np.random.get_state()[1], numpy_state[1])
+
+
+def test_a_graphed_method_has_its_modules_buffers_compared_and_put_back() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+
+        def encode(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.fc(x))
+
+    module = Encoder().requires_grad_(False)  # a method's parameters must be frozen
+    graphed = dgt.make_graphed_callables(
+        module.encode, (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+    )
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 buffer bn.running_mean after the call" in [c.path for c in report.checks]
+    assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+
+
+def test_lint_puts_modules_python_attributes_back() -> None:
+    module = Counts()
+    dgt.lint(module, torch.randn(2, 4))
+    assert module.calls == 0 and "last_seen" not in module.fc.__dict__
 
 
 # -- comparing leaves ----------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 Python code makes: ``.item()``, ``.cpu()``, ``print(tensor)``, ``torch.zeros(...)``) and a
 ``TorchDispatchMode`` (every ATen op, the backward's included: ``nonzero``, boolean-mask indexing,
 copies between devices, random ops with their own generator, in-place writes, and the ops whose
-kernels read values on the host themselves, such as ``torch.linalg.cholesky``). Each finding names
+kernels read values on the host themselves, such as ``torch.linalg.cholesky``) and, through
+``sys.setprofile``, the Python calls no torch mode sees (``random``, ``numpy.random``,
+``torch.manual_seed``, ``torch.cuda.synchronize``). Each finding names
 the callable, the op, the module path (``blocks.3.attn``), the phase, and the first source line
 outside torch and dualgraph. ``make_graphed_callables`` runs the same lint during its first warmup
 iteration (``cuda`` and ``emulate``) and refuses to capture on an error (``lint="error"``, the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import random
 import sys
 import textwrap
 import threading
@@ -42,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import CaptureError
+from ._host_rng import numpy_position
 from ._op_watch import OpObserver, code_of, tensors_in
 
 __all__ = [
@@ -63,6 +67,8 @@ UNREGISTERED_GENERATOR = "unregistered RNG generator"
 INPUT_MUTATION = "input updated in place"
 BACKWARD_INPUT_MUTATION = "input updated in place during backward"
 PARAMETER_MUTATION = "parameter updated in place"
+HOST_RANDOM = "random number drawn on the host"
+RNG_RESEEDED = "torch's RNG set in the callable"
 
 #: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
 #: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
@@ -76,6 +82,8 @@ KINDS: dict[str, Severity] = {
     INPUT_MUTATION: "warning",
     BACKWARD_INPUT_MUTATION: "error",
     PARAMETER_MUTATION: "error",
+    HOST_RANDOM: "error",
+    RNG_RESEEDED: "error",
 }
 
 
@@ -258,8 +266,9 @@ class CaptureLint(OpObserver):
         self._node_sites: dict[int, tuple[Any, tuple[str | None, int | None, str, str]]] = {}
 
     def contexts(self) -> Sequence[AbstractContextManager[Any]]:
-        """The function mode (Python-level calls); ATen ops come through :meth:`before_op`."""
-        return (_FunctionLint(self),)
+        """The function mode (torch's Python-level calls) and the profile function (other
+        Python calls); ATen ops come through :meth:`before_op`."""
+        return (_FunctionLint(self), _HostCallLint(self))
 
     def finish(self) -> None:
         """Catch in-place writes no op declared, through the version counters."""
@@ -326,8 +335,10 @@ class CaptureLint(OpObserver):
 
     # -- recording --------------------------------------------------------------------------------
 
-    def add(self, kind: str, op: str, detail: str) -> None:
-        """Record a finding at the current place in the user's code.
+    def add(
+        self, kind: str, op: str, detail: str, *, caller: types.FrameType | None = None
+    ) -> None:
+        """Record a finding at the current place in the user's code (or at ``caller``'s frame).
 
         An op of the backward is placed at the forward call that made its autograd node. A
         forward op that dualgraph's own code ran around the callable (its warmup bookkeeping) or
@@ -335,7 +346,7 @@ class CaptureLint(OpObserver):
         """
         node = torch._C._current_autograd_node()
         phase = "forward" if node is None else "backward"
-        frame, module, in_callable = self._where()
+        frame, module, in_callable = self._where(caller)
         if node is None and not in_callable:
             return
         site = _site_of(frame, module)
@@ -365,7 +376,9 @@ class CaptureLint(OpObserver):
                 site = _site_of(frame, module)
             self._node_sites[id(node)] = (node, site)
 
-    def _where(self) -> tuple[types.FrameType | None, str, bool]:
+    def _where(
+        self, start: types.FrameType | None = None
+    ) -> tuple[types.FrameType | None, str, bool]:
         """The innermost frame of the user's code, the innermost module's path, and whether the
         current op runs inside the callable (and not in dualgraph's own code).
 
@@ -375,7 +388,7 @@ class CaptureLint(OpObserver):
         frame (a backward kernel, a module of torch's own) is "in torch's code". Without a known
         callable, the walk stops at the first frame of dualgraph, as at the callable's edge.
         """
-        frame: types.FrameType | None = sys._getframe(1)
+        frame: types.FrameType | None = start if start is not None else sys._getframe(1)
         user: types.FrameType | None = None
         module: torch.nn.Module | None = None
         bounded = self._code is not None or self.root is not None
@@ -626,7 +639,117 @@ class _FunctionLint(TorchFunctionMode):
         return out
 
 
+class _HostCallLint:
+    """Python calls that no torch mode sees, through ``sys.setprofile`` while the lint runs.
+
+    A profiler already set (``cProfile``, a debugger's) is left alone, and these calls are then
+    not looked for. A call is reported at the innermost frame of the user's code, unless it runs
+    inside another reported call (``random.uniform`` calling ``Random.random`` is one finding)
+    or inside an import the callable set off.
+    """
+
+    def __init__(self, lint: CaptureLint) -> None:
+        self.lint = lint
+        self._installed = False
+        self._numpy_position: Any = None
+
+    def __enter__(self) -> _HostCallLint:
+        # numpy's random functions are compiled and make no profile event: their state moves
+        self._numpy_position = numpy_position()
+        if sys.getprofile() is None:
+            sys.setprofile(self._profile)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            self._installed = False
+            sys.setprofile(None)
+        if numpy_position() != self._numpy_position:
+            detail = _HOST_CALL_HINTS[HOST_RANDOM] + _NUMPY_UNSEEN
+            self.lint._record(
+                LintFinding(HOST_RANDOM, self.lint.name, "numpy.random's global generator", detail)
+            )
+
+    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        # called on every Python and C call and return while the lint runs: kept short
+        if event == "call":
+            found = _HOST_PYTHON_CALLS.get(frame.f_code)
+            if found is not None:
+                self._report(found, frame.f_back)
+        elif event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            if isinstance(owner, random.Random):
+                self._report(_host_c_call(arg), frame)
+
+    def _report(
+        self, found: tuple[str, str, tuple[str, ...]] | None, caller: types.FrameType | None
+    ) -> None:
+        if found is None or caller is None or self.lint._suppressed:
+            return
+        kind, op, library = found
+        code = self.lint._code
+        if _made_by_the_user(caller, library, code) and not _importing(caller, code):
+            self.lint.add(kind, op, _HOST_CALL_HINTS[kind], caller=caller)
+
+
+def _made_by_the_user(
+    frame: types.FrameType | None, library: tuple[str, ...], callable_code: Any
+) -> bool:
+    """Whether the call from ``frame`` is the user's: not the library's own code running for a
+    call reported itself (``random.uniform`` calling ``Random.random``, ``torch.manual_seed``
+    seeding every device), nor code torch runs (``torch.compile`` keeping the RNG states around
+    a compilation, a mode or hook torch calls inside an op). Between the user's frame and the
+    callable's, only module calls, custom autograd Functions and torch's wrappers around a
+    function (``torch._disable_dynamo``) may stand."""
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        if frame.f_code in _HOST_PYTHON_CALLS:
+            return False
+        frame = frame.f_back
+    while frame is not None and frame.f_code is not callable_code:
+        code = frame.f_code
+        file = code.co_filename
+        if file.startswith(_ADAPTER_DIR):
+            return True  # the callable's edge (dualgraph's frames around it)
+        if code in _HOST_PYTHON_CALLS:
+            return False
+        if file.startswith(_TORCH_DIR) and not _passed_through(code):
+            return False
+        frame = frame.f_back
+    return True
+
+
+def _passed_through(code: types.CodeType) -> bool:
+    """Torch's frames that stand between a callable and its own code: module calls, custom
+    autograd Functions, wrappers of functions torch exports."""
+    file = code.co_filename
+    if file in _TORCH_WRAPPER_FILES or file == _FUNCTION_FILE:
+        return True
+    return file == _MODULE_FILE and code.co_name in _MODULE_CALLS
+
+
+def _importing(frame: types.FrameType | None, callable_code: Any) -> bool:
+    """Whether an import runs between ``frame`` and the callable's frame: the callable set off
+    an import (sympy draws a random number as it loads), which runs once, not on every call."""
+    while frame is not None and frame.f_code is not callable_code:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _host_c_call(fn: Any) -> tuple[str, str, tuple[str, ...]] | None:
+    """``(kind, op, library)`` of a call of a C function the lint reports, else ``None``."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, random.Random):
+        if fn.__name__ in _NOT_DRAWS:
+            return None
+        return HOST_RANDOM, f"{type(owner).__name__}.{fn.__name__}", _RANDOM_FILES
+    return None
+
+
 # -- tables of what is reported, and why -----------------------------------------------------------
+
 
 _SYNC_HINT = (
     "A capture cannot wait for a value to reach the host, so a real capture fails here. "
@@ -767,6 +890,11 @@ _MUTATION = {
 _UNSEEN_WRITE = (
     " Its version counter moved though no op seen wrote to it (a write through a C++ extension "
     "or a view the lint does not see), so no line is known."
+)
+
+_NUMPY_UNSEEN = (
+    " numpy's functions are compiled and show no call to the lint, so no line is known: its "
+    "global generator's state moved during the call."
 )
 
 #: Calls that move a tensor between devices.
@@ -936,3 +1064,68 @@ def _storage_id(tensor: torch.Tensor) -> int:
         return int(tensor.untyped_storage()._cdata)
     except Exception:  # sparse tensors, wrapper subclasses: no storage of their own
         return id(tensor)
+
+
+#: Python calls that no torch mode sees, reported by ``(kind, op, the library's files)``: a call
+#: from the library's own files is part of a call already reported.
+_RANDOM_FILES = (random.__file__,)
+#: Where torch wraps functions it exports (``torch.manual_seed`` once ``torch._dynamo`` loaded).
+_TORCH_WRAPPER_FILES = frozenset(
+    os.path.join(_TORCH_DIR, *name.split("/")) for name in ("_compile.py", "_dynamo/eval_frame.py")
+)
+_FUNCTION_FILE = torch.autograd.function.__file__
+#: What ``random`` offers besides draws: reading, restoring and seeding its state.
+_NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
+_HOST_CALL_HINTS = {
+    HOST_RANDOM: (
+        "Draws a random number on the host (Python's random, numpy.random): a CUDA graph keeps "
+        "the number drawn at capture and every replay reuses it, where eager draws a new one on "
+        "each call. Draw on the device from torch's default generator (torch.rand(..., "
+        "device=x.device)), or draw outside the callable and pass the value in as a tensor."
+    ),
+    RNG_RESEEDED: (
+        "Sets torch's RNG state inside the callable: a replay does not run it, so where eager "
+        "restarts the random stream on every call, the replays draw on from the generator's "
+        "offset (and a real capture may refuse it). Seed outside the graphed callable."
+    ),
+    HOST_SYNC: "Waits on the host for the GPU. " + _SYNC_HINT,
+}
+
+
+def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
+    calls: dict[types.CodeType, tuple[str, str, tuple[str, ...]]] = {}
+    for cls in (random.Random, random.SystemRandom):
+        for name, method in vars(cls).items():
+            # not what only reads or sets the state: torch.compile keeps it around a compilation
+            public = isinstance(method, types.FunctionType) and not name.startswith("_")
+            if public and name not in _NOT_DRAWS:
+                calls[method.__code__] = (HOST_RANDOM, f"Random.{name}", _RANDOM_FILES)
+    seeding = {
+        "torch.manual_seed": torch.manual_seed,
+        "torch.seed": torch.seed,
+        "torch.set_rng_state": torch.set_rng_state,
+        **{
+            f"torch.cuda.{name}": getattr(torch.cuda, name)
+            for name in (
+                "manual_seed",
+                "manual_seed_all",
+                "seed",
+                "seed_all",
+                "set_rng_state",
+                "set_rng_state_all",
+            )
+        },
+    }
+    for op, function in seeding.items():
+        calls[function.__code__] = (RNG_RESEEDED, op, ())
+    syncs = {
+        "torch.cuda.synchronize": torch.cuda.synchronize,
+        "torch.cuda.Stream.synchronize": torch.cuda.Stream.synchronize,
+        "torch.cuda.Event.synchronize": torch.cuda.Event.synchronize,
+    }
+    for op, function in syncs.items():
+        calls[function.__code__] = (HOST_SYNC, op, ())
+    return calls
+
+
+_HOST_PYTHON_CALLS = _python_calls()

@@ -27,8 +27,10 @@ import torch
 from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
+from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
+from ._module_attributes import module_attributes, put_back
 from ._op_watch import OpObserver, observing
 from ._params import is_tensor_subclass
 
@@ -305,7 +307,10 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
-    """Put the RNG states (CPU, every initialised CUDA device) and the module's buffers back."""
+    """Put the RNG states (CPU, every initialised CUDA device, Python's ``random``, numpy's
+    global generator), the module's buffers and its submodules' Python attributes back."""
+    host_rng = host_rng_state()
+    attributes = module_attributes(root)
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
@@ -318,6 +323,8 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        set_host_rng_state(host_rng)
+        put_back(attributes)
 
 
 def _registered_generators() -> list[Any]:
@@ -356,12 +363,7 @@ def cloned_inputs(
     [('args[0]', True, False), ("kwargs['cache']['n']", False, False)]
     """
     spec = describe_call(args, kwargs)
-    leaves = [
-        leaf.detach().clone().requires_grad_(leaf.requires_grad)
-        if isinstance(leaf, torch.Tensor)
-        else leaf
-        for leaf in spec.flatten(args, kwargs)
-    ]
+    leaves = _clones(spec.flatten(args, kwargs))
     args_clone, kwargs_clone = spec.unflatten(leaves)
     inputs = [
         (path, leaf)
@@ -369,6 +371,57 @@ def cloned_inputs(
         if isinstance(leaf, torch.Tensor)
     ]
     return args_clone, kwargs_clone, inputs
+
+
+def _clones(leaves: Sequence[Any]) -> list[Any]:
+    """Clones of the tensor leaves (``requires_grad`` kept) that share memory as the leaves do.
+
+    The call the tools run is the caller's call: a tensor passed twice stays one tensor, and
+    tensors that view one storage (``x`` and ``x[0]``) view one cloned storage, at the same
+    offsets and strides, so an in-place update through one is seen through the others, and
+    a replay refuses such a call as it would the caller's. A tensor sharing no memory is cloned
+    alone (its storage may be much larger than it).
+    """
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+    for leaf in leaves:
+        key = _storage_key(leaf)
+        if key is not None:
+            group = groups.setdefault(key, [])
+            if not any(t is leaf for t in group):
+                group.append(leaf)
+    clones: dict[int, torch.Tensor] = {}  # id of an original -> its clone
+    for group in groups.values():
+        if len(group) == 1:
+            continue
+        storage = group[0].untyped_storage().clone()
+        for tensor in group:
+            clone = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+            clone.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+            clones[id(tensor)] = clone.requires_grad_(tensor.requires_grad)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            found = clones.get(id(leaf))
+            if found is None:  # alone, or not plain memory; the same one again if repeated
+                found = clones[id(leaf)] = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+            leaf = found
+        out.append(leaf)
+    return out
+
+
+def _storage_key(tensor: Any) -> tuple[torch.device, int] | None:
+    """Which memory a plain dense tensor views (``None`` for anything else, and no memory)."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        return None
+    if tensor.layout != torch.strided or tensor.is_meta or tensor.is_conj() or tensor.is_neg():
+        return None  # (a conjugate or negative view reads its memory through a flag set_ drops)
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return tensor.device, storage.data_ptr()
 
 
 def _merged(reports: Sequence[LintReport]) -> LintReport:

@@ -7,10 +7,12 @@ the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` sta
 step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
 the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
 inputs and buffers the calls changed. Both sides backpropagate the same seeded random output
-grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values) and
-the RNG states are as they were. Usable in a training script between steps (after
-``optimizer.step()``, not between a forward and its backward); like any replay, the calls
-overwrite the static outputs of earlier replays.
+grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values),
+the RNG states (torch's, Python's ``random``, numpy's global one) and the Python attributes of
+the module and its submodules (a counter ``self.calls += 1``) are as they were; the last two are
+not reset between the sides, since a graph on the GPU does not rerun Python. Usable in a
+training script between steps (after ``optimizer.step()``, not between a forward and its
+backward); like any replay, the calls overwrite the static outputs of earlier replays.
 
 Tolerances. On the CPU every dtype must match exactly: the emulate and eager backends run the same
 kernels in the same order. On the GPU a replay runs the kernels eager runs, but kernels that
@@ -31,7 +33,7 @@ float8 (all)         1.25e-1     1.25e-1
 integers, bool       exact       exact
 ===================  ==========  ==========
 
-``rtol=``/``atol=`` override them for every floating leaf.
+``rtol=``/``atol=`` (numbers ``>= 0``) override them for every floating leaf.
 
 Randomness. Both sides start from the same RNG states. Under ``emulate`` and ``eager`` the
 replay re-runs the callable, so dropout draws the same masks as eager. Under ``cuda``, torch's
@@ -62,9 +64,11 @@ import torch
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._graphed import diagnostics
+from ._host_rng import host_rng_state, set_host_rng_state
 from ._leaves import dtype_name
+from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of
-from ._probe import cloned_inputs
+from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
@@ -197,8 +201,9 @@ def verify(
     ``graphed`` is what :func:`~dualgraph.torch.make_graphed_callables` returned (a module or a
     :class:`~dualgraph.torch.GraphedCallable`), ``args``/``kwargs`` one call's inputs (cloned for
     each call on each side, ``requires_grad`` kept). The keywords ``steps``, ``rtol`` and ``atol``
-    are verify's own. Parameter grads and buffers are compared for graphed modules (a graphed
-    function's parameters are not known). See the module docstring for tolerances and RNG.
+    are verify's own. Parameter grads and buffers are compared for graphed modules, and buffers
+    for a graphed method of a module (what a graphed function closes over is not known). See
+    the module docstring for tolerances and RNG.
     Raises :class:`~dualgraph.DualgraphError` when the graphed call would not replay (a module
     whose ``training`` mode differs from capture time runs eagerly).
 
@@ -213,12 +218,17 @@ def verify(
     """
     if not isinstance(steps, int) or steps < 1:
         raise DualgraphError(f"steps must be a positive int, got {steps!r}")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not _is_tolerance(value):
+            raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
-    module = graphed if isinstance(graphed, torch.nn.Module) else None
+    # a graphed module, or the module whose method was graphed (its parameters are frozen: the
+    # capture refuses a function whose outputs depend on parameters it does not take)
+    module = graphed if isinstance(graphed, torch.nn.Module) else module_of(_original(graphed))
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if module else []
     buffers = list(module.named_buffers()) if module is not None else []
 
-    with _state_kept(params, buffers) as state:
+    with _state_kept(params, buffers, module) as state:
         replays = info.replays
         graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
         if info.replays - replays != steps:
@@ -300,10 +310,7 @@ def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
     at capture. A graphed module is called as a module (its hooks run), with that ``forward``
     in place of the graphed one for the call.
     """
-    runner = runner_of(graphed)
-    if isinstance(runner, SlottedCallable):
-        runner = runner._replays[0]  # every slot replays the same callable
-    original = runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
+    original = _original(graphed)
     if not isinstance(graphed, torch.nn.Module):
         yield original
         return
@@ -313,6 +320,14 @@ def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
         yield graphed
     finally:
         graphed.__dict__["forward"] = installed
+
+
+def _original(graphed: Any) -> Callable[..., Any]:
+    """What the runner behind ``graphed`` runs (for a module, its ``forward`` at capture)."""
+    runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable):
+        runner = runner._replays[0]  # every slot replays the same callable
+    return runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
 
 
 # -- state kept and put back -----------------------------------------------------------------------
@@ -329,9 +344,18 @@ class _State:
 
 @contextlib.contextmanager
 def _state_kept(
-    params: Sequence[tuple[str, torch.Tensor]], buffers: Sequence[tuple[str, torch.Tensor]]
+    params: Sequence[tuple[str, torch.Tensor]],
+    buffers: Sequence[tuple[str, torch.Tensor]],
+    module: torch.nn.Module | None,
 ) -> Iterator[_State]:
-    """The saved state; on exit everything is put back, ``.grad`` objects and values included."""
+    """The saved state; on exit everything is put back, ``.grad`` objects and values included,
+    and so are the modules' Python attributes and the host's random streams (Python's, numpy's).
+
+    Those two are not reset between the sides: a graph on the GPU does not rerun Python, so a
+    difference they make is one a replay would make too.
+    """
+    attributes = module_attributes(module)
+    host_rng = host_rng_state()
     with torch.no_grad():
         state = _State(
             params=[p.detach().clone() for _, p in params],
@@ -343,6 +367,8 @@ def _state_kept(
     try:
         yield state
     finally:
+        put_back(attributes)
+        set_host_rng_state(host_rng)
         _restore(params, buffers, state)
         for (_, param), (grad, values) in zip(params, state.grads, strict=True):
             if grad is not None and values is not None:
@@ -438,7 +464,8 @@ def _compare(
     magnitude = b.abs()
     finite = torch.where(magnitude.isfinite(), magnitude, torch.zeros_like(magnitude))
     scale = max(1.0, float(finite.max())) if finite.numel() else 1.0
-    allowed = leaf_atol * scale + leaf_rtol * finite
+    # never below 0: a negative allowance would score every difference as passing
+    allowed = (leaf_atol * scale + leaf_rtol * finite).clamp_min(0.0)
     ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / allowed)
     relative = torch.where((diff == 0) | (magnitude == 0), torch.zeros_like(diff), diff / magnitude)
     return LeafCheck(
@@ -477,6 +504,13 @@ def _tolerance(tensor: torch.Tensor, rtol: float | None, atol: float | None) -> 
         return 0.0, 0.0
     default = CUDA_TOLERANCES.get(tensor.dtype, (0.0, 0.0)) if tensor.is_cuda else (0.0, 0.0)
     return (default[0] if rtol is None else rtol), (default[1] if atol is None else atol)
+
+
+def _is_tolerance(value: Any) -> bool:
+    """A real number ``>= 0`` (``inf`` allowed: it passes every finite difference)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return value >= 0  # False for NaN
 
 
 def _problem(path: str, text: str) -> LeafCheck:
