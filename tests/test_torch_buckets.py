@@ -680,6 +680,72 @@ def test_padded_calls_return_the_callers_input_and_one_output_twice_as_eager(
     assert_tensors_match(y, torch.tanh(x), "output[1]", tolerance(backend) or PAD_TOLERANCE)
 
 
+def views_of_cut_output(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = torch.tanh(x)
+    return h, h[:, :, 0]  # in eager, an in-place change through one is seen through the other
+
+
+def view_of_padded_input(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tanh(x), x[:, :, 0]  # in eager, a view of the caller's x
+
+
+def view_of_uncut_output(
+    x: torch.Tensor, valid_length: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pooled = x.sum(dim=1)  # the padding adds zeros: a length-free output
+    return pooled, pooled[0]
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+@pytest.mark.parametrize(
+    ("fn", "dims", "message"),
+    [
+        (
+            views_of_cut_output,
+            {"output[0]": 1, "output[1]": 1},
+            r"output\[1\] is a view of output\[0\]",
+        ),
+        (
+            view_of_padded_input,
+            {"output[0]": 1, "output[1]": 1},
+            r"output\[1\] is a view of args\[0\]",
+        ),
+    ],
+    ids=["view of an output", "view of a padded input"],
+)
+def test_pad_refuses_outputs_that_view_a_cut_output_or_a_padded_input(
+    backend: str, fn: Any, dims: dict[str, int], message: str
+) -> None:
+    device = device_of(backend)
+    with pytest.raises(DualgraphError, match="fallback='pad': .*" + message):
+        dgt.make_graphed_callables(
+            fn,
+            buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 8)],
+            backend=backend,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, **dims},
+        )
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_padded_calls_keep_a_view_of_an_output_that_is_not_cut(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        view_of_uncut_output,
+        buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1},
+    )
+    pooled, first = graphed(torch.randn(2, 6, 3, device=device))
+    first.zero_()
+    assert not pooled[0].any()  # shared as in eager
+
+
 def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
     return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
 

@@ -329,8 +329,11 @@ def _compare_padded(
     buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
-    def run(inputs: list[torch.Tensor], seed: int) -> Any:
-        args, kwargs = guard.unflatten([t.clone() for t in inputs])
+    def run(inputs: list[torch.Tensor], seed: int, given: list[torch.Tensor] | None = None) -> Any:
+        clones = [t.clone() for t in inputs]
+        if given is not None:
+            given.extend(clones)
+        args, kwargs = guard.unflatten(clones)
         torch.manual_seed(seed)
         return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
 
@@ -340,7 +343,9 @@ def _compare_padded(
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             if module is not None:
                 module.eval()
-            reference = run(tensors, 0)
+            given: list[torch.Tensor] = []
+            reference = run(tensors, 0, given)
+            _refuse_lost_views(request.name, padding, guard.paths, reference, given)
             if _difference(reference, run(tensors, 1), ()) is not None:
                 return  # it draws random numbers: the two calls cannot be compared
             found = run(padded, 0)
@@ -378,6 +383,62 @@ def _compare_padded(
             f"(mask attention, count only the first {VALID_LENGTH} positions in a mean or sum, "
             "mask a softmax over positions); or use fallback='eager' or 'error'"
         )
+
+
+def _refuse_lost_views(
+    name: str,
+    padding: Padding,
+    input_paths: Sequence[str],
+    outputs: Any,
+    inputs: Sequence[torch.Tensor],
+) -> None:
+    """Refuse outputs that share memory in eager where a padded call cannot keep them sharing.
+
+    A padded call cuts back the declared outputs (a copy) and hands the callable a padded copy
+    of the padded inputs, so a view of a cut output, a cut output that views another output,
+    and a view of a padded input would come back unlinked: an in-place change through one would
+    not be seen through the other, as it is in eager. Outputs that are one tensor returned
+    twice, a padded input returned itself, and views among outputs that are not cut stay linked.
+    """
+    spec = describe(outputs)
+    flat = spec.flatten(outputs)
+    paths = spec.array_paths
+    cut = {index for index, _ in output_cuts(padding, spec)}
+    padded = {index for index, _ in padding.inputs}
+    storages: dict[int, int] = {}  # storage: the first output (by position) found in it
+    seen: set[int] = set()
+    for k, tensor in enumerate(flat):
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in seen or not tensor.numel():
+            continue
+        seen.add(id(tensor))
+        if any(tensor is inputs[i] for i in padded):
+            continue  # the caller's own tensor is handed back
+        storage = _storage(tensor)
+        for i, given in enumerate(inputs):
+            if given.numel() and _storage(given) == storage and (i in padded or k in cut):
+                raise DualgraphError(
+                    f"fallback='pad': {name}: output{paths[k]} is a view of {input_paths[i]} "
+                    "(they share memory), which a padded call cannot keep: it pads a copy of "
+                    f"{input_paths[i]} or cuts the output back into a copy, so an in-place change "
+                    "through one would not be seen through the other as in eager. Return a copy "
+                    "(.clone()), or use fallback='eager' or 'error'"
+                )
+        other = storages.setdefault(storage, k)
+        if other != k and (k in cut or other in cut):
+            raise DualgraphError(
+                f"fallback='pad': {name}: output{paths[k]} is a view of output{paths[other]} "
+                "(they share memory), which a padded call cannot keep: it cuts the declared "
+                "outputs back into copies, so an in-place change through one would not be seen "
+                "through the other as in eager. Return a copy (.clone()) of one of them, or use "
+                "fallback='eager' or 'error'"
+            )
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # a tensor subclass without a plain storage: nothing to share
+        return -id(tensor)
 
 
 def _padded(
