@@ -757,6 +757,27 @@ def test_an_error_in_the_callable_propagates_from_lint() -> None:
         dgt.lint(fails, torch.ones(2))
 
 
+def test_an_error_in_the_callable_carries_the_findings_seen_before_it() -> None:
+    def unique_then_fails(x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.unique(x.detach()).numel()
+        raise ValueError(f"boom {y.shape}")  # as a backward not implemented would, after it
+
+    with pytest.raises(ValueError, match="boom") as caught:
+        dgt.lint(unique_then_fails, torch.ones(2))
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "capture lint of " in notes and "unique_then_fails: 1 error" in notes
+    assert f"{_lint.DATA_DEPENDENT_SHAPE}: aten._unique2" in notes
+
+
+def test_an_error_in_the_callable_gets_no_note_without_findings() -> None:
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom") as caught:
+        dgt.lint(fails, torch.ones(2))
+    assert not getattr(caught.value, "__notes__", [])
+
+
 # -- the report -----------------------------------------------------------------------------------
 
 

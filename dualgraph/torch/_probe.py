@@ -129,12 +129,30 @@ def _probe_once(
                     memory_probe.release(param_grads)
                 static = (tensor_bytes([t for _, t in inputs]), tensor_bytes(flat), grad_bytes)
                 plan = plan_of([memory_probe], [static])
+        except Exception as error:
+            if capture_lint is not None:
+                _note_findings(error, capture_lint.report())
+            raise
         finally:
             if memory_probe is not None:
                 memory_probe.close()
             if capture_lint is not None:
                 capture_lint.close()
     return report, plan
+
+
+def _note_findings(error: Exception, report: LintReport) -> None:
+    """Add the lint's findings so far to the callable's own ``error`` as a note (which a
+    traceback shows, Python 3.11 on): they often explain it (a data-dependent shape before a
+    backward that is not implemented), and the error itself must reach the caller as raised."""
+    if not report.findings:
+        return
+    note = f"The capture lint had found, before this error:\n{report}"
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    else:  # Python 3.10: no add_note; __notes__ is where 3.11 keeps them
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 class WarmupProbe:
