@@ -312,6 +312,39 @@ def test_restore_puts_back_a_forward_the_module_had_before() -> None:
     assert torch.equal(module(torch.zeros(2, 8)), torch.ones(2, 8))
 
 
+def test_restore_leaves_a_forward_installed_after_graphing() -> None:
+    module = TinyMLP()
+    dgt.make_graphed_callables(module, (torch.zeros(4, 8),), backend="emulate")
+
+    def my_forward(x: torch.Tensor) -> torch.Tensor:
+        return x - 1
+
+    module.forward = my_forward  # the user's, installed over the graphed forward
+    dgt.restore(module)
+    assert module.forward is my_forward
+    assert torch.equal(module(torch.zeros(2, 8)), -torch.ones(2, 8))
+    with pytest.raises(DualgraphError, match="was not made by"):
+        dgt.diagnostics(module)  # no longer graphed
+
+
+def test_restore_leaves_a_wrapper_of_the_graphed_forward_running_the_original() -> None:
+    module, twin = TinyMLP(), TinyMLP()
+    twin.load_state_dict(module.state_dict())
+    dgt.make_graphed_callables(module, (torch.zeros(4, 8),), backend="emulate")
+    graphed = module.forward
+    module.forward = lambda x: graphed(x) * 2  # wraps the graphed forward it replaced
+    wrapper = module.forward
+    dgt.restore(module)
+    x = torch.randn(7, 8)  # another batch size: eager again
+    for _ in range(2):
+        with torch.no_grad():
+            assert torch.equal(module(x), twin(x) * 2)
+    assert module.forward is wrapper
+    dgt.make_graphed_callables(module, (torch.zeros(4, 8),), backend="emulate")  # again
+    dgt.restore(module)
+    assert module.forward is wrapper
+
+
 def test_restore_rejects_a_module_that_is_not_graphed() -> None:
     with pytest.raises(DualgraphError, match="TinyMLP is not a graphed module"):
         dgt.restore(TinyMLP())

@@ -53,7 +53,9 @@ class _Graphed:
 
 
 class _Copied:
-    """Left in a copy of a graphed module: the copy runs eagerly and drops this on first use."""
+    """Left in a copy of a graphed module (the copy runs eagerly and drops this on first use),
+    and in a restored module whose forward the user replaced after graphing (a wrapper of the
+    graphed forward they installed may still call it: it runs ``previous``)."""
 
     __slots__ = ("previous",)
 
@@ -75,8 +77,14 @@ def _graphed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if state.previous is not None:
             return state.previous(*args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
-    _ungraph(module)  # a copy of a graphed module: from now on a plain module
-    return module.forward(*args, **kwargs)
+    # A copy of a graphed module (from now on a plain module), or a restored one whose user's
+    # forward wraps this one: run the forward from before graphing, never module.forward (which
+    # may be that wrapper, calling this again).
+    previous = getattr(state, "previous", None)
+    _ungraph(module)
+    if previous is not None:
+        return previous(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def install(fn: Any, runner: Runner) -> Any:
@@ -107,6 +115,8 @@ def is_graphed(module: torch.nn.Module) -> bool:
 def restore(module: torch.nn.Module, /) -> torch.nn.Module:
     """Give a graphed module its original ``forward`` back (a copy of one is cleaned up too).
 
+    A forward the user installed after graphing (``module.forward = f``) stays: it is theirs.
+
     >>> import dualgraph.torch as dgt
     >>> layer = dgt.make_graphed_callables(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
     >>> dgt.restore(layer)(torch.ones(3, 2)).shape  # eager again: any batch size
@@ -132,6 +142,13 @@ def runner_of(graphed: Any) -> Runner:
 def _ungraph(module: torch.nn.Module) -> None:
     state = module.__dict__.pop(_STATE, None)
     previous = getattr(state, "previous", None)
+    forward = module.__dict__.get("forward")
+    if not (isinstance(forward, functools.partial) and forward.func is _graphed_forward):
+        # The user replaced the graphed forward: theirs stays, and a wrapper of ours in it still
+        # finds the forward from before graphing.
+        if forward is not None and type(state) is _Graphed:
+            module.__dict__[_STATE] = _Copied(previous)
+        return
     if previous is None:
         module.__dict__.pop("forward", None)
     else:
