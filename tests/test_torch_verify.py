@@ -374,6 +374,35 @@ def test_a_graphed_method_has_its_modules_buffers_compared_and_put_back() -> Non
     assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
 
 
+def test_a_graphed_functions_closed_over_module_buffers_are_compared_and_put_back() -> None:
+    bn = nn.BatchNorm1d(4, affine=False)  # no parameters: a function may close over it
+    graphed = dgt.make_graphed_callables(
+        lambda x: bn(x) * 2, (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+    )
+    state = {k: v.clone() for k, v in bn.state_dict().items()}
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 closed over bn.running_mean after the call" in [c.path for c in report.checks]
+    assert all(torch.equal(v, state[k]) for k, v in bn.state_dict().items())
+
+
+def test_a_tensor_a_graphed_function_updates_in_place_is_compared_and_put_back() -> None:
+    total = torch.zeros(4)
+
+    def accumulate(x: torch.Tensor) -> torch.Tensor:
+        total.add_(x.detach().sum(0))
+        return x * 2
+
+    graphed = dgt.make_graphed_callables(
+        accumulate, (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+    )
+    before = total.clone()
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 1 closed over total after the call" in [c.path for c in report.checks]
+    assert torch.equal(total, before)
+
+
 def test_lint_puts_modules_python_attributes_back() -> None:
     module = Counts()
     dgt.lint(module, torch.randn(2, 4))

@@ -6,7 +6,8 @@ the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` sta
 ``None`` and accumulating over the steps on both sides. It compares, leaf by leaf and step by
 step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
 the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
-inputs and buffers the calls changed. Both sides backpropagate the same seeded random output
+inputs and buffers the calls changed (a graphed function's: what :func:`closed_over_tensors`
+finds). Both sides backpropagate the same seeded random output
 grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values),
 the RNG states (torch's, Python's ``random``, numpy's global one) and the Python attributes of
 the module and its submodules (a counter ``self.calls += 1``) are as they were; the last two are
@@ -54,6 +55,7 @@ Transformer Engine's RNG tracker) are not reset by ``verify``: compare with such
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -202,8 +204,9 @@ def verify(
     :class:`~dualgraph.torch.GraphedCallable`), ``args``/``kwargs`` one call's inputs (cloned for
     each call on each side, ``requires_grad`` kept). The keywords ``steps``, ``rtol`` and ``atol``
     are verify's own. Parameter grads and buffers are compared for graphed modules, and buffers
-    for a graphed method of a module (what a graphed function closes over is not known). See
-    the module docstring for tolerances and RNG.
+    for a graphed method of a module; for a graphed function, the tensors and modules' buffers
+    its own code names from its closure or its globals (:func:`closed_over_tensors`), compared
+    and put back as buffers are. See the module docstring for tolerances and RNG.
     Raises :class:`~dualgraph.DualgraphError` when the graphed call would not replay (a module
     whose ``training`` mode differs from capture time runs eagerly).
 
@@ -224,9 +227,12 @@ def verify(
     info = diagnostics(graphed)
     # a graphed module, or the module whose method was graphed (its parameters are frozen: the
     # capture refuses a function whose outputs depend on parameters it does not take)
-    module = graphed if isinstance(graphed, torch.nn.Module) else module_of(_original(graphed))
+    original = _original(graphed)
+    module = graphed if isinstance(graphed, torch.nn.Module) else module_of(original)
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if module else []
-    buffers = list(module.named_buffers()) if module is not None else []
+    buffers = [(f"buffer {n}", b) for n, b in module.named_buffers()] if module else []
+    if module is None:
+        buffers += closed_over_tensors(original)
 
     with _state_kept(params, buffers, module) as state:
         replays = info.replays
@@ -258,7 +264,7 @@ class _Step:
     outputs: list[torch.Tensor]
     input_grads: dict[str, torch.Tensor | None]
     param_grads: dict[str, torch.Tensor | None]
-    after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean": after the call
+    after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean", ...: after it
     changed: set[str]  # the keys of ``after`` whose values the call changed
 
 
@@ -276,7 +282,7 @@ def _run_steps(
     for step in range(steps):
         call_args, call_kwargs, inputs = cloned_inputs(tuple(args), dict(kwargs))
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
-        before.update({f"buffer {n}": b.detach().clone() for n, b in buffers})
+        before.update({label: b.detach().clone() for label, b in buffers})
         with torch.enable_grad():
             out = call(*call_args, **call_kwargs)
         spec = describe(out)
@@ -287,7 +293,7 @@ def _run_steps(
             cotangents = [_cotangent(t, step, i) for i, t in enumerate(live)]
             torch.autograd.backward(live, cotangents)
         after = {f"input {p}": t.detach().clone() for p, t in inputs}
-        after.update({f"buffer {n}": b.detach().clone() for n, b in buffers})
+        after.update({label: b.detach().clone() for label, b in buffers})
         results.append(
             _Step(
                 spec=spec,
@@ -299,6 +305,37 @@ def _run_steps(
             )
         )
     return results
+
+
+def closed_over_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
+    """``("closed over NAME", tensor)`` for what a graphed function may change besides its
+    inputs: the tensors, and the buffers of the modules, that its own code names from its
+    closure or its module's globals (and a ``functools.partial``'s arguments), once each.
+
+    What it reaches otherwise (through an object's attribute, or in the functions it calls)
+    is not found.
+    """
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    named: list[tuple[str, Any]] = []
+    while isinstance(fn, functools.partial):
+        named += [(f"partial argument {i}", a) for i, a in enumerate(fn.args)]
+        named += [(f"partial argument {k}", a) for k, a in fn.keywords.items()]
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars, cells, strict=False):
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                named.append((name, cell.cell_contents))
+        globals_ = getattr(fn, "__globals__", {})
+        named += [(n, globals_[n]) for n in code.co_names if n in globals_]
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), (f"closed over {name}", value))
+        elif isinstance(value, torch.nn.Module):
+            for buffer_name, buffer in value.named_buffers():
+                found.setdefault(id(buffer), (f"closed over {name}.{buffer_name}", buffer))
+    return list(found.values())
 
 
 @contextlib.contextmanager
