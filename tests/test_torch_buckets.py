@@ -746,6 +746,25 @@ def test_padded_calls_keep_a_view_of_an_output_that_is_not_cut(backend: str) -> 
     assert not pooled[0].any()  # shared as in eager
 
 
+def halves(x: torch.Tensor, valid_length: Any = None) -> tuple[torch.Tensor, ...]:
+    return torch.tanh(x).chunk(2, dim=-1)  # one storage, no element shared: apart in eager too
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_padded_calls_cut_back_outputs_that_share_a_storage_but_no_element(backend: str) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        halves,
+        buckets=[(torch.randn(2, n, 4, device=device),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1, "output[1]": 1},
+    )
+    x = torch.randn(2, 6, 4, device=device)
+    for out, want in zip(graphed(x), halves(x), strict=True):
+        assert_tensors_match(out, want, "output", tolerance(backend) or PAD_TOLERANCE)
+
+
 def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
     return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
 

@@ -392,20 +392,21 @@ def _refuse_lost_views(
     outputs: Any,
     inputs: Sequence[torch.Tensor],
 ) -> None:
-    """Refuse outputs that share memory in eager where a padded call cannot keep them sharing.
+    """Refuse outputs that share elements in eager where a padded call cannot keep them shared.
 
     A padded call cuts back the declared outputs (a copy) and hands the callable a padded copy
     of the padded inputs, so a view of a cut output, a cut output that views another output,
     and a view of a padded input would come back unlinked: an in-place change through one would
     not be seen through the other, as it is in eager. Outputs that are one tensor returned
-    twice, a padded input returned itself, and views among outputs that are not cut stay linked.
+    twice, a padded input returned itself, views among outputs that are not cut, and outputs
+    that share a storage but no element (``h.chunk(2)``) stay as eager's.
     """
     spec = describe(outputs)
     flat = spec.flatten(outputs)
     paths = spec.array_paths
     cut = {index for index, _ in output_cuts(padding, spec)}
     padded = {index for index, _ in padding.inputs}
-    storages: dict[int, int] = {}  # storage: the first output (by position) found in it
+    earlier: dict[int, list[int]] = {}  # storage: the outputs (by position) found in it
     seen: set[int] = set()
     for k, tensor in enumerate(flat):
         if not isinstance(tensor, torch.Tensor) or id(tensor) in seen or not tensor.numel():
@@ -415,7 +416,7 @@ def _refuse_lost_views(
             continue  # the caller's own tensor is handed back
         storage = _storage(tensor)
         for i, given in enumerate(inputs):
-            if given.numel() and _storage(given) == storage and (i in padded or k in cut):
+            if (i in padded or k in cut) and _shares_elements(tensor, given, storage):
                 raise DualgraphError(
                     f"fallback='pad': {name}: output{paths[k]} is a view of {input_paths[i]} "
                     "(they share memory), which a padded call cannot keep: it pads a copy of "
@@ -423,15 +424,34 @@ def _refuse_lost_views(
                     "through one would not be seen through the other as in eager. Return a copy "
                     "(.clone()), or use fallback='eager' or 'error'"
                 )
-        other = storages.setdefault(storage, k)
-        if other != k and (k in cut or other in cut):
-            raise DualgraphError(
-                f"fallback='pad': {name}: output{paths[k]} is a view of output{paths[other]} "
-                "(they share memory), which a padded call cannot keep: it cuts the declared "
-                "outputs back into copies, so an in-place change through one would not be seen "
-                "through the other as in eager. Return a copy (.clone()) of one of them, or use "
-                "fallback='eager' or 'error'"
-            )
+        others = earlier.setdefault(storage, [])
+        for other in others:
+            if (k in cut or other in cut) and _shares_elements(tensor, flat[other], storage):
+                raise DualgraphError(
+                    f"fallback='pad': {name}: output{paths[k]} is a view of output{paths[other]} "
+                    "(they share memory), which a padded call cannot keep: it cuts the declared "
+                    "outputs back into copies, so an in-place change through one would not be "
+                    "seen through the other as in eager. Return a copy (.clone()) of one of "
+                    "them, or use fallback='eager' or 'error'"
+                )
+        others.append(k)
+
+
+def _shares_elements(a: torch.Tensor, b: torch.Tensor, storage_of_a: int) -> bool:
+    """Whether ``a`` and ``b`` hold a byte in common (runs at capture, on the samples)."""
+    if not b.numel() or _storage(b) != storage_of_a:
+        return False
+    if a.element_size() != b.element_size():
+        return True  # as different dtypes: counted as shared
+    return bool(torch.isin(_addresses(a), _addresses(b)).any())
+
+
+def _addresses(tensor: torch.Tensor) -> torch.Tensor:
+    """The storage offset of each element of ``tensor``, flat (int64, on the CPU)."""
+    offsets = torch.full((), tensor.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.reshape(-1)
 
 
 def _storage(tensor: torch.Tensor) -> int:
