@@ -448,7 +448,7 @@ def _shares_elements(a: torch.Tensor, b: torch.Tensor, storage_of_a: int) -> boo
 
 def _addresses(tensor: torch.Tensor) -> torch.Tensor:
     """The storage offset of each element of ``tensor``, flat (int64, on the CPU)."""
-    offsets = torch.full((), tensor.storage_offset(), dtype=torch.int64)
+    offsets = torch.full((), int(tensor.storage_offset()), dtype=torch.int64)
     for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
         offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
     return offsets.reshape(-1)
