@@ -2040,6 +2040,34 @@ def test_a_gradient_penalty_through_a_replay_raises_even_when_no_incoming_grad_n
         (y.square().sum() + grad.square().sum()).backward()
 
 
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+@pytest.mark.parametrize("towards", ["input", "parameters"])
+def test_a_second_derivative_through_a_replay_raises_when_asked_for_inputs_or_parameters(
+    backend: str, param_grads: str, towards: str
+) -> None:
+    # autograd.grad(..., inputs) runs only the nodes on a path to what it asks for: the node
+    # refusing a second backward hung off leaves of its own, so it was never run, and a
+    # Hessian (allow_unused=True, as torch.autograd.functional's) came back silently zero.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    (grad,) = torch.autograd.grad(mlp(x).sum(), x, create_graph=True)
+    wanted = [x] if towards == "input" else list(mlp.parameters())
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.grad(grad.square().sum(), wanted, allow_unused=True)
+
+
+def test_a_hessian_through_a_replay_raises_instead_of_coming_back_zero() -> None:
+    mlp = TinyMLP()
+    sample = torch.randn(4, 8, requires_grad=True)
+    graphed = dgt.make_graphed_callables(mlp, (sample,), backend="emulate")
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.functional.hessian(lambda x: graphed(x).sum(), torch.randn(4, 8))
+
+
 # -- outputs changed in place --------------------------------------------------------------------
 
 
