@@ -2068,6 +2068,34 @@ def test_a_hessian_through_a_replay_raises_instead_of_coming_back_zero() -> None
         torch.autograd.functional.hessian(lambda x: graphed(x).sum(), torch.randn(4, 8))
 
 
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_a_derivative_through_a_replay_towards_its_incoming_grad_raises(
+    backend: str, param_grads: str
+) -> None:
+    # The double-backward trick (torch.autograd.functional.jvp): differentiate the grads with
+    # respect to the grad_outputs handed in; the engine ran no node of the replay's on the way
+    # to them, and jvp came back silently zero.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    y = mlp(x)
+    incoming = torch.ones_like(y, requires_grad=True)
+    (grad,) = torch.autograd.grad(y, x, incoming, create_graph=True)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.grad(grad.square().sum(), incoming, allow_unused=True)
+
+
+def test_a_jvp_through_a_replay_raises_instead_of_coming_back_zero() -> None:
+    mlp = TinyMLP()
+    sample = torch.randn(4, 8, requires_grad=True)
+    graphed = dgt.make_graphed_callables(mlp, (sample,), backend="emulate")
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.functional.jvp(graphed, torch.randn(4, 8), torch.randn(4, 8))
+
+
 # -- outputs changed in place --------------------------------------------------------------------
 
 
