@@ -1,4 +1,8 @@
-"""dualgraph's own saved-tensor hooks, pushed also where the caller disabled such hooks.
+"""dualgraph's own saved-tensor hooks: above the caller's, and also where the caller disabled them.
+
+A graph keeps its activations to itself, so the caller's hooks (offloading, compression, a
+non-reentrant checkpoint) see none of a replay's, nor of a capture's: on CUDA a capture under
+them would bake what they did into every replay.
 
 ``torch.autograd.graph.disable_saved_tensors_hooks`` refuses hooks of the code it runs; the
 warmup's and the memory plan's hooks only watch what autograd saves, so eager's forward and
@@ -9,17 +13,37 @@ callable's warmup runs with them enabled (hooks it pushes itself are not refused
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-__all__ = ["own_saved_tensors_hooks"]
+__all__ = ["KEEPING_ACTIVATIONS", "keeping_activations", "own_saved_tensors_hooks"]
 
 _disabled_message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
 _enable = torch._C._autograd._saved_tensors_hooks_enable
 _disable = torch._C._autograd._saved_tensors_hooks_disable
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Not the tensor itself: an op's saved output packed as itself holds its own node, a cycle
+    # no garbage collection frees (autograd puts the grad_fn back when it unpacks).
+    return tensor.detach()
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+#: Saved-tensor hooks that keep a tensor as it is, above the caller's (the innermost pair serves).
+KEEPING_ACTIVATIONS = saved_tensors_hooks(_detached, _same)
+
+
+def keeping_activations() -> AbstractContextManager[Any]:
+    """:data:`KEEPING_ACTIVATIONS` where the caller has saved-tensor hooks, else nothing."""
+    return nullcontext() if _top_saved_tensors_hooks(False) is None else KEEPING_ACTIVATIONS
 
 
 @contextmanager
