@@ -2096,6 +2096,32 @@ def test_a_jvp_through_a_replay_raises_instead_of_coming_back_zero() -> None:
         torch.autograd.functional.jvp(graphed, torch.randn(4, 8), torch.randn(4, 8))
 
 
+@pytest.mark.parametrize("slots", [None, 1])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_an_output_saved_under_allow_mutation_on_saved_tensors_keeps_its_values(
+    backend: str, param_grads: str, slots: int | None
+) -> None:
+    # Under this context autograd saves through hooks (no version check) and clones a saved
+    # tensor only when an op mutates it; a replay writing its static outputs is no op, so the
+    # next replay silently changed what an eager op had saved of the last call's output.
+    device = device_of(backend)
+    mlp = TinyMLP().to(device)
+    eager = copy.deepcopy(mlp)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(
+        mlp, (sample,), backend=backend, param_grads=param_grads, slots=slots
+    )
+    first, second = (torch.randn(4, 8, device=device, requires_grad=True) for _ in range(2))
+    grads = []
+    for fn in (mlp, eager):
+        weight = torch.ones(4, 8, device=device, requires_grad=True)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            product = (weight * fn(first)).sum()  # saves the output
+            fn(second)
+            grads.append(torch.autograd.grad(product, weight)[0])
+    assert_tensors_match(grads[0], grads[1], "grad of the weight", tolerance(backend))
+
+
 # -- outputs changed in place --------------------------------------------------------------------
 
 

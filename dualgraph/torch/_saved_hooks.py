@@ -12,14 +12,23 @@ callable's warmup runs with them enabled (hooks it pushes itself are not refused
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.autograd.graph as _autograd_graph
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
-__all__ = ["KEEPING_ACTIVATIONS", "keeping_activations", "own_saved_tensors_hooks"]
+from .._errors import DualgraphError
+
+__all__ = [
+    "KEEPING_ACTIVATIONS",
+    "keeping_activations",
+    "own_saved_tensors_hooks",
+    "saved_copies_kept",
+]
 
 _disabled_message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
 _enable = torch._C._autograd._saved_tensors_hooks_enable
@@ -62,3 +71,41 @@ def own_saved_tensors_hooks(
             yield
     finally:
         _disable(message)
+
+
+def saved_copies_kept(overwritten: Sequence[torch.Tensor]) -> None:
+    """Before a replay writes ``overwritten`` (static buffers the caller holds views of):
+    under ``torch.autograd.graph.allow_mutation_on_saved_tensors``, clone what autograd saved of
+    their memory, as that context does before an op mutates a saved tensor.
+
+    That context saves through hooks, so autograd checks no version counter, and clones only
+    for ops its dispatch mode sees; a graph writing its outputs is no op.
+    """
+    if not _autograd_graph._allow_mutation_on_saved_tensors_enabled or not overwritten:
+        return
+    context = _mutation_context()
+    original = getattr(context, "original", None)
+    cloned = getattr(context, "cloned", None)
+    if original is None or cloned is None:
+        raise DualgraphError(
+            "a replay under torch.autograd.graph.allow_mutation_on_saved_tensors overwrites "
+            "its outputs, and this torch keeps that context's saved tensors where dualgraph "
+            "cannot clone them; replay outside that context"
+        )
+    storages = {_storage_key(t) for t in overwritten}
+    with torch.no_grad():
+        for handle, tensor in list(original.items()):
+            if _storage_key(tensor) in storages:
+                cloned[handle] = tensor.clone()
+                del original[handle]
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _mutation_context() -> Any:
+    for mode in _dispatch_mode_stack():
+        if isinstance(mode, _autograd_graph._CloneArgBeforeMutateMode):
+            return mode.ctx
+    return None
