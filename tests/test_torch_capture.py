@@ -1311,3 +1311,63 @@ def test_pool_sizes_come_from_one_allocator_snapshot(monkeypatch: pytest.MonkeyP
     assert sizes == [3 << 20, 0, 4 << 20, 0] and len(calls) == 1
     assert _capture_cuda._pool_bytes([object()], torch.device("cuda", 0)) == [0]
     assert len(calls) == 1  # no handle to look for: no snapshot
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_where_saved_tensor_hooks_are_disabled_works_as_eager_does(
+    backend: str,
+) -> None:
+    # dualgraph's own hooks (the warmup's) pushed where the caller disabled saved-tensor hooks
+    # failed the capture with torch's message, where the eager forward and backward run.
+    device = device_of(backend)
+    mlp = TinyMLP().to(device)
+    eager = copy.deepcopy(mlp)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("hooks are off here"):
+        dgt.make_graphed_callables(mlp, (sample,), backend=backend)
+        assert torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() == (
+            "hooks are off here"
+        )
+        for _ in range(2):
+            x = torch.randn(4, 8, device=device)
+            assert_grads_match(
+                step_grads(mlp, (x,)),
+                step_grads(eager, (x,)),
+                parameter_names(mlp),
+                tolerance(backend),
+            )
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def test_a_memory_plan_where_saved_tensor_hooks_are_disabled_works() -> None:
+    sample = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("hooks are off here"):
+        plan = dgt.memory_plan(TinyMLP(), sample)
+    assert plan.callables[0].saved_activation_bytes > 0
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_capture_keeps_its_activations_from_the_callers_saved_tensor_hooks(
+    backend: str,
+) -> None:
+    # Replays keep their activations from the caller's hooks (offloading, compression) as a
+    # graph does; the capture ran the callable under them, so on CUDA the graph would replay
+    # what they did at capture (a lossy pack baked into every backward, pinned-memory copies).
+    device = device_of(backend)
+    mlp = TinyMLP().to(device)
+    eager = copy.deepcopy(mlp)
+    packed: list[torch.Tensor] = []
+
+    def lossy(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor)
+        return tensor.to(torch.bfloat16)
+
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lossy, lambda t: t.float()):
+        dgt.make_graphed_callables(mlp, (sample,), backend=backend)
+    assert packed == []
+    x = torch.randn(4, 8, device=device)
+    assert_grads_match(
+        step_grads(mlp, (x,)), step_grads(eager, (x,)), parameter_names(mlp), tolerance(backend)
+    )

@@ -2040,6 +2040,88 @@ def test_a_gradient_penalty_through_a_replay_raises_even_when_no_incoming_grad_n
         (y.square().sum() + grad.square().sum()).backward()
 
 
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+@pytest.mark.parametrize("towards", ["input", "parameters"])
+def test_a_second_derivative_through_a_replay_raises_when_asked_for_inputs_or_parameters(
+    backend: str, param_grads: str, towards: str
+) -> None:
+    # autograd.grad(..., inputs) runs only the nodes on a path to what it asks for: the node
+    # refusing a second backward hung off leaves of its own, so it was never run, and a
+    # Hessian (allow_unused=True, as torch.autograd.functional's) came back silently zero.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    (grad,) = torch.autograd.grad(mlp(x).sum(), x, create_graph=True)
+    wanted = [x] if towards == "input" else list(mlp.parameters())
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.grad(grad.square().sum(), wanted, allow_unused=True)
+
+
+def test_a_hessian_through_a_replay_raises_instead_of_coming_back_zero() -> None:
+    mlp = TinyMLP()
+    sample = torch.randn(4, 8, requires_grad=True)
+    graphed = dgt.make_graphed_callables(mlp, (sample,), backend="emulate")
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.functional.hessian(lambda x: graphed(x).sum(), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_a_derivative_through_a_replay_towards_its_incoming_grad_raises(
+    backend: str, param_grads: str
+) -> None:
+    # The double-backward trick (torch.autograd.functional.jvp): differentiate the grads with
+    # respect to the grad_outputs handed in; the engine ran no node of the replay's on the way
+    # to them, and jvp came back silently zero.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    y = mlp(x)
+    incoming = torch.ones_like(y, requires_grad=True)
+    (grad,) = torch.autograd.grad(y, x, incoming, create_graph=True)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.grad(grad.square().sum(), incoming, allow_unused=True)
+
+
+def test_a_jvp_through_a_replay_raises_instead_of_coming_back_zero() -> None:
+    mlp = TinyMLP()
+    sample = torch.randn(4, 8, requires_grad=True)
+    graphed = dgt.make_graphed_callables(mlp, (sample,), backend="emulate")
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.functional.jvp(graphed, torch.randn(4, 8), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("slots", [None, 1])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_an_output_saved_under_allow_mutation_on_saved_tensors_keeps_its_values(
+    backend: str, param_grads: str, slots: int | None
+) -> None:
+    # Under this context autograd saves through hooks (no version check) and clones a saved
+    # tensor only when an op mutates it; a replay writing its static outputs is no op, so the
+    # next replay silently changed what an eager op had saved of the last call's output.
+    device = device_of(backend)
+    mlp = TinyMLP().to(device)
+    eager = copy.deepcopy(mlp)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(
+        mlp, (sample,), backend=backend, param_grads=param_grads, slots=slots
+    )
+    first, second = (torch.randn(4, 8, device=device, requires_grad=True) for _ in range(2))
+    grads = []
+    for fn in (mlp, eager):
+        weight = torch.ones(4, 8, device=device, requires_grad=True)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            product = (weight * fn(first)).sum()  # saves the output
+            fn(second)
+            grads.append(torch.autograd.grad(product, weight)[0])
+    assert_tensors_match(grads[0], grads[1], "grad of the weight", tolerance(backend))
+
+
 # -- outputs changed in place --------------------------------------------------------------------
 
 

@@ -51,6 +51,7 @@ from ._nesting import capture_scope
 from ._params import suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ReplayPlan
 from ._probe import LintMode, WarmupProbe, attach_probes, with_lint_findings
+from ._saved_hooks import keeping_activations
 
 __all__ = [
     "CaptureLayout",
@@ -154,7 +155,9 @@ def capture_copies(
     progress = Progress(before=sys.exc_info()[1])
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
-        with capture_scope(progress):  # a graphed callable called inside is refused
+        # a graphed callable called inside is refused; the caller's saved-tensor hooks see
+        # none of the capture's activations, as none of a replay's
+        with capture_scope(progress), keeping_activations():
             return _capture_copies(requests, options, layout, progress, probes)
     except Exception as error:
         if options.backend == "cuda":

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from ._op_watch import OpObserver, code_of, tensors_in
+from ._saved_hooks import own_saved_tensors_hooks
 
 __all__ = ["CallableMemory", "MemoryPlan", "MemoryProbe", "memory_plan"]
 
@@ -266,7 +267,7 @@ class MemoryProbe(OpObserver):
     def contexts(self) -> Sequence[AbstractContextManager[Any]]:
         """Saved-tensor hooks that count what autograd saves; ATen ops come through
         :meth:`after_op`."""
-        return (torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks()),)
+        return (own_saved_tensors_hooks(*self._saved_hooks()),)
 
     def close(self) -> None:
         """Stop following releases (what is alive now stays counted as alive)."""

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .._errors import DualgraphError
+from ._saved_hooks import saved_copies_kept
 
 __all__ = ["PoolOrder", "PoolPlace", "places_in_capture_order", "settle_outputs"]
 
@@ -124,12 +125,14 @@ class PoolPlace:
         if pending:
             self.order._pending.append((self, generation))
         if self.forward_overwrites:
+            saved_copies_kept(self.forward_overwrites)  # under allow_mutation_on_saved_tensors
             _increment_version(self.forward_overwrites)
 
     def backward_replayed(self) -> None:
         """Its backward (of the latest forward replay) replays."""
         self.order.replayed(self, self.backward_at, "backward")
         if self.backward_overwrites:
+            saved_copies_kept(self.backward_overwrites)  # under allow_mutation_on_saved_tensors
             _increment_version(self.backward_overwrites)
 
     def expired_error(self) -> DualgraphError:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+import torch.autograd.graph as _autograd_graph
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
@@ -54,6 +55,7 @@ from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
 from ._replay_hooks import ReplayCall
+from ._saved_hooks import saved_copies_kept
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
 __all__ = ["GraphedCallable"]
@@ -465,6 +467,8 @@ class GraphedCallable:
         self._generation += 1  # a pending backward would now read overwritten activations
         if self._pool is not None:  # and so may those of callables graphed after it
             self._pool.forward_replayed(self._generation, grad_enabled)
+        if _autograd_graph._allow_mutation_on_saved_tensors_enabled:
+            saved_copies_kept(self._overwritten_outputs)
         self._replay_forward(grad_enabled)
         if self._overwritten_outputs:
             # The outputs of the last replay now hold this one's values: autograd must know,

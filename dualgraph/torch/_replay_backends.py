@@ -15,26 +15,14 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._nesting import replay_scope
 from ._params import suspended_tensor_hooks
+from ._saved_hooks import KEEPING_ACTIVATIONS
 
 __all__ = ["CudaGraphForward", "EmulatedReplay", "accumulate_into"]
 
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _NO_HOOKS = contextlib.nullcontext()
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
-    # Not the tensor itself: an op's saved output packed as itself holds its own node, a cycle
-    # no garbage collection frees (autograd puts the grad_fn back when it unpacks).
-    return tensor.detach()
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-# Saved-tensor hooks that keep a tensor as it is, above the caller's (the innermost pair serves).
-_OWN_SAVED_TENSORS = torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+_OWN_SAVED_TENSORS = KEEPING_ACTIVATIONS
 
 
 class CudaGraphForward:

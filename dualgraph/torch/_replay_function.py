@@ -118,8 +118,14 @@ def _backward_once_differentiable(
     # grad: a gradient penalty of ``y.sum()``'s grads (ones) would silently add nothing.
     with torch.no_grad():
         results = _backward_building_graph(ctx, *grads)
-    refusing = _DelayedError(_TWICE, len(results))
-    return tuple(refusing(*map(_refusing_a_second_backward, results)))  # type: ignore[arg-type]
+    # The refusing node also takes the replay's inputs (parameters included) and the incoming
+    # grads that need grad: ``torch.autograd.grad(penalty, x)`` runs only nodes on a path to
+    # ``x``, and a node hung off leaves of its own would be skipped (a Hessian or a
+    # ``functional.jvp`` silently zero, not refused).
+    reached = [t for t in (*ctx.inputs, *grads) if t is not None and t.requires_grad]
+    refusing = _DelayedError(_TWICE, len(results) + len(reached))
+    refused = refusing(*map(_refusing_a_second_backward, results), *reached)  # type: ignore[arg-type]
+    return tuple(refused[: len(results)])
 
 
 def _noting_hooks(register: Any) -> Any:

@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from ._capture_failure import Refused
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
+from ._saved_hooks import own_saved_tensors_hooks
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -44,7 +44,7 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
-            with saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
+            with own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
                 outputs = item.run()
         else:
             outputs = item.run()
