@@ -23,6 +23,7 @@ from ._capture_failure import Refused
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
 from ._output_aliases import OutputAliases
+from ._closed_over import ClosureUpdates
 from ._params import ModuleTensors, is_tensor_subclass
 from ._plan import ParamLayout, ReplayPlan, StaticBuffers
 from ._probe import WarmupProbe
@@ -79,6 +80,7 @@ class _Capture:
             self._own_parameters(shared)
         else:
             self.module_tensors = like.module_tensors
+            self.closure_updates = like.closure_updates
             self.param_names, self.params = like.param_names, like.params
             self.in_graph_grads = like.in_graph_grads
             self.accumulators = like.accumulators  # one .grad per parameter, whatever the copy
@@ -95,6 +97,7 @@ class _Capture:
                     "before graphing it"
                 )
         self.module_tensors = ModuleTensors.of(module) if module is not None else None
+        self.closure_updates = ClosureUpdates()  # a function's: found during capture
         named = (
             [(name, p) for name, p in module.named_parameters() if p.requires_grad]
             if module is not None
@@ -406,6 +409,7 @@ class _Capture:
             output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
             module_tensors=self.module_tensors,
+            closure_updates=self.closure_updates.updated,
             params=layout,
             buffers=buffers,
             clone_outputs=options.clone_outputs,

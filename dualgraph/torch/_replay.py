@@ -313,6 +313,10 @@ class GraphedCallable:
                 storage = _storage_of(tensors.tensors[i])
                 if storage is not None:
                     self._updated_storages.setdefault(storage, tensors.names[i])
+        for name, tensor in plan.closure_updates:  # a function's, found the same way
+            storage = _storage_of(tensor)
+            if storage is not None:
+                self._updated_storages.setdefault(storage, name)
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
         self._output_storages: dict[int, str] = {}
