@@ -54,6 +54,7 @@ from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._replay import GraphedCallable
+from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
 
 __all__ = [
@@ -394,12 +395,17 @@ class BucketedCallable:
         spec = bucket.runner.spec
         flat = spec.flatten(outputs)
         made: dict[int, torch.Tensor] = dict(callers)
+        replayed = tuple(flat)
+        replaced: dict[int, torch.Tensor] = {}
         for index, dim in cut:
             tensor = flat[index]
             same = made.get(id(tensor))
             if same is None:
-                same = made[id(tensor)] = cut_back(tensor, dim, length)
+                same = made[id(tensor)] = replaced[id(tensor)] = cut_back(tensor, dim, length)
             flat[index] = same
+        # a grad watched at a cut output other outputs are computed from is refused, as at the
+        # replay's own output
+        watch_handed_out(replaced, replayed)
         for index, tensor in enumerate(flat):  # a padded input returned but not cut back
             if id(tensor) in callers:
                 flat[index] = callers[id(tensor)]
