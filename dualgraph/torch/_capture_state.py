@@ -20,10 +20,10 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
 from ._ambient import autocast_state, numerics_state
 from ._capture_failure import Refused
+from ._closed_over import ClosureUpdates
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
 from ._output_aliases import OutputAliases
-from ._closed_over import ClosureUpdates
 from ._params import ModuleTensors, is_tensor_subclass
 from ._plan import ParamLayout, ReplayPlan, StaticBuffers
 from ._probe import WarmupProbe
@@ -72,6 +72,7 @@ class _Capture:
         )
         self._learned_nothing_yet()
         self.module_tensors: ModuleTensors | None
+        self.closure_updates: ClosureUpdates
         self.param_names: tuple[str, ...]
         self.params: tuple[torch.Tensor, ...]
         self.accumulators: tuple[torch.Tensor | None, ...]

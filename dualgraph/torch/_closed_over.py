@@ -81,7 +81,8 @@ class ClosureUpdates:
         before = [
             (name, tensor, tensor._version, tensor.detach().clone())
             for name, tensor in _named_by(fn)
-            if not tensor.requires_grad  # a parameter: refused elsewhere if updated
+            # a parameter is refused elsewhere if updated; a sparse tensor has no torch.equal
+            if not tensor.requires_grad and tensor.layout == torch.strided
         ]
         yield
         # By value as well: BatchNorm's kernel writes its statistics without a version bump.

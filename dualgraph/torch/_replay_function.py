@@ -161,7 +161,7 @@ def watch_handed_out(replaced: dict[int, torch.Tensor], outputs: Any) -> None:
     the loss sends to it directly, where eager's grad includes the rest (``used_inside``).
     """
     for output in outputs:
-        node = getattr(output, "grad_fn", None)
+        node: Any = getattr(output, "grad_fn", None)
         watched = getattr(node, "used_inside", ())
         if watched:
             extra = []
@@ -171,4 +171,3 @@ def watch_handed_out(replaced: dict[int, torch.Tensor], outputs: Any) -> None:
                     extra.append((k, _weakref(stand_in)))
             node.used_inside = (*watched, *extra)
             return  # one node per replay: every output of it shares it
-
