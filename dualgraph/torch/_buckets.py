@@ -361,6 +361,11 @@ class BucketedCallable:
                 path=path,
             )
         bucket = members[position]
+        runner = bucket.runner
+        if isinstance(runner, GraphedCallable):
+            # The replay is handed padded copies: a caller's tensor sharing memory with a buffer
+            # the callable updates is checked here, where eager would read it after the update.
+            runner.check_inputs_sharing_updated_buffers(tensors, self._guard.paths)
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
         for index, dim in padding.inputs:
