@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from entry_points import ENTRY_POINTS, Decays, batch, call_length, graphed_on
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, tolerance
 
@@ -130,3 +131,13 @@ def test_a_callable_captured_under_a_setting_replays_under_it_as_eager(
             expected.sum().backward()
             assert_tensors_match(out, expected, tolerance(backend))
             assert_tensors_match(xg.grad, xe.grad, tolerance(backend))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_call_under_another_numerics_setting_is_refused_on_every_entry_point(entry: str) -> None:
+    module = Decays()
+    graphed = graphed_on(entry, module)
+    before = module.stats.clone()
+    with _deterministic(), pytest.raises(DualgraphError, match=r"called with torch\.are_determ"):
+        graphed(batch(call_length(entry)))
+    assert torch.equal(module.stats, before)  # the replay did not run

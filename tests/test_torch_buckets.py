@@ -1359,3 +1359,36 @@ def test_a_refused_call_leaves_the_pending_backward_of_another_bucket_valid(
     assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))
     for (name, p), q in zip(block.named_parameters(), twin.parameters(), strict=True):
         assert_tensors_match(p.grad, q.grad, f"grad of {name}", tolerance(backend))
+
+
+class _HalvesACache(nn.Module):
+    """Halves a (2, 4, 4) buffer of its own in place, then reads its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.ones(2, 4, 4))
+
+    def forward(self, x: torch.Tensor, valid_length: torch.Tensor | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            self.cache.mul_(0.5)
+        return self.linear(x)
+
+
+def test_a_padded_input_sharing_memory_with_a_buffer_the_callable_updates_is_refused() -> None:
+    # The replay is handed a padded copy of the caller's tensor, so the check on the replay's
+    # inputs never saw that the caller's shares memory with the buffer: eager reads it after the
+    # update, the padded copy was made before (silently another output).
+    module = _HalvesACache()
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, 3, 4),), (torch.randn(2, 5, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    before = module.cache.clone()
+    with pytest.raises(DualgraphError, match=r"args\[0\] shares memory with _HalvesACache\.cache"):
+        module(module.cache)
+    assert torch.equal(module.cache, before)
+    assert module(module.cache.clone()).shape == (2, 4, 4)  # a copy is padded as before

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from entry_points import ENTRY_POINTS, Decays, graphed_on
 from torch import nn
 from torch_cases import (
     CUDA,
@@ -1371,3 +1372,20 @@ def test_a_capture_keeps_its_activations_from_the_callers_saved_tensor_hooks(
     assert_grads_match(
         step_grads(mlp, (x,)), step_grads(eager, (x,)), parameter_names(mlp), tolerance(backend)
     )
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_capture_keeps_its_activations_from_the_callers_saved_tensor_hooks_on_every_entry_point(
+    entry: str,
+) -> None:
+    # The padding check at capture (a padded and an unpadded eager call, and their grads) ran
+    # under the caller's hooks: 18 packs for one Linear.
+    packed: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        graphed_on(entry, Decays())
+    assert packed == []

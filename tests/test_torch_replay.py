@@ -7,12 +7,14 @@ replays are refused, what the frozen plan holds, and what the diagnostics count.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from entry_points import ENTRY_POINTS, Decays, batch, call_length, graphed_on
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch_cases import (
@@ -1038,3 +1040,37 @@ def test_a_backward_that_raises_through_autograd_leaves_the_accumulated_grad() -
             _FailingBackward.armed = False
     assert twin.fc.weight.grad is not None and model.fc.weight.grad is not None
     assert torch.equal(model.fc.weight.grad, twin.fc.weight.grad)
+
+
+# -- each rule on every entry point (entry_points.py) -------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_inference_mode_records_no_history_even_with_grad_enabled_on_every_entry_point(
+    entry: str,
+) -> None:
+    module = Decays()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on(entry, module)
+    x = batch(call_length(entry))
+    with torch.inference_mode(), torch.enable_grad():
+        if entry == "schedule":  # a scheduled pass needs its backward: refused before replaying
+            stats = module.stats.clone()
+            with pytest.raises(DualgraphError, match="grad disabled"):
+                graphed(x)
+            assert torch.equal(module.stats, stats)
+            return
+        out, expected = graphed(x), twin(x)
+    assert (out.requires_grad, out.grad_fn) == (expected.requires_grad, expected.grad_fn)
+    assert_tensors_match(out, expected, "output", tolerance("emulate"))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_batched_backward_is_refused_on_every_entry_point(entry: str) -> None:
+    module = Decays()
+    graphed = graphed_on(entry, module)
+    x = batch(call_length(entry))
+    out = graphed(x)
+    with pytest.raises(DualgraphError, match="is_grads_batched"):
+        torch.autograd.grad(out, x, torch.randn(5, *out.shape), is_grads_batched=True)
+    assert all(p.grad is None for p in module.parameters())

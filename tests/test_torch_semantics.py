@@ -26,8 +26,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import entry_points
 import pytest
 import torch
+from entry_points import ENTRY_POINTS, WITH_PARAMETERS, Decays, batch, call_length, graphed_on
 from torch import nn
 from torch_cases import (
     GRAPH_BACKENDS,
@@ -2180,3 +2182,115 @@ def test_cloned_outputs_may_be_changed_in_place(backend: str) -> None:
     out.mul_(2)  # a clone of its own: the static output the backward reads is untouched
     out.sum().backward()
     assert_tensors_match(x.grad, 2 * x.detach().exp(), "x.grad", tolerance(backend))
+
+
+# -- each rule on every entry point (entry_points.py) -------------------------------------------
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+def test_in_graph_refuses_a_backward_in_anomaly_mode_on_every_entry_point(entry: str) -> None:
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads="in_graph")
+    backward_of(graphed(batch(call_length(entry))))
+    kept = [p.grad.clone() for p in module.parameters()]
+    out = graphed(batch(call_length(entry)))
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(DualgraphError, match="anomaly"):
+        backward_of(out)
+    assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_input_sharing_memory_with_a_buffer_the_callable_updates_is_refused_on_every_entry_point(
+    entry: str,
+) -> None:
+    # A graphed function or method has no module of its own: the buffer its code names (a
+    # closure over the module, the method's module) was not looked at, and the replay read the
+    # copy made before the update, silently.
+    module = Decays()
+    graphed = graphed_on(entry, module, (torch.zeros(4),))
+    stats = module.stats
+    before = stats.clone()
+    with pytest.raises(DualgraphError, match=r"args\[1\] shares memory with .*stats, which the"):
+        graphed(batch(call_length(entry)), stats)
+    assert torch.equal(stats, before)
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "in_graph", "autograd"])
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+def test_a_weight_changed_in_place_before_the_backward_is_refused_on_every_entry_point(
+    entry: str, param_grads: str
+) -> None:
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads=param_grads)
+    backward_of(graphed(batch(call_length(entry))))
+    loss = graphed(batch(call_length(entry))).sum()
+    with torch.no_grad():
+        module.linear.weight.add_(1.0)
+    kept = [p.grad.clone() for p in module.parameters()]
+    with pytest.raises(DualgraphError, match=r"linear\.weight.*modified in place"):
+        loss.backward()
+    assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
+
+
+@pytest.mark.parametrize("watch", [_watch_hook, _watch_retained], ids=["hook", "retain_grad"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_grad_watched_at_an_output_used_inside_is_refused_on_every_entry_point(
+    entry: str, watch: Callable[[torch.Tensor], None]
+) -> None:
+    # A padded call hands out outputs cut back from the replay's: the refusal looked at the
+    # replay's own output only, and a hook on the cut one saw a partial grad, silently.
+    graphed = graphed_on(entry, entry_points.HiddenAndOut())
+    hidden, out = graphed(batch(call_length(entry)))
+    watch(hidden)
+    with pytest.raises(DualgraphError, match=re.escape("output[0]") + ".*used inside"):
+        (hidden.sum() + out.sum()).backward()
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_node_hook_on_the_block_before_keeps_its_grad_on_every_entry_point(entry: str) -> None:
+    seen: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
+    module = Decays()
+    twin = copy.deepcopy(module)
+    before, before_twin = Decays(), Decays()
+    before_twin.load_state_dict(before.state_dict())
+    graphed = graphed_on(entry, module)
+    dgt.make_graphed_callables(before, (batch(call_length(entry)),), backend="emulate")
+    for _ in range(3):
+        x = batch(call_length(entry))
+        for key, first, second in (("graphed", before, graphed), ("eager", before_twin, twin)):
+            h = first(x)
+            h.grad_fn.register_prehook(lambda grads, key=key: seen[key].append(grads[0]))
+            backward_of(second(h))
+    for i, (grad, expected) in enumerate(zip(seen["graphed"], seen["eager"], strict=True)):
+        assert_tensors_match(grad, expected, f"grad {i} seen by the hook", tolerance("emulate"))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_second_derivative_through_a_replay_raises_on_every_entry_point(entry: str) -> None:
+    graphed = graphed_on(entry, Decays())
+    x = batch(call_length(entry))
+    (grad,) = torch.autograd.grad(graphed(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="trying to differentiate twice"):
+        torch.autograd.grad(grad.square().sum(), x, allow_unused=True)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_output_saved_under_allow_mutation_on_saved_tensors_is_kept_on_every_entry_point(
+    entry: str,
+) -> None:
+    module = Decays()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on(entry, module, order=(1, 1, -1, -1))
+    first, second = batch(call_length(entry)), batch(call_length(entry))
+    grads = []
+    for fn in (graphed, twin):
+        weight = torch.ones_like(first, requires_grad=True)
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            kept = fn(first)
+            product = (weight * kept).sum() + kept.sum()  # saves the output
+            later = fn(second)
+            grads.append(torch.autograd.grad(product, weight, retain_graph=True)[0])
+            if entry in ("slots", "schedule"):  # both replays in flight: backwards in order
+                product.backward()
+            backward_of(later)
+    assert_tensors_match(grads[0], grads[1], "grad of the weight", tolerance("emulate"))

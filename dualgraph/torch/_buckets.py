@@ -54,6 +54,7 @@ from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._replay import GraphedCallable
+from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
 
 __all__ = [
@@ -360,6 +361,11 @@ class BucketedCallable:
                 path=path,
             )
         bucket = members[position]
+        runner = bucket.runner
+        if isinstance(runner, GraphedCallable):
+            # The replay is handed padded copies: a caller's tensor sharing memory with a buffer
+            # the callable updates is checked here, where eager would read it after the update.
+            runner.check_inputs_sharing_updated_buffers(tensors, self._guard.paths)
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
         for index, dim in padding.inputs:
@@ -394,12 +400,17 @@ class BucketedCallable:
         spec = bucket.runner.spec
         flat = spec.flatten(outputs)
         made: dict[int, torch.Tensor] = dict(callers)
+        replayed = tuple(flat)
+        replaced: dict[int, torch.Tensor] = {}
         for index, dim in cut:
             tensor = flat[index]
             same = made.get(id(tensor))
             if same is None:
-                same = made[id(tensor)] = cut_back(tensor, dim, length)
+                same = made[id(tensor)] = replaced[id(tensor)] = cut_back(tensor, dim, length)
             flat[index] = same
+        # a grad watched at a cut output other outputs are computed from is refused, as at the
+        # replay's own output
+        watch_handed_out(replaced, replayed)
         for index, tensor in enumerate(flat):  # a padded input returned but not cut back
             if id(tensor) in callers:
                 flat[index] = callers[id(tensor)]

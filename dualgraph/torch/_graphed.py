@@ -25,6 +25,7 @@ from ._pool_order import places_in_capture_order, settle_outputs
 from ._probe import LintMode
 from ._replay import GraphedCallable
 from ._replay_hooks import ReplayHooks
+from ._saved_hooks import keeping_activations
 from ._schedule import Schedule
 from ._slots import SlottedCallable, capture_slotted, checked_slots, reset_slots_of
 from ._te_precision import FIRST_MICROBATCH, PrecisionArgs, capturing, te_callables
@@ -377,7 +378,9 @@ def make_graphed_callables(
     ]
     runners: list[GraphedCallable | SlottedCallable] = []
     options = dataclasses.replace(options, backend=resolved)
-    with ambient_kept_on_failure(), released_on_failure(), capturing(te):
+    # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
+    # keeps its activations from the caller's saved-tensor hooks, as a replay does.
+    with ambient_kept_on_failure(), released_on_failure(), capturing(te), keeping_activations():
         if slots is None and schedule is None:
             runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
@@ -463,7 +466,9 @@ def _graph_buckets(
         dynamic_dims=dynamic_dims,
         hooks=hooks,
     )
-    with ambient_kept_on_failure(), released_on_failure(), capturing(te):
+    # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
+    # keeps its activations from the caller's saved-tensor hooks, as a replay does.
+    with ambient_kept_on_failure(), released_on_failure(), capturing(te), keeping_activations():
         bucketed = capture_buckets(request)
     return install(fn, bucketed)
 

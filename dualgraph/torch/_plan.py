@@ -144,6 +144,8 @@ class ReplayPlan:
     grad_inputs: tuple[int, ...] = ()  # the inputs the backward differentiates for
     # outputs that are, or view, other outputs or inputs in eager: handed out so
     output_aliases: OutputAliases | None = None
+    # a function's (not a module's): the tensors its code names that it updates in place
+    closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

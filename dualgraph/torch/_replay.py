@@ -305,7 +305,7 @@ class GraphedCallable:
                 if storage is not None:
                     self._module_storages.setdefault(storage, name)
         # Where the buffers the callable updates in place live: an input sharing memory with
-        # one would be read, in eager, after the update (_check_inputs_sharing_updated_buffers).
+        # one would be read, in eager, after the update (check_inputs_sharing_updated_buffers).
         self._updated_storages: dict[int, str] = {}
         if plan.module_tensors is not None:
             tensors = plan.module_tensors
@@ -313,6 +313,10 @@ class GraphedCallable:
                 storage = _storage_of(tensors.tensors[i])
                 if storage is not None:
                     self._updated_storages.setdefault(storage, tensors.names[i])
+        for name, tensor in plan.closure_updates:  # a function's, found the same way
+            storage = _storage_of(tensor)
+            if storage is not None:
+                self._updated_storages.setdefault(storage, name)
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
         self._output_storages: dict[int, str] = {}
@@ -423,7 +427,7 @@ class GraphedCallable:
             if self._mutated:
                 self._check_mutated_inputs(tensors)
             if self._updated_storages:
-                self._check_inputs_sharing_updated_buffers(tensors)
+                self.check_inputs_sharing_updated_buffers(tensors)
             aliases = self._aliases
             if aliases is not None and aliases.input_views:
                 aliases.check_inputs(
@@ -560,12 +564,20 @@ class GraphedCallable:
                         f"{paths[j]}, a replay would not; pass tensors that do not share memory"
                     )
 
-    def _check_inputs_sharing_updated_buffers(self, tensors: Sequence[torch.Tensor]) -> None:
+    def check_inputs_sharing_updated_buffers(
+        self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
+    ) -> None:
         """Refuse, before any buffer is written, an input that shares memory with a buffer the
         callable updates in place: eager would read the input after the update (as the callable
-        has it), a replay reads what was copied into its static input before."""
+        has it), a replay reads what was copied into its static input before.
+
+        ``paths``: of ``tensors``, where they are not this replay's inputs (a padded call's).
+        """
         updated = self._updated_storages
-        for path, tensor in zip(self._inputs.paths, tensors, strict=True):
+        if not updated:
+            return
+        paths = self._inputs.paths if paths is None else paths
+        for path, tensor in zip(paths, tensors, strict=True):
             storage = _storage_of(tensor)
             owner = None if storage is None else updated.get(storage)
             if owner is not None:

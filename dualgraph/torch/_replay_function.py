@@ -18,7 +18,7 @@ from ._ambient import ddp_is_running as _ddp_is_running
 if TYPE_CHECKING:
     from ._replay import GraphedCallable
 
-__all__ = ["REPLAY_BACKWARD", "apply_replay"]
+__all__ = ["REPLAY_BACKWARD", "apply_replay", "watch_handed_out"]
 
 _is_grad_enabled = torch.is_grad_enabled
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
@@ -151,3 +151,23 @@ REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook)
 REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook)
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 apply_replay = super(torch.autograd.Function, _Replay).apply
+
+
+def watch_handed_out(replaced: dict[int, torch.Tensor], outputs: Any) -> None:
+    """Check the tensors handed out in place of a replay's outputs (``replaced``: by the id of the
+    output each stands for, e.g. cut back from a padded call) for a watched grad, as the outputs.
+
+    A hook or ``retain_grad`` on one that other outputs are computed from would see only what
+    the loss sends to it directly, where eager's grad includes the rest (``used_inside``).
+    """
+    for output in outputs:
+        node: Any = getattr(output, "grad_fn", None)
+        watched = getattr(node, "used_inside", ())
+        if watched:
+            extra = []
+            for k, output_ref in watched:
+                stand_in = replaced.get(id(output_ref()))
+                if stand_in is not None:
+                    extra.append((k, _weakref(stand_in)))
+            node.used_inside = (*watched, *extra)
+            return  # one node per replay: every output of it shares it

@@ -1,0 +1,93 @@
+"""Tensors a graphed function may update besides its inputs, and the ones it does update.
+
+A module's own parameters and buffers are recorded by :class:`ModuleTensors`. A function, or a
+bound method, has none of its own, yet its code may name some: a closure over a BatchNorm, a
+global tensor, the module of a method. Those its warmup and capture updated in place are what an
+input sharing memory with one would, in eager, be read after (``GraphedCallable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["ClosureUpdates", "closed_over_tensors"]
+
+
+def closed_over_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
+    """``("closed over NAME", tensor)`` for what a graphed function may change besides its
+    inputs: the tensors, and the buffers of the modules, that its own code names from its
+    closure or its module's globals (and a ``functools.partial``'s arguments), once each.
+
+    What it reaches otherwise (through an object's attribute, or in the functions it calls)
+    is not found.
+    """
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    named: list[tuple[str, Any]] = []
+    while isinstance(fn, functools.partial):
+        named += [(f"partial argument {i}", a) for i, a in enumerate(fn.args)]
+        named += [(f"partial argument {k}", a) for k, a in fn.keywords.items()]
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        for name, cell in zip(code.co_freevars, cells, strict=False):
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                named.append((name, cell.cell_contents))
+        globals_ = getattr(fn, "__globals__", {})
+        named += [(n, globals_[n]) for n in code.co_names if n in globals_]
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), (f"closed over {name}", value))
+        elif isinstance(value, torch.nn.Module):
+            for buffer_name, buffer in value.named_buffers():
+                found.setdefault(id(buffer), (f"closed over {name}.{buffer_name}", buffer))
+    return list(found.values())
+
+
+def _named_by(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
+    """What :func:`closed_over_tensors` finds, and the buffers of a bound method's module."""
+    found = closed_over_tensors(fn)
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        seen = {id(tensor) for _, tensor in found}
+        root = type(owner).__name__
+        found += [
+            (f"{root}.{name}", buffer)
+            for name, buffer in owner.named_buffers()
+            if id(buffer) not in seen
+        ]
+    return found
+
+
+class ClosureUpdates:
+    """The tensors a function (not a module) names that its warmup and capture updated in place.
+
+    Shared by the replay slots of one callable; empty for a module (``ModuleTensors.updated``).
+    """
+
+    def __init__(self) -> None:
+        self.updated: tuple[tuple[str, torch.Tensor], ...] = ()
+
+    @contextlib.contextmanager
+    def watching(self, fn: Callable[..., Any]) -> Iterator[None]:
+        """Record what ``fn`` names, run the block, keep the tensors it changed."""
+        before = [
+            (name, tensor, tensor._version, tensor.detach().clone())
+            for name, tensor in _named_by(fn)
+            # a parameter is refused elsewhere if updated; a sparse tensor has no torch.equal
+            if not tensor.requires_grad and tensor.layout == torch.strided
+        ]
+        yield
+        # By value as well: BatchNorm's kernel writes its statistics without a version bump.
+        self.updated = tuple(
+            (name, tensor)
+            for name, tensor, version, kept in before
+            if tensor._version != version or not torch.equal(tensor, kept)
+        )
