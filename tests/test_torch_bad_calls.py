@@ -16,17 +16,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
-
-import numpy as np
+from torch_cases import assert_trees_match, isolation
 
 import dualgraph
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
-
-from torch_cases import assert_trees_match, isolation
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +52,12 @@ class OtherConfig:
 
 
 def _compute(
-    lin: nn.Linear | None, x: torch.Tensor, pair: Pair, extra: list[dict[str, Any]], k: Any, tag: str
+    lin: nn.Linear | None,
+    x: torch.Tensor,
+    pair: Pair,
+    extra: list[dict[str, Any]],
+    k: Any,
+    tag: str,
 ) -> dict[str, Any]:
     h = lin(x) if lin is not None else x * 2
     assert pair.b is not None and extra[0]["n"] is None
@@ -82,7 +85,13 @@ class Nested(nn.Module):
         return _compute(self.lin, x, pair, extra, k, tag)
 
     def method(
-        self, x: torch.Tensor, pair: Pair, *, extra: list[dict[str, Any]], k: Any = 1, tag: str = "a"
+        self,
+        x: torch.Tensor,
+        pair: Pair,
+        *,
+        extra: list[dict[str, Any]],
+        k: Any = 1,
+        tag: str = "a",
     ) -> dict[str, Any]:
         return _compute(self.lin, x, pair, extra, k, tag)
 
@@ -199,7 +208,10 @@ BAD_CALLS: dict[str, tuple[Bad, str]] = {
     "const_str_subclass": (_kw(tag=Text("a")), "kwargs['tag']"),
     "const_int_in_list": (_extra(lambda e: [_with(e[0], count=4)]), "kwargs['extra'][0]['count']"),
     "none_for_tensor": (_pair(b=lambda p: None), "args[1].b"),
-    "tensor_for_none": (_extra(lambda e: [_with(e[0], n=torch.ones(1))]), "kwargs['extra'][0]['n']"),
+    "tensor_for_none": (
+        _extra(lambda e: [_with(e[0], n=torch.ones(1))]),
+        "kwargs['extra'][0]['n']",
+    ),
     "tensor_for_const": (_kw(k=torch.ones(())), "kwargs['k']"),
     "none_for_const": (_kw(tag=None), "kwargs['tag']"),
 }
@@ -231,9 +243,11 @@ def _graph(entry: str, backend: str, param_grads: str) -> tuple[Any, Any, Any]:
     args, kwargs = good(100)
     options: dict[str, Any] = {"backend": backend, "param_grads": param_grads}
     if entry == "function":
-        return dgt.make_graphed_callables(function, args, sample_kwargs=kwargs, **options), (
-            function
-        ), None
+        return (
+            dgt.make_graphed_callables(function, args, sample_kwargs=kwargs, **options),
+            function,
+            None,
+        )
     if entry == "method":  # a bound method's parameters must be frozen
         model.requires_grad_(False)
         twin.requires_grad_(False)
