@@ -51,6 +51,7 @@ from ._nesting import capture_scope
 from ._params import suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ReplayPlan
 from ._probe import LintMode, WarmupProbe, attach_probes, with_lint_findings
+from ._reached_tensors import left_as_found as reached_left_as_found
 from ._saved_hooks import keeping_activations
 
 __all__ = [
@@ -198,6 +199,8 @@ def _capture_copies(
                 continue  # shares the module and parameters of its original
             if item.module_tensors is not None:
                 restore.enter_context(item.module_tensors.left_as_found())
+            else:  # a bound method's module, a function's closed-over tensors
+                restore.enter_context(reached_left_as_found(item.request.fn))
             if options.param_grads != "in_graph":  # grads may go through autograd
                 restore.enter_context(suspended_tensor_hooks(item.params))
         if options.backend == "cuda":

@@ -55,7 +55,6 @@ Transformer Engine's RNG tracker) are not reset by ``verify``: compare with such
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +70,7 @@ from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of
 from ._probe import cloned_inputs, module_of
+from ._reached_tensors import closed_over_tensors
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
@@ -305,37 +305,6 @@ def _run_steps(
             )
         )
     return results
-
-
-def closed_over_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
-    """``("closed over NAME", tensor)`` for what a graphed function may change besides its
-    inputs: the tensors, and the buffers of the modules, that its own code names from its
-    closure or its module's globals (and a ``functools.partial``'s arguments), once each.
-
-    What it reaches otherwise (through an object's attribute, or in the functions it calls)
-    is not found.
-    """
-    found: dict[int, tuple[str, torch.Tensor]] = {}
-    named: list[tuple[str, Any]] = []
-    while isinstance(fn, functools.partial):
-        named += [(f"partial argument {i}", a) for i, a in enumerate(fn.args)]
-        named += [(f"partial argument {k}", a) for k, a in fn.keywords.items()]
-        fn = fn.func
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        cells = getattr(fn, "__closure__", None) or ()
-        for name, cell in zip(code.co_freevars, cells, strict=False):
-            with contextlib.suppress(ValueError):  # a cell not filled yet
-                named.append((name, cell.cell_contents))
-        globals_ = getattr(fn, "__globals__", {})
-        named += [(n, globals_[n]) for n in code.co_names if n in globals_]
-    for name, value in named:
-        if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), (f"closed over {name}", value))
-        elif isinstance(value, torch.nn.Module):
-            for buffer_name, buffer in value.named_buffers():
-                found.setdefault(id(buffer), (f"closed over {name}.{buffer_name}", buffer))
-    return list(found.values())
 
 
 @contextlib.contextmanager
