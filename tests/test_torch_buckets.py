@@ -1392,3 +1392,30 @@ def test_a_padded_input_sharing_memory_with_a_buffer_the_callable_updates_is_ref
         module(module.cache)
     assert torch.equal(module.cache, before)
     assert module(module.cache.clone()).shape == (2, 4, 4)  # a copy is padded as before
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_a_callable_raising_in_the_padding_check_is_a_capture_error_and_leaves_it_usable(
+    backend: str,
+) -> None:
+    class FailsPadded(nn.Module):  # the padding check runs it in eval mode
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+            self.calls += 1
+            if not self.training:
+                raise ValueError("not in training")
+            return self.fc(x)
+
+    module = FailsPadded()
+    buckets = [(torch.randn(n, 4, requires_grad=True),) for n in (2, 3)]
+    dims = {"args[0]": 0, "output": 0}
+    with pytest.raises(CaptureError, match=r"padding check.*not in training"):
+        dgt.make_graphed_callables(
+            module, buckets=buckets, backend=backend, fallback="pad", dynamic_dims=dims
+        )
+    assert torch.equal(module.calls, torch.zeros(()))
+    assert module(torch.ones(2, 4), valid_length=torch.tensor(2)).shape == (2, 4)

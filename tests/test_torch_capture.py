@@ -1389,3 +1389,67 @@ def test_a_capture_keeps_its_activations_from_the_callers_saved_tensor_hooks_on_
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         graphed_on(entry, Decays())
     assert packed == []
+
+
+# -- what a callable reaches besides its module ---------------------------------------------------
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).requires_grad_(False)  # a bound method's: frozen
+        self.register_buffer("seen", torch.zeros(4))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.detach().sum(0))
+        return self.lin(x) * x
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["captured", "failed"])
+def test_graphing_a_method_leaves_its_modules_buffers_as_they_were(fails: bool) -> None:
+    module = _Counting()
+    if fails:
+        module.lin.register_forward_hook(lambda *_: module.seen.sum().item())  # lint: refused
+    x = torch.ones(2, 4, requires_grad=True)
+    try:
+        graphed = dgt.make_graphed_callables(module.encode, (x,), backend="emulate")
+    except CaptureError:
+        assert fails
+    else:
+        assert not fails
+        graphed(x).sum().backward()
+        assert torch.equal(module.seen, torch.full((4,), 2.0))  # the one replay's update
+        return
+    assert torch.equal(module.seen, torch.zeros(4))
+
+
+def test_graphing_a_function_leaves_the_tensors_it_closes_over_as_they_were() -> None:
+    stats = torch.zeros(2)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        stats.add_(x.detach())
+        return x * 2
+
+    graphed = dgt.make_graphed_callables(
+        step, (torch.ones(2, requires_grad=True),), backend="emulate"
+    )
+    assert torch.equal(stats, torch.zeros(2))
+    graphed(torch.ones(2, requires_grad=True)).sum().backward()
+    assert torch.equal(stats, torch.ones(2))  # as one eager call
+
+
+def test_graphing_a_function_leaves_a_tensor_it_only_reads_untouched() -> None:
+    # Only what warmup changed is copied back: a copy bumps the version, which would break an
+    # eager backward of the caller's that saved the tensor.
+    scale = torch.full((2,), 3.0)
+    version = scale._version
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+    graphed = dgt.make_graphed_callables(
+        step, (torch.ones(2, requires_grad=True),), backend="emulate"
+    )
+    assert scale._version == version
+    graphed(torch.ones(2, requires_grad=True)).sum().backward()
+    assert torch.equal(scale, torch.full((2,), 3.0))

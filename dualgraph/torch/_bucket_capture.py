@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from ._buckets import (
     _Bucket,
 )
 from ._capture import CaptureOptions, CaptureRequest, capture
+from ._capture_failure import Progress, describe_failure, release_failed_attempt
 from ._eager import EagerCallable
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
@@ -35,6 +37,7 @@ from ._leaves import dtype_name
 from ._lint import LintReport
 from ._padding import (
     VALID_LENGTH,
+    Padding,
     check_padded_plans,
     check_padding_can_be_correct,
     check_padding_is_masked,
@@ -179,7 +182,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
             diag.lint = plan.diagnostics.lint  # issue 19 hook
             diag.memory_plan = plan.diagnostics.memory_plan
     if padding is not None:
-        check_padding_is_masked(request, padding, guards, lengths, shapes)
+        _check_padding(request, padding, guards, lengths, shapes)
     summary = BucketedDiagnostics(
         name=request.name,
         backend=request.backend,
@@ -319,3 +322,26 @@ def _unique_grad_bytes(plans: Sequence[Any]) -> int:
             if tensor is not None:
                 seen[id(tensor)] = tensor
     return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _check_padding(
+    request: BucketRequest,
+    padding: Padding,
+    guards: Sequence[InputGuard],
+    lengths: Sequence[Any],
+    shapes: Sequence[Any],
+) -> None:
+    """:func:`check_padding_is_masked`, the callable's own errors there named as a capture's."""
+    progress = Progress(
+        name=request.name,
+        phase="the padding check (eager calls, one padded into a bucket)",
+        before=sys.exc_info()[1],
+    )
+    try:
+        check_padding_is_masked(request, padding, guards, lengths, shapes)
+    except DualgraphError:
+        raise
+    except Exception as error:  # the callable's, as in a warmup: a CaptureError as there
+        failure = describe_failure(error, progress, request.backend)
+        release_failed_attempt(error, progress.before)
+        raise failure from error

@@ -198,7 +198,7 @@ def _capture_copies(
                 continue  # shares the module and parameters of its original
             if item.module_tensors is not None:
                 restore.enter_context(item.module_tensors.left_as_found())
-            else:  # a function: the tensors its code names that it updates
+            else:  # a function or method: the tensors its code names that it updates, put back
                 restore.enter_context(item.closure_updates.watching(item.request.fn))
             if options.param_grads != "in_graph":  # grads may go through autograd
                 restore.enter_context(suspended_tensor_hooks(item.params))

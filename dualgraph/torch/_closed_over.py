@@ -3,7 +3,8 @@
 A module's own parameters and buffers are recorded by :class:`ModuleTensors`. A function, or a
 bound method, has none of its own, yet its code may name some: a closure over a BatchNorm, a
 global tensor, the module of a method. Those its warmup and capture updated in place are what an
-input sharing memory with one would, in eager, be read after (``GraphedCallable``).
+input sharing memory with one would, in eager, be read after (``GraphedCallable``); they are
+put back after capture, as a module's buffers are. ``dgt.verify`` compares them too.
 """
 
 from __future__ import annotations
@@ -77,17 +78,27 @@ class ClosureUpdates:
 
     @contextlib.contextmanager
     def watching(self, fn: Callable[..., Any]) -> Iterator[None]:
-        """Record what ``fn`` names, run the block, keep the tensors it changed."""
+        """Record what ``fn`` names, run the block, keep the tensors it changed, and put them
+        back by value, whether the block succeeds or fails: graphing runs nothing in eager, so
+        only the replays may update them (as a module's buffers, ``ModuleTensors.left_as_found``).
+        """
         before = [
             (name, tensor, tensor._version, tensor.detach().clone())
             for name, tensor in _named_by(fn)
             # a parameter is refused elsewhere if updated; a sparse tensor has no torch.equal
             if not tensor.requires_grad and tensor.layout == torch.strided
         ]
-        yield
-        # By value as well: BatchNorm's kernel writes its statistics without a version bump.
-        self.updated = tuple(
-            (name, tensor)
-            for name, tensor, version, kept in before
-            if tensor._version != version or not torch.equal(tensor, kept)
-        )
+        try:
+            yield
+        finally:
+            # By value as well: BatchNorm's kernel writes its statistics without a version bump.
+            changed = [
+                (name, tensor, kept)
+                for name, tensor, version, kept in before
+                if tensor._version != version or not torch.equal(tensor, kept)
+            ]
+            self.updated = tuple((name, tensor) for name, tensor, _ in changed)
+            with torch.no_grad():
+                for _, tensor, kept in changed:  # only those: a copy bumps the version
+                    if not tensor.is_inference():  # which no copy outside inference mode takes
+                        tensor.copy_(kept)
