@@ -94,12 +94,14 @@ def test_dicts_down_a_deep_spine_are_checked_in_time_linear_in_its_depth() -> No
             tree = {"a": tree, "b": 1}
         return tree
 
-    seconds = []
-    for depth in (500, 4000):
-        start = time.perf_counter()
+    def took(depth: int) -> float:
+        start = time.process_time()  # CPU time: other processes on the machine do not count
         orders = KeyOrders(describe_call((spine(depth, ("x", "y")),)))
         orders.check((spine(depth, ("x", "y")),), {})
         with pytest.raises(SpecMismatchError, match=rf"^args\[0\](\['a'\]){{{depth}}}: a dict"):
             orders.check((spine(depth, ("y", "x")),), {})
-        seconds.append(time.perf_counter() - start)
+        return time.process_time() - start
+
+    # the best of three each: a garbage collection falling in one try does not fail it
+    seconds = [min(took(depth) for _ in range(3)) for depth in (500, 4000)]
     assert seconds[1] < 8 * 4 * seconds[0] + 0.1, seconds  # 8x the depth: at most 4x linear
