@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 torch_cudnn=$(python -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null) \
     && export LD_LIBRARY_PATH=$torch_cudnn${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
-python -m pytest -q -m cuda -p no:cacheprovider -rfE tests 2>&1 | tee "$out/cuda_tests.log" | tail -15 || status=1
+OUT=$out bash benchmarks/run_cuda_tests.sh 2>&1 | tee "$out/cuda_tests.log" | tail -30 || status=1  # in parallel
 baseline=()  # BASELINE=DIR compares another copy of the package (DIR/dualgraph) in the same run
 [ -n "${BASELINE:-}" ] && baseline=(--baseline "$BASELINE")
 python benchmarks/bench_torch_replay.py --rounds 5 "${baseline[@]}" --json "$out/bench.json" \
