@@ -51,7 +51,6 @@ from ._nesting import capture_scope
 from ._params import suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ReplayPlan
 from ._probe import LintMode, WarmupProbe, attach_probes, with_lint_findings
-from ._saved_hooks import keeping_activations
 
 __all__ = [
     "CaptureLayout",
@@ -155,9 +154,9 @@ def capture_copies(
     progress = Progress(before=sys.exc_info()[1])
     probes: list[WarmupProbe] = []  # issue 19 hook: lint and memory plan, for the error too
     try:
-        # a graphed callable called inside is refused; the caller's saved-tensor hooks see
-        # none of the capture's activations, as none of a replay's
-        with capture_scope(progress), keeping_activations():
+        # a graphed callable called inside is refused (the caller's saved-tensor hooks are kept
+        # from the capture's activations around every entry point, in _graphed.py)
+        with capture_scope(progress):
             return _capture_copies(requests, options, layout, progress, probes)
     except Exception as error:
         if options.backend == "cuda":
