@@ -651,3 +651,18 @@ def test_a_parameter_passed_as_an_input_is_a_plain_input(backend: str) -> None:
     param = nn.Parameter(torch.ones(3, device=device))
     graphed(param).sum().backward()
     assert_tensors_match(param.grad, torch.full((3,), 2.0, device=device), "param.grad")
+
+
+@pytest.mark.parametrize("pool", ["x", (0,), (0, "1"), [0, 1], (0, 1, 2), 3, (True, 1)])
+def test_a_pool_that_is_no_pool_handle_is_refused_before_capture(pool: Any) -> None:
+    layer = nn.Linear(4, 4)
+    weight = layer.weight.detach().clone()
+    with pytest.raises(DualgraphError, match=r"^pool must be None or a handle from torch\.cuda"):
+        dgt.make_graphed_callables(layer, (torch.randn(2, 4),), backend="emulate", pool=pool)
+    assert torch.equal(layer.weight, weight) and "forward" not in vars(layer)
+
+
+@pytest.mark.parametrize("check", [dgt.lint, dgt.memory_plan])
+def test_the_checking_tools_refuse_what_is_not_callable(check: Any) -> None:
+    with pytest.raises(DualgraphError, match=r"^int 3 is not callable"):
+        check(3, torch.randn(2, 4))

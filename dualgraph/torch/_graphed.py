@@ -289,6 +289,7 @@ def make_graphed_callables(
     _check_choice("lint", lint, get_args(LintMode))
     if type(num_warmup_iters) is not int or num_warmup_iters < 0:
         raise DualgraphError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    _check_pool(pool)
     for option, flag in (
         ("clone_outputs", clone_outputs),
         ("allow_unused_input", allow_unused_input),
@@ -543,6 +544,19 @@ def _refuse_replay_kwargs_in_samples(
 def _check_choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in choices:
         raise DualgraphError(f"{option} must be one of {choices}, got {value!r}")
+
+
+def _check_pool(pool: Any) -> None:
+    """``pool=`` is ``None`` or what ``torch.cuda.graph_pool_handle()`` returns (two ints)."""
+    if pool is None:
+        return
+    if not (
+        isinstance(pool, tuple) and len(pool) == 2 and all(type(part) is int for part in pool)
+    ):
+        raise DualgraphError(
+            "pool must be None or a handle from torch.cuda.graph_pool_handle() (a tuple of two "
+            f"ints), got {type(pool).__name__} {pool!r}"
+        )
 
 
 def _samples_per_callable(

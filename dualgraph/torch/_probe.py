@@ -69,6 +69,8 @@ def probe_once(
     A graphed ``fn`` (what ``make_graphed_callables`` returned) is observed through the callable
     behind it, which is what a capture runs.
     """
+    if not callable(fn):
+        raise DualgraphError(f"{type(fn).__name__} {fn!r} is not callable")
     with _ungraphed(fn) as fn:
         return _probe_once(fn, args, kwargs, lint=lint, memory=memory)
 
