@@ -108,7 +108,7 @@ def describe(tree: Any, /, *, root: str = "") -> TreeSpec:
     >>> spec.paths
     ("['aux_loss']", "['hidden']", "['n']")
     """
-    return TreeSpec(_describe_nodes(tree, root))
+    return TreeSpec(_describe_nodes(tree, _checked_root(root)))
 
 
 class TreeSpec:
@@ -288,6 +288,7 @@ class TreeSpec:
 
     def mismatch(self, tree: Any, /, *, root: str = "") -> SpecMismatchError:
         """The error explaining how ``tree`` differs from this spec (slow path, for messages)."""
+        root = _checked_root(root)
         try:
             difference = _first_difference(self._nodes, self._get_layout(), tree)
         except Exception as error:  # pragma: no cover - every read above is guarded
@@ -440,6 +441,13 @@ class TreeSpec:
         return SpecMismatchError(
             f"unflatten: could not read the arrays ({type(error).__name__}: {clip_text(error)})"
         )
+
+
+def _checked_root(root: object) -> str:
+    """``root``, a prefix of paths in messages, must be a str (checked off the hot path)."""
+    if type(root) is not str:
+        raise DualgraphError(f"root must be a str (a path prefix), got {brief_of(root)}")
+    return root
 
 
 def _check_preorder(nodes: tuple[Node, ...]) -> None:

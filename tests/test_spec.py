@@ -905,3 +905,17 @@ def test_with_grad_mask_refuses_unordered_or_keyed_collections(mask: Any) -> Non
 def test_the_treespec_constructor_refuses_what_is_not_a_sequence_of_nodes(nodes: Any) -> None:
     with pytest.raises(DualgraphError, match="a TreeSpec is made of the nodes of one tree"):
         TreeSpec(nodes)
+
+
+@pytest.mark.parametrize("root", [3, None, b"args"])
+def test_a_root_that_is_not_a_str_is_refused_by_name(root: Any) -> None:
+    spec = describe((1,))
+    attempts = (
+        lambda: describe((object(),), root=root),
+        lambda: spec.check((2,), root=root),
+        lambda: spec.flatten((2,), root=root),
+        lambda: spec.mismatch((2,), root=root),
+    )
+    for attempt in attempts:
+        with pytest.raises(DualgraphError, match=r"^root must be a str \(a path prefix\), got "):
+            attempt()
