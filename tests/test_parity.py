@@ -446,6 +446,13 @@ def test_a_seed_that_is_no_non_negative_int_is_refused(seed: Any) -> None:
         compare(lambda t: t * 2, lambda a: a * 2, (x,), seed=seed)
 
 
+@pytest.mark.parametrize("torch_fn", [3, None, "t * 2"])
+def test_a_torch_fn_that_is_not_callable_is_refused(torch_fn: Any) -> None:
+    x = np.ones(2, np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch_fn: .* is not callable"):
+        compare(torch_fn, lambda a: a * 2, (x,))
+
+
 def test_an_input_torch_cannot_hold_is_refused_naming_its_path() -> None:
     value = np.ones(2, np.longdouble)
     if value.dtype == np.float64:

@@ -80,7 +80,7 @@ def compare(
     A ``torch_fn`` that updates an input in place is refused, naming it (JAX reads the inputs
     after torch has run, and has no in-place update to compare with).
     """
-    _check_options(grads, seed)
+    _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
@@ -119,8 +119,12 @@ def assert_parity(*args: Any, **kwargs: Any) -> ParityReport:
 # -- 1. prepare the inputs -----------------------------------------------------------------------
 
 
-def _check_options(grads: Any, seed: Any) -> None:
+def _check_options(torch_fn: Any, grads: Any, seed: Any) -> None:
     """Refuse options that would be coerced (``grads="no"`` is truthy) or fail deep inside."""
+    if not callable(torch_fn):
+        raise DualgraphError(
+            f"torch_fn: {clip(torch_fn)} ({type(torch_fn).__name__}) is not callable"
+        )
     if not isinstance(grads, bool):
         raise DualgraphError(f"grads must be True or False, got {clip(grads)}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
