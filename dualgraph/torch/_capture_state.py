@@ -165,7 +165,8 @@ class _Capture:
         self.seconds = 0.0
         self.pool_bytes = 0
         self.warmup_grads: tuple[torch.Tensor | None, ...] = ()
-        # results_outside_pool: how the last warmup's outputs and grads were laid out
+        # results_outside_pool: how the last warmup's outputs and grads were laid out (outputs
+        # only with outputs_outside_pool, as the first warmup laid them out)
         self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
         self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
         # issue 19 hook: the lint and the memory plan observe the first warmup iteration
@@ -245,7 +246,7 @@ class _Capture:
             why = unsupported_tensor(leaf)
             if why is not None:
                 raise Refused(f"output{path}: a graph cannot return {why}")
-        if self.options.results_outside_pool:
+        if self.options.results_outside_pool or self.options.outputs_outside_pool:
             self.output_layouts = tuple(_layout(t) for t in flat)
         if self.out_spec is None:
             self.out_spec = spec
