@@ -150,6 +150,8 @@ class _Capture:
         self.out_spec: TreeSpec | None = None
         self.diff_outputs: tuple[int, ...] = ()
         self.saved_outputs: tuple[int, ...] = ()
+        # outputs that share memory with a parameter, buffer or closed-over tensor, and layouts
+        self.outside_outputs: tuple[tuple[int, tuple[torch.Tensor, torch.device]], ...] = ()
         self.used_inside: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.output_aliases: OutputAliases | None = None
@@ -185,6 +187,7 @@ class _Capture:
         """Take over what the warmup of ``original`` (the same callable) found."""
         self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
         self.saved_outputs = original.saved_outputs
+        self.outside_outputs = original.outside_outputs
         self.used_inside = original.used_inside
         self.saved_module_tensors = original.saved_module_tensors
         self.output_aliases = original.output_aliases
