@@ -15,6 +15,7 @@ from torch import nn
 from torch_cases import (
     GRAD_MODES,
     GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
     assert_grads_match,
     assert_trees_match,
     capture_error,
@@ -231,3 +232,61 @@ def test_a_view_of_an_input_laid_out_otherwise_is_refused_before_any_buffer(
     assert all(map(torch.equal, graphed.static_inputs, before))
     first, _ = graphed(transposed.contiguous())
     assert first._base is not None and torch.equal(first, transposed[1])
+
+
+class ReturnsItsWeight(nn.Module):
+    """``(fc(x), fc.weight.t())``: an output that views a parameter (a tied head's weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x), self.fc.weight.t()
+
+
+def _loss(outputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return (outputs[0] @ outputs[1]).square().sum()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_viewing_a_parameter_is_a_copy_whose_replays_leave_the_parameter_alone(
+    backend: str,
+) -> None:
+    """The replay hands out a copy (as the README says), not the weight's memory: a replay
+    writes its outputs, and moving the weight's version would refuse other backwards."""
+    device = device_of(backend)
+    module = ReturnsItsWeight().to(device)
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(3, 4, device=device, requires_grad=True),), backend=backend
+    )
+    version = module.fc.weight._version
+    _, weight = graphed(torch.randn(3, 4, device=device, requires_grad=True))
+    assert torch.equal(weight, module.fc.weight.detach().t())
+    assert not _shares(weight, module.fc.weight)
+    assert module.fc.weight._version == version
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_slots_of_a_callable_returning_its_weight_backward_in_any_order_as_eager(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    eager = ReturnsItsWeight().to(device)
+    module = copy.deepcopy(eager)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        module, (sample,), backend=backend, slots=2, param_grads=param_grads
+    )
+    inputs = [torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2)]
+    ours = [graphed(x) for x in inputs]
+    theirs = [eager(x.detach().clone().requires_grad_(True)) for x in inputs]
+    for k in (1, 0):  # the first slot's backward after the second slot's forward
+        _loss(ours[k]).backward()
+        _loss(theirs[k]).backward()
+    assert_grads_match(
+        [p.grad for p in module.parameters()],
+        [p.grad for p in eager.parameters()],
+        parameter_names(eager),
+        tolerance(backend),
+    )

@@ -640,6 +640,65 @@ def test_outputs_and_grads_of_a_schedule_land_in_the_shared_buffers(backend: str
             assert_tensors_match(p.grad, q.grad, "parameter grad", tolerance(backend))
 
 
+class _Residual(nn.Module):
+    """``x + tanh(fc(x)) * 2``: temporaries of the output's size, freed within the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_output_stays_valid_into_the_next_step_until_its_set_is_reused(
+    backend: str,
+) -> None:
+    """The second set of buffers holds the step's last micro-batch's output: the next step's
+    first forward (the graph captured before that set existed) must leave it alone."""
+    (graphed,) = dgt.make_graphed_callables(
+        (_Residual().to(device_of(backend)),),
+        ((_x(backend),),),
+        backend=backend,
+        schedule=[1, 1, -1, 1, -1, 1, -1, -1],  # micro-batches 0 and 2 share a set, 1 and 3
+    )
+    outputs, backwards = [], 0
+    for c in [1, 1, -1, 1, -1, 1, -1, -1]:
+        if c > 0:
+            outputs.append(graphed(_x(backend)))  # all kept, as for logging
+        else:
+            outputs[backwards].square().sum().backward()
+            backwards += 1
+    kept = outputs[3].detach()
+    expected = kept.clone()
+    graphed(_x(backend))  # the next step's micro-batch 0
+    _assert_same_bits([kept], [expected])
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_schedules_static_outputs_lie_outside_its_pool() -> None:
+    """Each set of static outputs is a buffer of its own, not pool memory that a graph captured
+    before it (an earlier micro-batch's forward) writes at the start of every step."""
+    device = device_of(CUDA)
+    first, second = dgt.make_graphed_callables(
+        (_Residual().to(device), _Residual().to(device)),
+        ((_x(CUDA),), (_x(CUDA),)),
+        schedule=dgt.Schedule.one_f_one_b(stages=3, microbatches=6, stage=0),
+    )
+    ranges = [
+        (segment["address"], segment["address"] + segment["total_size"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+    ]
+    assert ranges, "no private pool found"
+    for graphed in (first, second):
+        for replay in runner_of(graphed)._replays:
+            for output in replay.plan.buffers.outputs:
+                address = output.data_ptr()
+                assert not any(start <= address < end for start, end in ranges), replay.index
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_schedule_needs_a_backward(backend: str) -> None:
     with pytest.raises(CaptureError, match="for a schedule: it has no backward"):

@@ -98,6 +98,9 @@ class CaptureOptions:
     # "cuda": static outputs and grads are buffers allocated outside the pool, which the graphs
     # copy into; the pool then holds only memory a replay writes before it reads it.
     results_outside_pool: bool = False
+    # "cuda": static outputs only are such buffers (a schedule's: a graph captured before a set
+    # of outputs existed replays before it in every later step, and may write its memory).
+    outputs_outside_pool: bool = False
     lint: LintMode = "auto"  # issue 19 hook: the capture lint of the first warmup iteration
 
 

@@ -114,6 +114,15 @@ def _capture_cuda_graphs(
         # outside the pool (results_outside_pool), unless the outputs go into a donor's buffers
         layouts = item.output_layouts if item.buffers_from is None else ()
         kept = tuple(empty_from_layout(layout) for layout in layouts)
+        # Outputs that are a parameter, a buffer or a closed-over tensor (or view one): buffers
+        # of their own as well, which the graph copies them into. The static output would be
+        # that memory itself, whose version every replay then moves (a backward of another slot
+        # reading that weight refused) and which a change through the output would change.
+        outside = (
+            {i: empty_from_layout(layout) for i, layout in item.outside_outputs}
+            if not kept and item.buffers_from is None
+            else {}
+        )
         with (
             item.request.hooks.around("forward"),  # capture-time hooks: outside the graph
             capturing(forward_graph, pool, mode),
@@ -121,6 +130,8 @@ def _capture_cuda_graphs(
             flat = item.record_outputs(item.run())  # (reads Python objects only)
             for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
                 static.copy_(tensor.detach())
+            for i, static in outside.items():
+                static.copy_(flat[i].detach())
             item.copy_into_donor(outputs=flat)
         live_outputs[id(item)] = flat
         del flat
@@ -128,7 +139,8 @@ def _capture_cuda_graphs(
         item.static_outputs = (
             donor.static_outputs
             if donor is not None
-            else kept or tuple(t.detach() for t in live_outputs[id(item)])
+            else kept
+            or tuple(outside.get(i, t.detach()) for i, t in enumerate(live_outputs[id(item)]))
         )
         item.replay_forward = CudaGraphForward(forward_graph)
         item.graphs.append(forward_graph)

@@ -150,6 +150,8 @@ class _Capture:
         self.out_spec: TreeSpec | None = None
         self.diff_outputs: tuple[int, ...] = ()
         self.saved_outputs: tuple[int, ...] = ()
+        # outputs that share memory with a parameter, buffer or closed-over tensor, and layouts
+        self.outside_outputs: tuple[tuple[int, tuple[torch.Tensor, torch.device]], ...] = ()
         self.used_inside: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.output_aliases: OutputAliases | None = None
@@ -165,7 +167,8 @@ class _Capture:
         self.seconds = 0.0
         self.pool_bytes = 0
         self.warmup_grads: tuple[torch.Tensor | None, ...] = ()
-        # results_outside_pool: how the last warmup's outputs and grads were laid out
+        # results_outside_pool: how the last warmup's outputs and grads were laid out (outputs
+        # only with outputs_outside_pool, as the first warmup laid them out)
         self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
         self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
         # issue 19 hook: the lint and the memory plan observe the first warmup iteration
@@ -184,6 +187,7 @@ class _Capture:
         """Take over what the warmup of ``original`` (the same callable) found."""
         self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
         self.saved_outputs = original.saved_outputs
+        self.outside_outputs = original.outside_outputs
         self.used_inside = original.used_inside
         self.saved_module_tensors = original.saved_module_tensors
         self.output_aliases = original.output_aliases
@@ -245,7 +249,7 @@ class _Capture:
             why = unsupported_tensor(leaf)
             if why is not None:
                 raise Refused(f"output{path}: a graph cannot return {why}")
-        if self.options.results_outside_pool:
+        if self.options.results_outside_pool or self.options.outputs_outside_pool:
             self.output_layouts = tuple(_layout(t) for t in flat)
         if self.out_spec is None:
             self.out_spec = spec

@@ -33,6 +33,7 @@ captured; one graph per micro-batch, in schedule order, is the simple order that
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import operator
 import threading
@@ -489,6 +490,11 @@ def capture_slotted(
     """Capture ``requests`` with ``slots`` slots each, or by ``schedule``; one callable each."""
     if schedule is not None:
         layout = ScheduleLayout(schedule, len(requests))
+        # A set of static outputs made in the pool would be alive only from its first forward's
+        # capture on: the graphs captured before it (earlier micro-batches' forwards) may use
+        # that memory, and they replay again at the start of every later step, over outputs the
+        # caller still holds. Outside the pool, only the graphs of its own set write them.
+        options = dataclasses.replace(options, outputs_outside_pool=True)
         plans = capture_copies(requests, options, layout)
         for request, group in zip(requests, plans, strict=True):
             if not group[0].has_backward:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._capture_failure import Refused
+from ._closed_over import _named_by
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
@@ -58,6 +59,7 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
             flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
         )
         item.saved_outputs = _saved_outputs(flat, saved)
+        item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item))
         aliases = item.output_aliases
         made_from_outputs = frozenset(
             () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
@@ -129,6 +131,40 @@ def _storage(tensor: Any) -> int:
 def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[int, ...]:
     storages = set(saved) - {0}
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
+
+
+def _tensors_named_by(item: _Capture) -> list[torch.Tensor]:
+    """The tensors alive before any call that the callable reads besides its inputs: a module's
+    parameters and buffers, or what a function's code names (a method's module's included)."""
+    if item.module_tensors is not None:
+        return [*item.module_tensors.tensors, *item.params]
+    fn = item.request.fn
+    tensors = [tensor for _, tensor in _named_by(fn)]
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        tensors += list(owner.parameters())
+    return tensors
+
+
+def _outputs_sharing(
+    flat: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
+) -> tuple[tuple[int, tuple[torch.Tensor, torch.device]], ...]:
+    """The outputs that share memory with ``tensors`` (a parameter returned, a view of a
+    buffer), each with its layout: memory no graph allocates, which a replay hands out as a
+    copy (a CUDA graph copies it into a buffer of its own, ``_capture_cuda.py``).
+
+    >>> weight = torch.ones(2, 3)
+    >>> [i for i, _ in _outputs_sharing([weight.sum(0), weight.t(), weight], [weight])]
+    [1, 2]
+    """
+    storages = {_storage(t) for t in tensors} - {0}
+    if not storages:
+        return ()
+    return tuple(
+        (i, (torch.empty_like(t, device="meta"), t.device))
+        for i, t in enumerate(flat)
+        if _storage(t) in storages
+    )
 
 
 def _saved_module_tensors(
