@@ -254,6 +254,28 @@ def test_a_node_hook_on_the_block_before_keeps_a_grad_no_later_replay_overwrites
         assert_tensors_match(grad, expected, f"grad {i} seen by the hook", tolerance(backend))
 
 
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_post_hook_on_the_replays_own_node_keeps_grads_no_later_replay_overwrites(
+    entry: str, param_grads: str
+) -> None:
+    # ``out.grad_fn.register_hook(fn)`` sees the grads the replay hands on (a leaf input's, and
+    # under "autograd" the parameters'), which went out as static buffers in a plain backward.
+    graphed = graphed_on(entry, Decays(), param_grads=param_grads)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(grads: tuple[torch.Tensor | None, ...], _: Any) -> None:
+        kept.extend((grad, grad.clone()) for grad in grads if grad is not None)
+
+    for _ in range(2):
+        out = graphed(batch(call_length(entry)))
+        out.grad_fn.register_hook(keep)
+        out.sum().backward()
+    assert kept
+    for i, (grad, snapshot) in enumerate(kept):  # the later replay left earlier grads alone
+        assert_tensors_match(grad, snapshot, f"grad {i} seen by the hook", None)
+
+
 # -- an output the callable also uses inside ---------------------------------------------------
 
 

@@ -619,9 +619,11 @@ class GraphedCallable:
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
         through_autograd: bool = False,
+        results_seen: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         # ``through_autograd``: the parameter grads must pass through autograd (the forward ran
-        # under DDP, or this backward builds a graph: create_graph=True).
+        # under DDP, or this backward builds a graph: create_graph=True). ``results_seen``: a
+        # post hook on the replay's node sees (and may keep) the grads it hands on.
         if not self._lock.acquire(False):
             raise self._busy()
         try:
@@ -708,7 +710,12 @@ class GraphedCallable:
             if unreached_inputs:
                 _quiet_hooks(inputs[position - 1] for position in unreached_inputs)
             return self._hand_out_grads(
-                needs_input_grad, inputs, plain, param_grads, owned=owned, skip=unreached_inputs
+                needs_input_grad,
+                inputs,
+                plain and not results_seen,  # else every grad goes out as a copy
+                param_grads,
+                owned=owned,
+                skip=unreached_inputs,
             )
         finally:
             self._lock.release()
