@@ -2254,6 +2254,44 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_on_every_entry
     assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
 
 
+@pytest.mark.parametrize("entry", ["function", "method"])
+def test_a_frozen_weight_a_graphed_function_reads_changed_before_the_backward_is_refused(
+    entry: str,
+) -> None:
+    # A function's or method's weights are no parameters of a graphed module (they are frozen),
+    # yet its backward reads them for the input grads: eager raises; on CUDA the graph read the
+    # new values, silently, and the emulated backward leaked torch's RuntimeError.
+    module = Decays()
+    graphed = graphed_on(entry, module)
+    x = batch()
+    loss = graphed(x).sum()
+    with torch.no_grad():
+        module.linear.weight.add_(1.0)
+    with pytest.raises(DualgraphError, match=r"linear\.weight was modified in place"):
+        loss.backward()
+    assert x.grad is None
+
+
+def test_a_tensor_a_graphed_function_closes_over_changed_before_the_backward_is_refused() -> None:
+    weight = torch.randn(4, 4)
+    graphed = dgt.make_graphed_callables(
+        lambda x: (x @ weight).tanh(), (batch(),), backend="emulate"
+    )
+    x = batch()
+    loss = graphed(x).sum()
+    weight.mul_(2.0)
+    with pytest.raises(DualgraphError, match="closed over weight was modified in place"):
+        loss.backward()
+    assert x.grad is None
+    weight.div_(2.0)  # a tensor the backward does not read may change: the bias here
+    bias = torch.zeros(4)
+    graphed = dgt.make_graphed_callables(lambda x: x.tanh() + bias, (batch(),), backend="emulate")
+    loss = graphed(x).sum()
+    bias.add_(1.0)
+    loss.backward()
+    assert x.grad is not None
+
+
 @pytest.mark.parametrize("watch", [_watch_hook, _watch_retained], ids=["hook", "retain_grad"])
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_grad_watched_at_an_output_used_inside_is_refused_on_every_entry_point(

@@ -236,14 +236,14 @@ class GraphedCallable:
         # Outputs other outputs are computed from: eager's grad at one includes theirs share.
         self._used_inside = plan.used_inside
         # The parameters and buffers the backward graph reads (where eager saves them): changed
-        # in place before the backward, eager raises, and a graph would read the new values.
+        # in place before the backward, eager raises, and a graph would read the new values. A
+        # function's are the tensors its code names (frozen weights, a closed-over tensor).
         tensors = plan.module_tensors
-        self._read_by_backward = (
-            tuple(tensors.tensors[i] for i in plan.saved_module_tensors) if tensors else ()
-        )
-        self._read_by_backward_names = (
-            tuple(tensors.names[i] for i in plan.saved_module_tensors) if tensors else ()
-        )
+        read = list(plan.saved_closure_tensors)
+        if tensors is not None:
+            read += [(tensors.names[i], tensors.tensors[i]) for i in plan.saved_module_tensors]
+        self._read_by_backward = tuple(tensor for _, tensor in read)
+        self._read_by_backward_names = tuple(name for name, _ in read)
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs

@@ -6,6 +6,7 @@ not Python, and some eager behaviour has to be carried over or refused up front:
 - inputs the callable updates in place (their version counters move): each replay copies the
   update back into the caller's tensor; an update during backward is refused;
 - outputs the backward reads (saved for backward): changing them in place is refused at backward;
+  so are the parameters and buffers it reads (a module's, or those a function's code names);
 - outputs that are, or view, another output or an input: each replay hands them out so
   (``_output_aliases.py``);
 - tensors that require grad but are neither inputs nor parameters (a closure over another
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._capture_failure import Refused
+from ._closed_over import named_by
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
@@ -64,6 +66,10 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
         )
         item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
         item.saved_module_tensors = _saved_module_tensors(item.module_tensors, saved)
+        if item.module_tensors is None:  # a function's or method's weights, read as a module's
+            item.saved_closure_tensors = _saved_among(
+                named_by(item.request.fn, parameters=True), saved
+            )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
             _refuse_foreign_leaves(item, foreign)
@@ -139,6 +145,14 @@ def _saved_module_tensors(
         return ()
     storages = set(saved) - {0}
     return tuple(i for i, t in enumerate(module_tensors.tensors) if _storage(t) in storages)
+
+
+def _saved_among(
+    named: Sequence[tuple[str, torch.Tensor]], saved: Sequence[int]
+) -> tuple[tuple[str, torch.Tensor], ...]:
+    """Those of ``named`` (a function's: what its code names) the backward reads."""
+    storages = set(saved) - {0}
+    return tuple((name, t) for name, t in named if _storage(t) in storages)
 
 
 def _refuse_unused(item: _Capture, k: int) -> None:
