@@ -820,6 +820,21 @@ def test_a_parameter_or_buffer_replaced_after_capture_is_refused_naming_it(
     assert str(info.value).startswith(message)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_functional_call_with_other_parameters_is_refused_naming_it(backend: str) -> None:
+    # torch.func.functional_call swaps the module's parameters for one call: the graphs would
+    # read the captured ones. Refused, with the same parameters it replays.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    same = torch.func.functional_call(module, dict(module.named_parameters()), (x,))
+    assert torch.equal(same, module(x))
+    others = {name: p.detach() * 2 for name, p in module.named_parameters()}
+    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc1\.weight: .*functional_call"):
+        torch.func.functional_call(module, others, (x,))
+
+
 #: How a parameter or buffer that was ``None`` at capture gets a tensor: ``(build, change)``.
 SET_AFTER_CAPTURE = {
     "bias": (

@@ -837,11 +837,13 @@ class GraphedCallable:
         if generation != self._generation and self._replayed_in_backward:
             raise DualgraphError(
                 f"{self.name}: a forward replay ran during this backward and overwrote the "
-                "activations that the backward of the earlier replay needs: a non-reentrant "
-                "activation checkpoint (torch.utils.checkpoint, use_reentrant=False) whose "
-                "function calls the graphed callable recomputes it there. Checkpoint the "
-                "graphed callable alone (checkpoint(graphed, x): it re-runs nothing), leave "
-                "it out of the checkpointed function, or use use_reentrant=True"
+                "activations that the backward of the earlier replay needs. Either a "
+                "non-reentrant activation checkpoint (torch.utils.checkpoint, "
+                "use_reentrant=False) whose function calls the graphed callable recomputes it "
+                "there: checkpoint the graphed callable alone (checkpoint(graphed, x): it "
+                "re-runs nothing), leave it out of the checkpointed function, or use "
+                "use_reentrant=True. Or a hook (or a custom Function's backward) called it "
+                "before this backward reached the replay: call it after the backward"
             )
         if pool is not None and pool.expired == generation:  # by a callable graphed before it
             raise pool.expired_error()
