@@ -2287,6 +2287,36 @@ def test_a_frozen_weight_a_graphed_function_reads_changed_before_the_backward_is
     assert x.grad is None
 
 
+class ScalesByAnAttribute(nn.Module):
+    """Multiplies by a plain tensor attribute (no parameter, no buffer), as some caches are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = torch.randn(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("entry", ["plain", "method"])
+def test_a_plain_tensor_attribute_changed_before_the_backward_is_refused(entry: str) -> None:
+    # The backward reads it (for the grads through the product): eager raises, a graph would
+    # read the new values (the emulated backward leaked torch's RuntimeError).
+    module = ScalesByAnAttribute()
+    if entry == "method":
+        module.requires_grad_(False)
+        graphed = dgt.make_graphed_callables(module.forward, (batch(),), backend="emulate")
+    else:
+        graphed = dgt.make_graphed_callables(module, (batch(),), backend="emulate")
+    x = batch()
+    loss = graphed(x).sum()
+    module.scale.mul_(2.0)
+    with pytest.raises(DualgraphError, match=r"ScalesByAnAttribute\.scale was modified in place"):
+        loss.backward()
+    assert x.grad is None
+
+
 def test_a_tensor_a_graphed_function_closes_over_changed_before_the_backward_is_refused() -> None:
     weight = torch.randn(4, 4)
     graphed = dgt.make_graphed_callables(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ClosureUpdates", "closed_over_tensors", "named_by"]
+__all__ = ["ClosureUpdates", "closed_over_tensors", "named_by", "plain_tensor_attributes"]
 
 
 def closed_over_tensors(
@@ -25,7 +25,8 @@ def closed_over_tensors(
     """``("closed over NAME", tensor)`` for what a graphed function may change besides its
     inputs: the tensors, and the buffers of the modules, that its own code names from its
     closure or its module's globals (and a ``functools.partial``'s arguments), once each.
-    ``parameters``: the modules' parameters too (frozen weights its backward may read).
+    ``parameters``: the modules' parameters and plain tensor attributes too (what its backward
+    may read besides buffers: frozen weights, a cache).
 
     What it reaches otherwise (through an object's attribute, or in the functions it calls)
     is not found.
@@ -73,7 +74,26 @@ def named_by(fn: Callable[..., Any], *, parameters: bool = False) -> list[tuple[
 
 def _tensors_of(module: torch.nn.Module, parameters: bool) -> list[tuple[str, torch.Tensor]]:
     tensors = list(module.named_buffers())
-    return [*module.named_parameters(), *tensors] if parameters else tensors
+    if not parameters:
+        return tensors
+    return [*module.named_parameters(), *tensors, *plain_tensor_attributes(module)]
+
+
+def plain_tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of the tensors held as plain attributes (neither parameters nor
+    buffers: ``self.scale = torch.ones(4)``, a cache) by ``module`` and its submodules.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> layer.cache = torch.zeros(2)
+    >>> [name for name, _ in plain_tensor_attributes(layer)]
+    ['cache']
+    """
+    found = []
+    for prefix, submodule in module.named_modules():
+        for name, value in vars(submodule).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found.append((f"{prefix}.{name}" if prefix else name, value))
+    return found
 
 
 class ClosureUpdates:

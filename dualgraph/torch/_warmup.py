@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._capture_failure import Refused
-from ._closed_over import named_by
+from ._closed_over import named_by, plain_tensor_attributes
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
@@ -66,10 +66,18 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
         )
         item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
         item.saved_module_tensors = _saved_module_tensors(item.module_tensors, saved)
-        if item.module_tensors is None:  # a function's or method's weights, read as a module's
-            item.saved_closure_tensors = _saved_among(
-                named_by(item.request.fn, parameters=True), saved
-            )
+        module = item.request.module
+        # What else the backward reads that a replay could find changed: a function's or
+        # method's weights (as a module's), a module's plain tensor attributes.
+        item.saved_closure_tensors = _saved_among(
+            named_by(item.request.fn, parameters=True)
+            if module is None
+            else [
+                (f"{type(module).__name__}.{name}", tensor)
+                for name, tensor in plain_tensor_attributes(module)
+            ],
+            saved,
+        )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
             _refuse_foreign_leaves(item, foreign)
