@@ -1074,3 +1074,21 @@ def test_a_batched_backward_is_refused_on_every_entry_point(entry: str) -> None:
     with pytest.raises(DualgraphError, match="is_grads_batched"):
         torch.autograd.grad(out, x, torch.randn(5, *out.shape), is_grads_batched=True)
     assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_hook_that_calls_the_replay_before_its_backward_is_refused_naming_hooks(
+    backend: str, param_grads: str
+) -> None:
+    # A forward replay during the backward overwrote the pending replay's activations; the error
+    # blamed a checkpoint the user never used.
+    device = device_of(backend)
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).to(device)
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(block, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    out = block(x)
+    out.register_hook(lambda grad: grad * block(torch.randn_like(grad)).detach())
+    with pytest.raises(DualgraphError, match=r"Or a hook .* called it before this backward"):
+        out.sum().backward()
+    assert x.grad is None

@@ -254,6 +254,28 @@ def test_a_node_hook_on_the_block_before_keeps_a_grad_no_later_replay_overwrites
         assert_tensors_match(grad, expected, f"grad {i} seen by the hook", tolerance(backend))
 
 
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_post_hook_on_the_replays_own_node_keeps_grads_no_later_replay_overwrites(
+    entry: str, param_grads: str
+) -> None:
+    # ``out.grad_fn.register_hook(fn)`` sees the grads the replay hands on (a leaf input's, and
+    # under "autograd" the parameters'), which went out as static buffers in a plain backward.
+    graphed = graphed_on(entry, Decays(), param_grads=param_grads)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(grads: tuple[torch.Tensor | None, ...], _: Any) -> None:
+        kept.extend((grad, grad.clone()) for grad in grads if grad is not None)
+
+    for _ in range(2):
+        out = graphed(batch(call_length(entry)))
+        out.grad_fn.register_hook(keep)
+        out.sum().backward()
+    assert kept
+    for i, (grad, snapshot) in enumerate(kept):  # the later replay left earlier grads alone
+        assert_tensors_match(grad, snapshot, f"grad {i} seen by the hook", None)
+
+
 # -- an output the callable also uses inside ---------------------------------------------------
 
 
@@ -796,6 +818,21 @@ def test_a_parameter_or_buffer_replaced_after_capture_is_refused_naming_it(
     with pytest.raises(DualgraphError) as info:
         module(torch.randn(4, 8, device=device))  # as captured: the module is what changed
     assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_functional_call_with_other_parameters_is_refused_naming_it(backend: str) -> None:
+    # torch.func.functional_call swaps the module's parameters for one call: the graphs would
+    # read the captured ones. Refused, with the same parameters it replays.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    same = torch.func.functional_call(module, dict(module.named_parameters()), (x,))
+    assert torch.equal(same, module(x))
+    others = {name: p.detach() * 2 for name, p in module.named_parameters()}
+    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc1\.weight: .*functional_call"):
+        torch.func.functional_call(module, others, (x,))
 
 
 #: How a parameter or buffer that was ``None`` at capture gets a tensor: ``(build, change)``.
@@ -2230,6 +2267,74 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_on_every_entry
     with pytest.raises(DualgraphError, match=r"linear\.weight.*modified in place"):
         loss.backward()
     assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
+
+
+@pytest.mark.parametrize("entry", ["function", "method"])
+def test_a_frozen_weight_a_graphed_function_reads_changed_before_the_backward_is_refused(
+    entry: str,
+) -> None:
+    # A function's or method's weights are no parameters of a graphed module (they are frozen),
+    # yet its backward reads them for the input grads: eager raises; on CUDA the graph read the
+    # new values, silently, and the emulated backward leaked torch's RuntimeError.
+    module = Decays()
+    graphed = graphed_on(entry, module)
+    x = batch()
+    loss = graphed(x).sum()
+    with torch.no_grad():
+        module.linear.weight.add_(1.0)
+    with pytest.raises(DualgraphError, match=r"linear\.weight was modified in place"):
+        loss.backward()
+    assert x.grad is None
+
+
+class ScalesByAnAttribute(nn.Module):
+    """Multiplies by a plain tensor attribute (no parameter, no buffer), as some caches are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale = torch.randn(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("entry", ["plain", "method"])
+def test_a_plain_tensor_attribute_changed_before_the_backward_is_refused(entry: str) -> None:
+    # The backward reads it (for the grads through the product): eager raises, a graph would
+    # read the new values (the emulated backward leaked torch's RuntimeError).
+    module = ScalesByAnAttribute()
+    if entry == "method":
+        module.requires_grad_(False)
+        graphed = dgt.make_graphed_callables(module.forward, (batch(),), backend="emulate")
+    else:
+        graphed = dgt.make_graphed_callables(module, (batch(),), backend="emulate")
+    x = batch()
+    loss = graphed(x).sum()
+    module.scale.mul_(2.0)
+    with pytest.raises(DualgraphError, match=r"ScalesByAnAttribute\.scale was modified in place"):
+        loss.backward()
+    assert x.grad is None
+
+
+def test_a_tensor_a_graphed_function_closes_over_changed_before_the_backward_is_refused() -> None:
+    weight = torch.randn(4, 4)
+    graphed = dgt.make_graphed_callables(
+        lambda x: (x @ weight).tanh(), (batch(),), backend="emulate"
+    )
+    x = batch()
+    loss = graphed(x).sum()
+    weight.mul_(2.0)
+    with pytest.raises(DualgraphError, match="closed over weight was modified in place"):
+        loss.backward()
+    assert x.grad is None
+    weight.div_(2.0)  # a tensor the backward does not read may change: the bias here
+    bias = torch.zeros(4)
+    graphed = dgt.make_graphed_callables(lambda x: x.tanh() + bias, (batch(),), backend="emulate")
+    loss = graphed(x).sum()
+    bias.add_(1.0)
+    loss.backward()
+    assert x.grad is not None
 
 
 @pytest.mark.parametrize("watch", [_watch_hook, _watch_retained], ids=["hook", "retain_grad"])

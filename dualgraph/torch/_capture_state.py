@@ -154,6 +154,7 @@ class _Capture:
         self.outside_outputs: tuple[tuple[int, tuple[torch.Tensor, torch.device]], ...] = ()
         self.used_inside: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
+        self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
         self.output_aliases: OutputAliases | None = None
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
@@ -190,6 +191,7 @@ class _Capture:
         self.outside_outputs = original.outside_outputs
         self.used_inside = original.used_inside
         self.saved_module_tensors = original.saved_module_tensors
+        self.saved_closure_tensors = original.saved_closure_tensors
         self.output_aliases = original.output_aliases
         self.reach = original.reach
         self.mutated = set(original.mutated)
@@ -411,6 +413,7 @@ class _Capture:
             saved_outputs=self.saved_outputs,
             used_inside=self.used_inside,
             saved_module_tensors=self.saved_module_tensors,
+            saved_closure_tensors=self.saved_closure_tensors,
             output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
             module_tensors=self.module_tensors,

@@ -16,13 +16,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ClosureUpdates", "closed_over_tensors"]
+__all__ = ["ClosureUpdates", "closed_over_tensors", "named_by", "plain_tensor_attributes"]
 
 
-def closed_over_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
+def closed_over_tensors(
+    fn: Callable[..., Any], *, parameters: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """``("closed over NAME", tensor)`` for what a graphed function may change besides its
     inputs: the tensors, and the buffers of the modules, that its own code names from its
     closure or its module's globals (and a ``functools.partial``'s arguments), once each.
+    ``parameters``: the modules' parameters and plain tensor attributes too (what its backward
+    may read besides buffers: frozen weights, a cache).
 
     What it reaches otherwise (through an object's attribute, or in the functions it calls)
     is not found.
@@ -45,14 +49,15 @@ def closed_over_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]
         if isinstance(value, torch.Tensor):
             found.setdefault(id(value), (f"closed over {name}", value))
         elif isinstance(value, torch.nn.Module):
-            for buffer_name, buffer in value.named_buffers():
-                found.setdefault(id(buffer), (f"closed over {name}.{buffer_name}", buffer))
+            for tensor_name, tensor in _tensors_of(value, parameters):
+                found.setdefault(id(tensor), (f"closed over {name}.{tensor_name}", tensor))
     return list(found.values())
 
 
-def _named_by(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
-    """What :func:`closed_over_tensors` finds, and the buffers of a bound method's module."""
-    found = closed_over_tensors(fn)
+def named_by(fn: Callable[..., Any], *, parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """What :func:`closed_over_tensors` finds, and the buffers (``parameters``: and the
+    parameters) of a bound method's module."""
+    found = closed_over_tensors(fn, parameters=parameters)
     while isinstance(fn, functools.partial):
         fn = fn.func
     owner = getattr(fn, "__self__", None)
@@ -60,10 +65,34 @@ def _named_by(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
         seen = {id(tensor) for _, tensor in found}
         root = type(owner).__name__
         found += [
-            (f"{root}.{name}", buffer)
-            for name, buffer in owner.named_buffers()
-            if id(buffer) not in seen
+            (f"{root}.{name}", tensor)
+            for name, tensor in _tensors_of(owner, parameters)
+            if id(tensor) not in seen
         ]
+    return found
+
+
+def _tensors_of(module: torch.nn.Module, parameters: bool) -> list[tuple[str, torch.Tensor]]:
+    tensors = list(module.named_buffers())
+    if not parameters:
+        return tensors
+    return [*module.named_parameters(), *tensors, *plain_tensor_attributes(module)]
+
+
+def plain_tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of the tensors held as plain attributes (neither parameters nor
+    buffers: ``self.scale = torch.ones(4)``, a cache) by ``module`` and its submodules.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> layer.cache = torch.zeros(2)
+    >>> [name for name, _ in plain_tensor_attributes(layer)]
+    ['cache']
+    """
+    found = []
+    for prefix, submodule in module.named_modules():
+        for name, value in vars(submodule).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found.append((f"{prefix}.{name}" if prefix else name, value))
     return found
 
 
@@ -84,7 +113,7 @@ class ClosureUpdates:
         """
         before = [
             (name, tensor, tensor._version, tensor.detach().clone())
-            for name, tensor in _named_by(fn)
+            for name, tensor in named_by(fn)
             # a parameter is refused elsewhere if updated; a sparse tensor has no torch.equal
             if not tensor.requires_grad and tensor.layout == torch.strided
         ]

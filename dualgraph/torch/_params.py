@@ -342,9 +342,9 @@ class ModuleTensors:
             current = owner.get(key)
             if current is not tensor:
                 return DualgraphError(
-                    f"{name}: the {kind} was replaced after capture (by assignment, or by .to(), "
-                    ".half(), ...), but the graphs read the captured tensor; update it in place "
-                    f"(copy_), or {again}"
+                    f"{name}: the {kind} was replaced after capture (by assignment, by .to(), "
+                    ".half(), ..., or for one call, as torch.func.functional_call does), but the "
+                    f"graphs read the captured tensor; update it in place (copy_), or {again}"
                 )
             if tensor.data_ptr() != ptr:
                 return DualgraphError(

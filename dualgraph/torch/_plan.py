@@ -146,6 +146,8 @@ class ReplayPlan:
     output_aliases: OutputAliases | None = None
     # a function's (not a module's): the tensors its code names that it updates in place
     closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
+    # a function's: the tensors its code names that the backward reads (as saved_module_tensors)
+    saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

@@ -236,14 +236,14 @@ class GraphedCallable:
         # Outputs other outputs are computed from: eager's grad at one includes theirs share.
         self._used_inside = plan.used_inside
         # The parameters and buffers the backward graph reads (where eager saves them): changed
-        # in place before the backward, eager raises, and a graph would read the new values.
+        # in place before the backward, eager raises, and a graph would read the new values. A
+        # function's are the tensors its code names (frozen weights, a closed-over tensor).
         tensors = plan.module_tensors
-        self._read_by_backward = (
-            tuple(tensors.tensors[i] for i in plan.saved_module_tensors) if tensors else ()
-        )
-        self._read_by_backward_names = (
-            tuple(tensors.names[i] for i in plan.saved_module_tensors) if tensors else ()
-        )
+        read = list(plan.saved_closure_tensors)
+        if tensors is not None:
+            read += [(tensors.names[i], tensors.tensors[i]) for i in plan.saved_module_tensors]
+        self._read_by_backward = tuple(tensor for _, tensor in read)
+        self._read_by_backward_names = tuple(name for name, _ in read)
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
@@ -619,9 +619,11 @@ class GraphedCallable:
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
         through_autograd: bool = False,
+        results_seen: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         # ``through_autograd``: the parameter grads must pass through autograd (the forward ran
-        # under DDP, or this backward builds a graph: create_graph=True).
+        # under DDP, or this backward builds a graph: create_graph=True). ``results_seen``: a
+        # post hook on the replay's node sees (and may keep) the grads it hands on.
         if not self._lock.acquire(False):
             raise self._busy()
         try:
@@ -708,7 +710,12 @@ class GraphedCallable:
             if unreached_inputs:
                 _quiet_hooks(inputs[position - 1] for position in unreached_inputs)
             return self._hand_out_grads(
-                needs_input_grad, inputs, plain, param_grads, owned=owned, skip=unreached_inputs
+                needs_input_grad,
+                inputs,
+                plain and not results_seen,  # else every grad goes out as a copy
+                param_grads,
+                owned=owned,
+                skip=unreached_inputs,
             )
         finally:
             self._lock.release()
@@ -830,11 +837,13 @@ class GraphedCallable:
         if generation != self._generation and self._replayed_in_backward:
             raise DualgraphError(
                 f"{self.name}: a forward replay ran during this backward and overwrote the "
-                "activations that the backward of the earlier replay needs: a non-reentrant "
-                "activation checkpoint (torch.utils.checkpoint, use_reentrant=False) whose "
-                "function calls the graphed callable recomputes it there. Checkpoint the "
-                "graphed callable alone (checkpoint(graphed, x): it re-runs nothing), leave "
-                "it out of the checkpointed function, or use use_reentrant=True"
+                "activations that the backward of the earlier replay needs. Either a "
+                "non-reentrant activation checkpoint (torch.utils.checkpoint, "
+                "use_reentrant=False) whose function calls the graphed callable recomputes it "
+                "there: checkpoint the graphed callable alone (checkpoint(graphed, x): it "
+                "re-runs nothing), leave it out of the checkpointed function, or use "
+                "use_reentrant=True. Or a hook (or a custom Function's backward) called it "
+                "before this backward reached the replay: call it after the backward"
             )
         if pool is not None and pool.expired == generation:  # by a callable graphed before it
             raise pool.expired_error()

@@ -85,7 +85,9 @@ class _Replay(torch.autograd.Function):
 
 def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     graphed: GraphedCallable = ctx.graphed
-    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp)
+    return graphed._backward(
+        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp, ctx.post_hooked
+    )
 
 
 def _backward_building_graph(
@@ -94,7 +96,9 @@ def _backward_building_graph(
     # create_graph=True: eager's AccumulateGrad then makes .grad a new tensor with a graph of its
     # own, so the parameter grads go through autograd ("auto"), or are refused ("in_graph").
     graphed: GraphedCallable = ctx.graphed
-    return graphed._backward(ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True)
+    return graphed._backward(
+        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True, ctx.post_hooked
+    )
 
 
 _DelayedError = torch._C._functions.DelayedError
@@ -128,11 +132,14 @@ def _backward_once_differentiable(
     return tuple(refused[: len(results)])
 
 
-def _noting_hooks(register: Any) -> Any:
+def _noting_hooks(register: Any, *, sees_results: bool) -> Any:
     def register_noted(node: Any, hook: Any) -> Any:
         # A node hook sees the grads coming in, and may keep them: a replay feeding this node
-        # then hands it copies, not its static input grad buffers (``GraphedCallable``).
+        # then hands it copies, not its static input grad buffers (``GraphedCallable``). A post
+        # hook also sees what this node hands on: its replay then hands out copies too.
         node.hooked = True
+        if sees_results:
+            node.post_hooked = True
         return register(node, hook)
 
     return register_noted
@@ -144,11 +151,12 @@ REPLAY_BACKWARD: Any = _Replay._backward_cls
 # directly (docs/cuda_graphs.md).
 REPLAY_BACKWARD.apply = _Replay.backward
 REPLAY_BACKWARD.hooked = False
+REPLAY_BACKWARD.post_hooked = False
 REPLAY_BACKWARD.used_inside = ()  # (position, weak reference) of outputs used inside
 REPLAY_BACKWARD.versions = ()  # of the parameters and buffers the backward reads
 _NodeBase = torch._C._FunctionBase
-REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook)
-REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook)
+REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook, sees_results=False)
+REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook, sees_results=True)
 # The C ``apply`` that ``torch.autograd.Function.apply`` ends in.
 apply_replay = super(torch.autograd.Function, _Replay).apply
 

@@ -125,6 +125,7 @@ class SlotReplay(GraphedCallable):
         inputs: Sequence[torch.Tensor],
         grads: Sequence[Any],
         through_autograd: bool = False,
+        results_seen: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         front = self._front
         assert front is not None
@@ -141,7 +142,7 @@ class SlotReplay(GraphedCallable):
                 )
             front._gate.check_backward(front, self.index)
             result = super()._backward(
-                generation, needs_input_grad, inputs, grads, through_autograd
+                generation, needs_input_grad, inputs, grads, through_autograd, results_seen
             )
             front._pending[self.index] = None
             front._gate.finished(front, self.index)

@@ -6,6 +6,7 @@ not Python, and some eager behaviour has to be carried over or refused up front:
 - inputs the callable updates in place (their version counters move): each replay copies the
   update back into the caller's tensor; an update during backward is refused;
 - outputs the backward reads (saved for backward): changing them in place is refused at backward;
+  so are the parameters and buffers it reads (a module's, or those a function's code names);
 - outputs that are, or view, another output or an input: each replay hands them out so
   (``_output_aliases.py``);
 - tensors that require grad but are neither inputs nor parameters (a closure over another
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._capture_failure import Refused
-from ._closed_over import _named_by
+from ._closed_over import named_by, plain_tensor_attributes
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._probe import WarmupProbe
@@ -66,6 +67,18 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
         )
         item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
         item.saved_module_tensors = _saved_module_tensors(item.module_tensors, saved)
+        module = item.request.module
+        # What else the backward reads that a replay could find changed: a function's or
+        # method's weights (as a module's), a module's plain tensor attributes.
+        item.saved_closure_tensors = _saved_among(
+            named_by(item.request.fn, parameters=True)
+            if module is None
+            else [
+                (f"{type(module).__name__}.{name}", tensor)
+                for name, tensor in plain_tensor_attributes(module)
+            ],
+            saved,
+        )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
             _refuse_foreign_leaves(item, foreign)
@@ -136,14 +149,11 @@ def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[
 def _tensors_named_by(item: _Capture) -> list[torch.Tensor]:
     """The tensors alive before any call that the callable reads besides its inputs: a module's
     parameters and buffers, or what a function's code names (a method's module's included)."""
-    if item.module_tensors is not None:
-        return [*item.module_tensors.tensors, *item.params]
-    fn = item.request.fn
-    tensors = [tensor for _, tensor in _named_by(fn)]
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
-        tensors += list(owner.parameters())
-    return tensors
+    module = item.request.module
+    if module is not None:
+        attributes = [tensor for _, tensor in plain_tensor_attributes(module)]
+        return [*module.parameters(), *module.buffers(), *item.params, *attributes]
+    return [tensor for _, tensor in named_by(item.request.fn, parameters=True)]
 
 
 def _outputs_sharing(
@@ -175,6 +185,14 @@ def _saved_module_tensors(
         return ()
     storages = set(saved) - {0}
     return tuple(i for i, t in enumerate(module_tensors.tensors) if _storage(t) in storages)
+
+
+def _saved_among(
+    named: Sequence[tuple[str, torch.Tensor]], saved: Sequence[int]
+) -> tuple[tuple[str, torch.Tensor], ...]:
+    """Those of ``named`` (a function's: what its code names) the backward reads."""
+    storages = set(saved) - {0}
+    return tuple((name, t) for name, t in named if _storage(t) in storages)
 
 
 def _refuse_unused(item: _Capture, k: int) -> None:
