@@ -1434,15 +1434,19 @@ def test_in_graph_grads_add_into_a_grad_that_aliases_their_buffer(
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+@pytest.mark.parametrize("how", ["assigned", "in_place"])
 def test_in_graph_grads_refuse_a_grad_in_their_buffer_laid_out_otherwise(
-    backend: str, param_grads: str
+    backend: str, param_grads: str, how: str
 ) -> None:
     device = device_of(backend)
     layer = nn.Linear(3, 3).to(device)  # square: a transposed view is a valid .grad
     x = torch.randn(2, 3, device=device)
     dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads=param_grads)
     backward_of(layer(x))
-    layer.weight.grad = layer.weight.grad.t()
+    if how == "assigned":
+        layer.weight.grad = layer.weight.grad.t()
+    else:  # the same .grad object, read with other strides from now on
+        layer.weight.grad.t_()
     values = [p.grad.clone() for p in layer.parameters()]
     with pytest.raises(DualgraphError, match=r"Linear\.weight: \.grad shares memory"):
         backward_of(layer(x))
@@ -1846,6 +1850,59 @@ def test_in_graph_grads_add_into_views_of_one_flat_grad_buffer(
         _assert_same_grads(net, twin, backend)
     assert net[0].weight.grad._base is net[2].weight.grad._base
     assert _through_autograd(net) == 0
+
+
+#: Ways to move a ``.grad`` into other memory while it stays the same tensor object, as
+#: DeepSpeed's contiguous gradients do (``param.grad.data = bucket.narrow(...).view_as(...)``).
+REPOINTS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "data": lambda grad, place: setattr(grad, "data", place),
+    "set_": lambda grad, place: grad.set_(place),
+}
+
+
+def _repoint_grads_into_one_flat_buffer(module: nn.Module, how: str) -> torch.Tensor:
+    params = list(module.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    start = 0
+    for param in params:
+        place = flat[start : start + param.numel()].view_as(param)
+        place.copy_(param.grad)
+        REPOINTS[how](param.grad, place)
+        start += param.numel()
+    return flat
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize("how", REPOINTS)
+def test_a_grad_moved_into_other_memory_keeping_its_identity_is_added_into_like_eager(
+    backend: str, param_grads: str, how: str
+) -> None:
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    kept = [p.grad for p in net.parameters()]
+    flats = [_repoint_grads_into_one_flat_buffer(module, how) for module in (net, twin)]
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+    assert_tensors_match(flats[0], flats[1], "the flat buffer the .grad tensors live in")
+    assert all(p.grad is grad for p, grad in zip(net.parameters(), kept, strict=True))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_moved_into_other_memory_is_not_handed_out_again_after_zero_grad(
+    backend: str, param_grads: str
+) -> None:
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    flat = _repoint_grads_into_one_flat_buffer(net, "data")
+    _repoint_grads_into_one_flat_buffer(twin, "data")
+    values = flat.clone()
+    for module in (net, twin):
+        module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+    assert_tensors_match(flat, values, "the flat buffer the old .grad tensors live in")
 
 
 def _inference_grad(param: torch.Tensor) -> torch.Tensor:
