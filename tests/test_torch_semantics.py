@@ -1072,6 +1072,98 @@ def test_a_submodule_hook_registered_again_with_other_flags_is_refused(backend: 
     module(torch.randn(4, 8, device=device))
 
 
+class FrozenEncoder(nn.Module):
+    """A frozen encoder graphed through a method or a function (not as a module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.requires_grad_(False)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x)).tanh()
+
+
+def _graph_through_code(how: str, backend: str) -> tuple[FrozenEncoder, Any]:
+    """A frozen encoder and a graphed callable whose code names it: ``encoder.encode``, or a
+    function closing over ``encoder``, or over its weight."""
+    device = device_of(backend)
+    encoder = FrozenEncoder().to(device)
+    weight = encoder.fc.weight
+    callables = {
+        "method": encoder.encode,
+        "closure": lambda x: encoder.encode(x) * 2,
+        "tensor": lambda x: x @ weight,
+    }
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    return encoder, dgt.make_graphed_callables(callables[how], (sample,), backend=backend)
+
+
+def _move_weight(encoder: FrozenEncoder) -> None:
+    encoder.fc.weight.data = torch.randn_like(encoder.fc.weight)  # new memory, same tensor
+
+
+#: What a graphed method or function's code names may undergo after capture:
+#: ``(change, the callables it matters to, the start of the error)``.
+CODE_CHANGES: dict[str, tuple[Callable[[FrozenEncoder], Any], tuple[str, ...], str]] = {
+    "weight_moved": (_move_weight, ("method", "closure", "tensor"), ".*weight: the"),
+    "eval": (lambda encoder: encoder.eval(), ("method", "closure"), ".*: training was True"),
+    "half": (lambda encoder: encoder.half(), ("method", "closure"), ".*fc.weight: the"),
+    "submodule_hook": (
+        lambda encoder: encoder.fc.register_forward_hook(lambda m, i, o: o * 2),
+        ("method", "closure"),
+        ".*fc: forward hook registered",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("change", "how"),
+    [(change, how) for change, (_, hows, _) in CODE_CHANGES.items() for how in hows],
+)
+def test_what_a_graphed_method_or_function_names_changed_after_capture_is_refused_naming_it(
+    backend: str, change: str, how: str
+) -> None:
+    # Its graphs read the module's (or tensor's) memory and replay its modes and hooks as at
+    # capture; eager would run the changed module. A graphed module refuses the same changes.
+    encoder, graphed = _graph_through_code(how, backend)
+    make_change, _, message = CODE_CHANGES[change]
+    make_change(encoder)
+    with pytest.raises(DualgraphError, match=message):
+        graphed(torch.randn(4, 8, device=device_of(backend), requires_grad=True))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["method", "closure", "tensor"])
+def test_what_a_graphed_method_or_function_names_may_be_updated_in_place(
+    backend: str, how: str
+) -> None:
+    encoder, graphed = _graph_through_code(how, backend)
+    twin = copy.deepcopy(encoder)
+    with torch.no_grad():
+        encoder.fc.weight.mul_(0.5)  # an EMA step, load_state_dict: in place
+        twin.fc.weight.mul_(0.5)
+    encoder.eval()
+    twin.eval()
+    encoder.train()
+    twin.train()
+    x = torch.randn(4, 8, device=device_of(backend))
+    if how == "tensor":
+        assert_tensors_match(graphed(x), x @ twin.fc.weight, "output")
+    else:
+        graphed(x)  # dropout draws differ from the twin's; it runs
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_hook_on_the_module_of_a_graphed_method_is_not_a_change(backend: str) -> None:
+    # Calling encoder.encode runs no hook of encoder's own (only encoder(...) would).
+    encoder, graphed = _graph_through_code("method", backend)
+    encoder.register_forward_hook(lambda module, args, output: output)
+    graphed(torch.randn(4, 8, device=device_of(backend)))
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_hooks_on_the_graphed_module_itself_may_come_and_go(backend: str) -> None:
     # They run around the replay, through the module's __call__, as in eager.

@@ -133,6 +133,9 @@ class ReplayPlan:
     saved_module_tensors: tuple[int, ...]
     mutated_inputs: tuple[int, ...]  # inputs the callable updates in place: copied back
     module_tensors: ModuleTensors | None
+    # a function's or method's: the modules and tensors its code names (_closed_over.py),
+    # checked on every call as a module's own are
+    code_tensors: ModuleTensors | None
     params: ParamLayout
     buffers: StaticBuffers
     clone_outputs: bool

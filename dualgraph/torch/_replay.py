@@ -182,7 +182,10 @@ class GraphedCallable:
         self.backend = plan.backend
         self.diagnostics: CaptureDiagnostics = dataclasses.replace(plan.diagnostics)
         self._inputs = plan.inputs
-        self._module_tensors = plan.module_tensors
+        # What each call checks: the module's own tensors, or those a function's code names.
+        self._module_tensors = (
+            plan.module_tensors if plan.module_tensors is not None else plan.code_tensors
+        )
         self._out_spec = plan.outputs
         # Outputs that are, or view, other outputs or inputs in eager (None: none are).
         self._aliases = plan.output_aliases
@@ -1061,11 +1064,11 @@ class GraphedCallable:
                 if saved is not None:
                     accumulator.copy_(saved)
             raise
-        for (param, memory, grad, saved), accumulator in zip(pending, handed, strict=True):
+        for (param, memory, grad, saved), own in zip(pending, handed, strict=True):
             if grad is not None:
                 grad.copy_(memory)
-            elif saved is None and accumulator is not None:
-                param.grad = accumulator
+            elif saved is None and own is not None:
+                param.grad = own
             else:
                 param.grad = memory.clone()
             if saved is not None:
