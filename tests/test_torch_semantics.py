@@ -1157,6 +1157,23 @@ def test_what_a_graphed_method_or_function_names_may_be_updated_in_place(
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["method", "closure", "tensor"])
+def test_a_weight_a_graphed_method_or_function_names_changed_before_its_backward_is_refused(
+    backend: str, how: str
+) -> None:
+    # The frozen weight is saved for the input's grad: eager's backward raises after an EMA
+    # step between the forward and the backward, a graph would read the new weight.
+    encoder, graphed = _graph_through_code(how, backend)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    loss = graphed(x).sum()
+    with torch.no_grad():
+        encoder.fc.weight.mul_(0.5)
+    with pytest.raises(DualgraphError, match=r"weight was modified in place"):
+        loss.backward()
+    assert x.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_hook_on_the_module_of_a_graphed_method_is_not_a_change(backend: str) -> None:
     # Calling encoder.encode runs no hook of encoder's own (only encoder(...) would).
     encoder, graphed = _graph_through_code("method", backend)

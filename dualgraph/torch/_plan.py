@@ -128,8 +128,9 @@ class ReplayPlan:
     saved_outputs: tuple[int, ...]  # outputs the backward reads: changing them in place is refused
     # outputs other outputs are computed from: a grad watched at one of them is refused
     used_inside: tuple[int, ...]
-    # parameters and buffers (positions among module_tensors) the backward reads: changing one
-    # in place between a replay and its backward is refused, as eager refuses it
+    # parameters and buffers (positions among module_tensors, or code_tensors for a function)
+    # the backward reads: changing one in place between a replay and its backward is refused,
+    # as eager refuses it
     saved_module_tensors: tuple[int, ...]
     mutated_inputs: tuple[int, ...]  # inputs the callable updates in place: copied back
     module_tensors: ModuleTensors | None

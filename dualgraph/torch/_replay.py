@@ -244,7 +244,7 @@ class GraphedCallable:
         self._used_inside = plan.used_inside
         # The parameters and buffers the backward graph reads (where eager saves them): changed
         # in place before the backward, eager raises, and a graph would read the new values.
-        tensors = plan.module_tensors
+        tensors = self._module_tensors  # a function's: those its code names
         self._read_by_backward = (
             tuple(tensors.tensors[i] for i in plan.saved_module_tensors) if tensors else ()
         )

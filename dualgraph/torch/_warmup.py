@@ -63,7 +63,9 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
             () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
         )
         item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
-        item.saved_module_tensors = _saved_module_tensors(item.module_tensors, saved)
+        item.saved_module_tensors = _saved_module_tensors(
+            item.module_tensors if item.module_tensors is not None else item.code_tensors, saved
+        )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
             _refuse_foreign_leaves(item, foreign)
