@@ -1986,10 +1986,26 @@ def _repoint_grads_into_one_flat_buffer(module: nn.Module, how: str) -> torch.Te
 def test_a_grad_moved_into_other_memory_keeping_its_identity_is_added_into_like_eager(
     backend: str, param_grads: str, how: str
 ) -> None:
+    _moved_grads_step_like_eager(backend, param_grads, how, hooked=False)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", REPOINTS)
+def test_a_grad_moved_into_other_memory_is_added_into_like_eager_through_autograd(
+    backend: str, how: str
+) -> None:
+    _moved_grads_step_like_eager(backend, "auto", how, hooked=True)
+
+
+def _moved_grads_step_like_eager(backend: str, param_grads: str, how: str, hooked: bool) -> None:
     net, twin = _square_pair(backend, param_grads)
     _square_step(net, twin, backend)
     kept = [p.grad for p in net.parameters()]
     flats = [_repoint_grads_into_one_flat_buffer(module, how) for module in (net, twin)]
+    if hooked:  # "auto" hands the grads to autograd, from copies of what the graph added
+        for module in (net, twin):
+            for param in module.parameters():
+                param.register_hook(lambda grad: grad * 2)
     for _ in range(2):
         _square_step(net, twin, backend)
         _assert_same_grads(net, twin, backend)
