@@ -26,6 +26,8 @@ from ._params import ModuleTensors
 
 __all__ = ["ClosureUpdates", "closed_over_tensors", "code_tensors"]
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass may have no memory of its own to read
+
 
 def closed_over_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
     """``("closed over NAME", tensor)`` for what a graphed function may change besides its
@@ -70,7 +72,7 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
         if isinstance(value, torch.nn.Module):
             holder._modules[f"closed over {name}"] = value
             seen.add(id(value))
-        elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        elif type(value) in _PLAIN and value.layout == torch.strided:
             holder._buffers[f"closed over {name}"] = value
             seen.add(id(value))
     if not holder._modules and not holder._buffers:
