@@ -1109,6 +1109,115 @@ def test_a_submodule_hook_registered_again_with_other_flags_is_refused(backend: 
     module(torch.randn(4, 8, device=device))
 
 
+class FrozenEncoder(nn.Module):
+    """A frozen encoder graphed through a method or a function (not as a module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.requires_grad_(False)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x)).tanh()
+
+
+def _graph_through_code(how: str, backend: str) -> tuple[FrozenEncoder, Any]:
+    """A frozen encoder and a graphed callable whose code names it: ``encoder.encode``, or a
+    function closing over ``encoder``, or over its weight."""
+    device = device_of(backend)
+    encoder = FrozenEncoder().to(device)
+    weight = encoder.fc.weight
+    callables = {
+        "method": encoder.encode,
+        "closure": lambda x: encoder.encode(x) * 2,
+        "tensor": lambda x: x @ weight,
+    }
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    return encoder, dgt.make_graphed_callables(callables[how], (sample,), backend=backend)
+
+
+def _move_weight(encoder: FrozenEncoder) -> None:
+    encoder.fc.weight.data = torch.randn_like(encoder.fc.weight)  # new memory, same tensor
+
+
+#: What a graphed method or function's code names may undergo after capture:
+#: ``(change, the callables it matters to, the start of the error)``.
+CODE_CHANGES: dict[str, tuple[Callable[[FrozenEncoder], Any], tuple[str, ...], str]] = {
+    "weight_moved": (_move_weight, ("method", "closure", "tensor"), ".*weight: the"),
+    "eval": (lambda encoder: encoder.eval(), ("method", "closure"), ".*: training was True"),
+    "half": (lambda encoder: encoder.half(), ("method", "closure"), ".*fc.weight: the"),
+    "submodule_hook": (
+        lambda encoder: encoder.fc.register_forward_hook(lambda m, i, o: o * 2),
+        ("method", "closure"),
+        ".*fc: forward hook registered",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("change", "how"),
+    [(change, how) for change, (_, hows, _) in CODE_CHANGES.items() for how in hows],
+)
+def test_what_a_graphed_method_or_function_names_changed_after_capture_is_refused_naming_it(
+    backend: str, change: str, how: str
+) -> None:
+    # Its graphs read the module's (or tensor's) memory and replay its modes and hooks as at
+    # capture; eager would run the changed module. A graphed module refuses the same changes.
+    encoder, graphed = _graph_through_code(how, backend)
+    make_change, _, message = CODE_CHANGES[change]
+    make_change(encoder)
+    with pytest.raises(DualgraphError, match=message):
+        graphed(torch.randn(4, 8, device=device_of(backend), requires_grad=True))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["method", "closure", "tensor"])
+def test_what_a_graphed_method_or_function_names_may_be_updated_in_place(
+    backend: str, how: str
+) -> None:
+    encoder, graphed = _graph_through_code(how, backend)
+    twin = copy.deepcopy(encoder)
+    with torch.no_grad():
+        encoder.fc.weight.mul_(0.5)  # an EMA step, load_state_dict: in place
+        twin.fc.weight.mul_(0.5)
+    encoder.eval()
+    twin.eval()
+    encoder.train()
+    twin.train()
+    x = torch.randn(4, 8, device=device_of(backend))
+    if how == "tensor":
+        assert_tensors_match(graphed(x), x @ twin.fc.weight, "output")
+    else:
+        graphed(x)  # dropout draws differ from the twin's; it runs
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["method", "closure", "tensor"])
+def test_a_weight_a_graphed_method_or_function_names_changed_before_its_backward_is_refused(
+    backend: str, how: str
+) -> None:
+    # The frozen weight is saved for the input's grad: eager's backward raises after an EMA
+    # step between the forward and the backward, a graph would read the new weight.
+    encoder, graphed = _graph_through_code(how, backend)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    loss = graphed(x).sum()
+    with torch.no_grad():
+        encoder.fc.weight.mul_(0.5)
+    with pytest.raises(DualgraphError, match=r"weight was modified in place"):
+        loss.backward()
+    assert x.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_hook_on_the_module_of_a_graphed_method_is_not_a_change(backend: str) -> None:
+    # Calling encoder.encode runs no hook of encoder's own (only encoder(...) would).
+    encoder, graphed = _graph_through_code("method", backend)
+    encoder.register_forward_hook(lambda module, args, output: output)
+    graphed(torch.randn(4, 8, device=device_of(backend)))
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_hooks_on_the_graphed_module_itself_may_come_and_go(backend: str) -> None:
     # They run around the replay, through the module's __call__, as in eager.
@@ -1471,15 +1580,19 @@ def test_in_graph_grads_add_into_a_grad_that_aliases_their_buffer(
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
+@pytest.mark.parametrize("how", ["assigned", "in_place"])
 def test_in_graph_grads_refuse_a_grad_in_their_buffer_laid_out_otherwise(
-    backend: str, param_grads: str
+    backend: str, param_grads: str, how: str
 ) -> None:
     device = device_of(backend)
     layer = nn.Linear(3, 3).to(device)  # square: a transposed view is a valid .grad
     x = torch.randn(2, 3, device=device)
     dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads=param_grads)
     backward_of(layer(x))
-    layer.weight.grad = layer.weight.grad.t()
+    if how == "assigned":
+        layer.weight.grad = layer.weight.grad.t()
+    else:  # the same .grad object, read with other strides from now on
+        layer.weight.grad.t_()
     values = [p.grad.clone() for p in layer.parameters()]
     with pytest.raises(DualgraphError, match=r"Linear\.weight: \.grad shares memory"):
         backward_of(layer(x))
@@ -1883,6 +1996,75 @@ def test_in_graph_grads_add_into_views_of_one_flat_grad_buffer(
         _assert_same_grads(net, twin, backend)
     assert net[0].weight.grad._base is net[2].weight.grad._base
     assert _through_autograd(net) == 0
+
+
+#: Ways to move a ``.grad`` into other memory while it stays the same tensor object, as
+#: DeepSpeed's contiguous gradients do (``param.grad.data = bucket.narrow(...).view_as(...)``).
+REPOINTS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "data": lambda grad, place: setattr(grad, "data", place),
+    "set_": lambda grad, place: grad.set_(place),
+}
+
+
+def _repoint_grads_into_one_flat_buffer(module: nn.Module, how: str) -> torch.Tensor:
+    params = list(module.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    start = 0
+    for param in params:
+        place = flat[start : start + param.numel()].view_as(param)
+        place.copy_(param.grad)
+        REPOINTS[how](param.grad, place)
+        start += param.numel()
+    return flat
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize("how", REPOINTS)
+def test_a_grad_moved_into_other_memory_keeping_its_identity_is_added_into_like_eager(
+    backend: str, param_grads: str, how: str
+) -> None:
+    _moved_grads_step_like_eager(backend, param_grads, how, hooked=False)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", REPOINTS)
+def test_a_grad_moved_into_other_memory_is_added_into_like_eager_through_autograd(
+    backend: str, how: str
+) -> None:
+    _moved_grads_step_like_eager(backend, "auto", how, hooked=True)
+
+
+def _moved_grads_step_like_eager(backend: str, param_grads: str, how: str, hooked: bool) -> None:
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    kept = [p.grad for p in net.parameters()]
+    flats = [_repoint_grads_into_one_flat_buffer(module, how) for module in (net, twin)]
+    if hooked:  # "auto" hands the grads to autograd, from copies of what the graph added
+        for module in (net, twin):
+            for param in module.parameters():
+                param.register_hook(lambda grad: grad * 2)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+    assert_tensors_match(flats[0], flats[1], "the flat buffer the .grad tensors live in")
+    assert all(p.grad is grad for p, grad in zip(net.parameters(), kept, strict=True))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_moved_into_other_memory_is_not_handed_out_again_after_zero_grad(
+    backend: str, param_grads: str
+) -> None:
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    flat = _repoint_grads_into_one_flat_buffer(net, "data")
+    _repoint_grads_into_one_flat_buffer(twin, "data")
+    values = flat.clone()
+    for module in (net, twin):
+        module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+    assert_tensors_match(flat, values, "the flat buffer the old .grad tensors live in")
 
 
 def _inference_grad(param: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
 from ._ambient import autocast_state, numerics_state
 from ._capture_failure import Refused
-from ._closed_over import ClosureUpdates
+from ._closed_over import ClosureUpdates, code_tensors
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
 from ._output_aliases import OutputAliases
@@ -72,6 +72,7 @@ class _Capture:
         )
         self._learned_nothing_yet()
         self.module_tensors: ModuleTensors | None
+        self.code_tensors: ModuleTensors | None
         self.closure_updates: ClosureUpdates
         self.param_names: tuple[str, ...]
         self.params: tuple[torch.Tensor, ...]
@@ -81,6 +82,7 @@ class _Capture:
             self._own_parameters(shared)
         else:
             self.module_tensors = like.module_tensors
+            self.code_tensors = like.code_tensors
             self.closure_updates = like.closure_updates
             self.param_names, self.params = like.param_names, like.params
             self.in_graph_grads = like.in_graph_grads
@@ -98,6 +100,8 @@ class _Capture:
                     "before graphing it"
                 )
         self.module_tensors = ModuleTensors.of(module) if module is not None else None
+        # A function's or method's: what its code names, checked per call as a module's own.
+        self.code_tensors = code_tensors(self.request.fn) if module is None else None
         self.closure_updates = ClosureUpdates()  # a function's: found during capture
         named = (
             [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -417,6 +421,7 @@ class _Capture:
             output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
             module_tensors=self.module_tensors,
+            code_tensors=self.code_tensors,
             closure_updates=self.closure_updates.updated,
             params=layout,
             buffers=buffers,

@@ -1,10 +1,16 @@
-"""Tensors a graphed function may update besides its inputs, and the ones it does update.
+"""Tensors a graphed function may update besides its inputs, and the ones it does update;
+the modules and tensors its code names, which each call checks as a module's own.
 
 A module's own parameters and buffers are recorded by :class:`ModuleTensors`. A function, or a
 bound method, has none of its own, yet its code may name some: a closure over a BatchNorm, a
 global tensor, the module of a method. Those its warmup and capture updated in place are what an
 input sharing memory with one would, in eager, be read after (``GraphedCallable``); they are
 put back after capture, as a module's buffers are. ``dgt.verify`` compares them too.
+
+Its graphs read those modules' and tensors' memory, and replay their modules' training modes
+and hooks, as they were at capture; :func:`code_tensors` records them so that each call refuses
+a change (a weight moved by ``.data = ...`` or ``.half()``, ``encoder.eval()``), as a graphed
+module's own ``ModuleTensors`` does.
 """
 
 from __future__ import annotations
@@ -16,7 +22,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ClosureUpdates", "closed_over_tensors", "named_by", "plain_tensor_attributes"]
+from ._params import ModuleTensors
+
+__all__ = [
+    "ClosureUpdates",
+    "closed_over_tensors",
+    "code_tensors",
+    "named_by",
+    "plain_tensor_attributes",
+]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass may have no memory of its own to read
 
 
 def closed_over_tensors(
@@ -32,6 +48,51 @@ def closed_over_tensors(
     is not found.
     """
     found: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, value in _named_values(fn):
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), (f"closed over {name}", value))
+        elif isinstance(value, torch.nn.Module):
+            for tensor_name, tensor in _tensors_of(value, parameters):
+                found.setdefault(id(tensor), (f"closed over {name}.{tensor_name}", tensor))
+    return list(found.values())
+
+
+def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
+    """The modules and tensors ``fn``'s code names (as :func:`closed_over_tensors` finds them)
+    and a bound method's module, recorded as a module's own are; ``None`` where there are none.
+
+    Named as the code names them (``closed over encoder.fc.weight``; a method's module by its
+    class, ``FrozenEncoder.fc.weight``). A method's module is not called by the method, so its
+    own hooks and ``forward`` are not watched; its submodules', which it calls, are.
+    """
+    holder = torch.nn.Module()  # hangs them together; never called
+    seen: set[int] = set()
+    uncalled: tuple[torch.nn.Module, ...] = ()
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    owner = getattr(inner, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        holder._modules[type(owner).__name__] = owner
+        seen.add(id(owner))
+        uncalled = (owner,)
+    for name, value in _named_values(fn):
+        if id(value) in seen:
+            continue
+        if isinstance(value, torch.nn.Module):
+            holder._modules[f"closed over {name}"] = value
+            seen.add(id(value))
+        elif type(value) in _PLAIN and value.layout == torch.strided:
+            holder._buffers[f"closed over {name}"] = value
+            seen.add(id(value))
+    if not holder._modules and not holder._buffers:
+        return None
+    return ModuleTensors.of(holder, root="", uncalled=uncalled)
+
+
+def _named_values(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """What ``fn``'s own code names: its closure's cells, its globals it uses, and a
+    ``functools.partial``'s arguments, as ``(name, value)``."""
     named: list[tuple[str, Any]] = []
     while isinstance(fn, functools.partial):
         named += [(f"partial argument {i}", a) for i, a in enumerate(fn.args)]
@@ -45,13 +106,7 @@ def closed_over_tensors(
                 named.append((name, cell.cell_contents))
         globals_ = getattr(fn, "__globals__", {})
         named += [(n, globals_[n]) for n in code.co_names if n in globals_]
-    for name, value in named:
-        if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), (f"closed over {name}", value))
-        elif isinstance(value, torch.nn.Module):
-            for tensor_name, tensor in _tensors_of(value, parameters):
-                found.setdefault(id(tensor), (f"closed over {name}.{tensor_name}", tensor))
-    return list(found.values())
+    return named
 
 
 def named_by(fn: Callable[..., Any], *, parameters: bool = False) -> list[tuple[str, torch.Tensor]]:

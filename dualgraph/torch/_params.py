@@ -162,15 +162,26 @@ class ModuleTensors:
     updated: tuple[int, ...] = ()  # indices into tensors
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> ModuleTensors:
-        """Record the parameters and buffers of ``module`` as they are now."""
-        root = type(module).__name__
+    def of(
+        cls,
+        module: torch.nn.Module,
+        *,
+        root: str | None = None,
+        uncalled: tuple[torch.nn.Module, ...] = (),
+    ) -> ModuleTensors:
+        """Record the parameters and buffers of ``module`` as they are now.
+
+        ``root``: what names start with (its class name unless given; ``""``: nothing).
+        ``uncalled``: submodules the callable never calls, only runs code of (the module of a
+        graphed method): their own hooks and instance-level ``forward`` are not watched.
+        """
+        root = type(module).__name__ if root is None else root
         entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
         absent: list[tuple[str, dict[str, Any], str, bool]] = []
         for prefix, submodule in module.named_modules():
             for is_buffer, owner in ((False, submodule._parameters), (True, submodule._buffers)):
                 for key, tensor in owner.items():
-                    name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
+                    name = _joined(root, prefix, key)
                     if tensor is not None:
                         entries.append((name, owner, key, tensor, is_buffer))
                     else:
@@ -181,20 +192,24 @@ class ModuleTensors:
         for prefix, parent in module.named_modules():
             for key, child in parent._modules.items():
                 if child is not None:
-                    name = f"{root}.{prefix}.{key}" if prefix else f"{root}.{key}"
+                    name = _joined(root, prefix, key)
                     hung.append((name, parent._modules, key, child))
         modules = tuple(entry[3] for entry in hung)
         hooked = [
             (
-                f"{root}.{prefix}",
+                _joined(root, prefix),
                 kind,
                 getattr(submodule, attribute),
                 tuple(getattr(submodule, flag, {}) for flag in flags),
             )
             for prefix, submodule in module.named_modules()
-            if prefix
+            if prefix and not any(submodule is other for other in uncalled)
             for attribute, (kind, flags) in _HOOK_KINDS.items()
         ]
+        # An uncalled module's forward is never read: an empty namespace of its own stands in.
+        namespaces = tuple(
+            {} if any(child is other for other in uncalled) else child.__dict__ for child in modules
+        )
         hook_dicts = tuple(entry[2] for entry in hooked)
         hook_flags = tuple(entry[3] for entry in hooked)
         return cls(
@@ -218,8 +233,8 @@ class ModuleTensors:
             module_keys=tuple(entry[2] for entry in hung),
             modules=modules,
             training=tuple(map(_training, modules)),
-            module_dicts=tuple(module.__dict__ for module in modules),
-            forwards=tuple(module.__dict__.get("forward") for module in modules),
+            module_dicts=namespaces,
+            forwards=tuple(namespace.get("forward") for namespace in namespaces),
             classes=tuple(map(type, modules)),
             hook_names=tuple(f"{name}: {kind}" for name, kind, _, _ in hooked),
             hook_dicts=hook_dicts,
@@ -475,6 +490,10 @@ class ModuleTensors:
                     f"{advice}"
                 )
         return error
+
+
+def _joined(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
 
 
 def _copy_back(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -128,11 +128,15 @@ class ReplayPlan:
     saved_outputs: tuple[int, ...]  # outputs the backward reads: changing them in place is refused
     # outputs other outputs are computed from: a grad watched at one of them is refused
     used_inside: tuple[int, ...]
-    # parameters and buffers (positions among module_tensors) the backward reads: changing one
-    # in place between a replay and its backward is refused, as eager refuses it
+    # parameters and buffers (positions among module_tensors, or code_tensors for a function)
+    # the backward reads: changing one in place between a replay and its backward is refused,
+    # as eager refuses it
     saved_module_tensors: tuple[int, ...]
     mutated_inputs: tuple[int, ...]  # inputs the callable updates in place: copied back
     module_tensors: ModuleTensors | None
+    # a function's or method's: the modules and tensors its code names (_closed_over.py),
+    # checked on every call as a module's own are
+    code_tensors: ModuleTensors | None
     params: ParamLayout
     buffers: StaticBuffers
     clone_outputs: bool

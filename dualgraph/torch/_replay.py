@@ -61,6 +61,8 @@ from ._unreached_hooks import quiet_hooks as _quiet_hooks
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
 _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
@@ -110,6 +112,8 @@ class GraphedCallable:
         "_first_param",
         "_generation",
         "_grad_outputs",
+        "_graph_grads",
+        "_graph_grads_places",
         "_has_backward",
         "_holder_baseline",
         "_holder_probes",
@@ -178,7 +182,10 @@ class GraphedCallable:
         self.backend = plan.backend
         self.diagnostics: CaptureDiagnostics = dataclasses.replace(plan.diagnostics)
         self._inputs = plan.inputs
-        self._module_tensors = plan.module_tensors
+        # What each call checks: the module's own tensors, or those a function's code names.
+        self._module_tensors = (
+            plan.module_tensors if plan.module_tensors is not None else plan.code_tensors
+        )
         self._out_spec = plan.outputs
         # Outputs that are, or view, other outputs or inputs in eager (None: none are).
         self._aliases = plan.output_aliases
@@ -237,13 +244,17 @@ class GraphedCallable:
         self._used_inside = plan.used_inside
         # The parameters and buffers the backward graph reads (where eager saves them): changed
         # in place before the backward, eager raises, and a graph would read the new values. A
-        # function's are the tensors its code names (frozen weights, a closed-over tensor).
-        tensors = plan.module_tensors
-        read = list(plan.saved_closure_tensors)
+        # function's module tensors are those its code names; the plan's saved_closure_tensors
+        # add what else its code reaches (a module's plain tensor attributes, a cache).
+        tensors = self._module_tensors
+        read: dict[int, tuple[str, torch.Tensor]] = {}
         if tensors is not None:
-            read += [(tensors.names[i], tensors.tensors[i]) for i in plan.saved_module_tensors]
-        self._read_by_backward = tuple(tensor for _, tensor in read)
-        self._read_by_backward_names = tuple(name for name, _ in read)
+            for i in plan.saved_module_tensors:
+                read.setdefault(id(tensors.tensors[i]), (tensors.names[i], tensors.tensors[i]))
+        for name, tensor in plan.saved_closure_tensors:
+            read.setdefault(id(tensor), (name, tensor))
+        self._read_by_backward = tuple(tensor for _, tensor in read.values())
+        self._read_by_backward_names = tuple(name for name, _ in read.values())
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
         self._clone_outputs = plan.clone_outputs
@@ -260,6 +271,15 @@ class GraphedCallable:
         # when nothing watches it (_nothing_watches_params)
         self._unwatched = ((True, None, None),) * len(self._params)
         self._in_graph_accumulators = tuple(entry[1] for entry in self._accumulators)
+        # The memory the backward graph adds into, as aliases of their own: an accumulator
+        # handed out as .grad is the user's to move (``grad.data = bucket_view``, as DeepSpeed's
+        # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
+        # was at capture. Made before the holder counts below, which count them.
+        self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
+        self._graph_grads_places = (
+            tuple(map(_data_ptr, self._graph_grads)),
+            tuple(map(_stride, self._graph_grads)),
+        )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # Anything besides "no autocast now, none at capture" needs the full check.
@@ -1002,20 +1022,29 @@ class GraphedCallable:
         the sums.
         """
         grads = tuple(map(_grad, self._in_graph_params))
-        if all(map(_is, grads, self._in_graph_accumulators)):
-            replay()  # every .grad is its accumulator
+        accumulators = self._in_graph_accumulators
+        if all(map(_is, grads, accumulators)) and self._accumulators_in_place():
+            replay()  # every .grad is its accumulator, where the graph adds
             return True
         pending = []
         zeroed = []
-        for (param, accumulator, storage), grad, baseline, name in zip(
-            self._holder_probes, grads, self._holder_baseline, self._accumulator_names, strict=True
+        handed: list[torch.Tensor | None] = []  # what a .grad that is None becomes
+        for (param, accumulator, storage), memory, grad, baseline, name in zip(
+            self._holder_probes,
+            self._graph_grads,
+            grads,
+            self._holder_baseline,
+            self._accumulator_names,
+            strict=True,
         ):
-            if grad is accumulator or (grad is not None and _aliases(grad, accumulator, name)):
+            if grad is not None and _aliases(grad, memory, name):
                 continue  # the replay adds into .grad's memory itself
             # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
             # a view or a detached alias of it is still in use and must not change.
             held = any(map(operator.gt, _holders(accumulator, storage), baseline))
-            pending.append((param, accumulator, grad, accumulator.clone() if held else None))
+            pending.append((param, memory, grad, memory.clone() if held else None))
+            # An accumulator moved elsewhere (grad.data = ...) is the user's memory now.
+            handed.append(accumulator if _same_place(accumulator, memory) else None)
         problem = _grad_problem(pending, self._accumulator_spans, self._names_of)
         if problem is not None:
             name, found, raises_for = problem
@@ -1048,16 +1077,25 @@ class GraphedCallable:
                 if saved is not None:
                     accumulator.copy_(saved)
             raise
-        for param, accumulator, grad, saved in pending:
+        for (param, memory, grad, saved), own in zip(pending, handed, strict=True):
             if grad is not None:
-                grad.copy_(accumulator)
-            elif saved is None:
-                param.grad = accumulator
+                grad.copy_(memory)
+            elif saved is None and own is not None:
+                param.grad = own
             else:
-                param.grad = accumulator.clone()
+                param.grad = memory.clone()
             if saved is not None:
-                accumulator.copy_(saved)
+                memory.copy_(saved)
         return True
+
+    def _accumulators_in_place(self) -> bool:
+        """Whether every accumulator still has the memory and layout the graph adds into
+        (one pass over each: the backward's only cost per parameter for this)."""
+        accumulators = self._in_graph_accumulators
+        ptrs, strides = self._graph_grads_places
+        return tuple(map(_data_ptr, accumulators)) == ptrs and (
+            tuple(map(_stride, accumulators)) == strides
+        )
 
     def _backward_into_copies(
         self, alone: torch.Tensor | None = None
@@ -1074,11 +1112,11 @@ class GraphedCallable:
         the accumulators at once (``torch._foreach_mul`` by one: every value, ``-0.0`` and NaN
         included, comes out as it went in).
         """
-        accumulators = self._in_graph_accumulators
+        accumulators = self._graph_grads  # the memory, wherever a .grad has moved
         held = [
-            accumulator
-            for (_, accumulator, storage), baseline in zip(
-                self._holder_probes, self._holder_baseline, strict=True
+            memory
+            for (_, accumulator, storage), memory, baseline in zip(
+                self._holder_probes, self._graph_grads, self._holder_baseline, strict=True
             )
             if any(map(operator.gt, _holders(accumulator, storage), baseline))
         ]
@@ -1105,6 +1143,11 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
+    """Whether ``tensor`` (an accumulator) still lies where ``memory`` (its alias) does."""
+    return tensor.data_ptr() == memory.data_ptr() and tensor.stride() == memory.stride()
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:

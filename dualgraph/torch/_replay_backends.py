@@ -92,8 +92,11 @@ class EmulatedReplay:
         self._targets = tuple(
             (k, target) for k, target in enumerate(grad_targets) if target is not None
         )
+        # Into the memory the accumulators have now, as a graph's add is captured on it: a
+        # ``.grad`` that is an accumulator may be moved elsewhere later (``grad.data = ...``),
+        # and a graph still adds where it was (``_replay.py`` sees to it).
         self._accumulate = tuple(
-            (k, accumulator)
+            (k, accumulator.detach())
             for k, accumulator in enumerate(accumulators)
             if accumulator is not None
         )

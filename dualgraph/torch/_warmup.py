@@ -66,7 +66,9 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
             () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
         )
         item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
-        item.saved_module_tensors = _saved_module_tensors(item.module_tensors, saved)
+        item.saved_module_tensors = _saved_module_tensors(
+            item.module_tensors if item.module_tensors is not None else item.code_tensors, saved
+        )
         module = item.request.module
         # What else the backward reads that a replay could find changed: a function's or
         # method's weights (as a module's), a module's plain tensor attributes.
