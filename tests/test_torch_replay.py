@@ -1092,3 +1092,79 @@ def test_a_hook_that_calls_the_replay_before_its_backward_is_refused_naming_hook
     with pytest.raises(DualgraphError, match=r"Or a hook .* called it before this backward"):
         out.sum().backward()
     assert x.grad is None
+
+
+def _overlapping_grads(layer: nn.Linear) -> None:
+    flat = torch.zeros(16, device=layer.weight.device)
+    layer.weight.grad, layer.bias.grad = flat.view(4, 4), flat[:4]
+
+
+def _expanded_weight_grad(layer: nn.Linear) -> None:
+    layer.weight.grad = _expanded_grad(layer.weight)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("param_grads", "spoil"),
+    [
+        ("in_graph", _expanded_weight_grad),
+        ("in_graph", _overlapping_grads),
+        ("auto", _overlapping_grads),
+    ],
+)
+def test_a_backward_refused_before_it_replays_stays_pending_for_a_retry(
+    backend: str, param_grads: str, spoil: Any
+) -> None:
+    # The refusal said "nothing was changed", but the replay's backward was already marked as
+    # run: the retry, with .grad mended, was refused as a second backward, where eager's runs.
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 4).to(device), nn.Linear(4, 4).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    dgt.make_graphed_callables(layer, sample, backend=backend, param_grads=param_grads)
+    x = torch.randn(2, 4, device=device)
+    loss = layer(x).square().sum()
+    spoil(layer)
+    with pytest.raises(DualgraphError, match=r"Linear\.(weight|bias)"):
+        loss.backward(retain_graph=True)
+    layer.weight.grad = layer.bias.grad = None
+    loss.backward()
+    twin(x).square().sum().backward()
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        parameter_names(layer),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_replay_hook_failing_before_the_backward_leaves_it_pending_for_a_retry(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    failures = [RuntimeError("the step counter is not ready")]
+
+    def before_backward(call: Any) -> None:
+        if failures:
+            raise failures.pop()
+
+    layer, twin = nn.Linear(4, 4).to(device), nn.Linear(4, 4).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    hooks = dgt.ReplayHooks(before_backward=before_backward)
+    dgt.make_graphed_callables(
+        layer, sample, backend=backend, param_grads=param_grads, replay_hooks=hooks
+    )
+    x = torch.randn(2, 4, device=device)
+    loss = layer(x).square().sum()
+    with pytest.raises(RuntimeError, match="the step counter is not ready"):
+        loss.backward(retain_graph=True)
+    loss.backward()
+    twin(x).square().sum().backward()
+    assert_grads_match(
+        grads_of(parameters_of(layer)),
+        grads_of(parameters_of(twin)),
+        parameter_names(layer),
+        tolerance(backend),
+    )

@@ -84,6 +84,10 @@ _NONE: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
 
 
+class _RefusedBeforeReplay(DualgraphError):
+    """A backward refused before any graph replayed or any ``.grad`` was added to."""
+
+
 class GraphedCallable:
     """A captured callable; calling it replays (see the module docstring).
 
@@ -673,12 +677,20 @@ class GraphedCallable:
                 self._check_backward(generation, plain)
             if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
+            # Marked before the hooks and graphs run; a refusal made before anything is
+            # replayed or added to (_RefusedBeforeReplay, a replay hook's error) unmarks it,
+            # so that a retry (the .grad mended, retain_graph=True) runs it, as eager's would.
+            pending = self._backward_generation
             self._backward_generation = generation
             if pool is not None:  # may expire the pending backwards of callables graphed after
                 pool.backward_replayed()
             call = self._replay_call  # set by a forward only where there are replay hooks
             if call is not None:
-                self._hooks.before_backward(call)  # type: ignore[union-attr]
+                try:
+                    self._hooks.before_backward(call)  # type: ignore[union-attr]
+                except BaseException:
+                    self._backward_generation = pending
+                    raise
             for static, index in self._grad_outputs:
                 grad = grads[index]
                 if grad is None:
@@ -695,10 +707,14 @@ class GraphedCallable:
             # ("auto" when autograd must see them), or none (added into .grad by the graph).
             param_grads: tuple[torch.Tensor | None, ...] = ()
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
-                if unreached_params:
-                    self._backward_leaving_alone(unreached_params)
-                else:
-                    self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                try:
+                    if unreached_params:
+                        self._backward_leaving_alone(unreached_params)
+                    else:
+                        self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                except _RefusedBeforeReplay:
+                    self._backward_generation = pending
+                    raise
             elif self._auto:
                 added: bool | torch.Tensor = False  # False: autograd adds every grad
                 if (
@@ -710,7 +726,11 @@ class GraphedCallable:
                 ):
                     # nothing needs the parameter grads to pass through autograd: the graph
                     # adds them, if every .grad is one it can add into (else autograd, as eager)
-                    added = self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                    try:
+                        added = self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+                    except _RefusedBeforeReplay:
+                        self._backward_generation = pending
+                        raise
                 if added is not True:
                     param_grads = self._backward_into_copies(None if added is False else added)
                     self.diagnostics.param_grads_through_autograd += 1
@@ -1037,7 +1057,11 @@ class GraphedCallable:
             self._accumulator_names,
             strict=True,
         ):
-            if grad is not None and _aliases(grad, memory, name):
+            try:
+                adds_in_place = grad is not None and _aliases(grad, memory, name)
+            except DualgraphError as error:  # a .grad in the graph's memory, laid out otherwise
+                raise _RefusedBeforeReplay(str(error)) from None
+            if adds_in_place:
                 continue  # the replay adds into .grad's memory itself
             # More holders than when nobody held it (fewer is no reason to copy): the old .grad,
             # a view or a detached alias of it is still in use and must not change.
@@ -1051,12 +1075,12 @@ class GraphedCallable:
             if found is not None:
                 if self._auto:  # autograd adds into it as eager does
                     return False if raises_for is None else raises_for
-                raise DualgraphError(
+                raise _RefusedBeforeReplay(
                     f"{name}: {found}; param_grads='in_graph' cannot add into it as eager does "
                     "(nothing was changed): set .grad to None or to a dense tensor of its own "
                     "of the parameter's dtype, or capture with param_grads='auto'"
                 )
-            raise DualgraphError(
+            raise _RefusedBeforeReplay(
                 f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
                 "grad buffer of another parameter): eager adds each parameter's grad into it in "
                 "the order its backward reaches them, which a replay cannot reproduce; give each "
