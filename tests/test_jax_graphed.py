@@ -1091,3 +1091,98 @@ def test_an_input_in_another_memory_layout_is_taken_as_jax_jit_takes_it(donate: 
     (grad,), _ = pullback((transposed_array(), None))
     np.testing.assert_array_equal(grad, np.asarray(transposed_array()) * 2)
     assert y.is_deleted() == bool(donate == 0)
+
+
+# -- JAX settings changed after graphing ---------------------------------------------------------
+
+
+@pytest.fixture
+def jax_setting() -> Any:
+    """``set(name, value)``: a JAX setting changed for the test, put back afterwards."""
+    saved: dict[str, Any] = {}
+
+    def set_setting(name: str, value: Any) -> None:
+        saved.setdefault(name, getattr(jax.config, name))
+        jax.config.update(name, value)
+
+    yield set_setting
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+def uniform_from_seed(seed: jax.Array) -> jax.Array:
+    return jax.random.uniform(jax.random.key(seed), (3,))
+
+
+def test_a_call_after_threefry_partitionable_changed_is_refused_naming_it(jax_setting: Any) -> None:
+    # The program kept the old random bits where the function (and jax.jit) gave new ones.
+    seed = jnp.asarray(1, jnp.uint32)
+    g = dgj.graphed(uniform_from_seed, (seed,))
+    before = jax.config.jax_threefry_partitionable
+    jax_setting("jax_threefry_partitionable", not before)
+    assert not np.array_equal(uniform_from_seed(seed), g.compiled(seed)[0])
+    with pytest.raises(DualgraphError, match=rf"jax_threefry_partitionable={before!r}.*now"):
+        g(seed)
+    jax_setting("jax_threefry_partitionable", before)
+    np.testing.assert_array_equal(g(seed), uniform_from_seed(seed))
+
+
+def test_a_call_after_the_default_prng_impl_changed_is_refused_naming_it(jax_setting: Any) -> None:
+    seed = jnp.asarray(1, jnp.uint32)
+    g = dgj.graphed(uniform_from_seed, (seed,))
+    jax_setting("jax_default_prng_impl", "rbg")
+    with pytest.raises(DualgraphError, match=r"jax_default_prng_impl='threefry2x32'.*'rbg'"):
+        g(seed)
+
+
+def test_a_call_after_rank_promotion_was_set_to_raise_is_refused(jax_setting: Any) -> None:
+    # Eager raises on the implicit broadcast; the program broadcast anyway.
+    g = dgj.graphed(operator.add, (jnp.ones((3, 1)), jnp.ones(3)))
+    jax_setting("jax_numpy_rank_promotion", "raise")
+    with pytest.raises(ValueError, match="jax_numpy_rank_promotion='raise'"):
+        g.fn(jnp.ones((3, 1)), jnp.ones(3))
+    with pytest.raises(DualgraphError, match=r"jax_numpy_rank_promotion='allow'.*'raise' now"):
+        g(jnp.ones((3, 1)), jnp.ones(3))
+
+
+def test_a_call_under_another_matmul_precision_is_refused_before_donating() -> None:
+    x = jnp.ones((4, 4))
+    g = dgj.graphed(lambda a: a @ a, (x,), donate_argnums=0)
+    with jax.default_matmul_precision("bfloat16"):
+        with pytest.raises(DualgraphError, match=r"jax_default_matmul_precision=None"):
+            g(x)
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(g(x), np.full((4, 4), 4.0, np.float32))
+
+
+def test_a_pullback_called_under_another_setting_is_refused() -> None:
+    x = jnp.ones((4, 4))
+    g = dgj.graphed(lambda a: a @ a, (x,))
+    _, pullback = g.vjp(x)
+    with jax.default_matmul_precision("float32"):
+        with pytest.raises(DualgraphError, match=r"\(its pullback\) was graphed under"):
+            pullback(jnp.ones((4, 4)))
+    (grad,), _ = pullback(jnp.ones((4, 4)))
+    np.testing.assert_array_equal(grad, np.full((4, 4), 8.0, np.float32))
+
+
+def test_the_64_bit_mode_does_not_refuse_a_call_the_program_keeps_its_own() -> None:
+    x = jnp.ones(2)
+    g = dgj.graphed(lambda a: a * 2, (x,))
+    with x64():
+        np.testing.assert_array_equal(g(x), np.full(2, 2.0, np.float32))
+
+
+def test_a_call_under_disable_jit_is_refused_naming_fn() -> None:
+    # JAX's ahead-of-time executable raised its own ValueError, naming no path.
+    x = jnp.ones(2)
+    g = dgj.graphed(lambda a: a * 2, (x,), donate_argnums=0)
+    _, pullback = g.vjp(jnp.ones(2))
+    with jax.disable_jit():
+        with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\).*\.fn"):
+            g(x)
+        with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\)"):
+            g.vjp(x)
+        with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\)"):
+            pullback(jnp.ones(2))
+    assert not x.is_deleted()

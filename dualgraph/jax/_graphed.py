@@ -48,6 +48,7 @@ from ._leaves import (
     refuse_foreign_outputs,
 )
 from ._transforms import call_leaves, tracer_error
+from ._settings import TraceSettings
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
 
@@ -160,6 +161,9 @@ class GraphedCallable:
         self._x64 = x64_enabled()
         self._precision = config_value("jax_default_matmul_precision")
         self._device = default_device()  # what the programs are compiled for, the VJP's too
+        # Calls under other settings that change what tracing makes are refused (jax.jit would
+        # trace again); the VJP, compiled at the first .vjp call, is then traced under these.
+        self._settings = TraceSettings(self.name)
         refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
         self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
         self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
@@ -253,7 +257,8 @@ class GraphedCallable:
                     self._device,
                 )
         outputs, residuals = self._run(program.forward, arrays)
-        return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
+        pullback = Pullback(program, residuals, self._x64, self._settings)
+        return self.out_spec.unflatten(outputs), pullback
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
@@ -266,6 +271,7 @@ class GraphedCallable:
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         try:
+            self._settings.check()
             arrays = self.call_spec.flatten(args, kwargs, check=True)
             if self._key_orders is not None:
                 self._key_orders.check(args, kwargs)

@@ -22,7 +22,7 @@ from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
 from ._arrays import compare_arrays
 from ._bridge import as_torch, random_like, to_numpy
-from ._jax_side import JaxRun, run_jax
+from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
 from ._tolerances import Tolerance, check_tolerances
 from ._torch_side import full_precision, named_params, read_grads, torch_device
@@ -87,7 +87,7 @@ def compare(
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
     torch_out = _run_torch(torch_fn, inputs)
     wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
-    with enable_x64(wide is not None):
+    with enable_x64(wide is not None), reference_settings(jax_fn):
         run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
         spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
         entries = _compare_outputs(spec, torch_out, run.outputs, judge)
