@@ -1186,3 +1186,40 @@ def test_a_call_under_disable_jit_is_refused_naming_fn() -> None:
         with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\)"):
             pullback(jnp.ones(2))
     assert not x.is_deleted()
+
+
+# -- jax_debug_nans / jax_debug_infs -------------------------------------------------------------
+
+
+def test_a_nan_output_under_debug_nans_is_a_floating_point_error_as_eager(jax_setting: Any) -> None:
+    # The compiled program's check leaked JAX's private InternalFloatingPointError.
+    g = dgj.graphed(jnp.log, (jnp.ones(3),))
+    jax_setting("jax_debug_nans", True)
+    with pytest.raises(FloatingPointError):
+        g.fn(-jnp.ones(3))
+    with pytest.raises(dgj.NonFiniteError, match=r"graphed\(\S*log\): .* a NaN .*\.fn"):
+        g(-jnp.ones(3))
+    with pytest.raises(dgj.NonFiniteError):
+        g.vjp(-jnp.ones(3))
+    assert issubclass(dgj.NonFiniteError, DualgraphError)
+
+
+def test_a_nan_grad_under_debug_nans_is_a_floating_point_error_naming_the_pullback(
+    jax_setting: Any,
+) -> None:
+    g = dgj.graphed(jnp.sqrt, (jnp.ones(3),))
+    _, pullback = g.vjp(jnp.zeros(3))  # sqrt(0) is finite, its grad is not
+    jax_setting("jax_debug_infs", True)
+    with pytest.raises(dgj.NonFiniteError, match=r"^the pullback of graphed\(\S*sqrt\): .*an inf"):
+        pullback(jnp.ones(3))
+
+
+def test_a_donated_input_the_failing_call_consumed_is_not_blamed(jax_setting: Any) -> None:
+    # The error said the input had been "donated to an earlier call": this call consumed it.
+    x = -jnp.ones(3)
+    g = dgj.graphed(lambda a: (jnp.log(a), a * 2), (x,), donate_argnums=0)
+    jax_setting("jax_debug_nans", True)
+    with pytest.raises(dgj.NonFiniteError) as raised:
+        g(x)
+    assert "earlier call" not in str(raised.value)
+    assert x.is_deleted()  # consumed, as by every call that ran

@@ -48,6 +48,7 @@ from ._leaves import (
     refuse_foreign_outputs,
 )
 from ._transforms import call_leaves, tracer_error
+from ._non_finite import non_finite_error
 from ._settings import TraceSettings
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -336,11 +337,18 @@ class GraphedCallable:
                 if self._donated:
                     delete_donated(arrays, self._donated)
                 return result
+            non_finite = non_finite_error(error, f"graphed({self.name})")
+            if non_finite is not None:  # the program ran, and consumed what it was donated
+                if self._donated:
+                    delete_donated(arrays, self._donated)
+                raise non_finite from error
             explained: Exception | None = tracer_error(
                 f"graphed({self.name})", zip(self._paths, arrays, strict=True)
             )
             if explained is None:
-                explained = explain_failed_call(error, arrays, self._paths, self._device)
+                explained = explain_failed_call(
+                    error, arrays, self._paths, self._device, self._donated
+                )
             if explained is error:
                 raise
             raise explained from error

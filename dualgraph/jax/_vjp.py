@@ -19,6 +19,7 @@ from .._spec import TreeSpec
 from ._donation import explain_failed_call, jax_donation_warnings
 from ._env import x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays
+from ._non_finite import non_finite_error
 from ._settings import TraceSettings
 from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
@@ -119,6 +120,9 @@ class Pullback:
                 try:
                     grads = program.backward(self._residuals, cotangents)
                 except Exception as error:
+                    non_finite = non_finite_error(error, f"the pullback of graphed({program.name})")
+                    if non_finite is not None:
+                        raise non_finite from error
                     copies = in_default_layouts(error, cotangents)
                     if copies is None:  # a deleted cotangent, or one on another device
                         clearer = explain_failed_call(
