@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import operator
 import os
@@ -1223,3 +1224,19 @@ def test_a_donated_input_the_failing_call_consumed_is_not_blamed(jax_setting: An
         g(x)
     assert "earlier call" not in str(raised.value)
     assert x.is_deleted()  # consumed, as by every call that ran
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class DoubledOutput:
+    x: Any
+
+    def __post_init__(self) -> None:
+        self.x = self.x * 2
+
+
+def test_an_output_class_that_changes_its_fields_is_refused_not_changed_twice() -> None:
+    # The rebuilt output ran __post_init__ a second time: [4, 4] where the function gave [2, 2].
+    g = dgj.graphed(DoubledOutput, (jnp.ones(2),))
+    with pytest.raises(DualgraphError, match=r"DoubledOutput did not keep field 'x'"):
+        g(jnp.ones(2))
