@@ -536,8 +536,8 @@ class DataclassNode(NamedContainer):
         return f"_getattr({var}, {bind(self.fields[index], 'f')})"
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
-        maker, cls, fields = bind(rebuilt_dataclass, "R"), bind(self.cls, "T"), bind(self.fields, "f")
-        return f"{maker}({cls}, {fields}, [{', '.join(parts)}])"
+        maker, cls = bind(rebuilt_dataclass, "R"), bind(self.cls, "T")
+        return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}])"
 
 
 # -- rebuilding user classes ---------------------------------------------------------------------

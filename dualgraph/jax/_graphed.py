@@ -47,9 +47,9 @@ from ._leaves import (
     refuse_foreign_arrays,
     refuse_foreign_outputs,
 )
-from ._transforms import call_leaves, tracer_error
 from ._non_finite import non_finite_error
 from ._settings import TraceSettings
+from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
 

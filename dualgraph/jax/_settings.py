@@ -13,8 +13,9 @@ it was compiled in, see :func:`~dualgraph.jax.x64_mode`) and ``jax_default_devic
 compiled for one device; an input elsewhere is refused by name). Also left out are switches that
 change how JAX or XLA get to a program, not its values (profiling, metadata, internal
 implementations). A call under ``jax.disable_jit()`` is refused too (an ahead-of-time program
-cannot run op by op; ``.fn`` can). ``jax_default_prng_impl``, which is not in JAX's trace context (``jax.jit`` keeps
-a stale key implementation too), is compared as well: eager ``jax.random.key(seed)`` follows it.
+cannot run op by op; ``.fn`` can). ``jax_default_prng_impl``, which is not in JAX's trace
+context (``jax.jit`` keeps a stale key implementation too), is compared as well: eager
+``jax.random.key(seed)`` follows it.
 """
 
 from __future__ import annotations
