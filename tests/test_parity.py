@@ -845,6 +845,55 @@ def test_frozen_parameters_are_not_compared() -> None:
     assert "grad params['weight']" in [entry.path for entry in report.entries]
 
 
+def test_a_trained_parameter_whose_mapping_subtracts_one_is_still_compared() -> None:
+    # With a frozen parameter beside it, a 0/1 mask mapped through `w - 1` became 0: the trained
+    # weight's grad was silently left out, and a JAX reference with no grad for it passed.
+    linear = torch.nn.Linear(4, 3)
+    linear.bias.requires_grad_(False)
+
+    def offset(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"weight_minus_one": d["weight"] - 1, "bias": d["bias"]}
+
+    def no_weight_grad(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        weight = jax.lax.stop_gradient(params["weight_minus_one"] + 1)
+        return x @ weight.T + params["bias"]
+
+    params = {k: jnp.asarray(v) for k, v in offset(to_numpy_params(linear)).items()}
+    report = compare(
+        linear, no_weight_grad, (sample(2, 4),), params=params, params_from_torch=offset
+    )
+    assert not report.ok
+    assert report.worst is not None and report.worst.path == "grad params['weight_minus_one']"
+
+
+def test_a_leaf_joining_a_frozen_and_a_trained_parameter_compares_the_trained_part() -> None:
+    # Such a leaf was left out whole: the trained part's grads were never compared.
+    linear = torch.nn.Linear(4, 3)
+    linear.bias.requires_grad_(False)
+
+    def joined(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"wb": np.concatenate([d["weight"], d["bias"][:, None]], axis=1)}
+
+    def layer(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ params["wb"][:, :4].T + params["wb"][:, 4]
+
+    def wrong(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ (params["wb"][:, :4].T * 1.5) + params["wb"][:, 4]
+
+    params = {k: jnp.asarray(v) for k, v in joined(to_numpy_params(linear)).items()}
+    x = sample(2, 4)
+    right = assert_parity(linear, layer, (x,), params=params, params_from_torch=joined)
+    assert "grad params['wb']" in [entry.path for entry in right.entries]
+    report = compare(linear, wrong, (x,), params=params, params_from_torch=joined)
+    assert not report.ok and report.worst is not None
+    assert report.worst.path in ("output", "grad params['wb']")
+    assert not next(e for e in report.entries if e.path == "grad params['wb']").ok
+
+
+def to_numpy_params(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: p.detach().numpy() for name, p in module.named_parameters()}
+
+
 # -- the report ------------------------------------------------------------------------------------
 
 

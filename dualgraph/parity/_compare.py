@@ -61,7 +61,10 @@ def compare(
       torch ones (``torch_params``, by default ``torch_fn.named_parameters()``) through
       ``params_from_torch({name: numpy array})`` into the same pytree, e.g.
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
-      dict keyed by the torch parameter names. Frozen torch parameters are not compared.
+      dict keyed by the torch parameter names. Frozen torch parameters are not compared: a
+      JAX params leaf made of them is left out, and a leaf that mixes them with trained ones
+      is compared at the trained ones' entries (found by mapping NaN through
+      ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
       every floating input array and the parameters; complex ones as torch defines them. The
@@ -352,33 +355,64 @@ def _param_grad_reports(
             f"params: {error}",
             path=error.path,
         ) from None
-    compared = _trained_leaves(params_spec, as_numpy, torch_grads, convert)
+    frozen = _frozen_positions(params_spec, as_numpy, torch_grads, convert)
     jax_leaves = iter(optree.tree_leaves(jax_grads, namespace=NAMESPACE))
     reports = []
-    for path, leaf, torch_grad, used in zip(
-        params_spec.array_paths, params_spec.arrays, converted, compared, strict=True
+    for path, leaf, torch_grad, from_frozen in zip(
+        params_spec.array_paths, params_spec.arrays, converted, frozen, strict=True
     ):
         if not is_differentiable_dtype(leaf.dtype or ""):
             continue  # JAX gives no grad for it; nor does torch
         expected = _in_torch_terms(next(jax_leaves))
-        if used:
-            reports.append(judge("grad params" + path, np.asarray(torch_grad), expected))
+        actual = np.asarray(torch_grad)
+        if from_frozen is not None:
+            if from_frozen.all():
+                continue  # made of frozen parameters only
+            # torch has no grad there, JAX does: neither side's value there is compared
+            actual, expected = actual.copy(), expected.copy()
+            actual[from_frozen] = 0
+            expected[from_frozen] = 0
+        reports.append(judge("grad params" + path, actual, expected))
     return reports
+
+
+def _floating(array: np.ndarray) -> bool:
+    return is_differentiable_dtype(array.dtype.name)  # bfloat16 and float8 too (kind "V")
 
 
 def _grad_or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param, requires_grad=False) if grad is None else grad
 
 
-def _trained_leaves(
+def _frozen_positions(
     params_spec: TreeSpec,
     as_numpy: Mapping[str, np.ndarray],
     torch_grads: Mapping[str, Any],
     convert: Callable[[dict[str, np.ndarray]], Any],
-) -> list[bool]:
-    """For each params leaf, whether it comes from trainable torch parameters only."""
+) -> list[np.ndarray | None]:
+    """For each params leaf, where its entries come from frozen torch parameters (``None``:
+    nowhere).
+
+    Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN: the
+    entries NaN in the result, and not when every entry is one, come from frozen parameters,
+    whatever arithmetic the mapping does (``w - 1`` turns a 0/1 mask into another one; a
+    concatenation mixes frozen and trained entries in one leaf).
+    """
     if len(torch_grads) == len(as_numpy):
-        return [True] * params_spec.num_arrays
-    # Frozen parameters: map a mask through the same conversion to find the leaves they become.
-    trained = {name: np.full(a.shape, name in torch_grads, a.dtype) for name, a in as_numpy.items()}
-    return [bool(np.all(np.asarray(m))) for m in params_spec.flatten(convert(trained))]
+        return [None] * params_spec.num_arrays
+    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+    marked = {
+        name: a if name in torch_grads or not _floating(a) else np.full_like(a, np.nan)
+        for name, a in ones.items()
+    }
+    result: list[np.ndarray | None] = []
+    for plain, mark in zip(
+        params_spec.flatten(convert(ones)), params_spec.flatten(convert(marked)), strict=True
+    ):
+        plain, mark = np.asarray(plain), np.asarray(mark)
+        if not _floating(mark):
+            result.append(None)
+            continue
+        frozen = np.isnan(mark) & ~np.isnan(plain)
+        result.append(frozen if frozen.any() else None)
+    return result
