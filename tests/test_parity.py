@@ -279,6 +279,19 @@ def test_a_different_constant_is_reported_by_path() -> None:
         )
 
 
+def test_a_dict_in_another_key_order_is_reported_by_path() -> None:
+    # It passed: leaves are aligned by key, so equal values in another order compared equal,
+    # while the two output specs (and whatever iterates over the dict) differ.
+    def torch_side(t: torch.Tensor) -> list[Any]:
+        return [{"a": t * 2, "b": t * 3}]
+
+    def jax_side(a: jax.Array) -> list[Any]:
+        return [{"b": a * 3, "a": a * 2}]
+
+    with pytest.raises(SpecMismatchError, match=r"^output\[0\]: .*\['a', 'b'\].*\['b', 'a'\]"):
+        compare(torch_side, jax_side, (sample(2),))
+
+
 def test_a_different_dtype_is_reported_by_path() -> None:
     with pytest.raises(SpecMismatchError, match=r"output\['h'\]: expected bfloat16\[2\]"):
         compare(lambda t: {"h": t}, lambda a: {"h": a.astype(jnp.bfloat16)}, (sample(2),))

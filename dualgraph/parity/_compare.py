@@ -18,6 +18,7 @@ from .._containers import NAMESPACE
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
 from .._nodes import clip, clip_text
+from .._orders import key_order_difference
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
 from ._arrays import compare_arrays
@@ -79,7 +80,8 @@ def compare(
       :func:`dualgraph.jax.enable_x64`, so nothing is narrowed.
 
     Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
-    structure, ``None`` positions, constants, shapes or dtypes; value differences are reported.
+    structure, ``None`` positions, constants, shapes, dtypes or dict key orders; value
+    differences are reported.
     A ``torch_fn`` that updates an input in place is refused, naming it (JAX reads the inputs
     after torch has run, and has no in-place update to compare with).
     """
@@ -255,6 +257,15 @@ def _agreed_output_spec(jax_spec: TreeSpec, torch_out: Any, wide: str | None) ->
             f"returns, got: what torch returns){hint}",
             path=error.path,
         ) from None
+    found = key_order_difference(jax_spec, describe(torch_out))
+    if found is not None:
+        path, expected, got = found
+        raise SpecMismatchError(
+            f"output{path}: torch_fn returns a dict with its keys in the order {list(got)!r}, "
+            f"the JAX function in the order {list(expected)!r} (what iterates over the dict, "
+            "its .values() or a concatenation, would differ)",
+            path="output" + path,
+        )
     for path, leaf in zip(jax_spec.array_paths, jax_spec.flatten(torch_out), strict=True):
         if not isinstance(leaf, torch.Tensor):
             kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
