@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -290,6 +291,34 @@ def test_a_dict_in_another_key_order_is_reported_by_path() -> None:
 
     with pytest.raises(SpecMismatchError, match=r"^output\[0\]: .*\['a', 'b'\].*\['b', 'a'\]"):
         compare(torch_side, jax_side, (sample(2),))
+
+
+def nested(*parts: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor(list(parts))
+
+
+def test_a_nested_torch_output_is_refused_by_path() -> None:
+    # Described as a scalar (no single shape), it matched a JAX scalar, then torch's own
+    # RuntimeError ("NestedTensorImpl doesn't support sizes") leaked, naming nothing.
+    with pytest.raises(SpecMismatchError, match=r"^output\[0\]: torch_fn returned a nested"):
+        compare(lambda t: [nested(t * 2, t[:1])], lambda a: [a.sum()], (sample(3),))
+
+
+def test_a_nested_or_meta_torch_input_is_refused_by_path() -> None:
+    inputs = ({"n": nested(torch.ones(2), torch.ones(3))},)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]\['n'\] is a nested"):
+        compare(lambda d: d, lambda d: d, inputs)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\] is a meta tensor"):
+        compare(lambda t: t, lambda a: a, (torch.ones(2, device="meta"),))
+
+
+def test_meta_torch_parameters_are_refused_by_name() -> None:
+    linear = torch.nn.Linear(2, 2, device="meta")
+    params = {"weight": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight' is a meta tensor"):
+        compare(linear, linear_jax, (sample(1, 2),), params=params)
 
 
 def test_a_different_dtype_is_reported_by_path() -> None:

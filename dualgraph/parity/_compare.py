@@ -22,7 +22,7 @@ from .._orders import key_order_difference
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
 from ._arrays import compare_arrays
-from ._bridge import as_torch, random_like, to_numpy
+from ._bridge import as_torch, random_like, to_numpy, unreadable
 from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
 from ._tolerances import Tolerance, check_tolerances
@@ -150,6 +150,10 @@ def _params_of(
     if params is None:
         return None
     both = _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
+    for name, tensor in both.torch.items():
+        problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
+        if problem is not None:
+            raise DualgraphError(f"torch parameter {name!r} is {problem}")
     _check_params_match(both)
     return both
 
@@ -187,6 +191,9 @@ def _prepare_inputs(
     wants_grad = [grads and is_differentiable_dtype(leaf.dtype or "") for leaf in call_spec.arrays]
     tensors = []
     for path, leaf, x in zip(call_spec.array_paths, call_spec.arrays, samples, strict=True):
+        problem = unreadable(x) if isinstance(x, torch.Tensor) else None
+        if problem is not None:
+            raise DualgraphError(f"{path} is {problem}")
         try:
             tensors.append(as_torch(x, device))
         except Exception as error:  # a dtype torch has no tensor of, e.g. numpy's long double
@@ -272,6 +279,11 @@ def _agreed_output_spec(jax_spec: TreeSpec, torch_out: Any, wide: str | None) ->
             raise SpecMismatchError(
                 f"output{path}: torch_fn returned a {kind}, not a torch tensor",
                 path="output" + path,
+            )
+        problem = unreadable(leaf)
+        if problem is not None:
+            raise SpecMismatchError(
+                f"output{path}: torch_fn returned {problem}", path="output" + path
             )
     return jax_spec
 
