@@ -1240,3 +1240,13 @@ def test_an_output_class_that_changes_its_fields_is_refused_not_changed_twice() 
     g = dgj.graphed(DoubledOutput, (jnp.ones(2),))
     with pytest.raises(DualgraphError, match=r"DoubledOutput did not keep field 'x'"):
         g(jnp.ones(2))
+
+
+def test_an_out_spec_with_a_dict_in_another_key_order_is_refused_naming_it() -> None:
+    # It was accepted (a spec matches a dict in any order), and out_spec came back in the
+    # function's order, another spec (and JSON) than the one written.
+    written = describe([{"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)}])
+    with pytest.raises(
+        SpecMismatchError, match=r"output\[0\] is a dict .*\['b', 'a'\].*\['a', 'b'\]"
+    ):
+        dgj.graphed(lambda x: [{"b": x, "a": x * 2}], (jnp.ones(2),), out_spec=written.to_json())

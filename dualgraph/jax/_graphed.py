@@ -25,7 +25,7 @@ from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
 from .._nodes import clip
-from .._orders import KeyOrders
+from .._orders import KeyOrders, key_order_difference
 from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
@@ -409,6 +409,15 @@ def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -
             f"graphed({name}): the function's output does not match out_spec: {error}{hint}",
             path=error.path,
         ) from None
+    found = key_order_difference(out_spec, traced)
+    if found is not None:
+        path, written, returned = found
+        raise SpecMismatchError(
+            f"graphed({name}): output{path} is a dict with its keys in the order "
+            f"{list(returned)!r}, but out_spec has them in the order {list(written)!r} (what "
+            "iterates over the dict, its .values() or a concatenation, would differ)",
+            path="output" + path,
+        )
     for path, leaf in zip(out_spec.array_paths, out_spec.arrays, strict=True):
         if leaf.grad and not is_differentiable_dtype(leaf.dtype or ""):
             raise DualgraphError(
