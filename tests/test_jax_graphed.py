@@ -716,15 +716,31 @@ def precise(x: jax.Array) -> jax.Array:
 def test_a_vjp_compiled_later_uses_the_64_bit_mode_of_the_first_program() -> None:
     # Compiled with the mode off, the VJP was compiled (and the function traced again) with the
     # mode its first call found: on, its outputs and grads were those of the float64
-    # computation, other values than the plain call's.
+    # computation, other values than the plain call's. Such a call is now refused (the function
+    # computes otherwise with the mode on), and compiles nothing.
     x = jnp.asarray(np.linspace(0.1, 2, 4, dtype=np.float32))
     g = dgj.graphed(precise, (x,))
-    with x64():
-        out, pullback = g.vjp(x)
-        (grad,), _ = pullback(jnp.ones(4, jnp.float32))
+    with x64(), pytest.raises(DualgraphError, match="64-bit mode off"):
+        g.vjp(x)
+    out, pullback = g.vjp(x)
+    (grad,), _ = pullback(jnp.ones(4, jnp.float32))
     np.testing.assert_array_equal(out, g(x))
     np.testing.assert_array_equal(out, precise(x))
     np.testing.assert_array_equal(grad, jax.grad(lambda v: precise(v).sum())(x))
+
+
+def test_a_call_in_64_bit_mode_where_the_function_computes_otherwise_is_refused() -> None:
+    # The program ran in the mode it was compiled in (off): float32 values where the function
+    # itself, with the mode on, computes in float64 (and returns float64 from jnp.zeros).
+    x = jnp.asarray(np.linspace(0.1, 2, 4, dtype=np.float32))
+    g = dgj.graphed(lambda a: (precise(a), jnp.zeros(2)), (x,))
+    with x64():
+        assert precise(x).tolist() != g.compiled(x)[0].tolist()
+        with pytest.raises(DualgraphError, match=r"64-bit mode off and is called with it on"):
+            g(x)
+        with pytest.raises(DualgraphError, match=r"64-bit mode off and is called with it on"):
+            g.vjp(x)
+    np.testing.assert_array_equal(g(x)[0], precise(x))
 
 
 # -- the environment -----------------------------------------------------------------------------

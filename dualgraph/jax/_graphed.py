@@ -158,6 +158,9 @@ class GraphedCallable:
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
         self._weak_verdicts: dict[tuple[bool, ...], SpecMismatchError | None] = {}
+        # Graphed with the 64-bit mode off, called with it on: whether the function traces to
+        # the same program there (None: not judged yet; the error, or False when it does).
+        self._wide_verdict: DualgraphError | bool | None = None
         # The configuration the programs are compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
         self._precision = config_value("jax_default_matmul_precision")
@@ -280,6 +283,8 @@ class GraphedCallable:
             weak = weak_types(arrays)
             if weak != self._weak:
                 self._check_weak_types(weak)
+            if not self._x64 and x64_enabled():
+                self._check_wide_mode()
             if self._donated:
                 check_donated_inputs(arrays, self._donated, self._paths)
         except Exception as error:  # a tracer fails these checks in many ways: name the cause
@@ -288,6 +293,25 @@ class GraphedCallable:
                 raise
             raise explained from error
         return arrays
+
+    def _check_wide_mode(self) -> None:
+        """Accept a call with JAX's 64-bit mode on, for a program compiled with it off, only
+        where the function traces to the same program in either mode: it runs in the mode it
+        was compiled in, where the function itself would make 64-bit values (``x.astype(float)``,
+        ``jnp.zeros(n)``) and return other dtypes and values. Judged once."""
+        if self._wide_verdict is None:
+            with self._compile_config():
+                narrow = self._jaxpr(self._weak)
+            with self._compile_config(), x64_mode(True):
+                wide = self._jaxpr(self._weak)
+            self._wide_verdict = narrow != wide and DualgraphError(
+                f"graphed({self.name}) was graphed with JAX's 64-bit mode off and is called "
+                "with it on, where the function computes otherwise (it makes 64-bit values, "
+                "e.g. x.astype(float) or jnp.zeros(n)) than the program, which runs in the mode "
+                "it was compiled in. Call it with the mode off, or graph it with the mode on"
+            )
+        if self._wide_verdict:
+            raise self._wide_verdict
 
     def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
         """Accept inputs weakly typed otherwise than the samples only where the function traces
