@@ -310,7 +310,7 @@ class GraphedCallable:
                 "e.g. x.astype(float) or jnp.zeros(n)) than the program, which runs in the mode "
                 "it was compiled in. Call it with the mode off, or graph it with the mode on"
             )
-        if self._wide_verdict:
+        if isinstance(self._wide_verdict, DualgraphError):
             raise self._wide_verdict
 
     def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
