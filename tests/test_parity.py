@@ -321,6 +321,23 @@ def test_meta_torch_parameters_are_refused_by_name() -> None:
         compare(linear, linear_jax, (sample(1, 2),), params=params)
 
 
+def test_a_torch_fn_writing_its_input_through_data_is_refused_by_path() -> None:
+    # .data writes do not move the version counter: JAX read the clamped values through DLPack,
+    # and a reference that never clamps passed.
+    def clamping(x: torch.Tensor) -> torch.Tensor:
+        x.data.clamp_(min=0)
+        return x * 2
+
+    x = np.array([-1.0, 2.0], np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in place"):
+        compare(clamping, lambda a: a * 2, (x,), grads=False)
+
+
+def test_inputs_holding_nan_that_torch_fn_leaves_alone_pass() -> None:
+    x = np.array([np.nan, 1.0], np.float32)
+    assert_parity(lambda t: t * 2, lambda a: a * 2, (x,), allow_nan=True)
+
+
 def test_a_different_dtype_is_reported_by_path() -> None:
     with pytest.raises(SpecMismatchError, match=r"output\['h'\]: expected bfloat16\[2\]"):
         compare(lambda t: {"h": t}, lambda a: {"h": a.astype(jnp.bfloat16)}, (sample(2),))

@@ -212,20 +212,29 @@ def _prepare_inputs(
 def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
     args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
     versions = [t._version for t in inputs.tensors]
+    # Writes through .data or a numpy view do not move the version counter: values are kept too.
+    before = [t.detach().clone() for t in inputs.tensors]
     with full_precision(), torch.enable_grad():
         out = torch_fn(*args, **kwargs)
     # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
     # reference that ignores the update would match. JAX functions cannot update in place, so
     # there is nothing to compare the update with.
     paths = inputs.call_spec.array_paths
-    for path, t, version in zip(paths, inputs.tensors, versions, strict=True):
-        if t._version != version:
+    for path, t, version, kept in zip(paths, inputs.tensors, versions, before, strict=True):
+        if t._version != version or not _same_values(t.detach(), kept):
             raise DualgraphError(
                 f"{path}: torch_fn updated it in place; the JAX reference cannot, and would be "
                 "handed the updated values. Compare a torch_fn that updates a copy "
                 "(x = x.clone()) and returns what the JAX function returns"
             )
     return out
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal entry by entry, NaN matching NaN."""
+    if a.is_floating_point() or a.is_complex():
+        return bool((a.eq(b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 # -- 3. run JAX (in 64-bit mode when a 64-bit leaf is involved) ------------------------------------
