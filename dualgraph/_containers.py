@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import operator
 import unicodedata
 from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
@@ -490,7 +491,7 @@ class NamedTupleNode(NamedContainer):
         return None
 
     def rebuild(self, values: list[Any]) -> Any:
-        return self.cls(*values)
+        return rebuilt_namedtuple(self.cls, values)
 
     def guard(self, var: str, bind: Bind) -> str:
         # tuple.__new__ can make an instance with more or fewer items than the class's fields
@@ -508,7 +509,7 @@ class NamedTupleNode(NamedContainer):
         return super().difference(obj, children)
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
-        return f"{bind(self.cls, 'T')}({', '.join(parts)})"
+        return f"{bind(rebuilt_namedtuple, 'R')}({bind(self.cls, 'T')}, [{', '.join(parts)}])"
 
 
 class DataclassNode(NamedContainer):
@@ -529,15 +530,47 @@ class DataclassNode(NamedContainer):
         return self.values_of(obj) if type(obj) is self.cls else None
 
     def rebuild(self, values: list[Any]) -> Any:
-        return self.cls(**dict(zip(self.fields, values, strict=True)))
+        return rebuilt_dataclass(self.cls, self.fields, values)
 
     def child(self, var: str, index: int, bind: Bind) -> str:
         return f"_getattr({var}, {bind(self.fields[index], 'f')})"
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
-        pairs = zip(self.fields, parts, strict=True)
-        arguments = ", ".join(f"{bind(f, 'f')}: {p}" for f, p in pairs)
-        return f"{bind(self.cls, 'T')}(**{{{arguments}}})"
+        maker, cls = bind(rebuilt_dataclass, "R"), bind(self.cls, "T")
+        return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}])"
+
+
+# -- rebuilding user classes ---------------------------------------------------------------------
+# A class is rebuilt by calling it with its fields' values. An ``__init__``, ``__post_init__`` or
+# ``__new__`` of the user's that changes a value it is given (``self.x = self.x * 2``) would
+# silently hand back another object than the one taken apart: the fields are checked to hold
+# the very values given (validation, and conversions that return their argument unchanged such
+# as ``np.asarray`` of an array, keep them).
+
+
+def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) -> Any:
+    """``cls(**{field: value})``, refused if it does not keep every value as given."""
+    obj = cls(**dict(zip(fields, values, strict=True)))
+    for field, value in zip(fields, values, strict=True):
+        if getattr(obj, field) is not value:
+            raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
+    return obj
+
+
+def rebuilt_namedtuple(cls: type, values: list[Any], /) -> Any:
+    """``cls(*values)``, refused if it does not keep every value as given."""
+    obj = cls(*values)
+    if len(obj) != len(values) or not all(map(operator.is_, obj, values)):
+        raise DualgraphError(_changed(cls, "its items", "__new__"))
+    return obj
+
+
+def _changed(cls: type, what: str, method: str) -> str:
+    return (
+        f"{qualified_name(cls)} did not keep {what} as given when rebuilt from its fields "
+        f"(its {method} changes them), so the rebuilt object would differ from the one taken "
+        "apart. Make that conversion outside the class, or keep the values it is given"
+    )
 
 
 #: Every container kind.

@@ -22,7 +22,7 @@ from ._nodes import Node
 from ._paths import Attr, Index, Key, PathEntry, format_path
 from ._spec import TreeSpec
 
-__all__ = ["KeyOrders"]
+__all__ = ["KeyOrders", "key_order_difference"]
 
 #: One step of the walk from the call's roots to its dicts, in pre-order: (the slot of the
 #: object it reads from, read as an attribute?, the key, index or name, the dict's keys in the
@@ -180,3 +180,21 @@ def _step(parent: Node, entry: PathEntry) -> tuple[bool, Any]:
         return False, parent.fields.index(entry.name)
     assert isinstance(parent, DataclassNode)
     return True, entry.name
+
+
+def key_order_difference(
+    expected: TreeSpec, found: TreeSpec, /
+) -> tuple[str, tuple[Any, ...], tuple[Any, ...]] | None:
+    """``(path, expected keys, found keys)`` for the first dict whose keys come in another order
+    in ``found`` than in ``expected``, two specs that :meth:`~dualgraph.TreeSpec.check` found
+    alike otherwise (a spec matches a dict in any order); ``None`` when every order agrees.
+
+    >>> from dualgraph import describe
+    >>> key_order_difference(describe([{"a": 1, "b": 2}]), describe([{"b": 2, "a": 1}]))
+    ('[0]', ('a', 'b'), ('b', 'a'))
+    """
+    pairs = zip(expected._nodes, found._nodes, strict=True)
+    for index, (mine, theirs) in enumerate(pairs):
+        if isinstance(mine, DictNode) and isinstance(theirs, DictNode) and mine.keys != theirs.keys:
+            return format_path(expected._get_layout().entries(index)), mine.keys, theirs.keys
+    return None

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 from trees import Attention, EncoderOutput, array, assert_same_tree
 
@@ -386,3 +387,68 @@ def test_int_keys_whose_hashes_collide_as_python_makes_them_still_work() -> None
     spec = describe(tree)
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
     assert dualgraph.TreeSpec.from_json(spec.to_json()) == spec
+
+
+# -- rebuilding a class that changes the values it is given ------------------------------------
+
+
+@pytest.fixture(params=["generated", "walker"])
+def rebuild_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Rebuild through generated code, or through the walker that runs trees over the limit."""
+    if request.param == "walker":
+        from dualgraph import _compile
+
+        monkeypatch.setattr(_compile, "COMPILE_LIMIT", 0)
+    return str(request.param)
+
+
+@register_dataclass
+@dataclasses.dataclass
+class Doubled:
+    x: Any
+
+    def __post_init__(self) -> None:
+        self.x = self.x * 2
+
+
+class DoubledPair(collections.namedtuple("DoubledPair", "a b")):
+    __slots__ = ()
+
+    def __new__(cls, a: Any, b: Any) -> DoubledPair:
+        return super().__new__(cls, a * 2, b)
+
+
+def test_a_dataclass_whose_post_init_changes_a_field_is_refused_not_changed_twice(
+    rebuild_path: str,
+) -> None:
+    # unflatten(flatten(obj)) ran __post_init__ again: x came back 4 where obj held 2.
+    tree = (Doubled(array(1)),)
+    spec = describe(tree)
+    with pytest.raises(DualgraphError, match=r"\[0\]: rebuilding .*Doubled.* field 'x'"):
+        spec.unflatten(spec.flatten(tree))
+
+
+def test_a_namedtuple_whose_new_changes_an_item_is_refused_not_changed_twice(
+    rebuild_path: str,
+) -> None:
+    tree = DoubledPair(array(1), 3)
+    spec = describe(tree)
+    with pytest.raises(DualgraphError, match=r"rebuilding .*DoubledPair.*__new__"):
+        spec.unflatten(spec.flatten(tree))
+
+
+def test_a_post_init_that_keeps_its_values_as_given_still_rebuilds(rebuild_path: str) -> None:
+    @register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class Checked:
+        x: Any
+        n: int = 2
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "x", np.asarray(self.x))  # an array already: itself
+            if self.n < 0:
+                raise ValueError("n")
+
+    tree = Checked(array(1), 5)
+    spec = describe(tree)
+    assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)

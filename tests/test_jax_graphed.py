@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import operator
 import os
@@ -715,15 +716,31 @@ def precise(x: jax.Array) -> jax.Array:
 def test_a_vjp_compiled_later_uses_the_64_bit_mode_of_the_first_program() -> None:
     # Compiled with the mode off, the VJP was compiled (and the function traced again) with the
     # mode its first call found: on, its outputs and grads were those of the float64
-    # computation, other values than the plain call's.
+    # computation, other values than the plain call's. Such a call is now refused (the function
+    # computes otherwise with the mode on), and compiles nothing.
     x = jnp.asarray(np.linspace(0.1, 2, 4, dtype=np.float32))
     g = dgj.graphed(precise, (x,))
-    with x64():
-        out, pullback = g.vjp(x)
-        (grad,), _ = pullback(jnp.ones(4, jnp.float32))
+    with x64(), pytest.raises(DualgraphError, match="64-bit mode off"):
+        g.vjp(x)
+    out, pullback = g.vjp(x)
+    (grad,), _ = pullback(jnp.ones(4, jnp.float32))
     np.testing.assert_array_equal(out, g(x))
     np.testing.assert_array_equal(out, precise(x))
     np.testing.assert_array_equal(grad, jax.grad(lambda v: precise(v).sum())(x))
+
+
+def test_a_call_in_64_bit_mode_where_the_function_computes_otherwise_is_refused() -> None:
+    # The program ran in the mode it was compiled in (off): float32 values where the function
+    # itself, with the mode on, computes in float64 (and returns float64 from jnp.zeros).
+    x = jnp.asarray(np.linspace(0.1, 2, 4, dtype=np.float32))
+    g = dgj.graphed(lambda a: (precise(a), jnp.zeros(2)), (x,))
+    with x64():
+        assert precise(x).tolist() != g.compiled(x)[0].tolist()
+        with pytest.raises(DualgraphError, match=r"64-bit mode off and is called with it on"):
+            g(x)
+        with pytest.raises(DualgraphError, match=r"64-bit mode off and is called with it on"):
+            g.vjp(x)
+    np.testing.assert_array_equal(g(x)[0], precise(x))
 
 
 # -- the environment -----------------------------------------------------------------------------
@@ -1091,3 +1108,161 @@ def test_an_input_in_another_memory_layout_is_taken_as_jax_jit_takes_it(donate: 
     (grad,), _ = pullback((transposed_array(), None))
     np.testing.assert_array_equal(grad, np.asarray(transposed_array()) * 2)
     assert y.is_deleted() == bool(donate == 0)
+
+
+# -- JAX settings changed after graphing ---------------------------------------------------------
+
+
+@pytest.fixture
+def jax_setting() -> Any:
+    """``set(name, value)``: a JAX setting changed for the test, put back afterwards."""
+    saved: dict[str, Any] = {}
+
+    def set_setting(name: str, value: Any) -> None:
+        saved.setdefault(name, getattr(jax.config, name))
+        jax.config.update(name, value)
+
+    yield set_setting
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+def uniform_from_seed(seed: jax.Array) -> jax.Array:
+    return jax.random.uniform(jax.random.key(seed), (3,))
+
+
+def test_a_call_after_threefry_partitionable_changed_is_refused_naming_it(jax_setting: Any) -> None:
+    # The program kept the old random bits where the function (and jax.jit) gave new ones.
+    seed = jnp.asarray(1, jnp.uint32)
+    g = dgj.graphed(uniform_from_seed, (seed,))
+    before = jax.config.jax_threefry_partitionable
+    jax_setting("jax_threefry_partitionable", not before)
+    assert not np.array_equal(uniform_from_seed(seed), g.compiled(seed)[0])
+    with pytest.raises(DualgraphError, match=rf"jax_threefry_partitionable={before!r}.*now"):
+        g(seed)
+    jax_setting("jax_threefry_partitionable", before)
+    np.testing.assert_array_equal(g(seed), uniform_from_seed(seed))
+
+
+def test_a_call_after_the_default_prng_impl_changed_is_refused_naming_it(jax_setting: Any) -> None:
+    seed = jnp.asarray(1, jnp.uint32)
+    g = dgj.graphed(uniform_from_seed, (seed,))
+    jax_setting("jax_default_prng_impl", "rbg")
+    with pytest.raises(DualgraphError, match=r"jax_default_prng_impl='threefry2x32'.*'rbg'"):
+        g(seed)
+
+
+def test_a_call_after_rank_promotion_was_set_to_raise_is_refused(jax_setting: Any) -> None:
+    # Eager raises on the implicit broadcast; the program broadcast anyway.
+    g = dgj.graphed(operator.add, (jnp.ones((3, 1)), jnp.ones(3)))
+    jax_setting("jax_numpy_rank_promotion", "raise")
+    with pytest.raises(ValueError, match="jax_numpy_rank_promotion='raise'"):
+        g.fn(jnp.ones((3, 1)), jnp.ones(3))
+    with pytest.raises(DualgraphError, match=r"jax_numpy_rank_promotion='allow'.*'raise' now"):
+        g(jnp.ones((3, 1)), jnp.ones(3))
+
+
+def test_a_call_under_another_matmul_precision_is_refused_before_donating() -> None:
+    x = jnp.ones((4, 4))
+    g = dgj.graphed(lambda a: a @ a, (x,), donate_argnums=0)
+    refused = pytest.raises(DualgraphError, match=r"jax_default_matmul_precision=None")
+    with jax.default_matmul_precision("bfloat16"), refused:
+        g(x)
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(g(x), np.full((4, 4), 4.0, np.float32))
+
+
+def test_a_pullback_called_under_another_setting_is_refused() -> None:
+    x = jnp.ones((4, 4))
+    g = dgj.graphed(lambda a: a @ a, (x,))
+    _, pullback = g.vjp(x)
+    refused = pytest.raises(DualgraphError, match=r"\(its pullback\) was graphed under")
+    with jax.default_matmul_precision("float32"), refused:
+        pullback(jnp.ones((4, 4)))
+    (grad,), _ = pullback(jnp.ones((4, 4)))
+    np.testing.assert_array_equal(grad, np.full((4, 4), 8.0, np.float32))
+
+
+def test_the_64_bit_mode_does_not_refuse_a_call_the_program_keeps_its_own() -> None:
+    x = jnp.ones(2)
+    g = dgj.graphed(lambda a: a * 2, (x,))
+    with x64():
+        np.testing.assert_array_equal(g(x), np.full(2, 2.0, np.float32))
+
+
+def test_a_call_under_disable_jit_is_refused_naming_fn() -> None:
+    # JAX's ahead-of-time executable raised its own ValueError, naming no path.
+    x = jnp.ones(2)
+    g = dgj.graphed(lambda a: a * 2, (x,), donate_argnums=0)
+    _, pullback = g.vjp(jnp.ones(2))
+    with jax.disable_jit():
+        with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\).*\.fn"):
+            g(x)
+        with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\)"):
+            g.vjp(x)
+        with pytest.raises(DualgraphError, match=r"under jax.disable_jit\(\)"):
+            pullback(jnp.ones(2))
+    assert not x.is_deleted()
+
+
+# -- jax_debug_nans / jax_debug_infs -------------------------------------------------------------
+
+
+def test_a_nan_output_under_debug_nans_is_a_floating_point_error_as_eager(jax_setting: Any) -> None:
+    # The compiled program's check leaked JAX's private InternalFloatingPointError.
+    g = dgj.graphed(jnp.log, (jnp.ones(3),))
+    jax_setting("jax_debug_nans", True)
+    with pytest.raises(FloatingPointError):
+        g.fn(-jnp.ones(3))
+    with pytest.raises(dgj.NonFiniteError, match=r"graphed\(\S*log\): .* a NaN .*\.fn"):
+        g(-jnp.ones(3))
+    with pytest.raises(dgj.NonFiniteError):
+        g.vjp(-jnp.ones(3))
+    assert issubclass(dgj.NonFiniteError, DualgraphError)
+
+
+def test_a_nan_grad_under_debug_nans_is_a_floating_point_error_naming_the_pullback(
+    jax_setting: Any,
+) -> None:
+    g = dgj.graphed(jnp.sqrt, (jnp.ones(3),))
+    _, pullback = g.vjp(jnp.zeros(3))  # sqrt(0) is finite, its grad is not
+    jax_setting("jax_debug_infs", True)
+    with pytest.raises(dgj.NonFiniteError, match=r"^the pullback of graphed\(\S*sqrt\): .*an inf"):
+        pullback(jnp.ones(3))
+
+
+def test_a_donated_input_the_failing_call_consumed_is_not_blamed(jax_setting: Any) -> None:
+    # The error said the input had been "donated to an earlier call": this call consumed it.
+    x = -jnp.ones(3)
+    g = dgj.graphed(lambda a: (jnp.log(a), a * 2), (x,), donate_argnums=0)
+    jax_setting("jax_debug_nans", True)
+    with pytest.raises(dgj.NonFiniteError) as raised:
+        g(x)
+    assert "earlier call" not in str(raised.value)
+    assert x.is_deleted()  # consumed, as by every call that ran
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class DoubledOutput:
+    x: Any
+
+    def __post_init__(self) -> None:
+        self.x = self.x * 2
+
+
+def test_an_output_class_that_changes_its_fields_is_refused_not_changed_twice() -> None:
+    # The rebuilt output ran __post_init__ a second time: [4, 4] where the function gave [2, 2].
+    g = dgj.graphed(DoubledOutput, (jnp.ones(2),))
+    with pytest.raises(DualgraphError, match=r"DoubledOutput did not keep field 'x'"):
+        g(jnp.ones(2))
+
+
+def test_an_out_spec_with_a_dict_in_another_key_order_is_refused_naming_it() -> None:
+    # It was accepted (a spec matches a dict in any order), and out_spec came back in the
+    # function's order, another spec (and JSON) than the one written.
+    written = describe([{"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)}])
+    with pytest.raises(
+        SpecMismatchError, match=r"output\[0\] is a dict .*\['b', 'a'\].*\['a', 'b'\]"
+    ):
+        dgj.graphed(lambda x: [{"b": x, "a": x * 2}], (jnp.ones(2),), out_spec=written.to_json())

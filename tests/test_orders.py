@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import pytest
 from trees import EncoderOutput, array
 
-from dualgraph import SpecMismatchError, describe_call
-from dualgraph._orders import KeyOrders
+from dualgraph import SpecMismatchError, describe, describe_call
+from dualgraph._orders import KeyOrders, key_order_difference
 
 
 class Counted(NamedTuple):
@@ -105,3 +105,12 @@ def test_dicts_down_a_deep_spine_are_checked_in_time_linear_in_its_depth() -> No
     # the best of three each: a garbage collection falling in one try does not fail it
     seconds = [min(took(depth) for _ in range(3)) for depth in (500, 4000)]
     assert seconds[1] < 8 * 4 * seconds[0] + 0.1, seconds  # 8x the depth: at most 4x linear
+
+
+def test_key_order_difference_names_the_first_dict_in_another_order() -> None:
+    expected = describe({"x": [{"a": 1, "b": 2}], "y": {"c": 1, "d": 2}})
+    found = describe({"y": {"d": 2, "c": 1}, "x": [{"b": 2, "a": 1}]})
+    assert key_order_difference(expected, found) == ("", ("x", "y"), ("y", "x"))
+    inner = describe({"x": [{"b": 2, "a": 1}], "y": {"c": 1, "d": 2}})
+    assert key_order_difference(expected, inner) == ("['x'][0]", ("a", "b"), ("b", "a"))
+    assert key_order_difference(expected, expected) is None

@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -277,6 +278,64 @@ def test_a_different_constant_is_reported_by_path() -> None:
         compare(
             torch_layer, lambda x, *, mask: {**jax_layer(x, mask=mask), "depth": 3}, *layer_inputs()
         )
+
+
+def test_a_dict_in_another_key_order_is_reported_by_path() -> None:
+    # It passed: leaves are aligned by key, so equal values in another order compared equal,
+    # while the two output specs (and whatever iterates over the dict) differ.
+    def torch_side(t: torch.Tensor) -> list[Any]:
+        return [{"a": t * 2, "b": t * 3}]
+
+    def jax_side(a: jax.Array) -> list[Any]:
+        return [{"b": a * 3, "a": a * 2}]
+
+    with pytest.raises(SpecMismatchError, match=r"^output\[0\]: .*\['a', 'b'\].*\['b', 'a'\]"):
+        compare(torch_side, jax_side, (sample(2),))
+
+
+def nested(*parts: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"
+        return torch.nested.nested_tensor(list(parts))
+
+
+def test_a_nested_torch_output_is_refused_by_path() -> None:
+    # Described as a scalar (no single shape), it matched a JAX scalar, then torch's own
+    # RuntimeError ("NestedTensorImpl doesn't support sizes") leaked, naming nothing.
+    with pytest.raises(SpecMismatchError, match=r"^output\[0\]: torch_fn returned a nested"):
+        compare(lambda t: [nested(t * 2, t[:1])], lambda a: [a.sum()], (sample(3),))
+
+
+def test_a_nested_or_meta_torch_input_is_refused_by_path() -> None:
+    inputs = ({"n": nested(torch.ones(2), torch.ones(3))},)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]\['n'\] is a nested"):
+        compare(lambda d: d, lambda d: d, inputs)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\] is a meta tensor"):
+        compare(lambda t: t, lambda a: a, (torch.ones(2, device="meta"),))
+
+
+def test_meta_torch_parameters_are_refused_by_name() -> None:
+    linear = torch.nn.Linear(2, 2, device="meta")
+    params = {"weight": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight' is a meta tensor"):
+        compare(linear, linear_jax, (sample(1, 2),), params=params)
+
+
+def test_a_torch_fn_writing_its_input_through_data_is_refused_by_path() -> None:
+    # .data writes do not move the version counter: JAX read the clamped values through DLPack,
+    # and a reference that never clamps passed.
+    def clamping(x: torch.Tensor) -> torch.Tensor:
+        x.data.clamp_(min=0)
+        return x * 2
+
+    x = np.array([-1.0, 2.0], np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in place"):
+        compare(clamping, lambda a: a * 2, (x,), grads=False)
+
+
+def test_inputs_holding_nan_that_torch_fn_leaves_alone_pass() -> None:
+    x = np.array([np.nan, 1.0], np.float32)
+    assert_parity(lambda t: t * 2, lambda a: a * 2, (x,), allow_nan=True)
 
 
 def test_a_different_dtype_is_reported_by_path() -> None:
@@ -850,6 +909,55 @@ def test_frozen_parameters_are_not_compared() -> None:
     report = assert_parity(linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear))
     assert "grad params['bias']" not in [entry.path for entry in report.entries]
     assert "grad params['weight']" in [entry.path for entry in report.entries]
+
+
+def test_a_trained_parameter_whose_mapping_subtracts_one_is_still_compared() -> None:
+    # With a frozen parameter beside it, a 0/1 mask mapped through `w - 1` became 0: the trained
+    # weight's grad was silently left out, and a JAX reference with no grad for it passed.
+    linear = torch.nn.Linear(4, 3)
+    linear.bias.requires_grad_(False)
+
+    def offset(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"weight_minus_one": d["weight"] - 1, "bias": d["bias"]}
+
+    def no_weight_grad(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        weight = jax.lax.stop_gradient(params["weight_minus_one"] + 1)
+        return x @ weight.T + params["bias"]
+
+    params = {k: jnp.asarray(v) for k, v in offset(to_numpy_params(linear)).items()}
+    report = compare(
+        linear, no_weight_grad, (sample(2, 4),), params=params, params_from_torch=offset
+    )
+    assert not report.ok
+    assert report.worst is not None and report.worst.path == "grad params['weight_minus_one']"
+
+
+def test_a_leaf_joining_a_frozen_and_a_trained_parameter_compares_the_trained_part() -> None:
+    # Such a leaf was left out whole: the trained part's grads were never compared.
+    linear = torch.nn.Linear(4, 3)
+    linear.bias.requires_grad_(False)
+
+    def joined(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"wb": np.concatenate([d["weight"], d["bias"][:, None]], axis=1)}
+
+    def layer(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ params["wb"][:, :4].T + params["wb"][:, 4]
+
+    def wrong(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ (params["wb"][:, :4].T * 1.5) + params["wb"][:, 4]
+
+    params = {k: jnp.asarray(v) for k, v in joined(to_numpy_params(linear)).items()}
+    x = sample(2, 4)
+    right = assert_parity(linear, layer, (x,), params=params, params_from_torch=joined)
+    assert "grad params['wb']" in [entry.path for entry in right.entries]
+    report = compare(linear, wrong, (x,), params=params, params_from_torch=joined)
+    assert not report.ok and report.worst is not None
+    assert report.worst.path in ("output", "grad params['wb']")
+    assert not next(e for e in report.entries if e.path == "grad params['wb']").ok
+
+
+def to_numpy_params(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: p.detach().numpy() for name, p in module.named_parameters()}
 
 
 # -- the report ------------------------------------------------------------------------------------

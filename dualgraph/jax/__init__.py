@@ -29,10 +29,12 @@ except ImportError as _error:
     ) from _error
 
 from ._graphed import GraphedCallable, graphed
+from ._non_finite import NonFiniteError
 from ._vjp import Pullback
 
 __all__ = [
     "GraphedCallable",
+    "NonFiniteError",
     "Pullback",
     "backend_initialized",
     "disable_command_buffers",

@@ -215,12 +215,19 @@ def delete_donated(arrays: Sequence[Any], donated: Sequence[int]) -> None:
 
 
 def explain_failed_call(
-    error: Exception, arrays: Sequence[Any], paths: Sequence[str], device: Any
+    error: Exception,
+    arrays: Sequence[Any],
+    paths: Sequence[str],
+    device: Any,
+    donated: Sequence[int] = (),
 ) -> Exception:
     """A clearer error for a failed call, naming the input's path: one that had been deleted, or
     one on another device than ``device``, the one the programs were compiled for; else
-    ``error`` itself."""
-    for x, path in zip(arrays, paths, strict=True):
+    ``error`` itself. A ``donated`` input was checked before the call: deleted now, the failed
+    call consumed it, which explains nothing."""
+    for i, (x, path) in enumerate(zip(arrays, paths, strict=True)):
+        if i in donated:
+            continue
         if isinstance(x, jax.Array) and not isinstance(x, TRACER_TYPE) and x.is_deleted():
             return DualgraphError(
                 f"{path}: this array has been deleted (donated to an earlier call, or deleted "

@@ -25,7 +25,7 @@ from .._call import CallSpec, describe_call
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
 from .._nodes import clip
-from .._orders import KeyOrders
+from .._orders import KeyOrders, key_order_difference
 from .._spec import TreeSpec, describe
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
@@ -47,6 +47,8 @@ from ._leaves import (
     refuse_foreign_arrays,
     refuse_foreign_outputs,
 )
+from ._non_finite import non_finite_error
+from ._settings import TraceSettings
 from ._transforms import call_leaves, tracer_error
 from ._trees import struct_of
 from ._vjp import Pullback, VJPProgram
@@ -156,10 +158,16 @@ class GraphedCallable:
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
         self._weak_verdicts: dict[tuple[bool, ...], SpecMismatchError | None] = {}
+        # Graphed with the 64-bit mode off, called with it on: whether the function traces to
+        # the same program there (None: not judged yet; the error, or False when it does).
+        self._wide_verdict: DualgraphError | bool | None = None
         # The configuration the programs are compiled under; the VJP, compiled later, reuses it.
         self._x64 = x64_enabled()
         self._precision = config_value("jax_default_matmul_precision")
         self._device = default_device()  # what the programs are compiled for, the VJP's too
+        # Calls under other settings that change what tracing makes are refused (jax.jit would
+        # trace again); the VJP, compiled at the first .vjp call, is then traced under these.
+        self._settings = TraceSettings(self.name)
         refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
         self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
         self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
@@ -253,7 +261,8 @@ class GraphedCallable:
                     self._device,
                 )
         outputs, residuals = self._run(program.forward, arrays)
-        return self.out_spec.unflatten(outputs), Pullback(program, residuals, self._x64)
+        pullback = Pullback(program, residuals, self._x64, self._settings)
+        return self.out_spec.unflatten(outputs), pullback
 
     @contextlib.contextmanager
     def _compile_config(self) -> Iterator[None]:
@@ -266,6 +275,7 @@ class GraphedCallable:
 
     def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         try:
+            self._settings.check()
             arrays = self.call_spec.flatten(args, kwargs, check=True)
             if self._key_orders is not None:
                 self._key_orders.check(args, kwargs)
@@ -273,6 +283,8 @@ class GraphedCallable:
             weak = weak_types(arrays)
             if weak != self._weak:
                 self._check_weak_types(weak)
+            if not self._x64 and x64_enabled():
+                self._check_wide_mode()
             if self._donated:
                 check_donated_inputs(arrays, self._donated, self._paths)
         except Exception as error:  # a tracer fails these checks in many ways: name the cause
@@ -281,6 +293,25 @@ class GraphedCallable:
                 raise
             raise explained from error
         return arrays
+
+    def _check_wide_mode(self) -> None:
+        """Accept a call with JAX's 64-bit mode on, for a program compiled with it off, only
+        where the function traces to the same program in either mode: it runs in the mode it
+        was compiled in, where the function itself would make 64-bit values (``x.astype(float)``,
+        ``jnp.zeros(n)``) and return other dtypes and values. Judged once."""
+        if self._wide_verdict is None:
+            with self._compile_config():
+                narrow = self._jaxpr(self._weak)
+            with self._compile_config(), x64_mode(True):
+                wide = self._jaxpr(self._weak)
+            self._wide_verdict = narrow != wide and DualgraphError(
+                f"graphed({self.name}) was graphed with JAX's 64-bit mode off and is called "
+                "with it on, where the function computes otherwise (it makes 64-bit values, "
+                "e.g. x.astype(float) or jnp.zeros(n)) than the program, which runs in the mode "
+                "it was compiled in. Call it with the mode off, or graph it with the mode on"
+            )
+        if isinstance(self._wide_verdict, DualgraphError):
+            raise self._wide_verdict
 
     def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
         """Accept inputs weakly typed otherwise than the samples only where the function traces
@@ -330,11 +361,18 @@ class GraphedCallable:
                 if self._donated:
                     delete_donated(arrays, self._donated)
                 return result
+            non_finite = non_finite_error(error, f"graphed({self.name})")
+            if non_finite is not None:  # the program ran, and consumed what it was donated
+                if self._donated:
+                    delete_donated(arrays, self._donated)
+                raise non_finite from error
             explained: Exception | None = tracer_error(
                 f"graphed({self.name})", zip(self._paths, arrays, strict=True)
             )
             if explained is None:
-                explained = explain_failed_call(error, arrays, self._paths, self._device)
+                explained = explain_failed_call(
+                    error, arrays, self._paths, self._device, self._donated
+                )
             if explained is error:
                 raise
             raise explained from error
@@ -395,6 +433,15 @@ def _output_spec(traced: TreeSpec, out_spec: TreeSpec | str | None, name: str) -
             f"graphed({name}): the function's output does not match out_spec: {error}{hint}",
             path=error.path,
         ) from None
+    found = key_order_difference(out_spec, traced)
+    if found is not None:
+        path, written, returned = found
+        raise SpecMismatchError(
+            f"graphed({name}): output{path} is a dict with its keys in the order "
+            f"{list(returned)!r}, but out_spec has them in the order {list(written)!r} (what "
+            "iterates over the dict, its .values() or a concatenation, would differ)",
+            path="output" + path,
+        )
     for path, leaf in zip(out_spec.array_paths, out_spec.arrays, strict=True):
         if leaf.grad and not is_differentiable_dtype(leaf.dtype or ""):
             raise DualgraphError(

@@ -19,6 +19,8 @@ from .._spec import TreeSpec
 from ._donation import explain_failed_call, jax_donation_warnings
 from ._env import x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays
+from ._non_finite import non_finite_error
+from ._settings import TraceSettings
 from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
 
@@ -90,12 +92,15 @@ class Pullback:
     array and ``None`` elsewhere. It can be called more than once.
     """
 
-    __slots__ = ("_program", "_residuals", "_x64")
+    __slots__ = ("_program", "_residuals", "_settings", "_x64")
 
-    def __init__(self, program: VJPProgram, residuals: list[Any], x64: bool) -> None:
+    def __init__(
+        self, program: VJPProgram, residuals: list[Any], x64: bool, settings: TraceSettings
+    ) -> None:
         self._program = program
         self._residuals = residuals
         self._x64 = x64
+        self._settings = settings  # where the function was graphed; the backward too
 
     @property
     def cotangent_spec(self) -> TreeSpec:
@@ -105,6 +110,7 @@ class Pullback:
     def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], dict[str, Any]]:
         program = self._program
         try:
+            self._settings.check(" (its pullback)")
             cotangents = program.cotangent_spec.flatten(cotangent, check=True, root="cotangent")
             refuse_foreign_arrays(
                 f"the pullback of graphed({program.name})",
@@ -114,6 +120,9 @@ class Pullback:
                 try:
                     grads = program.backward(self._residuals, cotangents)
                 except Exception as error:
+                    non_finite = non_finite_error(error, f"the pullback of graphed({program.name})")
+                    if non_finite is not None:
+                        raise non_finite from error
                     copies = in_default_layouts(error, cotangents)
                     if copies is None:  # a deleted cotangent, or one on another device
                         clearer = explain_failed_call(

@@ -31,6 +31,7 @@ __all__ = [
     "random_like",
     "to_numpy",
     "to_torch",
+    "unreadable",
 ]
 
 # Unsigned views of the same width, to carry the bits of dtypes one side lacks.
@@ -48,6 +49,22 @@ def numpy_dtype(name: str, /) -> np.dtype:
         return np.dtype(name)
     except TypeError:
         return np.dtype(getattr(ml_dtypes, name))
+
+
+def unreadable(tensor: torch.Tensor, /) -> str | None:
+    """Why the values of a torch tensor cannot be read for a comparison, or ``None``.
+
+    A nested tensor has no single shape (the torch adapter describes it as a scalar, so a spec
+    check passes it), and a meta tensor holds no values: both would fail deep inside torch.
+
+    >>> unreadable(torch.ones(2, device="meta"))
+    'a meta tensor (it holds no values to compare)'
+    """
+    if tensor.is_nested:
+        return "a nested tensor (it has no single shape to compare)"
+    if tensor.is_meta:
+        return "a meta tensor (it holds no values to compare)"
+    return None
 
 
 def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:

@@ -18,11 +18,12 @@ from .._containers import NAMESPACE
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError, SpecMismatchError
 from .._nodes import clip, clip_text
+from .._orders import key_order_difference
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
 from ._arrays import compare_arrays
-from ._bridge import as_torch, random_like, to_numpy
-from ._jax_side import JaxRun, run_jax
+from ._bridge import as_torch, random_like, to_numpy, unreadable
+from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
 from ._tolerances import Tolerance, check_tolerances
 from ._torch_side import full_precision, named_params, read_grads, torch_device
@@ -61,7 +62,10 @@ def compare(
       torch ones (``torch_params``, by default ``torch_fn.named_parameters()``) through
       ``params_from_torch({name: numpy array})`` into the same pytree, e.g.
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
-      dict keyed by the torch parameter names. Frozen torch parameters are not compared.
+      dict keyed by the torch parameter names. Frozen torch parameters are not compared: a
+      JAX params leaf made of them is left out, and a leaf that mixes them with trained ones
+      is compared at the trained ones' entries (found by mapping NaN through
+      ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
       every floating input array and the parameters; complex ones as torch defines them. The
@@ -76,7 +80,8 @@ def compare(
       :func:`dualgraph.jax.enable_x64`, so nothing is narrowed.
 
     Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
-    structure, ``None`` positions, constants, shapes or dtypes; value differences are reported.
+    structure, ``None`` positions, constants, shapes, dtypes or dict key orders; value
+    differences are reported.
     A ``torch_fn`` that updates an input in place is refused, naming it (JAX reads the inputs
     after torch has run, and has no in-place update to compare with).
     """
@@ -87,7 +92,7 @@ def compare(
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
     torch_out = _run_torch(torch_fn, inputs)
     wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
-    with enable_x64(wide is not None):
+    with enable_x64(wide is not None), reference_settings(jax_fn):
         run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
         spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
         entries = _compare_outputs(spec, torch_out, run.outputs, judge)
@@ -149,6 +154,10 @@ def _params_of(
     if params is None:
         return None
     both = _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
+    for name, tensor in both.torch.items():
+        problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
+        if problem is not None:
+            raise DualgraphError(f"torch parameter {name!r} is {problem}")
     _check_params_match(both)
     return both
 
@@ -186,6 +195,9 @@ def _prepare_inputs(
     wants_grad = [grads and is_differentiable_dtype(leaf.dtype or "") for leaf in call_spec.arrays]
     tensors = []
     for path, leaf, x in zip(call_spec.array_paths, call_spec.arrays, samples, strict=True):
+        problem = unreadable(x) if isinstance(x, torch.Tensor) else None
+        if problem is not None:
+            raise DualgraphError(f"{path} is {problem}")
         try:
             tensors.append(as_torch(x, device))
         except Exception as error:  # a dtype torch has no tensor of, e.g. numpy's long double
@@ -204,20 +216,29 @@ def _prepare_inputs(
 def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
     args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
     versions = [t._version for t in inputs.tensors]
+    # Writes through .data or a numpy view do not move the version counter: values are kept too.
+    before = [t.detach().clone() for t in inputs.tensors]
     with full_precision(), torch.enable_grad():
         out = torch_fn(*args, **kwargs)
     # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
     # reference that ignores the update would match. JAX functions cannot update in place, so
     # there is nothing to compare the update with.
     paths = inputs.call_spec.array_paths
-    for path, t, version in zip(paths, inputs.tensors, versions, strict=True):
-        if t._version != version:
+    for path, t, version, kept in zip(paths, inputs.tensors, versions, before, strict=True):
+        if t._version != version or not _same_values(t.detach(), kept):
             raise DualgraphError(
                 f"{path}: torch_fn updated it in place; the JAX reference cannot, and would be "
                 "handed the updated values. Compare a torch_fn that updates a copy "
                 "(x = x.clone()) and returns what the JAX function returns"
             )
     return out
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal entry by entry, NaN matching NaN."""
+    if a.is_floating_point() or a.is_complex():
+        return bool((a.eq(b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 # -- 3. run JAX (in 64-bit mode when a 64-bit leaf is involved) ------------------------------------
@@ -256,12 +277,26 @@ def _agreed_output_spec(jax_spec: TreeSpec, torch_out: Any, wide: str | None) ->
             f"returns, got: what torch returns){hint}",
             path=error.path,
         ) from None
+    found = key_order_difference(jax_spec, describe(torch_out))
+    if found is not None:
+        path, expected, got = found
+        raise SpecMismatchError(
+            f"output{path}: torch_fn returns a dict with its keys in the order {list(got)!r}, "
+            f"the JAX function in the order {list(expected)!r} (what iterates over the dict, "
+            "its .values() or a concatenation, would differ)",
+            path="output" + path,
+        )
     for path, leaf in zip(jax_spec.array_paths, jax_spec.flatten(torch_out), strict=True):
         if not isinstance(leaf, torch.Tensor):
             kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
             raise SpecMismatchError(
                 f"output{path}: torch_fn returned a {kind}, not a torch tensor",
                 path="output" + path,
+            )
+        problem = unreadable(leaf)
+        if problem is not None:
+            raise SpecMismatchError(
+                f"output{path}: torch_fn returned {problem}", path="output" + path
             )
     return jax_spec
 
@@ -356,33 +391,64 @@ def _param_grad_reports(
             f"params: {error}",
             path=error.path,
         ) from None
-    compared = _trained_leaves(params_spec, as_numpy, torch_grads, convert)
+    frozen = _frozen_positions(params_spec, as_numpy, torch_grads, convert)
     jax_leaves = iter(optree.tree_leaves(jax_grads, namespace=NAMESPACE))
     reports = []
-    for path, leaf, torch_grad, used in zip(
-        params_spec.array_paths, params_spec.arrays, converted, compared, strict=True
+    for path, leaf, torch_grad, from_frozen in zip(
+        params_spec.array_paths, params_spec.arrays, converted, frozen, strict=True
     ):
         if not is_differentiable_dtype(leaf.dtype or ""):
             continue  # JAX gives no grad for it; nor does torch
         expected = _in_torch_terms(next(jax_leaves))
-        if used:
-            reports.append(judge("grad params" + path, np.asarray(torch_grad), expected))
+        actual = np.asarray(torch_grad)
+        if from_frozen is not None:
+            if from_frozen.all():
+                continue  # made of frozen parameters only
+            # torch has no grad there, JAX does: neither side's value there is compared
+            actual, expected = actual.copy(), expected.copy()
+            actual[from_frozen] = 0
+            expected[from_frozen] = 0
+        reports.append(judge("grad params" + path, actual, expected))
     return reports
+
+
+def _floating(array: np.ndarray) -> bool:
+    return is_differentiable_dtype(array.dtype.name)  # bfloat16 and float8 too (kind "V")
 
 
 def _grad_or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param, requires_grad=False) if grad is None else grad
 
 
-def _trained_leaves(
+def _frozen_positions(
     params_spec: TreeSpec,
     as_numpy: Mapping[str, np.ndarray],
     torch_grads: Mapping[str, Any],
     convert: Callable[[dict[str, np.ndarray]], Any],
-) -> list[bool]:
-    """For each params leaf, whether it comes from trainable torch parameters only."""
+) -> list[np.ndarray | None]:
+    """For each params leaf, where its entries come from frozen torch parameters (``None``:
+    nowhere).
+
+    Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN: the
+    entries NaN in the result, and not when every entry is one, come from frozen parameters,
+    whatever arithmetic the mapping does (``w - 1`` turns a 0/1 mask into another one; a
+    concatenation mixes frozen and trained entries in one leaf).
+    """
     if len(torch_grads) == len(as_numpy):
-        return [True] * params_spec.num_arrays
-    # Frozen parameters: map a mask through the same conversion to find the leaves they become.
-    trained = {name: np.full(a.shape, name in torch_grads, a.dtype) for name, a in as_numpy.items()}
-    return [bool(np.all(np.asarray(m))) for m in params_spec.flatten(convert(trained))]
+        return [None] * params_spec.num_arrays
+    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+    marked = {
+        name: a if name in torch_grads or not _floating(a) else np.full_like(a, np.nan)
+        for name, a in ones.items()
+    }
+    result: list[np.ndarray | None] = []
+    for plain, mark in zip(
+        params_spec.flatten(convert(ones)), params_spec.flatten(convert(marked)), strict=True
+    ):
+        plain, mark = np.asarray(plain), np.asarray(mark)
+        if not _floating(mark):
+            result.append(None)
+            continue
+        frozen = np.isnan(mark) & ~np.isnan(plain)
+        result.append(frozen if frozen.any() else None)
+    return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 from ..jax import GraphedCallable, Pullback
 from ._bridge import as_jax, copied
 
-__all__ = ["JaxRun", "run_jax"]
+__all__ = ["JaxRun", "reference_settings", "run_jax"]
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,8 @@ def run_jax(
 ) -> JaxRun:
     """Run ``jax_fn`` on the same inputs as torch (``params`` first, when given).
 
-    A plain function is compiled here with TF32-free ``"highest"`` matmul precision; a
-    :class:`~dualgraph.jax.GraphedCallable` keeps the precision it was compiled with. Inputs
-    shared with torch through DLPack are copied first if the program donates them.
+    A plain function is compiled here; run it inside :func:`reference_settings`. Inputs shared
+    with torch through DLPack are copied first if the program donates them.
     """
     args, kwargs = unflatten([as_jax(t) for t in tensors])
     if params is not None:
@@ -44,11 +44,20 @@ def run_jax(
     if isinstance(jax_fn, GraphedCallable):
         program = jax_fn
     else:
-        with jax.default_matmul_precision("highest"):
-            program = GraphedCallable(jax_fn, args, sample_kwargs=kwargs, lazy=True)
+        program = GraphedCallable(jax_fn, args, sample_kwargs=kwargs, lazy=True)
     if program.donate_argnums:  # donation would consume arrays that share torch's memory
         args, kwargs = copied((args, kwargs))
     if grads:
         outputs, pullback = program.vjp(*args, **kwargs)
         return JaxRun(program, outputs, pullback)
     return JaxRun(program, program(*args, **kwargs), None)
+
+
+def reference_settings(jax_fn: Callable[..., Any] | GraphedCallable) -> Any:
+    """The context the JAX side is compiled and run in, pullback included: TF32-free
+    ``"highest"`` matmul precision for a plain function; for a
+    :class:`~dualgraph.jax.GraphedCallable`, the caller's, which must be those it was graphed
+    with (it refuses others)."""
+    if isinstance(jax_fn, GraphedCallable):
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("highest")
