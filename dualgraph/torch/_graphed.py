@@ -550,9 +550,7 @@ def _check_pool(pool: Any) -> None:
     """``pool=`` is ``None`` or what ``torch.cuda.graph_pool_handle()`` returns (two ints)."""
     if pool is None:
         return
-    if not (
-        isinstance(pool, tuple) and len(pool) == 2 and all(type(part) is int for part in pool)
-    ):
+    if not (isinstance(pool, tuple) and len(pool) == 2 and all(type(part) is int for part in pool)):
         raise DualgraphError(
             "pool must be None or a handle from torch.cuda.graph_pool_handle() (a tuple of two "
             f"ints), got {type(pool).__name__} {pool!r}"
