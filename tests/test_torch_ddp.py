@@ -283,3 +283,31 @@ def test_in_graph_param_grads_are_refused_under_ddp(tmp_path: Path) -> None:
             model(torch.randn(BATCH, TOKENS, 8))
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_in_graph_param_grads_evaluate_under_ddp_without_grad_as_eager(
+    tmp_path: Path, no_grad: Callable[[], Any]
+) -> None:
+    """A forward that records no grad hands DDP nothing to all-reduce: an evaluation loop under
+    DDP works with ``"in_graph"`` blocks, giving eager's outputs."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        net = Net()
+        eager = copy.deepcopy(net)
+        sample = torch.randn(BATCH, TOKENS, DIM, requires_grad=True)
+        samples = tuple((sample,) for _ in net.blocks)
+        dgt.make_graphed_callables(
+            tuple(net.blocks), samples, backend="emulate", param_grads="in_graph"
+        )
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        x = torch.randn(BATCH, TOKENS, 8)
+        with no_grad():
+            got = model(x)
+            want = eager(x)
+        assert torch.equal(got, want)
+        assert not got.requires_grad
+        assert [dgt.diagnostics(block).replays for block in net.blocks] == [1] * DEPTH
+    finally:
+        torch.distributed.destroy_process_group()

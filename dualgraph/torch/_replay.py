@@ -421,7 +421,7 @@ class GraphedCallable:
             if self._module_tensors is not None:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
-                self._check_ambient_state()
+                self._check_ambient_state(grad_enabled)
             if _numerics_state() != self._numerics:
                 raise self._numerics_changed()
             if self._mutated:
@@ -487,13 +487,14 @@ class GraphedCallable:
             return tuple(o.clone() for o in self._static_outputs)
         return tuple(map(_detach, self._static_outputs))
 
-    def _check_ambient_state(self) -> None:
+    def _check_ambient_state(self, grad_enabled: bool = True) -> None:
         if self._autocast:
             if autocast_state() != self._autocast:
                 raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
         elif _is_any_autocast_enabled():
             raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
-        if self._ddp_check and _ddp_is_running():
+        # A forward that records no grad (evaluation under DDP) gives DDP nothing to all-reduce.
+        if self._ddp_check and grad_enabled and _ddp_is_running():
             raise DualgraphError(
                 f"{self.name}: captured with param_grads='in_graph', whose parameter grads bypass "
                 "the autograd hooks DistributedDataParallel all-reduces through; capture with "
