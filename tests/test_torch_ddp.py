@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import dualgraph.torch as dgt
 
@@ -49,16 +50,22 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, dim: int = DIM, depth: int = DEPTH) -> None:
+    def __init__(self, dim: int = DIM, depth: int = DEPTH, *, checkpointed: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Linear(8, dim)
         self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(depth))
         self.head = torch.nn.Linear(dim, 1)
+        # Reentrant activation checkpointing: each block runs again during the backward, outside
+        # DDP's forward, and its backward is a backward of its own.
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(x)
         for block in self.blocks:
-            hidden, aux = block(hidden)
+            if self.checkpointed:
+                hidden, aux = checkpoint(block, hidden, use_reentrant=True)
+            else:
+                hidden, aux = block(hidden)
             assert aux is None
         return self.head(hidden).squeeze(-1)
 
@@ -67,13 +74,20 @@ class Net(torch.nn.Module):
 
 
 def train_side_by_side(
-    rank: int, *, backend: str, steps: int, micro_batches: int, device: torch.device
+    rank: int,
+    *,
+    backend: str,
+    steps: int,
+    micro_batches: int,
+    device: torch.device,
+    ddp_options: dict[str, Any] | None = None,
+    checkpointed: bool = False,
 ) -> None:
     """Train an eager and a graphed copy under DDP on this rank's batches; compare every step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    eager = Net().to(device)
+    eager = Net(checkpointed=checkpointed).to(device)
     graphed = copy.deepcopy(eager)
     sample = torch.randn(BATCH, TOKENS, DIM, device=device, requires_grad=True)
     # Graph first, then wrap in DDP: the all-reduce stays outside the graphs (docs/ddp.md).
@@ -82,8 +96,8 @@ def train_side_by_side(
     )
     device_ids = [device.index] if device.type == "cuda" else None
     models = {
-        "eager": DDP(eager, device_ids=device_ids),
-        "graphed": DDP(graphed, device_ids=device_ids),
+        "eager": DDP(eager, device_ids=device_ids, **(ddp_options or {})),
+        "graphed": DDP(graphed, device_ids=device_ids, **(ddp_options or {})),
     }
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
 
@@ -110,8 +124,11 @@ def train_side_by_side(
         _assert_same(eager, graphed, "param", f"step {step}")
 
     replays = [dgt.diagnostics(block).replays for block in graphed.blocks]
-    assert replays == [steps * micro_batches] * DEPTH, replays
-    if backend != "eager":  # param_grads="auto" sends the grads through DDP's hooks
+    runs = 2 if checkpointed else 1  # without grad, then again in the backward
+    assert replays == [runs * steps * micro_batches] * DEPTH, replays
+    # param_grads="auto" sends the grads through DDP's hooks; a block run again in the backward
+    # (checkpointed) adds them into .grad itself, before DDP's hooks read .grad.
+    if backend != "eager" and not checkpointed:
         through_autograd = [
             dgt.diagnostics(block).param_grads_through_autograd for block in graphed.blocks
         ]
@@ -248,6 +265,41 @@ def test_graphed_blocks_under_ddp_give_eager_ddp_grads_and_params(
 @pytest.mark.parametrize("backend", ["eager", "emulate"])
 def test_grad_accumulation_with_no_sync_matches_eager_ddp(tmp_path: Path, backend: str) -> None:
     run_ranks(tmp_path, train_side_by_side, backend=backend, steps=2, micro_batches=3)
+
+
+@pytest.mark.parametrize(
+    ("ddp_options", "micro_batches"),
+    # eager DDP's static graph fails an internal assert under no_sync (torch 2.13)
+    [({"gradient_as_bucket_view": True}, 2), ({"static_graph": True}, 1)],
+    ids=["gradient_as_bucket_view", "static_graph"],
+)
+def test_ddp_options_match_eager_ddp(
+    tmp_path: Path, ddp_options: dict[str, Any], micro_batches: int
+) -> None:
+    """With ``gradient_as_bucket_view`` every ``.grad`` is a view into DDP's flat bucket."""
+    run_ranks(
+        tmp_path,
+        train_side_by_side,
+        backend="emulate",
+        steps=2,
+        micro_batches=micro_batches,
+        ddp_options=ddp_options,
+    )
+
+
+def test_reentrant_checkpointed_blocks_under_ddp_match_eager_ddp(tmp_path: Path) -> None:
+    """Recomputed in the backward, outside DDP's forward, a replay adds the parameter grads into
+    ``.grad`` itself; DDP's hooks on the parameters' grad accumulators still run after it and
+    all-reduce what is in ``.grad`` (with its buckets as ``.grad`` too)."""
+    run_ranks(
+        tmp_path,
+        train_side_by_side,
+        backend="emulate",
+        steps=2,
+        micro_batches=2,
+        ddp_options={"gradient_as_bucket_view": True},
+        checkpointed=True,
+    )
 
 
 @pytest.mark.cuda
