@@ -363,3 +363,29 @@ def test_in_graph_param_grads_evaluate_under_ddp_without_grad_as_eager(
         assert [dgt.diagnostics(block).replays for block in net.blocks] == [1] * DEPTH
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_in_graph_param_grads_recomputed_by_a_checkpoint_under_ddp_are_refused(
+    tmp_path: Path,
+) -> None:
+    """Reentrant checkpointing runs a block without grad inside DDP's forward and again, with
+    grad, in the backward, where DDP's forward is over: that replay is refused too, before any
+    ``.grad`` of the block is written (DDP would never all-reduce it)."""
+    from dualgraph import DualgraphError
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        net = Net(checkpointed=True)
+        sample = torch.randn(BATCH, TOKENS, DIM, requires_grad=True)
+        samples = tuple((sample,) for _ in net.blocks)
+        dgt.make_graphed_callables(
+            tuple(net.blocks), samples, backend="emulate", param_grads="in_graph"
+        )
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        loss = model(torch.randn(BATCH, TOKENS, 8)).sum()
+        with pytest.raises(DualgraphError, match="param_grads='autograd' to train under DDP"):
+            loss.backward()
+        assert all(p.grad is None for p in net.blocks.parameters())
+    finally:
+        torch.distributed.destroy_process_group()
