@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import dualgraph.torch as dgt
 
@@ -49,16 +50,22 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, dim: int = DIM, depth: int = DEPTH) -> None:
+    def __init__(self, dim: int = DIM, depth: int = DEPTH, *, checkpointed: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Linear(8, dim)
         self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(depth))
         self.head = torch.nn.Linear(dim, 1)
+        # Reentrant activation checkpointing: each block runs again during the backward, outside
+        # DDP's forward, and its backward is a backward of its own.
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(x)
         for block in self.blocks:
-            hidden, aux = block(hidden)
+            if self.checkpointed:
+                hidden, aux = checkpoint(block, hidden, use_reentrant=True)
+            else:
+                hidden, aux = block(hidden)
             assert aux is None
         return self.head(hidden).squeeze(-1)
 
@@ -67,13 +74,20 @@ class Net(torch.nn.Module):
 
 
 def train_side_by_side(
-    rank: int, *, backend: str, steps: int, micro_batches: int, device: torch.device
+    rank: int,
+    *,
+    backend: str,
+    steps: int,
+    micro_batches: int,
+    device: torch.device,
+    ddp_options: dict[str, Any] | None = None,
+    checkpointed: bool = False,
 ) -> None:
     """Train an eager and a graphed copy under DDP on this rank's batches; compare every step."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    eager = Net().to(device)
+    eager = Net(checkpointed=checkpointed).to(device)
     graphed = copy.deepcopy(eager)
     sample = torch.randn(BATCH, TOKENS, DIM, device=device, requires_grad=True)
     # Graph first, then wrap in DDP: the all-reduce stays outside the graphs (docs/ddp.md).
@@ -82,8 +96,8 @@ def train_side_by_side(
     )
     device_ids = [device.index] if device.type == "cuda" else None
     models = {
-        "eager": DDP(eager, device_ids=device_ids),
-        "graphed": DDP(graphed, device_ids=device_ids),
+        "eager": DDP(eager, device_ids=device_ids, **(ddp_options or {})),
+        "graphed": DDP(graphed, device_ids=device_ids, **(ddp_options or {})),
     }
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
 
@@ -110,8 +124,11 @@ def train_side_by_side(
         _assert_same(eager, graphed, "param", f"step {step}")
 
     replays = [dgt.diagnostics(block).replays for block in graphed.blocks]
-    assert replays == [steps * micro_batches] * DEPTH, replays
-    if backend != "eager":  # param_grads="auto" sends the grads through DDP's hooks
+    runs = 2 if checkpointed else 1  # without grad, then again in the backward
+    assert replays == [runs * steps * micro_batches] * DEPTH, replays
+    # param_grads="auto" sends the grads through DDP's hooks; a block run again in the backward
+    # (checkpointed) adds them into .grad itself, before DDP's hooks read .grad.
+    if backend != "eager" and not checkpointed:
         through_autograd = [
             dgt.diagnostics(block).param_grads_through_autograd for block in graphed.blocks
         ]
@@ -250,6 +267,41 @@ def test_grad_accumulation_with_no_sync_matches_eager_ddp(tmp_path: Path, backen
     run_ranks(tmp_path, train_side_by_side, backend=backend, steps=2, micro_batches=3)
 
 
+@pytest.mark.parametrize(
+    ("ddp_options", "micro_batches"),
+    # eager DDP's static graph fails an internal assert under no_sync (torch 2.13)
+    [({"gradient_as_bucket_view": True}, 2), ({"static_graph": True}, 1)],
+    ids=["gradient_as_bucket_view", "static_graph"],
+)
+def test_ddp_options_match_eager_ddp(
+    tmp_path: Path, ddp_options: dict[str, Any], micro_batches: int
+) -> None:
+    """With ``gradient_as_bucket_view`` every ``.grad`` is a view into DDP's flat bucket."""
+    run_ranks(
+        tmp_path,
+        train_side_by_side,
+        backend="emulate",
+        steps=2,
+        micro_batches=micro_batches,
+        ddp_options=ddp_options,
+    )
+
+
+def test_reentrant_checkpointed_blocks_under_ddp_match_eager_ddp(tmp_path: Path) -> None:
+    """Recomputed in the backward, outside DDP's forward, a replay adds the parameter grads into
+    ``.grad`` itself; DDP's hooks on the parameters' grad accumulators still run after it and
+    all-reduce what is in ``.grad`` (with its buckets as ``.grad`` too)."""
+    run_ranks(
+        tmp_path,
+        train_side_by_side,
+        backend="emulate",
+        steps=2,
+        micro_batches=2,
+        ddp_options={"gradient_as_bucket_view": True},
+        checkpointed=True,
+    )
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason="needs 2 CUDA devices")
 def test_cuda_graphed_blocks_under_nccl_ddp_match_eager_ddp(tmp_path: Path) -> None:
@@ -281,5 +333,59 @@ def test_in_graph_param_grads_are_refused_under_ddp(tmp_path: Path) -> None:
         model = torch.nn.parallel.DistributedDataParallel(net)
         with pytest.raises(DualgraphError, match="param_grads='autograd' to train under DDP"):
             model(torch.randn(BATCH, TOKENS, 8))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_in_graph_param_grads_evaluate_under_ddp_without_grad_as_eager(
+    tmp_path: Path, no_grad: Callable[[], Any]
+) -> None:
+    """A forward that records no grad hands DDP nothing to all-reduce: an evaluation loop under
+    DDP works with ``"in_graph"`` blocks, giving eager's outputs."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        net = Net()
+        eager = copy.deepcopy(net)
+        sample = torch.randn(BATCH, TOKENS, DIM, requires_grad=True)
+        samples = tuple((sample,) for _ in net.blocks)
+        dgt.make_graphed_callables(
+            tuple(net.blocks), samples, backend="emulate", param_grads="in_graph"
+        )
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        x = torch.randn(BATCH, TOKENS, 8)
+        with no_grad():
+            got = model(x)
+            want = eager(x)
+        assert torch.equal(got, want)
+        assert not got.requires_grad
+        assert [dgt.diagnostics(block).replays for block in net.blocks] == [1] * DEPTH
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_in_graph_param_grads_recomputed_by_a_checkpoint_under_ddp_are_refused(
+    tmp_path: Path,
+) -> None:
+    """Reentrant checkpointing runs a block without grad inside DDP's forward and again, with
+    grad, in the backward, where DDP's forward is over: that replay is refused too, before any
+    ``.grad`` of the block is written (DDP would never all-reduce it)."""
+    from dualgraph import DualgraphError
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        net = Net(checkpointed=True)
+        sample = torch.randn(BATCH, TOKENS, DIM, requires_grad=True)
+        samples = tuple((sample,) for _ in net.blocks)
+        dgt.make_graphed_callables(
+            tuple(net.blocks), samples, backend="emulate", param_grads="in_graph"
+        )
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        loss = model(torch.randn(BATCH, TOKENS, 8)).sum()
+        with pytest.raises(DualgraphError, match="param_grads='autograd' to train under DDP"):
+            loss.backward()
+        assert all(p.grad is None for p in net.blocks.parameters())
     finally:
         torch.distributed.destroy_process_group()

@@ -110,6 +110,7 @@ class GraphedCallable:
         "_backward_generation",
         "_clone_outputs",
         "_ddp_check",
+        "_ddp_seen",
         "_edge_nones",
         "_edges",
         "_emulated",
@@ -286,6 +287,7 @@ class GraphedCallable:
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
+        self._ddp_seen = False  # "in_graph": a forward ran inside DDP's forward (see below)
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._ddp_check
         self._pool = pool
@@ -445,7 +447,7 @@ class GraphedCallable:
             if self._module_tensors is not None:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
-                self._check_ambient_state()
+                self._check_ambient_state(grad_enabled)
             if _numerics_state() != self._numerics:
                 raise self._numerics_changed()
             if self._mutated:
@@ -511,18 +513,25 @@ class GraphedCallable:
             return tuple(o.clone() for o in self._static_outputs)
         return tuple(map(_detach, self._static_outputs))
 
-    def _check_ambient_state(self) -> None:
+    def _check_ambient_state(self, grad_enabled: bool = True) -> None:
         if self._autocast:
             if autocast_state() != self._autocast:
                 raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
         elif _is_any_autocast_enabled():
             raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
-        if self._ddp_check and _ddp_is_running():
-            raise DualgraphError(
-                f"{self.name}: captured with param_grads='in_graph', whose parameter grads bypass "
-                "the autograd hooks DistributedDataParallel all-reduces through; capture with "
-                "param_grads='autograd' to train under DDP"
-            )
+        if self._ddp_check and (self._ddp_seen or _ddp_is_running()):
+            # A forward that records no grad (evaluation under DDP) gives DDP nothing to
+            # all-reduce. Once one ran inside DDP's forward, DDP manages the parameters: a
+            # forward with grad outside it is refused too (reentrant checkpointing runs the
+            # callable again in the backward, where DDP's forward is over).
+            self._ddp_seen = True
+            if grad_enabled:
+                raise DualgraphError(
+                    f"{self.name}: captured with param_grads='in_graph', whose parameter grads "
+                    "bypass the autograd hooks DistributedDataParallel all-reduces through (this "
+                    "callable ran inside DDP's forward); capture with param_grads='autograd' to "
+                    "train under DDP"
+                )
 
     def _numerics_changed(self) -> DualgraphError:
         return DualgraphError(
