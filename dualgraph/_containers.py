@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import optree
 
 from ._errors import DualgraphError
-from ._leaves import array_type_of, signature_of
+from ._leaves import IDENTITY_NOTE, array_type_of, compares_by_identity, signature_of
 from ._nodes import Bind, Container, Node, NodeError, brief_constant, check_int, clip, clip_text
 from ._paths import Attr, Index, Key, PathEntry
 
@@ -472,6 +472,7 @@ class NamedTupleNode(NamedContainer):
         if not _is_namedtuple_class(typ):
             return False
         if learn:  # described: a spec read back may now name it
+            _refuse_value_equality(typ, NodeError)
             _refuse_array_type(typ, NodeError)
             _bind_name(typ)
         return True
@@ -648,6 +649,13 @@ def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> N
         )
 
 
+def _refuse_value_equality(cls: type, error: type[Exception], prefix: str = "") -> None:
+    """Refuse to make ``cls`` a container unless it compares by identity: nodes, programs and
+    the registry find a class by lookups that would take an equal class for it."""
+    if not compares_by_identity(cls):
+        raise error(f"{prefix}{cls.__qualname__}: {IDENTITY_NOTE}")
+
+
 def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
     """The user classes known as containers (registered or described) that subclass ``cls``."""
     return [
@@ -678,6 +686,7 @@ def register_namedtuple(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
+    _refuse_value_equality(cls, DualgraphError, "cannot register ")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     _bind_name(cls)
     _KIND_OF[cls] = NamedTupleNode
@@ -699,6 +708,7 @@ def register_dataclass(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
+    _refuse_value_equality(cls, DualgraphError, "cannot register ")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     if cls not in _DATACLASS_FIELDS:
         fields = dataclasses.fields(cls)

@@ -24,6 +24,7 @@ from ._errors import DualgraphError
 __all__ = [
     "CONSTANT_TYPES",
     "ArrayType",
+    "IDENTITY_NOTE",
     "array_type_of",
     "float_of_text",
     "float_text",
@@ -31,6 +32,7 @@ __all__ = [
     "same_float",
     "signature_of",
     "strict_bool",
+    "compares_by_identity",
 ]
 
 #: Python scalar types kept by value in a spec. ``bool`` is listed before ``int`` on purpose.
@@ -73,7 +75,9 @@ def register_array_type(
     """Teach the core a new array type (subclasses included).
 
     ``signature(x)`` returns ``(shape tuple, neutral dtype name)``, e.g. ``((2, 3), "float32")``;
-    ``requires_grad(x)`` says whether the leaf takes part in backward.
+    ``requires_grad(x)`` says whether the leaf takes part in backward. ``numpy.ndarray`` may be
+    registered again (to change ``requires_grad``), but a spec reads a numpy array's own shape
+    and dtype name: a signature giving anything else is refused when a tree is described.
 
     >>> import numpy as np
     >>> register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)
@@ -81,6 +85,10 @@ def register_array_type(
     if not isinstance(cls, type):
         raise DualgraphError(
             f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
+        )
+    if not compares_by_identity(cls):
+        raise DualgraphError(
+            f"register_array_type: cannot register {cls.__qualname__}: {IDENTITY_NOTE}"
         )
     builtin = _BUILTIN_KINDS.get(cls)
     if builtin is None:
@@ -109,6 +117,21 @@ def register_array_type(
             )
     _REGISTERED[cls] = ArrayType(signature=signature, requires_grad=requires_grad)
     _RESOLVED.clear()
+
+
+#: Why a class whose metaclass compares classes by value cannot be registered.
+IDENTITY_NOTE = (
+    "its metaclass defines __eq__ or __hash__, so the class does not compare by identity; "
+    "a spec tells classes apart by identity, and lookups by such a class could find another"
+)
+
+
+def compares_by_identity(cls: type, /) -> bool:
+    """Whether ``cls`` compares and hashes as classes do, by identity (its metaclass keeps
+    ``type``'s ``__eq__`` and ``__hash__``). Registries are dicts keyed by class: a class equal
+    to another would find the other's entry."""
+    meta = type(cls)
+    return meta is type or (meta.__eq__ is type.__eq__ and meta.__hash__ is type.__hash__)
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:

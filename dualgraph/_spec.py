@@ -610,6 +610,14 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                         DualgraphError,
                     )
                 leaf = ArrayLeaf(shape, dtype, grad)
+                if cls is np.ndarray and leaf.signature != (obj.shape, obj.dtype.name):
+                    # check and the generated code read a numpy array's own shape and dtype
+                    raise fail(
+                        f"the signature registered for numpy.ndarray gave {leaf.brief()} for a "
+                        f"{obj.dtype.name}{list(obj.shape)} array; a spec reads numpy arrays by "
+                        "their own shape and dtype (a registration may change requires_grad)",
+                        DualgraphError,
+                    )
                 append(intern.setdefault(leaf.key, leaf))
                 continue
             if id(obj) in inside:

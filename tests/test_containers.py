@@ -452,3 +452,63 @@ def test_a_post_init_that_keeps_its_values_as_given_still_rebuilds(rebuild_path:
     tree = Checked(array(1), 5)
     spec = describe(tree)
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+# -- classes are told apart by identity ------------------------------------------------------------
+
+
+class _AllEqual(type):
+    """A metaclass whose classes all compare equal (and hash alike): dict lookups by class
+    would take one for another."""
+
+    def __eq__(cls, other: object) -> bool:
+        return isinstance(other, _AllEqual)
+
+    def __hash__(cls) -> int:
+        return 0
+
+
+def test_a_dataclass_whose_class_compares_by_value_is_refused() -> None:
+    @dataclasses.dataclass
+    class Odd(metaclass=_AllEqual):
+        x: Any
+
+    with pytest.raises(DualgraphError, match=r"Odd.*compare.*identity"):
+        register_dataclass(Odd)
+
+
+def test_a_namedtuple_whose_class_compares_by_value_is_refused() -> None:
+    class OddPair(tuple, metaclass=_AllEqual):  # type: ignore[misc]
+        _fields = ("a", "b")
+
+        def __new__(cls, a: Any, b: Any) -> OddPair:
+            return tuple.__new__(cls, (a, b))
+
+        @classmethod
+        def _make(cls, items: Any) -> OddPair:
+            return cls(*items)
+
+        def _asdict(self) -> dict[str, Any]:
+            return dict(zip(self._fields, self, strict=True))
+
+    with pytest.raises(DualgraphError, match=r"OddPair.*compare.*identity"):
+        register_namedtuple(OddPair)
+    with pytest.raises(DualgraphError, match=r"^\[0\]: .*OddPair.*compare.*identity"):
+        describe((OddPair(1, 2),))
+
+
+def test_an_unregistered_class_equal_to_a_registered_one_is_not_taken_for_it() -> None:
+    # Before: registering one class of an _AllEqual metaclass made every other one a
+    # "registered" dataclass, rebuilt as the first class
+    @dataclasses.dataclass
+    class First(metaclass=_AllEqual):
+        x: Any
+
+    @dataclasses.dataclass
+    class Second(metaclass=_AllEqual):
+        x: Any
+
+    with pytest.raises(DualgraphError):
+        register_dataclass(First)
+    with pytest.raises(UnsupportedLeafError, match=r"Second"):
+        describe(Second(array(2)))
