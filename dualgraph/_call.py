@@ -16,7 +16,7 @@ from typing import Any
 from ._containers import DictNode, TupleNode
 from ._errors import DualgraphError, SpecMismatchError
 from ._json import read_document, write_document
-from ._nodes import clip, clip_text
+from ._nodes import class_name, clip, clip_text
 from ._spec import LeafSpec, TreeSpec, describe, grad_flags
 
 __all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
@@ -258,6 +258,4 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
 
 def _type_name(obj: Any) -> str:
     cls = type(obj)
-    return (
-        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    )
+    return cls.__qualname__ if cls.__module__ == "builtins" else class_name(cls)

@@ -27,7 +27,17 @@ import optree
 
 from ._errors import DualgraphError
 from ._leaves import IDENTITY_NOTE, array_type_of, compares_by_identity, signature_of
-from ._nodes import Bind, Container, Node, NodeError, brief_constant, check_int, clip, clip_text
+from ._nodes import (
+    Bind,
+    Container,
+    Node,
+    NodeError,
+    brief_constant,
+    check_int,
+    class_name,
+    clip,
+    clip_text,
+)
 from ._paths import Attr, Index, Key, PathEntry
 
 __all__ = [
@@ -68,7 +78,13 @@ def qualified_name(cls: type, /) -> str:
     >>> qualified_name(collections.OrderedDict)
     'collections:OrderedDict'
     """
-    return f"{cls.__module__}:{cls.__qualname__}"
+    module = cls.__module__
+    if type(module) is not str:
+        raise DualgraphError(
+            f"{class_name(cls)}: its __module__ is {clip(module, 60)}, not a str, so a spec "
+            "cannot name the class (module:QualName)"
+        )
+    return f"{module}:{cls.__qualname__}"
 
 
 # -- the kinds ---------------------------------------------------------------------------------
@@ -428,10 +444,10 @@ class NamedContainer(Container):
 
     @classmethod
     def brief_of_object(cls, obj: Any) -> str:
-        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+        return f"a {class_name(type(obj))}"
 
     def brief(self) -> str:
-        return f"a {self.cls.__module__}.{self.cls.__qualname__}"
+        return f"a {class_name(self.cls)}"
 
     def row(self) -> list[Any]:
         if _NAMED.get(self.name) is not self.cls:
@@ -452,7 +468,7 @@ class NamedContainer(Container):
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
         found = brief_of(obj)
-        if type(obj) is not self.cls and qualified_name(type(obj)) == self.name:
+        if type(obj) is not self.cls and class_name(type(obj)) == class_name(self.cls):
             found += " (another class of the same name)"
         return None, f"expected {self.brief()}, got {found}"
 
@@ -474,7 +490,10 @@ class NamedTupleNode(NamedContainer):
         if learn:  # described: a spec read back may now name it
             _refuse_value_equality(typ, NodeError)
             _refuse_array_type(typ, NodeError)
-            _bind_name(typ)
+            try:
+                _bind_name(typ)
+            except DualgraphError as error:  # describe adds the path
+                raise NodeError(str(error)) from None
         return True
 
     @classmethod
@@ -568,7 +587,7 @@ def rebuilt_namedtuple(cls: type, values: list[Any], /) -> Any:
 
 def _changed(cls: type, what: str, method: str) -> str:
     return (
-        f"{qualified_name(cls)} did not keep {what} as given when rebuilt from its fields "
+        f"{class_name(cls)} did not keep {what} as given when rebuilt from its fields "
         f"(its {method} changes them), so the rebuilt object would differ from the one taken "
         "apart. Make that conversion outside the class, or keep the values it is given"
     )
@@ -624,7 +643,7 @@ def brief_of(obj: Any, /) -> str:
             return clip_text(f"{dtype}[{', '.join(map(str, shape))}]")
     except Exception:  # the array type's own signature failed: describe the object
         pass
-    return f"an object of type {typ.__module__}.{typ.__qualname__}"
+    return f"an object of type {class_name(typ)}"
 
 
 # -- registration --------------------------------------------------------------------------------
@@ -710,6 +729,7 @@ def register_dataclass(cls: T, /) -> T:
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
     _refuse_value_equality(cls, DualgraphError, "cannot register ")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
+    qualified_name(cls)  # a class a spec cannot name is refused before anything is registered
     if cls not in _DATACLASS_FIELDS:
         fields = dataclasses.fields(cls)
         no_init = [f.name for f in fields if not f.init]

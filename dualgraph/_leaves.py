@@ -93,6 +93,7 @@ def register_array_type(
     builtin = _BUILTIN_KINDS.get(cls)
     if builtin is None:
         from ._containers import container_kind, container_subclasses  # (they import this module)
+        from ._nodes import class_name
 
         # describe takes a container first, check an array's place by its signature: never both
         kind = container_kind(cls)
@@ -101,8 +102,7 @@ def register_array_type(
         else:  # the registration would make these containers array types too
             for subclass, kind in container_subclasses(cls):
                 builtin = (
-                    f"the base of {subclass.__module__}.{subclass.__qualname__}, which is a "
-                    f"{kind.tag} class, a container"
+                    f"the base of {class_name(subclass)}, which is a {kind.tag} class, a container"
                 )
                 break
     if builtin is not None:

@@ -32,6 +32,7 @@ from ._nodes import (
     Leaf,
     Node,
     NodeError,
+    class_name,
     clip,
     clip_text,
     show_constant,
@@ -590,14 +591,11 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
             if kind is None:
                 array_type = array_type_of(cls)
                 if array_type is None:
-                    raise fail(
-                        f"unsupported leaf of type {cls.__module__}.{cls.__qualname__}. "
-                        + _UNSUPPORTED
-                    )
+                    raise fail(f"unsupported leaf of type {class_name(cls)}. " + _UNSUPPORTED)
                 shape, dtype = array_type.signature(obj)
                 if not isinstance(shape, tuple):  # check compares signatures as they come
                     raise fail(
-                        f"the signature registered for {cls.__module__}.{cls.__qualname__} "
+                        f"the signature registered for {class_name(cls)} "
                         f"gave a shape of type {type(shape).__qualname__}, not a tuple",
                         DualgraphError,
                     )
@@ -605,7 +603,7 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                 grad = strict_bool(answer)
                 if grad is None:
                     raise fail(
-                        f"the requires_grad registered for {cls.__module__}.{cls.__qualname__} "
+                        f"the requires_grad registered for {class_name(cls)} "
                         f"answered {clip(answer)}, not a bool",
                         DualgraphError,
                     )

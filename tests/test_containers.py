@@ -512,3 +512,65 @@ def test_an_unregistered_class_equal_to_a_registered_one_is_not_taken_for_it() -
         register_dataclass(First)
     with pytest.raises(UnsupportedLeafError, match=r"Second"):
         describe(Second(array(2)))
+
+
+# -- a class's __module__ can be any object --------------------------------------------------------
+
+
+class _Unprintable:
+    """A ``__module__`` whose str, repr and format raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("unprintable")
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        raise RuntimeError("unprintable")
+
+
+def test_a_namedtuple_whose_module_is_not_a_str_is_refused_naming_the_path() -> None:
+    Odd = collections.namedtuple("Odd", "a b")  # type: ignore[name-match]
+    Odd.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(DualgraphError, match=r"^\[1\]: .*Odd.*__module__"):
+        describe((1, Odd(1, 2)))
+    with pytest.raises(DualgraphError, match=r"Odd.*__module__"):
+        register_namedtuple(Odd)
+
+
+def test_a_dataclass_whose_module_is_not_a_str_is_refused() -> None:
+    @dataclasses.dataclass
+    class Odd:
+        x: Any
+
+    Odd.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(DualgraphError, match=r"Odd.*__module__"):
+        register_dataclass(Odd)
+
+
+def test_messages_about_a_class_whose_module_is_not_a_str_still_name_it() -> None:
+    class Thing:
+        pass
+
+    Thing.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: unsupported leaf of type .*Thing"):
+        describe((Thing(),))
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected int 1, got .*Thing"):
+        describe((1,)).check((Thing(),))
+
+
+def test_a_registered_class_whose_module_changes_to_no_str_is_still_explained() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class Later:
+        x: Any
+
+    spec = describe(Later(1))
+
+    class Other:
+        pass
+
+    Later.__module__ = _Unprintable()  # type: ignore[assignment]
+    Other.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(SpecMismatchError, match=r"^<root>: expected a .*Later, got .*Other"):
+        spec.check(Other())
