@@ -252,15 +252,8 @@ class TreeSpec:
 
     def unflatten(self, arrays: Sequence[Any], /) -> Any:
         """Rebuild the tree from its array leaves; ``None`` and constants are restored."""
-        try:
-            count = len(arrays)
-        except Exception:
-            raise SpecMismatchError(
-                f"unflatten: expected a sequence of {self._num_arrays} arrays, "
-                f"got {brief_of(arrays)}"
-            ) from None
-        if count != self._num_arrays:
-            raise SpecMismatchError(f"unflatten: expected {self._num_arrays} arrays, got {count}")
+        if type(arrays) is not list or len(arrays) != self._num_arrays:  # the common case
+            count_arrays(arrays, self._num_arrays)
         try:
             return self._program.unflatten(arrays)
         except Exception as error:
@@ -442,6 +435,29 @@ class TreeSpec:
         return SpecMismatchError(
             f"unflatten: could not read the arrays ({type(error).__name__}: {clip_text(error)})"
         )
+
+
+def count_arrays(arrays: Any, expected: int) -> None:
+    """Refuse ``arrays`` unless it is a sequence of ``expected`` items, for unflatten. A str,
+    bytes, mapping or set has a length but is no sequence of arrays (a str would be rebuilt
+    as its characters, a dict by its values)."""
+    cls = type(arrays)
+    if cls is not list and cls is not tuple:
+        if isinstance(arrays, str | bytes | bytearray | Mapping | AbstractSet):
+            count = None
+        else:
+            try:
+                count = len(arrays)
+            except Exception:
+                count = None
+        if count is None:
+            raise SpecMismatchError(
+                f"unflatten: expected a sequence of {expected} arrays, got {brief_of(arrays)}"
+            )
+    else:
+        count = len(arrays)
+    if count != expected:
+        raise SpecMismatchError(f"unflatten: expected {expected} arrays, got {count}")
 
 
 def _checked_root(root: object) -> str:
