@@ -650,11 +650,12 @@ def brief_of(obj: Any, /) -> str:
 
 
 def _is_namedtuple_class(typ: type) -> bool:
-    """A real namedtuple class: optree's test, with fields that are identifiers."""
-    return optree.is_namedtuple_class(typ) and all(
-        f.isidentifier()
-        for f in typ._fields  # type: ignore[attr-defined]
-    )
+    """A real namedtuple class: optree's test, with distinct fields that are identifiers (they
+    name its children's paths)."""
+    if not optree.is_namedtuple_class(typ):
+        return False
+    fields = typ._fields  # type: ignore[attr-defined]
+    return all(f.isidentifier() for f in fields) and len(set(fields)) == len(fields)
 
 
 def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> None:

@@ -208,6 +208,18 @@ def test_a_tuple_subclass_posing_as_a_namedtuple_is_not_one() -> None:
         describe(Impostor((1,)))
 
 
+def test_a_namedtuple_class_whose_fields_repeat_is_not_one() -> None:
+    # Two children had one path (.a twice), and the key-order check of a call read the
+    # first child for both, missing a reordered dict in the second
+    Repeated = collections.namedtuple("Repeated", "a b")  # type: ignore[name-match]
+    Repeated._fields = ("a", "a")  # type: ignore[misc]
+    assert container_kind(Repeated, learn=True) is None
+    with pytest.raises(dualgraph.UnsupportedLeafError, match="unsupported leaf"):
+        describe((Repeated(1, 2),))
+    with pytest.raises(DualgraphError, match="register_namedtuple expects a namedtuple class"):
+        register_namedtuple(Repeated)
+
+
 def test_namedtuple_fields_are_read_by_position_so_nfkc_names_work() -> None:
     # namedtuple keeps the field name as given; Python source would read "\ufb01" as "fi".
     Ligature = collections.namedtuple("Ligature", ["\ufb01eld", "other"])
