@@ -26,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import optree
 
 from ._errors import DualgraphError
-from ._leaves import IDENTITY_NOTE, array_type_of, compares_by_identity, signature_of
+from ._leaves import array_type_of, signature_of
 from ._nodes import (
     Bind,
     Container,
@@ -68,7 +68,8 @@ T = TypeVar("T", bound=type)
 
 # name -> class, and the kind of each class the program registered or described.
 _NAMED: dict[str, type] = {}
-_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}
+# Keyed by id(cls), holding (cls, fields): see _leaves._REGISTERED for why not by class.
+_DATACLASS_FIELDS: dict[int, tuple[type, tuple[str, ...]]] = {}
 
 
 def qualified_name(cls: type, /) -> str:
@@ -393,7 +394,8 @@ class NamedContainer(Container):
     register_with: ClassVar[str]
 
     def __init__(self, cls: type, fields: tuple[str, ...]) -> None:
-        super().__init__((self.tag, cls), tuple(Attr(f) for f in fields))
+        # By id: a metaclass may make classes compare equal; the node keeps its class alive
+        super().__init__((self.tag, id(cls)), tuple(Attr(f) for f in fields))
         object.__setattr__(self, "cls", cls)
         object.__setattr__(self, "fields", fields)
         object.__setattr__(self, "name", qualified_name(cls))
@@ -406,11 +408,12 @@ class NamedContainer(Container):
     @classmethod
     def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
         typ = type(obj)
-        node = intern.get(typ)
+        key = (NamedContainer, id(typ))  # the object keeps its class alive while describing
+        node = intern.get(key)
         if node is None:
             fields = cls.fields_of(typ)
             assert fields is not None  # the caller found the kind by fields_of
-            node = intern[typ] = cls(typ, fields)
+            node = intern[key] = cls(typ, fields)
         assert isinstance(node, NamedContainer)
         return node, node.values_of(obj)
 
@@ -488,7 +491,6 @@ class NamedTupleNode(NamedContainer):
         if not _is_namedtuple_class(typ):
             return False
         if learn:  # described: a spec read back may now name it
-            _refuse_value_equality(typ, NodeError)
             _refuse_array_type(typ, NodeError)
             try:
                 _bind_name(typ)
@@ -498,7 +500,7 @@ class NamedTupleNode(NamedContainer):
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
-        if _KIND_OF.get(typ) is NamedTupleNode:  # registered or described
+        if kind_of(typ) is NamedTupleNode:  # registered or described
             return typ._fields  # type: ignore[attr-defined]
         return None
 
@@ -541,7 +543,7 @@ class DataclassNode(NamedContainer):
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
-        return _DATACLASS_FIELDS.get(typ)
+        return dataclass_fields(typ)
 
     def values_of(self, obj: Any) -> Sequence[Any]:
         return [getattr(obj, field) for field in self.fields]
@@ -604,9 +606,18 @@ CONTAINER_KINDS: tuple[type[Container], ...] = (
 )
 
 # The kind of each class seen so far: builtins, and registered or described user classes.
-_KIND_OF: dict[type, type[Container]] = {
-    kind.python_type: kind for kind in CONTAINER_KINDS if kind.python_type is not None
+# (By id(cls), holding (cls, kind): see _leaves._REGISTERED for why not by class.)
+_KIND_OF: dict[int, tuple[type, type[Container]]] = {
+    id(kind.python_type): (kind.python_type, kind)
+    for kind in CONTAINER_KINDS
+    if kind.python_type is not None
 }
+
+
+def kind_of(typ: type, /) -> type[Container] | None:
+    """The kind of a builtin container type or a user class registered or described."""
+    entry = _KIND_OF.get(id(typ))
+    return None if entry is None else entry[1]
 
 
 def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | None:
@@ -615,13 +626,13 @@ def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | No
     With ``learn=True`` (what :func:`~dualgraph.describe` does) a user class that a kind claims
     on sight (a namedtuple class) is registered. Returns ``None`` if ``typ`` is no container.
     """
-    kind = _KIND_OF.get(typ)
+    kind = kind_of(typ)
     if kind is not None:
         return kind
     for kind in CONTAINER_KINDS:
         if kind.python_type is None and kind.claims(typ, learn=learn):
             if learn:
-                _KIND_OF[typ] = kind
+                _KIND_OF[id(typ)] = (typ, kind)
             return kind
     return None
 
@@ -669,18 +680,11 @@ def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> N
         )
 
 
-def _refuse_value_equality(cls: type, error: type[Exception], prefix: str = "") -> None:
-    """Refuse to make ``cls`` a container unless it compares by identity: nodes, programs and
-    the registry find a class by lookups that would take an equal class for it."""
-    if not compares_by_identity(cls):
-        raise error(f"{prefix}{cls.__qualname__}: {IDENTITY_NOTE}")
-
-
 def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
     """The user classes known as containers (registered or described) that subclass ``cls``."""
     return [
         (typ, kind)
-        for typ, kind in _KIND_OF.items()
+        for typ, kind in _KIND_OF.values()
         if kind.python_type is None and issubclass(typ, cls)
     ]
 
@@ -706,10 +710,9 @@ def register_namedtuple(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
-    _refuse_value_equality(cls, DualgraphError, "cannot register ")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     _bind_name(cls)
-    _KIND_OF[cls] = NamedTupleNode
+    _KIND_OF[id(cls)] = (cls, NamedTupleNode)
     return cls
 
 
@@ -728,10 +731,9 @@ def register_dataclass(cls: T, /) -> T:
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
-    _refuse_value_equality(cls, DualgraphError, "cannot register ")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     qualified_name(cls)  # a class a spec cannot name is refused before anything is registered
-    if cls not in _DATACLASS_FIELDS:
+    if id(cls) not in _DATACLASS_FIELDS:
         fields = dataclasses.fields(cls)
         no_init = [f.name for f in fields if not f.init]
         if no_init:
@@ -761,9 +763,9 @@ def register_dataclass(cls: T, /) -> T:
             return cls(**dict(zip(names, children, strict=True)))
 
         optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
-        _DATACLASS_FIELDS[cls] = names
+        _DATACLASS_FIELDS[id(cls)] = (cls, names)
     _bind_name(cls)
-    _KIND_OF[cls] = DataclassNode
+    _KIND_OF[id(cls)] = (cls, DataclassNode)
     return cls
 
 
@@ -795,4 +797,5 @@ def _init_problem(cls: type, names: tuple[str, ...]) -> str | None:
 
 def dataclass_fields(cls: type, /) -> tuple[str, ...] | None:
     """The child fields of a registered dataclass, or ``None`` if ``cls`` is not one."""
-    return _DATACLASS_FIELDS.get(cls)
+    entry = _DATACLASS_FIELDS.get(id(cls))
+    return None if entry is None else entry[1]

@@ -24,7 +24,6 @@ from ._errors import DualgraphError
 __all__ = [
     "CONSTANT_TYPES",
     "ArrayType",
-    "IDENTITY_NOTE",
     "array_type_of",
     "float_of_text",
     "float_text",
@@ -32,7 +31,6 @@ __all__ = [
     "same_float",
     "signature_of",
     "strict_bool",
-    "compares_by_identity",
 ]
 
 #: Python scalar types kept by value in a spec. ``bool`` is listed before ``int`` on purpose.
@@ -49,14 +47,17 @@ class ArrayType:
     requires_grad: Callable[[Any], bool]
 
 
-_REGISTERED: dict[type, ArrayType] = {}
+# The registries are keyed by id(cls) and hold (cls, value): a class's metaclass may define
+# __eq__ and __hash__ (typing_extensions.Protocol's does), and a lookup by such a class could
+# find an equal class's entry. Each entry keeps its class alive, so its id stays unique.
+_REGISTERED: dict[int, tuple[type, ArrayType]] = {}
 # Types a spec reads as something else than an array, whatever is registered.
-_BUILTIN_KINDS: dict[type, str] = {
-    **{cls: "a constant" for cls in CONSTANT_TYPES},
-    type(None): "None",
-    **{cls: "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
+_BUILTIN_KINDS: dict[int, str] = {
+    **{id(cls): "a constant" for cls in CONSTANT_TYPES},
+    id(type(None)): "None",
+    **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
-_RESOLVED: dict[type, ArrayType | None] = {}
+_RESOLVED: dict[int, tuple[type, ArrayType | None]] = {}
 # Root module of a framework's array type -> the dualgraph module that registers it.
 _LAZY_REGISTRATIONS = {
     "torch": "dualgraph.torch._leaves",
@@ -86,11 +87,7 @@ def register_array_type(
         raise DualgraphError(
             f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
         )
-    if not compares_by_identity(cls):
-        raise DualgraphError(
-            f"register_array_type: cannot register {cls.__qualname__}: {IDENTITY_NOTE}"
-        )
-    builtin = _BUILTIN_KINDS.get(cls)
+    builtin = _BUILTIN_KINDS.get(id(cls))
     if builtin is None:
         from ._containers import container_kind, container_subclasses  # (they import this module)
         from ._nodes import class_name
@@ -115,23 +112,8 @@ def register_array_type(
                 f"register_array_type({cls.__qualname__}): {name} must be callable, "
                 f"got an object of type {type(function).__qualname__}"
             )
-    _REGISTERED[cls] = ArrayType(signature=signature, requires_grad=requires_grad)
+    _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
     _RESOLVED.clear()
-
-
-#: Why a class whose metaclass compares classes by value cannot be registered.
-IDENTITY_NOTE = (
-    "its metaclass defines __eq__ or __hash__, so the class does not compare by identity; "
-    "a spec tells classes apart by identity, and lookups by such a class could find another"
-)
-
-
-def compares_by_identity(cls: type, /) -> bool:
-    """Whether ``cls`` compares and hashes as classes do, by identity (its metaclass keeps
-    ``type``'s ``__eq__`` and ``__hash__``). Registries are dicts keyed by class: a class equal
-    to another would find the other's entry."""
-    meta = type(cls)
-    return meta is type or (meta.__eq__ is type.__eq__ and meta.__hash__ is type.__hash__)
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:
@@ -141,10 +123,9 @@ def array_type_of(cls: type, /) -> ArrayType | None:
     >>> array_type_of(np.ndarray) is not None, array_type_of(set)
     (True, None)
     """
-    try:
-        return _RESOLVED[cls]
-    except KeyError:
-        pass
+    entry = _RESOLVED.get(id(cls))
+    if entry is not None:
+        return entry[1]
     found = _lookup(cls)
     if found is None:
         # The class or a base of it (a user's subclass of torch.Tensor) is a framework's.
@@ -156,7 +137,7 @@ def array_type_of(cls: type, /) -> ArrayType | None:
             found = _lookup(cls)
             if found is not None:
                 break
-    _RESOLVED[cls] = found
+    _RESOLVED[id(cls)] = (cls, found)
     return found
 
 
@@ -176,7 +157,8 @@ def signature_of(leaf: Any, /) -> Signature | None:
         if name is None:
             name = _NUMPY_DTYPE_NAMES[dtype] = dtype.name
         return leaf.shape, name
-    array_type = _RESOLVED[cls] if cls in _RESOLVED else array_type_of(cls)
+    entry = _RESOLVED.get(id(cls))
+    array_type = entry[1] if entry is not None else array_type_of(cls)
     return None if array_type is None else array_type.signature(leaf)
 
 
@@ -289,9 +271,10 @@ def _lazy_registrations(cls: type) -> list[str]:
 
 def _lookup(cls: type) -> ArrayType | None:
     for base in cls.__mro__:
-        if base in _REGISTERED:
-            return _REGISTERED[base]
-    for registered, array_type in _REGISTERED.items():
+        entry = _REGISTERED.get(id(base))
+        if entry is not None:
+            return entry[1]
+    for registered, array_type in _REGISTERED.values():
         if issubclass(cls, registered):  # abstract bases such as jax.Array
             return array_type
     return None
@@ -317,4 +300,7 @@ def numpy_is_native() -> bool:
 
 
 # Registered directly: register_array_type reads the container kinds, which import this module.
-_REGISTERED[np.ndarray] = ArrayType(signature=_numpy_signature, requires_grad=_numpy_grad)
+_REGISTERED[id(np.ndarray)] = (
+    np.ndarray,
+    ArrayType(signature=_numpy_signature, requires_grad=_numpy_grad),
+)

@@ -480,38 +480,10 @@ class _AllEqual(type):
         return 0
 
 
-def test_a_dataclass_whose_class_compares_by_value_is_refused() -> None:
-    @dataclasses.dataclass
-    class Odd(metaclass=_AllEqual):
-        x: Any
-
-    with pytest.raises(DualgraphError, match=r"Odd.*compare.*identity"):
-        register_dataclass(Odd)
-
-
-def test_a_namedtuple_whose_class_compares_by_value_is_refused() -> None:
-    class OddPair(tuple, metaclass=_AllEqual):  # type: ignore[misc]
-        _fields = ("a", "b")
-
-        def __new__(cls, a: Any, b: Any) -> OddPair:
-            return tuple.__new__(cls, (a, b))
-
-        @classmethod
-        def _make(cls, items: Any) -> OddPair:
-            return cls(*items)
-
-        def _asdict(self) -> dict[str, Any]:
-            return dict(zip(self._fields, self, strict=True))
-
-    with pytest.raises(DualgraphError, match=r"OddPair.*compare.*identity"):
-        register_namedtuple(OddPair)
-    with pytest.raises(DualgraphError, match=r"^\[0\]: .*OddPair.*compare.*identity"):
-        describe((OddPair(1, 2),))
-
-
-def test_an_unregistered_class_equal_to_a_registered_one_is_not_taken_for_it() -> None:
+def test_a_dataclass_whose_class_compares_by_value_is_still_told_apart() -> None:
     # Before: registering one class of an _AllEqual metaclass made every other one a
     # "registered" dataclass, rebuilt as the first class
+    @register_dataclass
     @dataclasses.dataclass
     class First(metaclass=_AllEqual):
         x: Any
@@ -520,10 +492,42 @@ def test_an_unregistered_class_equal_to_a_registered_one_is_not_taken_for_it() -
     class Second(metaclass=_AllEqual):
         x: Any
 
-    with pytest.raises(DualgraphError):
-        register_dataclass(First)
+    tree = First(array(2))
+    spec = TreeSpec.from_json(describe(tree).to_json())
+    assert type(spec.unflatten(spec.flatten(tree))) is First
     with pytest.raises(UnsupportedLeafError, match=r"Second"):
         describe(Second(array(2)))
+
+
+def test_specs_of_classes_that_compare_by_value_are_not_equal_nor_share_a_program() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class Left(metaclass=_AllEqual):
+        x: Any
+
+    @register_dataclass
+    @dataclasses.dataclass
+    class Right(metaclass=_AllEqual):
+        x: Any
+
+    left, right = describe(Left(array(2))), describe(Right(array(2)))
+    assert left != right
+    assert type(right.unflatten([array(2)])) is Right
+    assert type(describe([Left(1), Right(2)]).unflatten([])[1]) is Right
+
+
+def test_a_namedtuple_whose_class_compares_by_value_is_told_apart() -> None:
+    Pair = collections.namedtuple("Pair", "a b")  # type: ignore[name-match]
+
+    class OddPair(Pair, metaclass=_AllEqual):  # type: ignore[misc]
+        pass
+
+    class OtherPair(Pair, metaclass=_AllEqual):  # type: ignore[misc]
+        pass
+
+    spec = describe((OddPair(1, array(2)), OtherPair(3, array(2))))
+    rebuilt = spec.unflatten([array(2), array(2)])
+    assert (type(rebuilt[0]), type(rebuilt[1])) == (OddPair, OtherPair)
 
 
 # -- a class's __module__ can be any object --------------------------------------------------------
@@ -586,3 +590,21 @@ def test_a_registered_class_whose_module_changes_to_no_str_is_still_explained() 
     Other.__module__ = _Unprintable()  # type: ignore[assignment]
     with pytest.raises(SpecMismatchError, match=r"^<root>: expected a .*Later, got .*Other"):
         spec.check(Other())
+
+
+def test_a_dataclass_implementing_a_typing_extensions_protocol_registers() -> None:
+    # typing_extensions.Protocol's metaclass defines __eq__ and __hash__ (its classes still
+    # compare by identity): such classes are common and must not be refused
+    typing_extensions = pytest.importorskip("typing_extensions")
+
+    class HasHidden(typing_extensions.Protocol):
+        hidden: Any
+
+    @register_dataclass
+    @dataclasses.dataclass
+    class Out(HasHidden):
+        hidden: Any
+
+    tree = Out(array(2))
+    spec = TreeSpec.from_json(describe(tree).to_json())
+    assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
