@@ -398,7 +398,11 @@ class NamedContainer(Container):
         super().__init__((self.tag, id(cls)), tuple(Attr(f) for f in fields))
         object.__setattr__(self, "cls", cls)
         object.__setattr__(self, "fields", fields)
-        object.__setattr__(self, "name", qualified_name(cls))
+        try:
+            name = qualified_name(cls)
+        except DualgraphError as error:  # the class changed since it was registered
+            raise NodeError(str(error)) from None
+        object.__setattr__(self, "name", name)
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:

@@ -608,3 +608,14 @@ def test_a_dataclass_implementing_a_typing_extensions_protocol_registers() -> No
     tree = Out(array(2))
     spec = TreeSpec.from_json(describe(tree).to_json())
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+def test_a_registered_class_whose_module_becomes_no_str_is_refused_naming_the_path() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class Renamed:
+        x: Any
+
+    Renamed.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(DualgraphError, match=r"^\[0\]\['k'\]: .*Renamed.*__module__"):
+        describe(({"k": Renamed(1)},))
