@@ -57,7 +57,8 @@ _BUILTIN_KINDS: dict[int, str] = {
     id(type(None)): "None",
     **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
-_RESOLVED: dict[int, tuple[type, ArrayType | None]] = {}
+_RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
+_RESOLVED_CLASSES: dict[int, type] = {}  # keeps the classes of _RESOLVED's ids alive
 # Root module of a framework's array type -> the dualgraph module that registers it.
 _LAZY_REGISTRATIONS = {
     "torch": "dualgraph.torch._leaves",
@@ -113,7 +114,7 @@ def register_array_type(
                 f"got an object of type {type(function).__qualname__}"
             )
     _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
-    _RESOLVED.clear()
+    _RESOLVED.clear()  # (its classes stay in _RESOLVED_CLASSES: an id is never a stale key)
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:
@@ -123,9 +124,10 @@ def array_type_of(cls: type, /) -> ArrayType | None:
     >>> array_type_of(np.ndarray) is not None, array_type_of(set)
     (True, None)
     """
-    entry = _RESOLVED.get(id(cls))
-    if entry is not None:
-        return entry[1]
+    try:
+        return _RESOLVED[id(cls)]
+    except KeyError:
+        pass
     found = _lookup(cls)
     if found is None:
         # The class or a base of it (a user's subclass of torch.Tensor) is a framework's.
@@ -137,7 +139,8 @@ def array_type_of(cls: type, /) -> ArrayType | None:
             found = _lookup(cls)
             if found is not None:
                 break
-    _RESOLVED[id(cls)] = (cls, found)
+    _RESOLVED_CLASSES[id(cls)] = cls  # first: an id is only a key while its class lives
+    _RESOLVED[id(cls)] = found
     return found
 
 
@@ -157,8 +160,10 @@ def signature_of(leaf: Any, /) -> Signature | None:
         if name is None:
             name = _NUMPY_DTYPE_NAMES[dtype] = dtype.name
         return leaf.shape, name
-    entry = _RESOLVED.get(id(cls))
-    array_type = entry[1] if entry is not None else array_type_of(cls)
+    try:
+        array_type = _RESOLVED[id(cls)]
+    except KeyError:
+        array_type = array_type_of(cls)
     return None if array_type is None else array_type.signature(leaf)
 
 
