@@ -16,8 +16,8 @@ from typing import Any
 from ._containers import DictNode, TupleNode
 from ._errors import DualgraphError, SpecMismatchError
 from ._json import read_document, write_document
-from ._nodes import clip, clip_text
-from ._spec import LeafSpec, TreeSpec, describe, grad_flags
+from ._nodes import class_name, clip, clip_text
+from ._spec import LeafSpec, TreeSpec, count_arrays, describe, grad_flags
 
 __all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
 
@@ -187,17 +187,15 @@ class CallSpec:
 
     def unflatten(self, arrays: Sequence[Any], /) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the array leaves (args first)."""
-        try:
-            count = len(arrays)
-        except Exception:
-            raise SpecMismatchError(
-                f"unflatten: expected a sequence of {self.num_arrays} arrays, "
-                f"got {type(arrays).__name__}"
-            ) from None
-        if count != self.num_arrays:
-            raise SpecMismatchError(f"unflatten: expected {self.num_arrays} arrays, got {count}")
+        count_arrays(arrays, self.num_arrays)
         n = self._num_args
-        return self.args_spec.unflatten(arrays[:n]), self.kwargs_spec.unflatten(arrays[n:])
+        try:
+            args, kwargs = arrays[:n], arrays[n:]
+        except Exception as error:
+            raise SpecMismatchError(
+                f"unflatten: could not read the arrays ({type(error).__name__}: {clip_text(error)})"
+            ) from None
+        return self.args_spec.unflatten(args), self.kwargs_spec.unflatten(kwargs)
 
     # -- serialization, equality, display -----------------------------------------------------
 
@@ -258,6 +256,4 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
 
 def _type_name(obj: Any) -> str:
     cls = type(obj)
-    return (
-        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    )
+    return cls.__qualname__ if cls.__module__ == "builtins" else class_name(cls)

@@ -27,7 +27,17 @@ import optree
 
 from ._errors import DualgraphError
 from ._leaves import array_type_of, signature_of
-from ._nodes import Bind, Container, Node, NodeError, brief_constant, check_int, clip, clip_text
+from ._nodes import (
+    Bind,
+    Container,
+    Node,
+    NodeError,
+    brief_constant,
+    check_int,
+    class_name,
+    clip,
+    clip_text,
+)
 from ._paths import Attr, Index, Key, PathEntry
 
 __all__ = [
@@ -58,7 +68,8 @@ T = TypeVar("T", bound=type)
 
 # name -> class, and the kind of each class the program registered or described.
 _NAMED: dict[str, type] = {}
-_DATACLASS_FIELDS: dict[type, tuple[str, ...]] = {}
+# Keyed by id(cls), holding (cls, fields): see _leaves._REGISTERED for why not by class.
+_DATACLASS_FIELDS: dict[int, tuple[type, tuple[str, ...]]] = {}
 
 
 def qualified_name(cls: type, /) -> str:
@@ -68,7 +79,13 @@ def qualified_name(cls: type, /) -> str:
     >>> qualified_name(collections.OrderedDict)
     'collections:OrderedDict'
     """
-    return f"{cls.__module__}:{cls.__qualname__}"
+    module = cls.__module__
+    if type(module) is not str:
+        raise DualgraphError(
+            f"{class_name(cls)}: its __module__ is {clip(module, 60)}, not a str, so a spec "
+            "cannot name the class (module:QualName)"
+        )
+    return f"{module}:{cls.__qualname__}"
 
 
 # -- the kinds ---------------------------------------------------------------------------------
@@ -377,10 +394,15 @@ class NamedContainer(Container):
     register_with: ClassVar[str]
 
     def __init__(self, cls: type, fields: tuple[str, ...]) -> None:
-        super().__init__((self.tag, cls), tuple(Attr(f) for f in fields))
+        # By id: a metaclass may make classes compare equal; the node keeps its class alive
+        super().__init__((self.tag, id(cls)), tuple(Attr(f) for f in fields))
         object.__setattr__(self, "cls", cls)
         object.__setattr__(self, "fields", fields)
-        object.__setattr__(self, "name", qualified_name(cls))
+        try:
+            name = qualified_name(cls)
+        except DualgraphError as error:  # the class changed since it was registered
+            raise NodeError(str(error)) from None
+        object.__setattr__(self, "name", name)
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
@@ -390,11 +412,12 @@ class NamedContainer(Container):
     @classmethod
     def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
         typ = type(obj)
-        node = intern.get(typ)
+        key = (NamedContainer, id(typ))  # the object keeps its class alive while describing
+        node = intern.get(key)
         if node is None:
             fields = cls.fields_of(typ)
             assert fields is not None  # the caller found the kind by fields_of
-            node = intern[typ] = cls(typ, fields)
+            node = intern[key] = cls(typ, fields)
         assert isinstance(node, NamedContainer)
         return node, node.values_of(obj)
 
@@ -428,10 +451,10 @@ class NamedContainer(Container):
 
     @classmethod
     def brief_of_object(cls, obj: Any) -> str:
-        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+        return f"a {class_name(type(obj))}"
 
     def brief(self) -> str:
-        return f"a {self.cls.__module__}.{self.cls.__qualname__}"
+        return f"a {class_name(self.cls)}"
 
     def row(self) -> list[Any]:
         if _NAMED.get(self.name) is not self.cls:
@@ -452,7 +475,7 @@ class NamedContainer(Container):
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
         found = brief_of(obj)
-        if type(obj) is not self.cls and qualified_name(type(obj)) == self.name:
+        if type(obj) is not self.cls and class_name(type(obj)) == class_name(self.cls):
             found += " (another class of the same name)"
         return None, f"expected {self.brief()}, got {found}"
 
@@ -473,12 +496,15 @@ class NamedTupleNode(NamedContainer):
             return False
         if learn:  # described: a spec read back may now name it
             _refuse_array_type(typ, NodeError)
-            _bind_name(typ)
+            try:
+                _bind_name(typ)
+            except DualgraphError as error:  # describe adds the path
+                raise NodeError(str(error)) from None
         return True
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
-        if _KIND_OF.get(typ) is NamedTupleNode:  # registered or described
+        if kind_of(typ) is NamedTupleNode:  # registered or described
             return typ._fields  # type: ignore[attr-defined]
         return None
 
@@ -521,7 +547,7 @@ class DataclassNode(NamedContainer):
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
-        return _DATACLASS_FIELDS.get(typ)
+        return dataclass_fields(typ)
 
     def values_of(self, obj: Any) -> Sequence[Any]:
         return [getattr(obj, field) for field in self.fields]
@@ -567,7 +593,7 @@ def rebuilt_namedtuple(cls: type, values: list[Any], /) -> Any:
 
 def _changed(cls: type, what: str, method: str) -> str:
     return (
-        f"{qualified_name(cls)} did not keep {what} as given when rebuilt from its fields "
+        f"{class_name(cls)} did not keep {what} as given when rebuilt from its fields "
         f"(its {method} changes them), so the rebuilt object would differ from the one taken "
         "apart. Make that conversion outside the class, or keep the values it is given"
     )
@@ -584,9 +610,18 @@ CONTAINER_KINDS: tuple[type[Container], ...] = (
 )
 
 # The kind of each class seen so far: builtins, and registered or described user classes.
-_KIND_OF: dict[type, type[Container]] = {
-    kind.python_type: kind for kind in CONTAINER_KINDS if kind.python_type is not None
+# (By id(cls), holding (cls, kind): see _leaves._REGISTERED for why not by class.)
+_KIND_OF: dict[int, tuple[type, type[Container]]] = {
+    id(kind.python_type): (kind.python_type, kind)
+    for kind in CONTAINER_KINDS
+    if kind.python_type is not None
 }
+
+
+def kind_of(typ: type, /) -> type[Container] | None:
+    """The kind of a builtin container type or a user class registered or described."""
+    entry = _KIND_OF.get(id(typ))
+    return None if entry is None else entry[1]
 
 
 def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | None:
@@ -595,13 +630,13 @@ def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | No
     With ``learn=True`` (what :func:`~dualgraph.describe` does) a user class that a kind claims
     on sight (a namedtuple class) is registered. Returns ``None`` if ``typ`` is no container.
     """
-    kind = _KIND_OF.get(typ)
+    kind = kind_of(typ)
     if kind is not None:
         return kind
     for kind in CONTAINER_KINDS:
         if kind.python_type is None and kind.claims(typ, learn=learn):
             if learn:
-                _KIND_OF[typ] = kind
+                _KIND_OF[id(typ)] = (typ, kind)
             return kind
     return None
 
@@ -623,18 +658,19 @@ def brief_of(obj: Any, /) -> str:
             return clip_text(f"{dtype}[{', '.join(map(str, shape))}]")
     except Exception:  # the array type's own signature failed: describe the object
         pass
-    return f"an object of type {typ.__module__}.{typ.__qualname__}"
+    return f"an object of type {class_name(typ)}"
 
 
 # -- registration --------------------------------------------------------------------------------
 
 
 def _is_namedtuple_class(typ: type) -> bool:
-    """A real namedtuple class: optree's test, with fields that are identifiers."""
-    return optree.is_namedtuple_class(typ) and all(
-        f.isidentifier()
-        for f in typ._fields  # type: ignore[attr-defined]
-    )
+    """A real namedtuple class: optree's test, with distinct fields that are identifiers (they
+    name its children's paths)."""
+    if not optree.is_namedtuple_class(typ):
+        return False
+    fields = typ._fields  # type: ignore[attr-defined]
+    return all(f.isidentifier() for f in fields) and len(set(fields)) == len(fields)
 
 
 def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> None:
@@ -652,7 +688,7 @@ def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
     """The user classes known as containers (registered or described) that subclass ``cls``."""
     return [
         (typ, kind)
-        for typ, kind in _KIND_OF.items()
+        for typ, kind in _KIND_OF.values()
         if kind.python_type is None and issubclass(typ, cls)
     ]
 
@@ -680,7 +716,7 @@ def register_namedtuple(cls: T, /) -> T:
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     _bind_name(cls)
-    _KIND_OF[cls] = NamedTupleNode
+    _KIND_OF[id(cls)] = (cls, NamedTupleNode)
     return cls
 
 
@@ -700,7 +736,8 @@ def register_dataclass(cls: T, /) -> T:
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
-    if cls not in _DATACLASS_FIELDS:
+    qualified_name(cls)  # a class a spec cannot name is refused before anything is registered
+    if id(cls) not in _DATACLASS_FIELDS:
         fields = dataclasses.fields(cls)
         no_init = [f.name for f in fields if not f.init]
         if no_init:
@@ -730,9 +767,9 @@ def register_dataclass(cls: T, /) -> T:
             return cls(**dict(zip(names, children, strict=True)))
 
         optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
-        _DATACLASS_FIELDS[cls] = names
+        _DATACLASS_FIELDS[id(cls)] = (cls, names)
     _bind_name(cls)
-    _KIND_OF[cls] = DataclassNode
+    _KIND_OF[id(cls)] = (cls, DataclassNode)
     return cls
 
 
@@ -764,4 +801,5 @@ def _init_problem(cls: type, names: tuple[str, ...]) -> str | None:
 
 def dataclass_fields(cls: type, /) -> tuple[str, ...] | None:
     """The child fields of a registered dataclass, or ``None`` if ``cls`` is not one."""
-    return _DATACLASS_FIELDS.get(cls)
+    entry = _DATACLASS_FIELDS.get(id(cls))
+    return None if entry is None else entry[1]

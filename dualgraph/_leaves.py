@@ -47,14 +47,18 @@ class ArrayType:
     requires_grad: Callable[[Any], bool]
 
 
-_REGISTERED: dict[type, ArrayType] = {}
+# The registries are keyed by id(cls) and hold (cls, value): a class's metaclass may define
+# __eq__ and __hash__ (typing_extensions.Protocol's does), and a lookup by such a class could
+# find an equal class's entry. Each entry keeps its class alive, so its id stays unique.
+_REGISTERED: dict[int, tuple[type, ArrayType]] = {}
 # Types a spec reads as something else than an array, whatever is registered.
-_BUILTIN_KINDS: dict[type, str] = {
-    **{cls: "a constant" for cls in CONSTANT_TYPES},
-    type(None): "None",
-    **{cls: "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
+_BUILTIN_KINDS: dict[int, str] = {
+    **{id(cls): "a constant" for cls in CONSTANT_TYPES},
+    id(type(None)): "None",
+    **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
-_RESOLVED: dict[type, ArrayType | None] = {}
+_RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
+_RESOLVED_CLASSES: dict[int, type] = {}  # keeps the classes of _RESOLVED's ids alive
 # Root module of a framework's array type -> the dualgraph module that registers it.
 _LAZY_REGISTRATIONS = {
     "torch": "dualgraph.torch._leaves",
@@ -73,7 +77,9 @@ def register_array_type(
     """Teach the core a new array type (subclasses included).
 
     ``signature(x)`` returns ``(shape tuple, neutral dtype name)``, e.g. ``((2, 3), "float32")``;
-    ``requires_grad(x)`` says whether the leaf takes part in backward.
+    ``requires_grad(x)`` says whether the leaf takes part in backward. ``numpy.ndarray`` may be
+    registered again (to change ``requires_grad``), but a spec reads a numpy array's own shape
+    and dtype name: a signature giving anything else is refused when a tree is described.
 
     >>> import numpy as np
     >>> register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)
@@ -82,9 +88,10 @@ def register_array_type(
         raise DualgraphError(
             f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
         )
-    builtin = _BUILTIN_KINDS.get(cls)
+    builtin = _BUILTIN_KINDS.get(id(cls))
     if builtin is None:
         from ._containers import container_kind, container_subclasses  # (they import this module)
+        from ._nodes import class_name
 
         # describe takes a container first, check an array's place by its signature: never both
         kind = container_kind(cls)
@@ -93,8 +100,7 @@ def register_array_type(
         else:  # the registration would make these containers array types too
             for subclass, kind in container_subclasses(cls):
                 builtin = (
-                    f"the base of {subclass.__module__}.{subclass.__qualname__}, which is a "
-                    f"{kind.tag} class, a container"
+                    f"the base of {class_name(subclass)}, which is a {kind.tag} class, a container"
                 )
                 break
     if builtin is not None:
@@ -107,8 +113,8 @@ def register_array_type(
                 f"register_array_type({cls.__qualname__}): {name} must be callable, "
                 f"got an object of type {type(function).__qualname__}"
             )
-    _REGISTERED[cls] = ArrayType(signature=signature, requires_grad=requires_grad)
-    _RESOLVED.clear()
+    _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
+    _RESOLVED.clear()  # (its classes stay in _RESOLVED_CLASSES: an id is never a stale key)
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:
@@ -119,7 +125,7 @@ def array_type_of(cls: type, /) -> ArrayType | None:
     (True, None)
     """
     try:
-        return _RESOLVED[cls]
+        return _RESOLVED[id(cls)]
     except KeyError:
         pass
     found = _lookup(cls)
@@ -133,7 +139,8 @@ def array_type_of(cls: type, /) -> ArrayType | None:
             found = _lookup(cls)
             if found is not None:
                 break
-    _RESOLVED[cls] = found
+    _RESOLVED_CLASSES[id(cls)] = cls  # first: an id is only a key while its class lives
+    _RESOLVED[id(cls)] = found
     return found
 
 
@@ -153,7 +160,10 @@ def signature_of(leaf: Any, /) -> Signature | None:
         if name is None:
             name = _NUMPY_DTYPE_NAMES[dtype] = dtype.name
         return leaf.shape, name
-    array_type = _RESOLVED[cls] if cls in _RESOLVED else array_type_of(cls)
+    try:
+        array_type = _RESOLVED[id(cls)]
+    except KeyError:
+        array_type = array_type_of(cls)
     return None if array_type is None else array_type.signature(leaf)
 
 
@@ -266,9 +276,10 @@ def _lazy_registrations(cls: type) -> list[str]:
 
 def _lookup(cls: type) -> ArrayType | None:
     for base in cls.__mro__:
-        if base in _REGISTERED:
-            return _REGISTERED[base]
-    for registered, array_type in _REGISTERED.items():
+        entry = _REGISTERED.get(id(base))
+        if entry is not None:
+            return entry[1]
+    for registered, array_type in _REGISTERED.values():
         if issubclass(cls, registered):  # abstract bases such as jax.Array
             return array_type
     return None
@@ -294,4 +305,7 @@ def numpy_is_native() -> bool:
 
 
 # Registered directly: register_array_type reads the container kinds, which import this module.
-_REGISTERED[np.ndarray] = ArrayType(signature=_numpy_signature, requires_grad=_numpy_grad)
+_REGISTERED[id(np.ndarray)] = (
+    np.ndarray,
+    ArrayType(signature=_numpy_signature, requires_grad=_numpy_grad),
+)

@@ -36,6 +36,7 @@ __all__ = [
     "NoneLeaf",
     "brief_constant",
     "check_int",
+    "class_name",
     "clip",
     "clip_text",
     "show_constant",
@@ -416,3 +417,16 @@ def clip_text(value: Any, limit: int = 120) -> str:
     except Exception:
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def class_name(cls: Any) -> str:
+    """``module.QualName`` of a class, for messages (never raises: a class's ``__module__`` can
+    be set to any object)."""
+    parts = []
+    for attribute in ("__module__", "__qualname__"):
+        try:
+            value = getattr(cls, attribute, None)
+        except Exception:
+            value = None
+        parts.append(value if type(value) is str else clip(value, 60))
+    return ".".join(parts)

@@ -32,6 +32,7 @@ from ._nodes import (
     Leaf,
     Node,
     NodeError,
+    class_name,
     clip,
     clip_text,
     show_constant,
@@ -251,15 +252,8 @@ class TreeSpec:
 
     def unflatten(self, arrays: Sequence[Any], /) -> Any:
         """Rebuild the tree from its array leaves; ``None`` and constants are restored."""
-        try:
-            count = len(arrays)
-        except Exception:
-            raise SpecMismatchError(
-                f"unflatten: expected a sequence of {self._num_arrays} arrays, "
-                f"got {brief_of(arrays)}"
-            ) from None
-        if count != self._num_arrays:
-            raise SpecMismatchError(f"unflatten: expected {self._num_arrays} arrays, got {count}")
+        if type(arrays) is not list or len(arrays) != self._num_arrays:  # the common case
+            count_arrays(arrays, self._num_arrays)
         try:
             return self._program.unflatten(arrays)
         except Exception as error:
@@ -443,6 +437,29 @@ class TreeSpec:
         )
 
 
+def count_arrays(arrays: Any, expected: int) -> None:
+    """Refuse ``arrays`` unless it is a sequence of ``expected`` items, for unflatten. A str,
+    bytes, mapping or set has a length but is no sequence of arrays (a str would be rebuilt
+    as its characters, a dict by its values)."""
+    cls = type(arrays)
+    if cls is not list and cls is not tuple:
+        if isinstance(arrays, str | bytes | bytearray | Mapping | AbstractSet):
+            count = None
+        else:
+            try:
+                count = len(arrays)
+            except Exception:
+                count = None
+        if count is None:
+            raise SpecMismatchError(
+                f"unflatten: expected a sequence of {expected} arrays, got {brief_of(arrays)}"
+            )
+    else:
+        count = len(arrays)
+    if count != expected:
+        raise SpecMismatchError(f"unflatten: expected {expected} arrays, got {count}")
+
+
 def _checked_root(root: object) -> str:
     """``root``, a prefix of paths in messages, must be a str (checked off the hot path)."""
     if type(root) is not str:
@@ -590,14 +607,11 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
             if kind is None:
                 array_type = array_type_of(cls)
                 if array_type is None:
-                    raise fail(
-                        f"unsupported leaf of type {cls.__module__}.{cls.__qualname__}. "
-                        + _UNSUPPORTED
-                    )
+                    raise fail(f"unsupported leaf of type {class_name(cls)}. " + _UNSUPPORTED)
                 shape, dtype = array_type.signature(obj)
                 if not isinstance(shape, tuple):  # check compares signatures as they come
                     raise fail(
-                        f"the signature registered for {cls.__module__}.{cls.__qualname__} "
+                        f"the signature registered for {class_name(cls)} "
                         f"gave a shape of type {type(shape).__qualname__}, not a tuple",
                         DualgraphError,
                     )
@@ -605,11 +619,19 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                 grad = strict_bool(answer)
                 if grad is None:
                     raise fail(
-                        f"the requires_grad registered for {cls.__module__}.{cls.__qualname__} "
+                        f"the requires_grad registered for {class_name(cls)} "
                         f"answered {clip(answer)}, not a bool",
                         DualgraphError,
                     )
                 leaf = ArrayLeaf(shape, dtype, grad)
+                if cls is np.ndarray and leaf.signature != (obj.shape, obj.dtype.name):
+                    # check and the generated code read a numpy array's own shape and dtype
+                    raise fail(
+                        f"the signature registered for numpy.ndarray gave {leaf.brief()} for a "
+                        f"{obj.dtype.name}{list(obj.shape)} array; a spec reads numpy arrays by "
+                        "their own shape and dtype (a registration may change requires_grad)",
+                        DualgraphError,
+                    )
                 append(intern.setdefault(leaf.key, leaf))
                 continue
             if id(obj) in inside:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import json
 import pickle
 import re
@@ -270,6 +271,29 @@ def test_unflatten_rejects_the_wrong_number_of_arrays(count: int) -> None:
     spec = describe_call(*sample_call())
     with pytest.raises(SpecMismatchError, match=f"expected 4 arrays, got {count}"):
         spec.unflatten([array(2)] * count)
+
+
+@pytest.mark.parametrize("arrays", ["ab", {0: 1, 1: 2}, {1, 2}], ids=repr)
+def test_unflatten_refuses_what_is_no_sequence_of_arrays(arrays: Any) -> None:
+    # a dict or set leaked a TypeError from slicing; a str was rebuilt as its characters
+    spec = describe_call((array(2),), {"m": array(1)})
+    with pytest.raises(SpecMismatchError, match=r"^unflatten: expected a sequence of 2 arrays"):
+        spec.unflatten(arrays)
+
+
+def test_unflatten_of_a_sequence_that_cannot_be_sliced_is_a_spec_mismatch() -> None:
+    class NoSlices(collections.abc.Sequence):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: Any) -> Any:
+            if isinstance(index, slice):
+                raise TypeError("no slices")
+            return array(1)
+
+    spec = describe_call((array(1),), {"m": array(1)})
+    with pytest.raises(SpecMismatchError, match=r"^unflatten: .*TypeError: no slices"):
+        spec.unflatten(NoSlices())
 
 
 def test_unflatten_of_a_call_without_kwargs_gives_an_empty_dict() -> None:

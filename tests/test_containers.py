@@ -208,6 +208,18 @@ def test_a_tuple_subclass_posing_as_a_namedtuple_is_not_one() -> None:
         describe(Impostor((1,)))
 
 
+def test_a_namedtuple_class_whose_fields_repeat_is_not_one() -> None:
+    # Two children had one path (.a twice), and the key-order check of a call read the
+    # first child for both, missing a reordered dict in the second
+    Repeated = collections.namedtuple("Repeated", "a b")  # type: ignore[name-match]
+    Repeated._fields = ("a", "a")  # type: ignore[misc]
+    assert container_kind(Repeated, learn=True) is None
+    with pytest.raises(dualgraph.UnsupportedLeafError, match="unsupported leaf"):
+        describe((Repeated(1, 2),))
+    with pytest.raises(DualgraphError, match="register_namedtuple expects a namedtuple class"):
+        register_namedtuple(Repeated)
+
+
 def test_namedtuple_fields_are_read_by_position_so_nfkc_names_work() -> None:
     # namedtuple keeps the field name as given; Python source would read "\ufb01" as "fi".
     Ligature = collections.namedtuple("Ligature", ["\ufb01eld", "other"])
@@ -452,3 +464,158 @@ def test_a_post_init_that_keeps_its_values_as_given_still_rebuilds(rebuild_path:
     tree = Checked(array(1), 5)
     spec = describe(tree)
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+# -- classes are told apart by identity ------------------------------------------------------------
+
+
+class _AllEqual(type):
+    """A metaclass whose classes all compare equal (and hash alike): dict lookups by class
+    would take one for another."""
+
+    def __eq__(cls, other: object) -> bool:
+        return isinstance(other, _AllEqual)
+
+    def __hash__(cls) -> int:
+        return 0
+
+
+def test_a_dataclass_whose_class_compares_by_value_is_still_told_apart() -> None:
+    # Before: registering one class of an _AllEqual metaclass made every other one a
+    # "registered" dataclass, rebuilt as the first class
+    @register_dataclass
+    @dataclasses.dataclass
+    class First(metaclass=_AllEqual):
+        x: Any
+
+    @dataclasses.dataclass
+    class Second(metaclass=_AllEqual):
+        x: Any
+
+    tree = First(array(2))
+    spec = TreeSpec.from_json(describe(tree).to_json())
+    assert type(spec.unflatten(spec.flatten(tree))) is First
+    with pytest.raises(UnsupportedLeafError, match=r"Second"):
+        describe(Second(array(2)))
+
+
+def test_specs_of_classes_that_compare_by_value_are_not_equal_nor_share_a_program() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class Left(metaclass=_AllEqual):
+        x: Any
+
+    @register_dataclass
+    @dataclasses.dataclass
+    class Right(metaclass=_AllEqual):
+        x: Any
+
+    left, right = describe(Left(array(2))), describe(Right(array(2)))
+    assert left != right
+    assert type(right.unflatten([array(2)])) is Right
+    assert type(describe([Left(1), Right(2)]).unflatten([])[1]) is Right
+
+
+def test_a_namedtuple_whose_class_compares_by_value_is_told_apart() -> None:
+    Pair = collections.namedtuple("Pair", "a b")  # type: ignore[name-match]
+
+    class OddPair(Pair, metaclass=_AllEqual):  # type: ignore[misc]
+        pass
+
+    class OtherPair(Pair, metaclass=_AllEqual):  # type: ignore[misc]
+        pass
+
+    spec = describe((OddPair(1, array(2)), OtherPair(3, array(2))))
+    rebuilt = spec.unflatten([array(2), array(2)])
+    assert (type(rebuilt[0]), type(rebuilt[1])) == (OddPair, OtherPair)
+
+
+# -- a class's __module__ can be any object --------------------------------------------------------
+
+
+class _Unprintable:
+    """A ``__module__`` whose str, repr and format raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("unprintable")
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        raise RuntimeError("unprintable")
+
+
+def test_a_namedtuple_whose_module_is_not_a_str_is_refused_naming_the_path() -> None:
+    Odd = collections.namedtuple("Odd", "a b")  # type: ignore[name-match]
+    Odd.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(DualgraphError, match=r"^\[1\]: .*Odd.*__module__"):
+        describe((1, Odd(1, 2)))
+    with pytest.raises(DualgraphError, match=r"Odd.*__module__"):
+        register_namedtuple(Odd)
+
+
+def test_a_dataclass_whose_module_is_not_a_str_is_refused() -> None:
+    @dataclasses.dataclass
+    class Odd:
+        x: Any
+
+    Odd.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(DualgraphError, match=r"Odd.*__module__"):
+        register_dataclass(Odd)
+
+
+def test_messages_about_a_class_whose_module_is_not_a_str_still_name_it() -> None:
+    class Thing:
+        pass
+
+    Thing.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: unsupported leaf of type .*Thing"):
+        describe((Thing(),))
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected int 1, got .*Thing"):
+        describe((1,)).check((Thing(),))
+
+
+def test_a_registered_class_whose_module_changes_to_no_str_is_still_explained() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class Later:
+        x: Any
+
+    spec = describe(Later(1))
+
+    class Other:
+        pass
+
+    Later.__module__ = _Unprintable()  # type: ignore[assignment]
+    Other.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(SpecMismatchError, match=r"^<root>: expected a .*Later, got .*Other"):
+        spec.check(Other())
+
+
+def test_a_dataclass_implementing_a_typing_extensions_protocol_registers() -> None:
+    # typing_extensions.Protocol's metaclass defines __eq__ and __hash__ (its classes still
+    # compare by identity): such classes are common and must not be refused
+    typing_extensions = pytest.importorskip("typing_extensions")
+
+    class HasHidden(typing_extensions.Protocol):
+        hidden: Any
+
+    @register_dataclass
+    @dataclasses.dataclass
+    class Out(HasHidden):
+        hidden: Any
+
+    tree = Out(array(2))
+    spec = TreeSpec.from_json(describe(tree).to_json())
+    assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+def test_a_registered_class_whose_module_becomes_no_str_is_refused_naming_the_path() -> None:
+    @register_dataclass
+    @dataclasses.dataclass
+    class Renamed:
+        x: Any
+
+    Renamed.__module__ = _Unprintable()  # type: ignore[assignment]
+    with pytest.raises(DualgraphError, match=r"^\[0\]\['k'\]: .*Renamed.*__module__"):
+        describe(({"k": Renamed(1)},))

@@ -268,6 +268,52 @@ def test_numpy_is_read_natively_until_its_registration_changes(registry: None) -
     assert describe(np.zeros(2, np.float32)).grad_mask == (False,)
 
 
+def test_a_numpy_registration_reading_other_signatures_is_refused_naming_the_path(
+    registry: None,
+) -> None:
+    # check and the generated code read a numpy array's own shape and dtype; describe read the
+    # registered signature, so a tree failed the check of its own spec ("expected float32[2],
+    # got float64[2]")
+    register_array_type(
+        np.ndarray, signature=lambda x: (x.shape, "float32"), requires_grad=lambda x: True
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=r"^\['x'\]: the signature .*numpy"):
+        describe({"x": np.zeros(2, np.float64)})
+
+
+def test_an_array_type_equal_to_a_registered_one_is_not_taken_for_it(registry: None) -> None:
+    # A metaclass may make classes compare equal: the registry tells them apart by identity
+    class AllEqual(type):
+        def __eq__(cls, other: object) -> bool:
+            return isinstance(other, AllEqual)
+
+        def __hash__(cls) -> int:
+            return 0
+
+    class Odd(metaclass=AllEqual):
+        pass
+
+    class Unregistered(metaclass=AllEqual):
+        pass
+
+    register_array_type(Odd, signature=lambda x: ((), "float32"), requires_grad=bool)
+    assert describe(Odd()).arrays[0].dtype == "float32"
+    with pytest.raises(UnsupportedLeafError, match=r"Unregistered"):
+        describe(Unregistered())
+
+
+def test_a_numpy_registration_agreeing_with_numpy_describes_trees_that_check(
+    registry: None,
+) -> None:
+    register_array_type(
+        np.ndarray,
+        signature=lambda x: (tuple(map(np.int64, x.shape)), x.dtype.name),
+        requires_grad=lambda x: False,
+    )
+    tree = {"x": np.zeros((2, 3), np.float64)}
+    describe(tree).check(tree)
+
+
 def test_an_array_type_with_a_bad_signature_is_refused_naming_the_path(registry: None) -> None:
     register_array_type(
         FakeArray, signature=lambda x: (x.shape, x.dtype), requires_grad=lambda x: True

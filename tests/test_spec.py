@@ -298,6 +298,14 @@ def test_unflatten_accepts_any_sequence_of_arrays() -> None:
     assert spec.unflatten((x,))[0] is x
 
 
+@pytest.mark.parametrize("arrays", ["ab", b"ab", {0: 1, 1: 2}, {1, 2}, frozenset({1, 2})], ids=repr)
+def test_unflatten_refuses_what_is_no_sequence_of_arrays(arrays: Any) -> None:
+    # a str of the right length was rebuilt as a tree of its characters, a dict by its values
+    spec = describe((array(2), {"m": array(1)}))
+    with pytest.raises(SpecMismatchError, match=r"^unflatten: expected a sequence of 2 arrays"):
+        spec.unflatten(arrays)
+
+
 @pytest.mark.parametrize("count", [0, 2])
 def test_unflatten_rejects_the_wrong_number_of_arrays(count: int) -> None:
     spec = describe((array(2), None))
