@@ -416,14 +416,61 @@ def test_te_bookkeeping_runs_before_the_user_hooks(
         out = layer(torch.ones(2, 4, requires_grad=True))
     out.sum().backward()
     steps = [line for line in te.log if not line.startswith(("enter", "exit"))]
-    # a replay joins the buffers before the user's hook; an eager call joins them itself
-    joined = ["join a", "user before_forward"]
+    # a replay joins the buffers once its forward ran, as an eager call's forward does
     assert steps == [
-        *(joined if backend == "emulate" else joined[::-1]),
+        "user before_forward",
+        "join a",
         "update forward",
         "update backward",
         "user after_backward",
     ]
+
+
+def test_a_call_refused_by_a_replay_hook_leaves_the_fp8_books_as_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call its before_forward hook refuses never ran: it takes no "first FP8 module" mark
+    and joins no buffer, as on the eager backend. The retry takes the mark, and its backward
+    updates the backward scales."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    refused: list[str] = []
+
+    def refuse_once(call: dgt.ReplayCall) -> None:
+        if not refused:
+            refused.append(call.name)
+            raise RuntimeError("not yet")
+
+    def steps(backend: str) -> tuple[list[str], Any]:
+        te.reset()
+        refused.clear()
+        layer = te.linear("a")
+        graphed = dgt.make_graphed_callables(
+            layer,
+            (torch.ones(2, 4, requires_grad=True),),
+            backend=backend,
+            enabled=True,
+            recipe=recipe,
+            replay_hooks=dgt.ReplayHooks(before_forward=refuse_once),
+        )
+        te.log.clear()
+        generator = torch.Generator().manual_seed(1)
+        for step in range(2):
+            x = torch.randn(2, 4, generator=generator, requires_grad=True)
+            with te.fp8(recipe):
+                if step == 0:
+                    with pytest.raises(RuntimeError, match="not yet"):
+                        graphed(x)
+                out = graphed(x)
+            out.backward(torch.randn(2, 4, generator=generator))
+        return [line for line in te.log if line.startswith(("join", "update"))], layer
+
+    replayed, layer = steps("emulate")
+    eager, twin = steps("eager")
+    assert replayed == eager == ["join a"] + ["update forward", "update backward"] * 2
+    for key, tensors in layer.get_fp8_meta_tensors().items():
+        expected = twin.get_fp8_meta_tensors()[key]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
 
 
 # -- weight caching -----------------------------------------------------------------------------

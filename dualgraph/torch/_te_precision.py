@@ -16,11 +16,12 @@ for the backward amaxes. A replay runs kernels, not that Python. So, as TE's own
   the modules' scales and amax histories are saved before warmup and put back after capture:
   graphing changes no FP8 state.
 - **Every replay in FP8** (a :class:`~dualgraph.torch.ReplayHooks` of dualgraph's own): before
-  the forward, the modules that ran in the captured forward join the global buffers (once; TE
-  ignores a second time), the replay takes the region's "first FP8 module" mark (TE's
-  ``is_first_fp8_module``), and the flag the captured weight casts read is set from
-  ``is_first_microbatch`` (weight caching); after the backward, the replay that took the mark
-  reduces and updates the backward scales. The forward scales are updated, as in eager, when
+  the forward, the flag the captured weight casts read is set from ``is_first_microbatch``
+  (weight caching); once the forward has replayed (a call refused before it keeps no books, as
+  an eager call that never ran), the modules that ran in the captured forward join the global
+  buffers (once; TE ignores a second time) and the replay takes the region's "first FP8
+  module" mark (TE's ``is_first_fp8_module``); after the backward, the replay that took the
+  mark reduces and updates the backward scales. The forward scales are updated, as in eager, when
   the caller's ``te.autocast`` exits; so a callable captured in FP8 replays inside a
   ``te.autocast`` of the same recipe and group, and a replay elsewhere is refused (a graph
   replays the precision it was captured in).
@@ -296,7 +297,11 @@ class TECallable:
         return self._in_autocast(graph=False)
 
     def replay_hooks(self) -> ReplayHooks:
-        return ReplayHooks(before_forward=self._before_forward, after_backward=self._after_backward)
+        return ReplayHooks(
+            before_forward=self._before_forward,
+            after_forward=self._after_forward,
+            after_backward=self._after_backward,
+        )
 
     def replay_kwargs(self) -> tuple[ReplayKwarg, ...]:
         if not self.cache_quantized_params:
@@ -449,14 +454,23 @@ class TECallable:
     # -- every replay -------------------------------------------------------------------------
 
     def _before_forward(self, call: ReplayCall) -> None:
-        te = self.te
-        now = ambient_precision(te)
+        now = ambient_precision(self.te)
         if now is not _OFF or self.precision is not _OFF:
             self._check_ambient(now)
         if not self.precision.enabled or call.backend == "eager":
             return  # eager calls keep TE's books themselves; high precision keeps none
-        manager = te.manager
-        recipe, group = now.recipe, now.group
+        skip = self._skip
+        if skip is not None:
+            cached = self.cache_quantized_params and not call.replay_kwargs[FIRST_MICROBATCH]
+            skip.fill_(cached)  # the captured weight casts skip their update when it is 1
+
+    def _after_forward(self, call: ReplayCall) -> None:
+        # Once the forward has replayed, as eager's forward keeps these books: a call refused
+        # before it (a user's before_forward hook raising) took no mark and joined nothing.
+        if not self.precision.enabled or call.backend == "eager":
+            return
+        manager = self.te.manager
+        recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
         for module in self._modules:
             _join(manager, module.fp8_meta, recipe, group)
         if self._attention and (
@@ -474,10 +488,6 @@ class TECallable:
                     _join(manager, meta, recipe, group)
         if call.backward_expected:
             call.state[_TOOK_FIRST] = manager.is_first_fp8_module()
-        skip = self._skip
-        if skip is not None:
-            cached = self.cache_quantized_params and not call.replay_kwargs[FIRST_MICROBATCH]
-            skip.fill_(cached)  # the captured weight casts skip their update when it is 1
 
     def _after_backward(self, call: ReplayCall) -> None:
         if call.state.get(_TOOK_FIRST):
