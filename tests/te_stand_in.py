@@ -3,8 +3,9 @@
 :class:`StandIn` installs fake ``transformer_engine`` modules into ``sys.modules``: an
 ``FP8GlobalStateManager`` and ``autocast`` that keep TE's global FP8 state as TE 2.20 does
 (``transformer_engine/pytorch/quantization.py``: the autocast depth and "first FP8 module" mark,
-the ``_graph`` flag, the global amax buffers that modules join once, the forward update at the
-outermost autocast's exit, the weight-cast flag), recipe classes with TE's classmethods, and
+read and set with ``get_autocast_state``/``set_autocast_state``, the ``_graph`` flag, the global
+amax buffers that modules join once (``quantization_state.global_*_buffer``), the forward update
+at the outermost autocast's exit, the weight-cast flag), recipe classes with TE's classmethods, and
 :class:`FakeFP8Linear`, a TE-like layer with delayed scaling that behaves as TE's ``Linear``
 does around that state: it joins the buffers in its first FP8 forward unless a graph is being
 captured, records amaxes in its histories, scales with them, takes the "first module" mark (then
@@ -183,12 +184,29 @@ class StandIn:
                 return first
 
             @classmethod
+            def get_autocast_state(cls) -> tuple[Any, ...]:
+                return (fake.enabled, fake.calibrating, fake.recipe, fake.group, fake.first)
+
+            @classmethod
+            def set_autocast_state(cls, state: tuple[Any, ...]) -> None:
+                (fake.enabled, fake.calibrating, fake.recipe, fake.group, fake.first) = state
+
+            @classmethod
             def add_fp8_tensors_to_global_buffer(cls, meta: dict[str, Any]) -> None:
                 if not meta["recipe"].delayed() or "buffer_index" in meta:
                     return
                 meta["buffer_index"] = len(fake.joined)
                 fake.joined.append(meta)
                 fake.log.append(f"join {meta['name']}")
+                # TE's buffers hold each joined layer's history and scale, per direction
+                qstate = fake.quantization_state
+                for key, direction in (("scaling_fwd", "forward"), ("scaling_bwd", "backward")):
+                    buffer = f"{direction}_recipe={meta['recipe']!r}"
+                    state = meta[key]
+                    qstate.global_amax_history_buffer.setdefault(buffer, []).append(
+                        state.amax_history
+                    )
+                    qstate.global_scale_buffer.setdefault(buffer, []).append(state.scale)
 
             @classmethod
             def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
@@ -241,6 +259,7 @@ class StandIn:
                     FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)
 
         self.FP8GlobalStateManager = FP8GlobalStateManager
+        FP8GlobalStateManager.quantization_state = self.quantization_state  # type: ignore[attr-defined]
         self.autocast = autocast
         self._build_modules()
 
@@ -252,6 +271,13 @@ class StandIn:
         self.depth = 0
         self.joined: list[dict[str, Any]] = []
         self.skip: torch.Tensor | None = None
+        # TE 2.20's FP8GlobalState, the part read from outside: the global buffers
+        self.quantization_state = types.SimpleNamespace(
+            global_amax_history_buffer={}, global_scale_buffer={}
+        )
+        manager = getattr(self, "FP8GlobalStateManager", None)
+        if manager is not None:
+            manager.quantization_state = self.quantization_state
 
     def _build_modules(self) -> None:
         quantization = types.ModuleType("transformer_engine.pytorch.quantization")

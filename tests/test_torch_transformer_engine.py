@@ -473,6 +473,46 @@ def test_a_call_refused_by_a_replay_hook_leaves_the_fp8_books_as_eager(
         assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
 
 
+@pytest.mark.parametrize("precision", ["enabled", "ambient", "high"])
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_verify_of_an_fp8_callable_runs_both_sides_from_one_te_state_and_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch, precision: str, backend: str
+) -> None:
+    """Both sides start from the same FP8 scales, histories and "first FP8 module" mark, the
+    eager side in the autocast the eager backend gives it (``enabled=False``: high precision);
+    verify then leaves them, and other layers in TE's buffers, as it found them."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layer, other = te.linear("a", seed=1), te.linear("other", seed=2)
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    if precision == "ambient":
+        with te.fp8(recipe):
+            graphed = dgt.make_graphed_callables(layer, sample, backend=backend)
+    else:
+        enabled = precision == "enabled"
+        graphed = dgt.make_graphed_callables(
+            layer, sample, backend=backend, enabled=enabled, recipe=recipe
+        )
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(2):  # training steps: scales and histories that are not ones and zeros
+        with te.fp8(recipe):
+            out = other(graphed(3 * torch.randn(2, 4, generator=generator, requires_grad=True)))
+        out.sum().backward()
+    x = 5 * torch.randn(2, 4, generator=generator, requires_grad=True)
+    with te.fp8(recipe):
+        before = [layer.get_fp8_meta_tensors(), other.get_fp8_meta_tensors(), te.first]
+        report = dgt.verify(graphed, x, steps=2)
+        after = [layer.get_fp8_meta_tensors(), other.get_fp8_meta_tensors(), te.first]
+    assert report.ok, str(report)
+    assert before[-1] is after[-1] is True  # the mark is the caller's again
+    if precision == "high":  # the layer never ran in FP8
+        assert before[0] is None and after[0] is None
+        before, after = before[1:], after[1:]
+    for kept, now in zip(before[:-1], after[:-1], strict=True):
+        for key in ("scaling_fwd", "scaling_bwd"):
+            assert all(torch.equal(a, b) for a, b in zip(kept[key], now[key], strict=True))
+
+
 # -- weight caching -----------------------------------------------------------------------------
 
 
