@@ -241,9 +241,11 @@ def verify(
         try:
             replays = info.replays
             graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
-            if info.replays - replays != steps:
+            # read afresh: a slotted callable's diagnostics are made at each read
+            replayed = diagnostics(graphed).replays - replays
+            if replayed != steps:
                 raise DualgraphError(
-                    f"{info.name}: {steps} calls replayed {info.replays - replays} times; a "
+                    f"{info.name}: {steps} calls replayed {replayed} times; a "
                     "graphed module whose training mode differs from capture time runs eagerly, "
                     "so there is nothing to verify (set .train()/.eval() as at capture)"
                 )
