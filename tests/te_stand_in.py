@@ -133,6 +133,22 @@ class TransformerEngineBaseModule(torch.nn.Module):
             for key in ("scaling_fwd", "scaling_bwd")
         }
 
+    def adjust_amax_history_length(self, length: int) -> None:
+        """As TE's: a history of another length is replaced by a new tensor (cut, or padded
+        with zeros), also in the global buffers."""
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = self.fp8_meta.get(key)
+            if state is None or state.amax_history.shape[0] == length:
+                continue
+            old = state.amax_history
+            if length < old.shape[0]:
+                state.amax_history = old[:length].clone()
+            else:
+                state.amax_history = torch.nn.functional.pad(old, (0, 0, 0, length - old.shape[0]))
+            qstate = getattr(getattr(self, "te", None), "quantization_state", None)
+            for tensors in {} if qstate is None else qstate.global_amax_history_buffer.values():
+                tensors[:] = [state.amax_history if t is old else t for t in tensors]
+
     def reset_fp8_meta_tensors(self, saved: Any = None) -> None:
         for key in ("scaling_fwd", "scaling_bwd"):
             if key not in self.fp8_meta:
@@ -387,12 +403,14 @@ class FakeFP8Linear(TransformerEngineBaseModule):
         if not manager.is_fp8_enabled():
             return x @ self.weight.t()
         meta = self.fp8_meta
+        history = manager.get_fp8_recipe().amax_history_len
         if "scaling_fwd" not in meta:
-            history = manager.get_fp8_recipe().amax_history_len
             for key in ("scaling_fwd", "scaling_bwd"):
                 meta[key] = Scaling(x.new_ones(1), x.new_zeros(history, 1))
             meta["name"] = self.label
             meta["custom_delayed"] = getattr(manager.get_fp8_recipe(), "delayed_quantizers", False)
+        else:  # TE's init_fp8_metadata under another recipe: the histories take its length
+            self.adjust_amax_history_length(history)
         meta["recipe"], meta["fp8_group"] = manager.get_fp8_recipe(), manager.get_fp8_group()
         skip = None
         if manager.fp8_graph_capturing():

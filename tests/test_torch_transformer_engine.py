@@ -276,6 +276,66 @@ def test_capture_leaves_fp8_scales_histories_and_buffers_as_they_were(
     assert te.joined == joined
 
 
+@pytest.mark.parametrize("length", [2, 8])
+def test_a_recipe_with_another_history_length_graphs_a_layer_trained_under_another(
+    monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """A layer trained (or loaded) with 4-step amax histories, graphed under a recipe of another
+    length: TE gives it histories of the new length at its first forward, so the put-back of
+    its FP8 state did not fit them (torch's RuntimeError). The histories take the recipe's
+    length before they are kept, and training then equals eager's under the new recipe."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling(amax_history_len=length)
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        te.reset()
+        generator = torch.Generator().manual_seed(4)
+        layer: Any = te.linear("a", seed=1)
+        for _ in range(2):  # trained under 4-step histories
+            with te.fp8(DelayedScaling(amax_history_len=4)):
+                out = layer(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.sum().backward()
+        del out
+        model = layer
+        if graphed:
+            sample = (torch.ones(2, 4, requires_grad=True),)
+            model = dgt.make_graphed_callables(
+                layer, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        record = []
+        for _ in range(2):
+            with te.fp8(recipe):
+                out = model(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.backward(torch.randn(2, 4, generator=generator))
+            record.append(out.detach().clone())
+        fp8 = layer.get_fp8_meta_tensors()
+        assert fp8["scaling_fwd"][1].shape[0] == length
+        return [*record, layer.weight.grad, *fp8["scaling_fwd"], *fp8["scaling_bwd"]]
+
+    graphed, eager = train(graphed=True), train(graphed=False)
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
+def test_a_failed_put_back_of_the_fp8_state_is_a_capture_error_naming_the_callable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    te = StandIn().install(monkeypatch)
+
+    def refuse(self: Any, saved: Any = None) -> None:
+        raise RuntimeError("shapes differ")
+
+    monkeypatch.setattr(FakeFP8Linear, "reset_fp8_meta_tensors", refuse)
+    with pytest.raises(CaptureError) as info:
+        dgt.make_graphed_callables(
+            te.linear("a"), (torch.ones(2, 4),), backend="emulate", enabled=True
+        )
+    assert str(info.value) == (
+        "capturing FakeFP8Linear: putting back the FP8 scales and amax histories of its "
+        "Transformer Engine layers failed: RuntimeError: shapes differ"
+    )
+
+
 # -- recipes -------------------------------------------------------------------------------------
 
 

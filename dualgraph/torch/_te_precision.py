@@ -421,7 +421,11 @@ class TECallable:
             module: Any  # a TE layer: its methods are TE's
             for module in self.target.modules():
                 if _isinstance(module, te.base_module):
-                    if getattr(module, "primary_weights_in_fp8", False):
+                    # The histories take the recipe's length now, as TE gives them at the first
+                    # forward under it (new tensors): so what is kept fits them when put back.
+                    if getattr(module, "primary_weights_in_fp8", False) or _other_length(
+                        module, recipe.amax_history_len
+                    ):
                         module.adjust_amax_history_length(recipe.amax_history_len)
                     saved.append((module, module.get_fp8_meta_tensors()))
                 elif _isinstance(module, te.basic_operation):
@@ -539,7 +543,13 @@ def capturing(callables: Sequence[TECallable] | None) -> Iterator[None]:
         yield
     finally:
         for item, state in reversed(saved):
-            item._restore_fp8_state(state)
+            try:
+                item._restore_fp8_state(state)
+            except Exception as error:
+                raise CaptureError(
+                    f"capturing {item.name}: putting back the FP8 scales and amax histories of "
+                    f"its Transformer Engine layers failed: {type(error).__name__}: {error}"
+                ) from error
     for item in callables:
         item._learned()
 
@@ -560,6 +570,18 @@ def _recipe_kind(recipe: Any) -> str | None:
         if callable(test) and test():
             return kind
     return None
+
+
+def _other_length(module: Any, length: int) -> bool:
+    """Whether a TE layer has delayed-scaling amax histories of another length than ``length``."""
+    meta = getattr(module, "fp8_meta", None)
+    if not isinstance(meta, dict):
+        return False
+    for key in ("scaling_fwd", "scaling_bwd"):
+        history = getattr(meta.get(key), "amax_history", None)
+        if isinstance(history, torch.Tensor) and history.shape[0] != length:
+            return True
+    return False
 
 
 def _isinstance(value: Any, cls: type | None) -> bool:
