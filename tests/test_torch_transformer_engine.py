@@ -336,6 +336,50 @@ def test_a_failed_put_back_of_the_fp8_state_is_a_capture_error_naming_the_callab
     )
 
 
+def test_a_te_layer_the_forward_runs_but_the_module_does_not_own_keeps_its_scales_updated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frozen TE layer held outside the module's submodules (a plain list, a closure) that
+    its forward runs: it was not noted at capture, so no replay joined it to TE's buffers and
+    its scales never moved, where eager's are updated every step."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.hidden = [inner]  # not a submodule
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.hidden[0](self.fc(x))
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        te.reset()
+        torch.manual_seed(0)
+        inner = te.linear("inner")
+        inner.weight.requires_grad_(False)
+        model = Outer(inner)
+        if graphed:
+            sample = (torch.ones(2, 4, requires_grad=True),)
+            model = dgt.make_graphed_callables(
+                model, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        generator = torch.Generator().manual_seed(2)
+        record = []
+        for _ in range(3):
+            with te.fp8(recipe):
+                out = model(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.backward(torch.randn(2, 4, generator=generator))
+            record.append(out.detach().clone())
+        fp8 = inner.get_fp8_meta_tensors()
+        return [*record, *fp8["scaling_fwd"], *fp8["scaling_bwd"]]
+
+    graphed, eager = train(graphed=True), train(graphed=False)
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
 # -- recipes -------------------------------------------------------------------------------------
 
 

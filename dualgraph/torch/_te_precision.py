@@ -33,6 +33,7 @@ False
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -258,8 +259,7 @@ class TECallable:
         self.precision = precision
         self.cache_quantized_params = cache_quantized_params
         self._kind = _recipe_kind(precision.recipe) if precision.active else None
-        module = target if isinstance(target, torch.nn.Module) else None
-        self._tree = None if module is None else {id(m) for m in module.modules()}
+        self._thread: int | None = None  # the thread whose forward is being captured
         self._seen: dict[int, torch.nn.Module] = {}  # TE modules the captured forwards ran
         self._checked_custom = False
         # set by capturing(): what the replays touch
@@ -325,6 +325,7 @@ class TECallable:
         if phase != "forward" or not self.precision.active:
             yield
             return
+        self._thread = threading.get_ident()
         handle = torch.nn.modules.module.register_module_forward_hook(self._saw)
         try:
             top = self.target
@@ -376,8 +377,10 @@ class TECallable:
             yield
 
     def _saw(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-        if self._tree is not None and id(module) not in self._tree:
-            return  # another module, run by another thread
+        # Every TE layer the forward runs, its module's or not (a layer held in a plain list,
+        # or closed over, joins TE's buffers in eager too); none run by another thread.
+        if threading.get_ident() != self._thread:
+            return
         te = self.te
         if te.op_sequential is not None and isinstance(module, te.op_sequential):
             found = [m for m in module.modules() if _isinstance(m, te.basic_operation)]
