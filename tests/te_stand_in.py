@@ -116,6 +116,22 @@ class Scaling:
     amax_history: torch.Tensor
 
 
+class CurrentScaling:
+    """A module's recipe state under current scaling (TE's ``Float8CurrentScalingRecipeState``):
+    no scale or amax history, each tensor is scaled from its own amax."""
+
+
+def _scale_of(state: Any, t: torch.Tensor) -> torch.Tensor:
+    if isinstance(state, Scaling):
+        return state.scale
+    return FP8_MAX / t.abs().amax().clamp_min(1e-12).reshape(1)
+
+
+def _record_amax(state: Any, t: torch.Tensor) -> None:
+    if isinstance(state, Scaling):
+        state.amax_history[0].copy_(t.abs().amax().reshape(1))
+
+
 class TransformerEngineBaseModule(torch.nn.Module):
     """Stand-in for TE's module base class: FP8 metadata, saved and reset as TE does."""
 
@@ -138,7 +154,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         with zeros), also in the global buffers."""
         for key in ("scaling_fwd", "scaling_bwd"):
             state = self.fp8_meta.get(key)
-            if state is None or state.amax_history.shape[0] == length:
+            if not isinstance(state, Scaling) or state.amax_history.shape[0] == length:
                 continue
             old = state.amax_history
             if length < old.shape[0]:
@@ -403,10 +419,14 @@ class FakeFP8Linear(TransformerEngineBaseModule):
         if not manager.is_fp8_enabled():
             return x @ self.weight.t()
         meta = self.fp8_meta
-        history = manager.get_fp8_recipe().amax_history_len
-        if "scaling_fwd" not in meta:
-            for key in ("scaling_fwd", "scaling_bwd"):
-                meta[key] = Scaling(x.new_ones(1), x.new_zeros(history, 1))
+        recipe = manager.get_fp8_recipe()
+        history = recipe.amax_history_len
+        current = recipe.float8_current_scaling()
+        if "scaling_fwd" not in meta or isinstance(meta["scaling_fwd"], CurrentScaling) != current:
+            for key in ("scaling_fwd", "scaling_bwd"):  # TE's state for the recipe's kind
+                meta[key] = (
+                    CurrentScaling() if current else Scaling(x.new_ones(1), x.new_zeros(history, 1))
+                )
             meta["name"] = self.label
             meta["custom_delayed"] = getattr(manager.get_fp8_recipe(), "delayed_quantizers", False)
         else:  # TE's init_fp8_metadata under another recipe: the histories take its length
@@ -425,7 +445,7 @@ class FakeFP8Linear(TransformerEngineBaseModule):
 
     def _cast_weight(self, is_first_microbatch: bool | None, skip: torch.Tensor | None) -> Any:
         with torch.no_grad():
-            fresh = _quantize(self.weight, self.fp8_meta["scaling_fwd"].scale)
+            fresh = _quantize(self.weight, _scale_of(self.fp8_meta["scaling_fwd"], self.weight))
             if is_first_microbatch is None:
                 return fresh
             if self._cache is None:
@@ -449,8 +469,8 @@ class _FakeFP8Matmul(torch.autograd.Function):
         te: StandIn,
     ) -> torch.Tensor:
         forward = meta["scaling_fwd"]
-        forward.amax_history[0].copy_(x.abs().amax().reshape(1))
-        cast_x = _quantize(x, forward.scale)
+        _record_amax(forward, x)
+        cast_x = _quantize(x, _scale_of(forward, x))
         ctx.save_for_backward(cast_x, cast_weight.clone())
         ctx.meta, ctx.first, ctx.te = meta, first, te
         return cast_x @ cast_weight.t()
@@ -459,8 +479,8 @@ class _FakeFP8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         cast_x, cast_weight = ctx.saved_tensors
         backward = ctx.meta["scaling_bwd"]
-        backward.amax_history[0].copy_(grad.abs().amax().reshape(1))
-        cast_grad = _quantize(grad, backward.scale)
+        _record_amax(backward, grad)
+        cast_grad = _quantize(grad, _scale_of(backward, grad))
         grad_x = cast_grad @ cast_weight
         grad_weight = cast_grad.reshape(-1, cast_grad.shape[-1]).t() @ cast_x.reshape(
             -1, cast_x.shape[-1]

@@ -617,6 +617,63 @@ def test_verify_of_an_fp8_callable_runs_both_sides_from_one_te_state_and_puts_it
             assert all(torch.equal(a, b) for a, b in zip(kept[key], now[key], strict=True))
 
 
+@pytest.mark.parametrize("precision", ["enabled", "ambient"])
+def test_verify_of_a_callable_under_current_scaling_keeps_no_fp8_history(
+    monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """Under a recipe that keeps no scales or histories (TE's recipe state has none: asking it
+    for them raises), verify keeps and puts back only what there is."""
+    te = StandIn().install(monkeypatch)
+    recipe = Float8CurrentScaling()
+    layer, other = te.linear("a", seed=1), te.linear("other", seed=2)
+    with te.fp8(DelayedScaling()):  # another layer, in TE's buffers
+        other(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    with te.fp8(recipe):
+        if precision == "ambient":
+            graphed = dgt.make_graphed_callables(layer, sample, backend="emulate")
+        else:
+            graphed = dgt.make_graphed_callables(
+                layer, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=2)
+    assert report.ok, str(report)
+
+
+def test_a_layer_run_under_current_scaling_is_graphed_under_delayed_scaling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its recipe state has no scales to keep: TE gives it a new delayed-scaling state at its
+    first forward under the recipe, so graphing keeps it as a new layer's (ones and zeros)."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        te.reset()
+        generator = torch.Generator().manual_seed(6)
+        layer: Any = te.linear("a", seed=1)
+        with te.fp8(Float8CurrentScaling()):
+            layer(torch.randn(2, 4, generator=generator, requires_grad=True)).sum().backward()
+        model = layer
+        if graphed:
+            sample = (torch.ones(2, 4, requires_grad=True),)
+            model = dgt.make_graphed_callables(
+                layer, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        record = []
+        for _ in range(2):
+            with te.fp8(recipe):
+                out = model(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.backward(torch.randn(2, 4, generator=generator))
+            record.append(out.detach().clone())
+        fp8 = layer.get_fp8_meta_tensors()
+        return [*record, layer.weight.grad, *fp8["scaling_fwd"], *fp8["scaling_bwd"]]
+
+    graphed, eager = train(graphed=True), train(graphed=False)
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
 # -- weight caching -----------------------------------------------------------------------------
 
 

@@ -43,6 +43,7 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from ._replay_hooks import ReplayCall, ReplayHooks, ReplayKwarg
+from ._te_state import layer_state, put_back_layer_state
 from ._transformer_engine import TransformerEngine
 
 __all__ = ["FIRST_MICROBATCH", "Precision", "PrecisionArgs", "TECallable", "te_callables"]
@@ -430,19 +431,15 @@ class TECallable:
                         module, recipe.amax_history_len
                     ):
                         module.adjust_amax_history_length(recipe.amax_history_len)
-                    saved.append((module, module.get_fp8_meta_tensors()))
+                    saved.append((module, layer_state(te, module)))
                 elif _isinstance(module, te.basic_operation):
                     module.reset_recipe_state(recipe=recipe)  # so that there is state to save
-                    saved.append((module, module._save_fp8_metas()))
+                    saved.append((module, layer_state(te, module)))
         return saved
 
     def _restore_fp8_state(self, saved: Sequence[tuple[Any, Any]]) -> None:
-        te = self.te
         for module, state in saved:
-            if _isinstance(module, te.base_module):
-                module.reset_fp8_meta_tensors(state)  # None: as a new module has them
-            else:
-                module._load_fp8_metas(state)
+            put_back_layer_state(self.te, module, state)
 
     def _learned(self) -> None:
         """Keep what the capture showed, for the replays."""

@@ -18,7 +18,7 @@ import torch
 
 from ._transformer_engine import TransformerEngine
 
-__all__ = ["FP8State", "fp8_state_kept"]
+__all__ = ["FP8State", "fp8_state_kept", "layer_state", "put_back_layer_state"]
 
 
 class FP8State:
@@ -44,13 +44,10 @@ class FP8State:
                 for tensors in buffers.values():
                     for tensor in tensors:
                         self._keep(tensor)
-        # the module's own layers, joined or not yet (None: they have no FP8 state yet)
-        layer: Any  # a TE layer: its methods are TE's
+        # the module's own layers, joined or not yet
         for layer in () if module is None else module.modules():
-            if _is(layer, te.base_module):
-                self._modules.append((layer, layer.get_fp8_meta_tensors()))
-            elif _is(layer, te.basic_operation):
-                self._modules.append((layer, layer._save_fp8_metas()))
+            if _is(layer, te.base_module) or _is(layer, te.basic_operation):
+                self._modules.append((layer, layer_state(te, layer)))
 
     def _keep(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tensors:
@@ -64,12 +61,8 @@ class FP8State:
         with torch.no_grad():
             for tensor, saved in self._tensors.values():
                 tensor.copy_(saved)
-            layer: Any
-            for layer, saved in self._modules:
-                if _is(layer, te.base_module):
-                    layer.reset_fp8_meta_tensors(saved)  # None: as a new layer has them
-                elif saved is not None:
-                    layer._load_fp8_metas(saved)
+        for layer, saved in self._modules:
+            put_back_layer_state(te, layer, saved)
         if self._autocast is not None:
             setter, state = self._autocast
             setter(state)
@@ -79,6 +72,47 @@ def fp8_state_kept(module: torch.nn.Module | None) -> FP8State:
     """The FP8 state of TE's autocast, its global buffers and ``module``'s TE layers, kept now
     (nothing when the program has not imported TE)."""
     return FP8State(TransformerEngine.imported(), module)
+
+
+def layer_state(te: TransformerEngine, layer: Any) -> Any:
+    """A TE layer's (or op's) scales and amax histories, copied; ``None`` where it keeps none: no
+    FP8 state yet, or a recipe's state without them (current and block scaling: TE's getters
+    would raise)."""
+    if _is(layer, te.base_module):
+        if not _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+            return None
+        return layer.get_fp8_meta_tensors()
+    metas = getattr(layer, "_fp8_metas", None)
+    if not isinstance(metas, dict) or not all(
+        _keeps_histories(meta.get(key) for key in _KEYS)
+        for meta in metas.values()
+        if meta is not None
+    ):
+        return None
+    return layer._save_fp8_metas()
+
+
+def put_back_layer_state(te: TransformerEngine, layer: Any, saved: Any) -> None:
+    """Give a layer the state :func:`layer_state` copied. ``None`` gives a layer with scales and
+    histories now the ones and zeros of a new one (TE makes that state at the first forward
+    under a delayed-scaling recipe); a layer without them keeps what it has."""
+    if _is(layer, te.base_module):
+        if _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+            layer.reset_fp8_meta_tensors(saved)
+    elif saved is not None:
+        layer._load_fp8_metas(saved)
+
+
+_KEYS = ("scaling_fwd", "scaling_bwd")
+
+
+def _keeps_histories(states: Any) -> bool:
+    present = [state for state in states if state is not None]
+    return bool(present) and all(
+        isinstance(getattr(state, "scale", None), torch.Tensor)
+        and isinstance(getattr(state, "amax_history", None), torch.Tensor)
+        for state in present
+    )
 
 
 def _first(owner: Any, *names: str) -> Any:
