@@ -3,8 +3,9 @@
 :class:`StandIn` installs fake ``transformer_engine`` modules into ``sys.modules``: an
 ``FP8GlobalStateManager`` and ``autocast`` that keep TE's global FP8 state as TE 2.20 does
 (``transformer_engine/pytorch/quantization.py``: the autocast depth and "first FP8 module" mark,
-the ``_graph`` flag, the global amax buffers that modules join once, the forward update at the
-outermost autocast's exit, the weight-cast flag), recipe classes with TE's classmethods, and
+read and set with ``get_autocast_state``/``set_autocast_state``, the ``_graph`` flag, the global
+amax buffers that modules join once (``quantization_state.global_*_buffer``), the forward update
+at the outermost autocast's exit, the weight-cast flag), recipe classes with TE's classmethods, and
 :class:`FakeFP8Linear`, a TE-like layer with delayed scaling that behaves as TE's ``Linear``
 does around that state: it joins the buffers in its first FP8 forward unless a graph is being
 captured, records amaxes in its histories, scales with them, takes the "first module" mark (then
@@ -115,6 +116,22 @@ class Scaling:
     amax_history: torch.Tensor
 
 
+class CurrentScaling:
+    """A module's recipe state under current scaling (TE's ``Float8CurrentScalingRecipeState``):
+    no scale or amax history, each tensor is scaled from its own amax."""
+
+
+def _scale_of(state: Any, t: torch.Tensor) -> torch.Tensor:
+    if isinstance(state, Scaling):
+        return state.scale
+    return FP8_MAX / t.abs().amax().clamp_min(1e-12).reshape(1)
+
+
+def _record_amax(state: Any, t: torch.Tensor) -> None:
+    if isinstance(state, Scaling):
+        state.amax_history[0].copy_(t.abs().amax().reshape(1))
+
+
 class TransformerEngineBaseModule(torch.nn.Module):
     """Stand-in for TE's module base class: FP8 metadata, saved and reset as TE does."""
 
@@ -131,6 +148,22 @@ class TransformerEngineBaseModule(torch.nn.Module):
             key: [self.fp8_meta[key].scale.clone(), self.fp8_meta[key].amax_history.clone()]
             for key in ("scaling_fwd", "scaling_bwd")
         }
+
+    def adjust_amax_history_length(self, length: int) -> None:
+        """As TE's: a history of another length is replaced by a new tensor (cut, or padded
+        with zeros), also in the global buffers."""
+        for key in ("scaling_fwd", "scaling_bwd"):
+            state = self.fp8_meta.get(key)
+            if not isinstance(state, Scaling) or state.amax_history.shape[0] == length:
+                continue
+            old = state.amax_history
+            if length < old.shape[0]:
+                state.amax_history = old[:length].clone()
+            else:
+                state.amax_history = torch.nn.functional.pad(old, (0, 0, 0, length - old.shape[0]))
+            qstate = getattr(getattr(self, "te", None), "quantization_state", None)
+            for tensors in {} if qstate is None else qstate.global_amax_history_buffer.values():
+                tensors[:] = [state.amax_history if t is old else t for t in tensors]
 
     def reset_fp8_meta_tensors(self, saved: Any = None) -> None:
         for key in ("scaling_fwd", "scaling_bwd"):
@@ -183,12 +216,29 @@ class StandIn:
                 return first
 
             @classmethod
+            def get_autocast_state(cls) -> tuple[Any, ...]:
+                return (fake.enabled, fake.calibrating, fake.recipe, fake.group, fake.first)
+
+            @classmethod
+            def set_autocast_state(cls, state: tuple[Any, ...]) -> None:
+                (fake.enabled, fake.calibrating, fake.recipe, fake.group, fake.first) = state
+
+            @classmethod
             def add_fp8_tensors_to_global_buffer(cls, meta: dict[str, Any]) -> None:
                 if not meta["recipe"].delayed() or "buffer_index" in meta:
                     return
                 meta["buffer_index"] = len(fake.joined)
                 fake.joined.append(meta)
                 fake.log.append(f"join {meta['name']}")
+                # TE's buffers hold each joined layer's history and scale, per direction
+                qstate = fake.quantization_state
+                for key, direction in (("scaling_fwd", "forward"), ("scaling_bwd", "backward")):
+                    buffer = f"{direction}_recipe={meta['recipe']!r}"
+                    state = meta[key]
+                    qstate.global_amax_history_buffer.setdefault(buffer, []).append(
+                        state.amax_history
+                    )
+                    qstate.global_scale_buffer.setdefault(buffer, []).append(state.scale)
 
             @classmethod
             def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
@@ -241,6 +291,7 @@ class StandIn:
                     FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)
 
         self.FP8GlobalStateManager = FP8GlobalStateManager
+        FP8GlobalStateManager.quantization_state = self.quantization_state  # type: ignore[attr-defined]
         self.autocast = autocast
         self._build_modules()
 
@@ -252,6 +303,13 @@ class StandIn:
         self.depth = 0
         self.joined: list[dict[str, Any]] = []
         self.skip: torch.Tensor | None = None
+        # TE 2.20's FP8GlobalState, the part read from outside: the global buffers
+        self.quantization_state = types.SimpleNamespace(
+            global_amax_history_buffer={}, global_scale_buffer={}
+        )
+        manager = getattr(self, "FP8GlobalStateManager", None)
+        if manager is not None:
+            manager.quantization_state = self.quantization_state
 
     def _build_modules(self) -> None:
         quantization = types.ModuleType("transformer_engine.pytorch.quantization")
@@ -361,12 +419,18 @@ class FakeFP8Linear(TransformerEngineBaseModule):
         if not manager.is_fp8_enabled():
             return x @ self.weight.t()
         meta = self.fp8_meta
-        if "scaling_fwd" not in meta:
-            history = manager.get_fp8_recipe().amax_history_len
-            for key in ("scaling_fwd", "scaling_bwd"):
-                meta[key] = Scaling(x.new_ones(1), x.new_zeros(history, 1))
+        recipe = manager.get_fp8_recipe()
+        history = recipe.amax_history_len
+        current = recipe.float8_current_scaling()
+        if "scaling_fwd" not in meta or isinstance(meta["scaling_fwd"], CurrentScaling) != current:
+            for key in ("scaling_fwd", "scaling_bwd"):  # TE's state for the recipe's kind
+                meta[key] = (
+                    CurrentScaling() if current else Scaling(x.new_ones(1), x.new_zeros(history, 1))
+                )
             meta["name"] = self.label
             meta["custom_delayed"] = getattr(manager.get_fp8_recipe(), "delayed_quantizers", False)
+        else:  # TE's init_fp8_metadata under another recipe: the histories take its length
+            self.adjust_amax_history_length(history)
         meta["recipe"], meta["fp8_group"] = manager.get_fp8_recipe(), manager.get_fp8_group()
         skip = None
         if manager.fp8_graph_capturing():
@@ -381,7 +445,7 @@ class FakeFP8Linear(TransformerEngineBaseModule):
 
     def _cast_weight(self, is_first_microbatch: bool | None, skip: torch.Tensor | None) -> Any:
         with torch.no_grad():
-            fresh = _quantize(self.weight, self.fp8_meta["scaling_fwd"].scale)
+            fresh = _quantize(self.weight, _scale_of(self.fp8_meta["scaling_fwd"], self.weight))
             if is_first_microbatch is None:
                 return fresh
             if self._cache is None:
@@ -405,8 +469,8 @@ class _FakeFP8Matmul(torch.autograd.Function):
         te: StandIn,
     ) -> torch.Tensor:
         forward = meta["scaling_fwd"]
-        forward.amax_history[0].copy_(x.abs().amax().reshape(1))
-        cast_x = _quantize(x, forward.scale)
+        _record_amax(forward, x)
+        cast_x = _quantize(x, _scale_of(forward, x))
         ctx.save_for_backward(cast_x, cast_weight.clone())
         ctx.meta, ctx.first, ctx.te = meta, first, te
         return cast_x @ cast_weight.t()
@@ -415,8 +479,8 @@ class _FakeFP8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         cast_x, cast_weight = ctx.saved_tensors
         backward = ctx.meta["scaling_bwd"]
-        backward.amax_history[0].copy_(grad.abs().amax().reshape(1))
-        cast_grad = _quantize(grad, backward.scale)
+        _record_amax(backward, grad)
+        cast_grad = _quantize(grad, _scale_of(backward, grad))
         grad_x = cast_grad @ cast_weight
         grad_weight = cast_grad.reshape(-1, cast_grad.shape[-1]).t() @ cast_x.reshape(
             -1, cast_x.shape[-1]

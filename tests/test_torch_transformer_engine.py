@@ -276,6 +276,110 @@ def test_capture_leaves_fp8_scales_histories_and_buffers_as_they_were(
     assert te.joined == joined
 
 
+@pytest.mark.parametrize("length", [2, 8])
+def test_a_recipe_with_another_history_length_graphs_a_layer_trained_under_another(
+    monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """A layer trained (or loaded) with 4-step amax histories, graphed under a recipe of another
+    length: TE gives it histories of the new length at its first forward, so the put-back of
+    its FP8 state did not fit them (torch's RuntimeError). The histories take the recipe's
+    length before they are kept, and training then equals eager's under the new recipe."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling(amax_history_len=length)
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        te.reset()
+        generator = torch.Generator().manual_seed(4)
+        layer: Any = te.linear("a", seed=1)
+        for _ in range(2):  # trained under 4-step histories
+            with te.fp8(DelayedScaling(amax_history_len=4)):
+                out = layer(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.sum().backward()
+        del out
+        model = layer
+        if graphed:
+            sample = (torch.ones(2, 4, requires_grad=True),)
+            model = dgt.make_graphed_callables(
+                layer, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        record = []
+        for _ in range(2):
+            with te.fp8(recipe):
+                out = model(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.backward(torch.randn(2, 4, generator=generator))
+            record.append(out.detach().clone())
+        fp8 = layer.get_fp8_meta_tensors()
+        assert fp8["scaling_fwd"][1].shape[0] == length
+        return [*record, layer.weight.grad, *fp8["scaling_fwd"], *fp8["scaling_bwd"]]
+
+    graphed, eager = train(graphed=True), train(graphed=False)
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
+def test_a_failed_put_back_of_the_fp8_state_is_a_capture_error_naming_the_callable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    te = StandIn().install(monkeypatch)
+
+    def refuse(self: Any, saved: Any = None) -> None:
+        raise RuntimeError("shapes differ")
+
+    monkeypatch.setattr(FakeFP8Linear, "reset_fp8_meta_tensors", refuse)
+    with pytest.raises(CaptureError) as info:
+        dgt.make_graphed_callables(
+            te.linear("a"), (torch.ones(2, 4),), backend="emulate", enabled=True
+        )
+    assert str(info.value) == (
+        "capturing FakeFP8Linear: putting back the FP8 scales and amax histories of its "
+        "Transformer Engine layers failed: RuntimeError: shapes differ"
+    )
+
+
+def test_a_te_layer_the_forward_runs_but_the_module_does_not_own_keeps_its_scales_updated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frozen TE layer held outside the module's submodules (a plain list, a closure) that
+    its forward runs: it was not noted at capture, so no replay joined it to TE's buffers and
+    its scales never moved, where eager's are updated every step."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.hidden = [inner]  # not a submodule
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.hidden[0](self.fc(x))
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        te.reset()
+        torch.manual_seed(0)
+        inner = te.linear("inner")
+        inner.weight.requires_grad_(False)
+        model = Outer(inner)
+        if graphed:
+            sample = (torch.ones(2, 4, requires_grad=True),)
+            model = dgt.make_graphed_callables(
+                model, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        generator = torch.Generator().manual_seed(2)
+        record = []
+        for _ in range(3):
+            with te.fp8(recipe):
+                out = model(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.backward(torch.randn(2, 4, generator=generator))
+            record.append(out.detach().clone())
+        fp8 = inner.get_fp8_meta_tensors()
+        return [*record, *fp8["scaling_fwd"], *fp8["scaling_bwd"]]
+
+    graphed, eager = train(graphed=True), train(graphed=False)
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
 # -- recipes -------------------------------------------------------------------------------------
 
 
@@ -416,14 +520,158 @@ def test_te_bookkeeping_runs_before_the_user_hooks(
         out = layer(torch.ones(2, 4, requires_grad=True))
     out.sum().backward()
     steps = [line for line in te.log if not line.startswith(("enter", "exit"))]
-    # a replay joins the buffers before the user's hook; an eager call joins them itself
-    joined = ["join a", "user before_forward"]
+    # a replay joins the buffers once its forward ran, as an eager call's forward does
     assert steps == [
-        *(joined if backend == "emulate" else joined[::-1]),
+        "user before_forward",
+        "join a",
         "update forward",
         "update backward",
         "user after_backward",
     ]
+
+
+def test_a_call_refused_by_a_replay_hook_leaves_the_fp8_books_as_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call its before_forward hook refuses never ran: it takes no "first FP8 module" mark
+    and joins no buffer, as on the eager backend. The retry takes the mark, and its backward
+    updates the backward scales."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    refused: list[str] = []
+
+    def refuse_once(call: dgt.ReplayCall) -> None:
+        if not refused:
+            refused.append(call.name)
+            raise RuntimeError("not yet")
+
+    def steps(backend: str) -> tuple[list[str], Any]:
+        te.reset()
+        refused.clear()
+        layer = te.linear("a")
+        graphed = dgt.make_graphed_callables(
+            layer,
+            (torch.ones(2, 4, requires_grad=True),),
+            backend=backend,
+            enabled=True,
+            recipe=recipe,
+            replay_hooks=dgt.ReplayHooks(before_forward=refuse_once),
+        )
+        te.log.clear()
+        generator = torch.Generator().manual_seed(1)
+        for step in range(2):
+            x = torch.randn(2, 4, generator=generator, requires_grad=True)
+            with te.fp8(recipe):
+                if step == 0:
+                    with pytest.raises(RuntimeError, match="not yet"):
+                        graphed(x)
+                out = graphed(x)
+            out.backward(torch.randn(2, 4, generator=generator))
+        return [line for line in te.log if line.startswith(("join", "update"))], layer
+
+    replayed, layer = steps("emulate")
+    eager, twin = steps("eager")
+    assert replayed == eager == ["join a"] + ["update forward", "update backward"] * 2
+    for key, tensors in layer.get_fp8_meta_tensors().items():
+        expected = twin.get_fp8_meta_tensors()[key]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
+
+
+@pytest.mark.parametrize("precision", ["enabled", "ambient", "high"])
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_verify_of_an_fp8_callable_runs_both_sides_from_one_te_state_and_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch, precision: str, backend: str
+) -> None:
+    """Both sides start from the same FP8 scales, histories and "first FP8 module" mark, the
+    eager side in the autocast the eager backend gives it (``enabled=False``: high precision);
+    verify then leaves them, and other layers in TE's buffers, as it found them."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layer, other = te.linear("a", seed=1), te.linear("other", seed=2)
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    if precision == "ambient":
+        with te.fp8(recipe):
+            graphed = dgt.make_graphed_callables(layer, sample, backend=backend)
+    else:
+        enabled = precision == "enabled"
+        graphed = dgt.make_graphed_callables(
+            layer, sample, backend=backend, enabled=enabled, recipe=recipe
+        )
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(2):  # training steps: scales and histories that are not ones and zeros
+        with te.fp8(recipe):
+            out = other(graphed(3 * torch.randn(2, 4, generator=generator, requires_grad=True)))
+        out.sum().backward()
+    x = 5 * torch.randn(2, 4, generator=generator, requires_grad=True)
+    with te.fp8(recipe):
+        before = [layer.get_fp8_meta_tensors(), other.get_fp8_meta_tensors(), te.first]
+        report = dgt.verify(graphed, x, steps=2)
+        after = [layer.get_fp8_meta_tensors(), other.get_fp8_meta_tensors(), te.first]
+    assert report.ok, str(report)
+    assert before[-1] is after[-1] is True  # the mark is the caller's again
+    if precision == "high":  # the layer never ran in FP8
+        assert before[0] is None and after[0] is None
+        before, after = before[1:], after[1:]
+    for kept, now in zip(before[:-1], after[:-1], strict=True):
+        for key in ("scaling_fwd", "scaling_bwd"):
+            assert all(torch.equal(a, b) for a, b in zip(kept[key], now[key], strict=True))
+
+
+@pytest.mark.parametrize("precision", ["enabled", "ambient"])
+def test_verify_of_a_callable_under_current_scaling_keeps_no_fp8_history(
+    monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """Under a recipe that keeps no scales or histories (TE's recipe state has none: asking it
+    for them raises), verify keeps and puts back only what there is."""
+    te = StandIn().install(monkeypatch)
+    recipe = Float8CurrentScaling()
+    layer, other = te.linear("a", seed=1), te.linear("other", seed=2)
+    with te.fp8(DelayedScaling()):  # another layer, in TE's buffers
+        other(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    with te.fp8(recipe):
+        if precision == "ambient":
+            graphed = dgt.make_graphed_callables(layer, sample, backend="emulate")
+        else:
+            graphed = dgt.make_graphed_callables(
+                layer, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=2)
+    assert report.ok, str(report)
+
+
+def test_a_layer_run_under_current_scaling_is_graphed_under_delayed_scaling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its recipe state has no scales to keep: TE gives it a new delayed-scaling state at its
+    first forward under the recipe, so graphing keeps it as a new layer's (ones and zeros)."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        te.reset()
+        generator = torch.Generator().manual_seed(6)
+        layer: Any = te.linear("a", seed=1)
+        with te.fp8(Float8CurrentScaling()):
+            layer(torch.randn(2, 4, generator=generator, requires_grad=True)).sum().backward()
+        model = layer
+        if graphed:
+            sample = (torch.ones(2, 4, requires_grad=True),)
+            model = dgt.make_graphed_callables(
+                layer, sample, backend="emulate", enabled=True, recipe=recipe
+            )
+        record = []
+        for _ in range(2):
+            with te.fp8(recipe):
+                out = model(torch.randn(2, 4, generator=generator, requires_grad=True))
+            out.backward(torch.randn(2, 4, generator=generator))
+            record.append(out.detach().clone())
+        fp8 = layer.get_fp8_meta_tensors()
+        return [*record, layer.weight.grad, *fp8["scaling_fwd"], *fp8["scaling_bwd"]]
+
+    graphed, eager = train(graphed=True), train(graphed=False)
+    for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        assert torch.equal(a, b), f"[{i}] differs from eager"
 
 
 # -- weight caching -----------------------------------------------------------------------------

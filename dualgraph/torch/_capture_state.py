@@ -429,6 +429,7 @@ class _Capture:
             autocast=autocast_state(),
             numerics=numerics_state(),
             replay_hooks=self.request.hooks.replay,
+            eager_context=self.request.hooks.run_eager,
             diagnostics=diagnostics,
             reach=self.reach,
             grad_inputs=self.grad_input_indices,

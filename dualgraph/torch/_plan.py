@@ -15,6 +15,7 @@ A :class:`ReplayPlan` is frozen. Its parts follow what later work replicates:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -152,6 +153,9 @@ class ReplayPlan:
     closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
     # a function's: the tensors its code names that the backward reads (as saved_module_tensors)
     saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+    # the context the callable's eager twin runs in (``verify``), as on the "eager" backend:
+    # a Transformer Engine autocast of its own precision, or None
+    eager_context: Callable[[], AbstractContextManager[Any]] | None = None
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

@@ -16,11 +16,12 @@ for the backward amaxes. A replay runs kernels, not that Python. So, as TE's own
   the modules' scales and amax histories are saved before warmup and put back after capture:
   graphing changes no FP8 state.
 - **Every replay in FP8** (a :class:`~dualgraph.torch.ReplayHooks` of dualgraph's own): before
-  the forward, the modules that ran in the captured forward join the global buffers (once; TE
-  ignores a second time), the replay takes the region's "first FP8 module" mark (TE's
-  ``is_first_fp8_module``), and the flag the captured weight casts read is set from
-  ``is_first_microbatch`` (weight caching); after the backward, the replay that took the mark
-  reduces and updates the backward scales. The forward scales are updated, as in eager, when
+  the forward, the flag the captured weight casts read is set from ``is_first_microbatch``
+  (weight caching); once the forward has replayed (a call refused before it keeps no books, as
+  an eager call that never ran), the modules that ran in the captured forward join the global
+  buffers (once; TE ignores a second time) and the replay takes the region's "first FP8
+  module" mark (TE's ``is_first_fp8_module``); after the backward, the replay that took the
+  mark reduces and updates the backward scales. The forward scales are updated, as in eager, when
   the caller's ``te.autocast`` exits; so a callable captured in FP8 replays inside a
   ``te.autocast`` of the same recipe and group, and a replay elsewhere is refused (a graph
   replays the precision it was captured in).
@@ -32,6 +33,7 @@ False
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from ._replay_hooks import ReplayCall, ReplayHooks, ReplayKwarg
+from ._te_state import layer_state, put_back_layer_state
 from ._transformer_engine import TransformerEngine
 
 __all__ = ["FIRST_MICROBATCH", "Precision", "PrecisionArgs", "TECallable", "te_callables"]
@@ -257,8 +260,7 @@ class TECallable:
         self.precision = precision
         self.cache_quantized_params = cache_quantized_params
         self._kind = _recipe_kind(precision.recipe) if precision.active else None
-        module = target if isinstance(target, torch.nn.Module) else None
-        self._tree = None if module is None else {id(m) for m in module.modules()}
+        self._thread: int | None = None  # the thread whose forward is being captured
         self._seen: dict[int, torch.nn.Module] = {}  # TE modules the captured forwards ran
         self._checked_custom = False
         # set by capturing(): what the replays touch
@@ -296,7 +298,11 @@ class TECallable:
         return self._in_autocast(graph=False)
 
     def replay_hooks(self) -> ReplayHooks:
-        return ReplayHooks(before_forward=self._before_forward, after_backward=self._after_backward)
+        return ReplayHooks(
+            before_forward=self._before_forward,
+            after_forward=self._after_forward,
+            after_backward=self._after_backward,
+        )
 
     def replay_kwargs(self) -> tuple[ReplayKwarg, ...]:
         if not self.cache_quantized_params:
@@ -320,6 +326,7 @@ class TECallable:
         if phase != "forward" or not self.precision.active:
             yield
             return
+        self._thread = threading.get_ident()
         handle = torch.nn.modules.module.register_module_forward_hook(self._saw)
         try:
             top = self.target
@@ -371,8 +378,10 @@ class TECallable:
             yield
 
     def _saw(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-        if self._tree is not None and id(module) not in self._tree:
-            return  # another module, run by another thread
+        # Every TE layer the forward runs, its module's or not (a layer held in a plain list,
+        # or closed over, joins TE's buffers in eager too); none run by another thread.
+        if threading.get_ident() != self._thread:
+            return
         te = self.te
         if te.op_sequential is not None and isinstance(module, te.op_sequential):
             found = [m for m in module.modules() if _isinstance(m, te.basic_operation)]
@@ -416,21 +425,21 @@ class TECallable:
             module: Any  # a TE layer: its methods are TE's
             for module in self.target.modules():
                 if _isinstance(module, te.base_module):
-                    if getattr(module, "primary_weights_in_fp8", False):
+                    # The histories take the recipe's length now, as TE gives them at the first
+                    # forward under it (new tensors): so what is kept fits them when put back.
+                    if getattr(module, "primary_weights_in_fp8", False) or _other_length(
+                        module, recipe.amax_history_len
+                    ):
                         module.adjust_amax_history_length(recipe.amax_history_len)
-                    saved.append((module, module.get_fp8_meta_tensors()))
+                    saved.append((module, layer_state(te, module)))
                 elif _isinstance(module, te.basic_operation):
                     module.reset_recipe_state(recipe=recipe)  # so that there is state to save
-                    saved.append((module, module._save_fp8_metas()))
+                    saved.append((module, layer_state(te, module)))
         return saved
 
     def _restore_fp8_state(self, saved: Sequence[tuple[Any, Any]]) -> None:
-        te = self.te
         for module, state in saved:
-            if _isinstance(module, te.base_module):
-                module.reset_fp8_meta_tensors(state)  # None: as a new module has them
-            else:
-                module._load_fp8_metas(state)
+            put_back_layer_state(self.te, module, state)
 
     def _learned(self) -> None:
         """Keep what the capture showed, for the replays."""
@@ -449,14 +458,23 @@ class TECallable:
     # -- every replay -------------------------------------------------------------------------
 
     def _before_forward(self, call: ReplayCall) -> None:
-        te = self.te
-        now = ambient_precision(te)
+        now = ambient_precision(self.te)
         if now is not _OFF or self.precision is not _OFF:
             self._check_ambient(now)
         if not self.precision.enabled or call.backend == "eager":
             return  # eager calls keep TE's books themselves; high precision keeps none
-        manager = te.manager
-        recipe, group = now.recipe, now.group
+        skip = self._skip
+        if skip is not None:
+            cached = self.cache_quantized_params and not call.replay_kwargs[FIRST_MICROBATCH]
+            skip.fill_(cached)  # the captured weight casts skip their update when it is 1
+
+    def _after_forward(self, call: ReplayCall) -> None:
+        # Once the forward has replayed, as eager's forward keeps these books: a call refused
+        # before it (a user's before_forward hook raising) took no mark and joined nothing.
+        if not self.precision.enabled or call.backend == "eager":
+            return
+        manager = self.te.manager
+        recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
         for module in self._modules:
             _join(manager, module.fp8_meta, recipe, group)
         if self._attention and (
@@ -474,10 +492,6 @@ class TECallable:
                     _join(manager, meta, recipe, group)
         if call.backward_expected:
             call.state[_TOOK_FIRST] = manager.is_first_fp8_module()
-        skip = self._skip
-        if skip is not None:
-            cached = self.cache_quantized_params and not call.replay_kwargs[FIRST_MICROBATCH]
-            skip.fill_(cached)  # the captured weight casts skip their update when it is 1
 
     def _after_backward(self, call: ReplayCall) -> None:
         if call.state.get(_TOOK_FIRST):
@@ -529,7 +543,13 @@ def capturing(callables: Sequence[TECallable] | None) -> Iterator[None]:
         yield
     finally:
         for item, state in reversed(saved):
-            item._restore_fp8_state(state)
+            try:
+                item._restore_fp8_state(state)
+            except Exception as error:
+                raise CaptureError(
+                    f"capturing {item.name}: putting back the FP8 scales and amax histories of "
+                    f"its Transformer Engine layers failed: {type(error).__name__}: {error}"
+                ) from error
     for item in callables:
         item._learned()
 
@@ -550,6 +570,18 @@ def _recipe_kind(recipe: Any) -> str | None:
         if callable(test) and test():
             return kind
     return None
+
+
+def _other_length(module: Any, length: int) -> bool:
+    """Whether a TE layer has delayed-scaling amax histories of another length than ``length``."""
+    meta = getattr(module, "fp8_meta", None)
+    if not isinstance(meta, dict):
+        return False
+    for key in ("scaling_fwd", "scaling_bwd"):
+        history = getattr(meta.get(key), "amax_history", None)
+        if isinstance(history, torch.Tensor) and history.shape[0] != length:
+            return True
+    return False
 
 
 def _isinstance(value: Any, cls: type | None) -> bool:

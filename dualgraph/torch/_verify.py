@@ -73,6 +73,7 @@ from ._modules import runner_of
 from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
+from ._te_state import fp8_state_kept
 
 __all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
 
@@ -234,18 +235,26 @@ def verify(
     if module is None:
         buffers += closed_over_tensors(original)
 
+    # Transformer Engine's FP8 scales, amax histories and autocast mark: kept as the rest
+    fp8 = fp8_state_kept(module)
     with _state_kept(params, buffers, module) as state:
-        replays = info.replays
-        graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
-        if info.replays - replays != steps:
-            raise DualgraphError(
-                f"{info.name}: {steps} calls replayed {info.replays - replays} times; a graphed "
-                "module whose training mode differs from capture time runs eagerly, so there is "
-                "nothing to verify (set .train()/.eval() as at capture)"
-            )
-        _restore(params, buffers, state)
-        with eager_twin(graphed) as eager:
-            eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
+        try:
+            replays = info.replays
+            graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
+            # read afresh: a slotted callable's diagnostics are made at each read
+            replayed = diagnostics(graphed).replays - replays
+            if replayed != steps:
+                raise DualgraphError(
+                    f"{info.name}: {steps} calls replayed {replayed} times; a "
+                    "graphed module whose training mode differs from capture time runs eagerly, "
+                    "so there is nothing to verify (set .train()/.eval() as at capture)"
+                )
+            _restore(params, buffers, state)
+            fp8.put_back()
+            with eager_twin(graphed) as eager, _eager_context(graphed):
+                eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
+        finally:
+            fp8.put_back()
 
     checks: list[LeafCheck] = []
     for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
@@ -326,6 +335,19 @@ def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
         yield graphed
     finally:
         graphed.__dict__["forward"] = installed
+
+
+def _eager_context(graphed: Any) -> contextlib.AbstractContextManager[Any]:
+    """The context the ``"eager"`` backend calls the callable in (a Transformer Engine autocast
+    of the precision it was graphed with), or none."""
+    runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable):
+        runner = runner._replays[0]
+    if isinstance(runner, GraphedCallable):
+        run = runner.plan.eager_context
+    else:  # EagerCallable, BucketedCallable
+        run = runner._hooks.run_eager
+    return contextlib.nullcontext() if run is None else run()
 
 
 def _original(graphed: Any) -> Callable[..., Any]:

@@ -1,0 +1,127 @@
+"""Transformer Engine's FP8 state outside a module's parameters and buffers, kept and put back.
+
+A call of a TE layer under delayed scaling, eager or replayed, changes state that is neither a
+parameter nor a buffer: it takes the "first FP8 module" mark of the caller's ``te.autocast``
+(the first FP8 call of the region), writes the newest amax into its amax histories, and the
+backward of the call that took the mark rolls the backward histories and updates the backward
+scales of every layer in TE's global amax buffers. :func:`fp8_state_kept` keeps that state so
+that ``verify`` can run its two sides from the same state and leave it as it found it.
+
+>>> fp8_state_kept(None).put_back()  # without TE: nothing to keep
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._transformer_engine import TransformerEngine
+
+__all__ = ["FP8State", "fp8_state_kept", "layer_state", "put_back_layer_state"]
+
+
+class FP8State:
+    """What :func:`fp8_state_kept` kept; :meth:`put_back` restores it (any number of times)."""
+
+    def __init__(self, te: TransformerEngine | None, module: torch.nn.Module | None) -> None:
+        self._te = te
+        self._autocast: tuple[Any, Any] | None = None  # (setter, state)
+        self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._modules: list[tuple[Any, Any]] = []
+        if te is None:
+            return
+        manager = te.manager
+        getter = _first(manager, "get_autocast_state", "get_fp8_autocast_state")  # TE 2.9+, older
+        setter = _first(manager, "set_autocast_state", "set_fp8_autocast_state")
+        if getter is not None and setter is not None:
+            self._autocast = (setter, getter())
+        # every layer that joined the global buffers: a backward update rolls them all
+        qstate = getattr(manager, "quantization_state", manager)
+        for name in ("global_amax_history_buffer", "global_scale_buffer"):
+            buffers = getattr(qstate, name, None)
+            if isinstance(buffers, dict):
+                for tensors in buffers.values():
+                    for tensor in tensors:
+                        self._keep(tensor)
+        # the module's own layers, joined or not yet
+        for layer in () if module is None else module.modules():
+            if _is(layer, te.base_module) or _is(layer, te.basic_operation):
+                self._modules.append((layer, layer_state(te, layer)))
+
+    def _keep(self, tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tensors:
+            self._tensors[id(tensor)] = (tensor, tensor.detach().clone())
+
+    def put_back(self) -> None:
+        """Give every kept tensor its kept values, and the autocast its kept mark."""
+        te = self._te
+        if te is None:
+            return
+        with torch.no_grad():
+            for tensor, saved in self._tensors.values():
+                tensor.copy_(saved)
+        for layer, saved in self._modules:
+            put_back_layer_state(te, layer, saved)
+        if self._autocast is not None:
+            setter, state = self._autocast
+            setter(state)
+
+
+def fp8_state_kept(module: torch.nn.Module | None) -> FP8State:
+    """The FP8 state of TE's autocast, its global buffers and ``module``'s TE layers, kept now
+    (nothing when the program has not imported TE)."""
+    return FP8State(TransformerEngine.imported(), module)
+
+
+def layer_state(te: TransformerEngine, layer: Any) -> Any:
+    """A TE layer's (or op's) scales and amax histories, copied; ``None`` where it keeps none: no
+    FP8 state yet, or a recipe's state without them (current and block scaling: TE's getters
+    would raise)."""
+    if _is(layer, te.base_module):
+        if not _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+            return None
+        return layer.get_fp8_meta_tensors()
+    metas = getattr(layer, "_fp8_metas", None)
+    if not isinstance(metas, dict) or not all(
+        _keeps_histories(meta.get(key) for key in _KEYS)
+        for meta in metas.values()
+        if meta is not None
+    ):
+        return None
+    return layer._save_fp8_metas()
+
+
+def put_back_layer_state(te: TransformerEngine, layer: Any, saved: Any) -> None:
+    """Give a layer the state :func:`layer_state` copied. ``None`` gives a layer with scales and
+    histories now the ones and zeros of a new one (TE makes that state at the first forward
+    under a delayed-scaling recipe); a layer without them keeps what it has."""
+    if _is(layer, te.base_module):
+        if _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+            layer.reset_fp8_meta_tensors(saved)
+    elif saved is not None:
+        layer._load_fp8_metas(saved)
+
+
+_KEYS = ("scaling_fwd", "scaling_bwd")
+
+
+def _keeps_histories(states: Any) -> bool:
+    present = [state for state in states if state is not None]
+    return bool(present) and all(
+        isinstance(getattr(state, "scale", None), torch.Tensor)
+        and isinstance(getattr(state, "amax_history", None), torch.Tensor)
+        for state in present
+    )
+
+
+def _first(owner: Any, *names: str) -> Any:
+    for name in names:
+        found = getattr(owner, name, None)
+        if callable(found):
+            return found
+    return None
+
+
+def _is(value: Any, cls: type | None) -> bool:  # a bool: mypy keeps ``value`` as Any
+    return cls is not None and isinstance(value, cls)
