@@ -242,6 +242,9 @@ class SlottedCallable:
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
             param_grads_through_autograd=sum(p.param_grads_through_autograd for p in parts),
+            # the lint and the memory plan ran once per callable, in its first slot's capture
+            lint=next((p.lint for p in parts if p.lint is not None), None),
+            memory_plan=next((p.memory_plan for p in parts if p.memory_plan is not None), None),
             slots=len(self._replays),
             in_flight=self.in_flight,
             reused_buffer_bytes=reused,
