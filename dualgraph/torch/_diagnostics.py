@@ -29,7 +29,8 @@ class CaptureDiagnostics:
     ``schedule=``), the bytes count every buffer once, ``pool_bytes`` sums the slots' own pools
     (or is the schedule's shared pool), ``slots`` is their number, ``in_flight`` the slots
     whose backward is pending, and ``reused_buffer_bytes`` what slots share instead of each
-    holding a copy (static inputs and grad outputs of micro-batches never in flight together).
+    holding a copy (the static inputs, outputs and grads of micro-batches never in flight
+    together).
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0

@@ -21,7 +21,7 @@ activations occupy at other times. Two layouts make that so by construction:
   where it was captured, so memory the pool reuses between graphs is reused in replay as it was
   in capture. Memory then follows the schedule as eager's does: the activations of the
   micro-batches in flight, not of all of them. Micro-batches never in flight together share
-  static input and grad-output buffers (:attr:`CaptureDiagnostics.reused_buffer_bytes`).
+  static buffers: inputs, outputs and grads (:attr:`CaptureDiagnostics.reused_buffer_bytes`).
 
 Why not fewer graphs in one pool: with ``k`` slots reused across more micro-batches, the
 first forward captured had no other slot in flight, so its temporaries may sit where another
