@@ -11,15 +11,26 @@ GitHub does not render and that says why the block is not simply run:
 - ``<!-- needs-te -->``: run only where a CUDA device is and Transformer Engine is installed;
 - ``<!-- known-broken: REASON -->``: run, and expected to fail until the fix named in REASON
   lands (a strict xfail: once the block runs, the test fails until the marker is removed).
+
+A ``print(...)  # COMMENT`` whose comment begins with the character its output begins with is a
+claim about that output: the comment is the output, where ``...`` stands for any text, and may
+go on with ``: why`` (``# 3 3: warmup and capture count nothing``). Other comments explain. A
+Python block followed by ``Its output ...:`` and a ```text block prints exactly that text when
+run as a file named after the block's caption (``debugging.py``).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import inspect
+import io
+import itertools
+import linecache
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,9 +112,121 @@ def _param(block: Block) -> object:
 PROGRAMS = BLOCKS  # a signature block runs too
 
 
+def shows(comment: str, output: str) -> bool:
+    """Whether a print's ``# comment`` is its output (``...``: any text), maybe with ``: why``."""
+    prefixes = [comment] + [
+        comment[:at] for at in range(len(comment)) if comment.startswith(": ", at)
+    ]
+    for prefix in prefixes:
+        pattern = ".*".join(re.escape(part) for part in prefix.split("..."))
+        if re.fullmatch(pattern, output, flags=re.DOTALL):
+            return True
+    return False
+
+
+def printed_claims(code: str) -> dict[int, str]:
+    """Line number -> comment, for each line that is one ``print(...)`` with a comment."""
+    claims = {}
+    for number, line in enumerate(code.splitlines(), start=1):
+        match = re.match(r"^\s*print\(.*\)\s+#\s(?P<comment>.*)$", line)
+        if match:
+            claims[number] = match.group("comment")
+    return claims
+
+
+def run_block(block: Block) -> dict[int, list[str]]:
+    """Run a block in a fresh namespace; what each of its lines printed, by line number."""
+    printed: dict[int, list[str]] = {}
+
+    def recording_print(*values: object, sep: str | None = " ", end: str | None = "\n") -> None:
+        caller = sys._getframe(1)
+        text = (" " if sep is None else sep).join(str(value) for value in values)
+        if caller.f_code.co_filename == block.name:
+            printed.setdefault(caller.f_lineno, []).append(text)
+        print(text, end="\n" if end is None else end)
+
+    namespace = {"__name__": "__readme__", "print": recording_print}
+    exec(compile(block.code, block.name, "exec"), namespace)
+    return printed
+
+
 @pytest.mark.parametrize("block", [_param(block) for block in PROGRAMS])
-def test_readme_block_runs_as_written(block: Block) -> None:
-    exec(compile(block.code, block.name, "exec"), {"__name__": "__readme__"})
+def test_readme_block_runs_and_prints_what_it_says(block: Block) -> None:
+    printed = run_block(block)
+    for number, comment in printed_claims(block.code).items():
+        outputs = printed.get(number, [])
+        if not outputs or not outputs[0] or outputs[0][0] != comment[0]:
+            continue  # the comment explains
+        assert len(outputs) == 1, f"{block.name}, line {number}: printed {len(outputs)} times"
+        first_line = outputs[0].splitlines()[0]
+        assert shows(comment, first_line), (
+            f"{block.name}, line {number} prints {first_line!r}, the README says {comment!r}"
+        )
+
+
+def test_readme_prints_claims_that_are_checked() -> None:
+    """The claims the test above checks are there (a README rewrite could lose them all)."""
+    claims = [
+        c for block in PROGRAMS if not block.marker for c in printed_claims(block.code).values()
+    ]
+    assert len(claims) >= 10
+
+
+@pytest.mark.parametrize(
+    ("comment", "output", "expected"),
+    [
+        ("3 3: warmup and capture count nothing", "3 3", True),
+        ("8 () 99328: 4 sets, not 8", "8 () 32768", False),
+        ("(1, 1, -1, ...): 1F1B", "(1, 1, -1, 1, -1, -1)", True),
+        ("Linear: a forward is ...", "Linear: a forward is out of order", True),
+        (
+            "['x']: expected float32[2], got float32[3]",
+            "['x']: expected float32[2], got float32[3]",
+            True,
+        ),
+        ("['x']: expected float32[2]: the why", "['x']: expected float32[2]", True),
+        ("['x']: expected float32[2], got float32[3]", "['x']: got float32[3]", False),
+        ("T((...))", "T((a, b))", True),
+    ],
+)
+def test_shows_reads_a_comment_as_output_and_why(comment: str, output: str, expected: bool) -> None:
+    assert shows(comment, output) is expected
+
+
+def _output_blocks() -> list[tuple[Block, Block]]:
+    """Each Python block of the README followed by ``Its output ...:`` and a ```text block."""
+    blocks = read_blocks(README.read_text())
+    lines = README.read_text().splitlines()
+    pairs = []
+    for block, following in itertools.pairwise(blocks):
+        between = lines[block.line : following.line - 1]
+        if (block.language, following.language) == ("python", "text") and any(
+            line.startswith("Its output") for line in between
+        ):
+            pairs.append((block, following))
+    return pairs
+
+
+OUTPUT_BLOCKS = _output_blocks()
+
+
+@pytest.mark.parametrize(
+    ("block", "output"), OUTPUT_BLOCKS, ids=[block.name for block, _ in OUTPUT_BLOCKS]
+)
+def test_readme_output_block_is_what_the_program_prints(block: Block, output: Block) -> None:
+    filename = f"{block.section.split(':')[0].strip().lower()}.py"
+    linecache.cache[filename] = (len(block.code), None, block.code.splitlines(True), filename)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            exec(compile(block.code, filename, "exec"), {"__name__": "__readme__"})
+    finally:
+        linecache.cache.pop(filename, None)
+    assert captured.getvalue() == output.code
+
+
+def test_readme_has_an_output_block() -> None:
+    assert OUTPUT_BLOCKS
 
 
 SIGNATURES = [block for block in BLOCKS if block.marker == "signature"]

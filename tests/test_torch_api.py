@@ -7,6 +7,9 @@ and ``eager`` on the CPU, ``cuda`` (real graphs, marked ``cuda``) on a GPU.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -666,3 +669,32 @@ def test_a_pool_that_is_no_pool_handle_is_refused_before_capture(pool: Any) -> N
 def test_the_checking_tools_refuse_what_is_not_callable(check: Any) -> None:
     with pytest.raises(DualgraphError, match=r"^int 3 is not callable"):
         check(3, torch.randn(2, 4))
+
+
+def test_importing_the_adapter_without_torch_says_what_to_install() -> None:
+    # dualgraph.jax and dualgraph.parity said what to install; dualgraph.torch leaked a bare
+    # ModuleNotFoundError
+    code = (
+        "import importlib.abc, sys\n"
+        "class Missing(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "try:\n"
+        "    import dualgraph.torch\n"
+        "except ImportError as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    path = os.pathsep.join([os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == (
+        "ImportError dualgraph.torch needs PyTorch, which did not import (No module named "
+        "'torch'): pip install dualgraph[torch]"
+    )

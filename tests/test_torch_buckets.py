@@ -1068,6 +1068,11 @@ BAD_REQUESTS = {
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 5, dtype=torch.float64),)]},
         r"buckets\[1\]: args\[0\] is float64 on cpu but float32 on cpu in buckets\[0\]",
     ),
+    "requires_grad differs": (  # said "float32 on cpu but float32 on cpu, requiring grad"
+        {"buckets": [(torch.randn(2, 3, requires_grad=True),), (torch.randn(2, 5),)]},
+        r"buckets\[1\]: args\[0\] is float32 on cpu, not requiring grad but float32 on cpu, "
+        r"requiring grad in buckets\[0\]",
+    ),
     "structure differs": (
         {"buckets": [(torch.randn(2, 3),), (torch.randn(2, 5), None)]},
         r"buckets\[1\]: .*buckets differ only in the shapes",

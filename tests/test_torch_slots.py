@@ -501,6 +501,16 @@ def test_diagnostics_count_each_slots_buffers(backend: str) -> None:
         assert one.pool_bytes > 0 and min(pools) > 0 and three.pool_bytes == sum(pools)
 
 
+@pytest.mark.parametrize("layout", [{"slots": 2}, {"schedule": [1, 1, -1, -1]}])
+def test_diagnostics_keep_the_lint_report_and_the_memory_plan(layout: dict[str, Any]) -> None:
+    # the slots' diagnostics were built without them: None, where a plain capture keeps both
+    graphed = _graph(TinyMLP(), "emulate", lint="error", **layout)
+    report = dgt.diagnostics(graphed)
+    assert report.lint is not None and report.lint.callables == ("TinyMLP",)
+    assert report.memory_plan is not None
+    assert [c.name for c in report.memory_plan.callables] == ["TinyMLP"]
+
+
 # -- schedules -----------------------------------------------------------------------------------
 
 

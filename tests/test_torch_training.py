@@ -419,10 +419,33 @@ def test_calls_outside_the_captured_autocast_state_are_rejected(backend: str) ->
         )
     dgt.make_graphed_callables(plain, (torch.randn(4, 8, device=device),), backend=backend)
     x = torch.randn(4, 8, device=device)
-    with pytest.raises(DualgraphError, match="called with autocast state"):
+    with pytest.raises(DualgraphError, match=r"called outside torch\.autocast but captured under"):
         under_autocast(x)
     with _autocast(backend, cache_enabled=False), pytest.raises(DualgraphError, match="autocast"):
         plain(x)
+
+
+def test_an_autocast_refusal_says_in_words_what_the_call_ran_under_and_the_capture() -> None:
+    # it said "called with autocast state () but captured with (False, torch.bfloat16)"
+    module = TinyMLP()
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        dgt.make_graphed_callables(module, (torch.randn(4, 8),), backend="emulate")
+    with pytest.raises(DualgraphError) as error:
+        module(torch.randn(4, 8))
+    assert str(error.value).startswith(
+        "TinyMLP: called outside torch.autocast but captured under "
+        "torch.autocast('cpu', dtype=torch.bfloat16)"
+    )
+    with (
+        torch.autocast("cpu", dtype=torch.float16, cache_enabled=False),
+        pytest.raises(
+            DualgraphError,
+            match=r"called under torch.autocast\('cpu', dtype="
+            r"torch.float16\) but captured under torch.autocast\('cpu', dtype="
+            r"torch.bfloat16\)",
+        ),
+    ):
+        module(torch.randn(4, 8))
 
 
 # -- modules with state besides their parameters -------------------------------------------------

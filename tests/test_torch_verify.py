@@ -284,6 +284,34 @@ def test_a_module_that_would_run_eagerly_is_refused() -> None:
         dgt.verify(graphed, torch.randn(2, 4))
 
 
+@pytest.mark.parametrize("layout", [{"slots": 2}, {"schedule": [1, -1]}])
+def test_a_callable_with_replay_slots_is_verified(layout: dict[str, Any]) -> None:
+    # verify counted replays on a diagnostics() snapshot, which slots do not update: it refused
+    # every slotted callable, blaming a training mode that had not changed.
+    graphed = dgt.make_graphed_callables(
+        Block(),
+        (torch.randn(4, 8, requires_grad=True),),
+        sample_kwargs={"mask": torch.ones(8)},
+        backend="emulate",
+        **layout,
+    )
+    report = dgt.verify(graphed, torch.randn(4, 8, requires_grad=True), mask=torch.ones(8))
+    assert report.ok, str(report)
+    assert "step 2 grad fc.weight" in [c.path for c in report.checks]
+
+
+def test_a_call_that_falls_back_to_eager_is_refused_naming_the_fallback() -> None:
+    graphed = dgt.make_graphed_callables(
+        nn.Linear(4, 4),
+        buckets=[(torch.randn(n, 4, requires_grad=True),) for n in (2, 4)],
+        fallback="eager",
+        backend="emulate",
+    )
+    with pytest.raises(DualgraphError, match=r"2 calls replayed 0 times.*no bucket") as error:
+        dgt.verify(graphed, torch.randn(3, 4))
+    assert "training mode" not in str(error.value)
+
+
 def test_steps_must_be_a_positive_int() -> None:
     graphed, args, _ = graphed_case("hooks")
     with pytest.raises(DualgraphError, match=r"steps must be a positive int, got 0"):

@@ -6,6 +6,16 @@
 (tensor([2., 2.]), None)
 """
 
+from importlib import import_module as _import_module
+
+try:  # a clear message where PyTorch is missing or broken
+    _import_module("torch")
+except ImportError as _error:
+    raise ImportError(
+        f"dualgraph.torch needs PyTorch, which did not import ({_error}): "
+        "pip install dualgraph[torch]"
+    ) from _error
+
 from . import _leaves as _leaves  # registers torch.Tensor with the core
 from ._buckets import BucketDiagnostics, BucketedCallable, BucketedDiagnostics
 from ._diagnostics import CaptureDiagnostics

@@ -32,6 +32,18 @@ def autocast_state() -> tuple[Any, ...]:
     )
 
 
+def show_autocast(state: tuple[Any, ...]) -> str:
+    """An :func:`autocast_state` in words, for messages: ``under torch.autocast('cpu', ...)``."""
+    if not state:
+        return "outside torch.autocast"
+    parts = [
+        f"torch.autocast({device!r}, dtype={dtype})"
+        for device, dtype in zip(("cuda", "cpu"), state, strict=True)
+        if dtype is not False
+    ]
+    return "under " + " and ".join(parts)
+
+
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 

@@ -249,9 +249,10 @@ def _bucket_guards(
         for path, tensor, kind in zip(first.paths, tensors, expected, strict=True):
             found = (tensor.dtype, tensor.device, tensor.requires_grad)
             if found != kind:
+                grad = found[2] != kind[2]  # say it on both sides only where it differs
                 raise DualgraphError(
-                    f"buckets[{i}]: {path} is {_kind(*found)} but {_kind(*kind)} in buckets[0]; "
-                    "buckets differ only in the shapes of their tensors"
+                    f"buckets[{i}]: {path} is {_kind(*found, grad)} but {_kind(*kind, grad)} in "
+                    "buckets[0]; buckets differ only in the shapes of their tensors"
                 )
     return guards, expected
 
@@ -268,9 +269,10 @@ def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
     return None
 
 
-def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool) -> str:
-    grad = ", requiring grad" if requires_grad else ""
-    return f"{dtype_name(dtype)} on {device}{grad}"
+def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool, grad: bool) -> str:
+    if not grad:
+        return f"{dtype_name(dtype)} on {device}"
+    return f"{dtype_name(dtype)} on {device}, {'' if requires_grad else 'not '}requiring grad"
 
 
 def _show_shapes(paths: Sequence[str], shapes: Sequence[Sequence[int]]) -> str:

@@ -23,13 +23,15 @@ class CaptureDiagnostics:
     backwards that handed the parameter grads to autograd (every one with
     ``param_grads="autograd"``; with ``"auto"``, those where something needed it, e.g. a
     parameter hook or DDP) instead of adding them into ``.grad`` in a graph. ``lint`` holds the
-    capture lint's findings (``None`` with ``lint="off"`` and on the ``"eager"`` backend) and
-    ``memory_plan`` the memory plan of the callables captured together, with the measured pool
-    beside it on the GPU. With several replay slots (``slots=`` or
-    ``schedule=``), the bytes count every buffer once, ``pool_bytes`` sums the slots' own pools
-    (or is the schedule's shared pool), ``slots`` is their number, ``in_flight`` the slots
-    whose backward is pending, and ``reused_buffer_bytes`` what slots share instead of each
-    holding a copy (static inputs and grad outputs of micro-batches never in flight together).
+    capture lint's findings (``None`` with ``lint="off"``, on the ``"eager"`` backend, and on
+    ``"cuda"`` under the default ``lint="auto"``) and ``memory_plan`` the memory plan of the
+    callables captured together, with the measured pool beside it on the GPU (``None`` where
+    the warmup ran unwatched: on ``"eager"``, and on ``"cuda"`` under ``lint="auto"``). With
+    several replay slots (``slots=`` or ``schedule=``), the bytes count every buffer once,
+    ``pool_bytes`` sums the slots' own pools (or is the schedule's shared pool), ``slots`` is
+    their number, ``in_flight`` the slots whose backward is pending, and
+    ``reused_buffer_bytes`` what slots share instead of each holding a copy (the static
+    inputs, outputs and grads of micro-batches never in flight together).
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0

@@ -227,7 +227,8 @@ def make_graphed_callables(
             carries the findings: pass it on ``"cuda"`` to learn why a capture fails);
             ``"off"`` skips the lint.
             The findings and the memory plan are in ``diagnostics(graphed).lint`` and
-            ``.memory_plan``.
+            ``.memory_plan`` (``None`` on ``"cuda"`` under ``"auto"``: nothing watched the
+            warmup; ``"off"`` still makes the plan).
         slots: replay slots per callable: up to ``slots`` replays in flight (forward run,
             backward pending), each in its own slot, with its own buffers and graphs captured
             into a memory pool of its own, so that they replay in any order; a backward finds

@@ -22,7 +22,7 @@ from ._params import GRAPHED_STATE
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
-__all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of"]
+__all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of", "training_at_capture"]
 
 _STATE = GRAPHED_STATE
 
@@ -110,6 +110,12 @@ def eager_forward(module: torch.nn.Module) -> Any:
 def is_graphed(module: torch.nn.Module) -> bool:
     """Whether ``module`` is graphed (a copy of a graphed module is not)."""
     return type(module.__dict__.get(_STATE)) is _Graphed
+
+
+def training_at_capture(module: torch.nn.Module) -> bool | None:
+    """The ``training`` mode a graphed module replays in (``None``: not graphed)."""
+    state = module.__dict__.get(_STATE)
+    return state.training if type(state) is _Graphed else None
 
 
 def restore(module: torch.nn.Module, /) -> torch.nn.Module:

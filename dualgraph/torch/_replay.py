@@ -33,7 +33,7 @@ import torch.autograd.graph as _autograd_graph
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._ambient import autocast_state, autograd_records, numerics_difference
+from ._ambient import autocast_state, autograd_records, numerics_difference, show_autocast
 from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_state as _numerics_state
 from ._diagnostics import CaptureDiagnostics
@@ -514,11 +514,17 @@ class GraphedCallable:
         return tuple(map(_detach, self._static_outputs))
 
     def _check_ambient_state(self, grad_enabled: bool = True) -> None:
-        if self._autocast:
-            if autocast_state() != self._autocast:
-                raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
-        elif _is_any_autocast_enabled():
-            raise self._ambient_mismatch("autocast state", autocast_state(), self._autocast)
+        if (autocast_state() != self._autocast) if self._autocast else _is_any_autocast_enabled():
+            now = autocast_state()
+            called = (
+                "under torch.autocast of another device"
+                if not now and _is_any_autocast_enabled()
+                else show_autocast(now)
+            )
+            raise DualgraphError(
+                f"{self.name}: called {called} but captured {show_autocast(self._autocast)}; a "
+                "graph replays the precision it was captured in"
+            )
         if self._ddp_check and (self._ddp_seen or _ddp_is_running()):
             # A forward that records no grad (evaluation under DDP) gives DDP nothing to
             # all-reduce. Once one ran inside DDP's forward, DDP manages the parameters: a
@@ -550,12 +556,6 @@ class GraphedCallable:
                     "tangent (a replay without grad dropped it: the output had none); pass its "
                     "primal, or run this callable eagerly (dualgraph.torch.restore)"
                 )
-
-    def _ambient_mismatch(self, what: str, now: Any, captured: Any) -> DualgraphError:
-        return DualgraphError(
-            f"{self.name}: called with {what} {now} but captured with {captured}; a graph "
-            "replays the precision it was captured in"
-        )
 
     def _check_mutated_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse, before any buffer is written, what the copy back of an update cannot do as

@@ -21,7 +21,7 @@ activations occupy at other times. Two layouts make that so by construction:
   where it was captured, so memory the pool reuses between graphs is reused in replay as it was
   in capture. Memory then follows the schedule as eager's does: the activations of the
   micro-batches in flight, not of all of them. Micro-batches never in flight together share
-  static input and grad-output buffers (:attr:`CaptureDiagnostics.reused_buffer_bytes`).
+  static buffers: inputs, outputs and grads (:attr:`CaptureDiagnostics.reused_buffer_bytes`).
 
 Why not fewer graphs in one pool: with ``k`` slots reused across more micro-batches, the
 first forward captured had no other slot in flight, so its temporaries may sit where another
@@ -242,6 +242,9 @@ class SlottedCallable:
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
             param_grads_through_autograd=sum(p.param_grads_through_autograd for p in parts),
+            # the lint and the memory plan ran once per callable, in its first slot's capture
+            lint=next((p.lint for p in parts if p.lint is not None), None),
+            memory_plan=next((p.memory_plan for p in parts if p.memory_plan is not None), None),
             slots=len(self._replays),
             in_flight=self.in_flight,
             reused_buffer_bytes=reused,

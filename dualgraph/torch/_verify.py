@@ -69,7 +69,7 @@ from ._graphed import diagnostics
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
-from ._modules import runner_of
+from ._modules import runner_of, training_at_capture
 from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
@@ -209,7 +209,8 @@ def verify(
     its own code names from its closure or its globals (:func:`closed_over_tensors`), compared
     and put back as buffers are. See the module docstring for tolerances and RNG.
     Raises :class:`~dualgraph.DualgraphError` when the graphed call would not replay (a module
-    whose ``training`` mode differs from capture time runs eagerly).
+    whose ``training`` mode differs from capture time runs eagerly, as does a call of shapes no
+    bucket takes under ``fallback="eager"``).
 
     >>> import torch, dualgraph.torch as dgt
     >>> double = dgt.make_graphed_callables(
@@ -245,9 +246,8 @@ def verify(
             replayed = diagnostics(graphed).replays - replays
             if replayed != steps:
                 raise DualgraphError(
-                    f"{info.name}: {steps} calls replayed {replayed} times; a "
-                    "graphed module whose training mode differs from capture time runs eagerly, "
-                    "so there is nothing to verify (set .train()/.eval() as at capture)"
+                    f"{info.name}: {steps} calls replayed {replayed} times, so there is nothing "
+                    f"to verify: {_why_eager(graphed)}"
                 )
             _restore(params, buffers, state)
             fp8.put_back()
@@ -260,6 +260,20 @@ def verify(
     for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
         checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
     return VerifyReport(info.name, info.backend, steps, tuple(checks))
+
+
+def _why_eager(graphed: Any) -> str:
+    """Why calls of ``graphed`` ran eagerly instead of replaying."""
+    captured = training_at_capture(graphed) if isinstance(graphed, torch.nn.Module) else None
+    if captured is not None and captured != graphed.training:
+        return (
+            "a graphed module whose training mode differs from capture time runs eagerly "
+            "(set .train()/.eval() as at capture)"
+        )
+    return (
+        'with fallback="eager", a call of shapes no bucket takes runs eagerly (pass inputs '
+        "of a bucket's shapes)"
+    )
 
 
 # -- one side ------------------------------------------------------------------------------------
