@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from entry_points import ENTRY_POINTS, Decays, batch, call_length, graphed_on
+from entry_points import ENTRY_POINTS, WITH_PARAMETERS, Decays, batch, call_length, graphed_on
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch_cases import (
@@ -1063,6 +1063,38 @@ def test_inference_mode_records_no_history_even_with_grad_enabled_on_every_entry
         out, expected = graphed(x), twin(x)
     assert (out.requires_grad, out.grad_fn) == (expected.requires_grad, expected.grad_fn)
     assert_tensors_match(out, expected, "output", tolerance("emulate"))
+
+
+#: A length whose call replays another graph than a call of ``call_length(entry)`` does (another
+#: shape bucket); with slots, the call made while the first is in flight takes the other slot.
+OTHER_LENGTH = {"buckets": 5, "pad": 3}
+
+
+@pytest.mark.parametrize("entry", [e for e in WITH_PARAMETERS if e != "schedule"])
+def test_in_graph_refuses_a_grad_forward_after_any_forward_ran_inside_ddp_on_every_entry_point(
+    entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each shape bucket and each slot kept its own mark: once an evaluation under DDP had run in
+    # one bucket (or slot), a forward with grad outside DDP's forward (a reentrant checkpoint's
+    # recompute) replayed in another was not refused, and its grads bypassed DDP's all-reduce.
+    # (A schedule refuses a forward without grad on its own.)
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads="in_graph")
+    length = call_length(entry)
+    in_flight = graphed(batch(length))
+    if entry != "slots":  # one replay in flight at a time
+        backward_of(in_flight)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    with monkeypatch.context() as inside:  # what DDP's forward sets while it runs
+        inside.setattr(ddp, "_active_ddp_module", module, raising=False)
+        with torch.no_grad():
+            graphed(batch(OTHER_LENGTH.get(entry, length)))
+    if entry == "slots":
+        backward_of(in_flight)
+    kept = [p.grad.clone() for p in module.parameters()]
+    with pytest.raises(DualgraphError, match="param_grads='autograd' to train under DDP"):
+        graphed(batch(length))
+    assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)

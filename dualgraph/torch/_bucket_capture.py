@@ -171,8 +171,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
             GraphedCallable(plan, lock=request.shared_lock, other_uses=eager_graphs)
             for plan in plans
         ]
-        for runner in runners:
-            runner.recount_holders()  # every sibling that shares the accumulators exists now
+        GraphedCallable.join(runners)
         for diag, plan, growth in zip(diagnostics, plans, pool_bytes, strict=True):
             diag.static_input_bytes = plan.diagnostics.static_input_bytes
             diag.static_output_bytes = plan.diagnostics.static_output_bytes

@@ -88,6 +88,19 @@ class _RefusedBeforeReplay(DualgraphError):
     """A backward refused before any graph replayed or any ``.grad`` was added to."""
 
 
+class _RanInsideDdp:
+    """Whether a forward of one graphed callable ran inside DDP's forward ("in_graph").
+
+    One for every replay of the callable (its shape buckets, its slots): DDP manages the
+    parameters they share, whichever graph the forward replayed.
+    """
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
 class GraphedCallable:
     """A captured callable; calling it replays (see the module docstring).
 
@@ -109,8 +122,8 @@ class GraphedCallable:
         "_backward_checks",
         "_backward_generation",
         "_clone_outputs",
+        "_ddp",
         "_ddp_check",
-        "_ddp_seen",
         "_edge_nones",
         "_edges",
         "_emulated",
@@ -287,7 +300,7 @@ class GraphedCallable:
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
-        self._ddp_seen = False  # "in_graph": a forward ran inside DDP's forward (see below)
+        self._ddp = _RanInsideDdp()  # shared by the callable's replays: see join
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._ddp_check
         self._pool = pool
@@ -401,13 +414,19 @@ class GraphedCallable:
         """The static outputs its callers get views of (none with ``clone_outputs=True``)."""
         return () if self._clone_outputs else self._static_outputs
 
-    def recount_holders(self) -> None:
-        """Take the present holders of the in-graph accumulators as their owners.
+    @staticmethod
+    def join(replays: Sequence[GraphedCallable]) -> None:
+        """Make ``replays`` (one callable's shape buckets, or its slots) one callable to the
+        checks that span calls, once all of them are built.
 
-        For callables that share accumulators (shape buckets), once all of them are built; a
-        holder beyond these (a ``.grad`` kept after ``zero_grad(set_to_none=True)``) then counts.
+        They share their in-graph accumulators, whose present holders each takes as their
+        owners (a holder beyond these, a ``.grad`` kept after ``zero_grad(set_to_none=True)``,
+        then counts), and whether a forward ran inside DDP's.
         """
-        self._holder_baseline = self._holder_counts()
+        ddp = replays[0]._ddp
+        for replay in replays:
+            replay._holder_baseline = replay._holder_counts()
+            replay._ddp = ddp
 
     def __repr__(self) -> str:
         return (
@@ -525,12 +544,12 @@ class GraphedCallable:
                 f"{self.name}: called {called} but captured {show_autocast(self._autocast)}; a "
                 "graph replays the precision it was captured in"
             )
-        if self._ddp_check and (self._ddp_seen or _ddp_is_running()):
+        if self._ddp_check and (self._ddp.seen or _ddp_is_running()):
             # A forward that records no grad (evaluation under DDP) gives DDP nothing to
             # all-reduce. Once one ran inside DDP's forward, DDP manages the parameters: a
             # forward with grad outside it is refused too (reentrant checkpointing runs the
             # callable again in the backward, where DDP's forward is over).
-            self._ddp_seen = True
+            self._ddp.seen = True
             if grad_enabled:
                 raise DualgraphError(
                     f"{self.name}: captured with param_grads='in_graph', whose parameter grads "

@@ -516,8 +516,7 @@ def capture_slotted(
         plans = capture_copies(requests, options, SlotLayout(slots))
         fronts = [_build(group, FreeSlots()) for group in plans]
     for front in fronts:
-        for replay in front._replays:
-            replay.recount_holders()  # the slots share in-graph accumulators: all exist now
+        GraphedCallable.join(front._replays)
     return fronts
 
 
