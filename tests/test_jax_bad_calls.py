@@ -272,3 +272,8 @@ for entry in ("call", "vjp"):
         "vjp kwargs['extra'][0]['m'] False",
         "vjp then (2, 4) True",
     ]
+
+
+def test_compiler_options_that_are_not_a_mapping_are_refused() -> None:
+    with pytest.raises(DualgraphError, match="compiler_options must be a mapping"):
+        dgj.GraphedCallable(lambda x: x, (jnp.ones(2),), compiler_options=["xla_foo"])  # type: ignore[arg-type]

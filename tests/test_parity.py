@@ -1055,3 +1055,23 @@ def test_parity_uses_only_the_public_names_of_the_adapters() -> None:
                 if parts[0] in ("jax", "torch") and node.level == 2 and len(parts) > 1:
                     private.append(f"{source.name}: from ..{node.module}")
     assert private == []
+
+
+def test_bfloat16_outputs_are_rounded_as_the_jax_program_says_like_torch() -> None:
+    # XLA keeps bfloat16 intermediates in float32 unless told otherwise; torch rounds each op
+    x = np.array([1.1, 1.3, 1.7, 2.9], np.float32)
+    report = compare(
+        lambda a: ((a.to(torch.bfloat16) * 3).float(),),
+        lambda a: ((a.astype(jnp.bfloat16) * 3).astype(jnp.float32),),
+        (x,),
+        grads=False,
+    )
+    assert report.ok, report
+
+
+def test_bfloat16_gradients_are_rounded_as_the_jax_program_says_like_torch() -> None:
+    x = np.ones(3, np.float32)
+    report = compare(
+        lambda a: (a.to(torch.bfloat16) * 3,), lambda a: (a.astype(jnp.bfloat16) * 3,), (x,)
+    )
+    assert report.ok, report

@@ -122,6 +122,8 @@ class GraphedCallable:
     Attributes (named as on ``dualgraph.torch``'s graphed callables): ``name``, ``fn``,
     ``call_spec`` (the inputs: a :class:`~dualgraph.CallSpec`), ``out_spec`` (the outputs, with
     the grad mask :meth:`vjp` uses), ``donate_argnums`` and :attr:`compiled` (the forward).
+    Constructed directly, it also takes ``compiler_options``: XLA options every program (the
+    VJP's too) is compiled with, as ``jax.stages.Lowered.compile`` takes them.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class GraphedCallable:
         donate_argnums: Any = (),
         out_spec: TreeSpec | str | None = None,
         lazy: bool = False,
+        compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not callable(fn):
             raise DualgraphError(f"graphed: {fn!r} is not callable")
@@ -171,6 +174,12 @@ class GraphedCallable:
         refuse_narrowed_inputs(self.name, self._paths, self.call_spec.arrays)
         self.donate_argnums = donated_argnums(donate_argnums, self.call_spec.args_spec, len(args))
         self._donated = donated_leaves(self.call_spec.args_spec, self.donate_argnums)
+        if compiler_options is not None and not isinstance(compiler_options, Mapping):
+            raise DualgraphError(
+                f"graphed({self.name}): compiler_options must be a mapping of XLA option names "
+                f"to values, got {clip(compiler_options)}"
+            )
+        self._compiler_options = dict(compiler_options or {})
         self._traced_spec: TreeSpec | None = None
         self._compiled: jax.stages.Compiled | None = None
         self._vjp_program: VJPProgram | None = None
@@ -190,7 +199,7 @@ class GraphedCallable:
             )
             self._lowered = jitted.lower(*structs)
             if not lazy:
-                self._compiled = self._lowered.compile()
+                self._compiled = self._lowered.compile(self._compiler_options)
         traced = self._traced_spec
         assert traced is not None
         _check_returned(self.name, traced, jax.tree_util.tree_leaves(self._lowered.out_info))
@@ -207,7 +216,7 @@ class GraphedCallable:
         """The compiled forward program (``jax.stages.Compiled``)."""
         if self._compiled is None:
             with jax_donation_warnings():  # reported when traced
-                self._compiled = self._lowered.compile()
+                self._compiled = self._lowered.compile(self._compiler_options)
         return self._compiled
 
     # -- traced once ----------------------------------------------------------------------------
@@ -259,6 +268,7 @@ class GraphedCallable:
                     self._donated,
                     self._weak,
                     self._device,
+                    self._compiler_options,
                 )
         outputs, residuals = self._run(program.forward, arrays)
         pullback = Pullback(program, residuals, self._x64, self._settings)

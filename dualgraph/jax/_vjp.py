@@ -39,6 +39,7 @@ class VJPProgram:
         donated: Sequence[int],
         weak_types: Sequence[bool],
         device: Any,
+        compiler_options: dict[str, Any],
     ) -> None:
         self.name = name
         self.device = device  # compiled for it (the caller's context makes it JAX's default)
@@ -76,10 +77,11 @@ class VJPProgram:
         with jax_donation_warnings():  # reported once already, by the plain forward's compile
             jitted = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
             lowered = jitted.lower(*structs)
-            self.forward = lowered.compile()
+            self.forward = lowered.compile(compiler_options)
         cotangent_structs = [struct_of(leaf) for leaf in self.cotangent_spec.arrays]
         residual_structs = lowered.out_info[1]
-        self.backward = jax.jit(backward).lower(residual_structs, cotangent_structs).compile()
+        backward_lowered = jax.jit(backward).lower(residual_structs, cotangent_structs)
+        self.backward = backward_lowered.compile(compiler_options)
 
 
 class Pullback:

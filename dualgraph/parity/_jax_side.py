@@ -13,7 +13,11 @@ import torch
 from ..jax import GraphedCallable, Pullback
 from ._bridge import as_jax, copied
 
-__all__ = ["JaxRun", "reference_settings", "run_jax"]
+__all__ = ["AS_WRITTEN", "JaxRun", "reference_settings", "run_jax"]
+
+# XLA computes bfloat16 and float16 intermediates in float32 and skips their rounding unless
+# told otherwise; PyTorch rounds each op's result, so the reference must too (a plain function).
+AS_WRITTEN = {"xla_allow_excess_precision": False}
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,8 @@ def run_jax(
 ) -> JaxRun:
     """Run ``jax_fn`` on the same inputs as torch (``params`` first, when given).
 
-    A plain function is compiled here; run it inside :func:`reference_settings`. Inputs shared
+    A plain function is compiled here, every low-precision intermediate rounded as the program
+    says (:data:`AS_WRITTEN`); run it inside :func:`reference_settings`. Inputs shared
     with torch through DLPack are copied first if the program donates them.
     """
     args, kwargs = unflatten([as_jax(t) for t in tensors])
@@ -44,7 +49,9 @@ def run_jax(
     if isinstance(jax_fn, GraphedCallable):
         program = jax_fn
     else:
-        program = GraphedCallable(jax_fn, args, sample_kwargs=kwargs, lazy=True)
+        program = GraphedCallable(
+            jax_fn, args, sample_kwargs=kwargs, lazy=True, compiler_options=AS_WRITTEN
+        )
     if program.donate_argnums:  # donation would consume arrays that share torch's memory
         args, kwargs = copied((args, kwargs))
     if grads:

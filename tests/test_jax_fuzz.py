@@ -1,0 +1,161 @@
+"""Differential fuzzing: a graphed function, its outputs and its VJP against the function run
+eagerly and :func:`jax.vjp`, over random input trees and random output trees (bounded, seeded)."""
+
+from __future__ import annotations
+
+import collections
+import random
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dualgraph.jax as dgj
+
+Pair = collections.namedtuple("Pair", "a b")
+DTYPES = [np.float32, np.int32, np.bool_, jnp.bfloat16]
+SHAPES = [(), (0,), (3,), (2, 2), (0, 3)]
+OUTPUTS = ["none", "const", "leaf", "op", "same", "sum"]
+fuzzed = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _array(r: random.Random) -> jax.Array:
+    dtype, shape = r.choice(DTYPES), r.choice(SHAPES)
+    values = np.random.default_rng(r.randrange(1 << 30)).uniform(-2, 2, size=shape)
+    return jnp.asarray(values.astype(dtype))
+
+
+def _tree(r: random.Random, depth: int = 0) -> Any:
+    kind = r.randrange(9 if depth < 2 else 5)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return r.choice([1, 2.5, "s", True, -0.0])
+    if kind <= 4:
+        return _array(r)
+    if kind == 5:
+        return tuple(_tree(r, depth + 1) for _ in range(r.randrange(3)))
+    if kind == 6:
+        return {f"k{i}": _tree(r, depth + 1) for i in r.sample(range(5), r.randrange(3))}
+    if kind == 7:
+        return [_tree(r, depth + 1) for _ in range(r.randrange(3))]
+    return Pair(_tree(r, depth + 1), _tree(r, depth + 1))
+
+
+def _arrays(tree: Any) -> list[Any]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
+def _function(r: random.Random, n_arrays: int) -> Any:
+    recipe = [(r.choice(OUTPUTS), r.randrange(max(n_arrays, 1))) for _ in range(r.randrange(5))]
+    as_tuple = r.random() < 0.5
+
+    def fn(*args: Any) -> Any:
+        xs = _arrays(args)
+        out: list[Any] = []
+        for kind, i in recipe:
+            if kind == "none" or not xs:
+                out.append(None)
+            elif kind == "const":
+                out.append(3)
+            elif kind == "leaf":  # an input passed through
+                out.append(xs[i])
+            elif kind == "op":
+                out.append(~xs[i] if xs[i].dtype == jnp.bool_ else xs[i] * 2 + 1)
+            elif kind == "same":  # the same array twice
+                y = xs[i] if xs[i].dtype == jnp.bool_ else xs[i] + 0
+                out.append({"a": y, "b": y})
+            else:
+                out.append(jnp.sum(xs[i].astype(jnp.float32)) * 1.5)
+        return tuple(out) if as_tuple else out
+
+    return fn
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    assert jax.tree_util.tree_structure(got, is_leaf=_is_none) == jax.tree_util.tree_structure(
+        want, is_leaf=_is_none
+    )
+    for x, y in zip(
+        jax.tree_util.tree_leaves(got, is_leaf=_is_none),
+        jax.tree_util.tree_leaves(want, is_leaf=_is_none),
+        strict=True,
+    ):
+        assert type(x) is type(y), (x, y)
+        if isinstance(y, jax.Array):
+            assert (x.dtype, x.shape, x.weak_type) == (y.dtype, y.shape, y.weak_type), (x, y)
+            bits = (
+                np.asarray(x).reshape(-1).view(np.uint8),
+                np.asarray(y).reshape(-1).view(np.uint8),
+            )
+            assert np.array_equal(*bits), (x, y)
+        else:
+            assert x == y or (x != x and y != y), (x, y)
+
+
+@fuzzed
+@given(st.randoms(use_true_random=False))
+def test_graphed_outputs_and_vjp_equal_eager_and_jax_vjp(r: random.Random) -> None:
+    args = tuple(_tree(r) for _ in range(r.randrange(1, 4)))
+    if r.random() < 0.3:
+        args = (*args, r.choice([1.5, 2]))  # a Python scalar: a constant
+    fn = _function(r, len(_arrays(args)))
+    want = fn(*args)
+    g = dgj.graphed(fn, args)
+    _assert_same(g(*args), want)
+    outputs, pullback = g.vjp(*args)
+    _assert_same(outputs, want)
+
+    mask = iter(g.out_spec.grad_mask)
+
+    def cotangent_of(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return None
+        return jnp.ones(x.shape, x.dtype) if next(mask) else None
+
+    cotangent = jax.tree_util.tree_map(cotangent_of, want, is_leaf=_is_none)
+    args_grads, _ = pullback(cotangent)
+
+    flat, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_none)
+    diff = [
+        i
+        for i, x in enumerate(flat)
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    cotangents = [
+        c for c in jax.tree_util.tree_leaves(cotangent, is_leaf=_is_none) if c is not None
+    ]
+
+    def masked(*xs: Any) -> list[Any]:
+        full = list(flat)
+        for i, x in zip(diff, xs, strict=True):
+            full[i] = x
+        out = fn(*jax.tree_util.tree_unflatten(treedef, full))
+        pairs = zip(
+            jax.tree_util.tree_leaves(out, is_leaf=_is_none),
+            jax.tree_util.tree_leaves(cotangent, is_leaf=_is_none),
+            strict=True,
+        )
+        return [x for x, c in pairs if c is not None]
+
+    _, reference = jax.vjp(masked, *[flat[i] for i in diff])
+    expected = iter(reference(cotangents))
+    grads = jax.tree_util.tree_leaves(args_grads, is_leaf=_is_none)
+    assert len(grads) == len(flat)
+    for i, grad in enumerate(grads):
+        if i in diff:
+            _assert_same(grad, next(expected))
+        else:  # integer, bool inputs and constants get None
+            assert grad is None, (i, grad)
