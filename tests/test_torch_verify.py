@@ -260,21 +260,6 @@ def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> Non
     assert [bucket.calls for bucket in dgt.diagnostics(graphed).buckets] == [2, 2]
 
 
-def test_a_slotted_callable_is_verified() -> None:
-    """Its diagnostics are made afresh from the slots' at each read: verify counts the replays
-    in a fresh one (it read its first, so it refused every slotted callable as eager)."""
-    graphed = dgt.make_graphed_callables(
-        Block(),
-        (torch.randn(4, 8, requires_grad=True),),
-        sample_kwargs={"mask": torch.ones(8)},
-        backend="emulate",
-        slots=2,
-    )
-    report = dgt.verify(graphed, torch.randn(4, 8, requires_grad=True), mask=torch.ones(8))
-    assert report.ok, str(report)
-    assert dgt.diagnostics(graphed).replays == 2
-
-
 def test_a_module_that_would_run_eagerly_is_refused() -> None:
     graphed = dgt.make_graphed_callables(
         nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
@@ -298,6 +283,7 @@ def test_a_callable_with_replay_slots_is_verified(layout: dict[str, Any]) -> Non
     report = dgt.verify(graphed, torch.randn(4, 8, requires_grad=True), mask=torch.ones(8))
     assert report.ok, str(report)
     assert "step 2 grad fc.weight" in [c.path for c in report.checks]
+    assert dgt.diagnostics(graphed).replays == 2  # read afresh: counts verify's two calls
 
 
 def test_a_call_that_falls_back_to_eager_is_refused_naming_the_fallback() -> None:
