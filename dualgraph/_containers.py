@@ -457,6 +457,11 @@ class NamedContainer(Container):
         return f"a {class_name(self.cls)}"
 
     def row(self) -> list[Any]:
+        if len(self.name) > MAX_NAME_LENGTH:  # from_row refuses it: what is written must read
+            raise NodeError(
+                f"the class name {clip(self.name, 80)} has {len(self.name)} characters; a spec "
+                f"read from JSON takes at most {MAX_NAME_LENGTH}"
+            )
         if _NAMED.get(self.name) is not self.cls:
             raise NodeError(
                 f"{self.name!r} now names another class in this process (was the class "

@@ -48,9 +48,16 @@ def write_document(kind: str, version: int, trees: dict[str, list[list[Any]]]) -
     """The canonical JSON text: sorted keys, no spaces, ASCII only."""
     document: dict[str, Any] = {"format": kind, "version": version, **trees}
     try:
-        return json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        text = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except ValueError as error:  # e.g. an int beyond this interpreter's str-conversion limit
         raise DualgraphError(f"cannot write the {kind} as JSON: {error}") from None
+    if len(text) > MAX_JSON_CHARS:  # what is written must read back (long str constants, keys)
+        name = kind.rpartition(".")[2]
+        raise DualgraphError(
+            f"cannot write the {kind} as JSON: {len(text)} characters, over the limit of "
+            f"{MAX_JSON_CHARS} that {name}.from_json reads"
+        )
+    return text
 
 
 def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> dict[str, Any]:

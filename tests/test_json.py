@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -202,3 +203,21 @@ def test_a_long_int_is_refused_before_it_is_converted(no_int_digit_limit: None) 
 def test_the_longest_int_a_spec_takes_is_read(no_int_digit_limit: None) -> None:
     largest = -(2**MAX_INT_BITS - 1)
     assert load(document(tree=[["const", "int", largest]])).unflatten([]) == largest
+
+
+def test_a_spec_whose_json_is_over_the_read_limit_is_refused_when_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # to_json wrote a document that from_json then refused: what one writes, the other reads
+    monkeypatch.setattr(json_module, "MAX_JSON_CHARS", 200)
+    spec = describe(("x" * 300, None))
+    with pytest.raises(DualgraphError, match="over the limit of 200 .*TreeSpec.from_json"):
+        spec.to_json()
+
+
+def test_a_class_name_over_the_read_limit_is_refused_when_written() -> None:
+    # a namedtuple of a 1100-character name was written, and its JSON refused when read back
+    cls = collections.namedtuple("P" * 1100, ["x"])  # type: ignore[misc]
+    spec = describe(cls(None))
+    with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: .*1024"):
+        spec.to_json()
