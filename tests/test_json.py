@@ -211,7 +211,7 @@ def test_a_spec_whose_json_is_over_the_read_limit_is_refused_when_written(
     # to_json wrote a document that from_json then refused: what one writes, the other reads
     monkeypatch.setattr(json_module, "MAX_JSON_CHARS", 200)
     spec = describe(("x" * 300, None))
-    with pytest.raises(DualgraphError, match="over the limit of 200 .*TreeSpec.from_json"):
+    with pytest.raises(DualgraphError, match=r"over the limit of 200 .*TreeSpec\.from_json"):
         spec.to_json()
 
 

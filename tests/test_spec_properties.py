@@ -176,3 +176,22 @@ def test_json_is_identical_in_a_fresh_process(hash_seed: str) -> None:
     )
     here = {name: describe(build()).to_json() for name, build in TREES.items()}
     assert json.loads(result.stdout) == here
+
+
+@properties
+@given(trees, st.integers(60, 400))
+def test_what_to_json_writes_from_json_reads_under_any_size_limit(tree: Any, limit: int) -> None:
+    # to_json wrote documents over the limit that from_json then refused
+    from unittest import mock
+
+    from dualgraph import DualgraphError
+    from dualgraph import _json as json_module
+
+    spec = describe(tree)
+    with mock.patch.object(json_module, "MAX_JSON_CHARS", limit):
+        try:
+            text = spec.to_json()
+        except DualgraphError as error:
+            assert f"over the limit of {limit}" in str(error)
+            return
+        assert TreeSpec.from_json(text) == spec
