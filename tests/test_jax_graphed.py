@@ -1090,8 +1090,10 @@ def test_a_vjp_needing_a_closed_over_array_deleted_since_graphing_is_refused(how
 
 def transposed_array() -> jax.Array:
     """A JAX array in another memory layout than a compiled program's (from DLPack of a
-    transposed torch tensor), which jax.jit takes as it is."""
-    return jax.dlpack.from_dlpack(torch.arange(12.0).reshape(3, 4).t())
+    transposed torch tensor), which jax.jit takes as it is; on JAX's default device (a GPU's
+    array from a CPU tensor would be refused as on another device)."""
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    return jax.dlpack.from_dlpack(torch.arange(12.0, device=device).reshape(3, 4).t())
 
 
 @pytest.mark.parametrize("donate", [(), 0], ids=["kept", "donated"])

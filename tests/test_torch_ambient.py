@@ -129,8 +129,8 @@ def test_a_callable_captured_under_a_setting_replays_under_it_as_eager(
             assert out.dtype == expected.dtype
             out.sum().backward()
             expected.sum().backward()
-            assert_tensors_match(out, expected, tolerance(backend))
-            assert_tensors_match(xg.grad, xe.grad, tolerance(backend))
+            assert_tensors_match(out, expected, "output", tolerance(backend))
+            assert_tensors_match(xg.grad, xe.grad, "input grad", tolerance(backend))
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)

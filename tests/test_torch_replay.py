@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from typing import Any
 
 import pytest
@@ -1200,3 +1201,37 @@ def test_a_replay_hook_failing_before_the_backward_leaves_it_pending_for_a_retry
         parameter_names(layer),
         tolerance(backend),
     )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_batched_backward_on_the_engines_device_thread_is_refused(
+    backend: str, param_grads: str
+) -> None:
+    # On CUDA the engine runs a replay's backward on the device's own thread, where the caller's
+    # vmap level (is_grads_batched=True) reads as none: the batched grads themselves must tell.
+    # Here the node's backward is called from a thread without a vmap level, with such a grad.
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device)
+    dgt.make_graphed_callables(
+        layer,
+        (torch.randn(2, 4, device=device, requires_grad=True),),
+        backend=backend,
+        param_grads=param_grads,
+    )
+    out = layer(torch.randn(2, 4, device=device, requires_grad=True))
+    static = [t.clone() for t in runner_of(layer).plan.buffers.grad_outputs]
+    raised: list[BaseException] = []
+
+    def backward_elsewhere() -> None:
+        batched = torch._add_batch_dim(torch.randn(5, 2, 3, device=device), 0, 1)
+        try:
+            out.grad_fn.apply(batched)
+        except BaseException as error:  # handed to the test's thread
+            raised.append(error)
+
+    worker = threading.Thread(target=backward_elsewhere)
+    worker.start()
+    worker.join()
+    assert len(raised) == 1 and isinstance(raised[0], DualgraphError), raised
+    assert "is_grads_batched" in str(raised[0])
+    assert all(map(torch.equal, runner_of(layer).plan.buffers.grad_outputs, static))

@@ -275,6 +275,8 @@ def assert_tensors_match(
     tolerance: tuple[float, float] | None = None,
 ) -> None:
     """Bit for bit (``tolerance=None``) or within ``(atol, rtol)``; ``None`` matches ``None``."""
+    # a tolerance passed where the name goes would silently make the comparison bit for bit
+    assert isinstance(where, str), f"where must name the tensors, got {where!r}"
     if expected is None or actual is None:
         assert actual is None and expected is None, f"{where}: {actual!r} vs {expected!r}"
         return

@@ -26,12 +26,25 @@ _enter_vmap = torch._C._vmapmode_increment_nesting
 _leave_vmap = torch._C._vmapmode_decrement_nesting
 
 
-def _batched() -> bool:
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_is_functorch_batched = torch._C._functorch.is_batchedtensor
+
+
+def _batched(grads: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
-    whose level only entering one more tells), or a ``torch.func`` transform."""
+    whose level only entering one more tells), or a ``torch.func`` transform.
+
+    Both levels are the calling thread's: where the engine runs the backward on a device's own
+    thread (CUDA), they read as none, so the grads themselves are asked too (batched tensors).
+    """
     level = _enter_vmap()
     _leave_vmap()
-    return level > 1 or _are_functorch_transforms_active()
+    if level > 1 or _are_functorch_transforms_active():
+        return True
+    for grad in grads:
+        if grad is not None and (_is_legacy_batched(grad) or _is_functorch_batched(grad)):
+            return True
+    return False
 
 
 _version = operator.attrgetter("_version")
@@ -67,7 +80,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if _batched():
+        if _batched(grads):
             raise DualgraphError(
                 f"{ctx.graphed.name}: a batched backward (torch.autograd.grad(..., "
                 "is_grads_batched=True) or a torch.func transform) cannot be replayed: a graph "
