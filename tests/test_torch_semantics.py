@@ -1648,6 +1648,35 @@ def test_in_graph_grads_refuse_parameter_hooks_registered_after_capture(
     assert layer.bias.grad is None
 
 
+def _accumulate_grad_node(param: torch.Tensor) -> Any:
+    """A parameter's ``AccumulateGrad`` node, found as Megatron-LM's DDP finds it."""
+    return param.expand_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("hook", ["prehook", "hook"])
+def test_in_graph_grads_refuse_hooks_on_a_parameters_accumulate_grad_node(
+    backend: str, hook: str
+) -> None:
+    # The parameters are no inputs of the replay's node: their AccumulateGrad nodes never run.
+    layer, _ = _in_graph_pair(backend)
+    backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    grads = grads_of(parameters_of(layer))
+    node = _accumulate_grad_node(layer.bias)  # held, as Megatron-LM holds it
+    if hook == "prehook":
+        handle = node.register_prehook(lambda grads: None)
+    else:
+        handle = node.register_hook(lambda grads_in, grads_out: None)
+    with pytest.raises(DualgraphError) as info:
+        backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    assert str(info.value).startswith("Linear: Linear.bias's AccumulateGrad node has a hook")
+    assert_grads_match(grads_of(parameters_of(layer)), grads, ["weight", "bias"], None)
+    handle.remove()  # a node kept without hooks is no reason to refuse, and neither is none
+    backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    del node
+    backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+
+
 # -- param_grads="auto": the path each backward takes -------------------------------------------
 
 
@@ -1799,6 +1828,52 @@ def test_auto_runs_parameter_hooks_registered_after_capture(backend: str, hook: 
     backward_of(twin(x))
     _assert_same_grads(mlp, twin, backend)
     assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_hands_hooks_on_a_parameters_accumulate_grad_node_the_grads(backend: str) -> None:
+    # Megatron-LM's DDP: a pre-hook on the node reads (and may change) the grad coming in,
+    # and the node's post hook runs after it is added.
+    mlp, twin = _auto_pair(backend)
+    backward_of(mlp(torch.randn(4, 8, device=device_of(backend))))  # in graph before the hooks
+    calls: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
+    nodes = []
+    for module, seen in ((mlp, calls["graphed"]), (twin, calls["eager"])):
+        node = _accumulate_grad_node(module.fc1.weight)
+        node.register_prehook(lambda grads, seen=seen: (seen.append(grads[0].clone()), None)[1])
+        node.register_hook(lambda grads_in, grads_out, seen=seen: seen.append(grads_out[0] * 1))
+        nodes.append(node)
+    twin.load_state_dict(mlp.state_dict())
+    for module in (mlp, twin):
+        module.zero_grad()
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        backward_of(mlp(x))
+        backward_of(twin(x))
+        _assert_same_grads(mlp, twin, backend)
+    assert len(calls["graphed"]) == len(calls["eager"]) == 4
+    names = [f"hook call {i}" for i in range(4)]
+    assert_grads_match(calls["graphed"], calls["eager"], names, tolerance(backend))
+    assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_steps_an_optimizer_applied_in_backward_after_capture(backend: str) -> None:
+    with warnings.catch_warnings():  # the package imports scripted optimizers (deprecated)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+    mlp, twin = _auto_pair(backend)
+    for module in (mlp, twin):
+        _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        backward_of(mlp(x))
+        backward_of(twin(x))
+        for name, param, eager in zip(
+            parameter_names(mlp), mlp.parameters(), twin.parameters(), strict=True
+        ):
+            assert_tensors_match(param.detach(), eager.detach(), name, tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

@@ -48,6 +48,7 @@ from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
+from ._node_hooks import HeldNodes
 from ._params import requires_grad_changed
 from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
@@ -133,6 +134,7 @@ class GraphedCallable:
         "_graph_grads",
         "_graph_grads_places",
         "_has_backward",
+        "_held_nodes",
         "_holder_baseline",
         "_holder_probes",
         "_hooks",
@@ -147,6 +149,8 @@ class GraphedCallable:
         "_module_tensors",
         "_mutated",
         "_names_of",
+        "_node_hooked",
+        "_nodes_watched",
         "_nondiff_outputs",
         "_numerics",
         "_other_uses",
@@ -300,6 +304,14 @@ class GraphedCallable:
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
+        # A parameter's AccumulateGrad node kept by someone at a forward, who may have hooked it
+        # (_node_hooks.py): "auto" then hands the grads to autograd, which runs the node with
+        # them; "in_graph", which never runs it, refuses one with a hook at the backward.
+        self._held_nodes = (
+            HeldNodes(params.params, params.names) if self._auto or self._plan_params else None
+        )
+        self._nodes_watched = False  # "auto": this forward found a node kept
+        self._node_hooked: str | None = None  # "in_graph": a hooked node's parameter, by name
         self._ddp = _RanInsideDdp()  # shared by the callable's replays: see join
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._ddp_check
@@ -484,6 +496,13 @@ class GraphedCallable:
                 )
             self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
+                held = self._held_nodes
+                if held is not None:  # one pass over the parameters' reference counts
+                    if held.unchanged():
+                        self._nodes_watched = False
+                        self._node_hooked = None
+                    else:
+                        self._nodes_watched = self._nodes_held(held)
                 # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
                 # wrappers (of the inputs here; parameters never are) on the way.
                 outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
@@ -503,6 +522,15 @@ class GraphedCallable:
             return result
         finally:
             self._lock.release()
+
+    def _nodes_held(self, held: HeldNodes) -> bool:
+        """Whether a parameter's ``AccumulateGrad`` node is kept by someone ("auto": then the
+        grads go through autograd, which runs the node as eager does), and, for "in_graph",
+        which parameter's has a hook (refused at the backward, before ``.grad`` is touched)."""
+        if self._plan_params:
+            self._node_hooked = held.hooked()
+            return False
+        return bool(held.held())
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
         """Copy the inputs in, replay the forward, hand back the static outputs (grad mode off)."""
@@ -1029,6 +1057,14 @@ class GraphedCallable:
             )
         # One pass over the parameters: still trainable, and no hook that in-graph grads would
         # skip (an empty hook dict, left by a removed hook, is looked at on the slow path).
+        if self._node_hooked is not None:
+            raise DualgraphError(
+                f"{self.name}: {self._node_hooked}'s AccumulateGrad node has a hook (put on the "
+                "node itself, as Megatron-LM's DDP and _apply_optimizer_in_backward do), which "
+                "param_grads='in_graph' would never run: the backward graph adds the grad into "
+                ".grad itself (nothing was changed). Capture with param_grads='auto' or "
+                "'autograd' to use it"
+            )
         if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:
             for param, name in zip(self._plan_params, self.plan.params.names, strict=True):
                 if not param.requires_grad:

@@ -49,8 +49,9 @@ class _Replay(torch.autograd.Function):
         ctx.inputs = inputs
         ctx.generation = graphed._generation
         # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
-        # over by the backward, so it is asked now).
-        ctx.under_ddp = graphed._auto and _ddp_is_running()
+        # over by the backward, so it is asked now), and a node kept by someone else may have
+        # hooks of its own: both need the grads through autograd.
+        ctx.under_ddp = graphed._auto and (graphed._nodes_watched or _ddp_is_running())
         ctx.set_materialize_grads(False)
         nondiff = (  # an output only inputs that need no grad in this call reach needs none
             graphed.nondiff_outputs_of(inputs)
