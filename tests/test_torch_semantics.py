@@ -37,6 +37,7 @@ from torch_cases import (
     TinyMLP,
     assert_grads_match,
     assert_tensors_match,
+    assert_trees_match,
     backward_of,
     device_of,
     grads_of,
@@ -714,6 +715,38 @@ def test_a_parameter_frozen_after_capture_is_refused_naming_it(
     with pytest.raises(DualgraphError, match=rf"^TinyMLP\.{frozen}: requires_grad was True"):
         backward_of(module(torch.randn(4, 8, device=device)))
     assert all(p.grad is None for p in module.parameters())
+
+
+class _TwoHeads(nn.Module):
+    """An output of the input and the first layer, and one of the second layer's alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first(x), self.second.weight * 2 + self.second.bias
+
+
+@pytest.mark.parametrize("frozen", ["every parameter", "second"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_outputs_only_parameters_frozen_after_capture_reach_need_no_grad_as_in_eager(
+    backend: str, param_grads: str, frozen: str
+) -> None:
+    device = device_of(backend)
+    module, twin = _TwoHeads().to(device), _TwoHeads().to(device)
+    twin.load_state_dict(module.state_dict())
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    for m in (module, twin):
+        (m if frozen == "every parameter" else m.second).requires_grad_(False)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device)
+        assert_trees_match(module(x), twin(x), tolerance(backend))
+    # an input that needs grad makes the output it reaches need grad again
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    assert_trees_match(module(x), twin(x), tolerance(backend))
 
 
 @pytest.mark.parametrize("frozen", ["fc1.weight", "fc2.bias"])

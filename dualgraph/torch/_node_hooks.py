@@ -43,6 +43,8 @@ def node_has_hooks(param: torch.Tensor) -> bool:
     >>> node_has_hooks(w)
     True
     """
+    if not param.requires_grad:  # frozen: no node (a backward skips it)
+        return False
     node = grad_accumulator(param)
     if node is None:
         return False

@@ -155,10 +155,12 @@ class GraphedCallable:
         "_numerics",
         "_other_uses",
         "_out_spec",
+        "_output_reach",
         "_output_storages",
         "_output_versions",
         "_overwritten_outputs",
         "_param_grads",
+        "_param_inputs",
         "_params",
         "_plan_params",
         "_pool",
@@ -346,6 +348,11 @@ class GraphedCallable:
         self._reach_of_params = reach[grad_inputs:]
         self._unreached_memo: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
         self._input_only_outputs = _input_only_outputs(plan)
+        # For a call with parameters frozen since capture: which inputs and parameters reach
+        # each differentiable output (an output none that needs grad reaches needs none).
+        self._output_reach = _output_reach(plan)
+        # Where the parameters lie among the replay Function's inputs ("auto", "autograd").
+        self._param_inputs = slice(self._first_param, self._first_param + len(self._params))
         # Where the module's parameters and buffers live (they stay put: checked on every call),
         # for the inputs the callable updates in place (_check_mutated_inputs).
         module_tensors = plan.module_tensors if self._mutated else None
@@ -378,13 +385,31 @@ class GraphedCallable:
                 if storage is not None:
                     self._output_storages.setdefault(storage, f"output{paths[k]}")
 
-    def nondiff_outputs_of(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    def params_frozen(self, needs_input_grad: tuple[bool, ...]) -> bool:
+        """Whether a parameter was frozen since capture (``needs_input_grad``: the replay
+        Function's, where the parameters are among its inputs)."""
+        if self._plan_params:  # "in_graph": they are not
+            return not all(map(_requires_grad, self._plan_params))
+        return not all(needs_input_grad[self._param_inputs])
+
+    def nondiff_outputs_of(
+        self, inputs: Sequence[torch.Tensor], params_frozen: bool = False
+    ) -> tuple[int, ...]:
         """The outputs that take no part in the backward of a call with these input tensors.
 
-        Those of the capture, and those that only inputs reach which need no grad in this call
-        (captured requiring grad): as in eager, they come back without history.
+        Those of the capture, and those that only inputs and parameters reach which need no
+        grad in this call (captured requiring grad: inputs passed without, parameters frozen
+        since capture): as in eager, they come back without history.
         """
         nondiff = self._nondiff_outputs
+        if params_frozen:
+            params = self.plan.params.params
+            for output, reaching, reaching_params in self._output_reach:
+                if not any(inputs[i].requires_grad for i in reaching) and not any(
+                    params[j].requires_grad for j in reaching_params
+                ):
+                    nondiff += (output,)
+            return nondiff
         for output, reaching in self._input_only_outputs:
             if not any(inputs[i].requires_grad for i in reaching):
                 nondiff += (output,)
@@ -1256,6 +1281,32 @@ def _unwritable(tensor: torch.Tensor) -> str | None:
     """Why an in-place update cannot be written into ``tensor``, or ``None``."""
     refusal = _in_place_refusal(tensor)
     return None if refusal is None else _IN_PLACE_REFUSALS[refusal]
+
+
+def _output_reach(
+    plan: ReplayPlan,
+) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+    """Each differentiable output, with the inputs and the parameters that reach it.
+
+    Positions among the output tensors, the input tensors and the parameters.
+    """
+    grad_inputs = plan.grad_inputs
+    reach = plan.reach
+    params = range(len(plan.params.params))
+    result = []
+    for k, output in enumerate(plan.diff_outputs):
+        if reach is None:  # every output reaches every input and parameter
+            result.append((output, tuple(grad_inputs), tuple(params)))
+            continue
+        param_reach = reach[len(grad_inputs) :]
+        result.append(
+            (
+                output,
+                tuple(i for i, leaf in zip(grad_inputs, reach, strict=False) if k in leaf),
+                tuple(j for j in params if k in param_reach[j]),
+            )
+        )
+    return tuple(result)
 
 
 def _input_only_outputs(plan: ReplayPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -53,9 +53,12 @@ class _Replay(torch.autograd.Function):
         # hooks of its own: both need the grads through autograd.
         ctx.under_ddp = graphed._auto and (graphed._nodes_watched or _ddp_is_running())
         ctx.set_materialize_grads(False)
-        nondiff = (  # an output only inputs that need no grad in this call reach needs none
-            graphed.nondiff_outputs_of(inputs)
-            if graphed._input_only_outputs
+        # An output that only inputs and parameters needing no grad in this call reach needs
+        # none (an input passed without, a parameter frozen since capture).
+        frozen = graphed.params_frozen(ctx.needs_input_grad)
+        nondiff = (
+            graphed.nondiff_outputs_of(inputs, frozen)
+            if frozen or graphed._input_only_outputs
             else graphed._nondiff_outputs
         )
         if nondiff:
