@@ -168,6 +168,7 @@ class GraphedCallable:
         "_reach_of_params",
         "_read_by_backward",
         "_read_by_backward_names",
+        "_reaching_every_output",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -353,6 +354,13 @@ class GraphedCallable:
         self._output_reach = _output_reach(plan)
         # Where the parameters lie among the replay Function's inputs ("auto", "autograd").
         self._param_inputs = slice(self._first_param, self._first_param + len(self._params))
+        # The inputs (positions among the Function's) that reach every differentiable output:
+        # one that needs grad makes every output need grad, whatever the parameters.
+        self._reaching_every_output = tuple(
+            1 + i
+            for i in plan.grad_inputs
+            if all(i in reaching for _, reaching, _ in self._output_reach)
+        )
         # Where the module's parameters and buffers live (they stay put: checked on every call),
         # for the inputs the callable updates in place (_check_mutated_inputs).
         module_tensors = plan.module_tensors if self._mutated else None
@@ -386,11 +394,16 @@ class GraphedCallable:
                     self._output_storages.setdefault(storage, f"output{paths[k]}")
 
     def params_frozen(self, needs_input_grad: tuple[bool, ...]) -> bool:
-        """Whether a parameter was frozen since capture (``needs_input_grad``: the replay
-        Function's, where the parameters are among its inputs)."""
-        if self._plan_params:  # "in_graph": they are not
-            return not all(map(_requires_grad, self._plan_params))
-        return not all(needs_input_grad[self._param_inputs])
+        """Whether a parameter frozen since capture may leave an output of this call without
+        grad (``needs_input_grad``: the replay Function's)."""
+        if not self._plan_params:  # "auto", "autograd": the parameters are Function inputs
+            return not all(needs_input_grad[self._param_inputs])
+        # "in_graph": they are not, and are looked at only where no input needing grad
+        # reaches every output (the usual call in training has one: no pass over them)
+        for position in self._reaching_every_output:
+            if needs_input_grad[position]:
+                return False
+        return not all(map(_requires_grad, self._plan_params))
 
     def nondiff_outputs_of(
         self, inputs: Sequence[torch.Tensor], params_frozen: bool = False
