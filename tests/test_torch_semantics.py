@@ -1870,11 +1870,15 @@ def test_auto_hands_hooks_on_a_parameters_accumulate_grad_node_the_grads(backend
     mlp, twin = _auto_pair(backend)
     backward_of(mlp(torch.randn(4, 8, device=device_of(backend))))  # in graph before the hooks
     calls: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
-    nodes = []
+    nodes, handles = [], []
     for module, seen in ((mlp, calls["graphed"]), (twin, calls["eager"])):
         node = _accumulate_grad_node(module.fc1.weight)
-        node.register_prehook(lambda grads, seen=seen: (seen.append(grads[0].clone()), None)[1])
-        node.register_hook(lambda grads_in, grads_out, seen=seen: seen.append(grads_out[0] * 1))
+        handles.append(
+            node.register_prehook(lambda grads, seen=seen: (seen.append(grads[0].clone()), None)[1])
+        )
+        handles.append(
+            node.register_hook(lambda grads_in, grads_out, seen=seen: seen.append(grads_out[0] * 1))
+        )
         nodes.append(node)
     twin.load_state_dict(mlp.state_dict())
     for module in (mlp, twin):
@@ -1887,6 +1891,10 @@ def test_auto_hands_hooks_on_a_parameters_accumulate_grad_node_the_grads(backend
     assert len(calls["graphed"]) == len(calls["eager"]) == 4
     names = [f"hook call {i}" for i in range(4)]
     assert_grads_match(calls["graphed"], calls["eager"], names, tolerance(backend))
+    assert _through_autograd(mlp) == 2
+    for handle in handles:
+        handle.remove()
+    backward_of(mlp(torch.randn(4, 8, device=device_of(backend))))  # kept, unhooked: in graph
     assert _through_autograd(mlp) == 2
 
 

@@ -166,9 +166,9 @@ class GraphedCallable:
         "_pool",
         "_reach_of_inputs",
         "_reach_of_params",
+        "_reaching_every_output",
         "_read_by_backward",
         "_read_by_backward_names",
-        "_reaching_every_output",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -307,13 +307,13 @@ class GraphedCallable:
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
-        # A parameter's AccumulateGrad node kept by someone at a forward, who may have hooked it
-        # (_node_hooks.py): "auto" then hands the grads to autograd, which runs the node with
-        # them; "in_graph", which never runs it, refuses one with a hook at the backward.
+        # A parameter's AccumulateGrad node kept with a hook on it at a forward (_node_hooks.py):
+        # "auto" then hands the grads to autograd, which runs the node with them; "in_graph",
+        # which never runs it, refuses it at the backward.
         self._held_nodes = (
             HeldNodes(params.params, params.names) if self._auto or self._plan_params else None
         )
-        self._nodes_watched = False  # "auto": this forward found a node kept
+        self._nodes_watched = False  # "auto": this forward found a node kept with a hook
         self._node_hooked: str | None = None  # "in_graph": a hooked node's parameter, by name
         self._ddp = _RanInsideDdp()  # shared by the callable's replays: see join
         # Anything besides "no autocast now, none at capture" needs the full check.
@@ -511,6 +511,8 @@ class GraphedCallable:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             grad_enabled = autograd_records()  # inference mode records nothing
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
+            if tuple(map(_stride, tensors)) != self._inputs.strides:
+                self._inputs.check_layouts(tensors)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
@@ -562,13 +564,14 @@ class GraphedCallable:
             self._lock.release()
 
     def _nodes_held(self, held: HeldNodes) -> bool:
-        """Whether a parameter's ``AccumulateGrad`` node is kept by someone ("auto": then the
-        grads go through autograd, which runs the node as eager does), and, for "in_graph",
-        which parameter's has a hook (refused at the backward, before ``.grad`` is touched)."""
+        """Whether a parameter's ``AccumulateGrad`` node is kept with a hook on it ("auto": then
+        the grads go through autograd, which runs the node as eager does); for "in_graph", which
+        parameter's (refused at the backward, before ``.grad`` is touched)."""
+        hooked = held.hooked()
         if self._plan_params:
-            self._node_hooked = held.hooked()
+            self._node_hooked = hooked
             return False
-        return bool(held.held())
+        return hooked is not None
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
         """Copy the inputs in, replay the forward, hand back the static outputs (grad mode off)."""

@@ -49,8 +49,8 @@ class _Replay(torch.autograd.Function):
         ctx.inputs = inputs
         ctx.generation = graphed._generation
         # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
-        # over by the backward, so it is asked now), and a node kept by someone else may have
-        # hooks of its own: both need the grads through autograd.
+        # over by the backward, so it is asked now), and hooks on a parameter's AccumulateGrad
+        # node itself need them too (found before this replay's node kept them).
         ctx.under_ddp = graphed._auto and (graphed._nodes_watched or _ddp_is_running())
         ctx.set_materialize_grads(False)
         # An output that only inputs and parameters needing no grad in this call reach needs
