@@ -90,11 +90,31 @@ def _grab_backward_inputs(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> 
     return x.grad
 
 
+def _grab_node_prehook(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    # on x's own node: its AccumulateGrad for a leaf (which sees the grad coming in), its
+    # grad_fn otherwise
+    seen: list[torch.Tensor] = []
+    node = torch.autograd.graph.get_gradient_edge(x).node
+    node.register_prehook(lambda grads: seen.append(grads[0]))  # type: ignore[func-returns-value]
+    loss().backward()
+    return seen[0]
+
+
+def _grab_node_hook(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+    node = torch.autograd.graph.get_gradient_edge(x).node
+    node.register_hook(lambda grads_in, grads_out: seen.append(grads_out[0]))  # type: ignore[func-returns-value]
+    loss().backward()
+    return seen[0]
+
+
 GRABS = {
     "autograd_grad": _grab_autograd_grad,
     "hook": _grab_hook,
     "retain_grad": _grab_retained,
     "backward_inputs": _grab_backward_inputs,
+    "node_prehook": _grab_node_prehook,
+    "node_hook": _grab_node_hook,
 }
 
 #: How the input reaches the callable: ``(make the tensor the grad is taken of, call)``.
@@ -152,6 +172,29 @@ def test_input_grads_are_never_overwritten_by_a_later_replay(
         kept.append((grad, expected))
     for i, (grad, expected) in enumerate(kept):  # later replays left earlier grads alone
         assert_tensors_match(grad, expected, f"grad {i} of {kind}", tolerance(backend))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize("grab", ["node_prehook", "node_hook"])
+@pytest.mark.parametrize("grad", ["no .grad", "a .grad to add into"])
+def test_a_hook_on_a_leaf_inputs_accumulate_grad_node_keeps_a_grad_of_its_own(
+    backend: str, param_grads: str, grab: str, grad: str
+) -> None:
+    # a module (a plain .backward() hands the grads on as they are where nothing sees them)
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads=param_grads)
+    kept = []
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        if grad != "no .grad":
+            x.grad = torch.ones_like(x)
+        seen = GRABS[grab](lambda x=x: loss_of(layer(x)), x)
+        kept.append((seen, torch.autograd.grad(loss_of(twin(x)), x)[0]))
+    for i, (seen, expected) in enumerate(kept):  # later replays left earlier grads alone
+        assert_tensors_match(seen, expected, f"grad {i}", tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

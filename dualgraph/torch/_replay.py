@@ -48,7 +48,7 @@ from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
-from ._node_hooks import HeldNodes
+from ._node_hooks import HeldNodes, node_hook_dicts
 from ._params import requires_grad_changed
 from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
@@ -1043,7 +1043,13 @@ class GraphedCallable:
                     plain
                     and not tensor._backward_hooks
                     and not tensor.retains_grad
-                    and (node is None or (type(node) is _REPLAY_BACKWARD and not node.hooked))
+                    and (
+                        # a leaf: its AccumulateGrad adds the buffer into .grad, where nothing
+                        # keeps it (with no .grad yet, it would clone the buffer: a copy then
+                        # costs nothing more); a hook on that node would see the buffer itself
+                        (node is None and tensor.grad is not None and not _node_hooked(tensor))
+                        or (type(node) is _REPLAY_BACKWARD and not node.hooked)
+                    )
                 ):
                     result[position] = grad
                 else:
@@ -1272,6 +1278,12 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _node_hooked(leaf: torch.Tensor) -> bool:
+    """Whether a leaf's ``AccumulateGrad`` node has a Python hook (that would see the grad)."""
+    dicts = node_hook_dicts(leaf)
+    return dicts is None or bool(dicts[0]) or bool(dicts[1])
 
 
 def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
