@@ -1244,8 +1244,9 @@ def test_what_a_graphed_method_or_function_names_changed_after_capture_is_refuse
     encoder, graphed = _graph_through_code(how, backend)
     make_change, _, message = CODE_CHANGES[change]
     make_change(encoder)
-    with pytest.raises(DualgraphError, match=message):
+    with pytest.raises(DualgraphError, match=message) as info:
         graphed(torch.randn(4, 8, device=device_of(backend), requires_grad=True))
+    assert str(info.value).startswith(f"{graphed.name}: ")  # which callable refused
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

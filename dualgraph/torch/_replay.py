@@ -516,7 +516,12 @@ class GraphedCallable:
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
-                self._module_tensors.check(grad_enabled=grad_enabled)
+                try:
+                    self._module_tensors.check(grad_enabled=grad_enabled)
+                except DualgraphError as error:
+                    if self.plan.module_tensors is None:  # a function's, a method's: say whose
+                        error.args = (f"{self.name}: {error}", *error.args[1:])
+                    raise
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state(grad_enabled)
             if _numerics_state() != self._numerics:
