@@ -14,7 +14,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from torch_cases import BACKENDS, assert_tensors_match, device_of, runner_of, tolerance
+from torch_cases import (
+    BACKENDS,
+    GRAPH_BACKENDS,
+    assert_tensors_match,
+    device_of,
+    runner_of,
+    tolerance,
+)
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError, describe_call
@@ -384,3 +391,60 @@ def test_unsupported_tensor_says_why_a_tensor_cannot_be_a_static_buffer(
         assert found is None
     else:
         assert found is not None and found.startswith(why)
+
+
+# -- memory layout: eager's kernels and outputs follow an input's, a replay keeps the capture's --
+
+
+def _conv(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.conv2d(x, weight, padding=1).relu()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("captured", ["contiguous", "channels_last"])
+def test_an_input_in_another_memory_format_than_its_sample_is_refused_naming_it(
+    backend: str, captured: str
+) -> None:
+    device = device_of(backend)
+    weight = torch.randn(4, 3, 3, 3, device=device)
+    other = torch.contiguous_format if captured == "channels_last" else torch.channels_last
+    sample = torch.randn(2, 3, 8, 8, device=device)
+    if captured == "channels_last":
+        sample = sample.to(memory_format=torch.channels_last)
+    fn = dgt.make_graphed_callables(lambda x: _conv(x, weight=weight), (sample,), backend=backend)
+    x = torch.randn(2, 3, 8, 8, device=device).to(memory_format=other)
+    eager = _conv(x, weight=weight)
+    assert eager.is_contiguous(memory_format=other)  # a convolution's output follows its input
+    static = runner_of(fn).static_inputs[0].clone()
+    with pytest.raises(SpecMismatchError, match=r"^args\[0\]: laid out ") as info:
+        fn(x)
+    assert f"captured {captured}" in str(info.value) and info.value.path == "args[0]"
+    assert torch.equal(runner_of(fn).static_inputs[0], static)  # nothing was copied in
+    as_captured = x.contiguous(
+        memory_format=getattr(torch, f"{captured}_format", torch.channels_last)
+    )
+    assert_tensors_match(fn(as_captured), eager, "output", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("strides", ["sliced", "transposed"])
+def test_an_input_with_other_strides_in_its_samples_memory_format_is_accepted(
+    backend: str, strides: str
+) -> None:
+    # a slice of a larger tensor (split, narrow), or a transposed one (a ViT's patch embedding)
+    device = device_of(backend)
+    fn = dgt.make_graphed_callables(
+        _sin_twice, (torch.randn(2, 4, 8, device=device),), backend=backend
+    )
+    for _ in range(2):
+        if strides == "sliced":
+            x = torch.randn(2, 4, 16, device=device)[..., ::2]
+        else:
+            x = torch.randn(2, 8, 4, device=device).transpose(1, 2)
+        graphed = fn(x)
+        assert_tensors_match(graphed, _sin_twice(x), "output", tolerance(backend))
+        assert graphed.stride() == (32, 8, 1)  # the capture's (eager's follows a transposed x)
+
+
+def _sin_twice(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sin()

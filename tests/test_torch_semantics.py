@@ -37,6 +37,7 @@ from torch_cases import (
     TinyMLP,
     assert_grads_match,
     assert_tensors_match,
+    assert_trees_match,
     backward_of,
     device_of,
     grads_of,
@@ -89,11 +90,31 @@ def _grab_backward_inputs(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> 
     return x.grad
 
 
+def _grab_node_prehook(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    # on x's own node: its AccumulateGrad for a leaf (which sees the grad coming in), its
+    # grad_fn otherwise
+    seen: list[torch.Tensor] = []
+    node = torch.autograd.graph.get_gradient_edge(x).node
+    node.register_prehook(lambda grads: seen.append(grads[0]))  # type: ignore[func-returns-value]
+    loss().backward()
+    return seen[0]
+
+
+def _grab_node_hook(loss: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+    node = torch.autograd.graph.get_gradient_edge(x).node
+    node.register_hook(lambda grads_in, grads_out: seen.append(grads_out[0]))  # type: ignore[func-returns-value]
+    loss().backward()
+    return seen[0]
+
+
 GRABS = {
     "autograd_grad": _grab_autograd_grad,
     "hook": _grab_hook,
     "retain_grad": _grab_retained,
     "backward_inputs": _grab_backward_inputs,
+    "node_prehook": _grab_node_prehook,
+    "node_hook": _grab_node_hook,
 }
 
 #: How the input reaches the callable: ``(make the tensor the grad is taken of, call)``.
@@ -151,6 +172,29 @@ def test_input_grads_are_never_overwritten_by_a_later_replay(
         kept.append((grad, expected))
     for i, (grad, expected) in enumerate(kept):  # later replays left earlier grads alone
         assert_tensors_match(grad, expected, f"grad {i} of {kind}", tolerance(backend))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+@pytest.mark.parametrize("grab", ["node_prehook", "node_hook"])
+@pytest.mark.parametrize("grad", ["no .grad", "a .grad to add into"])
+def test_a_hook_on_a_leaf_inputs_accumulate_grad_node_keeps_a_grad_of_its_own(
+    backend: str, param_grads: str, grab: str, grad: str
+) -> None:
+    # a module (a plain .backward() hands the grads on as they are where nothing sees them)
+    device = device_of(backend)
+    layer, twin = nn.Linear(4, 3).to(device), nn.Linear(4, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(layer, (sample,), backend=backend, param_grads=param_grads)
+    kept = []
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        if grad != "no .grad":
+            x.grad = torch.ones_like(x)
+        seen = GRABS[grab](lambda x=x: loss_of(layer(x)), x)
+        kept.append((seen, torch.autograd.grad(loss_of(twin(x)), x)[0]))
+    for i, (seen, expected) in enumerate(kept):  # later replays left earlier grads alone
+        assert_tensors_match(seen, expected, f"grad {i}", tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -716,6 +760,38 @@ def test_a_parameter_frozen_after_capture_is_refused_naming_it(
     assert all(p.grad is None for p in module.parameters())
 
 
+class _TwoHeads(nn.Module):
+    """An output of the input and the first layer, and one of the second layer's alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first(x), self.second.weight * 2 + self.second.bias
+
+
+@pytest.mark.parametrize("frozen", ["every parameter", "second"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_outputs_only_parameters_frozen_after_capture_reach_need_no_grad_as_in_eager(
+    backend: str, param_grads: str, frozen: str
+) -> None:
+    device = device_of(backend)
+    module, twin = _TwoHeads().to(device), _TwoHeads().to(device)
+    twin.load_state_dict(module.state_dict())
+    sample = torch.randn(4, 8, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    for m in (module, twin):
+        (m if frozen == "every parameter" else m.second).requires_grad_(False)
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device)
+        assert_trees_match(module(x), twin(x), tolerance(backend))
+    # an input that needs grad makes the output it reaches need grad again
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    assert_trees_match(module(x), twin(x), tolerance(backend))
+
+
 @pytest.mark.parametrize("frozen", ["fc1.weight", "fc2.bias"])
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_a_parameter_frozen_between_forward_and_backward_keeps_its_grad_as_in_eager(
@@ -1168,8 +1244,9 @@ def test_what_a_graphed_method_or_function_names_changed_after_capture_is_refuse
     encoder, graphed = _graph_through_code(how, backend)
     make_change, _, message = CODE_CHANGES[change]
     make_change(encoder)
-    with pytest.raises(DualgraphError, match=message):
+    with pytest.raises(DualgraphError, match=message) as info:
         graphed(torch.randn(4, 8, device=device_of(backend), requires_grad=True))
+    assert str(info.value).startswith(f"{graphed.name}: ")  # which callable refused
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -1648,6 +1725,35 @@ def test_in_graph_grads_refuse_parameter_hooks_registered_after_capture(
     assert layer.bias.grad is None
 
 
+def _accumulate_grad_node(param: torch.Tensor) -> Any:
+    """A parameter's ``AccumulateGrad`` node, found as Megatron-LM's DDP finds it."""
+    return param.expand_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("hook", ["prehook", "hook"])
+def test_in_graph_grads_refuse_hooks_on_a_parameters_accumulate_grad_node(
+    backend: str, hook: str
+) -> None:
+    # The parameters are no inputs of the replay's node: their AccumulateGrad nodes never run.
+    layer, _ = _in_graph_pair(backend)
+    backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    grads = grads_of(parameters_of(layer))
+    node = _accumulate_grad_node(layer.bias)  # held, as Megatron-LM holds it
+    if hook == "prehook":
+        handle = node.register_prehook(lambda grads: None)
+    else:
+        handle = node.register_hook(lambda grads_in, grads_out: None)
+    with pytest.raises(DualgraphError) as info:
+        backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    assert str(info.value).startswith("Linear: Linear.bias's AccumulateGrad node has a hook")
+    assert_grads_match(grads_of(parameters_of(layer)), grads, ["weight", "bias"], None)
+    handle.remove()  # a node kept without hooks is no reason to refuse, and neither is none
+    backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+    del node
+    backward_of(layer(torch.randn(2, 4, device=device_of(backend))))
+
+
 # -- param_grads="auto": the path each backward takes -------------------------------------------
 
 
@@ -1799,6 +1905,60 @@ def test_auto_runs_parameter_hooks_registered_after_capture(backend: str, hook: 
     backward_of(twin(x))
     _assert_same_grads(mlp, twin, backend)
     assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_hands_hooks_on_a_parameters_accumulate_grad_node_the_grads(backend: str) -> None:
+    # Megatron-LM's DDP: a pre-hook on the node reads (and may change) the grad coming in,
+    # and the node's post hook runs after it is added.
+    mlp, twin = _auto_pair(backend)
+    backward_of(mlp(torch.randn(4, 8, device=device_of(backend))))  # in graph before the hooks
+    calls: dict[str, list[torch.Tensor]] = {"graphed": [], "eager": []}
+    nodes, handles = [], []
+    for module, seen in ((mlp, calls["graphed"]), (twin, calls["eager"])):
+        node = _accumulate_grad_node(module.fc1.weight)
+        handles.append(
+            node.register_prehook(lambda grads, seen=seen: (seen.append(grads[0].clone()), None)[1])
+        )
+        handles.append(
+            node.register_hook(lambda grads_in, grads_out, seen=seen: seen.append(grads_out[0] * 1))
+        )
+        nodes.append(node)
+    twin.load_state_dict(mlp.state_dict())
+    for module in (mlp, twin):
+        module.zero_grad()
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        backward_of(mlp(x))
+        backward_of(twin(x))
+        _assert_same_grads(mlp, twin, backend)
+    assert len(calls["graphed"]) == len(calls["eager"]) == 4
+    names = [f"hook call {i}" for i in range(4)]
+    assert_grads_match(calls["graphed"], calls["eager"], names, tolerance(backend))
+    assert _through_autograd(mlp) == 2
+    for handle in handles:
+        handle.remove()
+    backward_of(mlp(torch.randn(4, 8, device=device_of(backend))))  # kept, unhooked: in graph
+    assert _through_autograd(mlp) == 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_steps_an_optimizer_applied_in_backward_after_capture(backend: str) -> None:
+    with warnings.catch_warnings():  # the package imports scripted optimizers (deprecated)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+    mlp, twin = _auto_pair(backend)
+    for module in (mlp, twin):
+        _apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1})
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device_of(backend))
+        backward_of(mlp(x))
+        backward_of(twin(x))
+        for name, param, eager in zip(
+            parameter_names(mlp), mlp.parameters(), twin.parameters(), strict=True
+        ):
+            assert_tensors_match(param.detach(), eager.detach(), name, tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

@@ -3,7 +3,9 @@
 Runs on every call, before any static buffer is written: structure, ``None`` positions and
 constants through the core's call spec, then each tensor against what was recorded from its
 sample: a plain dense tensor (no subclass, sparse, nested or quantized tensor) of the same
-shape, dtype and device, and no ``requires_grad`` where the sample had none.
+shape, dtype and device, and no ``requires_grad`` where the sample had none. A graphed call
+also checks that each tensor is laid out in memory as its sample was
+(:meth:`InputGuard.check_layouts`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format as _suggest_memory_format
 
 from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
@@ -24,6 +27,10 @@ __all__ = ["InputGuard", "unsupported_tensor"]
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+
+
+def _describe_format(memory_format: torch.memory_format) -> str:
+    return str(memory_format).removeprefix("torch.")
 
 
 def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
@@ -72,9 +79,12 @@ class InputGuard:
         "_flatten_args",
         "_has_kwargs",
         "_key_orders",
+        "_layouts",
+        "_layouts_seen",
         "paths",
         "requires_grad",
         "spec",
+        "strides",
     )
 
     def __init__(
@@ -101,6 +111,11 @@ class InputGuard:
         #: For each input tensor (args first, then kwargs): did its sample require grad?
         self.requires_grad: tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+        #: The strides of each sample: a call's tensors with others are checked for their layout.
+        self.strides: tuple[tuple[int, ...], ...] = tuple(t.stride() for t in tensors)
+        self._layouts = tuple(map(_suggest_memory_format, tensors))
+        # (position, strides) found laid out as the sample (a slice of a larger tensor, say)
+        self._layouts_seen: dict[tuple[int, tuple[int, ...]], None] = {}
         self._has_kwargs = self.spec.kwargs_spec.num_arrays > 0 or bool(kwargs)
         self._flatten_args = self.spec.args_spec.flatten
         # The core matches a dict (and the keywords) whatever its key order; the callable's
@@ -146,6 +161,39 @@ class InputGuard:
         if self._key_orders is not None:
             self.check_key_orders(args, kwargs)
         return tensors
+
+    def check_layouts(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse a tensor in another memory format than its sample (channels_last where the
+        sample was contiguous, or the reverse; a call passes its tensors here where some
+        strides differ from the samples').
+
+        Eager's convolutions (and what follows them) pick their kernels, and so their rounding
+        and their outputs' memory format, by their input's; a replay runs the kernels of capture
+        and hands back outputs laid out as then. Other strides in the same format (a slice of a
+        larger tensor, a transposed one) are copied into the static buffer and accepted: the
+        outputs then have the capture's strides, where an elementwise op's in eager would follow
+        the input's order in memory.
+        """
+        seen = self._layouts_seen
+        for i, (tensor, strides) in enumerate(zip(tensors, self.strides, strict=True)):
+            now = tensor.stride()
+            if now == strides or (i, now) in seen:
+                continue
+            memory_format = _suggest_memory_format(tensor)
+            expected = self._layouts[i]
+            if memory_format is not expected:
+                path = self.paths[i]
+                captured = _describe_format(expected)
+                raise SpecMismatchError(
+                    f"{path}: laid out {_describe_format(memory_format)} (strides {now}), captured "
+                    f"{captured} (strides {strides}): eager's kernels and its outputs' memory "
+                    "format follow an input's, a replay keeps the capture's; pass it as captured "
+                    f"(.contiguous(memory_format=torch.{captured})), or graph with a sample laid "
+                    "out like it",
+                    path=path,
+                )
+            if len(seen) < 256:  # strides of calls with fixed shapes: few kinds
+                seen[(i, now)] = None
 
     def check_key_orders(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse a dict whose keys, or keywords the callable collects in its ``**kwargs``,

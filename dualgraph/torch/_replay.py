@@ -48,6 +48,7 @@ from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
+from ._node_hooks import HeldNodes, node_hook_dicts
 from ._params import requires_grad_changed
 from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
@@ -133,6 +134,7 @@ class GraphedCallable:
         "_graph_grads",
         "_graph_grads_places",
         "_has_backward",
+        "_held_nodes",
         "_holder_baseline",
         "_holder_probes",
         "_hooks",
@@ -147,19 +149,24 @@ class GraphedCallable:
         "_module_tensors",
         "_mutated",
         "_names_of",
+        "_node_hooked",
+        "_nodes_watched",
         "_nondiff_outputs",
         "_numerics",
         "_other_uses",
         "_out_spec",
+        "_output_reach",
         "_output_storages",
         "_output_versions",
         "_overwritten_outputs",
         "_param_grads",
+        "_param_inputs",
         "_params",
         "_plan_params",
         "_pool",
         "_reach_of_inputs",
         "_reach_of_params",
+        "_reaching_every_output",
         "_read_by_backward",
         "_read_by_backward_names",
         "_replay_backward",
@@ -300,6 +307,14 @@ class GraphedCallable:
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
+        # A parameter's AccumulateGrad node kept with a hook on it at a forward (_node_hooks.py):
+        # "auto" then hands the grads to autograd, which runs the node with them; "in_graph",
+        # which never runs it, refuses it at the backward.
+        self._held_nodes = (
+            HeldNodes(params.params, params.names) if self._auto or self._plan_params else None
+        )
+        self._nodes_watched = False  # "auto": this forward found a node kept with a hook
+        self._node_hooked: str | None = None  # "in_graph": a hooked node's parameter, by name
         self._ddp = _RanInsideDdp()  # shared by the callable's replays: see join
         # Anything besides "no autocast now, none at capture" needs the full check.
         self._ambient_checks = bool(self._autocast) or self._ddp_check
@@ -334,6 +349,18 @@ class GraphedCallable:
         self._reach_of_params = reach[grad_inputs:]
         self._unreached_memo: dict[frozenset[int], tuple[frozenset[int], frozenset[int]]] = {}
         self._input_only_outputs = _input_only_outputs(plan)
+        # For a call with parameters frozen since capture: which inputs and parameters reach
+        # each differentiable output (an output none that needs grad reaches needs none).
+        self._output_reach = _output_reach(plan)
+        # Where the parameters lie among the replay Function's inputs ("auto", "autograd").
+        self._param_inputs = slice(self._first_param, self._first_param + len(self._params))
+        # The inputs (positions among the Function's) that reach every differentiable output:
+        # one that needs grad makes every output need grad, whatever the parameters.
+        self._reaching_every_output = tuple(
+            1 + i
+            for i in plan.grad_inputs
+            if all(i in reaching for _, reaching, _ in self._output_reach)
+        )
         # Where the module's parameters and buffers live (they stay put: checked on every call),
         # for the inputs the callable updates in place (_check_mutated_inputs).
         module_tensors = plan.module_tensors if self._mutated else None
@@ -366,13 +393,36 @@ class GraphedCallable:
                 if storage is not None:
                     self._output_storages.setdefault(storage, f"output{paths[k]}")
 
-    def nondiff_outputs_of(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    def params_frozen(self, needs_input_grad: tuple[bool, ...]) -> bool:
+        """Whether a parameter frozen since capture may leave an output of this call without
+        grad (``needs_input_grad``: the replay Function's)."""
+        if not self._plan_params:  # "auto", "autograd": the parameters are Function inputs
+            return not all(needs_input_grad[self._param_inputs])
+        # "in_graph": they are not, and are looked at only where no input needing grad
+        # reaches every output (the usual call in training has one: no pass over them)
+        for position in self._reaching_every_output:
+            if needs_input_grad[position]:
+                return False
+        return not all(map(_requires_grad, self._plan_params))
+
+    def nondiff_outputs_of(
+        self, inputs: Sequence[torch.Tensor], params_frozen: bool = False
+    ) -> tuple[int, ...]:
         """The outputs that take no part in the backward of a call with these input tensors.
 
-        Those of the capture, and those that only inputs reach which need no grad in this call
-        (captured requiring grad): as in eager, they come back without history.
+        Those of the capture, and those that only inputs and parameters reach which need no
+        grad in this call (captured requiring grad: inputs passed without, parameters frozen
+        since capture): as in eager, they come back without history.
         """
         nondiff = self._nondiff_outputs
+        if params_frozen:
+            params = self.plan.params.params
+            for output, reaching, reaching_params in self._output_reach:
+                if not any(inputs[i].requires_grad for i in reaching) and not any(
+                    params[j].requires_grad for j in reaching_params
+                ):
+                    nondiff += (output,)
+            return nondiff
         for output, reaching in self._input_only_outputs:
             if not any(inputs[i].requires_grad for i in reaching):
                 nondiff += (output,)
@@ -461,10 +511,17 @@ class GraphedCallable:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             grad_enabled = autograd_records()  # inference mode records nothing
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
+            if tuple(map(_stride, tensors)) != self._inputs.strides:
+                self._inputs.check_layouts(tensors)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
-                self._module_tensors.check(grad_enabled=grad_enabled)
+                try:
+                    self._module_tensors.check(grad_enabled=grad_enabled)
+                except DualgraphError as error:
+                    if self.plan.module_tensors is None:  # a function's, a method's: say whose
+                        error.args = (f"{self.name}: {error}", *error.args[1:])
+                    raise
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state(grad_enabled)
             if _numerics_state() != self._numerics:
@@ -484,6 +541,13 @@ class GraphedCallable:
                 )
             self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
+                held = self._held_nodes
+                if held is not None:  # one pass over the parameters' reference counts
+                    if held.unchanged():
+                        self._nodes_watched = False
+                        self._node_hooked = None
+                    else:
+                        self._nodes_watched = self._nodes_held(held)
                 # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
                 # wrappers (of the inputs here; parameters never are) on the way.
                 outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
@@ -503,6 +567,16 @@ class GraphedCallable:
             return result
         finally:
             self._lock.release()
+
+    def _nodes_held(self, held: HeldNodes) -> bool:
+        """Whether a parameter's ``AccumulateGrad`` node is kept with a hook on it ("auto": then
+        the grads go through autograd, which runs the node as eager does); for "in_graph", which
+        parameter's (refused at the backward, before ``.grad`` is touched)."""
+        hooked = held.hooked()
+        if self._plan_params:
+            self._node_hooked = hooked
+            return False
+        return hooked is not None
 
     def _forward(self, tensors: Sequence[torch.Tensor], grad_enabled: bool = False) -> Any:
         """Copy the inputs in, replay the forward, hand back the static outputs (grad mode off)."""
@@ -974,7 +1048,13 @@ class GraphedCallable:
                     plain
                     and not tensor._backward_hooks
                     and not tensor.retains_grad
-                    and (node is None or (type(node) is _REPLAY_BACKWARD and not node.hooked))
+                    and (
+                        # a leaf: its AccumulateGrad adds the buffer into .grad, where nothing
+                        # keeps it (with no .grad yet, it would clone the buffer: a copy then
+                        # costs nothing more); a hook on that node would see the buffer itself
+                        (node is None and tensor.grad is not None and not _node_hooked(tensor))
+                        or (type(node) is _REPLAY_BACKWARD and not node.hooked)
+                    )
                 ):
                     result[position] = grad
                 else:
@@ -1029,6 +1109,14 @@ class GraphedCallable:
             )
         # One pass over the parameters: still trainable, and no hook that in-graph grads would
         # skip (an empty hook dict, left by a removed hook, is looked at on the slow path).
+        if self._node_hooked is not None:
+            raise DualgraphError(
+                f"{self.name}: {self._node_hooked}'s AccumulateGrad node has a hook (put on the "
+                "node itself, as Megatron-LM's DDP and _apply_optimizer_in_backward do), which "
+                "param_grads='in_graph' would never run: the backward graph adds the grad into "
+                ".grad itself (nothing was changed). Capture with param_grads='auto' or "
+                "'autograd' to use it"
+            )
         if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:
             for param, name in zip(self._plan_params, self.plan.params.names, strict=True):
                 if not param.requires_grad:
@@ -1197,6 +1285,12 @@ class GraphedCallable:
         return tuple(counts)
 
 
+def _node_hooked(leaf: torch.Tensor) -> bool:
+    """Whether a leaf's ``AccumulateGrad`` node has a Python hook (that would see the grad)."""
+    dicts = node_hook_dicts(leaf)
+    return dicts is None or bool(dicts[0]) or bool(dicts[1])
+
+
 def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
     """Whether ``tensor`` (an accumulator) still lies where ``memory`` (its alias) does."""
     return tensor.data_ptr() == memory.data_ptr() and tensor.stride() == memory.stride()
@@ -1220,6 +1314,32 @@ def _unwritable(tensor: torch.Tensor) -> str | None:
     """Why an in-place update cannot be written into ``tensor``, or ``None``."""
     refusal = _in_place_refusal(tensor)
     return None if refusal is None else _IN_PLACE_REFUSALS[refusal]
+
+
+def _output_reach(
+    plan: ReplayPlan,
+) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+    """Each differentiable output, with the inputs and the parameters that reach it.
+
+    Positions among the output tensors, the input tensors and the parameters.
+    """
+    grad_inputs = plan.grad_inputs
+    reach = plan.reach
+    params = range(len(plan.params.params))
+    result = []
+    for k, output in enumerate(plan.diff_outputs):
+        if reach is None:  # every output reaches every input and parameter
+            result.append((output, tuple(grad_inputs), tuple(params)))
+            continue
+        param_reach = reach[len(grad_inputs) :]
+        result.append(
+            (
+                output,
+                tuple(i for i, leaf in zip(grad_inputs, reach, strict=False) if k in leaf),
+                tuple(j for j in params if k in param_reach[j]),
+            )
+        )
+    return tuple(result)
 
 
 def _input_only_outputs(plan: ReplayPlan) -> tuple[tuple[int, tuple[int, ...]], ...]:

@@ -62,12 +62,16 @@ class _Replay(torch.autograd.Function):
         ctx.inputs = inputs
         ctx.generation = graphed._generation
         # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
-        # over by the backward, so it is asked now).
-        ctx.under_ddp = graphed._auto and _ddp_is_running()
+        # over by the backward, so it is asked now), and hooks on a parameter's AccumulateGrad
+        # node itself need them too (found before this replay's node kept them).
+        ctx.under_ddp = graphed._auto and (graphed._nodes_watched or _ddp_is_running())
         ctx.set_materialize_grads(False)
-        nondiff = (  # an output only inputs that need no grad in this call reach needs none
-            graphed.nondiff_outputs_of(inputs)
-            if graphed._input_only_outputs
+        # An output that only inputs and parameters needing no grad in this call reach needs
+        # none (an input passed without, a parameter frozen since capture).
+        frozen = graphed.params_frozen(ctx.needs_input_grad)
+        nondiff = (
+            graphed.nondiff_outputs_of(inputs, frozen)
+            if frozen or graphed._input_only_outputs
             else graphed._nondiff_outputs
         )
         if nondiff:
