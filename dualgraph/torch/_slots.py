@@ -67,6 +67,7 @@ __all__ = [
 
 _Node = Any  # an autograd node (the replay Function's backward object)
 _requires_grad = operator.attrgetter("requires_grad")
+_current_graph_task_id = torch._C._current_graph_task_id
 
 
 class SlotReplay(GraphedCallable):
@@ -76,7 +77,7 @@ class SlotReplay(GraphedCallable):
     afterwards (the slot is free again).
     """
 
-    __slots__ = ("_dropped", "_front", "_probe", "index")
+    __slots__ = ("_backward_task", "_dropped", "_front", "_probe", "index")
 
     def __init__(self, plan: Any, index: int) -> None:
         super().__init__(plan)
@@ -84,6 +85,7 @@ class SlotReplay(GraphedCallable):
         self._front: SlottedCallable | None = None
         self._probe: tuple[torch.Tensor, ...] = ()
         self._dropped = -1  # the generation of the replay in flight that reset_slots dropped
+        self._backward_task = -1  # the autograd graph task that ran its last backward
 
     def drop(self) -> None:
         """Refuse the backward of the replay in flight here (``reset_slots``): its buffers are
@@ -134,21 +136,43 @@ class SlotReplay(GraphedCallable):
             raise front._busy()
         try:
             if generation == self._dropped:
-                raise DualgraphError(
-                    f"{self.name}: the backward of a replay that dualgraph.torch.reset_slots "
-                    f"dropped (slot {self.index}, in flight when the slots were reset); its "
-                    "buffers and activations belong to the replays after the reset. Run the "
-                    "forward again"
-                )
+                raise self._dropped_error()
+            front.refuse_stale_in_this_backward(self, generation)
             front._gate.check_backward(front, self.index)
             result = super()._backward(
                 generation, needs_input_grad, inputs, grads, through_autograd, results_seen
             )
+            self._backward_task = _current_graph_task_id()
             front._pending[self.index] = None
             front._gate.finished(front, self.index)
             return result
         finally:
             lock.release()
+
+    def _dropped_error(self) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: the backward of a replay that dualgraph.torch.reset_slots "
+            f"dropped (slot {self.index}, in flight when the slots were reset); its "
+            "buffers and activations belong to the replays after the reset. Run the "
+            "forward again"
+        )
+
+    def stale_backward(self, generation: int) -> DualgraphError | None:
+        """The error the backward of this slot's replay ``generation`` will raise, if it will:
+        dropped by ``reset_slots``, overwritten by a later forward, or its backward already run
+        in an earlier backward (``retain_graph=True``)."""
+        if generation == self._dropped:
+            return self._dropped_error()
+        if generation != self._generation or (
+            # ran already, but in an earlier backward, not this one (through several slots)
+            self._backward_generation == generation
+            and self._backward_task != _current_graph_task_id()
+        ):
+            try:
+                self._check_backward(generation, True)
+            except DualgraphError as error:
+                return error
+        return None
 
     def _params_used_elsewhere(self) -> bool:
         """Whether this backward also runs through another slot's replay (``"auto"`` asks).
@@ -183,6 +207,7 @@ class SlottedCallable:
     __slots__ = (
         "_gate",
         "_lock",
+        "_nodes",
         "_pending",
         "_recent",
         "_replays",
@@ -203,6 +228,10 @@ class SlottedCallable:
         # Per slot: the same for its latest replay, kept after its backward has run (until the
         # node dies), so that another slot's backward can tell whether one backward ran both.
         self._recent: list[weakref.ref[_Node] | None] = [None] * len(replays)
+        # The nodes of every replay with grad whose graph is alive (pruned at each forward):
+        # one backward may run through several, and one that will refuse must do so before
+        # another has added anything (the engine runs the later replay's first).
+        self._nodes: list[weakref.ref[_Node]] = []
         for replay in replays:
             replay._front = self
         self._unique_bytes = _buffer_bytes(replays)
@@ -283,13 +312,35 @@ class SlottedCallable:
             finally:
                 replay._probe = ()
             if node is not None:  # a replay in flight: its backward is to come
-                self._pending[index] = self._recent[index] = weakref.ref(node)
+                self._pending[index] = self._recent[index] = ref = weakref.ref(node)
+                self._nodes = [alive for alive in self._nodes if alive() is not None]
+                self._nodes.append(ref)
                 self._gate.started(self, index)
             elif isinstance(self._gate, ScheduleCursor):
                 raise self._gate.no_backward(self)
             return outputs
         finally:
             lock.release()
+
+    def refuse_stale_in_this_backward(self, replay: SlotReplay, generation: int) -> None:
+        """Raise, before ``replay``'s backward touches anything, the error of another replay of
+        this callable that the same backward reaches and that will refuse its own backward
+        (one backward through two slots: grads must not be added for one and not the other)."""
+        if will_engine_execute_node is None or len(self._nodes) < 2:
+            return
+        for ref in self._nodes:
+            node = ref()
+            if node is None or (node.graphed is replay and node.generation == generation):
+                continue
+            error = node.graphed.stale_backward(node.generation)
+            if error is None:
+                continue
+            try:
+                reached = bool(will_engine_execute_node(node))
+            except RuntimeError:  # asked of a node torch.autograd.grad captures: none here
+                reached = False
+            if reached:
+                raise error
 
     def drop_in_flight(self) -> None:
         """Free every slot; the backwards of the replays in flight will raise (reset_slots)."""
