@@ -1200,3 +1200,24 @@ def test_a_replay_hook_failing_before_the_backward_leaves_it_pending_for_a_retry
         parameter_names(layer),
         tolerance(backend),
     )
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_one_backward_through_a_stale_replay_and_the_latest_is_refused_before_any_grad_changes(
+    backend: str, param_grads: str
+) -> None:
+    """The engine runs the later replay's backward first: it must not add its grads before the
+    earlier replay (overwritten by it) refuses, as nothing is added on any other refusal."""
+    layer = nn.Linear(8, 8).to(device_of(backend))
+    graphed = _graph(layer, (4, 8), backend=backend, param_grads=param_grads)
+    layer(torch.randn(4, 8, device=device_of(backend))).sum().backward()  # .grad holds something
+    before = [p.grad.clone() for p in layer.parameters()]
+    xs = [torch.randn(4, 8, device=device_of(backend), requires_grad=True) for _ in range(2)]
+    first, second = graphed(xs[0]), graphed(xs[1])
+    with pytest.raises(DualgraphError, match="earlier replay"):
+        (first.sum() + second.sum()).backward()
+    assert xs[1].grad is None
+    for k, (p, then) in enumerate(zip(layer.parameters(), before, strict=True)):
+        assert torch.equal(p.grad, then), f"parameter {k}'s grad changed before the refusal"
+    second.sum().backward()  # the latest replay's backward still runs
+    assert xs[1].grad is not None

@@ -48,6 +48,7 @@ class _Replay(torch.autograd.Function):
         ctx.graphed = graphed
         ctx.inputs = inputs
         ctx.generation = graphed._generation
+        graphed._nodes.append(_weakref(ctx))  # checked by a backward through several replays
         # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
         # over by the backward, so it is asked now).
         ctx.under_ddp = graphed._auto and _ddp_is_running()

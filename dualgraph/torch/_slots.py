@@ -137,7 +137,6 @@ class SlotReplay(GraphedCallable):
         try:
             if generation == self._dropped:
                 raise self._dropped_error()
-            front.refuse_stale_in_this_backward(self, generation)
             front._gate.check_backward(front, self.index)
             result = super()._backward(
                 generation, needs_input_grad, inputs, grads, through_autograd, results_seen
@@ -158,21 +157,17 @@ class SlotReplay(GraphedCallable):
         )
 
     def stale_backward(self, generation: int) -> DualgraphError | None:
-        """The error the backward of this slot's replay ``generation`` will raise, if it will:
-        dropped by ``reset_slots``, overwritten by a later forward, or its backward already run
-        in an earlier backward (``retain_graph=True``)."""
+        """Also dropped by ``reset_slots``; a backward that ran in this very backward (one
+        backward through several slots) is no refusal."""
         if generation == self._dropped:
             return self._dropped_error()
-        if generation != self._generation or (
-            # ran already, but in an earlier backward, not this one (through several slots)
-            self._backward_generation == generation
-            and self._backward_task != _current_graph_task_id()
+        if (
+            generation == self._generation
+            and self._backward_generation == generation
+            and self._backward_task == _current_graph_task_id()
         ):
-            try:
-                self._check_backward(generation, True)
-            except DualgraphError as error:
-                return error
-        return None
+            return None
+        return super().stale_backward(generation)
 
     def _params_used_elsewhere(self) -> bool:
         """Whether this backward also runs through another slot's replay (``"auto"`` asks).
@@ -207,7 +202,6 @@ class SlottedCallable:
     __slots__ = (
         "_gate",
         "_lock",
-        "_nodes",
         "_pending",
         "_recent",
         "_replays",
@@ -228,10 +222,6 @@ class SlottedCallable:
         # Per slot: the same for its latest replay, kept after its backward has run (until the
         # node dies), so that another slot's backward can tell whether one backward ran both.
         self._recent: list[weakref.ref[_Node] | None] = [None] * len(replays)
-        # The nodes of every replay with grad whose graph is alive (pruned at each forward):
-        # one backward may run through several, and one that will refuse must do so before
-        # another has added anything (the engine runs the later replay's first).
-        self._nodes: list[weakref.ref[_Node]] = []
         for replay in replays:
             replay._front = self
         self._unique_bytes = _buffer_bytes(replays)
@@ -312,35 +302,13 @@ class SlottedCallable:
             finally:
                 replay._probe = ()
             if node is not None:  # a replay in flight: its backward is to come
-                self._pending[index] = self._recent[index] = ref = weakref.ref(node)
-                self._nodes = [alive for alive in self._nodes if alive() is not None]
-                self._nodes.append(ref)
+                self._pending[index] = self._recent[index] = weakref.ref(node)
                 self._gate.started(self, index)
             elif isinstance(self._gate, ScheduleCursor):
                 raise self._gate.no_backward(self)
             return outputs
         finally:
             lock.release()
-
-    def refuse_stale_in_this_backward(self, replay: SlotReplay, generation: int) -> None:
-        """Raise, before ``replay``'s backward touches anything, the error of another replay of
-        this callable that the same backward reaches and that will refuse its own backward
-        (one backward through two slots: grads must not be added for one and not the other)."""
-        if will_engine_execute_node is None or len(self._nodes) < 2:
-            return
-        for ref in self._nodes:
-            node = ref()
-            if node is None or (node.graphed is replay and node.generation == generation):
-                continue
-            error = node.graphed.stale_backward(node.generation)
-            if error is None:
-                continue
-            try:
-                reached = bool(will_engine_execute_node(node))
-            except RuntimeError:  # asked of a node torch.autograd.grad captures: none here
-                reached = False
-            if reached:
-                raise error
 
     def drop_in_flight(self) -> None:
         """Free every slot; the backwards of the replays in flight will raise (reset_slots)."""
