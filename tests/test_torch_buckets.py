@@ -1424,3 +1424,27 @@ def test_a_callable_raising_in_the_padding_check_is_a_capture_error_and_leaves_i
         )
     assert torch.equal(module.calls, torch.zeros(()))
     assert module(torch.ones(2, 4), valid_length=torch.tensor(2)).shape == (2, 4)
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_one_backward_through_two_buckets_is_refused_before_any_grad_changes(
+    backend: str, param_grads: str
+) -> None:
+    """A replay of one bucket expires the other's pending backward; one backward through both
+    runs the later one's first, which must not add its grads before the earlier one refuses."""
+    device = device_of(backend)
+    layer = nn.Linear(8, 8).to(device)
+    graphed = dgt.make_graphed_callables(
+        layer,
+        buckets=[(torch.randn(n, 8, device=device, requires_grad=True),) for n in (2, 4)],
+        backend=backend,
+        param_grads=param_grads,
+    )
+    xs = [torch.randn(n, 8, device=device, requires_grad=True) for n in (2, 4)]
+    first, second = graphed(xs[0]), graphed(xs[1])
+    with pytest.raises(DualgraphError, match="earlier replay"):
+        (first.sum() + second.sum()).backward()
+    assert xs[1].grad is None
+    assert all(p.grad is None for p in layer.parameters())
+    second.sum().backward()
+    assert xs[1].grad is not None

@@ -333,5 +333,277 @@ def test_output_returned_twice_grads_equal_eager() -> None:
     assert torch.equal(xg.grad, xe.grad)
 
 
+# -- several replays in flight (slots=) and shape buckets (buckets=, fallback=) --------------------
+
+
+class Stage(torch.nn.Module):
+    """A pipeline stage: outputs with grad, a view of one, an int, the input, a detached one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, WIDTH)
+        self.fc2 = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        h = torch.tanh(self.fc1(x))
+        o = self.fc2(h) + y
+        return o, h * 2, o.argmax(-1), x, (h * 2)[0], h.detach()
+
+
+def _stage_loss(outs: Any, pick: int) -> Any:
+    total: Any = 0
+    if pick & 1:
+        total = total + outs[0].sum() * 1.5
+    if pick & 2:
+        total = total + (outs[1] * 3).sum()
+    if pick & 4 or not pick & 3:
+        total = total + (outs[4] * 5).sum()
+    return total
+
+
+def _same_grads(a: torch.nn.Module, b: torch.nn.Module, what: str, exact: bool) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name}.grad None-ness"
+        if p.grad is not None:
+            if exact:
+                assert torch.equal(p.grad, q.grad), f"{what}: {name}.grad"
+            else:
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5)
+
+
+def _zero(*modules: torch.nn.Module) -> None:
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+
+
+SLOT_OPS = ("forward", "no_grad", "backward", "backward_two", "retain", "drop", "zero")
+
+
+@st.composite
+def slot_programs(draw: st.DrawFn) -> dict[str, Any]:
+    return {
+        "slots": draw(st.integers(1, 3)),
+        "mode": draw(st.sampled_from(["auto", "autograd", "in_graph"])),
+        "clone": draw(st.booleans()),
+        "ops": draw(
+            st.lists(
+                st.tuples(st.sampled_from(SLOT_OPS), st.integers(0, 63), st.booleans()),
+                min_size=1,
+                max_size=8,  # a callable checks its latest 8 replays in one backward (README)
+            )
+        ),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def run_slot_program(cfg: dict[str, Any]) -> None:
+    """Forwards and backwards in any order against eager; refusals only where the README says."""
+    torch.manual_seed(cfg["seed"])
+    eager = Stage()
+    graphed = copy.deepcopy(eager)
+    sample = (torch.randn(3, WIDTH, requires_grad=True), torch.randn(3, WIDTH, requires_grad=True))
+    k = cfg["slots"]
+    dgt.make_graphed_callables(
+        graphed,
+        sample,
+        backend="emulate",
+        slots=k,
+        param_grads=cfg["mode"],
+        clone_outputs=cfg["clone"],
+    )
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    live: list[dict[str, Any]] = []  # micro-batches whose graph the program still holds
+    several = False  # "in_graph" adds each slot's grads in turn (README: last-bit differences)
+    for n, (op, pick, flag) in enumerate(cfg["ops"]):
+        what = f"op {n} ({op})"
+        if op in ("forward", "no_grad"):
+            x, y = torch.randn(3, WIDTH, generator=gen), torch.randn(3, WIDTH, generator=gen)
+            ins = {
+                side: (x.clone().requires_grad_(), y.clone().requires_grad_(flag))
+                for side in ("g", "e")
+            }
+            with torch.set_grad_enabled(op == "forward"):
+                try:
+                    go = graphed(*ins["g"])
+                except DualgraphError as error:  # every slot in flight (README)
+                    assert f"all {k} slots are in flight" in str(error), f"{what}: {error}"
+                    continue
+                eo = eager(*ins["e"])
+            for a, b in zip(go, eo, strict=True):
+                _same(a, b, f"{what} output")
+            if op == "forward":
+                live.append({"g": go, "e": eo, "ins": ins, "pick": pick % 7 + 1, "ran": False})
+        elif op in ("backward", "backward_two", "retain") and live:
+            chosen = [pick % len(live)]
+            if op == "backward_two" and len(live) > 1:
+                chosen.append((chosen[0] + 1 + pick // 8 % (len(live) - 1)) % len(live))
+            entries = [live[i] for i in chosen]
+            retain = op == "retain"
+            gl = sum(_stage_loss(e["g"], e["pick"]) for e in entries)
+            el = sum(_stage_loss(e["e"], e["pick"]) for e in entries)
+            try:
+                gl.backward(retain_graph=retain)
+            except DualgraphError as error:
+                # README: one backward per replay, and only until its slot's next forward
+                assert k == 1 or any(e["ran"] for e in entries), f"{what}: {error}"
+                message = str(error)
+                assert "earlier replay" in message or "second backward" in message, message
+                for i in sorted(chosen, reverse=True):
+                    live.pop(i)
+                _same_grads(graphed, eager, f"{what} refused: nothing added", not several)
+                continue
+            el.backward(retain_graph=retain)
+            several = several or (len(chosen) > 1 and cfg["mode"] == "in_graph")
+            for e in entries:
+                for a, b in zip(e["ins"]["g"], e["ins"]["e"], strict=True):
+                    assert (a.grad is None) == (b.grad is None), f"{what}: input grad None-ness"
+                    if a.grad is not None:
+                        assert torch.equal(a.grad, b.grad), f"{what}: input grad"
+                e["ran"] = True
+            if not retain:
+                for i in sorted(chosen, reverse=True):
+                    live.pop(i)
+        elif op == "drop" and live:
+            live.pop(pick % len(live))
+        elif op == "zero":
+            _zero(graphed, eager)
+            several = False
+        _same_grads(graphed, eager, what, not several)
+
+
+@settings(
+    max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(slot_programs())
+def test_slotted_module_equals_eager_over_random_forward_and_backward_orders(
+    cfg: dict[str, Any],
+) -> None:
+    run_slot_program(cfg)
+
+
+class Masked(torch.nn.Module):
+    """Per-position work, and a mean over the positions ``valid_length`` says are not padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(
+        self, x: torch.Tensor, *, y: torch.Tensor, valid_length: torch.Tensor | None = None
+    ) -> Any:
+        h = torch.tanh(self.fc(x))
+        n = x.shape[1]
+        positions = torch.arange(n, device=x.device)
+        keep = (positions < (n if valid_length is None else valid_length)).to(h.dtype)
+        pooled = (h * keep[None, :, None]).sum(1) / keep.sum()
+        return {"h": self.out(h) * y, "pooled": pooled, "n": 3}
+
+
+BUCKET_LENGTHS = (3, 5, 8)
+
+
+@st.composite
+def bucket_programs(draw: st.DrawFn) -> dict[str, Any]:
+    return {
+        "mode": draw(st.sampled_from(["auto", "autograd", "in_graph"])),
+        "fallback": draw(st.sampled_from(["pad", "eager"])),
+        "ops": draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["forward", "no_grad", "backward", "backward_two", "zero"]),
+                    st.integers(1, max(BUCKET_LENGTHS)),
+                    st.booleans(),
+                ),
+                min_size=1,
+                max_size=8,
+            )
+        ),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def run_bucket_program(cfg: dict[str, Any]) -> None:
+    """Calls of any length in any order against eager: calls that fit a bucket (and eager
+    fallbacks) bit for bit, padded ones within rounding; refusals only where the README says."""
+    torch.manual_seed(cfg["seed"])
+    eager = Masked()
+    graphed = copy.deepcopy(eager)
+    pad = cfg["fallback"] == "pad"
+    dgt.make_graphed_callables(
+        graphed,
+        buckets=[(torch.randn(2, n, WIDTH, requires_grad=True),) for n in BUCKET_LENGTHS],
+        sample_kwargs=[{"y": torch.randn(2, n, 1, requires_grad=True)} for n in BUCKET_LENGTHS],
+        fallback=cfg["fallback"],
+        dynamic_dims={"args[0]": 1, "kwargs['y']": 1, "output['h']": 1} if pad else None,
+        backend="emulate",
+        param_grads=cfg["mode"],
+    )
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    live: list[dict[str, Any]] = []
+    exact = True  # every grad so far came from calls that fit a bucket, one backward each
+    for n, (op, length, flag) in enumerate(cfg["ops"]):
+        what = f"op {n} ({op}, {length})"
+        if op in ("forward", "no_grad"):
+            x = torch.randn(2, length, WIDTH, generator=gen)
+            y = torch.randn(2, length, 1, generator=gen)
+            ins = {s: (x.clone().requires_grad_(), y.clone().requires_grad_(flag)) for s in "ge"}
+            fits = length in BUCKET_LENGTHS or not pad
+            with torch.set_grad_enabled(op == "forward"):
+                go = graphed(ins["g"][0], y=ins["g"][1])
+                eo = eager(ins["e"][0], y=ins["e"][1])
+            assert go["n"] == eo["n"]
+            for key in ("h", "pooled"):
+                a, b = go[key], eo[key]
+                assert a.shape == b.shape and a.requires_grad == b.requires_grad, what
+                if fits:
+                    assert torch.equal(a, b), f"{what}: output[{key!r}]"
+                else:
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            if op == "forward":
+                live.append({"g": go, "e": eo, "ins": ins, "fits": fits})
+        elif op in ("backward", "backward_two") and live:
+            chosen = [length % len(live)]
+            if op == "backward_two" and len(live) > 1:
+                chosen.append((chosen[0] + 1) % len(live))
+            entries = [live[i] for i in chosen]
+            for i in sorted(chosen, reverse=True):
+                live.pop(i)
+            gl = sum(e["g"]["h"].sum() + e["g"]["pooled"].pow(2).sum() for e in entries)
+            el = sum(e["e"]["h"].sum() + e["e"]["pooled"].pow(2).sum() for e in entries)
+            try:
+                gl.backward()
+            except DualgraphError as error:  # README: one bucket replay in flight at a time
+                message = str(error)
+                assert "earlier replay" in message or "bucket" in message, f"{what}: {message}"
+                for e in entries:  # refused before anything was added
+                    assert all(t.grad is None for t in e["ins"]["g"]), f"{what}: input grad"
+                _same_grads(graphed, eager, f"{what} refused: nothing added", exact)
+                continue
+            el.backward()
+            exact = exact and len(chosen) == 1 and entries[0]["fits"]
+            for e in entries:
+                for a, b in zip(e["ins"]["g"], e["ins"]["e"], strict=True):
+                    assert (a.grad is None) == (b.grad is None), f"{what}: input grad None-ness"
+                    if a.grad is None:
+                        continue
+                    if exact:
+                        assert torch.equal(a.grad, b.grad), f"{what}: input grad"
+                    else:
+                        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+            _same_grads(graphed, eager, what, exact)
+        elif op == "zero":
+            _zero(graphed, eager)
+            exact = True
+
+
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(bucket_programs())
+def test_bucketed_module_equals_eager_over_random_lengths_and_orders(cfg: dict[str, Any]) -> None:
+    run_bucket_program(cfg)
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])

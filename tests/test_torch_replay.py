@@ -91,10 +91,17 @@ def test_an_eager_op_that_saved_an_overwritten_output_raises_at_backward_as_in_e
         target, _ = graphed(torch.randn(3, device=device, requires_grad=True))
         target.sum().backward()
     kept = (target * w).sum()  # mul saves target for w's grad
-    out, _ = graphed(torch.randn(3, device=device, requires_grad=True))
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    x = torch.randn(3, device=device, requires_grad=True)
+    out, _ = graphed(x)
+    # After its backward, target still carries the first replay's node, which this backward
+    # also reaches: that replay's refusal comes first, before the later replay adds anything.
+    error: Any = RuntimeError if earlier == "without_grad" else DualgraphError
+    message = "modified by an inplace operation" if earlier == "without_grad" else "earlier replay"
+    with pytest.raises(error, match=message):
         (kept + out.sum()).backward()
     assert w.grad is None
+    if earlier == "after_its_backward":
+        assert x.grad is None
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -1235,3 +1242,24 @@ def test_a_batched_backward_on_the_engines_device_thread_is_refused(
     assert len(raised) == 1 and isinstance(raised[0], DualgraphError), raised
     assert "is_grads_batched" in str(raised[0])
     assert all(map(torch.equal, runner_of(layer).plan.buffers.grad_outputs, static))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_one_backward_through_a_stale_replay_and_the_latest_is_refused_before_any_grad_changes(
+    backend: str, param_grads: str
+) -> None:
+    """The engine runs the later replay's backward first: it must not add its grads before the
+    earlier replay (overwritten by it) refuses, as nothing is added on any other refusal."""
+    layer = nn.Linear(8, 8).to(device_of(backend))
+    graphed = _graph(layer, (4, 8), backend=backend, param_grads=param_grads)
+    layer(torch.randn(4, 8, device=device_of(backend))).sum().backward()  # .grad holds something
+    before = [p.grad.clone() for p in layer.parameters()]
+    xs = [torch.randn(4, 8, device=device_of(backend), requires_grad=True) for _ in range(2)]
+    first, second = graphed(xs[0]), graphed(xs[1])
+    with pytest.raises(DualgraphError, match="earlier replay"):
+        (first.sum() + second.sum()).backward()
+    assert xs[1].grad is None
+    for k, (p, then) in enumerate(zip(layer.parameters(), before, strict=True)):
+        assert torch.equal(p.grad, then), f"parameter {k}'s grad changed before the refusal"
+    second.sum().backward()  # the latest replay's backward still runs
+    assert xs[1].grad is not None

@@ -933,3 +933,41 @@ def test_the_backward_of_a_replay_in_flight_at_reset_is_refused(backend: str, la
         assert_tensors_match(x.grad, e.grad, "input grad", tolerance(backend))
     for p, e in zip(model.parameters(), twin.parameters(), strict=True):
         assert_tensors_match(p.grad, e.grad, "parameter grad", tolerance(backend))
+
+
+def _grads_of(module: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("how", ["overwritten", "retained", "reset"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_backward_through_a_slot_that_cannot_run_it_is_refused_before_any_grad_changes(
+    backend: str, param_grads: str, how: str
+) -> None:
+    """One backward through two slots, one of which will refuse (its backward already ran with
+    retain_graph=True, or reset_slots dropped it): the later replay's backward runs first in the
+    engine, and must not add its grads before the earlier one refuses."""
+    model = TinyMLP().to(device_of(backend))
+    graphed = _graph(model, backend, slots=2, param_grads=param_grads)
+    xs = [_x(backend) for _ in range(2)]
+    first = graphed(xs[0])
+    if how == "retained":  # slot 1 next, slot 0 keeps the replay whose backward ran
+        second = graphed(xs[1])
+        first.sum().backward(retain_graph=True)
+    else:
+        if how == "overwritten":
+            first.sum().backward(retain_graph=True)
+        else:
+            dgt.reset_slots(graphed)
+        second = graphed(xs[1])  # slot 0 again: free after the backward, or after the reset
+    before = _grads_of(model)
+    with pytest.raises(DualgraphError, match=r"earlier replay|second backward|reset_slots dropped"):
+        (first.sum() + second.sum()).backward()
+    assert xs[1].grad is None
+    for k, (now, then) in enumerate(zip(_grads_of(model), before, strict=True)):
+        assert (now is None) == (then is None), k
+        if now is not None:
+            assert torch.equal(now, then), f"parameter {k}'s grad changed before the refusal"
+    assert dgt.diagnostics(graphed).in_flight != ()  # the second replay's backward can still run
+    second.sum().backward()
+    assert xs[1].grad is not None

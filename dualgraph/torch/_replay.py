@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import operator
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,6 +151,7 @@ class GraphedCallable:
         "_mutated",
         "_names_of",
         "_node_hooked",
+        "_nodes",
         "_nodes_watched",
         "_nondiff_outputs",
         "_numerics",
@@ -325,6 +327,10 @@ class GraphedCallable:
         self._generation = 0
         self._backward_generation = -1
         self._replayed_in_backward = False  # the last replay that overwrote a pending backward
+        # Weakly, the autograd nodes of the latest replays with grad (of every slot or bucket:
+        # see join). One backward may run through several; one that will refuse must refuse
+        # before another has added anything (the engine runs the later replay's first).
+        self._nodes: deque[Any] = deque(maxlen=_NODES_KEPT)
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
         # Each accumulator with its storage's address for the holder counts; the storage objects
         # are kept alive here (each adds one constant reference to the memory).
@@ -471,12 +477,16 @@ class GraphedCallable:
 
         They share their in-graph accumulators, whose present holders each takes as their
         owners (a holder beyond these, a ``.grad`` kept after ``zero_grad(set_to_none=True)``,
-        then counts), and whether a forward ran inside DDP's.
+        then counts), whether a forward ran inside DDP's, and the nodes of their latest
+        replays.
         """
         ddp = replays[0]._ddp
+        # a backward through any two of them checks the other (_refuse_stale_in_this_backward)
+        nodes: deque[Any] = deque(maxlen=_NODES_KEPT + 2 * len(replays))
         for replay in replays:
             replay._holder_baseline = replay._holder_counts()
             replay._ddp = ddp
+            replay._nodes = nodes
 
     def __repr__(self) -> str:
         return (
@@ -779,6 +789,8 @@ class GraphedCallable:
                 self._check_backward(generation, plain)
             if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
+            if len(self._nodes) > 1 and _will_engine_execute_node is not None:
+                self._refuse_stale_in_this_backward(generation)
             # Marked before the hooks and graphs run; a refusal made before anything is
             # replayed or added to (_RefusedBeforeReplay, a replay hook's error) unmarks it,
             # so that a retry (the .grad mended, retain_graph=True) runs it, as eager's would.
@@ -966,6 +978,39 @@ class GraphedCallable:
                     "(the rest stays inside the graph). Graph the parts before and after it as "
                     "separate callables to watch the grad there"
                 )
+
+    def _refuse_stale_in_this_backward(self, generation: int) -> None:
+        """Raise, before this backward touches anything, the refusal of another replay of this
+        callable (or of its slots or buckets) that the same backward reaches and whose own
+        backward will refuse: one backward through two replays adds the grads of both or of
+        neither."""
+        for ref in self._nodes:
+            node = ref()
+            if node is None or (node.graphed is self and node.generation == generation):
+                continue
+            try:
+                reached = _will_engine_execute_node(node)  # type: ignore[misc]
+            except RuntimeError:  # asked of a node that torch.autograd.grad captures: none here
+                reached = False
+            if reached:
+                error = node.graphed.stale_backward(node.generation)
+                if error is not None:
+                    raise error
+
+    def stale_backward(self, generation: int) -> DualgraphError | None:
+        """The error the backward of replay ``generation`` will raise, if it will: a later
+        forward (or another bucket's) overwrote its activations, or its backward ran already."""
+        pool = self._pool
+        if (
+            generation != self._generation
+            or self._backward_generation == generation
+            or (pool is not None and pool.expired == generation)
+        ):
+            try:
+                self._check_backward(generation, True)
+            except DualgraphError as error:
+                return error
+        return None
 
     def _frozen_since_capture(self, needs_input_grad: Sequence[bool]) -> DualgraphError:
         names = self.plan.params.names
@@ -1289,6 +1334,12 @@ def _node_hooked(leaf: torch.Tensor) -> bool:
     """Whether a leaf's ``AccumulateGrad`` node has a Python hook (that would see the grad)."""
     dicts = node_hook_dicts(leaf)
     return dicts is None or bool(dicts[0]) or bool(dicts[1])
+
+
+#: Replays whose nodes a callable keeps (weakly) to check one backward through several: the
+#: latest 8 (buckets and slots keep two more per bucket or slot). A backward that also reaches
+#: an older replay still refuses, but only once the engine gets to it.
+_NODES_KEPT = 8
 
 
 def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:

@@ -61,6 +61,7 @@ class _Replay(torch.autograd.Function):
         ctx.graphed = graphed
         ctx.inputs = inputs
         ctx.generation = graphed._generation
+        graphed._nodes.append(_weakref(ctx))  # checked by a backward through several replays
         # "auto": DDP all-reduces through the parameters' AccumulateGrad hooks (its forward is
         # over by the backward, so it is asked now), and hooks on a parameter's AccumulateGrad
         # node itself need them too (found before this replay's node kept them).

@@ -67,6 +67,7 @@ __all__ = [
 
 _Node = Any  # an autograd node (the replay Function's backward object)
 _requires_grad = operator.attrgetter("requires_grad")
+_current_graph_task_id = torch._C._current_graph_task_id
 
 
 class SlotReplay(GraphedCallable):
@@ -76,7 +77,7 @@ class SlotReplay(GraphedCallable):
     afterwards (the slot is free again).
     """
 
-    __slots__ = ("_dropped", "_front", "_probe", "index")
+    __slots__ = ("_backward_task", "_dropped", "_front", "_probe", "index")
 
     def __init__(self, plan: Any, index: int) -> None:
         super().__init__(plan)
@@ -84,6 +85,7 @@ class SlotReplay(GraphedCallable):
         self._front: SlottedCallable | None = None
         self._probe: tuple[torch.Tensor, ...] = ()
         self._dropped = -1  # the generation of the replay in flight that reset_slots dropped
+        self._backward_task = -1  # the autograd graph task that ran its last backward
 
     def drop(self) -> None:
         """Refuse the backward of the replay in flight here (``reset_slots``): its buffers are
@@ -134,21 +136,38 @@ class SlotReplay(GraphedCallable):
             raise front._busy()
         try:
             if generation == self._dropped:
-                raise DualgraphError(
-                    f"{self.name}: the backward of a replay that dualgraph.torch.reset_slots "
-                    f"dropped (slot {self.index}, in flight when the slots were reset); its "
-                    "buffers and activations belong to the replays after the reset. Run the "
-                    "forward again"
-                )
+                raise self._dropped_error()
             front._gate.check_backward(front, self.index)
             result = super()._backward(
                 generation, needs_input_grad, inputs, grads, through_autograd, results_seen
             )
+            self._backward_task = _current_graph_task_id()
             front._pending[self.index] = None
             front._gate.finished(front, self.index)
             return result
         finally:
             lock.release()
+
+    def _dropped_error(self) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: the backward of a replay that dualgraph.torch.reset_slots "
+            f"dropped (slot {self.index}, in flight when the slots were reset); its "
+            "buffers and activations belong to the replays after the reset. Run the "
+            "forward again"
+        )
+
+    def stale_backward(self, generation: int) -> DualgraphError | None:
+        """Also dropped by ``reset_slots``; a backward that ran in this very backward (one
+        backward through several slots) is no refusal."""
+        if generation == self._dropped:
+            return self._dropped_error()
+        if (
+            generation == self._generation
+            and self._backward_generation == generation
+            and self._backward_task == _current_graph_task_id()
+        ):
+            return None
+        return super().stale_backward(generation)
 
     def _params_used_elsewhere(self) -> bool:
         """Whether this backward also runs through another slot's replay (``"auto"`` asks).
