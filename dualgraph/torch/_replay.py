@@ -35,7 +35,9 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._ambient import autocast_state, autograd_records, numerics_difference, show_autocast
 from ._ambient import ddp_is_running as _ddp_is_running
+from ._ambient import numerics_readings as _numerics_readings
 from ._ambient import numerics_state as _numerics_state
+from ._ambient import state_of as _state_of
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
@@ -149,6 +151,7 @@ class GraphedCallable:
         "_names_of",
         "_nondiff_outputs",
         "_numerics",
+        "_numerics_read",
         "_other_uses",
         "_out_spec",
         "_output_storages",
@@ -280,6 +283,9 @@ class GraphedCallable:
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
         self._numerics = plan.numerics
+        # Getters' readings found to mean the captured settings (_ambient.numerics_readings):
+        # a call that reads the same compares those alone.
+        self._numerics_read: tuple[Any, ...] = ()
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
@@ -467,8 +473,11 @@ class GraphedCallable:
                 self._module_tensors.check(grad_enabled=grad_enabled)
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state(grad_enabled)
-            if _numerics_state() != self._numerics:
-                raise self._numerics_changed()
+            readings = _numerics_readings()
+            if readings != self._numerics_read:
+                if _state_of(readings) != self._numerics:
+                    raise self._numerics_changed()
+                self._numerics_read = readings
             if self._mutated:
                 self._check_mutated_inputs(tensors)
             if self._updated_storages:
@@ -672,10 +681,13 @@ class GraphedCallable:
         grads: Sequence[Any],
         through_autograd: bool = False,
         results_seen: bool = False,
+        replay_node: Any = None,
     ) -> tuple[torch.Tensor | None, ...]:
         # ``through_autograd``: the parameter grads must pass through autograd (the forward ran
         # under DDP, or this backward builds a graph: create_graph=True). ``results_seen``: a
         # post hook on the replay's node sees (and may keep) the grads it hands on.
+        # ``replay_node``: the replay's own autograd node, whose edges lead to the parameters'
+        # AccumulateGrad nodes (_is_plain_backward).
         if not self._lock.acquire(False):
             raise self._busy()
         try:
@@ -694,7 +706,7 @@ class GraphedCallable:
                 except RuntimeError:  # raised where torch.autograd.grad captures that leaf
                     plain = False
             else:
-                plain = self._is_plain_backward()
+                plain = self._is_plain_backward(replay_node)
             pool = self._pool
             if (
                 generation != self._generation
@@ -992,22 +1004,34 @@ class GraphedCallable:
             result.append(param_grad)
         return (*result, *self._anchor_none)
 
-    def _is_plain_backward(self) -> bool:
+    def _is_plain_backward(self, replay_node: Any = None) -> bool:
         """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``).
 
         Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the anchor): the engine
         runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it raises for a
         leaf whose grad is captured). The anchor, which no caller can name, answers ``True``
         only in a ``.backward()`` without ``inputs=``, which runs every node it reaches.
+        ``replay_node``: the replay's autograd node, whose edges hold the parameters' nodes.
         """
         node = self._sentinel_node
         param = self._sentinel_param
         if node is None and param is not None:
             # Looked up, not kept (this backward's graph holds it): the first parameter's, or,
             # if it was frozen since the forward (no node to look up then), another's.
+            position = 0
             if not param.requires_grad:
-                param = next((p for p in self._params if p.requires_grad), None)
-            node = None if param is None else _grad_accumulator(param)
+                position, param = next(
+                    ((i, p) for i, p in enumerate(self._params) if p.requires_grad), (0, None)
+                )
+            if param is not None and replay_node is not None:
+                # The node the replay's edge leads to, which the forward took from the
+                # parameter (the same node a lookup finds while this graph holds it): read off
+                # the edge, without the lookup's differentiated view_as. The edges are the
+                # Function's tensor inputs' (the callable itself has none), hence the - 1. None
+                # where the parameter needed no grad at the forward (no edge): looked up then.
+                node = replay_node.next_functions[self._first_param - 1 + position][0]
+            if node is None and param is not None:
+                node = _grad_accumulator(param)
         if node is None or _will_engine_execute_node is None:
             return False
         try:

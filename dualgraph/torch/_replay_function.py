@@ -86,7 +86,13 @@ class _Replay(torch.autograd.Function):
 def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     graphed: GraphedCallable = ctx.graphed
     return graphed._backward(
-        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp, ctx.post_hooked
+        ctx.generation,
+        ctx.needs_input_grad,
+        ctx.inputs,
+        grads,
+        ctx.under_ddp,
+        ctx.post_hooked,
+        ctx,  # the node itself: its edges lead to the parameters' nodes
     )
 
 
@@ -97,7 +103,7 @@ def _backward_building_graph(
     # own, so the parameter grads go through autograd ("auto"), or are refused ("in_graph").
     graphed: GraphedCallable = ctx.graphed
     return graphed._backward(
-        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True, ctx.post_hooked
+        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True, ctx.post_hooked, ctx
     )
 
 

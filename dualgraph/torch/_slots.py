@@ -126,6 +126,7 @@ class SlotReplay(GraphedCallable):
         grads: Sequence[Any],
         through_autograd: bool = False,
         results_seen: bool = False,
+        replay_node: Any = None,
     ) -> tuple[torch.Tensor | None, ...]:
         front = self._front
         assert front is not None
@@ -142,7 +143,13 @@ class SlotReplay(GraphedCallable):
                 )
             front._gate.check_backward(front, self.index)
             result = super()._backward(
-                generation, needs_input_grad, inputs, grads, through_autograd, results_seen
+                generation,
+                needs_input_grad,
+                inputs,
+                grads,
+                through_autograd,
+                results_seen,
+                replay_node,
             )
             front._pending[self.index] = None
             front._gate.finished(front, self.index)
