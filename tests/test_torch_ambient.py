@@ -159,7 +159,7 @@ def test_a_setting_changed_after_calls_under_the_captured_one_is_refused() -> No
         graphed(x)
         graphed(x)
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-        refused = pytest.raises(DualgraphError, match="matmul.fp32_precision is 'tf32'")
+        refused = pytest.raises(DualgraphError, match=r"matmul\.fp32_precision is 'tf32'")
         with refused:
             graphed(x)
         torch.backends.cuda.matmul.fp32_precision = "none"

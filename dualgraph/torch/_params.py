@@ -162,8 +162,10 @@ class ModuleTensors:
     # update, where a replay reads the copy made before it.
     updated: tuple[int, ...] = ()  # indices into tensors
     # What check compares on every call, fused (built once, in __post_init__): the dicts and
-    # keys looked up by index, the dicts looked up by get, the objects found and the submodules'
-    # classes and modes must be identical to, and every tensor's address, strides and shape.
+    # keys looked up by index, the dicts looked up by get, what the objects found, the
+    # submodules' classes and modes, the sizes of the hook dicts empty at capture and the
+    # watched tensors' requires_grad must be identical to, and every tensor's address, strides
+    # and shape.
     _indexed: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] = field(
         init=False, repr=False, default=((), ())
     )
@@ -175,11 +177,12 @@ class ModuleTensors:
 
     def __post_init__(self) -> None:
         # Identity implies each of _check_all's comparisons (a tuple compares the same object
-        # as equal; a bool is one of two objects), so a call that finds every object identical
-        # and every layout equal passes it: the usual call, in one pass over the objects and one
-        # over the layouts. Anything else (even an equal but not identical training mode, or
-        # dualgraph's own forward on a submodule graphed after its parent) goes to _check_all,
-        # which decides as before.
+        # as equal; a bool is one of two objects; a hook dict whose size is the object 0 is
+        # empty), so a call that finds every object identical and every layout equal passes it:
+        # the usual call, in one pass over the objects and one over the layouts. Anything else
+        # (an equal but not identical training mode, dualgraph's own forward on a submodule
+        # graphed after its parent, a watched tensor's requires_grad changed outside grad mode,
+        # which only grad mode refuses) goes to _check_all, which decides as before.
         fill = object.__setattr__
         fill(
             self, "_indexed", ((*self.owners, *self.module_owners), (*self.keys, *self.module_keys))
@@ -202,6 +205,8 @@ class ModuleTensors:
                 *(None,) * len(self.absent_keys),
                 *self.classes,
                 *self.training,
+                *(0,) * len(self.unhooked_dicts),
+                *self.watched_requires_grad,
             ),
         )
         fill(self, "_layouts", (*self.data_ptrs, *self.strides, *self.shapes))
@@ -305,6 +310,8 @@ class ModuleTensors:
                             map(_get, *self._got),
                             map(type, modules),
                             map(_training, modules),
+                            map(len, self.unhooked_dicts),  # usually all: none then, none now
+                            map(_requires_grad, self.watched),
                         ),
                         self._identical,
                     )
@@ -313,13 +320,7 @@ class ModuleTensors:
                     _chain(map(_data_ptr, tensors), map(_stride, tensors), map(_shape, tensors))
                 )
                 == self._layouts
-                and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
-                and not (
-                    grad_enabled
-                    and self.watched
-                    and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
-                )
             ):
                 return
         except KeyError:

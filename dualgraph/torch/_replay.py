@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ import torch.autograd.graph as _autograd_graph
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._ambient import autocast_state, autograd_records, numerics_difference, show_autocast
+from ._ambient import autocast_state, numerics_difference, show_autocast
 from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_readings as _numerics_readings
 from ._ambient import numerics_state as _numerics_state
@@ -63,6 +64,9 @@ from ._unreached_hooks import quiet_hooks as _quiet_hooks
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
+_chain = itertools.chain
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
@@ -131,6 +135,7 @@ class GraphedCallable:
         "_emulated",
         "_first_param",
         "_generation",
+        "_grad_output_indices",
         "_grad_outputs",
         "_graph_grads",
         "_graph_grads_places",
@@ -221,6 +226,7 @@ class GraphedCallable:
         self._has_backward = plan.has_backward
         self._nondiff_outputs = plan.nondiff_outputs
         self._grad_outputs = tuple(zip(buffers.grad_outputs, plan.diff_outputs, strict=True))
+        self._grad_output_indices = tuple(plan.diff_outputs)
         self._edges = params.edges
         self._input_grads = tuple(
             (1 + i, grad) for i, grad in enumerate(buffers.input_grads) if grad is not None
@@ -300,9 +306,11 @@ class GraphedCallable:
         # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
         # was at capture. Made before the holder counts below, which count them.
         self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
+        # Their addresses, then their strides: what _backward_into_accumulators compares the
+        # accumulators' with, in one tuple.
         self._graph_grads_places = (
-            tuple(map(_data_ptr, self._graph_grads)),
-            tuple(map(_stride, self._graph_grads)),
+            *map(_data_ptr, self._graph_grads),
+            *map(_stride, self._graph_grads),
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -465,7 +473,8 @@ class GraphedCallable:
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
-            grad_enabled = autograd_records()  # inference mode records nothing
+            # autograd_records(), inlined: inference mode records nothing
+            grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
@@ -738,7 +747,7 @@ class GraphedCallable:
                 else:
                     static.copy_(grad)
             if self._emulated is not None:
-                self._emulated.incoming = tuple(grads[index] for _, index in self._grad_outputs)
+                self._emulated.incoming = tuple(map(grads.__getitem__, self._grad_output_indices))
             # positions among the Function's inputs, and among the parameters
             unreached_inputs, unreached_params = (
                 self._unreached(grads) if self._reach_of_params or self._reach_of_inputs else _NONE
@@ -1095,7 +1104,13 @@ class GraphedCallable:
         """
         grads = tuple(map(_grad, self._in_graph_params))
         accumulators = self._in_graph_accumulators
-        if all(map(_is, grads, accumulators)) and self._accumulators_in_place():
+        if (
+            all(map(_is, grads, accumulators))
+            # and every accumulator still has the memory and layout the graph adds into (one
+            # pass over each: the backward's only cost per parameter for this)
+            and tuple(_chain(map(_data_ptr, accumulators), map(_stride, accumulators)))
+            == self._graph_grads_places
+        ):
             replay()  # every .grad is its accumulator, where the graph adds
             return True
         pending = []
@@ -1163,15 +1178,6 @@ class GraphedCallable:
             if saved is not None:
                 memory.copy_(saved)
         return True
-
-    def _accumulators_in_place(self) -> bool:
-        """Whether every accumulator still has the memory and layout the graph adds into
-        (one pass over each: the backward's only cost per parameter for this)."""
-        accumulators = self._in_graph_accumulators
-        ptrs, strides = self._graph_grads_places
-        return tuple(map(_data_ptr, accumulators)) == ptrs and (
-            tuple(map(_stride, accumulators)) == strides
-        )
 
     def _backward_into_copies(
         self, alone: torch.Tensor | None = None

@@ -26,14 +26,6 @@ _enter_vmap = torch._C._vmapmode_increment_nesting
 _leave_vmap = torch._C._vmapmode_decrement_nesting
 
 
-def _batched() -> bool:
-    """Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
-    whose level only entering one more tells), or a ``torch.func`` transform."""
-    level = _enter_vmap()
-    _leave_vmap()
-    return level > 1 or _are_functorch_transforms_active()
-
-
 _version = operator.attrgetter("_version")
 
 
@@ -67,33 +59,34 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if _batched():
+        # Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
+        # whose level only entering one more tells), or a ``torch.func`` transform.
+        level = _enter_vmap()
+        _leave_vmap()
+        graphed: GraphedCallable = ctx.graphed
+        if level > 1 or _are_functorch_transforms_active():
             raise DualgraphError(
-                f"{ctx.graphed.name}: a batched backward (torch.autograd.grad(..., "
+                f"{graphed.name}: a batched backward (torch.autograd.grad(..., "
                 "is_grads_batched=True) or a torch.func transform) cannot be replayed: a graph "
                 "takes one grad per output into fixed buffers. Loop over the grads, or run this "
                 "callable eagerly (dualgraph.torch.restore)"
             )
-        if ctx.versions:
-            ctx.graphed._refuse_changed_since_forward(ctx.versions)
+        versions = ctx.versions
+        if versions and tuple(map(_version, graphed._read_by_backward)) != versions:
+            graphed._refuse_changed_since_forward(versions)  # says which, and raises
         if ctx.used_inside:
-            ctx.graphed._refuse_grads_watched_inside(ctx.used_inside)
+            graphed._refuse_grads_watched_inside(ctx.used_inside)
         if _is_grad_enabled():  # create_graph=True: a second backward must raise
             return _backward_once_differentiable(ctx, *grads)
-        return _backward_of(ctx, *grads)
-
-
-def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    graphed: GraphedCallable = ctx.graphed
-    return graphed._backward(
-        ctx.generation,
-        ctx.needs_input_grad,
-        ctx.inputs,
-        grads,
-        ctx.under_ddp,
-        ctx.post_hooked,
-        ctx,  # the node itself: its edges lead to the parameters' nodes
-    )
+        return graphed._backward(
+            ctx.generation,
+            ctx.needs_input_grad,
+            ctx.inputs,
+            grads,
+            ctx.under_ddp,
+            ctx.post_hooked,
+            ctx,  # the node itself: its edges lead to the parameters' nodes
+        )
 
 
 def _backward_building_graph(
