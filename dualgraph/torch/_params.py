@@ -162,10 +162,9 @@ class ModuleTensors:
     # update, where a replay reads the copy made before it.
     updated: tuple[int, ...] = ()  # indices into tensors
     # What check compares on every call, fused (built once, in __post_init__): the dicts and
-    # keys looked up by index, the dicts looked up by get, what the objects found, the
-    # submodules' classes and modes, the sizes of the hook dicts empty at capture and the
-    # watched tensors' requires_grad must be identical to, and every tensor's address, strides
-    # and shape.
+    # keys looked up by index and by get, what they must hold (by identity), and the values
+    # (submodules' classes and modes, tensors' addresses, strides and shapes, watched tensors'
+    # requires_grad) read now must equal.
     _indexed: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] = field(
         init=False, repr=False, default=((), ())
     )
@@ -173,16 +172,17 @@ class ModuleTensors:
         init=False, repr=False, default=((), ())
     )
     _identical: tuple[Any, ...] = field(init=False, repr=False, default=())
-    _layouts: tuple[Any, ...] = field(init=False, repr=False, default=())
+    _values: tuple[Any, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
-        # Identity implies each of _check_all's comparisons (a tuple compares the same object
-        # as equal; a bool is one of two objects; a hook dict whose size is the object 0 is
-        # empty), so a call that finds every object identical and every layout equal passes it:
-        # the usual call, in one pass over the objects and one over the layouts. Anything else
-        # (an equal but not identical training mode, dualgraph's own forward on a submodule
-        # graphed after its parent, a watched tensor's requires_grad changed outside grad mode,
-        # which only grad mode refuses) goes to _check_all, which decides as before.
+        # Each fused comparison implies the one of _check_all it stands for: identity for
+        # objects (tensors, submodules, forwards, None for the absent entries), equality for
+        # values as _check_all compares them (classes and modes, which a tuple compares by
+        # identity first, layouts, flags). A call that passes them passes _check_all: the usual
+        # call, in one pass over the objects and one over the values. Anything else (dualgraph's
+        # own forward on a submodule graphed after its parent, a watched tensor's requires_grad
+        # changed outside grad mode, which only grad mode refuses) goes to _check_all, which
+        # decides as before.
         fill = object.__setattr__
         fill(
             self, "_indexed", ((*self.owners, *self.module_owners), (*self.keys, *self.module_keys))
@@ -198,18 +198,20 @@ class ModuleTensors:
         fill(
             self,
             "_identical",
+            (*self.tensors, *self.modules, *self.forwards, *(None,) * len(self.absent_keys)),
+        )
+        fill(
+            self,
+            "_values",
             (
-                *self.tensors,
-                *self.modules,
-                *self.forwards,
-                *(None,) * len(self.absent_keys),
                 *self.classes,
                 *self.training,
-                *(0,) * len(self.unhooked_dicts),
+                *self.data_ptrs,
+                *self.strides,
+                *self.shapes,
                 *self.watched_requires_grad,
             ),
         )
-        fill(self, "_layouts", (*self.data_ptrs, *self.strides, *self.shapes))
 
     @classmethod
     def of(
@@ -305,21 +307,22 @@ class ModuleTensors:
                 all(
                     map(
                         _is,
-                        _chain(
-                            map(_getitem, *self._indexed),
-                            map(_get, *self._got),
-                            map(type, modules),
-                            map(_training, modules),
-                            map(len, self.unhooked_dicts),  # usually all: none then, none now
-                            map(_requires_grad, self.watched),
-                        ),
+                        _chain(map(_getitem, *self._indexed), map(_get, *self._got)),
                         self._identical,
                     )
                 )
                 and tuple(
-                    _chain(map(_data_ptr, tensors), map(_stride, tensors), map(_shape, tensors))
+                    _chain(
+                        map(type, modules),
+                        map(_training, modules),
+                        map(_data_ptr, tensors),
+                        map(_stride, tensors),
+                        map(_shape, tensors),
+                        map(_requires_grad, self.watched),
+                    )
                 )
-                == self._layouts
+                == self._values
+                and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
             ):
                 return
