@@ -8,7 +8,6 @@ compares them with the present ones (``_replay.py``) before any buffer is writte
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -98,9 +97,48 @@ else:  # torch before 2.9
 
     _MATMUL_NAME = "torch.get_float32_matmul_precision()"
 
-# The getters numerics_state reads, in its order: C functions (and a partial of one), so that
-# numerics_readings calls them all without a Python frame.
-_READERS: tuple[Callable[[], Any], ...] = (
+
+def _reading(
+    default_dtype: Callable[[], Any],
+    matmul: Callable[[], Any],
+    fp16_reduction: Callable[[], Any],
+    bf16_reduction: Callable[[], Any],
+    fp16_accumulation: Callable[[], Any],
+    deterministic: Callable[[], Any],
+    flash: Callable[[], Any],
+    mem_efficient: Callable[[], Any],
+    math: Callable[[], Any],
+    cudnn_sdp: Callable[[], Any],
+    fa3: Callable[[], Any],
+    sdp_priority: Callable[[], Any],
+    math_sdp_reduction: Callable[[], Any],
+) -> Callable[[], tuple[Any, ...]]:
+    # The getters as the closure's own cells: each call reads them without a global lookup and
+    # calls each directly (C functions, and a partial of one: no Python frame among them).
+    def numerics_readings() -> tuple[Any, ...]:
+        """The getters' results behind :func:`numerics_state`, as read (the matmul precision's
+        ``"none"`` not yet read as ``"ieee"``): equal readings are equal states, so a replay
+        that found these once to mean the captured state compares them alone."""
+        return (
+            default_dtype(),
+            matmul(),
+            fp16_reduction(),
+            bf16_reduction(),
+            fp16_accumulation(),
+            deterministic(),
+            flash(),
+            mem_efficient(),
+            math(),
+            cudnn_sdp(),
+            fa3(),
+            sdp_priority(),
+            math_sdp_reduction(),
+        )
+
+    return numerics_readings
+
+
+numerics_readings = _reading(
     _default_dtype,
     _matmul_reading,
     _fp16_reduction,
@@ -115,14 +153,6 @@ _READERS: tuple[Callable[[], Any], ...] = (
     _sdp_priority,
     _math_sdp_reduction,
 )
-_call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda getter: getter())
-
-
-def numerics_readings() -> tuple[Any, ...]:
-    """The getters' results behind :func:`numerics_state`, as read (the matmul precision's
-    ``"none"`` not yet read as ``"ieee"``): equal readings are equal states, so a replay that
-    found these once to mean the captured state compares them alone (one C-level pass)."""
-    return tuple(map(_call, _READERS))
 
 
 def numerics_state() -> tuple[Any, ...]:
