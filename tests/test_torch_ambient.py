@@ -141,3 +141,30 @@ def test_a_call_under_another_numerics_setting_is_refused_on_every_entry_point(e
     with _deterministic(), pytest.raises(DualgraphError, match=r"called with torch\.are_determ"):
         graphed(batch(call_length(entry)))
     assert torch.equal(module.stats, before)  # the replay did not run
+
+
+def test_a_setting_changed_after_calls_under_the_captured_one_is_refused() -> None:
+    # Each call compares the getters' readings with those an earlier call found to mean the
+    # captured settings: readings that mean the same ("none" and "ieee") replay, and any other
+    # reading, after any number of calls, is still refused.
+    saved = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        graphed = dgt.make_graphed_callables(
+            _attend, (torch.randn(4, 8, requires_grad=True),), backend="emulate"
+        )
+        x = torch.randn(4, 8, requires_grad=True)
+        graphed(x)
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        graphed(x)
+        graphed(x)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        refused = pytest.raises(DualgraphError, match=r"matmul\.fp32_precision is 'tf32'")
+        with refused:
+            graphed(x)
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        graphed(x)
+        with _deterministic(), pytest.raises(DualgraphError, match="deterministic"):
+            graphed(x)
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved

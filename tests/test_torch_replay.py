@@ -1263,3 +1263,36 @@ def test_one_backward_through_a_stale_replay_and_the_latest_is_refused_before_an
         assert torch.equal(p.grad, then), f"parameter {k}'s grad changed before the refusal"
     second.sum().backward()  # the latest replay's backward still runs
     assert xs[1].grad is not None
+
+
+@pytest.mark.parametrize("frozen_first", [False, True])
+def test_plain_backward_check_asks_the_parameter_node_on_the_replay_edge(
+    monkeypatch: pytest.MonkeyPatch, frozen_first: bool
+) -> None:
+    # "autograd": whether a backward is a plain .backward() is asked of a parameter's
+    # AccumulateGrad node, read off the replay's own edge (the first parameter still trainable),
+    # never the input's node next to it.
+    import dualgraph.torch._replay as replay_module
+    from dualgraph.torch._grad_checks import grad_accumulator
+
+    layer = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    (graphed,) = dgt.make_graphed_callables(
+        (layer,), ((x,),), backend="emulate", param_grads="autograd"
+    )
+    asked: list[Any] = []
+    expected: list[Any] = []
+    real = replay_module._will_engine_execute_node
+    assert real is not None
+
+    def recording(node: Any) -> bool:
+        asked.append(node)
+        expected.append(grad_accumulator(layer.bias if frozen_first else layer.weight))
+        return bool(real(node))
+
+    monkeypatch.setattr(replay_module, "_will_engine_execute_node", recording)
+    out = graphed(torch.randn(2, 3, requires_grad=True))
+    if frozen_first:  # frozen since the forward: its edge is there, another parameter is asked
+        layer.weight.requires_grad_(False)
+    out.sum().backward()
+    assert asked and asked[0] is expected[0]

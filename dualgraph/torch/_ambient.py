@@ -7,6 +7,7 @@ compares them with the present ones (``_replay.py``) before any buffer is writte
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,9 @@ __all__ = [
     "autograd_records",
     "ddp_is_running",
     "numerics_difference",
+    "numerics_readings",
     "numerics_state",
+    "state_of",
 ]
 
 
@@ -79,16 +82,77 @@ _cudnn_sdp = _reader("_get_cudnn_sdp_enabled")
 _fa3 = _reader("_get_fa3_sdp_enabled")
 _sdp_priority = _reader("_get_sdp_priority_order")
 if _precision is not None:  # torch's newer API, which never raises (see numerics_state)
+    _matmul_reading: Callable[[], Any] = functools.partial(_precision, "cuda", "matmul")
 
-    def _matmul_precision() -> Any:
-        precision = _precision("cuda", "matmul")  # type: ignore[misc]
+    def _matmul_setting(reading: Any) -> Any:
         # "none" defers to torch.backends.fp32_precision, itself "none" by default: full fp32
-        return "ieee" if precision == "none" else precision
+        return "ieee" if reading == "none" else reading
 
     _MATMUL_NAME = "torch.backends.cuda.matmul.fp32_precision"
 else:  # torch before 2.9
-    _matmul_precision = _reader("_get_float32_matmul_precision")
+    _matmul_reading = _reader("_get_float32_matmul_precision")
+
+    def _matmul_setting(reading: Any) -> Any:
+        return reading
+
     _MATMUL_NAME = "torch.get_float32_matmul_precision()"
+
+
+def _reading(
+    default_dtype: Callable[[], Any],
+    matmul: Callable[[], Any],
+    fp16_reduction: Callable[[], Any],
+    bf16_reduction: Callable[[], Any],
+    fp16_accumulation: Callable[[], Any],
+    deterministic: Callable[[], Any],
+    flash: Callable[[], Any],
+    mem_efficient: Callable[[], Any],
+    math: Callable[[], Any],
+    cudnn_sdp: Callable[[], Any],
+    fa3: Callable[[], Any],
+    sdp_priority: Callable[[], Any],
+    math_sdp_reduction: Callable[[], Any],
+) -> Callable[[], tuple[Any, ...]]:
+    # The getters as the closure's own cells: each call reads them without a global lookup and
+    # calls each directly (C functions, and a partial of one: no Python frame among them).
+    def numerics_readings() -> tuple[Any, ...]:
+        """The getters' results behind :func:`numerics_state`, as read (the matmul precision's
+        ``"none"`` not yet read as ``"ieee"``): equal readings are equal states, so a replay
+        that found these once to mean the captured state compares them alone."""
+        return (
+            default_dtype(),
+            matmul(),
+            fp16_reduction(),
+            bf16_reduction(),
+            fp16_accumulation(),
+            deterministic(),
+            flash(),
+            mem_efficient(),
+            math(),
+            cudnn_sdp(),
+            fa3(),
+            sdp_priority(),
+            math_sdp_reduction(),
+        )
+
+    return numerics_readings
+
+
+numerics_readings = _reading(
+    _default_dtype,
+    _matmul_reading,
+    _fp16_reduction,
+    _bf16_reduction,
+    _fp16_accumulation,
+    _deterministic,
+    _flash,
+    _mem_efficient,
+    _math,
+    _cudnn_sdp,
+    _fa3,
+    _sdp_priority,
+    _math_sdp_reduction,
+)
 
 
 def numerics_state() -> tuple[Any, ...]:
@@ -97,29 +161,20 @@ def numerics_state() -> tuple[Any, ...]:
     reductions and fp16 accumulation of matmuls, deterministic algorithms, and the attention
     kernels ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``).
 
-    Read on every call of a graphed callable (about a microsecond); ``NUMERICS_NAMES`` names
-    each entry. Where torch has it, the matmul precision is read through the newer
-    fp32-precision API: the older getters raise once a program has mixed the two APIs, and the
-    newer reflects settings made through either. cuDNN's settings (convolution TF32,
-    ``deterministic``, ``enabled``) are left out: ``dualgraph.parity`` sets convolutions to full
-    precision around every call, which would refuse every callable captured outside it, with a
-    convolution or without.
+    Read on every call of a graphed callable (through :func:`numerics_readings`);
+    ``NUMERICS_NAMES`` names each entry. Where torch has it, the matmul precision is read
+    through the newer fp32-precision API: the older getters raise once a program has mixed the
+    two APIs, and the newer reflects settings made through either. cuDNN's settings
+    (convolution TF32, ``deterministic``, ``enabled``) are left out: ``dualgraph.parity`` sets
+    convolutions to full precision around every call, which would refuse every callable
+    captured outside it, with a convolution or without.
     """
-    return (
-        _default_dtype(),
-        _matmul_precision(),
-        _fp16_reduction(),
-        _bf16_reduction(),
-        _fp16_accumulation(),
-        _deterministic(),
-        _flash(),
-        _mem_efficient(),
-        _math(),
-        _cudnn_sdp(),
-        _fa3(),
-        _sdp_priority(),
-        _math_sdp_reduction(),
-    )
+    return state_of(numerics_readings())
+
+
+def state_of(readings: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The :func:`numerics_state` that :func:`numerics_readings` ``readings`` mean."""
+    return (readings[0], _matmul_setting(readings[1]), *readings[2:])
 
 
 #: How a user names each entry of :func:`numerics_state`.

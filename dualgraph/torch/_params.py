@@ -30,7 +30,7 @@ import contextlib
 import itertools
 import operator
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ _FORWARD = itertools.repeat("forward")
 #: Where ``_modules.py`` keeps a graphed module's state in its ``__dict__``.
 GRAPHED_STATE = "_dualgraph_graphed"
 _is = operator.is_
+_chain = itertools.chain
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _shape = operator.attrgetter("shape")
@@ -160,6 +161,57 @@ class ModuleTensors:
     # capture (left_as_found): an input sharing memory with one is read, in eager, after the
     # update, where a replay reads the copy made before it.
     updated: tuple[int, ...] = ()  # indices into tensors
+    # What check compares on every call, fused (built once, in __post_init__): the dicts and
+    # keys looked up by index and by get, what they must hold (by identity), and the values
+    # (submodules' classes and modes, tensors' addresses, strides and shapes, watched tensors'
+    # requires_grad) read now must equal.
+    _indexed: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] = field(
+        init=False, repr=False, default=((), ())
+    )
+    _got: tuple[tuple[dict[str, Any], ...], tuple[str, ...]] = field(
+        init=False, repr=False, default=((), ())
+    )
+    _identical: tuple[Any, ...] = field(init=False, repr=False, default=())
+    _values: tuple[Any, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        # Each fused comparison implies the one of _check_all it stands for: identity for
+        # objects (tensors, submodules, forwards, None for the absent entries), equality for
+        # values as _check_all compares them (classes and modes, which a tuple compares by
+        # identity first, layouts, flags). A call that passes them passes _check_all: the usual
+        # call, in one pass over the objects and one over the values. Anything else (dualgraph's
+        # own forward on a submodule graphed after its parent, a watched tensor's requires_grad
+        # changed outside grad mode, which only grad mode refuses) goes to _check_all, which
+        # decides as before.
+        fill = object.__setattr__
+        fill(
+            self, "_indexed", ((*self.owners, *self.module_owners), (*self.keys, *self.module_keys))
+        )
+        fill(
+            self,
+            "_got",
+            (
+                (*self.module_dicts, *self.absent_owners),
+                (*("forward",) * len(self.module_dicts), *self.absent_keys),
+            ),
+        )
+        fill(
+            self,
+            "_identical",
+            (*self.tensors, *self.modules, *self.forwards, *(None,) * len(self.absent_keys)),
+        )
+        fill(
+            self,
+            "_values",
+            (
+                *self.classes,
+                *self.training,
+                *self.data_ptrs,
+                *self.strides,
+                *self.shapes,
+                *self.watched_requires_grad,
+            ),
+        )
 
     @classmethod
     def of(
@@ -249,6 +301,37 @@ class ModuleTensors:
 
         ``requires_grad`` only matters under grad mode: without it no grad is computed anyway.
         """
+        tensors, modules = self.tensors, self.modules
+        try:
+            if (
+                all(
+                    map(
+                        _is,
+                        _chain(map(_getitem, *self._indexed), map(_get, *self._got)),
+                        self._identical,
+                    )
+                )
+                and tuple(
+                    _chain(
+                        map(type, modules),
+                        map(_training, modules),
+                        map(_data_ptr, tensors),
+                        map(_stride, tensors),
+                        map(_shape, tensors),
+                        map(_requires_grad, self.watched),
+                    )
+                )
+                == self._values
+                and not any(self.unhooked_dicts)  # usually all of them: none then, none now
+                and (not self.hooked or self._same_hooks_where_hooked())
+            ):
+                return
+        except KeyError:
+            raise self._explain(grad_enabled) from None
+        self._check_all(grad_enabled)
+
+    def _check_all(self, grad_enabled: bool) -> None:
+        """:meth:`check`, each comparison on its own (where the fused one found a difference)."""
         try:
             current = tuple(map(_getitem, self.owners, self.keys))
             hung = tuple(map(_getitem, self.module_owners, self.module_keys))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import operator
 import threading
 from collections import deque
@@ -34,9 +35,11 @@ import torch.autograd.graph as _autograd_graph
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._ambient import autocast_state, autograd_records, numerics_difference, show_autocast
+from ._ambient import autocast_state, numerics_difference, show_autocast
 from ._ambient import ddp_is_running as _ddp_is_running
+from ._ambient import numerics_readings as _numerics_readings
 from ._ambient import numerics_state as _numerics_state
+from ._ambient import state_of as _state_of
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
@@ -63,6 +66,9 @@ from ._unreached_hooks import quiet_hooks as _quiet_hooks
 __all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
+_chain = itertools.chain
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
@@ -131,6 +137,7 @@ class GraphedCallable:
         "_emulated",
         "_first_param",
         "_generation",
+        "_grad_output_indices",
         "_grad_outputs",
         "_graph_grads",
         "_graph_grads_places",
@@ -155,6 +162,7 @@ class GraphedCallable:
         "_nodes_watched",
         "_nondiff_outputs",
         "_numerics",
+        "_numerics_read",
         "_other_uses",
         "_out_spec",
         "_output_reach",
@@ -227,6 +235,7 @@ class GraphedCallable:
         self._has_backward = plan.has_backward
         self._nondiff_outputs = plan.nondiff_outputs
         self._grad_outputs = tuple(zip(buffers.grad_outputs, plan.diff_outputs, strict=True))
+        self._grad_output_indices = tuple(plan.diff_outputs)
         self._edges = params.edges
         self._input_grads = tuple(
             (1 + i, grad) for i, grad in enumerate(buffers.input_grads) if grad is not None
@@ -289,6 +298,9 @@ class GraphedCallable:
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
         self._numerics = plan.numerics
+        # Getters' readings found to mean the captured settings (_ambient.numerics_readings):
+        # a call that reads the same compares those alone.
+        self._numerics_read: tuple[Any, ...] = ()
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
@@ -303,9 +315,11 @@ class GraphedCallable:
         # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
         # was at capture. Made before the holder counts below, which count them.
         self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
+        # Their addresses, then their strides: what _backward_into_accumulators compares the
+        # accumulators' with, in one tuple.
         self._graph_grads_places = (
-            tuple(map(_data_ptr, self._graph_grads)),
-            tuple(map(_stride, self._graph_grads)),
+            *map(_data_ptr, self._graph_grads),
+            *map(_stride, self._graph_grads),
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -519,7 +533,8 @@ class GraphedCallable:
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
-            grad_enabled = autograd_records()  # inference mode records nothing
+            # autograd_records(), inlined: inference mode records nothing
+            grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if tuple(map(_stride, tensors)) != self._inputs.strides:
                 self._inputs.check_layouts(tensors)
@@ -534,8 +549,11 @@ class GraphedCallable:
                     raise
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state(grad_enabled)
-            if _numerics_state() != self._numerics:
-                raise self._numerics_changed()
+            readings = _numerics_readings()
+            if readings != self._numerics_read:
+                if _state_of(readings) != self._numerics:
+                    raise self._numerics_changed()
+                self._numerics_read = readings
             if self._mutated:
                 self._check_mutated_inputs(tensors)
             if self._updated_storages:
@@ -756,10 +774,13 @@ class GraphedCallable:
         grads: Sequence[Any],
         through_autograd: bool = False,
         results_seen: bool = False,
+        replay_node: Any = None,
     ) -> tuple[torch.Tensor | None, ...]:
         # ``through_autograd``: the parameter grads must pass through autograd (the forward ran
         # under DDP, or this backward builds a graph: create_graph=True). ``results_seen``: a
         # post hook on the replay's node sees (and may keep) the grads it hands on.
+        # ``replay_node``: the replay's own autograd node, whose edges lead to the parameters'
+        # AccumulateGrad nodes (_is_plain_backward).
         if not self._lock.acquire(False):
             raise self._busy()
         try:
@@ -778,7 +799,7 @@ class GraphedCallable:
                 except RuntimeError:  # raised where torch.autograd.grad captures that leaf
                     plain = False
             else:
-                plain = self._is_plain_backward()
+                plain = self._is_plain_backward(replay_node)
             pool = self._pool
             if (
                 generation != self._generation
@@ -812,7 +833,7 @@ class GraphedCallable:
                 else:
                     static.copy_(grad)
             if self._emulated is not None:
-                self._emulated.incoming = tuple(grads[index] for _, index in self._grad_outputs)
+                self._emulated.incoming = tuple(map(grads.__getitem__, self._grad_output_indices))
             # positions among the Function's inputs, and among the parameters
             unreached_inputs, unreached_params = (
                 self._unreached(grads) if self._reach_of_params or self._reach_of_inputs else _NONE
@@ -1117,22 +1138,34 @@ class GraphedCallable:
             result.append(param_grad)
         return (*result, *self._anchor_none)
 
-    def _is_plain_backward(self) -> bool:
+    def _is_plain_backward(self, replay_node: Any = None) -> bool:
         """Whether this backward accumulates into ``.grad`` (not ``torch.autograd.grad``).
 
         Asked of a leaf's ``AccumulateGrad`` node (a parameter's, or the anchor): the engine
         runs it in a ``.backward()``, never in ``torch.autograd.grad`` (where it raises for a
         leaf whose grad is captured). The anchor, which no caller can name, answers ``True``
         only in a ``.backward()`` without ``inputs=``, which runs every node it reaches.
+        ``replay_node``: the replay's autograd node, whose edges hold the parameters' nodes.
         """
         node = self._sentinel_node
         param = self._sentinel_param
         if node is None and param is not None:
             # Looked up, not kept (this backward's graph holds it): the first parameter's, or,
             # if it was frozen since the forward (no node to look up then), another's.
+            position = 0
             if not param.requires_grad:
-                param = next((p for p in self._params if p.requires_grad), None)
-            node = None if param is None else _grad_accumulator(param)
+                position, param = next(
+                    ((i, p) for i, p in enumerate(self._params) if p.requires_grad), (0, None)
+                )
+            if param is not None and replay_node is not None:
+                # The node the replay's edge leads to, which the forward took from the
+                # parameter (the same node a lookup finds while this graph holds it): read off
+                # the edge, without the lookup's differentiated view_as. The edges are the
+                # Function's tensor inputs' (the callable itself has none), hence the - 1. None
+                # where the parameter needed no grad at the forward (no edge): looked up then.
+                node = replay_node.next_functions[self._first_param - 1 + position][0]
+            if node is None and param is not None:
+                node = _grad_accumulator(param)
         if node is None or _will_engine_execute_node is None:
             return False
         try:
@@ -1204,7 +1237,13 @@ class GraphedCallable:
         """
         grads = tuple(map(_grad, self._in_graph_params))
         accumulators = self._in_graph_accumulators
-        if all(map(_is, grads, accumulators)) and self._accumulators_in_place():
+        if (
+            all(map(_is, grads, accumulators))
+            # and every accumulator still has the memory and layout the graph adds into (one
+            # pass over each: the backward's only cost per parameter for this)
+            and tuple(_chain(map(_data_ptr, accumulators), map(_stride, accumulators)))
+            == self._graph_grads_places
+        ):
             replay()  # every .grad is its accumulator, where the graph adds
             return True
         pending = []
@@ -1272,15 +1311,6 @@ class GraphedCallable:
             if saved is not None:
                 memory.copy_(saved)
         return True
-
-    def _accumulators_in_place(self) -> bool:
-        """Whether every accumulator still has the memory and layout the graph adds into
-        (one pass over each: the backward's only cost per parameter for this)."""
-        accumulators = self._in_graph_accumulators
-        ptrs, strides = self._graph_grads_places
-        return tuple(map(_data_ptr, accumulators)) == ptrs and (
-            tuple(map(_stride, accumulators)) == strides
-        )
 
     def _backward_into_copies(
         self, alone: torch.Tensor | None = None

@@ -30,17 +30,10 @@ _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 _is_functorch_batched = torch._C._functorch.is_batchedtensor
 
 
-def _batched(grads: tuple[torch.Tensor | None, ...]) -> bool:
-    """Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
-    whose level only entering one more tells), or a ``torch.func`` transform.
-
-    Both levels are the calling thread's: where the engine runs the backward on a device's own
-    thread (CUDA), they read as none, so the grads themselves are asked too (batched tensors).
-    """
-    level = _enter_vmap()
-    _leave_vmap()
-    if level > 1 or _are_functorch_transforms_active():
-        return True
+def _any_batched(grads: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a grad is a vmap's batched tensor. The vmap levels the backward reads are the
+    calling thread's: where the engine runs it on a device's own thread (CUDA), they read as
+    none under ``is_grads_batched=True``, and only the grads tell."""
     for grad in grads:
         if grad is not None and (_is_legacy_batched(grad) or _is_functorch_batched(grad)):
             return True
@@ -85,27 +78,34 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if _batched(grads):
+        # Whether this backward runs under a vmap: ``is_grads_batched=True`` (torch's own vmap,
+        # whose level only entering one more tells), or a ``torch.func`` transform.
+        level = _enter_vmap()
+        _leave_vmap()
+        graphed: GraphedCallable = ctx.graphed
+        if level > 1 or _are_functorch_transforms_active() or _any_batched(grads):
             raise DualgraphError(
-                f"{ctx.graphed.name}: a batched backward (torch.autograd.grad(..., "
+                f"{graphed.name}: a batched backward (torch.autograd.grad(..., "
                 "is_grads_batched=True) or a torch.func transform) cannot be replayed: a graph "
                 "takes one grad per output into fixed buffers. Loop over the grads, or run this "
                 "callable eagerly (dualgraph.torch.restore)"
             )
-        if ctx.versions:
-            ctx.graphed._refuse_changed_since_forward(ctx.versions)
+        versions = ctx.versions
+        if versions and tuple(map(_version, graphed._read_by_backward)) != versions:
+            graphed._refuse_changed_since_forward(versions)  # says which, and raises
         if ctx.used_inside:
-            ctx.graphed._refuse_grads_watched_inside(ctx.used_inside)
+            graphed._refuse_grads_watched_inside(ctx.used_inside)
         if _is_grad_enabled():  # create_graph=True: a second backward must raise
             return _backward_once_differentiable(ctx, *grads)
-        return _backward_of(ctx, *grads)
-
-
-def _backward_of(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    graphed: GraphedCallable = ctx.graphed
-    return graphed._backward(
-        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, ctx.under_ddp, ctx.post_hooked
-    )
+        return graphed._backward(
+            ctx.generation,
+            ctx.needs_input_grad,
+            ctx.inputs,
+            grads,
+            ctx.under_ddp,
+            ctx.post_hooked,
+            ctx,  # the node itself: its edges lead to the parameters' nodes
+        )
 
 
 def _backward_building_graph(
@@ -115,7 +115,7 @@ def _backward_building_graph(
     # own, so the parameter grads go through autograd ("auto"), or are refused ("in_graph").
     graphed: GraphedCallable = ctx.graphed
     return graphed._backward(
-        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True, ctx.post_hooked
+        ctx.generation, ctx.needs_input_grad, ctx.inputs, grads, True, ctx.post_hooked, ctx
     )
 
 

@@ -128,6 +128,7 @@ class SlotReplay(GraphedCallable):
         grads: Sequence[Any],
         through_autograd: bool = False,
         results_seen: bool = False,
+        replay_node: Any = None,
     ) -> tuple[torch.Tensor | None, ...]:
         front = self._front
         assert front is not None
@@ -139,7 +140,13 @@ class SlotReplay(GraphedCallable):
                 raise self._dropped_error()
             front._gate.check_backward(front, self.index)
             result = super()._backward(
-                generation, needs_input_grad, inputs, grads, through_autograd, results_seen
+                generation,
+                needs_input_grad,
+                inputs,
+                grads,
+                through_autograd,
+                results_seen,
+                replay_node,
             )
             self._backward_task = _current_graph_task_id()
             front._pending[self.index] = None
