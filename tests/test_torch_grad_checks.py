@@ -114,6 +114,6 @@ def test_grad_problem_refuses_a_grad_in_another_parameters_memory() -> None:
     pending = [(weight, accumulators[0], shared, None), (other, accumulators[1], shared, None)]
     names = {weight: "weight", other: "other"}
     assert grad_problem(pending, [span(a) for a in accumulators], names) in {
-        ("weight", None, None),
-        ("other", None, None),
+        ("weight", None, None, None),
+        ("other", None, None, None),
     }

@@ -2141,6 +2141,24 @@ def test_a_grad_the_graphs_cannot_add_into_as_eager_is_refused_naming_it(
         assert_tensors_match(param.grad.to_dense(), values, "a .grad the refused backward kept")
 
 
+@needs_grad_dtype
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_in_graph_refuses_a_grad_dtype_saying_to_clear_it_not_the_grad(backend: str) -> None:
+    """Setting ``.grad`` to ``None`` does not help there (eager still makes a ``.grad`` of the
+    grad_dtype): the refusal says what does."""
+    net, _ = _square_pair(backend, "in_graph")
+    net[0].weight.grad_dtype = torch.float64
+    refused = r"Sequential\.0\.weight: grad_dtype is float64"
+    with pytest.raises(DualgraphError, match=refused) as info:
+        loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+    message = str(info.value)
+    assert "set its grad_dtype to None" in message and "set .grad to None" not in message
+    assert all(p.grad is None for p in net.parameters())
+    net[0].weight.grad_dtype = None
+    loss_of(net(torch.randn(2, 4, device=device_of(backend)))).backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
 def test_in_graph_grads_add_into_views_of_one_flat_grad_buffer(

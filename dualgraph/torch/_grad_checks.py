@@ -148,6 +148,8 @@ class GradProblem(NamedTuple):
     #: Its parameter, where eager's ``AccumulateGrad`` raises for it: autograd, handed its grad
     #: alone, raises the same error, having changed no other ``.grad``.
     raises_for: torch.Tensor | None = None
+    #: What makes ``"in_graph"`` able to add into it (``None``: a ``.grad`` of its own).
+    remedy: str | None = None
 
 
 def grad_problem(
@@ -190,6 +192,7 @@ def grad_problem(
                         f"grad_dtype is {_name(wanted)}, the parameter {_name(param)}: eager "
                         "makes a .grad of the grad_dtype"
                     ),
+                    remedy="set its grad_dtype to None (a .grad of the parameter's dtype)",
                 )
             continue
         if grad.layout is not _STRIDED:

@@ -1271,14 +1271,16 @@ class GraphedCallable:
             handed.append(accumulator if _same_place(accumulator, memory) else None)
         problem = _grad_problem(pending, self._accumulator_spans, self._names_of)
         if problem is not None:
-            name, found, raises_for = problem
+            name, found, raises_for, remedy = problem
             if found is not None:
                 if self._auto:  # autograd adds into it as eager does
                     return False if raises_for is None else raises_for
+                remedy = remedy or (
+                    "set .grad to None or to a dense tensor of its own of the parameter's dtype"
+                )
                 raise _RefusedBeforeReplay(
                     f"{name}: {found}; param_grads='in_graph' cannot add into it as eager does "
-                    "(nothing was changed): set .grad to None or to a dense tensor of its own "
-                    "of the parameter's dtype, or capture with param_grads='auto'"
+                    f"(nothing was changed): {remedy}, or capture with param_grads='auto'"
                 )
             raise _RefusedBeforeReplay(
                 f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
