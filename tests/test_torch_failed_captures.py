@@ -19,7 +19,7 @@ from torch import nn
 from torch_cases import assert_trees_match, isolation
 
 import dualgraph.torch as dgt
-from dualgraph import DualgraphError
+from dualgraph import CaptureError, DualgraphError
 
 
 @pytest.fixture(autouse=True)
@@ -155,3 +155,26 @@ def test_a_failed_capture_leaves_the_module_as_it_was(
         assert_trees_match(out, eager)
         assert_trees_match(x.grad, x_eager.grad)
     assert_trees_match([p.grad for p in model.parameters()], [p.grad for p in twin.parameters()])
+
+
+class _CheckpointedInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True))
+
+
+def test_a_reentrant_checkpoint_inside_the_callable_is_a_capture_error_naming_the_way_out() -> None:
+    """Its backward refuses the ``torch.autograd.grad`` a warmup and a capture run (README):
+    a ``CaptureError`` saying ``use_reentrant=False``, the module left to run eagerly."""
+    module = _CheckpointedInside()
+    forward = module.forward
+    with pytest.raises(CaptureError, match="use_reentrant=False"):
+        dgt.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),))
+    assert module.forward == forward
+    assert all(p.grad is None for p in module.parameters())
+    x = torch.randn(2, 4, requires_grad=True)
+    module(x).sum().backward()
+    assert x.grad is not None and module.a.weight.grad is not None
