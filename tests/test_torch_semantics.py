@@ -822,6 +822,77 @@ def test_a_parameter_frozen_between_forward_and_backward_keeps_its_grad_as_in_ea
         assert _through_autograd(module) == 1
 
 
+class _DropNormBlock(nn.Module):
+    """Dropout and BatchNorm, whose forwards read Python numbers: ``p``, ``momentum``, ``eps``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.25)
+        self.scale = 2.0  # the block's own number
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.fc(x))) * self.scale
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("drop.p", 0.0),  # a dropout schedule
+        ("norm.momentum", None),  # swa_utils.update_bn: a cumulative average
+        ("norm.eps", 1e-3),
+        ("scale", 3.0),
+    ],
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_python_number_a_submodule_reads_changed_after_capture_is_refused_naming_it(
+    backend: str, path: str, value: Any
+) -> None:
+    """A replay runs what the forward computed from it at capture: the change would be lost."""
+    device = device_of(backend)
+    block = _DropNormBlock().to(device)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    block(torch.randn(4, 8, device=device)).sum().backward()
+    owner_path, _, name = path.rpartition(".")
+    owner = block.get_submodule(owner_path)
+    then = getattr(owner, name)
+    statistics = block.norm.running_mean.clone()
+    setattr(owner, name, value)
+    with pytest.raises(DualgraphError, match=rf"^_DropNormBlock\.{path}: was {then!r} at capture"):
+        block(torch.randn(4, 8, device=device))
+    assert torch.equal(block.norm.running_mean, statistics)  # refused before anything ran
+    setattr(owner, name, then * 1.0)  # an equal value (another float object): fine
+    block(torch.randn(4, 8, device=device)).sum().backward()
+
+
+class _CountingBlock(_DropNormBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1  # Python a replay never runs
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_numbers_the_forward_sets_in_an_eager_call_in_the_other_mode_are_no_change(
+    backend: str,
+) -> None:
+    """An evaluation (eager, in the other mode) runs the forward's Python: what it sets is not
+    the caller's change; a change the caller made before it stays refused."""
+    device = device_of(backend)
+    block = _CountingBlock().to(device)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    block.eval()
+    block(torch.randn(4, 8, device=device))  # calls += 1, eagerly
+    block.train()
+    block(torch.randn(4, 8, device=device)).sum().backward()
+    block.drop.p = 0.5
+    block.eval()
+    block(torch.randn(4, 8, device=device))
+    block.train()
+    with pytest.raises(DualgraphError, match=r"^_CountingBlock\.drop\.p: was 0\.25 at capture"):
+        block(torch.randn(4, 8, device=device))
+
+
 def _replace_weight(module: TinyMLP) -> None:
     module.fc1.weight = nn.Parameter(module.fc1.weight.detach().clone())
 

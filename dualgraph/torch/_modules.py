@@ -18,7 +18,7 @@ import torch
 from .._errors import DualgraphError
 from ._buckets import BucketedCallable
 from ._eager import EagerCallable
-from ._params import GRAPHED_STATE
+from ._params import GRAPHED_STATE, changes_taken
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
@@ -74,9 +74,10 @@ def _graphed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if type(state) is _Graphed:
         if module.training == state.training:
             return state.runner(*args, **kwargs)
-        if state.previous is not None:
-            return state.previous(*args, **kwargs)
-        return type(module).forward(module, *args, **kwargs)
+        with changes_taken(module):  # numbers its Python sets are no change of the caller's
+            if state.previous is not None:
+                return state.previous(*args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
     # A copy of a graphed module (from now on a plain module), or a restored one whose user's
     # forward wraps this one: run the forward from before graphing, never module.forward (which
     # may be that wrapper, calling this again).

@@ -27,8 +27,10 @@ run once per replay, through autograd, as in eager.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import operator
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,6 +215,19 @@ class ModuleTensors:
             ),
         )
 
+    # The plain Python numbers, strings and flags of each submodule (dropout's p, BatchNorm's
+    # momentum and eps, a block's own scale) as capture left them: the graphs hold what the
+    # forward computed from them then. Found at the end of capture (left_as_found), so that
+    # what the forward itself changes (a counter) is taken as it ends.
+    root: Any = None  # the module itself, and what names start with
+    root_name: str = ""
+    # The same values at setup, before warmup: one dict per module (root first).
+    attributes_at_setup: tuple[dict[str, Any], ...] = ()
+    attribute_names: tuple[str, ...] = ()
+    attribute_dicts: tuple[dict[str, Any], ...] = ()
+    attribute_keys: tuple[str, ...] = ()
+    attribute_values: list[Any] = dataclasses.field(default_factory=list)
+
     @classmethod
     def of(
         cls,
@@ -294,6 +309,12 @@ class ModuleTensors:
             hooks_at_capture=tuple(map(_hooks_held, hook_dicts, hook_flags)),
             unhooked_dicts=tuple(hooks for hooks in hook_dicts if not hooks),
             hooked=tuple(i for i, hooks in enumerate(hook_dicts) if hooks),
+            root=module,
+            root_name=root,
+            attributes_at_setup=tuple(
+                {key: value for key, value in vars(m).items() if _watched(key, value)}
+                for m in (module, *modules)
+            ),
         )
 
     def check(self, *, grad_enabled: bool) -> None:
@@ -324,6 +345,16 @@ class ModuleTensors:
                 == self._values
                 and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
+                and (  # plain Python values, by identity (an equal value set again: _check_all)
+                    not self.attribute_keys
+                    or all(
+                        map(
+                            _is,
+                            map(_get, self.attribute_dicts, self.attribute_keys, _ABSENTS),
+                            self.attribute_values,
+                        )
+                    )
+                )
             ):
                 return
         except KeyError:
@@ -359,8 +390,73 @@ class ModuleTensors:
                 grad_enabled
                 and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
             )
+            or (self.attribute_keys and self._attribute_changed() is not None)
         ):
             raise self._explain(grad_enabled)
+
+    def _attribute_changed(self) -> int | None:
+        """The index of the first attribute whose value is not the one of capture (``None``).
+
+        By identity first (one pass); an attribute set to an equal value since (another float
+        object) is taken as the new object, so that the next call passes by identity again.
+        """
+        values = self.attribute_values
+        if all(map(_is, map(_get, self.attribute_dicts, self.attribute_keys, _ABSENTS), values)):
+            return None
+        for i, (namespace, key) in enumerate(
+            zip(self.attribute_dicts, self.attribute_keys, strict=True)
+        ):
+            now = namespace.get(key, _ABSENT)
+            if now is values[i]:
+                continue
+            if type(now) is not type(values[i]) or now != values[i]:
+                return i
+            values[i] = now
+        return None
+
+    @contextlib.contextmanager
+    def own_changes_taken(self) -> Iterator[None]:
+        """Run the callable's Python (an eager call, an emulated replay) taking the values it
+        sets (a counter) as the recorded ones; what the caller had changed before stays."""
+        keys = self.attribute_keys
+        if not keys:
+            yield
+            return
+        dicts = self.attribute_dicts
+        before = list(map(_get, dicts, keys, _ABSENTS))
+        try:
+            yield
+        finally:
+            values = self.attribute_values
+            if not all(map(_is, map(_get, dicts, keys, _ABSENTS), before)):
+                for i, (namespace, key) in enumerate(zip(dicts, keys, strict=True)):
+                    now = namespace.get(key, _ABSENT)
+                    if now is not before[i] and before[i] is values[i]:
+                        values[i] = now
+
+    def record_attributes(self) -> None:
+        """Note every submodule's public plain Python values as they are now (the end of
+        capture), but those warmup and capture changed: the forward's own (a counter), which
+        its Python, run again eagerly, may change again."""
+        before = self.attributes_at_setup
+        found = [
+            (_joined(name, key), module.__dict__, key, value)
+            for name, module, then in zip(
+                (self.root_name, *self.module_names),
+                (self.root, *self.modules),
+                before or itertools.repeat({}),
+                strict=False,
+            )
+            if module is not None
+            for key, value in module.__dict__.items()
+            if _watched(key, value) and (not before or then.get(key, _ABSENT) is value)
+        ]
+        object.__setattr__(self, "attribute_names", tuple(entry[0] for entry in found))
+        object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))
+        object.__setattr__(self, "attribute_keys", tuple(entry[2] for entry in found))
+        self.attribute_values[:] = [entry[3] for entry in found]
+        if self.root is not None and found:
+            _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
 
     def _forward_replaced(self) -> str | None:
         """The name of the first submodule whose instance-level forward is not the one of
@@ -485,6 +581,17 @@ class ModuleTensors:
                     f"{name}: the {kind} was None at capture and is a tensor now, which eager "
                     f"would use but the graphs never read; {again}"
                 )
+        changed = self._attribute_changed() if self.attribute_keys else None
+        if changed is not None:
+            name, then = self.attribute_names[changed], self.attribute_values[changed]
+            now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
+            shown = "deleted" if now is _ABSENT else f"{now!r}"
+            return DualgraphError(
+                f"{name}: was {then!r} at capture and is {shown} now; the graphs replay what "
+                "the forward computed from it at capture (a dropout probability, BatchNorm's "
+                "momentum or eps), so the change would be lost. Set it back, set it before "
+                f"graphing, or {again}"
+            )
         return DualgraphError("the module's parameters changed since capture")
 
     @contextlib.contextmanager
@@ -525,6 +632,7 @@ class ModuleTensors:
         _copy_back(buffers)
         if replaced is not None:
             raise replaced
+        self.record_attributes()
         for name, tensor, version, is_buffer in zip(
             self.names, self.tensors, versions, self.is_buffer, strict=True
         ):
@@ -573,6 +681,43 @@ class ModuleTensors:
                     f"{advice}"
                 )
         return error
+
+
+_ABSENT = object()  # an attribute deleted since capture
+_ABSENTS = itertools.repeat(_ABSENT)
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _watched(key: str, value: Any) -> bool:
+    """Whether an attribute is one a replay's check compares: public (not torch's own
+    ``_is_full_backward_hook``...), not ``training`` (checked on its own), plain."""
+    return not key.startswith("_") and key != "training" and _plain(value)
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a number, string, flag or ``None`` (or a tuple of them, as
+    LayerNorm's ``normalized_shape``): what a forward may compute with on the host."""
+    if type(value) is tuple:
+        return all(type(item) in _SCALARS for item in value)
+    return type(value) in _SCALARS
+
+
+#: The records of each graphed module's attributes (one per capture: buckets, slots).
+_RECORDED: weakref.WeakKeyDictionary[torch.nn.Module, list[weakref.ref[ModuleTensors]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@contextlib.contextmanager
+def changes_taken(module: torch.nn.Module) -> Iterator[None]:
+    """Run an eager call of a graphed ``module`` (in the other training mode) taking the values
+    its own Python sets (a counter) as the recorded ones: they are no change of the caller's.
+    What the caller had changed before stays refused."""
+    records = [record for ref in _RECORDED.get(module, ()) if (record := ref()) is not None]
+    with contextlib.ExitStack() as stack:
+        for record in records:
+            stack.enter_context(record.own_changes_taken())
+        yield
 
 
 def _joined(*parts: str) -> str:

@@ -227,6 +227,12 @@ class GraphedCallable:
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
+        if plan.module_tensors is not None and isinstance(
+            getattr(buffers.replay_forward, "__self__", None), EmulatedReplay
+        ):
+            # "emulate" re-runs the forward's Python, which may set numbers on its modules (a
+            # counter) that a graph never would: they are no change of the caller's.
+            self._replay_forward = _taking_own_changes(buffers.replay_forward, plan.module_tensors)
         self._replay_backward = buffers.replay_backward
         # "emulate": its backward differentiates with the incoming grads themselves (see
         # EmulatedReplay.backward), so that it is eager's bit for bit whatever their layout.
@@ -1372,6 +1378,14 @@ def _node_hooked(leaf: torch.Tensor) -> bool:
 #: latest 8 (buckets and slots keep two more per bucket or slot). A backward that also reaches
 #: an older replay still refuses, but only once the engine gets to it.
 _NODES_KEPT = 8
+
+
+def _taking_own_changes(replay: Callable[[bool], None], tensors: Any) -> Callable[[bool], None]:
+    def replay_forward(grad_enabled: bool) -> None:
+        with tensors.own_changes_taken():
+            replay(grad_enabled)
+
+    return replay_forward
 
 
 def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
