@@ -549,9 +549,10 @@ class Scaled(nn.Module):
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.scale = 2.0
+        self._scale = 2.0  # private: a replay's attribute check leaves it out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * self.scale
+        return self.fc(x) * self.scale * (self._scale / 2.0)
 
 
 @pytest.mark.cuda
@@ -560,11 +561,22 @@ def test_on_cuda_verify_catches_python_state_baked_into_the_graph() -> None:
     graphed = dgt.make_graphed_callables(
         module, (torch.randn(4, 8, device="cuda", requires_grad=True),)
     )
-    module.scale = 3.0  # eager reads it on every call; the graph kept 2.0
+    module._scale = 3.0  # eager reads it on every call; the graph kept 2.0
     report = dgt.verify(graphed, torch.randn(4, 8, device="cuda", requires_grad=True), steps=1)
     print(f"\n{report}")
     assert not report.ok
     assert "step 1 output" in [c.path for c in report.failures]
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_public_number_changed_after_capture_is_refused_before_verify_compares() -> None:
+    module = Scaled().cuda()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device="cuda", requires_grad=True),)
+    )
+    module.scale = 3.0  # public: every call compares it with capture's
+    with pytest.raises(DualgraphError, match=r"Scaled\.scale: was 2\.0 at capture and is 3\.0"):
+        dgt.verify(graphed, torch.randn(4, 8, device="cuda", requires_grad=True), steps=1)
 
 
 @pytest.mark.cuda
