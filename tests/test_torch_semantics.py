@@ -449,6 +449,60 @@ def test_inputs_the_callable_updates_in_place_are_updated_for_the_caller(backend
     assert int(count) == 4
 
 
+def _update_through_data(cache: torch.Tensor, x: torch.Tensor) -> None:
+    cache.data.mul_(2).add_(x.detach())
+
+
+def _assign_through_data(cache: torch.Tensor, x: torch.Tensor) -> None:
+    cache.data[1:] = x.detach()[1:]
+
+
+def _scale_through_its_storage(cache: torch.Tensor, x: torch.Tensor) -> None:
+    alias = cache.new_empty(0).set_(cache.untyped_storage(), 0, cache.shape)
+    alias.mul_(3)
+
+
+_UPDATES_NO_VERSION_SEES = {
+    "data": _update_through_data,
+    "data_setitem": _assign_through_data,
+    "storage": _scale_through_its_storage,
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("update", sorted(_UPDATES_NO_VERSION_SEES))
+def test_an_input_updated_where_its_version_does_not_move_is_updated_for_the_caller(
+    backend: str, update: str
+) -> None:
+    # cache.data.mul_(2) moves no version counter of cache's: the update was not found at
+    # capture, so the caller's cache kept its values while eager's changed
+    device = device_of(backend)
+    change = _UPDATES_NO_VERSION_SEES[update]
+
+    def cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        change(cache, x)
+        return x * 2
+
+    graphed = dgt.make_graphed_callables(
+        cached, (torch.randn(4, device=device), torch.randn(4, device=device)), backend=backend
+    )
+    assert graphed.plan.mutated_inputs == (1,)
+    cache, eager_cache = torch.ones(4, device=device), torch.ones(4, device=device)
+    for _ in range(3):
+        x = torch.randn(4, device=device)
+        graphed(x, cache)
+        cached(x, eager_cache)
+        assert_tensors_match(cache, eager_cache, "cache", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_holding_nan_that_nothing_updates_is_not_taken_as_updated(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.tensor([float("nan"), 1.0, -0.0], device=device)
+    graphed = dgt.make_graphed_callables(lambda x: x * 2, (sample,), backend=backend)
+    assert graphed.plan.mutated_inputs == ()
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_in_place_updates_reach_the_caller_through_a_view(backend: str) -> None:
     device = device_of(backend)
