@@ -146,6 +146,7 @@ class GraphedCallable:
         "_module_storages",
         "_module_tensors",
         "_mutated",
+        "_mutated_quietly",
         "_names_of",
         "_nondiff_outputs",
         "_numerics",
@@ -275,6 +276,7 @@ class GraphedCallable:
         self._read_by_backward_names = tuple(name for name, _ in read.values())
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
+        self._mutated_quietly = frozenset(plan.quietly_mutated_inputs)
         self._clone_outputs = plan.clone_outputs
         # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
@@ -644,7 +646,9 @@ class GraphedCallable:
         # caller's tensors get the update.
         with torch.no_grad():
             for i in self._mutated:
-                tensors[i].copy_(self._static_inputs[i])
+                # Updated without a version bump in eager (through .data): copied back so too.
+                target = tensors[i].data if i in self._mutated_quietly else tensors[i]
+                target.copy_(self._static_inputs[i])
 
     def _busy(self) -> DualgraphError:
         if self._pool is not None:

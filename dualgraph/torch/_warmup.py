@@ -4,8 +4,9 @@ The first warmup call of each callable is also inspected, because a graph replay
 not Python, and some eager behaviour has to be carried over or refused up front:
 
 - inputs the callable updates in place (their version counters move, or, on that first call,
-  their bits change: an update through ``.data``): each replay copies the update back into the
-  caller's tensor; an update during backward is refused;
+  their bits change: an update through ``.data``, F.batch_norm's running statistics): each
+  replay copies the update back into the caller's tensor (where eager moved no version counter,
+  without moving one); an update during backward is refused;
 - outputs the backward reads (saved for backward): changing them in place is refused at backward;
   so are the parameters and buffers it reads (a module's, or those a function's code names);
 - outputs that are, or view, another output or an input: each replay hands them out so
@@ -60,8 +61,9 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():
         for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
-            if not torch.equal(copy, _bits(t)):
+            if t._version == before[i] and not torch.equal(copy, _bits(t)):
                 item.mutated.add(i)
+                item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
     del bits
     flat = item.record_outputs(outputs)
     differentiable = [flat[i] for i in item.diff_outputs]
