@@ -171,9 +171,11 @@ _LAID_OUT = {
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("layout", sorted(_LAID_OUT))
-def test_outputs_are_laid_out_as_eagers(backend: str, layout: str) -> None:
-    # the emulate backend made every output with empty_like: a non-dense view (h.real) came back
-    # contiguous, a conjugate view resolved, where eager (and a CUDA graph's output) keep them
+@pytest.mark.parametrize("clone_outputs", [False, True])
+def test_outputs_are_laid_out_as_eagers(backend: str, layout: str, clone_outputs: bool) -> None:
+    # the emulate backend made every output with empty_like, and clone_outputs cloned them: a
+    # non-dense view (h.real) came back contiguous, a conjugate view resolved, where eager (and a
+    # CUDA graph's own output) keep them
     device = device_of(backend)
     view = _LAID_OUT[layout]
     weight = torch.randn(4, 6, dtype=torch.complex64, device=device)
@@ -182,7 +184,9 @@ def test_outputs_are_laid_out_as_eagers(backend: str, layout: str) -> None:
         return view(x * weight)
 
     sample = torch.randn(4, 6, dtype=torch.complex64, device=device, requires_grad=True)
-    graphed = dgt.make_graphed_callables(laid_out, (sample,), backend=backend)
+    graphed = dgt.make_graphed_callables(
+        laid_out, (sample,), backend=backend, clone_outputs=clone_outputs
+    )
     x = torch.randn(4, 6, dtype=torch.complex64, device=device, requires_grad=True)
     out, expected = graphed(x), laid_out(x)
     assert (out.stride(), out.is_conj(), out.is_neg()) == (

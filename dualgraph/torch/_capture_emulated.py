@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._capture_failure import Progress
-from ._capture_state import _Capture, empty_laid_out_like, grad_output_buffers
+from ._capture_state import _Capture, grad_output_buffers
+from ._layouts import empty_laid_out_like
 from ._probe import raise_on_lint_errors
 from ._replay_backends import EmulatedReplay
 from ._warmup import warmup

@@ -464,47 +464,6 @@ def empty_from_layout(layout: tuple[torch.Tensor, torch.device]) -> torch.Tensor
     return torch.empty_like(like, device=device)
 
 
-def empty_laid_out_like(tensor: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor laid out as ``tensor``: its strides, where no two of its elements
-    share memory (a non-dense view such as a complex tensor's ``.real`` or ``h[:, ::2]``
-    included, which ``empty_like`` makes contiguous), and its conjugate and negative bits; an
-    expanded tensor's is contiguous (no copy could write into it). As a CUDA graph's own
-    outputs are laid out.
-
-    >>> empty_laid_out_like(torch.zeros(3, 4, dtype=torch.complex64).real).stride()
-    (8, 2)
-    >>> empty_laid_out_like(torch.zeros(2, dtype=torch.complex64).conj()).is_conj()
-    True
-    >>> empty_laid_out_like(torch.zeros(1, 4).expand(3, 4)).stride()
-    (4, 1)
-    """
-    tensor = tensor.detach()
-    if _elements_apart(tensor):
-        made = torch.empty_strided(
-            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
-        )
-    else:
-        made = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    if tensor.is_conj():
-        made = made.conj()
-    if tensor.is_neg():
-        made = torch._neg_view(made)
-    return made
-
-
-def _elements_apart(tensor: torch.Tensor) -> bool:
-    """Whether no two elements of ``tensor`` share memory: taken smallest stride first, each
-    dim's stride steps over all that the dims before it span."""
-    shape, strides = tensor.shape, tensor.stride()
-    dims = sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size > 1)
-    span = 1
-    for stride, size in dims:
-        if stride < span:
-            return False
-        span += stride * (size - 1)
-    return True
-
-
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -46,6 +46,7 @@ from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._layouts import copier_of
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
 from ._params import requires_grad_changed
@@ -122,6 +123,7 @@ class GraphedCallable:
         "_backward_checks",
         "_backward_generation",
         "_clone_outputs",
+        "_copiers",
         "_ddp",
         "_ddp_check",
         "_edge_nones",
@@ -278,6 +280,8 @@ class GraphedCallable:
         self._mutated = plan.mutated_inputs
         self._mutated_quietly = frozenset(plan.quietly_mutated_inputs)
         self._clone_outputs = plan.clone_outputs
+        # clone_outputs: each output copied laid out as eager's (a non-dense view, a conj bit)
+        self._copiers = tuple(map(copier_of, self._static_outputs)) if plan.clone_outputs else ()
         # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
@@ -531,7 +535,9 @@ class GraphedCallable:
             outputs = self._static_outputs
             self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
         if self._clone_outputs:
-            return tuple(o.clone() for o in self._static_outputs)
+            return tuple(
+                copy(o) for copy, o in zip(self._copiers, self._static_outputs, strict=True)
+            )
         return tuple(map(_detach, self._static_outputs))
 
     def _check_ambient_state(self, grad_enabled: bool = True) -> None:
