@@ -168,6 +168,45 @@ def test_owned_gives_outputs_the_next_replay_cannot_touch(backend: str) -> None:
     assert_tensors_match(args[0].grad, eager_args[0].grad, "args[0]", tolerance(backend))
 
 
+_LAID_OUT = {
+    "real_part": lambda h: h.real,
+    "every_other_column": lambda h: h[:, ::2],
+    "transposed": lambda h: h.t(),
+    "conjugate": lambda h: h.conj(),
+    "negative_view": lambda h: torch._neg_view(h),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("layout", sorted(_LAID_OUT))
+@pytest.mark.parametrize("clone_outputs", [False, True])
+def test_outputs_are_laid_out_as_eagers(backend: str, layout: str, clone_outputs: bool) -> None:
+    # the emulate backend made every output with empty_like, and clone_outputs cloned them: a
+    # non-dense view (h.real) came back contiguous, a conjugate view resolved, where eager (and a
+    # CUDA graph's own output) keep them
+    device = device_of(backend)
+    view = _LAID_OUT[layout]
+    weight = torch.randn(4, 6, dtype=torch.complex64, device=device)
+
+    def laid_out(x: torch.Tensor) -> torch.Tensor:
+        return view(x * weight)
+
+    sample = torch.randn(4, 6, dtype=torch.complex64, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        laid_out, (sample,), backend=backend, clone_outputs=clone_outputs
+    )
+    x = torch.randn(4, 6, dtype=torch.complex64, device=device, requires_grad=True)
+    out, expected = graphed(x), laid_out(x)
+    assert (out.stride(), out.is_conj(), out.is_neg()) == (
+        expected.stride(),
+        expected.is_conj(),
+        expected.is_neg(),
+    )
+    assert torch.equal(
+        out.detach().resolve_conj().resolve_neg(), expected.detach().resolve_conj().resolve_neg()
+    )
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_outputs_hang_on_one_replay_node(backend: str) -> None:
     graphed = _graph(_exp_and_sin, (3,), backend=backend)

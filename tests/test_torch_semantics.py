@@ -493,6 +493,88 @@ def test_inputs_the_callable_updates_in_place_are_updated_for_the_caller(backend
     assert int(count) == 4
 
 
+def _update_through_data(cache: torch.Tensor, x: torch.Tensor) -> None:
+    cache.data.mul_(2).add_(x.detach()[0])
+
+
+def _assign_through_data(cache: torch.Tensor, x: torch.Tensor) -> None:
+    cache.data[1:] = x.detach()[1, 1:]
+
+
+def _scale_through_its_storage(cache: torch.Tensor, x: torch.Tensor) -> None:
+    alias = cache.new_empty(0).set_(cache.untyped_storage(), 0, cache.shape)
+    alias.mul_(3)
+
+
+def _update_as_batch_norm(cache: torch.Tensor, x: torch.Tensor) -> None:
+    # running statistics passed in: the kernel writes the mean without a version bump
+    nn.functional.batch_norm(x.detach(), cache, torch.ones_like(cache), training=True)
+
+
+_UPDATES_NO_VERSION_SEES = {
+    "data": _update_through_data,
+    "data_setitem": _assign_through_data,
+    "storage": _scale_through_its_storage,
+    "batch_norm": _update_as_batch_norm,
+}
+
+
+def _cached(change: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[..., torch.Tensor]:
+    def cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        change(cache, x)
+        return x * 2
+
+    return cached
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("update", sorted(_UPDATES_NO_VERSION_SEES))
+def test_an_input_updated_where_its_version_does_not_move_is_updated_for_the_caller(
+    backend: str, update: str
+) -> None:
+    # cache.data.mul_(2), or F.batch_norm's running mean passed in, moves no version counter of
+    # cache's: the update was not found at capture, so the caller's cache kept its values
+    device = device_of(backend)
+    cached = _cached(_UPDATES_NO_VERSION_SEES[update])
+    graphed = dgt.make_graphed_callables(
+        cached, (torch.randn(2, 4, device=device), torch.randn(4, device=device)), backend=backend
+    )
+    assert graphed.plan.mutated_inputs == (1,)
+    cache, eager_cache = torch.ones(4, device=device), torch.ones(4, device=device)
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device)
+        graphed(x, cache)
+        cached(x, eager_cache)
+        assert_tensors_match(cache, eager_cache, "cache", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("update", sorted(_UPDATES_NO_VERSION_SEES))
+def test_an_input_updated_where_its_version_does_not_move_keeps_its_version_as_in_eager(
+    backend: str, update: str
+) -> None:
+    # eager's update moves no version: an eager op that saved the caller's tensor still
+    # differentiates afterwards, where a copy back that moved it would raise at backward
+    device = device_of(backend)
+    cached = _cached(_UPDATES_NO_VERSION_SEES[update])
+    graphed = dgt.make_graphed_callables(
+        cached, (torch.randn(2, 4, device=device), torch.randn(4, device=device)), backend=backend
+    )
+    cache, eager_cache = torch.ones(4, device=device), torch.ones(4, device=device)
+    x = torch.randn(2, 4, device=device)
+    graphed(x, cache)
+    cached(x, eager_cache)
+    assert cache._version == eager_cache._version == 0
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_holding_nan_that_nothing_updates_is_not_taken_as_updated(backend: str) -> None:
+    device = device_of(backend)
+    sample = torch.tensor([float("nan"), 1.0, -0.0], device=device)
+    graphed = dgt.make_graphed_callables(lambda x: x * 2, (sample,), backend=backend)
+    assert graphed.plan.mutated_inputs == ()
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_in_place_updates_reach_the_caller_through_a_view(backend: str) -> None:
     device = device_of(backend)

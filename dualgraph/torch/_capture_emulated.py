@@ -14,6 +14,7 @@ import torch
 
 from ._capture_failure import Progress
 from ._capture_state import _Capture, grad_output_buffers
+from ._layouts import empty_laid_out_like
 from ._probe import raise_on_lint_errors
 from ._replay_backends import EmulatedReplay
 from ._warmup import warmup
@@ -45,9 +46,7 @@ def capture_emulated(
             flat = item.record_outputs(item.run())
         donor = item.buffers_from
         item.static_outputs = (
-            donor.static_outputs
-            if donor is not None
-            else tuple(torch.empty_like(t.detach()) for t in flat)
+            donor.static_outputs if donor is not None else tuple(map(empty_laid_out_like, flat))
         )
         item.grad_outputs = grad_output_buffers(item, flat)
         del flat

@@ -162,6 +162,7 @@ class _Capture:
         self.output_aliases: OutputAliases | None = None
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
+        self.mutated_quietly: set[int] = set()  # of those, updated without a version bump
         self.static_outputs: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: tuple[torch.Tensor, ...] = ()
         self.input_grads: tuple[torch.Tensor | None, ...] = (None,) * len(self.static_inputs)
@@ -199,6 +200,7 @@ class _Capture:
         self.output_aliases = original.output_aliases
         self.reach = original.reach
         self.mutated = set(original.mutated)
+        self.mutated_quietly = set(original.mutated_quietly)
         self.warmup_grads = original.warmup_grads
         self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
 
@@ -420,6 +422,7 @@ class _Capture:
             saved_closure_tensors=self.saved_closure_tensors,
             output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
+            quietly_mutated_inputs=tuple(sorted(self.mutated_quietly)),
             module_tensors=self.module_tensors,
             code_tensors=self.code_tensors,
             closure_updates=self.closure_updates.updated,

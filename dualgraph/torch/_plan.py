@@ -153,6 +153,9 @@ class ReplayPlan:
     closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
     # a function's: the tensors its code names that the backward reads (as saved_module_tensors)
     saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+    # of mutated_inputs, those updated without a version bump (``x.data.mul_(2)``, a kernel's
+    # running statistics): copied back without one, as eager moved none
+    quietly_mutated_inputs: tuple[int, ...] = ()
     # the context the callable's eager twin runs in (``verify``), as on the "eager" backend:
     # a Transformer Engine autocast of its own precision, or None
     eager_context: Callable[[], AbstractContextManager[Any]] | None = None

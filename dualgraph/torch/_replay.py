@@ -50,6 +50,7 @@ from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._layouts import copier_of
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
 from ._node_hooks import HeldNodes, node_hook_dicts
@@ -130,6 +131,7 @@ class GraphedCallable:
         "_backward_checks",
         "_backward_generation",
         "_clone_outputs",
+        "_copiers",
         "_ddp",
         "_ddp_check",
         "_edge_nones",
@@ -156,6 +158,7 @@ class GraphedCallable:
         "_module_storages",
         "_module_tensors",
         "_mutated",
+        "_mutated_quietly",
         "_names_of",
         "_node_hooked",
         "_nodes",
@@ -299,7 +302,10 @@ class GraphedCallable:
         self._read_by_backward_names = tuple(name for name, _ in read.values())
         self._output_versions: tuple[int, ...] = ()
         self._mutated = plan.mutated_inputs
+        self._mutated_quietly = frozenset(plan.quietly_mutated_inputs)
         self._clone_outputs = plan.clone_outputs
+        # clone_outputs: each output copied laid out as eager's (a non-dense view, a conj bit)
+        self._copiers = tuple(map(copier_of, self._static_outputs)) if plan.clone_outputs else ()
         # What a replay overwrites that the caller may hold: the outputs, unless they are clones.
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
@@ -637,7 +643,9 @@ class GraphedCallable:
             outputs = self._static_outputs
             self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
         if self._clone_outputs:
-            return tuple(o.clone() for o in self._static_outputs)
+            return tuple(
+                copy(o) for copy, o in zip(self._copiers, self._static_outputs, strict=True)
+            )
         return tuple(map(_detach, self._static_outputs))
 
     def _check_ambient_state(self, grad_enabled: bool = True) -> None:
@@ -752,7 +760,9 @@ class GraphedCallable:
         # caller's tensors get the update.
         with torch.no_grad():
             for i in self._mutated:
-                tensors[i].copy_(self._static_inputs[i])
+                # Updated without a version bump in eager (through .data): copied back so too.
+                target = tensors[i].data if i in self._mutated_quietly else tensors[i]
+                target.copy_(self._static_inputs[i])
 
     def _busy(self) -> DualgraphError:
         if self._pool is not None:

@@ -3,8 +3,10 @@
 The first warmup call of each callable is also inspected, because a graph replays kernels and
 not Python, and some eager behaviour has to be carried over or refused up front:
 
-- inputs the callable updates in place (their version counters move): each replay copies the
-  update back into the caller's tensor; an update during backward is refused;
+- inputs the callable updates in place (their version counters move, or, on that first call,
+  their bits change: an update through ``.data``, F.batch_norm's running statistics): each
+  replay copies the update back into the caller's tensor (where eager moved no version counter,
+  without moving one); an update during backward is refused;
 - outputs the backward reads (saved for backward): changing them in place is refused at backward;
   so are the parameters and buffers it reads (a module's, or those a function's code names);
 - outputs that are, or view, another output or an input: each replay hands them out so
@@ -20,10 +22,12 @@ the memory plan end up in each plan's diagnostics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
@@ -43,6 +47,10 @@ __all__ = ["warmup"]
 def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.Tensor | None, ...]:
     """One eager forward and backward on the static buffers; the first one is inspected."""
     before = [t._version for t in item.static_inputs]
+    # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
+    # input's storage) still changes the bits: compared once, on the inspected call.
+    with _unobserved():
+        bits = [_bits(t) for t in item.static_inputs] if inspect else []
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
@@ -51,6 +59,12 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
         else:
             outputs = item.run()
     after_forward = [t._version for t in item.static_inputs]
+    with _unobserved():
+        for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
+            if t._version == before[i] and not torch.equal(copy, _bits(t)):
+                item.mutated.add(i)
+                item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
+    del bits
     flat = item.record_outputs(outputs)
     differentiable = [flat[i] for i in item.diff_outputs]
     diff_inputs = item.diff_inputs()
@@ -111,6 +125,25 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
         if v1 != v0:
             item.mutated.add(i)
     return grads
+
+
+@contextlib.contextmanager
+def _unobserved() -> Iterator[None]:
+    """Ops of dualgraph's own, hidden from the lint and the memory probe watching the call."""
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s bytes, in its element order: ``torch.equal`` of two is bitwise
+    (a NaN equals itself, ``-0.0`` differs from ``0.0``).
+
+    >>> a, b = torch.tensor([float("nan"), 0.0]), torch.tensor([float("nan"), -0.0])
+    >>> torch.equal(_bits(a), _bits(a.clone())), torch.equal(_bits(a), _bits(b))
+    (True, False)
+    """
+    with torch.no_grad():
+        return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
 
 
 def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:

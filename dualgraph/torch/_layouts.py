@@ -1,0 +1,74 @@
+"""Tensors laid out as others: the static outputs, and owned copies of them, as eager's are.
+
+A non-dense view (a complex tensor's ``.real``, ``h[:, ::2]``) keeps its strides, and a
+conjugate or negative view its bit, where ``empty_like`` and ``clone`` would make them dense
+or resolve them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["copier_of", "empty_laid_out_like"]
+
+
+def empty_laid_out_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor laid out as ``tensor``: its strides, where no two of its elements
+    share memory (a non-dense view such as a complex tensor's ``.real`` or ``h[:, ::2]``
+    included, which ``empty_like`` makes contiguous), and its conjugate and negative bits; an
+    expanded tensor's is contiguous (no copy could write into it). As a CUDA graph's own
+    outputs are laid out.
+
+    >>> empty_laid_out_like(torch.zeros(3, 4, dtype=torch.complex64).real).stride()
+    (8, 2)
+    >>> empty_laid_out_like(torch.zeros(2, dtype=torch.complex64).conj()).is_conj()
+    True
+    >>> empty_laid_out_like(torch.zeros(1, 4).expand(3, 4)).stride()
+    (4, 1)
+    """
+    tensor = tensor.detach()
+    if _elements_apart(tensor):
+        made = torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
+        )
+    else:
+        made = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    if tensor.is_conj():
+        made = made.conj()
+    if tensor.is_neg():
+        made = torch._neg_view(made)
+    return made
+
+
+def _elements_apart(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` share memory: taken smallest stride first, each
+    dim's stride steps over all that the dims before it span."""
+    shape, strides = tensor.shape, tensor.stride()
+    dims = sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            return False
+        span += stride * (size - 1)
+    return True
+
+
+def _copy_laid_out(tensor: torch.Tensor) -> torch.Tensor:
+    return empty_laid_out_like(tensor).copy_(tensor)
+
+
+def copier_of(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What copies a tensor laid out as ``tensor`` into one of its own, laid out so too:
+    ``Tensor.clone`` where that keeps the layout (a dense tensor), else a strided copy.
+
+    >>> real = torch.ones(2, 3, dtype=torch.complex64).real
+    >>> copier_of(real)(real).stride(), copier_of(real.contiguous()) is torch.Tensor.clone
+    ((6, 2), True)
+    """
+    if tensor.is_conj() or tensor.is_neg():
+        return _copy_laid_out
+    if torch.empty_like(tensor).stride() != tensor.stride():
+        return _copy_laid_out
+    return torch.Tensor.clone
