@@ -301,12 +301,8 @@ def test_a_call_under_a_torch_func_transform_is_refused(
     assert all(map(torch.equal, runner_of(layer).static_inputs, static))
 
 
-@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
-def test_a_batched_backward_is_refused_before_it_writes_anything(
-    backend: str, param_grads: str
-) -> None:
-    # torch.autograd.grad(..., is_grads_batched=True) runs the backward under vmap: the copy of a
-    # batch of grads into the static grad buffer leaked torch's vmap error from inside.
+def _graphed_linear(backend: str, param_grads: str) -> tuple[nn.Linear, torch.device]:
+    """A ``Linear(4, 3)`` graphed on ``backend`` for samples ``(2, 4)``, and its device."""
     device = device_of(backend)
     layer = nn.Linear(4, 3).to(device)
     dgt.make_graphed_callables(
@@ -315,6 +311,16 @@ def test_a_batched_backward_is_refused_before_it_writes_anything(
         backend=backend,
         param_grads=param_grads,
     )
+    return layer, device
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_batched_backward_is_refused_before_it_writes_anything(
+    backend: str, param_grads: str
+) -> None:
+    # torch.autograd.grad(..., is_grads_batched=True) runs the backward under vmap: the copy of a
+    # batch of grads into the static grad buffer leaked torch's vmap error from inside.
+    layer, device = _graphed_linear(backend, param_grads)
     x = torch.randn(2, 4, device=device, requires_grad=True)
     out = layer(x)
     static = [t.clone() for t in runner_of(layer).plan.buffers.grad_outputs]
@@ -1256,14 +1262,7 @@ def test_a_batched_backward_on_the_engines_device_thread_is_refused(
     # On CUDA the engine runs a replay's backward on the device's own thread, where the caller's
     # vmap level (is_grads_batched=True) reads as none: the batched grads themselves must tell.
     # Here the node's backward is called from a thread without a vmap level, with such a grad.
-    device = device_of(backend)
-    layer = nn.Linear(4, 3).to(device)
-    dgt.make_graphed_callables(
-        layer,
-        (torch.randn(2, 4, device=device, requires_grad=True),),
-        backend=backend,
-        param_grads=param_grads,
-    )
+    layer, device = _graphed_linear(backend, param_grads)
     out = layer(torch.randn(2, 4, device=device, requires_grad=True))
     static = [t.clone() for t in runner_of(layer).plan.buffers.grad_outputs]
     raised: list[BaseException] = []
