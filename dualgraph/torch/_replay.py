@@ -72,6 +72,7 @@ _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+_size = torch.Tensor.size
 _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
@@ -327,11 +328,13 @@ class GraphedCallable:
         # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
         # was at capture. Made before the holder counts below, which count them.
         self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
-        # Their addresses, then their strides: what _backward_into_accumulators compares the
-        # accumulators' with, in one tuple.
+        # Their addresses, strides, then shapes: what _backward_into_accumulators compares the
+        # accumulators' with, in one tuple (a .grad whose .data is a prefix of its own memory
+        # keeps its address and strides).
         self._graph_grads_places = (
             *map(_data_ptr, self._graph_grads),
             *map(_stride, self._graph_grads),
+            *map(_size, self._graph_grads),
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -1257,7 +1260,13 @@ class GraphedCallable:
             all(map(_is, grads, accumulators))
             # and every accumulator still has the memory and layout the graph adds into (one
             # pass over each: the backward's only cost per parameter for this)
-            and tuple(_chain(map(_data_ptr, accumulators), map(_stride, accumulators)))
+            and tuple(
+                _chain(
+                    map(_data_ptr, accumulators),
+                    map(_stride, accumulators),
+                    map(_size, accumulators),
+                )
+            )
             == self._graph_grads_places
         ):
             replay()  # every .grad is its accumulator, where the graph adds
@@ -1400,7 +1409,11 @@ def _taking_own_changes(replay: Callable[[bool], None], tensors: Any) -> Callabl
 
 def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
     """Whether ``tensor`` (an accumulator) still lies where ``memory`` (its alias) does."""
-    return tensor.data_ptr() == memory.data_ptr() and tensor.stride() == memory.stride()
+    return (
+        tensor.data_ptr() == memory.data_ptr()
+        and tensor.stride() == memory.stride()
+        and tensor.shape == memory.shape
+    )
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:
