@@ -26,7 +26,7 @@ import itertools
 import operator
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +138,7 @@ class GraphedCallable:
         "_edge_nones",
         "_edges",
         "_emulated",
+        "_expired_nodes",
         "_first_param",
         "_generation",
         "_grad_output_indices",
@@ -360,6 +361,12 @@ class GraphedCallable:
         # see join). One backward may run through several; one that will refuse must refuse
         # before another has added anything (the engine runs the later replay's first).
         self._nodes: deque[Any] = deque(maxlen=_NODES_KEPT)
+        # The nodes of the replays of callables graphed with it that the pool expired (the same
+        # list for all of them): one backward through one of those refuses first.
+        self._expired_nodes: list[Any] | None = None
+        if pool is not None:
+            pool.nodes = self._nodes
+            self._expired_nodes = pool.order.expired_nodes
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
         # Each accumulator with its storage's address for the holder counts; the storage objects
         # are kept alive here (each adds one constant reference to the memory).
@@ -516,6 +523,8 @@ class GraphedCallable:
             replay._holder_baseline = replay._holder_counts()
             replay._ddp = ddp
             replay._nodes = nodes
+            if replay._pool is not None:
+                replay._pool.nodes = nodes
 
     def __repr__(self) -> str:
         return (
@@ -831,6 +840,8 @@ class GraphedCallable:
                 raise self._frozen_since_capture(needs_input_grad)
             if len(self._nodes) > 1 and _will_engine_execute_node is not None:
                 self._refuse_stale_in_this_backward(generation)
+            if self._expired_nodes and _will_engine_execute_node is not None:
+                self._refuse_stale_in_this_backward(generation, self._expired_nodes)
             # Marked before the hooks and graphs run; a refusal made before anything is
             # replayed or added to (_RefusedBeforeReplay, a replay hook's error) unmarks it,
             # so that a retry (the .grad mended, retain_graph=True) runs it, as eager's would.
@@ -1019,12 +1030,14 @@ class GraphedCallable:
                     "separate callables to watch the grad there"
                 )
 
-    def _refuse_stale_in_this_backward(self, generation: int) -> None:
+    def _refuse_stale_in_this_backward(
+        self, generation: int, nodes: Iterable[Any] | None = None
+    ) -> None:
         """Raise, before this backward touches anything, the refusal of another replay of this
-        callable (or of its slots or buckets) that the same backward reaches and whose own
-        backward will refuse: one backward through two replays adds the grads of both or of
-        neither."""
-        for ref in self._nodes:
+        callable (or of its slots or buckets; ``nodes``: of a callable sharing its pool, which
+        the pool expired) that the same backward reaches and whose own backward will refuse:
+        one backward through two replays adds the grads of both or of neither."""
+        for ref in self._nodes if nodes is None else nodes:
             node = ref()
             if node is None or (node.graphed is self and node.generation == generation):
                 continue
