@@ -99,7 +99,9 @@ class PoolOrder:
 
     def _keep_node_of(self, place: PoolPlace, generation: int) -> None:
         """Keep, weakly, the autograd node of ``place``'s replay ``generation``, if alive."""
-        for ref in reversed(place.nodes):  # the callable's latest few replays' nodes
+        # the callable's latest few replays' nodes (a snapshot: its forward appends outside the
+        # pool's lock)
+        for ref in reversed(tuple(place.nodes)):
             node = ref()
             if node is not None and node.generation == generation and node.graphed._pool is place:
                 nodes = self.expired_nodes
