@@ -1453,3 +1453,65 @@ def test_graphing_a_function_leaves_a_tensor_it_only_reads_untouched() -> None:
     assert scale._version == version
     graphed(torch.ones(2, requires_grad=True)).sum().backward()
     assert torch.equal(scale, torch.full((2,), 3.0))
+
+
+class HalvesItsWeightQuietly(nn.Module):
+    """Changes a module tensor where no version counter moves (``.data``), as a kernel could."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.frozen = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.scale = torch.ones(4)  # a plain tensor attribute
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "parameter":
+            self.w.data.mul_(0.5)
+        elif self.where == "frozen parameter":
+            self.frozen.data.copy_(self.frozen.data * 0.5)
+        else:
+            self.scale.data.mul_(0.5)
+        return x * self.w * self.frozen * self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [
+        ("parameter", "HalvesItsWeightQuietly.w"),
+        ("frozen parameter", "HalvesItsWeightQuietly.frozen"),
+        ("attribute", "HalvesItsWeightQuietly.scale"),
+    ],
+)
+def test_a_module_tensor_changed_without_a_version_bump_is_refused_and_put_back(
+    backend: str, where: str, name: str
+) -> None:
+    # lint="off" (the CUDA default): warmup and capture each halved the weight, which a
+    # graphed module then held at 0.0625 where eager's would still be 1.0.
+    device = device_of(backend)
+    module = HalvesItsWeightQuietly(where).to(device)
+    module.scale = module.scale.to(device)
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend, lint="off"
+    )
+    assert f"{name}: the callable updates this" in message
+    assert "without a version bump" in message
+    for tensor in (module.w, module.frozen, module.scale):  # as before graphing
+        assert torch.equal(tensor.detach().cpu(), torch.ones(4))
+    assert module.w._version == 0  # nothing eager would see moved
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
+    backend: str,
+) -> None:
+    # Refused for another reason (a method's parameters get no grad from a replay), after the
+    # first warmup call halved the weight through .data.
+    device = device_of(backend)
+    module = HalvesItsWeightQuietly("parameter").to(device)
+    message = capture_error(
+        module.forward, (torch.randn(4, device=device),), backend=backend, lint="off"
+    )
+    assert "neither inputs nor arguments" in message
+    assert torch.equal(module.w.detach().cpu(), torch.ones(4))

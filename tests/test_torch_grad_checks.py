@@ -23,9 +23,21 @@ def test_aliases_is_false_for_memory_of_its_own_or_a_sparse_grad() -> None:
 
 
 def test_aliases_refuses_the_same_memory_in_another_layout() -> None:
-    accumulator = torch.zeros(2, 3)
+    accumulator = torch.zeros(2, 2)  # (another shape is grad_problem's: eager raises)
     with pytest.raises(DualgraphError, match=r"^w: \.grad shares memory"):
         aliases(accumulator.t(), accumulator, "w")
+
+
+def test_grad_problem_finds_a_grad_of_another_shape_in_the_same_memory() -> None:
+    weight = torch.nn.Parameter(torch.ones(8))
+    accumulator = torch.zeros(8)
+    prefix = accumulator[:5]  # the same address and strides
+    assert not aliases(prefix, accumulator, "w")
+    problem = grad_problem(
+        [(weight, accumulator, prefix, None)], [span(accumulator)], {weight: "w"}
+    )
+    assert problem is not None and problem.raises_for is weight
+    assert problem.found == ".grad has shape [5], the parameter [8]: eager's add into it raises"
 
 
 def test_span_covers_the_bytes_of_a_strided_tensor() -> None:

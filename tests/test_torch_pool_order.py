@@ -112,6 +112,36 @@ def test_an_expired_backward_stays_refused_after_later_replays(backend: str) -> 
     assert all(p.grad is not None for p in second.parameters())
 
 
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_one_backward_through_an_expired_replay_and_a_later_one_changes_no_grad(
+    backend: str, param_grads: str
+) -> None:
+    # The engine runs the later replay's backward (first's) before second's refuses: first's
+    # grads were added into .grad, or handed to autograd, before the refusal.
+    (first, second), _ = _layers(backend, param_grads=param_grads)
+    late = second(_x(backend))
+    early = first(_x(backend))  # its graph may reuse the memory of second's activations
+    with pytest.raises(DualgraphError, match=r"callable 1 .* forward replay of callable 0"):
+        (late.sum() + early.sum()).backward()
+    assert all(p.grad is None for layer in (first, second) for p in layer.parameters())
+    del late, early
+    first(_x(backend)).sum().backward()  # the next step runs (nothing was marked as run)
+    assert all(p.grad is not None for p in first.parameters())
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_pool_keeps_the_nodes_of_expired_replays_only_while_they_live(backend: str) -> None:
+    (first, second), _ = _layers(backend)
+    expired = runner_of(first)._expired_nodes
+    for _ in range(50):  # second's graph dropped each time, after first expired it
+        late = second(_x(backend))
+        first(_x(backend))
+        del late
+    assert len(expired) < 16
+    assert sum(ref() is not None for ref in expired) == 0
+    first(_x(backend)).sum().backward()  # and a backward checks nothing alive
+
+
 # -- allowed: the captured order, and every order that is safe on CUDA ----------------------------
 
 

@@ -2458,6 +2458,48 @@ def test_a_grad_eager_cannot_add_into_raises_before_any_other_grad_changed(
         _assert_same_grads(net, twin, backend)
 
 
+#: Ways to give a ``.grad`` another shape than its parameter's, keeping its identity (which
+#: assigning ``.grad`` itself refuses): a prefix of its own memory keeps its address and strides.
+RESHAPED_GRADS: dict[str, Callable[[torch.Tensor], None]] = {
+    "prefix": lambda grad: setattr(grad, "data", grad.data[:2]),
+    "elsewhere": lambda grad: setattr(grad, "data", torch.zeros_like(grad.data[:2])),
+}
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)
+@pytest.mark.parametrize("kind", RESHAPED_GRADS)
+def test_a_grad_of_another_shape_raises_before_any_grad_changed(
+    backend: str, param_grads: str, kind: str
+) -> None:
+    # The prefix kept the accumulator's address and strides, so the graph added the whole
+    # grad into memory the .grad only partly shows, where eager's AccumulateGrad raises.
+    net, twin = _square_pair(backend, param_grads)
+    _square_step(net, twin, backend)
+    for module in (net, twin):
+        RESHAPED_GRADS[kind](module[2].weight.grad)
+    grads = [p.grad for p in net.parameters()]
+    before = grads_of(list(net.parameters()))
+    x = torch.randn(2, 4, device=device_of(backend))
+    eager_error = "must match the size of tensor"
+    with pytest.raises(RuntimeError, match=eager_error):
+        loss_of(twin(x)).backward()
+    expected = DualgraphError if param_grads == "in_graph" else RuntimeError
+    with pytest.raises(expected) as info:
+        loss_of(net(x)).backward()
+    if param_grads == "in_graph":  # refused, naming it, before anything changed
+        assert str(info.value).startswith("Sequential: Sequential.2.weight: .grad has shape")
+    else:  # eager's error, from autograd adding the grad as eager does
+        assert eager_error in str(info.value)
+    if param_grads != "autograd":  # (which AccumulateGrad runs first is the engine's choice)
+        assert_grads_match(grads_of(list(net.parameters())), before, ["0.weight", "2.weight"])
+    assert all(p.grad is grad for p, grad in zip(net.parameters(), grads, strict=True))
+    for module in (net, twin):  # the next steps, into a new .grad, match eager's
+        module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _square_step(net, twin, backend)
+        _assert_same_grads(net, twin, backend)
+
+
 @pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)
 @pytest.mark.parametrize("kind", UNWRITABLE_GRADS)
 def test_a_grad_eager_cannot_add_into_leaves_a_grad_the_user_kept_as_it_was(

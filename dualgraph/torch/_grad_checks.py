@@ -110,8 +110,8 @@ def aliases(grad: torch.Tensor, accumulator: torch.Tensor, name: str) -> bool:
     accumulator adds into it, as eager adds into ``.grad`` in place. Any other overlap cannot be
     replayed. A ``.grad`` that is not strided (sparse) is never its memory.
     """
-    if grad.layout is not _STRIDED:
-        return False
+    if grad.layout is not _STRIDED or grad.shape != accumulator.shape:
+        return False  # another shape is grad_problem's to find (a prefix of its memory too)
     if grad.untyped_storage().data_ptr() != accumulator.untyped_storage().data_ptr():
         return False
     if grad.data_ptr() == accumulator.data_ptr() and grad.stride() == accumulator.stride():
@@ -210,6 +210,16 @@ def grad_problem(
                     f".grad is {_name(grad)}, the parameter {_name(param)}: eager adds in the "
                     ".grad's dtype"
                 ),
+            )
+        if grad.shape != accumulator.shape:  # .data set to a tensor of another shape
+            return GradProblem(
+                names[param],
+                (
+                    f".grad has shape {list(grad.shape)}, the parameter {list(param.shape)}: "
+                    "eager's add into it raises"
+                ),
+                param,
+                remedy="set .grad to None or to a tensor of the parameter's shape",
             )
         unwritable, raises = _unwritable(grad)
         if unwritable is not None:

@@ -26,6 +26,13 @@ when no later backward is pending.
 
 The pending backwards nest (each captured inside the one below it), so they form a stack, and a
 replay pops the ones it expires: amortized constant work per replay.
+
+One backward may run through an expired replay and a valid one of another callable (``b =
+second(x); a = first(y); (a + b).sum().backward()``): the engine may run the valid one first,
+which would add its grads before the expired one refuses. So the order keeps, weakly, the
+autograd nodes of the replays it expired (:attr:`PoolOrder.expired_nodes`, only while alive),
+and each backward of its callables checks those it reaches first (``_replay.py``): refused
+before anything is added, as within one callable. A backward pays one list test while none is.
 """
 
 from __future__ import annotations
@@ -53,10 +60,23 @@ class PoolOrder:
     write the same memory at once on CUDA).
     """
 
-    __slots__ = ("__weakref__", "_pending", "_places", "callables", "captured", "lock")
+    __slots__ = (
+        "__weakref__",
+        "_pending",
+        "_places",
+        "_prune_at",
+        "callables",
+        "captured",
+        "expired_nodes",
+        "lock",
+    )
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # Weakly, the autograd nodes of the replays whose backward it expired; the list object
+        # stays the same (callables hold it), pruned of dead ones as it grows.
+        self.expired_nodes: list[weakref.ref[Any]] = []
+        self._prune_at = 8
         self.captured = 0  # graphs captured into the pool so far (positions taken)
         self.callables = 0
         self._places: list[weakref.ref[PoolPlace]] = []
@@ -75,6 +95,21 @@ class PoolOrder:
             if other is not place:  # its own earlier replays: the callable refuses them itself
                 other.expired = generation
                 other.expired_by = (place, what)
+                self._keep_node_of(other, generation)
+
+    def _keep_node_of(self, place: PoolPlace, generation: int) -> None:
+        """Keep, weakly, the autograd node of ``place``'s replay ``generation``, if alive."""
+        # the callable's latest few replays' nodes (a snapshot: its forward appends outside the
+        # pool's lock)
+        for ref in reversed(tuple(place.nodes)):
+            node = ref()
+            if node is not None and node.generation == generation and node.graphed._pool is place:
+                nodes = self.expired_nodes
+                nodes.append(ref)
+                if len(nodes) >= self._prune_at:
+                    nodes[:] = [ref for ref in nodes if ref() is not None]
+                    self._prune_at = 2 * len(nodes) + 8
+                return
 
     def places(self) -> list[PoolPlace]:
         """The places alive, in capture order."""
@@ -96,6 +131,7 @@ class PoolPlace:
         "forward_overwrites",
         "index",
         "name",
+        "nodes",
         "order",
         "outputs",
     )
@@ -111,6 +147,9 @@ class PoolPlace:
         self.expired = -1  # the generation of the replay whose backward was expired last
         self.expired_by: tuple[PoolPlace, str] | None = None
         self.outputs: tuple[torch.Tensor, ...] = ()  # those its callers hold (settle_outputs)
+        # Weak references to the autograd nodes of its callable's latest replays (its own
+        # collection, which the callable sets; see PoolOrder._keep_node_of).
+        self.nodes: Sequence[weakref.ref[Any]] = ()
         # the outputs of other callables each replay may overwrite (settle_outputs)
         self.forward_overwrites = _NONE
         self.backward_overwrites = _NONE

@@ -26,7 +26,7 @@ import itertools
 import operator
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+_size = torch.Tensor.size
 _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
@@ -137,6 +138,7 @@ class GraphedCallable:
         "_edge_nones",
         "_edges",
         "_emulated",
+        "_expired_nodes",
         "_first_param",
         "_generation",
         "_grad_output_indices",
@@ -327,11 +329,13 @@ class GraphedCallable:
         # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
         # was at capture. Made before the holder counts below, which count them.
         self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
-        # Their addresses, then their strides: what _backward_into_accumulators compares the
-        # accumulators' with, in one tuple.
+        # Their addresses, strides, then shapes: what _backward_into_accumulators compares the
+        # accumulators' with, in one tuple (a .grad whose .data is a prefix of its own memory
+        # keeps its address and strides).
         self._graph_grads_places = (
             *map(_data_ptr, self._graph_grads),
             *map(_stride, self._graph_grads),
+            *map(_size, self._graph_grads),
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -357,6 +361,12 @@ class GraphedCallable:
         # see join). One backward may run through several; one that will refuse must refuse
         # before another has added anything (the engine runs the later replay's first).
         self._nodes: deque[Any] = deque(maxlen=_NODES_KEPT)
+        # The nodes of the replays of callables graphed with it that the pool expired (the same
+        # list for all of them): one backward through one of those refuses first.
+        self._expired_nodes: list[Any] | None = None
+        if pool is not None:
+            pool.nodes = self._nodes
+            self._expired_nodes = pool.order.expired_nodes
         self._backward_checks = bool(self._saved_outputs) or bool(self._plan_params)
         # Each accumulator with its storage's address for the holder counts; the storage objects
         # are kept alive here (each adds one constant reference to the memory).
@@ -513,6 +523,8 @@ class GraphedCallable:
             replay._holder_baseline = replay._holder_counts()
             replay._ddp = ddp
             replay._nodes = nodes
+            if replay._pool is not None:
+                replay._pool.nodes = nodes
 
     def __repr__(self) -> str:
         return (
@@ -828,6 +840,8 @@ class GraphedCallable:
                 raise self._frozen_since_capture(needs_input_grad)
             if len(self._nodes) > 1 and _will_engine_execute_node is not None:
                 self._refuse_stale_in_this_backward(generation)
+            if self._expired_nodes and _will_engine_execute_node is not None:
+                self._refuse_stale_in_this_backward(generation, self._expired_nodes)
             # Marked before the hooks and graphs run; a refusal made before anything is
             # replayed or added to (_RefusedBeforeReplay, a replay hook's error) unmarks it,
             # so that a retry (the .grad mended, retain_graph=True) runs it, as eager's would.
@@ -1016,12 +1030,14 @@ class GraphedCallable:
                     "separate callables to watch the grad there"
                 )
 
-    def _refuse_stale_in_this_backward(self, generation: int) -> None:
+    def _refuse_stale_in_this_backward(
+        self, generation: int, nodes: Iterable[Any] | None = None
+    ) -> None:
         """Raise, before this backward touches anything, the refusal of another replay of this
-        callable (or of its slots or buckets) that the same backward reaches and whose own
-        backward will refuse: one backward through two replays adds the grads of both or of
-        neither."""
-        for ref in self._nodes:
+        callable (or of its slots or buckets; ``nodes``: of a callable sharing its pool, which
+        the pool expired) that the same backward reaches and whose own backward will refuse:
+        one backward through two replays adds the grads of both or of neither."""
+        for ref in self._nodes if nodes is None else nodes:
             node = ref()
             if node is None or (node.graphed is self and node.generation == generation):
                 continue
@@ -1257,7 +1273,13 @@ class GraphedCallable:
             all(map(_is, grads, accumulators))
             # and every accumulator still has the memory and layout the graph adds into (one
             # pass over each: the backward's only cost per parameter for this)
-            and tuple(_chain(map(_data_ptr, accumulators), map(_stride, accumulators)))
+            and tuple(
+                _chain(
+                    map(_data_ptr, accumulators),
+                    map(_stride, accumulators),
+                    map(_size, accumulators),
+                )
+            )
             == self._graph_grads_places
         ):
             replay()  # every .grad is its accumulator, where the graph adds
@@ -1400,7 +1422,11 @@ def _taking_own_changes(replay: Callable[[bool], None], tensors: Any) -> Callabl
 
 def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
     """Whether ``tensor`` (an accumulator) still lies where ``memory`` (its alias) does."""
-    return tensor.data_ptr() == memory.data_ptr() and tensor.stride() == memory.stride()
+    return (
+        tensor.data_ptr() == memory.data_ptr()
+        and tensor.stride() == memory.stride()
+        and tensor.shape == memory.shape
+    )
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:

@@ -33,6 +33,7 @@ from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
+from ._params import is_tensor_subclass
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -46,6 +47,86 @@ __all__ = ["warmup"]
 
 def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.Tensor | None, ...]:
     """One eager forward and backward on the static buffers; the first one is inspected."""
+    if not inspect:
+        return _warmup(item, allow_unused, inspect=False)
+    # A module tensor the call changes (a parameter through ``.data``, a kernel of its own that
+    # moves no version counter, a plain tensor attribute) would be changed again by every
+    # warmup call and by the capture, and a replay would go on changing it. Compared by bits
+    # around the inspected call (buffers are compared by value over the whole capture and put
+    # back, ModuleTensors.left_as_found): a transient copy of this callable's parameters.
+    with _unobserved():
+        kept = [(name, t, t._version, _bits(t)) for name, t in _writable_tensors(item)]
+    try:
+        grads = _warmup(item, allow_unused, inspect=True)
+    finally:
+        with _unobserved():
+            changed = [
+                (name, t, t._version == version, copy)  # before putting back bumps it
+                for name, t, version, copy in kept
+                if not torch.equal(copy, _bits(t))
+            ]
+            del kept
+            _put_back(changed)
+    if changed:
+        name, t, quietly, _ = changed[0]
+        kind = "parameter" if isinstance(t, torch.nn.Parameter) else "tensor"
+        how = " without a version bump (.data, a kernel of its own)" if quietly else ""
+        raise Refused(
+            f"{name}: the callable updates this {kind} in place{how}, so warmup and capture "
+            "would change it as well, and a replay would go on changing it (dualgraph puts back "
+            "only buffers); it is put back as it was. Register it as a buffer, or update it "
+            "outside the graphed callable"
+        )
+    return grads
+
+
+def _writable_tensors(item: _Capture) -> list[tuple[str, torch.Tensor]]:
+    """The tensors besides its inputs and buffers that the callable could change in place: a
+    module's parameters (frozen too) and plain tensor attributes, or those a function's code
+    names that ``ClosureUpdates`` does not put back (its parameters)."""
+    module = item.request.module
+    found: list[tuple[str, torch.Tensor]]
+    if module is not None:
+        tensors = item.module_tensors
+        assert tensors is not None
+        root = type(module).__name__
+        found = [
+            (name, t)
+            for name, t, is_buffer in zip(
+                tensors.names, tensors.tensors, tensors.is_buffer, strict=True
+            )
+            if not is_buffer
+        ]
+        found += [(f"{root}.{name}", t) for name, t in plain_tensor_attributes(module)]
+    else:
+        put_back = {id(t) for _, t in named_by(item.request.fn) if not t.requires_grad}
+        found = [
+            (n, t) for n, t in named_by(item.request.fn, parameters=True) if id(t) not in put_back
+        ]
+    seen: set[int] = set()
+    comparable = []
+    for name, t in found:
+        if id(t) in seen or t.layout != torch.strided or t.device.type == "meta":
+            continue
+        if is_tensor_subclass(t):  # its bits are not its values (an FP8 weight)
+            continue
+        seen.add(id(t))
+        comparable.append((name, t))
+    return comparable
+
+
+def _put_back(changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor]]) -> None:
+    """Copy the kept bits back into the tensors the call changed, through ``.data``: moving no
+    version counter, as nothing ran for eager."""
+    with torch.no_grad():
+        for _, tensor, _, copy in changed:
+            if not tensor.is_inference():  # which no copy outside inference mode takes
+                tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
+
+
+def _warmup(
+    item: _Capture, allow_unused: bool, *, inspect: bool
+) -> tuple[torch.Tensor | None, ...]:
     before = [t._version for t in item.static_inputs]
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
