@@ -290,3 +290,28 @@ def test_slots_of_a_callable_returning_its_weight_backward_in_any_order_as_eager
         parameter_names(eager),
         tolerance(backend),
     )
+
+
+class _ReturnsEveryOtherWeightColumn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(x), self.fc.weight[:, ::2]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_viewing_a_parameter_keeps_eagers_non_dense_layout(backend: str) -> None:
+    # Such an output is copied into a buffer of the graph's own (on CUDA outside the pool): the
+    # buffer is laid out as eager's view (strides (6, 2)), not made contiguous
+    device = device_of(backend)
+    module = _ReturnsEveryOtherWeightColumn().to(device)
+    with torch.no_grad():
+        eager = module(torch.randn(3, 6, device=device))[1]
+    dgt.make_graphed_callables(
+        module, (torch.randn(3, 6, device=device, requires_grad=True),), backend=backend
+    )
+    out = module(torch.randn(3, 6, device=device, requires_grad=True))[1]
+    assert out.stride() == eager.stride() == (6, 2)
+    assert torch.equal(out.detach(), eager)

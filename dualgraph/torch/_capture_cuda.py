@@ -19,7 +19,8 @@ import torch
 
 from ._blas_workspaces import capture_stream, prime_capture_stream
 from ._capture_failure import Progress
-from ._capture_state import _Capture, empty_from_layout, grad_output_buffers
+from ._capture_state import _Capture, grad_output_buffers
+from ._layouts import empty_from_layout
 from ._probe import raise_on_lint_errors
 from ._replay_backends import CudaGraphForward, accumulate_into
 from ._transformer_engine import transformer_engine_capture

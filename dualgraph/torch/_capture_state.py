@@ -23,6 +23,7 @@ from ._capture_failure import Refused
 from ._closed_over import ClosureUpdates, code_tensors
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
+from ._layouts import Layout, layout_of
 from ._output_aliases import OutputAliases
 from ._params import ModuleTensors, is_tensor_subclass
 from ._plan import ParamLayout, ReplayPlan, StaticBuffers
@@ -31,7 +32,7 @@ from ._probe import WarmupProbe
 if TYPE_CHECKING:
     from ._capture import CaptureOptions, CaptureRequest
 
-__all__ = ["empty_from_layout", "grad_output_buffers"]
+__all__ = ["grad_output_buffers"]
 
 
 class _Capture:
@@ -155,7 +156,7 @@ class _Capture:
         self.diff_outputs: tuple[int, ...] = ()
         self.saved_outputs: tuple[int, ...] = ()
         # outputs that share memory with a parameter, buffer or closed-over tensor, and layouts
-        self.outside_outputs: tuple[tuple[int, tuple[torch.Tensor, torch.device]], ...] = ()
+        self.outside_outputs: tuple[tuple[int, Layout], ...] = ()
         self.used_inside: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
@@ -175,7 +176,7 @@ class _Capture:
         self.warmup_grads: tuple[torch.Tensor | None, ...] = ()
         # results_outside_pool: how the last warmup's outputs and grads were laid out (outputs
         # only with outputs_outside_pool, as the first warmup laid them out)
-        self.output_layouts: tuple[tuple[torch.Tensor, torch.device], ...] = ()
+        self.output_layouts: tuple[Layout, ...] = ()
         self.grad_layouts: tuple[torch.Tensor | None, ...] = ()
         # issue 19 hook: the lint and the memory plan observe the first warmup iteration
         self.probe = WarmupProbe(
@@ -258,7 +259,7 @@ class _Capture:
             if why is not None:
                 raise Refused(f"output{path}: a graph cannot return {why}")
         if self.options.results_outside_pool or self.options.outputs_outside_pool:
-            self.output_layouts = tuple(_layout(t) for t in flat)
+            self.output_layouts = tuple(map(layout_of, flat))
         if self.out_spec is None:
             self.out_spec = spec
             self.diff_outputs = tuple(i for i, grad in enumerate(spec.grad_mask) if grad)
@@ -451,17 +452,6 @@ def grad_output_buffers(item: _Capture, flat: Sequence[torch.Tensor]) -> tuple[t
     if donor is not None and donor.grad_outputs:
         return donor.grad_outputs
     return tuple(torch.empty_like(flat[i].detach()) for i in item.diff_outputs)
-
-
-def _layout(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
-    """What :func:`empty_from_layout` needs to allocate a buffer like ``tensor`` (no memory)."""
-    return torch.empty_like(tensor, device="meta"), tensor.device
-
-
-def empty_from_layout(layout: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
-    # empty_like keeps the strides of a dense tensor, and makes an expanded one contiguous
-    like, device = layout
-    return torch.empty_like(like, device=device)
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -11,15 +11,21 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["copier_of", "empty_laid_out_like"]
+__all__ = ["Layout", "copier_of", "empty_from_layout", "empty_laid_out_like", "layout_of"]
+
+#: What :func:`empty_from_layout` needs to allocate a tensor laid out as another: a tensor on
+#: the meta device laid out so (no memory), and the device to allocate on.
+Layout = tuple[torch.Tensor, torch.device]
 
 
-def empty_laid_out_like(tensor: torch.Tensor) -> torch.Tensor:
+def empty_laid_out_like(
+    tensor: torch.Tensor, device: torch.device | str | None = None
+) -> torch.Tensor:
     """An uninitialised tensor laid out as ``tensor``: its strides, where no two of its elements
     share memory (a non-dense view such as a complex tensor's ``.real`` or ``h[:, ::2]``
     included, which ``empty_like`` makes contiguous), and its conjugate and negative bits; an
     expanded tensor's is contiguous (no copy could write into it). As a CUDA graph's own
-    outputs are laid out.
+    outputs are laid out. On ``device`` where given (else ``tensor``'s).
 
     >>> empty_laid_out_like(torch.zeros(3, 4, dtype=torch.complex64).real).stride()
     (8, 2)
@@ -29,17 +35,36 @@ def empty_laid_out_like(tensor: torch.Tensor) -> torch.Tensor:
     (4, 1)
     """
     tensor = tensor.detach()
+    where = tensor.device if device is None else device
     if _elements_apart(tensor):
-        made = torch.empty_strided(
-            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
-        )
+        made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=where)
     else:
-        made = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        made = torch.empty_like(tensor, memory_format=torch.contiguous_format, device=where)
     if tensor.is_conj():
         made = made.conj()
     if tensor.is_neg():
         made = torch._neg_view(made)
     return made
+
+
+def layout_of(tensor: torch.Tensor) -> Layout:
+    """``tensor``'s layout, kept without its memory (to allocate buffers like it later).
+
+    >>> like, device = layout_of(torch.zeros(3, 4, dtype=torch.complex64).real)
+    >>> like.device.type, like.stride(), device.type
+    ('meta', (8, 2), 'cpu')
+    """
+    return empty_laid_out_like(tensor, device="meta"), tensor.device
+
+
+def empty_from_layout(layout: Layout) -> torch.Tensor:
+    """An uninitialised tensor laid out as :func:`layout_of` found, on its device.
+
+    >>> empty_from_layout(layout_of(torch.zeros(4, 6)[:, ::2])).stride()
+    (6, 2)
+    """
+    like, device = layout
+    return empty_laid_out_like(like, device=device)
 
 
 def _elements_apart(tensor: torch.Tensor) -> bool:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
+from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
 from ._params import is_tensor_subclass
@@ -274,7 +275,7 @@ def _tensors_named_by(item: _Capture) -> list[torch.Tensor]:
 
 def _outputs_sharing(
     flat: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
-) -> tuple[tuple[int, tuple[torch.Tensor, torch.device]], ...]:
+) -> tuple[tuple[int, Layout], ...]:
     """The outputs that share memory with ``tensors`` (a parameter returned, a view of a
     buffer), each with its layout: memory no graph allocates, which a replay hands out as a
     copy (a CUDA graph copies it into a buffer of its own, ``_capture_cuda.py``).
@@ -286,11 +287,7 @@ def _outputs_sharing(
     storages = {_storage(t) for t in tensors} - {0}
     if not storages:
         return ()
-    return tuple(
-        (i, (torch.empty_like(t, device="meta"), t.device))
-        for i, t in enumerate(flat)
-        if _storage(t) in storages
-    )
+    return tuple((i, layout_of(t)) for i, t in enumerate(flat) if _storage(t) in storages)
 
 
 def _saved_module_tensors(
