@@ -843,8 +843,9 @@ class GraphedCallable:
             if self._expired_nodes and _will_engine_execute_node is not None:
                 self._refuse_stale_in_this_backward(generation, self._expired_nodes)
             # Marked before the hooks and graphs run; a refusal made before anything is
-            # replayed or added to (_RefusedBeforeReplay, a replay hook's error) unmarks it,
-            # so that a retry (the .grad mended, retain_graph=True) runs it, as eager's would.
+            # replayed or added to (a replay hook's error, here; _RefusedBeforeReplay, from the
+            # parameter grads' stage, below) unmarks it, so that a retry (the .grad mended,
+            # retain_graph=True) runs it, as eager's would.
             pending = self._backward_generation
             self._backward_generation = generation
             if pool is not None:  # may expire the pending backwards of callables graphed after
@@ -872,14 +873,10 @@ class GraphedCallable:
             # ("auto" when autograd must see them), or none (added into .grad by the graph).
             param_grads: tuple[torch.Tensor | None, ...] = ()
             if self._plan_params:  # "in_graph": the backward graph adds into .grad
-                try:
-                    if unreached_params:
-                        self._backward_leaving_alone(unreached_params)
-                    else:
-                        self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
-                except _RefusedBeforeReplay:
-                    self._backward_generation = pending
-                    raise
+                if unreached_params:
+                    self._backward_leaving_alone(unreached_params)
+                else:
+                    self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
             elif self._auto:
                 added: bool | torch.Tensor = False  # False: autograd adds every grad
                 if (
@@ -891,11 +888,7 @@ class GraphedCallable:
                 ):
                     # nothing needs the parameter grads to pass through autograd: the graph
                     # adds them, if every .grad is one it can add into (else autograd, as eager)
-                    try:
-                        added = self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
-                    except _RefusedBeforeReplay:
-                        self._backward_generation = pending
-                        raise
+                    added = self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
                 if added is not True:
                     param_grads = self._backward_into_copies(None if added is False else added)
                     self.diagnostics.param_grads_through_autograd += 1
@@ -922,6 +915,9 @@ class GraphedCallable:
                 owned=owned,
                 skip=unreached_inputs,
             )
+        except _RefusedBeforeReplay:  # raised only after the mark below was made
+            self._backward_generation = pending
+            raise
         finally:
             self._lock.release()
 
