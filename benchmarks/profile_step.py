@@ -7,7 +7,8 @@ steps run under :mod:`cProfile`; printed: the capture's functions by cumulative 
 first, unprofiled capture of each) and the steps' functions by time of their own (the C++
 autograd engine shows as the ``run_backward`` call it is inside). Read it beside
 ``bench_torch_replay.py``'s timings, which this script does not replace: a profiler slows the
-Python it watches.
+Python it watches. ``--baseline DIR`` also profiles ``DIR/dualgraph`` (another version) in the
+same process; ``--param-grads`` picks dualgraph's mode.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_torch_replay import HiddenOnly, training_step, workloads
+from bench_torch_replay import HiddenOnly, baseline_package, training_step, workloads
 
 import dualgraph.torch as dgt
 
@@ -48,6 +49,10 @@ def main() -> None:
     parser.add_argument(
         "--capture-own-time", action="store_true", help="also profile a capture by own time"
     )
+    parser.add_argument("--param-grads", default="auto", help="dualgraph's param_grads= mode")
+    parser.add_argument(
+        "--baseline", default="", help="also profile DIR/dualgraph (another version) in the run"
+    )
     options = parser.parse_args()
     (work,) = [w for w in workloads([options.workload]) if w.batch == options.batch]
     print(work.describe())
@@ -66,12 +71,13 @@ def main() -> None:
     inputs = torch.randn(*work.shape, device="cuda", dtype=work.dtype)
     # A first capture of each outside the profile: the process's first CUDA kernels, cuBLAS
     # handles and imports are paid there, so the profiled captures compare like with like.
-    dgt.make_graphed_callables(tuple(blocks()), samples())
+    mode = options.param_grads
+    dgt.make_graphed_callables(tuple(blocks()), samples(), param_grads=mode)
     torch.cuda.make_graphed_callables(tuple(HiddenOnly(x) for x in blocks()), samples())
 
-    def ours() -> Callable[[], Any]:
+    def ours(package: Any = dgt) -> Callable[[], Any]:
         made, given = tuple(blocks()), samples()  # built outside the profile
-        return lambda: dgt.make_graphed_callables(made, given)
+        return lambda: package.make_graphed_callables(made, given, param_grads=mode)
 
     def theirs() -> Callable[[], Any]:
         made, given = tuple(HiddenOnly(x) for x in blocks()), samples()
@@ -81,6 +87,9 @@ def main() -> None:
         ("dualgraph", ours, True),
         ("torch", theirs, False),
     ]
+    if options.baseline:
+        before = baseline_package(options.baseline)
+        variants.insert(1, ("dualgraph-before", lambda: ours(before), True))
     for name, capture, tuple_out in variants:
         graphed = profiled(f"{name}: capture", capture(), options.top, "cumulative")
         if options.capture_own_time:  # a second capture, its functions by time of their own
