@@ -995,6 +995,58 @@ def test_a_nan_attribute_set_to_another_nan_is_no_change(backend: str) -> None:
         assert torch.equal(graphed.grad, eager.grad)
 
 
+class _FrozenScaled(nn.Module):
+    """A frozen encoder whose forward reads a number of its own, and a method that does too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.scale = 2.0
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # the forward's own: no change of the caller's
+        return self.fc(x) * self.scale
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).tanh()
+
+
+def _graphed_function_of(encoder: _FrozenScaled, how: str) -> Callable[..., torch.Tensor]:
+    if how == "method":
+        return encoder.encode
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return encoder(x).tanh()
+
+    return step
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("how", "name"), [("closure", "closed over encoder.scale"), ("method", "_FrozenScaled.scale")]
+)
+def test_a_number_of_a_module_a_graphed_function_names_changed_after_capture_is_refused(
+    backend: str, how: str, name: str
+) -> None:
+    # Only a graphed module's own numbers were compared: the graphs of a function closing over
+    # an encoder (or a method of it) kept scale 2.0 where eager used 3.0.
+    device = device_of(backend)
+    encoder = _FrozenScaled().to(device)
+    graphed = dgt.make_graphed_callables(
+        _graphed_function_of(encoder, how),
+        (torch.randn(4, 8, device=device, requires_grad=True),),
+        backend=backend,
+    )
+    for _ in range(2):  # its own counter moves on every call (emulate's replays run it)
+        graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
+    encoder.scale = 2.0 * 1.0  # an equal value: fine
+    graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
+    encoder.scale = 3.0
+    with pytest.raises(DualgraphError, match=rf": {re.escape(name)}: was 2\.0 at capture and is"):
+        graphed(torch.randn(4, 8, device=device, requires_grad=True))
+
+
 class _CountingBlock(_DropNormBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls = getattr(self, "calls", 0) + 1  # Python a replay never runs
