@@ -263,6 +263,50 @@ def test_auto_sums_a_bucket_and_an_eager_fallback_in_one_backward_as_eager_does(
     assert dgt.diagnostics(block).param_grads_through_autograd == 3
 
 
+class _NotesLongCalls(nn.Module):
+    """Sets a flag of its own on calls longer than any bucket: Python no replay runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.saw_long = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 3:
+            self.saw_long = True
+        return self.fc(x).tanh()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_a_value_the_forward_sets_in_an_eager_fallback_is_no_change(backend: str, how: str) -> None:
+    # The eager fallback ran the forward's Python, which set saw_long; the next bucket call
+    # read that as the caller's change since capture and was refused.
+    device = device_of(backend)
+    module = _NotesLongCalls().to(device)
+    callable_: Any = module
+    if how == "function":  # a frozen module it closes over
+        module.requires_grad_(False)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return module(x)
+
+        callable_ = step
+    graphed = dgt.make_graphed_callables(
+        callable_,
+        buckets=[(torch.randn(n, 4, device=device, requires_grad=True),) for n in (2, 3)],
+        backend=backend,
+        fallback="eager",
+    )
+    graphed(torch.randn(5, 4, device=device, requires_grad=True)).sum().backward()  # eager
+    assert module.saw_long
+    graphed(torch.randn(2, 4, device=device, requires_grad=True)).sum().backward()  # a bucket
+    module.saw_long = False  # the caller's own change: still refused
+    name = "_NotesLongCalls.saw_long" if how == "module" else "closed over module.saw_long"
+    with pytest.raises(DualgraphError, match=f"{name}: was True at capture and is False"):
+        graphed(torch.randn(2, 4, device=device))
+
+
 # -- one replay in flight ----------------------------------------------------------------------
 
 

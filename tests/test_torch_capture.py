@@ -1502,6 +1502,37 @@ def test_a_module_tensor_changed_without_a_version_bump_is_refused_and_put_back(
     assert module.w._version == 0  # nothing eager would see moved
 
 
+class HalvesItsWeightOnItsSecondCall(nn.Module):
+    """Changes its weight through ``.data`` on its second call only (a step counter of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            self.w.data.mul_(0.5)
+        return x * self.w
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_changed_quietly_by_a_later_warmup_call_is_refused_and_put_back(
+    backend: str,
+) -> None:
+    # Only the first warmup call was compared: the second halved the weight unseen, and the
+    # graphed module went on with 0.5 where eager's (never called) held 1.0.
+    device = device_of(backend)
+    module = HalvesItsWeightOnItsSecondCall().to(device)
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend, lint="off"
+    )
+    assert "HalvesItsWeightOnItsSecondCall.w: the callable updates this" in message
+    assert torch.equal(module.w.detach().cpu(), torch.ones(4))
+    assert module.w._version == 0
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     backend: str,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 import re
 import threading
@@ -946,6 +947,104 @@ def test_a_python_number_a_submodule_reads_changed_after_capture_is_refused_nami
     assert torch.equal(block.norm.running_mean, statistics)  # refused before anything ran
     setattr(owner, name, then * 1.0)  # an equal value (another float object): fine
     block(torch.randn(4, 8, device=device)).sum().backward()
+
+
+class _SignedBlock(nn.Module):
+    """A forward whose host Python reads a float's sign (``copysign``), and a NaN fill value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.sign = 0.0
+        self.fill = float("nan")
+        self.shape = (2, -0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) * math.copysign(1.0, self.sign) * math.copysign(1.0, self.shape[1])
+        return y.nan_to_num(nan=self.fill)  # a NaN fill: NaNs are kept
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(("name", "value"), [("sign", -0.0), ("shape", (2, 0.0))])
+def test_a_float_attribute_set_to_zero_of_the_other_sign_is_refused(
+    backend: str, name: str, value: Any
+) -> None:
+    # -0.0 == 0.0, so it read as unchanged; the graphs keep the sign the forward read at capture.
+    device = device_of(backend)
+    block = _SignedBlock().to(device)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    setattr(block, name, value)
+    with pytest.raises(DualgraphError, match=rf"^_SignedBlock\.{name}: was .* at capture and is"):
+        block(torch.randn(4, 8, device=device))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_nan_attribute_set_to_another_nan_is_no_change(backend: str) -> None:
+    # nan != nan, so another NaN object (a config loaded again) read as a change and was refused.
+    device = device_of(backend)
+    block = _SignedBlock().to(device)
+    twin = copy.deepcopy(block)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    block.fill = float("nan")
+    twin.fill = float("nan")
+    x = torch.randn(4, 8, device=device)
+    block(x).sum().backward()
+    twin(x).sum().backward()
+    assert torch.equal(block(x), twin(x))
+    for graphed, eager in zip(block.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(graphed.grad, eager.grad)
+
+
+class _FrozenScaled(nn.Module):
+    """A frozen encoder whose forward reads a number of its own, and a method that does too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.scale = 2.0
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # the forward's own: no change of the caller's
+        return self.fc(x) * self.scale
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x).tanh()
+
+
+def _graphed_function_of(encoder: _FrozenScaled, how: str) -> Callable[..., torch.Tensor]:
+    if how == "method":
+        return encoder.encode
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return encoder(x).tanh()
+
+    return step
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("how", "name"), [("closure", "closed over encoder.scale"), ("method", "_FrozenScaled.scale")]
+)
+def test_a_number_of_a_module_a_graphed_function_names_changed_after_capture_is_refused(
+    backend: str, how: str, name: str
+) -> None:
+    # Only a graphed module's own numbers were compared: the graphs of a function closing over
+    # an encoder (or a method of it) kept scale 2.0 where eager used 3.0.
+    device = device_of(backend)
+    encoder = _FrozenScaled().to(device)
+    graphed = dgt.make_graphed_callables(
+        _graphed_function_of(encoder, how),
+        (torch.randn(4, 8, device=device, requires_grad=True),),
+        backend=backend,
+    )
+    for _ in range(2):  # its own counter moves on every call (emulate's replays run it)
+        graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
+    encoder.scale = 2.0 * 1.0  # an equal value: fine
+    graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
+    encoder.scale = 3.0
+    with pytest.raises(DualgraphError, match=rf": {re.escape(name)}: was 2\.0 at capture and is"):
+        graphed(torch.randn(4, 8, device=device, requires_grad=True))
 
 
 class _CountingBlock(_DropNormBlock):

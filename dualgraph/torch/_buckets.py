@@ -28,6 +28,7 @@ Why one pool sized by the largest bucket is correct (the buckets share all of it
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import logging
 import operator
@@ -209,6 +210,11 @@ class BucketedCallable:
         self._last: _Bucket | None = None
         self._eager_graphs = eager_graphs
         self._hooks = hooks  # for calls that fall back to eager
+        # What each bucket compares per call (its module's tensors and plain values, or those a
+        # function's code names), once each: an eager fallback runs the forward's Python, and
+        # the values it sets (a flag, a counter) are its own, as in an emulated replay.
+        records = (getattr(bucket.runner, "_module_tensors", None) for bucket in buckets)
+        self._records = tuple({id(r): r for r in records if r is not None}.values())
 
     @property
     def diagnostics(self) -> BucketedDiagnostics:
@@ -316,12 +322,20 @@ class BucketedCallable:
                     self._show(shapes),
                 )
             replay_hooks = self._hooks.replay
-            if replay_hooks is None:
-                outputs = self.fn(*args, **kwargs)
-            else:  # the hooks run around an eager call as around a replay
-                outputs = call_eagerly(
-                    replay_hooks, self.fn, args, kwargs, check=_checked, run=self._hooks.run_eager
-                )
+            with contextlib.ExitStack() as own:
+                for record in self._records:
+                    own.enter_context(record.own_changes_taken())
+                if replay_hooks is None:
+                    outputs = self.fn(*args, **kwargs)
+                else:  # the hooks run around an eager call as around a replay
+                    outputs = call_eagerly(
+                        replay_hooks,
+                        self.fn,
+                        args,
+                        kwargs,
+                        check=_checked,
+                        run=self._hooks.run_eager,
+                    )
             self._check_outputs(outputs)
             if self._eager_graphs is not None and self._out_spec is not None:
                 self._eager_graphs.track(self._out_spec.flatten(outputs))

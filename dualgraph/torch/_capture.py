@@ -208,6 +208,11 @@ def _capture_copies(
             capture_cuda(captures, layout.steps(copies), options, progress)
         else:
             capture_emulated(captures, options, progress)
+        for item in captures:
+            if item.like is None and item.code_tensors is not None:
+                # The plain values of the modules a function's code names, as capture left
+                # them (a module's own: left_as_found): the graphs hold what it computed.
+                item.code_tensors.record_attributes()
     progress.phase = "planning"
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook

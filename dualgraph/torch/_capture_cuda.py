@@ -24,7 +24,7 @@ from ._layouts import empty_from_layout
 from ._probe import raise_on_lint_errors
 from ._replay_backends import CudaGraphForward, accumulate_into
 from ._transformer_engine import transformer_engine_capture
-from ._warmup import warmup
+from ._warmup import module_tensors_kept, warmup
 
 if TYPE_CHECKING:
     from ._capture import CaptureOptions, CaptureStep
@@ -76,9 +76,10 @@ def _capture_cuda_graphs(
             if item.like is not None:  # copies of a callable learn from its warmup
                 continue
             progress.name, progress.phase = item.name, "warmup"
-            for i in range(max(1, options.num_warmup_iters)):
-                with item.probe:  # issue 19 hook: observes the first iteration only
-                    grads = warmup(item, options.allow_unused_input, inspect=i == 0)
+            with module_tensors_kept(item):
+                for i in range(max(1, options.num_warmup_iters)):
+                    with item.probe:  # issue 19 hook: observes the first iteration only
+                        grads = warmup(item, options.allow_unused_input, inspect=i == 0)
             if options.results_outside_pool:
                 item.grad_layouts = tuple(None if g is None else g.detach() for g in grads)
             del grads

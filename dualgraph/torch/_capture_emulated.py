@@ -17,7 +17,7 @@ from ._capture_state import _Capture, grad_output_buffers
 from ._layouts import empty_laid_out_like
 from ._probe import raise_on_lint_errors
 from ._replay_backends import EmulatedReplay
-from ._warmup import warmup
+from ._warmup import module_tensors_kept, warmup
 
 if TYPE_CHECKING:
     from ._capture import CaptureOptions
@@ -34,9 +34,10 @@ def capture_emulated(
         if item.like is None:
             progress.phase = "warmup"
             grads: tuple[torch.Tensor | None, ...] = ()
-            for i in range(max(1, options.num_warmup_iters)):
-                with item.probe:  # issue 19 hook: observes the first iteration only
-                    grads = warmup(item, options.allow_unused_input, inspect=i == 0)
+            with module_tensors_kept(item):
+                for i in range(max(1, options.num_warmup_iters)):
+                    with item.probe:  # issue 19 hook: observes the first iteration only
+                        grads = warmup(item, options.allow_unused_input, inspect=i == 0)
             raise_on_lint_errors([item.probe])  # issue 19 hook
             item.warmup_grads = tuple(None if g is None else g.detach() for g in grads)
         else:

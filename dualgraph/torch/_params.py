@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 import operator
 import weakref
 from collections.abc import Iterator, Sequence
@@ -409,7 +410,7 @@ class ModuleTensors:
             now = namespace.get(key, _ABSENT)
             if now is values[i]:
                 continue
-            if type(now) is not type(values[i]) or now != values[i]:
+            if not _same_plain(now, values[i]):
                 return i
             values[i] = now
         return None
@@ -692,6 +693,27 @@ def _watched(key: str, value: Any) -> bool:
     """Whether an attribute is one a replay's check compares: public (not torch's own
     ``_is_full_backward_hook``...), not ``training`` (checked on its own), plain."""
     return not key.startswith("_") and key != "training" and _plain(value)
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    """Whether two plain values (see :func:`_plain`) would compute the same: of one type and
+    equal, a float by its bits as the kernels see it (``-0.0`` is not ``0.0``: ``copysign``,
+    a division; any NaN is a NaN), a tuple item by item.
+
+    >>> _same_plain(float("nan"), float("nan")), _same_plain(-0.0, 0.0), _same_plain(1, True)
+    (True, False, False)
+    >>> _same_plain((2, -0.0), (2, 0.0)), _same_plain((2, 0.5), (2, 0.5))
+    (False, True)
+    """
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        if a != a:  # NaN: equal to any NaN, as the kernels use it
+            return b != b
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if type(a) is tuple:
+        return len(a) == len(b) and all(map(_same_plain, a, b))
+    return bool(a == b)
 
 
 def _plain(value: Any) -> bool:

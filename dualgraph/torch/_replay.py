@@ -232,12 +232,12 @@ class GraphedCallable:
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
-        if plan.module_tensors is not None and isinstance(
+        if self._module_tensors is not None and isinstance(
             getattr(buffers.replay_forward, "__self__", None), EmulatedReplay
         ):
             # "emulate" re-runs the forward's Python, which may set numbers on its modules (a
             # counter) that a graph never would: they are no change of the caller's.
-            self._replay_forward = _taking_own_changes(buffers.replay_forward, plan.module_tensors)
+            self._replay_forward = _taking_own_changes(buffers.replay_forward, self._module_tensors)
         self._replay_backward = buffers.replay_backward
         # "emulate": its backward differentiates with the incoming grads themselves (see
         # EmulatedReplay.backward), so that it is eager's bit for bit whatever their layout.

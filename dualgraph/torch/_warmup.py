@@ -15,6 +15,10 @@ not Python, and some eager behaviour has to be carried over or refused up front:
   module's weights): refused, since a replay would give them no gradient;
 - the output structure must stay the same from call to call.
 
+Around all warmup calls (``module_tensors_kept``), a module's parameters and plain tensor
+attributes (a function's: those its code names) are compared by bits: one any call changed is
+refused and put back.
+
 That first call also runs under the capture lint and the memory probe (``_probe.py``): the lint's
 errors refuse the capture before anything is captured (``lint="error"``), and the findings and
 the memory plan end up in each plan's diagnostics.
@@ -43,22 +47,29 @@ if TYPE_CHECKING:
     from ._capture_state import _Capture
     from ._params import ModuleTensors
 
-__all__ = ["warmup"]
+__all__ = ["module_tensors_kept", "warmup"]
 
 
 def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.Tensor | None, ...]:
     """One eager forward and backward on the static buffers; the first one is inspected."""
-    if not inspect:
-        return _warmup(item, allow_unused, inspect=False)
-    # A module tensor the call changes (a parameter through ``.data``, a kernel of its own that
-    # moves no version counter, a plain tensor attribute) would be changed again by every
-    # warmup call and by the capture, and a replay would go on changing it. Compared by bits
-    # around the inspected call (buffers are compared by value over the whole capture and put
-    # back, ModuleTensors.left_as_found): a transient copy of this callable's parameters.
+    return _warmup(item, allow_unused, inspect=inspect)
+
+
+@contextlib.contextmanager
+def module_tensors_kept(item: _Capture) -> Iterator[None]:
+    """Around all warmup calls: refuse a module tensor any of them changed, and put it back.
+
+    A module tensor the call changes (a parameter through ``.data``, a kernel of its own that
+    moves no version counter, a plain tensor attribute) would be changed again by the capture,
+    and a replay would go on changing it; a forward may do so on some calls only (its own call
+    counter). Compared by bits around every warmup call (buffers are compared by value over the
+    whole capture and put back, ModuleTensors.left_as_found): a transient copy of this
+    callable's parameters.
+    """
     with _unobserved():
         kept = [(name, t, t._version, _bits(t)) for name, t in _writable_tensors(item)]
     try:
-        grads = _warmup(item, allow_unused, inspect=True)
+        yield
     finally:
         with _unobserved():
             changed = [
@@ -78,7 +89,6 @@ def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.
             "only buffers); it is put back as it was. Register it as a buffer, or update it "
             "outside the graphed callable"
         )
-    return grads
 
 
 def _writable_tensors(item: _Capture) -> list[tuple[str, torch.Tensor]]:
