@@ -140,8 +140,12 @@ def time_steps(variants: dict[str, Step], rounds: int, steps: int, device: torch
         for _ in range(3):
             step()
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, step in variants.items():
+    order = list(variants.items())
+    for round_ in range(rounds):
+        # Each round starts one variant later: a variant's place in the round (what ran just
+        # before it) biases its time by up to 20% on a shared CPU, the same for every round.
+        shift = round_ % len(order)
+        for name, step in order[shift:] + order[:shift]:
             sync()
             start = clock()
             for _ in range(steps):

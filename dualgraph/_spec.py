@@ -252,7 +252,8 @@ class TreeSpec:
 
     def unflatten(self, arrays: Sequence[Any], /) -> Any:
         """Rebuild the tree from its array leaves; ``None`` and constants are restored."""
-        if type(arrays) is not list or len(arrays) != self._num_arrays:  # the common case
+        cls = type(arrays)  # a list or tuple of the right length: the common case
+        if (cls is not list and cls is not tuple) or len(arrays) != self._num_arrays:
             count_arrays(arrays, self._num_arrays)
         try:
             return self._program.unflatten(arrays)

@@ -245,6 +245,17 @@ def test_calls_without_grad_return_outputs_without_history(backend: str) -> None
     assert runner_of(layer).generation == 2
 
 
+def test_a_forward_drops_the_nodes_of_replays_whose_backward_is_over() -> None:
+    # so that a backward through one replay finds its own node alone (no pass over the others)
+    layer = nn.Linear(4, 3)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, requires_grad=True),), backend="emulate")
+    for _ in range(3):
+        layer(torch.randn(2, 4)).sum().backward()
+    kept = layer(torch.randn(2, 4))
+    assert [ref() is not None for ref in runner_of(layer)._nodes] == [True]
+    kept.sum().backward()
+
+
 #: torch's forward-mode AD scripts its decompositions on first use (torch 2.13 warns).
 TORCH_JVP_IMPORT = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
