@@ -260,6 +260,30 @@ def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> Non
     assert [bucket.calls for bucket in dgt.diagnostics(graphed).buckets] == [2, 2]
 
 
+@pytest.mark.parametrize("length", [6, 8])
+def test_a_padded_bucketed_call_is_verified_against_eager_on_the_call_as_replayed(
+    length: int,
+) -> None:
+    """A call padded to a bucket runs kernels of the bucket's size: eager on the call as it is
+    agrees up to rounding only, so verify compared a 1e-7 gap exactly and reported FAILED on a
+    CPU. Its eager side now runs the call as the replay does (padded, valid_length, cut back);
+    the capture's padding check compared it with the call as it is."""
+    from dualgraph.models.torch_vit import ViTBlock
+
+    torch.manual_seed(0)
+    graphed = dgt.make_graphed_callables(
+        ViTBlock(dim=16, heads=2),
+        buckets=[(torch.randn(2, n, 16, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+        backend="emulate",
+    )
+    report = dgt.verify(graphed, torch.randn(2, length, 16, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 grad qkv.weight" in [c.path for c in report.checks]
+    assert dgt.diagnostics(graphed).padded_calls == (2 if length == 6 else 0)
+
+
 def test_a_module_that_would_run_eagerly_is_refused() -> None:
     graphed = dgt.make_graphed_callables(
         nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
