@@ -75,7 +75,7 @@ from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
-from ._slots import SlottedCallable
+from ._slots import ScheduleCursor, SlottedCallable
 from ._te_state import fp8_state_kept
 
 __all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
@@ -230,6 +230,11 @@ def verify(
         if value is not None and not _is_tolerance(value):
             raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
+    runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable) and isinstance(runner._gate, ScheduleCursor):
+        refusal = runner._gate.refuses_calls(runner, steps)
+        if refusal is not None:  # before anything runs: a half-run step would stay in flight
+            raise refusal
     # a graphed module, or the module whose method was graphed (its parameters are frozen: the
     # capture refuses a function whose outputs depend on parameters it does not take)
     original = _original(graphed)
