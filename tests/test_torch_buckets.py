@@ -926,6 +926,28 @@ def test_pad_checks_the_buffers_a_padded_call_updates(backend: str) -> None:
         )
 
 
+def unmasked_peak(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return x.amax(dim=1)  # a padded zero wins wherever every value of the call is below zero
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_a_max_over_positions_where_zero_padding_would_win(backend: str) -> None:
+    """A max over 16 or more random positions is almost never below zero, so the samples'
+    values let an unmasked max through, and a call of log probabilities (all below zero) came
+    back with zeros. The check also shifts the padded inputs below and above zero."""
+    torch.manual_seed(0)
+    with pytest.raises(
+        DualgraphError, match=r"unmasked_peak: output differs .* shifted below zero"
+    ):
+        dgt.make_graphed_callables(
+            unmasked_peak,
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (32, 64)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
 def fast_path_at_eight(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     """A softmax over positions that masks the padding, but for lengths that are a multiple of
     8, where a "fast path" forgets the mask."""

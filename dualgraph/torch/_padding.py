@@ -338,30 +338,36 @@ def _compare_padded(
         if training and isinstance(m, torch.nn.modules.dropout._DropoutNd)
     ]
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    training = any(training for _, training in modes)
     found: tuple[str, bool, str] | None = None
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            if module is not None:
-                module.eval()
-            found = _padded_difference(
-                request, padding, guard, tensors, wants_grad, length, full, named_buffers, ""
-            )
-            if found is None and any(training for _, training in modes):
-                for m, training in modes:
-                    m.training = training
-                for m, _ in dropouts:
-                    m.p = 0.0
-                found = _padded_difference(
-                    request,
-                    padding,
-                    guard,
-                    tensors,
-                    wants_grad,
-                    length,
-                    full,
-                    named_buffers,
-                    " in training mode, as captured",
-                )
+            for in_training in (False, True) if training else (False,):
+                if in_training:
+                    for m, was_training in modes:
+                        m.training = was_training
+                    for m, _ in dropouts:
+                        m.p = 0.0
+                elif module is not None:
+                    module.eval()
+                mode = " in training mode, as captured" if in_training else ""
+                for inputs, shifted in _input_variants(padding, tensors):
+                    found = _padded_difference(
+                        request,
+                        padding,
+                        guard,
+                        inputs,
+                        wants_grad,
+                        length,
+                        full,
+                        named_buffers,
+                        mode + shifted,
+                        sample=not shifted,
+                    )
+                    if found is not None:
+                        break
+                if found is not None:
+                    break
     finally:
         for m, training in modes:
             m.training = training
@@ -402,9 +408,13 @@ def _padded_difference(
     full: int,
     named_buffers: Sequence[tuple[str, torch.Tensor]],
     mode: str,
+    sample: bool = True,
 ) -> tuple[str, bool, str] | None:
     """How the padded call differs, in the modules' current modes: ``(difference, whether in
-    the grads, mode)``, or None. Each call starts from the buffers as they were."""
+    the grads, mode)``, or None. Each call starts from the buffers as they were. ``sample``:
+    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
+    are compared, and only where the call's own are finite (a log of the shifted values is no
+    fault of the padding)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
@@ -426,6 +436,8 @@ def _padded_difference(
     given: list[torch.Tensor] = []
     reference = run(tensors, 0, given)
     expected_buffers = updated()
+    if not sample and not _all_finite(reference):
+        return None
     _refuse_lost_views(request.name, padding, guard.paths, reference, given)
     if _difference(reference, run(tensors, 1), ()) is not None:
         return None  # it draws random numbers: the two calls cannot be compared
@@ -442,6 +454,8 @@ def _padded_difference(
                 break
     if difference is not None:
         return difference, False, mode
+    if not sample:
+        return None
     module = request.module
     params = [] if module is None else list(module.named_parameters())
     with torch.enable_grad():
@@ -452,6 +466,37 @@ def _padded_difference(
     names += [f"parameter {name}" for name, p in params if p.requires_grad]
     difference = _grad_difference(names, *grads)
     return None if difference is None else (difference, True, mode)
+
+
+def _input_variants(
+    padding: Padding, tensors: list[torch.Tensor]
+) -> list[tuple[list[torch.Tensor], str]]:
+    """The call's inputs, then the same with its floating padded inputs shifted below zero and
+    above it: where zero is the largest or the smallest value, a max, min or sort over
+    positions that forgets the mask picks a padded zero, which the sample's mixed signs may
+    hide (a max over 16 random positions is almost never below zero, a max of log
+    probabilities always is)."""
+    floating = [index for index, _ in padding.inputs if tensors[index].dtype.is_floating_point]
+    variants = [(tensors, "")]
+    if not floating:
+        return variants
+    for sign, where in ((-1.0, "below"), (1.0, "above")):
+        shifted = list(tensors)
+        for index in floating:
+            tensor = tensors[index]
+            offset = tensor.abs().max() + 1 if tensor.numel() else 1
+            shifted[index] = tensor + sign * offset
+        variants.append((shifted, f" (with its padded inputs shifted {where} zero)"))
+    return variants
+
+
+def _all_finite(outputs: Any) -> bool:
+    spec = describe(outputs)
+    return all(
+        bool(t.isfinite().all())
+        for t in spec.flatten(outputs)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    )
 
 
 def _refuse_lost_views(
