@@ -914,6 +914,84 @@ def test_pad_checks_at_capture_that_padding_stays_out_of_the_outputs(backend: st
     )
 
 
+class TrainingStatistics(nn.Module):
+    """Centres features by statistics over positions while training (a normalization of its
+    own, no BatchNorm), by a running mean in eval mode, where padding changes nothing."""
+
+    def __init__(self, use_batch_mean: bool = True) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.use_batch_mean = use_batch_mean
+        self.register_buffer("running_mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = self.drop(self.proj(x))
+        if not self.training:
+            return hidden - self.running_mean
+        mean = hidden.mean(dim=(0, 1))  # counts the padded positions
+        with torch.no_grad():
+            self.running_mean.mul_(0.9).add_(0.1 * mean)
+        return hidden - mean if self.use_batch_mean else hidden
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_a_module_captured_in_training_mode_in_that_mode(backend: str) -> None:
+    """Its replays run in training mode, where the mean counts the padding: a check in eval
+    mode alone let it through, and padded calls came back off eager."""
+    module = TrainingStatistics()
+    with pytest.raises(
+        DualgraphError, match=r"TrainingStatistics: output differs .* in training mode"
+    ):
+        dgt.make_graphed_callables(
+            module,
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+    # the check leaves modes, dropout and buffers as they were
+    assert module.training and module.drop.training and module.drop.p == 0.5
+    assert torch.equal(module.running_mean, torch.zeros(4))
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_the_buffers_a_padded_call_updates(backend: str) -> None:
+    """The outputs ignore the padding, but the running mean the call keeps counts it."""
+    with pytest.raises(
+        DualgraphError, match=r"buffer running_mean \(updated by the call\) differs"
+    ):
+        dgt.make_graphed_callables(
+            TrainingStatistics(use_batch_mean=False),
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
+def unmasked_peak(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return x.amax(dim=1)  # a padded zero wins wherever every value of the call is below zero
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_a_max_over_positions_where_zero_padding_would_win(backend: str) -> None:
+    """A max over 16 or more random positions is almost never below zero, so the samples'
+    values let an unmasked max through, and a call of log probabilities (all below zero) came
+    back with zeros. The check also shifts the padded inputs below and above zero."""
+    torch.manual_seed(0)
+    with pytest.raises(
+        DualgraphError, match=r"unmasked_peak: output differs .* shifted below zero"
+    ):
+        dgt.make_graphed_callables(
+            unmasked_peak,
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (32, 64)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
 def fast_path_at_eight(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     """A softmax over positions that masks the padding, but for lengths that are a multiple of
     8, where a "fast path" forgets the mask."""

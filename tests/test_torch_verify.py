@@ -260,6 +260,30 @@ def test_a_bucketed_callable_is_verified_through_the_bucket_of_the_call() -> Non
     assert [bucket.calls for bucket in dgt.diagnostics(graphed).buckets] == [2, 2]
 
 
+@pytest.mark.parametrize("length", [6, 8])
+def test_a_padded_bucketed_call_is_verified_against_eager_on_the_call_as_replayed(
+    length: int,
+) -> None:
+    """A call padded to a bucket runs kernels of the bucket's size: eager on the call as it is
+    agrees up to rounding only, so verify compared a 1e-7 gap exactly and reported FAILED on a
+    CPU. Its eager side now runs the call as the replay does (padded, valid_length, cut back);
+    the capture's padding check compared it with the call as it is."""
+    from dualgraph.models.torch_vit import ViTBlock
+
+    torch.manual_seed(0)
+    graphed = dgt.make_graphed_callables(
+        ViTBlock(dim=16, heads=2),
+        buckets=[(torch.randn(2, n, 16, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+        backend="emulate",
+    )
+    report = dgt.verify(graphed, torch.randn(2, length, 16, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 grad qkv.weight" in [c.path for c in report.checks]
+    assert dgt.diagnostics(graphed).padded_calls == (2 if length == 6 else 0)
+
+
 def test_a_module_that_would_run_eagerly_is_refused() -> None:
     graphed = dgt.make_graphed_callables(
         nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
@@ -284,6 +308,46 @@ def test_a_callable_with_replay_slots_is_verified(layout: dict[str, Any]) -> Non
     assert report.ok, str(report)
     assert "step 2 grad fc.weight" in [c.path for c in report.checks]
     assert dgt.diagnostics(graphed).replays == 2  # read afresh: counts verify's two calls
+
+
+@pytest.mark.parametrize(
+    ("callables", "schedule", "message"),
+    [
+        (1, dgt.Schedule.one_f_one_b(stages=2, microbatches=2, stage=0), "the forward of Linear"),
+        (
+            2,
+            dgt.Schedule((1, -1)),
+            "the forward of Linear for micro-batch 0 where verify would run",
+        ),
+    ],
+    ids=["two-in-flight", "two-layers"],
+)
+def test_verify_of_a_schedule_it_cannot_follow_is_refused_before_anything_runs(
+    callables: int, schedule: Any, message: str
+) -> None:
+    """verify runs each forward then its backward; a schedule that wants another pass there
+    refused verify's backward after its forward had run, leaving the step half-run: the next
+    training step was refused until reset_slots."""
+    layers = [nn.Linear(4, 4) for _ in range(callables)]
+    graphed = dgt.make_graphed_callables(
+        tuple(layers),
+        tuple((torch.randn(3, 4, requires_grad=True),) for _ in layers),
+        backend="emulate",
+        schedule=schedule,
+    )
+    with pytest.raises(DualgraphError, match=rf"verify runs 2 call.*{message}.*Nothing ran"):
+        dgt.verify(graphed[0], torch.randn(3, 4, requires_grad=True))
+    assert all(layer.weight.grad is None for layer in layers)
+    in_flight: list[torch.Tensor] = []
+    for chunk in schedule.order:  # a training step still starts at its first pass
+        if chunk > 0:
+            x = torch.randn(3, 4, requires_grad=True)
+            for layer in graphed:
+                x = layer(x)
+            in_flight.append(x)
+        else:
+            in_flight.pop(0).sum().backward()
+    assert all(layer.weight.grad is not None for layer in layers)
 
 
 def test_a_call_that_falls_back_to_eager_is_refused_naming_the_fallback() -> None:

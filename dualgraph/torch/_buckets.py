@@ -345,7 +345,9 @@ class BucketedCallable:
         logger.debug("%s: a call was refused: %s", self.name, error)
         raise error
 
-    def _padded(self, tensors: list[torch.Tensor]) -> Any:
+    def _padded(self, tensors: list[torch.Tensor], run: Callable[..., Any] | None = None) -> Any:
+        """The call padded to the smallest bucket that holds it, replayed there (or handed to
+        ``run(*args, **kwargs)``: :meth:`eager_call`), its outputs cut back."""
         padding = self._padding
         assert padding is not None
         shapes = tuple(map(_shape, tensors))
@@ -376,7 +378,7 @@ class BucketedCallable:
             )
         bucket = members[position]
         runner = bucket.runner
-        if isinstance(runner, GraphedCallable):
+        if run is None and isinstance(runner, GraphedCallable):
             # The replay is handed padded copies: a caller's tensor sharing memory with a buffer
             # the callable updates is checked here, where eager would read it after the update.
             runner.check_inputs_sharing_updated_buffers(tensors, self._guard.paths)
@@ -387,9 +389,12 @@ class BucketedCallable:
             padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
-        outputs = self._replay(bucket, args, kwargs, length)
+        if run is None:
+            outputs = self._replay(bucket, args, kwargs, length)
+        else:
+            outputs = run(*args, **kwargs)
         callers = {id(padded[index]): tensors[index] for index, _ in padding.inputs}
-        return self._cut(bucket, outputs, length, callers)
+        return self._cut(bucket, outputs, length, callers, replayed=run is None)
 
     def _length_tensor(self, length: int, bucket: _Bucket) -> torch.Tensor:
         tensor = self._lengths.get(length)
@@ -400,7 +405,12 @@ class BucketedCallable:
         return tensor
 
     def _cut(
-        self, bucket: _Bucket, outputs: Any, length: int, callers: dict[int, torch.Tensor]
+        self,
+        bucket: _Bucket,
+        outputs: Any,
+        length: int,
+        callers: dict[int, torch.Tensor],
+        replayed: bool = True,
     ) -> Any:
         """The outputs with each declared output dim cut back to the call's length.
 
@@ -414,7 +424,7 @@ class BucketedCallable:
         spec = bucket.runner.spec
         flat = spec.flatten(outputs)
         made: dict[int, torch.Tensor] = dict(callers)
-        replayed = tuple(flat)
+        handed_out = tuple(flat)
         replaced: dict[int, torch.Tensor] = {}
         for index, dim in cut:
             tensor = flat[index]
@@ -422,13 +432,34 @@ class BucketedCallable:
             if same is None:
                 same = made[id(tensor)] = replaced[id(tensor)] = cut_back(tensor, dim, length)
             flat[index] = same
-        # a grad watched at a cut output other outputs are computed from is refused, as at the
-        # replay's own output
-        watch_handed_out(replaced, replayed)
+        if replayed:
+            # a grad watched at a cut output other outputs are computed from is refused, as at
+            # the replay's own output
+            watch_handed_out(replaced, handed_out)
         for index, tensor in enumerate(flat):  # a padded input returned but not cut back
             if id(tensor) in callers:
                 flat[index] = callers[id(tensor)]
         return spec.unflatten(flat)
+
+    def eager_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` called as the buckets are (:func:`dualgraph.torch.verify`'s eager side).
+
+        Under ``fallback="pad"`` a call of a bucket's length gets ``valid_length=`` and a shorter
+        one is padded up to a bucket, run, and cut back, as a replay is: so the eager side runs
+        the kernels the replay runs (bit for bit on the CPU), where eager on the call as it is
+        agrees only up to rounding (the capture's padding check compared those). Else ``fn``.
+        """
+        if self._padding is None:
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensors = self._spec.flatten(args, kwargs)
+            bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
+            if bucket is not None:
+                return fn(*args, **{**kwargs, VALID_LENGTH: bucket.full_length})
+            return self._padded(tensors, fn)
+
+        return call
 
     # -- checks and messages -------------------------------------------------------------------
 

@@ -319,17 +319,110 @@ def _compare_padded(
     full: int,
 ) -> None:
     """Refuse ``request`` if a call of ``tensors`` and the same call padded to ``full`` differ:
-    in their outputs, cut back, or in the grads one upstream grad gives the call's inputs and
-    the module's parameters."""
+    in their outputs, cut back, in the buffers the call updates, or in the grads one upstream
+    grad gives the call's inputs and the module's parameters.
+
+    Compared in eval mode (dropout off), and, for a module captured in training mode, in the
+    modes it was captured in too (its replays run in those): a module may mix positions only
+    while training (batch statistics of its own, a running mean it updates). Dropout modules
+    draw nothing there (``p`` is 0 for the check); a callable that still draws random numbers
+    cannot be judged in that mode and is let through.
+    """
+    module = request.module
+    modes = [(m, m.training) for m in module.modules()] if module is not None else []
+    named_buffers = list(module.named_buffers()) if module is not None else []
+    buffers = [(b, b.detach().clone()) for _, b in named_buffers]
+    dropouts = [
+        (m, m.p)
+        for m, training in modes
+        if training and isinstance(m, torch.nn.modules.dropout._DropoutNd)
+    ]
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    training = any(training for _, training in modes)
+    found: tuple[str, bool, str] | None = None
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            for in_training in (False, True) if training else (False,):
+                if in_training:
+                    for m, was_training in modes:
+                        m.training = was_training
+                    for m, _ in dropouts:
+                        m.p = 0.0
+                elif module is not None:
+                    module.eval()
+                mode = " in training mode, as captured" if in_training else ""
+                for inputs, shifted in _input_variants(padding, tensors):
+                    found = _padded_difference(
+                        request,
+                        padding,
+                        guard,
+                        inputs,
+                        wants_grad,
+                        length,
+                        full,
+                        named_buffers,
+                        mode + shifted,
+                        sample=not shifted,
+                    )
+                    if found is not None:
+                        break
+                if found is not None:
+                    break
+    finally:
+        for m, training in modes:
+            m.training = training
+        for m, p in dropouts:
+            m.p = p
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    if found is None:
+        return
+    difference, grad_difference, mode = found
+    if grad_difference:
+        raise DualgraphError(
+            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+            f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach the "
+            "grads of the call's own (an op whose backward is inf or NaN at the zero padding, "
+            "such as sqrt, log, a division or pow, gives NaN even times the zero grad of a "
+            "padded output). Keep padded positions out of such ops (torch.where before them, an "
+            "eps), or use fallback='eager' or 'error'"
+        )
+    raise DualgraphError(
+        f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach what it "
+        f"returns or updates for the call's own. It must keep them out of whatever mixes "
+        f"positions (mask attention, count only the first {VALID_LENGTH} positions in a mean, "
+        "a sum or a statistic it keeps, mask a softmax over positions); or use fallback='eager' "
+        "or 'error'"
+    )
+
+
+def _padded_difference(
+    request: BucketRequest,
+    padding: Padding,
+    guard: InputGuard,
+    tensors: list[torch.Tensor],
+    wants_grad: Sequence[bool],
+    length: int,
+    full: int,
+    named_buffers: Sequence[tuple[str, torch.Tensor]],
+    mode: str,
+    sample: bool = True,
+) -> tuple[str, bool, str] | None:
+    """How the padded call differs, in the modules' current modes: ``(difference, whether in
+    the grads, mode)``, or None. Each call starts from the buffers as they were. ``sample``:
+    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
+    are compared, and only where the call's own are finite (a log of the shifted values is no
+    fault of the padding)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
-    module = request.module
-    modes = [(m, m.training) for m in module.modules()] if module is not None else []
-    buffers = [(b, b.detach().clone()) for b in module.buffers()] if module is not None else []
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    saved = [b.detach().clone() for _, b in named_buffers]
 
     def run(inputs: list[torch.Tensor], seed: int, given: list[torch.Tensor] | None = None) -> Any:
+        for (_, buffer), value in zip(named_buffers, saved, strict=True):
+            buffer.copy_(value)  # every call updates them from the same values
         clones = [t.clone() for t in inputs]
         if given is not None:
             given.extend(clones)
@@ -337,52 +430,73 @@ def _compare_padded(
         torch.manual_seed(seed)
         return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
 
-    difference: str | None = None
-    grad_difference = False
-    try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            if module is not None:
-                module.eval()
-            given: list[torch.Tensor] = []
-            reference = run(tensors, 0, given)
-            _refuse_lost_views(request.name, padding, guard.paths, reference, given)
-            if _difference(reference, run(tensors, 1), ()) is not None:
-                return  # it draws random numbers: the two calls cannot be compared
-            found = run(padded, 0)
-            cuts = output_cuts(padding, describe(found))
-            difference = _difference(reference, found, cuts, length)
-            if difference is None:
-                params = [] if module is None else list(module.named_parameters())
-                with torch.enable_grad():
-                    grads = _grads_both_ways(run, padding, tensors, wants_grad, params, full, cuts)
-                if grads is not None:
-                    names = [n for n, wants in zip(guard.paths, wants_grad, strict=True) if wants]
-                    names += [f"parameter {name}" for name, p in params if p.requires_grad]
-                    difference = _grad_difference(names, *grads)
-                    grad_difference = difference is not None
-    finally:
-        for m, training in modes:
-            m.training = training
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-    if difference is not None and grad_difference:
-        raise DualgraphError(
-            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-            f"padded to {full} (with {VALID_LENGTH}={length}): padded positions reach the grads "
-            "of the call's own (an op whose backward is inf or NaN at the zero padding, such as "
-            "sqrt, log, a division or pow, gives NaN even times the zero grad of a padded "
-            "output). Keep padded positions out of such ops (torch.where before them, an eps), "
-            "or use fallback='eager' or 'error'"
-        )
+    def updated() -> list[torch.Tensor]:
+        return [b.detach().clone() for _, b in named_buffers]
+
+    given: list[torch.Tensor] = []
+    reference = run(tensors, 0, given)
+    expected_buffers = updated()
+    if not sample and not _all_finite(reference):
+        return None
+    _refuse_lost_views(request.name, padding, guard.paths, reference, given)
+    if _difference(reference, run(tensors, 1), ()) is not None:
+        return None  # it draws random numbers: the two calls cannot be compared
+    found = run(padded, 0)
+    cuts = output_cuts(padding, describe(found))
+    difference = _difference(reference, found, cuts, length)
+    if difference is None:
+        for (name, _), before, after in zip(
+            named_buffers, expected_buffers, updated(), strict=True
+        ):
+            gap = _tensor_difference(before, after)
+            if gap is not None:
+                difference = f"buffer {name} (updated by the call) {gap}"
+                break
     if difference is not None:
-        raise DualgraphError(
-            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-            f"padded to {full} (with {VALID_LENGTH}={length}): padded positions reach what it "
-            f"returns for the call's own. It must keep them out of whatever mixes positions "
-            f"(mask attention, count only the first {VALID_LENGTH} positions in a mean or sum, "
-            "mask a softmax over positions); or use fallback='eager' or 'error'"
-        )
+        return difference, False, mode
+    if not sample:
+        return None
+    module = request.module
+    params = [] if module is None else list(module.named_parameters())
+    with torch.enable_grad():
+        grads = _grads_both_ways(run, padding, tensors, wants_grad, params, full, cuts)
+    if grads is None:
+        return None
+    names = [n for n, wants in zip(guard.paths, wants_grad, strict=True) if wants]
+    names += [f"parameter {name}" for name, p in params if p.requires_grad]
+    difference = _grad_difference(names, *grads)
+    return None if difference is None else (difference, True, mode)
+
+
+def _input_variants(
+    padding: Padding, tensors: list[torch.Tensor]
+) -> list[tuple[list[torch.Tensor], str]]:
+    """The call's inputs, then the same with its floating padded inputs shifted below zero and
+    above it: where zero is the largest or the smallest value, a max, min or sort over
+    positions that forgets the mask picks a padded zero, which the sample's mixed signs may
+    hide (a max over 16 random positions is almost never below zero, a max of log
+    probabilities always is)."""
+    floating = [index for index, _ in padding.inputs if tensors[index].dtype.is_floating_point]
+    variants = [(tensors, "")]
+    if not floating:
+        return variants
+    for sign, where in ((-1.0, "below"), (1.0, "above")):
+        shifted = list(tensors)
+        for index in floating:
+            tensor = tensors[index]
+            offset = tensor.abs().max() + 1 if tensor.numel() else 1
+            shifted[index] = tensor + sign * offset
+        variants.append((shifted, f" (with its padded inputs shifted {where} zero)"))
+    return variants
+
+
+def _all_finite(outputs: Any) -> bool:
+    spec = describe(outputs)
+    return all(
+        bool(t.isfinite().all())
+        for t in spec.flatten(outputs)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    )
 
 
 def _refuse_lost_views(

@@ -428,6 +428,30 @@ class ScheduleCursor:
             "forward takes a backward; pass inputs that require grad, as at capture"
         )
 
+    def refuses_calls(self, front: SlottedCallable, calls: int) -> DualgraphError | None:
+        """The refusal that ``calls`` forwards of ``front``, each followed at once by its
+        backward (as :func:`dualgraph.torch.verify` runs them), would meet from where the step is
+        now, found before any runs; ``None`` when they are the schedule's next passes."""
+        total = len(self.passes)
+        for k in range(2 * min(calls, total)):
+            position = (self.position + k) % total
+            scheduled = self.passes[position]
+            backward = k % 2 == 1
+            if (
+                self.fronts[scheduled.callable] is not front
+                or scheduled.backward != backward
+                or (backward and scheduled.microbatch != self.passes[position - 1].microbatch)
+            ):
+                wanted = "the backward of the forward before it" if backward else "a forward"
+                return DualgraphError(
+                    f"{front.name}: verify runs {calls} call(s) of it, each forward followed by "
+                    f"its backward, but pass {position + 1} of {total} of its schedule's step "
+                    f"is {self.describe(scheduled)} where verify would run {wanted}: the "
+                    "schedule would refuse it half-way. Nothing ran; verify a copy graphed "
+                    "without the schedule, or with a schedule of one micro-batch in flight"
+                )
+        return None
+
     def describe(self, scheduled: ScheduledPass) -> str:
         """``the backward of Block for micro-batch 3 (chunk 2)``."""
         kind = "backward" if scheduled.backward else "forward"

@@ -7,12 +7,14 @@ the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` sta
 step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
 the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
 inputs and buffers the calls changed (a graphed function's: what :func:`closed_over_tensors`
-finds). Both sides backpropagate the same seeded random output
-grads. Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their values),
-the RNG states (torch's, Python's ``random``, numpy's global one) and the Python attributes of
-the module and its submodules (a counter ``self.calls += 1``) are as they were; the last two are
-not reset between the sides, since a graph on the GPU does not rerun Python. Usable in a
-training script between steps (after ``optimizer.step()``, not between a forward and its
+finds). Both sides backpropagate the same seeded random output grads. A call that shape buckets
+pad (``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
+``valid_length``, its outputs cut back (the capture compared that with the call as it is, up to
+rounding). Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their
+values), the RNG states (torch's, Python's ``random``, numpy's global one) and the Python
+attributes of the module and its submodules (a counter ``self.calls += 1``) are as they were;
+the last two are not reset between the sides, since a graph on the GPU does not rerun Python.
+Usable in a training script between steps (after ``optimizer.step()``, not between a forward and its
 backward); like any replay, the calls overwrite the static outputs of earlier replays.
 
 Tolerances. On the CPU every dtype must match exactly: the emulate and eager backends run the same
@@ -64,6 +66,7 @@ import torch
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._buckets import BucketedCallable
 from ._closed_over import closed_over_tensors
 from ._graphed import diagnostics
 from ._host_rng import host_rng_state, set_host_rng_state
@@ -72,7 +75,7 @@ from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
-from ._slots import SlottedCallable
+from ._slots import ScheduleCursor, SlottedCallable
 from ._te_state import fp8_state_kept
 
 __all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
@@ -227,6 +230,11 @@ def verify(
         if value is not None and not _is_tolerance(value):
             raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
+    runner = runner_of(graphed)
+    if isinstance(runner, SlottedCallable) and isinstance(runner._gate, ScheduleCursor):
+        refusal = runner._gate.refuses_calls(runner, steps)
+        if refusal is not None:  # before anything runs: a half-run step would stay in flight
+            raise refusal
     # a graphed module, or the module whose method was graphed (its parameters are frozen: the
     # capture refuses a function whose outputs depend on parameters it does not take)
     original = _original(graphed)
@@ -251,7 +259,7 @@ def verify(
                 )
             _restore(params, buffers, state)
             fp8.put_back()
-            with eager_twin(graphed) as eager, _eager_context(graphed):
+            with eager_twin(graphed, as_replayed=True) as eager, _eager_context(graphed):
                 eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
         finally:
             fp8.put_back()
@@ -331,15 +339,19 @@ def _run_steps(
 
 
 @contextlib.contextmanager
-def eager_twin(graphed: Any) -> Iterator[Callable[..., Any]]:
+def eager_twin(graphed: Any, *, as_replayed: bool = False) -> Iterator[Callable[..., Any]]:
     """The original callable behind ``graphed``, called the way ``graphed`` is called.
 
     The runner (a :class:`GraphedCallable`'s plan, an :class:`EagerCallable`, a
     :class:`BucketedCallable`) keeps the callable it runs: for a module, the ``forward`` it had
     at capture. A graphed module is called as a module (its hooks run), with that ``forward``
-    in place of the graphed one for the call.
+    in place of the graphed one for the call. ``as_replayed``: handed its inputs as a replay is
+    (shape buckets under ``fallback="pad"``: padded, with ``valid_length``, outputs cut back).
     """
     original = _original(graphed)
+    runner = runner_of(graphed)
+    if as_replayed and isinstance(runner, BucketedCallable):
+        original = runner.eager_call(original)
     if not isinstance(graphed, torch.nn.Module):
         yield original
         return
