@@ -645,13 +645,18 @@ def _refuse_inputs_off_the_graphs_device(
     would use the capture's values whatever the call passes; emulate runs on the CPU and cannot
     show it. ``labels``: one per sample call (``""`` for the only one), put before the path."""
     device = next(
-        leaf.device
-        for args, kwargs in zip(sample_args, sample_kwargs, strict=True)
-        for leaf in optree.tree_leaves(
-            (tuple(args), dict(kwargs or {})), none_is_leaf=True, namespace=NAMESPACE
-        )
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda
+        (
+            leaf.device
+            for args, kwargs in zip(sample_args, sample_kwargs, strict=True)
+            for leaf in optree.tree_leaves(
+                (tuple(args), dict(kwargs or {})), none_is_leaf=True, namespace=NAMESPACE
+            )
+            if isinstance(leaf, torch.Tensor) and leaf.is_cuda
+        ),
+        None,
     )
+    if device is None:  # not "cuda" then
+        return
     for label, args, kwargs in zip(labels, sample_args, sample_kwargs, strict=True):
         found = input_off_device(tuple(args), kwargs, device)
         if found is not None:
