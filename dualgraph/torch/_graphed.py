@@ -644,16 +644,10 @@ def _refuse_inputs_off_the_graphs_device(
     ``.tolist()``, lengths for ``pack_padded_sequence``) runs once, at capture, and every replay
     would use the capture's values whatever the call passes; emulate runs on the CPU and cannot
     show it. ``labels``: one per sample call (``""`` for the only one), put before the path."""
+    samples: Any = (tuple(map(tuple, sample_args)), [dict(k or {}) for k in sample_kwargs])
+    leaves: list[Any] = optree.tree_leaves(samples, none_is_leaf=True, namespace=NAMESPACE)
     device = next(
-        (
-            leaf.device
-            for args, kwargs in zip(sample_args, sample_kwargs, strict=True)
-            for leaf in optree.tree_leaves(
-                (tuple(args), dict(kwargs or {})), none_is_leaf=True, namespace=NAMESPACE
-            )
-            if isinstance(leaf, torch.Tensor) and leaf.is_cuda
-        ),
-        None,
+        (leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda), None
     )
     if device is None:  # not "cuda" then
         return
