@@ -25,7 +25,7 @@ from torch_cases import (
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError, SpecMismatchError, UnsupportedLeafError, describe_call
-from dualgraph.torch._inputs import InputGuard, unsupported_tensor
+from dualgraph.torch._inputs import InputGuard, input_off_device, unsupported_tensor
 
 
 class Batch(NamedTuple):
@@ -448,3 +448,36 @@ def test_an_input_with_other_strides_in_its_samples_memory_format_is_accepted(
 
 def _sin_twice(x: torch.Tensor) -> torch.Tensor:
     return (x * 2).sin()
+
+
+def test_input_off_device_names_the_first_tensor_elsewhere() -> None:
+    args = (torch.zeros(2), {"scale": torch.tensor(2.0)})
+    assert input_off_device(args, {"n": 3}, torch.device("cpu")) is None
+    found = input_off_device(args, {"n": torch.ones(1)}, torch.device("meta"))
+    assert found == ("args[0]", torch.device("cpu"))
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * scale  # a 0-d CPU scale is a CUDA kernel's host argument
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["sample_args", "buckets"])
+def test_a_cpu_tensor_input_of_a_cuda_graph_is_refused_naming_it(how: str) -> None:
+    # Captured, every replay multiplied by the capture's scale (2.0), whatever the call passed.
+    module = _Scaled().cuda()
+    x = torch.randn(2, 4, device="cuda")
+    scale = {"scale": torch.tensor(2.0)}
+    with pytest.raises(SpecMismatchError) as info:
+        if how == "buckets":
+            dgt.make_graphed_callables(module, buckets=[(x,), (x[:1],)], sample_kwargs=scale)
+        else:
+            dgt.make_graphed_callables(module, (x,), sample_kwargs=scale)
+    assert info.value.path == "kwargs['scale']"
+    assert "a tensor on cpu, where the graphs run on cuda:0" in str(info.value)
+    assert type(module).forward is _Scaled.forward and "forward" not in vars(module)

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from .._containers import NAMESPACE
-from .._errors import CaptureError, DualgraphError
+from .._errors import CaptureError, DualgraphError, SpecMismatchError
 from ._bucket_capture import BucketRequest, capture_buckets
 from ._buckets import BucketedCallable, Fallback
 from ._capture import CaptureOptions, CaptureRequest, capture
@@ -18,7 +18,7 @@ from ._capture_failure import ambient_kept_on_failure, released_on_failure
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
-from ._inputs import InputGuard
+from ._inputs import InputGuard, input_off_device
 from ._modules import eager_forward, install, is_graphed, runner_of
 from ._plan import ReplayPlan
 from ._pool_order import places_in_capture_order, settle_outputs
@@ -349,6 +349,8 @@ def make_graphed_callables(
     ]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
+    if resolved == "cuda":
+        _refuse_inputs_off_the_graphs_device(names if not single else [""], all_args, all_kwargs)
     _refuse_replay_kwargs_in_samples(cache_quantized_params, names, all_kwargs)
     te = te_callables(precision, names, fns, graphed=resolved != "eager")
     hooks = hooks_per_callable(
@@ -447,6 +449,10 @@ def _graph_buckets(
         samples.append((checked, dict(kwargs or {})))
     resolved = _resolve_backend(backend, [a for a, _ in samples], [k for _, k in samples])
     name = _name_of(fn)
+    if resolved == "cuda":
+        _refuse_inputs_off_the_graphs_device(
+            [f"buckets[{i}]" for i in range(count)], *zip(*samples, strict=True)
+        )
     te = te_callables(extras.precision, [name], [fn], graphed=resolved != "eager")
     (hooks,) = hooks_per_callable(
         [name],
@@ -627,6 +633,37 @@ def _resolve_backend(
     if backend == "cuda" and not on_cuda:
         raise DualgraphError("backend='cuda' needs sample tensors on a CUDA device")
     return backend  # type: ignore[return-value]
+
+
+def _refuse_inputs_off_the_graphs_device(
+    labels: Sequence[str], sample_args: Sequence[Any], sample_kwargs: Sequence[Any]
+) -> None:
+    """Refuse a sample tensor that is not on the device the graphs are captured on (a CPU
+    tensor, say a 0-d scale, next to CUDA ones). A graph holds the device's kernels only: what
+    the callable does with a CPU tensor (a CPU scalar a CUDA kernel takes as its argument,
+    ``.tolist()``, lengths for ``pack_padded_sequence``) runs once, at capture, and every replay
+    would use the capture's values whatever the call passes; emulate runs on the CPU and cannot
+    show it. ``labels``: one per sample call (``""`` for the only one), put before the path."""
+    samples: Any = (tuple(map(tuple, sample_args)), [dict(k or {}) for k in sample_kwargs])
+    leaves: list[Any] = optree.tree_leaves(samples, none_is_leaf=True, namespace=NAMESPACE)
+    device = next(
+        (leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda), None
+    )
+    if device is None:  # not "cuda" then
+        return
+    for label, args, kwargs in zip(labels, sample_args, sample_kwargs, strict=True):
+        found = input_off_device(tuple(args), kwargs, device)
+        if found is not None:
+            path, other = found
+            where = f"{label}: {path}" if label else path
+            raise SpecMismatchError(
+                f"{where}: a tensor on {other}, where the graphs run on {device}: a graph replays "
+                f"the {device.type} kernels it captured, so what the callable does with this "
+                "tensor ran once, at capture, and every replay would keep that call's values "
+                f"(a scalar read on the host, a copy to {device.type}); pass it on {device} (or "
+                "as a Python number, which a call must then repeat)",
+                path=path,
+            )
 
 
 def _check_autocast() -> None:

@@ -22,7 +22,7 @@ from .._orders import KeyOrders
 from ._ambient import autograd_records
 from ._leaves import dtype_name
 
-__all__ = ["InputGuard", "unsupported_tensor"]
+__all__ = ["InputGuard", "input_off_device", "unsupported_tensor"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -55,6 +55,21 @@ def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
         return "a quantized tensor (static buffers are dense, strided tensors)"
     if tensor.is_meta:
         return "a meta tensor (it holds no data to replay on)"
+    return None
+
+
+def input_off_device(
+    args: Sequence[Any], kwargs: Mapping[str, Any] | None, device: torch.device
+) -> tuple[str, torch.device] | None:
+    """The path and device of the first tensor of a call that is not on ``device``, or ``None``.
+
+    >>> input_off_device((torch.zeros(2),), {"scale": torch.tensor(2.0)}, torch.device("meta"))
+    ('args[0]', device(type='cpu'))
+    """
+    spec = describe_call(args, kwargs)
+    for path, leaf in zip(spec.array_paths, spec.flatten(args, kwargs), strict=True):
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            return path, leaf.device
     return None
 
 
