@@ -960,6 +960,55 @@ def to_numpy_params(module: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: p.detach().numpy() for name, p in module.named_parameters()}
 
 
+@pytest.mark.parametrize("option", ["torch_params", "params_from_torch"])
+def test_a_parameter_option_without_params_is_refused_not_ignored(option: Any) -> None:
+    # Without params= no parameter grad is compared: the option was dropped silently, and a JAX
+    # reference closing over its parameters passed whatever torch's parameter grads were.
+    linear = torch.nn.Linear(4, 3)
+    weight = jnp.asarray(linear.weight.detach().numpy())
+    bias = jnp.asarray(linear.bias.detach().numpy())
+    given = {
+        "torch_params": dict(linear.named_parameters()),
+        "params_from_torch": lambda grads: grads,
+    }
+    with pytest.raises(dualgraph.DualgraphError, match=f"{option}= is given without params="):
+        compare(linear, lambda x: x @ weight.T + bias, (sample(2, 4),), **{option: given[option]})
+
+
+@pytest.mark.parametrize(
+    ("torch_params", "message"),
+    [
+        ({"weight": 1.0}, r"torch_params\['weight'\] is a float, not a torch tensor"),
+        ({"weight": np.ones((3, 4), np.float32)}, r"torch_params\['weight'\] is a numpy.ndarray"),
+        ({0: torch.ones(3)}, r"torch_params: a parameter name is a str, got 0"),
+        ([torch.ones(3)], r"torch_params must be a mapping of parameter names to tensors"),
+    ],
+)
+def test_torch_params_that_are_no_named_tensors_are_refused_clearly(
+    torch_params: Any, message: str
+) -> None:
+    # AttributeError ('float' object has no attribute 'detach') or TypeError escaped
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(
+            linear,
+            linear_jax,
+            (sample(2, 4),),
+            params=jax_params_of(linear),
+            torch_params=torch_params,
+        )
+
+
+def test_a_params_from_torch_that_is_not_callable_is_refused_clearly() -> None:
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(
+        dualgraph.DualgraphError, match=r"params_from_torch: 3 \(int\) is not callable"
+    ):
+        compare(
+            linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear), params_from_torch=3
+        )
+
+
 # -- the report ------------------------------------------------------------------------------------
 
 
