@@ -620,6 +620,29 @@ def test_leaves_of_no_numeric_dtype_fail_naming_it(values: np.ndarray) -> None:
     assert report.reason == f"{values.dtype.name} is not a numeric dtype: nothing to compare"
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(3, dtype=torch.bfloat16, requires_grad=True),
+        lambda: torch.ones(3, dtype=torch.complex64).conj(),
+        lambda: torch.ones(3, requires_grad=True) * 1,
+    ],
+    ids=["bfloat16-requiring-grad", "conjugate-view", "non-leaf"],
+)
+def test_compare_arrays_reads_a_torch_tensor_as_compare_does(make: Any) -> None:
+    # np.asarray of the tensor raised torch's RuntimeError/TypeError (requires grad, bfloat16,
+    # a lazy conjugate); compare itself reads torch's leaves with to_numpy
+    tensor = make()
+    expected = dualgraph.parity._bridge.to_numpy(tensor)
+    assert compare_arrays("output", tensor, expected).ok
+    assert compare_arrays("output", expected, tensor).ok
+
+
+def test_compare_arrays_refuses_a_meta_tensor_naming_the_leaf() -> None:
+    with pytest.raises(dualgraph.DualgraphError, match="output: a meta tensor"):
+        compare_arrays("output", torch.ones(2, device="meta"), np.ones(2, np.float32))
+
+
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok
