@@ -120,6 +120,17 @@ def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+def test_an_input_torch_negates_lazily_reaches_jax_with_its_values() -> None:
+    # DLPack exported the memory of a lazily negated view (z.conj().imag) without its negation:
+    # JAX saw 2 where torch saw -2, so equal functions failed, and without grads a torch_fn
+    # that negates its input passed
+    lazy = torch.tensor([[1 + 2j]], dtype=torch.complex64).conj().imag
+    assert lazy.is_neg()
+    assert compare(lambda t: t * 2, lambda a: a * 2, (lazy,)).ok
+    assert not compare(lambda t: -t * 2, lambda a: a * 2, (lazy,), grads=False).ok
+    np.testing.assert_array_equal(np.asarray(as_jax(lazy)), [[-2.0]])
+
+
 IN_PLACE_CASES = {
     "int-array": ((np.zeros(3, np.int32),), True),
     "float-array-without-grads": ((np.ones(3, np.float32),), False),
