@@ -310,6 +310,21 @@ def test_the_same_buffer_under_two_array_objects_is_refused() -> None:
         g(jax.dlpack.from_dlpack(tensor), jax.dlpack.from_dlpack(tensor))
 
 
+def test_two_empty_arrays_at_one_address_with_one_donated_are_not_one_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A CUDA allocation of zero bytes has address 0, so every empty array on a GPU shares one
+    # "buffer pointer": two distinct empty inputs with one donated were refused as one buffer
+    # passed twice (emulated here: the CPU gives each empty array an address of its own).
+    from dualgraph.jax import _donation
+
+    pointer = _donation._buffer_pointer
+    monkeypatch.setattr(_donation, "_buffer_pointer", lambda x: 0 if x.size == 0 else pointer(x))
+    g = dgj.graphed(lambda s, x: (s + 1, x * 2), (jnp.ones((0, 3)), jnp.ones(0)), donate_argnums=0)
+    out, doubled = g(jnp.zeros((0, 3)), jnp.zeros(0))
+    assert out.shape == (0, 3) and doubled.shape == (0,)
+
+
 @pytest.mark.parametrize("argnums", [2, -3, (0, 5)])
 def test_donate_argnums_out_of_range_is_refused(argnums: Any) -> None:
     with pytest.raises(DualgraphError, match="donate_argnums"):

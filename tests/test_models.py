@@ -91,6 +91,13 @@ def test_every_torch_parameter_has_a_jax_path_holding_its_values() -> None:
             np.testing.assert_array_equal(np.asarray(leaf), expected)
 
 
+def test_a_lazily_negated_tensor_is_read_with_its_sign() -> None:
+    # DLPack carries memory, not torch's negative bit: the values came with the other sign
+    lazy = torch._neg_view(torch.arange(1.0, 7.0).reshape(1, 2, 3))
+    params = jax_vit.params_from_state_dict({"pos_embed": lazy})
+    np.testing.assert_array_equal(np.asarray(params["pos"]), lazy.resolve_neg().numpy())
+
+
 def test_an_unknown_parameter_name_is_refused() -> None:
     with pytest.raises(DualgraphError, match=r"'blocks\.0\.gate\.weight'"):
         jax_vit.params_from_state_dict({"blocks.0.gate.weight": torch.zeros(2, 2)})

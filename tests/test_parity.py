@@ -120,6 +120,17 @@ def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
     assert as_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+def test_an_input_torch_negates_lazily_reaches_jax_with_its_values() -> None:
+    # DLPack exported the memory of a lazily negated view (z.conj().imag) without its negation:
+    # JAX saw 2 where torch saw -2, so equal functions failed, and without grads a torch_fn
+    # that negates its input passed
+    lazy = torch.tensor([[1 + 2j]], dtype=torch.complex64).conj().imag
+    assert lazy.is_neg()
+    assert compare(lambda t: t * 2, lambda a: a * 2, (lazy,)).ok
+    assert not compare(lambda t: -t * 2, lambda a: a * 2, (lazy,), grads=False).ok
+    np.testing.assert_array_equal(np.asarray(as_jax(lazy)), [[-2.0]])
+
+
 IN_PLACE_CASES = {
     "int-array": ((np.zeros(3, np.int32),), True),
     "float-array-without-grads": ((np.ones(3, np.float32),), False),
@@ -620,6 +631,29 @@ def test_leaves_of_no_numeric_dtype_fail_naming_it(values: np.ndarray) -> None:
     assert report.reason == f"{values.dtype.name} is not a numeric dtype: nothing to compare"
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(3, dtype=torch.bfloat16, requires_grad=True),
+        lambda: torch.ones(3, dtype=torch.complex64).conj(),
+        lambda: torch.ones(3, requires_grad=True) * 1,
+    ],
+    ids=["bfloat16-requiring-grad", "conjugate-view", "non-leaf"],
+)
+def test_compare_arrays_reads_a_torch_tensor_as_compare_does(make: Any) -> None:
+    # np.asarray of the tensor raised torch's RuntimeError/TypeError (requires grad, bfloat16,
+    # a lazy conjugate); compare itself reads torch's leaves with to_numpy
+    tensor = make()
+    expected = dualgraph.parity._bridge.to_numpy(tensor)
+    assert compare_arrays("output", tensor, expected).ok
+    assert compare_arrays("output", expected, tensor).ok
+
+
+def test_compare_arrays_refuses_a_meta_tensor_naming_the_leaf() -> None:
+    with pytest.raises(dualgraph.DualgraphError, match="output: a meta tensor"):
+        compare_arrays("output", torch.ones(2, device="meta"), np.ones(2, np.float32))
+
+
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok
@@ -958,6 +992,55 @@ def test_a_leaf_joining_a_frozen_and_a_trained_parameter_compares_the_trained_pa
 
 def to_numpy_params(module: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: p.detach().numpy() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("option", ["torch_params", "params_from_torch"])
+def test_a_parameter_option_without_params_is_refused_not_ignored(option: Any) -> None:
+    # Without params= no parameter grad is compared: the option was dropped silently, and a JAX
+    # reference closing over its parameters passed whatever torch's parameter grads were.
+    linear = torch.nn.Linear(4, 3)
+    weight = jnp.asarray(linear.weight.detach().numpy())
+    bias = jnp.asarray(linear.bias.detach().numpy())
+    given = {
+        "torch_params": dict(linear.named_parameters()),
+        "params_from_torch": lambda grads: grads,
+    }
+    with pytest.raises(dualgraph.DualgraphError, match=f"{option}= is given without params="):
+        compare(linear, lambda x: x @ weight.T + bias, (sample(2, 4),), **{option: given[option]})
+
+
+@pytest.mark.parametrize(
+    ("torch_params", "message"),
+    [
+        ({"weight": 1.0}, r"torch_params\['weight'\] is a float, not a torch tensor"),
+        ({"weight": np.ones((3, 4), np.float32)}, r"torch_params\['weight'\] is a numpy.ndarray"),
+        ({0: torch.ones(3)}, r"torch_params: a parameter name is a str, got 0"),
+        ([torch.ones(3)], r"torch_params must be a mapping of parameter names to tensors"),
+    ],
+)
+def test_torch_params_that_are_no_named_tensors_are_refused_clearly(
+    torch_params: Any, message: str
+) -> None:
+    # AttributeError ('float' object has no attribute 'detach') or TypeError escaped
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(
+            linear,
+            linear_jax,
+            (sample(2, 4),),
+            params=jax_params_of(linear),
+            torch_params=torch_params,
+        )
+
+
+def test_a_params_from_torch_that_is_not_callable_is_refused_clearly() -> None:
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(
+        dualgraph.DualgraphError, match=r"params_from_torch: 3 \(int\) is not callable"
+    ):
+        compare(
+            linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear), params_from_torch=3
+        )
 
 
 # -- the report ------------------------------------------------------------------------------------

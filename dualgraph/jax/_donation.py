@@ -186,8 +186,8 @@ def check_donated_inputs(
                 f"{paths[i]}: this array has been deleted (it was donated to an earlier call, "
                 "which consumed it); pass a fresh array"
             )
-        if pointers is None:
-            pointers = [_buffer_pointer(y) for y in arrays]
+        if pointers is None:  # an empty array holds no bytes to share (CUDA puts all at 0)
+            pointers = [_buffer_pointer(y) if _holds_bytes(y) else None for y in arrays]
         for j, y in enumerate(arrays):
             if j != i and (y is x or (pointers[i] is not None and pointers[j] == pointers[i])):
                 raise DualgraphError(
@@ -195,6 +195,11 @@ def check_donated_inputs(
                     "the call consumes a donated buffer, so the other use would read freed or "
                     "overwritten memory. Pass a copy of one of them (jnp.copy(x))."
                 )
+
+
+def _holds_bytes(x: Any) -> bool:
+    size = getattr(x, "size", None)
+    return type(size) is not int or size > 0
 
 
 def _buffer_pointer(x: Any) -> int | None:

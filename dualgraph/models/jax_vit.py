@@ -205,8 +205,8 @@ def _to_jax(name: str, value: Any) -> jax.Array:
         )
     if isinstance(value, np.ndarray | jax.Array):
         array = jnp.asarray(value)
-    else:  # a torch tensor: DLPack keeps bfloat16 and the device
-        array = jax.dlpack.from_dlpack(value.detach().contiguous())
+    else:  # a torch tensor: DLPack keeps bfloat16 and the device, but not torch's lazy bits
+        array = jax.dlpack.from_dlpack(value.detach().resolve_conj().resolve_neg().contiguous())
     device = jax.devices()[0]
     if array.devices() != {device}:
         return jax.device_put(array, device)

@@ -16,11 +16,14 @@ same sign) on both sides, and are counted.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+import torch
 
 from .._dtypes import is_differentiable_dtype, is_dtype_name
 from .._errors import DualgraphError
+from ._bridge import to_numpy, unreadable
 from ._report import LeafReport
 from ._tolerances import Tolerance, check_tolerances, tolerance_for
 
@@ -35,11 +38,13 @@ def compare_arrays(
     tolerances: Tolerance | Mapping[str, Tolerance] | None = None,
     allow_nan: bool = False,
 ) -> LeafReport:
-    """Compare ``actual`` (torch's) with ``expected`` (JAX's reference) at leaf ``path``."""
+    """Compare ``actual`` (torch's) with ``expected`` (JAX's reference) at leaf ``path``: numpy
+    arrays, or anything ``np.asarray`` reads (JAX arrays); torch tensors are read as
+    :func:`compare` reads them (detached, on the host, bfloat16 and conjugates included)."""
     if not isinstance(allow_nan, bool):  # "no" would be truthy: NaN leaves would pass
         raise DualgraphError(f"allow_nan must be True or False, got {allow_nan!r}")
     check_tolerances(tolerances)  # a misnamed dtype would be ignored, even for int leaves
-    actual, expected = np.asarray(actual), np.asarray(expected)
+    actual, expected = _as_numpy(path, actual), _as_numpy(path, expected)
     dtype = expected.dtype.name
     shape = tuple(expected.shape)
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
@@ -102,6 +107,17 @@ def compare_arrays(
         warning=warning,
         allow_nan=allow_nan,
     )
+
+
+def _as_numpy(path: str, x: Any) -> np.ndarray:
+    """``x`` as a numpy array; a torch tensor read as :func:`compare` reads torch's leaves
+    (``np.asarray`` refuses one that requires grad, a bfloat16 one or a lazy conjugate)."""
+    if isinstance(x, torch.Tensor):
+        problem = unreadable(x)
+        if problem is not None:
+            raise DualgraphError(f"{path}: {problem}")
+        return to_numpy(x)
+    return np.asarray(x)
 
 
 def _differing_leaves(

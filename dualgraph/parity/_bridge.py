@@ -101,7 +101,9 @@ def as_torch(value: Any, device: torch.device, /) -> torch.Tensor:
 
 def as_jax(tensor: torch.Tensor, /) -> jax.Array:
     """The tensor as a JAX array on JAX's default device, without a copy where possible."""
-    tensor = tensor.detach()
+    # DLPack carries memory, not torch's lazy conjugate and negative bits: a negated view
+    # (z.conj().imag) would reach JAX with the other sign. Resolved, it is a copy.
+    tensor = tensor.detach().resolve_conj().resolve_neg()
     device = jax.devices()[0]
     same_kind = (tensor.device.type == "cuda") == (device.platform == "gpu")
     if same_kind:

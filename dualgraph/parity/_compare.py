@@ -62,10 +62,11 @@ def compare(
       torch ones (``torch_params``, by default ``torch_fn.named_parameters()``) through
       ``params_from_torch({name: numpy array})`` into the same pytree, e.g.
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
-      dict keyed by the torch parameter names. Frozen torch parameters are not compared: a
-      JAX params leaf made of them is left out, and a leaf that mixes them with trained ones
-      is compared at the trained ones' entries (found by mapping NaN through
-      ``params_from_torch``).
+      dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
+      refused without ``params``: no parameter grad would be compared). Frozen torch
+      parameters are not compared: a JAX params leaf made of them is left out, and a leaf
+      that mixes them with trained ones is compared at the trained ones' entries (found by
+      mapping NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
       every floating input array and the parameters; complex ones as torch defines them. The
@@ -152,7 +153,24 @@ def _params_of(
     torch_params: Mapping[str, torch.Tensor] | None,
 ) -> _Params | None:
     if params is None:
+        # Without params no parameter grad is compared: an option given for them would be
+        # ignored, and a reference closing over its parameters would pass whatever their grads.
+        for option, value in (
+            ("torch_params", torch_params),
+            ("params_from_torch", params_from_torch),
+        ):
+            if value is not None:
+                raise DualgraphError(
+                    f"compare: {option}= is given without params=, so no parameter gradient "
+                    "would be compared; pass the JAX parameter tree as params= (the JAX function "
+                    "is then called as jax_fn(params, *args, **kwargs))"
+                )
         return None
+    if params_from_torch is not None and not callable(params_from_torch):
+        raise DualgraphError(
+            f"params_from_torch: {clip(params_from_torch)} ({type(params_from_torch).__name__}) "
+            "is not callable"
+        )
     both = _Params(params, named_params(torch_fn, torch_params), params_from_torch or dict)
     for name, tensor in both.torch.items():
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None

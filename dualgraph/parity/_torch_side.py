@@ -19,15 +19,31 @@ def named_params(
     torch_fn: Any, torch_params: Mapping[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
     """``torch_params``, else ``torch_fn.named_parameters()`` (for a module, graphed or not)."""
-    if torch_params is not None:
-        return dict(torch_params)
-    named = getattr(torch_fn, "named_parameters", None)
-    if named is None:
+    if torch_params is None:
+        named = getattr(torch_fn, "named_parameters", None)
+        if named is None:
+            raise DualgraphError(
+                "compare(params=...): torch_fn has no named_parameters(); pass torch_params= "
+                "(a mapping from parameter names to tensors)"
+            )
+        return dict(named())
+    if not isinstance(torch_params, Mapping):
         raise DualgraphError(
-            "compare(params=...): torch_fn has no named_parameters(); pass torch_params= "
-            "(a mapping from parameter names to tensors)"
+            "torch_params must be a mapping of parameter names to tensors, got "
+            f"{type(torch_params).__module__}.{type(torch_params).__qualname__}"
         )
-    return dict(named())
+    found = dict(torch_params)
+    for name, tensor in found.items():  # read later as tensors (.detach(), .grad)
+        if type(name) is not str:
+            raise DualgraphError(f"torch_params: a parameter name is a str, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            kind = type(tensor)
+            shown = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
+            raise DualgraphError(
+                f"torch_params[{name!r}] is a {shown}, not a torch tensor (a parameter whose "
+                "grad torch computes)"
+            )
+    return found
 
 
 def torch_device(values: Iterable[Any]) -> torch.device:
