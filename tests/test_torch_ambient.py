@@ -22,7 +22,7 @@ from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, toleran
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
-from dualgraph.torch._ambient import NUMERICS_NAMES, numerics_state
+from dualgraph.torch._ambient import NUMERICS_NAMES, kept_settings, numerics_state
 
 
 @contextlib.contextmanager
@@ -89,6 +89,21 @@ def test_a_matmul_precision_left_to_its_default_reads_as_full_precision() -> Non
         assert numerics_state() == before
     finally:
         torch.backends.cuda.matmul.fp32_precision = saved
+
+
+def test_kept_settings_puts_back_every_numerics_setting_left_changed() -> None:
+    # what a forward failing half-way may leave: an sdpa_kernel entered, never left, and
+    # settings changed through torch's newer API
+    before = numerics_state()
+    put_back = kept_settings()
+    sdpa_kernel(SDPBackend.MATH).__enter__()
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True)
+    assert numerics_state() != before
+    put_back()
+    assert numerics_state() == before
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
