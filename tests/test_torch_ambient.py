@@ -9,6 +9,7 @@ and a call under the captured ones still equals eager.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from entry_points import ENTRY_POINTS, Decays, batch, call_length, graphed_on
+from entry_points import ENTRY_POINTS, LENGTH, Decays, batch, call_length, graphed_on
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, tolerance
 
@@ -156,6 +157,33 @@ def test_a_call_under_another_numerics_setting_is_refused_on_every_entry_point(e
     with _deterministic(), pytest.raises(DualgraphError, match=r"called with torch\.are_determ"):
         graphed(batch(call_length(entry)))
     assert torch.equal(module.stats, before)  # the replay did not run
+
+
+# "together" builds its other module in the block: under inference mode, with inference weights
+@pytest.mark.parametrize("entry", [e for e in ENTRY_POINTS if e != "together"])
+def test_graphing_under_inference_mode_captures_as_outside_it(entry: str) -> None:
+    # inference mode records no autograd graph to capture a backward from; a graphing inside
+    # it (an evaluation loop that graphs lazily) failed with "Inference tensors do not track
+    # version counter"
+    module = Decays()
+    twin = copy.deepcopy(module)
+    if entry in ("function", "method"):
+        twin.requires_grad_(False)
+    with torch.inference_mode():
+        graphed = graphed_on(entry, module)
+    x = batch(LENGTH)
+    xe = x.detach().clone().requires_grad_()
+    out, expected = graphed(x), twin(xe)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, xe.grad)
+    assert torch.equal(module.stats, twin.stats)  # warmup's updates undone, as outside it
+    if entry == "schedule":  # every forward of a schedule is followed by its backward
+        return
+    with torch.inference_mode():
+        x = batch(LENGTH)
+        assert torch.equal(graphed(x), twin(x))
 
 
 def test_a_setting_changed_after_calls_under_the_captured_one_is_refused() -> None:

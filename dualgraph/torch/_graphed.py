@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, overload
@@ -382,7 +383,13 @@ def make_graphed_callables(
     options = dataclasses.replace(options, backend=resolved)
     # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
     # keeps its activations from the caller's saved-tensor hooks, as a replay does.
-    with ambient_kept_on_failure(), released_on_failure(), capturing(te), keeping_activations():
+    with (
+        ambient_kept_on_failure(),
+        released_on_failure(),
+        _outside_inference_mode(),
+        capturing(te),
+        keeping_activations(),
+    ):
         if slots is None and schedule is None:
             runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
@@ -470,7 +477,13 @@ def _graph_buckets(
     )
     # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
     # keeps its activations from the caller's saved-tensor hooks, as a replay does.
-    with ambient_kept_on_failure(), released_on_failure(), capturing(te), keeping_activations():
+    with (
+        ambient_kept_on_failure(),
+        released_on_failure(),
+        _outside_inference_mode(),
+        capturing(te),
+        keeping_activations(),
+    ):
         bucketed = capture_buckets(request)
     return install(fn, bucketed)
 
@@ -648,3 +661,15 @@ def _name_of(fn: Any) -> str:
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _outside_inference_mode() -> contextlib.AbstractContextManager[None]:
+    """Graphing under ``torch.inference_mode()`` captures as outside it: warmup and capture
+    record the autograd graphs a backward graph is made from, which inference mode never
+    records (its tensors keep no version counter either); a replay under it records nothing,
+    as eager."""
+    return (
+        torch.inference_mode(False)
+        if torch.is_inference_mode_enabled()
+        else contextlib.nullcontext()
+    )
