@@ -757,6 +757,28 @@ def test_an_error_in_the_callable_propagates_from_lint() -> None:
         dgt.lint(fails, torch.ones(2))
 
 
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_a_call_failing_half_way_leaves_autocast_and_numerics_settings_as_they_were(
+    tool: str,
+) -> None:
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False).__enter__()
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        raise ValueError("boom")
+
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            getattr(dgt, tool)(fails, torch.ones(2))
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.get_default_dtype() == torch.float32
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(False)
+
+
 def test_an_error_in_the_callable_carries_the_findings_seen_before_it() -> None:
     def unique_then_fails(x: torch.Tensor) -> torch.Tensor:
         y = x * torch.unique(x.detach()).numel()

@@ -19,6 +19,7 @@ __all__ = [
     "autocast_state",
     "autograd_records",
     "ddp_is_running",
+    "kept_modes",
     "kept_settings",
     "numerics_difference",
     "numerics_readings",
@@ -311,6 +312,42 @@ def kept_settings() -> Callable[[], None]:
                 continue
             with contextlib.suppress(RuntimeError, TypeError, ValueError):  # not the failure's
                 setter(was)
+
+    return put_back
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def kept_modes() -> Callable[[], None]:
+    """Read grad mode, the autocast state and the settings of :func:`kept_settings` now; the
+    function returned sets them back as they were.
+
+    For whatever runs the user's callable and must leave the process as it found it (a failed
+    graphing, the checking tools): a forward failing half-way may leave grad mode off, an
+    autocast it entered, or a setting it meant to undo at its end.
+
+    >>> put_back = kept_modes()
+    >>> _ = torch.set_grad_enabled(False)
+    >>> put_back()
+    >>> torch.is_grad_enabled()
+    True
+    """
+    grad_enabled = torch.is_grad_enabled()
+    autocast = [
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    ]
+    autocast_cache = torch.is_autocast_cache_enabled()
+    put_back_settings = kept_settings()
+
+    def put_back() -> None:
+        torch.set_grad_enabled(grad_enabled)
+        for device, enabled, dtype in autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(autocast_cache)
+        put_back_settings()
 
     return put_back
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._errors import CaptureError, DualgraphError
-from ._ambient import kept_settings
+from ._ambient import kept_modes
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLintError
 
@@ -50,9 +50,6 @@ def repair_cuda_rng() -> None:
         generator.graphsafe_set_state(generator.clone_state())
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 @contextlib.contextmanager
 def ambient_kept_on_failure() -> Iterator[None]:
     """Put the CPU and CUDA RNG states, Python's and numpy's global RNG, grad mode, autocast
@@ -79,31 +76,20 @@ def ambient_kept_on_failure() -> Iterator[None]:
     """
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    grad_enabled = torch.is_grad_enabled()
-    autocast = [
-        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        for device in _AUTOCAST_DEVICES
-    ]
-    autocast_cache = torch.is_autocast_cache_enabled()
     host_rng = host_rng_state()
-    put_back_settings = kept_settings()
+    put_back_modes = kept_modes()
     try:
         yield
     except BaseException:
         torch.set_rng_state(cpu)
         set_host_rng_state(host_rng)
-        put_back_settings()
         if cuda is not None:
             # never in place of the failure being reported: a CUDA error here is left to the
             # next CUDA call, as the capture's own recovery does
             with contextlib.suppress(RuntimeError):
                 repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
                 torch.cuda.set_rng_state_all(cuda)
-        torch.set_grad_enabled(grad_enabled)
-        for device, enabled, dtype in autocast:
-            torch.set_autocast_enabled(device, enabled)
-            torch.set_autocast_dtype(device, dtype)
-        torch.set_autocast_cache_enabled(autocast_cache)
+        put_back_modes()
         raise
 
 
