@@ -749,6 +749,27 @@ def test_lint_leaves_inputs_buffers_grads_and_the_rng_as_they_were() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class BranchesOnGradMode(nn.Module):
+    """Scales by 2 with grad on, else by 3; its attention reads grad mode in torch's code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 2.0 if torch.is_grad_enabled() else 3.0
+        return self.attention(x, x, x)[0] * scale
+
+
+def test_reading_grad_mode_in_the_callable_is_a_warning_naming_the_line() -> None:
+    # a CUDA graph keeps the branch taken with grad on; a replay under no_grad replays it
+    report = dgt.lint(BranchesOnGradMode(), torch.randn(2, 3, 4, requires_grad=True))
+    (finding,) = report.findings  # none for torch's own reads (MultiheadAttention's)
+    assert finding.kind == _lint.GRAD_MODE_READ and finding.severity == "warning"
+    assert finding.op == "torch.is_grad_enabled"
+    assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
+
+
 def test_an_error_in_the_callable_propagates_from_lint() -> None:
     def fails(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("boom")
