@@ -770,6 +770,17 @@ def test_reading_grad_mode_in_the_callable_is_a_warning_naming_the_line() -> Non
     assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
 
 
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_lint_and_memory_plan_under_inference_mode_run_what_a_capture_runs(tool: str) -> None:
+    # make_graphed_callables captures outside inference mode; the lint failed with torch's
+    # "Inference tensors do not track version counter", the memory plan saw no backward
+    layer = nn.Linear(4, 4)
+    expected = getattr(dgt, tool)(layer, torch.randn(2, 4, requires_grad=True))
+    with torch.inference_mode():
+        found = getattr(dgt, tool)(layer, torch.randn(2, 4, requires_grad=True))
+    assert str(found) == str(expected)
+
+
 def test_an_error_in_the_callable_propagates_from_lint() -> None:
     def fails(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("boom")

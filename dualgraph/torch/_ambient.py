@@ -24,6 +24,7 @@ __all__ = [
     "numerics_difference",
     "numerics_readings",
     "numerics_state",
+    "outside_inference_mode",
     "state_of",
 ]
 
@@ -350,6 +351,16 @@ def kept_modes() -> Callable[[], None]:
         put_back_settings()
 
     return put_back
+
+
+def outside_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Outside ``torch.inference_mode()`` for a graphing (and the tools that run what a capture
+    runs): warmup and capture record the autograd graphs a backward graph is made from, which
+    inference mode never records (its tensors keep no version counter either); a replay under
+    it records nothing, as eager."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 _DDP = torch.nn.parallel.DistributedDataParallel

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, overload
@@ -12,6 +11,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError
+from ._ambient import outside_inference_mode
 from ._bucket_capture import BucketRequest, capture_buckets
 from ._buckets import BucketedCallable, Fallback
 from ._capture import CaptureOptions, CaptureRequest, capture
@@ -386,7 +386,7 @@ def make_graphed_callables(
     with (
         ambient_kept_on_failure(),
         released_on_failure(),
-        _outside_inference_mode(),
+        outside_inference_mode(),
         capturing(te),
         keeping_activations(),
     ):
@@ -480,7 +480,7 @@ def _graph_buckets(
     with (
         ambient_kept_on_failure(),
         released_on_failure(),
-        _outside_inference_mode(),
+        outside_inference_mode(),
         capturing(te),
         keeping_activations(),
     ):
@@ -661,15 +661,3 @@ def _name_of(fn: Any) -> str:
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _outside_inference_mode() -> contextlib.AbstractContextManager[None]:
-    """Graphing under ``torch.inference_mode()`` captures as outside it: warmup and capture
-    record the autograd graphs a backward graph is made from, which inference mode never
-    records (its tensors keep no version counter either); a replay under it records nothing,
-    as eager."""
-    return (
-        torch.inference_mode(False)
-        if torch.is_inference_mode_enabled()
-        else contextlib.nullcontext()
-    )

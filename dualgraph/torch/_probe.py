@@ -27,7 +27,7 @@ import torch
 from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
-from ._ambient import kept_modes
+from ._ambient import kept_modes, outside_inference_mode
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
@@ -72,7 +72,8 @@ def probe_once(
     """
     if not callable(fn):
         raise DualgraphError(f"{type(fn).__name__} {fn!r} is not callable")
-    with _ungraphed(fn) as fn:
+    # what a capture runs, outside inference mode as make_graphed_callables captures
+    with outside_inference_mode(), _ungraphed(fn) as fn:
         return _probe_once(fn, args, kwargs, lint=lint, memory=memory)
 
 
