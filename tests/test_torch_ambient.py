@@ -9,6 +9,7 @@ and a call under the captured ones still equals eager.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from entry_points import ENTRY_POINTS, Decays, batch, call_length, graphed_on
+from entry_points import ENTRY_POINTS, LENGTH, Decays, batch, call_length, graphed_on
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, tolerance
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
-from dualgraph.torch._ambient import NUMERICS_NAMES, numerics_state
+from dualgraph.torch._ambient import NUMERICS_NAMES, kept_settings, numerics_state
 
 
 @contextlib.contextmanager
@@ -91,6 +92,21 @@ def test_a_matmul_precision_left_to_its_default_reads_as_full_precision() -> Non
         torch.backends.cuda.matmul.fp32_precision = saved
 
 
+def test_kept_settings_puts_back_every_numerics_setting_left_changed() -> None:
+    # what a forward failing half-way may leave: an sdpa_kernel entered, never left, and
+    # settings changed through torch's newer API
+    before = numerics_state()
+    put_back = kept_settings()
+    sdpa_kernel(SDPBackend.MATH).__enter__()
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True)
+    assert numerics_state() != before
+    put_back()
+    assert numerics_state() == before
+
+
 @pytest.mark.parametrize("change", list(CHANGES))
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_call_under_another_numerics_setting_is_refused_before_any_buffer_is_written(
@@ -141,6 +157,33 @@ def test_a_call_under_another_numerics_setting_is_refused_on_every_entry_point(e
     with _deterministic(), pytest.raises(DualgraphError, match=r"called with torch\.are_determ"):
         graphed(batch(call_length(entry)))
     assert torch.equal(module.stats, before)  # the replay did not run
+
+
+# "together" builds its other module in the block: under inference mode, with inference weights
+@pytest.mark.parametrize("entry", [e for e in ENTRY_POINTS if e != "together"])
+def test_graphing_under_inference_mode_captures_as_outside_it(entry: str) -> None:
+    # inference mode records no autograd graph to capture a backward from; a graphing inside
+    # it (an evaluation loop that graphs lazily) failed with "Inference tensors do not track
+    # version counter"
+    module = Decays()
+    twin = copy.deepcopy(module)
+    if entry in ("function", "method"):
+        twin.requires_grad_(False)
+    with torch.inference_mode():
+        graphed = graphed_on(entry, module)
+    x = batch(LENGTH)
+    xe = x.detach().clone().requires_grad_()
+    out, expected = graphed(x), twin(xe)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, xe.grad)
+    assert torch.equal(module.stats, twin.stats)  # warmup's updates undone, as outside it
+    if entry == "schedule":  # every forward of a schedule is followed by its backward
+        return
+    with torch.inference_mode():
+        x = batch(LENGTH)
+        assert torch.equal(graphed(x), twin(x))
 
 
 def test_a_setting_changed_after_calls_under_the_captured_one_is_refused() -> None:

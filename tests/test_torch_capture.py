@@ -15,6 +15,7 @@ import copy
 import gc
 import importlib
 import queue
+import random
 import threading
 import traceback
 import warnings
@@ -796,6 +797,76 @@ def test_a_failed_capture_leaves_grad_mode_and_autocast_as_it_found_them(backend
     x = torch.randn(2, 8, device=device, requires_grad=True)
     assert graphed(x).dtype == torch.float32  # captured outside autocast
     assert_tensors_match(graphed(x).detach(), module.fc(x).detach(), "output", tolerance(backend))
+
+
+class LeavesSettingsThenExplodes(nn.Module):
+    """Draws from the host RNG (which the lint refuses, after all warmup calls ran) or changes
+    torch's numerics settings it meant to undo at its end, then fails (``fail_at``-th call)."""
+
+    def __init__(self, change: str, fail_at: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.change = change
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.fc(x)
+        if self.change == "host_rng":
+            random.random()
+            np.random.rand()
+        elif self.calls == self.fail_at:
+            if self.change == "default_dtype":
+                torch.set_default_dtype(torch.float64)
+            elif self.change == "deterministic":
+                torch.use_deterministic_algorithms(True, warn_only=True)
+            elif self.change == "matmul_precision":
+                torch.set_float32_matmul_precision("medium")
+            elif self.change == "cudnn":
+                torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+        if self.calls == self.fail_at:
+            raise ValueError("exploded on purpose")
+        return h
+
+
+def _settings_and_host_rng() -> tuple[Any, ...]:
+    return (
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.benchmark,
+        random.getstate(),
+        np.random.get_state()[1].tobytes(),
+        np.random.get_state()[2],
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("fail_at", [1, 3])
+@pytest.mark.parametrize(
+    "change", ["host_rng", "default_dtype", "deterministic", "matmul_precision", "cudnn"]
+)
+def test_a_failed_capture_leaves_host_rng_and_numerics_settings_as_it_found_them(
+    backend: str, fail_at: int, change: str
+) -> None:
+    device = device_of(backend)
+    module = LeavesSettingsThenExplodes(change, fail_at if change != "host_rng" else 0)
+    module.to(device)
+    before = _settings_and_host_rng()
+    try:
+        with pytest.raises(CaptureError):  # the lint's, for the host draws
+            dgt.make_graphed_callables(
+                module, (torch.randn(2, 8, device=device),), backend=backend, lint="error"
+            )
+        assert module.calls >= fail_at
+        assert _settings_and_host_rng() == before
+    finally:
+        torch.set_default_dtype(before[0])
+        torch.use_deterministic_algorithms(before[1], warn_only=before[2])
+        torch.set_float32_matmul_precision(before[3])
+        torch.backends.cudnn.benchmark = before[4]
 
 
 class Tag:

@@ -270,8 +270,13 @@ def test_grad_accumulation_with_no_sync_matches_eager_ddp(tmp_path: Path, backen
 @pytest.mark.parametrize(
     ("ddp_options", "micro_batches"),
     # eager DDP's static graph fails an internal assert under no_sync (torch 2.13)
-    [({"gradient_as_bucket_view": True}, 2), ({"static_graph": True}, 1)],
-    ids=["gradient_as_bucket_view", "static_graph"],
+    [
+        ({"gradient_as_bucket_view": True}, 2),
+        ({"static_graph": True}, 1),
+        ({"find_unused_parameters": True}, 2),
+        ({"bucket_cap_mb": 1e-4, "gradient_as_bucket_view": True}, 2),  # a bucket a parameter
+    ],
+    ids=["gradient_as_bucket_view", "static_graph", "find_unused_parameters", "small_buckets"],
 )
 def test_ddp_options_match_eager_ddp(
     tmp_path: Path, ddp_options: dict[str, Any], micro_batches: int

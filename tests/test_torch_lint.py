@@ -749,12 +749,66 @@ def test_lint_leaves_inputs_buffers_grads_and_the_rng_as_they_were() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class BranchesOnGradMode(nn.Module):
+    """Scales by 2 with grad on, else by 3; its attention reads grad mode in torch's code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(4, 1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 2.0 if torch.is_grad_enabled() else 3.0
+        return self.attention(x, x, x)[0] * scale
+
+
+def test_reading_grad_mode_in_the_callable_is_a_warning_naming_the_line() -> None:
+    # a CUDA graph keeps the branch taken with grad on; a replay under no_grad replays it
+    report = dgt.lint(BranchesOnGradMode(), torch.randn(2, 3, 4, requires_grad=True))
+    (finding,) = report.findings  # none for torch's own reads (MultiheadAttention's)
+    assert finding.kind == _lint.GRAD_MODE_READ and finding.severity == "warning"
+    assert finding.op == "torch.is_grad_enabled"
+    assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
+
+
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_lint_and_memory_plan_under_inference_mode_run_what_a_capture_runs(tool: str) -> None:
+    # make_graphed_callables captures outside inference mode; the lint failed with torch's
+    # "Inference tensors do not track version counter", the memory plan saw no backward
+    layer = nn.Linear(4, 4)
+    expected = getattr(dgt, tool)(layer, torch.randn(2, 4, requires_grad=True))
+    with torch.inference_mode():
+        found = getattr(dgt, tool)(layer, torch.randn(2, 4, requires_grad=True))
+    assert str(found) == str(expected)
+
+
 def test_an_error_in_the_callable_propagates_from_lint() -> None:
     def fails(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
         dgt.lint(fails, torch.ones(2))
+
+
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_a_call_failing_half_way_leaves_autocast_and_numerics_settings_as_they_were(
+    tool: str,
+) -> None:
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False).__enter__()
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        raise ValueError("boom")
+
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            getattr(dgt, tool)(fails, torch.ones(2))
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.get_default_dtype() == torch.float32
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_autocast_enabled("cpu", False)
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(False)
 
 
 def test_an_error_in_the_callable_carries_the_findings_seen_before_it() -> None:

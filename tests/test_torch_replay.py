@@ -245,6 +245,43 @@ def test_calls_without_grad_return_outputs_without_history(backend: str) -> None
     assert runner_of(layer).generation == 2
 
 
+class RaisesWhenTold(nn.Module):
+    """A Linear whose forward raises while ``failing[0]`` is set (a flag no replay compares)."""
+
+    def __init__(self, failing: list[bool]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self._failing = failing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._failing[0]:
+            raise ValueError("failed on purpose")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("backend", ["eager", "emulate"])
+def test_a_call_that_raised_is_not_counted_as_a_replay(backend: str, slots: int | None) -> None:
+    # an emulated replay runs the callable again, which may raise; an eager call that raised
+    # was never counted
+    failing = [False]
+    options = {} if slots is None else {"slots": slots}
+    graphed = dgt.make_graphed_callables(
+        RaisesWhenTold(failing),
+        (torch.randn(2, 4, requires_grad=True),),
+        backend=backend,
+        **options,
+    )
+    graphed(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    failing[0] = True
+    with pytest.raises(ValueError, match="failed on purpose"):
+        graphed(torch.randn(2, 4, requires_grad=True))
+    assert dgt.diagnostics(graphed).replays == 1
+    failing[0] = False
+    graphed(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert dgt.diagnostics(graphed).replays == 2
+
+
 def test_a_forward_drops_the_nodes_of_replays_whose_backward_is_over() -> None:
     # so that a backward through one replay finds its own node alone (no pass over the others)
     layer = nn.Linear(4, 3)

@@ -419,6 +419,31 @@ def test_verify_puts_parameters_buffers_grads_and_rng_back(param_grads: str) -> 
     graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # training goes on
 
 
+class FlipsCudnnBenchmark(nn.Module):
+    """A forward that turns cuDNN's benchmark mode on (a flag no replay compares)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.backends.cudnn.benchmark = True
+        return self.fc(x)
+
+
+def test_verify_puts_torch_settings_its_calls_changed_back() -> None:
+    module = FlipsCudnnBenchmark()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    try:
+        torch.backends.cudnn.benchmark = False
+        assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=2).ok
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = False
+
+
 class Counts(nn.Module):
     """Keeps Python state a call changes: a counter, a list, an attribute added on first use."""
 

@@ -7,6 +7,7 @@ compares them with the present ones (``_replay.py``) before any buffer is writte
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +19,12 @@ __all__ = [
     "autocast_state",
     "autograd_records",
     "ddp_is_running",
+    "kept_modes",
+    "kept_settings",
     "numerics_difference",
     "numerics_readings",
     "numerics_state",
+    "outside_inference_mode",
     "state_of",
 ]
 
@@ -201,6 +205,162 @@ def numerics_difference(now: tuple[Any, ...], captured: tuple[Any, ...]) -> str:
         if value != expected:
             return f"{name} is {value!r}, captured with {expected!r}"
     return "no setting differs"
+
+
+_UNREADABLE = object()
+
+
+def _read(getter: Callable[[], Any]) -> Any:
+    try:
+        return getter()
+    except RuntimeError:  # the legacy matmul getters, once a program mixed the two APIs
+        return _UNREADABLE
+
+
+def _spread(setter: Callable[..., Any]) -> Callable[[Any], Any]:
+    # the cuBLAS reduction getters give (allow, allow_splitk) where the setter takes both
+    return lambda value: setter(*value) if isinstance(value, tuple) else setter(value)
+
+
+def _setting(getter: str, setter: str, spread: bool = False) -> list[tuple[Any, ...]]:
+    read, write = getattr(_C, getter, None), getattr(_C, setter, None)
+    if read is None or write is None:  # a setting this torch does not have
+        return []
+    return [(setter, read, _spread(write) if spread else write, None)]
+
+
+def _deterministic_mode() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+
+
+def _set_deterministic_mode(mode: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
+# (name, getter, setter, what a reading means or None), in the order they are put back: the
+# legacy matmul precision before the newer API's, so that the newer one is set only where the
+# legacy setter did not already bring it back (setting it mixes the two APIs).
+_SETTINGS: tuple[tuple[Any, ...], ...] = (
+    ("default dtype", torch.get_default_dtype, torch.set_default_dtype, None),
+    ("deterministic", _deterministic_mode, _set_deterministic_mode, None),
+    *_setting(
+        "_get_deterministic_fill_uninitialized_memory",
+        "_set_deterministic_fill_uninitialized_memory",
+    ),
+    ("legacy matmul", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, None),
+    *(
+        [
+            (
+                "matmul",
+                _matmul_reading,
+                functools.partial(_C._set_fp32_precision_setter, "cuda", "matmul"),
+                _matmul_setting,
+            )
+        ]
+        if _precision is not None and hasattr(_C, "_set_fp32_precision_setter")
+        else []
+    ),
+    *_setting(
+        "_get_cublas_allow_fp16_reduced_precision_reduction",
+        "_set_cublas_allow_fp16_reduced_precision_reduction",
+        spread=True,
+    ),
+    *_setting(
+        "_get_cublas_allow_bf16_reduced_precision_reduction",
+        "_set_cublas_allow_bf16_reduced_precision_reduction",
+        spread=True,
+    ),
+    *_setting("_get_cublas_allow_fp16_accumulation", "_set_cublas_allow_fp16_accumulation"),
+    *_setting("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
+    *_setting("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
+    *_setting("_get_math_sdp_enabled", "_set_sdp_use_math"),
+    *_setting("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
+    *_setting("_get_fa3_sdp_enabled", "_set_sdp_use_fa3"),
+    *_setting("_get_sdp_priority_order", "_set_sdp_priority_order"),
+    *_setting("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
+    *_setting("_get_cudnn_enabled", "_set_cudnn_enabled"),
+    *_setting("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+    *_setting("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+    *_setting("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+)
+
+
+def kept_settings() -> Callable[[], None]:
+    """Read torch's global numerics settings now (those of :func:`numerics_state`, cuDNN's,
+    the legacy matmul precision); the function returned sets back each one that changed since.
+
+    For a failed graphing: a forward that failed half-way may leave a setting it changed (a
+    ``torch.set_default_dtype`` it meant to undo at its end), as it leaves grad mode.
+
+    >>> put_back = kept_settings()
+    >>> torch.set_default_dtype(torch.float64)
+    >>> put_back()
+    >>> torch.get_default_dtype()
+    torch.float32
+    """
+    before = [_read(getter) for _, getter, _, _ in _SETTINGS]
+
+    def put_back() -> None:
+        for (_, getter, setter, meaning), was in zip(_SETTINGS, before, strict=True):
+            if was is _UNREADABLE:
+                continue
+            now = _read(getter)
+            if now is _UNREADABLE or now == was:
+                continue
+            if meaning is not None and meaning(now) == meaning(was):
+                continue
+            with contextlib.suppress(RuntimeError, TypeError, ValueError):  # not the failure's
+                setter(was)
+
+    return put_back
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def kept_modes() -> Callable[[], None]:
+    """Read grad mode, the autocast state and the settings of :func:`kept_settings` now; the
+    function returned sets them back as they were.
+
+    For whatever runs the user's callable and must leave the process as it found it (a failed
+    graphing, the checking tools): a forward failing half-way may leave grad mode off, an
+    autocast it entered, or a setting it meant to undo at its end.
+
+    >>> put_back = kept_modes()
+    >>> _ = torch.set_grad_enabled(False)
+    >>> put_back()
+    >>> torch.is_grad_enabled()
+    True
+    """
+    grad_enabled = torch.is_grad_enabled()
+    autocast = [
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    ]
+    autocast_cache = torch.is_autocast_cache_enabled()
+    put_back_settings = kept_settings()
+
+    def put_back() -> None:
+        torch.set_grad_enabled(grad_enabled)
+        for device, enabled, dtype in autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(autocast_cache)
+        put_back_settings()
+
+    return put_back
+
+
+def outside_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Outside ``torch.inference_mode()`` for a graphing (and the tools that run what a capture
+    runs): warmup and capture record the autograd graphs a backward graph is made from, which
+    inference mode never records (its tensors keep no version counter either); a replay under
+    it records nothing, as eager."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 _DDP = torch.nn.parallel.DistributedDataParallel

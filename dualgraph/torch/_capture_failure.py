@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from .._errors import CaptureError, DualgraphError
+from ._ambient import kept_modes
+from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLintError
 
 __all__ = [
@@ -48,17 +50,18 @@ def repair_cuda_rng() -> None:
         generator.graphsafe_set_state(generator.clone_state())
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 @contextlib.contextmanager
 def ambient_kept_on_failure() -> Iterator[None]:
-    """Put the CPU and CUDA RNG states, grad mode and autocast state back as they were if the
-    block fails (any exception, ``KeyboardInterrupt`` too).
+    """Put the CPU and CUDA RNG states, Python's and numpy's global RNG, grad mode, autocast
+    and torch's numerics settings (default dtype, deterministic algorithms, matmul precision,
+    cuDNN's flags: ``_ambient.kept_settings``) back as they were if the block fails (any
+    exception, ``KeyboardInterrupt`` too).
 
-    Warmup runs the callable: its dropout draws from the RNG, and a forward that fails half-way
-    may leave grad mode or an autocast it entered behind. A graphing that fails must leave the
-    process as it found it, so that a seeded run goes on as it would have without the attempt.
+    Warmup runs the callable: its dropout draws from the RNG (host draws, which the capture lint
+    refuses only after the warmup calls made them), and a forward that fails half-way may leave
+    grad mode, an autocast it entered or a setting it meant to undo at its end behind. A
+    graphing that fails must leave the process as it found it, so that a seeded run goes on as
+    it would have without the attempt.
 
     >>> state = torch.get_rng_state()
     >>> try:
@@ -73,27 +76,20 @@ def ambient_kept_on_failure() -> Iterator[None]:
     """
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    grad_enabled = torch.is_grad_enabled()
-    autocast = [
-        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        for device in _AUTOCAST_DEVICES
-    ]
-    autocast_cache = torch.is_autocast_cache_enabled()
+    host_rng = host_rng_state()
+    put_back_modes = kept_modes()
     try:
         yield
     except BaseException:
         torch.set_rng_state(cpu)
+        set_host_rng_state(host_rng)
         if cuda is not None:
             # never in place of the failure being reported: a CUDA error here is left to the
             # next CUDA call, as the capture's own recovery does
             with contextlib.suppress(RuntimeError):
                 repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
                 torch.cuda.set_rng_state_all(cuda)
-        torch.set_grad_enabled(grad_enabled)
-        for device, enabled, dtype in autocast:
-            torch.set_autocast_enabled(device, enabled)
-            torch.set_autocast_dtype(device, dtype)
-        torch.set_autocast_cache_enabled(autocast_cache)
+        put_back_modes()
         raise
 
 

@@ -11,6 +11,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, SpecMismatchError
+from ._ambient import outside_inference_mode
 from ._bucket_capture import BucketRequest, capture_buckets
 from ._buckets import BucketedCallable, Fallback
 from ._capture import CaptureOptions, CaptureRequest, capture
@@ -384,7 +385,13 @@ def make_graphed_callables(
     options = dataclasses.replace(options, backend=resolved)
     # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
     # keeps its activations from the caller's saved-tensor hooks, as a replay does.
-    with ambient_kept_on_failure(), released_on_failure(), capturing(te), keeping_activations():
+    with (
+        ambient_kept_on_failure(),
+        released_on_failure(),
+        outside_inference_mode(),
+        capturing(te),
+        keeping_activations(),
+    ):
         if slots is None and schedule is None:
             runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
@@ -476,7 +483,13 @@ def _graph_buckets(
     )
     # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
     # keeps its activations from the caller's saved-tensor hooks, as a replay does.
-    with ambient_kept_on_failure(), released_on_failure(), capturing(te), keeping_activations():
+    with (
+        ambient_kept_on_failure(),
+        released_on_failure(),
+        outside_inference_mode(),
+        capturing(te),
+        keeping_activations(),
+    ):
         bucketed = capture_buckets(request)
     return install(fn, bucketed)
 

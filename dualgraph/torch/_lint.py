@@ -69,6 +69,7 @@ BACKWARD_INPUT_MUTATION = "input updated in place during backward"
 PARAMETER_MUTATION = "parameter updated in place"
 HOST_RANDOM = "random number drawn on the host"
 RNG_RESEEDED = "torch's RNG set in the callable"
+GRAD_MODE_READ = "grad mode read in the callable"
 
 #: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
 #: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
@@ -84,6 +85,7 @@ KINDS: dict[str, Severity] = {
     PARAMETER_MUTATION: "error",
     HOST_RANDOM: "error",
     RNG_RESEEDED: "error",
+    GRAD_MODE_READ: "warning",
 }
 
 
@@ -681,6 +683,10 @@ class _HostCallLint:
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
+            elif (
+                arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED
+            ) and not frame.f_code.co_filename.startswith(_ADAPTER_DIR):  # not dualgraph's own
+                self._report((GRAD_MODE_READ, f"torch.{arg.__name__}", ()), frame)
 
     def _report(
         self, found: tuple[str, str, tuple[str, ...]] | None, caller: types.FrameType | None
@@ -1089,7 +1095,15 @@ _HOST_CALL_HINTS = {
         "offset (and a real capture may refuse it). Seed outside the graphed callable."
     ),
     HOST_SYNC: "Waits on the host for the GPU. " + _SYNC_HINT,
+    GRAD_MODE_READ: (
+        "Reads grad mode: a graph replays what the callable did with grad on at capture, also "
+        "when called under torch.no_grad() or inference_mode(), where eager may do otherwise "
+        "(the emulate backend runs the callable again and does what eager does). Decide "
+        "outside the callable, or graph a copy for evaluation."
+    ),
 }
+_IS_GRAD_ENABLED = torch.is_grad_enabled
+_IS_INFERENCE_MODE_ENABLED = torch.is_inference_mode_enabled
 
 
 def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:

@@ -27,6 +27,7 @@ import torch
 from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
+from ._ambient import kept_modes, outside_inference_mode
 from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
@@ -71,7 +72,8 @@ def probe_once(
     """
     if not callable(fn):
         raise DualgraphError(f"{type(fn).__name__} {fn!r} is not callable")
-    with _ungraphed(fn) as fn:
+    # what a capture runs, outside inference mode as make_graphed_callables captures
+    with outside_inference_mode(), _ungraphed(fn) as fn:
         return _probe_once(fn, args, kwargs, lint=lint, memory=memory)
 
 
@@ -328,8 +330,11 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 @contextlib.contextmanager
 def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
     """Put the RNG states (CPU, every initialised CUDA device, Python's ``random``, numpy's
-    global generator), the module's buffers and its submodules' Python attributes back."""
+    global generator), grad mode, autocast and torch's numerics settings (a call failing
+    half-way may leave them changed: ``_ambient.kept_modes``), the module's buffers and its
+    submodules' Python attributes back."""
     host_rng = host_rng_state()
+    put_back_modes = kept_modes()
     attributes = module_attributes(root)
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -344,6 +349,7 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         set_host_rng_state(host_rng)
+        put_back_modes()
         put_back(attributes)
 
 

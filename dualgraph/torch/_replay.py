@@ -591,7 +591,6 @@ class GraphedCallable:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
                 )
-            self.diagnostics.replays += 1
             if self._has_backward and grad_enabled:
                 held = self._held_nodes
                 if held is not None:  # one pass over the parameters' reference counts
@@ -608,6 +607,9 @@ class GraphedCallable:
                 # copies into static inputs that are leaves requiring grad.
                 with torch.no_grad():
                     outputs = self._forward(tensors)
+            # counted once it ran, as an eager call or a bucket's: an emulated replay re-runs
+            # the callable, which may raise
+            self.diagnostics.replays += 1
             if self._mutated:
                 self._copy_back(tensors)
             if aliases is not None:  # under the caller's grad mode, as eager made them

@@ -66,6 +66,7 @@ import torch
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._ambient import kept_modes
 from ._buckets import BucketedCallable
 from ._closed_over import closed_over_tensors
 from ._graphed import diagnostics
@@ -403,13 +404,15 @@ def _state_kept(
     module: torch.nn.Module | None,
 ) -> Iterator[_State]:
     """The saved state; on exit everything is put back, ``.grad`` objects and values included,
-    and so are the modules' Python attributes and the host's random streams (Python's, numpy's).
+    and so are the modules' Python attributes, the host's random streams (Python's, numpy's),
+    grad mode, autocast and torch's numerics settings (``_ambient.kept_modes``).
 
     Those two are not reset between the sides: a graph on the GPU does not rerun Python, so a
     difference they make is one a replay would make too.
     """
     attributes = module_attributes(module)
     host_rng = host_rng_state()
+    put_back_modes = kept_modes()
     with torch.no_grad():
         state = _State(
             params=[p.detach().clone() for _, p in params],
@@ -423,6 +426,7 @@ def _state_kept(
     finally:
         put_back(attributes)
         set_host_rng_state(host_rng)
+        put_back_modes()
         _restore(params, buffers, state)
         for (_, param), (grad, values) in zip(params, state.grads, strict=True):
             if grad is not None and values is not None:
