@@ -497,6 +497,47 @@ def test_without_arguments_replays_must_match_the_capture_autocast(
         plain(torch.ones(2, 4))
 
 
+@pytest.mark.parametrize("graphed", ["function", "module"])
+@pytest.mark.parametrize("outside", ["no autocast", "calibrating"])
+def test_te_flags_its_forward_sets_from_the_autocast_are_no_change_of_the_callers(
+    monkeypatch: pytest.MonkeyPatch, graphed: str, outside: str
+) -> None:
+    # TE's forward sets fp8, fp8_calibration, ... from TE's global state before it reads them.
+    # After an eager step in FP8 (the flags already True at graphing), an eager evaluation of
+    # the layers outside FP8 (or a calibration) set them otherwise, and the next graphed step
+    # was refused as a change of the caller's ("fp8: was True at capture and is False").
+    te = StandIn().install(monkeypatch)
+    recipe = Float8CurrentScaling()
+    model = Chain([te.linear("a", seed=1), te.linear("b", seed=2)])
+    if graphed == "function":
+        model.requires_grad_(False)  # a frozen encoder a step closes over
+    x = torch.randn(2, 4, requires_grad=True)
+    with te.fp8(recipe):
+        model(x).sum().backward()
+        expected = model(x).detach()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    target: Any = step if graphed == "function" else model
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    run = dgt.make_graphed_callables(target, sample, backend="emulate", enabled=True, recipe=recipe)
+    with te.fp8(recipe):
+        run(x)
+    with torch.no_grad():
+        if outside == "calibrating":
+            with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+                model.layers[0](x)
+        else:
+            model.layers[0](x)
+    assert model.layers[0].fp8 is False
+    with te.fp8(recipe):
+        assert torch.equal(run(x), expected)
+    model.layers[1].sequence_parallel = True  # a setting of the caller's: still refused
+    with te.fp8(recipe), pytest.raises(DualgraphError, match=r"layers\.1\.sequence_parallel: was"):
+        run(x)
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_te_bookkeeping_runs_before_the_user_hooks(
     monkeypatch: pytest.MonkeyPatch, backend: str
