@@ -1546,3 +1546,68 @@ def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     )
     assert "neither inputs nor arguments" in message
     assert torch.equal(module.w.detach().cpu(), torch.ones(4))
+
+
+class _FusedWgradMatmul(torch.autograd.Function):
+    """Megatron's gradient_accumulation_fusion (TE's fuse_wgrad_accumulation): the backward adds
+    the weight grad into ``weight.main_grad`` itself, sets ``grad_added_to_main_grad`` and hands
+    autograd a dummy grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        weight.main_grad.add_(grad.t() @ x)
+        weight.grad_added_to_main_grad = True
+        return grad @ weight, torch.zeros_like(weight)
+
+
+class _FusedWgradLinear(nn.Module):
+    def __init__(self, seed: int, device: torch.device) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=generator).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedWgradMatmul.apply(x, self.weight)
+
+
+def _with_grad_buffer(model: nn.Module) -> torch.Tensor:
+    """Megatron's DDP: every parameter's main_grad a view of one contiguous buffer."""
+    params = list(model.parameters())
+    buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    offset = 0
+    for param in params:
+        param.main_grad = buffer[offset : offset + param.numel()].view_as(param)  # type: ignore[attr-defined]
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        offset += param.numel()
+    return buffer
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_graphing_leaves_megatron_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
+    # The warmup's backward added its grads into main_grad and set grad_added_to_main_grad:
+    # a model graphed at the start of a step (after zero_grad_buffer) began with them.
+    device = device_of(backend)
+    results = []
+    for graphed in (True, False):
+        model = nn.Sequential(_FusedWgradLinear(1, device), _FusedWgradLinear(2, device))
+        buffer = _with_grad_buffer(model)
+        run: Any = model
+        if graphed:
+            sample = (torch.ones(2, 4, device=device, requires_grad=True),)
+            run = dgt.make_graphed_callables(model, sample, backend=backend)
+            assert not buffer.any()
+            assert [p.grad_added_to_main_grad for p in model.parameters()] == [False, False]  # type: ignore[attr-defined]
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(2):  # micro-batches accumulate into main_grad
+            x = torch.randn(2, 4, generator=generator).to(device).requires_grad_()
+            run(x).sum().backward()
+        results.append(buffer.clone())
+    assert torch.equal(results[0], results[1])
