@@ -46,6 +46,7 @@ from torch_cases import (
 
 import dualgraph.torch as dgt
 from dualgraph import CaptureError, DualgraphWarning
+from dualgraph.torch._param_attributes import parameter_attributes_kept
 
 
 @pytest.fixture(autouse=True)
@@ -1565,7 +1566,7 @@ class _FusedWgradMatmul(torch.autograd.Function):
         weight = ctx.weight
         weight.main_grad.add_(grad.t() @ x)
         weight.grad_added_to_main_grad = True
-        return grad @ weight, torch.zeros_like(weight)
+        return grad @ weight, torch.ones_like(weight)  # a dummy (TE's may be uninitialized)
 
 
 class _FusedWgradLinear(nn.Module):
@@ -1579,7 +1580,8 @@ class _FusedWgradLinear(nn.Module):
 
 
 def _with_grad_buffer(model: nn.Module) -> torch.Tensor:
-    """Megatron's DDP: every parameter's main_grad a view of one contiguous buffer."""
+    """Megatron's DDP: every parameter's main_grad a view of one contiguous buffer, and a grad
+    hook that adds a grad into it unless the backward did (grad_added_to_main_grad)."""
     params = list(model.parameters())
     buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
     offset = 0
@@ -1587,13 +1589,22 @@ def _with_grad_buffer(model: nn.Module) -> torch.Tensor:
         param.main_grad = buffer[offset : offset + param.numel()].view_as(param)  # type: ignore[attr-defined]
         param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
         offset += param.numel()
+
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None and not param.grad_added_to_main_grad:  # type: ignore[attr-defined]
+                param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+            param.grad = None
+
+        param.register_post_accumulate_grad_hook(hook)
     return buffer
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_graphing_leaves_megatron_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
+def test_megatron_fused_grad_accumulation_into_main_grad_equals_eager(backend: str) -> None:
     # The warmup's backward added its grads into main_grad and set grad_added_to_main_grad:
-    # a model graphed at the start of a step (after zero_grad_buffer) began with them.
+    # a model graphed at the start of a step (after zero_grad_buffer) began with them. On CUDA
+    # a replay runs no Python: the flag is set again by each backward replay, else the grad
+    # hook adds the dummy grad into main_grad.
     device = device_of(backend)
     results = []
     for graphed in (True, False):
@@ -1606,8 +1617,30 @@ def test_graphing_leaves_megatron_main_grad_and_its_flag_as_it_found_them(backen
             assert not buffer.any()
             assert [p.grad_added_to_main_grad for p in model.parameters()] == [False, False]  # type: ignore[attr-defined]
         generator = torch.Generator().manual_seed(0)
-        for _ in range(2):  # micro-batches accumulate into main_grad
-            x = torch.randn(2, 4, generator=generator).to(device).requires_grad_()
-            run(x).sum().backward()
-        results.append(buffer.clone())
-    assert torch.equal(results[0], results[1])
+        for _ in range(2):  # steps: zero_grad_buffer clears the buffer and the flags
+            buffer.zero_()
+            for param in model.parameters():
+                param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+            for _ in range(2):  # micro-batches accumulate into main_grad
+                x = torch.randn(2, 4, generator=generator).to(device).requires_grad_()
+                run(x).sum().backward()
+            results.append(buffer.clone())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+
+
+def test_graphing_notes_the_flags_a_backward_sets_on_its_parameters() -> None:
+    # What CUDA replays set again (emulate's replays run the backward's Python themselves).
+    layer = _FusedWgradLinear(1, torch.device("cpu"))
+    _with_grad_buffer(layer)
+    layer.weight.shared = True  # type: ignore[attr-defined]  # set before: no flag of the backward
+    with parameter_attributes_kept([layer.weight]) as found:
+        x = torch.ones(2, 4, requires_grad=True)
+        layer(x).sum().backward()
+        layer.weight.note = "set by the call"  # type: ignore[attr-defined]
+    assert [entry[2:] for entry in found.of([layer.weight])] == [
+        ("grad_added_to_main_grad", True),
+        ("note", "set by the call"),
+    ]
+    assert found.of([layer.weight])[0][1] is layer.weight.__dict__
+    assert not hasattr(layer.weight, "note") and not layer.weight.main_grad.any()  # type: ignore[attr-defined]

@@ -206,7 +206,7 @@ def _capture_copies(
             if options.param_grads != "in_graph":  # grads may go through autograd
                 restore.enter_context(suspended_tensor_hooks(item.params))
         # Megatron's main_grad (and its flag) that the warmup's backward adds into: put back
-        restore.enter_context(
+        set_by_callables = restore.enter_context(
             parameter_attributes_kept(
                 param for item in captures if item.like is None for param in item.params
             )
@@ -220,6 +220,8 @@ def _capture_copies(
                 # The plain values of the modules a function's code names, as capture left
                 # them (a module's own: left_as_found): the graphs hold what it computed.
                 item.code_tensors.record_attributes()
+    for item in captures:
+        item.param_flags = set_by_callables.of(item.params)
     progress.phase = "planning"
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook

@@ -22,19 +22,41 @@ tensor([1., 1.])
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from ._params import is_tensor_subclass
+from ._params import _plain, is_tensor_subclass
 
-__all__ = ["parameter_attributes_kept"]
+__all__ = ["SetByCallable", "parameter_attributes_kept"]
+
+
+class SetByCallable:
+    """The plain values the callable's Python set on its parameters during graphing (the flag),
+    found when :func:`parameter_attributes_kept` ends: a graph's replay runs no Python, so each
+    replay of a CUDA graph sets them again after its backward, as eager's backward would."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, list[tuple[str, Any]]] = {}
+
+    def note(self, param_id: int, name: str, value: Any) -> None:
+        self._found.setdefault(param_id, []).append((name, value))
+
+    def of(
+        self, params: Sequence[torch.Tensor]
+    ) -> tuple[tuple[int, dict[str, Any], str, Any], ...]:
+        """``(position, the parameter's __dict__, name, value)`` for each of ``params``."""
+        return tuple(
+            (i, param.__dict__, name, value)
+            for i, param in enumerate(params)
+            for name, value in self._found.get(id(param), ())
+        )
 
 
 @contextmanager
-def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[None]:
+def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByCallable]:
     """Run the block, then give each parameter's own public attributes (in its ``__dict__``;
     not those of a tensor subclass, which are its data) the objects they held before it, and
     each tensor among them the values it held (where they changed), whether the block succeeds
@@ -42,11 +64,13 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[None]:
     kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
     values: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
+    kept_ids: list[int] = []
     for param in params:
         attributes = param.__dict__
-        if id(param) in seen or not attributes or is_tensor_subclass(param):
-            continue  # usually none; a subclass's (an FP8 weight's) are its own data and caches
+        if id(param) in seen or is_tensor_subclass(param):
+            continue  # a subclass's (an FP8 weight's) are its own data and caches
         seen.add(id(param))
+        kept_ids.append(id(param))
         public = {name: value for name, value in attributes.items() if not name.startswith("_")}
         kept.append((attributes, public))
         for value in public.values():
@@ -58,9 +82,18 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[None]:
             ):
                 seen.add(id(value))
                 values.append((value, value.detach().clone()))
+    found = SetByCallable()
     try:
-        yield
+        yield found
     finally:
+        for param_id, (attributes, before) in zip(kept_ids, kept, strict=True):
+            for name, value in attributes.items():
+                if (
+                    not name.startswith("_")
+                    and _plain(value)
+                    and (name not in before or before[name] is not value)
+                ):
+                    found.note(param_id, name, value)
         for attributes, before in kept:
             for name in [n for n in attributes if n not in before and not n.startswith("_")]:
                 del attributes[name]

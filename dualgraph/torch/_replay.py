@@ -186,6 +186,7 @@ class GraphedCallable:
         "_read_by_backward_names",
         "_replay_backward",
         "_replay_call",
+        "_param_flags",
         "_replay_forward",
         "_replayed_in_backward",
         "_saved_outputs",
@@ -317,6 +318,10 @@ class GraphedCallable:
         self._numerics_read: tuple[Any, ...] = ()
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
+        # What the backward's Python set on the parameters at capture (Megatron's
+        # grad_added_to_main_grad, read by its grad hook): a CUDA graph runs no Python, so its
+        # backward replays set them; "emulate" runs the Python itself.
+        self._param_flags = plan.param_flags if plan.backend == "cuda" else ()
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
@@ -897,6 +902,10 @@ class GraphedCallable:
                 param_grads = self._param_grads
                 if param_grads:
                     self.diagnostics.param_grads_through_autograd += 1
+            if self._param_flags:
+                for position, attributes, name, value in self._param_flags:
+                    if position not in unreached_params:  # eager's backward never ran there
+                        attributes[name] = value
             if call is not None:
                 self._hooks.after_backward(call)  # type: ignore[union-attr]
             owned = param_grads is not self._param_grads  # copies made for this backward
