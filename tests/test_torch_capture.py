@@ -45,7 +45,7 @@ from torch_cases import (
 )
 
 import dualgraph.torch as dgt
-from dualgraph import CaptureError, DualgraphWarning
+from dualgraph import CaptureError, DualgraphError, DualgraphWarning
 from dualgraph.torch._param_attributes import parameter_attributes_kept
 
 
@@ -1643,4 +1643,21 @@ def test_graphing_notes_the_flags_a_backward_sets_on_its_parameters() -> None:
         ("note", "set by the call"),
     ]
     assert found.of([layer.weight])[0][1] is layer.weight.__dict__
+    written = found.written([layer.weight], ["Layer.weight"])  # main_grad: checked on CUDA
+    assert [(entry[0], entry[3]) for entry in written] == [
+        ("Layer.weight.main_grad", layer.weight.main_grad)  # type: ignore[attr-defined]
+    ]
     assert not hasattr(layer.weight, "note") and not layer.weight.main_grad.any()  # type: ignore[attr-defined]
+
+
+@pytest.mark.cuda
+def test_a_main_grad_rebound_after_capture_is_refused_on_cuda() -> None:
+    # The captured backward adds into the main_grad memory of capture; eager's into the new.
+    model = nn.Sequential(_FusedWgradLinear(1, torch.device(CUDA)))
+    _with_grad_buffer(model)
+    sample = (torch.ones(2, 4, device=CUDA, requires_grad=True),)
+    run = dgt.make_graphed_callables(model, sample, backend="cuda")
+    run(sample[0]).sum().backward()
+    model[0].weight.main_grad = torch.zeros_like(model[0].weight)  # type: ignore[attr-defined]
+    with pytest.raises(DualgraphError, match=r"0\.weight\.main_grad was rebound or moved"):
+        run(sample[0])

@@ -222,6 +222,7 @@ def _capture_copies(
                 item.code_tensors.record_attributes()
     for item in captures:
         item.param_flags = set_by_callables.of(item.params)
+        item.param_memory = set_by_callables.written(item.params, item.param_names)
     progress.phase = "planning"
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook

@@ -40,9 +40,25 @@ class SetByCallable:
 
     def __init__(self) -> None:
         self._found: dict[int, list[tuple[str, Any]]] = {}
+        self._written: dict[int, list[tuple[str, torch.Tensor]]] = {}
 
     def note(self, param_id: int, name: str, value: Any) -> None:
         self._found.setdefault(param_id, []).append((name, value))
+
+    def note_written(self, param_id: int, name: str, tensor: torch.Tensor) -> None:
+        self._written.setdefault(param_id, []).append((name, tensor))
+
+    def written(
+        self, params: Sequence[torch.Tensor], names: Sequence[str]
+    ) -> tuple[tuple[str, dict[str, Any], str, torch.Tensor, int], ...]:
+        """``(path, the parameter's __dict__, name, tensor, address)`` of each tensor attribute
+        of ``params`` that graphing wrote into (``main_grad``): a CUDA graph writes into that
+        memory, so it must stay the attribute's."""
+        return tuple(
+            (f"{label}.{name}", param.__dict__, name, tensor, tensor.data_ptr())
+            for label, param in zip(names, params, strict=True)
+            for name, tensor in self._written.get(id(param), ())
+        )
 
     def of(
         self, params: Sequence[torch.Tensor]
@@ -62,7 +78,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
     each tensor among them the values it held (where they changed), whether the block succeeds
     or fails."""
     kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    values: list[tuple[torch.Tensor, torch.Tensor]] = []
+    values: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
     kept_ids: list[int] = []
     for param in params:
@@ -73,7 +89,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
         kept_ids.append(id(param))
         public = {name: value for name, value in attributes.items() if not name.startswith("_")}
         kept.append((attributes, public))
-        for value in public.values():
+        for name, value in public.items():
             if (
                 isinstance(value, torch.Tensor)
                 and value.layout == torch.strided
@@ -81,7 +97,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
                 and id(value) not in seen
             ):
                 seen.add(id(value))
-                values.append((value, value.detach().clone()))
+                values.append((id(param), name, value, value.detach().clone()))
     found = SetByCallable()
     try:
         yield found
@@ -99,6 +115,8 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
                 del attributes[name]
             attributes.update(before)
         with torch.no_grad():
-            for tensor, saved in values:
-                if not tensor.is_inference() and not torch.equal(tensor, saved):
-                    tensor.copy_(saved)
+            for param_id, name, tensor, saved in values:
+                if not torch.equal(tensor, saved):
+                    found.note_written(param_id, name, tensor)
+                    if not tensor.is_inference():
+                        tensor.copy_(saved)
