@@ -11,13 +11,13 @@ it), each other attribute as it was (the flag).
 
 >>> import torch
 >>> weight = torch.nn.Parameter(torch.ones(2))
->>> weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(2), False
+>>> weight.main_grad, weight.grad_added_to_main_grad = torch.tensor([0.0, 3.0]), False
 >>> with parameter_attributes_kept([weight]):
 ...     weight.main_grad.add_(1.0)  # the warmup's backward
 ...     weight.grad_added_to_main_grad = True
-tensor([1., 1.])
+tensor([1., 4.])
 >>> weight.main_grad, weight.grad_added_to_main_grad
-(tensor([0., 0.]), False)
+(tensor([0., 3.]), False)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
     each tensor among them the values it held (where they changed), whether the block succeeds
     or fails."""
     kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    values: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
+    values: list[tuple[int, str, torch.Tensor, torch.Tensor | None]] = []
     seen: set[int] = set()
     kept_ids: list[int] = []
     for param in params:
@@ -97,7 +97,9 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
                 and id(value) not in seen
             ):
                 seen.add(id(value))
-                values.append((id(param), name, value, value.detach().clone()))
+                # all zeros (a main_grad after zero_grad_buffer): no copy of the grad buffer
+                saved = value.detach().clone() if value.any() else None
+                values.append((id(param), name, value, saved))
     found = SetByCallable()
     try:
         yield found
@@ -116,7 +118,11 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
             attributes.update(before)
         with torch.no_grad():
             for param_id, name, tensor, saved in values:
-                if not torch.equal(tensor, saved):
+                if tensor.any() if saved is None else not torch.equal(tensor, saved):
                     found.note_written(param_id, name, tensor)
-                    if not tensor.is_inference():
+                    if tensor.is_inference():
+                        continue
+                    if saved is None:
+                        tensor.zero_()
+                    else:
                         tensor.copy_(saved)
