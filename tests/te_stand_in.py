@@ -140,6 +140,22 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fp8_meta: dict[str, Any] = {}
+        # TE's public flags (module/base.py); its forward sets the first ones on every call
+        self.fp8 = self.fp8_calibration = self.fp8_initialized = False
+        self.tp_size, self.sequence_parallel = 1, False
+        self._fp8_workspaces: dict[str, torch.Tensor] = {}  # TE's cast weights, kept per name
+
+    def fast_setattr(self, name: str, value: Any) -> None:
+        self.__dict__[name] = value
+
+    def prepare_forward(self, manager: Any) -> None:
+        """TE's ``prepare_forward``/``init_fp8_metadata``: flags from the global FP8 state."""
+        self.fast_setattr("allow_different_data_and_param_types", False)
+        self.fast_setattr("forwarded_at_least_once", True)
+        self.fast_setattr("fp8_parameters", False)
+        self.fast_setattr("fp8", manager.is_fp8_enabled())
+        self.fast_setattr("fp8_calibration", manager.is_fp8_calibration())
+        self.fast_setattr("fp8_initialized", self.fp8 or self.fp8_calibration)
 
     def get_fp8_meta_tensors(self) -> Any:
         if "scaling_fwd" not in self.fp8_meta:
@@ -411,12 +427,12 @@ class FakeFP8Linear(TransformerEngineBaseModule):
         self.weight = torch.nn.Parameter(torch.randn(size, size, generator=generator) / 2)
         self.te = te
         self.label = name
-        self._cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         te = self.te
         manager = te.FP8GlobalStateManager
-        if not manager.is_fp8_enabled():
+        self.prepare_forward(manager)
+        if not self.fp8:
             return x @ self.weight.t()
         meta = self.fp8_meta
         recipe = manager.get_fp8_recipe()
@@ -448,13 +464,14 @@ class FakeFP8Linear(TransformerEngineBaseModule):
             fresh = _quantize(self.weight, _scale_of(self.fp8_meta["scaling_fwd"], self.weight))
             if is_first_microbatch is None:
                 return fresh
-            if self._cache is None:
-                self._cache = fresh.clone()
+            cache = self._fp8_workspaces.get("weight")
+            if cache is None:
+                cache = self._fp8_workspaces["weight"] = fresh.clone()
             elif skip is not None:
-                self._cache.copy_(torch.where(skip.bool(), self._cache, fresh))
+                cache.copy_(torch.where(skip.bool(), cache, fresh))
             elif is_first_microbatch:
-                self._cache.copy_(fresh)
-            return self._cache
+                cache.copy_(fresh)
+            return cache
 
 
 class _FakeFP8Matmul(torch.autograd.Function):

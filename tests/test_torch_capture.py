@@ -46,7 +46,8 @@ from torch_cases import (
 )
 
 import dualgraph.torch as dgt
-from dualgraph import CaptureError, DualgraphWarning
+from dualgraph import CaptureError, DualgraphError, DualgraphWarning
+from dualgraph.torch._param_attributes import parameter_attributes_kept
 
 
 @pytest.fixture(autouse=True)
@@ -1617,3 +1618,117 @@ def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     )
     assert "neither inputs nor arguments" in message
     assert torch.equal(module.w.detach().cpu(), torch.ones(4))
+
+
+class _FusedWgradMatmul(torch.autograd.Function):
+    """Megatron's gradient_accumulation_fusion (TE's fuse_wgrad_accumulation): the backward adds
+    the weight grad into ``weight.main_grad`` itself, sets ``grad_added_to_main_grad`` and hands
+    autograd a dummy grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        weight.main_grad.add_(grad.t() @ x)
+        weight.grad_added_to_main_grad = True
+        return grad @ weight, torch.ones_like(weight)  # a dummy (TE's may be uninitialized)
+
+
+class _FusedWgradLinear(nn.Module):
+    def __init__(self, seed: int, device: torch.device) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=generator).to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedWgradMatmul.apply(x, self.weight)
+
+
+def _with_grad_buffer(model: nn.Module) -> torch.Tensor:
+    """Megatron's DDP: every parameter's main_grad a view of one contiguous buffer, and a grad
+    hook that adds a grad into it unless the backward did (grad_added_to_main_grad)."""
+    params = list(model.parameters())
+    buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    offset = 0
+    for param in params:
+        param.main_grad = buffer[offset : offset + param.numel()].view_as(param)  # type: ignore[attr-defined]
+        param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        offset += param.numel()
+
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is not None and not param.grad_added_to_main_grad:  # type: ignore[attr-defined]
+                param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+            param.grad = None
+
+        param.register_post_accumulate_grad_hook(hook)
+    return buffer
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_megatron_fused_grad_accumulation_into_main_grad_equals_eager(backend: str) -> None:
+    # The warmup's backward added its grads into main_grad and set grad_added_to_main_grad:
+    # a model graphed at the start of a step (after zero_grad_buffer) began with them. On CUDA
+    # a replay runs no Python: the flag is set again by each backward replay, else the grad
+    # hook adds the dummy grad into main_grad.
+    device = device_of(backend)
+    results = []
+    for graphed in (True, False):
+        model = nn.Sequential(_FusedWgradLinear(1, device), _FusedWgradLinear(2, device))
+        buffer = _with_grad_buffer(model)
+        run: Any = model
+        if graphed:
+            sample = (torch.ones(2, 4, device=device, requires_grad=True),)
+            run = dgt.make_graphed_callables(model, sample, backend=backend)
+            assert not buffer.any()
+            assert [p.grad_added_to_main_grad for p in model.parameters()] == [False, False]  # type: ignore[attr-defined]
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(2):  # steps: zero_grad_buffer clears the buffer and the flags
+            buffer.zero_()
+            for param in model.parameters():
+                param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+            for _ in range(2):  # micro-batches accumulate into main_grad
+                x = torch.randn(2, 4, generator=generator).to(device).requires_grad_()
+                run(x).sum().backward()
+            results.append(buffer.clone())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+
+
+def test_graphing_notes_the_flags_a_backward_sets_on_its_parameters() -> None:
+    # What CUDA replays set again (emulate's replays run the backward's Python themselves).
+    layer = _FusedWgradLinear(1, torch.device("cpu"))
+    _with_grad_buffer(layer)
+    layer.weight.shared = True  # type: ignore[attr-defined]  # set before: no flag of the backward
+    with parameter_attributes_kept([layer.weight]) as found:
+        x = torch.ones(2, 4, requires_grad=True)
+        layer(x).sum().backward()
+        layer.weight.note = "set by the call"  # type: ignore[attr-defined]
+    assert [entry[2:] for entry in found.of([layer.weight])] == [
+        ("grad_added_to_main_grad", True),
+        ("note", "set by the call"),
+    ]
+    assert found.of([layer.weight])[0][1] is layer.weight.__dict__
+    written = found.written([layer.weight], ["Layer.weight"])  # main_grad: checked on CUDA
+    assert [(entry[0], entry[3]) for entry in written] == [
+        ("Layer.weight.main_grad", layer.weight.main_grad)  # type: ignore[attr-defined]
+    ]
+    assert not hasattr(layer.weight, "note") and not layer.weight.main_grad.any()  # type: ignore[attr-defined]
+
+
+@pytest.mark.cuda
+def test_a_main_grad_rebound_after_capture_is_refused_on_cuda() -> None:
+    # The captured backward adds into the main_grad memory of capture; eager's into the new.
+    model = nn.Sequential(_FusedWgradLinear(1, torch.device(CUDA)))
+    _with_grad_buffer(model)
+    sample = (torch.ones(2, 4, device=CUDA, requires_grad=True),)
+    run = dgt.make_graphed_callables(model, sample, backend="cuda")
+    run(sample[0]).sum().backward()
+    model[0].weight.main_grad = torch.zeros_like(model[0].weight)  # type: ignore[attr-defined]
+    with pytest.raises(DualgraphError, match=r"0\.weight\.main_grad was rebound or moved"):
+        run(sample[0])

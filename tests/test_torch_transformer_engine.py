@@ -497,6 +497,47 @@ def test_without_arguments_replays_must_match_the_capture_autocast(
         plain(torch.ones(2, 4))
 
 
+@pytest.mark.parametrize("graphed", ["function", "module"])
+@pytest.mark.parametrize("outside", ["no autocast", "calibrating"])
+def test_te_flags_its_forward_sets_from_the_autocast_are_no_change_of_the_callers(
+    monkeypatch: pytest.MonkeyPatch, graphed: str, outside: str
+) -> None:
+    # TE's forward sets fp8, fp8_calibration, ... from TE's global state before it reads them.
+    # After an eager step in FP8 (the flags already True at graphing), an eager evaluation of
+    # the layers outside FP8 (or a calibration) set them otherwise, and the next graphed step
+    # was refused as a change of the caller's ("fp8: was True at capture and is False").
+    te = StandIn().install(monkeypatch)
+    recipe = Float8CurrentScaling()
+    model = Chain([te.linear("a", seed=1), te.linear("b", seed=2)])
+    if graphed == "function":
+        model.requires_grad_(False)  # a frozen encoder a step closes over
+    x = torch.randn(2, 4, requires_grad=True)
+    with te.fp8(recipe):
+        model(x).sum().backward()
+        expected = model(x).detach()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    target: Any = step if graphed == "function" else model
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    run = dgt.make_graphed_callables(target, sample, backend="emulate", enabled=True, recipe=recipe)
+    with te.fp8(recipe):
+        run(x)
+    with torch.no_grad():
+        if outside == "calibrating":
+            with te.autocast(enabled=False, calibrating=True, recipe=recipe):
+                model.layers[0](x)
+        else:
+            model.layers[0](x)
+    assert model.layers[0].fp8 is False
+    with te.fp8(recipe):
+        assert torch.equal(run(x), expected)
+    model.layers[1].sequence_parallel = True  # a setting of the caller's: still refused
+    with te.fp8(recipe), pytest.raises(DualgraphError, match=r"layers\.1\.sequence_parallel: was"):
+        run(x)
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_te_bookkeeping_runs_before_the_user_hooks(
     monkeypatch: pytest.MonkeyPatch, backend: str
@@ -744,13 +785,23 @@ def test_on_the_eager_backend_the_callable_gets_is_first_microbatch(
 
 
 def _train_stand_in(
-    te: StandIn, *, graphing: str | None, caching: bool, backend: str
+    te: StandIn, *, graphing: str | None, caching: bool, backend: str, eager_first: bool = False
 ) -> dict[str, Any]:
     """Three SGD steps of two micro-batches of a three-layer stand-in model under delayed
-    scaling; everything that must equal eager's."""
+    scaling (after one eager step, with ``eager_first``); everything that must equal eager's."""
     te.reset()
     layers = [te.linear(f"layer{i}", seed=i) for i in range(3)]
     recipe = DelayedScaling()
+    if eager_first:  # as a run that graphs after its first steps: TE's state and caches exist
+        kwargs = {"is_first_microbatch": True} if caching else {}
+        with te.fp8(recipe):
+            out = Chain(layers)(torch.ones(2, 4, requires_grad=True), **kwargs)
+        out.sum().backward()
+        del out
+        with torch.no_grad():
+            for layer in layers:
+                layer.weight -= 0.1 * layer.weight.grad
+                layer.weight.grad = None
     options: dict[str, Any] = {
         "backend": backend,
         "enabled": True,
@@ -812,6 +863,22 @@ def test_graphed_training_under_delayed_scaling_equals_eager_with_the_stand_in(
     graphed = _train_stand_in(te, graphing=graphing, caching=caching, backend=backend)
     eager = _train_stand_in(te, graphing=None, caching=caching, backend=backend)
     assert graphed["updates"] == eager["updates"] == ["update forward", "update backward"] * 6
+    for key in ("outputs", "weights", "grads", "fp8"):
+        for i, (a, b) in enumerate(zip(graphed[key], eager[key], strict=True)):
+            assert torch.equal(a, b), f"{key}[{i}] differs from eager"
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "caching"])
+def test_graphing_after_an_eager_step_equals_eager_with_the_stand_in(
+    monkeypatch: pytest.MonkeyPatch, caching: bool
+) -> None:
+    # The layers' FP8 flags, scales, buffers joined and cast-weight caches from an eager step
+    # (then an optimizer step) exist when graphing: the usual order of a training run.
+    te = StandIn().install(monkeypatch)
+    options = {"caching": caching, "backend": "emulate", "eager_first": True}
+    graphed = _train_stand_in(te, graphing="whole", **options)  # type: ignore[arg-type]
+    eager = _train_stand_in(te, graphing=None, **options)  # type: ignore[arg-type]
+    assert graphed["updates"] == eager["updates"]
     for key in ("outputs", "weights", "grads", "fp8"):
         for i, (a, b) in enumerate(zip(graphed[key], eager[key], strict=True)):
             assert torch.equal(a, b), f"{key}[{i}] differs from eager"

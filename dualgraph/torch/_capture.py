@@ -48,6 +48,7 @@ from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._nesting import capture_scope
+from ._param_attributes import parameter_attributes_kept
 from ._params import suspended_tensor_hooks
 from ._plan import Backend, ParamGradsMode, ReplayPlan
 from ._probe import LintMode, WarmupProbe, attach_probes, with_lint_findings
@@ -204,6 +205,12 @@ def _capture_copies(
                 restore.enter_context(item.closure_updates.watching(item.request.fn))
             if options.param_grads != "in_graph":  # grads may go through autograd
                 restore.enter_context(suspended_tensor_hooks(item.params))
+        # Megatron's main_grad (and its flag) that the warmup's backward adds into: put back
+        set_by_callables = restore.enter_context(
+            parameter_attributes_kept(
+                param for item in captures if item.like is None for param in item.params
+            )
+        )
         if options.backend == "cuda":
             capture_cuda(captures, layout.steps(copies), options, progress)
         else:
@@ -213,6 +220,9 @@ def _capture_copies(
                 # The plain values of the modules a function's code names, as capture left
                 # them (a module's own: left_as_found): the graphs hold what it computed.
                 item.code_tensors.record_attributes()
+    for item in captures:
+        item.param_flags = set_by_callables.of(item.params)
+        item.param_memory = set_by_callables.written(item.params, item.param_names)
     progress.phase = "planning"
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook

@@ -72,6 +72,11 @@ class _Capture:
             i for i, t in enumerate(self.static_inputs) if t.requires_grad
         )
         self._learned_nothing_yet()
+        # the plain values its Python set on its parameters during graphing (Megatron's
+        # grad_added_to_main_grad), found at the end of capture: set again by CUDA replays
+        self.param_flags: tuple[tuple[int, dict[str, Any], str, Any], ...] = ()
+        # the tensor attributes of its parameters it wrote into (main_grad), where they were
+        self.param_memory: tuple[tuple[str, dict[str, Any], str, torch.Tensor, int], ...] = ()
         self.module_tensors: ModuleTensors | None
         self.code_tensors: ModuleTensors | None
         self.closure_updates: ClosureUpdates
@@ -427,6 +432,8 @@ class _Capture:
             module_tensors=self.module_tensors,
             code_tensors=self.code_tensors,
             closure_updates=self.closure_updates.updated,
+            param_flags=self.param_flags,
+            param_memory=self.param_memory,
             params=layout,
             buffers=buffers,
             clone_outputs=options.clone_outputs,

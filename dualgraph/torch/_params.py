@@ -40,6 +40,7 @@ import torch
 
 from .._errors import DualgraphError
 from ._grad_checks import own_hooks
+from ._transformer_engine import set_by_te_forward
 
 __all__ = [
     "GRAPHED_STATE",
@@ -450,7 +451,9 @@ class ModuleTensors:
             )
             if module is not None
             for key, value in module.__dict__.items()
-            if _watched(key, value) and (not before or then.get(key, _ABSENT) is value)
+            if _watched(key, value)
+            and (not before or then.get(key, _ABSENT) is value)
+            and key not in set_by_te_forward(module)  # TE's forward sets them before reading
         ]
         object.__setattr__(self, "attribute_names", tuple(entry[0] for entry in found))
         object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))

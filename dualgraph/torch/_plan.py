@@ -151,6 +151,13 @@ class ReplayPlan:
     output_aliases: OutputAliases | None = None
     # a function's (not a module's): the tensors its code names that it updates in place
     closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
+    # (position among the parameters, its __dict__, name, value): what the callable's Python
+    # set on its parameters during graphing (grad_added_to_main_grad); a CUDA replay's backward
+    # sets them again, as eager's backward does
+    param_flags: tuple[tuple[int, dict[str, Any], str, Any], ...] = ()
+    # (path, a parameter's __dict__, name, tensor, address): the tensor attributes of its
+    # parameters the callable wrote into during graphing (main_grad); a CUDA graph writes there
+    param_memory: tuple[tuple[str, dict[str, Any], str, torch.Tensor, int], ...] = ()
     # a function's: the tensors its code names that the backward reads (as saved_module_tensors)
     saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
     # of mutated_inputs, those updated without a version bump (``x.data.mul_(2)``, a kernel's

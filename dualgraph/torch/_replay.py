@@ -174,8 +174,10 @@ class GraphedCallable:
         "_output_storages",
         "_output_versions",
         "_overwritten_outputs",
+        "_param_flags",
         "_param_grads",
         "_param_inputs",
+        "_param_memory",
         "_params",
         "_plan_params",
         "_pool",
@@ -317,6 +319,13 @@ class GraphedCallable:
         self._numerics_read: tuple[Any, ...] = ()
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
+        # What the backward's Python set on the parameters at capture (Megatron's
+        # grad_added_to_main_grad, read by its grad hook): a CUDA graph runs no Python, so its
+        # backward replays set them; "emulate" runs the Python itself.
+        self._param_flags = plan.param_flags if plan.backend == "cuda" else ()
+        # The tensors of the parameters' own the graphs write into (main_grad), checked per
+        # call: one rebound or moved since would miss the graph's grads, where eager's go there.
+        self._param_memory = plan.param_memory if plan.backend == "cuda" else ()
         self._in_graph_params = tuple(entry[0] for entry in self._accumulators)
         self._plan_params = params.params if params.mode == "in_graph" else ()
         self._in_graph_expected = ((True, None, None),) * len(self._plan_params)
@@ -571,6 +580,8 @@ class GraphedCallable:
                     if self.plan.module_tensors is None:  # a function's, a method's: say whose
                         error.args = (f"{self.name}: {error}", *error.args[1:])
                     raise
+            if self._param_memory and grad_enabled:
+                self._check_param_memory()
             if self._ambient_checks or _is_any_autocast_enabled():
                 self._check_ambient_state(grad_enabled)
             readings = _numerics_readings()
@@ -899,6 +910,10 @@ class GraphedCallable:
                 param_grads = self._param_grads
                 if param_grads:
                     self.diagnostics.param_grads_through_autograd += 1
+            if self._param_flags:
+                for position, attributes, name, value in self._param_flags:
+                    if position not in unreached_params:  # eager's backward never ran there
+                        attributes[name] = value
             if call is not None:
                 self._hooks.after_backward(call)  # type: ignore[union-attr]
             owned = param_grads is not self._param_grads  # copies made for this backward
@@ -922,6 +937,17 @@ class GraphedCallable:
             raise
         finally:
             self._lock.release()
+
+    def _check_param_memory(self) -> None:
+        for path, attributes, name, tensor, address in self._param_memory:
+            now = attributes.get(name)
+            if now is not tensor or tensor.data_ptr() != address:
+                raise DualgraphError(
+                    f"{self.name}: {path} was rebound or moved since capture, but the captured "
+                    "backward adds into the memory it had then (fused grad accumulation into "
+                    "main_grad), so eager's grads would go elsewhere; zero and reuse it in "
+                    "place, or restore the module (dualgraph.torch.restore) and graph it again"
+                )
 
     def _unreached(
         self, grads: Sequence[torch.Tensor | None]

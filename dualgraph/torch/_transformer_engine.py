@@ -26,9 +26,37 @@ from typing import Any
 
 from .._errors import DualgraphError
 
-__all__ = ["TransformerEngine", "transformer_engine_capture"]
+__all__ = ["TransformerEngine", "set_by_te_forward", "transformer_engine_capture"]
 
 _PYTORCH = "transformer_engine.pytorch"
+
+#: The public flags a TE module's forward sets on every call, before it reads them, from TE's
+#: global state (``module/base.py``: ``prepare_forward``, ``init_fp8_metadata`` and
+#: ``is_debug_iter``; ``DotProductAttention.init_fp8_metadata``): an eager call outside FP8 or
+#: a calibration sets them otherwise, and the next call sets them back. The FP8 state they come
+#: from is compared per replay on its own (``_te_precision.py``).
+TE_FORWARD_FLAGS = frozenset(
+    {
+        "fp8",
+        "fp8_calibration",
+        "fp8_parameters",
+        "fp8_initialized",
+        "forwarded_at_least_once",
+        "allow_different_data_and_param_types",
+        "debug_last_iteration",
+        "debug_enabled_in_this_iteration",
+        "next_iter_when_debug_should_be_run",
+    }
+)
+
+
+def set_by_te_forward(module: object) -> frozenset[str]:
+    """The names of :data:`TE_FORWARD_FLAGS` for a TE module, none for any other (nor when the
+    program has not imported TE)."""
+    base = getattr(sys.modules.get(f"{_PYTORCH}.module.base"), "TransformerEngineBaseModule", None)
+    if isinstance(base, type) and isinstance(module, base):
+        return TE_FORWARD_FLAGS
+    return frozenset()
 
 
 @contextmanager
