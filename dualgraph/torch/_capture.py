@@ -46,6 +46,7 @@ from ._capture_failure import (
 from ._capture_state import _Capture
 from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
+from ._host_state import record_host_state, refuse_parameters_off_device
 from ._inputs import InputGuard
 from ._nesting import capture_scope
 from ._params import suspended_tensor_hooks
@@ -194,6 +195,10 @@ def _capture_copies(
         probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
     captures = [item for group in copies for item in group]
     _refuse_parameters_held_by_graphs(captures, progress)
+    for item in captures:
+        if item.like is None:
+            progress.name = item.name
+            refuse_parameters_off_device(item, options.backend)
     with contextlib.ExitStack() as restore:
         for item in captures:
             if item.like is not None:
@@ -213,6 +218,10 @@ def _capture_copies(
                 # The plain values of the modules a function's code names, as capture left
                 # them (a module's own: left_as_found): the graphs hold what it computed.
                 item.code_tensors.record_attributes()
+    for item in captures:  # buffers put back, the updated ones known (left_as_found)
+        if item.like is None:
+            progress.name = item.name
+            record_host_state(item, options.backend)
     progress.phase = "planning"
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook
