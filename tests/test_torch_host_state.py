@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from entry_points import ENTRY_POINTS, batch, call_length, graphed_on
 from torch import nn
 from torch_cases import capture_error
 
@@ -29,6 +30,18 @@ def graph_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         _host_state, "graphs_device", lambda backend, samples: torch.device("cuda", 0)
     )
+
+
+@pytest.fixture
+def host_tensors(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """Emulated graphs on ``cuda:0`` to which the tensors whose ids the test adds here (and
+    only those) are host-resident."""
+    marked: set[int] = set()
+    monkeypatch.setattr(
+        _host_state, "graphs_device", lambda backend, samples: torch.device("cuda", 0)
+    )
+    monkeypatch.setattr(_host_state, "_off", lambda tensor, device: id(tensor) in marked)
+    return marked
 
 
 class Tempered(nn.Module):
@@ -124,6 +137,32 @@ def test_a_host_tensor_attribute_of_a_graphed_methods_module_changed_is_refused(
     module.temperature.fill_(3.0)
     with pytest.raises(DualgraphError, match=r"Tempered\.temperature: a tensor on cpu"):
         graphed(_x())
+
+
+class TemperedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.temperature = torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor, valid_length: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(x) / self.temperature
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_host_tensor_changed_after_capture_is_refused_on_every_entry_point(
+    entry: str, host_tensors: set[int]
+) -> None:
+    module = TemperedLinear()
+    host_tensors.add(id(module.temperature))
+    graphed = graphed_on(entry, module)
+    x = batch(call_length(entry))
+    graphed(x).sum().backward()  # a step (a schedule's forward and backward)
+    module.temperature.fill_(3.0)
+    with pytest.raises(DualgraphError, match=r"temperature: a tensor on cpu \(where the graphs"):
+        graphed(x)
+    module.temperature.fill_(2.0)  # set back: the replays hold what they were captured with
+    graphed(x).sum().backward()
 
 
 class WithAHostParameter(nn.Module):
