@@ -338,7 +338,10 @@ def test_a_batched_backward_is_refused_before_it_writes_anything(
     batch = torch.randn(5, 2, 3, device=device)
     with pytest.raises(DualgraphError, match="is_grads_batched"):
         torch.autograd.grad(out, x, grad_outputs=batch, is_grads_batched=True)
-    assert all(map(torch.equal, runner_of(layer).plan.buffers.grad_outputs, static))
+    now = runner_of(layer).plan.buffers.grad_outputs  # by bytes: a NaN there is no change
+    assert all(
+        map(torch.equal, [t.view(torch.uint8) for t in now], [t.view(torch.uint8) for t in static])
+    )
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
