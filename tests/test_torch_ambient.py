@@ -124,7 +124,8 @@ def test_a_call_under_another_numerics_setting_is_refused_before_any_buffer_is_w
         graphed(x)
     assert graphed.generation == generation
     for buffer, before in zip((*graphed.static_inputs, *graphed.static_outputs), kept, strict=True):
-        assert torch.equal(buffer, before)
+        # by bytes: an output buffer never written holds what its memory held (NaN != NaN)
+        assert torch.equal(buffer.view(torch.uint8), before.view(torch.uint8))
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

@@ -46,6 +46,7 @@ from ._capture_failure import (
 from ._capture_state import _Capture
 from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
+from ._host_state import record_host_state, refuse_parameters_off_device
 from ._inputs import InputGuard
 from ._nesting import capture_scope
 from ._param_attributes import parameter_attributes_kept
@@ -195,6 +196,10 @@ def _capture_copies(
         probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
     captures = [item for group in copies for item in group]
     _refuse_parameters_held_by_graphs(captures, progress)
+    for item in captures:
+        if item.like is None:
+            progress.name = item.name
+            refuse_parameters_off_device(item, options.backend)
     with contextlib.ExitStack() as restore:
         for item in captures:
             if item.like is not None:
@@ -223,6 +228,10 @@ def _capture_copies(
     for item in captures:
         item.param_flags = set_by_callables.of(item.params)
         item.param_memory = set_by_callables.written(item.params, item.param_names)
+    for item in captures:  # buffers put back, the updated ones known (left_as_found)
+        if item.like is None:
+            progress.name = item.name
+            record_host_state(item, options.backend)
     progress.phase = "planning"
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook

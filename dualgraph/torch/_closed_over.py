@@ -29,6 +29,7 @@ __all__ = [
     "closed_over_tensors",
     "code_tensors",
     "named_by",
+    "named_values",
     "plain_tensor_attributes",
 ]
 
@@ -48,7 +49,7 @@ def closed_over_tensors(
     is not found.
     """
     found: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, value in _named_values(fn):
+    for name, value in named_values(fn):
         if isinstance(value, torch.Tensor):
             found.setdefault(id(value), (f"closed over {name}", value))
         elif isinstance(value, torch.nn.Module):
@@ -76,7 +77,7 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
         holder._modules[type(owner).__name__] = owner
         seen.add(id(owner))
         uncalled = (owner,)
-    for name, value in _named_values(fn):
+    for name, value in named_values(fn):
         if id(value) in seen:
             continue
         if isinstance(value, torch.nn.Module):
@@ -90,7 +91,7 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
     return ModuleTensors.of(holder, root="", uncalled=uncalled)
 
 
-def _named_values(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+def named_values(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     """What ``fn``'s own code names: its closure's cells, its globals it uses, and a
     ``functools.partial``'s arguments, as ``(name, value)``."""
     named: list[tuple[str, Any]] = []

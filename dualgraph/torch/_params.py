@@ -65,6 +65,7 @@ _stride = torch.Tensor.stride
 _shape = operator.attrgetter("shape")
 _requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
+_version = operator.attrgetter("_version")
 # A module's hook dicts, by the kind of hook each holds, with the dicts of flags (keyed by the
 # same handle ids) that change how a hook of that kind is called.
 _HOOK_KINDS = {
@@ -229,6 +230,18 @@ class ModuleTensors:
     attribute_dicts: tuple[dict[str, Any], ...] = ()
     attribute_keys: tuple[str, ...] = ()
     attribute_values: list[Any] = dataclasses.field(default_factory=list)
+    # Host-resident tensors (``_host_state.py``: off the graphs' device, usually none), found at
+    # the end of capture: what the graphs hold is what the host read from them then. Where each
+    # hangs, the tensor, and its version, address, layout and bytes then.
+    host_names: tuple[str, ...] = ()
+    host_dicts: tuple[dict[str, Any], ...] = ()
+    host_keys: tuple[str, ...] = ()
+    host_tensors: tuple[torch.Tensor, ...] = ()
+    host_versions: list[int] = dataclasses.field(default_factory=list)
+    host_ptrs: tuple[int, ...] = ()
+    host_layouts: tuple[tuple[torch.Size, tuple[int, ...]], ...] = ()
+    host_bytes: tuple[torch.Tensor, ...] = ()
+    host_device: Any = None  # the graphs' device, for the message
 
     @classmethod
     def of(
@@ -347,6 +360,7 @@ class ModuleTensors:
                 == self._values
                 and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
+                and (not self.host_tensors or self._host_unchanged())
                 and (  # plain Python values, by identity (an equal value set again: _check_all)
                     not self.attribute_keys
                     or all(
@@ -393,8 +407,60 @@ class ModuleTensors:
                 and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
             )
             or (self.attribute_keys and self._attribute_changed() is not None)
+            or (self.host_tensors and self._host_changed() is not None)
         ):
             raise self._explain(grad_enabled)
+
+    def record_host_tensors(
+        self,
+        hung: Sequence[tuple[str, torch.Tensor, dict[str, Any], str]],
+        device: torch.device,
+    ) -> None:
+        """Note the host-resident tensors ``(name, tensor, dict, key)`` as they are now (the end
+        of capture): each call refuses one changed since (``_host_state.py``)."""
+        tensors = tuple(entry[1] for entry in hung)
+        fill = object.__setattr__
+        fill(self, "host_names", tuple(entry[0] for entry in hung))
+        fill(self, "host_dicts", tuple(entry[2] for entry in hung))
+        fill(self, "host_keys", tuple(entry[3] for entry in hung))
+        fill(self, "host_tensors", tensors)
+        fill(self, "host_ptrs", tuple(map(_data_ptr, tensors)))
+        fill(self, "host_layouts", tuple((t.shape, t.stride()) for t in tensors))
+        fill(self, "host_bytes", tuple(map(_bytes_of, tensors)))
+        fill(self, "host_device", device)
+        self.host_versions[:] = map(_version, tensors)
+
+    def _host_unchanged(self) -> bool:
+        """Whether every host-resident tensor hangs where it did, at its address, with the
+        version of capture (one pass each: usually there are none)."""
+        tensors = self.host_tensors
+        return (
+            all(map(_is, map(_get, self.host_dicts, self.host_keys), tensors))
+            and list(map(_version, tensors)) == self.host_versions
+            and tuple(map(_data_ptr, tensors)) == self.host_ptrs
+        )
+
+    def _host_changed(self) -> int | None:
+        """The index of the first host-resident tensor changed since capture (``None``).
+
+        One written with its own values again (a version bump, the same bytes and layout) is no
+        change: its new version is taken, so that the next call passes in one pass again.
+        """
+        if self._host_unchanged():
+            return None
+        for i, (namespace, key, tensor) in enumerate(
+            zip(self.host_dicts, self.host_keys, self.host_tensors, strict=True)
+        ):
+            if namespace.get(key) is not tensor or tensor.data_ptr() != self.host_ptrs[i]:
+                return i
+            if tensor._version == self.host_versions[i]:
+                continue
+            if (tensor.shape, tensor.stride()) != self.host_layouts[i] or not torch.equal(
+                _bytes_of(tensor), self.host_bytes[i]
+            ):
+                return i
+            self.host_versions[i] = tensor._version
+        return None
 
     def _attribute_changed(self) -> int | None:
         """The index of the first attribute whose value is not the one of capture (``None``).
@@ -585,6 +651,20 @@ class ModuleTensors:
                     f"{name}: the {kind} was None at capture and is a tensor now, which eager "
                     f"would use but the graphs never read; {again}"
                 )
+        host = self._host_changed() if self.host_tensors else None
+        if host is not None:
+            name, tensor = self.host_names[host], self.host_tensors[host]
+            bound = self.host_dicts[host].get(self.host_keys[host])
+            how = "was rebound" if bound is not tensor else "was changed (in place, .data = ...)"
+            device = self.host_device
+            return DualgraphError(
+                f"{name}: a tensor on {tensor.device} (where the graphs run on {device}) that "
+                f"{how} after capture; the graphs hold what the host read from it at capture (a "
+                f"scalar a {device.type} kernel takes, .item(), .tolist()), so every replay "
+                f"would keep the old value where eager uses the new one. Keep it on {device} "
+                "(a buffer moves with module.to), or make it a Python number, or set it back, "
+                f"or {again}"
+            )
         changed = self._attribute_changed() if self.attribute_keys else None
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
@@ -743,6 +823,13 @@ def changes_taken(module: torch.nn.Module) -> Iterator[None]:
         for record in records:
             stack.enter_context(record.own_changes_taken())
         yield
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s bytes in element order (``torch.equal`` of two is bitwise: a NaN
+    equals itself, ``-0.0`` is not ``0.0``)."""
+    with torch.no_grad():
+        return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
 
 
 def _joined(*parts: str) -> str:
