@@ -3053,3 +3053,38 @@ def test_an_output_saved_under_allow_mutation_on_saved_tensors_is_kept_on_every_
                 product.backward()
             backward_of(later)
     assert_tensors_match(grads[0], grads[1], "grad of the weight", tolerance("emulate"))
+
+
+class _Shifted(nn.Module):
+    """A forward adding a plain tensor attribute (not a buffer: ``module.to`` leaves it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.offset = torch.ones(8, device=device)
+        self.last = torch.zeros(4, 8, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) + self.offset
+        self.last = y.detach()  # the forward's own: rebound on every call
+        return y
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_tensor_attribute_rebound_after_capture_is_refused_naming_it(backend: str) -> None:
+    # The graphs read the memory of the tensor of capture: on CUDA a replay kept adding the
+    # old offset where eager added the new one (emulate re-ran the Python and followed eager).
+    device = device_of(backend)
+    module = _Shifted(device)
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+    )
+    for _ in range(2):  # `last` moves on every call: the forward's own
+        graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
+    module.offset = module.offset  # the same tensor: fine
+    graphed(torch.randn(4, 8, device=device)).sum().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.offset = torch.full((8,), 2.0, device=device)
+    with pytest.raises(DualgraphError, match=r"^_Shifted\.offset: a tensor attribute rebound"):
+        graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
+    assert all(map(torch.equal, (p.grad for p in module.parameters()), grads))

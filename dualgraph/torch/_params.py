@@ -669,6 +669,13 @@ class ModuleTensors:
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
+            if type(then) is torch.Tensor:
+                how = "deleted" if now is _ABSENT else "rebound to another object"
+                return DualgraphError(
+                    f"{name}: a tensor attribute {how} after capture; the graphs read the "
+                    "memory of the tensor of capture, so the change would be lost. Set it "
+                    f"back, change its values in place (copy_), make it a buffer, or {again}"
+                )
             shown = "deleted" if now is _ABSENT else f"{now!r}"
             return DualgraphError(
                 f"{name}: was {then!r} at capture and is {shown} now; the graphs replay what "
@@ -774,8 +781,13 @@ _SCALARS = (int, float, bool, str, type(None))
 
 def _watched(key: str, value: Any) -> bool:
     """Whether an attribute is one a replay's check compares: public (not torch's own
-    ``_is_full_backward_hook``...), not ``training`` (checked on its own), plain."""
-    return not key.startswith("_") and key != "training" and _plain(value)
+    ``_is_full_backward_hook``...), not ``training`` (checked on its own), plain, or a plain
+    tensor (the graphs read the memory of the one of capture; compared by identity)."""
+    return (
+        not key.startswith("_")
+        and key != "training"
+        and (_plain(value) or type(value) is torch.Tensor)
+    )
 
 
 def _same_plain(a: Any, b: Any) -> bool:
@@ -790,6 +802,8 @@ def _same_plain(a: Any, b: Any) -> bool:
     """
     if type(a) is not type(b):
         return False
+    if type(a) is torch.Tensor:  # the graphs read its memory: only the same tensor will do
+        return a is b
     if type(a) is float:
         if a != a:  # NaN: equal to any NaN, as the kernels use it
             return b != b
