@@ -1570,3 +1570,51 @@ def test_one_backward_through_two_buckets_is_refused_before_any_grad_changes(
     assert all(p.grad is None for p in layer.parameters())
     second.sum().backward()
     assert xs[1].grad is not None
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """Fused weight-grad accumulation (TE's fuse_wgrad_accumulation): the backward adds into
+    ``weight.main_grad`` and sets ``grad_added_to_main_grad``; autograd gets a dummy grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        weight.main_grad.add_((grad.flatten(0, -2).t() @ x.flatten(0, -2)))
+        weight.grad_added_to_main_grad = True
+        return grad @ weight, torch.zeros_like(weight)
+
+
+class FusedWgradTokens(nn.Module):
+    """A per-token projection (padding stays out of it) with fused weight-grad accumulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.weight.main_grad = torch.zeros(4, 4)  # type: ignore[attr-defined]
+        self.weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return _FusedWgrad.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
+    """The padding check runs the callable's backward, which adds into main_grad itself and
+    sets the flag: graphing must leave them as they were, as a capture does."""
+    module = FusedWgradTokens()
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
+    assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
+from ._param_attributes import parameter_attributes_kept
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -340,8 +341,15 @@ def _compare_padded(
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     training = any(training for _, training in modes)
     found: tuple[str, bool, str] | None = None
+    params = list(module.parameters()) if module is not None else []
     try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        # its backward may add into the parameters' main_grad and set their flags (fused
+        # weight-grad accumulation): put back as a capture does
+        with (
+            torch.random.fork_rng(devices=cuda),
+            torch.no_grad(),
+            parameter_attributes_kept(params),
+        ):
             for in_training in (False, True) if training else (False,):
                 if in_training:
                     for m, was_training in modes:
