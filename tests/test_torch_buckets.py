@@ -1618,3 +1618,31 @@ def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backen
     )
     assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
     assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]
+
+
+def masked_attention_pool(
+    x: torch.Tensor, mask: torch.Tensor, valid_length: Any = None
+) -> torch.Tensor:
+    """Attention pooling over positions with a float keep-mask (1 keep, 0 drop), turned into an
+    additive one as BERT-style models do: zero padding of the mask masks the padded positions."""
+    scores = x.sum(-1) + (1.0 - mask) * -1e9
+    return (torch.softmax(scores, dim=1).unsqueeze(-1) * x).sum(1)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_accepts_a_float_keep_mask_padded_with_zeros(backend: str) -> None:
+    """Shifted below or above zero, a mask of ones and zeros is no mask any more (its ones
+    become -1 or 3, its padded zeros stay): a correct masked call was refused."""
+    torch.manual_seed(0)
+    buckets = [(torch.randn(2, n, 4, requires_grad=True), torch.ones(2, n)) for n in (4, 8)]
+    graphed = dgt.make_graphed_callables(
+        masked_attention_pool,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1},
+        backend=backend,
+    )
+    x = torch.randn(2, 6, 4)
+    assert_tensors_match(
+        graphed(x, torch.ones(2, 6)), masked_attention_pool(x, torch.ones(2, 6)), "pad", None
+    )

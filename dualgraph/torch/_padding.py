@@ -483,8 +483,13 @@ def _input_variants(
     above it: where zero is the largest or the smallest value, a max, min or sort over
     positions that forgets the mask picks a padded zero, which the sample's mixed signs may
     hide (a max over 16 random positions is almost never below zero, a max of log
-    probabilities always is)."""
-    floating = [index for index, _ in padding.inputs if tensors[index].dtype.is_floating_point]
+    probabilities always is). Inputs of ones and zeros alone are not shifted: a keep-mask (its
+    zero padding masks the padded positions) would be no mask any more."""
+    floating = [
+        index
+        for index, _ in padding.inputs
+        if tensors[index].dtype.is_floating_point and not _ones_and_zeros(tensors[index])
+    ]
     variants = [(tensors, "")]
     if not floating:
         return variants
@@ -496,6 +501,15 @@ def _input_variants(
             shifted[index] = tensor + sign * offset
         variants.append((shifted, f" (with its padded inputs shifted {where} zero)"))
     return variants
+
+
+def _ones_and_zeros(tensor: torch.Tensor) -> bool:
+    """Whether every value is 1 or 0 (a float keep-mask, an indicator).
+
+    >>> _ones_and_zeros(torch.tensor([1.0, 0.0, 1.0])), _ones_and_zeros(torch.tensor([1.0, 0.5]))
+    (True, False)
+    """
+    return bool(((tensor == 0) | (tensor == 1)).all())
 
 
 def _all_finite(outputs: Any) -> bool:
