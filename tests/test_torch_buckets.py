@@ -1586,7 +1586,7 @@ class _FusedWgrad(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
         weight = ctx.weight
-        weight.main_grad.add_((grad.flatten(0, -2).t() @ x.flatten(0, -2)))
+        weight.main_grad.add_(grad.flatten(0, -2).t() @ x.flatten(0, -2))
         weight.grad_added_to_main_grad = True
         return grad @ weight, torch.zeros_like(weight)
 

@@ -1732,9 +1732,7 @@ def test_graphing_notes_the_fused_flag_a_backward_sets_when_it_held_that_value_a
     assert layer.weight.grad_added_to_main_grad  # type: ignore[attr-defined]
     with parameter_attributes_kept([layer.weight]) as found:
         layer(torch.ones(2, 4, requires_grad=True)).sum().backward()
-    assert [entry[2:] for entry in found.of([layer.weight])] == [
-        ("grad_added_to_main_grad", True)
-    ]
+    assert [entry[2:] for entry in found.of([layer.weight])] == [("grad_added_to_main_grad", True)]
 
 
 @pytest.mark.cuda

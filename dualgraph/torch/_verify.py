@@ -405,8 +405,9 @@ def _state_kept(
     module: torch.nn.Module | None,
 ) -> Iterator[_State]:
     """The saved state; on exit everything is put back, ``.grad`` objects and values included,
-    and so are the modules' Python attributes, the parameters' own (``main_grad``), the host's random streams (Python's, numpy's),
-    grad mode, autocast and torch's numerics settings (``_ambient.kept_modes``).
+    and so are the modules' Python attributes, the parameters' own (``main_grad``), the host's
+    random streams (Python's, numpy's), grad mode, autocast and torch's numerics settings
+    (``_ambient.kept_modes``).
 
     Those two are not reset between the sides: a graph on the GPU does not rerun Python, so a
     difference they make is one a replay would make too.
