@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch_cases import (
     CUDA,
@@ -1646,3 +1647,27 @@ def test_pad_accepts_a_float_keep_mask_padded_with_zeros(backend: str) -> None:
     assert_tensors_match(
         graphed(x, torch.ones(2, 6)), masked_attention_pool(x, torch.ones(2, 6)), "pad", None
     )
+
+
+def masked_bce(probs: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Binary cross-entropy of probabilities against a target of ones, per position (masked
+    by cutting the output back): defined only for probabilities, it raises outside [0, 1]."""
+    return F.binary_cross_entropy(probs, torch.ones_like(probs), reduction="none")
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_lets_through_a_callable_that_refuses_its_shifted_inputs(backend: str) -> None:
+    """Shifted below or above zero, probabilities are none: the callable's own error there
+    (binary_cross_entropy's range check) refused a correct callable; it cannot be judged on
+    such values and is let through, as where its outputs are not finite."""
+    torch.manual_seed(0)
+    buckets = [(torch.rand(2, n, requires_grad=True),) for n in (4, 8)]
+    graphed = dgt.make_graphed_callables(
+        masked_bce,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    probs = torch.rand(2, 6)
+    assert_tensors_match(graphed(probs), masked_bce(probs), "pad", None)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
@@ -360,18 +361,29 @@ def _compare_padded(
                     module.eval()
                 mode = " in training mode, as captured" if in_training else ""
                 for inputs, shifted in _input_variants(padding, tensors):
-                    found = _padded_difference(
-                        request,
-                        padding,
-                        guard,
-                        inputs,
-                        wants_grad,
-                        length,
-                        full,
-                        named_buffers,
-                        mode + shifted,
-                        sample=not shifted,
-                    )
+                    put_back_modes = kept_modes()
+                    try:
+                        found = _padded_difference(
+                            request,
+                            padding,
+                            guard,
+                            inputs,
+                            wants_grad,
+                            length,
+                            full,
+                            named_buffers,
+                            mode + shifted,
+                            sample=not shifted,
+                        )
+                    except DualgraphError:
+                        raise
+                    except Exception:
+                        if not shifted:
+                            raise  # the callable's own failure on the samples' values
+                        # values it does not take (probabilities shifted out of [0, 1]): it
+                        # cannot be judged there, as where its outputs are not finite
+                        put_back_modes()
+                        found = None
                     if found is not None:
                         break
                 if found is not None:
@@ -422,7 +434,7 @@ def _padded_difference(
     the grads, mode)``, or None. Each call starts from the buffers as they were. ``sample``:
     the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
     are compared, and only where the call's own are finite (a log of the shifted values is no
-    fault of the padding)."""
+    fault of the padding; :func:`_compare_padded` lets an error raised on them through too)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
