@@ -361,29 +361,18 @@ def _compare_padded(
                     module.eval()
                 mode = " in training mode, as captured" if in_training else ""
                 for inputs, shifted in _input_variants(padding, tensors):
-                    put_back_modes = kept_modes()
-                    try:
-                        found = _padded_difference(
-                            request,
-                            padding,
-                            guard,
-                            inputs,
-                            wants_grad,
-                            length,
-                            full,
-                            named_buffers,
-                            mode + shifted,
-                            sample=not shifted,
-                        )
-                    except DualgraphError:
-                        raise
-                    except Exception:
-                        if not shifted:
-                            raise  # the callable's own failure on the samples' values
-                        # values it does not take (probabilities shifted out of [0, 1]): it
-                        # cannot be judged there, as where its outputs are not finite
-                        put_back_modes()
-                        found = None
+                    found = _padded_difference(
+                        request,
+                        padding,
+                        guard,
+                        inputs,
+                        wants_grad,
+                        length,
+                        full,
+                        named_buffers,
+                        mode + shifted,
+                        sample=not shifted,
+                    )
                     if found is not None:
                         break
                 if found is not None:
@@ -434,7 +423,7 @@ def _padded_difference(
     the grads, mode)``, or None. Each call starts from the buffers as they were. ``sample``:
     the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
     are compared, and only where the call's own are finite (a log of the shifted values is no
-    fault of the padding; :func:`_compare_padded` lets an error raised on them through too)."""
+    fault of the padding; nor is an error the call raises on them)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
@@ -454,7 +443,17 @@ def _padded_difference(
         return [b.detach().clone() for _, b in named_buffers]
 
     given: list[torch.Tensor] = []
-    reference = run(tensors, 0, given)
+    if sample:
+        reference = run(tensors, 0, given)
+    else:
+        put_back_modes = kept_modes()
+        try:
+            reference = run(tensors, 0, given)
+        except Exception:
+            # values it does not take (probabilities shifted out of [0, 1]): it cannot be
+            # judged on them, as where its outputs are not finite
+            put_back_modes()
+            return None
     expected_buffers = updated()
     if not sample and not _all_finite(reference):
         return None
