@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch_cases import (
     CUDA,
@@ -1570,3 +1571,103 @@ def test_one_backward_through_two_buckets_is_refused_before_any_grad_changes(
     assert all(p.grad is None for p in layer.parameters())
     second.sum().backward()
     assert xs[1].grad is not None
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """Fused weight-grad accumulation (TE's fuse_wgrad_accumulation): the backward adds into
+    ``weight.main_grad`` and sets ``grad_added_to_main_grad``; autograd gets a dummy grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        weight.main_grad.add_(grad.flatten(0, -2).t() @ x.flatten(0, -2))
+        weight.grad_added_to_main_grad = True
+        return grad @ weight, torch.zeros_like(weight)
+
+
+class FusedWgradTokens(nn.Module):
+    """A per-token projection (padding stays out of it) with fused weight-grad accumulation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.weight.main_grad = torch.zeros(4, 4)  # type: ignore[attr-defined]
+        self.weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return _FusedWgrad.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
+    """The padding check runs the callable's backward, which adds into main_grad itself and
+    sets the flag: graphing must leave them as they were, as a capture does."""
+    module = FusedWgradTokens()
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
+    assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]
+
+
+def masked_attention_pool(
+    x: torch.Tensor, mask: torch.Tensor, valid_length: Any = None
+) -> torch.Tensor:
+    """Attention pooling over positions with a float keep-mask (1 keep, 0 drop), turned into an
+    additive one as BERT-style models do: zero padding of the mask masks the padded positions."""
+    scores = x.sum(-1) + (1.0 - mask) * -1e9
+    return (torch.softmax(scores, dim=1).unsqueeze(-1) * x).sum(1)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_accepts_a_float_keep_mask_padded_with_zeros(backend: str) -> None:
+    """Shifted below or above zero, a mask of ones and zeros is no mask any more (its ones
+    become -1 or 3, its padded zeros stay): a correct masked call was refused."""
+    torch.manual_seed(0)
+    buckets = [(torch.randn(2, n, 4, requires_grad=True), torch.ones(2, n)) for n in (4, 8)]
+    graphed = dgt.make_graphed_callables(
+        masked_attention_pool,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1},
+        backend=backend,
+    )
+    x = torch.randn(2, 6, 4)
+    assert_tensors_match(
+        graphed(x, torch.ones(2, 6)), masked_attention_pool(x, torch.ones(2, 6)), "pad", None
+    )
+
+
+def masked_bce(probs: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Binary cross-entropy of probabilities against a target of ones, per position (masked
+    by cutting the output back): defined only for probabilities, it raises outside [0, 1]."""
+    return F.binary_cross_entropy(probs, torch.ones_like(probs), reduction="none")
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_lets_through_a_callable_that_refuses_its_shifted_inputs(backend: str) -> None:
+    """Shifted below or above zero, probabilities are none: the callable's own error there
+    (binary_cross_entropy's range check) refused a correct callable; it cannot be judged on
+    such values and is let through, as where its outputs are not finite."""
+    torch.manual_seed(0)
+    buckets = [(torch.rand(2, n, requires_grad=True),) for n in (4, 8)]
+    graphed = dgt.make_graphed_callables(
+        masked_bce,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    probs = torch.rand(2, 6)
+    assert_tensors_match(graphed(probs), masked_bce(probs), "pad", None)

@@ -1721,6 +1721,40 @@ def test_graphing_notes_the_flags_a_backward_sets_on_its_parameters() -> None:
     assert not hasattr(layer.weight, "note") and not layer.weight.main_grad.any()  # type: ignore[attr-defined]
 
 
+def test_graphing_notes_the_fused_flag_a_backward_sets_when_it_held_that_value_already() -> None:
+    # Graphed after an eager step, before zero_grad_buffer (Megatron's order: the graphs are
+    # made before the next step's train_step): the flag is True already and the backward sets
+    # True again. A CUDA replay must still set it, else Megatron's hook, after the next
+    # zero_grad_buffer, adds the dummy grad into main_grad.
+    layer = _FusedWgradLinear(1, torch.device("cpu"))
+    _with_grad_buffer(layer)
+    layer(torch.ones(2, 4)).sum().backward()  # the eager step: main_grad filled, flag True
+    assert layer.weight.grad_added_to_main_grad  # type: ignore[attr-defined]
+    with parameter_attributes_kept([layer.weight]) as found:
+        layer(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    assert [entry[2:] for entry in found.of([layer.weight])] == [("grad_added_to_main_grad", True)]
+
+
+@pytest.mark.cuda
+def test_fused_grad_accumulation_graphed_after_an_eager_step_equals_eager_on_cuda() -> None:
+    # The flag is True when graphing (the eager step set it): CUDA replays must set it too.
+    results = []
+    for graphed in (True, False):
+        model = nn.Sequential(_FusedWgradLinear(1, torch.device(CUDA)))
+        buffer = _with_grad_buffer(model)
+        model(torch.ones(2, 4, device=CUDA)).sum().backward()  # an eager step
+        run: Any = model
+        if graphed:
+            sample = (torch.ones(2, 4, device=CUDA, requires_grad=True),)
+            run = dgt.make_graphed_callables(model, sample, backend="cuda")
+        buffer.zero_()
+        for param in model.parameters():
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+        run(torch.full((2, 4), 2.0, device=CUDA, requires_grad=True)).sum().backward()
+        results.append(buffer.clone())
+    assert torch.equal(results[0], results[1])
+
+
 @pytest.mark.cuda
 def test_a_main_grad_rebound_after_capture_is_refused_on_cuda() -> None:
     # The captured backward adds into the main_grad memory of capture; eager's into the new.

@@ -677,3 +677,47 @@ def test_on_cuda_verify_catches_a_hook_that_changes_a_static_output_buffer() -> 
     )
     report = dgt.verify(graphed, torch.randn(4, 8, device="cuda", requires_grad=True), steps=2)
     assert [c.path for c in report.failures][:1] == ["step 2 output"]
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """Fused weight-grad accumulation (TE's fuse_wgrad_accumulation): the backward adds into
+    ``weight.main_grad`` and sets ``grad_added_to_main_grad``; autograd gets a dummy grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        ctx.weight.main_grad.add_(grad.t() @ x)
+        ctx.weight.grad_added_to_main_grad = True
+        return grad @ ctx.weight, torch.zeros_like(ctx.weight)
+
+
+class _FusedWgradLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.weight.main_grad = torch.zeros(4, 4)  # type: ignore[attr-defined]
+        self.weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FusedWgrad.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("tool", ["verify", "memory_plan"])
+def test_the_tools_leave_a_fused_main_grad_and_its_flag_as_they_found_them(tool: str) -> None:
+    # Run between steps (after zero_grad_buffer too), their backwards add into main_grad and
+    # set the flag, which the next step would begin with.
+    module = _FusedWgradLinear()
+    x = torch.randn(2, 4, requires_grad=True)
+    if tool == "verify":
+        graphed = dgt.make_graphed_callables(module, (x,), backend="emulate")
+        assert dgt.verify(graphed, x).ok
+    else:
+        dgt.memory_plan(module, x)
+    assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
+    assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
+from ._param_attributes import parameter_attributes_kept
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -340,8 +342,15 @@ def _compare_padded(
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     training = any(training for _, training in modes)
     found: tuple[str, bool, str] | None = None
+    params = list(module.parameters()) if module is not None else []
     try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        # its backward may add into the parameters' main_grad and set their flags (fused
+        # weight-grad accumulation): put back as a capture does
+        with (
+            torch.random.fork_rng(devices=cuda),
+            torch.no_grad(),
+            parameter_attributes_kept(params),
+        ):
             for in_training in (False, True) if training else (False,):
                 if in_training:
                     for m, was_training in modes:
@@ -414,7 +423,7 @@ def _padded_difference(
     the grads, mode)``, or None. Each call starts from the buffers as they were. ``sample``:
     the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
     are compared, and only where the call's own are finite (a log of the shifted values is no
-    fault of the padding)."""
+    fault of the padding; nor is an error the call raises on them)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
@@ -434,7 +443,17 @@ def _padded_difference(
         return [b.detach().clone() for _, b in named_buffers]
 
     given: list[torch.Tensor] = []
-    reference = run(tensors, 0, given)
+    if sample:
+        reference = run(tensors, 0, given)
+    else:
+        put_back_modes = kept_modes()
+        try:
+            reference = run(tensors, 0, given)
+        except Exception:
+            # values it does not take (probabilities shifted out of [0, 1]): it cannot be
+            # judged on them, as where its outputs are not finite
+            put_back_modes()
+            return None
     expected_buffers = updated()
     if not sample and not _all_finite(reference):
         return None
@@ -475,8 +494,13 @@ def _input_variants(
     above it: where zero is the largest or the smallest value, a max, min or sort over
     positions that forgets the mask picks a padded zero, which the sample's mixed signs may
     hide (a max over 16 random positions is almost never below zero, a max of log
-    probabilities always is)."""
-    floating = [index for index, _ in padding.inputs if tensors[index].dtype.is_floating_point]
+    probabilities always is). Inputs of ones and zeros alone are not shifted: a keep-mask (its
+    zero padding masks the padded positions) would be no mask any more."""
+    floating = [
+        index
+        for index, _ in padding.inputs
+        if tensors[index].dtype.is_floating_point and not _ones_and_zeros(tensors[index])
+    ]
     variants = [(tensors, "")]
     if not floating:
         return variants
@@ -488,6 +512,15 @@ def _input_variants(
             shifted[index] = tensor + sign * offset
         variants.append((shifted, f" (with its padded inputs shifted {where} zero)"))
     return variants
+
+
+def _ones_and_zeros(tensor: torch.Tensor) -> bool:
+    """Whether every value is 1 or 0 (a float keep-mask, an indicator).
+
+    >>> _ones_and_zeros(torch.tensor([1.0, 0.0, 1.0])), _ones_and_zeros(torch.tensor([1.0, 0.5]))
+    (True, False)
+    """
+    return bool(((tensor == 0) | (tensor == 1)).all())
 
 
 def _all_finite(outputs: Any) -> bool:

@@ -30,7 +30,13 @@ import torch
 
 from ._params import _plain, is_tensor_subclass
 
-__all__ = ["SetByCallable", "parameter_attributes_kept"]
+__all__ = ["FUSED_ACCUMULATION_FLAGS", "SetByCallable", "parameter_attributes_kept"]
+
+#: The flags a fused weight-grad accumulation's backward sets on each parameter whose
+#: ``main_grad`` it adds into, whatever they held (TE's and Megatron's): noted for such a
+#: parameter even when they held that value already, as when graphing follows an eager step
+#: (Megatron's ``zero_grad_buffer`` resets it only at the next step's start).
+FUSED_ACCUMULATION_FLAGS = frozenset({"grad_added_to_main_grad"})
 
 
 class SetByCallable:
@@ -104,12 +110,23 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
     try:
         yield found
     finally:
+        with torch.no_grad():
+            written = [
+                (param_id, name, tensor, saved)
+                for param_id, name, tensor, saved in values
+                if (tensor.any() if saved is None else not torch.equal(tensor, saved))
+            ]
+        fused = {param_id for param_id, *_ in written}  # whose main_grad the block added into
         for param_id, (attributes, before) in zip(kept_ids, kept, strict=True):
             for name, value in attributes.items():
                 if (
                     not name.startswith("_")
                     and _plain(value)
-                    and (name not in before or before[name] is not value)
+                    and (
+                        name not in before
+                        or before[name] is not value
+                        or (name in FUSED_ACCUMULATION_FLAGS and param_id in fused)
+                    )
                 ):
                     found.note(param_id, name, value)
         for attributes, before in kept:
@@ -117,12 +134,11 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
                 del attributes[name]
             attributes.update(before)
         with torch.no_grad():
-            for param_id, name, tensor, saved in values:
-                if tensor.any() if saved is None else not torch.equal(tensor, saved):
-                    found.note_written(param_id, name, tensor)
-                    if tensor.is_inference():
-                        continue
-                    if saved is None:
-                        tensor.zero_()
-                    else:
-                        tensor.copy_(saved)
+            for param_id, name, tensor, saved in written:
+                found.note_written(param_id, name, tensor)
+                if tensor.is_inference():
+                    continue
+                if saved is None:
+                    tensor.zero_()
+                else:
+                    tensor.copy_(saved)

@@ -33,6 +33,7 @@ from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._module_attributes import module_attributes, put_back
 from ._op_watch import OpObserver, observing
+from ._param_attributes import parameter_attributes_kept
 from ._params import is_tensor_subclass
 
 __all__ = [
@@ -331,8 +332,8 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
     """Put the RNG states (CPU, every initialised CUDA device, Python's ``random``, numpy's
     global generator), grad mode, autocast and torch's numerics settings (a call failing
-    half-way may leave them changed: ``_ambient.kept_modes``), the module's buffers and its
-    submodules' Python attributes back."""
+    half-way may leave them changed: ``_ambient.kept_modes``), the module's buffers, its
+    submodules' Python attributes and its parameters' own (``main_grad``) back."""
     host_rng = host_rng_state()
     put_back_modes = kept_modes()
     attributes = module_attributes(root)
@@ -340,7 +341,9 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
     try:
-        yield
+        # a fused weight-grad accumulation's main_grad and flag (_param_attributes.py)
+        with parameter_attributes_kept(root.parameters() if root is not None else ()):
+            yield
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:

@@ -74,6 +74,7 @@ from ._host_rng import host_rng_state, set_host_rng_state
 from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
+from ._param_attributes import parameter_attributes_kept
 from ._probe import cloned_inputs, module_of
 from ._replay import GraphedCallable
 from ._slots import ScheduleCursor, SlottedCallable
@@ -404,8 +405,9 @@ def _state_kept(
     module: torch.nn.Module | None,
 ) -> Iterator[_State]:
     """The saved state; on exit everything is put back, ``.grad`` objects and values included,
-    and so are the modules' Python attributes, the host's random streams (Python's, numpy's),
-    grad mode, autocast and torch's numerics settings (``_ambient.kept_modes``).
+    and so are the modules' Python attributes, the parameters' own (``main_grad``), the host's
+    random streams (Python's, numpy's), grad mode, autocast and torch's numerics settings
+    (``_ambient.kept_modes``).
 
     Those two are not reset between the sides: a graph on the GPU does not rerun Python, so a
     difference they make is one a replay would make too.
@@ -422,7 +424,9 @@ def _state_kept(
             cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         )
     try:
-        yield state
+        # a fused weight-grad accumulation's main_grad and flag (_param_attributes.py)
+        with parameter_attributes_kept(p for _, p in params):
+            yield state
     finally:
         put_back(attributes)
         set_host_rng_state(host_rng)
