@@ -1671,3 +1671,27 @@ def test_pad_lets_through_a_callable_that_refuses_its_shifted_inputs(backend: st
     )
     probs = torch.rand(2, 6)
     assert_tensors_match(graphed(probs), masked_bce(probs), "pad", None)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_never_shifts_an_input_whose_values_keep_to_one_side_of_zero(backend: str) -> None:
+    """Values on one side of zero may be a domain (probabilities, indices, lengths): shifted
+    out of it, binary_cross_entropy or an index op is a device-side assert on CUDA, which no
+    except catches and which leaves the process unusable. Only inputs taking both signs are
+    shifted (for one-sided ones a padded zero already wins a max or min on the samples)."""
+    seen: list[torch.Tensor] = []
+
+    def recording_bce(probs: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        seen.append(probs.detach().clone())
+        return masked_bce(probs)
+
+    torch.manual_seed(0)
+    buckets = [(torch.rand(2, n, requires_grad=True),) for n in (4, 8)]
+    dgt.make_graphed_callables(
+        recording_bce,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    assert seen and all(bool((t >= 0).all() and (t <= 1).all()) for t in seen)

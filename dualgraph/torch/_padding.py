@@ -494,12 +494,15 @@ def _input_variants(
     above it: where zero is the largest or the smallest value, a max, min or sort over
     positions that forgets the mask picks a padded zero, which the sample's mixed signs may
     hide (a max over 16 random positions is almost never below zero, a max of log
-    probabilities always is). Inputs of ones and zeros alone are not shifted: a keep-mask (its
-    zero padding masks the padded positions) would be no mask any more."""
+    probabilities always is). Only inputs whose values take both signs are shifted: values on
+    one side of zero may be a domain (probabilities, indices, lengths, a float keep-mask of
+    ones and zeros), which a shift would leave (binary_cross_entropy or an index op out of
+    range is a device-side assert on CUDA, which leaves the process unusable), and for them a
+    padded zero already wins a max or a min on the sample's own values."""
     floating = [
         index
         for index, _ in padding.inputs
-        if tensors[index].dtype.is_floating_point and not _ones_and_zeros(tensors[index])
+        if tensors[index].dtype.is_floating_point and _both_signs(tensors[index])
     ]
     variants = [(tensors, "")]
     if not floating:
@@ -508,19 +511,19 @@ def _input_variants(
         shifted = list(tensors)
         for index in floating:
             tensor = tensors[index]
-            offset = tensor.abs().max() + 1 if tensor.numel() else 1
+            offset = tensor.abs().max() + 1
             shifted[index] = tensor + sign * offset
         variants.append((shifted, f" (with its padded inputs shifted {where} zero)"))
     return variants
 
 
-def _ones_and_zeros(tensor: torch.Tensor) -> bool:
-    """Whether every value is 1 or 0 (a float keep-mask, an indicator).
+def _both_signs(tensor: torch.Tensor) -> bool:
+    """Whether some values are below zero and some above (hidden states, not a domain).
 
-    >>> _ones_and_zeros(torch.tensor([1.0, 0.0, 1.0])), _ones_and_zeros(torch.tensor([1.0, 0.5]))
+    >>> _both_signs(torch.tensor([1.0, -0.5])), _both_signs(torch.tensor([1.0, 0.0, 0.5]))
     (True, False)
     """
-    return bool(((tensor == 0) | (tensor == 1)).all())
+    return bool((tensor < 0).any()) and bool((tensor > 0).any())
 
 
 def _all_finite(outputs: Any) -> bool:
