@@ -670,11 +670,12 @@ class ModuleTensors:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
             if type(then) is torch.Tensor:
-                how = "deleted" if now is _ABSENT else "rebound to another object"
+                how = "deleted" if now is _ABSENT else f"rebound to another object ({_about(now)})"
                 return DualgraphError(
-                    f"{name}: a tensor attribute {how} after capture; the graphs read the "
-                    "memory of the tensor of capture, so the change would be lost. Set it "
-                    f"back, change its values in place (copy_), make it a buffer, or {again}"
+                    f"{name}: a tensor attribute ({_about(then)} at capture) {how} after "
+                    "capture; the graphs read the memory of the tensor of capture, so the "
+                    "change would be lost. Set it back, change its values in place (copy_), "
+                    f"make it a buffer, or {again}"
                 )
             shown = "deleted" if now is _ABSENT else f"{now!r}"
             return DualgraphError(
@@ -788,6 +789,17 @@ def _watched(key: str, value: Any) -> bool:
         and key != "training"
         and (_plain(value) or type(value) is torch.Tensor)
     )
+
+
+def _about(value: Any) -> str:
+    """A tensor's shape, dtype and device (what an error can show of it), else its type.
+
+    >>> _about(torch.zeros(2, 3)), _about(1.5)
+    ('a tensor of shape [2, 3], torch.float32, on cpu', 'a float')
+    """
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}, {value.dtype}, on {value.device}"
+    return f"a {type(value).__name__}"
 
 
 def _same_plain(a: Any, b: Any) -> bool:
