@@ -942,8 +942,15 @@ class GraphedCallable:
         for path, attributes, name, tensor, address in self._param_memory:
             now = attributes.get(name)
             if now is not tensor or tensor.data_ptr() != address:
+                if not isinstance(now, torch.Tensor):
+                    found = f"now {type(now).__name__}"
+                elif now is tensor:
+                    found = f"moved to {tensor.data_ptr():#x}"
+                else:
+                    found = f"now another tensor, at {now.data_ptr():#x}"
                 raise DualgraphError(
-                    f"{self.name}: {path} was rebound or moved since capture, but the captured "
+                    f"{self.name}: {path} was rebound or moved since capture (at {address:#x} "
+                    f"then, {found}), but the captured "
                     "backward adds into the memory it had then (fused grad accumulation into "
                     "main_grad), so eager's grads would go elsewhere; zero and reuse it in "
                     "place, or restore the module (dualgraph.torch.restore) and graph it again"
