@@ -942,8 +942,13 @@ class GraphedCallable:
         for path, attributes, name, tensor, address in self._param_memory:
             now = attributes.get(name)
             if now is not tensor or tensor.data_ptr() != address:
+                if now is not tensor:
+                    found = "another object" if now is not None else "none"
+                else:
+                    found = f"it at {tensor.data_ptr():#x}"
                 raise DualgraphError(
-                    f"{self.name}: {path} was rebound or moved since capture, but the captured "
+                    f"{self.name}: {path} was rebound or moved since capture (expected the "
+                    f"tensor captured at {address:#x}, found {found}), but the captured "
                     "backward adds into the memory it had then (fused grad accumulation into "
                     "main_grad), so eager's grads would go elsewhere; zero and reuse it in "
                     "place, or restore the module (dualgraph.torch.restore) and graph it again"
