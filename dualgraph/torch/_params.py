@@ -517,10 +517,12 @@ class ModuleTensors:
                 strict=False,
             )
             if module is not None
+            # TE's forward sets these before reading them: asked once a module
+            for te_flags in (set_by_te_forward(module),)
             for key, value in module.__dict__.items()
             if _watched(key, value)
             and (not before or then.get(key, _ABSENT) is value)
-            and key not in set_by_te_forward(module)  # TE's forward sets them before reading
+            and key not in te_flags
         ]
         object.__setattr__(self, "attribute_names", tuple(entry[0] for entry in found))
         object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))
