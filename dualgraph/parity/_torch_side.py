@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .._errors import DualgraphError
+from .._nodes import class_name
 from ._bridge import to_torch
 
 __all__ = ["full_precision", "named_params", "read_grads", "torch_device"]
@@ -30,20 +31,25 @@ def named_params(
     if not isinstance(torch_params, Mapping):
         raise DualgraphError(
             "torch_params must be a mapping of parameter names to tensors, got "
-            f"{type(torch_params).__module__}.{type(torch_params).__qualname__}"
+            f"{_shown_type(torch_params)}"
         )
     found = dict(torch_params)
     for name, tensor in found.items():  # read later as tensors (.detach(), .grad)
         if type(name) is not str:
-            raise DualgraphError(f"torch_params: a parameter name is a str, got {name!r}")
-        if not isinstance(tensor, torch.Tensor):
-            kind = type(tensor)
-            shown = f"{kind.__module__}.{kind.__qualname__}".removeprefix("builtins.")
             raise DualgraphError(
-                f"torch_params[{name!r}] is a {shown}, not a torch tensor (a parameter whose "
-                "grad torch computes)"
+                f"torch_params: a parameter name is a str, got {name!r} (a {_shown_type(name)})"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            raise DualgraphError(
+                f"torch_params[{name!r}] is a {_shown_type(tensor)}, not a torch tensor (a "
+                "parameter whose grad torch computes)"
             )
     return found
+
+
+def _shown_type(value: Any) -> str:
+    """The type of ``value`` for a message (a builtin one by its bare name)."""
+    return class_name(type(value)).removeprefix("builtins.")
 
 
 def torch_device(values: Iterable[Any]) -> torch.device:

@@ -94,6 +94,7 @@ def copier_of(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """
     if tensor.is_conj() or tensor.is_neg():
         return _copy_laid_out
-    if torch.empty_like(tensor).stride() != tensor.stride():
+    # asked of a tensor on the meta device: the answer is its strides, no memory is needed
+    if torch.empty_like(tensor, device="meta").stride() != tensor.stride():
         return _copy_laid_out
     return torch.Tensor.clone

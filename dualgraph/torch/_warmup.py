@@ -38,6 +38,7 @@ from ._closed_over import named_by, plain_tensor_attributes
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
+from ._params import bytes_of as _bits
 from ._params import is_tensor_subclass
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
@@ -224,18 +225,6 @@ def _unobserved() -> Iterator[None]:
     """Ops of dualgraph's own, hidden from the lint and the memory probe watching the call."""
     with torch._C.DisableTorchFunction(), _disable_current_modes():
         yield
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor``'s bytes, in its element order: ``torch.equal`` of two is bitwise
-    (a NaN equals itself, ``-0.0`` differs from ``0.0``).
-
-    >>> a, b = torch.tensor([float("nan"), 0.0]), torch.tensor([float("nan"), -0.0])
-    >>> torch.equal(_bits(a), _bits(a.clone())), torch.equal(_bits(a), _bits(b))
-    (True, False)
-    """
-    with torch.no_grad():
-        return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
 
 
 def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
