@@ -424,10 +424,10 @@ def _padded_difference(
 ) -> tuple[str, bool, str] | None:
     """How the padded call differs, in the modules' current modes: ``(difference, whether in
     the grads, mode)``, or None. Each call starts from the buffers as ``saved`` (their values
-before the check). ``sample``:
-    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
-    are compared, and only where the call's own are finite (a log of the shifted values is no
-    fault of the padding; nor is an error the call raises on them)."""
+    before the check). ``sample``: the sample's own values; else shifted ones
+    (:func:`_input_variants`), whose outputs alone are compared, and only where the call's own
+    are finite (a log of the shifted values is no fault of the padding; nor is an error the
+    call raises on them)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
