@@ -390,22 +390,22 @@ def _compare_padded(
     if found is None:
         return
     difference, grad_difference, mode = found
+    where = (
+        f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach"
+    )
     if grad_difference:
         raise DualgraphError(
-            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-            f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach the "
-            "grads of the call's own (an op whose backward is inf or NaN at the zero padding, "
-            "such as sqrt, log, a division or pow, gives NaN even times the zero grad of a "
-            "padded output). Keep padded positions out of such ops (torch.where before them, an "
-            "eps), or use fallback='eager' or 'error'"
+            f"{where} the grads of the call's own (an op whose backward is inf or NaN at the "
+            "zero padding, such as sqrt, log, a division or pow, gives NaN even times the zero "
+            "grad of a padded output). Keep padded positions out of such ops (torch.where "
+            "before them, an eps), or use fallback='eager' or 'error'"
         )
     raise DualgraphError(
-        f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach what it "
-        f"returns or updates for the call's own. It must keep them out of whatever mixes "
-        f"positions (mask attention, count only the first {VALID_LENGTH} positions in a mean, "
-        "a sum or a statistic it keeps, mask a softmax over positions); or use fallback='eager' "
-        "or 'error'"
+        f"{where} what it returns or updates for the call's own. It must keep them out of "
+        f"whatever mixes positions (mask attention, count only the first {VALID_LENGTH} "
+        "positions in a mean, a sum or a statistic it keeps, mask a softmax over positions); "
+        "or use fallback='eager' or 'error'"
     )
 
 
