@@ -714,7 +714,11 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
         if not gap <= rtol * scale + 1e-6:  # also refuses NaN
             return f"differs (by up to {gap:.3g}, of values up to {scale:.3g})"
     elif not torch.equal(a, b):
-        return "differs"
+        if a.shape != b.shape:
+            return f"has shape {list(b.shape)} instead of {list(a.shape)}"
+        at = tuple((a != b).nonzero()[0].tolist())
+        # the first element apart, as expected (the call as it is) and as found (padded)
+        return f"differs (at {list(at)}: {b[at].item()} instead of {a[at].item()})"
     return None
 
 
