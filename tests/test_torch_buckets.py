@@ -971,6 +971,36 @@ def test_pad_checks_the_buffers_a_padded_call_updates(backend: str) -> None:
         )
 
 
+class PositionCounter(torch.nn.Module):
+    """Keeps an integer count of the positions it has seen, padded ones included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        with torch.no_grad():
+            self.seen.add_(x.shape[1])  # counts the padded positions
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_names_an_integer_buffer_as_expected_and_as_found(backend: str) -> None:
+    """An integer buffer the padded call updates otherwise is named with both values."""
+    with pytest.raises(
+        DualgraphError,
+        match=r"buffer seen \(updated by the call\) differs \(at \[\]: 8 instead of 4\)",
+    ):
+        dgt.make_graphed_callables(
+            PositionCounter(),
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
 def unmasked_peak(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     return x.amax(dim=1)  # a padded zero wins wherever every value of the call is below zero
 

@@ -28,7 +28,6 @@ Why one pool sized by the largest bucket is correct (the buckets share all of it
 from __future__ import annotations
 
 import bisect
-import contextlib
 import copy
 import logging
 import operator
@@ -54,6 +53,7 @@ from ._lint import LintReport
 from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
+from ._params import own_changes_taken_of
 from ._replay import GraphedCallable
 from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
@@ -322,9 +322,7 @@ class BucketedCallable:
                     self._show(shapes),
                 )
             replay_hooks = self._hooks.replay
-            with contextlib.ExitStack() as own:
-                for record in self._records:
-                    own.enter_context(record.own_changes_taken())
+            with own_changes_taken_of(self._records):
                 if replay_hooks is None:
                     outputs = self.fn(*args, **kwargs)
                 else:  # the hooks run around an eager call as around a replay

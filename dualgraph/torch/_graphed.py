@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, get_args, overload
 
 import optree
@@ -29,7 +30,7 @@ from ._replay_hooks import ReplayHooks
 from ._saved_hooks import keeping_activations
 from ._schedule import Schedule
 from ._slots import SlottedCallable, capture_slotted, checked_slots, reset_slots_of
-from ._te_precision import FIRST_MICROBATCH, PrecisionArgs, capturing, te_callables
+from ._te_precision import FIRST_MICROBATCH, PrecisionArgs, TECallable, capturing, te_callables
 
 __all__ = ["diagnostics", "make_graphed_callables", "owned", "reset_slots"]
 
@@ -383,15 +384,7 @@ def make_graphed_callables(
     ]
     runners: list[GraphedCallable | SlottedCallable] = []
     options = dataclasses.replace(options, backend=resolved)
-    # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
-    # keeps its activations from the caller's saved-tensor hooks, as a replay does.
-    with (
-        ambient_kept_on_failure(),
-        released_on_failure(),
-        outside_inference_mode(),
-        capturing(te),
-        keeping_activations(),
-    ):
+    with _graphing(te):
         if slots is None and schedule is None:
             runners.extend(_graphed_together(capture(requests, options), names, pool))
         else:
@@ -481,15 +474,7 @@ def _graph_buckets(
         dynamic_dims=dynamic_dims,
         hooks=hooks,
     )
-    # Every run of the callable while graphing (warmups, lint, memory plan, the padding check)
-    # keeps its activations from the caller's saved-tensor hooks, as a replay does.
-    with (
-        ambient_kept_on_failure(),
-        released_on_failure(),
-        outside_inference_mode(),
-        capturing(te),
-        keeping_activations(),
-    ):
+    with _graphing(te):
         bucketed = capture_buckets(request)
     return install(fn, bucketed)
 
@@ -646,6 +631,22 @@ def _resolve_backend(
     if backend == "cuda" and not on_cuda:
         raise DualgraphError("backend='cuda' needs sample tensors on a CUDA device")
     return backend  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _graphing(te: Sequence[TECallable] | None) -> Iterator[None]:
+    """Around a graphing: the process as it was if it fails (RNG, modes, settings, the memory
+    it took), outside inference mode, TE's capture state for ``te``; every run of the callable
+    (warmups, lint, memory plan, the padding check) keeps its activations from the caller's
+    saved-tensor hooks, as a replay does."""
+    with (
+        ambient_kept_on_failure(),
+        released_on_failure(),
+        outside_inference_mode(),
+        capturing(te),
+        keeping_activations(),
+    ):
+        yield
 
 
 def _refuse_inputs_off_the_graphs_device(

@@ -333,7 +333,8 @@ def _compare_padded(
     module = request.module
     modes = [(m, m.training) for m in module.modules()] if module is not None else []
     named_buffers = list(module.named_buffers()) if module is not None else []
-    buffers = [(b, b.detach().clone()) for _, b in named_buffers]
+    # every call of every variant starts from these, and they are put back at the end
+    saved = [b.detach().clone() for _, b in named_buffers]
     dropouts = [
         (m, m.p)
         for m, training in modes
@@ -370,6 +371,7 @@ def _compare_padded(
                         length,
                         full,
                         named_buffers,
+                        saved,
                         mode + shifted,
                         sample=not shifted,
                     )
@@ -383,27 +385,27 @@ def _compare_padded(
         for m, p in dropouts:
             m.p = p
         with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+            for (_, buffer), value in zip(named_buffers, saved, strict=True):
+                buffer.copy_(value)
     if found is None:
         return
     difference, grad_difference, mode = found
+    where = (
+        f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
+        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach"
+    )
     if grad_difference:
         raise DualgraphError(
-            f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-            f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach the "
-            "grads of the call's own (an op whose backward is inf or NaN at the zero padding, "
-            "such as sqrt, log, a division or pow, gives NaN even times the zero grad of a "
-            "padded output). Keep padded positions out of such ops (torch.where before them, an "
-            "eps), or use fallback='eager' or 'error'"
+            f"{where} the grads of the call's own (an op whose backward is inf or NaN at the "
+            "zero padding, such as sqrt, log, a division or pow, gives NaN even times the zero "
+            "grad of a padded output). Keep padded positions out of such ops (torch.where "
+            "before them, an eps), or use fallback='eager' or 'error'"
         )
     raise DualgraphError(
-        f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach what it "
-        f"returns or updates for the call's own. It must keep them out of whatever mixes "
-        f"positions (mask attention, count only the first {VALID_LENGTH} positions in a mean, "
-        "a sum or a statistic it keeps, mask a softmax over positions); or use fallback='eager' "
-        "or 'error'"
+        f"{where} what it returns or updates for the call's own. It must keep them out of "
+        f"whatever mixes positions (mask attention, count only the first {VALID_LENGTH} "
+        "positions in a mean, a sum or a statistic it keeps, mask a softmax over positions); "
+        "or use fallback='eager' or 'error'"
     )
 
 
@@ -416,18 +418,19 @@ def _padded_difference(
     length: int,
     full: int,
     named_buffers: Sequence[tuple[str, torch.Tensor]],
+    saved: Sequence[torch.Tensor],
     mode: str,
     sample: bool = True,
 ) -> tuple[str, bool, str] | None:
     """How the padded call differs, in the modules' current modes: ``(difference, whether in
-    the grads, mode)``, or None. Each call starts from the buffers as they were. ``sample``:
-    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
-    are compared, and only where the call's own are finite (a log of the shifted values is no
-    fault of the padding; nor is an error the call raises on them)."""
+    the grads, mode)``, or None. Each call starts from the buffers as ``saved`` (their values
+    before the check). ``sample``: the sample's own values; else shifted ones
+    (:func:`_input_variants`), whose outputs alone are compared, and only where the call's own
+    are finite (a log of the shifted values is no fault of the padding; nor is an error the
+    call raises on them)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
-    saved = [b.detach().clone() for _, b in named_buffers]
 
     def run(inputs: list[torch.Tensor], seed: int, given: list[torch.Tensor] | None = None) -> Any:
         for (_, buffer), value in zip(named_buffers, saved, strict=True):
@@ -711,7 +714,11 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
         if not gap <= rtol * scale + 1e-6:  # also refuses NaN
             return f"differs (by up to {gap:.3g}, of values up to {scale:.3g})"
     elif not torch.equal(a, b):
-        return "differs"
+        if a.shape != b.shape:
+            return f"has shape {list(b.shape)} instead of {list(a.shape)}"
+        at = tuple((a != b).nonzero()[0].tolist())
+        # the first element apart, as expected (the call as it is) and as found (padded)
+        return f"differs (at {list(at)}: {b[at].item()} instead of {a[at].item()})"
     return None
 
 

@@ -32,7 +32,7 @@ import itertools
 import math
 import operator
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "bytes_of",
     "grad_buffer_like",
     "is_tensor_subclass",
+    "own_changes_taken_of",
     "requires_grad_changed",
     "suspended_tensor_hooks",
 ]
@@ -848,6 +849,13 @@ def changes_taken(module: torch.nn.Module) -> Iterator[None]:
     its own Python sets (a counter) as the recorded ones: they are no change of the caller's.
     What the caller had changed before stays refused."""
     records = [record for ref in _RECORDED.get(module, ()) if (record := ref()) is not None]
+    with own_changes_taken_of(records):
+        yield
+
+
+@contextlib.contextmanager
+def own_changes_taken_of(records: Iterable[ModuleTensors]) -> Iterator[None]:
+    """:meth:`ModuleTensors.own_changes_taken` of each of ``records`` around an eager call."""
     with contextlib.ExitStack() as stack:
         for record in records:
             stack.enter_context(record.own_changes_taken())
