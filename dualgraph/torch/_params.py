@@ -45,6 +45,7 @@ from ._transformer_engine import set_by_te_forward
 __all__ = [
     "GRAPHED_STATE",
     "ModuleTensors",
+    "bytes_of",
     "grad_buffer_like",
     "is_tensor_subclass",
     "requires_grad_changed",
@@ -426,7 +427,7 @@ class ModuleTensors:
         fill(self, "host_tensors", tensors)
         fill(self, "host_ptrs", tuple(map(_data_ptr, tensors)))
         fill(self, "host_layouts", tuple((t.shape, t.stride()) for t in tensors))
-        fill(self, "host_bytes", tuple(map(_bytes_of, tensors)))
+        fill(self, "host_bytes", tuple(map(bytes_of, tensors)))
         fill(self, "host_device", device)
         self.host_versions[:] = map(_version, tensors)
 
@@ -456,7 +457,7 @@ class ModuleTensors:
             if tensor._version == self.host_versions[i]:
                 continue
             if (tensor.shape, tensor.stride()) != self.host_layouts[i] or not torch.equal(
-                _bytes_of(tensor), self.host_bytes[i]
+                bytes_of(tensor), self.host_bytes[i]
             ):
                 return i
             self.host_versions[i] = tensor._version
@@ -839,9 +840,14 @@ def changes_taken(module: torch.nn.Module) -> Iterator[None]:
         yield
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor``'s bytes in element order (``torch.equal`` of two is bitwise: a NaN
-    equals itself, ``-0.0`` is not ``0.0``)."""
+    equals itself, ``-0.0`` is not ``0.0``).
+
+    >>> a, b = torch.tensor([float("nan"), 0.0]), torch.tensor([float("nan"), -0.0])
+    >>> torch.equal(bytes_of(a), bytes_of(a.clone())), torch.equal(bytes_of(a), bytes_of(b))
+    (True, False)
+    """
     with torch.no_grad():
         return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
 

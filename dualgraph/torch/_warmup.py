@@ -38,7 +38,7 @@ from ._closed_over import named_by, plain_tensor_attributes
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import is_tensor_subclass
+from ._params import bytes_of, is_tensor_subclass
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -67,7 +67,7 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
     callable's parameters.
     """
     with _unobserved():
-        kept = [(name, t, t._version, _bits(t)) for name, t in _writable_tensors(item)]
+        kept = [(name, t, t._version, bytes_of(t)) for name, t in _writable_tensors(item)]
     try:
         yield
     finally:
@@ -75,7 +75,7 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
             changed = [
                 (name, t, t._version == version, copy)  # before putting back bumps it
                 for name, t, version, copy in kept
-                if not torch.equal(copy, _bits(t))
+                if not torch.equal(copy, bytes_of(t))
             ]
             del kept
             _put_back(changed)
@@ -142,7 +142,7 @@ def _warmup(
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
     with _unobserved():
-        bits = [_bits(t) for t in item.static_inputs] if inspect else []
+        bits = [bytes_of(t) for t in item.static_inputs] if inspect else []
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
@@ -153,7 +153,7 @@ def _warmup(
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():
         for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
-            if t._version == before[i] and not torch.equal(copy, _bits(t)):
+            if t._version == before[i] and not torch.equal(copy, bytes_of(t)):
                 item.mutated.add(i)
                 item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
     del bits
@@ -224,18 +224,6 @@ def _unobserved() -> Iterator[None]:
     """Ops of dualgraph's own, hidden from the lint and the memory probe watching the call."""
     with torch._C.DisableTorchFunction(), _disable_current_modes():
         yield
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor``'s bytes, in its element order: ``torch.equal`` of two is bitwise
-    (a NaN equals itself, ``-0.0`` differs from ``0.0``).
-
-    >>> a, b = torch.tensor([float("nan"), 0.0]), torch.tensor([float("nan"), -0.0])
-    >>> torch.equal(_bits(a), _bits(a.clone())), torch.equal(_bits(a), _bits(b))
-    (True, False)
-    """
-    with torch.no_grad():
-        return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
 
 
 def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
