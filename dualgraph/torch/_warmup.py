@@ -38,7 +38,7 @@ from ._closed_over import named_by, plain_tensor_attributes
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of, is_tensor_subclass
+from ._params import bytes_of, first_difference, is_tensor_subclass
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -77,6 +77,7 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
                 for name, t, version, copy in kept
                 if not torch.equal(copy, bytes_of(t))
             ]
+            shown = first_difference(changed[0][1], changed[0][3]) if changed else ""
             del kept
             _put_back(changed)
     if changed:
@@ -84,10 +85,10 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
         kind = "parameter" if isinstance(t, torch.nn.Parameter) else "tensor"
         how = " without a version bump (.data, a kernel of its own)" if quietly else ""
         raise Refused(
-            f"{name}: the callable updates this {kind} in place{how}, so warmup and capture "
-            "would change it as well, and a replay would go on changing it (dualgraph puts back "
-            "only buffers); it is put back as it was. Register it as a buffer, or update it "
-            "outside the graphed callable"
+            f"{name}: the callable updates this {kind} in place{how} ({shown}), so warmup and "
+            "capture would change it as well, and a replay would go on changing it (dualgraph "
+            "puts back only buffers); it is put back as it was. Register it as a buffer, or "
+            "update it outside the graphed callable"
         )
 
 
