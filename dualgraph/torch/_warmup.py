@@ -67,21 +67,22 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
     callable's parameters.
     """
     with _unobserved():
-        kept = [(name, t, t._version, bytes_of(t)) for name, t in _writable_tensors(item)]
+        # its .data too (no copy): a `.data = other` is put back by setting it again
+        kept = [(name, t, t._version, bytes_of(t), t.data) for name, t in _writable_tensors(item)]
     try:
         yield
     finally:
         with _unobserved():
             changed = [
-                (name, t, t._version == version, copy)  # before putting back bumps it
-                for name, t, version, copy in kept
-                if not torch.equal(copy, bytes_of(t))
+                (name, t, t._version == version, copy, data)  # before putting back bumps it
+                for name, t, version, copy, data in kept
+                if _moved(t, data) or not torch.equal(copy, bytes_of(t))
             ]
-            shown = first_difference(changed[0][1], changed[0][3]) if changed else ""
+            shown = _shown(changed[0][1], changed[0][3], changed[0][4]) if changed else ""
             del kept
             _put_back(changed)
     if changed:
-        name, t, quietly, _ = changed[0]
+        name, t, quietly, _, _ = changed[0]
         kind = "parameter" if isinstance(t, torch.nn.Parameter) else "tensor"
         how = " without a version bump (.data, a kernel of its own)" if quietly else ""
         raise Refused(
@@ -127,13 +128,38 @@ def _writable_tensors(item: _Capture) -> list[tuple[str, torch.Tensor]]:
     return comparable
 
 
-def _put_back(changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor]]) -> None:
-    """Copy the kept bits back into the tensors the call changed, through ``.data``: moving no
-    version counter, as nothing ran for eager."""
+def _moved(tensor: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``tensor`` no longer holds the memory and layout of ``data`` (``.data = ...``)."""
+    return (
+        tensor.data_ptr() != data.data_ptr()
+        or tensor.dtype != data.dtype
+        or tensor.shape != data.shape
+        or tensor.stride() != data.stride()
+    )
+
+
+def _shown(tensor: torch.Tensor, copy: torch.Tensor, data: torch.Tensor) -> str:
+    """What changed in ``tensor``, for the message: its memory, or its first changed element."""
+    if _moved(tensor, data):
+        return (
+            f".data set from a {data.dtype} tensor {list(data.shape)} at {data.data_ptr():#x} to "
+            f"a {tensor.dtype} tensor {list(tensor.shape)} at {tensor.data_ptr():#x}"
+        )
+    return first_difference(tensor, copy)
+
+
+def _put_back(
+    changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor, torch.Tensor]],
+) -> None:
+    """Give the tensors the call changed their memory back and copy the kept bits into it,
+    through ``.data``: moving no version counter, as nothing ran for eager."""
     with torch.no_grad():
-        for _, tensor, _, copy in changed:
-            if not tensor.is_inference():  # which no copy outside inference mode takes
-                tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
+        for _, tensor, _, copy, data in changed:
+            if tensor.is_inference():  # which no copy outside inference mode takes
+                continue
+            if _moved(tensor, data):
+                tensor.data = data
+            tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
 
 
 def _warmup(
