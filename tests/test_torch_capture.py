@@ -1527,6 +1527,43 @@ def test_graphing_a_function_leaves_a_tensor_it_only_reads_untouched() -> None:
     assert torch.equal(scale, torch.full((2,), 3.0))
 
 
+class MovesItsTensorElsewhere(nn.Module):
+    """Sets a module tensor's ``.data`` to a tensor of another size in its forward."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.scale = torch.ones(4)  # a plain tensor attribute
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moved = self.w if self.where == "parameter" else self.scale
+        moved.data = torch.zeros(8, device=x.device)
+        return x * self.w[:4] * self.scale[:4]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("where", "name"),
+    [("parameter", "MovesItsTensorElsewhere.w"), ("attribute", "MovesItsTensorElsewhere.scale")],
+)
+def test_a_module_tensor_moved_to_memory_of_another_size_is_refused_and_put_back(
+    backend: str, where: str, name: str
+) -> None:
+    # The put-back copied 4 kept elements into the 8 of the new memory: a RuntimeError naming
+    # no path, and the module left holding the new tensor.
+    device = device_of(backend)
+    module = MovesItsTensorElsewhere(where).to(device)
+    module.scale = module.scale.to(device)
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device),), backend=backend, lint="off"
+    )
+    assert f"{name}: the callable " in message
+    assert "RuntimeError" not in message
+    for tensor in (module.w, module.scale):  # as before graphing
+        assert torch.equal(tensor.detach().cpu(), torch.ones(4))
+
+
 class HalvesItsWeightQuietly(nn.Module):
     """Changes a module tensor where no version counter moves (``.data``), as a kernel could."""
 
@@ -1568,7 +1605,9 @@ def test_a_module_tensor_changed_without_a_version_bump_is_refused_and_put_back(
         module, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend, lint="off"
     )
     assert f"{name}: the callable updates this" in message
-    assert "without a version bump" in message
+    assert "without a version bump (.data, a kernel of its own) (element [0] was 1.0 and is 0." in (
+        message
+    )
     for tensor in (module.w, module.frozen, module.scale):  # as before graphing
         assert torch.equal(tensor.detach().cpu(), torch.ones(4))
     assert module.w._version == 0  # nothing eager would see moved

@@ -102,6 +102,20 @@ def test_a_host_tensor_attribute_changed_after_capture_is_refused_naming_it(
 
 
 @pytest.mark.usefixtures("graph_device")
+@pytest.mark.parametrize("change", [_fill, _copy, _assign_data, _rebind])
+def test_a_host_tensor_changed_after_capture_is_refused_with_its_value_then_and_now(
+    change: Callable[[Tempered], None],
+) -> None:
+    module = Tempered()
+    graphed = dgt.make_graphed_callables(module, (_x(),), backend="emulate")
+    change(module)
+    with pytest.raises(
+        DualgraphError, match=r"Tempered\.temperature: .*\(it was 2\.0 and is 3\.0\)"
+    ):
+        graphed(_x())
+
+
+@pytest.mark.usefixtures("graph_device")
 def test_a_host_tensor_set_again_to_its_own_value_is_no_change() -> None:
     module = Tempered()
     graphed = dgt.make_graphed_callables(module, (_x(),), backend="emulate")

@@ -46,6 +46,7 @@ __all__ = [
     "GRAPHED_STATE",
     "ModuleTensors",
     "bytes_of",
+    "first_difference",
     "grad_buffer_like",
     "is_tensor_subclass",
     "own_changes_taken_of",
@@ -660,6 +661,8 @@ class ModuleTensors:
             name, tensor = self.host_names[host], self.host_tensors[host]
             bound = self.host_dicts[host].get(self.host_keys[host])
             how = "was rebound" if bound is not tensor else "was changed (in place, .data = ...)"
+            if type(bound) is torch.Tensor:  # what a replay would ignore
+                how += f" ({first_difference(bound, self.host_bytes[host])})"
             device = self.host_device
             return DualgraphError(
                 f"{name}: a tensor on {tensor.device} (where the graphs run on {device}) that "
@@ -674,12 +677,13 @@ class ModuleTensors:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
             if type(then) is torch.Tensor:
-                how = "deleted" if now is _ABSENT else f"rebound to another object ({_about(now)})"
+                how = "deleted" if now is _ABSENT else "rebound to another object"
+                found = "deleted" if now is _ABSENT else _summary(now)
                 return DualgraphError(
-                    f"{name}: a tensor attribute ({_about(then)} at capture) {how} after "
-                    "capture; the graphs read the memory of the tensor of capture, so the "
-                    "change would be lost. Set it back, change its values in place (copy_), "
-                    f"make it a buffer, or {again}"
+                    f"{name}: a tensor attribute {how} after capture (at capture "
+                    f"{_summary(then)}, now {found}); the graphs read the "
+                    "memory of the tensor of capture, so the change would be lost. Set it "
+                    f"back, change its values in place (copy_), make it a buffer, or {again}"
                 )
             shown = "deleted" if now is _ABSENT else f"{now!r}"
             return DualgraphError(
@@ -795,17 +799,6 @@ def _watched(key: str, value: Any) -> bool:
     )
 
 
-def _about(value: Any) -> str:
-    """A tensor's shape, dtype and device (what an error can show of it), else its type.
-
-    >>> _about(torch.zeros(2, 3)), _about(1.5)
-    ('a tensor of shape [2, 3], torch.float32, on cpu', 'a float')
-    """
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)}, {value.dtype}, on {value.device}"
-    return f"a {type(value).__name__}"
-
-
 def _same_plain(a: Any, b: Any) -> bool:
     """Whether two plain values (see :func:`_plain`) would compute the same: of one type and
     equal, a float by its bits as the kernels see it (``-0.0`` is not ``0.0``: ``copysign``,
@@ -863,8 +856,8 @@ def own_changes_taken_of(records: Iterable[ModuleTensors]) -> Iterator[None]:
 
 
 def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor``'s bytes, in its element order: ``torch.equal`` of two is bitwise
-    (a NaN equals itself, ``-0.0`` differs from ``0.0``).
+    """A copy of ``tensor``'s bytes in element order (``torch.equal`` of two is bitwise: a NaN
+    equals itself, ``-0.0`` is not ``0.0``).
 
     >>> a, b = torch.tensor([float("nan"), 0.0]), torch.tensor([float("nan"), -0.0])
     >>> torch.equal(bytes_of(a), bytes_of(a.clone())), torch.equal(bytes_of(a), bytes_of(b))
@@ -872,6 +865,45 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """
     with torch.no_grad():
         return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
+
+
+def first_difference(tensor: torch.Tensor, kept: torch.Tensor) -> str:
+    """Where ``tensor`` differs from ``kept`` (its :func:`bytes_of` of before), for a message:
+    its layout, or its first element whose bits changed, as it was and as it is.
+
+    >>> first_difference(torch.tensor([[1.0, 2.0]]), bytes_of(torch.tensor([[1.0, 3.0]])))
+    'element [0, 1] was 3.0 and is 2.0'
+    """
+    size = tensor.element_size()
+    now = bytes_of(tensor)
+    if now.numel() != kept.numel() or tensor.numel() == 0:
+        return f"it held {kept.numel()} bytes and holds {now.numel()}"
+    with torch.no_grad():
+        differs = (now.view(-1, size) != kept.view(-1, size)).any(dim=1).nonzero()
+    if not len(differs):
+        return "its values are the same"
+    flat = int(differs[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), tensor.shape)]
+    then, found = kept.view(tensor.dtype)[flat].item(), now.view(tensor.dtype)[flat].item()
+    if not index:
+        return f"it was {then!r} and is {found!r}"
+    return f"element {index} was {then!r} and is {found!r}"
+
+
+def _summary(value: Any) -> str:
+    """A value as a message shows it: a tensor by its dtype, shape, device and address.
+
+    >>> _summary(torch.zeros(2, 3, dtype=torch.float16))
+    'a float16 tensor [2, 3] on cpu at 0x...'
+    >>> _summary(1.5)
+    'a float'
+    """
+    if isinstance(value, torch.Tensor):
+        return (
+            f"a {str(value.dtype).removeprefix('torch.')} tensor {list(value.shape)} on "
+            f"{value.device} at {value.data_ptr():#x}"
+        )
+    return f"a {type(value).__name__}"
 
 
 def _joined(*parts: str) -> str:

@@ -38,8 +38,7 @@ from ._closed_over import named_by, plain_tensor_attributes
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of as _bits
-from ._params import is_tensor_subclass
+from ._params import bytes_of, first_difference, is_tensor_subclass
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -68,27 +67,29 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
     callable's parameters.
     """
     with _unobserved():
-        kept = [(name, t, t._version, _bits(t)) for name, t in _writable_tensors(item)]
+        # its .data too (no copy): a `.data = other` is put back by setting it again
+        kept = [(name, t, t._version, bytes_of(t), t.data) for name, t in _writable_tensors(item)]
     try:
         yield
     finally:
         with _unobserved():
             changed = [
-                (name, t, t._version == version, copy)  # before putting back bumps it
-                for name, t, version, copy in kept
-                if not torch.equal(copy, _bits(t))
+                (name, t, t._version == version, copy, data)  # before putting back bumps it
+                for name, t, version, copy, data in kept
+                if _moved(t, data) or not torch.equal(copy, bytes_of(t))
             ]
+            shown = _shown(changed[0][1], changed[0][3], changed[0][4]) if changed else ""
             del kept
             _put_back(changed)
     if changed:
-        name, t, quietly, _ = changed[0]
+        name, t, quietly, _, _ = changed[0]
         kind = "parameter" if isinstance(t, torch.nn.Parameter) else "tensor"
         how = " without a version bump (.data, a kernel of its own)" if quietly else ""
         raise Refused(
-            f"{name}: the callable updates this {kind} in place{how}, so warmup and capture "
-            "would change it as well, and a replay would go on changing it (dualgraph puts back "
-            "only buffers); it is put back as it was. Register it as a buffer, or update it "
-            "outside the graphed callable"
+            f"{name}: the callable updates this {kind} in place{how} ({shown}), so warmup and "
+            "capture would change it as well, and a replay would go on changing it (dualgraph "
+            "puts back only buffers); it is put back as it was. Register it as a buffer, or "
+            "update it outside the graphed callable"
         )
 
 
@@ -127,13 +128,38 @@ def _writable_tensors(item: _Capture) -> list[tuple[str, torch.Tensor]]:
     return comparable
 
 
-def _put_back(changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor]]) -> None:
-    """Copy the kept bits back into the tensors the call changed, through ``.data``: moving no
-    version counter, as nothing ran for eager."""
+def _moved(tensor: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``tensor`` no longer holds the memory and layout of ``data`` (``.data = ...``)."""
+    return (
+        tensor.data_ptr() != data.data_ptr()
+        or tensor.dtype != data.dtype
+        or tensor.shape != data.shape
+        or tensor.stride() != data.stride()
+    )
+
+
+def _shown(tensor: torch.Tensor, copy: torch.Tensor, data: torch.Tensor) -> str:
+    """What changed in ``tensor``, for the message: its memory, or its first changed element."""
+    if _moved(tensor, data):
+        return (
+            f".data set from a {data.dtype} tensor {list(data.shape)} at {data.data_ptr():#x} to "
+            f"a {tensor.dtype} tensor {list(tensor.shape)} at {tensor.data_ptr():#x}"
+        )
+    return first_difference(tensor, copy)
+
+
+def _put_back(
+    changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor, torch.Tensor]],
+) -> None:
+    """Give the tensors the call changed their memory back and copy the kept bits into it,
+    through ``.data``: moving no version counter, as nothing ran for eager."""
     with torch.no_grad():
-        for _, tensor, _, copy in changed:
-            if not tensor.is_inference():  # which no copy outside inference mode takes
-                tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
+        for _, tensor, _, copy, data in changed:
+            if tensor.is_inference():  # which no copy outside inference mode takes
+                continue
+            if _moved(tensor, data):
+                tensor.data = data
+            tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
 
 
 def _warmup(
@@ -143,7 +169,7 @@ def _warmup(
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
     with _unobserved():
-        bits = [_bits(t) for t in item.static_inputs] if inspect else []
+        bits = [bytes_of(t) for t in item.static_inputs] if inspect else []
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
@@ -154,7 +180,7 @@ def _warmup(
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():
         for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
-            if t._version == before[i] and not torch.equal(copy, _bits(t)):
+            if t._version == before[i] and not torch.equal(copy, bytes_of(t)):
                 item.mutated.add(i)
                 item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
     del bits
