@@ -49,10 +49,6 @@ while IFS='|' read -r cuda_files whole_files; do
     ) > "$out/cuda_tests_$i.log" 2>&1 &
 done < "$out/groups.txt"
 wait
-status=0
-for log in "$out"/cuda_tests_*.log; do
-    echo "== $log"
-    grep -E "^(FAILED|ERROR)|passed|failed|skipped|rc=" "$log" | tail -6
-    grep -q "^rc=0$" "$log" || status=1
-done
-exit $status
+# shellcheck source=benchmarks/_summary.sh
+source benchmarks/_summary.sh
+summarize_logs 6 "$out"/cuda_tests_*.log

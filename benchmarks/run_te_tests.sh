@@ -25,10 +25,6 @@ for part in "$out"/te_ids_part*; do
     ) > "$part.log" 2>&1 &
 done
 wait
-status=0
-for log in "$out"/te_ids_part*.log; do
-    echo "== $log"
-    grep -E "^(FAILED|ERROR)|passed|failed|skipped|rc=" "$log" | tail -8
-    grep -q "^rc=0$" "$log" || status=1
-done
-exit $status
+# shellcheck source=benchmarks/_summary.sh
+source benchmarks/_summary.sh
+summarize_logs 8 "$out"/te_ids_part*.log

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -89,6 +92,30 @@ def test_every_torch_parameter_has_a_jax_path_holding_its_values() -> None:
         assert leaf.shape == (tensor.T.shape if tensor.ndim == 2 else tensor.shape), name
         if expected is not None:
             np.testing.assert_array_equal(np.asarray(leaf), expected)
+
+
+def test_the_jax_model_imports_no_torch() -> None:
+    # its loader reads torch tensors' lazy bits through the core's helper, which calls their
+    # methods without importing torch: a JAX-only program never pays for (or needs) torch
+    code = (
+        "import sys, dualgraph.models.jax_vit; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+        "or m.startswith('dualgraph.torch')))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert found.stdout.strip() == "[]"
+
+
+def test_a_lazily_conjugated_tensor_is_read_as_its_values() -> None:
+    lazy = torch.tensor([[1 + 2j, 3 - 4j]], dtype=torch.complex64).conj()
+    params = jax_vit.params_from_state_dict({"pos_embed": lazy})
+    np.testing.assert_array_equal(np.asarray(params["pos"]), lazy.resolve_conj().numpy())
 
 
 def test_a_lazily_negated_tensor_is_read_with_its_sign() -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from entry_points import ENTRY_POINTS, Decays, graphed_on
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_cases import (
     CUDA,
     GRAPH_BACKENDS,
@@ -1758,6 +1759,32 @@ def test_graphing_notes_the_flags_a_backward_sets_on_its_parameters() -> None:
         ("Layer.weight.main_grad", layer.weight.main_grad)  # type: ignore[attr-defined]
     ]
     assert not hasattr(layer.weight, "note") and not layer.weight.main_grad.any()  # type: ignore[attr-defined]
+
+
+def test_main_grads_are_compared_without_a_host_read_each() -> None:
+    # Each host read of a CUDA tensor waits for the device: one per main_grad at entry (is it
+    # zero?) and one at exit (did the block write it?) made capture wait 2 x parameters times.
+    # The checks are read together; on the CPU no read goes through torch's dispatch at all.
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.found: list[str] = []
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.equal):
+                self.found.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    params = [nn.Parameter(torch.ones(3)) for _ in range(3)]
+    for i, param in enumerate(params):
+        param.main_grad = torch.full((3,), float(i))  # type: ignore[attr-defined]
+    with HostReads() as reads, parameter_attributes_kept(params):
+        params[0].main_grad.add_(1.0)  # type: ignore[attr-defined]
+        params[2].main_grad.add_(1.0)  # type: ignore[attr-defined]
+    assert reads.found == []
+    assert [p.main_grad.tolist() for p in params] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]  # type: ignore[attr-defined]
 
 
 def test_graphing_notes_the_fused_flag_a_backward_sets_when_it_held_that_value_already() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,38 +69,135 @@ def _absent() -> None:  # a setting this torch does not have
     return None
 
 
-def _reader(name: str) -> Callable[[], Any]:
-    return getattr(_C, name, _absent)
+def _spread(setter: Callable[..., Any]) -> Callable[[Any], Any]:
+    # the cuBLAS reduction getters give (allow, allow_splitk) where the setter takes both
+    return lambda value: setter(*value) if isinstance(value, tuple) else setter(value)
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One of torch's global numerics settings: read on every call where ``name`` is set (an
+    entry of :func:`numerics_state`, ``name`` how a user names it), kept and put back by
+    :func:`kept_settings` where it has a setter.
+
+    ``read`` gives the per-call reading, ``kept`` (``read`` where ``None``) what is put back
+    through ``write``; ``meaning`` says what a reading means where two readings can mean one
+    setting (the matmul precision's ``"none"`` and ``"ieee"``).
+    """
+
+    read: Callable[[], Any]
+    write: Callable[[Any], Any] | None
+    name: str | None = None
+    kept: Callable[[], Any] | None = None
+    meaning: Callable[[Any], Any] | None = None
+
+
+def _of_c(getter: str, setter: str, name: str | None = None, spread: bool = False) -> _Setting:
+    """A setting of torch's ``_C`` by its getter's and setter's names; one this torch lacks
+    reads as ``None`` and is not put back."""
+    read, write = getattr(_C, getter, None), getattr(_C, setter, None)
+    if read is None or write is None:
+        return _Setting(read or _absent, None, name)
+    return _Setting(read, _spread(write) if spread else write, name)
+
+
+def _deterministic_mode() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+
+
+def _set_deterministic_mode(mode: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
 
 _precision = getattr(_C, "_get_fp32_precision_getter", None)
-_default_dtype = torch.get_default_dtype
-_fp16_reduction = _reader("_get_cublas_allow_fp16_reduced_precision_reduction")
-_bf16_reduction = _reader("_get_cublas_allow_bf16_reduced_precision_reduction")
-_fp16_accumulation = _reader("_get_cublas_allow_fp16_accumulation")
-_math_sdp_reduction = _reader("_get_math_sdp_allow_fp16_bf16_reduction")
-_deterministic = _reader("_get_deterministic_algorithms")
-_flash = _reader("_get_flash_sdp_enabled")
-_mem_efficient = _reader("_get_mem_efficient_sdp_enabled")
-_math = _reader("_get_math_sdp_enabled")
-_cudnn_sdp = _reader("_get_cudnn_sdp_enabled")
-_fa3 = _reader("_get_fa3_sdp_enabled")
-_sdp_priority = _reader("_get_sdp_priority_order")
 if _precision is not None:  # torch's newer API, which never raises (see numerics_state)
-    _matmul_reading: Callable[[], Any] = functools.partial(_precision, "cuda", "matmul")
 
     def _matmul_setting(reading: Any) -> Any:
         # "none" defers to torch.backends.fp32_precision, itself "none" by default: full fp32
         return "ieee" if reading == "none" else reading
 
-    _MATMUL_NAME = "torch.backends.cuda.matmul.fp32_precision"
-else:  # torch before 2.9
-    _matmul_reading = _reader("_get_float32_matmul_precision")
+    _set_precision = getattr(_C, "_set_fp32_precision_setter", None)
+    _MATMUL = _Setting(
+        functools.partial(_precision, "cuda", "matmul"),
+        functools.partial(_set_precision, "cuda", "matmul") if _set_precision else None,
+        "torch.backends.cuda.matmul.fp32_precision",
+        meaning=_matmul_setting,
+    )
+else:  # torch before 2.9: the legacy setting, put back as such below
 
     def _matmul_setting(reading: Any) -> Any:
         return reading
 
-    _MATMUL_NAME = "torch.get_float32_matmul_precision()"
+    _MATMUL = _Setting(
+        getattr(_C, "_get_float32_matmul_precision", _absent),
+        None,
+        "torch.get_float32_matmul_precision()",
+    )
+
+# In the order they are put back: the legacy matmul precision before the newer API's, so that
+# the newer one is set only where the legacy setter did not already bring it back (setting it
+# mixes the two APIs). The named ones, in this order, make numerics_state.
+_SETTINGS: tuple[_Setting, ...] = (
+    _Setting(torch.get_default_dtype, torch.set_default_dtype, "torch.get_default_dtype()"),
+    _Setting(torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    _MATMUL,
+    _of_c(
+        "_get_cublas_allow_fp16_reduced_precision_reduction",
+        "_set_cublas_allow_fp16_reduced_precision_reduction",
+        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+        spread=True,
+    ),
+    _of_c(
+        "_get_cublas_allow_bf16_reduced_precision_reduction",
+        "_set_cublas_allow_bf16_reduced_precision_reduction",
+        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+        spread=True,
+    ),
+    _of_c(
+        "_get_cublas_allow_fp16_accumulation",
+        "_set_cublas_allow_fp16_accumulation",
+        "torch.backends.cuda.matmul.allow_fp16_accumulation",
+    ),
+    _Setting(  # per call: whether on; put back: whether on and whether it only warns
+        getattr(_C, "_get_deterministic_algorithms", _absent),
+        _set_deterministic_mode,
+        "torch.are_deterministic_algorithms_enabled()",
+        kept=_deterministic_mode,
+    ),
+    _of_c(
+        "_get_deterministic_fill_uninitialized_memory",
+        "_set_deterministic_fill_uninitialized_memory",
+    ),
+    _of_c(
+        "_get_flash_sdp_enabled", "_set_sdp_use_flash", "torch.backends.cuda.flash_sdp_enabled()"
+    ),
+    _of_c(
+        "_get_mem_efficient_sdp_enabled",
+        "_set_sdp_use_mem_efficient",
+        "torch.backends.cuda.mem_efficient_sdp_enabled()",
+    ),
+    _of_c("_get_math_sdp_enabled", "_set_sdp_use_math", "torch.backends.cuda.math_sdp_enabled()"),
+    _of_c(
+        "_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn", "torch.backends.cuda.cudnn_sdp_enabled()"
+    ),
+    _of_c("_get_fa3_sdp_enabled", "_set_sdp_use_fa3", "the fa3 attention kernel (sdpa_kernel)"),
+    _of_c("_get_sdp_priority_order", "_set_sdp_priority_order", "the sdpa_kernel priority order"),
+    _of_c(
+        "_get_math_sdp_allow_fp16_bf16_reduction",
+        "_set_math_sdp_allow_fp16_bf16_reduction",
+        "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()",
+    ),
+    _of_c("_get_cudnn_enabled", "_set_cudnn_enabled"),
+    _of_c("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+    _of_c("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+    _of_c("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+)
+_COMPARED = tuple(setting for setting in _SETTINGS if setting.name is not None)
+
+#: How a user names each entry of :func:`numerics_state`.
+NUMERICS_NAMES: tuple[str, ...] = tuple(setting.name or "" for setting in _COMPARED)
 
 
 def _reading(
@@ -118,7 +216,9 @@ def _reading(
     math_sdp_reduction: Callable[[], Any],
 ) -> Callable[[], tuple[Any, ...]]:
     # The getters as the closure's own cells: each call reads them without a global lookup and
-    # calls each directly (C functions, and a partial of one: no Python frame among them).
+    # calls each directly (C functions, and a partial of one: no Python frame among them). Read
+    # from a tuple of them instead (a comprehension, map(operator.call)) a call costs 1.6x as
+    # much (benchmarks/RESULTS.md). The getters, in this order, are _COMPARED's.
     def numerics_readings() -> tuple[Any, ...]:
         """The getters' results behind :func:`numerics_state`, as read (the matmul precision's
         ``"none"`` not yet read as ``"ieee"``): equal readings are equal states, so a replay
@@ -142,21 +242,7 @@ def _reading(
     return numerics_readings
 
 
-numerics_readings = _reading(
-    _default_dtype,
-    _matmul_reading,
-    _fp16_reduction,
-    _bf16_reduction,
-    _fp16_accumulation,
-    _deterministic,
-    _flash,
-    _mem_efficient,
-    _math,
-    _cudnn_sdp,
-    _fa3,
-    _sdp_priority,
-    _math_sdp_reduction,
-)
+numerics_readings = _reading(*(setting.read for setting in _COMPARED))
 
 
 def numerics_state() -> tuple[Any, ...]:
@@ -178,25 +264,8 @@ def numerics_state() -> tuple[Any, ...]:
 
 def state_of(readings: tuple[Any, ...]) -> tuple[Any, ...]:
     """The :func:`numerics_state` that :func:`numerics_readings` ``readings`` mean."""
+    # the matmul precision second (_SETTINGS' order), the one reading a meaning reads again
     return (readings[0], _matmul_setting(readings[1]), *readings[2:])
-
-
-#: How a user names each entry of :func:`numerics_state`.
-NUMERICS_NAMES: tuple[str, ...] = (
-    "torch.get_default_dtype()",
-    _MATMUL_NAME,
-    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
-    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
-    "torch.backends.cuda.matmul.allow_fp16_accumulation",
-    "torch.are_deterministic_algorithms_enabled()",
-    "torch.backends.cuda.flash_sdp_enabled()",
-    "torch.backends.cuda.mem_efficient_sdp_enabled()",
-    "torch.backends.cuda.math_sdp_enabled()",
-    "torch.backends.cuda.cudnn_sdp_enabled()",
-    "the fa3 attention kernel (sdpa_kernel)",
-    "the sdpa_kernel priority order",
-    "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()",
-)
 
 
 def numerics_difference(now: tuple[Any, ...], captured: tuple[Any, ...]) -> str:
@@ -217,73 +286,13 @@ def _read(getter: Callable[[], Any]) -> Any:
         return _UNREADABLE
 
 
-def _spread(setter: Callable[..., Any]) -> Callable[[Any], Any]:
-    # the cuBLAS reduction getters give (allow, allow_splitk) where the setter takes both
-    return lambda value: setter(*value) if isinstance(value, tuple) else setter(value)
-
-
-def _setting(getter: str, setter: str, spread: bool = False) -> list[tuple[Any, ...]]:
-    read, write = getattr(_C, getter, None), getattr(_C, setter, None)
-    if read is None or write is None:  # a setting this torch does not have
-        return []
-    return [(setter, read, _spread(write) if spread else write, None)]
-
-
-def _deterministic_mode() -> tuple[bool, bool]:
-    return torch.are_deterministic_algorithms_enabled(), (
-        torch.is_deterministic_algorithms_warn_only_enabled()
+#: (getter, setter, what a reading means or None) of each setting put back, in order.
+_KEPT: tuple[tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], Any] | None], ...] = (
+    tuple(
+        (setting.kept or setting.read, setting.write, setting.meaning)
+        for setting in _SETTINGS
+        if setting.write is not None
     )
-
-
-def _set_deterministic_mode(mode: tuple[bool, bool]) -> None:
-    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
-
-
-# (name, getter, setter, what a reading means or None), in the order they are put back: the
-# legacy matmul precision before the newer API's, so that the newer one is set only where the
-# legacy setter did not already bring it back (setting it mixes the two APIs).
-_SETTINGS: tuple[tuple[Any, ...], ...] = (
-    ("default dtype", torch.get_default_dtype, torch.set_default_dtype, None),
-    ("deterministic", _deterministic_mode, _set_deterministic_mode, None),
-    *_setting(
-        "_get_deterministic_fill_uninitialized_memory",
-        "_set_deterministic_fill_uninitialized_memory",
-    ),
-    ("legacy matmul", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, None),
-    *(
-        [
-            (
-                "matmul",
-                _matmul_reading,
-                functools.partial(_C._set_fp32_precision_setter, "cuda", "matmul"),
-                _matmul_setting,
-            )
-        ]
-        if _precision is not None and hasattr(_C, "_set_fp32_precision_setter")
-        else []
-    ),
-    *_setting(
-        "_get_cublas_allow_fp16_reduced_precision_reduction",
-        "_set_cublas_allow_fp16_reduced_precision_reduction",
-        spread=True,
-    ),
-    *_setting(
-        "_get_cublas_allow_bf16_reduced_precision_reduction",
-        "_set_cublas_allow_bf16_reduced_precision_reduction",
-        spread=True,
-    ),
-    *_setting("_get_cublas_allow_fp16_accumulation", "_set_cublas_allow_fp16_accumulation"),
-    *_setting("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
-    *_setting("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
-    *_setting("_get_math_sdp_enabled", "_set_sdp_use_math"),
-    *_setting("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
-    *_setting("_get_fa3_sdp_enabled", "_set_sdp_use_fa3"),
-    *_setting("_get_sdp_priority_order", "_set_sdp_priority_order"),
-    *_setting("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
-    *_setting("_get_cudnn_enabled", "_set_cudnn_enabled"),
-    *_setting("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
-    *_setting("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
-    *_setting("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
 )
 
 
@@ -300,10 +309,10 @@ def kept_settings() -> Callable[[], None]:
     >>> torch.get_default_dtype()
     torch.float32
     """
-    before = [_read(getter) for _, getter, _, _ in _SETTINGS]
+    before = [_read(getter) for getter, _, _ in _KEPT]
 
     def put_back() -> None:
-        for (_, getter, setter, meaning), was in zip(_SETTINGS, before, strict=True):
+        for (getter, setter, meaning), was in zip(_KEPT, before, strict=True):
             if was is _UNREADABLE:
                 continue
             now = _read(getter)

@@ -17,14 +17,11 @@ from typing import Any
 import torch
 
 from .._errors import CaptureError, DualgraphError
-from ._ambient import kept_modes
-from ._host_rng import host_rng_state, set_host_rng_state
 from ._lint import CaptureLintError
 
 __all__ = [
     "Progress",
     "Refused",
-    "ambient_kept_on_failure",
     "describe_failure",
     "recover_cuda",
     "release_failed_attempt",
@@ -48,49 +45,6 @@ def repair_cuda_rng() -> None:
         return
     for generator in torch.cuda.default_generators:
         generator.graphsafe_set_state(generator.clone_state())
-
-
-@contextlib.contextmanager
-def ambient_kept_on_failure() -> Iterator[None]:
-    """Put the CPU and CUDA RNG states, Python's and numpy's global RNG, grad mode, autocast
-    and torch's numerics settings (default dtype, deterministic algorithms, matmul precision,
-    cuDNN's flags: ``_ambient.kept_settings``) back as they were if the block fails (any
-    exception, ``KeyboardInterrupt`` too).
-
-    Warmup runs the callable: its dropout draws from the RNG (host draws, which the capture lint
-    refuses only after the warmup calls made them), and a forward that fails half-way may leave
-    grad mode, an autocast it entered or a setting it meant to undo at its end behind. A
-    graphing that fails must leave the process as it found it, so that a seeded run goes on as
-    it would have without the attempt.
-
-    >>> state = torch.get_rng_state()
-    >>> try:
-    ...     with ambient_kept_on_failure():
-    ...         _ = torch.rand(3)
-    ...         _ = torch.set_grad_enabled(False)
-    ...         raise ValueError("failed")
-    ... except ValueError:
-    ...     pass
-    >>> torch.equal(torch.get_rng_state(), state), torch.is_grad_enabled()
-    (True, True)
-    """
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    host_rng = host_rng_state()
-    put_back_modes = kept_modes()
-    try:
-        yield
-    except BaseException:
-        torch.set_rng_state(cpu)
-        set_host_rng_state(host_rng)
-        if cuda is not None:
-            # never in place of the failure being reported: a CUDA error here is left to the
-            # next CUDA call, as the capture's own recovery does
-            with contextlib.suppress(RuntimeError):
-                repair_cuda_rng()  # idempotent; a KeyboardInterrupt skipped the capture's repair
-                torch.cuda.set_rng_state_all(cuda)
-        put_back_modes()
-        raise
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from ._ambient import outside_inference_mode
 from ._bucket_capture import BucketRequest, capture_buckets
 from ._buckets import BucketedCallable, Fallback
 from ._capture import CaptureOptions, CaptureRequest, capture
-from ._capture_failure import ambient_kept_on_failure, released_on_failure
+from ._capture_failure import released_on_failure
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
@@ -25,6 +25,7 @@ from ._modules import eager_forward, install, is_graphed, runner_of
 from ._plan import ReplayPlan
 from ._pool_order import places_in_capture_order, settle_outputs
 from ._probe import LintMode
+from ._process_state import kept_process_state
 from ._replay import GraphedCallable
 from ._replay_hooks import ReplayHooks
 from ._saved_hooks import keeping_activations
@@ -640,7 +641,7 @@ def _graphing(te: Sequence[TECallable] | None) -> Iterator[None]:
     (warmups, lint, memory plan, the padding check) keeps its activations from the caller's
     saved-tensor hooks, as a replay does."""
     with (
-        ambient_kept_on_failure(),
+        kept_process_state(on_failure_only=True),
         released_on_failure(),
         outside_inference_mode(),
         capturing(te),

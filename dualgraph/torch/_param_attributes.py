@@ -84,7 +84,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
     each tensor among them the values it held (where they changed), whether the block succeeds
     or fails."""
     kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    values: list[tuple[int, str, torch.Tensor, torch.Tensor | None]] = []
+    tensors: list[tuple[int, str, torch.Tensor]] = []
     seen: set[int] = set()
     kept_ids: list[int] = []
     for param in params:
@@ -103,19 +103,20 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
                 and id(value) not in seen
             ):
                 seen.add(id(value))
-                # all zeros (a main_grad after zero_grad_buffer): no copy of the grad buffer
-                saved = value.detach().clone() if value.any() else None
-                values.append((id(param), name, value, saved))
+                tensors.append((id(param), name, value))
+    # all zeros (a main_grad after zero_grad_buffer): no copy of the grad buffer
+    nonzero = _read([tensor.any() for _, _, tensor in tensors])
+    values = [
+        (param_id, name, tensor, tensor.detach().clone() if any_set else None)
+        for (param_id, name, tensor), any_set in zip(tensors, nonzero, strict=True)
+    ]
     found = SetByCallable()
     try:
         yield found
     finally:
         with torch.no_grad():
-            written = [
-                (param_id, name, tensor, saved)
-                for param_id, name, tensor, saved in values
-                if (tensor.any() if saved is None else not torch.equal(tensor, saved))
-            ]
+            changed = _read([_changed(tensor, saved) for _, _, tensor, saved in values])
+            written = [entry for entry, moved in zip(values, changed, strict=True) if moved]
         fused = {param_id for param_id, *_ in written}  # whose main_grad the block added into
         for param_id, (attributes, before) in zip(kept_ids, kept, strict=True):
             for name, value in attributes.items():
@@ -142,3 +143,27 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
                     tensor.zero_()
                 else:
                     tensor.copy_(saved)
+
+
+def _changed(tensor: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
+    """Whether ``tensor`` no longer holds ``saved`` (all zeros where ``None``): ``not
+    torch.equal``, as a 0-d bool tensor on its device, for :func:`_read` to read with the rest."""
+    if saved is None:
+        return tensor.any()
+    if tensor.shape != saved.shape:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    return (tensor != saved).any()
+
+
+def _read(flags: Sequence[torch.Tensor]) -> list[bool]:
+    """0-d bool tensors as bools, read to the host once per device rather than once each: one
+    device synchronisation however many parameters hold a ``main_grad``."""
+    read = [False] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    for positions in by_device.values():
+        values = torch.stack([flags[i] for i in positions]).tolist()
+        for i, value in zip(positions, values, strict=True):
+            read[i] = value
+    return read

@@ -27,14 +27,14 @@ import torch
 from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
-from ._ambient import kept_modes, outside_inference_mode
-from ._host_rng import host_rng_state, set_host_rng_state
+from ._ambient import outside_inference_mode
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._module_attributes import module_attributes, put_back
 from ._op_watch import OpObserver, observing
 from ._param_attributes import parameter_attributes_kept
 from ._params import is_tensor_subclass
+from ._process_state import kept_process_state
 
 __all__ = [
     "LintMode",
@@ -330,29 +330,23 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
-    """Put the RNG states (CPU, every initialised CUDA device, Python's ``random``, numpy's
-    global generator), grad mode, autocast and torch's numerics settings (a call failing
-    half-way may leave them changed: ``_ambient.kept_modes``), the module's buffers, its
-    submodules' Python attributes and its parameters' own (``main_grad``) back."""
-    host_rng = host_rng_state()
-    put_back_modes = kept_modes()
+    """Put the process's state (the RNG states, grad mode, autocast and torch's numerics
+    settings, which a call failing half-way may leave changed: :func:`kept_process_state`), the
+    module's buffers, its submodules' Python attributes and its parameters' own (``main_grad``)
+    back."""
     attributes = module_attributes(root)
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
     try:
         # a fused weight-grad accumulation's main_grad and flag (_param_attributes.py)
-        with parameter_attributes_kept(root.parameters() if root is not None else ()):
+        with (
+            kept_process_state(),
+            parameter_attributes_kept(root.parameters() if root is not None else ()),
+        ):
             yield
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        set_host_rng_state(host_rng)
-        put_back_modes()
         put_back(attributes)
 
 

@@ -66,16 +66,15 @@ import torch
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
-from ._ambient import kept_modes
 from ._buckets import BucketedCallable
 from ._closed_over import closed_over_tensors
 from ._graphed import diagnostics
-from ._host_rng import host_rng_state, set_host_rng_state
 from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._param_attributes import parameter_attributes_kept
 from ._probe import cloned_inputs, module_of
+from ._process_state import kept_process_state
 from ._replay import GraphedCallable
 from ._slots import ScheduleCursor, SlottedCallable
 from ._te_state import fp8_state_kept
@@ -248,7 +247,11 @@ def verify(
 
     # Transformer Engine's FP8 scales, amax histories and autocast mark: kept as the rest
     fp8 = fp8_state_kept(module)
-    with _state_kept(params, buffers, module) as state:
+    # the process's state (RNG, grad mode, autocast, numerics settings) is put back at the end;
+    # torch's RNG also between the sides, which start from the same draws. Python's and numpy's
+    # streams and the modes are not: a graph on the GPU does not rerun Python, so a difference
+    # they make is one a replay would make too.
+    with kept_process_state() as process, _state_kept(params, buffers, module) as state:
         try:
             replays = info.replays
             graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
@@ -260,6 +263,7 @@ def verify(
                     f"to verify: {_why_eager(graphed)}"
                 )
             _restore(params, buffers, state)
+            process.put_back_torch_rng()
             fp8.put_back()
             with eager_twin(graphed, as_replayed=True) as eager, _eager_context(graphed):
                 eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
@@ -394,8 +398,6 @@ class _State:
     params: list[torch.Tensor]
     buffers: list[torch.Tensor]
     grads: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # the object, its values
-    cpu_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor] | None
 
 
 @contextlib.contextmanager
@@ -404,24 +406,15 @@ def _state_kept(
     buffers: Sequence[tuple[str, torch.Tensor]],
     module: torch.nn.Module | None,
 ) -> Iterator[_State]:
-    """The saved state; on exit everything is put back, ``.grad`` objects and values included,
-    and so are the modules' Python attributes, the parameters' own (``main_grad``), the host's
-    random streams (Python's, numpy's), grad mode, autocast and torch's numerics settings
-    (``_ambient.kept_modes``).
-
-    Those two are not reset between the sides: a graph on the GPU does not rerun Python, so a
-    difference they make is one a replay would make too.
-    """
+    """The saved module state; on exit everything is put back, ``.grad`` objects and values
+    included, and so are the modules' Python attributes and the parameters' own (``main_grad``).
+    The process's (RNG, modes, settings) is :func:`kept_process_state`'s."""
     attributes = module_attributes(module)
-    host_rng = host_rng_state()
-    put_back_modes = kept_modes()
     with torch.no_grad():
         state = _State(
             params=[p.detach().clone() for _, p in params],
             buffers=[b.detach().clone() for _, b in buffers],
             grads=[(p.grad, _owned(p.grad)) for _, p in params],
-            cpu_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         )
     try:
         # a fused weight-grad accumulation's main_grad and flag (_param_attributes.py)
@@ -429,8 +422,6 @@ def _state_kept(
             yield state
     finally:
         put_back(attributes)
-        set_host_rng_state(host_rng)
-        put_back_modes()
         _restore(params, buffers, state)
         for (_, param), (grad, values) in zip(params, state.grads, strict=True):
             if grad is not None and values is not None:
@@ -444,16 +435,13 @@ def _restore(
     buffers: Sequence[tuple[str, torch.Tensor]],
     state: _State,
 ) -> None:
-    """Parameters, buffers and RNG as saved; ``.grad`` set to ``None`` (put back at the end)."""
+    """Parameters and buffers as saved; ``.grad`` set to ``None`` (put back at the end)."""
     with torch.no_grad():
         for (_, param), saved in zip(params, state.params, strict=True):
             param.copy_(saved)
             param.grad = None
         for (_, buffer), saved in zip(buffers, state.buffers, strict=True):
             buffer.copy_(saved)
-    torch.set_rng_state(state.cpu_rng)
-    if state.cuda_rng is not None:
-        torch.cuda.set_rng_state_all(state.cuda_rng)
 
 
 # -- comparing -----------------------------------------------------------------------------------
