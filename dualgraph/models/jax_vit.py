@@ -32,7 +32,6 @@ from jax import lax
 
 from .. import describe
 from .._errors import DualgraphError
-from .._resolved import resolved
 from ..jax._dtypes import jax_dtype
 
 __all__ = ["param_path", "params_from_state_dict", "vision_encoder", "vit_block"]
@@ -207,7 +206,7 @@ def _to_jax(name: str, value: Any) -> jax.Array:
     if isinstance(value, np.ndarray | jax.Array):
         array = jnp.asarray(value)
     else:  # a torch tensor: DLPack keeps bfloat16 and the device, but not torch's lazy bits
-        array = jax.dlpack.from_dlpack(resolved(value).contiguous())
+        array = jax.dlpack.from_dlpack(value.detach().resolve_conj().resolve_neg().contiguous())
     device = jax.devices()[0]
     if array.devices() != {device}:
         return jax.device_put(array, device)

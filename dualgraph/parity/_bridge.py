@@ -21,7 +21,6 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import DualgraphError
-from .._resolved import resolved
 from .._spec import describe
 
 __all__ = [
@@ -71,7 +70,7 @@ def unreadable(tensor: torch.Tensor, /) -> str | None:
 def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:
     """A torch tensor (strided, or sparse: its dense values) as a numpy array of the same dtype
     (on the host)."""
-    tensor = resolved(tensor.detach().cpu())  # lazy views refuse .numpy()
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()  # lazy views refuse .numpy()
     if tensor.layout != torch.strided:  # a sparse grad (nn.Embedding(sparse=True)): its values
         tensor = tensor.to_dense()
     name = describe(tensor).arrays[0].dtype or ""  # the neutral name, as the torch adapter says
@@ -104,7 +103,7 @@ def as_jax(tensor: torch.Tensor, /) -> jax.Array:
     """The tensor as a JAX array on JAX's default device, without a copy where possible."""
     # DLPack carries memory, not torch's lazy conjugate and negative bits: a negated view
     # (z.conj().imag) would reach JAX with the other sign. Resolved, it is a copy.
-    tensor = resolved(tensor)
+    tensor = tensor.detach().resolve_conj().resolve_neg()
     device = jax.devices()[0]
     same_kind = (tensor.device.type == "cuda") == (device.platform == "gpu")
     if same_kind:

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from .._errors import DualgraphError
-from .._resolved import resolved
 from ._grad_checks import own_hooks
 from ._transformer_engine import set_by_te_forward
 
@@ -865,7 +864,7 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     (True, False)
     """
     with torch.no_grad():
-        return resolved(tensor).reshape(-1).clone().view(torch.uint8)
+        return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
 
 
 def first_difference(tensor: torch.Tensor, kept: torch.Tensor) -> str:
