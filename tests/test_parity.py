@@ -706,6 +706,19 @@ def test_complex_entries_are_judged_part_by_part(
         assert not leaf.ok and leaf.score == float("inf") and leaf.mismatched == 1, leaf
 
 
+@pytest.mark.parametrize("where", [(0, 1), (1, 2)], ids=["first_row", "past_the_first_axis"])
+def test_a_half_non_finite_entry_of_a_complex_matrix_is_judged_where_it_is(
+    where: tuple[int, int],
+) -> None:
+    # Its finite part differs: found by flat position, it was looked up along the first axis
+    # (row 1 counted whole, three entries; a flat position past the rows raised IndexError).
+    expected = np.ones((3, 3), np.complex64)
+    actual = expected.copy()
+    expected[where], actual[where] = complex(np.nan, 1), complex(np.nan, 5)
+    leaf = compare_arrays("out", actual, expected)
+    assert not leaf.ok and leaf.mismatched == 1 and leaf.score == float("inf"), leaf
+
+
 def test_complex_entries_non_finite_alike_in_both_parts_pass_and_are_counted() -> None:
     x = np.array([complex(np.nan, 1), complex(np.inf, -2), complex(np.nan, np.inf), 2 + 3j])
     leaf = compare_arrays("out", x, x.copy())

@@ -165,14 +165,15 @@ def _compare_exact(path: str, actual: np.ndarray, expected: np.ndarray) -> LeafR
 
 
 def _widened(x: np.ndarray) -> np.ndarray:
-    """``x`` in a dtype that holds its values and their differences without rounding them away."""
+    """``x`` in a dtype that holds its values and their differences without rounding them away,
+    flat (the positions found by the non-finite checks index its entries)."""
     if x.dtype.kind == "c":
         wide = np.promote_types(x.dtype, np.complex128)
     elif x.dtype.kind == "f":
         wide = np.promote_types(x.dtype, np.float64)
     else:  # bfloat16, float8 and the other ml_dtypes floats
         wide = np.dtype(np.float64)
-    return np.atleast_1d(x.astype(wide))
+    return x.astype(wide).reshape(-1)
 
 
 def _parts(x: np.ndarray) -> np.ndarray:
