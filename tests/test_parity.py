@@ -477,6 +477,66 @@ def test_tolerance_limits_are_stored_as_floats() -> None:
     assert compare_arrays("output", x * 1.05, x, tolerances=t).ok
 
 
+#: The floating formats of 8 bits and fewer (ml_dtypes keeps each in one byte).
+NARROW_FORMATS = [
+    name
+    for name in DEFAULT_TOLERANCES
+    if hasattr(ml_dtypes, name) and np.dtype(getattr(ml_dtypes, name)).itemsize == 1
+]
+
+
+def _steps_from_one(dtype: Any, steps: int) -> Any:
+    """The value ``steps`` representable values above 1.0 in ``dtype``."""
+    every = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    values = np.unique(every[np.isfinite(every)])
+    return values[int(np.searchsorted(values, 1.0)) + steps]
+
+
+@pytest.mark.parametrize("name", NARROW_FORMATS)
+def test_a_narrow_format_entry_one_value_off_passes_and_two_fail(name: str) -> None:
+    # One entry of sixteen: its rtol (2 eps) and atol (eps x rms) let two steps through, and
+    # the whole-leaf limits barely move (float4_e2m1fn's rtol of 100% let a 6 read as 0).
+    dtype = getattr(ml_dtypes, name)
+    expected = np.ones(16, dtype)
+    for steps, passes in ((1, True), (2, False)):
+        actual = expected.copy()
+        actual[3] = _steps_from_one(dtype, steps)
+        leaf = compare_arrays("out", actual, expected)
+        assert leaf.ok is passes and leaf.ulps == steps, leaf
+    assert "2 values apart where 1 may be" in (leaf.reason or "")
+
+
+def test_an_e8m0_scale_leaf_shrunk_to_its_smallest_value_fails() -> None:
+    # Powers of two: below x there is x / 2 and nothing between, so |torch - jax| < |jax| and
+    # a relative L2 error under 1 held for any smaller scale; every limit passed it.
+    dtype = ml_dtypes.float8_e8m0fnu
+    expected = np.array([1, 2, 4, 8], dtype)
+    actual = np.full(4, 2.0**-127, dtype)
+    leaf = compare_arrays("scales", actual, expected)
+    assert not leaf.ok and leaf.mismatched == 4 and leaf.ulps == 130, leaf
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+def test_max_ulps_counts_representable_values_across_zero_and_in_complex_parts(
+    dtype: Any,
+) -> None:
+    limits = Tolerance(rtol=1.0, atol=1.0, max_rel_l2=1.0, min_cosine=-1.0, max_ulps=1)
+    tiny = np.array([np.finfo(dtype).smallest_subnormal], dtype)
+    assert compare_arrays("out", -tiny, tiny, tolerances=limits).ulps == 2
+    assert compare_arrays("out", -tiny * 0, tiny * 0, tolerances=limits).ulps == 0  # -0.0, 0.0
+    if dtype in (np.float32, np.float64):
+        z = np.array([[1 + 1j, 2 + 2j]], np.result_type(dtype, np.complex64))
+        w = z.copy()
+        w[0, 1] = complex(2, np.nextafter(dtype(2), dtype(3)))
+        assert compare_arrays("z", w, z, tolerances=limits).ulps == 1
+
+
+@pytest.mark.parametrize("max_ulps", [-1, 1.0, True, "1"])
+def test_max_ulps_must_be_none_or_a_non_negative_int(max_ulps: Any) -> None:
+    with pytest.raises(dualgraph.DualgraphError, match="max_ulps"):
+        Tolerance(rtol=0.1, atol=0.1, max_rel_l2=0.1, min_cosine=0.9, max_ulps=max_ulps)
+
+
 @pytest.mark.parametrize("allow_nan", ["no", 0, None])
 def test_allow_nan_must_be_a_bool(allow_nan: Any) -> None:
     nan = np.full(2, np.nan, np.float32)
