@@ -1018,6 +1018,69 @@ def test_frozen_parameters_are_not_compared() -> None:
     assert "grad params['weight']" in [entry.path for entry in report.entries]
 
 
+def inputs_2x4() -> np.ndarray:
+    """Inputs drawn apart from the module's generator, which later tests depend on."""
+    return np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+
+
+def weight_closed_over(linear: torch.nn.Linear) -> Any:
+    """A JAX linear layer that closes over its weight: no gradient reaches params['weight']."""
+    weight = jnp.asarray(linear.weight.detach().numpy())
+    return lambda params, x: x @ weight.T + params["bias"] * 1.0
+
+
+def test_a_state_dict_as_torch_params_is_refused_naming_the_detached_parameter() -> None:
+    # state_dict() gives detached tensors: each read as frozen, no parameter grad was compared,
+    # and a reference that closes over its weight passed.
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"torch_params\['weight'\] holds the memory of torch_fn's trained parameter 'weight'",
+    ):
+        compare(
+            linear,
+            weight_closed_over(linear),
+            (inputs_2x4(),),
+            params=jax_params_of(linear),
+            torch_params=linear.state_dict(),
+        )
+
+
+def test_torch_params_of_detached_copies_only_are_refused_for_a_plain_function() -> None:
+    linear = torch.nn.Linear(4, 3)
+    with pytest.raises(dualgraph.DualgraphError, match="no tensor requires grad"):
+        compare(
+            lambda x: linear(x),
+            weight_closed_over(linear),
+            (inputs_2x4(),),
+            params=jax_params_of(linear),
+            torch_params=linear.state_dict(),
+        )
+
+
+def test_torch_params_of_frozen_parameters_or_without_grads_are_accepted() -> None:
+    linear = torch.nn.Linear(4, 3)
+    args = (inputs_2x4(),)
+    report = assert_parity(
+        linear,
+        linear_jax,
+        args,
+        params=jax_params_of(linear),
+        torch_params=linear.state_dict(),
+        grads=False,
+    )
+    assert [entry.path for entry in report.entries] == ["output"]
+    linear.requires_grad_(False)
+    report = assert_parity(
+        lambda x: linear(x),
+        linear_jax,
+        args,
+        params=jax_params_of(linear),
+        torch_params=dict(linear.named_parameters()),
+    )
+    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+
+
 def test_a_trained_parameter_whose_mapping_subtracts_one_is_still_compared() -> None:
     # With a frozen parameter beside it, a 0/1 mask mapped through `w - 1` became 0: the trained
     # weight's grad was silently left out, and a JAX reference with no grad for it passed.

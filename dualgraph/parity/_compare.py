@@ -26,7 +26,13 @@ from ._bridge import as_torch, random_like, to_numpy, unreadable
 from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
 from ._tolerances import Tolerance, check_tolerances
-from ._torch_side import full_precision, named_params, read_grads, torch_device
+from ._torch_side import (
+    full_precision,
+    named_params,
+    read_grads,
+    refuse_detached_params,
+    torch_device,
+)
 
 __all__ = ["assert_parity", "compare"]
 
@@ -63,10 +69,11 @@ def compare(
       ``params_from_torch({name: numpy array})`` into the same pytree, e.g.
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
-      refused without ``params``: no parameter grad would be compared). Frozen torch
-      parameters are not compared: a JAX params leaf made of them is left out, and a leaf
-      that mixes them with trained ones is compared at the trained ones' entries (found by
-      mapping NaN through ``params_from_torch``).
+      refused without ``params``: no parameter grad would be compared; so are ``torch_params``
+      of detached copies, such as ``module.state_dict()``, when gradients are compared: read
+      as frozen, none would be). Frozen torch parameters are not compared: a JAX params leaf
+      made of them is left out, and a leaf that mixes them with trained ones is compared at the
+      trained ones' entries (found by mapping NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
       every floating input array and the parameters; complex ones as torch defines them. The
@@ -89,7 +96,7 @@ def compare(
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
-    both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
+    both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
     torch_out = _run_torch(torch_fn, inputs)
     wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
@@ -151,6 +158,7 @@ def _params_of(
     params: Any,
     params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None,
     torch_params: Mapping[str, torch.Tensor] | None,
+    grads: bool,
 ) -> _Params | None:
     if params is None:
         # Without params no parameter grad is compared: an option given for them would be
@@ -176,6 +184,8 @@ def _params_of(
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
         if problem is not None:
             raise DualgraphError(f"torch parameter {name!r} is {problem}")
+    if torch_params is not None and grads:  # without grads, nothing is read as frozen
+        refuse_detached_params(torch_fn, both.torch)
     _check_params_match(both)
     return both
 
