@@ -71,7 +71,8 @@ def compare(
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
       refused without ``params``: no parameter grad would be compared; so are ``torch_params``
       of detached copies, such as ``module.state_dict()``, when gradients are compared: read
-      as frozen, none would be). Frozen torch parameters are not compared: a JAX params leaf
+      as frozen, none would be; and a trained parameter with a gradient that the mapping puts
+      in no leaf). Frozen torch parameters are not compared: a JAX params leaf
       made of them is left out, and a leaf that mixes them with trained ones is compared at the
       trained ones' entries (found by mapping NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
@@ -419,6 +420,14 @@ def _param_grad_reports(
             f"params: {error}",
             path=error.path,
         ) from None
+    dropped = _unmapped_trained_param(params_spec, as_numpy, torch_grads, convert)
+    if dropped is not None:
+        raise DualgraphError(
+            f"torch parameter {dropped!r} has a gradient, but params_from_torch maps it into no "
+            "leaf of the JAX params, so its gradient would not be compared (a JAX reference that "
+            "lacks the parameter, or closes over it, would pass whatever it is). Map it into "
+            "params, or freeze it (requires_grad_(False)) to leave it out"
+        )
     frozen = _frozen_positions(params_spec, as_numpy, torch_grads, convert)
     jax_leaves = iter(optree.tree_leaves(jax_grads, namespace=NAMESPACE))
     reports = []
@@ -446,6 +455,38 @@ def _floating(array: np.ndarray) -> bool:
 
 def _grad_or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param, requires_grad=False) if grad is None else grad
+
+
+def _unmapped_trained_param(
+    params_spec: TreeSpec,
+    as_numpy: Mapping[str, np.ndarray],
+    torch_grads: Mapping[str, Any],
+    convert: Callable[[dict[str, np.ndarray]], Any],
+) -> str | None:
+    """The first trained torch parameter with a nonzero gradient whose entries reach no leaf of
+    the JAX params through ``params_from_torch`` (found by mapping it as NaN); ``None`` if none.
+
+    One mapping marks them all, and its NaN count settles the usual case; only when fewer NaN
+    come out than went in (a parameter dropped, or entries summed together) is each mapped
+    alone. A parameter without a gradient (unused by ``torch_fn``) may be left out.
+    """
+    candidates = [
+        name
+        for name, grad in torch_grads.items()
+        if grad is not None and _floating(as_numpy[name]) and np.any(as_numpy[name] != 0)
+    ]
+    if not candidates:
+        return None
+    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+
+    def nan_count(marked: set[str]) -> int:
+        tree = convert({n: np.full_like(a, np.nan) if n in marked else a for n, a in ones.items()})
+        leaves = (np.asarray(x) for x in params_spec.flatten(tree))
+        return sum(int(np.count_nonzero(np.isnan(x))) for x in leaves if _floating(x))
+
+    if nan_count(set(candidates)) >= sum(as_numpy[name].size for name in candidates):
+        return None
+    return next((name for name in candidates if nan_count({name}) == 0), None)
 
 
 def _frozen_positions(
