@@ -12,9 +12,11 @@ in their own dtype; a floating leaf passes when every entry has
 ``|torch - jax| <= rtol * |jax| + atol * rms`` (``rms``: the root mean square of the reference
 leaf, its typical scale), the leaf's relative L2 error is at most ``max_rel_l2``, its cosine
 similarity with the reference at least ``min_cosine``, and NaN and infinities sit at the same
-positions on both sides. A leaf with no finite value (NaN everywhere) is a warning, and fails
-unless ``allow_nan=True``. Nothing is coerced: dtypes and shapes must agree, and 64-bit leaves
-are compared in 64 bits (the JAX side runs in its 64-bit mode for them).
+positions on both sides; the formats of 8 bits and fewer also hold every entry within one
+representable value of the reference's (``max_ulps=1``). A leaf with no finite value (NaN
+everywhere) is a warning, and fails unless ``allow_nan=True``. Nothing is coerced: dtypes and
+shapes must agree, and 64-bit leaves are compared in 64 bits (the JAX side runs in its 64-bit
+mode for them).
 
 float32 is compared at full precision: TF32 is turned off in PyTorch for the duration (and
 restored), and the JAX reference is traced and run under ``jax.default_matmul_precision("highest")``

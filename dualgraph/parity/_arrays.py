@@ -15,6 +15,8 @@ same sign) on both sides, and are counted.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -83,8 +85,17 @@ def compare_arrays(
             over_part = np.abs(x - y) > tolerance.rtol * np.abs(y) + tolerance.atol * scale
             rows = np.flatnonzero(partial)[np.flatnonzero(kept)[over_part] // kept.shape[-1]]
             nonfinite_differs[rows] = True
-    over = int(np.count_nonzero(ratio > 1)) + int(np.count_nonzero(nonfinite_differs))
+    entry_over = nonfinite_differs.copy()
+    entry_over[finite] |= ratio > 1
     score = float(ratio.max(initial=0.0))
+    ulps = None
+    if tolerance.max_ulps is not None:  # the formats of 8 bits and fewer: one step at most
+        steps = np.where(part_finite, _ulps_apart(path, actual, expected), 0)
+        ulps = int(steps.max(initial=0))
+        entry_over |= (steps > tolerance.max_ulps).any(axis=-1)
+        if ulps > tolerance.max_ulps:
+            score = max(score, ulps / tolerance.max_ulps if tolerance.max_ulps else math.inf)
+    over = int(np.count_nonzero(entry_over))
     if nonfinite_differs.any():
         score = float("inf")
     nonfinite = int(np.count_nonzero(~finite & ~nonfinite_differs))
@@ -106,6 +117,7 @@ def compare_arrays(
         nonfinite=nonfinite,
         warning=warning,
         allow_nan=allow_nan,
+        ulps=ulps,
     )
 
 
@@ -165,14 +177,64 @@ def _compare_exact(path: str, actual: np.ndarray, expected: np.ndarray) -> LeafR
 
 
 def _widened(x: np.ndarray) -> np.ndarray:
-    """``x`` in a dtype that holds its values and their differences without rounding them away."""
+    """``x`` in a dtype that holds its values and their differences without rounding them away,
+    flat (the positions found by the non-finite checks index its entries)."""
     if x.dtype.kind == "c":
         wide = np.promote_types(x.dtype, np.complex128)
     elif x.dtype.kind == "f":
         wide = np.promote_types(x.dtype, np.float64)
     else:  # bfloat16, float8 and the other ml_dtypes floats
         wide = np.dtype(np.float64)
-    return np.atleast_1d(x.astype(wide))
+    return x.astype(wide).reshape(-1)
+
+
+def _ulps_apart(path: str, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """How many representable values apart each entry's parts are (as :func:`_parts` lays them
+    out, flat); meaningful where both are finite. ``0.0`` and ``-0.0`` are one value."""
+    if expected.dtype.kind == "c":
+        a, b = actual.reshape(-1), expected.reshape(-1)
+        return np.stack(
+            [_real_ulps_apart(path, a.real, b.real), _real_ulps_apart(path, a.imag, b.imag)],
+            axis=-1,
+        )
+    return _real_ulps_apart(path, actual.reshape(-1), expected.reshape(-1))[:, np.newaxis]
+
+
+#: Unsigned integers of a float's width, to order IEEE floats by their bits.
+_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _real_ulps_apart(path: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    size = a.dtype.itemsize
+    if size == 1:  # every value of the format, in order: at most 256
+        table = _representable(a.dtype)
+        wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+        finite = np.isfinite(wide_a) & np.isfinite(wide_b)
+        index_a = np.searchsorted(table, np.where(finite, wide_a, table[0]))
+        index_b = np.searchsorted(table, np.where(finite, wide_b, table[0]))
+        return np.abs(index_a - index_b).astype(np.uint64)
+    bits = _BITS.get(size)
+    if bits is None:
+        raise DualgraphError(
+            f"{path}: max_ulps cannot be applied to {a.dtype.name}, whose values are not "
+            "ordered by an IEEE bit layout; pass a Tolerance without max_ulps for it"
+        )
+    # Sign and magnitude: the magnitudes of two same-signed floats differ by the steps between
+    # them; across zero, the steps are the sum of both magnitudes.
+    sign = np.uint64(1) << np.uint64(8 * size - 1)
+    x = a.view(bits).astype(np.uint64)
+    y = b.view(bits).astype(np.uint64)
+    mag_x, mag_y = x & ~sign, y & ~sign
+    same_sign = (x & sign) == (y & sign)
+    apart = np.where(mag_x > mag_y, mag_x - mag_y, mag_y - mag_x)
+    return np.where(same_sign, apart, mag_x + mag_y)
+
+
+@functools.cache
+def _representable(dtype: np.dtype) -> np.ndarray:
+    """The finite values of a format of 8 bits or fewer, ascending, ``-0.0`` merged into ``0.0``."""
+    every = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    return np.unique(every[np.isfinite(every)] + 0.0)
 
 
 def _parts(x: np.ndarray) -> np.ndarray:

@@ -26,7 +26,13 @@ from ._bridge import as_torch, random_like, to_numpy, unreadable
 from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
 from ._tolerances import Tolerance, check_tolerances
-from ._torch_side import full_precision, named_params, read_grads, torch_device
+from ._torch_side import (
+    full_precision,
+    named_params,
+    read_grads,
+    refuse_detached_params,
+    torch_device,
+)
 
 __all__ = ["assert_parity", "compare"]
 
@@ -63,10 +69,12 @@ def compare(
       ``params_from_torch({name: numpy array})`` into the same pytree, e.g.
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
-      refused without ``params``: no parameter grad would be compared). Frozen torch
-      parameters are not compared: a JAX params leaf made of them is left out, and a leaf
-      that mixes them with trained ones is compared at the trained ones' entries (found by
-      mapping NaN through ``params_from_torch``).
+      refused without ``params``: no parameter grad would be compared; so are ``torch_params``
+      of detached copies, such as ``module.state_dict()``, when gradients are compared: read
+      as frozen, none would be; and a trained parameter with a gradient that the mapping puts
+      in no leaf). Frozen torch parameters are not compared: a JAX params leaf
+      made of them is left out, and a leaf that mixes them with trained ones is compared at the
+      trained ones' entries (found by mapping NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
       every floating input array and the parameters; complex ones as torch defines them. The
@@ -89,7 +97,7 @@ def compare(
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
-    both_params = _params_of(torch_fn, params, params_from_torch, torch_params)
+    both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
     torch_out = _run_torch(torch_fn, inputs)
     wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
@@ -151,6 +159,7 @@ def _params_of(
     params: Any,
     params_from_torch: Callable[[dict[str, np.ndarray]], Any] | None,
     torch_params: Mapping[str, torch.Tensor] | None,
+    grads: bool,
 ) -> _Params | None:
     if params is None:
         # Without params no parameter grad is compared: an option given for them would be
@@ -176,6 +185,8 @@ def _params_of(
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
         if problem is not None:
             raise DualgraphError(f"torch parameter {name!r} is {problem}")
+    if torch_params is not None and grads:  # without grads, nothing is read as frozen
+        refuse_detached_params(torch_fn, both.torch)
     _check_params_match(both)
     return both
 
@@ -409,6 +420,14 @@ def _param_grad_reports(
             f"params: {error}",
             path=error.path,
         ) from None
+    dropped = _unmapped_trained_param(params_spec, as_numpy, torch_grads, convert)
+    if dropped is not None:
+        raise DualgraphError(
+            f"torch parameter {dropped!r} has a gradient, but params_from_torch maps it into no "
+            "leaf of the JAX params, so its gradient would not be compared (a JAX reference that "
+            "lacks the parameter, or closes over it, would pass whatever it is). Map it into "
+            "params, or freeze it (requires_grad_(False)) to leave it out"
+        )
     frozen = _frozen_positions(params_spec, as_numpy, torch_grads, convert)
     jax_leaves = iter(optree.tree_leaves(jax_grads, namespace=NAMESPACE))
     reports = []
@@ -436,6 +455,38 @@ def _floating(array: np.ndarray) -> bool:
 
 def _grad_or_zeros(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param, requires_grad=False) if grad is None else grad
+
+
+def _unmapped_trained_param(
+    params_spec: TreeSpec,
+    as_numpy: Mapping[str, np.ndarray],
+    torch_grads: Mapping[str, Any],
+    convert: Callable[[dict[str, np.ndarray]], Any],
+) -> str | None:
+    """The first trained torch parameter with a nonzero gradient whose entries reach no leaf of
+    the JAX params through ``params_from_torch`` (found by mapping it as NaN); ``None`` if none.
+
+    One mapping marks them all, and its NaN count settles the usual case; only when fewer NaN
+    come out than went in (a parameter dropped, or entries summed together) is each mapped
+    alone. A parameter without a gradient (unused by ``torch_fn``) may be left out.
+    """
+    candidates = [
+        name
+        for name, grad in torch_grads.items()
+        if grad is not None and _floating(as_numpy[name]) and np.any(as_numpy[name] != 0)
+    ]
+    if not candidates:
+        return None
+    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+
+    def nan_count(marked: set[str]) -> int:
+        tree = convert({n: np.full_like(a, np.nan) if n in marked else a for n, a in ones.items()})
+        leaves = (np.asarray(x) for x in params_spec.flatten(tree))
+        return sum(int(np.count_nonzero(np.isnan(x))) for x in leaves if _floating(x))
+
+    if nan_count(set(candidates)) >= sum(as_numpy[name].size for name in candidates):
+        return None
+    return next((name for name in candidates if nan_count({name}) == 0), None)
 
 
 def _frozen_positions(

@@ -24,6 +24,8 @@ class LeafReport:
     - ``mismatched``: entries outside tolerance (integers: differing), NaN/inf positions that
       differ included; ``nonfinite``: positions NaN or infinite alike on both sides.
     - ``tolerance``: the limits applied (``None``: compared exactly).
+    - ``ulps``: the most representable values an entry is apart from the reference's, where
+      the tolerance limits them (``max_ulps``), else ``None``.
     - ``warning``: e.g. a leaf NaN everywhere on both sides (nothing compared); it fails unless
       the comparison allowed NaN. ``problem``: the two sides' leaves differ in dtype or shape.
     """
@@ -43,6 +45,7 @@ class LeafReport:
     warning: str | None = None
     problem: str | None = None
     allow_nan: bool = False
+    ulps: int | None = None
 
     @property
     def exact(self) -> bool:
@@ -78,9 +81,13 @@ class LeafReport:
         if self.score > 1.0:
             if limits is None:
                 return f"{self.mismatched} values differ (largest difference {self.max_abs})"
+            steps = ""
+            allowed = limits.max_ulps
+            if self.ulps is not None and allowed is not None and self.ulps > allowed:
+                steps = f", {self.ulps} values apart where {allowed} may be"
             return (
                 f"{self.mismatched} values over tolerance, worst at {self.score:.3g}x "
-                f"(max abs {self.max_abs:.3g})"
+                f"(max abs {self.max_abs:.3g}{steps})"
             )
         if limits is not None and self.rel_l2 is not None and self.rel_l2 > limits.max_rel_l2:
             return f"relative L2 error {self.rel_l2:.3g} > {limits.max_rel_l2:.3g}"
@@ -204,5 +211,7 @@ def _footer(entries: tuple[LeafReport, ...]) -> list[str]:
                 f"rtol {t.rtol:.2g}, atol {t.atol:.2g} x rms, rel l2 <= {t.max_rel_l2:.2g}, "
                 f"cosine >= {t.min_cosine:.10g}"
             )
+            if t.max_ulps is not None:
+                limits += f", {t.max_ulps} ulp{'s' * (t.max_ulps != 1)} apart at most"
             seen.setdefault(e.dtype, f"{e.dtype} {limits}")
     return ["tolerances: " + "; ".join(seen.values())] if seen else []

@@ -5,7 +5,9 @@ A floating leaf passes when, over the positions where both sides are finite,
 - every entry: ``|torch - jax| <= rtol * |jax| + atol * rms``, ``rms`` being the root mean
   square of the reference leaf (its typical scale);
 - the whole leaf: ``||torch - jax|| / ||jax|| <= max_rel_l2`` (the relative L2 error);
-- its direction: the cosine similarity of the two leaves is at least ``min_cosine``.
+- its direction: the cosine similarity of the two leaves is at least ``min_cosine``;
+- with ``max_ulps`` set (the formats of 8 bits and fewer by default): every entry is at most
+  ``max_ulps`` representable values away from the reference's.
 
 ``rtol`` bounds the error of the large entries; ``atol * rms`` is the floor the entries near zero
 are held to: rounding errors of a sum follow the size of its terms, not of its result, so an
@@ -15,6 +17,11 @@ yet a leaf of tiny values is judged at its own scale, never against an absolute 
 scatter by several ulps, so the entry-wise bounds must be loose; the relative L2 error, which
 averages that scatter, stays small and catches what they let through (a leaf scaled by 10% in
 bfloat16). The cosine is the sign and direction check. Integers and bools compare exactly.
+
+The formats of 8 bits and fewer hold so few values that their limits in ``rtol`` and ``atol``
+reach several of them (``float4_e2m1fn``'s ``2 * eps`` is 100%: a 6 read as 0 passes), and
+``float8_e8m0fnu``, a scale of powers of two, has no value between ``x`` and ``x / 2``, so no
+relative limit tells one step down from a hundred: they are held to one step (``max_ulps=1``).
 """
 
 from __future__ import annotations
@@ -33,16 +40,20 @@ __all__ = ["DEFAULT_TOLERANCES", "Tolerance", "check_tolerances", "tolerance_for
 @dataclass(frozen=True)
 class Tolerance:
     """The limits for one dtype: ``rtol`` (of ``|jax|``), ``atol`` (of the leaf's RMS),
-    ``max_rel_l2`` (of the leaf's L2 norm) and ``min_cosine``.
+    ``max_rel_l2`` (of the leaf's L2 norm), ``min_cosine`` and ``max_ulps`` (representable
+    values between an entry and the reference's; ``None``: not limited).
 
     >>> DEFAULT_TOLERANCES["float32"]
-    Tolerance(rtol=0.0001, atol=0.0001, max_rel_l2=0.0001, min_cosine=0.99999)
+    Tolerance(rtol=0.0001, atol=0.0001, max_rel_l2=0.0001, min_cosine=0.99999, max_ulps=None)
+    >>> DEFAULT_TOLERANCES["float8_e4m3fn"].max_ulps
+    1
     """
 
     rtol: float
     atol: float
     max_rel_l2: float
     min_cosine: float
+    max_ulps: int | None = None
 
     def __post_init__(self) -> None:
         names = ("rtol", "atol", "max_rel_l2", "min_cosine")
@@ -62,12 +73,19 @@ class Tolerance:
             )
         for name, value in zip(names, floats, strict=True):  # numpy and Fraction limits too
             object.__setattr__(self, name, value)
+        ulps = self.max_ulps
+        if ulps is not None:
+            if isinstance(ulps, bool) or not isinstance(ulps, numbers.Integral) or ulps < 0:
+                raise DualgraphError(f"{self}: max_ulps must be None or an int >= 0")
+            object.__setattr__(self, "max_ulps", int(ulps))
 
 
 def _narrow(eps: float) -> Tolerance:
     """8 bits and fewer (``eps`` is the format's machine epsilon): the final rounding dominates,
-    so one ulp apart is a match."""
-    return Tolerance(rtol=2 * eps, atol=eps, max_rel_l2=eps, min_cosine=max(0.5, 1 - 2 * eps**2))
+    so one ulp apart is a match, and two are not."""
+    return Tolerance(
+        rtol=2 * eps, atol=eps, max_rel_l2=eps, min_cosine=max(0.5, 1 - 2 * eps**2), max_ulps=1
+    )
 
 
 #: ``dtype name -> Tolerance`` for floating and complex leaves; integers and bools are exact.

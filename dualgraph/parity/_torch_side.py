@@ -13,7 +13,13 @@ from .._errors import DualgraphError
 from .._nodes import class_name
 from ._bridge import to_torch
 
-__all__ = ["full_precision", "named_params", "read_grads", "torch_device"]
+__all__ = [
+    "full_precision",
+    "named_params",
+    "read_grads",
+    "refuse_detached_params",
+    "torch_device",
+]
 
 
 def named_params(
@@ -45,6 +51,43 @@ def named_params(
                 "parameter whose grad torch computes)"
             )
     return found
+
+
+def refuse_detached_params(torch_fn: Any, torch_params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse ``torch_params`` given for a comparison of gradients whose tensors are detached
+    copies of trained parameters: read as frozen, their grads would never be compared.
+
+    ``module.state_dict()`` is such a mapping: each entry is ``param.detach()``. Found where a
+    tensor that requires no grad holds the same memory as one of ``torch_fn``'s parameters
+    that does; and where none of them requires grad and none is an ``nn.Parameter`` (a frozen
+    parameter is one), for a ``torch_fn`` whose parameters cannot be listed.
+    """
+    named = getattr(torch_fn, "named_parameters", None)
+    trained = {}
+    if callable(named):
+        trained = {_where(p): n for n, p in named() if p.requires_grad and p.numel()}
+    for name, tensor in torch_params.items():
+        found = None if tensor.requires_grad or not tensor.numel() else _where(tensor)
+        if found in trained:
+            raise DualgraphError(
+                f"torch_params[{name!r}] holds the memory of torch_fn's trained parameter "
+                f"{trained[found]!r} but is detached from it (state_dict() detaches): its grad "
+                "would be read as frozen and never compared. Pass the parameters themselves, "
+                "e.g. dict(module.named_parameters())"
+            )
+    values = torch_params.values()
+    if values and not any(t.requires_grad or isinstance(t, torch.nn.Parameter) for t in values):
+        raise DualgraphError(
+            "torch_params: no tensor requires grad and none is an nn.Parameter, so every "
+            "parameter grad would be skipped as frozen; detached copies (state_dict() detaches) "
+            "are not the parameters torch_fn trains. Pass the parameters themselves, e.g. "
+            "dict(module.named_parameters()) (frozen ones are nn.Parameters that require no grad)"
+        )
+
+
+def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's values live: its device, first address, shape and strides."""
+    return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
 
 
 def _shown_type(value: Any) -> str:
