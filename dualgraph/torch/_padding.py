@@ -41,6 +41,7 @@ __all__ = [
 #: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
 #: along the dynamic dims are real (a 0-d int64 tensor); the rest are zero padding.
 VALID_LENGTH = "valid_length"
+_VALID_LENGTH_PATH = f"kwargs['{VALID_LENGTH}']"
 
 #: Modules whose statistics run across positions, so that padding would change them.
 _POSITION_STATISTICS: tuple[type, ...] = (
@@ -219,20 +220,15 @@ def check_padded_plans(
     padding: Padding,
     plans: Sequence[Any],
     lengths: Sequence[int | None],
-    guard: InputGuard,
     shapes: Sequence[tuple[torch.Size, ...]],
 ) -> None:
     """Refuse what pad cannot cut back or copy back, now that the outputs are known."""
-    padded = {index for index, _ in padding.inputs}
     cuts_per_bucket = []
     for i, (plan, length) in enumerate(zip(plans, lengths, strict=True)):
+        # by path: a plan's inputs hold valid_length too, among the keywords in sorted order,
+        # so its positions are not the bucket guard's
         for index in plan.mutated_inputs:
-            if index in padded:
-                raise DualgraphError(
-                    f"fallback='pad': {request.name} updates {guard.paths[index]} in place, but a "
-                    "padded call passes it a padded copy, so the caller's tensor would not see "
-                    "the update"
-                )
+            _refuse_updated_input(request.name, padding, plan.inputs.paths[index])
         cuts = output_cuts(padding, plan.outputs)
         for index, dim in cuts:
             size = plan.outputs.arrays[index].shape[dim]
@@ -264,6 +260,24 @@ def check_padded_plans(
                         f"({', '.join(map(str, sorted(sizes)))} across buckets) but is not in "
                         f"dynamic_dims, so a padded call could not be cut back; {fix}"
                     )
+
+
+def _refuse_updated_input(name: str, padding: Padding, path: str) -> None:
+    """Refuse a callable that updates a padded input or ``valid_length`` (found at ``path``) in
+    place: a padded call hands it a padded copy, so the caller's tensor would not see the
+    update; ``valid_length`` is one tensor per length that every later call of that length
+    gets, which would then tell it another length."""
+    if path == _VALID_LENGTH_PATH:
+        raise DualgraphError(
+            f"fallback='pad': {name} updates {path} in place, but every later call of that "
+            f"length is handed the same tensor, which would then tell it another length; "
+            f"compute a new one ({VALID_LENGTH} - 1, not {VALID_LENGTH} -= 1)"
+        )
+    if path in padding.input_paths:
+        raise DualgraphError(
+            f"fallback='pad': {name} updates {path} in place, but a padded call passes it a "
+            "padded copy, so the caller's tensor would not see the update"
+        )
 
 
 def check_padding_is_masked(
@@ -448,6 +462,10 @@ def _padded_difference(
     given: list[torch.Tensor] = []
     if sample:
         reference = run(tensors, 0, given)
+        # what a capture finds for the graphed backends (check_padded_plans), on every backend
+        _refuse_updates_of_the_call(
+            request.name, padding, guard.paths, tensors, given, valid, length
+        )
     else:
         put_back_modes = kept_modes()
         try:
@@ -488,6 +506,34 @@ def _padded_difference(
     names += [f"parameter {name}" for name, p in params if p.requires_grad]
     difference = _grad_difference(names, *grads)
     return None if difference is None else (difference, True, mode)
+
+
+def _refuse_updates_of_the_call(
+    name: str,
+    padding: Padding,
+    paths: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    given: Sequence[torch.Tensor],
+    valid: torch.Tensor,
+    length: int,
+) -> None:
+    """Refuse a call that updated a padded input or ``valid_length`` (made holding ``length``)
+    in place: ``given`` are the fresh copies of ``tensors`` it was passed; a version moved or a
+    value changed (an update through ``.data`` moves none)."""
+    if valid._version or int(valid.item()) != length:
+        _refuse_updated_input(name, padding, _VALID_LENGTH_PATH)
+    for index, _ in padding.inputs:
+        if given[index]._version or not _same_values(given[index], tensors[index]):
+            _refuse_updated_input(name, padding, paths[index])
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` equals ``b`` element for element, NaN equal to NaN."""
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.equal(a.isnan(), b.isnan())) and bool(
+            torch.equal(a.nan_to_num(), b.nan_to_num())
+        )
+    return bool(torch.equal(a, b))
 
 
 def _input_variants(
