@@ -678,6 +678,36 @@ def test_pad_refuses_a_callable_that_updates_valid_length_in_place(backend: str)
         )
 
 
+def sums_off_by_one(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """A sum over positions whose mask drops the last real one when told valid_length."""
+    if valid_length is None:
+        return x.sum(dim=1)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length - 1
+    return (x * keep).sum(dim=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_refuses_a_callable_that_told_its_full_length_differs_from_eager(
+    backend: str,
+) -> None:
+    # Every replay, padded or exact, is told valid_length, eager calls it without; the check
+    # compared padded calls with unpadded ones both told, so a mask off by one passed and every
+    # graphed call came back off eager's, silently (verify's eager side is told it too).
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"sums_off_by_one: output differs \(by up to .*\) between a call of length 4 told "
+        r"valid_length=4 .* and the same call without valid_length \(as eager calls it\)",
+    ):
+        dgt.make_graphed_callables(
+            sums_off_by_one,
+            buckets=[(torch.randn(2, n, device=device),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
 def scales_by_its_weights(
     x: torch.Tensor, *, weights: torch.Tensor, valid_length: Any = None
 ) -> torch.Tensor:

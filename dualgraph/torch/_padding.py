@@ -356,7 +356,7 @@ def _compare_padded(
     ]
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     training = any(training for _, training in modes)
-    found: tuple[str, bool, str] | None = None
+    found: tuple[str, str, str] | None = None
     params = list(module.parameters()) if module is not None else []
     try:
         # its backward may add into the parameters' main_grad and set their flags (fused
@@ -403,12 +403,20 @@ def _compare_padded(
                 buffer.copy_(value)
     if found is None:
         return
-    difference, grad_difference, mode = found
+    difference, kind, mode = found
+    if kind == "untold":
+        raise DualgraphError(
+            f"fallback='pad': {request.name}: {difference} between a call of length {length} "
+            f"told {VALID_LENGTH}={length} (every replay is told one, padded or not) and the "
+            f"same call without {VALID_LENGTH} (as eager calls it){mode}: told the call's "
+            "full length, it must do what it does untold (a mask off by one?); or use "
+            "fallback='eager' or 'error'"
+        )
     where = (
         f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
         f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach"
     )
-    if grad_difference:
+    if kind == "grads":
         raise DualgraphError(
             f"{where} the grads of the call's own (an op whose backward is inf or NaN at the "
             "zero padding, such as sqrt, log, a division or pow, gives NaN even times the zero "
@@ -435,18 +443,25 @@ def _padded_difference(
     saved: Sequence[torch.Tensor],
     mode: str,
     sample: bool = True,
-) -> tuple[str, bool, str] | None:
-    """How the padded call differs, in the modules' current modes: ``(difference, whether in
-    the grads, mode)``, or None. Each call starts from the buffers as ``saved`` (their values
-    before the check). ``sample``: the sample's own values; else shifted ones
-    (:func:`_input_variants`), whose outputs alone are compared, and only where the call's own
-    are finite (a log of the shifted values is no fault of the padding; nor is an error the
-    call raises on them)."""
+) -> tuple[str, str, str] | None:
+    """How the padded call differs, in the modules' current modes: ``(difference, kind, mode)``
+    (kind: ``"padded"`` outputs or buffers, ``"grads"``, or ``"untold"``: the call told its
+    full length differs from it called without ``valid_length``, as eager calls it), or None.
+    Each call starts from the buffers as ``saved`` (their values before the check). ``sample``:
+    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
+    are compared, and only where the call's own are finite (a log of the shifted values is no
+    fault of the padding; nor is an error the call raises on them)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
 
-    def run(inputs: list[torch.Tensor], seed: int, given: list[torch.Tensor] | None = None) -> Any:
+    def run(
+        inputs: list[torch.Tensor],
+        seed: int,
+        given: list[torch.Tensor] | None = None,
+        told: bool = True,
+    ) -> Any:
+        """The call of ``inputs`` (copies, into ``given``), told ``valid_length`` or not."""
         for (_, buffer), value in zip(named_buffers, saved, strict=True):
             buffer.copy_(value)  # every call updates them from the same values
         clones = [t.clone() for t in inputs]
@@ -454,7 +469,9 @@ def _padded_difference(
             given.extend(clones)
         args, kwargs = guard.unflatten(clones)
         torch.manual_seed(seed)
-        return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
+        if told:
+            kwargs = {**kwargs, VALID_LENGTH: valid}
+        return request.hooks.call(request.fn, args, kwargs)
 
     def updated() -> list[torch.Tensor]:
         return [b.detach().clone() for _, b in named_buffers]
@@ -481,6 +498,12 @@ def _padded_difference(
     _refuse_lost_views(request.name, padding, guard.paths, reference, given)
     if _difference(reference, run(tensors, 1), ()) is not None:
         return None  # it draws random numbers: the two calls cannot be compared
+    if sample:
+        untold = _untold_difference(
+            run, tensors, reference, [n for n, _ in named_buffers], expected_buffers, updated
+        )
+        if untold is not None:
+            return untold, "untold", mode
     found = run(padded, 0)
     cuts = output_cuts(padding, describe(found))
     difference = _difference(reference, found, cuts, length)
@@ -493,7 +516,7 @@ def _padded_difference(
                 difference = f"buffer {name} (updated by the call) {gap}"
                 break
     if difference is not None:
-        return difference, False, mode
+        return difference, "padded", mode
     if not sample:
         return None
     module = request.module
@@ -505,7 +528,34 @@ def _padded_difference(
     names = [n for n, wants in zip(guard.paths, wants_grad, strict=True) if wants]
     names += [f"parameter {name}" for name, p in params if p.requires_grad]
     difference = _grad_difference(names, *grads)
-    return None if difference is None else (difference, True, mode)
+    return None if difference is None else (difference, "grads", mode)
+
+
+def _untold_difference(
+    run: Callable[..., Any],
+    tensors: list[torch.Tensor],
+    told: Any,
+    buffer_names: Sequence[str],
+    told_buffers: Sequence[torch.Tensor],
+    updated: Callable[[], list[torch.Tensor]],
+) -> str | None:
+    """How the call of ``tensors`` without ``valid_length`` (as eager calls the callable)
+    differs from ``told``, its outputs with ``valid_length`` of their full length (as every
+    replay calls it, padded or not), in outputs or updated buffers; None where they agree or
+    where it cannot be called without (a required ``valid_length``: nothing to compare)."""
+    put_back_modes = kept_modes()
+    try:
+        untold = run(tensors, 0, told=False)
+    except Exception:
+        put_back_modes()
+        return None
+    difference = _difference(untold, told, ())
+    if difference is None:
+        for name, before, after in zip(buffer_names, updated(), told_buffers, strict=True):
+            gap = _tensor_difference(before, after)
+            if gap is not None:
+                return f"buffer {name} (updated by the call) {gap}"
+    return difference
 
 
 def _refuse_updates_of_the_call(
