@@ -678,6 +678,26 @@ def test_pad_refuses_a_callable_that_updates_valid_length_in_place(backend: str)
         )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_checks_a_mean_that_counts_the_padding_on_samples_of_zeros(backend: str) -> None:
+    # Samples of zeros (shapes for a capture) are what padding adds: the padded call equalled
+    # the call whatever the callable did with the padding, so a mean counting it passed the
+    # check and every padded call of real values came back off eager's, silently.
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"MeanPool: output differs .* when a call of length 4 is padded to 8 .*\(with its "
+        r"all-zero padded inputs given values in \(0, 1\)\)",
+    ):
+        dgt.make_graphed_callables(
+            MeanPool().to(device),
+            buckets=[(torch.zeros(2, n, 4, device=device),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
 def sums_off_by_one(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
     """A sum over positions whose mask drops the last real one when told valid_length."""
     if valid_length is None:

@@ -589,7 +589,8 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _input_variants(
     padding: Padding, tensors: list[torch.Tensor]
 ) -> list[tuple[list[torch.Tensor], str]]:
-    """The call's inputs, then the same with its floating padded inputs shifted below zero and
+    """The call's inputs; where a floating padded input is all zeros, the same with it given
+    values in (0, 1); then the same with its floating padded inputs shifted below zero and
     above it: where zero is the largest or the smallest value, a max, min or sort over
     positions that forgets the mask picks a padded zero, which the sample's mixed signs may
     hide (a max over 16 random positions is almost never below zero, a max of log
@@ -598,12 +599,28 @@ def _input_variants(
     ones and zeros), which a shift would leave (binary_cross_entropy or an index op out of
     range is a device-side assert on CUDA, which leaves the process unusable), and for them a
     padded zero already wins a max or a min on the sample's own values."""
+    variants = [(tensors, "")]
+    # Samples of zeros (a common way to give a capture its shapes) are what padding adds, so
+    # a call padded with them equals the call whatever the callable does with the padding:
+    # such inputs get values in (0, 1) too, inside most domains (probabilities, keep-masks).
+    zeros = [
+        index
+        for index, _ in padding.inputs
+        if tensors[index].dtype.is_floating_point and not tensors[index].any()
+    ]
+    if zeros:
+        generator = torch.Generator().manual_seed(0)
+        filled = list(tensors)
+        for index in zeros:
+            tensor = tensors[index]
+            values = torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype)
+            filled[index] = values.to(tensor.device) * 0.98 + 0.01
+        variants.append((filled, " (with its all-zero padded inputs given values in (0, 1))"))
     floating = [
         index
         for index, _ in padding.inputs
         if tensors[index].dtype.is_floating_point and _both_signs(tensors[index])
     ]
-    variants = [(tensors, "")]
     if not floating:
         return variants
     for sign, where in ((-1.0, "below"), (1.0, "above")):
