@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch_cases import (
+    BACKENDS,
     CUDA,
     GRAPH_BACKENDS,
     GRAPH_GRAD_MODES,
@@ -646,6 +647,116 @@ def test_pad_refuses_what_it_cannot_make_correct(case: str) -> None:
     build, buckets, dims, message = REFUSED_PADDING[case]
     with pytest.raises(DualgraphError, match=message):
         dgt.make_graphed_callables(build(), buckets=buckets, fallback="pad", dynamic_dims=dims)
+
+
+def skips_a_class_token(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """The sum over positions after the first, its length counted down in place."""
+    if valid_length is None:
+        return x[:, 1:].sum(dim=1)
+    valid_length -= 1  # an in-place update of the tensor every call of that length gets
+    keep = torch.arange(x.shape[1] - 1, device=x.device) < valid_length
+    return (x[:, 1:] * keep[None, :, None]).sum(dim=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_refuses_a_callable_that_updates_valid_length_in_place(backend: str) -> None:
+    # Every call of one length was handed one valid_length tensor, which the callable counted
+    # down: the second call of a length saw another length, silently another sum (on the
+    # eager backend too); the padding check took the moved length for random numbers.
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"skips_a_class_token updates kwargs\['valid_length'\] in place, but every later "
+        r"call of that length is handed the same tensor",
+    ):
+        dgt.make_graphed_callables(
+            skips_a_class_token,
+            buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_checks_a_mean_that_counts_the_padding_on_samples_of_zeros(backend: str) -> None:
+    # Samples of zeros (shapes for a capture) are what padding adds: the padded call equalled
+    # the call whatever the callable did with the padding, so a mean counting it passed the
+    # check and every padded call of real values came back off eager's, silently.
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"MeanPool: output differs .* when a call of length 4 is padded to 8 .*\(with its "
+        r"all-zero padded inputs given values in \(0, 1\)\)",
+    ):
+        dgt.make_graphed_callables(
+            MeanPool().to(device),
+            buckets=[(torch.zeros(2, n, 4, device=device),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
+def sums_off_by_one(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """A sum over positions whose mask drops the last real one when told valid_length."""
+    if valid_length is None:
+        return x.sum(dim=1)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length - 1
+    return (x * keep).sum(dim=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_refuses_a_callable_that_told_its_full_length_differs_from_eager(
+    backend: str,
+) -> None:
+    # Every replay, padded or exact, is told valid_length, eager calls it without; the check
+    # compared padded calls with unpadded ones both told, so a mask off by one passed and every
+    # graphed call came back off eager's, silently (verify's eager side is told it too).
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"sums_off_by_one: output differs \(by up to .*\) between a call of length 4 told "
+        r"valid_length=4 .* and the same call without valid_length \(as eager calls it\)",
+    ):
+        dgt.make_graphed_callables(
+            sums_off_by_one,
+            buckets=[(torch.randn(2, n, device=device),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
+def scales_by_its_weights(
+    x: torch.Tensor, *, weights: torch.Tensor, valid_length: Any = None
+) -> torch.Tensor:
+    weights.mul_(2)  # a keyword sorted after valid_length, padded and updated in place
+    return x * weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_refuses_an_update_of_a_padded_keyword_sorted_after_valid_length(
+    backend: str,
+) -> None:
+    # The capture named its inputs with valid_length among the keywords (sorted), the buckets
+    # without: the updated kwargs['weights'] was taken for another input and let through, so a
+    # padded call updated a padded copy and the caller's tensor stayed as it was (eager doubles
+    # it); the eager backend never checked.
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"scales_by_its_weights updates kwargs\['weights'\] in place, but a padded call "
+        r"passes it a padded copy",
+    ):
+        dgt.make_graphed_callables(
+            scales_by_its_weights,
+            buckets=[(torch.randn(2, n, device=device),) for n in (4, 8)],
+            sample_kwargs=[{"weights": torch.randn(2, n, device=device)} for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "kwargs['weights']": 1, "output": 1},
+            backend=backend,
+        )
 
 
 class CountedMean(MeanPool):

@@ -160,7 +160,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
                 largest_alone = plan.diagnostics.pool_bytes
                 largest = i
         if padding is not None:
-            check_padded_plans(request, padding, plans, lengths, guard, shapes)
+            check_padded_plans(request, padding, plans, lengths, shapes)
         # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
         if options.param_grads == "auto" and request.fallback == "eager":
             eager_graphs = EagerGraphs()

@@ -41,6 +41,7 @@ __all__ = [
 #: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
 #: along the dynamic dims are real (a 0-d int64 tensor); the rest are zero padding.
 VALID_LENGTH = "valid_length"
+_VALID_LENGTH_PATH = f"kwargs['{VALID_LENGTH}']"
 
 #: Modules whose statistics run across positions, so that padding would change them.
 _POSITION_STATISTICS: tuple[type, ...] = (
@@ -219,20 +220,15 @@ def check_padded_plans(
     padding: Padding,
     plans: Sequence[Any],
     lengths: Sequence[int | None],
-    guard: InputGuard,
     shapes: Sequence[tuple[torch.Size, ...]],
 ) -> None:
     """Refuse what pad cannot cut back or copy back, now that the outputs are known."""
-    padded = {index for index, _ in padding.inputs}
     cuts_per_bucket = []
     for i, (plan, length) in enumerate(zip(plans, lengths, strict=True)):
+        # by path: a plan's inputs hold valid_length too, among the keywords in sorted order,
+        # so its positions are not the bucket guard's
         for index in plan.mutated_inputs:
-            if index in padded:
-                raise DualgraphError(
-                    f"fallback='pad': {request.name} updates {guard.paths[index]} in place, but a "
-                    "padded call passes it a padded copy, so the caller's tensor would not see "
-                    "the update"
-                )
+            _refuse_updated_input(request.name, padding, plan.inputs.paths[index])
         cuts = output_cuts(padding, plan.outputs)
         for index, dim in cuts:
             size = plan.outputs.arrays[index].shape[dim]
@@ -264,6 +260,24 @@ def check_padded_plans(
                         f"({', '.join(map(str, sorted(sizes)))} across buckets) but is not in "
                         f"dynamic_dims, so a padded call could not be cut back; {fix}"
                     )
+
+
+def _refuse_updated_input(name: str, padding: Padding, path: str) -> None:
+    """Refuse a callable that updates a padded input or ``valid_length`` (found at ``path``) in
+    place: a padded call hands it a padded copy, so the caller's tensor would not see the
+    update; ``valid_length`` is one tensor per length that every later call of that length
+    gets, which would then tell it another length."""
+    if path == _VALID_LENGTH_PATH:
+        raise DualgraphError(
+            f"fallback='pad': {name} updates {path} in place, but every later call of that "
+            f"length is handed the same tensor, which would then tell it another length; "
+            f"compute a new one ({VALID_LENGTH} - 1, not {VALID_LENGTH} -= 1)"
+        )
+    if path in padding.input_paths:
+        raise DualgraphError(
+            f"fallback='pad': {name} updates {path} in place, but a padded call passes it a "
+            "padded copy, so the caller's tensor would not see the update"
+        )
 
 
 def check_padding_is_masked(
@@ -342,7 +356,7 @@ def _compare_padded(
     ]
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     training = any(training for _, training in modes)
-    found: tuple[str, bool, str] | None = None
+    found: tuple[str, str, str] | None = None
     params = list(module.parameters()) if module is not None else []
     try:
         # its backward may add into the parameters' main_grad and set their flags (fused
@@ -389,12 +403,20 @@ def _compare_padded(
                 buffer.copy_(value)
     if found is None:
         return
-    difference, grad_difference, mode = found
+    difference, kind, mode = found
+    if kind == "untold":
+        raise DualgraphError(
+            f"fallback='pad': {request.name}: {difference} between a call of length {length} "
+            f"told {VALID_LENGTH}={length} (every replay is told one, padded or not) and the "
+            f"same call without {VALID_LENGTH} (as eager calls it){mode}: told the call's "
+            "full length, it must do what it does untold (a mask off by one?); or use "
+            "fallback='eager' or 'error'"
+        )
     where = (
         f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
         f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach"
     )
-    if grad_difference:
+    if kind == "grads":
         raise DualgraphError(
             f"{where} the grads of the call's own (an op whose backward is inf or NaN at the "
             "zero padding, such as sqrt, log, a division or pow, gives NaN even times the zero "
@@ -421,18 +443,25 @@ def _padded_difference(
     saved: Sequence[torch.Tensor],
     mode: str,
     sample: bool = True,
-) -> tuple[str, bool, str] | None:
-    """How the padded call differs, in the modules' current modes: ``(difference, whether in
-    the grads, mode)``, or None. Each call starts from the buffers as ``saved`` (their values
-    before the check). ``sample``: the sample's own values; else shifted ones
-    (:func:`_input_variants`), whose outputs alone are compared, and only where the call's own
-    are finite (a log of the shifted values is no fault of the padding; nor is an error the
-    call raises on them)."""
+) -> tuple[str, str, str] | None:
+    """How the padded call differs, in the modules' current modes: ``(difference, kind, mode)``
+    (kind: ``"padded"`` outputs or buffers, ``"grads"``, or ``"untold"``: the call told its
+    full length differs from it called without ``valid_length``, as eager calls it), or None.
+    Each call starts from the buffers as ``saved`` (their values before the check). ``sample``:
+    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
+    are compared, and only where the call's own are finite (a log of the shifted values is no
+    fault of the padding; nor is an error the call raises on them)."""
     padded = _padded(padding, tensors, length, full)
     device = tensors[padding.inputs[0][0]].device
     valid = torch.full((), length, dtype=torch.int64, device=device)
 
-    def run(inputs: list[torch.Tensor], seed: int, given: list[torch.Tensor] | None = None) -> Any:
+    def run(
+        inputs: list[torch.Tensor],
+        seed: int,
+        given: list[torch.Tensor] | None = None,
+        told: bool = True,
+    ) -> Any:
+        """The call of ``inputs`` (copies, into ``given``), told ``valid_length`` or not."""
         for (_, buffer), value in zip(named_buffers, saved, strict=True):
             buffer.copy_(value)  # every call updates them from the same values
         clones = [t.clone() for t in inputs]
@@ -440,7 +469,9 @@ def _padded_difference(
             given.extend(clones)
         args, kwargs = guard.unflatten(clones)
         torch.manual_seed(seed)
-        return request.hooks.call(request.fn, args, {**kwargs, VALID_LENGTH: valid})
+        if told:
+            kwargs = {**kwargs, VALID_LENGTH: valid}
+        return request.hooks.call(request.fn, args, kwargs)
 
     def updated() -> list[torch.Tensor]:
         return [b.detach().clone() for _, b in named_buffers]
@@ -448,6 +479,10 @@ def _padded_difference(
     given: list[torch.Tensor] = []
     if sample:
         reference = run(tensors, 0, given)
+        # what a capture finds for the graphed backends (check_padded_plans), on every backend
+        _refuse_updates_of_the_call(
+            request.name, padding, guard.paths, tensors, given, valid, length
+        )
     else:
         put_back_modes = kept_modes()
         try:
@@ -463,6 +498,12 @@ def _padded_difference(
     _refuse_lost_views(request.name, padding, guard.paths, reference, given)
     if _difference(reference, run(tensors, 1), ()) is not None:
         return None  # it draws random numbers: the two calls cannot be compared
+    if sample:
+        untold = _untold_difference(
+            run, tensors, reference, [n for n, _ in named_buffers], expected_buffers, updated
+        )
+        if untold is not None:
+            return untold, "untold", mode
     found = run(padded, 0)
     cuts = output_cuts(padding, describe(found))
     difference = _difference(reference, found, cuts, length)
@@ -475,7 +516,7 @@ def _padded_difference(
                 difference = f"buffer {name} (updated by the call) {gap}"
                 break
     if difference is not None:
-        return difference, False, mode
+        return difference, "padded", mode
     if not sample:
         return None
     module = request.module
@@ -487,13 +528,69 @@ def _padded_difference(
     names = [n for n, wants in zip(guard.paths, wants_grad, strict=True) if wants]
     names += [f"parameter {name}" for name, p in params if p.requires_grad]
     difference = _grad_difference(names, *grads)
-    return None if difference is None else (difference, True, mode)
+    return None if difference is None else (difference, "grads", mode)
+
+
+def _untold_difference(
+    run: Callable[..., Any],
+    tensors: list[torch.Tensor],
+    told: Any,
+    buffer_names: Sequence[str],
+    told_buffers: Sequence[torch.Tensor],
+    updated: Callable[[], list[torch.Tensor]],
+) -> str | None:
+    """How the call of ``tensors`` without ``valid_length`` (as eager calls the callable)
+    differs from ``told``, its outputs with ``valid_length`` of their full length (as every
+    replay calls it, padded or not), in outputs or updated buffers; None where they agree or
+    where it cannot be called without (a required ``valid_length``: nothing to compare)."""
+    put_back_modes = kept_modes()
+    try:
+        untold = run(tensors, 0, told=False)
+    except Exception:
+        put_back_modes()
+        return None
+    difference = _difference(untold, told, ())
+    if difference is None:
+        for name, before, after in zip(buffer_names, updated(), told_buffers, strict=True):
+            gap = _tensor_difference(before, after)
+            if gap is not None:
+                return f"buffer {name} (updated by the call) {gap}"
+    return difference
+
+
+def _refuse_updates_of_the_call(
+    name: str,
+    padding: Padding,
+    paths: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    given: Sequence[torch.Tensor],
+    valid: torch.Tensor,
+    length: int,
+) -> None:
+    """Refuse a call that updated a padded input or ``valid_length`` (made holding ``length``)
+    in place: ``given`` are the fresh copies of ``tensors`` it was passed; a version moved or a
+    value changed (an update through ``.data`` moves none)."""
+    if valid._version or int(valid.item()) != length:
+        _refuse_updated_input(name, padding, _VALID_LENGTH_PATH)
+    for index, _ in padding.inputs:
+        if given[index]._version or not _same_values(given[index], tensors[index]):
+            _refuse_updated_input(name, padding, paths[index])
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` equals ``b`` element for element, NaN equal to NaN."""
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.equal(a.isnan(), b.isnan())) and bool(
+            torch.equal(a.nan_to_num(), b.nan_to_num())
+        )
+    return bool(torch.equal(a, b))
 
 
 def _input_variants(
     padding: Padding, tensors: list[torch.Tensor]
 ) -> list[tuple[list[torch.Tensor], str]]:
-    """The call's inputs, then the same with its floating padded inputs shifted below zero and
+    """The call's inputs; where a floating padded input is all zeros, the same with it given
+    values in (0, 1); then the same with its floating padded inputs shifted below zero and
     above it: where zero is the largest or the smallest value, a max, min or sort over
     positions that forgets the mask picks a padded zero, which the sample's mixed signs may
     hide (a max over 16 random positions is almost never below zero, a max of log
@@ -502,12 +599,28 @@ def _input_variants(
     ones and zeros), which a shift would leave (binary_cross_entropy or an index op out of
     range is a device-side assert on CUDA, which leaves the process unusable), and for them a
     padded zero already wins a max or a min on the sample's own values."""
+    variants = [(tensors, "")]
+    # Samples of zeros (a common way to give a capture its shapes) are what padding adds, so
+    # a call padded with them equals the call whatever the callable does with the padding:
+    # such inputs get values in (0, 1) too, inside most domains (probabilities, keep-masks).
+    zeros = [
+        index
+        for index, _ in padding.inputs
+        if tensors[index].dtype.is_floating_point and not tensors[index].any()
+    ]
+    if zeros:
+        generator = torch.Generator().manual_seed(0)
+        filled = list(tensors)
+        for index in zeros:
+            tensor = tensors[index]
+            values = torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype)
+            filled[index] = values.to(tensor.device) * 0.98 + 0.01
+        variants.append((filled, " (with its all-zero padded inputs given values in (0, 1))"))
     floating = [
         index
         for index, _ in padding.inputs
         if tensors[index].dtype.is_floating_point and _both_signs(tensors[index])
     ]
-    variants = [(tensors, "")]
     if not floating:
         return variants
     for sign, where in ((-1.0, "below"), (1.0, "above")):
