@@ -315,3 +315,41 @@ def test_an_output_viewing_a_parameter_keeps_eagers_non_dense_layout(backend: st
     out = module(torch.randn(3, 6, device=device, requires_grad=True))[1]
     assert out.stride() == eager.stride() == (6, 2)
     assert torch.equal(out.detach(), eager)
+
+
+def _conjugated_views(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # y is not used inside: its grad then comes from the views alone, as eager sums it
+    h = x * 2
+    return h, h.conj(), h.conj()[0], torch._neg_view(h), y.conj(), y[1].conj()
+
+
+@pytest.mark.parametrize("inputs_conjugated", [False, True])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAD_MODES)
+def test_a_conjugate_or_negative_view_of_an_input_or_output_keeps_its_bit(
+    inputs_conjugated: bool, backend: str, param_grads: str
+) -> None:
+    # y.conj() is y's memory read conjugated: a view made with as_strided alone lost the bit
+    # and handed out y's values unconjugated, silently (values, and the grads through them).
+    device = device_of(backend)
+    samples = [torch.randn(3, 4, dtype=torch.cfloat, device=device, requires_grad=True)] * 2
+    options = {} if backend == "eager" else {"param_grads": param_grads}
+    graphed = dgt.make_graphed_callables(_conjugated_views, samples, backend=backend, **options)
+    for _ in range(2):
+        leaves = [torch.randn(3, 4, dtype=torch.cfloat, device=device, requires_grad=True)]
+        leaves.append(torch.randn(3, 4, dtype=torch.cfloat, device=device, requires_grad=True))
+        leaves_eager = [t.detach().clone().requires_grad_(True) for t in leaves]
+        if inputs_conjugated:
+            ours, theirs = (
+                graphed(*[t.conj() for t in leaves]),
+                _conjugated_views(*[t.conj() for t in leaves_eager]),
+            )
+        else:
+            ours, theirs = graphed(*leaves), _conjugated_views(*leaves_eager)
+        assert [(t.is_conj(), t.is_neg()) for t in ours] == [
+            (t.is_conj(), t.is_neg()) for t in theirs
+        ]
+        assert_trees_match(ours, theirs, tolerance(backend))
+        sum(t.abs().sum() * k for k, t in enumerate(ours, 1)).backward()
+        sum(t.abs().sum() * k for k, t in enumerate(theirs, 1)).backward()
+        grads = [t.grad for t in leaves]
+        assert_grads_match(grads, [t.grad for t in leaves_eager], ["x", "y"], tolerance(backend))

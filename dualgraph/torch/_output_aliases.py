@@ -32,7 +32,9 @@ class _Step:
     """Output ``output`` is made from ``source`` (an output, or an input where ``from_input``).
 
     ``size`` ``None``: the source itself (detached where ``detach``); else a view of it with
-    this size and stride, ``offset`` elements past the source's storage offset.
+    this size and stride, ``offset`` elements past the source's storage offset. ``conj`` and
+    ``neg``: the output's conjugate or negative bit is the other one than the source's
+    (``x.conj()``: the same memory, read conjugated), so the view made flips it.
     """
 
     output: int
@@ -43,6 +45,8 @@ class _Step:
     stride: tuple[int, ...] = ()
     offset: int = 0
     source_stride: tuple[int, ...] = ()  # an input view: the input's layout at capture
+    conj: bool = False
+    neg: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ class OutputAliases:
                 base = base.detach()
             if step.size is not None:
                 base = base.as_strided(step.size, step.stride, base.storage_offset() + step.offset)
+            if step.conj:
+                base = base.conj()
+            if step.neg:
+                base = torch._neg_view(base)
             result[step.output] = base
         return tuple(result)
 
@@ -163,6 +171,7 @@ def _input_view(
         stride=tensor.stride(),
         offset=int(tensor.storage_offset() - source.storage_offset()),
         source_stride=source.stride(),
+        **_bits_flipped(tensor, source),
     )
 
 
@@ -222,7 +231,8 @@ def _views_within(
             and tensor.stride() == base.stride()
             and tensor.storage_offset() == base.storage_offset()
         )
-        if detach and same_layout and tensor._base is None:
+        flipped = _bits_flipped(tensor, base)
+        if detach and same_layout and tensor._base is None and not any(flipped.values()):
             steps.append(_Step(k, root, detach=True))  # .detach() of it
         else:
             steps.append(
@@ -233,9 +243,23 @@ def _views_within(
                     size=tuple(tensor.shape),
                     stride=tensor.stride(),
                     offset=int(tensor.storage_offset() - base.storage_offset()),
+                    **flipped,
                 )
             )
     return steps
+
+
+def _bits_flipped(tensor: torch.Tensor, source: torch.Tensor) -> dict[str, bool]:
+    """Which of its lazy bits ``tensor`` holds otherwise than ``source``, the memory it views.
+
+    >>> z = torch.ones(2, dtype=torch.cfloat)
+    >>> _bits_flipped(z.conj(), z)
+    {'conj': True, 'neg': False}
+    """
+    return {
+        "conj": tensor.is_conj() != source.is_conj(),
+        "neg": tensor.is_neg() != source.is_neg(),
+    }
 
 
 def _storage(tensor: torch.Tensor) -> int:
