@@ -234,6 +234,51 @@ def test_a_view_of_an_input_laid_out_otherwise_is_refused_before_any_buffer(
     assert first._base is not None and torch.equal(first, transposed[1])
 
 
+#: An op that returns its input itself where it is laid out so, and a call laid out otherwise.
+RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO = {
+    "contiguous": (torch.Tensor.contiguous, lambda x: x.t().contiguous().t()),
+    "resolve_conj": (torch.Tensor.resolve_conj, torch.Tensor.conj),
+}
+
+
+@pytest.mark.parametrize("op", sorted(RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO))
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_returned_itself_laid_out_otherwise_is_refused_before_any_buffer(
+    op: str, backend: str
+) -> None:
+    # x.contiguous() returned x itself at capture; on a transposed x eager returns a copy,
+    # where the replay handed out the caller's x: other strides (.view failed), and an
+    # in-place change of the output changed the caller's input.
+    returns_itself, other_layout = RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO[op]
+
+    def normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return returns_itself(x), x * 2
+
+    device = device_of(backend)
+    sample = torch.randn(3, 4, dtype=torch.cfloat, device=device)
+    graphed = dgt.make_graphed_callables(normalized, (sample,), backend=backend)
+    before = [t.clone() for t in graphed.static_inputs]
+    x = other_layout(torch.randn(3, 4, dtype=torch.cfloat, device=device))
+    with pytest.raises(DualgraphError, match=r"output\[0\] was args\[0\] itself at capture"):
+        graphed(x)
+    assert all(map(torch.equal, graphed.static_inputs, before))
+    laid_out_so = returns_itself(x)
+    assert graphed(laid_out_so)[0] is laid_out_so  # as eager: the input itself
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_returned_itself_may_differ_in_strides_of_dims_of_one_element(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        lambda x: (x.contiguous(), x * 2), (torch.randn(1, 4, device=device),), backend=backend
+    )
+    x = torch.randn(4, 4, device=device)[1:2]  # strides (4, 1) where the sample's are (4, 1)...
+    y = torch.randn(4, 1, device=device).t()  # ...and (1, 1) here: both contiguous
+    assert graphed(x)[0] is x and graphed(y)[0] is y
+
+
 class ReturnsItsWeight(nn.Module):
     """``(fc(x), fc.weight.t())``: an output that views a parameter (a tied head's weight)."""
 

@@ -44,7 +44,7 @@ class _Step:
     size: tuple[int, ...] | None = None
     stride: tuple[int, ...] = ()
     offset: int = 0
-    source_stride: tuple[int, ...] = ()  # an input view: the input's layout at capture
+    source_stride: tuple[int, ...] = ()  # from an input: the input's layout at capture
     conj: bool = False
     neg: bool = False
 
@@ -63,9 +63,13 @@ class OutputAliases:
         paths: Sequence[str],
         out_paths: Sequence[str],
     ) -> None:
-        """Refuse an input of another layout than at capture that an output is a view of."""
+        """Refuse an input of another layout than at capture that an output is, or is a view of."""
         for step in self.input_views:
             tensor = tensors[step.source]
+            if step.size is None:
+                if not _laid_out_as(tensor, step.source_stride):
+                    _refuse_returned_input(name, step, tensor, paths, out_paths)
+                continue
             if tensor.stride() != step.source_stride:
                 path = paths[step.source]
                 raise DualgraphError(
@@ -119,7 +123,11 @@ def find_output_aliases(
         first[id(tensor)] = k
         position = next((i for i, t in enumerate(inputs) if t is tensor), None)
         if position is not None:
-            steps.append(_Step(k, position, from_input=True))
+            # The input itself, maybe through an op that returns its input only where it is
+            # laid out so (x.contiguous(), x.resolve_conj()): checked at each call.
+            step = _Step(k, position, from_input=True, source_stride=tensor.stride())
+            steps.append(step)
+            input_views.append(step)
             continue
         if not tensor.numel():
             continue
@@ -171,7 +179,8 @@ def _input_view(
         stride=tensor.stride(),
         offset=int(tensor.storage_offset() - source.storage_offset()),
         source_stride=source.stride(),
-        **_bits_flipped(tensor, source),
+        conj=tensor.is_conj() != source.is_conj(),
+        neg=tensor.is_neg() != source.is_neg(),
     )
 
 
@@ -231,8 +240,8 @@ def _views_within(
             and tensor.stride() == base.stride()
             and tensor.storage_offset() == base.storage_offset()
         )
-        flipped = _bits_flipped(tensor, base)
-        if detach and same_layout and tensor._base is None and not any(flipped.values()):
+        conj, neg = tensor.is_conj() != base.is_conj(), tensor.is_neg() != base.is_neg()
+        if detach and same_layout and tensor._base is None and not (conj or neg):
             steps.append(_Step(k, root, detach=True))  # .detach() of it
         else:
             steps.append(
@@ -243,23 +252,48 @@ def _views_within(
                     size=tuple(tensor.shape),
                     stride=tensor.stride(),
                     offset=int(tensor.storage_offset() - base.storage_offset()),
-                    **flipped,
+                    conj=conj,
+                    neg=neg,
                 )
             )
     return steps
 
 
-def _bits_flipped(tensor: torch.Tensor, source: torch.Tensor) -> dict[str, bool]:
-    """Which of its lazy bits ``tensor`` holds otherwise than ``source``, the memory it views.
+def _laid_out_as(tensor: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``tensor`` walks its elements as a plain tensor of ``stride`` does (strides of
+    dims of one element never matter), with no conjugate or negative bit.
 
-    >>> z = torch.ones(2, dtype=torch.cfloat)
-    >>> _bits_flipped(z.conj(), z)
-    {'conj': True, 'neg': False}
+    >>> _laid_out_as(torch.ones(1, 3)[:, :], (7, 1)), _laid_out_as(torch.ones(3, 2).t(), (3, 1))
+    (True, False)
     """
-    return {
-        "conj": tensor.is_conj() != source.is_conj(),
-        "neg": tensor.is_neg() != source.is_neg(),
-    }
+    if tensor.is_conj() or tensor.is_neg():
+        return False
+    if not tensor.numel():
+        return True
+    return all(
+        n == 1 or a == b for n, a, b in zip(tensor.shape, tensor.stride(), stride, strict=True)
+    )
+
+
+def _refuse_returned_input(
+    name: str,
+    step: _Step,
+    tensor: torch.Tensor,
+    paths: Sequence[str],
+    out_paths: Sequence[str],
+) -> None:
+    path = paths[step.source]
+    bits = [
+        bit for bit, on in (("conjugate", tensor.is_conj()), ("negative", tensor.is_neg())) if on
+    ]
+    now = f"strides {tensor.stride()}" + "".join(f", a {bit} bit" for bit in bits)
+    raise DualgraphError(
+        f"{name}: output{out_paths[step.output]} was {path} itself at capture, where the "
+        f"callable saw it with strides {step.source_stride}; this call's {path} has {now}, for "
+        f"which eager may return another tensor (x.contiguous() and x.resolve_conj() return x "
+        f"itself only where it is laid out so), which a replay cannot tell. Pass {path} laid "
+        f"out as at capture (.contiguous(), .resolve_conj()), or {_ADVICE}"
+    )
 
 
 def _storage(tensor: torch.Tensor) -> int:
