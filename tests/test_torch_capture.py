@@ -411,6 +411,27 @@ def test_outputs_that_depend_on_a_foreign_tensor_requiring_grad_are_refused(back
     assert shared.weight.grad is None and weight.grad is None
 
 
+def _derivative_of_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x.requires_grad_(True)  # a physics-informed loss's pattern: du/dx inside the forward
+    u = x.sin().sum()
+    (du,) = torch.autograd.grad(u, x, create_graph=True)
+    return u, du
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_the_callable_makes_require_grad_is_refused_naming_it(backend: str) -> None:
+    # Was refused as 'neither inputs nor arguments (float32[4])', which it is: the input.
+    message = capture_error(
+        _derivative_of_its_input, (torch.randn(4, device=device_of(backend)),), backend=backend
+    )
+    assert "args[0]: its sample does not require grad, but the callable made it" in message
+    assert "Pass a sample args[0] that requires grad" in message
+    sample = torch.randn(4, device=device_of(backend), requires_grad=True)
+    graphed = dgt.make_graphed_callables(_derivative_of_its_input, (sample,), backend=backend)
+    x = torch.randn(4, device=device_of(backend), requires_grad=True)
+    assert torch.equal(graphed(x)[1], x.detach().cos())
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

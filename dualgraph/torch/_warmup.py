@@ -350,6 +350,16 @@ def _refuse_unused(item: _Capture, k: int) -> None:
 
 def _refuse_foreign_leaves(item: _Capture, foreign: Sequence[torch.Tensor]) -> None:
     """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
+    for tensor in foreign:  # an input whose sample needs no grad, made to need it in the call
+        inputs = zip(item.request.inputs.paths, item.static_inputs, strict=True)
+        path = next((p for p, t in inputs if t is tensor), None)
+        if path is not None:
+            raise Refused(
+                f"{path}: its sample does not require grad, but the callable made it require "
+                "grad (x.requires_grad_()), so the outputs depend on it; a replay gives grads "
+                f"only to inputs captured requiring grad. Pass a sample {path} that requires "
+                "grad (and calls whose tensor does: eager's call would leave it requiring grad)"
+            )
     shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
     owner = "parameters of the module" if item.request.module is not None else "arguments"
     raise Refused(
