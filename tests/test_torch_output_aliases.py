@@ -279,6 +279,26 @@ def test_an_input_returned_itself_may_differ_in_strides_of_dims_of_one_element(
     assert graphed(x)[0] is x and graphed(y)[0] is y
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_view_of_an_input_may_differ_in_strides_of_dims_of_one_element(backend: str) -> None:
+    # A (1, 4) input with strides (1, 1) (a transposed column) is contiguous: it was refused as
+    # laid out otherwise, and the advice, .contiguous(), returned it as it was.
+    device = device_of(backend)
+
+    def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x[0], x.squeeze(0), x * 2
+
+    graphed = dgt.make_graphed_callables(rows, (torch.randn(1, 4, device=device),), backend=backend)
+    x = torch.randn(4, 1, device=device).t()
+    assert x.is_contiguous() and x.stride() == (1, 1)
+    ours, theirs = graphed(x), rows(x)
+    assert_trees_match(ours, theirs)
+    before = x.clone()
+    with torch.no_grad():
+        ours[0].add_(1.0)  # a view of the caller's x, as eager's
+    assert torch.equal(x, before + 1.0)
+
+
 class ReturnsItsWeight(nn.Module):
     """``(fc(x), fc.weight.t())``: an output that views a parameter (a tied head's weight)."""
 

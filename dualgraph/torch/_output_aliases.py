@@ -67,10 +67,10 @@ class OutputAliases:
         for step in self.input_views:
             tensor = tensors[step.source]
             if step.size is None:
-                if not _laid_out_as(tensor, step.source_stride):
+                if tensor.is_conj() or tensor.is_neg() or not _walks_as(tensor, step.source_stride):
                     _refuse_returned_input(name, step, tensor, paths, out_paths)
                 continue
-            if tensor.stride() != step.source_stride:
+            if not _walks_as(tensor, step.source_stride):
                 path = paths[step.source]
                 raise DualgraphError(
                     f"{name}: output{out_paths[step.output]} is a view of {path}, captured with "
@@ -259,16 +259,14 @@ def _views_within(
     return steps
 
 
-def _laid_out_as(tensor: torch.Tensor, stride: tuple[int, ...]) -> bool:
-    """Whether ``tensor`` walks its elements as a plain tensor of ``stride`` does (strides of
-    dims of one element never matter), with no conjugate or negative bit.
+def _walks_as(tensor: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``tensor`` lays its elements out as one of its shape with ``stride`` does: the
+    strides of dims of one element never matter (to where an element lies, so to any view).
 
-    >>> _laid_out_as(torch.ones(1, 3)[:, :], (7, 1)), _laid_out_as(torch.ones(3, 2).t(), (3, 1))
+    >>> _walks_as(torch.ones(4, 1).t(), (4, 1)), _walks_as(torch.ones(3, 2).t(), (3, 1))
     (True, False)
     """
-    if tensor.is_conj() or tensor.is_neg():
-        return False
-    if not tensor.numel():
+    if tensor.stride() == stride or not tensor.numel():
         return True
     return all(
         n == 1 or a == b for n, a, b in zip(tensor.shape, tensor.stride(), stride, strict=True)
