@@ -412,6 +412,54 @@ def test_outputs_that_depend_on_a_foreign_tensor_requiring_grad_are_refused(back
     assert shared.weight.grad is None and weight.grad is None
 
 
+def _derivative_of_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x.requires_grad_(True)  # a physics-informed loss's pattern: du/dx inside the forward
+    u = x.sin().sum()
+    (du,) = torch.autograd.grad(u, x, create_graph=True)
+    return u, du
+
+
+class AddsInPlace(nn.Module):
+    """``x += offset``: fine in eager for an input that is no leaf (a previous layer's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(4))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += self.offset
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_requiring_grad_updated_in_place_is_refused_saying_so(backend: str) -> None:
+    # The sample is no leaf, so torch's 'a leaf Variable that requires grad is being used in
+    # an in-place operation' named neither the input nor what to do.
+    device = device_of(backend)
+    module = AddsInPlace().to(device)
+    base = torch.randn(2, 4, device=device, requires_grad=True)
+    module(base * 1).sum().backward()  # runs in eager
+    message = capture_error(module, (base * 1,), backend=backend)
+    assert "an input requiring grad (args[0]: x += y" in message
+    assert "Compute it out of place (x = x + y)" in message
+    assert dgt.make_graphed_callables(module, (base.detach(),), backend=backend) is module
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_the_callable_makes_require_grad_is_refused_naming_it(backend: str) -> None:
+    # Was refused as 'neither inputs nor arguments (float32[4])', which it is: the input.
+    message = capture_error(
+        _derivative_of_its_input, (torch.randn(4, device=device_of(backend)),), backend=backend
+    )
+    assert "args[0]: its sample does not require grad, but the callable made it" in message
+    assert "Pass a sample args[0] that requires grad" in message
+    sample = torch.randn(4, device=device_of(backend), requires_grad=True)
+    graphed = dgt.make_graphed_callables(_derivative_of_its_input, (sample,), backend=backend)
+    x = torch.randn(4, device=device_of(backend), requires_grad=True)
+    assert torch.equal(graphed(x)[1], x.detach().cos())
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

@@ -234,6 +234,71 @@ def test_a_view_of_an_input_laid_out_otherwise_is_refused_before_any_buffer(
     assert first._base is not None and torch.equal(first, transposed[1])
 
 
+#: An op that returns its input itself where it is laid out so, and a call laid out otherwise.
+RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO = {
+    "contiguous": (torch.Tensor.contiguous, lambda x: x.t().contiguous().t()),
+    "resolve_conj": (torch.Tensor.resolve_conj, torch.Tensor.conj),
+}
+
+
+@pytest.mark.parametrize("op", sorted(RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO))
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_returned_itself_laid_out_otherwise_is_refused_before_any_buffer(
+    op: str, backend: str
+) -> None:
+    # x.contiguous() returned x itself at capture; on a transposed x eager returns a copy,
+    # where the replay handed out the caller's x: other strides (.view failed), and an
+    # in-place change of the output changed the caller's input.
+    returns_itself, other_layout = RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO[op]
+
+    def normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return returns_itself(x), x * 2
+
+    device = device_of(backend)
+    sample = torch.randn(3, 4, dtype=torch.cfloat, device=device)
+    graphed = dgt.make_graphed_callables(normalized, (sample,), backend=backend)
+    before = [t.clone() for t in graphed.static_inputs]
+    x = other_layout(torch.randn(3, 4, dtype=torch.cfloat, device=device))
+    with pytest.raises(DualgraphError, match=r"output\[0\] was args\[0\] itself at capture"):
+        graphed(x)
+    assert all(map(torch.equal, graphed.static_inputs, before))
+    laid_out_so = returns_itself(x)
+    assert graphed(laid_out_so)[0] is laid_out_so  # as eager: the input itself
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_returned_itself_may_differ_in_strides_of_dims_of_one_element(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        lambda x: (x.contiguous(), x * 2), (torch.randn(1, 4, device=device),), backend=backend
+    )
+    x = torch.randn(4, 4, device=device)[1:2]  # strides (4, 1) where the sample's are (4, 1)...
+    y = torch.randn(4, 1, device=device).t()  # ...and (1, 1) here: both contiguous
+    assert graphed(x)[0] is x and graphed(y)[0] is y
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_view_of_an_input_may_differ_in_strides_of_dims_of_one_element(backend: str) -> None:
+    # A (1, 4) input with strides (1, 1) (a transposed column) is contiguous: it was refused as
+    # laid out otherwise, and the advice, .contiguous(), returned it as it was.
+    device = device_of(backend)
+
+    def rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x[0], x.squeeze(0), x * 2
+
+    graphed = dgt.make_graphed_callables(rows, (torch.randn(1, 4, device=device),), backend=backend)
+    x = torch.randn(4, 1, device=device).t()
+    assert x.is_contiguous() and x.stride() == (1, 1)
+    ours, theirs = graphed(x), rows(x)
+    assert_trees_match(ours, theirs)
+    before = x.clone()
+    with torch.no_grad():
+        ours[0].add_(1.0)  # a view of the caller's x, as eager's
+    assert torch.equal(x, before + 1.0)
+
+
 class ReturnsItsWeight(nn.Module):
     """``(fc(x), fc.weight.t())``: an output that views a parameter (a tied head's weight)."""
 
@@ -315,3 +380,41 @@ def test_an_output_viewing_a_parameter_keeps_eagers_non_dense_layout(backend: st
     out = module(torch.randn(3, 6, device=device, requires_grad=True))[1]
     assert out.stride() == eager.stride() == (6, 2)
     assert torch.equal(out.detach(), eager)
+
+
+def _conjugated_views(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # y is not used inside: its grad then comes from the views alone, as eager sums it
+    h = x * 2
+    return h, h.conj(), h.conj()[0], torch._neg_view(h), y.conj(), y[1].conj()
+
+
+@pytest.mark.parametrize("inputs_conjugated", [False, True])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAD_MODES)
+def test_a_conjugate_or_negative_view_of_an_input_or_output_keeps_its_bit(
+    inputs_conjugated: bool, backend: str, param_grads: str
+) -> None:
+    # y.conj() is y's memory read conjugated: a view made with as_strided alone lost the bit
+    # and handed out y's values unconjugated, silently (values, and the grads through them).
+    device = device_of(backend)
+    samples = [torch.randn(3, 4, dtype=torch.cfloat, device=device, requires_grad=True)] * 2
+    options = {} if backend == "eager" else {"param_grads": param_grads}
+    graphed = dgt.make_graphed_callables(_conjugated_views, samples, backend=backend, **options)
+    for _ in range(2):
+        leaves = [torch.randn(3, 4, dtype=torch.cfloat, device=device, requires_grad=True)]
+        leaves.append(torch.randn(3, 4, dtype=torch.cfloat, device=device, requires_grad=True))
+        leaves_eager = [t.detach().clone().requires_grad_(True) for t in leaves]
+        if inputs_conjugated:
+            ours, theirs = (
+                graphed(*[t.conj() for t in leaves]),
+                _conjugated_views(*[t.conj() for t in leaves_eager]),
+            )
+        else:
+            ours, theirs = graphed(*leaves), _conjugated_views(*leaves_eager)
+        assert [(t.is_conj(), t.is_neg()) for t in ours] == [
+            (t.is_conj(), t.is_neg()) for t in theirs
+        ]
+        assert_trees_match(ours, theirs, tolerance(backend))
+        sum(t.abs().sum() * k for k, t in enumerate(ours, 1)).backward()
+        sum(t.abs().sum() * k for k, t in enumerate(theirs, 1)).backward()
+        grads = [t.grad for t in leaves]
+        assert_grads_match(grads, [t.grad for t in leaves_eager], ["x", "y"], tolerance(backend))

@@ -2717,6 +2717,23 @@ def test_a_second_order_grad_through_a_replay_raises(backend: str) -> None:
 @pytest.mark.parametrize(
     ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
 )
+def test_a_second_order_grad_through_a_replay_names_the_callable_and_what_to_do(
+    backend: str, param_grads: str
+) -> None:
+    # torch's words alone ('a function that was marked with @once_differentiable') named
+    # neither the graphed callable nor a way out
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    (grad,) = torch.autograd.grad(mlp(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"^TinyMLP: trying to differentiate twice.*restore"):
+        grad.square().sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
 def test_a_gradient_penalty_through_a_replay_raises_even_when_no_incoming_grad_needs_grad(
     backend: str, param_grads: str
 ) -> None:

@@ -32,7 +32,9 @@ class _Step:
     """Output ``output`` is made from ``source`` (an output, or an input where ``from_input``).
 
     ``size`` ``None``: the source itself (detached where ``detach``); else a view of it with
-    this size and stride, ``offset`` elements past the source's storage offset.
+    this size and stride, ``offset`` elements past the source's storage offset. ``conj`` and
+    ``neg``: the output's conjugate or negative bit is the other one than the source's
+    (``x.conj()``: the same memory, read conjugated), so the view made flips it.
     """
 
     output: int
@@ -42,7 +44,9 @@ class _Step:
     size: tuple[int, ...] | None = None
     stride: tuple[int, ...] = ()
     offset: int = 0
-    source_stride: tuple[int, ...] = ()  # an input view: the input's layout at capture
+    source_stride: tuple[int, ...] = ()  # from an input: the input's layout at capture
+    conj: bool = False
+    neg: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,14 @@ class OutputAliases:
         paths: Sequence[str],
         out_paths: Sequence[str],
     ) -> None:
-        """Refuse an input of another layout than at capture that an output is a view of."""
+        """Refuse an input of another layout than at capture that an output is, or is a view of."""
         for step in self.input_views:
             tensor = tensors[step.source]
-            if tensor.stride() != step.source_stride:
+            if step.size is None:
+                if tensor.is_conj() or tensor.is_neg() or not _walks_as(tensor, step.source_stride):
+                    _refuse_returned_input(name, step, tensor, paths, out_paths)
+                continue
+            if not _walks_as(tensor, step.source_stride):
                 path = paths[step.source]
                 raise DualgraphError(
                     f"{name}: output{out_paths[step.output]} is a view of {path}, captured with "
@@ -82,6 +90,10 @@ class OutputAliases:
                 base = base.detach()
             if step.size is not None:
                 base = base.as_strided(step.size, step.stride, base.storage_offset() + step.offset)
+            if step.conj:
+                base = base.conj()
+            if step.neg:
+                base = torch._neg_view(base)
             result[step.output] = base
         return tuple(result)
 
@@ -111,7 +123,11 @@ def find_output_aliases(
         first[id(tensor)] = k
         position = next((i for i, t in enumerate(inputs) if t is tensor), None)
         if position is not None:
-            steps.append(_Step(k, position, from_input=True))
+            # The input itself, maybe through an op that returns its input only where it is
+            # laid out so (x.contiguous(), x.resolve_conj()): checked at each call.
+            step = _Step(k, position, from_input=True, source_stride=tensor.stride())
+            steps.append(step)
+            input_views.append(step)
             continue
         if not tensor.numel():
             continue
@@ -163,6 +179,8 @@ def _input_view(
         stride=tensor.stride(),
         offset=int(tensor.storage_offset() - source.storage_offset()),
         source_stride=source.stride(),
+        conj=tensor.is_conj() != source.is_conj(),
+        neg=tensor.is_neg() != source.is_neg(),
     )
 
 
@@ -222,7 +240,8 @@ def _views_within(
             and tensor.stride() == base.stride()
             and tensor.storage_offset() == base.storage_offset()
         )
-        if detach and same_layout and tensor._base is None:
+        conj, neg = tensor.is_conj() != base.is_conj(), tensor.is_neg() != base.is_neg()
+        if detach and same_layout and tensor._base is None and not (conj or neg):
             steps.append(_Step(k, root, detach=True))  # .detach() of it
         else:
             steps.append(
@@ -233,9 +252,46 @@ def _views_within(
                     size=tuple(tensor.shape),
                     stride=tensor.stride(),
                     offset=int(tensor.storage_offset() - base.storage_offset()),
+                    conj=conj,
+                    neg=neg,
                 )
             )
     return steps
+
+
+def _walks_as(tensor: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``tensor`` lays its elements out as one of its shape with ``stride`` does: the
+    strides of dims of one element never matter (to where an element lies, so to any view).
+
+    >>> _walks_as(torch.ones(4, 1).t(), (4, 1)), _walks_as(torch.ones(3, 2).t(), (3, 1))
+    (True, False)
+    """
+    if tensor.stride() == stride or not tensor.numel():
+        return True
+    return all(
+        n == 1 or a == b for n, a, b in zip(tensor.shape, tensor.stride(), stride, strict=True)
+    )
+
+
+def _refuse_returned_input(
+    name: str,
+    step: _Step,
+    tensor: torch.Tensor,
+    paths: Sequence[str],
+    out_paths: Sequence[str],
+) -> None:
+    path = paths[step.source]
+    bits = [
+        bit for bit, on in (("conjugate", tensor.is_conj()), ("negative", tensor.is_neg())) if on
+    ]
+    now = f"strides {tensor.stride()}" + "".join(f", a {bit} bit" for bit in bits)
+    raise DualgraphError(
+        f"{name}: output{out_paths[step.output]} was {path} itself at capture, where the "
+        f"callable saw it with strides {step.source_stride}; this call's {path} has {now}, for "
+        f"which eager may return another tensor (x.contiguous() and x.resolve_conj() return x "
+        f"itself only where it is laid out so), which a replay cannot tell. Pass {path} laid "
+        f"out as at capture (.contiguous(), .resolve_conj()), or {_ADVICE}"
+    )
 
 
 def _storage(tensor: torch.Tensor) -> int:

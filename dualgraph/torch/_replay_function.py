@@ -126,7 +126,16 @@ def _backward_building_graph(
 
 
 _DelayedError = torch._C._functions.DelayedError
-_TWICE = b"trying to differentiate twice a function that was marked with @once_differentiable"
+
+
+def _twice(name: str) -> bytes:
+    """What a second backward through a replay's grads raises: torch's words, and ours."""
+    return (
+        f"{name}: trying to differentiate twice a function that was marked with "
+        "@once_differentiable: the grads of a graphed callable's backward replay have no graph "
+        "of their own to differentiate (a gradient penalty, a Hessian, a second derivative); "
+        "run this callable eagerly for that (dualgraph.torch.restore, or the function itself)"
+    ).encode()
 
 
 def _refusing_a_second_backward(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -151,7 +160,7 @@ def _backward_once_differentiable(
     # ``x``, and a node hung off leaves of its own would be skipped (a Hessian or a
     # ``functional.jvp`` silently zero, not refused).
     reached = [t for t in (*ctx.inputs, *grads) if t is not None and t.requires_grad]
-    refusing = _DelayedError(_TWICE, len(results) + len(reached))
+    refusing = _DelayedError(_twice(ctx.graphed.name), len(results) + len(reached))
     refused = refusing(*map(_refusing_a_second_backward, results), *reached)  # type: ignore[arg-type]
     return tuple(refused[: len(results)])
 

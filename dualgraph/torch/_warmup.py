@@ -162,6 +162,33 @@ def _put_back(
             tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
 
 
+_LEAF_UPDATED = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _run(item: _Capture) -> Any:
+    """One call of the callable on the static inputs; an input requiring grad updated in place
+    is refused saying so (torch's words blame a leaf, which the caller's tensor may not be)."""
+    try:
+        return item.run()
+    except RuntimeError as error:
+        if _LEAF_UPDATED not in str(error):
+            raise
+        paths = [
+            p
+            for p, t in zip(item.request.inputs.paths, item.static_inputs, strict=True)
+            if t.requires_grad
+        ]
+        if not paths:
+            raise
+        raise Refused(
+            f"the callable updates in place a tensor that requires grad ({_LEAF_UPDATED}); "
+            f"where that is an input requiring grad ({', '.join(paths)}: x += y, x.mul_(2)), "
+            "eager's call gives the caller's tensor a new autograd history, which a replay, "
+            "whose inputs are leaves of its own, cannot. Compute it out of place "
+            "(x = x + y), or pass that input without grad"
+        ) from error
+
+
 def _warmup(
     item: _Capture, allow_unused: bool, *, inspect: bool
 ) -> tuple[torch.Tensor | None, ...]:
@@ -174,9 +201,9 @@ def _warmup(
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
             with own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
-                outputs = item.run()
+                outputs = _run(item)
         else:
-            outputs = item.run()
+            outputs = _run(item)
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():
         for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
@@ -350,6 +377,16 @@ def _refuse_unused(item: _Capture, k: int) -> None:
 
 def _refuse_foreign_leaves(item: _Capture, foreign: Sequence[torch.Tensor]) -> None:
     """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
+    for tensor in foreign:  # an input whose sample needs no grad, made to need it in the call
+        inputs = zip(item.request.inputs.paths, item.static_inputs, strict=True)
+        path = next((p for p, t in inputs if t is tensor), None)
+        if path is not None:
+            raise Refused(
+                f"{path}: its sample does not require grad, but the callable made it require "
+                "grad (x.requires_grad_()), so the outputs depend on it; a replay gives grads "
+                f"only to inputs captured requiring grad. Pass a sample {path} that requires "
+                "grad (and calls whose tensor does: eager's call would leave it requiring grad)"
+            )
     shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
     owner = "parameters of the module" if item.request.module is not None else "arguments"
     raise Refused(
