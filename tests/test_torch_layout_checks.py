@@ -97,3 +97,25 @@ def test_layouts_without_the_guard_compare_the_tuples(monkeypatch: pytest.Monkey
     assert layouts.same()
     weight.data = weight.data.t()
     assert not layouts.same()
+
+
+def test_layouts_alternating_between_two_states_make_no_guard_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A replay under autocast, one without, and so on: the guard of each is kept.
+    from dualgraph.torch import _layout_checks
+
+    made = []
+    make = _layout_checks._guard_of
+    monkeypatch.setattr(_layout_checks, "_guard_of", lambda t: made.append(1) or make(t))
+    weight = nn.Parameter(torch.randn(4, 4))
+    layouts = Layouts.of((weight,))
+    for _ in range(3):
+        assert layouts.same()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layouts.same()
+    assert len(made) == 2  # at construction, and the first call under autocast
+    weight.data = weight.data.t()
+    assert not layouts.same()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layouts.same()

@@ -61,7 +61,15 @@ class Layouts:
     :meth:`same` on each call: ``True`` exactly when every tensor's ``size()`` and
     ``stride()`` equal them."""
 
-    __slots__ = ("_guard", "_guarded", "_layouts", "_others", "_others_layouts", "_tensors")
+    __slots__ = (
+        "_guard",
+        "_guarded",
+        "_layouts",
+        "_others",
+        "_others_layouts",
+        "_previous_guard",
+        "_tensors",
+    )
 
     def __init__(
         self,
@@ -80,6 +88,7 @@ class Layouts:
         )
         # made from the tensors only where they are laid out as recorded
         self._guard = _guard_of(self._guarded) if self._laid_out_as_recorded() else None
+        self._previous_guard: Any = None  # the one before: calls may alternate between two
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor]) -> Layouts:
@@ -101,8 +110,12 @@ class Layouts:
         if not self._laid_out_as_recorded():
             return False
         # The same layouts, and the guard answered False on something else it compares (or
-        # there is none): one of the tensors as they are now, for the calls that follow.
-        self._guard = _guard_of(self._guarded)
+        # there is none): the one before, or one of the tensors as they are now, for the calls
+        # that follow (calls alternating between autocast and none, say, make none).
+        previous = self._previous_guard
+        if previous is None or not previous.check(*self._guarded):
+            previous = _guard_of(self._guarded)
+        self._guard, self._previous_guard = previous, guard
         return True
 
     def _laid_out_as_recorded(self) -> bool:
