@@ -40,6 +40,7 @@ import torch
 
 from .._errors import DualgraphError
 from ._grad_checks import own_hooks
+from ._layout_checks import Layouts
 from ._transformer_engine import set_by_te_forward
 
 __all__ = [
@@ -181,6 +182,7 @@ class ModuleTensors:
     )
     _identical: tuple[Any, ...] = field(init=False, repr=False, default=())
     _values: tuple[Any, ...] = field(init=False, repr=False, default=())
+    _layouts: Layouts = field(init=False, repr=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         # Each fused comparison implies the one of _check_all it stands for: identity for
@@ -215,11 +217,11 @@ class ModuleTensors:
                 *self.classes,
                 *self.training,
                 *self.data_ptrs,
-                *self.strides,
-                *self.shapes,
                 *self.watched_requires_grad,
             ),
         )
+        # and the tensors' sizes and strides, in one C call (_layout_checks.py)
+        fill(self, "_layouts", Layouts(self.tensors, self.shapes, self.strides))
 
     # The plain Python numbers, strings and flags of each submodule (dropout's p, BatchNorm's
     # momentum and eps, a block's own scale) as capture left them: the graphs hold what the
@@ -355,12 +357,11 @@ class ModuleTensors:
                         map(type, modules),
                         map(_training, modules),
                         map(_data_ptr, tensors),
-                        map(_stride, tensors),
-                        map(_shape, tensors),
                         map(_requires_grad, self.watched),
                     )
                 )
                 == self._values
+                and self._layouts.same()
                 and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
                 and (not self.host_tensors or self._host_unchanged())

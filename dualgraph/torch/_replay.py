@@ -50,6 +50,7 @@ from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._layout_checks import Layouts
 from ._layouts import copier_of
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
@@ -120,6 +121,7 @@ class GraphedCallable:
     """
 
     __slots__ = (
+        "_accumulator_layouts",
         "_accumulator_names",
         "_accumulator_positions",
         "_accumulator_spans",
@@ -338,13 +340,14 @@ class GraphedCallable:
         # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
         # was at capture. Made before the holder counts below, which count them.
         self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
-        # Their addresses, strides, then shapes: what _backward_into_accumulators compares the
-        # accumulators' with, in one tuple (a .grad whose .data is a prefix of its own memory
-        # keeps its address and strides).
-        self._graph_grads_places = (
-            *map(_data_ptr, self._graph_grads),
-            *map(_stride, self._graph_grads),
-            *map(_size, self._graph_grads),
+        # Their addresses, and their sizes and strides (in one C call, _layout_checks.py): what
+        # _backward_into_accumulators compares the accumulators' with (a .grad whose .data is a
+        # prefix of its own memory keeps its address and strides).
+        self._graph_grads_places = tuple(map(_data_ptr, self._graph_grads))
+        self._accumulator_layouts = Layouts(
+            self._in_graph_accumulators,
+            tuple(map(_size, self._graph_grads)),
+            tuple(map(_stride, self._graph_grads)),
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
@@ -1304,14 +1307,8 @@ class GraphedCallable:
             all(map(_is, grads, accumulators))
             # and every accumulator still has the memory and layout the graph adds into (one
             # pass over each: the backward's only cost per parameter for this)
-            and tuple(
-                _chain(
-                    map(_data_ptr, accumulators),
-                    map(_stride, accumulators),
-                    map(_size, accumulators),
-                )
-            )
-            == self._graph_grads_places
+            and tuple(map(_data_ptr, accumulators)) == self._graph_grads_places
+            and self._accumulator_layouts.same()
         ):
             replay()  # every .grad is its accumulator, where the graph adds
             return True
