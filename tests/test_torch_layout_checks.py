@@ -9,6 +9,7 @@ from torch_cases import GRAPH_BACKENDS, device_of
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
+from dualgraph.torch import _layout_checks
 from dualgraph.torch._layout_checks import Layouts
 
 
@@ -119,3 +120,16 @@ def test_layouts_alternating_between_two_states_make_no_guard_each_time(
     assert not layouts.same()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not layouts.same()
+
+
+def test_a_guard_class_that_ignores_strides_is_not_trusted() -> None:
+    class Lenient:  # a torch whose guard compared sizes only
+        def __init__(self, *tensors: torch.Tensor, **_: object) -> None:
+            self.sizes = [t.size() for t in tensors]
+
+        def check(self, *tensors: torch.Tensor) -> bool:
+            return [t.size() for t in tensors] == self.sizes
+
+    assert not _layout_checks._guard_answers_as_tuples(Lenient)
+    if _layout_checks._TensorGuards is not None:
+        assert _layout_checks._guard_answers_as_tuples(_layout_checks._TensorGuards)

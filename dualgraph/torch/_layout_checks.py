@@ -36,6 +36,27 @@ try:  # a C class of torch's (TorchDynamo's guards), not a public API
 except ImportError:  # pragma: no cover - a torch without it: the tuples for every tensor
     _TensorGuards = None
 
+
+def _guard_answers_as_tuples(guards: Any) -> bool:
+    """Whether ``guards`` (a private class, whose behaviour another torch may change) tells a
+    tensor from the same memory seen with other strides, and from one of other sizes, and
+    passes the same tensor: if not, every tensor goes through the tuples."""
+    try:
+        base = torch.zeros(6)
+        tensor = base.as_strided((2, 3), (3, 1))
+        guard = guards(tensor, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        return (
+            guard.check(tensor) is True
+            and guard.check(base.as_strided((2, 3), (1, 2))) is False
+            and guard.check(base.as_strided((3, 2), (2, 1))) is False
+        )
+    except Exception:  # another torch's signature or behaviour
+        return False
+
+
+if _TensorGuards is not None and not _guard_answers_as_tuples(_TensorGuards):
+    _TensorGuards = None  # pragma: no cover - a torch whose guard compares otherwise
+
 _stride = torch.Tensor.stride
 _size = torch.Tensor.size
 # Classes whose stride() and size() are the tensor's own (no __torch_function__ of their own).
