@@ -10,6 +10,7 @@ is made (``_compile.py``), so :meth:`TreeSpec.flatten`, :meth:`TreeSpec.unflatte
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -354,13 +355,7 @@ class TreeSpec:
         return self._hash
 
     def __repr__(self) -> str:
-        parts: list[str] = []
-        for node in reversed(self._nodes):
-            arity = node.arity
-            children = parts[len(parts) - arity :][::-1]
-            del parts[len(parts) - arity :]
-            parts.append(node.show(children))
-        return f"TreeSpec({parts[0]})"
+        return f"TreeSpec({_shown(self._nodes, self._get_layout())})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return TreeSpec.from_json, (self.to_json(),)
@@ -531,6 +526,51 @@ class _Layout:
             found.append(self.entry[index])
             index = self.parent[index]
         return tuple(reversed(found))  # type: ignore[arg-type]
+
+
+#: Stands for a child's text in what a container's ``show`` returns: ``\x00`` cannot be in a
+#: key's or constant's repr (repr escapes it), so each one found is a child.
+_CHILD = re.compile("\x00([0-9]+)\x00")
+
+
+def _shown(nodes: tuple[Node, ...], layout: _Layout) -> str:
+    """The tree as it prints in a spec's repr, e.g. ``{'x': float32[2](grad), 'n': 3}``.
+
+    Written once from the root down, each node's own text in place (a container shows its
+    children through placeholders): pasting each child's whole text into its parent's would
+    copy a deep tree's text once per level, in time quadratic in its depth.
+    """
+    pieces: list[str] = []
+    stack: list[int | str] = [0]  # node indices to show, and text written as it is
+    while stack:
+        item = stack.pop()
+        if type(item) is str:
+            pieces.append(item)
+            continue
+        node = nodes[item]  # type: ignore[index]
+        if not node.arity:
+            pieces.append(node.show(()))
+            continue
+        children = layout.children(item)  # type: ignore[arg-type]
+        text = node.show([f"\x00{j}\x00" for j in range(node.arity)])
+        split = _CHILD.split(text)  # text, child, text, child, ..., text
+        found = sorted(int(j) for j in split[1::2])
+        if found != list(range(node.arity)):  # a class's own name holds a \x00: show it whole
+            return _shown_by_parts(nodes)
+        for index in range(len(split) - 1, -1, -1):
+            stack.append(children[int(split[index])] if index % 2 else split[index])
+    return "".join(pieces)
+
+
+def _shown_by_parts(nodes: tuple[Node, ...]) -> str:
+    """What :func:`_shown` writes, each container's text made of its children's."""
+    parts: list[str] = []
+    for node in reversed(nodes):
+        arity = node.arity
+        children = parts[len(parts) - arity :][::-1]
+        del parts[len(parts) - arity :]
+        parts.append(node.show(children))
+    return parts[0]
 
 
 def _node_paths(layout: _Layout) -> list[str]:
