@@ -200,7 +200,7 @@ class ConstLeaf(Leaf):
 
     def __init__(self, value: bool | int | float | str) -> None:
         cls = type(value)
-        if cls not in (bool, int, float, str):
+        if not (cls is bool or cls is int or cls is float or cls is str):  # (== can lie)
             raise NodeError(f"a constant is a bool, int, float or str, not {cls.__name__}")
         if cls is int:
             check_int(value)  # type: ignore[arg-type]

@@ -607,7 +607,8 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
     intern: dict[Any, Node] = {}
     inside: set[int] = set()  # the containers on the path to the current object
     stack: list[Any] = [tree]
-    constants = frozenset(CONSTANT_TYPES)
+    # By identity: a class whose metaclass defines __eq__ and __hash__ can equal int or str.
+    constants = frozenset(map(id, CONSTANT_TYPES))
     pop, push, append = stack.pop, stack.append, nodes.append
     obj: Any = None
     native_numpy = numpy_is_native()
@@ -637,7 +638,7 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                     leaf = intern[key] = ArrayLeaf(obj.shape, name, is_differentiable_dtype(name))
                 append(leaf)
                 continue
-            if cls in constants:
+            if id(cls) in constants:
                 key = (cls, float_text(obj) if cls is float else obj)
                 leaf = intern.get(key)
                 if leaf is None:
