@@ -10,8 +10,9 @@ is made (``_compile.py``), so :meth:`TreeSpec.flatten`, :meth:`TreeSpec.unflatte
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -753,10 +754,12 @@ def _first_difference(
     return None
 
 
-def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
+def grad_flags(mask: object, paths: Sequence[str] | None = None) -> list[bool]:
     """The entries of a grad mask, each a bool (see :func:`_grad_flag`), as a list.
 
-    ``paths`` are the array leaves' paths, one per entry, for the error messages.
+    ``paths`` are the array leaves' paths, one per entry, for the error messages; given, an
+    iterator with more entries is refused once one too many is read (an endless one, such as
+    ``itertools.repeat(False)``, would otherwise be read until memory runs out).
 
     >>> grad_flags((True, False))
     [True, False]
@@ -767,12 +770,21 @@ def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
             f"a grad mask is a sequence of bools, got {type(mask).__module__}."
             f"{type(mask).__qualname__}"
         )
+    bounded = paths is not None and not isinstance(mask, Sized)  # an iterator: maybe endless
+    if paths is None:
+        paths = ()
+    entries = itertools.islice(mask, len(paths) + 1) if bounded else mask
     try:
-        return [_grad_flag(i, flag, paths) for i, flag in enumerate(mask)]
+        flags = [_grad_flag(i, flag, paths) for i, flag in enumerate(entries)]
     except DualgraphError:
         raise
     except Exception as error:
         raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+    if bounded and len(flags) > len(paths):
+        raise DualgraphError(
+            f"grad mask has more than {len(paths)} entries, for {len(paths)} array leaves"
+        )
+    return flags
 
 
 def _grad_flag(index: int, flag: object, paths: Sequence[str]) -> bool:

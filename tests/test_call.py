@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import itertools
 import json
 import pickle
 import re
@@ -324,6 +325,11 @@ def test_with_grad_mask_leaves_the_original_unchanged_and_differs_from_it() -> N
 def test_with_grad_mask_rejects_the_wrong_length(length: int) -> None:
     with pytest.raises(DualgraphError, match=f"grad mask has {length} entries, the call has 4"):
         describe_call(*sample_call()).with_grad_mask([True] * length)
+
+
+def test_with_grad_mask_refuses_an_endless_iterator_after_one_entry_too_many() -> None:
+    with pytest.raises(DualgraphError, match="grad mask has more than 4 entries, for 4 array"):
+        describe_call(*sample_call()).with_grad_mask(itertools.cycle([True, False]))
 
 
 # -- JSON, equality, display -----------------------------------------------------------------------

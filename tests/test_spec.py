@@ -366,6 +366,14 @@ def test_with_grad_mask_rejects_the_wrong_length() -> None:
         spec.with_grad_mask([True])
 
 
+def test_with_grad_mask_refuses_an_endless_iterator_after_one_entry_too_many() -> None:
+    # Before: itertools.repeat(False) (all False, meant) was read until memory ran out
+    spec = describe(TREES["encoder_dict"]())
+    with pytest.raises(DualgraphError, match="grad mask has more than 2 entries, for 2 array"):
+        spec.with_grad_mask(itertools.repeat(False))
+    assert spec.with_grad_mask(iter([False, True])).grad_mask == (False, True)
+
+
 @pytest.mark.parametrize(
     "entry", ["False", 0, 1, 0.0, None, np.zeros(1, bool), np.int64(0)], ids=repr
 )
