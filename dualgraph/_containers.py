@@ -784,7 +784,7 @@ def _init_problem(cls: type, names: tuple[str, ...]) -> str | None:
     an ``__init__`` of its own), or ``None``."""
     try:
         parameters = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: the rebuild will tell
+    except Exception:  # no signature to read (or its __signature__ raises): the rebuild will tell
         return None
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     accepted = {p.name for p in parameters if p.kind in keyword}

@@ -570,6 +570,23 @@ def test_a_key_whose_class_equals_str_is_refused_after_an_equal_str_key() -> Non
         describe([{"key": None}, {key: None}])
 
 
+def test_a_dataclass_whose_signature_cannot_be_read_registers_and_rebuilds() -> None:
+    # Before: register_dataclass leaked the RuntimeError its metaclass's __signature__ raised
+    class Unreadable(type):
+        pass
+
+    @dataclasses.dataclass
+    class Plain(metaclass=Unreadable):
+        x: Any
+
+    def unreadable(cls: type) -> Any:
+        raise RuntimeError("no signature")
+
+    Unreadable.__signature__ = property(unreadable)  # type: ignore[attr-defined]
+    register_dataclass(Plain)
+    assert describe(Plain(1)).unflatten([]) == Plain(1)
+
+
 # -- a class's __module__ can be any object --------------------------------------------------------
 
 
