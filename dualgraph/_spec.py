@@ -141,13 +141,15 @@ class TreeSpec:
 
     def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
         """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
-        try:
-            nodes = tuple(nodes)
-        except TypeError:
+        try:  # (one past the limit at most: an iterator may be endless)
+            nodes = nodes if type(nodes) is tuple else tuple(itertools.islice(nodes, MAX_NODES + 1))
+        except Exception:
             raise DualgraphError(
                 "a TreeSpec is made of the nodes of one tree, in pre-order; got "
                 f"{brief_of(nodes)} (make one with dualgraph.describe or TreeSpec.from_json)"
             ) from None
+        if len(nodes) > MAX_NODES:
+            raise DualgraphError(f"a TreeSpec has at most {MAX_NODES} nodes, got more")
         self._nodes = nodes
         if _like is None:
             _check_preorder(nodes)

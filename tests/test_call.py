@@ -328,8 +328,9 @@ def test_with_grad_mask_rejects_the_wrong_length(length: int) -> None:
 
 
 def test_with_grad_mask_refuses_an_endless_iterator_after_one_entry_too_many() -> None:
-    with pytest.raises(DualgraphError, match="grad mask has more than 4 entries, for 4 array"):
-        describe_call(*sample_call()).with_grad_mask(itertools.cycle([True, False]))
+    for mask in (iter([True] * 5), itertools.cycle([True, False])):
+        with pytest.raises(DualgraphError, match="grad mask has more than 4 entries, for 4 array"):
+            describe_call(*sample_call()).with_grad_mask(mask)
 
 
 # -- JSON, equality, display -----------------------------------------------------------------------
