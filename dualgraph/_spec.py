@@ -142,15 +142,17 @@ class TreeSpec:
     def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
         """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
         try:  # (one past the limit at most: an iterator may be endless)
-            nodes = nodes if type(nodes) is tuple else tuple(itertools.islice(nodes, MAX_NODES + 1))
+            read: tuple[Node, ...] = (
+                nodes if type(nodes) is tuple else tuple(itertools.islice(nodes, MAX_NODES + 1))
+            )
         except Exception:
             raise DualgraphError(
                 "a TreeSpec is made of the nodes of one tree, in pre-order; got "
                 f"{brief_of(nodes)} (make one with dualgraph.describe or TreeSpec.from_json)"
             ) from None
-        if len(nodes) > MAX_NODES:
+        if len(read) > MAX_NODES:
             raise DualgraphError(f"a TreeSpec has at most {MAX_NODES} nodes, got more")
-        self._nodes = nodes
+        self._nodes = nodes = read
         if _like is None:
             _check_preorder(nodes)
             self._layout: _Layout | None = None
