@@ -261,8 +261,9 @@ class _Mapping(Container):
     @classmethod
     def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
         keys = tuple(obj)
-        # Key types are part of the lookup: True == 1, but a bool key is refused.
-        key = (cls.tag, keys, tuple(map(type, keys)))
+        # Key types are part of the lookup (True == 1, but a bool key is refused), by identity:
+        # a key's class may compare equal to str through its metaclass.
+        key = (cls.tag, keys, tuple(map(id, map(type, keys))))
         node = intern.get(key)
         if node is None:
             node = intern[key] = cls.make(keys)
@@ -651,7 +652,7 @@ def brief_of(obj: Any, /) -> str:
     if obj is None:
         return "None"
     typ = type(obj)
-    if typ in (bool, int, float, str):
+    if typ is bool or typ is int or typ is float or typ is str:
         return brief_constant(obj)
     kind = container_kind(typ)
     if kind is not None:
@@ -783,7 +784,7 @@ def _init_problem(cls: type, names: tuple[str, ...]) -> str | None:
     an ``__init__`` of its own), or ``None``."""
     try:
         parameters = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: the rebuild will tell
+    except Exception:  # no signature to read (or its __signature__ raises): the rebuild will tell
         return None
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     accepted = {p.name for p in parameters if p.kind in keyword}

@@ -82,6 +82,11 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
         raise
     except (ValueError, RecursionError, MemoryError) as error:
         raise DualgraphError(f"not a {name} JSON document: {clip_text(error, 200)}") from None
+    if type(document) is _RepeatedKeys:
+        raise DualgraphError(
+            f"malformed {name} JSON: the key {clip(document.repeated)} appears twice in the "
+            "document"
+        )
     if type(document) is not dict or document.get("format") != kind:
         raise DualgraphError(f"not a {name} JSON document (format must be {kind!r})")
     found = document.get("version")
@@ -115,12 +120,24 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
+class _RepeatedKeys(dict[str, Any]):
+    """A JSON object that names a key twice. No node row holds an object (each checks the exact
+    types of its values), so one inside a tree is refused with its row's path; the document
+    itself is refused by :func:`read_document`."""
+
+    repeated: str
+
+    def __repr__(self) -> str:
+        return f"<an object naming the key {clip(self.repeated)} twice>"
+
+
 def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     document = dict(pairs)
     if len(document) != len(pairs):
         seen: set[str] = set()
-        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
-        raise DualgraphError(f"malformed JSON: the key {clip(repeated)} appears twice in an object")
+        marked = _RepeatedKeys(document)
+        marked.repeated = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        return marked
     return document
 
 

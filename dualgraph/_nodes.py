@@ -174,6 +174,8 @@ def show_constant(value: bool | int | float | str) -> str:
 
 def brief_constant(value: bool | int | float | str) -> str:
     """A constant for messages: ``int 3``, ``float -nan``, ``str 'x'`` (never raises)."""
+    if type(value) is int and value.bit_length() > MAX_INT_BITS:  # (see clip)
+        return f"an int of {value.bit_length()} bits"
     try:
         shown = show_constant(value)
     except ValueError:  # an int over this interpreter's int/str conversion limit
@@ -200,7 +202,7 @@ class ConstLeaf(Leaf):
 
     def __init__(self, value: bool | int | float | str) -> None:
         cls = type(value)
-        if cls not in (bool, int, float, str):
+        if not (cls is bool or cls is int or cls is float or cls is str):  # (== can lie)
             raise NodeError(f"a constant is a bool, int, float or str, not {cls.__name__}")
         if cls is int:
             check_int(value)  # type: ignore[arg-type]
@@ -402,12 +404,41 @@ class Container(Node):
 
 
 def clip(value: Any, limit: int = 120) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages (never raises)."""
+    """``repr(value)`` cut to ``limit`` characters, for messages (never raises).
+
+    A list or tuple is shown item by item up to the limit, and an int over ``MAX_INT_BITS``
+    by its size: converting an int of n digits to text takes time quadratic in n where a
+    program lifted the interpreter's limit (``sys.set_int_max_str_digits(0)``).
+
+    >>> clip([1, 2**5000, "x"])
+    "[1, <an int of 5001 bits>, 'x']"
+    """
     try:
-        text = repr(value)
+        text = _short_repr(value, limit)
     except Exception:  # a repr that fails, or an int too long to print
         text = f"<{type(value).__name__}>"
     return clip_text(text, limit)
+
+
+def _short_repr(value: Any, limit: int) -> str:
+    """``repr(value)``, or enough of it to show ``limit`` characters (see :func:`clip`)."""
+    cls = type(value)
+    if cls is int and value.bit_length() > MAX_INT_BITS:
+        return f"<an int of {value.bit_length()} bits>"
+    if cls is not list and cls is not tuple:
+        return repr(value)
+    parts: list[str] = []
+    size = 0
+    for item in value:
+        if size > limit:
+            parts.append("...")
+            break
+        part = _short_repr(item, limit - size)
+        parts.append(part)
+        size += len(part) + 2
+    if cls is list:
+        return "[" + ", ".join(parts) + "]"
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
 
 def clip_text(value: Any, limit: int = 120) -> str:

@@ -156,7 +156,7 @@ def _collected_keywords(fn: Callable[..., Any], keywords: tuple[Any, ...]) -> tu
     no ``**kwargs`` or its signature cannot be read."""
     try:
         parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): nothing known
+    except Exception:  # no signature to read (a builtin, a __signature__ that raises)
         return ()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return ()

@@ -37,8 +37,11 @@ class Key:
     key: str | int
 
     def __str__(self) -> str:
+        key = self.key
+        if type(key) is int and key.bit_length() > 2048:  # an unexpected key (see _nodes.clip)
+            return f"[<an int of {key.bit_length()} bits>]"
         try:
-            return f"[{self.key!r}]"
+            return f"[{key!r}]"
         except Exception:  # a key a caller passed (an unexpected entry) that cannot print
             return f"[<{type(self.key).__name__}>]"
 

@@ -10,7 +10,9 @@ is made (``_compile.py``), so :meth:`TreeSpec.flatten`, :meth:`TreeSpec.unflatte
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import itertools
+import re
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,14 +141,18 @@ class TreeSpec:
 
     def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
         """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
-        try:
-            nodes = tuple(nodes)
-        except TypeError:
+        try:  # (one past the limit at most: an iterator may be endless)
+            read: tuple[Node, ...] = (
+                nodes if type(nodes) is tuple else tuple(itertools.islice(nodes, MAX_NODES + 1))
+            )
+        except Exception:
             raise DualgraphError(
                 "a TreeSpec is made of the nodes of one tree, in pre-order; got "
                 f"{brief_of(nodes)} (make one with dualgraph.describe or TreeSpec.from_json)"
             ) from None
-        self._nodes = nodes
+        if len(read) > MAX_NODES:
+            raise DualgraphError(f"a TreeSpec has at most {MAX_NODES} nodes, got more")
+        self._nodes = nodes = read
         if _like is None:
             _check_preorder(nodes)
             self._layout: _Layout | None = None
@@ -354,13 +360,7 @@ class TreeSpec:
         return self._hash
 
     def __repr__(self) -> str:
-        parts: list[str] = []
-        for node in reversed(self._nodes):
-            arity = node.arity
-            children = parts[len(parts) - arity :][::-1]
-            del parts[len(parts) - arity :]
-            parts.append(node.show(children))
-        return f"TreeSpec({parts[0]})"
+        return f"TreeSpec({_shown(self._nodes, self._get_layout())})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return TreeSpec.from_json, (self.to_json(),)
@@ -533,6 +533,51 @@ class _Layout:
         return tuple(reversed(found))  # type: ignore[arg-type]
 
 
+#: Stands for a child's text in what a container's ``show`` returns: ``\x00`` cannot be in a
+#: key's or constant's repr (repr escapes it), so each one found is a child.
+_CHILD = re.compile("\x00([0-9]+)\x00")
+
+
+def _shown(nodes: tuple[Node, ...], layout: _Layout) -> str:
+    """The tree as it prints in a spec's repr, e.g. ``{'x': float32[2](grad), 'n': 3}``.
+
+    Written once from the root down, each node's own text in place (a container shows its
+    children through placeholders): pasting each child's whole text into its parent's would
+    copy a deep tree's text once per level, in time quadratic in its depth.
+    """
+    pieces: list[str] = []
+    stack: list[int | str] = [0]  # node indices to show, and text written as it is
+    while stack:
+        item = stack.pop()
+        if type(item) is str:
+            pieces.append(item)
+            continue
+        node = nodes[item]  # type: ignore[index]
+        if not node.arity:
+            pieces.append(node.show(()))
+            continue
+        children = layout.children(item)  # type: ignore[arg-type]
+        text = node.show([f"\x00{j}\x00" for j in range(node.arity)])
+        split = _CHILD.split(text)  # text, child, text, child, ..., text
+        found = sorted(int(j) for j in split[1::2])
+        if found != list(range(node.arity)):  # a class's own name holds a \x00: show it whole
+            return _shown_by_parts(nodes)
+        for index in range(len(split) - 1, -1, -1):
+            stack.append(children[int(split[index])] if index % 2 else split[index])
+    return "".join(pieces)
+
+
+def _shown_by_parts(nodes: tuple[Node, ...]) -> str:
+    """What :func:`_shown` writes, each container's text made of its children's."""
+    parts: list[str] = []
+    for node in reversed(nodes):
+        arity = node.arity
+        children = parts[len(parts) - arity :][::-1]
+        del parts[len(parts) - arity :]
+        parts.append(node.show(children))
+    return parts[0]
+
+
 def _node_paths(layout: _Layout) -> list[str]:
     """Every node's path (for generated code's comments), each built from its parent's."""
     paths: list[str] = []
@@ -567,7 +612,8 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
     intern: dict[Any, Node] = {}
     inside: set[int] = set()  # the containers on the path to the current object
     stack: list[Any] = [tree]
-    constants = frozenset(CONSTANT_TYPES)
+    # By identity: a class whose metaclass defines __eq__ and __hash__ can equal int or str.
+    constants = frozenset(map(id, CONSTANT_TYPES))
     pop, push, append = stack.pop, stack.append, nodes.append
     obj: Any = None
     native_numpy = numpy_is_native()
@@ -597,7 +643,7 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                     leaf = intern[key] = ArrayLeaf(obj.shape, name, is_differentiable_dtype(name))
                 append(leaf)
                 continue
-            if cls in constants:
+            if id(cls) in constants:
                 key = (cls, float_text(obj) if cls is float else obj)
                 leaf = intern.get(key)
                 if leaf is None:
@@ -637,6 +683,10 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                 continue
             if id(obj) in inside:
                 raise fail("the tree contains itself (a reference cycle)", DualgraphError)
+            # A list, tuple or dict over the limit is refused before its node is made: the node
+            # holds a path entry per child (a list of 20 million Nones took 19 s and 1.7 GB).
+            if kind.python_type is not None and len(nodes) + len(stack) + len(obj) >= MAX_NODES:
+                raise fail(_over_the_limit(len(obj)), DualgraphError)
             node, children = kind.describe(obj, intern)
             if len(children) != node.arity:  # a namedtuple made by tuple.__new__
                 raise fail(
@@ -645,9 +695,7 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                     DualgraphError,
                 )
             if len(nodes) + len(stack) + node.arity >= MAX_NODES:
-                raise fail(
-                    f"the tree has more than {MAX_NODES} nodes, a spec's limit", DualgraphError
-                )
+                raise fail(_over_the_limit(node.arity), DualgraphError)
             append(node)
             inside.add(id(obj))
             push(_Exit(id(obj)))
@@ -662,6 +710,13 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
             DualgraphError,
         ) from error
     return nodes
+
+
+def _over_the_limit(children: int) -> str:
+    return (
+        f"the tree has more than {MAX_NODES} nodes, a spec's limit (a container of {children} "
+        "children)"
+    )
 
 
 def _numpy_name(dtype: np.dtype) -> str:
@@ -703,10 +758,12 @@ def _first_difference(
     return None
 
 
-def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
+def grad_flags(mask: object, paths: Sequence[str] | None = None) -> list[bool]:
     """The entries of a grad mask, each a bool (see :func:`_grad_flag`), as a list.
 
-    ``paths`` are the array leaves' paths, one per entry, for the error messages.
+    ``paths`` are the array leaves' paths, one per entry, for the error messages; given, an
+    iterator with more entries is refused once one too many is read (an endless one, such as
+    ``itertools.repeat(False)``, would otherwise be read until memory runs out).
 
     >>> grad_flags((True, False))
     [True, False]
@@ -717,12 +774,21 @@ def grad_flags(mask: object, paths: Sequence[str] = ()) -> list[bool]:
             f"a grad mask is a sequence of bools, got {type(mask).__module__}."
             f"{type(mask).__qualname__}"
         )
+    bounded = paths is not None and not isinstance(mask, Sized)  # an iterator: maybe endless
+    if paths is None:
+        paths = ()
+    entries = itertools.islice(mask, len(paths) + 1) if bounded else mask
     try:
-        return [_grad_flag(i, flag, paths) for i, flag in enumerate(mask)]
+        flags = [_grad_flag(i, flag, paths) for i, flag in enumerate(entries)]
     except DualgraphError:
         raise
     except Exception as error:
         raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
+    if bounded and len(flags) > len(paths):
+        raise DualgraphError(
+            f"grad mask has more than {len(paths)} entries, for {len(paths)} array leaves"
+        )
+    return flags
 
 
 def _grad_flag(index: int, flag: object, paths: Sequence[str]) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import itertools
 import json
 import pickle
 import re
@@ -109,7 +110,9 @@ def test_keyword_names_that_cannot_be_printed_are_still_a_dualgraph_error(key: A
     spec = describe_call((), {"x": 1})
     with pytest.raises(SpecMismatchError, match=r"^kwargs: keyword names must be str, got <"):
         spec.flatten((), types.MappingProxyType({key: 1}))
-    with pytest.raises(SpecMismatchError, match=r"^kwargs\[<int>\]: unexpected entry int 1"):
+    with pytest.raises(
+        SpecMismatchError, match=r"^kwargs\[<an int of 16610 bits>\]: unexpected entry int 1"
+    ):
         spec.flatten((), {"x": 1, 10**5000: 1})
 
 
@@ -322,6 +325,12 @@ def test_with_grad_mask_leaves_the_original_unchanged_and_differs_from_it() -> N
 def test_with_grad_mask_rejects_the_wrong_length(length: int) -> None:
     with pytest.raises(DualgraphError, match=f"grad mask has {length} entries, the call has 4"):
         describe_call(*sample_call()).with_grad_mask([True] * length)
+
+
+def test_with_grad_mask_refuses_an_endless_iterator_after_one_entry_too_many() -> None:
+    for mask in (iter([True] * 5), itertools.cycle([True, False])):
+        with pytest.raises(DualgraphError, match="grad mask has more than 4 entries, for 4 array"):
+            describe_call(*sample_call()).with_grad_mask(mask)
 
 
 # -- JSON, equality, display -----------------------------------------------------------------------

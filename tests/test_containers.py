@@ -27,6 +27,7 @@ from dualgraph._containers import (
     dataclass_fields,
     qualified_name,
 )
+from dualgraph._nodes import ConstLeaf, NodeError
 
 
 def rows_of(spec: TreeSpec) -> list[Any]:
@@ -528,6 +529,62 @@ def test_a_namedtuple_whose_class_compares_by_value_is_told_apart() -> None:
     spec = describe((OddPair(1, array(2)), OtherPair(3, array(2))))
     rebuilt = spec.unflatten([array(2), array(2)])
     assert (type(rebuilt[0]), type(rebuilt[1])) == (OddPair, OtherPair)
+
+
+def _equal_to(builtin: type) -> type:
+    """A class that equals ``builtin`` through its metaclass (and hashes as it does), whose
+    objects equal anything and hash as the str ``'key'``."""
+
+    class EqualToBuiltin(type):
+        def __eq__(cls, other: object) -> bool:
+            return other is builtin or type.__eq__(cls, other)
+
+        def __hash__(cls) -> int:
+            return hash(builtin)
+
+    class Lookalike(metaclass=EqualToBuiltin):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        def __hash__(self) -> int:
+            return hash("key")
+
+    return Lookalike
+
+
+def test_an_object_whose_class_equals_int_is_no_constant() -> None:
+    # Before: describe took it for an int constant (a spec holding an arbitrary object, whose
+    # check passed any other such object and whose to_json leaked TypeError)
+    like_int = _equal_to(int)()
+    with pytest.raises(UnsupportedLeafError, match=r"\[0\]: unsupported leaf of type .*Lookalike"):
+        describe((like_int,))
+    with pytest.raises(NodeError, match="a constant is a bool, int, float or str"):
+        ConstLeaf(like_int)
+
+
+def test_a_key_whose_class_equals_str_is_refused_after_an_equal_str_key() -> None:
+    # Before: the second dict was looked up among the nodes already made by its keys and their
+    # types compared by ==, so it took the first dict's node: a str key it does not have
+    key = _equal_to(str)()
+    with pytest.raises(UnsupportedLeafError, match=r"\[1\]: dict key .* of type Lookalike"):
+        describe([{"key": None}, {key: None}])
+
+
+def test_a_dataclass_whose_signature_cannot_be_read_registers_and_rebuilds() -> None:
+    # Before: register_dataclass leaked the RuntimeError its metaclass's __signature__ raised
+    class Unreadable(type):
+        pass
+
+    @dataclasses.dataclass
+    class Plain(metaclass=Unreadable):
+        x: Any
+
+    def unreadable(cls: type) -> Any:
+        raise RuntimeError("no signature")
+
+    Unreadable.__signature__ = property(unreadable)  # type: ignore[attr-defined]
+    register_dataclass(Plain)
+    assert describe(Plain(1)).unflatten([]) == Plain(1)
 
 
 # -- a class's __module__ can be any object --------------------------------------------------------

@@ -63,6 +63,15 @@ def test_a_repeated_key_is_refused() -> None:
         load(text)
 
 
+def test_a_repeated_key_inside_a_tree_is_refused_naming_its_rows_path() -> None:
+    # Before: 'malformed JSON: the key 'a' appears twice in an object', naming no place
+    text = document(tree=[["tuple", 2], ["none"], ["const", "str", "@"]])
+    text = text.replace('"@"', '{"a":1,"a":2}')
+    message = "malformed TreeSpec JSON at [1]: a str constant holds <an object naming the key 'a'"
+    with pytest.raises(DualgraphError, match="^" + re.escape(message)):
+        load(text)
+
+
 def test_an_unknown_key_is_refused() -> None:
     with pytest.raises(DualgraphError, match="unknown key 'extra'"):
         load(document(extra=1))

@@ -125,6 +125,32 @@ def test_an_int_too_long_to_print_is_shown_by_its_size(lowest_int_digits: None) 
         describe((1,)).check((10**700,))
 
 
+@pytest.fixture
+def no_int_digit_limit() -> Iterator[None]:
+    """Python's int/str conversion unlimited (``sys.set_int_max_str_digits(0)``)."""
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    yield
+    sys.set_int_max_str_digits(before)
+
+
+def test_an_int_over_the_spec_limit_is_shown_by_its_size_without_converting_it(
+    no_int_digit_limit: None,
+) -> None:
+    # Before: with the interpreter's limit lifted, messages converted the whole int to text,
+    # in time quadratic in its digits (an int of 30 million bits: minutes for one message)
+    big = 1 << 10_000
+    with pytest.raises(
+        SpecMismatchError, match=r"^\[0\]: expected int 1, got an int of 10001 bits$"
+    ):
+        describe((1,)).check((big,))
+    with pytest.raises(SpecMismatchError, match=r"^\[<an int of 10001 bits>\]: unexpected entry"):
+        describe({1: None}).check({1: None, big: None})
+    assert clip([1, big, "x"]) == "[1, <an int of 10001 bits>, 'x']"
+    assert clip((big,)) == "(<an int of 10001 bits>,)"
+    assert clip(list(range(100)), 20) == "[0, 1, 2, 3, 4, 5..."
+
+
 def test_int_constants_are_bounded() -> None:
     assert ConstLeaf(2**MAX_INT_BITS - 1).value == 2**MAX_INT_BITS - 1
     with pytest.raises(NodeError, match=f"over the {MAX_INT_BITS}-bit limit"):
@@ -220,4 +246,4 @@ def test_clip_never_raises_and_bounds_messages() -> None:
     assert clip(Unprintable()) == "<Unprintable>"
     assert clip_text(Unprintable()) == "<Unprintable>"
     assert clip("x" * 1000).endswith("...") and len(clip("x" * 1000)) == 120
-    assert clip(10**5000) == "<int>"
+    assert clip(10**5000) == "<an int of 16610 bits>"

@@ -9,6 +9,7 @@ import itertools
 import json
 import pickle
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ from dualgraph import (
     UnsupportedLeafError,
     describe,
 )
+from dualgraph import _spec as spec_module
+from dualgraph._nodes import NONE, Node
 
 NAMES = list(TREES)
 
@@ -364,6 +367,15 @@ def test_with_grad_mask_rejects_the_wrong_length() -> None:
     spec = describe(TREES["encoder_dict"]())
     with pytest.raises(DualgraphError, match="grad mask has 1 entries, the spec has 2 array"):
         spec.with_grad_mask([True])
+
+
+def test_with_grad_mask_refuses_an_endless_iterator_after_one_entry_too_many() -> None:
+    # Before: itertools.repeat(False) (all False, meant) was read until memory ran out
+    spec = describe(TREES["encoder_dict"]())
+    for mask in (iter([False] * 3), itertools.repeat(False)):
+        with pytest.raises(DualgraphError, match="grad mask has more than 2 entries, for 2 array"):
+            spec.with_grad_mask(mask)
+    assert spec.with_grad_mask(iter([False, True])).grad_mask == (False, True)
 
 
 @pytest.mark.parametrize(
@@ -913,6 +925,23 @@ def test_with_grad_mask_refuses_unordered_or_keyed_collections(mask: Any) -> Non
 def test_the_treespec_constructor_refuses_what_is_not_a_sequence_of_nodes(nodes: Any) -> None:
     with pytest.raises(DualgraphError, match="a TreeSpec is made of the nodes of one tree"):
         TreeSpec(nodes)
+
+
+def test_the_treespec_constructor_reads_an_iterator_to_the_node_limit_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: an endless iterator was read until memory ran out, and one whose iteration
+    # raised leaked its error
+    def failing() -> Iterator[Node]:
+        yield NONE
+        raise RuntimeError("no more")
+
+    with pytest.raises(DualgraphError, match="a TreeSpec is made of the nodes of one tree"):
+        TreeSpec(failing())
+    monkeypatch.setattr(spec_module, "MAX_NODES", 100)
+    with pytest.raises(DualgraphError, match="a TreeSpec has at most 100 nodes, got more"):
+        TreeSpec(itertools.repeat(NONE))
+    assert TreeSpec(iter([NONE])) == describe(None)
 
 
 @pytest.mark.parametrize("root", [3, None, b"args"])

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from trees import TREES, EncoderOutput, assert_same_tree, leaves_of, ml_dtypes, replace_leaves
 
 from dualgraph import SpecMismatchError, TreeSpec, describe
+from dualgraph._spec import _shown_by_parts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,6 +128,13 @@ def test_json_round_trip_gives_an_equal_spec_and_identical_json(tree: Any) -> No
     loaded = TreeSpec.from_json(spec.to_json())
     assert loaded == spec
     assert loaded.to_json() == spec.to_json()
+
+
+@properties
+@given(trees)
+def test_repr_is_each_container_shown_around_its_childrens_text(tree: Any) -> None:
+    spec = describe(tree)
+    assert repr(spec) == f"TreeSpec({_shown_by_parts(spec._nodes)})"
 
 
 @properties
