@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._params import _plain, is_tensor_subclass
+from ._params import is_plain, is_tensor_subclass
 
 __all__ = ["FUSED_ACCUMULATION_FLAGS", "SetByCallable", "parameter_attributes_kept"]
 
@@ -121,7 +121,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
             for name, value in attributes.items():
                 if (
                     not name.startswith("_")
-                    and _plain(value)
+                    and is_plain(value)
                     and (
                         name not in before
                         or before[name] is not value

@@ -48,6 +48,7 @@ __all__ = [
     "bytes_of",
     "first_difference",
     "grad_buffer_like",
+    "is_plain",
     "is_tensor_subclass",
     "own_changes_taken_of",
     "requires_grad_changed",
@@ -795,12 +796,12 @@ def _watched(key: str, value: Any) -> bool:
     return (
         not key.startswith("_")
         and key != "training"
-        and (_plain(value) or type(value) is torch.Tensor)
+        and (is_plain(value) or type(value) is torch.Tensor)
     )
 
 
 def _same_plain(a: Any, b: Any) -> bool:
-    """Whether two plain values (see :func:`_plain`) would compute the same: of one type and
+    """Whether two plain values (see :func:`is_plain`) would compute the same: of one type and
     equal, a float by its bits as the kernels see it (``-0.0`` is not ``0.0``: ``copysign``,
     a division; any NaN is a NaN), a tuple item by item.
 
@@ -822,7 +823,7 @@ def _same_plain(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _plain(value: Any) -> bool:
+def is_plain(value: Any) -> bool:
     """Whether ``value`` is a number, string, flag or ``None`` (or a tuple of them, as
     LayerNorm's ``normalized_shape``): what a forward may compute with on the host."""
     if type(value) is tuple:
