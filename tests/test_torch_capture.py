@@ -1659,6 +1659,39 @@ def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     assert torch.equal(module.w.detach().cpu(), torch.ones(4))
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("graphed", "where", "name"),
+    [
+        ("function", "frozen parameter", "closed over halves.frozen"),
+        ("function", "attribute", "closed over halves.scale"),
+        ("method", "attribute", "HalvesItsWeightQuietly.scale"),
+    ],
+)
+def test_a_tensor_a_functions_code_reaches_changed_quietly_is_named_as_the_code_names_it(
+    backend: str, graphed: str, where: str, name: str
+) -> None:
+    # Pins the names warmup's comparison gives a function's tensors (as each call's check
+    # names them) and that it puts them back.
+    device = device_of(backend)
+    halves = HalvesItsWeightQuietly(where).to(device)
+    halves.w.requires_grad_(False)  # a replay gives a function's parameters no grad
+    halves.scale = halves.scale.to(device)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return halves(x)
+
+    message = capture_error(
+        call if graphed == "function" else halves.forward,
+        (torch.randn(2, 4, device=device, requires_grad=True),),
+        backend=backend,
+        lint="off",
+    )
+    assert f"{name}: the callable updates this" in message
+    for tensor in (halves.frozen, halves.scale):  # as before graphing
+        assert torch.equal(tensor.detach().cpu(), torch.ones(4))
+
+
 class _FusedWgradMatmul(torch.autograd.Function):
     """Megatron's gradient_accumulation_fusion (TE's fuse_wgrad_accumulation): the backward adds
     the weight grad into ``weight.main_grad`` itself, sets ``grad_added_to_main_grad`` and hands
