@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._params import ModuleTensors
+from ._params import ModuleTensors, write_back
 
 __all__ = [
     "ClosureUpdates",
@@ -183,7 +183,5 @@ class ClosureUpdates:
                 if tensor._version != version or not torch.equal(tensor, kept)
             ]
             self.updated = tuple((name, tensor) for name, tensor, _ in changed)
-            with torch.no_grad():
-                for _, tensor, kept in changed:  # only those: a copy bumps the version
-                    if not tensor.is_inference():  # which no copy outside inference mode takes
-                        tensor.copy_(kept)
+            for _, tensor, kept in changed:  # only those: the others hold their values
+                write_back(tensor, kept)

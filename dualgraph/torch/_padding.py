@@ -23,6 +23,7 @@ from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
+from ._params import write_back
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -373,9 +374,8 @@ def _compare_padded(
             m.training = training
         for m, p in dropouts:
             m.p = p
-        with torch.no_grad():
-            for (_, buffer), value in zip(named_buffers, saved, strict=True):
-                buffer.copy_(value)
+        for (_, buffer), value in zip(named_buffers, saved, strict=True):
+            write_back(buffer, value)
     if found is None:
         return
     difference, grad_difference, mode = found

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._params import is_plain, is_tensor_subclass
+from ._params import is_plain, is_tensor_subclass, write_back
 
 __all__ = ["FUSED_ACCUMULATION_FLAGS", "SetByCallable", "parameter_attributes_kept"]
 
@@ -133,12 +133,6 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
             for name in [n for n in attributes if n not in before and not n.startswith("_")]:
                 del attributes[name]
             attributes.update(before)
-        with torch.no_grad():
-            for param_id, name, tensor, saved in written:
-                found.note_written(param_id, name, tensor)
-                if tensor.is_inference():
-                    continue
-                if saved is None:
-                    tensor.zero_()
-                else:
-                    tensor.copy_(saved)
+        for param_id, name, tensor, saved in written:
+            found.note_written(param_id, name, tensor)
+            write_back(tensor, saved)

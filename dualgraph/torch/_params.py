@@ -53,6 +53,7 @@ __all__ = [
     "own_changes_taken_of",
     "requires_grad_changed",
     "suspended_tensor_hooks",
+    "write_back",
 ]
 
 _getitem = operator.getitem
@@ -912,9 +913,34 @@ def _joined(*parts: str) -> str:
 
 
 def _copy_back(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for tensor, saved in buffers:
+        write_back(tensor, saved)
+
+
+def write_back(tensor: torch.Tensor, kept: torch.Tensor | None) -> None:
+    """Put ``kept`` (``None``: zeros) back into ``tensor``'s memory through ``.data``, so that
+    its version counter does not move: the one rule of every put-back of graphing.
+
+    Graphing runs nothing in eager, so undoing what warmup and capture did must not look like
+    an update: a caller's pending backward that saved the tensor (BatchNorm's statistics in eval
+    mode) would fail on a moved version. No check reads a put-back as a change or misses one:
+    those around warmup and capture (``left_as_found``, ``ClosureUpdates.watching``,
+    ``module_tensors_kept``, ``parameter_attributes_kept``) compare versions and values with
+    what they noted before, and do so before they put back; those after (host state, each
+    call's) note them after every put-back. An inference tensor is put back too (``copy_``
+    would refuse it outside inference mode; its ``.data`` takes the copy).
+
+    >>> count = torch.zeros(2)
+    >>> count += 1
+    >>> write_back(count, torch.zeros(2))
+    >>> count, count._version
+    (tensor([0., 0.]), 1)
+    """
     with torch.no_grad():
-        for tensor, saved in buffers:
-            tensor.copy_(saved)
+        if kept is None:
+            tensor.data.zero_()
+        else:
+            tensor.data.copy_(kept)
 
 
 def is_tensor_subclass(param: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._module_attributes import module_attributes, put_back
 from ._op_watch import OpObserver, observing
 from ._param_attributes import parameter_attributes_kept
-from ._params import is_tensor_subclass
+from ._params import is_tensor_subclass, write_back
 
 __all__ = [
     "LintMode",
@@ -345,9 +345,8 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         with parameter_attributes_kept(root.parameters() if root is not None else ()):
             yield
     finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        for buffer, saved in buffers:
+            write_back(buffer, saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

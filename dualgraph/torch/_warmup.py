@@ -39,7 +39,7 @@ from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of, first_difference, is_tensor_subclass
+from ._params import bytes_of, first_difference, is_tensor_subclass, write_back
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -143,15 +143,12 @@ def _shown(tensor: torch.Tensor, copy: torch.Tensor, data: torch.Tensor) -> str:
 def _put_back(
     changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Give the tensors the call changed their memory back and copy the kept bits into it,
-    through ``.data``: moving no version counter, as nothing ran for eager."""
-    with torch.no_grad():
-        for _, tensor, _, copy, data in changed:
-            if tensor.is_inference():  # which no copy outside inference mode takes
-                continue
-            if _moved(tensor, data):
-                tensor.data = data
-            tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
+    """Give the tensors the call changed their memory back and write the kept bits into it
+    (:func:`write_back`: moving no version counter, as nothing ran for eager)."""
+    for _, tensor, _, copy, data in changed:
+        if _moved(tensor, data):
+            tensor.data = data
+        write_back(tensor, copy.view(tensor.dtype).view(tensor.shape))
 
 
 def _warmup(
