@@ -15,13 +15,12 @@ back) and the end of capture records others when they live off the graphs' devic
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
 
-from ._closed_over import named_values, plain_tensor_attributes
+from ._closed_over import method_module, named_values, plain_tensor_attributes
 from ._params import ModuleTensors
 
 __all__ = ["Held", "held_tensors", "modules_named_by"]
@@ -68,12 +67,9 @@ def held_tensors(
 def modules_named_by(fn: Callable[..., Any]) -> list[tuple[str, torch.nn.Module]]:
     """The modules a function's code names (closure, globals, partial arguments) and a bound
     method's module, named as ``code_tensors`` names them."""
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    owner = getattr(inner, "__self__", None)
+    owner = method_module(fn)
     found: list[tuple[str, torch.nn.Module]] = []
-    if isinstance(owner, torch.nn.Module):
+    if owner is not None:
         found.append((type(owner).__name__, owner))
     found += [
         (f"closed over {name}", value)
