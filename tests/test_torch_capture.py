@@ -1708,6 +1708,66 @@ def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     assert torch.equal(module.w.detach().cpu(), torch.ones(4))
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("graphed", "where", "name"),
+    [
+        ("function", "frozen parameter", "closed over halves.frozen"),
+        ("function", "attribute", "closed over halves.scale"),
+        ("method", "attribute", "HalvesItsWeightQuietly.scale"),
+    ],
+)
+def test_a_tensor_a_functions_code_reaches_changed_quietly_is_named_as_the_code_names_it(
+    backend: str, graphed: str, where: str, name: str
+) -> None:
+    # Pins the names warmup's comparison gives a function's tensors (as each call's check
+    # names them) and that it puts them back.
+    device = device_of(backend)
+    halves = HalvesItsWeightQuietly(where).to(device)
+    halves.w.requires_grad_(False)  # a replay gives a function's parameters no grad
+    halves.scale = halves.scale.to(device)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return halves(x)
+
+    message = capture_error(
+        call if graphed == "function" else halves.forward,
+        (torch.randn(2, 4, device=device, requires_grad=True),),
+        backend=backend,
+        lint="off",
+    )
+    assert f"{name}: the callable updates this" in message
+    for tensor in (halves.frozen, halves.scale):  # as before graphing
+        assert torch.equal(tensor.detach().cpu(), torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("graphed", ["module", "function"])
+def test_a_backward_pending_on_the_buffers_graphing_puts_back_still_runs(
+    backend: str, graphed: str
+) -> None:
+    # BatchNorm's kernel updates its statistics without a version bump; putting them back with
+    # copy_ moved their versions, so the backward of an eval-mode call made before graphing
+    # (which saved them) failed as "modified by an inplace operation", where eager (graphing
+    # runs nothing) runs it.
+    device = device_of(backend)
+    norm = nn.BatchNorm1d(4, affine=False).to(device).eval()
+    x = torch.randn(8, 4, device=device, requires_grad=True)
+    (expected,) = torch.autograd.grad(norm(x).square().sum(), x)
+    pending = norm(x).square().sum()
+    norm.train()
+    versions = (norm.running_mean._version, norm.running_var._version)
+
+    def call(t: torch.Tensor) -> torch.Tensor:
+        return norm(t)
+
+    sample = torch.randn(8, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(norm if graphed == "module" else call, (sample,), backend=backend)
+    assert (norm.running_mean._version, norm.running_var._version) == versions
+    pending.backward()
+    assert x.grad is not None and torch.equal(x.grad, expected)
+
+
 class _FusedWgradMatmul(torch.autograd.Function):
     """Megatron's gradient_accumulation_fusion (TE's fuse_wgrad_accumulation): the backward adds
     the weight grad into ``weight.main_grad`` itself, sets ``grad_added_to_main_grad`` and hands
@@ -1847,6 +1907,29 @@ def test_graphing_notes_the_fused_flag_a_backward_sets_when_it_held_that_value_a
     with parameter_attributes_kept([layer.weight]) as found:
         layer(torch.ones(2, 4, requires_grad=True)).sum().backward()
     assert [entry[2:] for entry in found.of([layer.weight])] == [("grad_added_to_main_grad", True)]
+
+
+def test_putting_back_a_main_grad_moves_no_version_counter() -> None:
+    # A fused kernel adds into main_grad without a version bump; the put-back's copy_ moved it
+    # (as graphing runs nothing in eager, none should), where a module's buffers' did not.
+    weight = nn.Parameter(torch.ones(2))
+    weight.main_grad = torch.tensor([0.0, 3.0])  # type: ignore[attr-defined]
+    version = weight.main_grad._version  # type: ignore[attr-defined]
+    with parameter_attributes_kept([weight]):
+        weight.main_grad.data.add_(1.0)  # type: ignore[attr-defined]
+    assert torch.equal(weight.main_grad, torch.tensor([0.0, 3.0]))  # type: ignore[attr-defined]
+    assert weight.main_grad._version == version  # type: ignore[attr-defined]
+
+
+def test_a_main_grad_held_as_an_inference_tensor_is_put_back_too() -> None:
+    # Its put-back was skipped (copy_ refuses an inference tensor outside inference mode), so
+    # what a fused kernel (which no inference check sees) added there stayed; .data takes it.
+    weight = nn.Parameter(torch.ones(2))
+    with torch.inference_mode():
+        weight.main_grad = torch.tensor([0.0, 3.0])  # type: ignore[attr-defined]
+    with parameter_attributes_kept([weight]):
+        weight.main_grad.data.add_(1.0)  # type: ignore[attr-defined]
+    assert torch.equal(weight.main_grad, torch.tensor([0.0, 3.0]))  # type: ignore[attr-defined]
 
 
 @pytest.mark.cuda

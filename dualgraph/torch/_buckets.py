@@ -213,7 +213,7 @@ class BucketedCallable:
         # What each bucket compares per call (its module's tensors and plain values, or those a
         # function's code names), once each: an eager fallback runs the forward's Python, and
         # the values it sets (a flag, a counter) are its own, as in an emulated replay.
-        records = (getattr(bucket.runner, "_module_tensors", None) for bucket in buckets)
+        records = (bucket.runner.checked_tensors for bucket in buckets)
         self._records = tuple({id(r): r for r in records if r is not None}.values())
 
     @property

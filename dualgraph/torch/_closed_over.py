@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from ._params import ModuleTensors
+from ._params import ModuleTensors, write_back
 
 __all__ = [
     "ClosureUpdates",
     "closed_over_tensors",
     "code_tensors",
+    "method_module",
     "named_by",
     "named_values",
     "plain_tensor_attributes",
@@ -69,11 +70,8 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
     holder = torch.nn.Module()  # hangs them together; never called
     seen: set[int] = set()
     uncalled: tuple[torch.nn.Module, ...] = ()
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    owner = getattr(inner, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
+    owner = method_module(fn)
+    if owner is not None:
         holder._modules[type(owner).__name__] = owner
         seen.add(id(owner))
         uncalled = (owner,)
@@ -114,10 +112,8 @@ def named_by(fn: Callable[..., Any], *, parameters: bool = False) -> list[tuple[
     """What :func:`closed_over_tensors` finds, and the buffers (``parameters``: and the
     parameters) of a bound method's module."""
     found = closed_over_tensors(fn, parameters=parameters)
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
+    owner = method_module(fn)
+    if owner is not None:
         seen = {id(tensor) for _, tensor in found}
         root = type(owner).__name__
         found += [
@@ -126,6 +122,19 @@ def named_by(fn: Callable[..., Any], *, parameters: bool = False) -> list[tuple[
             if id(tensor) not in seen
         ]
     return found
+
+
+def method_module(fn: Callable[..., Any]) -> torch.nn.Module | None:
+    """The module whose bound method ``fn`` is (through ``functools.partial``), or ``None``.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> method_module(functools.partial(layer.forward)) is layer, method_module(len)
+    (True, None)
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
 
 
 def _tensors_of(module: torch.nn.Module, parameters: bool) -> list[tuple[str, torch.Tensor]]:
@@ -183,7 +192,5 @@ class ClosureUpdates:
                 if tensor._version != version or not torch.equal(tensor, kept)
             ]
             self.updated = tuple((name, tensor) for name, tensor, _ in changed)
-            with torch.no_grad():
-                for _, tensor, kept in changed:  # only those: a copy bumps the version
-                    if not tensor.is_inference():  # which no copy outside inference mode takes
-                        tensor.copy_(kept)
+            for _, tensor, kept in changed:  # only those: the others hold their values
+                write_back(tensor, kept)

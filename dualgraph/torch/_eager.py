@@ -54,6 +54,12 @@ class EagerCallable:
             )
         return self._out_spec
 
+    @property
+    def checked_tensors(self) -> None:
+        """What each call checks besides its inputs: nothing (an eager call reads the module as
+        it is), as :attr:`GraphedCallable.checked_tensors` says for a graphed one."""
+        return None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hooks = self._hooks
         if hooks.replay is not None:

@@ -22,14 +22,13 @@ is on the CPU, so nothing is host-resident there; a test emulates a graph device
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._capture_failure import Refused
-from ._closed_over import named_values, plain_tensor_attributes
+from ._held_tensors import held_tensors, modules_named_by
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -101,37 +100,13 @@ def record_host_state(item: _Capture, backend: str) -> None:
 def _state_of(item: _Capture) -> list[Hung]:
     """The buffers, plain tensor attributes and (a function's) tensors its code names, and the
     parameters of the modules a function's code names, each once, where they hang."""
-    found: dict[int, Hung] = {}
     record = item.module_tensors if item.module_tensors is not None else item.code_tensors
     assert record is not None
     module = item.request.module
-    for name, owner, key, tensor, is_buffer in zip(
-        record.names, record.owners, record.keys, record.tensors, record.is_buffer, strict=True
-    ):
-        if is_buffer or module is None:
-            found.setdefault(id(tensor), (name, tensor, owner, key))
-    modules = [(type(module).__name__, module)] if module is not None else _named_modules(item)
-    for prefix, holder in modules:
-        for name, tensor in plain_tensor_attributes(holder):
-            path, _, key = name.rpartition(".")
-            namespace = (holder.get_submodule(path) if path else holder).__dict__
-            found.setdefault(id(tensor), (f"{prefix}.{name}", tensor, namespace, key))
-    return [entry for entry in found.values() if entry[1].layout == torch.strided]
-
-
-def _named_modules(item: _Capture) -> list[tuple[str, torch.nn.Module]]:
-    """The modules a function's code names (closure, globals, partial arguments) and a bound
-    method's module, named as ``code_tensors`` names them."""
-    fn = item.request.fn
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    owner = getattr(fn, "__self__", None)
-    found: list[tuple[str, torch.nn.Module]] = []
-    if isinstance(owner, torch.nn.Module):
-        found.append((type(owner).__name__, owner))
-    found += [
-        (f"closed over {name}", value)
-        for name, value in named_values(item.request.fn)
-        if isinstance(value, torch.nn.Module)
-    ]
-    return found
+    if module is None:  # all a function's code names: its modules' parameters too
+        held = held_tensors(record, modules_named_by(item.request.fn))
+    else:  # a module's own parameters are refused off the device before (at capture's start)
+        held = held_tensors(
+            record, [(type(module).__name__, module)], lambda held: held.kind != "parameter"
+        )
+    return [(name, tensor, namespace, key) for name, tensor, namespace, key, _ in held]

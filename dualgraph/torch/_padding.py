@@ -23,6 +23,7 @@ from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
+from ._params import write_back
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -358,6 +359,7 @@ def _compare_padded(
     training = any(training for _, training in modes)
     found: tuple[str, str, str] | None = None
     params = list(module.parameters()) if module is not None else []
+    check = _PaddedCheck(request, padding, guard, wants_grad, length, full, named_buffers, saved)
     try:
         # its backward may add into the parameters' main_grad and set their flags (fused
         # weight-grad accumulation): put back as a capture does
@@ -376,19 +378,7 @@ def _compare_padded(
                     module.eval()
                 mode = " in training mode, as captured" if in_training else ""
                 for inputs, shifted in _input_variants(padding, tensors):
-                    found = _padded_difference(
-                        request,
-                        padding,
-                        guard,
-                        inputs,
-                        wants_grad,
-                        length,
-                        full,
-                        named_buffers,
-                        saved,
-                        mode + shifted,
-                        sample=not shifted,
-                    )
+                    found = _padded_difference(check, inputs, mode + shifted, sample=not shifted)
                     if found is not None:
                         break
                 if found is not None:
@@ -398,9 +388,8 @@ def _compare_padded(
             m.training = training
         for m, p in dropouts:
             m.p = p
-        with torch.no_grad():
-            for (_, buffer), value in zip(named_buffers, saved, strict=True):
-                buffer.copy_(value)
+        for (_, buffer), value in zip(named_buffers, saved, strict=True):
+            write_back(buffer, value)
     if found is None:
         return
     difference, kind, mode = found
@@ -431,29 +420,37 @@ def _compare_padded(
     )
 
 
+@dataclass(frozen=True)
+class _PaddedCheck:
+    """What every comparison of a call with the same call padded shares (one per sample
+    length): the callable, its padding and input guard, which inputs want grads, the call's
+    length and the bucket's, and the module's buffers with their values before the check,
+    from which each call starts."""
+
+    request: BucketRequest
+    padding: Padding
+    guard: InputGuard
+    wants_grad: Sequence[bool]
+    length: int
+    full: int
+    named_buffers: Sequence[tuple[str, torch.Tensor]]
+    saved: Sequence[torch.Tensor]
+
+
 def _padded_difference(
-    request: BucketRequest,
-    padding: Padding,
-    guard: InputGuard,
-    tensors: list[torch.Tensor],
-    wants_grad: Sequence[bool],
-    length: int,
-    full: int,
-    named_buffers: Sequence[tuple[str, torch.Tensor]],
-    saved: Sequence[torch.Tensor],
-    mode: str,
-    sample: bool = True,
+    check: _PaddedCheck, tensors: list[torch.Tensor], mode: str, sample: bool = True
 ) -> tuple[str, str, str] | None:
-    """How the padded call differs, in the modules' current modes: ``(difference, kind, mode)``
-    (kind: ``"padded"`` outputs or buffers, ``"grads"``, or ``"untold"``: the call told its
-    full length differs from it called without ``valid_length``, as eager calls it), or None.
-    Each call starts from the buffers as ``saved`` (their values before the check). ``sample``:
-    the sample's own values; else shifted ones (:func:`_input_variants`), whose outputs alone
-    are compared, and only where the call's own are finite (a log of the shifted values is no
-    fault of the padding; nor is an error the call raises on them)."""
-    padded = _padded(padding, tensors, length, full)
-    device = tensors[padding.inputs[0][0]].device
-    valid = torch.full((), length, dtype=torch.int64, device=device)
+    """How the padded call of ``tensors`` differs, in the modules' current modes:
+    ``(difference, kind, mode)`` (kind: ``"padded"`` outputs or buffers, ``"grads"``, or
+    ``"untold"``: the call told its full length differs from it called without
+    ``valid_length``, as eager calls it), or None. Each call starts from the buffers as
+    ``check.saved`` (their values before the check). ``sample``: the sample's own values; else
+    shifted ones (:func:`_input_variants`), whose outputs alone are compared, and only where
+    the call's own are finite (a log of the shifted values is no fault of the padding; nor is
+    an error the call raises on them)."""
+    padded = _padded(check.padding, tensors, check.length, check.full)
+    device = tensors[check.padding.inputs[0][0]].device
+    valid = torch.full((), check.length, dtype=torch.int64, device=device)
 
     def run(
         inputs: list[torch.Tensor],
@@ -462,26 +459,32 @@ def _padded_difference(
         told: bool = True,
     ) -> Any:
         """The call of ``inputs`` (copies, into ``given``), told ``valid_length`` or not."""
-        for (_, buffer), value in zip(named_buffers, saved, strict=True):
+        for (_, buffer), value in zip(check.named_buffers, check.saved, strict=True):
             buffer.copy_(value)  # every call updates them from the same values
         clones = [t.clone() for t in inputs]
         if given is not None:
             given.extend(clones)
-        args, kwargs = guard.unflatten(clones)
+        args, kwargs = check.guard.unflatten(clones)
         torch.manual_seed(seed)
         if told:
             kwargs = {**kwargs, VALID_LENGTH: valid}
-        return request.hooks.call(request.fn, args, kwargs)
+        return check.request.hooks.call(check.request.fn, args, kwargs)
 
     def updated() -> list[torch.Tensor]:
-        return [b.detach().clone() for _, b in named_buffers]
+        return [b.detach().clone() for _, b in check.named_buffers]
 
     given: list[torch.Tensor] = []
     if sample:
         reference = run(tensors, 0, given)
         # what a capture finds for the graphed backends (check_padded_plans), on every backend
         _refuse_updates_of_the_call(
-            request.name, padding, guard.paths, tensors, given, valid, length
+            check.request.name,
+            check.padding,
+            check.guard.paths,
+            tensors,
+            given,
+            valid,
+            check.length,
         )
     else:
         put_back_modes = kept_modes()
@@ -495,21 +498,21 @@ def _padded_difference(
     expected_buffers = updated()
     if not sample and not _all_finite(reference):
         return None
-    _refuse_lost_views(request.name, padding, guard.paths, reference, given)
+    _refuse_lost_views(check.request.name, check.padding, check.guard.paths, reference, given)
     if _difference(reference, run(tensors, 1), ()) is not None:
         return None  # it draws random numbers: the two calls cannot be compared
     if sample:
         untold = _untold_difference(
-            run, tensors, reference, [n for n, _ in named_buffers], expected_buffers, updated
+            run, tensors, reference, [n for n, _ in check.named_buffers], expected_buffers, updated
         )
         if untold is not None:
             return untold, "untold", mode
     found = run(padded, 0)
-    cuts = output_cuts(padding, describe(found))
-    difference = _difference(reference, found, cuts, length)
+    cuts = output_cuts(check.padding, describe(found))
+    difference = _difference(reference, found, cuts, check.length)
     if difference is None:
         for (name, _), before, after in zip(
-            named_buffers, expected_buffers, updated(), strict=True
+            check.named_buffers, expected_buffers, updated(), strict=True
         ):
             gap = _tensor_difference(before, after)
             if gap is not None:
@@ -519,13 +522,15 @@ def _padded_difference(
         return difference, "padded", mode
     if not sample:
         return None
-    module = request.module
+    module = check.request.module
     params = [] if module is None else list(module.named_parameters())
     with torch.enable_grad():
-        grads = _grads_both_ways(run, padding, tensors, wants_grad, params, full, cuts)
+        grads = _grads_both_ways(
+            run, check.padding, tensors, check.wants_grad, params, check.full, cuts
+        )
     if grads is None:
         return None
-    names = [n for n, wants in zip(guard.paths, wants_grad, strict=True) if wants]
+    names = [n for n, wants in zip(check.guard.paths, check.wants_grad, strict=True) if wants]
     names += [f"parameter {name}" for name, p in params if p.requires_grad]
     difference = _grad_difference(names, *grads)
     return None if difference is None else (difference, "grads", mode)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._params import _plain, is_tensor_subclass
+from ._params import is_plain, is_tensor_subclass, write_back
 
 __all__ = ["FUSED_ACCUMULATION_FLAGS", "SetByCallable", "parameter_attributes_kept"]
 
@@ -122,7 +122,7 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
             for name, value in attributes.items():
                 if (
                     not name.startswith("_")
-                    and _plain(value)
+                    and is_plain(value)
                     and (
                         name not in before
                         or before[name] is not value
@@ -134,15 +134,9 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
             for name in [n for n in attributes if n not in before and not n.startswith("_")]:
                 del attributes[name]
             attributes.update(before)
-        with torch.no_grad():
-            for param_id, name, tensor, saved in written:
-                found.note_written(param_id, name, tensor)
-                if tensor.is_inference():
-                    continue
-                if saved is None:
-                    tensor.zero_()
-                else:
-                    tensor.copy_(saved)
+        for param_id, name, tensor, saved in written:
+            found.note_written(param_id, name, tensor)
+            write_back(tensor, saved)
 
 
 def _changed(tensor: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:

@@ -49,10 +49,12 @@ __all__ = [
     "bytes_of",
     "first_difference",
     "grad_buffer_like",
+    "is_plain",
     "is_tensor_subclass",
     "own_changes_taken_of",
     "requires_grad_changed",
     "suspended_tensor_hooks",
+    "write_back",
 ]
 
 _getitem = operator.getitem
@@ -796,12 +798,12 @@ def _watched(key: str, value: Any) -> bool:
     return (
         not key.startswith("_")
         and key != "training"
-        and (_plain(value) or type(value) is torch.Tensor)
+        and (is_plain(value) or type(value) is torch.Tensor)
     )
 
 
 def _same_plain(a: Any, b: Any) -> bool:
-    """Whether two plain values (see :func:`_plain`) would compute the same: of one type and
+    """Whether two plain values (see :func:`is_plain`) would compute the same: of one type and
     equal, a float by its bits as the kernels see it (``-0.0`` is not ``0.0``: ``copysign``,
     a division; any NaN is a NaN), a tuple item by item.
 
@@ -823,7 +825,7 @@ def _same_plain(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _plain(value: Any) -> bool:
+def is_plain(value: Any) -> bool:
     """Whether ``value`` is a number, string, flag or ``None`` (or a tuple of them, as
     LayerNorm's ``normalized_shape``): what a forward may compute with on the host."""
     if type(value) is tuple:
@@ -912,9 +914,34 @@ def _joined(*parts: str) -> str:
 
 
 def _copy_back(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for tensor, saved in buffers:
+        write_back(tensor, saved)
+
+
+def write_back(tensor: torch.Tensor, kept: torch.Tensor | None) -> None:
+    """Put ``kept`` (``None``: zeros) back into ``tensor``'s memory through ``.data``, so that
+    its version counter does not move: the one rule of every put-back of graphing.
+
+    Graphing runs nothing in eager, so undoing what warmup and capture did must not look like
+    an update: a caller's pending backward that saved the tensor (BatchNorm's statistics in eval
+    mode) would fail on a moved version. No check reads a put-back as a change or misses one:
+    those around warmup and capture (``left_as_found``, ``ClosureUpdates.watching``,
+    ``module_tensors_kept``, ``parameter_attributes_kept``) compare versions and values with
+    what they noted before, and do so before they put back; those after (host state, each
+    call's) note them after every put-back. An inference tensor is put back too (``copy_``
+    would refuse it outside inference mode; its ``.data`` takes the copy).
+
+    >>> count = torch.zeros(2)
+    >>> count += 1
+    >>> write_back(count, torch.zeros(2))
+    >>> count, count._version
+    (tensor([0., 0.]), 1)
+    """
     with torch.no_grad():
-        for tensor, saved in buffers:
-            tensor.copy_(saved)
+        if kept is None:
+            tensor.data.zero_()
+        else:
+            tensor.data.copy_(kept)
 
 
 def is_tensor_subclass(param: torch.Tensor) -> bool:

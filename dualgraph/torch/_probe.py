@@ -33,7 +33,7 @@ from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._module_attributes import module_attributes, put_back
 from ._op_watch import OpObserver, observing
 from ._param_attributes import parameter_attributes_kept
-from ._params import is_tensor_subclass
+from ._params import is_tensor_subclass, write_back
 from ._process_state import kept_process_state
 
 __all__ = [
@@ -344,9 +344,8 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         ):
             yield
     finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        for buffer, saved in buffers:
+            write_back(buffer, saved)
         put_back(attributes)
 
 

@@ -55,7 +55,7 @@ from ._layouts import copier_of
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
 from ._node_hooks import HeldNodes, node_hook_dicts
-from ._params import requires_grad_changed
+from ._params import ModuleTensors, requires_grad_changed
 from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
 from ._replay_backends import EmulatedReplay
@@ -488,6 +488,12 @@ class GraphedCallable:
     def spec(self) -> TreeSpec:
         """The output spec recorded at capture."""
         return self._out_spec
+
+    @property
+    def checked_tensors(self) -> ModuleTensors | None:
+        """What each call checks: the module's own tensors and plain values, or those a
+        function's code names (``None``: it names none)."""
+        return self._module_tensors
 
     @property
     def static_inputs(self) -> tuple[torch.Tensor, ...]:

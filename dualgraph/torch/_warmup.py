@@ -35,10 +35,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
+from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of, first_difference, is_tensor_subclass
+from ._params import bytes_of, first_difference, is_tensor_subclass, write_back
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -96,36 +97,27 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
 def _writable_tensors(item: _Capture) -> list[tuple[str, torch.Tensor]]:
     """The tensors besides its inputs and buffers that the callable could change in place: a
     module's parameters (frozen too) and plain tensor attributes, or those a function's code
-    names that ``ClosureUpdates`` does not put back (its parameters)."""
+    names that ``ClosureUpdates`` does not put back (what requires grad: its parameters)."""
     module = item.request.module
-    found: list[tuple[str, torch.Tensor]]
     if module is not None:
-        tensors = item.module_tensors
-        assert tensors is not None
-        root = type(module).__name__
-        found = [
-            (name, t)
-            for name, t, is_buffer in zip(
-                tensors.names, tensors.tensors, tensors.is_buffer, strict=True
-            )
-            if not is_buffer
-        ]
-        found += [(f"{root}.{name}", t) for name, t in plain_tensor_attributes(module)]
+        record, holders = item.module_tensors, [(type(module).__name__, module)]
     else:
-        put_back = {id(t) for _, t in named_by(item.request.fn) if not t.requires_grad}
-        found = [
-            (n, t) for n, t in named_by(item.request.fn, parameters=True) if id(t) not in put_back
-        ]
-    seen: set[int] = set()
-    comparable = []
-    for name, t in found:
-        if id(t) in seen or t.layout != torch.strided or t.device.type == "meta":
-            continue
-        if is_tensor_subclass(t):  # its bits are not its values (an FP8 weight)
-            continue
-        seen.add(id(t))
-        comparable.append((name, t))
-    return comparable
+        record, holders = item.code_tensors, modules_named_by(item.request.fn)
+    if record is None:
+        return []
+
+    def writable(held: Held) -> bool:
+        # put back otherwise: a module's buffers by left_as_found, a function's (and the
+        # tensors its code names) by ClosureUpdates where they require no grad
+        put_back = held.kind == "buffer" and (module is not None or not held.tensor.requires_grad)
+        # a meta tensor holds no bits; a subclass's bits are not its values (an FP8 weight)
+        return (
+            not put_back
+            and held.tensor.device.type != "meta"
+            and not is_tensor_subclass(held.tensor)
+        )
+
+    return [(held.name, held.tensor) for held in held_tensors(record, holders, writable)]
 
 
 def _moved(tensor: torch.Tensor, data: torch.Tensor) -> bool:
@@ -151,15 +143,12 @@ def _shown(tensor: torch.Tensor, copy: torch.Tensor, data: torch.Tensor) -> str:
 def _put_back(
     changed: Sequence[tuple[str, torch.Tensor, bool, torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Give the tensors the call changed their memory back and copy the kept bits into it,
-    through ``.data``: moving no version counter, as nothing ran for eager."""
-    with torch.no_grad():
-        for _, tensor, _, copy, data in changed:
-            if tensor.is_inference():  # which no copy outside inference mode takes
-                continue
-            if _moved(tensor, data):
-                tensor.data = data
-            tensor.data.copy_(copy.view(tensor.dtype).view(tensor.shape))
+    """Give the tensors the call changed their memory back and write the kept bits into it
+    (:func:`write_back`: moving no version counter, as nothing ran for eager)."""
+    for _, tensor, _, copy, data in changed:
+        if _moved(tensor, data):
+            tensor.data = data
+        write_back(tensor, copy.view(tensor.dtype).view(tensor.shape))
 
 
 _LEAF_UPDATED = "a leaf Variable that requires grad is being used in an in-place operation"
