@@ -516,6 +516,32 @@ def test_an_e8m0_scale_leaf_shrunk_to_its_smallest_value_fails() -> None:
     assert not leaf.ok and leaf.mismatched == 4 and leaf.ulps == 130, leaf
 
 
+class ToE8m0WrongAtOne(torch.autograd.Function):
+    """``x.to(float8_e8m0fnu)`` whose backward is wrong at entry 1 (where seed 0 drew < 0)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e8m0fnu)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        wrong = grad.float().clone()
+        wrong[1] = 5.0
+        return wrong
+
+
+def test_cotangents_of_an_e8m0_output_are_drawn_positive_so_every_grad_entry_compares() -> None:
+    # e8m0 has no sign: a negative normal draw became a NaN cotangent, and its entries' grads
+    # were NaN on both sides, which matched, so a wrong gradient there passed.
+    x = np.linspace(0.5, 4, 6, dtype=np.float32)
+    report = compare(ToE8m0WrongAtOne.apply, lambda a: a.astype(jnp.float8_e8m0fnu), (x,))
+    assert report.worst_path == "grad args[0]" and not report.ok, report
+    good = compare(
+        lambda t: t.to(torch.float8_e8m0fnu), lambda a: a.astype(jnp.float8_e8m0fnu), (x,)
+    )
+    assert good.ok and [leaf.nonfinite for leaf in good.entries] == [0, 0], good
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 def test_max_ulps_counts_representable_values_across_zero_and_in_complex_parts(
     dtype: Any,
