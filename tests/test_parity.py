@@ -964,10 +964,52 @@ def test_a_wrong_parameter_mapping_fails_on_that_parameter() -> None:
     def swapped(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {**grads, "weight": grads["weight"].T}
 
+    # The JAX params are the torch ones mapped by the right mapping, so the wrong one gives
+    # other values: refused before either side runs, naming the parameter.
+    with pytest.raises(dualgraph.DualgraphError, match=r"^params\['weight'\]: the JAX params hold"):
+        compare(
+            linear,
+            linear_jax,
+            (sample(2, 3),),
+            params=jax_params_of(linear),
+            params_from_torch=swapped,
+        )
+
+
+def test_jax_params_from_an_older_torch_state_are_refused_naming_the_parameter() -> None:
+    # Only the structure was checked: a stale params tree failed as an output difference, as
+    # if the two functions differed.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3)
+    stale = jax_params_of(linear)
+    with torch.no_grad():
+        linear.weight[1, 2] += 0.5  # a training step since the JAX params were made
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"^params\['weight'\]: the JAX params hold other values than the torch parameters "
+        r"mapped by params_from_torch \(first at \[1, 2\]: ",
+    ):
+        compare(linear, linear_jax, (sample(2, 4),), params=stale)
+    assert_parity(linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear))
+
+
+def test_jax_params_are_compared_with_the_torch_ones_in_the_dtype_the_mapping_gives() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3)
+
+    def in_bfloat16(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: a.astype(ml_dtypes.bfloat16) for name, a in named.items()}
+
+    params = {name: jnp.asarray(a) for name, a in in_bfloat16(jax_params_of(linear)).items()}
     report = compare(
-        linear, linear_jax, (sample(2, 3),), params=jax_params_of(linear), params_from_torch=swapped
+        linear,
+        lambda p, x: linear_jax({n: a.astype(jnp.float32) for n, a in p.items()}, x),
+        (sample(2, 4),),
+        params=params,
+        params_from_torch=in_bfloat16,
+        grads=False,
     )
-    assert [entry.path for entry in report.failures] == ["grad params['weight']"]
+    assert [entry.path for entry in report.entries] == ["output"]
 
 
 def test_a_mapping_that_gives_another_tree_is_reported_by_path() -> None:
