@@ -271,6 +271,35 @@ def test_a_cotangent_reaches_only_masked_outputs_the_same_way_on_both_sides() ->
     assert unmasked.worst_path == "grad args[0]" and not unmasked.ok
 
 
+class TimesFiveWrongGrad(torch.autograd.Function):
+    """``x * 5`` whose backward gives ``7 * grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 5
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 7
+
+
+def test_a_torch_output_requiring_grad_that_the_out_spec_masks_off_is_refused_by_path() -> None:
+    # The out_spec's mask left output[1] without a cotangent on both sides, so the wrong
+    # backward torch has through it was never compared, and the report passed.
+    written = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),)).out_spec.with_grad_mask(
+        [True, False]
+    )
+    program = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),), out_spec=written)
+    with pytest.raises(
+        SpecMismatchError, match=r"^output\[1\]: torch_fn's output requires grad"
+    ) as caught:
+        compare(lambda t: (t * 2, TimesFiveWrongGrad.apply(t)), program, (torch.randn(3),))
+    assert caught.value.path == "output[1]"
+    assert compare(  # nothing is differentiated without grads
+        lambda t: (t * 2, TimesFiveWrongGrad.apply(t)), program, (torch.randn(3),), grads=False
+    ).ok
+
+
 def test_a_none_where_the_other_side_has_an_array_is_reported_by_path() -> None:
     with pytest.raises(SpecMismatchError) as caught:
         compare(lambda t: (t, None), lambda a: (a, a), (sample(2, 3),))

@@ -79,11 +79,12 @@ def compare(
       mixes them with trained ones is compared at the trained ones' entries (found by mapping
       NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
-      spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
-      every floating input array and the parameters; complex ones as torch defines them. The
-      torch side runs one backward and reads ``.grad`` (putting the previous ``.grad`` back),
-      so a graphed callable that accumulates parameter grads inside its backward graph is
-      measured as its users see them.
+      spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
+      mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
+      leaves out), w.r.t. every floating input array and the parameters; complex ones as
+      torch defines them. The torch side runs one backward and reads ``.grad`` (putting the
+      previous ``.grad`` back), so a graphed callable that accumulates parameter grads inside
+      its backward graph is measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
       name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
       value on either side, e.g. NaN everywhere (still reported as a warning).
@@ -109,6 +110,7 @@ def compare(
         spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
         entries = _compare_outputs(spec, torch_out, run.outputs, judge)
         if grads:
+            _refuse_unmasked_torch_grads(spec, torch_out)
             entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
     return ParityReport(tuple(entries))
 
@@ -366,6 +368,27 @@ def _compare_outputs(
 
 
 # -- 5. compare gradients --------------------------------------------------------------------------
+
+
+def _refuse_unmasked_torch_grads(spec: TreeSpec, torch_out: Any) -> None:
+    """Refuse a torch output that requires grad where the JAX grad mask leaves it out.
+
+    No cotangent would reach it on either side, so the gradients through it, which torch
+    computes, would never be compared. Only an explicit ``out_spec`` masks a floating output
+    off (without one, JAX masks every floating output). The other way round is accepted: a
+    masked output torch does not differentiate (``.detach()``) takes its cotangent on the JAX
+    side only, and passes where the JAX function stops its gradient too.
+    """
+    leaves = zip(spec.array_paths, spec.grad_mask, spec.flatten(torch_out), strict=True)
+    for path, masked, tensor in leaves:
+        if tensor.requires_grad and not masked:
+            raise SpecMismatchError(
+                f"output{path}: torch_fn's output requires grad, but the JAX side's grad mask "
+                "(its GraphedCallable's out_spec) leaves it out, so the gradients through it "
+                "would never be compared. Graph the JAX function with an out_spec that masks "
+                "it (the torch side's out_spec does), or detach it in torch_fn",
+                path="output" + path,
+            )
 
 
 def _compare_grads(
