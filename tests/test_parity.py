@@ -1022,6 +1022,14 @@ def test_jax_params_from_an_older_torch_state_are_refused_naming_the_parameter()
     assert_parity(linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear))
 
 
+def test_a_deleted_jax_params_leaf_is_refused_naming_it() -> None:
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    params["weight"].delete()  # e.g. donated to an earlier call
+    with pytest.raises(dualgraph.DualgraphError, match=r"^params\['weight'\]: this array has been"):
+        compare(linear, linear_jax, (sample(2, 4),), params=params)
+
+
 def test_jax_params_are_compared_with_the_torch_ones_in_the_dtype_the_mapping_gives() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(4, 3)

@@ -212,6 +212,11 @@ def _check_params_match(params: _Params) -> None:
         ) from None
     pairs = zip(spec.array_paths, spec.flatten(params.jax), spec.flatten(mapped), strict=True)
     for path, jax_leaf, torch_leaf in pairs:
+        if isinstance(jax_leaf, jax.Array) and jax_leaf.is_deleted():
+            raise DualgraphError(
+                f"params{path}: this array has been deleted (donated to an earlier call, or "
+                "deleted explicitly); pass a fresh array"
+            )
         found = first_difference(_host(jax_leaf), _host(torch_leaf))
         if found is not None:
             index, jax_value, torch_value = found
