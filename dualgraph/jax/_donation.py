@@ -193,14 +193,13 @@ def check_donated_inputs(
             )
         if extents is None:
             extents = [_extent(y) for y in arrays]
-        for j, y in enumerate(arrays):
-            if j == i or not (y is x or _overlap(extents[i], extents[j])):
+        start, end = extents[i] or (0, 0)  # (0, 0) overlaps nothing
+        for j, other in enumerate(extents):
+            if j == i or not (
+                arrays[j] is x or (other is not None and other[0] < end and start < other[1])
+            ):
                 continue
-            shared = (
-                "the same buffer is"
-                if y is x or extents[i] == extents[j]
-                else "part of its buffer is"
-            )
+            shared = "the same buffer is" if other == extents[i] else "part of its buffer is"
             raise DualgraphError(
                 f"{paths[i]} is donated, but {shared} also passed as {paths[j]}: the call "
                 "consumes a donated buffer, so the other use would read freed or overwritten "
@@ -211,21 +210,11 @@ def check_donated_inputs(
 def _extent(x: Any) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` a JAX array's buffer occupies; ``None`` where unknown or empty
     (an empty array holds no bytes to share, and CUDA puts every empty one at 0)."""
-    if not _holds_bytes(x):
-        return None
     start = _buffer_pointer(x)
     if start is None:
         return None
-    return start, start + max(int(x.nbytes), 1)
-
-
-def _overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
-    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
-
-
-def _holds_bytes(x: Any) -> bool:
-    size = getattr(x, "size", None)
-    return type(size) is not int or size > 0
+    size = x.size
+    return (start, start + size * x.dtype.itemsize) if size else None  # x.nbytes, for less
 
 
 def _buffer_pointer(x: Any) -> int | None:
