@@ -310,6 +310,41 @@ def test_the_same_buffer_under_two_array_objects_is_refused() -> None:
         g(jax.dlpack.from_dlpack(tensor), jax.dlpack.from_dlpack(tensor))
 
 
+def shared_views(tensor: torch.Tensor, first: slice, second: slice) -> tuple[jax.Array, jax.Array]:
+    """Two JAX arrays over views of one torch allocation (DLPack shares, copying nothing)."""
+    a, b = jax.dlpack.from_dlpack(tensor[first]), jax.dlpack.from_dlpack(tensor[second])
+    start = tensor.data_ptr()
+    offsets = (a.unsafe_buffer_pointer() - start, b.unsafe_buffer_pointer() - start)
+    assert offsets == (first.start * 4, second.start * 4)  # the views, not copies
+    return a, b
+
+
+@pytest.mark.parametrize("donated", [0, 1])
+def test_a_donated_buffer_partly_overlapping_another_input_is_refused(donated: int) -> None:
+    # Only the same start address was caught: views at an offset into one allocation share
+    # bytes, and the donated one's reuse for an output would overwrite what the other reads.
+    g = dgj.graphed(
+        lambda s, x: (s * 2, x * 3), (jnp.ones(32), jnp.ones(32)), donate_argnums=donated
+    )
+    a, b = shared_views(torch.arange(64.0), slice(0, 32), slice(16, 48))
+    other = 1 - donated
+    with pytest.raises(
+        DualgraphError,
+        match=rf"args\[{donated}\] is donated, but part of its buffer is also passed as "
+        rf"args\[{other}\]",
+    ):
+        g(a, b)
+    assert not a.is_deleted() and not b.is_deleted()
+
+
+def test_adjacent_views_of_one_allocation_may_be_donated() -> None:
+    g = dgj.graphed(lambda s, x: (s * 2, x * 3), (jnp.ones(32), jnp.ones(32)), donate_argnums=0)
+    a, b = shared_views(torch.arange(64.0), slice(0, 32), slice(32, 64))
+    doubled, tripled = g(a, b)
+    assert np.array_equal(doubled, np.arange(32.0) * 2)
+    assert np.array_equal(tripled, np.arange(32.0, 64.0) * 3)
+
+
 def test_two_empty_arrays_at_one_address_with_one_donated_are_not_one_buffer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

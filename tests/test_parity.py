@@ -271,6 +271,35 @@ def test_a_cotangent_reaches_only_masked_outputs_the_same_way_on_both_sides() ->
     assert unmasked.worst_path == "grad args[0]" and not unmasked.ok
 
 
+class TimesFiveWrongGrad(torch.autograd.Function):
+    """``x * 5`` whose backward gives ``7 * grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 5
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 7
+
+
+def test_a_torch_output_requiring_grad_that_the_out_spec_masks_off_is_refused_by_path() -> None:
+    # The out_spec's mask left output[1] without a cotangent on both sides, so the wrong
+    # backward torch has through it was never compared, and the report passed.
+    written = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),)).out_spec.with_grad_mask(
+        [True, False]
+    )
+    program = dgj.graphed(lambda a: (a * 2, a * 5), (jnp.zeros(3),), out_spec=written)
+    with pytest.raises(
+        SpecMismatchError, match=r"^output\[1\]: torch_fn's output requires grad"
+    ) as caught:
+        compare(lambda t: (t * 2, TimesFiveWrongGrad.apply(t)), program, (torch.randn(3),))
+    assert caught.value.path == "output[1]"
+    assert compare(  # nothing is differentiated without grads
+        lambda t: (t * 2, TimesFiveWrongGrad.apply(t)), program, (torch.randn(3),), grads=False
+    ).ok
+
+
 def test_a_none_where_the_other_side_has_an_array_is_reported_by_path() -> None:
     with pytest.raises(SpecMismatchError) as caught:
         compare(lambda t: (t, None), lambda a: (a, a), (sample(2, 3),))
@@ -514,6 +543,32 @@ def test_an_e8m0_scale_leaf_shrunk_to_its_smallest_value_fails() -> None:
     actual = np.full(4, 2.0**-127, dtype)
     leaf = compare_arrays("scales", actual, expected)
     assert not leaf.ok and leaf.mismatched == 4 and leaf.ulps == 130, leaf
+
+
+class ToE8m0WrongAtOne(torch.autograd.Function):
+    """``x.to(float8_e8m0fnu)`` whose backward is wrong at entry 1 (where seed 0 drew < 0)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e8m0fnu)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        wrong = grad.float().clone()
+        wrong[1] = 5.0
+        return wrong
+
+
+def test_cotangents_of_an_e8m0_output_are_drawn_positive_so_every_grad_entry_compares() -> None:
+    # e8m0 has no sign: a negative normal draw became a NaN cotangent, and its entries' grads
+    # were NaN on both sides, which matched, so a wrong gradient there passed.
+    x = np.linspace(0.5, 4, 6, dtype=np.float32)
+    report = compare(ToE8m0WrongAtOne.apply, lambda a: a.astype(jnp.float8_e8m0fnu), (x,))
+    assert report.worst_path == "grad args[0]" and not report.ok, report
+    good = compare(
+        lambda t: t.to(torch.float8_e8m0fnu), lambda a: a.astype(jnp.float8_e8m0fnu), (x,)
+    )
+    assert good.ok and [leaf.nonfinite for leaf in good.entries] == [0, 0], good
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
@@ -938,10 +993,60 @@ def test_a_wrong_parameter_mapping_fails_on_that_parameter() -> None:
     def swapped(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {**grads, "weight": grads["weight"].T}
 
+    # The JAX params are the torch ones mapped by the right mapping, so the wrong one gives
+    # other values: refused before either side runs, naming the parameter.
+    with pytest.raises(dualgraph.DualgraphError, match=r"^params\['weight'\]: the JAX params hold"):
+        compare(
+            linear,
+            linear_jax,
+            (sample(2, 3),),
+            params=jax_params_of(linear),
+            params_from_torch=swapped,
+        )
+
+
+def test_jax_params_from_an_older_torch_state_are_refused_naming_the_parameter() -> None:
+    # Only the structure was checked: a stale params tree failed as an output difference, as
+    # if the two functions differed.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3)
+    stale = jax_params_of(linear)
+    with torch.no_grad():
+        linear.weight[1, 2] += 0.5  # a training step since the JAX params were made
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"^params\['weight'\]: the JAX params hold other values than the torch parameters "
+        r"mapped by params_from_torch \(first at \[1, 2\]: ",
+    ):
+        compare(linear, linear_jax, (sample(2, 4),), params=stale)
+    assert_parity(linear, linear_jax, (sample(2, 4),), params=jax_params_of(linear))
+
+
+def test_a_deleted_jax_params_leaf_is_refused_naming_it() -> None:
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    params["weight"].delete()  # e.g. donated to an earlier call
+    with pytest.raises(dualgraph.DualgraphError, match=r"^params\['weight'\]: this array has been"):
+        compare(linear, linear_jax, (sample(2, 4),), params=params)
+
+
+def test_jax_params_are_compared_with_the_torch_ones_in_the_dtype_the_mapping_gives() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 3)
+
+    def in_bfloat16(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: a.astype(ml_dtypes.bfloat16) for name, a in named.items()}
+
+    params = {name: jnp.asarray(a) for name, a in in_bfloat16(jax_params_of(linear)).items()}
     report = compare(
-        linear, linear_jax, (sample(2, 3),), params=jax_params_of(linear), params_from_torch=swapped
+        linear,
+        lambda p, x: linear_jax({n: a.astype(jnp.float32) for n, a in p.items()}, x),
+        (sample(2, 4),),
+        params=params,
+        params_from_torch=in_bfloat16,
+        grads=False,
     )
-    assert [entry.path for entry in report.failures] == ["grad params['weight']"]
+    assert [entry.path for entry in report.entries] == ["output"]
 
 
 def test_a_mapping_that_gives_another_tree_is_reported_by_path() -> None:

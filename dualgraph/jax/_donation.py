@@ -4,8 +4,8 @@ A donated input plays the part of a CUDA graph's static input buffer: the call c
 XLA may write an output of the same shape and dtype into it. dualgraph makes the contract the same
 whatever XLA decides: every donated JAX array is deleted after the call, a donation no output can
 reuse is reported once at compile time (:class:`~dualgraph.DualgraphWarning`, in place of JAX's
-generic warning), and a donated buffer that is also passed elsewhere in the same call is refused
-before anything is consumed.
+generic warning), and a donated buffer that is also passed elsewhere in the same call, whole or
+in part (overlapping views of one allocation), is refused before anything is consumed.
 """
 
 from __future__ import annotations
@@ -175,8 +175,13 @@ def jax_donation_warnings() -> Iterator[list[str]]:
 def check_donated_inputs(
     arrays: Sequence[Any], donated: Sequence[int], paths: Sequence[str]
 ) -> None:
-    """Refuse a call, before anything is consumed, whose donated inputs cannot be donated."""
-    pointers: list[int | None] | None = None
+    """Refuse a call, before anything is consumed, whose donated inputs cannot be donated.
+
+    A donated buffer is refused where another input shares any of its bytes: the same array, or
+    views of one allocation that overlap (DLPack of ``t[0:32]`` and ``t[16:48]``). Each buffer
+    is taken as the bytes from its pointer to its ``nbytes`` later (JAX arrays are dense).
+    """
+    extents: list[tuple[int, int] | None] | None = None
     for i in donated:
         x = arrays[i]
         if not isinstance(x, jax.Array):
@@ -186,20 +191,30 @@ def check_donated_inputs(
                 f"{paths[i]}: this array has been deleted (it was donated to an earlier call, "
                 "which consumed it); pass a fresh array"
             )
-        if pointers is None:  # an empty array holds no bytes to share (CUDA puts all at 0)
-            pointers = [_buffer_pointer(y) if _holds_bytes(y) else None for y in arrays]
-        for j, y in enumerate(arrays):
-            if j != i and (y is x or (pointers[i] is not None and pointers[j] == pointers[i])):
-                raise DualgraphError(
-                    f"{paths[i]} is donated, but the same buffer is also passed as {paths[j]}: "
-                    "the call consumes a donated buffer, so the other use would read freed or "
-                    "overwritten memory. Pass a copy of one of them (jnp.copy(x))."
-                )
+        if extents is None:
+            extents = [_extent(y) for y in arrays]
+        start, end = extents[i] or (0, 0)  # (0, 0) overlaps nothing
+        for j, other in enumerate(extents):
+            if j == i or not (
+                arrays[j] is x or (other is not None and other[0] < end and start < other[1])
+            ):
+                continue
+            shared = "the same buffer is" if other == extents[i] else "part of its buffer is"
+            raise DualgraphError(
+                f"{paths[i]} is donated, but {shared} also passed as {paths[j]}: the call "
+                "consumes a donated buffer, so the other use would read freed or overwritten "
+                "memory. Pass a copy of one of them (jnp.copy(x))."
+            )
 
 
-def _holds_bytes(x: Any) -> bool:
-    size = getattr(x, "size", None)
-    return type(size) is not int or size > 0
+def _extent(x: Any) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` a JAX array's buffer occupies; ``None`` where unknown or empty
+    (an empty array holds no bytes to share, and CUDA puts every empty one at 0)."""
+    start = _buffer_pointer(x)
+    if start is None:
+        return None
+    size = x.size
+    return (start, start + size * x.dtype.itemsize) if size else None  # x.nbytes, for less
 
 
 def _buffer_pointer(x: Any) -> int | None:

@@ -87,7 +87,8 @@ def graphed(
       every JAX array in them is deleted after each call, and outputs of the same shape and dtype
       may be written into them. A donation no output can reuse is reported once, here, as a
       :class:`~dualgraph.DualgraphWarning`; a donated buffer also passed elsewhere in the same
-      call is a :class:`~dualgraph.DualgraphError`.
+      call, whole or in part (overlapping views of one allocation), is a
+      :class:`~dualgraph.DualgraphError`.
     - Inputs JAX would narrow are refused, naming their path: int64, uint64, float64 and
       complex128 need JAX's 64-bit mode (``jax.enable_x64``) when compiling, rather than be
       computed in 32 bits; float128 and non-numeric arrays are refused always. A program

@@ -176,6 +176,28 @@ def _compare_exact(path: str, actual: np.ndarray, expected: np.ndarray) -> LeafR
     )
 
 
+def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[tuple[int, ...], str, str] | None:
+    """``(index, a's value, b's value)`` at the first entry where two arrays of one dtype and
+    shape differ in value (NaN matching NaN, ``-0.0`` matching ``0.0``); ``None`` if none does.
+
+    >>> a = np.array([[1.0, np.nan], [2.0, 3.0]])
+    >>> first_difference(a, np.array([[1.0, np.nan], [2.0, 4.0]]))
+    ((1, 1), '3.0', '4.0')
+    """
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    if is_differentiable_dtype(a.dtype.name):
+        parts_a, parts_b = _parts(_widened(a)), _parts(_widened(b))
+        same = (parts_a == parts_b) | (np.isnan(parts_a) & np.isnan(parts_b))
+        differing = ~same.all(axis=-1)
+    else:
+        differing = flat_a != flat_b
+    if not differing.any():
+        return None
+    first = int(np.argmax(differing))
+    index = tuple(int(i) for i in np.unravel_index(first, a.shape))
+    return index, str(flat_a[first]), str(flat_b[first])
+
+
 def _widened(x: np.ndarray) -> np.ndarray:
     """``x`` in a dtype that holds its values and their differences without rounding them away,
     flat (the positions found by the non-finite checks index its entries)."""

@@ -127,8 +127,25 @@ def copied(tree: Any, /) -> Any:
 
 
 def random_like(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], /) -> np.ndarray:
-    """Standard normal values (complex: real and imaginary parts) of ``dtype`` and ``shape``."""
+    """Standard normal values (complex: real and imaginary parts) of ``dtype`` and ``shape``;
+    their magnitudes for a format with no sign (``float8_e8m0fnu``: a negative value is NaN
+    there, and a NaN cotangent leaves its entries' gradients uncompared).
+
+    >>> bool(np.isnan(random_like(np.random.default_rng(0), "float8_e8m0fnu", (64,))).any())
+    False
+    """
     values = rng.standard_normal(shape)
     if dtype.startswith("complex"):
         values = values + 1j * rng.standard_normal(shape)
-    return values.astype(numpy_dtype(dtype))
+    target = numpy_dtype(dtype)
+    if _unsigned(target):
+        values = np.abs(values)
+    return values.astype(target)
+
+
+def _unsigned(dtype: np.dtype) -> bool:
+    """Whether a floating format holds no negative value (its most negative is above zero)."""
+    try:
+        return float(ml_dtypes.finfo(dtype).min) > 0  # e8m0 has no 0 to compare with in itself
+    except (TypeError, ValueError):  # no floating format
+        return False

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optree
@@ -21,7 +22,7 @@ from .._nodes import clip, clip_text
 from .._orders import key_order_difference
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
-from ._arrays import compare_arrays
+from ._arrays import compare_arrays, first_difference
 from ._bridge import as_torch, random_like, to_numpy, unreadable
 from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
@@ -72,15 +73,18 @@ def compare(
       refused without ``params``: no parameter grad would be compared; so are ``torch_params``
       of detached copies, such as ``module.state_dict()``, when gradients are compared: read
       as frozen, none would be; and a trained parameter with a gradient that the mapping puts
-      in no leaf). Frozen torch parameters are not compared: a JAX params leaf
-      made of them is left out, and a leaf that mixes them with trained ones is compared at the
-      trained ones' entries (found by mapping NaN through ``params_from_torch``).
+      in no leaf; and ``params`` whose values are not the torch ones mapped, exactly, in the
+      dtypes the mapping gives: a tree made from an older torch state). Frozen torch
+      parameters are not compared: a JAX params leaf made of them is left out, and a leaf that
+      mixes them with trained ones is compared at the trained ones' entries (found by mapping
+      NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
-      spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``), w.r.t.
-      every floating input array and the parameters; complex ones as torch defines them. The
-      torch side runs one backward and reads ``.grad`` (putting the previous ``.grad`` back),
-      so a graphed callable that accumulates parameter grads inside its backward graph is
-      measured as its users see them.
+      spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
+      mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
+      leaves out), w.r.t. every floating input array and the parameters; complex ones as
+      torch defines them. The torch side runs one backward and reads ``.grad`` (putting the
+      previous ``.grad`` back), so a graphed callable that accumulates parameter grads inside
+      its backward graph is measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
       name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
       value on either side, e.g. NaN everywhere (still reported as a warning).
@@ -106,6 +110,7 @@ def compare(
         spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
         entries = _compare_outputs(spec, torch_out, run.outputs, judge)
         if grads:
+            _refuse_unmasked_torch_grads(spec, torch_out)
             entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
     return ParityReport(tuple(entries))
 
@@ -193,16 +198,46 @@ def _params_of(
 
 def _check_params_match(params: _Params) -> None:
     """Refuse JAX params that are not the torch ones mapped, naming the path, before either
-    side runs (a wrong shape would otherwise fail deep inside the JAX function)."""
+    side runs: a wrong shape would fail deep inside the JAX function, and other values (a tree
+    made from an older torch state) would show as differing outputs and gradients."""
     mapped = params.from_torch({name: to_numpy(p) for name, p in params.torch.items()})
+    spec = describe(params.jax)
     try:
-        describe(params.jax).check(mapped, root="params")
+        spec.check(mapped, root="params")
     except SpecMismatchError as error:
         raise SpecMismatchError(
             "the JAX params do not match the torch parameters mapped by params_from_torch "
             f"(expected: the JAX params, got: the mapped torch ones): {error}",
             path=error.path,
         ) from None
+    pairs = zip(spec.array_paths, spec.flatten(params.jax), spec.flatten(mapped), strict=True)
+    for path, jax_leaf, torch_leaf in pairs:
+        if isinstance(jax_leaf, jax.Array) and jax_leaf.is_deleted():
+            raise DualgraphError(
+                f"params{path}: this array has been deleted (donated to an earlier call, or "
+                "deleted explicitly); pass a fresh array"
+            )
+        found = first_difference(_host(jax_leaf), _host(torch_leaf))
+        if found is not None:
+            index, jax_value, torch_value = found
+            where = f"first at [{', '.join(map(str, index))}]: " if index else ""
+            raise DualgraphError(
+                f"params{path}: the JAX params hold other values than the torch parameters "
+                f"mapped by params_from_torch ({where}JAX {jax_value}, torch {torch_value}), "
+                "e.g. a JAX params tree made from an older torch state: the "
+                "outputs would differ for that, not for the functions. Make params from the "
+                "torch parameters as they are now"
+            )
+
+
+def _host(leaf: Any) -> np.ndarray:
+    """A params leaf (a JAX or numpy array, or a torch tensor a mapping returned) as numpy; a
+    typed PRNG key as its key data."""
+    if isinstance(leaf, torch.Tensor):
+        return to_numpy(leaf)
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(leaf))
+    return np.asarray(leaf)
 
 
 @dataclass(frozen=True)
@@ -338,6 +373,27 @@ def _compare_outputs(
 
 
 # -- 5. compare gradients --------------------------------------------------------------------------
+
+
+def _refuse_unmasked_torch_grads(spec: TreeSpec, torch_out: Any) -> None:
+    """Refuse a torch output that requires grad where the JAX grad mask leaves it out.
+
+    No cotangent would reach it on either side, so the gradients through it, which torch
+    computes, would never be compared. Only an explicit ``out_spec`` masks a floating output
+    off (without one, JAX masks every floating output). The other way round is accepted: a
+    masked output torch does not differentiate (``.detach()``) takes its cotangent on the JAX
+    side only, and passes where the JAX function stops its gradient too.
+    """
+    leaves = zip(spec.array_paths, spec.grad_mask, spec.flatten(torch_out), strict=True)
+    for path, masked, tensor in leaves:
+        if tensor.requires_grad and not masked:
+            raise SpecMismatchError(
+                f"output{path}: torch_fn's output requires grad, but the JAX side's grad mask "
+                "(its GraphedCallable's out_spec) leaves it out, so the gradients through it "
+                "would never be compared. Graph the JAX function with an out_spec that masks "
+                "it (the torch side's out_spec does), or detach it in torch_fn",
+                path="output" + path,
+            )
 
 
 def _compare_grads(
