@@ -7,6 +7,7 @@ a traceback), its defaults on either device, and its pieces that a CPU run does 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import shlex
@@ -332,6 +333,32 @@ def test_losses_of_another_length_never_match(demo: ModuleType) -> None:
 def test_losses_within_tolerance_match(demo: ModuleType) -> None:
     ok, message = demo.compare_losses([2.5, 2.4], [2.5, 2.4 + 1e-7], 1e-6, "float32 on cpu")
     assert ok and message.startswith("losses match eager: 2 steps")
+
+
+def _one_step_above(loss: float, dtype: torch.dtype) -> float:
+    """The next ``dtype`` value above ``loss``: the smallest difference a defect can make."""
+    value = torch.tensor(loss, dtype=dtype)
+    return torch.nextafter(value, torch.tensor(math.inf, dtype=dtype)).item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_demo_counts_a_cpu_loss_one_rounding_step_off_as_a_difference(
+    demo: ModuleType, dtype: str
+) -> None:
+    # README: the CPU (emulate) is eager's bit for bit, so its tolerance lets nothing through
+    loss = _one_step_above(2.5, getattr(torch, dtype))
+    tolerance = demo.LOSS_TOLERANCE[("cpu", dtype)]
+    ok, message = demo.compare_losses([2.5], [loss], tolerance, f"{dtype} on cpu")
+    assert not ok, message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_variable_resolution_counts_a_cpu_loss_one_rounding_step_off_as_a_difference(
+    dtype: torch.dtype,
+) -> None:
+    example = load_example("variable_resolution.py")
+    loss = _one_step_above(2.5, dtype)
+    assert abs(loss - 2.5) / 2.5 > example.loss_tolerance(torch.device("cpu"), dtype)
 
 
 @pytest.mark.parametrize(("steps", "rounds"), [(10, 5), (11, 5), (3, 3), (7, 1), (4, 3)])
