@@ -1543,8 +1543,20 @@ def test_a_weight_a_graphed_method_or_function_names_changed_before_its_backward
 def test_a_hook_on_the_module_of_a_graphed_method_is_not_a_change(backend: str) -> None:
     # Calling encoder.encode runs no hook of encoder's own (only encoder(...) would).
     encoder, graphed = _graph_through_code("method", backend)
-    encoder.register_forward_hook(lambda module, args, output: output)
-    graphed(torch.randn(4, 8, device=device_of(backend)))
+    ran: list[str] = []
+
+    def doubles(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        ran.append("hook")
+        return output * 2
+
+    encoder.register_forward_hook(doubles)
+    x = torch.randn(4, 8, device=device_of(backend))
+    torch.manual_seed(1)  # the same dropout mask in both
+    out = graphed(x)
+    assert ran == []  # neither refused nor run around the replay
+    torch.manual_seed(1)
+    assert_tensors_match(out, encoder.encode(x), "output", tolerance(backend))
+    assert ran == []
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
