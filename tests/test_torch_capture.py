@@ -1173,7 +1173,10 @@ def test_a_failed_capture_frees_its_static_inputs_while_the_error_is_held(backen
     importlib.import_module("torch._dynamo")  # see test_a_failed_capture_frees_the_graph_...
     gc.disable()  # only reference counts may free them
     try:
-        with pytest.raises(CaptureError, match="failed") as caught:
+        # every capture error says "failed": the planted cause is what names this one
+        with pytest.raises(
+            CaptureError, match=r"failed during warmup: ValueError: failed$"
+        ) as caught:
             dgt.make_graphed_callables(module, sample, backend=backend, lint="warn")
         assert [ref() for ref in module.given] == [None, None]
         del caught
