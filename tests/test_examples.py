@@ -6,6 +6,7 @@ a traceback), its defaults on either device, and its pieces that a CPU run does 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import os
@@ -350,6 +351,24 @@ def test_the_demo_counts_a_cpu_loss_one_rounding_step_off_as_a_difference(
     tolerance = demo.LOSS_TOLERANCE[("cpu", dtype)]
     ok, message = demo.compare_losses([2.5], [loss], tolerance, f"{dtype} on cpu")
     assert not ok, message
+
+
+@pytest.mark.parametrize("name", ["pipeline_schedule.py", "variable_resolution.py"])
+def test_a_nan_loss_after_an_equal_step_is_the_worst_difference(name: str) -> None:
+    # max() over the steps kept step 0's 0.0 over step 1's NaN: a NaN loss printed OK
+    example = load_example(name)
+    assert example.worst_relative_difference([2.5, math.nan], [2.5, 2.5]) == math.inf
+    assert example.worst_relative_difference([2.5, 2.4], [2.5, math.nan]) == math.inf
+    assert example.worst_relative_difference([2.5, 2.4], [2.5, 2.4]) == 0.0
+
+
+def test_ddp_train_counts_a_nan_parameter_as_a_difference() -> None:
+    example = load_example("ddp_train.py")
+    eager = torch.nn.Linear(2, 2)
+    graphed = copy.deepcopy(eager)
+    with torch.no_grad():
+        graphed.bias[1] = math.nan  # the weight before it matches: a 0 the NaN came after
+    assert example._max_difference(eager, graphed, grads=False) == math.inf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
