@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,6 +352,17 @@ def test_the_demo_counts_a_cpu_loss_one_rounding_step_off_as_a_difference(
     tolerance = demo.LOSS_TOLERANCE[("cpu", dtype)]
     ok, message = demo.compare_losses([2.5], [loss], tolerance, f"{dtype} on cpu")
     assert not ok, message
+
+
+def test_spec_roundtrip_refuses_a_reference_whose_values_are_off(tmp_path: Path) -> None:
+    # it printed the largest difference from torch's values and went on, whatever it was
+    example = load_example("spec_roundtrip.py")
+    example.torch_side(tmp_path)
+    weights = dict(np.load(tmp_path / "weights.npz"))
+    weights["norm.bias"] = weights["norm.bias"] + 0.01  # a weight read wrongly
+    np.savez(tmp_path / "weights.npz", **weights)
+    with pytest.raises(AssertionError, match=r"the reference's values differ from torch's by "):
+        example.jax_side(tmp_path)
 
 
 @pytest.mark.parametrize("name", ["pipeline_schedule.py", "variable_resolution.py"])
