@@ -700,7 +700,8 @@ def test_sample_args_that_are_not_a_tuple_are_refused() -> None:
 
 
 def test_sample_kwargs_are_keyword_only() -> None:
-    with pytest.raises(TypeError):
+    # Python's own refusal of a third positional argument, not any TypeError (a typo raises one)
+    with pytest.raises(TypeError, match=r"graphed\(\) takes 2 positional arguments but 3 were"):
         dgj.graphed(encoder_layer, (jnp.ones((2, 3)),), {"scale": 3.0})  # type: ignore[misc]
 
 
