@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import math
 import os
 import socket
 import statistics
@@ -234,7 +235,9 @@ def _max_difference(eager: torch.nn.Module, graphed: torch.nn.Module, *, grads: 
             if a.grad is None or b.grad is None:
                 raise RuntimeError(f"{name}: a parameter without grad after backward")
             a, b = a.grad, b.grad
-        largest = max(largest, (a.detach() - b.detach()).abs().max().item())
+        difference = (a.detach() - b.detach()).abs().max().item()
+        # a NaN would be lost by max() (it compares False to everything): count it as inf
+        largest = max(largest, math.inf if math.isnan(difference) else difference)
     return largest
 
 
@@ -243,7 +246,8 @@ def _rank_spread(model: torch.nn.Module, world_size: int) -> float:
     grads = torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
     gathered = [torch.empty_like(grads) for _ in range(world_size)]
     dist.all_gather(gathered, grads)
-    spread = max((g - grads).abs().max() for g in gathered).reshape(1)
+    # torch's max keeps a NaN (Python's max over tensors would drop one after a 0)
+    spread = torch.stack([(g - grads).abs().max() for g in gathered]).max().reshape(1)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     return spread.item()
 

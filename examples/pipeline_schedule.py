@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import math
 import statistics
 import sys
 import time
@@ -456,10 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "transient peak of a step (on the CPU: activations saved for backward)"
     )
     for variant in variants[1:]:
-        worst = max(
-            abs(a - b) / max(abs(b), 1e-30)
-            for a, b in zip(variant.losses, eager.losses, strict=True)
-        )
+        worst = worst_relative_difference(variant.losses, eager.losses)
         tolerance = 0.0 if device == "cpu" else LOSS_TOLERANCE[args.dtype]
         verdict = "losses match eager" if worst <= tolerance else "LOSSES DIFFER from eager"
         steps = len(eager.losses)
@@ -468,6 +466,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             failures.append(variant.name)
     print("pipeline_schedule: " + ("OK" if not failures else "FAILED: " + ", ".join(failures)))
     return 1 if failures else 0
+
+
+def worst_relative_difference(losses: Sequence[float], eager: Sequence[float]) -> float:
+    """The largest ``|loss - eager| / |eager|`` over the steps; ``inf`` where one is NaN.
+
+    (``max`` would keep an earlier step's value over a NaN: NaN compares False to everything.)
+
+    >>> worst_relative_difference([2.0, float("nan")], [2.0, 2.0])
+    inf
+    """
+    differences = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, eager, strict=True)]
+    return max((math.inf if math.isnan(d) else d for d in differences), default=0.0)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ writes to a temporary folder ``spec.json`` (``dualgraph.describe`` of the output
 half runs in a process of its own that never imports torch: it loads the spec with
 ``TreeSpec.from_json``, compiles the JAX reference with ``dualgraph.jax.graphed(...,
 out_spec=spec)`` (which checks the traced output against the spec and takes its grad mask), runs
-it and checks the result with ``spec.check``. A reference that returned ``aux_loss=0.0`` where
-PyTorch returns ``None`` is refused, with the path named.
+it and checks the result with ``spec.check`` and its values against torch's. A reference that
+returned ``aux_loss=0.0`` where PyTorch returns ``None`` is refused, with the path named.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import numpy as np
 import dualgraph
 
 BATCH, IMAGE_SIZE, DIM, DEPTH, HEADS = 2, 32, 64, 2, 4
+#: The largest difference allowed between JAX's and torch's float32 outputs (values near 1,
+#: two blocks: about 1e-6 in practice); a weight read wrongly moves them by far more.
+VALUE_TOLERANCE = 1e-4
 
 
 def torch_side(folder: Path) -> None:
@@ -73,13 +76,23 @@ def jax_side(folder: Path) -> None:
     out = program(params, images)
     spec.check(out)  # None where torch has None, same shapes and dtypes
     assert program.out_spec.grad_mask == spec.grad_mask
-    difference = max(
-        float(np.abs(np.asarray(array) - io[_key(path)]).max())
-        for path, array in zip(spec.array_paths, spec.flatten(out), strict=True)
+    # numpy's max keeps a NaN (Python's max would drop one after a finite value)
+    difference = float(
+        np.max(
+            [
+                np.abs(np.asarray(array) - io[_key(path)]).max()
+                for path, array in zip(spec.array_paths, spec.flatten(out), strict=True)
+            ]
+        )
     )
+    if not difference <= VALUE_TOLERANCE:  # two float32 computations of one model agree closely
+        raise AssertionError(
+            f"the reference's values differ from torch's by {difference:.3g} "
+            f"(more than {VALUE_TOLERANCE:g}): the weights did not load as torch's"
+        )
     print(
         "jax: the reference's output matches the spec; largest difference from torch's "
-        f"values: {difference:.2g}"
+        f"values: {difference:.2g} (at most {VALUE_TOLERANCE:g})"
     )
 
     def wrong_reference(params: dict, images: jnp.ndarray) -> dict:

@@ -6,7 +6,9 @@ a traceback), its defaults on either device, and its pieces that a CPU run does 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import math
 import os
 import re
 import shlex
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -332,6 +335,61 @@ def test_losses_of_another_length_never_match(demo: ModuleType) -> None:
 def test_losses_within_tolerance_match(demo: ModuleType) -> None:
     ok, message = demo.compare_losses([2.5, 2.4], [2.5, 2.4 + 1e-7], 1e-6, "float32 on cpu")
     assert ok and message.startswith("losses match eager: 2 steps")
+
+
+def _one_step_above(loss: float, dtype: torch.dtype) -> float:
+    """The next ``dtype`` value above ``loss``: the smallest difference a defect can make."""
+    value = torch.tensor(loss, dtype=dtype)
+    return torch.nextafter(value, torch.tensor(math.inf, dtype=dtype)).item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_demo_counts_a_cpu_loss_one_rounding_step_off_as_a_difference(
+    demo: ModuleType, dtype: str
+) -> None:
+    # README: the CPU (emulate) is eager's bit for bit, so its tolerance lets nothing through
+    loss = _one_step_above(2.5, getattr(torch, dtype))
+    tolerance = demo.LOSS_TOLERANCE[("cpu", dtype)]
+    ok, message = demo.compare_losses([2.5], [loss], tolerance, f"{dtype} on cpu")
+    assert not ok, message
+
+
+def test_spec_roundtrip_refuses_a_reference_whose_values_are_off(tmp_path: Path) -> None:
+    # it printed the largest difference from torch's values and went on, whatever it was
+    example = load_example("spec_roundtrip.py")
+    example.torch_side(tmp_path)
+    weights = dict(np.load(tmp_path / "weights.npz"))
+    weights["norm.bias"] = weights["norm.bias"] + 0.01  # a weight read wrongly
+    np.savez(tmp_path / "weights.npz", **weights)
+    with pytest.raises(AssertionError, match=r"the reference's values differ from torch's by "):
+        example.jax_side(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["pipeline_schedule.py", "variable_resolution.py"])
+def test_a_nan_loss_after_an_equal_step_is_the_worst_difference(name: str) -> None:
+    # max() over the steps kept step 0's 0.0 over step 1's NaN: a NaN loss printed OK
+    example = load_example(name)
+    assert example.worst_relative_difference([2.5, math.nan], [2.5, 2.5]) == math.inf
+    assert example.worst_relative_difference([2.5, 2.4], [2.5, math.nan]) == math.inf
+    assert example.worst_relative_difference([2.5, 2.4], [2.5, 2.4]) == 0.0
+
+
+def test_ddp_train_counts_a_nan_parameter_as_a_difference() -> None:
+    example = load_example("ddp_train.py")
+    eager = torch.nn.Linear(2, 2)
+    graphed = copy.deepcopy(eager)
+    with torch.no_grad():
+        graphed.bias[1] = math.nan  # the weight before it matches: a 0 the NaN came after
+    assert example._max_difference(eager, graphed, grads=False) == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_variable_resolution_counts_a_cpu_loss_one_rounding_step_off_as_a_difference(
+    dtype: torch.dtype,
+) -> None:
+    example = load_example("variable_resolution.py")
+    loss = _one_step_above(2.5, dtype)
+    assert abs(loss - 2.5) / 2.5 > example.loss_tolerance(torch.device("cpu"), dtype)
 
 
 @pytest.mark.parametrize(("steps", "rounds"), [(10, 5), (11, 5), (3, 3), (7, 1), (4, 3)])

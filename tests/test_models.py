@@ -82,16 +82,21 @@ def test_the_encoder_returns_hidden_pooled_and_no_aux_loss() -> None:
 
 
 def test_every_torch_parameter_has_a_jax_path_holding_its_values() -> None:
-    encoder = make_encoder()
-    params = jax_vit.params_from_state_dict(encoder.state_dict())
-    for name, tensor in encoder.state_dict().items():
+    # random values everywhere: an initialization's ones and zeros (layer norms, biases) would
+    # let a leaf read from the wrong tensor, or not read at all, pass
+    generator = torch.Generator().manual_seed(2)
+    state = {
+        name: torch.randn(t.shape, generator=generator, dtype=t.dtype)
+        for name, t in make_encoder().state_dict().items()
+    }
+    params = jax_vit.params_from_state_dict(state)
+    for name, tensor in state.items():
         leaf = params
         for key in jax_vit.param_path(name):
             leaf = leaf[key]
-        expected = tensor.numpy().T if name.endswith(("qkv.weight", "fc1.weight")) else None
-        assert leaf.shape == (tensor.T.shape if tensor.ndim == 2 else tensor.shape), name
-        if expected is not None:
-            np.testing.assert_array_equal(np.asarray(leaf), expected)
+        # Linear weights are transposed (JAX multiplies x @ w); every other tensor is as it is
+        expected = tensor.numpy().T if tensor.ndim == 2 else tensor.numpy()
+        np.testing.assert_array_equal(np.asarray(leaf), expected, err_msg=name, strict=True)
 
 
 def test_the_jax_model_imports_no_torch() -> None:

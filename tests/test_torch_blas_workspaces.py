@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dualgraph.torch as dgt
+from dualgraph.torch import _blas_workspaces
 from dualgraph.torch._blas_workspaces import prime_capture_stream
 
 
@@ -39,9 +40,17 @@ def run_fresh(script: str, tmp_path: Path) -> list[int]:
     return [int(word) for word in run.stdout.split()]
 
 
-def test_without_a_gpu_there_is_nothing_to_prime() -> None:
+def test_without_a_gpu_there_is_nothing_to_prime(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no capture stream is made (it would be a CUDA stream) and no GEMM runs, on any machine
+    asked: list[str] = []
+    monkeypatch.setattr(_blas_workspaces, "capture_stream", lambda: asked.append("stream"))
+    monkeypatch.setattr(
+        _blas_workspaces._GemmsBothWays, "apply", lambda *args: asked.append("gemms")
+    )
     prime_capture_stream(None)
     prime_capture_stream(torch.device("cpu"))
+    prime_capture_stream(torch.device("meta"))
+    assert asked == []
 
 
 @pytest.mark.cuda

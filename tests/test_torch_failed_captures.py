@@ -126,7 +126,8 @@ def test_a_failed_capture_leaves_the_module_as_it_was(
         at = _forwards_of_a_capture(entry, param_grads) + 1 + at
     model.fail_at, model.in_backward = at, in_backward
     rng = torch.get_rng_state()
-    with pytest.raises(DualgraphError):
+    planted = "backward" if in_backward else "forward"
+    with pytest.raises(DualgraphError, match=f"RuntimeError: planted failure in {planted}"):
         _graph(entry, model, param_grads)
     assert model.calls >= at, "the planted failure did not run"
     assert torch.equal(torch.get_rng_state(), rng)

@@ -209,6 +209,36 @@ def _loss(outs: Any, pick: int) -> torch.Tensor | None:
     return total
 
 
+def _check_in_graph_refusal(
+    kind: str, pick: int, loss: torch.Tensor, targets: list[torch.Tensor], leaves: Any
+) -> None:
+    """Under ``"in_graph"``, ``torch.autograd.grad`` or ``backward(inputs=...)``: refused by
+    name before any ``.grad`` changed where it reaches the replay; where it never does (it
+    asks for parameters only), the parameters get no grad from it."""
+    before = [None if t.grad is None else t.grad.clone() for t in leaves]
+    asked = targets if kind == "grad" else [t for i, t in enumerate(targets) if pick >> i & 1]
+    asked = asked or targets
+    grads: Any = None
+    refused = False
+    try:
+        if kind == "grad":
+            grads = torch.autograd.grad(loss, asked, allow_unused=True)
+        else:
+            loss.backward(inputs=asked)
+    except DualgraphError as error:
+        assert "captured with param_grads='in_graph'" in str(error), f"{kind}: {error}"
+        refused = True
+    if grads is not None:
+        for t, g in zip(asked, grads, strict=True):
+            if isinstance(t, torch.nn.Parameter):
+                assert g is None, f"{kind}: a parameter got a grad the replay cannot give"
+    for i, (t, b) in enumerate(zip(leaves, before, strict=True)):
+        # a refusal changes nothing; a parameter's .grad never changes without the replay
+        if refused or kind == "grad" or isinstance(t, torch.nn.Parameter):
+            assert (t.grad is None) == (b is None), f"{kind}: leaf {i}'s .grad None-ness"
+            assert t.grad is None or torch.equal(t.grad, b), f"{kind}: leaf {i}'s .grad changed"
+
+
 def run_program(cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"])
     eager = Block(cfg["ops"], cfg["outputs"], cfg["container"])
@@ -253,7 +283,9 @@ def run_program(cfg: dict[str, Any]) -> None:
             refused = None
             if cfg["mode"] == "in_graph" and kind != "backward":
                 # README: under "in_graph" these are refused where they reach the replay, and
-                # one that asks for parameters only never reaches it (torch's own answer)
+                # one that asks for parameters only never reaches it (torch's own answer); the
+                # program parts from eager's there, so it ends after that is checked
+                _check_in_graph_refusal(kind, pick, gl, targets_g, (*gi, *graphed.parameters()))
                 return
             if kind == "backward":
                 gl.backward()

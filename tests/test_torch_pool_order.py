@@ -54,6 +54,29 @@ def _x(backend: str) -> torch.Tensor:
     return torch.randn(2, 4, device=device_of(backend), requires_grad=True)
 
 
+def _assert_a_step_trains_like_eager(
+    layers: tuple[nn.Module, ...], twins: tuple[nn.Module, ...], backend: str
+) -> None:
+    """A full step in the captured order (from fresh .grads) gives the twins' output and grads."""
+    for module in (*layers, *twins):
+        module.zero_grad(set_to_none=True)
+    x = _x(backend)
+    x_twin = x.detach().clone().requires_grad_()
+    out, expected = x, x_twin
+    for layer, twin in zip(layers, twins, strict=True):
+        out, expected = layer(out), twin(expected)
+    assert_tensors_match(out.detach(), expected.detach(), "output", tolerance(backend))
+    out.sum().backward()
+    expected.sum().backward()
+    assert_tensors_match(x.grad, x_twin.grad, "x.grad", tolerance(backend))
+    params = [p for layer in layers for p in layer.parameters()]
+    twin_params = [p for twin in twins for p in twin.parameters()]
+    names = [
+        f"{i}.{name}" for i, layer in enumerate(layers) for name, _ in layer.named_parameters()
+    ]
+    assert_grads_match(grads_of(params), grads_of(twin_params), names, tolerance(backend))
+
+
 # -- refused: a later callable's backward after an earlier callable replayed ----------------------
 
 
@@ -195,27 +218,25 @@ def test_a_later_callable_may_replay_while_an_earlier_backward_is_pending(backen
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_an_earlier_callable_may_replay_when_no_later_backward_is_pending(backend: str) -> None:
-    (first, second), _ = _layers(backend)
+    layers, twins = _layers(backend)
+    first, second = layers
     second(_x(backend)).sum().backward()  # its backward ran: nothing of it is pending
     for _ in range(2):
         first(_x(backend)).sum().backward()
     with torch.no_grad():
         second(_x(backend))  # pending nothing either
     first(_x(backend)).sum().backward()
-    x = _x(backend)
-    second(first(x)).sum().backward()
-    assert x.grad is not None
+    _assert_a_step_trains_like_eager(layers, twins, backend)
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_step_may_start_over_before_the_earlier_backward_ran(backend: str) -> None:
     # An abandoned step (say, a loss that was never backpropagated): its pending backwards are
     # simply never run, and the next step in order works.
-    (first, second), _ = _layers(backend)
+    layers, twins = _layers(backend)
+    first, second = layers
     second(first(_x(backend)))
-    x = _x(backend)
-    second(first(x)).sum().backward()
-    assert x.grad is not None
+    _assert_a_step_trains_like_eager(layers, twins, backend)
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
