@@ -770,6 +770,46 @@ def test_reading_grad_mode_in_the_callable_is_a_warning_naming_the_line() -> Non
     assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
 
 
+class BranchesOnWhatAutogradRecorded(nn.Module):
+    """Scales by 2 where autograd recorded its hidden tensor (grad on), else by 3."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.attention = nn.MultiheadAttention(4, 1, batch_first=True)
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.attention(x, x, x)[0]
+        recorded = {
+            "requires_grad": lambda: hidden.requires_grad,
+            "grad_fn": lambda: hidden.grad_fn is not None,
+            "is_leaf": lambda: not hidden.is_leaf,
+        }[self.read]
+        return self.fc(hidden) * (2.0 if recorded() else 3.0)
+
+
+@pytest.mark.parametrize("read", ["requires_grad", "grad_fn", "is_leaf"])
+def test_reading_whether_autograd_recorded_a_computed_tensor_is_a_grad_mode_read(
+    read: str,
+) -> None:
+    # under no_grad eager reads False and scales by 3; a CUDA graph replays the scale by 2
+    report = dgt.lint(BranchesOnWhatAutogradRecorded(read), torch.randn(2, 3, 4))
+    (finding,) = report.findings  # none for torch's own reads (MultiheadAttention's)
+    assert finding.kind == _lint.GRAD_MODE_READ and finding.severity == "warning"
+    assert finding.op == f"Tensor.{read}"
+    assert finding.code.endswith(f"hidden.{read}" + (" is not None," if read == "grad_fn" else ","))
+
+
+def test_reading_whether_an_input_or_a_parameter_requires_grad_is_no_finding() -> None:
+    # the same under no_grad as with grad on: nothing a graph would replay otherwise
+    def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w * (2.0 if x.requires_grad and w.is_leaf and w.grad_fn is None else 3.0)
+
+    report = dgt.lint(scaled, torch.randn(3, requires_grad=True), torch.randn(3))
+    assert report.findings == ()
+
+
 @pytest.mark.parametrize("tool", ["lint", "memory_plan"])
 def test_lint_and_memory_plan_under_inference_mode_run_what_a_capture_runs(tool: str) -> None:
     # make_graphed_callables captures outside inference mode; the lint failed with torch's

@@ -432,6 +432,10 @@ class CaptureLint(OpObserver):
     def before_call(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
         """Check a call before it runs; ``True`` when it was reported (its inner ops are not)."""
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _GRAD_RECORD_READS:
+            if first is not None and first.grad_fn is not None:
+                self._grad_record_read(name)
+            return False
         if name in _SYNC_CALLS:
             tensors = tensors_in((args, kwargs))
             if any(self.on_device(t) for t in tensors):
@@ -442,6 +446,22 @@ class CaptureLint(OpObserver):
         if first is not None and name in _MOVES:
             return self._check_move(name, first, args, kwargs)
         return False
+
+    def _grad_record_read(self, name: str) -> None:
+        """Report the user's read of whether autograd recorded a tensor the callable computed
+        (``h.requires_grad``, ``h.grad_fn``, ``h.is_leaf``): it tells grad mode as
+        ``torch.is_grad_enabled()`` does. Torch's own reads (MultiheadAttention's fast-path
+        check) are not the user's."""
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename in _MACHINERY_FILES:
+            frame = frame.f_back
+        if frame is None:
+            return
+        file = frame.f_code.co_filename
+        if file.startswith((_TORCH_DIR, _ADAPTER_DIR)):
+            return
+        if _made_by_the_user(frame, (), self._code):
+            self.add(GRAD_MODE_READ, name, _GRAD_RECORD_HINT, caller=frame)
 
     def _check_move(
         self, name: str, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -1102,6 +1122,18 @@ _HOST_CALL_HINTS = {
         "outside the callable, or graph a copy for evaluation."
     ),
 }
+#: What a tensor tells of the autograd graph recorded for it: for a tensor the callable computed
+#: from tensors that require grad, what grad mode was (``requires_grad`` is False, ``grad_fn``
+#: None and ``is_leaf`` True under ``torch.no_grad()``); an input's or a parameter's is the same
+#: either way.
+_GRAD_RECORD_READS = frozenset({"Tensor.requires_grad", "Tensor.grad_fn", "Tensor.is_leaf"})
+_GRAD_RECORD_HINT = (
+    "Reads whether autograd recorded a tensor the callable computed, which tells grad mode: "
+    "under torch.no_grad() or inference_mode() eager reads False (no grad_fn), where a graph "
+    "replays what the callable did with grad on at capture (the emulate backend runs the "
+    "callable again and does what eager does). Decide outside the callable, or graph a copy "
+    "for evaluation."
+)
 _IS_GRAD_ENABLED = torch.is_grad_enabled
 _IS_INFERENCE_MODE_ENABLED = torch.is_inference_mode_enabled
 
