@@ -810,6 +810,38 @@ def test_reading_whether_an_input_or_a_parameter_requires_grad_is_no_finding() -
     assert report.findings == ()
 
 
+class LayerDrop(nn.Module):
+    """Skips its layer on a random half of the training calls, the coin drawn on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.rand([]) < 0.5:
+            return x
+        return x + self.fc(x)
+
+
+def test_a_random_number_drawn_into_a_host_tensor_is_a_host_draw() -> None:
+    # a CUDA graph keeps the coin of capture: the layer always or never skipped, where eager
+    # skips it on half of the calls; no sync, so a real capture succeeds silently
+    report = dgt.lint(LayerDrop(), torch.randn(2, 4, requires_grad=True))
+    (finding,) = report.findings
+    assert finding.kind == _lint.HOST_RANDOM and finding.severity == "error"
+    assert finding.op == "torch.rand"
+    assert finding.code == "if self.training and torch.rand([]) < 0.5:"
+
+
+def test_random_numbers_drawn_on_the_device_are_no_host_draw() -> None:
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        coin = torch.rand((), device=x.device)
+        noise = torch.randn_like(x) + torch.bernoulli(torch.sigmoid(x))
+        return torch.where(coin < 0.5, x, F.dropout(x, 0.5) + noise)
+
+    assert dgt.lint(noisy, torch.randn(2, 4, requires_grad=True)).findings == ()
+
+
 @pytest.mark.parametrize("tool", ["lint", "memory_plan"])
 def test_lint_and_memory_plan_under_inference_mode_run_what_a_capture_runs(tool: str) -> None:
     # make_graphed_callables captures outside inference mode; the lint failed with torch's

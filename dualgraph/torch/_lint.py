@@ -259,6 +259,7 @@ class CaptureLint(OpObserver):
         self._lock = threading.Lock()
         self._suppressed = 0
         self._calls = 0  # function-mode calls in progress (their ATen ops are theirs)
+        self._draws = 0  # random ATen ops seen (a call that ran one drew random numbers)
         # On a CPU: tensors that would stay on the CPU under a real capture, and the device
         # objects read off tensors that would be on the GPU (``device=x.device`` follows x).
         self._host = WeakIdKeyDictionary()
@@ -543,6 +544,15 @@ class CaptureLint(OpObserver):
             how = "device='cpu'" if device is not None else "no device="
             self.add(HOST_TENSOR, f"{name} ({how})", _HOST_TENSOR.format(self.device_name))
 
+    def after_draw(self, name: str, out: Any) -> None:
+        """Report a call that drew random numbers into tensors that would stay on the host
+        (``torch.rand([])`` with no ``device=``, as a layer drop draws its coin): a graph keeps
+        what the host computed from them at capture (a branch, a Python number), where eager
+        draws again on every call. Draws into tensors on the device are the graph's own."""
+        outputs = tensors_in(out)
+        if outputs and not any(self.on_device(t) for t in outputs if not t.is_meta):
+            self.add(HOST_RANDOM, name, _HOST_DRAW)
+
     # -- what the dispatch mode checks ----------------------------------------------------------
 
     def after_op(
@@ -576,7 +586,9 @@ class CaptureLint(OpObserver):
             checks = _op_checks(func)
         if checks is _NOTHING_TO_CHECK:  # most ops: one lookup
             return
-        name, generators, written, host_reads = checks
+        name, generators, written, host_reads, seeded = checks
+        if seeded:  # a random op: the call that ran it says whether it drew on the host
+            self._draws += 1
         op = f"aten.{name}"
         for position, argument in host_reads:
             value = next(_arguments(((position, argument),), args, kwargs))
@@ -652,12 +664,15 @@ class _FunctionLint(TorchFunctionMode):
         reported = lint.before_call(name, args, kwargs)
         lint._calls += 1
         lint._suppressed += reported
+        draws = lint._draws
         try:
             out = func(*args, **kwargs)
         finally:
             lint._calls -= 1
             lint._suppressed -= reported
         lint.after_call(name, args, kwargs, out)
+        if lint._draws != draws:
+            lint.after_draw(name, out)
         return out
 
 
@@ -931,6 +946,7 @@ _FROM_HOST_DATA = frozenset(
 )
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_SEEDED = torch.Tag.nondeterministic_seeded
 
 _MODULE_CALLS = frozenset({"_call_impl", "_wrapped_call_impl"})
 _MODULE_FILE = torch.nn.Module._call_impl.__code__.co_filename
@@ -1025,12 +1041,14 @@ def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
 
 
 #: Per ATen op: ``(name, generator arguments, written arguments, host-read arguments)`` (each
-#: argument as ``(position, name)``), or ``_NOTHING_TO_CHECK`` for an op that is in no table,
+#: argument as ``(position, name)``; whether it draws random numbers: the ATen tag
+#: ``nondeterministic_seeded``), or ``_NOTHING_TO_CHECK`` for an op that is in no table, draws
+#: nothing,
 #: takes no generator, writes to no argument and has no argument of ``_HOST_READ_ARGUMENTS``
 #: (``torch.normal``'s ``std``, any op's ``check_errors``): the lint's cost for most ops is one
 #: dict lookup.
 _OP_CHECKS: dict[Any, Any] = {}
-_NOTHING_TO_CHECK = ("", (), (), ())
+_NOTHING_TO_CHECK = ("", (), (), (), False)
 
 
 def _op_checks(func: Any) -> Any:
@@ -1051,9 +1069,10 @@ def _op_checks(func: Any) -> Any:
         if a.name == "check_errors" or (name == "normal" and a.name == "std")
     )
     tabled = name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS
+    seeded = _SEEDED in getattr(func, "tags", ())
     checks = (
-        (name, generators, written, host_reads)
-        if tabled or generators or written or host_reads
+        (name, generators, written, host_reads, seeded)
+        if tabled or generators or written or host_reads or seeded
         else _NOTHING_TO_CHECK
     )
     _OP_CHECKS[func] = checks
@@ -1133,6 +1152,14 @@ _GRAD_RECORD_HINT = (
     "replays what the callable did with grad on at capture (the emulate backend runs the "
     "callable again and does what eager does). Decide outside the callable, or graph a copy "
     "for evaluation."
+)
+_HOST_DRAW = (
+    "Draws random numbers from torch's CPU generator into a tensor on the host (no device=, or "
+    "device='cpu'): a CUDA graph keeps the numbers drawn at capture and whatever the host did "
+    "with them (a branch taken, a Python number), where eager draws new ones on each call (a "
+    "layer drop skips the layer on some calls only). Draw on the device (torch.rand((), "
+    "device=x.device)) and keep the result a tensor (torch.where), or draw outside the callable "
+    "and pass the value in."
 )
 _IS_GRAD_ENABLED = torch.is_grad_enabled
 _IS_INFERENCE_MODE_ENABLED = torch.is_inference_mode_enabled
