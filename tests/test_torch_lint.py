@@ -842,6 +842,14 @@ def test_random_numbers_drawn_on_the_device_are_no_host_draw() -> None:
     assert dgt.lint(noisy, torch.randn(2, 4, requires_grad=True)).findings == ()
 
 
+def test_a_draw_into_meta_tensors_is_no_host_draw() -> None:
+    # a meta tensor holds no data, on no device: nothing a graph would keep
+    def shaped(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rand(2, 3, device="meta").shape[1]
+
+    assert dgt.lint(shaped, torch.randn(2, requires_grad=True)).findings == ()
+
+
 @pytest.mark.parametrize("tool", ["lint", "memory_plan"])
 def test_lint_and_memory_plan_under_inference_mode_run_what_a_capture_runs(tool: str) -> None:
     # make_graphed_callables captures outside inference mode; the lint failed with torch's

@@ -549,8 +549,8 @@ class CaptureLint(OpObserver):
         (``torch.rand([])`` with no ``device=``, as a layer drop draws its coin): a graph keeps
         what the host computed from them at capture (a branch, a Python number), where eager
         draws again on every call. Draws into tensors on the device are the graph's own."""
-        outputs = tensors_in(out)
-        if outputs and not any(self.on_device(t) for t in outputs if not t.is_meta):
+        outputs = [t for t in tensors_in(out) if not t.is_meta]  # meta: no data, no device
+        if outputs and not any(map(self.on_device, outputs)):
             self.add(HOST_RANDOM, name, _HOST_DRAW)
 
     # -- what the dispatch mode checks ----------------------------------------------------------
