@@ -1040,13 +1040,12 @@ def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     )
 
 
-#: Per ATen op: ``(name, generator arguments, written arguments, host-read arguments)`` (each
-#: argument as ``(position, name)``; whether it draws random numbers: the ATen tag
+#: Per ATen op: ``(name, generator arguments, written arguments, host-read arguments, seeded)``
+#: (each argument as ``(position, name)``; ``seeded``: it draws random numbers, ATen's tag
 #: ``nondeterministic_seeded``), or ``_NOTHING_TO_CHECK`` for an op that is in no table, draws
-#: nothing,
-#: takes no generator, writes to no argument and has no argument of ``_HOST_READ_ARGUMENTS``
-#: (``torch.normal``'s ``std``, any op's ``check_errors``): the lint's cost for most ops is one
-#: dict lookup.
+#: nothing, takes no generator, writes to no argument and has no argument of
+#: ``_HOST_READ_ARGUMENTS`` (``torch.normal``'s ``std``, any op's ``check_errors``): the lint's
+#: cost for most ops is one dict lookup.
 _OP_CHECKS: dict[Any, Any] = {}
 _NOTHING_TO_CHECK = ("", (), (), (), False)
 
