@@ -842,6 +842,19 @@ def test_random_numbers_drawn_on_the_device_are_no_host_draw() -> None:
     assert dgt.lint(noisy, torch.randn(2, 4, requires_grad=True)).findings == ()
 
 
+def test_histc_that_takes_its_range_from_the_input_is_a_host_sync() -> None:
+    # min == max (by default 0, 0): the CUDA kernel reads x.min() and x.max() on the host
+    report = dgt.lint(lambda x: x * torch.histc(x, bins=4).sum(), torch.randn(8))
+    (finding,) = report.findings
+    assert finding.kind == _lint.HOST_SYNC and finding.op == "aten.histc(min=max)"
+    assert "x * torch.histc(x, bins=4)" in finding.code
+
+
+def test_histc_over_a_range_given_is_no_finding() -> None:
+    report = dgt.lint(lambda x: x * torch.histc(x, bins=4, min=-3, max=3).sum(), torch.randn(8))
+    assert report.findings == ()
+
+
 def test_a_draw_into_meta_tensors_is_no_host_draw() -> None:
     # a meta tensor holds no data, on no device: nothing a graph would keep
     def shaped(x: torch.Tensor) -> torch.Tensor:

@@ -594,6 +594,10 @@ class CaptureLint(OpObserver):
             value = next(_arguments(((position, argument),), args, kwargs))
             if value is True or (isinstance(value, torch.Tensor) and self.on_device(value)):
                 self.add(HOST_SYNC, f"{op}({argument}=...)", _HOST_READ_ARGUMENTS[argument])
+        if name == "histc":
+            low, high = (0 if v is None else v for v in _arguments(_HISTC_RANGE, args, kwargs))
+            if low == high and self.on_device(args[0]):  # the range is the input's own
+                self.add(HOST_SYNC, f"{op}(min=max)", _HISTC_HINT)
         if name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS:
             tensors = tensors_in((args, kwargs))
             on_device = [t for t in tensors if self.on_device(t)]
@@ -854,6 +858,14 @@ _SYNC_OPS = {
     "_linalg_svd": _KERNEL_SYNC_HINT,  # linalg.svd, svdvals (and pinv, matrix_rank, cond, ...)
     "linalg_eig": _KERNEL_SYNC_HINT,  # linalg.eig, eigvals
 }
+#: ``torch.histc``'s ``min`` and ``max``: where they are equal (by default both 0), the CUDA
+#: kernel reads the input's minimum and maximum on the host to make the range.
+_HISTC_RANGE = ((2, "min"), (3, "max"))
+_HISTC_HINT = (
+    "torch.histc with min == max (the default, 0 and 0) takes its range from the input: the "
+    "CUDA kernel reads the input's minimum and maximum on the host, which a capture cannot "
+    "wait for. Pass the range (min=..., max=..., min < max)."
+)
 _SHAPE_HINT = (
     "Its output's shape depends on tensor values, which the host must read (a sync) and which a "
     "graph would freeze at the capture's values. Use a fixed-size form: torch.where(mask, x, 0), "
@@ -1067,7 +1079,13 @@ def _op_checks(func: Any) -> Any:
         for i, a in enumerate(arguments)
         if a.name == "check_errors" or (name == "normal" and a.name == "std")
     )
-    tabled = name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS
+    tabled = (
+        name in _SYNC_OPS
+        or name in _SHAPE_OPS
+        or name in _INDEX_OPS
+        or name in _COPY_OPS
+        or name == "histc"
+    )
     seeded = _SEEDED in getattr(func, "tags", ())
     checks = (
         (name, generators, written, host_reads, seeded)
