@@ -850,6 +850,20 @@ def test_histc_that_takes_its_range_from_the_input_is_a_host_sync() -> None:
     assert "x * torch.histc(x, bins=4)" in finding.code
 
 
+def test_ctc_loss_is_a_host_sync_forward_and_backward() -> None:
+    # its CUDA kernels copy the lengths to the host and offsets back: a capture fails there
+    def ctc(logits: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return F.ctc_loss(logits.log_softmax(-1), targets, lengths, lengths // 2)
+
+    logits = torch.randn(6, 2, 5, requires_grad=True)
+    report = dgt.lint(ctc, logits, torch.randint(1, 5, (2, 3)), torch.full((2,), 6))
+    found = [(f.kind, f.op, f.phase) for f in report.findings]
+    assert found == [
+        (_lint.HOST_SYNC, "aten._ctc_loss", "forward"),
+        (_lint.HOST_SYNC, "aten._ctc_loss_backward", "backward"),
+    ]
+
+
 def test_histc_over_a_range_given_is_no_finding() -> None:
     report = dgt.lint(lambda x: x * torch.histc(x, bins=4, min=-3, max=3).sum(), torch.randn(8))
     assert report.findings == ()

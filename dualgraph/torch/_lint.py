@@ -835,6 +835,11 @@ _KERNEL_SYNC_HINT = (
     "the *_ex variant without error checks (linalg.cholesky_ex, inv_ex, solve_ex, "
     "lu_factor_ex: check info after the call) or compute it outside the graphed callable."
 )
+_CTC_HINT = (
+    "torch.nn.functional.ctc_loss's CUDA kernels copy the lengths to the host and offsets they "
+    "compute there back to the device (forward and backward), which a capture cannot do. "
+    "Return the log-probabilities from the callable and compute the CTC loss after the call."
+)
 #: Arguments whose value makes an op's kernel read values on the host: a device tensor there
 #: (``torch.normal``'s ``std``, checked for negative values), or ``True`` (``check_errors`` of the
 #: ``linalg.*_ex`` ops, which reads their info).
@@ -857,6 +862,10 @@ _SYNC_OPS = {
     "_linalg_eigh": _KERNEL_SYNC_HINT,  # linalg.eigh, eigvalsh (and pinv, matrix_rank, ...)
     "_linalg_svd": _KERNEL_SYNC_HINT,  # linalg.svd, svdvals (and pinv, matrix_rank, cond, ...)
     "linalg_eig": _KERNEL_SYNC_HINT,  # linalg.eig, eigvals
+    # CTC loss: the CUDA kernels copy the lengths to the host and the targets' offsets, made
+    # there, back to the device (forward and backward)
+    "_ctc_loss": _CTC_HINT,
+    "_ctc_loss_backward": _CTC_HINT,
 }
 #: ``torch.histc``'s ``min`` and ``max``: where they are equal (by default both 0), the CUDA
 #: kernel reads the input's minimum and maximum on the host to make the range.
