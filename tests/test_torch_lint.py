@@ -770,6 +770,113 @@ def test_reading_grad_mode_in_the_callable_is_a_warning_naming_the_line() -> Non
     assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
 
 
+class BranchesOnWhatAutogradRecorded(nn.Module):
+    """Scales by 2 where autograd recorded its hidden tensor (grad on), else by 3."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.attention = nn.MultiheadAttention(4, 1, batch_first=True)
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.attention(x, x, x)[0]
+        recorded = {
+            "requires_grad": lambda: hidden.requires_grad,
+            "grad_fn": lambda: hidden.grad_fn is not None,
+            "is_leaf": lambda: not hidden.is_leaf,
+        }[self.read]
+        return self.fc(hidden) * (2.0 if recorded() else 3.0)
+
+
+@pytest.mark.parametrize("read", ["requires_grad", "grad_fn", "is_leaf"])
+def test_reading_whether_autograd_recorded_a_computed_tensor_is_a_grad_mode_read(
+    read: str,
+) -> None:
+    # under no_grad eager reads False and scales by 3; a CUDA graph replays the scale by 2
+    report = dgt.lint(BranchesOnWhatAutogradRecorded(read), torch.randn(2, 3, 4))
+    (finding,) = report.findings  # none for torch's own reads (MultiheadAttention's)
+    assert finding.kind == _lint.GRAD_MODE_READ and finding.severity == "warning"
+    assert finding.op == f"Tensor.{read}"
+    assert finding.code.endswith(f"hidden.{read}" + (" is not None," if read == "grad_fn" else ","))
+
+
+def test_reading_whether_an_input_or_a_parameter_requires_grad_is_no_finding() -> None:
+    # the same under no_grad as with grad on: nothing a graph would replay otherwise
+    def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w * (2.0 if x.requires_grad and w.is_leaf and w.grad_fn is None else 3.0)
+
+    report = dgt.lint(scaled, torch.randn(3, requires_grad=True), torch.randn(3))
+    assert report.findings == ()
+
+
+class LayerDrop(nn.Module):
+    """Skips its layer on a random half of the training calls, the coin drawn on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.rand([]) < 0.5:
+            return x
+        return x + self.fc(x)
+
+
+def test_a_random_number_drawn_into_a_host_tensor_is_a_host_draw() -> None:
+    # a CUDA graph keeps the coin of capture: the layer always or never skipped, where eager
+    # skips it on half of the calls; no sync, so a real capture succeeds silently
+    report = dgt.lint(LayerDrop(), torch.randn(2, 4, requires_grad=True))
+    (finding,) = report.findings
+    assert finding.kind == _lint.HOST_RANDOM and finding.severity == "error"
+    assert finding.op == "torch.rand"
+    assert finding.code == "if self.training and torch.rand([]) < 0.5:"
+
+
+def test_random_numbers_drawn_on_the_device_are_no_host_draw() -> None:
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        coin = torch.rand((), device=x.device)
+        noise = torch.randn_like(x) + torch.bernoulli(torch.sigmoid(x))
+        return torch.where(coin < 0.5, x, F.dropout(x, 0.5) + noise)
+
+    assert dgt.lint(noisy, torch.randn(2, 4, requires_grad=True)).findings == ()
+
+
+def test_histc_that_takes_its_range_from_the_input_is_a_host_sync() -> None:
+    # min == max (by default 0, 0): the CUDA kernel reads x.min() and x.max() on the host
+    report = dgt.lint(lambda x: x * torch.histc(x, bins=4).sum(), torch.randn(8))
+    (finding,) = report.findings
+    assert finding.kind == _lint.HOST_SYNC and finding.op == "aten.histc(min=max)"
+    assert "x * torch.histc(x, bins=4)" in finding.code
+
+
+def test_ctc_loss_is_a_host_sync_forward_and_backward() -> None:
+    # its CUDA kernels copy the lengths to the host and offsets back: a capture fails there
+    def ctc(logits: torch.Tensor, targets: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return F.ctc_loss(logits.log_softmax(-1), targets, lengths, lengths // 2)
+
+    logits = torch.randn(6, 2, 5, requires_grad=True)
+    report = dgt.lint(ctc, logits, torch.randint(1, 5, (2, 3)), torch.full((2,), 6))
+    found = [(f.kind, f.op, f.phase) for f in report.findings]
+    assert found == [
+        (_lint.HOST_SYNC, "aten._ctc_loss", "forward"),
+        (_lint.HOST_SYNC, "aten._ctc_loss_backward", "backward"),
+    ]
+
+
+def test_histc_over_a_range_given_is_no_finding() -> None:
+    report = dgt.lint(lambda x: x * torch.histc(x, bins=4, min=-3, max=3).sum(), torch.randn(8))
+    assert report.findings == ()
+
+
+def test_a_draw_into_meta_tensors_is_no_host_draw() -> None:
+    # a meta tensor holds no data, on no device: nothing a graph would keep
+    def shaped(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rand(2, 3, device="meta").shape[1]
+
+    assert dgt.lint(shaped, torch.randn(2, requires_grad=True)).findings == ()
+
+
 @pytest.mark.parametrize("tool", ["lint", "memory_plan"])
 def test_lint_and_memory_plan_under_inference_mode_run_what_a_capture_runs(tool: str) -> None:
     # make_graphed_callables captures outside inference mode; the lint failed with torch's

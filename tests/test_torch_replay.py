@@ -1124,6 +1124,47 @@ def test_a_backward_that_raises_leaves_a_kept_grad_as_it_was(param_grads: str) -
     assert torch.equal(kept, values)
 
 
+class _Scales(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "in_graph", "autograd"])
+@pytest.mark.parametrize("backward", ["plain", "through autograd", "torch.autograd.grad"])
+def test_a_negative_zero_grad_reaches_the_parameter_as_in_eager(
+    param_grads: str, backward: str
+) -> None:
+    """Eager's ``AccumulateGrad`` sets a ``.grad`` that is ``None`` to the grad itself: at an
+    ``x`` of ``-0.0``, the grad of ``x * w`` towards ``w`` is ``-0.0``; zeroed accumulators
+    gave ``0.0 + -0.0 = 0.0`` (the sign of zero is what ``1 / grad`` or ``copysign`` read)."""
+    if param_grads == "in_graph" and backward != "plain":
+        pytest.skip("in_graph refuses parameter hooks and torch.autograd.grad")
+    eager = _Scales()
+    graphed = copy.deepcopy(eager)
+    dgt.make_graphed_callables(
+        graphed, (torch.randn(4),), backend="emulate", param_grads=param_grads
+    )
+    x = torch.tensor([-0.0, 0.0, -1.0, 1.0])
+    signs = []
+    for model in (eager, graphed):
+        if backward == "through autograd":  # "auto" hands autograd copies of the grads
+            model.weight.register_hook(lambda grad: grad)
+        grads = []
+        for _ in range(2):  # set from None, then added to
+            loss = model(x).sum()
+            if backward == "torch.autograd.grad":
+                grads.append(torch.autograd.grad(loss, [model.weight])[0])
+            else:
+                loss.backward()
+                grads.append(model.weight.grad.clone())
+        signs.append([grad.signbit().tolist() for grad in grads])
+    assert signs[1] == signs[0] == [[True, False, True, False]] * 2
+
+
 def test_a_backward_that_raises_through_autograd_leaves_the_accumulated_grad() -> None:
     """``"auto"`` with a parameter hook replays into zeroed accumulators; a backward failing
     there must leave the ``.grad`` accumulated so far as eager leaves it."""

@@ -49,6 +49,15 @@ class Normed(nn.Module):
         return self.bn(self.fc(x))
 
 
+class Scales(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
 def hooked() -> nn.Module:
     module = nn.Linear(8, 8)
     module.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
@@ -575,6 +584,30 @@ def test_nan_at_the_same_places_matches_and_nowhere_else() -> None:
     ).ok
     check = _verify._compare("leaf", torch.tensor([nan, 1.0]), torch.tensor([0.0, 1.0]), 1.0, 1.0)
     assert not check.ok and math.isinf(check.max_abs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_a_zero_of_the_other_sign_fails_an_exact_comparison(dtype: torch.dtype) -> None:
+    # 0.0 == -0.0, but 1 / x and copysign tell them apart: on the CPU every bit must match
+    graphed, eager = torch.tensor([1.0, 0.0], dtype=dtype), torch.tensor([1.0, -0.0], dtype=dtype)
+    check = _verify._compare("grad w", graphed, eager, None, None)
+    assert not check.ok
+    assert check.problem.startswith("a zero of the other sign at [1]: graphed 0.0, eager -0.0")
+    assert _verify._compare("grad w", graphed, eager, 1e-6, 0.0).ok  # a tolerance allows it
+    assert _verify._compare("grad w", eager, eager.clone(), None, None).ok
+
+
+def test_verify_passes_a_parameter_grad_of_negative_zeros_as_eager_gives_it() -> None:
+    # the grad of x * w towards w at an x of -0.0 is -0.0 times the output grad: -0.0 where
+    # that is positive, in eager and in every replay
+    layer = Scales(8)
+    graphed = dgt.make_graphed_callables(layer, (torch.randn(8),), backend="emulate")
+    report = dgt.verify(graphed, torch.full((8,), -0.0))
+    assert report.ok, str(report)
+    assert [c.path for c in report.checks if "grad" in c.path] == [
+        "step 1 grad weight",
+        "step 2 grad weight",
+    ]
 
 
 def test_a_missing_grad_shape_or_structure_is_a_problem_not_a_number() -> None:

@@ -259,6 +259,7 @@ class CaptureLint(OpObserver):
         self._lock = threading.Lock()
         self._suppressed = 0
         self._calls = 0  # function-mode calls in progress (their ATen ops are theirs)
+        self._draws = 0  # random ATen ops seen (a call that ran one drew random numbers)
         # On a CPU: tensors that would stay on the CPU under a real capture, and the device
         # objects read off tensors that would be on the GPU (``device=x.device`` follows x).
         self._host = WeakIdKeyDictionary()
@@ -432,6 +433,10 @@ class CaptureLint(OpObserver):
     def before_call(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
         """Check a call before it runs; ``True`` when it was reported (its inner ops are not)."""
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in _GRAD_RECORD_READS:
+            if first is not None and first.grad_fn is not None:
+                self._grad_record_read(name)
+            return False
         if name in _SYNC_CALLS:
             tensors = tensors_in((args, kwargs))
             if any(self.on_device(t) for t in tensors):
@@ -442,6 +447,22 @@ class CaptureLint(OpObserver):
         if first is not None and name in _MOVES:
             return self._check_move(name, first, args, kwargs)
         return False
+
+    def _grad_record_read(self, name: str) -> None:
+        """Report the user's read of whether autograd recorded a tensor the callable computed
+        (``h.requires_grad``, ``h.grad_fn``, ``h.is_leaf``): it tells grad mode as
+        ``torch.is_grad_enabled()`` does. Torch's own reads (MultiheadAttention's fast-path
+        check) are not the user's."""
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename in _MACHINERY_FILES:
+            frame = frame.f_back
+        if frame is None:
+            return
+        file = frame.f_code.co_filename
+        if file.startswith((_TORCH_DIR, _ADAPTER_DIR)):
+            return
+        if _made_by_the_user(frame, (), self._code):
+            self.add(GRAD_MODE_READ, name, _GRAD_RECORD_HINT, caller=frame)
 
     def _check_move(
         self, name: str, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -523,6 +544,15 @@ class CaptureLint(OpObserver):
             how = "device='cpu'" if device is not None else "no device="
             self.add(HOST_TENSOR, f"{name} ({how})", _HOST_TENSOR.format(self.device_name))
 
+    def after_draw(self, name: str, out: Any) -> None:
+        """Report a call that drew random numbers into tensors that would stay on the host
+        (``torch.rand([])`` with no ``device=``, as a layer drop draws its coin): a graph keeps
+        what the host computed from them at capture (a branch, a Python number), where eager
+        draws again on every call. Draws into tensors on the device are the graph's own."""
+        outputs = [t for t in tensors_in(out) if not t.is_meta]  # meta: no data, no device
+        if outputs and not any(map(self.on_device, outputs)):
+            self.add(HOST_RANDOM, name, _HOST_DRAW)
+
     # -- what the dispatch mode checks ----------------------------------------------------------
 
     def after_op(
@@ -556,12 +586,18 @@ class CaptureLint(OpObserver):
             checks = _op_checks(func)
         if checks is _NOTHING_TO_CHECK:  # most ops: one lookup
             return
-        name, generators, written, host_reads = checks
+        name, generators, written, host_reads, seeded = checks
+        if seeded:  # a random op: the call that ran it says whether it drew on the host
+            self._draws += 1
         op = f"aten.{name}"
         for position, argument in host_reads:
             value = next(_arguments(((position, argument),), args, kwargs))
             if value is True or (isinstance(value, torch.Tensor) and self.on_device(value)):
                 self.add(HOST_SYNC, f"{op}({argument}=...)", _HOST_READ_ARGUMENTS[argument])
+        if name == "histc":
+            low, high = (0 if v is None else v for v in _arguments(_HISTC_RANGE, args, kwargs))
+            if low == high and self.on_device(args[0]):  # the range is the input's own
+                self.add(HOST_SYNC, f"{op}(min=max)", _HISTC_HINT)
         if name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS:
             tensors = tensors_in((args, kwargs))
             on_device = [t for t in tensors if self.on_device(t)]
@@ -632,12 +668,15 @@ class _FunctionLint(TorchFunctionMode):
         reported = lint.before_call(name, args, kwargs)
         lint._calls += 1
         lint._suppressed += reported
+        draws = lint._draws
         try:
             out = func(*args, **kwargs)
         finally:
             lint._calls -= 1
             lint._suppressed -= reported
         lint.after_call(name, args, kwargs, out)
+        if lint._draws != draws:
+            lint.after_draw(name, out)
         return out
 
 
@@ -796,6 +835,11 @@ _KERNEL_SYNC_HINT = (
     "the *_ex variant without error checks (linalg.cholesky_ex, inv_ex, solve_ex, "
     "lu_factor_ex: check info after the call) or compute it outside the graphed callable."
 )
+_CTC_HINT = (
+    "torch.nn.functional.ctc_loss's CUDA kernels copy the lengths to the host and offsets they "
+    "compute there back to the device (forward and backward), which a capture cannot do. "
+    "Return the log-probabilities from the callable and compute the CTC loss after the call."
+)
 #: Arguments whose value makes an op's kernel read values on the host: a device tensor there
 #: (``torch.normal``'s ``std``, checked for negative values), or ``True`` (``check_errors`` of the
 #: ``linalg.*_ex`` ops, which reads their info).
@@ -818,7 +862,19 @@ _SYNC_OPS = {
     "_linalg_eigh": _KERNEL_SYNC_HINT,  # linalg.eigh, eigvalsh (and pinv, matrix_rank, ...)
     "_linalg_svd": _KERNEL_SYNC_HINT,  # linalg.svd, svdvals (and pinv, matrix_rank, cond, ...)
     "linalg_eig": _KERNEL_SYNC_HINT,  # linalg.eig, eigvals
+    # CTC loss: the CUDA kernels copy the lengths to the host and the targets' offsets, made
+    # there, back to the device (forward and backward)
+    "_ctc_loss": _CTC_HINT,
+    "_ctc_loss_backward": _CTC_HINT,
 }
+#: ``torch.histc``'s ``min`` and ``max``: where they are equal (by default both 0), the CUDA
+#: kernel reads the input's minimum and maximum on the host to make the range.
+_HISTC_RANGE = ((2, "min"), (3, "max"))
+_HISTC_HINT = (
+    "torch.histc with min == max (the default, 0 and 0) takes its range from the input: the "
+    "CUDA kernel reads the input's minimum and maximum on the host, which a capture cannot "
+    "wait for. Pass the range (min=..., max=..., min < max)."
+)
 _SHAPE_HINT = (
     "Its output's shape depends on tensor values, which the host must read (a sync) and which a "
     "graph would freeze at the capture's values. Use a fixed-size form: torch.where(mask, x, 0), "
@@ -911,6 +967,7 @@ _FROM_HOST_DATA = frozenset(
 )
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_SEEDED = torch.Tag.nondeterministic_seeded
 
 _MODULE_CALLS = frozenset({"_call_impl", "_wrapped_call_impl"})
 _MODULE_FILE = torch.nn.Module._call_impl.__code__.co_filename
@@ -1004,13 +1061,14 @@ def _has_mask_index(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     )
 
 
-#: Per ATen op: ``(name, generator arguments, written arguments, host-read arguments)`` (each
-#: argument as ``(position, name)``), or ``_NOTHING_TO_CHECK`` for an op that is in no table,
-#: takes no generator, writes to no argument and has no argument of ``_HOST_READ_ARGUMENTS``
-#: (``torch.normal``'s ``std``, any op's ``check_errors``): the lint's cost for most ops is one
-#: dict lookup.
+#: Per ATen op: ``(name, generator arguments, written arguments, host-read arguments, seeded)``
+#: (each argument as ``(position, name)``; ``seeded``: it draws random numbers, ATen's tag
+#: ``nondeterministic_seeded``), or ``_NOTHING_TO_CHECK`` for an op that is in no table, draws
+#: nothing, takes no generator, writes to no argument and has no argument of
+#: ``_HOST_READ_ARGUMENTS`` (``torch.normal``'s ``std``, any op's ``check_errors``): the lint's
+#: cost for most ops is one dict lookup.
 _OP_CHECKS: dict[Any, Any] = {}
-_NOTHING_TO_CHECK = ("", (), (), ())
+_NOTHING_TO_CHECK = ("", (), (), (), False)
 
 
 def _op_checks(func: Any) -> Any:
@@ -1030,10 +1088,17 @@ def _op_checks(func: Any) -> Any:
         for i, a in enumerate(arguments)
         if a.name == "check_errors" or (name == "normal" and a.name == "std")
     )
-    tabled = name in _SYNC_OPS or name in _SHAPE_OPS or name in _INDEX_OPS or name in _COPY_OPS
+    tabled = (
+        name in _SYNC_OPS
+        or name in _SHAPE_OPS
+        or name in _INDEX_OPS
+        or name in _COPY_OPS
+        or name == "histc"
+    )
+    seeded = _SEEDED in getattr(func, "tags", ())
     checks = (
-        (name, generators, written, host_reads)
-        if tabled or generators or written or host_reads
+        (name, generators, written, host_reads, seeded)
+        if tabled or generators or written or host_reads or seeded
         else _NOTHING_TO_CHECK
     )
     _OP_CHECKS[func] = checks
@@ -1102,6 +1167,26 @@ _HOST_CALL_HINTS = {
         "outside the callable, or graph a copy for evaluation."
     ),
 }
+#: What a tensor tells of the autograd graph recorded for it: for a tensor the callable computed
+#: from tensors that require grad, what grad mode was (``requires_grad`` is False, ``grad_fn``
+#: None and ``is_leaf`` True under ``torch.no_grad()``); an input's or a parameter's is the same
+#: either way.
+_GRAD_RECORD_READS = frozenset({"Tensor.requires_grad", "Tensor.grad_fn", "Tensor.is_leaf"})
+_GRAD_RECORD_HINT = (
+    "Reads whether autograd recorded a tensor the callable computed, which tells grad mode: "
+    "under torch.no_grad() or inference_mode() eager reads False (no grad_fn), where a graph "
+    "replays what the callable did with grad on at capture (the emulate backend runs the "
+    "callable again and does what eager does). Decide outside the callable, or graph a copy "
+    "for evaluation."
+)
+_HOST_DRAW = (
+    "Draws random numbers from torch's CPU generator into a tensor on the host (no device=, or "
+    "device='cpu'): a CUDA graph keeps the numbers drawn at capture and whatever the host did "
+    "with them (a branch taken, a Python number), where eager draws new ones on each call (a "
+    "layer drop skips the layer on some calls only). Draw on the device (torch.rand((), "
+    "device=x.device)) and keep the result a tensor (torch.where), or draw outside the callable "
+    "and pass the value in."
+)
 _IS_GRAD_ENABLED = torch.is_grad_enabled
 _IS_INFERENCE_MODE_ENABLED = torch.is_inference_mode_enabled
 

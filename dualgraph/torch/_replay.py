@@ -1367,7 +1367,7 @@ class GraphedCallable:
             else:
                 accumulator.copy_(grad)
         if zeroed:
-            torch._foreach_zero_(zeroed)
+            _start_sums(zeroed)
         try:
             replay()
         except BaseException:  # (emulate) put back what a kept .grad held; nothing else changed
@@ -1410,7 +1410,7 @@ class GraphedCallable:
             if any(map(operator.gt, _holders(accumulator, storage), baseline))
         ]
         saved = list(torch._foreach_mul(held, 1.0)) if held else []
-        torch._foreach_zero_(accumulators)
+        _start_sums(accumulators)
         try:
             self._replay_backward()  # type: ignore[misc]
             copies = torch._foreach_mul(accumulators, 1.0)
@@ -1432,6 +1432,23 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _start_sums(accumulators: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+    """Set ``accumulators`` to ``-0.0``, where a backward's grads are to be added as eager's
+    ``AccumulateGrad`` sets a ``.grad`` that is ``None``: to the grad itself, bit for bit.
+
+    ``-0.0 + g`` is ``g`` for every ``g``; ``0.0 + g`` is ``0.0`` where ``g`` is ``-0.0`` (the
+    grad of ``x * w`` towards ``w`` at an ``x`` of ``-0.0``), so zeroed accumulators gave such a
+    parameter ``.grad`` (or ``torch.autograd.grad``) ``0.0`` where eager gives ``-0.0``.
+
+    >>> total = torch.ones(2)
+    >>> _start_sums([total])
+    >>> (total + torch.tensor([-0.0, 0.0])).signbit().tolist()
+    [True, False]
+    """
+    torch._foreach_zero_(accumulators)
+    torch._foreach_neg_(accumulators)
 
 
 def _node_hooked(leaf: torch.Tensor) -> bool:

@@ -17,8 +17,9 @@ the last two are not reset between the sides, since a graph on the GPU does not 
 Usable in a training script between steps (after ``optimizer.step()``, not between a forward and its
 backward); like any replay, the calls overwrite the static outputs of earlier replays.
 
-Tolerances. On the CPU every dtype must match exactly: the emulate and eager backends run the same
-kernels in the same order. On the GPU a replay runs the kernels eager runs, but kernels that
+Tolerances. On the CPU every dtype must match exactly, the sign of a zero too (``0.0 == -0.0``, but
+``1 / x`` tells them apart): the emulate and eager backends run the same kernels in the same order.
+On the GPU a replay runs the kernels eager runs, but kernels that
 accumulate with atomics (``index_add``, scatter backward, cuDNN weight grads unless
 ``torch.backends.cudnn.deterministic``) differ between any two runs, eager ones included; so a
 leaf passes where ``|graphed - eager| <= atol * scale + rtol * |eager|`` elementwise, ``scale``
@@ -508,6 +509,10 @@ def _compare(
     wide = torch.complex128 if expected.is_complex() else torch.float64
     a = actual.detach().to(wide)
     b = expected.detach().to(wide)
+    if leaf_rtol == 0 and leaf_atol == 0:
+        other_sign = _zero_of_the_other_sign(a, b)
+        if other_sign:
+            return _problem(path, other_sign)
     diff = (a - b).abs()
     diff = torch.where((a == b) | (a.isnan() & b.isnan()), torch.zeros_like(diff), diff)
     diff = torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff)
@@ -527,6 +532,27 @@ def _compare(
         leaf_rtol,
         leaf_atol,
         float(ratio.max()) if ratio.numel() else 0.0,
+    )
+
+
+def _zero_of_the_other_sign(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """Where an exact comparison finds ``0.0`` against ``-0.0``, which ``==`` calls equal and
+    ``1 / x``, ``copysign`` or ``atan2`` tell apart, say where (else ``""``).
+
+    >>> _zero_of_the_other_sign(torch.tensor([1.0, 0.0]), torch.tensor([1.0, -0.0]))
+    'a zero of the other sign at [1]: graphed 0.0, eager -0.0 (exact: every bit must match)'
+    """
+    a = torch.view_as_real(actual) if actual.is_complex() else actual
+    b = torch.view_as_real(expected) if expected.is_complex() else expected
+    differ = (a == 0) & (b == 0) & (a.signbit() != b.signbit())
+    if not bool(differ.any()):
+        return ""
+    where = [int(i) for i in differ.nonzero()[0]]
+    if actual.is_complex():
+        where = where[:-1]  # the last index picks the real or imaginary part
+    return (
+        f"a zero of the other sign at {where}: graphed {float(a[differ][0])}, eager "
+        f"{float(b[differ][0])} (exact: every bit must match)"
     )
 
 
