@@ -1163,7 +1163,21 @@ def test_functional_call_with_other_parameters_is_refused_naming_it(backend: str
         torch.func.functional_call(module, others, (x,))
 
 
-#: How a parameter or buffer that was ``None`` at capture gets a tensor: ``(build, change)``.
+class OptionalNorm(nn.Module):
+    """A Linear, and a norm registered as ``None`` that the forward runs once it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_module("norm", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if self.norm is None else self.norm(y)
+
+
+#: How a parameter, buffer or submodule that was ``None`` at capture gets set:
+#: ``(build, change, message)``.
 SET_AFTER_CAPTURE = {
     "bias": (
         lambda: nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()),
@@ -1174,6 +1188,11 @@ SET_AFTER_CAPTURE = {
         lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False)),
         lambda module: module[1].register_buffer("running_mean", torch.zeros(8)),
         "Sequential.1.running_mean: the buffer was None at capture",
+    ),
+    "submodule": (
+        lambda: OptionalNorm(),
+        lambda module: setattr(module, "norm", nn.LayerNorm(8)),
+        "OptionalNorm.norm: the submodule was None at capture",
     ),
 }
 

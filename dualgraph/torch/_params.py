@@ -137,11 +137,12 @@ class ModuleTensors:
     strides: tuple[tuple[int, ...], ...] = ()
     shapes: tuple[torch.Size, ...] = ()
     # The entries that were None at capture (a Linear without bias, BatchNorm's statistics
-    # when it tracks none): the graphs never read them, so a tensor set there since is refused.
+    # when it tracks none, a submodule registered as None): the graphs never read them, so a
+    # tensor or module set there since is refused. Each one's kind names it in the message.
     absent_names: tuple[str, ...] = ()
     absent_owners: tuple[dict[str, Any], ...] = ()
     absent_keys: tuple[str, ...] = ()
-    absent_is_buffer: tuple[bool, ...] = ()
+    absent_kinds: tuple[str, ...] = ()
     # The tensors whose requires_grad each call checks: those frozen at capture (usually none).
     # A trainable parameter frozen since is found by the backward replay, which looks at the
     # trainable parameters anyway (as its Function's inputs, or for their hooks).
@@ -277,7 +278,7 @@ class ModuleTensors:
         """
         root = type(module).__name__ if root is None else root
         entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
-        absent: list[tuple[str, dict[str, Any], str, bool]] = []
+        absent: list[tuple[str, dict[str, Any], str, str]] = []
         for prefix, submodule in module.named_modules():
             for is_buffer, owner in ((False, submodule._parameters), (True, submodule._buffers)):
                 for key, tensor in owner.items():
@@ -285,15 +286,17 @@ class ModuleTensors:
                     if tensor is not None:
                         entries.append((name, owner, key, tensor, is_buffer))
                     else:
-                        absent.append((name, owner, key, is_buffer))
+                        absent.append((name, owner, key, "buffer" if is_buffer else "parameter"))
         tensors = tuple(entry[3] for entry in entries)
         watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
         hung: list[tuple[str, dict[str, Any], str, torch.nn.Module]] = []
         for prefix, parent in module.named_modules():
             for key, child in parent._modules.items():
+                name = _joined(root, prefix, key)
                 if child is not None:
-                    name = _joined(root, prefix, key)
                     hung.append((name, parent._modules, key, child))
+                else:
+                    absent.append((name, parent._modules, key, "submodule"))
         modules = tuple(entry[3] for entry in hung)
         hooked = [
             (
@@ -325,7 +328,7 @@ class ModuleTensors:
             absent_names=tuple(entry[0] for entry in absent),
             absent_owners=tuple(entry[1] for entry in absent),
             absent_keys=tuple(entry[2] for entry in absent),
-            absent_is_buffer=tuple(entry[3] for entry in absent),
+            absent_kinds=tuple(entry[3] for entry in absent),
             watched=watched,
             watched_requires_grad=tuple(map(_requires_grad, watched)),
             module_names=tuple(entry[0] for entry in hung),
@@ -673,17 +676,13 @@ class ModuleTensors:
                 f"but the graphs replay the forward they captured; set it before graphing, or "
                 f"{again}"
             )
-        for name, owner, key, is_buffer in zip(
-            self.absent_names,
-            self.absent_owners,
-            self.absent_keys,
-            self.absent_is_buffer,
-            strict=True,
+        for name, owner, key, kind in zip(
+            self.absent_names, self.absent_owners, self.absent_keys, self.absent_kinds, strict=True
         ):
             if owner.get(key) is not None:
-                kind = "buffer" if is_buffer else "parameter"
+                what = "a module" if kind == "submodule" else "a tensor"
                 return DualgraphError(
-                    f"{name}: the {kind} was None at capture and is a tensor now, which eager "
+                    f"{name}: the {kind} was None at capture and is {what} now, which eager "
                     f"would use but the graphs never read; {again}"
                 )
         host = self._host_changed() if self.host_tensors else None
