@@ -1163,7 +1163,21 @@ def test_functional_call_with_other_parameters_is_refused_naming_it(backend: str
         torch.func.functional_call(module, others, (x,))
 
 
-#: How a parameter or buffer that was ``None`` at capture gets a tensor: ``(build, change)``.
+class OptionalNorm(nn.Module):
+    """A Linear, and a norm registered as ``None`` that the forward runs once it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_module("norm", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if self.norm is None else self.norm(y)
+
+
+#: How a parameter, buffer or submodule that was ``None`` at capture gets set:
+#: ``(build, change, message)``.
 SET_AFTER_CAPTURE = {
     "bias": (
         lambda: nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()),
@@ -1174,6 +1188,11 @@ SET_AFTER_CAPTURE = {
         lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False)),
         lambda module: module[1].register_buffer("running_mean", torch.zeros(8)),
         "Sequential.1.running_mean: the buffer was None at capture",
+    ),
+    "submodule": (
+        lambda: OptionalNorm(),
+        lambda module: setattr(module, "norm", nn.LayerNorm(8)),
+        "OptionalNorm.norm: the submodule was None at capture",
     ),
 }
 
@@ -1190,6 +1209,57 @@ def test_a_parameter_or_buffer_none_at_capture_and_set_after_is_refused_naming_i
     module = build().to(device)
     dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
     make_change(module)
+    module.to(device)
+    with pytest.raises(DualgraphError) as info:
+        module(torch.randn(4, 8, device=device))
+    assert str(info.value).startswith(message)
+
+
+class GrowingStack(nn.Module):
+    """Layers in a ModuleList, scales in a ParameterList, and an optional buffer: each one
+    added after capture is one eager's forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8)])
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(8))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        for scale in self.scales:
+            x = x * scale
+        shift = self._buffers.get("shift")
+        return x if shift is None else x + shift
+
+
+#: How a member is added after capture, and the start of the refusal naming it.
+ADDED_AFTER_CAPTURE = {
+    "submodule": (
+        lambda module: module.layers.append(nn.Linear(8, 8)),
+        "GrowingStack.layers.1: a submodule added after capture",
+    ),
+    "parameter": (
+        lambda module: module.scales.append(nn.Parameter(torch.full((8,), 2.0))),
+        "GrowingStack.scales.1: a parameter added after capture",
+    ),
+    "buffer": (
+        lambda module: module.register_buffer("shift", torch.ones(8)),
+        "GrowingStack.shift: a buffer added after capture",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("member", sorted(ADDED_AFTER_CAPTURE))
+def test_a_member_added_after_capture_is_refused_naming_it(backend: str, member: str) -> None:
+    # Eager runs the appended layer and multiplies by the appended scale; the graphs never read
+    # them (on emulate the new parameter got no grad, on CUDA the output left them out too).
+    device = device_of(backend)
+    module = GrowingStack().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    add, message = ADDED_AFTER_CAPTURE[member]
+    add(module)
     module.to(device)
     with pytest.raises(DualgraphError) as info:
         module(torch.randn(4, 8, device=device))
@@ -1415,6 +1485,23 @@ def test_a_submodule_given_another_forward_after_capture_is_refused_naming_it(
         module(torch.randn(4, 8, device=device))
     put_back()
     module(torch.randn(4, 8, device=device))  # the forward of capture time again
+
+
+class _Halved(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / 2
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parametrization_registered_after_capture_is_refused_as_one(backend: str) -> None:
+    # It swaps the submodule's class and moves its weight out of _parameters: the refusal names
+    # the parametrization (it blamed an assignment or .to() of the weight).
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    torch.nn.utils.parametrize.register_parametrization(module.fc2, "weight", _Halved())
+    with pytest.raises(DualgraphError, match=r"^TinyMLP\.fc2: its class was Linear at capture "):
+        module(torch.randn(4, 8, device=device))
 
 
 def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:

@@ -6,7 +6,8 @@ each submodule had then. :class:`ModuleTensors` records that and :meth:`ModuleTe
 refuses a call, naming the tensor or submodule, when the module no longer matches: a parameter
 or buffer replaced (``module.weight = nn.Parameter(...)``), moved or re-allocated (``.to()``,
 ``.half()``, ``param.data = ...``) or read with other strides (``param.data = view``), one
-that was ``None`` at capture given a tensor (a bias the graphs never add), a parameter frozen
+that was ``None`` at capture given a tensor (a bias the graphs never add), a parameter, buffer
+or submodule added (``layers.append(...)``: the graphs never read it), a parameter frozen
 or unfrozen, a submodule replaced
 (``module.fc = nn.Linear(...)``, whose tensors the graphs never read), or a submodule put in
 another training mode than the module itself (``module.dropout.eval()``: the graphs would
@@ -136,11 +137,12 @@ class ModuleTensors:
     strides: tuple[tuple[int, ...], ...] = ()
     shapes: tuple[torch.Size, ...] = ()
     # The entries that were None at capture (a Linear without bias, BatchNorm's statistics
-    # when it tracks none): the graphs never read them, so a tensor set there since is refused.
+    # when it tracks none, a submodule registered as None): the graphs never read them, so a
+    # tensor or module set there since is refused. Each one's kind names it in the message.
     absent_names: tuple[str, ...] = ()
     absent_owners: tuple[dict[str, Any], ...] = ()
     absent_keys: tuple[str, ...] = ()
-    absent_is_buffer: tuple[bool, ...] = ()
+    absent_kinds: tuple[str, ...] = ()
     # The tensors whose requires_grad each call checks: those frozen at capture (usually none).
     # A trainable parameter frozen since is found by the backward replay, which looks at the
     # trainable parameters anyway (as its Function's inputs, or for their hooks).
@@ -249,6 +251,16 @@ class ModuleTensors:
     host_layouts: tuple[tuple[torch.Size, tuple[int, ...]], ...] = ()
     host_bytes: tuple[torch.Tensor, ...] = ()
     host_device: Any = None  # the graphs' device, for the message
+    # Every module's _parameters, _buffers and _modules (root first), their owner's name, and
+    # the keys each held at the end of capture (record_attributes): a key added since (a layer
+    # appended to a ModuleList, a parameter or buffer registered) is one the graphs never read.
+    # The recorded keys are all still there with their tensors (the checks above), so an equal
+    # count per dict means no key was added.
+    member_names: tuple[str, ...] = ()
+    member_kinds: tuple[str, ...] = ()
+    member_dicts: tuple[dict[str, Any], ...] = ()
+    member_keys: tuple[frozenset[str], ...] = ()
+    member_counts: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -266,7 +278,7 @@ class ModuleTensors:
         """
         root = type(module).__name__ if root is None else root
         entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
-        absent: list[tuple[str, dict[str, Any], str, bool]] = []
+        absent: list[tuple[str, dict[str, Any], str, str]] = []
         for prefix, submodule in module.named_modules():
             for is_buffer, owner in ((False, submodule._parameters), (True, submodule._buffers)):
                 for key, tensor in owner.items():
@@ -274,15 +286,17 @@ class ModuleTensors:
                     if tensor is not None:
                         entries.append((name, owner, key, tensor, is_buffer))
                     else:
-                        absent.append((name, owner, key, is_buffer))
+                        absent.append((name, owner, key, "buffer" if is_buffer else "parameter"))
         tensors = tuple(entry[3] for entry in entries)
         watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
         hung: list[tuple[str, dict[str, Any], str, torch.nn.Module]] = []
         for prefix, parent in module.named_modules():
             for key, child in parent._modules.items():
+                name = _joined(root, prefix, key)
                 if child is not None:
-                    name = _joined(root, prefix, key)
                     hung.append((name, parent._modules, key, child))
+                else:
+                    absent.append((name, parent._modules, key, "submodule"))
         modules = tuple(entry[3] for entry in hung)
         hooked = [
             (
@@ -314,7 +328,7 @@ class ModuleTensors:
             absent_names=tuple(entry[0] for entry in absent),
             absent_owners=tuple(entry[1] for entry in absent),
             absent_keys=tuple(entry[2] for entry in absent),
-            absent_is_buffer=tuple(entry[3] for entry in absent),
+            absent_kinds=tuple(entry[3] for entry in absent),
             watched=watched,
             watched_requires_grad=tuple(map(_requires_grad, watched)),
             module_names=tuple(entry[0] for entry in hung),
@@ -367,6 +381,7 @@ class ModuleTensors:
                 and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
                 and (not self.host_tensors or self._host_unchanged())
+                and tuple(map(len, self.member_dicts)) == self.member_counts
                 and (  # plain Python values, by identity (an equal value set again: _check_all)
                     not self.attribute_keys
                     or all(
@@ -414,6 +429,7 @@ class ModuleTensors:
             )
             or (self.attribute_keys and self._attribute_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
+            or tuple(map(len, self.member_dicts)) != self.member_counts
         ):
             raise self._explain(grad_enabled)
 
@@ -533,6 +549,19 @@ class ModuleTensors:
         object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))
         object.__setattr__(self, "attribute_keys", tuple(entry[2] for entry in found))
         self.attribute_values[:] = [entry[3] for entry in found]
+        members = [
+            (name, kind, getattr(module, attribute))
+            for name, module in zip(
+                (self.root_name, *self.module_names), (self.root, *self.modules), strict=True
+            )
+            if module is not None
+            for attribute, kind in _MEMBER_KINDS.items()
+        ]
+        object.__setattr__(self, "member_names", tuple(entry[0] for entry in members))
+        object.__setattr__(self, "member_kinds", tuple(entry[1] for entry in members))
+        object.__setattr__(self, "member_dicts", tuple(entry[2] for entry in members))
+        object.__setattr__(self, "member_keys", tuple(frozenset(entry[2]) for entry in members))
+        object.__setattr__(self, "member_counts", tuple(len(entry[2]) for entry in members))
         if self.root is not None and found:
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
 
@@ -598,6 +627,14 @@ class ModuleTensors:
                     "put them on the graphed module itself (they run around each replay), or "
                     f"{again}"
                 )
+        # Before the tensors: a parametrization also moves the tensor it wraps away.
+        for name, module, cls in zip(self.module_names, self.modules, self.classes, strict=True):
+            if type(module) is not cls:
+                return DualgraphError(
+                    f"{name}: its class was {cls.__name__} at capture and is "
+                    f"{type(module).__name__} now (a parametrization registered?), but the "
+                    f"graphs replay the forward they captured; {again}"
+                )
         for name, owner, key, tensor, ptr, stride, shape, grad, is_buffer in zip(
             self.names,
             self.owners,
@@ -632,13 +669,6 @@ class ModuleTensors:
                 )
             if grad_enabled and tensor.requires_grad != grad:
                 return requires_grad_changed(name, grad)
-        for name, module, cls in zip(self.module_names, self.modules, self.classes, strict=True):
-            if type(module) is not cls:
-                return DualgraphError(
-                    f"{name}: its class was {cls.__name__} at capture and is "
-                    f"{type(module).__name__} now (a parametrization registered?), but the "
-                    f"graphs replay the forward they captured; {again}"
-                )
         replaced = self._forward_replaced()
         if replaced is not None:
             return DualgraphError(
@@ -646,17 +676,13 @@ class ModuleTensors:
                 f"but the graphs replay the forward they captured; set it before graphing, or "
                 f"{again}"
             )
-        for name, owner, key, is_buffer in zip(
-            self.absent_names,
-            self.absent_owners,
-            self.absent_keys,
-            self.absent_is_buffer,
-            strict=True,
+        for name, owner, key, kind in zip(
+            self.absent_names, self.absent_owners, self.absent_keys, self.absent_kinds, strict=True
         ):
             if owner.get(key) is not None:
-                kind = "buffer" if is_buffer else "parameter"
+                what = "a module" if kind == "submodule" else "a tensor"
                 return DualgraphError(
-                    f"{name}: the {kind} was None at capture and is a tensor now, which eager "
+                    f"{name}: the {kind} was None at capture and is {what} now, which eager "
                     f"would use but the graphs never read; {again}"
                 )
         host = self._host_changed() if self.host_tensors else None
@@ -675,6 +701,16 @@ class ModuleTensors:
                 "(a buffer moves with module.to), or make it a Python number, or set it back, "
                 f"or {again}"
             )
+        for name, kind, members, keys in zip(
+            self.member_names, self.member_kinds, self.member_dicts, self.member_keys, strict=True
+        ):
+            added = [key for key in members if key not in keys]
+            if added:
+                return DualgraphError(
+                    f"{_joined(name, added[0])}: a {kind} added after capture (registered, set "
+                    "as an attribute, appended to a ModuleList or ParameterList), which eager "
+                    f"would use but the graphs never read; add it before graphing, or {again}"
+                )
         changed = self._attribute_changed() if self.attribute_keys else None
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
@@ -786,6 +822,8 @@ class ModuleTensors:
         return error
 
 
+#: A module's dicts of members, and what each holds (for the message of one added).
+_MEMBER_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}
 _ABSENT = object()  # an attribute deleted since capture
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
