@@ -23,6 +23,7 @@ import dualgraph.torch as dgt
 from dualgraph import DualgraphError
 from dualgraph.torch import _verify
 from dualgraph.torch._probe import cloned_inputs
+from dualgraph.torch._replay import GraphedCallable
 
 
 class Block(nn.Module):
@@ -189,6 +190,85 @@ def test_verify_catches_a_hook_that_changes_a_static_output_buffer() -> None:
     assert report.worst_path == "step 2 output"
     assert str(report).startswith("verify FAILED: Linear (emulate), 2 steps: 1 of ")
     assert math.isinf(report.failures[0].score) and report.failures[0].max_abs > 0
+
+
+def keep_first_static_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay after a callable's first run on its first inputs: the static input
+    buffers are no longer copied into (the classic CUDA-graph bug of a stale input buffer)."""
+    forward = GraphedCallable._forward
+    replayed: set[int] = set()
+
+    def stale(self: GraphedCallable, tensors: Any, grad_enabled: bool = False) -> Any:
+        if id(self) in replayed:
+            tensors = self.static_inputs  # a copy of a tensor onto itself is skipped
+        replayed.add(id(self))
+        return forward(self, tensors, grad_enabled)
+
+    monkeypatch.setattr(GraphedCallable, "_forward", stale)
+
+
+@pytest.mark.parametrize("name", RIGHT)
+def test_verify_catches_a_replay_that_ignores_its_new_inputs(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graphed, args, kwargs = graphed_case(name)
+    keep_first_static_inputs(monkeypatch)
+    report = dgt.verify(graphed, *args, steps=3, **kwargs)
+    assert not report.ok and report.varied_steps == (2, 3)
+    failed = {c.path.split(" ")[1] for c in report.failures}
+    assert failed == {"2", "3"}, str(report)  # step 1 ran on what the buffers held: right
+    assert any(c.path.startswith("step 2 output") for c in report.failures)
+
+
+def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
+    seen: list[tuple[torch.Tensor, ...]] = []
+
+    def lookup(x: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        seen.append((x.detach().clone(), idx.clone(), keep.clone()))
+        return x[idx] * keep
+
+    sample = (torch.randn(5, 3, requires_grad=True), torch.tensor([4, 0]), torch.ones(3) > 0)
+    graphed = dgt.make_graphed_callables(lookup, sample, backend="emulate")
+    x, idx, keep = torch.randn(5, 3, requires_grad=True), torch.tensor([4, 1]), torch.ones(3) > 0
+    given = x.detach().clone()
+    seen.clear()
+    report = dgt.verify(graphed, x, idx, keep, steps=3)
+    assert report.ok and report.varied_steps == (2, 3)
+    assert len(seen) == 6  # the emulated replays and the eager twin: one call a step each
+    for side in (seen[:3], seen[3:]):
+        for (x_seen, idx_seen, keep_seen), factor in zip(side, (1, 31 / 32, 15 / 16), strict=True):
+            assert torch.equal(x_seen, given * factor)
+            assert torch.equal(idx_seen, idx) and torch.equal(keep_seen, keep)
+    assert torch.equal(x, given) and x.grad is None  # the caller's inputs as they were
+
+
+def test_inputs_sharing_memory_are_scaled_once_and_keep_sharing_it() -> None:
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def rows(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        seen.append((x.clone(), first.clone()))
+        return x.sum(0) + first
+
+    base = torch.randn(4, 3)
+    graphed = dgt.make_graphed_callables(rows, (base, base[0]), backend="emulate")
+    seen.clear()
+    assert dgt.verify(graphed, base, base[0], steps=2).ok
+    x_seen, first_seen = seen[-1]  # the eager twin's second step
+    assert torch.equal(x_seen, base * (31 / 32)) and torch.equal(first_seen, x_seen[0])
+
+
+def test_the_report_says_which_steps_ran_on_other_inputs() -> None:
+    graphed, args, _ = graphed_case("hooks")
+    text = str(dgt.verify(graphed, *args, steps=3)).splitlines()[1]
+    assert text == (
+        "inputs: step 1 as given; steps 2, 3 with the floating ones scaled by 31/32, 15/16"
+    )
+    counts = dgt.make_graphed_callables(
+        lambda n: (n * 2, None), (torch.arange(3),), backend="emulate"
+    )
+    report = dgt.verify(counts, torch.arange(3), steps=2)
+    assert report.ok and report.varied_steps == ()
+    assert "step 2 the same (no floating input other than zeros)" in str(report).splitlines()[1]
 
 
 def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:

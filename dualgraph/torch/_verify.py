@@ -17,6 +17,18 @@ the last two are not reset between the sides, since a graph on the GPU does not 
 Usable in a training script between steps (after ``optimizer.step()``, not between a forward and its
 backward); like any replay, the calls overwrite the static outputs of earlier replays.
 
+Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
+(and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
+again), the same values on both sides; integers and bools stay as given (indices must stay in
+range). So a replay that ignores its new inputs (a static input buffer left with step 1's
+values) differs from eager from step 2 on. A factor below 1 is used rather than a shift or a
+factor above 1 because it keeps every range that holds zero: probabilities stay in ``[0, 1]``,
+``tanh`` outputs in ``[-1, 1]``, a positive scale positive, a float index in ``[0, n)``; zeros,
+signs and infinities stay as they are, and nothing overflows (a mask's ``finfo.min`` neither).
+What the caller passed is never changed: each call gets clones. An input all of integers,
+bools or zeros gives the later steps the same values again; the report's ``varied_steps`` says
+which steps got other values, and ``str()`` says so.
+
 Tolerances. On the CPU every dtype must match exactly, the sign of a zero too (``0.0 == -0.0``, but
 ``1 / x`` tells them apart): the emulate and eager backends run the same kernels in the same order.
 On the GPU a replay runs the kernels eager runs, but kernels that
@@ -61,10 +73,12 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
 
+from .._call import describe_call
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._buckets import BucketedCallable
@@ -129,6 +143,8 @@ class VerifyReport:
     backend: str
     steps: int
     checks: tuple[LeafCheck, ...] = field(default=())
+    #: the steps (1-based, as in the leaves' paths) whose inputs differed from the given ones
+    varied_steps: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -167,6 +183,8 @@ class VerifyReport:
                 f"from eager (worst: {worst.path}"
                 + (f": {worst.problem})" if worst.problem else f", max abs {worst.max_abs:.3g})")
             )
+        if self.steps > 1:
+            header += "\n" + _inputs_line(self.steps, self.varied_steps)
         if self.backend == "eager":
             header += "\n(the eager backend runs the callable itself: both sides are eager)"
         titles = ("leaf", "dtype", "shape", "max abs", "max rel", "rtol", "atol", "score", "")
@@ -208,11 +226,13 @@ def verify(
 
     ``graphed`` is what :func:`~dualgraph.torch.make_graphed_callables` returned (a module or a
     :class:`~dualgraph.torch.GraphedCallable`), ``args``/``kwargs`` one call's inputs (cloned for
-    each call on each side, ``requires_grad`` kept). The keywords ``steps``, ``rtol`` and ``atol``
-    are verify's own. Parameter grads and buffers are compared for graphed modules, and buffers
-    for a graphed method of a module; for a graphed function, the tensors and modules' buffers
-    its own code names from its closure or its globals (:func:`closed_over_tensors`), compared
-    and put back as buffers are. See the module docstring for tolerances and RNG.
+    each call on each side, ``requires_grad`` kept; from step 2 on the floating ones scaled, the
+    same on both sides: ``varied_steps`` in the report). The keywords ``steps``, ``rtol`` and
+    ``atol`` are verify's own. Parameter grads and buffers are compared for graphed modules,
+    and buffers for a graphed method of a module; for a graphed function, the tensors and
+    modules' buffers its own code names from its closure or its globals
+    (:func:`closed_over_tensors`), compared and put back as buffers are. See the module
+    docstring for tolerances, RNG and the inputs of later steps.
     Raises :class:`~dualgraph.DualgraphError` when the graphed call would not replay (a module
     whose ``training`` mode differs from capture time runs eagerly, as does a call of shapes no
     bucket takes under ``fallback="eager"``).
@@ -274,7 +294,8 @@ def verify(
     checks: list[LeafCheck] = []
     for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
         checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
-    return VerifyReport(info.name, info.backend, steps, tuple(checks))
+    varied = tuple(step for step, ours in enumerate(graphed_steps, 1) if ours.varied)
+    return VerifyReport(info.name, info.backend, steps, tuple(checks), varied)
 
 
 def _why_eager(graphed: Any) -> str:
@@ -304,6 +325,7 @@ class _Step:
     param_grads: dict[str, torch.Tensor | None]
     after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean", ...: after it
     changed: set[str]  # the keys of ``after`` whose values the call changed
+    varied: bool = False  # whether its inputs' values differed from the given ones (_vary_inputs)
 
 
 def _run_steps(
@@ -316,9 +338,11 @@ def _run_steps(
 ) -> list[_Step]:
     for _, param in params:
         param.grad = None
+    given = _given_tensors(args, kwargs)
     results = []
     for step in range(steps):
         call_args, call_kwargs, inputs = cloned_inputs(tuple(args), dict(kwargs))
+        varied = _vary_inputs(inputs, given, step)
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
         before.update({label: b.detach().clone() for label, b in buffers})
         with torch.enable_grad():
@@ -340,6 +364,7 @@ def _run_steps(
                 param_grads={n: _owned(p.grad) for n, p in params},
                 after=after,
                 changed={key for key, value in after.items() if not _same(value, before[key])},
+                varied=varied,
             )
         )
     return results
@@ -389,6 +414,97 @@ def _original(graphed: Any) -> Callable[..., Any]:
     if isinstance(runner, SlottedCallable):
         runner = runner._replays[0]  # every slot replays the same callable
     return runner.plan.fn if isinstance(runner, GraphedCallable) else runner.fn
+
+
+# -- the inputs of later steps -------------------------------------------------------------------
+
+#: what steps 2, 3, 4, 5 (then 6, 7, ... in turn) scale the floating inputs by; below 1, so every
+#: range that holds zero is kept (the module docstring says why)
+_INPUT_FACTORS = (31 / 32, 15 / 16, 29 / 32, 7 / 8)
+
+
+def _input_factor(step: int) -> float:
+    """What a 0-based step scales the floating inputs by: 1 for the first.
+
+    >>> [_input_factor(step) for step in range(6)]
+    [1.0, 0.96875, 0.9375, 0.90625, 0.875, 0.96875]
+    """
+    return 1.0 if step == 0 else _INPUT_FACTORS[(step - 1) % len(_INPUT_FACTORS)]
+
+
+def _given_tensors(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The caller's input tensors, in the order :func:`cloned_inputs` lists their clones."""
+    spec = describe_call(tuple(args), dict(kwargs))
+    leaves = spec.flatten(tuple(args), dict(kwargs))
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _vary_inputs(
+    inputs: Sequence[tuple[str, torch.Tensor]], given: Sequence[torch.Tensor], step: int
+) -> bool:
+    """Set the floating clones in ``inputs`` to their given tensor's values times the step's
+    factor; whether any value is now other than given (not when all are zeros, or integers).
+
+    Each clone is written from its given tensor rather than scaled in place: clones sharing
+    memory (``x`` and ``x[0]``) would be scaled twice. Scaling is elementwise, so what they
+    share gets one value.
+
+    >>> x = torch.tensor([1.0, 0.0])
+    >>> _, _, inputs = cloned_inputs((x, torch.tensor([3])), {})
+    >>> _vary_inputs(inputs, [x, torch.tensor([3])], 1), inputs[0][1], inputs[1][1], x
+    (True, tensor([0.9688, 0.0000]), tensor([3]), tensor([1., 0.]))
+    """
+    factor = _input_factor(step)
+    if factor == 1.0:
+        return False
+    varied = False
+    with torch.no_grad():
+        for (_, clone), original in zip(inputs, given, strict=True):
+            if not _scalable(clone):
+                continue
+            # float16, bfloat16 and float8 are scaled in float32 (float8 has no CPU multiply)
+            wide = torch.promote_types(original.dtype, torch.float32)
+            values = original.detach().to(wide)
+            clone.copy_(values * factor)
+            now = clone.detach().to(wide)
+            varied = varied or bool(((now != values) & ~(now.isnan() & values.isnan())).any())
+    return varied
+
+
+def _scalable(tensor: torch.Tensor) -> bool:
+    """A plain dense floating or complex tensor (a subclass's values are its own business)."""
+    return (
+        type(tensor) is torch.Tensor
+        and (tensor.is_floating_point() or tensor.is_complex())
+        and tensor.layout == torch.strided
+        and not tensor.is_meta
+    )
+
+
+def _inputs_line(steps: int, varied: Sequence[int]) -> str:
+    """The report's line on which inputs the steps ran on.
+
+    >>> _inputs_line(3, (2, 3))
+    'inputs: step 1 as given; steps 2, 3 with the floating ones scaled by 31/32, 15/16'
+    >>> print(_inputs_line(2, ()))
+    inputs: step 1 as given; step 2 the same (no floating input other than zeros): a replay that
+    ignores new inputs would pass
+    """
+    parts = ["step 1 as given"]
+    if varied:
+        factors = ", ".join(str(Fraction(_input_factor(step - 1))) for step in varied[:4])
+        parts.append(f"{_step_list(varied)} with the floating ones scaled by {factors}")
+    same = [step for step in range(2, steps + 1) if step not in varied]
+    if same:
+        parts.append(
+            f"{_step_list(same)} the same (no floating input other than zeros): a replay that "
+            "ignores new inputs would pass"
+        )
+    return "inputs: " + "; ".join(parts)
+
+
+def _step_list(steps: Sequence[int]) -> str:
+    return f"step{'s' * (len(steps) != 1)} " + ", ".join(map(str, steps))
 
 
 # -- state kept and put back -----------------------------------------------------------------------
