@@ -3326,12 +3326,14 @@ def test_an_attribute_the_forward_adds_in_an_eager_call_is_its_own(backend: str)
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_private_or_object_attribute_set_after_capture_is_not_refused(backend: str) -> None:
     # Private names are torch's and hooks' (and not compared, as the plain values are not);
-    # objects (a logger, a config) are not compared either.
+    # objects (a logger, a config) and tensors (a graphed module's hook keeping its output)
+    # are not compared either.
     module, device = _graphed_tempered(backend)
     x = torch.randn(4, 8, device=device)
     module._temperature = 2.0
     module.inner._shift = 1.0
     module.logger = object()
+    module.last_output = torch.zeros(4, 8, device=device)
     handle = module.inner.register_forward_hook(lambda *_: None)
     handle.remove()
     for _ in range(2):

@@ -567,9 +567,11 @@ class ModuleTensors:
         """The first public attribute added to or deleted from a module's ``__dict__`` since
         capture, as ``(module name, attribute, added)`` (``None``).
 
-        Only the dicts whose count differs are looked at; where none of theirs is (a private
-        attribute, a hook's or dualgraph's own ``forward`` added), the new count is taken, so
-        that the next call passes in one pass again.
+        An addition is one of a plain value (:func:`is_plain`: what a forward computes with on
+        the host). Only the dicts whose count differs are looked at; where none of theirs is (a
+        private attribute, an object, a tensor a hook of the graphed module keeps, as its hooks
+        run around each replay, dualgraph's own ``forward``), the new count is taken, so that
+        the next call passes in one pass again.
         """
         start = len(self.member_dicts)
         lens = self.counted_lens
@@ -578,13 +580,13 @@ class ModuleTensors:
                 continue
             keys, exempt = self.namespace_keys[i], self.namespace_exempt[i]
             for key, value in namespace.items():
-                if key not in keys and key not in exempt and _watched(key, value):
+                if key not in keys and key not in exempt and _added_plain(key, value):
                     return self.namespace_names[i], key, True
             for key in keys:
                 if key not in namespace:
                     return self.namespace_names[i], key, False
             self.namespace_keys[i] = keys | {
-                key for key in namespace if key not in exempt and _watched(key, namespace[key])
+                key for key in namespace if key not in exempt and _added_plain(key, namespace[key])
             }
             lens[start + i] = len(namespace)
         return None
@@ -936,6 +938,11 @@ def _watched(key: str, value: Any) -> bool:
         and key != "training"
         and (is_plain(value) or type(value) is torch.Tensor)
     )
+
+
+def _added_plain(key: str, value: Any) -> bool:
+    """Whether an attribute added to a module's ``__dict__`` since capture is refused."""
+    return not key.startswith("_") and is_plain(value)
 
 
 def _public_keys(namespace: dict[str, Any], exempt: frozenset[str]) -> frozenset[str]:
