@@ -3221,3 +3221,136 @@ def test_a_tensor_attribute_rebound_after_capture_is_refused_naming_it(backend: 
     ):
         graphed(torch.randn(4, 8, device=device, requires_grad=True)).sum().backward()
     assert all(map(torch.equal, (p.grad for p in module.parameters()), grads))
+
+
+class Tempered(nn.Module):
+    """Reads optional public attributes its user may set: a temperature and a cache it fills
+    itself on first use (``inner`` reads its own optional shift)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.inner = Shifted()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "scale_cache"):  # lazily set: the captured state
+            self.scale_cache = 0.5
+        return self.inner(self.fc(x)) * self.scale_cache / getattr(self, "temperature", 1.0)
+
+
+class Shifted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.__dict__.get("shift", 0.0)
+
+
+def _graphed_tempered(backend: str) -> tuple[Tempered, torch.device]:
+    device = device_of(backend)
+    module = Tempered().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    return module, device
+
+
+def _set_temperature(module: Tempered) -> None:
+    module.temperature = 2.0
+
+
+def _set_inner_shift(module: Tempered) -> None:
+    module.inner.shift = 1.0
+
+
+def _delete_cache(module: Tempered) -> None:
+    del module.scale_cache  # eager's forward sets it again (to what it computes now)
+
+
+#: An attribute added or deleted after capture: ``(change, the message's start)``.
+ATTRIBUTE_CHANGES = {
+    "added_on_root": (_set_temperature, "Tempered.temperature: an attribute added after capture"),
+    "added_on_submodule": (_set_inner_shift, "Tempered.inner.shift: an attribute added after"),
+    "deleted": (_delete_cache, "Tempered.scale_cache: an attribute deleted after capture"),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("change", sorted(ATTRIBUTE_CHANGES))
+def test_a_public_attribute_added_or_deleted_after_capture_is_refused_naming_it(
+    backend: str, change: str
+) -> None:
+    # On CUDA the graphs keep the capture's branch (temperature 1.0, no shift); eager uses it.
+    module, device = _graphed_tempered(backend)
+    x = torch.randn(4, 8, device=device)
+    module(x)
+    alter, message = ATTRIBUTE_CHANGES[change]
+    alter(module)
+    with pytest.raises(DualgraphError) as info:
+        module(x)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_attribute_the_forward_sets_lazily_is_no_change(backend: str) -> None:
+    module, device = _graphed_tempered(backend)
+    assert module.scale_cache == 0.5  # set in warmup, kept: part of what was captured
+    x = torch.randn(4, 8, device=device)
+    with torch.no_grad():
+        expected = (module.inner(module.fc(x)) * 0.5).clone()
+    for _ in range(3):
+        assert torch.equal(module(x).detach(), expected)
+
+
+class LazyInEval(nn.Module):
+    """Sets an attribute on its first eval-mode call only (an eager call of a graphed module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and not hasattr(self, "eval_calls"):
+            self.eval_calls = 1
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_attribute_the_forward_adds_in_an_eager_call_is_its_own(backend: str) -> None:
+    device = device_of(backend)
+    module = LazyInEval().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    module.eval()
+    module(x)  # eager: the forward's own addition
+    module.train()
+    assert module.eval_calls == 1
+    assert module(x).shape == (4, 8)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_private_or_object_attribute_set_after_capture_is_not_refused(backend: str) -> None:
+    # Private names are torch's and hooks' (and not compared, as the plain values are not);
+    # objects (a logger, a config) and tensors (a graphed module's hook keeping its output)
+    # are not compared either.
+    module, device = _graphed_tempered(backend)
+    x = torch.randn(4, 8, device=device)
+    module._temperature = 2.0
+    module.inner._shift = 1.0
+    module.logger = object()
+    module.last_output = torch.zeros(4, 8, device=device)
+    handle = module.inner.register_forward_hook(lambda *_: None)
+    handle.remove()
+    for _ in range(2):
+        assert module(x).shape == (4, 8)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_attribute_added_to_a_closed_over_module_after_capture_is_refused(backend: str) -> None:
+    device = device_of(backend)
+    tempered = Tempered().to(device).requires_grad_(False)  # closed over: frozen
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return tempered(x) * 2
+
+    graphed = dgt.make_graphed_callables(step, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    graphed(x)
+    tempered.inner.shift = 1.0
+    with pytest.raises(DualgraphError, match=r"closed over tempered\.inner\.shift: an attribute"):
+        graphed(x)

@@ -1,23 +1,24 @@
 """The parameters and buffers of a graphed module: as the graphs read them, checked per call.
 
-A graph reads each parameter and buffer at the address it had at capture, its backward
-computes grads for the parameters that required grad then, and it replays the training mode
-each submodule had then. :class:`ModuleTensors` records that and :meth:`ModuleTensors.check`
-refuses a call, naming the tensor or submodule, when the module no longer matches: a parameter
-or buffer replaced (``module.weight = nn.Parameter(...)``), moved or re-allocated (``.to()``,
-``.half()``, ``param.data = ...``) or read with other strides (``param.data = view``), one
-that was ``None`` at capture given a tensor (a bias the graphs never add), a parameter, buffer
-or submodule added (``layers.append(...)``: the graphs never read it), a parameter frozen
-or unfrozen, a submodule replaced
+A graph reads each parameter and buffer at the address it had at capture, its backward computes
+grads for the parameters that required grad then, and it replays the training mode each
+submodule had then. :class:`ModuleTensors` records that and :meth:`ModuleTensors.check` refuses
+a call, naming the tensor or submodule, when the module no longer matches: a parameter or buffer
+replaced (``module.weight = nn.Parameter(...)``), moved or re-allocated (``.to()``, ``.half()``,
+``param.data = ...``) or read with other strides (``param.data = view``), one that was ``None``
+at capture given a tensor (a bias the graphs never add), a parameter, buffer or submodule added
+(``layers.append(...)``: the graphs never read it), a public attribute added to a module's
+``__dict__`` or deleted from it (``module.temperature = 2.0`` where the forward reads
+``getattr(self, "temperature", 1.0)``), a parameter frozen or unfrozen, a submodule replaced
 (``module.fc = nn.Linear(...)``, whose tensors the graphs never read), or a submodule put in
-another training mode than the module itself (``module.dropout.eval()``: the graphs would
-replay the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``),
-or a submodule given or relieved of a forward or backward hook, or one swapped for another
-function (the graphs replay the hooks a submodule had at capture: one registered since would
-never run, one removed would still act), or a submodule given another forward (an
-instance-level ``forward``, as accelerate's hooks set, or another class): the graphs replay the
-kernels of the forward they captured. A submodule graphed itself after its parent keeps running
-inside the parent's replay as captured, so dualgraph's own ``forward`` is not a change.
+another training mode than the module itself (``module.dropout.eval()``: the graphs would replay
+the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``), or a
+submodule given or relieved of a forward or backward hook, or one swapped for another function
+(the graphs replay the hooks a submodule had at capture: one registered since would never run,
+one removed would still act), or a submodule given another forward (an instance-level
+``forward``, as accelerate's hooks set, or another class): the graphs replay the kernels of the
+forward they captured. A submodule graphed itself after its parent keeps running inside the
+parent's replay as captured, so dualgraph's own ``forward`` is not a change.
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
 running statistics are updated on every warmup call, as if those calls had been steps), and
@@ -261,6 +262,17 @@ class ModuleTensors:
     member_dicts: tuple[dict[str, Any], ...] = ()
     member_keys: tuple[frozenset[str], ...] = ()
     member_counts: tuple[int, ...] = ()
+    # Every module's __dict__ (root first, a method's module too: its code reads them), its
+    # name, the public attributes it held at the end of capture (what the forward added in
+    # warmup and capture is the captured state) and those an addition of is no change
+    # (dualgraph's own forward, TE's flags). Per call: one len per dict, fused with the
+    # members' (counted_*); only where a count differs are the names compared.
+    namespace_names: tuple[str, ...] = ()
+    namespaces: tuple[dict[str, Any], ...] = ()
+    namespace_keys: list[frozenset[str]] = dataclasses.field(default_factory=list)
+    namespace_exempt: tuple[frozenset[str], ...] = ()
+    counted_dicts: tuple[dict[str, Any], ...] = ()
+    counted_lens: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(
@@ -381,7 +393,7 @@ class ModuleTensors:
                 and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
                 and (not self.host_tensors or self._host_unchanged())
-                and tuple(map(len, self.member_dicts)) == self.member_counts
+                and list(map(len, self.counted_dicts)) == self.counted_lens
                 and (  # plain Python values, by identity (an equal value set again: _check_all)
                     not self.attribute_keys
                     or all(
@@ -429,7 +441,13 @@ class ModuleTensors:
             )
             or (self.attribute_keys and self._attribute_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
-            or tuple(map(len, self.member_dicts)) != self.member_counts
+            or (
+                list(map(len, self.counted_dicts)) != self.counted_lens
+                and (
+                    tuple(map(len, self.member_dicts)) != self.member_counts
+                    or self._namespace_changed() is not None
+                )
+            )
         ):
             raise self._explain(grad_enabled)
 
@@ -510,12 +528,14 @@ class ModuleTensors:
         sets (a counter) as the recorded ones; what the caller had changed before stays."""
         keys = self.attribute_keys
         if not keys:
-            yield
+            with self._own_keys_taken():
+                yield
             return
         dicts = self.attribute_dicts
         before = list(map(_get, dicts, keys, _ABSENTS))
         try:
-            yield
+            with self._own_keys_taken():
+                yield
         finally:
             values = self.attribute_values
             if not all(map(_is, map(_get, dicts, keys, _ABSENTS), before)):
@@ -523,6 +543,53 @@ class ModuleTensors:
                     now = namespace.get(key, _ABSENT)
                     if now is not before[i] and before[i] is values[i]:
                         values[i] = now
+
+    @contextlib.contextmanager
+    def _own_keys_taken(self) -> Iterator[None]:
+        """Take the public attributes the callable's Python adds or deletes (a cache set on
+        its first eval call) as those of capture, in each ``__dict__`` whose count was capture's
+        before it ran (where the caller had added one already, that stays refused)."""
+        namespaces = self.namespaces
+        if list(map(len, self.counted_dicts)) != self.counted_lens:
+            self._namespace_changed()  # takes what is no change (dualgraph's own forward)
+        before = list(map(len, namespaces))
+        try:
+            yield
+        finally:
+            if list(map(len, namespaces)) != before:
+                start = len(self.member_dicts)
+                for i, namespace in enumerate(namespaces):
+                    if len(namespace) != before[i] and before[i] == self.counted_lens[start + i]:
+                        self.namespace_keys[i] = _public_keys(namespace, self.namespace_exempt[i])
+                        self.counted_lens[start + i] = len(namespace)
+
+    def _namespace_changed(self) -> tuple[str, str, bool] | None:
+        """The first public attribute added to or deleted from a module's ``__dict__`` since
+        capture, as ``(module name, attribute, added)`` (``None``).
+
+        An addition is one of a plain value (:func:`is_plain`: what a forward computes with on
+        the host). Only the dicts whose count differs are looked at; where none of theirs is (a
+        private attribute, an object, a tensor a hook of the graphed module keeps, as its hooks
+        run around each replay, dualgraph's own ``forward``), the new count is taken, so that
+        the next call passes in one pass again.
+        """
+        start = len(self.member_dicts)
+        lens = self.counted_lens
+        for i, namespace in enumerate(self.namespaces):
+            if len(namespace) == lens[start + i]:
+                continue
+            keys, exempt = self.namespace_keys[i], self.namespace_exempt[i]
+            for key, value in namespace.items():
+                if key not in keys and key not in exempt and _added_plain(key, value):
+                    return self.namespace_names[i], key, True
+            for key in keys:
+                if key not in namespace:
+                    return self.namespace_names[i], key, False
+            self.namespace_keys[i] = keys | {
+                key for key in namespace if key not in exempt and _added_plain(key, namespace[key])
+            }
+            lens[start + i] = len(namespace)
+        return None
 
     def record_attributes(self) -> None:
         """Note every submodule's public plain Python values as they are now (the end of
@@ -562,7 +629,22 @@ class ModuleTensors:
         object.__setattr__(self, "member_dicts", tuple(entry[2] for entry in members))
         object.__setattr__(self, "member_keys", tuple(frozenset(entry[2]) for entry in members))
         object.__setattr__(self, "member_counts", tuple(len(entry[2]) for entry in members))
-        if self.root is not None and found:
+        named = [
+            (name, module.__dict__, set_by_te_forward(module) | _NOT_ADDED)
+            for name, module in zip(
+                (self.root_name, *self.module_names), (self.root, *self.modules), strict=True
+            )
+            if module is not None
+        ]
+        namespaces = tuple(entry[1] for entry in named)
+        object.__setattr__(self, "namespace_names", tuple(entry[0] for entry in named))
+        object.__setattr__(self, "namespaces", namespaces)
+        object.__setattr__(self, "namespace_exempt", tuple(entry[2] for entry in named))
+        self.namespace_keys[:] = [_public_keys(namespace, exempt) for _, namespace, exempt in named]
+        counted = (*self.member_dicts, *namespaces)
+        object.__setattr__(self, "counted_dicts", counted)
+        self.counted_lens[:] = map(len, counted)
+        if self.root is not None and (found or namespaces):
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
 
     def _forward_replaced(self) -> str | None:
@@ -711,6 +793,21 @@ class ModuleTensors:
                     "as an attribute, appended to a ModuleList or ParameterList), which eager "
                     f"would use but the graphs never read; add it before graphing, or {again}"
                 )
+        if list(map(len, self.counted_dicts)) != self.counted_lens:
+            attribute = self._namespace_changed()
+            if attribute is not None:
+                module_name, attribute_name, is_added = attribute
+                how = (
+                    "an attribute added after capture, which eager's forward may read "
+                    "(getattr(self, name, default), hasattr) but the graphs replay what it "
+                    "computed without it; set it before graphing, delete it, make it private "
+                    f"(_{attribute_name}: not compared), or {again}"
+                    if is_added
+                    else "an attribute deleted after capture, which eager's forward may read "
+                    "(hasattr, or set again as a cache) but the graphs replay what it computed "
+                    f"with it; set it back, or {again}"
+                )
+                return DualgraphError(f"{_joined(module_name, attribute_name)}: {how}")
         changed = self._attribute_changed() if self.attribute_keys else None
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
@@ -824,6 +921,9 @@ class ModuleTensors:
 
 #: A module's dicts of members, and what each holds (for the message of one added).
 _MEMBER_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}
+#: Public ``__dict__`` entries whose addition is no change: dualgraph's own ``forward`` (a
+#: replaced one is refused on its own), the mode (checked on its own).
+_NOT_ADDED = frozenset({"forward", "training"})
 _ABSENT = object()  # an attribute deleted since capture
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
@@ -838,6 +938,16 @@ def _watched(key: str, value: Any) -> bool:
         and key != "training"
         and (is_plain(value) or type(value) is torch.Tensor)
     )
+
+
+def _added_plain(key: str, value: Any) -> bool:
+    """Whether an attribute added to a module's ``__dict__`` since capture is refused."""
+    return not key.startswith("_") and is_plain(value)
+
+
+def _public_keys(namespace: dict[str, Any], exempt: frozenset[str]) -> frozenset[str]:
+    """The attributes of a module's ``__dict__`` whose deletion is refused."""
+    return frozenset(key for key in namespace if not key.startswith("_") and key not in exempt)
 
 
 def _same_plain(a: Any, b: Any) -> bool:
