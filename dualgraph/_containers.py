@@ -523,7 +523,7 @@ class NamedTupleNode(NamedContainer):
         return None
 
     def rebuild(self, values: list[Any]) -> Any:
-        return rebuilt_namedtuple(self.cls, values)
+        return _rebuilder(self.cls)(self.cls, values)
 
     def guard(self, var: str, bind: Bind) -> str:
         # tuple.__new__ can make an instance with more or fewer items than the class's fields
@@ -545,7 +545,8 @@ class NamedTupleNode(NamedContainer):
         return super().difference(obj, children)
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
-        return f"{bind(rebuilt_namedtuple, 'R')}({bind(self.cls, 'T')}, [{', '.join(parts)}])"
+        rebuild = bind(_rebuilder(self.cls), "R")
+        return f"{rebuild}({bind(self.cls, 'T')}, [{', '.join(parts)}])"
 
 
 class DataclassNode(NamedContainer):
@@ -596,9 +597,26 @@ def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) 
 def rebuilt_namedtuple(cls: type, values: list[Any], /) -> Any:
     """``cls(*values)``, refused if it does not keep every value as given."""
     obj = cls(*values)
+    if len(obj) != len(values) or not all(map(operator.is_, obj, values)):
+        raise DualgraphError(_changed(cls, "its items", "__new__"))
+    return obj
+
+
+def rebuilt_namedtuple_by_items(cls: type, values: list[Any], /) -> Any:
+    """:func:`rebuilt_namedtuple` for a class that overrides ``len()``, indexing or iteration:
+    the items are read from the tuple itself."""
+    obj = cls(*values)
     if _tuple_len(obj) != len(values) or not all(map(operator.is_, _tuple_iter(obj), values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
     return obj
+
+
+def _rebuilder(cls: type) -> Any:
+    """The rebuild of a namedtuple class: the plain one (faster) unless the class overrides
+    how its items are read."""
+    if _reads_as_tuple(cls) and getattr(cls, "__iter__", None) is _tuple_iter:
+        return rebuilt_namedtuple
+    return rebuilt_namedtuple_by_items
 
 
 # A namedtuple's items are read from the tuple itself, never through methods its class may

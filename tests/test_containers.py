@@ -318,6 +318,26 @@ def test_a_namedtuple_is_read_by_its_items_not_by_methods_its_class_overrides(si
         spec.check([Swapped(array(2), array(2)), *[None] * size])
 
 
+class IteratesOtherwise(collections.namedtuple("IteratesOtherwise", "first second")):
+    """A namedtuple whose iteration yields something else than its items (only that)."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Any:
+        return iter(("x", "y"))
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_unflatten_checks_a_rebuilt_namedtuple_by_its_items_not_its_iteration(size: int) -> None:
+    # Before: the rebuild's check that __new__ kept every value iterated the new object, so
+    # unflatten refused a faithful rebuild as "__new__ changed its items"
+    tree = [IteratesOtherwise(array(2), None), *[None] * size]
+    spec = describe(tree)
+    rebuilt = spec.unflatten(spec.flatten(tree))[0]
+    assert type(rebuilt) is IteratesOtherwise
+    assert tuple.__getitem__(rebuilt, 0) is tree[0].first and rebuilt.second is None
+
+
 def test_a_locally_defined_namedtuple_resolves_once_described() -> None:
     Local = collections.namedtuple("Local", "a b")
     text = describe(Local(array(2), None)).to_json()
