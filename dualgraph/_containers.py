@@ -515,33 +515,38 @@ class NamedTupleNode(NamedContainer):
         return None
 
     def values_of(self, obj: Any) -> Sequence[Any]:
-        return obj
+        return _tuple_items(obj)
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
-        if type(obj) is self.cls and len(obj) == self.arity:
-            return obj
+        if type(obj) is self.cls and _tuple_len(obj) == self.arity:
+            return _tuple_items(obj)
         return None
 
     def rebuild(self, values: list[Any]) -> Any:
-        return rebuilt_namedtuple(self.cls, values)
+        return _rebuilder(self.cls)(self.cls, values)
 
     def guard(self, var: str, bind: Bind) -> str:
         # tuple.__new__ can make an instance with more or fewer items than the class's fields
-        return f"type({var}) is not {bind(self.cls, 'T')} or len({var}) != {self.arity}"
+        length = "len" if _reads_as_tuple(self.cls) else bind(_tuple_len, "L")
+        return f"type({var}) is not {bind(self.cls, 'T')} or {length}({var}) != {self.arity}"
 
     def child(self, var: str, index: int, bind: Bind) -> str:
-        return f"{var}[{index}]"  # by position: a field name is never read as an attribute
+        # by position: a field name is never read as an attribute
+        if _reads_as_tuple(self.cls):
+            return f"{var}[{index}]"
+        return f"{bind(_tuple_item, 'I')}({var}, {index})"
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
-        if type(obj) is self.cls and len(obj) != self.arity:
+        if type(obj) is self.cls and _tuple_len(obj) != self.arity:
             return None, (
                 f"expected {self.brief()} of {self.arity} fields, got {brief_of(obj)} of "
-                f"length {len(obj)}"
+                f"length {_tuple_len(obj)}"
             )
         return super().difference(obj, children)
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
-        return f"{bind(rebuilt_namedtuple, 'R')}({bind(self.cls, 'T')}, [{', '.join(parts)}])"
+        rebuild = bind(_rebuilder(self.cls), "R")
+        return f"{rebuild}({bind(self.cls, 'T')}, [{', '.join(parts)}])"
 
 
 class DataclassNode(NamedContainer):
@@ -595,6 +600,42 @@ def rebuilt_namedtuple(cls: type, values: list[Any], /) -> Any:
     if len(obj) != len(values) or not all(map(operator.is_, obj, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
     return obj
+
+
+def rebuilt_namedtuple_by_items(cls: type, values: list[Any], /) -> Any:
+    """:func:`rebuilt_namedtuple` for a class that overrides ``len()``, indexing or iteration:
+    the items are read from the tuple itself."""
+    obj = cls(*values)
+    if _tuple_len(obj) != len(values) or not all(map(operator.is_, _tuple_iter(obj), values)):
+        raise DualgraphError(_changed(cls, "its items", "__new__"))
+    return obj
+
+
+def _rebuilder(cls: type) -> Any:
+    """The rebuild of a namedtuple class: the plain one (faster) unless the class overrides
+    how its items are read."""
+    if _reads_as_tuple(cls) and getattr(cls, "__iter__", None) is _tuple_iter:
+        return rebuilt_namedtuple
+    return rebuilt_namedtuple_by_items
+
+
+# A namedtuple's items are read from the tuple itself, never through methods its class may
+# override (a __getitem__ that also takes field names, or one that changes what it returns):
+# the spec, its paths (``.field``, read by the field's own accessor) and a rebuild must agree.
+_tuple_len = tuple.__len__
+_tuple_item = tuple.__getitem__
+_tuple_iter = tuple.__iter__
+
+
+def _tuple_items(obj: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The items ``obj`` holds, as a plain tuple (the object itself when it is one)."""
+    return _tuple_item(obj, slice(None))
+
+
+def _reads_as_tuple(cls: type) -> bool:
+    """Whether ``len()`` and indexing of ``cls``'s objects are tuple's own (the fast path)."""
+    length, item = getattr(cls, "__len__", None), getattr(cls, "__getitem__", None)
+    return length is _tuple_len and item is _tuple_item
 
 
 def _changed(cls: type, what: str, method: str) -> str:

@@ -176,10 +176,12 @@ def strict_bool(value: Any, /) -> bool | None:
     """
     if isinstance(value, bool):
         return value
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or str(dtype) not in {"bool", "torch.bool"}:
-        return None
+    # Never raises: every read of the object's own attributes is guarded, so that a caller
+    # refuses it as "not a bool" at its position (a mask entry, a requires_grad answer).
     try:
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or str(dtype) not in {"bool", "torch.bool"}:
+            return None
         if tuple(value.shape) != ():
             return None
         return bool(value)

@@ -25,10 +25,16 @@ from ._spec import TreeSpec
 __all__ = ["KeyOrders", "key_order_difference"]
 
 #: One step of the walk from the call's roots to its dicts, in pre-order: (the slot of the
-#: object it reads from, read as an attribute?, the key, index or name, the dict's keys in the
-#: sample's order or ``None`` for a container on the way, the node's index in its spec, the
-#: root's name). Slot 0 is ``args``, 1 ``kwargs``, and each step's object takes the next slot.
-_Step = tuple[int, bool, Any, "tuple[Any, ...] | None", int, str]
+#: object it reads from, how it is read (see :data:`_BY_KEY`), the key, index or name, the
+#: dict's keys in the sample's order or ``None`` for a container on the way, the node's index in
+#: its spec, the root's name). Slot 0 is ``args``, 1 ``kwargs``, and each step's object takes the
+#: next slot.
+_Step = tuple[int, int, Any, "tuple[Any, ...] | None", int, str]
+
+#: How a step reads its child: ``obj[key]`` (a tuple, list or dict), ``getattr(obj, name)`` (a
+#: dataclass field), or the tuple's own item (a namedtuple, whose class may override indexing).
+_BY_KEY, _BY_ATTR, _BY_TUPLE_ITEM = range(3)
+_tuple_item = tuple.__getitem__
 
 
 class KeyOrders:
@@ -106,9 +112,12 @@ class KeyOrders:
             return None
         objects = [args, kwargs]
         append = objects.append
-        for start, is_attr, step, keys, index, root in self._steps:
+        for start, how, step, keys, index, root in self._steps:
             obj = objects[start]
-            obj = getattr(obj, step) if is_attr else obj[step]
+            if how == _BY_KEY:
+                obj = obj[step]
+            else:
+                obj = getattr(obj, step) if how == _BY_ATTR else _tuple_item(obj, step)
             if keys is not None and tuple(obj) != keys:
                 path = format_path(self._specs[root]._get_layout().entries(index), root)
                 return path, tuple(obj), keys
@@ -144,10 +153,10 @@ def _steps_to_dicts(
         parent = layout.parent[index]
         entry = layout.entry[index]
         assert entry is not None
-        is_attr, step = _step(nodes[parent], entry)
+        how, step = _step(nodes[parent], entry)
         keys = nodes[index].keys if index in dicts else None  # type: ignore[attr-defined]
         slot_of[index] = first_slot + len(steps)
-        steps.append((slot_of[parent], is_attr, step, keys, index, root))
+        steps.append((slot_of[parent], how, step, keys, index, root))
     return steps
 
 
@@ -168,18 +177,18 @@ def _collected_keywords(fn: Callable[..., Any], keywords: tuple[Any, ...]) -> tu
     return tuple(key for key in keywords if key not in named)
 
 
-def _step(parent: Node, entry: PathEntry) -> tuple[bool, Any]:
+def _step(parent: Node, entry: PathEntry) -> tuple[int, Any]:
     """How to read the child at ``entry`` of an object of the node ``parent``: as the spec does
-    (a namedtuple by position, a dataclass field as an attribute)."""
+    (a namedtuple by its tuple's item, a dataclass field as an attribute)."""
     if isinstance(entry, Index):
-        return False, entry.index
+        return _BY_KEY, entry.index
     if isinstance(entry, Key):
-        return False, entry.key
+        return _BY_KEY, entry.key
     assert isinstance(entry, Attr)
     if isinstance(parent, NamedTupleNode):
-        return False, parent.fields.index(entry.name)
+        return _BY_TUPLE_ITEM, parent.fields.index(entry.name)
     assert isinstance(parent, DataclassNode)
-    return True, entry.name
+    return _BY_ATTR, entry.name
 
 
 def key_order_difference(

@@ -284,6 +284,60 @@ def test_describing_a_namedtuple_instance_of_another_length_is_refused_naming_it
         describe(make())
 
 
+class Swapped(collections.namedtuple("Swapped", "first second")):
+    """A namedtuple whose indexing, length and iteration say something else than its items."""
+
+    __slots__ = ()
+
+    def __getitem__(self, index: Any) -> Any:
+        return tuple.__getitem__(self, 1 - index) if type(index) is int else getattr(self, index)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Any:
+        return iter(reversed(tuple(tuple.__getitem__(self, slice(None)))))
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_namedtuple_is_read_by_its_items_not_by_methods_its_class_overrides(size: int) -> None:
+    # Before: describe, flatten and check read Swapped by its own __getitem__ and len() (the spec
+    # said first=None for first=array, or refused the tree as "of length 1"), so
+    # unflatten(flatten(x)) was another tree than x
+    tree = [Swapped(array(2), None), *[None] * size]
+    spec = describe(tree)
+    assert spec.paths[:2] == ("[0].first", "[0].second")
+    assert spec.leaves[0].kind == "array" and spec.leaves[1].kind == "none"
+    for check in (False, True):
+        arrays = spec.flatten(tree, check=check)
+        assert arrays == [tree[0].first]
+        rebuilt = spec.unflatten(arrays)[0]
+        assert type(rebuilt) is Swapped
+        assert rebuilt.first is tree[0].first and rebuilt.second is None
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]\.second: expected None, got"):
+        spec.check([Swapped(array(2), array(2)), *[None] * size])
+
+
+class IteratesOtherwise(collections.namedtuple("IteratesOtherwise", "first second")):
+    """A namedtuple whose iteration yields something else than its items (only that)."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Any:
+        return iter(("x", "y"))
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_unflatten_checks_a_rebuilt_namedtuple_by_its_items_not_its_iteration(size: int) -> None:
+    # Before: the rebuild's check that __new__ kept every value iterated the new object, so
+    # unflatten refused a faithful rebuild as "__new__ changed its items"
+    tree = [IteratesOtherwise(array(2), None), *[None] * size]
+    spec = describe(tree)
+    rebuilt = spec.unflatten(spec.flatten(tree))[0]
+    assert type(rebuilt) is IteratesOtherwise
+    assert tuple.__getitem__(rebuilt, 0) is tree[0].first and rebuilt.second is None
+
+
 def test_a_locally_defined_namedtuple_resolves_once_described() -> None:
     Local = collections.namedtuple("Local", "a b")
     text = describe(Local(array(2), None)).to_json()

@@ -38,6 +38,26 @@ def test_a_dict_in_another_order_is_refused_naming_its_path_through_every_contai
     assert str(caught.value).startswith(f"{path}: a dict with its keys in the order ['a', 'b']")
 
 
+class Reversing(collections.namedtuple("Reversing", "first second")):
+    """A namedtuple whose indexing reads its items from the other end."""
+
+    __slots__ = ()
+
+    def __getitem__(self, index: Any) -> Any:
+        return tuple.__getitem__(self, -1 - index)
+
+
+def test_a_namedtuple_on_the_way_is_read_by_its_items_not_its_own_indexing() -> None:
+    # Before: the walk read Reversing(d, None)[0] through the class's __getitem__ (None), and
+    # the check ended in a TypeError instead of reading the dict
+    d = {"b": array(2), "a": array(2)}
+    orders = KeyOrders(describe_call((Reversing(d, None),)))
+    orders.check((Reversing(d, None),), {})
+    with pytest.raises(SpecMismatchError) as caught:
+        orders.check((Reversing(swapped(d), None),), {})
+    assert caught.value.path == "args[0].first"
+
+
 def test_the_keyword_arguments_themselves_bind_by_name() -> None:
     kwargs = {"b": array(2), "a": array(2), "inner": {"y": 1, "x": array(1)}}
     orders = KeyOrders(describe_call((), kwargs))

@@ -394,6 +394,35 @@ def test_with_grad_mask_coerces_nothing_but_bools(entry: Any) -> None:
         spec.with_grad_mask([entry])
 
 
+class _DtypeRaises:
+    """An entry whose ``dtype`` cannot be read (a lazy array, a proxy that fails)."""
+
+    @property
+    def dtype(self) -> Any:
+        raise RuntimeError("no dtype here")
+
+
+class _DtypeStrRaises:
+    """An entry whose dtype cannot be printed."""
+
+    class _Dtype:
+        def __str__(self) -> str:
+            raise RuntimeError("no name here")
+
+    dtype = _Dtype()
+
+
+@pytest.mark.parametrize("entry", [_DtypeRaises(), _DtypeStrRaises()], ids=type)
+def test_with_grad_mask_names_the_entry_whose_dtype_cannot_be_read(entry: Any) -> None:
+    # Before: the exception out of reading the dtype ended the mask's reading, so the error
+    # ("a grad mask is a sequence of bools: no dtype here") named neither the entry nor its array
+    spec = describe(TREES["vit_layer"]())
+    with pytest.raises(
+        DualgraphError, match=r"grad mask\[0\] \(the array at \[0\]\): expected a bool, got"
+    ):
+        spec.with_grad_mask([entry])
+
+
 @pytest.mark.parametrize("mask", ["1", b"\x01", 1, None], ids=repr)
 def test_with_grad_mask_is_a_sequence(mask: Any) -> None:
     spec = describe(TREES["vit_layer"]())
