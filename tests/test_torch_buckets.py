@@ -1682,7 +1682,8 @@ def _doubles_its_state_then_reads_x(
     return x.sum(1) + state.sum()
 
 
-def test_an_updated_input_sharing_memory_with_a_padded_input_is_refused() -> None:
+@pytest.mark.parametrize("how", ["view", "from_numpy"])
+def test_an_updated_input_sharing_memory_with_a_padded_input_is_refused(how: str) -> None:
     # The replay is handed a padded copy of x, so its check of inputs sharing memory with one
     # it updates saw none: eager reads the doubled row through the caller's x, the padded copy
     # was made before (silently another output).
@@ -1696,11 +1697,13 @@ def test_an_updated_input_sharing_memory_with_a_padded_input_is_refused() -> Non
     earlier = graphed(torch.randn(3, 3), torch.randn(3))
     earlier_value = earlier.clone()
     x = torch.randn(3, 3)
+    # from_numpy of a numpy view: another storage over the same bytes
+    state = x[1] if how == "view" else torch.from_numpy(x.numpy()[1])
     x_before = x.clone()
     with pytest.raises(
         SpecMismatchError, match=r"^args\[1\] and args\[0\] share memory, and .* updates args\[1\]"
     ):
-        graphed(x, x[1])
+        graphed(x, state)
     assert torch.equal(x, x_before), "the refused call updated the caller's tensor"
     assert torch.equal(earlier, earlier_value), "the refused call wrote a static buffer"
     x, state = torch.randn(3, 3), torch.randn(3)

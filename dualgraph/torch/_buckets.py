@@ -54,7 +54,7 @@ from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._params import own_changes_taken_of
-from ._replay import GraphedCallable
+from ._replay import GraphedCallable, overlaps
 from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
 
@@ -618,10 +618,12 @@ def _refuse_updates_seen_through_padded(
         i = index_of.get(path)  # None: valid_length, refused at capture
         if i is None or not tensors[i].numel():
             continue
-        storage = tensors[i].untyped_storage().data_ptr()
+        memory = tensors[i].untyped_storage()
+        start = memory.data_ptr()
+        end = start + memory.nbytes()
         for j, _ in padding.inputs:
             other = tensors[j]
-            if j != i and other.numel() and other.untyped_storage().data_ptr() == storage:
+            if j != i and other.numel() and overlaps(other.untyped_storage(), start, end):
                 raise SpecMismatchError(
                     f"{path} and {paths[j]} share memory, and {runner.name} updates {path} in "
                     f"place: eager would see the update through {paths[j]}, a padded call "
