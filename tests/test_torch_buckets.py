@@ -1675,6 +1675,43 @@ def test_a_padded_input_sharing_memory_with_a_buffer_the_callable_updates_is_ref
     assert module(module.cache.clone()).shape == (2, 4, 4)  # a copy is padded as before
 
 
+def _doubles_its_state_then_reads_x(
+    x: torch.Tensor, state: torch.Tensor, valid_length: Any = None
+) -> torch.Tensor:
+    state.mul_(2)
+    return x.sum(1) + state.sum()
+
+
+@pytest.mark.parametrize("how", ["view", "from_numpy"])
+def test_an_updated_input_sharing_memory_with_a_padded_input_is_refused(how: str) -> None:
+    # The replay is handed a padded copy of x, so its check of inputs sharing memory with one
+    # it updates saw none: eager reads the doubled row through the caller's x, the padded copy
+    # was made before (silently another output).
+    graphed = dgt.make_graphed_callables(
+        _doubles_its_state_then_reads_x,
+        buckets=[(torch.randn(4, 3), torch.randn(3)), (torch.randn(8, 3), torch.randn(3))],
+        fallback="pad",
+        dynamic_dims={"args[0]": 0, "output": 0},
+        backend="emulate",
+    )
+    earlier = graphed(torch.randn(3, 3), torch.randn(3))
+    earlier_value = earlier.clone()
+    x = torch.randn(3, 3)
+    # from_numpy of a numpy view: another storage over the same bytes
+    state = x[1] if how == "view" else torch.from_numpy(x.numpy()[1])
+    x_before = x.clone()
+    with pytest.raises(
+        SpecMismatchError, match=r"^args\[1\] and args\[0\] share memory, and .* updates args\[1\]"
+    ):
+        graphed(x, state)
+    assert torch.equal(x, x_before), "the refused call updated the caller's tensor"
+    assert torch.equal(earlier, earlier_value), "the refused call wrote a static buffer"
+    x, state = torch.randn(3, 3), torch.randn(3)
+    x_eager, state_eager = x.clone(), state.clone()
+    assert torch.equal(graphed(x, state), _doubles_its_state_then_reads_x(x_eager, state_eager))
+    assert torch.equal(state, state_eager)
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_a_callable_raising_in_the_padding_check_is_a_capture_error_and_leaves_it_usable(
     backend: str,

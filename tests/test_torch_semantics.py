@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import entry_points
+import numpy as np
 import pytest
 import torch
 from entry_points import ENTRY_POINTS, WITH_PARAMETERS, Decays, batch, call_length, graphed_on
@@ -620,6 +621,29 @@ def test_an_updated_input_that_shares_memory_with_another_input_is_refused(backe
         "not share memory"
     )
     assert torch.equal(x, before)
+
+
+def test_an_updated_input_overlapping_another_through_another_storage_is_refused() -> None:
+    # from_numpy of overlapping numpy views makes two storages over the same bytes: compared by
+    # storage, they shared nothing, and the replay updated its copy where eager's x saw it.
+    graphed = dgt.make_graphed_callables(
+        track, (torch.randn(3, 4), torch.zeros(4), torch.zeros(())), backend="emulate"
+    )
+    earlier = graphed(torch.randn(3, 4), torch.zeros(4), torch.zeros(()))
+    earlier_value = earlier.clone()
+    memory = np.random.default_rng(0).standard_normal(12).astype(np.float32)
+    x, stats = torch.from_numpy(memory).view(3, 4), torch.from_numpy(memory[4:8])
+    assert x.untyped_storage().data_ptr() != stats.untyped_storage().data_ptr()
+    before = x.clone()
+    with pytest.raises(DualgraphError, match=r"^track: args\[1\] and args\[0\] share memory"):
+        graphed(x, stats, torch.zeros(()))
+    assert torch.equal(x, before)
+    assert torch.equal(earlier, earlier_value), "the refused call wrote a static buffer"
+    x, stats = torch.randn(3, 4), torch.randn(4)
+    x_eager, stats_eager = x.clone(), stats.clone()
+    out = graphed(x, stats, torch.zeros(()))
+    assert torch.equal(out, track(x_eager, stats_eager, torch.zeros(())))
+    assert torch.equal(stats, stats_eager)
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

@@ -54,7 +54,7 @@ from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._params import own_changes_taken_of
-from ._replay import GraphedCallable
+from ._replay import GraphedCallable, overlaps
 from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
 
@@ -380,6 +380,7 @@ class BucketedCallable:
             # The replay is handed padded copies: a caller's tensor sharing memory with a buffer
             # the callable updates is checked here, where eager would read it after the update.
             runner.check_inputs_sharing_updated_buffers(tensors, self._guard.paths)
+            _refuse_updates_seen_through_padded(runner, tensors, self._guard.paths, padding)
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
         for index, dim in padding.inputs:
@@ -597,6 +598,39 @@ class EagerGraphs:
 
 class _Token:
     """Lives as long as the autograd nodes whose metadata hold it."""
+
+
+def _refuse_updates_seen_through_padded(
+    runner: GraphedCallable, tensors: Sequence[torch.Tensor], paths: Sequence[str], padding: Padding
+) -> None:
+    """Refuse a padded call where an input the callable updates in place shares memory with a
+    padded input (``g(x, x[0])`` updating ``args[1]``): eager reads the update through the
+    caller's ``x``, the replay a padded copy made before it (the replay's own check sees that
+    copy, which shares nothing). ``tensors`` and ``paths`` are the caller's, in the guard's order.
+    """
+    mutated = runner.plan.mutated_inputs
+    if not mutated:
+        return
+    index_of = {path: i for i, path in enumerate(paths)}
+    runner_paths = runner.plan.inputs.paths
+    for position in mutated:
+        path = runner_paths[position]
+        i = index_of.get(path)  # None: valid_length, refused at capture
+        if i is None or not tensors[i].numel():
+            continue
+        memory = tensors[i].untyped_storage()
+        start = memory.data_ptr()
+        end = start + memory.nbytes()
+        for j, _ in padding.inputs:
+            other = tensors[j]
+            if j != i and other.numel() and overlaps(other.untyped_storage(), start, end):
+                raise SpecMismatchError(
+                    f"{path} and {paths[j]} share memory, and {runner.name} updates {path} in "
+                    f"place: eager would see the update through {paths[j]}, a padded call "
+                    f"passes a padded copy of {paths[j]} made before it; pass tensors that do "
+                    "not share memory",
+                    path=path,
+                )
 
 
 def _grad_fn(tensor: torch.Tensor) -> Any:

@@ -65,7 +65,7 @@ from ._replay_hooks import ReplayCall
 from ._saved_hooks import saved_copies_kept
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
-__all__ = ["GraphedCallable"]
+__all__ = ["GraphedCallable", "overlaps"]
 
 _detach = torch.Tensor.detach
 _chain = itertools.chain
@@ -742,7 +742,8 @@ class GraphedCallable:
                 )
             if mutated.numel() == 0:
                 continue
-            storage = mutated.untyped_storage().data_ptr()
+            memory = mutated.untyped_storage()
+            storage = memory.data_ptr()
             owner = self._module_storages.get(storage)
             if owner is not None:
                 raise DualgraphError(
@@ -758,8 +759,11 @@ class GraphedCallable:
                     "in place: the replay would write the update into this call's output; pass "
                     "a copy (clone(), or graph with clone_outputs=True)"
                 )
+            # By address range, not storage: two storages may hold the same memory (from_numpy
+            # of overlapping numpy views, frombuffer, DLPack).
+            end = storage + memory.nbytes()
             for j, other in enumerate(tensors):
-                if j != i and other.numel() and other.untyped_storage().data_ptr() == storage:
+                if j != i and other.numel() and overlaps(other.untyped_storage(), storage, end):
                     raise DualgraphError(
                         f"{self.name}: {paths[i]} and {paths[j]} share memory, and the callable "
                         f"updates {paths[i]} in place: eager would see the update through "
@@ -1486,6 +1490,17 @@ def _storage_of(tensor: torch.Tensor) -> int | None:
         return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
     except Exception:  # e.g. a tensor subclass without a storage of its own
         return None
+
+
+def overlaps(memory: torch.UntypedStorage, start: int, end: int) -> bool:
+    """Whether ``memory`` holds any byte of the addresses ``[start, end)``.
+
+    >>> memory = torch.zeros(4).untyped_storage()
+    >>> overlaps(memory, memory.data_ptr() + 12, memory.data_ptr() + 20)
+    True
+    """
+    begin = memory.data_ptr()
+    return begin < end and start < begin + memory.nbytes()
 
 
 _IN_PLACE_REFUSALS = {
