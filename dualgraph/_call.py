@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._containers import DictNode, TupleNode
+from ._containers import DictNode, TupleNode, brief_of
 from ._errors import DualgraphError, SpecMismatchError
 from ._json import read_document, write_document
 from ._nodes import class_name, clip, clip_text
@@ -170,7 +170,12 @@ class CallSpec:
                     path="args",
                 )
             args = tuple(args)
-        arrays = self.args_spec.flatten(args, check=check, root="args")
+        try:
+            arrays = self.args_spec.flatten(args, check=check, root="args")
+        except SpecMismatchError as error:
+            if error.path != "args" or len(args) == self.args_spec._nodes[0].arity:
+                raise
+            raise self._wrong_count(args) from None
         if type(kwargs) is not dict:
             if kwargs is None:
                 if not self._has_kwargs:
@@ -184,6 +189,23 @@ class CallSpec:
             return arrays
         arrays += self.kwargs_spec.flatten(kwargs, check=check, root="kwargs")
         return arrays
+
+    def _wrong_count(self, args: tuple[Any, ...]) -> SpecMismatchError:
+        """The error naming the first positional argument missing or extra (slow path)."""
+        nodes = self.args_spec._nodes
+        count = nodes[0].arity
+        if len(args) > count:
+            return SpecMismatchError(
+                f"args[{count}]: unexpected extra positional argument {brief_of(args[count])}: "
+                f"the call has {_positional(len(args))}, expected {count}",
+                path=f"args[{count}]",
+            )
+        child = nodes[self.args_spec._get_layout().children(0)[len(args)]]
+        return SpecMismatchError(
+            f"args[{len(args)}]: missing (expected {child.brief()}): the call has "
+            f"{_positional(len(args))}, expected {count}",
+            path=f"args[{len(args)}]",
+        )
 
     def unflatten(self, arrays: Sequence[Any], /) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the array leaves (args first)."""
@@ -236,6 +258,10 @@ class CallSpec:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return CallSpec.from_json, (self.to_json(),)
+
+
+def _positional(count: int) -> str:
+    return f"{count} positional argument{'' if count == 1 else 's'}"
 
 
 def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:

@@ -244,8 +244,18 @@ def test_flatten_rejects_args_that_are_not_a_tuple(args: Any) -> None:
 def test_flatten_names_a_wrong_number_of_args() -> None:
     args, kwargs = sample_call()
     assert str(mismatch(args[:2], kwargs)) == (
-        "args: expected a tuple of length 3, got a tuple of length 2"
+        "args[2]: missing (expected int 7): the call has 2 positional arguments, expected 3"
     )
+
+
+def test_flatten_names_the_first_extra_positional_argument() -> None:
+    args, kwargs = sample_call()
+    error = mismatch((*args, "extra", None), kwargs)
+    assert str(error) == (
+        "args[3]: unexpected extra positional argument str 'extra': the call has 5 positional "
+        "arguments, expected 3"
+    )
+    assert error.path == "args[3]"
 
 
 # -- unflatten -------------------------------------------------------------------------------------

@@ -425,7 +425,8 @@ def _bad_calls(device: torch.device) -> dict[str, tuple[Any, str]]:
         ),
         "too_few_args": (
             lambda args, kwargs: ((args[0],), kwargs),
-            "args: expected a tuple of length 2, got a tuple of length 1",
+            "args[1]: missing (expected a dict with keys ['mask', 'bias']): the call has 1 "
+            "positional argument, expected 2",
         ),
         "missing_kwarg": (
             lambda args, kwargs: (args, {"scale": kwargs["scale"]}),

@@ -257,7 +257,7 @@ def test_a_guard_without_kwargs_accepts_an_empty_call_and_refuses_any_kwarg() ->
         ),
         (
             lambda a, k: (a[:3], k),
-            "args: expected a tuple of length 4, got a tuple of length 3",
+            "args[3]: missing (expected int 3): the call has 3 positional arguments, expected 4",
         ),
         (
             lambda a, k: (a, {**k, "note": "hi"}),

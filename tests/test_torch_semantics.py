@@ -718,6 +718,24 @@ def test_an_updated_input_that_is_an_earlier_output_of_the_same_callable_is_refu
     assert graphed.generation == 1
 
 
+def test_an_updated_input_overlapping_an_earlier_output_through_another_storage_is_refused() -> (
+    None
+):
+    # from_numpy of the earlier output's memory is another storage over it: compared by storage,
+    # the copy back of the update wrote into this call's output.
+    graphed = dgt.make_graphed_callables(
+        update_both, (torch.randn(3, 4), torch.ones(4)), backend="emulate"
+    )
+    out = graphed(torch.randn(3, 4), torch.ones(4))
+    before = out.clone()
+    stats = torch.from_numpy(out.detach().numpy()[1])
+    assert stats.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    with pytest.raises(DualgraphError, match=r"^update_both: args\[1\] shares memory with output"):
+        graphed(torch.randn(3, 4), stats)
+    assert torch.equal(out, before)
+    assert graphed.generation == 1
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_an_updated_input_that_is_an_earlier_cloned_output_updates_like_eager(
     backend: str,
@@ -782,6 +800,23 @@ def test_an_updated_input_that_shares_memory_with_a_module_tensor_is_refused(
     assert runner_of(module).generation == 0
 
 
+def test_an_updated_input_overlapping_a_module_tensor_through_another_storage_is_refused() -> None:
+    # from_numpy of a view of the buffer is another storage over its memory: compared by storage,
+    # eager saw the update through the buffer, a replay did not (silently another output).
+    module = ScalesByItsBuffer()
+    dgt.make_graphed_callables(module, (torch.randn(3, 4), torch.ones(4)), backend="emulate")
+    weight = module.fc.weight
+    shared = torch.from_numpy(weight.detach().numpy().reshape(-1)[1:5])
+    assert shared.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    before = weight.detach().clone()
+    with pytest.raises(
+        DualgraphError, match=r"^ScalesByItsBuffer: args\[1\] shares memory with .*fc\.weight, and"
+    ):
+        module(torch.randn(3, 4), shared)
+    assert torch.equal(weight, before)
+    assert runner_of(module).generation == 0
+
+
 class NormsThenAdds(nn.Module):
     """Updates its BatchNorm statistics in place, then reads an input."""
 
@@ -824,6 +859,26 @@ def test_an_input_sharing_memory_with_a_buffer_the_callable_updates_is_refused(
     expected = twin(x, twin.norm.running_mean.clone())
     assert_tensors_match(got, expected, "output", tolerance(backend))
     assert_tensors_match(module.norm.running_mean, twin.norm.running_mean, "stats", None)
+
+
+def test_an_input_overlapping_an_updated_buffer_through_another_storage_is_refused() -> None:
+    # frombuffer over the statistics' memory is another storage: compared by storage, the replay
+    # read the copy made before BatchNorm's update, where eager read it after.
+    memory = np.zeros(8, dtype=np.float32)
+    module = NormsThenAdds()
+    module.norm.running_mean = torch.from_numpy(memory[:4])
+    dgt.make_graphed_callables(module, (torch.randn(3, 4), torch.ones(4)), backend="emulate")
+    stats = module.norm.running_mean
+    shared = torch.frombuffer(memory[1:5], dtype=torch.float32)
+    assert shared.untyped_storage().data_ptr() != stats.untyped_storage().data_ptr()
+    before = stats.clone()
+    with pytest.raises(
+        DualgraphError,
+        match=r"^NormsThenAdds: args\[1\] shares memory with NormsThenAdds\.norm\.running_mean,",
+    ):
+        module(torch.randn(3, 4), shared)
+    assert torch.equal(stats, before)
+    assert runner_of(module).generation == 0
 
 
 # -- parameters and buffers after capture --------------------------------------------------------

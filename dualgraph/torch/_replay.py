@@ -35,6 +35,7 @@ import torch.autograd.graph as _autograd_graph
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
+from ._address_ranges import AddressRanges
 from ._ambient import autocast_state, numerics_difference, show_autocast
 from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_readings as _numerics_readings
@@ -159,6 +160,7 @@ class GraphedCallable:
         "_input_only_outputs",
         "_inputs",
         "_lock",
+        "_module_ranges",
         "_module_storages",
         "_module_tensors",
         "_mutated",
@@ -172,6 +174,7 @@ class GraphedCallable:
         "_numerics_read",
         "_other_uses",
         "_out_spec",
+        "_output_ranges",
         "_output_reach",
         "_output_storages",
         "_output_versions",
@@ -200,6 +203,7 @@ class GraphedCallable:
         "_storages",
         "_unreached_memo",
         "_unwatched",
+        "_updated_ranges",
         "_updated_storages",
         "_used_inside",
         "backend",
@@ -424,6 +428,11 @@ class GraphedCallable:
                 storage = _storage_of(tensor)
                 if storage is not None:
                     self._module_storages.setdefault(storage, name)
+        self._module_ranges = _ranges_of(
+            ()
+            if module_tensors is None
+            else zip(module_tensors.names, module_tensors.tensors, strict=True)
+        )
         # Where the buffers the callable updates in place live: an input sharing memory with
         # one would be read, in eager, after the update (check_inputs_sharing_updated_buffers).
         self._updated_storages: dict[int, str] = {}
@@ -437,6 +446,19 @@ class GraphedCallable:
             storage = _storage_of(tensor)
             if storage is not None:
                 self._updated_storages.setdefault(storage, name)
+        self._updated_ranges = _ranges_of(
+            [
+                *(
+                    ()
+                    if plan.module_tensors is None
+                    else (
+                        (plan.module_tensors.names[i], plan.module_tensors.tensors[i])
+                        for i in plan.module_tensors.updated
+                    )
+                ),
+                *plan.closure_updates,
+            ]
+        )
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
         self._output_storages: dict[int, str] = {}
@@ -446,6 +468,10 @@ class GraphedCallable:
                 storage = _storage_of(output)
                 if storage is not None:
                     self._output_storages.setdefault(storage, f"output{paths[k]}")
+        self._output_ranges = _ranges_of(
+            (f"output{self._out_spec.array_paths[k]}", output)
+            for k, output in enumerate(self._overwritten_outputs if self._mutated else ())
+        )
 
     def params_frozen(self, needs_input_grad: tuple[bool, ...]) -> bool:
         """Whether a parameter frozen since capture may leave an output of this call without
@@ -745,6 +771,8 @@ class GraphedCallable:
             memory = mutated.untyped_storage()
             storage = memory.data_ptr()
             owner = self._module_storages.get(storage)
+            if owner is None and (self._module_ranges.any_foreign or not memory.resizable()):
+                owner = self._module_ranges.find(memory)
             if owner is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]} shares memory with {owner}, and the callable "
@@ -752,6 +780,8 @@ class GraphedCallable:
                     "a replay would not; pass a tensor of its own (clone())"
                 )
             output = self._output_storages.get(storage)
+            if output is None and (self._output_ranges.any_foreign or not memory.resizable()):
+                output = self._output_ranges.find(memory)
             if output is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]} shares memory with {output} of an earlier call (a "
@@ -783,9 +813,14 @@ class GraphedCallable:
         if not updated:
             return
         paths = self._inputs.paths if paths is None else paths
+        foreign = self._updated_ranges.any_foreign
         for path, tensor in zip(paths, tensors, strict=True):
-            storage = _storage_of(tensor)
-            owner = None if storage is None else updated.get(storage)
+            memory = _memory_of(tensor)
+            if memory is None:
+                continue
+            owner = updated.get(memory.data_ptr())
+            if owner is None and (foreign or not memory.resizable()):
+                owner = self._updated_ranges.find(memory)
             if owner is not None:
                 raise DualgraphError(
                     f"{self.name}: {path} shares memory with {owner}, which the callable updates "
@@ -1484,12 +1519,54 @@ def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
     )
 
 
+def _memory_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """A non-empty tensor's storage (``None`` for none, or no plain storage)."""
+    try:
+        return tensor.untyped_storage() if tensor.numel() else None
+    except Exception:  # e.g. a tensor subclass without a storage of its own
+        return None
+
+
 def _storage_of(tensor: torch.Tensor) -> int | None:
     """The address of a non-empty tensor's storage (``None`` for none, or no plain storage)."""
     try:
         return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
     except Exception:  # e.g. a tensor subclass without a storage of its own
         return None
+
+
+class _Ranges:
+    """Where some named tensors' storages lie, for an input's storage that may hold their memory
+    without being theirs (from_numpy of a view of it, frombuffer, DLPack).
+
+    Only a storage torch did not allocate (not resizable) can be another storage over memory that
+    is also another's: callers look here only when the input's storage is one (or ``any_foreign``,
+    some of these storages are), so the common path stays a dict look-up and one
+    ``resizable()``.
+    """
+
+    __slots__ = ("_ranges", "any_foreign")
+
+    def __init__(self, ranges: AddressRanges, any_foreign: bool) -> None:
+        self._ranges = ranges
+        self.any_foreign = any_foreign
+
+    def find(self, memory: torch.UntypedStorage) -> str | None:
+        """The name of a tensor whose storage holds any byte of ``memory``, or ``None``."""
+        start = memory.data_ptr()
+        return self._ranges.find(start, start + memory.nbytes())
+
+
+def _ranges_of(named: Iterable[tuple[str, torch.Tensor]]) -> _Ranges:
+    ranges, any_foreign = [], False
+    for name, tensor in named:
+        if _storage_of(tensor) is None:
+            continue
+        memory = tensor.untyped_storage()
+        start = memory.data_ptr()
+        ranges.append((start, start + memory.nbytes(), name))
+        any_foreign = any_foreign or not memory.resizable()
+    return _Ranges(AddressRanges(ranges), any_foreign)
 
 
 def overlaps(memory: torch.UntypedStorage, start: int, end: int) -> bool:
