@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._call import CallSpec
-from ._containers import DataclassNode, DictNode, NamedTupleNode
+from ._containers import DataclassNode, DictNode, NamedTupleNode, _tuple_item
 from ._errors import SpecMismatchError
 from ._nodes import Node
 from ._paths import Attr, Index, Key, PathEntry, format_path
@@ -34,7 +34,6 @@ _Step = tuple[int, int, Any, "tuple[Any, ...] | None", int, str]
 #: How a step reads its child: ``obj[key]`` (a tuple, list or dict), ``getattr(obj, name)`` (a
 #: dataclass field), or the tuple's own item (a namedtuple, whose class may override indexing).
 _BY_KEY, _BY_ATTR, _BY_TUPLE_ITEM = range(3)
-_tuple_item = tuple.__getitem__
 
 
 class KeyOrders:

@@ -76,7 +76,7 @@ class Tolerance:
         ulps = self.max_ulps
         if ulps is not None:
             if isinstance(ulps, bool) or not isinstance(ulps, numbers.Integral) or ulps < 0:
-                raise DualgraphError(f"{self}: max_ulps must be None or an int >= 0")
+                raise DualgraphError(f"{self}: max_ulps must be None or an int >= 0, got {ulps!r}")
             object.__setattr__(self, "max_ulps", int(ulps))
 
 

@@ -32,6 +32,7 @@ from ._held_tensors import held_tensors, modules_named_by
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
+    from ._params import ModuleTensors
 
 __all__ = ["graphs_device", "record_host_state", "refuse_parameters_off_device"]
 
@@ -81,7 +82,7 @@ def record_host_state(item: _Capture, backend: str) -> None:
     device = graphs_device(backend, item.static_inputs)
     if record is None or device is None:
         return
-    hung = [entry for entry in _state_of(item) if _off(entry[1], device)]
+    hung = [entry for entry in _state_of(item, record) if _off(entry[1], device)]
     if not hung:
         return
     updated = {id(record.tensors[i]) for i in record.updated}
@@ -97,11 +98,10 @@ def record_host_state(item: _Capture, backend: str) -> None:
     record.record_host_tensors(hung, device)
 
 
-def _state_of(item: _Capture) -> list[Hung]:
+def _state_of(item: _Capture, record: ModuleTensors) -> list[Hung]:
     """The buffers, plain tensor attributes and (a function's) tensors its code names, and the
-    parameters of the modules a function's code names, each once, where they hang."""
-    record = item.module_tensors if item.module_tensors is not None else item.code_tensors
-    assert record is not None
+    parameters of the modules a function's code names, each once, where they hang (named as
+    ``record``, the callable's own, names them)."""
     module = item.request.module
     if module is None:  # all a function's code names: its modules' parameters too
         held = held_tensors(record, modules_named_by(item.request.fn))

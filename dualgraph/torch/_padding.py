@@ -23,7 +23,7 @@ from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
-from ._params import write_back
+from ._params import bytes_of, write_back
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -229,7 +229,9 @@ def check_padded_plans(
         # by path: a plan's inputs hold valid_length too, among the keywords in sorted order,
         # so its positions are not the bucket guard's
         for index in plan.mutated_inputs:
-            _refuse_updated_input(request.name, padding, plan.inputs.paths[index])
+            _refuse_updated_input(
+                request.name, padding, plan.inputs.paths[index], "found by its capture"
+            )
         cuts = output_cuts(padding, plan.outputs)
         for index, dim in cuts:
             size = plan.outputs.arrays[index].shape[dim]
@@ -263,21 +265,21 @@ def check_padded_plans(
                     )
 
 
-def _refuse_updated_input(name: str, padding: Padding, path: str) -> None:
+def _refuse_updated_input(name: str, padding: Padding, path: str, found: str) -> None:
     """Refuse a callable that updates a padded input or ``valid_length`` (found at ``path``) in
     place: a padded call hands it a padded copy, so the caller's tensor would not see the
     update; ``valid_length`` is one tensor per length that every later call of that length
     gets, which would then tell it another length."""
     if path == _VALID_LENGTH_PATH:
         raise DualgraphError(
-            f"fallback='pad': {name} updates {path} in place, but every later call of that "
-            f"length is handed the same tensor, which would then tell it another length; "
-            f"compute a new one ({VALID_LENGTH} - 1, not {VALID_LENGTH} -= 1)"
+            f"fallback='pad': {name} updates {path} in place, but every later call "
+            f"of that length is handed the same tensor, which would then tell it another length "
+            f"({found}); compute a new one ({VALID_LENGTH} - 1, not {VALID_LENGTH} -= 1)"
         )
     if path in padding.input_paths:
         raise DualgraphError(
-            f"fallback='pad': {name} updates {path} in place, but a padded call passes it a "
-            "padded copy, so the caller's tensor would not see the update"
+            f"fallback='pad': {name} updates {path} in place, but a padded call "
+            f"passes it a padded copy, so the caller's tensor would not see the update ({found})"
         )
 
 
@@ -490,6 +492,8 @@ def _padded_difference(
         put_back_modes = kept_modes()
         try:
             reference = run(tensors, 0, given)
+        except DualgraphError:
+            raise  # dualgraph's own refusal (a graphed callable inside): not the values
         except Exception:
             # values it does not take (probabilities shifted out of [0, 1]): it cannot be
             # judged on them, as where its outputs are not finite
@@ -551,6 +555,8 @@ def _untold_difference(
     put_back_modes = kept_modes()
     try:
         untold = run(tensors, 0, told=False)
+    except DualgraphError:
+        raise  # dualgraph's own refusal (a graphed callable inside), told or not
     except Exception:
         put_back_modes()
         return None
@@ -575,20 +581,16 @@ def _refuse_updates_of_the_call(
     """Refuse a call that updated a padded input or ``valid_length`` (made holding ``length``)
     in place: ``given`` are the fresh copies of ``tensors`` it was passed; a version moved or a
     value changed (an update through ``.data`` moves none)."""
-    if valid._version or int(valid.item()) != length:
-        _refuse_updated_input(name, padding, _VALID_LENGTH_PATH)
+    held = int(valid.item())
+    if valid._version or held != length:
+        found = f"it held {length}, then {held}" + (" (version moved)" if valid._version else "")
+        _refuse_updated_input(name, padding, _VALID_LENGTH_PATH, found)
     for index, _ in padding.inputs:
-        if given[index]._version or not _same_values(given[index], tensors[index]):
-            _refuse_updated_input(name, padding, paths[index])
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` equals ``b`` element for element, NaN equal to NaN."""
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(a.isnan(), b.isnan())) and bool(
-            torch.equal(a.nan_to_num(), b.nan_to_num())
-        )
-    return bool(torch.equal(a, b))
+        copy, original = given[index], tensors[index]
+        if copy._version:
+            _refuse_updated_input(name, padding, paths[index], "its version moved")
+        if not torch.equal(bytes_of(copy), bytes_of(original)):  # through .data: no version
+            _refuse_updated_input(name, padding, paths[index], "its values changed")
 
 
 def _input_variants(

@@ -1529,10 +1529,8 @@ def _memory_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
 
 def _storage_of(tensor: torch.Tensor) -> int | None:
     """The address of a non-empty tensor's storage (``None`` for none, or no plain storage)."""
-    try:
-        return int(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
-    except Exception:  # e.g. a tensor subclass without a storage of its own
-        return None
+    memory = _memory_of(tensor)
+    return None if memory is None else int(memory.data_ptr())
 
 
 class _Ranges:
@@ -1560,9 +1558,9 @@ class _Ranges:
 def _ranges_of(named: Iterable[tuple[str, torch.Tensor]]) -> _Ranges:
     ranges, any_foreign = [], False
     for name, tensor in named:
-        if _storage_of(tensor) is None:
+        memory = _memory_of(tensor)
+        if memory is None:
             continue
-        memory = tensor.untyped_storage()
         start = memory.data_ptr()
         ranges.append((start, start + memory.nbytes(), name))
         any_foreign = any_foreign or not memory.resizable()
