@@ -23,10 +23,12 @@ from ._errors import DualgraphError
 
 __all__ = [
     "CONSTANT_TYPES",
+    "MAX_INT_BITS",
     "ArrayType",
     "array_type_of",
     "float_of_text",
     "float_text",
+    "int_size",
     "register_array_type",
     "same_float",
     "signature_of",
@@ -35,6 +37,20 @@ __all__ = [
 
 #: Python scalar types kept by value in a spec. ``bool`` is listed before ``int`` on purpose.
 CONSTANT_TYPES: tuple[type, ...] = (bool, int, float, str)
+
+#: The most bits of an ``int`` constant or key, so that it prints and serializes everywhere:
+#: under 640 decimal digits, the lowest limit ``sys.set_int_max_str_digits`` takes.
+MAX_INT_BITS = 2048
+
+
+def int_size(value: int, /) -> str:
+    """An int by its size, for messages about one too long to print (see ``MAX_INT_BITS``).
+
+    >>> int_size(2**5000)
+    'an int of 5001 bits'
+    """
+    return f"an int of {value.bit_length()} bits"
+
 
 Signature = tuple[tuple[int, ...], str]
 

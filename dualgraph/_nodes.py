@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 from ._dtypes import is_dtype_name, numpy_dtype
-from ._leaves import float_of_text, float_text, same_float, signature_of
+from ._leaves import MAX_INT_BITS, float_of_text, float_text, int_size, same_float, signature_of
 from ._paths import PathEntry
 
 __all__ = [
@@ -48,9 +48,6 @@ MAX_NODES = 2**20
 MAX_NDIM = 64
 #: The largest size of one dimension.
 MAX_DIM = 2**63 - 1
-#: The most bits of an ``int`` constant or key, so that it prints and serializes everywhere:
-#: under 640 decimal digits, the lowest limit ``sys.set_int_max_str_digits`` takes.
-MAX_INT_BITS = 2048
 
 #: Binds a value into generated code's namespace and returns the name it has there.
 Bind = Callable[[Any, str], str]
@@ -175,18 +172,18 @@ def show_constant(value: bool | int | float | str) -> str:
 def brief_constant(value: bool | int | float | str) -> str:
     """A constant for messages: ``int 3``, ``float -nan``, ``str 'x'`` (never raises)."""
     if type(value) is int and value.bit_length() > MAX_INT_BITS:  # (see clip)
-        return f"an int of {value.bit_length()} bits"
+        return int_size(value)
     try:
         shown = show_constant(value)
     except ValueError:  # an int over this interpreter's int/str conversion limit
-        return f"an int of {value.bit_length()} bits"  # type: ignore[union-attr]
+        return int_size(value)  # type: ignore[arg-type]
     return f"{type(value).__name__} {clip_text(shown)}"
 
 
 def check_int(value: int) -> None:
     """Refuse an ``int`` too large to print or serialize in every interpreter."""
     if value.bit_length() > MAX_INT_BITS:
-        raise NodeError(f"an int of {value.bit_length()} bits is over the {MAX_INT_BITS}-bit limit")
+        raise NodeError(f"{int_size(value)} is over the {MAX_INT_BITS}-bit limit")
 
 
 _CONSTANT_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
@@ -424,7 +421,7 @@ def _short_repr(value: Any, limit: int) -> str:
     """``repr(value)``, or enough of it to show ``limit`` characters (see :func:`clip`)."""
     cls = type(value)
     if cls is int and value.bit_length() > MAX_INT_BITS:
-        return f"<an int of {value.bit_length()} bits>"
+        return f"<{int_size(value)}>"
     if cls is not list and cls is not tuple:
         return repr(value)
     parts: list[str] = []

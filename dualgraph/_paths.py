@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._leaves import MAX_INT_BITS, int_size
+
 __all__ = ["Attr", "Index", "Key", "PathEntry", "format_path", "show_path"]
 
 
@@ -38,8 +40,9 @@ class Key:
 
     def __str__(self) -> str:
         key = self.key
-        if type(key) is int and key.bit_length() > 2048:  # an unexpected key (see _nodes.clip)
-            return f"[<an int of {key.bit_length()} bits>]"
+        # an unexpected key, too long to print (see _nodes.clip)
+        if type(key) is int and key.bit_length() > MAX_INT_BITS:
+            return f"[<{int_size(key)}>]"
         try:
             return f"[{key!r}]"
         except Exception:  # a key a caller passed (an unexpected entry) that cannot print
