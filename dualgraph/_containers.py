@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 import operator
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import optree
@@ -523,7 +523,7 @@ class NamedTupleNode(NamedContainer):
         return None
 
     def rebuild(self, values: list[Any]) -> Any:
-        return _rebuilder(self.cls)(self.cls, values)
+        return rebuilt_namedtuple(self.cls, values, _items_reader(self.cls))
 
     def guard(self, var: str, bind: Bind) -> str:
         # tuple.__new__ can make an instance with more or fewer items than the class's fields
@@ -545,8 +545,10 @@ class NamedTupleNode(NamedContainer):
         return super().difference(obj, children)
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
-        rebuild = bind(_rebuilder(self.cls), "R")
-        return f"{rebuild}({bind(self.cls, 'T')}, [{', '.join(parts)}])"
+        rebuild, cls = bind(rebuilt_namedtuple, "R"), bind(self.cls, "T")
+        items_of = _items_reader(self.cls)
+        reader = "" if items_of is None else f", {bind(items_of, 'I')}"
+        return f"{rebuild}({cls}, [{', '.join(parts)}]{reader})"
 
 
 class DataclassNode(NamedContainer):
@@ -594,29 +596,30 @@ def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) 
     return obj
 
 
-def rebuilt_namedtuple(cls: type, values: list[Any], /) -> Any:
-    """``cls(*values)``, refused if it does not keep every value as given."""
+def rebuilt_namedtuple(
+    cls: type, values: list[Any], items_of: Callable[[Any], tuple[Any, ...]] | None = None, /
+) -> Any:
+    """``cls(*values)``, refused if it does not keep every value as given. ``items_of`` reads
+    the items of a class that overrides ``len()``, indexing or iteration (see
+    :func:`_items_reader`); ``None`` reads them through the tuple protocol (faster).
+
+    >>> Point = collections.namedtuple("Point", "x y")
+    >>> rebuilt_namedtuple(Point, [1, None])
+    Point(x=1, y=None)
+    """
     obj = cls(*values)
-    if len(obj) != len(values) or not all(map(operator.is_, obj, values)):
+    items = obj if items_of is None else items_of(obj)
+    if len(items) != len(values) or not all(map(operator.is_, items, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
     return obj
 
 
-def rebuilt_namedtuple_by_items(cls: type, values: list[Any], /) -> Any:
-    """:func:`rebuilt_namedtuple` for a class that overrides ``len()``, indexing or iteration:
-    the items are read from the tuple itself."""
-    obj = cls(*values)
-    if _tuple_len(obj) != len(values) or not all(map(operator.is_, _tuple_iter(obj), values)):
-        raise DualgraphError(_changed(cls, "its items", "__new__"))
-    return obj
-
-
-def _rebuilder(cls: type) -> Any:
-    """The rebuild of a namedtuple class: the plain one (faster) unless the class overrides
-    how its items are read."""
+def _items_reader(cls: type) -> Callable[[Any], tuple[Any, ...]] | None:
+    """How :func:`rebuilt_namedtuple` reads the items of ``cls``'s objects: ``None`` (the
+    tuple protocol) unless the class overrides it."""
     if _reads_as_tuple(cls) and getattr(cls, "__iter__", None) is _tuple_iter:
-        return rebuilt_namedtuple
-    return rebuilt_namedtuple_by_items
+        return None
+    return _tuple_items
 
 
 # A namedtuple's items are read from the tuple itself, never through methods its class may
@@ -625,11 +628,12 @@ def _rebuilder(cls: type) -> Any:
 _tuple_len = tuple.__len__
 _tuple_item = tuple.__getitem__
 _tuple_iter = tuple.__iter__
+_ALL = slice(None)  # made once: Python makes a slice anew each time it meets ``[:]``
 
 
 def _tuple_items(obj: tuple[Any, ...]) -> tuple[Any, ...]:
     """The items ``obj`` holds, as a plain tuple (the object itself when it is one)."""
-    return _tuple_item(obj, slice(None))
+    return _tuple_item(obj, _ALL)
 
 
 def _reads_as_tuple(cls: type) -> bool:
