@@ -586,6 +586,26 @@ def test_max_ulps_counts_representable_values_across_zero_and_in_complex_parts(
         assert compare_arrays("z", w, z, tolerances=limits).ulps == 1
 
 
+@pytest.mark.parametrize("name", ["float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"])
+def test_max_ulps_counts_a_sub_byte_format_by_its_values_whatever_its_unused_bits(
+    name: str,
+) -> None:
+    # A byte of float4 or float6 holds bits above the format's own; ml_dtypes reads any of
+    # them as the sign, so the steps are counted from the values, not from the raw bytes.
+    dtype = getattr(ml_dtypes, name)
+    bits = ml_dtypes.finfo(dtype).bits
+    raw = np.arange(1 << bits, dtype=np.uint8)
+    negative = (raw >> (bits - 1)).astype(bool)
+    high = np.where(negative, raw | np.uint8(0xFF << bits & 0xFF), raw).view(dtype)
+    assert np.array_equal(high.astype(np.float64), raw.view(dtype).astype(np.float64))
+    one = np.ones(1 << bits, dtype)
+    low = compare_arrays("out", raw.view(dtype), one, tolerances=_ulps_only)
+    assert compare_arrays("out", high, one, tolerances=_ulps_only).ulps == low.ulps > 0
+
+
+_ulps_only = Tolerance(rtol=1e3, atol=1e3, max_rel_l2=1e3, min_cosine=-1.0, max_ulps=1000)
+
+
 @pytest.mark.parametrize("max_ulps", [-1, 1.0, True, "1"])
 def test_max_ulps_must_be_none_or_a_non_negative_int(max_ulps: Any) -> None:
     with pytest.raises(dualgraph.DualgraphError, match="max_ulps"):

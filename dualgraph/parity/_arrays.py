@@ -15,17 +15,17 @@ same sign) on both sides, and are counted.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
 from .._dtypes import is_differentiable_dtype, is_dtype_name
 from .._errors import DualgraphError
-from ._bridge import to_numpy, unreadable
+from ._bridge import UNSIGNED_OF_SIZE, to_numpy, unreadable
 from ._report import LeafReport
 from ._tolerances import Tolerance, check_tolerances, tolerance_for
 
@@ -222,41 +222,27 @@ def _ulps_apart(path: str, actual: np.ndarray, expected: np.ndarray) -> np.ndarr
     return _real_ulps_apart(path, actual.reshape(-1), expected.reshape(-1))[:, np.newaxis]
 
 
-#: Unsigned integers of a float's width, to order IEEE floats by their bits.
-_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 def _real_ulps_apart(path: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    size = a.dtype.itemsize
-    if size == 1:  # every value of the format, in order: at most 256
-        table = _representable(a.dtype)
-        wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
-        finite = np.isfinite(wide_a) & np.isfinite(wide_b)
-        index_a = np.searchsorted(table, np.where(finite, wide_a, table[0]))
-        index_b = np.searchsorted(table, np.where(finite, wide_b, table[0]))
-        return np.abs(index_a - index_b).astype(np.uint64)
-    bits = _BITS.get(size)
-    if bits is None:
+    """Steps between the values of two arrays of one IEEE-like format, by their bits: sign
+    and magnitude, so the magnitudes of two same-signed floats differ by the steps between
+    them and, across zero, the steps are the sum of both magnitudes."""
+    bits = UNSIGNED_OF_SIZE.get(a.dtype.itemsize)
+    if bits is None:  # long double: an x87 or double-double layout in 16 bytes
         raise DualgraphError(
             f"{path}: max_ulps cannot be applied to {a.dtype.name}, whose values are not "
             "ordered by an IEEE bit layout; pass a Tolerance without max_ulps for it"
         )
-    # Sign and magnitude: the magnitudes of two same-signed floats differ by the steps between
-    # them; across zero, the steps are the sum of both magnitudes.
-    sign = np.uint64(1) << np.uint64(8 * size - 1)
+    info = ml_dtypes.finfo(a.dtype)
+    if info.bits < 8 * a.dtype.itemsize:  # float6, float4 in a byte: the bits above theirs
+        a, b = (x.astype(np.float32).astype(x.dtype) for x in (a, b))  # may be set: zeroed
+    unsigned = float(info.min) > 0  # float8_e8m0fnu: every bit is the exponent's
+    sign = np.uint64(0 if unsigned else 1 << (info.bits - 1))
     x = a.view(bits).astype(np.uint64)
     y = b.view(bits).astype(np.uint64)
     mag_x, mag_y = x & ~sign, y & ~sign
     same_sign = (x & sign) == (y & sign)
     apart = np.where(mag_x > mag_y, mag_x - mag_y, mag_y - mag_x)
     return np.where(same_sign, apart, mag_x + mag_y)
-
-
-@functools.cache
-def _representable(dtype: np.dtype) -> np.ndarray:
-    """The finite values of a format of 8 bits or fewer, ascending, ``-0.0`` merged into ``0.0``."""
-    every = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
-    return np.unique(every[np.isfinite(every)] + 0.0)
 
 
 def _parts(x: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from .._errors import DualgraphError
 from .._spec import describe
 
 __all__ = [
+    "UNSIGNED_OF_SIZE",
     "as_jax",
     "as_torch",
     "copied",
@@ -34,9 +35,10 @@ __all__ = [
     "unreadable",
 ]
 
-# Unsigned views of the same width, to carry the bits of dtypes one side lacks.
+#: Unsigned integers by size in bytes: views that carry the bits of the dtypes one side lacks,
+#: and that order IEEE floats by their bits (see ``_arrays``).
+UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16}
-_NUMPY_BITS = {1: np.uint8, 2: np.int16}
 
 
 def numpy_dtype(name: str, /) -> np.dtype:
@@ -88,7 +90,7 @@ def to_torch(array: np.ndarray, device: torch.device, /) -> torch.Tensor:
     name = array.dtype.name
     if hasattr(np, name):
         return torch.from_numpy(array).to(device)
-    bits = _NUMPY_BITS[array.dtype.itemsize]
+    bits = UNSIGNED_OF_SIZE[array.dtype.itemsize]
     return torch.from_numpy(array.view(bits)).view(getattr(torch, name)).to(device)
 
 
