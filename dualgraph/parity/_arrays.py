@@ -184,8 +184,10 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[tuple[int, ...], str
     >>> first_difference(a, np.array([[1.0, np.nan], [2.0, 4.0]]))
     ((1, 1), '3.0', '4.0')
     """
+    if np.array_equal(a, b):  # the usual case, settled in the arrays' own dtype
+        return None
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    if is_differentiable_dtype(a.dtype.name):
+    if is_differentiable_dtype(a.dtype.name):  # NaN, or a difference to locate: widened
         parts_a, parts_b = _parts(_widened(a)), _parts(_widened(b))
         same = (parts_a == parts_b) | (np.isnan(parts_a) & np.isnan(parts_b))
         differing = ~same.all(axis=-1)
