@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import math
 import os
 import socket
 import statistics
@@ -31,6 +30,7 @@ import warnings
 # NVLink multicast (NVLS) off, as on the shared GPU hosts this runs on; before NCCL starts.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -229,16 +229,15 @@ def train(
 
 
 def _max_difference(eager: torch.nn.Module, graphed: torch.nn.Module, *, grads: bool) -> float:
-    largest = 0.0
+    differences = []
     for (name, a), b in zip(eager.named_parameters(), graphed.parameters(), strict=True):
         if grads:
             if a.grad is None or b.grad is None:
                 raise RuntimeError(f"{name}: a parameter without grad after backward")
             a, b = a.grad, b.grad
-        difference = (a.detach() - b.detach()).abs().max().item()
-        # a NaN would be lost by max() (it compares False to everything): count it as inf
-        largest = max(largest, math.inf if math.isnan(difference) else difference)
-    return largest
+        differences.append((a.detach() - b.detach()).abs().max().item())
+    # numpy's max keeps a NaN, which Python's max drops after a finite value
+    return float(np.max(differences, initial=0.0))
 
 
 def _rank_spread(model: torch.nn.Module, world_size: int) -> float:
@@ -246,8 +245,9 @@ def _rank_spread(model: torch.nn.Module, world_size: int) -> float:
     grads = torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
     gathered = [torch.empty_like(grads) for _ in range(world_size)]
     dist.all_gather(gathered, grads)
-    # torch's max keeps a NaN (Python's max over tensors would drop one after a 0)
-    spread = torch.stack([(g - grads).abs().max() for g in gathered]).max().reshape(1)
+    # numpy's max keeps a NaN, which Python's max drops after a finite value
+    differences = [(g - grads).abs().max().item() for g in gathered]
+    spread = torch.tensor([float(np.max(differences, initial=0.0))], device=grads.device)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     return spread.item()
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -551,12 +552,14 @@ def compare_losses(
     """Whether every step's graphed loss is within ``tolerance`` (relative) of the eager one."""
     if len(eager) != len(graphed):
         return False, f"{len(graphed)} losses against eager's {len(eager)}"
-    worst, worst_step = 0.0, 0
-    for step, (reference, loss) in enumerate(zip(eager, graphed, strict=True)):
-        difference = abs(loss - reference) / max(1.0, abs(reference))
-        if not difference <= worst:  # also catches a NaN
-            worst, worst_step = difference, step
-    if worst <= tolerance:
+    differences = [
+        abs(loss - reference) / max(1.0, abs(reference))
+        for reference, loss in zip(eager, graphed, strict=True)
+    ]
+    # numpy's max keeps a NaN, which Python's max drops after a finite value (argmax: its step)
+    worst = float(np.max(differences, initial=0.0))
+    worst_step = int(np.argmax(differences)) if differences else 0
+    if worst <= tolerance:  # False for a NaN
         return True, (
             f"losses match eager: {len(eager)} steps, largest relative difference {worst:.3g} "
             f"(tolerance {tolerance:g} for {where})"

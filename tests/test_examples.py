@@ -365,13 +365,42 @@ def test_spec_roundtrip_refuses_a_reference_whose_values_are_off(tmp_path: Path)
         example.jax_side(tmp_path)
 
 
+def test_spec_roundtrip_refuses_a_reference_whose_values_are_nan(tmp_path: Path) -> None:
+    example = load_example("spec_roundtrip.py")
+    example.torch_side(tmp_path)
+    weights = dict(np.load(tmp_path / "weights.npz"))
+    weights["norm.bias"] = np.full_like(weights["norm.bias"], np.nan)
+    np.savez(tmp_path / "weights.npz", **weights)
+    with pytest.raises(AssertionError, match=r"differ from torch's by nan "):
+        example.jax_side(tmp_path)
+
+
 @pytest.mark.parametrize("name", ["pipeline_schedule.py", "variable_resolution.py"])
 def test_a_nan_loss_after_an_equal_step_is_the_worst_difference(name: str) -> None:
     # max() over the steps kept step 0's 0.0 over step 1's NaN: a NaN loss printed OK
     example = load_example(name)
-    assert example.worst_relative_difference([2.5, math.nan], [2.5, 2.5]) == math.inf
-    assert example.worst_relative_difference([2.5, 2.4], [2.5, math.nan]) == math.inf
+    assert math.isnan(example.worst_relative_difference([2.5, math.nan], [2.5, 2.5]))
+    assert math.isnan(example.worst_relative_difference([2.5, 2.4], [2.5, math.nan]))
     assert example.worst_relative_difference([2.5, 2.4], [2.5, 2.4]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        (
+            "pipeline_schedule.py",
+            ["--device", "cpu", "--steps", "1", "--stages", "2", "--microbatches", "2"],
+        ),
+        ("variable_resolution.py", ["--steps", "3", "--layers", "1", "--sizes", "16,24"]),
+    ],
+)
+def test_an_example_whose_worst_loss_difference_is_nan_fails(
+    name: str, args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the largest difference is NaN when a loss is: the run must not print OK and exit 0
+    example = load_example(name)
+    monkeypatch.setattr(example, "worst_relative_difference", lambda *_: math.nan)
+    assert example.main(args) == 1
 
 
 def test_ddp_train_counts_a_nan_parameter_as_a_difference() -> None:
@@ -380,7 +409,7 @@ def test_ddp_train_counts_a_nan_parameter_as_a_difference() -> None:
     graphed = copy.deepcopy(eager)
     with torch.no_grad():
         graphed.bias[1] = math.nan  # the weight before it matches: a 0 the NaN came after
-    assert example._max_difference(eager, graphed, grads=False) == math.inf
+    assert math.isnan(example._max_difference(eager, graphed, grads=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
