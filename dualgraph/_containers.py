@@ -18,9 +18,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import operator
 import unicodedata
 from collections.abc import Callable, Sequence
+from operator import is_
 from typing import Any, ClassVar, TypeVar
 
 import optree
@@ -547,8 +547,9 @@ class NamedTupleNode(NamedContainer):
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         rebuild, cls = bind(rebuilt_namedtuple, "R"), bind(self.cls, "T")
         items_of = _items_reader(self.cls)
-        reader = "" if items_of is None else f", {bind(items_of, 'I')}"
-        return f"{rebuild}({cls}, [{', '.join(parts)}]{reader})"
+        reader = "None" if items_of is None else bind(items_of, "I")
+        values = "".join(f"{part}, " for part in parts)  # a tuple: the call unpacks it as is
+        return f"{rebuild}({cls}, ({values}), {reader})"
 
 
 class DataclassNode(NamedContainer):
@@ -597,19 +598,19 @@ def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) 
 
 
 def rebuilt_namedtuple(
-    cls: type, values: list[Any], items_of: Callable[[Any], tuple[Any, ...]] | None = None, /
+    cls: type, values: Sequence[Any], items_of: Callable[[Any], tuple[Any, ...]] | None, /
 ) -> Any:
     """``cls(*values)``, refused if it does not keep every value as given. ``items_of`` reads
     the items of a class that overrides ``len()``, indexing or iteration (see
     :func:`_items_reader`); ``None`` reads them through the tuple protocol (faster).
 
     >>> Point = collections.namedtuple("Point", "x y")
-    >>> rebuilt_namedtuple(Point, [1, None])
+    >>> rebuilt_namedtuple(Point, [1, None], None)
     Point(x=1, y=None)
     """
     obj = cls(*values)
     items = obj if items_of is None else items_of(obj)
-    if len(items) != len(values) or not all(map(operator.is_, items, values)):
+    if len(items) != len(values) or not all(map(is_, items, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
     return obj
 
