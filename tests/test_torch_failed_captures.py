@@ -158,6 +158,54 @@ def test_a_failed_capture_leaves_the_module_as_it_was(
     assert_trees_match([p.grad for p in model.parameters()], [p.grad for p in twin.parameters()])
 
 
+#: What a capture watches for its extent (grad mode set on while on; attributes looked up in
+#: vain) and must put back, however it ends.
+_SET_GRAD_ENABLED = torch._C._set_grad_enabled
+_MODULE_GETATTR = nn.Module.__getattr__
+
+
+class _FailsWhileWatched(nn.Module):
+    """Looks up an optional attribute, then fails inside its own enable_grad at a given call."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        scale = getattr(self, "scale", 1.0)
+        with torch.enable_grad():
+            if self.calls == self.fail_at:
+                raise RuntimeError("planted failure")
+            return self.lin(x) * scale
+
+
+# the first warmup, its no_grad forward (it turns grad mode on), the second warmup, capture
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_a_failed_capture_puts_back_what_it_watched(fail_at: int) -> None:
+    model = _FailsWhileWatched(fail_at)
+    with torch.no_grad():
+        with pytest.raises(DualgraphError, match="planted failure"):
+            dgt.make_graphed_callables(
+                model,
+                (torch.randn(2, 4, requires_grad=True),),
+                backend="emulate",
+                num_warmup_iters=2,
+            )
+        assert not torch.is_grad_enabled()  # the caller's grad mode
+    assert model.calls == fail_at
+    assert torch._C._set_grad_enabled is _SET_GRAD_ENABLED
+    assert nn.Module.__getattr__ is _MODULE_GETATTR
+    model.fail_at = -1
+    graphed = dgt.make_graphed_callables(
+        model, (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    x = torch.randn(2, 4, requires_grad=True)
+    assert torch.equal(graphed(x), model.lin(x))
+
+
 class _CheckpointedInside(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -1210,6 +1210,88 @@ def test_inference_mode_records_no_history_even_with_grad_enabled_on_every_entry
     assert_tensors_match(out, expected, "output", tolerance("emulate"))
 
 
+class _EnablesGrad(Decays):
+    """Decays with grad mode turned on by its own forward (as a force field taking -dE/dx)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        shift: torch.Tensor | None = None,
+        valid_length: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        with torch.enable_grad():
+            return super().forward(x, shift, valid_length)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_call_under_no_grad_of_a_callable_enabling_grad_itself_is_refused_on_every_entry_point(
+    entry: str,
+) -> None:
+    # Eager's call under torch.no_grad() records history inside the forward's enable_grad (its
+    # output requires grad, x and the weights get grads); a replay under no_grad recorded none.
+    module = _EnablesGrad()
+    twin = copy.deepcopy(module)
+    if entry in ("function", "method"):
+        twin.requires_grad_(False)
+    graphed = graphed_on(entry, module)
+    length = call_length(entry)
+    x = batch(length)
+    with torch.no_grad():
+        assert twin(x.detach().clone().requires_grad_()).requires_grad  # eager records
+        stats = module.stats.clone()
+        refusal = "grad disabled" if entry == "schedule" else r"^output: .* turns it on itself"
+        with pytest.raises(DualgraphError, match=refusal):
+            graphed(x)
+    assert torch.equal(module.stats, stats)  # refused before the replay ran
+    for _ in range(2):  # with grad on, as eager: values, input and weight grads, accumulated
+        x = batch(length)
+        xe = x.detach().clone().requires_grad_()
+        out, expected = graphed(x), twin(xe)
+        assert out.requires_grad == expected.requires_grad
+        assert_tensors_match(out, expected, "output", tolerance("emulate"))
+        out.sum().backward()
+        expected.sum().backward()
+        assert_tensors_match(x.grad, xe.grad, "input grad", tolerance("emulate"))
+        for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                assert_tensors_match(p.grad, q.grad, "param grad", tolerance("emulate"))
+    if entry == "schedule":  # every scheduled forward needs its backward
+        return
+    with torch.inference_mode():  # eager records nothing there either: replayed
+        x = batch(length)
+        out, expected = graphed(x), twin(x)
+        assert (out.requires_grad, expected.requires_grad) == (False, False)
+        assert_tensors_match(out, expected, "output", tolerance("emulate"))
+
+
+class _GradModeOwnOnly(nn.Module):
+    """Turns grad mode on for a part whose history no output keeps (a detached target)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            h = self.linear(x)
+        with torch.no_grad():
+            target = self.linear(x) * 2
+        return h.detach().tanh(), target
+
+
+def test_a_callable_enabling_grad_for_what_no_output_keeps_is_replayed_under_no_grad() -> None:
+    module = _GradModeOwnOnly()
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(module, (batch(),), backend="emulate")
+    with torch.no_grad():
+        for _ in range(2):
+            x = batch()
+            out, expected = graphed(x), twin(x)
+            assert [o.requires_grad for o in out] == [e.requires_grad for e in expected]
+            assert_trees_match(out, expected, tolerance("emulate"))
+
+
 #: A length whose call replays another graph than a call of ``call_length(entry)`` does (another
 #: shape bucket); with slots, the call made while the first is in flight takes the other slot.
 OTHER_LENGTH = {"buckets": 5, "pad": 3}

@@ -3419,6 +3419,118 @@ def test_a_private_or_object_attribute_set_after_capture_is_not_refused(backend:
         assert module(x).shape == (4, 8)
 
 
+class Masked(nn.Module):
+    """Reads optional attributes its user may set to tensors: a mask (getattr) on itself and
+    an extra shift (hasattr) on ``inner``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.inner = OptionalShift()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(self.fc(x))
+        mask = getattr(self, "mask", None)
+        return y if mask is None else y * mask
+
+
+class OptionalShift(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.extra if hasattr(self, "extra") else x
+
+
+def _set_mask(module: Masked) -> None:
+    module.mask = torch.tensor([0.0, 1.0] * 4, device=module.fc.weight.device)
+
+
+def _set_inner_extra(module: Masked) -> None:
+    module.inner.extra = torch.ones(8, device=module.fc.weight.device)
+
+
+#: A tensor set after capture where the forward looked for one: ``(change, its path's end)``.
+LOOKED_UP_CHANGES = {
+    "mask_on_root": (_set_mask, r"mask"),
+    "extra_on_submodule": (_set_inner_extra, r"inner\.extra"),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("change", sorted(LOOKED_UP_CHANGES))
+@pytest.mark.parametrize("graphed_as", ["module", "function"])
+def test_a_tensor_set_after_capture_where_the_forward_looked_for_one_is_refused(
+    backend: str, change: str, graphed_as: str
+) -> None:
+    # On CUDA the graphs keep the capture's branch (no mask, no shift) where eager uses the
+    # tensor; an added tensor was taken as a hook's kept output, not compared. A name the forward
+    # looked up in vain at capture (getattr with a default, hasattr) is one it reads.
+    device = device_of(backend)
+    module = Masked().to(device)
+    twin = copy.deepcopy(module)
+    if graphed_as == "function":  # closed over: frozen
+        module.requires_grad_(False)
+        twin.requires_grad_(False)
+        graphed = dgt.make_graphed_callables(
+            lambda x: module(x),
+            (torch.randn(4, 8, device=device, requires_grad=True),),
+            backend=backend,
+        )
+        owner = r"<lambda>: closed over module\."
+    else:
+        graphed = dgt.make_graphed_callables(
+            module, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+        )
+        owner = r"^Masked\."
+    for _ in range(2):  # as eager before the change: values, grads, accumulated
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        out, expected = graphed(x), twin(xe)
+        assert_tensors_match(out, expected, "output", tolerance(backend))
+        out.sum().backward()
+        expected.sum().backward()
+        assert_tensors_match(x.grad, xe.grad, "input grad", tolerance(backend))
+        assert_grads_match(
+            [p.grad for p in module.parameters()],
+            [p.grad for p in twin.parameters()],
+            [name for name, _ in module.named_parameters()],
+            tolerance(backend),
+        )
+    kept = out.detach().clone()
+    alter, path = LOOKED_UP_CHANGES[change]
+    alter(module)
+    with pytest.raises(
+        DualgraphError,
+        match=owner + path + r": a float32 tensor \[8\] on \S+ at 0x[0-9a-f]+ added after capture "
+        r"under a name the forward looked up and did not find at capture",
+    ):
+        graphed(torch.randn(4, 8, device=device, requires_grad=True))
+    assert torch.equal(out.detach(), kept)  # refused before the replay wrote its outputs
+
+
+class PrivateCache(nn.Module):
+    """Fills a private tensor cache on first use, after hasattr missed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "_cache"):
+            self._cache = torch.full((8,), 0.5, device=x.device)
+        return self.fc(x) * self._cache
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_name_looked_up_in_vain_then_set_by_the_forward_itself_is_no_change(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = PrivateCache().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    module.logger = object()  # an object added: the names are looked at, _cache stays its own
+    for _ in range(2):
+        assert module(torch.randn(4, 8, device=device)).shape == (4, 8)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_an_attribute_added_to_a_closed_over_module_after_capture_is_refused(backend: str) -> None:
     device = device_of(backend)

@@ -48,6 +48,7 @@ from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
 from ._host_state import record_host_state, refuse_parameters_off_device
 from ._inputs import InputGuard
+from ._missed_attributes import attributes_missed
 from ._nesting import capture_scope
 from ._param_attributes import parameter_attributes_kept
 from ._params import suspended_tensor_hooks
@@ -216,10 +217,16 @@ def _capture_copies(
                 param for item in captures if item.like is None for param in item.params
             )
         )
-        if options.backend == "cuda":
-            capture_cuda(captures, layout.steps(copies), options, progress)
-        else:
-            capture_emulated(captures, options, progress)
+        with attributes_missed() as missed:
+            if options.backend == "cuda":
+                capture_cuda(captures, layout.steps(copies), options, progress)
+            else:
+                capture_emulated(captures, options, progress)
+        for item in captures:
+            if item.like is None:
+                for record in (item.module_tensors, item.code_tensors):
+                    if record is not None:
+                        record.note_looked_up(missed)
         for item in captures:
             if item.like is None and item.code_tensors is not None:
                 # The plain values of the modules a function's code names, as capture left

@@ -163,6 +163,8 @@ class _Capture:
         # outputs that share memory with a parameter, buffer or closed-over tensor, and layouts
         self.outside_outputs: tuple[tuple[int, Layout], ...] = ()
         self.used_inside: tuple[int, ...] = ()
+        # outputs a call under no_grad gives history (the callable turns grad mode on itself)
+        self.records_under_no_grad: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
         self.output_aliases: OutputAliases | None = None
@@ -201,6 +203,7 @@ class _Capture:
         self.saved_outputs = original.saved_outputs
         self.outside_outputs = original.outside_outputs
         self.used_inside = original.used_inside
+        self.records_under_no_grad = original.records_under_no_grad
         self.saved_module_tensors = original.saved_module_tensors
         self.saved_closure_tensors = original.saved_closure_tensors
         self.output_aliases = original.output_aliases
@@ -424,6 +427,7 @@ class _Capture:
             diff_outputs=self.diff_outputs,
             saved_outputs=self.saved_outputs,
             used_inside=self.used_inside,
+            records_under_no_grad=self.records_under_no_grad,
             saved_module_tensors=self.saved_module_tensors,
             saved_closure_tensors=self.saved_closure_tensors,
             output_aliases=self.output_aliases,

@@ -273,6 +273,10 @@ class ModuleTensors:
     namespace_exempt: tuple[frozenset[str], ...] = ()
     counted_dicts: tuple[dict[str, Any], ...] = ()
     counted_lens: list[int] = dataclasses.field(default_factory=list)
+    # Per module __dict__ (by id), the names the callable looked up and did not find during
+    # warmup and capture (getattr(self, "mask", None), hasattr: _missed_attributes.py): one
+    # added since, of any kind (a tensor too), is what eager's forward would read.
+    looked_up_absent: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -558,17 +562,25 @@ class ModuleTensors:
         finally:
             if list(map(len, namespaces)) != before:
                 start = len(self.member_dicts)
+                looked_up = self.looked_up_absent
                 for i, namespace in enumerate(namespaces):
                     if len(namespace) != before[i] and before[i] == self.counted_lens[start + i]:
                         self.namespace_keys[i] = _public_keys(namespace, self.namespace_exempt[i])
                         self.counted_lens[start + i] = len(namespace)
+                        if id(namespace) in looked_up:  # now set by the forward itself
+                            looked_up[id(namespace)] = looked_up[id(namespace)].difference(
+                                namespace
+                            )
 
-    def _namespace_changed(self) -> tuple[str, str, bool] | None:
+    def _namespace_changed(self) -> tuple[int, str, str] | None:
         """The first public attribute added to or deleted from a module's ``__dict__`` since
-        capture, as ``(module name, attribute, added)`` (``None``).
+        capture, as ``(namespace index, attribute, how)`` (``None``), ``how`` one of ``"added"``,
+        ``"looked up"`` (added, and the forward looked it up in vain at capture) and
+        ``"deleted"``.
 
         An addition is one of a plain value (:func:`is_plain`: what a forward computes with on
-        the host). Only the dicts whose count differs are looked at; where none of theirs is (a
+        the host), or of anything under a name the forward looked up and did not find at
+        capture. Only the dicts whose count differs are looked at; where none of theirs is (a
         private attribute, an object, a tensor a hook of the graphed module keeps, as its hooks
         run around each replay, dualgraph's own ``forward``), the new count is taken, so that
         the next call passes in one pass again.
@@ -579,17 +591,33 @@ class ModuleTensors:
             if len(namespace) == lens[start + i]:
                 continue
             keys, exempt = self.namespace_keys[i], self.namespace_exempt[i]
+            looked_up = self.looked_up_absent.get(id(namespace), _NO_NAMES)
             for key, value in namespace.items():
-                if key not in keys and key not in exempt and _added_plain(key, value):
-                    return self.namespace_names[i], key, True
+                if key in keys or key in exempt:
+                    continue
+                if _added_plain(key, value):
+                    return i, key, "added"
+                if key in looked_up:
+                    return i, key, "looked up"
             for key in keys:
                 if key not in namespace:
-                    return self.namespace_names[i], key, False
+                    return i, key, "deleted"
             self.namespace_keys[i] = keys | {
                 key for key in namespace if key not in exempt and _added_plain(key, namespace[key])
             }
             lens[start + i] = len(namespace)
         return None
+
+    def note_looked_up(self, missed: dict[int, set[str]]) -> None:
+        """Keep, per module, the names the callable looked up and did not find during warmup
+        and capture (``_missed_attributes.py``) that are still absent (not set lazily since)."""
+        for module in (self.root, *self.modules):
+            if module is None:
+                continue
+            namespace = module.__dict__
+            names = missed.get(id(namespace))
+            if names:
+                self.looked_up_absent[id(namespace)] = frozenset(names.difference(namespace))
 
     def record_attributes(self) -> None:
         """Note every submodule's public plain Python values as they are now (the end of
@@ -796,17 +824,29 @@ class ModuleTensors:
         if list(map(len, self.counted_dicts)) != self.counted_lens:
             attribute = self._namespace_changed()
             if attribute is not None:
-                module_name, attribute_name, is_added = attribute
-                how = (
-                    "an attribute added after capture, which eager's forward may read "
-                    "(getattr(self, name, default), hasattr) but the graphs replay what it "
-                    "computed without it; set it before graphing, delete it, make it private "
-                    f"(_{attribute_name}: not compared), or {again}"
-                    if is_added
-                    else "an attribute deleted after capture, which eager's forward may read "
-                    "(hasattr, or set again as a cache) but the graphs replay what it computed "
-                    f"with it; set it back, or {again}"
-                )
+                index, attribute_name, change = attribute
+                module_name = self.namespace_names[index]
+                if change == "looked up":
+                    value = self.namespaces[index].get(attribute_name)
+                    how = (
+                        f"{_summary(value)} added after capture under a name the forward "
+                        "looked up and did not find at capture (getattr(self, name, default), "
+                        "hasattr), so eager's forward would use it where the graphs replay what "
+                        f"it computed without it; set it before graphing, delete it, or {again}"
+                    )
+                elif change == "added":
+                    how = (
+                        "an attribute added after capture, which eager's forward may read "
+                        "(getattr(self, name, default), hasattr) but the graphs replay what it "
+                        "computed without it; set it before graphing, delete it, make it "
+                        f"private (_{attribute_name}: not compared), or {again}"
+                    )
+                else:
+                    how = (
+                        "an attribute deleted after capture, which eager's forward may read "
+                        "(hasattr, or set again as a cache) but the graphs replay what it "
+                        f"computed with it; set it back, or {again}"
+                    )
                 return DualgraphError(f"{_joined(module_name, attribute_name)}: {how}")
         changed = self._attribute_changed() if self.attribute_keys else None
         if changed is not None:
@@ -925,6 +965,7 @@ _MEMBER_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "
 #: replaced one is refused on its own), the mode (checked on its own).
 _NOT_ADDED = frozenset({"forward", "training"})
 _ABSENT = object()  # an attribute deleted since capture
+_NO_NAMES: frozenset[str] = frozenset()
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
 

@@ -129,6 +129,9 @@ class ReplayPlan:
     saved_outputs: tuple[int, ...]  # outputs the backward reads: changing them in place is refused
     # outputs other outputs are computed from: a grad watched at one of them is refused
     used_inside: tuple[int, ...]
+    # outputs eager's call under no_grad gives history (the callable turns grad mode on
+    # itself): such a call is refused
+    records_under_no_grad: tuple[int, ...]
     # parameters and buffers (positions among module_tensors, or code_tensors for a function)
     # the backward reads: changing one in place between a replay and its backward is refused,
     # as eager refuses it

@@ -191,6 +191,7 @@ class GraphedCallable:
         "_reaching_every_output",
         "_read_by_backward",
         "_read_by_backward_names",
+        "_records_under_no_grad",
         "_replay_backward",
         "_replay_call",
         "_replay_forward",
@@ -297,6 +298,8 @@ class GraphedCallable:
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
         # Outputs other outputs are computed from: eager's grad at one includes theirs share.
         self._used_inside = plan.used_inside
+        # Outputs eager's call under no_grad gives history (the callable enables grad itself).
+        self._records_under_no_grad = plan.records_under_no_grad
         # The parameters and buffers the backward graph reads (where eager saves them): changed
         # in place before the backward, eager raises, and a graph would read the new values. A
         # function's module tensors are those its code names; the plan's saved_closure_tensors
@@ -603,6 +606,8 @@ class GraphedCallable:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             # autograd_records(), inlined: inference mode records nothing
             grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
+            if not grad_enabled and self._records_under_no_grad:
+                self._refuse_no_grad()
             tensors = self._inputs.tensors(args, kwargs, grad_enabled)
             if tuple(map(_stride, tensors)) != self._inputs.strides:
                 self._inputs.check_layouts(tensors)
@@ -667,6 +672,21 @@ class GraphedCallable:
             return result
         finally:
             self._lock.release()
+
+    def _refuse_no_grad(self) -> None:
+        """Refuse a call under ``torch.no_grad()`` (not inference mode, where eager records
+        nothing either) of a callable that turns grad mode on itself."""
+        if _is_inference_mode_enabled():
+            return
+        paths = [f"output{self._out_spec.array_paths[i]}" for i in self._records_under_no_grad]
+        raise DualgraphError(
+            f"{', '.join(paths)}: {self.name} was called with grad mode off (torch.no_grad()), "
+            "but the callable turns it on itself (torch.enable_grad(), "
+            "torch.set_grad_enabled(True)), so eager's call records history there (outputs "
+            "requiring grad, grads for the inputs and parameters) where a replay records none; "
+            "call it with grad mode on (detach what you do not train), or under "
+            "torch.inference_mode(), where eager records nothing either"
+        )
 
     def _nodes_held(self, held: HeldNodes) -> bool:
         """Whether a parameter's ``AccumulateGrad`` node is kept with a hook on it ("auto": then

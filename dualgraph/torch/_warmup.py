@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._errors import DualgraphError
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
+from ._grad_mode_set import turns_grad_mode_on
 from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
@@ -189,7 +191,10 @@ def _warmup(
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
-            with own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack):
+            with (
+                own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack),
+                turns_grad_mode_on() as grad_mode,
+            ):
                 outputs = _run(item)
         else:
             outputs = _run(item)
@@ -259,7 +264,22 @@ def _warmup(
             )
         if v1 != v0:
             item.mutated.add(i)
+    if inspect and grad_mode.on_while_on:
+        item.records_under_no_grad = _recording_under_no_grad(item)
     return grads
+
+
+def _recording_under_no_grad(item: _Capture) -> tuple[int, ...]:
+    """The outputs a call under ``torch.no_grad()`` gives history (the callable turns grad
+    mode on itself): one more forward, unobserved (module tensors are put back after warmup)."""
+    with _unobserved(), torch.no_grad(), item.request.hooks.around("forward"):
+        outputs = item.run()
+    assert item.out_spec is not None
+    try:
+        flat = item.out_spec.flatten(outputs, check=True)
+    except DualgraphError:  # another tree under no_grad (a branch on grad mode): refuse all
+        return item.diff_outputs
+    return tuple(i for i, t in enumerate(flat) if t.requires_grad)
 
 
 @contextlib.contextmanager
