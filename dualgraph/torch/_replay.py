@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import operator
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -136,6 +137,7 @@ class GraphedCallable:
         "_backward_generation",
         "_clone_outputs",
         "_copiers",
+        "_cut_copies",
         "_ddp",
         "_ddp_check",
         "_edge_nones",
@@ -311,6 +313,9 @@ class GraphedCallable:
         self._read_by_backward = tuple(tensor for _, tensor in read.values())
         self._read_by_backward_names = tuple(name for name, _ in read.values())
         self._output_versions: tuple[int, ...] = ()
+        # Copies of saved outputs a padded call of buckets= handed out (note_cut_copies), weakly,
+        # with their versions then: changed in place, eager's backward would raise.
+        self._cut_copies: tuple[tuple[int, weakref.ref[torch.Tensor], int], ...] = ()
         self._mutated = plan.mutated_inputs
         self._mutated_quietly = frozenset(plan.quietly_mutated_inputs)
         self._clone_outputs = plan.clone_outputs
@@ -702,6 +707,7 @@ class GraphedCallable:
         if self._saved_outputs:
             outputs = self._static_outputs
             self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
+            self._cut_copies = ()
         if self._clone_outputs:
             return tuple(
                 copy(o) for copy, o in zip(self._copiers, self._static_outputs, strict=True)
@@ -1182,15 +1188,32 @@ class GraphedCallable:
             outputs = self._static_outputs
             for i, version in zip(self._saved_outputs, self._output_versions, strict=True):
                 if outputs[i]._version != version:
-                    path = self._out_spec.array_paths[i]
-                    raise DualgraphError(
-                        f"{self.name}: output{path} was modified in place after the replay, but "
-                        "the backward reads it (eager would raise: a variable needed for "
-                        "gradient computation has been modified by an inplace operation); "
-                        "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
-                    )
+                    raise self._modified_output(i)
+            for i, ref, version in self._cut_copies:
+                cut = ref()
+                if cut is not None and cut._version != version:
+                    raise self._modified_output(i)
         if self._plan_params:
             self._check_in_graph_backward(plain)
+
+    def _modified_output(self, index: int) -> DualgraphError:
+        path = self._out_spec.array_paths[index]
+        return DualgraphError(
+            f"{self.name}: output{path} was modified in place after the replay, but "
+            "the backward reads it (eager would raise: a variable needed for "
+            "gradient computation has been modified by an inplace operation); "
+            "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
+        )
+
+    def note_cut_copies(self, copies: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """The outputs of the replay just run that a padded call handed out as copies cut back
+        (``(output index, copy)``): a copy of an output the backward reads, changed in place
+        before that backward, is refused there as a change of the output itself is (eager's
+        output is that one tensor, and its backward would raise)."""
+        saved = self._saved_outputs
+        self._cut_copies = tuple(
+            (index, weakref.ref(cut), cut._version) for index, cut in copies if index in saved
+        )
 
     def _hand_out_grads(
         self,
