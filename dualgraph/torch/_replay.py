@@ -1212,7 +1212,9 @@ class GraphedCallable:
         output is that one tensor, and its backward would raise)."""
         saved = self._saved_outputs
         self._cut_copies = tuple(
-            (index, weakref.ref(cut), cut._version) for index, cut in copies if index in saved
+            (index, weakref.ref(cut), cut._version)
+            for index, cut in copies
+            if index in saved and not cut.is_inference()  # inference mode: no backward follows
         )
 
     def _hand_out_grads(
