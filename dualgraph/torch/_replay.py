@@ -47,6 +47,7 @@ from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
 from ._grad_checks import grad_accumulator as _grad_accumulator
 from ._grad_checks import grad_problem as _grad_problem
+from ._grad_checks import grads_overlap as _grads_overlap
 from ._grad_checks import holders as _holders
 from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
@@ -1396,6 +1397,8 @@ class GraphedCallable:
             try:
                 adds_in_place = grad is not None and _aliases(grad, memory, name)
             except DualgraphError as error:  # a .grad in the graph's memory, laid out otherwise
+                if self._auto:
+                    return False  # autograd adds into it in place, as eager, memory put back
                 raise _RefusedBeforeReplay(str(error)) from None
             if adds_in_place:
                 continue  # the replay adds into .grad's memory itself
@@ -1418,11 +1421,23 @@ class GraphedCallable:
                     f"{name}: {found}; param_grads='in_graph' cannot add into it as eager does "
                     f"(nothing was changed): {remedy}, or capture with param_grads='auto'"
                 )
+            if not _grads_overlap(grads):
+                # Only the graph's grad buffer of another parameter (its old .grad, set here):
+                # eager adds into this .grad once, as into any; the replay would write it first.
+                if self._auto:
+                    return False  # autograd adds into it, each accumulator put back after
+                raise _RefusedBeforeReplay(
+                    f"{name}: .grad shares memory with the graph's grad buffer of another "
+                    "parameter (a .grad that parameter had, set here), into which the replay "
+                    "adds that parameter's grad; param_grads='in_graph' cannot add into it as "
+                    "eager does (nothing was changed): set .grad to a clone of it, or capture "
+                    "with param_grads='auto'"
+                )
             raise _RefusedBeforeReplay(
-                f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
-                "grad buffer of another parameter): eager adds each parameter's grad into it in "
-                "the order its backward reaches them, which a replay cannot reproduce; give each "
-                "parameter a .grad of its own (views of one flat buffer that do not overlap work)"
+                f"{name}: .grad shares memory with another parameter's .grad: eager adds each "
+                "parameter's grad into it in the order its backward reaches them, which a "
+                "replay cannot reproduce; give each parameter a .grad of its own (views of one "
+                "flat buffer that do not overlap work)"
             )
         # Only now, every .grad checked, are the accumulators written.
         for _, accumulator, grad, _ in pending:
