@@ -2147,6 +2147,25 @@ def test_auto_adds_into_a_grad_in_its_buffer_laid_out_otherwise_as_eager(
     assert layer.weight.grad.stride() == twin.weight.grad.stride() == (1, 3)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_refuses_a_grad_shared_by_two_parameters_beside_one_laid_out_otherwise(
+    backend: str,
+) -> None:
+    # Handing the grads to autograd for the transposed .grad would let it add the two shared
+    # ones in its own order: still refused, before anything changed.
+    device = device_of(backend)
+    model = nn.Sequential(*(nn.Linear(3, 3, bias=False) for _ in range(3))).to(device)
+    x = torch.randn(2, 3, device=device)
+    dgt.make_graphed_callables(model, (x,), backend=backend)
+    backward_of(model(x))
+    model[0].weight.grad.t_()
+    model[1].weight.grad = model[2].weight.grad = torch.zeros(3, 3, device=device)
+    values = grads_of(parameters_of(model))
+    with pytest.raises(DualgraphError, match=r"^Sequential: Sequential\.0\.weight: \.grad shares"):
+        backward_of(model(x))
+    assert_grads_match(grads_of(parameters_of(model)), values, ["0", "1", "2"])
+
+
 class _TwoSquares(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -1397,7 +1397,7 @@ class GraphedCallable:
             try:
                 adds_in_place = grad is not None and _aliases(grad, memory, name)
             except DualgraphError as error:  # a .grad in the graph's memory, laid out otherwise
-                if self._auto:
+                if self._auto and not _grads_overlap(grads):  # (two .grad sharing: refused)
                     return False  # autograd adds into it in place, as eager, memory put back
                 raise _RefusedBeforeReplay(str(error)) from None
             if adds_in_place:
