@@ -922,6 +922,53 @@ def test_padded_calls_cut_back_outputs_that_share_a_storage_but_no_element(backe
         assert_tensors_match(out, want, "output", tolerance(backend) or PAD_TOLERANCE)
 
 
+class ExpOfLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.linear(x).exp()  # its backward reads its output
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("length", [6, 8], ids=["padded", "exact"])
+def test_a_cut_output_the_backward_reads_may_not_be_changed_in_place(
+    backend: str, param_grads: str, length: int
+) -> None:
+    # Cut along a dim that is not the outermost, a padded call's output is a copy of the static
+    # output: changed in place, it left the static output (which the backward reads) as it was,
+    # and the backward ran where eager's raises.
+    device = device_of(backend)
+    graphed, twin = twins(ExpOfLinear, device)
+    dgt.make_graphed_callables(
+        graphed,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        param_grads=param_grads,
+    )
+    x = torch.randn(2, length, 4, device=device, requires_grad=True)
+    out = graphed(x)
+    out.mul_(2)
+    with pytest.raises(DualgraphError) as info:
+        out.sum().backward()
+    assert "output was modified in place after the replay, but the backward reads it" in str(
+        info.value
+    )
+    assert x.grad is None and graphed.linear.weight.grad is None  # refused before any add
+    eager = twin(fresh_copy(x))
+    eager.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager.sum().backward()  # eager refuses it too
+    x_eager = fresh_copy(x)
+    graphed(x).sum().backward()  # an output left unchanged runs, as eager's does
+    twin(x_eager).sum().backward()
+    assert_tensors_match(x.grad, x_eager.grad, "x.grad", tolerance(backend) or PAD_TOLERANCE)
+
+
 def concatenated(d: dict[str, torch.Tensor], valid_length: Any = None) -> torch.Tensor:
     return torch.cat(list(d.values()), dim=-1) * 2  # follows the dict's key order
 

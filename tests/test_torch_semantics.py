@@ -2093,25 +2093,146 @@ def test_in_graph_grads_add_into_a_grad_that_aliases_their_buffer(
     assert layer.weight.grad is mine  # eager adds into it in place
 
 
-@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-@pytest.mark.parametrize("param_grads", IN_GRAPH_MODES)
-@pytest.mark.parametrize("how", ["assigned", "in_place"])
-def test_in_graph_grads_refuse_a_grad_in_their_buffer_laid_out_otherwise(
-    backend: str, param_grads: str, how: str
-) -> None:
-    device = device_of(backend)
-    layer = nn.Linear(3, 3).to(device)  # square: a transposed view is a valid .grad
-    x = torch.randn(2, 3, device=device)
-    dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads=param_grads)
-    backward_of(layer(x))
+def _lay_out_otherwise(layer: nn.Linear, how: str) -> None:
     if how == "assigned":
         layer.weight.grad = layer.weight.grad.t()
     else:  # the same .grad object, read with other strides from now on
         layer.weight.grad.t_()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["assigned", "in_place"])
+def test_in_graph_grads_refuse_a_grad_in_their_buffer_laid_out_otherwise(
+    backend: str, how: str
+) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(3, 3).to(device)  # square: a transposed view is a valid .grad
+    x = torch.randn(2, 3, device=device)
+    dgt.make_graphed_callables(layer, (x,), backend=backend, param_grads="in_graph")
+    backward_of(layer(x))
+    _lay_out_otherwise(layer, how)
     values = [p.grad.clone() for p in layer.parameters()]
     with pytest.raises(DualgraphError, match=r"Linear\.weight: \.grad shares memory"):
         backward_of(layer(x))
     assert_grads_match(grads_of(list(layer.parameters())), values, ["weight", "bias"])
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["assigned", "in_place"])
+def test_auto_adds_into_a_grad_in_its_buffer_laid_out_otherwise_as_eager(
+    backend: str, how: str
+) -> None:
+    # Refused under "auto" too, where eager adds into the transposed .grad in place: "auto"
+    # hands such a backward's grads to autograd, whose add into it is eager's.
+    device = device_of(backend)
+    layer, twin = nn.Linear(3, 3).to(device), nn.Linear(3, 3).to(device)
+    twin.load_state_dict(layer.state_dict())
+    dgt.make_graphed_callables(layer, (torch.randn(2, 3, device=device),), backend=backend)
+    inputs = [torch.randn(2, 3, device=device) for _ in range(4)]
+    for module in (layer, twin):
+        backward_of(module(inputs[0]))
+        _lay_out_otherwise(module, how)
+        module.kept = module.weight.grad  # type: ignore[assignment]
+    for x in inputs[1:]:
+        for module in (layer, twin):
+            backward_of(module(x))
+        assert_grads_match(
+            grads_of(parameters_of(layer)),
+            grads_of(parameters_of(twin)),
+            ["weight", "bias"],
+            tolerance(backend),
+        )
+    assert layer.weight.grad is layer.kept and twin.weight.grad is twin.kept
+    assert layer.weight.grad.stride() == twin.weight.grad.stride() == (1, 3)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_auto_refuses_a_grad_shared_by_two_parameters_beside_one_laid_out_otherwise(
+    backend: str,
+) -> None:
+    # Handing the grads to autograd for the transposed .grad would let it add the two shared
+    # ones in its own order: still refused, before anything changed.
+    device = device_of(backend)
+    model = nn.Sequential(*(nn.Linear(3, 3, bias=False) for _ in range(3))).to(device)
+    x = torch.randn(2, 3, device=device)
+    dgt.make_graphed_callables(model, (x,), backend=backend)
+    backward_of(model(x))
+    model[0].weight.grad.t_()
+    model[1].weight.grad = model[2].weight.grad = torch.zeros(3, 3, device=device)
+    values = grads_of(parameters_of(model))
+    with pytest.raises(DualgraphError, match=r"^Sequential: Sequential\.0\.weight: \.grad shares"):
+        backward_of(model(x))
+    assert_grads_match(grads_of(parameters_of(model)), values, ["0", "1", "2"])
+
+
+class _TwoSquares(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 3, bias=False)
+        self.second = nn.Linear(3, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _hand_grads_over(module: _TwoSquares, how: str) -> None:
+    """Give ``second`` the ``.grad`` tensor ``first`` had (after a backward that made it)."""
+    first, second = module.first.weight, module.second.weight
+    if how == "moved":  # first gets a new one at the next backward
+        second.grad, first.grad = first.grad, None
+    else:
+        first.grad, second.grad = second.grad, first.grad
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["moved", "swapped"])
+def test_auto_adds_into_a_grad_another_parameter_had_as_eager(backend: str, how: str) -> None:
+    # A .grad that is the tensor another parameter's backward made (its graph grad buffer,
+    # handed out as its .grad) was refused as memory shared between two .grad tensors, though
+    # eager adds into it once, as into any .grad: "auto" now hands such a backward's grads to
+    # autograd (each grad buffer put back after), "in_graph" says what it found.
+    device = device_of(backend)
+    graphed, twin = _TwoSquares().to(device), _TwoSquares().to(device)
+    twin.load_state_dict(graphed.state_dict())
+    dgt.make_graphed_callables(graphed, (torch.randn(2, 3, device=device),), backend=backend)
+    inputs = [torch.randn(2, 3, device=device) for _ in range(4)]
+    kept = []
+    for module in (graphed, twin):
+        backward_of(module(inputs[0]))
+        _hand_grads_over(module, how)
+        kept.append(module.second.weight.grad)
+    for x in inputs[1:]:
+        for module in (graphed, twin):
+            backward_of(module(x))
+        assert_grads_match(
+            grads_of(parameters_of(graphed)),
+            grads_of(parameters_of(twin)),
+            ["first", "second"],
+            tolerance(backend),
+        )
+    assert graphed.second.weight.grad is kept[0] and twin.second.weight.grad is kept[1]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["moved", "swapped"])
+def test_in_graph_refuses_a_grad_another_parameter_had_naming_it(backend: str, how: str) -> None:
+    device = device_of(backend)
+    graphed = _TwoSquares().to(device)
+    x = torch.randn(2, 3, device=device)
+    dgt.make_graphed_callables(graphed, (x,), backend=backend, param_grads="in_graph")
+    backward_of(graphed(x))
+    _hand_grads_over(graphed, how)
+    values = grads_of(parameters_of(graphed))
+    with pytest.raises(
+        DualgraphError,
+        match=r"^_TwoSquares: _TwoSquares\.(first|second)\.weight: \.grad shares memory with the "
+        r"graph's "
+        r"grad buffer of another parameter .* set \.grad to a clone of it, or capture with "
+        r"param_grads='auto'",
+    ):
+        backward_of(graphed(x))
+    assert_grads_match(grads_of(parameters_of(graphed)), values, ["first", "second"])
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

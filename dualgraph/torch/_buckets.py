@@ -425,16 +425,22 @@ class BucketedCallable:
         made: dict[int, torch.Tensor] = dict(callers)
         handed_out = tuple(flat)
         replaced: dict[int, torch.Tensor] = {}
+        copies = []
         for index, dim in cut:
             tensor = flat[index]
             same = made.get(id(tensor))
             if same is None:
                 same = made[id(tensor)] = replaced[id(tensor)] = cut_back(tensor, dim, length)
+                if same.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+                    copies.append((index, same))  # cut_back copied it: another tensor's memory
             flat[index] = same
         if replayed:
             # a grad watched at a cut output other outputs are computed from is refused, as at
             # the replay's own output
             watch_handed_out(replaced, handed_out)
+            if isinstance(bucket.runner, GraphedCallable):
+                # and so is a copy changed in place whose output the backward reads
+                bucket.runner.note_cut_copies(copies)
         for index, tensor in enumerate(flat):  # a padded input returned but not cut back
             if id(tensor) in callers:
                 flat[index] = callers[id(tensor)]

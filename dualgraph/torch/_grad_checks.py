@@ -22,6 +22,7 @@ __all__ = [
     "aliases",
     "grad_accumulator",
     "grad_problem",
+    "grads_overlap",
     "held_by_a_graph",
     "holders",
     "in_place_refusal",
@@ -233,6 +234,25 @@ def grad_problem(
         if stop > end:
             end, owner = stop, name
     return None
+
+
+def grads_overlap(grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether two of ``grads`` (the parameters' ``.grad``) may share memory, which eager adds
+    into once per parameter, in the order its backward reaches them (:func:`grad_problem`
+    found memory shared; this tells that from a ``.grad`` that shares memory only with the
+    graph's grad buffer of another parameter, which eager adds into once, as any ``.grad``).
+
+    >>> flat = torch.zeros(4)
+    >>> grads_overlap([flat[:2], flat[2:], None]), grads_overlap([flat[:3], flat[2:]])
+    (False, True)
+    """
+    spans = sorted(span(g) for g in grads if g is not None and g.layout is _STRIDED)
+    end = -1
+    for start, stop in spans:
+        if start < end and start < stop:
+            return True
+        end = max(end, stop)
+    return False
 
 
 def in_place_refusal(tensor: torch.Tensor) -> str | None:

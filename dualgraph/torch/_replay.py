@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import operator
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from ._eager import EagerCallable
 from ._grad_checks import aliases as _aliases
 from ._grad_checks import grad_accumulator as _grad_accumulator
 from ._grad_checks import grad_problem as _grad_problem
+from ._grad_checks import grads_overlap as _grads_overlap
 from ._grad_checks import holders as _holders
 from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
@@ -136,6 +138,7 @@ class GraphedCallable:
         "_backward_generation",
         "_clone_outputs",
         "_copiers",
+        "_cut_copies",
         "_ddp",
         "_ddp_check",
         "_edge_nones",
@@ -314,6 +317,9 @@ class GraphedCallable:
         self._read_by_backward = tuple(tensor for _, tensor in read.values())
         self._read_by_backward_names = tuple(name for name, _ in read.values())
         self._output_versions: tuple[int, ...] = ()
+        # Copies of saved outputs a padded call of buckets= handed out (note_cut_copies), weakly,
+        # with their versions then: changed in place, eager's backward would raise.
+        self._cut_copies: tuple[tuple[int, weakref.ref[torch.Tensor], int], ...] = ()
         self._mutated = plan.mutated_inputs
         self._mutated_quietly = frozenset(plan.quietly_mutated_inputs)
         self._clone_outputs = plan.clone_outputs
@@ -722,6 +728,7 @@ class GraphedCallable:
         if self._saved_outputs:
             outputs = self._static_outputs
             self._output_versions = tuple(outputs[i]._version for i in self._saved_outputs)
+            self._cut_copies = ()
         if self._clone_outputs:
             return tuple(
                 copy(o) for copy, o in zip(self._copiers, self._static_outputs, strict=True)
@@ -1202,15 +1209,34 @@ class GraphedCallable:
             outputs = self._static_outputs
             for i, version in zip(self._saved_outputs, self._output_versions, strict=True):
                 if outputs[i]._version != version:
-                    path = self._out_spec.array_paths[i]
-                    raise DualgraphError(
-                        f"{self.name}: output{path} was modified in place after the replay, but "
-                        "the backward reads it (eager would raise: a variable needed for "
-                        "gradient computation has been modified by an inplace operation); "
-                        "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
-                    )
+                    raise self._modified_output(i)
+            for i, ref, version in self._cut_copies:
+                cut = ref()
+                if cut is not None and cut._version != version:
+                    raise self._modified_output(i)
         if self._plan_params:
             self._check_in_graph_backward(plain)
+
+    def _modified_output(self, index: int) -> DualgraphError:
+        path = self._out_spec.array_paths[index]
+        return DualgraphError(
+            f"{self.name}: output{path} was modified in place after the replay, but "
+            "the backward reads it (eager would raise: a variable needed for "
+            "gradient computation has been modified by an inplace operation); "
+            "change a copy (clone_outputs=True, or dualgraph.torch.owned)"
+        )
+
+    def note_cut_copies(self, copies: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """The outputs of the replay just run that a padded call handed out as copies cut back
+        (``(output index, copy)``): a copy of an output the backward reads, changed in place
+        before that backward, is refused there as a change of the output itself is (eager's
+        output is that one tensor, and its backward would raise)."""
+        saved = self._saved_outputs
+        self._cut_copies = tuple(
+            (index, weakref.ref(cut), cut._version)
+            for index, cut in copies
+            if index in saved and not cut.is_inference()  # inference mode: no backward follows
+        )
 
     def _hand_out_grads(
         self,
@@ -1391,6 +1417,8 @@ class GraphedCallable:
             try:
                 adds_in_place = grad is not None and _aliases(grad, memory, name)
             except DualgraphError as error:  # a .grad in the graph's memory, laid out otherwise
+                if self._auto and not _grads_overlap(grads):  # (two .grad sharing: refused)
+                    return False  # autograd adds into it in place, as eager, memory put back
                 raise _RefusedBeforeReplay(str(error)) from None
             if adds_in_place:
                 continue  # the replay adds into .grad's memory itself
@@ -1413,11 +1441,23 @@ class GraphedCallable:
                     f"{name}: {found}; param_grads='in_graph' cannot add into it as eager does "
                     f"(nothing was changed): {remedy}, or capture with param_grads='auto'"
                 )
+            if not _grads_overlap(grads):
+                # Only the graph's grad buffer of another parameter (its old .grad, set here):
+                # eager adds into this .grad once, as into any; the replay would write it first.
+                if self._auto:
+                    return False  # autograd adds into it, each accumulator put back after
+                raise _RefusedBeforeReplay(
+                    f"{name}: .grad shares memory with the graph's grad buffer of another "
+                    "parameter (a .grad that parameter had, set here), into which the replay "
+                    "adds that parameter's grad; param_grads='in_graph' cannot add into it as "
+                    "eager does (nothing was changed): set .grad to a clone of it, or capture "
+                    "with param_grads='auto'"
+                )
             raise _RefusedBeforeReplay(
-                f"{name}: .grad shares memory with another parameter's .grad (or the graph's "
-                "grad buffer of another parameter): eager adds each parameter's grad into it in "
-                "the order its backward reaches them, which a replay cannot reproduce; give each "
-                "parameter a .grad of its own (views of one flat buffer that do not overlap work)"
+                f"{name}: .grad shares memory with another parameter's .grad: eager adds each "
+                "parameter's grad into it in the order its backward reaches them, which a "
+                "replay cannot reproduce; give each parameter a .grad of its own (views of one "
+                "flat buffer that do not overlap work)"
             )
         # Only now, every .grad checked, are the accumulators written.
         for _, accumulator, grad, _ in pending:
