@@ -1,15 +1,17 @@
-"""Named address ranges, found by any byte they share with another range.
+"""Where tensors' memory lies, found by any byte it shares with another's.
 
 Two storages may hold the same memory (``torch.from_numpy`` of overlapping numpy views,
-``torch.frombuffer``, DLPack), so a check by storage start address misses them; this one does not.
+``torch.frombuffer``, DLPack), so a check by storage start address misses them; these do not.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["AddressRanges"]
+import torch
+
+__all__ = ["AddressRanges", "StorageIndex", "first_sharing", "memory_of", "storage_spans"]
 
 
 class AddressRanges:
@@ -42,3 +44,98 @@ class AddressRanges:
         if not before or self._ends[before - 1] <= start:
             return None
         return next(name for _, stop, name in self._ranges[:before] if stop > start)
+
+
+class StorageIndex:
+    """Where some named tensors' storages lie, for finding the one an input's storage is, or
+    holds memory of without being it (from_numpy of a view of it, frombuffer, DLPack).
+
+    By start address first (one dict look-up); on a miss, by address range, but only where the
+    input's storage or one of these is not torch's own (not resizable): only such a storage can
+    be another storage over memory that is also another's, so the common path stays a dict
+    look-up. Where two tensors share a storage, the first named is the one found.
+
+    >>> scale = torch.zeros(4)
+    >>> index = StorageIndex([("scale", scale), ("bias", torch.zeros(2))])
+    >>> memory = scale[2:].untyped_storage()
+    >>> index.owner(memory, memory.data_ptr(), foreign=not memory.resizable())
+    'scale'
+    """
+
+    __slots__ = ("_by_start", "_ranges", "any_foreign")
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        by_start: dict[int, str] = {}
+        ranges = []
+        any_foreign = False
+        for name, tensor in named:
+            memory = memory_of(tensor)
+            if memory is None:
+                continue
+            start = memory.data_ptr()
+            by_start.setdefault(start, name)
+            ranges.append((start, start + memory.nbytes(), name))
+            any_foreign = any_foreign or not memory.resizable()
+        self._by_start = by_start
+        self._ranges = AddressRanges(ranges)
+        #: Whether some of these storages are not torch's own (every miss is then a range look-up).
+        self.any_foreign = any_foreign
+
+    def __bool__(self) -> bool:
+        return bool(self._by_start)
+
+    def owner(self, memory: torch.UntypedStorage, start: int, foreign: bool) -> str | None:
+        """The name of a tensor whose storage is ``memory`` or holds any byte of it, or ``None``.
+
+        ``start`` and ``foreign`` are ``memory.data_ptr()`` and ``not memory.resizable()``, read
+        once by a caller that looks ``memory`` up in several indexes.
+        """
+        name = self._by_start.get(start)
+        if name is None and (foreign or self.any_foreign):
+            name = self._ranges.find(start, start + memory.nbytes())
+        return name
+
+
+def memory_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """A non-empty tensor's storage (``None`` for none, or no plain storage)."""
+    try:
+        return tensor.untyped_storage() if tensor.numel() else None
+    except Exception:  # e.g. a tensor subclass without a storage of its own
+        return None
+
+
+def storage_spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int] | None]:
+    """The addresses ``[start, end)`` of each tensor's storage, ``None`` for an empty tensor
+    (plain dense tensors: the checked inputs of a call).
+
+    >>> empty, pair = storage_spans([torch.zeros(0), torch.zeros(2)])
+    >>> empty, pair[1] - pair[0]
+    (None, 8)
+    """
+    spans: list[tuple[int, int] | None] = []
+    for tensor in tensors:
+        if tensor.numel():
+            memory = tensor.untyped_storage()
+            start = memory.data_ptr()
+            spans.append((start, start + memory.nbytes()))
+        else:
+            spans.append(None)
+    return spans
+
+
+def first_sharing(
+    spans: Sequence[tuple[int, int] | None], i: int, among: Iterable[int]
+) -> int | None:
+    """The first of ``among`` (but ``i``) whose storage holds any byte of ``i``'s, or ``None``;
+    ``spans``: :func:`storage_spans`, ``i``'s not ``None``.
+
+    >>> x = torch.zeros(4)
+    >>> first_sharing(storage_spans([x, torch.zeros(2), x[1:]]), 0, range(3))
+    2
+    """
+    start, end = spans[i]  # type: ignore[misc]
+    for j in among:
+        span = spans[j]
+        if j != i and span is not None and span[0] < end and start < span[1]:
+            return j
+    return None
