@@ -442,10 +442,10 @@ class ModuleTensors:
             or (self.attribute_keys and self._attribute_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
             or (
-                list(map(len, self.counted_dicts)) != self.counted_lens
+                (counts := list(map(len, self.counted_dicts))) != self.counted_lens
                 and (
                     tuple(map(len, self.member_dicts)) != self.member_counts
-                    or self._namespace_changed() is not None
+                    or self._namespace_changed(counts) is not None
                 )
             )
         ):
@@ -550,20 +550,23 @@ class ModuleTensors:
         its first eval call) as those of capture, in each ``__dict__`` whose count was capture's
         before it ran (where the caller had added one already, that stays refused)."""
         namespaces = self.namespaces
-        if list(map(len, self.counted_dicts)) != self.counted_lens:
-            self._namespace_changed()  # takes what is no change (dualgraph's own forward)
-        before = list(map(len, namespaces))
+        counts = list(map(len, self.counted_dicts))  # the members', then the namespaces'
+        if counts != self.counted_lens:
+            self._namespace_changed(counts)  # takes what is no change (dualgraph's own forward)
+        start = len(self.member_dicts)
+        before = counts[start:]
         try:
             yield
         finally:
-            if list(map(len, namespaces)) != before:
-                start = len(self.member_dicts)
+            after = list(map(len, namespaces))
+            if after != before:
+                lens = self.counted_lens
                 for i, namespace in enumerate(namespaces):
-                    if len(namespace) != before[i] and before[i] == self.counted_lens[start + i]:
+                    if after[i] != before[i] and before[i] == lens[start + i]:
                         self.namespace_keys[i] = _public_keys(namespace, self.namespace_exempt[i])
-                        self.counted_lens[start + i] = len(namespace)
+                        lens[start + i] = after[i]
 
-    def _namespace_changed(self) -> tuple[str, str, bool] | None:
+    def _namespace_changed(self, counts: Sequence[int]) -> tuple[str, str, bool] | None:
         """The first public attribute added to or deleted from a module's ``__dict__`` since
         capture, as ``(module name, attribute, added)`` (``None``).
 
@@ -571,12 +574,14 @@ class ModuleTensors:
         the host). Only the dicts whose count differs are looked at; where none of theirs is (a
         private attribute, an object, a tensor a hook of the graphed module keeps, as its hooks
         run around each replay, dualgraph's own ``forward``), the new count is taken, so that
-        the next call passes in one pass again.
+        the next call passes in one pass again. ``counts``: the ``len`` of each of
+        ``counted_dicts``, as the caller read them to find a count changed.
         """
         start = len(self.member_dicts)
         lens = self.counted_lens
         for i, namespace in enumerate(self.namespaces):
-            if len(namespace) == lens[start + i]:
+            count = counts[start + i]
+            if count == lens[start + i]:
                 continue
             keys, exempt = self.namespace_keys[i], self.namespace_exempt[i]
             for key, value in namespace.items():
@@ -588,7 +593,7 @@ class ModuleTensors:
             self.namespace_keys[i] = keys | {
                 key for key in namespace if key not in exempt and _added_plain(key, namespace[key])
             }
-            lens[start + i] = len(namespace)
+            lens[start + i] = count
         return None
 
     def record_attributes(self) -> None:
@@ -793,8 +798,9 @@ class ModuleTensors:
                     "as an attribute, appended to a ModuleList or ParameterList), which eager "
                     f"would use but the graphs never read; add it before graphing, or {again}"
                 )
-        if list(map(len, self.counted_dicts)) != self.counted_lens:
-            attribute = self._namespace_changed()
+        counts = list(map(len, self.counted_dicts))
+        if counts != self.counted_lens:
+            attribute = self._namespace_changed(counts)
             if attribute is not None:
                 module_name, attribute_name, is_added = attribute
                 how = (
