@@ -24,6 +24,7 @@ from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
 from ._params import bytes_of, write_back
+from ._process_state import kept_process_state
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -357,16 +358,27 @@ def _compare_padded(
         for m, training in modes
         if training and isinstance(m, torch.nn.modules.dropout._DropoutNd)
     ]
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     training = any(training for _, training in modes)
     found: tuple[str, str, str] | None = None
     params = list(module.parameters()) if module is not None else []
-    check = _PaddedCheck(request, padding, guard, wants_grad, length, full, named_buffers, saved)
+    check = _PaddedCheck(
+        request,
+        padding,
+        guard,
+        wants_grad,
+        length,
+        full,
+        named_buffers,
+        saved,
+        untold=not _requires_valid_length(request.fn),
+    )
     try:
-        # its backward may add into the parameters' main_grad and set their flags (fused
-        # weight-grad accumulation): put back as a capture does
+        # Eager would not have run the callable: every random stream it drew from (torch's,
+        # Python's, numpy's) and every mode it left are put back, success or not. Its backward
+        # may add into the parameters' main_grad and set their flags (fused weight-grad
+        # accumulation): put back as a capture does.
         with (
-            torch.random.fork_rng(devices=cuda),
+            kept_process_state(),
             torch.no_grad(),
             parameter_attributes_kept(params),
         ):
@@ -426,8 +438,9 @@ def _compare_padded(
 class _PaddedCheck:
     """What every comparison of a call with the same call padded shares (one per sample
     length): the callable, its padding and input guard, which inputs want grads, the call's
-    length and the bucket's, and the module's buffers with their values before the check,
-    from which each call starts."""
+    length and the bucket's, the module's buffers with their values before the check, from
+    which each call starts, and whether the callable may be called without ``valid_length``
+    (``untold``: not where its signature requires one)."""
 
     request: BucketRequest
     padding: Padding
@@ -437,6 +450,7 @@ class _PaddedCheck:
     full: int
     named_buffers: Sequence[tuple[str, torch.Tensor]]
     saved: Sequence[torch.Tensor]
+    untold: bool
 
 
 def _padded_difference(
@@ -489,15 +503,10 @@ def _padded_difference(
             check.length,
         )
     else:
-        put_back_modes = kept_modes()
-        try:
-            reference = run(tensors, 0, given)
-        except DualgraphError:
-            raise  # dualgraph's own refusal (a graphed callable inside): not the values
-        except Exception:
-            # values it does not take (probabilities shifted out of [0, 1]): it cannot be
-            # judged on them, as where its outputs are not finite
-            put_back_modes()
+        # values it may not take (probabilities shifted out of [0, 1]): where it raises, it
+        # cannot be judged on them, as where its outputs are not finite
+        reference = _guarded(lambda: run(tensors, 0, given))
+        if reference is _REFUSED:
             return None
     expected_buffers = updated()
     if not sample and not _all_finite(reference):
@@ -505,7 +514,7 @@ def _padded_difference(
     _refuse_lost_views(check.request.name, check.padding, check.guard.paths, reference, given)
     if _difference(reference, run(tensors, 1), ()) is not None:
         return None  # it draws random numbers: the two calls cannot be compared
-    if sample:
+    if sample and check.untold:
         untold = _untold_difference(
             run, tensors, reference, [n for n, _ in check.named_buffers], expected_buffers, updated
         )
@@ -552,13 +561,8 @@ def _untold_difference(
     differs from ``told``, its outputs with ``valid_length`` of their full length (as every
     replay calls it, padded or not), in outputs or updated buffers; None where they agree or
     where it cannot be called without (a required ``valid_length``: nothing to compare)."""
-    put_back_modes = kept_modes()
-    try:
-        untold = run(tensors, 0, told=False)
-    except DualgraphError:
-        raise  # dualgraph's own refusal (a graphed callable inside), told or not
-    except Exception:
-        put_back_modes()
+    untold = _guarded(lambda: run(tensors, 0, told=False))
+    if untold is _REFUSED:
         return None
     difference = _difference(untold, told, ())
     if difference is None:
@@ -567,6 +571,29 @@ def _untold_difference(
             if gap is not None:
                 return f"buffer {name} (updated by the call) {gap}"
     return difference
+
+
+#: What :func:`_guarded` returns for a call the callable raised on.
+_REFUSED: Any = object()
+
+
+def _guarded(call: Callable[[], Any]) -> Any:
+    """``call()`` (a run of the callable in the padding check), or :data:`_REFUSED` where the
+    callable raises (a call or values it does not take: nothing to judge there), with the modes
+    it left put back for the next run; dualgraph's own refusals (a graphed callable inside) go
+    through.
+
+    >>> _guarded(lambda: 1 / 0) is _REFUSED, _guarded(lambda: 2)
+    (True, 2)
+    """
+    put_back_modes = kept_modes()
+    try:
+        return call()
+    except DualgraphError:
+        raise
+    except Exception:
+        put_back_modes()
+        return _REFUSED
 
 
 def _refuse_updates_of_the_call(
@@ -840,6 +867,35 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
         # the first element apart, as expected (the call as it is) and as found (padded)
         return f"differs (at {list(at)}: {b[at].item()} instead of {a[at].item()})"
     return None
+
+
+def _requires_valid_length(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn``'s signature says it cannot be called without ``valid_length`` (False where
+    it cannot tell). A module is read through its ``forward``, where nothing that runs before
+    it could pass one (its class's call is ``Module``'s, and no forward pre-hook is set).
+
+    >>> _requires_valid_length(lambda x, valid_length: x)
+    True
+    >>> _requires_valid_length(lambda x, valid_length=None: x), _requires_valid_length(print)
+    (False, False)
+    """
+    if isinstance(fn, torch.nn.Module):
+        if (
+            type(fn).__call__ is not torch.nn.Module.__call__
+            or fn._forward_pre_hooks
+            or torch.nn.modules.module._global_forward_pre_hooks
+        ):
+            return False
+        fn = fn.forward
+    try:
+        parameter = inspect.signature(fn).parameters.get(VALID_LENGTH)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return (
+        parameter is not None
+        and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        and parameter.default is parameter.empty
+    )
 
 
 def _accepts_valid_length(fn: Callable[..., Any]) -> bool:
