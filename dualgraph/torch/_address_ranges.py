@@ -11,7 +11,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["AddressRanges", "StorageIndex", "first_sharing", "memory_of", "storage_spans"]
+__all__ = [
+    "AddressRanges",
+    "StorageIndex",
+    "first_sharing",
+    "memory_of",
+    "storage_key",
+    "storage_spans",
+]
 
 
 class AddressRanges:
@@ -102,6 +109,20 @@ def memory_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         return tensor.untyped_storage() if tensor.numel() else None
     except Exception:  # e.g. a tensor subclass without a storage of its own
         return None
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage, as a key that tensors of one storage share
+    (``-id(tensor)`` for one without a plain storage, a tensor subclass's: it shares none).
+
+    >>> x = torch.zeros(4)
+    >>> storage_key(x[2:]) == storage_key(x) != storage_key(x.clone())
+    True
+    """
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # a tensor subclass without a plain storage: nothing to share
+        return -id(tensor)
 
 
 def storage_spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int] | None]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._address_ranges import storage_key
 from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
@@ -99,6 +100,14 @@ class Padding:
             shape[dim] = -1
             fixed[index] = tuple(shape)
         return tuple(fixed)
+
+    def groups(self, shapes: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
+        """The buckets (indices into ``shapes``, each a bucket's input shapes) grouped by their
+        :meth:`fixed_shapes`: a call can be padded from one into another of its group only."""
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for i, key in enumerate(shapes):
+            groups.setdefault(self.fixed_shapes(key), []).append(i)
+        return list(groups.values())
 
 
 def output_cuts(padding: Padding, spec: TreeSpec) -> tuple[tuple[int, int], ...]:
@@ -243,10 +252,7 @@ def check_padded_plans(
                     f"whose length is {length}; only dims of the bucket's length can be cut back"
                 )
         cuts_per_bucket.append(set(cuts))
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(shapes):
-        groups.setdefault(padding.fixed_shapes(key), []).append(i)
-    for members in groups.values():
+    for members in padding.groups(shapes):
         first = plans[members[0]].outputs
         for index, leaf in enumerate(first.arrays):
             for dim in range(len(leaf.shape or ())):
@@ -303,10 +309,7 @@ def check_padding_is_masked(
     still draws random numbers (its reference differs under two seeds) cannot be judged and is
     let through.
     """
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(shapes):
-        groups.setdefault(padding.fixed_shapes(key), []).append(i)
-    for members in groups.values():
+    for members in padding.groups(shapes):
         sizes = {i: int(lengths[i] or 0) for i in members}
         ordered = sorted(members, key=sizes.__getitem__)
         checks = []  # (the bucket whose sample is cut, the call's length, the bucket padded to)
@@ -714,7 +717,7 @@ def _refuse_lost_views(
         seen.add(id(tensor))
         if any(tensor is inputs[i] for i in padded):
             continue  # the caller's own tensor is handed back
-        storage = _storage(tensor)
+        storage = storage_key(tensor)
         for i, given in enumerate(inputs):
             if (i in padded or k in cut) and _shares_elements(tensor, given, storage):
                 raise DualgraphError(
@@ -739,7 +742,7 @@ def _refuse_lost_views(
 
 def _shares_elements(a: torch.Tensor, b: torch.Tensor, storage_of_a: int) -> bool:
     """Whether ``a`` and ``b`` hold a byte in common (runs at capture, on the samples)."""
-    if not b.numel() or _storage(b) != storage_of_a:
+    if not b.numel() or storage_key(b) != storage_of_a:
         return False
     if a.element_size() != b.element_size():
         return True  # as different dtypes: counted as shared
@@ -752,13 +755,6 @@ def _addresses(tensor: torch.Tensor) -> torch.Tensor:
     for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
         offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
     return offsets.reshape(-1)
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except Exception:  # a tensor subclass without a plain storage: nothing to share
-        return -id(tensor)
 
 
 def _padded(
