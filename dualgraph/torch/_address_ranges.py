@@ -125,38 +125,43 @@ def storage_key(tensor: torch.Tensor) -> int:
         return -id(tensor)
 
 
-def storage_spans(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int] | None]:
-    """The addresses ``[start, end)`` of each tensor's storage, ``None`` for an empty tensor
-    (plain dense tensors: the checked inputs of a call).
+#: A storage's addresses ``[start, end)``, and the storage (for its look-ups by the caller).
+Span = tuple[int, int, torch.UntypedStorage]
 
-    >>> empty, pair = storage_spans([torch.zeros(0), torch.zeros(2)])
-    >>> empty, pair[1] - pair[0]
+
+def storage_spans(tensors: Sequence[torch.Tensor]) -> list[Span | None]:
+    """Each tensor's storage with its addresses, ``None`` for an empty tensor (plain dense
+    tensors: the checked inputs of a call).
+
+    >>> empty, (start, end, _) = storage_spans([torch.zeros(0), torch.zeros(2)])
+    >>> empty, end - start
     (None, 8)
     """
-    spans: list[tuple[int, int] | None] = []
+    spans: list[Span | None] = []
+    add = spans.append
     for tensor in tensors:
         if tensor.numel():
             memory = tensor.untyped_storage()
             start = memory.data_ptr()
-            spans.append((start, start + memory.nbytes()))
+            add((start, start + memory.nbytes(), memory))
         else:
-            spans.append(None)
+            add(None)
     return spans
 
 
 def first_sharing(
-    spans: Sequence[tuple[int, int] | None], i: int, among: Iterable[int]
+    spans: Sequence[Span | None], i: int, among: Iterable[int] | None = None
 ) -> int | None:
-    """The first of ``among`` (but ``i``) whose storage holds any byte of ``i``'s, or ``None``;
-    ``spans``: :func:`storage_spans`, ``i``'s not ``None``.
+    """The first of ``among`` (all, where ``None``) but ``i`` whose storage holds any byte of
+    ``i``'s, or ``None``; ``spans``: :func:`storage_spans`, ``i``'s not ``None``.
 
     >>> x = torch.zeros(4)
-    >>> first_sharing(storage_spans([x, torch.zeros(2), x[1:]]), 0, range(3))
-    2
+    >>> spans = storage_spans([x, torch.zeros(2), x[1:]])
+    >>> first_sharing(spans, 0), first_sharing(spans, 0, [1])
+    (2, None)
     """
-    start, end = spans[i]  # type: ignore[misc]
-    for j in among:
-        span = spans[j]
-        if j != i and span is not None and span[0] < end and start < span[1]:
+    start, end, _ = spans[i]  # type: ignore[misc]
+    for j, span in enumerate(spans) if among is None else ((j, spans[j]) for j in among):
+        if span is not None and j != i and span[0] < end and start < span[1]:
             return j
     return None

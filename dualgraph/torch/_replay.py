@@ -732,21 +732,18 @@ class GraphedCallable:
         that shares memory with another input or with a parameter or buffer of the module
         (eager would see the update through it)."""
         paths = self._inputs.paths
-        spans = None  # every input's storage span, read once (the first updated non-empty one)
+        spans = storage_spans(tensors)  # read once: an updated input is checked against each
         for i in self._mutated:
-            mutated = tensors[i]
-            why = _unwritable(mutated)
+            why = _unwritable(tensors[i])
             if why is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]}: the callable updates it in place, and {why}, so "
                     "eager's update would raise; pass a tensor of its own (clone())"
                 )
-            if mutated.numel() == 0:
+            span = spans[i]
+            if span is None:  # empty
                 continue
-            if spans is None:
-                spans = storage_spans(tensors)
-            memory = mutated.untyped_storage()
-            start = spans[i][0]  # type: ignore[index]
+            start, _, memory = span
             foreign = not memory.resizable()
             owner = self._module_storages.owner(memory, start, foreign)
             if owner is not None:
@@ -765,7 +762,7 @@ class GraphedCallable:
                 )
             # By address range, not storage: two storages may hold the same memory (from_numpy
             # of overlapping numpy views, frombuffer, DLPack).
-            j = first_sharing(spans, i, range(len(tensors)))
+            j = first_sharing(spans, i)
             if j is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]} and {paths[j]} share memory, and the callable "
