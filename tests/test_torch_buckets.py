@@ -17,6 +17,7 @@ import random
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1857,6 +1858,33 @@ def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backen
     )
     assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
     assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]
+
+
+def doubled_drawing_on_the_host(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Per position (padding stays out), drawing from Python's ``random`` and numpy's global
+    generator on the host (a sampled log line, a host-side augmentation) without using them."""
+    random.random()
+    np.random.rand()
+    return x * 2
+
+
+def test_the_padding_check_leaves_pythons_and_numpys_random_streams_as_it_found_them() -> None:
+    """The check runs the callable eagerly, which eager would not have done; it put back only
+    torch's generator, so a seeded run drew other host numbers after graphing succeeded. The
+    eager backend runs nothing else while graphing: every draw seen is the check's."""
+    random.seed(1)
+    np.random.seed(1)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    dgt.make_graphed_callables(
+        doubled_drawing_on_the_host,
+        buckets=[(torch.randn(2, n, 4),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="eager",
+    )
+    assert random.getstate() == python_state
+    after = np.random.get_state()
+    assert after[1].tolist() == numpy_state[1].tolist() and after[2] == numpy_state[2]
 
 
 def masked_attention_pool(

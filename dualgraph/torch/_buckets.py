@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .._errors import SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._address_ranges import first_sharing, storage_spans
 from ._ambient import autograd_records
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
@@ -54,7 +55,7 @@ from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
 from ._params import own_changes_taken_of
-from ._replay import GraphedCallable, overlaps
+from ._replay import GraphedCallable
 from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
 
@@ -619,24 +620,23 @@ def _refuse_updates_seen_through_padded(
         return
     index_of = {path: i for i, path in enumerate(paths)}
     runner_paths = runner.plan.inputs.paths
+    spans = None  # every input's storage span, read once (the first updated non-empty one)
     for position in mutated:
         path = runner_paths[position]
         i = index_of.get(path)  # None: valid_length, refused at capture
         if i is None or not tensors[i].numel():
             continue
-        memory = tensors[i].untyped_storage()
-        start = memory.data_ptr()
-        end = start + memory.nbytes()
-        for j, _ in padding.inputs:
-            other = tensors[j]
-            if j != i and other.numel() and overlaps(other.untyped_storage(), start, end):
-                raise SpecMismatchError(
-                    f"{path} and {paths[j]} share memory, and {runner.name} updates {path} in "
-                    f"place: eager would see the update through {paths[j]}, a padded call "
-                    f"passes a padded copy of {paths[j]} made before it; pass tensors that do "
-                    "not share memory",
-                    path=path,
-                )
+        if spans is None:
+            spans = storage_spans(tensors)
+        j = first_sharing(spans, i, (j for j, _ in padding.inputs))
+        if j is not None:
+            raise SpecMismatchError(
+                f"{path} and {paths[j]} share memory, and {runner.name} updates {path} in "
+                f"place: eager would see the update through {paths[j]}, a padded call "
+                f"passes a padded copy of {paths[j]} made before it; pass tensors that do "
+                "not share memory",
+                path=path,
+            )
 
 
 def _grad_fn(tensor: torch.Tensor) -> Any:

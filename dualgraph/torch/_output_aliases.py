@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .._errors import DualgraphError
+from ._address_ranges import storage_key
 from ._capture_failure import Refused
 
 __all__ = ["OutputAliases", "find_output_aliases"]
@@ -115,7 +116,7 @@ def find_output_aliases(
     storage_of_input: dict[int, int] = {}
     for i, tensor in enumerate(inputs):
         if tensor.numel():
-            storage_of_input.setdefault(_storage(tensor), i)
+            storage_of_input.setdefault(storage_key(tensor), i)
     groups: dict[int, list[int]] = {}  # storage: distinct output tensors' positions
     for k, tensor in enumerate(outputs):
         if id(tensor) in first:
@@ -131,7 +132,7 @@ def find_output_aliases(
             continue
         if not tensor.numel():
             continue
-        storage = _storage(tensor)
+        storage = storage_key(tensor)
         source = storage_of_input.get(storage)
         if source is not None:
             step = _input_view(k, source, tensor, inputs[source], out_paths, input_paths)
@@ -292,13 +293,6 @@ def _refuse_returned_input(
         f"itself only where it is laid out so), which a replay cannot tell. Pass {path} laid "
         f"out as at capture (.contiguous(), .resolve_conj()), or {_ADVICE}"
     )
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except Exception:  # a tensor subclass without a plain storage: nothing to share
-        return -id(tensor)
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

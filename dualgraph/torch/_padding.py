@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._address_ranges import storage_key
 from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
 from ._params import bytes_of, write_back
+from ._process_state import kept_process_state
 
 if TYPE_CHECKING:
     from ._bucket_capture import BucketRequest
@@ -98,6 +100,14 @@ class Padding:
             shape[dim] = -1
             fixed[index] = tuple(shape)
         return tuple(fixed)
+
+    def groups(self, shapes: Sequence[Sequence[Sequence[int]]]) -> list[list[int]]:
+        """The buckets (indices into ``shapes``, each a bucket's input shapes) grouped by their
+        :meth:`fixed_shapes`: a call can be padded from one into another of its group only."""
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for i, key in enumerate(shapes):
+            groups.setdefault(self.fixed_shapes(key), []).append(i)
+        return list(groups.values())
 
 
 def output_cuts(padding: Padding, spec: TreeSpec) -> tuple[tuple[int, int], ...]:
@@ -242,10 +252,7 @@ def check_padded_plans(
                     f"whose length is {length}; only dims of the bucket's length can be cut back"
                 )
         cuts_per_bucket.append(set(cuts))
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(shapes):
-        groups.setdefault(padding.fixed_shapes(key), []).append(i)
-    for members in groups.values():
+    for members in padding.groups(shapes):
         first = plans[members[0]].outputs
         for index, leaf in enumerate(first.arrays):
             for dim in range(len(leaf.shape or ())):
@@ -302,10 +309,7 @@ def check_padding_is_masked(
     still draws random numbers (its reference differs under two seeds) cannot be judged and is
     let through.
     """
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(shapes):
-        groups.setdefault(padding.fixed_shapes(key), []).append(i)
-    for members in groups.values():
+    for members in padding.groups(shapes):
         sizes = {i: int(lengths[i] or 0) for i in members}
         ordered = sorted(members, key=sizes.__getitem__)
         checks = []  # (the bucket whose sample is cut, the call's length, the bucket padded to)
@@ -357,16 +361,27 @@ def _compare_padded(
         for m, training in modes
         if training and isinstance(m, torch.nn.modules.dropout._DropoutNd)
     ]
-    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     training = any(training for _, training in modes)
     found: tuple[str, str, str] | None = None
     params = list(module.parameters()) if module is not None else []
-    check = _PaddedCheck(request, padding, guard, wants_grad, length, full, named_buffers, saved)
+    check = _PaddedCheck(
+        request,
+        padding,
+        guard,
+        wants_grad,
+        length,
+        full,
+        named_buffers,
+        saved,
+        untold=not _requires_valid_length(request.fn),
+    )
     try:
-        # its backward may add into the parameters' main_grad and set their flags (fused
-        # weight-grad accumulation): put back as a capture does
+        # Eager would not have run the callable: every random stream it drew from (torch's,
+        # Python's, numpy's) and every mode it left are put back, success or not. Its backward
+        # may add into the parameters' main_grad and set their flags (fused weight-grad
+        # accumulation): put back as a capture does.
         with (
-            torch.random.fork_rng(devices=cuda),
+            kept_process_state(),
             torch.no_grad(),
             parameter_attributes_kept(params),
         ):
@@ -426,8 +441,9 @@ def _compare_padded(
 class _PaddedCheck:
     """What every comparison of a call with the same call padded shares (one per sample
     length): the callable, its padding and input guard, which inputs want grads, the call's
-    length and the bucket's, and the module's buffers with their values before the check,
-    from which each call starts."""
+    length and the bucket's, the module's buffers with their values before the check, from
+    which each call starts, and whether the callable may be called without ``valid_length``
+    (``untold``: not where its signature requires one)."""
 
     request: BucketRequest
     padding: Padding
@@ -437,6 +453,7 @@ class _PaddedCheck:
     full: int
     named_buffers: Sequence[tuple[str, torch.Tensor]]
     saved: Sequence[torch.Tensor]
+    untold: bool
 
 
 def _padded_difference(
@@ -489,15 +506,10 @@ def _padded_difference(
             check.length,
         )
     else:
-        put_back_modes = kept_modes()
-        try:
-            reference = run(tensors, 0, given)
-        except DualgraphError:
-            raise  # dualgraph's own refusal (a graphed callable inside): not the values
-        except Exception:
-            # values it does not take (probabilities shifted out of [0, 1]): it cannot be
-            # judged on them, as where its outputs are not finite
-            put_back_modes()
+        # values it may not take (probabilities shifted out of [0, 1]): where it raises, it
+        # cannot be judged on them, as where its outputs are not finite
+        reference = _guarded(lambda: run(tensors, 0, given))
+        if reference is _REFUSED:
             return None
     expected_buffers = updated()
     if not sample and not _all_finite(reference):
@@ -505,7 +517,7 @@ def _padded_difference(
     _refuse_lost_views(check.request.name, check.padding, check.guard.paths, reference, given)
     if _difference(reference, run(tensors, 1), ()) is not None:
         return None  # it draws random numbers: the two calls cannot be compared
-    if sample:
+    if sample and check.untold:
         untold = _untold_difference(
             run, tensors, reference, [n for n, _ in check.named_buffers], expected_buffers, updated
         )
@@ -552,13 +564,8 @@ def _untold_difference(
     differs from ``told``, its outputs with ``valid_length`` of their full length (as every
     replay calls it, padded or not), in outputs or updated buffers; None where they agree or
     where it cannot be called without (a required ``valid_length``: nothing to compare)."""
-    put_back_modes = kept_modes()
-    try:
-        untold = run(tensors, 0, told=False)
-    except DualgraphError:
-        raise  # dualgraph's own refusal (a graphed callable inside), told or not
-    except Exception:
-        put_back_modes()
+    untold = _guarded(lambda: run(tensors, 0, told=False))
+    if untold is _REFUSED:
         return None
     difference = _difference(untold, told, ())
     if difference is None:
@@ -567,6 +574,29 @@ def _untold_difference(
             if gap is not None:
                 return f"buffer {name} (updated by the call) {gap}"
     return difference
+
+
+#: What :func:`_guarded` returns for a call the callable raised on.
+_REFUSED: Any = object()
+
+
+def _guarded(call: Callable[[], Any]) -> Any:
+    """``call()`` (a run of the callable in the padding check), or :data:`_REFUSED` where the
+    callable raises (a call or values it does not take: nothing to judge there), with the modes
+    it left put back for the next run; dualgraph's own refusals (a graphed callable inside) go
+    through.
+
+    >>> _guarded(lambda: 1 / 0) is _REFUSED, _guarded(lambda: 2)
+    (True, 2)
+    """
+    put_back_modes = kept_modes()
+    try:
+        return call()
+    except DualgraphError:
+        raise
+    except Exception:
+        put_back_modes()
+        return _REFUSED
 
 
 def _refuse_updates_of_the_call(
@@ -687,7 +717,7 @@ def _refuse_lost_views(
         seen.add(id(tensor))
         if any(tensor is inputs[i] for i in padded):
             continue  # the caller's own tensor is handed back
-        storage = _storage(tensor)
+        storage = storage_key(tensor)
         for i, given in enumerate(inputs):
             if (i in padded or k in cut) and _shares_elements(tensor, given, storage):
                 raise DualgraphError(
@@ -712,7 +742,7 @@ def _refuse_lost_views(
 
 def _shares_elements(a: torch.Tensor, b: torch.Tensor, storage_of_a: int) -> bool:
     """Whether ``a`` and ``b`` hold a byte in common (runs at capture, on the samples)."""
-    if not b.numel() or _storage(b) != storage_of_a:
+    if not b.numel() or storage_key(b) != storage_of_a:
         return False
     if a.element_size() != b.element_size():
         return True  # as different dtypes: counted as shared
@@ -725,13 +755,6 @@ def _addresses(tensor: torch.Tensor) -> torch.Tensor:
     for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
         offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
     return offsets.reshape(-1)
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().data_ptr())
-    except Exception:  # a tensor subclass without a plain storage: nothing to share
-        return -id(tensor)
 
 
 def _padded(
@@ -840,6 +863,35 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
         # the first element apart, as expected (the call as it is) and as found (padded)
         return f"differs (at {list(at)}: {b[at].item()} instead of {a[at].item()})"
     return None
+
+
+def _requires_valid_length(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn``'s signature says it cannot be called without ``valid_length`` (False where
+    it cannot tell). A module is read through its ``forward``, where nothing that runs before
+    it could pass one (its class's call is ``Module``'s, and no forward pre-hook is set).
+
+    >>> _requires_valid_length(lambda x, valid_length: x)
+    True
+    >>> _requires_valid_length(lambda x, valid_length=None: x), _requires_valid_length(print)
+    (False, False)
+    """
+    if isinstance(fn, torch.nn.Module):
+        if (
+            type(fn).__call__ is not torch.nn.Module.__call__
+            or fn._forward_pre_hooks
+            or torch.nn.modules.module._global_forward_pre_hooks
+        ):
+            return False
+        fn = fn.forward
+    try:
+        parameter = inspect.signature(fn).parameters.get(VALID_LENGTH)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return (
+        parameter is not None
+        and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        and parameter.default is parameter.empty
+    )
 
 
 def _accepts_valid_length(fn: Callable[..., Any]) -> bool:

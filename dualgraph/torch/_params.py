@@ -446,10 +446,10 @@ class ModuleTensors:
             or (self.attribute_keys and self._attribute_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
             or (
-                list(map(len, self.counted_dicts)) != self.counted_lens
+                (counts := list(map(len, self.counted_dicts))) != self.counted_lens
                 and (
                     tuple(map(len, self.member_dicts)) != self.member_counts
-                    or self._namespace_changed() is not None
+                    or self._namespace_changed(counts) is not None
                 )
             )
         ):
@@ -554,25 +554,28 @@ class ModuleTensors:
         its first eval call) as those of capture, in each ``__dict__`` whose count was capture's
         before it ran (where the caller had added one already, that stays refused)."""
         namespaces = self.namespaces
-        if list(map(len, self.counted_dicts)) != self.counted_lens:
-            self._namespace_changed()  # takes what is no change (dualgraph's own forward)
-        before = list(map(len, namespaces))
+        counts = list(map(len, self.counted_dicts))  # the members', then the namespaces'
+        if counts != self.counted_lens:
+            self._namespace_changed(counts)  # takes what is no change (dualgraph's own forward)
+        start = len(self.member_dicts)
+        before = counts[start:]
         try:
             yield
         finally:
-            if list(map(len, namespaces)) != before:
-                start = len(self.member_dicts)
+            after = list(map(len, namespaces))
+            if after != before:
+                lens = self.counted_lens
                 looked_up = self.looked_up_absent
                 for i, namespace in enumerate(namespaces):
-                    if len(namespace) != before[i] and before[i] == self.counted_lens[start + i]:
+                    if after[i] != before[i] and before[i] == lens[start + i]:
                         self.namespace_keys[i] = _public_keys(namespace, self.namespace_exempt[i])
-                        self.counted_lens[start + i] = len(namespace)
+                        lens[start + i] = after[i]
                         if id(namespace) in looked_up:  # now set by the forward itself
                             looked_up[id(namespace)] = looked_up[id(namespace)].difference(
                                 namespace
                             )
 
-    def _namespace_changed(self) -> tuple[int, str, str] | None:
+    def _namespace_changed(self, counts: Sequence[int]) -> tuple[int, str, str] | None:
         """The first public attribute added to or deleted from a module's ``__dict__`` since
         capture, as ``(namespace index, attribute, how)`` (``None``), ``how`` one of ``"added"``,
         ``"looked up"`` (added, and the forward looked it up in vain at capture) and
@@ -583,12 +586,14 @@ class ModuleTensors:
         capture. Only the dicts whose count differs are looked at; where none of theirs is (a
         private attribute, an object, a tensor a hook of the graphed module keeps, as its hooks
         run around each replay, dualgraph's own ``forward``), the new count is taken, so that
-        the next call passes in one pass again.
+        the next call passes in one pass again. ``counts``: the ``len`` of each of
+        ``counted_dicts``, as the caller read them to find a count changed.
         """
         start = len(self.member_dicts)
         lens = self.counted_lens
         for i, namespace in enumerate(self.namespaces):
-            if len(namespace) == lens[start + i]:
+            count = counts[start + i]
+            if count == lens[start + i]:
                 continue
             keys, exempt = self.namespace_keys[i], self.namespace_exempt[i]
             looked_up = self.looked_up_absent.get(id(namespace), _NO_NAMES)
@@ -605,7 +610,7 @@ class ModuleTensors:
             self.namespace_keys[i] = keys | {
                 key for key in namespace if key not in exempt and _added_plain(key, namespace[key])
             }
-            lens[start + i] = len(namespace)
+            lens[start + i] = count
         return None
 
     def note_looked_up(self, missed: dict[int, set[str]]) -> None:
@@ -821,8 +826,9 @@ class ModuleTensors:
                     "as an attribute, appended to a ModuleList or ParameterList), which eager "
                     f"would use but the graphs never read; add it before graphing, or {again}"
                 )
-        if list(map(len, self.counted_dicts)) != self.counted_lens:
-            attribute = self._namespace_changed()
+        counts = list(map(len, self.counted_dicts))
+        if counts != self.counted_lens:
+            attribute = self._namespace_changed(counts)
             if attribute is not None:
                 index, attribute_name, change = attribute
                 module_name = self.namespace_names[index]

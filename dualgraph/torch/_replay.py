@@ -36,7 +36,7 @@ import torch.autograd.graph as _autograd_graph
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
-from ._address_ranges import AddressRanges
+from ._address_ranges import StorageIndex, first_sharing, memory_of, storage_spans
 from ._ambient import autocast_state, numerics_difference, show_autocast
 from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_readings as _numerics_readings
@@ -68,7 +68,7 @@ from ._replay_hooks import ReplayCall
 from ._saved_hooks import saved_copies_kept
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
-__all__ = ["GraphedCallable", "overlaps"]
+__all__ = ["GraphedCallable"]
 
 _detach = torch.Tensor.detach
 _chain = itertools.chain
@@ -163,7 +163,6 @@ class GraphedCallable:
         "_input_only_outputs",
         "_inputs",
         "_lock",
-        "_module_ranges",
         "_module_storages",
         "_module_tensors",
         "_mutated",
@@ -177,7 +176,6 @@ class GraphedCallable:
         "_numerics_read",
         "_other_uses",
         "_out_spec",
-        "_output_ranges",
         "_output_reach",
         "_output_storages",
         "_output_versions",
@@ -207,7 +205,6 @@ class GraphedCallable:
         "_storages",
         "_unreached_memo",
         "_unwatched",
-        "_updated_ranges",
         "_updated_storages",
         "_used_inside",
         "backend",
@@ -431,53 +428,30 @@ class GraphedCallable:
         # Where the module's parameters and buffers live (they stay put: checked on every call),
         # for the inputs the callable updates in place (_check_mutated_inputs).
         module_tensors = plan.module_tensors if self._mutated else None
-        self._module_storages: dict[int, str] = {}
-        if module_tensors is not None:
-            for name, tensor in zip(module_tensors.names, module_tensors.tensors, strict=True):
-                storage = _storage_of(tensor)
-                if storage is not None:
-                    self._module_storages.setdefault(storage, name)
-        self._module_ranges = _ranges_of(
+        self._module_storages = StorageIndex(
             ()
             if module_tensors is None
             else zip(module_tensors.names, module_tensors.tensors, strict=True)
         )
         # Where the buffers the callable updates in place live: an input sharing memory with
-        # one would be read, in eager, after the update (check_inputs_sharing_updated_buffers).
-        self._updated_storages: dict[int, str] = {}
-        if plan.module_tensors is not None:
-            tensors = plan.module_tensors
-            for i in tensors.updated:
-                storage = _storage_of(tensors.tensors[i])
-                if storage is not None:
-                    self._updated_storages.setdefault(storage, tensors.names[i])
-        for name, tensor in plan.closure_updates:  # a function's, found the same way
-            storage = _storage_of(tensor)
-            if storage is not None:
-                self._updated_storages.setdefault(storage, name)
-        self._updated_ranges = _ranges_of(
+        # one would be read, in eager, after the update (check_inputs_sharing_updated_buffers);
+        # a function's are found the same way.
+        # None where there are none: the per-call test is then one identity comparison.
+        updated = plan.module_tensors
+        updated_storages = StorageIndex(
             [
                 *(
                     ()
-                    if plan.module_tensors is None
-                    else (
-                        (plan.module_tensors.names[i], plan.module_tensors.tensors[i])
-                        for i in plan.module_tensors.updated
-                    )
+                    if updated is None
+                    else ((updated.names[i], updated.tensors[i]) for i in updated.updated)
                 ),
                 *plan.closure_updates,
             ]
         )
+        self._updated_storages = updated_storages if updated_storages else None
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
-        self._output_storages: dict[int, str] = {}
-        if self._mutated:
-            paths = self._out_spec.array_paths
-            for k, output in enumerate(self._overwritten_outputs):
-                storage = _storage_of(output)
-                if storage is not None:
-                    self._output_storages.setdefault(storage, f"output{paths[k]}")
-        self._output_ranges = _ranges_of(
+        self._output_storages = StorageIndex(
             (f"output{self._out_spec.array_paths[k]}", output)
             for k, output in enumerate(self._overwritten_outputs if self._mutated else ())
         )
@@ -637,7 +611,7 @@ class GraphedCallable:
                 self._numerics_read = readings
             if self._mutated:
                 self._check_mutated_inputs(tensors)
-            if self._updated_storages:
+            if self._updated_storages is not None:
                 self.check_inputs_sharing_updated_buffers(tensors)
             aliases = self._aliases
             if aliases is not None and aliases.input_views:
@@ -785,30 +759,27 @@ class GraphedCallable:
         that shares memory with another input or with a parameter or buffer of the module
         (eager would see the update through it)."""
         paths = self._inputs.paths
+        spans = storage_spans(tensors)  # read once: an updated input is checked against each
         for i in self._mutated:
-            mutated = tensors[i]
-            why = _unwritable(mutated)
+            why = _unwritable(tensors[i])
             if why is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]}: the callable updates it in place, and {why}, so "
                     "eager's update would raise; pass a tensor of its own (clone())"
                 )
-            if mutated.numel() == 0:
+            span = spans[i]
+            if span is None:  # empty
                 continue
-            memory = mutated.untyped_storage()
-            storage = memory.data_ptr()
-            owner = self._module_storages.get(storage)
-            if owner is None and (self._module_ranges.any_foreign or not memory.resizable()):
-                owner = self._module_ranges.find(memory)
+            start, _, memory = span
+            foreign = not memory.resizable()
+            owner = self._module_storages.owner(memory, start, foreign)
             if owner is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]} shares memory with {owner}, and the callable "
                     f"updates {paths[i]} in place: eager would see the update through {owner}, "
                     "a replay would not; pass a tensor of its own (clone())"
                 )
-            output = self._output_storages.get(storage)
-            if output is None and (self._output_ranges.any_foreign or not memory.resizable()):
-                output = self._output_ranges.find(memory)
+            output = self._output_storages.owner(memory, start, foreign)
             if output is not None:
                 raise DualgraphError(
                     f"{self.name}: {paths[i]} shares memory with {output} of an earlier call (a "
@@ -818,14 +789,13 @@ class GraphedCallable:
                 )
             # By address range, not storage: two storages may hold the same memory (from_numpy
             # of overlapping numpy views, frombuffer, DLPack).
-            end = storage + memory.nbytes()
-            for j, other in enumerate(tensors):
-                if j != i and other.numel() and overlaps(other.untyped_storage(), storage, end):
-                    raise DualgraphError(
-                        f"{self.name}: {paths[i]} and {paths[j]} share memory, and the callable "
-                        f"updates {paths[i]} in place: eager would see the update through "
-                        f"{paths[j]}, a replay would not; pass tensors that do not share memory"
-                    )
+            j = first_sharing(spans, i)
+            if j is not None:
+                raise DualgraphError(
+                    f"{self.name}: {paths[i]} and {paths[j]} share memory, and the callable "
+                    f"updates {paths[i]} in place: eager would see the update through "
+                    f"{paths[j]}, a replay would not; pass tensors that do not share memory"
+                )
 
     def check_inputs_sharing_updated_buffers(
         self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
@@ -837,17 +807,14 @@ class GraphedCallable:
         ``paths``: of ``tensors``, where they are not this replay's inputs (a padded call's).
         """
         updated = self._updated_storages
-        if not updated:
+        if updated is None:
             return
         paths = self._inputs.paths if paths is None else paths
-        foreign = self._updated_ranges.any_foreign
         for path, tensor in zip(paths, tensors, strict=True):
-            memory = _memory_of(tensor)
+            memory = memory_of(tensor)
             if memory is None:
                 continue
-            owner = updated.get(memory.data_ptr())
-            if owner is None and (foreign or not memory.resizable()):
-                owner = self._updated_ranges.find(memory)
+            owner = updated.owner(memory, memory.data_ptr(), not memory.resizable())
             if owner is not None:
                 raise DualgraphError(
                     f"{self.name}: {path} shares memory with {owner}, which the callable updates "
@@ -1577,65 +1544,6 @@ def _same_place(tensor: torch.Tensor, memory: torch.Tensor) -> bool:
         and tensor.stride() == memory.stride()
         and tensor.shape == memory.shape
     )
-
-
-def _memory_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """A non-empty tensor's storage (``None`` for none, or no plain storage)."""
-    try:
-        return tensor.untyped_storage() if tensor.numel() else None
-    except Exception:  # e.g. a tensor subclass without a storage of its own
-        return None
-
-
-def _storage_of(tensor: torch.Tensor) -> int | None:
-    """The address of a non-empty tensor's storage (``None`` for none, or no plain storage)."""
-    memory = _memory_of(tensor)
-    return None if memory is None else int(memory.data_ptr())
-
-
-class _Ranges:
-    """Where some named tensors' storages lie, for an input's storage that may hold their memory
-    without being theirs (from_numpy of a view of it, frombuffer, DLPack).
-
-    Only a storage torch did not allocate (not resizable) can be another storage over memory that
-    is also another's: callers look here only when the input's storage is one (or ``any_foreign``,
-    some of these storages are), so the common path stays a dict look-up and one
-    ``resizable()``.
-    """
-
-    __slots__ = ("_ranges", "any_foreign")
-
-    def __init__(self, ranges: AddressRanges, any_foreign: bool) -> None:
-        self._ranges = ranges
-        self.any_foreign = any_foreign
-
-    def find(self, memory: torch.UntypedStorage) -> str | None:
-        """The name of a tensor whose storage holds any byte of ``memory``, or ``None``."""
-        start = memory.data_ptr()
-        return self._ranges.find(start, start + memory.nbytes())
-
-
-def _ranges_of(named: Iterable[tuple[str, torch.Tensor]]) -> _Ranges:
-    ranges, any_foreign = [], False
-    for name, tensor in named:
-        memory = _memory_of(tensor)
-        if memory is None:
-            continue
-        start = memory.data_ptr()
-        ranges.append((start, start + memory.nbytes(), name))
-        any_foreign = any_foreign or not memory.resizable()
-    return _Ranges(AddressRanges(ranges), any_foreign)
-
-
-def overlaps(memory: torch.UntypedStorage, start: int, end: int) -> bool:
-    """Whether ``memory`` holds any byte of the addresses ``[start, end)``.
-
-    >>> memory = torch.zeros(4).untyped_storage()
-    >>> overlaps(memory, memory.data_ptr() + 12, memory.data_ptr() + 20)
-    True
-    """
-    begin = memory.data_ptr()
-    return begin < end and start < begin + memory.nbytes()
 
 
 _IN_PLACE_REFUSALS = {
