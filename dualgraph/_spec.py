@@ -224,11 +224,7 @@ class TreeSpec:
         >>> describe((np.zeros(2, np.float32),)).with_grad_mask([False]).grad_mask
         (False,)
         """
-        flags = grad_flags(mask, self.array_paths)
-        if len(flags) != self._num_arrays:
-            raise DualgraphError(
-                f"grad mask has {len(flags)} entries, the spec has {self._num_arrays} array leaves"
-            )
+        flags = grad_flags(mask, self.array_paths, "spec")
         nodes = list(self._nodes)
         for index, flag in zip(self._array_indices(), flags, strict=True):
             nodes[index] = nodes[index].with_grad(flag)  # type: ignore[attr-defined]
@@ -758,35 +754,55 @@ def _first_difference(
     return None
 
 
-def grad_flags(mask: object, paths: Sequence[str] | None = None) -> list[bool]:
-    """The entries of a grad mask, each a bool (see :func:`_grad_flag`), as a list.
+def grad_flags(mask: object, paths: Sequence[str], owner: str) -> list[bool]:
+    """The entries of a grad mask, one bool per array leaf (see :func:`_grad_flag`), as a list.
 
-    ``paths`` are the array leaves' paths, one per entry, for the error messages; given, an
-    iterator with more entries is refused once one too many is read (an endless one, such as
-    ``itertools.repeat(False)``, would otherwise be read until memory runs out).
+    ``paths`` are the array leaves' paths, one per entry, for the error messages; ``owner``
+    names what has them (``"spec"``, ``"call"``). A mask whose length is not one per leaf is
+    refused before its entries are read (a wrong numpy mask of 10**7 entries took 27 s), and
+    any mask is read one entry past the leaves at most: an iterator may be endless (such as
+    ``itertools.repeat(False)``), and a length may lie.
 
-    >>> grad_flags((True, False))
+    >>> grad_flags((True, False), ("[0]", "[1]"), "spec")
     [True, False]
     """
     # A set has no order and a mapping's entries are its keys: neither is a mask.
-    if isinstance(mask, str | bytes | AbstractSet | Mapping) or not isinstance(mask, Iterable):
-        raise DualgraphError(
-            f"a grad mask is a sequence of bools, got {type(mask).__module__}."
-            f"{type(mask).__qualname__}"
-        )
-    bounded = paths is not None and not isinstance(mask, Sized)  # an iterator: maybe endless
-    if paths is None:
-        paths = ()
-    entries = itertools.islice(mask, len(paths) + 1) if bounded else mask
     try:
+        refused = isinstance(mask, str | bytes | AbstractSet | Mapping) or not isinstance(
+            mask, Iterable
+        )
+        sized = isinstance(mask, Sized)
+    except Exception:  # an object whose own __class__ fails
+        refused, sized = True, False
+    if refused:
+        raise DualgraphError(f"a grad mask is a sequence of bools, got {class_name(type(mask))}")
+    expected = len(paths)
+    if sized:
+        try:
+            count: int | None = len(mask)  # type: ignore[arg-type]
+        except Exception:  # its own __len__ failed: read it as an iterator
+            count = None
+        if count is not None and count != expected:
+            raise DualgraphError(
+                f"grad mask has {count} entries, the {owner} has {expected} array leaves"
+            )
+    try:
+        entries = itertools.islice(mask, expected + 1)  # type: ignore[call-overload]
         flags = [_grad_flag(i, flag, paths) for i, flag in enumerate(entries)]
     except DualgraphError:
         raise
     except Exception as error:
-        raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
-    if bounded and len(flags) > len(paths):
         raise DualgraphError(
-            f"grad mask has more than {len(paths)} entries, for {len(paths)} array leaves"
+            f"a grad mask is a sequence of bools: reading it raised {type(error).__name__}: "
+            f"{clip_text(error)}"
+        ) from None
+    if len(flags) > expected:
+        raise DualgraphError(
+            f"grad mask has more than {expected} entries, for {expected} array leaves"
+        )
+    if len(flags) < expected:
+        raise DualgraphError(
+            f"grad mask has {len(flags)} entries, the {owner} has {expected} array leaves"
         )
     return flags
 
@@ -798,6 +814,6 @@ def _grad_flag(index: int, flag: object, paths: Sequence[str]) -> bool:
         return found
     leaf = f" (the array at {paths[index] or '<root>'})" if index < len(paths) else ""
     raise DualgraphError(
-        f"grad mask[{index}]{leaf}: expected a bool, got {type(flag).__module__}."
-        f"{type(flag).__qualname__} (a grad mask is not coerced: 'False' would mean True)"
+        f"grad mask[{index}]{leaf}: expected a bool, got {class_name(type(flag))} "
+        "(a grad mask is not coerced: 'False' would mean True)"
     )

@@ -241,6 +241,42 @@ def test_flatten_rejects_args_that_are_not_a_tuple(args: Any) -> None:
     assert error.path == "args"
 
 
+class _FailingList(list):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        raise ValueError("cannot iterate")
+
+
+def test_args_whose_own_iteration_fails_are_a_dualgraph_error_naming_args() -> None:
+    # Before: the list subclass's ValueError leaked from describe_call and flatten
+    args, kwargs = sample_call()
+    failing = _FailingList(args)
+    with pytest.raises(DualgraphError, match=r"^args: reading the positional arguments raised Val"):
+        describe_call(failing, kwargs)
+    error = mismatch(failing, kwargs)
+    assert str(error).startswith("args: reading the positional arguments raised ValueError")
+    assert error.path == "args"
+
+
+class _FailingEquality:
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no equality")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_args_and_kwargs_of_a_class_whose_module_cannot_compare_are_named() -> None:
+    # Before: naming the class compared its __module__ with 'builtins': its RuntimeError leaked
+    odd = type("Odd", (), {})
+    odd.__module__ = _FailingEquality()  # type: ignore[assignment]
+    args, kwargs = sample_call()
+    with pytest.raises(DualgraphError, match=r"^args: expected a tuple or list of .*, got <"):
+        describe_call(odd(), kwargs)
+    with pytest.raises(DualgraphError, match=r"^kwargs: expected a mapping of .*, got <"):
+        describe_call(args, odd())
+    assert str(mismatch(odd(), kwargs)).startswith("args: expected a tuple of positional argum")
+    assert str(mismatch(args, odd())).startswith("kwargs: expected a mapping of keyword argum")
+
+
 def test_flatten_names_a_wrong_number_of_args() -> None:
     args, kwargs = sample_call()
     assert str(mismatch(args[:2], kwargs)) == (

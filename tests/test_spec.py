@@ -436,6 +436,63 @@ def test_with_grad_mask_takes_zero_dimensional_boolean_arrays() -> None:
     assert spec.with_grad_mask((np.array(True),)).grad_mask == (True,)
 
 
+class _CountedMask:
+    """A mask of ``length`` entries (``False``) that counts how many were read; past ``limit``
+    reads it fails (a mask whose length lies, or an endless one)."""
+
+    def __init__(self, length: int, limit: int = 10**6) -> None:
+        self.length, self.limit, self.read = length, limit, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[bool]:
+        while True:
+            self.read += 1
+            if self.read > self.limit:
+                raise AssertionError("read past the limit")
+            yield False
+
+
+def test_with_grad_mask_refuses_a_mask_of_another_length_before_reading_its_entries() -> None:
+    # Before: every entry was read first (a wrong numpy mask of 10**7 entries took 27 s)
+    spec = describe(TREES["encoder_dict"]())
+    mask = _CountedMask(10**6)
+    with pytest.raises(DualgraphError, match=r"grad mask has 1000000 entries, the spec has 2 arr"):
+        spec.with_grad_mask(mask)
+    assert mask.read == 0
+
+
+def test_with_grad_mask_reads_a_mask_whose_length_lies_one_entry_past_the_leaves() -> None:
+    # Before: a sized mask was read to its end (an endless one until memory ran out)
+    spec = describe(TREES["encoder_dict"]())
+    mask = _CountedMask(2, limit=10)
+    with pytest.raises(DualgraphError, match="grad mask has more than 2 entries, for 2 array"):
+        spec.with_grad_mask(mask)
+    assert mask.read == 3
+
+
+class _Unprintable:
+    def __format__(self, spec: str) -> str:
+        raise RuntimeError("cannot format")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("cannot repr")
+
+
+def test_grad_mask_errors_name_classes_whose_module_is_no_str() -> None:
+    # Before: the mask's own RuntimeError leaked, or the entry went unnamed
+    odd = type("Odd", (), {})
+    odd.__module__ = _Unprintable()  # type: ignore[assignment]
+    spec = describe((np.zeros(2, np.float32),))
+    with pytest.raises(DualgraphError, match=r"a grad mask is a sequence of bools, got <_Unp"):
+        spec.with_grad_mask(odd())
+    with pytest.raises(DualgraphError, match=r"grad mask\[0\] \(the array at \[0\]\): .* got <"):
+        spec.with_grad_mask([odd()])
+    with pytest.raises(DualgraphError, match=r"grad mask\[0\] .*: expected a bool, got <"):
+        dualgraph.describe_call((np.zeros(2, np.float32),)).with_grad_mask([odd()])
+
+
 def test_check_ignores_the_grad_flag() -> None:
     tree = TREES["encoder_dict"]()
     describe(tree).with_grad_mask([False, False]).check(tree)
