@@ -59,6 +59,8 @@ _BUILTIN_KINDS: dict[int, str] = {
 }
 _RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
 _RESOLVED_CLASSES: dict[int, type] = {}  # keeps the classes of _RESOLVED's ids alive
+#: How many registrations were made: a lookup caches its answer only if none came meanwhile.
+_generation = 0
 # Root module of a framework's array type -> the dualgraph module that registers it.
 _LAZY_REGISTRATIONS = {
     "torch": "dualgraph.torch._leaves",
@@ -113,7 +115,9 @@ def register_array_type(
                 f"register_array_type({cls.__qualname__}): {name} must be callable, "
                 f"got an object of type {type(function).__qualname__}"
             )
+    global _generation
     _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
+    _generation += 1  # before the cache is cleared: see array_type_of
     _RESOLVED.clear()  # (its classes stay in _RESOLVED_CLASSES: an id is never a stale key)
 
 
@@ -128,6 +132,7 @@ def array_type_of(cls: type, /) -> ArrayType | None:
         return _RESOLVED[id(cls)]
     except KeyError:
         pass
+    generation = _generation
     found = _lookup(cls)
     if found is None:
         # The class or a base of it (a user's subclass of torch.Tensor) is a framework's.
@@ -141,6 +146,12 @@ def array_type_of(cls: type, /) -> ArrayType | None:
                 break
     _RESOLVED_CLASSES[id(cls)] = cls  # first: an id is only a key while its class lives
     _RESOLVED[id(cls)] = found
+    if generation != _generation:
+        # A registration came while this lookup ran (another thread's, or one the lookup's
+        # imports made) and may have cleared the cache before the answer was put there: the
+        # answer may be stale, and cached it would hide the registration for good.
+        _RESOLVED.pop(id(cls), None)
+        return _lookup(cls)
     return found
 
 
@@ -281,7 +292,9 @@ def _lookup(cls: type) -> ArrayType | None:
         entry = _REGISTERED.get(id(base))
         if entry is not None:
             return entry[1]
-    for registered, array_type in _REGISTERED.values():
+    # A snapshot: issubclass may run code (a metaclass's __subclasscheck__), and another
+    # thread may register meanwhile.
+    for registered, array_type in tuple(_REGISTERED.values()):
         if issubclass(cls, registered):  # abstract bases such as jax.Array
             return array_type
     return None
