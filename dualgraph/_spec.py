@@ -249,7 +249,7 @@ class TreeSpec:
         except Exception:  # an object's own code failed while it was read: explain below
             arrays = None
         if arrays is None:
-            raise self.mismatch(tree, root=root)
+            raise self._mismatch(tree, root, shapes=check)
         return arrays
 
     def unflatten(self, arrays: Sequence[Any], /) -> Any:
@@ -285,9 +285,14 @@ class TreeSpec:
 
     def mismatch(self, tree: Any, /, *, root: str = "") -> SpecMismatchError:
         """The error explaining how ``tree`` differs from this spec (slow path, for messages)."""
+        return self._mismatch(tree, root, shapes=True)
+
+    def _mismatch(self, tree: Any, root: str, *, shapes: bool) -> SpecMismatchError:
+        """:meth:`mismatch`, comparing array shapes and dtypes only if ``shapes`` (a flatten
+        without check takes any array at an array's place: its error names what it refused)."""
         root = _checked_root(root)
         try:
-            difference = _first_difference(self._nodes, self._get_layout(), tree)
+            difference = _first_difference(self._nodes, self._get_layout(), tree, shapes)
         except Exception as error:  # pragma: no cover - every read above is guarded
             difference = (0, None, f"the tree could not be read: {clip_text(error)}")
         if difference is None:
@@ -729,15 +734,16 @@ _NUMPY_NAMES: dict[np.dtype, str] = {}
 
 
 def _first_difference(
-    nodes: tuple[Node, ...], layout: _Layout, tree: Any
+    nodes: tuple[Node, ...], layout: _Layout, tree: Any, shapes: bool = True
 ) -> tuple[int, PathEntry | None, str] | None:
     """``(node index, entry, message)`` of the first place where ``tree`` differs (the entry
-    names a child of that node, for a missing or unexpected key)."""
+    names a child of that node, for a missing or unexpected key); arrays by their shapes and
+    dtypes too if ``shapes``."""
     stack = [tree]
     for index, node in enumerate(nodes):
         obj = stack.pop()
         if isinstance(node, Leaf):
-            if not node.matches(obj):
+            if not (node.matches(obj) if shapes else node.fits(obj)):
                 return index, None, f"expected {node.brief()}, got {brief_of(obj)}"
             continue
         assert isinstance(node, Container)

@@ -175,6 +175,14 @@ def test_flatten_without_check_skips_shapes_and_dtypes() -> None:
         spec.flatten(args, kwargs, check=True)
 
 
+def test_flatten_without_check_names_the_argument_it_refused_not_another_shape() -> None:
+    # Before: 'args[0]: expected float32[2, 3], got float32[5, 3]' for a call refused for its
+    # constant (7 -> 8), as a bucketed or padded call of another length is
+    args, kwargs = sample_call()
+    error = mismatch((array(5, 3), args[1], 8), kwargs, check=False)
+    assert str(error) == "args[2]: expected int 7, got int 8"
+
+
 @pytest.mark.parametrize("check", [False, True])
 def test_flatten_always_checks_none_positions_and_constants(check: bool) -> None:
     args, kwargs = sample_call()

@@ -213,6 +213,16 @@ def test_flatten_without_check_skips_shapes_and_dtypes() -> None:
     assert spec.flatten((other, None)) == [other]
 
 
+def test_flatten_without_check_names_what_it_refused_not_a_shape_it_takes() -> None:
+    # Before: '[0]: expected float32[2, 8], got float16[3]', a shape flatten takes (a bucket's
+    # other length), while the constant at [1] was what it refused
+    spec = describe((array(2, 8), "vit"))
+    with pytest.raises(SpecMismatchError, match=r"^\[1\]: expected str 'vit', got str 'deit'$"):
+        spec.flatten((array(3, dtype="float16"), "deit"))
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected float32\[2, 8\], got float16"):
+        spec.flatten((array(3, dtype="float16"), "deit"), check=True)
+
+
 def test_flatten_with_check_compares_shapes() -> None:
     spec = describe((array(2, 8), None))
     with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected float32\[2, 8\], got "):
