@@ -12,6 +12,7 @@ import importlib
 import math
 import re
 import struct
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,11 @@ _BUILTIN_KINDS: dict[int, str] = {
     **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
 _RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
-_RESOLVED_CLASSES: dict[int, type] = {}  # keeps the classes of _RESOLVED's ids alive
+# The ids of the classes _RESOLVED has met. A class's entries go with it (a finalizer, which
+# runs before its id can be another object's): every class ever looked up (a class made per
+# call, met in a message) would otherwise stay alive for good. A class that cannot be weakly
+# referenced is held instead (its id then stays its own).
+_WATCHED: dict[int, type | None] = {}
 #: How many registrations were made: a lookup caches its answer only if none came meanwhile.
 _generation = 0
 # Root module of a framework's array type -> the dualgraph module that registers it.
@@ -118,7 +123,7 @@ def register_array_type(
     global _generation
     _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
     _generation += 1  # before the cache is cleared: see array_type_of
-    _RESOLVED.clear()  # (its classes stay in _RESOLVED_CLASSES: an id is never a stale key)
+    _RESOLVED.clear()
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:
@@ -144,7 +149,7 @@ def array_type_of(cls: type, /) -> ArrayType | None:
             found = _lookup(cls)
             if found is not None:
                 break
-    _RESOLVED_CLASSES[id(cls)] = cls  # first: an id is only a key while its class lives
+    _watch(cls)  # first: an id is only a key while its class lives
     _RESOLVED[id(cls)] = found
     if generation != _generation:
         # A registration came while this lookup ran (another thread's, or one the lookup's
@@ -153,6 +158,24 @@ def array_type_of(cls: type, /) -> ArrayType | None:
         _RESOLVED.pop(id(cls), None)
         return _lookup(cls)
     return found
+
+
+def _watch(cls: type) -> None:
+    """Forget ``cls``'s entries when it goes (see :data:`_WATCHED`)."""
+    ident = id(cls)
+    if ident in _WATCHED:
+        return
+    try:
+        weakref.finalize(cls, _forget, ident).atexit = False
+    except TypeError:  # no weak references to it: keep it alive
+        _WATCHED[ident] = cls
+    else:
+        _WATCHED[ident] = None
+
+
+def _forget(ident: int) -> None:
+    _RESOLVED.pop(ident, None)
+    _WATCHED.pop(ident, None)
 
 
 _NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -540,3 +542,20 @@ def test_a_container_described_by_a_subclass_check_does_not_break_a_registration
 
     register_array_type(Base, signature=lambda x: ((), "int8"), requires_grad=bool)
     assert array_type_of(Base) is not None
+
+
+def test_a_class_looked_up_is_not_kept_alive_by_the_lookup_cache() -> None:
+    # Before: every class ever looked up (a class made per call, an object named in a
+    # message) stayed alive for good, held beside the cache
+    def looked_up() -> weakref.ref[type]:
+        ephemeral = type("Ephemeral", (), {})
+        assert array_type_of(ephemeral) is None
+        assert signature_of(ephemeral()) is None
+        assert array_type_of(ephemeral) is None  # answered from the cache
+        return weakref.ref(ephemeral)
+
+    ref = looked_up()
+    gc.collect()
+    assert ref() is None
+    # every id the cache answers for is a live class's
+    assert all(ident in _leaves._WATCHED for ident in _leaves._RESOLVED)
