@@ -37,6 +37,7 @@ from ._nodes import (
     class_name,
     clip,
     clip_text,
+    hash_part,
     show_constant,
 )
 from ._paths import PathEntry, format_path, show_path
@@ -83,7 +84,7 @@ class LeafSpec:
         return self._identity() == other._identity()
 
     def __hash__(self) -> int:
-        return hash(self._identity())
+        return hash(hash_part(self._identity()))
 
     def _identity(self) -> tuple[Any, ...]:
         value: Any = self.value

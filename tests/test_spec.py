@@ -875,6 +875,31 @@ def test_from_json_reads_bytes_as_utf8() -> None:
 # -- equality, hashing, repr, pickling -------------------------------------------------------------
 
 
+#: Ints that all hash to 0 (an int hashes by its value modulo 2**61 - 1), and dims made of them.
+ONE_HASH = [k * (2**61 - 1) for k in range(1, 41)]
+ONE_HASH_DIMS = [0, *ONE_HASH[:4]]  # within 2**63 - 1
+ONE_HASH_ROWS = {
+    "constant": [[["const", "int", n]] for n in ONE_HASH],
+    "shape": [
+        [["array", "int8", [ONE_HASH_DIMS[i // 5**j % 5] for j in range(3)], False]]
+        for i in range(len(ONE_HASH))
+    ],
+    "key": [[["dict", [n]], ["none"]] for n in ONE_HASH],
+}
+
+
+@pytest.mark.parametrize("kind", list(ONE_HASH_ROWS))
+def test_specs_of_documents_whose_ints_share_a_hash_hash_apart(kind: str) -> None:
+    # Before: a spec hashed by its ints' hashes, so specs read from documents (a dict or set of
+    # them, the specs' shared programs) made a table of one hash: time quadratic in their number
+    specs = [TreeSpec.from_json(document(rows)) for rows in ONE_HASH_ROWS[kind]]
+    assert len(set(specs)) == len(specs)
+    assert len({hash(spec) for spec in specs}) == len(specs)
+    assert len({hash(spec.leaves) for spec in specs}) == len(specs)
+    again = TreeSpec.from_json(specs[0].to_json())
+    assert again == specs[0] and hash(again) == hash(specs[0])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_specs_of_fresh_trees_are_equal_with_equal_hashes(name: str) -> None:
     first, second = describe(TREES[name]()), describe(TREES[name]())
