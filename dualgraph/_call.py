@@ -36,11 +36,9 @@ def describe_call(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, 
     (('args[0]', "kwargs['mask']"), (True, False))
     """
     if type(args) is not tuple:
-        if not isinstance(args, (tuple, list)):
-            raise DualgraphError(
-                f"args: expected a tuple or list of positional arguments, got {_type_name(args)}"
-            )
-        args = tuple(args)
+        args, problem = _args_tuple(args, "a tuple or list of positional arguments")
+        if problem is not None:
+            raise DualgraphError(problem)
     kwargs, problem = _kwargs_dict(kwargs)
     if problem is not None:
         raise DualgraphError(problem)
@@ -136,11 +134,7 @@ class CallSpec:
         >>> spec.with_grad_mask([False, True]).grad_mask
         (False, True)
         """
-        flags = grad_flags(mask, self.array_paths)
-        if len(flags) != self.num_arrays:
-            raise DualgraphError(
-                f"grad mask has {len(flags)} entries, the call has {self.num_arrays} array leaves"
-            )
+        flags = grad_flags(mask, self.array_paths, "call")
         n = self._num_args
         return CallSpec(
             self.args_spec.with_grad_mask(flags[:n]), self.kwargs_spec.with_grad_mask(flags[n:])
@@ -164,12 +158,9 @@ class CallSpec:
         dualgraph.SpecMismatchError: args[0]['x']: expected float32[2, 3], got float32[2, 4]
         """
         if type(args) is not tuple:
-            if not isinstance(args, (tuple, list)):
-                raise SpecMismatchError(
-                    f"args: expected a tuple of positional arguments, got {_type_name(args)}",
-                    path="args",
-                )
-            args = tuple(args)
+            args, problem = _args_tuple(args, "a tuple of positional arguments")
+            if problem is not None:
+                raise SpecMismatchError(problem, path="args")
         try:
             arrays = self.args_spec.flatten(args, check=check, root="args")
         except SpecMismatchError as error:
@@ -264,6 +255,20 @@ def _positional(count: int) -> str:
     return f"{count} positional argument{'' if count == 1 else 's'}"
 
 
+def _args_tuple(args: Any, expected: str) -> tuple[tuple[Any, ...], str | None]:
+    """``(args as a tuple, None)``, or ``((), what is wrong)``: a tuple or list (a subclass's own
+    iteration may fail)."""
+    if not isinstance(args, (tuple, list)):
+        return (), f"args: expected {expected}, got {_type_name(args)}"
+    try:
+        return tuple(args), None
+    except Exception as error:
+        return (), (
+            f"args: reading the positional arguments raised {type(error).__name__}: "
+            f"{clip_text(error)}"
+        )
+
+
 def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
     """``(kwargs as a plain dict, None)``, or ``({}, what is wrong)``; ``None`` means ``{}``."""
     if kwargs is None:
@@ -281,5 +286,7 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
 
 
 def _type_name(obj: Any) -> str:
-    cls = type(obj)
-    return cls.__qualname__ if cls.__module__ == "builtins" else class_name(cls)
+    """The class of ``obj`` for messages, builtins by their own name (never raises: a class's
+    ``__module__`` may be any object, whose ``==`` may fail)."""
+    name = class_name(type(obj))
+    return name.removeprefix("builtins.")

@@ -121,7 +121,10 @@ def _code_of(source: str) -> _Code:
 def _forget_retired() -> None:
     """Drop the linecache entries of codes that are gone (unless compiled again since)."""
     while _RETIRED:
-        filename = _RETIRED.pop()
+        try:
+            filename = _RETIRED.pop()
+        except IndexError:  # another thread took the last one since the test above
+            break
         if filename not in _LIVE:
             linecache.cache.pop(filename, None)
 

@@ -738,9 +738,11 @@ def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> N
 
 def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
     """The user classes known as containers (registered or described) that subclass ``cls``."""
+    # A snapshot: issubclass may run code (a metaclass's __subclasscheck__) that describes a
+    # tree, and another thread may register or describe meanwhile, either adding classes.
     return [
         (typ, kind)
-        for typ, kind in _KIND_OF.values()
+        for typ, kind in tuple(_KIND_OF.values())
         if kind.python_type is None and issubclass(typ, cls)
     ]
 

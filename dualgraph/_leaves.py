@@ -12,6 +12,7 @@ import importlib
 import math
 import re
 import struct
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,13 @@ _BUILTIN_KINDS: dict[int, str] = {
     **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
 _RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
-_RESOLVED_CLASSES: dict[int, type] = {}  # keeps the classes of _RESOLVED's ids alive
+# The ids of the classes _RESOLVED has met. A class's entries go with it (a finalizer, which
+# runs before its id can be another object's): every class ever looked up (a class made per
+# call, met in a message) would otherwise stay alive for good. A class that cannot be weakly
+# referenced is held instead (its id then stays its own).
+_WATCHED: dict[int, type | None] = {}
+#: How many registrations were made: a lookup caches its answer only if none came meanwhile.
+_generation = 0
 # Root module of a framework's array type -> the dualgraph module that registers it.
 _LAZY_REGISTRATIONS = {
     "torch": "dualgraph.torch._leaves",
@@ -129,8 +136,10 @@ def register_array_type(
                 f"register_array_type({cls.__qualname__}): {name} must be callable, "
                 f"got an object of type {type(function).__qualname__}"
             )
+    global _generation
     _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
-    _RESOLVED.clear()  # (its classes stay in _RESOLVED_CLASSES: an id is never a stale key)
+    _generation += 1  # before the cache is cleared: see array_type_of
+    _RESOLVED.clear()
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:
@@ -144,6 +153,7 @@ def array_type_of(cls: type, /) -> ArrayType | None:
         return _RESOLVED[id(cls)]
     except KeyError:
         pass
+    generation = _generation
     found = _lookup(cls)
     if found is None:
         # The class or a base of it (a user's subclass of torch.Tensor) is a framework's.
@@ -155,9 +165,33 @@ def array_type_of(cls: type, /) -> ArrayType | None:
             found = _lookup(cls)
             if found is not None:
                 break
-    _RESOLVED_CLASSES[id(cls)] = cls  # first: an id is only a key while its class lives
+    _watch(cls)  # first: an id is only a key while its class lives
     _RESOLVED[id(cls)] = found
+    if generation != _generation:
+        # A registration came while this lookup ran (another thread's, or one the lookup's
+        # imports made) and may have cleared the cache before the answer was put there: the
+        # answer may be stale, and cached it would hide the registration for good.
+        _RESOLVED.pop(id(cls), None)
+        return _lookup(cls)
     return found
+
+
+def _watch(cls: type) -> None:
+    """Forget ``cls``'s entries when it goes (see :data:`_WATCHED`)."""
+    ident = id(cls)
+    if ident in _WATCHED:
+        return
+    try:
+        weakref.finalize(cls, _forget, ident).atexit = False
+    except TypeError:  # no weak references to it: keep it alive
+        _WATCHED[ident] = cls
+    else:
+        _WATCHED[ident] = None
+
+
+def _forget(ident: int) -> None:
+    _RESOLVED.pop(ident, None)
+    _WATCHED.pop(ident, None)
 
 
 _NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}
@@ -297,7 +331,9 @@ def _lookup(cls: type) -> ArrayType | None:
         entry = _REGISTERED.get(id(base))
         if entry is not None:
             return entry[1]
-    for registered, array_type in _REGISTERED.values():
+    # A snapshot: issubclass may run code (a metaclass's __subclasscheck__), and another
+    # thread may register meanwhile.
+    for registered, array_type in tuple(_REGISTERED.values()):
         if issubclass(cls, registered):  # abstract bases such as jax.Array
             return array_type
     return None

@@ -39,6 +39,7 @@ __all__ = [
     "class_name",
     "clip",
     "clip_text",
+    "hash_part",
     "show_constant",
 ]
 
@@ -57,10 +58,32 @@ class NodeError(Exception):
     """A node cannot be made from what was given; the caller adds the path and re-raises."""
 
 
-class Node:
-    """One node of a spec. Frozen; compares by :attr:`key`."""
+#: Ints in this range hash to distinct values (but -1 and -2): an int hashes by its value
+#: modulo 2**61 - 1, so a document could hold any number of larger ints of one hash.
+_PLAIN_HASH = 2**60
 
-    __slots__ = ("key",)
+
+def hash_part(part: Any) -> Any:
+    """``part`` (a node's key or a part of it) as hashed: ints beyond ``2**60`` by their text,
+    whose hash (randomized per process, as every str's) no document can make collide.
+
+    >>> hash_part(("array", (2, 2**61 - 1), "int8", False))
+    ('array', (2, '0x1fffffffffffffff'), 'int8', False)
+    """
+    cls = type(part)
+    if cls is int:
+        return part if -_PLAIN_HASH < part < _PLAIN_HASH else hex(part)
+    if cls is tuple:
+        return tuple(map(hash_part, part))
+    return part
+
+
+class Node:
+    """One node of a spec. Frozen; compares by :attr:`key`, hashes by :func:`hash_part` of it
+    (a dict or set of specs read from documents is not a table keyed by what their ints hash
+    to)."""
+
+    __slots__ = ("_hash", "key")
 
     #: The node's name in JSON rows, e.g. ``"tuple"`` or ``"array"``.
     tag: ClassVar[str]
@@ -69,6 +92,7 @@ class Node:
     #: How many children follow the node in pre-order.
     arity: int
     key: tuple[Any, ...]
+    _hash: int  # set by the first __hash__
 
     def __init__(self, key: tuple[Any, ...]) -> None:
         object.__setattr__(self, "key", key)
@@ -83,7 +107,12 @@ class Node:
         return self is other or (type(other) is type(self) and self.key == other.key)
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        try:
+            return self._hash
+        except AttributeError:  # the first time: made when asked (most nodes never are)
+            found = hash(hash_part(self.key))
+            object.__setattr__(self, "_hash", found)
+            return found
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.brief()}>"

@@ -37,6 +37,7 @@ from ._nodes import (
     class_name,
     clip,
     clip_text,
+    hash_part,
     show_constant,
 )
 from ._paths import PathEntry, format_path, show_path
@@ -83,7 +84,7 @@ class LeafSpec:
         return self._identity() == other._identity()
 
     def __hash__(self) -> int:
-        return hash(self._identity())
+        return hash(hash_part(self._identity()))
 
     def _identity(self) -> tuple[Any, ...]:
         value: Any = self.value
@@ -224,11 +225,7 @@ class TreeSpec:
         >>> describe((np.zeros(2, np.float32),)).with_grad_mask([False]).grad_mask
         (False,)
         """
-        flags = grad_flags(mask, self.array_paths)
-        if len(flags) != self._num_arrays:
-            raise DualgraphError(
-                f"grad mask has {len(flags)} entries, the spec has {self._num_arrays} array leaves"
-            )
+        flags = grad_flags(mask, self.array_paths, "spec")
         nodes = list(self._nodes)
         for index, flag in zip(self._array_indices(), flags, strict=True):
             nodes[index] = nodes[index].with_grad(flag)  # type: ignore[attr-defined]
@@ -253,7 +250,7 @@ class TreeSpec:
         except Exception:  # an object's own code failed while it was read: explain below
             arrays = None
         if arrays is None:
-            raise self.mismatch(tree, root=root)
+            raise self._mismatch(tree, root, shapes=check)
         return arrays
 
     def unflatten(self, arrays: Sequence[Any], /) -> Any:
@@ -289,9 +286,14 @@ class TreeSpec:
 
     def mismatch(self, tree: Any, /, *, root: str = "") -> SpecMismatchError:
         """The error explaining how ``tree`` differs from this spec (slow path, for messages)."""
+        return self._mismatch(tree, root, shapes=True)
+
+    def _mismatch(self, tree: Any, root: str, *, shapes: bool) -> SpecMismatchError:
+        """:meth:`mismatch`, comparing array shapes and dtypes only if ``shapes`` (a flatten
+        without check takes any array at an array's place: its error names what it refused)."""
         root = _checked_root(root)
         try:
-            difference = _first_difference(self._nodes, self._get_layout(), tree)
+            difference = _first_difference(self._nodes, self._get_layout(), tree, shapes)
         except Exception as error:  # pragma: no cover - every read above is guarded
             difference = (0, None, f"the tree could not be read: {clip_text(error)}")
         if difference is None:
@@ -733,15 +735,16 @@ _NUMPY_NAMES: dict[np.dtype, str] = {}
 
 
 def _first_difference(
-    nodes: tuple[Node, ...], layout: _Layout, tree: Any
+    nodes: tuple[Node, ...], layout: _Layout, tree: Any, shapes: bool = True
 ) -> tuple[int, PathEntry | None, str] | None:
     """``(node index, entry, message)`` of the first place where ``tree`` differs (the entry
-    names a child of that node, for a missing or unexpected key)."""
+    names a child of that node, for a missing or unexpected key); arrays by their shapes and
+    dtypes too if ``shapes``."""
     stack = [tree]
     for index, node in enumerate(nodes):
         obj = stack.pop()
         if isinstance(node, Leaf):
-            if not node.matches(obj):
+            if not (node.matches(obj) if shapes else node.fits(obj)):
                 return index, None, f"expected {node.brief()}, got {brief_of(obj)}"
             continue
         assert isinstance(node, Container)
@@ -758,35 +761,55 @@ def _first_difference(
     return None
 
 
-def grad_flags(mask: object, paths: Sequence[str] | None = None) -> list[bool]:
-    """The entries of a grad mask, each a bool (see :func:`_grad_flag`), as a list.
+def grad_flags(mask: object, paths: Sequence[str], owner: str) -> list[bool]:
+    """The entries of a grad mask, one bool per array leaf (see :func:`_grad_flag`), as a list.
 
-    ``paths`` are the array leaves' paths, one per entry, for the error messages; given, an
-    iterator with more entries is refused once one too many is read (an endless one, such as
-    ``itertools.repeat(False)``, would otherwise be read until memory runs out).
+    ``paths`` are the array leaves' paths, one per entry, for the error messages; ``owner``
+    names what has them (``"spec"``, ``"call"``). A mask whose length is not one per leaf is
+    refused before its entries are read (a wrong numpy mask of 10**7 entries took 27 s), and
+    any mask is read one entry past the leaves at most: an iterator may be endless (such as
+    ``itertools.repeat(False)``), and a length may lie.
 
-    >>> grad_flags((True, False))
+    >>> grad_flags((True, False), ("[0]", "[1]"), "spec")
     [True, False]
     """
     # A set has no order and a mapping's entries are its keys: neither is a mask.
-    if isinstance(mask, str | bytes | AbstractSet | Mapping) or not isinstance(mask, Iterable):
-        raise DualgraphError(
-            f"a grad mask is a sequence of bools, got {type(mask).__module__}."
-            f"{type(mask).__qualname__}"
-        )
-    bounded = paths is not None and not isinstance(mask, Sized)  # an iterator: maybe endless
-    if paths is None:
-        paths = ()
-    entries = itertools.islice(mask, len(paths) + 1) if bounded else mask
     try:
+        refused = isinstance(mask, str | bytes | AbstractSet | Mapping) or not isinstance(
+            mask, Iterable
+        )
+        sized = isinstance(mask, Sized)
+    except Exception:  # an object whose own __class__ fails
+        refused, sized = True, False
+    if refused:
+        raise DualgraphError(f"a grad mask is a sequence of bools, got {class_name(type(mask))}")
+    expected = len(paths)
+    if sized:
+        try:
+            count: int | None = len(mask)  # type: ignore[arg-type]
+        except Exception:  # its own __len__ failed: read it as an iterator
+            count = None
+        if count is not None and count != expected:
+            raise DualgraphError(
+                f"grad mask has {count} entries, the {owner} has {expected} array leaves"
+            )
+    try:
+        entries = itertools.islice(mask, expected + 1)  # type: ignore[call-overload]
         flags = [_grad_flag(i, flag, paths) for i, flag in enumerate(entries)]
     except DualgraphError:
         raise
     except Exception as error:
-        raise DualgraphError(f"a grad mask is a sequence of bools: {error}") from None
-    if bounded and len(flags) > len(paths):
         raise DualgraphError(
-            f"grad mask has more than {len(paths)} entries, for {len(paths)} array leaves"
+            f"a grad mask is a sequence of bools: reading it raised {type(error).__name__}: "
+            f"{clip_text(error)}"
+        ) from None
+    if len(flags) > expected:
+        raise DualgraphError(
+            f"grad mask has more than {expected} entries, for {expected} array leaves"
+        )
+    if len(flags) < expected:
+        raise DualgraphError(
+            f"grad mask has {len(flags)} entries, the {owner} has {expected} array leaves"
         )
     return flags
 
@@ -798,6 +821,6 @@ def _grad_flag(index: int, flag: object, paths: Sequence[str]) -> bool:
         return found
     leaf = f" (the array at {paths[index] or '<root>'})" if index < len(paths) else ""
     raise DualgraphError(
-        f"grad mask[{index}]{leaf}: expected a bool, got {type(flag).__module__}."
-        f"{type(flag).__qualname__} (a grad mask is not coerced: 'False' would mean True)"
+        f"grad mask[{index}]{leaf}: expected a bool, got {class_name(type(flag))} "
+        "(a grad mask is not coerced: 'False' would mean True)"
     )

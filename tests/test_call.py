@@ -175,6 +175,14 @@ def test_flatten_without_check_skips_shapes_and_dtypes() -> None:
         spec.flatten(args, kwargs, check=True)
 
 
+def test_flatten_without_check_names_the_argument_it_refused_not_another_shape() -> None:
+    # Before: 'args[0]: expected float32[2, 3], got float32[5, 3]' for a call refused for its
+    # constant (7 -> 8), as a bucketed or padded call of another length is
+    args, kwargs = sample_call()
+    error = mismatch((array(5, 3), args[1], 8), kwargs, check=False)
+    assert str(error) == "args[2]: expected int 7, got int 8"
+
+
 @pytest.mark.parametrize("check", [False, True])
 def test_flatten_always_checks_none_positions_and_constants(check: bool) -> None:
     args, kwargs = sample_call()
@@ -239,6 +247,42 @@ def test_flatten_rejects_args_that_are_not_a_tuple(args: Any) -> None:
     error = mismatch(args, kwargs)
     assert str(error).startswith("args: expected a tuple of positional arguments, got ")
     assert error.path == "args"
+
+
+class _FailingList(list):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        raise ValueError("cannot iterate")
+
+
+def test_args_whose_own_iteration_fails_are_a_dualgraph_error_naming_args() -> None:
+    # Before: the list subclass's ValueError leaked from describe_call and flatten
+    args, kwargs = sample_call()
+    failing = _FailingList(args)
+    with pytest.raises(DualgraphError, match=r"^args: reading the positional arguments raised Val"):
+        describe_call(failing, kwargs)
+    error = mismatch(failing, kwargs)
+    assert str(error).startswith("args: reading the positional arguments raised ValueError")
+    assert error.path == "args"
+
+
+class _FailingEquality:
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no equality")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_args_and_kwargs_of_a_class_whose_module_cannot_compare_are_named() -> None:
+    # Before: naming the class compared its __module__ with 'builtins': its RuntimeError leaked
+    odd = type("Odd", (), {})
+    odd.__module__ = _FailingEquality()  # type: ignore[assignment]
+    args, kwargs = sample_call()
+    with pytest.raises(DualgraphError, match=r"^args: expected a tuple or list of .*, got <"):
+        describe_call(odd(), kwargs)
+    with pytest.raises(DualgraphError, match=r"^kwargs: expected a mapping of .*, got <"):
+        describe_call(args, odd())
+    assert str(mismatch(odd(), kwargs)).startswith("args: expected a tuple of positional argum")
+    assert str(mismatch(args, odd())).startswith("kwargs: expected a mapping of keyword argum")
 
 
 def test_flatten_names_a_wrong_number_of_args() -> None:

@@ -150,6 +150,22 @@ def test_a_spec_dying_while_linecache_checks_its_cache_breaks_nothing(
     assert filename not in linecache.cache
 
 
+class _TakenMeanwhile(list):  # type: ignore[type-arg]
+    """Retired filenames that another thread takes between the test for one and the pop."""
+
+    def __len__(self) -> int:
+        return super().__len__() + 1
+
+
+def test_retired_linecache_entries_taken_by_another_thread_break_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the pop after the test found the list empty, and its IndexError failed describe
+    monkeypatch.setattr(compile_module, "_RETIRED", _TakenMeanwhile(["<dualgraph spec gone>"]))
+    spec = describe({"compiled_while_another_thread_forgets": array(2)})
+    assert spec.source is not None
+
+
 def test_a_traceback_through_generated_code_shows_the_generated_line() -> None:
     @dualgraph.register_dataclass
     @dataclasses.dataclass

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -468,3 +470,92 @@ def test_register_array_type_refuses_what_would_break_the_registry(
     # nothing was registered: other objects are still described as before
     with pytest.raises(UnsupportedLeafError, match=r"unsupported leaf of type builtins\.object"):
         describe(object())
+
+
+# -- registrations made while a lookup runs (another thread's, or the lookup's own) --------------
+
+
+def test_a_registration_made_while_a_lookup_runs_is_not_hidden_by_its_cached_miss(
+    registry: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the lookup cached the miss it found before the registration cleared the cache,
+    # so the registered type stayed unknown to every later describe and check
+    class LateArray(FakeArray):
+        pass
+
+    lazy = _leaves._lazy_registrations
+
+    def registered_meanwhile(cls: type) -> list[str]:  # as if another thread registered now
+        if cls is LateArray and id(LateArray) not in _leaves._REGISTERED:
+            register_array_type(
+                LateArray, signature=lambda x: (x.shape, x.dtype), requires_grad=lambda x: True
+            )
+        return lazy(cls)
+
+    monkeypatch.setattr(_leaves, "_lazy_registrations", registered_meanwhile)
+    assert array_type_of(LateArray) is not None
+    assert array_type_of(LateArray) is not None
+    assert repr(describe(LateArray(2))) == "TreeSpec(float32[2](grad))"
+
+
+def test_a_registration_made_by_a_subclass_check_does_not_break_the_lookup(
+    registry: None,
+) -> None:
+    # Before: the lookup iterated the registry while the check registered a type: its
+    # RuntimeError ('dictionary changed size during iteration') failed the describe
+    class Registering(type):
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            register_array_type(
+                type("Other", (), {}), signature=lambda x: ((), "int8"), requires_grad=bool
+            )
+            return type.__subclasscheck__(cls, subclass)
+
+    class Abstract(metaclass=Registering):
+        pass
+
+    register_array_type(Abstract, signature=lambda x: ((), "int8"), requires_grad=bool)
+
+    class Unrelated:
+        pass
+
+    with pytest.raises(UnsupportedLeafError, match=r"unsupported leaf of type .*Unrelated"):
+        describe(Unrelated())
+
+
+def test_a_container_described_by_a_subclass_check_does_not_break_a_registration(
+    registry: None,
+) -> None:
+    # Before: register_array_type iterated the known containers while the check described a
+    # new namedtuple: its RuntimeError ('dictionary changed size during iteration') leaked
+    class Describing(type):
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            describe(NamedTuple("Fresh", [("x", int)])(1))
+            return type.__subclasscheck__(cls, subclass)
+
+    class Base(metaclass=Describing):
+        pass
+
+    @dualgraph.register_dataclass
+    @dataclasses.dataclass
+    class Known:
+        x: Any = None
+
+    register_array_type(Base, signature=lambda x: ((), "int8"), requires_grad=bool)
+    assert array_type_of(Base) is not None
+
+
+def test_a_class_looked_up_is_not_kept_alive_by_the_lookup_cache() -> None:
+    # Before: every class ever looked up (a class made per call, an object named in a
+    # message) stayed alive for good, held beside the cache
+    def looked_up() -> weakref.ref[type]:
+        ephemeral = type("Ephemeral", (), {})
+        assert array_type_of(ephemeral) is None
+        assert signature_of(ephemeral()) is None
+        assert array_type_of(ephemeral) is None  # answered from the cache
+        return weakref.ref(ephemeral)
+
+    ref = looked_up()
+    gc.collect()
+    assert ref() is None
+    # every id the cache answers for is a live class's
+    assert all(ident in _leaves._WATCHED for ident in _leaves._RESOLVED)

@@ -213,6 +213,16 @@ def test_flatten_without_check_skips_shapes_and_dtypes() -> None:
     assert spec.flatten((other, None)) == [other]
 
 
+def test_flatten_without_check_names_what_it_refused_not_a_shape_it_takes() -> None:
+    # Before: '[0]: expected float32[2, 8], got float16[3]', a shape flatten takes (a bucket's
+    # other length), while the constant at [1] was what it refused
+    spec = describe((array(2, 8), "vit"))
+    with pytest.raises(SpecMismatchError, match=r"^\[1\]: expected str 'vit', got str 'deit'$"):
+        spec.flatten((array(3, dtype="float16"), "deit"))
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected float32\[2, 8\], got float16"):
+        spec.flatten((array(3, dtype="float16"), "deit"), check=True)
+
+
 def test_flatten_with_check_compares_shapes() -> None:
     spec = describe((array(2, 8), None))
     with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected float32\[2, 8\], got "):
@@ -434,6 +444,63 @@ def test_with_grad_mask_takes_zero_dimensional_boolean_arrays() -> None:
     spec = describe(TREES["vit_layer"]())
     assert spec.with_grad_mask([np.bool_(False)]).grad_mask == (False,)
     assert spec.with_grad_mask((np.array(True),)).grad_mask == (True,)
+
+
+class _CountedMask:
+    """A mask of ``length`` entries (``False``) that counts how many were read; past ``limit``
+    reads it fails (a mask whose length lies, or an endless one)."""
+
+    def __init__(self, length: int, limit: int = 10**6) -> None:
+        self.length, self.limit, self.read = length, limit, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[bool]:
+        while True:
+            self.read += 1
+            if self.read > self.limit:
+                raise AssertionError("read past the limit")
+            yield False
+
+
+def test_with_grad_mask_refuses_a_mask_of_another_length_before_reading_its_entries() -> None:
+    # Before: every entry was read first (a wrong numpy mask of 10**7 entries took 27 s)
+    spec = describe(TREES["encoder_dict"]())
+    mask = _CountedMask(10**6)
+    with pytest.raises(DualgraphError, match=r"grad mask has 1000000 entries, the spec has 2 arr"):
+        spec.with_grad_mask(mask)
+    assert mask.read == 0
+
+
+def test_with_grad_mask_reads_a_mask_whose_length_lies_one_entry_past_the_leaves() -> None:
+    # Before: a sized mask was read to its end (an endless one until memory ran out)
+    spec = describe(TREES["encoder_dict"]())
+    mask = _CountedMask(2, limit=10)
+    with pytest.raises(DualgraphError, match="grad mask has more than 2 entries, for 2 array"):
+        spec.with_grad_mask(mask)
+    assert mask.read == 3
+
+
+class _Unprintable:
+    def __format__(self, spec: str) -> str:
+        raise RuntimeError("cannot format")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("cannot repr")
+
+
+def test_grad_mask_errors_name_classes_whose_module_is_no_str() -> None:
+    # Before: the mask's own RuntimeError leaked, or the entry went unnamed
+    odd = type("Odd", (), {})
+    odd.__module__ = _Unprintable()  # type: ignore[assignment]
+    spec = describe((np.zeros(2, np.float32),))
+    with pytest.raises(DualgraphError, match=r"a grad mask is a sequence of bools, got <_Unp"):
+        spec.with_grad_mask(odd())
+    with pytest.raises(DualgraphError, match=r"grad mask\[0\] \(the array at \[0\]\): .* got <"):
+        spec.with_grad_mask([odd()])
+    with pytest.raises(DualgraphError, match=r"grad mask\[0\] .*: expected a bool, got <"):
+        dualgraph.describe_call((np.zeros(2, np.float32),)).with_grad_mask([odd()])
 
 
 def test_check_ignores_the_grad_flag() -> None:
@@ -806,6 +873,31 @@ def test_from_json_reads_bytes_as_utf8() -> None:
 
 
 # -- equality, hashing, repr, pickling -------------------------------------------------------------
+
+
+#: Ints that all hash to 0 (an int hashes by its value modulo 2**61 - 1), and dims made of them.
+ONE_HASH = [k * (2**61 - 1) for k in range(1, 41)]
+ONE_HASH_DIMS = [0, *ONE_HASH[:4]]  # within 2**63 - 1
+ONE_HASH_ROWS = {
+    "constant": [[["const", "int", n]] for n in ONE_HASH],
+    "shape": [
+        [["array", "int8", [ONE_HASH_DIMS[i // 5**j % 5] for j in range(3)], False]]
+        for i in range(len(ONE_HASH))
+    ],
+    "key": [[["dict", [n]], ["none"]] for n in ONE_HASH],
+}
+
+
+@pytest.mark.parametrize("kind", list(ONE_HASH_ROWS))
+def test_specs_of_documents_whose_ints_share_a_hash_hash_apart(kind: str) -> None:
+    # Before: a spec hashed by its ints' hashes, so specs read from documents (a dict or set of
+    # them, the specs' shared programs) made a table of one hash: time quadratic in their number
+    specs = [TreeSpec.from_json(document(rows)) for rows in ONE_HASH_ROWS[kind]]
+    assert len(set(specs)) == len(specs)
+    assert len({hash(spec) for spec in specs}) == len(specs)
+    assert len({hash(spec.leaves) for spec in specs}) == len(specs)
+    again = TreeSpec.from_json(specs[0].to_json())
+    assert again == specs[0] and hash(again) == hash(specs[0])
 
 
 @pytest.mark.parametrize("name", NAMES)
