@@ -112,7 +112,7 @@ def test_a_graphed_jax_function_with_donation_leaves_torch_inputs_intact() -> No
 def test_a_transposed_torch_input_is_compared_like_a_contiguous_one() -> None:
     x = torch.randn(3, 4).t()  # reaches JAX through DLPack in the tensor's own layout
     report = assert_parity(lambda t: (t * 2).sum(0), lambda a: (a * 2).sum(0), (x,))
-    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
 
 
 def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
@@ -371,6 +371,50 @@ def test_a_torch_fn_writing_its_input_through_data_is_refused_by_path() -> None:
     x = np.array([-1.0, 2.0], np.float32)
     with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in place"):
         compare(clamping, lambda a: a * 2, (x,), grads=False)
+
+
+class _ClampingInForward(torch.nn.Module):
+    """Writes its weight in its forward, through .data (no version bump) or in place."""
+
+    def __init__(self, through_data: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([-1.0, 2.0]))
+        self.through_data = through_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_data:
+            self.weight.data.clamp_(min=0)
+        else:
+            with torch.no_grad():
+                self.weight.clamp_(min=0)
+        return x * self.weight
+
+
+@pytest.mark.parametrize("through_data", [False, True], ids=["in_place", "through_data"])
+@pytest.mark.parametrize("with_params", [True, False], ids=["params", "closed_over"])
+def test_a_torch_fn_that_updates_a_parameter_in_place_is_refused_naming_it(
+    through_data: bool, with_params: bool
+) -> None:
+    # JAX params made through DLPack (as models.jax_vit does) share the parameter's memory: the
+    # JAX side ran after torch's forward, read the clamped weight, and a reference that never
+    # clamps passed.
+    module = _ClampingInForward(through_data)
+    shared = jax.dlpack.from_dlpack(module.weight.detach())
+    x = np.array([3.0, 5.0], np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch parameter 'weight': torch_fn upd"):
+        if with_params:
+            compare(module, lambda p, a: a * p["weight"], (x,), params={"weight": shared})
+        else:
+            compare(module, lambda a: a * shared, (x,), grads=False)
+
+
+def test_a_lazy_module_whose_forward_makes_its_parameters_is_not_refused() -> None:
+    torch.manual_seed(0)
+    lazy = torch.nn.LazyLinear(2, bias=False)
+    x = sample(1, 3)
+    # The reference is traced after torch's forward, which made the weight.
+    report = compare(lazy, lambda a: a @ jnp.asarray(lazy.weight.detach().numpy()).T, (x,))
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
 
 
 def test_inputs_holding_nan_that_torch_fn_leaves_alone_pass() -> None:
@@ -1183,7 +1227,7 @@ def test_torch_params_of_frozen_parameters_or_without_grads_are_accepted() -> No
         params=jax_params_of(linear),
         torch_params=dict(linear.named_parameters()),
     )
-    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
 
 
 def test_a_trained_parameter_the_mapping_drops_is_refused_naming_it() -> None:

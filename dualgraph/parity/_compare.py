@@ -95,15 +95,16 @@ def compare(
     Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
     structure, ``None`` positions, constants, shapes, dtypes or dict key orders; value
     differences are reported.
-    A ``torch_fn`` that updates an input in place is refused, naming it (JAX reads the inputs
-    after torch has run, and has no in-place update to compare with).
+    A ``torch_fn`` that updates an input or a parameter in place is refused, naming it (JAX
+    reads the inputs, and DLPack-made params, after torch has run, and has no in-place update to
+    compare with).
     """
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
     inputs = _prepare_inputs(args, kwargs, grads, both_params)
-    torch_out = _run_torch(torch_fn, inputs)
+    torch_out = _run_torch(torch_fn, inputs, _watched_params(torch_fn, both_params))
     wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
     with enable_x64(wide is not None), reference_settings(jax_fn):
         run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
@@ -277,13 +278,45 @@ def _prepare_inputs(
 # -- 2. run torch ----------------------------------------------------------------------------------
 
 
-def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
+def _watched_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tensor]:
+    """The torch parameters that ``torch_fn`` must leave as they are: those compared (``params``),
+    else a module's own (a JAX reference may close over them), less those holding no values yet
+    (a lazy module's, which its first forward makes) or none at all (meta)."""
+    if params is not None:
+        found = params.torch
+    elif isinstance(torch_fn, torch.nn.Module):
+        found = dict(torch_fn.named_parameters())
+    else:
+        return {}
+    return {
+        name: p
+        for name, p in found.items()
+        if not torch.nn.parameter.is_lazy(p) and unreadable(p) is None
+    }
+
+
+def _run_torch(
+    torch_fn: Callable[..., Any], inputs: _Inputs, params: Mapping[str, torch.Tensor]
+) -> Any:
     args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
     versions = [t._version for t in inputs.tensors]
     # Writes through .data or a numpy view do not move the version counter: values are kept too.
     before = [t.detach().clone() for t in inputs.tensors]
+    # Parameters too: JAX params made through DLPack (models.jax_vit.params_from_state_dict)
+    # share their memory, so an update in the forward (nn.Embedding(max_norm=...) renormalizes
+    # its rows in place) would reach a JAX reference that never makes it, and both would match.
+    kept_params = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
     with full_precision(), torch.enable_grad():
         out = torch_fn(*args, **kwargs)
+    for name, p, version, kept in kept_params:
+        if p._version != version or not _same_values(p.detach(), kept):
+            raise DualgraphError(
+                f"torch parameter {name!r}: torch_fn updated it in place (e.g. "
+                "nn.Embedding(max_norm=...) renormalizes its rows in its forward); the JAX "
+                "reference has no update to compare with, and reads either the values from "
+                "before or, sharing their memory (DLPack), the updated ones. Compare a torch_fn "
+                "that leaves its parameters as they are"
+            )
     # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
     # reference that ignores the update would match. JAX functions cannot update in place, so
     # there is nothing to compare the update with.
