@@ -1151,6 +1151,28 @@ def test_params_that_are_not_the_torch_ones_are_refused_by_path_before_anything_
     assert linear.bias.grad is None
 
 
+def test_a_params_leaf_the_jax_side_refuses_is_named_by_its_params_path() -> None:
+    # The JAX side is called as jax_fn(params, x): its refusal named args[0]['weight'], a path
+    # of that call, not of compare's (where args[0] is x).
+    linear = torch.nn.Linear(4, 3)
+    params = {**jax_params_of(linear), "weight": linear.weight.detach()}
+    with pytest.raises(dualgraph.DualgraphError) as caught:
+        compare(linear, linear_jax, (sample(2, 4),), params=params)
+    assert "params['weight'] is a torch.Tensor" in str(caught.value)
+    assert "args[0]" not in str(caught.value)
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_an_input_a_graphed_reference_refuses_is_named_by_compares_path(grads: bool) -> None:
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    reference = dgj.graphed(linear_jax, (params, jnp.zeros((2, 4))))
+    with pytest.raises(SpecMismatchError) as caught:
+        compare(linear, reference, (sample(5, 4),), params=params, grads=grads)
+    assert caught.value.path == "args[0]"
+    assert "args[0]: expected float32[2, 4], got float32[5, 4]" in str(caught.value)
+
+
 def test_the_parameters_previous_grads_are_left_as_they_were() -> None:
     linear = torch.nn.Linear(4, 3)
     linear.weight.grad = torch.full((3, 4), 7.0)
