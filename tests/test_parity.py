@@ -690,6 +690,42 @@ def test_an_input_torch_cannot_hold_is_refused_naming_its_path() -> None:
         compare(lambda t, d: t, lambda a, d: a, (np.ones(2, np.float32), {"w": value}))
 
 
+def _tensor_of(dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():  # complex32 is experimental
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.empty(2, dtype=dtype)
+
+
+# dtypes torch cannot copy or compare (quantized, sub-byte, bit-packed) or numpy cannot hold
+_UNCOMPARABLE = [torch.int4, torch.uint2, torch.quint8, torch.bits8, torch.complex32]
+
+
+@pytest.mark.parametrize("dtype", _UNCOMPARABLE, ids=str)
+def test_an_input_of_a_dtype_that_cannot_be_compared_is_refused_naming_its_path(
+    dtype: torch.dtype,
+) -> None:
+    # torch's NotImplementedError/RuntimeError (from the copy kept to find in-place updates,
+    # or torch.equal) or the bridge's error naming no leaf came out of compare.
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(dualgraph.DualgraphError, match=rf"^args\[1\] is a torch {name} tensor"):
+        compare(lambda t, q: t, lambda a, q: a, (sample(2), _tensor_of(dtype)), grads=False)
+
+
+def test_a_numpy_input_torch_reads_in_a_dtype_it_cannot_copy_is_refused_naming_its_path() -> None:
+    packed = np.zeros(3, ml_dtypes.int4)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\] is a torch int4 tensor"):
+        compare(lambda q: q, lambda q: q, (packed,), grads=False)
+
+
+@pytest.mark.parametrize("dtype", _UNCOMPARABLE, ids=str)
+def test_compare_arrays_refuses_a_tensor_that_cannot_be_compared_naming_the_leaf(
+    dtype: torch.dtype,
+) -> None:
+    tensor = _tensor_of(dtype)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^out: a torch \w+ tensor"):
+        compare_arrays("out", tensor, tensor)
+
+
 @pytest.mark.parametrize("limit", ["1e-3", None, True, complex(1e-3)])
 def test_a_tolerance_of_non_numbers_is_refused(limit: Any) -> None:
     with pytest.raises(dualgraph.DualgraphError, match="must be real numbers"):

@@ -10,6 +10,7 @@ views for the dtypes numpy lacks natively: bfloat16 and float8 through ``ml_dtyp
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import DualgraphError
+from .._nodes import clip_text
 from .._spec import describe
 
 __all__ = [
@@ -64,6 +66,27 @@ def unreadable(tensor: torch.Tensor, /) -> str | None:
         return "a nested tensor (it has no single shape to compare)"
     if tensor.is_meta:
         return "a meta tensor (it holds no values to compare)"
+    return _unreadable_dtype(tensor.dtype)
+
+
+@functools.cache
+def _unreadable_dtype(dtype: torch.dtype, /) -> str | None:
+    """Why tensors of ``dtype`` cannot be compared: torch cannot copy or compare them (quantized,
+    bit-packed and sub-byte integer dtypes), or numpy cannot hold them as they are (complex32);
+    ``None`` for the rest. Found once per dtype, on a tensor of one element."""
+    try:
+        sample = torch.zeros(1, dtype=dtype)
+        if sample.is_quantized:
+            raise TypeError("a quantized tensor")
+        kept = sample.clone()
+        if not (sample.is_floating_point() or sample.is_complex()):
+            torch.equal(sample, kept)  # floating ones are compared by eq and isnan
+        to_numpy(sample)
+    except Exception as error:
+        return (
+            f"a torch {str(dtype).removeprefix('torch.')} tensor, which cannot be compared "
+            f"({type(error).__name__}: {clip_text(error)})"
+        )
     return None
 
 

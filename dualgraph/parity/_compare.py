@@ -270,7 +270,10 @@ def _prepare_inputs(
                 f"{path}: {leaf} cannot be handed to torch ({type(error).__name__}: "
                 f"{clip_text(error)})"
             ) from error
-    for tensor, wanted in zip(tensors, wants_grad, strict=True):
+    for path, tensor, wanted in zip(call_spec.array_paths, tensors, wants_grad, strict=True):
+        problem = unreadable(tensor)  # a numpy array torch reads in a dtype it cannot copy
+        if problem is not None:
+            raise DualgraphError(f"{path} is {problem}")
         tensor.requires_grad_(wanted)
     return _Inputs(call_spec, tensors, wants_grad, params)
 
