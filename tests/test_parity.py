@@ -849,6 +849,23 @@ def test_compare_arrays_refuses_a_meta_tensor_naming_the_leaf() -> None:
         compare_arrays("output", torch.ones(2, device="meta"), np.ones(2, np.float32))
 
 
+def _deleted_array() -> jax.Array:
+    array = jnp.ones(2)
+    array.delete()
+    return array
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_deleted_array, lambda: jax.random.key(0), lambda: [[1.0], [1.0, 2.0]]],
+    ids=["deleted", "prng_key", "ragged"],
+)
+def test_compare_arrays_refuses_what_numpy_cannot_read_naming_the_leaf(make: Any) -> None:
+    # np.asarray's RuntimeError/TypeError/ValueError came out naming no leaf.
+    with pytest.raises(dualgraph.DualgraphError, match=r"^output: \w+ cannot be read as a numpy"):
+        compare_arrays("output", make(), np.ones(2, np.float32))
+
+
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok
