@@ -1226,6 +1226,34 @@ def test_an_input_a_graphed_reference_refuses_is_named_by_compares_path(grads: b
     assert "args[0]: expected float32[2, 4], got float32[5, 4]" in str(caught.value)
 
 
+@pytest.mark.parametrize("grads", [True, False])
+def test_a_comparison_under_inference_mode_runs_as_outside_it(grads: bool) -> None:
+    # Under the caller's torch.inference_mode() the inputs had no version counter (torch's
+    # RuntimeError, naming nothing) and nothing was recorded for the gradients.
+    linear = torch.nn.Linear(4, 3)
+    x = sample(2, 4)
+    with torch.inference_mode():
+        report = compare(linear, linear_jax, (x,), params=jax_params_of(linear), grads=grads)
+    expected = compare(linear, linear_jax, (x,), params=jax_params_of(linear), grads=grads)
+    assert report.ok and report.entries == expected.entries
+
+
+def test_an_inference_tensor_input_is_compared_as_an_ordinary_one() -> None:
+    with torch.inference_mode():
+        x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    report = compare(lambda t: torch.tanh(t), jnp.tanh, (x,))
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+
+
+def test_parameters_made_under_inference_mode_are_refused_when_grads_are_compared() -> None:
+    with torch.inference_mode():
+        linear = torch.nn.Linear(4, 3)
+    params = {n: jnp.asarray(p.detach().numpy()) for n, p in linear.named_parameters()}
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch parameter 'weight' is an infer"):
+        compare(linear, linear_jax, (sample(2, 4),), params=params)
+    assert compare(linear, linear_jax, (sample(2, 4),), params=params, grads=False).ok
+
+
 def test_the_parameters_previous_grads_are_left_as_they_were() -> None:
     linear = torch.nn.Linear(4, 3)
     linear.weight.grad = torch.full((3, 4), 7.0)

@@ -116,9 +116,11 @@ def to_torch(array: np.ndarray, device: torch.device, /) -> torch.Tensor:
 
 
 def as_torch(value: Any, device: torch.device, /) -> torch.Tensor:
-    """An input (tensor or array) as a detached torch tensor; arrays go to ``device``."""
+    """An input (tensor or array) as a detached torch tensor; arrays go to ``device``. An
+    inference tensor (made under ``torch.inference_mode()``), which can neither require grad
+    nor count its in-place updates, is copied (outside that mode, into an ordinary tensor)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return value.detach().clone() if value.is_inference() else value.detach()
     return to_torch(np.asarray(value), device)
 
 

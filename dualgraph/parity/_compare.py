@@ -97,22 +97,29 @@ def compare(
     differences are reported.
     A ``torch_fn`` that updates an input or a parameter in place is refused, naming it (JAX
     reads the inputs, and DLPack-made params, after torch has run, and has no in-place update to
-    compare with).
+    compare with). The torch side runs with gradients recorded, under the caller's
+    ``torch.no_grad()`` or ``torch.inference_mode()`` too.
     """
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
-    both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
-    inputs = _prepare_inputs(args, kwargs, grads, both_params)
-    torch_out = _run_torch(torch_fn, inputs, _watched_params(torch_fn, both_params))
-    wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
-    with enable_x64(wide is not None), reference_settings(jax_fn):
-        run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
-        spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
-        entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+    # Under the caller's torch.inference_mode() nothing would be recorded for the gradients, and
+    # its tensors have no version counter to find in-place updates by: it is left for the call.
+    with torch.inference_mode(False):
+        both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
+        inputs = _prepare_inputs(args, kwargs, grads, both_params)
+        named = _named_params(torch_fn, both_params)
         if grads:
-            _refuse_unmasked_torch_grads(spec, torch_out)
-            entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
+            _refuse_inference_params(named)
+        torch_out = _run_torch(torch_fn, inputs, _watched(named))
+        wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
+        with enable_x64(wide is not None), reference_settings(jax_fn):
+            run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
+            spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
+            entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+            if grads:
+                _refuse_unmasked_torch_grads(spec, torch_out)
+                entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
     return ParityReport(tuple(entries))
 
 
@@ -281,20 +288,37 @@ def _prepare_inputs(
 # -- 2. run torch ----------------------------------------------------------------------------------
 
 
-def _watched_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tensor]:
-    """The torch parameters that ``torch_fn`` must leave as they are: those compared (``params``),
-    else a module's own (a JAX reference may close over them), less those holding no values yet
-    (a lazy module's, which its first forward makes) or none at all (meta)."""
+def _named_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tensor]:
+    """The torch parameters of the comparison: those compared (``params``), else a module's own
+    (a JAX reference may close over them)."""
     if params is not None:
-        found = params.torch
-    elif isinstance(torch_fn, torch.nn.Module):
-        found = dict(torch_fn.named_parameters())
-    else:
-        return {}
+        return params.torch
+    if isinstance(torch_fn, torch.nn.Module):
+        return dict(torch_fn.named_parameters())
+    return {}
+
+
+def _refuse_inference_params(named: Mapping[str, torch.Tensor]) -> None:
+    """Refuse parameters made under ``torch.inference_mode()`` when gradients are compared:
+    torch cannot differentiate through them (its error, from inside torch_fn, names none)."""
+    for name, p in named.items():
+        if not torch.nn.parameter.is_lazy(p) and p.is_inference():
+            raise DualgraphError(
+                f"torch parameter {name!r} is an inference tensor (made under "
+                "torch.inference_mode()), which torch cannot differentiate through, so no "
+                "gradient can be compared: make the module outside inference mode, or compare "
+                "with grads=False"
+            )
+
+
+def _watched(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters ``torch_fn`` must leave as they are, less those holding no values yet (a
+    lazy module's, which its first forward makes) or none at all (meta), and inference tensors
+    (made under ``torch.inference_mode()``: torch refuses to update them outside it)."""
     return {
         name: p
-        for name, p in found.items()
-        if not torch.nn.parameter.is_lazy(p) and unreadable(p) is None
+        for name, p in named.items()
+        if not torch.nn.parameter.is_lazy(p) and unreadable(p) is None and not p.is_inference()
     }
 
 
