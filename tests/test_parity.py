@@ -1528,6 +1528,24 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_a_comparison_under_another_default_jax_device_hands_the_inputs_to_it() -> None:
+    # as_jax put every input on jax.devices()[0], where the reference, compiled for the default
+    # device, refused it: compare failed under jax.default_device(...) whatever the functions.
+    code = (
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+        "import jax, numpy as np, torch\n"
+        "from dualgraph.parity import compare\n"
+        "x = np.linspace(-1, 1, 6, dtype=np.float32)\n"
+        "with jax.default_device(jax.devices()[1]):\n"
+        "    for grads in (True, False):\n"
+        "        print(compare(torch.tanh, jax.numpy.tanh, (x,), grads=grads).ok)\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
 BLOCK_IMPORT = """
 import importlib.abc, sys
 class Missing(importlib.abc.MetaPathFinder):

@@ -29,6 +29,7 @@ __all__ = [
     "as_jax",
     "as_torch",
     "copied",
+    "default_jax_device",
     "numpy_dtype",
     "random_like",
     "to_numpy",
@@ -129,7 +130,7 @@ def as_jax(tensor: torch.Tensor, /) -> jax.Array:
     # DLPack carries memory, not torch's lazy conjugate and negative bits: a negated view
     # (z.conj().imag) would reach JAX with the other sign. Resolved, it is a copy.
     tensor = tensor.detach().resolve_conj().resolve_neg()
-    device = jax.devices()[0]
+    device = default_jax_device()
     same_kind = (tensor.device.type == "cuda") == (device.platform == "gpu")
     if same_kind:
         try:
@@ -139,6 +140,19 @@ def as_jax(tensor: torch.Tensor, /) -> jax.Array:
         if array is not None:
             return array if array.devices() == {device} else jax.device_put(array, device)
     return jax.device_put(to_numpy(tensor), device)
+
+
+def default_jax_device() -> jax.Device:
+    """The device JAX puts new arrays on and compiles for now: the one
+    ``jax.default_device(...)`` chose (a device or a platform name), else the first.
+
+    >>> default_jax_device() == jax.devices()[0]
+    True
+    """
+    chosen = jax.config.jax_default_device  # type: ignore[attr-defined]  # not in its stubs
+    if isinstance(chosen, str):
+        return jax.devices(chosen)[0]
+    return chosen if chosen is not None else jax.devices()[0]
 
 
 def copied(tree: Any, /) -> Any:
