@@ -329,9 +329,10 @@ def _run_torch(
     versions = [t._version for t in inputs.tensors]
     # Writes through .data or a numpy view do not move the version counter: values are kept too.
     before = [t.detach().clone() for t in inputs.tensors]
-    # Parameters too: JAX params made through DLPack (models.jax_vit.params_from_state_dict)
-    # share their memory, so an update in the forward (nn.Embedding(max_norm=...) renormalizes
-    # its rows in place) would reach a JAX reference that never makes it, and both would match.
+    # Parameters too: JAX params made through DLPack (jax.dlpack.from_dlpack(p.detach()), no
+    # copy) share their memory, so an update in the forward (nn.Embedding(max_norm=...)
+    # renormalizes its rows in place) would reach a JAX reference that never makes it, and both
+    # would match.
     kept_params = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
     with full_precision(), torch.enable_grad():
         out = torch_fn(*args, **kwargs)
