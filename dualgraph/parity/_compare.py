@@ -360,7 +360,9 @@ def _run_torch(
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal entry by entry, NaN matching NaN."""
+    """Equal entry by entry, NaN matching NaN (a sparse tensor by its dense values)."""
+    if a.layout != torch.strided:  # torch's eq and equal take no sparse CSR, eq no sparse COO
+        a, b = a.to_dense(), b.to_dense()
     if a.is_floating_point() or a.is_complex():
         return bool((a.eq(b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)
