@@ -886,6 +886,21 @@ def test_compare_arrays_refuses_what_numpy_cannot_read_naming_the_leaf(make: Any
         compare_arrays("output", make(), np.ones(2, np.float32))
 
 
+def test_compare_arrays_reads_either_byte_order_as_the_same_values() -> None:
+    # '>f4' against '<f4' failed as 'float32[2] where JAX gives float32[2]', and the steps
+    # between big-endian float16 values were counted on byte-swapped bits (one step read as
+    # 256, and 4.0 against 5.0 as one)
+    values = np.array([4.0, 5.0], np.float16)
+    one_step = Tolerance(rtol=1.0, atol=1.0, max_rel_l2=1.0, min_cosine=0.0, max_ulps=1)
+    swapped = values.astype(">f2")
+    assert compare_arrays("out", swapped, values, tolerances=one_step).ok
+    step = np.nextafter(values, np.float16(9))
+    for reference in (step, step.astype(">f2")):
+        apart = compare_arrays("out", swapped, reference, tolerances=one_step)
+        assert apart.ok and apart.ulps == 1
+    assert compare_arrays("out", np.ones(2, ">f4"), np.ones(2, "<f4")).ok
+
+
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok

@@ -131,12 +131,15 @@ def _as_numpy(path: str, x: Any) -> np.ndarray:
             raise DualgraphError(f"{path}: {problem}")
         return to_numpy(x)
     try:
-        return np.asarray(x)
+        array = np.asarray(x)
     except Exception as error:  # a deleted JAX array, a typed PRNG key, a tracer, ragged lists
         raise DualgraphError(
             f"{path}: {type(x).__name__} cannot be read as a numpy array to compare "
             f"({type(error).__name__}: {clip_text(error)})"
         ) from error
+    # In native byte order: '>f4' and '<f4' are one dtype's values (compared as differing
+    # dtypes, both named float32), and the steps between values are counted on the bits.
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _differing_leaves(
