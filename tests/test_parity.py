@@ -1345,6 +1345,43 @@ def test_torch_params_of_detached_copies_only_are_refused_for_a_plain_function()
         )
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_computed_tensor_as_torch_params_is_refused_naming_it() -> None:
+    # A parametrization's module.weight is computed on each access: torch never fills its
+    # .grad, which read as zero; a reference closing over the weight (zero grad for params)
+    # passed whatever torch's backward gave the parameter behind it.
+    linear = torch.nn.Linear(3, 2, bias=False)
+    torch.nn.utils.parametrize.register_parametrization(linear, "weight", _Doubled())
+    weight = jnp.asarray(linear.weight.detach().numpy())
+
+    def closing_over_the_weight(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ weight.T + 0 * params["weight"].sum()
+
+    x = sample(1, 3)
+    computed = {"weight": linear.weight}
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch_params\['weight'\] is computed"):
+        compare(
+            linear, closing_over_the_weight, (x,), params={"weight": weight}, torch_params=computed
+        )
+    assert compare(
+        linear,
+        linear_jax_no_bias,
+        (x,),
+        params={"weight": weight},
+        torch_params=computed,
+        grads=False,
+    ).ok
+
+
+def linear_jax_no_bias(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    return x @ params["weight"].T
+
+
 def test_torch_params_of_frozen_parameters_or_without_grads_are_accepted() -> None:
     linear = torch.nn.Linear(4, 3)
     args = (inputs_2x4(),)

@@ -31,6 +31,7 @@ from ._torch_side import (
     full_precision,
     named_params,
     read_grads,
+    refuse_computed_params,
     refuse_detached_params,
     torch_device,
 )
@@ -72,12 +73,13 @@ def compare(
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
       refused without ``params``: no parameter grad would be compared; so are ``torch_params``
       of detached copies, such as ``module.state_dict()``, when gradients are compared: read
-      as frozen, none would be; and a trained parameter with a gradient that the mapping puts
-      in no leaf; and ``params`` whose values are not the torch ones mapped, exactly, in the
-      dtypes the mapping gives: a tree made from an older torch state). Frozen torch
-      parameters are not compared: a JAX params leaf made of them is left out, and a leaf that
-      mixes them with trained ones is compared at the trained ones' entries (found by mapping
-      NaN through ``params_from_torch``).
+      as frozen, none would be; so are computed ones, such as a parametrization's
+      ``module.weight``, whose ``.grad`` torch never fills; and a trained parameter with a
+      gradient that the mapping puts in no leaf; and ``params`` whose values are not the torch
+      ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
+      state). Frozen torch parameters are not compared: a JAX params leaf made of them is left
+      out, and a leaf that mixes them with trained ones is compared at the trained ones'
+      entries (found by mapping NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -198,8 +200,9 @@ def _params_of(
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
         if problem is not None:
             raise DualgraphError(f"torch parameter {name!r} is {problem}")
-    if torch_params is not None and grads:  # without grads, nothing is read as frozen
+    if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
+        refuse_computed_params(both.torch)
     _check_params_match(both)
     return both
 
