@@ -901,6 +901,17 @@ def test_compare_arrays_reads_either_byte_order_as_the_same_values() -> None:
     assert compare_arrays("out", np.ones(2, ">f4"), np.ones(2, "<f4")).ok
 
 
+def test_a_zero_tensor_is_read_as_its_zeros() -> None:
+    # torch._efficientzerotensor holds no memory of its values: .numpy() refused it (torch's
+    # RuntimeError from an output or compare_arrays), and DLPack handed JAX whatever its
+    # storage held for an input.
+    zero = torch._efficientzerotensor(3)
+    assert compare_arrays("output", zero, np.zeros(3, np.float32)).ok
+    assert compare(lambda t: zero, lambda a: jnp.zeros(3), (sample(3),), grads=False).ok
+    np.testing.assert_array_equal(np.asarray(as_jax(zero)), np.zeros(3, np.float32))
+    assert compare(lambda t: t + 1, lambda a: a + 1, (zero,), grads=False).ok
+
+
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok

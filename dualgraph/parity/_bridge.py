@@ -94,7 +94,7 @@ def _unreadable_dtype(dtype: torch.dtype, /) -> str | None:
 def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:
     """A torch tensor (strided, or sparse: its dense values) as a numpy array of the same dtype
     (on the host)."""
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()  # lazy views refuse .numpy()
+    tensor = _with_values(tensor.detach().cpu())  # lazy views refuse .numpy()
     if tensor.layout != torch.strided:  # a sparse grad (nn.Embedding(sparse=True)): its values
         tensor = tensor.to_dense()
     name = describe(tensor).arrays[0].dtype or ""  # the neutral name, as the torch adapter says
@@ -116,6 +116,14 @@ def to_torch(array: np.ndarray, device: torch.device, /) -> torch.Tensor:
     return torch.from_numpy(array.view(bits)).view(getattr(torch, name)).to(device)
 
 
+def _with_values(tensor: torch.Tensor, /) -> torch.Tensor:
+    """``tensor`` with its lazy bits resolved (conjugate, negative) and, for a zero tensor
+    (``torch._efficientzerotensor``, which holds no memory of its values: DLPack would carry
+    whatever its storage holds, and ``.numpy()`` refuses it), its zeros made (a copy)."""
+    tensor = tensor.resolve_conj().resolve_neg()
+    return tensor.clone() if tensor._is_zerotensor() else tensor
+
+
 def as_torch(value: Any, device: torch.device, /) -> torch.Tensor:
     """An input (tensor or array) as a detached torch tensor; arrays go to ``device``. An
     inference tensor (made under ``torch.inference_mode()``), which can neither require grad
@@ -129,7 +137,7 @@ def as_jax(tensor: torch.Tensor, /) -> jax.Array:
     """The tensor as a JAX array on JAX's default device, without a copy where possible."""
     # DLPack carries memory, not torch's lazy conjugate and negative bits: a negated view
     # (z.conj().imag) would reach JAX with the other sign. Resolved, it is a copy.
-    tensor = tensor.detach().resolve_conj().resolve_neg()
+    tensor = _with_values(tensor.detach())
     device = default_jax_device()
     same_kind = (tensor.device.type == "cuda") == (device.platform == "gpu")
     if same_kind:
