@@ -117,6 +117,29 @@ def test_the_jax_model_imports_no_torch() -> None:
     assert found.stdout.strip() == "[]"
 
 
+def test_params_go_to_the_default_jax_device() -> None:
+    # They went to jax.devices()[0], where a reference compiled under jax.default_device(d)
+    # for d refused them.
+    code = (
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+        "import jax, numpy as np\n"
+        "from dualgraph.models import jax_vit\n"
+        "state = {'pos_embed': np.ones((1, 2, 3), np.float32)}\n"
+        "with jax.default_device(jax.devices()[1]):\n"
+        "    params = jax_vit.params_from_state_dict(state)\n"
+        "print(params['pos'].devices() == {jax.devices()[1]})\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == "True"
+
+
 def test_a_lazily_conjugated_tensor_is_read_as_its_values() -> None:
     lazy = torch.tensor([[1 + 2j, 3 - 4j]], dtype=torch.complex64).conj()
     params = jax_vit.params_from_state_dict({"pos_embed": lazy})

@@ -112,7 +112,7 @@ def test_a_graphed_jax_function_with_donation_leaves_torch_inputs_intact() -> No
 def test_a_transposed_torch_input_is_compared_like_a_contiguous_one() -> None:
     x = torch.randn(3, 4).t()  # reaches JAX through DLPack in the tensor's own layout
     report = assert_parity(lambda t: (t * 2).sum(0), lambda a: (a * 2).sum(0), (x,))
-    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
 
 
 def test_inputs_reach_jax_without_a_copy_on_the_same_device() -> None:
@@ -371,6 +371,70 @@ def test_a_torch_fn_writing_its_input_through_data_is_refused_by_path() -> None:
     x = np.array([-1.0, 2.0], np.float32)
     with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in place"):
         compare(clamping, lambda a: a * 2, (x,), grads=False)
+
+
+class _ClampingInForward(torch.nn.Module):
+    """Writes its weight in its forward, through .data (no version bump) or in place."""
+
+    def __init__(self, through_data: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([-1.0, 2.0]))
+        self.through_data = through_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_data:
+            self.weight.data.clamp_(min=0)
+        else:
+            with torch.no_grad():
+                self.weight.clamp_(min=0)
+        return x * self.weight
+
+
+@pytest.mark.parametrize("through_data", [False, True], ids=["in_place", "through_data"])
+@pytest.mark.parametrize("with_params", [True, False], ids=["params", "closed_over"])
+def test_a_torch_fn_that_updates_a_parameter_in_place_is_refused_naming_it(
+    through_data: bool, with_params: bool
+) -> None:
+    # JAX params made through DLPack (as models.jax_vit does) share the parameter's memory: the
+    # JAX side ran after torch's forward, read the clamped weight, and a reference that never
+    # clamps passed.
+    module = _ClampingInForward(through_data)
+    shared = jax.dlpack.from_dlpack(module.weight.detach())
+    x = np.array([3.0, 5.0], np.float32)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch parameter 'weight': torch_fn upd"):
+        if with_params:
+            compare(module, lambda p, a: a * p["weight"], (x,), params={"weight": shared})
+        else:
+            compare(module, lambda a: a * shared, (x,), grads=False)
+
+
+def test_a_lazy_module_whose_forward_makes_its_parameters_is_not_refused() -> None:
+    torch.manual_seed(0)
+    lazy = torch.nn.LazyLinear(2, bias=False)
+    x = sample(1, 3)
+    # The reference is traced after torch's forward, which made the weight.
+    report = compare(lazy, lambda a: a @ jnp.asarray(lazy.weight.detach().numpy()).T, (x,))
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+
+
+_SPARSE = [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", _SPARSE, ids=["coo", "csr"])
+def test_a_sparse_input_is_watched_for_in_place_updates_by_its_values(layout: Any) -> None:
+    # torch's eq takes no sparse tensor: the in-place check leaked its NotImplementedError
+    # (COO) or RuntimeError (CSR) from every comparison with a sparse input.
+    x = layout(torch.eye(3))
+    assert compare(lambda t: t.to_dense() * 2, lambda a: a * 2, (x,), grads=False).ok
+
+    def doubling_its_values(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            t.values().mul_(2)
+        return t.to_dense()
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\]: torch_fn updated it in"):
+        compare(doubling_its_values, lambda a: a, (layout(torch.eye(3)),), grads=False)
 
 
 def test_inputs_holding_nan_that_torch_fn_leaves_alone_pass() -> None:
@@ -666,6 +730,42 @@ def test_an_input_torch_cannot_hold_is_refused_naming_its_path() -> None:
         compare(lambda t, d: t, lambda a, d: a, (np.ones(2, np.float32), {"w": value}))
 
 
+def _tensor_of(dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():  # complex32 is experimental
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.empty(2, dtype=dtype)
+
+
+# dtypes torch cannot copy or compare (quantized, sub-byte, bit-packed) or numpy cannot hold
+_UNCOMPARABLE = [torch.int4, torch.uint2, torch.quint8, torch.bits8, torch.complex32]
+
+
+@pytest.mark.parametrize("dtype", _UNCOMPARABLE, ids=str)
+def test_an_input_of_a_dtype_that_cannot_be_compared_is_refused_naming_its_path(
+    dtype: torch.dtype,
+) -> None:
+    # torch's NotImplementedError/RuntimeError (from the copy kept to find in-place updates,
+    # or torch.equal) or the bridge's error naming no leaf came out of compare.
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(dualgraph.DualgraphError, match=rf"^args\[1\] is a torch {name} tensor"):
+        compare(lambda t, q: t, lambda a, q: a, (sample(2), _tensor_of(dtype)), grads=False)
+
+
+def test_a_numpy_input_torch_reads_in_a_dtype_it_cannot_copy_is_refused_naming_its_path() -> None:
+    packed = np.zeros(3, ml_dtypes.int4)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^args\[0\] is a torch int4 tensor"):
+        compare(lambda q: q, lambda q: q, (packed,), grads=False)
+
+
+@pytest.mark.parametrize("dtype", _UNCOMPARABLE, ids=str)
+def test_compare_arrays_refuses_a_tensor_that_cannot_be_compared_naming_the_leaf(
+    dtype: torch.dtype,
+) -> None:
+    tensor = _tensor_of(dtype)
+    with pytest.raises(dualgraph.DualgraphError, match=r"^out: a torch \w+ tensor"):
+        compare_arrays("out", tensor, tensor)
+
+
 @pytest.mark.parametrize("limit", ["1e-3", None, True, complex(1e-3)])
 def test_a_tolerance_of_non_numbers_is_refused(limit: Any) -> None:
     with pytest.raises(dualgraph.DualgraphError, match="must be real numbers"):
@@ -787,6 +887,49 @@ def test_compare_arrays_reads_a_torch_tensor_as_compare_does(make: Any) -> None:
 def test_compare_arrays_refuses_a_meta_tensor_naming_the_leaf() -> None:
     with pytest.raises(dualgraph.DualgraphError, match="output: a meta tensor"):
         compare_arrays("output", torch.ones(2, device="meta"), np.ones(2, np.float32))
+
+
+def _deleted_array() -> jax.Array:
+    array = jnp.ones(2)
+    array.delete()
+    return array
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_deleted_array, lambda: jax.random.key(0), lambda: [[1.0], [1.0, 2.0]]],
+    ids=["deleted", "prng_key", "ragged"],
+)
+def test_compare_arrays_refuses_what_numpy_cannot_read_naming_the_leaf(make: Any) -> None:
+    # np.asarray's RuntimeError/TypeError/ValueError came out naming no leaf.
+    with pytest.raises(dualgraph.DualgraphError, match=r"^output: \w+ cannot be read as a numpy"):
+        compare_arrays("output", make(), np.ones(2, np.float32))
+
+
+def test_compare_arrays_reads_either_byte_order_as_the_same_values() -> None:
+    # '>f4' against '<f4' failed as 'float32[2] where JAX gives float32[2]', and the steps
+    # between big-endian float16 values were counted on byte-swapped bits (one step read as
+    # 256, and 4.0 against 5.0 as one)
+    values = np.array([4.0, 5.0], np.float16)
+    one_step = Tolerance(rtol=1.0, atol=1.0, max_rel_l2=1.0, min_cosine=0.0, max_ulps=1)
+    swapped = values.astype(">f2")
+    assert compare_arrays("out", swapped, values, tolerances=one_step).ok
+    step = np.nextafter(values, np.float16(9))
+    for reference in (step, step.astype(">f2")):
+        apart = compare_arrays("out", swapped, reference, tolerances=one_step)
+        assert apart.ok and apart.ulps == 1
+    assert compare_arrays("out", np.ones(2, ">f4"), np.ones(2, "<f4")).ok
+
+
+def test_a_zero_tensor_is_read_as_its_zeros() -> None:
+    # torch._efficientzerotensor holds no memory of its values: .numpy() refused it (torch's
+    # RuntimeError from an output or compare_arrays), and DLPack handed JAX whatever its
+    # storage held for an input.
+    zero = torch._efficientzerotensor(3)
+    assert compare_arrays("output", zero, np.zeros(3, np.float32)).ok
+    assert compare(lambda t: zero, lambda a: jnp.zeros(3), (sample(3),), grads=False).ok
+    np.testing.assert_array_equal(np.asarray(as_jax(zero)), np.zeros(3, np.float32))
+    assert compare(lambda t: t + 1, lambda a: a + 1, (zero,), grads=False).ok
 
 
 def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
@@ -1127,6 +1270,56 @@ def test_params_that_are_not_the_torch_ones_are_refused_by_path_before_anything_
     assert linear.bias.grad is None
 
 
+def test_a_params_leaf_the_jax_side_refuses_is_named_by_its_params_path() -> None:
+    # The JAX side is called as jax_fn(params, x): its refusal named args[0]['weight'], a path
+    # of that call, not of compare's (where args[0] is x).
+    linear = torch.nn.Linear(4, 3)
+    params = {**jax_params_of(linear), "weight": linear.weight.detach()}
+    with pytest.raises(dualgraph.DualgraphError) as caught:
+        compare(linear, linear_jax, (sample(2, 4),), params=params)
+    assert "params['weight'] is a torch.Tensor" in str(caught.value)
+    assert "args[0]" not in str(caught.value)
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_an_input_a_graphed_reference_refuses_is_named_by_compares_path(grads: bool) -> None:
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    reference = dgj.graphed(linear_jax, (params, jnp.zeros((2, 4))))
+    with pytest.raises(SpecMismatchError) as caught:
+        compare(linear, reference, (sample(5, 4),), params=params, grads=grads)
+    assert caught.value.path == "args[0]"
+    assert "args[0]: expected float32[2, 4], got float32[5, 4]" in str(caught.value)
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_a_comparison_under_inference_mode_runs_as_outside_it(grads: bool) -> None:
+    # Under the caller's torch.inference_mode() the inputs had no version counter (torch's
+    # RuntimeError, naming nothing) and nothing was recorded for the gradients.
+    linear = torch.nn.Linear(4, 3)
+    x = sample(2, 4)
+    with torch.inference_mode():
+        report = compare(linear, linear_jax, (x,), params=jax_params_of(linear), grads=grads)
+    expected = compare(linear, linear_jax, (x,), params=jax_params_of(linear), grads=grads)
+    assert report.ok and report.entries == expected.entries
+
+
+def test_an_inference_tensor_input_is_compared_as_an_ordinary_one() -> None:
+    with torch.inference_mode():
+        x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    report = compare(lambda t: torch.tanh(t), jnp.tanh, (x,))
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+
+
+def test_parameters_made_under_inference_mode_are_refused_when_grads_are_compared() -> None:
+    with torch.inference_mode():
+        linear = torch.nn.Linear(4, 3)
+    params = {n: jnp.asarray(p.detach().numpy()) for n, p in linear.named_parameters()}
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch parameter 'weight' is an infer"):
+        compare(linear, linear_jax, (sample(2, 4),), params=params)
+    assert compare(linear, linear_jax, (sample(2, 4),), params=params, grads=False).ok
+
+
 def test_the_parameters_previous_grads_are_left_as_they_were() -> None:
     linear = torch.nn.Linear(4, 3)
     linear.weight.grad = torch.full((3, 4), 7.0)
@@ -1183,6 +1376,43 @@ def test_torch_params_of_detached_copies_only_are_refused_for_a_plain_function()
         )
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_computed_tensor_as_torch_params_is_refused_naming_it() -> None:
+    # A parametrization's module.weight is computed on each access: torch never fills its
+    # .grad, which read as zero; a reference closing over the weight (zero grad for params)
+    # passed whatever torch's backward gave the parameter behind it.
+    linear = torch.nn.Linear(3, 2, bias=False)
+    torch.nn.utils.parametrize.register_parametrization(linear, "weight", _Doubled())
+    weight = jnp.asarray(linear.weight.detach().numpy())
+
+    def closing_over_the_weight(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ weight.T + 0 * params["weight"].sum()
+
+    x = sample(1, 3)
+    computed = {"weight": linear.weight}
+    with pytest.raises(dualgraph.DualgraphError, match=r"^torch_params\['weight'\] is computed"):
+        compare(
+            linear, closing_over_the_weight, (x,), params={"weight": weight}, torch_params=computed
+        )
+    assert compare(
+        linear,
+        linear_jax_no_bias,
+        (x,),
+        params={"weight": weight},
+        torch_params=computed,
+        grads=False,
+    ).ok
+
+
+def linear_jax_no_bias(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+    return x @ params["weight"].T
+
+
 def test_torch_params_of_frozen_parameters_or_without_grads_are_accepted() -> None:
     linear = torch.nn.Linear(4, 3)
     args = (inputs_2x4(),)
@@ -1203,7 +1433,7 @@ def test_torch_params_of_frozen_parameters_or_without_grads_are_accepted() -> No
         params=jax_params_of(linear),
         torch_params=dict(linear.named_parameters()),
     )
-    assert [entry.path for entry in report.entries] == ["output", "grad args[0]"]
+    assert report.ok and [entry.path for entry in report.entries] == ["output", "grad args[0]"]
 
 
 def test_a_trained_parameter_the_mapping_drops_is_refused_naming_it() -> None:
@@ -1399,6 +1629,24 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], env=environment, capture_output=True, text=True
     )
+
+
+def test_a_comparison_under_another_default_jax_device_hands_the_inputs_to_it() -> None:
+    # as_jax put every input on jax.devices()[0], where the reference, compiled for the default
+    # device, refused it: compare failed under jax.default_device(...) whatever the functions.
+    code = (
+        "import os\n"
+        "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+        "import jax, numpy as np, torch\n"
+        "from dualgraph.parity import compare\n"
+        "x = np.linspace(-1, 1, 6, dtype=np.float32)\n"
+        "with jax.default_device(jax.devices()[1]):\n"
+        "    for grads in (True, False):\n"
+        "        print(compare(torch.tanh, jax.numpy.tanh, (x,), grads=grads).ok)\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
 
 
 BLOCK_IMPORT = """

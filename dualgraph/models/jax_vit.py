@@ -32,6 +32,7 @@ from jax import lax
 
 from .. import describe
 from .._errors import DualgraphError
+from ..jax._donation import default_device
 from ..jax._dtypes import jax_dtype
 
 __all__ = ["param_path", "params_from_state_dict", "vision_encoder", "vit_block"]
@@ -207,7 +208,7 @@ def _to_jax(name: str, value: Any) -> jax.Array:
         array = jnp.asarray(value)
     else:  # a torch tensor: DLPack keeps bfloat16 and the device, but not torch's lazy bits
         array = jax.dlpack.from_dlpack(value.detach().resolve_conj().resolve_neg().contiguous())
-    device = jax.devices()[0]
+    device = default_device()  # where new arrays go and programs are compiled for
     if array.devices() != {device}:
         return jax.device_put(array, device)
     return jnp.array(array, copy=True)  # never alias memory the torch optimizer updates in place

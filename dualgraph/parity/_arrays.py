@@ -25,6 +25,7 @@ import torch
 
 from .._dtypes import is_differentiable_dtype, is_dtype_name
 from .._errors import DualgraphError
+from .._nodes import clip_text
 from ._bridge import UNSIGNED_OF_SIZE, to_numpy, unreadable
 from ._report import LeafReport
 from ._tolerances import Tolerance, check_tolerances, tolerance_for
@@ -129,7 +130,16 @@ def _as_numpy(path: str, x: Any) -> np.ndarray:
         if problem is not None:
             raise DualgraphError(f"{path}: {problem}")
         return to_numpy(x)
-    return np.asarray(x)
+    try:
+        array = np.asarray(x)
+    except Exception as error:  # a deleted JAX array, a typed PRNG key, a tracer, ragged lists
+        raise DualgraphError(
+            f"{path}: {type(x).__name__} cannot be read as a numpy array to compare "
+            f"({type(error).__name__}: {clip_text(error)})"
+        ) from error
+    # In native byte order: '>f4' and '<f4' are one dtype's values (compared as differing
+    # dtypes, both named float32), and the steps between values are counted on the bits.
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _differing_leaves(

@@ -10,6 +10,7 @@ views for the dtypes numpy lacks natively: bfloat16 and float8 through ``ml_dtyp
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import DualgraphError
+from .._nodes import clip_text
 from .._spec import describe
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "as_jax",
     "as_torch",
     "copied",
+    "default_jax_device",
     "numpy_dtype",
     "random_like",
     "to_numpy",
@@ -66,13 +69,34 @@ def unreadable(tensor: torch.Tensor, /) -> str | None:
         return "a nested tensor (it has no single shape to compare)"
     if tensor.is_meta:
         return "a meta tensor (it holds no values to compare)"
+    return _unreadable_dtype(tensor.dtype)
+
+
+@functools.cache
+def _unreadable_dtype(dtype: torch.dtype, /) -> str | None:
+    """Why tensors of ``dtype`` cannot be compared: torch cannot copy or compare them (quantized,
+    bit-packed and sub-byte integer dtypes), or numpy cannot hold them as they are (complex32);
+    ``None`` for the rest. Found once per dtype, on a tensor of one element."""
+    try:
+        sample = torch.zeros(1, dtype=dtype)
+        if sample.is_quantized:
+            raise TypeError("a quantized tensor")
+        kept = sample.clone()
+        if not (sample.is_floating_point() or sample.is_complex()):
+            torch.equal(sample, kept)  # floating ones are compared by eq and isnan
+        to_numpy(sample)
+    except Exception as error:
+        return (
+            f"a torch {str(dtype).removeprefix('torch.')} tensor, which cannot be compared "
+            f"({type(error).__name__}: {clip_text(error)})"
+        )
     return None
 
 
 def to_numpy(tensor: torch.Tensor, /) -> np.ndarray:
     """A torch tensor (strided, or sparse: its dense values) as a numpy array of the same dtype
     (on the host)."""
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()  # lazy views refuse .numpy()
+    tensor = _with_values(tensor.detach().cpu())  # lazy views refuse .numpy()
     if tensor.layout != torch.strided:  # a sparse grad (nn.Embedding(sparse=True)): its values
         tensor = tensor.to_dense()
     name = describe(tensor).arrays[0].dtype or ""  # the neutral name, as the torch adapter says
@@ -94,10 +118,20 @@ def to_torch(array: np.ndarray, device: torch.device, /) -> torch.Tensor:
     return torch.from_numpy(array.view(bits)).view(getattr(torch, name)).to(device)
 
 
+def _with_values(tensor: torch.Tensor, /) -> torch.Tensor:
+    """``tensor`` with its lazy bits resolved (conjugate, negative) and, for a zero tensor
+    (``torch._efficientzerotensor``, which holds no memory of its values: DLPack would carry
+    whatever its storage holds, and ``.numpy()`` refuses it), its zeros made (a copy)."""
+    tensor = tensor.resolve_conj().resolve_neg()
+    return tensor.clone() if tensor._is_zerotensor() else tensor
+
+
 def as_torch(value: Any, device: torch.device, /) -> torch.Tensor:
-    """An input (tensor or array) as a detached torch tensor; arrays go to ``device``."""
+    """An input (tensor or array) as a detached torch tensor; arrays go to ``device``. An
+    inference tensor (made under ``torch.inference_mode()``), which can neither require grad
+    nor count its in-place updates, is copied (outside that mode, into an ordinary tensor)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return value.detach().clone() if value.is_inference() else value.detach()
     return to_torch(np.asarray(value), device)
 
 
@@ -105,8 +139,8 @@ def as_jax(tensor: torch.Tensor, /) -> jax.Array:
     """The tensor as a JAX array on JAX's default device, without a copy where possible."""
     # DLPack carries memory, not torch's lazy conjugate and negative bits: a negated view
     # (z.conj().imag) would reach JAX with the other sign. Resolved, it is a copy.
-    tensor = tensor.detach().resolve_conj().resolve_neg()
-    device = jax.devices()[0]
+    tensor = _with_values(tensor.detach())
+    device = default_jax_device()
     same_kind = (tensor.device.type == "cuda") == (device.platform == "gpu")
     if same_kind:
         try:
@@ -116,6 +150,19 @@ def as_jax(tensor: torch.Tensor, /) -> jax.Array:
         if array is not None:
             return array if array.devices() == {device} else jax.device_put(array, device)
     return jax.device_put(to_numpy(tensor), device)
+
+
+def default_jax_device() -> jax.Device:
+    """The device JAX puts new arrays on and compiles for now: the one
+    ``jax.default_device(...)`` chose (a device or a platform name), else the first.
+
+    >>> default_jax_device() == jax.devices()[0]
+    True
+    """
+    chosen = jax.config.jax_default_device  # type: ignore[attr-defined]  # not in its stubs
+    if isinstance(chosen, str):
+        return jax.devices(chosen)[0]
+    return chosen if chosen is not None else jax.devices()[0]
 
 
 def copied(tree: Any, /) -> Any:

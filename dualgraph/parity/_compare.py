@@ -31,6 +31,7 @@ from ._torch_side import (
     full_precision,
     named_params,
     read_grads,
+    refuse_computed_params,
     refuse_detached_params,
     torch_device,
 )
@@ -72,12 +73,13 @@ def compare(
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
       refused without ``params``: no parameter grad would be compared; so are ``torch_params``
       of detached copies, such as ``module.state_dict()``, when gradients are compared: read
-      as frozen, none would be; and a trained parameter with a gradient that the mapping puts
-      in no leaf; and ``params`` whose values are not the torch ones mapped, exactly, in the
-      dtypes the mapping gives: a tree made from an older torch state). Frozen torch
-      parameters are not compared: a JAX params leaf made of them is left out, and a leaf that
-      mixes them with trained ones is compared at the trained ones' entries (found by mapping
-      NaN through ``params_from_torch``).
+      as frozen, none would be; so are computed ones, such as a parametrization's
+      ``module.weight``, whose ``.grad`` torch never fills; and a trained parameter with a
+      gradient that the mapping puts in no leaf; and ``params`` whose values are not the torch
+      ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
+      state). Frozen torch parameters are not compared: a JAX params leaf made of them is left
+      out, and a leaf that mixes them with trained ones is compared at the trained ones'
+      entries (found by mapping NaN through ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -95,23 +97,31 @@ def compare(
     Raises :class:`~dualgraph.SpecMismatchError` naming the path where the two outputs differ in
     structure, ``None`` positions, constants, shapes, dtypes or dict key orders; value
     differences are reported.
-    A ``torch_fn`` that updates an input in place is refused, naming it (JAX reads the inputs
-    after torch has run, and has no in-place update to compare with).
+    A ``torch_fn`` that updates an input or a parameter in place is refused, naming it (JAX
+    reads the inputs, and DLPack-made params, after torch has run, and has no in-place update to
+    compare with). The torch side runs with gradients recorded, under the caller's
+    ``torch.no_grad()`` or ``torch.inference_mode()`` too.
     """
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
-    both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
-    inputs = _prepare_inputs(args, kwargs, grads, both_params)
-    torch_out = _run_torch(torch_fn, inputs)
-    wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
-    with enable_x64(wide is not None), reference_settings(jax_fn):
-        run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
-        spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
-        entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+    # Under the caller's torch.inference_mode() nothing would be recorded for the gradients, and
+    # its tensors have no version counter to find in-place updates by: it is left for the call.
+    with torch.inference_mode(False):
+        both_params = _params_of(torch_fn, params, params_from_torch, torch_params, grads)
+        inputs = _prepare_inputs(args, kwargs, grads, both_params)
+        named = _named_params(torch_fn, both_params)
         if grads:
-            _refuse_unmasked_torch_grads(spec, torch_out)
-            entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
+            _refuse_inference_params(named)
+        torch_out = _run_torch(torch_fn, inputs, _watched(named))
+        wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
+        with enable_x64(wide is not None), reference_settings(jax_fn):
+            run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
+            spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
+            entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+            if grads:
+                _refuse_unmasked_torch_grads(spec, torch_out)
+                entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
     return ParityReport(tuple(entries))
 
 
@@ -190,8 +200,9 @@ def _params_of(
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
         if problem is not None:
             raise DualgraphError(f"torch parameter {name!r} is {problem}")
-    if torch_params is not None and grads:  # without grads, nothing is read as frozen
+    if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
+        refuse_computed_params(both.torch)
     _check_params_match(both)
     return both
 
@@ -269,7 +280,10 @@ def _prepare_inputs(
                 f"{path}: {leaf} cannot be handed to torch ({type(error).__name__}: "
                 f"{clip_text(error)})"
             ) from error
-    for tensor, wanted in zip(tensors, wants_grad, strict=True):
+    for path, tensor, wanted in zip(call_spec.array_paths, tensors, wants_grad, strict=True):
+        problem = unreadable(tensor)  # a numpy array torch reads in a dtype it cannot copy
+        if problem is not None:
+            raise DualgraphError(f"{path} is {problem}")
         tensor.requires_grad_(wanted)
     return _Inputs(call_spec, tensors, wants_grad, params)
 
@@ -277,13 +291,63 @@ def _prepare_inputs(
 # -- 2. run torch ----------------------------------------------------------------------------------
 
 
-def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
+def _named_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tensor]:
+    """The torch parameters of the comparison: those compared (``params``), else a module's own
+    (a JAX reference may close over them)."""
+    if params is not None:
+        return params.torch
+    if isinstance(torch_fn, torch.nn.Module):
+        return dict(torch_fn.named_parameters())
+    return {}
+
+
+def _refuse_inference_params(named: Mapping[str, torch.Tensor]) -> None:
+    """Refuse parameters made under ``torch.inference_mode()`` when gradients are compared:
+    torch cannot differentiate through them (its error, from inside torch_fn, names none)."""
+    for name, p in named.items():
+        if not torch.nn.parameter.is_lazy(p) and p.is_inference():
+            raise DualgraphError(
+                f"torch parameter {name!r} is an inference tensor (made under "
+                "torch.inference_mode()), which torch cannot differentiate through, so no "
+                "gradient can be compared: make the module outside inference mode, or compare "
+                "with grads=False"
+            )
+
+
+def _watched(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters ``torch_fn`` must leave as they are, less those holding no values yet (a
+    lazy module's, which its first forward makes) or none at all (meta), and inference tensors
+    (made under ``torch.inference_mode()``: torch refuses to update them outside it)."""
+    return {
+        name: p
+        for name, p in named.items()
+        if not torch.nn.parameter.is_lazy(p) and unreadable(p) is None and not p.is_inference()
+    }
+
+
+def _run_torch(
+    torch_fn: Callable[..., Any], inputs: _Inputs, params: Mapping[str, torch.Tensor]
+) -> Any:
     args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
     versions = [t._version for t in inputs.tensors]
     # Writes through .data or a numpy view do not move the version counter: values are kept too.
     before = [t.detach().clone() for t in inputs.tensors]
+    # Parameters too: JAX params made through DLPack (jax.dlpack.from_dlpack(p.detach()), no
+    # copy) share their memory, so an update in the forward (nn.Embedding(max_norm=...)
+    # renormalizes its rows in place) would reach a JAX reference that never makes it, and both
+    # would match.
+    kept_params = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
     with full_precision(), torch.enable_grad():
         out = torch_fn(*args, **kwargs)
+    for name, p, version, kept in kept_params:
+        if p._version != version or not _same_values(p.detach(), kept):
+            raise DualgraphError(
+                f"torch parameter {name!r}: torch_fn updated it in place (e.g. "
+                "nn.Embedding(max_norm=...) renormalizes its rows in its forward); the JAX "
+                "reference has no update to compare with, and reads either the values from "
+                "before or, sharing their memory (DLPack), the updated ones. Compare a torch_fn "
+                "that leaves its parameters as they are"
+            )
     # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
     # reference that ignores the update would match. JAX functions cannot update in place, so
     # there is nothing to compare the update with.
@@ -299,7 +363,9 @@ def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs) -> Any:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal entry by entry, NaN matching NaN."""
+    """Equal entry by entry, NaN matching NaN (a sparse tensor by its dense values)."""
+    if a.layout != torch.strided:  # torch's eq and equal take no sparse CSR, eq no sparse COO
+        a, b = a.to_dense(), b.to_dense()
     if a.is_floating_point() or a.is_complex():
         return bool((a.eq(b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import jax
 import torch
 
+from .._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
 from ..jax import GraphedCallable, Pullback
 from ._bridge import as_jax, copied
 
@@ -44,8 +46,20 @@ def run_jax(
     with torch through DLPack are copied first if the program donates them.
     """
     args, kwargs = unflatten([as_jax(t) for t in tensors])
-    if params is not None:
-        args = (params, *args)
+    if params is None:
+        return _run(jax_fn, args, kwargs, grads)
+    try:
+        return _run(jax_fn, (params, *args), kwargs, grads)
+    except (DualgraphError, SpecMismatchError, UnsupportedLeafError) as error:
+        raise _in_compare_terms(error) from error
+
+
+def _run(
+    jax_fn: Callable[..., Any] | GraphedCallable,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    grads: bool,
+) -> JaxRun:
     if isinstance(jax_fn, GraphedCallable):
         program = jax_fn
     else:
@@ -58,6 +72,35 @@ def run_jax(
         outputs, pullback = program.vjp(*args, **kwargs)
         return JaxRun(program, outputs, pullback)
     return JaxRun(program, program(*args, **kwargs), None)
+
+
+# A path of the JAX call's positional args, as the adapter's errors name them.
+_ARGS_PATH = re.compile(r"(?<![\w\]'\"])args\[(\d+)\]")
+
+
+def _in_compare_terms(error: DualgraphError) -> DualgraphError:
+    """The JAX side's refusal of ``jax_fn(params, *args, **kwargs)`` with its paths as
+    :func:`compare`'s: its ``args[0]`` is ``params``, its ``args[i + 1]`` compare's ``args[i]``
+    (``args[0]['w']`` named the params leaf ``params['w']``, and an input one position off).
+    Other errors (no path of the call in them, or a subclass with more to it) come back as
+    they are."""
+    if type(error) not in (DualgraphError, SpecMismatchError, UnsupportedLeafError):
+        return error
+    text = str(error)
+    if _ARGS_PATH.search(text) is None:
+        return error
+
+    def ours(found: re.Match[str]) -> str:
+        index = int(found.group(1))
+        return "params" if index == 0 else f"args[{index - 1}]"
+
+    message = (
+        "the JAX side, called as jax_fn(params, *args, **kwargs), refused the call (paths are "
+        f"compare's; counts of positional arguments include params): {_ARGS_PATH.sub(ours, text)}"
+    )
+    if isinstance(error, (SpecMismatchError, UnsupportedLeafError)):
+        return type(error)(message, path=_ARGS_PATH.sub(ours, error.path))
+    return DualgraphError(message)
 
 
 def reference_settings(jax_fn: Callable[..., Any] | GraphedCallable) -> Any:

@@ -17,6 +17,7 @@ __all__ = [
     "full_precision",
     "named_params",
     "read_grads",
+    "refuse_computed_params",
     "refuse_detached_params",
     "torch_device",
 ]
@@ -83,6 +84,21 @@ def refuse_detached_params(torch_fn: Any, torch_params: Mapping[str, torch.Tenso
             "are not the parameters torch_fn trains. Pass the parameters themselves, e.g. "
             "dict(module.named_parameters()) (frozen ones are nn.Parameters that require no grad)"
         )
+
+
+def refuse_computed_params(torch_params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse ``torch_params`` given for a comparison of gradients whose tensor is computed (no
+    leaf: a parametrization's ``module.weight``, ``w * 1``): torch never fills its ``.grad``, so
+    its gradient would read as zero whatever torch's backward gives the parameters behind it."""
+    for name, tensor in torch_params.items():
+        if tensor.grad_fn is not None:
+            raise DualgraphError(
+                f"torch_params[{name!r}] is computed from other tensors (its grad_fn is "
+                f"{type(tensor.grad_fn).__name__}, e.g. a parametrization's weight), and torch "
+                "fills the .grad of leaf tensors only: its gradient would read as zero. Pass the "
+                "parameters it is computed from, e.g. dict(module.named_parameters()) "
+                "('parametrizations.weight.original'), mapped by params_from_torch"
+            )
 
 
 def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
