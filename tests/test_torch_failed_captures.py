@@ -182,8 +182,9 @@ class _FailsWhileWatched(nn.Module):
             return self.lin(x) * scale
 
 
-# the first warmup, its no_grad forward (it turns grad mode on), the second warmup, capture
-@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+# the first warmup, the second warmup, capture (call 2, the no_grad forward run because it
+# turns grad mode on, does not fail the capture where it raises: such a call is refused instead)
+@pytest.mark.parametrize("fail_at", [1, 3, 4])
 def test_a_failed_capture_puts_back_what_it_watched(fail_at: int) -> None:
     model = _FailsWhileWatched(fail_at)
     with torch.no_grad():

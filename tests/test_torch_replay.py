@@ -1292,6 +1292,38 @@ def test_a_callable_enabling_grad_for_what_no_output_keeps_is_replayed_under_no_
             assert_trees_match(out, expected, tolerance("emulate"))
 
 
+class _ForcesOfFeatures(nn.Module):
+    """Forces as -dE/dh of features computed before its own enable_grad: under no_grad they
+    record nothing, and its autograd.grad raises (eager's call under no_grad fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        with torch.enable_grad():
+            energy = self.head(h.tanh()).square().sum()
+            (forces,) = torch.autograd.grad(energy, h, create_graph=True)
+        return -forces
+
+
+def test_a_callable_whose_forward_raises_under_no_grad_is_graphed_and_refused_there() -> None:
+    # The forward run under no_grad to find the outputs that record history raised, and with it
+    # the capture, of a callable eager runs with grad on (graphed before that forward was run).
+    module = _ForcesOfFeatures()
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(module, (batch().requires_grad_(),), backend="emulate")
+    x = batch().requires_grad_()
+    assert_trees_match(graphed(x), twin(x), tolerance("emulate"))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            twin(x)  # eager
+        with pytest.raises(DualgraphError, match=r"^output: .* called with grad mode off"):
+            graphed(x)
+
+
 #: A length whose call replays another graph than a call of ``call_length(entry)`` does (another
 #: shape bucket); with slots, the call made while the first is in flight takes the other slot.
 OTHER_LENGTH = {"buckets": 5, "pad": 3}

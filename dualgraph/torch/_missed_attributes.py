@@ -8,7 +8,8 @@ graphed module keeping its output: ``module.previous = output``) was never looke
 no change.
 
 A lookup that misses a module's ``__dict__`` and class ends in ``nn.Module.__getattr__`` (which
-then raises ``AttributeError``): watched by wrapping that method for the extent of a capture.
+then raises ``AttributeError``): watched for the extent of a capture, in its thread
+(:class:`WatchedFunction`: put back when the last capture of any thread ends).
 
 >>> import torch
 >>> layer = torch.nn.Linear(2, 2)
@@ -21,30 +22,37 @@ True
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from ._watched_function import WatchedFunction
+
 __all__ = ["attributes_missed"]
 
+#: Per module ``__dict__`` (by id), the names looked up in vain.
+Missed = dict[int, set[str]]
 
-@contextlib.contextmanager
-def attributes_missed() -> Iterator[dict[int, set[str]]]:
-    """Note, per module ``__dict__`` (by id), the names ``nn.Module.__getattr__`` did not find
-    while this runs; put the method back after."""
-    missed: dict[int, set[str]] = {}
-    module_class = torch.nn.Module
-    found = module_class.__getattr__
 
+def _noting_misses(found: Any, watchers: Callable[[], list[Missed]]) -> Any:
     def watched(self: torch.nn.Module, name: str) -> object:
         try:
             return found(self, name)
         except AttributeError:
-            missed.setdefault(id(self.__dict__), set()).add(name)
+            for missed in watchers():
+                missed.setdefault(id(self.__dict__), set()).add(name)
             raise
 
-    module_class.__getattr__ = watched  # type: ignore[method-assign,assignment]
-    try:
+    return watched
+
+
+_GETATTR: WatchedFunction[Missed] = WatchedFunction(torch.nn.Module, "__getattr__", _noting_misses)
+
+
+@contextlib.contextmanager
+def attributes_missed() -> Iterator[Missed]:
+    """Note, per module ``__dict__`` (by id), the names ``nn.Module.__getattr__`` did not find
+    in this thread while this runs."""
+    with _GETATTR.watching({}) as missed:
         yield missed
-    finally:
-        module_class.__getattr__ = found  # type: ignore[method-assign]

@@ -663,7 +663,8 @@ class GraphedCallable:
             f"{', '.join(paths)}: {self.name} was called with grad mode off (torch.no_grad()), "
             "but the callable turns it on itself (torch.enable_grad(), "
             "torch.set_grad_enabled(True)), so eager's call records history there (outputs "
-            "requiring grad, grads for the inputs and parameters) where a replay records none; "
+            "requiring grad, grads for the inputs and parameters; or raises, where the callable "
+            "differentiates what then records none) where a replay records none; "
             "call it with grad mode on (detach what you do not train), or under "
             "torch.inference_mode(), where eager records nothing either"
         )

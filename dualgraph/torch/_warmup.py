@@ -271,10 +271,17 @@ def _warmup(
 
 def _recording_under_no_grad(item: _Capture) -> tuple[int, ...]:
     """The outputs a call under ``torch.no_grad()`` gives history (the callable turns grad
-    mode on itself): one more forward, unobserved (module tensors are put back after warmup)."""
-    with _unobserved(), torch.no_grad(), item.request.hooks.around("forward"):
-        outputs = item.run()
+    mode on itself): one more forward, unobserved (module tensors are put back after warmup).
+
+    A forward that raises under ``no_grad`` (``torch.autograd.grad`` inside its own
+    ``enable_grad`` of what was computed before it, which then records nothing) is still graphed:
+    eager's call raises there too, so every output is named and such a call refused."""
     assert item.out_spec is not None
+    try:
+        with _unobserved(), torch.no_grad(), item.request.hooks.around("forward"):
+            outputs = item.run()
+    except Exception:
+        return tuple(range(item.out_spec.num_arrays))
     try:
         flat = item.out_spec.flatten(outputs, check=True)
     except DualgraphError:  # another tree under no_grad (a branch on grad mode): refuse all

@@ -1,0 +1,87 @@
+"""A function of torch's replaced while captures watch its calls, one replacement for all.
+
+Capture watches a few of torch's functions for its extent (``nn.Module.__getattr__``,
+``torch._C._set_grad_enabled``). Replacing the function on entry and putting back the one found
+on exit goes wrong where watches do not end in the order they began: two threads capturing at
+once (each thread's capture scope is its own), where the first to end puts back the original
+and the last puts back the first's replacement, for good (every later call then runs it, and
+its notes grow without end). Here one replacement stands while any watch runs, and the function
+is put back when the last ends; the replacement tells the watches of the calling thread only
+(an outer and a nested capture's alike), so another thread's calls are not a capture's.
+
+>>> import types
+>>> box = types.SimpleNamespace(double=lambda x: 2 * x)
+>>> def noting(found, watchers):
+...     def noted(x):
+...         for seen in watchers():
+...             seen.append(x)
+...         return found(x)
+...     return noted
+>>> original = box.double
+>>> with WatchedFunction(box, "double", noting).watching([]) as seen:
+...     _ = box.double(3)
+>>> seen, box.double is original
+([3], True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["WatchedFunction"]
+
+W = TypeVar("W")
+
+
+class WatchedFunction(Generic[W]):
+    """``owner.name`` replaced by ``wrap(found, watchers)`` while any :meth:`watching` runs;
+    ``watchers()`` is the calling thread's list of watchers (objects the replacement notes
+    calls in), innermost last."""
+
+    __slots__ = ("_count", "_found", "_local", "_lock", "_name", "_owner", "_wrap")
+
+    def __init__(
+        self,
+        owner: object,
+        name: str,
+        wrap: Callable[[Any, Callable[[], list[W]]], Any],
+    ) -> None:
+        self._owner = owner
+        self._name = name
+        self._wrap = wrap
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._count = 0  # watches running, in all threads
+        self._found: Any = None
+
+    def _watchers(self) -> list[W]:
+        try:
+            found: list[W] = self._local.watchers
+        except AttributeError:
+            found = self._local.watchers = []
+        return found
+
+    @contextlib.contextmanager
+    def watching(self, watcher: W) -> Iterator[W]:
+        """Note this thread's calls in ``watcher`` while the block runs; the function is put
+        back when no watch runs in any thread, however the block ends."""
+        with self._lock:
+            if not self._count:
+                self._found = getattr(self._owner, self._name)
+                setattr(self._owner, self._name, self._wrap(self._found, self._watchers))
+            self._count += 1
+        watchers = self._watchers()
+        watchers.append(watcher)
+        try:
+            yield watcher
+        finally:
+            # by identity (a watcher may compare equal to another: two empty dicts)
+            del watchers[next(i for i, w in enumerate(watchers) if w is watcher)]
+            with self._lock:
+                self._count -= 1
+                if not self._count:
+                    setattr(self._owner, self._name, self._found)
+                    self._found = None

@@ -1,0 +1,68 @@
+"""Capture's watches of torch functions, shared by threads: put back however they end."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dualgraph.torch._grad_mode_set import turns_grad_mode_on
+from dualgraph.torch._missed_attributes import attributes_missed
+
+_WATCHES: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], Any]]] = {
+    "getattr": (attributes_missed, lambda: nn.Module.__getattr__),
+    "set_grad_enabled": (turns_grad_mode_on, lambda: torch._C._set_grad_enabled),
+}
+
+
+def _in_thread(body: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("watch", sorted(_WATCHES))
+def test_watches_of_two_threads_ending_out_of_order_put_the_function_back(watch: str) -> None:
+    # Two captures in two threads: the first to begin ends first.
+    watched, current = _WATCHES[watch]
+    found = current()
+    first_began, second_began = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with watched():
+            first_began.set()
+            assert second_began.wait(10)
+
+    thread = _in_thread(first)
+    assert first_began.wait(10)
+    with watched():
+        second_began.set()
+        thread.join(10)
+    assert current() is found
+
+
+def test_a_watch_notes_the_lookups_of_its_own_thread_only() -> None:
+    layer = nn.Linear(2, 2)
+
+    def elsewhere() -> None:
+        getattr(layer, "elsewhere", None)
+
+    with attributes_missed() as missed:
+        _in_thread(elsewhere).join(10)
+        getattr(layer, "here", None)
+    assert missed == {id(layer.__dict__): {"here"}}
+
+
+def test_a_nested_watch_notes_in_the_outer_one_too() -> None:
+    layer = nn.Linear(2, 2)
+    with attributes_missed() as outer:
+        with attributes_missed() as inner:
+            getattr(layer, "inside", None)
+        getattr(layer, "after", None)
+    assert inner == {id(layer.__dict__): {"inside"}}
+    assert outer == {id(layer.__dict__): {"inside", "after"}}
