@@ -3863,3 +3863,22 @@ def test_an_input_the_callable_updates_before_the_backward_reads_it_trains_as_ea
     scale.add_(1.0)  # a change of the caller's after the call is refused, as ever
     with pytest.raises(DualgraphError, match=re.escape("args[1] was modified in place after")):
         loss.backward()
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_a_weight_changed_between_two_slots_before_one_backward_through_both_adds_nothing(
+    param_grads: str,
+) -> None:
+    # The later slot's replay saw the changed weight, the earlier one's backward reads it: the
+    # engine runs the later one first, which must refuse before its graph adds into .grad.
+    module = ScalesByAnInput()
+    graphed = graphed_on("slots", module, (torch.ones(4), torch.zeros(4)), param_grads=param_grads)
+    backward_of(graphed(*_scaled_call("slots")))
+    kept = grads_of(parameters_of(module))
+    first = graphed(*_scaled_call("slots")).sum()
+    with torch.no_grad():
+        module.linear.weight.add_(1.0)
+    second = graphed(*_scaled_call("slots")).sum()
+    with pytest.raises(DualgraphError, match=r"linear\.weight was modified in place"):
+        (first + second).backward()
+    assert_grads_match(grads_of(parameters_of(module)), kept, parameter_names(module))

@@ -1123,18 +1123,25 @@ class GraphedCallable:
     def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
         """Refuse a backward whose graph would read a parameter or buffer changed in place
         since its forward replay (eager's backward raises, having saved it)."""
+        error = self.changed_since_forward(versions)
+        if error is not None:
+            raise error
+
+    def changed_since_forward(self, versions: tuple[int, ...]) -> DualgraphError | None:
+        """The refusal of :meth:`_refuse_changed_since_forward`, or ``None``."""
         now = tuple(map(_version, self._read_by_backward))
         if now == versions:
-            return
+            return None
         for name, before, after in zip(self._read_by_backward_names, versions, now, strict=True):
             if before != after:
-                raise DualgraphError(
+                return DualgraphError(
                     f"{self.name}: {name} was modified in place (version {before} at the forward "
                     f"replay, {after} now) before the backward that reads it (eager would raise: "
                     "a variable needed for gradient computation has been modified by an inplace "
                     "operation); run the backward before changing it (optimizer.step() after "
                     "backward)"
                 )
+        return None
 
     def input_versions(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The versions of the inputs the backward reads (``inputs``: the call's tensors)."""
@@ -1220,6 +1227,9 @@ class GraphedCallable:
                 reached = False
             if reached:
                 error = node.graphed.stale_backward(node.generation)
+                # and so does one whose inputs, parameters or buffers it reads changed since
+                if error is None and node.versions:
+                    error = node.graphed.changed_since_forward(node.versions)
                 if error is None and node.input_versions:
                     error = node.graphed.changed_input(node)
                 if error is not None:
