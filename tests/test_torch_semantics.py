@@ -3882,3 +3882,25 @@ def test_a_weight_changed_between_two_slots_before_one_backward_through_both_add
     with pytest.raises(DualgraphError, match=r"linear\.weight was modified in place"):
         (first + second).backward()
     assert_grads_match(grads_of(parameters_of(module)), kept, parameter_names(module))
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_an_inference_tensor_the_backward_would_read_is_refused_as_eager_refuses_it(
+    param_grads: str,
+) -> None:
+    # Eager raises 'Inference tensors cannot be saved for backward' at the call; a replay took
+    # it (its static copy is a normal tensor), and no change of it after the call could be seen.
+    module = ScalesByAnInput()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on("plain", module, (torch.ones(4), torch.zeros(4)), param_grads=param_grads)
+    x, scale, shift = _scaled_call("plain")
+    with torch.inference_mode():
+        scale = scale.clone()
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        twin(x, scale, shift)
+    with pytest.raises(DualgraphError, match=re.escape("args[1] is an inference tensor")):
+        graphed(x, scale, shift)
+    with torch.no_grad():  # no backward follows: eager takes it, and so does a replay
+        assert_tensors_match(graphed(x, scale, shift), twin(x, scale, shift), "output")
+    backward_of(graphed(x, scale.clone(), shift))  # and the next call trains
+    assert x.grad is not None

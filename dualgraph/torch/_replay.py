@@ -1163,6 +1163,20 @@ class GraphedCallable:
                 return self._changed_input_error(i, before, after)
         return None
 
+    def refuse_inference_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Refuse a call with grad passing, where the backward reads an input, a tensor made
+        under ``torch.inference_mode()`` (eager raises 'Inference tensors cannot be saved for
+        backward'; a replay could tell no change of it from its version counter, it has none).
+        """
+        for i in self._saved_inputs:
+            if inputs[i].is_inference():
+                raise DualgraphError(
+                    f"{self.name}: {self._inputs.paths[i]} is an inference tensor (made under "
+                    "torch.inference_mode()), and the backward reads it: eager raises "
+                    "'Inference tensors cannot be saved for backward'. Pass a clone made "
+                    "outside inference mode, or call under torch.no_grad()"
+                )
+
     def _changed_input_error(self, index: int, before: int, after: int) -> DualgraphError:
         return DualgraphError(
             f"{self.name}: {self._inputs.paths[index]} was modified in place after the call "

@@ -79,7 +79,11 @@ class _Replay(torch.autograd.Function):
         if graphed._read_by_backward:  # as saved tensors' versions: checked at backward
             ctx.versions = tuple(map(_version, graphed._read_by_backward))
         if graphed._saved_inputs:  # and the inputs' it reads
-            ctx.input_versions = tuple([inputs[i]._version for i in graphed._saved_inputs])
+            try:
+                ctx.input_versions = tuple([inputs[i]._version for i in graphed._saved_inputs])
+            except RuntimeError:  # an inference tensor has no version counter
+                graphed.refuse_inference_inputs(inputs)
+                raise
         if graphed._used_inside:  # weakly: a node holding its outputs would keep them alive
             ctx.used_inside = tuple((k, _weakref(outputs[k])) for k in graphed._used_inside)
         return outputs
