@@ -391,6 +391,8 @@ class BucketedCallable:
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
         if run is None:
             outputs = self._replay(bucket, args, kwargs, length)
+            if isinstance(runner, GraphedCallable) and runner.plan.saved_inputs:
+                _note_padded_inputs(runner, tensors, self._guard.paths, padding)
         else:
             outputs = run(*args, **kwargs)
         callers = {id(padded[index]): tensors[index] for index, _ in padding.inputs}
@@ -637,6 +639,18 @@ def _refuse_updates_seen_through_padded(
                 "not share memory",
                 path=path,
             )
+
+
+def _note_padded_inputs(
+    runner: GraphedCallable, tensors: Sequence[torch.Tensor], paths: Sequence[str], padding: Padding
+) -> None:
+    """Hand the replay just run the caller's tensors of its padded inputs (it read padded
+    copies), so that one its backward reads, changed in place before it, is refused there.
+    ``tensors`` and ``paths`` are the caller's, in the guard's order."""
+    index_of = {path: i for i, path in enumerate(runner.plan.inputs.paths)}
+    runner.note_padded_inputs(
+        (index_of[paths[j]], tensors[j]) for j, _ in padding.inputs if paths[j] in index_of
+    )
 
 
 def _grad_fn(tensor: torch.Tensor) -> Any:

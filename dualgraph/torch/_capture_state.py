@@ -167,6 +167,7 @@ class _Capture:
         self.records_under_no_grad: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+        self.saved_inputs: tuple[int, ...] = ()
         self.output_aliases: OutputAliases | None = None
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
@@ -206,6 +207,7 @@ class _Capture:
         self.records_under_no_grad = original.records_under_no_grad
         self.saved_module_tensors = original.saved_module_tensors
         self.saved_closure_tensors = original.saved_closure_tensors
+        self.saved_inputs = original.saved_inputs
         self.output_aliases = original.output_aliases
         self.reach = original.reach
         self.mutated = set(original.mutated)
@@ -430,6 +432,7 @@ class _Capture:
             records_under_no_grad=self.records_under_no_grad,
             saved_module_tensors=self.saved_module_tensors,
             saved_closure_tensors=self.saved_closure_tensors,
+            saved_inputs=self.saved_inputs,
             output_aliases=self.output_aliases,
             mutated_inputs=tuple(sorted(self.mutated)),
             quietly_mutated_inputs=tuple(sorted(self.mutated_quietly)),

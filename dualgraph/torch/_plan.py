@@ -163,6 +163,10 @@ class ReplayPlan:
     param_memory: tuple[tuple[str, dict[str, Any], str, torch.Tensor, int], ...] = ()
     # a function's: the tensors its code names that the backward reads (as saved_module_tensors)
     saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
+    # inputs the backward reads (an input to a Linear, saved for its weight's grad): the
+    # caller's tensor changed in place between a replay and its backward is refused, as eager's
+    # backward raises; an input only added is not saved, and may change
+    saved_inputs: tuple[int, ...] = ()
     # of mutated_inputs, those updated without a version bump (``x.data.mul_(2)``, a kernel's
     # running statistics): copied back without one, as eager moved none
     quietly_mutated_inputs: tuple[int, ...] = ()

@@ -197,6 +197,8 @@ class GraphedCallable:
         "_replay_call",
         "_replay_forward",
         "_replayed_in_backward",
+        "_saved_inputs",
+        "_saved_mutated",
         "_saved_outputs",
         "_sentinel_node",
         "_sentinel_param",
@@ -313,6 +315,11 @@ class GraphedCallable:
             read.setdefault(id(tensor), (name, tensor))
         self._read_by_backward = tuple(tensor for _, tensor in read.values())
         self._read_by_backward_names = tuple(name for name, _ in read.values())
+        # The inputs the backward reads (found at warmup among what autograd saves): each
+        # replay's node keeps the caller's tensors' versions, compared at its backward.
+        self._saved_inputs = plan.saved_inputs
+        # Of those, inputs the callable updates: their versions are taken after the copy back.
+        self._saved_mutated = bool(set(plan.saved_inputs) & set(plan.mutated_inputs))
         self._output_versions: tuple[int, ...] = ()
         # Copies of saved outputs a padded call of buckets= handed out (note_cut_copies), weakly,
         # with their versions then: changed in place, eager's backward would raise.
@@ -643,6 +650,8 @@ class GraphedCallable:
             self.diagnostics.replays += 1
             if self._mutated:
                 self._copy_back(tensors)
+                if self._saved_mutated and self._has_backward and grad_enabled:
+                    self._nodes[-1]().input_versions = self.input_versions(tensors)
             if aliases is not None:  # under the caller's grad mode, as eager made them
                 outputs = aliases.hand_out(outputs, tensors)
             if hooks is None:
@@ -898,6 +907,17 @@ class GraphedCallable:
                 self._refuse_stale_in_this_backward(generation)
             if self._expired_nodes and _will_engine_execute_node is not None:
                 self._refuse_stale_in_this_backward(generation, self._expired_nodes)
+            if replay_node is not None:
+                # An input the backward reads changed since the replay (after the refusals of
+                # a stale replay, whose overwritten activations are the cause to name).
+                versions = replay_node.input_versions
+                if versions and (
+                    tuple([inputs[i]._version for i in self._saved_inputs]) != versions
+                    or replay_node.padded_callers
+                ):
+                    error = self.changed_input(replay_node)
+                    if error is not None:
+                        raise error
             # Marked before the hooks and graphs run; a refusal made before anything is
             # replayed or added to (a replay hook's error, here; _RefusedBeforeReplay, from the
             # parameter grads' stage, below) unmarks it, so that a retry (the .grad mended,
@@ -1071,18 +1091,86 @@ class GraphedCallable:
     def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
         """Refuse a backward whose graph would read a parameter or buffer changed in place
         since its forward replay (eager's backward raises, having saved it)."""
+        error = self.changed_since_forward(versions)
+        if error is not None:
+            raise error
+
+    def changed_since_forward(self, versions: tuple[int, ...]) -> DualgraphError | None:
+        """The refusal of :meth:`_refuse_changed_since_forward`, or ``None``."""
         now = tuple(map(_version, self._read_by_backward))
         if now == versions:
-            return
+            return None
         for name, before, after in zip(self._read_by_backward_names, versions, now, strict=True):
             if before != after:
-                raise DualgraphError(
+                return DualgraphError(
                     f"{self.name}: {name} was modified in place (version {before} at the forward "
                     f"replay, {after} now) before the backward that reads it (eager would raise: "
                     "a variable needed for gradient computation has been modified by an inplace "
                     "operation); run the backward before changing it (optimizer.step() after "
                     "backward)"
                 )
+        return None
+
+    def input_versions(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+        """The versions of the inputs the backward reads (``inputs``: the call's tensors)."""
+        return tuple([inputs[i]._version for i in self._saved_inputs])
+
+    def changed_input(self, node: Any) -> DualgraphError | None:
+        """The refusal of the backward of replay ``node`` (its autograd node) that would read an
+        input the caller changed in place since that replay (eager's backward raises, having
+        saved it), or of a padded call's input: its caller's tensor (note_padded_inputs)."""
+        inputs = node.inputs
+        versions = node.input_versions
+        for i, before in zip(self._saved_inputs, versions, strict=True):
+            after = inputs[i]._version
+            if after != before:
+                return self._changed_input_error(i, before, after)
+        for i, tensor, before in node.padded_callers:
+            after = tensor._version
+            if after != before:
+                return self._changed_input_error(i, before, after)
+        return None
+
+    def refuse_inference_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Refuse a call with grad passing, where the backward reads an input, a tensor made
+        under ``torch.inference_mode()`` (eager raises 'Inference tensors cannot be saved for
+        backward'; a replay could tell no change of it from its version counter, it has none).
+        """
+        for i in self._saved_inputs:
+            if inputs[i].is_inference():
+                raise DualgraphError(
+                    f"{self.name}: {self._inputs.paths[i]} is an inference tensor (made under "
+                    "torch.inference_mode()), and the backward reads it: eager raises "
+                    "'Inference tensors cannot be saved for backward'. Pass a clone made "
+                    "outside inference mode, or call under torch.no_grad()"
+                )
+
+    def _changed_input_error(self, index: int, before: int, after: int) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: {self._inputs.paths[index]} was modified in place after the call "
+            f"(version {before} at the replay, {after} now), but the backward reads it (eager "
+            "would raise: one of the variables needed for gradient computation has been "
+            "modified by an inplace operation); change it after the backward, or pass a copy "
+            "(x.clone()). An output of a graphed callable passed in changes with that "
+            "callable's next replay too (clone it, or graph that one with clone_outputs=True)"
+        )
+
+    def note_padded_inputs(self, callers: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """The caller's tensors of the replay just run that a padded call handed it as padded
+        copies (``(input index, caller's tensor)``): one the backward reads, changed in place
+        before that backward, is refused there as an input of an exact call is (eager's
+        backward reads the caller's tensor, and would raise)."""
+        saved = self._saved_inputs
+        if not saved or not self._nodes:
+            return
+        node = self._nodes[-1]()
+        if node is None or node.graphed is not self or node.generation != self._generation:
+            return  # no backward follows this replay
+        node.padded_callers = tuple(
+            (i, tensor, tensor._version)
+            for i, tensor in callers
+            if i in saved and not tensor.is_inference()  # inference mode: no backward follows
+        )
 
     def _refuse_grads_watched_inside(
         self, outputs: Sequence[tuple[int, Callable[[], torch.Tensor | None]]]
@@ -1121,6 +1209,11 @@ class GraphedCallable:
                 reached = False
             if reached:
                 error = node.graphed.stale_backward(node.generation)
+                # and so does one whose inputs, parameters or buffers it reads changed since
+                if error is None and node.versions:
+                    error = node.graphed.changed_since_forward(node.versions)
+                if error is None and node.input_versions:
+                    error = node.graphed.changed_input(node)
                 if error is not None:
                     raise error
 

@@ -78,6 +78,12 @@ class _Replay(torch.autograd.Function):
             ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
         if graphed._read_by_backward:  # as saved tensors' versions: checked at backward
             ctx.versions = tuple(map(_version, graphed._read_by_backward))
+        if graphed._saved_inputs:  # and the inputs' it reads
+            try:
+                ctx.input_versions = tuple([inputs[i]._version for i in graphed._saved_inputs])
+            except RuntimeError:  # an inference tensor has no version counter
+                graphed.refuse_inference_inputs(inputs)
+                raise
         if graphed._used_inside:  # weakly: a node holding its outputs would keep them alive
             ctx.used_inside = tuple((k, _weakref(outputs[k])) for k in graphed._used_inside)
         return outputs
@@ -187,6 +193,9 @@ REPLAY_BACKWARD.hooked = False
 REPLAY_BACKWARD.post_hooked = False
 REPLAY_BACKWARD.used_inside = ()  # (position, weak reference) of outputs used inside
 REPLAY_BACKWARD.versions = ()  # of the parameters and buffers the backward reads
+REPLAY_BACKWARD.input_versions = ()  # of the inputs the backward reads
+# (input index, caller's tensor, its version) of a padded call's inputs the backward reads
+REPLAY_BACKWARD.padded_callers = ()
 _NodeBase = torch._C._FunctionBase
 REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook, sees_results=False)
 REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook, sees_results=True)

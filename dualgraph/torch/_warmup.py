@@ -214,6 +214,7 @@ def _warmup(
             flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
         )
         item.saved_outputs = _saved_outputs(flat, saved)
+        item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
         item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item))
         aliases = item.output_aliases
         made_from_outputs = frozenset(
