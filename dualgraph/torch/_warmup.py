@@ -253,6 +253,8 @@ def _warmup(
             )
         if not allow_unused and None in grads:
             _refuse_unused(item, grads.index(None))
+        if inspect:
+            item.take_grad_layouts(grads)
         if inspect and item.fuses_accumulation:  # the graph adds them into .grad, then frees them
             item.probe.memory.release(grads[len(item.grad_input_indices) :])
     paths = item.request.inputs.paths
