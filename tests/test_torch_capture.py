@@ -381,6 +381,21 @@ def test_an_output_no_static_buffer_can_hold_is_refused_naming_its_path(backend:
     )
 
 
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_an_output_leaf_of_an_unsupported_type_is_refused_naming_its_output_path(
+    backend: str,
+) -> None:
+    # The path was '[1]' (no root): an argument or an output, the message did not say.
+    def returns_its_shape(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        return x * 2, x.shape
+
+    with pytest.raises(DualgraphError, match=r"output\[1\]: unsupported leaf of type torch.Size"):
+        graphed = dgt.make_graphed_callables(
+            returns_its_shape, (torch.ones(2, device=device_of(backend)),), backend=backend
+        )
+        graphed(torch.ones(2, device=device_of(backend)))  # eager: described at the first call
+
+
 class UsesAnotherModulesWeight(nn.Module):
     """Reads a parameter it does not own (a weight shared from elsewhere, held as a plain attr)."""
 

@@ -280,7 +280,7 @@ class _Capture:
                 and tuple(t.requires_grad for t in flat) == known.grad_mask
             ):
                 return flat
-        spec = describe(outputs)
+        spec = describe(outputs, root="output")
         flat = spec.flatten(outputs)
         for path, leaf in zip(spec.array_paths, flat, strict=True):
             if not isinstance(leaf, torch.Tensor):

@@ -347,7 +347,7 @@ def _run_steps(
         before.update({label: b.detach().clone() for label, b in buffers})
         with torch.enable_grad():
             out = call(*call_args, **call_kwargs)
-        spec = describe(out)
+        spec = describe(out, root="output")
         flat = spec.flatten(out)
         outputs = [_owned(t) for t in flat]
         live = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
