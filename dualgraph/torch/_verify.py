@@ -619,6 +619,10 @@ def _compare(
             f"graphed {dtype_name(actual.dtype)}{list(actual.shape)} vs eager "
             f"{dtype_name(expected.dtype)}{list(expected.shape)}",
         )
+    if actual.layout != expected.layout:
+        return _problem(path, f"graphed {actual.layout} vs eager {expected.layout}")
+    if expected.layout != torch.strided:  # a sparse .grad (nn.Embedding(sparse=True)): its values
+        actual, expected = actual.detach().to_dense(), expected.detach().to_dense()
     if not (expected.is_floating_point() or expected.is_complex()):
         return _compare_exactly(path, actual, expected)
     leaf_rtol, leaf_atol = _tolerance(expected, rtol, atol)
