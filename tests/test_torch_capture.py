@@ -381,6 +381,21 @@ def test_an_output_no_static_buffer_can_hold_is_refused_naming_its_path(backend:
     )
 
 
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_an_output_leaf_of_an_unsupported_type_is_refused_naming_its_output_path(
+    backend: str,
+) -> None:
+    # The path was '[1]' (no root): an argument or an output, the message did not say.
+    def returns_its_shape(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        return x * 2, x.shape
+
+    with pytest.raises(DualgraphError, match=r"output\[1\]: unsupported leaf of type torch.Size"):
+        graphed = dgt.make_graphed_callables(
+            returns_its_shape, (torch.ones(2, device=device_of(backend)),), backend=backend
+        )
+        graphed(torch.ones(2, device=device_of(backend)))  # eager: described at the first call
+
+
 class UsesAnotherModulesWeight(nn.Module):
     """Reads a parameter it does not own (a weight shared from elsewhere, held as a plain attr)."""
 
@@ -403,14 +418,30 @@ def test_outputs_that_depend_on_a_foreign_tensor_requiring_grad_are_refused(back
     assert message == (
         f"capturing UsesAnotherModulesWeight ({backend}) failed during warmup: the outputs "
         "depend on 2 tensor(s) that require grad but are neither inputs nor parameters of the "
-        "module (float32[4, 4], float32[4]), e.g. a closure over another module's weights; a "
+        "module (float32[4, 4], float32[4]; output reads the float32[4, 4] one), e.g. a "
+        "closure over another module's weights; a "
         "replay would give them no gradient. Pass them as inputs, or graph the module that "
         "holds them"
     )
     weight = torch.randn(4, device=device, requires_grad=True)
     message = capture_error(lambda x: x * weight, (torch.randn(4, device=device),), backend=backend)
-    assert "neither inputs nor arguments (float32[4])" in message
+    assert "neither inputs nor arguments (float32[4]; output reads the float32[4] one)" in message
     assert shared.weight.grad is None and weight.grad is None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_foreign_tensor_requiring_grad_is_refused_naming_an_output_that_reads_it(
+    backend: str,
+) -> None:
+    # The refusal named the tensor's shape only: which of a dict's outputs read it, it did not say.
+    device = device_of(backend)
+    weight = torch.randn(4, device=device, requires_grad=True)
+    message = capture_error(
+        lambda x: {"plain": x * 2, "scaled": x * weight},
+        (torch.randn(4, device=device, requires_grad=True),),
+        backend=backend,
+    )
+    assert "(float32[4]; output['scaled'] reads the float32[4] one)" in message
 
 
 def _derivative_of_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3904,3 +3904,49 @@ def test_an_inference_tensor_the_backward_would_read_is_refused_as_eager_refuses
         assert_tensors_match(graphed(x, scale, shift), twin(x, scale, shift), "output")
     backward_of(graphed(x, scale.clone(), shift))  # and the next call trains
     assert x.grad is not None
+
+
+# -- a parameter whose grad is sparse (nn.Embedding(sparse=True)) ------------------------------
+
+
+class SparseLookup(nn.Module):
+    """Scales ``x`` by rows of an embedding whose grad is sparse (a recommender's table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(7, 4, sparse=True)
+
+    def forward(self, x: torch.Tensor, valid_length: torch.Tensor | None = None) -> torch.Tensor:
+        return x * self.table(torch.arange(x.shape[1], device=x.device) % 3)
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+def test_a_sparse_parameter_grad_stays_sparse_as_eager_on_every_entry_point(
+    entry: str, param_grads: str
+) -> None:
+    # "auto" added a sparse embedding's grads into a dense accumulator: .grad came back dense
+    # (eager's is sparse), and optimizers that take sparse grads (SparseAdam) refused it;
+    # "autograd" with buckets copied the sparse grad into a dense shared buffer (RuntimeError);
+    # the padding check of a padded call compared sparse grads with torch's dense ops.
+    module = SparseLookup()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on(entry, module, param_grads=param_grads)
+    for step in range(2):
+        for _ in range(2):  # grad accumulation
+            x = batch(call_length(entry))
+            backward_of(graphed(x.detach().clone().requires_grad_()))
+            backward_of(twin(x))
+        grad, expected = module.table.weight.grad, twin.table.weight.grad
+        assert grad.layout is expected.layout is torch.sparse_coo
+        assert torch.equal(grad.to_dense(), expected.to_dense())
+        module.zero_grad(set_to_none=step == 0)
+        twin.zero_grad(set_to_none=step == 0)
+
+
+def test_in_graph_refuses_a_sparse_parameter_grad_naming_it() -> None:
+    module = SparseLookup()
+    with pytest.raises(DualgraphError, match=r"SparseLookup.table.weight: its backward gives a "):
+        dgt.make_graphed_callables(module, (batch(),), backend="emulate", param_grads="in_graph")
+    backward_of(module(batch()))  # the module is usable eagerly
+    assert module.table.weight.grad.layout is torch.sparse_coo

@@ -690,6 +690,24 @@ def test_verify_passes_a_parameter_grad_of_negative_zeros_as_eager_gives_it() ->
     ]
 
 
+def test_verify_compares_a_sparse_parameter_grad_by_its_values() -> None:
+    # nn.Embedding(sparse=True)'s .grad is sparse in eager and graphed: verify leaked torch's
+    # NotImplementedError (no == on a sparse tensor) instead of comparing it
+    table = nn.Embedding(10, 4, sparse=True)
+    ids = torch.tensor([[1, 2, 2], [7, 1, 0]])
+    graphed = dgt.make_graphed_callables(table, (ids,), backend="emulate")
+    report = dgt.verify(graphed, ids)
+    assert report.ok, str(report)
+    assert "step 2 grad weight" in [c.path for c in report.checks]
+
+
+def test_a_grad_of_another_layout_than_eager_is_a_problem() -> None:
+    sparse = torch.eye(3).to_sparse()
+    check = _verify._compare("grad w", torch.eye(3), sparse, None, None)
+    assert (check.ok, check.problem) == (False, "graphed torch.strided vs eager torch.sparse_coo")
+    assert not _verify._compare("grad w", (2 * torch.eye(3)).to_sparse(), sparse, None, None).ok
+
+
 def test_a_missing_grad_shape_or_structure_is_a_problem_not_a_number() -> None:
     grad = _verify._compare("step 1 grad x", None, torch.ones(2), None, None)
     assert (grad.ok, grad.problem) == (False, "None in graphed, a tensor in the other")

@@ -200,6 +200,8 @@ class _Capture:
 
     def learn_from(self, original: _Capture) -> None:
         """Take over what the warmup of ``original`` (the same callable) found."""
+        # where its warmup handed the parameter grads to autograd (see take_grad_layouts)
+        self.in_graph_grads, self.accumulators = original.in_graph_grads, original.accumulators
         self.out_spec, self.diff_outputs = original.out_spec, original.diff_outputs
         self.saved_outputs = original.saved_outputs
         self.outside_outputs = original.outside_outputs
@@ -214,6 +216,30 @@ class _Capture:
         self.mutated_quietly = set(original.mutated_quietly)
         self.warmup_grads = original.warmup_grads
         self.output_layouts, self.grad_layouts = original.output_layouts, original.grad_layouts
+
+    def take_grad_layouts(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Hand the parameter grads to autograd where a warmup's are not strided (sparse).
+
+        ``nn.Embedding(sparse=True)`` and ``EmbeddingBag(sparse=True)`` give sparse grads, and
+        eager's ``.grad`` is then sparse (the calls' grads concatenated): a dense accumulator
+        would hand out a dense ``.grad`` of other values' rounding. ``"auto"`` therefore takes
+        autograd for this callable's parameters (as ``"autograd"`` does); ``"in_graph"``,
+        which only adds into dense accumulators, is refused naming the parameter.
+
+        >>> # Embedding(10, 4, sparse=True) under "in_graph": refused, naming Embedding.weight
+        """
+        params = grads[len(self.grad_input_indices) :]
+        for name, grad in zip(self.param_names, params, strict=True):
+            if grad is None or grad.layout is torch.strided:
+                continue
+            if self.options.param_grads == "in_graph":
+                raise Refused(
+                    f"{name}: its backward gives a {grad.layout} grad (a sparse embedding), "
+                    "which eager keeps as a sparse .grad; param_grads='in_graph' adds the grads "
+                    "into a dense .grad: capture with param_grads='auto' or 'autograd'"
+                )
+            self.in_graph_grads, self.accumulators = False, ()
+            return
 
     def run(self) -> Any:
         return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
@@ -256,7 +282,7 @@ class _Capture:
                 and tuple(t.requires_grad for t in flat) == known.grad_mask
             ):
                 return flat
-        spec = describe(outputs)
+        spec = describe(outputs, root="output")
         flat = spec.flatten(outputs)
         for path, leaf in zip(spec.array_paths, flat, strict=True):
             if not isinstance(leaf, torch.Tensor):
@@ -294,8 +320,8 @@ class _Capture:
                 buffers.append(None)
             elif k >= n and self.fuses_accumulation:
                 buffers.append(self.accumulators[k - n])
-            elif k >= n and given is not None:
-                buffers.append(given[k - n])
+            elif k >= n and given is not None and grad.layout is torch.strided:
+                buffers.append(given[k - n])  # (a sparse grad gets a sparse buffer of its own)
             else:
                 buffers.append(torch.zeros_like(grad))
         return tuple(buffers)

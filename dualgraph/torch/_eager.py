@@ -74,7 +74,7 @@ class EagerCallable:
             self._guard.tensors(args, kwargs)
             outputs = self.fn(*args, **kwargs)
         if self._out_spec is None:
-            self._out_spec = describe(outputs)
+            self._out_spec = describe(outputs, root="output")
         else:
             self._out_spec.flatten(outputs, check=True, root="output")
         self.diagnostics.replays += 1

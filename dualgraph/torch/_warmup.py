@@ -238,7 +238,7 @@ def _warmup(
         )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
         if foreign:
-            _refuse_foreign_leaves(item, foreign)
+            _refuse_foreign_leaves(item, foreign, differentiable)
         item.reach = reach
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
@@ -254,6 +254,8 @@ def _warmup(
             )
         if not allow_unused and None in grads:
             _refuse_unused(item, grads.index(None))
+        if inspect:
+            item.take_grad_layouts(grads)
         if inspect and item.fuses_accumulation:  # the graph adds them into .grad, then frees them
             item.probe.memory.release(grads[len(item.grad_input_indices) :])
     paths = item.request.inputs.paths
@@ -268,6 +270,28 @@ def _warmup(
     if inspect and grad_mode.on_while_on:
         item.records_under_no_grad = _recording_under_no_grad(item)
     return grads
+
+
+def _reaches(output: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether ``output``'s autograd graph reaches ``leaf`` (only where a capture is refused).
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> _reaches(w * 2, w), _reaches(torch.ones(2, requires_grad=True) * 2, w)
+    (True, False)
+    """
+    if output is leaf:
+        return True
+    seen: set[Any] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is leaf:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _recording_under_no_grad(item: _Capture) -> tuple[int, ...]:
@@ -392,7 +416,9 @@ def _refuse_unused(item: _Capture, k: int) -> None:
     )
 
 
-def _refuse_foreign_leaves(item: _Capture, foreign: Sequence[torch.Tensor]) -> None:
+def _refuse_foreign_leaves(
+    item: _Capture, foreign: Sequence[torch.Tensor], differentiable: Sequence[torch.Tensor]
+) -> None:
     """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
     for tensor in foreign:  # an input whose sample needs no grad, made to need it in the call
         inputs = zip(item.request.inputs.paths, item.static_inputs, strict=True)
@@ -406,9 +432,18 @@ def _refuse_foreign_leaves(item: _Capture, foreign: Sequence[torch.Tensor]) -> N
             )
     shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
     owner = "parameters of the module" if item.request.module is not None else "arguments"
+    assert item.out_spec is not None
+    paths = [item.out_spec.array_paths[i] for i in item.diff_outputs]
+    first = next(
+        (path for path, t in zip(paths, differentiable, strict=True) if _reaches(t, foreign[0])),
+        None,
+    )
+    leaf = foreign[0]
+    where = "" if first is None else f"; output{first} reads the {dtype_name(leaf.dtype)}"
+    where += "" if first is None else f"{list(leaf.shape)} one"
     raise Refused(
         f"the outputs depend on {len(foreign)} tensor(s) that require grad but are neither "
-        f"inputs nor {owner} ({shapes}), e.g. a closure over another module's weights; a "
+        f"inputs nor {owner} ({shapes}{where}), e.g. a closure over another module's weights; a "
         "replay would give them no gradient. Pass them as inputs, or graph the module that "
         "holds them"
     )
