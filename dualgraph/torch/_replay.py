@@ -603,9 +603,7 @@ class GraphedCallable:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             # autograd_records(), inlined: inference mode records nothing
             grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
-            tensors = self._inputs.tensors(args, kwargs, grad_enabled)
-            if tuple(map(_stride, tensors)) != self._inputs.strides:
-                self._inputs.check_layouts(tensors)
+            tensors = self._inputs.checked_tensors(args, kwargs, grad_enabled)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
