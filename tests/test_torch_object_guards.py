@@ -3,13 +3,17 @@ passing what the Python tests it stands for would refuse; and ``ModuleTensors.ch
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import OrderedDict
 from typing import Any
 
 import pytest
 import torch
 
+import dualgraph.torch as dgt
 from dualgraph import DualgraphError
+from dualgraph.torch._modules import runner_of
 from dualgraph.torch._object_guards import ObjectGuard
 from dualgraph.torch._params import ModuleTensors
 
@@ -121,3 +125,21 @@ def test_a_module_check_keeps_to_python_where_a_record_changes_on_every_call() -
     layer.scale = -1.0
     with pytest.raises(DualgraphError, match=r"scale"):
         tensors.check(grad_enabled=True)
+
+
+def test_a_graphed_module_whose_calls_made_the_c_check_is_freed_once_dropped() -> None:
+    # the C guard compares by id and holds no reference the garbage collector cannot see
+    def graphed() -> tuple[weakref.ref[torch.nn.Module], weakref.ref[torch.Tensor]]:
+        module = torch.nn.Sequential(_Scaled(), torch.nn.ReLU())
+        model = dgt.make_graphed_callables(
+            module, (torch.randn(2, 2, requires_grad=True),), backend="emulate"
+        )
+        for _ in range(3):
+            model(torch.randn(2, 2, requires_grad=True)).sum().backward()
+        checked = runner_of(model).checked_tensors
+        assert checked is not None and checked._object_check[1] >= 1  # made, and used
+        return weakref.ref(module), weakref.ref(module[0].weight)
+
+    refs = [graphed() for _ in range(2)]
+    gc.collect()
+    assert all(module() is None and weight() is None for module, weight in refs)
