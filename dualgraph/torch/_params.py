@@ -43,7 +43,6 @@ import torch
 from .._errors import DualgraphError
 from ._grad_checks import own_hooks
 from ._layout_checks import Layouts
-from ._object_guards import ObjectGuard
 from ._transformer_engine import set_by_te_forward
 
 __all__ = [
@@ -67,9 +66,6 @@ _NONES = itertools.repeat(None)
 _FORWARD = itertools.repeat("forward")
 #: Where ``_modules.py`` keeps a graphed module's state in its ``__dict__``.
 GRAPHED_STATE = "_dualgraph_graphed"
-#: How often ModuleTensors makes its C check of the objects anew (a record changed) before it
-#: keeps to the Python comparisons: a callable changing one on every call gains nothing by it.
-_GUARDS_MADE = 8
 _is = operator.is_
 _chain = itertools.chain
 _data_ptr = torch.Tensor.data_ptr
@@ -191,7 +187,6 @@ class ModuleTensors:
     )
     _identical: tuple[Any, ...] = field(init=False, repr=False, default=())
     _values: tuple[Any, ...] = field(init=False, repr=False, default=())
-    _pointers: tuple[Any, ...] = field(init=False, repr=False, default=())
     _layouts: Layouts = field(init=False, repr=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -230,8 +225,6 @@ class ModuleTensors:
                 *self.watched_requires_grad,
             ),
         )
-        # what is left to compare where the C check of the objects passes (_guard_objects)
-        fill(self, "_pointers", (*self.data_ptrs, *self.watched_requires_grad))
         # and the tensors' sizes and strides, in one C call (_layout_checks.py)
         fill(self, "_layouts", Layouts(self.tensors, self.shapes, self.strides))
 
@@ -280,12 +273,6 @@ class ModuleTensors:
     namespace_exempt: tuple[frozenset[str], ...] = ()
     counted_dicts: tuple[dict[str, Any], ...] = ()
     counted_lens: list[int] = dataclasses.field(default_factory=list)
-    # The identities, classes, modes and dict sizes check compares, as one C call
-    # (_object_guards.py) made from a call that passed them, and how often one was made: none
-    # (None) until then, after a record changed, and for good after _GUARDS_MADE of them.
-    _object_check: list[Any] = dataclasses.field(
-        default_factory=lambda: [None, 0], init=False, repr=False
-    )
 
     @classmethod
     def of(
@@ -384,20 +371,8 @@ class ModuleTensors:
         ``requires_grad`` only matters under grad mode: without it no grad is computed anyway.
         """
         tensors, modules = self.tensors, self.modules
-        objects_same = self._object_check[0]
         try:
-            if objects_same is not None and objects_same():
-                # the rest of the comparisons below (addresses, layouts, hooked dicts, host
-                # tensors, frozen tensors' requires_grad)
-                if (
-                    tuple(_chain(map(_data_ptr, tensors), map(_requires_grad, self.watched)))
-                    == self._pointers
-                    and self._layouts.same()
-                    and (not self.hooked or self._same_hooks_where_hooked())
-                    and (not self.host_tensors or self._host_unchanged())
-                ):
-                    return
-            elif (
+            if (
                 all(
                     map(
                         _is,
@@ -430,41 +405,10 @@ class ModuleTensors:
                     )
                 )
             ):
-                self._guard_objects()
                 return
         except KeyError:
             raise self._explain(grad_enabled) from None
         self._check_all(grad_enabled)
-
-    def _guard_objects(self) -> None:
-        """Make the C check of the objects :meth:`check` compares by identity, class and size,
-        from them as they are now (a call that passed them: the records, or objects equal to
-        them, as ``training`` set to ``1``)."""
-        made = self._object_check
-        if made[1] >= _GUARDS_MADE:
-            made[0] = None  # changed too often: the Python comparisons alone
-            return
-        made[1] += 1
-        guard = ObjectGuard()
-        for mapping, key in zip(*self._indexed, strict=True):
-            guard.holds(mapping, key, mapping[key])
-        for mapping, key in zip(*self._got, strict=True):
-            guard.holds(mapping, key, mapping.get(key, ObjectGuard.ABSENT))
-        for module in self.modules:
-            guard.is_a(module, type(module))
-            guard.attribute(module, "training", module.training)
-        for hooks in self.unhooked_dicts:
-            guard.size(hooks, 0)
-        for mapping in self.counted_dicts:
-            guard.size(mapping, len(mapping))
-        for mapping, key in zip(self.attribute_dicts, self.attribute_keys, strict=True):
-            guard.holds(mapping, key, mapping.get(key, ObjectGuard.ABSENT))
-        made[0] = guard.made()
-
-    def _records_changed(self) -> None:
-        # a record taken anew (an attribute, a dict's size): the C check, made from the objects
-        # as they were, is made again from those of the next call that passes
-        self._object_check[0] = None
 
     def _check_all(self, grad_enabled: bool) -> None:
         """:meth:`check`, each comparison on its own (where the fused one found a difference)."""
@@ -576,7 +520,6 @@ class ModuleTensors:
             if not _same_plain(now, values[i]):
                 return i
             values[i] = now
-            self._records_changed()
         return None
 
     @contextlib.contextmanager
@@ -600,7 +543,6 @@ class ModuleTensors:
                     now = namespace.get(key, _ABSENT)
                     if now is not before[i] and before[i] is values[i]:
                         values[i] = now
-                        self._records_changed()
 
     @contextlib.contextmanager
     def _own_keys_taken(self) -> Iterator[None]:
@@ -620,7 +562,6 @@ class ModuleTensors:
                     if len(namespace) != before[i] and before[i] == self.counted_lens[start + i]:
                         self.namespace_keys[i] = _public_keys(namespace, self.namespace_exempt[i])
                         self.counted_lens[start + i] = len(namespace)
-                        self._records_changed()
 
     def _namespace_changed(self) -> tuple[str, str, bool] | None:
         """The first public attribute added to or deleted from a module's ``__dict__`` since
@@ -648,7 +589,6 @@ class ModuleTensors:
                 key for key in namespace if key not in exempt and _added_plain(key, namespace[key])
             }
             lens[start + i] = len(namespace)
-            self._records_changed()
         return None
 
     def record_attributes(self) -> None:
@@ -704,7 +644,6 @@ class ModuleTensors:
         counted = (*self.member_dicts, *namespaces)
         object.__setattr__(self, "counted_dicts", counted)
         self.counted_lens[:] = map(len, counted)
-        self._records_changed()
         if self.root is not None and (found or namespaces):
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
 
