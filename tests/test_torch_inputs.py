@@ -481,3 +481,54 @@ def test_a_cpu_tensor_input_of_a_cuda_graph_is_refused_naming_it(how: str) -> No
     assert info.value.path == "kwargs['scale']"
     assert "a tensor on cpu, where the graphs run on cuda:0" in str(info.value)
     assert type(module).forward is _Scaled.forward and "forward" not in vars(module)
+
+
+def _checked_message(guard: InputGuard, args: Any, kwargs: Any) -> str:
+    with pytest.raises(SpecMismatchError) as info:
+        guard.checked_tensors(args, kwargs, torch.is_grad_enabled())
+    return str(info.value)
+
+
+def test_checked_tensors_refuse_under_grad_a_tensor_passed_without_grad_mode() -> None:
+    # A call's tensors that passed become the guard of the next calls: one requiring grad
+    # where its sample did not, passed under no grad, must not pass under grad after it.
+    guard = _guard()
+    args, kwargs = _samples()
+    args = (args[0], {**args[1], "mask": torch.rand(2, 8, requires_grad=True)}, *args[2:])
+    with torch.no_grad():
+        for _ in range(2):
+            assert len(guard.checked_tensors(args, kwargs, False)) == 6
+    assert _checked_message(guard, args, kwargs) == _message(guard, args, kwargs)
+    assert _checked_message(guard, args, kwargs).startswith("args[1]['mask']: requires grad")
+
+
+def test_checked_tensors_refuse_after_calls_passed_under_and_outside_autocast() -> None:
+    guard = _guard()
+    args, kwargs = _samples()
+    for _ in range(2):
+        with torch.autocast("cpu"):  # the guard reads the autocast dispatch keys
+            assert len(guard.checked_tensors(args, kwargs, True)) == 6
+        assert len(guard.checked_tensors(args, kwargs, True)) == 6
+    wrong = (args[0].double(), *args[1:])
+    assert _checked_message(guard, wrong, kwargs) == _message(guard, wrong, kwargs)
+    with torch.autocast("cpu"):
+        assert _checked_message(guard, wrong, kwargs).startswith("args[0]: expected float32")
+
+
+def test_checked_tensors_refuse_another_memory_format_after_calls_passed() -> None:
+    guard = InputGuard((torch.randn(2, 3, 4, 4),), {})
+    for _ in range(2):
+        assert len(guard.checked_tensors((torch.randn(2, 3, 4, 4),), {}, True)) == 1
+    x = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    with pytest.raises(SpecMismatchError, match=r"^args\[0\]: laid out channels_last"):
+        guard.checked_tensors((x,), {}, True)
+    sliced = torch.randn(2, 3, 4, 8)[..., ::2]  # other strides, the same format: accepted
+    assert guard.checked_tensors((sliced,), {}, True)[0] is sliced
+
+
+def test_a_copied_guard_checks_its_tensors_one_by_one() -> None:
+    guard = copy.deepcopy(_guard())  # the C guard is left out of copies and pickles
+    args, kwargs = _samples()
+    assert len(guard.checked_tensors(args, kwargs, True)) == 6
+    wrong = (args[0][:1], *args[1:])
+    assert _checked_message(guard, wrong, kwargs).startswith("args[0]: expected float32[2, 8]")

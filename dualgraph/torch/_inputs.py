@@ -20,6 +20,7 @@ from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
 from .._orders import KeyOrders
 from ._ambient import autograd_records
+from ._layout_checks import exact_guard
 from ._leaves import dtype_name
 
 __all__ = ["InputGuard", "input_off_device", "unsupported_tensor"]
@@ -27,6 +28,11 @@ __all__ = ["InputGuard", "input_off_device", "unsupported_tensor"]
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+_stride = torch.Tensor.stride
+
+
+def _needs_grad_unexpected(tensor: torch.Tensor, expected: bool) -> bool:
+    return tensor.requires_grad and not expected
 
 
 def _describe_format(memory_format: torch.memory_format) -> str:
@@ -92,6 +98,7 @@ class InputGuard:
     __slots__ = (
         "_expected",
         "_flatten_args",
+        "_guards",
         "_has_kwargs",
         "_key_orders",
         "_layouts",
@@ -136,6 +143,11 @@ class InputGuard:
         # The core matches a dict (and the keywords) whatever its key order; the callable's
         # Python sees the order of its dicts, and of the keywords its **kwargs collects.
         self._key_orders = KeyOrders(self.spec, fn) or None  # None: nothing to check
+        # A call's tensors as the samples, in one C call (checked_tensors): the guard of the
+        # samples, then also of a call's tensors that passed (under autocast, whose dispatch
+        # keys the guard reads); the latest two. None: a sample it cannot guard.
+        guard = exact_guard(tensors)
+        self._guards: tuple[Any, Any] | None = None if guard is None else (guard, guard)
 
     @property
     def num_args_tensors(self) -> int:
@@ -176,6 +188,52 @@ class InputGuard:
         if self._key_orders is not None:
             self.check_key_orders(args, kwargs)
         return tensors
+
+    def checked_tensors(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_enabled: bool
+    ) -> list[torch.Tensor]:
+        """:meth:`tensors`, then :meth:`check_layouts` where some strides differ from the
+        samples': a graphed call's checks of its tensors. Where a guard made from tensors that
+        passed them (the samples, or a call's) passes this call's, of the same class, dtype,
+        device, sizes, strides and ``requires_grad``, those are not compared one by one."""
+        guards = self._guards
+        if guards is not None:
+            if kwargs or self._has_kwargs:
+                tensors = self.spec.flatten(args, kwargs)
+            else:
+                tensors = self._flatten_args(args, root="args")
+            latest, previous = guards
+            if latest.check(*tensors) or (previous.check(*tensors) and self._swap_guards()):
+                if self._key_orders is not None:
+                    self.check_key_orders(args, kwargs)
+                return tensors
+        tensors = self.tensors(args, kwargs, grad_enabled)
+        if tuple(map(_stride, tensors)) != self.strides:
+            self.check_layouts(tensors)
+        elif guards is not None and not any(
+            map(_needs_grad_unexpected, tensors, self.requires_grad)
+        ):
+            # passed as the samples would (a guard made under no grad from a tensor requiring
+            # grad where its sample did not would pass it under grad mode, which refuses it)
+            guard = exact_guard(tensors)
+            if guard is not None:
+                self._guards = (guard, guards[0])
+        return tensors
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a C guard is neither copied nor pickled: a copy checks its tensors one by one
+        state = {slot: getattr(self, slot) for slot in self.__slots__ if hasattr(self, slot)}
+        state["_guards"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot, value in state.items():
+            object.__setattr__(self, slot, value)
+
+    def _swap_guards(self) -> bool:
+        latest, previous = self._guards  # type: ignore[misc]
+        self._guards = (previous, latest)
+        return True
 
     def check_layouts(self, tensors: Sequence[torch.Tensor]) -> None:
         """Refuse a tensor in another memory format than its sample (channels_last where the

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Layouts"]
+__all__ = ["Layouts", "exact_guard"]
 
 _TensorGuards: Any
 try:  # a C class of torch's (TorchDynamo's guards), not a public API
@@ -75,6 +75,23 @@ def _guard_of(tensors: tuple[torch.Tensor, ...]) -> Any:
         return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except Exception:  # another torch's signature: the tuples, as for the others
         return None
+
+
+def exact_guard(tensors: Sequence[torch.Tensor]) -> Any:
+    """A C guard passing exactly tensors like ``tensors`` (class, dtype, device, sizes,
+    strides, ``requires_grad``, dispatch keys under this thread's autocast and inference mode),
+    one call for all: ``guard.check(*others)``. ``None`` where one is of a subclass, not
+    strided or has a dimension of size 0 or 1 (whose stride the guard may not compare), or
+    where there is no such guard.
+
+    >>> guard = exact_guard((torch.zeros(2, 3),))
+    >>> guard.check(torch.ones(2, 3)), guard.check(torch.ones(3, 2))
+    (True, False)
+    """
+    tensors = tuple(tensors)
+    if not all(map(_guarded, tensors, map(_size, tensors))):
+        return None
+    return _guard_of(tensors)
 
 
 class Layouts:

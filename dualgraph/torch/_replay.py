@@ -595,9 +595,7 @@ class GraphedCallable:
             grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
             if not grad_enabled and self._records_under_no_grad:
                 self._refuse_no_grad()
-            tensors = self._inputs.tensors(args, kwargs, grad_enabled)
-            if tuple(map(_stride, tensors)) != self._inputs.strides:
-                self._inputs.check_layouts(tensors)
+            tensors = self._inputs.checked_tensors(args, kwargs, grad_enabled)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
