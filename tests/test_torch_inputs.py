@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch_cases import (
     BACKENDS,
     GRAPH_BACKENDS,
@@ -532,3 +534,112 @@ def test_a_copied_guard_checks_its_tensors_one_by_one() -> None:
     assert len(guard.checked_tensors(args, kwargs, True)) == 6
     wrong = (args[0][:1], *args[1:])
     assert _checked_message(guard, wrong, kwargs).startswith("args[0]: expected float32[2, 8]")
+
+
+class _Marked(torch.Tensor):
+    """A subclass: refused by the one-by-one checks (not a Tensor or Parameter)."""
+
+
+def _variant(sample: torch.Tensor, how: str) -> torch.Tensor:
+    """A call's tensor made from ``sample`` in one way a guard might confuse with it."""
+    fresh = torch.randn_like(sample) if sample.is_floating_point() else sample.clone()
+    fresh = fresh.as_strided(sample.shape, sample.stride()) if sample.dim() else fresh
+    if how == "requires_grad":
+        return fresh.detach().requires_grad_(not sample.requires_grad)
+    if how == "double":
+        return fresh.to(torch.complex128 if fresh.is_complex() else torch.float64)
+    if how == "transposed":
+        return fresh.detach().t().contiguous().t() if fresh.dim() == 2 else fresh.detach()
+    if how == "channels_last" and fresh.dim() == 4:
+        return fresh.detach().contiguous(memory_format=torch.channels_last)
+    if how == "size_one":
+        return fresh.detach()[:1]
+    if how == "expanded":
+        return fresh.detach()[:1].expand(sample.shape)
+    if how == "neg_view":
+        return torch._neg_view(fresh.detach())
+    if how == "inference":
+        with torch.inference_mode():
+            return fresh.detach().clone()
+    if how == "parameter":
+        return torch.nn.Parameter(fresh.detach(), requires_grad=sample.requires_grad)
+    if how == "subclass":
+        return fresh.detach().as_subclass(_Marked)
+    if how == "sparse":
+        return fresh.detach().to_sparse()
+    if how == "view":
+        return fresh.detach().view(sample.shape)
+    if how == "conj":
+        return fresh.detach().conj()
+    return fresh.detach().requires_grad_(sample.requires_grad)
+
+
+_VARIANTS = [
+    "same",
+    "requires_grad",
+    "double",
+    "transposed",
+    "channels_last",
+    "size_one",
+    "expanded",
+    "neg_view",
+    "inference",
+    "parameter",
+    "subclass",
+    "sparse",
+    "view",
+    "conj",
+]
+
+
+def _accepts(guard: InputGuard, args: tuple[Any, ...], grad: bool) -> bool:
+    try:
+        guard.checked_tensors(args, {}, grad)
+    except DualgraphError:
+        return False
+    return True
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shapes=st.lists(
+        st.sampled_from([(2, 3), (3, 2), (2, 3, 4), (2, 3, 4, 4)]), min_size=1, max_size=3
+    ),
+    needs=st.lists(st.booleans(), min_size=3, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.complex64]),
+    calls=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from(_VARIANTS), min_size=3, max_size=3),
+            st.sampled_from(["grad", "no_grad", "inference_mode", "autocast"]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_checked_tensors_accept_exactly_what_the_one_by_one_checks_accept(
+    shapes: list[tuple[int, ...]],
+    needs: list[bool],
+    dtype: torch.dtype,
+    calls: list[tuple[list[str], str]],
+) -> None:
+    # A guard made from one call's tensors decides the next calls: it may refuse more (the
+    # one-by-one checks then decide), never accept what they refuse, whatever came before.
+    samples = tuple(
+        torch.randn(shape, dtype=dtype, requires_grad=need)
+        for shape, need in zip(shapes, needs, strict=False)
+    )
+    guard = InputGuard(samples, {})
+    for hows, mode in calls:
+        args = tuple(_variant(s, how) for s, how in zip(samples, hows, strict=False))
+        context = {
+            "grad": torch.enable_grad(),
+            "no_grad": torch.no_grad(),
+            "inference_mode": torch.inference_mode(),
+            "autocast": torch.autocast("cpu"),
+        }[mode]
+        with context:
+            grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            one_by_one = copy.copy(guard)  # a copy drops the C guards
+            assert one_by_one._guards is None
+            expected = _accepts(one_by_one, args, grad)
+            assert _accepts(guard, args, grad) == expected, (hows, mode)

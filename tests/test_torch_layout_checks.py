@@ -133,3 +133,19 @@ def test_a_guard_class_that_ignores_strides_is_not_trusted() -> None:
     assert not _layout_checks._guard_answers_as_tuples(Lenient)
     if _layout_checks._TensorGuards is not None:
         assert _layout_checks._guard_answers_as_tuples(_layout_checks._TensorGuards)
+
+
+def test_a_guard_class_that_ignores_requires_grad_makes_no_exact_guard() -> None:
+    # The input guard (exact_guard) stands in for the dtype, class and requires_grad checks
+    # too: a torch whose guard compares the layout only must not be trusted for them.
+    class LayoutOnly:  # passes _guard_answers_as_tuples
+        def __init__(self, *tensors: torch.Tensor, **_: object) -> None:
+            self.layouts = [(t.size(), t.stride()) for t in tensors]
+
+        def check(self, *tensors: torch.Tensor) -> bool:
+            return [(t.size(), t.stride()) for t in tensors] == self.layouts
+
+    assert _layout_checks._guard_answers_as_tuples(LayoutOnly)
+    assert not _layout_checks._guard_answers_as_input_checks(LayoutOnly)
+    if _layout_checks._TensorGuards is not None:
+        assert _layout_checks._guard_answers_as_input_checks(_layout_checks._TensorGuards)

@@ -77,6 +77,33 @@ def _guard_of(tensors: tuple[torch.Tensor, ...]) -> Any:
         return None
 
 
+def _guard_answers_as_input_checks(guards: Any) -> bool:
+    """Whether ``guards`` also refuses what a graphed call's input checks refuse besides the
+    layout (``_guard_answers_as_tuples``): another dtype, ``requires_grad`` where the tensor it
+    was made from had none, another class, an inference tensor; a torch whose guard leaves one
+    of them to another guard would pass them silently, so :func:`exact_guard` makes none."""
+    try:
+        tensor = torch.zeros(2, 3)
+        guard = guards(tensor, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        with torch.inference_mode():
+            inference = torch.zeros(2, 3)
+        refused = (
+            torch.zeros(2, 3, dtype=torch.float64),
+            torch.zeros(2, 3, requires_grad=True),
+            torch.zeros(2, 3).as_subclass(_Subclass),
+            inference,
+        )
+        return guard.check(torch.ones(2, 3)) is True and not any(
+            guard.check(other) for other in refused
+        )
+    except Exception:  # another torch's signature or behaviour
+        return False
+
+
+class _Subclass(torch.Tensor):
+    """A class the self-test's guard must refuse (of a tensor made as a plain one)."""
+
+
 def exact_guard(tensors: Sequence[torch.Tensor]) -> Any:
     """A C guard passing exactly tensors like ``tensors`` (class, dtype, device, sizes,
     strides, ``requires_grad``, dispatch keys under this thread's autocast and inference mode),
@@ -89,9 +116,12 @@ def exact_guard(tensors: Sequence[torch.Tensor]) -> Any:
     (True, False)
     """
     tensors = tuple(tensors)
-    if not all(map(_guarded, tensors, map(_size, tensors))):
+    if not _EXACT or not all(map(_guarded, tensors, map(_size, tensors))):
         return None
     return _guard_of(tensors)
+
+
+_EXACT = _TensorGuards is not None and _guard_answers_as_input_checks(_TensorGuards)
 
 
 class Layouts:
