@@ -1743,6 +1743,7 @@ def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     # first warmup call halved the weight through .data.
     device = device_of(backend)
     module = HalvesItsWeightQuietly("parameter").to(device)
+    module.scale = module.scale.to(device)  # a plain attribute: module.to leaves it
     message = capture_error(
         module.forward, (torch.randn(4, device=device),), backend=backend, lint="off"
     )
