@@ -338,7 +338,10 @@ def test_a_donated_buffer_partly_overlapping_another_input_is_refused(donated: i
 
 
 def test_adjacent_views_of_one_allocation_may_be_donated() -> None:
-    g = dgj.graphed(lambda s, x: (s * 2, x * 3), (jnp.ones(32), jnp.ones(32)), donate_argnums=0)
+    # The views are of a CPU torch tensor, so the function is graphed for JAX's CPU device: with
+    # a GPU as JAX's default, it was compiled for the GPU and the CPU views were refused.
+    with jax.default_device(jax.devices("cpu")[0]):
+        g = dgj.graphed(lambda s, x: (s * 2, x * 3), (jnp.ones(32), jnp.ones(32)), donate_argnums=0)
     a, b = shared_views(torch.arange(64.0), slice(0, 32), slice(32, 64))
     doubled, tripled = g(a, b)
     assert np.array_equal(doubled, np.arange(32.0) * 2)

@@ -640,7 +640,7 @@ def test_max_ulps_counts_representable_values_across_zero_and_in_complex_parts(
     dtype: Any,
 ) -> None:
     limits = Tolerance(rtol=1.0, atol=1.0, max_rel_l2=1.0, min_cosine=-1.0, max_ulps=1)
-    tiny = np.array([np.finfo(dtype).smallest_subnormal], dtype)
+    tiny = np.array([ml_dtypes.finfo(dtype).smallest_subnormal], dtype)
     assert compare_arrays("out", -tiny, tiny, tolerances=limits).ulps == 2
     assert compare_arrays("out", -tiny * 0, tiny * 0, tolerances=limits).ulps == 0  # -0.0, 0.0
     if dtype in (np.float32, np.float64):

@@ -475,7 +475,26 @@ def test_an_input_requiring_grad_updated_in_place_is_refused_saying_so(backend: 
     message = capture_error(module, (base * 1,), backend=backend)
     assert "an input requiring grad (args[0]: x += y" in message
     assert "Compute it out of place (x = x + y)" in message
-    assert dgt.make_graphed_callables(module, (base.detach(),), backend=backend) is module
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_without_grad_updated_in_place_with_a_value_requiring_grad_is_refused(
+    backend: str,
+) -> None:
+    # Graphed: the static input kept the warmup's `x += offset` history, so offset.grad was a
+    # multiple of eager's (six times after three emulated calls); on CUDA the capture's backward
+    # ran through the warmup stream's AccumulateGrad node, and failed with torch's warning.
+    device = device_of(backend)
+    module = AddsInPlace().to(device)
+    message = capture_error(module, (torch.randn(2, 4, device=device),), backend=backend)
+    assert message.startswith(
+        f"capturing AddsInPlace ({backend}) failed during warmup: args[0]: an input that needs "
+        "no grad, which the callable updates in place with a value that requires grad (after "
+        "the call it has an autograd history, AddBackward0: "
+    )
+    assert all(p.grad is None for p in module.parameters())
+    module(torch.randn(2, 4, device=device)).sum().backward()  # eager, on the caller's stream
+    assert all(p.grad is not None for p in module.parameters())
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -1743,6 +1762,7 @@ def test_a_parameter_a_failed_capture_of_a_method_changed_quietly_is_put_back(
     # first warmup call halved the weight through .data.
     device = device_of(backend)
     module = HalvesItsWeightQuietly("parameter").to(device)
+    module.scale = module.scale.to(device)  # a plain attribute: module.to leaves it
     message = capture_error(
         module.forward, (torch.randn(4, device=device),), backend=backend, lint="off"
     )

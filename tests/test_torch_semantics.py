@@ -3389,7 +3389,7 @@ class _Shifted(nn.Module):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc = nn.Linear(8, 8, device=device)
         self.offset = torch.ones(8, device=device)
         self.last = torch.zeros(4, 8, device=device)
 

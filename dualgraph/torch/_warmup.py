@@ -176,8 +176,36 @@ def _run(item: _Capture) -> Any:
             f"where that is an input requiring grad ({', '.join(paths)}: x += y, x.mul_(2)), "
             "eager's call gives the caller's tensor a new autograd history, which a replay, "
             "whose inputs are leaves of its own, cannot. Compute it out of place "
-            "(x = x + y), or pass that input without grad"
+            "(x = x + y)"
         ) from error
+
+
+def _refuse_inputs_given_a_history(item: _Capture) -> None:
+    """Refuse an input whose sample needs no grad that the call updated in place with a value
+    requiring grad (``x += self.offset``, ``cache[:, i] = k``).
+
+    Eager's call gives the caller's tensor that autograd history. The static input kept it
+    instead: the capture's forward (and each emulated replay) added to it, so the backward ran
+    through the warmup's update too (``offset.grad`` twice eager's, or more), and on CUDA through
+    ``AccumulateGrad`` nodes made on the warmup's stream, which failed the capture.
+
+    >>> x = torch.zeros(2)
+    >>> x += torch.ones(2, requires_grad=True)
+    >>> type(x.grad_fn).__name__
+    'AddBackward0'
+    """
+    paths = item.request.inputs.paths
+    for i, t in enumerate(item.static_inputs):
+        if i not in item.grad_input_indices and t.grad_fn is not None:
+            raise Refused(
+                f"{paths[i]}: an input that needs no grad, which the callable updates in place "
+                f"with a value that requires grad (after the call it has an autograd history, "
+                f"{type(t.grad_fn).__name__}: x += w, cache[:, i] = k): eager's call gives the "
+                "caller's tensor that history, which a replay, whose inputs are buffers of its "
+                "own, cannot (its backward would run through the earlier calls' updates too). "
+                "Compute it out of place (x = x + w, torch.cat), or update it under "
+                "torch.no_grad() where it needs no grad"
+            )
 
 
 def _warmup(
@@ -198,6 +226,7 @@ def _warmup(
                 outputs = _run(item)
         else:
             outputs = _run(item)
+    _refuse_inputs_given_a_history(item)
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():
         for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
