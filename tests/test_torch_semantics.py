@@ -3950,3 +3950,33 @@ def test_in_graph_refuses_a_sparse_parameter_grad_naming_it() -> None:
         dgt.make_graphed_callables(module, (batch(),), backend="emulate", param_grads="in_graph")
     backward_of(module(batch()))  # the module is usable eagerly
     assert module.table.weight.grad.layout is torch.sparse_coo
+
+
+def _product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * y
+
+
+def test_an_input_saved_only_for_a_grad_this_call_needs_not_may_be_changed_as_in_eager() -> None:
+    # Captured with both factors requiring grad, ``x * y`` saves both; a call with ``x`` without
+    # grad saves only ``x`` (for y's grad), so eager's backward runs after ``y`` changes in place.
+    graphed = dgt.make_graphed_callables(
+        _product, (torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True))
+    )
+    x = torch.arange(4.0)
+    leaf = torch.full((4,), 2.0, requires_grad=True)
+    y, eager_y = leaf * 1, leaf * 1
+    out, eager_out = graphed(x, y), _product(x, eager_y)
+    with torch.no_grad():
+        y.add_(1.0)
+        eager_y.add_(1.0)
+    (grad,) = torch.autograd.grad(out.sum(), leaf)
+    (eager_grad,) = torch.autograd.grad(eager_out.sum(), leaf)
+    assert torch.equal(grad, eager_grad)
+    # the capture's pattern (both need grad) is still checked: eager raises there
+    x = torch.ones(4, requires_grad=True)
+    y = leaf * 1
+    out = graphed(x, y)
+    with torch.no_grad():
+        y.add_(1.0)
+    with pytest.raises(DualgraphError, match=r"args\[1\] was modified in place"):
+        out.sum().backward()

@@ -136,6 +136,7 @@ class GraphedCallable:
         "_autocast",
         "_backward_checks",
         "_backward_generation",
+        "_captured_input_grads",
         "_clone_outputs",
         "_copiers",
         "_cut_copies",
@@ -318,6 +319,8 @@ class GraphedCallable:
         # The inputs the backward reads (found at warmup among what autograd saves): each
         # replay's node keeps the caller's tensors' versions, compared at its backward.
         self._saved_inputs = plan.saved_inputs
+        # the inputs needing grad when it was seen which of them the backward reads
+        self._captured_input_grads = plan.inputs.requires_grad
         # Of those, inputs the callable updates: their versions are taken after the copy back.
         self._saved_mutated = bool(set(plan.saved_inputs) & set(plan.mutated_inputs))
         self._output_versions: tuple[int, ...] = ()
@@ -649,7 +652,9 @@ class GraphedCallable:
             if self._mutated:
                 self._copy_back(tensors)
                 if self._saved_mutated and self._has_backward and grad_enabled:
-                    self._nodes[-1]().input_versions = self.input_versions(tensors)
+                    node = self._nodes[-1]()
+                    if node.input_versions:  # checked for this call (see _replay_function)
+                        node.input_versions = self.input_versions(tensors)
             if aliases is not None:  # under the caller's grad mode, as eager made them
                 outputs = aliases.hand_out(outputs, tensors)
             if hooks is None:

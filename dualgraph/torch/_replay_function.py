@@ -78,7 +78,15 @@ class _Replay(torch.autograd.Function):
             ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
         if graphed._read_by_backward:  # as saved tensors' versions: checked at backward
             ctx.versions = tuple(map(_version, graphed._read_by_backward))
-        if graphed._saved_inputs:  # and the inputs' it reads
+        # and the inputs' it reads: which those are was seen at capture, for the capture's
+        # inputs and parameters needing grad; a call needing other grads may read others (x * y
+        # saves y only for x's grad), so it is not checked (as before there was a check: no
+        # false refusal of what eager runs, at the price of no refusal in that rare call)
+        if (
+            graphed._saved_inputs
+            and not frozen
+            and ctx.needs_input_grad[1 : graphed._first_param] == graphed._captured_input_grads
+        ):
             try:
                 ctx.input_versions = tuple([inputs[i]._version for i in graphed._saved_inputs])
             except RuntimeError:  # an inference tensor has no version counter
