@@ -1470,6 +1470,12 @@ class GraphedCallable:
         pending = []
         zeroed = []
         handed: list[torch.Tensor | None] = []  # what a .grad that is None becomes
+        # Every accumulator where its memory lies (_same_place of each, in two C passes): the
+        # usual case here, every .grad None after zero_grad()
+        placed = (
+            tuple(map(_data_ptr, accumulators)) == self._graph_grads_places
+            and self._accumulator_layouts.same()
+        )
         for (param, accumulator, storage), memory, grad, baseline, name in zip(
             self._holder_probes,
             self._graph_grads,
@@ -1491,7 +1497,7 @@ class GraphedCallable:
             held = any(map(operator.gt, _holders(accumulator, storage), baseline))
             pending.append((param, memory, grad, memory.clone() if held else None))
             # An accumulator moved elsewhere (grad.data = ...) is the user's memory now.
-            handed.append(accumulator if _same_place(accumulator, memory) else None)
+            handed.append(accumulator if placed or _same_place(accumulator, memory) else None)
         problem = _grad_problem(pending, self._accumulator_spans, self._names_of)
         if problem is not None:
             name, found, raises_for, remedy = problem
