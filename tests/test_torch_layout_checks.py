@@ -149,3 +149,14 @@ def test_a_guard_class_that_ignores_requires_grad_makes_no_exact_guard() -> None
     assert not _layout_checks._guard_answers_as_input_checks(LayoutOnly)
     if _layout_checks._TensorGuards is not None:
         assert _layout_checks._guard_answers_as_input_checks(_layout_checks._TensorGuards)
+
+
+def test_the_input_guard_self_test_answers_alike_when_asked_inside_inference_mode() -> None:
+    # ``import dualgraph.torch`` inside ``torch.inference_mode()`` runs the import-time self-test
+    # there, where every tensor it makes is an inference tensor: it must still trust the guard.
+    if _layout_checks._TensorGuards is None:
+        pytest.skip("this torch has no TensorGuards")
+    with torch.inference_mode():
+        assert _layout_checks._guard_answers_as_input_checks(_layout_checks._TensorGuards)
+    with torch.no_grad():
+        assert _layout_checks._guard_answers_as_input_checks(_layout_checks._TensorGuards)

@@ -81,23 +81,33 @@ def _guard_answers_as_input_checks(guards: Any) -> bool:
     """Whether ``guards`` also refuses what a graphed call's input checks refuse besides the
     layout (``_guard_answers_as_tuples``): another dtype, ``requires_grad`` where the tensor it
     was made from had none, another class, an inference tensor; a torch whose guard leaves one
-    of them to another guard would pass them silently, so :func:`exact_guard` makes none."""
+    of them to another guard would pass them silently, so :func:`exact_guard` makes none.
+
+    Asked outside inference mode whatever the importer's mode (``import dualgraph.torch``
+    inside ``torch.inference_mode()``): there every tensor made is an inference tensor, and the
+    answer would be no for the guard of any torch, leaving the process without an input guard.
+    """
     try:
-        tensor = torch.zeros(2, 3)
-        guard = guards(tensor, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-        with torch.inference_mode():
-            inference = torch.zeros(2, 3)
-        refused = (
-            torch.zeros(2, 3, dtype=torch.float64),
-            torch.zeros(2, 3, requires_grad=True),
-            torch.zeros(2, 3).as_subclass(_Subclass),
-            inference,
-        )
-        return guard.check(torch.ones(2, 3)) is True and not any(
-            guard.check(other) for other in refused
-        )
+        with torch.inference_mode(False):
+            return _answers_as_input_checks(guards)
     except Exception:  # another torch's signature or behaviour
         return False
+
+
+def _answers_as_input_checks(guards: Any) -> bool:
+    tensor = torch.zeros(2, 3)
+    guard = guards(tensor, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    with torch.inference_mode():
+        inference = torch.zeros(2, 3)
+    refused = (
+        torch.zeros(2, 3, dtype=torch.float64),
+        torch.zeros(2, 3, requires_grad=True),
+        torch.zeros(2, 3).as_subclass(_Subclass),
+        inference,
+    )
+    return guard.check(torch.ones(2, 3)) is True and not any(
+        guard.check(other) for other in refused
+    )
 
 
 class _Subclass(torch.Tensor):
