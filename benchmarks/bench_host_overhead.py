@@ -9,7 +9,11 @@ host cost, the number a CUDA replay adds to its graph launches. ``eager`` (the p
 and ``empty`` (the same step with the blocks taken out) frame it.
 
 A step is: a fresh leaf input, every block called in turn, ``h.sum().backward()``; parameter
-grads accumulate across steps. Medians of ``--rounds`` interleaved rounds of ``--steps``
+grads accumulate across steps. ``--zero-grad`` clears them first in each step, as a training
+loop's ``optimizer.zero_grad()`` does: ``set_to_none`` sets every parameter's ``.grad`` to
+``None`` (torch's default, so the backward starts new sums: the path most loops take),
+``zeros`` zeroes them in place (``set_to_none=False``); ``none`` (the default) clears nothing.
+Medians of ``--rounds`` interleaved rounds of ``--steps``
 steps, in microseconds per step (CPU time of the process on a CPU, one torch thread; wall
 time on a GPU); ``--baseline DIR`` also loads ``DIR/dualgraph`` (another
 version of the package) to compare in one run.
@@ -77,10 +81,33 @@ def make_blocks(workload: str, device: torch.device) -> tuple[list[nn.Module], t
     return blocks, (2, 8, 64)
 
 
-def step_of(blocks: list[Any], shape: tuple[int, ...], device: torch.device) -> Step:
+ZERO_GRAD = ("none", "set_to_none", "zeros")
+
+
+def clearing(blocks: list[Any], zero_grad: str) -> Step:
+    """What ``optimizer.zero_grad(set_to_none=...)`` does to the blocks' parameters' grads."""
+    params = [p for block in blocks for p in block.parameters()]
+
+    def set_to_none() -> None:
+        for param in params:
+            param.grad = None
+
+    def zeros() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    return {"none": lambda: None, "set_to_none": set_to_none, "zeros": zeros}[zero_grad]
+
+
+def step_of(
+    blocks: list[Any], shape: tuple[int, ...], device: torch.device, zero_grad: str = "none"
+) -> Step:
     inputs = torch.randn(*shape, device=device)
+    clear = clearing(blocks, zero_grad)
 
     def step() -> None:
+        clear()
         x = inputs.detach().requires_grad_()
         for block in blocks:
             x = block(x)[0]
@@ -102,12 +129,16 @@ def without_replays(package: Any, module: nn.Module) -> None:
 
 
 def build(
-    workload: str, device: torch.device, backends: list[str], packages: dict[str, Any]
+    workload: str,
+    device: torch.device,
+    backends: list[str],
+    packages: dict[str, Any],
+    zero_grad: str = "none",
 ) -> dict[str, Step]:
     variants: dict[str, Step] = {}
     blocks, shape = make_blocks(workload, device)
-    variants["eager"] = step_of(blocks, shape, device)
-    variants["empty"] = step_of([], shape, device)
+    variants["eager"] = step_of(blocks, shape, device, zero_grad)
+    variants["empty"] = step_of([], shape, device, zero_grad)
     for suffix, package in packages.items():
         for backend in backends:
             for mode in MODES:
@@ -122,7 +153,9 @@ def build(
                 )
                 for block in graphed:
                     without_replays(package, block)
-                variants[f"{backend}-{mode}{suffix}"] = step_of(list(graphed), shape, device)
+                variants[f"{backend}-{mode}{suffix}"] = step_of(
+                    list(graphed), shape, device, zero_grad
+                )
     return variants
 
 
@@ -178,6 +211,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--baseline", default="", help="a directory holding another dualgraph/")
     parser.add_argument("--json", default="", help="write every number here")
+    parser.add_argument(
+        "--zero-grad", default="none", choices=ZERO_GRAD,
+        help="clear the parameter grads before each step: set_to_none (torch's default "
+        "optimizer.zero_grad()), zeros (set_to_none=False), none (grads accumulate)",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)  # host overhead is one thread's work; more threads only contend
@@ -186,11 +224,18 @@ def main() -> None:
     results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     for workload in args.workloads:
         times = time_steps(
-            build(workload, device, backends, packages), args.rounds, args.steps, device
+            build(workload, device, backends, packages, args.zero_grad),
+            args.rounds,
+            args.steps,
+            device,
         )
         results[workload] = times
+        results["zero_grad"] = args.zero_grad
         empty = times["empty"]
-        print(f"\n{workload}: us per step (fwd+bwd), medians of {args.rounds} rounds")
+        print(
+            f"\n{workload}: us per step (fwd+bwd, zero_grad {args.zero_grad}), "
+            f"medians of {args.rounds} rounds"
+        )
         print("| variant | us/step | minus empty step |")
         print("| --- | ---: | ---: |")
         for name, us in times.items():

@@ -5,6 +5,11 @@ Every variant of one workload is built in one process and timed in interleaved r
 of rounds; each round runs ``--steps`` steps, ``--tiny-steps`` for the tiny workload, between two
 CUDA events). A step is forward +
 backward with loss ``h.float().sum()`` and fresh input leaves; parameter grads accumulate.
+``--zero-grad set_to_none`` sets every parameter's ``.grad`` to ``None`` first in each step (as
+torch's default ``optimizer.zero_grad()``: the backward starts new sums), ``zeros`` zeroes them
+in place (``set_to_none=False``); ``none`` (the default) clears nothing. The ``floor`` graph
+always accumulates (a CUDA graph cannot make new ``.grad`` tensors), so under another choice it
+is the floor of the accumulating step.
 
 Workloads (``--workloads``; default all):
 
@@ -194,10 +199,32 @@ def measured(capture: Callable[[], Any]) -> tuple[Any, float, int, int]:
     return result, seconds, *grown
 
 
+ZERO_GRAD = "none"  # --zero-grad: what each step does to the grads before it runs
+
+
+def clearing(blocks: Any) -> Step:
+    """What ``optimizer.zero_grad(set_to_none=...)`` (``ZERO_GRAD``) does to the blocks' grads."""
+    params = [p for block in blocks if hasattr(block, "parameters") for p in block.parameters()]
+
+    def set_to_none() -> None:
+        for param in params:
+            param.grad = None
+
+    def zeros() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
+    return {"none": lambda: None, "set_to_none": set_to_none, "zeros": zeros}[ZERO_GRAD]
+
+
 def training_step(blocks: Any, inputs: torch.Tensor, *, tuple_out: bool) -> Step:
-    """Forward + backward of the stack on a fresh leaf copy of ``inputs``."""
+    """Forward + backward of the stack on a fresh leaf copy of ``inputs`` (its grads cleared
+    first as ``--zero-grad`` says)."""
+    clear = clearing(blocks)
 
     def step() -> None:
+        clear()
         x = inputs.detach().requires_grad_()
         for block in blocks:
             x = block(x)[0] if tuple_out else block(x)
@@ -489,7 +516,14 @@ def main() -> None:
     parser.add_argument("--baseline", default="", help="a directory holding another dualgraph/")
     parser.add_argument("--json", default="", help="write every number here")
     parser.add_argument("--plot", default="", help="write a bar chart (PNG) here")
+    parser.add_argument(
+        "--zero-grad", default="none", choices=["none", "set_to_none", "zeros"],
+        help="clear the parameter grads before each step: set_to_none (torch's default "
+        "optimizer.zero_grad()), zeros (set_to_none=False), none (grads accumulate)",
+    )  # fmt: skip
     args = parser.parse_args()
+    global ZERO_GRAD
+    ZERO_GRAD = args.zero_grad
     if not torch.cuda.is_available():
         sys.exit("bench_torch_replay needs a CUDA device")
     versions = {"torch": torch.__version__, "dualgraph": dualgraph.__version__}

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import itertools
 import operator
+import sys
 import threading
 import weakref
 from collections import deque
@@ -80,6 +81,12 @@ _size = torch.Tensor.size
 _current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
 _increment_version = torch._C._increment_version  # (tensors): as an in-place op does to each
 _is = operator.is_
+_refcount = sys.getrefcount
+_use_count = torch.Tensor._use_count  # type: ignore[attr-defined]
+_storage_use_count = torch._C._storage_Use_Count
+# A parameter's grad_dtype (the dtype a new .grad must have; None: any), where torch has it
+_has_grad_dtype = hasattr(torch.Tensor, "grad_dtype")
+_grad_dtype = operator.attrgetter("grad_dtype") if _has_grad_dtype else (lambda _: None)
 _grad = operator.attrgetter("grad")
 _version = operator.attrgetter("_version")
 _tensor_hooks = operator.attrgetter("_backward_hooks")
@@ -148,6 +155,7 @@ class GraphedCallable:
         "_expired_nodes",
         "_first_param",
         "_generation",
+        "_grad_dtypes",
         "_grad_output_indices",
         "_grad_outputs",
         "_graph_grads",
@@ -156,6 +164,7 @@ class GraphedCallable:
         "_held_nodes",
         "_holder_baseline",
         "_holder_probes",
+        "_holder_totals_baseline",
         "_hooks",
         "_in_graph_accumulators",
         "_in_graph_expected",
@@ -169,6 +178,7 @@ class GraphedCallable:
         "_mutated",
         "_mutated_quietly",
         "_names_of",
+        "_no_grads",
         "_node_hooked",
         "_nodes",
         "_nodes_watched",
@@ -205,6 +215,7 @@ class GraphedCallable:
         "_sentinel_param",
         "_static_inputs",
         "_static_outputs",
+        "_storage_ids",
         "_storages",
         "_unreached_memo",
         "_unwatched",
@@ -409,7 +420,17 @@ class GraphedCallable:
                 self._accumulators, self._storages, strict=True
             )
         )
+        self._storage_ids = tuple(storage._cdata for storage in self._storages)
         self._holder_baseline = self._holder_counts()
+        self._holder_totals_baseline = self._holder_totals()
+        # Every .grad None (after zero_grad()), and each parameter's grad_dtype its
+        # accumulator's dtype (or none, where torch has no grad_dtype): where both hold,
+        # grad_problem has nothing to find (_backward_into_accumulators).
+        self._no_grads = (None,) * len(self._in_graph_params)
+        self._grad_dtypes = tuple(
+            accumulator.dtype if _has_grad_dtype else None
+            for accumulator in self._in_graph_accumulators
+        )
         # For the rare .grad that is not its accumulator: where the accumulators lie, and names.
         self._accumulator_spans = tuple(map(_span, self._in_graph_accumulators))
         self._names_of = dict(zip(self._in_graph_params, self._accumulator_names, strict=True))
@@ -558,6 +579,7 @@ class GraphedCallable:
         nodes: deque[Any] = deque(maxlen=_NODES_KEPT + 2 * len(replays))
         for replay in replays:
             replay._holder_baseline = replay._holder_counts()
+            replay._holder_totals_baseline = replay._holder_totals()
             replay._ddp = ddp
             replay._nodes = nodes
             if replay._pool is not None:
@@ -1467,15 +1489,30 @@ class GraphedCallable:
         ):
             replay()  # every .grad is its accumulator, where the graph adds
             return True
-        pending = []
-        zeroed = []
-        handed: list[torch.Tensor | None] = []  # what a .grad that is None becomes
         # Every accumulator where its memory lies (_same_place of each, in two C passes): the
         # usual case here, every .grad None after zero_grad()
         placed = (
             tuple(map(_data_ptr, accumulators)) == self._graph_grads_places
             and self._accumulator_layouts.same()
         )
+        if (
+            placed
+            and grads == self._no_grads
+            and tuple(map(_grad_dtype, self._in_graph_params)) == self._grad_dtypes
+            and not self._accumulators_held()
+        ):
+            # What the loop below does for this case, in C passes: every .grad None, so nothing
+            # adds in place; no accumulator held beyond its owners, so none is saved; each where
+            # the graph adds, so each is handed out; grad_problem finds nothing (no .grad to
+            # check, every grad_dtype the accumulator's dtype, as at capture).
+            _start_sums(self._graph_grads)  # as the loop's pending: the same memory here
+            replay()
+            for param, accumulator in zip(self._in_graph_params, accumulators, strict=True):
+                param.grad = accumulator
+            return True
+        pending = []
+        zeroed = []
+        handed: list[torch.Tensor | None] = []  # what a .grad that is None becomes
         for (param, accumulator, storage), memory, grad, baseline, name in zip(
             self._holder_probes,
             self._graph_grads,
@@ -1593,6 +1630,26 @@ class GraphedCallable:
             if alone is None or param is alone:
                 grads[position] = copy_
         return tuple(grads)
+
+    def _holder_totals(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The holder counts of every accumulator (_grad_checks.holders), as three C passes."""
+        accumulators = self._in_graph_accumulators
+        return (
+            tuple(map(_refcount, accumulators)),
+            tuple(map(_use_count, accumulators)),
+            tuple(map(_storage_use_count, self._storage_ids)),
+        )
+
+    def _accumulators_held(self) -> bool:
+        """Whether an accumulator has more holders than its owners (an old ``.grad`` in use):
+        what _holders tells of each, for all at once, compared with the counts taken the same
+        way at construction (and join)."""
+        return any(
+            any(map(operator.gt, counts, baseline))
+            for counts, baseline in zip(
+                self._holder_totals(), self._holder_totals_baseline, strict=True
+            )
+        )
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
         # The counts of each accumulator taken the way _backward_into_accumulators takes them
