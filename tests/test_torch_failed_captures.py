@@ -228,3 +228,16 @@ def test_a_reentrant_checkpoint_inside_the_callable_is_a_capture_error_naming_th
     x = torch.randn(2, 4, requires_grad=True)
     module(x).sum().backward()
     assert x.grad is not None and module.a.weight.grad is not None
+
+
+def test_a_cuda_sync_failure_in_anomaly_mode_names_anomaly_modes_nan_check() -> None:
+    from dualgraph.torch._capture_failure import Progress, describe_failure
+
+    sync = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    progress = Progress(name="Block", phase="backward capture")
+    plain = str(describe_failure(sync, progress, "cuda"))
+    assert "a CPU sync such as .item()" in plain and "anomaly" not in plain
+    with torch.autograd.set_detect_anomaly(True):
+        in_anomaly_mode = str(describe_failure(sync, progress, "cuda"))
+    assert "anomaly mode is on: its NaN check reads each backward node's grads" in in_anomaly_mode
+    assert "check_nan=False" in in_anomaly_mode

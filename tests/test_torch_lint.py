@@ -1228,3 +1228,33 @@ def test_a_tensor_from_host_data_the_function_mode_does_not_see_is_on_the_host(
     report = dgt.lint(scaled, torch.randn(4, 4, requires_grad=True))
     kinds = sorted(f.kind for f in report.errors)
     assert kinds == ["CPU tensor made in the callable", "cross-device copy"], str(report)
+
+
+def test_a_capture_in_anomaly_mode_names_anomaly_modes_nan_check_and_what_avoids_it() -> None:
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    sample = torch.randn(2, 4, requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True), pytest.raises(dgt.CaptureLintError) as caught:
+        dgt.make_graphed_callables(module, (sample,), backend="emulate")
+    findings = caught.value.report.errors
+    assert findings and all("anomaly mode's NaN check" in f.op for f in findings)
+    assert all(f.phase == "backward" for f in findings)
+    assert "check_nan=False" in str(caught.value)
+    # what the message advises captures, and the module was left usable for it
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        graphed = dgt.make_graphed_callables(module, (sample,), backend="emulate")
+    assert dgt.diagnostics(graphed).lint.findings == ()
+
+
+def test_a_host_read_in_a_backward_outside_anomaly_mode_keeps_its_own_words() -> None:
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad * float(grad.sum())  # a host read of the user's, not anomaly mode's
+
+    report = dgt.lint(ReadsInBackward.apply, torch.randn(3, requires_grad=True))
+    syncs = [f for f in report.errors if f.kind == "host sync"]
+    assert syncs and all("anomaly" not in f.op + f.detail for f in syncs), report

@@ -1543,3 +1543,20 @@ def test_plain_backward_check_asks_the_parameter_node_on_the_replay_edge(
         layer.weight.requires_grad_(False)
     out.sum().backward()
     assert asked and asked[0] is expected[0]
+
+
+@pytest.mark.parametrize("change", ["double", "half"])
+def test_a_call_fitting_a_module_changed_after_capture_is_refused_naming_the_parameter(
+    change: str,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    graphed = dgt.make_graphed_callables(
+        model, (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    getattr(graphed, change)()
+    batch_of_its_dtype = torch.randn(2, 4, dtype=graphed[0].weight.dtype)
+    with pytest.raises(DualgraphError) as refused:
+        graphed(batch_of_its_dtype)  # as the changed module takes: the change is the cause
+    message = str(refused.value)
+    assert message.startswith("Sequential.0.weight: the parameter's memory changed"), message
+    assert "the call's input was refused too: args[0]: expected float32[2, 4]" in message

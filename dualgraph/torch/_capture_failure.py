@@ -256,6 +256,12 @@ def describe_failure(error: BaseException, progress: Progress, backend: str) -> 
     hint = ""
     if "capture" in progress.phase and "operation not permitted when stream is capturing" in cause:
         hint = " (a CPU sync such as .item(), .cpu() or printing a tensor cannot be captured)"
+        if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+            hint = (
+                " (anomaly mode is on: its NaN check reads each backward node's grads on the host,"
+                " a CPU sync a capture cannot hold; capture outside it or with"
+                " torch.autograd.set_detect_anomaly(True, check_nan=False))"
+            )
     if "legacy stream depend on a capturing blocking stream" in cause:
         hint = (
             " (is the model already wrapped in DistributedDataParallel? Graph its layers first,"

@@ -602,7 +602,11 @@ class CaptureLint(OpObserver):
             tensors = tensors_in((args, kwargs))
             on_device = [t for t in tensors if self.on_device(t)]
             if name in _SYNC_OPS and on_device:
-                self.add(HOST_SYNC, op, _SYNC_OPS[name])
+                if name == "_local_scalar_dense" and _anomaly_checks_nan_here():
+                    # the engine's own isnan().any() read, not the user's: say what turns it off
+                    self.add(HOST_SYNC, f"{op} (anomaly mode's NaN check)", _ANOMALY_NAN_CHECK)
+                else:
+                    self.add(HOST_SYNC, op, _SYNC_OPS[name])
             elif name in _SHAPE_OPS and on_device:
                 if not (name == "repeat_interleave" and kwargs.get("output_size") is not None):
                     self.add(DATA_DEPENDENT_SHAPE, op, _SHAPE_OPS[name])
@@ -867,6 +871,24 @@ _SYNC_OPS = {
     "_ctc_loss": _CTC_HINT,
     "_ctc_loss_backward": _CTC_HINT,
 }
+#: What a backward in anomaly mode reads on the host: every node's grads, checked for NaN.
+_ANOMALY_NAN_CHECK = (
+    "Anomaly mode is on (torch.autograd.set_detect_anomaly(True) or detect_anomaly()): it "
+    "checks each backward node's grads for NaN on the host, which a capture cannot do. Graph "
+    "outside anomaly mode, or with set_detect_anomaly(True, check_nan=False); a replay's backward "
+    "in anomaly mode then runs under param_grads='auto' or 'autograd'."
+)
+
+
+def _anomaly_checks_nan_here() -> bool:
+    """Whether a backward op now runs under anomaly mode's NaN checks (each node's grads read)."""
+    return (
+        torch._C._current_autograd_node() is not None
+        and torch.is_anomaly_enabled()
+        and torch.is_anomaly_check_nan_enabled()
+    )
+
+
 #: ``torch.histc``'s ``min`` and ``max``: where they are equal (by default both 0), the CUDA
 #: kernel reads the input's minimum and maximum on the host to make the range.
 _HISTC_RANGE = ((2, "min"), (3, "max"))

@@ -535,6 +535,25 @@ class GraphedCallable:
         function's code names (``None``: it names none)."""
         return self._module_tensors
 
+    def _refuse_a_changed_module_first(self, refused: DualgraphError, grad_enabled: bool) -> None:
+        """Raise the module's own refusal, if it changed since capture, before ``refused``.
+
+        An input refused after the module itself was changed (``model.double()``, then a
+        float64 batch as the module now takes) is the module's doing: the refusal names the
+        parameter (``Sequential.0.weight``), not the input the change made the caller pass.
+        """
+        if self._module_tensors is None:
+            return
+        try:
+            self._module_tensors.check(grad_enabled=grad_enabled)
+        except DualgraphError as error:
+            prefix = f"{self.name}: " if self.plan.module_tensors is None else ""
+            error.args = (
+                f"{prefix}{error} (the call's input was refused too: {refused})",
+                *error.args[1:],
+            )
+            raise error from refused
+
     @property
     def static_inputs(self) -> tuple[torch.Tensor, ...]:
         """The static input buffers (args first, then kwargs): each call copies into them."""
@@ -620,7 +639,11 @@ class GraphedCallable:
             grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
             if not grad_enabled and self._records_under_no_grad:
                 self._refuse_no_grad()
-            tensors = self._inputs.checked_tensors(args, kwargs, grad_enabled)
+            try:
+                tensors = self._inputs.checked_tensors(args, kwargs, grad_enabled)
+            except DualgraphError as refused:  # the error path only: no cost per call
+                self._refuse_a_changed_module_first(refused, grad_enabled)
+                raise
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
