@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._errors import DualgraphError
+from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
 from ._grad_mode_set import turns_grad_mode_on
@@ -222,8 +223,11 @@ def _warmup(
             with (
                 own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack),
                 turns_grad_mode_on() as grad_mode,
+                branch_reads(item.static_inputs) as reads,
             ):
                 outputs = _run(item)
+            item.reads_grad_mode = reads.grad_mode
+            item.reads_requires_grad = reads.requires_grad
         else:
             outputs = _run(item)
     _refuse_inputs_given_a_history(item)
