@@ -4066,3 +4066,18 @@ def test_a_callable_reading_no_grad_mode_replays_under_no_grad(backend: str) -> 
         assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
     assert dgt.diagnostics(module).replays == replays + 1
     assert dgt.diagnostics(module).eager_calls == 0
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_transformer_layer_in_eval_runs_eagerly_under_no_grad_as_its_fast_path(
+    backend: str,
+) -> None:
+    # eager takes torch's fast path (another kernel) under no_grad in eval; a replay would not
+    device = device_of(backend)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).to(device).eval()
+    twin = copy.deepcopy(layer)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 3, 8, device=device),), backend=backend)
+    x = torch.randn(2, 3, 8, device=device)
+    with torch.no_grad():
+        assert_tensors_match(layer(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(layer).eager_calls == 1

@@ -218,6 +218,9 @@ def _warmup(
     with _unobserved():
         bits = [bytes_of(t) for t in item.static_inputs] if inspect else []
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
+    # Every warmup forward is watched for reads of grad mode and of the inputs' requires_grad:
+    # under the lint's function mode (the inspected one), torch's fast-path checks stop at
+    # has_torch_function before reading grad mode.
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
             with (
@@ -226,10 +229,11 @@ def _warmup(
                 branch_reads(item.static_inputs) as reads,
             ):
                 outputs = _run(item)
-            item.reads_grad_mode = reads.grad_mode
-            item.reads_requires_grad = reads.requires_grad
         else:
-            outputs = _run(item)
+            with branch_reads(item.static_inputs) as reads:
+                outputs = _run(item)
+    item.reads_grad_mode |= reads.grad_mode
+    item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
     _refuse_inputs_given_a_history(item)
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():
