@@ -770,6 +770,16 @@ def test_reading_grad_mode_in_the_callable_is_a_warning_naming_the_line() -> Non
     assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
 
 
+def test_a_graphed_callables_read_of_grad_mode_is_still_named_by_the_capture_lint() -> None:
+    # warmup watches torch.is_grad_enabled too (through a replacement): the lint looks past it
+    module = BranchesOnGradMode()
+    dgt.make_graphed_callables(module, (torch.randn(2, 3, 4),), backend="emulate")
+    report = dgt.diagnostics(module).lint
+    assert report is not None
+    (finding,) = report.findings
+    assert finding.code == "scale = 2.0 if torch.is_grad_enabled() else 3.0"
+
+
 class BranchesOnWhatAutogradRecorded(nn.Module):
     """Scales by 2 where autograd recorded its hidden tensor (grad on), else by 3."""
 

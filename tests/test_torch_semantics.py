@@ -3980,3 +3980,104 @@ def test_an_input_saved_only_for_a_grad_this_call_needs_not_may_be_changed_as_in
         y.add_(1.0)
     with pytest.raises(DualgraphError, match=r"args\[1\] was modified in place"):
         out.sum().backward()
+
+
+class _BranchesOnGradMode(nn.Module):
+    """Scales by 2 with grad on, by 3 without (as a fast path taken only without grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if torch.is_grad_enabled() else 3.0)
+
+
+class _BranchesOnRequiresGrad(nn.Module):
+    """Scales by 2 where its input requires grad, by 3 where not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if x.requires_grad else 3.0)
+
+
+class _ReadsNoFlags(nn.Module):
+    """Reads neither grad mode nor a flag (its own no_grad block saves grad mode to put it back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shift = x.mean()
+        return self.fc(x) + shift
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_callable_branching_on_grad_mode_runs_eagerly_under_no_grad(backend: str) -> None:
+    # On CUDA a replay would run the branch taken with grad on at capture (scale 2).
+    device = device_of(backend)
+    module = _BranchesOnGradMode().to(device)
+    twin = copy.deepcopy(module)
+    dgt.make_graphed_callables(module, (torch.randn(2, 4, device=device),), backend=backend)
+    x = torch.randn(2, 4, device=device)
+    replays = dgt.diagnostics(module).replays
+    with torch.no_grad():
+        out = module(x)
+        expected = twin(x)
+    assert_tensors_match(out, expected, "output", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
+    assert dgt.diagnostics(module).replays == replays
+    assert_tensors_match(module(x), twin(x), "output", tolerance(backend))  # grad on: replayed
+    assert dgt.diagnostics(module).replays == replays + 1
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_callable_branching_on_an_inputs_requires_grad_runs_eagerly_where_it_differs(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = _BranchesOnRequiresGrad().to(device)
+    twin = copy.deepcopy(module)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend)
+    x = torch.randn(2, 4, device=device)  # requires no grad: eager scales by 3
+    assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
+    x.requires_grad_(True)  # as the sample: replayed
+    assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_callable_reading_no_grad_mode_replays_under_no_grad(backend: str) -> None:
+    device = device_of(backend)
+    module = _ReadsNoFlags().to(device)
+    twin = copy.deepcopy(module)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend)
+    replays = dgt.diagnostics(module).replays
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():
+        assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(module).replays == replays + 1
+    assert dgt.diagnostics(module).eager_calls == 0
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_transformer_layer_in_eval_runs_eagerly_under_no_grad_as_its_fast_path(
+    backend: str,
+) -> None:
+    # eager takes torch's fast path (another kernel) under no_grad in eval; a replay would not
+    device = device_of(backend)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).to(device).eval()
+    twin = copy.deepcopy(layer)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 3, 8, device=device),), backend=backend)
+    x = torch.randn(2, 3, 8, device=device)
+    with torch.no_grad():
+        assert_tensors_match(layer(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(layer).eager_calls == 1

@@ -971,3 +971,22 @@ def test_a_backward_through_a_slot_that_cannot_run_it_is_refused_before_any_grad
     assert dgt.diagnostics(graphed).in_flight != ()  # the second replay's backward can still run
     second.sum().backward()
     assert xs[1].grad is not None
+
+
+class _ScalesByGradMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if torch.is_grad_enabled() else 3.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_eager_calls_of_every_slot_are_counted_together(backend: str) -> None:
+    # a call under no_grad of a callable reading grad mode runs eagerly, in whichever slot
+    module = _ScalesByGradMode().to(device_of(backend))
+    _graph(module, backend, slots=2)
+    with torch.no_grad():
+        module(_x(backend, grad=False))
+    assert dgt.diagnostics(module).eager_calls == 1

@@ -11,12 +11,16 @@ import pytest
 import torch
 from torch import nn
 
+from dualgraph.torch._branch_reads import branch_reads
 from dualgraph.torch._grad_mode_set import turns_grad_mode_on
 from dualgraph.torch._missed_attributes import attributes_missed
 
 _WATCHES: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], Any]]] = {
     "getattr": (attributes_missed, lambda: nn.Module.__getattr__),
     "set_grad_enabled": (turns_grad_mode_on, lambda: torch._C._set_grad_enabled),
+    "is_grad_enabled": (lambda: branch_reads(()), lambda: torch.is_grad_enabled),
+    # inherited from torch._C.TensorBase: torch.Tensor holds none of its own, before or after
+    "requires_grad": (lambda: branch_reads(()), lambda: vars(torch.Tensor).get("requires_grad")),
 }
 
 

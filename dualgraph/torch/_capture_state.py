@@ -165,6 +165,9 @@ class _Capture:
         self.used_inside: tuple[int, ...] = ()
         # outputs a call under no_grad gives history (the callable turns grad mode on itself)
         self.records_under_no_grad: tuple[int, ...] = ()
+        # whether the forward's Python read grad mode, and which inputs' requires_grad it read
+        self.reads_grad_mode = False
+        self.reads_requires_grad: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
         self.saved_inputs: tuple[int, ...] = ()
@@ -207,6 +210,8 @@ class _Capture:
         self.outside_outputs = original.outside_outputs
         self.used_inside = original.used_inside
         self.records_under_no_grad = original.records_under_no_grad
+        self.reads_grad_mode = original.reads_grad_mode
+        self.reads_requires_grad = original.reads_requires_grad
         self.saved_module_tensors = original.saved_module_tensors
         self.saved_closure_tensors = original.saved_closure_tensors
         self.saved_inputs = original.saved_inputs
@@ -456,6 +461,8 @@ class _Capture:
             saved_outputs=self.saved_outputs,
             used_inside=self.used_inside,
             records_under_no_grad=self.records_under_no_grad,
+            reads_grad_mode=self.reads_grad_mode,
+            reads_requires_grad=self.reads_requires_grad,
             saved_module_tensors=self.saved_module_tensors,
             saved_closure_tensors=self.saved_closure_tensors,
             saved_inputs=self.saved_inputs,

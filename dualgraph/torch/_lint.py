@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import CaptureError
+from ._branch_reads import MODE_READ_WATCH
 from ._host_rng import numpy_position
 from ._op_watch import OpObserver, code_of, tensors_in
 
@@ -726,10 +727,11 @@ class _HostCallLint:
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
-            elif (
-                arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED
-            ) and not frame.f_code.co_filename.startswith(_ADAPTER_DIR):  # not dualgraph's own
-                self._report((GRAD_MODE_READ, f"torch.{arg.__name__}", ()), frame)
+            elif arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED:
+                # through warmup's watch of the read (a replacement): its caller's
+                caller = frame.f_back if frame.f_code is MODE_READ_WATCH else frame
+                if caller is not None and not caller.f_code.co_filename.startswith(_ADAPTER_DIR):
+                    self._report((GRAD_MODE_READ, f"torch.{arg.__name__}", ()), caller)
 
     def _report(
         self, found: tuple[str, str, tuple[str, ...]] | None, caller: types.FrameType | None
@@ -1183,10 +1185,10 @@ _HOST_CALL_HINTS = {
     ),
     HOST_SYNC: "Waits on the host for the GPU. " + _SYNC_HINT,
     GRAD_MODE_READ: (
-        "Reads grad mode: a graph replays what the callable did with grad on at capture, also "
-        "when called under torch.no_grad() or inference_mode(), where eager may do otherwise "
-        "(the emulate backend runs the callable again and does what eager does). Decide "
-        "outside the callable, or graph a copy for evaluation."
+        "Reads grad mode: a graph replays what the callable did with grad on at capture, so a "
+        "call under torch.no_grad() or inference_mode() runs the callable eagerly instead "
+        "(diagnostics' eager_calls counts them), where warmup saw the read. Decide outside "
+        "the callable, or graph a copy for evaluation, to replay those calls too."
     ),
 }
 #: What a tensor tells of the autograd graph recorded for it: for a tensor the callable computed
@@ -1197,9 +1199,9 @@ _GRAD_RECORD_READS = frozenset({"Tensor.requires_grad", "Tensor.grad_fn", "Tenso
 _GRAD_RECORD_HINT = (
     "Reads whether autograd recorded a tensor the callable computed, which tells grad mode: "
     "under torch.no_grad() or inference_mode() eager reads False (no grad_fn), where a graph "
-    "replays what the callable did with grad on at capture (the emulate backend runs the "
-    "callable again and does what eager does). Decide outside the callable, or graph a copy "
-    "for evaluation."
+    "replays what the callable did with grad on at capture, so such calls run the callable "
+    "eagerly instead (diagnostics' eager_calls counts them). Decide outside the callable, or "
+    "graph a copy for evaluation, to replay those calls too."
 )
 _HOST_DRAW = (
     "Draws random numbers from torch's CPU generator into a tensor on the host (no device=, or "

@@ -173,6 +173,11 @@ class ReplayPlan:
     # the context the callable's eager twin runs in (``verify``), as on the "eager" backend:
     # a Transformer Engine autocast of its own precision, or None
     eager_context: Callable[[], AbstractContextManager[Any]] | None = None
+    # whether the forward's Python read grad mode (torch.is_grad_enabled()), and the inputs
+    # whose requires_grad it read: a call under no_grad, or with those inputs' requires_grad
+    # other than their samples', runs eagerly (a replay would take the capture's branch)
+    reads_grad_mode: bool = False
+    reads_requires_grad: tuple[int, ...] = ()
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,13 +59,13 @@ from ._layouts import copier_of
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
 from ._node_hooks import HeldNodes, node_hook_dicts
-from ._params import ModuleTensors, requires_grad_changed
+from ._params import ModuleTensors, own_changes_taken_of, requires_grad_changed
 from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
 from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
-from ._replay_hooks import ReplayCall
+from ._replay_hooks import ReplayCall, call_eagerly
 from ._saved_hooks import saved_copies_kept
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
@@ -144,6 +144,7 @@ class GraphedCallable:
         "_backward_checks",
         "_backward_generation",
         "_captured_input_grads",
+        "_checked_without_grad",
         "_clone_outputs",
         "_copiers",
         "_cut_copies",
@@ -154,6 +155,7 @@ class GraphedCallable:
         "_emulated",
         "_expired_nodes",
         "_first_param",
+        "_flags_read",
         "_generation",
         "_grad_dtypes",
         "_grad_output_indices",
@@ -203,6 +205,7 @@ class GraphedCallable:
         "_reaching_every_output",
         "_read_by_backward",
         "_read_by_backward_names",
+        "_reads_grad_mode",
         "_records_under_no_grad",
         "_replay_backward",
         "_replay_call",
@@ -314,6 +317,14 @@ class GraphedCallable:
         self._used_inside = plan.used_inside
         # Outputs eager's call under no_grad gives history (the callable enables grad itself).
         self._records_under_no_grad = plan.records_under_no_grad
+        # The forward's Python branches on grad mode, or on some inputs' requires_grad (their
+        # positions and their samples'): a call where eager's branch may differ from the
+        # capture's runs eagerly (_eagerly). One test each on the way of a call.
+        self._reads_grad_mode = plan.reads_grad_mode
+        self._checked_without_grad = bool(plan.records_under_no_grad) or plan.reads_grad_mode
+        self._flags_read = (
+            tuple((i, plan.inputs.requires_grad[i]) for i in plan.reads_requires_grad) or None
+        )
         # The parameters and buffers the backward graph reads (where eager saves them): changed
         # in place before the backward, eager raises, and a graph would read the new values. A
         # function's module tensors are those its code names; the plan's saved_closure_tensors
@@ -637,13 +648,19 @@ class GraphedCallable:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
             # autograd_records(), inlined: inference mode records nothing
             grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
-            if not grad_enabled and self._records_under_no_grad:
-                self._refuse_no_grad()
+            if not grad_enabled and self._checked_without_grad:
+                if self._records_under_no_grad:
+                    self._refuse_no_grad()
+                if self._reads_grad_mode:
+                    return self._eagerly(args, kwargs, replay_kwargs if hooks is not None else None)
             try:
                 tensors = self._inputs.checked_tensors(args, kwargs, grad_enabled)
             except DualgraphError as refused:  # the error path only: no cost per call
                 self._refuse_a_changed_module_first(refused, grad_enabled)
                 raise
+            flags = self._flags_read
+            if flags is not None and _flags_differ(tensors, flags):
+                return self._eagerly(args, kwargs, replay_kwargs if hooks is not None else None)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
@@ -709,6 +726,41 @@ class GraphedCallable:
             return result
         finally:
             self._lock.release()
+
+    def _eagerly(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        replay_kwargs: Mapping[str, Any] | None,
+    ) -> Any:
+        """Run the callable eagerly for a call where its Python would branch otherwise than at
+        capture (grad mode off, or an input's ``requires_grad`` other than its sample's, where
+        the forward read them): a replay would run the capture's branch. Its inputs are checked
+        as a replay's; the values the forward's Python sets on its module are taken as its own
+        (:func:`own_changes_taken_of`), as for a shape bucket's eager fallback."""
+        plan = self.plan
+        grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
+        self._inputs.checked_tensors(args, kwargs, grad_enabled)
+        records = [r for r in (plan.module_tensors, plan.code_tensors) if r is not None]
+        hooks = self._hooks
+        with own_changes_taken_of(records):
+            if hooks is not None:  # the hooks run around an eager call as around a replay
+                outputs = call_eagerly(
+                    hooks,
+                    plan.fn,
+                    args,
+                    {**kwargs, **(replay_kwargs or {})},
+                    check=_checked_already,
+                    run=plan.eager_context,
+                )
+            elif plan.eager_context is not None:
+                with plan.eager_context():
+                    outputs = plan.fn(*args, **kwargs)
+            else:
+                outputs = plan.fn(*args, **kwargs)
+        self._out_spec.flatten(outputs, check=True, root="output")
+        self.diagnostics.eager_calls += 1
+        return outputs
 
     def _refuse_no_grad(self) -> None:
         """Refuse a call under ``torch.no_grad()`` (not inference mode, where eager records
@@ -1681,6 +1733,17 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool], ...]) -> bool:
+    """Whether an input whose ``requires_grad`` the forward read (``flags``: its position and
+    its sample's) has another."""
+    return any(tensors[i].requires_grad is not expected for i, expected in flags)
+
+
+def _checked_already(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The inputs of an eager call a replay declined (:meth:`GraphedCallable._eagerly`) were
+    checked before."""
 
 
 def _start_sums(accumulators: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:

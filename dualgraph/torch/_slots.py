@@ -267,6 +267,7 @@ class SlottedCallable:
             capture_seconds=first.capture_seconds,
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
+            eager_calls=sum(p.eager_calls for p in parts),
             param_grads_through_autograd=sum(p.param_grads_through_autograd for p in parts),
             # the lint and the memory plan ran once per callable, in its first slot's capture
             lint=next((p.lint for p in parts if p.lint is not None), None),

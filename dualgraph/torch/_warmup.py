@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._errors import DualgraphError
+from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
 from ._grad_mode_set import turns_grad_mode_on
@@ -217,15 +218,22 @@ def _warmup(
     with _unobserved():
         bits = [bytes_of(t) for t in item.static_inputs] if inspect else []
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
+    # Every warmup forward is watched for reads of grad mode and of the inputs' requires_grad:
+    # under the lint's function mode (the inspected one), torch's fast-path checks stop at
+    # has_torch_function before reading grad mode.
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
             with (
                 own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack),
                 turns_grad_mode_on() as grad_mode,
+                branch_reads(item.static_inputs) as reads,
             ):
                 outputs = _run(item)
         else:
-            outputs = _run(item)
+            with branch_reads(item.static_inputs) as reads:
+                outputs = _run(item)
+    item.reads_grad_mode |= reads.grad_mode
+    item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
     _refuse_inputs_given_a_history(item)
     after_forward = [t._version for t in item.static_inputs]
     with _unobserved():

@@ -41,7 +41,7 @@ class WatchedFunction(Generic[W]):
     ``watchers()`` is the calling thread's list of watchers (objects the replacement notes
     calls in), innermost last."""
 
-    __slots__ = ("_count", "_found", "_local", "_lock", "_name", "_owner", "_wrap")
+    __slots__ = ("_count", "_found", "_local", "_lock", "_name", "_own", "_owner", "_wrap")
 
     def __init__(
         self,
@@ -56,6 +56,7 @@ class WatchedFunction(Generic[W]):
         self._local = threading.local()
         self._count = 0  # watches running, in all threads
         self._found: Any = None
+        self._own = True  # whether owner holds it itself (not inherited: then deleted again)
 
     def _watchers(self) -> list[W]:
         try:
@@ -71,6 +72,7 @@ class WatchedFunction(Generic[W]):
         with self._lock:
             if not self._count:
                 self._found = getattr(self._owner, self._name)
+                self._own = self._name in vars(self._owner)
                 setattr(self._owner, self._name, self._wrap(self._found, self._watchers))
             self._count += 1
         watchers = self._watchers()
@@ -83,5 +85,8 @@ class WatchedFunction(Generic[W]):
             with self._lock:
                 self._count -= 1
                 if not self._count:
-                    setattr(self._owner, self._name, self._found)
+                    if self._own:
+                        setattr(self._owner, self._name, self._found)
+                    else:  # a class's attribute inherited from a base: inherited again
+                        delattr(self._owner, self._name)
                     self._found = None

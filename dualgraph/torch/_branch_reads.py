@@ -1,0 +1,136 @@
+"""Whether a callable's Python reads what tells eager's calls apart: grad mode, inputs' flags.
+
+A graph replays the kernels of the branch its capture took. Python that branches on grad mode
+(``torch.is_grad_enabled()``: ``nn.TransformerEncoderLayer``'s fast path, a checkpoint taken
+only ``if self.training and torch.is_grad_enabled()``) or on an input's ``requires_grad``
+takes another branch in eager when called under ``torch.no_grad()``, or with inputs whose
+``requires_grad`` differs from the samples'. The inspected warmup forward watches for such
+reads, so that those calls can run eagerly (:class:`GraphedCallable`) where a replay would
+silently differ.
+
+Grad mode reads are seen through ``torch.is_grad_enabled`` and
+``torch.is_inference_mode_enabled`` (and their ``torch._C`` names), replaced in the capturing
+thread while the forward runs (:class:`WatchedFunction`); a read by a grad mode context manager
+saving the mode it puts back is no branch. ``requires_grad``, ``grad_fn`` and ``is_leaf`` reads
+are seen through descriptors ``torch.Tensor`` holds meanwhile (not a function mode: with one
+active, torch's fast-path checks stop at ``has_torch_function`` before reading grad mode): of
+an input, they are that input's flag; of a tensor the callable computed, they tell grad mode
+and the inputs' flags alike.
+
+>>> import torch
+>>> x = torch.ones(2, requires_grad=True)
+>>> with branch_reads([x]) as seen:
+...     y = x * 2 if torch.is_grad_enabled() and x.requires_grad else x
+>>> seen.grad_mode, seen.requires_grad
+(True, (0,))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.autograd.grad_mode
+
+from ._watched_function import WatchedFunction
+
+__all__ = ["MODE_READ_WATCH", "BranchReads", "branch_reads"]
+
+_ADAPTER_DIR = os.path.dirname(os.path.abspath(__file__))
+#: Where reads of grad mode save the mode to put it back (``no_grad().__enter__``): no branch.
+_SAVING_FILES = frozenset({torch.autograd.grad_mode.__file__})
+#: What a tensor tells of the autograd history recorded for it.
+_RECORD_FLAGS = frozenset({"requires_grad", "grad_fn", "is_leaf"})
+
+
+class BranchReads:
+    """What :func:`branch_reads` saw: whether grad mode was read, and of which inputs (their
+    positions) ``requires_grad`` was."""
+
+    __slots__ = ("_all", "_inputs", "_requires_grad", "grad_mode")
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.grad_mode = False
+        self._inputs = {id(t): i for i, t in enumerate(inputs)}
+        self._all = tuple(range(len(inputs)))
+        self._requires_grad: set[int] = set()
+
+    @property
+    def requires_grad(self) -> tuple[int, ...]:
+        """The inputs whose ``requires_grad`` the forward's Python read, in order."""
+        return tuple(sorted(self._requires_grad))
+
+    def note_flag_read(self, tensor: Any) -> None:
+        """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``)."""
+        position = self._inputs.get(id(tensor))
+        if position is not None:
+            self._requires_grad.add(position)
+        elif isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+            # computed from the inputs under grad mode: its flag tells both
+            self.grad_mode = True
+            self._requires_grad.update(self._all)
+
+
+def _from_the_callable(frame: Any) -> bool:
+    file = frame.f_code.co_filename
+    return file not in _SAVING_FILES and not file.startswith(_ADAPTER_DIR)
+
+
+def _noting_mode_read(found: Any, watchers: Callable[[], list[BranchReads]]) -> Any:
+    def watched() -> bool:
+        if _from_the_callable(sys._getframe(1)):
+            for seen in watchers():
+                seen.grad_mode = True
+        return bool(found())
+
+    return watched
+
+
+#: The code of the replacement that watches a read (the capture lint looks past its frame).
+MODE_READ_WATCH = _noting_mode_read(None, list).__code__
+
+_WATCHED = tuple(
+    WatchedFunction(owner, name, _noting_mode_read)
+    for owner in (torch, torch._C)
+    for name in ("is_grad_enabled", "is_inference_mode_enabled")
+)
+
+
+class _WatchedFlag:
+    """A tensor's flag (``requires_grad``) read through ``found`` (torch's descriptor), noting
+    each read by the callable; named as the flag, as torch's is (the lint names reads so)."""
+
+    def __init__(self, found: Any, watchers: Callable[[], list[BranchReads]]) -> None:
+        self.__name__ = found.__name__
+        self._found = found
+        self._watchers = watchers
+
+    def __get__(self, tensor: Any, owner: Any = None) -> Any:
+        if tensor is None:
+            return self
+        if _from_the_callable(sys._getframe(1)):
+            for seen in self._watchers():
+                seen.note_flag_read(tensor)
+        return self._found.__get__(tensor, owner)
+
+    def __set__(self, tensor: Any, value: Any) -> None:
+        self._found.__set__(tensor, value)  # torch's refuses where the flag cannot be set
+
+
+_WATCHED_FLAGS = tuple(
+    WatchedFunction(torch.Tensor, name, _WatchedFlag) for name in sorted(_RECORD_FLAGS)
+)
+
+
+@contextlib.contextmanager
+def branch_reads(inputs: Sequence[torch.Tensor]) -> Iterator[BranchReads]:
+    """Watch, in this thread, the reads of grad mode and of ``inputs``' ``requires_grad``."""
+    seen = BranchReads(inputs)
+    with contextlib.ExitStack() as stack:
+        for watched in (*_WATCHED, *_WATCHED_FLAGS):
+            stack.enter_context(watched.watching(seen))
+        yield seen
