@@ -4068,6 +4068,24 @@ def test_a_callable_reading_no_grad_mode_replays_under_no_grad(backend: str) -> 
     assert dgt.diagnostics(module).eager_calls == 0
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_submodules_full_backward_hook_is_no_read_of_grad_mode(backend: str) -> None:
+    # torch's hook machinery reads grad mode only to record the hook's identity node: under
+    # no_grad the forward's values are the same, so the call replays (no silent eager call)
+    device = device_of(backend)
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(device)
+    module[0].register_full_backward_hook(lambda *_: None)
+    twin = copy.deepcopy(module)
+    dgt.make_graphed_callables(module, (torch.randn(2, 4, device=device),), backend=backend)
+    replays = dgt.diagnostics(module).replays
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():
+        assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 0
+    assert dgt.diagnostics(module).replays == replays + 1
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_transformer_layer_in_eval_runs_eagerly_under_no_grad_as_its_fast_path(
     backend: str,

@@ -30,11 +30,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.autograd.grad_mode
+import torch.utils.hooks
+from torch.nn.modules._functions import BackwardHookFunction
 
 from ._watched_function import WatchedFunction
 
@@ -43,6 +46,15 @@ __all__ = ["MODE_READ_WATCH", "BranchReads", "branch_reads"]
 _ADAPTER_DIR = os.path.dirname(os.path.abspath(__file__))
 #: Where reads of grad mode save the mode to put it back (``no_grad().__enter__``): no branch.
 _SAVING_FILES = frozenset({torch.autograd.grad_mode.__file__})
+#: Where reads of grad mode choose only whether a backward hook's identity node is recorded
+#: (a submodule's ``register_full_backward_hook``): the forward's values are the same, and
+#: without grad mode there is no backward to hook, so a replay under no_grad is eager's.
+_BACKWARD_HOOK_FILES = frozenset({torch.utils.hooks.__file__})
+_HOOK_FORWARD = BackwardHookFunction.forward.__code__
+#: Its forward and the comprehension in it (a code of its own before Python 3.12).
+_BACKWARD_HOOK_CODES = frozenset(
+    {_HOOK_FORWARD, *(c for c in _HOOK_FORWARD.co_consts if isinstance(c, types.CodeType))}
+)
 #: What a tensor tells of the autograd history recorded for it.
 _RECORD_FLAGS = frozenset({"requires_grad", "grad_fn", "is_leaf"})
 
@@ -64,14 +76,15 @@ class BranchReads:
         """The inputs whose ``requires_grad`` the forward's Python read, in order."""
         return tuple(sorted(self._requires_grad))
 
-    def note_flag_read(self, tensor: Any) -> None:
-        """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``)."""
+    def note_flag_read(self, tensor: Any, *, of_grad_mode: bool = True) -> None:
+        """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``);
+        ``of_grad_mode=False`` where the reader's branch matters only with grad mode on."""
         position = self._inputs.get(id(tensor))
         if position is not None:
             self._requires_grad.add(position)
         elif isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
             # computed from the inputs under grad mode: its flag tells both
-            self.grad_mode = True
+            self.grad_mode = self.grad_mode or of_grad_mode
             self._requires_grad.update(self._all)
 
 
@@ -80,9 +93,15 @@ def _from_the_callable(frame: Any) -> bool:
     return file not in _SAVING_FILES and not file.startswith(_ADAPTER_DIR)
 
 
+def _for_a_backward_hook(frame: Any) -> bool:
+    code = frame.f_code
+    return code in _BACKWARD_HOOK_CODES or code.co_filename in _BACKWARD_HOOK_FILES
+
+
 def _noting_mode_read(found: Any, watchers: Callable[[], list[BranchReads]]) -> Any:
     def watched() -> bool:
-        if _from_the_callable(sys._getframe(1)):
+        frame = sys._getframe(1)
+        if _from_the_callable(frame) and not _for_a_backward_hook(frame):
             for seen in watchers():
                 seen.grad_mode = True
         return bool(found())
@@ -112,9 +131,11 @@ class _WatchedFlag:
     def __get__(self, tensor: Any, owner: Any = None) -> Any:
         if tensor is None:
             return self
-        if _from_the_callable(sys._getframe(1)):
+        frame = sys._getframe(1)
+        if _from_the_callable(frame):
+            of_grad_mode = not _for_a_backward_hook(frame)
             for seen in self._watchers():
-                seen.note_flag_read(tensor)
+                seen.note_flag_read(tensor, of_grad_mode=of_grad_mode)
         return self._found.__get__(tensor, owner)
 
     def __set__(self, tensor: Any, value: Any) -> None:
