@@ -20,6 +20,7 @@ Engine's FP8 autocast check and bookkeeping are among them (``_te_precision.py``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -753,11 +754,10 @@ class GraphedCallable:
                     check=_checked_already,
                     run=plan.eager_context,
                 )
-            elif plan.eager_context is not None:
-                with plan.eager_context():
-                    outputs = plan.fn(*args, **kwargs)
             else:
-                outputs = plan.fn(*args, **kwargs)
+                run = plan.eager_context
+                with run() if run is not None else contextlib.nullcontext():
+                    outputs = plan.fn(*args, **kwargs)
         self._out_spec.flatten(outputs, check=True, root="output")
         self.diagnostics.eager_calls += 1
         return outputs
@@ -1012,8 +1012,7 @@ class GraphedCallable:
                 # a stale replay, whose overwritten activations are the cause to name).
                 versions = replay_node.input_versions
                 if versions and (
-                    tuple([inputs[i]._version for i in self._saved_inputs]) != versions
-                    or replay_node.padded_callers
+                    self.input_versions(inputs) != versions or replay_node.padded_callers
                 ):
                     error = self.changed_input(replay_node)
                     if error is not None:

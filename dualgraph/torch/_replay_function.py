@@ -78,17 +78,16 @@ class _Replay(torch.autograd.Function):
             ctx.mark_non_differentiable(*(outputs[i] for i in nondiff))
         if graphed._read_by_backward:  # as saved tensors' versions: checked at backward
             ctx.versions = tuple(map(_version, graphed._read_by_backward))
-        # and the inputs' it reads: which those are was seen at capture, for the capture's
-        # inputs and parameters needing grad; a call needing other grads may read others (x * y
-        # saves y only for x's grad), so it is not checked (as before there was a check: no
-        # false refusal of what eager runs, at the price of no refusal in that rare call)
+        # and the inputs' it reads, as seen at capture for the grads the capture needed: a call
+        # needing others may read others (x * y saves y only for x's grad), so it is not
+        # checked (no false refusal of what eager runs; no refusal in that rare call either)
         if (
             graphed._saved_inputs
             and not frozen
             and ctx.needs_input_grad[1 : graphed._first_param] == graphed._captured_input_grads
         ):
             try:
-                ctx.input_versions = tuple([inputs[i]._version for i in graphed._saved_inputs])
+                ctx.input_versions = graphed.input_versions(inputs)
             except RuntimeError:  # an inference tensor has no version counter
                 graphed.refuse_inference_inputs(inputs)
                 raise
