@@ -20,6 +20,7 @@ import pstats
 from collections.abc import Callable
 from typing import Any
 
+import bench_torch_replay
 import torch
 from bench_torch_replay import HiddenOnly, baseline_package, training_step, workloads
 
@@ -53,9 +54,14 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default="", help="also profile DIR/dualgraph (another version) in the run"
     )
+    parser.add_argument(
+        "--zero-grad", default="none", choices=["none", "set_to_none", "zeros"],
+        help="clear the parameter grads before each step (as bench_torch_replay.py's option)",
+    )  # fmt: skip
     options = parser.parse_args()
+    bench_torch_replay.ZERO_GRAD = options.zero_grad
     (work,) = [w for w in workloads([options.workload]) if w.batch == options.batch]
-    print(work.describe())
+    print(f"{work.describe()}, grads before each step: {options.zero_grad}")
 
     def blocks() -> torch.nn.ModuleList:
         torch.manual_seed(0)
