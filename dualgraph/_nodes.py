@@ -58,21 +58,21 @@ class NodeError(Exception):
     """A node cannot be made from what was given; the caller adds the path and re-raises."""
 
 
-#: Ints in this range hash to distinct values (but -1 and -2): an int hashes by its value
-#: modulo 2**61 - 1, so a document could hold any number of larger ints of one hash.
-_PLAIN_HASH = 2**60
-
-
 def hash_part(part: Any) -> Any:
-    """``part`` (a node's key or a part of it) as hashed: ints beyond ``2**60`` by their text,
-    whose hash (randomized per process, as every str's) no document can make collide.
+    """``part`` (a node's key or a part of it) as hashed: every int by its text, whose hash
+    (randomized per process, as every str's) no document can make collide.
+
+    An int hashes by its value modulo 2**61 - 1, and a tuple by a fixed mix of its items'
+    hashes: a document could hold any number of ints of one hash, or of tuples of small ints
+    of one hash (shapes, a dict's keys, solved for from the mix), and a table of its specs
+    would take time quadratic in their number.
 
     >>> hash_part(("array", (2, 2**61 - 1), "int8", False))
-    ('array', (2, '0x1fffffffffffffff'), 'int8', False)
+    ('array', ('0x2', '0x1fffffffffffffff'), 'int8', False)
     """
     cls = type(part)
     if cls is int:
-        return part if -_PLAIN_HASH < part < _PLAIN_HASH else hex(part)
+        return hex(part)
     if cls is tuple:
         return tuple(map(hash_part, part))
     return part
