@@ -68,6 +68,11 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as error:
             raise DualgraphError(f"not a {name} JSON document: not UTF-8 ({error})") from None
+        except Exception as error:  # a released memoryview, one of a buffer that went away
+            raise DualgraphError(
+                f"a {name} JSON document could not be read from the "
+                f"{type(text).__name__} ({type(error).__name__}: {clip_text(error)})"
+            ) from None
     if type(text) is not str:
         raise DualgraphError(f"a {name} JSON document is a str, got {type(text).__name__}")
     if len(text) > MAX_JSON_CHARS:

@@ -98,6 +98,14 @@ def test_bytes_are_read_as_utf8() -> None:
             load(bad)
 
 
+def test_a_memoryview_that_cannot_be_read_is_a_dualgraph_error() -> None:
+    # Before: bytes() of a released memoryview leaked its ValueError from from_json
+    view = memoryview(describe((None,)).to_json().encode())
+    view.release()
+    with pytest.raises(DualgraphError, match="could not be read from the memoryview"):
+        load(view)
+
+
 @pytest.mark.parametrize("text", [3, None, ["[]"], object()], ids=repr)
 def test_a_document_is_a_str_or_bytes(text: Any) -> None:
     with pytest.raises(DualgraphError, match="a TreeSpec JSON document is a str"):
