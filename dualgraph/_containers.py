@@ -820,7 +820,16 @@ def register_dataclass(cls: T, /) -> T:
         def unflatten(_: None, children: Any) -> Any:
             return cls(**dict(zip(names, children, strict=True)))
 
-        optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+        try:
+            optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+        except Exception as error:  # e.g. registered there already, by optree.dataclasses
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: optree refused dualgraph's registration "
+                f"of its fields in the optree namespace {NAMESPACE!r}, where the adapters "
+                f"flatten trees ({type(error).__name__}: {clip_text(error)}); register the "
+                "class with dualgraph.register_dataclass alone, or with optree in another "
+                "namespace"
+            ) from None
         _DATACLASS_FIELDS[id(cls)] = (cls, names)
     _bind_name(cls)
     _KIND_OF[id(cls)] = (cls, DataclassNode)

@@ -8,6 +8,8 @@ import json
 from typing import Any, NamedTuple
 
 import numpy as np
+import optree
+import optree.dataclasses
 import pytest
 from trees import Attention, EncoderOutput, array, assert_same_tree
 
@@ -23,6 +25,7 @@ from dualgraph import (
 )
 from dualgraph._containers import (
     CONTAINER_KINDS,
+    NAMESPACE,
     container_kind,
     dataclass_fields,
     qualified_name,
@@ -105,6 +108,20 @@ def test_frozen_and_keyword_only_dataclasses_round_trip() -> None:
     tree = Frozen(x=array(2))
     spec = TreeSpec.from_json(describe(tree).to_json())
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+def test_a_dataclass_optree_holds_in_dualgraphs_namespace_is_refused_cleanly() -> None:
+    # Before: optree's ValueError ('already registered in namespace') leaked from
+    # register_dataclass for a class made with optree.dataclasses.dataclass(namespace=...)
+    @optree.dataclasses.dataclass(namespace=NAMESPACE)
+    class Output:
+        x: Any
+
+    with pytest.raises(DualgraphError, match="optree refused dualgraph's registration"):
+        register_dataclass(Output)
+    assert dataclass_fields(Output) is None  # nothing half-registered
+    with pytest.raises(UnsupportedLeafError):
+        describe(Output(array(2)))
 
 
 @pytest.mark.parametrize("not_a_dataclass", [dict, EncoderOutput(1, 2)], ids=["class", "instance"])
