@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import inspect
 import unicodedata
+import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
 from typing import Any, ClassVar, TypeVar
@@ -670,10 +671,26 @@ _KIND_OF: dict[int, tuple[type, type[Container]]] = {
 }
 
 
+# The user classes describe met and learned (namedtuples), by id(cls), each held weakly: a class
+# made per call goes with the last spec that holds it, and its entry with it (a finalizer, which
+# runs before its id can be another object's). Registered classes stay in _KIND_OF for good.
+_LEARNED: dict[int, tuple[weakref.ref[type], type[Container]]] = {}
+
+
 def kind_of(typ: type, /) -> type[Container] | None:
     """The kind of a builtin container type or a user class registered or described."""
     entry = _KIND_OF.get(id(typ))
-    return None if entry is None else entry[1]
+    if entry is not None:
+        return entry[1]
+    learned = _LEARNED.get(id(typ))
+    return None if learned is None else learned[1]
+
+
+def _learn(typ: type, kind: type[Container]) -> None:
+    """Note the kind of a class ``describe`` met, weakly (see :data:`_LEARNED`)."""
+    ident = id(typ)
+    _LEARNED[ident] = (weakref.ref(typ), kind)
+    weakref.finalize(typ, _LEARNED.pop, ident, None).atexit = False
 
 
 def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | None:
@@ -688,7 +705,7 @@ def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | No
     for kind in CONTAINER_KINDS:
         if kind.python_type is None and kind.claims(typ, learn=learn):
             if learn:
-                _KIND_OF[id(typ)] = (typ, kind)
+                _learn(typ, kind)
             return kind
     return None
 
@@ -740,10 +757,11 @@ def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
     """The user classes known as containers (registered or described) that subclass ``cls``."""
     # A snapshot: issubclass may run code (a metaclass's __subclasscheck__) that describes a
     # tree, and another thread may register or describe meanwhile, either adding classes.
+    known = [*_KIND_OF.values(), *[(ref(), kind) for ref, kind in tuple(_LEARNED.values())]]
     return [
         (typ, kind)
-        for typ, kind in tuple(_KIND_OF.values())
-        if kind.python_type is None and issubclass(typ, cls)
+        for typ, kind in known
+        if typ is not None and kind.python_type is None and issubclass(typ, cls)
     ]
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import json
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -431,6 +433,30 @@ def test_registering_picks_the_class_a_name_means() -> None:
         type(from_rows([["namedtuple", qualified_name(Old), ["hidden"]], ["none"]]).unflatten([]))
         is Old
     )
+
+
+def test_a_namedtuple_class_describe_met_goes_with_its_last_spec() -> None:
+    # Before: every namedtuple class describe met stayed alive for good in the kind registry (a
+    # class made per call piled up); the name keeps only the newest class of that name alive
+    def define() -> type:
+        class Made(NamedTuple):
+            hidden: Any
+
+        return Made
+
+    def described() -> tuple[weakref.ref[type], TreeSpec]:
+        made = define()
+        return weakref.ref(made), describe(made(array(2)))
+
+    first, spec = described()
+    newest, newest_spec = described()  # the name now means the newer class
+    assert first() is not None  # its spec holds it, and it still rebuilds
+    assert type(spec.unflatten([array(2)])) is first()
+    del spec
+    gc.collect()
+    assert first() is None
+    assert TreeSpec.from_json(newest_spec.to_json()) == newest_spec  # the newest reads back
+    assert container_kind(newest()) is not None  # type: ignore[arg-type]
 
 
 def test_a_name_registered_as_another_kind_is_refused() -> None:
