@@ -35,6 +35,7 @@ from ._nodes import (
     NodeError,
     brief_constant,
     check_int,
+    check_json_text,
     class_name,
     clip,
     clip_text,
@@ -286,6 +287,9 @@ class _Mapping(Container):
         return f"{self.article} {self.tag} with keys {clip(list(self.keys))}"
 
     def row(self) -> list[Any]:
+        for key in self.keys:
+            if type(key) is str:
+                check_json_text(key, "the key")
         return [self.tag, list(self.keys)]
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
@@ -464,6 +468,7 @@ class NamedContainer(Container):
                 f"the class name {clip(self.name, 80)} has {len(self.name)} characters; a spec "
                 f"read from JSON takes at most {MAX_NAME_LENGTH}"
             )
+        check_json_text(self.name, "the class name")
         if _NAMED.get(self.name) is not self.cls:
             raise NodeError(
                 f"{self.name!r} now names another class in this process (was the class "

@@ -13,6 +13,7 @@ equal place of a tree.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
@@ -36,6 +37,7 @@ __all__ = [
     "NoneLeaf",
     "brief_constant",
     "check_int",
+    "check_json_text",
     "class_name",
     "clip",
     "clip_text",
@@ -215,6 +217,24 @@ def check_int(value: int) -> None:
         raise NodeError(f"{int_size(value)} is over the {MAX_INT_BITS}-bit limit")
 
 
+#: A high surrogate followed by a low one: two code points a Python str can hold, which JSON
+#: writes as the escapes of one character (``"\\ud83d\\ude00"``) and reads back as it.
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def check_json_text(text: str, what: str) -> None:
+    """Refuse to write ``text`` (``what`` it is) to JSON if it would not read back as itself:
+    a surrogate pair held as two code points comes back as the one character it encodes."""
+    if not text.isascii():
+        found = _SURROGATE_PAIR.search(text)
+        if found is not None:
+            raise NodeError(
+                f"{what} {clip(text)} holds the surrogates {ascii(found.group())[1:-1]} as two "
+                "code points, which JSON writes as the escapes of one character and reads back "
+                f"as {found.group().encode('utf-16', 'surrogatepass').decode('utf-16')!a}"
+            )
+
+
 _CONSTANT_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -246,6 +266,8 @@ class ConstLeaf(Leaf):
 
     def row(self) -> list[Any]:
         value = self.value
+        if type(value) is str:
+            check_json_text(value, "the str constant")
         return ["const", type(value).__name__, float_text(value) if type(value) is float else value]
 
     @classmethod

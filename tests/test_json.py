@@ -238,3 +238,29 @@ def test_a_class_name_over_the_read_limit_is_refused_when_written() -> None:
     spec = describe(cls(None))
     with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: .*1024"):
         spec.to_json()
+
+
+@pytest.mark.parametrize(
+    "tree",
+    ["\ud83d\ude00", {"x\ud83d\ude00": None}, collections.OrderedDict([("\udbff\udfff", 1)])],
+    ids=["constant", "key", "ordereddict-key"],
+)
+def test_a_surrogate_pair_held_as_two_code_points_is_refused_when_written(tree: Any) -> None:
+    # Before: JSON wrote the two code points as the escapes of one character, so the spec read
+    # back held that character ('\U0001f600') and refused the very tree it was written from
+    spec = describe(tree)
+    with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: .*two code points"):
+        spec.to_json()
+
+
+def test_lone_surrogates_and_characters_beyond_the_bmp_are_written_and_read_back() -> None:
+    spec = describe(("\ud83d", "\ude00", "\ude00\ud83d", "\U0001f600", {"\ud800": None}))
+    assert load(spec.to_json()) == spec
+
+
+def test_a_class_name_holding_a_surrogate_pair_is_refused_when_written() -> None:
+    cls = collections.namedtuple("P", ["x"])  # type: ignore[misc]
+    cls.__qualname__ = "P\ud83d\ude00"
+    spec = describe(cls(None))
+    with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: the class name"):
+        spec.to_json()
