@@ -219,7 +219,10 @@ class CallSpec:
         >>> CallSpec.from_json(describe_call((np.zeros(2, np.int8),)).to_json())
         CallSpec(args=(int8[2],), kwargs={})
         """
-        trees = {"args": self.args_spec._rows(), "kwargs": self.kwargs_spec._rows()}
+        trees = {
+            "args": self.args_spec._rows(root="args"),
+            "kwargs": self.kwargs_spec._rows(root="kwargs"),
+        }
         return write_document(CALL_SPEC_FORMAT, CALL_SPEC_VERSION, trees)
 
     @classmethod

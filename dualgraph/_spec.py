@@ -322,9 +322,9 @@ class TreeSpec:
             self._rows(self._named)
         return self._json
 
-    def _rows(self, indices: Sequence[int] | None = None) -> list[list[Any]]:
+    def _rows(self, indices: Sequence[int] | None = None, root: str = "") -> list[list[Any]]:
         """The JSON rows of the tree's nodes (of ``indices``), in pre-order (what
-        :meth:`to_json` writes)."""
+        :meth:`to_json` writes); ``root`` starts the paths in its errors."""
         rows = []
         nodes = self._nodes
         for index in range(len(nodes)) if indices is None else indices:
@@ -332,7 +332,7 @@ class TreeSpec:
             try:
                 rows.append(node.row())
             except NodeError as error:
-                path = show_path(format_path(self._get_layout().entries(index)))
+                path = show_path(format_path(self._get_layout().entries(index), root))
                 raise DualgraphError(f"cannot write the spec at {path}: {error}") from None
         return rows
 

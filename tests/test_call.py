@@ -407,6 +407,18 @@ def test_json_round_trip_of_every_table_tree_as_an_argument(name: str) -> None:
     assert CallSpec.from_json(spec.to_json()) == spec
 
 
+def test_a_call_spec_that_cannot_be_written_names_the_call_path() -> None:
+    # Before: to_json's error named the path from the tree's own root ('at [1]', 'at ['k']'),
+    # not from args or kwargs
+    long_name = collections.namedtuple("P" * 1100, ["x"])  # type: ignore[misc]
+    spec = describe_call((None, long_name(None)))
+    with pytest.raises(DualgraphError, match=r"^cannot write the spec at args\[1\]: the class"):
+        spec.to_json()
+    spec = describe_call((), {"k": "\ud83d\ude00"})
+    with pytest.raises(DualgraphError, match=r"^cannot write the spec at kwargs\['k'\]: the str"):
+        spec.to_json()
+
+
 def test_json_is_versioned_with_sorted_keys() -> None:
     text = describe_call(*sample_call()).to_json()
     document = json.loads(text)
