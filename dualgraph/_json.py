@@ -25,6 +25,7 @@ from ._nodes import (
     NoneLeaf,
     clip,
     clip_text,
+    is_instance,
 )
 from ._paths import PathEntry, format_path, show_path
 
@@ -63,7 +64,7 @@ def write_document(kind: str, version: int, trees: dict[str, list[list[Any]]]) -
 def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> dict[str, Any]:
     """Parse ``text`` and check its format, version and keys; ``trees`` name its row lists."""
     name = kind.rpartition(".")[2]
-    if isinstance(text, (bytes, bytearray, memoryview)):
+    if is_instance(text, (bytes, bytearray, memoryview)):
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as error:

@@ -42,6 +42,7 @@ __all__ = [
     "clip",
     "clip_text",
     "hash_part",
+    "is_instance",
     "show_constant",
 ]
 
@@ -496,6 +497,15 @@ def clip_text(value: Any, limit: int = 120) -> str:
     except Exception:
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_instance(obj: Any, types: Any) -> bool:
+    """``isinstance(obj, types)``, false where the test itself raises: it reads ``obj.__class__``,
+    which an object can make fail, and an abstract base may run code of its own."""
+    try:
+        return isinstance(obj, types)
+    except Exception:
+        return False
 
 
 def class_name(cls: Any) -> str:

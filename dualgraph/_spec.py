@@ -38,6 +38,7 @@ from ._nodes import (
     clip,
     clip_text,
     hash_part,
+    is_instance,
     show_constant,
 )
 from ._paths import PathEntry, format_path, show_path
@@ -446,7 +447,7 @@ def count_arrays(arrays: Any, expected: int) -> None:
     as its characters, a dict by its values)."""
     cls = type(arrays)
     if cls is not list and cls is not tuple:
-        if isinstance(arrays, str | bytes | bytearray | Mapping | AbstractSet):
+        if is_instance(arrays, str | bytes | bytearray | Mapping | AbstractSet):
             count = None
         else:
             try:
@@ -474,7 +475,7 @@ def _check_preorder(nodes: tuple[Node, ...]) -> None:
     """Refuse nodes that are not exactly one tree in pre-order."""
     expected = 1
     for node in nodes:
-        if not expected or not isinstance(node, Node):
+        if not expected or not is_instance(node, Node):
             break
         expected += node.arity - 1
     else:

@@ -446,6 +446,32 @@ def test_from_json_rejects_other_documents(text: str, message: str) -> None:
         CallSpec.from_json(text)
 
 
+class ClassUnreadable:
+    """An object whose ``__class__`` raises: ``isinstance`` reads it and passes the error on."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise ValueError("no class to read")
+
+
+ENTRY_POINTS: dict[str, Any] = {
+    "describe_call args": lambda spec, bad: describe_call(bad),
+    "describe_call kwargs": lambda spec, bad: describe_call((), bad),
+    "flatten args": lambda spec, bad: spec.flatten(bad, None),
+    "flatten kwargs": lambda spec, bad: spec.flatten((array(2),), bad),
+    "unflatten": lambda spec, bad: spec.unflatten(bad),
+    "CallSpec": lambda spec, bad: CallSpec(bad, bad),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_an_object_whose_class_cannot_be_read_is_a_dualgraph_error(entry: str) -> None:
+    # Before: the isinstance tests of args, kwargs and arrays leaked the object's own ValueError
+    spec = describe_call((array(2),), {"k": 1})
+    with pytest.raises(DualgraphError, match=r"expected|CallSpec takes two TreeSpecs"):
+        ENTRY_POINTS[entry](spec, ClassUnreadable())
+
+
 def test_from_json_rejects_args_that_are_not_a_tuple() -> None:
     document = json.loads(describe_call((array(2),)).to_json())
     document["args"] = [["list", 0]]

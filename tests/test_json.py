@@ -98,6 +98,17 @@ def test_bytes_are_read_as_utf8() -> None:
             load(bad)
 
 
+def test_a_document_whose_class_cannot_be_read_is_a_dualgraph_error() -> None:
+    # Before: the isinstance test for bytes leaked the object's own ValueError
+    class ClassUnreadable:
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            raise ValueError("no class to read")
+
+    with pytest.raises(DualgraphError, match="a TreeSpec JSON document is a str"):
+        load(ClassUnreadable())
+
+
 def test_a_memoryview_that_cannot_be_read_is_a_dualgraph_error() -> None:
     # Before: bytes() of a released memoryview leaked its ValueError from from_json
     view = memoryview(describe((None,)).to_json().encode())
