@@ -277,7 +277,11 @@ class _Mapping(Container):
         if len(row) != 2 or type(row[1]) is not list:
             raise NodeError(f"a {cls.tag} row is ['{cls.tag}', [keys]], got {clip(row)}")
         _check_arity(len(row[1]), max_arity)
-        return cls.make(tuple(row[1]))
+        keys = tuple(row[1])
+        for key in keys:
+            if type(key) is str:  # what is read must write back (a str document can hold these)
+                check_json_text(key, "the key")
+        return cls.make(keys)
 
     @classmethod
     def brief_of_object(cls, obj: Any) -> str:
@@ -438,6 +442,7 @@ class NamedContainer(Container):
         _check_arity(len(fields), max_arity)
         if len(name) > MAX_NAME_LENGTH:
             raise NodeError(f"a class name has at most {MAX_NAME_LENGTH} characters")
+        check_json_text(name, "the class name")  # what is read must write back
         found = _NAMED.get(name)
         if found is None:
             raise NodeError(

@@ -287,6 +287,8 @@ class ConstLeaf(Leaf):
             return cls(number)
         if type(value) is not _CONSTANT_TYPES[type_name]:
             raise NodeError(f"a {type_name} constant holds {clip(value)}")
+        if type(value) is str:  # what is read must write back (a str document can hold these)
+            check_json_text(value, "the str constant")
         return cls(cast("bool | int | float | str", value))
 
     def matches(self, obj: Any) -> bool:

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from dualgraph import DualgraphError, TreeSpec, describe
+from dualgraph import DualgraphError, TreeSpec, describe, register_namedtuple
 from dualgraph import _json as json_module
+from dualgraph._containers import qualified_name
 from dualgraph._json import next_entries, read_document, read_tree
 from dualgraph._nodes import MAX_INT_BITS
 from dualgraph._paths import Index, Key
@@ -262,6 +263,35 @@ def test_a_surrogate_pair_held_as_two_code_points_is_refused_when_written(tree: 
     spec = describe(tree)
     with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: .*two code points"):
         spec.to_json()
+
+
+#: A namedtuple class registered under a name holding a surrogate pair as two code points.
+PairNamed = collections.namedtuple("PairNamed", ["x"])  # type: ignore[misc]
+PairNamed.__qualname__ = "PairNamed\ud83d\ude00"
+register_namedtuple(PairNamed)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [["const", "str", "\ud83d\ude00"]],
+        [["dict", ["\ud83d\ude00"]], ["none"]],
+        [["namedtuple", qualified_name(PairNamed), ["x"]], ["none"]],
+    ],
+    ids=["constant", "key", "class-name"],
+)
+def test_a_str_document_holding_a_raw_surrogate_pair_is_refused_when_read(
+    rows: list[Any],
+) -> None:
+    # Before: a document given as a str may hold the two code points themselves (no escapes):
+    # from_json took them, and the spec's to_json then refused to write what it had read
+    text = document(tree=rows)
+    raw = text.replace("\\ud83d\\ude00", "\ud83d\ude00")
+    assert raw != text
+    with pytest.raises(
+        DualgraphError, match=r"^malformed TreeSpec JSON at <root>: .*two code points"
+    ):
+        load(raw)
 
 
 def test_lone_surrogates_and_characters_beyond_the_bmp_are_written_and_read_back() -> None:
