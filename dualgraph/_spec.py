@@ -474,13 +474,16 @@ def _checked_root(root: object) -> str:
 def _check_preorder(nodes: tuple[Node, ...]) -> None:
     """Refuse nodes that are not exactly one tree in pre-order."""
     expected = 1
-    for node in nodes:
-        if not expected or not is_instance(node, Node):
-            break
-        expected += node.arity - 1
-    else:
-        if not expected:
-            return
+    try:
+        for node in nodes:
+            if not expected or not isinstance(node, Node):
+                break
+            expected += node.arity - 1
+        else:
+            if not expected:
+                return
+    except Exception:  # isinstance of an object whose __class__ raises
+        pass
     raise DualgraphError("a TreeSpec is made of the nodes of one tree, in pre-order")
 
 
