@@ -108,7 +108,26 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
     for key in trees:
         if key not in document:
             raise DualgraphError(f"malformed {name} JSON: {key!r} is missing")
+    # What is read must write back: the canonical text escapes every non-ASCII character (6
+    # characters, 12 beyond the BMP), so a document within the limit can be written over it.
+    if len(text) * 12 > MAX_JSON_CHARS and not text.isascii():
+        written = _canonical_length(document)
+        if written > MAX_JSON_CHARS:
+            raise DualgraphError(
+                f"{name} JSON written back (non-ASCII characters as \\u escapes) would have "
+                f"{written} characters, over the limit of {MAX_JSON_CHARS}: {name}.to_json could "
+                "not write what it read"
+            )
     return document
+
+
+def _canonical_length(document: dict[str, Any]) -> int:
+    """The length of ``document`` as :func:`write_document` writes it (0 if it cannot be
+    written: its rows are then refused as malformed)."""
+    try:
+        return len(json.dumps(document, sort_keys=True, separators=(",", ":")))
+    except (ValueError, RecursionError):
+        return 0
 
 
 #: The most characters of an int in a document: any int of at most MAX_INT_BITS, signed.

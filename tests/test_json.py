@@ -244,6 +244,22 @@ def test_a_spec_whose_json_is_over_the_read_limit_is_refused_when_written(
         spec.to_json()
 
 
+def test_a_document_whose_spec_would_be_written_over_the_limit_is_refused_when_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: raw non-ASCII text is read as one character each and written as a 6-character
+    # escape, so from_json took a document within the limit whose spec to_json then refused
+    monkeypatch.setattr(json_module, "MAX_JSON_CHARS", 200)
+    raw = json.dumps(
+        {"format": FORMAT, "version": 2, "tree": [["const", "str", "\u00e9" * 60]]},
+        ensure_ascii=False,
+    )
+    assert len(raw) <= 200
+    with pytest.raises(DualgraphError, match=r"written back .* over the limit of 200"):
+        load(raw)
+    assert load(raw.replace("\u00e9" * 60, "\u00e9" * 10)).to_json()  # one that fits reads
+
+
 def test_a_class_name_over_the_read_limit_is_refused_when_written() -> None:
     # a namedtuple of a 1100-character name was written, and its JSON refused when read back
     cls = collections.namedtuple("P" * 1100, ["x"])  # type: ignore[misc]
