@@ -16,7 +16,7 @@ from typing import Any
 from ._containers import DictNode, TupleNode, brief_of
 from ._errors import DualgraphError, SpecMismatchError
 from ._json import read_document, write_document
-from ._nodes import class_name, clip, clip_text
+from ._nodes import class_name, clip, clip_text, is_instance
 from ._spec import LeafSpec, TreeSpec, count_arrays, describe, grad_flags
 
 __all__ = ["CALL_SPEC_FORMAT", "CallSpec", "describe_call"]
@@ -67,7 +67,7 @@ class CallSpec:
 
     def __init__(self, args_spec: TreeSpec, kwargs_spec: TreeSpec, /) -> None:
         """Pair the spec of ``tuple(args)`` with that of ``dict(kwargs)``; see describe_call."""
-        if not isinstance(args_spec, TreeSpec) or not isinstance(kwargs_spec, TreeSpec):
+        if not is_instance(args_spec, TreeSpec) or not is_instance(kwargs_spec, TreeSpec):
             raise DualgraphError("CallSpec takes two TreeSpecs: one of args, one of kwargs")
         # Messages name the root node alone: a document's spec can be too large to show.
         args_root = args_spec._nodes[0]
@@ -219,7 +219,10 @@ class CallSpec:
         >>> CallSpec.from_json(describe_call((np.zeros(2, np.int8),)).to_json())
         CallSpec(args=(int8[2],), kwargs={})
         """
-        trees = {"args": self.args_spec._rows(), "kwargs": self.kwargs_spec._rows()}
+        trees = {
+            "args": self.args_spec._rows(root="args"),
+            "kwargs": self.kwargs_spec._rows(root="kwargs"),
+        }
         return write_document(CALL_SPEC_FORMAT, CALL_SPEC_VERSION, trees)
 
     @classmethod
@@ -258,7 +261,7 @@ def _positional(count: int) -> str:
 def _args_tuple(args: Any, expected: str) -> tuple[tuple[Any, ...], str | None]:
     """``(args as a tuple, None)``, or ``((), what is wrong)``: a tuple or list (a subclass's own
     iteration may fail)."""
-    if not isinstance(args, (tuple, list)):
+    if not is_instance(args, (tuple, list)):
         return (), f"args: expected {expected}, got {_type_name(args)}"
     try:
         return tuple(args), None
@@ -273,7 +276,7 @@ def _kwargs_dict(kwargs: Any) -> tuple[dict[str, Any], str | None]:
     """``(kwargs as a plain dict, None)``, or ``({}, what is wrong)``; ``None`` means ``{}``."""
     if kwargs is None:
         return {}, None
-    if not isinstance(kwargs, Mapping):
+    if not is_instance(kwargs, Mapping):
         return {}, f"kwargs: expected a mapping of keyword arguments, got {_type_name(kwargs)}"
     try:
         result = dict(kwargs)

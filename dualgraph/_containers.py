@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import inspect
 import unicodedata
+import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
 from typing import Any, ClassVar, TypeVar
@@ -34,6 +35,7 @@ from ._nodes import (
     NodeError,
     brief_constant,
     check_int,
+    check_json_text,
     class_name,
     clip,
     clip_text,
@@ -275,7 +277,11 @@ class _Mapping(Container):
         if len(row) != 2 or type(row[1]) is not list:
             raise NodeError(f"a {cls.tag} row is ['{cls.tag}', [keys]], got {clip(row)}")
         _check_arity(len(row[1]), max_arity)
-        return cls.make(tuple(row[1]))
+        keys = tuple(row[1])
+        for key in keys:
+            if type(key) is str:  # what is read must write back (a str document can hold these)
+                check_json_text(key, "the key")
+        return cls.make(keys)
 
     @classmethod
     def brief_of_object(cls, obj: Any) -> str:
@@ -285,6 +291,9 @@ class _Mapping(Container):
         return f"{self.article} {self.tag} with keys {clip(list(self.keys))}"
 
     def row(self) -> list[Any]:
+        for key in self.keys:
+            if type(key) is str:
+                check_json_text(key, "the key")
         return [self.tag, list(self.keys)]
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
@@ -433,6 +442,7 @@ class NamedContainer(Container):
         _check_arity(len(fields), max_arity)
         if len(name) > MAX_NAME_LENGTH:
             raise NodeError(f"a class name has at most {MAX_NAME_LENGTH} characters")
+        check_json_text(name, "the class name")  # what is read must write back
         found = _NAMED.get(name)
         if found is None:
             raise NodeError(
@@ -463,6 +473,7 @@ class NamedContainer(Container):
                 f"the class name {clip(self.name, 80)} has {len(self.name)} characters; a spec "
                 f"read from JSON takes at most {MAX_NAME_LENGTH}"
             )
+        check_json_text(self.name, "the class name")
         if _NAMED.get(self.name) is not self.cls:
             raise NodeError(
                 f"{self.name!r} now names another class in this process (was the class "
@@ -670,10 +681,26 @@ _KIND_OF: dict[int, tuple[type, type[Container]]] = {
 }
 
 
+# The user classes describe met and learned (namedtuples), by id(cls), each held weakly: a class
+# made per call goes with the last spec that holds it, and its entry with it (a finalizer, which
+# runs before its id can be another object's). Registered classes stay in _KIND_OF for good.
+_LEARNED: dict[int, tuple[weakref.ref[type], type[Container]]] = {}
+
+
 def kind_of(typ: type, /) -> type[Container] | None:
     """The kind of a builtin container type or a user class registered or described."""
     entry = _KIND_OF.get(id(typ))
-    return None if entry is None else entry[1]
+    if entry is not None:
+        return entry[1]
+    learned = _LEARNED.get(id(typ))
+    return None if learned is None else learned[1]
+
+
+def _learn(typ: type, kind: type[Container]) -> None:
+    """Note the kind of a class ``describe`` met, weakly (see :data:`_LEARNED`)."""
+    ident = id(typ)
+    _LEARNED[ident] = (weakref.ref(typ), kind)
+    weakref.finalize(typ, _LEARNED.pop, ident, None).atexit = False
 
 
 def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | None:
@@ -688,7 +715,7 @@ def container_kind(typ: type, /, *, learn: bool = False) -> type[Container] | No
     for kind in CONTAINER_KINDS:
         if kind.python_type is None and kind.claims(typ, learn=learn):
             if learn:
-                _KIND_OF[id(typ)] = (typ, kind)
+                _learn(typ, kind)
             return kind
     return None
 
@@ -740,10 +767,11 @@ def container_subclasses(cls: type, /) -> list[tuple[type, type[Container]]]:
     """The user classes known as containers (registered or described) that subclass ``cls``."""
     # A snapshot: issubclass may run code (a metaclass's __subclasscheck__) that describes a
     # tree, and another thread may register or describe meanwhile, either adding classes.
+    known = [*_KIND_OF.values(), *[(ref(), kind) for ref, kind in tuple(_LEARNED.values())]]
     return [
         (typ, kind)
-        for typ, kind in tuple(_KIND_OF.values())
-        if kind.python_type is None and issubclass(typ, cls)
+        for typ, kind in known
+        if typ is not None and kind.python_type is None and issubclass(typ, cls)
     ]
 
 
@@ -820,7 +848,16 @@ def register_dataclass(cls: T, /) -> T:
         def unflatten(_: None, children: Any) -> Any:
             return cls(**dict(zip(names, children, strict=True)))
 
-        optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+        try:
+            optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+        except Exception as error:  # e.g. registered there already, by optree.dataclasses
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: optree refused dualgraph's registration "
+                f"of its fields in the optree namespace {NAMESPACE!r}, where the adapters "
+                f"flatten trees ({type(error).__name__}: {clip_text(error)}); register the "
+                "class with dualgraph.register_dataclass alone, or with optree in another "
+                "namespace"
+            ) from None
         _DATACLASS_FIELDS[id(cls)] = (cls, names)
     _bind_name(cls)
     _KIND_OF[id(cls)] = (cls, DataclassNode)

@@ -25,6 +25,7 @@ from ._nodes import (
     NoneLeaf,
     clip,
     clip_text,
+    is_instance,
 )
 from ._paths import PathEntry, format_path, show_path
 
@@ -63,11 +64,16 @@ def write_document(kind: str, version: int, trees: dict[str, list[list[Any]]]) -
 def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> dict[str, Any]:
     """Parse ``text`` and check its format, version and keys; ``trees`` name its row lists."""
     name = kind.rpartition(".")[2]
-    if isinstance(text, (bytes, bytearray, memoryview)):
+    if is_instance(text, (bytes, bytearray, memoryview)):
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as error:
             raise DualgraphError(f"not a {name} JSON document: not UTF-8 ({error})") from None
+        except Exception as error:  # a released memoryview, one of a buffer that went away
+            raise DualgraphError(
+                f"a {name} JSON document could not be read from the "
+                f"{type(text).__name__} ({type(error).__name__}: {clip_text(error)})"
+            ) from None
     if type(text) is not str:
         raise DualgraphError(f"a {name} JSON document is a str, got {type(text).__name__}")
     if len(text) > MAX_JSON_CHARS:
@@ -102,7 +108,26 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
     for key in trees:
         if key not in document:
             raise DualgraphError(f"malformed {name} JSON: {key!r} is missing")
+    # What is read must write back: the canonical text escapes every non-ASCII character (6
+    # characters, 12 beyond the BMP), so a document within the limit can be written over it.
+    if len(text) * 12 > MAX_JSON_CHARS and not text.isascii():
+        written = _canonical_length(document)
+        if written > MAX_JSON_CHARS:
+            raise DualgraphError(
+                f"{name} JSON written back (non-ASCII characters as \\u escapes) would have "
+                f"{written} characters, over the limit of {MAX_JSON_CHARS}: {name}.to_json could "
+                "not write what it read"
+            )
     return document
+
+
+def _canonical_length(document: dict[str, Any]) -> int:
+    """The length of ``document`` as :func:`write_document` writes it (0 if it cannot be
+    written: its rows are then refused as malformed)."""
+    try:
+        return len(json.dumps(document, sort_keys=True, separators=(",", ":")))
+    except (ValueError, RecursionError):
+        return 0
 
 
 #: The most characters of an int in a document: any int of at most MAX_INT_BITS, signed.

@@ -13,6 +13,7 @@ equal place of a tree.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
@@ -36,10 +37,12 @@ __all__ = [
     "NoneLeaf",
     "brief_constant",
     "check_int",
+    "check_json_text",
     "class_name",
     "clip",
     "clip_text",
     "hash_part",
+    "is_instance",
     "show_constant",
 ]
 
@@ -58,21 +61,21 @@ class NodeError(Exception):
     """A node cannot be made from what was given; the caller adds the path and re-raises."""
 
 
-#: Ints in this range hash to distinct values (but -1 and -2): an int hashes by its value
-#: modulo 2**61 - 1, so a document could hold any number of larger ints of one hash.
-_PLAIN_HASH = 2**60
-
-
 def hash_part(part: Any) -> Any:
-    """``part`` (a node's key or a part of it) as hashed: ints beyond ``2**60`` by their text,
-    whose hash (randomized per process, as every str's) no document can make collide.
+    """``part`` (a node's key or a part of it) as hashed: every int by its text, whose hash
+    (randomized per process, as every str's) no document can make collide.
+
+    An int hashes by its value modulo 2**61 - 1, and a tuple by a fixed mix of its items'
+    hashes: a document could hold any number of ints of one hash, or of tuples of small ints
+    of one hash (shapes, a dict's keys, solved for from the mix), and a table of its specs
+    would take time quadratic in their number.
 
     >>> hash_part(("array", (2, 2**61 - 1), "int8", False))
-    ('array', (2, '0x1fffffffffffffff'), 'int8', False)
+    ('array', ('0x2', '0x1fffffffffffffff'), 'int8', False)
     """
     cls = type(part)
     if cls is int:
-        return part if -_PLAIN_HASH < part < _PLAIN_HASH else hex(part)
+        return hex(part)
     if cls is tuple:
         return tuple(map(hash_part, part))
     return part
@@ -215,6 +218,24 @@ def check_int(value: int) -> None:
         raise NodeError(f"{int_size(value)} is over the {MAX_INT_BITS}-bit limit")
 
 
+#: A high surrogate followed by a low one: two code points a Python str can hold, which JSON
+#: writes as the escapes of one character (``"\\ud83d\\ude00"``) and reads back as it.
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
+
+
+def check_json_text(text: str, what: str) -> None:
+    """Refuse to write ``text`` (``what`` it is) to JSON if it would not read back as itself:
+    a surrogate pair held as two code points comes back as the one character it encodes."""
+    if not text.isascii():
+        found = _SURROGATE_PAIR.search(text)
+        if found is not None:
+            raise NodeError(
+                f"{what} {clip(text)} holds the surrogates {ascii(found.group())[1:-1]} as two "
+                "code points, which JSON writes as the escapes of one character and reads back "
+                f"as {found.group().encode('utf-16', 'surrogatepass').decode('utf-16')!a}"
+            )
+
+
 _CONSTANT_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -246,6 +267,8 @@ class ConstLeaf(Leaf):
 
     def row(self) -> list[Any]:
         value = self.value
+        if type(value) is str:
+            check_json_text(value, "the str constant")
         return ["const", type(value).__name__, float_text(value) if type(value) is float else value]
 
     @classmethod
@@ -264,6 +287,8 @@ class ConstLeaf(Leaf):
             return cls(number)
         if type(value) is not _CONSTANT_TYPES[type_name]:
             raise NodeError(f"a {type_name} constant holds {clip(value)}")
+        if type(value) is str:  # what is read must write back (a str document can hold these)
+            check_json_text(value, "the str constant")
         return cls(cast("bool | int | float | str", value))
 
     def matches(self, obj: Any) -> bool:
@@ -474,6 +499,15 @@ def clip_text(value: Any, limit: int = 120) -> str:
     except Exception:
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_instance(obj: Any, types: Any) -> bool:
+    """``isinstance(obj, types)``, false where the test itself raises: it reads ``obj.__class__``,
+    which an object can make fail, and an abstract base may run code of its own."""
+    try:
+        return isinstance(obj, types)
+    except Exception:
+        return False
 
 
 def class_name(cls: Any) -> str:

@@ -38,6 +38,7 @@ from ._nodes import (
     clip,
     clip_text,
     hash_part,
+    is_instance,
     show_constant,
 )
 from ._paths import PathEntry, format_path, show_path
@@ -322,9 +323,9 @@ class TreeSpec:
             self._rows(self._named)
         return self._json
 
-    def _rows(self, indices: Sequence[int] | None = None) -> list[list[Any]]:
+    def _rows(self, indices: Sequence[int] | None = None, root: str = "") -> list[list[Any]]:
         """The JSON rows of the tree's nodes (of ``indices``), in pre-order (what
-        :meth:`to_json` writes)."""
+        :meth:`to_json` writes); ``root`` starts the paths in its errors."""
         rows = []
         nodes = self._nodes
         for index in range(len(nodes)) if indices is None else indices:
@@ -332,7 +333,7 @@ class TreeSpec:
             try:
                 rows.append(node.row())
             except NodeError as error:
-                path = show_path(format_path(self._get_layout().entries(index)))
+                path = show_path(format_path(self._get_layout().entries(index), root))
                 raise DualgraphError(f"cannot write the spec at {path}: {error}") from None
         return rows
 
@@ -446,7 +447,7 @@ def count_arrays(arrays: Any, expected: int) -> None:
     as its characters, a dict by its values)."""
     cls = type(arrays)
     if cls is not list and cls is not tuple:
-        if isinstance(arrays, str | bytes | bytearray | Mapping | AbstractSet):
+        if is_instance(arrays, str | bytes | bytearray | Mapping | AbstractSet):
             count = None
         else:
             try:
@@ -473,13 +474,16 @@ def _checked_root(root: object) -> str:
 def _check_preorder(nodes: tuple[Node, ...]) -> None:
     """Refuse nodes that are not exactly one tree in pre-order."""
     expected = 1
-    for node in nodes:
-        if not expected or not isinstance(node, Node):
-            break
-        expected += node.arity - 1
-    else:
-        if not expected:
-            return
+    try:
+        for node in nodes:
+            if not expected or not isinstance(node, Node):
+                break
+            expected += node.arity - 1
+        else:
+            if not expected:
+                return
+    except Exception:  # isinstance of an object whose __class__ raises
+        pass
     raise DualgraphError("a TreeSpec is made of the nodes of one tree, in pre-order")
 
 

@@ -407,6 +407,18 @@ def test_json_round_trip_of_every_table_tree_as_an_argument(name: str) -> None:
     assert CallSpec.from_json(spec.to_json()) == spec
 
 
+def test_a_call_spec_that_cannot_be_written_names_the_call_path() -> None:
+    # Before: to_json's error named the path from the tree's own root ('at [1]', 'at ['k']'),
+    # not from args or kwargs
+    long_name = collections.namedtuple("P" * 1100, ["x"])  # type: ignore[misc]
+    spec = describe_call((None, long_name(None)))
+    with pytest.raises(DualgraphError, match=r"^cannot write the spec at args\[1\]: the class"):
+        spec.to_json()
+    spec = describe_call((), {"k": "\ud83d\ude00"})
+    with pytest.raises(DualgraphError, match=r"^cannot write the spec at kwargs\['k'\]: the str"):
+        spec.to_json()
+
+
 def test_json_is_versioned_with_sorted_keys() -> None:
     text = describe_call(*sample_call()).to_json()
     document = json.loads(text)
@@ -432,6 +444,32 @@ def test_json_is_versioned_with_sorted_keys() -> None:
 def test_from_json_rejects_other_documents(text: str, message: str) -> None:
     with pytest.raises(DualgraphError, match=message):
         CallSpec.from_json(text)
+
+
+class ClassUnreadable:
+    """An object whose ``__class__`` raises: ``isinstance`` reads it and passes the error on."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise ValueError("no class to read")
+
+
+ENTRY_POINTS: dict[str, Any] = {
+    "describe_call args": lambda spec, bad: describe_call(bad),
+    "describe_call kwargs": lambda spec, bad: describe_call((), bad),
+    "flatten args": lambda spec, bad: spec.flatten(bad, None),
+    "flatten kwargs": lambda spec, bad: spec.flatten((array(2),), bad),
+    "unflatten": lambda spec, bad: spec.unflatten(bad),
+    "CallSpec": lambda spec, bad: CallSpec(bad, bad),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_an_object_whose_class_cannot_be_read_is_a_dualgraph_error(entry: str) -> None:
+    # Before: the isinstance tests of args, kwargs and arrays leaked the object's own ValueError
+    spec = describe_call((array(2),), {"k": 1})
+    with pytest.raises(DualgraphError, match=r"expected|CallSpec takes two TreeSpecs"):
+        ENTRY_POINTS[entry](spec, ClassUnreadable())
 
 
 def test_from_json_rejects_args_that_are_not_a_tuple() -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import json
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
+import optree
+import optree.dataclasses
 import pytest
 from trees import Attention, EncoderOutput, array, assert_same_tree
 
@@ -23,6 +27,7 @@ from dualgraph import (
 )
 from dualgraph._containers import (
     CONTAINER_KINDS,
+    NAMESPACE,
     container_kind,
     dataclass_fields,
     qualified_name,
@@ -105,6 +110,20 @@ def test_frozen_and_keyword_only_dataclasses_round_trip() -> None:
     tree = Frozen(x=array(2))
     spec = TreeSpec.from_json(describe(tree).to_json())
     assert_same_tree(spec.unflatten(spec.flatten(tree)), tree)
+
+
+def test_a_dataclass_optree_holds_in_dualgraphs_namespace_is_refused_cleanly() -> None:
+    # Before: optree's ValueError ('already registered in namespace') leaked from
+    # register_dataclass for a class made with optree.dataclasses.dataclass(namespace=...)
+    @optree.dataclasses.dataclass(namespace=NAMESPACE)
+    class Output:
+        x: Any
+
+    with pytest.raises(DualgraphError, match="optree refused dualgraph's registration"):
+        register_dataclass(Output)
+    assert dataclass_fields(Output) is None  # nothing half-registered
+    with pytest.raises(UnsupportedLeafError):
+        describe(Output(array(2)))
 
 
 @pytest.mark.parametrize("not_a_dataclass", [dict, EncoderOutput(1, 2)], ids=["class", "instance"])
@@ -414,6 +433,30 @@ def test_registering_picks_the_class_a_name_means() -> None:
         type(from_rows([["namedtuple", qualified_name(Old), ["hidden"]], ["none"]]).unflatten([]))
         is Old
     )
+
+
+def test_a_namedtuple_class_describe_met_goes_with_its_last_spec() -> None:
+    # Before: every namedtuple class describe met stayed alive for good in the kind registry (a
+    # class made per call piled up); the name keeps only the newest class of that name alive
+    def define() -> type:
+        class Made(NamedTuple):
+            hidden: Any
+
+        return Made
+
+    def described() -> tuple[weakref.ref[type], TreeSpec]:
+        made = define()
+        return weakref.ref(made), describe(made(array(2)))
+
+    first, spec = described()
+    newest, newest_spec = described()  # the name now means the newer class
+    assert first() is not None  # its spec holds it, and it still rebuilds
+    assert type(spec.unflatten([array(2)])) is first()
+    del spec
+    gc.collect()
+    assert first() is None
+    assert TreeSpec.from_json(newest_spec.to_json()) == newest_spec  # the newest reads back
+    assert container_kind(newest()) is not None  # type: ignore[arg-type]
 
 
 def test_a_name_registered_as_another_kind_is_refused() -> None:

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from dualgraph import DualgraphError, TreeSpec, describe
+from dualgraph import DualgraphError, TreeSpec, describe, register_namedtuple
 from dualgraph import _json as json_module
+from dualgraph._containers import qualified_name
 from dualgraph._json import next_entries, read_document, read_tree
 from dualgraph._nodes import MAX_INT_BITS
 from dualgraph._paths import Index, Key
@@ -96,6 +97,25 @@ def test_bytes_are_read_as_utf8() -> None:
     for bad in (b"\xff", b'{"\xed\xa0\x80": 1}'):  # not UTF-8; an encoded surrogate
         with pytest.raises(DualgraphError, match="not UTF-8"):
             load(bad)
+
+
+def test_a_document_whose_class_cannot_be_read_is_a_dualgraph_error() -> None:
+    # Before: the isinstance test for bytes leaked the object's own ValueError
+    class ClassUnreadable:
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            raise ValueError("no class to read")
+
+    with pytest.raises(DualgraphError, match="a TreeSpec JSON document is a str"):
+        load(ClassUnreadable())
+
+
+def test_a_memoryview_that_cannot_be_read_is_a_dualgraph_error() -> None:
+    # Before: bytes() of a released memoryview leaked its ValueError from from_json
+    view = memoryview(describe((None,)).to_json().encode())
+    view.release()
+    with pytest.raises(DualgraphError, match="could not be read from the memoryview"):
+        load(view)
 
 
 @pytest.mark.parametrize("text", [3, None, ["[]"], object()], ids=repr)
@@ -224,9 +244,80 @@ def test_a_spec_whose_json_is_over_the_read_limit_is_refused_when_written(
         spec.to_json()
 
 
+def test_a_document_whose_spec_would_be_written_over_the_limit_is_refused_when_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: raw non-ASCII text is read as one character each and written as a 6-character
+    # escape, so from_json took a document within the limit whose spec to_json then refused
+    monkeypatch.setattr(json_module, "MAX_JSON_CHARS", 200)
+    raw = json.dumps(
+        {"format": FORMAT, "version": 2, "tree": [["const", "str", "\u00e9" * 60]]},
+        ensure_ascii=False,
+    )
+    assert len(raw) <= 200
+    with pytest.raises(DualgraphError, match=r"written back .* over the limit of 200"):
+        load(raw)
+    assert load(raw.replace("\u00e9" * 60, "\u00e9" * 10)).to_json()  # one that fits reads
+
+
 def test_a_class_name_over_the_read_limit_is_refused_when_written() -> None:
     # a namedtuple of a 1100-character name was written, and its JSON refused when read back
     cls = collections.namedtuple("P" * 1100, ["x"])  # type: ignore[misc]
     spec = describe(cls(None))
     with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: .*1024"):
+        spec.to_json()
+
+
+@pytest.mark.parametrize(
+    "tree",
+    ["\ud83d\ude00", {"x\ud83d\ude00": None}, collections.OrderedDict([("\udbff\udfff", 1)])],
+    ids=["constant", "key", "ordereddict-key"],
+)
+def test_a_surrogate_pair_held_as_two_code_points_is_refused_when_written(tree: Any) -> None:
+    # Before: JSON wrote the two code points as the escapes of one character, so the spec read
+    # back held that character ('\U0001f600') and refused the very tree it was written from
+    spec = describe(tree)
+    with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: .*two code points"):
+        spec.to_json()
+
+
+#: A namedtuple class registered under a name holding a surrogate pair as two code points.
+PairNamed = collections.namedtuple("PairNamed", ["x"])  # type: ignore[misc]
+PairNamed.__qualname__ = "PairNamed\ud83d\ude00"
+register_namedtuple(PairNamed)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [["const", "str", "\ud83d\ude00"]],
+        [["dict", ["\ud83d\ude00"]], ["none"]],
+        [["namedtuple", qualified_name(PairNamed), ["x"]], ["none"]],
+    ],
+    ids=["constant", "key", "class-name"],
+)
+def test_a_str_document_holding_a_raw_surrogate_pair_is_refused_when_read(
+    rows: list[Any],
+) -> None:
+    # Before: a document given as a str may hold the two code points themselves (no escapes):
+    # from_json took them, and the spec's to_json then refused to write what it had read
+    text = document(tree=rows)
+    raw = text.replace("\\ud83d\\ude00", "\ud83d\ude00")
+    assert raw != text
+    with pytest.raises(
+        DualgraphError, match=r"^malformed TreeSpec JSON at <root>: .*two code points"
+    ):
+        load(raw)
+
+
+def test_lone_surrogates_and_characters_beyond_the_bmp_are_written_and_read_back() -> None:
+    spec = describe(("\ud83d", "\ude00", "\ude00\ud83d", "\U0001f600", {"\ud800": None}))
+    assert load(spec.to_json()) == spec
+
+
+def test_a_class_name_holding_a_surrogate_pair_is_refused_when_written() -> None:
+    cls = collections.namedtuple("P", ["x"])  # type: ignore[misc]
+    cls.__qualname__ = "P\ud83d\ude00"
+    spec = describe(cls(None))
+    with pytest.raises(DualgraphError, match=r"cannot write the spec at <root>: the class name"):
         spec.to_json()

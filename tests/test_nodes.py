@@ -247,3 +247,47 @@ def test_clip_never_raises_and_bounds_messages() -> None:
     assert clip_text(Unprintable()) == "<Unprintable>"
     assert clip("x" * 1000).endswith("...") and len(clip("x" * 1000)) == 120
     assert clip(10**5000) == "<an int of 16610 bits>"
+
+
+def pairs_of_one_tuple_hash(count: int) -> list[tuple[int, int]]:
+    """``count`` pairs of ints under 2**60 (each hashing to itself) whose tuples all hash as
+    ``(1, 1)`` does: CPython mixes a tuple's item hashes with fixed primes and rotations
+    (xxHash), so for almost any first item a second can be solved for."""
+    mod = 2**64
+    prime_1, prime_2, prime_5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+    def rotate_left(x: int) -> int:
+        return ((x << 31) | (x >> 33)) % mod
+
+    def rotate_right(x: int) -> int:
+        return ((x >> 31) | (x << 33)) % mod
+
+    target = hash((1, 1)) % mod
+    # the state after both items, before the length is added and the last item mixed in
+    last = rotate_right((target - (2 ^ prime_5 ^ 3527539)) * pow(prime_1, -1, mod) % mod)
+    pairs = []
+    first = 2
+    while len(pairs) < count:
+        state = rotate_left((prime_5 + first * prime_2) % mod) * prime_1 % mod
+        second = (last - state) * pow(prime_2, -1, mod) % mod
+        if second < 2**60:
+            pairs.append((first, second))
+        first += 1
+    return pairs
+
+
+@pytest.mark.skipif(sys.hash_info.width != 64, reason="the tuple hash solved for is 64-bit")
+@pytest.mark.parametrize("kind", ["shape", "keys"])
+def test_specs_of_documents_whose_int_tuples_share_a_hash_hash_apart(kind: str) -> None:
+    # Before: ints under 2**60 hashed as themselves, so a node's hash was a fixed mix of what
+    # the document wrote, and shapes (or a dict's keys) solved to share one tuple hash made
+    # specs of one hash: a set of them, or the specs' shared programs, took quadratic time
+    pairs = pairs_of_one_tuple_hash(20)
+    assert len({hash(pair) for pair in pairs}) == 1  # what the documents are made of
+    rows = {
+        "shape": [[["array", "float32", list(pair), False]] for pair in pairs],
+        "keys": [[["dict", list(pair)], ["none"], ["none"]] for pair in pairs],
+    }[kind]
+    specs = [TreeSpec._from_rows(tree) for tree in rows]
+    assert len({hash(spec) for spec in specs}) == len(specs)
+    assert len({hash(spec.leaves) for spec in specs}) == len(specs)

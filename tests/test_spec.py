@@ -323,6 +323,26 @@ def test_unflatten_refuses_what_is_no_sequence_of_arrays(arrays: Any) -> None:
         spec.unflatten(arrays)
 
 
+class ClassUnreadable:
+    """An object whose ``__class__`` raises: ``isinstance`` reads it and passes the error on."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise ValueError("no class to read")
+
+
+def test_unflatten_refuses_an_object_whose_class_cannot_be_read() -> None:
+    # Before: count_arrays's isinstance test leaked the object's own ValueError
+    spec = describe((array(2), None))
+    with pytest.raises(SpecMismatchError, match=r"^unflatten: expected a sequence of 1 arrays"):
+        spec.unflatten(ClassUnreadable())  # type: ignore[arg-type]
+
+
+def test_a_tree_spec_of_an_object_whose_class_cannot_be_read_is_refused() -> None:
+    with pytest.raises(DualgraphError, match=r"^a TreeSpec is made of the nodes of one tree"):
+        TreeSpec([ClassUnreadable()])  # type: ignore[list-item]
+
+
 @pytest.mark.parametrize("count", [0, 2])
 def test_unflatten_rejects_the_wrong_number_of_arrays(count: int) -> None:
     spec = describe((array(2), None))
