@@ -1515,6 +1515,42 @@ def test_a_leaf_joining_a_frozen_and_a_trained_parameter_compares_the_trained_pa
     assert not next(e for e in report.entries if e.path == "grad params['wb']").ok
 
 
+class FrozenBasePlusDelta(torch.nn.Module):
+    """A linear layer whose weight is a frozen base plus a trained delta (a fine-tuning setup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        drawn = torch.Generator().manual_seed(0)  # apart from torch's global generator
+        self.base = torch.nn.Parameter(torch.randn(3, 4, generator=drawn), requires_grad=False)
+        self.delta = torch.nn.Parameter(torch.randn(3, 4, generator=drawn) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.base + self.delta).T
+
+
+def test_a_leaf_merging_a_frozen_and_a_trained_parameter_compares_its_gradient() -> None:
+    # Every entry of base + delta reads NaN when the frozen base is mapped as NaN, so the leaf
+    # was skipped as frozen whole: the trained delta's grad was never compared, and a JAX
+    # reference giving the merged weight no gradient passed.
+    module = FrozenBasePlusDelta()
+
+    def merged(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"weight": d["base"] + d["delta"]}
+
+    params = {k: jnp.asarray(v) for k, v in merged(to_numpy_params(module)).items()}
+    x = inputs_2x4()
+
+    def no_weight_grad(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ jax.lax.stop_gradient(p["weight"]).T
+
+    right = assert_parity(
+        module, lambda p, x: x @ p["weight"].T, (x,), params=params, params_from_torch=merged
+    )
+    assert "grad params['weight']" in [entry.path for entry in right.entries]
+    report = compare(module, no_weight_grad, (x,), params=params, params_from_torch=merged)
+    assert [entry.path for entry in report.failures] == ["grad params['weight']"]
+
+
 def to_numpy_params(module: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: p.detach().numpy() for name, p in module.named_parameters()}
 

@@ -79,7 +79,8 @@ def compare(
       ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
       state). Frozen torch parameters are not compared: a JAX params leaf made of them is left
       out, and a leaf that mixes them with trained ones is compared at the trained ones'
-      entries (found by mapping NaN through ``params_from_torch``).
+      entries, those made of both (``base + delta``) included (found by mapping NaN through
+      ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -617,29 +618,36 @@ def _frozen_positions(
     torch_grads: Mapping[str, Any],
     convert: Callable[[dict[str, np.ndarray]], Any],
 ) -> list[np.ndarray | None]:
-    """For each params leaf, where its entries come from frozen torch parameters (``None``:
+    """For each params leaf, where its entries come from frozen torch parameters only (``None``:
     nowhere).
 
-    Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN: the
-    entries NaN in the result, and not when every entry is one, come from frozen parameters,
-    whatever arithmetic the mapping does (``w - 1`` turns a 0/1 mask into another one; a
-    concatenation mixes frozen and trained entries in one leaf).
+    Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN, and
+    again with the trained ones' NaN: the entries NaN in the first and not in the second (nor
+    when every entry is one) come from frozen parameters alone, whatever arithmetic the mapping
+    does (``w - 1`` turns a 0/1 mask into another one; a concatenation mixes frozen and trained
+    entries in one leaf). An entry made of both (``base + delta``, a frozen base and a trained
+    delta merged into one leaf) carries the trained one's gradient, and is compared.
     """
     if len(torch_grads) == len(as_numpy):
         return [None] * params_spec.num_arrays
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
-    marked = {
-        name: a if name in torch_grads or not _floating(a) else np.full_like(a, np.nan)
-        for name, a in ones.items()
-    }
+
+    def marking(frozen: bool) -> list[Any]:
+        """The leaves of the mapped ones with the frozen (else the trained) parameters NaN."""
+        marked = {
+            name: np.full_like(a, np.nan) if _floating(a) and (name in torch_grads) != frozen else a
+            for name, a in ones.items()
+        }
+        return params_spec.flatten(convert(marked))
+
     result: list[np.ndarray | None] = []
-    for plain, mark in zip(
-        params_spec.flatten(convert(ones)), params_spec.flatten(convert(marked)), strict=True
+    for plain, by_frozen, by_trained in zip(
+        params_spec.flatten(convert(ones)), marking(True), marking(False), strict=True
     ):
-        plain, mark = np.asarray(plain), np.asarray(mark)
-        if not _floating(mark):
+        plain, by_frozen, by_trained = (np.asarray(x) for x in (plain, by_frozen, by_trained))
+        if not _floating(by_frozen):
             result.append(None)
             continue
-        frozen = np.isnan(mark) & ~np.isnan(plain)
+        frozen = np.isnan(by_frozen) & ~np.isnan(by_trained) & ~np.isnan(plain)
         result.append(frozen if frozen.any() else None)
     return result
