@@ -1095,6 +1095,32 @@ def test_tf32_is_off_during_the_comparison_and_restored_after() -> None:
     assert seen == ["ieee"] and matmul.fp32_precision == before
 
 
+def test_onednn_bfloat16_float32_is_off_during_the_comparison_and_restored_after() -> None:
+    # torch.set_float32_matmul_precision("medium") lets oneDNN compute float32 matmuls in
+    # bfloat16 on CPUs that have it (about 0.2 off on a 256 x 256 product where IEEE float32 is
+    # 4e-5 off): only cuBLAS and cuDNN were set to "ieee", so the torch side was not at the
+    # full precision compare promises, and equal float32 math failed.
+    backends = torch.backends
+    knobs = [backends, backends.cuda.matmul, backends.mkldnn.matmul, backends.mkldnn.conv]
+    saved = [knob.fp32_precision for knob in knobs]
+    seen = []
+
+    def torch_fn(t: torch.Tensor) -> torch.Tensor:
+        mkldnn = backends.mkldnn
+        seen.append((mkldnn.matmul.fp32_precision, mkldnn.conv.fp32_precision))
+        return t @ t
+
+    try:
+        torch.set_float32_matmul_precision("medium")
+        before = backends.mkldnn.matmul.fp32_precision
+        assert_parity(torch_fn, lambda a: a @ a, (sample(4, 4),))
+        assert seen == [("ieee", "ieee")]
+        assert backends.mkldnn.matmul.fp32_precision == before == "bf16"
+    finally:
+        for knob, value in zip(knobs, saved, strict=True):
+            knob.fp32_precision = value
+
+
 # -- float64 ---------------------------------------------------------------------------------------
 
 
