@@ -361,6 +361,14 @@ def test_meta_torch_parameters_are_refused_by_name() -> None:
         compare(linear, linear_jax, (sample(1, 2),), params=params)
 
 
+def test_uninitialized_torch_parameters_are_refused_by_name() -> None:
+    # A lazy module's parameters leaked torch's ValueError from reading them, naming none.
+    lazy = torch.nn.LazyLinear(2)
+    params = {"weight": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight' is uninitialized"):
+        compare(lazy, linear_jax, (sample(1, 2),), params=params)
+
+
 def test_a_torch_fn_writing_its_input_through_data_is_refused_by_path() -> None:
     # .data writes do not move the version counter: JAX read the clamped values through DLPack,
     # and a reference that never clamps passed.

@@ -201,6 +201,12 @@ def _params_of(
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
         if problem is not None:
             raise DualgraphError(f"torch parameter {name!r} is {problem}")
+        if torch.nn.parameter.is_lazy(tensor):  # params must hold its values, which it has not
+            raise DualgraphError(
+                f"torch parameter {name!r} is uninitialized (a lazy module's, made by its first "
+                "forward), so params cannot hold its values: run torch_fn once on a sample "
+                "before comparing, and make params from the parameters it made"
+            )
     if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
         refuse_computed_params(both.torch)
