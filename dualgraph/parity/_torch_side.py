@@ -154,7 +154,7 @@ def full_precision() -> Iterator[None]:
     if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
         cudnn: Any = backends.cudnn  # conv and rnn are missing from torch's stubs
         mkldnn: Any = backends.mkldnn
-        knobs = [
+        knobs: list[Any] = [
             knob
             for knob in (
                 backends.cuda.matmul,
