@@ -1227,6 +1227,30 @@ def test_a_deleted_jax_params_leaf_is_refused_naming_it() -> None:
         compare(linear, linear_jax, (sample(2, 4),), params=params)
 
 
+def test_a_mapping_writing_into_the_arrays_it_is_given_leaves_the_torch_parameters_alone() -> None:
+    # The check of params against the torch parameters mapped handed params_from_torch numpy
+    # views of the live parameters: a mapping that zeroes a row in place (a padding token's
+    # embedding) zeroed it in the torch module, which compare then ran, and left it so.
+    linear = torch.nn.Linear(4, 3)
+    kept = linear.weight.detach().clone()
+
+    def padding_row_zeroed(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        d["weight"][0] = 0.0
+        return d
+
+    params = padding_row_zeroed({k: v.copy() for k, v in to_numpy_params(linear).items()})
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    compare(
+        linear,
+        linear_jax,
+        (inputs_2x4(),),
+        grads=False,
+        params=params,
+        params_from_torch=padding_row_zeroed,
+    )
+    assert torch.equal(linear.weight.detach(), kept)
+
+
 def test_jax_params_are_compared_with_the_torch_ones_in_the_dtype_the_mapping_gives() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(4, 3)

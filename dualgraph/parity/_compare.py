@@ -218,7 +218,9 @@ def _check_params_match(params: _Params) -> None:
     """Refuse JAX params that are not the torch ones mapped, naming the path, before either
     side runs: a wrong shape would fail deep inside the JAX function, and other values (a tree
     made from an older torch state) would show as differing outputs and gradients."""
-    mapped = params.from_torch({name: to_numpy(p) for name, p in params.torch.items()})
+    # Copies: to_numpy shares a CPU tensor's memory, and a mapping may write into what it is
+    # given (a padding row zeroed in place), which would change the torch module compared.
+    mapped = params.from_torch({name: to_numpy(p).copy() for name, p in params.torch.items()})
     spec = describe(params.jax)
     try:
         spec.check(mapped, root="params")
