@@ -416,6 +416,26 @@ def test_a_torch_fn_that_updates_a_parameter_in_place_is_refused_naming_it(
             compare(module, lambda a: a * shared, (x,), grads=False)
 
 
+def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_naming_one() -> None:
+    # An optimizer step in a post-accumulate-grad hook (the optimizer-in-backward pattern) moved
+    # the weights and cleared their .grad, read as zero: the comparison failed as if torch's
+    # gradients were zero, and a JAX reference closing over its weights passed.
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    steps = {p: torch.optim.SGD([p], lr=0.1) for p in linear.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        steps[p].step()
+        steps[p].zero_grad()
+
+    for p in linear.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    weight, bias = (jnp.asarray(p.detach().numpy().copy()) for p in linear.parameters())
+    closed_over = lambda p, x: x @ weight.T + bias + 0.0 * p["bias"]  # noqa: E731
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight': torch_fn's backward"):
+        compare(linear, closed_over, (inputs_2x4(),), params=params)
+
+
 def test_a_lazy_module_whose_forward_makes_its_parameters_is_not_refused() -> None:
     torch.manual_seed(0)
     lazy = torch.nn.LazyLinear(2, bias=False)

@@ -100,7 +100,9 @@ def compare(
     differences are reported.
     A ``torch_fn`` that updates an input or a parameter in place is refused, naming it (JAX
     reads the inputs, and DLPack-made params, after torch has run, and has no in-place update to
-    compare with). The torch side runs with gradients recorded, under the caller's
+    compare with); so is one whose backward updates a parameter whose gradient is compared (an
+    optimizer step in a post-accumulate-grad hook, which also clears the ``.grad`` read). The
+    torch side runs with gradients recorded, under the caller's
     ``torch.no_grad()`` or ``torch.inference_mode()`` too.
     """
     _check_options(torch_fn, grads, seed)
@@ -114,7 +116,8 @@ def compare(
         named = _named_params(torch_fn, both_params)
         if grads:
             _refuse_inference_params(named)
-        torch_out = _run_torch(torch_fn, inputs, _watched(named))
+        kept = _KeptParams(_watched(named))
+        torch_out = _run_torch(torch_fn, inputs, kept)
         wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
         with enable_x64(wide is not None), reference_settings(jax_fn):
             run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
@@ -123,6 +126,8 @@ def compare(
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
                 entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
+                if both_params is not None:  # their grads were read after the backward
+                    kept.refuse_updated(in_backward=True)
     return ParityReport(tuple(entries))
 
 
@@ -334,22 +339,26 @@ def _watched(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def _run_torch(
-    torch_fn: Callable[..., Any], inputs: _Inputs, params: Mapping[str, torch.Tensor]
-) -> Any:
-    args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
-    versions = [t._version for t in inputs.tensors]
-    # Writes through .data or a numpy view do not move the version counter: values are kept too.
-    before = [t.detach().clone() for t in inputs.tensors]
-    # Parameters too: JAX params made through DLPack (jax.dlpack.from_dlpack(p.detach()), no
-    # copy) share their memory, so an update in the forward (nn.Embedding(max_norm=...)
-    # renormalizes its rows in place) would reach a JAX reference that never makes it, and both
-    # would match.
-    kept_params = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
-    with full_precision(), torch.enable_grad():
-        out = torch_fn(*args, **kwargs)
-    for name, p, version, kept in kept_params:
-        if p._version != version or not _same_values(p.detach(), kept):
+class _KeptParams:
+    """The parameters ``torch_fn`` must leave as they are, by version and value (writes through
+    ``.data`` move no version counter), kept before it runs; :meth:`refuse_updated` names one it
+    changed, in its forward or its backward."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._kept = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
+
+    def refuse_updated(self, *, in_backward: bool = False) -> None:
+        for name, p, version, kept in self._kept:
+            if p._version == version and _same_values(p.detach(), kept):
+                continue
+            if in_backward:
+                raise DualgraphError(
+                    f"torch parameter {name!r}: torch_fn's backward updated it in place (e.g. an "
+                    "optimizer step in a post-accumulate-grad hook, which also clears its "
+                    ".grad): its gradient, read after the backward, would not be the one the "
+                    "backward computed. Compare a torch_fn whose backward leaves its parameters "
+                    "as they are"
+                )
             raise DualgraphError(
                 f"torch parameter {name!r}: torch_fn updated it in place (e.g. "
                 "nn.Embedding(max_norm=...) renormalizes its rows in its forward); the JAX "
@@ -357,6 +366,23 @@ def _run_torch(
                 "before or, sharing their memory (DLPack), the updated ones. Compare a torch_fn "
                 "that leaves its parameters as they are"
             )
+
+
+def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs, params: _KeptParams) -> Any:
+    """``torch_fn`` on the inputs; an update of an input or a kept parameter is refused.
+
+    Parameters are kept too: JAX params made through DLPack (``jax.dlpack.from_dlpack(
+    p.detach())``, no copy) share their memory, so an update in the forward
+    (``nn.Embedding(max_norm=...)`` renormalizes its rows in place) would reach a JAX reference
+    that never makes it, and both would match.
+    """
+    args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
+    versions = [t._version for t in inputs.tensors]
+    # Writes through .data or a numpy view do not move the version counter: values are kept too.
+    before = [t.detach().clone() for t in inputs.tensors]
+    with full_precision(), torch.enable_grad():
+        out = torch_fn(*args, **kwargs)
+    params.refuse_updated()
     # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
     # reference that ignores the update would match. JAX functions cannot update in place, so
     # there is nothing to compare the update with.
