@@ -436,6 +436,38 @@ def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_naming_one(
         compare(linear, closed_over, (inputs_2x4(),), params=params)
 
 
+def test_a_parameter_whose_hook_clears_its_grad_is_refused_naming_it() -> None:
+    # A post-accumulate-grad hook that moves the gradient away (offloading) and clears .grad
+    # left it read as zero: a JAX reference closing over its weights passed.
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    moved = {}
+
+    def offload(p: torch.Tensor) -> None:
+        moved[id(p)] = p.grad
+        p.grad = None
+
+    linear.weight.register_post_accumulate_grad_hook(offload)
+    weight = jnp.asarray(linear.weight.detach().numpy().copy())
+    closed_over = lambda p, x: x @ weight.T + p["bias"] + 0.0 * p["weight"].sum()  # noqa: E731
+    with pytest.raises(dualgraph.DualgraphError, match=r"'weight': .* without a \.grad \(a hook"):
+        compare(linear, closed_over, (inputs_2x4(),), params=params)
+
+
+def test_an_unused_parameter_with_a_post_accumulate_grad_hook_is_not_refused() -> None:
+    linear = torch.nn.Linear(4, 3)
+    linear.unused = torch.nn.Parameter(torch.ones(2))
+    linear.unused.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    params = jax_params_of(linear)
+    report = assert_parity(
+        linear,
+        lambda p, x: linear_jax(p, x) + 0.0 * p["unused"].sum(),
+        (inputs_2x4(),),
+        params=params,
+    )
+    assert "grad params['unused']" in [entry.path for entry in report.entries]
+
+
 def test_a_lazy_module_whose_forward_makes_its_parameters_is_not_refused() -> None:
     torch.manual_seed(0)
     lazy = torch.nn.LazyLinear(2, bias=False)

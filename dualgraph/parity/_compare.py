@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -125,9 +126,7 @@ def compare(
             entries = _compare_outputs(spec, torch_out, run.outputs, judge)
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
-                entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
-                if both_params is not None:  # their grads were read after the backward
-                    kept.refuse_updated(in_backward=True)
+                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed)
     return ParityReport(tuple(entries))
 
 
@@ -498,7 +497,13 @@ def _refuse_unmasked_torch_grads(spec: TreeSpec, torch_out: Any) -> None:
 
 
 def _compare_grads(
-    spec: TreeSpec, torch_out: Any, run: JaxRun, inputs: _Inputs, judge: Judge, seed: int
+    spec: TreeSpec,
+    torch_out: Any,
+    run: JaxRun,
+    inputs: _Inputs,
+    kept: _KeptParams,
+    judge: Judge,
+    seed: int,
 ) -> list[LeafReport]:
     """The same seeded cotangents through both backwards; input grads, then parameter grads."""
     assert run.pullback is not None
@@ -513,10 +518,14 @@ def _compare_grads(
     params = inputs.params
     trainable = {n: p for n, p in params.torch.items() if p.requires_grad} if params else {}
     targets = [t for t, wanted in zip(inputs.tensors, inputs.wants_grad, strict=True) if wanted]
-    torch_grads = read_grads(
-        [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
-        [*targets, *trainable.values()],
-    )
+    with _accumulations(trainable) as accumulated:
+        torch_grads = read_grads(
+            [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
+            [*targets, *trainable.values()],
+        )
+    if params is not None:  # their grads are read after the backward: it must leave them be
+        kept.refuse_updated(in_backward=True)
+        _refuse_cleared_grads(trainable, torch_grads[len(targets) :], accumulated)
     # torch's gradients are JAX's conjugated, given the conjugate cotangent (see _in_torch_terms)
     cotangent_tree = run.pullback.cotangent_spec.unflatten(
         [jnp.asarray(np.conj(c) if np.iscomplexobj(c) else c) for c in cotangents]
@@ -538,6 +547,43 @@ def _compare_grads(
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
         entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
     return entries
+
+
+@contextlib.contextmanager
+def _accumulations(params: Mapping[str, torch.Tensor]) -> Iterator[set[str]]:
+    """The names of the parameters with post-accumulate-grad hooks (which may take ``.grad``
+    away) whose ``.grad`` the backward run inside accumulated into, found by a hook of compare's
+    own registered after theirs. Parameters without such hooks get none: a graphed callable
+    whose backward adds into ``.grad`` itself refuses parameters with hooks."""
+    accumulated: set[str] = set()
+    handles = []
+    try:
+        for name, p in params.items():
+            if p.is_leaf and getattr(p, "_post_accumulate_grad_hooks", None):
+                record = functools.partial(lambda name, _: accumulated.add(name), name)
+                handles.append(p.register_post_accumulate_grad_hook(record))
+        yield accumulated
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _refuse_cleared_grads(
+    trainable: Mapping[str, torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    accumulated: set[str],
+) -> None:
+    """Refuse a parameter whose gradient the backward accumulated and a hook then took away
+    (a post-accumulate-grad hook that moves or offloads it and clears ``.grad``): read as zero,
+    it would not be the one the backward computed."""
+    for name, grad in zip(trainable, grads, strict=True):
+        if grad is None and name in accumulated:
+            raise DualgraphError(
+                f"torch parameter {name!r}: torch_fn's backward computed its gradient, but left "
+                "it without a .grad (a hook cleared it, a post-accumulate-grad hook moving or "
+                "offloading the gradient): it would be read as zero. Compare a torch_fn whose "
+                "hooks leave .grad in place"
+            )
 
 
 def _in_torch_terms(grad: Any) -> np.ndarray:
