@@ -1303,6 +1303,27 @@ def test_a_mapping_writing_into_the_arrays_it_is_given_leaves_the_torch_paramete
     assert torch.equal(linear.weight.detach(), kept)
 
 
+def test_float64_parameters_are_mapped_in_64_bit_mode_by_a_mapping_making_jax_arrays() -> None:
+    # The check of params ran params_from_torch with the mode off: a mapping making JAX arrays
+    # (as models.jax_vit's does) narrowed the float64 parameters to float32 (or refused them),
+    # so a float64 comparison was refused though the mapping runs in 64 bits for the grads.
+    linear = torch.nn.Linear(4, 3).double()
+
+    def as_jax_arrays(d: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {name: jnp.asarray(value) for name, value in d.items()}
+
+    with dgj.enable_x64():
+        params = as_jax_arrays(to_numpy_params(linear))
+    report = assert_parity(
+        linear,
+        linear_jax,
+        (inputs_2x4().astype(np.float64),),
+        params=params,
+        params_from_torch=as_jax_arrays,
+    )
+    assert "grad params['weight']" in [entry.path for entry in report.entries]
+
+
 def test_jax_params_are_compared_with_the_torch_ones_in_the_dtype_the_mapping_gives() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(4, 3)

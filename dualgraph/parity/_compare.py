@@ -224,7 +224,12 @@ def _check_params_match(params: _Params) -> None:
     made from an older torch state) would show as differing outputs and gradients."""
     # Copies: to_numpy shares a CPU tensor's memory, and a mapping may write into what it is
     # given (a padding row zeroed in place), which would change the torch module compared.
-    mapped = params.from_torch({name: to_numpy(p).copy() for name, p in params.torch.items()})
+    arrays = {name: to_numpy(p).copy() for name, p in params.torch.items()}
+    # In the 64-bit mode for 64-bit parameters, as the mapping runs for their gradients: one
+    # that makes JAX arrays (jnp.asarray, models.jax_vit's) would narrow them, or refuse them.
+    wide = any(a.dtype.name in _WIDE_DTYPES for a in arrays.values())
+    with enable_x64(wide):
+        mapped = params.from_torch(arrays)
     spec = describe(params.jax)
     try:
         spec.check(mapped, root="params")
