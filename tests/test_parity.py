@@ -361,6 +361,14 @@ def test_meta_torch_parameters_are_refused_by_name() -> None:
         compare(linear, linear_jax, (sample(1, 2),), params=params)
 
 
+def test_uninitialized_torch_parameters_are_refused_by_name() -> None:
+    # A lazy module's parameters leaked torch's ValueError from reading them, naming none.
+    lazy = torch.nn.LazyLinear(2)
+    params = {"weight": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight' is uninitialized"):
+        compare(lazy, linear_jax, (sample(1, 2),), params=params)
+
+
 def test_a_torch_fn_writing_its_input_through_data_is_refused_by_path() -> None:
     # .data writes do not move the version counter: JAX read the clamped values through DLPack,
     # and a reference that never clamps passed.
@@ -406,6 +414,58 @@ def test_a_torch_fn_that_updates_a_parameter_in_place_is_refused_naming_it(
             compare(module, lambda p, a: a * p["weight"], (x,), params={"weight": shared})
         else:
             compare(module, lambda a: a * shared, (x,), grads=False)
+
+
+def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_naming_one() -> None:
+    # An optimizer step in a post-accumulate-grad hook (the optimizer-in-backward pattern) moved
+    # the weights and cleared their .grad, read as zero: the comparison failed as if torch's
+    # gradients were zero, and a JAX reference closing over its weights passed.
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    steps = {p: torch.optim.SGD([p], lr=0.1) for p in linear.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        steps[p].step()
+        steps[p].zero_grad()
+
+    for p in linear.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    weight, bias = (jnp.asarray(p.detach().numpy().copy()) for p in linear.parameters())
+    closed_over = lambda p, x: x @ weight.T + bias + 0.0 * p["bias"]  # noqa: E731
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight': torch_fn's backward"):
+        compare(linear, closed_over, (inputs_2x4(),), params=params)
+
+
+def test_a_parameter_whose_hook_clears_its_grad_is_refused_naming_it() -> None:
+    # A post-accumulate-grad hook that moves the gradient away (offloading) and clears .grad
+    # left it read as zero: a JAX reference closing over its weights passed.
+    linear = torch.nn.Linear(4, 3)
+    params = jax_params_of(linear)
+    moved = {}
+
+    def offload(p: torch.Tensor) -> None:
+        moved[id(p)] = p.grad
+        p.grad = None
+
+    linear.weight.register_post_accumulate_grad_hook(offload)
+    weight = jnp.asarray(linear.weight.detach().numpy().copy())
+    closed_over = lambda p, x: x @ weight.T + p["bias"] + 0.0 * p["weight"].sum()  # noqa: E731
+    with pytest.raises(dualgraph.DualgraphError, match=r"'weight': .* without a \.grad \(a hook"):
+        compare(linear, closed_over, (inputs_2x4(),), params=params)
+
+
+def test_an_unused_parameter_with_a_post_accumulate_grad_hook_is_not_refused() -> None:
+    linear = torch.nn.Linear(4, 3)
+    linear.unused = torch.nn.Parameter(torch.ones(2))
+    linear.unused.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    params = jax_params_of(linear)
+    report = assert_parity(
+        linear,
+        lambda p, x: linear_jax(p, x) + 0.0 * p["unused"].sum(),
+        (inputs_2x4(),),
+        params=params,
+    )
+    assert "grad params['unused']" in [entry.path for entry in report.entries]
 
 
 def test_a_lazy_module_whose_forward_makes_its_parameters_is_not_refused() -> None:
@@ -1095,6 +1155,32 @@ def test_tf32_is_off_during_the_comparison_and_restored_after() -> None:
     assert seen == ["ieee"] and matmul.fp32_precision == before
 
 
+def test_onednn_bfloat16_float32_is_off_during_the_comparison_and_restored_after() -> None:
+    # torch.set_float32_matmul_precision("medium") lets oneDNN compute float32 matmuls in
+    # bfloat16 on CPUs that have it (about 0.2 off on a 256 x 256 product where IEEE float32 is
+    # 4e-5 off): only cuBLAS and cuDNN were set to "ieee", so the torch side was not at the
+    # full precision compare promises, and equal float32 math failed.
+    backends = torch.backends
+    knobs = [backends, backends.cuda.matmul, backends.mkldnn.matmul, backends.mkldnn.conv]
+    saved = [knob.fp32_precision for knob in knobs]
+    seen = []
+
+    def torch_fn(t: torch.Tensor) -> torch.Tensor:
+        mkldnn = backends.mkldnn
+        seen.append((mkldnn.matmul.fp32_precision, mkldnn.conv.fp32_precision))
+        return t @ t
+
+    try:
+        torch.set_float32_matmul_precision("medium")
+        before = backends.mkldnn.matmul.fp32_precision
+        assert_parity(torch_fn, lambda a: a @ a, (sample(4, 4),))
+        assert seen == [("ieee", "ieee")]
+        assert backends.mkldnn.matmul.fp32_precision == before == "bf16"
+    finally:
+        for knob, value in zip(knobs, saved, strict=True):
+            knob.fp32_precision = value
+
+
 # -- float64 ---------------------------------------------------------------------------------------
 
 
@@ -1191,6 +1277,51 @@ def test_a_deleted_jax_params_leaf_is_refused_naming_it() -> None:
     params["weight"].delete()  # e.g. donated to an earlier call
     with pytest.raises(dualgraph.DualgraphError, match=r"^params\['weight'\]: this array has been"):
         compare(linear, linear_jax, (sample(2, 4),), params=params)
+
+
+def test_a_mapping_writing_into_the_arrays_it_is_given_leaves_the_torch_parameters_alone() -> None:
+    # The check of params against the torch parameters mapped handed params_from_torch numpy
+    # views of the live parameters: a mapping that zeroes a row in place (a padding token's
+    # embedding) zeroed it in the torch module, which compare then ran, and left it so.
+    linear = torch.nn.Linear(4, 3)
+    kept = linear.weight.detach().clone()
+
+    def padding_row_zeroed(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        d["weight"][0] = 0.0
+        return d
+
+    params = padding_row_zeroed({k: v.copy() for k, v in to_numpy_params(linear).items()})
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    compare(
+        linear,
+        linear_jax,
+        (inputs_2x4(),),
+        grads=False,
+        params=params,
+        params_from_torch=padding_row_zeroed,
+    )
+    assert torch.equal(linear.weight.detach(), kept)
+
+
+def test_float64_parameters_are_mapped_in_64_bit_mode_by_a_mapping_making_jax_arrays() -> None:
+    # The check of params ran params_from_torch with the mode off: a mapping making JAX arrays
+    # (as models.jax_vit's does) narrowed the float64 parameters to float32 (or refused them),
+    # so a float64 comparison was refused though the mapping runs in 64 bits for the grads.
+    linear = torch.nn.Linear(4, 3).double()
+
+    def as_jax_arrays(d: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {name: jnp.asarray(value) for name, value in d.items()}
+
+    with dgj.enable_x64():
+        params = as_jax_arrays(to_numpy_params(linear))
+    report = assert_parity(
+        linear,
+        linear_jax,
+        (inputs_2x4().astype(np.float64),),
+        params=params,
+        params_from_torch=as_jax_arrays,
+    )
+    assert "grad params['weight']" in [entry.path for entry in report.entries]
 
 
 def test_jax_params_are_compared_with_the_torch_ones_in_the_dtype_the_mapping_gives() -> None:
@@ -1513,6 +1644,42 @@ def test_a_leaf_joining_a_frozen_and_a_trained_parameter_compares_the_trained_pa
     # The input grads fail too, and which leaf is worst depends on the random layer.
     assert "grad params['wb']" in [entry.path for entry in report.failures]
     assert not next(e for e in report.entries if e.path == "grad params['wb']").ok
+
+
+class FrozenBasePlusDelta(torch.nn.Module):
+    """A linear layer whose weight is a frozen base plus a trained delta (a fine-tuning setup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        drawn = torch.Generator().manual_seed(0)  # apart from torch's global generator
+        self.base = torch.nn.Parameter(torch.randn(3, 4, generator=drawn), requires_grad=False)
+        self.delta = torch.nn.Parameter(torch.randn(3, 4, generator=drawn) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.base + self.delta).T
+
+
+def test_a_leaf_merging_a_frozen_and_a_trained_parameter_compares_its_gradient() -> None:
+    # Every entry of base + delta reads NaN when the frozen base is mapped as NaN, so the leaf
+    # was skipped as frozen whole: the trained delta's grad was never compared, and a JAX
+    # reference giving the merged weight no gradient passed.
+    module = FrozenBasePlusDelta()
+
+    def merged(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"weight": d["base"] + d["delta"]}
+
+    params = {k: jnp.asarray(v) for k, v in merged(to_numpy_params(module)).items()}
+    x = inputs_2x4()
+
+    def no_weight_grad(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ jax.lax.stop_gradient(p["weight"]).T
+
+    right = assert_parity(
+        module, lambda p, x: x @ p["weight"].T, (x,), params=params, params_from_torch=merged
+    )
+    assert "grad params['weight']" in [entry.path for entry in right.entries]
+    report = compare(module, no_weight_grad, (x,), params=params, params_from_torch=merged)
+    assert [entry.path for entry in report.failures] == ["grad params['weight']"]
 
 
 def to_numpy_params(module: torch.nn.Module) -> dict[str, np.ndarray]:

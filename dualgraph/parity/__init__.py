@@ -18,11 +18,12 @@ everywhere) is a warning, and fails unless ``allow_nan=True``. Nothing is coerce
 shapes must agree, and 64-bit leaves are compared in 64 bits (the JAX side runs in its 64-bit
 mode for them).
 
-float32 is compared at full precision: TF32 is turned off in PyTorch for the duration (and
-restored), and the JAX reference is traced and run under ``jax.default_matmul_precision("highest")``
-(a :class:`~dualgraph.jax.GraphedCallable` passed in runs under the caller's settings, which must
-be those it was graphed with: it refuses others). bfloat16 and float16 results are rounded after
-each op, as in PyTorch: a plain JAX function is compiled with XLA's excess precision off.
+float32 is compared at full precision: TF32 (and oneDNN's bfloat16, on the CPU) is off in PyTorch
+for the duration (and restored), and the JAX reference is traced and run under
+``jax.default_matmul_precision("highest")`` (a :class:`~dualgraph.jax.GraphedCallable` passed in
+runs under the caller's settings, which must be those it was graphed with: it refuses others).
+bfloat16 and float16 results are rounded after each op, as in PyTorch: a plain JAX function is
+compiled with XLA's excess precision off.
 
 >>> import numpy as np, torch, jax.numpy as jnp
 >>> x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -79,7 +80,8 @@ def compare(
       ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
       state). Frozen torch parameters are not compared: a JAX params leaf made of them is left
       out, and a leaf that mixes them with trained ones is compared at the trained ones'
-      entries (found by mapping NaN through ``params_from_torch``).
+      entries, those made of both (``base + delta``) included (found by mapping NaN through
+      ``params_from_torch``).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -99,7 +101,9 @@ def compare(
     differences are reported.
     A ``torch_fn`` that updates an input or a parameter in place is refused, naming it (JAX
     reads the inputs, and DLPack-made params, after torch has run, and has no in-place update to
-    compare with). The torch side runs with gradients recorded, under the caller's
+    compare with); so is one whose backward updates a parameter whose gradient is compared (an
+    optimizer step in a post-accumulate-grad hook, which also clears the ``.grad`` read). The
+    torch side runs with gradients recorded, under the caller's
     ``torch.no_grad()`` or ``torch.inference_mode()`` too.
     """
     _check_options(torch_fn, grads, seed)
@@ -113,7 +117,8 @@ def compare(
         named = _named_params(torch_fn, both_params)
         if grads:
             _refuse_inference_params(named)
-        torch_out = _run_torch(torch_fn, inputs, _watched(named))
+        kept = _KeptParams(_watched(named))
+        torch_out = _run_torch(torch_fn, inputs, kept)
         wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
         with enable_x64(wide is not None), reference_settings(jax_fn):
             run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
@@ -121,7 +126,7 @@ def compare(
             entries = _compare_outputs(spec, torch_out, run.outputs, judge)
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
-                entries += _compare_grads(spec, torch_out, run, inputs, judge, seed)
+                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed)
     return ParityReport(tuple(entries))
 
 
@@ -200,6 +205,12 @@ def _params_of(
         problem = unreadable(tensor) if isinstance(tensor, torch.Tensor) else None
         if problem is not None:
             raise DualgraphError(f"torch parameter {name!r} is {problem}")
+        if torch.nn.parameter.is_lazy(tensor):  # params must hold its values, which it has not
+            raise DualgraphError(
+                f"torch parameter {name!r} is uninitialized (a lazy module's, made by its first "
+                "forward), so params cannot hold its values: run torch_fn once on a sample "
+                "before comparing, and make params from the parameters it made"
+            )
     if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
         refuse_computed_params(both.torch)
@@ -211,7 +222,14 @@ def _check_params_match(params: _Params) -> None:
     """Refuse JAX params that are not the torch ones mapped, naming the path, before either
     side runs: a wrong shape would fail deep inside the JAX function, and other values (a tree
     made from an older torch state) would show as differing outputs and gradients."""
-    mapped = params.from_torch({name: to_numpy(p) for name, p in params.torch.items()})
+    # Copies: to_numpy shares a CPU tensor's memory, and a mapping may write into what it is
+    # given (a padding row zeroed in place), which would change the torch module compared.
+    arrays = {name: to_numpy(p).copy() for name, p in params.torch.items()}
+    # In the 64-bit mode for 64-bit parameters, as the mapping runs for their gradients: one
+    # that makes JAX arrays (jnp.asarray, models.jax_vit's) would narrow them, or refuse them.
+    wide = any(a.dtype.name in _WIDE_DTYPES for a in arrays.values())
+    with enable_x64(wide):
+        mapped = params.from_torch(arrays)
     spec = describe(params.jax)
     try:
         spec.check(mapped, root="params")
@@ -325,22 +343,26 @@ def _watched(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def _run_torch(
-    torch_fn: Callable[..., Any], inputs: _Inputs, params: Mapping[str, torch.Tensor]
-) -> Any:
-    args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
-    versions = [t._version for t in inputs.tensors]
-    # Writes through .data or a numpy view do not move the version counter: values are kept too.
-    before = [t.detach().clone() for t in inputs.tensors]
-    # Parameters too: JAX params made through DLPack (jax.dlpack.from_dlpack(p.detach()), no
-    # copy) share their memory, so an update in the forward (nn.Embedding(max_norm=...)
-    # renormalizes its rows in place) would reach a JAX reference that never makes it, and both
-    # would match.
-    kept_params = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
-    with full_precision(), torch.enable_grad():
-        out = torch_fn(*args, **kwargs)
-    for name, p, version, kept in kept_params:
-        if p._version != version or not _same_values(p.detach(), kept):
+class _KeptParams:
+    """The parameters ``torch_fn`` must leave as they are, by version and value (writes through
+    ``.data`` move no version counter), kept before it runs; :meth:`refuse_updated` names one it
+    changed, in its forward or its backward."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._kept = [(name, p, p._version, p.detach().clone()) for name, p in params.items()]
+
+    def refuse_updated(self, *, in_backward: bool = False) -> None:
+        for name, p, version, kept in self._kept:
+            if p._version == version and _same_values(p.detach(), kept):
+                continue
+            if in_backward:
+                raise DualgraphError(
+                    f"torch parameter {name!r}: torch_fn's backward updated it in place (e.g. an "
+                    "optimizer step in a post-accumulate-grad hook, which also clears its "
+                    ".grad): its gradient, read after the backward, would not be the one the "
+                    "backward computed. Compare a torch_fn whose backward leaves its parameters "
+                    "as they are"
+                )
             raise DualgraphError(
                 f"torch parameter {name!r}: torch_fn updated it in place (e.g. "
                 "nn.Embedding(max_norm=...) renormalizes its rows in its forward); the JAX "
@@ -348,6 +370,23 @@ def _run_torch(
                 "before or, sharing their memory (DLPack), the updated ones. Compare a torch_fn "
                 "that leaves its parameters as they are"
             )
+
+
+def _run_torch(torch_fn: Callable[..., Any], inputs: _Inputs, params: _KeptParams) -> Any:
+    """``torch_fn`` on the inputs; an update of an input or a kept parameter is refused.
+
+    Parameters are kept too: JAX params made through DLPack (``jax.dlpack.from_dlpack(
+    p.detach())``, no copy) share their memory, so an update in the forward
+    (``nn.Embedding(max_norm=...)`` renormalizes its rows in place) would reach a JAX reference
+    that never makes it, and both would match.
+    """
+    args, kwargs = inputs.call_spec.unflatten(inputs.tensors)
+    versions = [t._version for t in inputs.tensors]
+    # Writes through .data or a numpy view do not move the version counter: values are kept too.
+    before = [t.detach().clone() for t in inputs.tensors]
+    with full_precision(), torch.enable_grad():
+        out = torch_fn(*args, **kwargs)
+    params.refuse_updated()
     # JAX reads the same memory afterwards (DLPack): it would see torch's new values, and a
     # reference that ignores the update would match. JAX functions cannot update in place, so
     # there is nothing to compare the update with.
@@ -463,7 +502,13 @@ def _refuse_unmasked_torch_grads(spec: TreeSpec, torch_out: Any) -> None:
 
 
 def _compare_grads(
-    spec: TreeSpec, torch_out: Any, run: JaxRun, inputs: _Inputs, judge: Judge, seed: int
+    spec: TreeSpec,
+    torch_out: Any,
+    run: JaxRun,
+    inputs: _Inputs,
+    kept: _KeptParams,
+    judge: Judge,
+    seed: int,
 ) -> list[LeafReport]:
     """The same seeded cotangents through both backwards; input grads, then parameter grads."""
     assert run.pullback is not None
@@ -478,10 +523,14 @@ def _compare_grads(
     params = inputs.params
     trainable = {n: p for n, p in params.torch.items() if p.requires_grad} if params else {}
     targets = [t for t, wanted in zip(inputs.tensors, inputs.wants_grad, strict=True) if wanted]
-    torch_grads = read_grads(
-        [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
-        [*targets, *trainable.values()],
-    )
+    with _accumulations(trainable) as accumulated:
+        torch_grads = read_grads(
+            [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
+            [*targets, *trainable.values()],
+        )
+    if params is not None:  # their grads are read after the backward: it must leave them be
+        kept.refuse_updated(in_backward=True)
+        _refuse_cleared_grads(trainable, torch_grads[len(targets) :], accumulated)
     # torch's gradients are JAX's conjugated, given the conjugate cotangent (see _in_torch_terms)
     cotangent_tree = run.pullback.cotangent_spec.unflatten(
         [jnp.asarray(np.conj(c) if np.iscomplexobj(c) else c) for c in cotangents]
@@ -503,6 +552,43 @@ def _compare_grads(
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
         entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
     return entries
+
+
+@contextlib.contextmanager
+def _accumulations(params: Mapping[str, torch.Tensor]) -> Iterator[set[str]]:
+    """The names of the parameters with post-accumulate-grad hooks (which may take ``.grad``
+    away) whose ``.grad`` the backward run inside accumulated into, found by a hook of compare's
+    own registered after theirs. Parameters without such hooks get none: a graphed callable
+    whose backward adds into ``.grad`` itself refuses parameters with hooks."""
+    accumulated: set[str] = set()
+    handles = []
+    try:
+        for name, p in params.items():
+            if p.is_leaf and getattr(p, "_post_accumulate_grad_hooks", None):
+                record = functools.partial(lambda name, _: accumulated.add(name), name)
+                handles.append(p.register_post_accumulate_grad_hook(record))
+        yield accumulated
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _refuse_cleared_grads(
+    trainable: Mapping[str, torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    accumulated: set[str],
+) -> None:
+    """Refuse a parameter whose gradient the backward accumulated and a hook then took away
+    (a post-accumulate-grad hook that moves or offloads it and clears ``.grad``): read as zero,
+    it would not be the one the backward computed."""
+    for name, grad in zip(trainable, grads, strict=True):
+        if grad is None and name in accumulated:
+            raise DualgraphError(
+                f"torch parameter {name!r}: torch_fn's backward computed its gradient, but left "
+                "it without a .grad (a hook cleared it, a post-accumulate-grad hook moving or "
+                "offloading the gradient): it would be read as zero. Compare a torch_fn whose "
+                "hooks leave .grad in place"
+            )
 
 
 def _in_torch_terms(grad: Any) -> np.ndarray:
@@ -617,29 +703,36 @@ def _frozen_positions(
     torch_grads: Mapping[str, Any],
     convert: Callable[[dict[str, np.ndarray]], Any],
 ) -> list[np.ndarray | None]:
-    """For each params leaf, where its entries come from frozen torch parameters (``None``:
+    """For each params leaf, where its entries come from frozen torch parameters only (``None``:
     nowhere).
 
-    Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN: the
-    entries NaN in the result, and not when every entry is one, come from frozen parameters,
-    whatever arithmetic the mapping does (``w - 1`` turns a 0/1 mask into another one; a
-    concatenation mixes frozen and trained entries in one leaf).
+    Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN, and
+    again with the trained ones' NaN: the entries NaN in the first and not in the second (nor
+    when every entry is one) come from frozen parameters alone, whatever arithmetic the mapping
+    does (``w - 1`` turns a 0/1 mask into another one; a concatenation mixes frozen and trained
+    entries in one leaf). An entry made of both (``base + delta``, a frozen base and a trained
+    delta merged into one leaf) carries the trained one's gradient, and is compared.
     """
     if len(torch_grads) == len(as_numpy):
         return [None] * params_spec.num_arrays
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
-    marked = {
-        name: a if name in torch_grads or not _floating(a) else np.full_like(a, np.nan)
-        for name, a in ones.items()
-    }
+
+    def marking(frozen: bool) -> list[Any]:
+        """The leaves of the mapped ones with the frozen (else the trained) parameters NaN."""
+        marked = {
+            name: np.full_like(a, np.nan) if _floating(a) and (name in torch_grads) != frozen else a
+            for name, a in ones.items()
+        }
+        return params_spec.flatten(convert(marked))
+
     result: list[np.ndarray | None] = []
-    for plain, mark in zip(
-        params_spec.flatten(convert(ones)), params_spec.flatten(convert(marked)), strict=True
+    for plain, by_frozen, by_trained in zip(
+        params_spec.flatten(convert(ones)), marking(True), marking(False), strict=True
     ):
-        plain, mark = np.asarray(plain), np.asarray(mark)
-        if not _floating(mark):
+        plain, by_frozen, by_trained = (np.asarray(x) for x in (plain, by_frozen, by_trained))
+        if not _floating(by_frozen):
             result.append(None)
             continue
-        frozen = np.isnan(mark) & ~np.isnan(plain)
+        frozen = np.isnan(by_frozen) & ~np.isnan(by_trained) & ~np.isnan(plain)
         result.append(frozen if frozen.any() else None)
     return result

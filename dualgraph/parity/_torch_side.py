@@ -147,11 +147,25 @@ def read_grads(
 
 @contextlib.contextmanager
 def full_precision() -> Iterator[None]:
-    """TF32 off for float32 matmuls and convolutions in PyTorch; the settings are restored."""
+    """TF32 off for float32 matmuls and convolutions in PyTorch, on the GPU (cuBLAS, cuDNN) and
+    on the CPU (oneDNN, which ``torch.set_float32_matmul_precision("medium")`` lets compute
+    float32 matmuls in bfloat16 on CPUs that have it); the settings are restored."""
     backends = torch.backends
     if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
         cudnn: Any = backends.cudnn  # conv and rnn are missing from torch's stubs
-        knobs = [backends.cuda.matmul, cudnn.conv, cudnn.rnn]
+        mkldnn: Any = backends.mkldnn
+        knobs: list[Any] = [
+            knob
+            for knob in (
+                backends.cuda.matmul,
+                cudnn.conv,
+                cudnn.rnn,
+                getattr(mkldnn, "matmul", None),
+                getattr(mkldnn, "conv", None),
+                getattr(mkldnn, "rnn", None),
+            )
+            if hasattr(knob, "fp32_precision")
+        ]
         saved = [knob.fp32_precision for knob in knobs]
         try:
             for knob in knobs:
