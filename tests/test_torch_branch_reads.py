@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
+import dualgraph.torch as dgt
+from dualgraph.torch import _branch_reads
 from dualgraph.torch._branch_reads import branch_reads
 
 
@@ -62,3 +66,24 @@ def test_setting_requires_grad_while_watched_sets_it() -> None:
     with branch_reads([x]):
         x.requires_grad = True
     assert x.requires_grad and "requires_grad" not in vars(torch.Tensor)
+
+
+def test_the_warmup_calls_of_a_callable_install_the_flag_watches_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each warmup forward replaced torch.Tensor's requires_grad, grad_fn and is_leaf and put them
+    # back: a change to torch.Tensor, which drops the interpreter's caches of lookups on every
+    # tensor class (about 0.1 ms of the next forward of a ViT block). They stay meanwhile.
+    installed: list[str] = []
+    watched_flag = _branch_reads._WatchedFlag
+
+    def noting(found: Any, watchers: Any) -> Any:
+        installed.append(found.__name__)
+        return watched_flag(found, watchers)
+
+    for watch in _branch_reads._WATCHED_FLAGS:
+        monkeypatch.setattr(watch, "_wrap", noting)
+    layer = nn.Linear(4, 4)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4),), num_warmup_iters=3)
+    assert sorted(installed) == ["grad_fn", "is_leaf", "requires_grad"]
+    assert "requires_grad" not in vars(torch.Tensor)

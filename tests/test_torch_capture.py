@@ -342,6 +342,42 @@ def test_unused_input_is_a_capture_error_without_allow_unused_input(backend: str
     assert "HalfUsed.unused.weight requires grad, but no output depends on it" in message
 
 
+def test_the_unused_grad_check_compares_no_grad_with_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `None in grads` asked Tensor.__eq__(None) of every warmup grad, whose TypeError costs
+    # about 18 us a tensor: 9 ms of a 12-block capture. The check is by identity.
+    compared: list[Any] = []
+    equal = torch.Tensor.__eq__
+
+    def noting(self: torch.Tensor, other: Any) -> Any:
+        compared.append(other)
+        return equal(self, other)
+
+    monkeypatch.setattr(torch.Tensor, "__eq__", noting)
+    dgt.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),))
+    assert [other for other in compared if other is None] == []
+    message = capture_error(HalfUsed(), (torch.randn(2, 4),), backend="emulate")
+    assert "HalfUsed.unused.weight requires grad, but no output depends on it" in message
+
+
+def test_warmup_compares_the_bytes_of_a_modules_tensors_eight_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Around warmup each parameter's bytes were compared as uint8 (torch.equal: about 1.6 ns a
+    # byte on a CPU, against under 0.25 as int64); the same bits, compared as wider integers.
+    compared: list[torch.dtype] = []
+    equal = torch.equal
+
+    def noting(a: torch.Tensor, b: torch.Tensor) -> bool:
+        compared.append(a.dtype)
+        return equal(a, b)
+
+    monkeypatch.setattr(torch, "equal", noting)
+    dgt.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),))
+    assert compared and set(compared) == {torch.int64}
+
+
 def _autocast(backend: str, **options: Any) -> torch.autocast:
     return torch.autocast(device_of(backend).type, dtype=torch.bfloat16, **options)
 

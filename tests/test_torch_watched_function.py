@@ -11,9 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from dualgraph.torch import _missed_attributes
 from dualgraph.torch._branch_reads import branch_reads
 from dualgraph.torch._grad_mode_set import turns_grad_mode_on
 from dualgraph.torch._missed_attributes import attributes_missed
+
+_MODULE_GETATTR = nn.Module.__getattr__
 
 _WATCHES: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], Any]]] = {
     "getattr": (attributes_missed, lambda: nn.Module.__getattr__),
@@ -70,3 +73,21 @@ def test_a_nested_watch_notes_in_the_outer_one_too() -> None:
         getattr(layer, "after", None)
     assert inner == {id(layer.__dict__): {"inside"}}
     assert outer == {id(layer.__dict__): {"inside", "after"}}
+
+
+def test_watches_ended_out_of_order_in_one_thread_each_stop_noting() -> None:
+    # begin/end (several watches entered at once): an end takes its own watcher, by identity,
+    # wherever it is in the thread's list (two empty dicts are equal, and not the same).
+    layer = nn.Linear(2, 2)
+    watch = _missed_attributes._GETATTR
+    first: dict[int, set[str]] = {}
+    second: dict[int, set[str]] = {}
+    watch.begin(first)
+    watch.begin(second)
+    watch.end(first)
+    getattr(layer, "after_the_first_ended", None)
+    watch.end(second)
+    getattr(layer, "after_both_ended", None)
+    assert first == {}
+    assert second == {id(layer.__dict__): {"after_the_first_ended"}}
+    assert nn.Module.__getattr__ is _MODULE_GETATTR

@@ -147,11 +147,27 @@ _WATCHED_FLAGS = tuple(
 )
 
 
+_ALL_WATCHED = (*_WATCHED, *_WATCHED_FLAGS)
+
+
 @contextlib.contextmanager
 def branch_reads(inputs: Sequence[torch.Tensor]) -> Iterator[BranchReads]:
     """Watch, in this thread, the reads of grad mode and of ``inputs``' ``requires_grad``."""
     seen = BranchReads(inputs)
-    with contextlib.ExitStack() as stack:
-        for watched in (*_WATCHED, *_WATCHED_FLAGS):
-            stack.enter_context(watched.watching(seen))
+    # begin/end rather than a context manager each in an ExitStack: every warmup forward
+    # enters these seven (35 us a warmup that way, a fifth of its own Python)
+    begun: list[WatchedFunction[BranchReads]] = []
+    try:
+        for watched in _ALL_WATCHED:
+            watched.begin(seen)
+            begun.append(watched)
         yield seen
+    finally:
+        failure: BaseException | None = None
+        for watched in reversed(begun):  # each ended, whatever another raises
+            try:
+                watched.end(seen)
+            except BaseException as error:  # raised once the others have ended
+                failure = failure or error
+        if failure is not None:
+            raise failure

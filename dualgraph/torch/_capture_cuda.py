@@ -24,7 +24,7 @@ from ._layouts import empty_from_layout
 from ._probe import raise_on_lint_errors
 from ._replay_backends import CudaGraphForward, accumulate_into
 from ._transformer_engine import transformer_engine_capture
-from ._warmup import module_tensors_kept, warmup
+from ._warmup import module_tensors_kept, warmup, watches_held
 
 if TYPE_CHECKING:
     from ._capture import CaptureOptions, CaptureStep
@@ -71,7 +71,7 @@ def _capture_cuda_graphs(
     mode: Any = options.capture_error_mode
     side_stream = torch.cuda.Stream(device)
     side_stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side_stream):
+    with torch.cuda.stream(side_stream), watches_held():
         for item in captures:
             if item.like is not None:  # copies of a callable learn from its warmup
                 continue

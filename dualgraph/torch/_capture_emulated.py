@@ -17,7 +17,7 @@ from ._capture_state import _Capture, grad_output_buffers
 from ._layouts import empty_laid_out_like
 from ._probe import raise_on_lint_errors
 from ._replay_backends import EmulatedReplay
-from ._warmup import module_tensors_kept, warmup
+from ._warmup import module_tensors_kept, warmup, watches_held
 
 if TYPE_CHECKING:
     from ._capture import CaptureOptions
@@ -34,7 +34,7 @@ def capture_emulated(
         if item.like is None:
             progress.phase = "warmup"
             grads: tuple[torch.Tensor | None, ...] = ()
-            with module_tensors_kept(item):
+            with watches_held(), module_tensors_kept(item):
                 for i in range(max(1, options.num_warmup_iters)):
                     with item.probe:  # issue 19 hook: observes the first iteration only
                         grads = warmup(item, options.allow_unused_input, inspect=i == 0)

@@ -24,7 +24,7 @@ from ._ambient import kept_modes
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
-from ._params import bytes_of, write_back
+from ._params import bytes_of, same_bytes, write_back
 from ._process_state import kept_process_state
 
 if TYPE_CHECKING:
@@ -619,7 +619,7 @@ def _refuse_updates_of_the_call(
         copy, original = given[index], tensors[index]
         if copy._version:
             _refuse_updated_input(name, padding, paths[index], "its version moved")
-        if not torch.equal(bytes_of(copy), bytes_of(original)):  # through .data: no version
+        if not same_bytes(bytes_of(copy), bytes_of(original)):  # through .data: no version
             _refuse_updated_input(name, padding, paths[index], "its values changed")
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "GRAPHED_STATE",
     "ModuleTensors",
     "bytes_of",
+    "same_bytes",
     "first_difference",
     "grad_buffer_like",
     "is_plain",
@@ -499,7 +500,7 @@ class ModuleTensors:
                 return i
             if tensor._version == self.host_versions[i]:
                 continue
-            if (tensor.shape, tensor.stride()) != self.host_layouts[i] or not torch.equal(
+            if (tensor.shape, tensor.stride()) != self.host_layouts[i] or not same_bytes(
                 bytes_of(tensor), self.host_bytes[i]
             ):
                 return i
@@ -1061,8 +1062,31 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     >>> torch.equal(bytes_of(a), bytes_of(a.clone())), torch.equal(bytes_of(a), bytes_of(b))
     (True, False)
     """
-    with torch.no_grad():
-        return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
+    # detached first, so nothing after records history: no no_grad() block (3 us a call)
+    return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
+
+
+#: Wider integers of a size, to compare bytes with: ``torch.equal`` of ``uint8`` on a CPU takes
+#: about 1.6 ns a byte, of ``int64`` under 0.25.
+_WIDER = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def same_bytes(kept: torch.Tensor, now: torch.Tensor) -> bool:
+    """Whether two :func:`bytes_of` results hold the same bytes (``torch.equal`` of them,
+    compared as wider integers where their sizes allow: the same answer, sooner).
+
+    >>> same_bytes(bytes_of(torch.tensor([1.0, -0.0])), bytes_of(torch.tensor([1.0, 0.0])))
+    False
+    >>> same_bytes(bytes_of(torch.arange(3.0)), bytes_of(torch.arange(3.0)))
+    True
+    """
+    size = kept.numel()
+    if size != now.numel():
+        return False
+    for width, dtype in _WIDER:
+        if size % width == 0 and kept.storage_offset() % width == now.storage_offset() % width == 0:
+            return torch.equal(kept.view(dtype), now.view(dtype))
+    return torch.equal(kept, now)
 
 
 def first_difference(tensor: torch.Tensor, kept: torch.Tensor) -> str:

@@ -139,6 +139,8 @@ def used_inside(
     >>> used_inside([hidden, hidden.exp(), x + 1], [0, 1, 2])
     (0,)
     """
+    if len(candidates) < 2:  # an output's own graph never leads back to it (no cycle): the
+        return ()  # usual single output needs no walk (0.1 ms for a ViT block's graph)
     reached: set[tuple[Any, int]] = set()  # (node, its output's number) some edge leads to
     seen: dict[Any, None] = {}  # the nodes walked (kept alive: see trace_leaves)
     stack = []

@@ -42,7 +42,7 @@ from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of, first_difference, is_tensor_subclass, write_back
+from ._params import bytes_of, first_difference, is_tensor_subclass, same_bytes, write_back
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._saved_hooks import own_saved_tensors_hooks
@@ -51,12 +51,26 @@ if TYPE_CHECKING:
     from ._capture_state import _Capture
     from ._params import ModuleTensors
 
-__all__ = ["module_tensors_kept", "warmup"]
+__all__ = ["module_tensors_kept", "warmup", "watches_held"]
 
 
 def warmup(item: _Capture, allow_unused: bool, *, inspect: bool) -> tuple[torch.Tensor | None, ...]:
     """One eager forward and backward on the static buffers; the first one is inspected."""
     return _warmup(item, allow_unused, inspect=inspect)
+
+
+@contextlib.contextmanager
+def watches_held() -> Iterator[None]:
+    """Around several warmup calls: the watches of grad mode and tensor flag reads that each
+    warmup forward enters (:func:`branch_reads`) stay installed in between.
+
+    Each forward then adds its watcher to a list instead of replacing ``torch.Tensor``'s flags
+    and putting them back: a change to a class also drops the interpreter's caches of lookups
+    on it and its subclasses, which the next forward pays again. What is read between the
+    warmup calls is noted by no warmup (the held watcher's notes are dropped).
+    """
+    with branch_reads(()):
+        yield
 
 
 @contextlib.contextmanager
@@ -80,7 +94,7 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
             changed = [
                 (name, t, t._version == version, copy, data)  # before putting back bumps it
                 for name, t, version, copy, data in kept
-                if _moved(t, data) or not torch.equal(copy, bytes_of(t))
+                if _moved(t, data) or not same_bytes(copy, bytes_of(t))
             ]
             shown = _shown(changed[0][1], changed[0][3], changed[0][4]) if changed else ""
             del kept
@@ -215,8 +229,10 @@ def _warmup(
     before = [t._version for t in item.static_inputs]
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
-    with _unobserved():
-        bits = [bytes_of(t) for t in item.static_inputs] if inspect else []
+    bits = []
+    if inspect:
+        with _unobserved():
+            bits = [bytes_of(t) for t in item.static_inputs]
     saved: list[int] = []  # the storages of the tensors the forward saves for backward
     # Every warmup forward is watched for reads of grad mode and of the inputs' requires_grad:
     # under the lint's function mode (the inspected one), torch's fast-path checks stop at
@@ -236,11 +252,12 @@ def _warmup(
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
     _refuse_inputs_given_a_history(item)
     after_forward = [t._version for t in item.static_inputs]
-    with _unobserved():
-        for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=False)):
-            if t._version == before[i] and not torch.equal(copy, bytes_of(t)):
-                item.mutated.add(i)
-                item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
+    if bits:
+        with _unobserved():
+            for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=True)):
+                if t._version == before[i] and not same_bytes(copy, bytes_of(t)):
+                    item.mutated.add(i)
+                    item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
     del bits
     flat = item.record_outputs(outputs)
     differentiable = [flat[i] for i in item.diff_outputs]
@@ -289,8 +306,12 @@ def _warmup(
                     allow_unused=True,  # an unused one is refused below, naming it
                 )
             )
-        if not allow_unused and None in grads:
-            _refuse_unused(item, grads.index(None))
+        if not allow_unused:
+            # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
+            # whose TypeError costs about 18 us a tensor
+            unused = next((k for k, grad in enumerate(grads) if grad is None), None)
+            if unused is not None:
+                _refuse_unused(item, unused)
         if inspect:
             item.take_grad_layouts(grads)
         if inspect and item.fuses_accumulation:  # the graph adds them into .grad, then frees them

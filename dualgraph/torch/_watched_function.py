@@ -69,24 +69,37 @@ class WatchedFunction(Generic[W]):
     def watching(self, watcher: W) -> Iterator[W]:
         """Note this thread's calls in ``watcher`` while the block runs; the function is put
         back when no watch runs in any thread, however the block ends."""
+        self.begin(watcher)
+        try:
+            yield watcher
+        finally:
+            self.end(watcher)
+
+    def begin(self, watcher: W) -> None:
+        """:meth:`watching`'s start, for a caller that enters several watches at once (each
+        :meth:`end` called once, however its block ends)."""
         with self._lock:
             if not self._count:
                 self._found = getattr(self._owner, self._name)
                 self._own = self._name in vars(self._owner)
                 setattr(self._owner, self._name, self._wrap(self._found, self._watchers))
             self._count += 1
+        self._watchers().append(watcher)
+
+    def end(self, watcher: W) -> None:
+        """:meth:`watching`'s end: ``watcher`` no longer notes; the function is put back if no
+        watch runs in any thread."""
         watchers = self._watchers()
-        watchers.append(watcher)
-        try:
-            yield watcher
-        finally:
-            # by identity (a watcher may compare equal to another: two empty dicts)
-            del watchers[next(i for i, w in enumerate(watchers) if w is watcher)]
-            with self._lock:
-                self._count -= 1
-                if not self._count:
-                    if self._own:
-                        setattr(self._owner, self._name, self._found)
-                    else:  # a class's attribute inherited from a base: inherited again
-                        delattr(self._owner, self._name)
-                    self._found = None
+        # by identity (a watcher may compare equal to another: two empty dicts)
+        for i in range(len(watchers) - 1, -1, -1):  # the latest first: usually the last one
+            if watchers[i] is watcher:
+                del watchers[i]
+                break
+        with self._lock:
+            self._count -= 1
+            if not self._count:
+                if self._own:
+                    setattr(self._owner, self._name, self._found)
+                else:  # a class's attribute inherited from a base: inherited again
+                    delattr(self._owner, self._name)
+                self._found = None
