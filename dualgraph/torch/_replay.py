@@ -1724,11 +1724,13 @@ class GraphedCallable:
         """Whether an accumulator has more holders than its owners (an old ``.grad`` in use):
         what _holders tells of each, for all at once, compared with the counts taken the same
         way at construction (and join)."""
-        return any(
-            any(map(operator.gt, counts, baseline))
-            for counts, baseline in zip(
-                self._holder_totals(), self._holder_totals_baseline, strict=True
-            )
+        totals = self._holder_totals()
+        baseline = self._holder_totals_baseline
+        # the same counts, the usual case, in one comparison; only a difference is looked into
+        # (fewer holders than the baseline is no reason to copy)
+        return totals != baseline and any(
+            any(map(operator.gt, counts, before))
+            for counts, before in zip(totals, baseline, strict=True)
         )
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
