@@ -81,3 +81,17 @@ def test_the_shared_buffer_stays_negative_zero() -> None:
             start()
         first.fill_(7.0)
     assert _all_negative_zero(_sum_start._NEGATIVE_ZEROS[(torch.device("cpu"), torch.float32)])
+
+
+def test_accumulators_on_the_cpu_never_ask_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a CUDA stream is capturing is asked of CUDA accumulators only: the query
+    initializes CUDA (a context on the device), which graphs on the CPU never need."""
+    asked: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU
+    monkeypatch.setattr(
+        torch.cuda, "is_current_stream_capturing", lambda: asked.append(True) or False
+    )
+    accumulator = torch.ones(3)
+    SumStart([accumulator])()
+    assert asked == []
+    assert _all_negative_zero(accumulator)

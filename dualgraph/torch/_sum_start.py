@@ -79,7 +79,10 @@ class SumStart:
     def __init__(self, accumulators: Sequence[torch.Tensor]) -> None:
         copies: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
         others = []  # not dense (nor contiguous, where larger than a chunk), during a capture
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # asked only of CUDA accumulators: the query initializes CUDA, which CPU graphs never need
+        capturing = (
+            any(a.is_cuda for a in accumulators) and torch.cuda.is_current_stream_capturing()
+        )
         for accumulator in accumulators:
             numel = accumulator.numel()
             if numel == 0:
