@@ -1165,6 +1165,39 @@ def test_a_negative_zero_grad_reaches_the_parameter_as_in_eager(
     assert signs[1] == signs[0] == [[True, False, True, False]] * 2
 
 
+class _ScalesOfTwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.single = nn.Parameter(torch.ones(4))
+        self.wide = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.single + (x.double() * self.wide).float()
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "in_graph"])
+def test_negative_zero_grads_reach_parameters_of_two_dtypes_after_zero_grad(
+    param_grads: str,
+) -> None:
+    """Accumulators of two dtypes start each step after ``zero_grad()`` (every ``.grad``
+    ``None``) at ``-0.0`` in one copy per dtype: each ``.grad`` is the grad itself, as eager's."""
+    eager = _ScalesOfTwoDtypes()
+    graphed = copy.deepcopy(eager)
+    dgt.make_graphed_callables(
+        graphed, (torch.randn(4),), backend="emulate", param_grads=param_grads
+    )
+    x = torch.tensor([-0.0, 0.0, -1.0, 1.0])
+    signs = []
+    for model in (eager, graphed):
+        seen = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            seen.append([p.grad.signbit().tolist() for p in (model.single, model.wide)])
+        signs.append(seen)
+    assert signs[1] == signs[0] == [[[True, False, True, False]] * 2] * 3
+
+
 def test_a_backward_that_raises_through_autograd_leaves_the_accumulated_grad() -> None:
     """``"auto"`` with a parameter hook replays into zeroed accumulators; a backward failing
     there must leave the ``.grad`` accumulated so far as eager leaves it."""

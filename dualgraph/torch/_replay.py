@@ -68,6 +68,8 @@ from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
 from ._replay_hooks import ReplayCall, call_eagerly
 from ._saved_hooks import saved_copies_kept
+from ._sum_start import SumStart
+from ._sum_start import start_sums as _start_sums
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
 __all__ = ["GraphedCallable"]
@@ -221,6 +223,7 @@ class GraphedCallable:
         "_static_outputs",
         "_storage_ids",
         "_storages",
+        "_sum_start",
         "_unreached_memo",
         "_unwatched",
         "_updated_storages",
@@ -383,6 +386,9 @@ class GraphedCallable:
         # contiguous gradients do, or ``set_``) while staying .grad, and a graph adds where it
         # was at capture. Made before the holder counts below, which count them.
         self._graph_grads = tuple(map(_detach, self._in_graph_accumulators))
+        # Their start at -0.0 where a .grad is None, in one kernel per dtype (_sum_start.py);
+        # its views of that memory count among the holders from now on, as the aliases do.
+        self._sum_start = SumStart(self._graph_grads)
         # Their addresses, and their sizes and strides (in one C call, _layout_checks.py): what
         # _backward_into_accumulators compares the accumulators' with (a .grad whose .data is a
         # prefix of its own memory keeps its address and strides).
@@ -1579,7 +1585,7 @@ class GraphedCallable:
             # adds in place; no accumulator held beyond its owners, so none is saved; each where
             # the graph adds, so each is handed out; grad_problem finds nothing (no .grad to
             # check, every grad_dtype the accumulator's dtype, as at capture).
-            _start_sums(self._graph_grads)  # as the loop's pending: the same memory here
+            self._sum_start()  # as the loop's pending: the same memory here
             replay()
             for param, accumulator in zip(self._in_graph_params, accumulators, strict=True):
                 param.grad = accumulator
@@ -1690,7 +1696,7 @@ class GraphedCallable:
             if any(map(operator.gt, _holders(accumulator, storage), baseline))
         ]
         saved = list(torch._foreach_mul(held, 1.0)) if held else []
-        _start_sums(accumulators)
+        self._sum_start()  # accumulators: the same memory
         try:
             self._replay_backward()  # type: ignore[misc]
             copies = torch._foreach_mul(accumulators, 1.0)
@@ -1718,11 +1724,13 @@ class GraphedCallable:
         """Whether an accumulator has more holders than its owners (an old ``.grad`` in use):
         what _holders tells of each, for all at once, compared with the counts taken the same
         way at construction (and join)."""
-        return any(
-            any(map(operator.gt, counts, baseline))
-            for counts, baseline in zip(
-                self._holder_totals(), self._holder_totals_baseline, strict=True
-            )
+        totals = self._holder_totals()
+        baseline = self._holder_totals_baseline
+        # the same counts, the usual case, in one comparison; only a difference is looked into
+        # (fewer holders than the baseline is no reason to copy)
+        return totals != baseline and any(
+            any(map(operator.gt, counts, before))
+            for counts, before in zip(totals, baseline, strict=True)
         )
 
     def _holder_counts(self) -> tuple[tuple[int, int, int], ...]:
@@ -1743,23 +1751,6 @@ def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool]
 def _checked_already(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The inputs of an eager call a replay declined (:meth:`GraphedCallable._eagerly`) were
     checked before."""
-
-
-def _start_sums(accumulators: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
-    """Set ``accumulators`` to ``-0.0``, where a backward's grads are to be added as eager's
-    ``AccumulateGrad`` sets a ``.grad`` that is ``None``: to the grad itself, bit for bit.
-
-    ``-0.0 + g`` is ``g`` for every ``g``; ``0.0 + g`` is ``0.0`` where ``g`` is ``-0.0`` (the
-    grad of ``x * w`` towards ``w`` at an ``x`` of ``-0.0``), so zeroed accumulators gave such a
-    parameter ``.grad`` (or ``torch.autograd.grad``) ``0.0`` where eager gives ``-0.0``.
-
-    >>> total = torch.ones(2)
-    >>> _start_sums([total])
-    >>> (total + torch.tensor([-0.0, 0.0])).signbit().tolist()
-    [True, False]
-    """
-    torch._foreach_zero_(accumulators)
-    torch._foreach_neg_(accumulators)
 
 
 def _node_hooked(leaf: torch.Tensor) -> bool:
