@@ -1480,6 +1480,33 @@ def test_diagnostics_count_each_buckets_calls_and_bytes() -> None:
     assert report.pool_bytes == report.largest_bucket_pool_bytes == 0  # no pool on the CPU
 
 
+class _ScalesByGradMode(nn.Module):
+    """Branches on grad mode: a call under no_grad runs it eagerly instead of replaying."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if torch.is_grad_enabled() else 3.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_buckets_call_run_eagerly_is_counted_as_an_eager_call_not_a_replay(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = _ScalesByGradMode().to(device)
+    buckets = [(torch.randn(n, 4, device=device, requires_grad=True),) for n in (2, 3)]
+    dgt.make_graphed_callables(module, buckets=buckets, backend=backend)
+    module(torch.randn(2, 4, device=device, requires_grad=True))
+    with torch.no_grad():
+        module(torch.randn(3, 4, device=device))
+    report = dgt.diagnostics(module)
+    assert (report.replays, report.eager_calls) == (1, 1)
+    assert [b.calls for b in report.buckets] == [1, 1]  # each bucket served one call
+
+
 def test_the_log_says_which_bucket_served_a_call_and_why_one_fell_back(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

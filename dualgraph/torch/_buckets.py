@@ -116,7 +116,9 @@ class BucketedDiagnostics(CaptureDiagnostics):
     into the empty pool (what that bucket alone needs): their ratio shows what the smaller
     buckets added. Byte counts of static buffers count a buffer shared by buckets once.
     ``replays`` counts the calls that replayed a bucket, ``eager_calls`` those that ran eagerly
-    (``fallback="eager"``), ``padded_calls`` those padded up to a bucket (``fallback="pad"``).
+    (``fallback="eager"``, or a bucket's call that ran its callable eagerly where its Python
+    branches on grad mode or an input's ``requires_grad``), ``padded_calls`` those padded up to a
+    bucket (``fallback="pad"``).
     ``lint`` merges the buckets' lint reports and ``memory_plan`` is the largest bucket's (the
     pool is sized by it); each bucket's are in ``buckets``.
 
@@ -211,6 +213,8 @@ class BucketedCallable:
         self._last: _Bucket | None = None
         self._eager_graphs = eager_graphs
         self._hooks = hooks  # for calls that fall back to eager
+        self._served = 0  # calls a bucket served (replayed, or run eagerly by its runner)
+        self._fallback_calls = 0  # calls run eagerly under fallback="eager"
         # What each bucket compares per call (its module's tensors and plain values, or those a
         # function's code names), once each: an eager fallback runs the forward's Python, and
         # the values it sets (a flag, a counter) are its own, as in an emulated replay.
@@ -220,10 +224,17 @@ class BucketedCallable:
     @property
     def diagnostics(self) -> BucketedDiagnostics:
         """What :func:`dualgraph.torch.diagnostics` reports: the buckets' counts summed."""
-        self._diagnostics.param_grads_through_autograd = sum(
-            runner.diagnostics.param_grads_through_autograd for runner in self.runners
+        report = self._diagnostics
+        runners = [runner.diagnostics for runner in self.runners]
+        report.param_grads_through_autograd = sum(
+            runner.param_grads_through_autograd for runner in runners
         )
-        return self._diagnostics
+        # A bucket's runner runs a call eagerly where its Python would branch otherwise than at
+        # capture (grad mode, an input's requires_grad): served by the bucket, but no replay.
+        eagerly = sum(runner.eager_calls for runner in runners)
+        report.replays = self._served - eagerly
+        report.eager_calls = self._fallback_calls + eagerly
+        return report
 
     @property
     def runners(self) -> tuple[GraphedCallable | EagerCallable, ...]:
@@ -299,7 +310,7 @@ class BucketedCallable:
         diagnostics = bucket.diagnostics
         diagnostics.calls += 1
         diagnostics.last_used = time.time()
-        self._diagnostics.replays += 1
+        self._served += 1
         if padded is not None:
             diagnostics.padded_calls += 1
             self._diagnostics.padded_calls += 1
@@ -338,7 +349,7 @@ class BucketedCallable:
             self._check_outputs(outputs)
             if self._eager_graphs is not None and self._out_spec is not None:
                 self._eager_graphs.track(self._out_spec.flatten(outputs))
-            self._diagnostics.eager_calls += 1
+            self._fallback_calls += 1
             return outputs
         error = self._no_bucket(shapes)
         logger.debug("%s: a call was refused: %s", self.name, error)
