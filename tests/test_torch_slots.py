@@ -768,6 +768,21 @@ def test_slots_cannot_share_a_pool_passed_in() -> None:
         _graph(TinyMLP().cuda(), CUDA, slots=2, pool=pool)
 
 
+def test_a_schedule_cannot_share_a_pool_passed_in() -> None:
+    # Another call's graphs in the schedule's pool replay outside the schedule's order: a replay
+    # of the stage could overwrite the activations of the other's pending backward (on CUDA,
+    # wrong grads), and no order between them was checked (a plain graph there is refused).
+    pool = (0, 7)  # what torch.cuda.graph_pool_handle() gives; emulate takes it as a name
+    first = nn.Linear(4, 4)
+    dgt.make_graphed_callables(first, (torch.randn(2, 4, requires_grad=True),), pool=pool)
+    stage = nn.Linear(4, 4)
+    with pytest.raises(DualgraphError, match=r"schedule= captures .* cannot share the pool"):
+        dgt.make_graphed_callables(
+            stage, (torch.randn(2, 4, requires_grad=True),), schedule=[1, -1], pool=pool
+        )
+    assert stage(torch.ones(2, 4)).grad_fn is not None  # left as it was: eager
+
+
 def test_one_slot_is_the_plain_graphed_callable() -> None:
     graphed = _graph(torch.tanh, "emulate", slots=1)
     assert isinstance(graphed, dgt.GraphedCallable)

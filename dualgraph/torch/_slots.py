@@ -648,6 +648,15 @@ def checked_slots(
             "pass slots or schedule, not both: with a schedule, each callable gets one slot per "
             "micro-batch of the step, and micro-batches never in flight together share buffers"
         )
+    if pool is not None:
+        # Its graphs are safe in one pool because they replay in the order they were captured
+        # in; another call's graphs there replay at other times, and either may overwrite what
+        # the other's pending backwards read (no order between them is checked).
+        raise DualgraphError(
+            "schedule= captures every micro-batch's graphs into a memory pool of their own, "
+            "in the schedule's order, which is what makes their replays safe; it cannot share "
+            "the pool passed as pool= with graphs replayed outside the schedule"
+        )
     if not isinstance(schedule, Schedule):
         schedule = Schedule(schedule)
     schedule.chunk_sizes(callables)  # the callables split into the schedule's chunks
