@@ -32,7 +32,6 @@ import copy
 import logging
 import operator
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +45,7 @@ from ._address_ranges import first_sharing, storage_spans
 from ._ambient import autograd_records
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._eager_graphs import EagerGraphs
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
@@ -64,7 +64,6 @@ __all__ = [
     "BucketDiagnostics",
     "BucketedCallable",
     "BucketedDiagnostics",
-    "EagerGraphs",
     "Fallback",
 ]
 
@@ -574,52 +573,6 @@ def _differing_position(shapes: Sequence[Any], buckets: Sequence[Sequence[Any]])
     return next(i for i, shape in enumerate(shapes) if tuple(closest[i]) != tuple(shape))
 
 
-class EagerGraphs:
-    """Whether an autograd graph of the eager fallback is alive (``param_grads="auto"``).
-
-    Such a graph gives the parameters grads of its own; a bucket's backward that ran in the same
-    backward and added its grads into ``.grad`` itself would round differently from eager's sum
-    of both, so while one is alive the buckets hand their grads to autograd (which sums them).
-    A graph is tracked through a token in the metadata of its output nodes: it dies with them.
-
-    >>> graphs = EagerGraphs()
-    >>> out = torch.ones(2, requires_grad=True) * 2
-    >>> graphs.track([out, None])
-    >>> graphs()
-    True
-    >>> del out
-    >>> graphs()
-    False
-    """
-
-    __slots__ = ("alive",)
-
-    def __init__(self) -> None:
-        self.alive = 0
-
-    def __call__(self) -> bool:
-        return self.alive > 0
-
-    def track(self, outputs: Sequence[Any]) -> None:
-        """Count the graph behind ``outputs`` (flat leaves) as alive until their nodes die."""
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
-        nodes = {id(node): node for node in map(_grad_fn, tensors) if node is not None}
-        if not nodes:
-            return
-        token = _Token()
-        weakref.finalize(token, self._release)
-        self.alive += 1
-        for node in nodes.values():
-            node.metadata["dualgraph.eager_fallback"] = token
-
-    def _release(self) -> None:
-        self.alive -= 1
-
-
-class _Token:
-    """Lives as long as the autograd nodes whose metadata hold it."""
-
-
 def _refuse_updates_seen_through_padded(
     runner: GraphedCallable, tensors: Sequence[torch.Tensor], paths: Sequence[str], padding: Padding
 ) -> None:
@@ -662,10 +615,6 @@ def _note_padded_inputs(
     runner.note_padded_inputs(
         (index_of[paths[j]], tensors[j]) for j, _ in padding.inputs if paths[j] in index_of
     )
-
-
-def _grad_fn(tensor: torch.Tensor) -> Any:
-    return tensor.grad_fn
 
 
 def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

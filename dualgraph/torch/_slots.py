@@ -183,6 +183,8 @@ class SlotReplay(GraphedCallable):
         into ``.grad``; adding each slot's grads into ``.grad`` in turn would round differently.
         Then every slot of this backward hands its grads to autograd, which sums them as eager.
         """
+        if super()._params_used_elsewhere():  # a call run eagerly (_eagerly)
+            return True
         front = self._front
         assert front is not None
         for index, recent in enumerate(front._recent):
