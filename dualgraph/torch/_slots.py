@@ -38,7 +38,7 @@ import gc
 import operator
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -107,6 +107,43 @@ class SlotReplay(GraphedCallable):
         if grad_enabled:  # under the replay Function: its differentiable outputs get its node
             self._probe = outputs
         return outputs
+
+    def _eagerly(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        replay_kwargs: Mapping[str, Any] | None,
+    ) -> Any:
+        """A call the replay declines (the callable's Python reads an input's ``requires_grad``
+        and the call's differs) runs eagerly with free slots; a schedule refuses it before it
+        runs: every forward of a scheduled step replays its micro-batch."""
+        front = self._front
+        if front is not None and isinstance(front._gate, ScheduleCursor):
+            raise self._refuse_eager_in_schedule(front._gate, args, kwargs)
+        return super()._eagerly(args, kwargs, replay_kwargs)
+
+    def _refuse_eager_in_schedule(
+        self, cursor: ScheduleCursor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> DualgraphError:
+        tensors = self._inputs.tensors(args, kwargs)
+        flags = self._flags_read or ()
+        path, wanted = next(
+            (
+                (self._inputs.paths[i], flag)
+                for i, flag in flags
+                if tensors[i].requires_grad is not flag
+            ),
+            ("an input", True),
+        )
+        sample, call = ("did", "does not") if wanted else ("did not", "does")
+        return DualgraphError(
+            f"{path}: {self.name}'s Python reads whether this input requires grad; its sample "
+            f"{sample} and this call's {call}, so eager's branch may differ from the replay's "
+            "and the call would run eagerly, outside the schedule, where "
+            f"{cursor.describe(cursor.passes[cursor.position])} is due. Nothing ran. Every "
+            "forward of a scheduled step replays its micro-batch: pass inputs requiring grad as "
+            "the samples did, or graph with samples like the calls"
+        )
 
     def node(self) -> _Node | None:
         """The autograd node of the replay just run (``None``: no backward can follow it).
