@@ -932,6 +932,68 @@ class ExpOfLinear(nn.Module):
         return self.linear(x).exp()  # its backward reads its output
 
 
+class ExpOfLinearReadingRequiresGrad(nn.Module):
+    """Its backward reads its output and its input; it branches on its input's requires_grad,
+    so a call whose input needs no grad (the samples' do) runs eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return (self.linear(x) * (0.5 if x.requires_grad else 0.25)).exp()
+
+
+def _padded_replay_then_padded_eager_call(
+    backend: str,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded call replayed (its backward pending), then a padded call the bucket's runner
+    runs eagerly; the inputs and outputs of both."""
+    device = device_of(backend)
+    graphed = ExpOfLinearReadingRequiresGrad().to(device)
+    dgt.make_graphed_callables(
+        graphed,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (3, 5)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+    )
+    replayed = torch.randn(2, 4, 4, device=device, requires_grad=True)
+    replayed_out = graphed(replayed)
+    eager = torch.randn(2, 4, 4, device=device)
+    eager_out = graphed(eager)
+    assert dgt.diagnostics(graphed).eager_calls == 1
+    return graphed, replayed, replayed_out, eager, eager_out
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("changed", ["input", "output"])
+def test_a_padded_call_run_eagerly_is_not_checked_as_the_replay_before_it(
+    backend: str, changed: str
+) -> None:
+    # The padded call's bookkeeping noted the eager call's input and cut output on the latest
+    # replay's node: a change to them, which eager allows, refused that replay's backward.
+    _, replayed, replayed_out, eager, eager_out = _padded_replay_then_padded_eager_call(backend)
+    (eager if changed == "input" else eager_out).add_(1)
+    replayed_out.sum().backward()
+    assert replayed.grad is not None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("changed", ["input", "output"])
+def test_a_padded_call_run_eagerly_keeps_the_checks_of_the_replay_before_it(
+    backend: str, changed: str
+) -> None:
+    # ... and dropped the replay's own: its input or cut output changed in place, its backward
+    # ran with the values of the call (eager's raises).
+    graphed, replayed, replayed_out, _, _ = _padded_replay_then_padded_eager_call(backend)
+    with torch.no_grad():
+        (replayed if changed == "input" else replayed_out).add_(1)
+    with pytest.raises(DualgraphError, match=r"modified in place after the (call|replay)"):
+        replayed_out.sum().backward()
+    assert replayed.grad is None and graphed.linear.weight.grad is None
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
 @pytest.mark.parametrize("length", [6, 8], ids=["padded", "exact"])

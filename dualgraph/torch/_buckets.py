@@ -399,14 +399,23 @@ class BucketedCallable:
             padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
-        if run is None:
+        replayed = False
+        if run is None and isinstance(runner, GraphedCallable):
+            generation = runner.generation
             outputs = self._replay(bucket, args, kwargs, length)
-            if isinstance(runner, GraphedCallable) and runner.plan.saved_inputs:
+            # What follows notes this call's tensors on the replay just run; a call the runner
+            # ran eagerly (its Python reads grad mode or requires_grad) left the latest replay
+            # as it was, and its backward is eager's own.
+            replayed = runner.generation != generation
+            if replayed and runner.plan.saved_inputs:
                 _note_padded_inputs(runner, tensors, self._guard.paths, padding)
+        elif run is None:
+            outputs = self._replay(bucket, args, kwargs, length)
+            replayed = True
         else:
             outputs = run(*args, **kwargs)
         callers = {id(padded[index]): tensors[index] for index, _ in padding.inputs}
-        return self._cut(bucket, outputs, length, callers, replayed=run is None)
+        return self._cut(bucket, outputs, length, callers, replayed=replayed)
 
     def _length_tensor(self, length: int, bucket: _Bucket) -> torch.Tensor:
         tensor = self._lengths.get(length)
