@@ -236,6 +236,12 @@ class BucketedCallable:
         return report
 
     @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """Whether a graph of an eager call of it is alive (shared by its buckets, ``"auto"``)."""
+        runner = self._buckets[0].runner
+        return runner.eager_graphs if isinstance(runner, GraphedCallable) else None
+
+    @property
     def runners(self) -> tuple[GraphedCallable | EagerCallable, ...]:
         """The callable that serves each bucket, in the order the buckets were given."""
         return tuple(bucket.runner for bucket in self._buckets)

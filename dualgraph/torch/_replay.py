@@ -326,8 +326,9 @@ class GraphedCallable:
         self._flags_read = (
             tuple((i, plan.inputs.requires_grad[i]) for i in plan.reads_requires_grad) or None
         )
-        if other_uses is None and self._auto and (self._reads_grad_mode or self._flags_read):
-            # such a call runs eagerly (_eagerly): its graph gives the parameters grads too
+        if other_uses is None and self._auto:
+            # the graphs of its calls run eagerly (_eagerly; a module's forward in the other
+            # training mode) give the parameters grads too
             other_uses = EagerGraphs()
         self._other_uses = other_uses
         # The parameters and buffers the backward graph reads (where eager saves them): changed
@@ -584,6 +585,13 @@ class GraphedCallable:
     def generation(self) -> int:
         """How many forward replays have run: a backward pairs with the latest one only."""
         return self._generation
+
+    @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """``"auto"``: whether a graph of an eager call of the callable is alive (then its
+        replays' backwards hand the parameter grads to autograd, which sums them as eager);
+        shared by its slots or buckets. ``None`` in the other modes."""
+        return self._other_uses
 
     def expire_backward(self) -> None:
         """Refuse the backward of the latest replay from now on: its activations are gone.
@@ -1190,12 +1198,13 @@ class GraphedCallable:
         Eager sums the grads a parameter gets from every use in one backward before adding the
         sum into ``.grad``; ``"auto"`` adding this replay's share into ``.grad`` itself would
         round differently, so then it hands the grads to autograd. Uses it can see: other slots
-        (:class:`SlotReplay` overrides this), and the graphs of eager calls (``other_uses``): a
-        shape-bucketed callable's eager fallback, and calls run eagerly where the callable's
-        Python reads grad mode or an input's ``requires_grad`` (:meth:`_eagerly`).
+        (:class:`SlotReplay` overrides this), and the graphs of eager calls
+        (:attr:`eager_graphs`): a shape-bucketed callable's eager fallback, calls run eagerly
+        where the callable's Python reads grad mode or an input's ``requires_grad``
+        (:meth:`_eagerly`), and a graphed module's forward in the other ``training`` mode.
         """
         other_uses = self._other_uses
-        return other_uses is not None and other_uses()
+        return other_uses is not None and other_uses.alive > 0
 
     def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
         """Refuse a backward whose graph would read a parameter or buffer changed in place

@@ -49,6 +49,7 @@ from ._ambient import autograd_records
 from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, capture_copies
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._eager_graphs import EagerGraphs
 from ._grad_checks import will_engine_execute_node
 from ._nesting import SCOPE, inside_another
 from ._replay import GraphedCallable
@@ -278,6 +279,11 @@ class SlottedCallable:
     def spec(self) -> TreeSpec:
         """The output spec recorded at capture."""
         return self._replays[0].spec
+
+    @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """Whether a graph of an eager call of it is alive (shared by its slots, ``"auto"``)."""
+        return self._replays[0].eager_graphs
 
     @property
     def slots(self) -> int:
