@@ -511,6 +511,16 @@ def test_diagnostics_keep_the_lint_report_and_the_memory_plan(layout: dict[str, 
     assert [c.name for c in report.memory_plan.callables] == ["TinyMLP"]
 
 
+@pytest.mark.parametrize("layout", [{"slots": 3}, {"schedule": [1, 1, -1, -1]}])
+def test_diagnostics_count_the_capture_time_of_every_slot(layout: dict[str, Any]) -> None:
+    # each slot is a capture of its own; the time reported was the first slot's alone (shape
+    # buckets sum theirs)
+    graphed = _graph(TinyMLP(), "emulate", **layout)
+    parts = [replay.diagnostics.capture_seconds for replay in runner_of(graphed)._replays]
+    assert all(part > 0 for part in parts)
+    assert dgt.diagnostics(graphed).capture_seconds == pytest.approx(sum(parts))
+
+
 # -- schedules -----------------------------------------------------------------------------------
 
 

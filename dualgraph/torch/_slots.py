@@ -297,7 +297,8 @@ class SlottedCallable:
 
     @property
     def diagnostics(self) -> CaptureDiagnostics:
-        """Every slot together: buffers counted once, pools summed (or the shared one), replays."""
+        """Every slot together: buffers counted once, pools summed (or the shared one), capture
+        times and replays summed."""
         parts = [replay.diagnostics for replay in self._replays]
         first = parts[0]
         inputs, outputs, grads, reused = self._unique_bytes
@@ -309,7 +310,7 @@ class SlottedCallable:
             static_output_bytes=outputs,
             static_grad_bytes=grads,
             pool_bytes=first.pool_bytes if shared_pool else sum(p.pool_bytes for p in parts),
-            capture_seconds=first.capture_seconds,
+            capture_seconds=sum(p.capture_seconds for p in parts),  # each slot's own capture
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
             eager_calls=sum(p.eager_calls for p in parts),
