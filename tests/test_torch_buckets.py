@@ -932,6 +932,68 @@ class ExpOfLinear(nn.Module):
         return self.linear(x).exp()  # its backward reads its output
 
 
+class ExpOfLinearReadingRequiresGrad(nn.Module):
+    """Its backward reads its output and its input; it branches on its input's requires_grad,
+    so a call whose input needs no grad (the samples' do) runs eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return (self.linear(x) * (0.5 if x.requires_grad else 0.25)).exp()
+
+
+def _padded_replay_then_padded_eager_call(
+    backend: str,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded call replayed (its backward pending), then a padded call the bucket's runner
+    runs eagerly; the inputs and outputs of both."""
+    device = device_of(backend)
+    graphed = ExpOfLinearReadingRequiresGrad().to(device)
+    dgt.make_graphed_callables(
+        graphed,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (3, 5)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+    )
+    replayed = torch.randn(2, 4, 4, device=device, requires_grad=True)
+    replayed_out = graphed(replayed)
+    eager = torch.randn(2, 4, 4, device=device)
+    eager_out = graphed(eager)
+    assert dgt.diagnostics(graphed).eager_calls == 1
+    return graphed, replayed, replayed_out, eager, eager_out
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("changed", ["input", "output"])
+def test_a_padded_call_run_eagerly_is_not_checked_as_the_replay_before_it(
+    backend: str, changed: str
+) -> None:
+    # The padded call's bookkeeping noted the eager call's input and cut output on the latest
+    # replay's node: a change to them, which eager allows, refused that replay's backward.
+    _, replayed, replayed_out, eager, eager_out = _padded_replay_then_padded_eager_call(backend)
+    (eager if changed == "input" else eager_out).add_(1)
+    replayed_out.sum().backward()
+    assert replayed.grad is not None
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("changed", ["input", "output"])
+def test_a_padded_call_run_eagerly_keeps_the_checks_of_the_replay_before_it(
+    backend: str, changed: str
+) -> None:
+    # ... and dropped the replay's own: its input or cut output changed in place, its backward
+    # ran with the values of the call (eager's raises).
+    graphed, replayed, replayed_out, _, _ = _padded_replay_then_padded_eager_call(backend)
+    with torch.no_grad():
+        (replayed if changed == "input" else replayed_out).add_(1)
+    with pytest.raises(DualgraphError, match=r"modified in place after the (call|replay)"):
+        replayed_out.sum().backward()
+    assert replayed.grad is None and graphed.linear.weight.grad is None
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
 @pytest.mark.parametrize("length", [6, 8], ids=["padded", "exact"])
@@ -1478,6 +1540,33 @@ def test_diagnostics_count_each_buckets_calls_and_bytes() -> None:
     assert report.static_grad_bytes < sum(b.static_grad_bytes for b in report.buckets)
     assert report.static_grad_bytes >= parameter_bytes  # one set of parameter grads for all
     assert report.pool_bytes == report.largest_bucket_pool_bytes == 0  # no pool on the CPU
+
+
+class _ScalesByGradMode(nn.Module):
+    """Branches on grad mode: a call under no_grad runs it eagerly instead of replaying."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if torch.is_grad_enabled() else 3.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_buckets_call_run_eagerly_is_counted_as_an_eager_call_not_a_replay(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = _ScalesByGradMode().to(device)
+    buckets = [(torch.randn(n, 4, device=device, requires_grad=True),) for n in (2, 3)]
+    dgt.make_graphed_callables(module, buckets=buckets, backend=backend)
+    module(torch.randn(2, 4, device=device, requires_grad=True))
+    with torch.no_grad():
+        module(torch.randn(3, 4, device=device))
+    report = dgt.diagnostics(module)
+    assert (report.replays, report.eager_calls) == (1, 1)
+    assert [b.calls for b in report.buckets] == [1, 1]  # each bucket served one call
 
 
 def test_the_log_says_which_bucket_served_a_call_and_why_one_fell_back(

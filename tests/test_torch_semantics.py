@@ -4053,6 +4053,77 @@ def test_a_callable_branching_on_an_inputs_requires_grad_runs_eagerly_where_it_d
     assert dgt.diagnostics(module).eager_calls == 1
 
 
+class _WideBranchesOnRequiresGrad(nn.Module):
+    """Scales by 2 where its input requires grad, by 3 where not; wide enough that the order in
+    which a weight's grads are added shows in the last bits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if x.requires_grad else 3.0)
+
+
+@pytest.mark.parametrize("layout", ["plain", "slots", "buckets"])
+def test_auto_sums_a_replays_grads_with_those_of_a_call_run_eagerly_in_one_backward_as_eager(
+    layout: str,
+) -> None:
+    # A call whose input's requires_grad differs from the sample's runs eagerly; one backward
+    # through it and a replay gives the weight grads of both uses. "auto" added the replay's
+    # share into .grad in its graph and autograd the eager one's after it, where eager sums both
+    # first (last bits apart); it now hands the replay's to autograd while such a graph lives.
+    torch.manual_seed(0)
+    module = _WideBranchesOnRequiresGrad()
+    twin = copy.deepcopy(module)
+    options: dict[str, Any] = {"backend": "emulate", "param_grads": "auto"}
+    if layout == "buckets":
+        options["buckets"] = [(torch.randn(n, 16, requires_grad=True),) for n in (8, 4)]
+    else:
+        options["sample_args"] = (torch.randn(8, 16, requires_grad=True),)
+        if layout == "slots":
+            options["slots"] = 2
+    dgt.make_graphed_callables(module, **options)
+    replayed, eager = torch.randn(8, 16) * 100, torch.randn(8, 16)
+    for side in (module, twin):
+        side.fc.weight.grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(5)) * 1e3
+        (side(replayed.clone().requires_grad_()).sum() + side(eager.clone()).sum()).backward()
+    assert dgt.diagnostics(module).eager_calls == 1
+    assert torch.equal(module.fc.weight.grad, twin.fc.weight.grad)
+    assert torch.equal(module.fc.bias.grad, twin.fc.bias.grad)
+
+
+@pytest.mark.parametrize("layout", ["plain", "slots", "buckets"])
+def test_auto_sums_a_replays_grads_with_those_of_the_modules_forward_in_the_other_mode_as_eager(
+    layout: str,
+) -> None:
+    # A graphed module in the other training mode runs its forward eagerly; one backward
+    # through such a call and a replay gives the weight grads of both uses. "auto" added the
+    # replay's share into .grad in its graph and autograd the eager one's after it, where eager
+    # sums both first (last bits apart); it now hands the replay's to autograd meanwhile.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.0))
+    twin = copy.deepcopy(module)
+    options: dict[str, Any] = {"backend": "emulate", "param_grads": "auto"}
+    if layout == "buckets":
+        options["buckets"] = [(torch.randn(n, 16, requires_grad=True),) for n in (8, 4)]
+    else:
+        options["sample_args"] = (torch.randn(8, 16, requires_grad=True),)
+        if layout == "slots":
+            options["slots"] = 2
+    dgt.make_graphed_callables(module, **options)
+    replayed, evaluated = torch.randn(8, 16) * 100, torch.randn(8, 16, requires_grad=True)
+    for side in (module, twin):
+        side[0].weight.grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(5)) * 1e3
+        trained = side(replayed.clone().requires_grad_()).sum()
+        side.eval()
+        (trained + side(evaluated).sum()).backward()
+        side.train()
+    assert dgt.diagnostics(module).param_grads_through_autograd == 1
+    assert torch.equal(module[0].weight.grad, twin[0].weight.grad)
+    assert torch.equal(module[0].bias.grad, twin[0].bias.grad)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_callable_reading_no_grad_mode_replays_under_no_grad(backend: str) -> None:
     device = device_of(backend)

@@ -511,6 +511,16 @@ def test_diagnostics_keep_the_lint_report_and_the_memory_plan(layout: dict[str, 
     assert [c.name for c in report.memory_plan.callables] == ["TinyMLP"]
 
 
+@pytest.mark.parametrize("layout", [{"slots": 3}, {"schedule": [1, 1, -1, -1]}])
+def test_diagnostics_count_the_capture_time_of_every_slot(layout: dict[str, Any]) -> None:
+    # each slot is a capture of its own; the time reported was the first slot's alone (shape
+    # buckets sum theirs)
+    graphed = _graph(TinyMLP(), "emulate", **layout)
+    parts = [replay.diagnostics.capture_seconds for replay in runner_of(graphed)._replays]
+    assert all(part > 0 for part in parts)
+    assert dgt.diagnostics(graphed).capture_seconds == pytest.approx(sum(parts))
+
+
 # -- schedules -----------------------------------------------------------------------------------
 
 
@@ -766,6 +776,56 @@ def test_slots_cannot_share_a_pool_passed_in() -> None:
     pool = torch.cuda.graph_pool_handle()
     with pytest.raises(DualgraphError, match="each slot into a memory pool of its own"):
         _graph(TinyMLP().cuda(), CUDA, slots=2, pool=pool)
+
+
+class _BranchesOnRequiresGrad(nn.Module):
+    """Normalizes over the batch (a running count moves on each training forward), then
+    scales by 2 where its input requires grad, by 3 where not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * (2.0 if x.requires_grad else 3.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_call_that_would_run_eagerly_is_refused_before_it_runs(backend: str) -> None:
+    # The call's input needs no grad where the sample's did, and the forward reads it: it runs
+    # eagerly. Under a schedule it ran (the batch norm counting a batch), then was refused as
+    # having 'no input or parameter requiring grad', which the parameters are.
+    device = device_of(backend)
+    module = _BranchesOnRequiresGrad().to(device)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, schedule=[1, -1])
+    with pytest.raises(
+        DualgraphError,
+        match=r"args\[0\]: _BranchesOnRequiresGrad's Python reads whether this input requires "
+        r"grad; its sample did and this call's does not.*forward of _BranchesOnRequiresGrad "
+        r"for micro-batch 0 is due. Nothing ran",
+    ):
+        module(torch.randn(3, 4, device=device))
+    assert module.norm.num_batches_tracked.item() == 0
+    module(torch.randn(3, 4, device=device, requires_grad=True)).sum().backward()  # the step
+    assert module.norm.num_batches_tracked.item() == 1
+    assert module.fc.weight.grad is not None
+
+
+def test_a_schedule_cannot_share_a_pool_passed_in() -> None:
+    # Another call's graphs in the schedule's pool replay outside the schedule's order: a replay
+    # of the stage could overwrite the activations of the other's pending backward (on CUDA,
+    # wrong grads), and no order between them was checked (a plain graph there is refused).
+    pool = (0, 7)  # what torch.cuda.graph_pool_handle() gives; emulate takes it as a name
+    first = nn.Linear(4, 4)
+    dgt.make_graphed_callables(first, (torch.randn(2, 4, requires_grad=True),), pool=pool)
+    stage = nn.Linear(4, 4)
+    with pytest.raises(DualgraphError, match=r"schedule= captures .* cannot share the pool"):
+        dgt.make_graphed_callables(
+            stage, (torch.randn(2, 4, requires_grad=True),), schedule=[1, -1], pool=pool
+        )
+    assert stage(torch.ones(2, 4)).grad_fn is not None  # left as it was: eager
 
 
 def test_one_slot_is_the_plain_graphed_callable() -> None:

@@ -451,6 +451,37 @@ def test_a_call_that_falls_back_to_eager_is_refused_naming_the_fallback() -> Non
     assert "training mode" not in str(error.value)
 
 
+class _ScalesByRequiresGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if x.requires_grad else 3.0)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {},
+        {"slots": 2},
+        {"buckets": [(torch.randn(n, 4, requires_grad=True),) for n in (2, 3)]},
+    ],
+    ids=["plain", "slots", "buckets"],
+)
+def test_calls_run_eagerly_for_reading_requires_grad_are_refused_saying_so(
+    layout: dict[str, Any],
+) -> None:
+    # the calls' input needs no grad where the samples' did, and the forward reads it: they run
+    # eagerly. verify blamed a bucket fallback the callable did not have (or, with buckets,
+    # which counted such calls as replays, compared eager with eager and said OK)
+    if "buckets" not in layout:
+        layout = {"sample_args": (torch.randn(2, 4, requires_grad=True),), **layout}
+    graphed = dgt.make_graphed_callables(_ScalesByRequiresGrad(), backend="emulate", **layout)
+    with pytest.raises(DualgraphError, match=r"replayed 0 times.*reads grad mode or an input's"):
+        dgt.verify(graphed, torch.randn(2, 4))
+
+
 def test_steps_must_be_a_positive_int() -> None:
     graphed, args, _ = graphed_case("hooks")
     with pytest.raises(DualgraphError, match=r"steps must be a positive int, got 0"):

@@ -23,13 +23,13 @@ from ._buckets import (
     BucketDiagnostics,
     BucketedCallable,
     BucketedDiagnostics,
-    EagerGraphs,
     Fallback,
     _Bucket,
 )
 from ._capture import CaptureOptions, CaptureRequest, capture
 from ._capture_failure import Progress, describe_failure, release_failed_attempt
 from ._eager import EagerCallable
+from ._eager_graphs import EagerGraphs
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes

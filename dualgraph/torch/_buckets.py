@@ -32,7 +32,6 @@ import copy
 import logging
 import operator
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +45,7 @@ from ._address_ranges import first_sharing, storage_spans
 from ._ambient import autograd_records
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._eager_graphs import EagerGraphs
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
@@ -64,7 +64,6 @@ __all__ = [
     "BucketDiagnostics",
     "BucketedCallable",
     "BucketedDiagnostics",
-    "EagerGraphs",
     "Fallback",
 ]
 
@@ -116,7 +115,9 @@ class BucketedDiagnostics(CaptureDiagnostics):
     into the empty pool (what that bucket alone needs): their ratio shows what the smaller
     buckets added. Byte counts of static buffers count a buffer shared by buckets once.
     ``replays`` counts the calls that replayed a bucket, ``eager_calls`` those that ran eagerly
-    (``fallback="eager"``), ``padded_calls`` those padded up to a bucket (``fallback="pad"``).
+    (``fallback="eager"``, or a bucket's call that ran its callable eagerly where its Python
+    branches on grad mode or an input's ``requires_grad``), ``padded_calls`` those padded up to a
+    bucket (``fallback="pad"``).
     ``lint`` merges the buckets' lint reports and ``memory_plan`` is the largest bucket's (the
     pool is sized by it); each bucket's are in ``buckets``.
 
@@ -211,6 +212,8 @@ class BucketedCallable:
         self._last: _Bucket | None = None
         self._eager_graphs = eager_graphs
         self._hooks = hooks  # for calls that fall back to eager
+        self._served = 0  # calls a bucket served (replayed, or run eagerly by its runner)
+        self._fallback_calls = 0  # calls run eagerly under fallback="eager"
         # What each bucket compares per call (its module's tensors and plain values, or those a
         # function's code names), once each: an eager fallback runs the forward's Python, and
         # the values it sets (a flag, a counter) are its own, as in an emulated replay.
@@ -220,10 +223,23 @@ class BucketedCallable:
     @property
     def diagnostics(self) -> BucketedDiagnostics:
         """What :func:`dualgraph.torch.diagnostics` reports: the buckets' counts summed."""
-        self._diagnostics.param_grads_through_autograd = sum(
-            runner.diagnostics.param_grads_through_autograd for runner in self.runners
+        report = self._diagnostics
+        runners = [runner.diagnostics for runner in self.runners]
+        report.param_grads_through_autograd = sum(
+            runner.param_grads_through_autograd for runner in runners
         )
-        return self._diagnostics
+        # A bucket's runner runs a call eagerly where its Python would branch otherwise than at
+        # capture (grad mode, an input's requires_grad): served by the bucket, but no replay.
+        eagerly = sum(runner.eager_calls for runner in runners)
+        report.replays = self._served - eagerly
+        report.eager_calls = self._fallback_calls + eagerly
+        return report
+
+    @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """Whether a graph of an eager call of it is alive (shared by its buckets, ``"auto"``)."""
+        runner = self._buckets[0].runner
+        return runner.eager_graphs if isinstance(runner, GraphedCallable) else None
 
     @property
     def runners(self) -> tuple[GraphedCallable | EagerCallable, ...]:
@@ -299,7 +315,7 @@ class BucketedCallable:
         diagnostics = bucket.diagnostics
         diagnostics.calls += 1
         diagnostics.last_used = time.time()
-        self._diagnostics.replays += 1
+        self._served += 1
         if padded is not None:
             diagnostics.padded_calls += 1
             self._diagnostics.padded_calls += 1
@@ -338,7 +354,7 @@ class BucketedCallable:
             self._check_outputs(outputs)
             if self._eager_graphs is not None and self._out_spec is not None:
                 self._eager_graphs.track(self._out_spec.flatten(outputs))
-            self._diagnostics.eager_calls += 1
+            self._fallback_calls += 1
             return outputs
         error = self._no_bucket(shapes)
         logger.debug("%s: a call was refused: %s", self.name, error)
@@ -389,14 +405,23 @@ class BucketedCallable:
             padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
-        if run is None:
+        replayed = False
+        if run is None and isinstance(runner, GraphedCallable):
+            generation = runner.generation
             outputs = self._replay(bucket, args, kwargs, length)
-            if isinstance(runner, GraphedCallable) and runner.plan.saved_inputs:
+            # What follows notes this call's tensors on the replay just run; a call the runner
+            # ran eagerly (its Python reads grad mode or requires_grad) left the latest replay
+            # as it was, and its backward is eager's own.
+            replayed = runner.generation != generation
+            if replayed and runner.plan.saved_inputs:
                 _note_padded_inputs(runner, tensors, self._guard.paths, padding)
+        elif run is None:
+            outputs = self._replay(bucket, args, kwargs, length)
+            replayed = True
         else:
             outputs = run(*args, **kwargs)
         callers = {id(padded[index]): tensors[index] for index, _ in padding.inputs}
-        return self._cut(bucket, outputs, length, callers, replayed=run is None)
+        return self._cut(bucket, outputs, length, callers, replayed=replayed)
 
     def _length_tensor(self, length: int, bucket: _Bucket) -> torch.Tensor:
         tensor = self._lengths.get(length)
@@ -563,52 +588,6 @@ def _differing_position(shapes: Sequence[Any], buckets: Sequence[Sequence[Any]])
     return next(i for i, shape in enumerate(shapes) if tuple(closest[i]) != tuple(shape))
 
 
-class EagerGraphs:
-    """Whether an autograd graph of the eager fallback is alive (``param_grads="auto"``).
-
-    Such a graph gives the parameters grads of its own; a bucket's backward that ran in the same
-    backward and added its grads into ``.grad`` itself would round differently from eager's sum
-    of both, so while one is alive the buckets hand their grads to autograd (which sums them).
-    A graph is tracked through a token in the metadata of its output nodes: it dies with them.
-
-    >>> graphs = EagerGraphs()
-    >>> out = torch.ones(2, requires_grad=True) * 2
-    >>> graphs.track([out, None])
-    >>> graphs()
-    True
-    >>> del out
-    >>> graphs()
-    False
-    """
-
-    __slots__ = ("alive",)
-
-    def __init__(self) -> None:
-        self.alive = 0
-
-    def __call__(self) -> bool:
-        return self.alive > 0
-
-    def track(self, outputs: Sequence[Any]) -> None:
-        """Count the graph behind ``outputs`` (flat leaves) as alive until their nodes die."""
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
-        nodes = {id(node): node for node in map(_grad_fn, tensors) if node is not None}
-        if not nodes:
-            return
-        token = _Token()
-        weakref.finalize(token, self._release)
-        self.alive += 1
-        for node in nodes.values():
-            node.metadata["dualgraph.eager_fallback"] = token
-
-    def _release(self) -> None:
-        self.alive -= 1
-
-
-class _Token:
-    """Lives as long as the autograd nodes whose metadata hold it."""
-
-
 def _refuse_updates_seen_through_padded(
     runner: GraphedCallable, tensors: Sequence[torch.Tensor], paths: Sequence[str], padding: Padding
 ) -> None:
@@ -651,10 +630,6 @@ def _note_padded_inputs(
     runner.note_padded_inputs(
         (index_of[paths[j]], tensors[j]) for j, _ in padding.inputs if paths[j] in index_of
     )
-
-
-def _grad_fn(tensor: torch.Tensor) -> Any:
-    return tensor.grad_fn
 
 
 def _checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -30,9 +30,10 @@ class CaptureDiagnostics:
     with the measured pool beside it on the GPU (``None`` where the warmup ran unwatched: on
     ``"eager"``, and on ``"cuda"`` under ``lint="auto"``). With several replay slots (``slots=`` or
     ``schedule=``), the bytes count every buffer once, ``pool_bytes`` sums the slots' own pools (or
-    is the schedule's shared pool), ``slots`` is their number, ``in_flight`` the slots whose
-    backward is pending, and ``reused_buffer_bytes`` what slots share instead of each holding a copy
-    (the static inputs, outputs and grads of micro-batches never in flight together).
+    is the schedule's shared pool), ``capture_seconds`` the slots' captures, ``slots`` is their
+    number, ``in_flight`` the slots whose backward is pending, and ``reused_buffer_bytes`` what
+    slots share instead of each holding a copy (the static inputs, outputs and grads of
+    micro-batches never in flight together).
 
     >>> CaptureDiagnostics(name="Linear", backend="emulate").replays
     0

@@ -185,7 +185,8 @@ def make_graphed_callables(
             no grad), instead of failing the capture.
         pool: a CUDA graph memory pool handle to share (``"cuda"``); by default one new pool
             for the callables captured together. Callables graphed by several calls into one
-            pool follow its capture order, as callables graphed together do.
+            pool follow its capture order, as callables graphed together do. Not with
+            ``slots=`` or ``schedule=``, whose graphs need pools of their own.
         backend: ``"cuda"`` real CUDA graphs; ``"emulate"`` the same static-buffer semantics
             without a graph (it re-runs the callable on the static buffers, so a CPU run
             exercises what a replay does); ``"eager"`` a plain call with input checks;

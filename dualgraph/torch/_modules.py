@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from .._errors import DualgraphError
 from ._buckets import BucketedCallable
@@ -76,8 +77,13 @@ def _graphed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return state.runner(*args, **kwargs)
         with changes_taken(module):  # numbers its Python sets are no change of the caller's
             if state.previous is not None:
-                return state.previous(*args, **kwargs)
-            return type(module).forward(module, *args, **kwargs)
+                outputs = state.previous(*args, **kwargs)
+            else:
+                outputs = type(module).forward(module, *args, **kwargs)
+        graphs = getattr(state.runner, "eager_graphs", None)  # "auto": see EagerGraphs
+        if graphs is not None:  # (no grad mode read here: inside a capture it would be noted)
+            graphs.track(tree_leaves(outputs))
+        return outputs
     # A copy of a graphed module (from now on a plain module), or a restored one whose user's
     # forward wraps this one: run the forward from before graphing, never module.forward (which
     # may be that wrapper, calling this again).

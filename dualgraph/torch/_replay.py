@@ -46,6 +46,7 @@ from ._ambient import numerics_state as _numerics_state
 from ._ambient import state_of as _state_of
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._eager_graphs import EagerGraphs
 from ._grad_checks import aliases as _aliases
 from ._grad_checks import grad_accumulator as _grad_accumulator
 from ._grad_checks import grad_problem as _grad_problem
@@ -239,7 +240,7 @@ class GraphedCallable:
         plan: ReplayPlan,
         *,
         lock: threading.Lock | None = None,
-        other_uses: Callable[[], bool] | None = None,
+        other_uses: EagerGraphs | None = None,
         pool: PoolPlace | None = None,
     ) -> None:
         # ``lock``: one shared by callables whose graphs share activations (shape buckets), so
@@ -292,7 +293,6 @@ class GraphedCallable:
         self._param_grads = tuple([*buffers.param_grads]) if through_autograd else ()
         # "auto": the anchor comes last among the Function's inputs, after the parameters.
         self._anchor_none = (None,) if params.mode == "auto" and params.anchor is not None else ()
-        self._other_uses = other_uses
         # A leaf node that runs in every ``.backward()`` through a replay, and never in
         # ``torch.autograd.grad``: see ``_is_plain_backward``. The anchor's node ("in_graph",
         # "auto") is ours to keep; a parameter's is looked up during the backward (when the
@@ -329,6 +329,11 @@ class GraphedCallable:
         self._flags_read = (
             tuple((i, plan.inputs.requires_grad[i]) for i in plan.reads_requires_grad) or None
         )
+        if other_uses is None and self._auto:
+            # the graphs of its calls run eagerly (_eagerly; a module's forward in the other
+            # training mode) give the parameters grads too
+            other_uses = EagerGraphs()
+        self._other_uses = other_uses
         # The parameters and buffers the backward graph reads (where eager saves them): changed
         # in place before the backward, eager raises, and a graph would read the new values. A
         # function's module tensors are those its code names; the plan's saved_closure_tensors
@@ -587,6 +592,13 @@ class GraphedCallable:
         """How many forward replays have run: a backward pairs with the latest one only."""
         return self._generation
 
+    @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """``"auto"``: whether a graph of an eager call of the callable is alive (then its
+        replays' backwards hand the parameter grads to autograd, which sums them as eager);
+        shared by its slots or buckets. ``None`` in the other modes."""
+        return self._other_uses
+
     def expire_backward(self) -> None:
         """Refuse the backward of the latest replay from now on: its activations are gone.
 
@@ -608,10 +620,11 @@ class GraphedCallable:
 
         They share their in-graph accumulators, whose present holders each takes as their
         owners (a holder beyond these, a ``.grad`` kept after ``zero_grad(set_to_none=True)``,
-        then counts), whether a forward ran inside DDP's, and the nodes of their latest
-        replays.
+        then counts), whether a forward ran inside DDP's, the nodes of their latest replays,
+        and (``"auto"``) whether a graph of a call any of them ran eagerly is alive.
         """
         ddp = replays[0]._ddp
+        eager = next((r._other_uses for r in replays if r._other_uses is not None), None)
         # a backward through any two of them checks the other (_refuse_stale_in_this_backward)
         nodes: deque[Any] = deque(maxlen=_NODES_KEPT + 2 * len(replays))
         for replay in replays:
@@ -619,6 +632,8 @@ class GraphedCallable:
             replay._holder_totals_baseline = replay._holder_totals()
             replay._ddp = ddp
             replay._nodes = nodes
+            if replay._auto:
+                replay._other_uses = eager
             if replay._pool is not None:
                 replay._pool.nodes = nodes
 
@@ -764,7 +779,9 @@ class GraphedCallable:
                 run = plan.eager_context
                 with run() if run is not None else contextlib.nullcontext():
                     outputs = plan.fn(*args, **kwargs)
-        self._out_spec.flatten(outputs, check=True, root="output")
+        flat = self._out_spec.flatten(outputs, check=True, root="output")
+        if self._other_uses is not None:  # "auto": replays in its backward go through autograd
+            self._other_uses.track(flat)
         self.diagnostics.eager_calls += 1
         return outputs
 
@@ -1187,11 +1204,13 @@ class GraphedCallable:
         Eager sums the grads a parameter gets from every use in one backward before adding the
         sum into ``.grad``; ``"auto"`` adding this replay's share into ``.grad`` itself would
         round differently, so then it hands the grads to autograd. Uses it can see: other slots
-        (:class:`SlotReplay` overrides this), and what ``other_uses`` (given at construction)
-        reports, e.g. a shape-bucketed callable's eager fallback.
+        (:class:`SlotReplay` overrides this), and the graphs of eager calls
+        (:attr:`eager_graphs`): a shape-bucketed callable's eager fallback, calls run eagerly
+        where the callable's Python reads grad mode or an input's ``requires_grad``
+        (:meth:`_eagerly`), and a graphed module's forward in the other ``training`` mode.
         """
         other_uses = self._other_uses
-        return other_uses is not None and other_uses()
+        return other_uses is not None and other_uses.alive > 0
 
     def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
         """Refuse a backward whose graph would read a parameter or buffer changed in place

@@ -38,7 +38,7 @@ import gc
 import operator
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from ._ambient import autograd_records
 from ._capture import CaptureOptions, CaptureRequest, CaptureStep, _Capture, capture_copies
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
+from ._eager_graphs import EagerGraphs
 from ._grad_checks import will_engine_execute_node
 from ._nesting import SCOPE, inside_another
 from ._replay import GraphedCallable
@@ -107,6 +108,43 @@ class SlotReplay(GraphedCallable):
         if grad_enabled:  # under the replay Function: its differentiable outputs get its node
             self._probe = outputs
         return outputs
+
+    def _eagerly(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        replay_kwargs: Mapping[str, Any] | None,
+    ) -> Any:
+        """A call the replay declines (the callable's Python reads an input's ``requires_grad``
+        and the call's differs) runs eagerly with free slots; a schedule refuses it before it
+        runs: every forward of a scheduled step replays its micro-batch."""
+        front = self._front
+        if front is not None and isinstance(front._gate, ScheduleCursor):
+            raise self._refuse_eager_in_schedule(front._gate, args, kwargs)
+        return super()._eagerly(args, kwargs, replay_kwargs)
+
+    def _refuse_eager_in_schedule(
+        self, cursor: ScheduleCursor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> DualgraphError:
+        tensors = self._inputs.tensors(args, kwargs)
+        flags = self._flags_read or ()
+        path, wanted = next(
+            (
+                (self._inputs.paths[i], flag)
+                for i, flag in flags
+                if tensors[i].requires_grad is not flag
+            ),
+            ("an input", True),
+        )
+        sample, call = ("did", "does not") if wanted else ("did not", "does")
+        return DualgraphError(
+            f"{path}: {self.name}'s Python reads whether this input requires grad; its sample "
+            f"{sample} and this call's {call}, so eager's branch may differ from the replay's "
+            "and the call would run eagerly, outside the schedule, where "
+            f"{cursor.describe(cursor.passes[cursor.position])} is due. Nothing ran. Every "
+            "forward of a scheduled step replays its micro-batch: pass inputs requiring grad as "
+            "the samples did, or graph with samples like the calls"
+        )
 
     def node(self) -> _Node | None:
         """The autograd node of the replay just run (``None``: no backward can follow it).
@@ -183,6 +221,8 @@ class SlotReplay(GraphedCallable):
         into ``.grad``; adding each slot's grads into ``.grad`` in turn would round differently.
         Then every slot of this backward hands its grads to autograd, which sums them as eager.
         """
+        if super()._params_used_elsewhere():  # a call run eagerly (_eagerly)
+            return True
         front = self._front
         assert front is not None
         for index, recent in enumerate(front._recent):
@@ -241,6 +281,11 @@ class SlottedCallable:
         return self._replays[0].spec
 
     @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """Whether a graph of an eager call of it is alive (shared by its slots, ``"auto"``)."""
+        return self._replays[0].eager_graphs
+
+    @property
     def slots(self) -> int:
         """How many replays can be in flight at once (one per micro-batch with a schedule)."""
         return len(self._replays)
@@ -252,7 +297,8 @@ class SlottedCallable:
 
     @property
     def diagnostics(self) -> CaptureDiagnostics:
-        """Every slot together: buffers counted once, pools summed (or the shared one), replays."""
+        """Every slot together: buffers counted once, pools summed (or the shared one), capture
+        times and replays summed."""
         parts = [replay.diagnostics for replay in self._replays]
         first = parts[0]
         inputs, outputs, grads, reused = self._unique_bytes
@@ -264,7 +310,7 @@ class SlottedCallable:
             static_output_bytes=outputs,
             static_grad_bytes=grads,
             pool_bytes=first.pool_bytes if shared_pool else sum(p.pool_bytes for p in parts),
-            capture_seconds=first.capture_seconds,
+            capture_seconds=sum(p.capture_seconds for p in parts),  # each slot's own capture
             has_backward_graph=first.has_backward_graph,
             replays=sum(p.replays for p in parts),
             eager_calls=sum(p.eager_calls for p in parts),
@@ -647,6 +693,15 @@ def checked_slots(
         raise DualgraphError(
             "pass slots or schedule, not both: with a schedule, each callable gets one slot per "
             "micro-batch of the step, and micro-batches never in flight together share buffers"
+        )
+    if pool is not None:
+        # Its graphs are safe in one pool because they replay in the order they were captured
+        # in; another call's graphs there replay at other times, and either may overwrite what
+        # the other's pending backwards read (no order between them is checked).
+        raise DualgraphError(
+            "schedule= captures every micro-batch's graphs into a memory pool of their own, "
+            "in the schedule's order, which is what makes their replays safe; it cannot share "
+            "the pool passed as pool= with graphs replayed outside the schedule"
         )
     if not isinstance(schedule, Schedule):
         schedule = Schedule(schedule)

@@ -274,14 +274,15 @@ def verify(
     # they make is one a replay would make too.
     with kept_process_state() as process, _state_kept(params, buffers, module) as state:
         try:
-            replays = info.replays
+            replays, eager_calls = info.replays, info.eager_calls
             graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
             # read afresh: a slotted callable's diagnostics are made at each read
-            replayed = diagnostics(graphed).replays - replays
+            after = diagnostics(graphed)
+            replayed = after.replays - replays
             if replayed != steps:
                 raise DualgraphError(
                     f"{info.name}: {steps} calls replayed {replayed} times, so there is nothing "
-                    f"to verify: {_why_eager(graphed)}"
+                    f"to verify: {_why_eager(graphed, after.eager_calls > eager_calls)}"
                 )
             _restore(params, buffers, state)
             process.put_back_torch_rng()
@@ -298,13 +299,21 @@ def verify(
     return VerifyReport(info.name, info.backend, steps, tuple(checks), varied)
 
 
-def _why_eager(graphed: Any) -> str:
-    """Why calls of ``graphed`` ran eagerly instead of replaying."""
+def _why_eager(graphed: Any, branched: bool = False) -> str:
+    """Why calls of ``graphed`` ran eagerly instead of replaying (``branched``: the diagnostics
+    counted eager calls of a callable whose Python reads grad mode or ``requires_grad``)."""
     captured = training_at_capture(graphed) if isinstance(graphed, torch.nn.Module) else None
     if captured is not None and captured != graphed.training:
         return (
             "a graphed module whose training mode differs from capture time runs eagerly "
             "(set .train()/.eval() as at capture)"
+        )
+    runner = runner_of(graphed)
+    if branched and not (isinstance(runner, BucketedCallable) and runner.fallback == "eager"):
+        return (
+            "its Python reads grad mode or an input's requires_grad (seen at warmup), so a "
+            "call whose inputs' requires_grad differs from the samples' runs eagerly (pass "
+            "inputs requiring grad as the samples did)"
         )
     return (
         'with fallback="eager", a call of shapes no bucket takes runs eagerly (pass inputs '
