@@ -1603,6 +1603,108 @@ def test_a_submodule_hook_registered_again_with_other_flags_is_refused(backend: 
     module(torch.randn(4, 8, device=device))
 
 
+def _doubles_a_linears_output(module: nn.Module, args: Any, output: Any) -> Any:
+    return output * 2 if isinstance(module, nn.Linear) else None
+
+
+def _doubles_a_linears_input(module: nn.Module, args: Any) -> Any:
+    return (args[0] * 2,) if isinstance(module, nn.Linear) else None
+
+
+_MODULE_HOOKS = torch.nn.modules.module
+#: A global module hook (torch runs it on every module's call): ``(register it, the kind)``.
+GLOBAL_HOOKS: dict[str, tuple[Callable[[], Any], str]] = {
+    "forward": (
+        lambda: _MODULE_HOOKS.register_module_forward_hook(_doubles_a_linears_output),
+        "forward hook",
+    ),
+    "forward_pre": (
+        lambda: _MODULE_HOOKS.register_module_forward_pre_hook(_doubles_a_linears_input),
+        "forward pre-hook",
+    ),
+    "full_backward": (
+        lambda: _MODULE_HOOKS.register_module_full_backward_hook(_records),
+        "backward hook",
+    ),
+    "backward_pre": (
+        lambda: _MODULE_HOOKS.register_module_full_backward_pre_hook(_records),
+        "backward pre-hook",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("when", ["registered", "removed"])
+@pytest.mark.parametrize("hook", sorted(GLOBAL_HOOKS))
+def test_a_global_module_hook_registered_or_removed_after_capture_is_refused_naming_it(
+    backend: str, when: str, hook: str
+) -> None:
+    # Torch runs a global module hook on every module's call, the submodules' inside the graphs
+    # too: a graph replays what the global hooks did to them at capture, so one registered since
+    # would never run on them (eager's fc1 and fc2 outputs doubled), one removed would still
+    # act. ("emulate" re-runs the callable, hooks and all, and so hid it.)
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    twin = copy.deepcopy(module)
+    register, kind = GLOBAL_HOOKS[hook]
+
+    def batch() -> torch.Tensor:  # requiring grad: a full backward hook warns on the root else
+        return torch.randn(4, 8, device=device, requires_grad=True)
+
+    handles = [register()] if when == "removed" else []
+    try:
+        dgt.make_graphed_callables(module, (batch(),), backend=backend)
+        static = [t.clone() for t in runner_of(module).static_inputs]
+        if when == "removed":
+            handles.pop().remove()
+        else:
+            handles.append(register())
+        with pytest.raises(DualgraphError) as info:
+            module(batch())
+        assert str(info.value).startswith(
+            f"TinyMLP: a global {kind} (torch.nn.modules.module.register_module_"
+        )
+        assert f") {when} after capture" in str(info.value)
+        assert all(map(torch.equal, runner_of(module).static_inputs, static))  # refused before
+        # The global hooks of capture time again: replays train like eager.
+        if when == "removed":
+            handles.append(register())
+        else:
+            handles.pop().remove()
+        x = batch()
+        out, expected = module(x), twin(x)
+        backward_of(out)
+        backward_of(expected)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert_tensors_match(out.detach(), expected.detach(), "output", tolerance(backend))
+    assert_grads_match(
+        grads_of(parameters_of(module)),
+        grads_of(parameters_of(twin)),
+        parameter_names(module),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_global_module_hook_runs_around_the_replay_of_a_module_without_submodules(
+    backend: str,
+) -> None:
+    # It acts on the graphed module's own call only, which runs around the replay: as in eager.
+    device = device_of(backend)
+    layer = nn.Linear(8, 8).to(device)
+    dgt.make_graphed_callables(layer, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    plain = layer(x).detach().clone()
+    handle = GLOBAL_HOOKS["forward"][0]()
+    try:
+        doubled = layer(x).detach().clone()
+    finally:
+        handle.remove()
+    assert_tensors_match(doubled, plain * 2, "output", tolerance(backend))
+
+
 class FrozenEncoder(nn.Module):
     """A frozen encoder graphed through a method or a function (not as a module)."""
 

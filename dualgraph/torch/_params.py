@@ -15,7 +15,8 @@ another training mode than the module itself (``module.dropout.eval()``: the gra
 the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``), or a
 submodule given or relieved of a forward or backward hook, or one swapped for another function
 (the graphs replay the hooks a submodule had at capture: one registered since would never run,
-one removed would still act), or a submodule given another forward (an instance-level
+one removed would still act; so for torch's global module hooks, which run on the submodules'
+calls too), or a submodule given another forward (an instance-level
 ``forward``, as accelerate's hooks set, or another class): the graphs replay the kernels of the
 forward they captured. A submodule graphed itself after its parent keeps running inside the
 parent's replay as captured, so dualgraph's own ``forward`` is not a change.
@@ -87,6 +88,29 @@ _HOOK_KINDS = {
 }
 #: What a hook dict holds, as the module calls it: its hooks in order, and each flag per hook.
 Hooks = tuple[tuple[Any, ...], tuple[tuple[bool, ...], ...]]
+_MODULE_MODULE = torch.nn.modules.module
+# Torch's global module hooks (register_module_forward_hook, ...), which every module's call
+# runs, a submodule's inside the graphs too: (the dict, its flag dicts, what registers one).
+# Torch adds to and removes from these dicts in place, so the objects held here stay theirs.
+_GLOBAL_HOOKS = tuple(
+    (
+        getattr(_MODULE_MODULE, attribute),
+        tuple(getattr(_MODULE_MODULE, flag) for flag in flags if hasattr(_MODULE_MODULE, flag)),
+        f"a global {kind} (torch.nn.modules.module.register_module_{register})",
+    )
+    for attribute, flags, kind, register in (
+        ("_global_forward_pre_hooks", (), "forward pre-hook", "forward_pre_hook"),
+        (
+            "_global_forward_hooks",
+            ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"),
+            "forward hook",
+            "forward_hook",
+        ),
+        ("_global_backward_pre_hooks", (), "backward pre-hook", "full_backward_pre_hook"),
+        ("_global_backward_hooks", (), "backward hook", "full_backward_hook"),
+    )
+    if hasattr(_MODULE_MODULE, attribute)
+)
 
 
 def _hooks_held(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
@@ -329,6 +353,8 @@ class ModuleTensors:
         namespaces = tuple(
             {} if any(child is other for other in uncalled) else child.__dict__ for child in modules
         )
+        if hooked:  # a submodule the callable calls: the global hooks act on it in eager
+            hooked += [(name, "", hooks, flags) for hooks, flags, name in _GLOBAL_HOOKS]
         hook_dicts = tuple(entry[2] for entry in hooked)
         hook_flags = tuple(entry[3] for entry in hooked)
         return cls(
@@ -355,7 +381,7 @@ class ModuleTensors:
             module_dicts=namespaces,
             forwards=tuple(namespace.get("forward") for namespace in namespaces),
             classes=tuple(map(type, modules)),
-            hook_names=tuple(f"{name}: {kind}" for name, kind, _, _ in hooked),
+            hook_names=tuple(f"{name}: {kind}" if kind else name for name, kind, _, _ in hooked),
             hook_dicts=hook_dicts,
             hook_flags=hook_flags,
             hooks_at_capture=tuple(map(_hooks_held, hook_dicts, hook_flags)),
@@ -734,6 +760,16 @@ class ModuleTensors:
             if not _same_hooks(now, then):
                 count, was = len(now[0]), len(then[0])
                 change = "registered" if count > was else "removed" if count < was else "replaced"
+                if name.startswith("a global "):  # it acts on every submodule
+                    whose = f"{self.root_name}: " if self.root_name else ""
+                    return DualgraphError(
+                        f"{whose}{name} {change} after capture, but the graphs replay what the "
+                        "global module hooks did to the submodules at capture "
+                        "(one registered or swapped in since would never run on them, one "
+                        "removed would still act); register it before graphing, remove it "
+                        "before calling, put a hook on the graphed module itself (it runs around "
+                        f"each replay), or {again}"
+                    )
                 return DualgraphError(
                     f"{name} {change} after capture, but the graphs replay what the submodules' "
                     "hooks did at capture (a hook registered or swapped in since would never "
