@@ -18,6 +18,7 @@ The rules that come with graphs (README), one behaviour per test, each on ``emul
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import math
 import pickle
@@ -3768,6 +3769,148 @@ def test_an_attribute_added_to_a_closed_over_module_after_capture_is_refused(bac
     tempered.inner.shift = 1.0
     with pytest.raises(DualgraphError, match=r"closed over tempered\.inner\.shift: an attribute"):
         graphed(x)
+
+
+#: A global a graphed function reads (the test rebinds it, and puts it back).
+TEMPERATURE = 2.0
+
+
+def _tempered_by_the_global(x: torch.Tensor) -> torch.Tensor:
+    return (x / TEMPERATURE).tanh()
+
+
+def _tempered(x: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    return (x / temperature).tanh()
+
+
+def _graph_reading_a_plain_value(where: str, backend: str) -> tuple[Any, Callable[[float], None]]:
+    """A graphed function dividing by a temperature of 2.0 that its code reads from ``where``
+    (its closure, a global, a ``functools.partial``'s keyword), and what sets it."""
+    sample = (torch.randn(4, 8, device=device_of(backend), requires_grad=True),)
+    if where == "global":
+
+        def set_global(value: float) -> None:
+            global TEMPERATURE
+            TEMPERATURE = value
+
+        return dgt.make_graphed_callables(_tempered_by_the_global, sample, backend=backend), (
+            set_global
+        )
+    if where == "partial":
+        partial = functools.partial(_tempered, temperature=2.0)
+        graphed = dgt.make_graphed_callables(partial, sample, backend=backend)
+        return graphed, functools.partial(partial.keywords.__setitem__, "temperature")
+    temperature = 2.0
+
+    def tempered(x: torch.Tensor) -> torch.Tensor:
+        return (x / temperature).tanh()
+
+    def set_cell(value: float) -> None:
+        nonlocal temperature
+        temperature = value
+
+    return dgt.make_graphed_callables(tempered, sample, backend=backend), set_cell
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("where", ["closure", "global", "partial"])
+def test_a_plain_value_a_graphed_function_reads_changed_after_capture_is_refused_naming_it(
+    backend: str, where: str
+) -> None:
+    # A temperature schedule: eager divides by the new value, a graph by the one of capture
+    # (on CUDA silently; "emulate" re-ran the Python and followed eager, hiding it).
+    graphed, set_temperature = _graph_reading_a_plain_value(where, backend)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    static = [t.clone() for t in runner_of(graphed).static_inputs]
+    try:
+        set_temperature(3.0)
+        with pytest.raises(DualgraphError) as info:
+            graphed(x)
+        name = "partial argument temperature" if where == "partial" else "closed over "
+        assert str(info.value).startswith(f"{graphed.name}: {name}")
+        assert "was 2.0 at capture and is 3.0 now" in str(info.value)
+        assert all(map(torch.equal, runner_of(graphed).static_inputs, static))  # refused before
+        set_temperature(float("2.0"))  # an equal value set again: no change
+        assert_tensors_match(
+            graphed(x).detach(), (x / 2.0).tanh().detach(), "output", tolerance(backend)
+        )
+    finally:
+        set_temperature(2.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("what", ["weight", "layer"])
+def test_a_tensor_or_module_a_graphed_function_names_rebound_after_capture_is_refused(
+    backend: str, what: str
+) -> None:
+    # Eager reads the name again (the new weight, the new layer); the graphs read the memory
+    # of the tensor and the module of capture. ("emulate" re-ran the Python and followed eager.)
+    device = device_of(backend)
+    weight = torch.randn(8, 8, device=device)
+    layer = nn.Linear(8, 8).to(device).requires_grad_(False)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return layer(x @ weight)
+
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(step, sample, backend=backend)
+    if what == "weight":
+        weight = torch.randn(8, 8, device=device)
+    else:
+        layer = nn.Linear(8, 8).to(device).requires_grad_(False)
+    with pytest.raises(DualgraphError) as info:
+        graphed(torch.randn(4, 8, device=device, requires_grad=True))
+    assert str(info.value).startswith(f"{graphed.name}: closed over {what}: rebound after capture")
+
+
+class _TemperedByTheGlobal(nn.Module):
+    """A Linear divided by the global ``TEMPERATURE``, in a submodule's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_global_a_graphed_modules_forward_reads_changed_after_capture_is_refused(
+    backend: str,
+) -> None:
+    # As for a graphed function: eager's forward reads the global again, a graph holds what
+    # the forward computed from it at capture.
+    global TEMPERATURE
+    device = device_of(backend)
+    module = nn.Sequential(_TemperedByTheGlobal(), nn.Tanh()).to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    try:
+        TEMPERATURE = 3.0
+        with pytest.raises(DualgraphError) as info:
+            module(torch.randn(4, 8, device=device))
+    finally:
+        TEMPERATURE = 2.0
+    assert str(info.value).startswith(
+        "_TemperedByTheGlobal.forward's global TEMPERATURE: was 2.0 at capture and is 3.0 now"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
+    # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:
+    # "emulate" re-runs the Python, which moves it on every call, a graph never does.
+    calls = 0
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return x * 2
+
+    sample = (torch.randn(4, device=device_of(backend), requires_grad=True),)
+    graphed = dgt.make_graphed_callables(counted, sample, backend=backend)
+    x = torch.randn(4, device=device_of(backend))
+    for _ in range(3):
+        assert_tensors_match(graphed(x), x * 2, "output", tolerance(backend))
 
 
 class ScalesByAnInput(nn.Module):

@@ -18,7 +18,8 @@ submodule given or relieved of a forward or backward hook, or one swapped for an
 one removed would still act; so for torch's global module hooks, which run on the submodules'
 calls too), or a submodule given another forward (an instance-level
 ``forward``, as accelerate's hooks set, or another class): the graphs replay the kernels of the
-forward they captured. A submodule graphed itself after its parent keeps running inside the
+forward they captured; or a global the forwards' own code reads (a flag, a temperature) set to
+another value since. A submodule graphed itself after its parent keeps running inside the
 parent's replay as captured, so dualgraph's own ``forward`` is not a change.
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
@@ -75,6 +76,7 @@ _shape = operator.attrgetter("shape")
 _requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
 _version = operator.attrgetter("_version")
+_cell_contents = operator.attrgetter("cell_contents")
 # A module's hook dicts, by the kind of hook each holds, with the dicts of flags (keyed by the
 # same handle ids) that change how a hook of that kind is called.
 _HOOK_KINDS = {
@@ -301,6 +303,17 @@ class ModuleTensors:
     # warmup and capture (getattr(self, "mask", None), hasattr: _missed_attributes.py): one
     # added since, of any kind (a tensor too), is what eager's forward would read.
     looked_up_absent: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
+    # What the code itself reads (note_code_values: a graphed function's globals, partial
+    # keywords and closure cells; the globals a module's forwards load) that the graphs hold as
+    # of capture: plain values, tensors, modules, at setup, before warmup. record_attributes
+    # keeps those capture left as they were: the globals and keywords after the modules'
+    # attributes (from code_from on), the cells below, compared per call as attributes are.
+    code_globals: tuple[tuple[str, dict[str, Any], str, Any], ...] = ()
+    code_cells: tuple[tuple[str, Any, Any], ...] = ()
+    code_from: int = 0
+    cell_names: tuple[str, ...] = ()
+    cells: tuple[Any, ...] = ()
+    cell_values: list[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(
@@ -434,9 +447,13 @@ class ModuleTensors:
                         )
                     )
                 )
+                and (
+                    not self.cells
+                    or all(map(_is, map(_cell_contents, self.cells), self.cell_values))
+                )
             ):
                 return
-        except KeyError:
+        except (KeyError, ValueError):  # ValueError: a closure's cell emptied (del name)
             raise self._explain(grad_enabled) from None
         self._check_all(grad_enabled)
 
@@ -470,6 +487,7 @@ class ModuleTensors:
                 and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
             )
             or (self.attribute_keys and self._attribute_changed() is not None)
+            or (self.cells and self._cell_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
             or (
                 (counts := list(map(len, self.counted_dicts))) != self.counted_lens
@@ -552,27 +570,39 @@ class ModuleTensors:
             values[i] = now
         return None
 
+    def _cell_changed(self) -> int | None:
+        """The index of the first closure cell whose value is not the one of capture
+        (``None``), as :meth:`_attribute_changed` finds an attribute's."""
+        values = self.cell_values
+        now = list(map(_contents_or_absent, self.cells))
+        if all(map(_is, now, values)):
+            return None
+        for i, value in enumerate(now):
+            if value is values[i]:
+                continue
+            if not _same_plain(value, values[i]):
+                return i
+            values[i] = value
+        return None
+
     @contextlib.contextmanager
     def own_changes_taken(self) -> Iterator[None]:
         """Run the callable's Python (an eager call, an emulated replay) taking the values it
         sets (a counter) as the recorded ones; what the caller had changed before stays."""
-        keys = self.attribute_keys
-        if not keys:
+        keys, cells = self.attribute_keys, self.cells
+        if not keys and not cells:
             with self._own_keys_taken():
                 yield
             return
         dicts = self.attribute_dicts
         before = list(map(_get, dicts, keys, _ABSENTS))
+        cells_before = list(map(_contents_or_absent, cells))
         try:
             with self._own_keys_taken():
                 yield
         finally:
-            values = self.attribute_values
-            if not all(map(_is, map(_get, dicts, keys, _ABSENTS), before)):
-                for i, (namespace, key) in enumerate(zip(dicts, keys, strict=True)):
-                    now = namespace.get(key, _ABSENT)
-                    if now is not before[i] and before[i] is values[i]:
-                        values[i] = now
+            _take_own(list(map(_get, dicts, keys, _ABSENTS)), before, self.attribute_values)
+            _take_own(list(map(_contents_or_absent, cells)), cells_before, self.cell_values)
 
     @contextlib.contextmanager
     def _own_keys_taken(self) -> Iterator[None]:
@@ -639,6 +669,17 @@ class ModuleTensors:
             lens[start + i] = count
         return None
 
+    def note_code_values(
+        self,
+        globals_: Sequence[tuple[str, dict[str, Any], str, Any]],
+        cells: Sequence[tuple[str, Any, Any]],
+    ) -> None:
+        """Note, at setup, a graphed function's own plain values (``_closed_over.code_values``):
+        where they live and their values now; :meth:`record_attributes` keeps those that
+        capture left as they were."""
+        object.__setattr__(self, "code_globals", tuple(globals_))
+        object.__setattr__(self, "code_cells", tuple(cells))
+
     def note_looked_up(self, missed: dict[int, set[str]]) -> None:
         """Keep, per module, the names the callable looked up and did not find during warmup
         and capture (``_missed_attributes.py``) that are still absent (not set lazily since)."""
@@ -671,6 +712,20 @@ class ModuleTensors:
             and (not before or then.get(key, _ABSENT) is value)
             and key not in te_flags
         ]
+        object.__setattr__(self, "code_from", len(found))
+        found += [  # a function's own: those its warmup and capture did not rebind
+            (name, namespace, key, then)
+            for name, namespace, key, then in self.code_globals
+            if namespace.get(key, _ABSENT) is then
+        ]
+        cells = [
+            (name, cell, then)
+            for name, cell, then in self.code_cells
+            if _contents_or_absent(cell) is then
+        ]
+        object.__setattr__(self, "cell_names", tuple(entry[0] for entry in cells))
+        object.__setattr__(self, "cells", tuple(entry[1] for entry in cells))
+        self.cell_values[:] = [entry[2] for entry in cells]
         object.__setattr__(self, "attribute_names", tuple(entry[0] for entry in found))
         object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))
         object.__setattr__(self, "attribute_keys", tuple(entry[2] for entry in found))
@@ -891,6 +946,14 @@ class ModuleTensors:
                     )
                 return DualgraphError(f"{_joined(module_name, attribute_name)}: {how}")
         changed = self._attribute_changed() if self.attribute_keys else None
+        if changed is not None and changed >= self.code_from:  # a function's own value
+            then = self.attribute_values[changed]
+            now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
+            return _code_value_changed(self.attribute_names[changed], then, now)
+        cell = self._cell_changed() if self.cells else None
+        if cell is not None:
+            now = _contents_or_absent(self.cells[cell])
+            return _code_value_changed(self.cell_names[cell], self.cell_values[cell], now)
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
@@ -1001,6 +1064,26 @@ class ModuleTensors:
         return error
 
 
+def _code_value_changed(name: str, then: Any, now: Any) -> DualgraphError:
+    shown = "deleted" if now is _ABSENT else f"{now!r}"
+    if not is_plain(then):  # a tensor, a module
+        shown = "deleted" if now is _ABSENT else _summary(now)
+        return DualgraphError(
+            f"{name}: rebound after capture (now {shown}, not the "
+            f"{_summary(then).removeprefix('a ')} of capture); the graphs "
+            "read the one of capture (its memory, a module's weights), so eager's new one "
+            "would be ignored. Set it back, update the one of capture in place (copy_, "
+            "load_state_dict), pass it to the callable as an argument, or graph the callable "
+            "again"
+        )
+    return DualgraphError(
+        f"{name}: was {then!r} at capture and is {shown} now; the graphs replay what the code "
+        "computed from it at capture (a temperature, a flag it branches on), so eager's new "
+        "value would be lost. Set it back, pass it to the callable as a tensor argument "
+        "(copied in on every call), or graph the callable again"
+    )
+
+
 #: A module's dicts of members, and what each holds (for the message of one added).
 _MEMBER_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}
 #: Public ``__dict__`` entries whose addition is no change: dualgraph's own ``forward`` (a
@@ -1010,6 +1093,24 @@ _ABSENT = object()  # an attribute deleted since capture
 _NO_NAMES: frozenset[str] = frozenset()
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
+
+
+def _contents_or_absent(cell: Any) -> Any:
+    """A closure cell's value, ``_ABSENT`` for an emptied one (``del name``)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _ABSENT
+
+
+def _take_own(now: list[Any], before: list[Any], recorded: list[Any]) -> None:
+    """Take as recorded each value the callable's Python set (``now`` differs from ``before``)
+    where the one before was the recorded one: a change of its own, not the caller's."""
+    if all(map(_is, now, before)):
+        return
+    for i, value in enumerate(now):
+        if value is not before[i] and before[i] is recorded[i]:
+            recorded[i] = value
 
 
 def _watched(key: str, value: Any) -> bool:
@@ -1036,7 +1137,8 @@ def _public_keys(namespace: dict[str, Any], exempt: frozenset[str]) -> frozenset
 def _same_plain(a: Any, b: Any) -> bool:
     """Whether two plain values (see :func:`is_plain`) would compute the same: of one type and
     equal, a float by its bits as the kernels see it (``-0.0`` is not ``0.0``: ``copysign``,
-    a division; any NaN is a NaN), a tuple item by item.
+    a division; any NaN is a NaN), a tuple item by item; anything else (a tensor, a module),
+    only itself: the graphs read the memory of the one of capture.
 
     >>> _same_plain(float("nan"), float("nan")), _same_plain(-0.0, 0.0), _same_plain(1, True)
     (True, False, False)
@@ -1045,15 +1147,15 @@ def _same_plain(a: Any, b: Any) -> bool:
     """
     if type(a) is not type(b):
         return False
-    if type(a) is torch.Tensor:  # the graphs read its memory: only the same tensor will do
-        return a is b
     if type(a) is float:
         if a != a:  # NaN: equal to any NaN, as the kernels use it
             return b != b
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if type(a) is tuple:
         return len(a) == len(b) and all(map(_same_plain, a, b))
-    return bool(a == b)
+    if type(a) in _SCALARS:
+        return bool(a == b)
+    return a is b
 
 
 def is_plain(value: Any) -> bool:
