@@ -1665,6 +1665,8 @@ def test_a_global_module_hook_registered_or_removed_after_capture_is_refused_nam
         assert str(info.value).startswith(
             f"TinyMLP: a global {kind} (torch.nn.modules.module.register_module_"
         )
+        hook_name = "_records" if "backward" in hook else "_doubles_a_linears_"
+        assert f": {hook_name}" in str(info.value)  # the hook, by name
         assert f") {when} after capture" in str(info.value)
         assert all(map(torch.equal, runner_of(module).static_inputs, static))  # refused before
         # The global hooks of capture time again: replays train like eager.

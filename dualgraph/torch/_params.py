@@ -818,7 +818,8 @@ class ModuleTensors:
                 if name.startswith("a global "):  # it acts on every submodule
                     whose = f"{self.root_name}: " if self.root_name else ""
                     return DualgraphError(
-                        f"{whose}{name} {change} after capture, but the graphs replay what the "
+                        f"{whose}{name[:-1]}: {_hook_named(now[0], then[0])}) {change} after "
+                        "capture, but the graphs replay what the "
                         "global module hooks did to the submodules at capture "
                         "(one registered or swapped in since would never run on them, one "
                         "removed would still act); register it before graphing, remove it "
@@ -1093,6 +1094,20 @@ _ABSENT = object()  # an attribute deleted since capture
 _NO_NAMES: frozenset[str] = frozenset()
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
+
+
+def _hook_named(now: Sequence[Any], then: Sequence[Any]) -> str:
+    """The first hook in only one of ``now`` and ``then``, by name, for a message (who
+    registers a global hook is often not the user: torch's ``ModuleTracker``, under
+    ``FlopCounterMode``, registers one of each forward kind).
+
+    >>> _hook_named([print, len], [print])
+    'len'
+    """
+    for hook in (*now, *then):
+        if not any(hook is other for other in now) or not any(hook is other for other in then):
+            return getattr(hook, "__qualname__", None) or repr(hook)
+    return "a hook under another flag"
 
 
 def _contents_or_absent(cell: Any) -> Any:
