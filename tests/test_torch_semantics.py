@@ -18,6 +18,7 @@ The rules that come with graphs (README), one behaviour per test, each on ``emul
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import io
 import math
@@ -1027,6 +1028,50 @@ def test_a_python_number_a_submodule_reads_changed_after_capture_is_refused_nami
     assert torch.equal(block.norm.running_mean, statistics)  # refused before anything ran
     setattr(owner, name, then * 1.0)  # an equal value (another float object): fine
     block(torch.randn(4, 8, device=device)).sum().backward()
+
+
+class _Activation(enum.Enum):
+    GELU = "gelu"
+    TANH = "tanh"
+
+
+class _CastBlock(nn.Module):
+    """A forward branching on an ``Enum`` member and casting to a dtype, both its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = _Activation.GELU
+        self.out_dtype = torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = torch.nn.functional.gelu(h) if self.act is _Activation.GELU else h.tanh()
+        return h.to(self.out_dtype)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("act", _Activation.TANH), ("out_dtype", torch.float64)]
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_enum_or_dtype_attribute_changed_after_capture_is_refused_naming_it(
+    backend: str, name: str, value: Any
+) -> None:
+    # Eager takes the other branch (tanh) or casts to float64; a graph replays the branch and
+    # the cast of capture (on CUDA silently; "emulate" followed the Enum, and refused the dtype
+    # as 'output: expected float32[4, 8], got float64[4, 8]', naming no attribute).
+    device = device_of(backend)
+    block = _CastBlock().to(device)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    then = getattr(block, name)
+    setattr(block, name, value)
+    with pytest.raises(DualgraphError) as info:
+        block(torch.randn(4, 8, device=device))
+    assert str(info.value).startswith(f"_CastBlock.{name}: was {then!r} at capture and is")
+    setattr(block, name, then)  # as at capture: replays again
+    x = torch.randn(4, 8, device=device)
+    expected = _CastBlock.forward(block, x).detach()
+    assert_tensors_match(block(x).detach(), expected, "output", tolerance(backend))
 
 
 class _SignedBlock(nn.Module):

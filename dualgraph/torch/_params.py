@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import itertools
 import math
 import operator
@@ -1094,6 +1095,9 @@ _ABSENT = object()  # an attribute deleted since capture
 _NO_NAMES: frozenset[str] = frozenset()
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
+# Immutable values besides them, compared by equality (an Enum member, by identity): what a
+# forward casts to (self.out_dtype), puts tensors on, or branches on (self.act is Act.GELU).
+_VALUES = (complex, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def _hook_named(now: Sequence[Any], then: Sequence[Any]) -> str:
@@ -1168,17 +1172,26 @@ def _same_plain(a: Any, b: Any) -> bool:
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if type(a) is tuple:
         return len(a) == len(b) and all(map(_same_plain, a, b))
-    if type(a) in _SCALARS:
+    if type(a) in _SCALARS or type(a) in _VALUES:
         return bool(a == b)
-    return a is b
+    return a is b  # an Enum member, a tensor, a module
 
 
 def is_plain(value: Any) -> bool:
-    """Whether ``value`` is a number, string, flag or ``None`` (or a tuple of them, as
-    LayerNorm's ``normalized_shape``): what a forward may compute with on the host."""
+    """Whether ``value`` is a number, string, flag or ``None``, an immutable value such as a
+    ``torch.dtype``, a ``torch.device`` or an ``Enum`` member (or a tuple of them, as
+    LayerNorm's ``normalized_shape``): what a forward may compute with or branch on on the host.
+
+    >>> is_plain((8, 1e-5)), is_plain(torch.float16), is_plain([8]), is_plain(torch.ones(1))
+    (True, True, False, False)
+    """
     if type(value) is tuple:
-        return all(type(item) in _SCALARS for item in value)
-    return type(value) in _SCALARS
+        return all(map(_is_plain_item, value))
+    return _is_plain_item(value)
+
+
+def _is_plain_item(value: Any) -> bool:
+    return type(value) in _SCALARS or type(value) in _VALUES or isinstance(value, enum.Enum)
 
 
 #: The records of each graphed module's attributes (one per capture: buckets, slots).
