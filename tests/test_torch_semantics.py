@@ -18,6 +18,8 @@ The rules that come with graphs (README), one behaviour per test, each on ``emul
 from __future__ import annotations
 
 import copy
+import enum
+import functools
 import io
 import math
 import pickle
@@ -1028,6 +1030,50 @@ def test_a_python_number_a_submodule_reads_changed_after_capture_is_refused_nami
     block(torch.randn(4, 8, device=device)).sum().backward()
 
 
+class _Activation(enum.Enum):
+    GELU = "gelu"
+    TANH = "tanh"
+
+
+class _CastBlock(nn.Module):
+    """A forward branching on an ``Enum`` member and casting to a dtype, both its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = _Activation.GELU
+        self.out_dtype = torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = torch.nn.functional.gelu(h) if self.act is _Activation.GELU else h.tanh()
+        return h.to(self.out_dtype)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("act", _Activation.TANH), ("out_dtype", torch.float64)]
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_enum_or_dtype_attribute_changed_after_capture_is_refused_naming_it(
+    backend: str, name: str, value: Any
+) -> None:
+    # Eager takes the other branch (tanh) or casts to float64; a graph replays the branch and
+    # the cast of capture (on CUDA silently; "emulate" followed the Enum, and refused the dtype
+    # as 'output: expected float32[4, 8], got float64[4, 8]', naming no attribute).
+    device = device_of(backend)
+    block = _CastBlock().to(device)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    then = getattr(block, name)
+    setattr(block, name, value)
+    with pytest.raises(DualgraphError) as info:
+        block(torch.randn(4, 8, device=device))
+    assert str(info.value).startswith(f"_CastBlock.{name}: was {then!r} at capture and is")
+    setattr(block, name, then)  # as at capture: replays again
+    x = torch.randn(4, 8, device=device)
+    expected = _CastBlock.forward(block, x).detach()
+    assert_tensors_match(block(x).detach(), expected, "output", tolerance(backend))
+
+
 class _SignedBlock(nn.Module):
     """A forward whose host Python reads a float's sign (``copysign``), and a NaN fill value."""
 
@@ -1601,6 +1647,110 @@ def test_a_submodule_hook_registered_again_with_other_flags_is_refused(backend: 
     handle.remove()
     module.fc2.register_forward_hook(_doubles_last)  # as at capture, under a new handle: fine
     module(torch.randn(4, 8, device=device))
+
+
+def _doubles_a_linears_output(module: nn.Module, args: Any, output: Any) -> Any:
+    return output * 2 if isinstance(module, nn.Linear) else None
+
+
+def _doubles_a_linears_input(module: nn.Module, args: Any) -> Any:
+    return (args[0] * 2,) if isinstance(module, nn.Linear) else None
+
+
+_MODULE_HOOKS = torch.nn.modules.module
+#: A global module hook (torch runs it on every module's call): ``(register it, the kind)``.
+GLOBAL_HOOKS: dict[str, tuple[Callable[[], Any], str]] = {
+    "forward": (
+        lambda: _MODULE_HOOKS.register_module_forward_hook(_doubles_a_linears_output),
+        "forward hook",
+    ),
+    "forward_pre": (
+        lambda: _MODULE_HOOKS.register_module_forward_pre_hook(_doubles_a_linears_input),
+        "forward pre-hook",
+    ),
+    "full_backward": (
+        lambda: _MODULE_HOOKS.register_module_full_backward_hook(_records),
+        "backward hook",
+    ),
+    "backward_pre": (
+        lambda: _MODULE_HOOKS.register_module_full_backward_pre_hook(_records),
+        "backward pre-hook",
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("when", ["registered", "removed"])
+@pytest.mark.parametrize("hook", sorted(GLOBAL_HOOKS))
+def test_a_global_module_hook_registered_or_removed_after_capture_is_refused_naming_it(
+    backend: str, when: str, hook: str
+) -> None:
+    # Torch runs a global module hook on every module's call, the submodules' inside the graphs
+    # too: a graph replays what the global hooks did to them at capture, so one registered since
+    # would never run on them (eager's fc1 and fc2 outputs doubled), one removed would still
+    # act. ("emulate" re-runs the callable, hooks and all, and so hid it.)
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    twin = copy.deepcopy(module)
+    register, kind = GLOBAL_HOOKS[hook]
+
+    def batch() -> torch.Tensor:  # requiring grad: a full backward hook warns on the root else
+        return torch.randn(4, 8, device=device, requires_grad=True)
+
+    handles = [register()] if when == "removed" else []
+    try:
+        dgt.make_graphed_callables(module, (batch(),), backend=backend)
+        static = [t.clone() for t in runner_of(module).static_inputs]
+        if when == "removed":
+            handles.pop().remove()
+        else:
+            handles.append(register())
+        with pytest.raises(DualgraphError) as info:
+            module(batch())
+        assert str(info.value).startswith(
+            f"TinyMLP: a global {kind} (torch.nn.modules.module.register_module_"
+        )
+        hook_name = "_records" if "backward" in hook else "_doubles_a_linears_"
+        assert f": {hook_name}" in str(info.value)  # the hook, by name
+        assert f") {when} after capture" in str(info.value)
+        assert all(map(torch.equal, runner_of(module).static_inputs, static))  # refused before
+        # The global hooks of capture time again: replays train like eager.
+        if when == "removed":
+            handles.append(register())
+        else:
+            handles.pop().remove()
+        x = batch()
+        out, expected = module(x), twin(x)
+        backward_of(out)
+        backward_of(expected)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert_tensors_match(out.detach(), expected.detach(), "output", tolerance(backend))
+    assert_grads_match(
+        grads_of(parameters_of(module)),
+        grads_of(parameters_of(twin)),
+        parameter_names(module),
+        tolerance(backend),
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_global_module_hook_runs_around_the_replay_of_a_module_without_submodules(
+    backend: str,
+) -> None:
+    # It acts on the graphed module's own call only, which runs around the replay: as in eager.
+    device = device_of(backend)
+    layer = nn.Linear(8, 8).to(device)
+    dgt.make_graphed_callables(layer, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    plain = layer(x).detach().clone()
+    handle = GLOBAL_HOOKS["forward"][0]()
+    try:
+        doubled = layer(x).detach().clone()
+    finally:
+        handle.remove()
+    assert_tensors_match(doubled, plain * 2, "output", tolerance(backend))
 
 
 class FrozenEncoder(nn.Module):
@@ -3666,6 +3816,148 @@ def test_an_attribute_added_to_a_closed_over_module_after_capture_is_refused(bac
     tempered.inner.shift = 1.0
     with pytest.raises(DualgraphError, match=r"closed over tempered\.inner\.shift: an attribute"):
         graphed(x)
+
+
+#: A global a graphed function reads (the test rebinds it, and puts it back).
+TEMPERATURE = 2.0
+
+
+def _tempered_by_the_global(x: torch.Tensor) -> torch.Tensor:
+    return (x / TEMPERATURE).tanh()
+
+
+def _tempered(x: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    return (x / temperature).tanh()
+
+
+def _graph_reading_a_plain_value(where: str, backend: str) -> tuple[Any, Callable[[float], None]]:
+    """A graphed function dividing by a temperature of 2.0 that its code reads from ``where``
+    (its closure, a global, a ``functools.partial``'s keyword), and what sets it."""
+    sample = (torch.randn(4, 8, device=device_of(backend), requires_grad=True),)
+    if where == "global":
+
+        def set_global(value: float) -> None:
+            global TEMPERATURE
+            TEMPERATURE = value
+
+        return dgt.make_graphed_callables(_tempered_by_the_global, sample, backend=backend), (
+            set_global
+        )
+    if where == "partial":
+        partial = functools.partial(_tempered, temperature=2.0)
+        graphed = dgt.make_graphed_callables(partial, sample, backend=backend)
+        return graphed, functools.partial(partial.keywords.__setitem__, "temperature")
+    temperature = 2.0
+
+    def tempered(x: torch.Tensor) -> torch.Tensor:
+        return (x / temperature).tanh()
+
+    def set_cell(value: float) -> None:
+        nonlocal temperature
+        temperature = value
+
+    return dgt.make_graphed_callables(tempered, sample, backend=backend), set_cell
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("where", ["closure", "global", "partial"])
+def test_a_plain_value_a_graphed_function_reads_changed_after_capture_is_refused_naming_it(
+    backend: str, where: str
+) -> None:
+    # A temperature schedule: eager divides by the new value, a graph by the one of capture
+    # (on CUDA silently; "emulate" re-ran the Python and followed eager, hiding it).
+    graphed, set_temperature = _graph_reading_a_plain_value(where, backend)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    static = [t.clone() for t in runner_of(graphed).static_inputs]
+    try:
+        set_temperature(3.0)
+        with pytest.raises(DualgraphError) as info:
+            graphed(x)
+        name = "partial argument temperature" if where == "partial" else "closed over "
+        assert str(info.value).startswith(f"{graphed.name}: {name}")
+        assert "was 2.0 at capture and is 3.0 now" in str(info.value)
+        assert all(map(torch.equal, runner_of(graphed).static_inputs, static))  # refused before
+        set_temperature(float("2.0"))  # an equal value set again: no change
+        assert_tensors_match(
+            graphed(x).detach(), (x / 2.0).tanh().detach(), "output", tolerance(backend)
+        )
+    finally:
+        set_temperature(2.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("what", ["weight", "layer"])
+def test_a_tensor_or_module_a_graphed_function_names_rebound_after_capture_is_refused(
+    backend: str, what: str
+) -> None:
+    # Eager reads the name again (the new weight, the new layer); the graphs read the memory
+    # of the tensor and the module of capture. ("emulate" re-ran the Python and followed eager.)
+    device = device_of(backend)
+    weight = torch.randn(8, 8, device=device)
+    layer = nn.Linear(8, 8).to(device).requires_grad_(False)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return layer(x @ weight)
+
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(step, sample, backend=backend)
+    if what == "weight":
+        weight = torch.randn(8, 8, device=device)
+    else:
+        layer = nn.Linear(8, 8).to(device).requires_grad_(False)
+    with pytest.raises(DualgraphError) as info:
+        graphed(torch.randn(4, 8, device=device, requires_grad=True))
+    assert str(info.value).startswith(f"{graphed.name}: closed over {what}: rebound after capture")
+
+
+class _TemperedByTheGlobal(nn.Module):
+    """A Linear divided by the global ``TEMPERATURE``, in a submodule's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_global_a_graphed_modules_forward_reads_changed_after_capture_is_refused(
+    backend: str,
+) -> None:
+    # As for a graphed function: eager's forward reads the global again, a graph holds what
+    # the forward computed from it at capture.
+    global TEMPERATURE
+    device = device_of(backend)
+    module = nn.Sequential(_TemperedByTheGlobal(), nn.Tanh()).to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    try:
+        TEMPERATURE = 3.0
+        with pytest.raises(DualgraphError) as info:
+            module(torch.randn(4, 8, device=device))
+    finally:
+        TEMPERATURE = 2.0
+    assert str(info.value).startswith(
+        "_TemperedByTheGlobal.forward's global TEMPERATURE: was 2.0 at capture and is 3.0 now"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
+    # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:
+    # "emulate" re-runs the Python, which moves it on every call, a graph never does.
+    calls = 0
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return x * 2
+
+    sample = (torch.randn(4, device=device_of(backend), requires_grad=True),)
+    graphed = dgt.make_graphed_callables(counted, sample, backend=backend)
+    x = torch.randn(4, device=device_of(backend))
+    for _ in range(3):
+        assert_tensors_match(graphed(x), x * 2, "output", tolerance(backend))
 
 
 class ScalesByAnInput(nn.Module):

@@ -8,26 +8,31 @@ input sharing memory with one would, in eager, be read after (``GraphedCallable`
 put back after capture, as a module's buffers are. ``dgt.verify`` compares them too.
 
 Its graphs read those modules' and tensors' memory, and replay their modules' training modes
-and hooks, as they were at capture; :func:`code_tensors` records them so that each call refuses
-a change (a weight moved by ``.data = ...`` or ``.half()``, ``encoder.eval()``), as a graphed
-module's own ``ModuleTensors`` does.
+and hooks, as they were at capture, and what the code computed from the plain values it reads
+(a temperature in its closure, a global flag); :func:`code_tensors` records them so that each
+call refuses a change (a weight moved by ``.data = ...`` or ``.half()``, ``encoder.eval()``,
+``temperature = 3.0``), as a graphed module's own ``ModuleTensors`` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ._params import ModuleTensors, write_back
+from ._params import ModuleTensors, is_plain, write_back
 
 __all__ = [
     "ClosureUpdates",
     "closed_over_tensors",
     "code_tensors",
+    "code_values",
+    "forward_values",
     "method_module",
     "named_by",
     "named_values",
@@ -61,7 +66,8 @@ def closed_over_tensors(
 
 def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
     """The modules and tensors ``fn``'s code names (as :func:`closed_over_tensors` finds them)
-    and a bound method's module, recorded as a module's own are; ``None`` where there are none.
+    and a bound method's module, recorded as a module's own are, with the plain values its code
+    reads (:func:`code_values`); ``None`` where there are none.
 
     Named as the code names them (``closed over encoder.fc.weight``; a method's module by its
     class, ``FrozenEncoder.fc.weight``). A method's module is not called by the method, so its
@@ -84,9 +90,97 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
         elif type(value) in _PLAIN and value.layout == torch.strided:
             holder._buffers[f"closed over {name}"] = value
             seen.add(id(value))
-    if not holder._modules and not holder._buffers:
+    globals_, cells = code_values(fn)
+    if not holder._modules and not holder._buffers and not globals_ and not cells:
         return None
-    return ModuleTensors.of(holder, root="", uncalled=uncalled)
+    record = ModuleTensors.of(holder, root="", uncalled=uncalled)
+    record.note_code_values(globals_, cells)
+    return record
+
+
+CodeValues = tuple[list[tuple[str, dict[str, Any], str, Any]], list[tuple[str, Any, Any]]]
+
+
+def forward_values(module: torch.nn.Module) -> CodeValues:
+    """:func:`code_values` of the ``forward`` of ``module``'s class and of each submodule's
+    class, once each, named by the class: ``Tempered.forward's global TEMPERATURE``.
+
+    >>> [name for name, *_ in forward_values(torch.nn.Linear(2, 2))[0]]  # torch's read none
+    []
+    """
+    globals_: list[tuple[str, dict[str, Any], str, Any]] = []
+    cells: list[tuple[str, Any, Any]] = []
+    seen: set[int] = set()
+    for submodule in module.modules():
+        forward = getattr(type(submodule), "forward", None)
+        if forward is None or id(forward) in seen:
+            continue
+        seen.add(id(forward))
+        found = code_values(forward, owner=f"{type(submodule).__name__}.forward")
+        globals_ += found[0]
+        cells += found[1]
+    return globals_, cells
+
+
+def code_values(fn: Callable[..., Any], *, owner: str = "") -> CodeValues:
+    """What ``fn``'s own code reads that a graph holds as of capture, where it lives:
+    ``(name, dict, key, value)`` of the globals it loads (its nested comprehensions' and
+    lambdas' too) and of a ``functools.partial``'s keywords, and ``(name, cell, value)`` of its
+    closure's cells, named ``closed over NAME`` (``owner``: ``OWNER's global NAME``, ``OWNER's
+    closed over NAME``). Those holding plain Python values (numbers, strings, flags, ``None``,
+    tuples of them: a graph holds what the code computed from them, ``x / temperature``),
+    tensors and modules (a graph reads the memory of those of capture), where eager reads
+    each name again on every call.
+
+    >>> scale = 2.0
+    >>> globals_, cells = code_values(lambda x: x * scale)  # a global here, in a doctest
+    >>> [(name, value) for name, _, _, value in globals_], cells
+    ([('closed over scale', 2.0)], [])
+    """
+    globals_: list[tuple[str, dict[str, Any], str, Any]] = []
+    while isinstance(fn, functools.partial):
+        globals_ += [
+            (f"partial argument {key}", fn.keywords, key, value)
+            for key, value in fn.keywords.items()
+            if _held(value)
+        ]
+        fn = fn.func
+    cells: list[tuple[str, Any, Any]] = []
+    whose = f"{owner}'s " if owner else ""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return globals_, cells
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
+        with contextlib.suppress(ValueError):  # a cell not filled yet
+            if _held(cell.cell_contents):
+                cells.append((f"{whose}closed over {name}", cell, cell.cell_contents))
+    namespace = getattr(fn, "__globals__", None)
+    if isinstance(namespace, dict):
+        globals_ += [
+            (f"{whose}global {name}" if owner else f"closed over {name}", namespace, name, value)
+            for name in dict.fromkeys(_globals_loaded(code))
+            if (value := namespace.get(name, _NOT_THERE)) is not _NOT_THERE and _held(value)
+        ]
+    return globals_, cells
+
+
+_NOT_THERE = object()
+
+
+def _held(value: Any) -> bool:
+    """Whether a graph holds ``value`` as of capture: a plain value, a tensor or a module
+    (objects such as lists and configs are not compared, as a module's are not)."""
+    return is_plain(value) or type(value) in _PLAIN or isinstance(value, torch.nn.Module)
+
+
+def _globals_loaded(code: types.CodeType) -> Iterator[str]:
+    """The names ``code`` loads as globals (an attribute's name is no global read)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield instruction.argval
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a comprehension, a nested lambda
+            yield from _globals_loaded(constant)
 
 
 def named_values(fn: Callable[..., Any]) -> list[tuple[str, Any]]:

@@ -15,9 +15,11 @@ another training mode than the module itself (``module.dropout.eval()``: the gra
 the captured dropout; a whole module in another mode runs eagerly, see ``_modules.py``), or a
 submodule given or relieved of a forward or backward hook, or one swapped for another function
 (the graphs replay the hooks a submodule had at capture: one registered since would never run,
-one removed would still act), or a submodule given another forward (an instance-level
+one removed would still act; so for torch's global module hooks, which run on the submodules'
+calls too), or a submodule given another forward (an instance-level
 ``forward``, as accelerate's hooks set, or another class): the graphs replay the kernels of the
-forward they captured. A submodule graphed itself after its parent keeps running inside the
+forward they captured; or a global the forwards' own code reads (a flag, a temperature) set to
+another value since. A submodule graphed itself after its parent keeps running inside the
 parent's replay as captured, so dualgraph's own ``forward`` is not a change.
 
 At capture, :meth:`ModuleTensors.left_as_found` undoes what warmup does to buffers (BatchNorm's
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import itertools
 import math
 import operator
@@ -75,6 +78,7 @@ _shape = operator.attrgetter("shape")
 _requires_grad = operator.attrgetter("requires_grad")
 _training = operator.attrgetter("training")
 _version = operator.attrgetter("_version")
+_cell_contents = operator.attrgetter("cell_contents")
 # A module's hook dicts, by the kind of hook each holds, with the dicts of flags (keyed by the
 # same handle ids) that change how a hook of that kind is called.
 _HOOK_KINDS = {
@@ -88,6 +92,29 @@ _HOOK_KINDS = {
 }
 #: What a hook dict holds, as the module calls it: its hooks in order, and each flag per hook.
 Hooks = tuple[tuple[Any, ...], tuple[tuple[bool, ...], ...]]
+_MODULE_MODULE = torch.nn.modules.module
+# Torch's global module hooks (register_module_forward_hook, ...), which every module's call
+# runs, a submodule's inside the graphs too: (the dict, its flag dicts, what registers one).
+# Torch adds to and removes from these dicts in place, so the objects held here stay theirs.
+_GLOBAL_HOOKS = tuple(
+    (
+        getattr(_MODULE_MODULE, attribute),
+        tuple(getattr(_MODULE_MODULE, flag) for flag in flags if hasattr(_MODULE_MODULE, flag)),
+        f"a global {kind} (torch.nn.modules.module.register_module_{register})",
+    )
+    for attribute, flags, kind, register in (
+        ("_global_forward_pre_hooks", (), "forward pre-hook", "forward_pre_hook"),
+        (
+            "_global_forward_hooks",
+            ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"),
+            "forward hook",
+            "forward_hook",
+        ),
+        ("_global_backward_pre_hooks", (), "backward pre-hook", "full_backward_pre_hook"),
+        ("_global_backward_hooks", (), "backward hook", "full_backward_hook"),
+    )
+    if hasattr(_MODULE_MODULE, attribute)
+)
 
 
 def _hooks_held(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
@@ -278,6 +305,17 @@ class ModuleTensors:
     # warmup and capture (getattr(self, "mask", None), hasattr: _missed_attributes.py): one
     # added since, of any kind (a tensor too), is what eager's forward would read.
     looked_up_absent: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
+    # What the code itself reads (note_code_values: a graphed function's globals, partial
+    # keywords and closure cells; the globals a module's forwards load) that the graphs hold as
+    # of capture: plain values, tensors, modules, at setup, before warmup. record_attributes
+    # keeps those capture left as they were: the globals and keywords after the modules'
+    # attributes (from code_from on), the cells below, compared per call as attributes are.
+    code_globals: tuple[tuple[str, dict[str, Any], str, Any], ...] = ()
+    code_cells: tuple[tuple[str, Any, Any], ...] = ()
+    code_from: int = 0
+    cell_names: tuple[str, ...] = ()
+    cells: tuple[Any, ...] = ()
+    cell_values: list[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(
@@ -330,6 +368,8 @@ class ModuleTensors:
         namespaces = tuple(
             {} if any(child is other for other in uncalled) else child.__dict__ for child in modules
         )
+        if hooked:  # a submodule the callable calls: the global hooks act on it in eager
+            hooked += [(name, "", hooks, flags) for hooks, flags, name in _GLOBAL_HOOKS]
         hook_dicts = tuple(entry[2] for entry in hooked)
         hook_flags = tuple(entry[3] for entry in hooked)
         return cls(
@@ -356,7 +396,7 @@ class ModuleTensors:
             module_dicts=namespaces,
             forwards=tuple(namespace.get("forward") for namespace in namespaces),
             classes=tuple(map(type, modules)),
-            hook_names=tuple(f"{name}: {kind}" for name, kind, _, _ in hooked),
+            hook_names=tuple(f"{name}: {kind}" if kind else name for name, kind, _, _ in hooked),
             hook_dicts=hook_dicts,
             hook_flags=hook_flags,
             hooks_at_capture=tuple(map(_hooks_held, hook_dicts, hook_flags)),
@@ -409,9 +449,13 @@ class ModuleTensors:
                         )
                     )
                 )
+                and (
+                    not self.cells
+                    or all(map(_is, map(_cell_contents, self.cells), self.cell_values))
+                )
             ):
                 return
-        except KeyError:
+        except (KeyError, ValueError):  # ValueError: a closure's cell emptied (del name)
             raise self._explain(grad_enabled) from None
         self._check_all(grad_enabled)
 
@@ -445,6 +489,7 @@ class ModuleTensors:
                 and tuple(map(_requires_grad, self.watched)) != self.watched_requires_grad
             )
             or (self.attribute_keys and self._attribute_changed() is not None)
+            or (self.cells and self._cell_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
             or (
                 (counts := list(map(len, self.counted_dicts))) != self.counted_lens
@@ -527,27 +572,39 @@ class ModuleTensors:
             values[i] = now
         return None
 
+    def _cell_changed(self) -> int | None:
+        """The index of the first closure cell whose value is not the one of capture
+        (``None``), as :meth:`_attribute_changed` finds an attribute's."""
+        values = self.cell_values
+        now = list(map(_contents_or_absent, self.cells))
+        if all(map(_is, now, values)):
+            return None
+        for i, value in enumerate(now):
+            if value is values[i]:
+                continue
+            if not _same_plain(value, values[i]):
+                return i
+            values[i] = value
+        return None
+
     @contextlib.contextmanager
     def own_changes_taken(self) -> Iterator[None]:
         """Run the callable's Python (an eager call, an emulated replay) taking the values it
         sets (a counter) as the recorded ones; what the caller had changed before stays."""
-        keys = self.attribute_keys
-        if not keys:
+        keys, cells = self.attribute_keys, self.cells
+        if not keys and not cells:
             with self._own_keys_taken():
                 yield
             return
         dicts = self.attribute_dicts
         before = list(map(_get, dicts, keys, _ABSENTS))
+        cells_before = list(map(_contents_or_absent, cells))
         try:
             with self._own_keys_taken():
                 yield
         finally:
-            values = self.attribute_values
-            if not all(map(_is, map(_get, dicts, keys, _ABSENTS), before)):
-                for i, (namespace, key) in enumerate(zip(dicts, keys, strict=True)):
-                    now = namespace.get(key, _ABSENT)
-                    if now is not before[i] and before[i] is values[i]:
-                        values[i] = now
+            _take_own(list(map(_get, dicts, keys, _ABSENTS)), before, self.attribute_values)
+            _take_own(list(map(_contents_or_absent, cells)), cells_before, self.cell_values)
 
     @contextlib.contextmanager
     def _own_keys_taken(self) -> Iterator[None]:
@@ -614,6 +671,17 @@ class ModuleTensors:
             lens[start + i] = count
         return None
 
+    def note_code_values(
+        self,
+        globals_: Sequence[tuple[str, dict[str, Any], str, Any]],
+        cells: Sequence[tuple[str, Any, Any]],
+    ) -> None:
+        """Note, at setup, a graphed function's own plain values (``_closed_over.code_values``):
+        where they live and their values now; :meth:`record_attributes` keeps those that
+        capture left as they were."""
+        object.__setattr__(self, "code_globals", tuple(globals_))
+        object.__setattr__(self, "code_cells", tuple(cells))
+
     def note_looked_up(self, missed: dict[int, set[str]]) -> None:
         """Keep, per module, the names the callable looked up and did not find during warmup
         and capture (``_missed_attributes.py``) that are still absent (not set lazily since)."""
@@ -646,6 +714,20 @@ class ModuleTensors:
             and (not before or then.get(key, _ABSENT) is value)
             and key not in te_flags
         ]
+        object.__setattr__(self, "code_from", len(found))
+        found += [  # a function's own: those its warmup and capture did not rebind
+            (name, namespace, key, then)
+            for name, namespace, key, then in self.code_globals
+            if namespace.get(key, _ABSENT) is then
+        ]
+        cells = [
+            (name, cell, then)
+            for name, cell, then in self.code_cells
+            if _contents_or_absent(cell) is then
+        ]
+        object.__setattr__(self, "cell_names", tuple(entry[0] for entry in cells))
+        object.__setattr__(self, "cells", tuple(entry[1] for entry in cells))
+        self.cell_values[:] = [entry[2] for entry in cells]
         object.__setattr__(self, "attribute_names", tuple(entry[0] for entry in found))
         object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))
         object.__setattr__(self, "attribute_keys", tuple(entry[2] for entry in found))
@@ -735,6 +817,17 @@ class ModuleTensors:
             if not _same_hooks(now, then):
                 count, was = len(now[0]), len(then[0])
                 change = "registered" if count > was else "removed" if count < was else "replaced"
+                if name.startswith("a global "):  # it acts on every submodule
+                    whose = f"{self.root_name}: " if self.root_name else ""
+                    return DualgraphError(
+                        f"{whose}{name[:-1]}: {_hook_named(now[0], then[0])}) {change} after "
+                        "capture, but the graphs replay what the "
+                        "global module hooks did to the submodules at capture "
+                        "(one registered or swapped in since would never run on them, one "
+                        "removed would still act); register it before graphing, remove it "
+                        "before calling, put a hook on the graphed module itself (it runs around "
+                        f"each replay), or {again}"
+                    )
                 return DualgraphError(
                     f"{name} {change} after capture, but the graphs replay what the submodules' "
                     "hooks did at capture (a hook registered or swapped in since would never "
@@ -856,6 +949,14 @@ class ModuleTensors:
                     )
                 return DualgraphError(f"{_joined(module_name, attribute_name)}: {how}")
         changed = self._attribute_changed() if self.attribute_keys else None
+        if changed is not None and changed >= self.code_from:  # a function's own value
+            then = self.attribute_values[changed]
+            now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
+            return _code_value_changed(self.attribute_names[changed], then, now)
+        cell = self._cell_changed() if self.cells else None
+        if cell is not None:
+            now = _contents_or_absent(self.cells[cell])
+            return _code_value_changed(self.cell_names[cell], self.cell_values[cell], now)
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
@@ -966,6 +1067,26 @@ class ModuleTensors:
         return error
 
 
+def _code_value_changed(name: str, then: Any, now: Any) -> DualgraphError:
+    shown = "deleted" if now is _ABSENT else f"{now!r}"
+    if not is_plain(then):  # a tensor, a module
+        shown = "deleted" if now is _ABSENT else _summary(now)
+        return DualgraphError(
+            f"{name}: rebound after capture (now {shown}, not the "
+            f"{_summary(then).removeprefix('a ')} of capture); the graphs "
+            "read the one of capture (its memory, a module's weights), so eager's new one "
+            "would be ignored. Set it back, update the one of capture in place (copy_, "
+            "load_state_dict), pass it to the callable as an argument, or graph the callable "
+            "again"
+        )
+    return DualgraphError(
+        f"{name}: was {then!r} at capture and is {shown} now; the graphs replay what the code "
+        "computed from it at capture (a temperature, a flag it branches on), so eager's new "
+        "value would be lost. Set it back, pass it to the callable as a tensor argument "
+        "(copied in on every call), or graph the callable again"
+    )
+
+
 #: A module's dicts of members, and what each holds (for the message of one added).
 _MEMBER_KINDS = {"_parameters": "parameter", "_buffers": "buffer", "_modules": "submodule"}
 #: Public ``__dict__`` entries whose addition is no change: dualgraph's own ``forward`` (a
@@ -975,6 +1096,41 @@ _ABSENT = object()  # an attribute deleted since capture
 _NO_NAMES: frozenset[str] = frozenset()
 _ABSENTS = itertools.repeat(_ABSENT)
 _SCALARS = (int, float, bool, str, type(None))
+# Immutable values besides them, compared by equality (an Enum member, by identity): what a
+# forward casts to (self.out_dtype), puts tensors on, or branches on (self.act is Act.GELU).
+_VALUES = (complex, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _hook_named(now: Sequence[Any], then: Sequence[Any]) -> str:
+    """The first hook in only one of ``now`` and ``then``, by name, for a message (who
+    registers a global hook is often not the user: torch's ``ModuleTracker``, under
+    ``FlopCounterMode``, registers one of each forward kind).
+
+    >>> _hook_named([print, len], [print])
+    'len'
+    """
+    for hook in (*now, *then):
+        if not any(hook is other for other in now) or not any(hook is other for other in then):
+            return getattr(hook, "__qualname__", None) or repr(hook)
+    return "a hook under another flag"
+
+
+def _contents_or_absent(cell: Any) -> Any:
+    """A closure cell's value, ``_ABSENT`` for an emptied one (``del name``)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _ABSENT
+
+
+def _take_own(now: list[Any], before: list[Any], recorded: list[Any]) -> None:
+    """Take as recorded each value the callable's Python set (``now`` differs from ``before``)
+    where the one before was the recorded one: a change of its own, not the caller's."""
+    if all(map(_is, now, before)):
+        return
+    for i, value in enumerate(now):
+        if value is not before[i] and before[i] is recorded[i]:
+            recorded[i] = value
 
 
 def _watched(key: str, value: Any) -> bool:
@@ -1001,7 +1157,8 @@ def _public_keys(namespace: dict[str, Any], exempt: frozenset[str]) -> frozenset
 def _same_plain(a: Any, b: Any) -> bool:
     """Whether two plain values (see :func:`is_plain`) would compute the same: of one type and
     equal, a float by its bits as the kernels see it (``-0.0`` is not ``0.0``: ``copysign``,
-    a division; any NaN is a NaN), a tuple item by item.
+    a division; any NaN is a NaN), a tuple item by item; anything else (a tensor, a module),
+    only itself: the graphs read the memory of the one of capture.
 
     >>> _same_plain(float("nan"), float("nan")), _same_plain(-0.0, 0.0), _same_plain(1, True)
     (True, False, False)
@@ -1010,23 +1167,32 @@ def _same_plain(a: Any, b: Any) -> bool:
     """
     if type(a) is not type(b):
         return False
-    if type(a) is torch.Tensor:  # the graphs read its memory: only the same tensor will do
-        return a is b
     if type(a) is float:
         if a != a:  # NaN: equal to any NaN, as the kernels use it
             return b != b
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if type(a) is tuple:
         return len(a) == len(b) and all(map(_same_plain, a, b))
-    return bool(a == b)
+    if type(a) in _SCALARS or type(a) in _VALUES:
+        return bool(a == b)
+    return a is b  # an Enum member, a tensor, a module
 
 
 def is_plain(value: Any) -> bool:
-    """Whether ``value`` is a number, string, flag or ``None`` (or a tuple of them, as
-    LayerNorm's ``normalized_shape``): what a forward may compute with on the host."""
+    """Whether ``value`` is a number, string, flag or ``None``, an immutable value such as a
+    ``torch.dtype``, a ``torch.device`` or an ``Enum`` member (or a tuple of them, as
+    LayerNorm's ``normalized_shape``): what a forward may compute with or branch on on the host.
+
+    >>> is_plain((8, 1e-5)), is_plain(torch.float16), is_plain([8]), is_plain(torch.ones(1))
+    (True, True, False, False)
+    """
     if type(value) is tuple:
-        return all(type(item) in _SCALARS for item in value)
-    return type(value) in _SCALARS
+        return all(map(_is_plain_item, value))
+    return _is_plain_item(value)
+
+
+def _is_plain_item(value: Any) -> bool:
+    return type(value) in _SCALARS or type(value) in _VALUES or isinstance(value, enum.Enum)
 
 
 #: The records of each graphed module's attributes (one per capture: buckets, slots).

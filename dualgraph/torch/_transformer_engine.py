@@ -34,9 +34,11 @@ _PYTORCH = "transformer_engine.pytorch"
 #: global state (``module/base.py``: ``prepare_forward``, ``init_fp8_metadata`` and
 #: ``is_debug_iter``; ``DotProductAttention.init_fp8_metadata``): an eager call outside FP8 or
 #: a calibration sets them otherwise, and the next call sets them back. The FP8 state they come
-#: from is compared per replay on its own (``_te_precision.py``).
+#: from is compared per replay on its own (``_te_precision.py``); so is the autocast state
+#: ``activation_dtype`` is set from (``set_activation_dtype``), or else the input's dtype.
 TE_FORWARD_FLAGS = frozenset(
     {
+        "activation_dtype",
         "fp8",
         "fp8_calibration",
         "fp8_parameters",
