@@ -299,6 +299,41 @@ def test_a_view_of_an_input_may_differ_in_strides_of_dims_of_one_element(backend
     assert torch.equal(x, before + 1.0)
 
 
+def _step_keeping_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step of a loop (``h, previous, first = step(h)``): its input returned, and viewed."""
+    return torch.tanh(x) * 2, x, x[0]
+
+
+@pytest.mark.parametrize("clone_outputs", [False, True])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_earlier_output_passed_as_an_input_an_output_is_is_refused_before_any_buffer(
+    backend: str, clone_outputs: bool
+) -> None:
+    # h is the static buffer of output[0], which the next replay overwrites: the caller's h
+    # handed back as output[1] (and viewed as output[2]) held the new tanh(h) * 2, where
+    # eager's holds h's values.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        _step_keeping_its_input,
+        (torch.randn(3, 4, device=device),),
+        backend=backend,
+        clone_outputs=clone_outputs,
+    )
+    x = torch.randn(3, 4, device=device)
+    h, _, _ = graphed(x)
+    expected = _step_keeping_its_input(h.clone())
+    if clone_outputs:  # h is the caller's own
+        assert_trees_match(graphed(h), expected, tolerance(backend))
+        return
+    before = [t.clone() for t in graphed.static_inputs]
+    with pytest.raises(
+        DualgraphError, match=r"args\[0\] shares memory with output\[0\] of an earlier call"
+    ):
+        graphed(h)
+    assert all(map(torch.equal, graphed.static_inputs, before))
+    assert_trees_match(graphed(h.clone()), expected, tolerance(backend))
+
+
 class ReturnsItsWeight(nn.Module):
     """``(fc(x), fc.weight.t())``: an output that views a parameter (a tied head's weight)."""
 

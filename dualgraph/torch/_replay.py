@@ -212,6 +212,7 @@ class GraphedCallable:
         "_replay_call",
         "_replay_forward",
         "_replayed_in_backward",
+        "_returned_inputs",
         "_saved_inputs",
         "_saved_mutated",
         "_saved_outputs",
@@ -494,9 +495,18 @@ class GraphedCallable:
         self._updated_storages = updated_storages if updated_storages else None
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
+        # The inputs an output is, or views (``return x``, ``x[0]``), each with the first such
+        # output: handed out as the caller's tensor, which, if it is an earlier call's output
+        # (``h, prev = step(h)``), this replay overwrites before handing it out.
+        returned: dict[int, int] = {}
+        for step in self._aliases.input_views if self._aliases is not None else ():
+            returned.setdefault(step.source, step.output)
+        self._returned_inputs = tuple(returned.items())
         self._output_storages = StorageIndex(
             (f"output{self._out_spec.array_paths[k]}", output)
-            for k, output in enumerate(self._overwritten_outputs if self._mutated else ())
+            for k, output in enumerate(
+                self._overwritten_outputs if self._mutated or returned else ()
+            )
         )
 
     def params_frozen(self, needs_input_grad: tuple[bool, ...]) -> bool:
@@ -689,6 +699,8 @@ class GraphedCallable:
                 aliases.check_inputs(
                     self.name, tensors, self._inputs.paths, self._out_spec.array_paths
                 )
+                if self._output_storages:
+                    self._check_returned_inputs(tensors)
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -905,6 +917,28 @@ class GraphedCallable:
                     f"{self.name}: {paths[i]} and {paths[j]} share memory, and the callable "
                     f"updates {paths[i]} in place: eager would see the update through "
                     f"{paths[j]}, a replay would not; pass tensors that do not share memory"
+                )
+
+    def _check_returned_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before any buffer is written, an input that an output is or views where it
+        is an earlier call's output (a static buffer this replay overwrites): the output handed
+        out, the caller's tensor or a view of it, would hold this call's values, where eager's
+        holds the input's (``h, prev = step(h)`` with ``step`` returning its input as ``prev``).
+        """
+        index = self._output_storages
+        for i, k in self._returned_inputs:
+            memory = memory_of(tensors[i])
+            if memory is None:
+                continue
+            output = index.owner(memory, memory.data_ptr(), not memory.resizable())
+            if output is not None:
+                path = self._inputs.paths[i]
+                raise DualgraphError(
+                    f"{self.name}: {path} shares memory with {output} of an earlier call (a "
+                    f"static buffer this replay overwrites), and output"
+                    f"{self._out_spec.array_paths[k]} is {path} or a view of it, as in eager: "
+                    f"handed out after the replay, it would hold this call's {output}, not "
+                    f"{path}'s values; pass a copy (clone(), or graph with clone_outputs=True)"
                 )
 
     def check_inputs_sharing_updated_buffers(
