@@ -700,7 +700,7 @@ class GraphedCallable:
                     self.name, tensors, self._inputs.paths, self._out_spec.array_paths
                 )
                 if self._output_storages:
-                    self._check_returned_inputs(tensors)
+                    self.check_returned_inputs(tensors)
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -919,20 +919,33 @@ class GraphedCallable:
                     f"{paths[j]}, a replay would not; pass tensors that do not share memory"
                 )
 
-    def _check_returned_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+    def check_returned_inputs(
+        self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
+    ) -> None:
         """Refuse, before any buffer is written, an input that an output is or views where it
         is an earlier call's output (a static buffer this replay overwrites): the output handed
         out, the caller's tensor or a view of it, would hold this call's values, where eager's
-        holds the input's (``h, prev = step(h)`` with ``step`` returning its input as ``prev``).
+        holds the input's (``h, previous = step(h)`` with ``step`` returning its input).
+
+        ``paths``: of ``tensors``, where they are not this replay's inputs (a padded call's
+        caller's tensors, which it hands out in place of the padded copies replayed).
         """
         index = self._output_storages
+        if not index:
+            return
         for i, k in self._returned_inputs:
-            memory = memory_of(tensors[i])
+            path = self._inputs.paths[i]
+            if paths is None:
+                tensor = tensors[i]
+            elif path in paths:
+                tensor = tensors[paths.index(path)]
+            else:
+                continue
+            memory = memory_of(tensor)
             if memory is None:
                 continue
             output = index.owner(memory, memory.data_ptr(), not memory.resizable())
             if output is not None:
-                path = self._inputs.paths[i]
                 raise DualgraphError(
                     f"{self.name}: {path} shares memory with {output} of an earlier call (a "
                     f"static buffer this replay overwrites), and output"
