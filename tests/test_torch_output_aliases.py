@@ -234,6 +234,34 @@ def test_a_view_of_an_input_laid_out_otherwise_is_refused_before_any_buffer(
     assert first._base is not None and torch.equal(first, transposed[1])
 
 
+@pytest.mark.parametrize(
+    ("returns", "refusal"),
+    [
+        (lambda x: (x[1], x * 2), r"output\[0\] is a view of args\[0\]"),
+        (lambda x: (x, x * 2), r"output\[0\] was args\[0\] itself at capture"),
+    ],
+    ids=["view", "itself"],
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_refused_layout_of_a_returned_input_advises_the_layout_the_callable_saw(
+    backend: str, returns: Any, refusal: str
+) -> None:
+    # The sample was transposed, so the callable saw strides (1, 3): a contiguous call was
+    # refused advising to pass it "laid out like the sample (.contiguous())", as it was.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        returns, (torch.randn(4, 3, device=device).t(),), backend=backend
+    )
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(DualgraphError, match=refusal) as info:
+        graphed(x)
+    advice = str(info.value).partition(" Pass ")[2]
+    assert advice.startswith("args[0] laid out with strides (1, 3) (args[0].new_empty_strided(")
+    assert ".contiguous()" not in advice
+    laid_out = x.new_empty_strided((3, 4), (1, 3)).copy_(x)
+    assert_trees_match(graphed(laid_out), returns(laid_out), tolerance(backend))
+
+
 #: An op that returns its input itself where it is laid out so, and a call laid out otherwise.
 RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO = {
     "contiguous": (torch.Tensor.contiguous, lambda x: x.t().contiguous().t()),
