@@ -66,6 +66,7 @@ from ._pool_order import PoolPlace
 from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
+from ._replay_function import watch_handed_out
 from ._replay_hooks import ReplayCall, call_eagerly
 from ._saved_hooks import saved_copies_kept
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
@@ -226,6 +227,7 @@ class GraphedCallable:
         "_unwatched",
         "_updated_storages",
         "_used_inside",
+        "_used_inside_replaced",
         "backend",
         "diagnostics",
         "name",
@@ -317,6 +319,14 @@ class GraphedCallable:
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
         # Outputs other outputs are computed from: eager's grad at one includes theirs share.
         self._used_inside = plan.used_inside
+        # Of those, the ones handed out as another tensor (a view of an input or of another
+        # output, made after the replay): that tensor is what a hook or retain_grad is put on.
+        replaced = frozenset(
+            ()
+            if plan.output_aliases is None
+            else (step.output for step in plan.output_aliases.steps)
+        )
+        self._used_inside_replaced = tuple(k for k in plan.used_inside if k in replaced)
         # Outputs eager's call under no_grad gives history (the callable enables grad itself).
         self._records_under_no_grad = plan.records_under_no_grad
         # The forward's Python branches on grad mode, or on some inputs' requires_grad (their
@@ -731,7 +741,12 @@ class GraphedCallable:
                     if node.input_versions:  # checked for this call (see _replay_function)
                         node.input_versions = self.input_versions(tensors)
             if aliases is not None:  # under the caller's grad mode, as eager made them
-                outputs = aliases.hand_out(outputs, tensors)
+                handed = aliases.hand_out(outputs, tensors)
+                if self._used_inside_replaced and grad_enabled:
+                    watch_handed_out(
+                        {id(outputs[k]): handed[k] for k in self._used_inside_replaced}, outputs
+                    )
+                outputs = handed
             if hooks is None:
                 return self._out_spec.unflatten(outputs)
             result = self._out_spec.unflatten(outputs)
