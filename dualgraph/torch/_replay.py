@@ -176,6 +176,8 @@ class GraphedCallable:
         "_input_grads",
         "_input_only_outputs",
         "_inputs",
+        "_later_index",
+        "_later_outputs_of",
         "_lock",
         "_module_storages",
         "_module_tensors",
@@ -512,6 +514,10 @@ class GraphedCallable:
         for step in self._aliases.input_views if self._aliases is not None else ():
             returned.setdefault(step.source, step.output)
         self._returned_inputs = tuple(returned.items())
+        # the outputs of callables captured after it into its pool (_later_outputs), by the
+        # tuple of them it was made from
+        self._later_index: StorageIndex | None = None
+        self._later_outputs_of: tuple[torch.Tensor, ...] | None = None
         self._output_storages = StorageIndex(
             (f"output{self._out_spec.array_paths[k]}", output)
             for k, output in enumerate(
@@ -709,7 +715,7 @@ class GraphedCallable:
                 aliases.check_inputs(
                     self.name, tensors, self._inputs.paths, self._out_spec.array_paths
                 )
-                if self._output_storages:
+                if self._returned_inputs:
                     self.check_returned_inputs(tensors)
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
@@ -938,15 +944,17 @@ class GraphedCallable:
         self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
     ) -> None:
         """Refuse, before any buffer is written, an input that an output is or views where it
-        is an earlier call's output (a static buffer this replay overwrites): the output handed
-        out, the caller's tensor or a view of it, would hold this call's values, where eager's
-        holds the input's (``h, previous = step(h)`` with ``step`` returning its input).
+        is an earlier call's output (a static buffer this replay overwrites), or an output of a
+        callable captured after this one into its memory pool (which this forward replay may
+        overwrite): the output handed out, the caller's tensor or a view of it, would hold
+        other values than eager's (``h, previous = step(h)`` with ``step`` returning its input).
 
         ``paths``: of ``tensors``, where they are not this replay's inputs (a padded call's
         caller's tensors, which it hands out in place of the padded copies replayed).
         """
-        index = self._output_storages
-        if not index:
+        own = self._output_storages
+        later = self._later_outputs()
+        if not own and later is None:
             return
         for i, k in self._returned_inputs:
             path = self._inputs.paths[i]
@@ -959,15 +967,43 @@ class GraphedCallable:
             memory = memory_of(tensor)
             if memory is None:
                 continue
-            output = index.owner(memory, memory.data_ptr(), not memory.resizable())
-            if output is not None:
+            start, foreign = memory.data_ptr(), not memory.resizable()
+            output = self._out_spec.array_paths[k]
+            found = own.owner(memory, start, foreign)
+            if found is not None:
                 raise DualgraphError(
-                    f"{self.name}: {path} shares memory with {output} of an earlier call (a "
-                    f"static buffer this replay overwrites), and output"
-                    f"{self._out_spec.array_paths[k]} is {path} or a view of it, as in eager: "
-                    f"handed out after the replay, it would hold this call's {output}, not "
-                    f"{path}'s values; pass a copy (clone(), or graph with clone_outputs=True)"
+                    f"{self.name}: {path} shares memory with {found} of an earlier call (a "
+                    f"static buffer this replay overwrites), and output{output} is {path} or a "
+                    f"view of it, as in eager: handed out after the replay, it would hold this "
+                    f"call's {found}, not {path}'s values; pass a copy (clone(), or graph with "
+                    "clone_outputs=True)"
                 )
+            found = None if later is None else later.owner(memory, start, foreign)
+            if found is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} shares memory with {found}, captured after this one "
+                    f"into one memory pool (a static buffer this forward replay may overwrite, "
+                    f"on CUDA), and output{output} is {path} or a view of it, as in eager: "
+                    f"handed out after the replay, it may not hold {path}'s values; pass a copy "
+                    "(clone(), or graph with clone_outputs=True)"
+                )
+
+    def _later_outputs(self) -> StorageIndex | None:
+        """Where the outputs of the callables captured after this one into its memory pool lie
+        (what its forward replay may overwrite), by callable; ``None``: none. Made again when
+        another graphing joins the pool (``settle_outputs`` makes a new tuple then)."""
+        pool = self._pool
+        if pool is None or not pool.forward_overwrites:
+            return None
+        if self._later_outputs_of is not pool.forward_overwrites:
+            self._later_index = StorageIndex(
+                (f"an output of {other.label}", tensor)
+                for other in pool.order.places()
+                if other.forward_at > pool.forward_at
+                for tensor in other.outputs
+            )
+            self._later_outputs_of = pool.forward_overwrites
+        return self._later_index
 
     def check_inputs_sharing_updated_buffers(
         self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
