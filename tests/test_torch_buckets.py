@@ -838,6 +838,35 @@ def test_padded_calls_return_the_callers_input_and_one_output_twice_as_eager(
     assert_tensors_match(y, torch.tanh(x), "output[1]", tolerance(backend) or PAD_TOLERANCE)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_padded_call_refuses_an_earlier_output_it_would_hand_back_overwritten(
+    backend: str,
+) -> None:
+    # y, cut back from the 8 bucket's static output[1] (a view: cut along the outermost dim),
+    # passed back in padded to the same bucket: the replay overwrote that buffer, and output[0],
+    # the caller's y handed back, held this call's tanh(y) where eager's holds y's values.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        passed_through,
+        buckets=[(torch.randn(n, 3, device=device),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 0, "output[0]": 0, "output[1]": 0, "output[2]": 0},
+    )
+    _, y, _ = graphed(torch.randn(6, 3, device=device))
+    assert y._base is not None  # a view of the static output, not a copy
+    kept = y.clone()
+    with pytest.raises(
+        DualgraphError, match=r"args\[0\] shares memory with output\[1\] of an earlier call"
+    ):
+        graphed(y)
+    assert torch.equal(y, kept)  # nothing replayed
+    values = kept.clone()
+    same, again, _ = graphed(kept)
+    assert same is kept and torch.equal(same, values)
+    assert_tensors_match(again, torch.tanh(kept), "output[1]", tolerance(backend) or PAD_TOLERANCE)
+
+
 def views_of_cut_output(
     x: torch.Tensor, valid_length: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

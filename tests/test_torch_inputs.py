@@ -215,6 +215,33 @@ def test_a_guard_without_kwargs_accepts_an_empty_call_and_refuses_any_kwarg() ->
 
 
 @pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ((), "args[0]: missing (expected float32[2, 8]): the call has 0 positional arguments"),
+        ((0,), "args[1]: missing (expected float32[8]): the call has 1 positional argument"),
+        ((0, 1, 2.0), "args[2]: unexpected extra positional argument float 2.0: the call has 3"),
+    ],
+    ids=["none", "one_missing", "one_extra"],
+)
+@pytest.mark.parametrize("checked", [False, True], ids=["tensors", "checked_tensors"])
+def test_a_positional_argument_missing_or_extra_in_a_call_without_kwargs_is_named_by_its_path(
+    call: tuple[Any, ...], message: str, checked: bool
+) -> None:
+    # The usual call (positional args only) was refused as 'args: expected a tuple of length
+    # 2, got a tuple of length 1', naming no argument, where a call with kwargs named it.
+    samples = (torch.randn(2, 8), torch.randn(8))
+    guard = InputGuard(samples, None)
+    args = tuple(samples[i] if isinstance(i, int) else i for i in call)
+    with pytest.raises(SpecMismatchError) as info:
+        if checked:
+            guard.checked_tensors(args, {}, True)
+        else:
+            guard.tensors(args, {})
+    assert str(info.value).startswith(message)
+    assert info.value.path == str(info.value).partition(":")[0]
+
+
+@pytest.mark.parametrize(
     ("change", "message"),
     [
         (

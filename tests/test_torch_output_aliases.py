@@ -234,6 +234,34 @@ def test_a_view_of_an_input_laid_out_otherwise_is_refused_before_any_buffer(
     assert first._base is not None and torch.equal(first, transposed[1])
 
 
+@pytest.mark.parametrize(
+    ("returns", "refusal"),
+    [
+        (lambda x: (x[1], x * 2), r"output\[0\] is a view of args\[0\]"),
+        (lambda x: (x, x * 2), r"output\[0\] was args\[0\] itself at capture"),
+    ],
+    ids=["view", "itself"],
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_refused_layout_of_a_returned_input_advises_the_layout_the_callable_saw(
+    backend: str, returns: Any, refusal: str
+) -> None:
+    # The sample was transposed, so the callable saw strides (1, 3): a contiguous call was
+    # refused advising to pass it "laid out like the sample (.contiguous())", as it was.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        returns, (torch.randn(4, 3, device=device).t(),), backend=backend
+    )
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(DualgraphError, match=refusal) as info:
+        graphed(x)
+    advice = str(info.value).partition(" Pass ")[2]
+    assert advice.startswith("args[0] laid out with strides (1, 3) (args[0].new_empty_strided(")
+    assert ".contiguous()" not in advice
+    laid_out = x.new_empty_strided((3, 4), (1, 3)).copy_(x)
+    assert_trees_match(graphed(laid_out), returns(laid_out), tolerance(backend))
+
+
 #: An op that returns its input itself where it is laid out so, and a call laid out otherwise.
 RETURNS_ITS_INPUT_WHERE_LAID_OUT_SO = {
     "contiguous": (torch.Tensor.contiguous, lambda x: x.t().contiguous().t()),
@@ -297,6 +325,41 @@ def test_a_view_of_an_input_may_differ_in_strides_of_dims_of_one_element(backend
     with torch.no_grad():
         ours[0].add_(1.0)  # a view of the caller's x, as eager's
     assert torch.equal(x, before + 1.0)
+
+
+def _step_keeping_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step of a loop (``h, previous, first = step(h)``): its input returned, and viewed."""
+    return torch.tanh(x) * 2, x, x[0]
+
+
+@pytest.mark.parametrize("clone_outputs", [False, True])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_earlier_output_passed_as_an_input_an_output_is_is_refused_before_any_buffer(
+    backend: str, clone_outputs: bool
+) -> None:
+    # h is the static buffer of output[0], which the next replay overwrites: the caller's h
+    # handed back as output[1] (and viewed as output[2]) held the new tanh(h) * 2, where
+    # eager's holds h's values.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        _step_keeping_its_input,
+        (torch.randn(3, 4, device=device),),
+        backend=backend,
+        clone_outputs=clone_outputs,
+    )
+    x = torch.randn(3, 4, device=device)
+    h, _, _ = graphed(x)
+    expected = _step_keeping_its_input(h.clone())
+    if clone_outputs:  # h is the caller's own
+        assert_trees_match(graphed(h), expected, tolerance(backend))
+        return
+    before = [t.clone() for t in graphed.static_inputs]
+    with pytest.raises(
+        DualgraphError, match=r"args\[0\] shares memory with output\[0\] of an earlier call"
+    ):
+        graphed(h)
+    assert all(map(torch.equal, graphed.static_inputs, before))
+    assert_trees_match(graphed(h.clone()), expected, tolerance(backend))
 
 
 class ReturnsItsWeight(nn.Module):

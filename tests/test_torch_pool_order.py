@@ -321,6 +321,44 @@ def test_a_later_forward_leaves_earlier_outputs_alone(backend: str) -> None:
     assert_tensors_match(weight.grad, target, "weight.grad", tolerance(backend))
 
 
+def _keeps_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.tanh() * 2, x
+
+
+def _also_keeps_its_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.exp(), x
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["together", "separate_calls"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_earlier_callable_refuses_a_later_ones_output_it_would_hand_back(
+    backend: str, together: bool
+) -> None:
+    # The first callable returns its input; given the second's output, its forward replay may
+    # overwrite that output (pool memory free when the first was captured) before handing it
+    # back: on CUDA output[1] would not hold the input's values, silently.
+    device = device_of(backend)
+    samples = ((torch.randn(3, device=device),), (torch.randn(3, device=device),))
+    if together:
+        first, second = dgt.make_graphed_callables(
+            (_keeps_its_input, _also_keeps_its_input), samples, backend=backend
+        )
+    else:  # the second call joins the pool later: the first learns of its outputs then
+        pool = torch.cuda.graph_pool_handle() if backend == "cuda" else POOL
+        first = dgt.make_graphed_callables(_keeps_its_input, samples[0], backend=backend, pool=pool)
+        second = dgt.make_graphed_callables(
+            _also_keeps_its_input, samples[1], backend=backend, pool=pool
+        )
+    with torch.no_grad():
+        later, _ = second(first(torch.randn(3, device=device))[0])
+        with pytest.raises(DualgraphError, match=r"args\[0\] shares memory with an output of"):
+            first(later)
+        kept = later.clone()
+        doubled, same = first(kept)
+    assert same is kept
+    assert_tensors_match(doubled, kept.tanh() * 2, "output[0]", tolerance(backend))
+
+
 # -- callables graphed by separate calls into one pool= -------------------------------------------
 
 POOL = (0, 7)  # a pool handle (the emulate backend keeps none; the order is tracked all the same)

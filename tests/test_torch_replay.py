@@ -150,6 +150,26 @@ def test_clone_outputs_gives_owned_outputs_that_train_like_eager(backend: str) -
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_owned_keeps_one_tensor_returned_twice_one_tensor(backend: str) -> None:
+    # A replay hands out `return h, h` as one tensor, as eager does; owned cloned each leaf
+    # apart, so an in-place change through one was no longer seen through the other.
+    device = device_of(backend)
+
+    def twice(x: torch.Tensor) -> dict[str, Any]:
+        h = x.tanh()
+        return {"last": h, "all": (h * 2, h)}
+
+    graphed = dgt.make_graphed_callables(
+        twice, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend
+    )
+    outputs = graphed(torch.randn(2, 4, device=device, requires_grad=True))
+    assert outputs["last"] is outputs["all"][1]
+    mine = dgt.owned(outputs)
+    assert mine["last"] is mine["all"][1] and mine["last"] is not outputs["last"]
+    backward_of(mine)  # autograd kept
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_owned_gives_outputs_the_next_replay_cannot_touch(backend: str) -> None:
     case = CASES["every_leaf"]
     device = device_of(backend)

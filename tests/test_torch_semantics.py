@@ -365,6 +365,40 @@ def test_a_grad_watched_at_an_output_used_inside_is_refused_not_partial(
         sum(t.sum() for t in outputs).backward()
 
 
+class ViewsUsedInside(nn.Module):
+    """Returns a view of its input and a view of a hidden state, and what it computes from
+    each: a replay hands both views out made anew (from the caller's input, from the hidden
+    state handed out), not the tensors the other outputs were computed from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        row, hidden = x[0], self.fc(x)
+        first = hidden[0]
+        return row, row.exp(), hidden, first, self.fc(first).tanh()
+
+
+@pytest.mark.parametrize("output", [0, 3], ids=["view_of_an_input", "view_of_an_output"])
+@pytest.mark.parametrize("watch", [_watch_hook, _watch_retained], ids=["hook", "retain_grad"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_grad_watched_at_a_view_handed_out_that_other_outputs_use_is_refused_not_partial(
+    backend: str, param_grads: str, watch: Callable[[torch.Tensor], None], output: int
+) -> None:
+    # The hook or retain_grad went on the view a replay makes after it (of the caller's x, or
+    # of the hidden state handed out): it saw only what the loss sends to it directly, where
+    # eager's includes what flows back from row.exp() (or fc(first)), silently.
+    device = device_of(backend)
+    module = ViewsUsedInside().to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    outputs = module(torch.randn(2, 4, device=device, requires_grad=True))
+    watch(outputs[output])
+    with pytest.raises(DualgraphError, match=re.escape(f"output[{output}]") + ".*used inside"):
+        sum(t.sum() for t in outputs).backward()
+
+
 @pytest.mark.parametrize("output", [1, 2])
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_a_grad_watched_at_an_output_nothing_inside_uses_is_eagers(

@@ -397,6 +397,8 @@ class BucketedCallable:
             # The replay is handed padded copies: a caller's tensor sharing memory with a buffer
             # the callable updates is checked here, where eager would read it after the update.
             runner.check_inputs_sharing_updated_buffers(tensors, self._guard.paths)
+            # and a caller's tensor handed out for a padded input the callable returns
+            runner.check_returned_inputs(tensors, self._guard.paths)
             _refuse_updates_seen_through_padded(runner, tensors, self._guard.paths, padding)
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)

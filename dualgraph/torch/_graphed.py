@@ -510,16 +510,29 @@ def reset_slots(graphed: Any, /) -> None:
 def owned(tree: Any, /) -> Any:
     """The same tree with every tensor cloned (autograd kept): outputs the next replay can't touch.
 
+    A tensor met twice (``return h, h``, which a replay hands out as one tensor, as eager does)
+    is cloned once and comes back twice, so that a change through one is seen through the other;
+    tensors that view one another are cloned apart (each a tensor of its own).
+
     >>> a, b = owned((torch.ones(2), None))
     >>> b is None
     True
+    >>> h = torch.ones(2)
+    >>> first, again = owned((h, h))
+    >>> first is again and first is not h
+    True
     """
-    return optree.tree_map(
-        lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf,
-        tree,
-        none_is_leaf=True,
-        namespace=NAMESPACE,
-    )
+    made: dict[int, torch.Tensor] = {}  # by id: the tree holds every tensor while this runs
+
+    def own(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        copy = made.get(id(leaf))
+        if copy is None:
+            copy = made[id(leaf)] = leaf.clone()
+        return copy
+
+    return optree.tree_map(own, tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
 # -- checking the request ------------------------------------------------------------------------

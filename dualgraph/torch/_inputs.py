@@ -164,7 +164,10 @@ class InputGuard:
         if kwargs or self._has_kwargs:
             tensors = self.spec.flatten(args, kwargs)
         else:  # the usual call: positional args only (``args`` is the call's own tuple)
-            tensors = self._flatten_args(args, root="args")
+            try:
+                tensors = self._flatten_args(args, root="args")
+            except SpecMismatchError as error:
+                raise self._positional_mismatch(args, error) from None
         if grad_enabled is None:
             grad_enabled = autograd_records()
         try:
@@ -201,7 +204,10 @@ class InputGuard:
             if kwargs or self._has_kwargs:
                 tensors = self.spec.flatten(args, kwargs)
             else:
-                tensors = self._flatten_args(args, root="args")
+                try:
+                    tensors = self._flatten_args(args, root="args")
+                except SpecMismatchError as error:
+                    raise self._positional_mismatch(args, error) from None
             latest, previous = guards
             if latest.check(*tensors) or (previous.check(*tensors) and self._swap_guards()):
                 if self._key_orders is not None:
@@ -229,6 +235,19 @@ class InputGuard:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             object.__setattr__(self, slot, value)
+
+    def _positional_mismatch(
+        self, args: tuple[Any, ...], error: SpecMismatchError
+    ) -> SpecMismatchError:
+        """The error of a call of positional args only that the args' spec refused, as the
+        call spec words it: a positional argument missing or extra is named by its path
+        (``args[1]: missing (expected float32[3, 4])``), where the args' spec says only
+        ``args: expected a tuple of length 2``."""
+        try:
+            self.spec.flatten(args, None)
+        except SpecMismatchError as worded:
+            return worded
+        return error
 
     def _swap_guards(self) -> bool:
         latest, previous = self._guards  # type: ignore[misc]

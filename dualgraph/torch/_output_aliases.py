@@ -77,7 +77,7 @@ class OutputAliases:
                     f"{name}: output{out_paths[step.output]} is a view of {path}, captured with "
                     f"strides {step.source_stride}; this call's {path} has strides "
                     f"{tensor.stride()}, of which a replay cannot make eager's view. Pass "
-                    f"{path} laid out like the sample (.contiguous()), or {_ADVICE}"
+                    f"{_laid_out(path, tensor, step.source_stride)}, or {_ADVICE}"
                 )
 
     def hand_out(
@@ -286,13 +286,33 @@ def _refuse_returned_input(
         bit for bit, on in (("conjugate", tensor.is_conj()), ("negative", tensor.is_neg())) if on
     ]
     now = f"strides {tensor.stride()}" + "".join(f", a {bit} bit" for bit in bits)
+    laid_out = _laid_out(path, tensor, step.source_stride)
+    if bits:
+        laid_out += " and without that bit (.resolve_conj(), .resolve_neg())"
     raise DualgraphError(
         f"{name}: output{out_paths[step.output]} was {path} itself at capture, where the "
         f"callable saw it with strides {step.source_stride}; this call's {path} has {now}, for "
         f"which eager may return another tensor (x.contiguous() and x.resolve_conj() return x "
-        f"itself only where it is laid out so), which a replay cannot tell. Pass {path} laid "
-        f"out as at capture (.contiguous(), .resolve_conj()), or {_ADVICE}"
+        f"itself only where it is laid out so), which a replay cannot tell. Pass {laid_out}, "
+        f"or {_ADVICE}"
     )
+
+
+def _laid_out(path: str, tensor: torch.Tensor, stride: tuple[int, ...]) -> str:
+    """How to pass ``path`` laid out with ``stride``, as the callable saw it at capture: the
+    sample's layout where it was dense, else a dense copy of it (not always ``.contiguous()``).
+
+    >>> _laid_out("x", torch.ones(2, 3), (3, 1))
+    'x laid out with strides (3, 1) (.contiguous()), as the callable saw it at capture'
+    >>> _laid_out("x", torch.ones(2, 3), (1, 2))[:70]
+    'x laid out with strides (1, 2) (x.new_empty_strided((2, 3), (1, 2)).co'
+    """
+    shape = tuple(tensor.shape)
+    if _walks_as(tensor.new_empty(shape), stride):
+        how = ".contiguous()"
+    else:
+        how = f"{path}.new_empty_strided({shape}, {stride}).copy_({path})"
+    return f"{path} laid out with strides {stride} ({how}), as the callable saw it at capture"
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -67,6 +67,7 @@ from ._pool_order import PoolPlace
 from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
 from ._replay_function import apply_replay as _apply_replay
+from ._replay_function import watch_handed_out
 from ._replay_hooks import ReplayCall, call_eagerly
 from ._saved_hooks import saved_copies_kept
 from ._sum_start import SumStart
@@ -178,6 +179,8 @@ class GraphedCallable:
         "_input_grads",
         "_input_only_outputs",
         "_inputs",
+        "_later_index",
+        "_later_outputs_of",
         "_lock",
         "_module_storages",
         "_module_tensors",
@@ -215,6 +218,7 @@ class GraphedCallable:
         "_replay_call",
         "_replay_forward",
         "_replayed_in_backward",
+        "_returned_inputs",
         "_saved_inputs",
         "_saved_mutated",
         "_saved_outputs",
@@ -229,6 +233,7 @@ class GraphedCallable:
         "_unwatched",
         "_updated_storages",
         "_used_inside",
+        "_used_inside_replaced",
         "backend",
         "diagnostics",
         "name",
@@ -319,6 +324,14 @@ class GraphedCallable:
         self._saved_outputs = () if plan.clone_outputs else plan.saved_outputs
         # Outputs other outputs are computed from: eager's grad at one includes theirs share.
         self._used_inside = plan.used_inside
+        # Of those, the ones handed out as another tensor (a view of an input or of another
+        # output, made after the replay): that tensor is what a hook or retain_grad is put on.
+        replaced = frozenset(
+            ()
+            if plan.output_aliases is None
+            else (step.output for step in plan.output_aliases.steps)
+        )
+        self._used_inside_replaced = tuple(k for k in plan.used_inside if k in replaced)
         # Outputs eager's call under no_grad gives history (the callable enables grad itself).
         self._records_under_no_grad = plan.records_under_no_grad
         # The forward's Python branches on grad mode, or on some inputs' requires_grad (their
@@ -505,9 +518,22 @@ class GraphedCallable:
         self._updated_storages = updated_storages if updated_storages else None
         # And where the static outputs live, which the caller holds views of (an earlier call's
         # outputs): the copy back of an update into one would write this call's outputs.
+        # The inputs an output is, or views (``return x``, ``x[0]``), each with the first such
+        # output: handed out as the caller's tensor, which, if it is an earlier call's output
+        # (``h, prev = step(h)``), this replay overwrites before handing it out.
+        returned: dict[int, int] = {}
+        for step in self._aliases.input_views if self._aliases is not None else ():
+            returned.setdefault(step.source, step.output)
+        self._returned_inputs = tuple(returned.items())
+        # the outputs of callables captured after it into its pool (_later_outputs), by the
+        # tuple of them it was made from
+        self._later_index: StorageIndex | None = None
+        self._later_outputs_of: tuple[torch.Tensor, ...] | None = None
         self._output_storages = StorageIndex(
             (f"output{self._out_spec.array_paths[k]}", output)
-            for k, output in enumerate(self._overwritten_outputs if self._mutated else ())
+            for k, output in enumerate(
+                self._overwritten_outputs if self._mutated or returned else ()
+            )
         )
 
     def params_frozen(self, needs_input_grad: tuple[bool, ...]) -> bool:
@@ -710,6 +736,8 @@ class GraphedCallable:
                 aliases.check_inputs(
                     self.name, tensors, self._inputs.paths, self._out_spec.array_paths
                 )
+                if self._returned_inputs:
+                    self.check_returned_inputs(tensors)
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -740,7 +768,12 @@ class GraphedCallable:
                     if node.input_versions:  # checked for this call (see _replay_function)
                         node.input_versions = self.input_versions(tensors)
             if aliases is not None:  # under the caller's grad mode, as eager made them
-                outputs = aliases.hand_out(outputs, tensors)
+                handed = aliases.hand_out(outputs, tensors)
+                if self._used_inside_replaced and grad_enabled:
+                    watch_handed_out(
+                        {id(outputs[k]): handed[k] for k in self._used_inside_replaced}, outputs
+                    )
+                outputs = handed
             if hooks is None:
                 return self._out_spec.unflatten(outputs)
             result = self._out_spec.unflatten(outputs)
@@ -929,6 +962,71 @@ class GraphedCallable:
                     f"updates {paths[i]} in place: eager would see the update through "
                     f"{paths[j]}, a replay would not; pass tensors that do not share memory"
                 )
+
+    def check_returned_inputs(
+        self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
+    ) -> None:
+        """Refuse, before any buffer is written, an input that an output is or views where it
+        is an earlier call's output (a static buffer this replay overwrites), or an output of a
+        callable captured after this one into its memory pool (which this forward replay may
+        overwrite): the output handed out, the caller's tensor or a view of it, would hold
+        other values than eager's (``h, previous = step(h)`` with ``step`` returning its input).
+
+        ``paths``: of ``tensors``, where they are not this replay's inputs (a padded call's
+        caller's tensors, which it hands out in place of the padded copies replayed).
+        """
+        own = self._output_storages
+        later = self._later_outputs()
+        if not own and later is None:
+            return
+        for i, k in self._returned_inputs:
+            path = self._inputs.paths[i]
+            if paths is None:
+                tensor = tensors[i]
+            elif path in paths:
+                tensor = tensors[paths.index(path)]
+            else:
+                continue
+            memory = memory_of(tensor)
+            if memory is None:
+                continue
+            start, foreign = memory.data_ptr(), not memory.resizable()
+            output = self._out_spec.array_paths[k]
+            found = own.owner(memory, start, foreign)
+            if found is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} shares memory with {found} of an earlier call (a "
+                    f"static buffer this replay overwrites), and output{output} is {path} or a "
+                    f"view of it, as in eager: handed out after the replay, it would hold this "
+                    f"call's {found}, not {path}'s values; pass a copy (clone(), or graph with "
+                    "clone_outputs=True)"
+                )
+            found = None if later is None else later.owner(memory, start, foreign)
+            if found is not None:
+                raise DualgraphError(
+                    f"{self.name}: {path} shares memory with {found}, captured after this one "
+                    f"into one memory pool (a static buffer this forward replay may overwrite, "
+                    f"on CUDA), and output{output} is {path} or a view of it, as in eager: "
+                    f"handed out after the replay, it may not hold {path}'s values; pass a copy "
+                    "(clone(), or graph with clone_outputs=True)"
+                )
+
+    def _later_outputs(self) -> StorageIndex | None:
+        """Where the outputs of the callables captured after this one into its memory pool lie
+        (what its forward replay may overwrite), by callable; ``None``: none. Made again when
+        another graphing joins the pool (``settle_outputs`` makes a new tuple then)."""
+        pool = self._pool
+        if pool is None or not pool.forward_overwrites:
+            return None
+        if self._later_outputs_of is not pool.forward_overwrites:
+            self._later_index = StorageIndex(
+                (f"an output of {other.label}", tensor)
+                for other in pool.order.places()
+                if other.forward_at > pool.forward_at
+                for tensor in other.outputs
+            )
+            self._later_outputs_of = pool.forward_overwrites
+        return self._later_index
 
     def check_inputs_sharing_updated_buffers(
         self, tensors: Sequence[torch.Tensor], paths: Sequence[str] | None = None
