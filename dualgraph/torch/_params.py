@@ -48,6 +48,7 @@ from ._transformer_engine import set_by_te_forward
 __all__ = [
     "GRAPHED_STATE",
     "ModuleTensors",
+    "bits_view",
     "bytes_of",
     "same_bits",
     "same_bytes",
@@ -1095,6 +1096,23 @@ def same_bytes(kept: torch.Tensor, now: torch.Tensor) -> bool:
 _INTS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def bits_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s elements as integers of their size (complex ones as two), a view with no
+    copy: equal where the bits are (a NaN is itself, ``-0.0`` is not ``0.0``), nonzero where
+    they are; ``None`` where no such view exists (sparse, quantized).
+
+    >>> bits_view(torch.tensor([-0.0, 1.0])).tolist()
+    [-2147483648, 1065353216]
+    """
+    view = tensor.detach().resolve_conj().resolve_neg()
+    if view.is_complex():
+        view = torch.view_as_real(view)
+    ints = _INTS_OF_SIZE.get(view.element_size())
+    if ints is None or view.layout != torch.strided or view.is_quantized:
+        return None
+    return view.view(ints)
+
+
 def same_bits(tensor: torch.Tensor, kept: torch.Tensor) -> bool:
     """Whether ``tensor`` holds what ``kept`` (a copy of it) holds, bit for bit, with no copy:
     ``torch.equal`` compares values, by which a NaN is never itself and ``-0.0`` is ``0.0``.
@@ -1107,14 +1125,10 @@ def same_bits(tensor: torch.Tensor, kept: torch.Tensor) -> bool:
     """
     if tensor.shape != kept.shape or tensor.dtype != kept.dtype:
         return False
-    a = tensor.detach().resolve_conj().resolve_neg()
-    b = kept.detach().resolve_conj().resolve_neg()
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    ints = _INTS_OF_SIZE.get(a.element_size())
-    if ints is None or a.layout != torch.strided or a.is_quantized:
-        return torch.equal(a, b)  # by value, as before: no integer view of these
-    return torch.equal(a.view(ints), b.view(ints))
+    a, b = bits_view(tensor), bits_view(kept)
+    if a is None or b is None:
+        return torch.equal(tensor, kept)  # by value, as before: no integer view of these
+    return torch.equal(a, b)
 
 
 def first_difference(tensor: torch.Tensor, kept: torch.Tensor) -> str:
