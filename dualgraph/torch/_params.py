@@ -1099,11 +1099,14 @@ _INTS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def bits_view(tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor``'s elements as integers of their size (complex ones as two), a view with no
     copy: equal where the bits are (a NaN is itself, ``-0.0`` is not ``0.0``), nonzero where
-    they are; ``None`` where no such view exists (sparse, quantized).
+    they are; ``None`` where no such view exists (sparse, quantized) or may not (a tensor
+    subclass, FP8 or DTensor, whose own ops may not take a view as another dtype).
 
     >>> bits_view(torch.tensor([-0.0, 1.0])).tolist()
     [-2147483648, 1065353216]
     """
+    if is_tensor_subclass(tensor):
+        return None
     view = tensor.detach().resolve_conj().resolve_neg()
     if view.is_complex():
         view = torch.view_as_real(view)
