@@ -2007,6 +2007,29 @@ def test_graphing_notes_the_fused_flag_a_backward_sets_when_it_held_that_value_a
     assert [entry[2:] for entry in found.of([layer.weight])] == [("grad_added_to_main_grad", True)]
 
 
+def test_a_main_grad_holding_nan_the_block_leaves_alone_is_not_taken_as_written() -> None:
+    # Compared by value (tensor != saved), a NaN is never itself: a main_grad holding NaN (left
+    # from an earlier step, or torch.empty's) was taken as written by the backward, its memory
+    # then held to the attribute on CUDA and its parameter's fused flag noted as set.
+    weight = nn.Parameter(torch.ones(3))
+    weight.main_grad = torch.tensor([float("nan"), 1.0, 0.0])  # type: ignore[attr-defined]
+    weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+    with parameter_attributes_kept([weight]) as found:
+        pass
+    assert found.written([weight], ["weight"]) == ()
+    assert found.of([weight]) == ()
+
+
+def test_a_main_grad_of_negative_zeros_is_put_back_as_it_was() -> None:
+    # A main_grad whose values are all zero was kept as "zeros" (tensor.any() is False for
+    # -0.0), so the put-back of what the block added wrote +0.0 where it held -0.0.
+    weight = nn.Parameter(torch.ones(2))
+    weight.main_grad = torch.tensor([-0.0, -0.0])  # type: ignore[attr-defined]
+    with parameter_attributes_kept([weight]):
+        weight.main_grad.data.add_(1.0)  # type: ignore[attr-defined]
+    assert weight.main_grad.signbit().all()  # type: ignore[attr-defined]
+
+
 def test_putting_back_a_main_grad_moves_no_version_counter() -> None:
     # A fused kernel adds into main_grad without a version bump; the put-back's copy_ moved it
     # (as graphing runs nothing in eager, none should), where a module's buffers' did not.

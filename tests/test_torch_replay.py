@@ -1153,6 +1153,19 @@ class _Scales(nn.Module):
         return x * self.weight
 
 
+#: Where ``x * w``'s grad towards ``w`` is ``-0.0`` (at ``x = -0.0``) and ``+0.0``, and not zero.
+_SIGNED_ZEROS_AND_ONES = torch.tensor([-0.0, 0.0, -1.0, 1.0])
+
+
+def _eager_and_graphed(eager: nn.Module, param_grads: str) -> tuple[nn.Module, nn.Module]:
+    """``eager`` and a copy of it graphed (emulate) on a sample of four elements."""
+    graphed = copy.deepcopy(eager)
+    dgt.make_graphed_callables(
+        graphed, (torch.randn(4),), backend="emulate", param_grads=param_grads
+    )
+    return eager, graphed
+
+
 @pytest.mark.parametrize("param_grads", ["auto", "in_graph", "autograd"])
 @pytest.mark.parametrize("backward", ["plain", "through autograd", "torch.autograd.grad"])
 def test_a_negative_zero_grad_reaches_the_parameter_as_in_eager(
@@ -1163,12 +1176,8 @@ def test_a_negative_zero_grad_reaches_the_parameter_as_in_eager(
     gave ``0.0 + -0.0 = 0.0`` (the sign of zero is what ``1 / grad`` or ``copysign`` read)."""
     if param_grads == "in_graph" and backward != "plain":
         pytest.skip("in_graph refuses parameter hooks and torch.autograd.grad")
-    eager = _Scales()
-    graphed = copy.deepcopy(eager)
-    dgt.make_graphed_callables(
-        graphed, (torch.randn(4),), backend="emulate", param_grads=param_grads
-    )
-    x = torch.tensor([-0.0, 0.0, -1.0, 1.0])
+    eager, graphed = _eager_and_graphed(_Scales(), param_grads)
+    x = _SIGNED_ZEROS_AND_ONES
     signs = []
     for model in (eager, graphed):
         if backward == "through autograd":  # "auto" hands autograd copies of the grads
@@ -1201,12 +1210,8 @@ def test_negative_zero_grads_reach_parameters_of_two_dtypes_after_zero_grad(
 ) -> None:
     """Accumulators of two dtypes start each step after ``zero_grad()`` (every ``.grad``
     ``None``) at ``-0.0`` in one copy per dtype: each ``.grad`` is the grad itself, as eager's."""
-    eager = _ScalesOfTwoDtypes()
-    graphed = copy.deepcopy(eager)
-    dgt.make_graphed_callables(
-        graphed, (torch.randn(4),), backend="emulate", param_grads=param_grads
-    )
-    x = torch.tensor([-0.0, 0.0, -1.0, 1.0])
+    eager, graphed = _eager_and_graphed(_ScalesOfTwoDtypes(), param_grads)
+    x = _SIGNED_ZEROS_AND_ONES
     signs = []
     for model in (eager, graphed):
         seen = []

@@ -917,6 +917,46 @@ def test_an_input_overlapping_an_updated_buffer_through_another_storage_is_refus
     assert runner_of(module).generation == 0
 
 
+class _FillsWithItsBuffer(nn.Module):
+    """Reads a buffer of NaN (the fill of what the mask drops) and updates nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fill", torch.full((4,), math.nan))
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x * self.scale, self.fill)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_buffer_holding_nan_that_the_callable_only_reads_is_not_taken_as_updated(
+    backend: str,
+) -> None:
+    # The buffers were compared with what they held before warmup by value, by which a NaN is
+    # never itself: one only read was taken as updated in place, and an input sharing its
+    # memory was refused ("which the callable updates in place") where eager runs it.
+    device = device_of(backend)
+    module, twin = _FillsWithItsBuffer().to(device), _FillsWithItsBuffer().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, device=device),), backend=backend)
+    got = module(module.fill)
+    torch.testing.assert_close(got, twin(twin.fill), rtol=0, atol=0, equal_nan=True)
+    assert module.fill.isnan().all()
+
+
+def test_a_closed_over_tensor_holding_nan_only_read_is_not_taken_as_updated() -> None:
+    # As a module's buffer: a function's closed-over tensors were compared by value too.
+    fill = torch.full((4,), math.nan)
+
+    def fills(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x * 2, fill)
+
+    graphed = dgt.make_graphed_callables(
+        fills, (torch.randn(4, requires_grad=True),), backend="emulate"
+    )
+    torch.testing.assert_close(graphed(fill), fills(fill), rtol=0, atol=0, equal_nan=True)
+
+
 # -- parameters and buffers after capture --------------------------------------------------------
 
 

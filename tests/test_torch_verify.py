@@ -290,6 +290,38 @@ def test_verify_agrees_with_eager_about_an_input_updated_in_place() -> None:
     assert after[0].ok and graphed_updates_the_caller and report.ok
 
 
+class _FlipsTheSignOfItsState(nn.Module):
+    """Negates a buffer of zeros in place (``0.0`` to ``-0.0``) and reads a buffer of NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.zeros(3))
+        self.register_buffer("fill", torch.full((3,), math.nan))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.neg_()
+        return x * self.scale + self.fill.nan_to_num()
+
+
+def test_verify_compares_a_buffer_whose_zeros_the_call_turned_negative() -> None:
+    # What the calls changed was found by value (torch.equal), by which -0.0 is 0.0: the
+    # buffer was never compared after the call, so a replay leaving +0.0 would have passed.
+    module = _FlipsTheSignOfItsState()
+    dgt.make_graphed_callables(module, (torch.randn(3),), backend="emulate")
+    report = dgt.verify(module, torch.randn(3), steps=1)
+    paths = [check.path for check in report.checks]
+    assert "step 1 buffer state after the call" in paths and report.ok
+
+
+def test_verify_leaves_out_a_buffer_of_nan_the_call_never_wrote() -> None:
+    # By value a NaN is never itself: the buffer was listed as changed by the call.
+    module = _FlipsTheSignOfItsState()
+    dgt.make_graphed_callables(module, (torch.randn(3),), backend="emulate")
+    report = dgt.verify(module, torch.randn(3), steps=1)
+    assert "step 1 buffer fill after the call" not in [check.path for check in report.checks]
+
+
 def test_inputs_passed_sharing_memory_are_verified_sharing_it() -> None:
     # The call verify checks is the caller's: the same tensor passed twice stays one tensor, so
     # the replay's refusal of this call comes out of verify instead of a match of another call.

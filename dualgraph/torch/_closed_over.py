@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ._params import ModuleTensors, is_plain, write_back
+from ._params import ModuleTensors, is_plain, same_bits, write_back
 
 __all__ = [
     "ClosureUpdates",
@@ -279,11 +279,12 @@ class ClosureUpdates:
         try:
             yield
         finally:
-            # By value as well: BatchNorm's kernel writes its statistics without a version bump.
+            # By bits as well: BatchNorm's kernel writes its statistics without a version bump
+            # (by value, a tensor holding NaN would be taken as updated).
             changed = [
                 (name, tensor, kept)
                 for name, tensor, version, kept in before
-                if tensor._version != version or not torch.equal(tensor, kept)
+                if tensor._version != version or not same_bits(tensor, kept)
             ]
             self.updated = tuple((name, tensor) for name, tensor, _ in changed)
             for _, tensor, kept in changed:  # only those: the others hold their values

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._params import is_plain, is_tensor_subclass, write_back
+from ._params import bits_view, is_plain, is_tensor_subclass, write_back
 
 __all__ = ["FUSED_ACCUMULATION_FLAGS", "SetByCallable", "parameter_attributes_kept"]
 
@@ -104,8 +104,9 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
             ):
                 seen.add(id(value))
                 tensors.append((id(param), name, value))
-    # all zeros (a main_grad after zero_grad_buffer): no copy of the grad buffer
-    nonzero = _read([tensor.any() for _, _, tensor in tensors])
+    # all zeros (a main_grad after zero_grad_buffer): no copy of the grad buffer; by bits, so
+    # that -0.0 is kept as itself
+    nonzero = _read([_bits(tensor).any() for _, _, tensor in tensors])
     values = [
         (param_id, name, tensor, tensor.detach().clone() if any_set else None)
         for (param_id, name, tensor), any_set in zip(tensors, nonzero, strict=True)
@@ -140,13 +141,21 @@ def parameter_attributes_kept(params: Iterable[torch.Tensor]) -> Iterator[SetByC
 
 
 def _changed(tensor: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
-    """Whether ``tensor`` no longer holds ``saved`` (all zeros where ``None``): ``not
-    torch.equal``, as a 0-d bool tensor on its device, for :func:`_read` to read with the rest."""
+    """Whether ``tensor`` no longer holds ``saved`` (all zeros where ``None``), bit for bit (by
+    value, a NaN is never itself), as a 0-d bool tensor on its device, for :func:`_read` to read
+    with the rest."""
     if saved is None:
-        return tensor.any()
-    if tensor.shape != saved.shape:
+        return _bits(tensor).any()
+    if tensor.shape != saved.shape or tensor.dtype != saved.dtype:
         return torch.ones((), dtype=torch.bool, device=tensor.device)
-    return (tensor != saved).any()
+    return (_bits(tensor) != _bits(saved)).any()
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bits as integers (:func:`bits_view`), or ``tensor`` where there is no such
+    view (compared by value then, as before)."""
+    bits = bits_view(tensor)
+    return tensor if bits is None else bits
 
 
 def _read(flags: Sequence[torch.Tensor]) -> list[bool]:

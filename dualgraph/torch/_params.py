@@ -51,7 +51,9 @@ from ._transformer_engine import set_by_te_forward
 __all__ = [
     "GRAPHED_STATE",
     "ModuleTensors",
+    "bits_view",
     "bytes_of",
+    "same_bits",
     "same_bytes",
     "first_difference",
     "grad_buffer_like",
@@ -1002,7 +1004,8 @@ class ModuleTensors:
                 raise replaced from error  # the replacement is what broke the capture
             raise
         replaced = self._put_back_replaced()
-        # By value as well: BatchNorm's kernel writes its statistics without a version bump.
+        # By bits as well: BatchNorm's kernel writes its statistics without a version bump
+        # (by value, a buffer holding NaN would be taken as updated).
         saved_of = {id(tensor): saved for tensor, saved in buffers}
         updated = tuple(
             i
@@ -1010,7 +1013,7 @@ class ModuleTensors:
                 zip(self.tensors, versions, self.is_buffer, strict=True)
             )
             if is_buffer
-            and (tensor._version != version or not torch.equal(tensor, saved_of[id(tensor)]))
+            and (tensor._version != version or not same_bits(tensor, saved_of[id(tensor)]))
         )
         object.__setattr__(self, "updated", updated)  # found only now; read by the plan
         _copy_back(buffers)
@@ -1255,6 +1258,48 @@ def same_bytes(kept: torch.Tensor, now: torch.Tensor) -> bool:
     return torch.equal(kept, now)
 
 
+#: The integers of each element size, as which a tensor's elements compare bit for bit.
+_INTS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s elements as integers of their size (complex ones as two), a view with no
+    copy: equal where the bits are (a NaN is itself, ``-0.0`` is not ``0.0``), nonzero where
+    they are; ``None`` where no such view exists (sparse, quantized) or may not (a tensor
+    subclass, FP8 or DTensor, whose own ops may not take a view as another dtype).
+
+    >>> bits_view(torch.tensor([-0.0, 1.0])).tolist()
+    [-2147483648, 1065353216]
+    """
+    if is_tensor_subclass(tensor):
+        return None
+    view = tensor.detach().resolve_conj().resolve_neg()
+    if view.is_complex():
+        view = torch.view_as_real(view)
+    ints = _INTS_OF_SIZE.get(view.element_size())
+    if ints is None or view.layout != torch.strided or view.is_quantized:
+        return None
+    return view.view(ints)
+
+
+def same_bits(tensor: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds what ``kept`` (a copy of it) holds, bit for bit, with no copy:
+    ``torch.equal`` compares values, by which a NaN is never itself and ``-0.0`` is ``0.0``.
+
+    >>> nan = torch.tensor([float("nan"), 1.0])
+    >>> same_bits(nan, nan.clone()), torch.equal(nan, nan.clone())
+    (True, False)
+    >>> same_bits(torch.tensor([-0.0]), torch.tensor([0.0]))
+    False
+    """
+    if tensor.shape != kept.shape or tensor.dtype != kept.dtype:
+        return False
+    a, b = bits_view(tensor), bits_view(kept)
+    if a is None or b is None:
+        return torch.equal(tensor, kept)  # by value, as before: no integer view of these
+    return torch.equal(a, b)
+
+
 def first_difference(tensor: torch.Tensor, kept: torch.Tensor) -> str:
     """Where ``tensor`` differs from ``kept`` (its :func:`bytes_of` of before), for a message:
     its layout, or its first element whose bits changed, as it was and as it is.
@@ -1311,7 +1356,7 @@ def write_back(tensor: torch.Tensor, kept: torch.Tensor | None) -> None:
     an update: a caller's pending backward that saved the tensor (BatchNorm's statistics in eval
     mode) would fail on a moved version. No check reads a put-back as a change or misses one:
     those around warmup and capture (``left_as_found``, ``ClosureUpdates.watching``,
-    ``module_tensors_kept``, ``parameter_attributes_kept``) compare versions and values with
+    ``module_tensors_kept``, ``parameter_attributes_kept``) compare versions and values (bits) with
     what they noted before, and do so before they put back; those after (host state, each
     call's) note them after every put-back. An inference tensor is put back too (``copy_``
     would refuse it outside inference mode; its ``.data`` takes the copy).

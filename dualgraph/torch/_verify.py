@@ -88,6 +88,7 @@ from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._param_attributes import parameter_attributes_kept
+from ._params import same_bits
 from ._probe import cloned_inputs, module_of
 from ._process_state import kept_process_state
 from ._replay import GraphedCallable
@@ -372,7 +373,8 @@ def _run_steps(
                 input_grads={p: _owned(t.grad) for p, t in inputs if t.requires_grad},
                 param_grads={n: _owned(p.grad) for n, p in params},
                 after=after,
-                changed={key for key, value in after.items() if not _same(value, before[key])},
+                # bit for bit: by value a NaN is never itself, and -0.0 is 0.0
+                changed={key for key, value in after.items() if not same_bits(value, before[key])},
                 varied=varied,
             )
         )
@@ -720,10 +722,6 @@ def _is_tolerance(value: Any) -> bool:
 
 def _problem(path: str, text: str) -> LeafCheck:
     return LeafCheck(path, "", (), math.inf, math.inf, 0.0, 0.0, math.inf, problem=text)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 def _finite(score: float) -> float:
