@@ -48,6 +48,7 @@ from .._errors import CaptureError
 from ._branch_reads import MODE_READ_WATCH
 from ._host_rng import numpy_position
 from ._op_watch import OpObserver, code_of, tensors_in
+from ._rng_rewinds import RNG_STATE_WATCHES
 
 __all__ = [
     "CaptureLint",
@@ -722,7 +723,10 @@ class _HostCallLint:
         if event == "call":
             found = _HOST_PYTHON_CALLS.get(frame.f_code)
             if found is not None:
-                self._report(found, frame.f_back)
+                caller = frame.f_back
+                if caller is not None and caller.f_code in RNG_STATE_WATCHES:
+                    caller = caller.f_back  # the backward's watch of RNG states (the warmup's)
+                self._report(found, caller)
         elif event == "c_call":
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):

@@ -45,6 +45,7 @@ from ._output_aliases import find_output_aliases
 from ._params import bytes_of, first_difference, is_tensor_subclass, write_back
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
+from ._rng_rewinds import backward_rewinds
 from ._saved_hooks import own_saved_tensors_hooks
 
 if TYPE_CHECKING:
@@ -280,7 +281,8 @@ def _warmup(
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
-        with item.request.hooks.around("backward"):
+        rewinds = backward_rewinds() if inspect else contextlib.nullcontext()
+        with item.request.hooks.around("backward"), rewinds as rewound:
             grads = tuple(
                 torch.autograd.grad(
                     differentiable,
@@ -289,6 +291,8 @@ def _warmup(
                     allow_unused=True,  # an unused one is refused below, naming it
                 )
             )
+        if rewound is not None and rewound.draws_from_rewound_state:
+            _refuse_rewound_draws(item)
         if not allow_unused and None in grads:
             _refuse_unused(item, grads.index(None))
         if inspect:
@@ -307,6 +311,19 @@ def _warmup(
     if inspect and grad_mode.on_while_on:
         item.records_under_no_grad = _recording_under_no_grad(item)
     return grads
+
+
+def _refuse_rewound_draws(item: _Capture) -> None:
+    raise Refused(
+        f"{item.name}'s backward sets torch's RNG state back to one read before it and draws "
+        "random numbers from there (torch.utils.checkpoint with preserve_rng_state=True "
+        "recomputing dropout or another random op): eager draws the forward's numbers again, "
+        "but the forward and the backward are two graphs, each drawing from where its replay "
+        "finds the generator, so the backward graph would draw other numbers (dropout masks) "
+        "than the forward graph and the grads would silently be wrong. Keep random ops out of "
+        "the checkpointed part, or do not checkpoint inside the graphed callable (a graph "
+        "keeps its activations in its pool)"
+    )
 
 
 def _reaches(output: torch.Tensor, leaf: torch.Tensor) -> bool:

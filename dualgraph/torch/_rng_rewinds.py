@@ -1,0 +1,142 @@
+"""Whether a callable's backward draws random numbers from an RNG state it set back to one read
+before the backward: ``torch.utils.checkpoint`` with ``preserve_rng_state=True`` (its default)
+recomputing dropout, so that the backward sees the forward's masks.
+
+Eager restores the generator's absolute position, so the recomputed masks are the forward's.
+A graph's random ops draw at the position its replay starts from plus an offset of its own, and
+a state set during a capture only moves that offset: the forward and the backward are two
+graphs, replayed from two positions, so the backward graph would draw other masks than the
+forward graph did, and the grads would silently be those of other masks (the ``"emulate"``
+backend runs the callable again and would hide it). A state read and set back within the
+backward (``torch.random.fork_rng`` around draws of its own) is fine, as is setting a state no
+draw follows (every checkpoint of a part without random ops).
+
+The warmup's first backward is watched through ``torch.get_rng_state``/``set_rng_state`` and
+their ``torch.cuda`` twins, which ``checkpoint`` and ``fork_rng`` call: a set to a state not
+read during the backward, after which the generator moves before the next set or the end, is
+what is refused.
+
+>>> import torch
+>>> state = torch.get_rng_state()
+>>> with backward_rewinds() as seen:
+...     torch.set_rng_state(state)
+...     _ = torch.rand(2)
+>>> seen.draws_from_rewound_state
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ._watched_function import WatchedFunction
+
+__all__ = ["RNG_STATE_WATCHES", "RewindsSeen", "backward_rewinds"]
+
+
+@contextlib.contextmanager
+def _unobserved() -> Iterator[None]:
+    # the watch's own reads and comparisons are no ops of the callable's (the lint, the probe)
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
+class RewindsSeen:
+    """What :func:`backward_rewinds` saw: the states read, those set that were not read (with
+    how to read the generator each set, and what it held just after), and whether a generator
+    moved on from such a set state."""
+
+    __slots__ = ("draws_from_rewound_state", "read", "set_foreign")
+
+    def __init__(self) -> None:
+        self.read: list[torch.Tensor] = []
+        self.set_foreign: list[tuple[Callable[[], torch.Tensor], torch.Tensor]] = []
+        self.draws_from_rewound_state = False
+
+    def settle(self) -> None:
+        """Note whether a generator moved since a foreign state was set in it (a draw)."""
+        for read_now, just_set in self.set_foreign:
+            if not torch.equal(read_now(), just_set):
+                self.draws_from_rewound_state = True
+        self.set_foreign.clear()
+
+    def was_read(self, state: torch.Tensor) -> bool:
+        return any(
+            read.shape == state.shape and torch.equal(read, state.to(read.dtype))
+            for read in self.read
+        )
+
+
+def _noting_reads(found: Any, watchers: Callable[[], list[RewindsSeen]]) -> Any:
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        state = found(*args, **kwargs)
+        with _unobserved():
+            for seen in watchers():
+                seen.read.append(state.clone())
+        return state
+
+    return watched
+
+
+def _noting_sets(
+    reader: Callable[..., torch.Tensor], readable: Callable[[], bool]
+) -> Callable[[Any, Callable[[], list[RewindsSeen]]], Any]:
+    # ``reader`` is the getter itself, reached where no watch replaces it (a set is no read);
+    # ``readable``: whether the set took effect now (torch.cuda's waits for CUDA's start)
+    def wrap(found: Any, watchers: Callable[[], list[RewindsSeen]]) -> Any:
+        def watched(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            with _unobserved():
+                for seen in watchers():
+                    seen.settle()
+            found(new_state, *args, **kwargs)
+            with _unobserved():
+                foreign = [seen for seen in watchers() if not seen.was_read(new_state)]
+                if foreign and readable():
+                    read_now = functools.partial(reader, *args, **kwargs)
+                    just_set = read_now()
+                    for seen in foreign:
+                        seen.set_foreign.append((read_now, just_set))
+
+        return watched
+
+    return wrap
+
+
+_WATCHED = (
+    WatchedFunction(torch, "get_rng_state", _noting_reads),
+    WatchedFunction(torch, "set_rng_state", _noting_sets(torch.random.get_rng_state, lambda: True)),
+    WatchedFunction(torch.cuda, "get_rng_state", _noting_reads),
+    WatchedFunction(
+        torch.cuda,
+        "set_rng_state",
+        _noting_sets(torch.cuda.random.get_rng_state, torch.cuda.is_initialized),
+    ),
+)
+
+
+#: The replacements' code: the lint looks past them to the code that called torch's function.
+RNG_STATE_WATCHES = frozenset(
+    {
+        _noting_reads(None, list).__code__,
+        _noting_sets(torch.random.get_rng_state, bool)(None, list).__code__,
+    }
+)
+
+
+@contextlib.contextmanager
+def backward_rewinds() -> Iterator[RewindsSeen]:
+    """Watch this thread's reads and sets of torch's CPU and CUDA RNG states for a draw from a
+    state set back to one not read inside the block."""
+    seen = RewindsSeen()
+    with contextlib.ExitStack() as watches:
+        for watched in _WATCHED:
+            watches.enter_context(watched.watching(seen))
+        yield seen
+    with _unobserved():
+        seen.settle()
