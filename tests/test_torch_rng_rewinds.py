@@ -4,23 +4,30 @@ recomputing dropout) is refused at capture; other reads and sets of the RNG stat
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch_cases import GRAPH_BACKENDS, assert_trees_match, device_of, isolation, tolerance
 
 import dualgraph.torch as dgt
 from dualgraph import CaptureError
 from dualgraph.torch._rng_rewinds import backward_rewinds
 
 
+@pytest.fixture(autouse=True)
+def _isolated(request: pytest.FixtureRequest) -> Any:
+    yield from isolation(request)
+
+
 class Checkpointed(nn.Module):
     """A block whose linear layer and dropout are recomputed in the backward."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, device: torch.device | None = None) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin = nn.Linear(4, 4, device=device)
         self.drop = nn.Dropout(p)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,13 +37,16 @@ class Checkpointed(nn.Module):
         return checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=True)
 
 
-def test_a_checkpoint_recomputing_dropout_in_the_backward_is_refused_at_capture() -> None:
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_checkpoint_recomputing_dropout_in_the_backward_is_refused_at_capture(
+    backend: str,
+) -> None:
     # On CUDA the backward graph draws its masks from where its own replay finds the generator,
     # not from the forward's position: silently other masks than the forward's.
+    device = device_of(backend)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
     with pytest.raises(CaptureError, match=r"Checkpointed's backward sets torch's RNG state back"):
-        dgt.make_graphed_callables(
-            Checkpointed(0.5), (torch.randn(3, 4, requires_grad=True),), backend="emulate"
-        )
+        dgt.make_graphed_callables(Checkpointed(0.5, device), (sample,), backend=backend)
 
 
 def test_a_refused_checkpoint_leaves_the_rng_and_torch_functions_as_they_were() -> None:
@@ -49,19 +59,22 @@ def test_a_refused_checkpoint_leaves_the_rng_and_torch_functions_as_they_were() 
     assert (torch.get_rng_state, torch.set_rng_state, torch.cuda.set_rng_state) == functions
 
 
-def test_a_checkpoint_without_random_ops_is_graphed_and_matches_eager() -> None:
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_checkpoint_without_random_ops_is_graphed_and_matches_eager(backend: str) -> None:
     torch.manual_seed(0)
-    module = Checkpointed(0.0)
+    device = device_of(backend)
+    module = Checkpointed(0.0, device)
     twin = copy.deepcopy(module)
     graphed = dgt.make_graphed_callables(
-        module, (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+        module, (torch.randn(3, 4, device=device, requires_grad=True),), backend=backend
     )
-    x = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(3, 4, device=device, requires_grad=True)
     x_twin = x.detach().clone().requires_grad_(True)
     graphed(x).pow(2).sum().backward()
     twin(x_twin).pow(2).sum().backward()
-    assert torch.equal(x.grad, x_twin.grad)
-    assert torch.equal(module.lin.weight.grad, twin.lin.weight.grad)
+    tol = tolerance(backend)
+    assert_trees_match(x.grad, x_twin.grad, tol)
+    assert_trees_match(module.lin.weight.grad, twin.lin.weight.grad, tol)
 
 
 class _NoisyGrad(torch.autograd.Function):

@@ -85,10 +85,11 @@ def _noting_reads(found: Any, watchers: Callable[[], list[RewindsSeen]]) -> Any:
 
 
 def _noting_sets(
-    reader: Callable[..., torch.Tensor], readable: Callable[[], bool]
+    reader_of: Callable[..., Callable[[], torch.Tensor] | None],
 ) -> Callable[[Any, Callable[[], list[RewindsSeen]]], Any]:
-    # ``reader`` is the getter itself, reached where no watch replaces it (a set is no read);
-    # ``readable``: whether the set took effect now (torch.cuda's waits for CUDA's start)
+    # ``reader_of(*args, **kwargs)``: how to read the generator a set with those arguments set
+    # (``None`` where the set has not taken effect yet), through the getter itself, where no
+    # watch replaces it (reading to compare is no read of the callable's)
     def wrap(found: Any, watchers: Callable[[], list[RewindsSeen]]) -> Any:
         def watched(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             with _unobserved():
@@ -97,8 +98,8 @@ def _noting_sets(
             found(new_state, *args, **kwargs)
             with _unobserved():
                 foreign = [seen for seen in watchers() if not seen.was_read(new_state)]
-                if foreign and readable():
-                    read_now = functools.partial(reader, *args, **kwargs)
+                read_now = reader_of(*args, **kwargs) if foreign else None
+                if read_now is not None:
                     just_set = read_now()
                     for seen in foreign:
                         seen.set_foreign.append((read_now, just_set))
@@ -108,15 +109,29 @@ def _noting_sets(
     return wrap
 
 
+def _cpu_reader() -> Callable[[], torch.Tensor]:
+    return torch.random.get_rng_state
+
+
+def _cuda_reader(device: Any = "cuda") -> Callable[[], torch.Tensor] | None:
+    """The getter of the device a ``torch.cuda.set_rng_state(state, device)`` set, bound to its
+    index now (``"cuda"`` means the current device, which may change before the comparison:
+    ``checkpoint`` sets each device's state inside ``torch.cuda.device(i)``)."""
+    if not torch.cuda.is_initialized():  # the set waits for CUDA's start
+        return None
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device if isinstance(device, int) else device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    return functools.partial(torch.cuda.random.get_rng_state, index)
+
+
 _WATCHED = (
     WatchedFunction(torch, "get_rng_state", _noting_reads),
-    WatchedFunction(torch, "set_rng_state", _noting_sets(torch.random.get_rng_state, lambda: True)),
+    WatchedFunction(torch, "set_rng_state", _noting_sets(_cpu_reader)),
     WatchedFunction(torch.cuda, "get_rng_state", _noting_reads),
-    WatchedFunction(
-        torch.cuda,
-        "set_rng_state",
-        _noting_sets(torch.cuda.random.get_rng_state, torch.cuda.is_initialized),
-    ),
+    WatchedFunction(torch.cuda, "set_rng_state", _noting_sets(_cuda_reader)),
 )
 
 
@@ -124,7 +139,7 @@ _WATCHED = (
 RNG_STATE_WATCHES = frozenset(
     {
         _noting_reads(None, list).__code__,
-        _noting_sets(torch.random.get_rng_state, bool)(None, list).__code__,
+        _noting_sets(_cpu_reader)(None, list).__code__,
     }
 )
 
