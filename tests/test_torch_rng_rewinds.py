@@ -1,5 +1,6 @@
-"""A backward that sets torch's RNG state back and draws from there (``torch.utils.checkpoint``
-recomputing dropout) is refused at capture; other reads and sets of the RNG state are not."""
+"""A forward or backward that sets torch's RNG state to one it did not read in the same pass and
+draws from there (``torch.utils.checkpoint`` recomputing dropout; ``torch.manual_seed`` in a
+forward) is refused at capture; other reads and sets of the RNG state are not."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch_cases import GRAPH_BACKENDS, assert_trees_match, device_of, isolation
 
 import dualgraph.torch as dgt
 from dualgraph import CaptureError
-from dualgraph.torch._rng_rewinds import backward_rewinds
+from dualgraph.torch._rng_rewinds import rng_rewinds
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +103,39 @@ def test_a_backward_drawing_inside_fork_rng_is_not_a_rewind() -> None:
 def test_a_set_state_no_draw_follows_is_no_rewind() -> None:
     state = torch.get_rng_state()
     _ = torch.rand(2)
-    with backward_rewinds() as seen:
+    with rng_rewinds() as seen:
         torch.set_rng_state(state)
     assert not seen.draws_from_rewound_state
+
+
+def _reseeding(x: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(0)  # eager: the same noise on every call
+    return x + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_forward_seeding_torch_before_it_draws_is_refused_at_capture(backend: str) -> None:
+    # On CUDA the capture keeps no seed (the same one is a no-op): the replays drew new noise
+    # on every call where eager draws the same; lint="off" (the CUDA default is no lint).
+    sample = torch.randn(3, device=device_of(backend), requires_grad=True)
+    with pytest.raises(CaptureError, match=r"_reseeding's forward seeds torch's RNG"):
+        dgt.make_graphed_callables(_reseeding, (sample,), backend=backend, lint="off")
+
+
+def _forked(x: torch.Tensor) -> torch.Tensor:
+    with torch.random.fork_rng(devices=[]):  # the state read and set back within the call
+        noise = torch.rand_like(x)
+    return x + noise
+
+
+def test_a_forward_drawing_inside_fork_rng_is_graphed_and_matches_eager() -> None:
+    graphed = dgt.make_graphed_callables(
+        _forked, (torch.randn(3, requires_grad=True),), backend="emulate"
+    )
+    x = torch.randn(3)
+    torch.manual_seed(1)
+    out = graphed(x)
+    state = torch.get_rng_state()
+    torch.manual_seed(1)
+    assert torch.equal(out, _forked(x))
+    assert torch.equal(torch.get_rng_state(), state)

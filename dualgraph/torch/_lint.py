@@ -401,6 +401,9 @@ class CaptureLint(OpObserver):
         while frame is not None:
             code = frame.f_code
             file = code.co_filename
+            if code in RNG_STATE_WATCHES:  # the warmup's watch around torch's RNG functions
+                frame = frame.f_back
+                continue
             if file in _MACHINERY_FILES or file.startswith(_TORCH_DIR):
                 if code.co_name in _MODULE_CALLS and file == _MODULE_FILE:
                     candidate = frame.f_locals.get("self")
@@ -723,10 +726,7 @@ class _HostCallLint:
         if event == "call":
             found = _HOST_PYTHON_CALLS.get(frame.f_code)
             if found is not None:
-                caller = frame.f_back
-                if caller is not None and caller.f_code in RNG_STATE_WATCHES:
-                    caller = caller.f_back  # the backward's watch of RNG states (the warmup's)
-                self._report(found, caller)
+                self._report(found, frame.f_back)
         elif event == "c_call":
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
@@ -764,6 +764,9 @@ def _made_by_the_user(
     while frame is not None and frame.f_code is not callable_code:
         code = frame.f_code
         file = code.co_filename
+        if code in RNG_STATE_WATCHES:  # the warmup's watch around torch's RNG functions
+            frame = frame.f_back
+            continue
         if file.startswith(_ADAPTER_DIR):
             return True  # the callable's edge (dualgraph's frames around it)
         if code in _HOST_PYTHON_CALLS:
