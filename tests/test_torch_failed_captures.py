@@ -230,6 +230,17 @@ def test_a_reentrant_checkpoint_inside_the_callable_is_a_capture_error_naming_th
     assert x.grad is not None and module.a.weight.grad is not None
 
 
+def test_a_capture_failing_on_a_generator_of_ones_own_names_it_and_what_to_do() -> None:
+    # torch's message (a TORCH_CHECK in CUDAGeneratorState::increase) named neither
+    from dualgraph.torch._capture_failure import Progress, describe_failure
+
+    error = RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
+    message = str(describe_failure(error, Progress(name="Noisy", phase="forward capture"), "cuda"))
+    assert message.startswith("capturing Noisy (cuda) failed during forward capture: RuntimeError")
+    assert "a torch.Generator of your own draws random numbers inside the callable" in message
+    assert "lint='error' names the line" in message
+
+
 def test_a_cuda_sync_failure_in_anomaly_mode_names_anomaly_modes_nan_check() -> None:
     from dualgraph.torch._capture_failure import Progress, describe_failure
 

@@ -12,6 +12,7 @@ consumed inside helpers.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -535,3 +536,42 @@ def test_bfloat16_module_matches_eager(backend: str) -> None:
         )
         fn.zero_grad()
         twin.zero_grad()
+
+
+class _OwnAutocast(nn.Module):
+    """A forward that enters an autocast of its own (its weight cache on: torch's default)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, cache_enabled=True):
+            return self.lin(x).float()
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [{"enabled": False}, {"dtype": torch.bfloat16, "cache_enabled": False}],
+    ids=["disabled", "cache_off"],
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_autocast_inside_the_forward_under_an_open_autocast_casts_each_calls_input(
+    backend: str, outer: dict[str, Any]
+) -> None:
+    # The inner autocast's weight cache outlived it (an autocast context was still open), so
+    # a replay found the warmup's cast of the static input: every call computed the sample's.
+    device = device_of(backend)
+    module = _OwnAutocast(device)
+    twin = copy.deepcopy(module)
+    tol = tolerance(backend, torch.bfloat16)
+    with torch.autocast(device.type, **outer):
+        dgt.make_graphed_callables(
+            module, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+        )
+        for _ in range(2):
+            x = torch.randn(4, 8, device=device, requires_grad=True)
+            assert_trees_match(module(x), twin(x), tol)
+            with torch.no_grad():  # an optimizer step between calls
+                module.lin.weight.add_(0.5)
+                twin.lin.weight.add_(0.5)

@@ -212,12 +212,20 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, mode: Any) -> Iterator[Non
     block raises (an error of ``capture_end`` then carries the block's as its context), and it
     also always leaves the capture stream.
     """
+    # The autocast weight cache outlives an autocast a forward enters and leaves while another
+    # autocast context is open (one with enabled=False, as `enabled=use_amp` gives, or of
+    # another device): the warmup's casts of the static inputs and parameters would be found
+    # there, and the graph would read those fixed tensors (the samples' values, the weights
+    # before any step) instead of casting. Emptied before, so every cast is captured, and after,
+    # so that no eager code finds the graph's memory there.
+    torch.clear_autocast_cache()
     with torch.cuda.stream(capture_stream()):
         graph.capture_begin(pool, capture_error_mode=mode)
         try:
             yield
         finally:
             graph.capture_end()
+            torch.clear_autocast_cache()
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:

@@ -262,6 +262,14 @@ def describe_failure(error: BaseException, progress: Progress, backend: str) -> 
                 " a CPU sync a capture cannot hold; capture outside it or with"
                 " torch.autograd.set_detect_anomaly(True, check_nan=False))"
             )
+    if "CUDA generator not in capture mode" in cause:
+        # torch's words for a generator the graph has not registered (lint="auto" is off on CUDA)
+        hint = (
+            " (a torch.Generator of your own draws random numbers inside the callable: a capture"
+            " registers only each device's default generator and Transformer Engine's RNG"
+            " tracker; draw from the default one, seeded with torch.cuda.manual_seed, and"
+            " lint='error' names the line)"
+        )
     if "legacy stream depend on a capturing blocking stream" in cause:
         hint = (
             " (is the model already wrapped in DistributedDataParallel? Graph its layers first,"

@@ -48,6 +48,7 @@ from .._errors import CaptureError
 from ._branch_reads import MODE_READ_WATCH
 from ._host_rng import numpy_position
 from ._op_watch import OpObserver, code_of, tensors_in
+from ._rng_rewinds import RNG_STATE_WATCHES
 
 __all__ = [
     "CaptureLint",
@@ -400,6 +401,9 @@ class CaptureLint(OpObserver):
         while frame is not None:
             code = frame.f_code
             file = code.co_filename
+            if code in RNG_STATE_WATCHES:  # the warmup's watch around torch's RNG functions
+                frame = frame.f_back
+                continue
             if file in _MACHINERY_FILES or file.startswith(_TORCH_DIR):
                 if code.co_name in _MODULE_CALLS and file == _MODULE_FILE:
                     candidate = frame.f_locals.get("self")
@@ -760,6 +764,9 @@ def _made_by_the_user(
     while frame is not None and frame.f_code is not callable_code:
         code = frame.f_code
         file = code.co_filename
+        if code in RNG_STATE_WATCHES:  # the warmup's watch around torch's RNG functions
+            frame = frame.f_back
+            continue
         if file.startswith(_ADAPTER_DIR):
             return True  # the callable's edge (dualgraph's frames around it)
         if code in _HOST_PYTHON_CALLS:

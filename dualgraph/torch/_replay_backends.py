@@ -22,6 +22,7 @@ __all__ = ["CudaGraphForward", "EmulatedReplay", "accumulate_into"]
 _tensor_hooks = operator.attrgetter("_backward_hooks")
 _NO_HOOKS = contextlib.nullcontext()
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_clear_autocast_cache = torch.clear_autocast_cache
 _OWN_SAVED_TENSORS = KEEPING_ACTIVATIONS
 
 
@@ -112,6 +113,10 @@ class EmulatedReplay:
         # A graph keeps its activations to itself; so does this run: the caller's saved-tensor
         # hooks (a non-reentrant checkpoint around the replay, offloading) never see them.
         own = _OWN_SAVED_TENSORS if _top_saved_tensors_hooks(False) is not None else _NO_HOOKS
+        # An autocast the callable enters while another autocast context is open keeps its
+        # weight cache across calls: a cast of a static input (a leaf, as its tensor is for
+        # eager) made by an earlier run would be found again, holding that run's values.
+        _clear_autocast_cache()
         # Graphed callables it calls run their original code, as the graph of this one does.
         with torch.set_grad_enabled(grad_enabled), own, replay_scope():
             outputs = self._fn(*self._args, **self._kwargs)

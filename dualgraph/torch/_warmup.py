@@ -45,6 +45,7 @@ from ._output_aliases import find_output_aliases
 from ._params import bytes_of, first_difference, is_tensor_subclass, same_bytes, write_back
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
+from ._rng_rewinds import rng_rewinds
 from ._saved_hooks import own_saved_tensors_hooks
 
 if TYPE_CHECKING:
@@ -243,8 +244,11 @@ def _warmup(
                 own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack),
                 turns_grad_mode_on() as grad_mode,
                 branch_reads(item.static_inputs) as reads,
+                rng_rewinds() as forward_rewound,
             ):
                 outputs = _run(item)
+            if forward_rewound.draws_from_rewound_state:
+                _refuse_rewound_draws(item, "forward")
         else:
             with branch_reads(item.static_inputs) as reads:
                 outputs = _run(item)
@@ -297,7 +301,8 @@ def _warmup(
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
-        with item.request.hooks.around("backward"):
+        rewinds = rng_rewinds() if inspect else contextlib.nullcontext()
+        with item.request.hooks.around("backward"), rewinds as rewound:
             grads = tuple(
                 torch.autograd.grad(
                     differentiable,
@@ -306,6 +311,8 @@ def _warmup(
                     allow_unused=True,  # an unused one is refused below, naming it
                 )
             )
+        if rewound is not None and rewound.draws_from_rewound_state:
+            _refuse_rewound_draws(item, "backward")
         if not allow_unused:
             # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
             # whose TypeError costs about 18 us a tensor
@@ -328,6 +335,29 @@ def _warmup(
     if inspect and grad_mode.on_while_on:
         item.records_under_no_grad = _recording_under_no_grad(item)
     return grads
+
+
+def _refuse_rewound_draws(item: _Capture, where: str) -> None:
+    if where == "backward":
+        what = (
+            "sets torch's RNG state back to one read before it and draws random numbers from "
+            "there (torch.utils.checkpoint with preserve_rng_state=True recomputing dropout or "
+            "another random op): eager draws the forward's numbers again, but the forward and "
+            "the backward are two graphs, each drawing from where its replay finds the "
+            "generator, so the backward graph would draw other numbers (dropout masks) than the "
+            "forward graph and the grads would silently be wrong. Keep random ops out of the "
+            "checkpointed part, or do not checkpoint inside the graphed callable (a graph keeps "
+            "its activations in its pool)"
+        )
+    else:
+        what = (
+            "seeds torch's RNG (torch.manual_seed) or sets a state it did not read in the call, "
+            "and draws random numbers from there: eager draws the same numbers on every call, "
+            "but a graph draws from where each replay finds the generator (a capture keeps no "
+            "seed), so every replay would draw other ones. Seed outside the graphed callable, "
+            "or make numbers meant to be the same on every call once, outside it (a buffer)"
+        )
+    raise Refused(f"{item.name}'s {where} {what}")
 
 
 def _reaches(output: torch.Tensor, leaf: torch.Tensor) -> bool:
