@@ -593,6 +593,21 @@ def test_a_graphed_functions_closed_over_module_buffers_are_compared_and_put_bac
     assert all(torch.equal(v, state[k]) for k, v in bn.state_dict().items())
 
 
+def test_verify_puts_the_python_attributes_of_a_closed_over_module_back() -> None:
+    # Only a graphed module's (or a method's module's) attributes were kept: the counter of a
+    # module a graphed function closes over kept both sides' calls.
+    counts = Counts().requires_grad_(False)  # a function may close over frozen weights only
+    graphed = dgt.make_graphed_callables(
+        lambda x: counts(x) * 2,
+        (torch.randn(2, 4, requires_grad=True),),
+        backend="emulate",
+        lint="off",  # its host draws are multiplied by zero
+    )
+    calls, attributes = counts.calls, dict(counts.fc.__dict__)
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True)).ok
+    assert counts.calls == calls and counts.fc.__dict__ == attributes
+
+
 def test_a_tensor_a_graphed_function_updates_in_place_is_compared_and_put_back() -> None:
     total = torch.zeros(4)
 
