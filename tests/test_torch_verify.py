@@ -7,6 +7,7 @@ outputs, kwargs, buffers (BatchNorm), dropout, hooks, in-graph parameter grads.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Callable
@@ -483,6 +484,25 @@ def test_the_eager_backend_is_compared_with_itself_and_says_so() -> None:
 def test_something_not_graphed_is_refused() -> None:
     with pytest.raises(DualgraphError, match=r"was not made by dualgraph"):
         dgt.verify(nn.Linear(2, 2), torch.ones(1, 2))
+
+
+def test_verify_of_a_model_holding_graphed_blocks_names_them() -> None:
+    # The refusal quoted the model's repr (its whole tree, hundreds of lines for a ViT) and did
+    # not say that its blocks are what was graphed.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    dgt.make_graphed_callables(model[1], (torch.randn(2, 4, requires_grad=True),))
+    with pytest.raises(DualgraphError) as info:
+        dgt.verify(model, torch.randn(2, 4))
+    assert str(info.value) == (
+        "Sequential (a module) was not made by dualgraph.torch.make_graphed_callables, but "
+        "holds graphed submodules: 1; pass one of those (.get_submodule('1'))"
+    )
+
+
+def test_verify_of_a_copy_of_a_graphed_module_says_it_is_a_copy() -> None:
+    module = dgt.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),))
+    with pytest.raises(DualgraphError, match=r"^Linear is a copy of a graphed module \(copy"):
+        dgt.verify(copy.deepcopy(module), torch.randn(2, 4))
 
 
 # -- the model is left as it was ----------------------------------------------------------------
