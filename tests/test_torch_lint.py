@@ -800,6 +800,29 @@ def test_the_tools_put_back_a_plain_tensor_attribute_the_callable_updates_in_pla
     assert torch.equal(module.seen, torch.zeros(4))
 
 
+def test_a_plain_tensor_attribute_updated_in_place_is_an_error_the_capture_refuses() -> None:
+    # The lint said "nothing found" where make_graphed_callables refuses the callable
+    # ('Accumulates.total: the callable updates this tensor in place ...').
+    class Accumulates(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.total = torch.zeros(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.total.add_(x.detach().sum(0))
+            return self.fc(x)
+
+    report = dgt.lint(Accumulates(), torch.randn(3, 4, requires_grad=True))
+    assert [(f.kind, f.severity, f.op) for f in report.findings] == [
+        (_lint.ATTRIBUTE_MUTATION, "error", "aten.add_ on total")
+    ]
+    with pytest.raises(CaptureError, match=r"Accumulates\.total: the callable updates"):
+        dgt.make_graphed_callables(
+            Accumulates(), (torch.randn(3, 4, requires_grad=True),), lint="off"
+        )
+
+
 class BranchesOnGradMode(nn.Module):
     """Scales by 2 with grad on, else by 3; its attention reads grad mode in torch's code."""
 

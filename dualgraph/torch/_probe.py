@@ -98,6 +98,7 @@ def _probe_once(
             name,
             inputs=inputs,
             params=params,
+            attributes=_attributes_of(root),
             root=root,
             generators=_registered_generators(),
             fn=fn,
@@ -362,6 +363,17 @@ def _model_kept(root: torch.nn.Module | None, fn: Callable[..., Any]) -> Iterato
         for tensor, saved in kept:
             write_back(tensor, saved)
         put_back(attributes)
+
+
+def _attributes_of(root: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    """The plain tensor attributes of ``root`` a capture refuses to see updated in place: those
+    sharing no memory with a buffer (a view of a running statistic is updated with it)."""
+    if root is None:
+        return []
+    buffers = {_storage_key(b) for b in root.buffers()}
+    return [
+        (path, t) for path, t in plain_tensor_attributes(root) if _storage_key(t) not in buffers
+    ]
 
 
 def _registered_generators() -> list[Any]:
