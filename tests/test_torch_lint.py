@@ -7,6 +7,7 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import os
@@ -747,6 +748,79 @@ def test_lint_leaves_inputs_buffers_grads_and_the_rng_as_they_were() -> None:
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("wrap", ["closure", "partial", "graphed"])
+def test_lint_leaves_the_buffers_of_modules_a_function_names_as_they_were(wrap: str) -> None:
+    # A function (not a module) closing over a BatchNorm: the lint's call updated its running
+    # statistics and counter, which only the lint's own root module's buffers were kept from.
+    norm = nn.BatchNorm1d(4, affine=False)  # no parameters: a graphed function may close over it
+    x = torch.randn(3, 4, requires_grad=True)
+    fn: Callable[..., Any] = {
+        "closure": lambda: lambda x: norm(x) * 2,
+        "partial": lambda: functools.partial(norm),
+        "graphed": lambda: dgt.make_graphed_callables(lambda x: norm(x) * 2, (x,)),
+    }[wrap]()
+    buffers = {name: b.clone() for name, b in norm.named_buffers()}
+    dgt.lint(fn, x)
+    assert all(torch.equal(b, buffers[name]) for name, b in norm.named_buffers())
+
+
+class HalvesItsWeight(nn.Module):
+    """Updates a parameter and a plain tensor attribute in place (the lint warns of the first;
+    a capture refuses both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.seen = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.mul_(0.5)
+            self.seen.add_(x.sum(0))
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_the_tools_put_back_a_parameter_the_callable_updates_in_place(tool: str) -> None:
+    # Only buffers were put back: the lint reported the halving and left the weight halved.
+    module = HalvesItsWeight()
+    weight = module.fc.weight.detach().clone()
+    getattr(dgt, tool)(module, torch.randn(3, 4, requires_grad=True))
+    assert torch.equal(module.fc.weight, weight)
+
+
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_the_tools_put_back_a_plain_tensor_attribute_the_callable_updates_in_place(
+    tool: str,
+) -> None:
+    module = HalvesItsWeight()
+    getattr(dgt, tool)(module, torch.ones(3, 4, requires_grad=True))
+    assert torch.equal(module.seen, torch.zeros(4))
+
+
+def test_a_plain_tensor_attribute_updated_in_place_is_an_error_the_capture_refuses() -> None:
+    # The lint said "nothing found" where make_graphed_callables refuses the callable
+    # ('Accumulates.total: the callable updates this tensor in place ...').
+    class Accumulates(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.total = torch.zeros(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.total.add_(x.detach().sum(0))
+            return self.fc(x)
+
+    report = dgt.lint(Accumulates(), torch.randn(3, 4, requires_grad=True))
+    assert [(f.kind, f.severity, f.op) for f in report.findings] == [
+        (_lint.ATTRIBUTE_MUTATION, "error", "aten.add_ on total")
+    ]
+    with pytest.raises(CaptureError, match=r"Accumulates\.total: the callable updates"):
+        dgt.make_graphed_callables(
+            Accumulates(), (torch.randn(3, 4, requires_grad=True),), lint="off"
+        )
 
 
 class BranchesOnGradMode(nn.Module):

@@ -328,6 +328,26 @@ def test_memory_plan_leaves_the_model_as_it_was() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_memory_plan_of_a_function_leaves_the_modules_it_names_as_they_were() -> None:
+    # Only the planned module's own buffers and attributes were kept: a function's closed-over
+    # BatchNorm kept the call's statistics, and a closed-over module its call counter.
+    class Counts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(4)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.norm(x)
+
+    counts = Counts()
+    buffers = [b.clone() for b in counts.buffers()]
+    dgt.memory_plan(lambda x: counts(x) * 2, torch.randn(3, 4, requires_grad=True))
+    assert all(torch.equal(b, saved) for b, saved in zip(counts.buffers(), buffers, strict=True))
+    assert counts.calls == 0
+
+
 def test_the_warmup_iterations_after_the_first_are_not_watched() -> None:
     # The plan comes from the first warmup iteration; later ones run without the probe.
     graphed = dgt.make_graphed_callables(

@@ -35,6 +35,7 @@ import pytest
 import torch
 from entry_points import ENTRY_POINTS, WITH_PARAMETERS, Decays, batch, call_length, graphed_on
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 from torch_cases import (
     GRAPH_BACKENDS,
     GRAPH_GRAD_MODES,
@@ -1598,6 +1599,72 @@ def test_a_submodule_hook_registered_or_removed_after_capture_is_refused_naming_
         parameter_names(module),
         tolerance(backend),
     )
+
+
+#: A global hook (torch.nn.modules.module's, run in every module's call): what registers it.
+GLOBAL_HOOKS: dict[str, tuple[str, Any]] = {
+    "forward": ("register_module_forward_hook", _doubles_output),
+    "forward_pre": ("register_module_forward_pre_hook", _doubles_input),
+    "full_backward": ("register_module_full_backward_hook", _records),
+    "backward_pre": ("register_module_full_backward_pre_hook", _records),
+}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("when", ["registered", "removed"])
+@pytest.mark.parametrize("hook", sorted(GLOBAL_HOOKS))
+def test_a_global_module_hook_registered_or_removed_after_capture_is_refused(
+    backend: str, when: str, hook: str
+) -> None:
+    # Every submodule's call runs the global hooks as its own: a graph replays what they did at
+    # capture (a doubling hook registered since never ran inside it on CUDA), and only the
+    # submodules' own hook dicts were watched.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    register_name, hook_fn = GLOBAL_HOOKS[hook]
+    register = getattr(nn.modules.module, register_name)
+
+    def call() -> None:
+        module(torch.randn(4, 8, device=device, requires_grad=True))
+
+    handle = register(hook_fn) if when == "removed" else None
+    try:
+        dgt.make_graphed_callables(
+            module, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+        )
+        if handle is not None:
+            handle.remove()
+            handle = None
+        else:
+            handle = register(hook_fn)
+        with pytest.raises(DualgraphError) as info:
+            call()
+        assert str(info.value).startswith(
+            f"TinyMLP: global module hook (torch.nn.modules.module.{register_name}) {when} "
+            "after capture"
+        )
+        # The global hooks of capture time again: the module replays.
+        if handle is not None:
+            handle.remove()
+            handle = None
+        else:
+            handle = register(hook_fn)
+        call()
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_torchs_flop_counter_around_a_replay_is_no_global_hook_change(backend: str) -> None:
+    # FlopCounterMode registers torch's ModuleTracker global hooks while it counts: they only
+    # record which module runs, so the replay's results are eager's and the call goes on.
+    device = device_of(backend)
+    module = TinyMLP().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    with FlopCounterMode(display=False):
+        module(torch.randn(4, 8, device=device))
+    assert dgt.diagnostics(module).replays == 1
 
 
 def _triples_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ outputs, kwargs, buffers (BatchNorm), dropout, hooks, in-graph parameter grads.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Callable
@@ -548,6 +549,25 @@ def test_something_not_graphed_is_refused() -> None:
         dgt.verify(nn.Linear(2, 2), torch.ones(1, 2))
 
 
+def test_verify_of_a_model_holding_graphed_blocks_names_them() -> None:
+    # The refusal quoted the model's repr (its whole tree, hundreds of lines for a ViT) and did
+    # not say that its blocks are what was graphed.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    dgt.make_graphed_callables(model[1], (torch.randn(2, 4, requires_grad=True),))
+    with pytest.raises(DualgraphError) as info:
+        dgt.verify(model, torch.randn(2, 4))
+    assert str(info.value) == (
+        "Sequential (a module) was not made by dualgraph.torch.make_graphed_callables, but "
+        "holds graphed submodules: 1; pass one of those (.get_submodule('1'))"
+    )
+
+
+def test_verify_of_a_copy_of_a_graphed_module_says_it_is_a_copy() -> None:
+    module = dgt.make_graphed_callables(nn.Linear(4, 4), (torch.randn(2, 4),))
+    with pytest.raises(DualgraphError, match=r"^Linear is a copy of a graphed module \(copy"):
+        dgt.verify(copy.deepcopy(module), torch.randn(2, 4))
+
+
 # -- the model is left as it was ----------------------------------------------------------------
 
 
@@ -654,6 +674,21 @@ def test_a_graphed_functions_closed_over_module_buffers_are_compared_and_put_bac
     assert report.ok, str(report)
     assert "step 2 closed over bn.running_mean after the call" in [c.path for c in report.checks]
     assert all(torch.equal(v, state[k]) for k, v in bn.state_dict().items())
+
+
+def test_verify_puts_the_python_attributes_of_a_closed_over_module_back() -> None:
+    # Only a graphed module's (or a method's module's) attributes were kept: the counter of a
+    # module a graphed function closes over kept both sides' calls.
+    counts = Counts().requires_grad_(False)  # a function may close over frozen weights only
+    graphed = dgt.make_graphed_callables(
+        lambda x: counts(x) * 2,
+        (torch.randn(2, 4, requires_grad=True),),
+        backend="emulate",
+        lint="off",  # its host draws are multiplied by zero
+    )
+    calls, attributes = counts.calls, dict(counts.fc.__dict__)
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True)).ok
+    assert counts.calls == calls and counts.fc.__dict__ == attributes
 
 
 def test_a_tensor_a_graphed_function_updates_in_place_is_compared_and_put_back() -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "code_values",
     "forward_values",
     "method_module",
+    "modules_named_by",
     "named_by",
     "named_values",
     "plain_tensor_attributes",
@@ -216,6 +217,28 @@ def named_by(fn: Callable[..., Any], *, parameters: bool = False) -> list[tuple[
             if id(tensor) not in seen
         ]
     return found
+
+
+def modules_named_by(fn: Callable[..., Any]) -> list[torch.nn.Module]:
+    """The modules ``fn``'s own code names (as :func:`closed_over_tensors` finds them), a bound
+    method's module, and a module wrapped in ``functools.partial``, once each: what a call of
+    ``fn`` may run, and so change, besides a module ``fn`` is.
+
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> [type(m).__name__ for m in modules_named_by(lambda x: layer(x) * 2)]
+    ['Linear']
+    """
+    found: dict[int, torch.nn.Module] = {}
+    for _, value in named_values(fn):
+        if isinstance(value, torch.nn.Module):
+            found.setdefault(id(value), value)
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    owner = inner if isinstance(inner, torch.nn.Module) else method_module(fn)
+    if owner is not None:
+        found.setdefault(id(owner), owner)
+    return list(found.values())
 
 
 def method_module(fn: Callable[..., Any]) -> torch.nn.Module | None:

@@ -69,6 +69,7 @@ UNREGISTERED_GENERATOR = "unregistered RNG generator"
 INPUT_MUTATION = "input updated in place"
 BACKWARD_INPUT_MUTATION = "input updated in place during backward"
 PARAMETER_MUTATION = "parameter updated in place"
+ATTRIBUTE_MUTATION = "tensor attribute updated in place"
 HOST_RANDOM = "random number drawn on the host"
 RNG_RESEEDED = "torch's RNG set in the callable"
 GRAD_MODE_READ = "grad mode read in the callable"
@@ -85,6 +86,7 @@ KINDS: dict[str, Severity] = {
     INPUT_MUTATION: "warning",
     BACKWARD_INPUT_MUTATION: "error",
     PARAMETER_MUTATION: "error",
+    ATTRIBUTE_MUTATION: "error",
     HOST_RANDOM: "error",
     RNG_RESEEDED: "error",
     GRAD_MODE_READ: "warning",
@@ -221,11 +223,13 @@ def lint(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> LintReport:
 class CaptureLint(OpObserver):
     """Lint everything that runs inside ``with`` blocks (forward and backward); see :func:`lint`.
 
-    ``inputs`` and ``params`` are ``(path, tensor)`` pairs: in-place writes to them are reported
-    by that path. ``root`` is the module whose submodule paths name findings (the callable's
-    module). ``generators``: generators a capture registers besides the default ones (those of
-    Transformer Engine's RNG tracker). ``fn`` is the callable: findings are what runs inside it
-    (or in its backward), never what the code around it (dualgraph's warmup) runs.
+    ``inputs``, ``params`` and ``attributes`` (a module's plain tensor attributes, which a
+    capture refuses to see updated) are ``(path, tensor)`` pairs: in-place writes to them are
+    reported by that path. ``root`` is the module whose submodule paths name findings (the
+    callable's module). ``generators``: generators a capture registers besides the default
+    ones (those of Transformer Engine's RNG tracker). ``fn`` is the callable: findings are what
+    runs inside it (or in its backward), never what the code around it (dualgraph's warmup)
+    runs.
     Enter it as often as needed; :meth:`report` collects everything seen so far.
     """
 
@@ -235,6 +239,7 @@ class CaptureLint(OpObserver):
         *,
         inputs: Sequence[tuple[str, torch.Tensor]] = (),
         params: Sequence[tuple[str, torch.Tensor]] = (),
+        attributes: Sequence[tuple[str, torch.Tensor]] = (),
         root: torch.nn.Module | None = None,
         generators: Sequence[Any] = (),
         fn: Callable[..., Any] | None = None,
@@ -251,7 +256,11 @@ class CaptureLint(OpObserver):
         self._watched: dict[int, tuple[str, str]] = {}
         # and their version counters, to catch in-place writes no op's schema declared
         self._versions: list[tuple[str, str, torch.Tensor, int]] = []
-        for kind, pairs in ((PARAMETER_MUTATION, params), (INPUT_MUTATION, inputs)):
+        for kind, pairs in (
+            (ATTRIBUTE_MUTATION, attributes),
+            (PARAMETER_MUTATION, params),
+            (INPUT_MUTATION, inputs),
+        ):
             for path, tensor in pairs:
                 self._watched[_storage_id(tensor)] = (kind, path)
                 self._versions.append((kind, path, tensor, tensor._version))
@@ -980,6 +989,12 @@ _MUTATION = {
         "Register it as a buffer, or update it outside the graphed callable."
     ),
 }
+_MUTATION[ATTRIBUTE_MUTATION] = (
+    "Updates the module's plain tensor attribute {} (neither a parameter nor a buffer) in place "
+    "inside the callable: warmup and capture would change it already and every replay would "
+    "repeat the update, so dualgraph refuses to capture it. Register it as a buffer "
+    "(register_buffer), or update it outside the graphed callable."
+)
 _UNSEEN_WRITE = (
     " Its version counter moved though no op seen wrote to it (a write through a C++ extension "
     "or a view the lint does not see), so no line is known."

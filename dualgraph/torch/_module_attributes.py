@@ -27,11 +27,15 @@ __all__ = ["module_attributes", "put_back"]
 Saved = Sequence[tuple[dict[str, Any], dict[str, Any]]]
 
 
-def module_attributes(root: torch.nn.Module | None) -> Saved:
-    """Each submodule's ``__dict__`` with a shallow copy of it (nothing for ``None``)."""
-    if root is None:
-        return []
-    return [(module.__dict__, dict(module.__dict__)) for module in root.modules()]
+def module_attributes(*roots: torch.nn.Module | None) -> Saved:
+    """Each submodule's ``__dict__`` with a shallow copy of it, once for a submodule several
+    ``roots`` share (nothing for ``None``: a function that names no module)."""
+    saved: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for root in roots:
+        if root is not None:
+            for module in root.modules():
+                saved.setdefault(id(module), (module.__dict__, dict(module.__dict__)))
+    return list(saved.values())
 
 
 def put_back(saved: Saved) -> None:

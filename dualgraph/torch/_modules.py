@@ -148,8 +148,33 @@ def runner_of(graphed: Any) -> Runner:
         return graphed
     state = getattr(graphed, "__dict__", {}).get(_STATE)
     if type(state) is not _Graphed:
-        raise DualgraphError(f"{graphed!r} was not made by dualgraph.torch.make_graphed_callables")
+        raise DualgraphError(_not_graphed(graphed, state))
     return state.runner
+
+
+def _not_graphed(thing: Any, state: Any) -> str:
+    """Why ``thing`` has no runner, named by its class (a module's repr is its whole tree) and
+    pointing at what is graphed: a copy's source, a model's graphed submodules."""
+    if not isinstance(thing, torch.nn.Module):
+        shown = repr(thing)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        return f"{shown} was not made by dualgraph.torch.make_graphed_callables"
+    name = type(thing).__name__
+    if isinstance(state, _Copied):
+        return (
+            f"{name} is a copy of a graphed module (copy.deepcopy, pickle: copies run eagerly) "
+            "and was not made by dualgraph.torch.make_graphed_callables; ask the module it was "
+            "copied from, or graph the copy"
+        )
+    inside = [path for path, sub in thing.named_modules() if path and is_graphed(sub)]
+    if not inside:
+        return f"{name} (a module) was not made by dualgraph.torch.make_graphed_callables"
+    listed = ", ".join(inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
+    return (
+        f"{name} (a module) was not made by dualgraph.torch.make_graphed_callables, but "
+        f"holds graphed submodules: {listed}; pass one of those "
+        f"(.get_submodule({inside[0]!r}))"
+    )
 
 
 def _ungraph(module: torch.nn.Module) -> None:

@@ -92,6 +92,20 @@ _HOOK_KINDS = {
     "_backward_pre_hooks": ("backward pre-hook", ()),
     "_backward_hooks": ("backward hook", ()),
 }
+#: The hooks ``torch.nn.modules.module.register_module_*_hook`` puts on every module, by the
+#: function that registers them, with their flag dicts: each submodule's call runs them, so the
+#: graphs replay what they did at capture, as for a submodule's own.
+_GLOBAL_HOOK_KINDS = {
+    "_global_forward_pre_hooks": ("register_module_forward_pre_hook", ()),
+    "_global_forward_hooks": (
+        "register_module_forward_hook",
+        ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"),
+    ),
+    "_global_backward_pre_hooks": ("register_module_full_backward_pre_hook", ()),
+    "_global_backward_hooks": ("register_module_full_backward_hook", ()),
+}
+#: What names a global hook's kind in ``hook_names`` (one kind of hook of every submodule).
+_GLOBAL_HOOK = "global module hook"
 #: What a hook dict holds, as the module calls it: its hooks in order, and each flag per hook.
 Hooks = tuple[tuple[Any, ...], tuple[tuple[bool, ...], ...]]
 _MODULE_MODULE = torch.nn.modules.module
@@ -127,6 +141,23 @@ def _same_hooks(now: Hooks, then: Hooks) -> bool:
     """The same hook functions (by identity: another function under the same handle id acts
     differently), in the same order, with the same flags."""
     return len(now[0]) == len(then[0]) and all(map(_is, now[0], then[0])) and now[1] == then[1]
+
+
+def _acting_global_hooks(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
+    """:func:`_hooks_held` of a global hook dict, less the hooks of torch's and dualgraph's own
+    observers (``torch.utils.module_tracker``'s, which ``FlopCounterMode`` registers while it
+    counts; dualgraph's Transformer Engine observer during a capture): they only record which
+    module runs, so a replay's results are eager's with them or without."""
+    kept = [key for key, hook in hooks.items() if not _an_observer(hook)]
+    return (
+        tuple(hooks[key] for key in kept),
+        tuple(tuple(key in flag for key in kept) for flag in flags),
+    )
+
+
+def _an_observer(hook: Any) -> bool:
+    home = getattr(hook, "__module__", None)
+    return isinstance(home, str) and home.startswith(("torch.", "dualgraph."))
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,6 +232,12 @@ class ModuleTensors:
     # hooks are compared hook by hook.
     unhooked_dicts: tuple[dict[Any, Any], ...] = ()
     hooked: tuple[int, ...] = ()  # indices into hook_dicts
+    # torch.nn.modules.module's global hook dicts (every submodule's call runs them; none where
+    # no submodule is called), with their flag dicts and the acting hooks each held at capture.
+    global_hook_names: tuple[str, ...] = ()
+    global_hook_dicts: tuple[dict[Any, Any], ...] = ()
+    global_hook_flags: tuple[tuple[dict[Any, Any], ...], ...] = ()
+    global_hooks_at_capture: tuple[Hooks, ...] = ()
     # The buffers the callable updates in place (BatchNorm's statistics), found by warmup and
     # capture (left_as_found): an input sharing memory with one is read, in eager, after the
     # update, where a replay reads the copy made before it.
@@ -366,6 +403,20 @@ class ModuleTensors:
             if prefix and not any(submodule is other for other in uncalled)
             for attribute, (kind, flags) in _HOOK_KINDS.items()
         ]
+        table = vars(torch.nn.modules.module)
+        global_hooks = [
+            (
+                f"{root or 'the modules it calls'}: {_GLOBAL_HOOK} "
+                f"(torch.nn.modules.module.{register})",
+                table[attribute],
+                tuple(table[flag] for flag in flags),
+            )
+            for attribute, (register, flags) in _GLOBAL_HOOK_KINDS.items()
+            # submodules are called, and each call runs the global hooks too
+            if hooked
+            and isinstance(table.get(attribute), dict)
+            and all(isinstance(table.get(flag), dict) for flag in flags)
+        ]
         # An uncalled module's forward is never read: an empty namespace of its own stands in.
         namespaces = tuple(
             {} if any(child is other for other in uncalled) else child.__dict__ for child in modules
@@ -404,6 +455,12 @@ class ModuleTensors:
             hooks_at_capture=tuple(map(_hooks_held, hook_dicts, hook_flags)),
             unhooked_dicts=tuple(hooks for hooks in hook_dicts if not hooks),
             hooked=tuple(i for i, hooks in enumerate(hook_dicts) if hooks),
+            global_hook_names=tuple(entry[0] for entry in global_hooks),
+            global_hook_dicts=tuple(entry[1] for entry in global_hooks),
+            global_hook_flags=tuple(entry[2] for entry in global_hooks),
+            global_hooks_at_capture=tuple(
+                _acting_global_hooks(hooks, flags) for _, hooks, flags in global_hooks
+            ),
             root=module,
             root_name=root,
             attributes_at_setup=tuple(
@@ -439,6 +496,7 @@ class ModuleTensors:
                 and self._layouts.same()
                 and not any(self.unhooked_dicts)  # usually all of them: none then, none now
                 and (not self.hooked or self._same_hooks_where_hooked())
+                and (not any(self.global_hook_dicts) or self._same_global_hooks())
                 and (not self.host_tensors or self._host_unchanged())
                 and list(map(len, self.counted_dicts)) == self.counted_lens
                 and (  # plain Python values, by identity (an equal value set again: _check_all)
@@ -479,6 +537,7 @@ class ModuleTensors:
             )
             or any(self.unhooked_dicts)  # usually all of them: none then, none now
             or (self.hooked and not self._same_hooks_where_hooked())
+            or not self._same_global_hooks()
             or tuple(map(_data_ptr, self.tensors)) != self.data_ptrs
             or tuple(map(_stride, self.tensors)) != self.strides
             or tuple(map(_shape, self.tensors)) != self.shapes
@@ -787,6 +846,15 @@ class ModuleTensors:
                 return False
         return True
 
+    def _same_global_hooks(self) -> bool:
+        return all(
+            map(
+                _same_hooks,
+                map(_acting_global_hooks, self.global_hook_dicts, self.global_hook_flags),
+                self.global_hooks_at_capture,
+            )
+        )
+
     def _hooks_now(self) -> Iterator[Hooks]:
         return map(_hooks_held, self.hook_dicts, self.hook_flags)
 
@@ -836,6 +904,24 @@ class ModuleTensors:
                     "run, one removed would still act); register hooks on submodules before "
                     "graphing (they run at capture only, as the rest of the callable's Python), "
                     "put them on the graphed module itself (they run around each replay), or "
+                    f"{again}"
+                )
+        for name, hooks, flags, then in zip(
+            self.global_hook_names,
+            self.global_hook_dicts,
+            self.global_hook_flags,
+            self.global_hooks_at_capture,
+            strict=True,
+        ):
+            now = _acting_global_hooks(hooks, flags)
+            if not _same_hooks(now, then):
+                count, was = len(now[0]), len(then[0])
+                change = "registered" if count > was else "removed" if count < was else "replaced"
+                return DualgraphError(
+                    f"{name} {change} after capture: eager runs the global hooks in every "
+                    "submodule's call, but the graphs replay what they did at capture (one "
+                    "registered since would never run inside the graphed module, one removed "
+                    f"would still act); register global hooks before graphing and keep them, or "
                     f"{again}"
                 )
         # Before the tensors: a parametrization also moves the tensor it wraps away.

@@ -28,6 +28,7 @@ from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
 from ._ambient import outside_inference_mode
+from ._closed_over import closed_over_tensors, modules_named_by, plain_tensor_attributes
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
 from ._module_attributes import module_attributes, put_back
@@ -97,6 +98,7 @@ def _probe_once(
             name,
             inputs=inputs,
             params=params,
+            attributes=_attributes_of(root),
             root=root,
             generators=_registered_generators(),
             fn=fn,
@@ -106,7 +108,7 @@ def _probe_once(
         memory_probe = MemoryProbe(name, fn)
         observers.append(memory_probe)
 
-    with _model_kept(root):
+    with _model_kept(root, fn):
         try:
             with observing(observers), torch.enable_grad():
                 outputs = fn(*args_clone, **kwargs_clone)
@@ -329,13 +331,27 @@ def _ungraphed(fn: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
+def _model_kept(root: torch.nn.Module | None, fn: Callable[..., Any]) -> Iterator[None]:
     """Put the process's state (the RNG states, grad mode, autocast and torch's numerics
     settings, which a call failing half-way may leave changed: :func:`kept_process_state`), the
-    module's buffers, its submodules' Python attributes and its parameters' own (``main_grad``)
-    back."""
-    attributes = module_attributes(root)
-    buffers = [(b, b.detach().clone()) for b in root.buffers()] if root is not None else []
+    module's tensors (buffers, parameters a call updates in place, plain tensor attributes such
+    as a cache), its submodules' Python attributes and its parameters' own (``main_grad``)
+    back; and, for a function or method, those of the modules and the tensors its code names
+    (a closed-over BatchNorm's running statistics, a global counter tensor). The tools run
+    nothing a training step would: the module is left as they found it."""
+    named = modules_named_by(fn)
+    attributes = module_attributes(root, *named)
+    modules = [m for m in (root, *named) if m is not None]
+    tensors = {id(b): b for m in modules for b in m.buffers()}
+    others = [
+        *(p for m in modules for p in m.parameters()),
+        *(t for m in modules for _, t in plain_tensor_attributes(m)),
+        *(t for _, t in closed_over_tensors(fn)),
+    ]
+    for tensor in others:  # plain memory only: a subclass (an FP8 weight) is its own business
+        if _storage_key(tensor) is not None:
+            tensors.setdefault(id(tensor), tensor)
+    kept = [(t, t.detach().clone()) for t in tensors.values()]
     try:
         # a fused weight-grad accumulation's main_grad and flag (_param_attributes.py)
         with (
@@ -344,9 +360,20 @@ def _model_kept(root: torch.nn.Module | None) -> Iterator[None]:
         ):
             yield
     finally:
-        for buffer, saved in buffers:
-            write_back(buffer, saved)
+        for tensor, saved in kept:
+            write_back(tensor, saved)
         put_back(attributes)
+
+
+def _attributes_of(root: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    """The plain tensor attributes of ``root`` a capture refuses to see updated in place: those
+    sharing no memory with a buffer (a view of a running statistic is updated with it)."""
+    if root is None:
+        return []
+    buffers = {_storage_key(b) for b in root.buffers()}
+    return [
+        (path, t) for path, t in plain_tensor_attributes(root) if _storage_key(t) not in buffers
+    ]
 
 
 def _registered_generators() -> list[Any]:

@@ -82,7 +82,7 @@ from .._call import describe_call
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._buckets import BucketedCallable
-from ._closed_over import closed_over_tensors
+from ._closed_over import closed_over_tensors, modules_named_by
 from ._graphed import diagnostics
 from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
@@ -273,7 +273,7 @@ def verify(
     # torch's RNG also between the sides, which start from the same draws. Python's and numpy's
     # streams and the modes are not: a graph on the GPU does not rerun Python, so a difference
     # they make is one a replay would make too.
-    with kept_process_state() as process, _state_kept(params, buffers, module) as state:
+    with kept_process_state() as process, _state_kept(params, buffers, module, original) as state:
         try:
             replays, eager_calls = info.replays, info.eager_calls
             graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
@@ -533,11 +533,13 @@ def _state_kept(
     params: Sequence[tuple[str, torch.Tensor]],
     buffers: Sequence[tuple[str, torch.Tensor]],
     module: torch.nn.Module | None,
+    original: Callable[..., Any],
 ) -> Iterator[_State]:
     """The saved module state; on exit everything is put back, ``.grad`` objects and values
-    included, and so are the modules' Python attributes and the parameters' own (``main_grad``).
+    included, and so are the Python attributes of the module's and of the modules the callable's
+    code names (a closed-over module's counter) and the parameters' own (``main_grad``).
     The process's (RNG, modes, settings) is :func:`kept_process_state`'s."""
-    attributes = module_attributes(module)
+    attributes = module_attributes(module, *modules_named_by(original))
     with torch.no_grad():
         state = _State(
             params=[p.detach().clone() for _, p in params],
