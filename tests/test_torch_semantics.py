@@ -1601,8 +1601,15 @@ def test_a_submodule_hook_registered_or_removed_after_capture_is_refused_naming_
     )
 
 
+#: How a refusal names each kind of global hook.
+GLOBAL_HOOK_KIND_WORDS = {
+    "forward": "forward hook",
+    "forward_pre": "forward pre-hook",
+    "full_backward": "backward hook",
+    "backward_pre": "backward pre-hook",
+}
 #: A global hook (torch.nn.modules.module's, run in every module's call): what registers it.
-GLOBAL_HOOKS: dict[str, tuple[str, Any]] = {
+GLOBAL_HOOK_REGISTERS: dict[str, tuple[str, Any]] = {
     "forward": ("register_module_forward_hook", _doubles_output),
     "forward_pre": ("register_module_forward_pre_hook", _doubles_input),
     "full_backward": ("register_module_full_backward_hook", _records),
@@ -1612,7 +1619,7 @@ GLOBAL_HOOKS: dict[str, tuple[str, Any]] = {
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("when", ["registered", "removed"])
-@pytest.mark.parametrize("hook", sorted(GLOBAL_HOOKS))
+@pytest.mark.parametrize("hook", sorted(GLOBAL_HOOK_REGISTERS))
 def test_a_global_module_hook_registered_or_removed_after_capture_is_refused(
     backend: str, when: str, hook: str
 ) -> None:
@@ -1621,7 +1628,7 @@ def test_a_global_module_hook_registered_or_removed_after_capture_is_refused(
     # submodules' own hook dicts were watched.
     device = device_of(backend)
     module = TinyMLP().to(device)
-    register_name, hook_fn = GLOBAL_HOOKS[hook]
+    register_name, hook_fn = GLOBAL_HOOK_REGISTERS[hook]
     register = getattr(nn.modules.module, register_name)
 
     def call() -> None:
@@ -1640,7 +1647,8 @@ def test_a_global_module_hook_registered_or_removed_after_capture_is_refused(
         with pytest.raises(DualgraphError) as info:
             call()
         assert str(info.value).startswith(
-            f"TinyMLP: global module hook (torch.nn.modules.module.{register_name}) {when} "
+            f"TinyMLP: a global {GLOBAL_HOOK_KIND_WORDS[hook]} "
+            f"(torch.nn.modules.module.{register_name}: {hook_fn.__qualname__}) {when} "
             "after capture"
         )
         # The global hooks of capture time again: the module replays.

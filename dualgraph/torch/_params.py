@@ -96,41 +96,21 @@ _HOOK_KINDS = {
 #: function that registers them, with their flag dicts: each submodule's call runs them, so the
 #: graphs replay what they did at capture, as for a submodule's own.
 _GLOBAL_HOOK_KINDS = {
-    "_global_forward_pre_hooks": ("register_module_forward_pre_hook", ()),
+    "_global_forward_pre_hooks": ("forward pre-hook", "register_module_forward_pre_hook", ()),
     "_global_forward_hooks": (
+        "forward hook",
         "register_module_forward_hook",
         ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"),
     ),
-    "_global_backward_pre_hooks": ("register_module_full_backward_pre_hook", ()),
-    "_global_backward_hooks": ("register_module_full_backward_hook", ()),
+    "_global_backward_pre_hooks": (
+        "backward pre-hook",
+        "register_module_full_backward_pre_hook",
+        (),
+    ),
+    "_global_backward_hooks": ("backward hook", "register_module_full_backward_hook", ()),
 }
-#: What names a global hook's kind in ``hook_names`` (one kind of hook of every submodule).
-_GLOBAL_HOOK = "global module hook"
 #: What a hook dict holds, as the module calls it: its hooks in order, and each flag per hook.
 Hooks = tuple[tuple[Any, ...], tuple[tuple[bool, ...], ...]]
-_MODULE_MODULE = torch.nn.modules.module
-# Torch's global module hooks (register_module_forward_hook, ...), which every module's call
-# runs, a submodule's inside the graphs too: (the dict, its flag dicts, what registers one).
-# Torch adds to and removes from these dicts in place, so the objects held here stay theirs.
-_GLOBAL_HOOKS = tuple(
-    (
-        getattr(_MODULE_MODULE, attribute),
-        tuple(getattr(_MODULE_MODULE, flag) for flag in flags if hasattr(_MODULE_MODULE, flag)),
-        f"a global {kind} (torch.nn.modules.module.register_module_{register})",
-    )
-    for attribute, flags, kind, register in (
-        ("_global_forward_pre_hooks", (), "forward pre-hook", "forward_pre_hook"),
-        (
-            "_global_forward_hooks",
-            ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called"),
-            "forward hook",
-            "forward_hook",
-        ),
-        ("_global_backward_pre_hooks", (), "backward pre-hook", "full_backward_pre_hook"),
-        ("_global_backward_hooks", (), "backward hook", "full_backward_hook"),
-    )
-    if hasattr(_MODULE_MODULE, attribute)
-)
 
 
 def _hooks_held(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
@@ -406,12 +386,12 @@ class ModuleTensors:
         table = vars(torch.nn.modules.module)
         global_hooks = [
             (
-                f"{root or 'the modules it calls'}: {_GLOBAL_HOOK} "
-                f"(torch.nn.modules.module.{register})",
+                f"{root or 'the modules it calls'}: a global {kind} "
+                f"(torch.nn.modules.module.{register}",
                 table[attribute],
                 tuple(table[flag] for flag in flags),
             )
-            for attribute, (register, flags) in _GLOBAL_HOOK_KINDS.items()
+            for attribute, (kind, register, flags) in _GLOBAL_HOOK_KINDS.items()
             # submodules are called, and each call runs the global hooks too
             if hooked
             and isinstance(table.get(attribute), dict)
@@ -421,8 +401,6 @@ class ModuleTensors:
         namespaces = tuple(
             {} if any(child is other for other in uncalled) else child.__dict__ for child in modules
         )
-        if hooked:  # a submodule the callable calls: the global hooks act on it in eager
-            hooked += [(name, "", hooks, flags) for hooks, flags, name in _GLOBAL_HOOKS]
         hook_dicts = tuple(entry[2] for entry in hooked)
         hook_flags = tuple(entry[3] for entry in hooked)
         return cls(
@@ -887,17 +865,6 @@ class ModuleTensors:
             if not _same_hooks(now, then):
                 count, was = len(now[0]), len(then[0])
                 change = "registered" if count > was else "removed" if count < was else "replaced"
-                if name.startswith("a global "):  # it acts on every submodule
-                    whose = f"{self.root_name}: " if self.root_name else ""
-                    return DualgraphError(
-                        f"{whose}{name[:-1]}: {_hook_named(now[0], then[0])}) {change} after "
-                        "capture, but the graphs replay what the "
-                        "global module hooks did to the submodules at capture "
-                        "(one registered or swapped in since would never run on them, one "
-                        "removed would still act); register it before graphing, remove it "
-                        "before calling, put a hook on the graphed module itself (it runs around "
-                        f"each replay), or {again}"
-                    )
                 return DualgraphError(
                     f"{name} {change} after capture, but the graphs replay what the submodules' "
                     "hooks did at capture (a hook registered or swapped in since would never "
@@ -918,7 +885,8 @@ class ModuleTensors:
                 count, was = len(now[0]), len(then[0])
                 change = "registered" if count > was else "removed" if count < was else "replaced"
                 return DualgraphError(
-                    f"{name} {change} after capture: eager runs the global hooks in every "
+                    f"{name}: {_hook_named(now[0], then[0])}) {change} after capture: eager "
+                    "runs the global hooks in every "
                     "submodule's call, but the graphs replay what they did at capture (one "
                     "registered since would never run inside the graphed module, one removed "
                     f"would still act); register global hooks before graphing and keep them, or "
