@@ -30,6 +30,8 @@ __all__ = [
     "float_of_text",
     "float_text",
     "int_size",
+    "refusal_of",
+    "refuse_leaf_type",
     "register_array_type",
     "same_float",
     "signature_of",
@@ -75,6 +77,8 @@ _BUILTIN_KINDS: dict[int, str] = {
     **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
 _RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
+# Types an adapter says can never be leaves, with why (see refuse_leaf_type).
+_REFUSED: dict[int, tuple[type, str]] = {}
 # The ids of the classes _RESOLVED has met. A class's entries go with it (a finalizer, which
 # runs before its id can be another object's): every class ever looked up (a class made per
 # call, met in a message) would otherwise stay alive for good. A class that cannot be weakly
@@ -140,6 +144,31 @@ def register_array_type(
     _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
     _generation += 1  # before the cache is cleared: see array_type_of
     _RESOLVED.clear()
+
+
+def refuse_leaf_type(cls: type, /, reason: str) -> None:
+    """Say why ``cls`` (subclasses included) is no leaf, in place of the usual advice to register
+    it: an adapter's type that no registration could make a sound leaf.
+
+    >>> import torch, dualgraph.torch  # doctest: +SKIP
+    >>> refusal_of(torch.Generator)[:44]  # doctest: +SKIP
+    "A torch.Generator can't be an input or output"
+    """
+    _REFUSED[id(cls)] = (cls, reason)
+
+
+def refusal_of(cls: type, /) -> str | None:
+    """The reason :func:`refuse_leaf_type` gave for ``cls`` or a base of it, else ``None``
+    (read only when a leaf is refused: never on the hot path).
+
+    >>> refusal_of(set) is None
+    True
+    """
+    for base in cls.__mro__:
+        entry = _REFUSED.get(id(base))
+        if entry is not None:
+            return entry[1]
+    return None
 
 
 def array_type_of(cls: type, /) -> ArrayType | None:

@@ -24,7 +24,14 @@ from ._containers import NamedContainer, brief_of, container_kind
 from ._dtypes import is_differentiable_dtype
 from ._errors import DualgraphError, SpecMismatchError, UnsupportedLeafError
 from ._json import next_entries, read_document, read_tree, write_document
-from ._leaves import CONSTANT_TYPES, array_type_of, float_text, numpy_is_native, strict_bool
+from ._leaves import (
+    CONSTANT_TYPES,
+    array_type_of,
+    float_text,
+    numpy_is_native,
+    refusal_of,
+    strict_bool,
+)
 from ._nodes import (
     MAX_NODES,
     NONE,
@@ -660,7 +667,11 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
             if kind is None:
                 array_type = array_type_of(cls)
                 if array_type is None:
-                    raise fail(f"unsupported leaf of type {class_name(cls)}. " + _UNSUPPORTED)
+                    # An adapter's reason, where it gave one, says more than how to register.
+                    reason = refusal_of(cls)
+                    raise fail(
+                        f"unsupported leaf of type {class_name(cls)}. " + (reason or _UNSUPPORTED)
+                    )
                 shape, dtype = array_type.signature(obj)
                 if not isinstance(shape, tuple):  # check compares signatures as they come
                     raise fail(

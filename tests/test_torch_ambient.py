@@ -47,13 +47,14 @@ def _tf32_matmuls() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _deterministic() -> Iterator[None]:
+def _deterministic(on: bool = True, warn_only: bool = False) -> Iterator[None]:
     saved = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    saved_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=warn_only)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(saved)
+        torch.use_deterministic_algorithms(saved, warn_only=saved_warn_only)
 
 
 #: A setting changed after capture, and the name the refusal gives it.
@@ -212,3 +213,31 @@ def test_a_setting_changed_after_calls_under_the_captured_one_is_refused() -> No
             graphed(x)
     finally:
         torch.backends.cuda.matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_change_of_deterministic_warn_only_after_capture_is_refused(backend: str) -> None:
+    # Captured where a nondeterministic op only warned: eager raises at it once warn_only is
+    # off, where a replay of the captured kernels would run silently.
+    device = device_of(backend)
+    with _deterministic(warn_only=True):
+        graphed = dgt.make_graphed_callables(
+            _attend, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+        )
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    with _deterministic(warn_only=True):
+        graphed(x)
+    name = re.escape("torch.is_deterministic_algorithms_warn_only_enabled() is False")
+    with _deterministic(warn_only=False), pytest.raises(DualgraphError, match=name):
+        graphed(x)
+
+
+def test_warn_only_without_deterministic_algorithms_is_no_change() -> None:
+    # warn_only says how deterministic algorithms refuse an op: with them off it changes nothing
+    graphed = dgt.make_graphed_callables(
+        _attend, (torch.randn(4, 8, requires_grad=True),), backend="emulate"
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = graphed(x).detach().clone()
+    with _deterministic(on=False, warn_only=True):
+        assert torch.equal(graphed(x), expected)

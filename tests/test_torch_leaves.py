@@ -114,3 +114,38 @@ def test_the_core_registers_torch_on_first_sight_of_a_tensor() -> None:
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     assert result.stdout.strip() == "TreeSpec(float32[2, 3](grad))"
+
+
+def _generator_input(x: torch.Tensor, extra: object) -> torch.Tensor:
+    return x * 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [(torch.Generator(), "args[1]"), ({"gen": [torch.Generator()]}, "args[1]['gen'][0]")],
+    ids=["argument", "nested"],
+)
+def test_a_generator_input_is_refused_naming_its_path_and_why(extra: object, path: str) -> None:
+    # The old message advised register_dataclass, which no registration could make sound.
+    sample = (torch.randn(3, requires_grad=True), extra)
+    with pytest.raises(dualgraph.UnsupportedLeafError) as info:
+        dualgraph.torch.make_graphed_callables(_generator_input, sample, backend="emulate")
+    message = str(info.value)
+    assert info.value.path == path
+    assert message.startswith(f"{path}: unsupported leaf of type torch._C.Generator. ")
+    assert "default CUDA generator" in message and "eagerly" in message
+    assert "register_dataclass" not in message
+
+
+def test_a_generator_output_is_refused_naming_its_path_and_why() -> None:
+    generator = torch.Generator()
+
+    def returns_its_generator(x: torch.Tensor) -> tuple[torch.Tensor, torch.Generator]:
+        return x * 2, generator
+
+    sample = (torch.randn(3, requires_grad=True),)
+    with pytest.raises(dualgraph.DualgraphError) as info:
+        dualgraph.torch.make_graphed_callables(returns_its_generator, sample, backend="emulate")
+    message = str(info.value)
+    assert "output[1]: unsupported leaf of type torch._C.Generator. " in message
+    assert "default CUDA generator" in message and "register_dataclass" not in message

@@ -166,6 +166,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         "torch.are_deterministic_algorithms_enabled()",
         kept=_deterministic_mode,
     ),
+    # Compared, put back with the mode above: with the mode on, eager raises at a
+    # nondeterministic op where it only warned at capture (warn_only=True), a replay never.
+    _Setting(
+        getattr(_C, "_get_deterministic_algorithms_warn_only", _absent),
+        None,
+        "torch.is_deterministic_algorithms_warn_only_enabled()",
+    ),
     _of_c(
         "_get_deterministic_fill_uninitialized_memory",
         "_set_deterministic_fill_uninitialized_memory",
@@ -207,6 +214,7 @@ def _reading(
     bf16_reduction: Callable[[], Any],
     fp16_accumulation: Callable[[], Any],
     deterministic: Callable[[], Any],
+    warn_only: Callable[[], Any],
     flash: Callable[[], Any],
     mem_efficient: Callable[[], Any],
     math: Callable[[], Any],
@@ -230,6 +238,7 @@ def _reading(
             bf16_reduction(),
             fp16_accumulation(),
             deterministic(),
+            warn_only(),
             flash(),
             mem_efficient(),
             math(),
@@ -248,8 +257,9 @@ numerics_readings = _reading(*(setting.read for setting in _COMPARED))
 def numerics_state() -> tuple[Any, ...]:
     """What decides the kernels a CUDA graph replays and the dtypes and precision they compute
     in, where eager decides again on every call: the default dtype, TF32, reduced-precision
-    reductions and fp16 accumulation of matmuls, deterministic algorithms, and the attention
-    kernels ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``).
+    reductions and fp16 accumulation of matmuls, deterministic algorithms (and, where they are
+    on, whether they only warn), and the attention kernels ``scaled_dot_product_attention`` may
+    choose (``torch.nn.attention.sdpa_kernel``).
 
     Read on every call of a graphed callable (through :func:`numerics_readings`);
     ``NUMERICS_NAMES`` names each entry. Where torch has it, the matmul precision is read
@@ -264,8 +274,16 @@ def numerics_state() -> tuple[Any, ...]:
 
 def state_of(readings: tuple[Any, ...]) -> tuple[Any, ...]:
     """The :func:`numerics_state` that :func:`numerics_readings` ``readings`` mean."""
-    # the matmul precision second (_SETTINGS' order), the one reading a meaning reads again
-    return (readings[0], _matmul_setting(readings[1]), *readings[2:])
+    # the matmul precision second (_SETTINGS' order), the one reading a meaning reads again;
+    # warn_only (seventh) means nothing with deterministic algorithms (sixth) off
+    deterministic = readings[5]
+    return (
+        readings[0],
+        _matmul_setting(readings[1]),
+        *readings[2:6],
+        deterministic and readings[6],
+        *readings[7:],
+    )
 
 
 def numerics_difference(now: tuple[Any, ...], captured: tuple[Any, ...]) -> str:

@@ -1,10 +1,11 @@
-"""Registers ``torch.Tensor`` with the core: shape, neutral dtype name, ``requires_grad``."""
+"""Registers ``torch.Tensor`` with the core: shape, neutral dtype name, ``requires_grad``; and
+says why a ``torch.Generator`` is no leaf."""
 
 from __future__ import annotations
 
 import torch
 
-from .._leaves import register_array_type
+from .._leaves import refuse_leaf_type, register_array_type
 
 __all__ = ["dtype_name", "tensor_signature"]
 
@@ -39,3 +40,15 @@ def _requires_grad(tensor: torch.Tensor) -> bool:
 
 
 register_array_type(torch.Tensor, signature=tensor_signature, requires_grad=_requires_grad)
+
+# A generator would otherwise be refused with the advice to register it, which no registration
+# could make sound: a replay draws only from the generators its capture registered.
+refuse_leaf_type(
+    torch.Generator,
+    reason=(
+        "A torch.Generator can't be an input or output of a graphed call: a CUDA graph capture "
+        "registers only each device's default CUDA generator, so a replay would not draw from "
+        "or move this one. Let dropout and other random ops draw from the default generator "
+        "(seed it with torch.manual_seed), or run the callable eagerly."
+    ),
+)
