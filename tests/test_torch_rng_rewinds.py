@@ -5,6 +5,7 @@ forward) is refused at capture; other reads and sets of the RNG state are not.""
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -139,3 +140,42 @@ def test_a_forward_drawing_inside_fork_rng_is_graphed_and_matches_eager() -> Non
     torch.manual_seed(1)
     assert torch.equal(out, _forked(x))
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class _RewindsInAnotherThread(torch.autograd.Function):
+    """A backward that sets the RNG state its forward read and draws, in a thread of its own:
+    as the autograd engine runs a CUDA device's backward functions (a checkpoint's
+    recomputation) in a thread of its own."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.state = torch.get_rng_state()
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        def redraw() -> None:
+            torch.set_rng_state(ctx.state)
+            torch.rand(3)
+
+        worker = threading.Thread(target=redraw)
+        worker.start()
+        worker.join()
+        return grad * 2
+
+
+class _RewindingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RewindsInAnotherThread.apply(self.lin(x))
+
+
+def test_a_backward_rewinding_the_rng_in_an_engine_thread_is_refused_at_capture() -> None:
+    # On CUDA the checkpoint's recomputation ran in the autograd engine's device thread, which
+    # the backward's watch (the calling thread's only) never heard: the capture went through.
+    sample = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(CaptureError, match=r"backward sets torch's RNG state back"):
+        dgt.make_graphed_callables(_RewindingBlock(), (sample,), backend="emulate")

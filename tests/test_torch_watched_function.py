@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -15,6 +16,7 @@ from dualgraph.torch import _missed_attributes
 from dualgraph.torch._branch_reads import branch_reads
 from dualgraph.torch._grad_mode_set import turns_grad_mode_on
 from dualgraph.torch._missed_attributes import attributes_missed
+from dualgraph.torch._watched_function import WatchedFunction
 
 _MODULE_GETATTR = nn.Module.__getattr__
 
@@ -91,3 +93,29 @@ def test_watches_ended_out_of_order_in_one_thread_each_stop_noting() -> None:
     assert first == {}
     assert second == {id(layer.__dict__): {"after_the_first_ended"}}
     assert nn.Module.__getattr__ is _MODULE_GETATTR
+
+
+def test_a_watch_of_every_thread_hears_another_threads_call_and_a_plain_one_does_not() -> None:
+    # The autograd engine runs a CUDA device's backward functions in a thread of its own: a
+    # watch of a warmup backward must hear that thread's calls too.
+    def noting(found: Any, watchers: Callable[[], list[list[Any]]]) -> Any:
+        def noted(x: Any) -> Any:
+            for seen in watchers():
+                seen.append(x)
+            return found(x)
+
+        return noted
+
+    box = types.SimpleNamespace(double=lambda x: 2 * x)
+    original = box.double
+    watched: WatchedFunction[list[Any]] = WatchedFunction(box, "double", noting)
+    everywhere: list[Any] = []
+    here: list[Any] = []
+    with watched.watching(everywhere, every_thread=True), watched.watching(here):
+        worker = threading.Thread(target=box.double, args=(5,))
+        worker.start()
+        worker.join()
+        box.double(7)
+    assert everywhere == [5, 7]
+    assert here == [7]
+    assert box.double is original

@@ -193,13 +193,14 @@ RNG_STATE_WATCHES = frozenset(
 
 
 @contextlib.contextmanager
-def rng_rewinds() -> Iterator[RewindsSeen]:
-    """Watch this thread's reads, sets and seeds of torch's CPU and CUDA RNG states for a draw
-    from a state set to one not read inside the block."""
+def rng_rewinds(*, every_thread: bool = False) -> Iterator[RewindsSeen]:
+    """Watch this thread's (with ``every_thread``, every thread's: a backward's, whose CUDA
+    functions the autograd engine runs in threads of its own) reads, sets and seeds of torch's
+    CPU and CUDA RNG states for a draw from a state set to one not read inside the block."""
     seen = RewindsSeen()
     with contextlib.ExitStack() as watches:
         for watched in _WATCHED:
-            watches.enter_context(watched.watching(seen))
+            watches.enter_context(watched.watching(seen, every_thread=every_thread))
         yield seen
     with _unobserved():
         seen.settle()

@@ -301,7 +301,9 @@ def _warmup(
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
-        rewinds = rng_rewinds() if inspect else contextlib.nullcontext()
+        # every thread's: the autograd engine runs a CUDA device's backward functions (a
+        # checkpoint's recomputation) in a thread of its own
+        rewinds = rng_rewinds(every_thread=True) if inspect else contextlib.nullcontext()
         with item.request.hooks.around("backward"), rewinds as rewound:
             grads = tuple(
                 torch.autograd.grad(

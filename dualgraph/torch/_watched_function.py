@@ -7,7 +7,9 @@ once (each thread's capture scope is its own), where the first to end puts back 
 and the last puts back the first's replacement, for good (every later call then runs it, and
 its notes grow without end). Here one replacement stands while any watch runs, and the function
 is put back when the last ends; the replacement tells the watches of the calling thread only
-(an outer and a nested capture's alike), so another thread's calls are not a capture's.
+(an outer and a nested capture's alike), so another thread's calls are not a capture's; a
+watch begun with ``every_thread=True`` hears every thread's calls (a backward: the autograd
+engine runs CUDA devices' backward functions in threads of its own).
 
 >>> import types
 >>> box = types.SimpleNamespace(double=lambda x: 2 * x)
@@ -41,7 +43,17 @@ class WatchedFunction(Generic[W]):
     ``watchers()`` is the calling thread's list of watchers (objects the replacement notes
     calls in), innermost last."""
 
-    __slots__ = ("_count", "_found", "_local", "_lock", "_name", "_own", "_owner", "_wrap")
+    __slots__ = (
+        "_count",
+        "_everywhere",
+        "_found",
+        "_local",
+        "_lock",
+        "_name",
+        "_own",
+        "_owner",
+        "_wrap",
+    )
 
     def __init__(
         self,
@@ -57,6 +69,7 @@ class WatchedFunction(Generic[W]):
         self._count = 0  # watches running, in all threads
         self._found: Any = None
         self._own = True  # whether owner holds it itself (not inherited: then deleted again)
+        self._everywhere: list[W] = []  # watchers of every thread's calls
 
     def _watchers(self) -> list[W]:
         try:
@@ -65,30 +78,42 @@ class WatchedFunction(Generic[W]):
             found = self._local.watchers = []
         return found
 
+    def _told(self) -> list[W]:
+        """The watchers a call in this thread tells: this thread's, then every thread's."""
+        own = self._watchers()
+        return own + self._everywhere if self._everywhere else own
+
     @contextlib.contextmanager
-    def watching(self, watcher: W) -> Iterator[W]:
-        """Note this thread's calls in ``watcher`` while the block runs; the function is put
-        back when no watch runs in any thread, however the block ends."""
-        self.begin(watcher)
+    def watching(self, watcher: W, *, every_thread: bool = False) -> Iterator[W]:
+        """Note this thread's calls (every thread's with ``every_thread``) in ``watcher`` while
+        the block runs; the function is put back when no watch runs in any thread, however the
+        block ends."""
+        self.begin(watcher, every_thread=every_thread)
         try:
             yield watcher
         finally:
             self.end(watcher)
 
-    def begin(self, watcher: W) -> None:
+    def begin(self, watcher: W, *, every_thread: bool = False) -> None:
         """:meth:`watching`'s start, for a caller that enters several watches at once (each
         :meth:`end` called once, however its block ends)."""
         with self._lock:
             if not self._count:
                 self._found = getattr(self._owner, self._name)
                 self._own = self._name in vars(self._owner)
-                setattr(self._owner, self._name, self._wrap(self._found, self._watchers))
+                setattr(self._owner, self._name, self._wrap(self._found, self._told))
             self._count += 1
-        self._watchers().append(watcher)
+            if every_thread:  # a new list: a call iterating the old one meanwhile is unhurt
+                self._everywhere = [*self._everywhere, watcher]
+        if not every_thread:
+            self._watchers().append(watcher)
 
     def end(self, watcher: W) -> None:
         """:meth:`watching`'s end: ``watcher`` no longer notes; the function is put back if no
         watch runs in any thread."""
+        with self._lock:
+            if any(watcher is other for other in self._everywhere):
+                self._everywhere = [w for w in self._everywhere if w is not watcher]
         watchers = self._watchers()
         # by identity (a watcher may compare equal to another: two empty dicts)
         for i in range(len(watchers) - 1, -1, -1):  # the latest first: usually the last one
