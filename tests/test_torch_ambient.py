@@ -57,6 +57,16 @@ def _deterministic(on: bool = True, warn_only: bool = False) -> Iterator[None]:
         torch.use_deterministic_algorithms(saved, warn_only=saved_warn_only)
 
 
+@contextlib.contextmanager
+def _mha_fastpath(on: bool) -> Iterator[None]:
+    saved = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(on)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(saved)
+
+
 #: A setting changed after capture, and the name the refusal gives it.
 CHANGES: dict[str, tuple[Callable[[], Any], str]] = {
     "default_dtype": (lambda: _default_dtype(torch.float64), "torch.get_default_dtype()"),
@@ -65,6 +75,10 @@ CHANGES: dict[str, tuple[Callable[[], Any], str]] = {
     "sdpa_kernel": (
         lambda: sdpa_kernel(SDPBackend.MATH),
         "torch.backends.cuda.flash_sdp_enabled()",
+    ),
+    "mha_fastpath": (
+        lambda: _mha_fastpath(False),
+        "torch.backends.mha.get_fastpath_enabled()",
     ),
 }
 
@@ -103,6 +117,7 @@ def test_kept_settings_puts_back_every_numerics_setting_left_changed() -> None:
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     torch.set_default_dtype(torch.float64)
     torch.use_deterministic_algorithms(True)
+    torch.backends.mha.set_fastpath_enabled(False)
     assert numerics_state() != before
     put_back()
     assert numerics_state() == before
@@ -241,3 +256,46 @@ def test_warn_only_without_deterministic_algorithms_is_no_change() -> None:
     expected = graphed(x).detach().clone()
     with _deterministic(on=False, warn_only=True):
         assert torch.equal(graphed(x), expected)
+
+
+class _PaddedSelfAttention(torch.nn.Module):
+    """A frozen ``nn.MultiheadAttention`` in eval, batch first, given a key padding mask: the
+    conditions of its fast path (``torch._native_multi_head_attention``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        self.register_buffer("padding", torch.arange(5) >= torch.tensor([5, 3, 4])[:, None])
+        self.eval().requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, key_padding_mask=self.padding, need_weights=False)[0]
+
+
+def _graphed_attention() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A :class:`_PaddedSelfAttention` graphed (``emulate``, which runs its forward again, so
+    that it meets torch's check of the flag) and an eager twin of it."""
+    torch.manual_seed(0)
+    module = _PaddedSelfAttention()
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(module, (torch.randn(3, 5, 16),), backend="emulate")
+    return graphed, twin
+
+
+@pytest.mark.parametrize("fastpath", [True, False])
+def test_self_attention_replays_as_eager_under_the_captured_mha_fastpath(fastpath: bool) -> None:
+    with _mha_fastpath(fastpath):
+        graphed, twin = _graphed_attention()
+        for _ in range(2):
+            x = torch.randn(3, 5, 16)
+            assert_tensors_match(graphed(x), twin(x), "output")
+
+
+def test_turning_the_mha_fastpath_off_after_capture_is_refused() -> None:
+    # Eager then leaves torch._native_multi_head_attention for the other path (other kernels;
+    # on the CPU a sequence whose keys are all padded gives NaN on the fast path, zeros on the
+    # other); a CUDA replay would run the fast path's kernels captured.
+    graphed, _ = _graphed_attention()
+    name = re.escape("torch.backends.mha.get_fastpath_enabled() is False, captured with True")
+    with _mha_fastpath(False), pytest.raises(DualgraphError, match=name):
+        graphed(torch.randn(3, 5, 16))

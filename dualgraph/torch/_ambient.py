@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.backends.mha
 
 __all__ = [
     "NUMERICS_NAMES",
@@ -136,6 +137,23 @@ else:  # torch before 2.9: the legacy setting, put back as such below
         "torch.get_float32_matmul_precision()",
     )
 
+# nn.MultiheadAttention's and nn.TransformerEncoder[Layer]'s forwards read this flag in Python
+# to choose their fused kernels; a replay keeps the branch capture took. Not only the last bits
+# differ: on the CPU, a sequence whose keys are all padded gives NaN on the fast path, zeros on
+# the other (torch 2.13), and TransformerEncoder's fast path, given a padding mask, zeros at the
+# padded positions where the other gives values. A plain attribute of torch.backends.mha, which
+# numerics_readings reads from the module's namespace by key (no call at all); None where a
+# torch lacks it.
+_FASTPATH_KEY = "_is_fastpath_enabled"
+_MHA_NAMESPACE: dict[str, Any] = (
+    vars(torch.backends.mha) if _FASTPATH_KEY in vars(torch.backends.mha) else {_FASTPATH_KEY: None}
+)
+_MHA_FASTPATH = _Setting(
+    functools.partial(_MHA_NAMESPACE.__getitem__, _FASTPATH_KEY),
+    getattr(torch.backends.mha, "set_fastpath_enabled", None),
+    "torch.backends.mha.get_fastpath_enabled()",
+)
+
 # In the order they are put back: the legacy matmul precision before the newer API's, so that
 # the newer one is set only where the legacy setter did not already bring it back (setting it
 # mixes the two APIs). The named ones, in this order, make numerics_state.
@@ -196,6 +214,7 @@ _SETTINGS: tuple[_Setting, ...] = (
         "_set_math_sdp_allow_fp16_bf16_reduction",
         "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp()",
     ),
+    _MHA_FASTPATH,
     _of_c("_get_cudnn_enabled", "_set_cudnn_enabled"),
     _of_c("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
     _of_c("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
@@ -222,11 +241,15 @@ def _reading(
     fa3: Callable[[], Any],
     sdp_priority: Callable[[], Any],
     math_sdp_reduction: Callable[[], Any],
+    *,
+    mha: dict[str, Any],
 ) -> Callable[[], tuple[Any, ...]]:
     # The getters as the closure's own cells: each call reads them without a global lookup and
     # calls each directly (C functions, and a partial of one: no Python frame among them). Read
     # from a tuple of them instead (a comprehension, map(operator.call)) a call costs 1.6x as
-    # much (benchmarks/RESULTS.md). The getters, in this order, are _COMPARED's.
+    # much (benchmarks/RESULTS.md). The getters, in this order, are _COMPARED's; the last
+    # setting, the MHA fast path, is read from torch.backends.mha's namespace by key (half the
+    # cost of a call of _MHA_FASTPATH.read, which kept_settings calls).
     def numerics_readings() -> tuple[Any, ...]:
         """The getters' results behind :func:`numerics_state`, as read (the matmul precision's
         ``"none"`` not yet read as ``"ieee"``): equal readings are equal states, so a replay
@@ -246,20 +269,23 @@ def _reading(
             fa3(),
             sdp_priority(),
             math_sdp_reduction(),
+            mha["_is_fastpath_enabled"],
         )
 
     return numerics_readings
 
 
-numerics_readings = _reading(*(setting.read for setting in _COMPARED))
+assert _COMPARED[-1] is _MHA_FASTPATH  # the one _reading reads by key
+numerics_readings = _reading(*(setting.read for setting in _COMPARED[:-1]), mha=_MHA_NAMESPACE)
 
 
 def numerics_state() -> tuple[Any, ...]:
     """What decides the kernels a CUDA graph replays and the dtypes and precision they compute
     in, where eager decides again on every call: the default dtype, TF32, reduced-precision
     reductions and fp16 accumulation of matmuls, deterministic algorithms (and, where they are
-    on, whether they only warn), and the attention kernels ``scaled_dot_product_attention`` may
-    choose (``torch.nn.attention.sdpa_kernel``).
+    on, whether they only warn), the attention kernels ``scaled_dot_product_attention`` may
+    choose (``torch.nn.attention.sdpa_kernel``), and whether ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoder`` may take their fast path (``torch.backends.mha``).
 
     Read on every call of a graphed callable (through :func:`numerics_readings`);
     ``NUMERICS_NAMES`` names each entry. Where torch has it, the matmul precision is read
