@@ -199,6 +199,9 @@ def _capture_backward(
         item.place_grads(grads)
         item.replay_backward = backward_graph.replay
         item.graphs.append(backward_graph)
+        # The parameter grads the graph added into .grad are the pool's to reuse: a frame of
+        # this function kept past its return (a traceback) must not keep them allocated.
+        del grads, accumulate
     del flat, differentiable
 
 
