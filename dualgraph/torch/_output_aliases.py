@@ -23,7 +23,7 @@ from .._errors import DualgraphError
 from ._address_ranges import storage_key
 from ._capture_failure import Refused
 
-__all__ = ["OutputAliases", "find_output_aliases"]
+__all__ = ["OutputAliases", "find_output_aliases", "is_dense"]
 
 _ADVICE = "return a copy of one of them (.clone()) in the callable"
 
@@ -324,15 +324,20 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _covers(root: torch.Tensor, tensor: torch.Tensor) -> bool:
     """Whether every element of ``tensor`` is one of ``root``'s (``root`` dense)."""
-    if not _dense(root):
+    if not is_dense(root):
         return False
     start, end = _span(root)
     low, high = _span(tensor)
     return start <= low and high <= end
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill one span of memory, each once (any dim order)."""
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill one span of memory, each once (any dim order:
+    contiguous, channels_last, a transpose).
+
+    >>> is_dense(torch.ones(2, 3).t()), is_dense(torch.ones(2, 3)[:, :2])
+    (True, False)
+    """
     expected = 1
     for size, stride in sorted(
         (pair for pair in zip(tensor.shape, tensor.stride(), strict=True) if pair[0] != 1),

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._output_aliases import is_dense
+
 __all__ = ["SumStart", "start_sums"]
 
 #: Elements per view of the shared ``-0.0`` buffer (so it never holds more than this per device
@@ -52,19 +54,6 @@ def _negative_zeros(device: torch.device, dtype: torch.dtype, numel: int) -> tor
     return zeros
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a range of its memory once each, in some order of
-    its dimensions (contiguous, channels_last, a transpose)."""
-    expected = 1
-    for stride, size in sorted(zip(tensor.stride(), tensor.size(), strict=True)):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class SumStart:
     """Sets the accumulators it was made from to ``-0.0`` when called.
 
@@ -88,7 +77,7 @@ class SumStart:
             if numel == 0:
                 continue
             if capturing or not (
-                accumulator.is_contiguous() or (_dense(accumulator) and numel <= CHUNK)
+                accumulator.is_contiguous() or (is_dense(accumulator) and numel <= CHUNK)
             ):
                 others.append(accumulator)
                 continue
