@@ -123,6 +123,16 @@ def _same_hooks(now: Hooks, then: Hooks) -> bool:
     return len(now[0]) == len(then[0]) and all(map(_is, now[0], then[0])) and now[1] == then[1]
 
 
+def _hook_change(now: Hooks, then: Hooks) -> str:
+    """What became of a hook dict's hooks since capture (``now`` unlike ``then``), for a message.
+
+    >>> _hook_change(((print, len), ((),)), ((print,), ((),)))
+    'registered'
+    """
+    count, was = len(now[0]), len(then[0])
+    return "registered" if count > was else "removed" if count < was else "replaced"
+
+
 def _acting_global_hooks(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
     """:func:`_hooks_held` of a global hook dict, less the hooks of torch's and dualgraph's own
     observers (``torch.utils.module_tracker``'s, which ``FlopCounterMode`` registers while it
@@ -863,8 +873,7 @@ class ModuleTensors:
             self.hook_names, self._hooks_now(), self.hooks_at_capture, strict=True
         ):
             if not _same_hooks(now, then):
-                count, was = len(now[0]), len(then[0])
-                change = "registered" if count > was else "removed" if count < was else "replaced"
+                change = _hook_change(now, then)
                 return DualgraphError(
                     f"{name} {change} after capture, but the graphs replay what the submodules' "
                     "hooks did at capture (a hook registered or swapped in since would never "
@@ -882,8 +891,7 @@ class ModuleTensors:
         ):
             now = _acting_global_hooks(hooks, flags)
             if not _same_hooks(now, then):
-                count, was = len(now[0]), len(then[0])
-                change = "registered" if count > was else "removed" if count < was else "replaced"
+                change = _hook_change(now, then)
                 return DualgraphError(
                     f"{name}: {_hook_named(now[0], then[0])}) {change} after capture: eager "
                     "runs the global hooks in every "
