@@ -41,18 +41,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ._unobserved import unobserved as _unobserved
 from ._watched_function import WatchedFunction
 
 __all__ = ["RNG_STATE_WATCHES", "RewindsSeen", "rng_rewinds"]
-
-
-@contextlib.contextmanager
-def _unobserved() -> Iterator[None]:
-    # the watch's own reads and comparisons are no ops of the callable's (the lint, the probe)
-    with torch._C.DisableTorchFunction(), _disable_current_modes():
-        yield
 
 
 class RewindsSeen:

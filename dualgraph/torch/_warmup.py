@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .._errors import DualgraphError
 from ._branch_reads import branch_reads
@@ -47,6 +46,7 @@ from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._rng_rewinds import rng_rewinds
 from ._saved_hooks import own_saved_tensors_hooks
+from ._unobserved import unobserved as _unobserved
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -402,13 +402,6 @@ def _recording_under_no_grad(item: _Capture) -> tuple[int, ...]:
     except DualgraphError:  # another tree under no_grad (a branch on grad mode): refuse all
         return item.diff_outputs
     return tuple(i for i, t in enumerate(flat) if t.requires_grad)
-
-
-@contextlib.contextmanager
-def _unobserved() -> Iterator[None]:
-    """Ops of dualgraph's own, hidden from the lint and the memory probe watching the call."""
-    with torch._C.DisableTorchFunction(), _disable_current_modes():
-        yield
 
 
 def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
