@@ -24,6 +24,7 @@ from ._closed_over import ClosureUpdates, code_tensors, forward_values
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
 from ._layouts import Layout, layout_of
+from ._modes import modes_meaning, modes_now
 from ._output_aliases import OutputAliases
 from ._params import ModuleTensors, is_tensor_subclass
 from ._plan import ParamLayout, ReplayPlan, StaticBuffers
@@ -483,6 +484,7 @@ class _Capture:
             clone_outputs=options.clone_outputs,
             autocast=autocast_state(),
             numerics=numerics_state(),
+            modes=modes_meaning(modes_now()),
             replay_hooks=self.request.hooks.replay,
             eager_context=self.request.hooks.run_eager,
             diagnostics=diagnostics,

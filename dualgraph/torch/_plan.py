@@ -178,6 +178,9 @@ class ReplayPlan:
     # other than their samples', runs eagerly (a replay would take the capture's branch)
     reads_grad_mode: bool = False
     reads_requires_grad: tuple[int, ...] = ()
+    # _modes.modes_meaning() at capture: the torch function and dispatch modes each call and its
+    # backward must run under (a CUDA replay runs through none)
+    modes: tuple[Any, ...] = ()
 
     @property
     def nondiff_outputs(self) -> tuple[int, ...]:

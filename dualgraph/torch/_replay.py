@@ -58,6 +58,8 @@ from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
 from ._layout_checks import Layouts
 from ._layouts import copier_of
+from ._modes import dispatch_modes_now, modes_meaning, of_dispatch, show_modes
+from ._modes import modes_now as _modes_now
 from ._nesting import SCOPE as _SCOPE
 from ._nesting import inside_another
 from ._node_hooks import HeldNodes, node_hook_dicts
@@ -79,6 +81,9 @@ __all__ = ["GraphedCallable"]
 _detach = torch.Tensor.detach
 _chain = itertools.chain
 _is_grad_enabled = torch.is_grad_enabled
+# the mode stacks' depths: both 0 (no torch function or dispatch mode) on nearly every call
+_function_depth = torch._C._len_torch_function_stack
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
@@ -155,6 +160,7 @@ class GraphedCallable:
         "_cut_copies",
         "_ddp",
         "_ddp_check",
+        "_dispatch_modes",
         "_edge_nones",
         "_edges",
         "_emulated",
@@ -182,6 +188,8 @@ class GraphedCallable:
         "_later_index",
         "_later_outputs_of",
         "_lock",
+        "_modes",
+        "_modes_read",
         "_module_storages",
         "_module_tensors",
         "_mutated",
@@ -383,6 +391,12 @@ class GraphedCallable:
         # Getters' readings found to mean the captured settings (_ambient.numerics_readings):
         # a call that reads the same compares those alone.
         self._numerics_read: tuple[Any, ...] = ()
+        # The torch function and dispatch modes of capture (_modes.py), and the mode objects last
+        # found to mean them: a call under the same objects compares those alone.
+        self._modes = plan.modes
+        self._modes_read: tuple[Any, ...] = (None,)  # none yet: no stack of modes reads so
+        # of those, the dispatch modes: a backward's kernels run through these alone
+        self._dispatch_modes = of_dispatch(plan.modes)
         self._hooks = plan.replay_hooks
         self._replay_call: ReplayCall | None = None  # the hooks' view of the replay in flight
         # What the backward's Python set on the parameters at capture (Megatron's
@@ -727,6 +741,8 @@ class GraphedCallable:
                 if _state_of(readings) != self._numerics:
                     raise self._numerics_changed()
                 self._numerics_read = readings
+            if self._modes or _function_depth() or _dispatch_depth():
+                self._check_modes()
             if self._mutated:
                 self._check_mutated_inputs(tensors)
             if self._updated_storages is not None:
@@ -900,6 +916,35 @@ class GraphedCallable:
                     "callable ran inside DDP's forward); capture with param_grads='autograd' to "
                     "train under DDP"
                 )
+
+    def _check_modes(self) -> None:
+        """Refuse a call under other torch function or dispatch modes than capture's: a CUDA
+        replay runs through none of them, where eager's ops run through each."""
+        modes = _modes_now()
+        if modes == self._modes_read:  # the same mode objects as last time (by identity)
+            return
+        meaning = modes_meaning(modes)
+        if meaning != self._modes:
+            raise self._modes_changed("called", meaning, self._modes)
+        self._modes_read = modes
+
+    def _check_backward_modes(self) -> None:
+        """Refuse a backward under other dispatch modes than capture's backward ran under (the
+        autograd engine calls no function mode)."""
+        meaning = modes_meaning(dispatch_modes_now())
+        if meaning != self._dispatch_modes:
+            raise self._modes_changed("its backward ran", meaning, self._dispatch_modes)
+
+    def _modes_changed(
+        self, when: str, meaning: tuple[Any, ...], captured: tuple[Any, ...]
+    ) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: {when} under {show_modes(meaning)}, captured under "
+            f"{show_modes(captured)}; a graph replays the kernels captured under the modes of "
+            "capture and runs through no mode, where eager's ops run through each. Call it under "
+            "the modes of capture, or graph it again under these (a module after "
+            "dualgraph.torch.restore)"
+        )
 
     def _numerics_changed(self) -> DualgraphError:
         return DualgraphError(
@@ -1098,6 +1143,8 @@ class GraphedCallable:
         if not self._lock.acquire(False):
             raise self._busy()
         try:
+            if self._dispatch_modes or _dispatch_depth():
+                self._check_backward_modes()
             if through_autograd and self._plan_params:
                 raise DualgraphError(
                     f"{self.name}: captured with param_grads='in_graph', whose backward graph "
