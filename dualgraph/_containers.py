@@ -779,6 +779,21 @@ def _bind_name(cls: type) -> None:
     _NAMED[qualified_name(cls)] = cls
 
 
+def _is_class(obj: Any) -> bool:
+    """Whether ``obj`` is a class, by its type alone (``isinstance`` would read an
+    ``obj.__class__`` that an object can make fail or lie)."""
+    return issubclass(type(obj), type)
+
+
+def _is_dataclass(cls: type) -> bool:
+    """``dataclasses.is_dataclass``, false where the class's own attribute lookup fails (it
+    passes on any error but AttributeError)."""
+    try:
+        return dataclasses.is_dataclass(cls)
+    except Exception:
+        return False
+
+
 def register_namedtuple(cls: T, /) -> T:
     """Let specs read from JSON rebuild the namedtuple class ``cls``; usable as a decorator.
 
@@ -794,7 +809,7 @@ def register_namedtuple(cls: T, /) -> T:
     >>> dualgraph.TreeSpec.from_json(dualgraph.describe(Pair(1, 2)).to_json())
     TreeSpec(Pair(first=1, second=2))
     """
-    if not (isinstance(cls, type) and _is_namedtuple_class(cls)):
+    if not (_is_class(cls) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     _bind_name(cls)
@@ -815,12 +830,18 @@ def register_dataclass(cls: T, /) -> T:
     >>> dualgraph.describe(EncoderOut(1.0)).paths
     ('.hidden', '.aux_loss')
     """
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+    if not (_is_class(cls) and _is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     qualified_name(cls)  # a class a spec cannot name is refused before anything is registered
     if id(cls) not in _DATACLASS_FIELDS:
-        fields = dataclasses.fields(cls)
+        try:
+            fields = dataclasses.fields(cls)
+        except Exception as error:  # a __dataclass_fields__ of the class's own making
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: reading its dataclass fields raised "
+                f"{type(error).__name__}: {clip_text(error)}"
+            ) from None
         no_init = [f.name for f in fields if not f.init]
         if no_init:
             raise DualgraphError(

@@ -115,7 +115,7 @@ def register_array_type(
     >>> import numpy as np
     >>> register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)
     """
-    if not isinstance(cls, type):
+    if not issubclass(type(cls), type):  # by its type: isinstance reads a __class__ that may fail
         raise DualgraphError(
             f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
         )

@@ -773,3 +773,63 @@ def test_a_registered_class_whose_module_becomes_no_str_is_refused_naming_the_pa
     Renamed.__module__ = _Unprintable()  # type: ignore[assignment]
     with pytest.raises(DualgraphError, match=r"^\[0\]\['k'\]: .*Renamed.*__module__"):
         describe(({"k": Renamed(1)},))
+
+
+# -- hostile classes handed to the registrations -------------------------------------------------
+
+
+class _ClassFails(Exception):
+    pass
+
+
+class _ClassRaises:
+    """An object whose ``__class__`` (which isinstance reads) raises."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise _ClassFails("no class")
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        dualgraph.register_namedtuple,
+        dualgraph.register_dataclass,
+        lambda cls: dualgraph.register_array_type(cls, signature=len, requires_grad=bool),
+    ],
+    ids=["namedtuple", "dataclass", "array_type"],
+)
+def test_registering_an_object_whose_class_cannot_be_read_is_a_dualgraph_error(
+    register: Any,
+) -> None:
+    # Before: isinstance(cls, type) read its __class__, whose error leaked
+    with pytest.raises(dualgraph.DualgraphError, match=r"expects a (namedtuple |dataclass )?"):
+        register(_ClassRaises())
+
+
+def test_a_dataclass_whose_fields_cannot_be_read_is_refused_naming_the_error() -> None:
+    # Before: dataclasses.fields' AttributeError leaked from register_dataclass
+    @dataclasses.dataclass
+    class Broken:
+        x: Any = None
+
+    Broken.__dataclass_fields__ = 5  # type: ignore[assignment]
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"cannot register .*Broken: reading its dataclass fields raised AttributeError",
+    ):
+        dualgraph.register_dataclass(Broken)
+
+
+def test_a_class_whose_dataclass_test_raises_is_no_dataclass() -> None:
+    # Before: dataclasses.is_dataclass passed on the metaclass property's error
+    class Failing(type):
+        @property
+        def __dataclass_fields__(cls) -> Any:
+            raise _ClassFails("no fields")
+
+    class Record(metaclass=Failing):
+        pass
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"expects a dataclass type, got"):
+        dualgraph.register_dataclass(Record)
