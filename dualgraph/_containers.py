@@ -601,7 +601,9 @@ class DataclassNode(NamedContainer):
 
 def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) -> Any:
     """``cls(**{field: value})``, refused if it does not keep every value as given."""
-    obj = cls(**dict(zip(fields, values, strict=True)))
+    obj: Any = cls(**dict(zip(fields, values, strict=True)))
+    if type(obj) is not cls:
+        raise DualgraphError(_other_class(cls, obj))
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
@@ -619,8 +621,10 @@ def rebuilt_namedtuple(
     >>> rebuilt_namedtuple(Point, [1, None], None)
     Point(x=1, y=None)
     """
-    obj = cls(*values)
-    items = obj if items_of is None else items_of(obj)
+    obj: Any = cls(*values)
+    if type(obj) is not cls:
+        raise DualgraphError(_other_class(cls, obj))
+    items: Any = obj if items_of is None else items_of(obj)
     if len(items) != len(values) or not all(map(is_, items, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
     return obj
@@ -652,6 +656,14 @@ def _reads_as_tuple(cls: type) -> bool:
     """Whether ``len()`` and indexing of ``cls``'s objects are tuple's own (the fast path)."""
     length, item = getattr(cls, "__len__", None), getattr(cls, "__getitem__", None)
     return length is _tuple_len and item is _tuple_item
+
+
+def _other_class(cls: type, obj: Any) -> str:
+    return (
+        f"{class_name(cls)} called with its fields gave an object of type "
+        f"{class_name(type(obj))} (its __new__ returns another class's objects), so the rebuilt "
+        "tree would not be the one taken apart. Keep __new__ returning the class's own objects"
+    )
 
 
 def _changed(cls: type, what: str, method: str) -> str:

@@ -547,6 +547,57 @@ def test_a_namedtuple_whose_new_changes_an_item_is_refused_not_changed_twice(
         spec.unflatten(spec.flatten(tree))
 
 
+class TupleOnRebuild(collections.namedtuple("TupleOnRebuild", "a b")):
+    """A namedtuple whose ``__new__`` gives a plain tuple (its objects are made otherwise)."""
+
+    __slots__ = ()
+
+    def __new__(cls, a: Any, b: Any) -> TupleOnRebuild:
+        return (a, b)  # type: ignore[return-value]
+
+
+def test_a_namedtuple_whose_new_gives_another_class_is_refused_not_rebuilt_as_it(
+    rebuild_path: str,
+) -> None:
+    # Before: unflatten handed out the plain tuple (its items were the very values given)
+    tree = tuple.__new__(TupleOnRebuild, (array(1), 3))
+    spec = describe(tree)
+    with pytest.raises(
+        DualgraphError,
+        match=r"<root>: rebuilding .*TupleOnRebuild.* gave an object of type builtins\.tuple",
+    ):
+        spec.unflatten(spec.flatten(tree))
+
+
+@register_dataclass
+@dataclasses.dataclass
+class Rec:
+    """A dataclass whose ``__new__`` gives a subclass's objects."""
+
+    x: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Rec:
+        return object.__new__(Sub if cls is Rec else cls)
+
+
+@dataclasses.dataclass
+class Sub(Rec):
+    pass
+
+
+def test_a_dataclass_whose_new_gives_a_subclass_is_refused_not_rebuilt_as_it(
+    rebuild_path: str,
+) -> None:
+    # Before: unflatten handed out an object of the subclass, fields as given
+    tree = object.__new__(Rec)
+    tree.x = array(1)
+    spec = describe((tree,))
+    with pytest.raises(
+        DualgraphError, match=r"\[0\]: rebuilding .*Rec raised .* gave an object of type .*Sub"
+    ):
+        spec.unflatten(spec.flatten((tree,)))
+
+
 def test_a_post_init_that_keeps_its_values_as_given_still_rebuilds(rebuild_path: str) -> None:
     @register_dataclass
     @dataclasses.dataclass(frozen=True)
