@@ -253,6 +253,14 @@ class CallSpec:
     def __reduce__(self) -> tuple[Any, ...]:
         return CallSpec.from_json, (self.to_json(),)
 
+    # Immutable, as its TreeSpecs: a copy is the spec itself (not a trip through JSON, which a
+    # spec of a redefined class or of a str JSON cannot hold refuses, and which re-reads it all).
+    def __copy__(self) -> CallSpec:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CallSpec:
+        return self
+
 
 def _positional(count: int) -> str:
     return f"{count} positional argument{'' if count == 1 else 's'}"

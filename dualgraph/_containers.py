@@ -601,7 +601,9 @@ class DataclassNode(NamedContainer):
 
 def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) -> Any:
     """``cls(**{field: value})``, refused if it does not keep every value as given."""
-    obj = cls(**dict(zip(fields, values, strict=True)))
+    obj: Any = cls(**dict(zip(fields, values, strict=True)))
+    if type(obj) is not cls:
+        raise DualgraphError(_other_class(cls, obj))
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
@@ -619,8 +621,10 @@ def rebuilt_namedtuple(
     >>> rebuilt_namedtuple(Point, [1, None], None)
     Point(x=1, y=None)
     """
-    obj = cls(*values)
-    items = obj if items_of is None else items_of(obj)
+    obj: Any = cls(*values)
+    if type(obj) is not cls:
+        raise DualgraphError(_other_class(cls, obj))
+    items: Any = obj if items_of is None else items_of(obj)
     if len(items) != len(values) or not all(map(is_, items, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
     return obj
@@ -652,6 +656,14 @@ def _reads_as_tuple(cls: type) -> bool:
     """Whether ``len()`` and indexing of ``cls``'s objects are tuple's own (the fast path)."""
     length, item = getattr(cls, "__len__", None), getattr(cls, "__getitem__", None)
     return length is _tuple_len and item is _tuple_item
+
+
+def _other_class(cls: type, obj: Any) -> str:
+    return (
+        f"{class_name(cls)} called with its fields gave an object of type "
+        f"{class_name(type(obj))} (its __new__ returns another class's objects), so the rebuilt "
+        "tree would not be the one taken apart. Keep __new__ returning the class's own objects"
+    )
 
 
 def _changed(cls: type, what: str, method: str) -> str:
@@ -779,6 +791,21 @@ def _bind_name(cls: type) -> None:
     _NAMED[qualified_name(cls)] = cls
 
 
+def _is_class(obj: Any) -> bool:
+    """Whether ``obj`` is a class, by its type alone (``isinstance`` would read an
+    ``obj.__class__`` that an object can make fail or lie)."""
+    return issubclass(type(obj), type)
+
+
+def _is_dataclass(cls: type) -> bool:
+    """``dataclasses.is_dataclass``, false where the class's own attribute lookup fails (it
+    passes on any error but AttributeError)."""
+    try:
+        return dataclasses.is_dataclass(cls)
+    except Exception:
+        return False
+
+
 def register_namedtuple(cls: T, /) -> T:
     """Let specs read from JSON rebuild the namedtuple class ``cls``; usable as a decorator.
 
@@ -794,7 +821,7 @@ def register_namedtuple(cls: T, /) -> T:
     >>> dualgraph.TreeSpec.from_json(dualgraph.describe(Pair(1, 2)).to_json())
     TreeSpec(Pair(first=1, second=2))
     """
-    if not (isinstance(cls, type) and _is_namedtuple_class(cls)):
+    if not (_is_class(cls) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     _bind_name(cls)
@@ -815,12 +842,18 @@ def register_dataclass(cls: T, /) -> T:
     >>> dualgraph.describe(EncoderOut(1.0)).paths
     ('.hidden', '.aux_loss')
     """
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+    if not (_is_class(cls) and _is_dataclass(cls)):
         raise DualgraphError(f"register_dataclass expects a dataclass type, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
     qualified_name(cls)  # a class a spec cannot name is refused before anything is registered
     if id(cls) not in _DATACLASS_FIELDS:
-        fields = dataclasses.fields(cls)
+        try:
+            fields = dataclasses.fields(cls)
+        except Exception as error:  # a __dataclass_fields__ of the class's own making
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: reading its dataclass fields raised "
+                f"{type(error).__name__}: {clip_text(error)}"
+            ) from None
         no_init = [f.name for f in fields if not f.init]
         if no_init:
             raise DualgraphError(

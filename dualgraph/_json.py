@@ -66,9 +66,19 @@ def read_document(text: Any, kind: str, version: int, trees: Sequence[str]) -> d
     name = kind.rpartition(".")[2]
     if is_instance(text, (bytes, bytearray, memoryview)):
         try:
+            size = text.nbytes if is_instance(text, memoryview) else len(text)
+            # UTF-8 takes at most 4 bytes a character: more bytes than that are over the limit
+            # in any case, refused before they are copied and decoded whole
+            if size > 4 * MAX_JSON_CHARS:
+                raise DualgraphError(
+                    f"{name} JSON of {size} bytes is over the limit of {MAX_JSON_CHARS} "
+                    "characters (UTF-8: 4 bytes a character at most)"
+                )
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as error:
             raise DualgraphError(f"not a {name} JSON document: not UTF-8 ({error})") from None
+        except DualgraphError:
+            raise
         except Exception as error:  # a released memoryview, one of a buffer that went away
             raise DualgraphError(
                 f"a {name} JSON document could not be read from the "

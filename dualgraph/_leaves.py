@@ -76,6 +76,10 @@ _BUILTIN_KINDS: dict[int, str] = {
     id(type(None)): "None",
     **{id(cls): "a container" for cls in (tuple, list, dict, collections.OrderedDict)},
 }
+_BUILTIN_CLASSES: dict[int, tuple[type, str]] = {
+    id(cls): (cls, _BUILTIN_KINDS[id(cls)])
+    for cls in (*CONSTANT_TYPES, type(None), tuple, list, dict, collections.OrderedDict)
+}
 _RESOLVED: dict[int, ArrayType | None] = {}  # by id(cls): the hot path reads it
 # Types an adapter says can never be leaves, with why (see refuse_leaf_type).
 _REFUSED: dict[int, tuple[type, str]] = {}
@@ -111,25 +115,21 @@ def register_array_type(
     >>> import numpy as np
     >>> register_array_type(np.ndarray, signature=_numpy_signature, requires_grad=_numpy_grad)
     """
-    if not isinstance(cls, type):
+    if not issubclass(type(cls), type):  # by its type: isinstance reads a __class__ that may fail
         raise DualgraphError(
             f"register_array_type expects a class, got an object of type {type(cls).__qualname__}"
         )
     builtin = _BUILTIN_KINDS.get(id(cls))
     if builtin is None:
-        from ._containers import container_kind, container_subclasses  # (they import this module)
-        from ._nodes import class_name
+        try:
+            builtin = _kind_below(cls)
+        except Exception as error:  # a metaclass's __subclasscheck__ (it runs on every lookup)
+            from ._nodes import clip_text
 
-        # describe takes a container first, check an array's place by its signature: never both
-        kind = container_kind(cls)
-        if kind is not None:
-            builtin = f"a {kind.tag} class, a container"
-        else:  # the registration would make these containers array types too
-            for subclass, kind in container_subclasses(cls):
-                builtin = (
-                    f"the base of {class_name(subclass)}, which is a {kind.tag} class, a container"
-                )
-                break
+            raise DualgraphError(
+                f"register_array_type: testing which classes {cls.__qualname__} is a base of "
+                f"raised {type(error).__name__}: {clip_text(error)}"
+            ) from None
     if builtin is not None:
         raise DualgraphError(
             f"register_array_type: {cls.__qualname__} is {builtin} in a spec, never an array"
@@ -144,6 +144,28 @@ def register_array_type(
     _REGISTERED[id(cls)] = (cls, ArrayType(signature=signature, requires_grad=requires_grad))
     _generation += 1  # before the cache is cleared: see array_type_of
     _RESOLVED.clear()
+
+
+def _kind_below(cls: type) -> str | None:
+    """What else than an array a spec reads ``cls`` or a class below it as (a builtin constant
+    or container, a user container), for :func:`register_array_type`; ``None`` if nothing.
+
+    describe takes a constant or a container first, check an array's place by its signature:
+    a registered base of ``int`` (``numbers.Number``) or ``tuple`` (``collections.abc.Sequence``,
+    ``object``) made check take ``3`` or ``(1.0, 2.0)`` at an array's place.
+    """
+    from ._containers import container_kind, container_subclasses  # (they import this module)
+    from ._nodes import class_name
+
+    for ident, (builtin, what) in _BUILTIN_CLASSES.items():
+        if ident != id(cls) and issubclass(builtin, cls):
+            return f"the base of {builtin.__qualname__}, which is {what}"
+    kind = container_kind(cls)
+    if kind is not None:
+        return f"a {kind.tag} class, a container"
+    for subclass, kind in container_subclasses(cls):  # they would be array types too
+        return f"the base of {class_name(subclass)}, which is a {kind.tag} class, a container"
+    return None
 
 
 def refuse_leaf_type(cls: type, /, reason: str) -> None:
@@ -356,6 +378,8 @@ def _lazy_registrations(cls: type) -> list[str]:
 
 
 def _lookup(cls: type) -> ArrayType | None:
+    if id(cls) in _BUILTIN_KINDS:  # never an array, even where an ABC registered since says so
+        return None
     for base in cls.__mro__:
         entry = _REGISTERED.get(id(base))
         if entry is not None:

@@ -382,7 +382,17 @@ def check_shape(shape: Any) -> tuple[int, ...]:
         if type(dim) is not int:
             if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
                 raise NodeError(f"bad shape {clip(shape)}: {clip(dim)} is not an int")
-            dim = dim.__index__()
+            found = dim.__index__()
+            # Kept only as an exact int: a bool (or an int subclass) would print, compare and
+            # write as itself, and a spec written with [true] in a shape does not read back.
+            if type(found) is not int:
+                if isinstance(found, bool) or not isinstance(found, int):
+                    raise NodeError(
+                        f"bad shape {clip(shape)}: {clip(dim)} gave {clip(found)} as its "
+                        "__index__, not an int"
+                    )
+                found = int.__index__(found)
+            dim = found
         if not 0 <= dim <= MAX_DIM:
             raise NodeError(f"bad shape {clip(shape)}: dimensions are in [0, 2**63 - 1]")
         dims.append(dim)

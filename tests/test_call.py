@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import copy
 import itertools
 import json
 import pickle
@@ -550,6 +551,15 @@ def test_pickle_round_trip_gives_an_equal_spec() -> None:
         (Attention(weights=array(2), bias=None),), {"o": collections.OrderedDict()}
     )
     assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+@pytest.mark.parametrize("copy", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+def test_a_copy_of_a_spec_json_cannot_hold_is_the_spec_itself(copy: Any) -> None:
+    # Before: copy and deepcopy went through __reduce__ (to_json, then from_json), which
+    # refused a str constant holding a surrogate pair as two code points (a TreeSpec's copy
+    # is itself)
+    spec = describe_call(("\ud83d\ude00", array(2)))
+    assert copy(spec) is spec
 
 
 def test_constructor_rejects_specs_of_other_shapes() -> None:

@@ -547,6 +547,57 @@ def test_a_namedtuple_whose_new_changes_an_item_is_refused_not_changed_twice(
         spec.unflatten(spec.flatten(tree))
 
 
+class TupleOnRebuild(collections.namedtuple("TupleOnRebuild", "a b")):
+    """A namedtuple whose ``__new__`` gives a plain tuple (its objects are made otherwise)."""
+
+    __slots__ = ()
+
+    def __new__(cls, a: Any, b: Any) -> TupleOnRebuild:
+        return (a, b)  # type: ignore[return-value]
+
+
+def test_a_namedtuple_whose_new_gives_another_class_is_refused_not_rebuilt_as_it(
+    rebuild_path: str,
+) -> None:
+    # Before: unflatten handed out the plain tuple (its items were the very values given)
+    tree = tuple.__new__(TupleOnRebuild, (array(1), 3))
+    spec = describe(tree)
+    with pytest.raises(
+        DualgraphError,
+        match=r"<root>: rebuilding .*TupleOnRebuild.* gave an object of type builtins\.tuple",
+    ):
+        spec.unflatten(spec.flatten(tree))
+
+
+@register_dataclass
+@dataclasses.dataclass
+class Rec:
+    """A dataclass whose ``__new__`` gives a subclass's objects."""
+
+    x: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Rec:
+        return object.__new__(Sub if cls is Rec else cls)
+
+
+@dataclasses.dataclass
+class Sub(Rec):
+    pass
+
+
+def test_a_dataclass_whose_new_gives_a_subclass_is_refused_not_rebuilt_as_it(
+    rebuild_path: str,
+) -> None:
+    # Before: unflatten handed out an object of the subclass, fields as given
+    tree = object.__new__(Rec)
+    tree.x = array(1)
+    spec = describe((tree,))
+    with pytest.raises(
+        DualgraphError, match=r"\[0\]: rebuilding .*Rec raised .* gave an object of type .*Sub"
+    ):
+        spec.unflatten(spec.flatten((tree,)))
+
+
 def test_a_post_init_that_keeps_its_values_as_given_still_rebuilds(rebuild_path: str) -> None:
     @register_dataclass
     @dataclasses.dataclass(frozen=True)
@@ -773,3 +824,63 @@ def test_a_registered_class_whose_module_becomes_no_str_is_refused_naming_the_pa
     Renamed.__module__ = _Unprintable()  # type: ignore[assignment]
     with pytest.raises(DualgraphError, match=r"^\[0\]\['k'\]: .*Renamed.*__module__"):
         describe(({"k": Renamed(1)},))
+
+
+# -- hostile classes handed to the registrations -------------------------------------------------
+
+
+class _ClassFails(Exception):
+    pass
+
+
+class _ClassRaises:
+    """An object whose ``__class__`` (which isinstance reads) raises."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise _ClassFails("no class")
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        dualgraph.register_namedtuple,
+        dualgraph.register_dataclass,
+        lambda cls: dualgraph.register_array_type(cls, signature=len, requires_grad=bool),
+    ],
+    ids=["namedtuple", "dataclass", "array_type"],
+)
+def test_registering_an_object_whose_class_cannot_be_read_is_a_dualgraph_error(
+    register: Any,
+) -> None:
+    # Before: isinstance(cls, type) read its __class__, whose error leaked
+    with pytest.raises(dualgraph.DualgraphError, match=r"expects a (namedtuple |dataclass )?"):
+        register(_ClassRaises())
+
+
+def test_a_dataclass_whose_fields_cannot_be_read_is_refused_naming_the_error() -> None:
+    # Before: dataclasses.fields' AttributeError leaked from register_dataclass
+    @dataclasses.dataclass
+    class Broken:
+        x: Any = None
+
+    Broken.__dataclass_fields__ = 5  # type: ignore[assignment]
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"cannot register .*Broken: reading its dataclass fields raised AttributeError",
+    ):
+        dualgraph.register_dataclass(Broken)
+
+
+def test_a_class_whose_dataclass_test_raises_is_no_dataclass() -> None:
+    # Before: dataclasses.is_dataclass passed on the metaclass property's error
+    class Failing(type):
+        @property
+        def __dataclass_fields__(cls) -> Any:
+            raise _ClassFails("no fields")
+
+    class Record(metaclass=Failing):
+        pass
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"expects a dataclass type, got"):
+        dualgraph.register_dataclass(Record)

@@ -132,6 +132,17 @@ def test_documents_over_the_size_limit_are_refused_before_parsing(
         load(document())
 
 
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview], ids=repr)
+def test_a_bytes_document_longer_than_any_within_the_limit_is_refused_before_decoding(
+    monkeypatch: pytest.MonkeyPatch, kind: Any
+) -> None:
+    # Before: the bytes were copied and decoded whole first (a document of gigabytes took as
+    # much again), so these were refused as not UTF-8
+    monkeypatch.setattr(json_module, "MAX_JSON_CHARS", 10)
+    with pytest.raises(DualgraphError, match=r"of 41 bytes is over the limit of 10 characters"):
+        load(kind(b"\xff" * 41))
+
+
 def test_a_tree_over_the_node_limit_is_refused_before_reading_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import abc
+import collections.abc
 import dataclasses
 import gc
+import numbers
 import subprocess
 import sys
 import textwrap
@@ -559,3 +562,61 @@ def test_a_class_looked_up_is_not_kept_alive_by_the_lookup_cache() -> None:
     assert ref() is None
     # every id the cache answers for is a live class's
     assert all(ident in _leaves._WATCHED for ident in _leaves._RESOLVED)
+
+
+# -- a base of the builtin kinds is never an array type -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("base", "builtin"),
+    [
+        (numbers.Number, "bool, which is a constant"),
+        (collections.abc.Sequence, "str, which is a constant"),
+        (collections.abc.Mapping, "dict, which is a container"),
+        (object, "bool, which is a constant"),
+    ],
+    ids=repr,
+)
+def test_a_base_of_a_builtin_constant_or_container_is_refused_as_an_array_type(
+    registry: None, base: type, builtin: str
+) -> None:
+    # Before: numbers.Number registered, describe still read 3 as a constant but check took it
+    # at an array's place (and collections.abc.Sequence a tuple or list there)
+    with pytest.raises(dualgraph.DualgraphError, match=f"is the base of {builtin} in a spec"):
+        register_array_type(base, signature=lambda x: ((), "int64"), requires_grad=lambda x: False)
+    spec = describe({"x": np.zeros((), np.int64)})
+    for found in (3, (3,), {"a": 3}):
+        with pytest.raises(SpecMismatchError, match=r"^\['x'\]: expected int64\[\]"):
+            spec.check({"x": found})
+
+
+def test_a_builtin_made_a_virtual_subclass_of_an_array_type_is_still_no_array(
+    registry: None,
+) -> None:
+    # Before: an ABC registered as an array type, then given int as a virtual subclass, made
+    # check take an int at an array's place (describe reads it as a constant)
+    class Scalar(abc.ABC):  # noqa: B024 - an ABC for its register()
+        pass
+
+    register_array_type(Scalar, signature=lambda x: ((), "int64"), requires_grad=lambda x: False)
+    Scalar.register(int)
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected int64\[\], got int 3"):
+        describe((np.zeros((), np.int64),)).check((3,))
+
+
+def test_an_array_type_whose_subclass_check_raises_is_refused_naming_the_error(
+    registry: None,
+) -> None:
+    # Before: its metaclass's RuntimeError leaked from register_array_type
+    class Failing(type):
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            raise RuntimeError("no subclass check")
+
+    class Hostile(metaclass=Failing):
+        pass
+
+    with pytest.raises(
+        dualgraph.DualgraphError, match=r"Hostile is a base of raised RuntimeError: no subclass"
+    ):
+        register_array_type(Hostile, signature=lambda x: ((), "int8"), requires_grad=bool)
+    assert id(Hostile) not in _leaves._REGISTERED

@@ -84,6 +84,34 @@ def test_shapes_accept_index_types_such_as_numpy_ints() -> None:
     assert all(type(d) is int for d in check_shape([np.int32(3)]))
 
 
+class _IndexOf:
+    """A dimension whose ``__index__`` gives ``value``, whatever its type."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __index__(self) -> Any:
+        return self.value
+
+
+class _Int(int):
+    pass
+
+
+def test_a_dimension_whose_index_is_an_int_subclass_is_kept_as_an_exact_int() -> None:
+    # Before: the int subclass itself was the shape's dimension (printed by its own repr)
+    shape = check_shape((_IndexOf(_Int(3)), _Int(2)))
+    assert shape == (3, 2) and [type(d) for d in shape] == [int, int]
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "2"], ids=repr)
+def test_a_dimension_whose_index_is_no_int_is_refused(value: Any) -> None:
+    # Before: an __index__ giving True made the shape [True, 2]: the spec printed
+    # float32[True, 2] and its JSON ([true, 2]) was refused by from_json
+    with pytest.raises(NodeError, match=r"bad shape .* as its __index__, not an int"):
+        check_shape((_IndexOf(value), 2))
+
+
 @pytest.mark.parametrize("dtype", ["O", "object", "S100000000000", "<f4", "f4", "float32,int8", 3])
 def test_dtypes_outside_the_vocabulary_are_refused(dtype: Any) -> None:
     with pytest.raises(NodeError, match="is not one a spec accepts"):

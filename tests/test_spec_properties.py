@@ -203,3 +203,62 @@ def test_what_to_json_writes_from_json_reads_under_any_size_limit(tree: Any, lim
             assert f"over the limit of {limit}" in str(error)
             return
         assert TreeSpec.from_json(text) == spec
+
+
+class _Int(int):
+    pass
+
+
+class _IndexOf:
+    """A dimension whose ``__index__`` gives ``value``, whatever its type."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __index__(self) -> Any:
+        return self.value
+
+
+class _Signed:
+    """An array of a registered type whose signature gives ``dims`` as they are."""
+
+    def __init__(self, dims: tuple[Any, ...]) -> None:
+        self.dims = dims
+
+
+dimensions = st.one_of(
+    st.integers(0, 5),
+    st.integers(0, 5).map(np.int64),
+    st.integers(0, 5).map(_Int),
+    st.booleans(),
+    st.floats(0, 5),
+)
+signature_dims = st.lists(dimensions | dimensions.map(_IndexOf), max_size=3).map(tuple)
+
+
+@properties
+@given(signature_dims)
+def test_a_shape_any_signature_gives_is_refused_or_written_and_read_back_as_exact_ints(
+    dims: tuple[Any, ...],
+) -> None:
+    # Before: an __index__ giving True or 2.0 (or an int subclass) stayed in the shape: the
+    # spec's JSON held [true] or [2.0], which from_json refused
+    from dualgraph import DualgraphError, register_array_type
+    from dualgraph import _leaves as leaves_module
+
+    registered = dict(leaves_module._REGISTERED)
+    register_array_type(
+        _Signed, signature=lambda x: (x.dims, "float32"), requires_grad=lambda x: True
+    )
+    try:
+        try:
+            spec = describe((_Signed(dims),))
+        except DualgraphError:
+            return
+        (shape,) = [leaf.shape for leaf in spec.arrays]
+        assert shape is not None and all(type(dim) is int for dim in shape)
+        assert TreeSpec.from_json(spec.to_json()) == spec
+    finally:
+        leaves_module._REGISTERED.clear()
+        leaves_module._REGISTERED.update(registered)
+        leaves_module._RESOLVED.clear()
