@@ -4091,6 +4091,34 @@ def test_a_global_a_graphed_modules_forward_reads_changed_after_capture_is_refus
     )
 
 
+def test_a_forwards_code_is_disassembled_once_for_every_block_running_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The globals a forward reads are found by disassembling its code: the same for each block
+    # of a model (and each capture), so done once per code object; what they hold is read anew.
+    import dis
+
+    from dualgraph.torch import _closed_over
+
+    class Scaled(nn.Module):  # a class of its own: no earlier test disassembled its code
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * TEMPERATURE
+
+    disassembled: list[Any] = []
+    get_instructions = dis.get_instructions
+
+    def counted(code: Any, *args: Any, **kwargs: Any) -> Any:
+        disassembled.append(code)
+        return get_instructions(code, *args, **kwargs)
+
+    monkeypatch.setattr(dis, "get_instructions", counted)
+    found = [_closed_over.forward_values(Scaled())[0] for _ in range(3)]
+    assert disassembled.count(Scaled.forward.__code__) == 1
+    assert [[(name, value) for name, _, _, value in each] for each in found] == [
+        [("Scaled.forward's global TEMPERATURE", 2.0)]
+    ] * 3
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
     # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:
