@@ -41,7 +41,14 @@ from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of, first_difference, is_tensor_subclass, same_bytes, write_back
+from ._params import (
+    bytes_now,
+    bytes_of,
+    first_difference,
+    is_tensor_subclass,
+    same_bytes,
+    write_back,
+)
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._rng_rewinds import rng_rewinds
@@ -95,7 +102,7 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
             changed = [
                 (name, t, t._version == version, copy, data)  # before putting back bumps it
                 for name, t, version, copy, data in kept
-                if _moved(t, data) or not same_bytes(copy, bytes_of(t))
+                if _moved(t, data) or not same_bytes(copy, bytes_now(t))
             ]
             shown = _shown(changed[0][1], changed[0][3], changed[0][4]) if changed else ""
             del kept
@@ -259,7 +266,7 @@ def _warmup(
     if bits:
         with _unobserved():
             for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=True)):
-                if t._version == before[i] and not same_bytes(copy, bytes_of(t)):
+                if t._version == before[i] and not same_bytes(copy, bytes_now(t)):
                     item.mutated.add(i)
                     item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
     del bits
