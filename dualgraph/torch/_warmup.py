@@ -280,7 +280,10 @@ def _warmup(
         )
         item.saved_outputs = _saved_outputs(flat, saved)
         item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
-        item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item))
+        module = item.request.module
+        # a module's plain tensor attributes as this call left them, found once for both uses
+        attributes = plain_tensor_attributes(module) if module is not None else []
+        item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item, attributes))
         aliases = item.output_aliases
         made_from_outputs = frozenset(
             () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
@@ -289,16 +292,12 @@ def _warmup(
         item.saved_module_tensors = _saved_module_tensors(
             item.module_tensors if item.module_tensors is not None else item.code_tensors, saved
         )
-        module = item.request.module
         # What else the backward reads that a replay could find changed: a function's or
         # method's weights (as a module's), a module's plain tensor attributes.
         item.saved_closure_tensors = _saved_among(
             named_by(item.request.fn, parameters=True)
             if module is None
-            else [
-                (f"{type(module).__name__}.{name}", tensor)
-                for name, tensor in plain_tensor_attributes(module)
-            ],
+            else [(f"{type(module).__name__}.{name}", tensor) for name, tensor in attributes],
             saved,
         )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
@@ -446,13 +445,16 @@ def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
 
 
-def _tensors_named_by(item: _Capture) -> list[torch.Tensor]:
+def _tensors_named_by(
+    item: _Capture, attributes: Sequence[tuple[str, torch.Tensor]]
+) -> list[torch.Tensor]:
     """The tensors alive before any call that the callable reads besides its inputs: a module's
-    parameters and buffers, or what a function's code names (a method's module's included)."""
+    parameters, buffers and plain tensor ``attributes`` (:func:`plain_tensor_attributes`), or
+    what a function's code names (a method's module's included)."""
     module = item.request.module
     if module is not None:
-        attributes = [tensor for _, tensor in plain_tensor_attributes(module)]
-        return [*module.parameters(), *module.buffers(), *item.params, *attributes]
+        # item.params are among the module's parameters (those requiring grad)
+        return [*module.parameters(), *module.buffers(), *(tensor for _, tensor in attributes)]
     return [tensor for _, tensor in named_by(item.request.fn, parameters=True)]
 
 
