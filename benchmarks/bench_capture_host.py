@@ -5,9 +5,11 @@
 ``lint="off"`` and the warmup probe unobserved (as a CUDA capture runs it by default); the median
 of ``--repeats`` captures, beside the median of a plain eager loop of the same 4 forward and
 backward calls per block (3 warmup iterations and the capture: the floor of what a capture does).
-The difference is dualgraph's own host work at capture. ``--baseline DIR`` also captures with
-``DIR/dualgraph`` (another version), interleaved with this one in the same process, each round
-in the other order, and prints the ratio of the medians.
+The difference is dualgraph's own host work at capture. ``--model tiny``: an ``nn.Linear(64, 64)``
+per block instead (samples ``(8, 64)``; ``--blocks 1`` for one), where a capture's fixed costs
+dominate. ``--baseline DIR`` also captures with ``DIR/dualgraph`` (another version), interleaved
+with this one in the same process, each round in the other order, and prints the ratio of the
+medians.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--model", default="vit", choices=["vit", "tiny"])
     parser.add_argument("--profile", action="store_true", help="cProfile one more capture")
     parser.add_argument("--baseline", default="", help="a directory holding another dualgraph/")
     options = parser.parse_args()
@@ -52,11 +55,16 @@ def main() -> None:
     torch.set_num_threads(1)  # two cores shared: threads only add noise
     torch.manual_seed(0)
 
-    def blocks() -> tuple[ViTBlock, ...]:
-        return tuple(ViTBlock(64, 4) for _ in range(options.blocks))
+    tiny = options.model == "tiny"
+
+    def blocks() -> tuple[torch.nn.Module, ...]:
+        return tuple(
+            torch.nn.Linear(64, 64) if tiny else ViTBlock(64, 4) for _ in range(options.blocks)
+        )
 
     def samples() -> tuple[tuple[torch.Tensor], ...]:
-        return tuple((torch.randn(2, 8, 64, requires_grad=True),) for _ in range(options.blocks))
+        shape = (8, 64) if tiny else (2, 8, 64)
+        return tuple((torch.randn(*shape, requires_grad=True),) for _ in range(options.blocks))
 
     def capture(package: Any = dgt) -> float:
         made, given = blocks(), samples()
@@ -70,7 +78,7 @@ def main() -> None:
         for block, (x,) in zip(made, given, strict=True):
             params = [p for p in block.parameters() if p.requires_grad]
             for _ in range(4):
-                hidden, _ = block(x)
+                hidden = block(x) if tiny else block(x)[0]
                 torch.autograd.grad([hidden], [x, *params], [torch.ones_like(hidden)])
         return time.thread_time() - start
 

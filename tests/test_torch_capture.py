@@ -378,6 +378,49 @@ def test_warmup_compares_the_bytes_of_a_modules_tensors_eight_at_a_time(
     assert compared and set(compared) == {torch.int64}
 
 
+def test_warmup_copies_a_modules_tensors_once_and_compares_them_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Around warmup each parameter's bytes were copied before and again after, to compare the
+    # two copies; the tensor's own memory, in element order, is compared with the one copy.
+    from dualgraph.torch import _warmup
+
+    copied: list[torch.Tensor] = []
+    bytes_of = _warmup.bytes_of
+
+    def noting(tensor: torch.Tensor) -> torch.Tensor:
+        copied.append(tensor)
+        return bytes_of(tensor)
+
+    monkeypatch.setattr(_warmup, "bytes_of", noting)
+    module, sample = nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,))
+    params = [module.weight, module.bias]
+    assert sum(any(t is p for p in params) for t in copied) == len(params)
+    assert len(copied) == len(params) + 1  # and the inspected warmup's input, once
+
+
+def test_the_inspected_warmup_finds_a_modules_plain_tensor_attributes_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both the outputs sharing a module tensor's memory and the tensors the backward reads
+    # look among its plain tensor attributes, as the inspected call left them: one walk.
+    from dualgraph.torch import _warmup
+
+    walks: list[nn.Module] = []
+    attributes = _warmup.plain_tensor_attributes
+
+    def noting(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        walks.append(module)
+        return attributes(module)
+
+    monkeypatch.setattr(_warmup, "plain_tensor_attributes", noting)
+    module = nn.Linear(4, 4)
+    module.scale = torch.full((4,), 2.0)
+    dgt.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),))
+    assert walks == [module]
+
+
 def _autocast(backend: str, **options: Any) -> torch.autocast:
     return torch.autocast(device_of(backend).type, dtype=torch.bfloat16, **options)
 

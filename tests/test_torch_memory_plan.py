@@ -144,6 +144,26 @@ def test_saved_tensors_another_pack_hook_collects_are_handed_over() -> None:
     probe.close()
 
 
+def test_a_probe_that_saw_no_storage_made_reads_no_saved_tensors_storage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A capture's warmup hands over each saved tensor (24 a ViT block); unobserved (CUDA's
+    # default) the probe knows no storage, so none of theirs can count: none is looked up.
+    probe = _memory_plan.MemoryProbe("exp_of_double", exp_of_double)
+    looked_up: list[torch.Tensor] = []
+    storage_of = _memory_plan._storage_of
+
+    def noting(tensor: torch.Tensor) -> Any:
+        looked_up.append(tensor)
+        return storage_of(tensor)
+
+    monkeypatch.setattr(_memory_plan, "_storage_of", noting)
+    probe.note_saved([torch.randn(256)])
+    assert looked_up == []
+    assert probe.callable_memory(0, 0, 0).saved_activation_bytes == 0
+    probe.close()
+
+
 def test_the_probe_inside_other_saved_tensor_hooks_hands_over_to_them() -> None:
     packed: list[torch.Tensor] = []
 

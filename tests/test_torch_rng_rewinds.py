@@ -179,3 +179,27 @@ def test_a_backward_rewinding_the_rng_in_an_engine_thread_is_refused_at_capture(
     sample = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(CaptureError, match=r"backward sets torch's RNG state back"):
         dgt.make_graphed_callables(_RewindingBlock(), (sample,), backend="emulate")
+
+
+def test_the_rng_watches_begin_and_end_without_a_context_manager_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each inspected warmup enters the seven watches twice (forward and backward): a generator
+    # context manager each in an ExitStack cost about as much as the watches themselves.
+    from dualgraph.torch._watched_function import WatchedFunction
+
+    entered: list[object] = []
+    watching = WatchedFunction.watching
+
+    def noting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entered.append(self)
+        return watching(self, *args, **kwargs)
+
+    monkeypatch.setattr(WatchedFunction, "watching", noting)
+    state = torch.get_rng_state()
+    with rng_rewinds() as seen:
+        torch.set_rng_state(state)
+        torch.rand(2)
+    assert seen.draws_from_rewound_state  # still watched
+    assert entered == []
+    assert torch.get_rng_state.__module__ == "torch.random"  # put back

@@ -3926,6 +3926,55 @@ def test_a_tensor_set_after_capture_where_the_forward_looked_for_one_is_refused(
     assert torch.equal(out.detach(), kept)  # refused before the replay wrote its outputs
 
 
+def test_a_capture_watches_lookups_on_its_modules_classes_and_leaves_nn_module_alone() -> None:
+    # Setting nn.Module.__getattr__ makes the interpreter update each of torch's ~350 module
+    # classes (0.4 ms each way on a CPU, per capture); the classes of the modules recorded have
+    # it set instead, and deleted again. A lookup in vain is still found (the refusal above).
+    getattr_during_capture: list[Any] = []
+
+    class Watching(Masked):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            getattr_during_capture.append(vars(nn.Module)["__getattr__"])
+            return super().forward(x)
+
+    module = Watching()
+    original = vars(nn.Module)["__getattr__"]
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, requires_grad=True),))
+    assert getattr_during_capture and all(f is original for f in getattr_during_capture)
+    assert "__getattr__" not in vars(Watching) and "__getattr__" not in vars(nn.Linear)
+    _set_mask(module)
+    with pytest.raises(DualgraphError, match=r"^Watching\.mask: a float32 tensor \[8\]"):
+        module(torch.randn(4, 8))
+
+
+class DefaultingToNone(nn.Module):
+    """A ``__getattr__`` of its own that catches nn.Module's miss: a missing name reads None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if self.mask is None else y * self.mask
+
+
+def test_a_tensor_set_where_a_modules_own_getattr_read_none_at_capture_is_refused() -> None:
+    # Its __getattr__ finds no miss (it returns None): nn.Module's is watched for such a
+    # class, which sees the miss it catches, as for every class before.
+    module = DefaultingToNone()
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, requires_grad=True),))
+    module.mask = torch.ones(8)
+    with pytest.raises(DualgraphError, match=r"^DefaultingToNone\.mask: a float32 tensor"):
+        module(torch.randn(4, 8))
+
+
 class PrivateCache(nn.Module):
     """Fills a private tensor cache on first use, after hasattr missed it."""
 
@@ -4089,6 +4138,34 @@ def test_a_global_a_graphed_modules_forward_reads_changed_after_capture_is_refus
     assert str(info.value).startswith(
         "_TemperedByTheGlobal.forward's global TEMPERATURE: was 2.0 at capture and is 3.0 now"
     )
+
+
+def test_a_forwards_code_is_disassembled_once_for_every_block_running_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The globals a forward reads are found by disassembling its code: the same for each block
+    # of a model (and each capture), so done once per code object; what they hold is read anew.
+    import dis
+
+    from dualgraph.torch import _closed_over
+
+    class Scaled(nn.Module):  # a class of its own: no earlier test disassembled its code
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * TEMPERATURE
+
+    disassembled: list[Any] = []
+    get_instructions = dis.get_instructions
+
+    def counted(code: Any, *args: Any, **kwargs: Any) -> Any:
+        disassembled.append(code)
+        return get_instructions(code, *args, **kwargs)
+
+    monkeypatch.setattr(dis, "get_instructions", counted)
+    found = [_closed_over.forward_values(Scaled())[0] for _ in range(3)]
+    assert disassembled.count(Scaled.forward.__code__) == 1
+    assert [[(name, value) for name, _, _, value in each] for each in found] == [
+        [("Scaled.forward's global TEMPERATURE", 2.0)]
+    ] * 3
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

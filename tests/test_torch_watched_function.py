@@ -77,6 +77,51 @@ def test_a_nested_watch_notes_in_the_outer_one_too() -> None:
     assert outer == {id(layer.__dict__): {"inside", "after"}}
 
 
+@pytest.mark.parametrize("outer_classes", [None, [nn.Linear]], ids=["every_class", "linear"])
+@pytest.mark.parametrize("inner_classes", [None, [nn.Linear]], ids=["every_class", "linear"])
+def test_a_nested_watch_of_classes_or_of_every_class_notes_in_the_outer_one_too(
+    outer_classes: list[type] | None, inner_classes: list[type] | None
+) -> None:
+    # A class's watch calls nn.Module's __getattr__ as it is at the call: an outer or inner
+    # watch of nn.Module hears the lookup too.
+    layer = nn.Linear(2, 2)
+    with attributes_missed(outer_classes) as outer:
+        with attributes_missed(inner_classes) as inner:
+            getattr(layer, "inside", None)
+        getattr(layer, "after", None)
+    assert inner == {id(layer.__dict__): {"inside"}}
+    assert outer == {id(layer.__dict__): {"inside", "after"}}
+    assert nn.Module.__getattr__ is _MODULE_GETATTR and "__getattr__" not in vars(nn.Linear)
+    assert not _missed_attributes._CLASS_WATCHES
+
+
+def test_a_watch_of_classes_notes_their_modules_only_and_puts_back_no_class_attribute() -> None:
+    layer, relu = nn.Linear(2, 2), nn.ReLU()
+    with attributes_missed([nn.Linear]) as missed:
+        assert nn.Module.__getattr__ is _MODULE_GETATTR  # torch's subclasses left alone
+        getattr(layer, "mask", None)
+        getattr(relu, "mask", None)
+    assert missed == {id(layer.__dict__): {"mask"}}
+    assert "__getattr__" not in vars(nn.Linear)
+
+
+def test_a_class_with_a_getattr_of_its_own_has_nn_modules_watched() -> None:
+    # Its own __getattr__ may catch nn.Module's miss (and return a default), which a watch on
+    # the class would not see.
+    class Defaulting(nn.Module):
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return None
+
+    module = Defaulting()
+    with attributes_missed([Defaulting]) as missed:
+        assert module.mask is None
+    assert missed == {id(module.__dict__): {"mask"}}
+    assert nn.Module.__getattr__ is _MODULE_GETATTR and "__getattr__" in vars(Defaulting)
+
+
 def test_watches_ended_out_of_order_in_one_thread_each_stop_noting() -> None:
     # begin/end (several watches entered at once): an end takes its own watcher, by identity,
     # wherever it is in the thread's list (two empty dicts are equal, and not the same).

@@ -217,7 +217,7 @@ def _capture_copies(
                 param for item in captures if item.like is None for param in item.params
             )
         )
-        with attributes_missed() as missed:
+        with attributes_missed(_recorded_classes(captures)) as missed:
             if options.backend == "cuda":
                 capture_cuda(captures, layout.steps(copies), options, progress)
             else:
@@ -243,6 +243,21 @@ def _capture_copies(
     plans = [[item.plan() for item in group] for group in copies]
     attach_probes([group[0].diagnostics for group in plans], probes)  # issue 19 hook
     return plans
+
+
+def _recorded_classes(captures: Sequence[_Capture]) -> list[type]:
+    """The classes of the modules whose lookups in vain a capture keeps (``note_looked_up``): a
+    module's own and its submodules', those a function's code names (not the module that only
+    hangs them together, which nothing calls)."""
+    return [
+        type(module)
+        for item in captures
+        if item.like is None
+        for record, root in ((item.module_tensors, True), (item.code_tensors, False))
+        if record is not None
+        for module in ((record.root, *record.modules) if root else record.modules)
+        if module is not None
+    ]
 
 
 def _refuse_parameters_held_by_graphs(captures: Sequence[_Capture], progress: Progress) -> None:

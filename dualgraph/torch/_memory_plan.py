@@ -388,6 +388,8 @@ class MemoryProbe(OpObserver):
         Only the innermost ``saved_tensors_hooks`` see what autograd saves: code that packs the
         forward's saved tensors itself (an adapter inspecting them) hands them over here.
         """
+        if not self._sizes:  # no storage seen made (an unobserved probe): none to count
+            return
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 self._count_saved(tensor)

@@ -52,6 +52,7 @@ __all__ = [
     "GRAPHED_STATE",
     "ModuleTensors",
     "bits_view",
+    "bytes_now",
     "bytes_of",
     "same_bits",
     "same_bytes",
@@ -1295,6 +1296,29 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """
     # detached first, so nothing after records history: no no_grad() block (3 us a call)
     return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
+
+
+def bytes_now(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes in element order, as :func:`bytes_of` gives them, to compare with a
+    kept copy at once: a view of its memory where its elements lie there in order (no copy:
+    a capture compares every parameter of its callables this way), else a copy.
+
+    >>> t = torch.tensor([1.0, -0.0])
+    >>> bytes_now(t).data_ptr() == t.data_ptr(), same_bytes(bytes_now(t), bytes_of(t))
+    (True, True)
+    >>> bytes_now(t.flip(0)).data_ptr() == t.data_ptr()  # elements not in order: a copy
+    False
+    """
+    view = tensor.detach()
+    if (
+        view.layout == torch.strided
+        and view.is_contiguous()
+        and not view.is_conj()
+        and not view.is_neg()
+        and not view.is_quantized
+    ):
+        return view.reshape(-1).view(torch.uint8)
+    return bytes_of(tensor)
 
 
 #: Wider integers of a size, to compare bytes with: ``torch.equal`` of ``uint8`` on a CPU takes

@@ -191,9 +191,22 @@ def rng_rewinds(*, every_thread: bool = False) -> Iterator[RewindsSeen]:
     functions the autograd engine runs in threads of its own) reads, sets and seeds of torch's
     CPU and CUDA RNG states for a draw from a state set to one not read inside the block."""
     seen = RewindsSeen()
-    with contextlib.ExitStack() as watches:
+    # begin/end rather than a context manager each in an ExitStack (as branch_reads): each
+    # inspected warmup enters these seven twice, its forward's and its backward's
+    begun: list[WatchedFunction[RewindsSeen]] = []
+    try:
         for watched in _WATCHED:
-            watches.enter_context(watched.watching(seen, every_thread=every_thread))
+            watched.begin(seen, every_thread=every_thread)
+            begun.append(watched)
         yield seen
+    finally:
+        failure: BaseException | None = None
+        for watched in reversed(begun):  # each ended, whatever another raises
+            try:
+                watched.end(seen)
+            except BaseException as error:  # raised once the others have ended
+                failure = failure or error
+        if failure is not None:
+            raise failure
     with _unobserved():
         seen.settle()

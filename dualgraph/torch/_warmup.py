@@ -41,7 +41,14 @@ from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import find_output_aliases
-from ._params import bytes_of, first_difference, is_tensor_subclass, same_bytes, write_back
+from ._params import (
+    bytes_now,
+    bytes_of,
+    first_difference,
+    is_tensor_subclass,
+    same_bytes,
+    write_back,
+)
 from ._probe import WarmupProbe
 from ._reach import trace_leaves, used_inside
 from ._rng_rewinds import rng_rewinds
@@ -95,7 +102,7 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
             changed = [
                 (name, t, t._version == version, copy, data)  # before putting back bumps it
                 for name, t, version, copy, data in kept
-                if _moved(t, data) or not same_bytes(copy, bytes_of(t))
+                if _moved(t, data) or not same_bytes(copy, bytes_now(t))
             ]
             shown = _shown(changed[0][1], changed[0][3], changed[0][4]) if changed else ""
             del kept
@@ -259,7 +266,7 @@ def _warmup(
     if bits:
         with _unobserved():
             for i, (copy, t) in enumerate(zip(bits, item.static_inputs, strict=True)):
-                if t._version == before[i] and not same_bytes(copy, bytes_of(t)):
+                if t._version == before[i] and not same_bytes(copy, bytes_now(t)):
                     item.mutated.add(i)
                     item.mutated_quietly.add(i)  # copied back as quietly: eager moves no version
     del bits
@@ -273,7 +280,10 @@ def _warmup(
         )
         item.saved_outputs = _saved_outputs(flat, saved)
         item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
-        item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item))
+        module = item.request.module
+        # a module's plain tensor attributes as this call left them, found once for both uses
+        attributes = plain_tensor_attributes(module) if module is not None else []
+        item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item, attributes))
         aliases = item.output_aliases
         made_from_outputs = frozenset(
             () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
@@ -282,16 +292,12 @@ def _warmup(
         item.saved_module_tensors = _saved_module_tensors(
             item.module_tensors if item.module_tensors is not None else item.code_tensors, saved
         )
-        module = item.request.module
         # What else the backward reads that a replay could find changed: a function's or
         # method's weights (as a module's), a module's plain tensor attributes.
         item.saved_closure_tensors = _saved_among(
             named_by(item.request.fn, parameters=True)
             if module is None
-            else [
-                (f"{type(module).__name__}.{name}", tensor)
-                for name, tensor in plain_tensor_attributes(module)
-            ],
+            else [(f"{type(module).__name__}.{name}", tensor) for name, tensor in attributes],
             saved,
         )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
@@ -439,13 +445,16 @@ def _saved_outputs(flat: Sequence[torch.Tensor], saved: Sequence[int]) -> tuple[
     return tuple(i for i, t in enumerate(flat) if _storage(t) in storages)
 
 
-def _tensors_named_by(item: _Capture) -> list[torch.Tensor]:
+def _tensors_named_by(
+    item: _Capture, attributes: Sequence[tuple[str, torch.Tensor]]
+) -> list[torch.Tensor]:
     """The tensors alive before any call that the callable reads besides its inputs: a module's
-    parameters and buffers, or what a function's code names (a method's module's included)."""
+    parameters, buffers and plain tensor ``attributes`` (:func:`plain_tensor_attributes`), or
+    what a function's code names (a method's module's included)."""
     module = item.request.module
     if module is not None:
-        attributes = [tensor for _, tensor in plain_tensor_attributes(module)]
-        return [*module.parameters(), *module.buffers(), *item.params, *attributes]
+        # item.params are among the module's parameters (those requiring grad)
+        return [*module.parameters(), *module.buffers(), *(tensor for _, tensor in attributes)]
     return [tensor for _, tensor in named_by(item.request.fn, parameters=True)]
 
 

@@ -71,6 +71,11 @@ class WatchedFunction(Generic[W]):
         self._own = True  # whether owner holds it itself (not inherited: then deleted again)
         self._everywhere: list[W] = []  # watchers of every thread's calls
 
+    @property
+    def running(self) -> bool:
+        """Whether a watch runs in any thread (the function replaced)."""
+        return bool(self._count)
+
     def _watchers(self) -> list[W]:
         try:
             found: list[W] = self._local.watchers
