@@ -557,6 +557,22 @@ def test_float64_without_x64_is_refused_clearly() -> None:
         dgj.graphed(lambda x: x * 2, (np.ones(2, np.float64),))
 
 
+@pytest.mark.parametrize("explicit", ["allow", "error"])
+def test_float64_without_x64_is_refused_whatever_explicit_x64_dtypes_says(explicit: str) -> None:
+    # jax_explicit_x64_dtypes='allow' keeps jnp.zeros(n, float64) 64-bit with the mode off, but
+    # an input is still traced, and a numpy one converted, as float32: (1 + 2**-40) - 1 is 0.
+    sample = np.full(2, 1 + 2.0**-40)
+    before = jax.config.jax_explicit_x64_dtypes  # type: ignore[attr-defined]
+    jax.config.update("jax_explicit_x64_dtypes", explicit)
+    try:
+        with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
+            dgj.graphed(lambda x: x - 1, (sample,))
+    finally:
+        jax.config.update("jax_explicit_x64_dtypes", before)
+    with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
+        dgj.graphed(lambda x: x - 1, (sample,))  # and with JAX's default setting after it
+
+
 def test_a_program_compiled_with_x64_keeps_float64_outside_the_context() -> None:
     with x64():
         g = dgj.graphed(lambda x: (x * 2, None), (np.ones(2, np.float64),))
