@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optree
 import pytest
@@ -1340,3 +1341,25 @@ def test_an_out_spec_with_a_dict_in_another_key_order_is_refused_naming_it() -> 
         SpecMismatchError, match=r"output\[0\] is a dict .*\['b', 'a'\].*\['a', 'b'\]"
     ):
         dgj.graphed(lambda x: [{"b": x, "a": x * 2}], (jnp.ones(2),), out_spec=written.to_json())
+
+
+def test_a_twin_with_other_compiler_options_runs_the_same_trace_rounded_as_asked() -> None:
+    traced = []
+
+    def fn(a: jax.Array) -> jax.Array:
+        traced.append(1)
+        return (a.astype(jnp.bfloat16) * 3).astype(jnp.float32)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(64), jnp.float32)
+    g = dgj.graphed(fn, (x,), donate_argnums=0)
+    twin = g.with_compiler_options({"xla_allow_excess_precision": False})
+    out = twin(jnp.copy(x))
+    (vjp_out, _) = twin.vjp(jnp.copy(x))
+    assert len(traced) == 1  # traced once, when graphed
+    rounded = (np.asarray(x).astype(ml_dtypes.bfloat16) * 3).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(out), rounded)
+    np.testing.assert_array_equal(np.asarray(vjp_out), rounded)
+    assert twin.compiler_options == {"xla_allow_excess_precision": False}
+    assert g.compiler_options == {} and twin.out_spec == g.out_spec
+    assert twin.donate_argnums == (0,)
+    assert not np.array_equal(np.asarray(g(jnp.copy(x))), rounded)  # what the option changes

@@ -1868,3 +1868,15 @@ def test_bfloat16_gradients_are_rounded_as_the_jax_program_says_like_torch() -> 
         lambda a: (a.to(torch.bfloat16) * 3,), lambda a: (a.astype(jnp.bfloat16) * 3,), (x,)
     )
     assert report.ok, report
+
+
+def test_a_graphed_reference_rounds_bfloat16_as_written_like_torch() -> None:
+    # dgj.graphed leaves XLA's excess precision on: the product stays unrounded in float32, so
+    # a torch side that rounds it as written failed, and one that skips the rounding passed.
+    x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    reference = dgj.graphed(lambda a: (a.astype(jnp.bfloat16) * 3).astype(jnp.float32), (x,))
+    as_written = compare(lambda t: (t.to(torch.bfloat16) * 3).float(), reference, (x,))
+    assert as_written.ok, as_written
+    skipping = compare(lambda t: t.to(torch.bfloat16).float() * 3, reference, (x,), grads=False)
+    assert skipping.failures and skipping.failures[0].path == "output", skipping
+    assert reference.compiler_options == {}  # the caller's callable is left as it was
