@@ -1880,3 +1880,32 @@ def test_a_graphed_reference_rounds_bfloat16_as_written_like_torch() -> None:
     skipping = compare(lambda t: t.to(torch.bfloat16).float() * 3, reference, (x,), grads=False)
     assert skipping.failures and skipping.failures[0].path == "output", skipping
     assert reference.compiler_options == {}  # the caller's callable is left as it was
+
+
+@pytest.mark.parametrize("as_module", [True, False], ids=["module", "closure"])
+def test_the_grads_of_parameters_not_compared_are_left_as_they_were(as_module: bool) -> None:
+    # Without params= (or for parameters left out of torch_params), compare's backward added
+    # the random cotangents' gradient into their .grad: a comparison between training steps
+    # changed the next optimizer step.
+    linear = torch.nn.Linear(4, 3)
+    linear.weight.grad = torch.full((3, 4), 7.0)
+    weight = jnp.asarray(linear.weight.detach().numpy())
+    bias = jnp.asarray(linear.bias.detach().numpy())
+    torch_fn = linear if as_module else (lambda t: linear(t))
+    assert_parity(torch_fn, lambda a: a @ weight.T + bias, (inputs_2x4(),))
+    torch.testing.assert_close(linear.weight.grad, torch.full((3, 4), 7.0))
+    assert linear.bias.grad is None
+
+
+def test_the_grads_of_parameters_left_out_of_torch_params_are_left_as_they_were() -> None:
+    linear = torch.nn.Linear(4, 3)
+    bias = jnp.asarray(linear.bias.detach().numpy())
+    params = {"weight": jnp.asarray(linear.weight.detach().numpy())}
+    assert_parity(
+        linear,
+        lambda p, a: a @ p["weight"].T + bias,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    assert linear.weight.grad is None and linear.bias.grad is None

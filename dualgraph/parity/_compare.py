@@ -87,8 +87,9 @@ def compare(
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
       leaves out), w.r.t. every floating input array and the parameters; complex ones as
       torch defines them. The torch side runs one backward and reads ``.grad`` (putting the
-      previous ``.grad`` back), so a graphed callable that accumulates parameter grads inside
-      its backward graph is measured as its users see them.
+      previous ``.grad`` back, for the parameters not compared too: ``torch_fn``'s own and
+      those its outputs' graph reaches), so a graphed callable that accumulates parameter
+      grads inside its backward graph is measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
       name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
       value on either side, e.g. NaN everywhere (still reported as a warning).
@@ -126,7 +127,8 @@ def compare(
             entries = _compare_outputs(spec, torch_out, run.outputs, judge)
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
-                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed)
+                others = _own_parameters(torch_fn)
+                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed, others)
     return ParityReport(tuple(entries))
 
 
@@ -319,6 +321,16 @@ def _named_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tens
     return {}
 
 
+def _own_parameters(torch_fn: Any) -> list[torch.Tensor]:
+    """A module's (or graphed callable's) parameters, less a lazy module's uninitialized ones:
+    a graphed backward may add into their ``.grad`` inside its graph, where no autograd node of
+    the outputs' graph leads to them."""
+    named = getattr(torch_fn, "named_parameters", None)
+    if not callable(named):
+        return []
+    return [p for _, p in named() if not torch.nn.parameter.is_lazy(p)]
+
+
 def _refuse_inference_params(named: Mapping[str, torch.Tensor]) -> None:
     """Refuse parameters made under ``torch.inference_mode()`` when gradients are compared:
     torch cannot differentiate through them (its error, from inside torch_fn, names none)."""
@@ -509,8 +521,10 @@ def _compare_grads(
     kept: _KeptParams,
     judge: Judge,
     seed: int,
+    others: Sequence[torch.Tensor],
 ) -> list[LeafReport]:
-    """The same seeded cotangents through both backwards; input grads, then parameter grads."""
+    """The same seeded cotangents through both backwards; input grads, then parameter grads.
+    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was."""
     assert run.pullback is not None
     rng = np.random.default_rng(seed)
     masked = [
@@ -527,6 +541,7 @@ def _compare_grads(
         torch_grads = read_grads(
             [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
             [*targets, *trainable.values()],
+            others,
         )
     if params is not None:  # their grads are read after the backward: it must leave them be
         kept.refuse_updated(in_backward=True)

@@ -120,19 +120,25 @@ def torch_device(values: Iterable[Any]) -> torch.device:
 
 
 def read_grads(
-    outputs: Sequence[tuple[torch.Tensor, np.ndarray]], leaves: Sequence[torch.Tensor]
+    outputs: Sequence[tuple[torch.Tensor, np.ndarray]],
+    leaves: Sequence[torch.Tensor],
+    others: Iterable[torch.Tensor] = (),
 ) -> list[torch.Tensor | None]:
     """The ``.grad`` that one backward of the cotangents gives each leaf (inputs, parameters).
 
     ``outputs`` pairs each masked output with its cotangent; outputs that do not require grad
     take no part. Read from ``.grad`` rather than through ``torch.autograd.grad`` so that
     graphed callables that accumulate parameter grads inside their backward graph are measured
-    as users see them; the leaves' previous ``.grad`` are put back afterwards.
+    as users see them; the leaves' previous ``.grad`` are put back afterwards, and so are those
+    of ``others`` (tensors not read, e.g. a module's parameters) and of every other leaf the
+    outputs' graph reaches (the parameters a function closes over): the backward adds into
+    them too, and a comparison between training steps must leave them as they were.
     """
     live = [(t, ct) for t, ct in outputs if t.requires_grad]
-    saved = [leaf.grad for leaf in leaves]
+    touched = list({id(t): t for t in [*leaves, *others, *_leaves_reached(live)]}.values())
+    saved = [leaf.grad for leaf in touched]
     try:
-        for leaf in leaves:
+        for leaf in touched:
             leaf.grad = None
         if live:
             with full_precision():
@@ -141,8 +147,28 @@ def read_grads(
                 )
         return [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
     finally:
-        for leaf, grad in zip(leaves, saved, strict=True):
+        for leaf, grad in zip(touched, saved, strict=True):
             leaf.grad = grad
+
+
+def _leaves_reached(outputs: Sequence[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+    """The leaf tensors whose ``.grad`` a backward from ``outputs`` adds into (those of their
+    graph's ``AccumulateGrad`` nodes)."""
+    found: list[torch.Tensor] = []
+    seen: dict[int, Any] = {}  # the nodes themselves kept: an id is unique while they live
+    pending = [t.grad_fn for t, _ in outputs]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    # An output that is itself a leaf (returned as it was given) has no grad_fn.
+    found.extend(t for t, _ in outputs if t.grad_fn is None)
+    return found
 
 
 @contextlib.contextmanager
