@@ -436,6 +436,23 @@ def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_naming_one(
         compare(linear, closed_over, (inputs_2x4(),), params=params)
 
 
+def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_without_params_too() -> None:
+    # Without params= no parameter grad is read, but compare's backward, of random cotangents,
+    # stepped the module (an optimizer in its post-accumulate-grad hooks), silently.
+    linear = torch.nn.Linear(4, 3)
+    steps = {p: torch.optim.SGD([p], lr=0.1) for p in linear.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        steps[p].step()
+        steps[p].zero_grad()
+
+    for p in linear.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    weight, bias = (jnp.asarray(p.detach().numpy().copy()) for p in linear.parameters())
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight': torch_fn's backward"):
+        compare(linear, lambda x: x @ weight.T + bias, (inputs_2x4(),))
+
+
 def test_a_parameter_whose_hook_clears_its_grad_is_refused_naming_it() -> None:
     # A post-accumulate-grad hook that moves the gradient away (offloading) and clears .grad
     # left it read as zero: a JAX reference closing over its weights passed.

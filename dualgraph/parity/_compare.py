@@ -371,9 +371,10 @@ class _KeptParams:
                 raise DualgraphError(
                     f"torch parameter {name!r}: torch_fn's backward updated it in place (e.g. an "
                     "optimizer step in a post-accumulate-grad hook, which also clears its "
-                    ".grad): its gradient, read after the backward, would not be the one the "
-                    "backward computed. Compare a torch_fn whose backward leaves its parameters "
-                    "as they are"
+                    ".grad): compare's backward, of random cotangents, changed it, and its "
+                    "gradient, read after the backward, would not be the one the backward "
+                    "computed. Compare a torch_fn whose backward leaves its parameters as they "
+                    "are"
                 )
             raise DualgraphError(
                 f"torch parameter {name!r}: torch_fn updated it in place (e.g. "
@@ -543,8 +544,10 @@ def _compare_grads(
             [*targets, *trainable.values()],
             others,
         )
-    if params is not None:  # their grads are read after the backward: it must leave them be
-        kept.refuse_updated(in_backward=True)
+    # The backward must leave the parameters be: their grads are read after it, and, compared
+    # or not, a comparison must not step them (an optimizer in a post-accumulate-grad hook).
+    kept.refuse_updated(in_backward=True)
+    if params is not None:
         _refuse_cleared_grads(trainable, torch_grads[len(targets) :], accumulated)
     # torch's gradients are JAX's conjugated, given the conjugate cotangent (see _in_torch_terms)
     cotangent_tree = run.pullback.cotangent_spec.unflatten(
