@@ -1512,6 +1512,40 @@ def test_a_state_dict_as_torch_params_is_refused_naming_the_detached_parameter()
         )
 
 
+@pytest.mark.parametrize("part", ["no_grad_view", "detached_view", "data_view"])
+def test_torch_params_holding_part_of_a_trained_parameter_are_refused_naming_it(part: str) -> None:
+    # Rows of a weight given as torch_params (a view under no_grad, or of its detached values):
+    # torch fills the weight's .grad, never the view's, so each read as zero (or as frozen),
+    # and a JAX reference closing over the weight passed.
+    linear = torch.nn.Linear(4, 6)
+    weight = linear.weight
+    rows = {
+        "no_grad_view": lambda: (weight[:3], weight[3:]),
+        "detached_view": lambda: (weight.detach()[:3], weight.detach()[3:]),
+        "data_view": lambda: (weight.data[:3], weight.data[3:]),
+    }[part]
+    with torch.no_grad():
+        top, bottom = rows()
+    values = weight.detach().numpy().copy()
+    params = {
+        "top": jnp.asarray(values[:3]),
+        "bottom": jnp.asarray(values[3:]),
+        "bias": jnp.asarray(linear.bias.detach().numpy()),
+    }
+    closed = jnp.asarray(values)
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"torch_params\['top'\] holds memory of torch_fn's trained parameter 'weight'",
+    ):
+        compare(
+            linear,
+            lambda p, x: x @ closed.T + p["bias"] + 0.0 * (p["top"].sum() + p["bottom"].sum()),
+            (inputs_2x4(),),
+            params=params,
+            torch_params={"top": top, "bottom": bottom, "bias": linear.bias},
+        )
+
+
 def test_torch_params_of_detached_copies_only_are_refused_for_a_plain_function() -> None:
     linear = torch.nn.Linear(4, 3)
     with pytest.raises(dualgraph.DualgraphError, match="no tensor requires grad"):

@@ -73,8 +73,9 @@ def compare(
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
       refused without ``params``: no parameter grad would be compared; so are ``torch_params``
-      of detached copies, such as ``module.state_dict()``, when gradients are compared: read
-      as frozen, none would be; so are computed ones, such as a parametrization's
+      of detached copies, such as ``module.state_dict()``, or of views of a trained parameter
+      (its rows, ``w[:3]``), when gradients are compared: read as frozen or zero, none would
+      be; so are computed ones, such as a parametrization's
       ``module.weight``, whose ``.grad`` torch never fills; and a trained parameter with a
       gradient that the mapping puts in no leaf; and ``params`` whose values are not the torch
       ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch

@@ -64,18 +64,33 @@ def refuse_detached_params(torch_fn: Any, torch_params: Mapping[str, torch.Tenso
     parameter is one), for a ``torch_fn`` whose parameters cannot be listed.
     """
     named = getattr(torch_fn, "named_parameters", None)
-    trained = {}
+    trained: list[tuple[str, torch.Tensor]] = []
     if callable(named):
-        trained = {_where(p): n for n, p in named() if p.requires_grad and p.numel()}
+        trained = [(n, p) for n, p in named() if p.requires_grad and p.numel()]
+    ranges = [(n, _byte_range(p)) for n, p in trained]
+    parameters = {id(p) for _, p in trained}
     for name, tensor in torch_params.items():
-        found = None if tensor.requires_grad or not tensor.numel() else _where(tensor)
-        if found in trained:
+        if id(tensor) in parameters:
+            continue
+        found = _byte_range(tensor)
+        shared = next((n for n, where in ranges if _overlap(found, where)), None)
+        if shared is None:
+            continue
+        if not tensor.requires_grad and found == dict(ranges)[shared]:
             raise DualgraphError(
                 f"torch_params[{name!r}] holds the memory of torch_fn's trained parameter "
-                f"{trained[found]!r} but is detached from it (state_dict() detaches): its grad "
+                f"{shared!r} but is detached from it (state_dict() detaches): its grad "
                 "would be read as frozen and never compared. Pass the parameters themselves, "
                 "e.g. dict(module.named_parameters())"
             )
+        raise DualgraphError(
+            f"torch_params[{name!r}] holds memory of torch_fn's trained parameter {shared!r} "
+            "but is not that parameter (a view or a detached part of it: w[:3] under no_grad, "
+            "w.detach()[:3], w.data[:3]): torch fills the .grad of the parameter itself, so "
+            "this one's gradient would read as zero, or as frozen, and the parameter's would "
+            "never be compared. Pass the parameters themselves, e.g. "
+            "dict(module.named_parameters()), and split them in params_from_torch"
+        )
     values = torch_params.values()
     if values and not any(t.requires_grad or isinstance(t, torch.nn.Parameter) for t in values):
         raise DualgraphError(
@@ -101,9 +116,22 @@ def refuse_computed_params(torch_params: Mapping[str, torch.Tensor]) -> None:
             )
 
 
-def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Where a tensor's values live: its device, first address, shape and strides."""
-    return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
+def _byte_range(tensor: torch.Tensor) -> tuple[Any, int, int, int] | None:
+    """Where a strided tensor's values live: its device, its storage's address and the bytes
+    ``[start, end)`` of that storage its entries span; ``None`` for an empty or sparse one."""
+    if tensor.layout != torch.strided or not tensor.numel():
+        return None
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    span = 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.device, tensor.untyped_storage().data_ptr(), start, start + span * size
+
+
+def _overlap(a: tuple[Any, int, int, int] | None, b: tuple[Any, int, int, int] | None) -> bool:
+    """Whether two byte ranges of :func:`_byte_range` share a byte."""
+    if a is None or b is None or a[:2] != b[:2]:
+        return False
+    return a[2] < b[3] and b[2] < a[3]
 
 
 def _shown_type(value: Any) -> str:
