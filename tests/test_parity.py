@@ -922,9 +922,11 @@ def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
 
 def test_float64_leaves_near_overflow_are_judged_at_their_scale() -> None:
     # Their RMS and L2 norm overflow float64: an entry wrong by a factor of 1e300 must still fail.
-    expected = np.array([1.7e308] * 4 + [1.0])
-    report = compare_arrays("grad", np.array([1.7e308] * 4 + [1e300]), expected)
-    assert not report.ok and report.scale == pytest.approx(1.7e308 * np.sqrt(0.8))
+    # (Not one repeated value: a fill that dwarfs the rest would set no scale.)
+    expected = np.array([1.7e308] * 3 + [1e308, 1.0])
+    report = compare_arrays("grad", np.array([1.7e308] * 3 + [1e308, 1e300]), expected)
+    rms = 1.7e308 * np.sqrt((3 + (1 / 1.7) ** 2) / 5)
+    assert not report.ok and report.scale == pytest.approx(rms)
     assert compare_arrays("grad", expected, expected).ok
     # A difference that overflows (opposite signs) fails, with no NaN and no numpy warning.
     flipped = compare_arrays("grad", np.array([1.7e308] * 4), np.array([1.7e308] * 3 + [-1.7e308]))
@@ -1013,6 +1015,31 @@ def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok
     assert not compare_arrays("grad", np.full(4, 1e-30, np.float32), zeros).ok
+
+
+def masked_logits(fill: float, dtype: Any = np.float32) -> np.ndarray:
+    """Causal attention logits whose masked entries hold ``fill`` (as masked_fill makes them)."""
+    logits = np.random.default_rng(0).standard_normal((8, 8)) * 3
+    return np.where(np.triu(np.ones((8, 8), bool), 1), fill, logits).astype(dtype)
+
+
+@pytest.mark.parametrize("fill", [-1e9, float(np.finfo(np.float32).min)], ids=["1e9", "finfo"])
+def test_a_fill_that_dwarfs_the_rest_sets_no_scale(fill: float) -> None:
+    # The RMS of a leaf with a mask's fill is the fill's: 1e-4 of it let every other entry be
+    # anything (logits 7x too large passed with max rel 7).
+    reference = masked_logits(fill)
+    wrong = reference.copy()
+    kept = reference != fill
+    wrong[kept] *= 7
+    report = compare_arrays("output", wrong, reference)
+    assert not report.ok and report.mismatched == 36 and report.scale < 10, report
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=str)
+def test_a_masked_leaf_within_rounding_passes(dtype: Any) -> None:
+    reference = masked_logits(-1e9, dtype)
+    nudged = np.where(reference == -1e9, reference, np.nextafter(reference, np.inf))
+    assert compare_arrays("output", nudged.astype(dtype), reference).ok
 
 
 def test_nan_and_inf_at_the_same_positions_pass_and_are_counted() -> None:
