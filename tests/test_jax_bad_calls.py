@@ -277,3 +277,9 @@ for entry in ("call", "vjp"):
 def test_compiler_options_that_are_not_a_mapping_are_refused() -> None:
     with pytest.raises(DualgraphError, match="compiler_options must be a mapping"):
         dgj.GraphedCallable(lambda x: x, (jnp.ones(2),), compiler_options=["xla_foo"])  # type: ignore[arg-type]
+
+
+def test_compiler_options_that_are_not_a_mapping_are_refused_by_a_twin_too() -> None:
+    g = dgj.graphed(lambda x: x, (jnp.ones(2),))
+    with pytest.raises(DualgraphError, match="compiler_options must be a mapping"):
+        g.with_compiler_options(["xla_foo"])  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optree
 import pytest
@@ -555,6 +556,22 @@ def test_int64_under_64_bit_mode_stays_exact() -> None:
 def test_float64_without_x64_is_refused_clearly() -> None:
     with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
         dgj.graphed(lambda x: x * 2, (np.ones(2, np.float64),))
+
+
+@pytest.mark.parametrize("explicit", ["allow", "error"])
+def test_float64_without_x64_is_refused_whatever_explicit_x64_dtypes_says(explicit: str) -> None:
+    # jax_explicit_x64_dtypes='allow' keeps jnp.zeros(n, float64) 64-bit with the mode off, but
+    # an input is still traced, and a numpy one converted, as float32: (1 + 2**-40) - 1 is 0.
+    sample = np.full(2, 1 + 2.0**-40)
+    before = jax.config.jax_explicit_x64_dtypes  # type: ignore[attr-defined]
+    jax.config.update("jax_explicit_x64_dtypes", explicit)
+    try:
+        with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
+            dgj.graphed(lambda x: x - 1, (sample,))
+    finally:
+        jax.config.update("jax_explicit_x64_dtypes", before)
+    with pytest.raises(DualgraphError, match=r"args\[0\] is float64\[2\].*64-bit mode is off"):
+        dgj.graphed(lambda x: x - 1, (sample,))  # and with JAX's default setting after it
 
 
 def test_a_program_compiled_with_x64_keeps_float64_outside_the_context() -> None:
@@ -1324,3 +1341,25 @@ def test_an_out_spec_with_a_dict_in_another_key_order_is_refused_naming_it() -> 
         SpecMismatchError, match=r"output\[0\] is a dict .*\['b', 'a'\].*\['a', 'b'\]"
     ):
         dgj.graphed(lambda x: [{"b": x, "a": x * 2}], (jnp.ones(2),), out_spec=written.to_json())
+
+
+def test_a_twin_with_other_compiler_options_runs_the_same_trace_rounded_as_asked() -> None:
+    traced = []
+
+    def fn(a: jax.Array) -> jax.Array:
+        traced.append(1)
+        return (a.astype(jnp.bfloat16) * 3).astype(jnp.float32)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(64), jnp.float32)
+    g = dgj.graphed(fn, (x,), donate_argnums=0)
+    twin = g.with_compiler_options({"xla_allow_excess_precision": False})
+    out = twin(jnp.copy(x))
+    (vjp_out, _) = twin.vjp(jnp.copy(x))
+    assert len(traced) == 1  # traced once, when graphed
+    rounded = (np.asarray(x).astype(ml_dtypes.bfloat16) * 3).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(out), rounded)
+    np.testing.assert_array_equal(np.asarray(vjp_out), rounded)
+    assert twin.compiler_options == {"xla_allow_excess_precision": False}
+    assert g.compiler_options == {} and twin.out_spec == g.out_spec
+    assert twin.donate_argnums == (0,)
+    assert not np.array_equal(np.asarray(g(jnp.copy(x))), rounded)  # what the option changes

@@ -436,6 +436,23 @@ def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_naming_one(
         compare(linear, closed_over, (inputs_2x4(),), params=params)
 
 
+def test_a_torch_fn_whose_backward_updates_its_parameters_is_refused_without_params_too() -> None:
+    # Without params= no parameter grad is read, but compare's backward, of random cotangents,
+    # stepped the module (an optimizer in its post-accumulate-grad hooks), silently.
+    linear = torch.nn.Linear(4, 3)
+    steps = {p: torch.optim.SGD([p], lr=0.1) for p in linear.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        steps[p].step()
+        steps[p].zero_grad()
+
+    for p in linear.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    weight, bias = (jnp.asarray(p.detach().numpy().copy()) for p in linear.parameters())
+    with pytest.raises(dualgraph.DualgraphError, match=r"parameter 'weight': torch_fn's backward"):
+        compare(linear, lambda x: x @ weight.T + bias, (inputs_2x4(),))
+
+
 def test_a_parameter_whose_hook_clears_its_grad_is_refused_naming_it() -> None:
     # A post-accumulate-grad hook that moves the gradient away (offloading) and clears .grad
     # left it read as zero: a JAX reference closing over its weights passed.
@@ -905,9 +922,11 @@ def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
 
 def test_float64_leaves_near_overflow_are_judged_at_their_scale() -> None:
     # Their RMS and L2 norm overflow float64: an entry wrong by a factor of 1e300 must still fail.
-    expected = np.array([1.7e308] * 4 + [1.0])
-    report = compare_arrays("grad", np.array([1.7e308] * 4 + [1e300]), expected)
-    assert not report.ok and report.scale == pytest.approx(1.7e308 * np.sqrt(0.8))
+    # (Not one repeated value: a fill that dwarfs the rest would set no scale.)
+    expected = np.array([1.7e308] * 3 + [1e308, 1.0])
+    report = compare_arrays("grad", np.array([1.7e308] * 3 + [1e308, 1e300]), expected)
+    rms = 1.7e308 * np.sqrt((3 + (1 / 1.7) ** 2) / 5)
+    assert not report.ok and report.scale == pytest.approx(rms)
     assert compare_arrays("grad", expected, expected).ok
     # A difference that overflows (opposite signs) fails, with no NaN and no numpy warning.
     flipped = compare_arrays("grad", np.array([1.7e308] * 4), np.array([1.7e308] * 3 + [-1.7e308]))
@@ -996,6 +1015,31 @@ def test_a_reference_of_zeros_is_matched_only_by_zeros() -> None:
     zeros = np.zeros(4, np.float32)
     assert compare_arrays("grad", zeros, zeros).ok
     assert not compare_arrays("grad", np.full(4, 1e-30, np.float32), zeros).ok
+
+
+def masked_logits(fill: float, dtype: Any = np.float32) -> np.ndarray:
+    """Causal attention logits whose masked entries hold ``fill`` (as masked_fill makes them)."""
+    logits = np.random.default_rng(0).standard_normal((8, 8)) * 3
+    return np.where(np.triu(np.ones((8, 8), bool), 1), fill, logits).astype(dtype)
+
+
+@pytest.mark.parametrize("fill", [-1e9, float(np.finfo(np.float32).min)], ids=["1e9", "finfo"])
+def test_a_fill_that_dwarfs_the_rest_sets_no_scale(fill: float) -> None:
+    # The RMS of a leaf with a mask's fill is the fill's: 1e-4 of it let every other entry be
+    # anything (logits 7x too large passed with max rel 7).
+    reference = masked_logits(fill)
+    wrong = reference.copy()
+    kept = reference != fill
+    wrong[kept] *= 7
+    report = compare_arrays("output", wrong, reference)
+    assert not report.ok and report.mismatched == 36 and report.scale < 10, report
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=str)
+def test_a_masked_leaf_within_rounding_passes(dtype: Any) -> None:
+    reference = masked_logits(-1e9, dtype)
+    nudged = np.where(reference == -1e9, reference, np.nextafter(reference, np.inf))
+    assert compare_arrays("output", nudged.astype(dtype), reference).ok
 
 
 def test_nan_and_inf_at_the_same_positions_pass_and_are_counted() -> None:
@@ -1495,6 +1539,40 @@ def test_a_state_dict_as_torch_params_is_refused_naming_the_detached_parameter()
         )
 
 
+@pytest.mark.parametrize("part", ["no_grad_view", "detached_view", "data_view"])
+def test_torch_params_holding_part_of_a_trained_parameter_are_refused_naming_it(part: str) -> None:
+    # Rows of a weight given as torch_params (a view under no_grad, or of its detached values):
+    # torch fills the weight's .grad, never the view's, so each read as zero (or as frozen),
+    # and a JAX reference closing over the weight passed.
+    linear = torch.nn.Linear(4, 6)
+    weight = linear.weight
+    rows = {
+        "no_grad_view": lambda: (weight[:3], weight[3:]),
+        "detached_view": lambda: (weight.detach()[:3], weight.detach()[3:]),
+        "data_view": lambda: (weight.data[:3], weight.data[3:]),
+    }[part]
+    with torch.no_grad():
+        top, bottom = rows()
+    values = weight.detach().numpy().copy()
+    params = {
+        "top": jnp.asarray(values[:3]),
+        "bottom": jnp.asarray(values[3:]),
+        "bias": jnp.asarray(linear.bias.detach().numpy()),
+    }
+    closed = jnp.asarray(values)
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"torch_params\['top'\] holds memory of torch_fn's trained parameter 'weight'",
+    ):
+        compare(
+            linear,
+            lambda p, x: x @ closed.T + p["bias"] + 0.0 * (p["top"].sum() + p["bottom"].sum()),
+            (inputs_2x4(),),
+            params=params,
+            torch_params={"top": top, "bottom": bottom, "bias": linear.bias},
+        )
+
+
 def test_torch_params_of_detached_copies_only_are_refused_for_a_plain_function() -> None:
     linear = torch.nn.Linear(4, 3)
     with pytest.raises(dualgraph.DualgraphError, match="no tensor requires grad"):
@@ -1868,3 +1946,44 @@ def test_bfloat16_gradients_are_rounded_as_the_jax_program_says_like_torch() -> 
         lambda a: (a.to(torch.bfloat16) * 3,), lambda a: (a.astype(jnp.bfloat16) * 3,), (x,)
     )
     assert report.ok, report
+
+
+def test_a_graphed_reference_rounds_bfloat16_as_written_like_torch() -> None:
+    # dgj.graphed leaves XLA's excess precision on: the product stays unrounded in float32, so
+    # a torch side that rounds it as written failed, and one that skips the rounding passed.
+    x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    reference = dgj.graphed(lambda a: (a.astype(jnp.bfloat16) * 3).astype(jnp.float32), (x,))
+    as_written = compare(lambda t: (t.to(torch.bfloat16) * 3).float(), reference, (x,))
+    assert as_written.ok, as_written
+    skipping = compare(lambda t: t.to(torch.bfloat16).float() * 3, reference, (x,), grads=False)
+    assert skipping.failures and skipping.failures[0].path == "output", skipping
+    assert reference.compiler_options == {}  # the caller's callable is left as it was
+
+
+@pytest.mark.parametrize("as_module", [True, False], ids=["module", "closure"])
+def test_the_grads_of_parameters_not_compared_are_left_as_they_were(as_module: bool) -> None:
+    # Without params= (or for parameters left out of torch_params), compare's backward added
+    # the random cotangents' gradient into their .grad: a comparison between training steps
+    # changed the next optimizer step.
+    linear = torch.nn.Linear(4, 3)
+    linear.weight.grad = torch.full((3, 4), 7.0)
+    weight = jnp.asarray(linear.weight.detach().numpy())
+    bias = jnp.asarray(linear.bias.detach().numpy())
+    torch_fn = linear if as_module else (lambda t: linear(t))
+    assert_parity(torch_fn, lambda a: a @ weight.T + bias, (inputs_2x4(),))
+    torch.testing.assert_close(linear.weight.grad, torch.full((3, 4), 7.0))
+    assert linear.bias.grad is None
+
+
+def test_the_grads_of_parameters_left_out_of_torch_params_are_left_as_they_were() -> None:
+    linear = torch.nn.Linear(4, 3)
+    bias = jnp.asarray(linear.bias.detach().numpy())
+    params = {"weight": jnp.asarray(linear.weight.detach().numpy())}
+    assert_parity(
+        linear,
+        lambda p, a: a @ p["weight"].T + bias,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    assert linear.weight.grad is None and linear.bias.grad is None

@@ -87,7 +87,12 @@ def _jax_dtype(name: str, x64: bool) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # JAX's "will be truncated" warning: we answer instead
         try:
-            made = jax.eval_shape(lambda: jnp.zeros((0,), dtype))
+            # As an input is traced (a ShapeDtypeStruct; arrays are canonicalized alike): by the
+            # 64-bit mode alone. An explicit dtype (jnp.zeros(n, dtype)) follows
+            # jax_explicit_x64_dtypes too, which keeps float64 with the mode off ('allow') where
+            # an input is still narrowed to float32.
+            made = jax.eval_shape(lambda x: x, jax.ShapeDtypeStruct((0,), dtype))
+            jax.eval_shape(lambda: jnp.zeros((0,), made.dtype))  # refuses what JAX cannot hold
         except TypeError:  # "JAX only supports number, bool, and string dtypes"
             return None
     return str(made.dtype.name)

@@ -15,6 +15,7 @@ subtree and cannot return constants).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,7 +125,8 @@ class GraphedCallable:
     ``call_spec`` (the inputs: a :class:`~dualgraph.CallSpec`), ``out_spec`` (the outputs, with
     the grad mask :meth:`vjp` uses), ``donate_argnums`` and :attr:`compiled` (the forward).
     Constructed directly, it also takes ``compiler_options``: XLA options every program (the
-    VJP's too) is compiled with, as ``jax.stages.Lowered.compile`` takes them.
+    VJP's too) is compiled with, as ``jax.stages.Lowered.compile`` takes them;
+    :meth:`with_compiler_options` makes a twin compiled with others from the same trace.
     """
 
     def __init__(
@@ -219,6 +221,34 @@ class GraphedCallable:
             with jax_donation_warnings():  # reported when traced
                 self._compiled = self._lowered.compile(self._compiler_options)
         return self._compiled
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The XLA options every program (the VJP's too) is compiled with (a copy)."""
+        return dict(self._compiler_options)
+
+    def with_compiler_options(self, options: Mapping[str, Any]) -> GraphedCallable:
+        """A twin compiled, at its first use, from this one's trace with ``options`` added to its
+        XLA options: the same program (the function's Python does not run again), the same
+        specs, donation and settings, e.g. with ``{"xla_allow_excess_precision": False}`` to
+        round every bfloat16 and float16 result as the program says.
+
+        >>> import jax.numpy as jnp
+        >>> g = graphed(lambda x: x * 3, (jnp.ones(2, jnp.bfloat16),))
+        >>> g.with_compiler_options({"xla_allow_excess_precision": False}).compiler_options
+        {'xla_allow_excess_precision': False}
+        """
+        if not isinstance(options, Mapping):
+            raise DualgraphError(
+                f"graphed({self.name}): compiler_options must be a mapping of XLA option names "
+                f"to values, got {clip(options)}"
+            )
+        twin = copy.copy(self)
+        twin._compiler_options = {**self._compiler_options, **options}
+        twin._compiled = None
+        twin._vjp_program = None
+        twin._weak_verdicts = dict(self._weak_verdicts)
+        return twin
 
     # -- traced once ----------------------------------------------------------------------------
 

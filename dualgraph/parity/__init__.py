@@ -23,7 +23,8 @@ for the duration (and restored), and the JAX reference is traced and run under
 ``jax.default_matmul_precision("highest")`` (a :class:`~dualgraph.jax.GraphedCallable` passed in
 runs under the caller's settings, which must be those it was graphed with: it refuses others).
 bfloat16 and float16 results are rounded after each op, as in PyTorch: a plain JAX function is
-compiled with XLA's excess precision off.
+compiled with XLA's excess precision off, and so is a :class:`~dualgraph.jax.GraphedCallable`
+compiled otherwise (``dualgraph.jax.graphed`` leaves it on), again from its own trace.
 
 >>> import numpy as np, torch, jax.numpy as jnp
 >>> x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)

@@ -73,8 +73,9 @@ def compare(
       :func:`dualgraph.models.jax_vit.params_from_state_dict`; by default ``params`` must be a
       dict keyed by the torch parameter names (``torch_params`` and ``params_from_torch`` are
       refused without ``params``: no parameter grad would be compared; so are ``torch_params``
-      of detached copies, such as ``module.state_dict()``, when gradients are compared: read
-      as frozen, none would be; so are computed ones, such as a parametrization's
+      of detached copies, such as ``module.state_dict()``, or of views of a trained parameter
+      (its rows, ``w[:3]``), when gradients are compared: read as frozen or zero, none would
+      be; so are computed ones, such as a parametrization's
       ``module.weight``, whose ``.grad`` torch never fills; and a trained parameter with a
       gradient that the mapping puts in no leaf; and ``params`` whose values are not the torch
       ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
@@ -87,8 +88,9 @@ def compare(
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
       leaves out), w.r.t. every floating input array and the parameters; complex ones as
       torch defines them. The torch side runs one backward and reads ``.grad`` (putting the
-      previous ``.grad`` back), so a graphed callable that accumulates parameter grads inside
-      its backward graph is measured as its users see them.
+      previous ``.grad`` back, for the parameters not compared too: ``torch_fn``'s own and
+      those its outputs' graph reaches), so a graphed callable that accumulates parameter
+      grads inside its backward graph is measured as its users see them.
     - ``tolerances``: one :class:`Tolerance` for every floating leaf, or a mapping by dtype
       name over :data:`DEFAULT_TOLERANCES`. ``allow_nan=True`` accepts leaves that have no finite
       value on either side, e.g. NaN everywhere (still reported as a warning).
@@ -126,7 +128,8 @@ def compare(
             entries = _compare_outputs(spec, torch_out, run.outputs, judge)
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
-                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed)
+                others = _own_parameters(torch_fn)
+                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed, others)
     return ParityReport(tuple(entries))
 
 
@@ -319,6 +322,16 @@ def _named_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tens
     return {}
 
 
+def _own_parameters(torch_fn: Any) -> list[torch.Tensor]:
+    """A module's (or graphed callable's) parameters, less a lazy module's uninitialized ones:
+    a graphed backward may add into their ``.grad`` inside its graph, where no autograd node of
+    the outputs' graph leads to them."""
+    named = getattr(torch_fn, "named_parameters", None)
+    if not callable(named):
+        return []
+    return [p for _, p in named() if not torch.nn.parameter.is_lazy(p)]
+
+
 def _refuse_inference_params(named: Mapping[str, torch.Tensor]) -> None:
     """Refuse parameters made under ``torch.inference_mode()`` when gradients are compared:
     torch cannot differentiate through them (its error, from inside torch_fn, names none)."""
@@ -359,9 +372,10 @@ class _KeptParams:
                 raise DualgraphError(
                     f"torch parameter {name!r}: torch_fn's backward updated it in place (e.g. an "
                     "optimizer step in a post-accumulate-grad hook, which also clears its "
-                    ".grad): its gradient, read after the backward, would not be the one the "
-                    "backward computed. Compare a torch_fn whose backward leaves its parameters "
-                    "as they are"
+                    ".grad): compare's backward, of random cotangents, changed it, and its "
+                    "gradient, read after the backward, would not be the one the backward "
+                    "computed. Compare a torch_fn whose backward leaves its parameters as they "
+                    "are"
                 )
             raise DualgraphError(
                 f"torch parameter {name!r}: torch_fn updated it in place (e.g. "
@@ -509,8 +523,10 @@ def _compare_grads(
     kept: _KeptParams,
     judge: Judge,
     seed: int,
+    others: Sequence[torch.Tensor],
 ) -> list[LeafReport]:
-    """The same seeded cotangents through both backwards; input grads, then parameter grads."""
+    """The same seeded cotangents through both backwards; input grads, then parameter grads.
+    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was."""
     assert run.pullback is not None
     rng = np.random.default_rng(seed)
     masked = [
@@ -527,9 +543,12 @@ def _compare_grads(
         torch_grads = read_grads(
             [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
             [*targets, *trainable.values()],
+            others,
         )
-    if params is not None:  # their grads are read after the backward: it must leave them be
-        kept.refuse_updated(in_backward=True)
+    # The backward must leave the parameters be: their grads are read after it, and, compared
+    # or not, a comparison must not step them (an optimizer in a post-accumulate-grad hook).
+    kept.refuse_updated(in_backward=True)
+    if params is not None:
         _refuse_cleared_grads(trainable, torch_grads[len(targets) :], accumulated)
     # torch's gradients are JAX's conjugated, given the conjugate cotangent (see _in_torch_terms)
     cotangent_tree = run.pullback.cotangent_spec.unflatten(

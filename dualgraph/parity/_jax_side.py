@@ -42,7 +42,8 @@ def run_jax(
     """Run ``jax_fn`` on the same inputs as torch (``params`` first, when given).
 
     A plain function is compiled here, every low-precision intermediate rounded as the program
-    says (:data:`AS_WRITTEN`); run it inside :func:`reference_settings`. Inputs shared
+    says (:data:`AS_WRITTEN`), and a :class:`~dualgraph.jax.GraphedCallable` compiled otherwise
+    is compiled again so from its own trace; run it inside :func:`reference_settings`. Inputs shared
     with torch through DLPack are copied first if the program donates them.
     """
     args, kwargs = unflatten([as_jax(t) for t in tensors])
@@ -62,6 +63,11 @@ def _run(
 ) -> JaxRun:
     if isinstance(jax_fn, GraphedCallable):
         program = jax_fn
+        options = program.compiler_options
+        if any(options.get(name) != value for name, value in AS_WRITTEN.items()):
+            # Its own trace, compiled again as written: graphed() leaves XLA's excess precision
+            # on, and a torch side skipping a bfloat16 rounding would match it, not the program.
+            program = program.with_compiler_options(AS_WRITTEN)
     else:
         program = GraphedCallable(
             jax_fn, args, sample_kwargs=kwargs, lazy=True, compiler_options=AS_WRITTEN

@@ -17,6 +17,8 @@ yet a leaf of tiny values is judged at its own scale, never against an absolute 
 scatter by several ulps, so the entry-wise bounds must be loose; the relative L2 error, which
 averages that scatter, stays small and catches what they let through (a leaf scaled by 10% in
 bfloat16). The cosine is the sign and direction check. Integers and bools compare exactly.
+A fill that dwarfs the rest of a leaf (one value, equal on both sides, over ``1 / eps`` times
+every other entry: a mask's ``-1e9``) is left out of ``rms``, the L2 norms and the cosine.
 
 The formats of 8 bits and fewer hold so few values that their limits in ``rtol`` and ``atol``
 reach several of them (``float4_e2m1fn``'s ``2 * eps`` is 100%: a 6 read as 0 passes), and

@@ -64,18 +64,33 @@ def refuse_detached_params(torch_fn: Any, torch_params: Mapping[str, torch.Tenso
     parameter is one), for a ``torch_fn`` whose parameters cannot be listed.
     """
     named = getattr(torch_fn, "named_parameters", None)
-    trained = {}
+    trained: list[tuple[str, torch.Tensor]] = []
     if callable(named):
-        trained = {_where(p): n for n, p in named() if p.requires_grad and p.numel()}
+        trained = [(n, p) for n, p in named() if p.requires_grad and p.numel()]
+    ranges = [(n, _byte_range(p)) for n, p in trained]
+    parameters = {id(p) for _, p in trained}
     for name, tensor in torch_params.items():
-        found = None if tensor.requires_grad or not tensor.numel() else _where(tensor)
-        if found in trained:
+        if id(tensor) in parameters:
+            continue
+        found = _byte_range(tensor)
+        shared = next((n for n, where in ranges if _overlap(found, where)), None)
+        if shared is None:
+            continue
+        if not tensor.requires_grad and found == dict(ranges)[shared]:
             raise DualgraphError(
                 f"torch_params[{name!r}] holds the memory of torch_fn's trained parameter "
-                f"{trained[found]!r} but is detached from it (state_dict() detaches): its grad "
+                f"{shared!r} but is detached from it (state_dict() detaches): its grad "
                 "would be read as frozen and never compared. Pass the parameters themselves, "
                 "e.g. dict(module.named_parameters())"
             )
+        raise DualgraphError(
+            f"torch_params[{name!r}] holds memory of torch_fn's trained parameter {shared!r} "
+            "but is not that parameter (a view or a detached part of it: w[:3] under no_grad, "
+            "w.detach()[:3], w.data[:3]): torch fills the .grad of the parameter itself, so "
+            "this one's gradient would read as zero, or as frozen, and the parameter's would "
+            "never be compared. Pass the parameters themselves, e.g. "
+            "dict(module.named_parameters()), and split them in params_from_torch"
+        )
     values = torch_params.values()
     if values and not any(t.requires_grad or isinstance(t, torch.nn.Parameter) for t in values):
         raise DualgraphError(
@@ -101,9 +116,22 @@ def refuse_computed_params(torch_params: Mapping[str, torch.Tensor]) -> None:
             )
 
 
-def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Where a tensor's values live: its device, first address, shape and strides."""
-    return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
+def _byte_range(tensor: torch.Tensor) -> tuple[Any, int, int, int] | None:
+    """Where a strided tensor's values live: its device, its storage's address and the bytes
+    ``[start, end)`` of that storage its entries span; ``None`` for an empty or sparse one."""
+    if tensor.layout != torch.strided or not tensor.numel():
+        return None
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    span = 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.device, tensor.untyped_storage().data_ptr(), start, start + span * size
+
+
+def _overlap(a: tuple[Any, int, int, int] | None, b: tuple[Any, int, int, int] | None) -> bool:
+    """Whether two byte ranges of :func:`_byte_range` share a byte."""
+    if a is None or b is None or a[:2] != b[:2]:
+        return False
+    return a[2] < b[3] and b[2] < a[3]
 
 
 def _shown_type(value: Any) -> str:
@@ -120,19 +148,25 @@ def torch_device(values: Iterable[Any]) -> torch.device:
 
 
 def read_grads(
-    outputs: Sequence[tuple[torch.Tensor, np.ndarray]], leaves: Sequence[torch.Tensor]
+    outputs: Sequence[tuple[torch.Tensor, np.ndarray]],
+    leaves: Sequence[torch.Tensor],
+    others: Iterable[torch.Tensor] = (),
 ) -> list[torch.Tensor | None]:
     """The ``.grad`` that one backward of the cotangents gives each leaf (inputs, parameters).
 
     ``outputs`` pairs each masked output with its cotangent; outputs that do not require grad
     take no part. Read from ``.grad`` rather than through ``torch.autograd.grad`` so that
     graphed callables that accumulate parameter grads inside their backward graph are measured
-    as users see them; the leaves' previous ``.grad`` are put back afterwards.
+    as users see them; the leaves' previous ``.grad`` are put back afterwards, and so are those
+    of ``others`` (tensors not read, e.g. a module's parameters) and of every other leaf the
+    outputs' graph reaches (the parameters a function closes over): the backward adds into
+    them too, and a comparison between training steps must leave them as they were.
     """
     live = [(t, ct) for t, ct in outputs if t.requires_grad]
-    saved = [leaf.grad for leaf in leaves]
+    touched = list({id(t): t for t in [*leaves, *others, *_leaves_reached(live)]}.values())
+    saved = [leaf.grad for leaf in touched]
     try:
-        for leaf in leaves:
+        for leaf in touched:
             leaf.grad = None
         if live:
             with full_precision():
@@ -141,8 +175,28 @@ def read_grads(
                 )
         return [None if leaf.grad is None else leaf.grad.detach().clone() for leaf in leaves]
     finally:
-        for leaf, grad in zip(leaves, saved, strict=True):
+        for leaf, grad in zip(touched, saved, strict=True):
             leaf.grad = grad
+
+
+def _leaves_reached(outputs: Sequence[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+    """The leaf tensors whose ``.grad`` a backward from ``outputs`` adds into (those of their
+    graph's ``AccumulateGrad`` nodes)."""
+    found: list[torch.Tensor] = []
+    seen: dict[int, Any] = {}  # the nodes themselves kept: an id is unique while they live
+    pending = [t.grad_fn for t, _ in outputs]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    # An output that is itself a leaf (returned as it was given) has no grad_fn.
+    found.extend(t for t, _ in outputs if t.grad_fn is None)
+    return found
 
 
 @contextlib.contextmanager
