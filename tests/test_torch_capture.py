@@ -547,6 +547,42 @@ def test_an_input_the_callable_makes_require_grad_is_refused_naming_it(backend: 
     assert torch.equal(graphed(x)[1], x.detach().cos())
 
 
+class HooksItsInput(nn.Module):
+    """Puts a grad hook on its input, as code scaling the grad sent back to the layer before."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "grad":
+            x.register_hook(lambda grad: grad * 2)
+        else:
+            x.register_post_accumulate_grad_hook(lambda leaf: None)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("kind", ["grad", "post_accumulate"])
+def test_a_hook_the_callable_puts_on_its_input_is_refused_naming_it(
+    backend: str, kind: str
+) -> None:
+    # Graphed: each warmup's and each emulated replay's hook stayed on the static input, so the
+    # input's grad was 16 times eager's at the first call and doubled again on every call; the
+    # caller's tensor got no hook.
+    device = device_of(backend)
+    module = HooksItsInput(kind).to(device)
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend
+    )
+    assert message.startswith(
+        f"capturing HooksItsInput ({backend}) failed during warmup: args[0]: the callable "
+        "registers a "
+    )
+    assert "Register the hook on the tensor you pass, outside the callable" in message
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

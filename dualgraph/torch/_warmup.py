@@ -224,6 +224,36 @@ def _refuse_inputs_given_a_history(item: _Capture) -> None:
             )
 
 
+def _refuse_inputs_given_hooks(item: _Capture) -> None:
+    """Refuse an input the callable put a grad hook on (``x.register_hook(lambda g: g * 2)``,
+    ``x.register_post_accumulate_grad_hook``).
+
+    Eager puts it on the caller's tensor. It went on the static input instead: each warmup's
+    (and each emulated replay's) hook stayed there and acted on every later backward, so the
+    grad was doubled once more on every call (on CUDA, a factor fixed at capture), and the
+    caller's tensor got none.
+
+    >>> x = torch.zeros(2, requires_grad=True)
+    >>> handle = x.register_hook(lambda grad: grad * 2)
+    >>> len(x._backward_hooks)
+    1
+    """
+    paths = item.request.inputs.paths
+    for i, t in enumerate(item.static_inputs):
+        if t._backward_hooks:
+            kind = "a grad hook (x.register_hook)"
+        elif t._post_accumulate_grad_hooks:
+            kind = "a post-accumulate-grad hook (x.register_post_accumulate_grad_hook)"
+        else:
+            continue
+        raise Refused(
+            f"{paths[i]}: the callable registers {kind} on this input: eager puts it on the "
+            "caller's tensor, a replay's input is a buffer of its own, where each call's hook "
+            "would stay and act on the grads of every later call (and the caller's tensor would "
+            "get none). Register the hook on the tensor you pass, outside the callable"
+        )
+
+
 def _warmup(
     item: _Capture, allow_unused: bool, *, inspect: bool
 ) -> tuple[torch.Tensor | None, ...]:
@@ -255,6 +285,7 @@ def _warmup(
     item.reads_grad_mode |= reads.grad_mode
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
     _refuse_inputs_given_a_history(item)
+    _refuse_inputs_given_hooks(item)
     after_forward = [t._version for t in item.static_inputs]
     if bits:
         with _unobserved():
