@@ -583,6 +583,44 @@ def test_a_hook_the_callable_puts_on_its_input_is_refused_naming_it(
     assert "Register the hook on the tensor you pass, outside the callable" in message
 
 
+class ReshapesItsMaskInPlace(nn.Module):
+    """Reshapes its mask argument in place (``mask.unsqueeze_(-1)``), as older code does."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.op == "squeeze_":
+            mask.squeeze_(-1)
+        else:
+            mask.unsqueeze_(-1)
+        return self.fc(x) * mask.reshape(x.shape)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("op", ["squeeze_", "unsqueeze_"])
+def test_an_input_the_callable_reshapes_in_place_is_refused_naming_it(
+    backend: str, op: str
+) -> None:
+    # Graphed, each warmup call reshaped the static input again, and every call then failed
+    # copying the caller's mask into it with torch's broadcast error ('output with shape ...
+    # doesn't match the broadcast shape ...'), naming neither the input nor the op.
+    device = device_of(backend)
+    mask = (
+        torch.ones(2, 4, 1, device=device) if op == "squeeze_" else torch.ones(2, 4, device=device)
+    )
+    sample = (torch.randn(2, 4, device=device, requires_grad=True), mask)
+    message = capture_error(ReshapesItsMaskInPlace(op).to(device), sample, backend=backend)
+    assert message.startswith(
+        f"capturing ReshapesItsMaskInPlace ({backend}) failed during warmup: args[1]: the "
+        "callable changes this input's sizes, strides, dtype or memory in place"
+    )
+    assert "Use the op that returns a new tensor" in message
+    assert mask.shape == sample[1].shape and mask.dim() == (3 if op == "squeeze_" else 2)
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

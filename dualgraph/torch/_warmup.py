@@ -224,6 +224,40 @@ def _refuse_inputs_given_a_history(item: _Capture) -> None:
             )
 
 
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What an in-place op on a tensor's metadata changes: dtype, sizes, strides, memory."""
+    return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.data_ptr()
+
+
+def _refuse_inputs_relaid(item: _Capture, layouts: Sequence[tuple[Any, ...]]) -> None:
+    """Refuse an input whose sizes, strides, dtype or memory the callable changed in place
+    (``mask.squeeze_(1)``, ``x.t_()``, ``x.resize_(...)``, ``x.data = ...``).
+
+    Eager changes the caller's tensor. It changed the static input instead, so every call's
+    copy into it failed with torch's broadcast error (``squeeze_``), or the next warmup saw
+    another input and failed as 'the outputs differ from one call to the next'
+    (``unsqueeze_``), naming neither the input nor the op.
+
+    >>> mask = torch.ones(2, 1, 3)
+    >>> before = _layout(mask)
+    >>> _ = mask.squeeze_(1)
+    >>> _layout(mask) == before
+    False
+    """
+    paths = item.request.inputs.paths
+    for i, (t, layout) in enumerate(zip(item.static_inputs, layouts, strict=True)):
+        if _layout(t) != layout:
+            dtype, shape, stride, _ = layout
+            raise Refused(
+                f"{paths[i]}: the callable changes this input's sizes, strides, dtype or memory "
+                f"in place (x.squeeze_(), x.unsqueeze_(), x.t_(), x.resize_(), x.data = ...: "
+                f"{dtype_name(dtype)}{list(shape)} with strides {stride} before the call, "
+                f"{dtype_name(t.dtype)}{list(t.shape)} with strides {t.stride()} after): eager "
+                "changes the caller's tensor, a replay's input is a buffer of its own, laid out "
+                "once. Use the op that returns a new tensor (mask = mask.squeeze(1))"
+            )
+
+
 def _refuse_inputs_given_hooks(item: _Capture) -> None:
     """Refuse an input the callable put a grad hook on (``x.register_hook(lambda g: g * 2)``,
     ``x.register_post_accumulate_grad_hook``).
@@ -258,6 +292,7 @@ def _warmup(
     item: _Capture, allow_unused: bool, *, inspect: bool
 ) -> tuple[torch.Tensor | None, ...]:
     before = [t._version for t in item.static_inputs]
+    layouts = list(map(_layout, item.static_inputs))
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
     bits = []
@@ -284,6 +319,7 @@ def _warmup(
                 outputs = _run(item)
     item.reads_grad_mode |= reads.grad_mode
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
+    _refuse_inputs_relaid(item, layouts)
     _refuse_inputs_given_a_history(item)
     _refuse_inputs_given_hooks(item)
     after_forward = [t._version for t in item.static_inputs]
