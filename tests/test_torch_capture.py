@@ -621,6 +621,33 @@ def test_an_input_the_callable_reshapes_in_place_is_refused_naming_it(
     assert mask.shape == sample[1].shape and mask.dim() == (3 if op == "squeeze_" else 2)
 
 
+class RetainsItsOutputsGrad(nn.Module):
+    """Keeps the grad of what it returns (``h.retain_grad()``), as an attribution method may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        h.retain_grad()
+        return x.sin(), h
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_the_callable_retains_the_grad_of_is_refused_naming_it(backend: str) -> None:
+    # Graphed, the output handed out had .grad None after the backward (and torch warned about
+    # reading a non-leaf's .grad), where eager's held the grad.
+    device = device_of(backend)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(RetainsItsOutputsGrad().to(device), sample, backend=backend)
+    assert message.startswith(
+        f"capturing RetainsItsOutputsGrad ({backend}) failed during warmup: output[1]: the "
+        "callable calls retain_grad() on it"
+    )
+    assert "Call retain_grad() on the output the call returns" in message
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

@@ -258,6 +258,27 @@ def _refuse_inputs_relaid(item: _Capture, layouts: Sequence[tuple[Any, ...]]) ->
             )
 
 
+def _refuse_outputs_retaining_grad(flat: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
+    """Refuse an output the callable called ``retain_grad()`` on.
+
+    Eager's output is that tensor, whose ``.grad`` the backward fills. A replay hands out a
+    tensor of its own, whose ``.grad`` stayed ``None`` (with torch's warning about reading a
+    non-leaf's ``.grad``).
+
+    >>> h = torch.ones(2, requires_grad=True) * 2
+    >>> h.retain_grad()
+    >>> h.retains_grad
+    True
+    """
+    for path, tensor in zip(paths, flat, strict=True):
+        if tensor.retains_grad:
+            raise Refused(
+                f"output{path}: the callable calls retain_grad() on it: eager returns that "
+                "tensor, whose .grad its backward fills, a replay hands out a tensor of its own, "
+                "whose .grad would stay None. Call retain_grad() on the output the call returns"
+            )
+
+
 def _refuse_inputs_given_hooks(item: _Capture) -> None:
     """Refuse an input the callable put a grad hook on (``x.register_hook(lambda g: g * 2)``,
     ``x.register_post_accumulate_grad_hook``).
@@ -335,6 +356,7 @@ def _warmup(
     diff_inputs = item.diff_inputs()
     if inspect:
         assert item.out_spec is not None
+        _refuse_outputs_retaining_grad(flat, item.out_spec.array_paths)
         item.output_aliases = find_output_aliases(
             flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
         )
