@@ -648,6 +648,54 @@ def test_an_output_the_callable_retains_the_grad_of_is_refused_naming_it(backend
     assert "Call retain_grad() on the output the call returns" in message
 
 
+class ChangesItsBatch(nn.Module):
+    """Changes the dict it is given: pops the labels, replaces or adds an entry."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.change = change
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.change == "pop":
+            return self.fc(batch["x"]) * batch.pop("labels")
+        if self.change == "replace":
+            batch["x"] = batch["x"] * 2
+        else:
+            batch["hidden"] = self.fc(batch["x"])
+        return self.fc(batch["x"]) * batch["labels"]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("change", "path", "found"),
+    [
+        ("pop", "args[0]['labels']", "missing (expected float32[2, 4])"),
+        ("replace", "args[0]['x']", "another value was put in its place"),
+        ("add", "args[0]['hidden']", "unexpected entry float32[2, 4]"),
+    ],
+)
+def test_a_callable_changing_its_input_containers_is_refused_naming_the_entry(
+    backend: str, change: str, path: str, found: str
+) -> None:
+    # Eager changes the caller's dict (a fresh one each call). The static dict kept the change:
+    # pop failed graphing with the callable's own "KeyError: 'labels'", replace with torch's
+    # 'Trying to backward through the graph a second time', and add was graphed, the key missing
+    # from the caller's dict after each call.
+    device = device_of(backend)
+    batch = {
+        "x": torch.randn(2, 4, device=device, requires_grad=True),
+        "labels": torch.randn(2, 4, device=device),
+    }
+    message = capture_error(ChangesItsBatch(change).to(device), (batch,), backend=backend)
+    assert message.startswith(
+        f"capturing ChangesItsBatch ({backend}) failed during warmup: {path}: the callable "
+        f"changes the containers of its inputs in place (after the call: {found}): "
+    )
+    assert "Copy the container in the callable before changing it" in message
+    assert sorted(batch) == ["labels", "x"]
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import DualgraphError
+from .._errors import DualgraphError, SpecMismatchError
 from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
@@ -224,6 +224,46 @@ def _refuse_inputs_given_a_history(item: _Capture) -> None:
             )
 
 
+def _refuse_changed_containers(item: _Capture) -> None:
+    """Refuse a callable that changes the containers of its inputs in place
+    (``labels = batch.pop("labels")``, ``batch["x"] = batch["x"] * 2``, a list's ``append``).
+
+    Eager changes the caller's dict, list or object, and gets a fresh one on each call. The
+    static containers kept the change instead, so the next warmup call failed with the
+    callable's own error (``KeyError: 'labels'``) or torch's ('Trying to backward through the
+    graph a second time'), or a key the callable added was missing from the caller's dict.
+
+    >>> batch = {"x": torch.zeros(2), "labels": torch.zeros(2)}
+    >>> _ = batch.pop("labels")
+    >>> sorted(batch)
+    ['x']
+    """
+    inputs = item.request.inputs
+    try:
+        leaves = inputs.spec.flatten(item.static_args, item.static_kwargs)
+    except SpecMismatchError as error:
+        path = error.path or "the inputs"
+        found = str(error).removeprefix(f"{path}: ")
+    else:
+        changed = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(leaves, item.static_inputs, strict=True))
+                if a is not b
+            ),
+            None,
+        )
+        if changed is None:
+            return
+        path, found = inputs.paths[changed], "another value was put in its place"
+    raise Refused(
+        f"{path}: the callable changes the containers of its inputs in place (after the call: "
+        f"{found}): eager changes the caller's dict, list or object, a replay runs no Python and "
+        "leaves them as they were. Copy the container in the callable before changing it "
+        "(batch = dict(batch)), and return what it adds as an output"
+    )
+
+
 def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
     """What an in-place op on a tensor's metadata changes: dtype, sizes, strides, memory."""
     return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.data_ptr()
@@ -340,6 +380,7 @@ def _warmup(
                 outputs = _run(item)
     item.reads_grad_mode |= reads.grad_mode
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
+    _refuse_changed_containers(item)
     _refuse_inputs_relaid(item, layouts)
     _refuse_inputs_given_a_history(item)
     _refuse_inputs_given_hooks(item)
