@@ -696,6 +696,42 @@ def test_a_callable_changing_its_input_containers_is_refused_naming_the_entry(
     assert sorted(batch) == ["labels", "x"]
 
 
+class DetachesItsTarget(nn.Module):
+    """Turns off its target's requires_grad in place, as a stop-gradient written with detach_."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.how == "detach_":
+            target.detach_()
+        else:
+            target.requires_grad_(False)
+        return (self.fc(x) - target).square().mean()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["detach_", "requires_grad_"])
+def test_an_input_the_callable_turns_requires_grad_off_on_is_refused_naming_it(
+    backend: str, how: str
+) -> None:
+    # Was refused with torch's 'One of the differentiated Tensors does not require grad'.
+    device = device_of(backend)
+    sample = (
+        torch.randn(2, 4, device=device, requires_grad=True),
+        torch.randn(2, 4, device=device, requires_grad=True),
+    )
+    message = capture_error(DetachesItsTarget(how).to(device), sample, backend=backend)
+    assert message.startswith(
+        f"capturing DetachesItsTarget ({backend}) failed during warmup: args[1]: the callable "
+        "turns requires_grad off on this input"
+    )
+    assert "(x = x.detach())" in message
+    assert sample[1].requires_grad
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

@@ -319,6 +319,27 @@ def _refuse_outputs_retaining_grad(flat: Sequence[torch.Tensor], paths: Sequence
             )
 
 
+def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
+    """Refuse an input requiring grad that the callable turned off (``y.requires_grad_(False)``,
+    ``y.detach_()``): eager turns off the caller's tensor's, which then gets no grad; the
+    static input's was turned off instead, and the warmup's backward failed with torch's 'One
+    of the differentiated Tensors does not require grad', naming no input.
+
+    >>> y = torch.zeros(2, requires_grad=True)
+    >>> y.detach_().requires_grad
+    False
+    """
+    paths = item.request.inputs.paths
+    for i in item.grad_input_indices:
+        if not item.static_inputs[i].requires_grad:
+            raise Refused(
+                f"{paths[i]}: the callable turns requires_grad off on this input "
+                "(x.requires_grad_(False), x.detach_()): eager turns off the caller's tensor's, "
+                "a replay's input is a buffer of its own. Detach it out of place in the callable "
+                "(x = x.detach()), or pass a tensor that does not require grad"
+            )
+
+
 def _refuse_inputs_given_hooks(item: _Capture) -> None:
     """Refuse an input the callable put a grad hook on (``x.register_hook(lambda g: g * 2)``,
     ``x.register_post_accumulate_grad_hook``).
@@ -382,6 +403,7 @@ def _warmup(
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
     _refuse_changed_containers(item)
     _refuse_inputs_relaid(item, layouts)
+    _refuse_inputs_made_to_need_no_grad(item)
     _refuse_inputs_given_a_history(item)
     _refuse_inputs_given_hooks(item)
     after_forward = [t._version for t in item.static_inputs]
