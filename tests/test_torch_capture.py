@@ -590,6 +590,191 @@ def test_an_input_the_callable_makes_require_grad_is_refused_naming_it(backend: 
     assert torch.equal(graphed(x)[1], x.detach().cos())
 
 
+class HooksItsInput(nn.Module):
+    """Puts a grad hook on its input, as code scaling the grad sent back to the layer before."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "grad":
+            x.register_hook(lambda grad: grad * 2)
+        else:
+            x.register_post_accumulate_grad_hook(lambda leaf: None)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("kind", ["grad", "post_accumulate"])
+def test_a_hook_the_callable_puts_on_its_input_is_refused_naming_it(
+    backend: str, kind: str
+) -> None:
+    # Graphed: each warmup's and each emulated replay's hook stayed on the static input, so the
+    # input's grad was 16 times eager's at the first call and doubled again on every call; the
+    # caller's tensor got no hook.
+    device = device_of(backend)
+    module = HooksItsInput(kind).to(device)
+    message = capture_error(
+        module, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend
+    )
+    assert message.startswith(
+        f"capturing HooksItsInput ({backend}) failed during warmup: args[0]: the callable "
+        "registers a "
+    )
+    assert "Register the hook on the tensor you pass, outside the callable" in message
+
+
+class ReshapesItsMaskInPlace(nn.Module):
+    """Reshapes its mask argument in place (``mask.unsqueeze_(-1)``), as older code does."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.op == "squeeze_":
+            mask.squeeze_(-1)
+        else:
+            mask.unsqueeze_(-1)
+        return self.fc(x) * mask.reshape(x.shape)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("op", ["squeeze_", "unsqueeze_"])
+def test_an_input_the_callable_reshapes_in_place_is_refused_naming_it(
+    backend: str, op: str
+) -> None:
+    # Graphed, each warmup call reshaped the static input again, and every call then failed
+    # copying the caller's mask into it with torch's broadcast error ('output with shape ...
+    # doesn't match the broadcast shape ...'), naming neither the input nor the op.
+    device = device_of(backend)
+    mask = (
+        torch.ones(2, 4, 1, device=device) if op == "squeeze_" else torch.ones(2, 4, device=device)
+    )
+    sample = (torch.randn(2, 4, device=device, requires_grad=True), mask)
+    message = capture_error(ReshapesItsMaskInPlace(op).to(device), sample, backend=backend)
+    assert message.startswith(
+        f"capturing ReshapesItsMaskInPlace ({backend}) failed during warmup: args[1]: the "
+        "callable changes this input's sizes, strides, dtype or memory in place"
+    )
+    assert "Use the op that returns a new tensor" in message
+    assert mask.shape == sample[1].shape and mask.dim() == (3 if op == "squeeze_" else 2)
+
+
+class RetainsItsOutputsGrad(nn.Module):
+    """Keeps the grad of what it returns (``h.retain_grad()``), as an attribution method may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        h.retain_grad()
+        return x.sin(), h
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_the_callable_retains_the_grad_of_is_refused_naming_it(backend: str) -> None:
+    # Graphed, the output handed out had .grad None after the backward (and torch warned about
+    # reading a non-leaf's .grad), where eager's held the grad.
+    device = device_of(backend)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(RetainsItsOutputsGrad().to(device), sample, backend=backend)
+    assert message.startswith(
+        f"capturing RetainsItsOutputsGrad ({backend}) failed during warmup: output[1]: the "
+        "callable calls retain_grad() on it"
+    )
+    assert "Call retain_grad() on the output the call returns" in message
+
+
+class ChangesItsBatch(nn.Module):
+    """Changes the dict it is given: pops the labels, replaces or adds an entry."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.change = change
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.change == "pop":
+            return self.fc(batch["x"]) * batch.pop("labels")
+        if self.change == "replace":
+            batch["x"] = batch["x"] * 2
+        else:
+            batch["hidden"] = self.fc(batch["x"])
+        return self.fc(batch["x"]) * batch["labels"]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("change", "path", "found"),
+    [
+        ("pop", "args[0]['labels']", "missing (expected float32[2, 4])"),
+        ("replace", "args[0]['x']", "another value was put in its place"),
+        ("add", "args[0]['hidden']", "unexpected entry float32[2, 4]"),
+    ],
+)
+def test_a_callable_changing_its_input_containers_is_refused_naming_the_entry(
+    backend: str, change: str, path: str, found: str
+) -> None:
+    # Eager changes the caller's dict (a fresh one each call). The static dict kept the change:
+    # pop failed graphing with the callable's own "KeyError: 'labels'", replace with torch's
+    # 'Trying to backward through the graph a second time', and add was graphed, the key missing
+    # from the caller's dict after each call.
+    device = device_of(backend)
+    batch = {
+        "x": torch.randn(2, 4, device=device, requires_grad=True),
+        "labels": torch.randn(2, 4, device=device),
+    }
+    message = capture_error(ChangesItsBatch(change).to(device), (batch,), backend=backend)
+    assert message.startswith(
+        f"capturing ChangesItsBatch ({backend}) failed during warmup: {path}: the callable "
+        f"changes the containers of its inputs in place (after the call: {found}): "
+    )
+    assert "Copy the container in the callable before changing it" in message
+    assert sorted(batch) == ["labels", "x"]
+
+
+class DetachesItsTarget(nn.Module):
+    """Turns off its target's requires_grad in place, as a stop-gradient written with detach_."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.how == "detach_":
+            target.detach_()
+        else:
+            target.requires_grad_(False)
+        return (self.fc(x) - target).square().mean()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["detach_", "requires_grad_"])
+def test_an_input_the_callable_turns_requires_grad_off_on_is_refused_naming_it(
+    backend: str, how: str
+) -> None:
+    # Was refused with torch's 'One of the differentiated Tensors does not require grad'.
+    device = device_of(backend)
+    sample = (
+        torch.randn(2, 4, device=device, requires_grad=True),
+        torch.randn(2, 4, device=device, requires_grad=True),
+    )
+    message = capture_error(DetachesItsTarget(how).to(device), sample, backend=backend)
+    assert message.startswith(
+        f"capturing DetachesItsTarget ({backend}) failed during warmup: args[1]: the callable "
+        "turns requires_grad off on this input"
+    )
+    assert "(x = x.detach())" in message
+    assert sample[1].requires_grad
+
+
 class _ContextNamedVariable(torch.autograd.Function):
     """Doubles; its context holds a tensor requiring grad under AccumulateGrad's attribute name."""
 

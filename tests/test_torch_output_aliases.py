@@ -50,6 +50,10 @@ def _outputs(kind: str, x: torch.Tensor, h: torch.Tensor) -> Any:
         return h.view(2, -1), h
     if kind == "hidden_states":  # HF's output_hidden_states: the last hidden state twice
         return {"last": h, "all": (h * 2, h)}
+    if kind == "expand":  # a view counting more elements than the output it views
+        return h[:1].expand(5, -1), h
+    if kind == "unfold":
+        return h.unfold(0, 2, 1), h
     if kind == "input":
         return x, h
     if kind == "input_view":
@@ -64,6 +68,8 @@ KINDS = [
     "transpose",
     "view_first",
     "hidden_states",
+    "expand",
+    "unfold",
     "input",
     "input_view",
 ]

@@ -7,6 +7,7 @@ replays are refused, what the frozen plan holds, and what the diagnostics count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -490,6 +491,42 @@ def test_an_output_only_inputs_without_grad_reach_needs_no_grad_as_in_eager(
         parameter_names(fn),
         tolerance(backend),
     )
+
+
+class _AuxLossWithGradOnly(nn.Module):
+    """Returns an auxiliary loss where it trains (grad on, its input requiring grad), ``None``
+    where not: an output structure that follows the branch, as a mixture of experts' may."""
+
+    def __init__(self, branch: str) -> None:
+        super().__init__()
+        self.branch = branch
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.fc(x)
+        trains = torch.is_grad_enabled() if self.branch == "grad_mode" else x.requires_grad
+        return h, (h.square().mean() if trains else None)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("branch", ["grad_mode", "requires_grad"])
+def test_a_call_run_eagerly_returns_eagers_outputs_whatever_their_structure(
+    backend: str, branch: str
+) -> None:
+    # The call runs the callable eagerly because its branch may differ from capture's; the
+    # structure of what that branch returns is eager's to choose.
+    device = device_of(backend)
+    module = _AuxLossWithGradOnly(branch).to(device)
+    twin = copy.deepcopy(module)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend)
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad() if branch == "grad_mode" else contextlib.nullcontext():
+        out, aux = module(x)
+        expected, expected_aux = twin(x)
+    assert aux is None and expected_aux is None
+    assert_tensors_match(out, expected, "output[0]", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
 
 
 # -- the order of forward and backward replays ---------------------------------------------------

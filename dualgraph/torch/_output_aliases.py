@@ -196,10 +196,13 @@ def _views_within(
     memory) holds is made from that root; outputs that share no element (``h[0]``, ``h[1]``)
     stay apart, as they are in eager.
     """
-    # Largest first; among equals a tensor of its own, requiring grad, before a view or an alias.
+    # Dense ones first (only a dense one can hold another: an expanded or unfolded view counts
+    # more elements than the output it views), largest first; among equals a tensor of its
+    # own, requiring grad, before a view or an alias.
     order = sorted(
         members,
         key=lambda k: (
+            not is_dense(outputs[k]),
             -outputs[k].numel(),
             not outputs[k].requires_grad,
             outputs[k]._base is not None,

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as _forward_ad
 import torch.autograd.graph as _autograd_graph
+from torch.utils._pytree import tree_leaves as _tree_leaves
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
@@ -808,7 +809,9 @@ class GraphedCallable:
         capture (grad mode off, or an input's ``requires_grad`` other than its sample's, where
         the forward read them): a replay would run the capture's branch. Its inputs are checked
         as a replay's; the values the forward's Python sets on its module are taken as its own
-        (:func:`own_changes_taken_of`), as for a shape bucket's eager fallback."""
+        (:func:`own_changes_taken_of`), as for a shape bucket's eager fallback. Its outputs are
+        eager's, whatever their structure (``(h, None)`` where the capture's branch returned an
+        auxiliary loss)."""
         plan = self.plan
         grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
         self._inputs.checked_tensors(args, kwargs, grad_enabled)
@@ -828,8 +831,11 @@ class GraphedCallable:
                 run = plan.eager_context
                 with run() if run is not None else contextlib.nullcontext():
                     outputs = plan.fn(*args, **kwargs)
-        flat = self._out_spec.flatten(outputs, check=True, root="output")
         if self._other_uses is not None:  # "auto": replays in its backward go through autograd
+            try:
+                flat = self._out_spec.flatten(outputs)
+            except DualgraphError:  # eager's branch returns another structure: it is eager's
+                flat = _tree_leaves(outputs)
             self._other_uses.track(flat)
         self.diagnostics.eager_calls += 1
         return outputs

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import DualgraphError
+from .._errors import DualgraphError, SpecMismatchError
 from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
@@ -231,10 +231,157 @@ def _refuse_inputs_given_a_history(item: _Capture) -> None:
             )
 
 
+def _refuse_changed_containers(item: _Capture) -> None:
+    """Refuse a callable that changes the containers of its inputs in place
+    (``labels = batch.pop("labels")``, ``batch["x"] = batch["x"] * 2``, a list's ``append``).
+
+    Eager changes the caller's dict, list or object, and gets a fresh one on each call. The
+    static containers kept the change instead, so the next warmup call failed with the
+    callable's own error (``KeyError: 'labels'``) or torch's ('Trying to backward through the
+    graph a second time'), or a key the callable added was missing from the caller's dict.
+
+    >>> batch = {"x": torch.zeros(2), "labels": torch.zeros(2)}
+    >>> _ = batch.pop("labels")
+    >>> sorted(batch)
+    ['x']
+    """
+    inputs = item.request.inputs
+    try:
+        leaves = inputs.spec.flatten(item.static_args, item.static_kwargs)
+    except SpecMismatchError as error:
+        path = error.path or "the inputs"
+        found = str(error).removeprefix(f"{path}: ")
+    else:
+        changed = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(leaves, item.static_inputs, strict=True))
+                if a is not b
+            ),
+            None,
+        )
+        if changed is None:
+            return
+        path, found = inputs.paths[changed], "another value was put in its place"
+    raise Refused(
+        f"{path}: the callable changes the containers of its inputs in place (after the call: "
+        f"{found}): eager changes the caller's dict, list or object, a replay runs no Python and "
+        "leaves them as they were. Copy the container in the callable before changing it "
+        "(batch = dict(batch)), and return what it adds as an output"
+    )
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What an in-place op on a tensor's metadata changes: dtype, sizes, strides, memory."""
+    return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.data_ptr()
+
+
+def _refuse_inputs_relaid(item: _Capture, layouts: Sequence[tuple[Any, ...]]) -> None:
+    """Refuse an input whose sizes, strides, dtype or memory the callable changed in place
+    (``mask.squeeze_(1)``, ``x.t_()``, ``x.resize_(...)``, ``x.data = ...``).
+
+    Eager changes the caller's tensor. It changed the static input instead, so every call's
+    copy into it failed with torch's broadcast error (``squeeze_``), or the next warmup saw
+    another input and failed as 'the outputs differ from one call to the next'
+    (``unsqueeze_``), naming neither the input nor the op.
+
+    >>> mask = torch.ones(2, 1, 3)
+    >>> before = _layout(mask)
+    >>> _ = mask.squeeze_(1)
+    >>> _layout(mask) == before
+    False
+    """
+    paths = item.request.inputs.paths
+    for i, (t, layout) in enumerate(zip(item.static_inputs, layouts, strict=True)):
+        if _layout(t) != layout:
+            dtype, shape, stride, _ = layout
+            raise Refused(
+                f"{paths[i]}: the callable changes this input's sizes, strides, dtype or memory "
+                f"in place (x.squeeze_(), x.unsqueeze_(), x.t_(), x.resize_(), x.data = ...: "
+                f"{dtype_name(dtype)}{list(shape)} with strides {stride} before the call, "
+                f"{dtype_name(t.dtype)}{list(t.shape)} with strides {t.stride()} after): eager "
+                "changes the caller's tensor, a replay's input is a buffer of its own, laid out "
+                "once. Use the op that returns a new tensor (mask = mask.squeeze(1))"
+            )
+
+
+def _refuse_outputs_retaining_grad(flat: Sequence[torch.Tensor], paths: Sequence[str]) -> None:
+    """Refuse an output the callable called ``retain_grad()`` on.
+
+    Eager's output is that tensor, whose ``.grad`` the backward fills. A replay hands out a
+    tensor of its own, whose ``.grad`` stayed ``None`` (with torch's warning about reading a
+    non-leaf's ``.grad``).
+
+    >>> h = torch.ones(2, requires_grad=True) * 2
+    >>> h.retain_grad()
+    >>> h.retains_grad
+    True
+    """
+    for path, tensor in zip(paths, flat, strict=True):
+        if tensor.retains_grad:
+            raise Refused(
+                f"output{path}: the callable calls retain_grad() on it: eager returns that "
+                "tensor, whose .grad its backward fills, a replay hands out a tensor of its own, "
+                "whose .grad would stay None. Call retain_grad() on the output the call returns"
+            )
+
+
+def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
+    """Refuse an input requiring grad that the callable turned off (``y.requires_grad_(False)``,
+    ``y.detach_()``): eager turns off the caller's tensor's, which then gets no grad; the
+    static input's was turned off instead, and the warmup's backward failed with torch's 'One
+    of the differentiated Tensors does not require grad', naming no input.
+
+    >>> y = torch.zeros(2, requires_grad=True)
+    >>> y.detach_().requires_grad
+    False
+    """
+    paths = item.request.inputs.paths
+    for i in item.grad_input_indices:
+        if not item.static_inputs[i].requires_grad:
+            raise Refused(
+                f"{paths[i]}: the callable turns requires_grad off on this input "
+                "(x.requires_grad_(False), x.detach_()): eager turns off the caller's tensor's, "
+                "a replay's input is a buffer of its own. Detach it out of place in the callable "
+                "(x = x.detach()), or pass a tensor that does not require grad"
+            )
+
+
+def _refuse_inputs_given_hooks(item: _Capture) -> None:
+    """Refuse an input the callable put a grad hook on (``x.register_hook(lambda g: g * 2)``,
+    ``x.register_post_accumulate_grad_hook``).
+
+    Eager puts it on the caller's tensor. It went on the static input instead: each warmup's
+    (and each emulated replay's) hook stayed there and acted on every later backward, so the
+    grad was doubled once more on every call (on CUDA, a factor fixed at capture), and the
+    caller's tensor got none.
+
+    >>> x = torch.zeros(2, requires_grad=True)
+    >>> handle = x.register_hook(lambda grad: grad * 2)
+    >>> len(x._backward_hooks)
+    1
+    """
+    paths = item.request.inputs.paths
+    for i, t in enumerate(item.static_inputs):
+        if t._backward_hooks:
+            kind = "a grad hook (x.register_hook)"
+        elif t._post_accumulate_grad_hooks:
+            kind = "a post-accumulate-grad hook (x.register_post_accumulate_grad_hook)"
+        else:
+            continue
+        raise Refused(
+            f"{paths[i]}: the callable registers {kind} on this input: eager puts it on the "
+            "caller's tensor, a replay's input is a buffer of its own, where each call's hook "
+            "would stay and act on the grads of every later call (and the caller's tensor would "
+            "get none). Register the hook on the tensor you pass, outside the callable"
+        )
+
+
 def _warmup(
     item: _Capture, allow_unused: bool, *, inspect: bool
 ) -> tuple[torch.Tensor | None, ...]:
     before = [t._version for t in item.static_inputs]
+    layouts = list(map(_layout, item.static_inputs))
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
     bits = []
@@ -261,7 +408,11 @@ def _warmup(
                 outputs = _run(item)
     item.reads_grad_mode |= reads.grad_mode
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
+    _refuse_changed_containers(item)
+    _refuse_inputs_relaid(item, layouts)
+    _refuse_inputs_made_to_need_no_grad(item)
     _refuse_inputs_given_a_history(item)
+    _refuse_inputs_given_hooks(item)
     after_forward = [t._version for t in item.static_inputs]
     if bits:
         with _unobserved():
@@ -275,6 +426,7 @@ def _warmup(
     diff_inputs = item.diff_inputs()
     if inspect:
         assert item.out_spec is not None
+        _refuse_outputs_retaining_grad(flat, item.out_spec.array_paths)
         item.output_aliases = find_output_aliases(
             flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
         )
