@@ -1166,6 +1166,48 @@ def test_pad_checks_at_capture_that_padding_stays_out_of_the_outputs(backend: st
     )
 
 
+def dropout_with_scores(x: torch.Tensor, valid_length: Any = None) -> Any:
+    """Draws random numbers, and returns a score per position that dynamic_dims leaves out."""
+    hidden = F.dropout(x, 0.1, training=True)
+    return hidden, hidden.sum(-1)
+
+
+def dropout_masked_off_by_one(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Draws random numbers, and told its full length masks its last position too."""
+    hidden = F.dropout(x, 0.1, training=True)
+    if valid_length is None:
+        return hidden
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length - 1
+    return hidden * keep[:, None]
+
+
+def test_pad_refuses_an_uncut_output_dim_of_a_callable_drawing_random_numbers() -> None:
+    """One bucket (no other to compare output shapes with) and random draws (no values to
+    compare): a padded call handed out scores of the bucket's length, silently."""
+    with pytest.raises(
+        DualgraphError, match=r"output\[1\] has shape \[2, 8\] instead of \[2, 4\] .* padded to 8"
+    ):
+        dgt.make_graphed_callables(
+            dropout_with_scores,
+            buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output[0]": 1},
+            backend="emulate",
+        )
+
+
+def test_pad_compares_told_and_untold_calls_of_a_callable_drawing_random_numbers() -> None:
+    """Told and untold, one seed draws the same numbers: the mask off by one is found."""
+    with pytest.raises(DualgraphError, match=r"told valid_length=4 .*\(a mask off by one"):
+        dgt.make_graphed_callables(
+            dropout_masked_off_by_one,
+            buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+
+
 class TrainingStatistics(nn.Module):
     """Centres features by statistics over positions while training (a normalization of its
     own, no BatchNorm), by a running mean in eval mode, where padding changes nothing."""

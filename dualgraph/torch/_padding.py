@@ -305,9 +305,9 @@ def check_padding_is_masked(
     the outputs, cut back, must agree up to rounding. Per group of buckets that pad into one
     another, the largest is checked first with the smallest bucket's sample, then each bucket
     with the shortest call padded into it (one position longer than the bucket below, or half
-    the smallest bucket's length). A module runs in eval mode (dropout off); a callable that
-    still draws random numbers (its reference differs under two seeds) cannot be judged and is
-    let through.
+    the smallest bucket's length). A module runs in eval mode (dropout off); of a callable that
+    still draws random numbers (its reference differs under two seeds) only the padded call's
+    structure and shapes, cut back, and the call told and untold (one seed) can be compared.
     """
     for members in padding.groups(shapes):
         sizes = {i: int(lengths[i] or 0) for i in members}
@@ -348,8 +348,8 @@ def _compare_padded(
     Compared in eval mode (dropout off), and, for a module captured in training mode, in the
     modes it was captured in too (its replays run in those): a module may mix positions only
     while training (batch statistics of its own, a running mean it updates). Dropout modules
-    draw nothing there (``p`` is 0 for the check); a callable that still draws random numbers
-    cannot be judged in that mode and is let through.
+    draw nothing there (``p`` is 0 for the check); of a callable that still draws random
+    numbers only the structure and shapes of its padded call are judged in that mode.
     """
     module = request.module
     modes = [(m, m.training) for m in module.modules()] if module is not None else []
@@ -418,10 +418,18 @@ def _compare_padded(
             "full length, it must do what it does untold (a mask off by one?); or use "
             "fallback='eager' or 'error'"
         )
-    where = (
+    padded = (
         f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach"
+        f"padded to {full} (with {VALID_LENGTH}={length}){mode}"
     )
+    if kind == "shape":
+        # also for a callable that draws random numbers, whose values cannot be compared
+        raise DualgraphError(
+            f"{padded}: a padded call's outputs, cut back, must be the call's tree and shapes; "
+            "name every output dim that follows the length in dynamic_dims (e.g. "
+            "'output[1]': 1), or use fallback='eager' or 'error'"
+        )
+    where = f"{padded}: padded positions reach"
     if kind == "grads":
         raise DualgraphError(
             f"{where} the grads of the call's own (an op whose backward is inf or NaN at the "
@@ -460,7 +468,8 @@ def _padded_difference(
     check: _PaddedCheck, tensors: list[torch.Tensor], mode: str, sample: bool = True
 ) -> tuple[str, str, str] | None:
     """How the padded call of ``tensors`` differs, in the modules' current modes:
-    ``(difference, kind, mode)`` (kind: ``"padded"`` outputs or buffers, ``"grads"``, or
+    ``(difference, kind, mode)`` (kind: ``"shape"``: the outputs' structure or shapes,
+    ``"padded"``: their values or the buffers', ``"grads"``, or
     ``"untold"``: the call told its full length differs from it called without
     ``valid_length``, as eager calls it), or None. Each call starts from the buffers as
     ``check.saved`` (their values before the check). ``sample``: the sample's own values; else
@@ -515,16 +524,27 @@ def _padded_difference(
     if not sample and not _all_finite(reference):
         return None
     _refuse_lost_views(check.request.name, check.padding, check.guard.paths, reference, given)
-    if _difference(reference, run(tensors, 1), ()) is not None:
-        return None  # it draws random numbers: the two calls cannot be compared
     if sample and check.untold:
+        # told or untold, an unpadded call of one seed draws the same numbers: compared also
+        # for a callable that draws random numbers
         untold = _untold_difference(
             run, tensors, reference, [n for n, _ in check.named_buffers], expected_buffers, updated
         )
         if untold is not None:
             return untold, "untold", mode
+    redrawn = run(tensors, 1)
+    # it draws random numbers: a padded call draws for the padded shape, so values cannot be
+    # compared, but the outputs' structure and shapes can, where two seeds agree on them
+    draws = _difference(reference, redrawn, ()) is not None
+    if draws and (not sample or _shape_difference(reference, redrawn, (), 0) is not None):
+        return None
     found = run(padded, 0)
     cuts = output_cuts(check.padding, describe(found))
+    shapes = _shape_difference(reference, found, cuts, check.length)
+    if shapes is not None:
+        return shapes, "shape", mode
+    if draws:
+        return None
     difference = _difference(reference, found, cuts, check.length)
     if difference is None:
         for (name, _), before, after in zip(
@@ -826,21 +846,49 @@ def _grad_difference(
     return None
 
 
-def _difference(
-    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
+def _shape_difference(
+    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int
 ) -> str | None:
-    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
+    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected`` in
+    structure or shapes, or None: what random draws leave comparable.
+
+    >>> _shape_difference((torch.ones(2, 5),), (torch.ones(2, 8),), ((0, 1),), 5) is None
+    True
+    >>> _shape_difference((torch.ones(2, 5),), (torch.ones(2, 8),), (), 5)
+    'output[0] has shape [2, 8] instead of [2, 5]'
+    """
     spec, other = describe(expected), describe(found)
     difference = difference_but_shapes(spec.leaves, other.leaves)
     if difference is not None:
         path, want, got = difference
         return f"output{path} is {got}, not {want},"
-    arrays = other.flatten(found)
-    for index, dim in cuts:
-        arrays[index] = arrays[index].narrow(dim, 0, length)
+    arrays = _cut_arrays(other, found, cuts, length)
     for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
         if a.shape != b.shape:
             return f"output{leaf.path} has shape {list(b.shape)} instead of {list(a.shape)}"
+    return None
+
+
+def _cut_arrays(
+    spec: TreeSpec, outputs: Any, cuts: Sequence[tuple[int, int]], length: int
+) -> list[Any]:
+    """The arrays of ``outputs`` (described by ``spec``), ``cuts`` narrowed to ``length``."""
+    arrays = spec.flatten(outputs)
+    for index, dim in cuts:
+        arrays[index] = arrays[index].narrow(dim, 0, length)
+    return arrays
+
+
+def _difference(
+    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
+) -> str | None:
+    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
+    difference = _shape_difference(expected, found, cuts, length)
+    if difference is not None:
+        return difference
+    spec = describe(expected)
+    arrays = _cut_arrays(describe(found), found, cuts, length)
+    for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
         gap = _tensor_difference(a, b)
         if gap is not None:
             return f"output{leaf.path} {gap}"
