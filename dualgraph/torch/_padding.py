@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "VALID_LENGTH",
     "Padding",
+    "check_padded_call",
     "check_padded_plans",
     "check_padding_can_be_correct",
     "check_padding_is_masked",
@@ -330,6 +331,30 @@ def check_padding_is_masked(
             _compare_padded(
                 request, padding, guards[sample], tensors, wants_grad, length, sizes[bucket]
             )
+
+
+def check_padded_call(
+    request: BucketRequest,
+    padding: Padding,
+    guard: InputGuard,
+    tensors: Sequence[torch.Tensor],
+    length: int,
+    full: int,
+) -> None:
+    """Refuse, as the capture's check would, a call of ``tensors`` (of ``length`` along the
+    dynamic dims) whose outputs, buffers or grads change when it is padded to ``full`` (a
+    bucket's length; the call's own: only told ``valid_length``). The capture checks a few
+    lengths per bucket; :func:`dualgraph.torch.verify` checks the length of the call it runs.
+    Leaves the module, the ``.grad`` and the random streams as it found them."""
+    _compare_padded(
+        request,
+        padding,
+        guard,
+        [t.detach().clone() for t in tensors],
+        [t.requires_grad for t in tensors],
+        length,
+        full,
+    )
 
 
 def _compare_padded(
