@@ -2004,6 +2004,71 @@ class FusedWgradTokens(nn.Module):
         return _FusedWgrad.apply(x, self.weight)
 
 
+class RunningMean(nn.Module):
+    """Keeps a running mean of its inputs' features; ``masked``: over the positions
+    ``valid_length`` says are the call's own, else over every position (padding too)."""
+
+    def __init__(self, masked: bool = True) -> None:
+        super().__init__()
+        self.masked = masked
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.scaled(x, valid_length)
+
+    def scaled(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        length = x.shape[1] if valid_length is None or not self.masked else valid_length
+        keep = (torch.arange(x.shape[1], device=x.device) < length)[None, :, None]
+        with torch.no_grad():
+            mean = (x * keep).sum((0, 1)) / (length * x.shape[0])
+            self.mean.mul_(0.9).add_(0.1 * mean)
+        return x * 2
+
+
+def _graphed_by(how: str, stat: RunningMean) -> Any:
+    """``stat``'s work as a function closing over it, or as its method."""
+    if how == "method":
+        return stat.scaled
+
+    def scaled(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return stat(x, valid_length)
+
+    return scaled
+
+
+@pytest.mark.parametrize("how", ["function", "method"])
+def test_pad_check_leaves_the_buffers_a_function_or_method_names_as_it_found_them(
+    how: str,
+) -> None:
+    """The check's eager calls updated the running mean of the module a graphed function names
+    (or a graphed method's module), and nothing put it back: graphing moved it."""
+    stat = RunningMean()
+    dgt.make_graphed_callables(
+        _graphed_by(how, stat),
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    assert torch.equal(stat.mean, torch.zeros(4))
+
+
+@pytest.mark.parametrize("how", ["function", "method"])
+def test_pad_refuses_a_function_or_method_whose_buffer_update_counts_the_padding(
+    how: str,
+) -> None:
+    """A module's own buffers were compared; those a graphed function names, or a graphed
+    method's module's, were not: padded calls updated them with the padding counted."""
+    with pytest.raises(DualgraphError, match=r"buffer .*mean \(updated by the call\) differs"):
+        dgt.make_graphed_callables(
+            _graphed_by(how, RunningMean(masked=False)),
+            buckets=[(torch.randn(2, 8, 4),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
     """The padding check runs the callable's backward, which adds into main_grad itself and

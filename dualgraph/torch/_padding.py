@@ -21,6 +21,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._address_ranges import storage_key
 from ._ambient import kept_modes
+from ._closed_over import named_by
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
@@ -378,7 +379,12 @@ def _compare_padded(
     """
     module = request.module
     modes = [(m, m.training) for m in module.modules()] if module is not None else []
-    named_buffers = list(module.named_buffers()) if module is not None else []
+    # a graphed function's or method's: what its code names, as a capture and verify find them
+    named_buffers = (
+        list(module.named_buffers())
+        if module is not None
+        else [(n, t) for n, t in named_by(request.fn) if not t.requires_grad]
+    )
     # every call of every variant starts from these, and they are put back at the end
     saved = [b.detach().clone() for _, b in named_buffers]
     dropouts = [
