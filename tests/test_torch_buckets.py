@@ -2069,6 +2069,44 @@ def test_pad_refuses_a_function_or_method_whose_buffer_update_counts_the_padding
         )
 
 
+def _centred_by(body: nn.Module, masked: bool) -> Any:
+    """A function closing over ``body`` that centres its features over positions: the
+    positions ``valid_length`` says are the call's own (``masked``), or all of them."""
+
+    def centred(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = body(x)
+        if not masked or valid_length is None:
+            return hidden - hidden.mean(1, keepdim=True)
+        keep = (torch.arange(x.shape[1], device=x.device) < valid_length)[None, :, None]
+        return hidden - (hidden * keep).sum(1, keepdim=True) / valid_length
+
+    return centred
+
+
+def test_pad_checks_a_function_naming_a_module_with_dropout_with_its_dropout_off() -> None:
+    """The modules a function names kept their training mode and dropout in the check, which
+    then took the function for one drawing random numbers and let a mean counting the padding
+    through; a module graphed itself gets eval mode (and dropout at p=0 in its own modes)."""
+    body = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)).requires_grad_(False)
+    with pytest.raises(DualgraphError, match=r"centred: output differs .* padded to 8"):
+        dgt.make_graphed_callables(
+            _centred_by(body, masked=False),
+            buckets=[(torch.randn(2, 8, 4),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+    # masked, it passes, its modules' modes and dropout as they were
+    dgt.make_graphed_callables(
+        _centred_by(body, masked=True),
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    assert body.training and body[1].training and body[1].p == 0.1
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
     """The padding check runs the callable's backward, which adds into main_grad itself and

@@ -21,7 +21,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._address_ranges import storage_key
 from ._ambient import kept_modes
-from ._closed_over import named_by
+from ._closed_over import modules_named_by, named_by
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
@@ -228,6 +228,14 @@ def check_padding_can_be_correct(request: BucketRequest) -> None:
                 )
 
 
+def _roots_of(request: BucketRequest) -> list[torch.nn.Module]:
+    """The modules a call of ``request`` runs: the graphed module, or those a graphed
+    function's or method's code names and a method's module (as a capture finds them)."""
+    if request.module is not None:
+        return [request.module]
+    return modules_named_by(request.fn)
+
+
 def check_padded_plans(
     request: BucketRequest,
     padding: Padding,
@@ -373,12 +381,15 @@ def _compare_padded(
 
     Compared in eval mode (dropout off), and, for a module captured in training mode, in the
     modes it was captured in too (its replays run in those): a module may mix positions only
-    while training (batch statistics of its own, a running mean it updates). Dropout modules
+    while training (batch statistics of its own, a running mean it updates). A graphed function
+    or method is judged so by the modules its code names and its method's module. Dropout modules
     draw nothing there (``p`` is 0 for the check); of a callable that still draws random
     numbers only the structure and shapes of its padded call are judged in that mode.
     """
     module = request.module
-    modes = [(m, m.training) for m in module.modules()] if module is not None else []
+    roots = _roots_of(request)
+    # each module once (a function may name a module and one of its submodules)
+    modes = list({id(m): (m, m.training) for root in roots for m in root.modules()}.values())
     # a graphed function's or method's: what its code names, as a capture and verify find them
     named_buffers = (
         list(module.named_buffers())
@@ -422,8 +433,9 @@ def _compare_padded(
                         m.training = was_training
                     for m, _ in dropouts:
                         m.p = 0.0
-                elif module is not None:
-                    module.eval()
+                else:
+                    for root in roots:
+                        root.eval()
                 mode = " in training mode, as captured" if in_training else ""
                 for inputs, shifted in _input_variants(padding, tensors):
                     found = _padded_difference(check, inputs, mode + shifted, sample=not shifted)
