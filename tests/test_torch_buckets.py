@@ -10,6 +10,7 @@ of all buckets is at most 1.25x the pool of the largest bucket captured alone.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import importlib
 import logging
@@ -2105,6 +2106,52 @@ def test_pad_checks_a_function_naming_a_module_with_dropout_with_its_dropout_off
         backend="emulate",
     )
     assert body.training and body[1].training and body[1].p == 0.1
+
+
+class Totalled(nn.Module):
+    """Adds its hidden states, summed over positions, into a total passed in (updated in
+    place); ``masked``: over the positions ``valid_length`` says are the call's own."""
+
+    def __init__(self, masked: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.masked = masked
+
+    def forward(self, x: torch.Tensor, total: torch.Tensor, valid_length: Any = None) -> Any:
+        hidden = self.fc(x)
+        kept = hidden
+        if self.masked and valid_length is not None:
+            keep = torch.arange(x.shape[1], device=x.device) < valid_length
+            kept = hidden * keep[:, None]
+        with torch.no_grad():
+            total.add_(kept.sum(1))
+        return hidden
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_pad_compares_an_input_the_call_updates_in_place(masked: bool) -> None:
+    """An input updated in place (not padded) was left out of the check: a total counting the
+    padded positions (fc(0) is the bias) came back into the caller's tensor off eager's."""
+    module = Totalled(masked)
+    twin = copy.deepcopy(module)
+    graph = functools.partial(
+        dgt.make_graphed_callables,
+        module,
+        buckets=[(torch.randn(2, 8, 4, requires_grad=True), torch.zeros(2, 4))],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    if not masked:
+        with pytest.raises(DualgraphError, match=r"args\[1\] \(updated by the call\) differs"):
+            graph()
+        return
+    graph()
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    total, expected = torch.zeros(2, 4), torch.zeros(2, 4)
+    module(x, total)
+    twin(x, expected)
+    assert_tensors_match(total, expected, "the total", PAD_TOLERANCE)
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])

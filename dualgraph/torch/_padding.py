@@ -581,7 +581,8 @@ def _padded_difference(
     draws = _difference(reference, redrawn, ()) is not None
     if draws and (not sample or _shape_difference(reference, redrawn, (), 0) is not None):
         return None
-    found = run(padded, 0)
+    given_padded: list[torch.Tensor] = []
+    found = run(padded, 0, given_padded)
     cuts = output_cuts(check.padding, describe(found))
     shapes = _shape_difference(reference, found, cuts, check.length)
     if shapes is not None:
@@ -597,6 +598,8 @@ def _padded_difference(
             if gap is not None:
                 difference = f"buffer {name} (updated by the call) {gap}"
                 break
+    if difference is None:
+        difference = _updated_input_difference(check, given, given_padded)
     if difference is not None:
         return difference, "padded", mode
     if not sample:
@@ -613,6 +616,24 @@ def _padded_difference(
     names += [f"parameter {name}" for name, p in params if p.requires_grad]
     difference = _grad_difference(names, *grads)
     return None if difference is None else (difference, "grads", mode)
+
+
+def _updated_input_difference(
+    check: _PaddedCheck, expected: Sequence[torch.Tensor], found: Sequence[torch.Tensor]
+) -> str | None:
+    """How the inputs a padded call was given (``found``, copies) differ after it from those
+    of the call as it is (``expected``): an input it updates in place (a running total passed
+    in), which a replay copies back into the caller's tensor. Padded inputs are left out: an
+    update of one is refused before (:func:`_refuse_updates_of_the_call`)."""
+    padded = {index for index, _ in check.padding.inputs}
+    for index, (path, before, after) in enumerate(
+        zip(check.guard.paths, expected, found, strict=True)
+    ):
+        if index not in padded:
+            gap = _tensor_difference(before.detach(), after.detach())
+            if gap is not None:
+                return f"{path} (updated by the call) {gap}"
+    return None
 
 
 def _untold_difference(
