@@ -2112,16 +2112,17 @@ class Totalled(nn.Module):
     """Adds its hidden states, summed over positions, into a total passed in (updated in
     place); ``masked``: over the positions ``valid_length`` says are the call's own."""
 
-    def __init__(self, masked: bool) -> None:
+    def __init__(self, masked: bool, off_by: int = 0) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.masked = masked
+        self.off_by = off_by  # a mask off by one where 1
 
     def forward(self, x: torch.Tensor, total: torch.Tensor, valid_length: Any = None) -> Any:
         hidden = self.fc(x)
         kept = hidden
         if self.masked and valid_length is not None:
-            keep = torch.arange(x.shape[1], device=x.device) < valid_length
+            keep = torch.arange(x.shape[1], device=x.device) < valid_length - self.off_by
             kept = hidden * keep[:, None]
         with torch.no_grad():
             total.add_(kept.sum(1))
@@ -2152,6 +2153,22 @@ def test_pad_compares_an_input_the_call_updates_in_place(masked: bool) -> None:
     module(x, total)
     twin(x, expected)
     assert_tensors_match(total, expected, "the total", PAD_TOLERANCE)
+
+
+def test_pad_compares_an_input_updated_in_place_told_and_untold() -> None:
+    """Told its full length, the call masked its last position out of the total (its outputs
+    do not show it): padded and unpadded calls, both told, agree, and every replay, told,
+    updated the caller's total off eager's untold one."""
+    with pytest.raises(
+        DualgraphError, match=r"args\[1\] \(updated by the call\) differs .* told valid_length"
+    ):
+        dgt.make_graphed_callables(
+            Totalled(masked=True, off_by=1),
+            buckets=[(torch.randn(2, 8, 4, requires_grad=True), torch.zeros(2, 4))],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])

@@ -571,7 +571,7 @@ def _padded_difference(
         # told or untold, an unpadded call of one seed draws the same numbers: compared also
         # for a callable that draws random numbers
         untold = _untold_difference(
-            run, tensors, reference, [n for n, _ in check.named_buffers], expected_buffers, updated
+            check, run, tensors, reference, given, expected_buffers, updated
         )
         if untold is not None:
             return untold, "untold", mode
@@ -637,26 +637,34 @@ def _updated_input_difference(
 
 
 def _untold_difference(
+    check: _PaddedCheck,
     run: Callable[..., Any],
     tensors: list[torch.Tensor],
     told: Any,
-    buffer_names: Sequence[str],
+    told_inputs: Sequence[torch.Tensor],
     told_buffers: Sequence[torch.Tensor],
     updated: Callable[[], list[torch.Tensor]],
 ) -> str | None:
     """How the call of ``tensors`` without ``valid_length`` (as eager calls the callable)
     differs from ``told``, its outputs with ``valid_length`` of their full length (as every
-    replay calls it, padded or not), in outputs or updated buffers; None where they agree or
-    where it cannot be called without (a required ``valid_length``: nothing to compare)."""
-    untold = _guarded(lambda: run(tensors, 0, told=False))
+    replay calls it, padded or not), in outputs, updated buffers or inputs it updates in place
+    (``told_inputs``: the told call's copies, after it); None where they agree or where it
+    cannot be called without (a required ``valid_length``: nothing to compare)."""
+    untold_inputs: list[torch.Tensor] = []
+    untold = _guarded(lambda: run(tensors, 0, untold_inputs, told=False))
     if untold is _REFUSED:
         return None
     difference = _difference(untold, told, ())
     if difference is None:
-        for name, before, after in zip(buffer_names, updated(), told_buffers, strict=True):
+        names = [name for name, _ in check.named_buffers]
+        for name, before, after in zip(names, updated(), told_buffers, strict=True):
             gap = _tensor_difference(before, after)
             if gap is not None:
                 return f"buffer {name} (updated by the call) {gap}"
+        for path, before, after in zip(check.guard.paths, untold_inputs, told_inputs, strict=True):
+            gap = _tensor_difference(before.detach(), after.detach())
+            if gap is not None:
+                return f"{path} (updated by the call) {gap}"
     return difference
 
 
