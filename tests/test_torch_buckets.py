@@ -2171,6 +2171,60 @@ def test_pad_compares_an_input_updated_in_place_told_and_untold() -> None:
         )
 
 
+class Scaled(nn.Module):
+    """Scales its input by a buffer it only reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_pad_check_moves_no_version_of_a_buffer_the_callable_only_reads(how: str) -> None:
+    """Each of the check's calls copied the buffers back in with copy_, moving their version:
+    a pending backward that saved one (as eager BatchNorm saves its running statistics)
+    then failed, where graphing changes nothing eager sees."""
+    module = Scaled()
+    weight = torch.randn(4, requires_grad=True)
+    pending = (weight * module.scale).sum()  # saves the buffer for the weight's grad
+
+    def scaled(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return module(x, valid_length)
+
+    dgt.make_graphed_callables(
+        module if how == "module" else scaled,
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    pending.backward()
+    assert torch.equal(weight.grad, module.scale)
+
+
+def test_pad_check_takes_an_expanded_tensor_a_function_only_reads() -> None:
+    """The check writes the tensors a function names back before each call; an expanded one
+    (one element seen four times) cannot be written, and graphing failed for a function that
+    only reads it."""
+    bias = torch.ones(1).expand(4)
+
+    def shifted(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return x + bias
+
+    graphed = dgt.make_graphed_callables(
+        shifted,
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    x = torch.randn(2, 5, 4)
+    assert torch.equal(graphed(x), x + 1)
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_pad_check_leaves_a_fused_main_grad_and_its_flag_as_it_found_them(backend: str) -> None:
     """The padding check runs the callable's backward, which adds into main_grad itself and

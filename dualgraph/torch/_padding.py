@@ -391,11 +391,11 @@ def _compare_padded(
     # each module once (a function may name a module and one of its submodules)
     modes = list({id(m): (m, m.training) for root in roots for m in root.modules()}.values())
     # a graphed function's or method's: what its code names, as a capture and verify find them
-    named_buffers = (
-        list(module.named_buffers())
-        if module is not None
-        else [(n, t) for n, t in named_by(request.fn) if not t.requires_grad]
-    )
+    named_buffers = [
+        (name, tensor)
+        for name, tensor in (module.named_buffers() if module is not None else named_by(request.fn))
+        if not tensor.requires_grad and _writable(tensor)
+    ]
     # every call of every variant starts from these, and they are put back at the end
     saved = [b.detach().clone() for _, b in named_buffers]
     dropouts = [
@@ -488,6 +488,17 @@ def _compare_padded(
     )
 
 
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` share memory (an expanded constant does): only
+    such a tensor can be updated in place, by the call or by the check putting it back.
+
+    >>> _writable(torch.zeros(2, 3)), _writable(torch.zeros(1).expand(4))
+    (True, False)
+    """
+    sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
+    return all(stride or size <= 1 for size, stride in sizes_and_strides)
+
+
 @dataclass(frozen=True)
 class _PaddedCheck:
     """What every comparison of a call with the same call padded shares (one per sample
@@ -531,7 +542,7 @@ def _padded_difference(
     ) -> Any:
         """The call of ``inputs`` (copies, into ``given``), told ``valid_length`` or not."""
         for (_, buffer), value in zip(check.named_buffers, check.saved, strict=True):
-            buffer.copy_(value)  # every call updates them from the same values
+            write_back(buffer, value)  # every call starts from the same values; no version moves
         clones = [t.clone() for t in inputs]
         if given is not None:
             given.extend(clones)
