@@ -10,6 +10,7 @@ of all buckets is at most 1.25x the pool of the largest bucket captured alone.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import importlib
 import logging
@@ -1166,6 +1167,48 @@ def test_pad_checks_at_capture_that_padding_stays_out_of_the_outputs(backend: st
     )
 
 
+def dropout_with_scores(x: torch.Tensor, valid_length: Any = None) -> Any:
+    """Draws random numbers, and returns a score per position that dynamic_dims leaves out."""
+    hidden = F.dropout(x, 0.1, training=True)
+    return hidden, hidden.sum(-1)
+
+
+def dropout_masked_off_by_one(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Draws random numbers, and told its full length masks its last position too."""
+    hidden = F.dropout(x, 0.1, training=True)
+    if valid_length is None:
+        return hidden
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length - 1
+    return hidden * keep[:, None]
+
+
+def test_pad_refuses_an_uncut_output_dim_of_a_callable_drawing_random_numbers() -> None:
+    """One bucket (no other to compare output shapes with) and random draws (no values to
+    compare): a padded call handed out scores of the bucket's length, silently."""
+    with pytest.raises(
+        DualgraphError, match=r"output\[1\] has shape \[2, 8\] instead of \[2, 4\] .* padded to 8"
+    ):
+        dgt.make_graphed_callables(
+            dropout_with_scores,
+            buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output[0]": 1},
+            backend="emulate",
+        )
+
+
+def test_pad_compares_told_and_untold_calls_of_a_callable_drawing_random_numbers() -> None:
+    """Told and untold, one seed draws the same numbers: the mask off by one is found."""
+    with pytest.raises(DualgraphError, match=r"told valid_length=4 .*\(a mask off by one"):
+        dgt.make_graphed_callables(
+            dropout_masked_off_by_one,
+            buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+
+
 class TrainingStatistics(nn.Module):
     """Centres features by statistics over positions while training (a normalization of its
     own, no BatchNorm), by a running mean in eval mode, where padding changes nothing."""
@@ -1960,6 +2003,226 @@ class FusedWgradTokens(nn.Module):
 
     def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
         return _FusedWgrad.apply(x, self.weight)
+
+
+class RunningMean(nn.Module):
+    """Keeps a running mean of its inputs' features; ``masked``: over the positions
+    ``valid_length`` says are the call's own, else over every position (padding too)."""
+
+    def __init__(self, masked: bool = True) -> None:
+        super().__init__()
+        self.masked = masked
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.scaled(x, valid_length)
+
+    def scaled(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        length = x.shape[1] if valid_length is None or not self.masked else valid_length
+        keep = (torch.arange(x.shape[1], device=x.device) < length)[None, :, None]
+        with torch.no_grad():
+            mean = (x * keep).sum((0, 1)) / (length * x.shape[0])
+            self.mean.mul_(0.9).add_(0.1 * mean)
+        return x * 2
+
+
+def _graphed_by(how: str, stat: RunningMean) -> Any:
+    """``stat``'s work as a function closing over it, or as its method."""
+    if how == "method":
+        return stat.scaled
+
+    def scaled(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return stat(x, valid_length)
+
+    return scaled
+
+
+@pytest.mark.parametrize("how", ["function", "method"])
+def test_pad_check_leaves_the_buffers_a_function_or_method_names_as_it_found_them(
+    how: str,
+) -> None:
+    """The check's eager calls updated the running mean of the module a graphed function names
+    (or a graphed method's module), and nothing put it back: graphing moved it."""
+    stat = RunningMean()
+    dgt.make_graphed_callables(
+        _graphed_by(how, stat),
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    assert torch.equal(stat.mean, torch.zeros(4))
+
+
+@pytest.mark.parametrize("how", ["function", "method"])
+def test_pad_refuses_a_function_or_method_whose_buffer_update_counts_the_padding(
+    how: str,
+) -> None:
+    """A module's own buffers were compared; those a graphed function names, or a graphed
+    method's module's, were not: padded calls updated them with the padding counted."""
+    with pytest.raises(DualgraphError, match=r"buffer .*mean \(updated by the call\) differs"):
+        dgt.make_graphed_callables(
+            _graphed_by(how, RunningMean(masked=False)),
+            buckets=[(torch.randn(2, 8, 4),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+
+
+def _centred_by(body: nn.Module, masked: bool) -> Any:
+    """A function closing over ``body`` that centres its features over positions: the
+    positions ``valid_length`` says are the call's own (``masked``), or all of them."""
+
+    def centred(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = body(x)
+        if not masked or valid_length is None:
+            return hidden - hidden.mean(1, keepdim=True)
+        keep = (torch.arange(x.shape[1], device=x.device) < valid_length)[None, :, None]
+        return hidden - (hidden * keep).sum(1, keepdim=True) / valid_length
+
+    return centred
+
+
+def test_pad_checks_a_function_naming_a_module_with_dropout_with_its_dropout_off() -> None:
+    """The modules a function names kept their training mode and dropout in the check, which
+    then took the function for one drawing random numbers and let a mean counting the padding
+    through; a module graphed itself gets eval mode (and dropout at p=0 in its own modes)."""
+    body = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)).requires_grad_(False)
+    with pytest.raises(DualgraphError, match=r"centred: output differs .* padded to 8"):
+        dgt.make_graphed_callables(
+            _centred_by(body, masked=False),
+            buckets=[(torch.randn(2, 8, 4),)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+    # masked, it passes, its modules' modes and dropout as they were
+    dgt.make_graphed_callables(
+        _centred_by(body, masked=True),
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    assert body.training and body[1].training and body[1].p == 0.1
+
+
+class Totalled(nn.Module):
+    """Adds its hidden states, summed over positions, into a total passed in (updated in
+    place); ``masked``: over the positions ``valid_length`` says are the call's own."""
+
+    def __init__(self, masked: bool, off_by: int = 0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.masked = masked
+        self.off_by = off_by  # a mask off by one where 1
+
+    def forward(self, x: torch.Tensor, total: torch.Tensor, valid_length: Any = None) -> Any:
+        hidden = self.fc(x)
+        kept = hidden
+        if self.masked and valid_length is not None:
+            keep = torch.arange(x.shape[1], device=x.device) < valid_length - self.off_by
+            kept = hidden * keep[:, None]
+        with torch.no_grad():
+            total.add_(kept.sum(1))
+        return hidden
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_pad_compares_an_input_the_call_updates_in_place(masked: bool) -> None:
+    """An input updated in place (not padded) was left out of the check: a total counting the
+    padded positions (fc(0) is the bias) came back into the caller's tensor off eager's."""
+    module = Totalled(masked)
+    twin = copy.deepcopy(module)
+    graph = functools.partial(
+        dgt.make_graphed_callables,
+        module,
+        buckets=[(torch.randn(2, 8, 4, requires_grad=True), torch.zeros(2, 4))],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    if not masked:
+        with pytest.raises(DualgraphError, match=r"args\[1\] \(updated by the call\) differs"):
+            graph()
+        return
+    graph()
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    total, expected = torch.zeros(2, 4), torch.zeros(2, 4)
+    module(x, total)
+    twin(x, expected)
+    assert_tensors_match(total, expected, "the total", PAD_TOLERANCE)
+
+
+def test_pad_compares_an_input_updated_in_place_told_and_untold() -> None:
+    """Told its full length, the call masked its last position out of the total (its outputs
+    do not show it): padded and unpadded calls, both told, agree, and every replay, told,
+    updated the caller's total off eager's untold one."""
+    with pytest.raises(
+        DualgraphError, match=r"args\[1\] \(updated by the call\) differs .* told valid_length"
+    ):
+        dgt.make_graphed_callables(
+            Totalled(masked=True, off_by=1),
+            buckets=[(torch.randn(2, 8, 4, requires_grad=True), torch.zeros(2, 4))],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend="emulate",
+        )
+
+
+class Scaled(nn.Module):
+    """Scales its input by a buffer it only reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("how", ["module", "function"])
+def test_pad_check_moves_no_version_of_a_buffer_the_callable_only_reads(how: str) -> None:
+    """Each of the check's calls copied the buffers back in with copy_, moving their version:
+    a pending backward that saved one (as eager BatchNorm saves its running statistics)
+    then failed, where graphing changes nothing eager sees."""
+    module = Scaled()
+    weight = torch.randn(4, requires_grad=True)
+    pending = (weight * module.scale).sum()  # saves the buffer for the weight's grad
+
+    def scaled(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return module(x, valid_length)
+
+    dgt.make_graphed_callables(
+        module if how == "module" else scaled,
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    pending.backward()
+    assert torch.equal(weight.grad, module.scale)
+
+
+def test_pad_check_takes_an_expanded_tensor_a_function_only_reads() -> None:
+    """The check writes the tensors a function names back before each call; an expanded one
+    (one element seen four times) cannot be written, and graphing failed for a function that
+    only reads it."""
+    bias = torch.ones(1).expand(4)
+
+    def shifted(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return x + bias
+
+    graphed = dgt.make_graphed_callables(
+        shifted,
+        buckets=[(torch.randn(2, 8, 4),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend="emulate",
+    )
+    x = torch.randn(2, 5, 4)
+    assert torch.equal(graphed(x), x + 1)
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])

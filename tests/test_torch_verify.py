@@ -406,6 +406,44 @@ def test_a_padded_bucketed_call_is_verified_against_eager_on_the_call_as_replaye
     assert dgt.diagnostics(graphed).padded_calls == (2 if length == 6 else 0)
 
 
+class BlockMaskedMean(nn.Module):
+    """A mean over positions that masks in blocks of 4 positions: right where the call's length
+    is a multiple of 4 (the length the capture's padding check tries, half the bucket's), off
+    elsewhere, where it counts padded positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> Any:
+        hidden = self.fc(x)
+        if valid_length is None:
+            return hidden, hidden.mean(1)
+        blocks = (valid_length + 3) // 4 * 4
+        keep = torch.arange(x.shape[1], device=x.device) < blocks
+        return hidden, (hidden * keep[:, None]).sum(1) / valid_length
+
+
+@pytest.mark.parametrize("length", [4, 5])
+def test_verify_checks_padding_at_the_length_of_the_call_it_runs(length: int) -> None:
+    """The capture checked padding at length 4 only; a call of length 5 padded to 8 differs
+    from eager, and verify, whose eager side is padded as the replay is, said OK."""
+    graphed = dgt.make_graphed_callables(
+        BlockMaskedMean(),
+        buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+        backend="emulate",
+    )
+    report = dgt.verify(graphed, torch.randn(2, length, 4, requires_grad=True))
+    if length == 4:
+        assert report.ok, str(report)
+        return
+    assert [check.path for check in report.failures] == ["padding"], str(report)
+    assert "output[1] differs" in report.failures[0].problem
+    assert "a call of length 5 is padded to 8" in report.failures[0].problem
+
+
 def test_a_module_that_would_run_eagerly_is_refused() -> None:
     graphed = dgt.make_graphed_callables(
         nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"

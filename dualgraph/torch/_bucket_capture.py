@@ -38,6 +38,7 @@ from ._lint import LintReport
 from ._padding import (
     VALID_LENGTH,
     Padding,
+    check_padded_call,
     check_padded_plans,
     check_padding_can_be_correct,
     check_padding_is_masked,
@@ -214,6 +215,11 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
         out_spec=plans[0].outputs if plans[0] is not None else None,
         eager_graphs=eager_graphs,
         hooks=request.hooks,
+        padding_check=(
+            None
+            if padding is None
+            else functools.partial(check_padded_call, request, padding, guard)
+        ),
     )
 
 

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .._errors import SpecMismatchError
+from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._address_ranges import first_sharing, storage_spans
 from ._ambient import autograd_records
@@ -187,6 +187,7 @@ class BucketedCallable:
         out_spec: TreeSpec | None,
         eager_graphs: EagerGraphs | None = None,
         hooks: CallableHooks = NO_HOOKS,
+        padding_check: Callable[[Sequence[torch.Tensor], int, int], None] | None = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -212,6 +213,8 @@ class BucketedCallable:
         self._last: _Bucket | None = None
         self._eager_graphs = eager_graphs
         self._hooks = hooks  # for calls that fall back to eager
+        # fallback="pad": the capture's padding check, for a call of another length (verify)
+        self._padding_check = padding_check
         self._served = 0  # calls a bucket served (replayed, or run eagerly by its runner)
         self._fallback_calls = 0  # calls run eagerly under fallback="eager"
         # What each bucket compares per call (its module's tensors and plain values, or those a
@@ -495,6 +498,41 @@ class BucketedCallable:
             return self._padded(tensors, fn)
 
         return call
+
+    def padding_difference(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why this call, padded up to its bucket (or told its length), would not give what
+        eager gives for it as it is: the capture's padding check at the call's own length
+        (:func:`dualgraph.torch.verify` asks, since the capture checks a few lengths only).
+        None where it would, or where nothing pads the call (no ``fallback="pad"``, or no
+        bucket holds it: the call itself says why).
+
+        >>> import torch, dualgraph.torch as dgt
+        >>> def f(x, valid_length=None):
+        ...     return x * 2
+        >>> g = dgt.make_graphed_callables(f, buckets=[(torch.ones(4),)], fallback="pad",
+        ...     dynamic_dims={"args[0]": 0, "output": 0}, backend="emulate")
+        >>> g.padding_difference((torch.ones(3),), {}) is None
+        True
+        """
+        check = self._padding_check
+        if check is None or self._padding is None:
+            return None
+        try:
+            tensors = self._spec.flatten(args, kwargs)
+            shapes = tuple(map(_shape, tensors))
+            length = self._padding.length_of(shapes)
+        except (SpecMismatchError, AttributeError, TypeError):  # the call itself refuses them
+            return None
+        group = self._groups.get(self._padding.fixed_shapes(shapes))
+        if group is None or not 1 <= length <= group[0][-1]:
+            return None
+        lengths, members = group
+        bucket = members[bisect.bisect_left(lengths, length)]
+        try:
+            check(tensors, length, bucket.length)  # type: ignore[arg-type]
+        except DualgraphError as error:
+            return str(error)
+        return None
 
     # -- checks and messages -------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._address_ranges import storage_key
 from ._ambient import kept_modes
+from ._closed_over import modules_named_by, named_by
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "VALID_LENGTH",
     "Padding",
+    "check_padded_call",
     "check_padded_plans",
     "check_padding_can_be_correct",
     "check_padding_is_masked",
@@ -226,6 +228,14 @@ def check_padding_can_be_correct(request: BucketRequest) -> None:
                 )
 
 
+def _roots_of(request: BucketRequest) -> list[torch.nn.Module]:
+    """The modules a call of ``request`` runs: the graphed module, or those a graphed
+    function's or method's code names and a method's module (as a capture finds them)."""
+    if request.module is not None:
+        return [request.module]
+    return modules_named_by(request.fn)
+
+
 def check_padded_plans(
     request: BucketRequest,
     padding: Padding,
@@ -305,9 +315,9 @@ def check_padding_is_masked(
     the outputs, cut back, must agree up to rounding. Per group of buckets that pad into one
     another, the largest is checked first with the smallest bucket's sample, then each bucket
     with the shortest call padded into it (one position longer than the bucket below, or half
-    the smallest bucket's length). A module runs in eval mode (dropout off); a callable that
-    still draws random numbers (its reference differs under two seeds) cannot be judged and is
-    let through.
+    the smallest bucket's length). A module runs in eval mode (dropout off); of a callable that
+    still draws random numbers (its reference differs under two seeds) only the padded call's
+    structure and shapes, cut back, and the call told and untold (one seed) can be compared.
     """
     for members in padding.groups(shapes):
         sizes = {i: int(lengths[i] or 0) for i in members}
@@ -332,6 +342,30 @@ def check_padding_is_masked(
             )
 
 
+def check_padded_call(
+    request: BucketRequest,
+    padding: Padding,
+    guard: InputGuard,
+    tensors: Sequence[torch.Tensor],
+    length: int,
+    full: int,
+) -> None:
+    """Refuse, as the capture's check would, a call of ``tensors`` (of ``length`` along the
+    dynamic dims) whose outputs, buffers or grads change when it is padded to ``full`` (a
+    bucket's length; the call's own: only told ``valid_length``). The capture checks a few
+    lengths per bucket; :func:`dualgraph.torch.verify` checks the length of the call it runs.
+    Leaves the module, the ``.grad`` and the random streams as it found them."""
+    _compare_padded(
+        request,
+        padding,
+        guard,
+        [t.detach().clone() for t in tensors],
+        [t.requires_grad for t in tensors],
+        length,
+        full,
+    )
+
+
 def _compare_padded(
     request: BucketRequest,
     padding: Padding,
@@ -347,13 +381,21 @@ def _compare_padded(
 
     Compared in eval mode (dropout off), and, for a module captured in training mode, in the
     modes it was captured in too (its replays run in those): a module may mix positions only
-    while training (batch statistics of its own, a running mean it updates). Dropout modules
-    draw nothing there (``p`` is 0 for the check); a callable that still draws random numbers
-    cannot be judged in that mode and is let through.
+    while training (batch statistics of its own, a running mean it updates). A graphed function
+    or method is judged so by the modules its code names and its method's module. Dropout modules
+    draw nothing there (``p`` is 0 for the check); of a callable that still draws random
+    numbers only the structure and shapes of its padded call are judged in that mode.
     """
     module = request.module
-    modes = [(m, m.training) for m in module.modules()] if module is not None else []
-    named_buffers = list(module.named_buffers()) if module is not None else []
+    roots = _roots_of(request)
+    # each module once (a function may name a module and one of its submodules)
+    modes = list({id(m): (m, m.training) for root in roots for m in root.modules()}.values())
+    # a graphed function's or method's: what its code names, as a capture and verify find them
+    named_buffers = [
+        (name, tensor)
+        for name, tensor in (module.named_buffers() if module is not None else named_by(request.fn))
+        if not tensor.requires_grad and _writable(tensor)
+    ]
     # every call of every variant starts from these, and they are put back at the end
     saved = [b.detach().clone() for _, b in named_buffers]
     dropouts = [
@@ -391,8 +433,9 @@ def _compare_padded(
                         m.training = was_training
                     for m, _ in dropouts:
                         m.p = 0.0
-                elif module is not None:
-                    module.eval()
+                else:
+                    for root in roots:
+                        root.eval()
                 mode = " in training mode, as captured" if in_training else ""
                 for inputs, shifted in _input_variants(padding, tensors):
                     found = _padded_difference(check, inputs, mode + shifted, sample=not shifted)
@@ -418,10 +461,18 @@ def _compare_padded(
             "full length, it must do what it does untold (a mask off by one?); or use "
             "fallback='eager' or 'error'"
         )
-    where = (
+    padded = (
         f"fallback='pad': {request.name}: {difference} when a call of length {length} is "
-        f"padded to {full} (with {VALID_LENGTH}={length}){mode}: padded positions reach"
+        f"padded to {full} (with {VALID_LENGTH}={length}){mode}"
     )
+    if kind == "shape":
+        # also for a callable that draws random numbers, whose values cannot be compared
+        raise DualgraphError(
+            f"{padded}: a padded call's outputs, cut back, must be the call's tree and shapes; "
+            "name every output dim that follows the length in dynamic_dims (e.g. "
+            "'output[1]': 1), or use fallback='eager' or 'error'"
+        )
+    where = f"{padded}: padded positions reach"
     if kind == "grads":
         raise DualgraphError(
             f"{where} the grads of the call's own (an op whose backward is inf or NaN at the "
@@ -435,6 +486,17 @@ def _compare_padded(
         "positions in a mean, a sum or a statistic it keeps, mask a softmax over positions); "
         "or use fallback='eager' or 'error'"
     )
+
+
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` share memory (an expanded constant does): only
+    such a tensor can be updated in place, by the call or by the check putting it back.
+
+    >>> _writable(torch.zeros(2, 3)), _writable(torch.zeros(1).expand(4))
+    (True, False)
+    """
+    sizes_and_strides = zip(tensor.shape, tensor.stride(), strict=True)
+    return all(stride or size <= 1 for size, stride in sizes_and_strides)
 
 
 @dataclass(frozen=True)
@@ -460,7 +522,8 @@ def _padded_difference(
     check: _PaddedCheck, tensors: list[torch.Tensor], mode: str, sample: bool = True
 ) -> tuple[str, str, str] | None:
     """How the padded call of ``tensors`` differs, in the modules' current modes:
-    ``(difference, kind, mode)`` (kind: ``"padded"`` outputs or buffers, ``"grads"``, or
+    ``(difference, kind, mode)`` (kind: ``"shape"``: the outputs' structure or shapes,
+    ``"padded"``: their values or the buffers', ``"grads"``, or
     ``"untold"``: the call told its full length differs from it called without
     ``valid_length``, as eager calls it), or None. Each call starts from the buffers as
     ``check.saved`` (their values before the check). ``sample``: the sample's own values; else
@@ -479,7 +542,7 @@ def _padded_difference(
     ) -> Any:
         """The call of ``inputs`` (copies, into ``given``), told ``valid_length`` or not."""
         for (_, buffer), value in zip(check.named_buffers, check.saved, strict=True):
-            buffer.copy_(value)  # every call updates them from the same values
+            write_back(buffer, value)  # every call starts from the same values; no version moves
         clones = [t.clone() for t in inputs]
         if given is not None:
             given.extend(clones)
@@ -515,16 +578,28 @@ def _padded_difference(
     if not sample and not _all_finite(reference):
         return None
     _refuse_lost_views(check.request.name, check.padding, check.guard.paths, reference, given)
-    if _difference(reference, run(tensors, 1), ()) is not None:
-        return None  # it draws random numbers: the two calls cannot be compared
     if sample and check.untold:
+        # told or untold, an unpadded call of one seed draws the same numbers: compared also
+        # for a callable that draws random numbers
         untold = _untold_difference(
-            run, tensors, reference, [n for n, _ in check.named_buffers], expected_buffers, updated
+            check, run, tensors, reference, given, expected_buffers, updated
         )
         if untold is not None:
             return untold, "untold", mode
-    found = run(padded, 0)
+    redrawn = run(tensors, 1)
+    # it draws random numbers: a padded call draws for the padded shape, so values cannot be
+    # compared, but the outputs' structure and shapes can, where two seeds agree on them
+    draws = _difference(reference, redrawn, ()) is not None
+    if draws and (not sample or _shape_difference(reference, redrawn, (), 0) is not None):
+        return None
+    given_padded: list[torch.Tensor] = []
+    found = run(padded, 0, given_padded)
     cuts = output_cuts(check.padding, describe(found))
+    shapes = _shape_difference(reference, found, cuts, check.length)
+    if shapes is not None:
+        return shapes, "shape", mode
+    if draws:
+        return None
     difference = _difference(reference, found, cuts, check.length)
     if difference is None:
         for (name, _), before, after in zip(
@@ -534,6 +609,8 @@ def _padded_difference(
             if gap is not None:
                 difference = f"buffer {name} (updated by the call) {gap}"
                 break
+    if difference is None:
+        difference = _updated_input_difference(check, given, given_padded)
     if difference is not None:
         return difference, "padded", mode
     if not sample:
@@ -552,27 +629,53 @@ def _padded_difference(
     return None if difference is None else (difference, "grads", mode)
 
 
+def _updated_input_difference(
+    check: _PaddedCheck, expected: Sequence[torch.Tensor], found: Sequence[torch.Tensor]
+) -> str | None:
+    """How the inputs a padded call was given (``found``, copies) differ after it from those
+    of the call as it is (``expected``): an input it updates in place (a running total passed
+    in), which a replay copies back into the caller's tensor. Padded inputs are left out: an
+    update of one is refused before (:func:`_refuse_updates_of_the_call`)."""
+    padded = {index for index, _ in check.padding.inputs}
+    for index, (path, before, after) in enumerate(
+        zip(check.guard.paths, expected, found, strict=True)
+    ):
+        if index not in padded:
+            gap = _tensor_difference(before.detach(), after.detach())
+            if gap is not None:
+                return f"{path} (updated by the call) {gap}"
+    return None
+
+
 def _untold_difference(
+    check: _PaddedCheck,
     run: Callable[..., Any],
     tensors: list[torch.Tensor],
     told: Any,
-    buffer_names: Sequence[str],
+    told_inputs: Sequence[torch.Tensor],
     told_buffers: Sequence[torch.Tensor],
     updated: Callable[[], list[torch.Tensor]],
 ) -> str | None:
     """How the call of ``tensors`` without ``valid_length`` (as eager calls the callable)
     differs from ``told``, its outputs with ``valid_length`` of their full length (as every
-    replay calls it, padded or not), in outputs or updated buffers; None where they agree or
-    where it cannot be called without (a required ``valid_length``: nothing to compare)."""
-    untold = _guarded(lambda: run(tensors, 0, told=False))
+    replay calls it, padded or not), in outputs, updated buffers or inputs it updates in place
+    (``told_inputs``: the told call's copies, after it); None where they agree or where it
+    cannot be called without (a required ``valid_length``: nothing to compare)."""
+    untold_inputs: list[torch.Tensor] = []
+    untold = _guarded(lambda: run(tensors, 0, untold_inputs, told=False))
     if untold is _REFUSED:
         return None
     difference = _difference(untold, told, ())
     if difference is None:
-        for name, before, after in zip(buffer_names, updated(), told_buffers, strict=True):
+        names = [name for name, _ in check.named_buffers]
+        for name, before, after in zip(names, updated(), told_buffers, strict=True):
             gap = _tensor_difference(before, after)
             if gap is not None:
                 return f"buffer {name} (updated by the call) {gap}"
+        for path, before, after in zip(check.guard.paths, untold_inputs, told_inputs, strict=True):
+            gap = _tensor_difference(before.detach(), after.detach())
+            if gap is not None:
+                return f"{path} (updated by the call) {gap}"
     return difference
 
 
@@ -826,21 +929,49 @@ def _grad_difference(
     return None
 
 
-def _difference(
-    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
+def _shape_difference(
+    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int
 ) -> str | None:
-    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
+    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected`` in
+    structure or shapes, or None: what random draws leave comparable.
+
+    >>> _shape_difference((torch.ones(2, 5),), (torch.ones(2, 8),), ((0, 1),), 5) is None
+    True
+    >>> _shape_difference((torch.ones(2, 5),), (torch.ones(2, 8),), (), 5)
+    'output[0] has shape [2, 8] instead of [2, 5]'
+    """
     spec, other = describe(expected), describe(found)
     difference = difference_but_shapes(spec.leaves, other.leaves)
     if difference is not None:
         path, want, got = difference
         return f"output{path} is {got}, not {want},"
-    arrays = other.flatten(found)
-    for index, dim in cuts:
-        arrays[index] = arrays[index].narrow(dim, 0, length)
+    arrays = _cut_arrays(other, found, cuts, length)
     for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
         if a.shape != b.shape:
             return f"output{leaf.path} has shape {list(b.shape)} instead of {list(a.shape)}"
+    return None
+
+
+def _cut_arrays(
+    spec: TreeSpec, outputs: Any, cuts: Sequence[tuple[int, int]], length: int
+) -> list[Any]:
+    """The arrays of ``outputs`` (described by ``spec``), ``cuts`` narrowed to ``length``."""
+    arrays = spec.flatten(outputs)
+    for index, dim in cuts:
+        arrays[index] = arrays[index].narrow(dim, 0, length)
+    return arrays
+
+
+def _difference(
+    expected: Any, found: Any, cuts: Sequence[tuple[int, int]], length: int = 0
+) -> str | None:
+    """How ``found`` (its ``cuts`` narrowed to ``length``) differs from ``expected``, or None."""
+    difference = _shape_difference(expected, found, cuts, length)
+    if difference is not None:
+        return difference
+    spec = describe(expected)
+    arrays = _cut_arrays(describe(found), found, cuts, length)
+    for leaf, a, b in zip(spec.arrays, spec.flatten(expected), arrays, strict=True):
         gap = _tensor_difference(a, b)
         if gap is not None:
             return f"output{leaf.path} {gap}"

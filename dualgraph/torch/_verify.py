@@ -7,15 +7,17 @@ the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` sta
 step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
 the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
 inputs and buffers the calls changed (a graphed function's: what :func:`closed_over_tensors`
-finds). Both sides backpropagate the same seeded random output grads. A call that shape buckets
-pad (``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
-``valid_length``, its outputs cut back (the capture compared that with the call as it is, up to
-rounding). Afterwards parameters, buffers, ``.grad`` (the same tensor objects, with their
-values), the RNG states (torch's, Python's ``random``, numpy's global one) and the Python
-attributes of the module and its submodules (a counter ``self.calls += 1``) are as they were;
-the last two are not reset between the sides, since a graph on the GPU does not rerun Python.
-Usable in a training script between steps (after ``optimizer.step()``, not between a forward and its
-backward); like any replay, the calls overwrite the static outputs of earlier replays.
+finds). Both sides backpropagate the same seeded random output grads. A call that shape buckets pad
+(``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
+``valid_length``, its outputs cut back; the capture compared that with the call as it is, up to
+rounding, at a few lengths per bucket, and verify compares them again at the length of the call it
+runs (a leaf ``padding``, failing with the capture check's refusal). Afterwards parameters,
+buffers, ``.grad`` (the same tensor objects, with their values), the RNG states (torch's, Python's
+``random``, numpy's global one) and the Python attributes of the module and its submodules (a
+counter ``self.calls += 1``) are as they were; the last two are not reset between the sides, since
+a graph on the GPU does not rerun Python. Usable in a training script between steps (after
+``optimizer.step()``, not between a forward and its backward); like any replay, the calls overwrite
+the static outputs of earlier replays.
 
 Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
 (and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
@@ -274,6 +276,13 @@ def verify(
     # streams and the modes are not: a graph on the GPU does not rerun Python, so a difference
     # they make is one a replay would make too.
     with kept_process_state() as process, _state_kept(params, buffers, module, original) as state:
+        # fallback="pad": the capture checked padding at a few lengths; this call's is checked
+        # here, since the eager side below gets the call padded as the replay does
+        padding = (
+            runner.padding_difference(tuple(args), dict(kwargs))
+            if isinstance(runner, BucketedCallable)
+            else None
+        )
         try:
             replays, eager_calls = info.replays, info.eager_calls
             graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
@@ -294,6 +303,8 @@ def verify(
             fp8.put_back()
 
     checks: list[LeafCheck] = []
+    if padding is not None:
+        checks.append(LeafCheck("padding", "", (), math.inf, math.inf, 0.0, 0.0, math.inf, padding))
     for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
         checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
     varied = tuple(step for step, ours in enumerate(graphed_steps, 1) if ours.varied)
