@@ -1362,4 +1362,5 @@ def test_a_twin_with_other_compiler_options_runs_the_same_trace_rounded_as_asked
     assert twin.compiler_options == {"xla_allow_excess_precision": False}
     assert g.compiler_options == {} and twin.out_spec == g.out_spec
     assert twin.donate_argnums == (0,)
-    assert not np.array_equal(np.asarray(g(jnp.copy(x))), rounded)  # what the option changes
+    if jax.default_backend() == "cpu":  # XLA's CPU keeps the excess (GPU run Y rounded both)
+        assert not np.array_equal(np.asarray(g(jnp.copy(x))), rounded)  # what the option changes
