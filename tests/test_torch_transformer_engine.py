@@ -715,6 +715,38 @@ def test_a_layer_run_under_current_scaling_is_graphed_under_delayed_scaling(
         assert torch.equal(a, b), f"[{i}] differs from eager"
 
 
+@pytest.mark.parametrize("other", ["history_length", "current_scaling"])
+def test_a_replay_after_an_eager_call_replaced_a_layers_fp8_state_is_refused(
+    monkeypatch: pytest.MonkeyPatch, other: str
+) -> None:
+    """An eager call of a graphed layer under a recipe of another amax history length (an
+    evaluation under TE's default recipe) or kind gives it new scale and history tensors, as TE
+    does: the graphs read and update the ones of capture, which TE no longer updates."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layer = te.linear("a")
+    graphed = dgt.make_graphed_callables(
+        layer,
+        (torch.ones(2, 4, requires_grad=True),),
+        backend="emulate",
+        enabled=True,
+        recipe=recipe,
+    )
+    with te.fp8(recipe):
+        graphed(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    graphed.eval()  # runs its forward eagerly
+    evaluation = DelayedScaling(amax_history_len=8) if other == "history_length" else None
+    with torch.no_grad(), te.fp8(evaluation or Float8CurrentScaling()):
+        graphed(torch.ones(2, 4))
+    graphed.train()
+    with te.fp8(recipe), pytest.raises(DualgraphError) as info:
+        graphed(torch.ones(2, 4, requires_grad=True))
+    assert str(info.value).startswith(
+        "FakeFP8Linear: the FP8 scales and amax histories of its Transformer Engine layer "
+        "FakeFP8Linear (scaling_fwd) are other tensors than at capture"
+    )
+
+
 # -- weight caching -----------------------------------------------------------------------------
 
 

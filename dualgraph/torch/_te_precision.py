@@ -43,7 +43,7 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from ._replay_hooks import ReplayCall, ReplayHooks, ReplayKwarg
-from ._te_state import layer_state, put_back_layer_state
+from ._te_state import STATE_KEYS, has_histories, layer_state, put_back_layer_state
 from ._transformer_engine import TransformerEngine
 
 __all__ = ["FIRST_MICROBATCH", "Precision", "PrecisionArgs", "TECallable", "te_callables"]
@@ -268,6 +268,9 @@ class TECallable:
         self._attention: tuple[Any, ...] = ()  # DotProductAttention: only with FP8 attention
         self._ops: tuple[Any, ...] = ()  # basic ops of TE's operation fuser
         self._skip: torch.Tensor | None = None  # the weight-cast flag the graphs read
+        # delayed scaling: each joined layer's metadata, key, recipe state, scale and history,
+        # as the graphs read them (TE gives a layer new ones when it runs under another recipe)
+        self._states: tuple[tuple[Any, str, Any, Any, Any], ...] = ()
 
     # -- what the capture and the hooks ask -------------------------------------------------
 
@@ -454,6 +457,32 @@ class TECallable:
                 ops.append(module)
         self._modules, self._attention, self._ops = tuple(modules), tuple(attention), tuple(ops)
         self._skip = te.manager.get_skip_fp8_weight_update_tensor()
+        if self._kind == "delayed" and self.precision.enabled:
+            states = []
+            for meta in self._joined_metas(self.precision.recipe):
+                for key in STATE_KEYS:
+                    state: Any = meta.get(key)
+                    if has_histories(state):
+                        states.append((meta, key, state, state.scale, state.amax_history))
+            self._states = tuple(states)
+
+    def _joined_metas(self, recipe: Any) -> Iterator[dict[str, Any]]:
+        """The FP8 metadata each replay joins to TE's global buffers under ``recipe``."""
+        for module in self._modules:
+            yield module.fp8_meta
+        if self._attention and (
+            getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)
+        ):
+            for module in self._attention:
+                yield module.fp8_meta
+        for op in self._ops:
+            metas = op._fp8_metas
+            if not metas:
+                continue
+            for mode in ("forward", "backward"):
+                meta = metas.get(mode)
+                if meta is not None and op.num_quantizers(mode):
+                    yield meta
 
     # -- every replay -------------------------------------------------------------------------
 
@@ -463,10 +492,50 @@ class TECallable:
             self._check_ambient(now)
         if not self.precision.enabled or call.backend == "eager":
             return  # eager calls keep TE's books themselves; high precision keeps none
+        for meta, key, state, scale, history in self._states:  # the tensors the graphs read
+            if (
+                meta.get(key) is not state
+                or state.scale is not scale
+                or state.amax_history is not history
+            ):
+                self._refuse_replaced_state(meta, key)
         skip = self._skip
         if skip is not None:
             cached = self.cache_quantized_params and not call.replay_kwargs[FIRST_MICROBATCH]
             skip.fill_(cached)  # the captured weight casts skip their update when it is 1
+
+    def _refuse_replaced_state(self, meta: dict[str, Any], key: str) -> None:
+        layer = self._layer_named(meta)
+        raise DualgraphError(
+            f"{self.name}: the FP8 scales and amax histories of its Transformer Engine layer "
+            f"{layer} ({key}) are other tensors than at capture: TE gives a layer new ones "
+            "when it runs eagerly under a recipe of another kind or amax history length (an "
+            "evaluation in another te.autocast, e.g. TE's default recipe), and the graphs read "
+            "and update the ones of capture, which TE no longer updates. Run such calls under "
+            f"the captured recipe {self.precision.recipe!r}, or graph it again "
+            "(dualgraph.torch.restore, then make_graphed_callables)"
+        )
+
+    def _layer_named(self, meta: dict[str, Any]) -> str:
+        """The path of the TE layer (or op) holding ``meta`` in the graphed module, or its
+        class where the module does not own it."""
+        owners = [*self._modules, *self._attention, *self._ops]
+        owner = next(
+            (
+                module
+                for module in owners
+                if getattr(module, "fp8_meta", None) is meta
+                or meta in (getattr(module, "_fp8_metas", None) or {}).values()
+            ),
+            None,
+        )
+        if owner is None:
+            return "?"
+        if isinstance(self.target, torch.nn.Module):
+            for path, module in self.target.named_modules():
+                if module is owner:
+                    return f"{type(self.target).__name__}.{path}" if path else type(owner).__name__
+        return type(owner).__name__
 
     def _after_forward(self, call: ReplayCall) -> None:
         # Once the forward has replayed, as eager's forward keeps these books: a call refused
@@ -475,21 +544,8 @@ class TECallable:
             return
         manager = self.te.manager
         recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
-        for module in self._modules:
-            _join(manager, module.fp8_meta, recipe, group)
-        if self._attention and (
-            getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)
-        ):
-            for module in self._attention:
-                _join(manager, module.fp8_meta, recipe, group)
-        for op in self._ops:
-            metas = op._fp8_metas
-            if not metas:
-                continue
-            for mode in ("forward", "backward"):
-                meta = metas.get(mode)
-                if meta is not None and op.num_quantizers(mode):
-                    _join(manager, meta, recipe, group)
+        for meta in self._joined_metas(recipe):
+            _join(manager, meta, recipe, group)
         if call.backward_expected:
             call.state[_TOOK_FIRST] = manager.is_first_fp8_module()
 

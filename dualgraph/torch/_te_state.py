@@ -18,7 +18,14 @@ import torch
 
 from ._transformer_engine import TransformerEngine
 
-__all__ = ["FP8State", "fp8_state_kept", "layer_state", "put_back_layer_state"]
+__all__ = [
+    "STATE_KEYS",
+    "FP8State",
+    "fp8_state_kept",
+    "has_histories",
+    "layer_state",
+    "put_back_layer_state",
+]
 
 
 class FP8State:
@@ -79,12 +86,12 @@ def layer_state(te: TransformerEngine, layer: Any) -> Any:
     FP8 state yet, or a recipe's state without them (current and block scaling: TE's getters
     would raise)."""
     if _is(layer, te.base_module):
-        if not _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+        if not _keeps_histories(layer.fp8_meta.get(key) for key in STATE_KEYS):
             return None
         return layer.get_fp8_meta_tensors()
     metas = getattr(layer, "_fp8_metas", None)
     if not isinstance(metas, dict) or not all(
-        _keeps_histories(meta.get(key) for key in _KEYS)
+        _keeps_histories(meta.get(key) for key in STATE_KEYS)
         for meta in metas.values()
         if meta is not None
     ):
@@ -97,22 +104,30 @@ def put_back_layer_state(te: TransformerEngine, layer: Any, saved: Any) -> None:
     histories now the ones and zeros of a new one (TE makes that state at the first forward
     under a delayed-scaling recipe); a layer without them keeps what it has."""
     if _is(layer, te.base_module):
-        if _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+        if _keeps_histories(layer.fp8_meta.get(key) for key in STATE_KEYS):
             layer.reset_fp8_meta_tensors(saved)
     elif saved is not None:
         layer._load_fp8_metas(saved)
 
 
-_KEYS = ("scaling_fwd", "scaling_bwd")
+#: The keys of a TE layer's FP8 metadata that hold its recipe state, forward and backward.
+STATE_KEYS = ("scaling_fwd", "scaling_bwd")
+
+
+def has_histories(state: Any) -> bool:
+    """Whether a recipe state keeps a scale and an amax history (delayed scaling's).
+
+    >>> has_histories(None)
+    False
+    """
+    return isinstance(getattr(state, "scale", None), torch.Tensor) and isinstance(
+        getattr(state, "amax_history", None), torch.Tensor
+    )
 
 
 def _keeps_histories(states: Any) -> bool:
     present = [state for state in states if state is not None]
-    return bool(present) and all(
-        isinstance(getattr(state, "scale", None), torch.Tensor)
-        and isinstance(getattr(state, "amax_history", None), torch.Tensor)
-        for state in present
-    )
+    return bool(present) and all(map(has_histories, present))
 
 
 def _first(owner: Any, *names: str) -> Any:
