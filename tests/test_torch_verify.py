@@ -950,3 +950,48 @@ def test_the_tools_leave_a_fused_main_grad_and_its_flag_as_they_found_them(tool:
         dgt.memory_plan(module, x)
     assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
     assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]
+
+
+class _ScaledFusedWgrad(torch.autograd.Function):
+    """As :class:`_FusedWgrad`, the weight grad added into ``main_grad`` times ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.scale = weight, scale
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        ctx.weight.main_grad.add_(grad.t() @ x * ctx.scale)
+        return grad @ ctx.weight, torch.zeros_like(ctx.weight), None
+
+
+class _CountingFusedWgradLinear(_FusedWgradLinear):
+    """Its backward's ``main_grad`` share grows with a Python counter: on CUDA the graph keeps
+    the count of capture, where eager's goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return _ScaledFusedWgrad.apply(x, self.weight, float(self.calls))
+
+
+def test_verify_compares_what_the_backward_adds_into_a_fused_main_grad() -> None:
+    # The .grad autograd gets is a dummy (zeros): the weight grad is main_grad's alone.
+    module = _CountingFusedWgradLinear()
+    x = torch.randn(2, 4, requires_grad=True)
+    graphed = dgt.make_graphed_callables(module, (x,), backend="emulate")
+    report = dgt.verify(graphed, x)
+    assert not report.ok
+    assert [c.path for c in report.failures] == [
+        "step 1 attribute weight.main_grad after the call",
+        "step 2 attribute weight.main_grad after the call",
+    ]
+    assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
+    plain = dgt.make_graphed_callables(_FusedWgradLinear(), (x,), backend="emulate")
+    assert dgt.verify(plain, x).ok
