@@ -764,6 +764,20 @@ def test_nan_at_the_same_places_matches_and_nowhere_else() -> None:
     assert not check.ok and math.isinf(check.max_abs)
 
 
+@pytest.mark.parametrize("tolerance", [None, 1.0])
+def test_a_complex_nan_matches_only_where_the_other_part_matches_too(
+    tolerance: float | None,
+) -> None:
+    # isnan() of a complex is true where either part is NaN: nan+1j against nan+5j passed
+    nan = float("nan")
+    eager = torch.tensor([complex(nan, 1.0), complex(2.0, 3.0)])
+    assert _verify._compare("leaf", eager.clone(), eager, tolerance, tolerance).ok
+    for other in (complex(nan, 5.0), complex(1.0, nan), complex(nan, nan)):
+        graphed = torch.tensor([other, complex(2.0, 3.0)])
+        check = _verify._compare("leaf", graphed, eager, tolerance, tolerance)
+        assert not check.ok and math.isinf(check.max_abs), other
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
 def test_a_zero_of_the_other_sign_fails_an_exact_comparison(dtype: torch.dtype) -> None:
     # 0.0 == -0.0, but 1 / x and copysign tell them apart: on the CPU every bit must match

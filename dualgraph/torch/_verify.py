@@ -680,7 +680,7 @@ def _compare(
         if other_sign:
             return _problem(path, other_sign)
     diff = (a - b).abs()
-    diff = torch.where((a == b) | (a.isnan() & b.isnan()), torch.zeros_like(diff), diff)
+    diff = torch.where(_same_values(a, b), torch.zeros_like(diff), diff)
     diff = torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff)
     magnitude = b.abs()
     finite = torch.where(magnitude.isfinite(), magnitude, torch.zeros_like(magnitude))
@@ -699,6 +699,20 @@ def _compare(
         leaf_atol,
         float(ratio.max()) if ratio.numel() else 0.0,
     )
+
+
+def _same_values(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Where two tensors hold the same values, a NaN matching a NaN; a complex element only where
+    each part does (``isnan`` of a complex is true where either part is NaN).
+
+    >>> nan = float("nan")
+    >>> _same_values(torch.tensor([complex(nan, 1), complex(nan, 1)]),
+    ...              torch.tensor([complex(nan, 1), complex(nan, 5)]))
+    tensor([ True, False])
+    """
+    if actual.is_complex():
+        return _same_values(actual.real, expected.real) & _same_values(actual.imag, expected.imag)
+    return (actual == expected) | (actual.isnan() & expected.isnan())
 
 
 def _zero_of_the_other_sign(actual: torch.Tensor, expected: torch.Tensor) -> str:
