@@ -380,6 +380,39 @@ def test_a_te_layer_the_forward_runs_but_the_module_does_not_own_keeps_its_scale
         assert torch.equal(a, b), f"[{i}] differs from eager"
 
 
+def test_verify_keeps_the_fp8_state_of_a_te_layer_the_module_does_not_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any replay joined it to TE's buffers, such a layer's scales and histories were
+    kept by no one: the graphed side's updates reached the eager side's start (verify FAILED
+    on equal computations) and stayed after verify."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.hidden = [inner]  # not a submodule
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.hidden[0](self.fc(x))
+
+    inner = te.linear("inner")
+    inner.weight.requires_grad_(False)
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(
+        Outer(inner), sample, backend="emulate", enabled=True, recipe=recipe
+    )
+    with te.fp8(recipe):
+        before = inner.get_fp8_meta_tensors()
+        report = dgt.verify(graphed, 5 * torch.randn(2, 4, requires_grad=True), steps=2)
+        after = inner.get_fp8_meta_tensors()
+    assert report.ok, str(report)
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert all(torch.equal(a, b) for a, b in zip(before[key], after[key], strict=True)), key
+
+
 # -- recipes -------------------------------------------------------------------------------------
 
 

@@ -43,7 +43,13 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from ._replay_hooks import ReplayCall, ReplayHooks, ReplayKwarg
-from ._te_state import STATE_KEYS, has_histories, layer_state, put_back_layer_state
+from ._te_state import (
+    STATE_KEYS,
+    has_histories,
+    layer_state,
+    note_layers_run,
+    put_back_layer_state,
+)
 from ._transformer_engine import TransformerEngine
 
 __all__ = ["FIRST_MICROBATCH", "Precision", "PrecisionArgs", "TECallable", "te_callables"]
@@ -456,6 +462,7 @@ class TECallable:
             else:
                 ops.append(module)
         self._modules, self._attention, self._ops = tuple(modules), tuple(attention), tuple(ops)
+        note_layers_run(self._seen.values())  # verify keeps their FP8 state (_te_state.py)
         self._skip = te.manager.get_skip_fp8_weight_update_tensor()
         if self._kind == "delayed" and self.precision.enabled:
             states = []

@@ -12,6 +12,7 @@ that ``verify`` can run its two sides from the same state and leave it as it fou
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,8 +25,19 @@ __all__ = [
     "fp8_state_kept",
     "has_histories",
     "layer_state",
+    "note_layers_run",
     "put_back_layer_state",
 ]
+
+#: Every TE layer (or op) a capture saw a callable's forward run, its module's or not (a layer
+#: held in a plain list, closed over): :class:`FP8State` keeps theirs too, since one the module
+#: does not own is in TE's global buffers only once a replay joined it.
+_LAYERS_RUN: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def note_layers_run(layers: Any) -> None:
+    """Note TE layers a capture saw its forwards run (held weakly)."""
+    _LAYERS_RUN.update(layers)
 
 
 class FP8State:
@@ -51,8 +63,12 @@ class FP8State:
                 for tensors in buffers.values():
                     for tensor in tensors:
                         self._keep(tensor)
-        # the module's own layers, joined or not yet
-        for layer in () if module is None else module.modules():
+        # the module's own layers, joined or not yet, and those a capture saw run
+        seen: set[int] = set()
+        for layer in [*(() if module is None else module.modules()), *_LAYERS_RUN]:
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
             if _is(layer, te.base_module) or _is(layer, te.basic_operation):
                 self._modules.append((layer, layer_state(te, layer)))
 
@@ -76,8 +92,9 @@ class FP8State:
 
 
 def fp8_state_kept(module: torch.nn.Module | None) -> FP8State:
-    """The FP8 state of TE's autocast, its global buffers and ``module``'s TE layers, kept now
-    (nothing when the program has not imported TE)."""
+    """The FP8 state of TE's autocast, its global buffers, ``module``'s TE layers and those a
+    capture saw run (:func:`note_layers_run`), kept now (nothing when the program has not
+    imported TE)."""
     return FP8State(TransformerEngine.imported(), module)
 
 
