@@ -413,6 +413,29 @@ def test_verify_keeps_the_fp8_state_of_a_te_layer_the_module_does_not_own(
         assert all(torch.equal(a, b) for a, b in zip(before[key], after[key], strict=True)), key
 
 
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_lint_and_memory_plan_leave_the_fp8_state_as_they_found_it(
+    monkeypatch: pytest.MonkeyPatch, tool: str
+) -> None:
+    """Their eager forward and backward under the caller's FP8 autocast recorded amaxes, took
+    the region's "first FP8 module" mark (so the step's own first layer did not update the
+    backward scales) and updated the backward scales: a lint changed training."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layers = [te.linear(f"layer{i}", seed=i) for i in range(2)]
+    model = Chain(layers)
+    with te.fp8(recipe):  # an eager step: the layers have scales and histories
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    with te.fp8(recipe):
+        before = [layer.get_fp8_meta_tensors() for layer in layers]
+        getattr(dgt, tool)(model, 3 * torch.randn(2, 4, requires_grad=True))
+        assert te.first is True  # the mark is still the caller's
+        after = [layer.get_fp8_meta_tensors() for layer in layers]
+    for kept, now in zip(before, after, strict=True):
+        for key in ("scaling_fwd", "scaling_bwd"):
+            assert all(torch.equal(a, b) for a, b in zip(kept[key], now[key], strict=True)), key
+
+
 # -- recipes -------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ that ``verify`` can run its two sides from the same state and leave it as it fou
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ def note_layers_run(layers: Any) -> None:
 class FP8State:
     """What :func:`fp8_state_kept` kept; :meth:`put_back` restores it (any number of times)."""
 
-    def __init__(self, te: TransformerEngine | None, module: torch.nn.Module | None) -> None:
+    def __init__(
+        self, te: TransformerEngine | None, modules: Sequence[torch.nn.Module | None]
+    ) -> None:
         self._te = te
         self._autocast: tuple[Any, Any] | None = None  # (setter, state)
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -65,7 +68,8 @@ class FP8State:
                         self._keep(tensor)
         # the module's own layers, joined or not yet, and those a capture saw run
         seen: set[int] = set()
-        for layer in [*(() if module is None else module.modules()), *_LAYERS_RUN]:
+        owned = [layer for module in modules if module is not None for layer in module.modules()]
+        for layer in [*owned, *_LAYERS_RUN]:
             if id(layer) in seen:
                 continue
             seen.add(id(layer))
@@ -91,11 +95,11 @@ class FP8State:
             setter(state)
 
 
-def fp8_state_kept(module: torch.nn.Module | None) -> FP8State:
-    """The FP8 state of TE's autocast, its global buffers, ``module``'s TE layers and those a
-    capture saw run (:func:`note_layers_run`), kept now (nothing when the program has not
-    imported TE)."""
-    return FP8State(TransformerEngine.imported(), module)
+def fp8_state_kept(*modules: torch.nn.Module | None) -> FP8State:
+    """The FP8 state of TE's autocast, its global buffers, the TE layers of ``modules`` and
+    those a capture saw run (:func:`note_layers_run`), kept now (nothing when the program has
+    not imported TE)."""
+    return FP8State(TransformerEngine.imported(), modules)
 
 
 def layer_state(te: TransformerEngine, layer: Any) -> Any:
