@@ -12,6 +12,7 @@ that ``verify`` can run its two sides from the same state and leave it as it fou
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -34,11 +35,18 @@ __all__ = [
 #: held in a plain list, closed over): :class:`FP8State` keeps theirs too, since one the module
 #: does not own is in TE's global buffers only once a replay joined it.
 _LAYERS_RUN: weakref.WeakSet[Any] = weakref.WeakSet()
+_LAYERS_RUN_LOCK = threading.Lock()  # captures in several threads note them
 
 
 def note_layers_run(layers: Any) -> None:
     """Note TE layers a capture saw its forwards run (held weakly)."""
-    _LAYERS_RUN.update(layers)
+    with _LAYERS_RUN_LOCK:
+        _LAYERS_RUN.update(layers)
+
+
+def _layers_run() -> list[Any]:
+    with _LAYERS_RUN_LOCK:
+        return list(_LAYERS_RUN)
 
 
 class FP8State:
@@ -69,7 +77,7 @@ class FP8State:
         # the module's own layers, joined or not yet, and those a capture saw run
         seen: set[int] = set()
         owned = [layer for module in modules if module is not None for layer in module.modules()]
-        for layer in [*owned, *_LAYERS_RUN]:
+        for layer in [*owned, *_layers_run()]:
             if id(layer) in seen:
                 continue
             seen.add(id(layer))
