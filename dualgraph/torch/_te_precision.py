@@ -518,9 +518,9 @@ class TECallable:
             f"{layer} ({key}) are other tensors than at capture: TE gives a layer new ones "
             "when it runs eagerly under a recipe of another kind or amax history length (an "
             "evaluation in another te.autocast, e.g. TE's default recipe), and the graphs read "
-            "and update the ones of capture, which TE no longer updates. Run such calls under "
-            f"the captured recipe {self.precision.recipe!r}, or graph it again "
-            "(dualgraph.torch.restore, then make_graphed_callables)"
+            "and update the ones of capture, which TE no longer updates. Graph it again "
+            "(dualgraph.torch.restore, then make_graphed_callables), and run such calls under "
+            f"the captured recipe {self.precision.recipe!r}"
         )
 
     def _layer_named(self, meta: dict[str, Any]) -> str:
