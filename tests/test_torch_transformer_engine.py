@@ -276,6 +276,42 @@ def test_capture_leaves_fp8_scales_histories_and_buffers_as_they_were(
     assert te.joined == joined
 
 
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+def test_capture_leaves_the_fp8_state_of_a_te_layer_the_module_does_not_own_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, trained: bool
+) -> None:
+    """Only the module's own layers were kept before warmup: one held in a plain list kept the
+    amaxes of the warmup and capture calls in its histories (the next update's scales were the
+    samples', not eager's), or a fresh one had histories where eager's are zeros."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.hidden = [inner]  # not a submodule
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.hidden[0](self.fc(x))
+
+    inner = te.linear("inner")
+    inner.weight.requires_grad_(False)
+    model = Outer(inner)
+    if trained:  # an eager step: the layer has scales and histories
+        with te.fp8(recipe):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    before = inner.get_fp8_meta_tensors() or {
+        key: [torch.ones(1), torch.zeros(recipe.amax_history_len, 1)]  # as TE makes it
+        for key in ("scaling_fwd", "scaling_bwd")
+    }
+    sample = (5 * torch.ones(2, 4, requires_grad=True),)
+    dgt.make_graphed_callables(model, sample, backend="emulate", enabled=True, recipe=recipe)
+    after = inner.get_fp8_meta_tensors()
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert all(torch.equal(b, a) for b, a in zip(before[key], after[key], strict=True)), key
+
+
 @pytest.mark.parametrize("length", [2, 8])
 def test_a_recipe_with_another_history_length_graphs_a_layer_trained_under_another(
     monkeypatch: pytest.MonkeyPatch, length: int

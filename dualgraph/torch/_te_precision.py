@@ -269,6 +269,10 @@ class TECallable:
         self._thread: int | None = None  # the thread whose forward is being captured
         self._seen: dict[int, torch.nn.Module] = {}  # TE modules the captured forwards ran
         self._checked_custom = False
+        # delayed scaling: the layers whose FP8 state capture keeps (by id), and the state of
+        # those first known when they ran (not the module's own), put back after capture
+        self._kept: set[int] = set()
+        self._saved_late: list[tuple[Any, Any]] = []
         # set by capturing(): what the replays touch
         self._modules: tuple[Any, ...] = ()  # TE modules whose FP8 metadata joins the buffers
         self._attention: tuple[Any, ...] = ()  # DotProductAttention: only with FP8 attention
@@ -337,6 +341,12 @@ class TECallable:
             return
         self._thread = threading.get_ident()
         handle = torch.nn.modules.module.register_module_forward_hook(self._saw)
+        # delayed scaling: the state of a layer the module does not own is kept at its first run
+        early = (
+            torch.nn.modules.module.register_module_forward_pre_hook(self._save_before_first_run)
+            if self._kind == "delayed" and isinstance(self.target, torch.nn.Module)
+            else None
+        )
         try:
             top = self.target
             if isinstance(top, torch.nn.Module):
@@ -344,6 +354,8 @@ class TECallable:
             yield
         finally:
             handle.remove()
+            if early is not None:
+                early.remove()
         if not self._checked_custom and self._kind == "custom":
             self._checked_custom = True
             self._refuse_custom_delayed_scaling()
@@ -428,26 +440,47 @@ class TECallable:
         """The scales and amax histories of the module's TE layers (delayed scaling only)."""
         if self._kind != "delayed" or not isinstance(self.target, torch.nn.Module):
             return []
-        te, recipe = self.te, self.precision.recipe
         saved: list[tuple[Any, Any]] = []
         with self.run():  # TE calls below then join no global buffer
-            module: Any  # a TE layer: its methods are TE's
             for module in self.target.modules():
-                if _isinstance(module, te.base_module):
-                    # The histories take the recipe's length now, as TE gives them at the first
-                    # forward under it (new tensors): so what is kept fits them when put back.
-                    if getattr(module, "primary_weights_in_fp8", False) or _other_length(
-                        module, recipe.amax_history_len
-                    ):
-                        module.adjust_amax_history_length(recipe.amax_history_len)
-                    saved.append((module, layer_state(te, module)))
-                elif _isinstance(module, te.basic_operation):
-                    module.reset_recipe_state(recipe=recipe)  # so that there is state to save
-                    saved.append((module, layer_state(te, module)))
+                self._save_layer_state(module, saved)
         return saved
 
+    def _save_layer_state(self, module: Any, saved: list[tuple[Any, Any]]) -> None:
+        """Append a TE layer's (or op's) state to ``saved``, once (anything else: nothing)."""
+        te, recipe = self.te, self.precision.recipe
+        if id(module) in self._kept:
+            return
+        if _isinstance(module, te.base_module):
+            self._kept.add(id(module))
+            # The histories take the recipe's length now, as TE gives them at the first
+            # forward under it (new tensors): so what is kept fits them when put back.
+            if getattr(module, "primary_weights_in_fp8", False) or _other_length(
+                module, recipe.amax_history_len
+            ):
+                module.adjust_amax_history_length(recipe.amax_history_len)
+            saved.append((module, layer_state(te, module)))
+        elif _isinstance(module, te.basic_operation):
+            self._kept.add(id(module))
+            module.reset_recipe_state(recipe=recipe)  # so that there is state to save
+            saved.append((module, layer_state(te, module)))
+
+    def _save_before_first_run(self, module: torch.nn.Module, inputs: Any) -> None:
+        # A TE layer the module does not own (held in a plain list, closed over) is first known
+        # when its forward runs: its state is kept then, before that forward records amaxes.
+        if threading.get_ident() != self._thread:
+            return
+        te = self.te
+        if te.op_sequential is not None and isinstance(module, te.op_sequential):
+            layers: list[Any] = [m for m in module.modules() if _isinstance(m, te.basic_operation)]
+        else:
+            layers = [module]
+        for layer in layers:
+            self._save_layer_state(layer, self._saved_late)
+
     def _restore_fp8_state(self, saved: Sequence[tuple[Any, Any]]) -> None:
-        for module, state in saved:
+        late, self._saved_late = self._saved_late, []
+        for module, state in [*saved, *late]:
             put_back_layer_state(self.te, module, state)
 
     def _learned(self) -> None:
