@@ -449,24 +449,43 @@ def test_verify_keeps_the_fp8_state_of_a_te_layer_the_module_does_not_own(
         assert all(torch.equal(a, b) for a, b in zip(before[key], after[key], strict=True)), key
 
 
+class _HoldsInAPlainList(torch.nn.Module):
+    """Runs a model it holds in a plain list: not a submodule, its layers not its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.hidden = [model]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hidden[0](self.fc(x))
+
+
+@pytest.mark.parametrize("owned", [True, False], ids=["owned", "in_a_plain_list"])
 @pytest.mark.parametrize("tool", ["lint", "memory_plan"])
 def test_lint_and_memory_plan_leave_the_fp8_state_as_they_found_it(
-    monkeypatch: pytest.MonkeyPatch, tool: str
+    monkeypatch: pytest.MonkeyPatch, tool: str, owned: bool
 ) -> None:
     """Their eager forward and backward under the caller's FP8 autocast recorded amaxes, took
     the region's "first FP8 module" mark (so the step's own first layer did not update the
-    backward scales) and updated the backward scales: a lint changed training."""
+    backward scales) and updated the backward scales: a lint changed training. Layers the
+    model does not own (held in a plain list, not yet in TE's buffers: fresh ones here) too:
+    they are left as TE makes them at their first forward, ones and zeros."""
     te = StandIn().install(monkeypatch)
     recipe = DelayedScaling()
     layers = [te.linear(f"layer{i}", seed=i) for i in range(2)]
-    model = Chain(layers)
-    with te.fp8(recipe):  # an eager step: the layers have scales and histories
-        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    model: torch.nn.Module = Chain(layers)
+    if owned:
+        with te.fp8(recipe):  # an eager step: the layers have scales and histories
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    else:
+        model = _HoldsInAPlainList(model)
+    fresh = {key: [torch.ones(1), torch.zeros(4, 1)] for key in ("scaling_fwd", "scaling_bwd")}
     with te.fp8(recipe):
-        before = [layer.get_fp8_meta_tensors() for layer in layers]
+        before = [layer.get_fp8_meta_tensors() or fresh for layer in layers]
         getattr(dgt, tool)(model, 3 * torch.randn(2, 4, requires_grad=True))
         assert te.first is True  # the mark is still the caller's
-        after = [layer.get_fp8_meta_tensors() for layer in layers]
+        after = [layer.get_fp8_meta_tensors() or fresh for layer in layers]
     for kept, now in zip(before, after, strict=True):
         for key in ("scaling_fwd", "scaling_bwd"):
             assert all(torch.equal(a, b) for a, b in zip(kept[key], now[key], strict=True)), key

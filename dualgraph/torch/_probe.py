@@ -361,6 +361,7 @@ def _model_kept(root: torch.nn.Module | None, fn: Callable[..., Any]) -> Iterato
         with (
             kept_process_state(),
             parameter_attributes_kept(root.parameters() if root is not None else ()),
+            fp8.keeping_layers_run(),  # and a TE layer the module does not own, when it runs
         ):
             yield
     finally:

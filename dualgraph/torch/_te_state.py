@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ class FP8State:
         self._autocast: tuple[Any, Any] | None = None  # (setter, state)
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modules: list[tuple[Any, Any]] = []
+        self._seen: set[int] = set()  # the layers kept, by id
         if te is None:
             return
         manager = te.manager
@@ -75,14 +77,36 @@ class FP8State:
                     for tensor in tensors:
                         self._keep(tensor)
         # the module's own layers, joined or not yet, and those a capture saw run
-        seen: set[int] = set()
         owned = [layer for module in modules if module is not None for layer in module.modules()]
         for layer in [*owned, *_layers_run()]:
-            if id(layer) in seen:
-                continue
-            seen.add(id(layer))
-            if _is(layer, te.base_module) or _is(layer, te.basic_operation):
-                self._modules.append((layer, layer_state(te, layer)))
+            self._keep_layer(layer)
+
+    def _keep_layer(self, layer: Any) -> None:
+        te = self._te
+        if te is None or id(layer) in self._seen:
+            return
+        self._seen.add(id(layer))
+        if _is(layer, te.base_module) or _is(layer, te.basic_operation):
+            self._modules.append((layer, layer_state(te, layer)))
+
+    @contextmanager
+    def keeping_layers_run(self) -> Iterator[None]:
+        """Also keep, before its first forward in the block (in this thread), the state of any
+        TE layer the block runs that was not kept yet (one held in a plain list, closed over)."""
+        if self._te is None:
+            yield
+            return
+        thread = threading.get_ident()
+
+        def keep(module: torch.nn.Module, inputs: Any) -> None:
+            if threading.get_ident() == thread:
+                self._keep_layer(module)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(keep)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _keep(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tensors:
