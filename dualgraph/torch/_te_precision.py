@@ -507,7 +507,8 @@ class TECallable:
             self._states = tuple(states)
 
     def _joined_metas(self, recipe: Any) -> Iterator[dict[str, Any]]:
-        """The FP8 metadata each replay joins to TE's global buffers under ``recipe``."""
+        """The FP8 metadata each replay joins to TE's global buffers under ``recipe`` (as
+        :meth:`_after_forward` joins them, inline there)."""
         for module in self._modules:
             yield module.fp8_meta
         if self._attention and (
@@ -584,8 +585,22 @@ class TECallable:
             return
         manager = self.te.manager
         recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
-        for meta in self._joined_metas(recipe):
-            _join(manager, meta, recipe, group)
+        # the metadata _joined_metas lists, inline: a generator costs every FP8 replay ~0.2 us
+        for module in self._modules:
+            _join(manager, module.fp8_meta, recipe, group)
+        if self._attention and (
+            getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)
+        ):
+            for module in self._attention:
+                _join(manager, module.fp8_meta, recipe, group)
+        for op in self._ops:
+            metas = op._fp8_metas
+            if not metas:
+                continue
+            for mode in ("forward", "backward"):
+                meta = metas.get(mode)
+                if meta is not None and op.num_quantizers(mode):
+                    _join(manager, meta, recipe, group)
         if call.backward_expected:
             call.state[_TOOK_FIRST] = manager.is_first_fp8_module()
 
