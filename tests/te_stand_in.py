@@ -409,7 +409,10 @@ def _quantize(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _update(state: Scaling, recipe: Any) -> None:
     # TE's delayed-scaling update: the scale from the largest amax in the history, the history
-    # rolled and its newest entry cleared for the next step
+    # rolled and its newest entry cleared for the next step (a layer whose state TE has since
+    # made a current-scaling one keeps no history to update)
+    if not isinstance(state, Scaling):
+        return
     with torch.no_grad():
         amax = state.amax_history.max(dim=0).values
         scale = torch.where(amax > 0, FP8_MAX / amax / 2**recipe.margin, state.scale)

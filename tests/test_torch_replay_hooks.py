@@ -303,3 +303,29 @@ def test_a_step_counter_counts_replayed_micro_batches() -> None:
     for _ in range(3):
         model(_x(torch.device("cpu"))).sum().backward()
     assert steps["micro_batches"] == 3
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("hook", ["before_forward", "after_forward", "before_backward"])
+def test_a_replay_hook_calling_its_own_callable_is_refused_as_a_call_inside_its_call(
+    hook: str, slots: int | None
+) -> None:
+    # The refusal blamed 'another thread', which there was none of.
+    graphed: Any = None
+
+    def again(call: dgt.ReplayCall) -> None:
+        graphed(torch.ones(2, 4))
+
+    graphed = dgt.make_graphed_callables(
+        torch.nn.Linear(4, 4),
+        (torch.ones(2, 4, requires_grad=True),),
+        backend="emulate",
+        replay_hooks=dgt.ReplayHooks(**{hook: again}),
+        slots=slots,
+    )
+    with pytest.raises(DualgraphError) as info:
+        graphed(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    assert str(info.value).startswith(
+        "Linear: called from inside its own call in this thread (a replay hook, or code its "
+        "replay runs), while its "
+    )

@@ -276,6 +276,42 @@ def test_capture_leaves_fp8_scales_histories_and_buffers_as_they_were(
     assert te.joined == joined
 
 
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+def test_capture_leaves_the_fp8_state_of_a_te_layer_the_module_does_not_own_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, trained: bool
+) -> None:
+    """Only the module's own layers were kept before warmup: one held in a plain list kept the
+    amaxes of the warmup and capture calls in its histories (the next update's scales were the
+    samples', not eager's), or a fresh one had histories where eager's are zeros."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.hidden = [inner]  # not a submodule
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.hidden[0](self.fc(x))
+
+    inner = te.linear("inner")
+    inner.weight.requires_grad_(False)
+    model = Outer(inner)
+    if trained:  # an eager step: the layer has scales and histories
+        with te.fp8(recipe):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    before = inner.get_fp8_meta_tensors() or {
+        key: [torch.ones(1), torch.zeros(recipe.amax_history_len, 1)]  # as TE makes it
+        for key in ("scaling_fwd", "scaling_bwd")
+    }
+    sample = (5 * torch.ones(2, 4, requires_grad=True),)
+    dgt.make_graphed_callables(model, sample, backend="emulate", enabled=True, recipe=recipe)
+    after = inner.get_fp8_meta_tensors()
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert all(torch.equal(b, a) for b, a in zip(before[key], after[key], strict=True)), key
+
+
 @pytest.mark.parametrize("length", [2, 8])
 def test_a_recipe_with_another_history_length_graphs_a_layer_trained_under_another(
     monkeypatch: pytest.MonkeyPatch, length: int
@@ -378,6 +414,81 @@ def test_a_te_layer_the_forward_runs_but_the_module_does_not_own_keeps_its_scale
     graphed, eager = train(graphed=True), train(graphed=False)
     for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
         assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
+def test_verify_keeps_the_fp8_state_of_a_te_layer_the_module_does_not_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any replay joined it to TE's buffers, such a layer's scales and histories were
+    kept by no one: the graphed side's updates reached the eager side's start (verify FAILED
+    on equal computations) and stayed after verify."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.hidden = [inner]  # not a submodule
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.hidden[0](self.fc(x))
+
+    inner = te.linear("inner")
+    inner.weight.requires_grad_(False)
+    sample = (torch.ones(2, 4, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(
+        Outer(inner), sample, backend="emulate", enabled=True, recipe=recipe
+    )
+    with te.fp8(recipe):
+        before = inner.get_fp8_meta_tensors()
+        report = dgt.verify(graphed, 5 * torch.randn(2, 4, requires_grad=True), steps=2)
+        after = inner.get_fp8_meta_tensors()
+    assert report.ok, str(report)
+    for key in ("scaling_fwd", "scaling_bwd"):
+        assert all(torch.equal(a, b) for a, b in zip(before[key], after[key], strict=True)), key
+
+
+class _HoldsInAPlainList(torch.nn.Module):
+    """Runs a model it holds in a plain list: not a submodule, its layers not its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.hidden = [model]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hidden[0](self.fc(x))
+
+
+@pytest.mark.parametrize("owned", [True, False], ids=["owned", "in_a_plain_list"])
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_lint_and_memory_plan_leave_the_fp8_state_as_they_found_it(
+    monkeypatch: pytest.MonkeyPatch, tool: str, owned: bool
+) -> None:
+    """Their eager forward and backward under the caller's FP8 autocast recorded amaxes, took
+    the region's "first FP8 module" mark (so the step's own first layer did not update the
+    backward scales) and updated the backward scales: a lint changed training. Layers the
+    model does not own (held in a plain list, not yet in TE's buffers: fresh ones here) too:
+    they are left as TE makes them at their first forward, ones and zeros."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layers = [te.linear(f"layer{i}", seed=i) for i in range(2)]
+    model: torch.nn.Module = Chain(layers)
+    if owned:
+        with te.fp8(recipe):  # an eager step: the layers have scales and histories
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    else:
+        model = _HoldsInAPlainList(model)
+    fresh = {key: [torch.ones(1), torch.zeros(4, 1)] for key in ("scaling_fwd", "scaling_bwd")}
+    with te.fp8(recipe):
+        before = [layer.get_fp8_meta_tensors() or fresh for layer in layers]
+        getattr(dgt, tool)(model, 3 * torch.randn(2, 4, requires_grad=True))
+        assert te.first is True  # the mark is still the caller's
+        after = [layer.get_fp8_meta_tensors() or fresh for layer in layers]
+    for kept, now in zip(before, after, strict=True):
+        for key in ("scaling_fwd", "scaling_bwd"):
+            assert all(torch.equal(a, b) for a, b in zip(kept[key], now[key], strict=True)), key
 
 
 # -- recipes -------------------------------------------------------------------------------------
@@ -713,6 +824,38 @@ def test_a_layer_run_under_current_scaling_is_graphed_under_delayed_scaling(
     graphed, eager = train(graphed=True), train(graphed=False)
     for i, (a, b) in enumerate(zip(graphed, eager, strict=True)):
         assert torch.equal(a, b), f"[{i}] differs from eager"
+
+
+@pytest.mark.parametrize("other", ["history_length", "current_scaling"])
+def test_a_replay_after_an_eager_call_replaced_a_layers_fp8_state_is_refused(
+    monkeypatch: pytest.MonkeyPatch, other: str
+) -> None:
+    """An eager call of a graphed layer under a recipe of another amax history length (an
+    evaluation under TE's default recipe) or kind gives it new scale and history tensors, as TE
+    does: the graphs read and update the ones of capture, which TE no longer updates."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layer = te.linear("a")
+    graphed = dgt.make_graphed_callables(
+        layer,
+        (torch.ones(2, 4, requires_grad=True),),
+        backend="emulate",
+        enabled=True,
+        recipe=recipe,
+    )
+    with te.fp8(recipe):
+        graphed(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    graphed.eval()  # runs its forward eagerly
+    evaluation = DelayedScaling(amax_history_len=8) if other == "history_length" else None
+    with torch.no_grad(), te.fp8(evaluation or Float8CurrentScaling()):
+        graphed(torch.ones(2, 4))
+    graphed.train()
+    with te.fp8(recipe), pytest.raises(DualgraphError) as info:
+        graphed(torch.ones(2, 4, requires_grad=True))
+    assert str(info.value).startswith(
+        "FakeFP8Linear: the FP8 scales and amax histories of its Transformer Engine layer "
+        "FakeFP8Linear (scaling_fwd) are other tensors than at capture"
+    )
 
 
 # -- weight caching -----------------------------------------------------------------------------

@@ -802,6 +802,20 @@ def test_nan_at_the_same_places_matches_and_nowhere_else() -> None:
     assert not check.ok and math.isinf(check.max_abs)
 
 
+@pytest.mark.parametrize("tolerance", [None, 1.0])
+def test_a_complex_nan_matches_only_where_the_other_part_matches_too(
+    tolerance: float | None,
+) -> None:
+    # isnan() of a complex is true where either part is NaN: nan+1j against nan+5j passed
+    nan = float("nan")
+    eager = torch.tensor([complex(nan, 1.0), complex(2.0, 3.0)])
+    assert _verify._compare("leaf", eager.clone(), eager, tolerance, tolerance).ok
+    for other in (complex(nan, 5.0), complex(1.0, nan), complex(nan, nan)):
+        graphed = torch.tensor([other, complex(2.0, 3.0)])
+        check = _verify._compare("leaf", graphed, eager, tolerance, tolerance)
+        assert not check.ok and math.isinf(check.max_abs), other
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
 def test_a_zero_of_the_other_sign_fails_an_exact_comparison(dtype: torch.dtype) -> None:
     # 0.0 == -0.0, but 1 / x and copysign tell them apart: on the CPU every bit must match
@@ -988,3 +1002,48 @@ def test_the_tools_leave_a_fused_main_grad_and_its_flag_as_they_found_them(tool:
         dgt.memory_plan(module, x)
     assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
     assert module.weight.grad_added_to_main_grad is False  # type: ignore[attr-defined]
+
+
+class _ScaledFusedWgrad(torch.autograd.Function):
+    """As :class:`_FusedWgrad`, the weight grad added into ``main_grad`` times ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.scale = weight, scale
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        ctx.weight.main_grad.add_(grad.t() @ x * ctx.scale)
+        return grad @ ctx.weight, torch.zeros_like(ctx.weight), None
+
+
+class _CountingFusedWgradLinear(_FusedWgradLinear):
+    """Its backward's ``main_grad`` share grows with a Python counter: on CUDA the graph keeps
+    the count of capture, where eager's goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return _ScaledFusedWgrad.apply(x, self.weight, float(self.calls))
+
+
+def test_verify_compares_what_the_backward_adds_into_a_fused_main_grad() -> None:
+    # The .grad autograd gets is a dummy (zeros): the weight grad is main_grad's alone.
+    module = _CountingFusedWgradLinear()
+    x = torch.randn(2, 4, requires_grad=True)
+    graphed = dgt.make_graphed_callables(module, (x,), backend="emulate")
+    report = dgt.verify(graphed, x)
+    assert not report.ok
+    assert [c.path for c in report.failures] == [
+        "step 1 attribute weight.main_grad after the call",
+        "step 2 attribute weight.main_grad after the call",
+    ]
+    assert not module.weight.main_grad.any()  # type: ignore[attr-defined]
+    plain = dgt.make_graphed_callables(_FusedWgradLinear(), (x,), backend="emulate")
+    assert dgt.verify(plain, x).ok

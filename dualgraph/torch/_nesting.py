@@ -18,6 +18,7 @@ pool, and route grads through its own backward).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from .._errors import DualgraphError
 from ._capture_failure import Progress
 
-__all__ = ["SCOPE", "capture_scope", "inside_another", "replay_scope"]
+__all__ = ["SCOPE", "capture_scope", "called_again_inside", "inside_another", "replay_scope"]
 
 #: ``SCOPE.outer`` while an emulated replay runs a callable's Python.
 _REPLAY = "replay"
@@ -82,3 +83,24 @@ def inside_another(
         "the two side by side as callables graphed together, each called on its own, in the "
         "order they run"
     )
+
+
+def called_again_inside(lock: Any) -> bool:
+    """Whether a graphed call refused because ``lock`` is held was made inside a call holding
+    it in this thread (a replay hook calling the callable, or code its call runs), rather than
+    while another thread runs one. For the refusal's message only: it walks the stack.
+
+    >>> called_again_inside(threading.Lock())
+    False
+    """
+    try:
+        frame: Any = sys._getframe(3)  # past this function, ``_busy`` and the refused call's
+    except ValueError:  # a stack this shallow holds no call
+        return False
+    while frame is not None:
+        for name in ("self", "front"):  # a runner's method, a slot's (its front holds the lock)
+            owner = frame.f_locals.get(name)
+            if hasattr(type(owner), "_busy") and getattr(owner, "_lock", None) is lock:
+                return True
+        frame = frame.f_back
+    return False

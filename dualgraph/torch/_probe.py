@@ -36,6 +36,7 @@ from ._op_watch import OpObserver, observing
 from ._param_attributes import parameter_attributes_kept
 from ._params import is_tensor_subclass, write_back
 from ._process_state import kept_process_state
+from ._te_state import fp8_state_kept
 
 __all__ = [
     "LintMode",
@@ -337,8 +338,9 @@ def _model_kept(root: torch.nn.Module | None, fn: Callable[..., Any]) -> Iterato
     module's tensors (buffers, parameters a call updates in place, plain tensor attributes such
     as a cache), its submodules' Python attributes and its parameters' own (``main_grad``)
     back; and, for a function or method, those of the modules and the tensors its code names
-    (a closed-over BatchNorm's running statistics, a global counter tensor). The tools run
-    nothing a training step would: the module is left as they found it."""
+    (a closed-over BatchNorm's running statistics, a global counter tensor), and Transformer
+    Engine's FP8 state (:func:`fp8_state_kept`: an autocast's mark, scales, amax histories). The
+    tools run nothing a training step would: the module is left as they found it."""
     named = modules_named_by(fn)
     attributes = module_attributes(root, *named)
     modules = [m for m in (root, *named) if m is not None]
@@ -352,17 +354,21 @@ def _model_kept(root: torch.nn.Module | None, fn: Callable[..., Any]) -> Iterato
         if _storage_key(tensor) is not None:
             tensors.setdefault(id(tensor), tensor)
     kept = [(t, t.detach().clone()) for t in tensors.values()]
+    # Transformer Engine's: the autocast's "first FP8 module" mark, scales, amax histories
+    fp8 = fp8_state_kept(*modules)
     try:
         # a fused weight-grad accumulation's main_grad and flag (_param_attributes.py)
         with (
             kept_process_state(),
             parameter_attributes_kept(root.parameters() if root is not None else ()),
+            fp8.keeping_layers_run(),  # and a TE layer the module does not own, when it runs
         ):
             yield
     finally:
         for tensor, saved in kept:
             write_back(tensor, saved)
         put_back(attributes)
+        fp8.put_back()
 
 
 def _attributes_of(root: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:

@@ -62,7 +62,7 @@ from ._layouts import copier_of
 from ._modes import dispatch_modes_now, modes_meaning, of_dispatch, show_modes
 from ._modes import modes_now as _modes_now
 from ._nesting import SCOPE as _SCOPE
-from ._nesting import inside_another
+from ._nesting import called_again_inside, inside_another
 from ._node_hooks import HeldNodes, node_hook_dicts
 from ._params import ModuleTensors, own_changes_taken_of, requires_grad_changed
 from ._plan import ReplayPlan
@@ -1114,6 +1114,13 @@ class GraphedCallable:
                 target.copy_(self._static_inputs[i])
 
     def _busy(self) -> DualgraphError:
+        if called_again_inside(self._lock):
+            return DualgraphError(
+                f"{self.name}: called from inside its own call in this thread (a replay hook, "
+                "or code its replay runs), while its static buffers are in use"
+                + (" (or those of a callable graphed together with it)" if self._pool else "")
+                + ": a graphed callable runs one call at a time; call it once that call returned"
+            )
         if self._pool is not None:
             return DualgraphError(
                 f"{self.name}: called while another thread is running it or a callable graphed "

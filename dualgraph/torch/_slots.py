@@ -51,7 +51,7 @@ from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._eager_graphs import EagerGraphs
 from ._grad_checks import will_engine_execute_node
-from ._nesting import SCOPE, inside_another
+from ._nesting import SCOPE, called_again_inside, inside_another
 from ._replay import GraphedCallable
 from ._schedule import MAX_ORDER, Schedule, ScheduledPass, expand
 
@@ -376,6 +376,12 @@ class SlottedCallable:
         return pending is not None and pending() is not None
 
     def _busy(self) -> DualgraphError:
+        if called_again_inside(self._lock):
+            return DualgraphError(
+                f"{self.name}: called from inside its own call in this thread (a replay hook, "
+                "or code its replay runs), while its slots are in use: a graphed callable runs "
+                "one call at a time; call it once that call returned"
+            )
         return DualgraphError(
             f"{self.name}: called while another thread is running it (or a callable scheduled "
             "with it); its slots and schedule are kept by one thread at a time"

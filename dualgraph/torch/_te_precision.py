@@ -43,7 +43,13 @@ import torch
 
 from .._errors import CaptureError, DualgraphError
 from ._replay_hooks import ReplayCall, ReplayHooks, ReplayKwarg
-from ._te_state import layer_state, put_back_layer_state
+from ._te_state import (
+    STATE_KEYS,
+    has_histories,
+    layer_state,
+    note_layers_run,
+    put_back_layer_state,
+)
 from ._transformer_engine import TransformerEngine
 
 __all__ = ["FIRST_MICROBATCH", "Precision", "PrecisionArgs", "TECallable", "te_callables"]
@@ -263,11 +269,18 @@ class TECallable:
         self._thread: int | None = None  # the thread whose forward is being captured
         self._seen: dict[int, torch.nn.Module] = {}  # TE modules the captured forwards ran
         self._checked_custom = False
+        # delayed scaling: the layers whose FP8 state capture keeps (by id), and the state of
+        # those first known when they ran (not the module's own), put back after capture
+        self._kept: set[int] = set()
+        self._saved_late: list[tuple[Any, Any]] = []
         # set by capturing(): what the replays touch
         self._modules: tuple[Any, ...] = ()  # TE modules whose FP8 metadata joins the buffers
         self._attention: tuple[Any, ...] = ()  # DotProductAttention: only with FP8 attention
         self._ops: tuple[Any, ...] = ()  # basic ops of TE's operation fuser
         self._skip: torch.Tensor | None = None  # the weight-cast flag the graphs read
+        # delayed scaling: each joined layer's metadata, key, recipe state, scale and history,
+        # as the graphs read them (TE gives a layer new ones when it runs under another recipe)
+        self._states: tuple[tuple[Any, str, Any, Any, Any], ...] = ()
 
     # -- what the capture and the hooks ask -------------------------------------------------
 
@@ -328,6 +341,12 @@ class TECallable:
             return
         self._thread = threading.get_ident()
         handle = torch.nn.modules.module.register_module_forward_hook(self._saw)
+        # delayed scaling: the state of a layer the module does not own is kept at its first run
+        early = (
+            torch.nn.modules.module.register_module_forward_pre_hook(self._save_before_first_run)
+            if self._kind == "delayed" and isinstance(self.target, torch.nn.Module)
+            else None
+        )
         try:
             top = self.target
             if isinstance(top, torch.nn.Module):
@@ -335,6 +354,8 @@ class TECallable:
             yield
         finally:
             handle.remove()
+            if early is not None:
+                early.remove()
         if not self._checked_custom and self._kind == "custom":
             self._checked_custom = True
             self._refuse_custom_delayed_scaling()
@@ -419,26 +440,47 @@ class TECallable:
         """The scales and amax histories of the module's TE layers (delayed scaling only)."""
         if self._kind != "delayed" or not isinstance(self.target, torch.nn.Module):
             return []
-        te, recipe = self.te, self.precision.recipe
         saved: list[tuple[Any, Any]] = []
         with self.run():  # TE calls below then join no global buffer
-            module: Any  # a TE layer: its methods are TE's
             for module in self.target.modules():
-                if _isinstance(module, te.base_module):
-                    # The histories take the recipe's length now, as TE gives them at the first
-                    # forward under it (new tensors): so what is kept fits them when put back.
-                    if getattr(module, "primary_weights_in_fp8", False) or _other_length(
-                        module, recipe.amax_history_len
-                    ):
-                        module.adjust_amax_history_length(recipe.amax_history_len)
-                    saved.append((module, layer_state(te, module)))
-                elif _isinstance(module, te.basic_operation):
-                    module.reset_recipe_state(recipe=recipe)  # so that there is state to save
-                    saved.append((module, layer_state(te, module)))
+                self._save_layer_state(module, saved)
         return saved
 
+    def _save_layer_state(self, module: Any, saved: list[tuple[Any, Any]]) -> None:
+        """Append a TE layer's (or op's) state to ``saved``, once (anything else: nothing)."""
+        te, recipe = self.te, self.precision.recipe
+        if id(module) in self._kept:
+            return
+        if _isinstance(module, te.base_module):
+            self._kept.add(id(module))
+            # The histories take the recipe's length now, as TE gives them at the first
+            # forward under it (new tensors): so what is kept fits them when put back.
+            if getattr(module, "primary_weights_in_fp8", False) or _other_length(
+                module, recipe.amax_history_len
+            ):
+                module.adjust_amax_history_length(recipe.amax_history_len)
+            saved.append((module, layer_state(te, module)))
+        elif _isinstance(module, te.basic_operation):
+            self._kept.add(id(module))
+            module.reset_recipe_state(recipe=recipe)  # so that there is state to save
+            saved.append((module, layer_state(te, module)))
+
+    def _save_before_first_run(self, module: torch.nn.Module, inputs: Any) -> None:
+        # A TE layer the module does not own (held in a plain list, closed over) is first known
+        # when its forward runs: its state is kept then, before that forward records amaxes.
+        if threading.get_ident() != self._thread:
+            return
+        te = self.te
+        if te.op_sequential is not None and isinstance(module, te.op_sequential):
+            layers: list[Any] = [m for m in module.modules() if _isinstance(m, te.basic_operation)]
+        else:
+            layers = [module]
+        for layer in layers:
+            self._save_layer_state(layer, self._saved_late)
+
     def _restore_fp8_state(self, saved: Sequence[tuple[Any, Any]]) -> None:
-        for module, state in saved:
+        late, self._saved_late = self._saved_late, []
+        for module, state in [*saved, *late]:
             put_back_layer_state(self.te, module, state)
 
     def _learned(self) -> None:
@@ -453,7 +495,35 @@ class TECallable:
             else:
                 ops.append(module)
         self._modules, self._attention, self._ops = tuple(modules), tuple(attention), tuple(ops)
+        note_layers_run(self._seen.values())  # verify keeps their FP8 state (_te_state.py)
         self._skip = te.manager.get_skip_fp8_weight_update_tensor()
+        if self._kind == "delayed" and self.precision.enabled:
+            states = []
+            for meta in self._joined_metas(self.precision.recipe):
+                for key in STATE_KEYS:
+                    state: Any = meta.get(key)
+                    if has_histories(state):
+                        states.append((meta, key, state, state.scale, state.amax_history))
+            self._states = tuple(states)
+
+    def _joined_metas(self, recipe: Any) -> Iterator[dict[str, Any]]:
+        """The FP8 metadata each replay joins to TE's global buffers under ``recipe`` (as
+        :meth:`_after_forward` joins them, inline there)."""
+        for module in self._modules:
+            yield module.fp8_meta
+        if self._attention and (
+            getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)
+        ):
+            for module in self._attention:
+                yield module.fp8_meta
+        for op in self._ops:
+            metas = op._fp8_metas
+            if not metas:
+                continue
+            for mode in ("forward", "backward"):
+                meta = metas.get(mode)
+                if meta is not None and op.num_quantizers(mode):
+                    yield meta
 
     # -- every replay -------------------------------------------------------------------------
 
@@ -463,10 +533,50 @@ class TECallable:
             self._check_ambient(now)
         if not self.precision.enabled or call.backend == "eager":
             return  # eager calls keep TE's books themselves; high precision keeps none
+        for meta, key, state, scale, history in self._states:  # the tensors the graphs read
+            if (
+                meta.get(key) is not state
+                or state.scale is not scale
+                or state.amax_history is not history
+            ):
+                self._refuse_replaced_state(meta, key)
         skip = self._skip
         if skip is not None:
             cached = self.cache_quantized_params and not call.replay_kwargs[FIRST_MICROBATCH]
             skip.fill_(cached)  # the captured weight casts skip their update when it is 1
+
+    def _refuse_replaced_state(self, meta: dict[str, Any], key: str) -> None:
+        layer = self._layer_named(meta)
+        raise DualgraphError(
+            f"{self.name}: the FP8 scales and amax histories of its Transformer Engine layer "
+            f"{layer} ({key}) are other tensors than at capture: TE gives a layer new ones "
+            "when it runs eagerly under a recipe of another kind or amax history length (an "
+            "evaluation in another te.autocast, e.g. TE's default recipe), and the graphs read "
+            "and update the ones of capture, which TE no longer updates. Graph it again "
+            "(dualgraph.torch.restore, then make_graphed_callables), and run such calls under "
+            f"the captured recipe {self.precision.recipe!r}"
+        )
+
+    def _layer_named(self, meta: dict[str, Any]) -> str:
+        """The path of the TE layer (or op) holding ``meta`` in the graphed module, or its
+        class where the module does not own it."""
+        owners = [*self._modules, *self._attention, *self._ops]
+        owner = next(
+            (
+                module
+                for module in owners
+                if getattr(module, "fp8_meta", None) is meta
+                or meta in (getattr(module, "_fp8_metas", None) or {}).values()
+            ),
+            None,
+        )
+        if owner is None:
+            return "?"
+        if isinstance(self.target, torch.nn.Module):
+            for path, module in self.target.named_modules():
+                if module is owner:
+                    return f"{type(self.target).__name__}.{path}" if path else type(owner).__name__
+        return type(owner).__name__
 
     def _after_forward(self, call: ReplayCall) -> None:
         # Once the forward has replayed, as eager's forward keeps these books: a call refused
@@ -475,6 +585,7 @@ class TECallable:
             return
         manager = self.te.manager
         recipe, group = manager.get_fp8_recipe(), manager.get_fp8_group()
+        # the metadata _joined_metas lists, inline: a generator costs every FP8 replay ~0.2 us
         for module in self._modules:
             _join(manager, module.fp8_meta, recipe, group)
         if self._attention and (

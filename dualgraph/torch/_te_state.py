@@ -12,23 +12,55 @@ that ``verify`` can run its two sides from the same state and leave it as it fou
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from ._transformer_engine import TransformerEngine
 
-__all__ = ["FP8State", "fp8_state_kept", "layer_state", "put_back_layer_state"]
+__all__ = [
+    "STATE_KEYS",
+    "FP8State",
+    "fp8_state_kept",
+    "has_histories",
+    "layer_state",
+    "note_layers_run",
+    "put_back_layer_state",
+]
+
+#: Every TE layer (or op) a capture saw a callable's forward run, its module's or not (a layer
+#: held in a plain list, closed over): :class:`FP8State` keeps theirs too, since one the module
+#: does not own is in TE's global buffers only once a replay joined it.
+_LAYERS_RUN: weakref.WeakSet[Any] = weakref.WeakSet()
+_LAYERS_RUN_LOCK = threading.Lock()  # captures in several threads note them
+
+
+def note_layers_run(layers: Any) -> None:
+    """Note TE layers a capture saw its forwards run (held weakly)."""
+    with _LAYERS_RUN_LOCK:
+        _LAYERS_RUN.update(layers)
+
+
+def _layers_run() -> list[Any]:
+    with _LAYERS_RUN_LOCK:
+        return list(_LAYERS_RUN)
 
 
 class FP8State:
     """What :func:`fp8_state_kept` kept; :meth:`put_back` restores it (any number of times)."""
 
-    def __init__(self, te: TransformerEngine | None, module: torch.nn.Module | None) -> None:
+    def __init__(
+        self, te: TransformerEngine | None, modules: Sequence[torch.nn.Module | None]
+    ) -> None:
         self._te = te
         self._autocast: tuple[Any, Any] | None = None  # (setter, state)
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modules: list[tuple[Any, Any]] = []
+        self._seen: set[int] = set()  # the layers kept, by id
         if te is None:
             return
         manager = te.manager
@@ -44,10 +76,37 @@ class FP8State:
                 for tensors in buffers.values():
                     for tensor in tensors:
                         self._keep(tensor)
-        # the module's own layers, joined or not yet
-        for layer in () if module is None else module.modules():
-            if _is(layer, te.base_module) or _is(layer, te.basic_operation):
-                self._modules.append((layer, layer_state(te, layer)))
+        # the module's own layers, joined or not yet, and those a capture saw run
+        owned = [layer for module in modules if module is not None for layer in module.modules()]
+        for layer in [*owned, *_layers_run()]:
+            self._keep_layer(layer)
+
+    def _keep_layer(self, layer: Any) -> None:
+        te = self._te
+        if te is None or id(layer) in self._seen:
+            return
+        self._seen.add(id(layer))
+        if _is(layer, te.base_module) or _is(layer, te.basic_operation):
+            self._modules.append((layer, layer_state(te, layer)))
+
+    @contextmanager
+    def keeping_layers_run(self) -> Iterator[None]:
+        """Also keep, before its first forward in the block (in this thread), the state of any
+        TE layer the block runs that was not kept yet (one held in a plain list, closed over)."""
+        if self._te is None:
+            yield
+            return
+        thread = threading.get_ident()
+
+        def keep(module: torch.nn.Module, inputs: Any) -> None:
+            if threading.get_ident() == thread:
+                self._keep_layer(module)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(keep)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def _keep(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tensors:
@@ -68,10 +127,11 @@ class FP8State:
             setter(state)
 
 
-def fp8_state_kept(module: torch.nn.Module | None) -> FP8State:
-    """The FP8 state of TE's autocast, its global buffers and ``module``'s TE layers, kept now
-    (nothing when the program has not imported TE)."""
-    return FP8State(TransformerEngine.imported(), module)
+def fp8_state_kept(*modules: torch.nn.Module | None) -> FP8State:
+    """The FP8 state of TE's autocast, its global buffers, the TE layers of ``modules`` and
+    those a capture saw run (:func:`note_layers_run`), kept now (nothing when the program has
+    not imported TE)."""
+    return FP8State(TransformerEngine.imported(), modules)
 
 
 def layer_state(te: TransformerEngine, layer: Any) -> Any:
@@ -79,12 +139,12 @@ def layer_state(te: TransformerEngine, layer: Any) -> Any:
     FP8 state yet, or a recipe's state without them (current and block scaling: TE's getters
     would raise)."""
     if _is(layer, te.base_module):
-        if not _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+        if not _keeps_histories(layer.fp8_meta.get(key) for key in STATE_KEYS):
             return None
         return layer.get_fp8_meta_tensors()
     metas = getattr(layer, "_fp8_metas", None)
     if not isinstance(metas, dict) or not all(
-        _keeps_histories(meta.get(key) for key in _KEYS)
+        _keeps_histories(meta.get(key) for key in STATE_KEYS)
         for meta in metas.values()
         if meta is not None
     ):
@@ -97,22 +157,30 @@ def put_back_layer_state(te: TransformerEngine, layer: Any, saved: Any) -> None:
     histories now the ones and zeros of a new one (TE makes that state at the first forward
     under a delayed-scaling recipe); a layer without them keeps what it has."""
     if _is(layer, te.base_module):
-        if _keeps_histories(layer.fp8_meta.get(key) for key in _KEYS):
+        if _keeps_histories(layer.fp8_meta.get(key) for key in STATE_KEYS):
             layer.reset_fp8_meta_tensors(saved)
     elif saved is not None:
         layer._load_fp8_metas(saved)
 
 
-_KEYS = ("scaling_fwd", "scaling_bwd")
+#: The keys of a TE layer's FP8 metadata that hold its recipe state, forward and backward.
+STATE_KEYS = ("scaling_fwd", "scaling_bwd")
+
+
+def has_histories(state: Any) -> bool:
+    """Whether a recipe state keeps a scale and an amax history (delayed scaling's).
+
+    >>> has_histories(None)
+    False
+    """
+    return isinstance(getattr(state, "scale", None), torch.Tensor) and isinstance(
+        getattr(state, "amax_history", None), torch.Tensor
+    )
 
 
 def _keeps_histories(states: Any) -> bool:
     present = [state for state in states if state is not None]
-    return bool(present) and all(
-        isinstance(getattr(state, "scale", None), torch.Tensor)
-        and isinstance(getattr(state, "amax_history", None), torch.Tensor)
-        for state in present
-    )
+    return bool(present) and all(map(has_histories, present))
 
 
 def _first(owner: Any, *names: str) -> Any:

@@ -1,23 +1,25 @@
 """A check against eager: does a graphed callable still compute what its eager twin computes?
 
 :func:`verify` runs the graphed callable for ``steps`` calls with their backward, then puts the
-model back as it was and runs the original (eager) callable the same way from the same state:
-the same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` starting from
-``None`` and accumulating over the steps on both sides. It compares, leaf by leaf and step by
-step: the outputs (the ``None`` and constant positions and which tensors require grad as well as
-the values), the grads of the inputs that require grad, the parameters' ``.grad``, and the
-inputs and buffers the calls changed (a graphed function's: what :func:`closed_over_tensors`
-finds). Both sides backpropagate the same seeded random output grads. A call that shape buckets pad
-(``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
-``valid_length``, its outputs cut back; the capture compared that with the call as it is, up to
-rounding, at a few lengths per bucket, and verify compares them again at the length of the call it
-runs (a leaf ``padding``, failing with the capture check's refusal). Afterwards parameters,
-buffers, ``.grad`` (the same tensor objects, with their values), the RNG states (torch's, Python's
-``random``, numpy's global one) and the Python attributes of the module and its submodules (a
-counter ``self.calls += 1``) are as they were; the last two are not reset between the sides, since
-a graph on the GPU does not rerun Python. Usable in a training script between steps (after
-``optimizer.step()``, not between a forward and its backward); like any replay, the calls overwrite
-the static outputs of earlier replays.
+model back as it was and runs the original (eager) callable the same way from the same state: the
+same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` starting from ``None`` and
+accumulating over the steps on both sides (a ``main_grad`` from its values). It compares, leaf by
+leaf and step by step: the outputs (the ``None`` and constant positions and which tensors require
+grad as well as the values), the grads of the inputs that require grad, the parameters' ``.grad``,
+and the inputs, buffers (a graphed function's: what :func:`closed_over_tensors` finds) and tensor
+attributes of the parameters (a fused weight-grad accumulation's ``main_grad``, where the backward
+adds the weight grad and hands autograd a dummy) the calls changed. Both sides backpropagate the
+same seeded random output grads. A call that shape buckets pad (``fallback="pad"``) reaches the
+eager side as it reaches the replay: padded, with ``valid_length``, its outputs cut back; the
+capture compared that with the call as it is, up to rounding, at a few lengths per bucket, and
+verify compares them again at the length of the call it runs (a leaf ``padding``, failing with
+the capture check's refusal). Afterwards parameters, buffers, ``.grad`` (the same tensor objects,
+with their values), the RNG states (torch's, Python's ``random``, numpy's global one) and the
+Python attributes of the module and its submodules (a counter ``self.calls += 1``) are as they
+were; the last two are not reset between the sides, since a graph on the GPU does not rerun
+Python. Usable in a training script between steps (after ``optimizer.step()``, not between a
+forward and its backward); like any replay, the calls overwrite the static outputs of earlier
+replays.
 
 Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
 (and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
@@ -90,7 +92,7 @@ from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._param_attributes import parameter_attributes_kept
-from ._params import same_bits
+from ._params import is_tensor_subclass, same_bits
 from ._probe import cloned_inputs, module_of
 from ._process_state import kept_process_state
 from ._replay import GraphedCallable
@@ -268,6 +270,9 @@ def verify(
     buffers = [(f"buffer {n}", b) for n, b in module.named_buffers()] if module else []
     if module is None:
         buffers += closed_over_tensors(original)
+    # what a fused weight-grad accumulation's backward adds into (main_grad): compared and put
+    # back as buffers are, since the .grad autograd gets there is a dummy
+    buffers += _parameter_tensors(params)
 
     # Transformer Engine's FP8 scales, amax histories and autocast mark: kept as the rest
     fp8 = fp8_state_kept(module)
@@ -309,6 +314,34 @@ def verify(
         checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
     varied = tuple(step for step, ours in enumerate(graphed_steps, 1) if ours.varied)
     return VerifyReport(info.name, info.backend, steps, tuple(checks), varied)
+
+
+def _parameter_tensors(
+    params: Sequence[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """The parameters' own public tensor attributes (``main_grad``), labelled by path.
+
+    >>> weight = torch.nn.Parameter(torch.ones(2))
+    >>> weight.main_grad = torch.zeros(2)
+    >>> [label for label, _ in _parameter_tensors([("fc.weight", weight)])]
+    ['attribute fc.weight.main_grad']
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for path, param in params:
+        if is_tensor_subclass(param):
+            continue  # a subclass's attributes (an FP8 weight's) are its data and caches
+        for name, value in param.__dict__.items():
+            if (
+                not name.startswith("_")
+                and isinstance(value, torch.Tensor)
+                and value.layout == torch.strided
+                and not value.is_meta
+                and id(value) not in seen
+            ):
+                seen.add(id(value))
+                found.append((f"attribute {path}.{name}", value))
+    return found
 
 
 def _why_eager(graphed: Any, branched: bool = False) -> str:
@@ -658,7 +691,7 @@ def _compare(
         if other_sign:
             return _problem(path, other_sign)
     diff = (a - b).abs()
-    diff = torch.where((a == b) | (a.isnan() & b.isnan()), torch.zeros_like(diff), diff)
+    diff = torch.where(_same_values(a, b), torch.zeros_like(diff), diff)
     diff = torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff)
     magnitude = b.abs()
     finite = torch.where(magnitude.isfinite(), magnitude, torch.zeros_like(magnitude))
@@ -677,6 +710,20 @@ def _compare(
         leaf_atol,
         float(ratio.max()) if ratio.numel() else 0.0,
     )
+
+
+def _same_values(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Where two tensors hold the same values, a NaN matching a NaN; a complex element only where
+    each part does (``isnan`` of a complex is true where either part is NaN).
+
+    >>> nan = float("nan")
+    >>> _same_values(torch.tensor([complex(nan, 1), complex(nan, 1)]),
+    ...              torch.tensor([complex(nan, 1), complex(nan, 5)]))
+    tensor([ True, False])
+    """
+    if actual.is_complex():
+        return _same_values(actual.real, expected.real) & _same_values(actual.imag, expected.imag)
+    return (actual == expected) | (actual.isnan() & expected.isnan())
 
 
 def _zero_of_the_other_sign(actual: torch.Tensor, expected: torch.Tensor) -> str:
