@@ -130,6 +130,15 @@ class _Capture:
                         "param_grads='autograd' to use parameter hooks"
                     )
             for name, param in zip(self.param_names, self.params, strict=True):
+                if param.is_complex():
+                    raise Refused(
+                        f"{name} is {str(param.dtype).removeprefix('torch.')}, whose grads "
+                        "param_grads='in_graph' cannot add into .grad as eager does: torch adds "
+                        "complex tensors as a + 1 * b, a complex product that turns the other "
+                        "part of an infinite one into NaN and may flip a zero's sign, so a sum "
+                        "started for a .grad that is None is not the grad eager sets it to; "
+                        "capture with param_grads='auto' or 'autograd'"
+                    )
                 if is_tensor_subclass(param):
                     raise Refused(
                         f"{name} is a {type(param).__name__} (a tensor subclass, e.g. "
@@ -142,11 +151,15 @@ class _Capture:
         # weights) before adding them to .grad; adding them one callable at a time would round
         # differently, so such callables hand their grads to autograd, which sums them first.
         # So do callables with a tensor-subclass parameter (Transformer Engine's FP8 weights):
-        # eager's .grad of one is a plain tensor that AccumulateGrad makes.
+        # eager's .grad of one is a plain tensor that AccumulateGrad makes; and with a complex
+        # one: torch's complex add (a + 1 * b) keeps neither -0.0 nor an infinite part's partner
+        # (inf + 1j becomes inf + nanj), so no sum started at -0.0 gives the grad itself, which
+        # eager's .grad is after zero_grad(), nor does a copy made by multiplying by one.
         self.in_graph_grads = options.param_grads == "in_graph" or (
             options.param_grads == "auto"
             and not any(id(p) in shared for p in self.params)
             and not any(map(is_tensor_subclass, self.params))
+            and not any(p.is_complex() for p in self.params)
         )
         given = (
             self.request.param_grad_buffers
