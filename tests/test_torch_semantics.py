@@ -4091,6 +4091,61 @@ def test_a_global_a_graphed_modules_forward_reads_changed_after_capture_is_refus
     )
 
 
+class _ScaledByTheClass(nn.Module):
+    """A Linear times ``scale``, a value of the class (every block's at once), not its own."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+class _ScaledBySubclass(_ScaledByTheClass):
+    """Reads its base class's ``scale`` until one is set on it."""
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("where", ["on the class", "on a subclass"])
+def test_a_class_attribute_a_graphed_modules_forward_reads_changed_after_capture_is_refused(
+    backend: str, where: str
+) -> None:
+    # Eager's forward reads self.scale again on every call, from the class where the instance
+    # has none of its own; a graph holds what the forward computed from it at capture (on CUDA
+    # the replays went on multiplying by 2.0, silently).
+    device = device_of(backend)
+    module = nn.Sequential(_ScaledBySubclass(), nn.Tanh()).to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    owner = _ScaledByTheClass if where == "on the class" else _ScaledBySubclass
+    try:
+        owner.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            module(torch.randn(4, 8, device=device))
+    finally:
+        _ScaledByTheClass.scale = 2.0
+        if "scale" in vars(_ScaledBySubclass):
+            del _ScaledBySubclass.scale
+    assert str(info.value).startswith(
+        "_ScaledBySubclass.scale (a class attribute): was 2.0 at capture and is 3.0 now"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_class_attribute_set_again_to_an_equal_value_is_no_change(backend: str) -> None:
+    device = device_of(backend)
+    module = _ScaledByTheClass().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    try:
+        _ScaledByTheClass.scale = float("2.0")  # another float object, the same value
+        assert_tensors_match(module(x), module.fc(x) * 2.0, "output", tolerance(backend))
+    finally:
+        _ScaledByTheClass.scale = 2.0
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
     # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:

@@ -20,7 +20,7 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
 from ._ambient import autocast_state, numerics_state
 from ._capture_failure import Refused
-from ._closed_over import ClosureUpdates, code_tensors, forward_values
+from ._closed_over import ClosureUpdates, class_values, code_tensors, forward_values
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
 from ._layouts import Layout, layout_of
@@ -110,6 +110,8 @@ class _Capture:
             self.module_tensors = ModuleTensors.of(module)
             # what the forwards' own code reads from its globals, checked as attributes are
             self.module_tensors.note_code_values(*forward_values(module))
+            # and what they read from their modules' classes
+            self.module_tensors.note_class_values(class_values(module))
         # A function's or method's: what its code names, checked per call as a module's own.
         self.code_tensors = code_tensors(self.request.fn) if module is None else None
         self.closure_updates = ClosureUpdates()  # a function's: found during capture

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from ._params import ModuleTensors, is_plain, same_bits, write_back
 
 __all__ = [
     "ClosureUpdates",
+    "class_values",
     "closed_over_tensors",
     "code_tensors",
     "code_values",
@@ -121,6 +123,48 @@ def forward_values(module: torch.nn.Module) -> CodeValues:
         globals_ += found[0]
         cells += found[1]
     return globals_, cells
+
+
+def class_values(module: torch.nn.Module) -> list[tuple[str, type, str, Any]]:
+    """``(name, class, key, value)`` of the plain Python values (numbers, strings, flags,
+    ``None``, tuples of them) that the ``forward`` of ``module`` and of each submodule reads
+    from its class, not from the instance (``self.scale`` where ``scale = 1.0`` is set in the
+    class body, or on the class since): a graph holds what the forward computed from them, where
+    eager reads ``getattr`` again on every call (``Block.scale = 2.0`` for every block at once).
+    Once per class and name, named ``Block.scale (a class attribute)``; ``_private`` names are
+    left out, as a module's own are.
+
+    >>> class Scaled(torch.nn.Linear):
+    ...     scale = 2.0
+    ...     def forward(self, x):
+    ...         return super().forward(x) * self.scale
+    >>> [(name, value) for name, _, _, value in class_values(Scaled(2, 2))]
+    [('Scaled.scale (a class attribute)', 2.0)]
+    """
+    found: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
+    for submodule in module.modules():
+        cls = type(submodule)
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if not isinstance(code, types.CodeType):
+            continue
+        own = (submodule.__dict__, submodule._parameters, submodule._buffers, submodule._modules)
+        for key in dict.fromkeys(_attributes_loaded(code)):
+            if (id(cls), key) in found or key.startswith("_") or any(key in d for d in own):
+                continue  # an instance's own value is compared as an attribute; private: not
+            value = inspect.getattr_static(cls, key, _NOT_THERE)
+            if value is not _NOT_THERE and is_plain(value):
+                found[id(cls), key] = (f"{cls.__name__}.{key} (a class attribute)", cls, key, value)
+    return list(found.values())
+
+
+def _attributes_loaded(code: types.CodeType) -> Iterator[str]:
+    """The attribute names ``code`` loads (``self.scale``, ``x.shape``), nested code's too."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            yield instruction.argval
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a comprehension, a nested lambda
+            yield from _attributes_loaded(constant)
 
 
 def code_values(fn: Callable[..., Any], *, owner: str = "") -> CodeValues:
