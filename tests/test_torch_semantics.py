@@ -4133,6 +4133,47 @@ def test_a_class_attribute_a_graphed_modules_forward_reads_changed_after_capture
     )
 
 
+class _EncodesAtTheClassScale(nn.Module):
+    """``encode`` (graphed as a method) reads ``scale`` from the class; ``forward``, which the
+    method never calls, reads ``unused`` from it."""
+
+    scale = 2.0
+    unused = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.unused
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_class_attribute_a_graphed_method_reads_changed_after_capture_is_refused(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = _EncodesAtTheClassScale().to(device)
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module.encode, sample, backend=backend)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    try:
+        _EncodesAtTheClassScale.unused = 3.0  # read by the forward only: no change
+        graphed(x)
+        _EncodesAtTheClassScale.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            graphed(x)
+    finally:
+        _EncodesAtTheClassScale.scale, _EncodesAtTheClassScale.unused = 2.0, 1.0
+    assert str(info.value).startswith(
+        f"{graphed.name}: _EncodesAtTheClassScale.scale (a class attribute): was 2.0 at "
+        "capture and is 3.0 now"
+    )
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_class_attribute_set_again_to_an_equal_value_is_no_change(backend: str) -> None:
     device = device_of(backend)

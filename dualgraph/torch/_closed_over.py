@@ -98,6 +98,14 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
         return None
     record = ModuleTensors.of(holder, root="", uncalled=uncalled)
     record.note_code_values(globals_, cells)
+    # what the method's code and the named modules' forwards read from their classes
+    classes: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
+    for module in holder._modules.values():
+        if module is None:
+            continue
+        for entry in class_values(module, method=fn if module is owner else None):
+            classes.setdefault((id(entry[1]), entry[2]), entry)
+    record.note_class_values(list(classes.values()))
     return record
 
 
@@ -125,14 +133,17 @@ def forward_values(module: torch.nn.Module) -> CodeValues:
     return globals_, cells
 
 
-def class_values(module: torch.nn.Module) -> list[tuple[str, type, str, Any]]:
+def class_values(
+    module: torch.nn.Module, *, method: Callable[..., Any] | None = None
+) -> list[tuple[str, type, str, Any]]:
     """``(name, class, key, value)`` of the plain Python values (numbers, strings, flags,
     ``None``, tuples of them) that the ``forward`` of ``module`` and of each submodule reads
     from its class, not from the instance (``self.scale`` where ``scale = 1.0`` is set in the
     class body, or on the class since): a graph holds what the forward computed from them, where
     eager reads ``getattr`` again on every call (``Block.scale = 2.0`` for every block at once).
     Once per class and name, named ``Block.scale (a class attribute)``; ``_private`` names are
-    left out, as a module's own are.
+    left out, as a module's own are. ``method``: a graphed method of ``module``, whose code is
+    read for ``module`` instead of its ``forward`` (which the method does not call).
 
     >>> class Scaled(torch.nn.Linear):
     ...     scale = 2.0
@@ -144,7 +155,10 @@ def class_values(module: torch.nn.Module) -> list[tuple[str, type, str, Any]]:
     found: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
     for submodule in module.modules():
         cls = type(submodule)
-        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        reader = method if submodule is module and method is not None else cls.forward
+        while isinstance(reader, functools.partial):
+            reader = reader.func
+        code = getattr(reader, "__code__", None)
         if not isinstance(code, types.CodeType):
             continue
         own = (submodule.__dict__, submodule._parameters, submodule._buffers, submodule._modules)

@@ -1077,8 +1077,8 @@ class ModuleTensors:
             shown = "deleted" if class_value is _ABSENT else f"{class_value!r}"
             return DualgraphError(
                 f"{self.class_names[read]}: was {self.class_values[read]!r} at capture and is "
-                f"{shown} now; the graphs replay what the forward computed from it at capture, "
-                "so eager's new value would be lost. Set it back, set it before graphing, or "
+                f"{shown} now; the graphs replay what the code computed from it at capture, so "
+                "eager's new value would be lost. Set it back, set it before graphing, or "
                 f"{again}"
             )
         if changed is not None:
