@@ -4187,6 +4187,51 @@ def test_a_class_attribute_set_again_to_an_equal_value_is_no_change(backend: str
         _ScaledByTheClass.scale = 2.0
 
 
+class _TemperedInAHelper(nn.Module):
+    """Its forward calls a method of its own class that reads the global ``TEMPERATURE`` and
+    the class's ``scale``."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._tempered(x).tanh()
+
+    def _tempered(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE * self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("what", ["global", "class attribute"])
+def test_a_value_a_helper_method_of_the_forward_reads_changed_after_capture_is_refused(
+    backend: str, what: str
+) -> None:
+    # The forward's own code reads neither: the helper it calls through self does, and a graph
+    # holds what it computed at capture.
+    global TEMPERATURE
+    device = device_of(backend)
+    module = _TemperedInAHelper().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    try:
+        if what == "global":
+            TEMPERATURE = 3.0
+        else:
+            _TemperedInAHelper.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            module(torch.randn(4, 8, device=device))
+    finally:
+        TEMPERATURE, _TemperedInAHelper.scale = 2.0, 2.0
+    expected = (
+        "_TemperedInAHelper._tempered's global TEMPERATURE"
+        if what == "global"
+        else "_TemperedInAHelper.scale (a class attribute)"
+    )
+    assert str(info.value).startswith(f"{expected}: was 2.0 at capture and is 3.0 now")
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
     # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:

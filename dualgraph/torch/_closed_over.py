@@ -36,6 +36,7 @@ __all__ = [
     "code_values",
     "forward_values",
     "method_module",
+    "methods_run",
     "modules_named_by",
     "named_by",
     "named_values",
@@ -123,14 +124,55 @@ def forward_values(module: torch.nn.Module) -> CodeValues:
     cells: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
     for submodule in module.modules():
-        forward = getattr(type(submodule), "forward", None)
-        if forward is None or id(forward) in seen:
-            continue
-        seen.add(id(forward))
-        found = code_values(forward, owner=f"{type(submodule).__name__}.forward")
-        globals_ += found[0]
-        cells += found[1]
+        cls = type(submodule)
+        for function in methods_run(cls, getattr(cls, "forward", None)):
+            if id(function) in seen:
+                continue
+            seen.add(id(function))
+            found = code_values(function, owner=f"{cls.__name__}.{function.__name__}")
+            globals_ += found[0]
+            cells += found[1]
     return globals_, cells
+
+
+#: At most this many functions of a class are followed from one entry (a forward, a method).
+_METHODS_FOLLOWED = 64
+#: torch.nn.Module's own methods (x.float() names Module.float; .to, .apply, .state_dict): what
+#: they read is the module machinery's, not the forward's computation. Not followed.
+_MODULE_API = frozenset(map(id, vars(torch.nn.Module).values()))
+
+
+def methods_run(cls: type, entry: Any) -> list[types.FunctionType]:
+    """``entry`` (a function, or a method of ``cls``) and the functions of ``cls`` its code
+    calls through ``self`` (``self._attend(x)``, a staticmethod too), and theirs: the code a
+    forward runs of its own class, whose globals and class attributes it reads as its own.
+
+    >>> class Block(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return self._scaled(x)
+    ...     def _scaled(self, x):
+    ...         return x * 2
+    >>> [f.__name__ for f in methods_run(Block, Block.forward)]
+    ['forward', '_scaled']
+    """
+    found: dict[int, types.FunctionType] = {}
+    pending = [entry]
+    while pending and len(found) < _METHODS_FOLLOWED:
+        function = pending.pop()
+        while isinstance(function, functools.partial):
+            function = function.func
+        function = getattr(function, "__func__", function)  # a bound or static method
+        if not isinstance(function, types.FunctionType) or id(function) in found:
+            continue
+        found[id(function)] = function
+        for key in dict.fromkeys(_attributes_loaded(function.__code__)):
+            value = inspect.getattr_static(cls, key, None)
+            if (
+                isinstance(value, types.FunctionType | staticmethod)
+                and id(value) not in _MODULE_API
+            ):
+                pending.append(value)
+    return list(found.values())
 
 
 def class_values(
@@ -155,14 +197,14 @@ def class_values(
     found: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
     for submodule in module.modules():
         cls = type(submodule)
-        reader = method if submodule is module and method is not None else cls.forward
-        while isinstance(reader, functools.partial):
-            reader = reader.func
-        code = getattr(reader, "__code__", None)
-        if not isinstance(code, types.CodeType):
-            continue
+        entry = method if submodule is module and method is not None else cls.forward
+        names = (
+            name
+            for function in methods_run(cls, entry)
+            for name in _attributes_loaded(function.__code__)
+        )
         own = (submodule.__dict__, submodule._parameters, submodule._buffers, submodule._modules)
-        for key in dict.fromkeys(_attributes_loaded(code)):
+        for key in dict.fromkeys(names):
             if (id(cls), key) in found or key.startswith("_") or any(key in d for d in own):
                 continue  # an instance's own value is compared as an attribute; private: not
             value = inspect.getattr_static(cls, key, _NOT_THERE)
