@@ -123,8 +123,12 @@ def forward_values(module: torch.nn.Module) -> CodeValues:
     globals_: list[tuple[str, dict[str, Any], str, Any]] = []
     cells: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
+    classes: set[type] = set()
     for submodule in module.modules():
         cls = type(submodule)
+        if cls in classes:  # its code read once
+            continue
+        classes.add(cls)
         for function in methods_run(cls, getattr(cls, "forward", None)):
             if id(function) in seen:
                 continue
@@ -195,20 +199,27 @@ def class_values(
     [('Scaled.scale (a class attribute)', 2.0)]
     """
     found: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
+    read: dict[tuple[type, Any], tuple[tuple[str, Any], ...]] = {}  # per class and entry, once
     for submodule in module.modules():
         cls = type(submodule)
         entry = method if submodule is module and method is not None else cls.forward
-        names = (
-            name
-            for function in methods_run(cls, entry)
-            for name in _attributes_loaded(function.__code__)
-        )
+        names = read.get((cls, entry))
+        if names is None:
+            loaded = (
+                name
+                for function in methods_run(cls, entry)
+                for name in _attributes_loaded(function.__code__)
+            )
+            names = read[cls, entry] = tuple(
+                (key, value)
+                for key in dict.fromkeys(loaded)
+                if not key.startswith("_")  # private: not compared, as a module's own are not
+                and is_plain(value := inspect.getattr_static(cls, key, _NOT_THERE))
+            )
         own = (submodule.__dict__, submodule._parameters, submodule._buffers, submodule._modules)
-        for key in dict.fromkeys(names):
-            if (id(cls), key) in found or key.startswith("_") or any(key in d for d in own):
-                continue  # an instance's own value is compared as an attribute; private: not
-            value = inspect.getattr_static(cls, key, _NOT_THERE)
-            if value is not _NOT_THERE and is_plain(value):
+        for key, value in names:
+            if (id(cls), key) not in found and not any(key in d for d in own):
+                # (an instance's own value is compared as an attribute)
                 found[id(cls), key] = (f"{cls.__name__}.{key} (a class attribute)", cls, key, value)
     return list(found.values())
 
