@@ -4232,6 +4232,50 @@ def test_a_value_a_helper_method_of_the_forward_reads_changed_after_capture_is_r
     assert str(info.value).startswith(f"{expected}: was 2.0 at capture and is 3.0 now")
 
 
+class _FrozenTempered(nn.Module):
+    """Divides by the global ``TEMPERATURE`` in its forward and in a helper of ``encode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._tempered(x).tanh()
+
+    def _tempered(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("graphed", ["a function calling the module", "a method"])
+def test_a_global_the_code_a_graphed_function_runs_reads_changed_after_capture_is_refused(
+    backend: str, graphed: str
+) -> None:
+    # Not the function's own code: the forward of the module it calls, or the helper the
+    # method calls through self (a graph holds what they computed at capture).
+    global TEMPERATURE
+    device = device_of(backend)
+    module = _FrozenTempered().to(device)
+    if graphed == "a method":
+        fn, expected = module.encode, "_FrozenTempered._tempered's global TEMPERATURE"
+    else:
+        fn, expected = (lambda x: module(x) * 2), "_FrozenTempered.forward's global TEMPERATURE"
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    callable_ = dgt.make_graphed_callables(fn, sample, backend=backend)
+    try:
+        TEMPERATURE = 3.0
+        with pytest.raises(DualgraphError) as info:
+            callable_(torch.randn(4, 8, device=device, requires_grad=True))
+    finally:
+        TEMPERATURE = 2.0
+    assert str(info.value).startswith(
+        f"{callable_.name}: {expected}: was 2.0 at capture and is 3.0 now"
+    )
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
     # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:

@@ -95,6 +95,31 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
             holder._buffers[f"closed over {name}"] = value
             seen.add(id(value))
     globals_, cells = code_values(fn)
+    # and what the code it runs of those modules reads: a method's helpers it calls through
+    # self, the forwards of its module's submodules, and those of the modules it names
+    for module in holder._modules.values():
+        if module is None:
+            continue
+        if module is owner:
+            for function in methods_run(type(owner), fn)[1:]:  # [0]: the method itself
+                found = code_values(function, owner=f"{type(owner).__name__}.{function.__name__}")
+                globals_ += found[0]
+                cells += found[1]
+            for child in owner.children():
+                found = forward_values(child)
+                globals_ += found[0]
+                cells += found[1]
+        else:
+            found = forward_values(module)
+            globals_ += found[0]
+            cells += found[1]
+    once: dict[Any, Any] = {}  # each global and cell once, named where the code met it first
+    for read in globals_:
+        once.setdefault((id(read[1]), read[2]), read)
+    globals_, once = list(once.values()), {}
+    for cell in cells:
+        once.setdefault(id(cell[1]), cell)
+    cells = list(once.values())
     if not holder._modules and not holder._buffers and not globals_ and not cells:
         return None
     record = ModuleTensors.of(holder, root="", uncalled=uncalled)
