@@ -40,7 +40,7 @@ from torch_cases import (
 )
 
 import dualgraph.torch as dgt
-from dualgraph import DualgraphError
+from dualgraph import CaptureError, DualgraphError
 from dualgraph.models.torch_vit import ViTBlock
 
 
@@ -1258,6 +1258,58 @@ def test_negative_zero_grads_reach_parameters_of_two_dtypes_after_zero_grad(
             seen.append([p.grad.signbit().tolist() for p in (model.single, model.wide)])
         signs.append(seen)
     assert signs[1] == signs[0] == [[[True, False, True, False]] * 2] * 3
+
+
+class _ComplexScales(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(self.weight) * x
+
+
+#: Rows where the grad of ``view_as_real(w) * x`` towards a complex ``w`` is ``-0.0 - 1j``,
+#: ``inf + 1j`` and ``2 + 3j``: torch's complex add (``a + 1 * b``) of the first into ``-0.0``
+#: gives ``0.0 - 1j``, of the second ``inf + nanj``.
+_COMPLEX_GRAD_PARTS = torch.tensor([[-0.0, -1.0], [float("inf"), 1.0], [2.0, 3.0]])
+
+
+@pytest.mark.parametrize("backward", ["plain", "through autograd", "torch.autograd.grad"])
+def test_a_complex_parameters_grad_keeps_zero_signs_and_infinities_as_in_eager(
+    backward: str,
+) -> None:
+    """Under ``"auto"``, a sum started at ``-0.0`` is the grad itself for real dtypes only: a
+    complex one came back with ``0.0 - 1j`` for eager's ``-0.0 - 1j`` and ``inf + nanj`` for
+    ``inf + 1j``; a complex parameter's grads go through autograd, which sets ``.grad`` to the
+    grad and adds into it as eager does."""
+    eager = _ComplexScales()
+    graphed = copy.deepcopy(eager)
+    dgt.make_graphed_callables(graphed, (torch.randn(3, 2),), backend="emulate")
+    bits = []
+    for model in (eager, graphed):
+        if backward == "through autograd":
+            model.weight.register_hook(lambda grad: grad)
+        grads = []
+        for _ in range(2):  # set from None, then added to
+            loss = model(_COMPLEX_GRAD_PARTS).sum()
+            if backward == "torch.autograd.grad":
+                grads.append(torch.autograd.grad(loss, [model.weight])[0])
+            else:
+                loss.backward()
+                grads.append(model.weight.grad.clone())
+        bits.append([torch.view_as_real(grad).view(torch.int32).tolist() for grad in grads])
+    assert bits[1] == bits[0]
+    assert bits[0][0] == _COMPLEX_GRAD_PARTS.view(torch.int32).tolist()  # the grad itself
+
+
+def test_in_graph_refuses_a_complex_parameter_naming_it() -> None:
+    """``"in_graph"`` adds the grads into ``.grad`` in its graph, which for a complex parameter
+    gives other bits than eager's ``.grad`` after ``zero_grad()`` (see above): refused."""
+    with pytest.raises(CaptureError, match=r"_ComplexScales\.weight is complex64.*'auto'"):
+        dgt.make_graphed_callables(
+            _ComplexScales(), (torch.randn(3, 2),), backend="emulate", param_grads="in_graph"
+        )
 
 
 def test_a_backward_that_raises_through_autograd_leaves_the_accumulated_grad() -> None:

@@ -4168,6 +4168,191 @@ def test_a_forwards_code_is_disassembled_once_for_every_block_running_it(
     ] * 3
 
 
+class _ScaledByTheClass(nn.Module):
+    """A Linear times ``scale``, a value of the class (every block's at once), not its own."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+class _ScaledBySubclass(_ScaledByTheClass):
+    """Reads its base class's ``scale`` until one is set on it."""
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("where", ["on the class", "on a subclass"])
+def test_a_class_attribute_a_graphed_modules_forward_reads_changed_after_capture_is_refused(
+    backend: str, where: str
+) -> None:
+    # Eager's forward reads self.scale again on every call, from the class where the instance
+    # has none of its own; a graph holds what the forward computed from it at capture (on CUDA
+    # the replays went on multiplying by 2.0, silently).
+    device = device_of(backend)
+    module = nn.Sequential(_ScaledBySubclass(), nn.Tanh()).to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    owner = _ScaledByTheClass if where == "on the class" else _ScaledBySubclass
+    try:
+        owner.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            module(torch.randn(4, 8, device=device))
+    finally:
+        _ScaledByTheClass.scale = 2.0
+        if "scale" in vars(_ScaledBySubclass):
+            del _ScaledBySubclass.scale
+    assert str(info.value).startswith(
+        "_ScaledBySubclass.scale (a class attribute): was 2.0 at capture and is 3.0 now"
+    )
+
+
+class _EncodesAtTheClassScale(nn.Module):
+    """``encode`` (graphed as a method) reads ``scale`` from the class; ``forward``, which the
+    method never calls, reads ``unused`` from it."""
+
+    scale = 2.0
+    unused = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.unused
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_class_attribute_a_graphed_method_reads_changed_after_capture_is_refused(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = _EncodesAtTheClassScale().to(device)
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module.encode, sample, backend=backend)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    try:
+        _EncodesAtTheClassScale.unused = 3.0  # read by the forward only: no change
+        graphed(x)
+        _EncodesAtTheClassScale.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            graphed(x)
+    finally:
+        _EncodesAtTheClassScale.scale, _EncodesAtTheClassScale.unused = 2.0, 1.0
+    assert str(info.value).startswith(
+        f"{graphed.name}: _EncodesAtTheClassScale.scale (a class attribute): was 2.0 at "
+        "capture and is 3.0 now"
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_class_attribute_set_again_to_an_equal_value_is_no_change(backend: str) -> None:
+    device = device_of(backend)
+    module = _ScaledByTheClass().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    x = torch.randn(4, 8, device=device)
+    try:
+        _ScaledByTheClass.scale = float("2.0")  # another float object, the same value
+        assert_tensors_match(module(x), module.fc(x) * 2.0, "output", tolerance(backend))
+    finally:
+        _ScaledByTheClass.scale = 2.0
+
+
+class _TemperedInAHelper(nn.Module):
+    """Its forward calls a method of its own class that reads the global ``TEMPERATURE`` and
+    the class's ``scale``."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._tempered(x).tanh()
+
+    def _tempered(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE * self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("what", ["global", "class attribute"])
+def test_a_value_a_helper_method_of_the_forward_reads_changed_after_capture_is_refused(
+    backend: str, what: str
+) -> None:
+    # The forward's own code reads neither: the helper it calls through self does, and a graph
+    # holds what it computed at capture.
+    global TEMPERATURE
+    device = device_of(backend)
+    module = _TemperedInAHelper().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    try:
+        if what == "global":
+            TEMPERATURE = 3.0
+        else:
+            _TemperedInAHelper.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            module(torch.randn(4, 8, device=device))
+    finally:
+        TEMPERATURE, _TemperedInAHelper.scale = 2.0, 2.0
+    expected = (
+        "_TemperedInAHelper._tempered's global TEMPERATURE"
+        if what == "global"
+        else "_TemperedInAHelper.scale (a class attribute)"
+    )
+    assert str(info.value).startswith(f"{expected}: was 2.0 at capture and is 3.0 now")
+
+
+class _FrozenTempered(nn.Module):
+    """Divides by the global ``TEMPERATURE`` in its forward and in a helper of ``encode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self._tempered(x).tanh()
+
+    def _tempered(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / TEMPERATURE
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("graphed", ["a function calling the module", "a method"])
+def test_a_global_the_code_a_graphed_function_runs_reads_changed_after_capture_is_refused(
+    backend: str, graphed: str
+) -> None:
+    # Not the function's own code: the forward of the module it calls, or the helper the
+    # method calls through self (a graph holds what they computed at capture).
+    global TEMPERATURE
+    device = device_of(backend)
+    module = _FrozenTempered().to(device)
+    if graphed == "a method":
+        fn, expected = module.encode, "_FrozenTempered._tempered's global TEMPERATURE"
+    else:
+        fn, expected = (lambda x: module(x) * 2), "_FrozenTempered.forward's global TEMPERATURE"
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    callable_ = dgt.make_graphed_callables(fn, sample, backend=backend)
+    try:
+        TEMPERATURE = 3.0
+        with pytest.raises(DualgraphError) as info:
+            callable_(torch.randn(4, 8, device=device, requires_grad=True))
+    finally:
+        TEMPERATURE = 2.0
+    assert str(info.value).startswith(
+        f"{callable_.name}: {expected}: was 2.0 at capture and is 3.0 now"
+    )
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
     # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:

@@ -20,7 +20,7 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
 from ._ambient import autocast_state, numerics_state
 from ._capture_failure import Refused
-from ._closed_over import ClosureUpdates, code_tensors, forward_values
+from ._closed_over import ClosureUpdates, class_values, code_tensors, forward_values
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import unsupported_tensor
 from ._layouts import Layout, layout_of
@@ -111,6 +111,8 @@ class _Capture:
             self.module_tensors = ModuleTensors.of(module)
             # what the forwards' own code reads from its globals, checked as attributes are
             self.module_tensors.note_code_values(*forward_values(module))
+            # and what they read from their modules' classes
+            self.module_tensors.note_class_values(class_values(module))
         # A function's or method's: what its code names, checked per call as a module's own.
         self.code_tensors = code_tensors(self.request.fn) if module is None else None
         self.closure_updates = ClosureUpdates()  # a function's: found during capture
@@ -131,6 +133,15 @@ class _Capture:
                         "param_grads='autograd' to use parameter hooks"
                     )
             for name, param in zip(self.param_names, self.params, strict=True):
+                if param.is_complex():
+                    raise Refused(
+                        f"{name} is {str(param.dtype).removeprefix('torch.')}, whose grads "
+                        "param_grads='in_graph' cannot add into .grad as eager does: torch adds "
+                        "complex tensors as a + 1 * b, a complex product that turns the other "
+                        "part of an infinite one into NaN and may flip a zero's sign, so a sum "
+                        "started for a .grad that is None is not the grad eager sets it to; "
+                        "capture with param_grads='auto' or 'autograd'"
+                    )
                 if is_tensor_subclass(param):
                     raise Refused(
                         f"{name} is a {type(param).__name__} (a tensor subclass, e.g. "
@@ -143,11 +154,15 @@ class _Capture:
         # weights) before adding them to .grad; adding them one callable at a time would round
         # differently, so such callables hand their grads to autograd, which sums them first.
         # So do callables with a tensor-subclass parameter (Transformer Engine's FP8 weights):
-        # eager's .grad of one is a plain tensor that AccumulateGrad makes.
+        # eager's .grad of one is a plain tensor that AccumulateGrad makes; and with a complex
+        # one: torch's complex add (a + 1 * b) keeps neither -0.0 nor an infinite part's partner
+        # (inf + 1j becomes inf + nanj), so no sum started at -0.0 gives the grad itself, which
+        # eager's .grad is after zero_grad(), nor does a copy made by multiplying by one.
         self.in_graph_grads = options.param_grads == "in_graph" or (
             options.param_grads == "auto"
             and not any(id(p) in shared for p in self.params)
             and not any(map(is_tensor_subclass, self.params))
+            and not any(p.is_complex() for p in self.params)
         )
         given = (
             self.request.param_grad_buffers

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,11 +30,13 @@ from ._params import ModuleTensors, is_plain, same_bits, write_back
 
 __all__ = [
     "ClosureUpdates",
+    "class_values",
     "closed_over_tensors",
     "code_tensors",
     "code_values",
     "forward_values",
     "method_module",
+    "methods_run",
     "modules_named_by",
     "named_by",
     "named_values",
@@ -92,10 +95,43 @@ def code_tensors(fn: Callable[..., Any]) -> ModuleTensors | None:
             holder._buffers[f"closed over {name}"] = value
             seen.add(id(value))
     globals_, cells = code_values(fn)
+    # and what the code it runs of those modules reads: a method's helpers it calls through
+    # self, the forwards of its module's submodules, and those of the modules it names
+    for module in holder._modules.values():
+        if module is None:
+            continue
+        if module is owner:
+            for function in methods_run(type(owner), fn)[1:]:  # [0]: the method itself
+                found = code_values(function, owner=f"{type(owner).__name__}.{function.__name__}")
+                globals_ += found[0]
+                cells += found[1]
+            for child in owner.children():
+                found = forward_values(child)
+                globals_ += found[0]
+                cells += found[1]
+        else:
+            found = forward_values(module)
+            globals_ += found[0]
+            cells += found[1]
+    once: dict[Any, Any] = {}  # each global and cell once, named where the code met it first
+    for read in globals_:
+        once.setdefault((id(read[1]), read[2]), read)
+    globals_, once = list(once.values()), {}
+    for cell in cells:
+        once.setdefault(id(cell[1]), cell)
+    cells = list(once.values())
     if not holder._modules and not holder._buffers and not globals_ and not cells:
         return None
     record = ModuleTensors.of(holder, root="", uncalled=uncalled)
     record.note_code_values(globals_, cells)
+    # what the method's code and the named modules' forwards read from their classes
+    classes: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
+    for module in holder._modules.values():
+        if module is None:
+            continue
+        for entry in class_values(module, method=fn if module is owner else None):
+            classes.setdefault((id(entry[1]), entry[2]), entry)
+    record.note_class_values(list(classes.values()))
     return record
 
 
@@ -112,15 +148,115 @@ def forward_values(module: torch.nn.Module) -> CodeValues:
     globals_: list[tuple[str, dict[str, Any], str, Any]] = []
     cells: list[tuple[str, Any, Any]] = []
     seen: set[int] = set()
+    classes: set[type] = set()
     for submodule in module.modules():
-        forward = getattr(type(submodule), "forward", None)
-        if forward is None or id(forward) in seen:
+        cls = type(submodule)
+        if cls in classes:  # its code read once
             continue
-        seen.add(id(forward))
-        found = code_values(forward, owner=f"{type(submodule).__name__}.forward")
-        globals_ += found[0]
-        cells += found[1]
+        classes.add(cls)
+        for function in methods_run(cls, getattr(cls, "forward", None)):
+            if id(function) in seen:
+                continue
+            seen.add(id(function))
+            found = code_values(function, owner=f"{cls.__name__}.{function.__name__}")
+            globals_ += found[0]
+            cells += found[1]
     return globals_, cells
+
+
+#: At most this many functions of a class are followed from one entry (a forward, a method).
+_METHODS_FOLLOWED = 64
+#: torch.nn.Module's own methods (x.float() names Module.float; .to, .apply, .state_dict): what
+#: they read is the module machinery's, not the forward's computation. Not followed.
+_MODULE_API = frozenset(map(id, vars(torch.nn.Module).values()))
+
+
+def methods_run(cls: type, entry: Any) -> list[types.FunctionType]:
+    """``entry`` (a function, or a method of ``cls``) and the functions of ``cls`` its code
+    calls through ``self`` (``self._attend(x)``, a staticmethod too), and theirs: the code a
+    forward runs of its own class, whose globals and class attributes it reads as its own.
+
+    >>> class Block(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return self._scaled(x)
+    ...     def _scaled(self, x):
+    ...         return x * 2
+    >>> [f.__name__ for f in methods_run(Block, Block.forward)]
+    ['forward', '_scaled']
+    """
+    found: dict[int, types.FunctionType] = {}
+    pending = [entry]
+    while pending and len(found) < _METHODS_FOLLOWED:
+        function = pending.pop()
+        while isinstance(function, functools.partial):
+            function = function.func
+        function = getattr(function, "__func__", function)  # a bound or static method
+        if not isinstance(function, types.FunctionType) or id(function) in found:
+            continue
+        found[id(function)] = function
+        for key in dict.fromkeys(_attributes_loaded(function.__code__)):
+            value = inspect.getattr_static(cls, key, None)
+            if (
+                isinstance(value, types.FunctionType | staticmethod)
+                and id(value) not in _MODULE_API
+            ):
+                pending.append(value)
+    return list(found.values())
+
+
+def class_values(
+    module: torch.nn.Module, *, method: Callable[..., Any] | None = None
+) -> list[tuple[str, type, str, Any]]:
+    """``(name, class, key, value)`` of the plain Python values (numbers, strings, flags,
+    ``None``, tuples of them) that the ``forward`` of ``module`` and of each submodule reads
+    from its class, not from the instance (``self.scale`` where ``scale = 1.0`` is set in the
+    class body, or on the class since): a graph holds what the forward computed from them, where
+    eager reads ``getattr`` again on every call (``Block.scale = 2.0`` for every block at once).
+    Once per class and name, named ``Block.scale (a class attribute)``; ``_private`` names are
+    left out, as a module's own are. ``method``: a graphed method of ``module``, whose code is
+    read for ``module`` instead of its ``forward`` (which the method does not call).
+
+    >>> class Scaled(torch.nn.Linear):
+    ...     scale = 2.0
+    ...     def forward(self, x):
+    ...         return super().forward(x) * self.scale
+    >>> [(name, value) for name, _, _, value in class_values(Scaled(2, 2))]
+    [('Scaled.scale (a class attribute)', 2.0)]
+    """
+    found: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
+    read: dict[tuple[type, Any], tuple[tuple[str, Any], ...]] = {}  # per class and entry, once
+    for submodule in module.modules():
+        cls = type(submodule)
+        entry = method if submodule is module and method is not None else cls.forward
+        names = read.get((cls, entry))
+        if names is None:
+            loaded = (
+                name
+                for function in methods_run(cls, entry)
+                for name in _attributes_loaded(function.__code__)
+            )
+            names = read[cls, entry] = tuple(
+                (key, value)
+                for key in dict.fromkeys(loaded)
+                if not key.startswith("_")  # private: not compared, as a module's own are not
+                and is_plain(value := inspect.getattr_static(cls, key, _NOT_THERE))
+            )
+        own = (submodule.__dict__, submodule._parameters, submodule._buffers, submodule._modules)
+        for key, value in names:
+            if (id(cls), key) not in found and not any(key in d for d in own):
+                # (an instance's own value is compared as an attribute)
+                found[id(cls), key] = (f"{cls.__name__}.{key} (a class attribute)", cls, key, value)
+    return list(found.values())
+
+
+def _attributes_loaded(code: types.CodeType) -> Iterator[str]:
+    """The attribute names ``code`` loads (``self.scale``, ``x.shape``), nested code's too."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            yield instruction.argval
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a comprehension, a nested lambda
+            yield from _attributes_loaded(constant)
 
 
 def code_values(fn: Callable[..., Any], *, owner: str = "") -> CodeValues:

@@ -346,6 +346,15 @@ class ModuleTensors:
     cell_names: tuple[str, ...] = ()
     cells: tuple[Any, ...] = ()
     cell_values: list[Any] = dataclasses.field(default_factory=list)
+    # What the forwards read from their modules' classes (_closed_over.class_values: a
+    # ``scale = 1.0`` of the class body, set on the class since), at setup; record_attributes
+    # keeps those capture left as they were, compared per call by getattr on the class (a value
+    # set on a subclass since shadows the base class's).
+    code_classes: tuple[tuple[str, type, str, Any], ...] = ()
+    class_names: tuple[str, ...] = ()
+    class_owners: tuple[type, ...] = ()
+    class_keys: tuple[str, ...] = ()
+    class_values: list[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(
@@ -502,6 +511,16 @@ class ModuleTensors:
                     not self.cells
                     or all(map(_is, map(_cell_contents, self.cells), self.cell_values))
                 )
+                and (
+                    not self.class_keys
+                    or all(
+                        map(
+                            _is,
+                            map(getattr, self.class_owners, self.class_keys, _ABSENTS),
+                            self.class_values,
+                        )
+                    )
+                )
             ):
                 return
         except (KeyError, ValueError):  # ValueError: a closure's cell emptied (del name)
@@ -540,6 +559,7 @@ class ModuleTensors:
             )
             or (self.attribute_keys and self._attribute_changed() is not None)
             or (self.cells and self._cell_changed() is not None)
+            or (self.class_keys and self._class_value_changed() is not None)
             or (self.host_tensors and self._host_changed() is not None)
             or (
                 (counts := list(map(len, self.counted_dicts))) != self.counted_lens
@@ -627,6 +647,21 @@ class ModuleTensors:
         (``None``), as :meth:`_attribute_changed` finds an attribute's."""
         values = self.cell_values
         now = list(map(_contents_or_absent, self.cells))
+        if all(map(_is, now, values)):
+            return None
+        for i, value in enumerate(now):
+            if value is values[i]:
+                continue
+            if not _same_plain(value, values[i]):
+                return i
+            values[i] = value
+        return None
+
+    def _class_value_changed(self) -> int | None:
+        """The index of the first class attribute whose value is not the one of capture
+        (``None``), as :meth:`_attribute_changed` finds an attribute's."""
+        values = self.class_values
+        now = list(map(getattr, self.class_owners, self.class_keys, _ABSENTS))
         if all(map(_is, now, values)):
             return None
         for i, value in enumerate(now):
@@ -732,6 +767,12 @@ class ModuleTensors:
         object.__setattr__(self, "code_globals", tuple(globals_))
         object.__setattr__(self, "code_cells", tuple(cells))
 
+    def note_class_values(self, found: Sequence[tuple[str, type, str, Any]]) -> None:
+        """Note, at setup, the values the forwards read from their classes
+        (``_closed_over.class_values``); :meth:`record_attributes` keeps those that capture
+        left as they were."""
+        object.__setattr__(self, "code_classes", tuple(found))
+
     def note_looked_up(self, missed: dict[int, set[str]]) -> None:
         """Keep, per module, the names the callable looked up and did not find during warmup
         and capture (``_missed_attributes.py``) that are still absent (not set lazily since)."""
@@ -775,6 +816,15 @@ class ModuleTensors:
             for name, cell, then in self.code_cells
             if _contents_or_absent(cell) is then
         ]
+        classes = [  # those warmup and capture did not set (the forward's own)
+            (name, owner, key, then)
+            for name, owner, key, then in self.code_classes
+            if getattr(owner, key, _ABSENT) is then
+        ]
+        object.__setattr__(self, "class_names", tuple(entry[0] for entry in classes))
+        object.__setattr__(self, "class_owners", tuple(entry[1] for entry in classes))
+        object.__setattr__(self, "class_keys", tuple(entry[2] for entry in classes))
+        self.class_values[:] = [entry[3] for entry in classes]
         object.__setattr__(self, "cell_names", tuple(entry[0] for entry in cells))
         object.__setattr__(self, "cells", tuple(entry[1] for entry in cells))
         self.cell_values[:] = [entry[2] for entry in cells]
@@ -1022,6 +1072,16 @@ class ModuleTensors:
         if cell is not None:
             now = _contents_or_absent(self.cells[cell])
             return _code_value_changed(self.cell_names[cell], self.cell_values[cell], now)
+        read = self._class_value_changed() if self.class_keys else None
+        if read is not None:
+            class_value: Any = getattr(self.class_owners[read], self.class_keys[read], _ABSENT)
+            shown = "deleted" if class_value is _ABSENT else f"{class_value!r}"
+            return DualgraphError(
+                f"{self.class_names[read]}: was {self.class_values[read]!r} at capture and is "
+                f"{shown} now; the graphs replay what the code computed from it at capture, so "
+                "eager's new value would be lost. Set it back, set it before graphing, or "
+                f"{again}"
+            )
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)

@@ -3,12 +3,13 @@
 
 Where a ``.grad`` is ``None`` (every step after ``optimizer.zero_grad()``), eager's
 ``AccumulateGrad`` sets it to the grad itself; a graph that adds the grad into an accumulator
-gives the same bits only from ``-0.0`` (``-0.0 + g`` is ``g`` for every ``g``, where ``0.0 + -0.0``
-is ``0.0``). Zeroing then negating takes two multi-tensor kernels, and torch's ``_foreach_*``
-kernels serve one dtype at a time (a list of mixed dtypes goes tensor by tensor: a kernel per
-accumulator, twice). :class:`SumStart` copies ``-0.0`` from one shared buffer per device and
-dtype (views of it laid out as each accumulator is) instead: one kernel per dtype, every value
-(``NaN``, ``inf``) overwritten.
+gives the same bits only from ``-0.0`` (``-0.0 + g`` is ``g`` for every real ``g``, where
+``0.0 + -0.0`` is ``0.0``; torch adds complex numbers as ``a + 1 * b``, which keeps neither, so
+complex parameters take autograd). Zeroing then negating takes two multi-tensor kernels, and
+torch's ``_foreach_*`` kernels serve one dtype at a time (a list of mixed dtypes goes tensor by
+tensor: a kernel per accumulator, twice). :class:`SumStart` copies ``-0.0`` from one shared
+buffer per device and dtype (views of it laid out as each accumulator is) instead: one kernel
+per dtype, every value (``NaN``, ``inf``) overwritten.
 """
 
 from __future__ import annotations
