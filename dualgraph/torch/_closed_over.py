@@ -249,14 +249,10 @@ def class_values(
     return list(found.values())
 
 
-def _attributes_loaded(code: types.CodeType) -> Iterator[str]:
-    """The attribute names ``code`` loads (``self.scale``, ``x.shape``), nested code's too."""
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            yield instruction.argval
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):  # a comprehension, a nested lambda
-            yield from _attributes_loaded(constant)
+def _attributes_loaded(code: types.CodeType) -> tuple[str, ...]:
+    """The attribute names ``code`` loads (``self.scale``, ``x.shape``), nested code's too, once
+    each (cached with the globals: :func:`_names_loaded`)."""
+    return _names_loaded(code)[1]
 
 
 def code_values(fn: Callable[..., Any], *, owner: str = "") -> CodeValues:
@@ -310,27 +306,40 @@ def _held(value: Any) -> bool:
     return is_plain(value) or type(value) in _PLAIN or isinstance(value, torch.nn.Module)
 
 
-@functools.lru_cache(maxsize=4096)
 def _globals_loaded(code: types.CodeType) -> tuple[str, ...]:
     """The names ``code`` loads as globals (an attribute's name is no global read), once each.
+
+    >>> _globals_loaded((lambda x: abs(x) + [len(y) for y in x][0]).__code__)
+    ('abs', 'len')
+    """
+    return _names_loaded(code)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_loaded(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The global names ``code`` loads, and the attribute names it and its nested code
+    (comprehensions, lambdas) load, once each, from one disassembly.
 
     Cached by code object: a code object never changes, and disassembling one costs far more
     than the lookup: each block of a model runs the same ``forward`` code, and a capture asks
     for every submodule class's (a ViT block's three, 0.18 ms uncached on a CPU).
 
-    >>> _globals_loaded((lambda x: abs(x) + [len(y) for y in x][0]).__code__)
-    ('abs', 'len')
+    >>> _names_loaded((lambda x: x.shape[0] + abs(x)).__code__)
+    (('abs',), ('shape',))
     """
-    return tuple(dict.fromkeys(_each_global_loaded(code)))
-
-
-def _each_global_loaded(code: types.CodeType) -> Iterator[str]:
+    globals_: dict[str, None] = {}
+    attributes: dict[str, None] = {}
     for instruction in dis.get_instructions(code):
         if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            yield instruction.argval
+            globals_[instruction.argval] = None
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            attributes[instruction.argval] = None
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):  # a comprehension, a nested lambda
-            yield from _each_global_loaded(constant)
+            nested_globals, nested_attributes = _names_loaded(constant)
+            globals_.update(dict.fromkeys(nested_globals))
+            attributes.update(dict.fromkeys(nested_attributes))
+    return tuple(globals_), tuple(attributes)
 
 
 def named_values(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
