@@ -1,0 +1,550 @@
+"""Differential fuzzing of the torch adapter: graphed (emulate backend, CPU, fp32) against eager.
+
+Each example builds a small module (Linear, LayerNorm, GELU/ReLU, residual adds, dropout with
+``p=0``, a frozen sub-layer, a buffer it updates in place as a running mean, weights tied
+between two layers), an output tree (tuple, dict or namedtuple, a nested dict in it) mixing
+tensors that require grad, detached ones, ``None``, ints, strings and a kwarg's constants, and a
+program of calls: replays with fresh inputs, grads accumulated across them, ``zero_grad`` with
+and without ``set_to_none``, calls under ``torch.no_grad()``, ``train()``/``eval()`` switches,
+backward of a subset of the outputs, ``torch.autograd.grad`` of the inputs (and parameters),
+``retain_graph=True`` and a second backward, optimizer steps (SGD with momentum, Adam foreach).
+A deep copy of the module runs the same program eagerly; outputs (values, ``None`` positions,
+constants, ``requires_grad``), input grads, parameter grads, parameter values and buffers must
+be equal bit for bit. A :class:`DualgraphError` is accepted only where the README documents it
+(a second backward through one replay; ``torch.autograd.grad`` under ``param_grads="in_graph"``)
+and must leave every grad as it was; the eager twin then skips that step too.
+
+Example (one program, as the property runs it)::
+
+    run_program(Program(ops=["inp", "gelu"], ...))
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import dualgraph.torch as dgt
+from dualgraph import DualgraphError
+
+WIDTH = 4
+BATCH = 3
+
+LAYER_OPS = (
+    "inp",
+    "hidden",
+    "norm",
+    "gelu",
+    "relu",
+    "residual",
+    "drop",
+    "frozen",
+    "running",
+    "gate",
+    "scale",
+    "head",
+    "mask",
+)
+#: What an output leaf may be. Inputs returned ("x", "gate", "mask") and views of them
+#: ("x_view") are handed out but left out of losses: their grad then arrives beside the
+#: replay's own sum, which the README says can differ from eager's in the last bit.
+OUTPUT_KINDS = (
+    "h",
+    "mid",
+    "z",
+    "detached",
+    "argmax",
+    "none",
+    "int",
+    "str",
+    "scale",
+    "tag",
+    "buffer",
+    "x",
+    "x_view",
+    "gate",
+    "mask",
+    "frozen_x",
+)
+DIFFERENTIABLE = ("h", "mid", "z")
+BACKWARDS = ("none", "all", "subset", "grad_inputs", "grad_all", "retain_twice")
+#: "keep": a call whose backward waits for a later "late" step
+STEPS = ("call", "call", "keep", "late", "no_grad", "const", "train", "eval", "zero", "step")
+
+_NAMEDTUPLES: dict[int, type] = {}
+
+
+def namedtuple_of(size: int) -> type:
+    """One namedtuple class per field count (module level, so pickling and describe see it)."""
+    if size not in _NAMEDTUPLES:
+        _NAMEDTUPLES[size] = collections.namedtuple(  # type: ignore[misc]
+            f"Out{size}", [f"f{i}" for i in range(size)]
+        )
+    return _NAMEDTUPLES[size]
+
+
+class Composed(nn.Module):
+    """Layers applied in the order ``ops`` names; returns the leaves ``outputs`` names."""
+
+    def __init__(self, ops: list[str], outputs: list[str], container: str, tied: bool) -> None:
+        super().__init__()
+        self.ops = ops
+        self.outputs = outputs
+        self.container = container
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.hidden = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.drop = nn.Dropout(0.0)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(WIDTH, WIDTH, bias=False)
+        if tied:
+            self.head.weight = self.inp.weight
+        self.register_buffer("running", torch.zeros(WIDTH))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        gate: torch.Tensor,
+        scale: float = 1.0,
+        tag: str = "t",
+    ) -> Any:
+        h = x
+        mid = None
+        for op in self.ops:
+            if op in ("inp", "hidden", "norm", "drop", "frozen", "head"):
+                h = getattr(self, op)(h)
+            elif op == "gelu":
+                h = nn.functional.gelu(h)
+            elif op == "relu":
+                h = torch.relu(h)
+            elif op == "residual":
+                h = h + self.hidden(h)
+            elif op == "running":
+                if self.training:  # as BatchNorm: statistics move in training only
+                    with torch.no_grad():
+                        self.running.mul_(0.5).add_(h.detach().mean(0), alpha=0.5)
+                h = h - self.running
+            elif op == "gate":
+                h = h * gate
+            elif op == "scale":
+                h = h * scale
+            elif op == "mask":
+                h = h * mask
+            if mid is None:
+                mid = h
+        values = {
+            "h": h,
+            # one tensor handed out twice is left out (README: last-bit grads); an input
+            # handed out twice is not (dropout with p=0 returns its input)
+            "mid": mid if mid is not h or mid is x else mid * 1.0,
+            "z": torch.tanh(h) * 2.0,
+            "detached": h.detach() + 1.0,
+            "argmax": h.argmax(dim=-1),
+            "none": None,
+            "int": 7,
+            "str": "s",
+            "scale": scale,
+            "tag": tag,
+            "buffer": self.running,
+            "x": x,
+            "x_view": x[0],
+            "gate": gate,
+            "mask": mask,
+            # requires grad as the call's x does, whatever the sample's did
+            "frozen_x": self.frozen(x),
+        }
+        leaves = [values[kind] for kind in self.outputs]
+        inner = {"aux": leaves.pop(), "n": len(leaves)} if len(leaves) > 1 else None
+        items = [*leaves, inner]
+        if self.container == "tuple":
+            return tuple(items)
+        if self.container == "dict":
+            return {f"k{i}": v for i, v in enumerate(items)}
+        return namedtuple_of(len(items))(*items)
+
+
+@dataclasses.dataclass
+class Program:
+    """A module, its sample call and the steps run on it and on its eager twin."""
+
+    ops: list[str]
+    outputs: list[str]
+    container: str
+    tied: bool
+    mode: str
+    clone: bool
+    x_grad: bool
+    gate_grad: bool
+    scale: float
+    optimizer: str
+    captured_training: bool
+    steps: list[tuple[str, str, int, bool, int]]
+    seed: int
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> Program:
+    ops = draw(st.lists(st.sampled_from(LAYER_OPS), min_size=1, max_size=6))
+    outputs = draw(st.lists(st.sampled_from(OUTPUT_KINDS), min_size=1, max_size=6, unique=True))
+    if not any(kind in DIFFERENTIABLE for kind in outputs):
+        outputs.insert(draw(st.integers(0, len(outputs))), "h")
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(STEPS),
+                st.sampled_from(BACKWARDS),
+                st.integers(0, 63),
+                st.booleans(),
+                st.sampled_from([0, 0, 1, 2, 3]),
+            ),
+            min_size=2,
+            max_size=8,
+        )
+    )
+    kept = [k for k, step in enumerate(steps) if step[0] == "keep"]
+    if kept and not any(step[0] == "late" for step in steps[kept[0] :]):
+        steps.append(("late", "all", 0, False, 0))  # the backward a kept call waits for
+    return Program(
+        ops=ops,
+        outputs=outputs,
+        container=draw(st.sampled_from(["tuple", "dict", "namedtuple"])),
+        tied=draw(st.booleans()),
+        mode=draw(st.sampled_from(["auto", "autograd", "in_graph"])),
+        clone=draw(st.booleans()),
+        x_grad=draw(st.booleans()),
+        gate_grad=draw(st.booleans()),
+        scale=draw(st.sampled_from([0.5, 2.0, -1.25])),
+        optimizer=draw(st.sampled_from(["sgd", "adam"])),
+        captured_training=draw(st.sampled_from([True, True, False])),
+        steps=steps,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+# -- comparing -----------------------------------------------------------------------------------
+
+
+def assert_same_tree(actual: Any, expected: Any, where: str) -> None:
+    """Same container types and keys, ``None`` and constants, tensors bit for bit with eager's
+    ``requires_grad``."""
+    assert type(actual) is type(expected), f"{where}: {type(actual)} vs {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert actual.requires_grad == expected.requires_grad, f"{where}: requires_grad"
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+        assert torch.equal(actual.detach(), expected.detach()), f"{where}: {actual} vs {expected}"
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{where}: keys"
+        for key in expected:
+            assert_same_tree(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, tuple):
+        assert len(actual) == len(expected), f"{where}: length"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_tree(a, e, f"{where}[{i}]")
+    else:
+        assert repr(actual) == repr(expected), f"{where}: {actual!r} vs {expected!r}"
+
+
+def assert_same_grad(
+    actual: torch.Tensor | None, expected: torch.Tensor | None, where: str
+) -> None:
+    assert (actual is None) == (expected is None), f"{where}: {actual} vs {expected}"
+    if actual is not None and expected is not None:
+        assert torch.equal(actual, expected), f"{where}: {actual} vs {expected}"
+
+
+def assert_same_state(graphed: nn.Module, eager: nn.Module, where: str) -> None:
+    """Parameters (values and ``.grad``) and buffers equal bit for bit."""
+    pairs = zip(graphed.named_parameters(), eager.named_parameters(), strict=True)
+    for (name, p), (_, q) in pairs:
+        assert torch.equal(p.detach(), q.detach()), f"{where}: {name} {p} vs {q}"
+        assert_same_grad(p.grad, q.grad, f"{where}: {name}.grad")
+    buffers = zip(graphed.named_buffers(), eager.named_buffers(), strict=True)
+    for (name, b), (_, c) in buffers:
+        assert torch.equal(b, c), f"{where}: buffer {name} {b} vs {c}"
+
+
+def grads_now(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def differentiable_leaves(tree: Any) -> list[torch.Tensor]:
+    """The output tensors that require grad, in tree order."""
+    leaves = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, tuple):
+            stack.extend(reversed(node))
+        elif isinstance(node, torch.Tensor) and node.requires_grad:
+            leaves.append(node)
+    return leaves
+
+
+def loss_of(tree: Any, inputs: tuple[torch.Tensor, ...], pick: int, subset: bool) -> Any:
+    """A weighted sum of the chosen differentiable outputs (an input returned left out: see
+    OUTPUT_KINDS); ``None`` when there is none."""
+    chosen = [
+        t for t in differentiable_leaves(tree) if not any(t is i or t._base is i for i in inputs)
+    ]
+    if subset:
+        chosen = [t for k, t in enumerate(chosen) if pick >> k & 1] or chosen[:1]
+    if not chosen:
+        return None
+    return sum((t * (k + 1.5)).sum() for k, t in enumerate(chosen))
+
+
+# -- running one program -------------------------------------------------------------------------
+
+
+class Side:
+    """One side of the comparison: a module, its optimizer, and the inputs of its latest call."""
+
+    def __init__(self, module: nn.Module, optimizer: str) -> None:
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(params, lr=0.1, momentum=0.9)
+            if optimizer == "sgd"
+            else torch.optim.Adam(params, lr=0.01, foreach=True)
+        )
+
+    def call(self, inputs: tuple[torch.Tensor, ...], scale: float) -> Any:
+        x, mask, gate = inputs
+        return self.module(x, mask, gate=gate, scale=scale, tag="t")
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+
+def fresh_inputs(
+    program: Program, generator: torch.Generator, drop: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The same new inputs twice, one copy each side; ``drop`` passes x and gate without grad
+    where the sample had it (README: allowed, never the reverse)."""
+    x = torch.randn(BATCH, WIDTH, generator=generator)
+    mask = (torch.rand(BATCH, WIDTH, generator=generator) > 0.3).float()
+    gate = torch.randn(WIDTH, generator=generator)
+    flags = (program.x_grad and not drop & 1, False, program.gate_grad and not drop & 2)
+
+    def copy_of() -> tuple[torch.Tensor, ...]:
+        return tuple(
+            t.clone().requires_grad_(flag) for t, flag in zip((x, mask, gate), flags, strict=True)
+        )
+
+    return copy_of(), copy_of()
+
+
+def is_documented_refusal(error: DualgraphError, backward: str, mode: str, why: str) -> bool:
+    """A refusal the README documents for this step: ``why`` is "second" (a second backward
+    through one replay), "stale" (a later forward replay overwrote what it needs) or ""."""
+    message = str(error)
+    if why == "second":
+        return "second backward through the same replay" in message
+    if why == "stale":
+        return "backward of an earlier replay after a later forward replay" in message
+    if mode == "in_graph" and backward in ("grad_inputs", "grad_all"):
+        return "captured with param_grads='in_graph'" in message
+    return False
+
+
+def run_backward(
+    graphed: Side,
+    eager: Side,
+    outs: tuple[Any, Any],
+    inputs: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    program: Program,
+    backward: str,
+    pick: int,
+    where: str,
+    replayed: bool,
+    stale: bool = False,
+    losses: list[Any] | None = None,
+) -> None:
+    """Backward (or ``torch.autograd.grad``) of the same loss on both sides; ``replayed``:
+    the graphed side's call replayed (the module in its capture's training mode); ``stale``:
+    a forward replay ran since; ``losses``: computed at the call (a later replay overwrites
+    its outputs, README), else now."""
+    if losses is None:
+        subset = backward == "subset"
+        losses = [loss_of(o, i, pick, subset) for o, i in zip(outs, inputs, strict=True)]
+    if losses[0] is None or losses[1] is None:
+        assert losses[0] is None and losses[1] is None, f"{where}: loss None-ness"
+        return
+    assert torch.equal(losses[0].detach(), losses[1].detach()), f"{where}: loss"
+    leaves = [[t for t in i if t.requires_grad] for i in inputs]
+    if backward.startswith("grad_"):
+        targets = [
+            [*leaf, *(side.trainable() if backward == "grad_all" else [])]
+            for leaf, side in zip(leaves, (graphed, eager), strict=True)
+        ]
+        if not targets[0]:
+            return
+        before = grads_now([*leaves[0], *graphed.trainable()])
+        try:
+            got = torch.autograd.grad(losses[0], targets[0], allow_unused=True)
+        except DualgraphError as error:
+            assert replayed and is_documented_refusal(error, backward, program.mode, ""), (
+                f"{where}: {error}"
+            )
+            event("refused: autograd.grad under in_graph")
+            for t, b in zip([*leaves[0], *graphed.trainable()], before, strict=True):
+                assert_same_grad(t.grad, b, f"{where}: a refused grad changed .grad")
+            return
+        if program.mode == "in_graph" and replayed and not leaves[0]:
+            # README: asking for parameters only never reaches the replay, so nothing refuses
+            # it; torch returns None for them under allow_unused
+            assert all(g is None for g in got), f"{where}: in_graph parameter grads"
+            event("in_graph: autograd.grad of parameters only gives None")
+            return
+        expected = torch.autograd.grad(losses[1], targets[1], allow_unused=True)
+        for k, (a, e) in enumerate(zip(got, expected, strict=True)):
+            assert_same_grad(a, e, f"{where}: autograd.grad[{k}]")
+        return
+    retain = backward == "retain_twice"
+    watched = [*leaves[0], *graphed.trainable()]
+    before = grads_now(watched)
+    refusal: Exception | None = None
+    try:
+        losses[0].backward(retain_graph=retain)
+    except (DualgraphError, RuntimeError) as error:
+        refusal = error
+    if isinstance(refusal, DualgraphError) and replayed and stale:
+        assert is_documented_refusal(refusal, backward, "", "stale"), f"{where}: {refusal}"
+        event("refused: backward of an earlier replay")
+        for t, b in zip(watched, before, strict=True):
+            assert_same_grad(t.grad, b, f"{where}: a refused backward changed .grad")
+        return
+    try:
+        losses[1].backward(retain_graph=retain)
+    except RuntimeError as error:
+        # eager raises (a weight the backward reads was stepped in place since the call):
+        # the graphed side must have raised too, before any grad was added
+        assert "modified by an inplace operation" in str(error), f"{where}: {error}"
+        assert refusal is not None, f"{where}: eager raised {error}, graphed ran"
+        event("refused as eager: a weight changed in place before the backward")
+        for t, b in zip(watched, before, strict=True):
+            assert_same_grad(t.grad, b, f"{where}: a refused backward changed .grad")
+        return
+    assert refusal is None, f"{where}: graphed raised {refusal!r} where eager ran"
+    for k, (a, e) in enumerate(zip(*leaves, strict=True)):
+        assert_same_grad(a.grad, e.grad, f"{where}: input {k}.grad")
+    if not retain:
+        return
+    assert_same_state(graphed.module, eager.module, f"{where} first backward")
+    before = grads_now([*leaves[0], *graphed.trainable()])
+    try:
+        losses[0].backward()
+    except DualgraphError as error:
+        assert replayed and is_documented_refusal(error, backward, program.mode, "second"), (
+            f"{where}: {error}"
+        )
+        event("refused: a second backward")
+        for t, b in zip([*leaves[0], *graphed.trainable()], before, strict=True):
+            assert_same_grad(t.grad, b, f"{where}: a refused backward changed .grad")
+        return
+    losses[1].backward()
+    for k, (a, e) in enumerate(zip(*leaves, strict=True)):
+        assert_same_grad(a.grad, e.grad, f"{where}: input {k}.grad after the second backward")
+
+
+def run_program(program: Program) -> None:
+    torch.manual_seed(program.seed)
+    module = Composed(program.ops, program.outputs, program.container, program.tied)
+    twin = copy.deepcopy(module)
+    generator = torch.Generator().manual_seed(program.seed)
+    sample, _ = fresh_inputs(program, generator, 0)
+    for side in (module, twin):
+        side.train(program.captured_training)
+    dgt.make_graphed_callables(
+        module,
+        (sample[0], sample[1]),
+        sample_kwargs={"gate": sample[2], "scale": program.scale, "tag": "t"},
+        backend="emulate",
+        param_grads=program.mode,
+        clone_outputs=program.clone,
+        allow_unused_input=True,
+    )
+    graphed, eager = Side(module, program.optimizer), Side(twin, program.optimizer)
+    assert_same_state(module, twin, "after capture")
+    pending: Any = None  # a call kept for a later backward: outputs, inputs, replayed, count
+    replays_since = 0  # forward replays so far
+    for n, (step, backward, pick, flag, drop) in enumerate(program.steps):
+        where = f"step {n} ({step}, {backward}, pick {pick}, flag {flag}, drop {drop})"
+        if step == "train" or step == "eval":
+            for side in (graphed, eager):
+                side.module.train(step == "train")
+        elif step == "zero":
+            for side in (graphed, eager):
+                side.optimizer.zero_grad(set_to_none=flag)
+        elif step == "step":
+            for side in (graphed, eager):
+                side.optimizer.step()
+        elif step == "const":
+            # README: a changed constant is refused before any buffer is written; a call in
+            # the other training mode runs the forward eagerly, as the twin does
+            inputs = fresh_inputs(program, generator, drop)
+            scale = program.scale * 2.0
+            if module.training == program.captured_training:
+                with pytest.raises(DualgraphError, match=r"kwargs\['scale'\]"):
+                    graphed.call(inputs[0], scale)
+            else:
+                outs = (graphed.call(inputs[0], scale), eager.call(inputs[1], scale))
+                assert_same_tree(outs[0], outs[1], f"{where}: output")
+        elif step == "late":
+            if pending is None:
+                continue
+            event("backward of a call kept since")
+            outs, inputs, replayed, since, losses = pending
+            pending = None
+            stale = replays_since > since
+            run_backward(
+                graphed, eager, outs, inputs, program, "all", pick, where, replayed, stale, losses
+            )
+        else:
+            inputs = fresh_inputs(program, generator, drop)
+            with torch.set_grad_enabled(step != "no_grad"):
+                outs = (
+                    graphed.call(inputs[0], program.scale),
+                    eager.call(inputs[1], program.scale),
+                )
+            # a call in the other training mode than capture's runs eagerly
+            replayed = module.training == program.captured_training
+            replays_since += replayed
+            assert_same_tree(outs[0], outs[1], f"{where}: output")
+            assert_same_state(module, twin, f"{where} after the forward")
+            event(f"{step}, {'replayed' if replayed else 'eager fallback'}")
+            if step == "keep":
+                losses = [loss_of(o, i, 0, False) for o, i in zip(outs, inputs, strict=True)]
+                pending = (outs, inputs, replayed, replays_since, losses)
+            elif step == "call" and backward != "none":
+                event(f"backward {backward}")
+                run_backward(graphed, eager, outs, inputs, program, backward, pick, where, replayed)
+        assert_same_state(module, twin, where)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(programs())
+def test_graphed_module_equals_its_eager_copy_over_random_programs(program: Program) -> None:
+    run_program(program)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
