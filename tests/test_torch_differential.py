@@ -53,6 +53,7 @@ LAYER_OPS = (
     "gate",
     "scale",
     "head",
+    "twin",
     "mask",
 )
 #: What an output leaf may be. Inputs returned ("x", "gate", "mask") and views of them
@@ -77,7 +78,7 @@ OUTPUT_KINDS = (
     "frozen_x",
 )
 DIFFERENTIABLE = ("h", "mid", "z")
-BACKWARDS = ("none", "all", "subset", "grad_inputs", "grad_all", "retain_twice")
+BACKWARDS = ("none", "all", "subset", "grad_inputs", "grad_all", "retain_twice", "grad_retained")
 #: "keep": a call whose backward waits for a later "late" step
 STEPS = ("call", "call", "keep", "late", "no_grad", "const", "train", "eval", "zero", "step")
 
@@ -108,8 +109,11 @@ class Composed(nn.Module):
         self.frozen = nn.Linear(WIDTH, WIDTH)
         self.frozen.requires_grad_(False)
         self.head = nn.Linear(WIDTH, WIDTH, bias=False)
-        if tied:
+        if tied:  # a weight tied between two layers, a layer registered twice
             self.head.weight = self.inp.weight
+            self.twin = self.hidden
+        else:
+            self.twin = nn.Linear(WIDTH, WIDTH)
         self.register_buffer("running", torch.ones(WIDTH))
 
     def forward(
@@ -124,7 +128,7 @@ class Composed(nn.Module):
         h = x
         mid = None
         for op in self.ops:
-            if op in ("inp", "hidden", "norm", "drop", "frozen", "head"):
+            if op in ("inp", "hidden", "norm", "drop", "frozen", "head", "twin"):
                 h = getattr(self, op)(h)
             elif op == "gelu":
                 h = nn.functional.gelu(h)
@@ -246,22 +250,28 @@ def programs(draw: st.DrawFn) -> Program:
 # -- comparing -----------------------------------------------------------------------------------
 
 
-def assert_same_tree(actual: Any, expected: Any, where: str) -> None:
+def assert_same_tree(
+    actual: Any, expected: Any, where: str, inputs: tuple[tuple[torch.Tensor, ...], ...] = ((), ())
+) -> None:
     """Same container types and keys, ``None`` and constants, tensors bit for bit with eager's
-    ``requires_grad``."""
+    ``requires_grad``; an input eager returns (or a view of it) is the caller's tensor (or a
+    view of it) on the graphed side too (``inputs``: each side's, in order)."""
     assert type(actual) is type(expected), f"{where}: {type(actual)} vs {type(expected)}"
     if isinstance(expected, torch.Tensor):
         assert actual.requires_grad == expected.requires_grad, f"{where}: requires_grad"
         assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
         assert torch.equal(actual.detach(), expected.detach()), f"{where}: {actual} vs {expected}"
+        for mine, theirs in zip(*inputs, strict=True):
+            assert (actual is mine) == (expected is theirs), f"{where}: the input itself"
+            assert (actual._base is mine) == (expected._base is theirs), f"{where}: a view"
     elif isinstance(expected, dict):
         assert list(actual) == list(expected), f"{where}: keys"
         for key in expected:
-            assert_same_tree(actual[key], expected[key], f"{where}[{key!r}]")
+            assert_same_tree(actual[key], expected[key], f"{where}[{key!r}]", inputs)
     elif isinstance(expected, tuple):
         assert len(actual) == len(expected), f"{where}: length"
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same_tree(a, e, f"{where}[{i}]")
+            assert_same_tree(a, e, f"{where}[{i}]", inputs)
     else:
         assert repr(actual) == repr(expected), f"{where}: {actual!r} vs {expected!r}"
 
@@ -366,7 +376,7 @@ def is_documented_refusal(error: DualgraphError, backward: str, mode: str, why: 
         return "second backward through the same replay" in message
     if why == "stale":
         return "backward of an earlier replay after a later forward replay" in message
-    if mode == "in_graph" and backward in ("grad_inputs", "grad_all"):
+    if mode == "in_graph" and backward.startswith("grad_"):
         return "captured with param_grads='in_graph'" in message
     return False
 
@@ -398,14 +408,14 @@ def run_backward(
     leaves = [[t for t in i if t.requires_grad] for i in inputs]
     if backward.startswith("grad_"):
         targets = [
-            [*leaf, *(side.trainable() if backward == "grad_all" else [])]
+            [*leaf, *(side.trainable() if backward != "grad_inputs" else [])]
             for leaf, side in zip(leaves, (graphed, eager), strict=True)
         ]
         if not targets[0]:
             return
         before = grads_now([*leaves[0], *graphed.trainable()])
         try:
-            got = torch.autograd.grad(losses[0], targets[0], allow_unused=True)
+            got = torch.autograd.grad(losses[0], targets[0], allow_unused=True, retain_graph=True)
         except DualgraphError as error:
             assert replayed and is_documented_refusal(error, backward, program.mode, ""), (
                 f"{where}: {error}"
@@ -420,9 +430,11 @@ def run_backward(
             assert all(g is None for g in got), f"{where}: in_graph parameter grads"
             event("in_graph: autograd.grad of parameters only gives None")
             return
-        expected = torch.autograd.grad(losses[1], targets[1], allow_unused=True)
+        expected = torch.autograd.grad(losses[1], targets[1], allow_unused=True, retain_graph=True)
         for k, (a, e) in enumerate(zip(got, expected, strict=True)):
             assert_same_grad(a, e, f"{where}: autograd.grad[{k}]")
+        if backward == "grad_retained":  # then a backward through the same graph
+            second_backward(graphed, eager, losses, leaves, where, replayed)
         return
     retain = backward == "retain_twice"
     watched = [*leaves[0], *graphed.trainable()]
@@ -465,18 +477,29 @@ def run_backward(
     assert refusal is None, f"{where}: graphed raised {refusal!r} where eager ran"
     for k, (a, e) in enumerate(zip(*leaves, strict=True)):
         assert_same_grad(a.grad, e.grad, f"{where}: input {k}.grad")
-    if not retain:
-        return
-    assert_same_state(graphed.module, eager.module, f"{where} first backward")
-    before = grads_now([*leaves[0], *graphed.trainable()])
+    if retain:
+        assert_same_state(graphed.module, eager.module, f"{where} first backward")
+        second_backward(graphed, eager, losses, leaves, where, replayed)
+
+
+def second_backward(
+    graphed: Side,
+    eager: Side,
+    losses: list[Any],
+    leaves: list[list[torch.Tensor]],
+    where: str,
+    replayed: bool,
+) -> None:
+    """Another backward of losses whose graph was retained: refused by name where it goes
+    through a replay again (README), leaving every grad as it was; as eager's elsewhere."""
+    watched = [*leaves[0], *graphed.trainable()]
+    before = grads_now(watched)
     try:
         losses[0].backward()
     except DualgraphError as error:
-        assert replayed and is_documented_refusal(error, backward, program.mode, "second"), (
-            f"{where}: {error}"
-        )
+        assert replayed and is_documented_refusal(error, "", "", "second"), f"{where}: {error}"
         event("refused: a second backward")
-        for t, b in zip([*leaves[0], *graphed.trainable()], before, strict=True):
+        for t, b in zip(watched, before, strict=True):
             assert_same_grad(t.grad, b, f"{where}: a refused backward changed .grad")
         return
     losses[1].backward()
@@ -529,7 +552,7 @@ def run_program(program: Program) -> None:
                     graphed.call(inputs[0], scale)
             else:
                 outs = (graphed.call(inputs[0], scale), eager.call(inputs[1], scale))
-                assert_same_tree(outs[0], outs[1], f"{where}: output")
+                assert_same_tree(outs[0], outs[1], f"{where}: output", inputs)
         elif step == "late":
             if pending is None:
                 continue
@@ -550,7 +573,7 @@ def run_program(program: Program) -> None:
             # a call in the other training mode than capture's runs eagerly
             replayed = module.training == program.captured_training
             replays_since += replayed
-            assert_same_tree(outs[0], outs[1], f"{where}: output")
+            assert_same_tree(outs[0], outs[1], f"{where}: output", inputs)
             assert_same_state(module, twin, f"{where} after the forward")
             event(f"{step}, {'replayed' if replayed else 'eager fallback'}")
             if step == "keep":
