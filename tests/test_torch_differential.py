@@ -250,6 +250,20 @@ def programs(draw: st.DrawFn) -> Program:
 # -- comparing -----------------------------------------------------------------------------------
 
 
+def same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal bit for bit: ``-0.0`` is not ``0.0`` (``torch.equal`` says it is).
+
+    >>> same_bits(torch.tensor([-0.0]), torch.tensor([0.0]))
+    False
+    """
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return False
+    if actual.is_floating_point():
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+        actual, expected = actual.contiguous().view(as_int), expected.contiguous().view(as_int)
+    return torch.equal(actual, expected)
+
+
 def assert_same_tree(
     actual: Any, expected: Any, where: str, inputs: tuple[tuple[torch.Tensor, ...], ...] = ((), ())
 ) -> None:
@@ -260,7 +274,7 @@ def assert_same_tree(
     if isinstance(expected, torch.Tensor):
         assert actual.requires_grad == expected.requires_grad, f"{where}: requires_grad"
         assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
-        assert torch.equal(actual.detach(), expected.detach()), f"{where}: {actual} vs {expected}"
+        assert same_bits(actual.detach(), expected.detach()), f"{where}: {actual} vs {expected}"
         for mine, theirs in zip(*inputs, strict=True):
             assert (actual is mine) == (expected is theirs), f"{where}: the input itself"
             assert (actual._base is mine) == (expected._base is theirs), f"{where}: a view"
@@ -281,18 +295,18 @@ def assert_same_grad(
 ) -> None:
     assert (actual is None) == (expected is None), f"{where}: {actual} vs {expected}"
     if actual is not None and expected is not None:
-        assert torch.equal(actual, expected), f"{where}: {actual} vs {expected}"
+        assert same_bits(actual, expected), f"{where}: {actual} vs {expected}"
 
 
 def assert_same_state(graphed: nn.Module, eager: nn.Module, where: str) -> None:
     """Parameters (values and ``.grad``) and buffers equal bit for bit."""
     pairs = zip(graphed.named_parameters(), eager.named_parameters(), strict=True)
     for (name, p), (_, q) in pairs:
-        assert torch.equal(p.detach(), q.detach()), f"{where}: {name} {p} vs {q}"
+        assert same_bits(p.detach(), q.detach()), f"{where}: {name} {p} vs {q}"
         assert_same_grad(p.grad, q.grad, f"{where}: {name}.grad")
     buffers = zip(graphed.named_buffers(), eager.named_buffers(), strict=True)
     for (name, b), (_, c) in buffers:
-        assert torch.equal(b, c), f"{where}: buffer {name} {b} vs {c}"
+        assert same_bits(b, c), f"{where}: buffer {name} {b} vs {c}"
 
 
 def grads_now(tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -404,7 +418,7 @@ def run_backward(
     if losses[0] is None or losses[1] is None:
         assert losses[0] is None and losses[1] is None, f"{where}: loss None-ness"
         return
-    assert torch.equal(losses[0].detach(), losses[1].detach()), f"{where}: loss"
+    assert same_bits(losses[0].detach(), losses[1].detach()), f"{where}: loss"
     leaves = [[t for t in i if t.requires_grad] for i in inputs]
     if backward.startswith("grad_"):
         targets = [
@@ -545,10 +559,16 @@ def run_program(program: Program) -> None:
         elif step == "const":
             # README: a changed constant is refused before any buffer is written; a call in
             # the other training mode runs the forward eagerly, as the twin does
+            # (and so is a tensor requiring grad where the sample's did not: drop's bits
+            # choose which of the two a call changes)
             inputs = fresh_inputs(program, generator, drop)
-            scale = program.scale * 2.0
+            scale = program.scale * 2.0 if drop != 3 or program.gate_grad else program.scale
+            if scale == program.scale:
+                for side in inputs:
+                    side[2].requires_grad_(True)
             if module.training == program.captured_training:
-                with pytest.raises(DualgraphError, match=r"kwargs\['scale'\]"):
+                path = r"kwargs\['scale'\]" if scale != program.scale else r"kwargs\['gate'\]"
+                with pytest.raises(DualgraphError, match=path):
                     graphed.call(inputs[0], scale)
             else:
                 outs = (graphed.call(inputs[0], scale), eager.call(inputs[1], scale))
@@ -584,7 +604,7 @@ def run_program(program: Program) -> None:
                 run_backward(graphed, eager, outs, inputs, program, backward, pick, where, replayed)
         assert_same_state(module, twin, where)
         for grad, value in kept:
-            assert torch.equal(grad, value), f"{where}: a .grad kept since zero_grad was written"
+            assert same_bits(grad, value), f"{where}: a .grad kept since zero_grad was written"
 
 
 @settings(
