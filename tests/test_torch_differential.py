@@ -488,6 +488,18 @@ def run_backward(
             assert not replayed and type(refusal) is type(error), f"{where}: {refusal!r}"
             event("raised as eager: an eager fallback's backward")
         return
+    if isinstance(refusal, DualgraphError) and "(this call's does not)" in str(refusal):
+        # README: a weight stepped before the backward of a call whose inputs need fewer
+        # grads than the samples' is refused (eager's may run), before any grad was added
+        event("refused: a weight changed before the backward of a call needing fewer grads")
+        assert replayed, f"{where}: {refusal}"
+        for t, b in zip(watched, before, strict=True):
+            assert_same_grad(t.grad, b, f"{where}: a refused backward changed .grad")
+        for t in leaves[1]:
+            t.grad = None  # eager's inputs got theirs; the graphed side's got none
+        for p, q in zip(graphed.trainable(), eager.trainable(), strict=True):
+            q.grad = None if p.grad is None else p.grad.clone()
+        return
     assert refusal is None, f"{where}: graphed raised {refusal!r} where eager ran"
     for k, (a, e) in enumerate(zip(*leaves, strict=True)):
         assert_same_grad(a.grad, e.grad, f"{where}: input {k}.grad")
