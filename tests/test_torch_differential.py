@@ -1,22 +1,27 @@
 """Differential fuzzing of the torch adapter: graphed (emulate backend, CPU, fp32) against eager.
 
 Each example builds a small module (Linear, LayerNorm, GELU/ReLU, residual adds, dropout with
-``p=0``, a frozen sub-layer, a buffer it updates in place as a running mean, weights tied
-between two layers), an output tree (tuple, dict or namedtuple, a nested dict in it) mixing
-tensors that require grad, detached ones, ``None``, ints, strings and a kwarg's constants, and a
-program of calls: replays with fresh inputs, grads accumulated across them, ``zero_grad`` with
-and without ``set_to_none``, calls under ``torch.no_grad()``, ``train()``/``eval()`` switches,
-backward of a subset of the outputs, ``torch.autograd.grad`` of the inputs (and parameters),
-``retain_graph=True`` and a second backward, optimizer steps (SGD with momentum, Adam foreach).
-A deep copy of the module runs the same program eagerly; outputs (values, ``None`` positions,
-constants, ``requires_grad``), input grads, parameter grads, parameter values and buffers must
-be equal bit for bit. A :class:`DualgraphError` is accepted only where the README documents it
-(a second backward through one replay; ``torch.autograd.grad`` under ``param_grads="in_graph"``)
-and must leave every grad as it was; the eager twin then skips that step too.
+``p=0``, a frozen sub-layer, a buffer it updates in place as a running mean (in place, through
+``.data``, or read by a product that saves it), a weight tied between two layers and a layer
+registered twice), captured in train or eval mode, an output tree (tuple, dict or namedtuple,
+a nested dict in it) mixing tensors that require grad, detached ones, inputs and views of
+inputs, the buffer, ``None``, ints, strings and a kwarg's constants, and a program of calls:
+replays with fresh inputs (some without grad), grads accumulated across them, ``zero_grad``
+with and without ``set_to_none``, calls under ``torch.no_grad()``, ``train()``/``eval()``
+switches (eager fallbacks), a changed constant or an input requiring grad unlike its sample
+(refused), backward of a subset of the outputs, ``torch.autograd.grad`` of the inputs (and
+parameters), ``retain_graph=True`` and a second backward, a call's backward after later calls
+and steps, optimizer steps (SGD with momentum, Adam foreach).
+
+A deep copy of the module runs the same program eagerly; outputs (bits, ``None`` positions,
+constants, ``requires_grad``, inputs handed back as the caller's tensors), input grads,
+parameter grads, parameter values and buffers must be equal bit for bit. A
+:class:`DualgraphError` is accepted only where the README documents it, and must leave every
+grad as it was; the eager twin then skips that step too.
 
 Example (one program, as the property runs it)::
 
-    run_program(Program(ops=["inp", "gelu"], ...))
+    run_program(Program(ops=["inp", "gelu"], outputs=["h", "none"], ..., steps=[...]))
 """
 
 from __future__ import annotations

@@ -1647,3 +1647,32 @@ def test_a_weight_stepped_before_a_backward_needing_fewer_grads_is_not_said_to_f
     assert "captured with args[0] requiring grad (this call's does not)" in message, message
     assert "eager would raise" not in message, message
     assert layer.weight.grad is None
+
+
+class _HandsBackItsInput(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.gelu(x) * mask, x
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_an_input_handed_back_keeps_the_negative_zeros_of_its_grad_bit_for_bit(
+    param_grads: str,
+) -> None:
+    # Found by test_torch_differential.py: the output that is the input itself never gets a
+    # grad through the replay (its grad goes to the caller's tensor directly), and the backward
+    # set its incoming grad to 0.0, which the graph added to the grad of the input's use inside:
+    # -0.0 + 0.0 is 0.0, so x.grad had 0.0 where eager's (gelu's slope times a masked 0) is -0.0.
+    graphed = _HandsBackItsInput()
+    dgt.make_graphed_callables(
+        graphed,
+        (torch.randn(3, 4, requires_grad=True), torch.ones(3, 4)),
+        backend="emulate",
+        param_grads=param_grads,
+    )
+    x = torch.full((3, 4), -2.0)  # gelu's slope is negative there
+    mask = torch.zeros(3, 4)
+    mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (graphed(mine, mask)[0].sum() * 1.5).backward()
+    (_HandsBackItsInput()(theirs, mask)[0].sum() * 1.5).backward()
+    assert theirs.grad is not None and theirs.grad.signbit().all()  # eager's: -0.0
+    assert mine.grad is not None and torch.equal(mine.grad.signbit(), theirs.grad.signbit())

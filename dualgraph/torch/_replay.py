@@ -173,6 +173,7 @@ class GraphedCallable:
         "_grad_outputs",
         "_graph_grads",
         "_graph_grads_places",
+        "_handed_as_another",
         "_has_backward",
         "_held_nodes",
         "_holder_baseline",
@@ -340,6 +341,11 @@ class GraphedCallable:
             else (step.output for step in plan.output_aliases.steps)
         )
         self._used_inside_replaced = tuple(k for k in plan.used_inside if k in replaced)
+        # Their grads go to that tensor (the caller's input, another output), never through
+        # the replay, whose graph adds what it is given for them to the grads of the tensors
+        # they are inside: -0.0 there (x + -0.0 is x for every x; -0.0 + 0.0 is 0.0), so that
+        # a grad of -0.0 stays eager's, which adds nothing for them
+        self._handed_as_another = replaced
         # Outputs eager's call under no_grad gives history (the callable enables grad itself).
         self._records_under_no_grad = plan.records_under_no_grad
         # The forward's Python branches on grad mode, or on some inputs' requires_grad (their
@@ -1203,7 +1209,10 @@ class GraphedCallable:
             for static, index in self._grad_outputs:
                 grad = grads[index]
                 if grad is None:
-                    static.zero_()
+                    if index in self._handed_as_another:
+                        static.fill_(-0.0)
+                    else:
+                        static.zero_()
                 else:
                     static.copy_(grad)
             if self._emulated is not None:
