@@ -174,6 +174,7 @@ class GraphedCallable:
         "_grad_outputs",
         "_graph_grads",
         "_graph_grads_places",
+        "_handed_as_another",
         "_has_backward",
         "_held_nodes",
         "_holder_baseline",
@@ -341,6 +342,11 @@ class GraphedCallable:
             else (step.output for step in plan.output_aliases.steps)
         )
         self._used_inside_replaced = tuple(k for k in plan.used_inside if k in replaced)
+        # Their grads go to that tensor (the caller's input, another output), never through
+        # the replay, whose graph adds what it is given for them to the grads of the tensors
+        # they are inside: -0.0 there (x + -0.0 is x for every x; -0.0 + 0.0 is 0.0), so that
+        # a grad of -0.0 stays eager's, which adds nothing for them
+        self._handed_as_another = replaced
         # Outputs eager's call under no_grad gives history (the callable enables grad itself).
         self._records_under_no_grad = plan.records_under_no_grad
         # The forward's Python branches on grad mode, or on some inputs' requires_grad (their
@@ -1216,7 +1222,10 @@ class GraphedCallable:
             for static, index in self._grad_outputs:
                 grad = grads[index]
                 if grad is None:
-                    static.zero_()
+                    if index in self._handed_as_another:
+                        static.fill_(-0.0)
+                    else:
+                        static.zero_()
                 else:
                     static.copy_(grad)
             if self._emulated is not None:
@@ -1370,28 +1379,57 @@ class GraphedCallable:
         other_uses = self._other_uses
         return other_uses is not None and other_uses.alive > 0
 
-    def _refuse_changed_since_forward(self, versions: tuple[int, ...]) -> None:
+    def _refuse_changed_since_forward(
+        self, versions: tuple[int, ...], needs_input_grad: Sequence[bool]
+    ) -> None:
         """Refuse a backward whose graph would read a parameter or buffer changed in place
         since its forward replay (eager's backward raises, having saved it)."""
-        error = self.changed_since_forward(versions)
+        error = self.changed_since_forward(versions, needs_input_grad)
         if error is not None:
             raise error
 
-    def changed_since_forward(self, versions: tuple[int, ...]) -> DualgraphError | None:
-        """The refusal of :meth:`_refuse_changed_since_forward`, or ``None``."""
+    def changed_since_forward(
+        self, versions: tuple[int, ...], needs_input_grad: Sequence[bool]
+    ) -> DualgraphError | None:
+        """The refusal of :meth:`_refuse_changed_since_forward`, or ``None``.
+
+        ``needs_input_grad``: the replay node's. Which tensors eager saves depends on which
+        grads a call needs (a ``Linear`` saves its weight only for its input's grad): where the
+        call's inputs need other grads than the samples' did, eager may not read the tensor and
+        may run, so the refusal says that, not that eager would raise (the graph reads it all
+        the same, and computes with the new values what this call's grads may depend on).
+        """
         now = tuple(map(_version, self._read_by_backward))
         if now == versions:
             return None
         for name, before, after in zip(self._read_by_backward_names, versions, now, strict=True):
             if before != after:
+                changed = (
+                    f"{self.name}: {name} was modified in place (version {before} at the "
+                    f"forward replay, {after} now) before the backward that reads it"
+                )
+                advice = "run the backward before changing it (optimizer.step() after backward)"
+                needs = tuple(needs_input_grad[1 : self._first_param])
+                if needs != self._captured_input_grads:
+                    return DualgraphError(
+                        f"{changed}: the backward graph was captured with "
+                        f"{self._grad_difference(needs)} requiring grad (this call's does "
+                        "not) and reads it for the grads the capture needed; eager, which saves "
+                        "only what this call's grads need, "
+                        f"may not have read it, but a replay cannot tell. Either {advice}, or "
+                        "graph with samples requiring grad as the calls' inputs do"
+                    )
                 return DualgraphError(
-                    f"{self.name}: {name} was modified in place (version {before} at the forward "
-                    f"replay, {after} now) before the backward that reads it (eager would raise: "
-                    "a variable needed for gradient computation has been modified by an inplace "
-                    "operation); run the backward before changing it (optimizer.step() after "
-                    "backward)"
+                    f"{changed} (eager would raise: a variable needed for gradient computation "
+                    f"has been modified by an inplace operation); {advice}"
                 )
         return None
+
+    def _grad_difference(self, needs: tuple[bool, ...]) -> str:
+        """The inputs whose samples required grad where a call's do not (a call passing one
+        requiring grad where its sample did not is refused before the replay), by path."""
+        pairs = zip(self._inputs.paths, self._captured_input_grads, needs, strict=True)
+        return ", ".join(path for path, captured, now in pairs if captured and not now)
 
     def input_versions(self, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
         """The versions of the inputs the backward reads (``inputs``: the call's tensors)."""
@@ -1493,7 +1531,7 @@ class GraphedCallable:
                 error = node.graphed.stale_backward(node.generation)
                 # and so does one whose inputs, parameters or buffers it reads changed since
                 if error is None and node.versions:
-                    error = node.graphed.changed_since_forward(node.versions)
+                    error = node.graphed.changed_since_forward(node.versions, node.needs_input_grad)
                 if error is None and node.input_versions:
                     error = node.graphed.changed_input(node)
                 if error is not None:

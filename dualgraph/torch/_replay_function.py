@@ -111,7 +111,8 @@ class _Replay(torch.autograd.Function):
             )
         versions = ctx.versions
         if versions and tuple(map(_version, graphed._read_by_backward)) != versions:
-            graphed._refuse_changed_since_forward(versions)  # says which, and raises
+            # says which, and raises
+            graphed._refuse_changed_since_forward(versions, ctx.needs_input_grad)
         if ctx.used_inside:
             graphed._refuse_grads_watched_inside(ctx.used_inside)
         if _is_grad_enabled():  # create_graph=True: a second backward must raise
