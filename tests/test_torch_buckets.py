@@ -1024,6 +1024,51 @@ def test_a_padded_call_run_eagerly_keeps_the_checks_of_the_replay_before_it(
     assert replayed.grad is None and graphed.linear.weight.grad is None
 
 
+def aux_loss_under_grad(
+    x: torch.Tensor, valid_length: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Per-position values, with an auxiliary loss first only under grad mode."""
+    h = torch.tanh(x)
+    if torch.is_grad_enabled():
+        return {"aux": h.sum(), "h": h}
+    return {"h": h}
+
+
+def graph_aux_loss_under_grad() -> Any:
+    return dgt.make_graphed_callables(
+        aux_loss_under_grad,
+        buckets=[(torch.randn(2, n, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output['h']": 1},
+    )
+
+
+def test_pad_check_cuts_the_outputs_of_a_callable_returning_more_under_grad() -> None:
+    # The grad comparison cut the grad runs' outputs where the no-grad runs' lay: output[0]
+    # there is the auxiliary loss, a 0-dim tensor ('narrow() cannot be applied to a 0-dim').
+    graphed = graph_aux_loss_under_grad()
+    x = torch.randn(2, 6, requires_grad=True)
+    x_eager = fresh_copy(x)
+    out, expected = graphed(x), aux_loss_under_grad(x_eager)
+    assert out.keys() == expected.keys() and out["h"].shape == (2, 6)
+    assert_trees_match(out, expected, PAD_TOLERANCE)
+    (out["aux"] + out["h"].square().sum()).backward()
+    (expected["aux"] + expected["h"].square().sum()).backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", PAD_TOLERANCE)
+
+
+def test_a_padded_call_run_eagerly_cuts_eagers_outputs_of_another_structure() -> None:
+    # A padded call under no_grad runs eagerly (the callable reads grad mode) and returns
+    # eager's {'h'}; cutting it by the capture's structure raised "['aux']: missing".
+    graphed = graph_aux_loss_under_grad()
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        out = graphed(x)
+        expected = aux_loss_under_grad(x)
+    assert out.keys() == {"h"} and out["h"].shape == (2, 6)
+    assert_trees_match(out, expected, PAD_TOLERANCE)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 @pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
 @pytest.mark.parametrize("length", [6, 8], ids=["padded", "exact"])

@@ -454,7 +454,16 @@ class BucketedCallable:
         if cut is None:
             cut = bucket.cut = output_cuts(self._padding, bucket.runner.spec)  # type: ignore[arg-type]
         spec = bucket.runner.spec
-        flat = spec.flatten(outputs)
+        try:
+            flat = spec.flatten(outputs)
+        except DualgraphError:
+            if replayed:
+                raise
+            # a call run eagerly (its Python branches on grad mode or requires_grad) returns
+            # eager's outputs, of whatever structure: cut those where the declared paths lie
+            spec = describe(outputs)
+            cut = output_cuts(self._padding, spec)  # type: ignore[arg-type]
+            flat = spec.flatten(outputs)
         made: dict[int, torch.Tensor] = dict(callers)
         handed_out = tuple(flat)
         replaced: dict[int, torch.Tensor] = {}

@@ -618,9 +618,7 @@ def _padded_difference(
     module = check.request.module
     params = [] if module is None else list(module.named_parameters())
     with torch.enable_grad():
-        grads = _grads_both_ways(
-            run, check.padding, tensors, check.wants_grad, params, check.full, cuts
-        )
+        grads = _grads_both_ways(run, check.padding, tensors, check.wants_grad, params, check.full)
     if grads is None:
         return None
     names = [n for n, wants in zip(check.guard.paths, check.wants_grad, strict=True) if wants]
@@ -878,11 +876,12 @@ def _grads_both_ways(
     wants_grad: Sequence[bool],
     params: Sequence[tuple[str, torch.nn.Parameter]],
     full: int,
-    cuts: Sequence[tuple[int, int]],
 ) -> tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None:
     """The grads of the inputs that want one and of the trainable parameters, for a call and
     for it padded (its outputs cut back), under one upstream grad; None when there are none.
 
+    The cuts are found in these runs' own outputs: a callable may return another structure
+    under grad mode than the no-grad runs the forward check made (an auxiliary loss).
     ``torch.autograd.grad`` leaves every ``.grad`` alone.
     """
     trainable = [p for _, p in params if p.requires_grad]
@@ -894,8 +893,9 @@ def _grads_both_ways(
         ]
         length = leaves[padding.inputs[0][0]].shape[padding.inputs[0][1]]
         outputs = run(_padded(padding, leaves, length, full) if pad else leaves, 0)
-        flat = describe(outputs).flatten(outputs)
-        for index, dim in cuts if pad else ():
+        spec = describe(outputs)
+        flat = spec.flatten(outputs)
+        for index, dim in output_cuts(padding, spec) if pad else ():
             flat[index] = flat[index].narrow(dim, 0, length)
         carrying = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         targets = [leaf for leaf in leaves if leaf.requires_grad] + trainable
