@@ -421,6 +421,51 @@ def test_the_inspected_warmup_finds_a_modules_plain_tensor_attributes_once(
     assert walks == [module]
 
 
+class ExpandedBias(nn.Module):
+    """A linear layer plus a bias held expanded (stride 0), as a buffer or a plain attribute."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        shift = torch.full((1,), 0.5).expand(8)
+        if how == "buffer":
+            self.register_buffer("shift", shift)
+        else:
+            self.shift = shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.shift
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["buffer", "attribute"])
+def test_a_module_reading_an_expanded_tensor_is_graphed_as_eager(backend: str, how: str) -> None:
+    # Putting the module's tensors back after warmup wrote into the expanded one, which torch
+    # refuses ('more than one element of the written-to tensor refers to a single memory
+    # location'): the capture failed.
+    device = device_of(backend)
+    module, twin = ExpandedBias(how).to(device), ExpandedBias(how).to(device)
+    twin.linear.load_state_dict(module.linear.state_dict())
+    dgt.make_graphed_callables(
+        module, (torch.randn(2, 8, device=device, requires_grad=True),), backend=backend
+    )
+    assert module.shift.stride() == (0,) and module.shift._version == 0
+    for _ in range(2):
+        x = torch.randn(2, 8, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, expected = module(x), twin(x_eager)
+        assert_tensors_match(out, expected, "output", tolerance(backend))
+        out.sum().backward()
+        expected.sum().backward()
+        assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))
+    assert_grads_match(
+        grads_of(parameters_of(module)),
+        grads_of(parameters_of(twin)),
+        parameter_names(module),
+        tolerance(backend),
+    )
+
+
 def _autocast(backend: str, **options: Any) -> torch.autocast:
     return torch.autocast(device_of(backend).type, dtype=torch.bfloat16, **options)
 

@@ -1507,17 +1507,32 @@ def write_back(tensor: torch.Tensor, kept: torch.Tensor | None) -> None:
     call's) note them after every put-back. An inference tensor is put back too (``copy_``
     would refuse it outside inference mode; its ``.data`` takes the copy).
 
+    An expanded tensor (``torch.zeros(1).expand(8)``, a buffer registered so) repeats its
+    elements along its stride-0 dims, which torch refuses to write into: it is written through
+    one position of each such dim, each memory location once.
+
     >>> count = torch.zeros(2)
     >>> count += 1
     >>> write_back(count, torch.zeros(2))
     >>> count, count._version
     (tensor([0., 0.]), 1)
+    >>> base = torch.zeros(1)
+    >>> write_back(base.expand(3), torch.ones(3))
+    >>> base
+    tensor([1.])
     """
     with torch.no_grad():
+        target = tensor.data
+        if 0 in target.stride():
+            # each repeated dim once, in both: what kept holds there is what was repeated
+            for dim, (size, stride) in enumerate(zip(target.shape, target.stride(), strict=True)):
+                if stride == 0 and size > 1:
+                    target = target.narrow(dim, 0, 1)
+                    kept = None if kept is None else kept.narrow(dim, 0, 1)
         if kept is None:
-            tensor.data.zero_()
+            target.zero_()
         else:
-            tensor.data.copy_(kept)
+            target.copy_(kept)
 
 
 def is_tensor_subclass(param: torch.Tensor) -> bool:
