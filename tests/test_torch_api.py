@@ -7,6 +7,7 @@ and ``eager`` on the CPU, ``cuda`` (real graphs, marked ``cuda``) on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -281,6 +282,45 @@ def test_the_eager_backend_refuses_outputs_a_graph_could_not_give(later: Any, fo
     with pytest.raises(SpecMismatchError, match=r"output\[1\]") as info:
         graphed(torch.ones(2))
     assert found in str(info.value)
+
+
+class AuxLossWhenTraining(nn.Module):
+    """``(h, aux)`` where it trains (grad mode on, or the input requiring grad), else
+    ``(h, None)``."""
+
+    def __init__(self, branch: str) -> None:
+        super().__init__()
+        self.branch = branch
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.fc(x)
+        trains = torch.is_grad_enabled() if self.branch == "grad_mode" else x.requires_grad
+        return h, (h.square().mean() if trains else None)
+
+
+@pytest.mark.parametrize("first", ["as_captured", "otherwise"])
+@pytest.mark.parametrize("branch", ["grad_mode", "requires_grad"])
+def test_the_eager_backend_returns_eagers_outputs_where_a_graph_would_run_eagerly(
+    branch: str, first: str
+) -> None:
+    # A graphed callable runs such a call eagerly and hands back eager's (h, None); the
+    # "eager" backend refused it ("output[1]: expected float32[], got None"), or, first called
+    # so, refused the training call's (h, aux).
+    module = AuxLossWhenTraining(branch)
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="eager"
+    )
+
+    def call_otherwise() -> None:
+        with torch.no_grad() if branch == "grad_mode" else contextlib.nullcontext():
+            assert graphed(torch.randn(2, 4))[1] is None
+
+    if first == "otherwise":
+        call_otherwise()
+    assert graphed(torch.randn(2, 4, requires_grad=True))[1] is not None
+    call_otherwise()
+    assert graphed(torch.randn(2, 4, requires_grad=True))[1] is not None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1034,10 +1034,11 @@ def aux_loss_under_grad(
     return {"h": h}
 
 
-def graph_aux_loss_under_grad() -> Any:
+def graph_aux_loss_under_grad(backend: str = "emulate") -> Any:
     return dgt.make_graphed_callables(
         aux_loss_under_grad,
         buckets=[(torch.randn(2, n, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
         fallback="pad",
         dynamic_dims={"args[0]": 1, "output['h']": 1},
     )
@@ -1057,10 +1058,12 @@ def test_pad_check_cuts_the_outputs_of_a_callable_returning_more_under_grad() ->
     assert_tensors_match(x.grad, x_eager.grad, "input grad", PAD_TOLERANCE)
 
 
-def test_a_padded_call_run_eagerly_cuts_eagers_outputs_of_another_structure() -> None:
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_a_padded_call_run_eagerly_cuts_eagers_outputs_of_another_structure(backend: str) -> None:
     # A padded call under no_grad runs eagerly (the callable reads grad mode) and returns
     # eager's {'h'}; cutting it by the capture's structure raised "['aux']: missing".
-    graphed = graph_aux_loss_under_grad()
+    graphed = graph_aux_loss_under_grad(backend)
+    graphed(torch.randn(2, 6, requires_grad=True))
     x = torch.randn(2, 6)
     with torch.no_grad():
         out = graphed(x)

@@ -457,10 +457,11 @@ class BucketedCallable:
         try:
             flat = spec.flatten(outputs)
         except DualgraphError:
-            if replayed:
+            if replayed and isinstance(bucket.runner, GraphedCallable):
                 raise
-            # a call run eagerly (its Python branches on grad mode or requires_grad) returns
-            # eager's outputs, of whatever structure: cut those where the declared paths lie
+            # a call run eagerly (its Python branches on grad mode or requires_grad; any call
+            # of the "eager" backend) returns eager's outputs, of whatever structure (which the
+            # runner checked): cut those where the declared paths lie
             spec = describe(outputs)
             cut = output_cuts(self._padding, spec)  # type: ignore[arg-type]
             flat = spec.flatten(outputs)

@@ -1,5 +1,10 @@
 """The ``"eager"`` backend: validate the inputs against the samples, then call the callable.
 
+Like a graph, it holds a call made as capture's are (grad mode on, each input requiring grad as
+its sample) to the outputs' structure, shapes and dtypes of the first such call; a call made
+otherwise, which a graphed callable whose Python reads those runs eagerly, returns eager's
+outputs as they are.
+
 It is also what a copy of a graphed callable becomes (``copy.deepcopy``, pickling): the same
 function and input checks, without static buffers to share (and without hooks). Made by
 ``make_graphed_callables(..., backend="eager")``, it runs the callable's replay hooks around
@@ -10,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
@@ -43,6 +50,8 @@ class EagerCallable:
         self.diagnostics = CaptureDiagnostics(name=name, backend="eager")
         self._guard = guard
         self._out_spec: TreeSpec | None = None
+        # whether _out_spec is that of a call made as capture's are (see _check_outputs)
+        self._spec_as_captured = False
         self._hooks = hooks
 
     @property
@@ -62,23 +71,42 @@ class EagerCallable:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hooks = self._hooks
+        tensors: list[torch.Tensor] = []
+
+        def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tensors.extend(self._guard.tensors(args, kwargs))
+
         if hooks.replay is not None:
             outputs = call_eagerly(
-                hooks.replay, self.fn, args, kwargs, check=self._guard.tensors, run=hooks.run_eager
+                hooks.replay, self.fn, args, kwargs, check=check, run=hooks.run_eager
             )
         elif hooks.run_eager is not None:
-            self._guard.tensors(args, kwargs)
+            check(args, kwargs)
             with hooks.run_eager():
                 outputs = self.fn(*args, **kwargs)
         else:
-            self._guard.tensors(args, kwargs)
+            check(args, kwargs)
             outputs = self.fn(*args, **kwargs)
-        if self._out_spec is None:
-            self._out_spec = describe(outputs, root="output")
-        else:
-            self._out_spec.flatten(outputs, check=True, root="output")
+        self._check_outputs(outputs, tensors)
         self.diagnostics.replays += 1
         return outputs
+
+    def _check_outputs(self, outputs: Any, tensors: list[torch.Tensor]) -> None:
+        """Refuse outputs a replay could not give: another structure, shape or dtype than the
+        first call's, where this call is made as capture's are (grad mode on, the inputs'
+        ``requires_grad`` their samples'). A call made otherwise is one a graphed callable
+        reading grad mode or ``requires_grad`` runs eagerly, handing back eager's outputs of
+        whatever structure (``(h, None)`` where training returns an auxiliary loss): so here."""
+        as_captured = (
+            torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and tuple(t.requires_grad for t in tensors) == self._guard.requires_grad
+        )
+        if self._out_spec is None or (as_captured and not self._spec_as_captured):
+            self._out_spec = describe(outputs, root="output")
+            self._spec_as_captured = as_captured
+        elif as_captured:
+            self._out_spec.flatten(outputs, check=True, root="output")
 
     def __repr__(self) -> str:
         outputs = "recorded at the first call" if self._out_spec is None else repr(self._out_spec)
