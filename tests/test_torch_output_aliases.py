@@ -487,3 +487,66 @@ def test_a_conjugate_or_negative_view_of_an_input_or_output_keeps_its_bit(
         sum(t.abs().sum() * k for k, t in enumerate(theirs, 1)).backward()
         grads = [t.grad for t in leaves]
         assert_grads_match(grads, [t.grad for t in leaves_eager], ["x", "y"], tolerance(backend))
+
+
+class _ReturnsItsParameters(nn.Module):
+    """``(fc(x), fc.weight, frozen)``: outputs that are parameters themselves (eager's leaves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.fc(x) + self.frozen, self.fc.weight, self.frozen, self.fc.weight
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_an_output_that_is_a_parameter_is_handed_out_as_that_parameter(
+    backend: str, param_grads: str
+) -> None:
+    # A replay handed out a copy with the replay's history (not a leaf, a grad_fn, another
+    # tensor), where eager returns the Parameter itself; its grads reach .grad as eager's, bit
+    # for bit ("auto" takes autograd for them: eager sums both shares before adding to .grad).
+    device = device_of(backend)
+    eager = _ReturnsItsParameters().to(device)
+    module = copy.deepcopy(eager)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    options = {} if backend == "eager" else {"param_grads": param_grads}
+    graphed = dgt.make_graphed_callables(module, (sample,), backend=backend, **options)
+    tol = tolerance(backend)
+    for _ in range(3):
+        x = torch.randn(3, 4, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_(True)
+        ours, theirs = graphed(x), eager(x_eager)
+        assert ours[1] is ours[3] is module.fc.weight and theirs[1] is eager.fc.weight
+        assert ours[2] is module.frozen and theirs[2] is eager.frozen
+        assert [(t.is_leaf, t.grad_fn, t.requires_grad) for t in ours[1:]] == [
+            (t.is_leaf, t.grad_fn, t.requires_grad) for t in theirs[1:]
+        ]
+        _loss(ours[:2]).backward()
+        _loss(theirs[:2]).backward()
+        assert_grads_match([x.grad], [x_eager.grad], ["x"], tol)
+    assert_grads_match(
+        [p.grad for p in module.parameters()],
+        [p.grad for p in eager.parameters()],
+        parameter_names(eager),
+        tol,
+    )
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_that_is_a_parameter_requiring_grad_is_refused_under_in_graph(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    message = capture_error(
+        _ReturnsItsParameters().to(device),
+        (torch.randn(3, 4, device=device, requires_grad=True),),
+        backend=backend,
+        param_grads="in_graph",
+    )
+    assert "output[1] is the parameter _ReturnsItsParameters.fc.weight itself" in message
+    assert "param_grads='auto' or 'autograd'" in message

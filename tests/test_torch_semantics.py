@@ -4353,6 +4353,66 @@ def test_a_global_the_code_a_graphed_function_runs_reads_changed_after_capture_i
     )
 
 
+class _ScaledThroughAHelper(nn.Module):
+    """Reads the class's ``scale`` in a classmethod its forward calls and in a property its
+    ``encode`` reads: neither's code is the forward's or the method's own."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self._scale_of_the_class()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.factor).tanh()
+
+    @classmethod
+    def _scale_of_the_class(cls) -> float:
+        return cls.scale
+
+    @property
+    def factor(self) -> float:
+        return self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    "graphed",
+    [
+        "the module (a classmethod)",
+        "a function calling the module (a classmethod)",
+        "a method (a property)",
+    ],
+)
+def test_a_class_attribute_a_classmethod_or_property_reads_changed_after_capture_is_refused(
+    backend: str, graphed: str
+) -> None:
+    # methods_run followed functions and staticmethods only: a class attribute read in a
+    # classmethod or a property's getter was never compared (on CUDA the replays went on
+    # multiplying by 2.0, silently).
+    device = device_of(backend)
+    module = _ScaledThroughAHelper().to(device)
+    fn: Any = {
+        "the module (a classmethod)": module,
+        "a function calling the module (a classmethod)": lambda x: module(x) * 2,
+        "a method (a property)": module.encode,
+    }[graphed]
+    sample = (torch.randn(4, 8, device=device, requires_grad=True),)
+    callable_ = dgt.make_graphed_callables(fn, sample, backend=backend)
+    try:
+        _ScaledThroughAHelper.scale = 3.0
+        with pytest.raises(DualgraphError) as info:
+            callable_(torch.randn(4, 8, device=device, requires_grad=True))
+    finally:
+        _ScaledThroughAHelper.scale = 2.0
+    assert "_ScaledThroughAHelper.scale (a class attribute): was 2.0 at capture and is 3.0 now" in (
+        str(info.value)
+    )
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_value_a_graphed_function_sets_itself_is_no_change(backend: str) -> None:
     # A counter it keeps in its closure (nonlocal) is its own, as a module's own counter is:

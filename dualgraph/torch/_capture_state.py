@@ -266,6 +266,42 @@ class _Capture:
             self.in_graph_grads, self.accumulators = False, ()
             return
 
+    def take_returned_parameters(self, out_paths: Sequence[str]) -> None:
+        """Hand the parameter grads to autograd where an output is a parameter requiring grad.
+
+        The replay hands out that parameter itself (``return h, self.weight``), as eager does;
+        what the loss sends to it goes to its ``.grad`` through autograd, where eager sums it
+        with the callable's own grad for it before adding that to ``.grad``. Accumulators
+        would add the callable's grad on their own, rounding otherwise: ``"auto"`` therefore
+        takes autograd for this callable's parameters; ``"in_graph"`` is refused naming them.
+        """
+        aliases = self.output_aliases
+        if aliases is None or not self.in_graph_grads:
+            return
+        step = next(
+            (s for s in aliases.steps if s.parameter is not None and s.parameter.requires_grad),
+            None,
+        )
+        if step is None:
+            return
+        if self.options.param_grads == "in_graph":
+            name = next(
+                (
+                    n
+                    for n, p in zip(self.param_names, self.params, strict=True)
+                    if p is step.parameter
+                ),
+                "a parameter",
+            )
+            raise Refused(
+                f"output{out_paths[step.output]} is the parameter {name} itself, which a replay "
+                "hands out as eager does; its grad then reaches .grad through autograd, beside "
+                "what param_grads='in_graph' adds into .grad in the graph, rounding otherwise "
+                "than eager's one sum: capture with param_grads='auto' or 'autograd', or return "
+                "a .clone() of it"
+            )
+        self.in_graph_grads, self.accumulators = False, ()
+
     def run(self) -> Any:
         return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
 

@@ -173,8 +173,9 @@ _MODULE_API = frozenset(map(id, vars(torch.nn.Module).values()))
 
 def methods_run(cls: type, entry: Any) -> list[types.FunctionType]:
     """``entry`` (a function, or a method of ``cls``) and the functions of ``cls`` its code
-    calls through ``self`` (``self._attend(x)``, a staticmethod too), and theirs: the code a
-    forward runs of its own class, whose globals and class attributes it reads as its own.
+    calls through ``self`` (``self._attend(x)``, a staticmethod or classmethod too) or reads
+    through a property's getter (``self.factor``), and theirs: the code a forward runs of its
+    own class, whose globals and class attributes it reads as its own.
 
     >>> class Block(torch.nn.Module):
     ...     def forward(self, x):
@@ -196,11 +197,12 @@ def methods_run(cls: type, entry: Any) -> list[types.FunctionType]:
         found[id(function)] = function
         for key in dict.fromkeys(_attributes_loaded(function.__code__)):
             value = inspect.getattr_static(cls, key, None)
-            if (
-                isinstance(value, types.FunctionType | staticmethod)
-                and id(value) not in _MODULE_API
-            ):
+            if id(value) in _MODULE_API:
+                continue
+            if isinstance(value, types.FunctionType | staticmethod | classmethod):
                 pending.append(value)
+            elif isinstance(value, property) and value.fget is not None:
+                pending.append(value.fget)  # ``self.factor``: its getter runs on every read
     return list(found.values())
 
 

@@ -15,7 +15,7 @@ capture, naming the outputs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,7 +35,8 @@ class _Step:
     ``size`` ``None``: the source itself (detached where ``detach``); else a view of it with
     this size and stride, ``offset`` elements past the source's storage offset. ``conj`` and
     ``neg``: the output's conjugate or negative bit is the other one than the source's
-    (``x.conj()``: the same memory, read conjugated), so the view made flips it.
+    (``x.conj()``: the same memory, read conjugated), so the view made flips it. ``parameter``:
+    the output is this parameter itself (``return h, self.weight``), handed out as eager does.
     """
 
     output: int
@@ -48,6 +49,7 @@ class _Step:
     source_stride: tuple[int, ...] = ()  # from an input: the input's layout at capture
     conj: bool = False
     neg: bool = False
+    parameter: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,9 @@ class OutputAliases:
         """The outputs with the captured relations: ``outputs`` are the replay's own."""
         result = list(outputs)
         for step in self.steps:
+            if step.parameter is not None:
+                result[step.output] = step.parameter
+                continue
             base = inputs[step.source] if step.from_input else result[step.source]
             if step.detach:
                 base = base.detach()
@@ -104,12 +109,17 @@ def find_output_aliases(
     inputs: Sequence[torch.Tensor],
     out_paths: Sequence[str],
     input_paths: Sequence[str],
+    parameters: Sequence[torch.Tensor] = (),
 ) -> OutputAliases | None:
     """The relations among ``outputs`` (and with ``inputs``) a replay must keep, or ``None``.
 
-    ``outputs``: the flat outputs of a warmup call on the static ``inputs``. Raises
-    :class:`Refused` naming the outputs where a replay cannot give eager's sharing.
+    ``outputs``: the flat outputs of a warmup call on the static ``inputs``. ``parameters``:
+    the callable's module's (or the modules its code names), each of which an output may be
+    itself (eager returns the ``Parameter``, a leaf; a replay's output is a copy with a history
+    of its own). Raises :class:`Refused` naming the outputs where a replay cannot give eager's
+    sharing.
     """
+    parameter_ids = {id(p): p for p in parameters}
     steps: list[_Step] = []
     input_views: list[_Step] = []
     first: dict[int, int] = {}  # id of an output tensor: its first position
@@ -129,6 +139,10 @@ def find_output_aliases(
             step = _Step(k, position, from_input=True, source_stride=tensor.stride())
             steps.append(step)
             input_views.append(step)
+            continue
+        parameter = parameter_ids.get(id(tensor))
+        if parameter is not None:
+            steps.append(_Step(k, k, parameter=parameter))
             continue
         if not tensor.numel():
             continue

@@ -427,9 +427,19 @@ def _warmup(
     if inspect:
         assert item.out_spec is not None
         _refuse_outputs_retaining_grad(flat, item.out_spec.array_paths)
+        record = item.module_tensors if item.module_tensors is not None else item.code_tensors
         item.output_aliases = find_output_aliases(
-            flat, item.static_inputs, item.out_spec.array_paths, item.request.inputs.paths
+            flat,
+            item.static_inputs,
+            item.out_spec.array_paths,
+            item.request.inputs.paths,
+            ()
+            if record is None
+            else [
+                t for t, buffer in zip(record.tensors, record.is_buffer, strict=True) if not buffer
+            ],
         )
+        item.take_returned_parameters(item.out_spec.array_paths)
         item.saved_outputs = _saved_outputs(flat, saved)
         item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
         module = item.request.module
