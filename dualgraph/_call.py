@@ -236,7 +236,7 @@ class CallSpec:
         return cls(*specs)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CallSpec):
+        if not is_instance(other, CallSpec):  # (an object's __class__ can raise)
             return NotImplemented
         return self.args_spec == other.args_spec and self.kwargs_spec == other.kwargs_spec
 

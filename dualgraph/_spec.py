@@ -87,7 +87,7 @@ class LeafSpec:
     entries: tuple[PathEntry, ...] = field(default=(), repr=False, compare=False)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, LeafSpec):
+        if not is_instance(other, LeafSpec):  # (an object's __class__ can raise)
             return NotImplemented
         return self._identity() == other._identity()
 
@@ -360,7 +360,7 @@ class TreeSpec:
         return cls(read_tree(rows, what, root))
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TreeSpec):
+        if not is_instance(other, TreeSpec):  # (an object's __class__ can raise)
             return NotImplemented
         return self._nodes == other._nodes
 

@@ -1101,3 +1101,12 @@ def test_a_root_that_is_not_a_str_is_refused_by_name(root: Any) -> None:
     for attempt in attempts:
         with pytest.raises(DualgraphError, match=r"^root must be a str \(a path prefix\), got "):
             attempt()
+
+
+@pytest.mark.parametrize("which", ["tree_spec", "leaf_spec"])
+def test_comparing_a_spec_with_an_object_whose_class_cannot_be_read_is_unequal(which: str) -> None:
+    # Before: __eq__'s isinstance test leaked the object's own ValueError
+    spec = describe((array(2), None))
+    compared: Any = spec if which == "tree_spec" else spec.leaves[0]
+    assert (compared == ClassUnreadable()) is False
+    assert (compared != ClassUnreadable()) is True
