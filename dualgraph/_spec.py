@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class LeafSpec:
     def __eq__(self, other: object) -> bool:
         if not is_instance(other, LeafSpec):  # (an object's __class__ can raise)
             return NotImplemented
-        return self._identity() == other._identity()
+        return self._identity() == cast(LeafSpec, other)._identity()
 
     def __hash__(self) -> int:
         return hash(hash_part(self._identity()))
@@ -363,7 +363,7 @@ class TreeSpec:
     def __eq__(self, other: object) -> bool:
         if not is_instance(other, TreeSpec):  # (an object's __class__ can raise)
             return NotImplemented
-        return self._nodes == other._nodes
+        return self._nodes == cast(TreeSpec, other)._nodes
 
     def __hash__(self) -> int:
         if self._hash is None:
