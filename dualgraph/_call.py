@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ._containers import DictNode, TupleNode, brief_of
 from ._errors import DualgraphError, SpecMismatchError
@@ -236,9 +236,10 @@ class CallSpec:
         return cls(*specs)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CallSpec):
+        if not is_instance(other, CallSpec):  # (an object's __class__ can raise)
             return NotImplemented
-        return self.args_spec == other.args_spec and self.kwargs_spec == other.kwargs_spec
+        spec = cast(CallSpec, other)
+        return self.args_spec == spec.args_spec and self.kwargs_spec == spec.kwargs_spec
 
     def __hash__(self) -> int:
         if self._hash is None:

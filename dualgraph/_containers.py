@@ -564,21 +564,58 @@ class NamedTupleNode(NamedContainer):
 
 
 class DataclassNode(NamedContainer):
-    """A registered dataclass: children are its fields, read with ``getattr``."""
+    """A registered dataclass: children are its fields, read with ``getattr``.
 
-    __slots__ = ()
+    A dataclass that is also a dict (Hugging Face's ``ModelOutput`` subclasses ``OrderedDict``)
+    is rebuilt from its fields alone, so each of its dict entries must be one of its fields,
+    holding that field's value: any other entry would be lost by a rebuild, and is refused.
+    """
+
+    __slots__ = ("fieldset",)
     tag = "dataclass"
     register_with = "register_dataclass"
+    #: The field names, where the class is a dict subclass (its entries are checked), else None.
+    fieldset: frozenset[str] | None
+
+    def __init__(self, cls: type, fields: tuple[str, ...]) -> None:
+        super().__init__(cls, fields)
+        object.__setattr__(self, "fieldset", frozenset(fields) if _is_dict(cls) else None)
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
         return dataclass_fields(typ)
 
     def values_of(self, obj: Any) -> Sequence[Any]:
+        if self.fieldset is not None and _entries_lost(obj, self.fieldset):
+            raise NodeError(self._lost(obj))
         return [getattr(obj, field) for field in self.fields]
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
-        return self.values_of(obj) if type(obj) is self.cls else None
+        if type(obj) is not self.cls:
+            return None
+        if self.fieldset is not None and _entries_lost(obj, self.fieldset):
+            return None
+        return [getattr(obj, field) for field in self.fields]
+
+    def guard(self, var: str, bind: Bind) -> str:
+        guard = super().guard(var, bind)
+        if self.fieldset is None:
+            return guard
+        return f"{guard} or {bind(_entries_lost, 'L')}({var}, {bind(self.fieldset, 'f')})"
+
+    def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        if type(obj) is self.cls and self.fieldset is not None:
+            return None, self._lost(obj)
+        return super().difference(obj, children)
+
+    def _lost(self, obj: Any) -> str:
+        assert self.fieldset is not None
+        lost = _entries_lost(obj, self.fieldset)
+        return (
+            f"{self.brief()} holds the dict entries {clip(lost)}, which are not its fields (or "
+            "not their values): it is rebuilt from its fields alone, so they would be lost. "
+            "Keep its dict entries to its fields' values"
+        )
 
     def rebuild(self, values: list[Any]) -> Any:
         return rebuilt_dataclass(self.cls, self.fields, values)
@@ -589,6 +626,22 @@ class DataclassNode(NamedContainer):
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         maker, cls = bind(rebuilt_dataclass, "R"), bind(self.cls, "T")
         return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}])"
+
+
+def _is_dict(cls: type) -> bool:
+    """Whether ``cls`` is a dict subclass, by its real bases (never a metaclass's check)."""
+    return type.__subclasscheck__(dict, cls)
+
+
+def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
+    """The keys of ``obj``'s dict entries that a rebuild from its fields would lose: keys that
+    are no field, or whose entry is not the field's value (read through dict's own methods:
+    the class may override them)."""
+    return [
+        key
+        for key, value in dict.items(obj)
+        if type(key) is not str or key not in fieldset or getattr(obj, key) is not value
+    ]
 
 
 # -- rebuilding user classes ---------------------------------------------------------------------

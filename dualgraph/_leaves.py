@@ -30,6 +30,7 @@ __all__ = [
     "float_of_text",
     "float_text",
     "int_size",
+    "numpy_dtype_name",
     "refusal_of",
     "refuse_leaf_type",
     "register_array_type",
@@ -248,6 +249,25 @@ def _forget(ident: int) -> None:
 _NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
+def numpy_dtype_name(dtype: np.dtype, /) -> str:
+    """The name a spec reads for a numpy dtype: its ``.name``, which says nothing of the byte
+    order, so a dtype of the other byte order than the machine's is named for it
+    (``'big-endian float32'``), a name no spec holds: such an array never passes for one of
+    the native dtype, which a framework would read as other values.
+
+    >>> numpy_dtype_name(np.dtype("float32")), numpy_dtype_name(np.dtype("float32").newbyteorder())
+    ('float32', 'big-endian float32')
+    """
+    name = _NUMPY_DTYPE_NAMES.get(dtype)  # numpy's dtype.name is slow: cached per dtype
+    if name is None:
+        name = dtype.name
+        if not dtype.isnative:
+            order = "big" if dtype.byteorder == ">" else "little"
+            name = f"{order}-endian {name}"
+        _NUMPY_DTYPE_NAMES[dtype] = name
+    return name
+
+
 def signature_of(leaf: Any, /) -> Signature | None:
     """``(shape, dtype name)`` of an array leaf, or ``None`` if ``leaf`` is not an array.
 
@@ -255,12 +275,8 @@ def signature_of(leaf: Any, /) -> Signature | None:
     (((2, 3), 'int64'), None)
     """
     cls = type(leaf)
-    if cls is np.ndarray:  # numpy's dtype.name is slow: cache it per dtype
-        dtype = leaf.dtype
-        name = _NUMPY_DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _NUMPY_DTYPE_NAMES[dtype] = dtype.name
-        return leaf.shape, name
+    if cls is np.ndarray:
+        return leaf.shape, numpy_dtype_name(leaf.dtype)
     try:
         array_type = _RESOLVED[id(cls)]
     except KeyError:
@@ -393,11 +409,11 @@ def _lookup(cls: type) -> ArrayType | None:
 
 
 def _numpy_signature(x: np.ndarray) -> Signature:
-    return x.shape, x.dtype.name
+    return x.shape, numpy_dtype_name(x.dtype)
 
 
 def _numpy_grad(x: np.ndarray) -> bool:
-    return is_differentiable_dtype(x.dtype.name)
+    return is_differentiable_dtype(numpy_dtype_name(x.dtype))
 
 
 def numpy_is_native() -> bool:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from ._leaves import (
     CONSTANT_TYPES,
     array_type_of,
     float_text,
+    numpy_dtype_name,
     numpy_is_native,
     refusal_of,
     strict_bool,
@@ -87,9 +88,9 @@ class LeafSpec:
     entries: tuple[PathEntry, ...] = field(default=(), repr=False, compare=False)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, LeafSpec):
+        if not is_instance(other, LeafSpec):  # (an object's __class__ can raise)
             return NotImplemented
-        return self._identity() == other._identity()
+        return self._identity() == cast(LeafSpec, other)._identity()
 
     def __hash__(self) -> int:
         return hash(hash_part(self._identity()))
@@ -360,9 +361,9 @@ class TreeSpec:
         return cls(read_tree(rows, what, root))
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TreeSpec):
+        if not is_instance(other, TreeSpec):  # (an object's __class__ can raise)
             return NotImplemented
-        return self._nodes == other._nodes
+        return self._nodes == cast(TreeSpec, other)._nodes
 
     def __hash__(self) -> int:
         if self._hash is None:
@@ -652,7 +653,9 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                 key = (obj.shape, obj.dtype)
                 leaf = intern.get(key)
                 if leaf is None:
-                    name = _numpy_name(obj.dtype)
+                    if not obj.dtype.isnative:
+                        raise fail(_byte_order(obj.dtype), DualgraphError)
+                    name = numpy_dtype_name(obj.dtype)
                     leaf = intern[key] = ArrayLeaf(obj.shape, name, is_differentiable_dtype(name))
                 append(leaf)
                 continue
@@ -688,7 +691,7 @@ def _describe_nodes(tree: Any, root: str) -> list[Node]:
                         DualgraphError,
                     )
                 leaf = ArrayLeaf(shape, dtype, grad)
-                if cls is np.ndarray and leaf.signature != (obj.shape, obj.dtype.name):
+                if cls is np.ndarray and leaf.signature != (obj.shape, numpy_dtype_name(obj.dtype)):
                     # check and the generated code read a numpy array's own shape and dtype
                     raise fail(
                         f"the signature registered for numpy.ndarray gave {leaf.brief()} for a "
@@ -736,14 +739,13 @@ def _over_the_limit(children: int) -> str:
     )
 
 
-def _numpy_name(dtype: np.dtype) -> str:
-    name = _NUMPY_NAMES.get(dtype)
-    if name is None:
-        name = _NUMPY_NAMES[dtype] = dtype.name
-    return name
-
-
-_NUMPY_NAMES: dict[np.dtype, str] = {}
+def _byte_order(dtype: np.dtype) -> str:
+    """Why an array of a dtype of the other byte order than the machine's is refused."""
+    return (
+        f"a {numpy_dtype_name(dtype)} array (numpy dtype {dtype.str!r}): a spec names dtypes "
+        f"in the machine's byte order only (its bytes are not those of a {dtype.name} array "
+        "of the same values); convert it first, e.g. x.astype(x.dtype.newbyteorder('='))"
+    )
 
 
 # -- explaining a mismatch ------------------------------------------------------------------------

@@ -575,3 +575,10 @@ def test_a_call_grad_mask_coerces_nothing_but_bools(entry: Any) -> None:
         DualgraphError, match=r"grad mask\[2\] \(the array at \S+\): expected a bool"
     ):
         describe_call(*sample_call()).with_grad_mask([False, True, entry, True])
+
+
+def test_comparing_a_call_spec_with_an_object_whose_class_cannot_be_read_is_unequal() -> None:
+    # Before: __eq__'s isinstance test leaked the object's own ValueError
+    spec = describe_call((array(2),), {})
+    assert (spec == ClassUnreadable()) is False
+    assert (spec != ClassUnreadable()) is True

@@ -884,3 +884,76 @@ def test_a_class_whose_dataclass_test_raises_is_no_dataclass() -> None:
 
     with pytest.raises(dualgraph.DualgraphError, match=r"expects a dataclass type, got"):
         dualgraph.register_dataclass(Record)
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class DictOutput(collections.OrderedDict):  # type: ignore[type-arg]
+    """Like Hugging Face's ModelOutput: a dataclass that is also a dict of its set fields."""
+
+    logits: Any = None
+    loss: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("logits", "loss"):
+            if getattr(self, name) is not None:
+                self[name] = getattr(self, name)
+
+
+def test_a_dict_dataclass_whose_entries_are_its_fields_is_rebuilt_with_them() -> None:
+    out = DictOutput(logits=array(2))
+    spec = describe({"out": out})
+    rebuilt = spec.unflatten(spec.flatten({"out": out}, check=True))["out"]
+    assert type(rebuilt) is DictOutput and dict(rebuilt) == {"logits": out.logits}
+    assert rebuilt.logits is out.logits and rebuilt.loss is None
+
+
+def _with_entry(kind: str) -> DictOutput:
+    out = DictOutput(logits=array(2))
+    if kind == "extra":
+        dict.__setitem__(out, "extra", array(1))  # not a field: a rebuild drops it
+    else:
+        dict.__setitem__(out, "logits", array(2))  # not the field's value: a rebuild drops it
+    return out
+
+
+@pytest.mark.parametrize("kind", ["extra", "other-value"])
+def test_describing_a_dict_dataclass_with_an_entry_a_rebuild_loses_is_refused(kind: str) -> None:
+    # Before: described by its fields alone; unflatten gave it back without the entry
+    key = "extra" if kind == "extra" else "logits"
+    with pytest.raises(
+        DualgraphError, match=rf"^\['out'\]: a \S*DictOutput holds the dict entries \['{key}'\]"
+    ):
+        describe({"out": _with_entry(kind)})
+
+
+@pytest.mark.parametrize("kind", ["extra", "other-value"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dict_dataclass_with_an_entry_a_rebuild_loses_is_a_mismatch(kind: str, size: int) -> None:
+    # Before: check and flatten passed it, and unflatten lost the entry
+    spec = describe([DictOutput(logits=array(2)), *[None] * size])
+    key = "extra" if kind == "extra" else "logits"
+    odd = [_with_entry(kind), *[None] * size]
+    for check in (False, True):
+        with pytest.raises(
+            SpecMismatchError, match=rf"^\[0\]: a \S*DictOutput holds the dict entries \['{key}'\]"
+        ):
+            spec.flatten(odd, check=check)
+
+
+class Tagged(collections.namedtuple("Tagged", "x y")):  # a subclass: it has a __dict__
+    """A namedtuple subclass whose __new__ sets an attribute besides its fields."""
+
+    def __new__(cls, x: Any, y: Any) -> Tagged:
+        obj = super().__new__(cls, x, y)
+        obj.made_by_new = True
+        return obj
+
+
+def test_a_namedtuple_subclass_attribute_made_by_new_is_made_again_on_rebuild() -> None:
+    # Decided: a namedtuple's tree is its fields (as optree and JAX take it); attributes outside
+    # them are not refused, since __new__ may make them, and then a rebuild makes them again
+    tree = Tagged(array(2), None)
+    spec = describe(tree)
+    rebuilt = spec.unflatten(spec.flatten(tree, check=True))
+    assert type(rebuilt) is Tagged and rebuilt.made_by_new is True

@@ -1101,3 +1101,37 @@ def test_a_root_that_is_not_a_str_is_refused_by_name(root: Any) -> None:
     for attempt in attempts:
         with pytest.raises(DualgraphError, match=r"^root must be a str \(a path prefix\), got "):
             attempt()
+
+
+@pytest.mark.parametrize("which", ["tree_spec", "leaf_spec"])
+def test_comparing_a_spec_with_an_object_whose_class_cannot_be_read_is_unequal(which: str) -> None:
+    # Before: __eq__'s isinstance test leaked the object's own ValueError
+    spec = describe((array(2), None))
+    compared: Any = spec if which == "tree_spec" else spec.leaves[0]
+    assert (compared == ClassUnreadable()) is False
+    assert (compared != ClassUnreadable()) is True
+
+
+NON_NATIVE = np.dtype("float32").newbyteorder()  # the other byte order than this machine's
+NON_NATIVE_NAME = ("big" if NON_NATIVE.byteorder == ">" else "little") + "-endian float32"
+
+
+def test_describing_an_array_of_the_other_byte_order_is_refused_naming_its_path() -> None:
+    # Before: described as float32, the byte order dropped
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^\[1\]\['x'\]: a {NON_NATIVE_NAME} array \(numpy dtype '{NON_NATIVE.str}'\)",
+    ):
+        describe((None, {"x": np.zeros(2, NON_NATIVE)}))
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_an_array_of_the_other_byte_order_fails_the_check_of_a_native_one(size: int) -> None:
+    # Before: check and flatten(check=True) passed it as float32[2]
+    spec = describe([np.zeros(2, np.float32), *[None] * size])
+    odd = [np.zeros(2, NON_NATIVE), *[None] * size]
+    message = rf"^\[0\]: expected float32\[2\], got {NON_NATIVE_NAME}\[2\]$"
+    with pytest.raises(SpecMismatchError, match=message):
+        spec.check(odd)
+    with pytest.raises(SpecMismatchError, match=message):
+        spec.flatten(odd, check=True)
