@@ -623,54 +623,20 @@ class ModuleTensors:
         return None
 
     def _attribute_changed(self) -> int | None:
-        """The index of the first attribute whose value is not the one of capture (``None``).
-
-        By identity first (one pass); an attribute set to an equal value since (another float
-        object) is taken as the new object, so that the next call passes by identity again.
-        """
-        values = self.attribute_values
-        if all(map(_is, map(_get, self.attribute_dicts, self.attribute_keys, _ABSENTS), values)):
-            return None
-        for i, (namespace, key) in enumerate(
-            zip(self.attribute_dicts, self.attribute_keys, strict=True)
-        ):
-            now = namespace.get(key, _ABSENT)
-            if now is values[i]:
-                continue
-            if not _same_plain(now, values[i]):
-                return i
-            values[i] = now
-        return None
+        """The index of the first attribute whose value is not the one of capture (``None``)."""
+        now = list(map(_get, self.attribute_dicts, self.attribute_keys, _ABSENTS))
+        return _first_changed(now, self.attribute_values)
 
     def _cell_changed(self) -> int | None:
         """The index of the first closure cell whose value is not the one of capture
-        (``None``), as :meth:`_attribute_changed` finds an attribute's."""
-        values = self.cell_values
-        now = list(map(_contents_or_absent, self.cells))
-        if all(map(_is, now, values)):
-            return None
-        for i, value in enumerate(now):
-            if value is values[i]:
-                continue
-            if not _same_plain(value, values[i]):
-                return i
-            values[i] = value
-        return None
+        (``None``)."""
+        return _first_changed(list(map(_contents_or_absent, self.cells)), self.cell_values)
 
     def _class_value_changed(self) -> int | None:
         """The index of the first class attribute whose value is not the one of capture
-        (``None``), as :meth:`_attribute_changed` finds an attribute's."""
-        values = self.class_values
+        (``None``)."""
         now = list(map(getattr, self.class_owners, self.class_keys, _ABSENTS))
-        if all(map(_is, now, values)):
-            return None
-        for i, value in enumerate(now):
-            if value is values[i]:
-                continue
-            if not _same_plain(value, values[i]):
-                return i
-            values[i] = value
-        return None
+        return _first_changed(now, self.class_values)
 
     @contextlib.contextmanager
     def own_changes_taken(self) -> Iterator[None]:
@@ -1356,6 +1322,27 @@ def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """
     # detached first, so nothing after records history: no no_grad() block (3 us a call)
     return tensor.detach().resolve_conj().resolve_neg().reshape(-1).clone().view(torch.uint8)
+
+
+def _first_changed(now: list[Any], values: list[Any]) -> int | None:
+    """The index of the first of ``now`` that is not its ``values`` entry of capture, or None.
+
+    By identity first (one pass); a value set to an equal one since (another float object) is
+    taken as the new object in ``values``, so that the next call passes by identity again.
+
+    >>> kept = [1.5, "a"]
+    >>> _first_changed([float("1.5"), "a"], kept), _first_changed([1.5, "b"], kept)
+    (None, 1)
+    """
+    if all(map(_is, now, values)):
+        return None
+    for i, value in enumerate(now):
+        if value is values[i]:
+            continue
+        if not _same_plain(value, values[i]):
+            return i
+        values[i] = value
+    return None
 
 
 def bytes_now(tensor: torch.Tensor) -> torch.Tensor:
