@@ -424,10 +424,11 @@ def test_the_inspected_warmup_finds_a_modules_plain_tensor_attributes_once(
 class ExpandedBias(nn.Module):
     """A linear layer plus a bias held expanded (stride 0), as a buffer or a plain attribute."""
 
-    def __init__(self, how: str) -> None:
+    def __init__(self, how: str, device: torch.device) -> None:
         super().__init__()
-        self.linear = nn.Linear(8, 8)
-        shift = torch.full((1,), 0.5).expand(8)
+        self.linear = nn.Linear(8, 8, device=device)
+        # Made on its device: `.to()` neither moves a plain attribute nor keeps a stride of 0.
+        shift = torch.full((1,), 0.5, device=device).expand(8)
         if how == "buffer":
             self.register_buffer("shift", shift)
         else:
@@ -444,7 +445,7 @@ def test_a_module_reading_an_expanded_tensor_is_graphed_as_eager(backend: str, h
     # refuses ('more than one element of the written-to tensor refers to a single memory
     # location'): the capture failed.
     device = device_of(backend)
-    module, twin = ExpandedBias(how).to(device), ExpandedBias(how).to(device)
+    module, twin = ExpandedBias(how, device), ExpandedBias(how, device)
     twin.linear.load_state_dict(module.linear.state_dict())
     dgt.make_graphed_callables(
         module, (torch.randn(2, 8, device=device, requires_grad=True),), backend=backend
