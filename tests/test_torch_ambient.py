@@ -299,3 +299,60 @@ def test_turning_the_mha_fastpath_off_after_capture_is_refused() -> None:
     name = re.escape("torch.backends.mha.get_fastpath_enabled() is False, captured with True")
     with _mha_fastpath(False), pytest.raises(DualgraphError, match=name):
         graphed(torch.randn(3, 5, 16))
+
+
+#: Settings that choose a backward's kernels again when eager's backward runs, changed between a
+#: forward and its backward, and the name the refusal gives each.
+BACKWARD_CHANGES = {change: CHANGES[change] for change in ("tf32_matmuls", "deterministic")}
+
+
+@pytest.mark.parametrize("change", list(BACKWARD_CHANGES))
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_backward_under_another_matmul_or_determinism_setting_is_refused_and_can_run_after(
+    backend: str, param_grads: str, change: str
+) -> None:
+    # The forward ran under the captured settings; eager's backward chooses its matmul kernels
+    # (TF32) and raises at nondeterministic ops under the settings it runs in, where a graph's
+    # backward replays what capture chose: a backward run after the setting changed is refused
+    # by name, and once the setting is back the same backward runs, equal to eager's.
+    setting, name = BACKWARD_CHANGES[change]
+    device = device_of(backend)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 8, device=device)
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(
+        module,
+        (torch.randn(4, 8, device=device, requires_grad=True),),
+        backend=backend,
+        param_grads=param_grads,
+    )
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    loss = graphed(x).sum()
+    with setting(), pytest.raises(DualgraphError, match=f"its backward ran with {re.escape(name)}"):
+        loss.backward(retain_graph=True)
+    assert x.grad is None and module.weight.grad is None
+    loss.backward()
+    twin(x_eager).sum().backward()
+    tol = tolerance(backend)
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tol)
+    assert_tensors_match(module.weight.grad, twin.weight.grad, "weight grad", tol)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_backward_under_another_default_dtype_runs_as_eagers(backend: str) -> None:
+    # The default dtype and the attention kernels are the forward's choice (grads take the
+    # forward's dtypes; an attention's backward is its forward op's): not refused at backward.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        _attend, (torch.randn(4, 8, device=device, requires_grad=True),), backend=backend
+    )
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    loss = graphed(x).sum()
+    expected = _attend(x_eager).sum()
+    with _default_dtype(torch.float64), sdpa_kernel(SDPBackend.MATH):
+        loss.backward()
+        expected.backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))

@@ -17,8 +17,10 @@ import torch
 import torch.backends.mha
 
 __all__ = [
+    "BACKWARD_ENTRIES",
     "NUMERICS_NAMES",
     "autocast_state",
+    "backward_numerics",
     "autograd_records",
     "ddp_is_running",
     "kept_modes",
@@ -312,12 +314,36 @@ def state_of(readings: tuple[Any, ...]) -> tuple[Any, ...]:
     )
 
 
-def numerics_difference(now: tuple[Any, ...], captured: tuple[Any, ...]) -> str:
-    """The first setting that differs, as ``name is X, captured with Y``."""
-    for name, value, expected in zip(NUMERICS_NAMES, now, captured, strict=True):
+def numerics_difference(
+    now: tuple[Any, ...], captured: tuple[Any, ...], among: slice = slice(None)
+) -> str:
+    """The first setting that differs (of the entries ``among``), as ``name is X, captured
+    with Y``."""
+    for name, value, expected in zip(
+        NUMERICS_NAMES[among], now[among], captured[among], strict=True
+    ):
         if value != expected:
             return f"{name} is {value!r}, captured with {expected!r}"
     return "no setting differs"
+
+
+# The entries of numerics_state that choose a backward's kernels again in eager's backward: the
+# matmul precision and reductions, fp16 accumulation, deterministic algorithms. Not the default
+# dtype (grads take their dtypes from the forward's tensors), nor the attention kernels and
+# the MHA fast path (the forward's op decides its backward: flash attention's backward is
+# flash attention's, whatever sdpa_kernel says when it runs).
+BACKWARD_ENTRIES = slice(1, 7)
+
+
+def backward_numerics(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The part of a :func:`numerics_state` that eager's backward reads again when it runs, in
+    which a graph's backward replays the kernels chosen at capture.
+
+    >>> state = numerics_state()
+    >>> backward_numerics(state) == state[1:7]
+    True
+    """
+    return state[BACKWARD_ENTRIES]
 
 
 _UNREADABLE = object()

@@ -40,7 +40,13 @@ from torch.utils._pytree import tree_leaves as _tree_leaves
 from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._address_ranges import StorageIndex, first_sharing, memory_of, storage_spans
-from ._ambient import autocast_state, numerics_difference, show_autocast
+from ._ambient import (
+    BACKWARD_ENTRIES,
+    autocast_state,
+    backward_numerics,
+    numerics_difference,
+    show_autocast,
+)
 from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_readings as _numerics_readings
 from ._ambient import numerics_state as _numerics_state
@@ -958,6 +964,21 @@ class GraphedCallable:
             "dualgraph.torch.restore)"
         )
 
+    def _check_backward_numerics(self) -> None:
+        """Refuse a backward under other matmul or determinism settings than capture's (set
+        between the forward and its backward): eager's backward chooses its kernels under the
+        settings it runs in, a graph replays the captured ones."""
+        now = _numerics_state()
+        if backward_numerics(now) != backward_numerics(self._numerics):
+            raise DualgraphError(
+                f"{self.name}: its backward ran with "
+                f"{numerics_difference(now, self._numerics, BACKWARD_ENTRIES)}; "
+                "a graph replays the backward kernels, precision and determinism chosen at "
+                "capture, where eager's backward would choose again under this setting. Put "
+                "the setting back before the backward (the call's forward ran under the "
+                "captured one)"
+            )
+
     def _numerics_changed(self) -> DualgraphError:
         return DualgraphError(
             f"{self.name}: called with {numerics_difference(_numerics_state(), self._numerics)}; "
@@ -1164,6 +1185,8 @@ class GraphedCallable:
         try:
             if self._dispatch_modes or _dispatch_depth():
                 self._check_backward_modes()
+            if _numerics_readings() != self._numerics_read:
+                self._check_backward_numerics()
             if through_autograd and self._plan_params:
                 raise DualgraphError(
                     f"{self.name}: captured with param_grads='in_graph', whose backward graph "
