@@ -12,6 +12,7 @@ last piece's backward is that of its loss.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,11 +107,17 @@ class Pipeline:
         order: Sequence[Pass],
         stages: int,
         data: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        forward_under: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        ),
     ) -> None:
         self.pieces = list(pieces)
         self.order = list(order)
         self.stages = stages
         self.data = data  # per micro-batch: (input, target, scale)
+        # what each forward pass and its loss run under (an autocast: torch's AMP recipe, as
+        # Megatron's forward step; the backward passes run outside it)
+        self.forward_under = forward_under
 
     def step(self) -> list[float]:
         """One step: every pass in order; returns the micro-batches' losses."""
@@ -129,14 +136,15 @@ class Pipeline:
                 else:
                     received = sent.pop((piece - 1, scheduled.microbatch)).requires_grad_()
                 inputs[key] = received
-                out = self.pieces[piece](received, scale=scale)
+                with self.forward_under():
+                    out = self.pieces[piece](received, scale=scale)
+                    if piece == last:
+                        losses[scheduled.microbatch] = F.mse_loss(out["hidden"], target) / len(
+                            self.data
+                        )
                 assert out["aux"] is None and out["piece"] == piece
                 outputs[key] = out
-                if piece == last:
-                    losses[scheduled.microbatch] = F.mse_loss(out["hidden"], target) / len(
-                        self.data
-                    )
-                else:
+                if piece != last:
                     sent[key] = out["hidden"].detach()
                 continue
             out = outputs.pop(key)

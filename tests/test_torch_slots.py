@@ -155,15 +155,21 @@ def test_a_pipeline_under_autocast_equals_eager_under_autocast(layout: str, back
     device = device_of(backend)
     stage_schedules = schedules("interleaved")
     graphed, eager = make_pieces(2 * STAGES, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-    with autocast:
+
+    def autocast() -> torch.autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+
+    with autocast():
         graph_stages(graphed, stage_schedules, layout, device, backend=backend)
     data = make_data(MICROBATCHES, device)
     order = device_order(stage_schedules)
-    with autocast:
-        graphed_losses, graphed_grads = train(Pipeline(graphed, order, STAGES, data), graphed, 2)
-    with autocast:
-        eager_losses, eager_grads = train(Pipeline(eager, order, STAGES, data), eager, 2)
+    # the forward passes under autocast, the backward passes outside (torch's AMP recipe)
+    graphed_losses, graphed_grads = train(
+        Pipeline(graphed, order, STAGES, data, forward_under=autocast), graphed, 2
+    )
+    eager_losses, eager_grads = train(
+        Pipeline(eager, order, STAGES, data, forward_under=autocast), eager, 2
+    )
     if backend == CUDA:
         torch.testing.assert_close(graphed_losses, eager_losses, atol=1e-2, rtol=1e-2)
         return

@@ -395,18 +395,108 @@ def test_autocast_capture_matches_eager_autocast(backend: str) -> None:
     tol = tolerance(backend, torch.bfloat16)
     with _autocast(backend, cache_enabled=False):
         dgt.make_graphed_callables(fn, args, backend=backend)
-        for _ in range(3):
-            (x,), _ = case.draw(device)
+    for _ in range(3):
+        (x,), _ = case.draw(device)
+        with _autocast(backend, cache_enabled=False):  # torch's AMP recipe: the forward
             out, expected = fn(x), twin(x)
-            assert out.dtype == torch.bfloat16
-            assert_trees_match(out, expected, tol)
-            backward_of(out)
-            backward_of(expected)
-            assert_grads_match(
-                grads_of(parameters_of(fn)), grads_of(parameters_of(twin)), parameter_names(fn), tol
-            )
-            fn.zero_grad()
-            twin.zero_grad()
+        assert out.dtype == torch.bfloat16
+        assert_trees_match(out, expected, tol)
+        backward_of(out)  # and the backward outside autocast
+        backward_of(expected)
+        assert_grads_match(
+            grads_of(parameters_of(fn)), grads_of(parameters_of(twin)), parameter_names(fn), tol
+        )
+        fn.zero_grad()
+        twin.zero_grad()
+
+
+class _Float32Matmul(torch.autograd.Function):
+    """``x @ w`` in float32 whatever the autocast, and a backward that is plain ops (no
+    ``torch.amp.custom_bwd``): under an autocast they compute in its dtype, as a custom
+    function's backward does in eager."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            return x.float() @ w.float()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return (grad @ w.t()).to(x.dtype), (x.t() @ grad).to(w.dtype)
+
+
+class _Float32Layer(torch.nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16, device=device) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_Float32Matmul.apply(x, self.weight))
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_backward_outside_autocast_after_a_forward_under_it_equals_eagers(
+    backend: str, param_grads: str
+) -> None:
+    # Captured under autocast, the backward graph was captured under it too, where torch's AMP
+    # recipe (and eager's `.backward()` called after the autocast block) runs the backward
+    # outside: a custom function's backward matmuls ran in bfloat16 in the graph, in float32 in
+    # eager (CUDA; the CPU's emulate runs the backward when called). Bit for bit with eager.
+    device = device_of(backend)
+    tol = tolerance(backend)  # float32's on the GPU: a bfloat16 backward is far outside it
+    torch.manual_seed(0)
+    module = _Float32Layer(device)
+    twin = copy.deepcopy(module)
+    with _autocast(backend, cache_enabled=False):
+        dgt.make_graphed_callables(
+            module,
+            (torch.randn(8, 16, device=device, requires_grad=True),),
+            backend=backend,
+            param_grads=param_grads,
+        )
+    for _ in range(3):
+        x = torch.randn(8, 16, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        with _autocast(backend, cache_enabled=False):
+            out, expected = module(x), twin(x_eager)
+        (out * out).sum().backward()
+        (expected * expected).sum().backward()
+        assert_tensors_match(out, expected, "output", tol)
+        assert_tensors_match(x.grad, x_eager.grad, "input grad", tol)
+        assert_tensors_match(module.weight.grad, twin.weight.grad, "weight grad", tol)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_backward_under_autocast_is_refused_before_any_grad_and_runs_outside_it(
+    backend: str,
+) -> None:
+    # Eager's backward under an autocast runs its ops under it (a custom function's matmuls
+    # in bfloat16); the graphs' backward was captured outside autocast.
+    device = device_of(backend)
+    tol = tolerance(backend)  # float32's on the GPU: a bfloat16 backward is far outside it
+    torch.manual_seed(0)
+    module = _Float32Layer(device)
+    twin = copy.deepcopy(module)
+    with _autocast(backend, cache_enabled=False):
+        dgt.make_graphed_callables(
+            module, (torch.randn(8, 16, device=device, requires_grad=True),), backend=backend
+        )
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    with _autocast(backend, cache_enabled=False):
+        loss = module(x).sum()
+        refused = r"its backward ran under torch\.autocast\('(cpu|cuda)', dtype=torch\.bfloat16\)"
+        with pytest.raises(DualgraphError, match=refused):
+            loss.backward(retain_graph=True)
+        expected = twin(x_eager).sum()
+    assert x.grad is None and module.weight.grad is None
+    loss.backward()
+    expected.backward()
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tol)
+    assert_tensors_match(module.weight.grad, twin.weight.grad, "weight grad", tol)
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

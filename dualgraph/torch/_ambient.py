@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ __all__ = [
     "numerics_difference",
     "numerics_readings",
     "numerics_state",
+    "outside_autocast",
     "outside_inference_mode",
     "state_of",
 ]
@@ -430,6 +431,23 @@ def kept_modes() -> Callable[[], None]:
         put_back_settings()
 
     return put_back
+
+
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """Autocast off on every device where it is on: a backward as torch's AMP recipe runs it
+    (autocast wraps the forward and the loss; the backward's ops run in the dtypes the forward
+    chose), which is where eager's backward runs when ``.backward()`` is called outside it.
+
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16), outside_autocast():
+    ...     torch.is_autocast_enabled("cpu")
+    False
+    """
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def outside_inference_mode() -> contextlib.AbstractContextManager[Any]:

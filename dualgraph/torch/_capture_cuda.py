@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._ambient import outside_autocast
 from ._blas_workspaces import capture_stream, prime_capture_stream
 from ._capture_failure import Progress
 from ._capture_state import _Capture, grad_output_buffers
@@ -180,6 +181,7 @@ def _capture_backward(
         with (
             item.request.hooks.around("backward"),  # capture-time hooks: outside the graph
             capturing(backward_graph, pool, mode),
+            outside_autocast(),  # where torch's AMP recipe runs a backward (the replay's check)
         ):
             grads = torch.autograd.grad(
                 differentiable,

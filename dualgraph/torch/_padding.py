@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
 from ._address_ranges import storage_key
-from ._ambient import kept_modes
+from ._ambient import kept_modes, outside_autocast
 from ._closed_over import modules_named_by, named_by
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
@@ -906,7 +906,8 @@ def _grads_both_ways(
         if len(upstream) != len(carrying):
             return None  # another set of outputs carries grad: the forward check judges that
         try:
-            results.append(torch.autograd.grad(carrying, targets, upstream, allow_unused=True))
+            with outside_autocast():  # as a replay's backward runs (_capture_cuda)
+                results.append(torch.autograd.grad(carrying, targets, upstream, allow_unused=True))
         except RuntimeError:
             return None  # no backward to compare (warmup would have said why)
     return results[0], results[1]

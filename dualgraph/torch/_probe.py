@@ -27,7 +27,7 @@ import torch
 from .._call import describe_call
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, DualgraphWarning
-from ._ambient import outside_inference_mode
+from ._ambient import outside_autocast, outside_inference_mode
 from ._closed_over import closed_over_tensors, modules_named_by, plain_tensor_attributes
 from ._lint import CaptureLint, CaptureLintError, LintReport
 from ._memory_plan import MemoryPlan, MemoryProbe, plan_of, tensor_bytes
@@ -120,7 +120,7 @@ def _probe_once(
             grads: Sequence[torch.Tensor | None] = ()
             if differentiable and targets:
                 cotangents = [torch.ones_like(t) for t in differentiable]
-                with observing(observers):
+                with observing(observers), outside_autocast():  # as the capture's backward
                     grads = torch.autograd.grad(
                         differentiable, targets, cotangents, allow_unused=True
                     )

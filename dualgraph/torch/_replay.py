@@ -979,6 +979,17 @@ class GraphedCallable:
                 "captured one)"
             )
 
+    def _backward_under_autocast(self) -> DualgraphError:
+        now = autocast_state()
+        ran = show_autocast(now) if now else "under torch.autocast of another device"
+        return DualgraphError(
+            f"{self.name}: its backward ran {ran}; the graphs' "
+            "backward was captured outside autocast, where torch's AMP recipe runs a backward "
+            "(autocast wraps the forward and the loss; the backward's ops run in the dtypes the "
+            "forward chose), and eager's backward would run its ops under this autocast. Call "
+            ".backward() outside torch.autocast"
+        )
+
     def _numerics_changed(self) -> DualgraphError:
         return DualgraphError(
             f"{self.name}: called with {numerics_difference(_numerics_state(), self._numerics)}; "
@@ -1187,6 +1198,8 @@ class GraphedCallable:
                 self._check_backward_modes()
             if _numerics_readings() != self._numerics_read:
                 self._check_backward_numerics()
+            if _is_any_autocast_enabled():
+                raise self._backward_under_autocast()
             if through_autograd and self._plan_params:
                 raise DualgraphError(
                     f"{self.name}: captured with param_grads='in_graph', whose backward graph "

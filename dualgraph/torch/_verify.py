@@ -85,6 +85,7 @@ import torch
 from .._call import describe_call
 from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec, describe
+from ._ambient import outside_autocast
 from ._buckets import BucketedCallable
 from ._closed_over import closed_over_tensors, modules_named_by
 from ._graphed import diagnostics
@@ -407,7 +408,8 @@ def _run_steps(
         live = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if live:
             cotangents = [_cotangent(t, step, i) for i, t in enumerate(live)]
-            torch.autograd.backward(live, cotangents)
+            with outside_autocast():  # torch's AMP recipe: autocast wraps the forward alone
+                torch.autograd.backward(live, cotangents)
         after = {f"input {p}": t.detach().clone() for p, t in inputs}
         after.update({label: b.detach().clone() for label, b in buffers})
         results.append(

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._errors import DualgraphError, SpecMismatchError
+from ._ambient import outside_autocast
 from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
@@ -472,7 +473,8 @@ def _warmup(
         # every thread's: the autograd engine runs a CUDA device's backward functions (a
         # checkpoint's recomputation) in a thread of its own
         rewinds = rng_rewinds(every_thread=True) if inspect else contextlib.nullcontext()
-        with item.request.hooks.around("backward"), rewinds as rewound:
+        # outside autocast, as the capture's backward and the replays' (_capture_cuda)
+        with item.request.hooks.around("backward"), rewinds as rewound, outside_autocast():
             grads = tuple(
                 torch.autograd.grad(
                     differentiable,
