@@ -6,7 +6,8 @@ then its replays are swapped for no-ops, so a call does everything a real call d
 checks, the parameter and ambient checks, the copies into static buffers, the autograd
 Function, the ``.grad`` handling) except running the callable: what is left is the adapter's
 host cost, the number a CUDA replay adds to its graph launches. ``eager`` (the plain blocks)
-and ``empty`` (the same step with the blocks taken out) frame it.
+and ``empty`` (the same step with the blocks taken out) frame it; ``torch-like`` is the blocks
+with the per-call path of ``torch.cuda.make_graphed_callables``, replays no-ops alike.
 
 A step is: a fresh leaf input, every block called in turn, ``h.sum().backward()``; parameter
 grads accumulate across steps. ``--zero-grad`` clears them first in each step, as a training
@@ -116,6 +117,51 @@ def step_of(
     return step
 
 
+def like_torchs_wrapper(module: nn.Module, sample: torch.Tensor) -> nn.Module:
+    """``module`` with the per-call path of ``torch.cuda.make_graphed_callables`` (its
+    ``Graphed`` Function: copies into static inputs, the replay, detached static outputs; in the
+    backward, copies into static grads and the static input and parameter grads handed to
+    autograd), its replays no-ops: the reference issue 15's targets are set against. torch's
+    own refuses the ``None`` output; this one hands back the tensors and puts the ``None``
+    back, as a wrapper returning the tensors alone would."""
+    params = tuple(p for p in module.parameters() if p.requires_grad)
+    static_inputs = (sample.detach().clone(), *params)
+    flat, spec = torch.utils._pytree.tree_flatten(module(sample))
+    static_outputs = tuple(o.detach() for o in flat if o is not None)
+    nones = [i for i, o in enumerate(flat) if o is None]
+    static_grad_outputs = tuple(map(torch.empty_like, static_outputs))
+    static_grad_inputs = tuple(map(torch.empty_like, static_inputs))
+
+    def replay() -> None:
+        return None
+
+    class Graphed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            if static_inputs[0].data_ptr() != inputs[0].data_ptr():
+                static_inputs[0].copy_(inputs[0])
+            replay()
+            return tuple(o.detach() for o in static_outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            for static, grad in zip(static_grad_outputs, grads, strict=True):
+                if static.data_ptr() != grad.data_ptr():
+                    static.copy_(grad)
+            replay()
+            return tuple(b.detach() for b in static_grad_inputs)
+
+    def forward(x: torch.Tensor) -> Any:
+        outputs = list(Graphed.apply(*torch.utils._pytree.arg_tree_leaves(x), *params))
+        for i in nones:
+            outputs.insert(i, None)
+        return torch.utils._pytree.tree_unflatten(outputs, spec)
+
+    module.forward = forward  # type: ignore[method-assign]
+    return module
+
+
 def without_replays(package: Any, module: nn.Module) -> None:
     """Make every replay of a graphed module a no-op: only the adapter's own path is left."""
     runner = importlib.import_module(package.__name__ + "._modules").runner_of(module)
@@ -139,6 +185,9 @@ def build(
     blocks, shape = make_blocks(workload, device)
     variants["eager"] = step_of(blocks, shape, device, zero_grad)
     variants["empty"] = step_of([], shape, device, zero_grad)
+    blocks, shape = make_blocks(workload, device)
+    wrapped = [like_torchs_wrapper(block, torch.randn(*shape, device=device)) for block in blocks]
+    variants["torch-like"] = step_of(wrapped, shape, device, zero_grad)
     for suffix, package in packages.items():
         for backend in backends:
             for mode in MODES:

@@ -88,6 +88,7 @@ __all__ = ["GraphedCallable"]
 _detach = torch.Tensor.detach
 _chain = itertools.chain
 _is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 # the mode stacks' depths: both 0 (no torch function or dispatch mode) on nearly every call
 _function_depth = torch._C._len_torch_function_stack
 _dispatch_depth = torch._C._len_torch_dispatch_stack
@@ -784,8 +785,15 @@ class GraphedCallable:
                 outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
             else:
                 # Grad mode may be on (nothing differentiable to replay), and autograd refuses
-                # copies into static inputs that are leaves requiring grad.
-                with torch.no_grad():
+                # copies into static inputs that are leaves requiring grad: torch.no_grad()'s
+                # two calls, without its context manager's frames (or none, where it is off).
+                if _is_grad_enabled():
+                    _set_grad_enabled(False)
+                    try:
+                        outputs = self._forward(tensors)
+                    finally:
+                        _set_grad_enabled(True)
+                else:
                     outputs = self._forward(tensors)
             # counted once it ran, as an eager call or a bucket's: an emulated replay re-runs
             # the callable, which may raise

@@ -65,7 +65,7 @@ class _Replay(torch.autograd.Function):
         # over by the backward, so it is asked now), and hooks on a parameter's AccumulateGrad
         # node itself need them too (found before this replay's node kept them).
         ctx.under_ddp = graphed._auto and (graphed._nodes_watched or _ddp_is_running())
-        ctx.set_materialize_grads(False)
+        ctx.materialize_grads = False  # set_materialize_grads(False), without its frame
         # An output that only inputs and parameters needing no grad in this call reach needs
         # none (an input passed without, a parameter frozen since capture).
         frozen = graphed.params_frozen(ctx.needs_input_grad)
