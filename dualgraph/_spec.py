@@ -772,7 +772,13 @@ def _first_difference(
             return index, None, message
         if children is None:
             child_nodes = [nodes[start] for start in layout.children(index)]
-            entry, message = node.difference(obj, child_nodes)
+            try:  # it reads the object again: a key's own __eq__, a field's getter may raise
+                entry, message = node.difference(obj, child_nodes)
+            except Exception as error:
+                message = (
+                    f"reading {brief_of(obj)} raised {type(error).__name__}: {clip_text(error)}"
+                )
+                return index, None, message
             return index, entry, message
         stack.extend(reversed(children))
     return None
