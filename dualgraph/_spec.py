@@ -438,9 +438,12 @@ class TreeSpec:
                         values.append(node.rebuild(parts))
                     except Exception as failure:
                         path = show_path(format_path(self._get_layout().entries(index)))
+                        # dualgraph's own refusals say what to do at their end: not clipped
+                        # as a user's error is (their parts are clipped themselves)
+                        limit = 2000 if isinstance(failure, DualgraphError) else 120
                         return DualgraphError(
                             f"unflatten: {path}: rebuilding {node.brief()} raised "
-                            f"{type(failure).__name__}: {clip_text(failure)}"
+                            f"{type(failure).__name__}: {clip_text(failure, limit)}"
                         )
         except Exception as failure:
             error = failure

@@ -1169,3 +1169,24 @@ def test_a_mismatch_whose_explanation_raises_names_the_containers_path(
         getattr(spec, method)(found)
     assert caught.value.path == "[1]"
     assert "RuntimeError: compared" in str(caught.value)
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class _Tripled:
+    x: Any
+
+    def __post_init__(self) -> None:
+        self.x = self.x * 3
+
+
+def test_a_refused_rebuild_says_what_to_do_in_full() -> None:
+    # Before: clipped to 120 characters as a user's error is ('... raised DualgraphError:
+    # ..._Tripled did not keep field 'x' as given when r...'), cutting off why and what to do
+    spec = describe([_Tripled(array(1))])
+    with pytest.raises(DualgraphError) as caught:
+        spec.unflatten([array(1)])
+    assert str(caught.value).startswith("unflatten: [0]: rebuilding a ")
+    assert str(caught.value).endswith(
+        "Make that conversion outside the class, or keep the values it is given"
+    )
