@@ -22,7 +22,7 @@ import unicodedata
 import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import optree
 
@@ -436,6 +436,11 @@ class NamedContainer(Container):
 
     @classmethod
     def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        return cls(*cls._class_of_row(row, max_arity))
+
+    @classmethod
+    def _class_of_row(cls, row: list[Any], max_arity: int) -> tuple[type, tuple[str, ...]]:
+        """The registered class a row names, and its fields (checked against the row's)."""
         if len(row) != 3 or type(row[1]) is not str or type(row[2]) is not list:
             raise NodeError(f"a {cls.tag} row is ['{cls.tag}', 'module:QualName', [fields]]")
         name, fields = row[1], row[2]
@@ -458,7 +463,7 @@ class NamedContainer(Container):
                 f"{name!r} has fields {list(expected)} in this process, "
                 f"the spec says {clip(fields)}"
             )
-        return cls(found, expected)
+        return found, expected
 
     @classmethod
     def brief_of_object(cls, obj: Any) -> str:
@@ -569,63 +574,118 @@ class DataclassNode(NamedContainer):
     A dataclass that is also a dict (Hugging Face's ``ModelOutput`` subclasses ``OrderedDict``)
     is rebuilt from its fields alone, so each of its dict entries must be one of its fields,
     holding that field's value: any other entry would be lost by a rebuild, and is refused.
+    Which fields have entries, in which order, is part of its node (``out.to_tuple()``,
+    ``out[0]`` and ``dict(out)`` read them): a tree whose object has other entries is another
+    tree, and a rebuild that makes other entries (``out.loss = x`` set after ``out`` was made
+    without it, where the rebuild's ``__post_init__`` makes an entry of every field set) is
+    refused.
     """
 
-    __slots__ = ("fieldset",)
+    __slots__ = ("fieldset", "held")
     tag = "dataclass"
     register_with = "register_dataclass"
     #: The field names, where the class is a dict subclass (its entries are checked), else None.
     fieldset: frozenset[str] | None
+    #: The fields that have dict entries, in the entries' order (a dict subclass), else None.
+    held: tuple[str, ...] | None
 
-    def __init__(self, cls: type, fields: tuple[str, ...]) -> None:
+    def __init__(
+        self, cls: type, fields: tuple[str, ...], entries: tuple[str, ...] | None = None
+    ) -> None:
         super().__init__(cls, fields)
-        object.__setattr__(self, "fieldset", frozenset(fields) if _is_dict(cls) else None)
+        is_dict = _is_dict(cls)
+        if is_dict != (entries is not None):
+            raise NodeError(
+                f"{class_name(cls)} is {'' if is_dict else 'not '}a dict: its node "
+                f"{'needs' if is_dict else 'takes no'} the keys of its dict entries"
+            )
+        if entries is not None:
+            if len(set(entries)) != len(entries) or not set(entries) <= set(fields):
+                raise NodeError(
+                    f"the dict entries of a {class_name(cls)} are some of its fields "
+                    f"{list(fields)}, each once, got {clip(list(entries))}"
+                )
+            object.__setattr__(self, "key", (*self.key, entries))
+        object.__setattr__(self, "fieldset", frozenset(fields) if is_dict else None)
+        object.__setattr__(self, "held", entries)
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
         return dataclass_fields(typ)
 
+    @classmethod
+    def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
+        typ = type(obj)
+        if not _is_dict(typ):
+            return super().describe(obj, intern)
+        fields = cls.fields_of(typ)
+        assert fields is not None  # the caller found the kind by fields_of
+        lost = _entries_lost(obj, frozenset(fields))
+        if lost:
+            raise NodeError(_lost_message(typ, lost))
+        entries = tuple(key for key, _ in dict.items(obj))
+        key = (NamedContainer, id(typ), entries)
+        node = intern.get(key)
+        if node is None:
+            node = intern[key] = cls(typ, fields, entries)
+        return node, [getattr(obj, field) for field in fields]
+
     def values_of(self, obj: Any) -> Sequence[Any]:
-        if self.fieldset is not None and _entries_lost(obj, self.fieldset):
-            raise NodeError(self._lost(obj))
         return [getattr(obj, field) for field in self.fields]
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         if type(obj) is not self.cls:
             return None
-        if self.fieldset is not None and _entries_lost(obj, self.fieldset):
+        if self.held is not None and _entries_differ(obj, self.held):
             return None
         return [getattr(obj, field) for field in self.fields]
 
     def guard(self, var: str, bind: Bind) -> str:
         guard = super().guard(var, bind)
-        if self.fieldset is None:
+        if self.held is None:
             return guard
-        return f"{guard} or {bind(_entries_lost, 'L')}({var}, {bind(self.fieldset, 'f')})"
+        return f"{guard} or {bind(_entries_differ, 'L')}({var}, {bind(self.held, 'f')})"
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
-        if type(obj) is self.cls and self.fieldset is not None:
-            return None, self._lost(obj)
+        if type(obj) is self.cls and self.held is not None:
+            assert self.fieldset is not None
+            lost = _entries_lost(obj, self.fieldset)
+            if lost:
+                return None, _lost_message(self.cls, lost)
+            found = [key for key, _ in dict.items(obj)]
+            return None, (
+                f"expected {self.brief()} with the dict entries {clip(list(self.held))}, got one "
+                f"with the entries {clip(found)}"
+            )
         return super().difference(obj, children)
 
-    def _lost(self, obj: Any) -> str:
-        assert self.fieldset is not None
-        lost = _entries_lost(obj, self.fieldset)
-        return (
-            f"{self.brief()} holds the dict entries {clip(lost)}, which are not its fields (or "
-            "not their values): it is rebuilt from its fields alone, so they would be lost. "
-            "Keep its dict entries to its fields' values"
-        )
+    def row(self) -> list[Any]:
+        row = super().row()
+        return row if self.held is None else [*row, list(self.held)]
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        # ['dataclass', name, fields], and for a class that is a dict its entries' keys after
+        entries: tuple[str, ...] | None = None
+        if len(row) == 4:
+            if type(row[3]) is not list or not all(type(key) is str for key in row[3]):
+                raise NodeError(
+                    f"a dataclass row's dict entries are a list of field names, got {clip(row[3])}"
+                )
+            entries = tuple(row[3])
+        found, fields = cls._class_of_row(row[:3] if len(row) == 4 else row, max_arity)
+        return cls(found, fields, entries)
 
     def rebuild(self, values: list[Any]) -> Any:
-        return rebuilt_dataclass(self.cls, self.fields, values)
+        return rebuilt_dataclass(self.cls, self.fields, values, self.held)
 
     def child(self, var: str, index: int, bind: Bind) -> str:
         return f"_getattr({var}, {bind(self.fields[index], 'f')})"
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         maker, cls = bind(rebuilt_dataclass, "R"), bind(self.cls, "T")
-        return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}])"
+        held = "" if self.held is None else f", {bind(self.held, 'e')}"
+        return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}]{held})"
 
 
 def _is_dict(cls: type) -> bool:
@@ -644,6 +704,25 @@ def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
     ]
 
 
+def _entries_differ(obj: dict[Any, Any], held: tuple[str, ...]) -> bool:
+    """Whether ``obj``'s dict entries are not exactly the fields ``held``, in that order, each
+    holding its field's value (read through dict's own methods)."""
+    if dict.__len__(obj) != len(held):
+        return True
+    for (key, value), name in zip(dict.items(obj), held, strict=True):
+        if type(key) is not str or key != name or getattr(obj, name) is not value:
+            return True
+    return False
+
+
+def _lost_message(cls: type, lost: list[Any]) -> str:
+    return (
+        f"a {class_name(cls)} holds the dict entries {clip(lost)}, which are not its fields (or "
+        "not their values): it is rebuilt from its fields alone, so they would be lost. "
+        "Keep its dict entries to its fields' values"
+    )
+
+
 # -- rebuilding user classes ---------------------------------------------------------------------
 # A class is rebuilt by calling it with its fields' values. An ``__init__``, ``__post_init__`` or
 # ``__new__`` of the user's that changes a value it is given (``self.x = self.x * 2``) would
@@ -652,14 +731,26 @@ def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
 # as ``np.asarray`` of an array, keep them).
 
 
-def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) -> Any:
-    """``cls(**{field: value})``, refused if it does not keep every value as given."""
+def rebuilt_dataclass(
+    cls: type, fields: tuple[str, ...], values: list[Any], held: tuple[str, ...] | None = None, /
+) -> Any:
+    """``cls(**{field: value})``, refused if it does not keep every value as given, or (a class
+    that is a dict) if its dict entries are not the fields ``held``, in that order."""
     obj: Any = cls(**dict(zip(fields, values, strict=True)))
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
+    if held is not None and _entries_differ(cast("dict[Any, Any]", obj), held):
+        found = [key for key, _ in dict.items(cast("dict[Any, Any]", obj))]
+        raise DualgraphError(
+            f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
+            f"where the object taken apart held {clip(list(held))} (its __init__ or "
+            "__post_init__ makes them from the fields, so they would differ from eager's, as "
+            "would out.to_tuple() and out[0]). Set such a field when the object is made, or "
+            "as an entry (out['loss'] = loss), not as an attribute afterwards"
+        )
     return obj
 
 

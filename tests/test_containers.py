@@ -957,3 +957,82 @@ def test_a_namedtuple_subclass_attribute_made_by_new_is_made_again_on_rebuild() 
     spec = describe(tree)
     rebuilt = spec.unflatten(spec.flatten(tree, check=True))
     assert type(rebuilt) is Tagged and rebuilt.made_by_new is True
+
+
+def _loss_set_afterwards() -> DictOutput:
+    """A DictOutput made without loss, given one as an attribute: no dict entry for it."""
+    out = DictOutput(logits=array(2))
+    out.loss = 3
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dict_dataclass_whose_rebuild_makes_other_entries_is_refused_by_unflatten(
+    size: int,
+) -> None:
+    # Before: unflatten handed it out with an entry 'loss' the object taken apart did not hold
+    # (to_tuple() and out[1] then differed from eager's)
+    tree = [_loss_set_afterwards(), *[None] * size]
+    spec = describe(tree)
+    arrays = spec.flatten(tree, check=True)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^unflatten: \[0\]: rebuilding a \S*DictOutput raised DualgraphError: \S*DictOutput "
+        r"rebuilt from its fields holds the dict entries \['logits', 'loss'\], where the object "
+        r"taken apart held \['logits'\]",
+    ):
+        spec.unflatten(arrays)
+
+
+@pytest.mark.parametrize("direction", ["entry-described", "attribute-described"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dict_dataclass_with_other_entries_than_described_is_a_mismatch(
+    direction: str, size: int
+) -> None:
+    # Before: check passed (its fields held the same values), and the rebuild's entries were
+    # the described object's, not the call's
+    with_entry = DictOutput(logits=array(2), loss=3)
+    without = _loss_set_afterwards()
+    described, found = (with_entry, without)
+    if direction == "attribute-described":
+        described, found = found, described
+    spec = describe([described, *[None] * size])
+    entries = {id(with_entry): r"\['logits', 'loss'\]", id(without): r"\['logits'\]"}
+    message = (
+        rf"^\[0\]: expected a \S*DictOutput with the dict entries {entries[id(described)]}, got "
+        rf"one with the entries {entries[id(found)]}$"
+    )
+    for check in (False, True):
+        with pytest.raises(SpecMismatchError, match=message):
+            spec.flatten([found, *[None] * size], check=check)
+
+
+def test_specs_of_a_dict_dataclass_with_other_entries_are_unequal_and_read_back() -> None:
+    # Before: equal, with one JSON
+    with_entry = describe(DictOutput(logits=array(2), loss=3))
+    without = describe(_loss_set_afterwards())
+    assert with_entry != without
+    assert with_entry.to_json() != without.to_json()
+    for spec in (with_entry, without):
+        read = TreeSpec.from_json(spec.to_json())
+        assert read == spec and read.to_json() == spec.to_json()
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        (None, "its node needs the keys of its dict entries"),
+        (["other"], r"are some of its fields \['logits', 'loss'\], each once, got \['other'\]"),
+        (["loss", "loss"], r"each once, got \['loss', 'loss'\]"),
+        ([1], r"dict entries are a list of field names, got \[1\]"),
+    ],
+    ids=["missing", "not-a-field", "repeated", "not-a-str"],
+)
+def test_a_dict_dataclass_row_must_name_its_entries_among_its_fields(
+    entries: list[Any] | None, message: str
+) -> None:
+    row = ["dataclass", qualified_name(DictOutput), ["logits", "loss"]]
+    rows = [[*row, entries] if entries is not None else row, ["none"], ["none"]]
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+    with pytest.raises(DualgraphError, match=rf"^malformed TreeSpec JSON at <root>: .*{message}"):
+        TreeSpec.from_json(text)
