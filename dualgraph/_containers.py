@@ -579,15 +579,21 @@ class DataclassNode(NamedContainer):
     tree, and a rebuild that makes other entries (``out.loss = x`` set after ``out`` was made
     without it, where the rebuild's ``__post_init__`` makes an entry of every field set) is
     refused.
+
+    A dataclass that is also a list, tuple, set or deque holds items besides its fields, which a
+    rebuild from its fields would lose: one holding any is refused, and so is a rebuild that
+    makes some.
     """
 
-    __slots__ = ("fieldset", "held")
+    __slots__ = ("count_items", "fieldset", "held")
     tag = "dataclass"
     register_with = "register_dataclass"
     #: The field names, where the class is a dict subclass (its entries are checked), else None.
     fieldset: frozenset[str] | None
     #: The fields that have dict entries, in the entries' order (a dict subclass), else None.
     held: tuple[str, ...] | None
+    #: The len() of the builtin sequence or set the class also is (list.__len__), else None.
+    count_items: Callable[[Any], int] | None
 
     def __init__(
         self, cls: type, fields: tuple[str, ...], entries: tuple[str, ...] | None = None
@@ -608,6 +614,7 @@ class DataclassNode(NamedContainer):
             object.__setattr__(self, "key", (*self.key, entries))
         object.__setattr__(self, "fieldset", frozenset(fields) if is_dict else None)
         object.__setattr__(self, "held", entries)
+        object.__setattr__(self, "count_items", _items_counter(cls))
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
@@ -631,6 +638,8 @@ class DataclassNode(NamedContainer):
         return node, [getattr(obj, field) for field in fields]
 
     def values_of(self, obj: Any) -> Sequence[Any]:
+        if self.count_items is not None and self.count_items(obj):
+            raise NodeError(_items_message(self.cls, self.count_items(obj)))
         return [getattr(obj, field) for field in self.fields]
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
@@ -638,15 +647,21 @@ class DataclassNode(NamedContainer):
             return None
         if self.held is not None and _entries_differ(obj, self.held):
             return None
+        if self.count_items is not None and self.count_items(obj):
+            return None
         return [getattr(obj, field) for field in self.fields]
 
     def guard(self, var: str, bind: Bind) -> str:
         guard = super().guard(var, bind)
+        if self.count_items is not None:
+            guard += f" or {bind(self.count_items, 'n')}({var})"
         if self.held is None:
             return guard
         return f"{guard} or {bind(_entries_differ, 'L')}({var}, {bind(self.held, 'f')})"
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
+        if type(obj) is self.cls and self.count_items is not None and self.count_items(obj):
+            return None, _items_message(self.cls, self.count_items(obj))
         if type(obj) is self.cls and self.held is not None:
             assert self.fieldset is not None
             lost = _entries_lost(obj, self.fieldset)
@@ -677,7 +692,7 @@ class DataclassNode(NamedContainer):
         return cls(found, fields, entries)
 
     def rebuild(self, values: list[Any]) -> Any:
-        return rebuilt_dataclass(self.cls, self.fields, values, self.held)
+        return rebuilt_dataclass(self.cls, self.fields, values, self.held, self.count_items)
 
     def child(self, var: str, index: int, bind: Bind) -> str:
         return f"_getattr({var}, {bind(self.fields[index], 'f')})"
@@ -685,6 +700,8 @@ class DataclassNode(NamedContainer):
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         maker, cls = bind(rebuilt_dataclass, "R"), bind(self.cls, "T")
         held = "" if self.held is None else f", {bind(self.held, 'e')}"
+        if self.count_items is not None:
+            held = f", None, {bind(self.count_items, 'n')}"
         return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}]{held})"
 
 
@@ -715,6 +732,28 @@ def _entries_differ(obj: dict[Any, Any], held: tuple[str, ...]) -> bool:
     return False
 
 
+#: Builtin containers besides dict that a dataclass may also be: their items are no fields.
+_ITEM_BASES: tuple[type, ...] = (list, tuple, set, frozenset, bytearray, collections.deque)
+
+
+def _items_counter(cls: type) -> Callable[[Any], int] | None:
+    """The builtin ``len()`` of the list, tuple, set or deque ``cls`` also is (by its real
+    bases: never a metaclass's check), else ``None``."""
+    for base in _ITEM_BASES:
+        if type.__subclasscheck__(base, cls):
+            counter: Callable[[Any], int] = getattr(base, "__len__")  # noqa: B009
+            return counter
+    return None
+
+
+def _items_message(cls: type, count: int) -> str:
+    return (
+        f"a {class_name(cls)} holds {count} item{'' if count == 1 else 's'} besides its fields "
+        "(it is also a builtin sequence or set): it is rebuilt from its fields alone, so they "
+        "would be lost. Keep its items in a field"
+    )
+
+
 def _lost_message(cls: type, lost: list[Any]) -> str:
     return (
         f"a {class_name(cls)} holds the dict entries {clip(lost)}, which are not its fields (or "
@@ -732,10 +771,16 @@ def _lost_message(cls: type, lost: list[Any]) -> str:
 
 
 def rebuilt_dataclass(
-    cls: type, fields: tuple[str, ...], values: list[Any], held: tuple[str, ...] | None = None, /
+    cls: type,
+    fields: tuple[str, ...],
+    values: list[Any],
+    held: tuple[str, ...] | None = None,
+    count_items: Callable[[Any], int] | None = None,
+    /,
 ) -> Any:
-    """``cls(**{field: value})``, refused if it does not keep every value as given, or (a class
-    that is a dict) if its dict entries are not the fields ``held``, in that order."""
+    """``cls(**{field: value})``, refused if it does not keep every value as given, if (a class
+    that is a dict) its dict entries are not the fields ``held``, in that order, or if (one that
+    is a list, tuple, set or deque, read by ``count_items``) it holds items."""
     obj: Any = cls(**dict(zip(fields, values, strict=True)))
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
@@ -750,6 +795,12 @@ def rebuilt_dataclass(
             "__post_init__ makes them from the fields, so they would differ from eager's, as "
             "would out.to_tuple() and out[0]). Set such a field when the object is made, or "
             "as an entry (out['loss'] = loss), not as an attribute afterwards"
+        )
+    if count_items is not None and count_items(obj):
+        raise DualgraphError(
+            f"{class_name(cls)} rebuilt from its fields holds {count_items(obj)} items (its "
+            "__init__ or __post_init__ makes them), where the object taken apart held none. "
+            "Keep its items in a field"
         )
     return obj
 

@@ -1036,3 +1036,78 @@ def test_a_dict_dataclass_row_must_name_its_entries_among_its_fields(
     text = json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
     with pytest.raises(DualgraphError, match=rf"^malformed TreeSpec JSON at <root>: .*{message}"):
         TreeSpec.from_json(text)
+
+
+@register_dataclass
+@dataclasses.dataclass
+class ListOutput(list):  # type: ignore[type-arg]
+    """A dataclass that is also a list: its items are no fields."""
+
+    logits: Any = None
+    extra: Any = None
+
+    def __post_init__(self) -> None:
+        if self.extra is not None:  # items made from a field: a rebuild makes them again
+            self.append(self.extra)
+
+
+@register_dataclass
+@dataclasses.dataclass(eq=False)
+class SetOutput(set):  # type: ignore[type-arg]
+    """A dataclass that is also a set: its items are no fields."""
+
+    logits: Any = None
+
+
+def _with_an_item(kind: str) -> Any:
+    out = ListOutput(logits=array(2)) if kind == "list" else SetOutput(logits=array(2))
+    (out.append if kind == "list" else out.add)(5)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["list", "set"])
+def test_describing_a_dataclass_that_is_also_a_list_or_set_holding_items_is_refused(
+    kind: str,
+) -> None:
+    # Before: described by its fields alone; unflatten gave it back without its items
+    with pytest.raises(
+        DualgraphError,
+        match=r"^\['out'\]: a \S*(List|Set)Output holds 1 item besides its fields .* be lost",
+    ):
+        describe({"out": _with_an_item(kind)})
+
+
+@pytest.mark.parametrize("kind", ["list", "set"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dataclass_that_is_also_a_list_or_set_holding_items_is_a_mismatch(
+    kind: str, size: int
+) -> None:
+    # Before: check and flatten passed it, and unflatten lost its items
+    empty = ListOutput(logits=array(2)) if kind == "list" else SetOutput(logits=array(2))
+    spec = describe([empty, *[None] * size])
+    for check in (False, True):
+        with pytest.raises(
+            SpecMismatchError, match=r"^\[0\]: a \S*(List|Set)Output holds 1 item besides"
+        ):
+            spec.flatten([_with_an_item(kind), *[None] * size], check=check)
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dataclass_that_is_also_a_list_whose_rebuild_makes_items_is_refused(size: int) -> None:
+    # Before: made without extra, given it as an attribute afterwards, it was rebuilt holding
+    # an item its __post_init__ makes
+    out = ListOutput(logits=array(2))
+    out.extra = 3
+    tree = [out, *[None] * size]
+    spec = describe(tree)
+    with pytest.raises(
+        DualgraphError, match=r"^unflatten: \[0\]: .*ListOutput rebuilt from its fields holds 1 "
+    ):
+        spec.unflatten(spec.flatten(tree, check=True))
+
+
+def test_a_dataclass_that_is_also_a_list_holding_no_items_is_rebuilt_as_it() -> None:
+    tree = (ListOutput(logits=array(2)),)
+    spec = describe(tree)
+    rebuilt = spec.unflatten(spec.flatten(tree, check=True))[0]
+    assert type(rebuilt) is ListOutput and list(rebuilt) == [] and rebuilt.logits is tree[0].logits
