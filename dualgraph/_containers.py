@@ -602,8 +602,9 @@ class DataclassNode(NamedContainer):
         is_dict = _is_dict(cls)
         if is_dict != (entries is not None):
             raise NodeError(
-                f"{class_name(cls)} is {'' if is_dict else 'not '}a dict: its node "
-                f"{'needs' if is_dict else 'takes no'} the keys of its dict entries"
+                f"{class_name(cls)} is a dict: its node needs the keys of its dict entries"
+                if is_dict
+                else f"{class_name(cls)} is not a dict: its node holds no dict entries"
             )
         if entries is not None:
             if len(set(entries)) != len(entries) or not set(entries) <= set(fields):

@@ -1111,3 +1111,13 @@ def test_a_dataclass_that_is_also_a_list_holding_no_items_is_rebuilt_as_it() -> 
     spec = describe(tree)
     rebuilt = spec.unflatten(spec.flatten(tree, check=True))[0]
     assert type(rebuilt) is ListOutput and list(rebuilt) == [] and rebuilt.logits is tree[0].logits
+
+
+def test_a_row_of_a_dataclass_that_is_no_dict_holds_no_dict_entries() -> None:
+    row = ["dataclass", qualified_name(EncoderOutput), ["hidden", "pooled", "aux_loss"], []]
+    rows = [row, ["none"], ["none"], ["none"]]
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+    with pytest.raises(
+        DualgraphError, match=r"^malformed .* at <root>: \S*EncoderOutput is not a dict: its node "
+    ):
+        TreeSpec.from_json(text)
