@@ -793,9 +793,9 @@ def rebuilt_dataclass(
         raise DualgraphError(
             f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
             f"where the object taken apart held {clip(list(held))} (its __init__ or "
-            "__post_init__ makes them from the fields, so they would differ from eager's, as "
-            "would out.to_tuple() and out[0]). Set such a field when the object is made, or "
-            "as an entry (out['loss'] = loss), not as an attribute afterwards"
+            "__post_init__ makes them from the fields, in its own order, so they would differ "
+            "from eager's, as would out.to_tuple() and out[0]). Make the object with the fields "
+            "it is to hold (Output(logits=logits, loss=loss)) rather than adding one afterwards"
         )
     if count_items is not None and count_items(obj):
         raise DualgraphError(

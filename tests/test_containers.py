@@ -1121,3 +1121,32 @@ def test_a_row_of_a_dataclass_that_is_no_dict_holds_no_dict_entries() -> None:
         DualgraphError, match=r"^malformed .* at <root>: \S*EncoderOutput is not a dict: its node "
     ):
         TreeSpec.from_json(text)
+
+
+def test_a_dict_dataclass_given_an_entry_out_of_field_order_is_refused_by_unflatten() -> None:
+    # Before: rebuilt with its entries in field order (loss first), so out[0] and to_tuple()
+    # differed from eager's; the refusal says to make the object with its fields
+    out = LossFirstOutput(logits=array(2))
+    out["loss"] = 3  # an entry after logits', as Hugging Face's __setitem__ makes it
+    out.loss = 3
+    spec = describe((out,))
+    with pytest.raises(
+        DualgraphError,
+        match=r"holds the dict entries \['loss', 'logits'\], where the object taken apart held "
+        r"\['logits', 'loss'\] .* Make the object with the fields it is to hold",
+    ):
+        spec.unflatten(spec.flatten((out,), check=True))
+
+
+@register_dataclass
+@dataclasses.dataclass
+class LossFirstOutput(collections.OrderedDict):  # type: ignore[type-arg]
+    """Hugging Face's CausalLMOutput's field order: loss first."""
+
+    loss: Any = None
+    logits: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "logits"):
+            if getattr(self, name) is not None:
+                self[name] = getattr(self, name)
