@@ -1071,11 +1071,25 @@ def register_dataclass(cls: T, /) -> T:
                 "cannot be rebuilt from its fields"
             )
 
-        def flatten(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
-            return [getattr(obj, name) for name in names], None, names
+        # The adapters' optree walks (tree_map over outputs: dualgraph.torch.owned) take such an
+        # object apart and rebuild it as a spec does, with the same refusals: a rebuild that
+        # changes a field, or a dict's entries or a list's items it would lose or make.
+        is_dict, count_items = _is_dict(cls), _items_counter(cls)
+        fieldset = frozenset(names)
 
-        def unflatten(_: None, children: Any) -> Any:
-            return cls(**dict(zip(names, children, strict=True)))
+        def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...] | None, tuple[str, ...]]:
+            held = None
+            if is_dict:
+                lost = _entries_lost(obj, fieldset)
+                if lost:
+                    raise DualgraphError(_lost_message(cls, lost))
+                held = tuple(key for key, _ in dict.items(obj))
+            if count_items is not None and count_items(obj):
+                raise DualgraphError(_items_message(cls, count_items(obj)))
+            return [getattr(obj, name) for name in names], held, names
+
+        def unflatten(held: tuple[str, ...] | None, children: Any) -> Any:
+            return rebuilt_dataclass(cls, names, list(children), held, count_items)
 
         try:
             optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]

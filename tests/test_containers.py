@@ -1150,3 +1150,32 @@ class LossFirstOutput(collections.OrderedDict):  # type: ignore[type-arg]
         for name in ("loss", "logits"):
             if getattr(self, name) is not None:
                 self[name] = getattr(self, name)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Doubled(array(1)), r"Doubled did not keep field 'x' as given"),
+        (lambda: _with_an_item("list"), r"ListOutput holds 1 item besides its fields"),
+        (_loss_set_afterwards, r"DictOutput rebuilt from its fields holds the dict entries"),
+    ],
+    ids=["post-init-changes-a-field", "list-items", "dict-entries-gained"],
+)
+def test_an_optree_walk_rebuilds_a_registered_dataclass_as_a_spec_does(
+    make: Any, message: str
+) -> None:
+    # Before: optree's unflatten in dualgraph's namespace (the adapters' tree_map, as in
+    # dualgraph.torch.owned) called the class bare: x doubled again, the items lost, the
+    # entry 'loss' made, all silently
+    with pytest.raises(DualgraphError, match=message):
+        optree.tree_map(_same, make(), none_is_leaf=True, namespace=NAMESPACE)
+
+
+def test_an_optree_walk_keeps_a_dict_dataclass_as_it_was() -> None:
+    out = DictOutput(logits=array(2), loss=3)
+    rebuilt = optree.tree_map(_same, out, none_is_leaf=True, namespace=NAMESPACE)
+    assert type(rebuilt) is DictOutput and list(rebuilt.items()) == list(out.items())
