@@ -208,7 +208,10 @@ class CallSpec:
             raise SpecMismatchError(
                 f"unflatten: could not read the arrays ({type(error).__name__}: {clip_text(error)})"
             ) from None
-        return self.args_spec.unflatten(args), self.kwargs_spec.unflatten(kwargs)
+        return (
+            self.args_spec.unflatten(args, root="args"),
+            self.kwargs_spec.unflatten(kwargs, root="kwargs"),
+        )
 
     # -- serialization, equality, display -----------------------------------------------------
 

@@ -22,7 +22,7 @@ import unicodedata
 import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import optree
 
@@ -436,6 +436,11 @@ class NamedContainer(Container):
 
     @classmethod
     def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        return cls(*cls._class_of_row(row, max_arity))
+
+    @classmethod
+    def _class_of_row(cls, row: list[Any], max_arity: int) -> tuple[type, tuple[str, ...]]:
+        """The registered class a row names, and its fields (checked against the row's)."""
         if len(row) != 3 or type(row[1]) is not str or type(row[2]) is not list:
             raise NodeError(f"a {cls.tag} row is ['{cls.tag}', 'module:QualName', [fields]]")
         name, fields = row[1], row[2]
@@ -458,7 +463,7 @@ class NamedContainer(Container):
                 f"{name!r} has fields {list(expected)} in this process, "
                 f"the spec says {clip(fields)}"
             )
-        return cls(found, expected)
+        return found, expected
 
     @classmethod
     def brief_of_object(cls, obj: Any) -> str:
@@ -569,63 +574,136 @@ class DataclassNode(NamedContainer):
     A dataclass that is also a dict (Hugging Face's ``ModelOutput`` subclasses ``OrderedDict``)
     is rebuilt from its fields alone, so each of its dict entries must be one of its fields,
     holding that field's value: any other entry would be lost by a rebuild, and is refused.
+    Which fields have entries, in which order, is part of its node (``out.to_tuple()``,
+    ``out[0]`` and ``dict(out)`` read them): a tree whose object has other entries is another
+    tree, and a rebuild that makes other entries (``out.loss = x`` set after ``out`` was made
+    without it, where the rebuild's ``__post_init__`` makes an entry of every field set) is
+    refused.
+
+    A dataclass that is also a list, tuple, set or deque holds items besides its fields, which a
+    rebuild from its fields would lose: one holding any is refused, and so is a rebuild that
+    makes some.
     """
 
-    __slots__ = ("fieldset",)
+    __slots__ = ("count_items", "fieldset", "held")
     tag = "dataclass"
     register_with = "register_dataclass"
     #: The field names, where the class is a dict subclass (its entries are checked), else None.
     fieldset: frozenset[str] | None
+    #: The fields that have dict entries, in the entries' order (a dict subclass), else None.
+    held: tuple[str, ...] | None
+    #: The len() of the builtin sequence or set the class also is (list.__len__), else None.
+    count_items: Callable[[Any], int] | None
 
-    def __init__(self, cls: type, fields: tuple[str, ...]) -> None:
+    def __init__(
+        self, cls: type, fields: tuple[str, ...], entries: tuple[str, ...] | None = None
+    ) -> None:
         super().__init__(cls, fields)
-        object.__setattr__(self, "fieldset", frozenset(fields) if _is_dict(cls) else None)
+        is_dict = _is_dict(cls)
+        if is_dict != (entries is not None):
+            raise NodeError(
+                f"{class_name(cls)} is a dict: its node needs the keys of its dict entries"
+                if is_dict
+                else f"{class_name(cls)} is not a dict: its node holds no dict entries"
+            )
+        if entries is not None:
+            if len(set(entries)) != len(entries) or not set(entries) <= set(fields):
+                raise NodeError(
+                    f"the dict entries of a {class_name(cls)} are some of its fields "
+                    f"{list(fields)}, each once, got {clip(list(entries))}"
+                )
+            object.__setattr__(self, "key", (*self.key, entries))
+        object.__setattr__(self, "fieldset", frozenset(fields) if is_dict else None)
+        object.__setattr__(self, "held", entries)
+        object.__setattr__(self, "count_items", _items_counter(cls))
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
         return dataclass_fields(typ)
 
+    @classmethod
+    def describe(cls, obj: Any, intern: dict[Any, Node]) -> tuple[Node, Sequence[Any]]:
+        typ = type(obj)
+        if not _is_dict(typ):
+            return super().describe(obj, intern)
+        fields = cls.fields_of(typ)
+        assert fields is not None  # the caller found the kind by fields_of
+        lost = _entries_lost(obj, frozenset(fields))
+        if lost:
+            raise NodeError(_lost_message(typ, lost))
+        entries = tuple(key for key, _ in dict.items(obj))
+        key = (NamedContainer, id(typ), entries)
+        node = intern.get(key)
+        if node is None:
+            node = intern[key] = cls(typ, fields, entries)
+        return node, [getattr(obj, field) for field in fields]
+
     def values_of(self, obj: Any) -> Sequence[Any]:
-        if self.fieldset is not None and _entries_lost(obj, self.fieldset):
-            raise NodeError(self._lost(obj))
+        if self.count_items is not None and self.count_items(obj):
+            raise NodeError(_items_message(self.cls, self.count_items(obj)))
         return [getattr(obj, field) for field in self.fields]
 
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         if type(obj) is not self.cls:
             return None
-        if self.fieldset is not None and _entries_lost(obj, self.fieldset):
+        if self.held is not None and _entries_differ(obj, self.held):
+            return None
+        if self.count_items is not None and self.count_items(obj):
             return None
         return [getattr(obj, field) for field in self.fields]
 
     def guard(self, var: str, bind: Bind) -> str:
         guard = super().guard(var, bind)
-        if self.fieldset is None:
+        if self.count_items is not None:
+            guard += f" or {bind(self.count_items, 'n')}({var})"
+        if self.held is None:
             return guard
-        return f"{guard} or {bind(_entries_lost, 'L')}({var}, {bind(self.fieldset, 'f')})"
+        return f"{guard} or {bind(_entries_differ, 'L')}({var}, {bind(self.held, 'f')})"
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
-        if type(obj) is self.cls and self.fieldset is not None:
-            return None, self._lost(obj)
+        if type(obj) is self.cls and self.count_items is not None and self.count_items(obj):
+            return None, _items_message(self.cls, self.count_items(obj))
+        if type(obj) is self.cls and self.held is not None:
+            assert self.fieldset is not None
+            lost = _entries_lost(obj, self.fieldset)
+            if lost:
+                return None, _lost_message(self.cls, lost)
+            found = [key for key, _ in dict.items(obj)]
+            return None, (
+                f"expected {self.brief()} with the dict entries {clip(list(self.held))}, got one "
+                f"with the entries {clip(found)}"
+            )
         return super().difference(obj, children)
 
-    def _lost(self, obj: Any) -> str:
-        assert self.fieldset is not None
-        lost = _entries_lost(obj, self.fieldset)
-        return (
-            f"{self.brief()} holds the dict entries {clip(lost)}, which are not its fields (or "
-            "not their values): it is rebuilt from its fields alone, so they would be lost. "
-            "Keep its dict entries to its fields' values"
-        )
+    def row(self) -> list[Any]:
+        row = super().row()
+        return row if self.held is None else [*row, list(self.held)]
+
+    @classmethod
+    def from_row(cls, row: list[Any], max_arity: int) -> Container:
+        # ['dataclass', name, fields], and for a class that is a dict its entries' keys after
+        entries: tuple[str, ...] | None = None
+        if len(row) == 4:
+            if type(row[3]) is not list or not all(type(key) is str for key in row[3]):
+                raise NodeError(
+                    f"a dataclass row's dict entries are a list of field names, got {clip(row[3])}"
+                )
+            entries = tuple(row[3])
+        found, fields = cls._class_of_row(row[:3] if len(row) == 4 else row, max_arity)
+        return cls(found, fields, entries)
 
     def rebuild(self, values: list[Any]) -> Any:
-        return rebuilt_dataclass(self.cls, self.fields, values)
+        return rebuilt_dataclass(self.cls, self.fields, values, self.held, self.count_items)
 
     def child(self, var: str, index: int, bind: Bind) -> str:
         return f"_getattr({var}, {bind(self.fields[index], 'f')})"
 
     def rebuild_source(self, parts: Sequence[str], bind: Bind) -> str:
         maker, cls = bind(rebuilt_dataclass, "R"), bind(self.cls, "T")
-        return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}])"
+        held = "" if self.held is None else f", {bind(self.held, 'e')}"
+        if self.count_items is not None:
+            held = f", None, {bind(self.count_items, 'n')}"
+        return f"{maker}({cls}, {bind(self.fields, 'f')}, [{', '.join(parts)}]{held})"
 
 
 def _is_dict(cls: type) -> bool:
@@ -644,6 +722,47 @@ def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
     ]
 
 
+def _entries_differ(obj: dict[Any, Any], held: tuple[str, ...]) -> bool:
+    """Whether ``obj``'s dict entries are not exactly the fields ``held``, in that order, each
+    holding its field's value (read through dict's own methods)."""
+    if dict.__len__(obj) != len(held):
+        return True
+    for (key, value), name in zip(dict.items(obj), held, strict=True):
+        if type(key) is not str or key != name or getattr(obj, name) is not value:
+            return True
+    return False
+
+
+#: Builtin containers besides dict that a dataclass may also be: their items are no fields.
+_ITEM_BASES: tuple[type, ...] = (list, tuple, set, frozenset, bytearray, collections.deque)
+
+
+def _items_counter(cls: type) -> Callable[[Any], int] | None:
+    """The builtin ``len()`` of the list, tuple, set or deque ``cls`` also is (by its real
+    bases: never a metaclass's check), else ``None``."""
+    for base in _ITEM_BASES:
+        if type.__subclasscheck__(base, cls):
+            counter: Callable[[Any], int] = getattr(base, "__len__")  # noqa: B009
+            return counter
+    return None
+
+
+def _items_message(cls: type, count: int) -> str:
+    return (
+        f"a {class_name(cls)} holds {count} item{'' if count == 1 else 's'} besides its fields "
+        "(it is also a builtin sequence or set): it is rebuilt from its fields alone, so they "
+        "would be lost. Keep its items in a field"
+    )
+
+
+def _lost_message(cls: type, lost: list[Any]) -> str:
+    return (
+        f"a {class_name(cls)} holds the dict entries {clip(lost)}, which are not its fields (or "
+        "not their values): it is rebuilt from its fields alone, so they would be lost. "
+        "Keep its dict entries to its fields' values"
+    )
+
+
 # -- rebuilding user classes ---------------------------------------------------------------------
 # A class is rebuilt by calling it with its fields' values. An ``__init__``, ``__post_init__`` or
 # ``__new__`` of the user's that changes a value it is given (``self.x = self.x * 2``) would
@@ -652,14 +771,38 @@ def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
 # as ``np.asarray`` of an array, keep them).
 
 
-def rebuilt_dataclass(cls: type, fields: tuple[str, ...], values: list[Any], /) -> Any:
-    """``cls(**{field: value})``, refused if it does not keep every value as given."""
+def rebuilt_dataclass(
+    cls: type,
+    fields: tuple[str, ...],
+    values: list[Any],
+    held: tuple[str, ...] | None = None,
+    count_items: Callable[[Any], int] | None = None,
+    /,
+) -> Any:
+    """``cls(**{field: value})``, refused if it does not keep every value as given, if (a class
+    that is a dict) its dict entries are not the fields ``held``, in that order, or if (one that
+    is a list, tuple, set or deque, read by ``count_items``) it holds items."""
     obj: Any = cls(**dict(zip(fields, values, strict=True)))
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
+    if held is not None and _entries_differ(cast("dict[Any, Any]", obj), held):
+        found = [key for key, _ in dict.items(cast("dict[Any, Any]", obj))]
+        raise DualgraphError(
+            f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
+            f"where the object taken apart held {clip(list(held))} (its __init__ or "
+            "__post_init__ makes them from the fields, in its own order, so they would differ "
+            "from eager's, as would out.to_tuple() and out[0]). Make the object with the fields "
+            "it is to hold (Output(logits=logits, loss=loss)) rather than adding one afterwards"
+        )
+    if count_items is not None and count_items(obj):
+        raise DualgraphError(
+            f"{class_name(cls)} rebuilt from its fields holds {count_items(obj)} items (its "
+            "__init__ or __post_init__ makes them), where the object taken apart held none. "
+            "Keep its items in a field"
+        )
     return obj
 
 
@@ -928,11 +1071,25 @@ def register_dataclass(cls: T, /) -> T:
                 "cannot be rebuilt from its fields"
             )
 
-        def flatten(obj: Any) -> tuple[list[Any], None, tuple[str, ...]]:
-            return [getattr(obj, name) for name in names], None, names
+        # The adapters' optree walks (tree_map over outputs: dualgraph.torch.owned) take such an
+        # object apart and rebuild it as a spec does, with the same refusals: a rebuild that
+        # changes a field, or a dict's entries or a list's items it would lose or make.
+        is_dict, count_items = _is_dict(cls), _items_counter(cls)
+        fieldset = frozenset(names)
 
-        def unflatten(_: None, children: Any) -> Any:
-            return cls(**dict(zip(names, children, strict=True)))
+        def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...] | None, tuple[str, ...]]:
+            held = None
+            if is_dict:
+                lost = _entries_lost(obj, fieldset)
+                if lost:
+                    raise DualgraphError(_lost_message(cls, lost))
+                held = tuple(key for key, _ in dict.items(obj))
+            if count_items is not None and count_items(obj):
+                raise DualgraphError(_items_message(cls, count_items(obj)))
+            return [getattr(obj, name) for name in names], held, names
+
+        def unflatten(held: tuple[str, ...] | None, children: Any) -> Any:
+            return rebuilt_dataclass(cls, names, list(children), held, count_items)
 
         try:
             optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]

@@ -82,7 +82,8 @@ def is_differentiable_dtype(name: str) -> bool:
     >>> is_differentiable_dtype("bfloat16"), is_differentiable_dtype("int64")
     (True, False)
     """
-    return name in DIFFERENTIABLE_DTYPES
+    # (a name of another type is none: an unhashable one would leak TypeError from the lookup)
+    return type(name) is str and name in DIFFERENTIABLE_DTYPES
 
 
 def is_dtype_name(name: object, /) -> bool:

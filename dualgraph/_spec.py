@@ -262,15 +262,16 @@ class TreeSpec:
             raise self._mismatch(tree, root, shapes=check)
         return arrays
 
-    def unflatten(self, arrays: Sequence[Any], /) -> Any:
-        """Rebuild the tree from its array leaves; ``None`` and constants are restored."""
+    def unflatten(self, arrays: Sequence[Any], /, *, root: str = "") -> Any:
+        """Rebuild the tree from its array leaves; ``None`` and constants are restored.
+        ``root`` prefixes the paths in error messages (a container that cannot be rebuilt)."""
         cls = type(arrays)  # a list or tuple of the right length: the common case
         if (cls is not list and cls is not tuple) or len(arrays) != self._num_arrays:
             count_arrays(arrays, self._num_arrays)
         try:
             return self._program.unflatten(arrays)
         except Exception as error:
-            raise self._rebuild_error(arrays, error) from error
+            raise self._rebuild_error(arrays, error, _checked_root(root)) from error
 
     def check(self, tree: Any, /, *, root: str = "") -> None:
         """Raise :class:`SpecMismatchError` naming the first leaf where ``tree`` differs.
@@ -417,7 +418,9 @@ class TreeSpec:
             return LeafSpec("const", path, value=node.value, entries=entries)
         return LeafSpec("none", path, entries=entries)
 
-    def _rebuild_error(self, arrays: Sequence[Any], error: Exception) -> DualgraphError:
+    def _rebuild_error(
+        self, arrays: Sequence[Any], error: Exception, root: str = ""
+    ) -> DualgraphError:
         """Which container could not be rebuilt from ``arrays``, and why (slow path)."""
         nodes = self._nodes
         count = self._num_arrays
@@ -437,10 +440,13 @@ class TreeSpec:
                     try:
                         values.append(node.rebuild(parts))
                     except Exception as failure:
-                        path = show_path(format_path(self._get_layout().entries(index)))
+                        path = show_path(format_path(self._get_layout().entries(index), root))
+                        # dualgraph's own refusals say what to do at their end: not clipped
+                        # as a user's error is (their parts are clipped themselves)
+                        limit = 2000 if isinstance(failure, DualgraphError) else 120
                         return DualgraphError(
                             f"unflatten: {path}: rebuilding {node.brief()} raised "
-                            f"{type(failure).__name__}: {clip_text(failure)}"
+                            f"{type(failure).__name__}: {clip_text(failure, limit)}"
                         )
         except Exception as failure:
             error = failure
@@ -772,7 +778,13 @@ def _first_difference(
             return index, None, message
         if children is None:
             child_nodes = [nodes[start] for start in layout.children(index)]
-            entry, message = node.difference(obj, child_nodes)
+            try:  # it reads the object again: a key's own __eq__, a field's getter may raise
+                entry, message = node.difference(obj, child_nodes)
+            except Exception as error:
+                message = (
+                    f"reading {brief_of(obj)} raised {type(error).__name__}: {clip_text(error)}"
+                )
+                return index, None, message
             return index, entry, message
         stack.extend(reversed(children))
     return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import copy
+import dataclasses
 import itertools
 import json
 import pickle
@@ -582,3 +583,30 @@ def test_comparing_a_call_spec_with_an_object_whose_class_cannot_be_read_is_uneq
     spec = describe_call((array(2),), {})
     assert (spec == ClassUnreadable()) is False
     assert (spec != ClassUnreadable()) is True
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class _Halved:
+    x: Any
+
+    def __post_init__(self) -> None:
+        self.x = self.x / 2
+
+
+@pytest.mark.parametrize("root", ["args", "kwargs"])
+def test_a_refused_rebuild_names_the_call_path(root: str) -> None:
+    # Before: 'unflatten: [1][0]: rebuilding ...', the path from the tree's own root
+    tree = [_Halved(array(1))]
+    spec = describe_call((None, tree), {}) if root == "args" else describe_call((), {"k": tree})
+    path = r"args\[1\]\[0\]" if root == "args" else r"kwargs\['k'\]\[0\]"
+    with pytest.raises(DualgraphError, match=rf"^unflatten: {path}: rebuilding a \S*_Halved"):
+        spec.unflatten([array(1)])
+
+
+def test_a_tree_spec_names_the_root_it_is_given_when_a_rebuild_is_refused() -> None:
+    spec = dualgraph.describe({"out": _Halved(array(1))})
+    with pytest.raises(DualgraphError, match=r"^unflatten: output\['out'\]: rebuilding a "):
+        spec.unflatten([array(1)], root="output")
+    with pytest.raises(DualgraphError, match=r"^root must be a str"):
+        spec.unflatten([array(1)], root=3)  # type: ignore[arg-type]

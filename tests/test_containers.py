@@ -957,3 +957,225 @@ def test_a_namedtuple_subclass_attribute_made_by_new_is_made_again_on_rebuild() 
     spec = describe(tree)
     rebuilt = spec.unflatten(spec.flatten(tree, check=True))
     assert type(rebuilt) is Tagged and rebuilt.made_by_new is True
+
+
+def _loss_set_afterwards() -> DictOutput:
+    """A DictOutput made without loss, given one as an attribute: no dict entry for it."""
+    out = DictOutput(logits=array(2))
+    out.loss = 3
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dict_dataclass_whose_rebuild_makes_other_entries_is_refused_by_unflatten(
+    size: int,
+) -> None:
+    # Before: unflatten handed it out with an entry 'loss' the object taken apart did not hold
+    # (to_tuple() and out[1] then differed from eager's)
+    tree = [_loss_set_afterwards(), *[None] * size]
+    spec = describe(tree)
+    arrays = spec.flatten(tree, check=True)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^unflatten: \[0\]: rebuilding a \S*DictOutput raised DualgraphError: \S*DictOutput "
+        r"rebuilt from its fields holds the dict entries \['logits', 'loss'\], where the object "
+        r"taken apart held \['logits'\]",
+    ):
+        spec.unflatten(arrays)
+
+
+@pytest.mark.parametrize("direction", ["entry-described", "attribute-described"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dict_dataclass_with_other_entries_than_described_is_a_mismatch(
+    direction: str, size: int
+) -> None:
+    # Before: check passed (its fields held the same values), and the rebuild's entries were
+    # the described object's, not the call's
+    with_entry = DictOutput(logits=array(2), loss=3)
+    without = _loss_set_afterwards()
+    described, found = (with_entry, without)
+    if direction == "attribute-described":
+        described, found = found, described
+    spec = describe([described, *[None] * size])
+    entries = {id(with_entry): r"\['logits', 'loss'\]", id(without): r"\['logits'\]"}
+    message = (
+        rf"^\[0\]: expected a \S*DictOutput with the dict entries {entries[id(described)]}, got "
+        rf"one with the entries {entries[id(found)]}$"
+    )
+    for check in (False, True):
+        with pytest.raises(SpecMismatchError, match=message):
+            spec.flatten([found, *[None] * size], check=check)
+
+
+def test_specs_of_a_dict_dataclass_with_other_entries_are_unequal_and_read_back() -> None:
+    # Before: equal, with one JSON
+    with_entry = describe(DictOutput(logits=array(2), loss=3))
+    without = describe(_loss_set_afterwards())
+    assert with_entry != without
+    assert with_entry.to_json() != without.to_json()
+    for spec in (with_entry, without):
+        read = TreeSpec.from_json(spec.to_json())
+        assert read == spec and read.to_json() == spec.to_json()
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        (None, "its node needs the keys of its dict entries"),
+        (["other"], r"are some of its fields \['logits', 'loss'\], each once, got \['other'\]"),
+        (["loss", "loss"], r"each once, got \['loss', 'loss'\]"),
+        ([1], r"dict entries are a list of field names, got \[1\]"),
+    ],
+    ids=["missing", "not-a-field", "repeated", "not-a-str"],
+)
+def test_a_dict_dataclass_row_must_name_its_entries_among_its_fields(
+    entries: list[Any] | None, message: str
+) -> None:
+    row = ["dataclass", qualified_name(DictOutput), ["logits", "loss"]]
+    rows = [[*row, entries] if entries is not None else row, ["none"], ["none"]]
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+    with pytest.raises(DualgraphError, match=rf"^malformed TreeSpec JSON at <root>: .*{message}"):
+        TreeSpec.from_json(text)
+
+
+@register_dataclass
+@dataclasses.dataclass
+class ListOutput(list):  # type: ignore[type-arg]
+    """A dataclass that is also a list: its items are no fields."""
+
+    logits: Any = None
+    extra: Any = None
+
+    def __post_init__(self) -> None:
+        if self.extra is not None:  # items made from a field: a rebuild makes them again
+            self.append(self.extra)
+
+
+@register_dataclass
+@dataclasses.dataclass(eq=False)
+class SetOutput(set):  # type: ignore[type-arg]
+    """A dataclass that is also a set: its items are no fields."""
+
+    logits: Any = None
+
+
+def _with_an_item(kind: str) -> Any:
+    out = ListOutput(logits=array(2)) if kind == "list" else SetOutput(logits=array(2))
+    (out.append if kind == "list" else out.add)(5)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["list", "set"])
+def test_describing_a_dataclass_that_is_also_a_list_or_set_holding_items_is_refused(
+    kind: str,
+) -> None:
+    # Before: described by its fields alone; unflatten gave it back without its items
+    with pytest.raises(
+        DualgraphError,
+        match=r"^\['out'\]: a \S*(List|Set)Output holds 1 item besides its fields .* be lost",
+    ):
+        describe({"out": _with_an_item(kind)})
+
+
+@pytest.mark.parametrize("kind", ["list", "set"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dataclass_that_is_also_a_list_or_set_holding_items_is_a_mismatch(
+    kind: str, size: int
+) -> None:
+    # Before: check and flatten passed it, and unflatten lost its items
+    empty = ListOutput(logits=array(2)) if kind == "list" else SetOutput(logits=array(2))
+    spec = describe([empty, *[None] * size])
+    for check in (False, True):
+        with pytest.raises(
+            SpecMismatchError, match=r"^\[0\]: a \S*(List|Set)Output holds 1 item besides"
+        ):
+            spec.flatten([_with_an_item(kind), *[None] * size], check=check)
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_dataclass_that_is_also_a_list_whose_rebuild_makes_items_is_refused(size: int) -> None:
+    # Before: made without extra, given it as an attribute afterwards, it was rebuilt holding
+    # an item its __post_init__ makes
+    out = ListOutput(logits=array(2))
+    out.extra = 3
+    tree = [out, *[None] * size]
+    spec = describe(tree)
+    with pytest.raises(
+        DualgraphError, match=r"^unflatten: \[0\]: .*ListOutput rebuilt from its fields holds 1 "
+    ):
+        spec.unflatten(spec.flatten(tree, check=True))
+
+
+def test_a_dataclass_that_is_also_a_list_holding_no_items_is_rebuilt_as_it() -> None:
+    tree = (ListOutput(logits=array(2)),)
+    spec = describe(tree)
+    rebuilt = spec.unflatten(spec.flatten(tree, check=True))[0]
+    assert type(rebuilt) is ListOutput and list(rebuilt) == [] and rebuilt.logits is tree[0].logits
+
+
+def test_a_row_of_a_dataclass_that_is_no_dict_holds_no_dict_entries() -> None:
+    row = ["dataclass", qualified_name(EncoderOutput), ["hidden", "pooled", "aux_loss"], []]
+    rows = [row, ["none"], ["none"], ["none"]]
+    text = json.dumps({"format": "dualgraph.TreeSpec", "version": 2, "tree": rows})
+    with pytest.raises(
+        DualgraphError, match=r"^malformed .* at <root>: \S*EncoderOutput is not a dict: its node "
+    ):
+        TreeSpec.from_json(text)
+
+
+def test_a_dict_dataclass_given_an_entry_out_of_field_order_is_refused_by_unflatten() -> None:
+    # Before: rebuilt with its entries in field order (loss first), so out[0] and to_tuple()
+    # differed from eager's; the refusal says to make the object with its fields
+    out = LossFirstOutput(logits=array(2))
+    out["loss"] = 3  # an entry after logits', as Hugging Face's __setitem__ makes it
+    out.loss = 3
+    spec = describe((out,))
+    with pytest.raises(
+        DualgraphError,
+        match=r"holds the dict entries \['loss', 'logits'\], where the object taken apart held "
+        r"\['logits', 'loss'\] .* Make the object with the fields it is to hold",
+    ):
+        spec.unflatten(spec.flatten((out,), check=True))
+
+
+@register_dataclass
+@dataclasses.dataclass
+class LossFirstOutput(collections.OrderedDict):  # type: ignore[type-arg]
+    """Hugging Face's CausalLMOutput's field order: loss first."""
+
+    loss: Any = None
+    logits: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "logits"):
+            if getattr(self, name) is not None:
+                self[name] = getattr(self, name)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Doubled(array(1)), r"Doubled did not keep field 'x' as given"),
+        (lambda: _with_an_item("list"), r"ListOutput holds 1 item besides its fields"),
+        (_loss_set_afterwards, r"DictOutput rebuilt from its fields holds the dict entries"),
+    ],
+    ids=["post-init-changes-a-field", "list-items", "dict-entries-gained"],
+)
+def test_an_optree_walk_rebuilds_a_registered_dataclass_as_a_spec_does(
+    make: Any, message: str
+) -> None:
+    # Before: optree's unflatten in dualgraph's namespace (the adapters' tree_map, as in
+    # dualgraph.torch.owned) called the class bare: x doubled again, the items lost, the
+    # entry 'loss' made, all silently
+    with pytest.raises(DualgraphError, match=message):
+        optree.tree_map(_same, make(), none_is_leaf=True, namespace=NAMESPACE)
+
+
+def test_an_optree_walk_keeps_a_dict_dataclass_as_it_was() -> None:
+    out = DictOutput(logits=array(2), loss=3)
+    rebuilt = optree.tree_map(_same, out, none_is_leaf=True, namespace=NAMESPACE)
+    assert type(rebuilt) is DictOutput and list(rebuilt.items()) == list(out.items())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from trees import ml_dtypes
@@ -86,3 +88,9 @@ def test_numpy_arrays_of_other_dtypes_are_unsupported_leaves(dtype: str) -> None
 
 def test_the_vocabulary_is_exported() -> None:
     assert dualgraph.DTYPE_NAMES is DTYPE_NAMES
+
+
+@pytest.mark.parametrize("name", [["float32"], {}, None, b"float32", 3], ids=repr)
+def test_what_is_no_dtype_name_is_not_differentiable(name: Any) -> None:
+    # Before: an unhashable argument leaked TypeError ("unhashable type: 'list'")
+    assert is_differentiable_dtype(name) is False

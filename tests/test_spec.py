@@ -1135,3 +1135,58 @@ def test_an_array_of_the_other_byte_order_fails_the_check_of_a_native_one(size: 
         spec.check(odd)
     with pytest.raises(SpecMismatchError, match=message):
         spec.flatten(odd, check=True)
+
+
+class _KeyOfTheHashOfA:
+    """A dict key hashing as 'a' whose comparison raises once armed: reading a dict holding it
+    by the key 'a' runs that comparison."""
+
+    armed = False
+
+    def __hash__(self) -> int:
+        return hash("a")
+
+    def __eq__(self, other: object) -> bool:
+        if _KeyOfTheHashOfA.armed:
+            raise RuntimeError("compared")
+        return False
+
+    def __repr__(self) -> str:
+        return "K()"
+
+
+@pytest.mark.parametrize("kind", [dict, collections.OrderedDict], ids=["dict", "ordereddict"])
+@pytest.mark.parametrize("method", ["check", "flatten"])
+def test_a_mismatch_whose_explanation_raises_names_the_containers_path(
+    kind: type, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: '<root>: the tree could not be read: compared' (the container's path was lost)
+    spec = describe([None, kind([("a", 1), ("b", 2)])])
+    # one key more: a dict's keys differ by their count, before any is compared
+    found = [None, kind([("b", 2), (_KeyOfTheHashOfA(), 1), ("c", 3)])]
+    monkeypatch.setattr(_KeyOfTheHashOfA, "armed", True)
+    with pytest.raises(SpecMismatchError, match=r"^\[1\]: reading an? \w+ with keys") as caught:
+        getattr(spec, method)(found)
+    assert caught.value.path == "[1]"
+    assert "RuntimeError: compared" in str(caught.value)
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class _Tripled:
+    x: Any
+
+    def __post_init__(self) -> None:
+        self.x = self.x * 3
+
+
+def test_a_refused_rebuild_says_what_to_do_in_full() -> None:
+    # Before: clipped to 120 characters as a user's error is ('... raised DualgraphError:
+    # ..._Tripled did not keep field 'x' as given when r...'), cutting off why and what to do
+    spec = describe([_Tripled(array(1))])
+    with pytest.raises(DualgraphError) as caught:
+        spec.unflatten([array(1)])
+    assert str(caught.value).startswith("unflatten: [0]: rebuilding a ")
+    assert str(caught.value).endswith(
+        "Make that conversion outside the class, or keep the values it is given"
+    )
