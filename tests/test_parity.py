@@ -26,6 +26,7 @@ from dualgraph.parity import (
     assert_parity,
     compare,
     compare_arrays,
+    rounding_tolerance,
 )
 from dualgraph.parity._bridge import as_jax
 
@@ -540,12 +541,80 @@ def plus_minus_one(n: int, dtype: Any) -> np.ndarray:
     ("dtype", "passes"), [(ml_dtypes.bfloat16, False), (np.float16, False), (np.float32, False)]
 )
 def test_a_leaf_ten_percent_too_large_fails_in_every_dtype(dtype: Any, passes: bool) -> None:
-    # bfloat16's entry-wise limits let 10% through (rtol 5e-2 + atol 0.3 x rms); its relative
-    # L2 limit (8e-2) does not.
+    # bfloat16's entry-wise limits let 10% through (rtol 6e-2 + atol 0.25 x rms); its relative
+    # L2 limit (3e-2) and its limit on a systematic scale (4e-3) do not.
     report = compare(lambda t: t, ten_percent_larger, (plus_minus_one(64, dtype),), grads=False)
     name = np.dtype(dtype).name
     assert report.ok is passes
     assert report.worst.tolerance == DEFAULT_TOLERANCES[name]
+
+
+SYSTEMATIC_CHANGES = {
+    "scaled_1_percent": lambda x: x * 1.01,
+    "scaled_2_percent": lambda x: x * 1.02,
+    "shrunk_1_5_percent": lambda x: x * 0.985,
+    "offset_1_5_percent_of_rms": lambda x: x + 0.015 * np.sqrt(np.mean(np.abs(x) ** 2)),
+    "transposed": lambda x: x.T,
+    "sign_flipped": lambda x: -x,
+}
+LOW_AND_FULL_PRECISION = [ml_dtypes.bfloat16, np.float16, np.float32, np.float64, np.complex64]
+
+
+@pytest.mark.parametrize("dtype", LOW_AND_FULL_PRECISION, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("change", list(SYSTEMATIC_CHANGES))
+def test_a_systematically_changed_leaf_fails_by_the_default_tolerance(
+    dtype: Any, change: str
+) -> None:
+    # A whole leaf scaled by 1-2% (a wrong constant, a missing rescale) hides within the
+    # scatter that bfloat16's and float16's entry-wise and L2 limits allow (the old bfloat16
+    # limits passed a leaf 7% too large); its fitted scale and offset do not.
+    values = rng.standard_normal((16, 16))
+    if np.dtype(dtype).kind == "c":
+        values = values + 1j * rng.standard_normal((16, 16))
+    expected = values.astype(dtype)
+    actual = SYSTEMATIC_CHANGES[change](
+        expected.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
+    ).astype(dtype)
+    report = compare_arrays("output", actual, expected)
+    assert not report.ok, report
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("size", [8, 4096])
+def test_independent_rounding_scatter_of_a_few_steps_passes(dtype: Any, size: int) -> None:
+    # Each entry off by two roundings of its own, in either direction: what two computations
+    # rounding after each op leave, with no scale or offset shared by the leaf.
+    values = rng.standard_normal(size)
+    unit = float(ml_dtypes.finfo(dtype).eps) / 2
+    scattered = values * (1 + 2 * unit * rng.standard_normal(size))
+    report = compare_arrays("output", scattered.astype(dtype), values.astype(dtype))
+    assert report.ok, report
+    assert report.bias_usage is not None and report.max_abs > 0
+
+
+def test_the_low_precision_defaults_follow_the_rounding_rule() -> None:
+    for name in ("bfloat16", "float16"):
+        limits = DEFAULT_TOLERANCES[name]
+        error = float(ml_dtypes.finfo(name).eps) / 2 * 8  # u * sqrt(64)
+        assert limits == rounding_tolerance(name, depth=64)
+        assert (limits.max_rel_l2, limits.rtol, limits.atol) == (error, 2 * error, 8 * error)
+        assert limits.max_bias == float(ml_dtypes.finfo(name).eps) / 2
+    deeper = rounding_tolerance("bfloat16", depth=256)
+    assert deeper.max_rel_l2 == 2 * DEFAULT_TOLERANCES["bfloat16"].max_rel_l2
+
+
+@pytest.mark.parametrize("depth", [0, -1, 2.5, True])
+def test_a_rounding_tolerance_of_no_whole_depth_is_refused(depth: Any) -> None:
+    with pytest.raises(dualgraph.DualgraphError, match="depth must be an int >= 1"):
+        rounding_tolerance("bfloat16", depth=depth)
+
+
+def test_a_bfloat16_reference_scaled_by_one_and_a_half_percent_fails_compare() -> None:
+    x = sample(32, 32, dtype=ml_dtypes.bfloat16)
+    report = compare(
+        lambda t: torch.tanh(t), lambda a: jnp.tanh(a) * jnp.bfloat16(1.015), (x,), grads=False
+    )
+    assert not report.ok and "systematic error" in report.worst.reason, report
 
 
 def test_a_bfloat16_leaf_within_its_rounding_passes() -> None:

@@ -99,6 +99,9 @@ def compare_arrays(
         entry_over |= (steps > tolerance.max_ulps).any(axis=-1)
         if ulps > tolerance.max_ulps:
             score = max(score, ulps / tolerance.max_ulps if tolerance.max_ulps else math.inf)
+    bias = None
+    if tolerance.max_bias is not None:  # a scale or offset of the whole leaf, hidden in scatter
+        bias = _systematic(a_fin[judged], b_fin[judged], tolerance.max_bias)
     over = int(np.count_nonzero(entry_over))
     if nonfinite_differs.any():
         score = float("inf")
@@ -122,7 +125,57 @@ def compare_arrays(
         warning=warning,
         allow_nan=allow_nan,
         ulps=ulps,
+        scale_error=None if bias is None else bias[0],
+        offset_error=None if bias is None else bias[1],
+        bias_usage=None if bias is None else bias[2],
     )
+
+
+def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, float, float] | None:
+    """``(s, o, usage)``: the least-squares fit of ``a - b`` as ``s * b + o * rms(b)`` (the
+    leaf's scale error and offset, complex ones by magnitude) and the larger of ``|s|`` and
+    ``|o|`` over its limit, ``max_bias`` plus ``z = 4 + 8 / dof`` standard errors of the fit (the
+    residual's scatter, over ``dof`` = entries less the values fitted); ``None`` where nothing
+    can be told (no scale, or no entry left over to measure the scatter by).
+
+    >>> b = np.linspace(-1.0, 1.0, 64)
+    >>> s, o, usage = _systematic(1.02 * b, b, 2**-8)
+    >>> round(s, 6), round(o, 6), usage > 1
+    (0.02, 0.0, True)
+    """
+    count = b.size
+    rms = _rms(np.abs(b))
+    if count < 2 or not (rms > 0.0 and math.isfinite(rms)):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        x, d = b / rms, (a - b) / rms  # at the leaf's scale: float64 near its limit is safe
+        g11 = float(np.vdot(x, x).real)
+        g12 = complex(np.sum(x)).conjugate()
+        h1, h2 = complex(np.vdot(x, d)), complex(np.sum(d))
+        det = g11 * count - abs(g12) ** 2
+        if det > 1e-9 * g11 * count:  # the leaf is not one value: scale and offset apart
+            s = (count * h1 - g12 * h2) / det
+            o = (g11 * h2 - g12.conjugate() * h1) / det
+            residual = d - s * x - o
+            dof = count - 2
+            var_s, var_o = count / det, g11 / det
+        else:  # one value throughout: a scale and an offset are the same error
+            s, o = h1 / g11, 0j
+            residual = d - s * x
+            dof = count - 1
+            var_s, var_o = 1 / g11, 0.0
+        if dof < 1:
+            return None
+        sigma2 = float(np.vdot(residual, residual).real) / dof
+    if not all(math.isfinite(v) for v in (abs(s), abs(o), sigma2)):
+        return None  # an overflowed difference: the entry-wise limits fail it already
+    z = 4 + 8 / dof
+    usage = max(
+        abs(s) / (max_bias + z * math.sqrt(sigma2 * var_s)) if s else 0.0,
+        abs(o) / (max_bias + z * math.sqrt(sigma2 * var_o)) if o else 0.0,
+    )
+    real = not (np.iscomplexobj(a) or np.iscomplexobj(b))
+    return (s.real if real else abs(s)), (o.real if real else abs(o)), usage
 
 
 def _as_numpy(path: str, x: Any) -> np.ndarray:
