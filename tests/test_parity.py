@@ -1294,6 +1294,95 @@ def test_onednn_bfloat16_float32_is_off_during_the_comparison_and_restored_after
             knob.fp32_precision = value
 
 
+def test_reduced_precision_reductions_are_off_during_the_comparison_and_restored_after() -> None:
+    # cuBLAS rounds the partial sums of float16 and bfloat16 matmuls to their dtype unless told
+    # otherwise (torch's default), where XLA keeps them in float32.
+    matmul = torch.backends.cuda.matmul
+    names = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+    before = [getattr(matmul, name) for name in names]
+    seen = []
+
+    def torch_fn(t: torch.Tensor) -> torch.Tensor:
+        seen.append([getattr(matmul, name) for name in names])
+        return t @ t
+
+    assert before == [True, True]  # torch's defaults
+    assert_parity(torch_fn, lambda a: a @ a, (sample(4, 4),))
+    assert seen == [[False, False]] and [getattr(matmul, name) for name in names] == before
+
+
+def bfloat16_product(a: jax.Array) -> jax.Array:
+    """What ``t @ t.T`` gives under a bfloat16 autocast: rounded inputs, a bfloat16 result."""
+    low = a.astype(jnp.bfloat16)
+    return (low @ low.T).astype(jnp.float32)
+
+
+def test_compare_inside_an_autocast_is_refused_naming_it() -> None:
+    # torch_fn computes in float32 as written; under the caller's autocast it ran in bfloat16
+    # and passed against a bfloat16 reference.
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(
+            dualgraph.DualgraphError,
+            match=r"^compare: called inside torch.autocast\('cpu', dtype=torch.bfloat16\)",
+        ),
+    ):
+        compare(lambda t: (t @ t.T).float(), bfloat16_product, (sample(8, 8),))
+
+
+class RoundingMatmuls(torch.overrides.TorchFunctionMode):
+    """A numerics emulator: every matmul's result rounded to bfloat16."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.matmul, torch.Tensor.__matmul__):
+            return out.bfloat16().float()
+        return out
+
+
+def test_compare_inside_a_torch_function_mode_is_refused_naming_it() -> None:
+    with (
+        RoundingMatmuls(),
+        pytest.raises(dualgraph.DualgraphError, match=r"inside the torch mode .*RoundingMatmuls"),
+    ):
+        compare(lambda t: t @ t.T, bfloat16_product, (sample(8, 8),), grads=False)
+
+
+def test_compare_under_a_default_device_context_is_accepted() -> None:
+    with torch.device("cpu"):
+        assert_parity(lambda t: t + torch.ones(3), lambda a: a + jnp.ones(3), (sample(3),))
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64], ids=str)
+def test_a_torch_default_dtype_other_than_jaxs_is_refused_naming_it(default: torch.dtype) -> None:
+    # torch.arange(3.0) in torch's default dtype: bfloat16 or float64 steps beside JAX's float32
+    name = str(default).removeprefix("torch.")
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(default)
+        with pytest.raises(dualgraph.DualgraphError, match=f"torch's default dtype is {name}"):
+            compare(
+                lambda t: t * torch.linspace(0, 1, 3).float(),
+                lambda a: a * jnp.linspace(0, 1, 3),
+                (sample(3),),
+            )
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def test_a_float64_default_dtype_is_accepted_where_jax_runs_in_64_bits() -> None:
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert_parity(
+            lambda t: t * torch.linspace(0, 1, 3),
+            lambda a: a * jnp.linspace(0, 1, 3),
+            (sample(3, dtype=np.float64),),
+        )
+    finally:
+        torch.set_default_dtype(saved)
+
+
 # -- float64 ---------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,9 @@ from ._torch_side import (
     full_precision,
     named_params,
     read_grads,
+    refuse_ambient_numerics,
     refuse_computed_params,
+    refuse_default_dtype,
     refuse_detached_params,
     torch_device,
 )
@@ -107,9 +109,17 @@ def compare(
     optimizer step in a post-accumulate-grad hook, which also clears the ``.grad`` read). The
     torch side runs with gradients recorded, under the caller's
     ``torch.no_grad()`` or ``torch.inference_mode()`` too.
+
+    Numerics are the comparison's own, not the caller's: TF32, oneDNN's bfloat16 and cuBLAS's
+    reduced-precision reductions are off for the torch side (and restored); a call inside
+    ``torch.autocast``, a torch function or dispatch mode (``torch.device`` excepted), or with a
+    torch default dtype other than JAX's default float dtype (float32, or float64 in its 64-bit
+    mode) is refused naming it, as ``torch_fn`` would not compute as written.
+    ``torch.use_deterministic_algorithms`` is left as it is (it picks kernels, not precisions).
     """
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
+    refuse_ambient_numerics()
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     # Under the caller's torch.inference_mode() nothing would be recorded for the gradients, and
     # its tensors have no version counter to find in-place updates by: it is left for the call.
@@ -122,6 +132,7 @@ def compare(
         kept = _KeptParams(_watched(named))
         torch_out = _run_torch(torch_fn, inputs, kept)
         wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
+        refuse_default_dtype(jax_in_64_bits=wide is not None or x64_enabled())
         with enable_x64(wide is not None), reference_settings(jax_fn):
             run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
             spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
