@@ -266,38 +266,11 @@ def _leaves_reached(outputs: Sequence[tuple[torch.Tensor, Any]]) -> list[torch.T
 def full_precision() -> Iterator[None]:
     """TF32 off for float32 matmuls and convolutions in PyTorch, on the GPU (cuBLAS, cuDNN) and
     on the CPU (oneDNN, which ``torch.set_float32_matmul_precision("medium")`` lets compute
-    float32 matmuls in bfloat16 on CPUs that have it), and cuBLAS's reduced-precision
-    reductions off for float16 and bfloat16 matmuls (on by default: partial sums rounded to the
-    inputs' dtype, where XLA keeps them in float32); the settings are restored."""
-    with _full_precision_reductions(), _no_tf32():
-        yield
+    float32 matmuls in bfloat16 on CPUs that have it); the settings are restored.
 
-
-#: cuBLAS's reduced-precision reduction flags of float16 and bfloat16 matmuls, and their values
-#: at full precision (torch.backends.cuda.matmul; the fp16 accumulation flag in newer torch).
-_REDUCTION_FLAGS = {
-    "allow_fp16_reduced_precision_reduction": False,
-    "allow_bf16_reduced_precision_reduction": False,
-    "allow_fp16_accumulation": False,
-}
-
-
-@contextlib.contextmanager
-def _full_precision_reductions() -> Iterator[None]:
-    matmul = torch.backends.cuda.matmul
-    flags = [name for name in _REDUCTION_FLAGS if hasattr(matmul, name)]
-    saved = [getattr(matmul, name) for name in flags]
-    try:
-        for name in flags:
-            setattr(matmul, name, _REDUCTION_FLAGS[name])
-        yield
-    finally:
-        for name, value in zip(flags, saved, strict=True):
-            setattr(matmul, name, value)
-
-
-@contextlib.contextmanager
-def _no_tf32() -> Iterator[None]:
+    cuBLAS's reduced-precision reductions of float16 and bfloat16 matmuls are left as they
+    are: a graphed ``torch_fn`` refuses a call under other settings than its capture's, and
+    torch's default (on) is what its users run."""
     backends = torch.backends
     if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
         cudnn: Any = backends.cudnn  # conv and rnn are missing from torch's stubs
