@@ -134,9 +134,14 @@ def compare_arrays(
 def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, float, float] | None:
     """``(s, o, usage)``: the least-squares fit of ``a - b`` as ``s * b + o * rms(b)`` (the
     leaf's scale error and offset, complex ones by magnitude) and the larger of ``|s|`` and
-    ``|o|`` over its limit, ``max_bias`` plus ``z = 4 + 8 / dof`` standard errors of the fit (the
-    residual's scatter, over ``dof`` = entries less the values fitted); ``None`` where nothing
-    can be told (no scale, or no entry left over to measure the scatter by).
+    ``|o|`` over its limit, ``max_bias`` plus ``z = 4 + 8 / dof`` standard errors of the fit
+    (``dof``: the entries less the values fitted); ``None`` where nothing can be told (no scale,
+    or no entry left over to measure the scatter by).
+
+    The standard errors are measured from the residuals entry by entry (HC3: each weighted by
+    its own size and its leverage), not from their pooled variance: rounding errors follow each
+    entry's magnitude, so in a leaf of a few large entries among small ones (heavy-tailed
+    gradients, sparse ones) the fit rests on those few, and is as uncertain as their errors.
 
     >>> b = np.linspace(-1.0, 1.0, 64)
     >>> s, o, usage = _systematic(1.02 * b, b, 2**-8)
@@ -147,33 +152,34 @@ def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, f
     rms = _rms(np.abs(b))
     if count < 2 or not (rms > 0.0 and math.isfinite(rms)):
         return None
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         x, d = b / rms, (a - b) / rms  # at the leaf's scale: float64 near its limit is safe
-        g11 = float(np.vdot(x, x).real)
-        g12 = complex(np.sum(x)).conjugate()
-        h1, h2 = complex(np.vdot(x, d)), complex(np.sum(d))
-        det = g11 * count - abs(g12) ** 2
-        if det > 1e-9 * g11 * count:  # the leaf is not one value: scale and offset apart
-            s = (count * h1 - g12 * h2) / det
-            o = (g11 * h2 - g12.conjugate() * h1) / det
-            residual = d - s * x - o
-            dof = count - 2
-            var_s, var_o = count / det, g11 / det
-        else:  # one value throughout: a scale and an offset are the same error
-            s, o = h1 / g11, 0j
-            residual = d - s * x
-            dof = count - 1
-            var_s, var_o = 1 / g11, 0.0
+        if not np.all(np.isfinite(d)):
+            return None  # an overflowed difference: the entry-wise limits fail it already
+        columns = np.stack([x, np.ones_like(x)], axis=-1)
+        gram = columns.conj().T @ columns
+        if abs(np.linalg.det(gram)) <= 1e-9 * gram[0, 0].real * count:
+            columns = columns[:, :1]  # one value throughout: a scale and an offset are one error
+            gram = gram[:1, :1]
+        fitted = columns.shape[1]
+        dof = count - fitted
         if dof < 1:
             return None
-        sigma2 = float(np.vdot(residual, residual).real) / dof
-    if not all(math.isfinite(v) for v in (abs(s), abs(o), sigma2)):
-        return None  # an overflowed difference: the entry-wise limits fail it already
+        inverse = np.linalg.inv(gram)
+        coefficients = inverse @ (columns.conj().T @ d)
+        residual = d - columns @ coefficients
+        leverage = np.sum((columns @ inverse) * columns.conj(), axis=-1).real
+        weight = np.abs(residual) ** 2 / np.square(1 - np.minimum(leverage, 1.0))
+        meat = (columns.conj().T * weight) @ columns
+        errors = np.sqrt(np.abs(np.diag(inverse @ meat @ inverse.conj().T)))
+    s = complex(coefficients[0])
+    o = complex(coefficients[1]) if fitted == 2 else 0j
     z = 4 + 8 / dof
-    usage = max(
-        abs(s) / (max_bias + z * math.sqrt(sigma2 * var_s)) if s else 0.0,
-        abs(o) / (max_bias + z * math.sqrt(sigma2 * var_o)) if o else 0.0,
-    )
+    usage = 0.0
+    for value, error in zip((s, o), errors, strict=False):
+        limit = max_bias + z * float(error)
+        if value and not math.isnan(limit):  # an entry of leverage 1 tells nothing: inf
+            usage = max(usage, abs(value) / limit)
     real = not (np.iscomplexobj(a) or np.iscomplexobj(b))
     return (s.real if real else abs(s)), (o.real if real else abs(o)), usage
 
