@@ -21,11 +21,11 @@ bfloat16). The cosine is the sign and direction check. Integers and bools compar
 A systematic error hides in that scatter: a leaf scaled by 1.5% in bfloat16 is within every
 limit above. ``max_bias`` bounds it: the difference ``torch - jax`` is fitted (least squares) as
 ``s * jax + o * rms`` plus a residual; the scale error ``|s|`` and the offset ``|o|`` must each be
-at most ``max_bias`` plus what the residual's scatter explains (``z`` standard errors of the fit,
-``z = 4 + 8 / dof`` with ``dof`` the entries less the two fitted values, the errors measured
-from the residuals entry by entry: a leaf of a few entries
-cannot tell a scale from its rounding). Rounding errors are independent between entries and
-average out of the fit, so a shared factor rounded once (``eps / 2``) is all it allows.
+at most ``max_bias`` plus what the residual's scatter explains (``z = 4 + 8 / dof`` standard
+errors of the fit, ``dof`` the entries less the two fitted values, the errors measured from the
+residuals entry by entry: a leaf of a few entries cannot tell a scale from its rounding).
+Rounding errors are independent between entries and average out of the fit, so a shared factor
+rounded once (``eps / 2``) is all it allows.
 
 The low-precision limits follow one rule (:func:`rounding_tolerance`) from the dtype's machine
 epsilon ``eps`` and a reduction depth ``depth`` (the roundings along a path through the
