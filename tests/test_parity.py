@@ -579,6 +579,29 @@ def test_a_systematically_changed_leaf_fails_by_the_default_tolerance(
     assert not report.ok, report
 
 
+@pytest.mark.parametrize(
+    "dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2], ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize(
+    "change", ["scaled_by_two_steps", "offset_by_a_third", "transposed", "sign_flipped"]
+)
+def test_a_changed_narrow_format_leaf_fails_by_the_default_tolerance(
+    dtype: Any, change: str
+) -> None:
+    # A 1-2% scale is below these formats' resolution (one step is 12.5% or 25%); what they can
+    # hold wrong, they fail.
+    expected = rng.standard_normal((16, 16)).astype(dtype)
+    wide = expected.astype(np.float64)
+    step = 2 * float(ml_dtypes.finfo(dtype).eps)
+    actual = {
+        "scaled_by_two_steps": wide * (1 + step),
+        "offset_by_a_third": wide + np.sqrt(np.mean(wide**2)) / 3,
+        "transposed": wide.T,
+        "sign_flipped": -wide,
+    }[change].astype(dtype)
+    assert not compare_arrays("output", actual, expected).ok
+
+
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("size", [8, 4096])
 def test_independent_rounding_scatter_of_a_few_steps_passes(dtype: Any, size: int) -> None:
