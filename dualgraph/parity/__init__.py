@@ -13,7 +13,10 @@ in their own dtype; a floating leaf passes when every entry has
 leaf, its typical scale), the leaf's relative L2 error is at most ``max_rel_l2``, its cosine
 similarity with the reference at least ``min_cosine``, and NaN and infinities sit at the same
 positions on both sides; the formats of 8 bits and fewer also hold every entry within one
-representable value of the reference's (``max_ulps=1``). A leaf with no finite value (NaN
+representable value of the reference's (``max_ulps=1``), and bfloat16 and float16 hold the
+leaf's fitted scale error and offset to ``max_bias`` beyond its scatter (a leaf scaled by 1% fails
+there, hidden from the other limits by its rounding). Their limits follow one rule from the
+dtype's epsilon and a reduction depth (:func:`rounding_tolerance`). A leaf with no finite value (NaN
 everywhere) is a warning, and fails unless ``allow_nan=True``. Nothing is coerced: dtypes and
 shapes must agree, and 64-bit leaves are compared in 64 bits (the JAX side runs in its 64-bit
 mode for them).
@@ -47,9 +50,10 @@ except ImportError as _error:
 from ._arrays import compare_arrays
 from ._compare import assert_parity, compare
 from ._report import LeafReport, ParityReport
-from ._tolerances import DEFAULT_TOLERANCES, Tolerance
+from ._tolerances import DEFAULT_DEPTH, DEFAULT_TOLERANCES, Tolerance, rounding_tolerance
 
 __all__ = [
+    "DEFAULT_DEPTH",
     "DEFAULT_TOLERANCES",
     "LeafReport",
     "ParityReport",
@@ -57,4 +61,5 @@ __all__ = [
     "assert_parity",
     "compare",
     "compare_arrays",
+    "rounding_tolerance",
 ]

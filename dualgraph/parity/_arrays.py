@@ -99,6 +99,9 @@ def compare_arrays(
         entry_over |= (steps > tolerance.max_ulps).any(axis=-1)
         if ulps > tolerance.max_ulps:
             score = max(score, ulps / tolerance.max_ulps if tolerance.max_ulps else math.inf)
+    bias = None
+    if tolerance.max_bias is not None:  # a scale or offset of the whole leaf, hidden in scatter
+        bias = _systematic(a_fin[judged], b_fin[judged], tolerance.max_bias)
     over = int(np.count_nonzero(entry_over))
     if nonfinite_differs.any():
         score = float("inf")
@@ -122,7 +125,63 @@ def compare_arrays(
         warning=warning,
         allow_nan=allow_nan,
         ulps=ulps,
+        scale_error=None if bias is None else bias[0],
+        offset_error=None if bias is None else bias[1],
+        bias_usage=None if bias is None else bias[2],
     )
+
+
+def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, float, float] | None:
+    """``(s, o, usage)``: the least-squares fit of ``a - b`` as ``s * b + o * rms(b)`` (the
+    leaf's scale error and offset, complex ones by magnitude) and the larger of ``|s|`` and
+    ``|o|`` over its limit, ``max_bias`` plus ``z = 4 + 8 / dof`` standard errors of the fit
+    (``dof``: the entries less the values fitted); ``None`` where nothing can be told (no scale,
+    or no entry left over to measure the scatter by).
+
+    The standard errors are measured from the residuals entry by entry (HC3: each weighted by
+    its own size and its leverage), not from their pooled variance: rounding errors follow each
+    entry's magnitude, so in a leaf of a few large entries among small ones (heavy-tailed
+    gradients, sparse ones) the fit rests on those few, and is as uncertain as their errors.
+
+    >>> b = np.linspace(-1.0, 1.0, 64)
+    >>> s, o, usage = _systematic(1.02 * b, b, 2**-8)
+    >>> round(s, 6), round(o, 6), usage > 1
+    (0.02, 0.0, True)
+    """
+    count = b.size
+    rms = _rms(np.abs(b))
+    if count < 2 or not (rms > 0.0 and math.isfinite(rms)):
+        return None
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        x, d = b / rms, (a - b) / rms  # at the leaf's scale: float64 near its limit is safe
+        if not np.all(np.isfinite(d)):
+            return None  # an overflowed difference: the entry-wise limits fail it already
+        columns = np.stack([x, np.ones_like(x)], axis=-1)
+        gram = columns.conj().T @ columns
+        if abs(np.linalg.det(gram)) <= 1e-9 * gram[0, 0].real * count:
+            columns = columns[:, :1]  # one value throughout: a scale and an offset are one error
+            gram = gram[:1, :1]
+        fitted = columns.shape[1]
+        dof = count - fitted
+        if dof < 1:
+            return None
+        inverse = np.linalg.inv(gram)
+        coefficients = inverse @ (columns.conj().T @ d)
+        residual = d - columns @ coefficients
+        leverage = np.sum((columns @ inverse) * columns.conj(), axis=-1).real
+        weight = np.abs(residual) ** 2 / np.square(1 - np.minimum(leverage, 1.0))
+        meat = (columns.conj().T * weight) @ columns
+        errors = np.sqrt(np.abs(np.diag(inverse @ meat @ inverse.conj().T)))
+    s = complex(coefficients[0])
+    o = complex(coefficients[1]) if fitted == 2 else 0j
+    z = 4 + 8 / dof
+    usage = 0.0
+    for value, error in zip((s, o), errors, strict=False):
+        limit = max_bias + z * float(error)
+        if value and not math.isnan(limit):  # an entry of leverage 1 tells nothing: inf
+            usage = max(usage, abs(value) / limit)
+    real = not (np.iscomplexobj(a) or np.iscomplexobj(b))
+    return (s.real if real else abs(s)), (o.real if real else abs(o)), usage
 
 
 def _as_numpy(path: str, x: Any) -> np.ndarray:

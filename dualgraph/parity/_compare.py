@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optree
 import torch
@@ -32,7 +33,9 @@ from ._torch_side import (
     full_precision,
     named_params,
     read_grads,
+    refuse_ambient_numerics,
     refuse_computed_params,
+    refuse_default_dtype,
     refuse_detached_params,
     torch_device,
 )
@@ -83,6 +86,11 @@ def compare(
       out, and a leaf that mixes them with trained ones is compared at the trained ones'
       entries, those made of both (``base + delta``) included (found by mapping NaN through
       ``params_from_torch``).
+      The gradients are mapped by ``params_from_torch`` too, which gives JAX's only where each
+      entry is one trained torch entry or its negative (transposes, reshapes, splits,
+      concatenations, casts; plus frozen entries): with gradients compared, a mapping that
+      scales, offsets, sums or otherwise transforms a trained parameter (``2 * w``, ``w - 1``,
+      ``exp(w)``) is refused naming the leaf.
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -107,9 +115,19 @@ def compare(
     optimizer step in a post-accumulate-grad hook, which also clears the ``.grad`` read). The
     torch side runs with gradients recorded, under the caller's
     ``torch.no_grad()`` or ``torch.inference_mode()`` too.
+
+    Numerics are the comparison's own, not the caller's: TF32 and oneDNN's bfloat16 are off
+    for the torch side (and restored); a call inside
+    ``torch.autocast``, a torch function or dispatch mode (``torch.device`` excepted), or with a
+    torch default dtype other than JAX's default float dtype (float32, or float64 in its 64-bit
+    mode) is refused naming it, as ``torch_fn`` would not compute as written.
+    ``torch.use_deterministic_algorithms`` and cuBLAS's reduced-precision reductions are left
+    as they are (kernels, not precisions; and torch's default, which a graphed torch_fn
+    captured).
     """
     _check_options(torch_fn, grads, seed)
     check_tolerances(tolerances)
+    refuse_ambient_numerics()
     judge = functools.partial(compare_arrays, tolerances=tolerances, allow_nan=allow_nan)
     # Under the caller's torch.inference_mode() nothing would be recorded for the gradients, and
     # its tensors have no version counter to find in-place updates by: it is left for the call.
@@ -122,6 +140,7 @@ def compare(
         kept = _KeptParams(_watched(named))
         torch_out = _run_torch(torch_fn, inputs, kept)
         wide = _first_wide_leaf(inputs.call_spec, params, torch_out)
+        refuse_default_dtype(jax_in_64_bits=wide is not None or x64_enabled())
         with enable_x64(wide is not None), reference_settings(jax_fn):
             run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
             spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
@@ -217,11 +236,11 @@ def _params_of(
     if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
         refuse_computed_params(both.torch)
-    _check_params_match(both)
+    _check_params_match(both, grads)
     return both
 
 
-def _check_params_match(params: _Params) -> None:
+def _check_params_match(params: _Params, grads: bool) -> None:
     """Refuse JAX params that are not the torch ones mapped, naming the path, before either
     side runs: a wrong shape would fail deep inside the JAX function, and other values (a tree
     made from an older torch state) would show as differing outputs and gradients."""
@@ -260,6 +279,66 @@ def _check_params_match(params: _Params) -> None:
                 "outputs would differ for that, not for the functions. Make params from the "
                 "torch parameters as they are now"
             )
+    if grads:  # the mapping maps the gradients too
+        with enable_x64(wide):
+            _refuse_unmappable_grads(params, spec, arrays)
+
+
+def _refuse_unmappable_grads(
+    params: _Params, spec: TreeSpec, arrays: Mapping[str, np.ndarray]
+) -> None:
+    """Refuse a ``params_from_torch`` through which torch's gradients are not JAX's.
+
+    compare maps torch's parameter gradients with the mapping that maps their values, which
+    gives JAX's gradient only where each entry of a params leaf is one trained torch entry
+    (or its negative, or that plus frozen entries): a transpose, reshape, split,
+    concatenation or cast. A scale (JAX holding ``2 * w`` has the gradient ``g / 2``, not
+    ``2 * g``), an offset (``w - 1``: the gradient is ``g``, not ``g - 1``), a sum of trained
+    entries or a non-linear map (``exp(w)``) would fail as if the functions differed. Found
+    by mapping the trained parameters as 0, 1 and 2 (the frozen ones as they are), and every
+    parameter as 0.
+    """
+    trained = {n for n, p in params.torch.items() if p.requires_grad and _floating(arrays[n])}
+    if not trained:
+        return
+
+    def mapped(value: float, frozen_too: bool = False) -> list[np.ndarray]:
+        given = {
+            name: np.full_like(a, value) if name in trained or frozen_too else a.copy()
+            for name, a in arrays.items()
+        }
+        return [np.asarray(x) for x in spec.flatten(params.from_torch(given))]
+
+    leaves = zip(spec.array_paths, mapped(0), mapped(1), mapped(2), mapped(0, True), strict=True)
+    for path, zero, one, two, origin in leaves:
+        if not _floating(zero):
+            continue
+        # Within the leaf dtype's rounding: a frozen base plus a trained delta is rounded.
+        eps = float(ml_dtypes.finfo(zero.dtype).eps)
+        wide = np.complex128 if zero.dtype.kind == "c" else np.float64
+        zero, one, two, origin = (x.astype(wide) for x in (zero, one, two, origin))
+        with np.errstate(invalid="ignore", over="ignore"):
+            unit, double = one - zero, two - zero
+            reached = (unit != 0) | (double != 0) | np.isnan(unit) | np.isnan(double)
+            slack = 4 * eps * (2 + np.abs(zero))
+            linear = (np.abs(np.abs(unit) - 1) <= slack) & (np.abs(double - 2 * unit) <= slack)
+            scaled = reached & ~linear
+            offset = reached & ~scaled & np.isfinite(origin) & (np.abs(origin) > slack)
+        for found, how in ((scaled, "scales or combines"), (offset, "offsets")):
+            if found.any():
+                index = tuple(int(i) for i in np.argwhere(found)[0])
+                where = f"[{', '.join(map(str, index))}]" if index else ""
+                raise DualgraphError(
+                    f"params{path}: params_from_torch {how} the trained torch parameters there "
+                    f"(at {where or 'the entry'}: trained parameters of 1 map to "
+                    f"{one[index]!s}, of 2 to {two[index]!s}, all parameters of 0 to "
+                    f"{origin[index]!s}), and compare maps torch's gradients the same way, "
+                    "which gives JAX's only where each entry is one trained torch entry (or "
+                    "its negative): a transpose, reshape, split, concatenation or cast. JAX "
+                    "params holding 2 * w, w - 1 or exp(w) have other gradients than 2 * g, "
+                    "g - 1 or exp(g). Give the JAX function the parameters as torch holds "
+                    "them, and scale or offset them inside it"
+                )
 
 
 def _host(leaf: Any) -> np.ndarray:

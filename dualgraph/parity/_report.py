@@ -26,6 +26,9 @@ class LeafReport:
     - ``tolerance``: the limits applied (``None``: compared exactly).
     - ``ulps``: the most representable values an entry is apart from the reference's, where
       the tolerance limits them (``max_ulps``), else ``None``.
+    - ``scale_error``, ``offset_error``: the leaf's systematic error, fitted as ``torch - jax =
+      scale_error * jax + offset_error * rms`` (complex: magnitudes), and ``bias_usage`` the
+      larger over its limit (see :class:`Tolerance`'s ``max_bias``); ``None`` where not limited.
     - ``warning``: e.g. a leaf NaN everywhere on both sides (nothing compared); it fails unless
       the comparison allowed NaN. ``problem``: the two sides' leaves differ in dtype or shape.
     """
@@ -46,6 +49,9 @@ class LeafReport:
     problem: str | None = None
     allow_nan: bool = False
     ulps: int | None = None
+    scale_error: float | None = None
+    offset_error: float | None = None
+    bias_usage: float | None = None
 
     @property
     def exact(self) -> bool:
@@ -60,7 +66,8 @@ class LeafReport:
     @property
     def usage(self) -> float:
         """The largest fraction of a limit the leaf uses: :attr:`score`, the relative L2 error
-        over its limit, or ``1 - cosine`` over ``1 - min_cosine`` (above 1: over the limit)."""
+        over its limit, ``1 - cosine`` over ``1 - min_cosine``, or :attr:`bias_usage` (above 1:
+        over the limit)."""
         limits = self.tolerance
         if limits is None or self.rel_l2 is None or self.cosine is None:
             return self.score
@@ -68,6 +75,7 @@ class LeafReport:
             self.score,
             _fraction(self.rel_l2, limits.max_rel_l2),
             _fraction(1.0 - self.cosine, 1.0 - limits.min_cosine),
+            self.bias_usage or 0.0,
         )
 
     @property
@@ -93,6 +101,11 @@ class LeafReport:
             return f"relative L2 error {self.rel_l2:.3g} > {limits.max_rel_l2:.3g}"
         if limits is not None and self.cosine is not None and self.cosine < limits.min_cosine:
             return f"cosine similarity {self.cosine:.10g} < {limits.min_cosine:.10g}"
+        if self.bias_usage is not None and self.bias_usage > 1.0:
+            return (
+                f"systematic error beyond its rounding scatter ({self.bias_usage:.3g}x its limit):"
+                f" torch = jax * (1 + {self.scale_error:.3g}) + {self.offset_error:.3g} x rms"
+            )
         return None
 
 
@@ -213,5 +226,7 @@ def _footer(entries: tuple[LeafReport, ...]) -> list[str]:
             )
             if t.max_ulps is not None:
                 limits += f", {t.max_ulps} ulp{'s' * (t.max_ulps != 1)} apart at most"
+            if t.max_bias is not None:
+                limits += f", scale and offset <= {t.max_bias:.2g} beyond scatter"
             seen.setdefault(e.dtype, f"{e.dtype} {limits}")
     return ["tolerances: " + "; ".join(seen.values())] if seen else []

@@ -17,6 +17,23 @@ yet a leaf of tiny values is judged at its own scale, never against an absolute 
 scatter by several ulps, so the entry-wise bounds must be loose; the relative L2 error, which
 averages that scatter, stays small and catches what they let through (a leaf scaled by 10% in
 bfloat16). The cosine is the sign and direction check. Integers and bools compare exactly.
+
+A systematic error hides in that scatter: a leaf scaled by 1.5% in bfloat16 is within every
+limit above. ``max_bias`` bounds it: the difference ``torch - jax`` is fitted (least squares) as
+``s * jax + o * rms`` plus a residual; the scale error ``|s|`` and the offset ``|o|`` must each be
+at most ``max_bias`` plus what the residual's scatter explains (``z = 4 + 8 / dof`` standard
+errors of the fit, ``dof`` the entries less the two fitted values, the errors measured from the
+residuals entry by entry: a leaf of a few entries cannot tell a scale from its rounding).
+Rounding errors are independent between entries and average out of the fit, so a shared factor
+rounded once (``eps / 2``) is all it allows.
+
+The low-precision limits follow one rule (:func:`rounding_tolerance`) from the dtype's machine
+epsilon ``eps`` and a reduction depth ``depth`` (the roundings along a path through the
+computation, 64 by default): one rounding is off by up to ``u = eps / 2``, and ``depth``
+independent ones by about ``u * sqrt(depth)``, so ``max_rel_l2 = u * sqrt(depth)`` (4 ``eps`` at
+depth 64), ``rtol`` twice and ``atol`` eight times that (the entries scatter around the L2
+error), ``min_cosine = 1 - max_rel_l2**2 / 2`` and ``max_bias = u``. Deeper computations pass
+``tolerances={"bfloat16": rounding_tolerance("bfloat16", depth=256)}``.
 A fill that dwarfs the rest of a leaf (one value, equal on both sides, over ``1 / eps`` times
 every other entry: a mask's ``-1e9``) is left out of ``rms``, the L2 norms and the cosine.
 
@@ -36,17 +53,26 @@ from dataclasses import dataclass
 from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError
 
-__all__ = ["DEFAULT_TOLERANCES", "Tolerance", "check_tolerances", "tolerance_for"]
+__all__ = [
+    "DEFAULT_DEPTH",
+    "DEFAULT_TOLERANCES",
+    "Tolerance",
+    "check_tolerances",
+    "rounding_tolerance",
+    "tolerance_for",
+]
 
 
 @dataclass(frozen=True)
 class Tolerance:
     """The limits for one dtype: ``rtol`` (of ``|jax|``), ``atol`` (of the leaf's RMS),
-    ``max_rel_l2`` (of the leaf's L2 norm), ``min_cosine`` and ``max_ulps`` (representable
-    values between an entry and the reference's; ``None``: not limited).
+    ``max_rel_l2`` (of the leaf's L2 norm), ``min_cosine``, ``max_ulps`` (representable
+    values between an entry and the reference's) and ``max_bias`` (the leaf's systematic scale
+    error and offset, beyond its scatter); ``None``: not limited.
 
-    >>> DEFAULT_TOLERANCES["float32"]
-    Tolerance(rtol=0.0001, atol=0.0001, max_rel_l2=0.0001, min_cosine=0.99999, max_ulps=None)
+    >>> limits = DEFAULT_TOLERANCES["float32"]
+    >>> limits.rtol, limits.atol, limits.max_rel_l2, limits.min_cosine, limits.max_bias
+    (0.0001, 0.0001, 0.0001, 0.99999, None)
     >>> DEFAULT_TOLERANCES["float8_e4m3fn"].max_ulps
     1
     """
@@ -56,6 +82,7 @@ class Tolerance:
     max_rel_l2: float
     min_cosine: float
     max_ulps: int | None = None
+    max_bias: float | None = None
 
     def __post_init__(self) -> None:
         names = ("rtol", "atol", "max_rel_l2", "min_cosine")
@@ -80,6 +107,17 @@ class Tolerance:
             if isinstance(ulps, bool) or not isinstance(ulps, numbers.Integral) or ulps < 0:
                 raise DualgraphError(f"{self}: max_ulps must be None or an int >= 0, got {ulps!r}")
             object.__setattr__(self, "max_ulps", int(ulps))
+        bias = self.max_bias
+        if bias is not None:
+            if isinstance(bias, bool) or not isinstance(bias, numbers.Real):
+                raise DualgraphError(f"{self}: max_bias must be None or a real number >= 0")
+            try:
+                bias = float(bias)
+            except OverflowError:
+                bias = float("inf")
+            if not (math.isfinite(bias) and bias >= 0):
+                raise DualgraphError(f"{self}: max_bias must be None or a finite number >= 0")
+            object.__setattr__(self, "max_bias", bias)
 
 
 def _narrow(eps: float) -> Tolerance:
@@ -90,16 +128,54 @@ def _narrow(eps: float) -> Tolerance:
     )
 
 
+#: The roundings along a path through a computation that :func:`rounding_tolerance` allows for
+#: by default.
+DEFAULT_DEPTH = 64
+
+#: Machine epsilons of the dtypes :func:`rounding_tolerance` knows.
+_EPSILON = {"bfloat16": 2.0**-7, "float16": 2.0**-10}
+
+
+def rounding_tolerance(dtype: str, depth: int = DEFAULT_DEPTH) -> Tolerance:
+    """The limits of a low-precision ``dtype`` (bfloat16, float16) for a computation of
+    ``depth`` roundings along a path: with ``u = eps / 2`` (one rounding) and
+    ``e = u * sqrt(depth)`` (``depth`` independent ones), ``max_rel_l2 = e``, ``rtol = 2 e``,
+    ``atol = 8 e``, ``min_cosine = 1 - e**2 / 2`` and ``max_bias = u``.
+
+    >>> rounding_tolerance("bfloat16").max_rel_l2  # 4 eps at the default depth, 64
+    0.03125
+    >>> rounding_tolerance("float16", depth=256).rtol
+    0.015625
+    """
+    if dtype not in _EPSILON:
+        raise DualgraphError(
+            f"rounding_tolerance: no rule for {dtype!r}; it knows {sorted(_EPSILON)} (pass a "
+            "Tolerance for other dtypes)"
+        )
+    if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1:
+        raise DualgraphError(f"rounding_tolerance: depth must be an int >= 1, got {depth!r}")
+    unit = _EPSILON[dtype] / 2
+    error = unit * math.sqrt(int(depth))
+    return Tolerance(
+        rtol=2 * error,
+        atol=8 * error,
+        max_rel_l2=error,
+        min_cosine=1 - error**2 / 2,
+        max_bias=unit,
+    )
+
+
 #: ``dtype name -> Tolerance`` for floating and complex leaves; integers and bools are exact.
-#: Chosen from measured differences (see the README's table): outputs and gradients of the
-#: dualgraph ViT encoder, torch vs JAX.
+#: float64 and float32 chosen from measured differences (see the README's table): outputs and
+#: gradients of the dualgraph ViT encoder, torch vs JAX; float16 and bfloat16 by
+#: :func:`rounding_tolerance`, which the same measurements stay well within.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "float64": Tolerance(rtol=1e-9, atol=1e-9, max_rel_l2=1e-9, min_cosine=0.999999999),
     "complex128": Tolerance(rtol=1e-9, atol=1e-9, max_rel_l2=1e-9, min_cosine=0.999999999),
     "float32": Tolerance(rtol=1e-4, atol=1e-4, max_rel_l2=1e-4, min_cosine=0.99999),
     "complex64": Tolerance(rtol=1e-4, atol=1e-4, max_rel_l2=1e-4, min_cosine=0.99999),
-    "float16": Tolerance(rtol=1e-2, atol=5e-2, max_rel_l2=1e-2, min_cosine=0.9999),
-    "bfloat16": Tolerance(rtol=5e-2, atol=3e-1, max_rel_l2=8e-2, min_cosine=0.995),
+    "float16": rounding_tolerance("float16"),
+    "bfloat16": rounding_tolerance("bfloat16"),
     "float8_e4m3fn": _narrow(0.125),
     "float8_e4m3fnuz": _narrow(0.125),
     "float8_e4m3": _narrow(0.125),

@@ -17,7 +17,9 @@ __all__ = [
     "full_precision",
     "named_params",
     "read_grads",
+    "refuse_ambient_numerics",
     "refuse_computed_params",
+    "refuse_default_dtype",
     "refuse_detached_params",
     "torch_device",
 ]
@@ -139,6 +141,67 @@ def _shown_type(value: Any) -> str:
     return class_name(type(value)).removeprefix("builtins.")
 
 
+#: The device types torch's autocast knows (with the private-use backend's name, at the call).
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla")
+
+
+def refuse_ambient_numerics() -> None:
+    """Refuse a caller's setting under which ``torch_fn`` would compute other than as written,
+    while the JAX reference does not: an open ``torch.autocast`` (its ops in bfloat16 or
+    float16 where the reference computes in the inputs' dtypes) and a torch function or
+    dispatch mode (which may replace any op: a quantizing or rounding emulator), ``torch.device``
+    (a default device for factories) excepted. compare's own settings (full precision, TF32 off)
+    are set for the call instead; see :func:`full_precision`."""
+    device_types = {*_AUTOCAST_DEVICE_TYPES, torch._C._get_privateuse1_backend_name()}
+    for device_type in sorted(device_types):
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+        except RuntimeError:  # a device type this build has no autocast for
+            continue
+        if enabled:
+            dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+            raise DualgraphError(
+                f"compare: called inside torch.autocast({device_type!r}, dtype=torch.{dtype}), "
+                f"under which torch_fn would run its matmuls and convolutions in {dtype} where the "
+                "JAX reference computes in the inputs' dtypes: the comparison would not be of "
+                "torch_fn as written. Call compare outside the autocast, or enter the autocast "
+                "inside torch_fn (and cast alike in the JAX function)"
+            )
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]
+    modes += _get_current_dispatch_mode_stack()
+    if modes:
+        raise DualgraphError(
+            f"compare: called inside the torch mode {class_name(type(modes[0]))}, which may "
+            "replace any op torch_fn runs (and those of compare's own backward), where the JAX "
+            "reference runs as written: the comparison would not be of torch_fn as written. Call "
+            "compare outside the mode, or enter it inside torch_fn"
+        )
+
+
+def refuse_default_dtype(jax_in_64_bits: bool) -> None:
+    """Refuse a torch default dtype other than the JAX reference's default float dtype
+    (``float32``; ``float64`` in JAX's 64-bit mode), as ``torch.set_default_dtype`` sets it: the
+    tensors ``torch_fn`` makes from Python numbers (``torch.tensor(0.1)``, ``torch.arange(3.)``)
+    would hold other values than the arrays the reference makes from them. A float32 default
+    beside the 64-bit mode is left be (compare turns the mode on for 64-bit leaves)."""
+    dtype = torch.get_default_dtype()
+    if dtype == torch.float32 or (dtype == torch.float64 and jax_in_64_bits):
+        return
+    name = str(dtype).removeprefix("torch.")
+    jax_default = "float64 (its 64-bit mode is on)" if jax_in_64_bits else "float32"
+    raise DualgraphError(
+        f"compare: torch's default dtype is {name} (torch.set_default_dtype), where the JAX "
+        f"reference's is {jax_default}: the tensors torch_fn makes from Python numbers "
+        "(torch.tensor(0.1), torch.arange(3.0)) would hold other values than the reference's "
+        "arrays. Call compare with torch's default dtype float32"
+        + ("" if jax_in_64_bits else ", or with 64-bit leaves (the JAX side then runs in 64 bits)")
+    )
+
+
 def torch_device(values: Iterable[Any]) -> torch.device:
     """The device of the first tensor among ``values`` (inputs, then parameters); else the CPU."""
     for value in values:
@@ -203,7 +266,11 @@ def _leaves_reached(outputs: Sequence[tuple[torch.Tensor, Any]]) -> list[torch.T
 def full_precision() -> Iterator[None]:
     """TF32 off for float32 matmuls and convolutions in PyTorch, on the GPU (cuBLAS, cuDNN) and
     on the CPU (oneDNN, which ``torch.set_float32_matmul_precision("medium")`` lets compute
-    float32 matmuls in bfloat16 on CPUs that have it); the settings are restored."""
+    float32 matmuls in bfloat16 on CPUs that have it); the settings are restored.
+
+    cuBLAS's reduced-precision reductions of float16 and bfloat16 matmuls are left as they
+    are: a graphed ``torch_fn`` refuses a call under other settings than its capture's, and
+    torch's default (on) is what its users run."""
     backends = torch.backends
     if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
         cudnn: Any = backends.cudnn  # conv and rnn are missing from torch's stubs
