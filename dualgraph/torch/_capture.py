@@ -44,6 +44,7 @@ from ._capture_failure import (
     repair_cuda_rng,
 )
 from ._capture_state import _Capture
+from ._closed_over import classes_read_once
 from ._grad_checks import held_by_a_graph
 from ._hooks import NO_HOOKS, CallableHooks
 from ._host_state import record_host_state, refuse_parameters_off_device
@@ -190,11 +191,12 @@ def _capture_copies(
     # (see release_failed_attempt).
     copies: list[list[_Capture]] = []
     shared = _shared_parameters(requests)
-    for index, request in enumerate(requests):
-        progress.name = request.name
-        make = functools.partial(_Capture, request, options, shared=shared)
-        copies.append(layout.copies(index, make))
-        probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
+    with classes_read_once():  # nothing runs yet: each class's code and attributes read once
+        for index, request in enumerate(requests):
+            progress.name = request.name
+            make = functools.partial(_Capture, request, options, shared=shared)
+            copies.append(layout.copies(index, make))
+            probes.append(copies[-1][0].probe)  # issue 19 hook: the warmed-up original's
     captures = [item for group in copies for item in group]
     _refuse_parameters_held_by_graphs(captures, progress)
     for item in captures:

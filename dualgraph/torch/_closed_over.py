@@ -17,6 +17,7 @@ call refuses a change (a weight moved by ``.data = ...`` or ``.half()``, ``encod
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dis
 import functools
 import inspect
@@ -34,6 +35,7 @@ __all__ = [
     "closed_over_tensors",
     "code_tensors",
     "code_values",
+    "classes_read_once",
     "forward_values",
     "method_module",
     "methods_run",
@@ -154,14 +156,64 @@ def forward_values(module: torch.nn.Module) -> CodeValues:
         if cls in classes:  # its code read once
             continue
         classes.add(cls)
-        for function in methods_run(cls, getattr(cls, "forward", None)):
+        for function, found in _read_once("forward", cls, None, _forwards_read):
             if id(function) in seen:
                 continue
             seen.add(id(function))
-            found = code_values(function, owner=f"{cls.__name__}.{function.__name__}")
             globals_ += found[0]
             cells += found[1]
     return globals_, cells
+
+
+def _forwards_read(cls: type, _: None) -> list[tuple[types.FunctionType, CodeValues]]:
+    """Each function the ``forward`` of ``cls`` runs of its class, with its :func:`code_values`."""
+    return [
+        (function, code_values(function, owner=f"{cls.__name__}.{function.__name__}"))
+        for function in methods_run(cls, getattr(cls, "forward", None))
+    ]
+
+
+#: What :func:`methods_run`, :func:`class_values` and :func:`forward_values` read of a class,
+#: kept while :func:`classes_read_once` is open (a capture's setup, before any call): ``None``
+#: outside, where each reads anew.
+_CLASSES_READ: contextvars.ContextVar[dict[Any, Any] | None] = contextvars.ContextVar(
+    "dualgraph_classes_read", default=None
+)
+
+
+@contextlib.contextmanager
+def classes_read_once() -> Iterator[None]:
+    """Within: what the functions above read of each class (its methods a forward runs, their
+    globals and the class attributes they read) is read once, for every module of that class.
+
+    For a capture's setup, where nothing runs in between that could change a class: the twelve
+    blocks of a ViT read ``ViTBlock``'s (and ``Linear``'s, ``LayerNorm``'s) once, not twelve
+    times each (``inspect.getattr_static`` for every attribute name the code loads).
+
+    >>> with classes_read_once():
+    ...     same = methods_run(torch.nn.Linear, torch.nn.Linear.forward)
+    ...     same is methods_run(torch.nn.Linear, torch.nn.Linear.forward)
+    True
+    """
+    token = _CLASSES_READ.set({})
+    try:
+        yield
+    finally:
+        _CLASSES_READ.reset(token)
+
+
+def _read_once(what: str, cls: type, entry: Any, read: Callable[[type, Any], Any]) -> Any:
+    """``read(cls, entry)``, kept for ``what`` while :func:`classes_read_once` is open (by the
+    entry's id, which needs no hash; the entry kept alive with what was read, so that no other
+    object takes its id meanwhile)."""
+    kept = _CLASSES_READ.get()
+    if kept is None:
+        return read(cls, entry)
+    key = (what, cls, id(entry))
+    found = kept.get(key)
+    if found is None:
+        found = kept[key] = (entry, read(cls, entry))
+    return found[1]
 
 
 #: At most this many functions of a class are followed from one entry (a forward, a method).
@@ -185,6 +237,10 @@ def methods_run(cls: type, entry: Any) -> list[types.FunctionType]:
     >>> [f.__name__ for f in methods_run(Block, Block.forward)]
     ['forward', '_scaled']
     """
+    return _read_once("methods", cls, entry, _methods_run)
+
+
+def _methods_run(cls: type, entry: Any) -> list[types.FunctionType]:
     found: dict[int, types.FunctionType] = {}
     pending = [entry]
     while pending and len(found) < _METHODS_FOLLOWED:
@@ -232,23 +288,25 @@ def class_values(
         entry = method if submodule is module and method is not None else cls.forward
         names = read.get((cls, entry))
         if names is None:
-            loaded = (
-                name
-                for function in methods_run(cls, entry)
-                for name in _attributes_loaded(function.__code__)
-            )
-            names = read[cls, entry] = tuple(
-                (key, value)
-                for key in dict.fromkeys(loaded)
-                if not key.startswith("_")  # private: not compared, as a module's own are not
-                and is_plain(value := inspect.getattr_static(cls, key, _NOT_THERE))
-            )
+            names = read[cls, entry] = _read_once("class values", cls, entry, _class_values_read)
         own = (submodule.__dict__, submodule._parameters, submodule._buffers, submodule._modules)
         for key, value in names:
             if (id(cls), key) not in found and not any(key in d for d in own):
                 # (an instance's own value is compared as an attribute)
                 found[id(cls), key] = (f"{cls.__name__}.{key} (a class attribute)", cls, key, value)
     return list(found.values())
+
+
+def _class_values_read(cls: type, entry: Any) -> tuple[tuple[str, Any], ...]:
+    """``(key, value)`` of the plain values of ``cls`` that the code ``entry`` runs loads."""
+    functions = methods_run(cls, entry)
+    loaded = (name for function in functions for name in _attributes_loaded(function.__code__))
+    return tuple(
+        (key, value)
+        for key in dict.fromkeys(loaded)
+        if not key.startswith("_")  # private: not compared, as a module's own are not
+        and is_plain(value := inspect.getattr_static(cls, key, _NOT_THERE))
+    )
 
 
 def _attributes_loaded(code: types.CodeType) -> tuple[str, ...]:

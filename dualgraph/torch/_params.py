@@ -115,6 +115,8 @@ Hooks = tuple[tuple[Any, ...], tuple[tuple[bool, ...], ...]]
 
 
 def _hooks_held(hooks: dict[Any, Any], flags: tuple[dict[Any, Any], ...]) -> Hooks:
+    if not hooks:  # most hook dicts of most modules (four a module): nothing to iterate
+        return (), ((),) * len(flags)
     return tuple(hooks.values()), tuple(tuple(key in flag for key in hooks) for flag in flags)
 
 
@@ -373,7 +375,8 @@ class ModuleTensors:
         root = type(module).__name__ if root is None else root
         entries: list[tuple[str, dict[str, Any], str, torch.Tensor, bool]] = []
         absent: list[tuple[str, dict[str, Any], str, str]] = []
-        for prefix, submodule in module.named_modules():
+        walked = list(module.named_modules())  # one walk for all three passes below
+        for prefix, submodule in walked:
             for is_buffer, owner in ((False, submodule._parameters), (True, submodule._buffers)):
                 for key, tensor in owner.items():
                     name = _joined(root, prefix, key)
@@ -384,7 +387,7 @@ class ModuleTensors:
         tensors = tuple(entry[3] for entry in entries)
         watched = tuple(dict.fromkeys(t for t in tensors if not t.requires_grad))
         hung: list[tuple[str, dict[str, Any], str, torch.nn.Module]] = []
-        for prefix, parent in module.named_modules():
+        for prefix, parent in walked:
             for key, child in parent._modules.items():
                 name = _joined(root, prefix, key)
                 if child is not None:
@@ -392,17 +395,14 @@ class ModuleTensors:
                 else:
                     absent.append((name, parent._modules, key, "submodule"))
         modules = tuple(entry[3] for entry in hung)
-        hooked = [
-            (
-                _joined(root, prefix),
-                kind,
-                getattr(submodule, attribute),
-                tuple(getattr(submodule, flag, {}) for flag in flags),
-            )
-            for prefix, submodule in module.named_modules()
-            if prefix and not any(submodule is other for other in uncalled)
-            for attribute, (kind, flags) in _HOOK_KINDS.items()
-        ]
+        hooked: list[tuple[str, str, dict[Any, Any], tuple[dict[Any, Any], ...]]] = []
+        for prefix, submodule in walked:
+            if not prefix or any(submodule is other for other in uncalled):
+                continue
+            name = _joined(root, prefix)  # once for its four kinds of hooks
+            for attribute, (kind, flags) in _HOOK_KINDS.items():
+                held = tuple([getattr(submodule, flag, {}) for flag in flags])
+                hooked.append((name, kind, getattr(submodule, attribute), held))
         table = vars(torch.nn.modules.module)
         global_hooks = [
             (
@@ -462,7 +462,12 @@ class ModuleTensors:
             root=module,
             root_name=root,
             attributes_at_setup=tuple(
-                {key: value for key, value in vars(m).items() if _watched(key, value)}
+                {
+                    key: value
+                    for key, value in vars(m).items()
+                    # most of a module's own keys are private: not watched, no call to ask
+                    if key[:1] != "_" and _watched(key, value)
+                }
                 for m in (module, *modules)
             ),
         )
@@ -1473,7 +1478,7 @@ def _summary(value: Any) -> str:
 
 
 def _joined(*parts: str) -> str:
-    return ".".join(part for part in parts if part)
+    return ".".join(filter(None, parts))
 
 
 def _copy_back(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
