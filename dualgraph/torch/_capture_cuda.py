@@ -167,7 +167,10 @@ def _capture_backward(
     """Capture the backward graph of ``item`` from its forward's outputs ``flat``."""
     mode: Any = options.capture_error_mode
     progress.name, progress.phase = item.name, "backward capture"
-    differentiable = [flat[i] for i in item.diff_outputs]
+    # The outputs handed out as another tensor (an input, a view of one or of another output)
+    # are left out: their grads go to that tensor, never through the replay (as in emulate's).
+    taken = item.backward_outputs
+    differentiable = [flat[item.diff_outputs[k]] for k in taken]
     diff_inputs = item.diff_inputs()
     if differentiable and diff_inputs:
         item.grad_outputs = grad_output_buffers(item, flat)
@@ -184,9 +187,11 @@ def _capture_backward(
             grads = torch.autograd.grad(
                 differentiable,
                 diff_inputs,
-                grad_outputs=item.grad_outputs,
+                grad_outputs=[item.grad_outputs[k] for k in taken],
                 only_inputs=True,
-                allow_unused=options.allow_unused_input,
+                # an input reached only through a handed-out output gets its grad there (the
+                # warmup refused the unused ones already)
+                allow_unused=options.allow_unused_input or len(taken) < len(item.diff_outputs),
             )
             accumulate = accumulate_into(
                 item.fused_accumulators, grads[len(item.grad_input_indices) :]

@@ -59,6 +59,14 @@ class OutputAliases:
     steps: tuple[_Step, ...]  # sources before the outputs made from them
     input_views: tuple[_Step, ...]  # views of inputs: the input must keep its captured layout
 
+    @property
+    def handed_out(self) -> frozenset[int]:
+        """The outputs handed out as another tensor than the replay's own (an input, a
+        parameter, another output or a view of one): their grads go to that tensor, so the
+        backward never gets one for them, and must not differentiate them (a view's backward
+        pads with ``0.0``, which turns a ``-0.0`` of the source's grad into ``0.0``)."""
+        return frozenset(step.output for step in self.steps)
+
     def check_inputs(
         self,
         name: str,

@@ -469,25 +469,30 @@ def _warmup(
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
+        # As the captured backward: the outputs handed out as another tensor (an input, a view
+        # of one or of another output) take their grads there, never through the replay.
+        backward = [differentiable[k] for k in item.backward_outputs]
+        grads = (None,) * len(diff_inputs)
         # every thread's: the autograd engine runs a CUDA device's backward functions (a
         # checkpoint's recomputation) in a thread of its own
         rewinds = rng_rewinds(every_thread=True) if inspect else contextlib.nullcontext()
         with item.request.hooks.around("backward"), rewinds as rewound:
-            grads = tuple(
-                torch.autograd.grad(
-                    differentiable,
-                    diff_inputs,
-                    grad_outputs=[torch.ones_like(t) for t in differentiable],
-                    allow_unused=True,  # an unused one is refused below, naming it
+            if backward:
+                grads = tuple(
+                    torch.autograd.grad(
+                        backward,
+                        diff_inputs,
+                        grad_outputs=[torch.ones_like(t) for t in backward],
+                        allow_unused=True,  # an unused one is refused below, naming it
+                    )
                 )
-            )
         if rewound is not None and rewound.draws_from_rewound_state:
             _refuse_rewound_draws(item, "backward")
         if not allow_unused:
             # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
             # whose TypeError costs about 18 us a tensor
             unused = next((k for k, grad in enumerate(grads) if grad is None), None)
-            if unused is not None:
+            if unused is not None and not _reached_by_handed_out(item, differentiable, unused):
                 _refuse_unused(item, unused)
         if inspect:
             item.take_grad_layouts(grads)
@@ -528,6 +533,15 @@ def _refuse_rewound_draws(item: _Capture, where: str) -> None:
             "or make numbers meant to be the same on every call once, outside it (a buffer)"
         )
     raise Refused(f"{item.name}'s {where} {what}")
+
+
+def _reached_by_handed_out(item: _Capture, differentiable: Sequence[torch.Tensor], k: int) -> bool:
+    """Whether an output handed out as another tensor reaches the ``k``-th of
+    :meth:`_Capture.diff_inputs` (``return x[0]``: ``x`` takes that view's grad), which the
+    backward's grads (of the other outputs) leave ``None``. Only where one is ``None``."""
+    leaf = item.diff_inputs()[k]
+    taken = set(item.backward_outputs)
+    return any(_reaches(output, leaf) for j, output in enumerate(differentiable) if j not in taken)
 
 
 def _reaches(output: torch.Tensor, leaf: torch.Tensor) -> bool:
