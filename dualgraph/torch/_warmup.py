@@ -40,7 +40,7 @@ from ._grad_mode_set import turns_grad_mode_on
 from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
-from ._output_aliases import find_output_aliases
+from ._output_aliases import OutputAliases, find_output_aliases
 from ._params import (
     bytes_now,
     bytes_of,
@@ -326,6 +326,41 @@ def _refuse_outputs_retaining_grad(flat: Sequence[torch.Tensor], paths: Sequence
             )
 
 
+def _refuse_outputs_with_attributes(
+    flat: Sequence[torch.Tensor], paths: Sequence[str], aliases: OutputAliases | None
+) -> None:
+    """Refuse an output carrying Python attributes (``y.tag = ...`` in the callable).
+
+    Eager's output is that tensor, attributes included; a replay hands out a tensor of its own
+    (or a view it makes), without them, and on CUDA no Python runs to set them again. A
+    parameter returned is handed out as itself, and keeps its own.
+
+    >>> y = torch.ones(2) * 2
+    >>> y.tag = "logits"
+    >>> sorted(vars(y))
+    ['tag']
+    """
+    itself = frozenset(
+        ()
+        if aliases is None
+        else (
+            s.output
+            for s in aliases.steps
+            if s.parameter is not None and s.size is None and not s.detach
+        )
+    )
+    for k, (path, tensor) in enumerate(zip(paths, flat, strict=True)):
+        names = sorted(map(str, vars(tensor))) if k not in itself else ()
+        if names:
+            raise Refused(
+                f"output{path}: the tensor carries the attributes {names} (set on it by the "
+                "callable, or on the tensor it is), which eager's output has; a replay hands "
+                "out a tensor of its own without them (no Python runs on a CUDA replay to set "
+                "them). Return them beside it as outputs (constants or tensors), or set them "
+                "on the output after the call"
+            )
+
+
 def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
     """Refuse an input requiring grad that the callable turned off (``y.requires_grad_(False)``,
     ``y.detach_()``): eager turns off the caller's tensor's, which then gets no grad; the
@@ -440,6 +475,7 @@ def _warmup(
             ],
         )
         item.take_returned_parameters(item.out_spec.array_paths)
+        _refuse_outputs_with_attributes(flat, item.out_spec.array_paths, item.output_aliases)
         item.saved_outputs = _saved_outputs(flat, saved)
         item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
         module = item.request.module
