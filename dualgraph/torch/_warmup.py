@@ -333,7 +333,7 @@ def _refuse_outputs_with_attributes(
 
     Eager's output is that tensor, attributes included; a replay hands out a tensor of its own
     (or a view it makes), without them, and on CUDA no Python runs to set them again. A
-    parameter returned is handed out as itself, and keeps its own.
+    parameter or buffer returned is handed out as itself, and keeps its own.
 
     >>> y = torch.ones(2) * 2
     >>> y.tag = "logits"
@@ -473,6 +473,7 @@ def _warmup(
             else [
                 t for t, buffer in zip(record.tensors, record.is_buffer, strict=True) if not buffer
             ],
+            () if record is None else record.tensors,
         )
         item.take_returned_parameters(item.out_spec.array_paths)
         _refuse_outputs_with_attributes(flat, item.out_spec.array_paths, item.output_aliases)
