@@ -598,3 +598,26 @@ def test_an_output_that_is_or_views_a_buffer_is_handed_out_as_that_memory(backen
         assert_grads_match([x.grad], [x_eager.grad], ["x"], tolerance(backend))
     assert_trees_match(dict(module.named_buffers()), dict(eager.named_buffers()))
     assert torch.equal(module.frozen, eager.frozen)
+
+
+class _HandsOutOnlyViews(nn.Module):
+    """``(x[0], fc.weight, x)``: every output is handed out as another tensor; fc.bias unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x[0], self.fc.weight, x
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_no_output_depends_on_is_refused_where_every_output_is_handed_out(
+    backend: str,
+) -> None:
+    # Outputs handed out as another tensor are left out of the captured backward; the unused
+    # check must still see that no output reaches fc.bias (x and fc.weight are reached).
+    device = device_of(backend)
+    sample = (torch.randn(3, 4, device=device, requires_grad=True),)
+    message = capture_error(_HandsOutOnlyViews().to(device), sample, backend=backend)
+    assert "_HandsOutOnlyViews.fc.bias requires grad, but no output depends on it" in message

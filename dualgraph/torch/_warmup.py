@@ -528,8 +528,15 @@ def _warmup(
         if not allow_unused:
             # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
             # whose TypeError costs about 18 us a tensor
-            unused = next((k for k, grad in enumerate(grads) if grad is None), None)
-            if unused is not None and not _reached_by_handed_out(item, differentiable, unused):
+            unused = next(
+                (
+                    k
+                    for k, grad in enumerate(grads)
+                    if grad is None and not _reached_by_handed_out(item, differentiable, k)
+                ),
+                None,
+            )
+            if unused is not None:
                 _refuse_unused(item, unused)
         if inspect:
             item.take_grad_layouts(grads)
