@@ -645,6 +645,33 @@ def test_an_output_left_out_of_the_loss_gets_a_zero_grad(backend: str) -> None:
     assert_tensors_match(x.grad, x.detach().exp(), "x.grad", tolerance(backend))
 
 
+class _RootAndDouble(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * 3
+        return h.sqrt(), h * 2
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_an_output_left_out_of_the_loss_adds_nothing_to_the_grads_on_emulate(
+    param_grads: str,
+) -> None:
+    # The emulated backward differentiated every output, giving one left out of the loss a
+    # zero grad: its sqrt's backward at 0 made 0 * inf = NaN in x.grad, and where the loss
+    # sent -0.0 the zero added to it gave 0.0; eager's backward never reaches that output.
+    graphed = _RootAndDouble()
+    sample = torch.rand(2, 3, requires_grad=True)
+    dgt.make_graphed_callables(graphed, (sample,), backend="emulate", param_grads=param_grads)
+    for scale in (1.0, -0.0):
+        x = torch.tensor([[0.0, 1.0, 4.0], [0.5, 0.0, 2.0]])
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for net, leaf in ((graphed, mine), (_RootAndDouble(), theirs)):
+            _, double = net(leaf)
+            (double * scale).sum().backward()
+        assert theirs.grad is not None and mine.grad is not None
+        assert torch.equal(mine.grad, theirs.grad), (mine.grad, theirs.grad)  # no NaN
+        assert torch.equal(mine.grad.signbit(), theirs.grad.signbit())
+
+
 class TwoHeads(nn.Module):
     """Two outputs, each with parameters (and an input) of its own: a loss may use one only."""
 
