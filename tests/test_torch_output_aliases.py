@@ -621,3 +621,28 @@ def test_a_parameter_no_output_depends_on_is_refused_where_every_output_is_hande
     sample = (torch.randn(3, 4, device=device, requires_grad=True),)
     message = capture_error(_HandsOutOnlyViews().to(device), sample, backend=backend)
     assert "_HandsOutOnlyViews.fc.bias requires grad, but no output depends on it" in message
+
+
+class _HandsBackItsInputAndARow(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[0], x
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_callable_whose_every_output_is_handed_out_as_another_tensor_is_graphed(
+    backend: str,
+) -> None:
+    # No output is left for the backward graph (each takes its grad at the caller's x): the
+    # capture has no backward to record, and each call hands out the caller's x and its row.
+    device = device_of(backend)
+    graphed = _HandsBackItsInputAndARow()
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(graphed, (sample,), backend=backend)
+    for _ in range(2):
+        x = torch.randn(3, 4, device=device, requires_grad=True)
+        row, same = graphed(x)
+        assert same is x and row._base is x and torch.equal(row, x[0])
+        (row.sum() * 2 + (same * 3).sum()).backward()
+        expected = torch.full((3, 4), 3.0, device=device)
+        expected[0] += 2
+        assert x.grad is not None and torch.equal(x.grad, expected)

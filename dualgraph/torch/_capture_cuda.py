@@ -172,8 +172,9 @@ def _capture_backward(
     taken = item.backward_outputs
     differentiable = [flat[item.diff_outputs[k]] for k in taken]
     diff_inputs = item.diff_inputs()
+    # one per differentiable output (as emulate's), also where every one is handed out
+    item.grad_outputs = grad_output_buffers(item, flat)
     if differentiable and diff_inputs:
-        item.grad_outputs = grad_output_buffers(item, flat)
         # outside the pool (results_outside_pool), unless the grads go into a donor's buffers
         layouts = item.grad_layouts if item.buffers_from is None else ()
         buffers = item.grad_buffers(layouts) if layouts else ()
