@@ -771,6 +771,34 @@ def test_an_output_the_callable_retains_the_grad_of_is_refused_naming_it(backend
     assert "Call retain_grad() on the output the call returns" in message
 
 
+class TagsItsOutput(nn.Module):
+    """Sets an attribute on the tensor it returns (``y.tag = "logits"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        y.tag = "logits"  # type: ignore[attr-defined]
+        return x.sin(), y
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_the_callable_sets_an_attribute_on_is_refused_naming_it(backend: str) -> None:
+    # Graphed, the output handed out had no .tag (a replay's tensor of its own), silently,
+    # where eager's output is the tensor the callable tagged.
+    device = device_of(backend)
+    module = TagsItsOutput().to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(module, sample, backend=backend)
+    assert message.startswith(
+        f"capturing TagsItsOutput ({backend}) failed during warmup: output[1]: the tensor "
+        "carries the attributes ['tag']"
+    ), message
+    assert module(sample[0])[1].tag == "logits"  # left usable, eager
+
+
 class ChangesItsBatch(nn.Module):
     """Changes the dict it is given: pops the labels, replaces or adds an entry."""
 

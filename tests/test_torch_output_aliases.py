@@ -550,3 +550,99 @@ def test_an_output_that_is_a_parameter_requiring_grad_is_refused_under_in_graph(
     )
     assert "output[1] is the parameter _ReturnsItsParameters.fc.weight itself" in message
     assert "param_grads='auto' or 'autograd'" in message
+
+
+class _ReturnsItsBuffers(nn.Module):
+    """``(fc(x), count, mask, mask[1:], mask.detach(), frozen.t())``: a buffer it updates, a
+    buffer, a view and an alias of it, a view of a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.frozen = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.register_buffer("count", torch.zeros(4))
+        self.register_buffer("mask", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.count.add_(1)
+        h = self.fc(x) * self.mask
+        return h, self.count, self.mask, self.mask[1:], self.mask.detach(), self.frozen.t()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_that_is_or_views_a_buffer_is_handed_out_as_that_memory(backend: str) -> None:
+    # A replay handed out copies of a buffer returned (and of views of it): the caller's change
+    # through them (in place, as eager's changes the module) was lost, silently: the next call
+    # computed with the old mask, and the outputs were other objects than the module's.
+    device = device_of(backend)
+    eager = _ReturnsItsBuffers().to(device)
+    module = copy.deepcopy(eager)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(module, (sample,), backend=backend)
+    for step in range(3):
+        x = torch.randn(3, 4, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_(True)
+        ours, theirs = graphed(x), eager(x_eager)
+        assert ours[1] is module.count and ours[2] is module.mask
+        assert ours[3]._base is module.mask and ours[5]._base is module.frozen
+        assert ours[4]._base is None and ours[4].data_ptr() == module.mask.data_ptr()
+        assert [(t.shape, t.stride(), t.is_leaf, t.requires_grad) for t in ours] == [
+            (t.shape, t.stride(), t.is_leaf, t.requires_grad) for t in theirs
+        ]
+        assert_trees_match(ours, theirs, tolerance(backend))
+        for outputs in (ours, theirs):  # then the caller changes them in place, as eager lets
+            outputs[0].sum().backward()
+            outputs[3].mul_(2.0)
+            outputs[4][0] += step
+            outputs[5][0, 0] = 5.0
+        assert_grads_match([x.grad], [x_eager.grad], ["x"], tolerance(backend))
+    assert_trees_match(dict(module.named_buffers()), dict(eager.named_buffers()))
+    assert torch.equal(module.frozen, eager.frozen)
+
+
+class _HandsOutOnlyViews(nn.Module):
+    """``(x[0], fc.weight, x)``: every output is handed out as another tensor; fc.bias unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x[0], self.fc.weight, x
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_parameter_no_output_depends_on_is_refused_where_every_output_is_handed_out(
+    backend: str,
+) -> None:
+    # Outputs handed out as another tensor are left out of the captured backward; the unused
+    # check must still see that no output reaches fc.bias (x and fc.weight are reached).
+    device = device_of(backend)
+    sample = (torch.randn(3, 4, device=device, requires_grad=True),)
+    message = capture_error(_HandsOutOnlyViews().to(device), sample, backend=backend)
+    assert "_HandsOutOnlyViews.fc.bias requires grad, but no output depends on it" in message
+
+
+class _HandsBackItsInputAndARow(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[0], x
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_callable_whose_every_output_is_handed_out_as_another_tensor_is_graphed(
+    backend: str,
+) -> None:
+    # No output is left for the backward graph (each takes its grad at the caller's x): the
+    # capture has no backward to record, and each call hands out the caller's x and its row.
+    device = device_of(backend)
+    graphed = _HandsBackItsInputAndARow()
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(graphed, (sample,), backend=backend)
+    for _ in range(2):
+        x = torch.randn(3, 4, device=device, requires_grad=True)
+        row, same = graphed(x)
+        assert same is x and row._base is x and torch.equal(row, x[0])
+        (row.sum() * 2 + (same * 3).sum()).backward()
+        expected = torch.full((3, 4), 3.0, device=device)
+        expected[0] += 2
+        assert x.grad is not None and torch.equal(x.grad, expected)

@@ -168,10 +168,14 @@ def _capture_backward(
     """Capture the backward graph of ``item`` from its forward's outputs ``flat``."""
     mode: Any = options.capture_error_mode
     progress.name, progress.phase = item.name, "backward capture"
-    differentiable = [flat[i] for i in item.diff_outputs]
+    # The outputs handed out as another tensor (an input, a view of one or of another output)
+    # are left out: their grads go to that tensor, never through the replay (as in emulate's).
+    taken = item.backward_outputs
+    differentiable = [flat[item.diff_outputs[k]] for k in taken]
     diff_inputs = item.diff_inputs()
+    # one per differentiable output (as emulate's), also where every one is handed out
+    item.grad_outputs = grad_output_buffers(item, flat)
     if differentiable and diff_inputs:
-        item.grad_outputs = grad_output_buffers(item, flat)
         # outside the pool (results_outside_pool), unless the grads go into a donor's buffers
         layouts = item.grad_layouts if item.buffers_from is None else ()
         buffers = item.grad_buffers(layouts) if layouts else ()
@@ -186,9 +190,11 @@ def _capture_backward(
             grads = torch.autograd.grad(
                 differentiable,
                 diff_inputs,
-                grad_outputs=item.grad_outputs,
+                grad_outputs=[item.grad_outputs[k] for k in taken],
                 only_inputs=True,
-                allow_unused=options.allow_unused_input,
+                # an input reached only through a handed-out output gets its grad there (the
+                # warmup refused the unused ones already)
+                allow_unused=options.allow_unused_input or len(taken) < len(item.diff_outputs),
             )
             accumulate = accumulate_into(
                 item.fused_accumulators, grads[len(item.grad_input_indices) :]

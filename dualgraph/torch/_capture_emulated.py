@@ -51,6 +51,8 @@ def capture_emulated(
         )
         item.grad_outputs = grad_output_buffers(item, flat)
         del flat
+        # the outputs handed out as another tensor are left out, as in a CUDA capture
+        taken = item.backward_outputs
         diff_inputs = item.diff_inputs()
         if item.grad_outputs and diff_inputs:
             item.place_grads(item.grad_buffers(item.warmup_grads))
@@ -65,12 +67,12 @@ def capture_emulated(
             static_kwargs=item.static_kwargs,
             out_spec=item.out_spec,
             static_outputs=item.static_outputs,
-            diff_outputs=item.diff_outputs,
+            diff_outputs=tuple(item.diff_outputs[k] for k in taken),
             diff_inputs=diff_inputs,
-            grad_outputs=item.grad_outputs,
+            grad_outputs=tuple(item.grad_outputs[k] for k in taken),
             grad_targets=targets,
             accumulators=accumulators,
-            allow_unused=options.allow_unused_input,
+            allow_unused=options.allow_unused_input or len(taken) < len(item.diff_outputs),
             hooked_params=item.params if options.param_grads != "in_graph" else (),
         )
         item.replay_forward = replay.forward

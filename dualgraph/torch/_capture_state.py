@@ -323,6 +323,20 @@ class _Capture:
         """The accumulators the backward graph itself adds into (see :attr:`fuses_accumulation`)."""
         return self.accumulators if self.fuses_accumulation else ()
 
+    @property
+    def backward_outputs(self) -> tuple[int, ...]:
+        """The positions among :attr:`diff_outputs` of the outputs the backward differentiates:
+        those the replay hands out as its own (see :attr:`OutputAliases.handed_out`).
+
+        ``return h, x[0]`` differentiates ``h`` alone: ``x[0]`` is handed out as a view of the
+        caller's ``x``, which takes its grad directly, as eager's does.
+        """
+        aliases = self.output_aliases
+        if aliases is None:
+            return tuple(range(len(self.diff_outputs)))
+        handed = aliases.handed_out
+        return tuple(k for k, i in enumerate(self.diff_outputs) if i not in handed)
+
     def diff_inputs(self) -> tuple[torch.Tensor, ...]:
         """What the backward differentiates for: inputs that require grad, then parameters."""
         return tuple(self.static_inputs[i] for i in self.grad_input_indices) + self.params
@@ -544,7 +558,7 @@ class _Capture:
         )
 
     def _has_backward(self) -> bool:
-        if not self.diff_outputs or self.replay_backward is None:
+        if not self.backward_outputs or self.replay_backward is None:
             return False
         grads = (*self.input_grads, *self.param_grads, *self.accumulators)
         return any(g is not None for g in grads)

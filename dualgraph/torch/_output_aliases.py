@@ -36,7 +36,9 @@ class _Step:
     this size and stride, ``offset`` elements past the source's storage offset. ``conj`` and
     ``neg``: the output's conjugate or negative bit is the other one than the source's
     (``x.conj()``: the same memory, read conjugated), so the view made flips it. ``parameter``:
-    the output is this parameter itself (``return h, self.weight``), handed out as eager does.
+    the output is this parameter itself (``return h, self.weight``), handed out as eager does;
+    or, for a module tensor that needs no grad (a buffer, a frozen parameter), a view of it
+    (``size``) or an alias (``detach``), so that a change through the output reaches it.
     """
 
     output: int
@@ -58,6 +60,14 @@ class OutputAliases:
 
     steps: tuple[_Step, ...]  # sources before the outputs made from them
     input_views: tuple[_Step, ...]  # views of inputs: the input must keep its captured layout
+
+    @property
+    def handed_out(self) -> frozenset[int]:
+        """The outputs handed out as another tensor than the replay's own (an input, a
+        parameter, another output or a view of one): their grads go to that tensor, so the
+        backward never gets one for them, and must not differentiate them (a view's backward
+        pads with ``0.0``, which turns a ``-0.0`` of the source's grad into ``0.0``)."""
+        return frozenset(step.output for step in self.steps)
 
     def check_inputs(
         self,
@@ -88,10 +98,14 @@ class OutputAliases:
         """The outputs with the captured relations: ``outputs`` are the replay's own."""
         result = list(outputs)
         for step in self.steps:
-            if step.parameter is not None:
-                result[step.output] = step.parameter
+            held = step.parameter
+            if held is not None and step.size is None and not step.detach:
+                result[step.output] = held
                 continue
-            base = inputs[step.source] if step.from_input else result[step.source]
+            if held is not None:
+                base = held
+            else:
+                base = inputs[step.source] if step.from_input else result[step.source]
             if step.detach:
                 base = base.detach()
             if step.size is not None:
@@ -110,16 +124,24 @@ def find_output_aliases(
     out_paths: Sequence[str],
     input_paths: Sequence[str],
     parameters: Sequence[torch.Tensor] = (),
+    held: Sequence[torch.Tensor] = (),
 ) -> OutputAliases | None:
     """The relations among ``outputs`` (and with ``inputs``) a replay must keep, or ``None``.
 
     ``outputs``: the flat outputs of a warmup call on the static ``inputs``. ``parameters``:
     the callable's module's (or the modules its code names), each of which an output may be
     itself (eager returns the ``Parameter``, a leaf; a replay's output is a copy with a history
-    of its own). Raises :class:`Refused` naming the outputs where a replay cannot give eager's
-    sharing.
+    of its own). ``held``: the module tensors needing no grad (buffers, frozen parameters):
+    an output that is one, or shares its memory needing no grad itself (``self.mask[0]``), is
+    handed out as it or a view of it, as eager's (a change through it changes the module).
+    Raises :class:`Refused` naming the outputs where a replay cannot give eager's sharing.
     """
     parameter_ids = {id(p): p for p in parameters}
+    held_ids = {id(t): t for t in held}
+    storage_of_held: dict[int, torch.Tensor] = {}
+    for tensor in held:
+        if tensor.numel() and not tensor.requires_grad and tensor.layout is torch.strided:
+            storage_of_held.setdefault(storage_key(tensor), tensor)
     steps: list[_Step] = []
     input_views: list[_Step] = []
     first: dict[int, int] = {}  # id of an output tensor: its first position
@@ -140,13 +162,17 @@ def find_output_aliases(
             steps.append(step)
             input_views.append(step)
             continue
-        parameter = parameter_ids.get(id(tensor))
+        parameter = parameter_ids.get(id(tensor), held_ids.get(id(tensor)))
         if parameter is not None:
             steps.append(_Step(k, k, parameter=parameter))
             continue
         if not tensor.numel():
             continue
         storage = storage_key(tensor)
+        owner = storage_of_held.get(storage)
+        if owner is not None and not tensor.requires_grad and tensor.dtype == owner.dtype:
+            steps.append(_held_view(k, tensor, owner))
+            continue
         source = storage_of_input.get(storage)
         if source is not None:
             step = _input_view(k, source, tensor, inputs[source], out_paths, input_paths)
@@ -164,6 +190,30 @@ def find_output_aliases(
     if not steps:
         return None
     return OutputAliases(steps=tuple(steps), input_views=tuple(input_views))
+
+
+def _held_view(k: int, tensor: torch.Tensor, owner: torch.Tensor) -> _Step:
+    """Output ``k``, sharing the memory of the module tensor ``owner`` (needing no grad): an
+    alias of it (``.detach()``, ``.data``) or a view of it, made from it on every call."""
+    conj, neg = tensor.is_conj() != owner.is_conj(), tensor.is_neg() != owner.is_neg()
+    if (
+        tensor._base is None
+        and tensor.shape == owner.shape
+        and tensor.stride() == owner.stride()
+        and tensor.storage_offset() == owner.storage_offset()
+        and not (conj or neg)
+    ):
+        return _Step(k, k, detach=True, parameter=owner)
+    return _Step(
+        k,
+        k,
+        size=tuple(tensor.shape),
+        stride=tensor.stride(),
+        offset=int(tensor.storage_offset() - owner.storage_offset()),
+        conj=conj,
+        neg=neg,
+        parameter=owner,
+    )
 
 
 def _input_view(

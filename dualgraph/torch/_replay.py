@@ -179,9 +179,9 @@ class GraphedCallable:
         "_grad_dtypes",
         "_grad_output_indices",
         "_grad_outputs",
+        "_grad_outputs_taken",
         "_graph_grads",
         "_graph_grads_places",
-        "_handed_as_another",
         "_has_backward",
         "_held_nodes",
         "_holder_baseline",
@@ -299,7 +299,15 @@ class GraphedCallable:
         self._has_backward = plan.has_backward
         self._nondiff_outputs = plan.nondiff_outputs
         self._grad_outputs = tuple(zip(buffers.grad_outputs, plan.diff_outputs, strict=True))
-        self._grad_output_indices = tuple(plan.diff_outputs)
+        # Those the backward differentiates: an output handed out as another tensor (an input,
+        # a view of one or of another output: ``OutputAliases.handed_out``) takes its grad
+        # there, never through the replay, and the graphs leave it out (as eager's backward
+        # never sees it); its static grad is never read, so never written.
+        handed = frozenset() if plan.output_aliases is None else plan.output_aliases.handed_out
+        self._grad_outputs_taken = tuple(
+            (static, index) for static, index in self._grad_outputs if index not in handed
+        )
+        self._grad_output_indices = tuple(index for _, index in self._grad_outputs_taken)
         self._edges = params.edges
         self._input_grads = tuple(
             (1 + i, grad) for i, grad in enumerate(buffers.input_grads) if grad is not None
@@ -343,17 +351,7 @@ class GraphedCallable:
         self._used_inside = plan.used_inside
         # Of those, the ones handed out as another tensor (a view of an input or of another
         # output, made after the replay): that tensor is what a hook or retain_grad is put on.
-        replaced = frozenset(
-            ()
-            if plan.output_aliases is None
-            else (step.output for step in plan.output_aliases.steps)
-        )
-        self._used_inside_replaced = tuple(k for k in plan.used_inside if k in replaced)
-        # Their grads go to that tensor (the caller's input, another output), never through
-        # the replay, whose graph adds what it is given for them to the grads of the tensors
-        # they are inside: -0.0 there (x + -0.0 is x for every x; -0.0 + 0.0 is 0.0), so that
-        # a grad of -0.0 stays eager's, which adds nothing for them
-        self._handed_as_another = replaced
+        self._used_inside_replaced = tuple(k for k in plan.used_inside if k in handed)
         # Outputs eager's call under no_grad gives history (the callable enables grad itself).
         self._records_under_no_grad = plan.records_under_no_grad
         # The forward's Python branches on grad mode, or on some inputs' requires_grad (their
@@ -1263,13 +1261,10 @@ class GraphedCallable:
                 except BaseException:
                     self._backward_generation = pending
                     raise
-            for static, index in self._grad_outputs:
+            for static, index in self._grad_outputs_taken:
                 grad = grads[index]
                 if grad is None:
-                    if index in self._handed_as_another:
-                        static.fill_(-0.0)
-                    else:
-                        static.zero_()
+                    static.zero_()
                 else:
                     static.copy_(grad)
             if self._emulated is not None:

@@ -132,12 +132,25 @@ class EmulatedReplay:
         incoming, self.incoming = self.incoming, None
         if not live:
             raise DualgraphError("backward without a forward under autograd")
-        grad_outputs = self._grad_outputs
+        grad_outputs: Sequence[torch.Tensor] = self._grad_outputs
+        allow_unused = self._allow_unused
         if incoming is not None:  # the static buffers hold the same values (copied before)
-            grad_outputs = tuple(
-                static if grad is None else grad
-                for grad, static in zip(incoming, grad_outputs, strict=True)
-            )
+            given = [
+                (out, grad) for out, grad in zip(live, incoming, strict=True) if grad is not None
+            ]
+            if given and len(given) < len(live):
+                # Outputs left out of the loss: eager's backward never reaches their ops, so
+                # neither does this one (a zero grad through them would add 0.0, turning a
+                # -0.0 into 0.0, or 0 * inf = NaN, where eager adds nothing); what only they
+                # reach gets no grad (the replay hands out None there, see _unreached).
+                live = [out for out, _ in given]
+                grad_outputs = [grad for _, grad in given]
+                allow_unused = True
+            else:
+                grad_outputs = tuple(
+                    static if grad is None else grad
+                    for grad, static in zip(incoming, grad_outputs, strict=True)
+                )
         # Parameter hooks run once, when the replay hands the grads to autograd, as after a
         # graph's backward (which has them suspended during capture).
         hooks = suspended_tensor_hooks(self._hooked_params) if self._any_hooks() else _NO_HOOKS
@@ -150,7 +163,7 @@ class EmulatedReplay:
                 live,
                 [inputs[k] for k in wanted] if len(wanted) < len(inputs) else inputs,
                 grad_outputs=grad_outputs,
-                allow_unused=self._allow_unused,
+                allow_unused=allow_unused,
             )
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for k, computed in zip(wanted, some, strict=True):

@@ -41,7 +41,7 @@ from ._grad_mode_set import turns_grad_mode_on
 from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
-from ._output_aliases import find_output_aliases
+from ._output_aliases import OutputAliases, find_output_aliases
 from ._params import (
     bytes_now,
     bytes_of,
@@ -327,6 +327,41 @@ def _refuse_outputs_retaining_grad(flat: Sequence[torch.Tensor], paths: Sequence
             )
 
 
+def _refuse_outputs_with_attributes(
+    flat: Sequence[torch.Tensor], paths: Sequence[str], aliases: OutputAliases | None
+) -> None:
+    """Refuse an output carrying Python attributes (``y.tag = ...`` in the callable).
+
+    Eager's output is that tensor, attributes included; a replay hands out a tensor of its own
+    (or a view it makes), without them, and on CUDA no Python runs to set them again. A
+    parameter or buffer returned is handed out as itself, and keeps its own.
+
+    >>> y = torch.ones(2) * 2
+    >>> y.tag = "logits"
+    >>> sorted(vars(y))
+    ['tag']
+    """
+    itself = frozenset(
+        ()
+        if aliases is None
+        else (
+            s.output
+            for s in aliases.steps
+            if s.parameter is not None and s.size is None and not s.detach
+        )
+    )
+    for k, (path, tensor) in enumerate(zip(paths, flat, strict=True)):
+        names = sorted(map(str, vars(tensor))) if k not in itself else ()
+        if names:
+            raise Refused(
+                f"output{path}: the tensor carries the attributes {names} (set on it by the "
+                "callable, or on the tensor it is), which eager's output has; a replay hands "
+                "out a tensor of its own without them (no Python runs on a CUDA replay to set "
+                "them). Return them beside it as outputs (constants or tensors), or set them "
+                "on the output after the call"
+            )
+
+
 def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
     """Refuse an input requiring grad that the callable turned off (``y.requires_grad_(False)``,
     ``y.detach_()``): eager turns off the caller's tensor's, which then gets no grad; the
@@ -439,8 +474,10 @@ def _warmup(
             else [
                 t for t, buffer in zip(record.tensors, record.is_buffer, strict=True) if not buffer
             ],
+            () if record is None else record.tensors,
         )
         item.take_returned_parameters(item.out_spec.array_paths)
+        _refuse_outputs_with_attributes(flat, item.out_spec.array_paths, item.output_aliases)
         item.saved_outputs = _saved_outputs(flat, saved)
         item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
         module = item.request.module
@@ -470,25 +507,37 @@ def _warmup(
     del outputs, saved
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
+        # As the captured backward: the outputs handed out as another tensor (an input, a view
+        # of one or of another output) take their grads there, never through the replay.
+        backward = [differentiable[k] for k in item.backward_outputs]
+        grads = (None,) * len(diff_inputs)
         # every thread's: the autograd engine runs a CUDA device's backward functions (a
         # checkpoint's recomputation) in a thread of its own
         rewinds = rng_rewinds(every_thread=True) if inspect else contextlib.nullcontext()
         # outside autocast, as the capture's backward and the replays' (_capture_cuda)
         with item.request.hooks.around("backward"), rewinds as rewound, outside_autocast():
-            grads = tuple(
-                torch.autograd.grad(
-                    differentiable,
-                    diff_inputs,
-                    grad_outputs=[torch.ones_like(t) for t in differentiable],
-                    allow_unused=True,  # an unused one is refused below, naming it
+            if backward:
+                grads = tuple(
+                    torch.autograd.grad(
+                        backward,
+                        diff_inputs,
+                        grad_outputs=[torch.ones_like(t) for t in backward],
+                        allow_unused=True,  # an unused one is refused below, naming it
+                    )
                 )
-            )
         if rewound is not None and rewound.draws_from_rewound_state:
             _refuse_rewound_draws(item, "backward")
         if not allow_unused:
             # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
             # whose TypeError costs about 18 us a tensor
-            unused = next((k for k, grad in enumerate(grads) if grad is None), None)
+            unused = next(
+                (
+                    k
+                    for k, grad in enumerate(grads)
+                    if grad is None and not _reached_by_handed_out(item, differentiable, k)
+                ),
+                None,
+            )
             if unused is not None:
                 _refuse_unused(item, unused)
         if inspect:
@@ -530,6 +579,15 @@ def _refuse_rewound_draws(item: _Capture, where: str) -> None:
             "or make numbers meant to be the same on every call once, outside it (a buffer)"
         )
     raise Refused(f"{item.name}'s {where} {what}")
+
+
+def _reached_by_handed_out(item: _Capture, differentiable: Sequence[torch.Tensor], k: int) -> bool:
+    """Whether an output handed out as another tensor reaches the ``k``-th of
+    :meth:`_Capture.diff_inputs` (``return x[0]``: ``x`` takes that view's grad), which the
+    backward's grads (of the other outputs) leave ``None``. Only where one is ``None``."""
+    leaf = item.diff_inputs()[k]
+    taken = set(item.backward_outputs)
+    return any(_reaches(output, leaf) for j, output in enumerate(differentiable) if j not in taken)
 
 
 def _reaches(output: torch.Tensor, leaf: torch.Tensor) -> bool:
