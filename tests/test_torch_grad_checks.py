@@ -28,6 +28,16 @@ def test_aliases_refuses_the_same_memory_in_another_layout() -> None:
         aliases(accumulator.t(), accumulator, "w")
 
 
+def test_grad_problem_finds_a_grad_moved_to_another_device() -> None:
+    # (p.grad.data = p.grad.data.cpu() on a GPU: a meta tensor stands in for the other device)
+    weight = torch.nn.Parameter(torch.ones(8))
+    accumulator = torch.zeros(8)
+    moved = torch.zeros(8, device="meta")
+    problem = grad_problem([(weight, accumulator, moved, None)], [span(accumulator)], {weight: "w"})
+    assert problem is not None and problem.raises_for is weight
+    assert problem.found == ".grad is on meta, the parameter on cpu: eager's add into it raises"
+
+
 def test_grad_problem_finds_a_grad_of_another_shape_in_the_same_memory() -> None:
     weight = torch.nn.Parameter(torch.ones(8))
     accumulator = torch.zeros(8)

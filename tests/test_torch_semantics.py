@@ -37,6 +37,7 @@ from entry_points import ENTRY_POINTS, WITH_PARAMETERS, Decays, batch, call_leng
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from torch_cases import (
+    CUDA,
     GRAPH_BACKENDS,
     GRAPH_GRAD_MODES,
     TinyMLP,
@@ -3203,6 +3204,42 @@ def test_a_grad_of_another_shape_raises_before_any_grad_changed(
     for _ in range(2):
         _square_step(net, twin, backend)
         _assert_same_grads(net, twin, backend)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_a_grad_moved_to_another_device_gets_what_eager_does_before_any_grad_changed(
+    param_grads: str,
+) -> None:
+    # .grad.data moved to the host (an offload): the graph's copy back into it crossed devices
+    # silently where eager's add into it raises (grad_problem's CPU test stands in off a GPU)
+    net, twin = _square_pair(CUDA, param_grads)
+    _square_step(net, twin, CUDA)
+    for module in (net, twin):
+        module[2].weight.grad.data = module[2].weight.grad.data.cpu()
+    grads = [p.grad for p in net.parameters()]
+    before = grads_of(list(net.parameters()))
+    x = torch.randn(2, 4, device=device_of(CUDA))
+    try:
+        loss_of(twin(x)).backward()
+        eager_error = None
+    except RuntimeError as error:
+        eager_error = str(error)
+    if param_grads == "in_graph":  # refused, naming it, before anything changed
+        moved = r"^Sequential: Sequential\.2\.weight: \.grad is on cpu"
+        with pytest.raises(DualgraphError, match=moved):
+            loss_of(net(x)).backward()
+        assert_grads_match(grads_of(list(net.parameters())), before, ["0.weight", "2.weight"])
+    elif eager_error is not None:  # eager's error, from autograd adding that grad alone
+        with pytest.raises(RuntimeError) as info:
+            loss_of(net(x)).backward()
+        assert str(info.value) == eager_error
+        if param_grads == "auto":
+            assert_grads_match(grads_of(list(net.parameters())), before, ["0.weight", "2.weight"])
+    else:
+        loss_of(net(x)).backward()
+        _assert_same_grads(net, twin, CUDA)
+    assert all(p.grad is grad for p, grad in zip(net.parameters(), grads, strict=True))
 
 
 @pytest.mark.parametrize(("backend", "param_grads"), EVERY_MODE)

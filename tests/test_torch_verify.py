@@ -629,6 +629,26 @@ def test_verify_puts_parameters_buffers_grads_and_rng_back(param_grads: str) -> 
     graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # training goes on
 
 
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_verify_moves_no_version_counter_so_a_pending_backward_still_runs(param_grads: str) -> None:
+    # A backward pending from before verify that saved the weight (an eager use of it, a tied
+    # head) runs as it would without verify: verify puts the parameters, buffers and .grad back
+    # without moving their versions ('modified by an inplace operation' otherwise).
+    module = Normed()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(4, 8, requires_grad=True),), backend="emulate", param_grads=param_grads
+    )
+    graphed(torch.randn(4, 8, requires_grad=True)).sum().backward()  # .grad set
+    pending = (torch.randn(4, 8, requires_grad=True) @ module.fc.weight.t()).sum()  # saves it
+    tensors = [*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters())]
+    versions = [t._version for t in tensors]
+    assert dgt.verify(graphed, torch.randn(4, 8, requires_grad=True), steps=2).ok
+    assert [t._version for t in tensors] == versions
+    before = module.fc.weight.grad.clone()
+    pending.backward()
+    assert not torch.equal(module.fc.weight.grad, before)
+
+
 class FlipsCudnnBenchmark(nn.Module):
     """A forward that turns cuDNN's benchmark mode on (a flag no replay compares)."""
 

@@ -85,6 +85,8 @@ class _Capture:
         self.params: tuple[torch.Tensor, ...]
         self.accumulators: tuple[torch.Tensor | None, ...]
         self.in_graph_grads: bool  # the parameter grads go into accumulators, not autograd only
+        # positions among params in the order eager's backward reaches them (_grad_order.py)
+        self.grad_order: tuple[int, ...] = ()
         if like is None:
             self._own_parameters(shared)
         else:
@@ -478,6 +480,7 @@ class _Capture:
                 accumulators=self.accumulators or (None,) * len(params),
                 anchor=anchor,
                 anchor_node=None if anchor is None else get_gradient_edge(anchor).node,
+                grad_order=self.grad_order,
             )
             param_grads = self.param_grads or (None,) * len(params)
         elif options.param_grads == "autograd":
@@ -486,6 +489,7 @@ class _Capture:
                 params=params,
                 names=self.param_names,
                 accumulators=(None,) * len(params),
+                grad_order=self.grad_order,
             )
             param_grads = self.param_grads or (None,) * len(params)
         else:

@@ -204,6 +204,16 @@ def grad_problem(
                     "dense sum"
                 ),
             )
+        if grad.device != accumulator.device:  # .data set to memory on another device
+            return GradProblem(
+                names[param],
+                (
+                    f".grad is on {grad.device}, the parameter on {param.device}: eager's add "
+                    "into it raises"
+                ),
+                param,
+                remedy="set .grad to None or to a tensor on the parameter's device",
+            )
         if grad.dtype != accumulator.dtype:
             return GradProblem(
                 names[param],

@@ -92,6 +92,9 @@ class ParamLayout:
     accumulators: tuple[torch.Tensor | None, ...]  # "in_graph", "auto": one per parameter
     anchor: torch.Tensor | None = None
     anchor_node: Any = None
+    # positions among params in the order eager's backward reaches them, noted at the inspected
+    # warmup (empty: not noted); "auto" and "autograd" keep it where a parameter has a hook
+    grad_order: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.params)

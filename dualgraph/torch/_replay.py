@@ -63,6 +63,7 @@ from ._grad_checks import in_place_refusal as _in_place_refusal
 from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
+from ._grad_order import views_in_order
 from ._layout_checks import Layouts
 from ._layouts import copier_of
 from ._modes import dispatch_modes_now, modes_meaning, of_dispatch, show_modes
@@ -171,6 +172,7 @@ class GraphedCallable:
         "_dispatch_modes",
         "_edge_nones",
         "_edges",
+        "_edges_after_params",
         "_emulated",
         "_expired_nodes",
         "_first_param",
@@ -188,6 +190,7 @@ class GraphedCallable:
         "_holder_probes",
         "_holder_totals_baseline",
         "_hooks",
+        "_hooks_read_per_call",
         "_in_graph_accumulators",
         "_in_graph_expected",
         "_in_graph_params",
@@ -222,6 +225,7 @@ class GraphedCallable:
         "_param_inputs",
         "_param_memory",
         "_params",
+        "_params_watched",
         "_plan_params",
         "_pool",
         "_reach_of_inputs",
@@ -251,6 +255,7 @@ class GraphedCallable:
         "_updated_storages",
         "_used_inside",
         "_used_inside_replaced",
+        "_views_made_first",
         "backend",
         "diagnostics",
         "name",
@@ -318,6 +323,23 @@ class GraphedCallable:
         self._edge_nones = (None,) * len(self._edges)
         through_autograd = params.mode != "in_graph"  # parameters are Function inputs
         self._params = params.params if through_autograd else ()
+        # Where a parameter has a hook at a forward, the edges to the parameters go through
+        # views made in this order, so that its backward reaches them in eager's order
+        # (_grad_order.py; None: one parameter, or no order noted).
+        reached = params.grad_order
+        self._views_made_first: tuple[int, ...] | None = None
+        if len(self._params) > 1 and reached:
+            unreached = [i for i in range(len(self._params)) if i not in reached]
+            self._views_made_first = (*unreached, *reversed(reached))
+        self._edges_after_params = self._edges[len(self._params) :]  # "auto": the anchor
+        # Whether a parameter has a hook: "autograd" (and "auto" without accumulators) reads
+        # it at each forward (its host path is autograd's anyway); "auto" at its first
+        # forward, then from each plain backward's look at the hooks (_nothing_watches_params),
+        # which costs no forward a pass (None: not read yet).
+        self._hooks_read_per_call = params.mode == "autograd" or not (
+            params.mode == "auto" and any(a is not None for a in params.accumulators)
+        )
+        self._params_watched: bool | None = None
         # A tuple of its own (the plan holds another): a static grad referenced from Python only
         # through one container could count as unreferenced, and AccumulateGrad would steal it.
         self._param_grads = tuple([*buffers.param_grads]) if through_autograd else ()
@@ -446,11 +468,14 @@ class GraphedCallable:
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # A parameter's AccumulateGrad node kept with a hook on it at a forward (_node_hooks.py):
         # "auto" then hands the grads to autograd, which runs the node with them; "in_graph",
-        # which never runs it, refuses it at the backward.
+        # which never runs it, refuses it at the backward; "auto" and "autograd" run it in
+        # eager's order (_grad_order.py).
         self._held_nodes = (
-            HeldNodes(params.params, params.names) if self._auto or self._plan_params else None
+            HeldNodes(params.params, params.names)
+            if self._auto or self._plan_params or self._views_made_first is not None
+            else None
         )
-        self._nodes_watched = False  # "auto": this forward found a node kept with a hook
+        self._nodes_watched = False  # this forward found a node kept with a hook
         self._node_hooked: str | None = None  # "in_graph": a hooked node's parameter, by name
         self._ddp = _RanInsideDdp()  # shared by the callable's replays: see join
         # Anything besides "no autocast now, none at capture" needs the full check.
@@ -780,7 +805,16 @@ class GraphedCallable:
                         self._nodes_watched = self._nodes_held(held)
                 # ``_Replay.apply`` without its Python wrapper, which only unwraps dead functorch
                 # wrappers (of the inputs here; parameters never are) on the way.
-                outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *self._edges)
+                edges = self._edges
+                if self._views_made_first is not None:
+                    watched = self._params_watched
+                    if watched is None or self._hooks_read_per_call:
+                        watched = self._params_watched = _params_hooked(self._params)
+                    if watched or self._nodes_watched:
+                        edges = self._edges_in_eager_order()
+                outputs = _apply_replay(self, *map(_unwrap_if_dead, tensors), *edges)
+                if edges is not self._edges:  # the node's edges lead to the views
+                    self._nodes[-1]().params_viewed = True
             else:
                 # Grad mode may be on (nothing differentiable to replay), and autograd refuses
                 # copies into static inputs that are leaves requiring grad: torch.no_grad()'s
@@ -816,6 +850,13 @@ class GraphedCallable:
             return result
         finally:
             self._lock.release()
+
+    def _edges_in_eager_order(self) -> tuple[torch.Tensor, ...]:
+        """The Function's edge tensors with one view of each parameter, made in the reverse of
+        the order eager's backward reaches them: the engine runs the last made first, so the
+        parameters' hooks run in eager's order (_grad_order.py)."""
+        views = views_in_order(self._params, self._views_made_first)  # type: ignore[arg-type]
+        return (*views, *self._edges_after_params)
 
     def _eagerly(
         self,
@@ -1307,7 +1348,12 @@ class GraphedCallable:
                         attributes[name] = value
             if call is not None:
                 self._hooks.after_backward(call)  # type: ignore[union-attr]
-            owned = param_grads is not self._param_grads  # copies made for this backward
+            # copies made for this backward; where the edges lead to views of the parameters,
+            # the view hands its AccumulateGrad a view of what it gets (which it may keep)
+            owned = param_grads is not self._param_grads
+            if not owned and param_grads and replay_node is not None and replay_node.params_viewed:
+                param_grads = tuple(None if g is None else g.clone() for g in param_grads)
+                owned = True
             if unreached_params and param_grads:
                 param_grads = tuple(
                     None if i in unreached_params else grad for i, grad in enumerate(param_grads)
@@ -1396,13 +1442,10 @@ class GraphedCallable:
         """
         params = self._params
         if tuple(map(_in_graph_flags, params)) == self._unwatched:  # one pass, the usual case
+            self._params_watched = False  # (the next forward's edges: _grad_order.py)
             return not _is_anomaly_enabled()
-        return not (
-            any(map(_tensor_hooks, params))
-            or any(map(_post_accumulate_hooks, params))
-            or not all(map(_requires_grad, params))
-            or _is_anomaly_enabled()
-        )
+        hooked = self._params_watched = _params_hooked(params)
+        return not (hooked or not all(map(_requires_grad, params)) or _is_anomaly_enabled())
 
     def _params_used_elsewhere(self) -> bool:
         """Whether this backward may also bring the parameters grads from another use of them.
@@ -1741,6 +1784,8 @@ class GraphedCallable:
                 # Function's tensor inputs' (the callable itself has none), hence the - 1. None
                 # where the parameter needed no grad at the forward (no edge): looked up then.
                 node = replay_node.next_functions[self._first_param - 1 + position][0]
+                if node is not None and replay_node.params_viewed:  # the view's: its parameter's
+                    node = node.next_functions[0][0]
             if node is None and param is not None:
                 node = _grad_accumulator(param)
         if node is None or _will_engine_execute_node is None:
@@ -1994,6 +2039,11 @@ class GraphedCallable:
         for _, accumulator, storage in self._holder_probes:
             counts.append(_holders(accumulator, storage))
         return tuple(counts)
+
+
+def _params_hooked(params: Sequence[torch.Tensor]) -> bool:
+    """Whether a parameter has a tensor hook or a post-accumulate-grad hook (two C passes)."""
+    return any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params))
 
 
 def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool], ...]) -> bool:

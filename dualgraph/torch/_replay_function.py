@@ -200,6 +200,8 @@ REPLAY_BACKWARD.apply = _Replay.backward
 REPLAY_BACKWARD.hooked = False
 REPLAY_BACKWARD.post_hooked = False
 REPLAY_BACKWARD.used_inside = ()  # (position, weak reference) of outputs used inside
+# whether its edges lead to views of the parameters, made in eager's order (_grad_order.py)
+REPLAY_BACKWARD.params_viewed = False
 REPLAY_BACKWARD.versions = ()  # of the parameters and buffers the backward reads
 REPLAY_BACKWARD.input_versions = ()  # of the inputs the backward reads
 # (input index, caller's tensor, its version) of a padded call's inputs the backward reads

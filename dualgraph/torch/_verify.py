@@ -93,7 +93,7 @@ from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._param_attributes import parameter_attributes_kept
-from ._params import is_tensor_subclass, same_bits
+from ._params import is_tensor_subclass, same_bits, write_back
 from ._probe import cloned_inputs, module_of
 from ._process_state import kept_process_state
 from ._replay import GraphedCallable
@@ -586,6 +586,12 @@ def _state_kept(
     code names (a closed-over module's counter) and the parameters' own (``main_grad``).
     The process's (RNG, modes, settings) is :func:`kept_process_state`'s."""
     attributes = module_attributes(module, *modules_named_by(original))
+    # their version counters too: verify's own calls move those of .grad (the replays add into
+    # it) and of buffers a call updates in place, which the caller's training never saw
+    versioned = _versioned(
+        [p for _, p in params], [b for _, b in buffers], [p.grad for _, p in params]
+    )
+    versions = [tensor._version for tensor in versioned]
     with torch.no_grad():
         state = _State(
             params=[p.detach().clone() for _, p in params],
@@ -601,9 +607,32 @@ def _state_kept(
         _restore(params, buffers, state)
         for (_, param), (grad, values) in zip(params, state.grads, strict=True):
             if grad is not None and values is not None:
-                with torch.no_grad():
-                    grad.copy_(values)
+                write_back(grad, values)
             param.grad = grad
+        if versioned and _set_versions is not None:
+            _set_versions(versioned, versions)
+
+
+def _versioned(*groups: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The tensors of ``groups`` that have a version counter (not an inference tensor), once.
+
+    >>> weight = torch.ones(2)
+    >>> with torch.inference_mode():
+    ...     frozen = torch.ones(2)
+    >>> [t is weight for t in _versioned([weight, None], [frozen, weight])]
+    [True]
+    """
+    found: dict[int, torch.Tensor] = {}
+    for group in groups:
+        for tensor in group:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_inference():
+                found.setdefault(id(tensor), tensor)
+    return list(found.values())
+
+
+#: Sets tensors' version counters (torch's own, as functionalization uses it); verify puts the
+#: versions back with the values, where this torch has it.
+_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
 
 def _restore(
@@ -611,13 +640,17 @@ def _restore(
     buffers: Sequence[tuple[str, torch.Tensor]],
     state: _State,
 ) -> None:
-    """Parameters and buffers as saved; ``.grad`` set to ``None`` (put back at the end)."""
-    with torch.no_grad():
-        for (_, param), saved in zip(params, state.params, strict=True):
-            param.copy_(saved)
-            param.grad = None
-        for (_, buffer), saved in zip(buffers, state.buffers, strict=True):
-            buffer.copy_(saved)
+    """Parameters and buffers as saved; ``.grad`` set to ``None`` (put back at the end).
+
+    Written back through ``.data`` (:func:`write_back`): no version counter moves, since verify
+    runs nothing the caller's training step would, and a backward pending from a call before
+    verify (that saved a weight) must still run, as it would without verify.
+    """
+    for (_, param), saved in zip(params, state.params, strict=True):
+        write_back(param, saved)
+        param.grad = None
+    for (_, buffer), saved in zip(buffers, state.buffers, strict=True):
+        write_back(buffer, saved)
 
 
 # -- comparing -----------------------------------------------------------------------------------

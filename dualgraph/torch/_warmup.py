@@ -38,6 +38,7 @@ from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
 from ._grad_mode_set import turns_grad_mode_on
+from ._grad_order import reaching_order
 from ._held_tensors import Held, held_tensors, modules_named_by
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
@@ -514,8 +515,19 @@ def _warmup(
         # every thread's: the autograd engine runs a CUDA device's backward functions (a
         # checkpoint's recomputation) in a thread of its own
         rewinds = rng_rewinds(every_thread=True) if inspect else contextlib.nullcontext()
+        # where eager's backward reaches the parameters, for the order of their hooks
+        ordering: contextlib.AbstractContextManager[list[int]] = (
+            reaching_order(item.params)
+            if inspect and item.options.param_grads != "in_graph"
+            else contextlib.nullcontext([])
+        )
         # outside autocast, as the capture's backward and the replays' (_capture_cuda)
-        with item.request.hooks.around("backward"), rewinds as rewound, outside_autocast():
+        with (
+            item.request.hooks.around("backward"),
+            rewinds as rewound,
+            ordering as order,
+            outside_autocast(),
+        ):
             if backward:
                 grads = tuple(
                     torch.autograd.grad(
@@ -527,6 +539,8 @@ def _warmup(
                 )
         if rewound is not None and rewound.draws_from_rewound_state:
             _refuse_rewound_draws(item, "backward")
+        if order:
+            item.grad_order = tuple(dict.fromkeys(order))  # each once: the first reach
         if not allow_unused:
             # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
             # whose TypeError costs about 18 us a tensor
