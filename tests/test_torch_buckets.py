@@ -690,13 +690,58 @@ def test_pad_checks_a_mean_that_counts_the_padding_on_samples_of_zeros(backend: 
     with pytest.raises(
         DualgraphError,
         match=r"MeanPool: output differs .* when a call of length 4 is padded to 8 .*\(with its "
-        r"all-zero padded inputs given values in \(0, 1\)\)",
+        r"all-zero padded inputs given nonzero values\)",
     ):
         dgt.make_graphed_callables(
             MeanPool().to(device),
             buckets=[(torch.zeros(2, n, 4, device=device),) for n in (4, 8)],
             fallback="pad",
             dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
+class CountsPadding(nn.Module):
+    """Token embeddings, with their mean over every position added (``counts="tokens"``) or
+    scaled by the share of flagged positions (``counts="flags"``): it takes valid_length but
+    counts the padding."""
+
+    def __init__(self, counts: str) -> None:
+        super().__init__()
+        self.counts = counts
+        self.embed = nn.Embedding(10, 4)
+
+    def forward(
+        self, tokens: torch.Tensor, flags: torch.Tensor, valid_length: Any = None
+    ) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        if self.counts == "tokens":
+            return hidden + hidden.mean(dim=1, keepdim=True)
+        return hidden * flags.float().mean(dim=1)[:, None, None]
+
+
+@pytest.mark.parametrize("counts", ["tokens", "flags"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_checks_integer_and_bool_inputs_on_samples_of_zeros(backend: str, counts: str) -> None:
+    # Token ids of zeros and a mask of False (shapes for a capture) are the padding itself, so
+    # a padded call equalled the call whatever the callable counted: the check let a mean over
+    # the padded tokens' embeddings (or the share of flagged positions) through, and a padded
+    # call of real tokens came back off eager's, silently.
+    device = device_of(backend)
+    tokens = torch.zeros(2, 8, dtype=torch.int64, device=device)
+    flags = torch.ones(2, 8, dtype=torch.bool, device=device)
+    if counts == "flags":  # only the flags are zeros
+        tokens, flags = tokens + 3, ~flags
+    with pytest.raises(
+        DualgraphError,
+        match=r"CountsPadding: output differs .* when a call of length 4 is padded to 8 .*\(with "
+        r"its all-zero padded inputs given nonzero values\)",
+    ):
+        dgt.make_graphed_callables(
+            CountsPadding(counts).to(device),
+            buckets=[(tokens[:, :n], flags[:, :n]) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
             backend=backend,
         )
 
