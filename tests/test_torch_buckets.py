@@ -681,6 +681,38 @@ def test_pad_refuses_a_callable_that_updates_valid_length_in_place(backend: str)
         )
 
 
+def masked_sum_and_length(x: torch.Tensor, valid_length: Any = None) -> tuple[Any, ...]:
+    """A sum over the first valid_length positions, and the length it summed over."""
+    if valid_length is None:
+        valid_length = torch.tensor(x.shape[1], device=x.device)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length
+    return (x * keep[None, :, None]).sum(dim=1), valid_length
+
+
+@pytest.mark.parametrize("length", [5, 8], ids=["padded", "exact"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_output_that_is_valid_length_is_the_callers_own_on_every_call(
+    backend: str, length: int
+) -> None:
+    # The output was the one valid_length tensor every call of that length is told: the caller
+    # counting it down in place (n -= 1) made the next call of that length sum one position
+    # fewer, silently, and two calls handed out one tensor (eager's are each the caller's own).
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        masked_sum_and_length,
+        buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1},
+        backend=backend,
+    )
+    x = torch.randn(2, length, 3, device=device)
+    _, first = graphed(x)
+    first -= 1
+    total, second = graphed(x)
+    assert second is not first and int(second) == length
+    assert_tensors_match(total, x.sum(dim=1), "the sum after the change", tolerance(backend))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pad_checks_a_mean_that_counts_the_padding_on_samples_of_zeros(backend: str) -> None:
     # Samples of zeros (shapes for a capture) are what padding adds: the padded call equalled
