@@ -727,8 +727,9 @@ def _refuse_updates_of_the_call(
 def _input_variants(
     padding: Padding, tensors: list[torch.Tensor]
 ) -> list[tuple[list[torch.Tensor], str]]:
-    """The call's inputs; where a padded input is all zeros (floats, token ids, a bool mask),
-    the same with it given nonzero values (:func:`_nonzero_like`); then the same with its
+    """The call's inputs; where a padded input is all zeros, the same with it given nonzero
+    values (:func:`_nonzero_like`): the floats first, then the token ids and masks too; then
+    the same with its
     floating padded inputs shifted below zero and above it: where zero is the largest or the
     smallest value, a max, min or sort over positions that forgets the mask picks a padded
     zero, which the sample's mixed signs may hide (a max over 16 random positions is almost
@@ -742,13 +743,21 @@ def _input_variants(
     # Samples of zeros (a common way to give a capture its shapes: float hidden states, int64
     # token ids, a bool mask) are what padding adds, so a call padded with them equals the call
     # whatever the callable does with the padding: such inputs get nonzero values too.
+    # The floats first on their own: ones given to a mask of False whose True means padding
+    # (key_padding_mask) would mask every position, and the call's NaN could not be judged.
     zeros = [index for index, _ in padding.inputs if not tensors[index].any()]
-    if zeros:
-        generator = torch.Generator().manual_seed(0)
-        filled = list(tensors)
-        for index in zeros:
-            filled[index] = _nonzero_like(tensors[index], generator)
-        variants.append((filled, " (with its all-zero padded inputs given nonzero values)"))
+    generator = torch.Generator().manual_seed(0)
+    filled = list(tensors)
+    for kind, label in (
+        (_is_floating, " (with its all-zero padded inputs given values in (0, 1))"),
+        (_fillable_discrete, " (with its all-zero padded inputs given nonzero values)"),
+    ):
+        chosen = [index for index in zeros if kind(tensors[index])]
+        if chosen:
+            filled = list(filled)
+            for index in chosen:
+                filled[index] = _nonzero_like(tensors[index], generator)
+            variants.append((filled, label))
     floating = [
         index
         for index, _ in padding.inputs
@@ -766,6 +775,27 @@ def _input_variants(
     return variants
 
 
+def _is_floating(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
+
+
+def _fillable_discrete(tensor: torch.Tensor) -> bool:
+    """Bools (a mask), and integers (token ids) on the CPU only: an integer may index a table
+    of one row (RoBERTa's token types, all zeros), where 1 is out of range; on the CPU that
+    raises, and the check cannot judge those values, but on CUDA it is a device-side assert,
+    which leaves the process unusable.
+
+    >>> _fillable_discrete(torch.zeros(2, dtype=torch.bool)), _fillable_discrete(torch.zeros(2))
+    (True, False)
+    >>> ids = torch.zeros(2, dtype=torch.int64)
+    >>> _fillable_discrete(ids), _fillable_discrete(ids.to("meta"))
+    (True, False)
+    """
+    if tensor.dtype == torch.bool:
+        return True
+    return not _is_floating(tensor) and tensor.device.type == "cpu"
+
+
 def _nonzero_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Values of ``tensor``'s shape and dtype that are not the zero padding, inside most domains:
     floats in (0, 1) (probabilities, keep-masks), ``True``, and for integers ones (an index any
@@ -777,7 +807,7 @@ def _nonzero_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Ten
     >>> bool(((_nonzero_like(torch.zeros(3), generator) - 0.5).abs() < 0.5).all())
     True
     """
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+    if _is_floating(tensor):
         values = torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype)
         return values.to(tensor.device) * 0.98 + 0.01
     return torch.ones_like(tensor)
