@@ -681,6 +681,109 @@ def test_pad_refuses_a_callable_that_updates_valid_length_in_place(backend: str)
         )
 
 
+class TokenTypes(nn.Module):
+    """Token embeddings plus the embedding of their type, from a table of one row (RoBERTa's
+    token types: all zeros); per position, so padding changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(10, 4)
+        self.types = nn.Embedding(1, 4)
+
+    def forward(
+        self, tokens: torch.Tensor, types: torch.Tensor, valid_length: Any = None
+    ) -> torch.Tensor:
+        return self.tokens(tokens) + self.types(types)
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_takes_token_ids_of_a_table_of_one_row(backend: str) -> None:
+    """Token types of zeros given ones by the check are out of the table's range: the call
+    raises there and cannot be judged on them (on CUDA integers keep their samples' values,
+    where an index out of range is a device-side assert); the padding is right."""
+    model = TokenTypes()
+    buckets = [(torch.randint(0, 10, (2, n)), torch.zeros(2, n, dtype=torch.int64)) for n in (4, 8)]
+    twin = copy.deepcopy(model)
+    dgt.make_graphed_callables(
+        model,
+        buckets=buckets,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+        backend=backend,
+    )
+    tokens, types = torch.randint(0, 10, (2, 6)), torch.zeros(2, 6, dtype=torch.int64)
+    assert_tensors_match(model(tokens, types), twin(tokens, types), "pad", None)
+
+
+def attends_unless_flagged(x: torch.Tensor, padded: torch.Tensor, valid_length: Any = None) -> Any:
+    """Self-attention masking the keys flagged as padding (key_padding_mask: True = padding);
+    it takes valid_length but ignores it, so the padding fallback='pad' adds (flagged False)
+    is attended."""
+    scores = (x @ x.transpose(1, 2)).masked_fill(padded[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_checks_a_padding_flag_of_false_with_its_hidden_states_of_zeros_filled_alone(
+    backend: str,
+) -> None:
+    # Samples of zeros for both: flags given True with the hidden states flag every key as
+    # padding, so the call's output is NaN and cannot be judged; the hidden states given values
+    # with the flags left False find the attended padding (the check before the previous
+    # commit did; with it, this callable passed and its padded calls came back off eager's).
+    device = device_of(backend)
+    with pytest.raises(
+        DualgraphError,
+        match=r"attends_unless_flagged: output differs .* when a call of length 4 is padded to "
+        r"8 .*\(with its all-zero padded inputs given values in \(0, 1\)\)",
+    ):
+        dgt.make_graphed_callables(
+            attends_unless_flagged,
+            buckets=[
+                (
+                    torch.zeros(2, n, 4, device=device),
+                    torch.zeros(2, n, dtype=torch.bool, device=device),
+                )
+                for n in (4, 8)
+            ],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+            backend=backend,
+        )
+
+
+def masked_sum_and_length(x: torch.Tensor, valid_length: Any = None) -> tuple[Any, ...]:
+    """A sum over the first valid_length positions, and the length it summed over."""
+    if valid_length is None:
+        valid_length = torch.tensor(x.shape[1], device=x.device)
+    keep = torch.arange(x.shape[1], device=x.device) < valid_length
+    return (x * keep[None, :, None]).sum(dim=1), valid_length
+
+
+@pytest.mark.parametrize("length", [5, 8], ids=["padded", "exact"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_output_that_is_valid_length_is_the_callers_own_on_every_call(
+    backend: str, length: int
+) -> None:
+    # The output was the one valid_length tensor every call of that length is told: the caller
+    # counting it down in place (n -= 1) made the next call of that length sum one position
+    # fewer, silently, and two calls handed out one tensor (eager's are each the caller's own).
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        masked_sum_and_length,
+        buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1},
+        backend=backend,
+    )
+    x = torch.randn(2, length, 3, device=device)
+    _, first = graphed(x)
+    first -= 1
+    total, second = graphed(x)
+    assert second is not first and int(second) == length
+    assert_tensors_match(total, x.sum(dim=1), "the sum after the change", tolerance(backend))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pad_checks_a_mean_that_counts_the_padding_on_samples_of_zeros(backend: str) -> None:
     # Samples of zeros (shapes for a capture) are what padding adds: the padded call equalled
@@ -697,6 +800,51 @@ def test_pad_checks_a_mean_that_counts_the_padding_on_samples_of_zeros(backend: 
             buckets=[(torch.zeros(2, n, 4, device=device),) for n in (4, 8)],
             fallback="pad",
             dynamic_dims={"args[0]": 1},
+            backend=backend,
+        )
+
+
+class CountsPadding(nn.Module):
+    """Token embeddings, with their mean over every position added (``counts="tokens"``) or
+    scaled by the share of flagged positions (``counts="flags"``): it takes valid_length but
+    counts the padding."""
+
+    def __init__(self, counts: str) -> None:
+        super().__init__()
+        self.counts = counts
+        self.embed = nn.Embedding(10, 4)
+
+    def forward(
+        self, tokens: torch.Tensor, flags: torch.Tensor, valid_length: Any = None
+    ) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        if self.counts == "tokens":
+            return hidden + hidden.mean(dim=1, keepdim=True)
+        return hidden * flags.float().mean(dim=1)[:, None, None]
+
+
+@pytest.mark.parametrize("counts", ["tokens", "flags"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pad_checks_integer_and_bool_inputs_on_samples_of_zeros(backend: str, counts: str) -> None:
+    # Token ids of zeros and a mask of False (shapes for a capture) are the padding itself, so
+    # a padded call equalled the call whatever the callable counted: the check let a mean over
+    # the padded tokens' embeddings (or the share of flagged positions) through, and a padded
+    # call of real tokens came back off eager's, silently.
+    device = device_of(backend)
+    tokens = torch.zeros(2, 8, dtype=torch.int64, device=device)
+    flags = torch.ones(2, 8, dtype=torch.bool, device=device)
+    if counts == "flags":  # only the flags are zeros
+        tokens, flags = tokens + 3, ~flags
+    with pytest.raises(
+        DualgraphError,
+        match=r"CountsPadding: output differs .* when a call of length 4 is padded to 8 .*\(with "
+        r"its all-zero padded inputs given nonzero values\)",
+    ):
+        dgt.make_graphed_callables(
+            CountsPadding(counts).to(device),
+            buckets=[(tokens[:, :n], flags[:, :n]) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
             backend=backend,
         )
 

@@ -67,6 +67,9 @@ __all__ = [
     "Fallback",
 ]
 
+#: Where a call's ``valid_length`` lies among a bucket's inputs (the keyword fallback='pad' adds).
+_VALID_LENGTH_PATH = f"kwargs['{VALID_LENGTH}']"
+
 #: The logger that says, at DEBUG, which bucket served each call and why a call fell back.
 logger = logging.getLogger("dualgraph.torch.buckets")
 
@@ -135,7 +138,16 @@ class BucketedDiagnostics(CaptureDiagnostics):
 class _Bucket:
     """One bucket: the callable that replays it, its shapes, and what padding needs of it."""
 
-    __slots__ = ("cut", "diagnostics", "full_length", "index", "length", "runner", "shapes")
+    __slots__ = (
+        "cut",
+        "diagnostics",
+        "full_length",
+        "hands_out_length",
+        "index",
+        "length",
+        "runner",
+        "shapes",
+    )
 
     def __init__(
         self,
@@ -153,6 +165,12 @@ class _Bucket:
         self.length = length
         self.full_length = full_length  # valid_length of a call of exactly this bucket's length
         self.cut: tuple[tuple[int, int], ...] | None = None  # (output array, dim), found lazily
+        # An output is valid_length (or views it): the caller gets the tensor it was told, so
+        # each call gets one of its own (the one tensor per length, changed in place through
+        # an output, would tell every later call another length; eager's are the caller's own).
+        # Not known of an eager runner, which returns what the callable returns.
+        paths = runner.returned_input_paths
+        self.hands_out_length = paths is None or _VALID_LENGTH_PATH in paths
 
 
 class BucketedCallable:
@@ -283,8 +301,9 @@ class BucketedCallable:
             bucket = None
         if bucket is None:
             return self._unmatched(args, kwargs, tensors)
-        if bucket.full_length is not None:
-            kwargs[VALID_LENGTH] = bucket.full_length
+        told = bucket.full_length
+        if told is not None:
+            kwargs[VALID_LENGTH] = told.clone() if bucket.hands_out_length else told
         return self._replay(bucket, args, kwargs, None)
 
     def _replay(
@@ -429,12 +448,14 @@ class BucketedCallable:
         return self._cut(bucket, outputs, length, callers, replayed=replayed)
 
     def _length_tensor(self, length: int, bucket: _Bucket) -> torch.Tensor:
+        """``valid_length`` of a call of ``length`` padded into ``bucket``: one tensor per
+        length, or a new one where the caller gets it back (an output is valid_length)."""
         tensor = self._lengths.get(length)
         if tensor is None:
             assert bucket.full_length is not None
             tensor = torch.full_like(bucket.full_length, length)
             self._lengths[length] = tensor
-        return tensor
+        return tensor.clone() if bucket.hands_out_length else tensor
 
     def _cut(
         self,

@@ -64,6 +64,12 @@ class EagerCallable:
         return self._out_spec
 
     @property
+    def returned_input_paths(self) -> None:
+        """Not known: an eager call returns whatever the callable returns, its inputs too (as
+        :attr:`GraphedCallable.returned_input_paths` says for a graphed one)."""
+        return None
+
+    @property
     def checked_tensors(self) -> None:
         """What each call checks besides its inputs: nothing (an eager call reads the module as
         it is), as :attr:`GraphedCallable.checked_tensors` says for a graphed one."""

@@ -727,33 +727,37 @@ def _refuse_updates_of_the_call(
 def _input_variants(
     padding: Padding, tensors: list[torch.Tensor]
 ) -> list[tuple[list[torch.Tensor], str]]:
-    """The call's inputs; where a floating padded input is all zeros, the same with it given
-    values in (0, 1); then the same with its floating padded inputs shifted below zero and
-    above it: where zero is the largest or the smallest value, a max, min or sort over
-    positions that forgets the mask picks a padded zero, which the sample's mixed signs may
-    hide (a max over 16 random positions is almost never below zero, a max of log
-    probabilities always is). Only inputs whose values take both signs are shifted: values on
-    one side of zero may be a domain (probabilities, indices, lengths, a float keep-mask of
-    ones and zeros), which a shift would leave (binary_cross_entropy or an index op out of
-    range is a device-side assert on CUDA, which leaves the process unusable), and for them a
-    padded zero already wins a max or a min on the sample's own values."""
+    """The call's inputs; where a padded input is all zeros, the same with it given nonzero
+    values (:func:`_nonzero_like`): the floats first, then the token ids and masks too; then
+    the same with its
+    floating padded inputs shifted below zero and above it: where zero is the largest or the
+    smallest value, a max, min or sort over positions that forgets the mask picks a padded
+    zero, which the sample's mixed signs may hide (a max over 16 random positions is almost
+    never below zero, a max of log probabilities always is). Only inputs whose values take
+    both signs are shifted: values on one side of zero may be a domain (probabilities,
+    indices, lengths, a float keep-mask of ones and zeros), which a shift would leave
+    (binary_cross_entropy or an index op out of range is a device-side assert on CUDA, which
+    leaves the process unusable), and for them a padded zero already wins a max or a min on
+    the sample's own values."""
     variants = [(tensors, "")]
-    # Samples of zeros (a common way to give a capture its shapes) are what padding adds, so
-    # a call padded with them equals the call whatever the callable does with the padding:
-    # such inputs get values in (0, 1) too, inside most domains (probabilities, keep-masks).
-    zeros = [
-        index
-        for index, _ in padding.inputs
-        if tensors[index].dtype.is_floating_point and not tensors[index].any()
-    ]
-    if zeros:
-        generator = torch.Generator().manual_seed(0)
-        filled = list(tensors)
-        for index in zeros:
-            tensor = tensors[index]
-            values = torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype)
-            filled[index] = values.to(tensor.device) * 0.98 + 0.01
-        variants.append((filled, " (with its all-zero padded inputs given values in (0, 1))"))
+    # Samples of zeros (a common way to give a capture its shapes: float hidden states, int64
+    # token ids, a bool mask) are what padding adds, so a call padded with them equals the call
+    # whatever the callable does with the padding: such inputs get nonzero values too.
+    # The floats first on their own: ones given to a mask of False whose True means padding
+    # (key_padding_mask) would mask every position, and the call's NaN could not be judged.
+    zeros = [index for index, _ in padding.inputs if not tensors[index].any()]
+    generator = torch.Generator().manual_seed(0)
+    filled = list(tensors)
+    for kind, label in (
+        (_is_floating, " (with its all-zero padded inputs given values in (0, 1))"),
+        (_fillable_discrete, " (with its all-zero padded inputs given nonzero values)"),
+    ):
+        chosen = [index for index in zeros if kind(tensors[index])]
+        if chosen:
+            filled = list(filled)
+            for index in chosen:
+                filled[index] = _nonzero_like(tensors[index], generator)
+            variants.append((filled, label))
     floating = [
         index
         for index, _ in padding.inputs
@@ -769,6 +773,44 @@ def _input_variants(
             shifted[index] = tensor + sign * offset
         variants.append((shifted, f" (with its padded inputs shifted {where} zero)"))
     return variants
+
+
+def _is_floating(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
+
+
+def _fillable_discrete(tensor: torch.Tensor) -> bool:
+    """Bools (a mask), and integers (token ids) on the CPU only: an integer may index a table
+    of one row (RoBERTa's token types, all zeros), where 1 is out of range; on the CPU that
+    raises, and the check cannot judge those values, but on CUDA it is a device-side assert,
+    which leaves the process unusable.
+
+    >>> _fillable_discrete(torch.zeros(2, dtype=torch.bool)), _fillable_discrete(torch.zeros(2))
+    (True, False)
+    >>> ids = torch.zeros(2, dtype=torch.int64)
+    >>> _fillable_discrete(ids), _fillable_discrete(ids.to("meta"))
+    (True, False)
+    """
+    if tensor.dtype == torch.bool:
+        return True
+    return not _is_floating(tensor) and tensor.device.type == "cpu"
+
+
+def _nonzero_like(tensor: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Values of ``tensor``'s shape and dtype that are not the zero padding, inside most domains:
+    floats in (0, 1) (probabilities, keep-masks), ``True``, and for integers ones (an index any
+    table of two rows takes, a token that is not the padding's ``0``).
+
+    >>> generator = torch.Generator().manual_seed(0)
+    >>> _nonzero_like(torch.zeros(3, dtype=torch.int64), generator).tolist()
+    [1, 1, 1]
+    >>> bool(((_nonzero_like(torch.zeros(3), generator) - 0.5).abs() < 0.5).all())
+    True
+    """
+    if _is_floating(tensor):
+        values = torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype)
+        return values.to(tensor.device) * 0.98 + 0.01
+    return torch.ones_like(tensor)
 
 
 def _both_signs(tensor: torch.Tensor) -> bool:

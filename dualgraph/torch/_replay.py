@@ -630,6 +630,12 @@ class GraphedCallable:
         return self._out_spec
 
     @property
+    def returned_input_paths(self) -> tuple[str, ...]:
+        """The paths of the inputs an output is or views (``return x``, ``x[0]``), which a
+        replay hands out as the caller's tensor itself."""
+        return tuple(self._inputs.paths[i] for i, _ in self._returned_inputs)
+
+    @property
     def checked_tensors(self) -> ModuleTensors | None:
         """What each call checks: the module's own tensors and plain values, or those a
         function's code names (``None``: it names none)."""
