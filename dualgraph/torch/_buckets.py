@@ -276,7 +276,10 @@ class BucketedCallable:
                 "leave it out",
                 path=f"kwargs['{VALID_LENGTH}']",
             )
-        tensors = self._spec.flatten(args, kwargs)
+        try:
+            tensors = self._spec.flatten(args, kwargs)
+        except SpecMismatchError as error:  # a call spelled otherwise than the samples?
+            tensors, args, kwargs = self._guard.flattened_as_captured(args, kwargs, error)
         try:
             bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
         except (AttributeError, TypeError):  # a leaf that is no tensor: explained below
