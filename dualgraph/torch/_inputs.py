@@ -24,7 +24,7 @@ from ._ambient import autograd_records
 from ._layout_checks import exact_guard
 from ._leaves import dtype_name
 
-__all__ = ["InputGuard", "input_off_device", "unsupported_tensor"]
+__all__ = ["InputGuard", "input_off_device", "same_tensor_twice", "unsupported_tensor"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -62,6 +62,23 @@ def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
         return "a quantized tensor (static buffers are dense, strided tensors)"
     if tensor.is_meta:
         return "a meta tensor (it holds no data to replay on)"
+    return None
+
+
+def same_tensor_twice(
+    paths: Sequence[str], tensors: Sequence[torch.Tensor]
+) -> tuple[str, str] | None:
+    """The paths of the first tensor passed at two inputs (the earlier first), or ``None``.
+
+    >>> x = torch.zeros(2)
+    >>> same_tensor_twice(["args[0]", "args[1]", "args[2]"], [x, torch.zeros(2), x])
+    ('args[0]', 'args[2]')
+    """
+    first: dict[int, str] = {}
+    for path, tensor in zip(paths, tensors, strict=True):
+        earlier = first.setdefault(id(tensor), path)
+        if earlier != path:
+            return earlier, path
     return None
 
 
