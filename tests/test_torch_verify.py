@@ -444,6 +444,26 @@ def test_verify_checks_padding_at_the_length_of_the_call_it_runs(length: int) ->
     assert "a call of length 5 is padded to 8" in report.failures[0].problem
 
 
+@pytest.mark.parametrize("length", [4, 5])
+def test_a_padded_call_spelled_otherwise_than_the_sample_is_verified(length: int) -> None:
+    """x passed by keyword where the sample passed it by position: the replay binds it as eager
+    does; verify's eager side (padded as the replay) and its padding check refused it with
+    'args[0]: missing'."""
+    graphed = dgt.make_graphed_callables(
+        BlockMaskedMean(),
+        buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+        backend="emulate",
+    )
+    report = dgt.verify(graphed, x=torch.randn(2, length, 4, requires_grad=True))
+    if length == 4:
+        assert report.ok, str(report)
+        return
+    assert [check.path for check in report.failures] == ["padding"], str(report)
+    assert "a call of length 5 is padded to 8" in report.failures[0].problem
+
+
 def test_a_module_that_would_run_eagerly_is_refused() -> None:
     graphed = dgt.make_graphed_callables(
         nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
