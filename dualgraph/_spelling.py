@@ -36,6 +36,7 @@ from typing import Any
 
 from ._containers import brief_of
 from ._errors import SpecMismatchError
+from ._nodes import clip
 from ._paths import Index, Key, format_path
 from ._spec import describe
 
@@ -143,8 +144,8 @@ class CallSpelling:
             if not _same_default(value, default):
                 path = slot.path or ""
                 raise SpecMismatchError(
-                    f"{path}: {brief_of(value)}, where the sample call left {name} to its "
-                    f"default {brief_of(default)}: a replay runs with the sample's value; leave "
+                    f"{path}: {_shown(value)}, where the sample call left {name} to its "
+                    f"default {_shown(default)}: a replay runs with the sample's value; leave "
                     f"{name} out (or pass its default), or graph with {name} in the sample call",
                     path=path,
                 )
@@ -220,6 +221,13 @@ class CallSpelling:
             and not left_out
         )
         return None if unchanged else (positional, tuple(keywords), left_out)
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: as a spec shows it, with its ``repr`` where a spec holds no such
+    value (``torch.float64 (an object of type torch.dtype)``)."""
+    brief = brief_of(value)
+    return f"{clip(value, 60)} ({brief})" if brief.startswith("an object of type") else brief
 
 
 def _same_default(value: Any, default: Any) -> bool:

@@ -72,3 +72,25 @@ class Unreadable:
 def test_nothing_is_written_where_the_signature_cannot_be_read_or_bound(fn: Any) -> None:
     spelling = CallSpelling(fn, ([1],), {"unbound": 1})
     assert spelling.as_captured(([1],), {}) is None
+
+
+def test_a_default_no_spec_holds_is_compared_by_identity_and_shown_by_its_repr() -> None:
+    import enum
+
+    class Mode(enum.Enum):
+        FAST = 1
+        SLOW = 2
+
+    def g(x: Any, mode: Mode = Mode.FAST) -> None:
+        """A default a spec holds no constant of."""
+
+    spelling = CallSpelling(g, (1,), {})
+    assert spelling.as_captured((1,), {"mode": Mode.FAST}) == ((1,), {})
+    with pytest.raises(SpecMismatchError) as info:
+        spelling.as_captured((1, Mode.SLOW), {})
+    assert str(info.value).startswith(
+        "args[1]: <Mode.SLOW: 2> (an object of type test_spelling.test_a_default_no_spec_holds"
+    )
+    assert "where the sample call left mode to its default <Mode.FAST: 1> (an object" in str(
+        info.value
+    )

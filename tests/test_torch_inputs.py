@@ -690,7 +690,11 @@ NAN = float("nan")
         ({"shift": 0}, "kwargs['shift']", "int 0"),
         ({"shift": False}, "kwargs['shift']", "bool False"),
         ({"shift": -0.0}, "kwargs['shift']", "float -0.0"),
-        ({"shift": np.float64(0.0)}, "kwargs['shift']", "an object of type numpy.float64"),
+        (
+            {"shift": np.float64(0.0)},
+            "kwargs['shift']",
+            "np.float64(0.0) (an object of type numpy.float64)",
+        ),
         ({"shift": torch.tensor(0.0)}, "kwargs['shift']", "float32[]"),
         ({"mask": torch.ones(3)}, "kwargs['mask']", "float32[3]"),
         ({"pair": [1, 2]}, "kwargs['pair']", "a list of length 2"),
