@@ -326,3 +326,47 @@ def test_a_bad_call_is_refused_by_path_and_touches_nothing(
             [p.grad for p in modules[0].parameters()], [p.grad for p in modules[1].parameters()]
         )
         assert_trees_match(list(modules[0].buffers()), list(modules[1].buffers()))
+
+
+#: name -> a good call spelled otherwise than the sample (which passes x and pair by position,
+#: k and tag by keyword): eager binds each to the same parameters
+RESPELLED: dict[str, Bad] = {
+    "defaults_left_out": lambda a, kw: (a, _without(_without(kw, "k"), "tag")),
+    "pair_by_keyword": lambda a, kw: (a[:1], {**kw, "pair": a[1]}),
+    "everything_by_keyword": lambda a, kw: ((), {**kw, "x": a[0], "pair": a[1]}),
+}
+
+
+def _x_and_pair(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    named = {**dict(zip(("x", "pair"), args, strict=False)), **kwargs}
+    return named["x"], named["pair"]
+
+
+@pytest.mark.parametrize("spelling", list(RESPELLED))
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(("backend", "param_grads"), MODES, ids=[f"{b}-{p}" for b, p in MODES])
+def test_a_call_spelled_otherwise_than_the_sample_runs_as_eager(
+    backend: str, param_grads: str, entry: str, spelling: str
+) -> None:
+    # Refused before ("kwargs['k']: missing", "args[1]: missing") where eager runs it.
+    graphed, twin, modules = _graph(entry, backend, param_grads)
+    respell = RESPELLED[spelling]
+    calls = []
+    for seed in (1, 2):
+        args, kwargs = respell(*good(seed))
+        eager_args, eager_kwargs = copy.deepcopy((args, kwargs))
+        out, eager = graphed(*args, **kwargs), twin(*eager_args, **eager_kwargs)
+        calls.append((out, eager, _x_and_pair(args, kwargs), _x_and_pair(eager_args, eager_kwargs)))
+        if entry in ("slots", "schedule") and seed == 1:
+            continue  # both forwards in flight first (a schedule's step is [1, 1, -1, -1])
+        for out, eager, (x, pair), (ex, epair) in calls:
+            _loss(out).backward()
+            _loss(eager).backward()
+            assert_trees_match(out, eager)
+            assert_trees_match([x.grad, pair.a.grad], [ex.grad, epair.a.grad])
+        calls.clear()
+    if modules is not None:
+        assert_trees_match(
+            [p.grad for p in modules[0].parameters()], [p.grad for p in modules[1].parameters()]
+        )
+        assert_trees_match(list(modules[0].buffers()), list(modules[1].buffers()))

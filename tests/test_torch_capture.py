@@ -706,6 +706,57 @@ def test_a_hook_the_callable_puts_on_its_input_is_refused_naming_it(
     assert "Register the hook on the tensor you pass, outside the callable" in message
 
 
+class RetainsGrad(nn.Module):
+    """Calls ``retain_grad()`` on its input, or on a tensor of its own, as attribution code does."""
+
+    def __init__(self, on_input: bool) -> None:
+        super().__init__()
+        self.on_input = on_input
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_input:
+            x.retain_grad()
+        h = self.fc(x)
+        if not self.on_input:
+            h.retain_grad()  # a tensor of its own, not returned: eager's .grad nobody reads
+        return h.tanh()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_the_callable_retains_the_grad_of_is_refused_naming_it(backend: str) -> None:
+    # Graphed, the static input (a leaf: retain_grad does nothing there) took the call, and the
+    # caller's tensor, a previous layer's output, kept .grad None where eager's holds its grad.
+    device = device_of(backend)
+    module = RetainsGrad(on_input=True).to(device)
+    sample = torch.randn(2, 4, device=device, requires_grad=True) * 2
+    message = capture_error(module, (sample,), backend=backend)
+    assert message.startswith(
+        f"capturing RetainsGrad ({backend}) failed during warmup: args[0]: the callable calls "
+        "retain_grad() on this input: eager calls it on the caller's tensor"
+    )
+    assert "Call retain_grad() on the tensor you pass, outside the callable" in message
+    x = torch.randn(2, 4, device=device, requires_grad=True) * 2
+    module(x).sum().backward()  # the module is left usable, eager
+    assert x.grad is not None
+    assert torch.Tensor.retain_grad is torch._C.TensorBase.retain_grad  # put back
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_tensor_of_its_own_the_callable_retains_the_grad_of_is_graphed(backend: str) -> None:
+    device = device_of(backend)
+    module = RetainsGrad(on_input=False).to(device)
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, device=device, requires_grad=True),), backend=backend
+    )
+    x = torch.randn(2, 4, device=device, requires_grad=True)
+    twin_x = x.detach().clone().requires_grad_()
+    graphed(x).sum().backward()
+    twin(twin_x).sum().backward()
+    assert_tensors_match(x.grad, twin_x.grad, "grad", tolerance(backend))
+
+
 class ReshapesItsMaskInPlace(nn.Module):
     """Reshapes its mask argument in place (``mask.unsqueeze_(-1)``), as older code does."""
 

@@ -670,3 +670,123 @@ def test_checked_tensors_accept_exactly_what_the_one_by_one_checks_accept(
             assert one_by_one._guards is None
             expected = _accepts(one_by_one, args, grad)
             assert _accepts(guard, args, grad) == expected, (hows, mode)
+
+
+def shifted(
+    x: torch.Tensor, shift: Any = 0.0, mask: torch.Tensor | None = None, pair: Any = (1, 2)
+) -> torch.Tensor:
+    """Branches on the values of its defaults, as a replay cannot."""
+    h = (x + shift) * pair[0] if not isinstance(shift, torch.Tensor) else x * 3
+    return h * mask if mask is not None else h.sin()
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("call", "path", "value"),
+    [
+        ({"shift": 1.0}, "kwargs['shift']", "float 1.0"),
+        ({"shift": 0}, "kwargs['shift']", "int 0"),
+        ({"shift": False}, "kwargs['shift']", "bool False"),
+        ({"shift": -0.0}, "kwargs['shift']", "float -0.0"),
+        (
+            {"shift": np.float64(0.0)},
+            "kwargs['shift']",
+            "np.float64(0.0) (an object of type numpy.float64)",
+        ),
+        ({"shift": torch.tensor(0.0)}, "kwargs['shift']", "float32[]"),
+        ({"mask": torch.ones(3)}, "kwargs['mask']", "float32[3]"),
+        ({"pair": [1, 2]}, "kwargs['pair']", "a list of length 2"),
+        ({"pair": (1, 2.0)}, "kwargs['pair']", "a tuple of length 2"),
+    ],
+    ids=["float", "int", "bool", "negative_zero", "numpy", "tensor", "mask", "list", "item"],
+)
+@pytest.mark.parametrize("positional", [False, True], ids=["keyword", "positional"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_default_the_sample_left_out_passed_otherwise_is_refused_naming_its_path(
+    backend: str, positional: bool, call: dict[str, Any], path: str, value: str
+) -> None:
+    # A replay runs with the default the sample call had; eager with the value passed.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        shifted, (torch.randn(3, device=device, requires_grad=True),), backend=backend
+    )
+    static = [t.clone() for t in runner_of(graphed).static_inputs] if backend != "eager" else []
+    x = torch.randn(3, device=device, requires_grad=True)
+    name, given = next(iter(call.items()))
+    if positional:  # the same parameter by position
+        order = ["shift", "mask", "pair"]
+        args = (x, *[shifted.__defaults__[i] for i in range(order.index(name))], given)  # type: ignore[index]
+        call, path = {}, f"args[{len(args) - 1}]"
+    else:
+        args = (x,)
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(*args, **call)
+    assert info.value.path == path
+    assert str(info.value).startswith(f"{path}: {value}")
+    assert f"where the sample call left {name} to its default" in str(info.value)
+    if backend != "eager":  # refused before any static buffer was written
+        after = runner_of(graphed).static_inputs
+        assert all(torch.equal(t, s) for t, s in zip(after, static, strict=True))
+    twin = x.detach().clone().requires_grad_()
+    out, want = graphed(x), shifted(twin)
+    assert_tensors_match(out, want, "output", tolerance(backend))
+    out.sum().backward()
+    want.sum().backward()
+    assert_tensors_match(x.grad, twin.grad, "grad", tolerance(backend))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"shift": 0.0},
+        {"shift": -0.0 + 0.0},
+        {"mask": None},
+        {"pair": (1, 2)},
+        {"shift": 0.0, "mask": None, "pair": (1, 2)},
+    ],
+    ids=["float", "computed_float", "none", "tuple", "all"],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_default_the_sample_left_out_passed_as_itself_runs_as_eager(
+    backend: str, call: dict[str, Any]
+) -> None:
+    # Refused before as "kwargs['shift']: unexpected entry float 0.0", where eager runs it.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        shifted, (torch.randn(3, device=device, requires_grad=True),), backend=backend
+    )
+    for _ in range(2):
+        x = torch.randn(3, device=device, requires_grad=True)
+        twin = x.detach().clone().requires_grad_()
+        out, want = graphed(x, **call), shifted(twin, **call)
+        assert_tensors_match(out, want, "output", tolerance(backend))
+        out.sum().backward()
+        want.sum().backward()
+        assert_tensors_match(x.grad, twin.grad, "grad", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_argument_the_sample_passed_and_a_call_leaves_to_another_default_is_missing(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    sample = torch.randn(3, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(
+        shifted, (sample,), sample_kwargs={"shift": 2.0}, backend=backend
+    )
+    with pytest.raises(SpecMismatchError) as info:
+        graphed(torch.randn(3, device=device))  # eager: shift=0.0
+    assert str(info.value) == "kwargs['shift']: missing (expected float 2.0)"
+    nan = dgt.make_graphed_callables(shifted, (sample, NAN), backend=backend)
+    x = torch.randn(3, device=device)
+    assert torch.isnan(nan(x, shift=float("nan"))).all()  # the same NaN, another object
+    with pytest.raises(SpecMismatchError) as info:  # another NaN: compared as a spec compares
+        nan(x, shift=-NAN)
+    assert str(info.value) == "kwargs['shift']: expected float nan, got float -nan"
+    assert info.value.path == "kwargs['shift']"  # as the call spells it (the sample: args[1])
+    with pytest.raises(SpecMismatchError) as info:
+        nan(x=torch.randn(4, device=device), shift=NAN)
+    expected = f"expected float32[3] on {device}, got float32[4] on {device}"
+    assert str(info.value) == f"kwargs['x']: {expected}"

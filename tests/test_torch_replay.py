@@ -1839,3 +1839,63 @@ def test_a_view_of_an_output_handed_back_keeps_the_negative_zeros_of_its_grad(
             (h * torch.full_like(h, -0.0)).sum().backward()
         assert theirs.grad is not None and theirs.grad.signbit().all()  # eager's: -0.0
         assert mine.grad is not None and torch.equal(mine.grad.signbit(), theirs.grad.signbit())
+
+
+def _tells_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Branches on identity, as nn.MultiheadAttention does for ``query is key``."""
+    return a.sin() * 2 if a is b else a.sin() + b.cos()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_call_passing_one_tensor_at_two_inputs_runs_as_eager_tells_them_apart(
+    backend: str,
+) -> None:
+    # A replay's inputs are buffers of their own: the graph ran the branch of distinct tensors,
+    # a.sin() + b.cos(), where eager's call of (x, x) gives x.sin() * 2, silently.
+    device = device_of(backend)
+    samples = tuple(torch.randn(3, device=device, requires_grad=True) for _ in range(2))
+    graphed = dgt.make_graphed_callables(_tells_apart, samples, backend=backend)
+    for _ in range(2):
+        x = torch.randn(3, device=device, requires_grad=True)
+        twin = x.detach().clone().requires_grad_()
+        out, want = graphed(x, x), _tells_apart(twin, twin)
+        assert_tensors_match(out, want, "output", tolerance(backend))
+        out.sum().backward()
+        want.sum().backward()
+        assert_tensors_match(x.grad, twin.grad, "grad", tolerance(backend))
+    assert dgt.diagnostics(graphed).eager_calls == 2
+    x, z = (torch.randn(3, device=device, requires_grad=True) for _ in range(2))
+    assert_tensors_match(graphed(x, z), _tells_apart(x, z), "output", tolerance(backend))
+    assert dgt.diagnostics(graphed).replays == 1  # distinct tensors replay
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_self_attention_graphed_with_distinct_samples_matches_eager_bit_for_bit(
+    backend: str, param_grads: str
+) -> None:
+    # mha(x, x, x): eager packs the three projections into one where query is key is value,
+    # the graph (its inputs distinct buffers) projects each apart: x.grad was 1e-7 off.
+    device = device_of(backend)
+    module = nn.MultiheadAttention(16, 4, batch_first=True).to(device)
+    twin = copy.deepcopy(module)
+    samples = tuple(torch.randn(2, 5, 16, device=device, requires_grad=True) for _ in range(3))
+    dgt.make_graphed_callables(
+        module,
+        samples,
+        sample_kwargs={"need_weights": False},
+        backend=backend,
+        param_grads=param_grads,
+    )
+    for _ in range(2):
+        x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+        y = x.detach().clone().requires_grad_()
+        out, want = module(x, x, x, need_weights=False)[0], twin(y, y, y, need_weights=False)[0]
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert_tensors_match(out, want, "output", tolerance(backend))
+        assert_grads_match(
+            grads_of([x, *parameters_of(module)]),
+            grads_of([y, *parameters_of(twin)]),
+            ["x", *parameter_names(module)],
+            tolerance(backend),
+        )

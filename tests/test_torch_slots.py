@@ -1056,3 +1056,36 @@ def test_the_eager_calls_of_every_slot_are_counted_together(backend: str) -> Non
     with torch.no_grad():
         module(_x(backend, grad=False))
     assert dgt.diagnostics(module).eager_calls == 1
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(a)) * b
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_call_passing_one_tensor_twice_is_refused_before_it_runs(
+    backend: str,
+) -> None:
+    # One tensor at two inputs runs eagerly (its Python may tell them apart by identity); under
+    # a schedule that is refused, naming the second, before anything ran.
+    device = device_of(backend)
+    module = _Pair().to(device)
+    samples = [torch.randn(3, 4, device=device, requires_grad=True) for _ in range(2)]
+    dgt.make_graphed_callables(module, tuple(samples), backend=backend, schedule=[1, -1])
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^args\[1\]: the same tensor as args\[0\], where the replay's inputs are buffers "
+        r"of their own: _Pair's Python may tell them apart by identity .*forward of _Pair for "
+        r"micro-batch 0 is due. Nothing ran.* pass tensors of their own \(clone\(\)\)$",
+    ):
+        module(x, x)
+    assert module.norm.num_batches_tracked.item() == 0
+    module(x, x.clone()).sum().backward()  # the step
+    assert module.norm.num_batches_tracked.item() == 1

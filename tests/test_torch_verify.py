@@ -323,19 +323,37 @@ def test_verify_leaves_out_a_buffer_of_nan_the_call_never_wrote() -> None:
     assert "step 1 buffer fill after the call" not in [check.path for check in report.checks]
 
 
-def test_inputs_passed_sharing_memory_are_verified_sharing_it() -> None:
-    # The call verify checks is the caller's: the same tensor passed twice stays one tensor, so
-    # the replay's refusal of this call comes out of verify instead of a match of another call.
-    def doubles_then_adds(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        a.mul_(2)
-        return a + b
+def doubles_then_adds(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.mul_(2)
+    return a + b
 
+
+def test_inputs_passed_sharing_memory_are_verified_sharing_it() -> None:
+    # The call verify checks is the caller's: views of one tensor stay views of one clone, so
+    # the replay's refusal of this call comes out of verify instead of a match of another call.
+    graphed = dgt.make_graphed_callables(
+        doubles_then_adds, (torch.ones(3), torch.ones(3)), backend="emulate"
+    )
+    z = torch.randn(2, 3)
+    with pytest.raises(DualgraphError, match=r"args\[0\] and args\[1\] share memory"):
+        dgt.verify(graphed, z[0], z[0].view(3))
+
+
+def test_one_tensor_passed_twice_is_said_to_run_eagerly() -> None:
+    # A call passing one tensor at two inputs runs eagerly (the callable may tell them apart by
+    # identity): verify said its Python reads requires_grad, which it does not.
     graphed = dgt.make_graphed_callables(
         doubles_then_adds, (torch.ones(3), torch.ones(3)), backend="emulate"
     )
     z = torch.randn(3)
-    with pytest.raises(DualgraphError, match=r"args\[0\] and args\[1\] share memory"):
+    with pytest.raises(DualgraphError) as info:
         dgt.verify(graphed, z, z)
+    assert str(info.value).endswith(
+        "2 calls replayed 0 times, so there is nothing to verify: args[1] is the same tensor as "
+        "args[0], and a call passing one tensor at several inputs runs eagerly (the callable's "
+        "Python may tell them apart by identity, where a replay's inputs are buffers of their "
+        "own); pass tensors of their own (clone())"
+    )
 
 
 def test_the_clones_of_the_inputs_share_memory_as_the_inputs_do() -> None:
@@ -441,6 +459,26 @@ def test_verify_checks_padding_at_the_length_of_the_call_it_runs(length: int) ->
         return
     assert [check.path for check in report.failures] == ["padding"], str(report)
     assert "output[1] differs" in report.failures[0].problem
+    assert "a call of length 5 is padded to 8" in report.failures[0].problem
+
+
+@pytest.mark.parametrize("length", [4, 5])
+def test_a_padded_call_spelled_otherwise_than_the_sample_is_verified(length: int) -> None:
+    """x passed by keyword where the sample passed it by position: the replay binds it as eager
+    does; verify's eager side (padded as the replay) and its padding check refused it with
+    'args[0]: missing'."""
+    graphed = dgt.make_graphed_callables(
+        BlockMaskedMean(),
+        buckets=[(torch.randn(2, 8, 4, requires_grad=True),)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output[0]": 1},
+        backend="emulate",
+    )
+    report = dgt.verify(graphed, x=torch.randn(2, length, 4, requires_grad=True))
+    if length == 4:
+        assert report.ok, str(report)
+        return
+    assert [check.path for check in report.failures] == ["padding"], str(report)
     assert "a call of length 5 is padded to 8" in report.failures[0].problem
 
 

@@ -294,7 +294,7 @@ class BucketedCallable:
                 "leave it out",
                 path=f"kwargs['{VALID_LENGTH}']",
             )
-        tensors = self._spec.flatten(args, kwargs)
+        tensors, args, kwargs = self._flattened(args, kwargs)
         try:
             bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
         except (AttributeError, TypeError):  # a leaf that is no tensor: explained below
@@ -305,6 +305,17 @@ class BucketedCallable:
         if told is not None:
             kwargs[VALID_LENGTH] = told.clone() if bucket.hands_out_length else told
         return self._replay(bucket, args, kwargs, None)
+
+    def _flattened(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Any], tuple[Any, ...], dict[str, Any]]:
+        """The call's tensors, args and kwargs, written as the samples were where the call
+        spells its arguments otherwise (a keyword by position, a default passed or left out:
+        :meth:`InputGuard.flattened_as_captured`)."""
+        try:
+            return self._spec.flatten(args, kwargs), args, kwargs
+        except SpecMismatchError as error:
+            return self._guard.flattened_as_captured(args, kwargs, error)
 
     def _replay(
         self, bucket: _Bucket, args: tuple[Any, ...], kwargs: dict[str, Any], padded: int | None
@@ -522,7 +533,7 @@ class BucketedCallable:
             return fn
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            tensors = self._spec.flatten(args, kwargs)
+            tensors, args, kwargs = self._flattened(args, kwargs)
             bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
             if bucket is not None:
                 return fn(*args, **{**kwargs, VALID_LENGTH: bucket.full_length})
@@ -549,7 +560,7 @@ class BucketedCallable:
         if check is None or self._padding is None:
             return None
         try:
-            tensors = self._spec.flatten(args, kwargs)
+            tensors = self._flattened(args, kwargs)[0]
             shapes = tuple(map(_shape, tensors))
             length = self._padding.length_of(shapes)
         except (SpecMismatchError, AttributeError, TypeError):  # the call itself refuses them

@@ -19,11 +19,12 @@ from torch._prims_common import suggest_memory_format as _suggest_memory_format
 from .._call import CallSpec, describe_call
 from .._errors import DualgraphError, SpecMismatchError
 from .._orders import KeyOrders
+from .._spelling import CallSpelling
 from ._ambient import autograd_records
 from ._layout_checks import exact_guard
 from ._leaves import dtype_name
 
-__all__ = ["InputGuard", "input_off_device", "unsupported_tensor"]
+__all__ = ["InputGuard", "input_off_device", "same_tensor_twice", "unsupported_tensor"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -61,6 +62,23 @@ def unsupported_tensor(tensor: torch.Tensor, /) -> str | None:
         return "a quantized tensor (static buffers are dense, strided tensors)"
     if tensor.is_meta:
         return "a meta tensor (it holds no data to replay on)"
+    return None
+
+
+def same_tensor_twice(
+    paths: Sequence[str], tensors: Sequence[torch.Tensor]
+) -> tuple[str, str] | None:
+    """The paths of the first tensor passed at two inputs (the earlier first), or ``None``.
+
+    >>> x = torch.zeros(2)
+    >>> same_tensor_twice(["args[0]", "args[1]", "args[2]"], [x, torch.zeros(2), x])
+    ('args[0]', 'args[2]')
+    """
+    first: dict[int, str] = {}
+    for path, tensor in zip(paths, tensors, strict=True):
+        earlier = first.setdefault(id(tensor), path)
+        if earlier != path:
+            return earlier, path
     return None
 
 
@@ -103,6 +121,7 @@ class InputGuard:
         "_key_orders",
         "_layouts",
         "_layouts_seen",
+        "_spelling",
         "paths",
         "requires_grad",
         "spec",
@@ -143,6 +162,10 @@ class InputGuard:
         # The core matches a dict (and the keywords) whatever its key order; the callable's
         # Python sees the order of its dicts, and of the keywords its **kwargs collects.
         self._key_orders = KeyOrders(self.spec, fn) or None  # None: nothing to check
+        # A call spelling its arguments otherwise than the sample (a keyword by position, a
+        # default passed or left out) is eager's same call: written as the sample's, on the
+        # error path only.
+        self._spelling = CallSpelling(fn, args, kwargs or {}) if fn is not None else None
         # A call's tensors as the samples, in one C call (checked_tensors): the guard of the
         # samples, then also of a call's tensors that passed (under autocast, whose dispatch
         # keys the guard reads); the latest two. None: a sample it cannot guard.
@@ -161,13 +184,20 @@ class InputGuard:
 
         ``grad_enabled`` is the grad mode of the call (read from torch when not given).
         """
-        if kwargs or self._has_kwargs:
-            tensors = self.spec.flatten(args, kwargs)
-        else:  # the usual call: positional args only (``args`` is the call's own tuple)
+        try:
+            if kwargs or self._has_kwargs:
+                tensors = self.spec.flatten(args, kwargs)
+            else:  # the usual call: positional args only (``args`` is the call's own tuple)
+                try:
+                    tensors = self._flatten_args(args, root="args")
+                except SpecMismatchError as error:
+                    raise self._positional_mismatch(args, error) from None
+        except SpecMismatchError as error:  # spelled otherwise than the sample call?
+            _, spelled_args, spelled_kwargs = self.flattened_as_captured(args, kwargs, error)
             try:
-                tensors = self._flatten_args(args, root="args")
-            except SpecMismatchError as error:
-                raise self._positional_mismatch(args, error) from None
+                return self.tensors(spelled_args, spelled_kwargs, grad_enabled)
+            except SpecMismatchError as refused:
+                raise self.named_as_called(refused, args, kwargs) from None
         if grad_enabled is None:
             grad_enabled = autograd_records()
         try:
@@ -201,21 +231,30 @@ class InputGuard:
         device, sizes, strides and ``requires_grad``, those are not compared one by one."""
         guards = self._guards
         if guards is not None:
-            if kwargs or self._has_kwargs:
-                tensors = self.spec.flatten(args, kwargs)
-            else:
-                try:
+            try:
+                if kwargs or self._has_kwargs:
+                    tensors = self.spec.flatten(args, kwargs)
+                else:
                     tensors = self._flatten_args(args, root="args")
-                except SpecMismatchError as error:
-                    raise self._positional_mismatch(args, error) from None
+            except SpecMismatchError:  # (the error path) checked one by one, and worded
+                return self._checked_one_by_one(args, kwargs, grad_enabled)
             latest, previous = guards
             if latest.check(*tensors) or (previous.check(*tensors) and self._swap_guards()):
                 if self._key_orders is not None:
                     self.check_key_orders(args, kwargs)
                 return tensors
+        return self._checked_one_by_one(args, kwargs, grad_enabled)
+
+    def _checked_one_by_one(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_enabled: bool
+    ) -> list[torch.Tensor]:
+        guards = self._guards
         tensors = self.tensors(args, kwargs, grad_enabled)
         if tuple(map(_stride, tensors)) != self.strides:
-            self.check_layouts(tensors)
+            try:
+                self.check_layouts(tensors)
+            except SpecMismatchError as refused:
+                raise self.named_as_called(refused, args, kwargs) from None
         elif guards is not None and not any(
             map(_needs_grad_unexpected, tensors, self.requires_grad)
         ):
@@ -235,6 +274,57 @@ class InputGuard:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot, value in state.items():
             object.__setattr__(self, slot, value)
+
+    def as_captured(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], error: SpecMismatchError
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of a call the spec refused with ``error``, written as the sample
+        call was (a keyword passed by position, a default passed or left out: eager binds them
+        alike, see :class:`~dualgraph._spelling.CallSpelling`); raises ``error`` where the call
+        cannot be written otherwise, and names a default passed with another value."""
+        spelled = None if self._spelling is None else self._spelling.as_captured(args, kwargs)
+        if spelled is None:
+            raise error
+        return spelled
+
+    def flattened_as_captured(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], error: SpecMismatchError
+    ) -> tuple[list[Any], tuple[Any, ...], dict[str, Any]]:
+        """The tensors, args and kwargs of a call the spec refused with ``error``, written as
+        the sample call was (:meth:`as_captured`); a refusal of that call names each path as
+        this call spells it (:meth:`named_as_called`)."""
+        spelled_args, spelled_kwargs = self.as_captured(args, kwargs, error)
+        try:
+            tensors = self.spec.flatten(spelled_args, spelled_kwargs)
+        except SpecMismatchError as refused:
+            raise self.named_as_called(refused, args, kwargs, error) from None
+        return tensors, spelled_args, spelled_kwargs
+
+    def named_as_called(
+        self,
+        refused: SpecMismatchError,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        missing: SpecMismatchError | None = None,
+    ) -> SpecMismatchError:
+        """``refused``, an error of ``(args, kwargs)`` written as the sample call was, naming
+        its path as the call spells it (``kwargs['x']`` where the sample passed ``args[0]``);
+        ``missing`` (the call's own error) where that argument is one the call leaves to a
+        default of its parameter, which the sample passed otherwise."""
+        found = refused.path
+        if self._spelling is None or not found:
+            return refused
+        for captured, called in self._spelling.moved(args, kwargs):
+            if found != captured and not found.startswith((f"{captured}[", f"{captured}.")):
+                continue
+            if called is None:
+                return missing or refused
+            text = str(refused)
+            if not text.startswith(found):
+                return refused
+            path = called + found[len(captured) :]
+            return SpecMismatchError(path + text[len(found) :], path=path)
+        return refused
 
     def _positional_mismatch(
         self, args: tuple[Any, ...], error: SpecMismatchError

@@ -191,6 +191,7 @@ class GraphedCallable:
         "_holder_totals_baseline",
         "_hooks",
         "_hooks_read_per_call",
+        "_identities_checked",
         "_in_graph_accumulators",
         "_in_graph_expected",
         "_in_graph_params",
@@ -384,6 +385,12 @@ class GraphedCallable:
         self._flags_read = (
             tuple((i, plan.inputs.requires_grad[i]) for i in plan.reads_requires_grad) or None
         )
+        # A call passing one tensor at several inputs runs eagerly too: its Python may tell
+        # them apart by identity (nn.MultiheadAttention packs its projections where query is
+        # key), where the replay's inputs are buffers of their own, distinct at capture.
+        # How many input tensors a call passes where there are two or more (else 0).
+        count = len(plan.inputs.paths)
+        self._identities_checked = count if count > 1 else 0
         if other_uses is None and self._auto:
             # the graphs of its calls run eagerly (_eagerly; a module's forward in the other
             # training mode) give the parameters grads too
@@ -764,7 +771,13 @@ class GraphedCallable:
                 self._refuse_a_changed_module_first(refused, grad_enabled)
                 raise
             flags = self._flags_read
-            if flags is not None and _flags_differ(tensors, flags):
+            count = self._identities_checked
+            if (flags is not None and _flags_differ(tensors, flags)) or (
+                count
+                and (  # one tensor at two inputs: `is` for two (15 ns), a set of ids for more
+                    tensors[0] is tensors[1] if count == 2 else len({*map(id, tensors)}) != count
+                )
+            ):
                 return self._eagerly(args, kwargs, replay_kwargs if hooks is not None else None)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
@@ -872,7 +885,8 @@ class GraphedCallable:
     ) -> Any:
         """Run the callable eagerly for a call where its Python would branch otherwise than at
         capture (grad mode off, or an input's ``requires_grad`` other than its sample's, where
-        the forward read them): a replay would run the capture's branch. Its inputs are checked
+        the forward read them; one tensor passed at several inputs, which its Python may tell
+        by identity): a replay would run the capture's branch. Its inputs are checked
         as a replay's; the values the forward's Python sets on its module are taken as its own
         (:func:`own_changes_taken_of`), as for a shape bucket's eager fallback. Its outputs are
         eager's, whatever their structure (``(h, None)`` where the capture's branch returned an

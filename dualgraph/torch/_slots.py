@@ -51,6 +51,7 @@ from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._eager_graphs import EagerGraphs
 from ._grad_checks import will_engine_execute_node
+from ._inputs import same_tensor_twice
 from ._nesting import SCOPE, called_again_inside, inside_another
 from ._replay import GraphedCallable
 from ._schedule import MAX_ORDER, Schedule, ScheduledPass, expand
@@ -127,23 +128,32 @@ class SlotReplay(GraphedCallable):
         self, cursor: ScheduleCursor, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> DualgraphError:
         tensors = self._inputs.tensors(args, kwargs)
-        flags = self._flags_read or ()
-        path, wanted = next(
-            (
-                (self._inputs.paths[i], flag)
-                for i, flag in flags
-                if tensors[i].requires_grad is not flag
-            ),
-            ("an input", True),
+        paths = self._inputs.paths
+        due = (
+            "and the call would run eagerly, outside the schedule, where "
+            f"{cursor.describe(cursor.passes[cursor.position])} is due. Nothing ran. Every "
+            "forward of a scheduled step replays its micro-batch: "
         )
+        flags = self._flags_read or ()
+        found = next(
+            ((paths[i], flag) for i, flag in flags if tensors[i].requires_grad is not flag), None
+        )
+        twice = same_tensor_twice(paths, tensors) if found is None else None
+        if twice is not None:
+            earlier, path = twice
+            return DualgraphError(
+                f"{path}: the same tensor as {earlier}, where the replay's inputs are buffers of "
+                f"their own: {self.name}'s Python may tell them apart by identity (query is "
+                f"key), so eager's branch may differ from the replay's {due}pass tensors of "
+                "their own (clone())"
+            )
+        path, wanted = found or ("an input", True)
         sample, call = ("did", "does not") if wanted else ("did not", "does")
         return DualgraphError(
             f"{path}: {self.name}'s Python reads whether this input requires grad; its sample "
             f"{sample} and this call's {call}, so eager's branch may differ from the replay's "
-            "and the call would run eagerly, outside the schedule, where "
-            f"{cursor.describe(cursor.passes[cursor.position])} is due. Nothing ran. Every "
-            "forward of a scheduled step replays its micro-batch: pass inputs requiring grad as "
-            "the samples did, or graph with samples like the calls"
+            f"{due}pass inputs requiring grad as the samples did, or graph with samples like the "
+            "calls"
         )
 
     def node(self) -> _Node | None:

@@ -89,6 +89,7 @@ from ._ambient import outside_autocast
 from ._buckets import BucketedCallable
 from ._closed_over import closed_over_tensors, modules_named_by
 from ._graphed import diagnostics
+from ._inputs import same_tensor_twice
 from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
@@ -298,7 +299,8 @@ def verify(
             if replayed != steps:
                 raise DualgraphError(
                     f"{info.name}: {steps} calls replayed {replayed} times, so there is nothing "
-                    f"to verify: {_why_eager(graphed, after.eager_calls > eager_calls)}"
+                    f"to verify: "
+                    f"{_why_eager(graphed, after.eager_calls > eager_calls, args, kwargs)}"
                 )
             _restore(params, buffers, state)
             process.put_back_torch_rng()
@@ -345,14 +347,41 @@ def _parameter_tensors(
     return found
 
 
-def _why_eager(graphed: Any, branched: bool = False) -> str:
+def _same_tensor_twice(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The paths of the first tensor a call passes at two inputs, as the call spells them."""
+    spec = describe_call(tuple(args), dict(kwargs))
+    found = [
+        (path, leaf)
+        for path, leaf in zip(
+            spec.array_paths, spec.flatten(tuple(args), dict(kwargs)), strict=True
+        )
+        if isinstance(leaf, torch.Tensor)
+    ]
+    return same_tensor_twice([path for path, _ in found], [leaf for _, leaf in found])
+
+
+def _why_eager(
+    graphed: Any,
+    branched: bool = False,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> str:
     """Why calls of ``graphed`` ran eagerly instead of replaying (``branched``: the diagnostics
-    counted eager calls of a callable whose Python reads grad mode or ``requires_grad``)."""
+    counted eager calls, of a callable whose Python reads grad mode or ``requires_grad``, or of
+    a call passing one tensor at several inputs: ``args``, ``kwargs``)."""
     captured = training_at_capture(graphed) if isinstance(graphed, torch.nn.Module) else None
     if captured is not None and captured != graphed.training:
         return (
             "a graphed module whose training mode differs from capture time runs eagerly "
             "(set .train()/.eval() as at capture)"
+        )
+    twice = _same_tensor_twice(args, kwargs or {}) if branched else None
+    if twice is not None:
+        earlier, path = twice
+        return (
+            f"{path} is the same tensor as {earlier}, and a call passing one tensor at several "
+            "inputs runs eagerly (the callable's Python may tell them apart by identity, where "
+            "a replay's inputs are buffers of their own); pass tensors of their own (clone())"
         )
     runner = runner_of(graphed)
     if branched and not (isinstance(runner, BucketedCallable) and runner.fallback == "eager"):

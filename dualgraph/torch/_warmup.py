@@ -56,6 +56,7 @@ from ._reach import trace_leaves, used_inside
 from ._rng_rewinds import rng_rewinds
 from ._saved_hooks import own_saved_tensors_hooks
 from ._unobserved import unobserved as _unobserved
+from ._watched_function import WatchedFunction
 
 if TYPE_CHECKING:
     from ._capture_state import _Capture
@@ -414,6 +415,43 @@ def _refuse_inputs_given_hooks(item: _Capture) -> None:
         )
 
 
+def _noting_retained(
+    found: Callable[[torch.Tensor], None], watchers: Callable[[], list[list[torch.Tensor]]]
+) -> Callable[[torch.Tensor], None]:
+    def retain_grad(tensor: torch.Tensor) -> None:
+        for seen in watchers():
+            seen.append(tensor)
+        return found(tensor)
+
+    return retain_grad
+
+
+#: ``Tensor.retain_grad`` watched during the inspected warmup forward: a static input is a leaf,
+#: where it is a no-op, so the input's own state cannot tell that the callable called it.
+_RETAIN_GRAD = WatchedFunction(torch.Tensor, "retain_grad", _noting_retained)
+
+
+def _refuse_inputs_retaining_grad(item: _Capture, retained: Sequence[torch.Tensor]) -> None:
+    """Refuse an input the callable called ``retain_grad()`` on.
+
+    Eager calls it on the caller's tensor, whose ``.grad`` the backward then fills where it is
+    no leaf (a previous layer's output); a replay's input is a buffer of its own (a leaf, where
+    it does nothing), so the caller's ``.grad`` stayed ``None``.
+    """
+    if not retained:
+        return
+    called = {id(t) for t in retained}
+    paths = item.request.inputs.paths
+    for i, t in enumerate(item.static_inputs):
+        if id(t) in called:
+            raise Refused(
+                f"{paths[i]}: the callable calls retain_grad() on this input: eager calls it on "
+                "the caller's tensor, whose .grad its backward fills where that tensor is no "
+                "leaf, a replay's input is a buffer of its own, so the caller's .grad would stay "
+                "None. Call retain_grad() on the tensor you pass, outside the callable"
+            )
+
+
 def _warmup(
     item: _Capture, allow_unused: bool, *, inspect: bool
 ) -> tuple[torch.Tensor | None, ...]:
@@ -436,8 +474,11 @@ def _warmup(
                 turns_grad_mode_on() as grad_mode,
                 branch_reads(item.static_inputs) as reads,
                 rng_rewinds() as forward_rewound,
+                _RETAIN_GRAD.watching([]) as retained,
             ):
                 outputs = _run(item)
+            _refuse_inputs_retaining_grad(item, retained)
+            del retained
             if forward_rewound.draws_from_rewound_state:
                 _refuse_rewound_draws(item, "forward")
         else:

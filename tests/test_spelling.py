@@ -1,0 +1,96 @@
+"""``CallSpelling``: a call spelled otherwise than the sample, written as the sample was."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dualgraph import SpecMismatchError
+from dualgraph._spelling import CallSpelling
+
+
+def f(a: Any, b: Any = 2, /, c: Any = 3, *rest: Any, d: Any = 4, **more: Any) -> None:
+    """Every kind of parameter."""
+
+
+def test_a_call_spelled_as_the_sample_is_not_written_again() -> None:
+    spelling = CallSpelling(f, (1,), {"c": 5, "x": 6})
+    assert spelling.as_captured((9,), {"c": 8, "x": 7}) is None
+
+
+def test_each_kind_of_parameter_is_written_as_the_sample_spelled_it() -> None:
+    spelling = CallSpelling(f, (1, 2, 3), {"d": 4, "x": 5})
+    # positional-only b left to its default 2, c by keyword, x through **more
+    assert spelling.as_captured((1,), {"c": 3, "d": 4, "x": 5}) == ((1, 2, 3), {"d": 4, "x": 5})
+    assert spelling.moved((1,), {"c": 3, "d": 4, "x": 5}) == (
+        ("args[1]", None),
+        ("args[2]", "kwargs['c']"),
+    )
+
+
+def test_keywords_collected_by_var_kwargs_keep_the_calls_order() -> None:
+    spelling = CallSpelling(f, (1,), {"c": 3, "x": 5, "y": 6})
+    spelled = spelling.as_captured((1, 2), {"y": 6, "x": 5, "c": 3})
+    assert spelled is not None
+    assert list(spelled[1]) == ["c", "y", "x"]  # the order check then sees the call's
+
+
+def test_extra_positional_arguments_where_the_sample_passed_none_are_not_written() -> None:
+    spelling = CallSpelling(f, (1,), {})
+    assert spelling.as_captured((1, 2, 3, 4), {}) is None  # *rest gets (4,): the spec refuses
+
+
+def test_a_call_that_does_not_bind_is_not_written() -> None:
+    spelling = CallSpelling(f, (1,), {})
+    assert spelling.as_captured((), {"a": 1}) is None  # a is positional-only: eager raises
+
+
+def test_a_default_left_out_by_the_sample_and_passed_otherwise_is_refused_by_path() -> None:
+    spelling = CallSpelling(f, (1,), {})
+    assert spelling.as_captured((1, 2), {"d": 4}) == ((1,), {})
+    with pytest.raises(SpecMismatchError) as info:
+        spelling.as_captured((1, 2.0), {})
+    assert info.value.path == "args[1]"
+    assert str(info.value).startswith(
+        "args[1]: float 2.0, where the sample call left b to its default int 2"
+    )
+
+
+def _raises() -> Any:
+    raise RuntimeError("no signature")
+
+
+class Unreadable:
+    __signature__ = property(lambda self: _raises())
+
+    def __call__(self, x: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fn", [len, Unreadable()], ids=["builtin", "signature_raises"])
+def test_nothing_is_written_where_the_signature_cannot_be_read_or_bound(fn: Any) -> None:
+    spelling = CallSpelling(fn, ([1],), {"unbound": 1})
+    assert spelling.as_captured(([1],), {}) is None
+
+
+def test_a_default_no_spec_holds_is_compared_by_identity_and_shown_by_its_repr() -> None:
+    import enum
+
+    class Mode(enum.Enum):
+        FAST = 1
+        SLOW = 2
+
+    def g(x: Any, mode: Mode = Mode.FAST) -> None:
+        """A default a spec holds no constant of."""
+
+    spelling = CallSpelling(g, (1,), {})
+    assert spelling.as_captured((1,), {"mode": Mode.FAST}) == ((1,), {})
+    with pytest.raises(SpecMismatchError) as info:
+        spelling.as_captured((1, Mode.SLOW), {})
+    assert str(info.value).startswith(
+        "args[1]: <Mode.SLOW: 2> (an object of type test_spelling.test_a_default_no_spec_holds"
+    )
+    assert "where the sample call left mode to its default <Mode.FAST: 1> (an object" in str(
+        info.value
+    )
