@@ -436,6 +436,24 @@ class _Float32Layer(torch.nn.Module):
         return torch.tanh(_Float32Matmul.apply(x, self.weight))
 
 
+def _float32_layer_graphed_under_autocast(
+    backend: str, **options: Any
+) -> tuple[_Float32Layer, _Float32Layer]:
+    """A :class:`_Float32Layer` graphed under a bfloat16 autocast, and its eager twin."""
+    device = device_of(backend)
+    torch.manual_seed(0)
+    module = _Float32Layer(device)
+    twin = copy.deepcopy(module)
+    with _autocast(backend, cache_enabled=False):
+        dgt.make_graphed_callables(
+            module,
+            (torch.randn(8, 16, device=device, requires_grad=True),),
+            backend=backend,
+            **options,
+        )
+    return module, twin
+
+
 @pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_backward_outside_autocast_after_a_forward_under_it_equals_eagers(
@@ -447,16 +465,7 @@ def test_a_backward_outside_autocast_after_a_forward_under_it_equals_eagers(
     # eager (CUDA; the CPU's emulate runs the backward when called). Bit for bit with eager.
     device = device_of(backend)
     tol = tolerance(backend)  # float32's on the GPU: a bfloat16 backward is far outside it
-    torch.manual_seed(0)
-    module = _Float32Layer(device)
-    twin = copy.deepcopy(module)
-    with _autocast(backend, cache_enabled=False):
-        dgt.make_graphed_callables(
-            module,
-            (torch.randn(8, 16, device=device, requires_grad=True),),
-            backend=backend,
-            param_grads=param_grads,
-        )
+    module, twin = _float32_layer_graphed_under_autocast(backend, param_grads=param_grads)
     for _ in range(3):
         x = torch.randn(8, 16, device=device, requires_grad=True)
         x_eager = x.detach().clone().requires_grad_()
@@ -477,13 +486,7 @@ def test_a_backward_under_autocast_is_refused_before_any_grad_and_runs_outside_i
     # in bfloat16); the graphs' backward was captured outside autocast.
     device = device_of(backend)
     tol = tolerance(backend)  # float32's on the GPU: a bfloat16 backward is far outside it
-    torch.manual_seed(0)
-    module = _Float32Layer(device)
-    twin = copy.deepcopy(module)
-    with _autocast(backend, cache_enabled=False):
-        dgt.make_graphed_callables(
-            module, (torch.randn(8, 16, device=device, requires_grad=True),), backend=backend
-        )
+    module, twin = _float32_layer_graphed_under_autocast(backend)
     x = torch.randn(8, 16, device=device, requires_grad=True)
     x_eager = x.detach().clone().requires_grad_()
     with _autocast(backend, cache_enabled=False):
