@@ -15,17 +15,18 @@ and steps, optimizer steps (SGD with momentum, Adam foreach).
 
 A second property does the same for the parts of real models (:class:`Parts`): an embedding
 (``padding_idx``; ``max_norm``, which renormalizes its weight in the forward and is refused at
-capture), BatchNorm (train and eval, its running statistics compared after each call), LayerNorm,
-RMSNorm, GroupNorm, Conv1d/2d, dropout (the same seed both sides), scaled dot-product attention
-(causal, or a bool or additive mask kwarg), ``relu_``/``add_`` on intermediates, a submodule
-called twice, a frozen layer, a buffer counted up in the forward, an embedding tied to the
-head, integer token ids, non-contiguous views, constants and nested containers out; and calls
-interleaved with ``no_grad``/``inference_mode`` calls, ``train()``/``eval()``, one submodule's
-mode changed (refused naming it), ``zero_grad``, SGD-momentum/AdamW steps, ``.data`` updates,
-``load_state_dict``, a parameter frozen or replaced (refused naming it), an optional kwarg
-passed as ``None`` where the sample had a tensor or the reverse (refused naming it), backward
-of two calls' summed losses, ``backward(inputs=...)``, ``torch.autograd.grad`` and
-``retain_graph``. Every refusal must name what it refuses; :data:`REFUSALS` counts them.
+capture), BatchNorm (train and eval, its running statistics compared after each call),
+LayerNorm, RMSNorm, GroupNorm, Conv1d/2d, dropout (the same seed both sides), scaled dot-product
+attention (causal, or a bool or additive mask kwarg; its dropout in training),
+``relu_``/``add_`` on intermediates, a submodule called twice, a frozen layer, a buffer counted
+up in the forward, an embedding tied to the head, integer token ids, non-contiguous views,
+constants and nested containers out; and calls interleaved with ``no_grad``/``inference_mode``
+calls, ``train()``/``eval()``, one submodule's mode changed (refused naming it), ``zero_grad``,
+SGD-momentum/AdamW steps, ``.data`` updates, ``load_state_dict``, a parameter frozen or replaced
+(refused naming it), an optional kwarg passed as ``None`` where the sample had a tensor or the
+reverse (refused naming it), backward of two calls' summed losses, ``backward(inputs=...)``,
+``torch.autograd.grad`` and ``retain_graph``. Every refusal must name what it refuses;
+:data:`REFUSALS` counts them.
 
 A deep copy of the module runs the same program eagerly; outputs (bits, ``None`` positions,
 constants, ``requires_grad``, inputs handed back as the caller's tensors), input grads,
@@ -781,15 +782,16 @@ class Parts(nn.Module):
                 h = self.conv2d(h.unsqueeze(1)).sum(1)
             elif op == "attention":
                 q, k, v = self.qkv(h).unsqueeze(1).chunk(3, dim=-1)
+                p = 0.2 if self.training else 0.0  # attention dropout, as in training
                 if attn_mask is None:
-                    h = (
-                        h
-                        + nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
-                    )
+                    attended = nn.functional.scaled_dot_product_attention(
+                        q, k, v, dropout_p=p, is_causal=True
+                    )[:, 0]
                 else:
-                    h = h + nn.functional.scaled_dot_product_attention(
-                        q, k, v, attn_mask=attn_mask
+                    attended = nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=attn_mask, dropout_p=p
                     ).squeeze(1)
+                h = h + attended
             elif op == "relu_":  # in place on an intermediate
                 h = self.proj(h)
                 h.relu_()
