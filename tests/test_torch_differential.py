@@ -13,6 +13,21 @@ switches (eager fallbacks), a changed constant or an input requiring grad unlike
 parameters), ``retain_graph=True`` and a second backward, a call's backward after later calls
 and steps, optimizer steps (SGD with momentum, Adam foreach).
 
+A second property does the same for the parts of real models (:class:`Parts`): an embedding
+(``padding_idx``; ``max_norm``, which renormalizes its weight in the forward and is refused at
+capture), BatchNorm (train and eval, its running statistics compared after each call),
+LayerNorm, RMSNorm, GroupNorm, Conv1d/2d, dropout (the same seed both sides), scaled dot-product
+attention (causal, or a bool or additive mask kwarg; its dropout in training),
+``relu_``/``add_`` on intermediates, a submodule called twice, a frozen layer, a buffer counted
+up in the forward, an embedding tied to the head, integer token ids, non-contiguous views,
+constants and nested containers out; and calls interleaved with ``no_grad``/``inference_mode``
+calls, ``train()``/``eval()``, one submodule's mode changed (refused naming it), ``zero_grad``,
+SGD-momentum/AdamW steps, ``.data`` updates, ``load_state_dict``, a parameter frozen or replaced
+(refused naming it), an optional kwarg passed as ``None`` where the sample had a tensor or the
+reverse (refused naming it), backward of two calls' summed losses, ``backward(inputs=...)``,
+``torch.autograd.grad`` and ``retain_graph``. Every refusal must name what it refuses;
+:data:`REFUSALS` counts them.
+
 A deep copy of the module runs the same program eagerly; outputs (bits, ``None`` positions,
 constants, ``requires_grad``, inputs handed back as the caller's tensors), input grads,
 parameter grads, parameter values and buffers must be equal bit for bit. A
@@ -27,6 +42,7 @@ Example (one program, as the property runs it)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 from typing import Any
@@ -642,6 +658,598 @@ def run_program(program: Program) -> None:
 @given(programs())
 def test_graphed_module_equals_its_eager_copy_over_random_programs(program: Program) -> None:
     run_program(program)
+
+
+# -- model parts: norms, convolutions, embeddings, attention, token ids --------------------------
+
+SEQ = 5
+VOCAB = 7
+
+PART_OPS = (
+    "embed",
+    "proj",
+    "batchnorm",
+    "layernorm",
+    "rmsnorm",
+    "conv1d",
+    "conv2d",
+    "attention",
+    "relu_",
+    "add_",
+    "shared",
+    "frozen",
+    "count",
+    "transpose",
+    "extra",
+    "dropout",
+    "groupnorm",
+)
+#: What an output leaf of a model part may be: ``t`` and ``strided`` are views that are not
+#: contiguous, ``running_mean`` and ``calls`` buffers, ``tokens`` an integer input handed back.
+PART_OUTPUTS = (
+    "h",
+    "t",
+    "strided",
+    "logits",
+    "pooled",
+    "nested",
+    "calls",
+    "running_mean",
+    "tokens",
+    "count",
+    "none",
+    "int",
+    "bool",
+    "str",
+)
+PART_BACKWARDS = ("none", "all", "inputs", "grad_params", "grad_inputs", "retain_twice")
+PART_STEPS = (
+    "call",
+    "call",
+    "call",
+    "pair",
+    "no_grad",
+    "train",
+    "eval",
+    "zero",
+    "step",
+    "data",
+    "load",
+    "switch",
+    "sub_eval",
+    "freeze",
+    "rebind",
+    "inference",
+)
+
+
+class Parts(nn.Module):
+    """The parts of real models (norms, convolutions, an embedding, attention) in ``ops``'
+    order on ``x`` of shape (batch, seq, width), with token ids; returns ``outputs``' leaves
+    in a dict with a nested dict and a tuple."""
+
+    def __init__(self, ops: list[str], outputs: list[str], embedding: str, tied: bool) -> None:
+        super().__init__()
+        self.ops = ops
+        self.outputs = outputs
+        self.embed = nn.Embedding(
+            VOCAB,
+            WIDTH,
+            padding_idx=0 if embedding == "padding" else None,
+            max_norm=1.0 if embedding == "max_norm" else None,
+        )
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.batchnorm = nn.BatchNorm1d(WIDTH)
+        self.layernorm = nn.LayerNorm(WIDTH)
+        self.rmsnorm = nn.RMSNorm(WIDTH)
+        self.groupnorm = nn.GroupNorm(2, WIDTH)
+        self.dropout = nn.Dropout(0.25)
+        self.conv1d = nn.Conv1d(WIDTH, WIDTH, 3, padding=1)
+        self.conv2d = nn.Conv2d(1, 2, 3, padding=1)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.offset = nn.Parameter(torch.randn(WIDTH))
+        self.shared = nn.Linear(WIDTH, WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:  # one Parameter used by the embedding and the output head
+            self.head.weight = self.embed.weight
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
+    ) -> Any:
+        h = x
+        for op in self.ops:
+            if op == "embed":
+                h = h + self.embed(tokens)
+            elif op == "proj":
+                h = self.proj(h)
+            elif op == "batchnorm":  # over the width as channels: a transposed layout
+                h = self.batchnorm(h.transpose(1, 2)).transpose(1, 2)
+            elif op in ("layernorm", "rmsnorm", "dropout"):
+                h = getattr(self, op)(h)
+            elif op == "groupnorm":  # channels second, as for images
+                h = self.groupnorm(h.transpose(1, 2)).transpose(1, 2)
+            elif op == "conv1d":
+                h = self.conv1d(h.transpose(1, 2)).transpose(1, 2)
+            elif op == "conv2d":
+                h = self.conv2d(h.unsqueeze(1)).sum(1)
+            elif op == "attention":
+                q, k, v = self.qkv(h).unsqueeze(1).chunk(3, dim=-1)
+                p = 0.2 if self.training else 0.0  # attention dropout, as in training
+                if attn_mask is None:
+                    attended = nn.functional.scaled_dot_product_attention(
+                        q, k, v, dropout_p=p, is_causal=True
+                    )[:, 0]
+                else:
+                    attended = nn.functional.scaled_dot_product_attention(
+                        q, k, v, attn_mask=attn_mask, dropout_p=p
+                    ).squeeze(1)
+                h = h + attended
+            elif op == "relu_":  # in place on an intermediate
+                h = self.proj(h)
+                h.relu_()
+            elif op == "add_":
+                h = h * 2.0
+                h.add_(self.offset)
+            elif op == "shared":  # one submodule called twice
+                h = self.shared(torch.tanh(self.shared(h)))
+            elif op == "frozen":
+                h = self.frozen(h)
+            elif op == "count":
+                if self.training:
+                    self.calls += 1
+            elif op == "transpose":
+                h = h.transpose(0, 1).contiguous().transpose(0, 1)
+            elif op == "extra" and extra is not None:
+                h = h + extra
+        values = {
+            "h": h,
+            "t": h.transpose(1, 2),
+            "strided": h[:, ::2],
+            "logits": self.head(h),
+            "pooled": h.mean(1),
+            "nested": {"inner": {"sum": (h.sum(-1), None, 3)}, "flag": False},
+            "calls": self.calls,
+            "running_mean": self.batchnorm.running_mean,
+            "tokens": tokens,
+            "count": tokens.ne(0).sum(),
+            "none": None,
+            "int": 3,
+            "bool": True,
+            "str": "part",
+        }
+        out = {kind: values[kind] for kind in self.outputs}
+        return {"out": out, "pair": (len(out), "end")}
+
+
+@dataclasses.dataclass
+class PartsProgram:
+    """A model of parts, its sample call and the steps run on it and on its eager twin."""
+
+    ops: list[str]
+    outputs: list[str]
+    embedding: str
+    tied: bool
+    mode: str
+    clone: bool
+    x_grad: bool
+    mask_given: bool
+    float_mask: bool
+    extra_given: bool
+    extra_grad: bool
+    optimizer: str
+    captured_training: bool
+    steps: list[tuple[str, str, int, bool]]
+    seed: int
+
+
+@st.composite
+def parts_programs(draw: st.DrawFn) -> PartsProgram:
+    ops = draw(st.lists(st.sampled_from(PART_OPS), min_size=1, max_size=6))
+    outputs = draw(st.lists(st.sampled_from(PART_OUTPUTS), min_size=1, max_size=5, unique=True))
+    differentiable = ("h", "t", "strided", "logits", "pooled", "nested")
+    if not any(kind in differentiable for kind in outputs):
+        outputs.insert(draw(st.integers(0, len(outputs))), "h")
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(PART_STEPS),
+                st.sampled_from(PART_BACKWARDS),
+                st.integers(0, 63),
+                st.booleans(),
+            ),
+            min_size=2,
+            max_size=8,
+        )
+    )
+    return PartsProgram(
+        ops=ops,
+        outputs=outputs,
+        embedding=draw(st.sampled_from(["plain", "padding", "max_norm"])),
+        tied=draw(st.booleans()),
+        mode=draw(st.sampled_from(["auto", "autograd", "in_graph"])),
+        clone=draw(st.booleans()),
+        x_grad=draw(st.booleans()),
+        mask_given=draw(st.booleans()),
+        float_mask=draw(st.booleans()),
+        extra_given=draw(st.booleans()),
+        extra_grad=draw(st.booleans()),
+        optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+        captured_training=draw(st.sampled_from([True, True, False])),
+        steps=steps,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+#: How often each refusal was met (by what it names), for a local run's report.
+REFUSALS: collections.Counter[str] = collections.Counter()
+
+
+def refused(error: DualgraphError, *names: str) -> str:
+    """The first of ``names`` the refusal's message names (it must name one)."""
+    message = str(error)
+    for name in names:
+        if name in message:
+            REFUSALS[name] += 1
+            event(f"refused: {name}")
+            return name
+    raise AssertionError(f"a refusal naming none of {names}: {message}")
+
+
+class PartsSide:
+    """One side of a parts program: the module, its optimizer, its latest inputs."""
+
+    def __init__(self, module: nn.Module, optimizer: str) -> None:
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(params, lr=0.1, momentum=0.9)
+            if optimizer == "sgd"
+            else torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+        )
+
+    def call(self, inputs: dict[str, Any]) -> Any:
+        return self.module(inputs["tokens"], inputs["x"], **inputs["kwargs"])
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+
+def parts_inputs(
+    program: PartsProgram, generator: torch.Generator, switch: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same new inputs twice; ``switch`` ("attn_mask" or "extra") passes that optional
+    kwarg as the sample did not (a tensor for ``None``, or ``None``)."""
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    x = torch.randn(BATCH, SEQ, WIDTH, generator=generator)
+    mask = torch.rand(BATCH, 1, SEQ, SEQ, generator=generator) > 0.3
+    mask[..., 0] = True  # every query attends one key at least: no NaN rows
+    if program.float_mask:  # additive, as HF's extended attention masks
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    extra = torch.randn(SEQ, WIDTH, generator=generator)
+
+    def copy_of() -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if program.mask_given != (switch == "attn_mask"):
+            kwargs["attn_mask"] = mask.clone()
+        if program.extra_given != (switch == "extra"):
+            kwargs["extra"] = extra.clone().requires_grad_(program.extra_grad)
+        return {
+            "tokens": tokens.clone(),
+            "x": x.clone().requires_grad_(program.x_grad),
+            "kwargs": kwargs,
+        }
+
+    return copy_of(), copy_of()
+
+
+def float_inputs(inputs: dict[str, Any]) -> list[torch.Tensor]:
+    return [t for t in (inputs["x"], *inputs["kwargs"].values()) if t.requires_grad]
+
+
+def handed_back(inputs: dict[str, Any], module: nn.Module) -> tuple[torch.Tensor, ...]:
+    return (inputs["tokens"], inputs["x"], *inputs["kwargs"].values(), *module.buffers())
+
+
+def loss_leaving_out(tree: Any, handed: tuple[torch.Tensor, ...], pick: int) -> Any:
+    """``loss_of`` with the views of another output (``t``, ``strided``) left out: their grads
+    reach that output outside the replay, summed before what flows into it inside, where
+    eager adds every use's grad in one order (last-bit differences, as for a tensor used
+    inside and outside a callable: README)."""
+    views = tuple(tree["out"][kind] for kind in ("t", "strided") if kind in tree["out"])
+    return loss_of(tree, (*handed, *views), pick, False)
+
+
+def parts_backward(
+    graphed: PartsSide,
+    eager: PartsSide,
+    losses: tuple[Any, Any],
+    inputs: tuple[dict[str, Any], dict[str, Any]],
+    program: PartsProgram,
+    backward: str,
+    pick: int,
+    where: str,
+    replayed: bool,
+    stale: bool,
+    renamed: set[str],
+) -> None:
+    """The same backward (or ``torch.autograd.grad``) on both sides: ``inputs`` backward of a
+    subset of the parameters and inputs; a refusal must name what it refuses and leave every
+    grad as it was (the twin then skips the step)."""
+    if losses[0] is None or losses[1] is None:
+        assert losses[0] is None and losses[1] is None, f"{where}: loss None-ness"
+        return
+    assert same_bits(losses[0].detach(), losses[1].detach()), f"{where}: loss"
+    leaves = [float_inputs(i) for i in inputs]
+    sides = (graphed, eager)
+    targets = [[*leaf, *side.trainable()] for leaf, side in zip(leaves, sides, strict=True)]
+    if backward == "grad_inputs":
+        targets = leaves
+    elif backward == "grad_params":
+        targets = [side.trainable() for side in sides]
+    elif backward == "inputs":
+        targets = [[t for k, t in enumerate(ts) if pick >> (k % 6) & 1] for ts in targets]
+    watched = [*leaves[0], *graphed.trainable()]
+    before = grads_now(watched)
+    try:
+        if backward.startswith("grad_"):
+            if not targets[0]:
+                return
+            got = torch.autograd.grad(losses[0], targets[0], allow_unused=True)
+        elif backward == "inputs":
+            if not targets[0]:
+                return
+            losses[0].backward(inputs=targets[0])
+        else:
+            losses[0].backward(retain_graph=backward == "retain_twice")
+    except DualgraphError as error:
+        assert replayed, f"{where}: an eager fallback refused: {error}"
+        # a parameter frozen or replaced since capture is refused at the backward (the
+        # forward ran as eager's: buffers compared), before any grad
+        names = [*renamed, *(["after a later forward replay"] if stale else [])]
+        if program.mode == "in_graph":
+            names.append("captured with param_grads='in_graph'")
+        refused(error, *names)
+        for t, b in zip(watched, before, strict=True):
+            assert_same_grad(t.grad, b, f"{where}: a refused backward changed .grad")
+        return
+    asked = {id(t) for t in targets[0]}
+    only_parameters = not any(id(t) in asked for t in leaves[0])
+    if (
+        program.mode == "in_graph"
+        and replayed
+        and backward in ("inputs", "grad_params")
+        and only_parameters
+    ):
+        # README: a backward asking for parameters only never reaches an 'in_graph' replay:
+        # autograd.grad gives None, backward(inputs=params) leaves .grad as it was
+        if backward.startswith("grad_"):
+            assert all(g is None for g in got), f"{where}: in_graph parameter grads"
+        for t, b in zip(watched, before, strict=True):
+            assert_same_grad(t.grad, b, f"{where}: in_graph parameters-only backward")
+        event("in_graph: a backward of parameters only leaves them as they were")
+        return
+    if backward.startswith("grad_"):
+        expected = torch.autograd.grad(losses[1], targets[1], allow_unused=True)
+        for k, (a, e) in enumerate(zip(got, expected, strict=True)):
+            assert_same_grad(a, e, f"{where}: autograd.grad[{k}]")
+        return
+    if backward == "inputs":
+        losses[1].backward(inputs=targets[1])
+    else:
+        losses[1].backward(retain_graph=backward == "retain_twice")
+    for k, (a, e) in enumerate(zip(*leaves, strict=True)):
+        assert_same_grad(a.grad, e.grad, f"{where}: input {k}.grad")
+    if backward == "retain_twice":
+        assert_same_state(graphed.module, eager.module, f"{where} first backward")
+        try:
+            losses[0].backward()
+        except DualgraphError as error:
+            assert replayed, f"{where}: {error}"
+            refused(error, "second backward through the same replay")
+            return
+        losses[1].backward()
+
+
+def run_parts_program(program: PartsProgram) -> None:
+    torch.manual_seed(program.seed)
+    module = Parts(program.ops, program.outputs, program.embedding, program.tied)
+    twin = copy.deepcopy(module)
+    generator = torch.Generator().manual_seed(program.seed)
+    sample, _ = parts_inputs(program, generator)
+    for m in (module, twin):
+        m.train(program.captured_training)
+    try:
+        dgt.make_graphed_callables(
+            module,
+            (sample["tokens"], sample["x"]),
+            sample_kwargs=sample["kwargs"],
+            backend="emulate",
+            param_grads=program.mode,
+            clone_outputs=program.clone,
+            allow_unused_input=True,
+        )
+    except DualgraphError as error:
+        # Embedding(max_norm=...) renormalizes its weight in the forward: refused, the
+        # module left as it was
+        assert program.embedding == "max_norm" and "embed" in program.ops, str(error)
+        refused(error, "embed.weight: the callable updates this parameter in place")
+        assert_same_state(module, twin, "after a refused capture")
+        return
+    assert_same_state(module, twin, "after capture")
+    graphed, eager = PartsSide(module, program.optimizer), PartsSide(twin, program.optimizer)
+    earlier: Any = None  # the losses and inputs of the call before, for "pair"
+    renamed: set[str] = set()  # what a forward may be refused naming
+    replays = 0
+    for n, (step, backward, pick, flag) in enumerate(program.steps):
+        where = f"step {n} ({step}, {backward}, pick {pick}, flag {flag})"
+        if step in ("train", "eval"):
+            for m in (module, twin):
+                m.train(step == "train")
+        elif step == "zero":
+            for side in (graphed, eager):
+                side.optimizer.zero_grad(set_to_none=flag)
+        elif step == "step":
+            for side in (graphed, eager):
+                side.optimizer.step()
+            earlier = None  # eager's backward of a call before would raise (a weight stepped)
+        elif step == "freeze":  # a parameter frozen (or unfrozen) between calls
+            for m in (module, twin):
+                m.proj.weight.requires_grad_(not m.proj.weight.requires_grad)
+            earlier = None
+            renamed.add("proj.weight")
+        elif step == "rebind":  # a parameter replaced by a new one between calls
+            for m in (module, twin):
+                m.proj.weight = nn.Parameter(m.proj.weight.detach() * 0.5)
+            earlier = None
+            renamed.add("proj.weight")
+        elif step == "sub_eval":  # one submodule in the other mode than the whole module's
+            inputs = parts_inputs(program, generator)
+            for m in (module, twin):
+                m.batchnorm.train(not m.training)
+            torch.manual_seed(program.seed + n)
+            try:
+                outs = (graphed.call(inputs[0]), None)
+            except DualgraphError as error:
+                assert module.training == program.captured_training, f"{where}: {error}"
+                refused(error, "batchnorm")
+                assert_same_state(module, twin, f"{where}: a refused call")
+            else:
+                torch.manual_seed(program.seed + n)
+                outs = (outs[0], eager.call(inputs[1]))
+                held = (handed_back(inputs[0], module), handed_back(inputs[1], twin))
+                assert_same_tree(outs[0], outs[1], f"{where}: output", held)
+            finally:
+                for m in (module, twin):
+                    m.batchnorm.train(m.training)
+        elif step == "data":  # in place through .data: no version counter moves
+            for m in (module, twin):
+                for p in m.parameters():
+                    p.data.mul_(0.75).add_(0.125)
+        elif step == "load":
+            state = {
+                k: v * 0.5 if v.is_floating_point() else v for k, v in twin.state_dict().items()
+            }
+            for m in (module, twin):
+                m.load_state_dict(state)
+            earlier = None
+        elif step == "switch":
+            name = "attn_mask" if flag else "extra"
+            inputs = parts_inputs(program, generator, name)
+            if module.training == program.captured_training:
+                with pytest.raises(DualgraphError, match=rf"kwargs\['{name}'\]"):
+                    graphed.call(inputs[0])
+                REFUSALS[f"kwargs['{name}'] None vs tensor"] += 1
+            else:
+                torch.manual_seed(program.seed + n)
+                graphed_out = graphed.call(inputs[0])
+                torch.manual_seed(program.seed + n)
+                outs = (graphed_out, eager.call(inputs[1]))
+                held = (handed_back(inputs[0], module), handed_back(inputs[1], twin))
+                assert_same_tree(outs[0], outs[1], f"{where}: output", held)
+        else:
+            inputs = parts_inputs(program, generator)
+            with (
+                torch.inference_mode() if step == "inference" else contextlib.nullcontext(),
+                torch.set_grad_enabled(step not in ("no_grad", "inference")),
+            ):
+                torch.manual_seed(program.seed + n)  # dropout: the same masks both sides
+                try:
+                    outs = (graphed.call(inputs[0]), None)
+                except DualgraphError as error:
+                    # refused by name (a parameter frozen or replaced since capture), nothing
+                    # changed; the twin skips the call
+                    refused(error, *renamed)
+                    assert_same_state(module, twin, f"{where}: a refused call")
+                    continue
+                after = torch.get_rng_state()
+                torch.manual_seed(program.seed + n)
+                outs = (outs[0], eager.call(inputs[1]))
+                assert torch.equal(after, torch.get_rng_state()), f"{where}: random numbers drawn"
+            replayed = module.training == program.captured_training
+            replays += replayed
+            held = (handed_back(inputs[0], module), handed_back(inputs[1], twin))
+            assert_same_tree(outs[0], outs[1], f"{where}: output", held)
+            assert_same_state(module, twin, f"{where} after the forward")
+            event(f"parts {step}, {'replayed' if replayed else 'eager fallback'}")
+            losses = tuple(
+                loss_leaving_out(o, handed_back(i, m), pick)
+                for o, i, m in zip(outs, inputs, (module, twin), strict=True)
+            )
+            if step == "pair" and earlier is not None and None not in (*losses, *earlier[0]):
+                # the backward of the sum of two calls' losses (the earlier one's replay is
+                # stale: refused by name where it replayed)
+                both = tuple(a + b for a, b in zip(earlier[0], losses, strict=True))
+                pair_inputs = tuple(
+                    {
+                        "x": a["x"],
+                        "kwargs": {
+                            **a["kwargs"],
+                            **{f"{k}2": v for k, v in b["kwargs"].items()},
+                            "x2": b["x"],
+                        },
+                    }
+                    for a, b in zip(earlier[1], inputs, strict=True)
+                )
+                parts_backward(
+                    graphed,
+                    eager,
+                    both,
+                    pair_inputs,
+                    program,
+                    "all",
+                    pick,
+                    where,
+                    replayed or earlier[2],
+                    replays > earlier[3] + 1 or (replayed and earlier[2]),
+                    renamed,
+                )
+                if replayed != earlier[2]:
+                    # one replay, one eager call: a parameter used in both gets the replay's
+                    # sum of its uses, then the eager call's one by one (README: last bits)
+                    for p, q in zip(graphed.trainable(), eager.trainable(), strict=True):
+                        if p.grad is not None and q.grad is not None:
+                            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-5), where
+                            q.grad = p.grad.clone()
+                earlier = None
+            elif step == "call" and backward != "none":
+                parts_backward(
+                    graphed,
+                    eager,
+                    losses,
+                    inputs,
+                    program,
+                    backward,
+                    pick,
+                    where,
+                    replayed,
+                    False,
+                    renamed,
+                )
+                earlier = None
+            elif step != "no_grad":
+                earlier = (losses, inputs, replayed, replays)
+        assert_same_state(module, twin, where)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(parts_programs())
+def test_graphed_model_parts_equal_their_eager_copy_over_random_programs(
+    program: PartsProgram,
+) -> None:
+    run_parts_program(program)
 
 
 if __name__ == "__main__":  # pragma: no cover

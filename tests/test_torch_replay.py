@@ -1821,6 +1821,35 @@ class _HandsBackARowOfItsOutput(nn.Module):
         return h, h[0]
 
 
+class _ViewAndHeadOfItsOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h[0], self.head(h)
+
+
+@pytest.mark.xfail(strict=True, reason="known: README, rounding of incoming grads (last bit)")
+def test_a_view_of_an_output_beside_a_layer_on_that_output_sums_hs_grad_in_eagers_order() -> None:
+    # h takes three grads: its own, h[0]'s (handed out as a view of h: its select backward runs
+    # outside the replay, before it) and the head's (inside). Eager adds them as its engine
+    # reaches them, (own + head) + row; the replay gets (own + row) and adds the head's inside:
+    # lin's bias grad differs in the last bit (4.8e-7 here; 3 of 50 seeds).
+    torch.manual_seed(19)
+    graphed = _ViewAndHeadOfItsOutput()
+    eager = copy.deepcopy(graphed)
+    x = torch.randn(3, 4)
+    dgt.make_graphed_callables(graphed, (x,), backend="emulate")
+    for net in (graphed, eager):
+        h, row, out = net(x)
+        (h.sum() * 1.5 + (row * 2.5).sum() + (out * 3.5).sum()).backward()
+    assert graphed.lin.bias.grad is not None and eager.lin.bias.grad is not None
+    assert torch.equal(graphed.lin.bias.grad, eager.lin.bias.grad)
+
+
 @pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
 def test_a_view_of_an_output_handed_back_keeps_the_negative_zeros_of_its_grad(
     param_grads: str,
