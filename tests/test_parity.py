@@ -29,6 +29,7 @@ from dualgraph.parity import (
     rounding_tolerance,
 )
 from dualgraph.parity._bridge import as_jax
+from dualgraph.torch._ambient import kept_settings
 
 rng = np.random.default_rng(0)
 
@@ -1325,6 +1326,10 @@ def test_onednn_bfloat16_float32_is_off_during_the_comparison_and_restored_after
         seen.append((mkldnn.matmul.fp32_precision, mkldnn.conv.fp32_precision))
         return t @ t
 
+    # kept_settings puts back the legacy setting and the newer API's knobs: a legacy "medium"
+    # left behind came back later as TF32 cuBLAS matmuls, refusing other files' calls
+    legacy = torch.get_float32_matmul_precision()
+    put_back = kept_settings()
     try:
         torch.set_float32_matmul_precision("medium")
         before = backends.mkldnn.matmul.fp32_precision
@@ -1332,8 +1337,10 @@ def test_onednn_bfloat16_float32_is_off_during_the_comparison_and_restored_after
         assert seen == [("ieee", "ieee")]
         assert backends.mkldnn.matmul.fp32_precision == before == "bf16"
     finally:
+        put_back()
         for knob, value in zip(knobs, saved, strict=True):
             knob.fp32_precision = value
+    assert torch.get_float32_matmul_precision() == legacy
 
 
 def test_reduced_precision_reductions_are_left_as_the_caller_set_them() -> None:
