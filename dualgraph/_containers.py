@@ -585,7 +585,7 @@ class DataclassNode(NamedContainer):
     makes some.
     """
 
-    __slots__ = ("count_items", "fieldset", "held")
+    __slots__ = ("count_items", "entry_items", "fieldset", "held")
     tag = "dataclass"
     register_with = "register_dataclass"
     #: The field names, where the class is a dict subclass (its entries are checked), else None.
@@ -594,6 +594,8 @@ class DataclassNode(NamedContainer):
     held: tuple[str, ...] | None
     #: The len() of the builtin sequence or set the class also is (list.__len__), else None.
     count_items: Callable[[Any], int] | None
+    #: How the dict entries are read, in the object's own order (see :func:`_entry_items`).
+    entry_items: Callable[[Any], Any]
 
     def __init__(
         self, cls: type, fields: tuple[str, ...], entries: tuple[str, ...] | None = None
@@ -616,6 +618,7 @@ class DataclassNode(NamedContainer):
         object.__setattr__(self, "fieldset", frozenset(fields) if is_dict else None)
         object.__setattr__(self, "held", entries)
         object.__setattr__(self, "count_items", _items_counter(cls))
+        object.__setattr__(self, "entry_items", _entry_items(cls))
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
@@ -631,7 +634,7 @@ class DataclassNode(NamedContainer):
         lost = _entries_lost(obj, frozenset(fields))
         if lost:
             raise NodeError(_lost_message(typ, lost))
-        entries = tuple(key for key, _ in dict.items(obj))
+        entries = tuple(key for key, _ in _entry_items(typ)(obj))
         key = (NamedContainer, id(typ), entries)
         node = intern.get(key)
         if node is None:
@@ -646,7 +649,7 @@ class DataclassNode(NamedContainer):
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         if type(obj) is not self.cls:
             return None
-        if self.held is not None and _entries_differ(obj, self.held):
+        if self.held is not None and _entries_differ(obj, self.held, self.entry_items):
             return None
         if self.count_items is not None and self.count_items(obj):
             return None
@@ -658,7 +661,8 @@ class DataclassNode(NamedContainer):
             guard += f" or {bind(self.count_items, 'n')}({var})"
         if self.held is None:
             return guard
-        return f"{guard} or {bind(_entries_differ, 'L')}({var}, {bind(self.held, 'f')})"
+        differ, items = bind(_entries_differ, "L"), bind(self.entry_items, "e")
+        return f"{guard} or {differ}({var}, {bind(self.held, 'f')}, {items})"
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
         if type(obj) is self.cls and self.count_items is not None and self.count_items(obj):
@@ -668,7 +672,7 @@ class DataclassNode(NamedContainer):
             lost = _entries_lost(obj, self.fieldset)
             if lost:
                 return None, _lost_message(self.cls, lost)
-            found = [key for key, _ in dict.items(obj)]
+            found = [key for key, _ in self.entry_items(obj)]
             return None, (
                 f"expected {self.brief()} with the dict entries {clip(list(self.held))}, got one "
                 f"with the entries {clip(found)}"
@@ -722,12 +726,31 @@ def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
     ]
 
 
-def _entries_differ(obj: dict[Any, Any], held: tuple[str, ...]) -> bool:
-    """Whether ``obj``'s dict entries are not exactly the fields ``held``, in that order, each
-    holding its field's value (read through dict's own methods)."""
+def _entry_items(cls: type) -> Callable[[Any], Any]:
+    """How the dict entries of ``cls``'s objects are read, in the order the object itself gives
+    them (what ``out.to_tuple()``, ``list(out)`` and ``out.keys()`` of eager's see): an
+    ``OrderedDict``'s own order (which ``move_to_end`` changes, where the underlying dict's
+    stays that of insertion), else the dict's. Read through the builtin's own method, never the
+    class's overrides (by its real bases, never a metaclass's check).
+
+    >>> od = collections.OrderedDict(a=1, b=2)
+    >>> od.move_to_end("a")
+    >>> [key for key, _ in _entry_items(type(od))(od)], list(dict.keys(od))
+    (['b', 'a'], ['a', 'b'])
+    """
+    if type.__subclasscheck__(collections.OrderedDict, cls):
+        return collections.OrderedDict.items
+    return dict.items
+
+
+def _entries_differ(
+    obj: dict[Any, Any], held: tuple[str, ...], items: Callable[[Any], Any] = dict.items
+) -> bool:
+    """Whether ``obj``'s dict entries (read by ``items``: :func:`_entry_items`) are not exactly
+    the fields ``held``, in that order, each holding its field's value."""
     if dict.__len__(obj) != len(held):
         return True
-    for (key, value), name in zip(dict.items(obj), held, strict=True):
+    for (key, value), name in zip(items(obj), held, strict=True):
         if type(key) is not str or key != name or getattr(obj, name) is not value:
             return True
     return False
@@ -788,14 +811,16 @@ def rebuilt_dataclass(
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
-    if held is not None and _entries_differ(cast("dict[Any, Any]", obj), held):
-        found = [key for key, _ in dict.items(cast("dict[Any, Any]", obj))]
+    entry_items = _entry_items(cls) if held is not None else dict.items
+    if held is not None and _entries_differ(cast("dict[Any, Any]", obj), held, entry_items):
+        found = [key for key, _ in entry_items(obj)]
         raise DualgraphError(
             f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
             f"where the object taken apart held {clip(list(held))} (its __init__ or "
             "__post_init__ makes them from the fields, in its own order, so they would differ "
             "from eager's, as would out.to_tuple() and out[0]). Make the object with the fields "
-            "it is to hold (Output(logits=logits, loss=loss)) rather than adding one afterwards"
+            "it is to hold (Output(logits=logits, loss=loss)) rather than adding one or "
+            "reordering them (move_to_end) afterwards"
         )
     if count_items is not None and count_items(obj):
         raise DualgraphError(
@@ -1074,7 +1099,7 @@ def register_dataclass(cls: T, /) -> T:
         # The adapters' optree walks (tree_map over outputs: dualgraph.torch.owned) take such an
         # object apart and rebuild it as a spec does, with the same refusals: a rebuild that
         # changes a field, or a dict's entries or a list's items it would lose or make.
-        is_dict, count_items = _is_dict(cls), _items_counter(cls)
+        is_dict, count_items, entry_items = _is_dict(cls), _items_counter(cls), _entry_items(cls)
         fieldset = frozenset(names)
 
         def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...] | None, tuple[str, ...]]:
@@ -1083,7 +1108,7 @@ def register_dataclass(cls: T, /) -> T:
                 lost = _entries_lost(obj, fieldset)
                 if lost:
                     raise DualgraphError(_lost_message(cls, lost))
-                held = tuple(key for key, _ in dict.items(obj))
+                held = tuple(key for key, _ in entry_items(obj))
             if count_items is not None and count_items(obj):
                 raise DualgraphError(_items_message(cls, count_items(obj)))
             return [getattr(obj, name) for name in names], held, names

@@ -1179,3 +1179,57 @@ def test_an_optree_walk_keeps_a_dict_dataclass_as_it_was() -> None:
     out = DictOutput(logits=array(2), loss=3)
     rebuilt = optree.tree_map(_same, out, none_is_leaf=True, namespace=NAMESPACE)
     assert type(rebuilt) is DictOutput and list(rebuilt.items()) == list(out.items())
+
+
+def _moved_to_end() -> DictOutput:
+    """A DictOutput whose entries an OrderedDict's move_to_end reordered: ['loss', 'logits']
+    to the object (and to_tuple()), ['logits', 'loss'] to the dict beneath."""
+    out = DictOutput(logits=array(2), loss=3)
+    out.move_to_end("logits")
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_an_ordereddict_dataclass_reordered_by_move_to_end_is_a_mismatch(size: int) -> None:
+    # Before: its entries were read in the dict's insertion order, not the object's, so a call
+    # whose object was reordered passed check against one that was not
+    spec = describe([DictOutput(logits=array(2), loss=3), *[None] * size])
+    message = (
+        r"^\[0\]: expected a \S*DictOutput with the dict entries \['logits', 'loss'\], got one "
+        r"with the entries \['loss', 'logits'\]$"
+    )
+    for check in (False, True):
+        with pytest.raises(SpecMismatchError, match=message):
+            spec.flatten([_moved_to_end(), *[None] * size], check=check)
+
+
+@pytest.mark.parametrize("walk", ["spec", "optree"])
+def test_an_ordereddict_dataclass_reordered_by_move_to_end_is_refused_by_its_rebuild(
+    walk: str,
+) -> None:
+    # Before: described as ['logits', 'loss'] and rebuilt so, silently, where the object (its
+    # to_tuple(), out[0]) gave ['loss', 'logits']
+    out = _moved_to_end()
+    match = r"holds the dict entries \['logits', 'loss'\], where the object taken apart held "
+    match += r"\['loss', 'logits'\]"
+    with pytest.raises(DualgraphError, match=match):
+        if walk == "spec":
+            spec = describe((out,))
+            assert spec.to_json() != describe((DictOutput(logits=array(2), loss=3),)).to_json()
+            spec.unflatten(spec.flatten((out,), check=True))
+        else:
+            optree.tree_map(_same, out, none_is_leaf=True, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_an_ordereddict_reordered_by_move_to_end_is_read_and_rebuilt_in_its_own_order(
+    size: int,
+) -> None:
+    # Guard: an OrderedDict's order is the object's (move_to_end's), in check and rebuild
+    moved = collections.OrderedDict(a=array(1), b=array(2))
+    moved.move_to_end("a")
+    spec = describe([moved, *[None] * size])
+    rebuilt = spec.unflatten(spec.flatten([moved, *[None] * size], check=True))[0]
+    assert list(rebuilt) == ["b", "a"] and rebuilt["a"] is moved["a"]
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected keys in the order \['b', 'a'\]"):
+        spec.check([collections.OrderedDict(a=array(1), b=array(2)), *[None] * size])
