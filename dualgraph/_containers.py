@@ -22,7 +22,7 @@ import unicodedata
 import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar
 
 import optree
 
@@ -744,7 +744,7 @@ def _entry_items(cls: type) -> Callable[[Any], Any]:
 
 
 def _entries_differ(
-    obj: dict[Any, Any], held: tuple[str, ...], items: Callable[[Any], Any] = dict.items
+    obj: Any, held: tuple[str, ...], items: Callable[[Any], Any] = dict.items
 ) -> bool:
     """Whether ``obj``'s dict entries (read by ``items``: :func:`_entry_items`) are not exactly
     the fields ``held``, in that order, each holding its field's value."""
@@ -758,6 +758,35 @@ def _entries_differ(
 
 #: Builtin containers besides dict that a dataclass may also be: their items are no fields.
 _ITEM_BASES: tuple[type, ...] = (list, tuple, set, frozenset, bytearray, collections.deque)
+
+
+# The builtins a dataclass may also be: containers whose contents its node checks (a dict's
+# entries, the others' items), object, and Generic (a builtin in some Python versions).
+_CHECKED_BASES = frozenset(map(id, (object, dict, collections.OrderedDict, *_ITEM_BASES, Generic)))
+# type's own readers: a metaclass may define a __mro__ or __flags__ of its own
+_MRO, _FLAGS = type.__dict__["__mro__"].__get__, type.__dict__["__flags__"].__get__
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (or type())
+
+
+def _value_base(cls: type) -> type | None:
+    """A builtin (a class made in C, not by a class statement) ``cls`` derives from whose value
+    no field holds: ``str``, ``int``, ``float``, ``bytes``, ``defaultdict``, an exception's
+    ``args``. A rebuild calls the class with its fields alone, so that value would be made anew.
+
+    >>> @dataclasses.dataclass
+    ... class Tag(str):
+    ...     x: Any = None
+    >>> _value_base(Tag)
+    <class 'str'>
+    >>> _value_base(collections.OrderedDict) is None
+    True
+    """
+    for base in _MRO(cls):
+        if id(base) in _CHECKED_BASES:
+            continue
+        if not _FLAGS(base) & _HEAP_TYPE:
+            return base
+    return None
 
 
 def _items_counter(cls: type) -> Callable[[Any], int] | None:
@@ -811,17 +840,18 @@ def rebuilt_dataclass(
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
-    entry_items = _entry_items(cls) if held is not None else dict.items
-    if held is not None and _entries_differ(cast("dict[Any, Any]", obj), held, entry_items):
-        found = [key for key, _ in entry_items(obj)]
-        raise DualgraphError(
-            f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
-            f"where the object taken apart held {clip(list(held))} (its __init__ or "
-            "__post_init__ makes them from the fields, in its own order, so they would differ "
-            "from eager's, as would out.to_tuple() and out[0]). Make the object with the fields "
-            "it is to hold (Output(logits=logits, loss=loss)) rather than adding one or "
-            "reordering them (move_to_end) afterwards"
-        )
+    if held is not None:
+        entry_items = _entry_items(cls)
+        if _entries_differ(obj, held, entry_items):
+            found = [key for key, _ in entry_items(obj)]
+            raise DualgraphError(
+                f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
+                f"where the object taken apart held {clip(list(held))} (its __init__ or "
+                "__post_init__ makes them from the fields, in its own order, so they would "
+                "differ from eager's, as would out.to_tuple() and out[0]). Make the object with "
+                "the fields it is to hold (Output(logits=logits, loss=loss)) rather than adding "
+                "one or reordering them (move_to_end) afterwards"
+            )
     if count_items is not None and count_items(obj):
         raise DualgraphError(
             f"{class_name(cls)} rebuilt from its fields holds {count_items(obj)} items (its "
@@ -1088,6 +1118,14 @@ def register_dataclass(cls: T, /) -> T:
                 f"cannot register {qualified_name(cls)}: Python reads the field names "
                 f"{unnormalized} as {[unicodedata.normalize('NFKC', n) for n in unnormalized]} "
                 "(NFKC) in __init__, so the dataclass cannot be rebuilt from its fields"
+            )
+        other = _value_base(cls)
+        if other is not None:
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: it is also a {class_name(other)}, whose "
+                "value is none of its fields: a rebuild from its fields would make that value "
+                "anew (from its __new__), so it could not be checked or rebuilt as it was. Keep "
+                "the value in a field of a dataclass that is no such builtin"
             )
         unfit = _init_problem(cls, names)
         if unfit:

@@ -1233,3 +1233,32 @@ def test_an_ordereddict_reordered_by_move_to_end_is_read_and_rebuilt_in_its_own_
     assert list(rebuilt) == ["b", "a"] and rebuilt["a"] is moved["a"]
     with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected keys in the order \['b', 'a'\]"):
         spec.check([collections.OrderedDict(a=array(1), b=array(2)), *[None] * size])
+
+
+def _dataclass_also(base: type) -> type:
+    """A dataclass that is also ``base``, whose builtin value its __new__ makes: the value is
+    none of its fields."""
+
+    def __new__(cls: type, x: Any = None, value: Any = None) -> Any:
+        return base.__new__(cls) if value is None else base.__new__(cls, value)
+
+    namespace = {"__annotations__": {"x": Any}, "x": None, "__new__": __new__}
+    return dataclasses.dataclass(type(f"Also{base.__name__.title()}", (base,), namespace))
+
+
+@pytest.mark.parametrize(
+    "base",
+    [str, int, float, bytes, complex, collections.defaultdict, Exception],
+    ids=lambda base: base.__name__,
+)
+def test_registering_a_dataclass_that_is_also_a_builtin_value_is_refused(base: type) -> None:
+    # Before: registered; its builtin value (a str's text, an int's number) was neither checked
+    # nor rebuilt: a call of another value passed check, and unflatten made __new__'s default
+    cls = _dataclass_also(base)
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^cannot register \S*Also\w+: it is also a \S*{base.__name__}, whose value is none "
+        r"of its fields",
+    ):
+        register_dataclass(cls)
+    assert container_kind(cls) is None  # nothing registered: describe refuses it as a leaf
