@@ -833,13 +833,17 @@ def rebuilt_dataclass(
 ) -> Any:
     """``cls(**{field: value})``, refused if it does not keep every value as given, if (a class
     that is a dict) its dict entries are not the fields ``held``, in that order, or if (one that
-    is a list, tuple, set or deque, read by ``count_items``) it holds items."""
+    is a list, tuple, set or deque, read by ``count_items``) it holds items, or if it changed
+    the contents of a list, dict or dataclass it was given (see :func:`_contents`)."""
+    before = _contents(values)
     obj: Any = cls(**dict(zip(fields, values, strict=True)))
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
+    if before is not None and _contents_changed(before, values):
+        raise DualgraphError(_changed_in_place(cls, "__init__ or __post_init__"))
     if held is not None:
         entry_items = _entry_items(cls)
         if _entries_differ(obj, held, entry_items):
@@ -872,13 +876,99 @@ def rebuilt_namedtuple(
     >>> rebuilt_namedtuple(Point, [1, None], None)
     Point(x=1, y=None)
     """
+    before = _contents(values)
     obj: Any = cls(*values)
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
     items: Any = obj if items_of is None else items_of(obj)
     if len(items) != len(values) or not all(map(is_, items, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
+    if before is not None and _contents_changed(before, values):
+        raise DualgraphError(_changed_in_place(cls, "__new__"))
     return obj
+
+
+# A class called with its fields may also change, in place, a list, dict or dataclass it is
+# given (self.items.append(x), self.extra.setdefault(k, v)): its fields then hold the very
+# objects given, but the tree it makes is not the one taken apart (which the class changed
+# once already when eager made it). What such values hold is noted before the call and compared
+# after: the objects by identity, the lengths and keys by value. Tuples (and namedtuples) are
+# not looked into: their items cannot change (a list inside one could: not looked for).
+
+
+def _contents(values: Sequence[Any]) -> tuple[list[Any], list[Any]] | None:
+    """What the lists, dicts and registered dataclasses among ``values`` hold, recursively: the
+    objects met and the lengths and keys met, or ``None`` where there are none (the fast path).
+
+    >>> _contents([1, None]) is None
+    True
+    >>> objects, shape = _contents([[None, 2]])
+    >>> shape
+    [2]
+    """
+    changeable = _CHANGEABLE
+    for value in values:  # the common case: none (a loop is cheaper than a map for a few)
+        if id(type(value)) in changeable:
+            break
+    else:
+        return None
+    found: tuple[list[Any], list[Any]] = ([], [])
+    for value in values:
+        if id(type(value)) in changeable:
+            _note(value, found[0], found[1], 0)
+    return found
+
+
+#: The ids of the classes whose objects :func:`_contents` looks into: list, dict, OrderedDict
+#: and each registered dataclass (kept alive for good by :data:`_DATACLASS_FIELDS`).
+_CHANGEABLE: set[int] = {id(list), id(dict), id(collections.OrderedDict)}
+
+#: How deep :func:`_note` looks (a class may make a list hold itself).
+_MAX_DEPTH = 100
+
+
+def _note(value: Any, objects: list[Any], shape: list[Any], depth: int) -> None:
+    objects.append(value)
+    if depth > _MAX_DEPTH:
+        return  # not looked into further (a list made to hold itself ends here)
+    typ = type(value)
+    if typ is list:
+        shape.append(len(value))
+        for item in value:
+            _note(item, objects, shape, depth + 1)
+    elif typ is dict or typ is collections.OrderedDict:
+        shape.append(len(value))
+        for key, item in value.items():
+            shape.append(key)
+            _note(item, objects, shape, depth + 1)
+    else:
+        entry = _DATACLASS_FIELDS.get(id(typ))
+        if entry is not None and entry[0] is typ:
+            for field in entry[1]:
+                _note(getattr(value, field), objects, shape, depth + 1)
+
+
+def _contents_changed(before: tuple[list[Any], list[Any]], values: Sequence[Any]) -> bool:
+    """Whether what :func:`_contents` notes of ``values`` now differs from ``before``."""
+    try:
+        after = _contents(values)
+        return (
+            after is None
+            or len(before[0]) != len(after[0])
+            or not all(map(is_, before[0], after[0]))
+            or before[1] != after[1]
+        )
+    except Exception:  # a key the class put there whose __eq__ raises: changed, surely
+        return True
+
+
+def _changed_in_place(cls: type, method: str) -> str:
+    return (
+        f"{class_name(cls)} changed in place a list, dict or dataclass it was given when rebuilt "
+        f"from its fields (its {method} adds, removes or replaces what it holds), so the rebuilt "
+        "tree would differ from the one taken apart, which it changed once already. Make that "
+        "change outside the class, or on a copy"
+    )
 
 
 def _items_reader(cls: type) -> Callable[[Any], tuple[Any, ...]] | None:
@@ -1165,6 +1255,7 @@ def register_dataclass(cls: T, /) -> T:
                 "namespace"
             ) from None
         _DATACLASS_FIELDS[id(cls)] = (cls, names)
+        _CHANGEABLE.add(id(cls))
     _bind_name(cls)
     _KIND_OF[id(cls)] = (cls, DataclassNode)
     return cls

@@ -1262,3 +1262,72 @@ def test_registering_a_dataclass_that_is_also_a_builtin_value_is_refused(base: t
     ):
         register_dataclass(cls)
     assert container_kind(cls) is None  # nothing registered: describe refuses it as a leaf
+
+
+@register_dataclass
+@dataclasses.dataclass
+class _Inner:
+    x: Any = None
+
+
+@register_dataclass
+@dataclasses.dataclass
+class _ChangesInPlace:
+    """A dataclass whose __post_init__ changes what its fields hold, in place."""
+
+    how: str
+    held: Any = None
+
+    def __post_init__(self) -> None:
+        if self.how == "list-append":
+            self.held.append(None)
+        elif self.how == "dict-count":
+            self.held["count"] = self.held.get("count", 0) + 1
+        elif self.how == "nested-dataclass-field":
+            self.held.x = None
+
+
+def _held(how: str) -> Any:
+    if how == "nested-dataclass-field":
+        return _Inner()
+    return [array(2)] if how == "list-append" else {"x": array(2)}
+
+
+@pytest.mark.parametrize("how", ["list-append", "dict-count", "nested-dataclass-field"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_rebuild_that_changes_a_given_container_in_place_is_refused(how: str, size: int) -> None:
+    # Before: its fields held the very objects given, so the rebuild passed, with the list one
+    # item longer (or the dict one entry more, the inner field None) than the object taken apart
+    made = _ChangesInPlace(how, _held(how))
+    if how == "nested-dataclass-field":
+        made.held.x = array(2)  # set again after its __post_init__ made it None
+    tree = [made, *[None] * size]
+    spec = describe(tree)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^unflatten: \[0\]: rebuilding a \S*_ChangesInPlace raised DualgraphError: \S* "
+        r"changed in place a list, dict or dataclass it was given",
+    ):
+        spec.unflatten(spec.flatten(tree, check=True))
+
+
+class _AppendsOnMaking(collections.namedtuple("_AppendsOnMaking", "items")):
+    """A namedtuple whose __new__ appends to the list it is given."""
+
+    def __new__(cls, items: Any) -> _AppendsOnMaking:
+        items.append(None)
+        return super().__new__(cls, items)
+
+
+@pytest.mark.parametrize("where", ["root", "inside-a-dataclass"])
+def test_a_namedtuple_whose_new_changes_a_given_list_in_place_is_refused(where: str) -> None:
+    # Before: rebuilt with one None more in items than the object taken apart
+    tree = _AppendsOnMaking([array(2)])
+    with pytest.raises(DualgraphError, match=r"_AppendsOnMaking changed in place a list"):
+        if where == "root":
+            spec = describe(tree)
+            spec.unflatten(spec.flatten(tree))
+        else:
+            made = _ChangesInPlace("none", [tree])
+            spec = describe(made)
+            spec.unflatten(spec.flatten(made))
