@@ -518,6 +518,9 @@ class NamedTupleNode(NamedContainer):
             return False
         if learn:  # described: a spec read back may now name it
             _refuse_array_type(typ, NodeError)
+            misread = _misread_field(typ)
+            if misread is not None:
+                raise NodeError(misread)
             try:
                 _bind_name(typ)
             except DualgraphError as error:  # describe adds the path
@@ -1105,6 +1108,36 @@ def _is_namedtuple_class(typ: type) -> bool:
     return all(f.isidentifier() for f in fields) and len(set(fields)) == len(fields)
 
 
+# What a namedtuple's field names (its attribute, or ``_fields`` read by position) when its class
+# leaves them as namedtuple made them; None where this Python makes them otherwise (unchecked).
+_PROBED_READER = type(inspect.getattr_static(collections.namedtuple("_Probe", "a"), "a"))
+_FIELD_READER = _PROBED_READER if _PROBED_READER.__name__ == "_tuplegetter" else None
+
+
+def _misread_field(cls: type) -> str | None:
+    """Why a spec cannot name the items of the namedtuple class ``cls`` by its ``_fields``, or
+    ``None``: a spec reads and rebuilds its items by position and names item ``i`` ``.field``
+    (``_fields[i]``), so ``obj.field`` must read item ``i``; a subclass that reorders
+    ``_fields`` or overrides a field's attribute (a property) would have a path name a value
+    other than the spec's.
+
+    >>> _misread_field(collections.namedtuple("Point", "x y")) is None
+    True
+    """
+    if _FIELD_READER is None:
+        return None
+    for index, name in enumerate(cls._fields):  # type: ignore[attr-defined]
+        reader = inspect.getattr_static(cls, name, None)
+        if type(reader) is not _FIELD_READER or reader.__reduce__()[1][0] != index:
+            return (
+                f"{qualified_name(cls)}: its field {name!r} (item {index} of _fields) is not read "
+                "by namedtuple's own accessor of that item (the class overrides it, or reorders "
+                f"_fields), so a spec's path .{name} would name another value than the one it "
+                "holds there. Keep the fields as namedtuple makes them"
+            )
+    return None
+
+
 def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> None:
     """Refuse to make ``cls`` a container if it is an array type: describe would take it for a
     container, check an array's place for an array."""
@@ -1165,6 +1198,9 @@ def register_namedtuple(cls: T, /) -> T:
     if not (_is_class(cls) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
+    misread = _misread_field(cls)
+    if misread is not None:
+        raise DualgraphError(f"cannot register {misread}")
     _bind_name(cls)
     _KIND_OF[id(cls)] = (cls, NamedTupleNode)
     return cls

@@ -1331,3 +1331,28 @@ def test_a_namedtuple_whose_new_changes_a_given_list_in_place_is_refused(where: 
             made = _ChangesInPlace("none", [tree])
             spec = describe(made)
             spec.unflatten(spec.flatten(made))
+
+
+class _FieldsReordered(collections.namedtuple("_FieldsReordered", "x y")):
+    _fields = ("y", "x")
+
+
+class _FieldOverridden(collections.namedtuple("_FieldOverridden", "x y")):
+    @property
+    def x(self) -> Any:  # type: ignore[override]
+        return "another value"
+
+
+@pytest.mark.parametrize(
+    ("cls", "field"),
+    [(_FieldsReordered, "y"), (_FieldOverridden, "x")],
+    ids=["reordered", "property"],
+)
+def test_a_namedtuple_whose_fields_name_other_items_is_refused(cls: type, field: str) -> None:
+    # Before: described, its item 0 named .y (.x read by a property), where obj.y is item 1
+    # (obj.x 'another value'): a path in a spec's messages named another value than it held
+    message = rf"\S*{cls.__name__}: its field '{field}' \(item 0 of _fields\) is not read by "
+    with pytest.raises(DualgraphError, match=rf"^\[0\]: {message}"):
+        describe((cls(array(2), 1),))
+    with pytest.raises(DualgraphError, match=rf"^cannot register {message}"):
+        register_namedtuple(cls)
