@@ -59,11 +59,14 @@ class Program:
         self._code = code  # keeps the linecache entry of the source alive
 
 
-def compile_program(nodes: Sequence[Node], paths: Callable[[], Sequence[str]]) -> Program:
+def compile_program(
+    nodes: Sequence[Node], paths: Callable[[], Sequence[str]], *, walk: bool = False
+) -> Program:
     """The functions for ``nodes`` (pre-order, children in flatten order); generated code up to
-    :data:`COMPILE_LIMIT` nodes. ``paths()`` gives each node's path, for comments.
+    :data:`COMPILE_LIMIT` nodes. ``paths()`` gives each node's path, for comments. ``walk``: a
+    loop over the nodes whatever their number (a spec used once: generating code costs more).
     """
-    if len(nodes) > COMPILE_LIMIT:
+    if walk or len(nodes) > COMPILE_LIMIT:
         return _walker(nodes)
     key = _program_key(nodes)
     program = _PROGRAMS.get(key)

@@ -22,7 +22,7 @@ import unicodedata
 import weakref
 from collections.abc import Callable, Sequence
 from operator import is_
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar
 
 import optree
 
@@ -518,6 +518,9 @@ class NamedTupleNode(NamedContainer):
             return False
         if learn:  # described: a spec read back may now name it
             _refuse_array_type(typ, NodeError)
+            misread = _misread_field(typ)
+            if misread is not None:
+                raise NodeError(misread)
             try:
                 _bind_name(typ)
             except DualgraphError as error:  # describe adds the path
@@ -585,7 +588,7 @@ class DataclassNode(NamedContainer):
     makes some.
     """
 
-    __slots__ = ("count_items", "fieldset", "held")
+    __slots__ = ("count_items", "entry_items", "fieldset", "held")
     tag = "dataclass"
     register_with = "register_dataclass"
     #: The field names, where the class is a dict subclass (its entries are checked), else None.
@@ -594,6 +597,8 @@ class DataclassNode(NamedContainer):
     held: tuple[str, ...] | None
     #: The len() of the builtin sequence or set the class also is (list.__len__), else None.
     count_items: Callable[[Any], int] | None
+    #: How the dict entries are read, in the object's own order (see :func:`_entry_items`).
+    entry_items: Callable[[Any], Any]
 
     def __init__(
         self, cls: type, fields: tuple[str, ...], entries: tuple[str, ...] | None = None
@@ -616,6 +621,7 @@ class DataclassNode(NamedContainer):
         object.__setattr__(self, "fieldset", frozenset(fields) if is_dict else None)
         object.__setattr__(self, "held", entries)
         object.__setattr__(self, "count_items", _items_counter(cls))
+        object.__setattr__(self, "entry_items", _entry_items(cls))
 
     @classmethod
     def fields_of(cls, typ: type) -> tuple[str, ...] | None:
@@ -631,7 +637,7 @@ class DataclassNode(NamedContainer):
         lost = _entries_lost(obj, frozenset(fields))
         if lost:
             raise NodeError(_lost_message(typ, lost))
-        entries = tuple(key for key, _ in dict.items(obj))
+        entries = tuple(key for key, _ in _entry_items(typ)(obj))
         key = (NamedContainer, id(typ), entries)
         node = intern.get(key)
         if node is None:
@@ -646,7 +652,7 @@ class DataclassNode(NamedContainer):
     def children_of(self, obj: Any) -> Sequence[Any] | None:
         if type(obj) is not self.cls:
             return None
-        if self.held is not None and _entries_differ(obj, self.held):
+        if self.held is not None and _entries_differ(obj, self.held, self.entry_items):
             return None
         if self.count_items is not None and self.count_items(obj):
             return None
@@ -658,7 +664,8 @@ class DataclassNode(NamedContainer):
             guard += f" or {bind(self.count_items, 'n')}({var})"
         if self.held is None:
             return guard
-        return f"{guard} or {bind(_entries_differ, 'L')}({var}, {bind(self.held, 'f')})"
+        differ, items = bind(_entries_differ, "L"), bind(self.entry_items, "e")
+        return f"{guard} or {differ}({var}, {bind(self.held, 'f')}, {items})"
 
     def difference(self, obj: Any, children: Sequence[Node]) -> tuple[PathEntry | None, str]:
         if type(obj) is self.cls and self.count_items is not None and self.count_items(obj):
@@ -668,7 +675,7 @@ class DataclassNode(NamedContainer):
             lost = _entries_lost(obj, self.fieldset)
             if lost:
                 return None, _lost_message(self.cls, lost)
-            found = [key for key, _ in dict.items(obj)]
+            found = [key for key, _ in self.entry_items(obj)]
             return None, (
                 f"expected {self.brief()} with the dict entries {clip(list(self.held))}, got one "
                 f"with the entries {clip(found)}"
@@ -722,12 +729,31 @@ def _entries_lost(obj: dict[Any, Any], fieldset: frozenset[str]) -> list[Any]:
     ]
 
 
-def _entries_differ(obj: dict[Any, Any], held: tuple[str, ...]) -> bool:
-    """Whether ``obj``'s dict entries are not exactly the fields ``held``, in that order, each
-    holding its field's value (read through dict's own methods)."""
+def _entry_items(cls: type) -> Callable[[Any], Any]:
+    """How the dict entries of ``cls``'s objects are read, in the order the object itself gives
+    them (what ``out.to_tuple()``, ``list(out)`` and ``out.keys()`` of eager's see): an
+    ``OrderedDict``'s own order (which ``move_to_end`` changes, where the underlying dict's
+    stays that of insertion), else the dict's. Read through the builtin's own method, never the
+    class's overrides (by its real bases, never a metaclass's check).
+
+    >>> od = collections.OrderedDict(a=1, b=2)
+    >>> od.move_to_end("a")
+    >>> [key for key, _ in _entry_items(type(od))(od)], list(dict.keys(od))
+    (['b', 'a'], ['a', 'b'])
+    """
+    if type.__subclasscheck__(collections.OrderedDict, cls):
+        return collections.OrderedDict.items
+    return dict.items
+
+
+def _entries_differ(
+    obj: Any, held: tuple[str, ...], items: Callable[[Any], Any] = dict.items
+) -> bool:
+    """Whether ``obj``'s dict entries (read by ``items``: :func:`_entry_items`) are not exactly
+    the fields ``held``, in that order, each holding its field's value."""
     if dict.__len__(obj) != len(held):
         return True
-    for (key, value), name in zip(dict.items(obj), held, strict=True):
+    for (key, value), name in zip(items(obj), held, strict=True):
         if type(key) is not str or key != name or getattr(obj, name) is not value:
             return True
     return False
@@ -735,6 +761,35 @@ def _entries_differ(obj: dict[Any, Any], held: tuple[str, ...]) -> bool:
 
 #: Builtin containers besides dict that a dataclass may also be: their items are no fields.
 _ITEM_BASES: tuple[type, ...] = (list, tuple, set, frozenset, bytearray, collections.deque)
+
+
+# The builtins a dataclass may also be: containers whose contents its node checks (a dict's
+# entries, the others' items), object, and Generic (a builtin in some Python versions).
+_CHECKED_BASES = frozenset(map(id, (object, dict, collections.OrderedDict, *_ITEM_BASES, Generic)))
+# type's own readers: a metaclass may define a __mro__ or __flags__ of its own
+_MRO, _FLAGS = type.__dict__["__mro__"].__get__, type.__dict__["__flags__"].__get__
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (or type())
+
+
+def _value_base(cls: type) -> type | None:
+    """A builtin (a class made in C, not by a class statement) ``cls`` derives from whose value
+    no field holds: ``str``, ``int``, ``float``, ``bytes``, ``defaultdict``, an exception's
+    ``args``. A rebuild calls the class with its fields alone, so that value would be made anew.
+
+    >>> @dataclasses.dataclass
+    ... class Tag(str):
+    ...     x: Any = None
+    >>> _value_base(Tag)
+    <class 'str'>
+    >>> _value_base(collections.OrderedDict) is None
+    True
+    """
+    for base in _MRO(cls):
+        if id(base) in _CHECKED_BASES:
+            continue
+        if not _FLAGS(base) & _HEAP_TYPE:
+            return base
+    return None
 
 
 def _items_counter(cls: type) -> Callable[[Any], int] | None:
@@ -781,22 +836,29 @@ def rebuilt_dataclass(
 ) -> Any:
     """``cls(**{field: value})``, refused if it does not keep every value as given, if (a class
     that is a dict) its dict entries are not the fields ``held``, in that order, or if (one that
-    is a list, tuple, set or deque, read by ``count_items``) it holds items."""
+    is a list, tuple, set or deque, read by ``count_items``) it holds items, or if it changed
+    the contents of a list, dict or dataclass it was given (see :func:`_contents`)."""
+    before = _contents(values)
     obj: Any = cls(**dict(zip(fields, values, strict=True)))
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
     for field, value in zip(fields, values, strict=True):
         if getattr(obj, field) is not value:
             raise DualgraphError(_changed(cls, f"field {field!r}", "__init__ or __post_init__"))
-    if held is not None and _entries_differ(cast("dict[Any, Any]", obj), held):
-        found = [key for key, _ in dict.items(cast("dict[Any, Any]", obj))]
-        raise DualgraphError(
-            f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
-            f"where the object taken apart held {clip(list(held))} (its __init__ or "
-            "__post_init__ makes them from the fields, in its own order, so they would differ "
-            "from eager's, as would out.to_tuple() and out[0]). Make the object with the fields "
-            "it is to hold (Output(logits=logits, loss=loss)) rather than adding one afterwards"
-        )
+    if before is not None and _contents_changed(before, values):
+        raise DualgraphError(_changed_in_place(cls, "__init__ or __post_init__"))
+    if held is not None:
+        entry_items = _entry_items(cls)
+        if _entries_differ(obj, held, entry_items):
+            found = [key for key, _ in entry_items(obj)]
+            raise DualgraphError(
+                f"{class_name(cls)} rebuilt from its fields holds the dict entries {clip(found)}, "
+                f"where the object taken apart held {clip(list(held))} (its __init__ or "
+                "__post_init__ makes them from the fields, in its own order, so they would "
+                "differ from eager's, as would out.to_tuple() and out[0]). Make the object with "
+                "the fields it is to hold (Output(logits=logits, loss=loss)) rather than adding "
+                "one or reordering them (move_to_end) afterwards"
+            )
     if count_items is not None and count_items(obj):
         raise DualgraphError(
             f"{class_name(cls)} rebuilt from its fields holds {count_items(obj)} items (its "
@@ -817,13 +879,99 @@ def rebuilt_namedtuple(
     >>> rebuilt_namedtuple(Point, [1, None], None)
     Point(x=1, y=None)
     """
+    before = _contents(values)
     obj: Any = cls(*values)
     if type(obj) is not cls:
         raise DualgraphError(_other_class(cls, obj))
     items: Any = obj if items_of is None else items_of(obj)
     if len(items) != len(values) or not all(map(is_, items, values)):
         raise DualgraphError(_changed(cls, "its items", "__new__"))
+    if before is not None and _contents_changed(before, values):
+        raise DualgraphError(_changed_in_place(cls, "__new__"))
     return obj
+
+
+# A class called with its fields may also change, in place, a list, dict or dataclass it is
+# given (self.items.append(x), self.extra.setdefault(k, v)): its fields then hold the very
+# objects given, but the tree it makes is not the one taken apart (which the class changed
+# once already when eager made it). What such values hold is noted before the call and compared
+# after: the objects by identity, the lengths and keys by value. Tuples (and namedtuples) are
+# not looked into: their items cannot change (a list inside one could: not looked for).
+
+
+def _contents(values: Sequence[Any]) -> tuple[list[Any], list[Any]] | None:
+    """What the lists, dicts and registered dataclasses among ``values`` hold, recursively: the
+    objects met and the lengths and keys met, or ``None`` where there are none (the fast path).
+
+    >>> _contents([1, None]) is None
+    True
+    >>> objects, shape = _contents([[None, 2]])
+    >>> shape
+    [2]
+    """
+    changeable = _CHANGEABLE
+    for value in values:  # the common case: none (a loop is cheaper than a map for a few)
+        if id(type(value)) in changeable:
+            break
+    else:
+        return None
+    found: tuple[list[Any], list[Any]] = ([], [])
+    for value in values:
+        if id(type(value)) in changeable:
+            _note(value, found[0], found[1], 0)
+    return found
+
+
+#: The ids of the classes whose objects :func:`_contents` looks into: list, dict, OrderedDict
+#: and each registered dataclass (kept alive for good by :data:`_DATACLASS_FIELDS`).
+_CHANGEABLE: set[int] = {id(list), id(dict), id(collections.OrderedDict)}
+
+#: How deep :func:`_note` looks (a class may make a list hold itself).
+_MAX_DEPTH = 100
+
+
+def _note(value: Any, objects: list[Any], shape: list[Any], depth: int) -> None:
+    objects.append(value)
+    if depth > _MAX_DEPTH:
+        return  # not looked into further (a list made to hold itself ends here)
+    typ = type(value)
+    if typ is list:
+        shape.append(len(value))
+        for item in value:
+            _note(item, objects, shape, depth + 1)
+    elif typ is dict or typ is collections.OrderedDict:
+        shape.append(len(value))
+        for key, item in value.items():
+            shape.append(key)
+            _note(item, objects, shape, depth + 1)
+    else:
+        entry = _DATACLASS_FIELDS.get(id(typ))
+        if entry is not None and entry[0] is typ:
+            for field in entry[1]:
+                _note(getattr(value, field), objects, shape, depth + 1)
+
+
+def _contents_changed(before: tuple[list[Any], list[Any]], values: Sequence[Any]) -> bool:
+    """Whether what :func:`_contents` notes of ``values`` now differs from ``before``."""
+    try:
+        after = _contents(values)
+        return (
+            after is None
+            or len(before[0]) != len(after[0])
+            or not all(map(is_, before[0], after[0]))
+            or before[1] != after[1]
+        )
+    except Exception:  # a key the class put there whose __eq__ raises: changed, surely
+        return True
+
+
+def _changed_in_place(cls: type, method: str) -> str:
+    return (
+        f"{class_name(cls)} changed in place a list, dict or dataclass it was given when rebuilt "
+        f"from its fields (its {method} adds, removes or replaces what it holds), so the rebuilt "
+        "tree would differ from the one taken apart, which it changed once already. Make that "
+        "change outside the class, or on a copy"
+    )
 
 
 def _items_reader(cls: type) -> Callable[[Any], tuple[Any, ...]] | None:
@@ -960,6 +1108,36 @@ def _is_namedtuple_class(typ: type) -> bool:
     return all(f.isidentifier() for f in fields) and len(set(fields)) == len(fields)
 
 
+# What a namedtuple's field names (its attribute, or ``_fields`` read by position) when its class
+# leaves them as namedtuple made them; None where this Python makes them otherwise (unchecked).
+_PROBED_READER = type(inspect.getattr_static(collections.namedtuple("_Probe", "a"), "a"))
+_FIELD_READER = _PROBED_READER if _PROBED_READER.__name__ == "_tuplegetter" else None
+
+
+def _misread_field(cls: type) -> str | None:
+    """Why a spec cannot name the items of the namedtuple class ``cls`` by its ``_fields``, or
+    ``None``: a spec reads and rebuilds its items by position and names item ``i`` ``.field``
+    (``_fields[i]``), so ``obj.field`` must read item ``i``; a subclass that reorders
+    ``_fields`` or overrides a field's attribute (a property) would have a path name a value
+    other than the spec's.
+
+    >>> _misread_field(collections.namedtuple("Point", "x y")) is None
+    True
+    """
+    if _FIELD_READER is None:
+        return None
+    for index, name in enumerate(cls._fields):  # type: ignore[attr-defined]
+        reader = inspect.getattr_static(cls, name, None)
+        if type(reader) is not _FIELD_READER or reader.__reduce__()[1][0] != index:
+            return (
+                f"{qualified_name(cls)}: its field {name!r} (item {index} of _fields) is not read "
+                "by namedtuple's own accessor of that item (the class overrides it, or reorders "
+                f"_fields), so a spec's path .{name} would name another value than the one it "
+                "holds there. Keep the fields as namedtuple makes them"
+            )
+    return None
+
+
 def _refuse_array_type(cls: type, error: type[Exception], prefix: str = "") -> None:
     """Refuse to make ``cls`` a container if it is an array type: describe would take it for a
     container, check an array's place for an array."""
@@ -1020,6 +1198,9 @@ def register_namedtuple(cls: T, /) -> T:
     if not (_is_class(cls) and _is_namedtuple_class(cls)):
         raise DualgraphError(f"register_namedtuple expects a namedtuple class, got {clip(cls)}")
     _refuse_array_type(cls, DualgraphError, "cannot register ")
+    misread = _misread_field(cls)
+    if misread is not None:
+        raise DualgraphError(f"cannot register {misread}")
     _bind_name(cls)
     _KIND_OF[id(cls)] = (cls, NamedTupleNode)
     return cls
@@ -1064,6 +1245,14 @@ def register_dataclass(cls: T, /) -> T:
                 f"{unnormalized} as {[unicodedata.normalize('NFKC', n) for n in unnormalized]} "
                 "(NFKC) in __init__, so the dataclass cannot be rebuilt from its fields"
             )
+        other = _value_base(cls)
+        if other is not None:
+            raise DualgraphError(
+                f"cannot register {qualified_name(cls)}: it is also a {class_name(other)}, whose "
+                "value is none of its fields: a rebuild from its fields would make that value "
+                "anew (from its __new__), so it could not be checked or rebuilt as it was. Keep "
+                "the value in a field of a dataclass that is no such builtin"
+            )
         unfit = _init_problem(cls, names)
         if unfit:
             raise DualgraphError(
@@ -1074,7 +1263,7 @@ def register_dataclass(cls: T, /) -> T:
         # The adapters' optree walks (tree_map over outputs: dualgraph.torch.owned) take such an
         # object apart and rebuild it as a spec does, with the same refusals: a rebuild that
         # changes a field, or a dict's entries or a list's items it would lose or make.
-        is_dict, count_items = _is_dict(cls), _items_counter(cls)
+        is_dict, count_items, entry_items = _is_dict(cls), _items_counter(cls), _entry_items(cls)
         fieldset = frozenset(names)
 
         def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...] | None, tuple[str, ...]]:
@@ -1083,7 +1272,7 @@ def register_dataclass(cls: T, /) -> T:
                 lost = _entries_lost(obj, fieldset)
                 if lost:
                     raise DualgraphError(_lost_message(cls, lost))
-                held = tuple(key for key, _ in dict.items(obj))
+                held = tuple(key for key, _ in entry_items(obj))
             if count_items is not None and count_items(obj):
                 raise DualgraphError(_items_message(cls, count_items(obj)))
             return [getattr(obj, name) for name in names], held, names
@@ -1102,6 +1291,7 @@ def register_dataclass(cls: T, /) -> T:
                 "namespace"
             ) from None
         _DATACLASS_FIELDS[id(cls)] = (cls, names)
+        _CHANGEABLE.add(id(cls))
     _bind_name(cls)
     _KIND_OF[id(cls)] = (cls, DataclassNode)
     return cls

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -51,7 +51,7 @@ from ._nodes import (
 )
 from ._paths import PathEntry, format_path, show_path
 
-__all__ = ["SPEC_FORMAT", "SPEC_VERSION", "LeafSpec", "TreeSpec", "describe"]
+__all__ = ["SPEC_FORMAT", "SPEC_VERSION", "LeafSpec", "TreeSpec", "describe", "map_arrays"]
 
 SPEC_FORMAT = "dualgraph.TreeSpec"
 SPEC_VERSION = 2
@@ -124,6 +124,26 @@ def describe(tree: Any, /, *, root: str = "") -> TreeSpec:
     return TreeSpec(_describe_nodes(tree, _checked_root(root)))
 
 
+def map_arrays(fn: Callable[[Any], Any], tree: Any, /, *, root: str = "") -> Any:
+    """``tree`` with each array leaf ``x`` replaced by ``fn(x)``, taken apart and rebuilt as a
+    spec does: a class whose ``__new__`` or ``__post_init__`` changes the values it is given is
+    refused naming the path, never converted a second time, and an ``OrderedDict`` keeps its
+    own order. What an adapter hands back rebuilt (``dualgraph.torch.owned``'s clones) goes
+    through here, not through optree's ``tree_map``, which calls a namedtuple class bare and
+    rebuilds an ``OrderedDict`` in the insertion order beneath (``move_to_end`` undone).
+    ``root`` prefixes the paths in error messages; a tree :func:`describe` refuses is refused.
+
+    >>> import collections, numpy as np
+    >>> moved = collections.OrderedDict(a=np.ones(1), b=None)
+    >>> moved.move_to_end("a")
+    >>> map_arrays(lambda x: x * 2, moved)
+    OrderedDict([('b', None), ('a', array([2.]))])
+    """
+    root = _checked_root(root)
+    spec = TreeSpec(_describe_nodes(tree, root), _walk=True)  # used once: no code generated
+    return spec.unflatten([fn(x) for x in spec.flatten(tree, root=root)], root=root)
+
+
 class TreeSpec:
     """The description of a tree; see :func:`describe` and :meth:`from_json`.
 
@@ -149,8 +169,11 @@ class TreeSpec:
         "_program",
     )
 
-    def __init__(self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None) -> None:
-        """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`."""
+    def __init__(
+        self, nodes: Sequence[Node], /, *, _like: TreeSpec | None = None, _walk: bool = False
+    ) -> None:
+        """A spec of ``nodes`` in pre-order; users call :func:`describe` or :meth:`from_json`.
+        ``_walk``: walk the nodes in a loop rather than generate code (a spec used once)."""
         try:  # (one past the limit at most: an iterator may be endless)
             read: tuple[Node, ...] = (
                 nodes if type(nodes) is tuple else tuple(itertools.islice(nodes, MAX_NODES + 1))
@@ -166,7 +189,8 @@ class TreeSpec:
         if _like is None:
             _check_preorder(nodes)
             self._layout: _Layout | None = None
-            self._program = compile_program(nodes, lambda: _node_paths(self._get_layout()))
+            paths = lambda: _node_paths(self._get_layout())  # noqa: E731
+            self._program = compile_program(nodes, paths, walk=_walk)
         else:  # the same tree with other grad flags: what is derived from it is the same
             self._layout = _like._layout
             self._program = _like._program
@@ -239,6 +263,25 @@ class TreeSpec:
         for index, flag in zip(self._array_indices(), flags, strict=True):
             nodes[index] = nodes[index].with_grad(flag)  # type: ignore[attr-defined]
         return TreeSpec(nodes, _like=self)
+
+    def with_arrays_kept(self, keep: Sequence[bool], /) -> TreeSpec:
+        """The same tree with ``None`` at its constants and at the array leaves where ``keep``
+        (one bool per array leaf) is False: its :meth:`unflatten` takes the kept arrays alone,
+        rebuilding each class as a spec does (a class that changes a ``None`` it is given there
+        is refused naming the path, not changed silently).
+
+        >>> import numpy as np
+        >>> describe((np.zeros(2, np.float32), np.zeros(2, np.int32), 3)).with_arrays_kept(
+        ...     [True, False]
+        ... )
+        TreeSpec((float32[2](grad), None, None))
+        """
+        nodes: list[Node] = [NONE if isinstance(node, ConstLeaf) else node for node in self._nodes]
+        flags = grad_flags(keep, self.array_paths, "spec")
+        for index, kept in zip(self._array_indices(), flags, strict=True):
+            if not kept:
+                nodes[index] = NONE
+        return TreeSpec(nodes)
 
     # -- the hot path -------------------------------------------------------------------------
 

@@ -1179,3 +1179,180 @@ def test_an_optree_walk_keeps_a_dict_dataclass_as_it_was() -> None:
     out = DictOutput(logits=array(2), loss=3)
     rebuilt = optree.tree_map(_same, out, none_is_leaf=True, namespace=NAMESPACE)
     assert type(rebuilt) is DictOutput and list(rebuilt.items()) == list(out.items())
+
+
+def _moved_to_end() -> DictOutput:
+    """A DictOutput whose entries an OrderedDict's move_to_end reordered: ['loss', 'logits']
+    to the object (and to_tuple()), ['logits', 'loss'] to the dict beneath."""
+    out = DictOutput(logits=array(2), loss=3)
+    out.move_to_end("logits")
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_an_ordereddict_dataclass_reordered_by_move_to_end_is_a_mismatch(size: int) -> None:
+    # Before: its entries were read in the dict's insertion order, not the object's, so a call
+    # whose object was reordered passed check against one that was not
+    spec = describe([DictOutput(logits=array(2), loss=3), *[None] * size])
+    message = (
+        r"^\[0\]: expected a \S*DictOutput with the dict entries \['logits', 'loss'\], got one "
+        r"with the entries \['loss', 'logits'\]$"
+    )
+    for check in (False, True):
+        with pytest.raises(SpecMismatchError, match=message):
+            spec.flatten([_moved_to_end(), *[None] * size], check=check)
+
+
+@pytest.mark.parametrize("walk", ["spec", "optree"])
+def test_an_ordereddict_dataclass_reordered_by_move_to_end_is_refused_by_its_rebuild(
+    walk: str,
+) -> None:
+    # Before: described as ['logits', 'loss'] and rebuilt so, silently, where the object (its
+    # to_tuple(), out[0]) gave ['loss', 'logits']
+    out = _moved_to_end()
+    match = r"holds the dict entries \['logits', 'loss'\], where the object taken apart held "
+    match += r"\['loss', 'logits'\]"
+    with pytest.raises(DualgraphError, match=match):
+        if walk == "spec":
+            spec = describe((out,))
+            assert spec.to_json() != describe((DictOutput(logits=array(2), loss=3),)).to_json()
+            spec.unflatten(spec.flatten((out,), check=True))
+        else:
+            optree.tree_map(_same, out, none_is_leaf=True, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_an_ordereddict_reordered_by_move_to_end_is_read_and_rebuilt_in_its_own_order(
+    size: int,
+) -> None:
+    # Guard: an OrderedDict's order is the object's (move_to_end's), in check and rebuild
+    moved = collections.OrderedDict(a=array(1), b=array(2))
+    moved.move_to_end("a")
+    spec = describe([moved, *[None] * size])
+    rebuilt = spec.unflatten(spec.flatten([moved, *[None] * size], check=True))[0]
+    assert list(rebuilt) == ["b", "a"] and rebuilt["a"] is moved["a"]
+    with pytest.raises(SpecMismatchError, match=r"^\[0\]: expected keys in the order \['b', 'a'\]"):
+        spec.check([collections.OrderedDict(a=array(1), b=array(2)), *[None] * size])
+
+
+def _dataclass_also(base: type) -> type:
+    """A dataclass that is also ``base``, whose builtin value its __new__ makes: the value is
+    none of its fields."""
+
+    def __new__(cls: type, x: Any = None, value: Any = None) -> Any:
+        return base.__new__(cls) if value is None else base.__new__(cls, value)
+
+    namespace = {"__annotations__": {"x": Any}, "x": None, "__new__": __new__}
+    return dataclasses.dataclass(type(f"Also{base.__name__.title()}", (base,), namespace))
+
+
+@pytest.mark.parametrize(
+    "base",
+    [str, int, float, bytes, complex, collections.defaultdict, Exception],
+    ids=lambda base: base.__name__,
+)
+def test_registering_a_dataclass_that_is_also_a_builtin_value_is_refused(base: type) -> None:
+    # Before: registered; its builtin value (a str's text, an int's number) was neither checked
+    # nor rebuilt: a call of another value passed check, and unflatten made __new__'s default
+    cls = _dataclass_also(base)
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^cannot register \S*Also\w+: it is also a \S*{base.__name__}, whose value is none "
+        r"of its fields",
+    ):
+        register_dataclass(cls)
+    assert container_kind(cls) is None  # nothing registered: describe refuses it as a leaf
+
+
+@register_dataclass
+@dataclasses.dataclass
+class _Inner:
+    x: Any = None
+
+
+@register_dataclass
+@dataclasses.dataclass
+class _ChangesInPlace:
+    """A dataclass whose __post_init__ changes what its fields hold, in place."""
+
+    how: str
+    held: Any = None
+
+    def __post_init__(self) -> None:
+        if self.how == "list-append":
+            self.held.append(None)
+        elif self.how == "dict-count":
+            self.held["count"] = self.held.get("count", 0) + 1
+        elif self.how == "nested-dataclass-field":
+            self.held.x = None
+
+
+def _held(how: str) -> Any:
+    if how == "nested-dataclass-field":
+        return _Inner()
+    return [array(2)] if how == "list-append" else {"x": array(2)}
+
+
+@pytest.mark.parametrize("how", ["list-append", "dict-count", "nested-dataclass-field"])
+@pytest.mark.parametrize("size", [1, 2000], ids=["generated", "walked"])
+def test_a_rebuild_that_changes_a_given_container_in_place_is_refused(how: str, size: int) -> None:
+    # Before: its fields held the very objects given, so the rebuild passed, with the list one
+    # item longer (or the dict one entry more, the inner field None) than the object taken apart
+    made = _ChangesInPlace(how, _held(how))
+    if how == "nested-dataclass-field":
+        made.held.x = array(2)  # set again after its __post_init__ made it None
+    tree = [made, *[None] * size]
+    spec = describe(tree)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^unflatten: \[0\]: rebuilding a \S*_ChangesInPlace raised DualgraphError: \S* "
+        r"changed in place a list, dict or dataclass it was given",
+    ):
+        spec.unflatten(spec.flatten(tree, check=True))
+
+
+class _AppendsOnMaking(collections.namedtuple("_AppendsOnMaking", "items")):
+    """A namedtuple whose __new__ appends to the list it is given."""
+
+    def __new__(cls, items: Any) -> _AppendsOnMaking:
+        items.append(None)
+        return super().__new__(cls, items)
+
+
+@pytest.mark.parametrize("where", ["root", "inside-a-dataclass"])
+def test_a_namedtuple_whose_new_changes_a_given_list_in_place_is_refused(where: str) -> None:
+    # Before: rebuilt with one None more in items than the object taken apart
+    tree = _AppendsOnMaking([array(2)])
+    with pytest.raises(DualgraphError, match=r"_AppendsOnMaking changed in place a list"):
+        if where == "root":
+            spec = describe(tree)
+            spec.unflatten(spec.flatten(tree))
+        else:
+            made = _ChangesInPlace("none", [tree])
+            spec = describe(made)
+            spec.unflatten(spec.flatten(made))
+
+
+class _FieldsReordered(collections.namedtuple("_FieldsReordered", "x y")):
+    _fields = ("y", "x")
+
+
+class _FieldOverridden(collections.namedtuple("_FieldOverridden", "x y")):
+    @property
+    def x(self) -> Any:  # type: ignore[override]
+        return "another value"
+
+
+@pytest.mark.parametrize(
+    ("cls", "field"),
+    [(_FieldsReordered, "y"), (_FieldOverridden, "x")],
+    ids=["reordered", "property"],
+)
+def test_a_namedtuple_whose_fields_name_other_items_is_refused(cls: type, field: str) -> None:
+    # Before: described, its item 0 named .y (.x read by a property), where obj.y is item 1
+    # (obj.x 'another value'): a path in a spec's messages named another value than it held
+    message = rf"\S*{cls.__name__}: its field '{field}' \(item 0 of _fields\) is not read by "
+    with pytest.raises(DualgraphError, match=rf"^\[0\]: {message}"):
+        describe((cls(array(2), 1),))
+    with pytest.raises(DualgraphError, match=rf"^cannot register {message}"):
+        register_namedtuple(cls)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import operator
@@ -1393,3 +1394,25 @@ def test_an_input_of_the_other_byte_order_fails_the_spec_check_naming_its_path(w
         g.vjp(*args, **kwargs)
     assert not x.is_deleted()
     assert np.array_equal(g(x, y=x)[0], jnp.ones(2))
+
+
+class _ScaleDefaulted(collections.namedtuple("_ScaleDefaulted", "h scale")):
+    """A namedtuple whose __new__ makes a scale of 1.0 where it is given None."""
+
+    def __new__(cls, h: Any, scale: Any = None) -> _ScaleDefaulted:
+        return super().__new__(cls, h, 1.0 if scale is None else scale)
+
+
+def test_a_cotangent_spec_is_rebuilt_by_the_spec_refusing_a_class_that_changes_its_none() -> None:
+    # Before: keep_arrays put None at the constant through optree's tree_map, which called the
+    # class bare: its __new__ made 1.0 there, and the cotangent spec held the constant 1.0
+    # where the output held 2.0, silently
+    from dualgraph.jax._trees import keep_arrays
+
+    spec = describe((_ScaleDefaulted(np.zeros(2, np.float32), 2.0),))
+    with pytest.raises(
+        DualgraphError,
+        match=r"^unflatten: \[0\]: rebuilding a \S*_ScaleDefaulted raised DualgraphError: .* did "
+        r"not keep its items as given",
+    ):
+        keep_arrays(spec, [True])

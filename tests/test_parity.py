@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import os
 import pathlib
 import subprocess
@@ -2252,3 +2253,19 @@ def test_the_grads_of_parameters_left_out_of_torch_params_are_left_as_they_were(
         torch_params={"weight": linear.weight},
     )
     assert linear.weight.grad is None and linear.bias.grad is None
+
+
+class _Halved(collections.namedtuple("_Halved", "x")):
+    """A namedtuple whose __new__ converts what it is given (here: halves x)."""
+
+    def __new__(cls, x: Any) -> _Halved:
+        return super().__new__(cls, x / 2)
+
+
+def test_copies_before_donation_refuse_a_namedtuple_that_changes_its_values_again() -> None:
+    # Before: copied rebuilt it through optree's tree_map, calling the class bare: x halved a
+    # second time (the donated call then ran on a quarter of the input), silently
+    from dualgraph.parity._jax_side import copied
+
+    with pytest.raises(dualgraph.DualgraphError, match=r"_Halved did not keep its items as given"):
+        copied(((_Halved(jnp.ones(2)),), {}))

@@ -7,6 +7,7 @@ replays are refused, what the frozen plan holds, and what the diagnostics count.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -1928,3 +1929,40 @@ def test_self_attention_graphed_with_distinct_samples_matches_eager_bit_for_bit(
             ["x", *parameter_names(module)],
             tolerance(backend),
         )
+
+
+class _DoubledOnMaking(collections.namedtuple("_DoubledOnMaking", "h n")):
+    """A namedtuple whose __new__ converts what it is given (here: doubles h)."""
+
+    def __new__(cls, h: Any, n: Any) -> _DoubledOnMaking:
+        return super().__new__(cls, h * 2, n)
+
+
+def test_owned_refuses_a_namedtuple_whose_new_would_change_its_values_again() -> None:
+    # Before: optree's tree_map rebuilt it by calling the class bare: h doubled a second time
+    # (2 -> 4), silently
+    made = _DoubledOnMaking(torch.ones(2), 3)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^unflatten: \[1\]: rebuilding a \S*_DoubledOnMaking raised DualgraphError: .* "
+        r"did not keep its items as given",
+    ):
+        dgt.owned((None, made))
+
+
+def test_owned_keeps_an_ordereddicts_own_order() -> None:
+    # Before: optree rebuilt it in the insertion order beneath: move_to_end undone
+    moved = collections.OrderedDict(a=torch.ones(1), b=torch.zeros(1))
+    moved.move_to_end("a")
+    mine = dgt.owned({"out": moved})["out"]
+    assert list(mine) == ["b", "a"] and mine["a"] is not moved["a"]
+    assert torch.equal(mine["a"], moved["a"])
+
+
+def test_owned_clones_a_namedtuple_tensor_met_twice_once() -> None:
+    # Guard: the spec's walk keeps owned's sharing of a tensor met twice
+    pair = collections.namedtuple("pair", "first again")
+    h = torch.ones(2)
+    mine = dgt.owned([pair(h, h), h])
+    assert type(mine[0]) is pair and mine[0].first is mine[0].again is mine[1]
+    assert mine[1] is not h

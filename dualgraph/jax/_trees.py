@@ -6,9 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import optree
 
-from .._containers import NAMESPACE
 from .._errors import DualgraphError
 from .._spec import LeafSpec, TreeSpec, describe
 from ._dtypes import dtype_of
@@ -38,11 +36,7 @@ def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:
     >>> keep_arrays(spec, [True, False])
     TreeSpec((float32[2](grad), None, None))
     """
-    stand_ins = [struct_of(leaf) if k else None for leaf, k in zip(spec.arrays, keep, strict=True)]
-    tree = optree.tree_map(
-        lambda leaf: leaf if isinstance(leaf, jax.ShapeDtypeStruct) else None,
-        spec.unflatten(stand_ins),
-        none_is_leaf=True,
-        namespace=NAMESPACE,
-    )
-    return describe(tree)
+    # Rebuilt by the spec, never by optree's tree_map: that calls a namedtuple class bare, whose
+    # __new__ may change the None it is given where a constant was, silently.
+    stand_ins = [struct_of(leaf) for leaf, k in zip(spec.arrays, keep, strict=True) if k]
+    return describe(spec.with_arrays_kept(keep).unflatten(stand_ins))

@@ -17,13 +17,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import optree
 import torch
 
-from .._containers import NAMESPACE
 from .._errors import DualgraphError
 from .._nodes import clip_text
-from .._spec import describe
+from .._spec import describe, map_arrays
 
 __all__ = [
     "UNSIGNED_OF_SIZE",
@@ -166,13 +164,9 @@ def default_jax_device() -> jax.Device:
 
 
 def copied(tree: Any, /) -> Any:
-    """``tree`` with a fresh copy of each JAX array (for donation, which consumes its inputs)."""
-    return optree.tree_map(
-        lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
-        tree,
-        none_is_leaf=True,
-        namespace=NAMESPACE,
-    )
+    """``tree`` with a fresh copy of each JAX array (for donation, which consumes its inputs),
+    rebuilt as a spec rebuilds it (never by optree's bare call of a namedtuple class)."""
+    return map_arrays(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
 def random_like(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], /) -> np.ndarray:

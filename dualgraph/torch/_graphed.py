@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -12,6 +13,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, SpecMismatchError
+from .._spec import map_arrays
 from ._ambient import outside_inference_mode
 from ._bucket_capture import BucketRequest, capture_buckets
 from ._buckets import BucketedCallable, Fallback
@@ -512,7 +514,12 @@ def owned(tree: Any, /) -> Any:
 
     A tensor met twice (``return h, h``, which a replay hands out as one tensor, as eager does)
     is cloned once and comes back twice, so that a change through one is seen through the other;
-    tensors that view one another are cloned apart (each a tensor of its own).
+    tensors that view one another are cloned apart (each a tensor of its own). A tree holding a
+    namedtuple or an ``OrderedDict`` is rebuilt as a spec rebuilds it (optree's own rebuild
+    calls a namedtuple class bare, whose ``__new__`` would change its values a second time,
+    and puts an ``OrderedDict`` back in insertion order, ``move_to_end`` undone): a class that
+    changes the values it is given is refused naming the path, and such a tree must be one
+    :func:`dualgraph.describe` takes (as a graphed callable's outputs are).
 
     >>> a, b = owned((torch.ones(2), None))
     >>> b is None
@@ -532,7 +539,30 @@ def owned(tree: Any, /) -> Any:
             copy = made[id(leaf)] = leaf.clone()
         return copy
 
-    return optree.tree_map(own, tree, none_is_leaf=True, namespace=NAMESPACE)
+    leaves, structure = optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+    if structure not in _PLAIN:
+        stops = optree.tree_leaves(
+            tree, is_leaf=_rebuilt_by_spec, none_is_leaf=True, namespace=NAMESPACE
+        )
+        if any(map(_rebuilt_by_spec, stops)):
+            return map_arrays(own, tree)
+        if len(_PLAIN) >= _MAX_PLAIN:
+            _PLAIN.clear()
+        _PLAIN[structure] = None
+    return structure.unflatten(map(own, leaves))
+
+
+# The optree structures owned met that hold no namedtuple or OrderedDict (optree rebuilds them
+# as a spec would): looked up rather than looked for again on each call (0.2 us against 3 us).
+# They hold only classes kept for good (registered dataclasses, optree's own registrations).
+_PLAIN: dict[optree.PyTreeSpec, None] = {}
+_MAX_PLAIN = 256
+
+
+def _rebuilt_by_spec(obj: Any) -> bool:
+    """Whether :func:`owned` rebuilds ``obj`` through a spec, not optree: a namedtuple or an
+    ``OrderedDict`` (a registered dataclass's optree rebuild is a spec's already)."""
+    return type(obj) is collections.OrderedDict or optree.is_namedtuple_instance(obj)
 
 
 # -- checking the request ------------------------------------------------------------------------
