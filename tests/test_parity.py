@@ -2269,3 +2269,49 @@ def test_copies_before_donation_refuse_a_namedtuple_that_changes_its_values_agai
 
     with pytest.raises(dualgraph.DualgraphError, match=r"_Halved did not keep its items as given"):
         copied(((_Halved(jnp.ones(2)),), {}))
+
+
+_CONV_WEIGHT = np.array([[[0.5, -1.0, 2.0]]], dtype=np.float32)
+
+
+_TORCH_CONV_WEIGHT = torch.from_numpy(_CONV_WEIGHT)
+
+
+def _torch_conv(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.conv1d(x, _TORCH_CONV_WEIGHT)
+
+
+def _jax_conv(x: Any) -> Any:
+    return jnp.correlate(x[0, 0], jnp.asarray(_CONV_WEIGHT[0, 0]), mode="valid")[None, None]
+
+
+@pytest.mark.parametrize("captured", ["with TF32 convolutions", "in full precision"])
+def test_a_graphed_convolution_is_compared_only_if_captured_in_full_precision(
+    captured: str,
+) -> None:
+    # compare sets the convolutions to full precision around torch_fn; a graphed convolution
+    # replays the precision of its capture (cuDNN's TF32 on by default), which it cannot follow:
+    # refused saying so and what to do, where it was captured so it is compared
+    import dualgraph.torch as dgt
+    from dualgraph import DualgraphError
+
+    sample = (torch.randn(1, 1, 6, requires_grad=True),)
+    cudnn: Any = torch.backends.cudnn
+    saved = cudnn.conv.fp32_precision
+    cudnn.conv.fp32_precision = "tf32" if captured == "with TF32 convolutions" else "ieee"
+    try:
+        graphed = dgt.make_graphed_callables(_torch_conv, sample, backend="emulate")
+    finally:
+        cudnn.conv.fp32_precision = saved
+    x = np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(1, 1, 6)
+    if captured == "in full precision":
+        assert assert_parity(graphed, _jax_conv, (x,)).ok
+        return
+    with pytest.raises(DualgraphError) as refused:
+        compare(graphed, _jax_conv, (x,))
+    assert "torch.backends.cudnn.conv.fp32_precision is 'ieee', captured with 'tf32'" in str(
+        refused.value
+    )
+    assert "torch.backends.cudnn.conv.fp32_precision = 'ieee' around make_graphed_callables" in (
+        str(refused.value)
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from entry_points import ENTRY_POINTS, LENGTH, Decays, batch, call_length, graphed_on
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, tolerance
+from torch_cases import GRAPH_BACKENDS, assert_tensors_match, device_of, runner_of, tolerance
 
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
@@ -356,3 +357,178 @@ def test_a_backward_under_another_default_dtype_runs_as_eagers(backend: str) -> 
         loss.backward()
         expected.backward()
     assert_tensors_match(x.grad, x_eager.grad, "input grad", tolerance(backend))
+
+
+# -- cuDNN's settings: compared for callables whose capture ran a convolution ---------------------
+
+
+@contextlib.contextmanager
+def _cudnn_flag(name: str, value: Any) -> Iterator[None]:
+    owner: Any = torch.backends.cudnn
+    *path, attribute = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    saved = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, saved)
+
+
+#: A cuDNN setting changed after capture (as torch.backends.cudnn names it, and the other value
+#: it takes), and the name the refusal gives it.
+CUDNN_CHANGES: dict[str, tuple[Callable[[], Any], str]] = {
+    "conv_tf32": (
+        lambda: _cudnn_flag("conv.fp32_precision", "ieee"),
+        "torch.backends.cudnn.conv.fp32_precision",
+    ),
+    "deterministic": (
+        lambda: _cudnn_flag("deterministic", True),
+        "torch.backends.cudnn.deterministic",
+    ),
+    "enabled": (lambda: _cudnn_flag("enabled", False), "torch.backends.cudnn.enabled"),
+    "benchmark": (lambda: _cudnn_flag("benchmark", True), "torch.backends.cudnn.benchmark"),
+}
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).relu()
+
+
+def _graphed_conv(backend: str, **options: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    device = device_of(backend)
+    torch.manual_seed(0)
+    module = _ConvNet().to(device)
+    twin = copy.deepcopy(module)
+    sample = torch.randn(2, 2, 5, 5, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, **options)
+    return module, twin
+
+
+@pytest.mark.parametrize("change", list(CUDNN_CHANGES))
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_convolution_called_under_another_cudnn_setting_is_refused_naming_it(
+    backend: str, change: str
+) -> None:
+    # A graph replays the cuDNN kernels chosen at capture (TF32 convolutions: ~1e-3 off), where
+    # eager's convolution chooses again under the present settings: refused by name, before any
+    # buffer is written; under the captured settings again it runs as eager.
+    setting, name = CUDNN_CHANGES[change]
+    module, twin = _graphed_conv(backend)
+    x = torch.randn(2, 2, 5, 5, device=device_of(backend), requires_grad=True)
+    with setting(), pytest.raises(DualgraphError, match=f"called with {re.escape(name)} is"):
+        module(x)
+    assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
+
+
+@pytest.mark.parametrize("change", list(CUDNN_CHANGES))
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_convolutions_backward_under_another_cudnn_setting_is_refused_and_can_run_after(
+    backend: str, param_grads: str, change: str
+) -> None:
+    # eager's convolution backward chooses its algorithms again when it runs (under the
+    # settings then), a graph's replays capture's
+    setting, name = CUDNN_CHANGES[change]
+    module, twin = _graphed_conv(backend, param_grads=param_grads)
+    x = torch.randn(2, 2, 5, 5, device=device_of(backend), requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    loss = module(x).sum()
+    with setting(), pytest.raises(DualgraphError, match=f"its backward ran with {re.escape(name)}"):
+        loss.backward(retain_graph=True)
+    assert x.grad is None and module.conv.weight.grad is None
+    loss.backward()
+    twin(x_eager).sum().backward()
+    tol = tolerance(backend)
+    assert_tensors_match(x.grad, x_eager.grad, "input grad", tol)
+    assert_tensors_match(module.conv.weight.grad, twin.conv.weight.grad, "weight grad", tol)
+
+
+def _functional_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.conv1d(x, w)
+
+
+class _FrozenConv(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 1, 3).requires_grad_(False)
+        self.fc = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).detach())  # no node of the convolution reaches the output
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.GRU(2, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize(
+    ("found_by", "change"),
+    [
+        ("a convolution's node", ("deterministic", True)),
+        ("a convolution module", ("deterministic", True)),
+        ("an RNN module", ("rnn.fp32_precision", "ieee")),
+    ],
+    ids=["node", "frozen_conv_module", "rnn_module"],
+)
+def test_a_convolution_or_rnn_is_found_by_its_node_or_its_module(
+    found_by: str, change: tuple[str, Any]
+) -> None:
+    sample = torch.randn(1, 1, 4)
+    if found_by == "a convolution's node":
+        w = torch.randn(1, 1, 3)  # the node comes from the input
+        sample.requires_grad_()
+        graphed: Any = dgt.make_graphed_callables(
+            functools.partial(_functional_conv, w=w), (sample,), backend="emulate"
+        )
+    elif found_by == "a convolution module":
+        graphed = dgt.make_graphed_callables(_FrozenConv(), (sample,), backend="emulate")
+    else:
+        sample = torch.randn(1, 3, 2)
+        graphed = dgt.make_graphed_callables(_Recurrent(), (sample,), backend="emulate")
+    with _cudnn_flag(*change), pytest.raises(DualgraphError, match=re.escape(change[0])):
+        graphed(torch.randn(*sample.shape, requires_grad=sample.requires_grad))
+
+
+def test_a_convolution_compares_the_convolutions_precision_not_the_rnns() -> None:
+    # dualgraph.parity sets both to full precision: each callable follows the one it runs
+    module, _ = _graphed_conv("emulate")
+    with _cudnn_flag("rnn.fp32_precision", "ieee"):
+        module(torch.randn(2, 2, 5, 5, requires_grad=True)).sum().backward()
+
+
+def test_a_callable_without_a_convolution_reads_no_cudnn_setting() -> None:
+    # dualgraph.parity runs its calls with convolutions in full precision: a callable that ran
+    # no cuDNN op must not be refused there, nor pay for reading the settings
+    module = torch.nn.Linear(4, 4)
+    dgt.make_graphed_callables(module, (torch.randn(2, 4, requires_grad=True),), backend="emulate")
+    for change in CUDNN_CHANGES.values():
+        with change[0]():
+            module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert runner_of(module).plan.cudnn is None
+
+
+@pytest.mark.cuda
+def test_a_convolution_under_another_tf32_setting_gives_eagers_result_or_is_refused() -> None:
+    # the numeric effect on a GPU: capture's TF32 convolution is ~1e-3 off eager's fp32 one
+    module, twin = _graphed_conv("cuda")
+    x = torch.randn(2, 2, 5, 5, device="cuda", requires_grad=True) * 10
+    with _cudnn_flag("conv.fp32_precision", "ieee"):
+        expected = twin(x)
+        try:
+            out = module(x)
+        except DualgraphError as refused:
+            assert "torch.backends.cudnn.conv.fp32_precision" in str(refused)
+            return
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1582,3 +1582,51 @@ def test_hooks_of_fp8_weights_run_as_in_eager(layout: str, param_grads: str, los
             a, e = a[1], e[1]
         assert torch.equal(a, e)
     assert (graphed.fp8.weight.grad is None) == (eager.fp8.weight.grad is None)
+
+
+def _fp8_state_tensors(layers: list[Any]) -> list[torch.Tensor]:
+    return [
+        getattr(layer.fp8_meta[key], name)
+        for layer in layers
+        for key in ("scaling_fwd", "scaling_bwd")
+        for name in ("scale", "amax_history")
+    ]
+
+
+@pytest.mark.parametrize("tool", ["verify", "lint", "capture"])
+def test_the_fp8_state_put_back_moves_no_version_so_a_pending_backward_still_runs(
+    monkeypatch: pytest.MonkeyPatch, tool: str
+) -> None:
+    """The scales and amax histories were put back with copy_, which moves their versions: a
+    backward pending from before (an eager use of a scale, which saved it) then failed with
+    'modified by an inplace operation', where without the tool it runs (verify's put-back of
+    parameters and buffers keeps their versions since b17a103)."""
+    te = StandIn().install(monkeypatch)
+    recipe = DelayedScaling()
+    layers = [te.linear(f"layer{i}", seed=i) for i in range(2)]
+    model = Chain(layers)
+    with te.fp8(recipe):  # an eager step: the layers have scales and histories
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    sample = 3 * torch.randn(2, 4, requires_grad=True)
+    graphed = None
+    if tool == "verify":
+        graphed = dgt.make_graphed_callables(
+            model, (sample,), backend="emulate", enabled=True, recipe=recipe
+        )
+    # inside the caller's autocast: leaving it updates the forward scales (eager's own doing)
+    with te.fp8(recipe):
+        tensors = _fp8_state_tensors(layers)
+        versions = [t._version for t in tensors]
+        x = torch.randn(2, 4, requires_grad=True)
+        pending = (x * layers[0].fp8_meta["scaling_fwd"].scale).sum()  # saves the scale
+        if tool == "verify":
+            assert dgt.verify(graphed, sample, steps=2).ok
+        elif tool == "lint":
+            dgt.lint(model, sample)
+        else:
+            dgt.make_graphed_callables(
+                model, (sample,), backend="emulate", enabled=True, recipe=recipe
+            )
+        assert [t._version for t in _fp8_state_tensors(layers)] == versions
+        pending.backward()
+    assert x.grad is not None

@@ -117,7 +117,8 @@ def compare(
     ``torch.no_grad()`` or ``torch.inference_mode()`` too.
 
     Numerics are the comparison's own, not the caller's: TF32 and oneDNN's bfloat16 are off
-    for the torch side (and restored); a call inside
+    for the torch side (and restored; a graphed callable that convolves, captured with cuDNN's
+    TF32 convolutions, cannot follow and is refused saying so); a call inside
     ``torch.autocast``, a torch function or dispatch mode (``torch.device`` excepted), or with a
     torch default dtype other than JAX's default float dtype (float32, or float64 in its 64-bit
     mode) is refused naming it, as ``torch_fn`` would not compute as written.

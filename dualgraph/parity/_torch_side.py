@@ -270,7 +270,41 @@ def full_precision() -> Iterator[None]:
 
     cuBLAS's reduced-precision reductions of float16 and bfloat16 matmuls are left as they
     are: a graphed ``torch_fn`` refuses a call under other settings than its capture's, and
-    torch's default (on) is what its users run."""
+    torch's default (on) is what its users run. A graphed callable that convolves (cuDNN's
+    convolution TF32 is on by default) cannot follow the convolutions' full precision: its
+    refusal is raised saying so, naming the setting (graph it with them in full precision)."""
+    with _full_precision(), _cudnn_refusal_explained():
+        yield
+
+
+#: The settings full_precision changes that a graphed convolution compares (_ambient's names),
+#: and how to set each as it does.
+_CUDNN_PRECISIONS = {
+    "torch.backends.cudnn.conv.fp32_precision": "torch.backends.cudnn.conv.fp32_precision = 'ieee'",
+    "torch.backends.cudnn.rnn.fp32_precision": "torch.backends.cudnn.rnn.fp32_precision = 'ieee'",
+    "torch.backends.cudnn.allow_tf32": "torch.backends.cudnn.allow_tf32 = False",
+}
+
+
+@contextlib.contextmanager
+def _cudnn_refusal_explained() -> Iterator[None]:
+    try:
+        yield
+    except DualgraphError as error:
+        text = str(error)
+        named = next((name for name in _CUDNN_PRECISIONS if f"with {name} is" in text), None)
+        if named is None:
+            raise
+        raise DualgraphError(
+            f"{text}\n(dualgraph.parity runs torch_fn with convolutions in full precision, "
+            f"{named} set for the call, and a graphed callable that convolves replays the "
+            "precision of its capture: graph it with its convolutions in full precision to "
+            f"compare it, {_CUDNN_PRECISIONS[named]} around make_graphed_callables)"
+        ) from error
+
+
+@contextlib.contextmanager
+def _full_precision() -> Iterator[None]:
     backends = torch.backends
     if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9: only the new API
         cudnn: Any = backends.cudnn  # conv and rnn are missing from torch's stubs

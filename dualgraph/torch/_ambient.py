@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +19,11 @@ import torch.backends.mha
 __all__ = [
     "BACKWARD_ENTRIES",
     "NUMERICS_NAMES",
+    "CudnnSettings",
     "autocast_state",
     "backward_numerics",
     "autograd_records",
+    "cudnn_settings",
     "ddp_is_running",
     "kept_modes",
     "kept_settings",
@@ -294,9 +296,10 @@ def numerics_state() -> tuple[Any, ...]:
     ``NUMERICS_NAMES`` names each entry. Where torch has it, the matmul precision is read
     through the newer fp32-precision API: the older getters raise once a program has mixed the
     two APIs, and the newer reflects settings made through either. cuDNN's settings
-    (convolution TF32, ``deterministic``, ``enabled``) are left out: ``dualgraph.parity`` sets
-    convolutions to full precision around every call, which would refuse every callable
-    captured outside it, with a convolution or without.
+    (convolution TF32, ``deterministic``, ``enabled``, ``benchmark``) are left out: they are
+    compared only for a callable whose capture ran a convolution or an RNN
+    (:func:`cudnn_settings`), since ``dualgraph.parity`` sets convolutions to full precision
+    around every call, which would refuse every callable captured outside it.
     """
     return state_of(numerics_readings())
 
@@ -345,6 +348,86 @@ def backward_numerics(state: tuple[Any, ...]) -> tuple[Any, ...]:
     True
     """
     return state[BACKWARD_ENTRIES]
+
+
+# cuDNN's settings, read only for a callable whose capture ran a convolution or an RNN
+# (``_cudnn_ops.py``): their TF32 precision, which is not only the last bits (~1e-3 relative),
+# deterministic algorithms, whether cuDNN is used at all, and benchmark mode (its autotuned
+# algorithm). A graph keeps capture's kernels; eager's convolution, forward and backward,
+# chooses again under them. Read through the newer fp32-precision API where torch has it (the
+# legacy allow_tf32 getter raises once conv and rnn were set apart through it); there, the
+# convolutions' precision is compared for a callable that convolves, the RNNs' for one that
+# runs an RNN.
+_Getter = tuple[Callable[[], Any], str]
+_CUDNN_MODES: tuple[_Getter, ...] = (
+    (getattr(_C, "_get_cudnn_deterministic", _absent), "torch.backends.cudnn.deterministic"),
+    (getattr(_C, "_get_cudnn_enabled", _absent), "torch.backends.cudnn.enabled"),
+    (getattr(_C, "_get_cudnn_benchmark", _absent), "torch.backends.cudnn.benchmark"),
+)
+if _precision is not None:
+    _CONV_TF32: tuple[_Getter, ...] = (
+        (
+            functools.partial(_precision, "cuda", "conv"),
+            "torch.backends.cudnn.conv.fp32_precision",
+        ),
+    )
+    _RNN_TF32: tuple[_Getter, ...] = (
+        (functools.partial(_precision, "cuda", "rnn"), "torch.backends.cudnn.rnn.fp32_precision"),
+    )
+else:  # one setting for both
+    _CONV_TF32 = _RNN_TF32 = (
+        (getattr(_C, "_get_cudnn_allow_tf32", _absent), "torch.backends.cudnn.allow_tf32"),
+    )
+
+
+@dataclass(frozen=True)
+class CudnnSettings:
+    """The cuDNN settings a callable's replays compare: ``read()`` gives them now (a few C
+    getters, no Python frame among them), ``names`` names each.
+
+    >>> settings = cudnn_settings(convolution=True, rnn=False)
+    >>> dict(zip(settings.names, settings.read()))["torch.backends.cudnn.deterministic"]
+    False
+    """
+
+    read: Callable[[], tuple[Any, ...]]
+    names: tuple[str, ...]
+
+    def difference(self, captured: tuple[Any, ...]) -> str:
+        """The first setting that differs now from ``captured``, as ``name is X, captured
+        with Y``."""
+        for name, value, expected in zip(self.names, self.read(), captured, strict=True):
+            if value != expected:
+                return f"{name} is {value!r}, captured with {expected!r}"
+        return "no setting differs"
+
+
+def _reader(getters: Sequence[Callable[[], Any]]) -> Callable[[], tuple[Any, ...]]:
+    # The getters as the closure's own cells, each called directly (as numerics_readings): a
+    # comprehension over a tuple of them costs about twice as much.
+    if len(getters) == 5:
+        a, b, c, d, e = getters
+        return lambda: (a(), b(), c(), d(), e())
+    a, b, c, d = getters
+    return lambda: (a(), b(), c(), d())
+
+
+def cudnn_settings(*, convolution: bool, rnn: bool) -> CudnnSettings | None:
+    """The cuDNN settings compared for a callable whose capture ran convolutions and/or RNNs
+    (``None`` for neither: nothing read). Left out of :func:`numerics_state`:
+    ``dualgraph.parity`` runs its calls with convolutions in full precision, which would refuse
+    every callable captured outside it, with a convolution or without.
+
+    >>> cudnn_settings(convolution=False, rnn=False) is None
+    True
+    """
+    if not (convolution or rnn):
+        return None
+    tf32 = dict.fromkeys((*(_CONV_TF32 if convolution else ()), *(_RNN_TF32 if rnn else ())))
+    getters = (*tf32, *_CUDNN_MODES)
+    return CudnnSettings(
+        _reader([getter for getter, _ in getters]), tuple(name for _, name in getters)
+    )
 
 
 _UNREADABLE = object()

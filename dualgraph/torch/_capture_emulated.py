@@ -25,6 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["capture_emulated"]
 
 
+def _saved_own_outputs(item: _Capture) -> tuple[int, ...]:
+    """The outputs the backward reads that a replay hands out as its own static outputs (not
+    those handed out as an input, a module tensor or a view of another output)."""
+    aliases = item.output_aliases
+    handed = aliases.handed_out if aliases is not None else frozenset()
+    return tuple(i for i in item.saved_outputs if i not in handed)
+
+
 def capture_emulated(
     captures: Sequence[_Capture], options: CaptureOptions, progress: Progress
 ) -> None:
@@ -74,6 +82,7 @@ def capture_emulated(
             accumulators=accumulators,
             allow_unused=options.allow_unused_input or len(taken) < len(item.diff_outputs),
             hooked_params=item.params if options.param_grads != "in_graph" else (),
+            saved_outputs=_saved_own_outputs(item),
         )
         item.replay_forward = replay.forward
         item.replay_backward = replay.backward

@@ -18,7 +18,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
-from ._ambient import autocast_state, numerics_state
+from ._ambient import CudnnSettings, autocast_state, cudnn_settings, numerics_state
 from ._capture_failure import Refused
 from ._closed_over import ClosureUpdates, class_values, code_tensors, forward_values
 from ._diagnostics import CaptureDiagnostics
@@ -189,6 +189,8 @@ class _Capture:
         self.records_under_no_grad: tuple[int, ...] = ()
         # whether the forward's Python read grad mode, and which inputs' requires_grad it read
         self.reads_grad_mode = False
+        # the inspected warmup ran a convolution or another op cuDNN may compute (_cudnn_ops)
+        self.cudnn_ops = (False, False)  # (convolution, rnn)
         self.reads_requires_grad: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
@@ -233,6 +235,7 @@ class _Capture:
         self.used_inside = original.used_inside
         self.records_under_no_grad = original.records_under_no_grad
         self.reads_grad_mode = original.reads_grad_mode
+        self.cudnn_ops = original.cudnn_ops
         self.reads_requires_grad = original.reads_requires_grad
         self.saved_module_tensors = original.saved_module_tensors
         self.saved_closure_tensors = original.saved_closure_tensors
@@ -553,6 +556,7 @@ class _Capture:
             clone_outputs=options.clone_outputs,
             autocast=autocast_state(),
             numerics=numerics_state(),
+            cudnn=self._cudnn_settings(),
             modes=modes_meaning(modes_now()),
             replay_hooks=self.request.hooks.replay,
             eager_context=self.request.hooks.run_eager,
@@ -560,6 +564,13 @@ class _Capture:
             reach=self.reach,
             grad_inputs=self.grad_input_indices,
         )
+
+    def _cudnn_settings(self) -> tuple[CudnnSettings, tuple[Any, ...]] | None:
+        """The cuDNN settings its replays compare, and their readings now (``None`` where it
+        ran no convolution or RNN)."""
+        convolution, rnn = self.cudnn_ops
+        settings = cudnn_settings(convolution=convolution, rnn=rnn)
+        return None if settings is None else (settings, settings.read())
 
     def _has_backward(self) -> bool:
         if not self.backward_outputs or self.replay_backward is None:

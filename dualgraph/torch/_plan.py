@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from .._spec import TreeSpec
+from ._ambient import CudnnSettings
 from ._diagnostics import CaptureDiagnostics
 from ._inputs import InputGuard
 from ._output_aliases import OutputAliases
@@ -149,6 +150,9 @@ class ReplayPlan:
     clone_outputs: bool
     autocast: tuple[Any, ...]
     numerics: tuple[Any, ...]  # _ambient.numerics_state() at capture: each call must match it
+    # where it ran a convolution or an RNN (_cudnn_ops): the cuDNN settings its calls and
+    # backwards compare, and their readings at capture; else None (nothing read)
+    cudnn: tuple[CudnnSettings, tuple[Any, ...]] | None
     replay_hooks: ReplayHookRunner | None  # run outside the graphs around every replay
     diagnostics: CaptureDiagnostics
     reach: tuple[frozenset[int], ...] | None = None

@@ -166,6 +166,8 @@ class GraphedCallable:
         "_checked_without_grad",
         "_clone_outputs",
         "_copiers",
+        "_cudnn",
+        "_cudnn_read",
         "_cut_copies",
         "_ddp",
         "_ddp_check",
@@ -429,6 +431,11 @@ class GraphedCallable:
         self._overwritten_outputs = () if plan.clone_outputs else self._static_outputs
         self._autocast = plan.autocast
         self._numerics = plan.numerics
+        # cuDNN's settings at capture, for a callable that ran a cuDNN op (else None: not read)
+        self._cudnn: tuple[Any, ...] | None = None
+        self._cudnn_read: Callable[[], tuple[Any, ...]] | None = None
+        if plan.cudnn is not None:
+            self._cudnn_read, self._cudnn = plan.cudnn[0].read, plan.cudnn[1]
         # Getters' readings found to mean the captured settings (_ambient.numerics_readings):
         # a call that reads the same compares those alone.
         self._numerics_read: tuple[Any, ...] = ()
@@ -797,6 +804,9 @@ class GraphedCallable:
                 if _state_of(readings) != self._numerics:
                     raise self._numerics_changed()
                 self._numerics_read = readings
+            cudnn = self._cudnn
+            if cudnn is not None and self._cudnn_read() != cudnn:  # type: ignore[misc]
+                raise self._cudnn_changed("called")
             if self._modes or _function_depth() or _dispatch_depth():
                 self._check_modes()
             if self._mutated:
@@ -1057,6 +1067,18 @@ class GraphedCallable:
             ".backward() outside torch.autocast"
         )
 
+    def _cudnn_changed(self, when: str) -> DualgraphError:
+        assert self.plan.cudnn is not None
+        settings, captured = self.plan.cudnn
+        return DualgraphError(
+            f"{self.name}: {when} with {settings.difference(captured)}; its capture ran a "
+            "convolution or an RNN, whose graph replays "
+            "the cuDNN kernels, precision and algorithms chosen at capture, where eager's "
+            "forward and backward would choose again under this setting (TF32 convolutions "
+            "differ by ~1e-3). Call it (and its backward) under the captured setting, or graph "
+            "it again under this one (a module after dualgraph.torch.restore)"
+        )
+
     def _numerics_changed(self) -> DualgraphError:
         return DualgraphError(
             f"{self.name}: called with {numerics_difference(_numerics_state(), self._numerics)}; "
@@ -1265,6 +1287,9 @@ class GraphedCallable:
                 self._check_backward_modes()
             if _numerics_readings() != self._numerics_read:
                 self._check_backward_numerics()
+            cudnn = self._cudnn
+            if cudnn is not None and self._cudnn_read() != cudnn:  # type: ignore[misc]
+                raise self._cudnn_changed("its backward ran")
             if _is_any_autocast_enabled():
                 raise self._backward_under_autocast()
             if through_autograd and self._plan_params:

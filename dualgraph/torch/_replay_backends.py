@@ -61,6 +61,8 @@ class EmulatedReplay:
         "_kwargs",
         "_live",
         "_out_spec",
+        "_saved",
+        "_saved_live",
         "_static_outputs",
         "_targets",
         "incoming",
@@ -81,6 +83,7 @@ class EmulatedReplay:
         accumulators: tuple[torch.Tensor | None, ...],
         allow_unused: bool,
         hooked_params: tuple[torch.Tensor, ...] = (),
+        saved_outputs: tuple[int, ...] = (),
     ) -> None:
         self._fn = fn
         self._args = static_args
@@ -104,6 +107,10 @@ class EmulatedReplay:
         self._allow_unused = allow_unused
         self._hooked_params = hooked_params
         self._live: list[torch.Tensor] = []
+        # The outputs the backward reads that the replay hands out as its static outputs, and
+        # this run's own tensors of them (see :meth:`backward`).
+        self._saved = saved_outputs
+        self._saved_live: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The grads the caller handed the replay (set before each backward; None for a missing
         # one): an op's backward may round differently by their layout (BatchNorm's, for an
         # expanded grad such as ``.sum()``'s), and eager differentiates with them as they are.
@@ -122,6 +129,8 @@ class EmulatedReplay:
             outputs = self._fn(*self._args, **self._kwargs)
         flat = self._out_spec.flatten(outputs, check=True, root="output")
         self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []
+        statics = self._static_outputs
+        self._saved_live = [(statics[i], flat[i]) for i in self._saved] if grad_enabled else []
         # Through ``.data``, which has a version counter of its own: a graph writes its outputs
         # without autograd knowing, and the replay (``_replay.py``) tells autograd itself.
         for static, tensor in zip(self._static_outputs, flat, strict=True):
@@ -132,6 +141,13 @@ class EmulatedReplay:
         incoming, self.incoming = self.incoming, None
         if not live:
             raise DualgraphError("backward without a forward under autograd")
+        saved_live, self._saved_live = self._saved_live, []
+        # A graph's backward reads the static outputs' memory, so a change the caller made
+        # there unseen by autograd (``out.data.mul_(2)``, as eager's backward would read it) is
+        # what it differentiates with; this run's backward reads its own tensors: give them
+        # the static outputs' values, through ``.data`` (no version moves, as in the graph).
+        for static, own in saved_live:
+            own.data.copy_(static)
         grad_outputs: Sequence[torch.Tensor] = self._grad_outputs
         allow_unused = self._allow_unused
         if incoming is not None:  # the static buffers hold the same values (copied before)

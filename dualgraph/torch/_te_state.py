@@ -14,22 +14,27 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ._params import write_back
 from ._transformer_engine import TransformerEngine
 
 __all__ = [
     "STATE_KEYS",
     "FP8State",
+    "LayerState",
     "fp8_state_kept",
     "has_histories",
     "layer_state",
     "note_layers_run",
     "put_back_layer_state",
+    "set_versions",
+    "state_tensors",
 ]
 
 #: Every TE layer (or op) a capture saw a callable's forward run, its module's or not (a layer
@@ -59,8 +64,9 @@ class FP8State:
         self._te = te
         self._autocast: tuple[Any, Any] | None = None  # (setter, state)
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._modules: list[tuple[Any, Any]] = []
+        self._modules: list[tuple[Any, LayerState]] = []
         self._seen: set[int] = set()  # the layers kept, by id
+        self._versions: dict[int, tuple[torch.Tensor, int]] = {}  # each kept tensor's, by id
         if te is None:
             return
         manager = te.manager
@@ -111,17 +117,22 @@ class FP8State:
     def _keep(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and id(tensor) not in self._tensors:
             self._tensors[id(tensor)] = (tensor, tensor.detach().clone())
+            self._versions.setdefault(id(tensor), (tensor, tensor._version))
 
     def put_back(self) -> None:
-        """Give every kept tensor its kept values, and the autocast its kept mark."""
+        """Give every kept tensor its kept values and version, and the autocast its kept mark.
+
+        Through ``.data``, the versions then set back as kept (the put-back rule of graphing,
+        :func:`~dualgraph.torch._params.write_back`): a backward pending from before (one that
+        saved a scale) still runs, as it would had nothing been kept and put back."""
         te = self._te
         if te is None:
             return
-        with torch.no_grad():
-            for tensor, saved in self._tensors.values():
-                tensor.copy_(saved)
-        for layer, saved in self._modules:
-            put_back_layer_state(te, layer, saved)
+        for tensor, saved in self._tensors.values():
+            write_back(tensor, saved)
+        for layer, state in self._modules:
+            put_back_layer_state(te, layer, state)
+        set_versions(self._versions.values())
         if self._autocast is not None:
             setter, state = self._autocast
             setter(state)
@@ -134,33 +145,93 @@ def fp8_state_kept(*modules: torch.nn.Module | None) -> FP8State:
     return FP8State(TransformerEngine.imported(), modules)
 
 
-def layer_state(te: TransformerEngine, layer: Any) -> Any:
-    """A TE layer's (or op's) scales and amax histories, copied; ``None`` where it keeps none: no
-    FP8 state yet, or a recipe's state without them (current and block scaling: TE's getters
-    would raise)."""
+@dataclass(frozen=True)
+class LayerState:
+    """A TE layer's FP8 state as :func:`layer_state` kept it: TE's own copy of its scales and
+    amax histories (``None`` where it kept none) and the versions its state tensors had."""
+
+    saved: Any
+    versions: tuple[tuple[torch.Tensor, int], ...]
+
+
+def layer_state(te: TransformerEngine, layer: Any) -> LayerState:
+    """A TE layer's (or op's) scales and amax histories, copied, with their version counters;
+    ``saved`` is ``None`` where it keeps none: no FP8 state yet, or a recipe's state without them
+    (current and block scaling: TE's getters would raise)."""
+    versions = tuple((t, t._version) for t in state_tensors(te, layer) if not t.is_inference())
     if _is(layer, te.base_module):
         if not _keeps_histories(layer.fp8_meta.get(key) for key in STATE_KEYS):
-            return None
-        return layer.get_fp8_meta_tensors()
+            return LayerState(None, versions)
+        return LayerState(layer.get_fp8_meta_tensors(), versions)
     metas = getattr(layer, "_fp8_metas", None)
     if not isinstance(metas, dict) or not all(
         _keeps_histories(meta.get(key) for key in STATE_KEYS)
         for meta in metas.values()
         if meta is not None
     ):
-        return None
-    return layer._save_fp8_metas()
+        return LayerState(None, versions)
+    return LayerState(layer._save_fp8_metas(), versions)
 
 
-def put_back_layer_state(te: TransformerEngine, layer: Any, saved: Any) -> None:
-    """Give a layer the state :func:`layer_state` copied. ``None`` gives a layer with scales and
-    histories now the ones and zeros of a new one (TE makes that state at the first forward
-    under a delayed-scaling recipe); a layer without them keeps what it has."""
+def put_back_layer_state(te: TransformerEngine, layer: Any, state: LayerState) -> None:
+    """Give a layer the state :func:`layer_state` kept, its tensors' versions as they were then
+    (TE's own put-back writes with ``copy_``, which moves them: a backward pending from before
+    that saved a scale would fail). ``saved=None`` gives a layer with scales and histories now
+    the ones and zeros of a new one (TE makes that state at the first forward under a
+    delayed-scaling recipe); a layer without them keeps what it has."""
+    saved = state.saved
     if _is(layer, te.base_module):
         if _keeps_histories(layer.fp8_meta.get(key) for key in STATE_KEYS):
             layer.reset_fp8_meta_tensors(saved)
     elif saved is not None:
         layer._load_fp8_metas(saved)
+    set_versions(state.versions)
+
+
+#: The attributes of a TE recipe state that hold its tensors (``scale_inv`` in older TE).
+_STATE_TENSORS = ("scale", "amax_history", "scale_inv")
+
+
+def state_tensors(te: TransformerEngine, layer: Any) -> list[torch.Tensor]:
+    """The tensors of a TE layer's (or op's) recipe states, forward and backward (none for
+    anything else, or before its first FP8 forward)."""
+    if _is(layer, te.base_module):
+        metas: list[Any] = [getattr(layer, "fp8_meta", None)]
+    elif _is(layer, te.basic_operation):
+        found = getattr(layer, "_fp8_metas", None)
+        metas = list(found.values()) if isinstance(found, dict) else []
+    else:
+        return []
+    tensors: list[torch.Tensor] = []
+    for meta in metas:
+        if not isinstance(meta, dict):
+            continue
+        for key in STATE_KEYS:
+            state = meta.get(key)
+            for name in _STATE_TENSORS:
+                tensor = getattr(state, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    tensors.append(tensor)
+    return tensors
+
+
+#: torch's own setter of version counters (as functionalization uses it); ``None`` where this
+#: torch lacks it (the versions then stay moved, as before).
+_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def set_versions(versions: Iterable[tuple[torch.Tensor, int]]) -> None:
+    """Set each tensor's version counter to the version given.
+
+    >>> t = torch.zeros(2)
+    >>> t += 1
+    >>> set_versions([(t, 0)])
+    >>> t._version
+    0
+    """
+    pairs = [(t, v) for t, v in versions if not t.is_inference()]
+    if pairs and _set_version_counters is not None:
+        _set_version_counters(tuple(t for t, _ in pairs), tuple(v for _, v in pairs))
 
 
 #: The keys of a TE layer's FP8 metadata that hold its recipe state, forward and backward.

@@ -37,6 +37,7 @@ from ._ambient import outside_autocast
 from ._branch_reads import branch_reads
 from ._capture_failure import Refused
 from ._closed_over import named_by, plain_tensor_attributes
+from ._cudnn_ops import cudnn_ops_run
 from ._grad_mode_set import turns_grad_mode_on
 from ._grad_order import reaching_order
 from ._held_tensors import Held, held_tensors, modules_named_by
@@ -543,6 +544,12 @@ def _warmup(
             saved,
         )
         reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
+        # a convolution's node, or a convolution or RNN module run: cuDNN's settings choose
+        # its kernels, compared on each call of such a callable only
+        item.cudnn_ops = cudnn_ops_run(
+            flat,
+            [module] if module is not None else [m for _, m in modules_named_by(item.request.fn)],
+        )
         if foreign:
             _refuse_foreign_leaves(item, foreign, differentiable)
         item.reach = reach
