@@ -323,9 +323,16 @@ def numerics_difference(
 ) -> str:
     """The first setting that differs (of the entries ``among``), as ``name is X, captured
     with Y``."""
-    for name, value, expected in zip(
-        NUMERICS_NAMES[among], now[among], captured[among], strict=True
-    ):
+    return _first_difference(NUMERICS_NAMES[among], now[among], captured[among])
+
+
+def _first_difference(names: Sequence[str], now: Sequence[Any], captured: Sequence[Any]) -> str:
+    """``name is X, captured with Y`` of the first of ``names`` whose value differs.
+
+    >>> _first_difference(("a", "b"), (1, 3), (1, 2))
+    'b is 3, captured with 2'
+    """
+    for name, value, expected in zip(names, now, captured, strict=True):
         if value != expected:
             return f"{name} is {value!r}, captured with {expected!r}"
     return "no setting differs"
@@ -396,10 +403,7 @@ class CudnnSettings:
     def difference(self, captured: tuple[Any, ...]) -> str:
         """The first setting that differs now from ``captured``, as ``name is X, captured
         with Y``."""
-        for name, value, expected in zip(self.names, self.read(), captured, strict=True):
-            if value != expected:
-                return f"{name} is {value!r}, captured with {expected!r}"
-        return "no setting differs"
+        return _first_difference(self.names, self.read(), captured)
 
 
 def _reader(getters: Sequence[Callable[[], Any]]) -> Callable[[], tuple[Any, ...]]:

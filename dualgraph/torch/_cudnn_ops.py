@@ -13,15 +13,15 @@ module, which also covers a frozen one that leaves no node, and an RNN on the CP
 holds its cells' ops).
 
 >>> conv = torch.nn.Conv1d(1, 1, 3)
->>> cudnn_ops_run([conv(torch.ones(1, 1, 4))], [])
+>>> cudnn_ops_run([conv(torch.ones(1, 1, 4)).grad_fn], [])
 (True, False)
->>> cudnn_ops_run([torch.ones(2, requires_grad=True) * 2], [torch.nn.Linear(2, 2)])
+>>> cudnn_ops_run([(torch.ones(2, requires_grad=True) * 2).grad_fn], [torch.nn.Linear(2, 2)])
 (False, False)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,25 +34,19 @@ _CONVOLUTION_MARKS = ("Convolution", "SlowConv")
 _RNN_MARKS = ("CudnnRnn", "MiopenRnn")
 
 
-def cudnn_ops_run(
-    outputs: Sequence[torch.Tensor], modules: Iterable[torch.nn.Module]
-) -> tuple[bool, bool]:
-    """Whether the autograd graph of ``outputs`` or ``modules`` (each with its submodules)
-    hold a convolution, and an RNN: ``(convolution, rnn)``."""
+def cudnn_ops_run(nodes: Iterable[Any], modules: Iterable[torch.nn.Module]) -> tuple[bool, bool]:
+    """Whether the autograd ``nodes`` (those of the outputs' graph, walked once already:
+    ``_reach.trace_leaves``) or ``modules`` (each with its submodules) hold a convolution, and
+    an RNN: ``(convolution, rnn)``."""
     convolution = rnn = False
     for module in modules:
         for m in module.modules():
             convolution |= isinstance(m, torch.nn.modules.conv._ConvNd)
             rnn |= isinstance(m, torch.nn.RNNBase)
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack and not (convolution and rnn):
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    for node in nodes:
+        if convolution and rnn:
+            break
         name = type(node).__name__
         convolution |= any(mark in name for mark in _CONVOLUTION_MARKS)
         rnn |= any(mark in name for mark in _RNN_MARKS)
-        stack.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
     return convolution, rnn

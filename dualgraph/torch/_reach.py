@@ -38,12 +38,15 @@ def reach_of(
 
 
 def trace_leaves(
-    outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]
+    outputs: Sequence[torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    walked: list[Any] | None = None,
 ) -> tuple[tuple[frozenset[int], ...] | None, list[torch.Tensor]]:
     """:func:`reach_of`, and the leaves the outputs depend on that are not among ``leaves``.
 
     One walk of the graph, each node once: the foreign leaves come once per leaf node reached
-    (an output that is a foreign leaf itself, once per output).
+    (an output that is a foreign leaf itself, once per output). ``walked``, where given, gets
+    every node walked (for another look at the graph without walking it again).
 
     >>> x, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     >>> reach, foreign = trace_leaves([x * w], [x])
@@ -104,6 +107,8 @@ def trace_leaves(
                 stack.append(c)
             indegree[c] += 1
             kids.append(c)
+    if walked is not None:
+        walked.extend(nodes)
     every = (1 << len(outputs)) - 1
     if len(outputs) == 1:  # one output reaches every node
         masks = [every] * len(nodes)

@@ -543,11 +543,12 @@ def _warmup(
             else [(f"{type(module).__name__}.{name}", tensor) for name, tensor in attributes],
             saved,
         )
-        reach, foreign = trace_leaves(differentiable, diff_inputs)  # one walk of the graph
+        walked: list[Any] = []
+        reach, foreign = trace_leaves(differentiable, diff_inputs, walked)  # one walk
         # a convolution's node, or a convolution or RNN module run: cuDNN's settings choose
         # its kernels, compared on each call of such a callable only
         item.cudnn_ops = cudnn_ops_run(
-            flat,
+            walked,
             [module] if module is not None else [m for _, m in modules_named_by(item.request.fn)],
         )
         if foreign:
