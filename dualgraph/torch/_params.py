@@ -63,6 +63,7 @@ __all__ = [
     "own_changes_taken_of",
     "requires_grad_changed",
     "suspended_tensor_hooks",
+    "set_versions",
     "write_back",
 ]
 
@@ -1484,6 +1485,26 @@ def _joined(*parts: str) -> str:
 def _copy_back(buffers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for tensor, saved in buffers:
         write_back(tensor, saved)
+
+
+#: torch's own setter of version counters (as functionalization uses it); ``None`` where this
+#: torch lacks it (the versions then stay moved).
+_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def set_versions(versions: Iterable[tuple[torch.Tensor, int]]) -> None:
+    """Set each tensor's version counter to the version given (an inference tensor has none:
+    left out), where a put-back had to move it (:func:`write_back` moves none).
+
+    >>> t = torch.zeros(2)
+    >>> t += 1
+    >>> set_versions([(t, 0)])
+    >>> t._version
+    0
+    """
+    pairs = [(t, v) for t, v in versions if not t.is_inference()]
+    if pairs and _set_version_counters is not None:
+        _set_version_counters(tuple(t for t, _ in pairs), tuple(v for _, v in pairs))
 
 
 def write_back(tensor: torch.Tensor, kept: torch.Tensor | None) -> None:

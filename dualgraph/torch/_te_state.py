@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._params import write_back
+from ._params import set_versions, write_back
 from ._transformer_engine import TransformerEngine
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "layer_state",
     "note_layers_run",
     "put_back_layer_state",
-    "set_versions",
     "state_tensors",
 ]
 
@@ -213,25 +212,6 @@ def state_tensors(te: TransformerEngine, layer: Any) -> list[torch.Tensor]:
                 if isinstance(tensor, torch.Tensor):
                     tensors.append(tensor)
     return tensors
-
-
-#: torch's own setter of version counters (as functionalization uses it); ``None`` where this
-#: torch lacks it (the versions then stay moved, as before).
-_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-
-
-def set_versions(versions: Iterable[tuple[torch.Tensor, int]]) -> None:
-    """Set each tensor's version counter to the version given.
-
-    >>> t = torch.zeros(2)
-    >>> t += 1
-    >>> set_versions([(t, 0)])
-    >>> t._version
-    0
-    """
-    pairs = [(t, v) for t, v in versions if not t.is_inference()]
-    if pairs and _set_version_counters is not None:
-        _set_version_counters(tuple(t for t, _ in pairs), tuple(v for _, v in pairs))
 
 
 #: The keys of a TE layer's FP8 metadata that hold its recipe state, forward and backward.

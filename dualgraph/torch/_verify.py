@@ -94,7 +94,7 @@ from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
 from ._modules import runner_of, training_at_capture
 from ._param_attributes import parameter_attributes_kept
-from ._params import is_tensor_subclass, same_bits, write_back
+from ._params import is_tensor_subclass, same_bits, set_versions, write_back
 from ._probe import cloned_inputs, module_of
 from ._process_state import kept_process_state
 from ._replay import GraphedCallable
@@ -638,8 +638,7 @@ def _state_kept(
             if grad is not None and values is not None:
                 write_back(grad, values)
             param.grad = grad
-        if versioned and _set_versions is not None:
-            _set_versions(versioned, versions)
+        set_versions(zip(versioned, versions, strict=True))
 
 
 def _versioned(*groups: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -657,11 +656,6 @@ def _versioned(*groups: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
             if isinstance(tensor, torch.Tensor) and not tensor.is_inference():
                 found.setdefault(id(tensor), tensor)
     return list(found.values())
-
-
-#: Sets tensors' version counters (torch's own, as functionalization uses it); verify puts the
-#: versions back with the values, where this torch has it.
-_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
 
 def _restore(
