@@ -27,7 +27,7 @@ the memory plan end up in each plan's diagnostics.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -786,10 +786,32 @@ def _refuse_unused(item: _Capture, k: int) -> None:
         advice = "pass a sample that does not require grad there, or allow_unused_input=True"
     else:
         name = item.param_names[k - n]
+        module = item.request.module
+        if module is not None and module._forward_pre_hooks:
+            # A graphed module's own hooks run around each call, outside the graphs: a pre-hook
+            # that computes what the forward reads (torch's deprecated spectral_norm sets
+            # `weight` from `weight_orig`) leaves the parameter out of the graph, where eager
+            # gives it a grad, so allow_unused_input would not give eager's result.
+            raise Refused(
+                f"{name} requires grad, but no output of the graphed forward depends on it: "
+                f"{type(module).__name__}'s forward pre-hooks "
+                f"({_hook_names(module._forward_pre_hooks.values())}) run outside the graphs, "
+                "around each call, so what they compute from it is not part of the graph (eager "
+                "gives it a grad through them); graph a module that calls this one (its hooks "
+                "then run inside), or use torch.nn.utils.parametrizations in place of "
+                "torch's deprecated weight_norm and spectral_norm"
+            )
         advice = "freeze it (requires_grad_(False)), or pass allow_unused_input=True"
     raise Refused(
         f"{name} requires grad, but no output depends on it, so it would get no grad; {advice} "
         "(it then gets none, as in eager)"
+    )
+
+
+def _hook_names(hooks: Iterable[Any]) -> str:
+    """``hooks`` named for a message: ``SpectralNorm``, ``my_hook``."""
+    return ", ".join(
+        getattr(hook, "__qualname__", None) or type(hook).__qualname__ for hook in hooks
     )
 
 
