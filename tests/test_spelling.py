@@ -94,3 +94,16 @@ def test_a_default_no_spec_holds_is_compared_by_identity_and_shown_by_its_repr()
     assert "where the sample call left mode to its default <Mode.FAST: 1> (an object" in str(
         info.value
     )
+
+
+def g(x: Any, /, **more: Any) -> None:
+    """A positional-only parameter and ``**more``, which a keyword of the same name goes to."""
+
+
+def test_a_keyword_named_as_a_positional_only_parameter_is_never_made_from_it() -> None:
+    # Before: the sample's x=2 (which goes to **more) was taken for the parameter x, so a call
+    # g(2) leaving it out was written g(2, x=2), a keyword the caller never passed, which the
+    # spec of g(2, x=2) then took: a replay with more={'x': 2} where eager's more is {}
+    spelling = CallSpelling(g, (2,), {"x": 2})
+    assert spelling.as_captured((2,), {}) is None  # the spec's error stands: kwargs['x'] missing
+    assert spelling.as_captured((1,), {"x": 2}) is None  # spelled as the sample was
