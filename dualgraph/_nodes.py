@@ -491,7 +491,7 @@ def _short_repr(value: Any, limit: int) -> str:
         return f"<{int_size(value)}>"
     for text in (str, bytes):  # a long one by its start: its whole repr would copy it all
         if isinstance(value, text) and text.__len__(value) > limit:
-            return repr(text.__getitem__(value, slice(0, limit)))  # (clip_text cuts it)
+            return repr(text.__getitem__(value, slice(0, max(limit, 0))))  # (clip_text cuts it)
     if cls is not list and cls is not tuple:
         return repr(value)
     parts: list[str] = []
