@@ -489,6 +489,7 @@ def _short_repr(value: Any, limit: int) -> str:
     cls = type(value)
     if cls is int and value.bit_length() > MAX_INT_BITS:
         return f"<{int_size(value)}>"
+    text: Any
     for text in (str, bytes):  # a long one by its start: its whole repr would copy it all
         if isinstance(value, text) and text.__len__(value) > limit:
             return repr(text.__getitem__(value, slice(0, max(limit, 0))))  # (clip_text cuts it)
