@@ -236,7 +236,14 @@ class CallSpec:
             TreeSpec._from_rows(document[part], root=part, what="CallSpec")
             for part in ("args", "kwargs")
         ]
-        return cls(*specs)
+        try:
+            return cls(*specs)
+        except DualgraphError as error:  # a root of another kind: its row is the first one
+            part, _, message = str(error).partition(": ")
+            raise DualgraphError(
+                f"malformed CallSpec JSON at {part}: {message} (row 0 of the document's "
+                f'"{part}" list)'
+            ) from None
 
     def __eq__(self, other: object) -> bool:
         if not is_instance(other, CallSpec):  # (an object's __class__ can raise)

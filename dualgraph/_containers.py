@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import inspect
 import unicodedata
 import weakref
@@ -24,11 +25,13 @@ from collections.abc import Callable, Sequence
 from operator import is_
 from typing import Any, ClassVar, Generic, TypeVar
 
+import numpy as np
 import optree
 
 from ._errors import DualgraphError
 from ._leaves import array_type_of, signature_of
 from ._nodes import (
+    MAX_INT_BITS,
     Bind,
     Container,
     Node,
@@ -39,6 +42,7 @@ from ._nodes import (
     class_name,
     clip,
     clip_text,
+    is_instance,
 )
 from ._paths import Attr, Index, Key, PathEntry
 
@@ -1093,7 +1097,17 @@ def brief_of(obj: Any, /) -> str:
             return clip_text(f"{dtype}[{', '.join(map(str, shape))}]")
     except Exception:  # the array type's own signature failed: describe the object
         pass
+    if is_instance(obj, _SCALAR_LIKE) and not (
+        is_instance(obj, int) and int.bit_length(obj) > MAX_INT_BITS  # (see clip)
+    ):
+        # A value that stands where a constant would (np.float32(0.5), an IntEnum member, a str
+        # subclass): its type alone would not say which value it holds.
+        return f"{clip(obj, 60)} (an object of type {class_name(typ)})"
     return f"an object of type {class_name(typ)}"
+
+
+#: Objects that stand for a value a spec would hold as a constant, shown by their repr too.
+_SCALAR_LIKE = (int, float, complex, str, bytes, np.generic, enum.Enum)
 
 
 # -- registration --------------------------------------------------------------------------------

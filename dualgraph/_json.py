@@ -176,8 +176,11 @@ def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return document
 
 
-def read_tree(rows: Any, what: str, root: str = "") -> tuple[Node, ...]:
-    """The nodes of a tree's rows (pre-order), each validated; ``root`` starts error paths."""
+def read_tree(rows: Any, what: str, root: str = "", key: str | None = None) -> tuple[Node, ...]:
+    """The nodes of a tree's rows (pre-order), each validated; ``root`` starts error paths, and
+    ``key`` (``root``, or ``"tree"`` where it is empty) names the document's list of the rows,
+    where an error says which row it found wrong."""
+    key = key if key is not None else root or "tree"
     if type(rows) is not list or not rows:
         raise _malformed(
             what, root, [], f"a tree is a non-empty list of node rows, got {clip(rows)}"
@@ -197,45 +200,58 @@ def read_tree(rows: Any, what: str, root: str = "") -> tuple[Node, ...]:
     count = len(rows)
     for index, row in enumerate(rows):
         if not expected:
-            raise _malformed(what, root, nodes, f"{count - index} rows follow the end of the tree")
+            message = f"{count - index} rows follow the end of the tree"
+            raise _malformed(what, root, nodes, message, key)
         try:
             text = repr(row)
         except RecursionError:
             text = ""
         node = by_repr.get(text) if text else None
         if node is None:
-            node = _node_of_row(row, count - index - expected, what, root, nodes)
+            node = _node_of_row(row, count - index - expected, what, root, nodes, key)
             if text:
                 by_repr[text] = node
         elif node.arity > count - index - expected:
-            node = _node_of_row(row, count - index - expected, what, root, nodes)
+            node = _node_of_row(row, count - index - expected, what, root, nodes, key)
         append(node)
         expected += node.arity - 1
     assert not expected  # each row's children were checked to fit in the rows after it
     return tuple(nodes)
 
 
-def _node_of_row(row: Any, max_arity: int, what: str, root: str, nodes: list[Node]) -> Node:
+def _node_of_row(
+    row: Any, max_arity: int, what: str, root: str, nodes: list[Node], key: str
+) -> Node:
     if type(row) is not list or not row or type(row[0]) is not str:
         message = f"a node row is a list starting with its kind, got {clip(row)}"
-        raise _malformed(what, root, nodes, message)
+        raise _malformed(what, root, nodes, message, key)
     cls = _NODE_CLASSES.get(row[0])
     if cls is None:
-        raise _malformed(what, root, nodes, f"unknown node kind {clip(row[0])}")
+        raise _malformed(what, root, nodes, f"unknown node kind {clip(row[0])}", key)
     try:
         node: Node = cls.from_row(row, max_arity)
     except NodeError as error:
-        raise _malformed(what, root, nodes, str(error)) from None
+        raise _malformed(what, root, nodes, str(error), key) from None
     except Exception as error:  # a check above missed a case: still a malformed row
         message = f"unreadable row {clip(row)} ({type(error).__name__}: {clip_text(error)})"
-        raise _malformed(what, root, nodes, message) from None
+        raise _malformed(what, root, nodes, message, key) from None
     return node
 
 
-def _malformed(what: str, root: str, nodes: Sequence[Node], message: str) -> DualgraphError:
-    """The error for the row after ``nodes``, naming that row's path."""
+def _malformed(
+    what: str, root: str, nodes: Sequence[Node], message: str, key: str | None = None
+) -> DualgraphError:
+    """The error for the row after ``nodes``, naming that row's path in the tree and, given the
+    ``key`` of the document's list of rows, where the row stands in that list: a tree path such
+    as ``[1]`` is no index into the rows (``tree[1]`` is the row of another node)."""
     path = show_path(format_path(next_entries(nodes), root))
-    return DualgraphError(f"malformed {what} JSON at {path}: {message}")
+    row = "" if key is None else f" (row {len(nodes)} of the document's {_quoted(key)} list)"
+    return DualgraphError(f"malformed {what} JSON at {path}: {message}{row}")
+
+
+def _quoted(key: str) -> str:
+    """A document's key as JSON writes it (``"tree"``), clipped."""
+    return clip_text(json.dumps(key), 40)
 
 
 def next_entries(nodes: Sequence[Node]) -> tuple[PathEntry, ...]:

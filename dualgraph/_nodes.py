@@ -205,6 +205,8 @@ def brief_constant(value: bool | int | float | str) -> str:
     """A constant for messages: ``int 3``, ``float -nan``, ``str 'x'`` (never raises)."""
     if type(value) is int and value.bit_length() > MAX_INT_BITS:  # (see clip)
         return int_size(value)
+    if type(value) is str:  # (clip reprs a long text's start alone)
+        return f"str {clip(value)}"
     try:
         shown = show_constant(value)
     except ValueError:  # an int over this interpreter's int/str conversion limit
@@ -467,7 +469,8 @@ class Container(Node):
 def clip(value: Any, limit: int = 120) -> str:
     """``repr(value)`` cut to ``limit`` characters, for messages (never raises).
 
-    A list or tuple is shown item by item up to the limit, and an int over ``MAX_INT_BITS``
+    A list or tuple is shown item by item up to the limit, a long str or bytes by its start
+    (its whole repr would copy it: a 200 MB text took 1.5 s), and an int over ``MAX_INT_BITS``
     by its size: converting an int of n digits to text takes time quadratic in n where a
     program lifted the interpreter's limit (``sys.set_int_max_str_digits(0)``).
 
@@ -486,6 +489,10 @@ def _short_repr(value: Any, limit: int) -> str:
     cls = type(value)
     if cls is int and value.bit_length() > MAX_INT_BITS:
         return f"<{int_size(value)}>"
+    text: Any
+    for text in (str, bytes):  # a long one by its start: its whole repr would copy it all
+        if isinstance(value, text) and text.__len__(value) > limit:
+            return repr(text.__getitem__(value, slice(0, max(limit, 0))))  # (clip_text cuts it)
     if cls is not list and cls is not tuple:
         return repr(value)
     parts: list[str] = []

@@ -18,7 +18,7 @@ from typing import Any
 from ._call import CallSpec
 from ._containers import DataclassNode, DictNode, NamedTupleNode, _tuple_item
 from ._errors import SpecMismatchError
-from ._nodes import Node
+from ._nodes import Node, clip
 from ._paths import Attr, Index, Key, PathEntry, format_path
 from ._spec import TreeSpec
 
@@ -86,17 +86,17 @@ class KeyOrders:
         path, keys, expected = found
         if path == "kwargs":
             raise SpecMismatchError(
-                f"kwargs: the keywords {list(keys)!r} go to the function's **kwargs in "
-                f"this order, compiled for the order {list(expected)!r}; whatever "
+                f"kwargs: the keywords {clip(list(keys), 300)} go to the function's **kwargs "
+                f"in this order, compiled for the order {clip(list(expected), 300)}; whatever "
                 "follows their order would not follow this call's; pass them in the "
                 "compiled order",
                 path="kwargs",
             )
         raise SpecMismatchError(
-            f"{path}: a dict with its keys in the order {list(keys)!r}, compiled for the "
-            f"order {list(expected)!r}; the program runs the function as it was traced, so "
-            "whatever follows the key order (d.values(), a concatenation or a sum over "
-            "the dict) would not follow this call's; pass the keys in the compiled order",
+            f"{path}: a dict with its keys in the order {clip(list(keys), 300)}, compiled for "
+            f"the order {clip(list(expected), 300)}; the program runs the function as it was "
+            "traced, so whatever follows the key order (d.values(), a concatenation or a sum "
+            "over the dict) would not follow this call's; pass the keys in the compiled order",
             path=path,
         )
 

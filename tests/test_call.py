@@ -477,7 +477,13 @@ def test_an_object_whose_class_cannot_be_read_is_a_dualgraph_error(entry: str) -
 def test_from_json_rejects_args_that_are_not_a_tuple() -> None:
     document = json.loads(describe_call((array(2),)).to_json())
     document["args"] = [["list", 0]]
-    with pytest.raises(DualgraphError, match=r"^args: the args spec must describe a tuple"):
+    # Before: 'args: the args spec must describe a tuple', which did not say that the document
+    # was malformed, nor which row
+    message = (
+        "malformed CallSpec JSON at args: the args spec must describe a tuple, not a list of "
+        'length 0 (row 0 of the document\'s "args" list)'
+    )
+    with pytest.raises(DualgraphError, match=f"^{re.escape(message)}$"):
         CallSpec.from_json(json.dumps(document))
 
 
@@ -493,7 +499,10 @@ def test_a_refused_document_is_explained_by_its_root_alone(
     monkeypatch.setattr(TreeSpec, "__repr__", lambda spec: rendered.append(spec) or "TreeSpec()")
     what = "a tuple" if part == "args" else "a dict with str keys"
     root = "[1]" if part == "kwargs" else "['" + "k" * 100 + "']"
-    message = f"{part}: the {part} spec must describe {what}, not a dict with keys {root}"
+    message = (
+        f"malformed CallSpec JSON at {part}: the {part} spec must describe {what}, not a dict "
+        f'with keys {root} (row 0 of the document\'s "{part}" list)'
+    )
     with pytest.raises(DualgraphError, match=f"^{re.escape(message)}$"):
         CallSpec.from_json(json.dumps(document))
     assert rendered == []
@@ -502,7 +511,8 @@ def test_a_refused_document_is_explained_by_its_root_alone(
 def test_from_json_rejects_kwargs_with_int_keys() -> None:
     document = json.loads(describe_call((array(2),)).to_json())
     document["kwargs"] = [["dict", [1]], ["none"]]
-    with pytest.raises(DualgraphError, match=r"^kwargs: the kwargs spec must describe a dict"):
+    message = r"^malformed CallSpec JSON at kwargs: the kwargs spec must describe a dict"
+    with pytest.raises(DualgraphError, match=message):
         CallSpec.from_json(json.dumps(document))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from dualgraph import DualgraphError, TreeSpec, describe, register_namedtuple
+from dualgraph import CallSpec, DualgraphError, TreeSpec, describe, register_namedtuple
 from dualgraph import _json as json_module
 from dualgraph._containers import qualified_name
 from dualgraph._json import next_entries, read_document, read_tree
@@ -168,6 +168,45 @@ def test_read_tree_names_the_path_of_a_bad_row() -> None:
     rows = [["dict", ["b", "a"]], ["list", 2], ["none"], ["bad"], ["none"]]  # "a" comes first
     with pytest.raises(DualgraphError, match=r"^malformed Spec JSON at out\['a'\]\[1\]: unknown"):
         read_tree(rows, "Spec", root="out")
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "message"),
+    [
+        (
+            TreeSpec,
+            document(tree=[["list", 2], ["none"], ["array", "float32", [-1], True]]),
+            "at [1]: bad shape [-1]: dimensions are in [0, 2**63 - 1] "
+            '(row 2 of the document\'s "tree" list)',
+        ),
+        (
+            CallSpec,
+            json.dumps(
+                {
+                    "format": "dualgraph.CallSpec",
+                    "version": 1,
+                    "args": [["tuple", 1], ["none"]],
+                    "kwargs": [["dict", ["a", "b"]], ["none"], ["list", 1], ["bad"]],
+                }
+            ),
+            "at kwargs['b'][0]: unknown node kind 'bad' (row 3 of the document's \"kwargs\" list)",
+        ),
+        (
+            TreeSpec,
+            document(tree=[["none"], ["none"], ["none"]]),
+            '(row 1 of the document\'s "tree"',
+        ),
+    ],
+    ids=["tree", "call", "rows-left-over"],
+)
+def test_a_malformed_row_is_named_by_its_place_in_the_documents_rows_too(
+    kind: Any, text: str, message: str
+) -> None:
+    # Before: only the tree path ([1]), which as an index into the rows names another row (the
+    # document's "tree"[1] is ["none"]), so a reader of the JSON looked at the wrong row.
+    with pytest.raises(DualgraphError) as caught:
+        kind.from_json(text)
+    assert message in str(caught.value)
 
 
 def test_next_entries_is_the_path_after_a_pre_order_prefix() -> None:

@@ -319,3 +319,41 @@ def test_specs_of_documents_whose_int_tuples_share_a_hash_hash_apart(kind: str) 
     specs = [TreeSpec._from_rows(tree) for tree in rows]
     assert len({hash(spec) for spec in specs}) == len(specs)
     assert len({hash(spec.leaves) for spec in specs}) == len(specs)
+
+
+class Text(str):
+    def __repr__(self) -> str:
+        return f"Text({str.__repr__(self)})"
+
+
+@pytest.mark.parametrize(
+    ("expected", "found", "shown"),
+    [
+        (("a",), ("x" * 100_000,), "[0]: expected str 'a', got str 'xxxxx"),
+        (("x" * 100_000,), ("b",), "[0]: expected str 'xxxxx"),
+        ((None,), (b"z" * 100_000,), "[0]: expected None, got b'zzzzz"),
+        ((None,), (Text("t" * 100_000),), "[0]: expected None, got 'ttttt"),
+        ((None,), ({"k" * 100_000: 1},), "[0]: expected None, got a dict with keys ['kkkkk"),
+    ],
+    ids=["found", "expected", "bytes", "str-subclass", "key"],
+)
+def test_a_message_shows_a_long_text_by_its_start_reading_no_more_of_it(
+    expected: Any, found: Any, shown: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a mismatch took the repr of the whole text and then cut it to 120 characters: a
+    # 200 MB str constant or input took 1-1.7 s (and its copies in memory) to refuse
+    import builtins
+
+    from dualgraph import _nodes
+
+    lengths: list[int] = []
+
+    def measured_repr(value: Any) -> str:
+        lengths.append(len(value) if isinstance(value, str | bytes) else 0)
+        return builtins.repr(value)
+
+    monkeypatch.setattr(_nodes, "repr", measured_repr, raising=False)
+    with pytest.raises(SpecMismatchError) as caught:
+        describe(expected).check(found)
+    assert str(caught.value).startswith(shown) and len(str(caught.value)) < 300
+    assert max(lengths) <= 120

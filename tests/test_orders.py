@@ -174,3 +174,22 @@ def test_key_order_difference_names_the_first_dict_in_another_order() -> None:
     inner = describe({"x": [{"b": 2, "a": 1}], "y": {"c": 1, "d": 2}})
     assert key_order_difference(expected, inner) == ("['x'][0]", ("a", "b"), ("b", "a"))
     assert key_order_difference(expected, expected) is None
+
+
+@pytest.mark.parametrize("where", ["dict", "collected"])
+def test_an_order_refused_shows_the_keys_clipped_not_all_of_them(where: str) -> None:
+    # Before: both orders were written out whole: a dict of 20,000 keys in another order made
+    # a message of 400,000 characters
+    keys = [f"key{i}" for i in range(20_000)]
+    reordered = dict.fromkeys(reversed(keys), 0)
+    if where == "dict":
+        orders = KeyOrders(describe_call((dict.fromkeys(keys, 0),)))
+        call: tuple[Any, Any] = ((reordered,), {})
+        start = "args[0]: a dict with its keys in the order ['key19999', 'key19998', "
+    else:
+        orders = KeyOrders(describe_call((), dict.fromkeys(keys, 0)), lambda **kw: None)
+        call = ((), reordered)
+        start = "kwargs: the keywords ['key19999', 'key19998', "
+    with pytest.raises(SpecMismatchError) as caught:
+        orders.check(*call)
+    assert str(caught.value).startswith(start) and len(str(caught.value)) < 1200

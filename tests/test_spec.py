@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import enum
 import itertools
 import json
 import pickle
@@ -712,6 +713,34 @@ def test_check_compares_ordereddict_key_order() -> None:
 def test_check_names_an_unsupported_object_in_the_tree() -> None:
     error = mismatch({"aux_loss": None}, {"aux_loss": {1, 2}})
     assert str(error) == "['aux_loss']: expected None, got an object of type builtins.set"
+
+
+class Mode(enum.IntEnum):
+    FAST = 1
+
+
+class Name(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("expected", "found", "shown"),
+    [
+        (1, Mode.FAST, "<Mode.FAST: 1> (an object of type test_spec.Mode)"),
+        (0.5, np.float32(0.5), "np.float32(0.5) (an object of type numpy.float32)"),
+        (True, np.bool_(True), "np.True_ (an object of type numpy.bool)"),
+        ("vit", Name("vit"), "'vit' (an object of type test_spec.Name)"),
+        (2, 2 + 0j, "(2+0j) (an object of type builtins.complex)"),
+    ],
+    ids=["int-enum", "numpy-float", "numpy-bool", "str-subclass", "complex"],
+)
+def test_a_value_where_a_constant_was_is_shown_by_its_repr_and_type(
+    expected: Any, found: Any, shown: str
+) -> None:
+    # Before: 'expected int 1, got an object of type test_spec.Mode', naming no value: which
+    # member, which number, which text stood there was left to guess
+    error = mismatch({"mode": expected}, {"mode": found})
+    assert str(error) == f"['mode']: expected {type(expected).__name__} {expected!r}, got {shown}"
 
 
 def test_check_names_the_first_difference_in_spec_order() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -326,21 +327,77 @@ def test_hostile_call_spec_documents_raise_only_dualgraph_errors(
 
 # -- valid documents, mutated -------------------------------------------------------------------
 
+#: Tokens json.dumps cannot write (or writes otherwise), each put in a document's text where
+#: json.dumps wrote its marker (a str of its own): nesting deeper than any parser's recursion
+#: limit and one just under it, ints longer than any a spec takes, non-finite and negative-zero
+#: tokens, and numbers written as floats where ints are expected.
+RAW_TOKENS = {
+    "\x00deep": "[" * 100_000 + "]" * 100_000,
+    "\x00deep-object": '{"a":' * 100_000 + "1" + "}" * 100_000,
+    "\x00nested": "[" * 900 + "]" * 900,
+    "\x00long-int": "9" * 700,
+    "\x00long-negative-int": "-" + "9" * 700,
+    "\x00minus-zero": "-0",
+    "\x00two-as-float": "2.0",
+    "\x00two-in-exponent": "2e0",
+    "\x00huge-float": "1e400",
+    "\x00nan": "NaN",
+    "\x00minus-infinity": "-Infinity",
+}
+raw_tokens = st.sampled_from(sorted(RAW_TOKENS))
+
 json_atoms = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-3, 3),
-    st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**400]),
+    st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**400, 2**2048, -(2**2048)]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([*TAGS, *NAMES, "float32", "int64", "key<fry>", "O", "-0.0", "nan", "1e999"]),
     st.sampled_from(["int", "float", "bool", "str", "args", "kwargs", "format", "version"]),
     st.text(max_size=4),
+    # surrogates (lone, and a pair held as two code points), and very long strings
+    st.sampled_from(
+        ["\ud800", "\udfff", "a\ud83d\ude00", "\ud83d", "x" * 100_000, "\u00e9" * 5000]
+    ),
+    raw_tokens,
 )
 json_values = st.recursive(
     json_atoms,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=3) | st.sampled_from(["\ud800", "\x00deep"]), inner)
+    ),
     max_leaves=6,
 )
+
+
+def retyped(value: Any) -> list[Any]:
+    """``value`` as other JSON types that Python compares equal to it, or that look alike:
+    ``true`` for ``1``, ``2.0`` for ``2``, ``"2"`` for ``2``, ``[x]`` for ``x``."""
+    found: list[Any] = [[value], str(value)]
+    if type(value) is bool:
+        found += [int(value), float(value)]
+    elif type(value) is int:
+        found += [bool(value), -value, value + 2**64, "\x00two-as-float"]
+        if abs(value) < 2**53:
+            found.append(float(value))
+    elif type(value) is list and value:
+        found += [value[0], tuple(value), {"0": value[0]}]
+    return found
+
+
+def document_text(document: Any) -> str:
+    """``document`` as JSON (NaN and Infinity as Python writes them), each marker of
+    :data:`RAW_TOKENS` replaced by its token."""
+    text = json.dumps(document)
+    for marker, token in RAW_TOKENS.items():
+        text = text.replace(json.dumps(marker), token)
+    return text
+
+
+def strict_json(value: Any) -> str:
+    """Parsed JSON written back so that ``true``, ``1`` and ``1.0`` differ (``==`` does not)."""
+    return json.dumps(value, sort_keys=True)
 
 
 @st.composite
@@ -354,6 +411,8 @@ def mutated(draw: st.DrawFn, value: Any) -> Any:
         op = draw(st.sampled_from(["inside", "inside", "replace", "delete", "insert", "copy"]))
         if op == "inside":
             copy[key] = draw(mutated(value[key]))
+        elif op == "replace" and draw(st.booleans()):  # another type that looks alike
+            copy[key] = draw(st.sampled_from(retyped(value[key])))
         elif op == "replace":
             copy[key] = draw(json_values)
         elif op == "delete":
@@ -397,21 +456,41 @@ def test_mutated_valid_documents_raise_only_dualgraph_errors_or_read_back_exactl
             document[key] = data.draw(mutated(document[key]))
         else:  # now and then anywhere, the format and version too
             document = data.draw(mutated(document))
-    text = json.dumps(document)  # NaN and Infinity included, as Python writes them
+    text = document_text(document)
     kind: Any = TreeSpec if '"dualgraph.TreeSpec"' in start else CallSpec
     modules = set(sys.modules)
     try:
         spec = kind.from_json(text)
     except DualgraphError as error:
-        assert str(error)  # says what
+        assert_names_where(str(error), kind.__name__)
     else:  # what reads writes back the same document, and reads back as an equal spec
         written = spec.to_json()
-        assert json.loads(written) == document
+        assert strict_json(json.loads(written)) == strict_json(json.loads(text))
         again = kind.from_json(written)
         assert again == spec and hash(again) == hash(spec) and again.to_json() == written
         assert kind.from_json(text.encode()) == spec
     assert set(sys.modules) == modules
     assert not marker.exists()
+
+
+#: What a refused document is told by: the document as a whole (its format, version, keys, or
+#: text), or a tree's rows as a whole.
+DOCUMENT_ERRORS = re.compile(
+    r"not a \w+ JSON document|\w+ JSON version .* is not supported|malformed \w+ JSON: |"
+    r"\w+ JSON of \d+ (characters|bytes)|\w+ JSON written back|"
+    r"malformed \w+ JSON at (<root>|args|kwargs): a tree (is a non-empty list|has at most)"
+)
+
+
+def assert_names_where(message: str, kind: str) -> None:
+    """A refusal says what it refused: the document as a whole, or a row by its path in the
+    tree and its place in the document's rows."""
+    if DOCUMENT_ERRORS.match(message):
+        return
+    assert message.startswith(f"malformed {kind} JSON at "), message
+    assert re.search(r" \(row \d+ of the document's \"(tree|args|kwargs)\" list\)$", message), (
+        message
+    )
 
 
 def test_documents_naming_the_marker_module_leave_it_unimported(marker: Path) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from dualgraph import SpecMismatchError
 from dualgraph._spelling import CallSpelling
@@ -94,3 +98,80 @@ def test_a_default_no_spec_holds_is_compared_by_identity_and_shown_by_its_repr()
     assert "where the sample call left mode to its default <Mode.FAST: 1> (an object" in str(
         info.value
     )
+
+
+def g(x: Any, /, **more: Any) -> None:
+    """A positional-only parameter and ``**more``, which a keyword of the same name goes to."""
+
+
+def test_a_keyword_named_as_a_positional_only_parameter_is_never_made_from_it() -> None:
+    # Before: the sample's x=2 (which goes to **more) was taken for the parameter x, so a call
+    # g(2) leaving it out was written g(2, x=2), a keyword the caller never passed, which the
+    # spec of g(2, x=2) then took: a replay with more={'x': 2} where eager's more is {}
+    spelling = CallSpelling(g, (2,), {"x": 2})
+    assert spelling.as_captured((2,), {}) is None  # the spec's error stands: kwargs['x'] missing
+    assert spelling.as_captured((1,), {"x": 2}) is None  # spelled as the sample was
+
+
+P = inspect.Parameter
+values = st.sampled_from([0, 1, 2.0, None, True, "v"])
+
+
+@st.composite
+def functions(draw: st.DrawFn) -> Callable[..., dict[str, Any]]:
+    """A function of random parameters (every kind, with and without defaults) returning what
+    each parameter got."""
+    kinds = sorted(
+        draw(
+            st.lists(st.sampled_from([P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY]))
+        ),
+        key=int,
+    )[:5]
+    parameters, defaulted = [], False
+    for name, kind in zip("abcde", kinds, strict=False):
+        has_default = draw(st.booleans()) or (defaulted and kind is not P.KEYWORD_ONLY)
+        defaulted |= has_default and kind is not P.KEYWORD_ONLY
+        parameters.append(P(name, kind, default=draw(values) if has_default else P.empty))
+    if draw(st.booleans()):
+        positional = sum(p.kind is not P.KEYWORD_ONLY for p in parameters)
+        parameters.insert(positional, P("rest", P.VAR_POSITIONAL))
+    if draw(st.booleans()):
+        parameters.append(P("more", P.VAR_KEYWORD))
+    namespace: dict[str, Any] = {}
+    exec(f"def fn{inspect.Signature(parameters)}:\n    return dict(locals())", namespace)
+    function: Callable[..., dict[str, Any]] = namespace["fn"]
+    return function
+
+
+@st.composite
+def calls_of(draw: st.DrawFn, fn: Callable[..., Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Arguments ``fn`` takes (Python's own binding: a keyword named as a positional-only
+    parameter goes to ``**more``)."""
+    args = tuple(draw(st.lists(values, max_size=4)))
+    names = draw(st.lists(st.sampled_from([*"abcdexy", "rest", "more"]), max_size=3, unique=True))
+    kwargs = {name: draw(values) for name in names}
+    try:
+        fn(*args, **kwargs)
+    except TypeError:
+        assume(False)
+    return args, kwargs
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+@given(data=st.data(), fn=functions())
+def test_a_call_written_as_the_sample_was_gives_each_parameter_what_the_call_gives_it(
+    data: st.DataObject, fn: Callable[..., dict[str, Any]]
+) -> None:
+    sample_args, sample_kwargs = data.draw(calls_of(fn))
+    args, kwargs = data.draw(calls_of(fn))
+    spelling = CallSpelling(fn, sample_args, sample_kwargs)
+    try:
+        spelled = spelling.as_captured(args, kwargs)
+    except SpecMismatchError:  # a default passed otherwise: refused, never rewritten
+        return
+    if spelled is not None:  # eager's call and the one the spec checks bind alike (in order)
+        assert repr(fn(*spelled[0], **spelled[1])) == repr(fn(*args, **kwargs))
