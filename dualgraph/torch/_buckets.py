@@ -506,6 +506,8 @@ class BucketedCallable:
             same = made.get(id(tensor))
             if same is None:
                 same = made[id(tensor)] = replaced[id(tensor)] = cut_back(tensor, dim, length)
+                if tensor.__dict__:  # what the callable set on it (y.tag), as eager's output has
+                    same.__dict__.update(tensor.__dict__)
                 if same.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
                     copies.append((index, same))  # cut_back copied it: another tensor's memory
             flat[index] = same

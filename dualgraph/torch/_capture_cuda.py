@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -235,8 +236,16 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any, mode: Any) -> Iterator[Non
         try:
             yield
         finally:
-            graph.capture_end()
+            with warnings.catch_warnings():
+                # A forward whose every output is handed out as another tensor (an input, a
+                # view of one) launches no kernel: its graph is empty, and replays as nothing.
+                # torch warns of the wrong stream or device then, which this capture rules out.
+                warnings.filterwarnings("ignore", _EMPTY_GRAPH, UserWarning)
+                graph.capture_end()
             torch.clear_autocast_cache()
+
+
+_EMPTY_GRAPH = r"The CUDA Graph is empty"
 
 
 def _new_graph(extra_generators: Sequence[Any]) -> torch.cuda.CUDAGraph:

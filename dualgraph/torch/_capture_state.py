@@ -196,6 +196,8 @@ class _Capture:
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
         self.saved_inputs: tuple[int, ...] = ()
         self.output_aliases: OutputAliases | None = None
+        # plain values the callable set on the tensors it returns: (position, attributes)
+        self.output_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
         self.mutated_quietly: set[int] = set()  # of those, updated without a version bump
@@ -241,6 +243,7 @@ class _Capture:
         self.saved_closure_tensors = original.saved_closure_tensors
         self.saved_inputs = original.saved_inputs
         self.output_aliases = original.output_aliases
+        self.output_attributes = original.output_attributes
         self.reach = original.reach
         self.mutated = set(original.mutated)
         self.mutated_quietly = set(original.mutated_quietly)
@@ -544,6 +547,7 @@ class _Capture:
             saved_closure_tensors=self.saved_closure_tensors,
             saved_inputs=self.saved_inputs,
             output_aliases=self.output_aliases,
+            output_attributes=self.output_attributes,
             mutated_inputs=tuple(sorted(self.mutated)),
             quietly_mutated_inputs=tuple(sorted(self.mutated_quietly)),
             module_tensors=self.module_tensors,

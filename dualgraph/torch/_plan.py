@@ -159,6 +159,9 @@ class ReplayPlan:
     grad_inputs: tuple[int, ...] = ()  # the inputs the backward differentiates for
     # outputs that are, or view, other outputs or inputs in eager: handed out so
     output_aliases: OutputAliases | None = None
+    # (output position, its attributes): plain values the callable set on a tensor it returns
+    # (TE's fuser marks its outputs `_do_not_clear`), set again on each replay's output
+    output_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
     # a function's (not a module's): the tensors its code names that it updates in place
     closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
     # (position among the parameters, its __dict__, name, value): what the callable's Python

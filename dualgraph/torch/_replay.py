@@ -219,6 +219,7 @@ class GraphedCallable:
         "_numerics_read",
         "_other_uses",
         "_out_spec",
+        "_output_attributes",
         "_output_reach",
         "_output_storages",
         "_output_versions",
@@ -290,6 +291,8 @@ class GraphedCallable:
         self._out_spec = plan.outputs
         # Outputs that are, or view, other outputs or inputs in eager (None: none are).
         self._aliases = plan.output_aliases
+        # plain values the callable set on tensors it returns, set on each call's again
+        self._output_attributes = plan.output_attributes
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
@@ -872,6 +875,9 @@ class GraphedCallable:
                         {id(outputs[k]): handed[k] for k in self._used_inside_replaced}, outputs
                     )
                 outputs = handed
+            if self._output_attributes:
+                for k, attributes in self._output_attributes:
+                    outputs[k].__dict__.update(attributes)
             if hooks is None:
                 return self._out_spec.unflatten(outputs)
             result = self._out_spec.unflatten(outputs)

@@ -330,19 +330,23 @@ def _refuse_outputs_retaining_grad(flat: Sequence[torch.Tensor], paths: Sequence
             )
 
 
-def _refuse_outputs_with_attributes(
+def _output_attributes(
     flat: Sequence[torch.Tensor], paths: Sequence[str], aliases: OutputAliases | None
-) -> None:
-    """Refuse an output carrying Python attributes (``y.tag = ...`` in the callable).
+) -> tuple[tuple[int, dict[str, Any]], ...]:
+    """The Python attributes the callable set on the tensors it returns (``y.tag = "logits"``;
+    Transformer Engine's fuser marks its outputs ``_do_not_clear``), by output position.
 
     Eager's output is that tensor, attributes included; a replay hands out a tensor of its own
-    (or a view it makes), without them, and on CUDA no Python runs to set them again. A
-    parameter or buffer returned is handed out as itself, and keeps its own.
+    (or a view it makes), and on CUDA no Python runs to set them: the replay sets them again on
+    each call's output. Only plain values can be (None, bools, numbers, strings, bytes, tuples
+    of them): another object (a tensor, a list the caller may change) would be shared by every
+    call's output, so it is refused, naming the output and the attribute. A parameter or buffer
+    returned is handed out as itself, and keeps its own.
 
     >>> y = torch.ones(2) * 2
     >>> y.tag = "logits"
-    >>> sorted(vars(y))
-    ['tag']
+    >>> _output_attributes([y], ["[0]"], None)
+    ((0, {'tag': 'logits'}),)
     """
     itself = frozenset(
         ()
@@ -353,16 +357,37 @@ def _refuse_outputs_with_attributes(
             if s.parameter is not None and s.size is None and not s.detach
         )
     )
+    found: list[tuple[int, dict[str, Any]]] = []
     for k, (path, tensor) in enumerate(zip(paths, flat, strict=True)):
-        names = sorted(map(str, vars(tensor))) if k not in itself else ()
-        if names:
-            raise Refused(
-                f"output{path}: the tensor carries the attributes {names} (set on it by the "
-                "callable, or on the tensor it is), which eager's output has; a replay hands "
-                "out a tensor of its own without them (no Python runs on a CUDA replay to set "
-                "them). Return them beside it as outputs (constants or tensors), or set them "
-                "on the output after the call"
-            )
+        attributes = vars(tensor) if k not in itself else {}
+        if not attributes:
+            continue
+        for name, value in attributes.items():
+            if not _plain_value(value):
+                raise Refused(
+                    f"output{path}: the callable sets the attribute {name!r} on it to a "
+                    f"{type(value).__qualname__}, which eager's output carries; a replay hands out "
+                    "a tensor of its own, and can set only plain values (None, bools, numbers, "
+                    "strings, bytes, tuples of them) on it again: this one would be one object "
+                    "shared by every call's output. Return it beside the tensor as an output, "
+                    "or set it on the output after the call"
+                )
+        found.append((k, dict(attributes)))
+    return tuple(found)
+
+
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain_value(value: Any) -> bool:
+    """Whether ``value`` is immutable and holds nothing else: safe to share between outputs.
+
+    >>> _plain_value(True), _plain_value(("a", 1)), _plain_value([1]), _plain_value(torch.ones(1))
+    (True, True, False, False)
+    """
+    if type(value) is tuple:
+        return all(_plain_value(item) for item in value)
+    return type(value) in _PLAIN_TYPES
 
 
 def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
@@ -520,7 +545,9 @@ def _warmup(
             () if record is None else record.tensors,
         )
         item.take_returned_parameters(item.out_spec.array_paths)
-        _refuse_outputs_with_attributes(flat, item.out_spec.array_paths, item.output_aliases)
+        item.output_attributes = _output_attributes(
+            flat, item.out_spec.array_paths, item.output_aliases
+        )
         item.saved_outputs = _saved_outputs(flat, saved)
         item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
         module = item.request.module
