@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 import operator
 import os
@@ -1416,3 +1417,122 @@ def test_a_cotangent_spec_is_rebuilt_by_the_spec_refusing_a_class_that_changes_i
         r"not keep its items as given",
     ):
         keep_arrays(spec, [True])
+
+
+def scaled(x: jax.Array, scale: float = 2.0, shift: jax.Array | None = None) -> jax.Array:
+    """A function with defaults, to call spelled otherwise than its sample."""
+    return x * scale if shift is None else x * scale + shift
+
+
+#: name -> (sample args, sample kwargs, a call of x spelled otherwise: eager binds it alike)
+RESPELLINGS: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {
+    "default_by_position": ((), {}, lambda x: ((x, 2.0), {})),
+    "default_by_keyword": ((), {}, lambda x: ((x,), {"scale": 2.0})),
+    "keyword_by_position": ((), {"scale": 3.0}, lambda x: ((x, 3.0), {})),
+    "position_by_keyword": ((3.0,), {}, lambda x: ((x,), {"scale": 3.0})),
+    "everything_by_keyword": ((3.0,), {}, lambda x: ((), {"scale": 3.0, "x": x})),
+    "default_left_out": ((2.0,), {}, lambda x: ((x,), {})),
+    "none_default_passed": ((), {}, lambda x: ((x,), {"shift": None})),
+}
+
+
+@pytest.mark.parametrize("name", list(RESPELLINGS))
+def test_a_call_spelled_otherwise_than_the_sample_runs_as_the_function(name: str) -> None:
+    # Before: g(x, 2.0) for a sample g(x) was refused ("args[1]: unexpected extra positional
+    # argument"), as was any other spelling the function binds alike.
+    sample_args, sample_kwargs, respell = RESPELLINGS[name]
+    g = dgj.graphed(scaled, (jnp.ones(3), *sample_args), sample_kwargs=sample_kwargs)
+    for seed in (1, 2):
+        x = jnp.arange(3.0) + seed
+        args, kwargs = respell(x)
+        np.testing.assert_array_equal(g(*args, **kwargs), scaled(*args, **kwargs))
+        out, pullback = g.vjp(*args, **kwargs)
+        rest = functools.partial(scaled_of_x, args[1:], _without_x(kwargs))
+        want, want_pullback = jax.vjp(rest, x)
+        np.testing.assert_array_equal(out, want)
+        args_grads, kwargs_grads = pullback(jnp.full(3, 0.5))
+        (dx,) = want_pullback(jnp.full(3, 0.5))
+        found = kwargs_grads["x"] if "x" in kwargs else args_grads[0]
+        np.testing.assert_array_equal(found, dx)
+
+
+def scaled_of_x(rest: tuple[Any, ...], kwargs: dict[str, Any], x: jax.Array) -> jax.Array:
+    return scaled(x, *rest, **kwargs)
+
+
+def _without_x(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != "x"}
+
+
+def test_a_respelled_vjp_gives_grads_as_the_call_spells_its_arguments() -> None:
+    def product(w: jax.Array, x: jax.Array, scale: float = 1.0) -> jax.Array:
+        return (w * x).sum() * scale
+
+    w, x = jnp.arange(3.0), jnp.full(3, 2.0)
+    g = dgj.graphed(product, (w, x))
+    _, pullback = g.vjp(x=x, w=w, scale=1.0)
+    args_grads, kwargs_grads = pullback(jnp.float32(1.0))
+    assert args_grads == ()
+    assert list(kwargs_grads) == ["x", "w", "scale"]  # the call's order
+    np.testing.assert_array_equal(kwargs_grads["x"], w)
+    np.testing.assert_array_equal(kwargs_grads["w"], x)
+    assert kwargs_grads["scale"] is None
+    _, pullback = g.vjp(w, x=x)
+    (dw,), kwargs_grads = pullback(jnp.float32(1.0))
+    np.testing.assert_array_equal(dw, x)
+    np.testing.assert_array_equal(kwargs_grads["x"], w)
+
+
+@pytest.mark.parametrize(
+    ("call", "path", "shown"),
+    [
+        (lambda x: ((x, 3.0), {}), "args[1]", "float 3.0"),
+        (lambda x: ((x,), {"scale": 2}), "kwargs['scale']", "int 2"),
+        (lambda x: ((x,), {"shift": jnp.ones(3)}), "kwargs['shift']", "float32[3]"),
+    ],
+    ids=["other_value_by_position", "int_for_float_by_keyword", "array_for_none"],
+)
+def test_a_default_the_sample_left_out_passed_otherwise_is_refused_naming_its_path(
+    call: Any, path: str, shown: str
+) -> None:
+    # The program holds the default; the function would compute with the value passed.
+    g = dgj.graphed(scaled, (jnp.ones(3),), donate_argnums=0)
+    x = jnp.ones(3)
+    args, kwargs = call(x)
+    for run in (g, g.vjp):
+        with pytest.raises(SpecMismatchError) as info:
+            run(*args, **kwargs)
+        assert info.value.path == path
+        assert str(info.value).startswith(f"{path}: {shown}")
+        assert "where the sample call left" in str(info.value)
+        assert not x.is_deleted()  # refused before anything was donated
+    np.testing.assert_array_equal(g(x), scaled(jnp.ones(3)))
+
+
+def test_an_argument_the_sample_passed_and_a_call_leaves_to_another_default_is_missing() -> None:
+    g = dgj.graphed(scaled, (jnp.ones(3),), sample_kwargs={"scale": 3.0})
+    with pytest.raises(SpecMismatchError) as info:
+        g(jnp.ones(3))  # the function: scale=2.0
+    assert str(info.value) == "kwargs['scale']: missing (expected float 3.0)"
+
+
+def test_a_respelled_calls_errors_name_paths_as_the_call_spells_them() -> None:
+    def pair(w: jax.Array, x: jax.Array) -> jax.Array:
+        return w * x
+
+    g = dgj.graphed(pair, (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['x'\]: expected float32\[3\], got"):
+        g(jnp.ones(3), x=jnp.ones(4))
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['w'\]: expected float32\[3\], got"):
+        g(x=jnp.ones(3), w=jnp.ones(2))
+    shared = jnp.ones(3)
+    with pytest.raises(DualgraphError, match=r"^kwargs\['w'\] is donated, .* as kwargs\['x'\]"):
+        g(w=shared, x=shared)
+    assert not shared.is_deleted()
+    weak = dgj.graphed(pair, (jnp.ones(3, jnp.bfloat16), jnp.float32(2.0)))
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['x'\]: expected a strongly typed"):
+        weak(jnp.ones(3, jnp.bfloat16), x=jnp.asarray(2.0))  # bfloat16 out, where float32
+    w = jnp.ones(3)
+    g(w=w, x=jnp.ones(3))
+    with pytest.raises(DualgraphError, match=r"^kwargs\['w'\]: this array has been deleted"):
+        g(w=w, x=jnp.ones(3))

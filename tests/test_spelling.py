@@ -94,3 +94,30 @@ def test_a_default_no_spec_holds_is_compared_by_identity_and_shown_by_its_repr()
     assert "where the sample call left mode to its default <Mode.FAST: 1> (an object" in str(
         info.value
     )
+
+
+def test_a_refusal_of_the_call_as_the_sample_names_the_path_as_the_call_spells_it() -> None:
+    spelling = CallSpelling(f, (1, 2, 3), {})
+    call: tuple[tuple[Any, ...], dict[str, Any]] = ((1,), {"c": {"k": 3}})
+    assert spelling.as_captured(*call) == ((1, 2, {"k": 3}), {})
+    refused = SpecMismatchError("args[2]['k']: expected int 3, got int 4", path="args[2]['k']")
+    renamed = spelling.named_as_called(refused, *call)
+    assert renamed.path == "kwargs['c']['k']"
+    assert str(renamed) == "kwargs['c']['k']: expected int 3, got int 4"
+    kept = SpecMismatchError("args[0]: expected int 1, got int 2", path="args[0]")
+    assert spelling.named_as_called(kept, *call) is kept  # not moved
+    # b: the call leaves it to its default, which the sample passed: the call's own error
+    missing = SpecMismatchError("args[1]: missing (expected int 2)", path="args[1]")
+    left = SpecMismatchError("args[1]: expected int 2, got int 3", path="args[1]")
+    assert spelling.named_as_called(left, *call, missing) is missing
+    assert spelling.path_as_called("args[1]", *call) is None
+
+
+def test_values_given_as_the_sample_spelled_the_call_are_placed_as_the_call_spells_them() -> None:
+    spelling = CallSpelling(f, (1, 2, 3), {})
+    call: tuple[tuple[Any, ...], dict[str, Any]] = ((1,), {"x": 5, "c": 3, "d": 4})
+    assert spelling.as_captured(*call) == ((1, 2, 3), {"x": 5})
+    placed = spelling.as_called(("da", "db", "dc"), {"x": "dx"}, *call)
+    # b (left to its default by the call) dropped; d (left out by the sample) gets None
+    assert placed == (("da",), {"x": "dx", "c": "dc", "d": None})
+    assert list(placed[1]) == ["x", "c", "d"]  # the call's order

@@ -26,6 +26,9 @@ from ._trees import keep_arrays, struct_of
 
 __all__ = ["Pullback", "VJPProgram"]
 
+#: args and kwargs grads spelled as the sample call -> as the call spelled its arguments
+AsCalled = Callable[[Any, Any], tuple[tuple[Any, ...], dict[str, Any]]]
+
 
 class VJPProgram:
     """The compiled forward-with-residuals and backward of one graphed function."""
@@ -94,12 +97,19 @@ class Pullback:
     array and ``None`` elsewhere. It can be called more than once.
     """
 
-    __slots__ = ("_program", "_residuals", "_settings", "_x64")
+    __slots__ = ("_as_called", "_program", "_residuals", "_settings", "_x64")
 
     def __init__(
-        self, program: VJPProgram, residuals: list[Any], x64: bool, settings: TraceSettings
+        self,
+        program: VJPProgram,
+        residuals: list[Any],
+        x64: bool,
+        settings: TraceSettings,
+        as_called: AsCalled | None = None,
     ) -> None:
         self._program = program
+        #: writes the grads, spelled as the sample call, as the call spelled its arguments
+        self._as_called = as_called
         self._residuals = residuals
         self._x64 = x64
         self._settings = settings  # where the function was graphed; the backward too
@@ -145,4 +155,6 @@ class Pullback:
         n = program.num_args_grads
         args_grads = program.args_grad_spec.unflatten(grads[:n])
         kwargs_grads = program.kwargs_grad_spec.unflatten(grads[n:])
+        if self._as_called is not None:
+            return self._as_called(args_grads, kwargs_grads)
         return args_grads, kwargs_grads
