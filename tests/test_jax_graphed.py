@@ -1536,3 +1536,32 @@ def test_a_respelled_calls_errors_name_paths_as_the_call_spells_them() -> None:
     g(w=w, x=jnp.ones(3))
     with pytest.raises(DualgraphError, match=r"^kwargs\['w'\]: this array has been deleted"):
         g(w=w, x=jnp.ones(3))
+
+
+def _in_memory(x: jax.Array, kind: str) -> jax.Array:
+    device = jax.devices()[0]
+    if kind not in [m.kind for m in device.addressable_memories()]:
+        pytest.skip(f"no {kind} memory on {device}")
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+@pytest.mark.parametrize("where", ["call", "vjp", "cotangent"])
+def test_an_input_in_another_memory_kind_is_refused_naming_its_path(kind: str, where: str) -> None:
+    # Before: JAX's ValueError leaked, naming the flat index ("Argument args[1]", or
+    # "arrays[1]", "cotangents[1]"): another input than the path where it is passed.
+    def fn(x: jax.Array, *, m: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return x * 2, x + m["a"]
+
+    g = dgj.graphed(fn, (jnp.ones(3),), sample_kwargs={"m": {"a": jnp.ones(3)}}, donate_argnums=0)
+    x, other = jnp.ones(3), _in_memory(jnp.ones(3), kind)
+    if where == "cotangent":
+        _, pullback = g.vjp(x, m={"a": jnp.ones(3)})
+        path = r"cotangent\[1\]"
+        with pytest.raises(DualgraphError, match=rf"^{path}: an array in .*'{kind}' memory"):
+            pullback((jnp.ones(3), other))
+        return
+    with pytest.raises(DualgraphError, match=rf"^kwargs\['m'\]\['a'\]: an array in .*'{kind}'"):
+        (g if where == "call" else g.vjp)(x, m={"a": other})
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(g(x, m={"a": jnp.ones(3)})[1], jnp.full(3, 2.0))
