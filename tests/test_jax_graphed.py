@@ -1565,3 +1565,46 @@ def test_an_input_in_another_memory_kind_is_refused_naming_its_path(kind: str, w
         (g if where == "call" else g.vjp)(x, m={"a": other})
     assert not x.is_deleted()
     np.testing.assert_array_equal(g(x, m={"a": jnp.ones(3)})[1], jnp.full(3, 2.0))
+
+
+@dataclasses.dataclass
+class _Counted:
+    """A registered dataclass whose __post_init__ refuses a count that is not a positive int."""
+
+    w: Any
+    count: Any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count <= 0:
+            raise ValueError("count must be a positive int")
+
+
+dualgraph.register_dataclass(_Counted)
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [("args", r"args\[1\]"), ("kwargs", r"kwargs\['c'\]"), ("output", r"output\[1\]")],
+)
+def test_a_class_refusing_the_none_of_its_grad_tree_is_named_by_its_path(
+    where: str, path: str
+) -> None:
+    # Before: "unflatten: [0]: rebuilding a _Counted raised ValueError ...": a path of no tree
+    # the caller passed (args[1], kwargs['c'] or the output's [1] all read as [0]).
+    def fn(x: jax.Array, c: _Counted | None = None, **kwargs: _Counted) -> Any:
+        counted = c if c is not None else kwargs["c"]
+        return x * 2, (counted if where == "output" else None)
+
+    x, counted = jnp.ones(2), _Counted(jnp.ones(2), 3)
+    args, kwargs = ((x, counted), {}) if where != "kwargs" else ((x,), {"c": counted})
+    g = dgj.graphed(fn, args, sample_kwargs=kwargs, donate_argnums=0)
+    np.testing.assert_array_equal(g(jnp.ones(2), *args[1:], **kwargs)[0], jnp.full(2, 2.0))
+    fresh = jnp.ones(2)
+    what = "cotangents" if where == "output" else "gradients"
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^graphed\(.*\): the tree of {what} of {where} holds None at its constants .*: "
+        rf"unflatten: {path}: rebuilding a \S*_Counted raised ValueError: count must be",
+    ):
+        g.vjp(fresh, *args[1:], **kwargs)
+    assert not fresh.is_deleted()  # refused before anything was donated

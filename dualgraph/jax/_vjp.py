@@ -15,6 +15,7 @@ import jax
 
 from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
+from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._donation import explain_failed_call, jax_donation_warnings
 from ._env import x64_mode
@@ -51,10 +52,12 @@ class VJPProgram:
         diff_inputs = [i for i, d in enumerate(differentiable) if d]
         masked_outputs = [j for j, m in enumerate(out_spec.grad_mask) if m]
         n_args = call_spec.num_args_arrays
-        self.cotangent_spec = keep_arrays(out_spec, out_spec.grad_mask)
+        self.cotangent_spec = _kept(name, out_spec, out_spec.grad_mask, "output", "cotangent")
         self.cotangent_paths = ["cotangent" + p for p in self.cotangent_spec.array_paths]
-        self.args_grad_spec = keep_arrays(call_spec.args_spec, differentiable[:n_args])
-        self.kwargs_grad_spec = keep_arrays(call_spec.kwargs_spec, differentiable[n_args:])
+        self.args_grad_spec = _kept(name, call_spec.args_spec, differentiable[:n_args], "args")
+        self.kwargs_grad_spec = _kept(
+            name, call_spec.kwargs_spec, differentiable[n_args:], "kwargs"
+        )
         self.num_args_grads = sum(differentiable[:n_args])
         pullback_tree: list[Any] = []
 
@@ -85,6 +88,21 @@ class VJPProgram:
         residual_structs = lowered.out_info[1]
         backward_lowered = jax.jit(backward).lower(residual_structs, cotangent_structs)
         self.backward = backward_lowered.compile(compiler_options)
+
+
+def _kept(
+    name: str, spec: TreeSpec, keep: Sequence[bool], root: str, what: str = "gradient"
+) -> TreeSpec:
+    """The spec of the tree of ``what`` values for ``spec`` (:func:`keep_arrays`), refused
+    naming the path and saying why where a class of the tree refuses the ``None`` it holds."""
+    try:
+        return keep_arrays(spec, keep, root=root)
+    except DualgraphError as error:
+        raise DualgraphError(
+            f"graphed({name}): the tree of {what}s of {root} holds None at its constants and at "
+            f"the arrays that take no {what}, but a class in it refuses None there: {error}. "
+            "Let the class take None there, or pass that constant outside it"
+        ) from error
 
 
 class Pullback:
