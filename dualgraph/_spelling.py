@@ -45,6 +45,7 @@ __all__ = ["CallSpelling"]
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _VAR = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 class _Slot:
@@ -105,9 +106,10 @@ class CallSpelling:
         parameters = signature.parameters
         #: the parameters the sample passed by position, in order (then its ``*args``)
         self._positional = len(args)
-        #: the named parameters the sample passed by keyword, in its order
+        #: the named parameters the sample passed by keyword, in its order (a keyword named as
+        #: a positional-only parameter goes to the ``**kwargs``, not to that parameter)
         self._keywords = tuple(
-            name for name in kwargs if name in parameters and parameters[name].kind not in _VAR
+            name for name in kwargs if name in parameters and parameters[name].kind in _KEYWORD
         )
         given = set(self._keywords)
         named = [p for p in parameters.values() if p.kind not in _VAR]

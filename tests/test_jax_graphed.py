@@ -1608,3 +1608,15 @@ def test_a_class_refusing_the_none_of_its_grad_tree_is_named_by_its_path(
     ):
         g.vjp(fresh, *args[1:], **kwargs)
     assert not fresh.is_deleted()  # refused before anything was donated
+
+
+def test_a_keyword_named_as_a_positional_only_parameter_is_named_as_passed() -> None:
+    # Before: "args[0]: expected float32[2], got float32[3]", the other argument.
+    def fn(a: jax.Array, /, **more: jax.Array) -> jax.Array:
+        return a + more["a"]
+
+    g = dgj.graphed(fn, (jnp.ones(2),), sample_kwargs={"a": jnp.ones(2)})
+    with pytest.raises(SpecMismatchError) as info:
+        g(jnp.ones(2), a=jnp.ones(3))
+    assert str(info.value) == "kwargs['a']: expected float32[2], got float32[3]"
+    assert info.value.path == "kwargs['a']"

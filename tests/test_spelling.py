@@ -121,3 +121,16 @@ def test_values_given_as_the_sample_spelled_the_call_are_placed_as_the_call_spel
     # b (left to its default by the call) dropped; d (left out by the sample) gets None
     assert placed == (("da",), {"x": "dx", "c": "dc", "d": None})
     assert list(placed[1]) == ["x", "c", "d"]  # the call's order
+
+
+def test_a_keyword_named_as_a_positional_only_parameter_is_collected_not_moved() -> None:
+    # Before: kwargs['a'] (collected by **more) was taken for the parameter a, so the call as
+    # sampled was "moved" from args[0] to kwargs['a'] and an error there named args[0].
+    def g(a: Any, /, **more: Any) -> None:
+        """``a`` by position only; a keyword ``a`` goes to ``more``."""
+
+    spelling = CallSpelling(g, (1,), {"a": 2})
+    assert spelling.as_captured((1,), {"a": 3}) is None  # spelled as the sample
+    assert spelling.moved((1,), {"a": 3}) == ()
+    refused = SpecMismatchError("kwargs['a']: expected int 2, got int 3", path="kwargs['a']")
+    assert spelling.named_as_called(refused, (1,), {"a": 3}) is refused
