@@ -1620,3 +1620,21 @@ def test_a_keyword_named_as_a_positional_only_parameter_is_named_as_passed() -> 
         g(jnp.ones(2), a=jnp.ones(3))
     assert str(info.value) == "kwargs['a']: expected float32[2], got float32[3]"
     assert info.value.path == "kwargs['a']"
+
+
+def test_a_vjp_with_keywords_in_another_order_gives_kwargs_grads_in_the_calls_order() -> None:
+    # Before: ({'b': db, 'a': da}) for a call passing a=, b=: the sample's order, so zipping
+    # the call's kwargs with the grads paired a with db.
+    def fn(x: jax.Array, *, a: jax.Array, b: jax.Array) -> jax.Array:
+        return (x * a + 2 * b).sum()
+
+    x, a, b = jnp.ones(2), jnp.arange(2.0), jnp.arange(2.0) + 3
+    g = dgj.graphed(fn, (x,), sample_kwargs={"b": b, "a": a})
+    kwargs = {"a": a, "b": b}
+    _, pullback = g.vjp(x, **kwargs)
+    _, kwargs_grads = pullback(jnp.float32(1.0))
+    assert list(kwargs_grads) == ["a", "b"]
+    (want,) = jax.vjp(lambda kw: fn(x, **kw), kwargs)[1](jnp.float32(1.0))
+    for (name, grad), expected in zip(kwargs_grads.items(), [x, jnp.full(2, 2.0)], strict=True):
+        np.testing.assert_array_equal(grad, want[name])
+        np.testing.assert_array_equal(grad, expected)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -166,6 +167,7 @@ class GraphedCallable:
         # where the spec refuses it as it is, and its errors name paths as it spells them.
         self._spelling = CallSpelling(fn, args, kwargs)
         self._called_paths: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {}
+        self._keywords = tuple(kwargs)  # a pullback gives a call's kwargs grads in its order
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
@@ -281,8 +283,8 @@ class GraphedCallable:
         ``pullback(cotangent)`` takes arrays at the masked output leaves (the grad mask of
         :attr:`out_spec`) and ``None`` elsewhere, and returns ``(args_grads, kwargs_grads)``
         with a gradient at each floating or complex input array and ``None`` elsewhere, spelled
-        as this call spells its arguments (``g.vjp(w=w, x=x)`` gets ``((), {'w': dw, 'x':
-        dx})`` where the sample passed them by position).
+        as this call spells its arguments, its keywords in its order (``g.vjp(w=w, x=x)`` gets
+        ``((), {'w': dw, 'x': dx})`` where the sample passed them by position).
         Parameters are an argument like any other: ``fn(params, x)`` gets its parameter grads in
         ``args_grads[0]``. Both programs are compiled at the first call; donation applies as for
         a plain call.
@@ -313,13 +315,9 @@ class GraphedCallable:
         as_called = None
         if paths is not self._paths:  # spelled otherwise than the sample: grads as it spells
             shape = ((None,) * len(args), dict.fromkeys(kwargs))  # holds none of the inputs
-            spelling = self._spelling
-
-            def as_called(
-                args_grads: Any, kwargs_grads: Any
-            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                return spelling.as_called(args_grads, kwargs_grads, *shape)
-
+            as_called = functools.partial(_grads_as_called, self._spelling, shape)
+        elif kwargs and tuple(kwargs) != self._keywords:  # the sample's, in another order
+            as_called = functools.partial(_grads_in_order, tuple(kwargs))
         pullback = Pullback(program, residuals, self._x64, self._settings, as_called)
         return self.out_spec.unflatten(outputs), pullback
 
@@ -472,6 +470,24 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
+
+
+def _grads_as_called(
+    spelling: CallSpelling,
+    shape: tuple[tuple[None, ...], dict[str, None]],
+    args_grads: Any,
+    kwargs_grads: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Grads of a call spelled otherwise than the sample (``shape``: its args and kwargs with
+    ``None`` for values), given as the sample spelled it, placed as the call spelled it."""
+    return spelling.as_called(args_grads, kwargs_grads, *shape)
+
+
+def _grads_in_order(
+    order: tuple[str, ...], args_grads: Any, kwargs_grads: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """Grads of a call passing the sample's keywords in the ``order`` it passes them."""
+    return args_grads, {name: kwargs_grads[name] for name in order}
 
 
 def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:
