@@ -266,7 +266,8 @@ def explain_failed_call(
                         "(jax.default_device)"
                     )
                 kind, expected = _memory_kinds(x, device)
-                if kind != expected:  # JAX's own error names the flat index, not the path
+                if kind is not None and expected is not None and kind != expected:
+                    # JAX's own error names the flat index of the inputs, not the path
                     return DualgraphError(
                         f"{path}: an array in {device}'s {kind!r} memory, but graphed programs "
                         f"take their inputs in its default memory, {expected!r}; put it there "
