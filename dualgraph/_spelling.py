@@ -169,7 +169,7 @@ class CallSpelling:
         >>> spelling.moved((), {"x": "x"})
         (('args[0]', "kwargs['x']"), ("kwargs['scale']", None))
         """
-        plan = self._plans.get((len(args), tuple(kwargs)))
+        plan = self._plan_of(len(args), tuple(kwargs))
         if plan is None:
             return ()
         positional, keywords, _ = plan
@@ -252,7 +252,7 @@ class CallSpelling:
         >>> spelling.as_called(("dx",), {"scale": None}, (), {"scale": 3.0, "x": "x", "mask": None})
         ((), {'scale': None, 'x': 'dx', 'mask': None})
         """
-        plan = self._plans.get((len(args), tuple(kwargs)))
+        plan = self._plan_of(len(args), tuple(kwargs))
         if plan is None:  # spelled as the sample
             return tuple(spelled_args), dict(spelled_kwargs)
         positional, keywords, _ = plan
@@ -266,6 +266,14 @@ class CallSpelling:
             elif slot.kind == _Slot.KWARG:
                 placed_kwargs[slot.key] = value
         return tuple(placed_args), placed_kwargs
+
+    def _plan_of(self, count: int, keys: tuple[str, ...]) -> _Plan | None:
+        """The plan :meth:`as_captured` made for this spelling, worked out again where it has
+        been dropped since (more spellings came between it and a later reader: a pullback)."""
+        shape = (count, keys)
+        if shape in self._plans:
+            return self._plans[shape]
+        return None if self._signature is None else self._plan(count, keys)
 
     def _plan(self, count: int, keys: tuple[str, ...]) -> _Plan | None:
         """How to write a call of ``count`` positional arguments and the keywords ``keys``."""

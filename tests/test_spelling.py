@@ -134,3 +134,18 @@ def test_a_keyword_named_as_a_positional_only_parameter_is_collected_not_moved()
     assert spelling.moved((1,), {"a": 3}) == ()
     refused = SpecMismatchError("kwargs['a']: expected int 2, got int 3", path="kwargs['a']")
     assert spelling.named_as_called(refused, (1,), {"a": 3}) is refused
+
+
+def test_a_spelling_read_after_many_others_is_still_placed_as_the_call_spells_it() -> None:
+    # Before: the plan, dropped after 64 other spellings, read as "spelled as the sample": a
+    # pullback taken before them gave its grads in the sample's spelling, silently.
+    def g(x: Any, y: Any = 0, **more: Any) -> None:
+        """``x`` and ``y`` by position or keyword; other keywords collected."""
+
+    spelling = CallSpelling(g, (1, 2), {})
+    call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {"y": 2, "x": 1})
+    assert spelling.as_captured(*call) == ((1, 2), {})
+    for n in range(70):  # other spellings of the same parameters
+        spelling.as_captured((1, 2), dict.fromkeys(f"k{i}" for i in range(n + 1)))
+    assert spelling.as_called(("dx", "dy"), {}, *call) == ((), {"y": "dy", "x": "dx"})
+    assert spelling.moved(*call) == (("args[0]", "kwargs['x']"), ("args[1]", "kwargs['y']"))
