@@ -84,7 +84,10 @@ def graphed(
     - Calls are checked against the call spec before anything runs or is donated:
       ``args[0]['mask']: expected float32[2, 8], got float32[2, 9]``. A dict argument must
       have its keys in the sample's order (the function was traced in that order), and so must
-      the keywords the function collects in its ``**kwargs``.
+      the keywords the function collects in its ``**kwargs``. A call spelled otherwise than the
+      samples (``g(x, 2.0)`` or ``g(x, scale=2.0)`` for a sample ``g(x)``) is bound by the
+      function's signature and checked as the samples were spelled; a default the samples left
+      out must be passed as itself, else it is refused naming its path.
     - ``donate_argnums``: an int (``np.int64`` and other integer-likes too) or a sequence of
       them, the positional args whose buffers the call consumes, as a CUDA graph's static inputs:
       every JAX array in them is deleted after each call, and outputs of the same shape and dtype
