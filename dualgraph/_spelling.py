@@ -45,8 +45,7 @@ __all__ = ["CallSpelling"]
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _VAR = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-#: The parameters a keyword binds to (a positional-only one's name goes to ``**kwargs``).
-_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 class _Slot:
@@ -108,9 +107,9 @@ class CallSpelling:
         #: the parameters the sample passed by position, in order (then its ``*args``)
         self._positional = len(args)
         #: the named parameters the sample passed by keyword, in its order (a keyword named as
-        #: a positional-only parameter is no such parameter: ``**kwargs`` collects it)
+        #: a positional-only parameter goes to the ``**kwargs``, not to that parameter)
         self._keywords = tuple(
-            name for name in kwargs if name in parameters and parameters[name].kind in _BY_KEYWORD
+            name for name in kwargs if name in parameters and parameters[name].kind in _KEYWORD
         )
         given = set(self._keywords)
         named = [p for p in parameters.values() if p.kind not in _VAR]
@@ -170,13 +169,111 @@ class CallSpelling:
         >>> spelling.moved((), {"x": "x"})
         (('args[0]', "kwargs['x']"), ("kwargs['scale']", None))
         """
-        plan = self._plans.get((len(args), tuple(kwargs)))
+        plan = self._plan_of(len(args), tuple(kwargs))
         if plan is None:
             return ()
         positional, keywords, _ = plan
         placed = [*((_path(True, i), s) for i, s in enumerate(positional))]
         placed.extend((_path(False, name), s) for name, s in keywords)
         return tuple((path, slot.path) for path, slot in placed if slot.path != path)
+
+    def path_as_called(
+        self, path: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> str | None:
+        """``path``, of this call written as the sample was (:meth:`as_captured`), as the call
+        spells it: ``kwargs['x'][0]`` for ``args[0][0]`` where the call passes ``x`` by keyword;
+        ``None`` where the call leaves that argument to its parameter's default; ``path`` itself
+        where the call does not move it.
+
+        >>> def f(x, scale=2.0):
+        ...     return x
+        >>> spelling = CallSpelling(f, ((1, 2),), {"scale": 3.0})
+        >>> _ = spelling.as_captured((), {"x": (1, 2), "scale": 3.0})
+        >>> spelling.path_as_called("args[0][1]", (), {"x": (1, 2), "scale": 3.0})
+        "kwargs['x'][1]"
+        """
+        for captured, called in self.moved(args, kwargs):
+            if path == captured:
+                return called
+            if path.startswith((f"{captured}[", f"{captured}.")):
+                return None if called is None else called + path[len(captured) :]
+        return path
+
+    def named_as_called(
+        self,
+        refused: SpecMismatchError,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        missing: SpecMismatchError | None = None,
+    ) -> SpecMismatchError:
+        """``refused``, an error of ``(args, kwargs)`` written as the sample call was, naming its
+        path as the call spells it (``kwargs['x']`` where the sample passed ``args[0]``:
+        :meth:`path_as_called`); ``missing`` (the call's own error) where that argument is one
+        the call leaves to a default of its parameter, which the sample passed otherwise.
+
+        >>> def f(x, scale=2.0):
+        ...     return x
+        >>> spelling = CallSpelling(f, (1,), {"scale": 3.0})
+        >>> _ = spelling.as_captured((), {"x": 1.5, "scale": 3.0})
+        >>> refused = SpecMismatchError("args[0]: expected int 1, got float 1.5", path="args[0]")
+        >>> spelling.named_as_called(refused, (), {"x": 1.5, "scale": 3.0})
+        SpecMismatchError("kwargs['x']: expected int 1, got float 1.5")
+        """
+        found = refused.path
+        if not found:
+            return refused
+        called = self.path_as_called(found, args, kwargs)
+        if called == found:
+            return refused
+        if called is None:
+            return missing or refused
+        text = str(refused)
+        if not text.startswith(found):
+            return refused
+        return SpecMismatchError(called + text[len(found) :], path=called)
+
+    def as_called(
+        self,
+        spelled_args: Sequence[Any],
+        spelled_kwargs: Mapping[str, Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Values given for each argument of this call written as the sample was (its
+        gradients, say), placed where the call ``(args, kwargs)`` passes them: the reverse of
+        :meth:`as_captured`. An argument the call passes for a parameter the sample left to its
+        default (passed as that default) gets ``None``; one the sample passed that the call
+        leaves to its default is dropped.
+
+        >>> def f(x, scale=2.0, mask=None):
+        ...     return x
+        >>> spelling = CallSpelling(f, ("x",), {"scale": 3.0})
+        >>> _ = spelling.as_captured((), {"scale": 3.0, "x": "x", "mask": None})
+        >>> spelling.as_called(("dx",), {"scale": None}, (), {"scale": 3.0, "x": "x", "mask": None})
+        ((), {'scale': None, 'x': 'dx', 'mask': None})
+        """
+        plan = self._plan_of(len(args), tuple(kwargs))
+        if plan is None:  # spelled as the sample
+            return tuple(spelled_args), dict(spelled_kwargs)
+        positional, keywords, _ = plan
+        placed_args: list[Any] = [None] * len(args)
+        placed_kwargs: dict[str, Any] = dict.fromkeys(kwargs)
+        placed = [*zip(positional, spelled_args, strict=True)]
+        placed.extend((slot, spelled_kwargs[name]) for name, slot in keywords)
+        for slot, value in placed:
+            if slot.kind == _Slot.ARG:
+                placed_args[slot.key] = value
+            elif slot.kind == _Slot.KWARG:
+                placed_kwargs[slot.key] = value
+        return tuple(placed_args), placed_kwargs
+
+    def _plan_of(self, count: int, keys: tuple[str, ...]) -> _Plan | None:
+        """The plan :meth:`as_captured` made for this spelling, worked out again where it has
+        been dropped since (more spellings came between it and a later reader: a pullback)."""
+        shape = (count, keys)
+        if shape in self._plans:
+            return self._plans[shape]
+        return None if self._signature is None else self._plan(count, keys)
 
     def _plan(self, count: int, keys: tuple[str, ...]) -> _Plan | None:
         """How to write a call of ``count`` positional arguments and the keywords ``keys``."""

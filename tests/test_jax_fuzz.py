@@ -159,3 +159,93 @@ def test_graphed_outputs_and_vjp_equal_eager_and_jax_vjp(r: random.Random) -> No
             _assert_same(grad, next(expected))
         else:  # integer, bool inputs and constants get None
             assert grad is None, (i, grad)
+
+
+def _spelled(
+    a: Any, b: Any = None, /, c: Any = 1.0, *rest: Any, d: Any = None, e: Any = 2.0, **more: Any
+) -> Any:
+    """Every kind of parameter, each used, so that each reaches the outputs and the grads."""
+    out = a * c * e
+    if b is not None:
+        out = out + b
+    for r in rest:
+        out = out + r
+    if d is not None:
+        out = out * d
+    for i, v in enumerate(more.values()):
+        out = out - v * (i + 1)  # the collected keywords' order matters
+    return {"out": out, "none": None}
+
+
+def _spelling_pair(r: random.Random) -> tuple[tuple[Any, ...], dict[str, Any], Any, Any]:
+    """A sample call of :func:`_spelled` and a call of it spelled otherwise, binding alike."""
+    n = iter(range(1, 100))
+
+    def arr() -> jax.Array:
+        return jnp.arange(3.0, dtype=jnp.float32) + next(n)
+
+    use_b, c_mode = r.random() < 0.5, r.choice(["pos", "kw", "left"])
+    if c_mode == "pos" and not use_b:
+        c_mode = "kw"
+    on = {name: r.random() < 0.5 for name in "dez"}
+    args: list[Any] = [arr()] + ([arr()] if use_b else [])
+    kwargs: dict[str, Any] = {}
+    if c_mode == "pos":
+        args.append(arr())
+    elif c_mode == "kw":
+        kwargs["c"] = arr()
+    kwargs.update({name: arr() for name in "de" if on[name]})
+    named = list(kwargs.items())
+    r.shuffle(named)
+    kwargs = dict(named)
+    if on["z"]:
+        kwargs["z"], kwargs["y"] = arr(), arr()
+    call_args: list[Any] = [arr()] + ([arr()] if use_b else [])
+    call_kwargs: dict[str, Any] = {}
+    if c_mode != "left" and use_b and r.random() < 0.5:
+        call_args.append(arr())
+    elif c_mode != "left":
+        call_kwargs["c"] = arr()
+    elif r.random() < 0.5:
+        call_kwargs["c"] = 1.0  # the default passed as itself
+    for name, default in (("d", None), ("e", 2.0)):
+        if on[name]:
+            call_kwargs[name] = arr()
+        elif r.random() < 0.5:
+            call_kwargs[name] = default
+    named = list(call_kwargs.items())
+    r.shuffle(named)
+    call_kwargs = dict(named)
+    if on["z"]:
+        call_kwargs["z"], call_kwargs["y"] = arr(), arr()
+    return tuple(args), kwargs, tuple(call_args), call_kwargs
+
+
+@fuzzed
+@given(st.integers(0, 2**32 - 1))
+def test_a_call_spelled_otherwise_runs_and_differentiates_as_the_function(seed: int) -> None:
+    sample_args, sample_kwargs, args, kwargs = _spelling_pair(random.Random(seed))
+    g = dgj.graphed(_spelled, sample_args, sample_kwargs=sample_kwargs)
+    out = g(*args, **kwargs)
+    want = _spelled(*args, **kwargs)
+    assert out["none"] is None
+    np.testing.assert_array_equal(out["out"], want["out"])
+    _, pullback = g.vjp(*args, **kwargs)
+    args_grads, kwargs_grads = pullback({"out": jnp.ones(3), "none": None})
+    names = list(kwargs)  # a dict through jax.vjp comes back with its keys sorted: a list
+
+    def by_position(a: Any, values: list[Any]) -> Any:
+        return _spelled(*a, **dict(zip(names, values, strict=True)))["out"]
+
+    _, want_pullback = jax.vjp(by_position, args, list(kwargs.values()))
+    want_args, want_values = want_pullback(jnp.ones(3))
+    want_kwargs = dict(zip(names, want_values, strict=True))
+    assert len(args_grads) == len(args)
+    for got, expected in zip(args_grads, want_args, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert list(kwargs_grads) == list(kwargs)  # as the call spells them, in its order
+    for name, value in kwargs.items():
+        if isinstance(value, jax.Array):
+            np.testing.assert_array_equal(kwargs_grads[name], want_kwargs[name])
+        else:
+            assert kwargs_grads[name] is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 import operator
 import os
@@ -1416,3 +1417,224 @@ def test_a_cotangent_spec_is_rebuilt_by_the_spec_refusing_a_class_that_changes_i
         r"not keep its items as given",
     ):
         keep_arrays(spec, [True])
+
+
+def scaled(x: jax.Array, scale: float = 2.0, shift: jax.Array | None = None) -> jax.Array:
+    """A function with defaults, to call spelled otherwise than its sample."""
+    return x * scale if shift is None else x * scale + shift
+
+
+#: name -> (sample args, sample kwargs, a call of x spelled otherwise: eager binds it alike)
+RESPELLINGS: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {
+    "default_by_position": ((), {}, lambda x: ((x, 2.0), {})),
+    "default_by_keyword": ((), {}, lambda x: ((x,), {"scale": 2.0})),
+    "keyword_by_position": ((), {"scale": 3.0}, lambda x: ((x, 3.0), {})),
+    "position_by_keyword": ((3.0,), {}, lambda x: ((x,), {"scale": 3.0})),
+    "everything_by_keyword": ((3.0,), {}, lambda x: ((), {"scale": 3.0, "x": x})),
+    "default_left_out": ((2.0,), {}, lambda x: ((x,), {})),
+    "none_default_passed": ((), {}, lambda x: ((x,), {"shift": None})),
+}
+
+
+@pytest.mark.parametrize("name", list(RESPELLINGS))
+def test_a_call_spelled_otherwise_than_the_sample_runs_as_the_function(name: str) -> None:
+    # Before: g(x, 2.0) for a sample g(x) was refused ("args[1]: unexpected extra positional
+    # argument"), as was any other spelling the function binds alike.
+    sample_args, sample_kwargs, respell = RESPELLINGS[name]
+    g = dgj.graphed(scaled, (jnp.ones(3), *sample_args), sample_kwargs=sample_kwargs)
+    for seed in (1, 2):
+        x = jnp.arange(3.0) + seed
+        args, kwargs = respell(x)
+        np.testing.assert_array_equal(g(*args, **kwargs), scaled(*args, **kwargs))
+        out, pullback = g.vjp(*args, **kwargs)
+        rest = functools.partial(scaled_of_x, args[1:], _without_x(kwargs))
+        want, want_pullback = jax.vjp(rest, x)
+        np.testing.assert_array_equal(out, want)
+        args_grads, kwargs_grads = pullback(jnp.full(3, 0.5))
+        (dx,) = want_pullback(jnp.full(3, 0.5))
+        found = kwargs_grads["x"] if "x" in kwargs else args_grads[0]
+        np.testing.assert_array_equal(found, dx)
+
+
+def scaled_of_x(rest: tuple[Any, ...], kwargs: dict[str, Any], x: jax.Array) -> jax.Array:
+    return scaled(x, *rest, **kwargs)
+
+
+def _without_x(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != "x"}
+
+
+def test_a_respelled_vjp_gives_grads_as_the_call_spells_its_arguments() -> None:
+    def product(w: jax.Array, x: jax.Array, scale: float = 1.0) -> jax.Array:
+        return (w * x).sum() * scale
+
+    w, x = jnp.arange(3.0), jnp.full(3, 2.0)
+    g = dgj.graphed(product, (w, x))
+    _, pullback = g.vjp(x=x, w=w, scale=1.0)
+    args_grads, kwargs_grads = pullback(jnp.float32(1.0))
+    assert args_grads == ()
+    assert list(kwargs_grads) == ["x", "w", "scale"]  # the call's order
+    np.testing.assert_array_equal(kwargs_grads["x"], w)
+    np.testing.assert_array_equal(kwargs_grads["w"], x)
+    assert kwargs_grads["scale"] is None
+    _, pullback = g.vjp(w, x=x)
+    (dw,), kwargs_grads = pullback(jnp.float32(1.0))
+    np.testing.assert_array_equal(dw, x)
+    np.testing.assert_array_equal(kwargs_grads["x"], w)
+
+
+@pytest.mark.parametrize(
+    ("call", "path", "shown"),
+    [
+        (lambda x: ((x, 3.0), {}), "args[1]", "float 3.0"),
+        (lambda x: ((x,), {"scale": 2}), "kwargs['scale']", "int 2"),
+        (lambda x: ((x,), {"shift": jnp.ones(3)}), "kwargs['shift']", "float32[3]"),
+    ],
+    ids=["other_value_by_position", "int_for_float_by_keyword", "array_for_none"],
+)
+def test_a_default_the_sample_left_out_passed_otherwise_is_refused_naming_its_path(
+    call: Any, path: str, shown: str
+) -> None:
+    # The program holds the default; the function would compute with the value passed.
+    g = dgj.graphed(scaled, (jnp.ones(3),), donate_argnums=0)
+    x = jnp.ones(3)
+    args, kwargs = call(x)
+    for run in (g, g.vjp):
+        with pytest.raises(SpecMismatchError) as info:
+            run(*args, **kwargs)
+        assert info.value.path == path
+        assert str(info.value).startswith(f"{path}: {shown}")
+        assert "where the sample call left" in str(info.value)
+        assert not x.is_deleted()  # refused before anything was donated
+    np.testing.assert_array_equal(g(x), scaled(jnp.ones(3)))
+
+
+def test_an_argument_the_sample_passed_and_a_call_leaves_to_another_default_is_missing() -> None:
+    g = dgj.graphed(scaled, (jnp.ones(3),), sample_kwargs={"scale": 3.0})
+    with pytest.raises(SpecMismatchError) as info:
+        g(jnp.ones(3))  # the function: scale=2.0
+    assert str(info.value) == "kwargs['scale']: missing (expected float 3.0)"
+
+
+def test_a_respelled_calls_errors_name_paths_as_the_call_spells_them() -> None:
+    def pair(w: jax.Array, x: jax.Array) -> jax.Array:
+        return w * x
+
+    g = dgj.graphed(pair, (jnp.ones(3), jnp.ones(3)), donate_argnums=0)
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['x'\]: expected float32\[3\], got"):
+        g(jnp.ones(3), x=jnp.ones(4))
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['w'\]: expected float32\[3\], got"):
+        g(x=jnp.ones(3), w=jnp.ones(2))
+    shared = jnp.ones(3)
+    with pytest.raises(DualgraphError, match=r"^kwargs\['w'\] is donated, .* as kwargs\['x'\]"):
+        g(w=shared, x=shared)
+    assert not shared.is_deleted()
+    weak = dgj.graphed(pair, (jnp.ones(3, jnp.bfloat16), jnp.float32(2.0)))
+    with pytest.raises(SpecMismatchError, match=r"^kwargs\['x'\]: expected a strongly typed"):
+        weak(jnp.ones(3, jnp.bfloat16), x=jnp.asarray(2.0))  # bfloat16 out, where float32
+    w = jnp.ones(3)
+    g(w=w, x=jnp.ones(3))
+    with pytest.raises(DualgraphError, match=r"^kwargs\['w'\]: this array has been deleted"):
+        g(w=w, x=jnp.ones(3))
+
+
+def _in_memory(x: jax.Array, kind: str) -> jax.Array:
+    device = jax.devices()[0]
+    if kind not in [m.kind for m in device.addressable_memories()]:
+        pytest.skip(f"no {kind} memory on {device}")
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+@pytest.mark.parametrize("where", ["call", "vjp", "cotangent"])
+def test_an_input_in_another_memory_kind_is_refused_naming_its_path(kind: str, where: str) -> None:
+    # Before: JAX's ValueError leaked, naming the flat index ("Argument args[1]", or
+    # "arrays[1]", "cotangents[1]"): another input than the path where it is passed.
+    def fn(x: jax.Array, *, m: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        return x * 2, x + m["a"]
+
+    g = dgj.graphed(fn, (jnp.ones(3),), sample_kwargs={"m": {"a": jnp.ones(3)}}, donate_argnums=0)
+    x, other = jnp.ones(3), _in_memory(jnp.ones(3), kind)
+    if where == "cotangent":
+        _, pullback = g.vjp(x, m={"a": jnp.ones(3)})
+        path = r"cotangent\[1\]"
+        with pytest.raises(DualgraphError, match=rf"^{path}: an array in .*'{kind}' memory"):
+            pullback((jnp.ones(3), other))
+        return
+    with pytest.raises(DualgraphError, match=rf"^kwargs\['m'\]\['a'\]: an array in .*'{kind}'"):
+        (g if where == "call" else g.vjp)(x, m={"a": other})
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(g(x, m={"a": jnp.ones(3)})[1], jnp.full(3, 2.0))
+
+
+@dataclasses.dataclass
+class _Counted:
+    """A registered dataclass whose __post_init__ refuses a count that is not a positive int."""
+
+    w: Any
+    count: Any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count <= 0:
+            raise ValueError("count must be a positive int")
+
+
+dualgraph.register_dataclass(_Counted)
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [("args", r"args\[1\]"), ("kwargs", r"kwargs\['c'\]"), ("output", r"output\[1\]")],
+)
+def test_a_class_refusing_the_none_of_its_grad_tree_is_named_by_its_path(
+    where: str, path: str
+) -> None:
+    # Before: "unflatten: [0]: rebuilding a _Counted raised ValueError ...": a path of no tree
+    # the caller passed (args[1], kwargs['c'] or the output's [1] all read as [0]).
+    def fn(x: jax.Array, c: _Counted | None = None, **kwargs: _Counted) -> Any:
+        counted = c if c is not None else kwargs["c"]
+        return x * 2, (counted if where == "output" else None)
+
+    x, counted = jnp.ones(2), _Counted(jnp.ones(2), 3)
+    args, kwargs = ((x, counted), {}) if where != "kwargs" else ((x,), {"c": counted})
+    g = dgj.graphed(fn, args, sample_kwargs=kwargs, donate_argnums=0)
+    np.testing.assert_array_equal(g(jnp.ones(2), *args[1:], **kwargs)[0], jnp.full(2, 2.0))
+    fresh = jnp.ones(2)
+    what = "cotangents" if where == "output" else "gradients"
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^graphed\(.*\): the tree of {what} of {where} holds None at its constants .*: "
+        rf"unflatten: {path}: rebuilding a \S*_Counted raised ValueError: count must be",
+    ):
+        g.vjp(fresh, *args[1:], **kwargs)
+    assert not fresh.is_deleted()  # refused before anything was donated
+
+
+def test_a_keyword_named_as_a_positional_only_parameter_is_named_as_passed() -> None:
+    # Before: "args[0]: expected float32[2], got float32[3]", the other argument.
+    def fn(a: jax.Array, /, **more: jax.Array) -> jax.Array:
+        return a + more["a"]
+
+    g = dgj.graphed(fn, (jnp.ones(2),), sample_kwargs={"a": jnp.ones(2)})
+    with pytest.raises(SpecMismatchError) as info:
+        g(jnp.ones(2), a=jnp.ones(3))
+    assert str(info.value) == "kwargs['a']: expected float32[2], got float32[3]"
+    assert info.value.path == "kwargs['a']"
+
+
+def test_a_vjp_with_keywords_in_another_order_gives_kwargs_grads_in_the_calls_order() -> None:
+    # Before: ({'b': db, 'a': da}) for a call passing a=, b=: the sample's order, so zipping
+    # the call's kwargs with the grads paired a with db.
+    def fn(x: jax.Array, *, a: jax.Array, b: jax.Array) -> jax.Array:
+        return (x * a + 2 * b).sum()
+
+    x, a, b = jnp.ones(2), jnp.arange(2.0), jnp.arange(2.0) + 3
+    g = dgj.graphed(fn, (x,), sample_kwargs={"b": b, "a": a})
+    kwargs = {"a": a, "b": b}
+    _, pullback = g.vjp(x, **kwargs)
+    _, kwargs_grads = pullback(jnp.float32(1.0))
+    assert list(kwargs_grads) == ["a", "b"]
+    (want,) = jax.vjp(lambda kw: fn(x, **kw), kwargs)[1](jnp.float32(1.0))
+    for (name, grad), expected in zip(kwargs_grads.items(), [x, jnp.full(2, 2.0)], strict=True):
+        np.testing.assert_array_equal(grad, want[name])
+        np.testing.assert_array_equal(grad, expected)

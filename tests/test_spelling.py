@@ -175,3 +175,58 @@ def test_a_call_written_as_the_sample_was_gives_each_parameter_what_the_call_giv
         return
     if spelled is not None:  # eager's call and the one the spec checks bind alike (in order)
         assert repr(fn(*spelled[0], **spelled[1])) == repr(fn(*args, **kwargs))
+
+
+def test_a_refusal_of_the_call_as_the_sample_names_the_path_as_the_call_spells_it() -> None:
+    spelling = CallSpelling(f, (1, 2, 3), {})
+    call: tuple[tuple[Any, ...], dict[str, Any]] = ((1,), {"c": {"k": 3}})
+    assert spelling.as_captured(*call) == ((1, 2, {"k": 3}), {})
+    refused = SpecMismatchError("args[2]['k']: expected int 3, got int 4", path="args[2]['k']")
+    renamed = spelling.named_as_called(refused, *call)
+    assert renamed.path == "kwargs['c']['k']"
+    assert str(renamed) == "kwargs['c']['k']: expected int 3, got int 4"
+    kept = SpecMismatchError("args[0]: expected int 1, got int 2", path="args[0]")
+    assert spelling.named_as_called(kept, *call) is kept  # not moved
+    # b: the call leaves it to its default, which the sample passed: the call's own error
+    missing = SpecMismatchError("args[1]: missing (expected int 2)", path="args[1]")
+    left = SpecMismatchError("args[1]: expected int 2, got int 3", path="args[1]")
+    assert spelling.named_as_called(left, *call, missing) is missing
+    assert spelling.path_as_called("args[1]", *call) is None
+
+
+def test_values_given_as_the_sample_spelled_the_call_are_placed_as_the_call_spells_them() -> None:
+    spelling = CallSpelling(f, (1, 2, 3), {})
+    call: tuple[tuple[Any, ...], dict[str, Any]] = ((1,), {"x": 5, "c": 3, "d": 4})
+    assert spelling.as_captured(*call) == ((1, 2, 3), {"x": 5})
+    placed = spelling.as_called(("da", "db", "dc"), {"x": "dx"}, *call)
+    # b (left to its default by the call) dropped; d (left out by the sample) gets None
+    assert placed == (("da",), {"x": "dx", "c": "dc", "d": None})
+    assert list(placed[1]) == ["x", "c", "d"]  # the call's order
+
+
+def test_a_keyword_named_as_a_positional_only_parameter_is_collected_not_moved() -> None:
+    # Before: kwargs['a'] (collected by **more) was taken for the parameter a, so the call as
+    # sampled was "moved" from args[0] to kwargs['a'] and an error there named args[0].
+    def g(a: Any, /, **more: Any) -> None:
+        """``a`` by position only; a keyword ``a`` goes to ``more``."""
+
+    spelling = CallSpelling(g, (1,), {"a": 2})
+    assert spelling.as_captured((1,), {"a": 3}) is None  # spelled as the sample
+    assert spelling.moved((1,), {"a": 3}) == ()
+    refused = SpecMismatchError("kwargs['a']: expected int 2, got int 3", path="kwargs['a']")
+    assert spelling.named_as_called(refused, (1,), {"a": 3}) is refused
+
+
+def test_a_spelling_read_after_many_others_is_still_placed_as_the_call_spells_it() -> None:
+    # Before: the plan, dropped after 64 other spellings, read as "spelled as the sample": a
+    # pullback taken before them gave its grads in the sample's spelling, silently.
+    def g(x: Any, y: Any = 0, **more: Any) -> None:
+        """``x`` and ``y`` by position or keyword; other keywords collected."""
+
+    spelling = CallSpelling(g, (1, 2), {})
+    call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {"y": 2, "x": 1})
+    assert spelling.as_captured(*call) == ((1, 2), {})
+    for n in range(70):  # other spellings of the same parameters
+        spelling.as_captured((1, 2), dict.fromkeys(f"k{i}" for i in range(n + 1)))
+    assert spelling.as_called(("dx", "dy"), {}, *call) == ((), {"y": "dy", "x": "dx"})
+    assert spelling.moved(*call) == (("args[0]", "kwargs['x']"), ("args[1]", "kwargs['y']"))

@@ -265,7 +265,24 @@ def explain_failed_call(
                         "(jax.device_put), or graph with that device as the default "
                         "(jax.default_device)"
                     )
+                kind, expected = _memory_kinds(x, device)
+                if kind is not None and expected is not None and kind != expected:
+                    # JAX's own error names the flat index of the inputs, not the path
+                    return DualgraphError(
+                        f"{path}: an array in {device}'s {kind!r} memory, but graphed programs "
+                        f"take their inputs in its default memory, {expected!r}; put it there "
+                        "(jax.device_put(x, jax.sharding.SingleDeviceSharding(device, "
+                        f"memory_kind={expected!r})))"
+                    )
     return error
+
+
+def _memory_kinds(x: jax.Array, device: Any) -> tuple[str | None, str | None]:
+    """The memory kind ``x`` is in, and ``device``'s default one (``None`` where unknown)."""
+    try:
+        return x.sharding.memory_kind, device.default_memory().kind
+    except Exception:  # a backend without memory kinds
+        return None, None
 
 
 def default_device() -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._nodes import clip
 from .._orders import KeyOrders, key_order_difference
 from .._spec import TreeSpec, describe
+from .._spelling import CallSpelling
 from . import _leaves as _leaves  # registers JAX's array types with the core
 from ._donation import (
     check_donated_inputs,
@@ -82,7 +84,10 @@ def graphed(
     - Calls are checked against the call spec before anything runs or is donated:
       ``args[0]['mask']: expected float32[2, 8], got float32[2, 9]``. A dict argument must
       have its keys in the sample's order (the function was traced in that order), and so must
-      the keywords the function collects in its ``**kwargs``.
+      the keywords the function collects in its ``**kwargs``. A call spelled otherwise than the
+      samples (``g(x, 2.0)`` or ``g(x, scale=2.0)`` for a sample ``g(x)``) is bound by the
+      function's signature and checked as the samples were spelled; a default the samples left
+      out must be passed as itself, else it is refused naming its path.
     - ``donate_argnums``: an int (``np.int64`` and other integer-likes too) or a sequence of
       them, the positional args whose buffers the call consumes, as a CUDA graph's static inputs:
       every JAX array in them is deleted after each call, and outputs of the same shape and dtype
@@ -160,10 +165,16 @@ class GraphedCallable:
         # The spec matches a dict (and the keywords) in any order; the function is traced in
         # the sample's.
         self._key_orders = KeyOrders(self.call_spec, fn) or None  # None: nothing to check
+        # A call spelling its arguments otherwise than the sample (a keyword by position, a
+        # default passed or left out) is the function's same call: written as the sample's
+        # where the spec refuses it as it is, and its errors name paths as it spells them.
+        self._spelling = CallSpelling(fn, args, kwargs)
+        self._called_paths: dict[tuple[int, tuple[str, ...]], tuple[str, ...]] = {}
+        self._keywords = tuple(kwargs)  # a pullback gives a call's kwargs grads in its order
         # Weakly typed samples (from Python scalars) are compiled weak, as jax.jit would; every
         # call must then match them (JAX promotes the two kinds differently).
         self._weak = weak_types(self.call_spec.flatten(args, kwargs))
-        self._weak_verdicts: dict[tuple[bool, ...], SpecMismatchError | None] = {}
+        self._weak_verdicts: dict[tuple[bool, ...], bool] = {}  # whether it traces the same
         # Graphed with the 64-bit mode off, called with it on: whether the function traces to
         # the same program there (None: not judged yet; the error, or False when it does).
         self._wide_verdict: DualgraphError | bool | None = None
@@ -266,15 +277,17 @@ class GraphedCallable:
     # -- every call -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arrays = self._checked_inputs(args, kwargs)
-        return self.out_spec.unflatten(self._run(self._compiled or self.compiled, arrays))
+        arrays, paths = self._checked_inputs(args, kwargs)
+        return self.out_spec.unflatten(self._run(self._compiled or self.compiled, arrays, paths))
 
     def vjp(self, *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:
         """``(outputs, pullback)`` for a call like ``self(*args, **kwargs)``, as :func:`jax.vjp`.
 
         ``pullback(cotangent)`` takes arrays at the masked output leaves (the grad mask of
         :attr:`out_spec`) and ``None`` elsewhere, and returns ``(args_grads, kwargs_grads)``
-        with a gradient at each floating or complex input array and ``None`` elsewhere.
+        with a gradient at each floating or complex input array and ``None`` elsewhere, spelled
+        as this call spells its arguments, its keywords in its order (``g.vjp(w=w, x=x)`` gets
+        ``((), {'w': dw, 'x': dx})`` where the sample passed them by position).
         Parameters are an argument like any other: ``fn(params, x)`` gets its parameter grads in
         ``args_grads[0]``. Both programs are compiled at the first call; donation applies as for
         a plain call.
@@ -286,7 +299,7 @@ class GraphedCallable:
         >>> dx
         Array([3., 3.], dtype=float32)
         """
-        arrays = self._checked_inputs(args, kwargs)
+        arrays, paths = self._checked_inputs(args, kwargs)
         program = self._vjp_program
         if program is None:
             _refuse_deleted_constants(self.name, self._closed_over)
@@ -301,8 +314,14 @@ class GraphedCallable:
                     self._device,
                     self._compiler_options,
                 )
-        outputs, residuals = self._run(program.forward, arrays)
-        pullback = Pullback(program, residuals, self._x64, self._settings)
+        outputs, residuals = self._run(program.forward, arrays, paths)
+        as_called = None
+        if paths is not self._paths:  # spelled otherwise than the sample: grads as it spells
+            shape = ((None,) * len(args), dict.fromkeys(kwargs))  # holds none of the inputs
+            as_called = functools.partial(_grads_as_called, self._spelling, shape)
+        elif kwargs and tuple(kwargs) != self._keywords:  # the sample's, in another order
+            as_called = functools.partial(_grads_in_order, tuple(kwargs))
+        pullback = Pullback(program, residuals, self._x64, self._settings, as_called)
         return self.out_spec.unflatten(outputs), pullback
 
     @contextlib.contextmanager
@@ -314,26 +333,59 @@ class GraphedCallable:
         ):
             yield
 
-    def _checked_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def _checked_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Any], tuple[str, ...]]:
+        """The call's input arrays, checked, and their paths as the call spells them (the
+        samples' paths, ``self._paths`` itself, where the call is spelled as the sample)."""
         try:
             self._settings.check()
-            arrays = self.call_spec.flatten(args, kwargs, check=True)
+            paths = self._paths
+            try:
+                arrays = self.call_spec.flatten(args, kwargs, check=True)
+                spelled_args, spelled_kwargs = args, kwargs
+            except SpecMismatchError as error:  # spelled otherwise than the sample call?
+                spelled = self._spelling.as_captured(args, kwargs)
+                if spelled is None:
+                    raise
+                spelled_args, spelled_kwargs = spelled
+                try:
+                    arrays = self.call_spec.flatten(spelled_args, spelled_kwargs, check=True)
+                except SpecMismatchError as refused:
+                    raise self._spelling.named_as_called(refused, args, kwargs, error) from None
+                paths = self._paths_as_called(args, kwargs)
             if self._key_orders is not None:
-                self._key_orders.check(args, kwargs)
-            refuse_foreign_arrays(f"graphed({self.name})", zip(self._paths, arrays, strict=True))
+                try:
+                    self._key_orders.check(spelled_args, spelled_kwargs)
+                except SpecMismatchError as refused:
+                    raise self._spelling.named_as_called(refused, args, kwargs) from None
+            refuse_foreign_arrays(f"graphed({self.name})", zip(paths, arrays, strict=True))
             weak = weak_types(arrays)
             if weak != self._weak:
-                self._check_weak_types(weak)
+                self._check_weak_types(weak, paths)
             if not self._x64 and x64_enabled():
                 self._check_wide_mode()
             if self._donated:
-                check_donated_inputs(arrays, self._donated, self._paths)
+                check_donated_inputs(arrays, self._donated, paths)
         except Exception as error:  # a tracer fails these checks in many ways: name the cause
             explained = tracer_error(f"graphed({self.name})", call_leaves(args, kwargs))
             if explained is None:
                 raise
             raise explained from error
-        return arrays
+        return arrays, paths
+
+    def _paths_as_called(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, ...]:
+        """The input arrays' paths as a call spelled otherwise than the sample spells them
+        (worked out once per spelling)."""
+        shape = (len(args), tuple(kwargs))
+        paths = self._called_paths.get(shape)
+        if paths is None:
+            if len(self._called_paths) >= 64:  # spellings of one function: few kinds
+                self._called_paths.clear()
+            paths = self._called_paths[shape] = tuple(
+                self._spelling.path_as_called(path, args, kwargs) or path for path in self._paths
+            )
+        return paths
 
     def _check_wide_mode(self) -> None:
         """Accept a call with JAX's 64-bit mode on, for a program compiled with it off, only
@@ -354,22 +406,17 @@ class GraphedCallable:
         if isinstance(self._wide_verdict, DualgraphError):
             raise self._wide_verdict
 
-    def _check_weak_types(self, weak: tuple[bool, ...]) -> None:
+    def _check_weak_types(self, weak: tuple[bool, ...], paths: Sequence[str]) -> None:
         """Accept inputs weakly typed otherwise than the samples only where the function traces
         to the same program with outputs typed the same (weakly or not: ``jax.jit`` returns a
         weak output for weak inputs, and ``bfloat16 + out`` depends on it); the verdict is kept
         per pattern."""
-        if weak not in self._weak_verdicts:
+        same = self._weak_verdicts.get(weak)
+        if same is None:
             with self._compile_config():
-                same = self._jaxpr(self._weak) == self._jaxpr(weak)
-            self._weak_verdicts[weak] = (
-                None
-                if same
-                else weak_type_error(self._paths, self.call_spec.arrays, self._weak, weak)
-            )
-        error = self._weak_verdicts[weak]
-        if error is not None:
-            raise error
+                same = self._weak_verdicts[weak] = self._jaxpr(self._weak) == self._jaxpr(weak)
+        if not same:
+            raise weak_type_error(paths, self.call_spec.arrays, self._weak, weak)
 
     def _jaxpr(self, weak: tuple[bool, ...]) -> tuple[str, list[bool], TreeSpec]:
         """The function's program, as text, its outputs' weak types (the text omits them) and
@@ -390,7 +437,12 @@ class GraphedCallable:
         return str(program), [aval.weak_type for aval in program.out_avals], specs[-1]
 
     def _run(
-        self, executable: Callable[..., Any], arrays: list[Any], *, relaid: bool = False
+        self,
+        executable: Callable[..., Any],
+        arrays: list[Any],
+        paths: Sequence[str],
+        *,
+        relaid: bool = False,
     ) -> Any:
         try:
             with x64_mode(self._x64):
@@ -398,7 +450,7 @@ class GraphedCallable:
         except Exception as error:
             copies = None if relaid else in_default_layouts(error, arrays)
             if copies is not None:  # an input in another memory layout, taken as jax.jit would
-                result = self._run(executable, copies, relaid=True)
+                result = self._run(executable, copies, paths, relaid=True)
                 if self._donated:
                     delete_donated(arrays, self._donated)
                 return result
@@ -408,12 +460,10 @@ class GraphedCallable:
                     delete_donated(arrays, self._donated)
                 raise non_finite from error
             explained: Exception | None = tracer_error(
-                f"graphed({self.name})", zip(self._paths, arrays, strict=True)
+                f"graphed({self.name})", zip(paths, arrays, strict=True)
             )
             if explained is None:
-                explained = explain_failed_call(
-                    error, arrays, self._paths, self._device, self._donated
-                )
+                explained = explain_failed_call(error, arrays, paths, self._device, self._donated)
             if explained is error:
                 raise
             raise explained from error
@@ -423,6 +473,24 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return f"GraphedCallable({self.name}, call={self.call_spec!r}, out={self.out_spec!r})"
+
+
+def _grads_as_called(
+    spelling: CallSpelling,
+    shape: tuple[tuple[None, ...], dict[str, None]],
+    args_grads: Any,
+    kwargs_grads: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Grads of a call spelled otherwise than the sample (``shape``: its args and kwargs with
+    ``None`` for values), given as the sample spelled it, placed as the call spelled it."""
+    return spelling.as_called(args_grads, kwargs_grads, *shape)
+
+
+def _grads_in_order(
+    order: tuple[str, ...], args_grads: Any, kwargs_grads: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """Grads of a call passing the sample's keywords in the ``order`` it passes them."""
+    return args_grads, {name: kwargs_grads[name] for name in order}
 
 
 def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:

@@ -25,11 +25,12 @@ def struct_of(
     return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding, weak_type=weak_type)
 
 
-def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:
+def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /, *, root: str = "") -> TreeSpec:
     """``spec`` with ``None`` at its constants and at the array leaves where ``keep`` is False.
 
     ``keep`` has one bool per array leaf, in flatten order. The result describes the trees of
     cotangents (kept: the grad mask) and of gradients (kept: the differentiable inputs).
+    ``root`` prefixes the paths of an error (a class that refuses the ``None`` it is given).
 
     >>> import numpy as np
     >>> spec = describe((np.zeros(2, np.float32), np.zeros(2, np.int32), 3))
@@ -39,4 +40,4 @@ def keep_arrays(spec: TreeSpec, keep: Sequence[bool], /) -> TreeSpec:
     # Rebuilt by the spec, never by optree's tree_map: that calls a namedtuple class bare, whose
     # __new__ may change the None it is given where a constant was, silently.
     stand_ins = [struct_of(leaf) for leaf, k in zip(spec.arrays, keep, strict=True) if k]
-    return describe(spec.with_arrays_kept(keep).unflatten(stand_ins))
+    return describe(spec.with_arrays_kept(keep).unflatten(stand_ins, root=root))

@@ -15,6 +15,7 @@ import jax
 
 from .._call import CallSpec
 from .._dtypes import is_differentiable_dtype
+from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._donation import explain_failed_call, jax_donation_warnings
 from ._env import x64_mode
@@ -25,6 +26,9 @@ from ._transforms import leaves_with_paths, tracer_error
 from ._trees import keep_arrays, struct_of
 
 __all__ = ["Pullback", "VJPProgram"]
+
+#: args and kwargs grads spelled as the sample call -> as the call spelled its arguments
+AsCalled = Callable[[Any, Any], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 class VJPProgram:
@@ -48,10 +52,12 @@ class VJPProgram:
         diff_inputs = [i for i, d in enumerate(differentiable) if d]
         masked_outputs = [j for j, m in enumerate(out_spec.grad_mask) if m]
         n_args = call_spec.num_args_arrays
-        self.cotangent_spec = keep_arrays(out_spec, out_spec.grad_mask)
+        self.cotangent_spec = _kept(name, out_spec, out_spec.grad_mask, "output", "cotangent")
         self.cotangent_paths = ["cotangent" + p for p in self.cotangent_spec.array_paths]
-        self.args_grad_spec = keep_arrays(call_spec.args_spec, differentiable[:n_args])
-        self.kwargs_grad_spec = keep_arrays(call_spec.kwargs_spec, differentiable[n_args:])
+        self.args_grad_spec = _kept(name, call_spec.args_spec, differentiable[:n_args], "args")
+        self.kwargs_grad_spec = _kept(
+            name, call_spec.kwargs_spec, differentiable[n_args:], "kwargs"
+        )
         self.num_args_grads = sum(differentiable[:n_args])
         pullback_tree: list[Any] = []
 
@@ -84,6 +90,21 @@ class VJPProgram:
         self.backward = backward_lowered.compile(compiler_options)
 
 
+def _kept(
+    name: str, spec: TreeSpec, keep: Sequence[bool], root: str, what: str = "gradient"
+) -> TreeSpec:
+    """The spec of the tree of ``what`` values for ``spec`` (:func:`keep_arrays`), refused
+    naming the path and saying why where a class of the tree refuses the ``None`` it holds."""
+    try:
+        return keep_arrays(spec, keep, root=root)
+    except DualgraphError as error:
+        raise DualgraphError(
+            f"graphed({name}): the tree of {what}s of {root} holds None at its constants and at "
+            f"the arrays that take no {what}, but a class in it refuses None there: {error}. "
+            "Let the class take None there, or pass that constant outside it"
+        ) from error
+
+
 class Pullback:
     """The backward of one :meth:`GraphedCallable.vjp` call: cotangents in, input gradients out.
 
@@ -94,12 +115,19 @@ class Pullback:
     array and ``None`` elsewhere. It can be called more than once.
     """
 
-    __slots__ = ("_program", "_residuals", "_settings", "_x64")
+    __slots__ = ("_as_called", "_program", "_residuals", "_settings", "_x64")
 
     def __init__(
-        self, program: VJPProgram, residuals: list[Any], x64: bool, settings: TraceSettings
+        self,
+        program: VJPProgram,
+        residuals: list[Any],
+        x64: bool,
+        settings: TraceSettings,
+        as_called: AsCalled | None = None,
     ) -> None:
         self._program = program
+        #: writes the grads, spelled as the sample call, as the call spelled its arguments
+        self._as_called = as_called
         self._residuals = residuals
         self._x64 = x64
         self._settings = settings  # where the function was graphed; the backward too
@@ -145,4 +173,6 @@ class Pullback:
         n = program.num_args_grads
         args_grads = program.args_grad_spec.unflatten(grads[:n])
         kwargs_grads = program.kwargs_grad_spec.unflatten(grads[n:])
+        if self._as_called is not None:
+            return self._as_called(args_grads, kwargs_grads)
         return args_grads, kwargs_grads

@@ -311,20 +311,9 @@ class InputGuard:
         its path as the call spells it (``kwargs['x']`` where the sample passed ``args[0]``);
         ``missing`` (the call's own error) where that argument is one the call leaves to a
         default of its parameter, which the sample passed otherwise."""
-        found = refused.path
-        if self._spelling is None or not found:
+        if self._spelling is None:
             return refused
-        for captured, called in self._spelling.moved(args, kwargs):
-            if found != captured and not found.startswith((f"{captured}[", f"{captured}.")):
-                continue
-            if called is None:
-                return missing or refused
-            text = str(refused)
-            if not text.startswith(found):
-                return refused
-            path = called + found[len(captured) :]
-            return SpecMismatchError(path + text[len(found) :], path=path)
-        return refused
+        return self._spelling.named_as_called(refused, args, kwargs, missing)
 
     def _positional_mismatch(
         self, args: tuple[Any, ...], error: SpecMismatchError
