@@ -2065,3 +2065,30 @@ def test_a_detached_copy_of_its_own_parameter_replays(backend: str, param_grads:
         module(x, module.fc.weight)
     calls = dgt.diagnostics(module)
     assert (calls.replays, calls.eager_calls) == (2, 0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_replay_and_a_call_passing_its_own_parameter_sum_their_grads_as_eager(
+    backend: str,
+) -> None:
+    # Under "auto", the eager call's graph alive sends the replay's parameter grads through
+    # autograd, which sums both calls' grads before adding them to .grad, as eager does.
+    device = device_of(backend)
+    module = _ScalesByAnInput().to(device)
+    twin = copy.deepcopy(module)
+    samples = tuple(torch.randn(3, 3, device=device, requires_grad=True) for _ in range(2))
+    dgt.make_graphed_callables(module, samples, backend=backend)
+    for _ in range(3):
+        x, scale, z = (torch.randn(3, 3, device=device, requires_grad=True) for _ in range(3))
+        mine = (x, scale, z)
+        y, twin_scale, w = theirs = tuple(t.detach().clone().requires_grad_() for t in mine)
+        (module(x, scale).square().sum() + module(z, module.fc.weight).square().sum()).backward()
+        (twin(y, twin_scale).square().sum() + twin(w, twin.fc.weight).square().sum()).backward()
+        assert_grads_match(
+            grads_of([*mine, *parameters_of(module)]),
+            grads_of([*theirs, *parameters_of(twin)]),
+            ["x", "scale", "z", *parameter_names(module)],
+            tolerance(backend),
+        )
+    calls = dgt.diagnostics(module)
+    assert (calls.replays, calls.eager_calls) == (3, 3)
