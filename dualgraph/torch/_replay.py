@@ -693,7 +693,9 @@ class GraphedCallable:
 
     @property
     def static_inputs(self) -> tuple[torch.Tensor, ...]:
-        """The static input buffers (args first, then kwargs): each call copies into them."""
+        """The static input buffers (args first, then kwargs): each call copies into them, one
+        after another, so one passed back as another input (or a view of one) is read after
+        it was written: pass a clone."""
         return self._static_inputs
 
     @property
