@@ -2053,8 +2053,8 @@ def test_a_call_passing_its_own_parameter_as_an_input_gives_eagers_grads(
 
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_a_detached_copy_of_its_own_parameter_replays(backend: str, param_grads: str) -> None:
-    # Only a parameter whose grad an input carries back runs eagerly: a detached one, or its
-    # values without grad, replay.
+    # Only a parameter whose grad an input carries back runs eagerly: a detached one, a view
+    # made under no_grad, or a call without grad, replay.
     device = device_of(backend)
     module = _ScalesByAnInput().to(device)
     samples = tuple(torch.randn(3, 3, device=device, requires_grad=True) for _ in range(2))
@@ -2062,9 +2062,11 @@ def test_a_detached_copy_of_its_own_parameter_replays(backend: str, param_grads:
     x = torch.randn(3, 3, device=device, requires_grad=True)
     module(x, module.fc.weight.detach()).sum().backward()
     with torch.no_grad():
+        view = module.fc.weight.t()  # a view that needs no grad
         module(x, module.fc.weight)
+    module(x, view).sum().backward()
     calls = dgt.diagnostics(module)
-    assert (calls.replays, calls.eager_calls) == (2, 0)
+    assert (calls.replays, calls.eager_calls) == (3, 0)
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

@@ -94,8 +94,9 @@ def own_parameter_passed(
     params: Sequence[torch.Tensor],
     names: Sequence[str],
 ) -> tuple[str, str] | None:
-    """The path of the first input requiring grad that is one of ``params`` or a view of one
-    (its ``_base``), and that parameter's name; ``None``: none is.
+    """The path of the first input that is one of ``params`` requiring grad, or a view of one
+    (its ``_base``) that carries grad back to it (a ``grad_fn``: not one made under
+    ``no_grad``), and that parameter's name; ``None``: none is.
 
     >>> weight = torch.nn.Parameter(torch.ones(2, 2))
     >>> own_parameter_passed(["args[0]", "args[1]"], [torch.ones(2), weight.t()], [weight], ["w"])
@@ -103,10 +104,11 @@ def own_parameter_passed(
     """
     named = {id(param): name for param, name in zip(params, names, strict=True)}
     for path, tensor in zip(paths, tensors, strict=True):
-        if tensor.requires_grad:
-            name = named.get(id(tensor), named.get(id(tensor._base)))
-            if name is not None:
-                return path, name
+        if id(tensor) in named:
+            if tensor.requires_grad:
+                return path, named[id(tensor)]
+        elif id(tensor._base) in named and tensor.grad_fn is not None:
+            return path, named[id(tensor._base)]
     return None
 
 

@@ -2134,12 +2134,15 @@ def _params_hooked(params: Sequence[torch.Tensor]) -> bool:
 def _passes_own_param(
     tensors: Sequence[torch.Tensor], positions: tuple[int, ...], params: frozenset[int]
 ) -> bool:
-    """Whether an input at ``positions`` is one of the parameters (by id) or a view of one (its
-    ``_base``): identities only, no storage read. (One that needs no grad, a view made under
-    ``torch.no_grad()``, runs eagerly too: rare, and eager's result all the same.)"""
+    """Whether an input at ``positions`` is one of the parameters (by id) requiring grad, or a
+    view of one (its ``_base``) that carries grad back to it (one made under ``no_grad`` has
+    no ``grad_fn``, and sends none): identities first, no storage read."""
     for i in positions:
         tensor = tensors[i]
-        if id(tensor) in params or id(tensor._base) in params:
+        if id(tensor) in params:
+            if tensor.requires_grad:
+                return True
+        elif id(tensor._base) in params and tensor.grad_fn is not None:
             return True
     return False
 
