@@ -790,3 +790,27 @@ def test_an_argument_the_sample_passed_and_a_call_leaves_to_another_default_is_m
         nan(x=torch.randn(4, device=device), shift=NAN)
     expected = f"expected float32[3] on {device}, got float32[4] on {device}"
     assert str(info.value) == f"kwargs['x']: {expected}"
+
+
+def test_a_transposed_call_of_a_transposed_sample_replays_as_eager() -> None:
+    # What README advises for eager's bits where calls are laid out otherwise than a dense
+    # sample (a contiguous sample's buffer makes the Linear multiply another layout than
+    # eager's, which can round otherwise): a sample laid out like the calls replays on their
+    # strides.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3)
+    twin = copy.deepcopy(layer)
+    sample = torch.randn(3, 4).t().requires_grad_()
+    dgt.make_graphed_callables(layer, (sample,), backend="emulate")
+    for _ in range(2):
+        x = torch.randn(3, 4).t().requires_grad_()
+        y = x.detach().clone().requires_grad_()  # clone keeps the strides of a dense tensor
+        out, want = layer(x), twin(y)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert torch.equal(out, want)
+        for mine, theirs in [(x, y), *zip(layer.parameters(), twin.parameters(), strict=True)]:
+            assert mine.grad is not None and theirs.grad is not None
+            assert torch.equal(mine.grad, theirs.grad)
+            assert mine.grad.stride() == theirs.grad.stride()
+    assert dgt.diagnostics(layer).replays == 2

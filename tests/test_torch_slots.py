@@ -1089,3 +1089,29 @@ def test_a_scheduled_call_passing_one_tensor_twice_is_refused_before_it_runs(
     assert module.norm.num_batches_tracked.item() == 0
     module(x, x.clone()).sum().backward()  # the step
     assert module.norm.num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_call_passing_its_own_parameter_is_refused_before_it_runs(
+    backend: str,
+) -> None:
+    # A call passing a parameter whose grad the graph adds into .grad runs eagerly (eager sums
+    # that input's grad with the callable's own first); under a schedule that is refused,
+    # naming the input and the parameter, before anything ran.
+    device = device_of(backend)
+    module = _Pair().to(device)
+    module.fc = nn.Linear(3, 3).to(device)
+    module.norm = nn.BatchNorm1d(3).to(device)
+    samples = [torch.randn(3, 3, device=device, requires_grad=True) for _ in range(2)]
+    dgt.make_graphed_callables(module, tuple(samples), backend=backend, schedule=[1, -1])
+    x = torch.randn(3, 3, device=device, requires_grad=True)
+    with pytest.raises(
+        DualgraphError,
+        match=r"^args\[1\]: _Pair\.fc\.weight or a view of it, a parameter whose grad the "
+        r"backward graph adds into \.grad, .*forward of _Pair for micro-batch 0 is due\. "
+        r"Nothing ran\..* pass a detached copy, or graph with param_grads='autograd'$",
+    ):
+        module(x, module.fc.weight.t())
+    assert module.norm.num_batches_tracked.item() == 0
+    module(x, module.fc.weight.detach()).sum().backward()  # the step
+    assert module.norm.num_batches_tracked.item() == 1

@@ -24,7 +24,13 @@ from ._ambient import autograd_records
 from ._layout_checks import exact_guard
 from ._leaves import dtype_name
 
-__all__ = ["InputGuard", "input_off_device", "same_tensor_twice", "unsupported_tensor"]
+__all__ = [
+    "InputGuard",
+    "input_off_device",
+    "own_parameter_passed",
+    "same_tensor_twice",
+    "unsupported_tensor",
+]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -79,6 +85,30 @@ def same_tensor_twice(
         earlier = first.setdefault(id(tensor), path)
         if earlier != path:
             return earlier, path
+    return None
+
+
+def own_parameter_passed(
+    paths: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+) -> tuple[str, str] | None:
+    """The path of the first input that is one of ``params`` requiring grad, or a view of one
+    (its ``_base``) that carries grad back to it (a ``grad_fn``: not one made under
+    ``no_grad``), and that parameter's name; ``None``: none is.
+
+    >>> weight = torch.nn.Parameter(torch.ones(2, 2))
+    >>> own_parameter_passed(["args[0]", "args[1]"], [torch.ones(2), weight.t()], [weight], ["w"])
+    ('args[1]', 'w')
+    """
+    named = {id(param): name for param, name in zip(params, names, strict=True)}
+    for path, tensor in zip(paths, tensors, strict=True):
+        if id(tensor) in named:
+            if tensor.requires_grad:
+                return path, named[id(tensor)]
+        elif id(tensor._base) in named and tensor.grad_fn is not None:
+            return path, named[id(tensor._base)]
     return None
 
 

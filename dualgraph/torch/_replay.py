@@ -64,6 +64,7 @@ from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
 from ._grad_order import views_in_order
+from ._inputs import own_parameter_passed
 from ._layout_checks import Layouts
 from ._layouts import copier_of
 from ._modes import dispatch_modes_now, modes_meaning, of_dispatch, show_modes
@@ -224,6 +225,7 @@ class GraphedCallable:
         "_output_storages",
         "_output_versions",
         "_overwritten_outputs",
+        "_own_params_checked",
         "_param_flags",
         "_param_grads",
         "_param_inputs",
@@ -396,6 +398,21 @@ class GraphedCallable:
         # How many input tensors a call passes where there are two or more (else 0).
         count = len(plan.inputs.paths)
         self._identities_checked = count if count > 1 else 0
+        # And so does one passing a parameter whose grad the backward graph adds into .grad
+        # ("auto", "in_graph") as an input requiring grad, itself or a view of it: eager sums
+        # that use's grad with the callable's own before adding the sum into .grad, where the
+        # graph adds its share and autograd the input's after it, which rounds otherwise (from
+        # the second accumulation on). The inputs whose samples required grad (a call's others
+        # may not, under grad) and the ids of those parameters; None where there are none.
+        added = (
+            [param for param, _, _ in self._accumulators]
+            if plan.has_backward and params.mode != "autograd"
+            else []
+        )
+        positions = tuple(i for i, grad in enumerate(plan.inputs.requires_grad) if grad)
+        self._own_params_checked = (
+            (positions, frozenset(map(id, added))) if added and positions else None
+        )
         if other_uses is None and self._auto:
             # the graphs of its calls run eagerly (_eagerly; a module's forward in the other
             # training mode) give the parameters grads too
@@ -679,7 +696,9 @@ class GraphedCallable:
 
     @property
     def static_inputs(self) -> tuple[torch.Tensor, ...]:
-        """The static input buffers (args first, then kwargs): each call copies into them."""
+        """The static input buffers (args first, then kwargs): each call copies into them, one
+        after another, so one passed back as another input (or a view of one) is read after
+        it was written: pass a clone."""
         return self._static_inputs
 
     @property
@@ -782,11 +801,18 @@ class GraphedCallable:
                 raise
             flags = self._flags_read
             count = self._identities_checked
-            if (flags is not None and _flags_differ(tensors, flags)) or (
-                count
-                and (  # one tensor at two inputs: `is` for two (15 ns), a set of ids for more
-                    tensors[0] is tensors[1] if count == 2 else len({*map(id, tensors)}) != count
+            own = self._own_params_checked
+            if (
+                (flags is not None and _flags_differ(tensors, flags))
+                or (
+                    count
+                    and (  # one tensor at two inputs: `is` for two (15 ns), a set of ids for more
+                        tensors[0] is tensors[1]
+                        if count == 2
+                        else len({*map(id, tensors)}) != count
+                    )
                 )
+                or (own is not None and grad_enabled and _passes_own_param(tensors, *own))
             ):
                 return self._eagerly(args, kwargs, replay_kwargs if hooks is not None else None)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
@@ -902,11 +928,12 @@ class GraphedCallable:
         """Run the callable eagerly for a call where its Python would branch otherwise than at
         capture (grad mode off, or an input's ``requires_grad`` other than its sample's, where
         the forward read them; one tensor passed at several inputs, which its Python may tell
-        by identity): a replay would run the capture's branch. Its inputs are checked
-        as a replay's; the values the forward's Python sets on its module are taken as its own
-        (:func:`own_changes_taken_of`), as for a shape bucket's eager fallback. Its outputs are
-        eager's, whatever their structure (``(h, None)`` where the capture's branch returned an
-        auxiliary loss)."""
+        by identity): a replay would run the capture's branch; or one passing a parameter whose
+        grad the graph adds into ``.grad`` as an input (eager sums both uses' grads first). Its
+        inputs are checked as a replay's; the values the forward's Python sets on its module are
+        taken as its own (:func:`own_changes_taken_of`), as for a shape bucket's eager fallback.
+        Its outputs are eager's, whatever their structure (``(h, None)`` where the capture's
+        branch returned an auxiliary loss)."""
         plan = self.plan
         grad_enabled = _is_grad_enabled() and not _is_inference_mode_enabled()
         self._inputs.checked_tensors(args, kwargs, grad_enabled)
@@ -934,6 +961,19 @@ class GraphedCallable:
             self._other_uses.track(flat)
         self.diagnostics.eager_calls += 1
         return outputs
+
+    def _own_param_passed(self, tensors: Sequence[torch.Tensor]) -> tuple[str, str] | None:
+        """The path of the first input that is, or views, a parameter whose grad the backward
+        graph adds into ``.grad`` (a call :meth:`__call__` runs eagerly), and that parameter's
+        name; ``None``: none is."""
+        if self._own_params_checked is None:
+            return None
+        return own_parameter_passed(
+            self._inputs.paths,
+            tensors,
+            [param for param, _, _ in self._accumulators],
+            [name for _, _, name in self._accumulators],
+        )
 
     def _refuse_no_grad(self) -> None:
         """Refuse a call under ``torch.no_grad()`` (not inference mode, where eager records
@@ -2095,6 +2135,22 @@ class GraphedCallable:
 def _params_hooked(params: Sequence[torch.Tensor]) -> bool:
     """Whether a parameter has a tensor hook or a post-accumulate-grad hook (two C passes)."""
     return any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params))
+
+
+def _passes_own_param(
+    tensors: Sequence[torch.Tensor], positions: tuple[int, ...], params: frozenset[int]
+) -> bool:
+    """Whether an input at ``positions`` is one of the parameters (by id) requiring grad, or a
+    view of one (its ``_base``) that carries grad back to it (one made under ``no_grad`` has
+    no ``grad_fn``, and sends none): identities first, no storage read."""
+    for i in positions:
+        tensor = tensors[i]
+        if id(tensor) in params:
+            if tensor.requires_grad:
+                return True
+        elif id(tensor._base) in params and tensor.grad_fn is not None:
+            return True
+    return False
 
 
 def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool], ...]) -> bool:

@@ -147,6 +147,15 @@ class SlotReplay(GraphedCallable):
                 f"key), so eager's branch may differ from the replay's {due}pass tensors of "
                 "their own (clone())"
             )
+        own = self._own_param_passed(tensors) if found is None else None
+        if own is not None:
+            path, name = own
+            return DualgraphError(
+                f"{path}: {name} or a view of it, a parameter whose grad the "
+                "backward graph adds into .grad, where eager sums this input's grad with the "
+                f"callable's own first (the sums round otherwise), {due}pass a detached copy, "
+                "or graph with param_grads='autograd'"
+            )
         path, wanted = found or ("an input", True)
         sample, call = ("did", "does not") if wanted else ("did not", "does")
         return DualgraphError(
