@@ -2145,6 +2145,41 @@ def test_a_callable_raising_in_the_padding_check_is_a_capture_error_and_leaves_i
     assert module(torch.ones(2, 4), valid_length=torch.tensor(2)).shape == (2, 4)
 
 
+def _masked_rows(x: torch.Tensor, mask: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Per-position rows times a per-position mask: both follow the length."""
+    return torch.tanh(x) * mask[..., None]
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_a_padding_check_failing_on_an_input_left_out_of_dynamic_dims_names_it(
+    backend: str,
+) -> None:
+    # The mask follows the length but is not declared: the check's short call cuts x alone,
+    # and the callable's own error (a size mismatch) named no input.
+    buckets = [(torch.randn(2, n, 4, requires_grad=True), torch.ones(2, n)) for n in (4, 6)]
+    with pytest.raises(
+        CaptureError,
+        match=r"size of tensor.*\. args\[1\] \(dim 1\): holds each bucket's length but is not in "
+        r"dynamic_dims.*declare it \('args\[1\]': 1\)$",
+    ):
+        dgt.make_graphed_callables(
+            _masked_rows,
+            buckets=buckets,
+            backend=backend,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+        )
+    declared = dgt.make_graphed_callables(
+        _masked_rows,
+        buckets=buckets,
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+    )
+    x, mask = torch.randn(2, 5, 4), (torch.rand(2, 5) > 0.5).float()
+    torch.testing.assert_close(declared(x, mask), _masked_rows(x, mask))
+
+
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
 def test_one_backward_through_two_buckets_is_refused_before_any_grad_changes(
     backend: str, param_grads: str

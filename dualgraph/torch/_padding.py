@@ -41,6 +41,7 @@ __all__ = [
     "cut_back",
     "output_cuts",
     "padding_of",
+    "undeclared_length_dims",
 ]
 
 #: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
@@ -207,6 +208,39 @@ def padding_of(
             raise DualgraphError(f"buckets[{i}]: length 0 along the dynamic dims")
         lengths.append(length)
     return padding, lengths
+
+
+def undeclared_length_dims(
+    padding: Padding,
+    paths: Sequence[str],
+    lengths: Sequence[int | None],
+    shapes: Sequence[tuple[torch.Size, ...]],
+) -> tuple[tuple[str, int], ...]:
+    """``(path, dim)`` of each input left out of ``dynamic_dims`` whose ``dim`` holds every
+    bucket's length, where the buckets have several lengths: most likely a mask or a position
+    table that follows the length but was not declared, so that padding cuts or pads the
+    declared inputs and leaves it as it was.
+
+    >>> padding = Padding(((0, 1),), ("args[0]",), (), (3,))
+    >>> shapes = [(torch.Size([2, n, 8]), torch.Size([2, n])) for n in (4, 6)]
+    >>> undeclared_length_dims(padding, ("args[0]", "args[1]"), [4, 6], shapes)
+    (('args[1]', 1),)
+    """
+    if len(set(lengths)) < 2:  # one length: any dim of that size would look the same
+        return ()
+    declared = {index for index, _ in padding.inputs}
+    found = []
+    for index, path in enumerate(paths):
+        if index in declared:
+            continue
+        ranks = {len(key[index]) for key in shapes}
+        if len(ranks) != 1:
+            continue
+        for dim in range(ranks.pop()):
+            if all(key[index][dim] == length for key, length in zip(shapes, lengths, strict=True)):
+                found.append((path, dim))
+                break
+    return tuple(found)
 
 
 def check_padding_can_be_correct(request: BucketRequest) -> None:
