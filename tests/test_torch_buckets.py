@@ -1764,6 +1764,15 @@ BAD_REQUESTS = {
         "a list with one dict",
     ),
     "no samples": ({}, "sample_args is required"),
+    "valid_length passed by position": (  # was a TypeError at warmup, naming no sample
+        {
+            "buckets": [(torch.randn(2, n), None) for n in (3, 5)],
+            "fallback": "pad",
+            "dynamic_dims": {"args[0]": 1, "output": 1},
+        },
+        r"^buckets\[0\]: args\[1\] is .*double's 'valid_length' parameter, which fallback='pad' "
+        r"passes itself \(by keyword\); leave it out of the sample",
+    ),
 }
 
 
@@ -1771,7 +1780,7 @@ BAD_REQUESTS = {
 def test_bad_bucket_requests_are_refused(case: str) -> None:
     options, message = BAD_REQUESTS[case]
 
-    def double(x: torch.Tensor, y: Any = None) -> torch.Tensor:
+    def double(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
         return x * 2
 
     with pytest.raises(DualgraphError, match=message):

@@ -163,10 +163,19 @@ def padding_of(
             "fallback='pad' needs dynamic_dims=: the input dims it may pad, and the output dims "
             "to cut back, by path, e.g. {'args[0]': 1, 'output[0]': 1}"
         )
-    for _, kwargs in request.samples:
+    position = _valid_length_position(request.fn)
+    for i, (args, kwargs) in enumerate(request.samples):
         if VALID_LENGTH in kwargs:
             raise DualgraphError(
                 f"sample kwargs hold '{VALID_LENGTH}', which fallback='pad' passes itself"
+            )
+        if position is not None and len(args) > position:
+            # Every replay passes it by keyword: the call would give it twice (a TypeError
+            # at warmup that named no sample).
+            raise DualgraphError(
+                f"buckets[{i}]: args[{position}] is {request.name}'s '{VALID_LENGTH}' "
+                f"parameter, which fallback='pad' passes itself (by keyword); leave it out of "
+                "the sample, passing the arguments after it by keyword"
             )
     inputs: list[tuple[int, int]] = []
     input_paths: list[str] = []
@@ -1102,6 +1111,28 @@ def _requires_valid_length(fn: Callable[..., Any]) -> bool:
         and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
         and parameter.default is parameter.empty
     )
+
+
+def _valid_length_position(fn: Callable[..., Any]) -> int | None:
+    """Where ``valid_length`` stands among ``fn``'s positional parameters (a module's
+    ``forward``'s), ``None`` where it is keyword-only, absent or the signature unreadable.
+
+    >>> _valid_length_position(lambda x, valid_length=None, scale=1.0: x)
+    1
+    >>> _valid_length_position(lambda x, *, valid_length=None: x) is None
+    True
+    """
+    if isinstance(fn, torch.nn.Module):
+        fn = fn.forward
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for index, parameter in enumerate(positional):
+        if parameter.name == VALID_LENGTH and parameter.kind is parameter.POSITIONAL_OR_KEYWORD:
+            return index
+    return None
 
 
 def _accepts_valid_length(fn: Callable[..., Any]) -> bool:
