@@ -1594,6 +1594,41 @@ def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: s
         block(torch.randn(2, 5, 16), valid_length=5)
 
 
+@pytest.mark.parametrize("length", [5, 7], ids=["padded", "exact"])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_pad_refuses_valid_length_passed_by_position_as_by_keyword(kind: str, length: int) -> None:
+    # was refused blaming the sample for leaving valid_length to its default, and told to
+    # graph with valid_length in the sample call, which fallback='pad' refuses
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    graphed: Any = block
+    if kind == "function":
+        graphed = dgt.make_graphed_callables(
+            _masked_rows,
+            buckets=[(torch.randn(2, n, 16), torch.ones(2, n)) for n in (5, 7, 9)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+        )
+        args: tuple[Any, ...] = (torch.randn(2, length, 16), torch.ones(2, length))
+        name = "_masked_rows"
+    else:
+        dgt.make_graphed_callables(
+            block,
+            buckets=block_buckets(torch.device("cpu")),
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output[0]": 1},
+        )
+        args = (torch.randn(2, length, 16),)
+        name = "ViTBlock"
+    at = len(args)
+    with pytest.raises(
+        SpecMismatchError, match=rf"^args\[{at}\]: {name} passes valid_length itself under"
+    ) as info:
+        graphed(*args, torch.tensor(3))
+    assert info.value.path == f"args[{at}]"
+    out = graphed(*args, None)  # its default, as eager takes it
+    assert (out[0] if isinstance(out, tuple) else out).shape == (2, length, 16)
+
+
 def test_the_log_says_which_bucket_a_call_was_padded_to_and_why_one_was_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "output_cuts",
     "padding_of",
     "undeclared_length_dims",
+    "valid_length_position",
 ]
 
 #: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
@@ -163,7 +164,7 @@ def padding_of(
             "fallback='pad' needs dynamic_dims=: the input dims it may pad, and the output dims "
             "to cut back, by path, e.g. {'args[0]': 1, 'output[0]': 1}"
         )
-    position = _valid_length_position(request.fn)
+    position = valid_length_position(request.fn)
     for i, (args, kwargs) in enumerate(request.samples):
         if VALID_LENGTH in kwargs:
             raise DualgraphError(
@@ -1113,13 +1114,13 @@ def _requires_valid_length(fn: Callable[..., Any]) -> bool:
     )
 
 
-def _valid_length_position(fn: Callable[..., Any]) -> int | None:
+def valid_length_position(fn: Callable[..., Any]) -> int | None:
     """Where ``valid_length`` stands among ``fn``'s positional parameters (a module's
     ``forward``'s), ``None`` where it is keyword-only, absent or the signature unreadable.
 
-    >>> _valid_length_position(lambda x, valid_length=None, scale=1.0: x)
+    >>> valid_length_position(lambda x, valid_length=None, scale=1.0: x)
     1
-    >>> _valid_length_position(lambda x, *, valid_length=None: x) is None
+    >>> valid_length_position(lambda x, *, valid_length=None: x) is None
     True
     """
     if isinstance(fn, torch.nn.Module):
