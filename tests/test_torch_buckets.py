@@ -1598,6 +1598,41 @@ def test_pad_refuses_calls_no_bucket_can_hold(shape: tuple[int, ...], message: s
         block(torch.randn(2, 5, 16), valid_length=5)
 
 
+@pytest.mark.parametrize("length", [5, 7], ids=["padded", "exact"])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_pad_refuses_valid_length_passed_by_position_as_by_keyword(kind: str, length: int) -> None:
+    # was refused blaming the sample for leaving valid_length to its default, and told to
+    # graph with valid_length in the sample call, which fallback='pad' refuses
+    block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    graphed: Any = block
+    if kind == "function":
+        graphed = dgt.make_graphed_callables(
+            _masked_rows,
+            buckets=[(torch.randn(2, n, 16), torch.ones(2, n)) for n in (5, 7, 9)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+        )
+        args: tuple[Any, ...] = (torch.randn(2, length, 16), torch.ones(2, length))
+        name = "_masked_rows"
+    else:
+        dgt.make_graphed_callables(
+            block,
+            buckets=block_buckets(torch.device("cpu")),
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output[0]": 1},
+        )
+        args = (torch.randn(2, length, 16),)
+        name = "ViTBlock"
+    at = len(args)
+    with pytest.raises(
+        SpecMismatchError, match=rf"^args\[{at}\]: {name} passes valid_length itself under"
+    ) as info:
+        graphed(*args, torch.tensor(3))
+    assert info.value.path == f"args[{at}]"
+    out = graphed(*args, None)  # its default, as eager takes it
+    assert (out[0] if isinstance(out, tuple) else out).shape == (2, length, 16)
+
+
 def test_the_log_says_which_bucket_a_call_was_padded_to_and_why_one_was_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1768,6 +1803,15 @@ BAD_REQUESTS = {
         "a list with one dict",
     ),
     "no samples": ({}, "sample_args is required"),
+    "valid_length passed by position": (  # was a TypeError at warmup, naming no sample
+        {
+            "buckets": [(torch.randn(2, n), None) for n in (3, 5)],
+            "fallback": "pad",
+            "dynamic_dims": {"args[0]": 1, "output": 1},
+        },
+        r"^buckets\[0\]: args\[1\] is .*double's 'valid_length' parameter, which fallback='pad' "
+        r"passes itself \(by keyword\); leave it out of the sample",
+    ),
 }
 
 
@@ -1775,7 +1819,7 @@ BAD_REQUESTS = {
 def test_bad_bucket_requests_are_refused(case: str) -> None:
     options, message = BAD_REQUESTS[case]
 
-    def double(x: torch.Tensor, y: Any = None) -> torch.Tensor:
+    def double(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
         return x * 2
 
     with pytest.raises(DualgraphError, match=message):
@@ -2147,6 +2191,41 @@ def test_a_callable_raising_in_the_padding_check_is_a_capture_error_and_leaves_i
         )
     assert torch.equal(module.calls, torch.zeros(()))
     assert module(torch.ones(2, 4), valid_length=torch.tensor(2)).shape == (2, 4)
+
+
+def _masked_rows(x: torch.Tensor, mask: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    """Per-position rows times a per-position mask: both follow the length."""
+    return torch.tanh(x) * mask[..., None]
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_a_padding_check_failing_on_an_input_left_out_of_dynamic_dims_names_it(
+    backend: str,
+) -> None:
+    # The mask follows the length but is not declared: the check's short call cuts x alone,
+    # and the callable's own error (a size mismatch) named no input.
+    buckets = [(torch.randn(2, n, 4, requires_grad=True), torch.ones(2, n)) for n in (4, 6)]
+    with pytest.raises(
+        CaptureError,
+        match=r"size of tensor.*\. args\[1\] \(dim 1\): holds each bucket's length but is not in "
+        r"dynamic_dims.*declare it \('args\[1\]': 1\)$",
+    ):
+        dgt.make_graphed_callables(
+            _masked_rows,
+            buckets=buckets,
+            backend=backend,
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+        )
+    declared = dgt.make_graphed_callables(
+        _masked_rows,
+        buckets=buckets,
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+    )
+    x, mask = torch.randn(2, 5, 4), (torch.rand(2, 5) > 0.5).float()
+    torch.testing.assert_close(declared(x, mask), _masked_rows(x, mask))
 
 
 @pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)

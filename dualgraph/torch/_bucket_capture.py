@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._call import CallSpec
-from .._errors import DualgraphError, SpecMismatchError
+from .._errors import CaptureError, DualgraphError, SpecMismatchError
 from ._buckets import (
     BucketDiagnostics,
     BucketedCallable,
@@ -43,6 +43,7 @@ from ._padding import (
     check_padding_can_be_correct,
     check_padding_is_masked,
     padding_of,
+    undeclared_length_dims,
 )
 from ._params import grad_buffer_like, is_tensor_subclass
 from ._replay import GraphedCallable
@@ -351,4 +352,15 @@ def _check_padding(
     except Exception as error:  # the callable's, as in a warmup: a CaptureError as there
         failure = describe_failure(error, progress, request.backend)
         release_failed_attempt(error, progress.before)
+        undeclared = undeclared_length_dims(padding, guards[0].paths, lengths, shapes)
+        if undeclared:
+            # The check's short call cut the declared inputs only: an input that follows the
+            # length but was left out is the likely cause, and the callable's error names no path.
+            named = ", ".join(f"{path} (dim {dim})" for path, dim in undeclared)
+            declare = ", ".join(f"{path!r}: {dim}" for path, dim in undeclared)
+            failure = CaptureError(
+                f"{failure}. {named}: holds each bucket's length but is not in dynamic_dims, so "
+                "padding cuts and pads the declared inputs only and leaves it at a bucket's "
+                f"length; if it follows the length, declare it ({declare})"
+            )
         raise failure from error

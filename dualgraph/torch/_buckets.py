@@ -53,7 +53,7 @@ from ._leaves import dtype_name
 from ._lint import LintReport
 from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
-from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts
+from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts, valid_length_position
 from ._params import own_changes_taken_of
 from ._replay import GraphedCallable
 from ._replay_function import watch_handed_out
@@ -217,6 +217,9 @@ class BucketedCallable:
         self._buckets = tuple(buckets)
         self._by_shapes = {bucket.shapes: bucket for bucket in buckets}
         self._padding = padding
+        # where valid_length stands among the positional parameters, for a call that passes
+        # it there (refused as by keyword; read only when a call's spelling is not the sample's)
+        self._valid_length_at = None if padding is None else valid_length_position(fn)
         self._groups: dict[tuple[tuple[int, ...], ...], tuple[list[int], list[_Bucket]]] = {}
         if padding is not None:
             for bucket in sorted(buckets, key=operator.attrgetter("length")):
@@ -288,12 +291,7 @@ class BucketedCallable:
         if self._graphed and SCOPE.outer is not None:  # inside another graph (_nesting.py)
             return inside_another(self.name, self.fn, args, kwargs)
         if self._padding is not None and VALID_LENGTH in kwargs:
-            raise SpecMismatchError(
-                f"kwargs['{VALID_LENGTH}']: {self.name} passes {VALID_LENGTH} itself under "
-                "fallback='pad' (how many positions along the dynamic dims are not padding); "
-                "leave it out",
-                path=f"kwargs['{VALID_LENGTH}']",
-            )
+            raise self._passes_valid_length(f"kwargs['{VALID_LENGTH}']")
         tensors, args, kwargs = self._flattened(args, kwargs)
         try:
             bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
@@ -315,7 +313,18 @@ class BucketedCallable:
         try:
             return self._spec.flatten(args, kwargs), args, kwargs
         except SpecMismatchError as error:
+            at = self._valid_length_at
+            if at is not None and len(args) > at and args[at] is not None:
+                # the spelling check would blame the sample for leaving it to its default
+                raise self._passes_valid_length(f"args[{at}]") from None
             return self._guard.flattened_as_captured(args, kwargs, error)
+
+    def _passes_valid_length(self, path: str) -> SpecMismatchError:
+        return SpecMismatchError(
+            f"{path}: {self.name} passes {VALID_LENGTH} itself under fallback='pad' (how many "
+            "positions along the dynamic dims are not padding); leave it out",
+            path=path,
+        )
 
     def _replay(
         self, bucket: _Bucket, args: tuple[Any, ...], kwargs: dict[str, Any], padded: int | None

@@ -41,6 +41,8 @@ __all__ = [
     "cut_back",
     "output_cuts",
     "padding_of",
+    "undeclared_length_dims",
+    "valid_length_position",
 ]
 
 #: The keyword argument through which ``fallback="pad"`` tells the callable how many positions
@@ -162,10 +164,19 @@ def padding_of(
             "fallback='pad' needs dynamic_dims=: the input dims it may pad, and the output dims "
             "to cut back, by path, e.g. {'args[0]': 1, 'output[0]': 1}"
         )
-    for _, kwargs in request.samples:
+    position = valid_length_position(request.fn)
+    for i, (args, kwargs) in enumerate(request.samples):
         if VALID_LENGTH in kwargs:
             raise DualgraphError(
                 f"sample kwargs hold '{VALID_LENGTH}', which fallback='pad' passes itself"
+            )
+        if position is not None and len(args) > position:
+            # Every replay passes it by keyword: the call would give it twice (a TypeError
+            # at warmup that named no sample).
+            raise DualgraphError(
+                f"buckets[{i}]: args[{position}] is {request.name}'s '{VALID_LENGTH}' "
+                f"parameter, which fallback='pad' passes itself (by keyword); leave it out of "
+                "the sample, passing the arguments after it by keyword"
             )
     inputs: list[tuple[int, int]] = []
     input_paths: list[str] = []
@@ -207,6 +218,39 @@ def padding_of(
             raise DualgraphError(f"buckets[{i}]: length 0 along the dynamic dims")
         lengths.append(length)
     return padding, lengths
+
+
+def undeclared_length_dims(
+    padding: Padding,
+    paths: Sequence[str],
+    lengths: Sequence[int | None],
+    shapes: Sequence[tuple[torch.Size, ...]],
+) -> tuple[tuple[str, int], ...]:
+    """``(path, dim)`` of each input left out of ``dynamic_dims`` whose ``dim`` holds every
+    bucket's length, where the buckets have several lengths: most likely a mask or a position
+    table that follows the length but was not declared, so that padding cuts or pads the
+    declared inputs and leaves it as it was.
+
+    >>> padding = Padding(((0, 1),), ("args[0]",), (), (3,))
+    >>> shapes = [(torch.Size([2, n, 8]), torch.Size([2, n])) for n in (4, 6)]
+    >>> undeclared_length_dims(padding, ("args[0]", "args[1]"), [4, 6], shapes)
+    (('args[1]', 1),)
+    """
+    if len(set(lengths)) < 2:  # one length: any dim of that size would look the same
+        return ()
+    declared = {index for index, _ in padding.inputs}
+    found = []
+    for index, path in enumerate(paths):
+        if index in declared:
+            continue
+        ranks = {len(key[index]) for key in shapes}
+        if len(ranks) != 1:
+            continue
+        for dim in range(ranks.pop()):
+            if all(key[index][dim] == length for key, length in zip(shapes, lengths, strict=True)):
+                found.append((path, dim))
+                break
+    return tuple(found)
 
 
 def check_padding_can_be_correct(request: BucketRequest) -> None:
@@ -1068,6 +1112,28 @@ def _requires_valid_length(fn: Callable[..., Any]) -> bool:
         and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
         and parameter.default is parameter.empty
     )
+
+
+def valid_length_position(fn: Callable[..., Any]) -> int | None:
+    """Where ``valid_length`` stands among ``fn``'s positional parameters (a module's
+    ``forward``'s), ``None`` where it is keyword-only, absent or the signature unreadable.
+
+    >>> valid_length_position(lambda x, valid_length=None, scale=1.0: x)
+    1
+    >>> valid_length_position(lambda x, *, valid_length=None: x) is None
+    True
+    """
+    if isinstance(fn, torch.nn.Module):
+        fn = fn.forward
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for index, parameter in enumerate(positional):
+        if parameter.name == VALID_LENGTH and parameter.kind is parameter.POSITIONAL_OR_KEYWORD:
+            return index
+    return None
 
 
 def _accepts_valid_length(fn: Callable[..., Any]) -> bool:
