@@ -242,6 +242,7 @@ class _Capture:
         self.saved_inputs = original.saved_inputs
         self.output_aliases = original.output_aliases
         self.reach = original.reach
+        self.grad_order = original.grad_order  # each replay's hooks in eager's order
         self.mutated = set(original.mutated)
         self.mutated_quietly = set(original.mutated_quietly)
         self.warmup_grads = original.warmup_grads
