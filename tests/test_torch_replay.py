@@ -1997,3 +1997,54 @@ def test_an_output_changed_through_data_before_backward_is_differentiated_as_cha
         assert mine.grad is not None and theirs.grad is not None
         assert_tensors_match(mine.grad, theirs.grad, "x.grad", tolerance(backend))
         assert_grads_match([graphed.w.grad], [twin.w.grad], ["w"], tolerance(backend))
+
+
+# -- a backward under inference mode ------------------------------------------------------------
+
+
+def _inference_flags(module: nn.Module) -> list[bool | None]:
+    return [None if p.grad is None else p.grad.is_inference() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+def test_a_backward_under_inference_mode_makes_new_grads_inference_tensors_as_eager(
+    entry: str, param_grads: str
+) -> None:
+    # eager's AccumulateGrad makes a .grad that was None an inference tensor there (and adds
+    # into it in place after); "auto" handed out its accumulators, ordinary tensors, silently
+    module = Decays()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on(entry, module, param_grads=param_grads)
+    for call in (graphed, twin):
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x = torch.randn(2, call_length(entry), 4, generator=generator, requires_grad=True)
+            loss = call(x).square().sum()
+            with torch.inference_mode():
+                loss.backward()
+    assert _inference_flags(module) == _inference_flags(twin) == [True, True]
+    for ours, eagers in zip(module.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, eagers.grad)
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+def test_in_graph_refuses_a_backward_under_inference_mode_that_would_make_a_new_grad(
+    entry: str,
+) -> None:
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads="in_graph")
+    x = batch(call_length(entry))
+    loss = graphed(x).square().sum()
+    with (
+        torch.inference_mode(),
+        pytest.raises(
+            DualgraphError,
+            match=r"Decays\.linear\.weight: \.grad is None and this backward runs under "
+            r"torch\.inference_mode\(\).*nothing was changed",
+        ),
+    ):
+        loss.backward(retain_graph=True)  # for the retry below
+    assert x.grad is None and _inference_flags(module) == [None, None]
+    loss.backward()  # outside inference mode, as eager's
+    assert _inference_flags(module) == [False, False]

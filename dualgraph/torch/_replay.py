@@ -1913,6 +1913,19 @@ class GraphedCallable:
         ):
             replay()  # every .grad is its accumulator, where the graph adds
             return True
+        if _is_inference_mode_enabled() and any(grad is None for grad in grads):
+            # A backward under torch.inference_mode(): eager's AccumulateGrad makes a .grad that
+            # was None an inference tensor (a later backward outside it cannot add into it); an
+            # accumulator handed out here would be an ordinary one.
+            if self._auto:
+                return False  # autograd's AccumulateGrad makes it, as eager's
+            name = next(n for n, g in zip(self._accumulator_names, grads, strict=True) if g is None)
+            raise _RefusedBeforeReplay(
+                f"{name}: .grad is None and this backward runs under torch.inference_mode(), "
+                "where eager makes the new .grad an inference tensor; param_grads='in_graph' "
+                "would hand out an ordinary one (nothing was changed): run the backward outside "
+                "inference mode, or capture with param_grads='auto'"
+            )
         # Every accumulator where its memory lies (_same_place of each, in two C passes): the
         # usual case here, every .grad None after zero_grad()
         placed = (
