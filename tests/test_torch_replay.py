@@ -2048,3 +2048,25 @@ def test_in_graph_refuses_a_backward_under_inference_mode_that_would_make_a_new_
     assert x.grad is None and _inference_flags(module) == [None, None]
     loss.backward()  # outside inference mode, as eager's
     assert _inference_flags(module) == [False, False]
+
+
+# -- a second backward through a replay's grads --------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+def test_a_gradient_penalty_through_a_replay_is_a_dualgraph_error_naming_it_with_nothing_changed(
+    entry: str, param_grads: str
+) -> None:
+    # torch's own node (DelayedError) raised a bare RuntimeError, which a caller catching
+    # DualgraphError (as for every other refusal) let through
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads=param_grads)
+    x = batch(call_length(entry))
+    y = graphed(x)
+    (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(
+        DualgraphError, match=r"^Decays(\[[^:]*\])?: trying to differentiate twice.*restore"
+    ):
+        (y.sum() + grad.square().sum()).backward()
+    assert x.grad is None and all(p.grad is None for p in module.parameters())
