@@ -2070,3 +2070,94 @@ def test_a_gradient_penalty_through_a_replay_is_a_dualgraph_error_naming_it_with
     ):
         (y.sum() + grad.square().sum()).backward()
     assert x.grad is None and all(p.grad is None for p in module.parameters())
+
+
+# -- incoming grads laid out otherwise, and a backward on another thread -------------------------
+
+
+def _incoming_grad(kind: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """An incoming grad for an output of ``shape``, in another dtype or memory layout."""
+    rows, columns = shape
+    if kind == "float64":
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+    if kind == "bfloat16":
+        return torch.randn(shape, generator=generator).bfloat16()
+    if kind == "transposed":
+        return torch.randn(columns, rows, generator=generator).t()
+    if kind == "every_other_column":
+        return torch.randn(rows, 2 * columns, generator=generator)[:, ::2]
+    if kind == "expanded_row":
+        return torch.randn(1, columns, generator=generator).expand(shape)
+    assert kind == "expanded_scalar"  # stride 0 in every dim
+    return torch.randn((), generator=generator).expand(shape)
+
+
+INCOMING_KINDS = [
+    "float64",
+    "bfloat16",
+    "transposed",
+    "every_other_column",
+    "expanded_row",
+    "expanded_scalar",
+]
+_HOW = [
+    pytest.param(*p.values, how, id=f"{p.id}-{how}", marks=p.marks)
+    for p in GRAPH_GRAD_MODES
+    for how in ("backward", "autograd_grad")
+    if how == "backward" or p.values[1] != "in_graph"  # in_graph refuses autograd.grad
+]
+
+
+@pytest.mark.parametrize("kind", INCOMING_KINDS)
+@pytest.mark.parametrize(("backend", "param_grads", "how"), _HOW)
+def test_incoming_grads_of_another_dtype_or_layout_give_eagers_grads(
+    backend: str, param_grads: str, how: str, kind: str
+) -> None:
+    # eager's engine casts an incoming grad to the output's dtype and hands the layer its
+    # strides (a LayerNorm's backward rounds by them); the replay copies it into its buffer
+    device = device_of(backend)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).to(device)
+    twin = copy.deepcopy(model)
+    sample = torch.randn(5, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(model, (sample,), backend=backend, param_grads=param_grads)
+    results = []
+    for module in (model, twin):
+        generator = torch.Generator().manual_seed(5)
+        got = []
+        for _ in range(3):  # fresh inputs, the parameter grads accumulating
+            x = torch.randn(5, 4, generator=generator).to(device).requires_grad_()
+            incoming = _incoming_grad(kind, (5, 3), generator).to(device)
+            out = module(x)
+            if how == "backward":
+                out.backward(incoming)
+                got.append(x.grad)
+            else:
+                got.extend(torch.autograd.grad(out, [x, *module.parameters()], incoming))
+        results.append([*got, *grads_of(parameters_of(module))])
+    for i, (ours, eagers) in enumerate(zip(*results, strict=True)):
+        assert_tensors_match(ours, eagers, f"grad {i}", tolerance(backend))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_backward_run_on_another_thread_gives_eagers_grads(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(device)
+    twin = copy.deepcopy(model)
+    sample = torch.randn(5, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(model, (sample,), backend=backend, param_grads=param_grads)
+    results = []
+    for module in (model, twin):
+        generator = torch.Generator().manual_seed(5)
+        got = []
+        for _ in range(3):
+            x = torch.randn(5, 4, generator=generator).to(device).requires_grad_()
+            loss = module(x).square().sum()
+            worker = threading.Thread(target=loss.backward)  # as a pipeline's helper might
+            worker.start()
+            worker.join()
+            got.append(x.grad)
+        results.append([*got, *grads_of(parameters_of(module))])
+    for i, (ours, eagers) in enumerate(zip(*results, strict=True)):
+        assert_tensors_match(ours, eagers, f"grad {i}", tolerance(backend))
