@@ -2161,3 +2161,32 @@ def test_a_backward_run_on_another_thread_gives_eagers_grads(
         results.append([*got, *grads_of(parameters_of(module))])
     for i, (ours, eagers) in enumerate(zip(*results, strict=True)):
         assert_tensors_match(ours, eagers, f"grad {i}", tolerance(backend))
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.left(x).tanh(), self.right(x)
+
+
+def test_in_graph_under_inference_mode_leaves_a_parameter_eager_never_reaches_alone() -> None:
+    # the right head's .grad is None only because the loss leaves its output out: eager's
+    # backward never reaches it, so it makes no new .grad there (nor anywhere: the left head's
+    # are added into in place), and the backward runs as eager's
+    module = _TwoHeads()
+    twin = copy.deepcopy(module)
+    sample = torch.randn(5, 4, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend="emulate", param_grads="in_graph")
+    for call in (module, twin):
+        generator = torch.Generator().manual_seed(2)
+        for inference in (False, True):
+            x = torch.randn(5, 4, generator=generator, requires_grad=True)
+            loss = call(x)[0].square().sum()
+            with torch.inference_mode(inference):
+                loss.backward()
+    assert _inference_flags(module) == _inference_flags(twin) == [False, False, None, None]
+    for ours, eagers in zip(module.parameters(), twin.parameters(), strict=True):
+        assert (ours.grad is None and eagers.grad is None) or torch.equal(ours.grad, eagers.grad)
