@@ -28,6 +28,13 @@ reverse (refused naming it), backward of two calls' summed losses, ``backward(in
 ``torch.autograd.grad`` and ``retain_graph``. Every refusal must name what it refuses;
 :data:`REFUSALS` counts them.
 
+A third runs the autograd features a training loop uses (:class:`FeatureProgram`) on a small
+residual block graphed through each entry point whose calls may come in any order: parameter
+post-accumulate-grad hooks reading every ``.grad``, a backward on another thread, an incoming
+grad of another dtype and layout, ``zero_grad`` between forward and backward, fused and foreach
+AdamW, ``no_grad`` and ``inference_mode`` calls, ``torch.autograd.grad``, a backward under
+``inference_mode``, a retained or hooked output.
+
 A deep copy of the module runs the same program eagerly; outputs (bits, ``None`` positions,
 constants, ``requires_grad``, inputs handed back as the caller's tensors), input grads,
 parameter grads, parameter values and buffers must be equal bit for bit. A
@@ -45,10 +52,12 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import threading
 from typing import Any
 
 import pytest
 import torch
+from entry_points import call_length, graphed_on
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -1254,3 +1263,196 @@ def test_graphed_model_parts_equal_their_eager_copy_over_random_programs(
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+# -- autograd features a training loop uses ------------------------------------------------------
+
+#: Entry points whose calls may come in any order (a schedule's may not); ``graphed_on``'s.
+FEATURE_ENTRIES = ("plain", "clone_outputs", "together", "slots", "buckets")
+#: One forward each, then (but for ``no_grad`` and ``inference``) one backward of some kind.
+FEATURE_STEPS = (
+    "backward",
+    "thread",
+    "incoming",
+    "zero_between",
+    "fused_step",
+    "foreach_step",
+    "no_grad",
+    "inference",
+    "autograd_grad",
+    "inference_backward",
+    "retained_output",
+    "output_hook",
+)
+
+
+class Residual(nn.Module):
+    """A Linear, LayerNorm, tanh and Linear, plus its input: ``graphed_on``'s calling convention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.second = nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: torch.Tensor | None = None) -> torch.Tensor:
+        return self.second(self.norm(self.first(x)).tanh()) + x
+
+
+@dataclasses.dataclass
+class FeatureProgram:
+    entry: str
+    param_grads: str
+    hooks: bool  # post-accumulate-grad hooks reading every .grad, put on before the first call
+    steps: list[tuple[str, bool]]  # (step, whether its input requires grad)
+    seed: int
+
+
+@st.composite
+def feature_programs(draw: st.DrawFn) -> FeatureProgram:
+    return FeatureProgram(
+        entry=draw(st.sampled_from(FEATURE_ENTRIES)),
+        param_grads=draw(st.sampled_from(["auto", "autograd", "in_graph"])),
+        hooks=draw(st.booleans()),
+        steps=draw(
+            st.lists(
+                st.tuples(st.sampled_from(FEATURE_STEPS), st.sampled_from([True, True, False])),
+                min_size=1,
+                max_size=6,
+            )
+        ),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _seen(tensor: torch.Tensor | None) -> Any:
+    """What eager's caller can see of a tensor: None, or its flags and bits."""
+    if tensor is None:
+        return None
+    flags = (tensor.dtype, tuple(tensor.shape), tensor.requires_grad, tensor.is_inference())
+    return flags, tensor.detach().clone().view(torch.int32).tolist()
+
+
+def run_features(
+    program: FeatureProgram,
+    module: nn.Module,
+    call: Any,
+    length: int,
+    log: list[Any],
+    until: int | None = None,
+) -> None:
+    """``program`` on ``module`` (called through ``call``), each thing a caller sees in ``log``;
+    stops at the first error, logged (a DualgraphError: its step's index, and whether every
+    .grad is as before), or at step ``until``'s backward."""
+    generator = torch.Generator().manual_seed(program.seed)
+    params = list(module.parameters())
+    if program.hooks:
+        for i, param in enumerate(params):
+            param.register_post_accumulate_grad_hook(
+                lambda _, i=i: log.append(("hook", i, [_seen(p.grad) for p in params]))
+            )
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for index, (step, requires_grad) in enumerate(program.steps):
+        x = torch.randn(2, length, 4, generator=generator).requires_grad_(requires_grad)
+        if step in ("no_grad", "inference"):
+            with torch.no_grad() if step == "no_grad" else torch.inference_mode():
+                out = call(x)
+            log.append((step, _seen(out.clone())))  # an inference tensor's flag differs: README
+            continue
+        out = call(x)
+        log.append(("out", _seen(out)))
+        if index == until:
+            return
+        before = [_seen(p.grad) for p in params]
+        try:
+            loss = out.square().sum()
+            if step == "zero_between":
+                module.zero_grad(set_to_none=requires_grad)
+            if step == "thread":
+                raised: list[BaseException] = []
+
+                def backward(
+                    loss: torch.Tensor = loss, raised: list[BaseException] = raised
+                ) -> None:
+                    try:
+                        loss.backward()
+                    except BaseException as error:  # handed to this thread
+                        raised.append(error)
+
+                thread = threading.Thread(target=backward)
+                thread.start()
+                thread.join()
+                if raised:
+                    raise raised[0]
+            elif step == "incoming":  # float64, transposed
+                incoming = torch.randn(4, length, 2, generator=generator, dtype=torch.float64)
+                out.backward(incoming.permute(2, 1, 0))
+            elif step == "autograd_grad":
+                wanted = [x, *params] if requires_grad else params
+                log.append(("grads", [_seen(g) for g in torch.autograd.grad(loss, wanted)]))
+            elif step == "inference_backward":
+                with torch.inference_mode():
+                    loss.backward()
+            elif step == "retained_output":
+                out.retain_grad()
+                loss.backward()
+                log.append(("retained", _seen(out.grad)))
+            elif step == "output_hook":
+                out.register_hook(lambda grad: grad * 2)
+                loss.backward()
+            else:
+                loss.backward()
+            if step in ("fused_step", "foreach_step"):
+                if step not in optimizers:
+                    fused = step == "fused_step"
+                    optimizers[step] = torch.optim.AdamW(
+                        params, lr=0.01, fused=fused, foreach=None if fused else True
+                    )
+                optimizers[step].step()
+                optimizers[step].zero_grad()
+        except DualgraphError as error:
+            unchanged = before == [_seen(p.grad) for p in params] and x.grad is None
+            log.append(("refused", index, str(error), unchanged))
+            return
+        except RuntimeError as error:  # eager's own error, which eager raises too
+            log.append(("error", index, type(error).__name__, str(error)))
+            return
+        log.append(("grads", _seen(x.grad), [_seen(p.grad) for p in params]))
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(feature_programs())
+def test_graphed_module_equals_its_eager_copy_under_autograd_features(
+    program: FeatureProgram,
+) -> None:
+    # parameter hooks reading every .grad, a backward on another thread, incoming grads of
+    # another dtype and layout, zero_grad between forward and backward, fused and foreach
+    # optimizers, no_grad and inference_mode calls, torch.autograd.grad, a backward under
+    # inference_mode, a retained or hooked output; on every entry point calls may take in any
+    # order, bit for bit. A refusal only under "in_graph" (its README limits), naming it and
+    # changing no .grad; eager is then compared up to that step.
+    module = Residual()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on(program.entry, module, param_grads=program.param_grads)
+    length = call_length(program.entry)
+    ours: list[Any] = []
+    run_features(program, module, graphed, length, ours)
+    until = None
+    if ours[-1][0] == "refused":
+        _, until, message, unchanged = ours.pop()
+        assert program.param_grads == "in_graph", message
+        assert "param_grads='in_graph'" in message and unchanged, message
+        event(f"refused under in_graph: {program.steps[until][0]}")
+    elif ours[-1][0] == "error" and "appears to not have been used in the graph" in ours[-1][3]:
+        # README: under "in_graph", torch.autograd.grad of the parameters alone finds none of
+        # them in the graph (torch's own error, before anything ran)
+        _, until, _, message = ours.pop()
+        assert program.param_grads == "in_graph", message
+        assert program.steps[until] == ("autograd_grad", False), message
+        event("in_graph: torch.autograd.grad of parameters alone")
+    theirs: list[Any] = []
+    run_features(program, twin, twin, length, theirs, until)
+    assert ours == theirs

@@ -161,6 +161,33 @@ def test_under_auto_a_hook_put_on_after_calls_runs_in_eagers_order_from_the_next
     assert program(graphed) == program(eager)
 
 
+@pytest.mark.parametrize("mode", HOOKED_MODES)
+@pytest.mark.parametrize(
+    "options", [{"slots": 2}, {"schedule": [1, 1, -1, -1]}], ids=["slots", "schedule"]
+)
+def test_every_slots_replay_runs_parameter_hooks_in_eagers_order(
+    mode: str, options: dict[str, Any]
+) -> None:
+    # Only the first slot's warmup is inspected; the others took over what it found but the
+    # order, so the second slot's backward ran the hooks in the engine's heap order
+    eager = _layers()
+    graphed = copy.deepcopy(eager)
+    sample = torch.randn(2, 4, requires_grad=True)
+    dgt.make_graphed_callables(graphed, (sample,), backend="emulate", param_grads=mode, **options)
+
+    def program(module: nn.Module) -> list[Any]:
+        log: list[Any] = []
+        _reading_the_others(module, log)
+        inputs = _inputs(4)
+        for step in (inputs[:2], inputs[2:]):  # two in flight: each slot replays
+            losses = [module(x).square().sum() for x in step]
+            for loss in losses:
+                loss.backward()
+        return [*log, *(_bits(p.grad) for p in module.parameters())]
+
+    assert program(graphed) == program(eager)
+
+
 def test_reaching_order_notes_eagers_order_and_leaves_no_hook_dict() -> None:
     module = _layers()
     params = list(module.parameters())

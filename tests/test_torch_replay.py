@@ -2094,3 +2094,196 @@ def test_a_replay_and_a_call_passing_its_own_parameter_sum_their_grads_as_eager(
         )
     calls = dgt.diagnostics(module)
     assert (calls.replays, calls.eager_calls) == (3, 3)
+
+
+# -- a backward under inference mode ------------------------------------------------------------
+
+
+def _inference_flags(module: nn.Module) -> list[bool | None]:
+    return [None if p.grad is None else p.grad.is_inference() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+def test_a_backward_under_inference_mode_makes_new_grads_inference_tensors_as_eager(
+    entry: str, param_grads: str
+) -> None:
+    # eager's AccumulateGrad makes a .grad that was None an inference tensor there (and adds
+    # into it in place after); "auto" handed out its accumulators, ordinary tensors, silently
+    module = Decays()
+    twin = copy.deepcopy(module)
+    graphed = graphed_on(entry, module, param_grads=param_grads)
+    for call in (graphed, twin):
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x = torch.randn(2, call_length(entry), 4, generator=generator, requires_grad=True)
+            loss = call(x).square().sum()
+            with torch.inference_mode():
+                loss.backward()
+    assert _inference_flags(module) == _inference_flags(twin) == [True, True]
+    for ours, eagers in zip(module.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, eagers.grad)
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+def test_in_graph_refuses_a_backward_under_inference_mode_that_would_make_a_new_grad(
+    entry: str,
+) -> None:
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads="in_graph")
+    x = batch(call_length(entry))
+    loss = graphed(x).square().sum()
+    with (
+        torch.inference_mode(),
+        pytest.raises(
+            DualgraphError,
+            match=r"Decays\.linear\.weight: \.grad is None and this backward runs under "
+            r"torch\.inference_mode\(\).*nothing was changed",
+        ),
+    ):
+        loss.backward(retain_graph=True)  # for the retry below
+    assert x.grad is None and _inference_flags(module) == [None, None]
+    loss.backward()  # outside inference mode, as eager's
+    assert _inference_flags(module) == [False, False]
+
+
+# -- a second backward through a replay's grads --------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", WITH_PARAMETERS)
+@pytest.mark.parametrize("param_grads", ["auto", "autograd"])
+def test_a_gradient_penalty_through_a_replay_is_a_dualgraph_error_naming_it_with_nothing_changed(
+    entry: str, param_grads: str
+) -> None:
+    # torch's own node (DelayedError) raised a bare RuntimeError, which a caller catching
+    # DualgraphError (as for every other refusal) let through
+    module = Decays()
+    graphed = graphed_on(entry, module, param_grads=param_grads)
+    x = batch(call_length(entry))
+    y = graphed(x)
+    (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(
+        DualgraphError, match=r"^Decays(\[[^:]*\])?: trying to differentiate twice.*restore"
+    ):
+        (y.sum() + grad.square().sum()).backward()
+    assert x.grad is None and all(p.grad is None for p in module.parameters())
+
+
+# -- incoming grads laid out otherwise, and a backward on another thread -------------------------
+
+
+def _incoming_grad(kind: str, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """An incoming grad for an output of ``shape``, in another dtype or memory layout."""
+    rows, columns = shape
+    if kind == "float64":
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+    if kind == "bfloat16":
+        return torch.randn(shape, generator=generator).bfloat16()
+    if kind == "transposed":
+        return torch.randn(columns, rows, generator=generator).t()
+    if kind == "every_other_column":
+        return torch.randn(rows, 2 * columns, generator=generator)[:, ::2]
+    if kind == "expanded_row":
+        return torch.randn(1, columns, generator=generator).expand(shape)
+    assert kind == "expanded_scalar"  # stride 0 in every dim
+    return torch.randn((), generator=generator).expand(shape)
+
+
+INCOMING_KINDS = [
+    "float64",
+    "bfloat16",
+    "transposed",
+    "every_other_column",
+    "expanded_row",
+    "expanded_scalar",
+]
+_HOW = [
+    pytest.param(*p.values, how, id=f"{p.id}-{how}", marks=p.marks)
+    for p in GRAPH_GRAD_MODES
+    for how in ("backward", "autograd_grad")
+    if how == "backward" or p.values[1] != "in_graph"  # in_graph refuses autograd.grad
+]
+
+
+@pytest.mark.parametrize("kind", INCOMING_KINDS)
+@pytest.mark.parametrize(("backend", "param_grads", "how"), _HOW)
+def test_incoming_grads_of_another_dtype_or_layout_give_eagers_grads(
+    backend: str, param_grads: str, how: str, kind: str
+) -> None:
+    # eager's engine casts an incoming grad to the output's dtype and hands the layer its
+    # strides (a LayerNorm's backward rounds by them); the replay copies it into its buffer
+    device = device_of(backend)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).to(device)
+    twin = copy.deepcopy(model)
+    sample = torch.randn(5, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(model, (sample,), backend=backend, param_grads=param_grads)
+    results = []
+    for module in (model, twin):
+        generator = torch.Generator().manual_seed(5)
+        got = []
+        for _ in range(3):  # fresh inputs, the parameter grads accumulating
+            x = torch.randn(5, 4, generator=generator).to(device).requires_grad_()
+            incoming = _incoming_grad(kind, (5, 3), generator).to(device)
+            out = module(x)
+            if how == "backward":
+                out.backward(incoming)
+                got.append(x.grad)
+            else:
+                got.extend(torch.autograd.grad(out, [x, *module.parameters()], incoming))
+        results.append([*got, *grads_of(parameters_of(module))])
+    for i, (ours, eagers) in enumerate(zip(*results, strict=True)):
+        assert_tensors_match(ours, eagers, f"grad {i}", tolerance(backend))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_backward_run_on_another_thread_gives_eagers_grads(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(device)
+    twin = copy.deepcopy(model)
+    sample = torch.randn(5, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(model, (sample,), backend=backend, param_grads=param_grads)
+    results = []
+    for module in (model, twin):
+        generator = torch.Generator().manual_seed(5)
+        got = []
+        for _ in range(3):
+            x = torch.randn(5, 4, generator=generator).to(device).requires_grad_()
+            loss = module(x).square().sum()
+            worker = threading.Thread(target=loss.backward)  # as a pipeline's helper might
+            worker.start()
+            worker.join()
+            got.append(x.grad)
+        results.append([*got, *grads_of(parameters_of(module))])
+    for i, (ours, eagers) in enumerate(zip(*results, strict=True)):
+        assert_tensors_match(ours, eagers, f"grad {i}", tolerance(backend))
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.left(x).tanh(), self.right(x)
+
+
+def test_in_graph_under_inference_mode_leaves_a_parameter_eager_never_reaches_alone() -> None:
+    # the right head's .grad is None only because the loss leaves its output out: eager's
+    # backward never reaches it, so it makes no new .grad there (nor anywhere: the left head's
+    # are added into in place), and the backward runs as eager's
+    module = _TwoHeads()
+    twin = copy.deepcopy(module)
+    sample = torch.randn(5, 4, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend="emulate", param_grads="in_graph")
+    for call in (module, twin):
+        generator = torch.Generator().manual_seed(2)
+        for inference in (False, True):
+            x = torch.randn(5, 4, generator=generator, requires_grad=True)
+            loss = call(x)[0].square().sum()
+            with torch.inference_mode(inference):
+                loss.backward()
+    assert _inference_flags(module) == _inference_flags(twin) == [False, False, None, None]
+    for ours, eagers in zip(module.parameters(), twin.parameters(), strict=True):
+        assert (ours.grad is None and eagers.grad is None) or torch.equal(ours.grad, eagers.grad)

@@ -256,8 +256,12 @@ def test_gradient_accumulation_over_replays_matches_eager(
 
 
 @pytest.mark.parametrize(("backend", "param_grads"), GRAD_MODES)
-@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+@pytest.mark.parametrize(
+    "optimizer", ["SGD", "Adam", "AdamW-foreach", "AdamW-fused", "SGD-fused", "Adam-single-tensor"]
+)
 def test_training_steps_match_eager(backend: str, param_grads: str, optimizer: str) -> None:
+    # the multi-tensor (foreach) and fused kernels read every .grad at once: under "in_graph"
+    # and "auto" those are the graph's accumulators
     case = CASES["mlp"]
     device = device_of(backend)
     fn, twin = case.make(device)
@@ -266,6 +270,10 @@ def test_training_steps_match_eager(backend: str, param_grads: str, optimizer: s
     make_optimizer = {
         "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
         "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        "AdamW-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+        "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+        "SGD-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+        "Adam-single-tensor": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
     }[optimizer]
     optimizers = [make_optimizer(m.parameters()) for m in (fn, twin)]
     for _ in range(4):

@@ -245,6 +245,7 @@ class _Capture:
         self.output_aliases = original.output_aliases
         self.output_attributes = original.output_attributes
         self.reach = original.reach
+        self.grad_order = original.grad_order  # each replay's hooks in eager's order
         self.mutated = set(original.mutated)
         self.mutated_quietly = set(original.mutated_quietly)
         self.warmup_grads = original.warmup_grads

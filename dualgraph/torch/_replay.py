@@ -1518,7 +1518,10 @@ class GraphedCallable:
             kept.append((params[i], params[i].grad))
             params[i].grad = None
         try:
-            self._backward_into_accumulators(self._replay_backward)  # type: ignore[arg-type]
+            self._backward_into_accumulators(
+                self._replay_backward,  # type: ignore[arg-type]
+                left_alone=frozenset(id(params[i]) for i in unreached),
+            )
         finally:
             for param, grad in kept:
                 param.grad = grad
@@ -1926,7 +1929,9 @@ class GraphedCallable:
                 ".grad. Capture with param_grads='autograd' for that"
             )
 
-    def _backward_into_accumulators(self, replay: Callable[[], None]) -> bool | torch.Tensor:
+    def _backward_into_accumulators(
+        self, replay: Callable[[], None], left_alone: frozenset[int] = frozenset()
+    ) -> bool | torch.Tensor:
         """Replay ``replay``, which adds the parameter grads into static accumulators.
 
         ``replay`` is the backward graph, which adds into the accumulators (``"in_graph"``, and
@@ -1959,6 +1964,30 @@ class GraphedCallable:
         ):
             replay()  # every .grad is its accumulator, where the graph adds
             return True
+        if _is_inference_mode_enabled() and any(grad is None for grad in grads):
+            # A backward under torch.inference_mode(): eager's AccumulateGrad makes a .grad that
+            # was None an inference tensor (a later backward outside it cannot add into it); an
+            # accumulator handed out here would be an ordinary one. (``left_alone``: parameters
+            # eager's backward never reaches, whose .grad is None meanwhile; by identity.)
+            if self._auto:
+                return False  # autograd's AccumulateGrad makes it, as eager's
+            names = self._accumulator_names
+            params = self._in_graph_params
+            name = next(
+                (
+                    n
+                    for n, p, g in zip(names, params, grads, strict=True)
+                    if g is None and id(p) not in left_alone
+                ),
+                None,
+            )
+            if name is not None:
+                raise _RefusedBeforeReplay(
+                    f"{name}: .grad is None and this backward runs under "
+                    "torch.inference_mode(), where eager makes the new .grad an inference tensor; "
+                    "param_grads='in_graph' would hand out an ordinary one (nothing was changed): "
+                    "run the backward outside inference mode, or capture with param_grads='auto'"
+                )
         # Every accumulator where its memory lies (_same_place of each, in two C passes): the
         # usual case here, every .grad None after zero_grad()
         placed = (

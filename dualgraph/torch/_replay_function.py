@@ -18,7 +18,7 @@ from ._ambient import ddp_is_running as _ddp_is_running
 if TYPE_CHECKING:
     from ._replay import GraphedCallable
 
-__all__ = ["REPLAY_BACKWARD", "apply_replay", "watch_handed_out"]
+__all__ = ["REPLAY_BACKWARD", "SecondBackwardError", "apply_replay", "watch_handed_out"]
 
 _is_grad_enabled = torch.is_grad_enabled
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
@@ -139,17 +139,39 @@ def _backward_building_graph(
     )
 
 
-_DelayedError = torch._C._functions.DelayedError
+class SecondBackwardError(DualgraphError, RuntimeError):
+    """A second backward through a replay's grads (a gradient penalty, a Hessian): refused.
+
+    A ``RuntimeError`` too, as torch's own ``once_differentiable`` refusal is.
+    """
 
 
-def _twice(name: str) -> bytes:
+def _twice(name: str) -> str:
     """What a second backward through a replay's grads raises: torch's words, and ours."""
     return (
         f"{name}: trying to differentiate twice a function that was marked with "
         "@once_differentiable: the grads of a graphed callable's backward replay have no graph "
         "of their own to differentiate (a gradient penalty, a Hessian, a second derivative); "
         "run this callable eagerly for that (dualgraph.torch.restore, or the function itself)"
-    ).encode()
+    )
+
+
+class _RefusingASecondBackward(torch.autograd.Function):
+    """Hands the grads of a backward run with ``create_graph=True`` on as they are; its own
+    backward (differentiating them) raises :class:`SecondBackwardError` naming the callable.
+
+    Its inputs past the first ``count`` (the replay's inputs and incoming grads that need grad)
+    are edges only: ``torch.autograd.grad`` runs just the nodes on a path to what it asks for.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, name: str, count: int, *tensors: torch.Tensor | None) -> Any:
+        ctx.name = name
+        return tensors[:count]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise SecondBackwardError(_twice(ctx.name))
 
 
 def _refusing_a_second_backward(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -174,9 +196,11 @@ def _backward_once_differentiable(
     # ``x``, and a node hung off leaves of its own would be skipped (a Hessian or a
     # ``functional.jvp`` silently zero, not refused).
     reached = [t for t in (*ctx.inputs, *grads) if t is not None and t.requires_grad]
-    refusing = _DelayedError(_twice(ctx.graphed.name), len(results) + len(reached))
-    refused = refusing(*map(_refusing_a_second_backward, results), *reached)  # type: ignore[arg-type]
-    return tuple(refused[: len(results)])
+    return tuple(
+        _RefusingASecondBackward.apply(
+            ctx.graphed.name, len(results), *map(_refusing_a_second_backward, results), *reached
+        )
+    )
 
 
 def _noting_hooks(register: Any, *, sees_results: bool) -> Any:
