@@ -1997,3 +1997,48 @@ def test_an_output_changed_through_data_before_backward_is_differentiated_as_cha
         assert mine.grad is not None and theirs.grad is not None
         assert_tensors_match(mine.grad, theirs.grad, "x.grad", tolerance(backend))
         assert_grads_match([graphed.w.grad], [twin.w.grad], ["w"], tolerance(backend))
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "in_graph"])
+def test_a_plain_backward_compares_the_parameters_in_one_chain_of_tests(
+    monkeypatch: pytest.MonkeyPatch, param_grads: str
+) -> None:
+    # The usual backward (no hook, every .grad its accumulator) answers its per-parameter
+    # comparisons with the chains made at construction (_chains.py), without a pass of
+    # attrgetters; a hook put on later still takes the passes, and is run or refused as before.
+    from dualgraph.torch import _replay
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate", param_grads=param_grads
+    )
+    module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    passes = []
+    flags, grad = _replay._in_graph_flags, _replay._grad
+    monkeypatch.setattr(_replay, "_in_graph_flags", lambda p: passes.append("flags") or flags(p))
+    monkeypatch.setattr(_replay, "_grad", lambda p: passes.append("grad") or grad(p))
+    module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert passes == []
+    hooked = []
+    module[0].weight.register_hook(lambda g: hooked.append(g) or g)
+    loss = module(torch.randn(2, 4, requires_grad=True)).sum()
+    if param_grads == "in_graph":
+        with pytest.raises(DualgraphError, match="has a grad hook"):
+            loss.backward()
+    else:
+        loss.backward()
+        assert len(hooked) == 1
+    assert "flags" in passes
+
+
+def test_the_backward_chains_hold_no_reference_to_an_accumulator() -> None:
+    # The backward counts each accumulator's references to tell an old .grad still held: a
+    # chain holding one would count among them.
+    module = nn.Linear(4, 4)
+    dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate", param_grads="in_graph"
+    )
+    runner = runner_of(module)
+    held = [cell.cell_contents for cell in runner._sums_in_place.__closure__]
+    accumulators = runner._in_graph_accumulators
+    assert accumulators and not any(value is a for value in held for a in accumulators)

@@ -6,9 +6,9 @@ a graphed module. Its usual answer (nothing changed) was a dozen passes of ``map
 more than the tests themselves for a small module (a ``Linear``: 4.5 us in a training step on a
 CPU, 1.8 us as one chain of tests). :func:`fast_check` writes that chain once per record: a
 ``dict[key] is tensor`` per parameter, ``type(module) is cls`` per submodule, and so on, in the
-order the passes made them, each object a closure variable of the function (never pasted into
-the source: the code holds only names ``v0, v1, ...`` and indices, so records of the same shape,
-the blocks of a model, share one compiled code).
+order the passes made them, each object a closure variable, never pasted into the source (a
+:class:`~dualgraph.torch._chains.Chain`: records of one shape, a model's blocks, share one
+compiled code).
 
 The chain answers ``True`` only where every comparison of the passes it stands for holds; a
 ``False`` sends the caller to the record's full check, which decides and words the refusal. Its
@@ -22,41 +22,21 @@ Example::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
+from ._chains import Chain
 
 if TYPE_CHECKING:
     from ._params import ModuleTensors
 
 __all__ = ["fast_check"]
 
-# Called as the passes called them (unbound: a subclass's own ``get`` or ``data_ptr`` is not
-# what they read).
-_BOUND = {"_get": dict.get, "_data_ptr": torch.Tensor.data_ptr, "_type": type, "_len": len}
-
-
-class _Writer:
-    """The tests of one chain and the values they name (``v0, v1, ...``, in order)."""
-
-    def __init__(self) -> None:
-        self.values: list[Any] = list(_BOUND.values())
-        self.tests: list[str] = []
-
-    def bind(self, value: Any) -> str:
-        self.values.append(value)
-        return f"v{len(self.values) - 1}"
-
-    def test(self, source: str, *values: Any) -> None:
-        self.tests.append(source.format(*map(self.bind, values)))
-
 
 def fast_check(record: ModuleTensors, absent: object) -> Callable[[], bool]:
     """The chain of tests of ``record``'s usual call (module docstring); ``absent``: what
     stands for a deleted attribute among the recorded values."""
-    w = _Writer()
+    w = Chain()
     owners, keys = record._indexed
     identical = record._identical
     for owner, key, held in zip(owners, keys, identical, strict=False):
@@ -100,23 +80,4 @@ def fast_check(record: ModuleTensors, absent: object) -> Callable[[], bool]:
         values, gone, read = w.bind(record.class_values), w.bind(absent), w.bind(getattr)
         for i, (cls, key) in enumerate(zip(record.class_owners, record.class_keys, strict=True)):
             w.tests.append(f"{read}({w.bind(cls)}, {w.bind(key)}, {gone}) is {values}[{i}]")
-    return _maker(len(w.values), tuple(w.tests))(*w.values)
-
-
-@functools.lru_cache(maxsize=256)
-def _maker(count: int, tests: tuple[str, ...]) -> Callable[..., Callable[[], bool]]:
-    """A function of the ``count`` values returning the chain ``tests`` over them (compiled
-    once per shape: the names of the values are their positions)."""
-    names = ["_get", "_data_ptr", "_type", "_len"]
-    names += [f"v{i}" for i in range(len(names), count)]
-    chain = "\n        and ".join(tests)
-    source = (
-        f"def make({', '.join(names)}):\n"
-        "    def passes():\n"
-        f"        return (\n            {chain}\n        )\n"
-        "    return passes\n"
-    )
-    namespace: dict[str, Any] = {}
-    exec(compile(source, "<dualgraph module check>", "exec"), namespace)
-    make: Callable[..., Callable[[], bool]] = namespace["make"]
-    return make
+    return w.compiled()
