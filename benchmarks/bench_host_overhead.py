@@ -14,6 +14,7 @@ grads accumulate across steps. ``--zero-grad`` clears them first in each step, a
 loop's ``optimizer.zero_grad()`` does: ``set_to_none`` sets every parameter's ``.grad`` to
 ``None`` (torch's default, so the backward starts new sums: the path most loops take),
 ``zeros`` zeroes them in place (``set_to_none=False``); ``none`` (the default) clears nothing.
+``--no-grad`` times an evaluation step instead: the blocks' forwards under ``torch.no_grad()``.
 Medians of ``--rounds`` interleaved rounds of ``--steps``
 steps, in microseconds per step (CPU time of the process on a CPU, one torch thread; wall
 time on a GPU); ``--baseline DIR`` also loads ``DIR/dualgraph`` (another
@@ -102,10 +103,23 @@ def clearing(blocks: list[Any], zero_grad: str) -> Step:
 
 
 def step_of(
-    blocks: list[Any], shape: tuple[int, ...], device: torch.device, zero_grad: str = "none"
+    blocks: list[Any],
+    shape: tuple[int, ...],
+    device: torch.device,
+    zero_grad: str = "none",
+    no_grad: bool = False,
 ) -> Step:
     inputs = torch.randn(*shape, device=device)
     clear = clearing(blocks, zero_grad)
+
+    def evaluation() -> None:
+        with torch.no_grad():
+            x = inputs
+            for block in blocks:
+                x = block(x)[0]
+
+    if no_grad:
+        return evaluation
 
     def step() -> None:
         clear()
@@ -180,14 +194,15 @@ def build(
     backends: list[str],
     packages: dict[str, Any],
     zero_grad: str = "none",
+    no_grad: bool = False,
 ) -> dict[str, Step]:
     variants: dict[str, Step] = {}
     blocks, shape = make_blocks(workload, device)
-    variants["eager"] = step_of(blocks, shape, device, zero_grad)
-    variants["empty"] = step_of([], shape, device, zero_grad)
+    variants["eager"] = step_of(blocks, shape, device, zero_grad, no_grad)
+    variants["empty"] = step_of([], shape, device, zero_grad, no_grad)
     blocks, shape = make_blocks(workload, device)
     wrapped = [like_torchs_wrapper(block, torch.randn(*shape, device=device)) for block in blocks]
-    variants["torch-like"] = step_of(wrapped, shape, device, zero_grad)
+    variants["torch-like"] = step_of(wrapped, shape, device, zero_grad, no_grad)
     for suffix, package in packages.items():
         for backend in backends:
             for mode in MODES:
@@ -203,7 +218,7 @@ def build(
                 for block in graphed:
                     without_replays(package, block)
                 variants[f"{backend}-{mode}{suffix}"] = step_of(
-                    list(graphed), shape, device, zero_grad
+                    list(graphed), shape, device, zero_grad, no_grad
                 )
     return variants
 
@@ -265,6 +280,10 @@ def main() -> None:
         help="clear the parameter grads before each step: set_to_none (torch's default "
         "optimizer.zero_grad()), zeros (set_to_none=False), none (grads accumulate)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-grad", action="store_true",
+        help="time an evaluation step instead: the blocks' forwards under torch.no_grad()",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)  # host overhead is one thread's work; more threads only contend
@@ -273,16 +292,18 @@ def main() -> None:
     results: dict[str, Any] = {"device": str(device), "torch": torch.__version__}
     for workload in args.workloads:
         times = time_steps(
-            build(workload, device, backends, packages, args.zero_grad),
+            build(workload, device, backends, packages, args.zero_grad, args.no_grad),
             args.rounds,
             args.steps,
             device,
         )
         results[workload] = times
         results["zero_grad"] = args.zero_grad
+        results["no_grad"] = args.no_grad
         empty = times["empty"]
+        kind = "forward under no_grad" if args.no_grad else "fwd+bwd"
         print(
-            f"\n{workload}: us per step (fwd+bwd, zero_grad {args.zero_grad}), "
+            f"\n{workload}: us per step ({kind}, zero_grad {args.zero_grad}), "
             f"medians of {args.rounds} rounds"
         )
         print("| variant | us/step | minus empty step |")

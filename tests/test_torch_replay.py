@@ -2287,3 +2287,48 @@ def test_in_graph_under_inference_mode_leaves_a_parameter_eager_never_reaches_al
     assert _inference_flags(module) == _inference_flags(twin) == [False, False, None, None]
     for ours, eagers in zip(module.parameters(), twin.parameters(), strict=True):
         assert (ours.grad is None and eagers.grad is None) or torch.equal(ours.grad, eagers.grad)
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "in_graph"])
+def test_a_plain_backward_compares_the_parameters_in_one_chain_of_tests(
+    monkeypatch: pytest.MonkeyPatch, param_grads: str
+) -> None:
+    # The usual backward (no hook, every .grad its accumulator) answers its per-parameter
+    # comparisons with the chains made at construction (_chains.py), without a pass of
+    # attrgetters; a hook put on later still takes the passes, and is run or refused as before.
+    from dualgraph.torch import _replay
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate", param_grads=param_grads
+    )
+    module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    passes = []
+    flags, grad = _replay._in_graph_flags, _replay._grad
+    monkeypatch.setattr(_replay, "_in_graph_flags", lambda p: passes.append("flags") or flags(p))
+    monkeypatch.setattr(_replay, "_grad", lambda p: passes.append("grad") or grad(p))
+    module(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert passes == []
+    hooked = []
+    module[0].weight.register_hook(lambda g: hooked.append(g) or g)
+    loss = module(torch.randn(2, 4, requires_grad=True)).sum()
+    if param_grads == "in_graph":
+        with pytest.raises(DualgraphError, match="has a grad hook"):
+            loss.backward()
+    else:
+        loss.backward()
+        assert len(hooked) == 1
+    assert "flags" in passes
+
+
+def test_the_backward_chains_hold_no_reference_to_an_accumulator() -> None:
+    # The backward counts each accumulator's references to tell an old .grad still held: a
+    # chain holding one would count among them.
+    module = nn.Linear(4, 4)
+    dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate", param_grads="in_graph"
+    )
+    runner = runner_of(module)
+    held = [cell.cell_contents for cell in runner._sums_in_place.__closure__]
+    accumulators = runner._in_graph_accumulators
+    assert accumulators and not any(value is a for value in held for a in accumulators)

@@ -37,7 +37,7 @@ import itertools
 import math
 import operator
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 from .._errors import DualgraphError
 from ._grad_checks import own_hooks
 from ._layout_checks import Layouts
+from ._module_check import fast_check
 from ._transformer_engine import set_by_te_forward
 
 __all__ = [
@@ -75,7 +76,6 @@ _FORWARD = itertools.repeat("forward")
 #: Where ``_modules.py`` keeps a graphed module's state in its ``__dict__``.
 GRAPHED_STATE = "_dualgraph_graphed"
 _is = operator.is_
-_chain = itertools.chain
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _shape = operator.attrgetter("shape")
@@ -249,6 +249,9 @@ class ModuleTensors:
     _identical: tuple[Any, ...] = field(init=False, repr=False, default=())
     _values: tuple[Any, ...] = field(init=False, repr=False, default=())
     _layouts: Layouts = field(init=False, repr=False, default=None)  # type: ignore[assignment]
+    # The same comparisons as one chain of tests (_module_check.py), made at the first check
+    # after the record last changed (_set), as the record's fields are complete only then.
+    _passes: Callable[[], bool] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         # Each fused comparison implies the one of _check_all it stands for: identity for
@@ -473,61 +476,24 @@ class ModuleTensors:
             ),
         )
 
+    def _set(self, name: str, value: Any) -> None:
+        """Set a field after construction (the record is frozen to its users); the chain of
+        tests is made again at the next check."""
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_passes", None)
+
     def check(self, *, grad_enabled: bool) -> None:
         """Raise :class:`DualgraphError` naming the first tensor the graphs would misread.
 
         ``requires_grad`` only matters under grad mode: without it no grad is computed anyway.
         """
-        tensors, modules = self.tensors, self.modules
+        passes = self._passes
+        if passes is None:
+            passes = fast_check(self, _ABSENT)
+            object.__setattr__(self, "_passes", passes)
         try:
-            if (
-                all(
-                    map(
-                        _is,
-                        _chain(map(_getitem, *self._indexed), map(_get, *self._got)),
-                        self._identical,
-                    )
-                )
-                and tuple(
-                    _chain(
-                        map(type, modules),
-                        map(_training, modules),
-                        map(_data_ptr, tensors),
-                        map(_requires_grad, self.watched),
-                    )
-                )
-                == self._values
-                and self._layouts.same()
-                and not any(self.unhooked_dicts)  # usually all of them: none then, none now
-                and (not self.hooked or self._same_hooks_where_hooked())
-                and (not any(self.global_hook_dicts) or self._same_global_hooks())
-                and (not self.host_tensors or self._host_unchanged())
-                and list(map(len, self.counted_dicts)) == self.counted_lens
-                and (  # plain Python values, by identity (an equal value set again: _check_all)
-                    not self.attribute_keys
-                    or all(
-                        map(
-                            _is,
-                            map(_get, self.attribute_dicts, self.attribute_keys, _ABSENTS),
-                            self.attribute_values,
-                        )
-                    )
-                )
-                and (
-                    not self.cells
-                    or all(map(_is, map(_cell_contents, self.cells), self.cell_values))
-                )
-                and (
-                    not self.class_keys
-                    or all(
-                        map(
-                            _is,
-                            map(getattr, self.class_owners, self.class_keys, _ABSENTS),
-                            self.class_values,
-                        )
-                    )
-                )
-            ):
+            # each comparison of _check_all implied by one test (__post_init__), in one chain
+            if passes():
                 return
         except (KeyError, ValueError):  # ValueError: a closure's cell emptied (del name)
             raise self._explain(grad_enabled) from None
@@ -585,15 +551,14 @@ class ModuleTensors:
         """Note the host-resident tensors ``(name, tensor, dict, key)`` as they are now (the end
         of capture): each call refuses one changed since (``_host_state.py``)."""
         tensors = tuple(entry[1] for entry in hung)
-        fill = object.__setattr__
-        fill(self, "host_names", tuple(entry[0] for entry in hung))
-        fill(self, "host_dicts", tuple(entry[2] for entry in hung))
-        fill(self, "host_keys", tuple(entry[3] for entry in hung))
-        fill(self, "host_tensors", tensors)
-        fill(self, "host_ptrs", tuple(map(_data_ptr, tensors)))
-        fill(self, "host_layouts", tuple((t.shape, t.stride()) for t in tensors))
-        fill(self, "host_bytes", tuple(map(bytes_of, tensors)))
-        fill(self, "host_device", device)
+        self._set("host_names", tuple(entry[0] for entry in hung))
+        self._set("host_dicts", tuple(entry[2] for entry in hung))
+        self._set("host_keys", tuple(entry[3] for entry in hung))
+        self._set("host_tensors", tensors)
+        self._set("host_ptrs", tuple(map(_data_ptr, tensors)))
+        self._set("host_layouts", tuple((t.shape, t.stride()) for t in tensors))
+        self._set("host_bytes", tuple(map(bytes_of, tensors)))
+        self._set("host_device", device)
         self.host_versions[:] = map(_version, tensors)
 
     def _host_unchanged(self) -> bool:
@@ -736,14 +701,14 @@ class ModuleTensors:
         """Note, at setup, a graphed function's own plain values (``_closed_over.code_values``):
         where they live and their values now; :meth:`record_attributes` keeps those that
         capture left as they were."""
-        object.__setattr__(self, "code_globals", tuple(globals_))
-        object.__setattr__(self, "code_cells", tuple(cells))
+        self._set("code_globals", tuple(globals_))
+        self._set("code_cells", tuple(cells))
 
     def note_class_values(self, found: Sequence[tuple[str, type, str, Any]]) -> None:
         """Note, at setup, the values the forwards read from their classes
         (``_closed_over.class_values``); :meth:`record_attributes` keeps those that capture
         left as they were."""
-        object.__setattr__(self, "code_classes", tuple(found))
+        self._set("code_classes", tuple(found))
 
     def note_looked_up(self, missed: dict[int, set[str]]) -> None:
         """Keep, per module, the names the callable looked up and did not find during warmup
@@ -777,7 +742,7 @@ class ModuleTensors:
             and (not before or then.get(key, _ABSENT) is value)
             and key not in te_flags
         ]
-        object.__setattr__(self, "code_from", len(found))
+        self._set("code_from", len(found))
         found += [  # a function's own: those its warmup and capture did not rebind
             (name, namespace, key, then)
             for name, namespace, key, then in self.code_globals
@@ -793,16 +758,16 @@ class ModuleTensors:
             for name, owner, key, then in self.code_classes
             if getattr(owner, key, _ABSENT) is then
         ]
-        object.__setattr__(self, "class_names", tuple(entry[0] for entry in classes))
-        object.__setattr__(self, "class_owners", tuple(entry[1] for entry in classes))
-        object.__setattr__(self, "class_keys", tuple(entry[2] for entry in classes))
+        self._set("class_names", tuple(entry[0] for entry in classes))
+        self._set("class_owners", tuple(entry[1] for entry in classes))
+        self._set("class_keys", tuple(entry[2] for entry in classes))
         self.class_values[:] = [entry[3] for entry in classes]
-        object.__setattr__(self, "cell_names", tuple(entry[0] for entry in cells))
-        object.__setattr__(self, "cells", tuple(entry[1] for entry in cells))
+        self._set("cell_names", tuple(entry[0] for entry in cells))
+        self._set("cells", tuple(entry[1] for entry in cells))
         self.cell_values[:] = [entry[2] for entry in cells]
-        object.__setattr__(self, "attribute_names", tuple(entry[0] for entry in found))
-        object.__setattr__(self, "attribute_dicts", tuple(entry[1] for entry in found))
-        object.__setattr__(self, "attribute_keys", tuple(entry[2] for entry in found))
+        self._set("attribute_names", tuple(entry[0] for entry in found))
+        self._set("attribute_dicts", tuple(entry[1] for entry in found))
+        self._set("attribute_keys", tuple(entry[2] for entry in found))
         self.attribute_values[:] = [entry[3] for entry in found]
         members = [
             (name, kind, getattr(module, attribute))
@@ -812,11 +777,11 @@ class ModuleTensors:
             if module is not None
             for attribute, kind in _MEMBER_KINDS.items()
         ]
-        object.__setattr__(self, "member_names", tuple(entry[0] for entry in members))
-        object.__setattr__(self, "member_kinds", tuple(entry[1] for entry in members))
-        object.__setattr__(self, "member_dicts", tuple(entry[2] for entry in members))
-        object.__setattr__(self, "member_keys", tuple(frozenset(entry[2]) for entry in members))
-        object.__setattr__(self, "member_counts", tuple(len(entry[2]) for entry in members))
+        self._set("member_names", tuple(entry[0] for entry in members))
+        self._set("member_kinds", tuple(entry[1] for entry in members))
+        self._set("member_dicts", tuple(entry[2] for entry in members))
+        self._set("member_keys", tuple(frozenset(entry[2]) for entry in members))
+        self._set("member_counts", tuple(len(entry[2]) for entry in members))
         named = [
             (name, module.__dict__, set_by_te_forward(module) | _NOT_ADDED)
             for name, module in zip(
@@ -825,12 +790,12 @@ class ModuleTensors:
             if module is not None
         ]
         namespaces = tuple(entry[1] for entry in named)
-        object.__setattr__(self, "namespace_names", tuple(entry[0] for entry in named))
-        object.__setattr__(self, "namespaces", namespaces)
-        object.__setattr__(self, "namespace_exempt", tuple(entry[2] for entry in named))
+        self._set("namespace_names", tuple(entry[0] for entry in named))
+        self._set("namespaces", namespaces)
+        self._set("namespace_exempt", tuple(entry[2] for entry in named))
         self.namespace_keys[:] = [_public_keys(namespace, exempt) for _, namespace, exempt in named]
         counted = (*self.member_dicts, *namespaces)
-        object.__setattr__(self, "counted_dicts", counted)
+        self._set("counted_dicts", counted)
         self.counted_lens[:] = map(len, counted)
         if self.root is not None and (found or namespaces):
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
@@ -1110,7 +1075,7 @@ class ModuleTensors:
             if is_buffer
             and (tensor._version != version or not same_bits(tensor, saved_of[id(tensor)]))
         )
-        object.__setattr__(self, "updated", updated)  # found only now; read by the plan
+        self._set("updated", updated)  # found only now; read by the plan
         _copy_back(buffers)
         if replaced is not None:
             raise replaced

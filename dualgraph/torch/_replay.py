@@ -51,6 +51,7 @@ from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_readings as _numerics_readings
 from ._ambient import numerics_state as _numerics_state
 from ._ambient import state_of as _state_of
+from ._chains import Chain
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._eager_graphs import EagerGraphs
@@ -117,6 +118,23 @@ _is_anomaly_check_nan_enabled = torch.is_anomaly_check_nan_enabled
 _in_graph_flags = operator.attrgetter(
     "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"
 )
+
+
+def _flags_chain(params: Sequence[torch.Tensor]) -> Callable[[], bool]:
+    """Whether each of ``params`` is trainable with no tensor or post-accumulate hook (what
+    ``_in_graph_flags`` reads as ``(True, None, None)``), as one chain of tests."""
+    chain = Chain()
+    for param in params:
+        chain.test(
+            "{}.requires_grad is True and {}._backward_hooks is None "
+            "and {}._post_accumulate_grad_hooks is None",
+            param,
+            param,
+            param,
+        )
+    return chain.compiled()
+
+
 _is_any_autocast_enabled = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: autocast_state() != ()
 )
@@ -231,8 +249,10 @@ class GraphedCallable:
         "_param_inputs",
         "_param_memory",
         "_params",
+        "_params_unwatched",
         "_params_watched",
         "_plan_params",
+        "_plan_params_unwatched",
         "_pool",
         "_reach_of_inputs",
         "_reach_of_params",
@@ -256,6 +276,7 @@ class GraphedCallable:
         "_storage_ids",
         "_storages",
         "_sum_start",
+        "_sums_in_place",
         "_unreached_memo",
         "_unwatched",
         "_updated_storages",
@@ -499,6 +520,22 @@ class GraphedCallable:
             tuple(map(_stride, self._graph_grads)),
         )
         self._accumulator_names = tuple(f"{self.name}: {entry[2]}" for entry in self._accumulators)
+        # The usual answers of the backward's per-parameter passes, as chains of tests
+        # (_chains.py): each parameter's flags as _unwatched (and _in_graph_expected) says, and
+        # every .grad its accumulator where the graph adds (_backward_into_accumulators)
+        self._params_unwatched = _flags_chain(self._params)
+        self._plan_params_unwatched = _flags_chain(self._plan_params)
+        # (the accumulators read from their tuple: a reference to each would count among its
+        # holders, which the backward compares with their counts now)
+        sums = Chain()
+        held = sums.bind(self._in_graph_accumulators)
+        for i, param in enumerate(self._in_graph_params):
+            sums.tests.append(f"{sums.bind(param)}.grad is {held}[{i}]")
+        for i, place in enumerate(self._graph_grads_places):
+            sums.tests.append(f"_data_ptr({held}[{i}]) == {sums.bind(place)}")
+        if self._accumulators:
+            sums.test("{}.same()", self._accumulator_layouts)
+        self._sums_in_place = sums.compiled()
         self._ddp_check = params.mode == "in_graph" and bool(self._accumulators)
         # A parameter's AccumulateGrad node kept with a hook on it at a forward (_node_hooks.py):
         # "auto" then hands the grads to autograd, which runs the node with them; "in_graph",
@@ -1535,7 +1572,8 @@ class GraphedCallable:
         checks the grads handed to them for NaN.
         """
         params = self._params
-        if tuple(map(_in_graph_flags, params)) == self._unwatched:  # one pass, the usual case
+        # one chain of tests (or, where it fails, one pass), the usual case
+        if self._params_unwatched() or tuple(map(_in_graph_flags, params)) == self._unwatched:
             self._params_watched = False  # (the next forward's edges: _grad_order.py)
             return not _is_anomaly_enabled()
         hooked = self._params_watched = _params_hooked(params)
@@ -1911,7 +1949,10 @@ class GraphedCallable:
                 ".grad itself (nothing was changed). Capture with param_grads='auto' or "
                 "'autograd' to use it"
             )
-        if tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected:
+        if (
+            not self._plan_params_unwatched()
+            and tuple(map(_in_graph_flags, self._plan_params)) != self._in_graph_expected
+        ):
             for param, name in zip(self._plan_params, self.plan.params.names, strict=True):
                 if not param.requires_grad:
                     raise requires_grad_changed(name, True)
@@ -1953,17 +1994,13 @@ class GraphedCallable:
         parameter first). Either way, before anything is written. ``True``: ``.grad`` holds
         the sums.
         """
-        grads = tuple(map(_grad, self._in_graph_params))
-        accumulators = self._in_graph_accumulators
-        if (
-            all(map(_is, grads, accumulators))
-            # and every accumulator still has the memory and layout the graph adds into (one
-            # pass over each: the backward's only cost per parameter for this)
-            and tuple(map(_data_ptr, accumulators)) == self._graph_grads_places
-            and self._accumulator_layouts.same()
-        ):
+        # Every .grad its accumulator, and every accumulator still with the memory and layout
+        # the graph adds into: one chain of tests, the backward's only cost per parameter here
+        if self._sums_in_place():
             replay()  # every .grad is its accumulator, where the graph adds
             return True
+        grads = tuple(map(_grad, self._in_graph_params))
+        accumulators = self._in_graph_accumulators
         if _is_inference_mode_enabled() and any(grad is None for grad in grads):
             # A backward under torch.inference_mode(): eager's AccumulateGrad makes a .grad that
             # was None an inference tensor (a later backward outside it cannot add into it); an
