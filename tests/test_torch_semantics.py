@@ -58,6 +58,7 @@ from torch_cases import (
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
 from dualgraph.models.torch_vit import VisionEncoder
+from dualgraph.torch._replay_function import SecondBackwardError
 
 
 @pytest.fixture(autouse=True)
@@ -3396,6 +3397,26 @@ def test_a_gradient_penalty_through_a_replay_raises_even_when_no_incoming_grad_n
     assert grad.requires_grad  # as eager's: it depends on the weights
     with pytest.raises(RuntimeError, match="trying to differentiate twice"):
         (y.square().sum() + grad.square().sum()).backward()
+
+
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), [p for p in GRAPH_GRAD_MODES if p.values[1] != "in_graph"]
+)
+def test_a_backward_through_the_outputs_after_a_create_graph_backward_is_a_second_derivative(
+    backend: str, param_grads: str
+) -> None:
+    # On the H100 (run AD) a penalty's backward reached the replay's node before the node
+    # refusing its grads' backward, and raised the plain "second backward through the same
+    # replay" DualgraphError (no RuntimeError, no word of the penalty); the same happens on
+    # any device when a backward goes through the outputs alone after a create_graph=True one.
+    mlp = TinyMLP().to(device_of(backend))
+    sample = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    dgt.make_graphed_callables(mlp, (sample,), backend=backend, param_grads=param_grads)
+    x = torch.randn(4, 8, device=device_of(backend), requires_grad=True)
+    y = mlp(x)
+    torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(SecondBackwardError, match="trying to differentiate twice through a "):
+        y.square().sum().backward()
 
 
 @pytest.mark.parametrize(

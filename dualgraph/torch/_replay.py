@@ -78,8 +78,8 @@ from ._plan import ReplayPlan
 from ._pool_order import PoolPlace
 from ._replay_backends import EmulatedReplay
 from ._replay_function import REPLAY_BACKWARD as _REPLAY_BACKWARD
+from ._replay_function import SecondBackwardError, watch_handed_out
 from ._replay_function import apply_replay as _apply_replay
-from ._replay_function import watch_handed_out
 from ._replay_hooks import ReplayCall, call_eagerly
 from ._saved_hooks import saved_copies_kept
 from ._sum_start import SumStart
@@ -1398,7 +1398,7 @@ class GraphedCallable:
                 or self._backward_checks
                 or (pool is not None and pool.expired == generation)
             ):
-                self._check_backward(generation, plain)
+                self._check_backward(generation, plain, replay_node)
             if self._param_grads and not all(needs_input_grad[self._first_param :]):
                 raise self._frozen_since_capture(needs_input_grad)
             if len(self._nodes) > 1 and _will_engine_execute_node is not None:
@@ -1773,7 +1773,7 @@ class GraphedCallable:
                 return requires_grad_changed(name, True)
         return DualgraphError(f"{self.name}: a parameter was frozen after capture")
 
-    def _check_backward(self, generation: int, plain: bool) -> None:
+    def _check_backward(self, generation: int, plain: bool, replay_node: Any = None) -> None:
         pool = self._pool
         if generation != self._generation and self._replayed_in_backward:
             raise DualgraphError(
@@ -1795,6 +1795,17 @@ class GraphedCallable:
                 "next forward of the same callable"
             )
         if self._backward_generation == generation:
+            if replay_node is not None and replay_node.built_graph:
+                # its first backward built a graph (create_graph=True): a gradient penalty's
+                # backward may reach this node before the refusing one (on CUDA it does)
+                raise SecondBackwardError(
+                    f"{self.name}: trying to differentiate twice through a replay whose backward "
+                    "ran with create_graph=True (a gradient penalty, a Hessian, a second "
+                    "backward through its outputs): the grads of a graphed callable's backward "
+                    "have no graph of their own, and each replay supports one backward; run "
+                    "this callable eagerly for that (dualgraph.torch.restore, or the function "
+                    "itself)"
+                )
             raise DualgraphError(
                 f"{self.name}: a second backward through the same replay; the backward graph "
                 "may reuse the memory of activations it has consumed, so each replay supports "

@@ -191,6 +191,9 @@ def _backward_once_differentiable(
     # grad: a gradient penalty of ``y.sum()``'s grads (ones) would silently add nothing.
     with torch.no_grad():
         results = _backward_building_graph(ctx, *grads)
+    # A later backward through this replay (the penalty's, through the outputs again) is
+    # refused as the second derivative it belongs to, whichever node the engine reaches first.
+    ctx.built_graph = True
     # The refusing node also takes the replay's inputs (parameters included) and the incoming
     # grads that need grad: ``torch.autograd.grad(penalty, x)`` runs only nodes on a path to
     # ``x``, and a node hung off leaves of its own would be skipped (a Hessian or a
@@ -230,6 +233,7 @@ REPLAY_BACKWARD.versions = ()  # of the parameters and buffers the backward read
 REPLAY_BACKWARD.input_versions = ()  # of the inputs the backward reads
 # (input index, caller's tensor, its version) of a padded call's inputs the backward reads
 REPLAY_BACKWARD.padded_callers = ()
+REPLAY_BACKWARD.built_graph = False  # its backward ran with create_graph=True
 _NodeBase = torch._C._FunctionBase
 REPLAY_BACKWARD.register_prehook = _noting_hooks(_NodeBase.register_prehook, sees_results=False)
 REPLAY_BACKWARD.register_hook = _noting_hooks(_NodeBase.register_hook, sees_results=True)
