@@ -984,6 +984,23 @@ def test_a_sign_flip_fails_on_the_cosine_even_under_loose_entry_limits() -> None
     assert report.worst.reason == "cosine similarity -1 < 0.9"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64], ids=lambda d: d.__name__)
+def test_equal_leaves_pass_a_tolerance_that_asks_for_exact_values(dtype: Any) -> None:
+    # The cosine was Re<a, b> / (|a| |b|), which rounds either way: about a quarter of equal
+    # leaves read 'cosine similarity 1 < 1' under min_cosine=1 and failed
+    exact = Tolerance(rtol=0.0, atol=0.0, max_rel_l2=0.0, min_cosine=1.0)
+    draws = np.random.default_rng(1)
+    for size in range(1, 41):
+        x = draws.standard_normal(size) + (
+            1j * draws.standard_normal(size) if dtype == np.complex64 else 0
+        )
+        x = (x * 10.0 ** draws.integers(-20, 20)).astype(dtype)
+        leaf = compare_arrays("output", x, x.copy(), tolerances=exact)
+        assert leaf.ok and leaf.cosine == 1.0, (size, leaf.reason)
+    changed = np.array([1.0, 2.0, 3.0], dtype)
+    assert not compare_arrays("output", changed * (1 + 1e-6), changed, tolerances=exact).ok
+
+
 class FlippedGradient(torch.autograd.Function):
     """``y = x * 1e-6`` whose backward returns ``-1e-6 * grad``: a gradient of the wrong sign."""
 
