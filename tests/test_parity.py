@@ -1952,6 +1952,71 @@ def test_a_mapping_gradients_cannot_go_through_is_refused_naming_the_leaf(stored
         compare(linear, layer, (sample(2, 4),), params=params, params_from_torch=mapping)
 
 
+class TiedProjection(torch.nn.Module):
+    """``(x @ w) @ w.T``: one weight used twice, as a tied embedding and output head are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) @ self.w.T
+
+
+class ScaledProjection(torch.nn.Module):
+    """``(x @ w) * s``, ``s`` one scalar for every column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.s = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) * self.s
+
+
+# A tied weight given JAX as two leaves, and a scalar broadcast into a leaf: JAX's gradient is
+# one per place, torch's the sum over the places.
+REPEATED = {
+    "tied-as-two-leaves": (
+        TiedProjection,
+        lambda d: {"w_in": d["w"], "w_out": d["w"]},
+        lambda p, x: (x @ p["w_in"]) @ p["w_out"].T,
+        r"'w': params_from_torch puts its 16 entries into 32 entries of the JAX params "
+        r"\(params\['w_in'\] \(16\), params\['w_out'\] \(16\)\)",
+    ),
+    "broadcast": (
+        ScaledProjection,
+        lambda d: {"w": d["w"], "s": np.broadcast_to(d["s"], (4,)).copy()},
+        lambda p, x: (x @ p["w"]) * p["s"],
+        r"'s': params_from_torch puts its 1 entries into 4 entries of the JAX params "
+        r"\(params\['s'\] \(4\)\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("repeated", list(REPEATED))
+def test_a_mapping_that_puts_a_trained_entry_in_two_places_is_refused_naming_it(
+    repeated: str,
+) -> None:
+    # Equal functions failed at grad params['w_in'] and ['w_out'] (16 values over tolerance):
+    # torch's mapped gradient was the sum over both uses, JAX's one per leaf
+    make, mapping, reference, message = REPEATED[repeated]
+    module = make()
+    params = {k: jnp.asarray(v) for k, v in mapping(to_numpy_params(module)).items()}
+    with pytest.raises(dualgraph.DualgraphError, match=rf"^torch parameter {message}"):
+        compare(module, reference, (sample(2, 4),), params=params, params_from_torch=mapping)
+
+
+def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:
+    module = TiedProjection()
+    params = {"w": jnp.asarray(to_numpy_params(module)["w"])}
+    report = assert_parity(
+        module, lambda p, x: (x @ p["w"]) @ p["w"].T, (sample(2, 4),), params=params
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+
+
 def test_a_mapping_that_negates_transposes_and_casts_maps_gradients_and_passes() -> None:
     linear = torch.nn.Linear(4, 3)
 

@@ -90,7 +90,9 @@ def compare(
       entry is one trained torch entry or its negative (transposes, reshapes, splits,
       concatenations, casts; plus frozen entries): with gradients compared, a mapping that
       scales, offsets, sums or otherwise transforms a trained parameter (``2 * w``, ``w - 1``,
-      ``exp(w)``) is refused naming the leaf.
+      ``exp(w)``) is refused naming the leaf, and so is one that puts a trained entry in two
+      places (a tied weight given JAX as two leaves: torch's gradient is the sum over its
+      uses, JAX's one per leaf).
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -340,6 +342,47 @@ def _refuse_unmappable_grads(
                     "g - 1 or exp(g). Give the JAX function the parameters as torch holds "
                     "them, and scale or offset them inside it"
                 )
+    _refuse_repeated_entries(params, spec, arrays, trained)
+
+
+def _refuse_repeated_entries(
+    params: _Params, spec: TreeSpec, arrays: Mapping[str, np.ndarray], trained: set[str]
+) -> None:
+    """Refuse a ``params_from_torch`` that puts a trained torch entry into more than one
+    entry of the JAX params (a tied weight given JAX as two leaves, a scalar broadcast into a
+    leaf): torch's gradient of the entry is the sum over its uses, JAX's is one per place, so
+    the two would fail as if the functions differed. Found by mapping the trained parameters
+    as NaN (the others as 0) and counting the NaN that come out; each parameter is mapped
+    alone only when there are more than went in."""
+
+    def marked(names: set[str]) -> list[tuple[str, int]]:
+        given = {
+            name: np.full_like(a, np.nan) if name in names else np.zeros_like(a)
+            for name, a in arrays.items()
+        }
+        leaves = (np.asarray(x) for x in spec.flatten(params.from_torch(given)))
+        counts = [
+            (path, int(np.count_nonzero(np.isnan(x))))
+            for path, x in zip(spec.array_paths, leaves, strict=True)
+            if _floating(x)
+        ]
+        return [(path, count) for path, count in counts if count]
+
+    if sum(n for _, n in marked(trained)) <= sum(arrays[name].size for name in trained):
+        return
+    for name in sorted(trained):
+        reached = marked({name})
+        count = sum(n for _, n in reached)
+        if count > arrays[name].size:
+            places = ", ".join(f"params{path} ({n})" for path, n in reached)
+            raise DualgraphError(
+                f"torch parameter {name!r}: params_from_torch puts its {arrays[name].size} "
+                f"entries into {count} entries of the JAX params ({clip_text(places)}): an "
+                "entry used in two places (a tied weight given JAX as two leaves, a value "
+                "broadcast) has one gradient in torch, the sum over its uses, and one per "
+                "place in JAX, so they would differ whatever the functions. Give the JAX "
+                "function one leaf for it and use that leaf in each place"
+            )
 
 
 def _host(leaf: Any) -> np.ndarray:
