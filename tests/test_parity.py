@@ -1021,6 +1021,32 @@ def test_a_sign_flipped_tiny_gradient_fails() -> None:
     assert gradient.cosine == pytest.approx(-1.0)
 
 
+@pytest.mark.parametrize(
+    ("torch_value", "jax_value", "shown"),
+    [
+        (np.nan, 0.5, "torch nan, JAX 0.5"),
+        (np.inf, -np.inf, "torch inf, JAX -inf"),
+        (np.inf, 3e38, "torch inf, JAX 3e+38"),
+    ],
+    ids=["nan-vs-number", "inf-vs-minus-inf", "inf-vs-large-finite"],
+)
+def test_a_nonfinite_entry_unmatched_on_the_other_side_is_named_in_the_reason(
+    torch_value: float, jax_value: float, shown: str
+) -> None:
+    # The reason read '1 values over tolerance, worst at infx (max abs 0)': the leaf failed,
+    # but said nothing of NaN or infinity, and its max abs of 0 read as no difference at all
+    reference = plus_minus_one(8, np.float32).reshape(2, 4)
+    got, expected = reference.copy(), reference.copy()
+    got[1, 2], expected[1, 2] = torch_value, jax_value
+    leaf = compare_arrays("output", got, expected)
+    assert not leaf.ok and leaf.mismatched == 1 and leaf.unmatched_nonfinite == 1
+    assert leaf.first_unmatched == f"[1, 2]: {shown}"
+    assert leaf.reason == (
+        "1 values over tolerance, worst at infx (max abs 0 where both are finite; 1 NaN or "
+        f"infinite on one side only or of the other sign, first at [1, 2]: {shown})"
+    )
+
+
 def test_a_leaf_nan_everywhere_on_both_sides_is_a_warning_that_fails_by_default() -> None:
     x = np.full((2, 3), np.nan, np.float32)
     report = compare(lambda t: t * 2, lambda a: a * 2, (x,), grads=False)

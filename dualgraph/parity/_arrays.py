@@ -68,6 +68,7 @@ def compare_arrays(
     finite = part_finite.all(axis=-1)
     part_differs = (nan_a != nan_b) | (inf_a != inf_b) | (inf_a & inf_b & (part_a != part_b))
     nonfinite_differs = part_differs.any(axis=-1)
+    unmatched = _first_unmatched(nonfinite_differs, actual, expected)
     a_fin, b_fin = a[finite], b[finite]
     # A fill that dwarfs the rest (a mask's -1e9 or finfo.min) sets no scale: judged by it, the
     # other entries would pass whatever their values (they are judged by what is left).
@@ -128,7 +129,29 @@ def compare_arrays(
         scale_error=None if bias is None else bias[0],
         offset_error=None if bias is None else bias[1],
         bias_usage=None if bias is None else bias[2],
+        unmatched_nonfinite=unmatched[0],
+        first_unmatched=unmatched[1],
     )
+
+
+def _first_unmatched(
+    differs: np.ndarray, actual: np.ndarray, expected: np.ndarray
+) -> tuple[int, str | None]:
+    """How many entries are NaN or infinite on one side only (or infinite of the other sign),
+    and the first of them as ``"[i, j]: torch nan, JAX 0.5"``: such an entry has no difference
+    to measure, so the leaf's ``max_abs`` says nothing of it.
+
+    >>> _first_unmatched(np.array([False, True]), np.array([1.0, np.nan]), np.array([1.0, 2.5]))
+    (1, '[1]: torch nan, JAX 2.5')
+    """
+    count = int(np.count_nonzero(differs))
+    if not count:
+        return 0, None
+    first = int(np.argmax(differs))
+    index = ", ".join(str(int(i)) for i in np.unravel_index(first, expected.shape))
+    where = f"[{index}]" if expected.ndim else "the entry"
+    torch_value, jax_value = actual.reshape(-1)[first], expected.reshape(-1)[first]
+    return count, f"{where}: torch {torch_value!s}, JAX {jax_value!s}"
 
 
 def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, float, float] | None:

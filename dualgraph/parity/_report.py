@@ -29,6 +29,9 @@ class LeafReport:
     - ``scale_error``, ``offset_error``: the leaf's systematic error, fitted as ``torch - jax =
       scale_error * jax + offset_error * rms`` (complex: magnitudes), and ``bias_usage`` the
       larger over its limit (see :class:`Tolerance`'s ``max_bias``); ``None`` where not limited.
+    - ``unmatched_nonfinite``: entries NaN or infinite on one side only, or infinite of the
+      other sign (counted in ``mismatched``; ``max_abs`` is over the finite ones), and
+      ``first_unmatched`` the first of them, e.g. ``"[0, 3]: torch nan, JAX 0.5"``.
     - ``warning``: e.g. a leaf NaN everywhere on both sides (nothing compared); it fails unless
       the comparison allowed NaN. ``problem``: the two sides' leaves differ in dtype or shape.
     """
@@ -52,6 +55,8 @@ class LeafReport:
     scale_error: float | None = None
     offset_error: float | None = None
     bias_usage: float | None = None
+    unmatched_nonfinite: int = 0
+    first_unmatched: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -93,9 +98,15 @@ class LeafReport:
             allowed = limits.max_ulps
             if self.ulps is not None and allowed is not None and self.ulps > allowed:
                 steps = f", {self.ulps} values apart where {allowed} may be"
+            unmatched = ""
+            if self.unmatched_nonfinite:
+                unmatched = (
+                    f" where both are finite; {self.unmatched_nonfinite} NaN or infinite on one "
+                    f"side only or of the other sign, first at {self.first_unmatched}"
+                )
             return (
                 f"{self.mismatched} values over tolerance, worst at {self.score:.3g}x "
-                f"(max abs {self.max_abs:.3g}{steps})"
+                f"(max abs {self.max_abs:.3g}{steps}{unmatched})"
             )
         if limits is not None and self.rel_l2 is not None and self.rel_l2 > limits.max_rel_l2:
             return f"relative L2 error {self.rel_l2:.3g} > {limits.max_rel_l2:.3g}"
