@@ -2034,6 +2034,33 @@ def test_a_mapping_that_puts_a_trained_entry_in_two_places_is_refused_naming_it(
         compare(module, reference, (sample(2, 4),), params=params, params_from_torch=mapping)
 
 
+def test_torch_params_holding_a_tied_weight_under_two_names_are_refused_naming_both() -> None:
+    # named_parameters(remove_duplicate=False) lists a tied weight twice: its one .grad (the sum
+    # over both uses) was read for each name, and equal functions failed at grad params['w_in']
+    # and ['w_out'], where JAX gives each leaf its own part
+    module = TiedProjection()
+    torch_params = dict(module.named_parameters(prefix="in"))
+    torch_params.update(module.named_parameters(prefix="out"))
+
+    def mapping(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_in": d["in.w"], "w_out": d["out.w"]}
+
+    weight = jnp.asarray(module.w.detach().numpy())
+    params = {"w_in": weight, "w_out": weight}
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"^torch_params\['in.w'\] and torch_params\['out.w'\] are one trained tensor",
+    ):
+        compare(
+            module,
+            lambda p, x: (x @ p["w_in"]) @ p["w_out"].T,
+            (sample(2, 4),),
+            params=params,
+            params_from_torch=mapping,
+            torch_params=torch_params,
+        )
+
+
 def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:
     module = TiedProjection()
     params = {"w": jnp.asarray(to_numpy_params(module)["w"])}

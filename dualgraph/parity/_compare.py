@@ -37,6 +37,7 @@ from ._torch_side import (
     refuse_computed_params,
     refuse_default_dtype,
     refuse_detached_params,
+    refuse_repeated_params,
     torch_device,
 )
 
@@ -92,7 +93,7 @@ def compare(
       scales, offsets, sums or otherwise transforms a trained parameter (``2 * w``, ``w - 1``,
       ``exp(w)``) is refused naming the leaf, and so is one that puts a trained entry in two
       places (a tied weight given JAX as two leaves: torch's gradient is the sum over its
-      uses, JAX's one per leaf).
+      uses, JAX's one per leaf), as are ``torch_params`` holding it under two names.
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -239,6 +240,7 @@ def _params_of(
     if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
         refuse_computed_params(both.torch)
+        refuse_repeated_params(both.torch)
     _check_params_match(both, grads)
     return both
 
