@@ -2061,6 +2061,43 @@ def test_torch_params_holding_a_tied_weight_under_two_names_are_refused_naming_b
         )
 
 
+class LinearPlusTable(torch.nn.Module):
+    """A linear layer plus a buffer's table, which the JAX params hold as a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("table", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.table
+
+
+@pytest.mark.parametrize("jax_differentiates_it", [False, True], ids=["stopped", "differentiated"])
+def test_a_params_leaf_the_mapping_makes_of_no_torch_parameter_is_left_out(
+    jax_differentiates_it: bool,
+) -> None:
+    # The mapping's constant table was mapped as torch's 'gradient' of it too: equal functions
+    # failed at grad params['table'] with max abs 2 (the table's [0, 1, 2] against JAX's zeros)
+    module = LinearPlusTable()
+    table = np.arange(3, dtype=np.float32)
+
+    def mapping(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": d["linear.weight"], "b": d["linear.bias"], "table": table.copy()}
+
+    def layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        extra = p["table"] if jax_differentiates_it else jax.lax.stop_gradient(p["table"])
+        return x @ p["w"].T + p["b"] + extra
+
+    params = {k: jnp.asarray(v) for k, v in mapping(to_numpy_params(module)).items()}
+    report = assert_parity(module, layer, (sample(2, 4),), params=params, params_from_torch=mapping)
+    paths = [entry.path for entry in report.entries]
+    assert "grad params['w']" in paths and "grad params['table']" not in paths
+    wrong_bias = lambda p, x: x @ p["w"].T + p["b"] * 1.01 + p["table"]  # noqa: E731
+    failed = compare(module, wrong_bias, (sample(2, 4),), params=params, params_from_torch=mapping)
+    assert "grad params['b']" in [entry.path for entry in failed.failures]
+
+
 def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:
     module = TiedProjection()
     params = {"w": jnp.asarray(to_numpy_params(module)["w"])}

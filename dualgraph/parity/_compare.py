@@ -83,7 +83,8 @@ def compare(
       ``module.weight``, whose ``.grad`` torch never fills; and a trained parameter with a
       gradient that the mapping puts in no leaf; and ``params`` whose values are not the torch
       ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
-      state). Frozen torch parameters are not compared: a JAX params leaf made of them is left
+      state). Frozen torch parameters are not compared: a JAX params leaf made of them (or of
+      no torch parameter: a constant table the mapping builds, a buffer's values) is left
       out, and a leaf that mixes them with trained ones is compared at the trained ones'
       entries, those made of both (``base + delta``) included (found by mapping NaN through
       ``params_from_torch``).
@@ -847,8 +848,8 @@ def _frozen_positions(
     torch_grads: Mapping[str, Any],
     convert: Callable[[dict[str, np.ndarray]], Any],
 ) -> list[np.ndarray | None]:
-    """For each params leaf, where its entries come from frozen torch parameters only (``None``:
-    nowhere).
+    """For each params leaf, where its entries come from frozen torch parameters only, or from
+    none (a constant the mapping makes) (``None``: nowhere).
 
     Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN, and
     again with the trained ones' NaN: the entries NaN in the first and not in the second (nor
@@ -857,8 +858,6 @@ def _frozen_positions(
     entries in one leaf). An entry made of both (``base + delta``, a frozen base and a trained
     delta merged into one leaf) carries the trained one's gradient, and is compared.
     """
-    if len(torch_grads) == len(as_numpy):
-        return [None] * params_spec.num_arrays
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
 
     def marking(frozen: bool) -> list[Any]:
@@ -869,14 +868,34 @@ def _frozen_positions(
         }
         return params_spec.flatten(convert(marked))
 
+    def every_parameter_as(value: float) -> list[Any]:
+        return params_spec.flatten(convert({n: np.full_like(a, value) for n, a in ones.items()}))
+
+    # Entries the mapping makes of no torch parameter (a constant table it builds, a buffer's
+    # values): they stay put whatever the parameters are, and torch has no gradient there, so
+    # the mapping's constant would be compared with JAX's gradient as if it were torch's.
+    made_of_none = [
+        None
+        if not _floating(np.asarray(zero))
+        else (np.asarray(zero) == np.asarray(one)) & (np.asarray(zero) == np.asarray(two))
+        for zero, one, two in zip(
+            every_parameter_as(0), every_parameter_as(1), every_parameter_as(2), strict=True
+        )
+    ]
+    if len(torch_grads) == len(as_numpy):  # nothing frozen
+        return [None if m is None or not m.any() else m for m in made_of_none]
     result: list[np.ndarray | None] = []
-    for plain, by_frozen, by_trained in zip(
-        params_spec.flatten(convert(ones)), marking(True), marking(False), strict=True
+    for plain, by_frozen, by_trained, constant in zip(
+        params_spec.flatten(convert(ones)),
+        marking(True),
+        marking(False),
+        made_of_none,
+        strict=True,
     ):
         plain, by_frozen, by_trained = (np.asarray(x) for x in (plain, by_frozen, by_trained))
-        if not _floating(by_frozen):
+        if not _floating(by_frozen) or constant is None:
             result.append(None)
             continue
-        frozen = np.isnan(by_frozen) & ~np.isnan(by_trained) & ~np.isnan(plain)
+        frozen = (np.isnan(by_frozen) & ~np.isnan(by_trained) & ~np.isnan(plain)) | constant
         result.append(frozen if frozen.any() else None)
     return result
