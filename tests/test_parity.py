@@ -1047,6 +1047,18 @@ def test_a_nonfinite_entry_unmatched_on_the_other_side_is_named_in_the_reason(
     )
 
 
+def test_a_leaf_whose_reference_is_zero_says_why_a_tiny_difference_fails() -> None:
+    # The reason read '4 values over tolerance, worst at infx (max abs 1e-30)': nothing said
+    # that an all-zero reference leaves every limit at 0 (atol scales by the reference's rms)
+    leaf = compare_arrays("grad args[0]", np.full(4, 1e-30, np.float32), np.zeros(4, np.float32))
+    assert not leaf.ok and leaf.scale == 0.0
+    assert leaf.reason == (
+        "4 values over tolerance, worst at infx (max abs 1e-30; the reference is 0 wherever it "
+        "is finite (a fill aside), so its limits are 0 and any nonzero entry fails)"
+    )
+    assert compare_arrays("grad args[0]", np.zeros(4, np.float32), np.zeros(4, np.float32)).ok
+
+
 def test_a_leaf_nan_everywhere_on_both_sides_is_a_warning_that_fails_by_default() -> None:
     x = np.full((2, 3), np.nan, np.float32)
     report = compare(lambda t: t * 2, lambda a: a * 2, (x,), grads=False)

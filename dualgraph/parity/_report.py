@@ -104,6 +104,11 @@ class LeafReport:
                     f" where both are finite; {self.unmatched_nonfinite} NaN or infinite on one "
                     f"side only or of the other sign, first at {self.first_unmatched}"
                 )
+            if self.scale == 0.0 and self.max_abs > 0.0:  # every limit scales with the reference
+                unmatched += (
+                    "; the reference is 0 wherever it is finite (a fill aside), so its limits "
+                    "are 0 and any nonzero entry fails"
+                )
             return (
                 f"{self.mismatched} values over tolerance, worst at {self.score:.3g}x "
                 f"(max abs {self.max_abs:.3g}{steps}{unmatched})"
