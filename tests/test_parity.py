@@ -2110,6 +2110,30 @@ def test_a_params_leaf_the_mapping_makes_of_no_torch_parameter_is_left_out(
     assert "grad params['b']" in [entry.path for entry in failed.failures]
 
 
+def test_a_report_names_the_parameter_grads_it_left_out() -> None:
+    # A params leaf left out (made of a frozen torch parameter, or of none) appeared nowhere:
+    # 'parity OK: 4 leaves within tolerance' read as if every params leaf had been compared
+    module = LinearPlusTable()
+    module.linear.bias.requires_grad_(False)
+
+    def mapping(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        table = np.arange(3, dtype=np.float32)
+        return {"w": d["linear.weight"], "b": d["linear.bias"], "table": table}
+
+    def layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ p["w"].T + p["b"] + p["table"]
+
+    params = {k: jnp.asarray(v) for k, v in mapping(to_numpy_params(module)).items()}
+    report = assert_parity(module, layer, (sample(2, 4),), params=params, params_from_torch=mapping)
+    assert report.left_out == (
+        "grad params['b'] (no trained torch parameter behind it)",
+        "grad params['table'] (no trained torch parameter behind it)",
+    )
+    text = str(report)
+    assert text.splitlines()[0].endswith("; 2 left out)")
+    assert text.splitlines()[-1] == "left out: " + "; ".join(report.left_out)
+
+
 def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:
     module = TiedProjection()
     params = {"w": jnp.asarray(to_numpy_params(module)["w"])}

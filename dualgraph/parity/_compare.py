@@ -150,11 +150,14 @@ def compare(
             run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
             spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
             entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+            left_out: list[str] = []
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
                 others = _own_parameters(torch_fn)
-                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed, others)
-    return ParityReport(tuple(entries))
+                entries += _compare_grads(
+                    spec, torch_out, run, inputs, kept, judge, seed, others, left_out
+                )
+    return ParityReport(tuple(entries), left_out=tuple(left_out))
 
 
 def assert_parity(*args: Any, **kwargs: Any) -> ParityReport:
@@ -650,9 +653,11 @@ def _compare_grads(
     judge: Judge,
     seed: int,
     others: Sequence[torch.Tensor],
+    left_out: list[str],
 ) -> list[LeafReport]:
     """The same seeded cotangents through both backwards; input grads, then parameter grads.
-    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was."""
+    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was;
+    the floating params leaves not compared are added to ``left_out``, saying why."""
     assert run.pullback is not None
     rng = np.random.default_rng(seed)
     masked = [
@@ -695,7 +700,7 @@ def _compare_grads(
     ]
     if params is not None:
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
-        entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
+        entries += _param_grad_reports(params, param_grads, torch_param_grads, judge, left_out)
     return entries
 
 
@@ -758,8 +763,10 @@ def _param_grad_reports(
     jax_grads: Any,
     torch_grads: Mapping[str, torch.Tensor | None],
     judge: Judge,
+    left_out: list[str],
 ) -> list[LeafReport]:
-    """Torch's parameter grads mapped into the JAX params tree, compared leaf by leaf."""
+    """Torch's parameter grads mapped into the JAX params tree, compared leaf by leaf; a
+    floating leaf made of frozen torch parameters only, or of none, is added to ``left_out``."""
     convert, named = params.from_torch, params.torch
     params_spec = describe(params.jax)
     as_numpy = {
@@ -792,8 +799,9 @@ def _param_grad_reports(
         expected = _in_torch_terms(next(jax_leaves))
         actual = np.asarray(torch_grad)
         if from_frozen is not None:
-            if from_frozen.all():
-                continue  # made of frozen parameters only
+            if from_frozen.all():  # made of frozen parameters only, or of none
+                left_out.append(f"grad params{path} (no trained torch parameter behind it)")
+                continue
             # torch has no grad there, JAX does: neither side's value there is compared
             actual, expected = actual.copy(), expected.copy()
             actual[from_frozen] = 0

@@ -129,11 +129,16 @@ class LeafReport:
 class ParityReport:
     """Every compared leaf (outputs, then input grads, then parameter grads) and the verdict.
 
-    ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used in
-    the footer.
+    ``left_out``: the parameter grads not compared, each with why (a JAX params leaf made of
+    frozen torch parameters only, or of none), e.g. ``"grad params['table'] (no trained torch
+    parameter behind it)"``; they do not change the verdict.
+
+    ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used
+    (and the leaves left out) in the footer.
     """
 
     entries: tuple[LeafReport, ...]
+    left_out: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -162,7 +167,8 @@ class ParityReport:
         return tuple(entry for entry in self.entries if entry.warning is not None)
 
     def __str__(self) -> str:
-        return "\n".join([self._header(), *_table(self.entries), *_footer(self.entries)])
+        left_out = ["left out: " + "; ".join(self.left_out)] if self.left_out else []
+        return "\n".join([self._header(), *_table(self.entries), *_footer(self.entries), *left_out])
 
     def _header(self) -> str:
         worst = self.worst
@@ -170,6 +176,8 @@ class ParityReport:
             return "parity: nothing to compare (no array leaves)"
         warned = len(self.warnings)
         note = f"; {warned} warning{'s' * (warned > 1)}" if warned else ""
+        if self.left_out:
+            note += f"; {len(self.left_out)} left out"
         if self.ok:
             return (
                 f"parity OK: {len(self.entries)} leaves within tolerance (worst: {worst.path} "
