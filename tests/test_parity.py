@@ -2110,6 +2110,26 @@ def test_a_params_leaf_the_mapping_makes_of_no_torch_parameter_is_left_out(
     assert "grad params['b']" in [entry.path for entry in failed.failures]
 
 
+def test_a_trained_parameter_mapped_through_a_clip_is_not_left_out_as_a_constant() -> None:
+    # max(w, 5) of small weights is 5 whether they are 0, 1 or 2, as a constant table is: found
+    # constant by those values alone, the leaf was left out, and its gradient never compared
+    linear = torch.nn.Linear(4, 3)
+
+    def clipped(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": np.maximum(d["weight"], np.float32(5.0)), "b": d["bias"]}
+
+    params = {k: jnp.asarray(v) for k, v in clipped(to_numpy_params(linear)).items()}
+    report = compare(
+        linear,
+        lambda p, x: x @ p["w"].T + p["b"],
+        (sample(2, 4),),
+        params=params,
+        params_from_torch=clipped,
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+    assert report.left_out == ()
+
+
 def test_a_report_names_the_parameter_grads_it_left_out() -> None:
     # A params leaf left out (made of a frozen torch parameter, or of none) appeared nowhere:
     # 'parity OK: 4 leaves within tolerance' read as if every params leaf had been compared

@@ -877,17 +877,26 @@ def _frozen_positions(
         return params_spec.flatten(convert(marked))
 
     def every_parameter_as(value: float) -> list[Any]:
-        return params_spec.flatten(convert({n: np.full_like(a, value) for n, a in ones.items()}))
+        """The leaves of the mapping of every floating parameter as ``value`` (others as 1)."""
+        given = {n: np.full_like(a, value) if _floating(a) else a for n, a in ones.items()}
+        return params_spec.flatten(convert(given))
 
     # Entries the mapping makes of no torch parameter (a constant table it builds, a buffer's
     # values): they stay put whatever the parameters are, and torch has no gradient there, so
     # the mapping's constant would be compared with JAX's gradient as if it were torch's.
+    # Both ways: a clip (max(w, 5)) is constant at 0, 1 and 2 too, but carries NaN through.
     made_of_none = [
         None
         if not _floating(np.asarray(zero))
-        else (np.asarray(zero) == np.asarray(one)) & (np.asarray(zero) == np.asarray(two))
-        for zero, one, two in zip(
-            every_parameter_as(0), every_parameter_as(1), every_parameter_as(2), strict=True
+        else (np.asarray(zero) == np.asarray(one))
+        & (np.asarray(zero) == np.asarray(two))
+        & ~np.isnan(np.asarray(nan))
+        for zero, one, two, nan in zip(
+            every_parameter_as(0),
+            every_parameter_as(1),
+            every_parameter_as(2),
+            every_parameter_as(np.nan),
+            strict=True,
         )
     ]
     if len(torch_grads) == len(as_numpy):  # nothing frozen
