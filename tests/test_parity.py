@@ -1088,6 +1088,18 @@ def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
     assert compare_arrays("out", x, x, allow_nan=True).ok
 
 
+def test_a_complex128_leaf_whose_magnitudes_overflow_float64_is_still_judged() -> None:
+    # |1.7e308 + 1.7e308j| is inf in float64: the leaf's rms, and every limit it scales, were
+    # inf, and a real part 40% off passed as OK (score 0, relative L2 0, cosine 1)
+    expected = np.array([1.7e308 + 1.7e308j, 1.6e308 + 1.6e308j, 1 + 1j, 2j], np.complex128)
+    wrong = expected.copy()
+    wrong[0] = 1e308 + 1.7e308j
+    leaf = compare_arrays("output", wrong, expected)
+    assert not leaf.ok and leaf.mismatched == 1 and leaf.max_abs == pytest.approx(7e307)
+    assert leaf.scale == pytest.approx(((2 * 1.7**2 + 2 * 1.6**2) / 4) ** 0.5 * 1e308)
+    assert compare_arrays("output", expected, expected.copy()).ok
+
+
 def test_float64_leaves_near_overflow_are_judged_at_their_scale() -> None:
     # Their RMS and L2 norm overflow float64: an entry wrong by a factor of 1e300 must still fail.
     # (Not one repeated value: a fill that dwarfs the rest would set no scale.)
