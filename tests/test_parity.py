@@ -984,6 +984,23 @@ def test_a_sign_flip_fails_on_the_cosine_even_under_loose_entry_limits() -> None
     assert report.worst.reason == "cosine similarity -1 < 0.9"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64], ids=lambda d: d.__name__)
+def test_equal_leaves_pass_a_tolerance_that_asks_for_exact_values(dtype: Any) -> None:
+    # The cosine was Re<a, b> / (|a| |b|), which rounds either way: about a quarter of equal
+    # leaves read 'cosine similarity 1 < 1' under min_cosine=1 and failed
+    exact = Tolerance(rtol=0.0, atol=0.0, max_rel_l2=0.0, min_cosine=1.0)
+    draws = np.random.default_rng(1)
+    for size in range(1, 41):
+        x = draws.standard_normal(size) + (
+            1j * draws.standard_normal(size) if dtype == np.complex64 else 0
+        )
+        x = (x * 10.0 ** draws.integers(-20, 20)).astype(dtype)
+        leaf = compare_arrays("output", x, x.copy(), tolerances=exact)
+        assert leaf.ok and leaf.cosine == 1.0, (size, leaf.reason)
+    changed = np.array([1.0, 2.0, 3.0], dtype)
+    assert not compare_arrays("output", changed * (1 + 1e-6), changed, tolerances=exact).ok
+
+
 class FlippedGradient(torch.autograd.Function):
     """``y = x * 1e-6`` whose backward returns ``-1e-6 * grad``: a gradient of the wrong sign."""
 
@@ -1002,6 +1019,44 @@ def test_a_sign_flipped_tiny_gradient_fails() -> None:
     assert output.ok
     assert gradient.path == "grad args[0]" and not gradient.ok
     assert gradient.cosine == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize(
+    ("torch_value", "jax_value", "shown"),
+    [
+        (np.nan, 0.5, "torch nan, JAX 0.5"),
+        (np.inf, -np.inf, "torch inf, JAX -inf"),
+        (np.inf, 3e38, "torch inf, JAX 3e+38"),
+    ],
+    ids=["nan-vs-number", "inf-vs-minus-inf", "inf-vs-large-finite"],
+)
+def test_a_nonfinite_entry_unmatched_on_the_other_side_is_named_in_the_reason(
+    torch_value: float, jax_value: float, shown: str
+) -> None:
+    # The reason read '1 values over tolerance, worst at infx (max abs 0)': the leaf failed,
+    # but said nothing of NaN or infinity, and its max abs of 0 read as no difference at all
+    reference = plus_minus_one(8, np.float32).reshape(2, 4)
+    got, expected = reference.copy(), reference.copy()
+    got[1, 2], expected[1, 2] = torch_value, jax_value
+    leaf = compare_arrays("output", got, expected)
+    assert not leaf.ok and leaf.mismatched == 1 and leaf.unmatched_nonfinite == 1
+    assert leaf.first_unmatched == f"[1, 2]: {shown}"
+    assert leaf.reason == (
+        "1 values over tolerance, worst at infx (max abs 0 where both are finite; 1 NaN or "
+        f"infinite on one side only or of the other sign, first at [1, 2]: {shown})"
+    )
+
+
+def test_a_leaf_whose_reference_is_zero_says_why_a_tiny_difference_fails() -> None:
+    # The reason read '4 values over tolerance, worst at infx (max abs 1e-30)': nothing said
+    # that an all-zero reference leaves every limit at 0 (atol scales by the reference's rms)
+    leaf = compare_arrays("grad args[0]", np.full(4, 1e-30, np.float32), np.zeros(4, np.float32))
+    assert not leaf.ok and leaf.scale == 0.0
+    assert leaf.reason == (
+        "4 values over tolerance, worst at infx (max abs 1e-30; the reference is 0 wherever it "
+        "is finite (a fill aside), so its limits are 0 and any nonzero entry fails)"
+    )
+    assert compare_arrays("grad args[0]", np.zeros(4, np.float32), np.zeros(4, np.float32)).ok
 
 
 def test_a_leaf_nan_everywhere_on_both_sides_is_a_warning_that_fails_by_default() -> None:
@@ -1031,6 +1086,18 @@ def test_a_leaf_with_no_finite_value_is_a_warning_too() -> None:
     leaf = compare_arrays("out", x, x)
     assert leaf.warning.startswith("no finite value on either side") and not leaf.ok
     assert compare_arrays("out", x, x, allow_nan=True).ok
+
+
+def test_a_complex128_leaf_whose_magnitudes_overflow_float64_is_still_judged() -> None:
+    # |1.7e308 + 1.7e308j| is inf in float64: the leaf's rms, and every limit it scales, were
+    # inf, and a real part 40% off passed as OK (score 0, relative L2 0, cosine 1)
+    expected = np.array([1.7e308 + 1.7e308j, 1.6e308 + 1.6e308j, 1 + 1j, 2j], np.complex128)
+    wrong = expected.copy()
+    wrong[0] = 1e308 + 1.7e308j
+    leaf = compare_arrays("output", wrong, expected)
+    assert not leaf.ok and leaf.mismatched == 1 and leaf.max_abs == pytest.approx(7e307)
+    assert leaf.scale == pytest.approx(((2 * 1.7**2 + 2 * 1.6**2) / 4) ** 0.5 * 1e308)
+    assert compare_arrays("output", expected, expected.copy()).ok
 
 
 def test_float64_leaves_near_overflow_are_judged_at_their_scale() -> None:
@@ -1933,6 +2000,179 @@ def test_a_mapping_gradients_cannot_go_through_is_refused_naming_the_leaf(stored
         dualgraph.DualgraphError, match=rf"^params\['w'\]: params_from_torch {how} the trained"
     ):
         compare(linear, layer, (sample(2, 4),), params=params, params_from_torch=mapping)
+
+
+class TiedProjection(torch.nn.Module):
+    """``(x @ w) @ w.T``: one weight used twice, as a tied embedding and output head are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) @ self.w.T
+
+
+class ScaledProjection(torch.nn.Module):
+    """``(x @ w) * s``, ``s`` one scalar for every column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.s = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) * self.s
+
+
+# A tied weight given JAX as two leaves, and a scalar broadcast into a leaf: JAX's gradient is
+# one per place, torch's the sum over the places.
+REPEATED = {
+    "tied-as-two-leaves": (
+        TiedProjection,
+        lambda d: {"w_in": d["w"], "w_out": d["w"]},
+        lambda p, x: (x @ p["w_in"]) @ p["w_out"].T,
+        r"'w': params_from_torch puts its 16 entries into 32 entries of the JAX params "
+        r"\(params\['w_in'\] \(16\), params\['w_out'\] \(16\)\)",
+    ),
+    "broadcast": (
+        ScaledProjection,
+        lambda d: {"w": d["w"], "s": np.broadcast_to(d["s"], (4,)).copy()},
+        lambda p, x: (x @ p["w"]) * p["s"],
+        r"'s': params_from_torch puts its 1 entries into 4 entries of the JAX params "
+        r"\(params\['s'\] \(4\)\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("repeated", list(REPEATED))
+def test_a_mapping_that_puts_a_trained_entry_in_two_places_is_refused_naming_it(
+    repeated: str,
+) -> None:
+    # Equal functions failed at grad params['w_in'] and ['w_out'] (16 values over tolerance):
+    # torch's mapped gradient was the sum over both uses, JAX's one per leaf
+    make, mapping, reference, message = REPEATED[repeated]
+    module = make()
+    params = {k: jnp.asarray(v) for k, v in mapping(to_numpy_params(module)).items()}
+    with pytest.raises(dualgraph.DualgraphError, match=rf"^torch parameter {message}"):
+        compare(module, reference, (sample(2, 4),), params=params, params_from_torch=mapping)
+
+
+def test_torch_params_holding_a_tied_weight_under_two_names_are_refused_naming_both() -> None:
+    # named_parameters(remove_duplicate=False) lists a tied weight twice: its one .grad (the sum
+    # over both uses) was read for each name, and equal functions failed at grad params['w_in']
+    # and ['w_out'], where JAX gives each leaf its own part
+    module = TiedProjection()
+    torch_params = dict(module.named_parameters(prefix="in"))
+    torch_params.update(module.named_parameters(prefix="out"))
+
+    def mapping(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_in": d["in.w"], "w_out": d["out.w"]}
+
+    weight = jnp.asarray(module.w.detach().numpy())
+    params = {"w_in": weight, "w_out": weight}
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"^torch_params\['in.w'\] and torch_params\['out.w'\] are one trained tensor",
+    ):
+        compare(
+            module,
+            lambda p, x: (x @ p["w_in"]) @ p["w_out"].T,
+            (sample(2, 4),),
+            params=params,
+            params_from_torch=mapping,
+            torch_params=torch_params,
+        )
+
+
+class LinearPlusTable(torch.nn.Module):
+    """A linear layer plus a buffer's table, which the JAX params hold as a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("table", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.table
+
+
+@pytest.mark.parametrize("jax_differentiates_it", [False, True], ids=["stopped", "differentiated"])
+def test_a_params_leaf_the_mapping_makes_of_no_torch_parameter_is_left_out(
+    jax_differentiates_it: bool,
+) -> None:
+    # The mapping's constant table was mapped as torch's 'gradient' of it too: equal functions
+    # failed at grad params['table'] with max abs 2 (the table's [0, 1, 2] against JAX's zeros)
+    module = LinearPlusTable()
+    table = np.arange(3, dtype=np.float32)
+
+    def mapping(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": d["linear.weight"], "b": d["linear.bias"], "table": table.copy()}
+
+    def layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        extra = p["table"] if jax_differentiates_it else jax.lax.stop_gradient(p["table"])
+        return x @ p["w"].T + p["b"] + extra
+
+    params = {k: jnp.asarray(v) for k, v in mapping(to_numpy_params(module)).items()}
+    report = assert_parity(module, layer, (sample(2, 4),), params=params, params_from_torch=mapping)
+    paths = [entry.path for entry in report.entries]
+    assert "grad params['w']" in paths and "grad params['table']" not in paths
+    wrong_bias = lambda p, x: x @ p["w"].T + p["b"] * 1.01 + p["table"]  # noqa: E731
+    failed = compare(module, wrong_bias, (sample(2, 4),), params=params, params_from_torch=mapping)
+    assert "grad params['b']" in [entry.path for entry in failed.failures]
+
+
+def test_a_trained_parameter_mapped_through_a_clip_is_not_left_out_as_a_constant() -> None:
+    # max(w, 5) of small weights is 5 whether they are 0, 1 or 2, as a constant table is: found
+    # constant by those values alone, the leaf was left out, and its gradient never compared
+    linear = torch.nn.Linear(4, 3)
+
+    def clipped(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": np.maximum(d["weight"], np.float32(5.0)), "b": d["bias"]}
+
+    params = {k: jnp.asarray(v) for k, v in clipped(to_numpy_params(linear)).items()}
+    report = compare(
+        linear,
+        lambda p, x: x @ p["w"].T + p["b"],
+        (sample(2, 4),),
+        params=params,
+        params_from_torch=clipped,
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+    assert report.left_out == ()
+
+
+def test_a_report_names_the_parameter_grads_it_left_out() -> None:
+    # A params leaf left out (made of a frozen torch parameter, or of none) appeared nowhere:
+    # 'parity OK: 4 leaves within tolerance' read as if every params leaf had been compared
+    module = LinearPlusTable()
+    module.linear.bias.requires_grad_(False)
+
+    def mapping(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        table = np.arange(3, dtype=np.float32)
+        return {"w": d["linear.weight"], "b": d["linear.bias"], "table": table}
+
+    def layer(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x @ p["w"].T + p["b"] + p["table"]
+
+    params = {k: jnp.asarray(v) for k, v in mapping(to_numpy_params(module)).items()}
+    report = assert_parity(module, layer, (sample(2, 4),), params=params, params_from_torch=mapping)
+    assert report.left_out == (
+        "grad params['b'] (no trained torch parameter behind it)",
+        "grad params['table'] (no trained torch parameter behind it)",
+    )
+    text = str(report)
+    assert text.splitlines()[0].endswith("; 2 left out)")
+    assert text.splitlines()[-1] == "left out: " + "; ".join(report.left_out)
+
+
+def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:
+    module = TiedProjection()
+    params = {"w": jnp.asarray(to_numpy_params(module)["w"])}
+    report = assert_parity(
+        module, lambda p, x: (x @ p["w"]) @ p["w"].T, (sample(2, 4),), params=params
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
 
 
 def test_a_mapping_that_negates_transposes_and_casts_maps_gradients_and_passes() -> None:

@@ -37,6 +37,7 @@ from ._torch_side import (
     refuse_computed_params,
     refuse_default_dtype,
     refuse_detached_params,
+    refuse_repeated_params,
     torch_device,
 )
 
@@ -82,7 +83,8 @@ def compare(
       ``module.weight``, whose ``.grad`` torch never fills; and a trained parameter with a
       gradient that the mapping puts in no leaf; and ``params`` whose values are not the torch
       ones mapped, exactly, in the dtypes the mapping gives: a tree made from an older torch
-      state). Frozen torch parameters are not compared: a JAX params leaf made of them is left
+      state). Frozen torch parameters are not compared: a JAX params leaf made of them (or of
+      no torch parameter: a constant table the mapping builds, a buffer's values) is left
       out, and a leaf that mixes them with trained ones is compared at the trained ones'
       entries, those made of both (``base + delta``) included (found by mapping NaN through
       ``params_from_torch``).
@@ -90,7 +92,9 @@ def compare(
       entry is one trained torch entry or its negative (transposes, reshapes, splits,
       concatenations, casts; plus frozen entries): with gradients compared, a mapping that
       scales, offsets, sums or otherwise transforms a trained parameter (``2 * w``, ``w - 1``,
-      ``exp(w)``) is refused naming the leaf.
+      ``exp(w)``) is refused naming the leaf, and so is one that puts a trained entry in two
+      places (a tied weight given JAX as two leaves: torch's gradient is the sum over its
+      uses, JAX's one per leaf), as are ``torch_params`` holding it under two names.
     - Gradients: random normal cotangents (``seed``) on the masked outputs of the JAX output
       spec (floating outputs, or the mask of a ``GraphedCallable``'s ``out_spec``, which must
       mask every torch output that requires grad: a ``SpecMismatchError`` names the first it
@@ -146,11 +150,14 @@ def compare(
             run = run_jax(jax_fn, inputs.call_spec.unflatten, inputs.tensors, params, grads=grads)
             spec = _agreed_output_spec(run.program.out_spec, torch_out, wide)
             entries = _compare_outputs(spec, torch_out, run.outputs, judge)
+            left_out: list[str] = []
             if grads:
                 _refuse_unmasked_torch_grads(spec, torch_out)
                 others = _own_parameters(torch_fn)
-                entries += _compare_grads(spec, torch_out, run, inputs, kept, judge, seed, others)
-    return ParityReport(tuple(entries))
+                entries += _compare_grads(
+                    spec, torch_out, run, inputs, kept, judge, seed, others, left_out
+                )
+    return ParityReport(tuple(entries), left_out=tuple(left_out))
 
 
 def assert_parity(*args: Any, **kwargs: Any) -> ParityReport:
@@ -237,6 +244,7 @@ def _params_of(
     if torch_params is not None and grads:  # without grads, no .grad is read
         refuse_detached_params(torch_fn, both.torch)
         refuse_computed_params(both.torch)
+        refuse_repeated_params(both.torch)
     _check_params_match(both, grads)
     return both
 
@@ -340,6 +348,47 @@ def _refuse_unmappable_grads(
                     "g - 1 or exp(g). Give the JAX function the parameters as torch holds "
                     "them, and scale or offset them inside it"
                 )
+    _refuse_repeated_entries(params, spec, arrays, trained)
+
+
+def _refuse_repeated_entries(
+    params: _Params, spec: TreeSpec, arrays: Mapping[str, np.ndarray], trained: set[str]
+) -> None:
+    """Refuse a ``params_from_torch`` that puts a trained torch entry into more than one
+    entry of the JAX params (a tied weight given JAX as two leaves, a scalar broadcast into a
+    leaf): torch's gradient of the entry is the sum over its uses, JAX's is one per place, so
+    the two would fail as if the functions differed. Found by mapping the trained parameters
+    as NaN (the others as 0) and counting the NaN that come out; each parameter is mapped
+    alone only when there are more than went in."""
+
+    def marked(names: set[str]) -> list[tuple[str, int]]:
+        given = {
+            name: np.full_like(a, np.nan) if name in names else np.zeros_like(a)
+            for name, a in arrays.items()
+        }
+        leaves = (np.asarray(x) for x in spec.flatten(params.from_torch(given)))
+        counts = [
+            (path, int(np.count_nonzero(np.isnan(x))))
+            for path, x in zip(spec.array_paths, leaves, strict=True)
+            if _floating(x)
+        ]
+        return [(path, count) for path, count in counts if count]
+
+    if sum(n for _, n in marked(trained)) <= sum(arrays[name].size for name in trained):
+        return
+    for name in sorted(trained):
+        reached = marked({name})
+        count = sum(n for _, n in reached)
+        if count > arrays[name].size:
+            places = ", ".join(f"params{path} ({n})" for path, n in reached)
+            raise DualgraphError(
+                f"torch parameter {name!r}: params_from_torch puts its {arrays[name].size} "
+                f"entries into {count} entries of the JAX params ({clip_text(places)}): an "
+                "entry used in two places (a tied weight given JAX as two leaves, a value "
+                "broadcast) has one gradient in torch, the sum over its uses, and one per "
+                "place in JAX, so they would differ whatever the functions. Give the JAX "
+                "function one leaf for it and use that leaf in each place"
+            )
 
 
 def _host(leaf: Any) -> np.ndarray:
@@ -604,9 +653,11 @@ def _compare_grads(
     judge: Judge,
     seed: int,
     others: Sequence[torch.Tensor],
+    left_out: list[str],
 ) -> list[LeafReport]:
     """The same seeded cotangents through both backwards; input grads, then parameter grads.
-    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was."""
+    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was;
+    the floating params leaves not compared are added to ``left_out``, saying why."""
     assert run.pullback is not None
     rng = np.random.default_rng(seed)
     masked = [
@@ -649,7 +700,7 @@ def _compare_grads(
     ]
     if params is not None:
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
-        entries += _param_grad_reports(params, param_grads, torch_param_grads, judge)
+        entries += _param_grad_reports(params, param_grads, torch_param_grads, judge, left_out)
     return entries
 
 
@@ -712,8 +763,10 @@ def _param_grad_reports(
     jax_grads: Any,
     torch_grads: Mapping[str, torch.Tensor | None],
     judge: Judge,
+    left_out: list[str],
 ) -> list[LeafReport]:
-    """Torch's parameter grads mapped into the JAX params tree, compared leaf by leaf."""
+    """Torch's parameter grads mapped into the JAX params tree, compared leaf by leaf; a
+    floating leaf made of frozen torch parameters only, or of none, is added to ``left_out``."""
     convert, named = params.from_torch, params.torch
     params_spec = describe(params.jax)
     as_numpy = {
@@ -746,8 +799,9 @@ def _param_grad_reports(
         expected = _in_torch_terms(next(jax_leaves))
         actual = np.asarray(torch_grad)
         if from_frozen is not None:
-            if from_frozen.all():
-                continue  # made of frozen parameters only
+            if from_frozen.all():  # made of frozen parameters only, or of none
+                left_out.append(f"grad params{path} (no trained torch parameter behind it)")
+                continue
             # torch has no grad there, JAX does: neither side's value there is compared
             actual, expected = actual.copy(), expected.copy()
             actual[from_frozen] = 0
@@ -802,8 +856,8 @@ def _frozen_positions(
     torch_grads: Mapping[str, Any],
     convert: Callable[[dict[str, np.ndarray]], Any],
 ) -> list[np.ndarray | None]:
-    """For each params leaf, where its entries come from frozen torch parameters only (``None``:
-    nowhere).
+    """For each params leaf, where its entries come from frozen torch parameters only, or from
+    none (a constant the mapping makes) (``None``: nowhere).
 
     Ones are mapped through ``params_from_torch`` with the frozen parameters' entries NaN, and
     again with the trained ones' NaN: the entries NaN in the first and not in the second (nor
@@ -812,8 +866,6 @@ def _frozen_positions(
     entries in one leaf). An entry made of both (``base + delta``, a frozen base and a trained
     delta merged into one leaf) carries the trained one's gradient, and is compared.
     """
-    if len(torch_grads) == len(as_numpy):
-        return [None] * params_spec.num_arrays
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
 
     def marking(frozen: bool) -> list[Any]:
@@ -824,14 +876,43 @@ def _frozen_positions(
         }
         return params_spec.flatten(convert(marked))
 
+    def every_parameter_as(value: float) -> list[Any]:
+        """The leaves of the mapping of every floating parameter as ``value`` (others as 1)."""
+        given = {n: np.full_like(a, value) if _floating(a) else a for n, a in ones.items()}
+        return params_spec.flatten(convert(given))
+
+    # Entries the mapping makes of no torch parameter (a constant table it builds, a buffer's
+    # values): they stay put whatever the parameters are, and torch has no gradient there, so
+    # the mapping's constant would be compared with JAX's gradient as if it were torch's.
+    # Both ways: a clip (max(w, 5)) is constant at 0, 1 and 2 too, but carries NaN through.
+    made_of_none = [
+        None
+        if not _floating(np.asarray(zero))
+        else (np.asarray(zero) == np.asarray(one))
+        & (np.asarray(zero) == np.asarray(two))
+        & ~np.isnan(np.asarray(nan))
+        for zero, one, two, nan in zip(
+            every_parameter_as(0),
+            every_parameter_as(1),
+            every_parameter_as(2),
+            every_parameter_as(np.nan),
+            strict=True,
+        )
+    ]
+    if len(torch_grads) == len(as_numpy):  # nothing frozen
+        return [None if m is None or not m.any() else m for m in made_of_none]
     result: list[np.ndarray | None] = []
-    for plain, by_frozen, by_trained in zip(
-        params_spec.flatten(convert(ones)), marking(True), marking(False), strict=True
+    for plain, by_frozen, by_trained, constant in zip(
+        params_spec.flatten(convert(ones)),
+        marking(True),
+        marking(False),
+        made_of_none,
+        strict=True,
     ):
         plain, by_frozen, by_trained = (np.asarray(x) for x in (plain, by_frozen, by_trained))
-        if not _floating(by_frozen):
+        if not _floating(by_frozen) or constant is None:
             result.append(None)
             continue
-        frozen = np.isnan(by_frozen) & ~np.isnan(by_trained) & ~np.isnan(plain)
+        frozen = (np.isnan(by_frozen) & ~np.isnan(by_trained) & ~np.isnan(plain)) | constant
         result.append(frozen if frozen.any() else None)
     return result

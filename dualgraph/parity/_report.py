@@ -29,6 +29,9 @@ class LeafReport:
     - ``scale_error``, ``offset_error``: the leaf's systematic error, fitted as ``torch - jax =
       scale_error * jax + offset_error * rms`` (complex: magnitudes), and ``bias_usage`` the
       larger over its limit (see :class:`Tolerance`'s ``max_bias``); ``None`` where not limited.
+    - ``unmatched_nonfinite``: entries NaN or infinite on one side only, or infinite of the
+      other sign (counted in ``mismatched``; ``max_abs`` is over the finite ones), and
+      ``first_unmatched`` the first of them, e.g. ``"[0, 3]: torch nan, JAX 0.5"``.
     - ``warning``: e.g. a leaf NaN everywhere on both sides (nothing compared); it fails unless
       the comparison allowed NaN. ``problem``: the two sides' leaves differ in dtype or shape.
     """
@@ -52,6 +55,8 @@ class LeafReport:
     scale_error: float | None = None
     offset_error: float | None = None
     bias_usage: float | None = None
+    unmatched_nonfinite: int = 0
+    first_unmatched: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -93,9 +98,20 @@ class LeafReport:
             allowed = limits.max_ulps
             if self.ulps is not None and allowed is not None and self.ulps > allowed:
                 steps = f", {self.ulps} values apart where {allowed} may be"
+            unmatched = ""
+            if self.unmatched_nonfinite:
+                unmatched = (
+                    f" where both are finite; {self.unmatched_nonfinite} NaN or infinite on one "
+                    f"side only or of the other sign, first at {self.first_unmatched}"
+                )
+            if self.scale == 0.0 and self.max_abs > 0.0:  # every limit scales with the reference
+                unmatched += (
+                    "; the reference is 0 wherever it is finite (a fill aside), so its limits "
+                    "are 0 and any nonzero entry fails"
+                )
             return (
                 f"{self.mismatched} values over tolerance, worst at {self.score:.3g}x "
-                f"(max abs {self.max_abs:.3g}{steps})"
+                f"(max abs {self.max_abs:.3g}{steps}{unmatched})"
             )
         if limits is not None and self.rel_l2 is not None and self.rel_l2 > limits.max_rel_l2:
             return f"relative L2 error {self.rel_l2:.3g} > {limits.max_rel_l2:.3g}"
@@ -113,11 +129,16 @@ class LeafReport:
 class ParityReport:
     """Every compared leaf (outputs, then input grads, then parameter grads) and the verdict.
 
-    ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used in
-    the footer.
+    ``left_out``: the parameter grads not compared, each with why (a JAX params leaf made of
+    frozen torch parameters only, or of none), e.g. ``"grad params['table'] (no trained torch
+    parameter behind it)"``; they do not change the verdict.
+
+    ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used
+    (and the leaves left out) in the footer.
     """
 
     entries: tuple[LeafReport, ...]
+    left_out: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -146,7 +167,8 @@ class ParityReport:
         return tuple(entry for entry in self.entries if entry.warning is not None)
 
     def __str__(self) -> str:
-        return "\n".join([self._header(), *_table(self.entries), *_footer(self.entries)])
+        left_out = ["left out: " + "; ".join(self.left_out)] if self.left_out else []
+        return "\n".join([self._header(), *_table(self.entries), *_footer(self.entries), *left_out])
 
     def _header(self) -> str:
         worst = self.worst
@@ -154,6 +176,8 @@ class ParityReport:
             return "parity: nothing to compare (no array leaves)"
         warned = len(self.warnings)
         note = f"; {warned} warning{'s' * (warned > 1)}" if warned else ""
+        if self.left_out:
+            note += f"; {len(self.left_out)} left out"
         if self.ok:
             return (
                 f"parity OK: {len(self.entries)} leaves within tolerance (worst: {worst.path} "

@@ -19,6 +19,7 @@ __all__ = [
     "read_grads",
     "refuse_ambient_numerics",
     "refuse_computed_params",
+    "refuse_repeated_params",
     "refuse_default_dtype",
     "refuse_detached_params",
     "torch_device",
@@ -101,6 +102,26 @@ def refuse_detached_params(torch_fn: Any, torch_params: Mapping[str, torch.Tenso
             "are not the parameters torch_fn trains. Pass the parameters themselves, e.g. "
             "dict(module.named_parameters()) (frozen ones are nn.Parameters that require no grad)"
         )
+
+
+def refuse_repeated_params(torch_params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse ``torch_params`` holding one trained tensor under two names (a tied weight, as
+    ``named_parameters(remove_duplicate=False)`` lists it): its one ``.grad``, the sum over
+    every use, would be read for each name, where JAX gives each of its leaves its own part,
+    so the gradients would differ whatever the functions."""
+    first: dict[int, str] = {}
+    for name, tensor in torch_params.items():
+        if not tensor.requires_grad:  # frozen: no gradient is compared
+            continue
+        seen = first.setdefault(id(tensor), name)
+        if seen != name:
+            raise DualgraphError(
+                f"torch_params[{seen!r}] and torch_params[{name!r}] are one trained tensor (a "
+                "tied weight): its .grad is the sum over all its uses and would be read for "
+                "each name, where JAX gives each leaf its own part. Pass it once (as "
+                "named_parameters() does) and give the JAX function one leaf for it, used in "
+                "each place"
+            )
 
 
 def refuse_computed_params(torch_params: Mapping[str, torch.Tensor]) -> None:
