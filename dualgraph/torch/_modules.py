@@ -23,7 +23,15 @@ from ._params import GRAPHED_STATE, changes_taken
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
-__all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of", "training_at_capture"]
+__all__ = [
+    "eager_forward",
+    "install",
+    "is_graphed",
+    "restore",
+    "runner_of",
+    "the_module_of_its_forward",
+    "training_at_capture",
+]
 
 _STATE = GRAPHED_STATE
 
@@ -128,6 +136,8 @@ def training_at_capture(module: torch.nn.Module) -> bool | None:
 def restore(module: torch.nn.Module, /) -> torch.nn.Module:
     """Give a graphed module its original ``forward`` back (a copy of one is cleaned up too).
 
+    Given the module's graphed ``forward`` (``module.forward``), restores the module.
+
     A forward the user installed after graphing (``module.forward = f``) stays: it is theirs.
 
     >>> import dualgraph.torch as dgt
@@ -135,17 +145,36 @@ def restore(module: torch.nn.Module, /) -> torch.nn.Module:
     >>> dgt.restore(layer)(torch.ones(3, 2)).shape  # eager again: any batch size
     torch.Size([3, 2])
     """
+    module = the_module_of_its_forward(module)  # restore(model.forward) restores model
     if not isinstance(module, torch.nn.Module) or _STATE not in module.__dict__:
         raise DualgraphError(f"{type(module).__name__} is not a graphed module")
     _ungraph(module)
     return module
 
 
+def the_module_of_its_forward(thing: Any) -> Any:
+    """``module`` for the forward a graphed module was given (``module.forward``), else ``thing``.
+
+    That forward is the module's graphed entry point: the tools asked about it (``diagnostics``,
+    ``verify``, ``lint``, ...) answer for the module, whose runner it replays, rather than
+    refusing it as an unknown callable or running (and counting) its replays as the callable.
+
+    >>> import dualgraph.torch as dgt
+    >>> layer = dgt.make_graphed_callables(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    >>> the_module_of_its_forward(layer.forward) is layer
+    True
+    """
+    if type(thing) is functools.partial and thing.func is _graphed_forward and len(thing.args) == 1:
+        return thing.args[0]
+    return thing
+
+
 def runner_of(graphed: Any) -> Runner:
     """The :class:`GraphedCallable` (:class:`SlottedCallable`, :class:`EagerCallable`,
-    :class:`BucketedCallable`) behind a graphed object."""
+    :class:`BucketedCallable`) behind a graphed object (a graphed module's ``forward`` too)."""
     if isinstance(graphed, GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable):
         return graphed
+    graphed = the_module_of_its_forward(graphed)
     state = getattr(graphed, "__dict__", {}).get(_STATE)
     if type(state) is not _Graphed:
         raise DualgraphError(_not_graphed(graphed, state))
