@@ -2103,6 +2103,43 @@ def test_a_copy_of_a_graphed_module_can_be_graphed_on_its_own(backend: str) -> N
     assert dgt.restore(twin) is twin and "forward" not in twin.__dict__
 
 
+class _ScaledDropout(nn.Module):
+    """Reads its own mode and a plain attribute in its forward, with no submodule to tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x @ self.weight, 0.5, self.training) * self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_shallow_copy_of_a_graphed_module_runs_eagerly_in_its_own_mode(backend: str) -> None:
+    """copy.copy shares the weights, as torch's does; its forward was the one bound to the
+    original, replaying in the original's training mode with its scale: silently dropout in
+    eval, and the copy's scale ignored."""
+    device = device_of(backend)
+    module = _ScaledDropout().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    shallow = copy.copy(module)
+    assert shallow.weight is module.weight
+    x = torch.randn(4, 8, device=device)
+    shallow.eval()
+    with torch.no_grad():
+        assert_tensors_match(shallow(x), x @ module.weight, "eval", tolerance(backend))
+    shallow.train()
+    shallow.scale = 3.0
+    torch.manual_seed(1)
+    out = shallow(x)
+    torch.manual_seed(1)
+    assert_tensors_match(out, _ScaledDropout.forward(shallow, x), "scaled", tolerance(backend))
+    assert dgt.diagnostics(module).replays == 0  # the original replayed for none of them
+    module(x)
+    assert dgt.diagnostics(module).replays == 1  # and still replays
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_deepcopy_of_a_model_with_graphed_blocks_evaluates_like_it(backend: str) -> None:
     """The EMA / eval-snapshot pattern: copy the model whose blocks are graphed."""

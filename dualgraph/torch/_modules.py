@@ -4,7 +4,8 @@ A graphed module's ``forward`` replays while the module's ``training`` mode is t
 captured in, and runs the original forward otherwise. The module keeps its own class; the
 graphing lives in two entries of its ``__dict__``: ``forward`` and the runner's state.
 ``copy.deepcopy`` and pickling (``torch.save``) keep the parameters and drop the graphs: the
-copy runs eagerly, with its own weights, and can be graphed on its own.
+copy runs eagerly, with its own weights, and can be graphed on its own. ``copy.copy`` drops them
+too (its forward would be the one bound to the module copied, replaying in that module's mode).
 """
 
 from __future__ import annotations
@@ -112,7 +113,34 @@ def install(fn: Any, runner: Runner) -> Any:
     state = _Graphed(runner, module.training, module.__dict__.get("forward"))
     module.__dict__[_STATE] = state
     module.__dict__["forward"] = functools.partial(_graphed_forward, module)
+    # copy.copy, copy.deepcopy and pickle read a module's state through the instance's
+    # __getstate__: a shallow copy would otherwise share the forward bound to this module,
+    # replaying its graphs in this module's training mode with its attributes, not the copy's
+    module.__dict__[_GETSTATE] = functools.partial(_state_of_a_copy, module)
     return module
+
+
+_GETSTATE = "__getstate__"
+
+
+def _state_of_a_copy(module: torch.nn.Module) -> Any:
+    """What a copy of graphed ``module`` is made from: its class's state, without the graphs (a
+    :class:`_Copied` in their place, for the messages of a copy)."""
+    state = type(module).__getstate__(module)
+    if not isinstance(state, dict):
+        return state
+    state = {key: value for key, value in state.items() if key != _GETSTATE}
+    graphed = state.get(_STATE)
+    if type(graphed) is not _Graphed:
+        return state
+    state[_STATE] = _Copied(graphed.previous)
+    forward = state.get("forward")
+    if type(forward) is functools.partial and forward.func is _graphed_forward:
+        if graphed.previous is None:
+            del state["forward"]
+        else:
+            state["forward"] = graphed.previous
+    return state
 
 
 def eager_forward(module: torch.nn.Module) -> Any:
@@ -208,6 +236,9 @@ def _not_graphed(thing: Any, state: Any) -> str:
 
 def _ungraph(module: torch.nn.Module) -> None:
     state = module.__dict__.pop(_STATE, None)
+    getstate = module.__dict__.get(_GETSTATE)
+    if type(getstate) is functools.partial and getstate.func is _state_of_a_copy:
+        del module.__dict__[_GETSTATE]
     previous = getattr(state, "previous", None)
     forward = module.__dict__.get("forward")
     if not (isinstance(forward, functools.partial) and forward.func is _graphed_forward):
