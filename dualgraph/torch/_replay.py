@@ -123,6 +123,7 @@ _is_any_autocast_enabled = getattr(
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _NONE: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_get_tracing_state = torch._C._get_tracing_state
 
 
 class _RefusedBeforeReplay(DualgraphError):
@@ -784,6 +785,8 @@ class GraphedCallable:
                     f"{self.name}: called under a torch.func transform (vmap, grad, jvp, ...); "
                     "a graph replays fixed buffers and cannot be transformed"
                 )
+            if _get_tracing_state() is not None:  # the trace would keep our buffers as constants
+                raise self._traced()
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)
@@ -1285,6 +1288,15 @@ class GraphedCallable:
                 # Updated without a version bump in eager (through .data): copied back so too.
                 target = tensors[i].data if i in self._mutated_quietly else tensors[i]
                 target.copy_(self._static_inputs[i])
+
+    def _traced(self) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: called under torch.jit.trace; a replay copies the inputs into fixed "
+            "buffers and hands out fixed buffers, which the trace would keep as constants (the "
+            "traced callable would give this call's results for every input). Trace the "
+            "module restored (dualgraph.torch.restore) or a copy of it (copy.deepcopy: copies "
+            "run eagerly)"
+        )
 
     def _busy(self) -> DualgraphError:
         if called_again_inside(self._lock):
