@@ -1311,6 +1311,17 @@ def _delete_submodule(module: TinyMLP) -> None:
     del module.fc2
 
 
+def _load_state_dict_assigning(module: TinyMLP) -> None:
+    state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+    module.load_state_dict(state, assign=True)
+
+
+def _share_memory(module: TinyMLP) -> None:
+    if module.fc1.weight.is_cuda:
+        pytest.skip("share_memory() leaves CUDA tensors where they are")
+    module.share_memory()  # moves each CPU tensor's storage into shared memory
+
+
 class ScaledMLP(TinyMLP):
     """TinyMLP with a buffer its forward reads."""
 
@@ -1331,6 +1342,16 @@ CHANGES = {
     "buffer_replaced": (_replace_buffer, "ScaledMLP.scale: the buffer was replaced after capture"),
     "submodule_replaced": (_replace_submodule, "ScaledMLP.fc1: the submodule was replaced or"),
     "submodule_deleted": (_delete_submodule, "ScaledMLP.fc2: the submodule was replaced or"),
+    "load_state_dict_assign": (
+        _load_state_dict_assigning,
+        "ScaledMLP.scale: the buffer was replaced after capture (by assignment, "
+        "load_state_dict(assign=True),",
+    ),
+    "share_memory": (
+        _share_memory,
+        "ScaledMLP.scale: the buffer's memory changed after capture (.to(), .half(), "
+        "share_memory(),",
+    ),
 }
 
 
