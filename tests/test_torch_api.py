@@ -398,6 +398,48 @@ def test_diagnostics_reject_a_plain_callable() -> None:
         dgt.diagnostics(TinyMLP())
 
 
+def _graphed_tiny_mlp() -> TinyMLP:
+    module = TinyMLP()
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, requires_grad=True),), backend="emulate")
+    return module
+
+
+@pytest.mark.parametrize("tool", ["diagnostics", "verify", "restore"])
+def test_a_graphed_modules_forward_is_answered_for_as_the_module(tool: str) -> None:
+    """``module.forward`` of a graphed module is its graphed entry point, not an unknown
+    callable (which was refused quoting a partial's repr, the module's whole tree in it)."""
+    module = _graphed_tiny_mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    if tool == "diagnostics":
+        assert dgt.diagnostics(module.forward) is dgt.diagnostics(module)
+    elif tool == "verify":
+        assert dgt.verify(module.forward, x).ok
+    else:
+        assert dgt.restore(module.forward) is module
+        assert "forward" not in vars(module)
+
+
+@pytest.mark.parametrize("tool", ["lint", "memory_plan"])
+def test_probing_a_graphed_modules_forward_runs_the_module_eagerly_not_its_replays(
+    tool: str,
+) -> None:
+    """As probing the module does: any batch size, and no replay run (or counted)."""
+    module = _graphed_tiny_mlp()
+    probe = getattr(dgt, tool)
+    x = torch.randn(5, 8, requires_grad=True)  # a batch size the replays refuse
+    assert str(probe(module.forward, x)) == str(probe(module, x))
+    assert dgt.diagnostics(module).replays == 0
+
+
+def test_graphing_a_graphed_modules_forward_is_refused_naming_the_module() -> None:
+    module = _graphed_tiny_mlp()
+    with pytest.raises(
+        DualgraphError, match=r"^TinyMLP\.forward is the forward of a graphed module; graph the "
+    ):
+        dgt.make_graphed_callables(module.forward, (torch.randn(4, 8),), backend="emulate")
+    assert dgt.diagnostics(module).replays == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_module_runs_eagerly_when_its_training_mode_differs_from_capture(backend: str) -> None:
     device = device_of(backend)

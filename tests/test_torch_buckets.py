@@ -2651,3 +2651,19 @@ def test_a_padded_calls_output_carries_what_the_callable_set_on_it(backend: str)
     for length in (3, 4, 6, 8):
         y = graphed(torch.randn(2, length, 4, device=device))
         assert y.shape == (2, length, 4) and vars(y) == {"_do_not_clear": True}, length
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.trace.* is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_bucketed_call_under_torch_jit_trace_is_refused_naming_the_trace(backend: str) -> None:
+    """The trace's sizes match no bucket: the call leaked StopIteration from the search for
+    the differing input, where a graphed callable's replay refuses the trace by name."""
+    device = device_of(backend)
+    layer = nn.Linear(4, 4).to(device)
+    buckets = [(torch.randn(rows, 4, device=device),) for rows in (2, 3)]
+    dgt.make_graphed_callables(layer, buckets=buckets, backend=backend)
+    with torch.no_grad(), pytest.raises(DualgraphError, match=r"^Linear: called under torch\.jit"):
+        torch.jit.trace(layer, torch.randn(3, 4, device=device))
+    x = torch.randn(3, 4, device=device)
+    with torch.no_grad():  # still replays
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))

@@ -371,6 +371,29 @@ def test_a_call_under_a_torch_func_transform_is_refused(
     assert all(map(torch.equal, runner_of(layer).static_inputs, static))
 
 
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.trace.* is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("frozen", [False, True], ids=["no_grad", "frozen"])
+def test_a_call_under_torch_jit_trace_is_refused(backend: str, frozen: bool) -> None:
+    """The trace kept the replay's buffers as constants: the traced module gave the traced
+    call's output for every input, silently (where no output required grad)."""
+    device = device_of(backend)
+    layer = nn.Linear(4, 3).to(device).requires_grad_(not frozen)
+    twin = copy.deepcopy(layer)
+    dgt.make_graphed_callables(layer, (torch.randn(2, 4, device=device),), backend=backend)
+    static = [t.clone() for t in runner_of(layer).static_inputs]
+    with (
+        torch.set_grad_enabled(not frozen),
+        pytest.raises(DualgraphError, match=r"^Linear: called under torch\.jit\.trace; "),
+    ):
+        torch.jit.trace(layer, torch.randn(2, 4, device=device))
+    assert all(map(torch.equal, runner_of(layer).static_inputs, static))
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():  # still replays, as eager computes
+        assert_tensors_match(layer(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(layer).replays == 1
+
+
 def _graphed_linear(backend: str, param_grads: str) -> tuple[nn.Linear, torch.device]:
     """A ``Linear(4, 3)`` graphed on ``backend`` for samples ``(2, 4)``, and its device."""
     device = device_of(backend)

@@ -1312,6 +1312,17 @@ def _delete_submodule(module: TinyMLP) -> None:
     del module.fc2
 
 
+def _load_state_dict_assigning(module: TinyMLP) -> None:
+    state = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+    module.load_state_dict(state, assign=True)
+
+
+def _share_memory(module: TinyMLP) -> None:
+    if module.fc1.weight.is_cuda:
+        pytest.skip("share_memory() leaves CUDA tensors where they are")
+    module.share_memory()  # moves each CPU tensor's storage into shared memory
+
+
 class ScaledMLP(TinyMLP):
     """TinyMLP with a buffer its forward reads."""
 
@@ -1332,6 +1343,16 @@ CHANGES = {
     "buffer_replaced": (_replace_buffer, "ScaledMLP.scale: the buffer was replaced after capture"),
     "submodule_replaced": (_replace_submodule, "ScaledMLP.fc1: the submodule was replaced or"),
     "submodule_deleted": (_delete_submodule, "ScaledMLP.fc2: the submodule was replaced or"),
+    "load_state_dict_assign": (
+        _load_state_dict_assigning,
+        "ScaledMLP.scale: the buffer was replaced after capture (by assignment, "
+        "load_state_dict(assign=True),",
+    ),
+    "share_memory": (
+        _share_memory,
+        "ScaledMLP.scale: the buffer's memory changed after capture (.to(), .half(), "
+        "share_memory(),",
+    ),
 }
 
 
@@ -2102,6 +2123,43 @@ def test_a_copy_of_a_graphed_module_can_be_graphed_on_its_own(backend: str) -> N
     x = torch.randn(4, 8, device=device)
     assert_tensors_match(twin(x).detach(), module(x).detach(), "output", tolerance(backend))
     assert dgt.restore(twin) is twin and "forward" not in twin.__dict__
+
+
+class _ScaledDropout(nn.Module):
+    """Reads its own mode and a plain attribute in its forward, with no submodule to tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x @ self.weight, 0.5, self.training) * self.scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_shallow_copy_of_a_graphed_module_runs_eagerly_in_its_own_mode(backend: str) -> None:
+    """copy.copy shares the weights, as torch's does; its forward was the one bound to the
+    original, replaying in the original's training mode with its scale: silently dropout in
+    eval, and the copy's scale ignored."""
+    device = device_of(backend)
+    module = _ScaledDropout().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    shallow = copy.copy(module)
+    assert shallow.weight is module.weight
+    x = torch.randn(4, 8, device=device)
+    shallow.eval()
+    with torch.no_grad():
+        assert_tensors_match(shallow(x), x @ module.weight, "eval", tolerance(backend))
+    shallow.train()
+    shallow.scale = 3.0
+    torch.manual_seed(1)
+    out = shallow(x)
+    torch.manual_seed(1)
+    assert_tensors_match(out, _ScaledDropout.forward(shallow, x), "scaled", tolerance(backend))
+    assert dgt.diagnostics(module).replays == 0  # the original replayed for none of them
+    module(x)
+    assert dgt.diagnostics(module).replays == 1  # and still replays
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

@@ -55,7 +55,7 @@ from ._memory_plan import MemoryPlan
 from ._nesting import SCOPE, inside_another
 from ._padding import VALID_LENGTH, Padding, cut_back, output_cuts, valid_length_position
 from ._params import own_changes_taken_of
-from ._replay import GraphedCallable
+from ._replay import GraphedCallable, traced_call_refused
 from ._replay_function import watch_handed_out
 from ._replay_hooks import call_eagerly
 
@@ -365,6 +365,9 @@ class BucketedCallable:
 
     def _unmatched(self, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]) -> Any:
         """A call whose shapes are no bucket's: checked as a bucket call would be, then fallback."""
+        if self.fallback != "eager" and torch._C._get_tracing_state() is not None:
+            # the trace hands out sizes of its own, which match no bucket
+            raise traced_call_refused(self.name)
         self._check_tensors(tensors)
         if self._padding is not None:
             # The padded call is rebuilt from the capture's spec, which puts every dict's keys

@@ -23,7 +23,7 @@ from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
 from ._hooks import hooks_per_callable
 from ._inputs import InputGuard, input_off_device
-from ._modules import eager_forward, install, is_graphed, runner_of
+from ._modules import eager_forward, install, is_graphed, runner_of, the_module_of_its_forward
 from ._plan import ReplayPlan
 from ._pool_order import places_in_capture_order, settle_outputs
 from ._probe import LintMode
@@ -649,6 +649,12 @@ def _samples_per_callable(
             )
         if isinstance(fn, torch.nn.Module) and is_graphed(fn):
             raise DualgraphError(f"{name} is already graphed; call dualgraph.torch.restore first")
+        module = the_module_of_its_forward(fn)
+        if module is not fn and is_graphed(module):  # its graphed forward: graphs do not nest
+            raise DualgraphError(
+                f"{type(module).__name__}.forward is the forward of a graphed module; graph the "
+                "module itself, after dualgraph.torch.restore"
+            )
         checked_args.append(tuple(args))
     if len({id(fn) for fn in fns}) != len(fns):
         raise DualgraphError("the same callable appears twice; each is captured once")

@@ -4,7 +4,8 @@ A graphed module's ``forward`` replays while the module's ``training`` mode is t
 captured in, and runs the original forward otherwise. The module keeps its own class; the
 graphing lives in two entries of its ``__dict__``: ``forward`` and the runner's state.
 ``copy.deepcopy`` and pickling (``torch.save``) keep the parameters and drop the graphs: the
-copy runs eagerly, with its own weights, and can be graphed on its own.
+copy runs eagerly, with its own weights, and can be graphed on its own. ``copy.copy`` drops them
+too (its forward would be the one bound to the module copied, replaying in that module's mode).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from ._params import GRAPHED_STATE, changes_taken
 from ._replay import GraphedCallable
 from ._slots import SlottedCallable
 
-__all__ = ["eager_forward", "install", "is_graphed", "restore", "runner_of", "training_at_capture"]
+__all__ = [
+    "eager_forward",
+    "install",
+    "is_graphed",
+    "restore",
+    "runner_of",
+    "the_module_of_its_forward",
+    "training_at_capture",
+]
 
 _STATE = GRAPHED_STATE
 
@@ -104,7 +113,34 @@ def install(fn: Any, runner: Runner) -> Any:
     state = _Graphed(runner, module.training, module.__dict__.get("forward"))
     module.__dict__[_STATE] = state
     module.__dict__["forward"] = functools.partial(_graphed_forward, module)
+    # copy.copy, copy.deepcopy and pickle read a module's state through the instance's
+    # __getstate__: a shallow copy would otherwise share the forward bound to this module,
+    # replaying its graphs in this module's training mode with its attributes, not the copy's
+    module.__dict__[_GETSTATE] = functools.partial(_state_of_a_copy, module)
     return module
+
+
+_GETSTATE = "__getstate__"
+
+
+def _state_of_a_copy(module: torch.nn.Module) -> Any:
+    """What a copy of graphed ``module`` is made from: its class's state, without the graphs (a
+    :class:`_Copied` in their place, for the messages of a copy)."""
+    state = type(module).__getstate__(module)
+    if not isinstance(state, dict):
+        return state
+    state = {key: value for key, value in state.items() if key != _GETSTATE}
+    graphed = state.get(_STATE)
+    if type(graphed) is not _Graphed:
+        return state
+    state[_STATE] = _Copied(graphed.previous)
+    forward = state.get("forward")
+    if type(forward) is functools.partial and forward.func is _graphed_forward:
+        if graphed.previous is None:
+            del state["forward"]
+        else:
+            state["forward"] = graphed.previous
+    return state
 
 
 def eager_forward(module: torch.nn.Module) -> Any:
@@ -128,6 +164,8 @@ def training_at_capture(module: torch.nn.Module) -> bool | None:
 def restore(module: torch.nn.Module, /) -> torch.nn.Module:
     """Give a graphed module its original ``forward`` back (a copy of one is cleaned up too).
 
+    Given the module's graphed ``forward`` (``module.forward``), restores the module.
+
     A forward the user installed after graphing (``module.forward = f``) stays: it is theirs.
 
     >>> import dualgraph.torch as dgt
@@ -135,17 +173,36 @@ def restore(module: torch.nn.Module, /) -> torch.nn.Module:
     >>> dgt.restore(layer)(torch.ones(3, 2)).shape  # eager again: any batch size
     torch.Size([3, 2])
     """
+    module = the_module_of_its_forward(module)  # restore(model.forward) restores model
     if not isinstance(module, torch.nn.Module) or _STATE not in module.__dict__:
         raise DualgraphError(f"{type(module).__name__} is not a graphed module")
     _ungraph(module)
     return module
 
 
+def the_module_of_its_forward(thing: Any) -> Any:
+    """``module`` for the forward a graphed module was given (``module.forward``), else ``thing``.
+
+    That forward is the module's graphed entry point: the tools asked about it (``diagnostics``,
+    ``verify``, ``lint``, ...) answer for the module, whose runner it replays, rather than
+    refusing it as an unknown callable or running (and counting) its replays as the callable.
+
+    >>> import dualgraph.torch as dgt
+    >>> layer = dgt.make_graphed_callables(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    >>> the_module_of_its_forward(layer.forward) is layer
+    True
+    """
+    if type(thing) is functools.partial and thing.func is _graphed_forward and len(thing.args) == 1:
+        return thing.args[0]
+    return thing
+
+
 def runner_of(graphed: Any) -> Runner:
     """The :class:`GraphedCallable` (:class:`SlottedCallable`, :class:`EagerCallable`,
-    :class:`BucketedCallable`) behind a graphed object."""
+    :class:`BucketedCallable`) behind a graphed object (a graphed module's ``forward`` too)."""
     if isinstance(graphed, GraphedCallable | SlottedCallable | EagerCallable | BucketedCallable):
         return graphed
+    graphed = the_module_of_its_forward(graphed)
     state = getattr(graphed, "__dict__", {}).get(_STATE)
     if type(state) is not _Graphed:
         raise DualgraphError(_not_graphed(graphed, state))
@@ -179,6 +236,9 @@ def _not_graphed(thing: Any, state: Any) -> str:
 
 def _ungraph(module: torch.nn.Module) -> None:
     state = module.__dict__.pop(_STATE, None)
+    getstate = module.__dict__.get(_GETSTATE)
+    if type(getstate) is functools.partial and getstate.func is _state_of_a_copy:
+        del module.__dict__[_GETSTATE]
     previous = getattr(state, "previous", None)
     forward = module.__dict__.get("forward")
     if not (isinstance(forward, functools.partial) and forward.func is _graphed_forward):

@@ -912,14 +912,17 @@ class ModuleTensors:
             current = owner.get(key)
             if current is not tensor:
                 return DualgraphError(
-                    f"{name}: the {kind} was replaced after capture (by assignment, by .to(), "
-                    ".half(), ..., or for one call, as torch.func.functional_call does), but the "
-                    f"graphs read the captured tensor; update it in place (copy_), or {again}"
+                    f"{name}: the {kind} was replaced after capture (by assignment, "
+                    "load_state_dict(assign=True), .to(), .half(), ..., or for one call, as "
+                    "torch.func.functional_call does), but the graphs read the captured tensor; "
+                    "update it in place (copy_, load_state_dict without assign=True), or "
+                    f"{again}"
                 )
             if tensor.data_ptr() != ptr:
                 return DualgraphError(
                     f"{name}: the {kind}'s memory changed after capture (.to(), .half(), "
-                    f"assigning .data?), but the graphs read the captured memory; {again}"
+                    "share_memory(), assigning .data?), but the graphs read the captured "
+                    f"memory; {again}"
                 )
             if tensor.stride() != stride or tensor.shape != shape:
                 return DualgraphError(

@@ -319,9 +319,10 @@ def module_of(fn: Any) -> torch.nn.Module | None:
 def _ungraphed(fn: Any) -> Iterator[Any]:
     """``fn``, or the callable behind it when it was graphed (a module keeps its hooks)."""
     # imported here: the adapter's modules import this one
-    from ._modules import runner_of
+    from ._modules import runner_of, the_module_of_its_forward
     from ._verify import eager_twin
 
+    fn = the_module_of_its_forward(fn)  # a graphed module's forward: the module, run eagerly
     try:
         runner_of(fn)
     except DualgraphError:  # not made by make_graphed_callables (a copy of a graphed module)

@@ -86,7 +86,7 @@ from ._sum_start import SumStart
 from ._sum_start import start_sums as _start_sums
 from ._unreached_hooks import quiet_hooks as _quiet_hooks
 
-__all__ = ["GraphedCallable"]
+__all__ = ["GraphedCallable", "traced_call_refused"]
 
 _detach = torch.Tensor.detach
 _chain = itertools.chain
@@ -141,6 +141,18 @@ _is_any_autocast_enabled = getattr(
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _NONE: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 _are_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_get_tracing_state = torch._C._get_tracing_state
+
+
+def traced_call_refused(name: str) -> DualgraphError:
+    """The refusal of a call under ``torch.jit.trace``, which would keep a replay's buffers as
+    constants: the traced callable would give the traced call's results for every input."""
+    return DualgraphError(
+        f"{name}: called under torch.jit.trace; a replay copies the inputs into fixed buffers "
+        "and hands out fixed buffers, which the trace would keep as constants (the traced "
+        "callable would give this call's results for every input). Trace the module restored "
+        "(dualgraph.torch.restore) or a copy of it (copy.deepcopy: copies run eagerly)"
+    )
 
 
 class _RefusedBeforeReplay(DualgraphError):
@@ -821,6 +833,8 @@ class GraphedCallable:
                     f"{self.name}: called under a torch.func transform (vmap, grad, jvp, ...); "
                     "a graph replays fixed buffers and cannot be transformed"
                 )
+            if _get_tracing_state() is not None:  # the trace would keep our buffers as constants
+                raise traced_call_refused(self.name)
             hooks = self._hooks
             if hooks is not None:
                 kwargs, replay_kwargs = hooks.split_kwargs(kwargs)

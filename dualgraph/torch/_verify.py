@@ -92,7 +92,7 @@ from ._graphed import diagnostics
 from ._inputs import same_tensor_twice
 from ._leaves import dtype_name
 from ._module_attributes import module_attributes, put_back
-from ._modules import runner_of, training_at_capture
+from ._modules import runner_of, the_module_of_its_forward, training_at_capture
 from ._param_attributes import parameter_attributes_kept
 from ._params import is_tensor_subclass, same_bits, set_versions, write_back
 from ._probe import cloned_inputs, module_of
@@ -255,6 +255,7 @@ def verify(
     """
     if not isinstance(steps, int) or steps < 1:
         raise DualgraphError(f"steps must be a positive int, got {steps!r}")
+    graphed = the_module_of_its_forward(graphed)  # module.forward verifies the module
     for name, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and not _is_tolerance(value):
             raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
