@@ -876,6 +876,56 @@ def test_an_output_the_callable_sets_an_object_on_is_refused_naming_it(backend: 
     assert module(sample[0])[1].tag == [1]  # left usable, eager
 
 
+class MarksItsInput(nn.Module):
+    """Sets an attribute on the tensor it is given, as Transformer Engine's fuser marks its
+    inputs ``_do_not_clear``."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.value = value
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x._do_not_clear = self.value
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_plain_attributes_a_callable_sets_on_its_input_are_set_on_every_calls_input(
+    backend: str,
+) -> None:
+    # The warmup set them on a static input; the caller's tensor never got them (on CUDA no
+    # Python runs on a replay; emulate ran it on the static buffer), where eager sets them on it.
+    device = device_of(backend)
+    module = MarksItsInput(True).to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device)
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, expected = graphed(mine), twin(theirs)
+        assert vars(mine) == vars(theirs) == {"_do_not_clear": True}
+        assert torch.equal(y, expected)
+    assert dgt.diagnostics(graphed).replays == 3
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_the_callable_sets_an_object_on_is_refused_naming_it(backend: str) -> None:
+    # One list on the static buffer, where eager sets a new one on each caller's tensor.
+    device = device_of(backend)
+    module = MarksItsInput([1]).to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(module, sample, backend=backend)
+    assert message.startswith(
+        f"capturing MarksItsInput ({backend}) failed during warmup: args[0]: the callable "
+        "sets the attribute '_do_not_clear' on this input to a list"
+    ), message
+    x = torch.randn(2, 4, device=device)
+    module(x)  # left usable, eager
+    assert x._do_not_clear == [1]
+
+
 class ChangesItsBatch(nn.Module):
     """Changes the dict it is given: pops the labels, replaces or adds an entry."""
 

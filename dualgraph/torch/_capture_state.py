@@ -198,6 +198,8 @@ class _Capture:
         self.output_aliases: OutputAliases | None = None
         # plain values the callable set on the tensors it returns: (position, attributes)
         self.output_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
+        # plain values the callable set on its input tensors: (position, attributes)
+        self.input_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
         self.mutated_quietly: set[int] = set()  # of those, updated without a version bump
@@ -244,6 +246,7 @@ class _Capture:
         self.saved_inputs = original.saved_inputs
         self.output_aliases = original.output_aliases
         self.output_attributes = original.output_attributes
+        self.input_attributes = original.input_attributes
         self.reach = original.reach
         self.grad_order = original.grad_order  # each replay's hooks in eager's order
         self.mutated = set(original.mutated)
@@ -549,6 +552,7 @@ class _Capture:
             saved_inputs=self.saved_inputs,
             output_aliases=self.output_aliases,
             output_attributes=self.output_attributes,
+            input_attributes=self.input_attributes,
             mutated_inputs=tuple(sorted(self.mutated)),
             quietly_mutated_inputs=tuple(sorted(self.mutated_quietly)),
             module_tensors=self.module_tensors,
