@@ -2636,6 +2636,36 @@ class TagsItsTokens(nn.Module):
         return y
 
 
+class MarksItsTokens(nn.Module):
+    """A per-token layer that marks its input (as Transformer Engine's fuser does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        x._do_not_clear = True  # type: ignore[attr-defined]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_padded_calls_input_carries_what_the_callable_set_on_it(backend: str) -> None:
+    # A padded call hands the callable (or the replay, which sets it again) a padded copy of
+    # the caller's tensor: the mark went on the copy, where eager's goes on the caller's.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        MarksItsTokens().to(device),
+        buckets=[(torch.randn(2, n, 4, device=device),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    for length in (3, 4, 6, 8):
+        x = torch.randn(2, length, 4, device=device)
+        assert graphed(x).shape == (2, length, 4)
+        assert vars(x) == {"_do_not_clear": True}, length
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_padded_calls_output_carries_what_the_callable_set_on_it(backend: str) -> None:
     # A padded call hands out a copy cut back to the call's length: it lacked the attributes

@@ -876,6 +876,56 @@ def test_an_output_the_callable_sets_an_object_on_is_refused_naming_it(backend: 
     assert module(sample[0])[1].tag == [1]  # left usable, eager
 
 
+class MarksItsInput(nn.Module):
+    """Sets an attribute on the tensor it is given, as Transformer Engine's fuser marks its
+    inputs ``_do_not_clear``."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.value = value
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x._do_not_clear = self.value
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_plain_attributes_a_callable_sets_on_its_input_are_set_on_every_calls_input(
+    backend: str,
+) -> None:
+    # The warmup set them on a static input; the caller's tensor never got them (on CUDA no
+    # Python runs on a replay; emulate ran it on the static buffer), where eager sets them on it.
+    device = device_of(backend)
+    module = MarksItsInput(True).to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    for _ in range(3):
+        x = torch.randn(2, 4, device=device)
+        mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, expected = graphed(mine), twin(theirs)
+        assert vars(mine) == vars(theirs) == {"_do_not_clear": True}
+        assert torch.equal(y, expected)
+    assert dgt.diagnostics(graphed).replays == 3
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_input_the_callable_sets_an_object_on_is_refused_naming_it(backend: str) -> None:
+    # One list on the static buffer, where eager sets a new one on each caller's tensor.
+    device = device_of(backend)
+    module = MarksItsInput([1]).to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(module, sample, backend=backend)
+    assert message.startswith(
+        f"capturing MarksItsInput ({backend}) failed during warmup: args[0]: the callable "
+        "sets the attribute '_do_not_clear' on this input to a list"
+    ), message
+    x = torch.randn(2, 4, device=device)
+    module(x)  # left usable, eager
+    assert x._do_not_clear == [1]
+
+
 class ChangesItsBatch(nn.Module):
     """Changes the dict it is given: pops the labels, replaces or adds an entry."""
 
@@ -2520,3 +2570,117 @@ def test_a_main_grad_rebound_after_capture_is_refused_on_cuda() -> None:
     )
     with pytest.raises(DualgraphError, match=refused):
         run(sample[0])
+
+
+class LeavesStateOnItself(nn.Module):
+    """Leaves something of each call on itself (or, ``cached_once``, fills a cache on its
+    first call and reads it after)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(4, 4)
+        self.inner = nn.Module()
+        self.inner.aux_losses = []
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.how == "appended":
+            self.inner.aux_losses.append(h.square().mean())
+        elif self.how == "entry_set":
+            self.cache["h"] = h
+        elif self.how == "rebound":
+            self.last_attn = h.softmax(-1)
+        elif "scale" not in self.cache:  # cached_once
+            self.cache["scale"] = torch.full((4,), 2.0, device=x.device)
+        return h * self.cache.get("scale", 1.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("how", "path", "words"),
+    [
+        ("appended", "LeavesStateOnItself.inner.aux_losses", "changes this list in place"),
+        ("entry_set", "LeavesStateOnItself.cache", "changes this dict in place"),
+        ("rebound", "LeavesStateOnItself.last_attn", "sets this attribute to a new Tensor"),
+    ],
+)
+def test_a_forward_leaving_state_on_its_module_on_every_call_is_refused_naming_it(
+    backend: str, how: str, path: str, words: str
+) -> None:
+    # Eager appends a loss (sets an entry, a new tensor) on every call; a CUDA replay runs no
+    # Python, so the list stopped growing (the attribute kept the tensor of capture), silently
+    # (emulate re-ran the Python, so CPU tests saw eager's behaviour).
+    device = device_of(backend)
+    module = LeavesStateOnItself(how).to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(module, sample, backend=backend)
+    assert message.startswith(
+        f"capturing LeavesStateOnItself ({backend}) failed during warmup: {path}: the "
+        f"callable's Python {words} on every call"
+    ), message
+    # put back as before the capture, and left usable
+    assert module.inner.aux_losses == [] and module.cache == {}
+    assert not hasattr(module, "last_attn")
+    module(sample[0])
+    assert len(module.inner.aux_losses) == (how == "appended")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_cache_a_forward_fills_on_its_first_call_and_reads_after_is_graphed(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = LeavesStateOnItself("cached_once").to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    x = torch.randn(2, 4, device=device)
+    assert torch.equal(graphed(x), twin(x))
+    assert list(module.cache) == ["scale"]
+
+
+AUX_LOSSES: list[torch.Tensor] = []
+
+
+class RouterAppendingToAGlobal(nn.Module):
+    """A mixture of experts' router collecting its load-balancing loss in a global list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        AUX_LOSSES.append(h.softmax(-1).mean())
+        return h
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("where", ["function", "module"])
+def test_a_global_list_the_code_names_appended_to_on_every_call_is_refused_naming_it(
+    backend: str, where: str
+) -> None:
+    # On CUDA a replay runs no Python: the load-balancing losses stopped being collected.
+    device = device_of(backend)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    AUX_LOSSES.clear()
+    if where == "module":
+        fn: Any = nn.Sequential(RouterAppendingToAGlobal()).to(device)
+        named = "RouterAppendingToAGlobal.forward's global AUX_LOSSES"
+    else:
+        layer = nn.Linear(4, 4).to(device).requires_grad_(False)  # a function's: frozen
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            h = layer(x)
+            AUX_LOSSES.append(h.square().mean())
+            return h
+
+        named = "global AUX_LOSSES"
+    message = capture_error(fn, sample, backend=backend)
+    assert (
+        f"failed during warmup: {named}: the callable's Python changes this list in place on "
+        in (message)
+    ), message
+    assert AUX_LOSSES == []  # put back as before the capture

@@ -10,10 +10,13 @@ from __future__ import annotations
 import functools
 import importlib
 import io
+import logging
+import math
 import os
 import random
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -231,6 +234,11 @@ def python_random_uniform(x: torch.Tensor) -> torch.Tensor:
     return x * random.uniform(0.5, 2.0)  # lint: python-uniform
 
 
+def decays_with_the_clock(x: torch.Tensor) -> torch.Tensor:
+    # eager reads the clock on each call; every replay reused the time read at capture, silently
+    return x * math.exp(-time.monotonic() % 1.0)  # lint: host-clock
+
+
 def reseeds(x: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(0)  # lint: manual-seed
     return F.dropout(x, 0.5)
@@ -327,6 +335,7 @@ FINDINGS = {
         python_random_uniform, _lint.HOST_RANDOM, "Random.uniform", "python-uniform"
     ),
     "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
+    "host-clock": Finding(decays_with_the_clock, _lint.HOST_CLOCK, "time.monotonic", "host-clock"),
 }
 
 
@@ -1342,3 +1351,14 @@ def test_a_host_read_in_a_backward_outside_anomaly_mode_keeps_its_own_words() ->
     report = dgt.lint(ReadsInBackward.apply, torch.randn(3, requires_grad=True))
     syncs = [f for f in report.errors if f.kind == "host sync"]
     assert syncs and all("anomaly" not in f.op + f.detail for f in syncs), report
+
+
+def test_a_log_call_in_the_callable_is_no_clock_read() -> None:
+    # logging stamps each record with time.time(): lost on a replay, as a print is (README)
+    logger = logging.getLogger("dualgraph.tests.lint")
+
+    def logs(x: torch.Tensor) -> torch.Tensor:
+        logger.warning("forward of %d rows", x.shape[0])
+        return x * 2
+
+    assert dgt.lint(logs, torch.ones(2, requires_grad=True)).findings == ()

@@ -467,6 +467,9 @@ class BucketedCallable:
             replayed = True
         else:
             outputs = run(*args, **kwargs)
+        for index, _ in padding.inputs:
+            if padded[index].__dict__:  # what the callable set on it (x.seen), as eager's input
+                tensors[index].__dict__.update(padded[index].__dict__)
         callers = {id(padded[index]): tensors[index] for index, _ in padding.inputs}
         return self._cut(bucket, outputs, length, callers, replayed=replayed)
 

@@ -20,11 +20,18 @@ from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
 from ._ambient import CudnnSettings, autocast_state, cudnn_settings, numerics_state
 from ._capture_failure import Refused
-from ._closed_over import ClosureUpdates, class_values, code_tensors, forward_values
+from ._closed_over import (
+    ClosureUpdates,
+    class_values,
+    code_tensors,
+    forward_values,
+)
 from ._diagnostics import CaptureDiagnostics
+from ._held_tensors import modules_named_by
 from ._inputs import unsupported_tensor
 from ._layouts import Layout, layout_of
 from ._modes import modes_meaning, modes_now
+from ._module_side_effects import SideEffects, globals_named
 from ._output_aliases import OutputAliases
 from ._params import ModuleTensors, is_tensor_subclass
 from ._plan import ParamLayout, ReplayPlan, StaticBuffers
@@ -198,6 +205,10 @@ class _Capture:
         self.output_aliases: OutputAliases | None = None
         # plain values the callable set on the tensors it returns: (position, attributes)
         self.output_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
+        # what the callable's Python leaves on its modules, watched from call to call
+        self._side_effects: SideEffects | None = None
+        # plain values the callable set on its input tensors: (position, attributes)
+        self.input_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
         self.reach: tuple[frozenset[int], ...] | None = None
         self.mutated: set[int] = set()
         self.mutated_quietly: set[int] = set()  # of those, updated without a version bump
@@ -244,6 +255,7 @@ class _Capture:
         self.saved_inputs = original.saved_inputs
         self.output_aliases = original.output_aliases
         self.output_attributes = original.output_attributes
+        self.input_attributes = original.input_attributes
         self.reach = original.reach
         self.grad_order = original.grad_order  # each replay's hooks in eager's order
         self.mutated = set(original.mutated)
@@ -312,7 +324,19 @@ class _Capture:
         self.in_graph_grads, self.accumulators = False, ()
 
     def run(self) -> Any:
-        return self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
+        """One call of the callable on the static inputs; one after the first that changes
+        its modules' containers or tensor attributes again is refused (_module_side_effects)."""
+        if self._side_effects is None:
+            module = self.request.module
+            fn = self.request.fn
+            self._side_effects = (
+                SideEffects([(type(module).__name__, module)])
+                if module is not None
+                else SideEffects(modules_named_by(fn), globals_named(fn))
+            )
+        return self._side_effects.run(
+            lambda: self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
+        )
 
     @property
     def fuses_accumulation(self) -> bool:
@@ -549,6 +573,7 @@ class _Capture:
             saved_inputs=self.saved_inputs,
             output_aliases=self.output_aliases,
             output_attributes=self.output_attributes,
+            input_attributes=self.input_attributes,
             mutated_inputs=tuple(sorted(self.mutated)),
             quietly_mutated_inputs=tuple(sorted(self.mutated_quietly)),
             module_tensors=self.module_tensors,

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import logging
 import os
 import random
 import sys
 import textwrap
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -73,6 +75,7 @@ ATTRIBUTE_MUTATION = "tensor attribute updated in place"
 HOST_RANDOM = "random number drawn on the host"
 RNG_RESEEDED = "torch's RNG set in the callable"
 GRAD_MODE_READ = "grad mode read in the callable"
+HOST_CLOCK = "host clock read in the callable"
 
 #: Every kind of finding, and whether it is an error (a real capture fails, a replay would differ
 #: from eager, or ``make_graphed_callables`` refuses it) or a warning (works, at a cost).
@@ -90,6 +93,7 @@ KINDS: dict[str, Severity] = {
     HOST_RANDOM: "error",
     RNG_RESEEDED: "error",
     GRAD_MODE_READ: "warning",
+    HOST_CLOCK: "error",
 }
 
 
@@ -740,6 +744,9 @@ class _HostCallLint:
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
+            elif arg in _CLOCKS:
+                if not frame.f_code.co_filename.startswith(_LOGGING_DIR):  # a record's time
+                    self._report((HOST_CLOCK, f"time.{arg.__name__}", ()), frame)
             elif arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED:
                 # through warmup's watch of the read (a replacement): its caller's
                 caller = frame.f_back if frame.f_code is MODE_READ_WATCH else frame
@@ -1191,6 +1198,24 @@ _TORCH_WRAPPER_FILES = frozenset(
     os.path.join(_TORCH_DIR, *name.split("/")) for name in ("_compile.py", "_dynamo/eval_frame.py")
 )
 _FUNCTION_FILE = torch.autograd.function.__file__
+#: The host clocks a forward may read (``time.time()`` for a schedule, a seed, a decay).
+_CLOCKS = frozenset(
+    getattr(time, name)
+    for name in (
+        "time",
+        "time_ns",
+        "perf_counter",
+        "perf_counter_ns",
+        "monotonic",
+        "monotonic_ns",
+        "process_time",
+        "process_time_ns",
+        "thread_time",
+        "thread_time_ns",
+    )
+)
+#: logging stamps each record with time.time(): a log call is no clock read of the callable's
+_LOGGING_DIR = os.path.dirname(logging.__file__)
 #: What ``random`` offers besides draws: reading, restoring and seeding its state.
 _NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
 _HOST_CALL_HINTS = {
@@ -1206,6 +1231,12 @@ _HOST_CALL_HINTS = {
         "offset (and a real capture may refuse it). Seed outside the graphed callable."
     ),
     HOST_SYNC: "Waits on the host for the GPU. " + _SYNC_HINT,
+    HOST_CLOCK: (
+        "Reads the host's clock: a CUDA graph keeps what the callable computed from the time "
+        "read at capture and every replay reuses it, where eager reads the clock on each call "
+        "(a replay runs no Python: timing inside the callable measures nothing either). Read "
+        "the clock outside the callable and pass what depends on it in as a tensor."
+    ),
     GRAD_MODE_READ: (
         "Reads grad mode: a graph replays what the callable did with grad on at capture, so a "
         "call under torch.no_grad() or inference_mode() runs the callable eagerly instead "

@@ -162,6 +162,9 @@ class ReplayPlan:
     # (output position, its attributes): plain values the callable set on a tensor it returns
     # (TE's fuser marks its outputs `_do_not_clear`), set again on each replay's output
     output_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
+    # (input position, its attributes): plain values the callable set on an input tensor (TE's
+    # fuser marks its inputs `_do_not_clear`), set again on each call's input
+    input_attributes: tuple[tuple[int, dict[str, Any]], ...] = ()
     # a function's (not a module's): the tensors its code names that it updates in place
     closure_updates: tuple[tuple[str, torch.Tensor], ...] = ()
     # (position among the parameters, its __dict__, name, value): what the callable's Python

@@ -250,7 +250,7 @@ class GraphedCallable:
         "_numerics_read",
         "_other_uses",
         "_out_spec",
-        "_output_attributes",
+        "_attributes_set",
         "_output_reach",
         "_output_storages",
         "_output_versions",
@@ -326,8 +326,12 @@ class GraphedCallable:
         self._out_spec = plan.outputs
         # Outputs that are, or view, other outputs or inputs in eager (None: none are).
         self._aliases = plan.output_aliases
-        # plain values the callable set on tensors it returns, set on each call's again
-        self._output_attributes = plan.output_attributes
+        # plain values the callable set on the tensors it takes and returns, set on each call's
+        # again: (on an output, position, attributes); one tuple, one test per call for both
+        self._attributes_set = (
+            *((False, i, a) for i, a in plan.input_attributes),
+            *((True, k, a) for k, a in plan.output_attributes),
+        )
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
@@ -952,9 +956,9 @@ class GraphedCallable:
                         {id(outputs[k]): handed[k] for k in self._used_inside_replaced}, outputs
                     )
                 outputs = handed
-            if self._output_attributes:
-                for k, attributes in self._output_attributes:
-                    outputs[k].__dict__.update(attributes)
+            if self._attributes_set:
+                for on_output, k, attributes in self._attributes_set:
+                    (outputs if on_output else tensors)[k].__dict__.update(attributes)
             if hooks is None:
                 return self._out_spec.unflatten(outputs)
             result = self._out_spec.unflatten(outputs)

@@ -376,6 +376,47 @@ def _output_attributes(
     return tuple(found)
 
 
+def _input_attributes(
+    static_inputs: Sequence[torch.Tensor], before: Sequence[dict[str, Any]], paths: Sequence[str]
+) -> tuple[tuple[int, dict[str, Any]], ...]:
+    """The Python attributes the callable set on its input tensors during a call
+    (``x.seen = True``; Transformer Engine's fuser marks its inputs ``_do_not_clear``), by
+    input position: those new or rebound since ``before`` (each input's ``vars`` then).
+
+    Eager sets them on the caller's tensor on every call; the warmup set them on a static
+    input, and on CUDA no Python runs on a replay: the replay sets them again on each call's
+    input tensor. Only plain values can be (see :func:`_output_attributes`); another object
+    (a list, a tensor) is refused, naming the input and the attribute.
+
+    >>> x = torch.ones(2)
+    >>> before = [dict(vars(x))]
+    >>> x._do_not_clear = True
+    >>> _input_attributes([x], before, ["args[0]"])
+    ((0, {'_do_not_clear': True}),)
+    """
+    found: list[tuple[int, dict[str, Any]]] = []
+    for i, (path, tensor, old) in enumerate(zip(paths, static_inputs, before, strict=True)):
+        attributes = {
+            name: value
+            for name, value in vars(tensor).items()
+            if name not in old or old[name] is not value
+        }
+        if not attributes:
+            continue
+        for name, value in attributes.items():
+            if not _plain_value(value):
+                raise Refused(
+                    f"{path}: the callable sets the attribute {name!r} on this input to a "
+                    f"{type(value).__qualname__}: eager sets it on the caller's tensor, a "
+                    "replay's input is a buffer of its own, and on CUDA no Python runs to set it "
+                    "again; only plain values (None, bools, numbers, strings, bytes, tuples of "
+                    "them) are set again on each call's input. Return it as an output, or set it "
+                    "on the tensor you pass, outside the callable"
+                )
+        found.append((i, attributes))
+    return tuple(found)
+
+
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 
 
@@ -486,6 +527,8 @@ def _warmup(
     # An update the version counters miss (``cache.data.mul_(2)``, a tensor ``set_`` on the
     # input's storage) still changes the bits: compared once, on the inspected call.
     bits = []
+    # the inputs' Python attributes, to find those the callable sets (x._do_not_clear = True)
+    attributes_before = [dict(vars(t)) for t in item.static_inputs] if inspect else []
     if inspect:
         with _unobserved():
             bits = [bytes_of(t) for t in item.static_inputs]
@@ -505,6 +548,9 @@ def _warmup(
                 outputs = _run(item)
             _refuse_inputs_retaining_grad(item, retained)
             del retained
+            item.input_attributes = _input_attributes(
+                item.static_inputs, attributes_before, item.request.inputs.paths
+            )
             if forward_rewound.draws_from_rewound_state:
                 _refuse_rewound_draws(item, "forward")
         else:

@@ -1,0 +1,230 @@
+"""What a forward's Python leaves on its modules from one call to the next, which no replay
+repeats: a list appended to (``self.aux_losses.append(loss)``, a mixture of experts' load
+balancing losses), a dict entry set (``self.cache[key] = h``), an attribute rebound to a new
+tensor (``self.last_attn = attn``).
+
+Eager does it on every call; on CUDA a replay runs no Python, so the list stops growing and the
+attribute keeps the tensor of capture (memory each replay overwrites), silently. The first call
+of a capture may do it (a cache filled once, then read: the graphs read what it holds); a later
+call (warmup or capture) doing it again is refused, naming the attribute, and the containers and
+attributes are put back as they were before the first call.
+
+So is a list, dict, set or deque among the globals the code names (a graphed function's, the
+``forward`` of a watched module's class: ``AUX_LOSSES.append(loss)``); a closure's are left
+alone (a list a test closes over to record calls).
+
+Plain values (a counter ``self.calls += 1``, a flag) are left alone: README says a replay does
+not repeat them. Transformer Engine's modules keep their own bookkeeping (``fp8_meta``) and
+are not watched.
+
+>>> import torch
+>>> class Aux(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.losses = []
+...     def forward(self, x):
+...         self.losses.append(x.sum())
+...         return x * 2
+>>> aux = Aux()
+>>> watch = SideEffects([("Aux", aux)])
+>>> for _ in range(2):
+...     try:
+...         _ = watch.run(lambda: aux(torch.ones(1)))
+...     except Refused as error:
+...         print(str(error)[:62], aux.losses)
+Aux.losses: the callable's Python changes this list in place o []
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ._capture_failure import Refused
+
+__all__ = ["SideEffects", "globals_named"]
+
+T = TypeVar("T")
+
+#: what nn.Module keeps in every instance's __dict__ (parameters, hooks, flags): its own
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+_CONTAINERS = (list, dict, set, collections.deque)
+
+_MODULE_FORWARD = vars(torch.nn.Module)["forward"]
+
+
+def _contents(value: Any) -> list[Any]:
+    """A shallow copy of a container's contents, compared item by item by identity."""
+    if isinstance(value, dict):
+        return list(value.items())
+    return list(value)
+
+
+def _same_contents(a: list[Any], b: list[Any], is_dict: bool) -> bool:
+    if len(a) != len(b):
+        return False
+    if is_dict:
+        return all(k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(a, b, strict=True))
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _put_contents(value: Any, contents: list[Any]) -> None:
+    value.clear()
+    if isinstance(value, dict):
+        value.update(contents)
+    elif isinstance(value, list):
+        value.extend(contents)
+    elif isinstance(value, set):
+        value.update(contents)
+    else:
+        value.extend(contents)
+
+
+def globals_named(fn: Any) -> list[tuple[str, Any]]:
+    """The globals ``fn``'s own code names (through ``functools.partial`` and bound methods),
+    as ``(name, value)``; its closure's cells are left out: a list a test or a debugging
+    session closes over to record calls is theirs.
+
+    >>> COUNTS = {}
+    >>> def f(x):
+    ...     COUNTS[x] = 1
+    >>> [name for name, _ in globals_named(f)]
+    ['COUNTS']
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    space = getattr(fn, "__globals__", {})
+    return [(name, space[name]) for name in code.co_names if name in space]
+
+
+def _watched(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, *_CONTAINERS))
+
+
+#: one module's watched attributes: name -> (the object, its contents where a container)
+_State = dict[str, tuple[Any, list[Any] | None]]
+
+
+class SideEffects:
+    """Runs a callable's calls (:meth:`run`), refusing one after the first that changes the
+    containers or tensor attributes of ``modules`` (``(name, module)`` roots; their
+    submodules too)."""
+
+    def __init__(
+        self,
+        modules: Sequence[tuple[str, torch.nn.Module]],
+        named: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        seen: dict[int, tuple[str, torch.nn.Module]] = {}
+        for name, root in modules:
+            for path, module in root.named_modules(prefix=name):
+                if type(module).__module__.startswith("transformer_engine"):
+                    continue
+                seen.setdefault(id(module), (path, module))
+        self._modules = list(seen.values())
+        # containers the code names (a closed-over list, a global dict), and those the forward
+        # of each watched module's class names: (how it is named, the container)
+        free: dict[int, tuple[str, Any]] = {}
+        for name, value in named:
+            if isinstance(value, _CONTAINERS):
+                free.setdefault(id(value), (f"global {name}", value))
+        for cls in dict.fromkeys(type(m) for _, m in self._modules):
+            forward = vars(cls).get("forward")
+            if forward is None or forward is _MODULE_FORWARD:
+                continue
+            for name, value in globals_named(forward):
+                if isinstance(value, _CONTAINERS):
+                    free.setdefault(
+                        id(value), (f"{cls.__qualname__}.forward's global {name}", value)
+                    )
+        self._free = list(free.values())
+        self._first: list[_State] | None = None
+
+    def _state(self) -> list[_State]:
+        # the named containers first, as one state keyed by position
+        states: list[_State] = [
+            {str(k): (value, _contents(value)) for k, (_, value) in enumerate(self._free)}
+        ]
+        for _, module in self._modules:
+            state: _State = {}
+            for name, value in module.__dict__.items():
+                if name in _MODULE_INTERNALS or not _watched(value):
+                    continue
+                state[name] = (
+                    value,
+                    None if isinstance(value, torch.Tensor) else _contents(value),
+                )
+            states.append(state)
+        return states
+
+    def run(self, call: Callable[[], T]) -> T:
+        """``call()``; after the first, refused where it changed what :class:`SideEffects`
+        watches, everything watched put back as before the first call."""
+        if not self._modules and not self._free:
+            return call()
+        before = self._state()
+        if self._first is None:
+            self._first = before
+            return call()
+        result = call()
+        change = self._change(before, self._state())
+        if change is not None:
+            self._put_back()
+            raise Refused(change)
+        return result
+
+    def _change(self, before: list[_State], after: list[_State]) -> str | None:
+        for k, (name, value) in enumerate(self._free):
+            old_contents = before[0][str(k)][1] or []
+            if not _same_contents(old_contents, after[0][str(k)][1] or [], isinstance(value, dict)):
+                return (
+                    f"{name}: the callable's Python changes this {type(value).__name__} in place "
+                    "on every call (losses.append(loss), cache[key] = h): eager does it on each "
+                    "call, a replay runs no Python, so on CUDA it would stay as capture left it. "
+                    "Return what it adds as an output instead"
+                )
+        for (path, _), old, new in zip(self._modules, before[1:], after[1:], strict=True):
+            for name, (value, contents) in new.items():
+                where = f"{path}.{name}"
+                kind = type(value).__name__
+                if name not in old or old[name][0] is not value:
+                    return (
+                        f"{where}: the callable's Python sets this attribute to a new {kind} on "
+                        "every call (self.last = h): eager's holds each call's, a replay runs no "
+                        "Python (on CUDA it would keep the tensor of capture, overwritten by every "
+                        "replay). Return it as an output instead"
+                    )
+                if contents is not None and not _same_contents(
+                    old[name][1] or [], contents, isinstance(value, dict)
+                ):
+                    return (
+                        f"{where}: the callable's Python changes this {kind} in place on every "
+                        "call (self.losses.append(loss), self.cache[key] = h): eager does it on "
+                        "each call, a replay runs no Python, so on CUDA it would stay as capture "
+                        "left it. Return what it adds as an output instead"
+                    )
+        return None
+
+    def _put_back(self) -> None:
+        """Every watched attribute and container as before the first call."""
+        assert self._first is not None
+        for value, contents in self._first[0].values():
+            _put_contents(value, contents or [])
+        for (_, module), first in zip(self._modules, self._first[1:], strict=True):
+            now = module.__dict__
+            for name in [n for n in now if n not in first and _watched(now[n])]:
+                if name not in _MODULE_INTERNALS:
+                    del now[name]
+            for name, (value, contents) in first.items():
+                now[name] = value
+                if contents is not None:
+                    _put_contents(value, contents)
