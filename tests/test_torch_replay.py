@@ -1856,12 +1856,12 @@ class _ViewAndHeadOfItsOutput(nn.Module):
         return h, h[0], self.head(h)
 
 
-@pytest.mark.xfail(strict=True, reason="known: README, rounding of incoming grads (last bit)")
-def test_a_view_of_an_output_beside_a_layer_on_that_output_sums_hs_grad_in_eagers_order() -> None:
+def test_a_view_of_an_output_beside_a_layer_on_that_output_sums_hs_grad_within_rounding() -> None:
     # h takes three grads: its own, h[0]'s (handed out as a view of h: its select backward runs
     # outside the replay, before it) and the head's (inside). Eager adds them as its engine
     # reaches them, (own + head) + row; the replay gets (own + row) and adds the head's inside:
-    # lin's bias grad differs in the last bit (4.8e-7 here; 3 of 50 seeds).
+    # lin's bias grad may differ in the last bit (README, rounding of incoming grads: 4.8e-7 for
+    # this seed on one CPU, equal on another, whose kernels round otherwise), never more.
     torch.manual_seed(19)
     graphed = _ViewAndHeadOfItsOutput()
     eager = copy.deepcopy(graphed)
@@ -1870,8 +1870,10 @@ def test_a_view_of_an_output_beside_a_layer_on_that_output_sums_hs_grad_in_eager
     for net in (graphed, eager):
         h, row, out = net(x)
         (h.sum() * 1.5 + (row * 2.5).sum() + (out * 3.5).sum()).backward()
-    assert graphed.lin.bias.grad is not None and eager.lin.bias.grad is not None
-    assert torch.equal(graphed.lin.bias.grad, eager.lin.bias.grad)
+    for name in ("lin.weight", "lin.bias", "head.weight", "head.bias"):
+        mine, theirs = graphed.get_parameter(name).grad, eager.get_parameter(name).grad
+        assert mine is not None and theirs is not None, name
+        torch.testing.assert_close(mine, theirs, rtol=2e-7, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
