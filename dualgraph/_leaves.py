@@ -2,7 +2,8 @@
 
 The core knows numpy arrays. Framework adapters register their array types here; when the
 core meets an object from an unregistered ``torch`` or ``jax`` module it imports the matching
-adapter's registration, so ``import dualgraph`` never imports a framework itself.
+adapter's registration, so ``import dualgraph`` never imports a framework itself (nor does an
+object whose class only names a framework the program did not import).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 import math
 import re
 import struct
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -383,12 +385,20 @@ def float_of_text(text: str, /) -> float | None:
 
 
 def _lazy_registrations(cls: type) -> list[str]:
-    """The adapter modules that register the frameworks ``cls`` or its bases come from."""
+    """The adapter modules that register the frameworks ``cls`` or its bases come from, for
+    frameworks the program imported: a class's ``__module__`` is any text it says (a stand-in
+    made with ``type()``, a mock), and an object of a framework's own class exists only once the
+    framework is imported, so a class merely naming ``torch`` never imports torch.
+
+    >>> _lazy_registrations(type("Claims", (), {"__module__": "not_a_framework"}))
+    []
+    """
     modules = []
     for base in cls.__mro__:
         root = getattr(base, "__module__", None)
-        module = _LAZY_REGISTRATIONS.get(root.partition(".")[0]) if type(root) is str else None
-        if module is not None and module not in modules:
+        name = root.partition(".")[0] if type(root) is str else ""
+        module = _LAZY_REGISTRATIONS.get(name)
+        if module is not None and module not in modules and name in sys.modules:
             modules.append(module)
     return modules
 

@@ -225,6 +225,46 @@ def test_describing_numpy_trees_imports_no_framework() -> None:
     assert result.stdout.strip() == "[]"
 
 
+def test_an_object_whose_class_only_names_a_framework_imports_none() -> None:
+    # Before: a class whose __module__ merely said "torch.nn" or "jax" (a stand-in, a mock, a
+    # class made with type()) made describe, check and their messages import the adapter, and
+    # with it torch or JAX, into a program that never imported either
+    script = textwrap.dedent(
+        """
+        import sys
+        import dualgraph
+
+        spec = dualgraph.describe([None])
+        for module in ("torch", "torch.nn", "jax", "jax.numpy", "jaxlib"):
+            Claims = type("Claims", (), {"__module__": module})
+            try:
+                dualgraph.describe([Claims()])
+            except dualgraph.UnsupportedLeafError as error:
+                assert error.path == "[0]", error
+            try:
+                spec.check([Claims()])
+            except dualgraph.SpecMismatchError as error:
+                assert "an object of type " + module + ".Claims" in str(error), error
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib")))
+        """
+    )
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_an_object_whose_class_names_an_unimported_framework_leaves_its_adapter_alone(
+    fake_framework: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(sys.modules, "fakeframework")
+    Claims = type("Array", (), {"__module__": "fakeframework"})
+    with pytest.raises(UnsupportedLeafError, match=r"^\[0\]: unsupported leaf .*fakeframework"):
+        describe((Claims(),))
+    assert "fake_adapter_leaves" not in sys.modules
+
+
 def test_register_array_type_is_exported() -> None:
     assert dualgraph.register_array_type is register_array_type
 
