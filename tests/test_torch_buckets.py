@@ -2666,6 +2666,40 @@ def test_a_padded_calls_input_carries_what_the_callable_set_on_it(backend: str) 
         assert vars(x) == {"_do_not_clear": True}, length
 
 
+class ScalesByItsTokens(nn.Module):
+    """A per-token layer scaling by a value its caller hangs on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.fc(x) * getattr(x, "scale", 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_padded_call_hands_the_callable_what_the_callers_tensor_carries(backend: str) -> None:
+    # The padded copy carried none of the caller's attributes: the callable (or the capture,
+    # whose static inputs carried none of the samples') scaled by 1.0 where eager's by 2.0.
+    device = device_of(backend)
+    module = ScalesByItsTokens().to(device)
+    twin = copy.deepcopy(module)
+    samples = [(torch.randn(2, n, 4, device=device),) for n in (4, 8)]
+    for (sample,) in samples:
+        sample.scale = 2.0  # type: ignore[attr-defined]
+    graphed = dgt.make_graphed_callables(
+        module,
+        buckets=samples,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    for length in (3, 4, 6, 8):
+        x = torch.randn(2, length, 4, device=device)
+        x.scale = 2.0  # type: ignore[attr-defined]
+        assert torch.equal(graphed(x), twin(x)), length
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_padded_calls_output_carries_what_the_callable_set_on_it(backend: str) -> None:
     # A padded call hands out a copy cut back to the call's length: it lacked the attributes

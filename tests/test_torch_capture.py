@@ -14,6 +14,7 @@ import contextlib
 import copy
 import gc
 import importlib
+import itertools
 import queue
 import random
 import threading
@@ -2684,3 +2685,116 @@ def test_a_global_list_the_code_names_appended_to_on_every_call_is_refused_namin
         in (message)
     ), message
     assert AUX_LOSSES == []  # put back as before the capture
+
+
+SCALES = iter([0.5 * k for k in range(1, 10_000)])
+
+
+class _Warmup:
+    """A learning-rate-like schedule written as a Python iterator."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def __iter__(self) -> _Warmup:
+        return self
+
+    def __next__(self) -> float:
+        self.step += 1
+        return min(1.0, self.step / 100)
+
+
+def _schedule(how: str) -> Any:
+    """A fresh schedule of scales of the kind ``how`` names."""
+    if how == "generator":
+        return (0.5 * k for k in range(1, 100))
+    if how == "count":
+        return itertools.count(1)
+    if how == "cycle":
+        return itertools.cycle([0.5, 1.0, 2.0])
+    if how == "map":
+        return map(float, range(1, 100))
+    if how == "python":
+        return _Warmup()
+    return iter(torch.utils.data.DataLoader([0.5 * k for k in range(1, 100)], batch_size=None))
+
+
+class TakesTheNextScale(nn.Module):
+    """Scales by the next item of an iterator it holds (or a global one), not an input."""
+
+    def __init__(self, how: str, advanced: bool = True) -> None:
+        super().__init__()
+        self.how, self.advanced = how, advanced
+        self.fc = nn.Linear(4, 4)
+        self.schedule = _schedule(how)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.advanced:
+            return self.fc(x)
+        scale = next(SCALES) if self.how == "global" else next(self.schedule)
+        return self.fc(x) * scale
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("how", "path", "kind"),
+    [
+        ("generator", "TakesTheNextScale.schedule", "generator"),
+        ("global", "TakesTheNextScale.forward's global SCALES", "list_iterator"),
+        ("count", "TakesTheNextScale.schedule", "count"),
+        ("cycle", "TakesTheNextScale.schedule", "cycle"),
+        ("map", "TakesTheNextScale.schedule", "map"),
+        ("python", "TakesTheNextScale.schedule", "_Warmup"),
+        ("data_loader", "TakesTheNextScale.schedule", "_SingleProcessDataLoaderIter"),
+    ],
+)
+def test_an_iterator_a_forward_advances_on_every_call_is_refused_naming_it(
+    backend: str, how: str, path: str, kind: str
+) -> None:
+    # On CUDA every replay kept the scale the capture took, silently; eager takes the next.
+    device = device_of(backend)
+    module = TakesTheNextScale(how).to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    message = capture_error(module, sample, backend=backend)
+    assert message.startswith(
+        f"capturing TakesTheNextScale ({backend}) failed during warmup: {path}: the callable's "
+        f"Python advances this {kind} on every call"
+    ), message
+    module(sample[0])  # left usable, eager
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize("how", ["generator", "count", "cycle", "map", "python", "data_loader"])
+def test_an_iterator_a_module_holds_and_its_forward_does_not_advance_is_graphed(
+    backend: str, how: str
+) -> None:
+    device = device_of(backend)
+    module = TakesTheNextScale(how, advanced=False).to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    x = torch.randn(2, 4, device=device)
+    assert torch.equal(graphed(x), module.fc(x))
+
+
+class WalksItsBlocks(nn.Module):
+    """Binds a fresh iterator over its blocks on every call, as a helper would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.walk = iter(self.blocks)
+        return next(self.walk)(next(self.walk)(x))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_iterator_a_forward_binds_afresh_on_every_call_is_graphed(backend: str) -> None:
+    # Each call's iterator stands where the capture's does: nothing a replay would lose.
+    device = device_of(backend)
+    module = WalksItsBlocks().to(device)
+    twin = copy.deepcopy(module)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    x = torch.randn(2, 4, device=device)
+    assert torch.equal(graphed(x), twin(x))

@@ -8,6 +8,7 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import io
 import logging
@@ -1362,3 +1363,31 @@ def test_a_log_call_in_the_callable_is_no_clock_read() -> None:
         return x * 2
 
     assert dgt.lint(logs, torch.ones(2, requires_grad=True)).findings == ()
+
+
+def _times_collections(phase: str, info: dict[str, int]) -> None:
+    """A garbage collector callback timing each collection (as hypothesis and profilers do)."""
+    time.perf_counter()
+
+
+@pytest.mark.parametrize("draws", [False, True], ids=["clock", "random"])
+def test_a_gc_callback_run_during_the_callable_is_no_read_of_the_callables(draws: bool) -> None:
+    # A collection may start inside any forward; the interpreter then runs gc.callbacks there.
+    # Their clock reads were reported as the callable's (capture refused), at random.
+    def callback(phase: str, info: dict[str, int]) -> None:
+        _times_collections(phase, info)
+        if draws:
+            random.random()
+
+    def collects(x: torch.Tensor) -> torch.Tensor:
+        gc.collect()  # stands for a collection the forward's allocations set off
+        return x * 2
+
+    gc.callbacks.append(callback)
+    try:
+        assert dgt.lint(collects, torch.ones(2, requires_grad=True)).findings == ()
+        dgt.make_graphed_callables(
+            collects, (torch.ones(2, requires_grad=True),), backend="emulate"
+        )
+    finally:
+        gc.callbacks.remove(callback)

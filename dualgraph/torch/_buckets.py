@@ -450,6 +450,8 @@ class BucketedCallable:
         for index, dim in padding.inputs:
             tensor = tensors[index]
             padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
+            if tensor.__dict__:  # what the caller hung on it (x.scale), which the callable reads
+                padded[index].__dict__.update(tensor.__dict__)
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
         replayed = False

@@ -75,6 +75,8 @@ class _Capture:
                 t.detach().clone().requires_grad_(t.requires_grad) for t in request.sample_tensors
             )
         )
+        # what the callable's Python reads of the samples' attributes (x.scale) it reads there
+        request.inputs.carried.give(self.static_inputs)
         self.static_args, self.static_kwargs = request.inputs.unflatten(self.static_inputs)
         self.grad_input_indices = tuple(
             i for i, t in enumerate(self.static_inputs) if t.requires_grad

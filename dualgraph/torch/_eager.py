@@ -20,6 +20,7 @@ import torch
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec, describe
+from ._carried_attributes import public_attributes, set_by_call
 from ._diagnostics import CaptureDiagnostics
 from ._hooks import NO_HOOKS, CallableHooks
 from ._inputs import InputGuard
@@ -79,8 +80,16 @@ class EagerCallable:
         hooks = self._hooks
         tensors: list[torch.Tensor] = []
 
+        carried = self._guard.carried
+
         def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            tensors.extend(self._guard.tensors(args, kwargs))
+            found = self._guard.tensors(args, kwargs)
+            if carried.differ(found):  # as a replay refuses it (_carried_attributes)
+                raise carried.refusal(found)
+            tensors.extend(found)
+            before.extend(map(public_attributes, found))
+
+        before: list[dict[str, Any]] = []
 
         if hooks.replay is not None:
             outputs = call_eagerly(
@@ -93,6 +102,8 @@ class EagerCallable:
         else:
             check(args, kwargs)
             outputs = self.fn(*args, **kwargs)
+        for i, (tensor, then) in enumerate(zip(tensors, before, strict=True)):
+            carried.ignore(i, set_by_call(tensor, then))  # set again on each call's input
         self._check_outputs(outputs, tensors)
         self.diagnostics.replays += 1
         return outputs

@@ -21,6 +21,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from .._orders import KeyOrders
 from .._spelling import CallSpelling
 from ._ambient import autograd_records
+from ._carried_attributes import CarriedAttributes
 from ._layout_checks import exact_guard
 from ._leaves import dtype_name
 
@@ -152,6 +153,7 @@ class InputGuard:
         "_layouts",
         "_layouts_seen",
         "_spelling",
+        "carried",
         "paths",
         "requires_grad",
         "spec",
@@ -179,6 +181,9 @@ class InputGuard:
                 raise SpecMismatchError(f"{path}: cannot be graphed: {why}", path=path)
         #: The path of each input tensor, e.g. ``args[0]`` or ``kwargs['mask']``.
         self.paths: tuple[str, ...] = paths
+        #: The public Python attributes each sample tensor carried (``x.scale = 2.0``), which
+        #: the static inputs carry too and a call's tensors are held to.
+        self.carried = CarriedAttributes(paths, tensors)
         #: For each input tensor (args first, then kwargs): did its sample require grad?
         self.requires_grad: tuple[bool, ...] = tuple(t.requires_grad for t in tensors)
         self._expected = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)

@@ -28,6 +28,7 @@ tensors made with no device, or ``device="cpu"``, would stay on the CPU. So ``.i
 from __future__ import annotations
 
 import contextlib
+import gc
 import linecache
 import logging
 import os
@@ -777,9 +778,12 @@ def _made_by_the_user(
         if frame.f_code in _HOST_PYTHON_CALLS:
             return False
         frame = frame.f_back
+    collecting = _gc_callback_codes()
     while frame is not None and frame.f_code is not callable_code:
         code = frame.f_code
         file = code.co_filename
+        if code in collecting:  # the interpreter runs gc.callbacks wherever a collection starts
+            return False
         if code in RNG_STATE_WATCHES:  # the warmup's watch around torch's RNG functions
             frame = frame.f_back
             continue
@@ -791,6 +795,17 @@ def _made_by_the_user(
             return False
         frame = frame.f_back
     return True
+
+
+def _gc_callback_codes() -> frozenset[types.CodeType]:
+    """The code of each function in ``gc.callbacks`` (hypothesis and profilers time each
+    collection there): what runs in them runs where a collection starts, not as the callable's
+    (read on a finding's path only)."""
+    return frozenset(
+        code
+        for callback in gc.callbacks
+        if isinstance(code := getattr(callback, "__code__", None), types.CodeType)
+    )
 
 
 def _passed_through(code: types.CodeType) -> bool:

@@ -7,11 +7,14 @@ Eager does it on every call; on CUDA a replay runs no Python, so the list stops 
 attribute keeps the tensor of capture (memory each replay overwrites), silently. The first call
 of a capture may do it (a cache filled once, then read: the graphs read what it holds); a later
 call (warmup or capture) doing it again is refused, naming the attribute, and the containers and
-attributes are put back as they were before the first call.
+attributes are put back as they were before the first call. An iterator a later call advances
+(``next(self.schedule)``: every replay would keep the item the capture took) is refused too,
+found by its position (:func:`_position`); it cannot be moved back. One bound afresh on each
+call (``self.it = iter(self.blocks)``) is left alone, as one held and not advanced is.
 
-So is a list, dict, set or deque among the globals the code names (a graphed function's, the
-``forward`` of a watched module's class: ``AUX_LOSSES.append(loss)``); a closure's are left
-alone (a list a test closes over to record calls).
+So is a list, dict, set, deque or iterator among the globals the code names (a graphed
+function's, the ``forward`` of a watched module's class: ``AUX_LOSSES.append(loss)``); a
+closure's are left alone (a list a test closes over to record calls).
 
 Plain values (a counter ``self.calls += 1``, a flag) are left alone: README says a replay does
 not repeat them. Transformer Engine's modules keep their own bookkeeping (``fp8_meta``) and
@@ -39,7 +42,11 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Sequence
+import gc
+import itertools
+import operator
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -58,10 +65,81 @@ _CONTAINERS = (list, dict, set, collections.deque)
 _MODULE_FORWARD = vars(torch.nn.Module)["forward"]
 
 
+class _Position(tuple):
+    """Where an iterator stands: compared by value, not identity."""
+
+
+#: values a position holds as they are (the others by identity, by position or by length)
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _position(iterator: Any) -> _Position:
+    """Where ``iterator`` stands in its stream, as far as Python shows it without advancing it
+    or reading a tensor: a generator's instruction and what its frame holds, a built-in's
+    length hint (``iter(list)``, ``itertools.repeat``), ``itertools.count``'s next value, an
+    object's plain attributes (a DataLoader's iterator's ``_num_yielded``), and the positions of
+    the iterators each holds (``map``, ``zip``, ``islice`` over another), by value.
+
+    >>> it = iter([1, 2, 3])
+    >>> before = _position(it)
+    >>> before == _position(it), next(it), before == _position(it)
+    (True, 1, False)
+    """
+    return _Position(_parts(iterator, depth=3, seen=set()))
+
+
+def _parts(value: Any, depth: int, seen: set[int]) -> list[Any]:
+    seen.add(id(value))
+    parts: list[Any] = [type(value).__name__]
+    referents: list[Any] = []
+    if isinstance(value, types.GeneratorType):
+        frame = value.gi_frame
+        if frame is None:
+            return [*parts, "exhausted"]
+        # Python 3.11 holds a generator's locals and stack in it, 3.10 in its frame
+        referents = [*gc.get_referents(value), *gc.get_referents(frame)]
+        parts.append(frame.f_lasti)
+    elif type(value).__module__ in ("builtins", "itertools"):
+        referents = gc.get_referents(value)
+        if isinstance(value, itertools.count):
+            # its next value shows only in its repr (numbers: no tensor is read)
+            if all(type(r) in _PLAIN for r in referents):
+                parts.append(repr(value))
+        else:
+            parts.append(operator.length_hint(value, -1))
+    if hasattr(value, "__dict__") and not isinstance(value, types.GeneratorType):
+        # a Python iterator: its plain attributes and the iterators it holds, by name
+        for name, item in vars(value).items():
+            if type(item) in _PLAIN:
+                parts.append((name, item))
+            elif _is_iterator(item) and depth > 0 and id(item) not in seen:
+                parts.append((name, _parts(item, depth - 1, seen)))
+        return parts
+    for item in referents:
+        for one in item if type(item) is tuple else (item,):  # zip's tuple of iterators
+            if type(one) in _PLAIN:
+                parts.append(one)
+            elif _is_iterator(one):
+                if depth > 0 and id(one) not in seen:
+                    parts.append(_parts(one, depth - 1, seen))
+            elif isinstance(one, list):
+                parts.append(("len", len(one)))  # itertools.cycle's saved items
+            else:
+                parts.append(id(one))
+    return parts
+
+
+def _is_iterator(value: Any) -> bool:
+    return isinstance(value, Iterator) and not isinstance(value, torch.Tensor)
+
+
 def _contents(value: Any) -> list[Any]:
-    """A shallow copy of a container's contents, compared item by item by identity."""
+    """A shallow copy of a container's contents, compared item by item by identity (an
+    iterator's: its position, by value)."""
     if isinstance(value, dict):
         return list(value.items())
+    if _is_iterator(value):
+        return [_position(value)]
     return list(value)
 
 
@@ -70,10 +148,12 @@ def _same_contents(a: list[Any], b: list[Any], is_dict: bool) -> bool:
         return False
     if is_dict:
         return all(k1 == k2 and v1 is v2 for (k1, v1), (k2, v2) in zip(a, b, strict=True))
-    return all(x is y for x, y in zip(a, b, strict=True))
+    return all(x is y or (type(x) is _Position and x == y) for x, y in zip(a, b, strict=True))
 
 
 def _put_contents(value: Any, contents: list[Any]) -> None:
+    if _is_iterator(value):
+        return  # an iterator cannot be moved back
     value.clear()
     if isinstance(value, dict):
         value.update(contents)
@@ -107,7 +187,24 @@ def globals_named(fn: Any) -> list[tuple[str, Any]]:
 
 
 def _watched(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, *_CONTAINERS))
+    return isinstance(value, (torch.Tensor, *_CONTAINERS)) or _is_iterator(value)
+
+
+def _changed_in_place(where: str, value: Any) -> str:
+    kind = type(value).__name__
+    if _is_iterator(value):
+        return (
+            f"{where}: the callable's Python advances this {kind} on every call (next(it)): "
+            "eager takes the next item on each call, a replay runs no Python, so on CUDA every "
+            "replay would keep what the capture took. Take the item outside the callable and "
+            "pass it in (as a tensor where the kernels read it)"
+        )
+    return (
+        f"{where}: the callable's Python changes this {kind} in place on every call "
+        "(losses.append(loss), cache[key] = h): eager does it on each call, a replay runs no "
+        "Python, so on CUDA it would stay as capture left it. Return what it adds as an output "
+        "instead"
+    )
 
 
 #: one module's watched attributes: name -> (the object, its contents where a container)
@@ -135,14 +232,14 @@ class SideEffects:
         # of each watched module's class names: (how it is named, the container)
         free: dict[int, tuple[str, Any]] = {}
         for name, value in named:
-            if isinstance(value, _CONTAINERS):
+            if isinstance(value, _CONTAINERS) or _is_iterator(value):
                 free.setdefault(id(value), (f"global {name}", value))
         for cls in dict.fromkeys(type(m) for _, m in self._modules):
             forward = vars(cls).get("forward")
             if forward is None or forward is _MODULE_FORWARD:
                 continue
             for name, value in globals_named(forward):
-                if isinstance(value, _CONTAINERS):
+                if isinstance(value, _CONTAINERS) or _is_iterator(value):
                     free.setdefault(
                         id(value), (f"{cls.__qualname__}.forward's global {name}", value)
                     )
@@ -186,17 +283,14 @@ class SideEffects:
         for k, (name, value) in enumerate(self._free):
             old_contents = before[0][str(k)][1] or []
             if not _same_contents(old_contents, after[0][str(k)][1] or [], isinstance(value, dict)):
-                return (
-                    f"{name}: the callable's Python changes this {type(value).__name__} in place "
-                    "on every call (losses.append(loss), cache[key] = h): eager does it on each "
-                    "call, a replay runs no Python, so on CUDA it would stay as capture left it. "
-                    "Return what it adds as an output instead"
-                )
+                return _changed_in_place(name, value)
         for (path, _), old, new in zip(self._modules, before[1:], after[1:], strict=True):
             for name, (value, contents) in new.items():
                 where = f"{path}.{name}"
                 kind = type(value).__name__
                 if name not in old or old[name][0] is not value:
+                    if _is_iterator(value):
+                        continue  # a fresh iterator each call (self.it = iter(self.blocks))
                     return (
                         f"{where}: the callable's Python sets this attribute to a new {kind} on "
                         "every call (self.last = h): eager's holds each call's, a replay runs no "
@@ -206,12 +300,7 @@ class SideEffects:
                 if contents is not None and not _same_contents(
                     old[name][1] or [], contents, isinstance(value, dict)
                 ):
-                    return (
-                        f"{where}: the callable's Python changes this {kind} in place on every "
-                        "call (self.losses.append(loss), self.cache[key] = h): eager does it on "
-                        "each call, a replay runs no Python, so on CUDA it would stay as capture "
-                        "left it. Return what it adds as an output instead"
-                    )
+                    return _changed_in_place(where, value)
         return None
 
     def _put_back(self) -> None:

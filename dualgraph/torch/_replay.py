@@ -51,6 +51,7 @@ from ._ambient import ddp_is_running as _ddp_is_running
 from ._ambient import numerics_readings as _numerics_readings
 from ._ambient import numerics_state as _numerics_state
 from ._ambient import state_of as _state_of
+from ._carried_attributes import dict_of as _dict_of
 from ._chains import Chain
 from ._diagnostics import CaptureDiagnostics
 from ._eager import EagerCallable
@@ -195,6 +196,8 @@ class GraphedCallable:
         "_backward_checks",
         "_backward_generation",
         "_captured_input_grads",
+        "_carried",
+        "_carried_any",
         "_checked_without_grad",
         "_clone_outputs",
         "_copiers",
@@ -332,6 +335,12 @@ class GraphedCallable:
             *((False, i, a) for i, a in plan.input_attributes),
             *((True, k, a) for k, a in plan.output_attributes),
         )
+        # the public attributes of the samples' tensors (x.scale), which the callable's Python
+        # read at capture: a call's must be the same (names it sets on an input itself aside)
+        self._carried = plan.inputs.carried
+        self._carried_any = self._carried.any_expected
+        for i, attributes in plan.input_attributes:
+            self._carried.ignore(i, attributes)
         self._static_inputs = buffers.inputs
         self._static_outputs = buffers.outputs
         self._replay_forward = buffers.replay_forward
@@ -870,6 +879,9 @@ class GraphedCallable:
                 or (own is not None and grad_enabled and _passes_own_param(tensors, *own))
             ):
                 return self._eagerly(args, kwargs, replay_kwargs if hooks is not None else None)
+            # a tensor carrying other public attributes (x.scale): one __dict__ test a tensor
+            if (self._carried_any or any(map(_dict_of, tensors))) and self._carried.differ(tensors):
+                raise self._carried.refusal(tensors)
             if _forward_ad._current_level >= 0:  # inside torch.autograd.forward_ad.dual_level()
                 self._refuse_tangents(tensors)
             if self._module_tensors is not None:
