@@ -61,6 +61,22 @@ def test_a_transformer_layer_reads_grad_mode_in_eval_only(training: bool) -> Non
     assert seen.grad_mode is not training
 
 
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute"])
+def test_turning_an_inputs_requires_grad_on_counts_as_reading_it(how: str) -> None:
+    # eager's call turns the caller's tensor's on: a call whose tensor differs from the
+    # sample's branches otherwise (its outputs depend on it)
+    x, y, z = torch.ones(2), torch.ones(2), torch.ones(2)
+    with branch_reads([x, y]) as seen:
+        if how == "requires_grad_":
+            y.requires_grad_()
+            x.requires_grad_(False)  # no read: refused at capture where x required grad
+        else:
+            y.requires_grad = True
+        z.requires_grad_()  # no input
+    assert seen.requires_grad == (1,) and not seen.grad_mode
+    assert y.requires_grad and "requires_grad_" not in vars(torch.Tensor)
+
+
 def test_setting_requires_grad_while_watched_sets_it() -> None:
     x = torch.ones(2)
     with branch_reads([x]):

@@ -657,18 +657,29 @@ def test_an_input_without_grad_updated_in_place_with_a_value_requiring_grad_is_r
     assert all(p.grad is not None for p in module.parameters())
 
 
+def _marks_its_input(x: torch.Tensor) -> torch.Tensor:
+    x.requires_grad_(True)  # for the caller's later use; no output depends on it
+    return x.detach().sin()
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-def test_an_input_the_callable_makes_require_grad_is_refused_naming_it(backend: str) -> None:
-    # Was refused as 'neither inputs nor arguments (float32[4])', which it is: the input.
-    message = capture_error(
-        _derivative_of_its_input, (torch.randn(4, device=device_of(backend)),), backend=backend
-    )
+@pytest.mark.parametrize(
+    "fn", [_derivative_of_its_input, _marks_its_input], ids=["depends", "marks"]
+)
+def test_an_input_the_callable_makes_require_grad_is_refused_naming_it(
+    backend: str, fn: Any
+) -> None:
+    # Was refused as 'neither inputs nor arguments (float32[4])', which it is: the input; and
+    # where no output depends on it (marks), graphed, every call leaving the caller's tensor
+    # without requires_grad, which eager's turns on.
+    device = device_of(backend)
+    message = capture_error(fn, (torch.randn(4, device=device),), backend=backend)
     assert "args[0]: its sample does not require grad, but the callable made it" in message
     assert "Pass a sample args[0] that requires grad" in message
-    sample = torch.randn(4, device=device_of(backend), requires_grad=True)
-    graphed = dgt.make_graphed_callables(_derivative_of_its_input, (sample,), backend=backend)
-    x = torch.randn(4, device=device_of(backend), requires_grad=True)
-    assert torch.equal(graphed(x)[1], x.detach().cos())
+    sample = torch.randn(4, device=device, requires_grad=True)
+    graphed = dgt.make_graphed_callables(fn, (sample,), backend=backend)
+    x = torch.randn(4, device=device, requires_grad=True)
+    assert_trees_match(graphed(x), fn(x.detach().clone().requires_grad_()), tolerance(backend))
 
 
 class HooksItsInput(nn.Module):

@@ -4967,6 +4967,48 @@ def test_a_callable_branching_on_an_inputs_requires_grad_runs_eagerly_where_it_d
     assert dgt.diagnostics(module).eager_calls == 1
 
 
+class _TurnsRequiresGradOn(nn.Module):
+    """Turns its input's requires_grad on (a saliency map's pattern: ``x.grad`` after the
+    backward), through the method or the attribute."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "requires_grad_":
+            x.requires_grad_()
+        else:
+            x.requires_grad = True
+        return self.fc(x).tanh()
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_call_without_grad_of_a_callable_turning_it_on_runs_eagerly(
+    backend: str, param_grads: str, how: str
+) -> None:
+    # Eager's call turns the caller's tensor's requires_grad on, so the output depends on it
+    # and it gets a grad. The replay took no edge to a tensor that did not require grad: its
+    # output was left without history through x, x.grad stayed None and x.requires_grad False.
+    device = device_of(backend)
+    module = _TurnsRequiresGradOn(how).to(device)
+    twin = copy.deepcopy(module)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    x, x_twin = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)
+    x_twin.copy_(x)
+    module(x).sum().backward()
+    twin(x_twin).sum().backward()
+    assert x.requires_grad and x.grad is not None
+    assert_tensors_match(x.grad, x_twin.grad, "args[0].grad", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
+    x = torch.randn(2, 4, device=device, requires_grad=True)  # as the sample: replayed
+    module(x).sum().backward()
+    assert dgt.diagnostics(module).eager_calls == 1 and x.grad is not None
+
+
 class _WideBranchesOnRequiresGrad(nn.Module):
     """Scales by 2 where its input requires grad, by 3 where not; wide enough that the order in
     which a weight's grads are added shows in the last bits."""

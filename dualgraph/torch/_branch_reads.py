@@ -15,7 +15,9 @@ saving the mode it puts back is no branch. ``requires_grad``, ``grad_fn`` and ``
 are seen through descriptors ``torch.Tensor`` holds meanwhile (not a function mode: with one
 active, torch's fast-path checks stop at ``has_torch_function`` before reading grad mode): of
 an input, they are that input's flag; of a tensor the callable computed, they tell grad mode
-and the inputs' flags alike.
+and the inputs' flags alike. An input's ``requires_grad`` turned on (``x.requires_grad_()``,
+``x.requires_grad = True``: eager's call turns the caller's tensor's on, and its outputs
+depend on it) counts as a read of it.
 
 >>> import torch
 >>> x = torch.ones(2, requires_grad=True)
@@ -75,6 +77,14 @@ class BranchReads:
     def requires_grad(self) -> tuple[int, ...]:
         """The inputs whose ``requires_grad`` the forward's Python read, in order."""
         return tuple(sorted(self._requires_grad))
+
+    def note_flag_set(self, tensor: Any) -> None:
+        """Note that ``tensor``'s ``requires_grad`` was turned on (``x.requires_grad_()``): of
+        an input, eager's call turns the caller's tensor's on, so a call whose tensor's differs
+        from its sample's takes another branch (its outputs depend on it), as after a read."""
+        position = self._inputs.get(id(tensor))
+        if position is not None:
+            self._requires_grad.add(position)
 
     def note_flag_read(self, tensor: Any, *, of_grad_mode: bool = True) -> None:
         """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``);
@@ -140,6 +150,23 @@ class _WatchedFlag:
 
     def __set__(self, tensor: Any, value: Any) -> None:
         self._found.__set__(tensor, value)  # torch's refuses where the flag cannot be set
+        if value and _from_the_callable(sys._getframe(1)):  # requires_grad, the one settable
+            for seen in self._watchers():
+                seen.note_flag_set(tensor)
+
+
+def _noting_flag_set(found: Any, watchers: Callable[[], list[BranchReads]]) -> Any:
+    """``Tensor.requires_grad_`` (``found``), noting each call by the callable turning a
+    tensor's ``requires_grad`` on."""
+
+    def requires_grad_(tensor: Any, requires_grad: bool = True) -> Any:
+        result = found(tensor, requires_grad)  # torch's refuses where the flag cannot be set
+        if requires_grad and _from_the_callable(sys._getframe(1)):
+            for seen in watchers():
+                seen.note_flag_set(tensor)
+        return result
+
+    return requires_grad_
 
 
 _WATCHED_FLAGS = tuple(
@@ -147,7 +174,11 @@ _WATCHED_FLAGS = tuple(
 )
 
 
-_ALL_WATCHED = (*_WATCHED, *_WATCHED_FLAGS)
+_ALL_WATCHED = (
+    *_WATCHED,
+    *_WATCHED_FLAGS,
+    WatchedFunction(torch.Tensor, "requires_grad_", _noting_flag_set),
+)
 
 
 @contextlib.contextmanager

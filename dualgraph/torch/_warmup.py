@@ -452,6 +452,31 @@ def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
             )
 
 
+def _refuse_inputs_made_to_need_grad(item: _Capture) -> None:
+    """Refuse an input whose sample needs no grad that the callable turned requires_grad on
+    for (``x.requires_grad_()``, as a force field taking ``-dE/dx`` does): eager turns the
+    caller's tensor's on (its outputs then depend on it, and it gets grads), a replay's input
+    is a buffer of its own. With a sample requiring grad, a call whose tensor does not runs
+    eagerly (:mod:`._branch_reads` counts the change as a read of the flag).
+
+    >>> x = torch.zeros(2)
+    >>> x.requires_grad_().requires_grad
+    True
+    """
+    needed = item.request.inputs.requires_grad
+    for path, tensor, sample in zip(
+        item.request.inputs.paths, item.static_inputs, needed, strict=True
+    ):
+        if tensor.requires_grad and tensor.grad_fn is None and not sample:  # a history aside
+            raise Refused(
+                f"{path}: its sample does not require grad, but the callable made it require "
+                "grad (x.requires_grad_()): eager's call turns the caller's tensor's on (its "
+                "outputs then depend on it, and it gets grads), a replay's input is a buffer of "
+                f"its own. Pass a sample {path} that requires grad (a call whose tensor does not "
+                "then runs eagerly, as eager's turns it on)"
+            )
+
+
 def _refuse_inputs_given_hooks(item: _Capture) -> None:
     """Refuse an input the callable put a grad hook on (``x.register_hook(lambda g: g * 2)``,
     ``x.register_post_accumulate_grad_hook``).
@@ -561,6 +586,7 @@ def _warmup(
     _refuse_changed_containers(item)
     _refuse_inputs_relaid(item, layouts)
     _refuse_inputs_made_to_need_no_grad(item)
+    _refuse_inputs_made_to_need_grad(item)
     _refuse_inputs_given_a_history(item)
     _refuse_inputs_given_hooks(item)
     after_forward = [t._version for t in item.static_inputs]
@@ -891,17 +917,9 @@ def _hook_names(hooks: Iterable[Any]) -> str:
 def _refuse_foreign_leaves(
     item: _Capture, foreign: Sequence[torch.Tensor], differentiable: Sequence[torch.Tensor]
 ) -> None:
-    """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters."""
-    for tensor in foreign:  # an input whose sample needs no grad, made to need it in the call
-        inputs = zip(item.request.inputs.paths, item.static_inputs, strict=True)
-        path = next((p for p, t in inputs if t is tensor), None)
-        if path is not None:
-            raise Refused(
-                f"{path}: its sample does not require grad, but the callable made it require "
-                "grad (x.requires_grad_()), so the outputs depend on it; a replay gives grads "
-                f"only to inputs captured requiring grad. Pass a sample {path} that requires "
-                "grad (and calls whose tensor does: eager's call would leave it requiring grad)"
-            )
+    """Refuse outputs that depend on leaves requiring grad besides the inputs and parameters
+    (an input made to require grad is refused before: :func:`_refuse_inputs_made_to_need_grad`).
+    """
     shapes = ", ".join(sorted({f"{dtype_name(t.dtype)}{list(t.shape)}" for t in foreign}))
     owner = "parameters of the module" if item.request.module is not None else "arguments"
     assert item.out_spec is not None
