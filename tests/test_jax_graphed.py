@@ -1073,6 +1073,32 @@ def test_a_call_that_changes_only_the_outputs_weak_types_is_refused(sample_weak:
     assert g(sample).weak_type == jax.jit(g.fn)(sample).weak_type == sample_weak
 
 
+@pytest.mark.parametrize("cotangent_weak", [True, False], ids=["weak-cotangent", "strong"])
+def test_a_pullbacks_grads_are_typed_weakly_as_jax_jits_for_its_cotangents(
+    cotangent_weak: bool,
+) -> None:
+    # jax.vjp (eager or under jax.jit) of a weak s (a learnable scalar made as
+    # jnp.asarray(1.0)) gives a weak grad for a weak cotangent (jnp.ones_like of the weak
+    # output): the pullback, compiled for strong cotangents only, gave it strong, and
+    # `bfloat16 + grad` was float32 where eager's is bfloat16
+    def scaled(s: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return s * 2, x * 3
+
+    s, x = jnp.asarray(3.0), jnp.ones(2, jnp.bfloat16)
+    g = dgj.graphed(scaled, (s, x))
+    (doubled, out), pullback = g.vjp(s, x)
+    ones = jnp.ones_like(doubled) if cotangent_weak else jnp.float32(1.0)
+    assert ones.weak_type == cotangent_weak
+    cotangent = (ones, jnp.ones_like(out))
+    eager = jax.vjp(scaled, s, x)[1](cotangent)
+    jitted = jax.jit(lambda s, x, ct: jax.vjp(scaled, s, x)[1](ct))(s, x, cotangent)
+    for _ in range(2):
+        (ds, dx), _ = pullback(cotangent)
+        assert ds.weak_type == eager[0].weak_type == jitted[0].weak_type == cotangent_weak
+        assert (x + ds).dtype == (x + eager[0]).dtype
+        assert float(ds) == float(eager[0]) == 2.0 and dx.tolist() == eager[1].tolist()
+
+
 def test_an_input_on_another_device_is_refused_naming_its_path() -> None:
     code = (
         "import jax, jax.numpy as jnp, dualgraph.jax as dgj\n"

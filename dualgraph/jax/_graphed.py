@@ -313,6 +313,7 @@ class GraphedCallable:
                     self._weak,
                     self._device,
                     self._compiler_options,
+                    self._compile_config,
                 )
         outputs, residuals = self._run(program.forward, arrays, paths)
         as_called = None
