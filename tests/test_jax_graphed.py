@@ -1061,6 +1061,32 @@ def test_weak_typing_that_changes_nothing_is_accepted() -> None:
 
 
 @pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
+def test_a_vjp_weakly_typed_otherwise_than_the_sample_types_its_grads_as_jax_jit(
+    sample_weak: bool,
+) -> None:
+    # `s > 0` is the same program for a weak and a strong s, so the call is accepted; but
+    # jax.vjp gives s's (zero) grad s's own weak type: the VJP compiled for the sample's
+    # typing gave it the sample's, and `bfloat16 + ds` was float32 where eager's is bfloat16
+    # (or the reverse)
+    def flip(s: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.where(s > 0, x, -x)
+
+    weak, strong = jnp.full(3, 2.0), jnp.ones(3, jnp.float32)
+    sample, other = (weak, strong) if sample_weak else (strong, weak)
+    x, ones = jnp.full(3, 5.0, jnp.float32), jnp.ones(3, jnp.float32)
+    g = dgj.graphed(flip, (sample, x))
+    for s in (other, sample, other):
+        out, pullback = g.vjp(s, x)
+        (ds, dx), _ = pullback(ones)
+        eager = jax.vjp(flip, s, x)[1](ones)
+        jitted = jax.jit(lambda s, x, ct: jax.vjp(flip, s, x)[1](ct))(s, x, ones)
+        assert ds.weak_type == eager[0].weak_type == jitted[0].weak_type == s.weak_type
+        bf = jnp.ones(3, jnp.bfloat16)
+        assert (bf + ds).dtype == (bf + eager[0]).dtype
+        assert out.tolist() == [5.0] * 3 and dx.tolist() == [1.0] * 3 and ds.tolist() == [0] * 3
+
+
+@pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
 def test_a_call_that_changes_only_the_outputs_weak_types_is_refused(sample_weak: bool) -> None:
     # `s * 2` is the same program for a weak and a strong s, but jax.jit returns a weak output
     # for a weak s: the graphed output kept the sample's typing, and `bfloat16 + out` was

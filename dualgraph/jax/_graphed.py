@@ -196,7 +196,9 @@ class GraphedCallable:
         self._compiler_options = dict(compiler_options or {})
         self._traced_spec: TreeSpec | None = None
         self._compiled: jax.stages.Compiled | None = None
-        self._vjp_program: VJPProgram | None = None
+        # The VJP by the inputs' weak types: the sample's, and any other a call is accepted with
+        # (the same forward program, but jax.vjp gives each grad its input's own weak type).
+        self._vjp_programs: dict[tuple[bool, ...], VJPProgram] = {}
         structs = [
             struct_of(leaf, weak_type=weak)
             for leaf, weak in zip(self.call_spec.arrays, self._weak, strict=True)
@@ -257,7 +259,7 @@ class GraphedCallable:
         twin = copy.copy(self)
         twin._compiler_options = {**self._compiler_options, **options}
         twin._compiled = None
-        twin._vjp_program = None
+        twin._vjp_programs = {}
         twin._weak_verdicts = dict(self._weak_verdicts)
         return twin
 
@@ -277,7 +279,7 @@ class GraphedCallable:
     # -- every call -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arrays, paths = self._checked_inputs(args, kwargs)
+        arrays, paths, _ = self._checked_inputs(args, kwargs)
         return self.out_spec.unflatten(self._run(self._compiled or self.compiled, arrays, paths))
 
     def vjp(self, *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:
@@ -299,18 +301,18 @@ class GraphedCallable:
         >>> dx
         Array([3., 3.], dtype=float32)
         """
-        arrays, paths = self._checked_inputs(args, kwargs)
-        program = self._vjp_program
+        arrays, paths, weak = self._checked_inputs(args, kwargs)
+        program = self._vjp_programs.get(weak)
         if program is None:
             _refuse_deleted_constants(self.name, self._closed_over)
             with self._compile_config():
-                program = self._vjp_program = VJPProgram(
+                program = self._vjp_programs[weak] = VJPProgram(
                     self.name,
                     self._program,
                     self.call_spec,
                     self.out_spec,
                     self._donated,
-                    self._weak,
+                    weak,
                     self._device,
                     self._compiler_options,
                     self._compile_config,
@@ -336,9 +338,10 @@ class GraphedCallable:
 
     def _checked_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[list[Any], tuple[str, ...]]:
-        """The call's input arrays, checked, and their paths as the call spells them (the
-        samples' paths, ``self._paths`` itself, where the call is spelled as the sample)."""
+    ) -> tuple[list[Any], tuple[str, ...], tuple[bool, ...]]:
+        """The call's input arrays, checked, their paths as the call spells them (the
+        samples' paths, ``self._paths`` itself, where the call is spelled as the sample) and
+        their weak types."""
         try:
             self._settings.check()
             paths = self._paths
@@ -373,7 +376,7 @@ class GraphedCallable:
             if explained is None:
                 raise
             raise explained from error
-        return arrays, paths
+        return arrays, paths, weak
 
     def _paths_as_called(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The input arrays' paths as a call spelled otherwise than the sample spells them

@@ -3,9 +3,10 @@
 The forward program returns the outputs and the residuals of :func:`jax.vjp` (the arrays the
 backward needs), so donated inputs can be consumed by the forward; the backward program maps the
 residuals and the cotangents of the masked outputs to the gradients of the differentiable
-(floating or complex) inputs. Both are compiled once, at the first :meth:`GraphedCallable.vjp`;
-the backward again for cotangents weakly typed otherwise (``jnp.ones_like`` of a weak output),
-whose grads ``jax.vjp`` types otherwise (``bfloat16 + grad`` depends on it), at their first use.
+(floating or complex) inputs. Both are compiled once, at the first :meth:`GraphedCallable.vjp`
+(again for inputs weakly typed otherwise, where a call is accepted so); the backward again for
+cotangents weakly typed otherwise (``jnp.ones_like`` of a weak output), whose grads ``jax.vjp``
+types otherwise (``bfloat16 + grad`` depends on it), at their first use.
 """
 
 from __future__ import annotations
