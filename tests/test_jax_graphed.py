@@ -992,6 +992,23 @@ def test_python_state_changed_after_graphing_reaches_neither_the_call_nor_the_vj
     assert grad.tolist() == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
+def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(lazy: bool) -> None:
+    # JAX's trace holds a view of a numpy array the function closes over: the forward was
+    # lowered from its values when graphed, the VJP from those at its first call, so after
+    # weights[:] = 5 g(x) gave x and g.vjp(x) 5x (its grad 5 too), silently
+    weights = np.ones(3, np.float32)
+    g = dgj.graphed(lambda x: x * weights, (jnp.ones(3),), lazy=lazy)
+    weights[:] = 5.0
+    out, pullback = g.vjp(jnp.ones(3))
+    (grad,), _ = pullback(jnp.ones(3))
+    assert out.tolist() == g(jnp.ones(3)).tolist() == [1.0] * 3
+    assert grad.tolist() == [1.0] * 3
+    weights[:] = 7.0
+    twin = g.with_compiler_options({"xla_allow_excess_precision": False})
+    assert twin.vjp(jnp.ones(3))[0].tolist() == [1.0] * 3
+
+
 # -- weakly typed inputs (from Python scalars): JAX promotes them differently ---------------------
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 from .._call import CallSpec, describe_call
@@ -207,7 +208,7 @@ class GraphedCallable:
             # The function's Python runs once, here: every program (this forward, the VJP's,
             # compiled later) is made from this one trace, so none sees Python state (a global,
             # an attribute, a side effect) as it is at a later first call.
-            trace = jax.make_jaxpr(self._flat)(*structs)
+            trace = _with_constants_kept(jax.make_jaxpr(self._flat)(*structs))
             self._program = jaxpr_as_fun(trace)
             self._closed_over = [c for c in trace.consts if isinstance(c, jax.Array)]
             jitted = jax.jit(
@@ -495,6 +496,22 @@ def _grads_in_order(
 ) -> tuple[Any, dict[str, Any]]:
     """Grads of a call passing the sample's keywords in the ``order`` it passes them."""
     return args_grads, {name: kwargs_grads[name] for name in order}
+
+
+def _with_constants_kept(trace: Any) -> Any:
+    """``trace`` holding copies of the numpy arrays the function closes over, where JAX's holds
+    views: written into after graphing (``weights[:] = new``), their new values would reach
+    the VJP, lowered at its first call, and not the forward, lowered when graphed.
+
+    >>> import numpy as np, jax.numpy as jnp
+    >>> weights = np.ones(2, np.float32)
+    >>> trace = _with_constants_kept(jax.make_jaxpr(lambda x: x * weights)(jnp.ones(2)))
+    >>> weights[:] = 5.0
+    >>> trace.consts[0].tolist()
+    [1.0, 1.0]
+    """
+    kept = [c.copy() if isinstance(c, np.ndarray) else c for c in trace.consts]
+    return trace.replace(consts=kept)
 
 
 def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:
