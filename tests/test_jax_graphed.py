@@ -992,6 +992,23 @@ def test_python_state_changed_after_graphing_reaches_neither_the_call_nor_the_vj
     assert grad.tolist() == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
+def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(lazy: bool) -> None:
+    # JAX's trace holds a view of a numpy array the function closes over: the forward was
+    # lowered from its values when graphed, the VJP from those at its first call, so after
+    # weights[:] = 5 g(x) gave x and g.vjp(x) 5x (its grad 5 too), silently
+    weights = np.ones(3, np.float32)
+    g = dgj.graphed(lambda x: x * weights, (jnp.ones(3),), lazy=lazy)
+    weights[:] = 5.0
+    out, pullback = g.vjp(jnp.ones(3))
+    (grad,), _ = pullback(jnp.ones(3))
+    assert out.tolist() == g(jnp.ones(3)).tolist() == [1.0] * 3
+    assert grad.tolist() == [1.0] * 3
+    weights[:] = 7.0
+    twin = g.with_compiler_options({"xla_allow_excess_precision": False})
+    assert twin.vjp(jnp.ones(3))[0].tolist() == [1.0] * 3
+
+
 # -- weakly typed inputs (from Python scalars): JAX promotes them differently ---------------------
 
 
@@ -1061,6 +1078,32 @@ def test_weak_typing_that_changes_nothing_is_accepted() -> None:
 
 
 @pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
+def test_a_vjp_weakly_typed_otherwise_than_the_sample_types_its_grads_as_jax_jit(
+    sample_weak: bool,
+) -> None:
+    # `s > 0` is the same program for a weak and a strong s, so the call is accepted; but
+    # jax.vjp gives s's (zero) grad s's own weak type: the VJP compiled for the sample's
+    # typing gave it the sample's, and `bfloat16 + ds` was float32 where eager's is bfloat16
+    # (or the reverse)
+    def flip(s: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.where(s > 0, x, -x)
+
+    weak, strong = jnp.full(3, 2.0), jnp.ones(3, jnp.float32)
+    sample, other = (weak, strong) if sample_weak else (strong, weak)
+    x, ones = jnp.full(3, 5.0, jnp.float32), jnp.ones(3, jnp.float32)
+    g = dgj.graphed(flip, (sample, x))
+    for s in (other, sample, other):
+        out, pullback = g.vjp(s, x)
+        (ds, dx), _ = pullback(ones)
+        eager = jax.vjp(flip, s, x)[1](ones)
+        jitted = jax.jit(lambda s, x, ct: jax.vjp(flip, s, x)[1](ct))(s, x, ones)
+        assert ds.weak_type == eager[0].weak_type == jitted[0].weak_type == s.weak_type
+        bf = jnp.ones(3, jnp.bfloat16)
+        assert (bf + ds).dtype == (bf + eager[0]).dtype
+        assert out.tolist() == [5.0] * 3 and dx.tolist() == [1.0] * 3 and ds.tolist() == [0] * 3
+
+
+@pytest.mark.parametrize("sample_weak", [True, False], ids=["weak-sample", "strong-sample"])
 def test_a_call_that_changes_only_the_outputs_weak_types_is_refused(sample_weak: bool) -> None:
     # `s * 2` is the same program for a weak and a strong s, but jax.jit returns a weak output
     # for a weak s: the graphed output kept the sample's typing, and `bfloat16 + out` was
@@ -1071,6 +1114,32 @@ def test_a_call_that_changes_only_the_outputs_weak_types_is_refused(sample_weak:
     with pytest.raises(SpecMismatchError, match=r"^args\[0\]: expected a \w+ typed float32\[\]"):
         g(other)
     assert g(sample).weak_type == jax.jit(g.fn)(sample).weak_type == sample_weak
+
+
+@pytest.mark.parametrize("cotangent_weak", [True, False], ids=["weak-cotangent", "strong"])
+def test_a_pullbacks_grads_are_typed_weakly_as_jax_jits_for_its_cotangents(
+    cotangent_weak: bool,
+) -> None:
+    # jax.vjp (eager or under jax.jit) of a weak s (a learnable scalar made as
+    # jnp.asarray(1.0)) gives a weak grad for a weak cotangent (jnp.ones_like of the weak
+    # output): the pullback, compiled for strong cotangents only, gave it strong, and
+    # `bfloat16 + grad` was float32 where eager's is bfloat16
+    def scaled(s: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return s * 2, x * 3
+
+    s, x = jnp.asarray(3.0), jnp.ones(2, jnp.bfloat16)
+    g = dgj.graphed(scaled, (s, x))
+    (doubled, out), pullback = g.vjp(s, x)
+    ones = jnp.ones_like(doubled) if cotangent_weak else jnp.float32(1.0)
+    assert ones.weak_type == cotangent_weak
+    cotangent = (ones, jnp.ones_like(out))
+    eager = jax.vjp(scaled, s, x)[1](cotangent)
+    jitted = jax.jit(lambda s, x, ct: jax.vjp(scaled, s, x)[1](ct))(s, x, cotangent)
+    for _ in range(2):
+        (ds, dx), _ = pullback(cotangent)
+        assert ds.weak_type == eager[0].weak_type == jitted[0].weak_type == cotangent_weak
+        assert (x + ds).dtype == (x + eager[0]).dtype
+        assert float(ds) == float(eager[0]) == 2.0 and dx.tolist() == eager[1].tolist()
 
 
 def test_an_input_on_another_device_is_refused_naming_its_path() -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
 from .._call import CallSpec, describe_call
@@ -196,7 +197,9 @@ class GraphedCallable:
         self._compiler_options = dict(compiler_options or {})
         self._traced_spec: TreeSpec | None = None
         self._compiled: jax.stages.Compiled | None = None
-        self._vjp_program: VJPProgram | None = None
+        # The VJP by the inputs' weak types: the sample's, and any other a call is accepted with
+        # (the same forward program, but jax.vjp gives each grad its input's own weak type).
+        self._vjp_programs: dict[tuple[bool, ...], VJPProgram] = {}
         structs = [
             struct_of(leaf, weak_type=weak)
             for leaf, weak in zip(self.call_spec.arrays, self._weak, strict=True)
@@ -205,7 +208,7 @@ class GraphedCallable:
             # The function's Python runs once, here: every program (this forward, the VJP's,
             # compiled later) is made from this one trace, so none sees Python state (a global,
             # an attribute, a side effect) as it is at a later first call.
-            trace = jax.make_jaxpr(self._flat)(*structs)
+            trace = _with_constants_kept(jax.make_jaxpr(self._flat)(*structs))
             self._program = jaxpr_as_fun(trace)
             self._closed_over = [c for c in trace.consts if isinstance(c, jax.Array)]
             jitted = jax.jit(
@@ -257,7 +260,7 @@ class GraphedCallable:
         twin = copy.copy(self)
         twin._compiler_options = {**self._compiler_options, **options}
         twin._compiled = None
-        twin._vjp_program = None
+        twin._vjp_programs = {}
         twin._weak_verdicts = dict(self._weak_verdicts)
         return twin
 
@@ -277,7 +280,7 @@ class GraphedCallable:
     # -- every call -----------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        arrays, paths = self._checked_inputs(args, kwargs)
+        arrays, paths, _ = self._checked_inputs(args, kwargs)
         return self.out_spec.unflatten(self._run(self._compiled or self.compiled, arrays, paths))
 
     def vjp(self, *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:
@@ -299,20 +302,21 @@ class GraphedCallable:
         >>> dx
         Array([3., 3.], dtype=float32)
         """
-        arrays, paths = self._checked_inputs(args, kwargs)
-        program = self._vjp_program
+        arrays, paths, weak = self._checked_inputs(args, kwargs)
+        program = self._vjp_programs.get(weak)
         if program is None:
             _refuse_deleted_constants(self.name, self._closed_over)
             with self._compile_config():
-                program = self._vjp_program = VJPProgram(
+                program = self._vjp_programs[weak] = VJPProgram(
                     self.name,
                     self._program,
                     self.call_spec,
                     self.out_spec,
                     self._donated,
-                    self._weak,
+                    weak,
                     self._device,
                     self._compiler_options,
+                    self._compile_config,
                 )
         outputs, residuals = self._run(program.forward, arrays, paths)
         as_called = None
@@ -335,9 +339,10 @@ class GraphedCallable:
 
     def _checked_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[list[Any], tuple[str, ...]]:
-        """The call's input arrays, checked, and their paths as the call spells them (the
-        samples' paths, ``self._paths`` itself, where the call is spelled as the sample)."""
+    ) -> tuple[list[Any], tuple[str, ...], tuple[bool, ...]]:
+        """The call's input arrays, checked, their paths as the call spells them (the
+        samples' paths, ``self._paths`` itself, where the call is spelled as the sample) and
+        their weak types."""
         try:
             self._settings.check()
             paths = self._paths
@@ -372,7 +377,7 @@ class GraphedCallable:
             if explained is None:
                 raise
             raise explained from error
-        return arrays, paths
+        return arrays, paths, weak
 
     def _paths_as_called(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, ...]:
         """The input arrays' paths as a call spelled otherwise than the sample spells them
@@ -491,6 +496,22 @@ def _grads_in_order(
 ) -> tuple[Any, dict[str, Any]]:
     """Grads of a call passing the sample's keywords in the ``order`` it passes them."""
     return args_grads, {name: kwargs_grads[name] for name in order}
+
+
+def _with_constants_kept(trace: Any) -> Any:
+    """``trace`` holding copies of the numpy arrays the function closes over, where JAX's holds
+    views: written into after graphing (``weights[:] = new``), their new values would reach
+    the VJP, lowered at its first call, and not the forward, lowered when graphed.
+
+    >>> import numpy as np, jax.numpy as jnp
+    >>> weights = np.ones(2, np.float32)
+    >>> trace = _with_constants_kept(jax.make_jaxpr(lambda x: x * weights)(jnp.ones(2)))
+    >>> weights[:] = 5.0
+    >>> trace.consts[0].tolist()
+    [1.0, 1.0]
+    """
+    kept = [c.copy() if isinstance(c, np.ndarray) else c for c in trace.consts]
+    return trace.replace(consts=kept)
 
 
 def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:

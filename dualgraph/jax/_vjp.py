@@ -3,12 +3,16 @@
 The forward program returns the outputs and the residuals of :func:`jax.vjp` (the arrays the
 backward needs), so donated inputs can be consumed by the forward; the backward program maps the
 residuals and the cotangents of the masked outputs to the gradients of the differentiable
-(floating or complex) inputs. Both are compiled once, at the first :meth:`GraphedCallable.vjp`.
+(floating or complex) inputs. Both are compiled once, at the first :meth:`GraphedCallable.vjp`
+(again for inputs weakly typed otherwise, where a call is accepted so); the backward again for
+cotangents weakly typed otherwise (``jnp.ones_like`` of a weak output), whose grads ``jax.vjp``
+types otherwise (``bfloat16 + grad`` depends on it), at their first use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -18,6 +22,7 @@ from .._dtypes import is_differentiable_dtype
 from .._errors import DualgraphError
 from .._spec import TreeSpec
 from ._donation import explain_failed_call, jax_donation_warnings
+from ._dtypes import weak_types as weak_types_of
 from ._env import x64_mode
 from ._leaves import in_default_layouts, refuse_foreign_arrays
 from ._non_finite import non_finite_error
@@ -44,6 +49,7 @@ class VJPProgram:
         weak_types: Sequence[bool],
         device: Any,
         compiler_options: dict[str, Any],
+        compile_config: Callable[[], AbstractContextManager[Any]],
     ) -> None:
         self.name = name
         self.device = device  # compiled for it (the caller's context makes it JAX's default)
@@ -84,10 +90,27 @@ class VJPProgram:
             jitted = jax.jit(forward, donate_argnums=tuple(donated), keep_unused=bool(donated))
             lowered = jitted.lower(*structs)
             self.forward = lowered.compile(compiler_options)
-        cotangent_structs = [struct_of(leaf) for leaf in self.cotangent_spec.arrays]
-        residual_structs = lowered.out_info[1]
-        backward_lowered = jax.jit(backward).lower(residual_structs, cotangent_structs)
-        self.backward = backward_lowered.compile(compiler_options)
+        self._backward = backward
+        self._residual_structs = lowered.out_info[1]
+        self._compiler_options = compiler_options
+        self._compile_config = compile_config  # the graphing's precision, 64-bit mode, device
+        #: the backward by the cotangents' weak types (a weak cotangent, e.g. jnp.ones_like of
+        #: a weak output, gives jax.vjp's grads weak types of their own)
+        self.backwards: dict[tuple[bool, ...], Any] = {}
+        self.backward_for((False,) * len(self.cotangent_spec.arrays))
+
+    def backward_for(self, weak: tuple[bool, ...]) -> Any:
+        """The backward compiled for cotangents weakly typed as ``weak`` says (once each)."""
+        found = self.backwards.get(weak)
+        if found is None:
+            structs = [
+                struct_of(leaf, weak_type=w)
+                for leaf, w in zip(self.cotangent_spec.arrays, weak, strict=True)
+            ]
+            with self._compile_config():
+                lowered = jax.jit(self._backward).lower(self._residual_structs, structs)
+                found = self.backwards[weak] = lowered.compile(self._compiler_options)
+        return found
 
 
 def _kept(
@@ -146,9 +169,11 @@ class Pullback:
                 f"the pullback of graphed({program.name})",
                 zip(program.cotangent_paths, cotangents, strict=True),
             )
+            weak = weak_types_of(cotangents)
+            backward = program.backwards.get(weak) or program.backward_for(weak)
             with x64_mode(self._x64):
                 try:
-                    grads = program.backward(self._residuals, cotangents)
+                    grads = backward(self._residuals, cotangents)
                 except Exception as error:
                     non_finite = non_finite_error(error, f"the pullback of graphed({program.name})")
                     if non_finite is not None:
@@ -161,7 +186,7 @@ class Pullback:
                         if clearer is error:
                             raise
                         raise clearer from error
-                    grads = program.backward(self._residuals, copies)
+                    grads = program.backward_for(weak_types_of(copies))(self._residuals, copies)
         except Exception as error:  # a tracer fails these in many ways: name the cause
             explained = tracer_error(
                 f"the pullback of graphed({program.name})",
