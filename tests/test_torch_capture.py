@@ -10,6 +10,7 @@ place, inputs updated during backward, lazy modules, and parameter hooks under i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import gc
@@ -2595,10 +2596,20 @@ class LeavesStateOnItself(nn.Module):
         self.inner = nn.Module()
         self.inner.aux_losses = []
         self.cache: dict[str, torch.Tensor] = {}
+        self.stats: collections.defaultdict[str, list[torch.Tensor]] = collections.defaultdict(list)
+        self.queues = ([], [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
-        if self.how == "appended":
+        if self.how == "shapes_rebound":  # a plain value: left alone
+            self.shapes = (x.shape, h.shape)
+        elif self.how == "nested_appended":
+            self.stats["aux"].append(h.square().mean())
+        elif self.how == "in_a_tuple_appended":
+            self.queues[1].append(h)
+        elif self.how == "tuple_rebound":
+            self.last = (h, h.softmax(-1))
+        elif self.how == "appended":
             self.inner.aux_losses.append(h.square().mean())
         elif self.how == "entry_set":
             self.cache["h"] = h
@@ -2616,6 +2627,9 @@ class LeavesStateOnItself(nn.Module):
         ("appended", "LeavesStateOnItself.inner.aux_losses", "changes this list in place"),
         ("entry_set", "LeavesStateOnItself.cache", "changes this dict in place"),
         ("rebound", "LeavesStateOnItself.last_attn", "sets this attribute to a new Tensor"),
+        ("nested_appended", "LeavesStateOnItself.stats['aux']", "changes this list in place"),
+        ("in_a_tuple_appended", "LeavesStateOnItself.queues[1]", "changes this list in place"),
+        ("tuple_rebound", "LeavesStateOnItself.last", "sets this attribute to a new tuple"),
     ],
 )
 def test_a_forward_leaving_state_on_its_module_on_every_call_is_refused_naming_it(
@@ -2634,9 +2648,19 @@ def test_a_forward_leaving_state_on_its_module_on_every_call_is_refused_naming_i
     ), message
     # put back as before the capture, and left usable
     assert module.inner.aux_losses == [] and module.cache == {}
-    assert not hasattr(module, "last_attn")
+    assert module.stats == {} and module.queues == ([], [])
+    assert not hasattr(module, "last_attn") and not hasattr(module, "last")
     module(sample[0])
     assert len(module.inner.aux_losses) == (how == "appended")
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_tuple_of_sizes_a_forward_sets_on_every_call_is_a_plain_value(backend: str) -> None:
+    device = device_of(backend)
+    module = LeavesStateOnItself("shapes_rebound").to(device)
+    sample = (torch.randn(2, 4, device=device, requires_grad=True),)
+    graphed = dgt.make_graphed_callables(module, sample, backend=backend)
+    assert graphed(torch.randn(2, 4, device=device)).shape == (2, 4)
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
@@ -2696,6 +2720,29 @@ def test_a_global_list_the_code_names_appended_to_on_every_call_is_refused_namin
         in (message)
     ), message
     assert AUX_LOSSES == []  # put back as before the capture
+
+
+AUX_BY_LAYER: dict[str, list[torch.Tensor]] = {"router": []}
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_list_inside_a_global_dict_appended_to_on_every_call_is_refused_naming_it(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    layer = nn.Linear(4, 4).to(device).requires_grad_(False)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = layer(x)
+        AUX_BY_LAYER["router"].append(h.square().mean())
+        return h
+
+    message = capture_error(fn, (torch.randn(2, 4, device=device),), backend=backend)
+    assert (
+        "failed during warmup: global AUX_BY_LAYER['router']: the callable's Python changes "
+        "this list in place on every call"
+    ) in message, message
+    assert AUX_BY_LAYER == {"router": []}  # put back as before the capture
 
 
 SCALES = iter([0.5 * k for k in range(1, 10_000)])

@@ -1180,6 +1180,63 @@ def test_a_float_attribute_set_to_zero_of_the_other_sign_is_refused(
         block(torch.randn(4, 8, device=device))
 
 
+class _GainOnItsWeights(nn.Module):
+    """Reads plain values hung on its weight and a buffer (as quantization libraries hang a
+    scale on a weight), and sets a flag on its bias on every call (Megatron's kind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.fc.weight.gain = 2.0  # type: ignore[attr-defined]
+        self.register_buffer("shift", torch.ones(8))
+        self.shift.sign = -1.0  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc.bias.seen = True  # type: ignore[union-attr]
+        return self.fc(x) * self.fc.weight.gain + self.shift * self.shift.sign  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("tensor", "name", "value"), [("fc.weight", "gain", 3.0), ("shift", "sign", 1.0)]
+)
+def test_a_plain_value_on_a_parameter_or_buffer_changed_after_capture_is_refused_naming_it(
+    backend: str, tensor: str, name: str, value: float
+) -> None:
+    # The graphs hold what the forward computed from the value of capture: on CUDA a replay
+    # scaled by 2.0 after weight.gain = 3.0, silently (emulate re-ran the Python and hid it).
+    device = device_of(backend)
+    block = _GainOnItsWeights().to(device)
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    held = block.get_parameter(tensor) if "." in tensor else block.get_buffer(tensor)
+    then = getattr(held, name)
+    setattr(held, name, value)
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^_GainOnItsWeights\.{re.escape(tensor)}\.{name}: was {then!r} at capture and is "
+        rf"{value!r} now",
+    ):
+        block(torch.randn(4, 8, device=device))
+    setattr(held, name, then)  # as at capture: replays again, the forward's own flag aside
+    x = torch.randn(4, 8, device=device)
+    expected = _GainOnItsWeights.forward(block, x).detach()
+    assert_tensors_match(block(x).detach(), expected, "output", tolerance(backend))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_the_fused_accumulation_flag_a_backward_sets_on_a_parameter_is_no_value_compared(
+    backend: str,
+) -> None:
+    # Graphed after an eager step (Megatron's order), the flag is True; zero_grad_buffer sets
+    # it False at the next step's start, and each backward True again: no value the forward read.
+    device = device_of(backend)
+    block = _GainOnItsWeights().to(device)
+    block.fc.weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+    dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
+    block.fc.weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+    block(torch.randn(4, 8, device=device))
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_nan_attribute_set_to_another_nan_is_no_change(backend: str) -> None:
     # nan != nan, so another NaN object (a config loaded again) read as a change and was refused.

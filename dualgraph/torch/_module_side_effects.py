@@ -1,7 +1,9 @@
 """What a forward's Python leaves on its modules from one call to the next, which no replay
 repeats: a list appended to (``self.aux_losses.append(loss)``, a mixture of experts' load
-balancing losses), a dict entry set (``self.cache[key] = h``), an attribute rebound to a new
-tensor (``self.last_attn = attn``).
+balancing losses), a dict entry set (``self.cache[key] = h``), either inside another list,
+dict or tuple (``self.stats['aux'].append(loss)`` of a ``defaultdict(list)``), an attribute
+rebound to a new tensor, container or tuple holding one (``self.last_attn = attn``,
+``self.last = (h, attn)``).
 
 Eager does it on every call; on CUDA a replay runs no Python, so the list stops growing and the
 attribute keeps the tensor of capture (memory each replay overwrites), silently. The first call
@@ -151,9 +153,56 @@ def _same_contents(a: list[Any], b: list[Any], is_dict: bool) -> bool:
     return all(x is y or (type(x) is _Position and x == y) for x, y in zip(a, b, strict=True))
 
 
+def _nested(value: Any, depth: int = 3) -> list[tuple[str, Any]]:
+    """The lists, dicts, sets and deques inside a container (or a tuple), named by where they
+    are (``['aux']``, ``[0][1]``), to ``depth`` levels: ``self.stats['aux'].append(loss)``
+    changes none of the outer dict's entries.
+
+    >>> _nested({"aux": [], "n": 1, "pair": ([], 2)})
+    [("['aux']", []), ("['pair'][0]", [])]
+    """
+    if depth == 0 or isinstance(value, (str, bytes)):
+        return []
+    if isinstance(value, dict):
+        items = list(value.items())[:_SCANNED]
+    elif isinstance(value, (*_CONTAINERS, tuple)) and not isinstance(value, set):
+        items = list(enumerate(value))[:_SCANNED]
+    else:
+        return []
+    found: list[tuple[str, Any]] = []
+    for key, item in items:
+        if isinstance(item, (*_CONTAINERS, tuple)):
+            where = f"[{key!r}]"
+            if isinstance(item, _CONTAINERS):
+                found.append((where, item))
+            found.extend((where + inner, nested) for inner, nested in _nested(item, depth - 1))
+    return found
+
+
+#: how many items of each container :func:`_nested` looks into (a vocabulary list: its first)
+_SCANNED = 4096
+
+
+def _holds_state(value: tuple[Any, ...], depth: int = 3) -> bool:
+    """Whether a tuple (or a namedtuple) holds a tensor or a container, in it or in a tuple it
+    holds (``self.last = (h, attn)``): rebound on every call, it is held to what a tensor
+    attribute is; a tuple of numbers (``torch.Size``) is a plain value.
+
+    >>> _holds_state((torch.Size([2]), 3)), _holds_state(((torch.ones(1),), 3))
+    (False, True)
+    """
+    if depth == 0 or not (type(value) is tuple or hasattr(value, "_fields")):
+        return False
+    return any(
+        isinstance(item, (torch.Tensor, *_CONTAINERS))
+        or (isinstance(item, tuple) and _holds_state(item, depth - 1))
+        for item in value[:_SCANNED]
+    )
+
+
 def _put_contents(value: Any, contents: list[Any]) -> None:
-    if _is_iterator(value):
-        return  # an iterator cannot be moved back
+    if _is_iterator(value) or isinstance(value, tuple):
+        return  # an iterator cannot be moved back; a tuple does not change
     value.clear()
     if isinstance(value, dict):
         value.update(contents)
@@ -187,6 +236,8 @@ def globals_named(fn: Any) -> list[tuple[str, Any]]:
 
 
 def _watched(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return _holds_state(value)
     return isinstance(value, (torch.Tensor, *_CONTAINERS)) or _is_iterator(value)
 
 
@@ -205,6 +256,12 @@ def _changed_in_place(where: str, value: Any) -> str:
         "Python, so on CUDA it would stay as capture left it. Return what it adds as an output "
         "instead"
     )
+
+
+def _is_nested(name: str) -> bool:
+    """Whether a watched name is a container's inside another (``stats['aux']``), not an
+    attribute of its own."""
+    return name.endswith("]")
 
 
 #: one module's watched attributes: name -> (the object, its contents where a container)
@@ -248,18 +305,23 @@ class SideEffects:
 
     def _state(self) -> list[_State]:
         # the named containers first, as one state keyed by position
-        states: list[_State] = [
-            {str(k): (value, _contents(value)) for k, (_, value) in enumerate(self._free)}
-        ]
+        free: _State = {}
+        for name, value in self._free:
+            free[name] = (value, _contents(value))
+            for where, inner in _nested(value):  # global ['aux'] lists
+                free[name + where] = (inner, _contents(inner))
+        states = [free]
         for _, module in self._modules:
             state: _State = {}
             for name, value in module.__dict__.items():
                 if name in _MODULE_INTERNALS or not _watched(value):
                     continue
-                state[name] = (
-                    value,
-                    None if isinstance(value, torch.Tensor) else _contents(value),
-                )
+                if isinstance(value, torch.Tensor):
+                    state[name] = (value, None)
+                    continue
+                state[name] = (value, _contents(value))
+                for where, inner in _nested(value):  # self.stats['aux']: the outer's entries
+                    state[name + where] = (inner, _contents(inner))
             states.append(state)
         return states
 
@@ -280,14 +342,21 @@ class SideEffects:
         return result
 
     def _change(self, before: list[_State], after: list[_State]) -> str | None:
-        for k, (name, value) in enumerate(self._free):
-            old_contents = before[0][str(k)][1] or []
-            if not _same_contents(old_contents, after[0][str(k)][1] or [], isinstance(value, dict)):
+        for name, (value, contents) in after[0].items():
+            then = before[0].get(name)
+            # a container nested anew changed the one holding it, found first
+            if (
+                then is not None
+                and then[0] is value
+                and not _same_contents(then[1] or [], contents or [], isinstance(value, dict))
+            ):
                 return _changed_in_place(name, value)
         for (path, _), old, new in zip(self._modules, before[1:], after[1:], strict=True):
             for name, (value, contents) in new.items():
                 where = f"{path}.{name}"
                 kind = type(value).__name__
+                if _is_nested(name) and (name not in old or old[name][0] is not value):
+                    continue  # a container nested anew changed the one holding it, found first
                 if name not in old or old[name][0] is not value:
                     if _is_iterator(value):
                         continue  # a fresh iterator each call (self.it = iter(self.blocks))
@@ -314,6 +383,7 @@ class SideEffects:
                 if name not in _MODULE_INTERNALS:
                     del now[name]
             for name, (value, contents) in first.items():
-                now[name] = value
+                if not _is_nested(name):
+                    now[name] = value
                 if contents is not None:
                     _put_contents(value, contents)

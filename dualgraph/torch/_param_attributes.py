@@ -28,15 +28,9 @@ from typing import Any
 
 import torch
 
-from ._params import bits_view, is_plain, is_tensor_subclass, write_back
+from ._params import FUSED_ACCUMULATION_FLAGS, bits_view, is_plain, is_tensor_subclass, write_back
 
 __all__ = ["FUSED_ACCUMULATION_FLAGS", "SetByCallable", "parameter_attributes_kept"]
-
-#: The flags a fused weight-grad accumulation's backward sets on each parameter whose
-#: ``main_grad`` it adds into, whatever they held (TE's and Megatron's): noted for such a
-#: parameter even when they held that value already, as when graphing follows an eager step
-#: (Megatron's ``zero_grad_buffer`` resets it only at the next step's start).
-FUSED_ACCUMULATION_FLAGS = frozenset({"grad_added_to_main_grad"})
 
 
 class SetByCallable:

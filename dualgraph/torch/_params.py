@@ -50,6 +50,7 @@ from ._module_check import fast_check
 from ._transformer_engine import set_by_te_forward
 
 __all__ = [
+    "FUSED_ACCUMULATION_FLAGS",
     "GRAPHED_STATE",
     "ModuleTensors",
     "bits_view",
@@ -300,6 +301,8 @@ class ModuleTensors:
     root_name: str = ""
     # The same values at setup, before warmup: one dict per module (root first).
     attributes_at_setup: tuple[dict[str, Any], ...] = ()
+    #: the public plain values hung on each parameter and buffer (``weight.gain``) at setup
+    tensor_attributes_at_setup: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     attribute_names: tuple[str, ...] = ()
     attribute_dicts: tuple[dict[str, Any], ...] = ()
     attribute_keys: tuple[str, ...] = ()
@@ -474,6 +477,12 @@ class ModuleTensors:
                 }
                 for m in (module, *modules)
             ),
+            tensor_attributes_at_setup={
+                id(tensor): dict(vars(tensor))
+                for m in (module, *modules)
+                for tensor in _held_by(m)
+                if vars(tensor)  # most hold none: no dict made
+            },
         )
 
     def _set(self, name: str, value: Any) -> None:
@@ -742,6 +751,7 @@ class ModuleTensors:
             and (not before or then.get(key, _ABSENT) is value)
             and key not in te_flags
         ]
+        found += self._tensor_attributes()
         self._set("code_from", len(found))
         found += [  # a function's own: those its warmup and capture did not rebind
             (name, namespace, key, then)
@@ -799,6 +809,33 @@ class ModuleTensors:
         self.counted_lens[:] = map(len, counted)
         if self.root is not None and (found or namespaces):
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
+
+    def _tensor_attributes(self) -> list[tuple[str, dict[str, Any], str, Any]]:
+        """The public plain values hung on each parameter and buffer (``weight.gain = 2.0``,
+        which a forward may read), as :meth:`record_attributes` notes them: those warmup and
+        capture did not set (a flag the forward sets on every call is its own)."""
+        found: list[tuple[str, dict[str, Any], str, Any]] = []
+        seen: set[int] = set()
+        setup = self.tensor_attributes_at_setup
+        for name, module in zip(
+            (self.root_name, *self.module_names), (self.root, *self.modules), strict=True
+        ):
+            if module is None:
+                continue
+            for key, tensor in (*module._parameters.items(), *module._buffers.items()):
+                if tensor is None or id(tensor) in seen or id(tensor) not in setup:
+                    continue
+                seen.add(id(tensor))
+                then = setup[id(tensor)]
+                found += [
+                    (_joined(name, key, attribute), vars(tensor), attribute, value)
+                    for attribute, value in vars(tensor).items()
+                    if not attribute.startswith("_")
+                    and attribute not in FUSED_ACCUMULATION_FLAGS
+                    and is_plain(value)
+                    and then.get(attribute, _ABSENT) is value
+                ]
+        return found
 
     def _forward_replaced(self) -> str | None:
         """The name of the first submodule whose instance-level forward is not the one of
@@ -1213,6 +1250,19 @@ def _watched(key: str, value: Any) -> bool:
 def _added_plain(key: str, value: Any) -> bool:
     """Whether an attribute added to a module's ``__dict__`` since capture is refused."""
     return not key.startswith("_") and is_plain(value)
+
+
+#: The flags a fused weight-grad accumulation's backward sets on each parameter whose
+#: ``main_grad`` it adds into, whatever they held (TE's and Megatron's): noted for such a
+#: parameter even when they held that value already, as when graphing follows an eager step
+#: (Megatron's ``zero_grad_buffer`` resets it only at the next step's start); a backward's
+#: own, never compared as a value the forward read.
+FUSED_ACCUMULATION_FLAGS = frozenset({"grad_added_to_main_grad"})
+
+
+def _held_by(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers ``module`` holds itself."""
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
 
 
 def _public_keys(namespace: dict[str, Any], exempt: frozenset[str]) -> frozenset[str]:
