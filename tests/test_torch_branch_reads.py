@@ -73,7 +73,7 @@ def test_turning_an_inputs_requires_grad_on_counts_as_reading_it(how: str) -> No
         else:
             y.requires_grad = True
         z.requires_grad_()  # no input
-    assert seen.requires_grad == (1,) and not seen.grad_mode
+    assert seen.requires_grad == seen.turned_on == (1,) and not seen.grad_mode
     assert y.requires_grad and "requires_grad_" not in vars(torch.Tensor)
 
 

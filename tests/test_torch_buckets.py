@@ -2700,6 +2700,43 @@ def test_a_padded_call_hands_the_callable_what_the_callers_tensor_carries(backen
         assert torch.equal(graphed(x), twin(x)), length
 
 
+class AttendsToItsTokens(nn.Module):
+    """A per-token layer that turns its input's requires_grad on (a saliency map's pattern:
+    ``x.grad`` after the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        x.requires_grad_()
+        return self.fc(x).tanh()
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_padded_call_turns_on_the_callers_tensor_the_callable_turns_on(backend: str) -> None:
+    # A call whose tensor does not require grad runs eagerly (its sample's did), but a padded
+    # one ran on a padded copy, which the callable turned on instead: the caller's x kept
+    # requires_grad False and never got a grad, where eager's call turns it on.
+    device = device_of(backend)
+    module = AttendsToItsTokens().to(device)
+    twin = copy.deepcopy(module)
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    for length in (3, 4, 6, 8):
+        x = torch.randn(2, length, 4, device=device)
+        x_twin = x.clone()
+        module(x).square().sum().backward()
+        twin(x_twin).square().sum().backward()
+        assert x.requires_grad and x.grad is not None, length
+        assert_tensors_match(x.grad, x_twin.grad, "args[0].grad", PAD_TOLERANCE)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_padded_calls_output_carries_what_the_callable_set_on_it(backend: str) -> None:
     # A padded call hands out a copy cut back to the call's length: it lacked the attributes

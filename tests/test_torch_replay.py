@@ -553,6 +553,36 @@ def test_a_call_run_eagerly_returns_eagers_outputs_whatever_their_structure(
     assert dgt.diagnostics(module).eager_calls == 1
 
 
+class _FrozenForceField(nn.Module):
+    """Energy and forces of a frozen potential, ``-dE/dx`` taken inside without keeping a graph
+    (an inference-time force field): nothing it returns is differentiable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.requires_grad_(False)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = pos.detach().requires_grad_()
+        energy = self.fc(pos).tanh().sum()
+        (grad,) = torch.autograd.grad(energy, pos)
+        return energy.detach(), -grad
+
+
+def test_an_emulated_replay_without_a_backward_runs_with_grad_on_as_captured() -> None:
+    # Nothing it returns is differentiable, so its replay has no backward, and "emulate" re-ran
+    # the callable under no_grad, where its own torch.autograd.grad raised ('element 0 of
+    # tensors does not require grad') on every call; eager computes the forces, and so does a
+    # CUDA graph, whose forward was captured with grad on, as the warmups run.
+    module = _FrozenForceField()
+    twin = copy.deepcopy(module)
+    dgt.make_graphed_callables(module, (torch.randn(5, 3),), backend="emulate")
+    for _ in range(2):
+        pos = torch.randn(5, 3)
+        assert_trees_match(module(pos), twin(pos))
+    assert dgt.diagnostics(module).replays == 2
+
+
 # -- the order of forward and backward replays ---------------------------------------------------
 
 

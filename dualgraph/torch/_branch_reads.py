@@ -65,18 +65,24 @@ class BranchReads:
     """What :func:`branch_reads` saw: whether grad mode was read, and of which inputs (their
     positions) ``requires_grad`` was."""
 
-    __slots__ = ("_all", "_inputs", "_requires_grad", "grad_mode")
+    __slots__ = ("_all", "_inputs", "_requires_grad", "_turned_on", "grad_mode")
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         self.grad_mode = False
         self._inputs = {id(t): i for i, t in enumerate(inputs)}
         self._all = tuple(range(len(inputs)))
         self._requires_grad: set[int] = set()
+        self._turned_on: set[int] = set()
 
     @property
     def requires_grad(self) -> tuple[int, ...]:
         """The inputs whose ``requires_grad`` the forward's Python read, in order."""
         return tuple(sorted(self._requires_grad))
+
+    @property
+    def turned_on(self) -> tuple[int, ...]:
+        """The inputs whose ``requires_grad`` the forward's Python turned on, in order."""
+        return tuple(sorted(self._turned_on))
 
     def note_flag_set(self, tensor: Any) -> None:
         """Note that ``tensor``'s ``requires_grad`` was turned on (``x.requires_grad_()``): of
@@ -85,6 +91,7 @@ class BranchReads:
         position = self._inputs.get(id(tensor))
         if position is not None:
             self._requires_grad.add(position)
+            self._turned_on.add(position)
 
     def note_flag_read(self, tensor: Any, *, of_grad_mode: bool = True) -> None:
         """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``);

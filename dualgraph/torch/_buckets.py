@@ -147,6 +147,7 @@ class _Bucket:
         "length",
         "runner",
         "shapes",
+        "turned_on",
     )
 
     def __init__(
@@ -165,6 +166,8 @@ class _Bucket:
         self.length = length
         self.full_length = full_length  # valid_length of a call of exactly this bucket's length
         self.cut: tuple[tuple[int, int], ...] | None = None  # (output array, dim), found lazily
+        # the padded inputs (the caller's positions) whose requires_grad the callable turns on
+        self.turned_on: tuple[int, ...] | None = None  # found lazily, as cut
         # An output is valid_length (or views it): the caller gets the tensor it was told, so
         # each call gets one of its own (the one tensor per length, changed in place through
         # an output, would tell every later call another length; eager's are the caller's own).
@@ -445,6 +448,15 @@ class BucketedCallable:
             # and a caller's tensor handed out for a padded input the callable returns
             runner.check_returned_inputs(tensors, self._guard.paths)
             _refuse_updates_seen_through_padded(runner, tensors, self._guard.paths, padding)
+        turned_on = bucket.turned_on
+        if turned_on is None:
+            turned_on = bucket.turned_on = _turned_on_padded(runner, self._guard.paths, padding)
+        for index in turned_on:
+            # as eager's call turns the caller's tensor's on: the padded copy then carries its
+            # history (a copy that does not is another leaf, which the callable's eager run
+            # would turn on instead, and which no grad of the caller's tensor comes through)
+            if not tensors[index].requires_grad:
+                tensors[index].requires_grad_()
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
         for index, dim in padding.inputs:
@@ -719,6 +731,18 @@ def _refuse_updates_seen_through_padded(
                 "not share memory",
                 path=path,
             )
+
+
+def _turned_on_padded(
+    runner: GraphedCallable | EagerCallable, paths: Sequence[str], padding: Padding
+) -> tuple[int, ...]:
+    """The padded inputs (their positions in the caller's order, ``paths``) whose
+    ``requires_grad`` the callable turns on (``x.requires_grad_()``), as its capture found."""
+    if not isinstance(runner, GraphedCallable) or not runner.plan.turns_requires_grad_on:
+        return ()
+    runner_paths = runner.plan.inputs.paths
+    turned = {runner_paths[i] for i in runner.plan.turns_requires_grad_on}
+    return tuple(index for index, _ in padding.inputs if paths[index] in turned)
 
 
 def _note_padded_inputs(

@@ -201,6 +201,8 @@ class _Capture:
         # the inspected warmup ran a convolution or another op cuDNN may compute (_cudnn_ops)
         self.cudnn_ops = (False, False)  # (convolution, rnn)
         self.reads_requires_grad: tuple[int, ...] = ()
+        # and which inputs' requires_grad it turned on (x.requires_grad_(): padded calls)
+        self.turns_requires_grad_on: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
         self.saved_closure_tensors: tuple[tuple[str, torch.Tensor], ...] = ()
         self.saved_inputs: tuple[int, ...] = ()
@@ -252,6 +254,7 @@ class _Capture:
         self.reads_grad_mode = original.reads_grad_mode
         self.cudnn_ops = original.cudnn_ops
         self.reads_requires_grad = original.reads_requires_grad
+        self.turns_requires_grad_on = original.turns_requires_grad_on
         self.saved_module_tensors = original.saved_module_tensors
         self.saved_closure_tensors = original.saved_closure_tensors
         self.saved_inputs = original.saved_inputs
@@ -570,6 +573,7 @@ class _Capture:
             records_under_no_grad=self.records_under_no_grad,
             reads_grad_mode=self.reads_grad_mode,
             reads_requires_grad=self.reads_requires_grad,
+            turns_requires_grad_on=self.turns_requires_grad_on,
             saved_module_tensors=self.saved_module_tensors,
             saved_closure_tensors=self.saved_closure_tensors,
             saved_inputs=self.saved_inputs,

@@ -191,6 +191,9 @@ class ReplayPlan:
     # other than their samples', runs eagerly (a replay would take the capture's branch)
     reads_grad_mode: bool = False
     reads_requires_grad: tuple[int, ...] = ()
+    # the inputs whose requires_grad it turns on (x.requires_grad_(), counted among those read):
+    # a padded call turns the caller's tensor's on before padding, as eager's call turns it on
+    turns_requires_grad_on: tuple[int, ...] = ()
     # _modes.modes_meaning() at capture: the torch function and dispatch modes each call and its
     # backward must run under (a CUDA replay runs through none)
     modes: tuple[Any, ...] = ()

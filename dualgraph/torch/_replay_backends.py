@@ -125,7 +125,12 @@ class EmulatedReplay:
         # eager) made by an earlier run would be found again, holding that run's values.
         _clear_autocast_cache()
         # Graphed callables it calls run their original code, as the graph of this one does.
-        with torch.set_grad_enabled(grad_enabled), own, replay_scope():
+        # A run with no backward to follow (nothing differentiable goes out) keeps grad mode on,
+        # as its capture did: its own torch.autograd.grad (forces, -dE/dx) needs it, and a
+        # graph replays what was captured whatever the caller's mode (a callable whose Python
+        # reads grad mode runs eagerly under no_grad instead).
+        records = grad_enabled or not self._diff_outputs
+        with torch.set_grad_enabled(records), own, replay_scope():
             outputs = self._fn(*self._args, **self._kwargs)
         flat = self._out_spec.flatten(outputs, check=True, root="output")
         self._live = [flat[i] for i in self._diff_outputs] if grad_enabled else []
