@@ -2166,6 +2166,61 @@ def test_a_report_names_the_parameter_grads_it_left_out() -> None:
     assert text.splitlines()[-1] == "left out: " + "; ".join(report.left_out)
 
 
+def test_a_report_names_the_trained_parameters_torch_params_leaves_out() -> None:
+    # torch_params without the bias: torch_fn's backward gave it a gradient, which was never
+    # compared (a JAX reference closing over the bias passes whatever its gradient), and the
+    # report said 'parity OK: 3 leaves within tolerance' as if every gradient had been
+    linear, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    module = torch.nn.ModuleDict({"linear": linear, "unused": unused})
+    bias = jnp.asarray(linear.bias.detach().numpy())
+
+    def layer(p: dict[str, jax.Array], a: jax.Array) -> jax.Array:
+        return a @ p["weight"].T + jax.lax.stop_gradient(bias)
+
+    params = {"weight": jnp.asarray(linear.weight.detach().numpy())}
+    report = assert_parity(
+        lambda x: module["linear"](x),
+        layer,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    assert report.left_out == ()  # a function: no named parameters to look through
+    report = assert_parity(
+        _CallsItsLinear(module),
+        layer,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    # the unused layer has no gradient, and a frozen bias none either: neither is named
+    assert report.left_out == (
+        "grad of torch parameter 'module.linear.bias' (trained, not in torch_params)",
+    )
+    assert str(report).splitlines()[0].endswith("; 1 left out)")
+    linear.bias.requires_grad_(False)
+    report = assert_parity(
+        _CallsItsLinear(module),
+        layer,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    assert report.left_out == ()
+    assert linear.weight.grad is None and linear.bias.grad is None and unused.bias.grad is None
+
+
+class _CallsItsLinear(torch.nn.Module):
+    """A module holding a used and an unused layer, calling the used one."""
+
+    def __init__(self, module: torch.nn.ModuleDict) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module["linear"](x)
+
+
 def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:
     module = TiedProjection()
     params = {"w": jnp.asarray(to_numpy_params(module)["w"])}

@@ -130,8 +130,10 @@ class ParityReport:
     """Every compared leaf (outputs, then input grads, then parameter grads) and the verdict.
 
     ``left_out``: the parameter grads not compared, each with why (a JAX params leaf made of
-    frozen torch parameters only, or of none), e.g. ``"grad params['table'] (no trained torch
-    parameter behind it)"``; they do not change the verdict.
+    frozen torch parameters only, or of none; a trained parameter of ``torch_fn`` given a
+    gradient that ``torch_params`` leaves out), e.g. ``"grad params['table'] (no trained torch
+    parameter behind it)"``, ``"grad of torch parameter 'bias' (trained, not in
+    torch_params)"``; they do not change the verdict.
 
     ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used
     (and the leaves left out) in the footer.
