@@ -1059,6 +1059,48 @@ def test_a_leaf_whose_reference_is_zero_says_why_a_tiny_difference_fails() -> No
     assert compare_arrays("grad args[0]", np.zeros(4, np.float32), np.zeros(4, np.float32)).ok
 
 
+class _BiasDetached(torch.nn.Module):
+    """A linear layer whose bias takes no gradient (added detached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.linear.weight.T + self.linear.bias.detach()
+
+
+def test_a_gradient_torch_does_not_compute_fails_saying_so() -> None:
+    # The reason read '6 values over tolerance, worst at 1.6e+04x (max abs 2)' as if torch's
+    # gradient differed from JAX's, where torch computed none (its output was detached)
+    report = compare(lambda t: (t * 2).detach(), lambda a: a * 2, (sample(2, 3),))
+    (entry,) = report.failures
+    assert entry.path == "grad args[0]"
+    assert entry.reason is not None and entry.reason.startswith("6 values over tolerance")
+    assert entry.reason.endswith(
+        "; torch gives no gradient here: no torch output that requires grad reaches it (a "
+        ".detach(), torch.no_grad() or a path through integers), where JAX's is nonzero"
+    )
+    module = _BiasDetached()
+    params = {k: jnp.asarray(v) for k, v in to_numpy_params(module).items()}
+    report = compare(
+        module,
+        lambda p, a: a @ p["linear.weight"].T + p["linear.bias"],
+        (sample(2, 4),),
+        params=params,
+    )
+    (entry,) = report.failures
+    assert entry.path == "grad params['linear.bias']" and entry.reason is not None
+    assert entry.reason.endswith(
+        "; torch gives no gradient to torch parameter 'linear.bias' behind it: no torch output "
+        "that requires grad reaches it (a .detach(), torch.no_grad() or a path through "
+        "integers), where JAX's is nonzero"
+    )
+    # a gradient torch computes and gets wrong says nothing of the kind
+    report = compare(lambda t: t * 3, lambda a: a * 2, (sample(2, 3),))
+    assert all("no gradient" not in (e.reason or "") for e in report.failures)
+
+
 def test_a_leaf_nan_everywhere_on_both_sides_is_a_warning_that_fails_by_default() -> None:
     x = np.full((2, 3), np.nan, np.float32)
     report = compare(lambda t: t * 2, lambda a: a * 2, (x,), grads=False)

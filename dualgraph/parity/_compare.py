@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -708,7 +709,10 @@ def _compare_grads(
         namespace=NAMESPACE,
     )
     entries = [
-        judge("grad " + path, _grad_as_numpy(t, j), _in_torch_terms(j))
+        _noted_if_failing(
+            judge("grad " + path, _grad_as_numpy(t, j), _in_torch_terms(j)),
+            None if t is not None else _NO_TORCH_GRAD.format(where="here"),
+        )
         for path, t, j in zip(paths, torch_grads[: len(targets)], jax_grads, strict=True)
     ]
     if params is not None:
@@ -757,6 +761,18 @@ def _refuse_cleared_grads(
                 "offloading the gradient): it would be read as zero. Compare a torch_fn whose "
                 "hooks leave .grad in place"
             )
+
+
+#: The note of a failing gradient torch left without a ``.grad`` (read as zeros).
+_NO_TORCH_GRAD = (
+    "torch gives no gradient {where}: no torch output that requires grad reaches it (a "
+    ".detach(), torch.no_grad() or a path through integers), where JAX's is nonzero"
+)
+
+
+def _noted_if_failing(entry: LeafReport, note: str | None) -> LeafReport:
+    """``entry`` with ``note`` added to its reason where it fails (failure path only)."""
+    return entry if note is None or entry.ok else dataclasses.replace(entry, note=note)
 
 
 def _in_torch_terms(grad: Any) -> np.ndarray:
@@ -825,7 +841,43 @@ def _param_grad_reports(
             actual[from_frozen] = 0
             expected[from_frozen] = 0
         reports.append(judge("grad params" + path, actual, expected))
+    without = [n for n, g in torch_grads.items() if g is None and _floating(as_numpy[n])]
+    if without and not all(entry.ok for entry in reports):
+        reached = _reached_by(params_spec, as_numpy, without, convert)
+        reports = [
+            _noted_if_failing(
+                entry,
+                _NO_TORCH_GRAD.format(
+                    where="to torch parameter "
+                    + ", ".join(map(repr, reached[entry.path.removeprefix("grad params")]))
+                    + " behind it"
+                )
+                if reached.get(entry.path.removeprefix("grad params"))
+                else None,
+            )
+            for entry in reports
+        ]
     return reports
+
+
+def _reached_by(
+    params_spec: TreeSpec,
+    as_numpy: Mapping[str, np.ndarray],
+    names: Sequence[str],
+    convert: Callable[[dict[str, np.ndarray]], Any],
+) -> dict[str, list[str]]:
+    """For each params leaf path, the torch parameters among ``names`` whose entries reach it
+    through ``params_from_torch`` (each mapped as NaN, the others as ones)."""
+    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+    found: dict[str, list[str]] = {}
+    for name in names:
+        given = {**ones, name: np.full_like(ones[name], np.nan)}
+        leaves = params_spec.flatten(convert(given))
+        for path, leaf in zip(params_spec.array_paths, leaves, strict=True):
+            array = np.asarray(leaf)
+            if _floating(array) and np.isnan(array).any():
+                found.setdefault(path, []).append(name)
+    return found
 
 
 def _floating(array: np.ndarray) -> bool:
