@@ -1059,6 +1059,48 @@ def test_a_leaf_whose_reference_is_zero_says_why_a_tiny_difference_fails() -> No
     assert compare_arrays("grad args[0]", np.zeros(4, np.float32), np.zeros(4, np.float32)).ok
 
 
+class _BiasDetached(torch.nn.Module):
+    """A linear layer whose bias takes no gradient (added detached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.linear.weight.T + self.linear.bias.detach()
+
+
+def test_a_gradient_torch_does_not_compute_fails_saying_so() -> None:
+    # The reason read '6 values over tolerance, worst at 1.6e+04x (max abs 2)' as if torch's
+    # gradient differed from JAX's, where torch computed none (its output was detached)
+    report = compare(lambda t: (t * 2).detach(), lambda a: a * 2, (sample(2, 3),))
+    (entry,) = report.failures
+    assert entry.path == "grad args[0]"
+    assert entry.reason is not None and entry.reason.startswith("6 values over tolerance")
+    assert entry.reason.endswith(
+        "; torch gives no gradient here: no torch output that requires grad reaches it (a "
+        ".detach(), torch.no_grad() or a path through integers), where JAX's is nonzero"
+    )
+    module = _BiasDetached()
+    params = {k: jnp.asarray(v) for k, v in to_numpy_params(module).items()}
+    report = compare(
+        module,
+        lambda p, a: a @ p["linear.weight"].T + p["linear.bias"],
+        (sample(2, 4),),
+        params=params,
+    )
+    (entry,) = report.failures
+    assert entry.path == "grad params['linear.bias']" and entry.reason is not None
+    assert entry.reason.endswith(
+        "; torch gives no gradient to torch parameter 'linear.bias' behind it: no torch output "
+        "that requires grad reaches it (a .detach(), torch.no_grad() or a path through "
+        "integers), where JAX's is nonzero"
+    )
+    # a gradient torch computes and gets wrong says nothing of the kind
+    report = compare(lambda t: t * 3, lambda a: a * 2, (sample(2, 3),))
+    assert all("no gradient" not in (e.reason or "") for e in report.failures)
+
+
 def test_a_leaf_nan_everywhere_on_both_sides_is_a_warning_that_fails_by_default() -> None:
     x = np.full((2, 3), np.nan, np.float32)
     report = compare(lambda t: t * 2, lambda a: a * 2, (x,), grads=False)
@@ -2164,6 +2206,61 @@ def test_a_report_names_the_parameter_grads_it_left_out() -> None:
     text = str(report)
     assert text.splitlines()[0].endswith("; 2 left out)")
     assert text.splitlines()[-1] == "left out: " + "; ".join(report.left_out)
+
+
+def test_a_report_names_the_trained_parameters_torch_params_leaves_out() -> None:
+    # torch_params without the bias: torch_fn's backward gave it a gradient, which was never
+    # compared (a JAX reference closing over the bias passes whatever its gradient), and the
+    # report said 'parity OK: 3 leaves within tolerance' as if every gradient had been
+    linear, unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    module = torch.nn.ModuleDict({"linear": linear, "unused": unused})
+    bias = jnp.asarray(linear.bias.detach().numpy())
+
+    def layer(p: dict[str, jax.Array], a: jax.Array) -> jax.Array:
+        return a @ p["weight"].T + jax.lax.stop_gradient(bias)
+
+    params = {"weight": jnp.asarray(linear.weight.detach().numpy())}
+    report = assert_parity(
+        lambda x: module["linear"](x),
+        layer,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    assert report.left_out == ()  # a function: no named parameters to look through
+    report = assert_parity(
+        _CallsItsLinear(module),
+        layer,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    # the unused layer has no gradient, and a frozen bias none either: neither is named
+    assert report.left_out == (
+        "grad of torch parameter 'module.linear.bias' (trained, not in torch_params)",
+    )
+    assert str(report).splitlines()[0].endswith("; 1 left out)")
+    linear.bias.requires_grad_(False)
+    report = assert_parity(
+        _CallsItsLinear(module),
+        layer,
+        (inputs_2x4(),),
+        params=params,
+        torch_params={"weight": linear.weight},
+    )
+    assert report.left_out == ()
+    assert linear.weight.grad is None and linear.bias.grad is None and unused.bias.grad is None
+
+
+class _CallsItsLinear(torch.nn.Module):
+    """A module holding a used and an unused layer, calling the used one."""
+
+    def __init__(self, module: torch.nn.ModuleDict) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module["linear"](x)
 
 
 def test_a_tied_weight_given_jax_as_one_leaf_used_twice_passes() -> None:

@@ -1354,6 +1354,31 @@ def test_a_host_read_in_a_backward_outside_anomaly_mode_keeps_its_own_words() ->
     assert syncs and all("anomaly" not in f.op + f.detail for f in syncs), report
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["callback", "its-helper"])
+def test_a_clock_read_by_a_garbage_collector_callback_is_no_clock_read_of_the_callable(
+    nested: bool,
+) -> None:
+    # hypothesis times the collector from a gc callback (time.perf_counter): a collection that
+    # started inside the forward ran it there, and the lint refused the capture, by chance
+    def stamp() -> float:
+        return time.perf_counter()
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        stamp() if nested else time.perf_counter()
+
+    def collects(x: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        return x * 2
+
+    gc.callbacks.append(timed)
+    try:
+        assert dgt.lint(collects, torch.ones(2, requires_grad=True)).findings == ()
+    finally:
+        gc.callbacks.remove(timed)
+    report = dgt.lint(lambda x: x * time.perf_counter(), torch.ones(2, requires_grad=True))
+    assert [f.kind for f in report.findings] == [_lint.HOST_CLOCK]  # the callable's own still is
+
+
 def test_a_log_call_in_the_callable_is_no_clock_read() -> None:
     # logging stamps each record with time.time(): lost on a replay, as a print is (README)
     logger = logging.getLogger("dualgraph.tests.lint")

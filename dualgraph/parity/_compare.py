@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,7 +88,8 @@ def compare(
       no torch parameter: a constant table the mapping builds, a buffer's values) is left
       out, and a leaf that mixes them with trained ones is compared at the trained ones'
       entries, those made of both (``base + delta``) included (found by mapping NaN through
-      ``params_from_torch``).
+      ``params_from_torch``). The report names what it leaves out (``left_out``), and the
+      trained parameters of ``torch_fn`` given a gradient that ``torch_params`` omits.
       The gradients are mapped by ``params_from_torch`` too, which gives JAX's only where each
       entry is one trained torch entry or its negative (transposes, reshapes, splits,
       concatenations, casts; plus frozen entries): with gradients compared, a mapping that
@@ -451,14 +453,14 @@ def _named_params(torch_fn: Any, params: _Params | None) -> dict[str, torch.Tens
     return {}
 
 
-def _own_parameters(torch_fn: Any) -> list[torch.Tensor]:
-    """A module's (or graphed callable's) parameters, less a lazy module's uninitialized ones:
-    a graphed backward may add into their ``.grad`` inside its graph, where no autograd node of
-    the outputs' graph leads to them."""
+def _own_parameters(torch_fn: Any) -> dict[str, torch.Tensor]:
+    """A module's (or graphed callable's) parameters by name, less a lazy module's
+    uninitialized ones: a graphed backward may add into their ``.grad`` inside its graph, where
+    no autograd node of the outputs' graph leads to them."""
     named = getattr(torch_fn, "named_parameters", None)
     if not callable(named):
-        return []
-    return [p for _, p in named() if not torch.nn.parameter.is_lazy(p)]
+        return {}
+    return {n: p for n, p in named() if not torch.nn.parameter.is_lazy(p)}
 
 
 def _refuse_inference_params(named: Mapping[str, torch.Tensor]) -> None:
@@ -652,12 +654,13 @@ def _compare_grads(
     kept: _KeptParams,
     judge: Judge,
     seed: int,
-    others: Sequence[torch.Tensor],
+    others: Mapping[str, torch.Tensor],
     left_out: list[str],
 ) -> list[LeafReport]:
     """The same seeded cotangents through both backwards; input grads, then parameter grads.
-    The ``.grad`` of ``others`` (``torch_fn``'s parameters not compared) is left as it was;
-    the floating params leaves not compared are added to ``left_out``, saying why."""
+    The ``.grad`` of ``others`` (``torch_fn``'s parameters by name) is left as it was; the
+    floating params leaves not compared are added to ``left_out``, saying why, and so are
+    the trained ``others`` given a gradient that ``torch_params`` leaves out."""
     assert run.pullback is not None
     rng = np.random.default_rng(seed)
     masked = [
@@ -670,12 +673,23 @@ def _compare_grads(
     params = inputs.params
     trainable = {n: p for n, p in params.torch.items() if p.requires_grad} if params else {}
     targets = [t for t, wanted in zip(inputs.tensors, inputs.wants_grad, strict=True) if wanted]
+    # torch_fn's trained parameters that torch_params leaves out: their gradients go uncompared
+    # (a JAX reference closing over them passes whatever they are), so the report names those
+    # the backward gives one.
+    compared = {id(t) for t in trainable.values()}
+    uncompared = (
+        {n: p for n, p in others.items() if p.requires_grad and id(p) not in compared}
+        if params is not None
+        else {}
+    )
     with _accumulations(trainable) as accumulated:
         torch_grads = read_grads(
             [(t, ct) for (_, t), ct in zip(masked, cotangents, strict=True)],
-            [*targets, *trainable.values()],
-            others,
+            [*targets, *trainable.values(), *uncompared.values()],
+            others.values(),
         )
+    uncompared_grads = torch_grads[len(targets) + len(trainable) :]
+    torch_grads = torch_grads[: len(targets) + len(trainable)]
     # The backward must leave the parameters be: their grads are read after it, and, compared
     # or not, a comparison must not step them (an optimizer in a post-accumulate-grad hook).
     kept.refuse_updated(in_backward=True)
@@ -695,12 +709,20 @@ def _compare_grads(
         namespace=NAMESPACE,
     )
     entries = [
-        judge("grad " + path, _grad_as_numpy(t, j), _in_torch_terms(j))
+        _noted_if_failing(
+            judge("grad " + path, _grad_as_numpy(t, j), _in_torch_terms(j)),
+            None if t is not None else _NO_TORCH_GRAD.format(where="here"),
+        )
         for path, t, j in zip(paths, torch_grads[: len(targets)], jax_grads, strict=True)
     ]
     if params is not None:
         torch_param_grads = dict(zip(trainable, torch_grads[len(targets) :], strict=True))
         entries += _param_grad_reports(params, param_grads, torch_param_grads, judge, left_out)
+    left_out += [
+        f"grad of torch parameter {name!r} (trained, not in torch_params)"
+        for name, grad in zip(uncompared, uncompared_grads, strict=True)
+        if grad is not None
+    ]
     return entries
 
 
@@ -739,6 +761,18 @@ def _refuse_cleared_grads(
                 "offloading the gradient): it would be read as zero. Compare a torch_fn whose "
                 "hooks leave .grad in place"
             )
+
+
+#: The note of a failing gradient torch left without a ``.grad`` (read as zeros).
+_NO_TORCH_GRAD = (
+    "torch gives no gradient {where}: no torch output that requires grad reaches it (a "
+    ".detach(), torch.no_grad() or a path through integers), where JAX's is nonzero"
+)
+
+
+def _noted_if_failing(entry: LeafReport, note: str | None) -> LeafReport:
+    """``entry`` with ``note`` added to its reason where it fails (failure path only)."""
+    return entry if note is None or entry.ok else dataclasses.replace(entry, note=note)
 
 
 def _in_torch_terms(grad: Any) -> np.ndarray:
@@ -807,7 +841,43 @@ def _param_grad_reports(
             actual[from_frozen] = 0
             expected[from_frozen] = 0
         reports.append(judge("grad params" + path, actual, expected))
+    without = [n for n, g in torch_grads.items() if g is None and _floating(as_numpy[n])]
+    if without and not all(entry.ok for entry in reports):
+        reached = _reached_by(params_spec, as_numpy, without, convert)
+        reports = [
+            _noted_if_failing(
+                entry,
+                _NO_TORCH_GRAD.format(
+                    where="to torch parameter "
+                    + ", ".join(map(repr, reached[entry.path.removeprefix("grad params")]))
+                    + " behind it"
+                )
+                if reached.get(entry.path.removeprefix("grad params"))
+                else None,
+            )
+            for entry in reports
+        ]
     return reports
+
+
+def _reached_by(
+    params_spec: TreeSpec,
+    as_numpy: Mapping[str, np.ndarray],
+    names: Sequence[str],
+    convert: Callable[[dict[str, np.ndarray]], Any],
+) -> dict[str, list[str]]:
+    """For each params leaf path, the torch parameters among ``names`` whose entries reach it
+    through ``params_from_torch`` (each mapped as NaN, the others as ones)."""
+    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+    found: dict[str, list[str]] = {}
+    for name in names:
+        given = {**ones, name: np.full_like(ones[name], np.nan)}
+        leaves = params_spec.flatten(convert(given))
+        for path, leaf in zip(params_spec.array_paths, leaves, strict=True):
+            array = np.asarray(leaf)
+            if _floating(array) and np.isnan(array).any():
+                found.setdefault(path, []).append(name)
+    return found
 
 
 def _floating(array: np.ndarray) -> bool:

@@ -34,6 +34,8 @@ class LeafReport:
       ``first_unmatched`` the first of them, e.g. ``"[0, 3]: torch nan, JAX 0.5"``.
     - ``warning``: e.g. a leaf NaN everywhere on both sides (nothing compared); it fails unless
       the comparison allowed NaN. ``problem``: the two sides' leaves differ in dtype or shape.
+    - ``note``: what the reason of a failing leaf adds, e.g. that torch gave no gradient there
+      (read as zeros).
     """
 
     path: str
@@ -57,6 +59,7 @@ class LeafReport:
     bias_usage: float | None = None
     unmatched_nonfinite: int = 0
     first_unmatched: str | None = None
+    note: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -85,7 +88,11 @@ class LeafReport:
 
     @property
     def reason(self) -> str | None:
-        """Why the leaf fails, in one line; ``None`` when it passes."""
+        """Why the leaf fails, in one line (its :attr:`note` last); ``None`` when it passes."""
+        found = self._reason()
+        return found if found is None or self.note is None else f"{found}; {self.note}"
+
+    def _reason(self) -> str | None:
         if self.problem is not None:
             return self.problem
         if self.warning is not None and not self.allow_nan:
@@ -130,8 +137,10 @@ class ParityReport:
     """Every compared leaf (outputs, then input grads, then parameter grads) and the verdict.
 
     ``left_out``: the parameter grads not compared, each with why (a JAX params leaf made of
-    frozen torch parameters only, or of none), e.g. ``"grad params['table'] (no trained torch
-    parameter behind it)"``; they do not change the verdict.
+    frozen torch parameters only, or of none; a trained parameter of ``torch_fn`` given a
+    gradient that ``torch_params`` leaves out), e.g. ``"grad params['table'] (no trained torch
+    parameter behind it)"``, ``"grad of torch parameter 'bias' (trained, not in
+    torch_params)"``; they do not change the verdict.
 
     ``str(report)`` is a table, the verdict and worst leaf in the header, the tolerances used
     (and the leaves left out) in the footer.
