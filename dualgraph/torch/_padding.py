@@ -22,6 +22,7 @@ from .._spec import TreeSpec, describe
 from ._address_ranges import storage_key
 from ._ambient import kept_modes, outside_autocast
 from ._closed_over import modules_named_by, named_by
+from ._dropout_off import DropoutOff
 from ._inputs import InputGuard
 from ._leaf_difference import difference_but_shapes
 from ._param_attributes import parameter_attributes_kept
@@ -359,9 +360,10 @@ def check_padding_is_masked(
     the outputs, cut back, must agree up to rounding. Per group of buckets that pad into one
     another, the largest is checked first with the smallest bucket's sample, then each bucket
     with the shortest call padded into it (one position longer than the bucket below, or half
-    the smallest bucket's length). A module runs in eval mode (dropout off); of a callable that
-    still draws random numbers (its reference differs under two seeds) only the padded call's
-    structure and shapes, cut back, and the call told and untold (one seed) can be compared.
+    the smallest bucket's length). A module runs in eval mode (dropout off, functional dropout
+    too); of a callable that still draws random numbers (its reference differs under two seeds)
+    only the padded call's structure and shapes, cut back, and the call told and untold (one
+    seed) can be compared.
     """
     for members in padding.groups(shapes):
         sizes = {i: int(lengths[i] or 0) for i in members}
@@ -426,9 +428,10 @@ def _compare_padded(
     Compared in eval mode (dropout off), and, for a module captured in training mode, in the
     modes it was captured in too (its replays run in those): a module may mix positions only
     while training (batch statistics of its own, a running mean it updates). A graphed function
-    or method is judged so by the modules its code names and its method's module. Dropout modules
-    draw nothing there (``p`` is 0 for the check); of a callable that still draws random
-    numbers only the structure and shapes of its padded call are judged in that mode.
+    or method is judged so by the modules its code names and its method's module. Dropout
+    draws nothing there (``p`` is 0 for the check: of modules, and of functional dropout through
+    :class:`DropoutOff`); of a callable that still draws random numbers only the structure and
+    shapes of its padded call are judged in that mode.
     """
     module = request.module
     roots = _roots_of(request)
@@ -470,6 +473,7 @@ def _compare_padded(
             kept_process_state(),
             torch.no_grad(),
             parameter_attributes_kept(params),
+            DropoutOff(),  # functional dropout as dropout modules: at p=0
         ):
             for in_training in (False, True) if training else (False,):
                 if in_training:
