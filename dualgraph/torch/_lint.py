@@ -746,11 +746,9 @@ class _HostCallLint:
             if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
             elif arg in _CLOCKS:
-                # a log record's time, or a collector callback's (run wherever a collection
-                # starts: hypothesis times the collector) is no clock read of the callable's
-                if not frame.f_code.co_filename.startswith(_LOGGING_DIR) and not (
-                    gc.callbacks and _in_gc_callback(frame)
-                ):
+                # a log record's time is no clock read of the callable's (nor is a collector
+                # callback's: _made_by_the_user leaves those out)
+                if not frame.f_code.co_filename.startswith(_LOGGING_DIR):
                     self._report((HOST_CLOCK, f"time.{arg.__name__}", ()), frame)
             elif arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED:
                 # through warmup's watch of the read (a replacement): its caller's
@@ -1285,27 +1283,6 @@ _HOST_DRAW = (
 )
 _IS_GRAD_ENABLED = torch.is_grad_enabled
 _IS_INFERENCE_MODE_ENABLED = torch.is_inference_mode_enabled
-
-
-def _in_gc_callback(frame: types.FrameType | None, depth: int = 8) -> bool:
-    """Whether ``frame`` (or one of the ``depth`` frames it was called from) runs a callback of
-    the garbage collector (``gc.callbacks``), which a collection runs wherever it starts.
-
-    >>> def timed(phase, info):
-    ...     found.append(_in_gc_callback(sys._getframe()))
-    >>> found = []
-    >>> gc.callbacks.append(timed)
-    >>> _ = gc.collect()
-    >>> gc.callbacks.remove(timed)
-    >>> found[:2], _in_gc_callback(sys._getframe())
-    ([True, True], False)
-    """
-    codes = {getattr(getattr(cb, "__func__", cb), "__code__", None) for cb in gc.callbacks}
-    while frame is not None and depth > 0:
-        if frame.f_code in codes:
-            return True
-        frame, depth = frame.f_back, depth - 1
-    return False
 
 
 def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
