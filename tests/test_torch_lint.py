@@ -8,6 +8,7 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import io
 import logging
@@ -1351,6 +1352,28 @@ def test_a_host_read_in_a_backward_outside_anomaly_mode_keeps_its_own_words() ->
     report = dgt.lint(ReadsInBackward.apply, torch.randn(3, requires_grad=True))
     syncs = [f for f in report.errors if f.kind == "host sync"]
     assert syncs and all("anomaly" not in f.op + f.detail for f in syncs), report
+
+
+def _times_the_collector(phase: str, info: dict[str, int]) -> None:
+    time.perf_counter()  # as hypothesis times each collection, from a gc callback
+
+
+def test_a_clock_read_by_a_gc_callback_during_a_call_is_no_clock_read_of_the_callable() -> None:
+    # A collection that ran inside a warmup forward ran the gc callbacks on top of the
+    # callable's frames: a library's clock read there (hypothesis's, in any process that ran a
+    # hypothesis test) was blamed on the callable, and graphing failed or not by when the
+    # collector ran.
+    def collects(x: torch.Tensor) -> torch.Tensor:
+        gc.collect()  # a collection, when it happens to run
+        return x * 2
+
+    gc.callbacks.append(_times_the_collector)
+    try:
+        assert dgt.lint(collects, torch.ones(2, requires_grad=True)).findings == ()
+        graphed = dgt.make_graphed_callables(collects, (torch.ones(2),), backend="emulate")
+    finally:
+        gc.callbacks.remove(_times_the_collector)
+    assert torch.equal(graphed(torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_a_log_call_in_the_callable_is_no_clock_read() -> None:
