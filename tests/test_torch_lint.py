@@ -1379,6 +1379,28 @@ def test_a_clock_read_by_a_garbage_collector_callback_is_no_clock_read_of_the_ca
     assert [f.kind for f in report.findings] == [_lint.HOST_CLOCK]  # the callable's own still is
 
 
+def _times_the_collector(phase: str, info: dict[str, int]) -> None:
+    time.perf_counter()  # as hypothesis times each collection, from a gc callback
+
+
+def test_a_clock_read_by_a_gc_callback_during_a_call_is_no_clock_read_of_the_callable() -> None:
+    # A collection that ran inside a warmup forward ran the gc callbacks on top of the
+    # callable's frames: a library's clock read there (hypothesis's, in any process that ran a
+    # hypothesis test) was blamed on the callable, and graphing failed or not by when the
+    # collector ran.
+    def collects(x: torch.Tensor) -> torch.Tensor:
+        gc.collect()  # a collection, when it happens to run
+        return x * 2
+
+    gc.callbacks.append(_times_the_collector)
+    try:
+        assert dgt.lint(collects, torch.ones(2, requires_grad=True)).findings == ()
+        graphed = dgt.make_graphed_callables(collects, (torch.ones(2),), backend="emulate")
+    finally:
+        gc.callbacks.remove(_times_the_collector)
+    assert torch.equal(graphed(torch.ones(2)), torch.full((2,), 2.0))
+
+
 def test_a_log_call_in_the_callable_is_no_clock_read() -> None:
     # logging stamps each record with time.time(): lost on a replay, as a print is (README)
     logger = logging.getLogger("dualgraph.tests.lint")
