@@ -2011,6 +2011,32 @@ def test_a_part_of_a_trained_complex_parameter_the_mapping_drops_is_refused(kept
         compare(module, reference, (sample(2, 3),), params=params, params_from_torch=one_part)
 
 
+@pytest.mark.parametrize("how", ["offsets", "scales or combines"])
+def test_a_mapping_that_changes_the_imaginary_part_of_a_complex_parameter_is_refused(
+    how: str,
+) -> None:
+    # Probed with real values only, w.imag + 1 (or 2 * w.imag) looked constant and passed the
+    # check; torch's gradient was then mapped as Im(g) + 1 (2 Im(g)) and failed as if the
+    # functions differed
+    module = _ComplexScale()
+    offset = how == "offsets"
+
+    def parts(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        imag = d["w"].imag
+        return {"w_re": d["w"].real, "w_im": imag + 1 if offset else 2 * imag}
+
+    def reference(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x * p["w_re"] + (p["w_im"] - 1 if offset else p["w_im"] / 2)
+
+    params = {k: jnp.asarray(v) for k, v in parts(to_numpy_params(module)).items()}
+    message = (
+        rf"^params\['w_im'\]: params_from_torch {how} the trained torch parameters there "
+        r"\(at \[0\]: trained parameters of 1j map to "
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(module, reference, (sample(2, 3),), params=params, params_from_torch=parts)
+
+
 def test_complex_parameters_mapped_part_by_part_pass() -> None:
     module = _ComplexScale()
 

@@ -307,19 +307,40 @@ def _refuse_unmappable_grads(
     ``2 * g``), an offset (``w - 1``: the gradient is ``g``, not ``g - 1``), a sum of trained
     entries or a non-linear map (``exp(w)``) would fail as if the functions differed. Found
     by mapping the trained parameters as 0, 1 and 2 (the frozen ones as they are), and every
-    parameter as 0.
+    parameter as 0; complex trained parameters again as 0, 1j and 2j (a mapping's ``.imag``
+    of a real probe is constant: ``w.imag + 1`` would pass).
     """
     trained = {n for n, p in params.torch.items() if p.requires_grad and _floating(arrays[n])}
     if not trained:
         return
+    probes: list[complex] = [1]
+    if any(arrays[name].dtype.kind == "c" for name in trained):
+        probes.append(1j)
+    for probe in probes:
+        _refuse_unmappable_by(params, spec, arrays, trained, probe)
+    _refuse_repeated_entries(params, spec, arrays, trained)
+
+
+def _refuse_unmappable_by(
+    params: _Params,
+    spec: TreeSpec,
+    arrays: Mapping[str, np.ndarray],
+    trained: set[str],
+    probe: complex,
+) -> None:
+    """:func:`_refuse_unmappable_grads` with the trained parameters probed as 0, ``probe`` and
+    ``2 * probe`` (a real parameter as 0, 1 and 2 whatever ``probe``)."""
 
     def mapped(value: float, frozen_too: bool = False) -> list[np.ndarray]:
         given = {
-            name: np.full_like(a, value) if name in trained or frozen_too else a.copy()
+            name: np.full_like(a, value * probe if a.dtype.kind == "c" else value)
+            if name in trained or frozen_too
+            else a.copy()
             for name, a in arrays.items()
         }
         return [np.asarray(x) for x in spec.flatten(params.from_torch(given))]
 
+    shown, double_shown = ("1", "2") if probe == 1 else ("1j", "2j")
     leaves = zip(spec.array_paths, mapped(0), mapped(1), mapped(2), mapped(0, True), strict=True)
     for path, zero, one, two, origin in leaves:
         if not _floating(zero):
@@ -341,8 +362,9 @@ def _refuse_unmappable_grads(
                 where = f"[{', '.join(map(str, index))}]" if index else ""
                 raise DualgraphError(
                     f"params{path}: params_from_torch {how} the trained torch parameters there "
-                    f"(at {where or 'the entry'}: trained parameters of 1 map to "
-                    f"{one[index]!s}, of 2 to {two[index]!s}, all parameters of 0 to "
+                    f"(at {where or 'the entry'}: trained parameters of {shown} map to "
+                    f"{one[index]!s}, of {double_shown} to {two[index]!s}, "
+                    "all parameters of 0 to "
                     f"{origin[index]!s}), and compare maps torch's gradients the same way, "
                     "which gives JAX's only where each entry is one trained torch entry (or "
                     "its negative): a transpose, reshape, split, concatenation or cast. JAX "
@@ -350,7 +372,6 @@ def _refuse_unmappable_grads(
                     "g - 1 or exp(g). Give the JAX function the parameters as torch holds "
                     "them, and scale or offset them inside it"
                 )
-    _refuse_repeated_entries(params, spec, arrays, trained)
 
 
 def _refuse_repeated_entries(
