@@ -1980,6 +1980,91 @@ def test_a_trained_parameter_the_mapping_drops_is_refused_naming_it() -> None:
         )
 
 
+class _ComplexScale(torch.nn.Module):
+    """A complex parameter whose real part scales and whose imaginary part shifts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.complex(torch.linspace(0.5, 1.5, 3), torch.zeros(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w.real + self.w.imag
+
+
+@pytest.mark.parametrize("kept", ["real", "imag"])
+def test_a_part_of_a_trained_complex_parameter_the_mapping_drops_is_refused(kept: str) -> None:
+    # The mapping kept the real part only (JAX params as S5 stores them, without Lambda_im):
+    # torch's gradient of the imaginary part was never compared, and a JAX reference lacking
+    # the shift (w.imag is 0 here) passed 'parity OK'
+    module = _ComplexScale()
+
+    def one_part(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_" + kept: getattr(d["w"], kept)}
+
+    def reference(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x * p["w_real"] if kept == "real" else x + p["w_imag"]
+
+    params = {k: jnp.asarray(v) for k, v in one_part(to_numpy_params(module)).items()}
+    dropped = "imaginary" if kept == "real" else "real"
+    message = rf"torch parameter 'w' \(its {dropped} part\) has a gradient, but .* no leaf"
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(module, reference, (sample(2, 3),), params=params, params_from_torch=one_part)
+
+
+@pytest.mark.parametrize("how", ["offsets", "scales or combines"])
+def test_a_mapping_that_changes_the_imaginary_part_of_a_complex_parameter_is_refused(
+    how: str,
+) -> None:
+    # Probed with real values only, w.imag + 1 (or 2 * w.imag) looked constant and passed the
+    # check; torch's gradient was then mapped as Im(g) + 1 (2 Im(g)) and failed as if the
+    # functions differed
+    module = _ComplexScale()
+    offset = how == "offsets"
+
+    def parts(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        imag = d["w"].imag
+        return {"w_re": d["w"].real, "w_im": imag + 1 if offset else 2 * imag}
+
+    def reference(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return x * p["w_re"] + (p["w_im"] - 1 if offset else p["w_im"] / 2)
+
+    params = {k: jnp.asarray(v) for k, v in parts(to_numpy_params(module)).items()}
+    message = (
+        rf"^params\['w_im'\]: params_from_torch {how} the trained torch parameters there "
+        r"\(at \[0\]: trained parameters of 1j map to "
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(module, reference, (sample(2, 3),), params=params, params_from_torch=parts)
+
+
+def test_complex_parameters_mapped_part_by_part_pass() -> None:
+    module = _ComplexScale()
+
+    def parts(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_re": d["w"].real, "w_im": d["w"].imag}
+
+    params = {k: jnp.asarray(v) for k, v in parts(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module,
+        lambda p, x: x * p["w_re"] + p["w_im"],
+        (sample(2, 3),),
+        params=params,
+        params_from_torch=parts,
+    )
+    assert [e.path for e in report.entries][-2:] == ["grad params['w_im']", "grad params['w_re']"]
+    module.w.requires_grad_(False)  # frozen: both parts left out, neither compared as zeros
+    report = assert_parity(
+        module,
+        lambda p, x: x * p["w_re"] + p["w_im"],
+        (sample(2, 3),),
+        params=params,
+        params_from_torch=parts,
+    )
+    assert report.left_out == tuple(
+        f"grad params['{leaf}'] (no trained torch parameter behind it)" for leaf in ("w_im", "w_re")
+    )
+
+
 def test_a_parameter_torch_fn_leaves_unused_may_be_left_out_of_the_mapping() -> None:
     linear = torch.nn.Linear(4, 3)
     linear.unused = torch.nn.Parameter(torch.ones(5))

@@ -307,19 +307,40 @@ def _refuse_unmappable_grads(
     ``2 * g``), an offset (``w - 1``: the gradient is ``g``, not ``g - 1``), a sum of trained
     entries or a non-linear map (``exp(w)``) would fail as if the functions differed. Found
     by mapping the trained parameters as 0, 1 and 2 (the frozen ones as they are), and every
-    parameter as 0.
+    parameter as 0; complex trained parameters again as 0, 1j and 2j (a mapping's ``.imag``
+    of a real probe is constant: ``w.imag + 1`` would pass).
     """
     trained = {n for n, p in params.torch.items() if p.requires_grad and _floating(arrays[n])}
     if not trained:
         return
+    probes: list[complex] = [1]
+    if any(arrays[name].dtype.kind == "c" for name in trained):
+        probes.append(1j)
+    for probe in probes:
+        _refuse_unmappable_by(params, spec, arrays, trained, probe)
+    _refuse_repeated_entries(params, spec, arrays, trained)
+
+
+def _refuse_unmappable_by(
+    params: _Params,
+    spec: TreeSpec,
+    arrays: Mapping[str, np.ndarray],
+    trained: set[str],
+    probe: complex,
+) -> None:
+    """:func:`_refuse_unmappable_grads` with the trained parameters probed as 0, ``probe`` and
+    ``2 * probe`` (a real parameter as 0, 1 and 2 whatever ``probe``)."""
 
     def mapped(value: float, frozen_too: bool = False) -> list[np.ndarray]:
         given = {
-            name: np.full_like(a, value) if name in trained or frozen_too else a.copy()
+            name: np.full_like(a, value * probe if a.dtype.kind == "c" else value)
+            if name in trained or frozen_too
+            else a.copy()
             for name, a in arrays.items()
         }
         return [np.asarray(x) for x in spec.flatten(params.from_torch(given))]
 
+    shown, double_shown = ("1", "2") if probe == 1 else ("1j", "2j")
     leaves = zip(spec.array_paths, mapped(0), mapped(1), mapped(2), mapped(0, True), strict=True)
     for path, zero, one, two, origin in leaves:
         if not _floating(zero):
@@ -341,8 +362,9 @@ def _refuse_unmappable_grads(
                 where = f"[{', '.join(map(str, index))}]" if index else ""
                 raise DualgraphError(
                     f"params{path}: params_from_torch {how} the trained torch parameters there "
-                    f"(at {where or 'the entry'}: trained parameters of 1 map to "
-                    f"{one[index]!s}, of 2 to {two[index]!s}, all parameters of 0 to "
+                    f"(at {where or 'the entry'}: trained parameters of {shown} map to "
+                    f"{one[index]!s}, of {double_shown} to {two[index]!s}, "
+                    "all parameters of 0 to "
                     f"{origin[index]!s}), and compare maps torch's gradients the same way, "
                     "which gives JAX's only where each entry is one trained torch entry (or "
                     "its negative): a transpose, reshape, split, concatenation or cast. JAX "
@@ -350,7 +372,6 @@ def _refuse_unmappable_grads(
                     "g - 1 or exp(g). Give the JAX function the parameters as torch holds "
                     "them, and scale or offset them inside it"
                 )
-    _refuse_repeated_entries(params, spec, arrays, trained)
 
 
 def _refuse_repeated_entries(
@@ -817,7 +838,7 @@ def _param_grad_reports(
     dropped = _unmapped_trained_param(params_spec, as_numpy, torch_grads, convert)
     if dropped is not None:
         raise DualgraphError(
-            f"torch parameter {dropped!r} has a gradient, but params_from_torch maps it into no "
+            f"torch parameter {dropped} has a gradient, but params_from_torch maps it into no "
             "leaf of the JAX params, so its gradient would not be compared (a JAX reference that "
             "lacks the parameter, or closes over it, would pass whatever it is). Map it into "
             "params, or freeze it (requires_grad_(False)) to leave it out"
@@ -871,7 +892,7 @@ def _reached_by(
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
     found: dict[str, list[str]] = {}
     for name in names:
-        given = {**ones, name: np.full_like(ones[name], np.nan)}
+        given = {**ones, name: _nan_filled(ones[name])}
         leaves = params_spec.flatten(convert(given))
         for path, leaf in zip(params_spec.array_paths, leaves, strict=True):
             array = np.asarray(leaf)
@@ -895,29 +916,73 @@ def _unmapped_trained_param(
     convert: Callable[[dict[str, np.ndarray]], Any],
 ) -> str | None:
     """The first trained torch parameter with a nonzero gradient whose entries reach no leaf of
-    the JAX params through ``params_from_torch`` (found by mapping it as NaN); ``None`` if none.
+    the JAX params through ``params_from_torch`` (found by mapping it as NaN), as
+    ``"'w'"``, or ``"'w' (its imaginary part)"`` for a part of a complex one with a nonzero
+    gradient there (a mapping keeping ``w.real`` only); ``None`` if none.
 
-    One mapping marks them all, and its NaN count settles the usual case; only when fewer NaN
-    come out than went in (a parameter dropped, or entries summed together) is each mapped
-    alone. A parameter without a gradient (unused by ``torch_fn``) may be left out.
+    One mapping marks them all, and its count of NaN parts settles the usual case; only when
+    fewer come out than went in (a parameter or a part dropped, or entries summed together)
+    is each part mapped alone. A parameter without a gradient (unused by ``torch_fn``) may be
+    left out.
     """
-    candidates = [
-        name
-        for name, grad in torch_grads.items()
-        if grad is not None and _floating(as_numpy[name]) and np.any(as_numpy[name] != 0)
-    ]
+    # (name, part): part None for a real parameter, else "real" or "imaginary"
+    candidates: list[tuple[str, str | None]] = []
+    for name, grad in torch_grads.items():
+        values = as_numpy[name]
+        if grad is None or not _floating(values):
+            continue
+        if values.dtype.kind == "c":
+            candidates += [
+                (name, part)
+                for part, values_part in (("real", values.real), ("imaginary", values.imag))
+                if np.any(values_part != 0)
+            ]
+        elif np.any(values != 0):
+            candidates.append((name, None))
     if not candidates:
         return None
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
 
-    def nan_count(marked: set[str]) -> int:
-        tree = convert({n: np.full_like(a, np.nan) if n in marked else a for n, a in ones.items()})
+    def nan_parts(marked: Mapping[str, complex | float]) -> int:
+        tree = convert(
+            {n: np.full_like(a, marked[n]) if n in marked else a for n, a in ones.items()}
+        )
         leaves = (np.asarray(x) for x in params_spec.flatten(tree))
-        return sum(int(np.count_nonzero(np.isnan(x))) for x in leaves if _floating(x))
+        return sum(int(np.count_nonzero(np.isnan(_parts(x)))) for x in leaves if _floating(x))
 
-    if nan_count(set(candidates)) >= sum(as_numpy[name].size for name in candidates):
+    def mark(part: str | None) -> complex | float:
+        return np.nan if part is None else _NAN_PART[part]
+
+    marks: dict[str, complex | float] = {}
+    for name, part in candidates:  # both parts of a complex one: NaN in each
+        marks[name] = mark(part) + marks.get(name, 0)
+    if nan_parts(marks) >= sum(as_numpy[name].size for name, _ in candidates):
         return None
-    return next((name for name in candidates if nan_count({name}) == 0), None)
+    for name, part in candidates:
+        if nan_parts({name: mark(part)}) == 0:
+            return repr(name) if part is None else f"{name!r} (its {part} part)"
+    return None
+
+
+#: A complex value with one part NaN (the other 0), by the part's name.
+_NAN_PART = {"real": complex(np.nan, 0.0), "imaginary": complex(0.0, np.nan)}
+
+
+def _parts(x: np.ndarray) -> np.ndarray:
+    """A complex array as its real and imaginary parts (NaN counted part by part)."""
+    return np.stack([x.real, x.imag]) if x.dtype.kind == "c" else x
+
+
+def _filled(a: np.ndarray, value: float) -> np.ndarray:
+    """``a`` filled with ``value``, a complex one in both parts (so that a mapping's ``.imag``
+    of it moves with ``value`` too)."""
+    return np.full_like(a, complex(value, value) if a.dtype.kind == "c" else value)
+
+
+def _nan_filled(a: np.ndarray) -> np.ndarray:
+    """``a`` filled with NaN, a complex one in both parts (``np.full_like(a, np.nan)`` leaves
+    its imaginary part 0, which ``.imag`` maps to no NaN at all)."""
+    return np.full_like(a, complex(np.nan, np.nan) if a.dtype.kind == "c" else np.nan)
 
 
 def _frozen_positions(
@@ -941,14 +1006,14 @@ def _frozen_positions(
     def marking(frozen: bool) -> list[Any]:
         """The leaves of the mapped ones with the frozen (else the trained) parameters NaN."""
         marked = {
-            name: np.full_like(a, np.nan) if _floating(a) and (name in torch_grads) != frozen else a
+            name: _nan_filled(a) if _floating(a) and (name in torch_grads) != frozen else a
             for name, a in ones.items()
         }
         return params_spec.flatten(convert(marked))
 
     def every_parameter_as(value: float) -> list[Any]:
         """The leaves of the mapping of every floating parameter as ``value`` (others as 1)."""
-        given = {n: np.full_like(a, value) if _floating(a) else a for n, a in ones.items()}
+        given = {n: _filled(a, value) if _floating(a) else a for n, a in ones.items()}
         return params_spec.flatten(convert(given))
 
     # Entries the mapping makes of no torch parameter (a constant table it builds, a buffer's
