@@ -2609,6 +2609,9 @@ class LeavesStateOnItself(nn.Module):
             self.queues[1].append(h)
         elif self.how == "tuple_rebound":
             self.last = (h, h.softmax(-1))
+        elif self.how == "appended_in_backward":  # a hook its backward runs, logging grads
+            if h.requires_grad:
+                h.register_hook(lambda grad: self.inner.aux_losses.append(grad.norm()))
         elif self.how == "appended":
             self.inner.aux_losses.append(h.square().mean())
         elif self.how == "entry_set":
@@ -2630,6 +2633,11 @@ class LeavesStateOnItself(nn.Module):
         ("nested_appended", "LeavesStateOnItself.stats['aux']", "changes this list in place"),
         ("in_a_tuple_appended", "LeavesStateOnItself.queues[1]", "changes this list in place"),
         ("tuple_rebound", "LeavesStateOnItself.last", "sets this attribute to a new tuple"),
+        (
+            "appended_in_backward",
+            "LeavesStateOnItself.inner.aux_losses",
+            "changes this list in place",
+        ),
     ],
 )
 def test_a_forward_leaving_state_on_its_module_on_every_call_is_refused_naming_it(

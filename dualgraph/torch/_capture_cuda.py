@@ -205,6 +205,7 @@ def _capture_backward(
             if buffers:
                 grads = item.keep_grads(grads, buffers)
             item.copy_into_donor(grads=grads)
+        item.after_backward()  # what a hook of its backward left on its modules (Python only)
         item.place_grads(grads)
         item.replay_backward = backward_graph.replay
         item.graphs.append(backward_graph)

@@ -343,6 +343,13 @@ class _Capture:
             lambda: self.request.hooks.call(self.request.fn, self.static_args, self.static_kwargs)
         )
 
+    def after_backward(self) -> None:
+        """After a backward of a call :meth:`run` made: one after the first call's that changed
+        its modules' containers or tensor attributes (a hook its forward registered) is
+        refused (_module_side_effects)."""
+        if self._side_effects is not None:
+            self._side_effects.after_backward()
+
     @property
     def fuses_accumulation(self) -> bool:
         """Whether the backward graph adds the parameter grads into the accumulators itself.

@@ -3,7 +3,8 @@ repeats: a list appended to (``self.aux_losses.append(loss)``, a mixture of expe
 balancing losses), a dict entry set (``self.cache[key] = h``), either inside another list,
 dict or tuple (``self.stats['aux'].append(loss)`` of a ``defaultdict(list)``), an attribute
 rebound to a new tensor, container or tuple holding one (``self.last_attn = attn``,
-``self.last = (h, attn)``).
+``self.last = (h, attn)``); also from a hook its backward runs (``h.register_hook(lambda g:
+self.grad_norms.append(g.norm()))``: :meth:`SideEffects.after_backward`).
 
 Eager does it on every call; on CUDA a replay runs no Python, so the list stops growing and the
 attribute keeps the tensor of capture (memory each replay overwrites), silently. The first call
@@ -302,6 +303,8 @@ class SideEffects:
                     )
         self._free = list(free.values())
         self._first: list[_State] | None = None
+        # the state before the forward of the latest call after the first (None: none since)
+        self._since: list[_State] | None = None
 
     def _state(self) -> list[_State]:
         # the named containers first, as one state keyed by position
@@ -335,11 +338,23 @@ class SideEffects:
             self._first = before
             return call()
         result = call()
+        self._refuse_a_change(before)
+        self._since = before
+        return result
+
+    def after_backward(self) -> None:
+        """Refuse what the backward of the latest call after the first changed since its
+        forward began: a hook its forward registers runs there (``h.register_hook(lambda g:
+        self.grad_norms.append(g.norm()))``), which no replay's backward runs either."""
+        since, self._since = self._since, None
+        if since is not None:
+            self._refuse_a_change(since)
+
+    def _refuse_a_change(self, before: list[_State]) -> None:
         change = self._change(before, self._state())
         if change is not None:
             self._put_back()
             raise Refused(change)
-        return result
 
     def _change(self, before: list[_State], after: list[_State]) -> str | None:
         for name, (value, contents) in after[0].items():

@@ -686,6 +686,7 @@ def _warmup(
                         allow_unused=True,  # an unused one is refused below, naming it
                     )
                 )
+        item.after_backward()  # what a hook of a later call's backward left on its modules
         if rewound is not None and rewound.draws_from_rewound_state:
             _refuse_rewound_draws(item, "backward")
         if order:
