@@ -1531,6 +1531,38 @@ def test_pad_lets_a_masked_callable_calling_dropout_as_a_function_through() -> N
     assert first.shape == (2, 5, 8) and not torch.equal(first, second)
 
 
+class CentredUnderGrad(nn.Module):
+    """Adds a mean over positions, counting the padding, only where grad mode is on (as every
+    replay of a training step runs): a value it takes no grad through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = self.proj(x)
+        if torch.is_grad_enabled():
+            hidden = hidden + hidden.detach().mean(1, keepdim=True)
+        return hidden
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+def test_pad_checks_the_outputs_of_a_call_under_grad_mode(backend: str) -> None:
+    """The check compared outputs under no_grad only, and under grad mode only the grads, which
+    a detached mean does not change: the leak went through, and every padded call under grad
+    mode came back off eager's."""
+    with pytest.raises(
+        DualgraphError, match=r"output differs .* padded to 8 .*, with grad enabled \(as replays"
+    ):
+        dgt.make_graphed_callables(
+            CentredUnderGrad(),
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
 def test_pad_checks_the_buffers_a_padded_call_updates(backend: str) -> None:
     """The outputs ignore the padding, but the running mean the call keeps counts it."""
