@@ -1453,7 +1453,8 @@ def test_pad_checks_a_module_captured_in_training_mode_in_that_mode(backend: str
 class FunctionalDropoutCentred(nn.Module):
     """Dropout called as a function (as ViTBlock does), then, while training only, centred by
     a mean over positions that counts the padding: ``"dropout"`` by ``F.dropout``, ``"attention"``
-    by the attention dropout of ``F.scaled_dot_product_attention``."""
+    by the attention dropout of ``F.scaled_dot_product_attention``, ``"rrelu"`` a randomized
+    leaky ReLU (``nn.RReLU``'s) in its place."""
 
     def __init__(self, dropout: str) -> None:
         super().__init__()
@@ -1464,6 +1465,8 @@ class FunctionalDropoutCentred(nn.Module):
         hidden = self.proj(x)
         if self.dropout == "dropout":
             hidden = F.dropout(hidden, 0.25, self.training)
+        elif self.dropout == "rrelu":
+            hidden = F.rrelu(hidden, training=self.training)
         else:
             keep = torch.arange(x.shape[1], device=x.device) < (
                 x.shape[1] if valid_length is None else valid_length
@@ -1486,9 +1489,10 @@ def dropout_then_unmasked_mean(x: torch.Tensor, valid_length: Any = None) -> tor
     [
         (lambda: FunctionalDropoutCentred("dropout"), " in training mode"),
         (lambda: FunctionalDropoutCentred("attention"), " in training mode"),
+        (lambda: FunctionalDropoutCentred("rrelu"), " in training mode"),
         (lambda: dropout_then_unmasked_mean, ""),
     ],
-    ids=["F.dropout", "attention dropout_p", "always drawing"],
+    ids=["F.dropout", "attention dropout_p", "F.rrelu", "always drawing"],
 )
 def test_pad_checks_the_values_of_a_callable_calling_dropout_as_a_function(
     make: Any, where: str, backend: str
