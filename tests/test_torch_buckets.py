@@ -1750,6 +1750,45 @@ def test_pad_refuses_valid_length_passed_by_position_as_by_keyword(kind: str, le
     assert (out[0] if isinstance(out, tuple) else out).shape == (2, length, 16)
 
 
+@pytest.mark.parametrize("length", [5, 7], ids=["padded", "exact"])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_pad_takes_valid_length_none_passed_by_keyword_as_by_position(
+    kind: str, length: int
+) -> None:
+    """Its default, None, passed by keyword was refused as a length passed in ('passes
+    valid_length itself ... leave it out'), where eager takes it and so did the same call
+    passing it by position; now both run as eager, padded or exact."""
+    block, twin = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    graphed: Any = block
+    eager: Any = twin
+    if kind == "function":
+        graphed = dgt.make_graphed_callables(
+            _masked_rows,
+            buckets=[(torch.randn(2, n, 16), torch.ones(2, n)) for n in (5, 7, 9)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+        )
+        eager = _masked_rows
+        args: tuple[Any, ...] = (torch.randn(2, length, 16), torch.ones(2, length))
+    else:
+        dgt.make_graphed_callables(
+            block,
+            buckets=block_buckets(torch.device("cpu")),
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output[0]": 1},
+        )
+        args = (torch.randn(2, length, 16),)
+
+    def first(out: Any) -> torch.Tensor:
+        return out[0] if isinstance(out, tuple) else out
+
+    expected = first(eager(*args, valid_length=None))
+    by_keyword = first(graphed(*args, valid_length=None))
+    assert_tensors_match(by_keyword, expected, "valid_length=None by keyword", (1e-5, 1e-5))
+    by_position = first(graphed(*args, None))
+    assert_tensors_match(by_position, expected, "valid_length=None by position", (1e-5, 1e-5))
+
+
 def test_the_log_says_which_bucket_a_call_was_padded_to_and_why_one_was_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
