@@ -1550,16 +1550,38 @@ class CentredUnderGrad(nn.Module):
         return hidden
 
 
+class RunningMeanUnderGrad(nn.Module):
+    """Keeps a running mean over positions, counting the padding, only in a training step's
+    forward (grad mode on), as some modules keep a statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("running_mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = self.proj(x)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * hidden.mean(dim=(0, 1)))
+        return hidden
+
+
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
-def test_pad_checks_the_outputs_of_a_call_under_grad_mode(backend: str) -> None:
-    """The check compared outputs under no_grad only, and under grad mode only the grads, which
-    a detached mean does not change: the leak went through, and every padded call under grad
-    mode came back off eager's."""
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [(CentredUnderGrad, "output"), (RunningMeanUnderGrad, r"buffer running_mean \(updated")],
+    ids=["output", "buffer"],
+)
+def test_pad_checks_a_call_under_grad_mode(make: Any, what: str, backend: str) -> None:
+    """The check compared outputs and buffers under no_grad only, and under grad mode only the
+    grads, which a detached mean does not change: the leak went through, and every padded call
+    under grad mode came back (or left its running mean) off eager's."""
     with pytest.raises(
-        DualgraphError, match=r"output differs .* padded to 8 .*, with grad enabled \(as replays"
+        DualgraphError, match=rf"{what}.* differs .* padded to 8 .*, with grad enabled \(as replays"
     ):
         dgt.make_graphed_callables(
-            CentredUnderGrad(),
+            make(),
             buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
             fallback="pad",
             dynamic_dims={"args[0]": 1, "output": 1},
