@@ -1453,7 +1453,8 @@ def test_pad_checks_a_module_captured_in_training_mode_in_that_mode(backend: str
 class FunctionalDropoutCentred(nn.Module):
     """Dropout called as a function (as ViTBlock does), then, while training only, centred by
     a mean over positions that counts the padding: ``"dropout"`` by ``F.dropout``, ``"attention"``
-    by the attention dropout of ``F.scaled_dot_product_attention``."""
+    by the attention dropout of ``F.scaled_dot_product_attention``, ``"rrelu"`` a randomized
+    leaky ReLU (``nn.RReLU``'s) in its place."""
 
     def __init__(self, dropout: str) -> None:
         super().__init__()
@@ -1464,6 +1465,8 @@ class FunctionalDropoutCentred(nn.Module):
         hidden = self.proj(x)
         if self.dropout == "dropout":
             hidden = F.dropout(hidden, 0.25, self.training)
+        elif self.dropout == "rrelu":
+            hidden = F.rrelu(hidden, training=self.training)
         else:
             keep = torch.arange(x.shape[1], device=x.device) < (
                 x.shape[1] if valid_length is None else valid_length
@@ -1486,9 +1489,10 @@ def dropout_then_unmasked_mean(x: torch.Tensor, valid_length: Any = None) -> tor
     [
         (lambda: FunctionalDropoutCentred("dropout"), " in training mode"),
         (lambda: FunctionalDropoutCentred("attention"), " in training mode"),
+        (lambda: FunctionalDropoutCentred("rrelu"), " in training mode"),
         (lambda: dropout_then_unmasked_mean, ""),
     ],
-    ids=["F.dropout", "attention dropout_p", "always drawing"],
+    ids=["F.dropout", "attention dropout_p", "F.rrelu", "always drawing"],
 )
 def test_pad_checks_the_values_of_a_callable_calling_dropout_as_a_function(
     make: Any, where: str, backend: str
@@ -1529,6 +1533,60 @@ def test_pad_lets_a_masked_callable_calling_dropout_as_a_function_through() -> N
     first, _ = graphed(x)
     second, _ = graphed(x)
     assert first.shape == (2, 5, 8) and not torch.equal(first, second)
+
+
+class CentredUnderGrad(nn.Module):
+    """Adds a mean over positions, counting the padding, only where grad mode is on (as every
+    replay of a training step runs): a value it takes no grad through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = self.proj(x)
+        if torch.is_grad_enabled():
+            hidden = hidden + hidden.detach().mean(1, keepdim=True)
+        return hidden
+
+
+class RunningMeanUnderGrad(nn.Module):
+    """Keeps a running mean over positions, counting the padding, only in a training step's
+    forward (grad mode on), as some modules keep a statistic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("running_mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        hidden = self.proj(x)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * hidden.mean(dim=(0, 1)))
+        return hidden
+
+
+@pytest.mark.parametrize("backend", ["emulate", "eager"])
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [(CentredUnderGrad, "output"), (RunningMeanUnderGrad, r"buffer running_mean \(updated")],
+    ids=["output", "buffer"],
+)
+def test_pad_checks_a_call_under_grad_mode(make: Any, what: str, backend: str) -> None:
+    """The check compared outputs and buffers under no_grad only, and under grad mode only the
+    grads, which a detached mean does not change: the leak went through, and every padded call
+    under grad mode came back (or left its running mean) off eager's."""
+    with pytest.raises(
+        DualgraphError, match=rf"{what}.* differs .* padded to 8 .*, with grad enabled \(as replays"
+    ):
+        dgt.make_graphed_callables(
+            make(),
+            buckets=[(torch.randn(2, n, 4, requires_grad=True),) for n in (4, 8)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output": 1},
+            backend=backend,
+        )
 
 
 @pytest.mark.parametrize("backend", ["emulate", "eager"])
@@ -1712,6 +1770,45 @@ def test_pad_refuses_valid_length_passed_by_position_as_by_keyword(kind: str, le
     assert info.value.path == f"args[{at}]"
     out = graphed(*args, None)  # its default, as eager takes it
     assert (out[0] if isinstance(out, tuple) else out).shape == (2, length, 16)
+
+
+@pytest.mark.parametrize("length", [5, 7], ids=["padded", "exact"])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_pad_takes_valid_length_none_passed_by_keyword_as_by_position(
+    kind: str, length: int
+) -> None:
+    """Its default, None, passed by keyword was refused as a length passed in ('passes
+    valid_length itself ... leave it out'), where eager takes it and so did the same call
+    passing it by position; now both run as eager, padded or exact."""
+    block, twin = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
+    graphed: Any = block
+    eager: Any = twin
+    if kind == "function":
+        graphed = dgt.make_graphed_callables(
+            _masked_rows,
+            buckets=[(torch.randn(2, n, 16), torch.ones(2, n)) for n in (5, 7, 9)],
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+        )
+        eager = _masked_rows
+        args: tuple[Any, ...] = (torch.randn(2, length, 16), torch.ones(2, length))
+    else:
+        dgt.make_graphed_callables(
+            block,
+            buckets=block_buckets(torch.device("cpu")),
+            fallback="pad",
+            dynamic_dims={"args[0]": 1, "output[0]": 1},
+        )
+        args = (torch.randn(2, length, 16),)
+
+    def first(out: Any) -> torch.Tensor:
+        return out[0] if isinstance(out, tuple) else out
+
+    expected = first(eager(*args, valid_length=None))
+    by_keyword = first(graphed(*args, valid_length=None))
+    assert_tensors_match(by_keyword, expected, "valid_length=None by keyword", (1e-5, 1e-5))
+    by_position = first(graphed(*args, None))
+    assert_tensors_match(by_position, expected, "valid_length=None by position", (1e-5, 1e-5))
 
 
 def test_the_log_says_which_bucket_a_call_was_padded_to_and_why_one_was_refused(

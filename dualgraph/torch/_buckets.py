@@ -293,7 +293,8 @@ class BucketedCallable:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._graphed and SCOPE.outer is not None:  # inside another graph (_nesting.py)
             return inside_another(self.name, self.fn, args, kwargs)
-        if self._padding is not None and VALID_LENGTH in kwargs:
+        if self._padding is not None and kwargs.get(VALID_LENGTH) is not None:
+            # its default, None, passed explicitly is taken as eager takes it (as by position)
             raise self._passes_valid_length(f"kwargs['{VALID_LENGTH}']")
         tensors, args, kwargs = self._flattened(args, kwargs)
         try:

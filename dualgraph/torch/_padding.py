@@ -650,13 +650,7 @@ def _padded_difference(
         return None
     difference = _difference(reference, found, cuts, check.length)
     if difference is None:
-        for (name, _), before, after in zip(
-            check.named_buffers, expected_buffers, updated(), strict=True
-        ):
-            gap = _tensor_difference(before, after)
-            if gap is not None:
-                difference = f"buffer {name} (updated by the call) {gap}"
-                break
+        difference = _buffer_difference(check.named_buffers, expected_buffers, updated())
     if difference is None:
         difference = _updated_input_difference(check, given, given_padded)
     if difference is not None:
@@ -666,7 +660,18 @@ def _padded_difference(
     module = check.request.module
     params = [] if module is None else list(module.named_parameters())
     with torch.enable_grad():
-        grads = _grads_both_ways(run, check.padding, tensors, check.wants_grad, params, check.full)
+        outputs, grads = _grads_both_ways(
+            run,
+            check.padding,
+            tensors,
+            check.wants_grad,
+            params,
+            check.full,
+            updated,
+            check.named_buffers,
+        )
+    if outputs is not None:
+        return outputs, "padded", mode + ", with grad enabled (as replays run)"
     if grads is None:
         return None
     names = [n for n, wants in zip(check.guard.paths, check.wants_grad, strict=True) if wants]
@@ -966,17 +971,22 @@ def _grads_both_ways(
     wants_grad: Sequence[bool],
     params: Sequence[tuple[str, torch.nn.Parameter]],
     full: int,
-) -> tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None:
-    """The grads of the inputs that want one and of the trainable parameters, for a call and
-    for it padded (its outputs cut back), under one upstream grad; None when there are none.
+    updated: Callable[[], list[torch.Tensor]] | None = None,
+    buffers: Sequence[tuple[str, torch.Tensor]] = (),
+) -> tuple[str | None, tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]] | None]:
+    """A call and the same call padded, run under grad mode, as replays run: how the padded
+    call's outputs, cut back, or the ``buffers`` it updates (their values read by ``updated``)
+    differ (or None), and the grads of the inputs that want one and of the trainable
+    parameters for each under one upstream grad (None when there are none).
 
-    The cuts are found in these runs' own outputs: a callable may return another structure
-    under grad mode than the no-grad runs the forward check made (an auxiliary loss).
-    ``torch.autograd.grad`` leaves every ``.grad`` alone.
+    Outputs and buffers are compared here too: a callable may compute otherwise under grad mode
+    than in the no-grad runs the forward check made (``torch.is_grad_enabled()`` read in
+    Python; a running statistic kept only in a training step's forward). The
+    cuts are found in these runs' own outputs: it may also return another structure under grad
+    mode (an auxiliary loss). ``torch.autograd.grad`` leaves every ``.grad`` alone.
     """
     trainable = [p for _, p in params if p.requires_grad]
-    upstream: list[torch.Tensor] | None = None
-    results = []
+    runs = []
     for pad in (False, True):
         leaves = [
             t.detach().requires_grad_(wants) for t, wants in zip(tensors, wants_grad, strict=True)
@@ -984,23 +994,43 @@ def _grads_both_ways(
         length = leaves[padding.inputs[0][0]].shape[padding.inputs[0][1]]
         outputs = run(_padded(padding, leaves, length, full) if pad else leaves, 0)
         spec = describe(outputs)
-        flat = spec.flatten(outputs)
-        for index, dim in output_cuts(padding, spec) if pad else ():
-            flat[index] = flat[index].narrow(dim, 0, length)
+        cuts = output_cuts(padding, spec) if pad else ()
+        after = updated() if updated is not None else []
+        runs.append((leaves, outputs, _cut_arrays(spec, outputs, cuts, length), after))
+    (_, expected, _, expected_buffers), (_, found, _, found_buffers) = runs
+    difference = _difference(expected, found, output_cuts(padding, describe(found)), length)
+    if difference is None and buffers:
+        difference = _buffer_difference(buffers, expected_buffers, found_buffers)
+    upstream: list[torch.Tensor] | None = None
+    results = []
+    for leaves, _, flat, _ in runs:
         carrying = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         targets = [leaf for leaf in leaves if leaf.requires_grad] + trainable
         if not carrying or not targets:
-            return None
+            return difference, None
         if upstream is None:
             upstream = [torch.randn_like(t) for t in carrying]
         if len(upstream) != len(carrying):
-            return None  # another set of outputs carries grad: the forward check judges that
+            return difference, None  # another set of outputs carries grad: judged above
         try:
             with outside_autocast():  # as a replay's backward runs (_capture_cuda)
                 results.append(torch.autograd.grad(carrying, targets, upstream, allow_unused=True))
         except RuntimeError:
-            return None  # no backward to compare (warmup would have said why)
-    return results[0], results[1]
+            return difference, None  # no backward to compare (warmup would have said why)
+    return difference, (results[0], results[1])
+
+
+def _buffer_difference(
+    buffers: Sequence[tuple[str, torch.Tensor]],
+    expected: Sequence[torch.Tensor],
+    found: Sequence[torch.Tensor],
+) -> str | None:
+    """How the values ``found`` of ``buffers`` after a padded call differ from ``expected``."""
+    for (name, _), before, after in zip(buffers, expected, found, strict=True):
+        gap = _tensor_difference(before, after)
+        if gap is not None:
+            return f"buffer {name} (updated by the call) {gap}"
+    return None
 
 
 def _grad_difference(
