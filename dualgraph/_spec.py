@@ -833,6 +833,64 @@ def _first_difference(
     return None
 
 
+def structure_difference(
+    expected: TreeSpec, found: TreeSpec, *, dtypes: bool = True
+) -> tuple[str, Node | None, Node | None] | None:
+    """Where two specs first differ in more than array shapes, as ``(path, expected node,
+    found node)`` (``None``: nothing there); None where they differ in shapes only.
+
+    Nodes compare as a spec's do (container types and keys, ``None``, constants with their
+    type, a float by its exact text), arrays by their dtype if ``dtypes``; shapes and the
+    grad flag are left out. A child missing from a tuple, list or dict is named by its path.
+
+    >>> structure_difference(describe([1, None]), describe((1, None)))
+    ('', <ListNode a list of length 2>, <TupleNode a tuple of length 2>)
+    >>> structure_difference(describe({"a": 1}), describe({"a": 1, "b": 2}))
+    ("['b']", None, <ConstLeaf int 2>)
+    >>> structure_difference(describe((np.zeros(2),)), describe((np.zeros(5),))) is None
+    True
+    """
+    nodes, others = expected._nodes, found._nodes
+    # Pre-order with arities: equal prefixes are equal subtrees, so the walks stay in step and
+    # the first node that differs is the first difference (neither list ends before it).
+    for index, (a, b) in enumerate(zip(nodes, others, strict=False)):
+        if a == b or (
+            isinstance(a, ArrayLeaf)
+            and isinstance(b, ArrayLeaf)
+            and (not dtypes or a.dtype == b.dtype)
+        ):
+            continue
+        entries = expected._get_layout().entries(index)
+        missing = _missing_child(expected, found, index, a, b)
+        if missing is not None:
+            entry, a_child, b_child = missing
+            return format_path((*entries, entry)), a_child, b_child
+        return format_path(entries), a, b
+    return None
+
+
+def _missing_child(
+    expected: TreeSpec, found: TreeSpec, index: int, a: Node, b: Node
+) -> tuple[PathEntry, Node | None, Node | None] | None:
+    """A child one of two tuples, lists or dicts of one kind has and the other lacks."""
+    if (
+        type(a) is not type(b)
+        or not isinstance(a, Container)
+        or not isinstance(b, Container)
+        or isinstance(a, NamedContainer)  # (of two classes: the class is the difference)
+    ):
+        return None
+    b_entries = set(b.entries)
+    for k, entry in enumerate(a.entries):
+        if entry not in b_entries:
+            return entry, expected._nodes[expected._get_layout().children(index)[k]], None
+    a_entries = set(a.entries)
+    for k, entry in enumerate(b.entries):
+        if entry not in a_entries:
+            return entry, None, found._nodes[found._get_layout().children(index)[k]]
+    return None  # the same keys in another order, or of other types (True is not 1)
+
+
 def grad_flags(mask: object, paths: Sequence[str], owner: str) -> list[bool]:
     """The entries of a grad mask, one bool per array leaf (see :func:`_grad_flag`), as a list.
 

@@ -750,6 +750,26 @@ def test_check_names_the_first_difference_in_spec_order() -> None:
     assert error.path == "[0]"
 
 
+def test_the_structure_difference_of_two_specs_leaves_out_shapes_alone() -> None:
+    def difference(expected: Any, found: Any, **options: bool) -> tuple[str, str, str] | None:
+        found_difference = spec_module.structure_difference(
+            describe(expected), describe(found), **options
+        )
+        if found_difference is None:
+            return None
+        path, a, b = found_difference
+        return path, "nothing" if a is None else a.brief(), "nothing" if b is None else b.brief()
+
+    assert difference({"x": array(2), "n": 1}, {"x": array(5), "n": 1}) is None
+    # one leaf path, [0], in each: the containers differ
+    assert difference([array(2)], (array(2),)) == ("", "a list of length 1", "a tuple of length 1")
+    assert difference({0: 1}, [1]) == ("", "a dict with keys [0]", "a list of length 1")
+    assert difference((float("nan"),), (-float("nan"),)) == ("[0]", "float nan", "float -nan")
+    assert difference((array(2),), (array(2, dtype="int64"),)) == ("[0]", "float32[2]", "int64[2]")
+    assert difference((array(2),), (array(3, dtype="int64"),), dtypes=False) is None
+    assert difference({"a": 1}, {"a": 1, "b": None}) == ("['b']", "nothing", "None")
+
+
 def test_spec_mismatch_error_is_a_dualgraph_error_and_a_value_error() -> None:
     error = mismatch((array(2),), (None,))
     assert isinstance(error, DualgraphError)

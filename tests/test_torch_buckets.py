@@ -432,6 +432,22 @@ def test_an_eager_call_must_return_the_buckets_output_structure() -> None:
         graphed(torch.randn(5))
 
 
+def test_an_eager_call_returning_another_container_is_refused_naming_it() -> None:
+    def fn(x: torch.Tensor) -> Any:
+        return (x * 2,) if x.shape[0] < 4 else [x * 2]  # one leaf path, [0], in both
+
+    graphed = dgt.make_graphed_callables(
+        fn, buckets=[(torch.randn(n),) for n in (1, 2)], fallback="eager"
+    )
+    assert type(graphed(torch.randn(3))) is tuple
+    returned = (
+        r"output: the eager call returned a list of length 1 where the buckets return a tuple of "
+        r"length 1; a graphed callable returns one output structure"
+    )
+    with pytest.raises(SpecMismatchError, match=returned):
+        graphed(torch.randn(5))
+
+
 @pytest.mark.parametrize("fallback", ["error", "eager", "pad"])
 def test_an_unknown_shape_of_the_wrong_dtype_is_refused_under_any_fallback(fallback: str) -> None:
     block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
@@ -553,6 +569,15 @@ def length_constant(x: torch.Tensor, valid_length: Any = None) -> tuple[torch.Te
     return x * 2, x.shape[1]  # a padded call would return the bucket's length
 
 
+def list_or_tuple(x: torch.Tensor, valid_length: Any = None) -> Any:
+    y = x * 2
+    return [y, 1] if x.shape[1] < 4 else (y, 1)  # a padded call would return a tuple
+
+
+def dtype_of_the_length(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return (x * 2).double() if x.shape[1] < 4 else x * 2  # a padded call would return float32
+
+
 REFUSED_PADDING = {
     "no valid_length": (
         lambda: lambda x: x * 2,
@@ -616,6 +641,20 @@ REFUSED_PADDING = {
         [(torch.randn(2, n),) for n in (3, 5)],
         {"args[0]": 1, "output[0]": 1},
         r"length_constant: output\[1\] is int 5, not int 3, when a call of length 3 is padded to 5",
+    ),
+    "a container that changes with the length": (
+        lambda: list_or_tuple,
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output[0]": 1},
+        r"list_or_tuple: output is a tuple of length 2, not a list of length 2, when a call of "
+        r"length 3 is padded to 5",
+    ),
+    "a dtype that changes with the length": (
+        lambda: dtype_of_the_length,
+        [(torch.randn(2, n),) for n in (3, 5)],
+        {"args[0]": 1, "output": 1},
+        r"dtype_of_the_length: output is a float32 tensor, not a float64 tensor, when a call of "
+        r"length 3 is padded to 5",
     ),
     "no input dim": (
         lambda: ViTBlock(16, 2),
@@ -1944,6 +1983,12 @@ BAD_REQUESTS = {
     "a None where a tensor was, after a tensor": (
         {"buckets": [(torch.randn(2, 3), torch.ones(1)), (torch.randn(2, 5), None)]},
         r"buckets\[1\]: args\[1\]: expected a float32 tensor, got None \(as buckets\[0\] has it\)",
+    ),
+    "a list where a dict of int keys was": (  # said "args[0][1]: expected a float32 tensor,
+        # got nothing": a list's and a dict's leaf paths have one text
+        {"buckets": [({1: torch.randn(2, 3)},), ([torch.randn(2, 5), torch.randn(2, 5)],)]},
+        r"buckets\[1\]: args\[0\]: expected a dict with keys \[1\], got a list of length 2 \(as "
+        r"buckets\[0\] has it\)",
     ),
     "a dict in another key order": (
         {

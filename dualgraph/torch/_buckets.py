@@ -675,7 +675,7 @@ class BucketedCallable:
 def _output_difference(spec: TreeSpec, outputs: Any) -> SpecMismatchError:
     """How an eager call's outputs differ from the buckets' in structure (shapes aside)."""
     actual = describe(outputs, root="output")
-    difference = difference_but_shapes(spec.leaves, actual.leaves)
+    difference = difference_but_shapes(spec, actual)
     if difference is not None:
         where, expected, found = difference
         path = "output" + where

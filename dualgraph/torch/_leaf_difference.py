@@ -1,44 +1,42 @@
-"""Where two leaf lists differ in more than array shapes: kinds, constants, paths."""
+"""Where two trees differ in more than array shapes: containers, keys, kinds, constants, dtypes."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-
-from .._nodes import show_constant
-from .._spec import LeafSpec
+from .._nodes import ArrayLeaf, ConstLeaf, Node, NoneLeaf, show_constant
+from .._spec import TreeSpec, structure_difference
 
 __all__ = ["difference_but_shapes"]
 
 
 def difference_but_shapes(
-    expected: Sequence[LeafSpec], found: Sequence[LeafSpec]
+    expected: TreeSpec, found: TreeSpec, *, dtypes: bool = True
 ) -> tuple[str, str, str] | None:
-    """Where two leaf lists first differ in more than array shapes, as ``(path, expected,
-    found)`` with each side shown; None where they differ in shapes only.
+    """Where two specs first differ in more than array shapes, as ``(path, expected, found)``
+    with each side shown; None where they differ in shapes only. They compare as the core's
+    specs do (container types and keys, ``None``, constants with their type, a float by its
+    exact text), tensors by their dtype unless ``dtypes`` is false.
 
+    >>> import torch
     >>> from dualgraph import describe
-    >>> difference_but_shapes(describe((1, None)).leaves, describe((1, 2.0)).leaves)
+    >>> difference_but_shapes(describe((1, None)), describe((1, 2.0)))
     ('[1]', 'None', 'float 2.0')
+    >>> difference_but_shapes(describe([torch.ones(2)]), describe((torch.ones(3),)))
+    ('', 'a list of length 1', 'a tuple of length 1')
     """
-    for a, b in itertools.zip_longest(expected, found):
-        if a is not None and b is not None and a.path != b.path:
-            b = None  # nothing at a's path
-        if (
-            a is None
-            or b is None
-            or a.kind != b.kind
-            or (a.kind == "const" and repr(a.value) != repr(b.value))
-        ):
-            return (a or b).path, _show_leaf(a), _show_leaf(b)
-    return None
+    difference = structure_difference(expected, found, dtypes=dtypes)
+    if difference is None:
+        return None
+    path, want, got = difference
+    return path, _show_node(want), _show_node(got)
 
 
-def _show_leaf(leaf: LeafSpec | None) -> str:
-    if leaf is None:
+def _show_node(node: Node | None) -> str:
+    if node is None:
         return "nothing"
-    if leaf.kind == "array":
-        return f"a {leaf.dtype} tensor"
-    if leaf.kind == "const":
-        return f"{type(leaf.value).__name__} {show_constant(leaf.value)}"  # type: ignore[arg-type]
-    return "None"
+    if isinstance(node, ArrayLeaf):
+        return f"a {node.dtype} tensor"
+    if isinstance(node, ConstLeaf):
+        return f"{type(node.value).__name__} {show_constant(node.value)}"
+    if isinstance(node, NoneLeaf):
+        return "None"
+    return node.brief()  # a container: 'a tuple of length 2', 'a dict with keys [...]'

@@ -1062,7 +1062,7 @@ def _shape_difference(
     'output[0] has shape [2, 8] instead of [2, 5]'
     """
     spec, other = describe(expected), describe(found)
-    difference = difference_but_shapes(spec.leaves, other.leaves)
+    difference = difference_but_shapes(spec, other)
     if difference is not None:
         path, want, got = difference
         return f"output{path} is {got}, not {want},"
