@@ -448,6 +448,66 @@ def test_an_eager_call_returning_another_container_is_refused_naming_it() -> Non
         graphed(torch.randn(5))
 
 
+OUTPUTS_BY_LENGTH = {  # the outputs for a short sample, then for a long one
+    "a list, then a tuple": (
+        lambda y: [y, 1],
+        lambda y: (y, 1),
+        "output is a tuple of length 2 but a list of length 2",
+    ),
+    "None, then a tensor": (
+        lambda y: (y, None),
+        lambda y: (y, y),
+        r"output\[1\] is a float32 tensor but None",
+    ),
+    "one constant, then another": (
+        lambda y: (y, 2),
+        lambda y: (y, 3),
+        r"output\[1\] is int 3 but int 2",
+    ),
+    "float32, then float64": (
+        lambda y: y,
+        lambda y: y.double(),
+        "output is a float64 tensor but a float32 tensor",
+    ),
+    "a key more": (
+        lambda y: {"y": y},
+        lambda y: {"y": y, "z": y},
+        r"output\['z'\] is a float32 tensor but nothing",
+    ),
+}
+
+
+class OutputsByLength(nn.Module):
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.short, self.long, _ = OUTPUTS_BY_LENGTH[case]
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.proj(x)
+        return self.short(y) if x.shape[0] < 4 else self.long(y)
+
+
+@pytest.mark.parametrize("case", list(OUTPUTS_BY_LENGTH))
+@pytest.mark.parametrize("fallback", ["error", "eager"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_buckets_whose_outputs_differ_in_more_than_shapes_are_refused_naming_the_output(
+    backend: str, fallback: str, case: str
+) -> None:
+    device = device_of(backend)
+    module = OutputsByLength(case).to(device)
+    buckets = [(torch.randn(n, 4, device=device),) for n in (2, 5)]
+    message = (
+        rf"^buckets\[1\]: {OUTPUTS_BY_LENGTH[case][2]} in buckets\[0\]; buckets differ only in the "
+        r"shapes of their tensors, and a graphed callable returns one output structure"
+    )
+    with pytest.raises(DualgraphError, match=message):
+        dgt.make_graphed_callables(module, buckets=buckets, backend=backend, fallback=fallback)
+    assert module.proj.weight.grad is None
+    dgt.make_graphed_callables(module, buckets=buckets[:1], backend=backend)  # graphs anew
+    assert dgt.diagnostics(module).buckets[0].shapes == {"args[0]": (2, 4)}
+
+
 @pytest.mark.parametrize("fallback", ["error", "eager", "pad"])
 def test_an_unknown_shape_of_the_wrong_dtype_is_refused_under_any_fallback(fallback: str) -> None:
     block, _ = twins(lambda: ViTBlock(16, 2), torch.device("cpu"))
@@ -638,23 +698,23 @@ REFUSED_PADDING = {
     ),
     "a constant of the length": (
         lambda: length_constant,
-        [(torch.randn(2, n),) for n in (3, 5)],
+        [(torch.randn(2, 5),)],
         {"args[0]": 1, "output[0]": 1},
-        r"length_constant: output\[1\] is int 5, not int 3, when a call of length 3 is padded to 5",
+        r"length_constant: output\[1\] is int 5, not int 2, when a call of length 2 is padded to 5",
     ),
     "a container that changes with the length": (
         lambda: list_or_tuple,
-        [(torch.randn(2, n),) for n in (3, 5)],
+        [(torch.randn(2, 5),)],
         {"args[0]": 1, "output[0]": 1},
         r"list_or_tuple: output is a tuple of length 2, not a list of length 2, when a call of "
-        r"length 3 is padded to 5",
+        r"length 2 is padded to 5",
     ),
     "a dtype that changes with the length": (
         lambda: dtype_of_the_length,
-        [(torch.randn(2, n),) for n in (3, 5)],
+        [(torch.randn(2, 5),)],
         {"args[0]": 1, "output": 1},
         r"dtype_of_the_length: output is a float32 tensor, not a float64 tensor, when a call of "
-        r"length 3 is padded to 5",
+        r"length 2 is padded to 5",
     ),
     "no input dim": (
         lambda: ViTBlock(16, 2),

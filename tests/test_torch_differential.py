@@ -3,8 +3,9 @@
 Each example builds a small module (Linear, LayerNorm, GELU/ReLU, residual adds, dropout with
 ``p=0``, a frozen sub-layer, a buffer it updates in place as a running mean (in place, through
 ``.data``, or read by a product that saves it), a weight tied between two layers and a layer
-registered twice), captured in train or eval mode, an output tree (tuple, dict or namedtuple,
-a nested dict in it) mixing tensors that require grad, detached ones, inputs and views of
+registered twice), captured in train or eval mode, an output tree (tuple, dict, namedtuple or
+list, a nested dict in it) mixing tensors that require grad (a float64 one among them), bool
+and detached ones, inputs and views of
 inputs, the buffer, ``None``, ints, strings and a kwarg's constants, and a program of calls:
 replays with fresh inputs (some without grad), grads accumulated across them, ``zero_grad``
 with and without ``set_to_none``, calls under ``torch.no_grad()``, ``train()``/``eval()``
@@ -106,6 +107,8 @@ OUTPUT_KINDS = (
     "gate",
     "mask",
     "frozen_x",
+    "wide",
+    "positive",
 )
 DIFFERENTIABLE = ("h", "mid", "z")
 BACKWARDS = ("none", "all", "subset", "grad_inputs", "grad_all", "retain_twice", "grad_retained")
@@ -204,6 +207,8 @@ class Composed(nn.Module):
             "mask": mask,
             # requires grad as the call's x does, whatever the sample's did
             "frozen_x": self.frozen(x),
+            "wide": h.double() * 1.5,  # float64, its grad cast back to float32
+            "positive": h > 0,
         }
         leaves = [values[kind] for kind in self.outputs]
         inner = {"aux": leaves.pop(), "n": len(leaves)} if len(leaves) > 1 else None
@@ -212,6 +217,8 @@ class Composed(nn.Module):
             return tuple(items)
         if self.container == "dict":
             return {f"k{i}": v for i, v in enumerate(items)}
+        if self.container == "list":
+            return items
         return namedtuple_of(len(items))(*items)
 
 
@@ -263,7 +270,7 @@ def programs(draw: st.DrawFn) -> Program:
     return Program(
         ops=ops,
         outputs=outputs,
-        container=draw(st.sampled_from(["tuple", "dict", "namedtuple"])),
+        container=draw(st.sampled_from(["tuple", "dict", "namedtuple", "list"])),
         tied=draw(st.booleans()),
         mode=draw(st.sampled_from(["auto", "autograd", "in_graph"])),
         clone=draw(st.booleans()),
@@ -312,7 +319,7 @@ def assert_same_tree(
         assert list(actual) == list(expected), f"{where}: keys"
         for key in expected:
             assert_same_tree(actual[key], expected[key], f"{where}[{key!r}]", inputs)
-    elif isinstance(expected, tuple):
+    elif isinstance(expected, tuple | list):
         assert len(actual) == len(expected), f"{where}: length"
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             assert_same_tree(a, e, f"{where}[{i}]", inputs)
@@ -352,7 +359,7 @@ def differentiable_leaves(tree: Any) -> list[torch.Tensor]:
         node = stack.pop()
         if isinstance(node, dict):
             stack.extend(reversed(list(node.values())))
-        elif isinstance(node, tuple):
+        elif isinstance(node, tuple | list):
             stack.extend(reversed(node))
         elif isinstance(node, torch.Tensor) and node.requires_grad:
             leaves.append(node)

@@ -161,6 +161,7 @@ def capture_buckets(request: BucketRequest) -> BucketedCallable:
             if rank == 0:
                 largest_alone = plan.diagnostics.pool_bytes
                 largest = i
+        _check_output_structures(plans)
         if padding is not None:
             check_padded_plans(request, padding, plans, lengths, shapes)
         # "auto": while the eager fallback's graph is alive, the buckets' grads go to autograd
@@ -274,6 +275,22 @@ def _difference_but_shapes(expected: CallSpec, found: CallSpec) -> str | None:
             path, want, got = difference
             return f"{root}{path}: expected {want}, got {got}"
     return None
+
+
+def _check_output_structures(plans: Sequence[Any]) -> None:
+    """Refuse buckets whose outputs differ in more than shapes (containers, ``None``, constants,
+    dtypes): a graphed callable returns one output structure, the one an eager fallback is held
+    to, so a bucket of its own would make calls of one callable disagree on it."""
+    first = plans[0].outputs
+    for i, plan in enumerate(plans[1:], start=1):
+        difference = difference_but_shapes(first, plan.outputs)
+        if difference is not None:
+            path, want, got = difference
+            raise DualgraphError(
+                f"buckets[{i}]: output{path} is {got} but {want} in buckets[0]; buckets differ "
+                "only in the shapes of their tensors, and a graphed callable returns one output "
+                "structure"
+            )
 
 
 def _kind(dtype: torch.dtype, device: torch.device, requires_grad: bool, grad: bool) -> str:
