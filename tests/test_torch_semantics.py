@@ -1858,6 +1858,52 @@ def test_a_parametrization_registered_after_capture_is_refused_as_one(backend: s
         module(torch.randn(4, 8, device=device))
 
 
+class _ScaledWeight(nn.Module):
+    """A weight of its own, used by the forward itself (not by a submodule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _ScaledWeightTripled(_ScaledWeight):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 3
+
+
+def _parametrize_own_weight(module: nn.Module) -> None:
+    torch.nn.utils.parametrize.register_parametrization(module, "weight", _Halved())
+
+
+def _swap_class(module: nn.Module) -> None:
+    module.__class__ = _ScaledWeightTripled
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("change", "now"),
+    [(_parametrize_own_weight, "Parametrized_ScaledWeight"), (_swap_class, "_ScaledWeightTripled")],
+    ids=["parametrization", "__class__ set"],
+)
+def test_the_graphed_modules_own_class_changed_after_capture_is_refused_naming_it(
+    backend: str, change: Callable[[nn.Module], None], now: str
+) -> None:
+    # Eager runs the new class's forward (a parametrization's weight, a subclass's forward);
+    # the graphed module's forward replayed the one of capture (x * 1 for x * 3), silently.
+    device = device_of(backend)
+    module = _ScaledWeight().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    change(module)
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^_ScaledWeight: its class was _ScaledWeight at capture and is {now} now",
+    ):
+        module(torch.randn(4, 8, device=device))
+
+
 def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:
     return args[-1] * 2  # the output, with or without the kwargs before it
 

@@ -74,6 +74,7 @@ _get = dict.get
 _is_not = operator.is_not
 _NONES = itertools.repeat(None)
 _FORWARD = itertools.repeat("forward")
+_NO_ROOT = type(None)  # the class of a record without a root (root None)
 #: Where ``_modules.py`` keeps a graphed module's state in its ``__dict__``.
 GRAPHED_STATE = "_dualgraph_graphed"
 _is = operator.is_
@@ -299,6 +300,9 @@ class ModuleTensors:
     # what the forward itself changes (a counter) is taken as it ends.
     root: Any = None  # the module itself, and what names start with
     root_name: str = ""
+    # The root's class at capture: a graphed module's forward replays the forward of that class,
+    # where eager runs the new one's (``__class__`` set, a parametrization of its own tensor).
+    root_class: type = _NO_ROOT
     # The same values at setup, before warmup: one dict per module (root first).
     attributes_at_setup: tuple[dict[str, Any], ...] = ()
     #: the public plain values hung on each parameter and buffer (``weight.gain``) at setup
@@ -468,6 +472,7 @@ class ModuleTensors:
             ),
             root=module,
             root_name=root,
+            root_class=type(module),
             attributes_at_setup=tuple(
                 {
                     key: value
@@ -516,7 +521,8 @@ class ModuleTensors:
         except KeyError:
             raise self._explain(grad_enabled) from None
         if (
-            not all(map(_is, current, self.tensors))
+            type(self.root) is not self.root_class
+            or not all(map(_is, current, self.tensors))
             or not all(map(_is, hung, self.modules))
             or tuple(map(_training, self.modules)) != self.training
             or tuple(map(type, self.modules)) != self.classes
@@ -873,6 +879,13 @@ class ModuleTensors:
 
     def _explain(self, grad_enabled: bool) -> DualgraphError:
         again = "restore the module (dualgraph.torch.restore) and graph it again"
+        if type(self.root) is not self.root_class:  # before its tensors, as for a submodule
+            return DualgraphError(
+                f"{self.root_name or 'the modules it calls'}: its class was "
+                f"{self.root_class.__name__} at capture "
+                f"and is {type(self.root).__name__} now (a parametrization registered, "
+                f"__class__ set?), but the graphs replay the forward they captured; {again}"
+            )
         for name, owner, key, submodule, training in zip(
             self.module_names,
             self.module_owners,
