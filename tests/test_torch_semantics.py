@@ -1904,6 +1904,66 @@ def test_the_graphed_modules_own_class_changed_after_capture_is_refused_naming_i
         module(torch.randn(4, 8, device=device))
 
 
+def _classes_with_a_helper() -> tuple[type[nn.Module], type[nn.Module]]:
+    """A root class calling a submodule whose forward calls a helper through ``self``: classes
+    of their own for each test, which patches them."""
+
+    class Activated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def _act(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self._act(self.fc(x))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Activated()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    return Outer, Activated
+
+
+def _tripled(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h * 3
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("patched", "key", "name"),
+    [
+        ("inner", "forward", "Activated.forward"),
+        ("inner", "_act", "Activated._act"),
+        ("root", "forward", "Outer.forward"),
+    ],
+    ids=["a submodule's forward", "a helper it calls through self", "the graphed module's forward"],
+)
+def test_code_of_a_class_the_forward_runs_patched_after_capture_is_refused_naming_it(
+    backend: str, patched: str, key: str, name: str
+) -> None:
+    # Eager looks up a class's forward and the methods it calls through self on every call
+    # (attention patches replace them on the class); the replays ran the code of capture.
+    device = device_of(backend)
+    outer, inner = _classes_with_a_helper()
+    module = outer().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    owner = outer if patched == "root" else inner
+    original = vars(owner)[key]
+    setattr(owner, key, _tripled)
+    with pytest.raises(
+        DualgraphError, match=rf"^{name} \(code its forward runs\): was .*{key} at "
+    ):
+        module(torch.randn(4, 8, device=device))
+    setattr(owner, key, original)  # put back: it replays again
+    module(torch.randn(4, 8, device=device))
+
+
 def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:
     return args[-1] * 2  # the output, with or without the kwargs before it
 

@@ -1065,6 +1065,15 @@ class ModuleTensors:
         read = self._class_value_changed() if self.class_keys else None
         if read is not None:
             class_value: Any = getattr(self.class_owners[read], self.class_keys[read], _ABSENT)
+            then = self.class_values[read]
+            if not is_plain(then):  # a method or forward of the class (_closed_over.class_values)
+                shown = "deleted" if class_value is _ABSENT else _code_named(class_value)
+                return DualgraphError(
+                    f"{self.class_names[read]}: was {_code_named(then)} at capture and is "
+                    f"{shown} now; the graphs replay what the code of capture did, so eager's "
+                    "new code would never run. Put it back, patch the class before graphing, "
+                    f"or {again}"
+                )
             shown = "deleted" if class_value is _ABSENT else f"{class_value!r}"
             return DualgraphError(
                 f"{self.class_names[read]}: was {self.class_values[read]!r} at capture and is "
@@ -1305,6 +1314,16 @@ def _same_plain(a: Any, b: Any) -> bool:
     if type(a) in _SCALARS or type(a) in _VALUES:
         return bool(a == b)
     return a is b  # an Enum member, a tensor, a module
+
+
+def _code_named(code: Any) -> str:
+    """A function (a property, a staticmethod's function) by its qualified name.
+
+    >>> _code_named(torch.nn.Linear.forward)
+    'Linear.forward'
+    """
+    function = getattr(code, "fget", code)
+    return getattr(function, "__qualname__", None) or repr(code)
 
 
 def is_plain(value: Any) -> bool:
