@@ -1964,6 +1964,25 @@ def test_code_of_a_class_the_forward_runs_patched_after_capture_is_refused_namin
     module(torch.randn(4, 8, device=device))
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_method_set_on_an_instance_over_its_classs_code_is_refused_naming_it(
+    backend: str,
+) -> None:
+    # self._act(h) then finds the instance's function first: eager runs it, the replays ran
+    # the class's code of capture. Deleted again, it replays.
+    device = device_of(backend)
+    outer, _ = _classes_with_a_helper()
+    module = outer().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    module.inner._act = functools.partial(_tripled, module.inner)
+    with pytest.raises(
+        DualgraphError, match=r"^Outer\.inner\._act: set on the instance after capture"
+    ):
+        module(torch.randn(4, 8, device=device))
+    del module.inner._act
+    module(torch.randn(4, 8, device=device))
+
+
 def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:
     return args[-1] * 2  # the output, with or without the kwargs before it
 

@@ -757,6 +757,7 @@ class ModuleTensors:
             and (not before or then.get(key, _ABSENT) is value)
             and key not in te_flags
         ]
+        found += self._code_shadowed()
         found += self._tensor_attributes()
         self._set("code_from", len(found))
         found += [  # a function's own: those its warmup and capture did not rebind
@@ -815,6 +816,28 @@ class ModuleTensors:
         self.counted_lens[:] = map(len, counted)
         if self.root is not None and (found or namespaces):
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
+
+    def _code_shadowed(self) -> list[tuple[str, dict[str, Any], str, Any]]:
+        """Where an instance would shadow the code its forward runs of its class (a method it
+        calls through ``self``, ``block._act = f``: eager runs ``f``), as :meth:`record_attributes`
+        notes them: absent from the instance's ``__dict__`` at capture (its ``forward`` is
+        compared apart)."""
+        code = {
+            (owner, key)
+            for _, owner, key, then in self.code_classes
+            if key != "forward" and not is_plain(then)
+        }
+        if not code:
+            return []
+        return [
+            (_joined(name, key), module.__dict__, key, _ABSENT)
+            for name, module in zip(
+                (self.root_name, *self.module_names), (self.root, *self.modules), strict=True
+            )
+            if module is not None
+            for owner, key in code
+            if owner is type(module) and key not in module.__dict__
+        ]
 
     def _tensor_attributes(self) -> list[tuple[str, dict[str, Any], str, Any]]:
         """The public plain values hung on each parameter and buffer (``weight.gain = 2.0``,
@@ -1084,6 +1107,13 @@ class ModuleTensors:
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
+            if then is _ABSENT:  # set over a method of its class (_code_shadowed)
+                return DualgraphError(
+                    f"{name}: set on the instance after capture ({_code_named(now)}), over the "
+                    "method of its class the forward calls through self; the graphs replay "
+                    "what the class's code did at capture, so eager's new code would never "
+                    f"run. Delete it, set it before graphing, or {again}"
+                )
             if type(then) is torch.Tensor:
                 how = "deleted" if now is _ABSENT else "rebound to another object"
                 found = "deleted" if now is _ABSENT else _summary(now)
