@@ -1858,6 +1858,131 @@ def test_a_parametrization_registered_after_capture_is_refused_as_one(backend: s
         module(torch.randn(4, 8, device=device))
 
 
+class _ScaledWeight(nn.Module):
+    """A weight of its own, used by the forward itself (not by a submodule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _ScaledWeightTripled(_ScaledWeight):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 3
+
+
+def _parametrize_own_weight(module: nn.Module) -> None:
+    torch.nn.utils.parametrize.register_parametrization(module, "weight", _Halved())
+
+
+def _swap_class(module: nn.Module) -> None:
+    module.__class__ = _ScaledWeightTripled
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("change", "now"),
+    [(_parametrize_own_weight, "Parametrized_ScaledWeight"), (_swap_class, "_ScaledWeightTripled")],
+    ids=["parametrization", "__class__ set"],
+)
+def test_the_graphed_modules_own_class_changed_after_capture_is_refused_naming_it(
+    backend: str, change: Callable[[nn.Module], None], now: str
+) -> None:
+    # Eager runs the new class's forward (a parametrization's weight, a subclass's forward);
+    # the graphed module's forward replayed the one of capture (x * 1 for x * 3), silently.
+    device = device_of(backend)
+    module = _ScaledWeight().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    change(module)
+    with pytest.raises(
+        DualgraphError,
+        match=rf"^_ScaledWeight: its class was _ScaledWeight at capture and is {now} now",
+    ):
+        module(torch.randn(4, 8, device=device))
+
+
+def _classes_with_a_helper() -> tuple[type[nn.Module], type[nn.Module]]:
+    """A root class calling a submodule whose forward calls a helper through ``self``: classes
+    of their own for each test, which patches them."""
+
+    class Activated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def _act(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self._act(self.fc(x))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Activated()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    return Outer, Activated
+
+
+def _tripled(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h * 3
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+@pytest.mark.parametrize(
+    ("patched", "key", "name"),
+    [
+        ("inner", "forward", "Activated.forward"),
+        ("inner", "_act", "Activated._act"),
+        ("root", "forward", "Outer.forward"),
+    ],
+    ids=["a submodule's forward", "a helper it calls through self", "the graphed module's forward"],
+)
+def test_code_of_a_class_the_forward_runs_patched_after_capture_is_refused_naming_it(
+    backend: str, patched: str, key: str, name: str
+) -> None:
+    # Eager looks up a class's forward and the methods it calls through self on every call
+    # (attention patches replace them on the class); the replays ran the code of capture.
+    device = device_of(backend)
+    outer, inner = _classes_with_a_helper()
+    module = outer().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    owner = outer if patched == "root" else inner
+    original = vars(owner)[key]
+    setattr(owner, key, _tripled)
+    with pytest.raises(
+        DualgraphError, match=rf"^{name} \(code its forward runs\): was .*{key} at "
+    ):
+        module(torch.randn(4, 8, device=device))
+    setattr(owner, key, original)  # put back: it replays again
+    module(torch.randn(4, 8, device=device))
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_method_set_on_an_instance_over_its_classs_code_is_refused_naming_it(
+    backend: str,
+) -> None:
+    # self._act(h) then finds the instance's function first: eager runs it, the replays ran
+    # the class's code of capture. Deleted again, it replays.
+    device = device_of(backend)
+    outer, _ = _classes_with_a_helper()
+    module = outer().to(device)
+    dgt.make_graphed_callables(module, (torch.randn(4, 8, device=device),), backend=backend)
+    module.inner._act = functools.partial(_tripled, module.inner)
+    with pytest.raises(
+        DualgraphError, match=r"^Outer\.inner\._act: set on the instance after capture"
+    ):
+        module(torch.randn(4, 8, device=device))
+    del module.inner._act
+    module(torch.randn(4, 8, device=device))
+
+
 def _doubles_last(module: nn.Module, *args: Any) -> torch.Tensor:
     return args[-1] * 2  # the output, with or without the kwargs before it
 

@@ -271,15 +271,19 @@ def class_values(
     class body, or on the class since): a graph holds what the forward computed from them, where
     eager reads ``getattr`` again on every call (``Block.scale = 2.0`` for every block at once).
     Once per class and name, named ``Block.scale (a class attribute)``; ``_private`` names are
-    left out, as a module's own are. ``method``: a graphed method of ``module``, whose code is
-    read for ``module`` instead of its ``forward`` (which the method does not call).
+    left out, as a module's own are. And the code it runs of its class, each function as
+    ``getattr(cls, key)`` gives it (the ``forward``, methods and property getters it calls
+    through ``self``, private ones too: patched on the class, ``Block.forward = patched``, eager
+    runs the new code), named ``Block.forward (code its forward runs)``. ``method``: a graphed
+    method of ``module``, whose code is read for ``module`` instead of its ``forward`` (which
+    the method does not call).
 
     >>> class Scaled(torch.nn.Linear):
     ...     scale = 2.0
     ...     def forward(self, x):
     ...         return super().forward(x) * self.scale
-    >>> [(name, value) for name, _, _, value in class_values(Scaled(2, 2))]
-    [('Scaled.scale (a class attribute)', 2.0)]
+    >>> [name for name, _, _, value in class_values(Scaled(2, 2))]
+    ['Scaled.scale (a class attribute)', 'Scaled.forward (code its forward runs)']
     """
     found: dict[tuple[int, str], tuple[str, type, str, Any]] = {}
     read: dict[tuple[type, Any], tuple[tuple[str, Any], ...]] = {}  # per class and entry, once
@@ -293,20 +297,39 @@ def class_values(
         for key, value in names:
             if (id(cls), key) not in found and not any(key in d for d in own):
                 # (an instance's own value is compared as an attribute)
-                found[id(cls), key] = (f"{cls.__name__}.{key} (a class attribute)", cls, key, value)
+                kind = "a class attribute" if is_plain(value) else "code its forward runs"
+                found[id(cls), key] = (f"{cls.__name__}.{key} ({kind})", cls, key, value)
     return list(found.values())
 
 
 def _class_values_read(cls: type, entry: Any) -> tuple[tuple[str, Any], ...]:
-    """``(key, value)`` of the plain values of ``cls`` that the code ``entry`` runs loads."""
+    """``(key, value)`` of the plain values of ``cls`` that the code ``entry`` runs loads, and
+    of the code it runs of ``cls`` (its ``forward``, the methods and property getters it
+    reaches through ``self``, private ones too), each as ``getattr(cls, key)`` gives it: a
+    graph replays that code, where eager looks it up again on every call (``Block.forward =
+    patched``, as attention patches do)."""
     functions = methods_run(cls, entry)
-    loaded = (name for function in functions for name in _attributes_loaded(function.__code__))
-    return tuple(
-        (key, value)
-        for key in dict.fromkeys(loaded)
-        if not key.startswith("_")  # private: not compared, as a module's own are not
-        and is_plain(value := inspect.getattr_static(cls, key, _NOT_THERE))
+    loaded = dict.fromkeys(
+        name for function in functions for name in _attributes_loaded(function.__code__)
     )
+    plain: list[tuple[str, Any]] = []
+    code: list[tuple[str, Any]] = []
+    if entry is getattr(cls, "forward", None) and id(entry) not in _MODULE_API:
+        code.append(("forward", entry))
+    for key in loaded:
+        static = inspect.getattr_static(cls, key, _NOT_THERE)  # once a key
+        if is_plain(static):
+            if not key.startswith("_"):  # private: not compared, as a module's own are not
+                plain.append((key, static))
+        # a classmethod is bound anew on every read: not compared
+        elif key != "forward" and id(static) not in _MODULE_API and _is_code(static):
+            code.append((key, getattr(cls, key)))
+    return (*plain, *code)
+
+
+def _is_code(value: Any) -> bool:
+    """Whether ``value``, read statically off a class, is code a call through ``self`` runs."""
+    return isinstance(value, types.FunctionType | staticmethod | property)
 
 
 def _attributes_loaded(code: types.CodeType) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ a graphed module. Its usual answer (nothing changed) was a dozen passes of ``map
 ``tuple`` over the recorded objects, each pass an iterator or two and a tuple made, which costs
 more than the tests themselves for a small module (a ``Linear``: 4.5 us in a training step on a
 CPU, 1.8 us as one chain of tests). :func:`fast_check` writes that chain once per record: a
-``dict[key] is tensor`` per parameter, ``type(module) is cls`` per submodule, and so on, in the
+``dict[key] is tensor`` per parameter, ``type(module) is cls`` per module, and so on, in the
 order the passes made them, each object a closure variable, never pasted into the source (a
 :class:`~dualgraph.torch._chains.Chain`: records of one shape, a model's blocks, share one
 compiled code).
@@ -44,6 +44,7 @@ def fast_check(record: ModuleTensors, absent: object) -> Callable[[], bool]:
     dicts, names = record._got
     for namespace, key, held in zip(dicts, names, identical[len(owners) :], strict=True):
         w.test("_get({}, {}) is {}", namespace, key, held)
+    w.test("_type({}) is {}", record.root, record.root_class)
     for module, cls in zip(record.modules, record.classes, strict=True):
         w.test("_type({}) is {}", module, cls)
     for module, training in zip(record.modules, record.training, strict=True):

@@ -74,6 +74,7 @@ _get = dict.get
 _is_not = operator.is_not
 _NONES = itertools.repeat(None)
 _FORWARD = itertools.repeat("forward")
+_NO_ROOT = type(None)  # the class of a record without a root (root None)
 #: Where ``_modules.py`` keeps a graphed module's state in its ``__dict__``.
 GRAPHED_STATE = "_dualgraph_graphed"
 _is = operator.is_
@@ -299,6 +300,9 @@ class ModuleTensors:
     # what the forward itself changes (a counter) is taken as it ends.
     root: Any = None  # the module itself, and what names start with
     root_name: str = ""
+    # The root's class at capture: a graphed module's forward replays the forward of that class,
+    # where eager runs the new one's (``__class__`` set, a parametrization of its own tensor).
+    root_class: type = _NO_ROOT
     # The same values at setup, before warmup: one dict per module (root first).
     attributes_at_setup: tuple[dict[str, Any], ...] = ()
     #: the public plain values hung on each parameter and buffer (``weight.gain``) at setup
@@ -468,6 +472,7 @@ class ModuleTensors:
             ),
             root=module,
             root_name=root,
+            root_class=type(module),
             attributes_at_setup=tuple(
                 {
                     key: value
@@ -516,7 +521,8 @@ class ModuleTensors:
         except KeyError:
             raise self._explain(grad_enabled) from None
         if (
-            not all(map(_is, current, self.tensors))
+            type(self.root) is not self.root_class
+            or not all(map(_is, current, self.tensors))
             or not all(map(_is, hung, self.modules))
             or tuple(map(_training, self.modules)) != self.training
             or tuple(map(type, self.modules)) != self.classes
@@ -751,6 +757,7 @@ class ModuleTensors:
             and (not before or then.get(key, _ABSENT) is value)
             and key not in te_flags
         ]
+        found += self._code_shadowed()
         found += self._tensor_attributes()
         self._set("code_from", len(found))
         found += [  # a function's own: those its warmup and capture did not rebind
@@ -809,6 +816,28 @@ class ModuleTensors:
         self.counted_lens[:] = map(len, counted)
         if self.root is not None and (found or namespaces):
             _RECORDED.setdefault(self.root, []).append(weakref.ref(self))
+
+    def _code_shadowed(self) -> list[tuple[str, dict[str, Any], str, Any]]:
+        """Where an instance would shadow the code its forward runs of its class (a method it
+        calls through ``self``, ``block._act = f``: eager runs ``f``), as :meth:`record_attributes`
+        notes them: absent from the instance's ``__dict__`` at capture (its ``forward`` is
+        compared apart)."""
+        code = {
+            (owner, key)
+            for _, owner, key, then in self.code_classes
+            if key != "forward" and not is_plain(then)
+        }
+        if not code:
+            return []
+        return [
+            (_joined(name, key), module.__dict__, key, _ABSENT)
+            for name, module in zip(
+                (self.root_name, *self.module_names), (self.root, *self.modules), strict=True
+            )
+            if module is not None
+            for owner, key in code
+            if owner is type(module) and key not in module.__dict__
+        ]
 
     def _tensor_attributes(self) -> list[tuple[str, dict[str, Any], str, Any]]:
         """The public plain values hung on each parameter and buffer (``weight.gain = 2.0``,
@@ -873,6 +902,13 @@ class ModuleTensors:
 
     def _explain(self, grad_enabled: bool) -> DualgraphError:
         again = "restore the module (dualgraph.torch.restore) and graph it again"
+        if type(self.root) is not self.root_class:  # before its tensors, as for a submodule
+            return DualgraphError(
+                f"{self.root_name or 'the modules it calls'}: its class was "
+                f"{self.root_class.__name__} at capture "
+                f"and is {type(self.root).__name__} now (a parametrization registered, "
+                f"__class__ set?), but the graphs replay the forward they captured; {again}"
+            )
         for name, owner, key, submodule, training in zip(
             self.module_names,
             self.module_owners,
@@ -1052,6 +1088,15 @@ class ModuleTensors:
         read = self._class_value_changed() if self.class_keys else None
         if read is not None:
             class_value: Any = getattr(self.class_owners[read], self.class_keys[read], _ABSENT)
+            then = self.class_values[read]
+            if not is_plain(then):  # a method or forward of the class (_closed_over.class_values)
+                shown = "deleted" if class_value is _ABSENT else _code_named(class_value)
+                return DualgraphError(
+                    f"{self.class_names[read]}: was {_code_named(then)} at capture and is "
+                    f"{shown} now; the graphs replay what the code of capture did, so eager's "
+                    "new code would never run. Put it back, patch the class before graphing, "
+                    f"or {again}"
+                )
             shown = "deleted" if class_value is _ABSENT else f"{class_value!r}"
             return DualgraphError(
                 f"{self.class_names[read]}: was {self.class_values[read]!r} at capture and is "
@@ -1062,6 +1107,13 @@ class ModuleTensors:
         if changed is not None:
             name, then = self.attribute_names[changed], self.attribute_values[changed]
             now = self.attribute_dicts[changed].get(self.attribute_keys[changed], _ABSENT)
+            if then is _ABSENT:  # set over a method of its class (_code_shadowed)
+                return DualgraphError(
+                    f"{name}: set on the instance after capture ({_code_named(now)}), over the "
+                    "method of its class the forward calls through self; the graphs replay "
+                    "what the class's code did at capture, so eager's new code would never "
+                    f"run. Delete it, set it before graphing, or {again}"
+                )
             if type(then) is torch.Tensor:
                 how = "deleted" if now is _ABSENT else "rebound to another object"
                 found = "deleted" if now is _ABSENT else _summary(now)
@@ -1292,6 +1344,16 @@ def _same_plain(a: Any, b: Any) -> bool:
     if type(a) in _SCALARS or type(a) in _VALUES:
         return bool(a == b)
     return a is b  # an Enum member, a tensor, a module
+
+
+def _code_named(code: Any) -> str:
+    """A function (a property, a staticmethod's function) by its qualified name.
+
+    >>> _code_named(torch.nn.Linear.forward)
+    'Linear.forward'
+    """
+    function = getattr(code, "fget", code)
+    return getattr(function, "__qualname__", None) or repr(code)
 
 
 def is_plain(value: Any) -> bool:
