@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import dualgraph.jax as dgj
 
 Pair = collections.namedtuple("Pair", "a b")
-DTYPES = [np.float32, np.int32, np.bool_, jnp.bfloat16]
+DTYPES = [np.float32, np.int32, np.bool_, jnp.bfloat16, np.float16, np.complex64, "weak"]
 SHAPES = [(), (0,), (3,), (2, 2), (0, 3)]
 OUTPUTS = ["none", "const", "leaf", "op", "same", "sum"]
 fuzzed = settings(
@@ -33,8 +33,35 @@ def _is_none(x: Any) -> bool:
 
 def _array(r: random.Random) -> jax.Array:
     dtype, shape = r.choice(DTYPES), r.choice(SHAPES)
+    if dtype == "weak":  # from a Python scalar: float32 or int32, weakly typed
+        return jnp.full(shape, r.choice([r.uniform(-2, 2), r.randrange(-3, 4)]))
     values = np.random.default_rng(r.randrange(1 << 30)).uniform(-2, 2, size=shape)
     return jnp.asarray(values.astype(dtype))
+
+
+def _fresh(tree: Any) -> Any:
+    """``tree`` with new values in its arrays (of the same dtype and weak type), as a later call
+    passes them: nothing of the sample's values may be compiled in."""
+
+    def fresh(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if x.dtype == jnp.bool_:
+            return ~x
+        return x * 2 - 1 if x.weak_type else jnp.asarray(x * 2 - 1, x.dtype)
+
+    return _map(fresh, tree)
+
+
+def _map(fn: Any, tree: Any) -> Any:
+    """``fn`` of each leaf, every container (a dict's key order too) kept as it is."""
+    if isinstance(tree, Pair):
+        return Pair(_map(fn, tree.a), _map(fn, tree.b))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map(fn, x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _map(fn, v) for k, v in tree.items()}
+    return fn(tree)
 
 
 def _tree(r: random.Random, depth: int = 0) -> Any:
@@ -62,8 +89,8 @@ def _function(r: random.Random, n_arrays: int) -> Any:
     recipe = [(r.choice(OUTPUTS), r.randrange(max(n_arrays, 1))) for _ in range(r.randrange(5))]
     as_tuple = r.random() < 0.5
 
-    def fn(*args: Any) -> Any:
-        xs = _arrays(args)
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        xs = _arrays((args, kwargs))
         out: list[Any] = []
         for kind, i in recipe:
             if kind == "none" or not xs:
@@ -78,7 +105,7 @@ def _function(r: random.Random, n_arrays: int) -> Any:
                 y = xs[i] if xs[i].dtype == jnp.bool_ else xs[i] + 0
                 out.append({"a": y, "b": y})
             else:
-                out.append(jnp.sum(xs[i].astype(jnp.float32)) * 1.5)
+                out.append(jnp.sum(xs[i].real.astype(jnp.float32)) * 1.5)
         return tuple(out) if as_tuple else out
 
     return fn
@@ -111,11 +138,14 @@ def test_graphed_outputs_and_vjp_equal_eager_and_jax_vjp(r: random.Random) -> No
     args = tuple(_tree(r) for _ in range(r.randrange(1, 4)))
     if r.random() < 0.3:
         args = (*args, r.choice([1.5, 2]))  # a Python scalar: a constant
-    fn = _function(r, len(_arrays(args)))
-    want = fn(*args)
-    g = dgj.graphed(fn, args)
-    _assert_same(g(*args), want)
-    outputs, pullback = g.vjp(*args)
+    kwargs = {f"kw{i}": _tree(r) for i in r.sample(range(4), r.randrange(3))}
+    fn = _function(r, len(_arrays((args, kwargs))))
+    g = dgj.graphed(fn, args, sample_kwargs=kwargs)
+    if r.random() < 0.5:  # a later call, with other values
+        args, kwargs = _fresh(args), _fresh(kwargs)
+    want = fn(*args, **kwargs)
+    _assert_same(g(*args, **kwargs), want)
+    outputs, pullback = g.vjp(*args, **kwargs)
     _assert_same(outputs, want)
 
     mask = iter(g.out_spec.grad_mask)
@@ -126,9 +156,9 @@ def test_graphed_outputs_and_vjp_equal_eager_and_jax_vjp(r: random.Random) -> No
         return jnp.ones(x.shape, x.dtype) if next(mask) else None
 
     cotangent = jax.tree_util.tree_map(cotangent_of, want, is_leaf=_is_none)
-    args_grads, _ = pullback(cotangent)
+    args_grads, kwargs_grads = pullback(cotangent)
 
-    flat, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_none)
+    flat, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_none)
     diff = [
         i
         for i, x in enumerate(flat)
@@ -142,7 +172,8 @@ def test_graphed_outputs_and_vjp_equal_eager_and_jax_vjp(r: random.Random) -> No
         full = list(flat)
         for i, x in zip(diff, xs, strict=True):
             full[i] = x
-        out = fn(*jax.tree_util.tree_unflatten(treedef, full))
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        out = fn(*call_args, **call_kwargs)
         pairs = zip(
             jax.tree_util.tree_leaves(out, is_leaf=_is_none),
             jax.tree_util.tree_leaves(cotangent, is_leaf=_is_none),
@@ -152,7 +183,7 @@ def test_graphed_outputs_and_vjp_equal_eager_and_jax_vjp(r: random.Random) -> No
 
     _, reference = jax.vjp(masked, *[flat[i] for i in diff])
     expected = iter(reference(cotangents))
-    grads = jax.tree_util.tree_leaves(args_grads, is_leaf=_is_none)
+    grads = jax.tree_util.tree_leaves((args_grads, kwargs_grads), is_leaf=_is_none)
     assert len(grads) == len(flat)
     for i, grad in enumerate(grads):
         if i in diff:
