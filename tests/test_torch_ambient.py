@@ -248,6 +248,60 @@ def test_a_change_of_deterministic_warn_only_after_capture_is_refused(backend: s
         graphed(x)
 
 
+@contextlib.contextmanager
+def _fill_uninitialized_memory(on: bool) -> Iterator[None]:
+    saved = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = on  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = saved  # type: ignore[attr-defined]
+
+
+def _first_rows_doubled(x: torch.Tensor) -> torch.Tensor:
+    """Rows 0 and 1 of ``x`` doubled into a fresh buffer whose other rows are left as made."""
+    out = torch.empty_like(x)
+    out[:2] = x[:2] * 2
+    return out
+
+
+@pytest.mark.parametrize("fill_at_capture", [False, True], ids=["filled-now", "unfilled-now"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_change_of_fill_uninitialized_memory_after_capture_is_refused(
+    backend: str, fill_at_capture: bool
+) -> None:
+    # With deterministic algorithms on, eager fills what torch.empty makes (NaN in rows 2 and 3
+    # here) where fill_uninitialized_memory is on, and leaves it where off; a replay keeps
+    # capture's choice (a fill kernel captured, or the pool's stale memory).
+    device = device_of(backend)
+    with _deterministic(), _fill_uninitialized_memory(fill_at_capture):
+        graphed = dgt.make_graphed_callables(
+            _first_rows_doubled, (torch.randn(4, 8, device=device),), backend=backend
+        )
+        graphed(torch.randn(4, 8, device=device))
+    name = re.escape(
+        f"torch.utils.deterministic.fill_uninitialized_memory is {not fill_at_capture}"
+    )
+    with (
+        _deterministic(),
+        _fill_uninitialized_memory(not fill_at_capture),
+        pytest.raises(DualgraphError, match=name),
+    ):
+        graphed(torch.randn(4, 8, device=device))
+
+
+def test_fill_uninitialized_memory_without_deterministic_algorithms_is_no_change() -> None:
+    # torch.empty fills only under deterministic algorithms: with them off the flag changes
+    # nothing
+    graphed = dgt.make_graphed_callables(
+        _attend, (torch.randn(4, 8, requires_grad=True),), backend="emulate"
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = graphed(x).detach().clone()
+    with _deterministic(on=False), _fill_uninitialized_memory(False):
+        assert torch.equal(graphed(x), expected)
+
+
 def test_warn_only_without_deterministic_algorithms_is_no_change() -> None:
     # warn_only says how deterministic algorithms refuse an op: with them off it changes nothing
     graphed = dgt.make_graphed_callables(

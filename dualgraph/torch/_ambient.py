@@ -196,9 +196,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         None,
         "torch.is_deterministic_algorithms_warn_only_enabled()",
     ),
+    # Compared, with the mode on: there eager fills what torch.empty makes (NaN, an integer's
+    # largest value) where this is on, and a replay keeps capture's choice (a fill kernel
+    # captured, or memory left as the pool holds it: stale values of an earlier replay).
     _of_c(
         "_get_deterministic_fill_uninitialized_memory",
         "_set_deterministic_fill_uninitialized_memory",
+        "torch.utils.deterministic.fill_uninitialized_memory",
     ),
     _of_c(
         "_get_flash_sdp_enabled", "_set_sdp_use_flash", "torch.backends.cuda.flash_sdp_enabled()"
@@ -239,6 +243,7 @@ def _reading(
     fp16_accumulation: Callable[[], Any],
     deterministic: Callable[[], Any],
     warn_only: Callable[[], Any],
+    fill_uninitialized: Callable[[], Any],
     flash: Callable[[], Any],
     mem_efficient: Callable[[], Any],
     math: Callable[[], Any],
@@ -267,6 +272,7 @@ def _reading(
             fp16_accumulation(),
             deterministic(),
             warn_only(),
+            fill_uninitialized(),
             flash(),
             mem_efficient(),
             math(),
@@ -288,9 +294,10 @@ def numerics_state() -> tuple[Any, ...]:
     """What decides the kernels a CUDA graph replays and the dtypes and precision they compute
     in, where eager decides again on every call: the default dtype, TF32, reduced-precision
     reductions and fp16 accumulation of matmuls, deterministic algorithms (and, where they are
-    on, whether they only warn), the attention kernels ``scaled_dot_product_attention`` may
-    choose (``torch.nn.attention.sdpa_kernel``), and whether ``nn.MultiheadAttention`` and
-    ``nn.TransformerEncoder`` may take their fast path (``torch.backends.mha``).
+    on, whether they only warn and whether ``torch.empty`` fills), the attention kernels
+    ``scaled_dot_product_attention`` may choose (``torch.nn.attention.sdpa_kernel``), and
+    whether ``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` may take their fast path
+    (``torch.backends.mha``).
 
     Read on every call of a graphed callable (through :func:`numerics_readings`);
     ``NUMERICS_NAMES`` names each entry. Where torch has it, the matmul precision is read
@@ -307,14 +314,16 @@ def numerics_state() -> tuple[Any, ...]:
 def state_of(readings: tuple[Any, ...]) -> tuple[Any, ...]:
     """The :func:`numerics_state` that :func:`numerics_readings` ``readings`` mean."""
     # the matmul precision second (_SETTINGS' order), the one reading a meaning reads again;
-    # warn_only (seventh) means nothing with deterministic algorithms (sixth) off
+    # warn_only and fill_uninitialized_memory (seventh, eighth) mean nothing with deterministic
+    # algorithms (sixth) off
     deterministic = readings[5]
     return (
         readings[0],
         _matmul_setting(readings[1]),
         *readings[2:6],
         deterministic and readings[6],
-        *readings[7:],
+        deterministic and readings[7],
+        *readings[8:],
     )
 
 
