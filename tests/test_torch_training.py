@@ -38,6 +38,7 @@ from torch_cases import (
     grads_of,
     isclose_fraction,
     isolation,
+    loss_of,
     parameter_names,
     parameters_of,
     runner_of,
@@ -285,6 +286,48 @@ def test_training_steps_match_eager(backend: str, param_grads: str, optimizer: s
             opt.step()
         for (name, p), q in zip(fn.named_parameters(), twin.parameters(), strict=True):
             assert_tensors_match(p.detach(), q.detach(), name, tolerance(backend))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAD_MODES)
+def test_an_amp_step_with_a_grad_scaler_and_clipping_matches_eager(
+    backend: str, param_grads: str
+) -> None:
+    # torch's AMP recipe around a module graphed under autocast: each micro-batch's scaled loss
+    # backward outside autocast, then unscale_, clip_grad_norm_, step and update. The scaler
+    # and the clipping rewrite every .grad in place (under "in_graph" and "auto", the graph's
+    # accumulators, which the next micro-batch adds into); an infinite micro-batch makes the
+    # step skipped and the scale halved.
+    case = CASES["mlp"]
+    device = device_of(backend)
+    fn, twin = case.make(device)
+    args, _ = case.draw(device)
+    with _autocast(backend, cache_enabled=False):
+        dgt.make_graphed_callables(fn, args, backend=backend, param_grads=param_grads)
+    scalers, optimizers = [], []
+    for module in (fn, twin):
+        scalers.append(torch.amp.GradScaler(device.type, init_scale=2.0**16, growth_interval=2))
+        optimizers.append(torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True))
+    tol = tolerance(backend, torch.bfloat16)
+    scales = []
+    for step in range(5):
+        batches = [case.draw(device)[0][0] for _ in range(2)]
+        if step == 2:
+            batches[1] = batches[1] * float("inf")
+        for module, scaler, optimizer in zip((fn, twin), scalers, optimizers, strict=True):
+            for x in batches:
+                with _autocast(backend, cache_enabled=False):
+                    outputs = module(x)
+                scaler.scale(loss_of(outputs)).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=0.5)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+        assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {step}"
+        scales.append(scalers[0].get_scale())
+        for (name, p), q in zip(fn.named_parameters(), twin.parameters(), strict=True):
+            assert_tensors_match(p.detach(), q.detach(), f"step {step} {name}", tol)
+    assert scales == [2.0**16, 2.0**17, 2.0**16, 2.0**16, 2.0**17]  # step 2 skipped, halved
 
 
 def _encoder_loss(outputs: dict[str, Any]) -> torch.Tensor:
