@@ -69,20 +69,11 @@ class CallSpec:
         """Pair the spec of ``tuple(args)`` with that of ``dict(kwargs)``; see describe_call."""
         if not is_instance(args_spec, TreeSpec) or not is_instance(kwargs_spec, TreeSpec):
             raise DualgraphError("CallSpec takes two TreeSpecs: one of args, one of kwargs")
-        # Messages name the root node alone: a document's spec can be too large to show.
-        args_root = args_spec._nodes[0]
-        if type(args_root) is not TupleNode:
-            raise DualgraphError(
-                f"args: the args spec must describe a tuple, not {args_root.brief()}"
-            )
+        problem = _root_problem(args_spec, kwargs_spec)
+        if problem is not None:
+            raise DualgraphError(f"{problem[0]}: {problem[1]}")
         kwargs_root = kwargs_spec._nodes[0]
-        if not isinstance(kwargs_root, DictNode) or not all(
-            type(key) is str for key in kwargs_root.keys
-        ):
-            raise DualgraphError(
-                f"kwargs: the kwargs spec must describe a dict with str keys, "
-                f"not {kwargs_root.brief()}"
-            )
+        assert isinstance(kwargs_root, DictNode)
         self.args_spec = args_spec
         self.kwargs_spec = kwargs_spec
         self._num_args = args_spec.num_arrays
@@ -236,14 +227,14 @@ class CallSpec:
             TreeSpec._from_rows(document[part], root=part, what="CallSpec")
             for part in ("args", "kwargs")
         ]
-        try:
-            return cls(*specs)
-        except DualgraphError as error:  # a root of another kind: its row is the first one
-            part, _, message = str(error).partition(": ")
+        problem = _root_problem(*specs)
+        if problem is not None:  # a root of another kind: its row is the first one
+            part, message = problem
             raise DualgraphError(
                 f"malformed CallSpec JSON at {part}: {message} (row 0 of the document's "
                 f'"{part}" list)'
-            ) from None
+            )
+        return cls(*specs)
 
     def __eq__(self, other: object) -> bool:
         if not is_instance(other, CallSpec):  # (an object's __class__ can raise)
@@ -312,3 +303,25 @@ def _type_name(obj: Any) -> str:
     ``__module__`` may be any object, whose ``==`` may fail)."""
     name = class_name(type(obj))
     return name.removeprefix("builtins.")
+
+
+def _root_problem(args_spec: TreeSpec, kwargs_spec: TreeSpec) -> tuple[str, str] | None:
+    """``(part, what is wrong)`` where the args spec's root is no tuple or the kwargs spec's no
+    dict of str keys; ``None`` where both are right. The root node alone is named: a document's
+    spec can be too large to show.
+
+    >>> from dualgraph import describe
+    >>> _root_problem(describe([1]), describe({}))
+    ('args', 'the args spec must describe a tuple, not a list of length 1')
+    """
+    args_root = args_spec._nodes[0]
+    if type(args_root) is not TupleNode:
+        return "args", f"the args spec must describe a tuple, not {args_root.brief()}"
+    kwargs_root = kwargs_spec._nodes[0]
+    if not isinstance(kwargs_root, DictNode) or not all(
+        type(key) is str for key in kwargs_root.keys
+    ):
+        return "kwargs", (
+            f"the kwargs spec must describe a dict with str keys, not {kwargs_root.brief()}"
+        )
+    return None
