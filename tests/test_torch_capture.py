@@ -2702,7 +2702,7 @@ class RouterAppendingToAGlobal(nn.Module):
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
-@pytest.mark.parametrize("where", ["function", "module"])
+@pytest.mark.parametrize("where", ["function", "module", "comprehension"])
 def test_a_global_list_the_code_names_appended_to_on_every_call_is_refused_naming_it(
     backend: str, where: str
 ) -> None:
@@ -2713,6 +2713,15 @@ def test_a_global_list_the_code_names_appended_to_on_every_call_is_refused_namin
     if where == "module":
         fn: Any = nn.Sequential(RouterAppendingToAGlobal()).to(device)
         named = "RouterAppendingToAGlobal.forward's global AUX_LOSSES"
+    elif where == "comprehension":  # named in nested code only
+        frozen = nn.Linear(4, 4).to(device).requires_grad_(False)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            h = frozen(x)
+            [AUX_LOSSES.append(part.square().mean()) for part in (h, h * 2)]
+            return h
+
+        named = "global AUX_LOSSES"
     else:
         layer = nn.Linear(4, 4).to(device).requires_grad_(False)  # a function's: frozen
 
@@ -2864,3 +2873,27 @@ def test_an_iterator_a_forward_binds_afresh_on_every_call_is_graphed(backend: st
     graphed = dgt.make_graphed_callables(module, sample, backend=backend)
     x = torch.randn(2, 4, device=device)
     assert torch.equal(graphed(x), twin(x))
+
+
+losses: list[torch.Tensor] = []  # a global named like the attribute below
+
+
+class AppendsToItsOwnLosses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        self.losses.append(h.mean())
+        return h
+
+
+def test_an_attribute_named_like_a_global_is_no_global_of_the_code() -> None:
+    # the refusal names the module's own list, never the unrelated global `losses`
+    message = capture_error(
+        AppendsToItsOwnLosses(), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    assert "AppendsToItsOwnLosses.losses" in message and "global losses" not in message, message
+    assert losses == []

@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 import torch
 
 from ._capture_failure import Refused
+from ._closed_over import _names_loaded
 
 __all__ = ["SideEffects", "globals_named"]
 
@@ -220,6 +221,9 @@ def globals_named(fn: Any) -> list[tuple[str, Any]]:
     as ``(name, value)``; its closure's cells are left out: a list a test or a debugging
     session closes over to record calls is theirs.
 
+    Read from its instructions, nested code (a comprehension) included: an attribute named
+    like a global (``self.losses``) is no global.
+
     >>> COUNTS = {}
     >>> def f(x):
     ...     COUNTS[x] = 1
@@ -233,7 +237,7 @@ def globals_named(fn: Any) -> list[tuple[str, Any]]:
     if code is None:
         return []
     space = getattr(fn, "__globals__", {})
-    return [(name, space[name]) for name in code.co_names if name in space]
+    return [(name, space[name]) for name in _names_loaded(code)[0] if name in space]
 
 
 def _watched(value: Any) -> bool:
