@@ -851,16 +851,17 @@ class TagsItsOutput(nn.Module):
         return x.sin(), y
 
 
+@pytest.mark.parametrize("tag", [("logits", 2), torch.float16], ids=["tuple", "dtype"])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_the_plain_attributes_a_callable_sets_on_its_output_come_with_every_replays(
-    backend: str,
+    backend: str, tag: Any
 ) -> None:
     # Graphed, the output handed out had no .tag (a replay's tensor of its own), silently,
     # where eager's output is the tensor the callable tagged; then such outputs were refused,
     # which refused Transformer Engine's fused ops (te.ops), whose fuser marks its outputs
     # _do_not_clear (found on the H100, run AC): plain values are set on every call's output.
     device = device_of(backend)
-    module = TagsItsOutput(("logits", 2)).to(device)
+    module = TagsItsOutput(tag).to(device)  # a dtype is as immutable as a tuple of plain values
     twin = copy.deepcopy(module)
     sample = (torch.randn(2, 4, device=device, requires_grad=True),)
     graphed = dgt.make_graphed_callables(module, sample, backend=backend)
@@ -868,7 +869,7 @@ def test_the_plain_attributes_a_callable_sets_on_its_output_come_with_every_repl
         x = torch.randn(2, 4, device=device)
         _, y = graphed(x.clone().requires_grad_())
         _, expected = twin(x.clone().requires_grad_())
-        assert vars(y) == vars(expected) == {"tag": ("logits", 2), "_do_not_clear": True}
+        assert vars(y) == vars(expected) == {"tag": tag, "_do_not_clear": True}
         assert torch.equal(y, expected)
         del y.tag  # the next call's output has its own
     assert dgt.diagnostics(graphed).replays == 3

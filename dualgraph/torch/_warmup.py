@@ -48,6 +48,7 @@ from ._params import (
     bytes_now,
     bytes_of,
     first_difference,
+    is_plain,
     is_tensor_subclass,
     same_bytes,
     write_back,
@@ -363,13 +364,13 @@ def _output_attributes(
         if not attributes:
             continue
         for name, value in attributes.items():
-            if not _plain_value(value):
+            if not is_plain(value):
                 raise Refused(
                     f"output{path}: the callable sets the attribute {name!r} on it to a "
                     f"{type(value).__qualname__}, which eager's output carries; a replay hands out "
-                    "a tensor of its own, and can set only plain values (None, bools, numbers, "
-                    "strings, bytes, tuples of them) on it again: this one would be one object "
-                    "shared by every call's output. Return it beside the tensor as an output, "
+                    f"a tensor of its own, and can set only {_PLAIN_WORDS} on it again: this one "
+                    "would be one object shared by every call's output. Return it beside the "
+                    "tensor as an output, "
                     "or set it on the output after the call"
                 )
         found.append((k, dict(attributes)))
@@ -404,31 +405,24 @@ def _input_attributes(
         if not attributes:
             continue
         for name, value in attributes.items():
-            if not _plain_value(value):
+            if not is_plain(value):
                 raise Refused(
                     f"{path}: the callable sets the attribute {name!r} on this input to a "
                     f"{type(value).__qualname__}: eager sets it on the caller's tensor, a "
                     "replay's input is a buffer of its own, and on CUDA no Python runs to set it "
-                    "again; only plain values (None, bools, numbers, strings, bytes, tuples of "
-                    "them) are set again on each call's input. Return it as an output, or set it "
+                    f"again; only {_PLAIN_WORDS} are set again on each call's input. Return it "
+                    "as an output, or set it "
                     "on the tensor you pass, outside the callable"
                 )
         found.append((i, attributes))
     return tuple(found)
 
 
-_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
-
-
-def _plain_value(value: Any) -> bool:
-    """Whether ``value`` is immutable and holds nothing else: safe to share between outputs.
-
-    >>> _plain_value(True), _plain_value(("a", 1)), _plain_value([1]), _plain_value(torch.ones(1))
-    (True, True, False, False)
-    """
-    if type(value) is tuple:
-        return all(_plain_value(item) for item in value)
-    return type(value) in _PLAIN_TYPES
+#: what :func:`is_plain` takes, in the words of a refusal
+_PLAIN_WORDS = (
+    "plain values (None, bools, numbers, strings, bytes, dtypes, devices, enum members, "
+    "tuples of them)"
+)
 
 
 def _refuse_inputs_made_to_need_no_grad(item: _Capture) -> None:
