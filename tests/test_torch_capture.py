@@ -1827,20 +1827,27 @@ def test_a_module_keeping_a_graph_in_a_tensor_attribute_is_refused_naming_the_at
     assert "torch.nn.utils.parametrizations" in message
 
 
+@pytest.mark.parametrize("allow_unused_input", [False, True])
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_parameter_read_through_the_graphed_modules_own_pre_hook_is_refused_naming_the_hook(
-    backend: str,
+    backend: str, allow_unused_input: bool
 ) -> None:
     """A graphed module's own forward pre-hooks run around each call, outside the graphs:
     torch's deprecated spectral_norm, on the graphed module itself, computes ``weight`` from
     ``weight_orig`` there, so the graph never reaches ``weight_orig``, which eager gives a
     grad. The refusal names the pre-hook and says so, instead of offering allow_unused_input
-    "as in eager" (which then left weight_orig without its grad)."""
+    "as in eager" (which then left weight_orig without its grad), and allow_unused_input=True
+    does not let it through."""
     device = device_of(backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # spectral_norm's deprecation
         module = torch.nn.utils.spectral_norm(nn.Linear(8, 8).to(device))
-    message = capture_error(module, (torch.randn(4, 8, device=device),), backend=backend)
+    message = capture_error(
+        module,
+        (torch.randn(4, 8, device=device),),
+        backend=backend,
+        allow_unused_input=allow_unused_input,
+    )
     assert "Linear.weight_orig requires grad" in message
     assert "forward pre-hooks (SpectralNorm) run outside the graphs" in message
     assert "as in eager" not in message

@@ -685,14 +685,27 @@ def _warmup(
             _refuse_rewound_draws(item, "backward")
         if order:
             item.grad_order = tuple(dict.fromkeys(order))  # each once: the first reach
-        if not allow_unused:
+        # allow_unused_input lets an unused input or parameter be, as eager leaves it; not a
+        # parameter the graphed module's own pre-hooks compute from (eager's grad goes through
+        # them, outside the graphs): refused either way (_refuse_unused)
+        module = item.request.module
+        first = (
+            0
+            if not allow_unused
+            else len(item.grad_input_indices)
+            if module is not None and module._forward_pre_hooks
+            else len(grads)
+        )
+        if first < len(grads):
             # by identity: `None in grads` compares None with each grad through Tensor.__eq__,
             # whose TypeError costs about 18 us a tensor
             unused = next(
                 (
                     k
                     for k, grad in enumerate(grads)
-                    if grad is None and not _reached_by_handed_out(item, differentiable, k)
+                    if k >= first
+                    and grad is None
+                    and not _reached_by_handed_out(item, differentiable, k)
                 ),
                 None,
             )
