@@ -78,12 +78,14 @@ class CarriedAttributes:
     """The public attributes each sample tensor carried (by input position): given to the
     static inputs (:meth:`give`), and compared on each call (:meth:`differ`)."""
 
-    __slots__ = ("_expected", "_ignored", "_paths", "any_expected")
+    __slots__ = ("_compared", "_expected", "_ignored", "_paths", "any_expected")
 
     def __init__(self, paths: Sequence[str], samples: Sequence[torch.Tensor]) -> None:
         self._paths = tuple(paths)
         self._expected = tuple(public_attributes(t) for t in samples)
         self._ignored: tuple[frozenset[str], ...] = tuple(frozenset() for _ in samples)
+        #: what each call's tensor must carry: the expected attributes, ignored ones aside
+        self._compared = self._expected
         #: whether some sample carried a public attribute (else a call's tensors carry none)
         self.any_expected = any(self._expected)
 
@@ -99,6 +101,10 @@ class CarriedAttributes:
         ignored = list(self._ignored)
         ignored[position] |= frozenset(names)
         self._ignored = tuple(ignored)
+        self._compared = tuple(
+            {k: v for k, v in expected.items() if k not in skip}
+            for expected, skip in zip(self._expected, self._ignored, strict=True)
+        )
 
     def differ(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether a call's tensors carry other public attributes than the samples did (per
@@ -131,11 +137,12 @@ class CarriedAttributes:
         )
 
     def _difference(self, tensors: Sequence[torch.Tensor]) -> tuple[int, str, Any, Any] | None:
-        for position, (tensor, expected, ignored) in enumerate(
-            zip(tensors, self._expected, self._ignored, strict=True)
+        for position, (tensor, then, ignored) in enumerate(
+            zip(tensors, self._compared, self._ignored, strict=True)
         ):
+            if not then and not tensor.__dict__:  # nothing expected, nothing carried
+                continue
             now = public_attributes(tensor, ignored)
-            then = {k: v for k, v in expected.items() if k not in ignored}
             for name in (*then, *(k for k in now if k not in then)):
                 a, b = now.get(name, _ABSENT), then.get(name, _ABSENT)
                 if a is not b and (a is _ABSENT or b is _ABSENT or not _same_plain(a, b)):
