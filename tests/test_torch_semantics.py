@@ -1182,13 +1182,14 @@ def test_a_float_attribute_set_to_zero_of_the_other_sign_is_refused(
 
 class _GainOnItsWeights(nn.Module):
     """Reads plain values hung on its weight and a buffer (as quantization libraries hang a
-    scale on a weight), and sets a flag on its bias on every call (Megatron's kind)."""
+    scale on a weight), and sets a flag on its bias on every call (Megatron's kind). Made on
+    its device: ``.to("cuda")`` makes new tensors, without the values."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc = nn.Linear(8, 8, device=device)
         self.fc.weight.gain = 2.0  # type: ignore[attr-defined]
-        self.register_buffer("shift", torch.ones(8))
+        self.register_buffer("shift", torch.ones(8, device=device))
         self.shift.sign = -1.0  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1206,7 +1207,7 @@ def test_a_plain_value_on_a_parameter_or_buffer_changed_after_capture_is_refused
     # The graphs hold what the forward computed from the value of capture: on CUDA a replay
     # scaled by 2.0 after weight.gain = 3.0, silently (emulate re-ran the Python and hid it).
     device = device_of(backend)
-    block = _GainOnItsWeights().to(device)
+    block = _GainOnItsWeights(device)
     dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
     held = block.get_parameter(tensor) if "." in tensor else block.get_buffer(tensor)
     then = getattr(held, name)
@@ -1230,7 +1231,7 @@ def test_the_fused_accumulation_flag_a_backward_sets_on_a_parameter_is_no_value_
     # Graphed after an eager step (Megatron's order), the flag is True; zero_grad_buffer sets
     # it False at the next step's start, and each backward True again: no value the forward read.
     device = device_of(backend)
-    block = _GainOnItsWeights().to(device)
+    block = _GainOnItsWeights(device)
     block.fc.weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
     dgt.make_graphed_callables(block, (torch.randn(4, 8, device=device),), backend=backend)
     block.fc.weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]

@@ -104,7 +104,8 @@ def _parts(value: Any, depth: int, seen: set[int]) -> list[Any]:
         referents = [*gc.get_referents(value), *gc.get_referents(frame)]
         parts.append(frame.f_lasti)
     elif type(value).__module__ in ("builtins", "itertools"):
-        referents = gc.get_referents(value)
+        # Python 3.12 made itertools' types heap types, whose traversal visits their type too
+        referents = [r for r in gc.get_referents(value) if r is not type(value)]
         if isinstance(value, itertools.count):
             # its next value shows only in its repr (numbers: no tensor is read)
             if all(type(r) in _PLAIN for r in referents):
