@@ -3849,6 +3849,107 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_on_every_entry
     assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
 
 
+class DropsALayersResult(nn.Module):
+    """Runs its layer once more on its output and drops that result (a fuzz find): no output
+    reaches the second call's node, so no backward reads what it saved (the weight; the first
+    call saves only its input, for the weight's grad, where the input needs none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = self.inp(x)
+        self.inp(mid)
+        return mid
+
+
+class ReadsItsWeightOnlyInADroppedResult(nn.Module):
+    """The weight reaches the output without being saved (added), and is saved only by a
+    product whose result is dropped (for the input's grad): the backward reads no weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _ = x * self.weight  # saves the weight, result dropped
+        return x.tanh() + self.weight
+
+
+def _step_between_call_and_backward(
+    module: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> list[torch.Tensor]:
+    """The grads of ``x`` and the parameters of a call whose weights change (an optimizer
+    step) after the forward, before the backward."""
+    module.zero_grad(set_to_none=True)
+    loss = call(x).sum()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)
+    loss.backward()
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    return [g.clone() if g is not None else torch.zeros(0) for g in grads]
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize(
+    ("make", "input_grad"),
+    [(DropsALayersResult, False), (ReadsItsWeightOnlyInADroppedResult, True)],
+    ids=["layer", "product"],
+)
+def test_a_weight_only_a_dropped_result_saved_may_change_before_the_backward_as_in_eager(
+    make: Callable[[], nn.Module], input_grad: bool, param_grads: str
+) -> None:
+    # Eager's backward never reaches the dropped result's node, so the weight it saved may
+    # change before the backward; the warmup took every saved tensor for one the backward
+    # reads and the graphed backward was refused ("inp.weight was modified in place").
+    torch.manual_seed(0)
+    eager = make()
+    module = copy.deepcopy(eager)
+    graphed = dgt.make_graphed_callables(
+        module, (batch().requires_grad_(input_grad),), backend="emulate", param_grads=param_grads
+    )
+    for _ in range(2):
+        x = batch().detach()
+        expected = _step_between_call_and_backward(
+            eager, eager, x.clone().requires_grad_(input_grad)
+        )
+        got = _step_between_call_and_backward(module, graphed, x.requires_grad_(input_grad))
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+class SavesItsWeightAlsoInADroppedResult(DropsALayersResult):
+    """As :class:`DropsALayersResult`, with the returned result's node saving the weight too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = self.inp(x).tanh()
+        self.inp(mid)
+        return mid @ self.inp.weight
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_a_weight_a_reached_node_saved_is_refused_also_when_a_dropped_result_saved_it(
+    param_grads: str,
+) -> None:
+    module = SavesItsWeightAlsoInADroppedResult()
+    graphed = dgt.make_graphed_callables(
+        module, (batch().detach(),), backend="emulate", param_grads=param_grads
+    )
+    eager = copy.deepcopy(module)
+    eager_loss = eager(batch().detach()).sum()
+    with torch.no_grad():
+        eager.inp.weight.add_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager_loss.backward()
+    loss = graphed(batch().detach()).sum()
+    with torch.no_grad():
+        module.inp.weight.add_(0.5)
+    with pytest.raises(DualgraphError, match=r"inp\.weight was modified in place"):
+        loss.backward()
+    assert module.inp.weight.grad is None
+
+
 @pytest.mark.parametrize("entry", ["function", "method"])
 def test_a_frozen_weight_a_graphed_function_reads_changed_before_the_backward_is_refused(
     entry: str,
