@@ -5025,6 +5025,45 @@ def test_an_input_of_an_earlier_slot_changed_before_one_backward_through_both_ad
     assert_grads_match(grads_of(parameters_of(module)), kept, parameter_names(module))
 
 
+class ScalesOnlyADroppedResult(nn.Module):
+    """Multiplies by ``scale`` (an input) in a result it drops, and only adds it to the one it
+    returns: the dropped product saved ``scale``, no backward reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        _ = h * scale
+        return h.tanh() + scale
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_an_input_only_a_dropped_result_saved_may_change_before_the_backward_as_in_eager(
+    param_grads: str,
+) -> None:
+    # The warmup took every saved tensor for one the backward reads: "args[1] was modified in
+    # place after the call" where eager's backward never reaches the product's node.
+    module = ScalesOnlyADroppedResult()
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(
+        module, (batch(), torch.ones(4)), backend="emulate", param_grads=param_grads
+    )
+    for _ in range(2):
+        x, scale = batch(), torch.rand(4)
+        eager_x, eager_scale = x.detach().clone().requires_grad_(), scale.clone()
+        loss, eager_loss = graphed(x, scale).sum(), twin(eager_x, eager_scale).sum()
+        scale.add_(1.0)
+        eager_scale.add_(1.0)
+        loss.backward()
+        eager_loss.backward()
+        assert_tensors_match(x.grad, eager_x.grad, "x.grad")
+        assert_grads_match(
+            grads_of(parameters_of(module)), grads_of(parameters_of(twin)), parameter_names(module)
+        )
+
+
 class HalvesThenScales(nn.Module):
     """Halves ``scale`` (an input) in place, then multiplies by it: the backward reads it as
     updated, which is no change after the call (the replay copies the update back)."""
