@@ -164,14 +164,28 @@ def _first_unmatched(
     >>> _first_unmatched(np.array([False, True]), np.array([1.0, np.nan]), np.array([1.0, 2.5]))
     (1, '[1]: torch nan, JAX 2.5')
     """
-    count = int(np.count_nonzero(differs))
-    if not count:
+    found = _first_entry(differs, expected.shape)
+    if found is None:
         return 0, None
-    first = int(np.argmax(differs))
-    index = ", ".join(str(int(i)) for i in np.unravel_index(first, expected.shape))
-    where = f"[{index}]" if expected.ndim else "the entry"
+    first, index = found
+    where = f"[{', '.join(map(str, index))}]" if expected.ndim else "the entry"
     torch_value, jax_value = actual.reshape(-1)[first], expected.reshape(-1)[first]
-    return count, f"{where}: torch {torch_value!s}, JAX {jax_value!s}"
+    return int(np.count_nonzero(differs)), f"{where}: torch {torch_value!s}, JAX {jax_value!s}"
+
+
+def _first_entry(
+    flat_mask: np.ndarray, shape: tuple[int, ...]
+) -> tuple[int, tuple[int, ...]] | None:
+    """The flat position of the first true entry of ``flat_mask`` and its index in an array of
+    ``shape``; ``None`` where none is true.
+
+    >>> _first_entry(np.array([False, False, True, True]), (2, 2))
+    (2, (1, 0))
+    """
+    if not flat_mask.any():
+        return None
+    first = int(np.argmax(flat_mask))
+    return first, tuple(int(i) for i in np.unravel_index(first, shape))
 
 
 def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, float, float] | None:
@@ -334,10 +348,10 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[tuple[int, ...], str
         differing = ~same.all(axis=-1)
     else:
         differing = flat_a != flat_b
-    if not differing.any():
+    found = _first_entry(differing, a.shape)
+    if found is None:
         return None
-    first = int(np.argmax(differing))
-    index = tuple(int(i) for i in np.unravel_index(first, a.shape))
+    first, index = found
     return index, str(flat_a[first]), str(flat_b[first])
 
 
