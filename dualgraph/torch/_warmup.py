@@ -36,6 +36,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from ._ambient import outside_autocast
 from ._branch_reads import branch_reads
 from ._capture_failure import Refused
+from ._carried_attributes import set_since
 from ._closed_over import named_by, plain_tensor_attributes
 from ._cudnn_ops import cudnn_ops_run
 from ._grad_mode_set import turns_grad_mode_on
@@ -397,11 +398,7 @@ def _input_attributes(
     """
     found: list[tuple[int, dict[str, Any]]] = []
     for i, (path, tensor, old) in enumerate(zip(paths, static_inputs, before, strict=True)):
-        attributes = {
-            name: value
-            for name, value in vars(tensor).items()
-            if name not in old or old[name] is not value
-        }
+        attributes = set_since(vars(tensor), old)  # private names too (_do_not_clear)
         if not attributes:
             continue
         for name, value in attributes.items():
