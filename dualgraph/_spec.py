@@ -880,15 +880,24 @@ def _missing_child(
         or isinstance(a, NamedContainer)  # (of two classes: the class is the difference)
     ):
         return None
-    b_entries = set(b.entries)
-    for k, entry in enumerate(a.entries):
-        if entry not in b_entries:
-            return entry, expected._nodes[expected._get_layout().children(index)[k]], None
-    a_entries = set(a.entries)
-    for k, entry in enumerate(b.entries):
-        if entry not in a_entries:
-            return entry, None, found._nodes[found._get_layout().children(index)[k]]
+    k = _first_lacking(a.entries, b.entries)
+    if k is not None:
+        return a.entries[k], expected._nodes[expected._get_layout().children(index)[k]], None
+    k = _first_lacking(b.entries, a.entries)
+    if k is not None:
+        return b.entries[k], None, found._nodes[found._get_layout().children(index)[k]]
     return None  # the same keys in another order, or of other types (True is not 1)
+
+
+def _first_lacking(entries: Sequence[PathEntry], others: Sequence[PathEntry]) -> int | None:
+    """The position of the first of ``entries`` that ``others`` lack; ``None``: they have all.
+
+    >>> from dualgraph import Key
+    >>> _first_lacking([Key("a"), Key("b")], [Key("a")]), _first_lacking([Key("a")], [Key("a")])
+    (1, None)
+    """
+    among = set(others)
+    return next((k for k, entry in enumerate(entries) if entry not in among), None)
 
 
 def grad_flags(mask: object, paths: Sequence[str], owner: str) -> list[bool]:

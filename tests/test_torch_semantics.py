@@ -3790,6 +3790,46 @@ def test_an_output_the_backward_does_not_read_may_be_changed_in_place(backend: s
     )
 
 
+class ShiftsAndDropsAProduct(nn.Module):
+    """Returns ``x + w`` after multiplying it by ``w`` into a result it drops: only that
+    product's node (which no output reaches) saved the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.w
+        _ = y * self.w
+        return y
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_an_output_only_a_dropped_result_saved_may_be_changed_in_place_as_in_eager(
+    param_grads: str,
+) -> None:
+    # The warmup took every saved tensor for one the backward reads: "output was modified in
+    # place after the replay, but the backward reads it" where eager's backward reads none.
+    module = ShiftsAndDropsAProduct()
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(
+        module, (batch(),), backend="emulate", param_grads=param_grads
+    )
+    assert runner_of(module).plan.saved_outputs == ()
+    for _ in range(2):
+        x = batch()
+        eager_x = x.detach().clone().requires_grad_()
+        out, expected = graphed(x), twin(eager_x)
+        out.mul_(2.0)
+        expected.mul_(2.0)
+        (out * 3.0).sum().backward()
+        (expected * 3.0).sum().backward()
+        assert_tensors_match(x.grad, eager_x.grad, "x.grad")
+        assert_grads_match(
+            grads_of(parameters_of(module)), grads_of(parameters_of(twin)), parameter_names(module)
+        )
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_cloned_outputs_may_be_changed_in_place(backend: str) -> None:
     device = device_of(backend)
@@ -3848,6 +3888,107 @@ def test_a_weight_changed_in_place_before_the_backward_is_refused_on_every_entry
     with pytest.raises(DualgraphError, match=r"linear\.weight.*modified in place"):
         loss.backward()
     assert all(torch.equal(p.grad, k) for p, k in zip(module.parameters(), kept, strict=True))
+
+
+class DropsALayersResult(nn.Module):
+    """Runs its layer once more on its output and drops that result (a fuzz find): no output
+    reaches the second call's node, so no backward reads what it saved (the weight; the first
+    call saves only its input, for the weight's grad, where the input needs none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = self.inp(x)
+        self.inp(mid)
+        return mid
+
+
+class ReadsItsWeightOnlyInADroppedResult(nn.Module):
+    """The weight reaches the output without being saved (added), and is saved only by a
+    product whose result is dropped (for the input's grad): the backward reads no weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _ = x * self.weight  # saves the weight, result dropped
+        return x.tanh() + self.weight
+
+
+def _step_between_call_and_backward(
+    module: nn.Module, call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> list[torch.Tensor]:
+    """The grads of ``x`` and the parameters of a call whose weights change (an optimizer
+    step) after the forward, before the backward."""
+    module.zero_grad(set_to_none=True)
+    loss = call(x).sum()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)
+    loss.backward()
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    return [g.clone() if g is not None else torch.zeros(0) for g in grads]
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+@pytest.mark.parametrize(
+    ("make", "input_grad"),
+    [(DropsALayersResult, False), (ReadsItsWeightOnlyInADroppedResult, True)],
+    ids=["layer", "product"],
+)
+def test_a_weight_only_a_dropped_result_saved_may_change_before_the_backward_as_in_eager(
+    make: Callable[[], nn.Module], input_grad: bool, param_grads: str
+) -> None:
+    # Eager's backward never reaches the dropped result's node, so the weight it saved may
+    # change before the backward; the warmup took every saved tensor for one the backward
+    # reads and the graphed backward was refused ("inp.weight was modified in place").
+    torch.manual_seed(0)
+    eager = make()
+    module = copy.deepcopy(eager)
+    graphed = dgt.make_graphed_callables(
+        module, (batch().requires_grad_(input_grad),), backend="emulate", param_grads=param_grads
+    )
+    for _ in range(2):
+        x = batch().detach()
+        expected = _step_between_call_and_backward(
+            eager, eager, x.clone().requires_grad_(input_grad)
+        )
+        got = _step_between_call_and_backward(module, graphed, x.requires_grad_(input_grad))
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+class SavesItsWeightAlsoInADroppedResult(DropsALayersResult):
+    """As :class:`DropsALayersResult`, with the returned result's node saving the weight too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = self.inp(x).tanh()
+        self.inp(mid)
+        return mid @ self.inp.weight
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_a_weight_a_reached_node_saved_is_refused_also_when_a_dropped_result_saved_it(
+    param_grads: str,
+) -> None:
+    module = SavesItsWeightAlsoInADroppedResult()
+    graphed = dgt.make_graphed_callables(
+        module, (batch().detach(),), backend="emulate", param_grads=param_grads
+    )
+    eager = copy.deepcopy(module)
+    eager_loss = eager(batch().detach()).sum()
+    with torch.no_grad():
+        eager.inp.weight.add_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        eager_loss.backward()
+    loss = graphed(batch().detach()).sum()
+    with torch.no_grad():
+        module.inp.weight.add_(0.5)
+    with pytest.raises(DualgraphError, match=r"inp\.weight was modified in place"):
+        loss.backward()
+    assert module.inp.weight.grad is None
 
 
 @pytest.mark.parametrize("entry", ["function", "method"])
@@ -4923,6 +5064,45 @@ def test_an_input_of_an_earlier_slot_changed_before_one_backward_through_both_ad
         loss.backward()
     assert first[0].grad is None and second[0].grad is None
     assert_grads_match(grads_of(parameters_of(module)), kept, parameter_names(module))
+
+
+class ScalesOnlyADroppedResult(nn.Module):
+    """Multiplies by ``scale`` (an input) in a result it drops, and only adds it to the one it
+    returns: the dropped product saved ``scale``, no backward reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        _ = h * scale
+        return h.tanh() + scale
+
+
+@pytest.mark.parametrize("param_grads", ["auto", "autograd", "in_graph"])
+def test_an_input_only_a_dropped_result_saved_may_change_before_the_backward_as_in_eager(
+    param_grads: str,
+) -> None:
+    # The warmup took every saved tensor for one the backward reads: "args[1] was modified in
+    # place after the call" where eager's backward never reaches the product's node.
+    module = ScalesOnlyADroppedResult()
+    twin = copy.deepcopy(module)
+    graphed = dgt.make_graphed_callables(
+        module, (batch(), torch.ones(4)), backend="emulate", param_grads=param_grads
+    )
+    for _ in range(2):
+        x, scale = batch(), torch.rand(4)
+        eager_x, eager_scale = x.detach().clone().requires_grad_(), scale.clone()
+        loss, eager_loss = graphed(x, scale).sum(), twin(eager_x, eager_scale).sum()
+        scale.add_(1.0)
+        eager_scale.add_(1.0)
+        loss.backward()
+        eager_loss.backward()
+        assert_tensors_match(x.grad, eager_x.grad, "x.grad")
+        assert_grads_match(
+            grads_of(parameters_of(module)), grads_of(parameters_of(twin)), parameter_names(module)
+        )
 
 
 class HalvesThenScales(nn.Module):

@@ -67,7 +67,7 @@ def compare_arrays(
     a, b = (a / shrink, b / shrink) if shrink != 1.0 else (a, b)
     # NaN and infinities part by part: a complex entry is NaN for a NaN in either part, so
     # judged as a whole, NaN in the real part would match NaN in the imaginary part.
-    part_a, part_b = _parts(a), _parts(b)
+    part_a, part_b = parts(a), parts(b)
     nan_a, nan_b = np.isnan(part_a), np.isnan(part_b)
     inf_a, inf_b = np.isinf(part_a), np.isinf(part_b)
     part_finite = ~(nan_a | nan_b | inf_a | inf_b)
@@ -164,14 +164,28 @@ def _first_unmatched(
     >>> _first_unmatched(np.array([False, True]), np.array([1.0, np.nan]), np.array([1.0, 2.5]))
     (1, '[1]: torch nan, JAX 2.5')
     """
-    count = int(np.count_nonzero(differs))
-    if not count:
+    found = _first_entry(differs, expected.shape)
+    if found is None:
         return 0, None
-    first = int(np.argmax(differs))
-    index = ", ".join(str(int(i)) for i in np.unravel_index(first, expected.shape))
-    where = f"[{index}]" if expected.ndim else "the entry"
+    first, index = found
+    where = f"[{', '.join(map(str, index))}]" if expected.ndim else "the entry"
     torch_value, jax_value = actual.reshape(-1)[first], expected.reshape(-1)[first]
-    return count, f"{where}: torch {torch_value!s}, JAX {jax_value!s}"
+    return int(np.count_nonzero(differs)), f"{where}: torch {torch_value!s}, JAX {jax_value!s}"
+
+
+def _first_entry(
+    flat_mask: np.ndarray, shape: tuple[int, ...]
+) -> tuple[int, tuple[int, ...]] | None:
+    """The flat position of the first true entry of ``flat_mask`` and its index in an array of
+    ``shape``; ``None`` where none is true.
+
+    >>> _first_entry(np.array([False, False, True, True]), (2, 2))
+    (2, (1, 0))
+    """
+    if not flat_mask.any():
+        return None
+    first = int(np.argmax(flat_mask))
+    return first, tuple(int(i) for i in np.unravel_index(first, shape))
 
 
 def _systematic(a: np.ndarray, b: np.ndarray, max_bias: float) -> tuple[float, float, float] | None:
@@ -329,15 +343,15 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[tuple[int, ...], str
         return None
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     if is_differentiable_dtype(a.dtype.name):  # NaN, or a difference to locate: widened
-        parts_a, parts_b = _parts(_widened(a)), _parts(_widened(b))
+        parts_a, parts_b = parts(_widened(a)), parts(_widened(b))
         same = (parts_a == parts_b) | (np.isnan(parts_a) & np.isnan(parts_b))
         differing = ~same.all(axis=-1)
     else:
         differing = flat_a != flat_b
-    if not differing.any():
+    found = _first_entry(differing, a.shape)
+    if found is None:
         return None
-    first = int(np.argmax(differing))
-    index = tuple(int(i) for i in np.unravel_index(first, a.shape))
+    first, index = found
     return index, str(flat_a[first]), str(flat_b[first])
 
 
@@ -354,7 +368,7 @@ def _widened(x: np.ndarray) -> np.ndarray:
 
 
 def _ulps_apart(path: str, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    """How many representable values apart each entry's parts are (as :func:`_parts` lays them
+    """How many representable values apart each entry's parts are (as :func:`parts` lays them
     out, flat); meaningful where both are finite. ``0.0`` and ``-0.0`` are one value."""
     if expected.dtype.kind == "c":
         a, b = actual.reshape(-1), expected.reshape(-1)
@@ -388,8 +402,13 @@ def _real_ulps_apart(path: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(same_sign, apart, mag_x + mag_y)
 
 
-def _parts(x: np.ndarray) -> np.ndarray:
-    """``x`` with a last axis of its parts: the value itself, or a complex's real and imaginary."""
+def parts(x: np.ndarray) -> np.ndarray:
+    """``x`` with a last axis of its parts: the value itself, or a complex's real and imaginary
+    (NaN and infinities are told part by part).
+
+    >>> parts(np.array([1 + 2j, np.nan])).tolist(), parts(np.array([0.5])).tolist()
+    ([[1.0, 2.0], [nan, 0.0]], [[0.5]])
+    """
     if x.dtype.kind == "c":
         return np.stack([x.real, x.imag], axis=-1)
     return x[..., np.newaxis]

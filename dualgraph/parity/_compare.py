@@ -25,7 +25,7 @@ from .._nodes import clip, clip_text
 from .._orders import key_order_difference
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
-from ._arrays import compare_arrays, first_difference
+from ._arrays import compare_arrays, first_difference, parts
 from ._bridge import as_torch, random_like, to_numpy, unreadable
 from ._jax_side import JaxRun, reference_settings, run_jax
 from ._report import LeafReport, ParityReport
@@ -948,7 +948,7 @@ def _unmapped_trained_param(
             {n: np.full_like(a, marked[n]) if n in marked else a for n, a in ones.items()}
         )
         leaves = (np.asarray(x) for x in params_spec.flatten(tree))
-        return sum(int(np.count_nonzero(np.isnan(_parts(x)))) for x in leaves if _floating(x))
+        return sum(int(np.count_nonzero(np.isnan(parts(x)))) for x in leaves if _floating(x))
 
     def mark(part: str | None) -> complex | float:
         return np.nan if part is None else _NAN_PART[part]
@@ -966,11 +966,6 @@ def _unmapped_trained_param(
 
 #: A complex value with one part NaN (the other 0), by the part's name.
 _NAN_PART = {"real": complex(np.nan, 0.0), "imaginary": complex(0.0, np.nan)}
-
-
-def _parts(x: np.ndarray) -> np.ndarray:
-    """A complex array as its real and imaginary parts (NaN counted part by part)."""
-    return np.stack([x.real, x.imag]) if x.dtype.kind == "c" else x
 
 
 def _filled(a: np.ndarray, value: float) -> np.ndarray:

@@ -28,7 +28,7 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -37,7 +37,7 @@ import torch
 from .._errors import SpecMismatchError
 from ._params import _same_plain
 
-__all__ = ["CarriedAttributes", "dict_of", "public_attributes", "set_by_call"]
+__all__ = ["CarriedAttributes", "dict_of", "public_attributes", "set_by_call", "set_since"]
 
 #: a tensor's ``__dict__``: falsy where it carries no attribute
 dict_of = attrgetter("__dict__")
@@ -67,11 +67,21 @@ def set_by_call(tensor: torch.Tensor, before: dict[str, Any]) -> list[str]:
     >>> set_by_call(x, before)
     ['seen']
     """
-    return [
-        name
-        for name, value in public_attributes(tensor).items()
+    return list(set_since(public_attributes(tensor), before))
+
+
+def set_since(attributes: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of ``attributes`` new since ``before``, or bound to another object (by identity:
+    ``x.seen = True`` again is no change, a new list of equal items is one).
+
+    >>> set_since({"seen": True, "tag": "a", "step": 2}, {"seen": True, "step": 1})
+    {'tag': 'a', 'step': 2}
+    """
+    return {
+        name: value
+        for name, value in attributes.items()
         if name not in before or before[name] is not value
-    ]
+    }
 
 
 class CarriedAttributes:

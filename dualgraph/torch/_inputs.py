@@ -10,7 +10,7 @@ also checks that each tensor is laid out in memory as its sample was
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from ._leaves import dtype_name
 __all__ = [
     "InputGuard",
     "input_off_device",
+    "own_parameter_at",
     "own_parameter_passed",
     "same_tensor_twice",
     "unsupported_tensor",
@@ -89,28 +90,48 @@ def same_tensor_twice(
     return None
 
 
+def own_parameter_at(
+    tensors: Sequence[torch.Tensor], positions: Iterable[int], params: Container[int]
+) -> int | None:
+    """The first of ``positions`` whose input is one of the parameters (``params``: their ids)
+    requiring grad, or a view of one (its ``_base``) that carries grad back to it (a
+    ``grad_fn``: one made under ``no_grad`` has none, and sends none); ``None``: none is.
+    Identities first, no storage read (a replay's check on each call).
+
+    >>> weight = torch.nn.Parameter(torch.ones(2, 2))
+    >>> inputs = [torch.ones(2), weight.t()]
+    >>> own_parameter_at(inputs, [0, 1], {id(weight)}), own_parameter_at(inputs, [0], {id(weight)})
+    (1, None)
+    """
+    for i in positions:
+        tensor = tensors[i]
+        if id(tensor) in params:
+            if tensor.requires_grad:
+                return i
+        elif id(tensor._base) in params and tensor.grad_fn is not None:
+            return i
+    return None
+
+
 def own_parameter_passed(
     paths: Sequence[str],
     tensors: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
     names: Sequence[str],
 ) -> tuple[str, str] | None:
-    """The path of the first input that is one of ``params`` requiring grad, or a view of one
-    (its ``_base``) that carries grad back to it (a ``grad_fn``: not one made under
-    ``no_grad``), and that parameter's name; ``None``: none is.
+    """The path of the first input that is one of ``params``, or views one, as
+    :func:`own_parameter_at` tells, and that parameter's name; ``None``: none is.
 
     >>> weight = torch.nn.Parameter(torch.ones(2, 2))
     >>> own_parameter_passed(["args[0]", "args[1]"], [torch.ones(2), weight.t()], [weight], ["w"])
     ('args[1]', 'w')
     """
     named = {id(param): name for param, name in zip(params, names, strict=True)}
-    for path, tensor in zip(paths, tensors, strict=True):
-        if id(tensor) in named:
-            if tensor.requires_grad:
-                return path, named[id(tensor)]
-        elif id(tensor._base) in named and tensor.grad_fn is not None:
-            return path, named[id(tensor._base)]
-    return None
+    i = own_parameter_at(tensors, range(len(paths)), named)
+    if i is None:
+        return None
+    tensor = tensors[i]
+    return paths[i], named[id(tensor)] if id(tensor) in named else named[id(tensor._base)]
 
 
 def input_off_device(

@@ -66,7 +66,7 @@ from ._grad_checks import span as _span
 from ._grad_checks import will_engine_execute_node as _will_engine_execute_node
 from ._grad_checks import will_execute_or_capture as _will_execute_or_capture
 from ._grad_order import views_in_order
-from ._inputs import own_parameter_passed
+from ._inputs import own_parameter_at, own_parameter_passed
 from ._layout_checks import Layouts
 from ._layouts import copier_of
 from ._modes import dispatch_modes_now, modes_meaning, of_dispatch, show_modes
@@ -876,7 +876,9 @@ class GraphedCallable:
                         else len({*map(id, tensors)}) != count
                     )
                 )
-                or (own is not None and grad_enabled and _passes_own_param(tensors, *own))
+                or (
+                    own is not None and grad_enabled and own_parameter_at(tensors, *own) is not None
+                )
             ):
                 return self._eagerly(args, kwargs, replay_kwargs if hooks is not None else None)
             # a tensor carrying other public attributes (x.scale): one __dict__ test a tensor
@@ -2242,22 +2244,6 @@ class GraphedCallable:
 def _params_hooked(params: Sequence[torch.Tensor]) -> bool:
     """Whether a parameter has a tensor hook or a post-accumulate-grad hook (two C passes)."""
     return any(map(_tensor_hooks, params)) or any(map(_post_accumulate_hooks, params))
-
-
-def _passes_own_param(
-    tensors: Sequence[torch.Tensor], positions: tuple[int, ...], params: frozenset[int]
-) -> bool:
-    """Whether an input at ``positions`` is one of the parameters (by id) requiring grad, or a
-    view of one (its ``_base``) that carries grad back to it (one made under ``no_grad`` has
-    no ``grad_fn``, and sends none): identities first, no storage read."""
-    for i in positions:
-        tensor = tensors[i]
-        if id(tensor) in params:
-            if tensor.requires_grad:
-                return True
-        elif id(tensor._base) in params and tensor.grad_fn is not None:
-            return True
-    return False
 
 
 def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool], ...]) -> bool:

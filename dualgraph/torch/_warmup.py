@@ -36,6 +36,7 @@ from .._errors import DualgraphError, SpecMismatchError
 from ._ambient import outside_autocast
 from ._branch_reads import branch_reads
 from ._capture_failure import Refused
+from ._carried_attributes import set_since
 from ._closed_over import named_by, plain_tensor_attributes
 from ._cudnn_ops import cudnn_ops_run
 from ._grad_mode_set import turns_grad_mode_on
@@ -397,11 +398,7 @@ def _input_attributes(
     """
     found: list[tuple[int, dict[str, Any]]] = []
     for i, (path, tensor, old) in enumerate(zip(paths, static_inputs, before, strict=True)):
-        attributes = {
-            name: value
-            for name, value in vars(tensor).items()
-            if name not in old or old[name] is not value
-        }
+        attributes = set_since(vars(tensor), old)  # private names too (_do_not_clear)
         if not attributes:
             continue
         for name, value in attributes.items():
@@ -551,14 +548,15 @@ def _warmup(
     if inspect:
         with _unobserved():
             bits = [bytes_of(t) for t in item.static_inputs]
-    saved: list[int] = []  # the storages of the tensors the forward saves for backward
+    # the storages of the tensors the forward saved that the backward reads (unpacks)
+    saved: list[int] = []
     # Every warmup forward is watched for reads of grad mode and of the inputs' requires_grad:
     # under the lint's function mode (the inspected one), torch's fast-path checks stop at
     # has_torch_function before reading grad mode.
     with torch.enable_grad(), item.request.hooks.around("forward"):
         if inspect:
             with (
-                own_saved_tensors_hooks(_keeper(saved, item.probe), _unpack),
+                own_saved_tensors_hooks(*_keeper(saved, item.probe)),
                 turns_grad_mode_on() as grad_mode,
                 branch_reads(item.static_inputs) as reads,
                 rng_rewinds() as forward_rewound,
@@ -615,28 +613,22 @@ def _warmup(
         item.output_attributes = _output_attributes(
             flat, item.out_spec.array_paths, item.output_aliases
         )
-        item.saved_outputs = _saved_outputs(flat, saved)
-        item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
         module = item.request.module
         # a module's plain tensor attributes as this call left them, found once for both uses
         attributes = plain_tensor_attributes(module) if module is not None else []
         item.outside_outputs = _outputs_sharing(flat, _tensors_named_by(item, attributes))
+        # What else the backward reads that a replay could find changed: a function's or
+        # method's weights (as a module's), a module's plain tensor attributes.
+        closure_tensors = (
+            named_by(item.request.fn, parameters=True)
+            if module is None
+            else [(f"{type(module).__name__}.{name}", tensor) for name, tensor in attributes]
+        )
         aliases = item.output_aliases
         made_from_outputs = frozenset(
             () if aliases is None else (s.output for s in aliases.steps if not s.from_input)
         )
         item.used_inside = used_inside(flat, item.diff_outputs, made_from_outputs)
-        item.saved_module_tensors = _saved_module_tensors(
-            item.module_tensors if item.module_tensors is not None else item.code_tensors, saved
-        )
-        # What else the backward reads that a replay could find changed: a function's or
-        # method's weights (as a module's), a module's plain tensor attributes.
-        item.saved_closure_tensors = _saved_among(
-            named_by(item.request.fn, parameters=True)
-            if module is None
-            else [(f"{type(module).__name__}.{name}", tensor) for name, tensor in attributes],
-            saved,
-        )
         walked: list[Any] = []
         reach, foreign = trace_leaves(differentiable, diff_inputs, walked)  # one walk
         # a convolution's node, or a convolution or RNN module run: cuDNN's settings choose
@@ -648,7 +640,7 @@ def _warmup(
         if foreign:
             _refuse_foreign_leaves(item, foreign, differentiable)
         item.reach = reach
-    del outputs, saved
+    del outputs
     grads: tuple[torch.Tensor | None, ...] = ()
     if differentiable and diff_inputs:
         # As the captured backward: the outputs handed out as another tensor (an input, a view
@@ -715,6 +707,16 @@ def _warmup(
             item.take_grad_layouts(grads)
         if inspect and item.fuses_accumulation:  # the graph adds them into .grad, then frees them
             item.probe.memory.release(grads[len(item.grad_input_indices) :])
+    if inspect:
+        # What the backward read (only it: a node no output reaches saves tensors no backward
+        # reads, eager lets them change before its backward)
+        item.saved_outputs = _saved_outputs(flat, saved)
+        item.saved_inputs = _saved_outputs(item.static_inputs, saved)  # by storage, as outputs
+        item.saved_module_tensors = _saved_module_tensors(
+            item.module_tensors if item.module_tensors is not None else item.code_tensors, saved
+        )
+        item.saved_closure_tensors = _saved_among(closure_tensors, saved)
+    del saved
     paths = item.request.inputs.paths
     for i, (v0, v1, t) in enumerate(zip(before, after_forward, item.static_inputs, strict=True)):
         if t._version != v1:
@@ -803,27 +805,46 @@ def _recording_under_no_grad(item: _Capture) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(flat) if t.requires_grad)
 
 
-def _keeper(saved: list[int], probe: WarmupProbe) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A pack hook that notes the storage of each saved tensor, not the tensor: autograd keeps
-    the hook (and so ``saved``) until the backward is over, and would keep the tensors too.
+def _keeper(
+    read: list[int], probe: WarmupProbe
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """Saved-tensor hooks whose unpack notes in ``read`` the storage of each saved tensor the
+    backward reads, not the tensor: autograd keeps the hooks (and so ``read``) until the
+    backward is over, and would keep the tensors too.
 
-    It hands autograd the tensor detached: an op's saved output packed as itself holds its own
-    node, a cycle no garbage collection frees, which only a backward through that node breaks.
-    A result the forward drops, or a failure before the backward, would leave that graph (and
-    the parameters' ``AccumulateGrad`` nodes) alive for good. Autograd puts the grad_fn back
-    when it unpacks.
+    Noted at unpack, not at pack: a node no output reaches (``self.inp(mid)``, its result
+    dropped) saves tensors too, which no backward reads: eager lets them change in place before
+    its backward (an optimizer step), so must a replay. Eager's own check of a saved tensor's
+    version is made at unpack as well.
+
+    The pack hands autograd the tensor detached: an op's saved output packed as itself holds its
+    own node, a cycle no garbage collection frees, which only a backward through that node
+    breaks. A result the forward drops, or a failure before the backward, would leave that graph
+    (and the parameters' ``AccumulateGrad`` nodes) alive for good. Autograd puts the grad_fn
+    back when it unpacks.
+
+    >>> class NoProbe:
+    ...     def note_saved(self, tensors): ...
+    >>> read = []
+    >>> pack, unpack = _keeper(read, NoProbe())
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    ...     kept, dropped = (w * w).sum(), w.exp()
+    >>> del dropped
+    >>> read == [], kept.backward(), read == [_storage(w)] * 2
+    (True, None, True)
     """
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(_storage(tensor))
+    def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         probe.note_saved((tensor,))  # issue 19 hook: the probe's own pack hook is outside this one
-        return tensor.detach()
+        return tensor.detach(), _storage(tensor)
 
-    return pack
+    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        tensor, storage = packed
+        read.append(storage)
+        return tensor
 
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+    return pack, unpack
 
 
 def _storage(tensor: Any) -> int:
