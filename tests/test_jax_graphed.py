@@ -1533,6 +1533,31 @@ def _without_x(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k != "x"}
 
 
+def _scale_three(fn: Any) -> Any:
+    """A decorator giving ``scale`` a default of its own (as configuration decorators do);
+    ``functools.wraps`` makes ``inspect.signature`` show the wrapped function's."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **{"scale": 3.0, **kwargs})
+
+    return wrapper
+
+
+def test_a_wrapped_function_spelled_otherwise_is_bound_as_the_wrapper_binds_it() -> None:
+    # Before: g(x, scale=2.0) for a sample g(x) was written g(x) by the wrapped function's
+    # signature (its default is 2.0) and ran the program of scale 3.0: [3, 3, 3] where the
+    # function gives [2, 2, 2], silently. The wrapper collects scale in its **kwargs.
+    wrapped = _scale_three(scaled)
+    g = dgj.graphed(wrapped, (jnp.ones(3),), donate_argnums=0)
+    x = jnp.ones(3)
+    for args, kwargs in (((x,), {"scale": 2.0}), ((x, 2.0), {})):
+        with pytest.raises(SpecMismatchError, match=r"^(kwargs\['scale'\]|args\[1\]): unexpected"):
+            g(*args, **kwargs)
+        assert not x.is_deleted()
+    np.testing.assert_array_equal(g(x), wrapped(jnp.ones(3)))
+
+
 def test_a_respelled_vjp_gives_grads_as_the_call_spells_its_arguments() -> None:
     def product(w: jax.Array, x: jax.Array, scale: float = 1.0) -> jax.Array:
         return (w * x).sum() * scale
