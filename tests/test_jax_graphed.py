@@ -1009,6 +1009,38 @@ def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(la
     assert twin.vjp(jnp.ones(3))[0].tolist() == [1.0] * 3
 
 
+def _shared_with_torch(kind: str) -> tuple[jax.Array, torch.Tensor]:
+    """A JAX array and a torch tensor of the same memory (DLPack, either way round)."""
+    if kind == "from_torch":
+        tensor = torch.ones(3)
+        return jax.dlpack.from_dlpack(tensor), tensor
+    array = jnp.full(3, 1.0) if kind == "weak_to_torch" else jnp.ones(3, jnp.float32)
+    return array, torch.from_dlpack(array)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
+@pytest.mark.parametrize("kind", ["from_torch", "to_torch", "weak_to_torch"])
+def test_a_jax_array_closed_over_and_written_through_dlpack_reaches_neither(
+    kind: str, lazy: bool
+) -> None:
+    # JAX's trace held the array itself, whose memory torch shares: the forward was lowered from
+    # its values when graphed, the VJP from those at its first call, so after torch's mul_(5)
+    # g(x) gave 3 and g.vjp(x) 15 (its grad 5), silently
+    weights, tensor = _shared_with_torch(kind)
+    if tensor.data_ptr() != weights.unsafe_buffer_pointer():
+        pytest.skip("DLPack copied here: nothing is shared")
+    g = dgj.graphed(lambda x: (x * weights).sum(), (jnp.ones(3),), lazy=lazy)
+    tensor.mul_(5.0)
+    assert (weights == 5.0).all()  # the function itself (and jax.jit) now computes with 5s
+    out, pullback = g.vjp(jnp.ones(3))
+    (grad,), _ = pullback(jnp.float32(1.0))
+    assert float(out) == float(g(jnp.ones(3))) == 3.0
+    assert grad.tolist() == [1.0] * 3
+    tensor.mul_(7.0)
+    twin = g.with_compiler_options({"xla_allow_excess_precision": False})
+    assert float(twin.vjp(jnp.ones(3))[0]) == 3.0
+
+
 # -- weakly typed inputs (from Python scalars): JAX promotes them differently ---------------------
 
 
@@ -1217,18 +1249,27 @@ def test_a_deleted_cotangent_is_refused_naming_its_path() -> None:
     assert pullback({"y": jnp.ones(2)})[0][0].tolist() == [2.0, 2.0]
 
 
-@pytest.mark.parametrize("how", ["donated", "deleted"])
-def test_a_vjp_needing_a_closed_over_array_deleted_since_graphing_is_refused(how: str) -> None:
+@pytest.mark.parametrize("how", ["donated", "deleted", "weak_deleted", "key_deleted"])
+def test_a_vjp_after_a_closed_over_array_was_deleted_runs_on_the_values_kept_when_graphed(
+    how: str,
+) -> None:
     # The VJP, traced at its first call, read the deleted array: JAX's RuntimeError escaped
-    closed_over = jnp.ones(3)
-    g = dgj.graphed(lambda x: x + closed_over, (jnp.ones(3),), donate_argnums=0)
+    # (later refused by name); the trace now keeps its own copy, as the compiled forward does
+    closed_over = jnp.full(3, 1.0) if how == "weak_deleted" else jnp.ones(3)
+    key = jax.random.key(0)
+
+    def fn(x: jax.Array) -> jax.Array:
+        return x + (jax.random.normal(key, (3,)) if how == "key_deleted" else closed_over)
+
+    g = dgj.graphed(fn, (jnp.ones(3),), donate_argnums=0)
+    want = g(jnp.ones(3)).tolist()
     if how == "donated":
         g(closed_over)
     else:
-        closed_over.delete()
-    with pytest.raises(DualgraphError, match=r"^graphed\(.*\): the function closes over an array "):
-        g.vjp(jnp.ones(3))
-    assert g(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]  # the compiled program holds its values
+        (key if how == "key_deleted" else closed_over).delete()
+    out, pullback = g.vjp(jnp.ones(3))
+    assert out.tolist() == g(jnp.ones(3)).tolist() == want
+    assert pullback(jnp.ones(3))[0][0].tolist() == [1.0, 1.0, 1.0]
 
 
 def transposed_array() -> jax.Array:
