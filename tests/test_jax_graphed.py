@@ -992,11 +992,24 @@ def test_python_state_changed_after_graphing_reaches_neither_the_call_nor_the_vj
     assert grad.tolist() == [2.0, 2.0]
 
 
+@pytest.fixture(params=[False, True], ids=["consts", "literals"])
+def jaxpr_constants(request: pytest.FixtureRequest) -> Any:
+    """JAX's two ways of holding what a function closes over in its trace: the trace's
+    constants, or literals in its equations (``jax_use_simplified_jaxpr_constants``)."""
+    from jax._src import config as jax_config  # the setting's own context manager
+
+    with jax_config.use_simplified_jaxpr_constants(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
-def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(lazy: bool) -> None:
+def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(
+    lazy: bool, jaxpr_constants: bool
+) -> None:
     # JAX's trace holds a view of a numpy array the function closes over: the forward was
     # lowered from its values when graphed, the VJP from those at its first call, so after
-    # weights[:] = 5 g(x) gave x and g.vjp(x) 5x (its grad 5 too), silently
+    # weights[:] = 5 g(x) gave x and g.vjp(x) 5x (its grad 5 too), silently (after the copy
+    # kept in the trace's constants, still so where JAX holds them as literals)
     weights = np.ones(3, np.float32)
     g = dgj.graphed(lambda x: x * weights, (jnp.ones(3),), lazy=lazy)
     weights[:] = 5.0
@@ -1021,7 +1034,7 @@ def _shared_with_torch(kind: str) -> tuple[jax.Array, torch.Tensor]:
 @pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
 @pytest.mark.parametrize("kind", ["from_torch", "to_torch", "weak_to_torch"])
 def test_a_jax_array_closed_over_and_written_through_dlpack_reaches_neither(
-    kind: str, lazy: bool
+    kind: str, lazy: bool, jaxpr_constants: bool
 ) -> None:
     # JAX's trace held the array itself, whose memory torch shares: the forward was lowered from
     # its values when graphed, the VJP from those at its first call, so after torch's mul_(5)

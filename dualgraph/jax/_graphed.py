@@ -209,7 +209,8 @@ class GraphedCallable:
             # The function's Python runs once, here: every program (this forward, the VJP's,
             # compiled later) is made from this one trace, so none sees Python state (a global,
             # an attribute, a side effect) as it is at a later first call.
-            trace = _with_constants_kept(jax.make_jaxpr(self._flat)(*structs))
+            with _constants_in_the_trace():
+                trace = _with_constants_kept(jax.make_jaxpr(self._flat)(*structs))
             self._program = jaxpr_as_fun(trace)
             jitted = jax.jit(
                 self._program, donate_argnums=self._donated, keep_unused=bool(self._donated)
@@ -514,6 +515,18 @@ def _with_constants_kept(trace: Any) -> Any:
     [1.0, 1.0]
     """
     return trace.replace(consts=[_kept_constant(c) for c in trace.consts])
+
+
+def _constants_in_the_trace() -> contextlib.AbstractContextManager[Any]:
+    """A context in which a trace holds the arrays the function closes over among its
+    constants, where :func:`_with_constants_kept` copies them, never as literals of its
+    equations (``jax_use_simplified_jaxpr_constants``, the same program either way)."""
+    try:
+        from jax._src import config  # the setting's own context manager; no public one
+    except ImportError:
+        return contextlib.nullcontext()
+    setting = getattr(config, "use_simplified_jaxpr_constants", None)
+    return contextlib.nullcontext() if setting is None else setting(False)
 
 
 def _kept_constant(const: Any) -> Any:
