@@ -535,6 +535,8 @@ def _kept_constant(const: Any) -> Any:
         return const.copy()
     if not isinstance(const, jax.Array) or isinstance(const, TRACER_TYPE):
         return const
+    if not const.is_fully_addressable:  # other hosts hold parts of it: as JAX holds it
+        return const
     if jax.dtypes.issubdtype(const.dtype, jax.dtypes.extended) or const.weak_type:
         return jnp.array(const, copy=True)
     return np.array(const, copy=True)
