@@ -1022,6 +1022,28 @@ def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(
     assert twin.vjp(jnp.ones(3))[0].tolist() == [1.0] * 3
 
 
+def test_a_broadcast_numpy_array_closed_over_is_kept_without_its_broadcast_made_dense() -> None:
+    # The trace's copy of a closed-over numpy array (np.broadcast_to's view of one value,
+    # 256 MiB as a dense array) was made dense: graphing allocated all of it and lowered it as
+    # a dense constant (1 GiB took 5 s and 1 GiB of memory, where jax.jit lowers a broadcast
+    # of the one value in 0.06 s)
+    import tracemalloc
+
+    ones = np.broadcast_to(np.float32(1.0), (8192, 8192))
+    struct = jax.ShapeDtypeStruct(ones.shape, jnp.float32)
+    tracemalloc.start()
+    try:
+        g = dgj.graphed(lambda x: (x * ones).sum(), (struct,), lazy=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20
+    small = np.broadcast_to(np.arange(3, dtype=np.float32)[:, None], (3, 2))
+    h = dgj.graphed(lambda x: x * small, (jnp.ones((3, 2)),))
+    np.testing.assert_array_equal(h(jnp.ones((3, 2))), small)
+    del g
+
+
 def _shared_with_torch(kind: str) -> tuple[jax.Array, torch.Tensor]:
     """A JAX array and a torch tensor of the same memory (DLPack, either way round)."""
     if kind == "from_torch":

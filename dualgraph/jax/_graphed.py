@@ -529,10 +529,29 @@ def _constants_in_the_trace() -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if setting is None else setting(False)
 
 
+def _numpy_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` of no more memory than it holds: an axis of stride 0 (a view of
+    ``np.broadcast_to``) stays a broadcast of one copied entry, which JAX lowers as such, where
+    a dense copy could be any size.
+
+    >>> view = np.broadcast_to(np.arange(2.0)[:, None], (2, 10**6))
+    >>> kept = _numpy_copy(view)
+    >>> kept.base.shape, np.shares_memory(kept, view), (kept == view).all()
+    ((2, 1), False, np.True_)
+    """
+    broadcast = [
+        stride == 0 and size > 1 for stride, size in zip(array.strides, array.shape, strict=True)
+    ]
+    if not any(broadcast) or not array.size:
+        return array.copy()
+    one = tuple(slice(0, 1) if b else slice(None) for b in broadcast)
+    return np.broadcast_to(array[one].copy(), array.shape)
+
+
 def _kept_constant(const: Any) -> Any:
     """A copy of an array the function closes over that nothing else can write into."""
     if isinstance(const, np.ndarray):
-        return const.copy()
+        return _numpy_copy(const)
     if not isinstance(const, jax.Array) or isinstance(const, TRACER_TYPE):
         return const
     if not const.is_fully_addressable:  # other hosts hold parts of it: as JAX holds it
