@@ -21,6 +21,7 @@ from ._errors import SpecMismatchError
 from ._nodes import Node, clip
 from ._paths import Attr, Index, Key, PathEntry, format_path
 from ._spec import TreeSpec
+from ._spelling import binding_signature
 
 __all__ = ["KeyOrders", "key_order_difference"]
 
@@ -167,7 +168,7 @@ def _collected_keywords(fn: Callable[..., Any], keywords: tuple[Any, ...]) -> tu
     """The ``keywords`` (in order) that ``fn`` collects in its ``**kwargs``; none when it has
     no ``**kwargs`` or its signature cannot be read."""
     try:
-        parameters = inspect.signature(fn).parameters.values()
+        parameters = binding_signature(fn).parameters.values()
     except Exception:  # no signature to read (a builtin, a __signature__ that raises)
         return ()
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):

@@ -40,12 +40,29 @@ from ._nodes import clip
 from ._paths import Index, Key, format_path
 from ._spec import describe
 
-__all__ = ["CallSpelling"]
+__all__ = ["CallSpelling", "binding_signature"]
 
 _EMPTY = inspect.Parameter.empty
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _VAR = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def binding_signature(fn: Callable[..., Any], /) -> inspect.Signature:
+    """The signature Python binds a call of ``fn`` by: ``fn``'s own, never one it wraps.
+
+    ``inspect.signature`` follows ``__wrapped__`` (``functools.wraps``) to the wrapped
+    function's, but a call binds to the wrapper, whose own defaults and ``**kwargs`` decide
+    what the wrapped function gets. A ``__signature__`` the callable declares is kept
+    (``jax.jit`` declares the function's, ``functools.partial`` gets its own).
+
+    >>> import functools
+    >>> def f(x, scale=2.0):
+    ...     return x * scale
+    >>> binding_signature(functools.wraps(f)(lambda *args, **kwargs: f(*args, scale=3.0)))
+    <Signature (*args, **kwargs)>
+    """
+    return inspect.signature(fn, follow_wrapped=False)
 
 
 class _Slot:
@@ -99,7 +116,7 @@ class CallSpelling:
         self._signature: inspect.Signature | None = None
         self._plans: dict[tuple[int, tuple[str, ...]], _Plan | None] = {}
         try:
-            signature = inspect.signature(fn)
+            signature = binding_signature(fn)
             signature.bind(*args, **kwargs)
         except Exception:  # no signature to read (a builtin), or one the sample does not fit
             return

@@ -992,11 +992,24 @@ def test_python_state_changed_after_graphing_reaches_neither_the_call_nor_the_vj
     assert grad.tolist() == [2.0, 2.0]
 
 
+@pytest.fixture(params=[False, True], ids=["consts", "literals"])
+def jaxpr_constants(request: pytest.FixtureRequest) -> Any:
+    """JAX's two ways of holding what a function closes over in its trace: the trace's
+    constants, or literals in its equations (``jax_use_simplified_jaxpr_constants``)."""
+    from jax._src import config as jax_config  # the setting's own context manager
+
+    with jax_config.use_simplified_jaxpr_constants(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
-def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(lazy: bool) -> None:
+def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(
+    lazy: bool, jaxpr_constants: bool
+) -> None:
     # JAX's trace holds a view of a numpy array the function closes over: the forward was
     # lowered from its values when graphed, the VJP from those at its first call, so after
-    # weights[:] = 5 g(x) gave x and g.vjp(x) 5x (its grad 5 too), silently
+    # weights[:] = 5 g(x) gave x and g.vjp(x) 5x (its grad 5 too), silently (after the copy
+    # kept in the trace's constants, still so where JAX holds them as literals)
     weights = np.ones(3, np.float32)
     g = dgj.graphed(lambda x: x * weights, (jnp.ones(3),), lazy=lazy)
     weights[:] = 5.0
@@ -1007,6 +1020,60 @@ def test_a_numpy_array_closed_over_and_written_after_graphing_reaches_neither(la
     weights[:] = 7.0
     twin = g.with_compiler_options({"xla_allow_excess_precision": False})
     assert twin.vjp(jnp.ones(3))[0].tolist() == [1.0] * 3
+
+
+def test_a_broadcast_numpy_array_closed_over_is_kept_without_its_broadcast_made_dense() -> None:
+    # The trace's copy of a closed-over numpy array (np.broadcast_to's view of one value,
+    # 256 MiB as a dense array) was made dense: graphing allocated all of it and lowered it as
+    # a dense constant (1 GiB took 5 s and 1 GiB of memory, where jax.jit lowers a broadcast
+    # of the one value in 0.06 s)
+    import tracemalloc
+
+    ones = np.broadcast_to(np.float32(1.0), (8192, 8192))
+    struct = jax.ShapeDtypeStruct(ones.shape, jnp.float32)
+    tracemalloc.start()
+    try:
+        g = dgj.graphed(lambda x: (x * ones).sum(), (struct,), lazy=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20
+    small = np.broadcast_to(np.arange(3, dtype=np.float32)[:, None], (3, 2))
+    h = dgj.graphed(lambda x: x * small, (jnp.ones((3, 2)),))
+    np.testing.assert_array_equal(h(jnp.ones((3, 2))), small)
+    del g
+
+
+def _shared_with_torch(kind: str) -> tuple[jax.Array, torch.Tensor]:
+    """A JAX array and a torch tensor of the same memory (DLPack, either way round)."""
+    if kind == "from_torch":
+        tensor = torch.ones(3)
+        return jax.dlpack.from_dlpack(tensor), tensor
+    array = jnp.full(3, 1.0) if kind == "weak_to_torch" else jnp.ones(3, jnp.float32)
+    return array, torch.from_dlpack(array)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["compiled", "lazy"])
+@pytest.mark.parametrize("kind", ["from_torch", "to_torch", "weak_to_torch"])
+def test_a_jax_array_closed_over_and_written_through_dlpack_reaches_neither(
+    kind: str, lazy: bool, jaxpr_constants: bool
+) -> None:
+    # JAX's trace held the array itself, whose memory torch shares: the forward was lowered from
+    # its values when graphed, the VJP from those at its first call, so after torch's mul_(5)
+    # g(x) gave 3 and g.vjp(x) 15 (its grad 5), silently
+    weights, tensor = _shared_with_torch(kind)
+    if tensor.data_ptr() != weights.unsafe_buffer_pointer():
+        pytest.skip("DLPack copied here: nothing is shared")
+    g = dgj.graphed(lambda x: (x * weights).sum(), (jnp.ones(3),), lazy=lazy)
+    tensor.mul_(5.0)
+    assert (weights == 5.0).all()  # the function itself (and jax.jit) now computes with 5s
+    out, pullback = g.vjp(jnp.ones(3))
+    (grad,), _ = pullback(jnp.float32(1.0))
+    assert float(out) == float(g(jnp.ones(3))) == 3.0
+    assert grad.tolist() == [1.0] * 3
+    tensor.mul_(7.0)
+    twin = g.with_compiler_options({"xla_allow_excess_precision": False})
+    assert float(twin.vjp(jnp.ones(3))[0]) == 3.0
 
 
 # -- weakly typed inputs (from Python scalars): JAX promotes them differently ---------------------
@@ -1217,18 +1284,27 @@ def test_a_deleted_cotangent_is_refused_naming_its_path() -> None:
     assert pullback({"y": jnp.ones(2)})[0][0].tolist() == [2.0, 2.0]
 
 
-@pytest.mark.parametrize("how", ["donated", "deleted"])
-def test_a_vjp_needing_a_closed_over_array_deleted_since_graphing_is_refused(how: str) -> None:
+@pytest.mark.parametrize("how", ["donated", "deleted", "weak_deleted", "key_deleted"])
+def test_a_vjp_after_a_closed_over_array_was_deleted_runs_on_the_values_kept_when_graphed(
+    how: str,
+) -> None:
     # The VJP, traced at its first call, read the deleted array: JAX's RuntimeError escaped
-    closed_over = jnp.ones(3)
-    g = dgj.graphed(lambda x: x + closed_over, (jnp.ones(3),), donate_argnums=0)
+    # (later refused by name); the trace now keeps its own copy, as the compiled forward does
+    closed_over = jnp.full(3, 1.0) if how == "weak_deleted" else jnp.ones(3)
+    key = jax.random.key(0)
+
+    def fn(x: jax.Array) -> jax.Array:
+        return x + (jax.random.normal(key, (3,)) if how == "key_deleted" else closed_over)
+
+    g = dgj.graphed(fn, (jnp.ones(3),), donate_argnums=0)
+    want = g(jnp.ones(3)).tolist()
     if how == "donated":
         g(closed_over)
     else:
-        closed_over.delete()
-    with pytest.raises(DualgraphError, match=r"^graphed\(.*\): the function closes over an array "):
-        g.vjp(jnp.ones(3))
-    assert g(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]  # the compiled program holds its values
+        (key if how == "key_deleted" else closed_over).delete()
+    out, pullback = g.vjp(jnp.ones(3))
+    assert out.tolist() == g(jnp.ones(3)).tolist() == want
+    assert pullback(jnp.ones(3))[0][0].tolist() == [1.0, 1.0, 1.0]
 
 
 def transposed_array() -> jax.Array:
@@ -1531,6 +1607,31 @@ def scaled_of_x(rest: tuple[Any, ...], kwargs: dict[str, Any], x: jax.Array) -> 
 
 def _without_x(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k != "x"}
+
+
+def _scale_three(fn: Any) -> Any:
+    """A decorator giving ``scale`` a default of its own (as configuration decorators do);
+    ``functools.wraps`` makes ``inspect.signature`` show the wrapped function's."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **{"scale": 3.0, **kwargs})
+
+    return wrapper
+
+
+def test_a_wrapped_function_spelled_otherwise_is_bound_as_the_wrapper_binds_it() -> None:
+    # Before: g(x, scale=2.0) for a sample g(x) was written g(x) by the wrapped function's
+    # signature (its default is 2.0) and ran the program of scale 3.0: [3, 3, 3] where the
+    # function gives [2, 2, 2], silently. The wrapper collects scale in its **kwargs.
+    wrapped = _scale_three(scaled)
+    g = dgj.graphed(wrapped, (jnp.ones(3),), donate_argnums=0)
+    x = jnp.ones(3)
+    for args, kwargs in (((x,), {"scale": 2.0}), ((x, 2.0), {})):
+        with pytest.raises(SpecMismatchError, match=r"^(kwargs\['scale'\]|args\[1\]): unexpected"):
+            g(*args, **kwargs)
+        assert not x.is_deleted()
+    np.testing.assert_array_equal(g(x), wrapped(jnp.ones(3)))
 
 
 def test_a_respelled_vjp_gives_grads_as_the_call_spells_its_arguments() -> None:

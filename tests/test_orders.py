@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any, NamedTuple
 
@@ -82,6 +83,22 @@ def test_keywords_a_function_collects_in_its_var_kwargs_keep_their_order() -> No
     orders.check((), {"scale": 1.0, "b": 0, "x": 0, "a": 0})  # scale binds by name
     with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['x', 'b', 'a'\] go to"):
         orders.check((), {"x": 0, "b": 0, "a": 0, "scale": 1.0})
+
+
+def test_keywords_a_wrapper_collects_in_its_var_kwargs_keep_their_order() -> None:
+    # Before: the signature was read through __wrapped__ (functools.wraps), where a and b are
+    # named parameters, so the wrapper's **kwargs, which sees the call's order, went unchecked.
+    def named(x: Any, a: Any, b: Any) -> None:
+        """Takes a and b by name."""
+
+    @functools.wraps(named)
+    def summing(*args: Any, **kwargs: Any) -> Any:
+        return named(*args, **kwargs), list(kwargs)  # the keywords in the call's order
+
+    orders = KeyOrders(describe_call((array(1),), {"a": array(1), "b": array(1)}), summing)
+    orders.check((0,), {"a": 0, "b": 0})
+    with pytest.raises(SpecMismatchError, match=r"^kwargs: the keywords \['b', 'a'\] go to"):
+        orders.check((0,), {"b": 0, "a": 0})
 
 
 class _UnreadableSignature:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +103,37 @@ def test_a_default_no_spec_holds_is_compared_by_identity_and_shown_by_its_repr()
 
 def g(x: Any, /, **more: Any) -> None:
     """A positional-only parameter and ``**more``, which a keyword of the same name goes to."""
+
+
+def with_defaults(**defaults: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator setting defaults of its own (``functools.wraps``: the wrapped function's
+    signature is what ``inspect.signature`` shows, not the one Python binds a call to)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **{**defaults, **kwargs})
+
+        return wrapper
+
+    return decorate
+
+
+@with_defaults(scale=3.0)
+def rescaled(x: Any, scale: float = 2.0) -> dict[str, Any]:
+    """Eager's ``rescaled(x)`` gets scale 3.0, the wrapper's default, not 2.0."""
+    return {"x": x, "scale": scale}
+
+
+def test_a_wrapper_is_bound_by_its_own_signature_not_the_one_it_wraps() -> None:
+    # Before: the signature was read through __wrapped__, (x, scale=2.0), so rescaled(1,
+    # scale=2.0) (eager: scale 2.0) was written as the sample rescaled(1) (eager: scale 3.0,
+    # the program's), and rescaled(1, 2.0) too: a replay of another call, silently.
+    spelling = CallSpelling(rescaled, (1,), {})
+    assert rescaled(1, scale=2.0) != rescaled(1)
+    assert spelling.as_captured((1,), {"scale": 2.0}) is None  # the spec's error stands
+    assert spelling.as_captured((1, 2.0), {}) is None
+    assert spelling.as_captured((), {"x": 1}) is None  # the wrapper takes x in its **kwargs
 
 
 def test_a_keyword_named_as_a_positional_only_parameter_is_never_made_from_it() -> None:

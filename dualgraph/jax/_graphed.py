@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
 
@@ -208,9 +209,9 @@ class GraphedCallable:
             # The function's Python runs once, here: every program (this forward, the VJP's,
             # compiled later) is made from this one trace, so none sees Python state (a global,
             # an attribute, a side effect) as it is at a later first call.
-            trace = _with_constants_kept(jax.make_jaxpr(self._flat)(*structs))
+            with _constants_in_the_trace():
+                trace = _with_constants_kept(jax.make_jaxpr(self._flat)(*structs))
             self._program = jaxpr_as_fun(trace)
-            self._closed_over = [c for c in trace.consts if isinstance(c, jax.Array)]
             jitted = jax.jit(
                 self._program, donate_argnums=self._donated, keep_unused=bool(self._donated)
             )
@@ -305,7 +306,6 @@ class GraphedCallable:
         arrays, paths, weak = self._checked_inputs(args, kwargs)
         program = self._vjp_programs.get(weak)
         if program is None:
-            _refuse_deleted_constants(self.name, self._closed_over)
             with self._compile_config():
                 program = self._vjp_programs[weak] = VJPProgram(
                     self.name,
@@ -499,9 +499,13 @@ def _grads_in_order(
 
 
 def _with_constants_kept(trace: Any) -> Any:
-    """``trace`` holding copies of the numpy arrays the function closes over, where JAX's holds
-    views: written into after graphing (``weights[:] = new``), their new values would reach
-    the VJP, lowered at its first call, and not the forward, lowered when graphed.
+    """``trace`` holding copies of the arrays the function closes over, where JAX's holds the
+    arrays themselves: written into after graphing (a numpy array, ``weights[:] = new``, or a
+    JAX array whose memory torch shares through DLPack and changes in place), their new values
+    would reach the VJP, lowered at its first call, and not the forward, lowered when graphed.
+
+    A JAX array is copied to the host, as the lowered forward holds its constants; a weakly
+    typed one, or a PRNG key, on its device (a host copy would lose its weak type or key).
 
     >>> import numpy as np, jax.numpy as jnp
     >>> weights = np.ones(2, np.float32)
@@ -510,22 +514,51 @@ def _with_constants_kept(trace: Any) -> Any:
     >>> trace.consts[0].tolist()
     [1.0, 1.0]
     """
-    kept = [c.copy() if isinstance(c, np.ndarray) else c for c in trace.consts]
-    return trace.replace(consts=kept)
+    return trace.replace(consts=[_kept_constant(c) for c in trace.consts])
 
 
-def _refuse_deleted_constants(name: str, closed_over: Sequence[jax.Array]) -> None:
-    """Refuse to trace the VJP when an array the function closes over has been deleted since
-    it was graphed (the compiled forward holds its values; a new trace needs the array)."""
-    for x in closed_over:
-        if not isinstance(x, TRACER_TYPE) and x.is_deleted():
-            shown = f"{x.dtype.name}[{', '.join(map(str, x.shape))}]"
-            raise DualgraphError(
-                f"graphed({name}): the function closes over an array ({shown}) that has been "
-                "deleted since it was graphed (donated to a call, or deleted explicitly); the "
-                "VJP, traced at the first .vjp call, needs its values. Pass it as an argument "
-                "rather than closing over it, or keep it until the first .vjp call"
-            )
+def _constants_in_the_trace() -> contextlib.AbstractContextManager[Any]:
+    """A context in which a trace holds the arrays the function closes over among its
+    constants, where :func:`_with_constants_kept` copies them, never as literals of its
+    equations (``jax_use_simplified_jaxpr_constants``, the same program either way)."""
+    try:
+        from jax._src import config  # the setting's own context manager; no public one
+    except ImportError:
+        return contextlib.nullcontext()
+    setting = getattr(config, "use_simplified_jaxpr_constants", None)
+    return contextlib.nullcontext() if setting is None else setting(False)
+
+
+def _numpy_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` of no more memory than it holds: an axis of stride 0 (a view of
+    ``np.broadcast_to``) stays a broadcast of one copied entry, which JAX lowers as such, where
+    a dense copy could be any size.
+
+    >>> view = np.broadcast_to(np.arange(2.0)[:, None], (2, 10**6))
+    >>> kept = _numpy_copy(view)
+    >>> kept.base.shape, np.shares_memory(kept, view), (kept == view).all()
+    ((2, 1), False, np.True_)
+    """
+    broadcast = [
+        stride == 0 and size > 1 for stride, size in zip(array.strides, array.shape, strict=True)
+    ]
+    if not any(broadcast) or not array.size:
+        return array.copy()
+    one = tuple(slice(0, 1) if b else slice(None) for b in broadcast)
+    return np.broadcast_to(array[one].copy(), array.shape)
+
+
+def _kept_constant(const: Any) -> Any:
+    """A copy of an array the function closes over that nothing else can write into."""
+    if isinstance(const, np.ndarray):
+        return _numpy_copy(const)
+    if not isinstance(const, jax.Array) or isinstance(const, TRACER_TYPE):
+        return const
+    if not const.is_fully_addressable:  # other hosts hold parts of it: as JAX holds it
+        return const
+    if jax.dtypes.issubdtype(const.dtype, jax.dtypes.extended) or const.weak_type:
+        return jnp.array(const, copy=True)
+    return np.array(const, copy=True)
 
 
 def _check_returned(name: str, traced: TreeSpec, returned: Sequence[Any]) -> None:
