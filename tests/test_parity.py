@@ -2212,6 +2212,63 @@ def test_torch_params_holding_a_tied_weight_under_two_names_are_refused_naming_b
         )
 
 
+class _ComplexPartProjection(torch.nn.Module):
+    """``x @ w.real`` or ``x @ w.imag`` of a complex ``w`` (its other part unused), then by
+    the same part again where ``tied`` (as a tied embedding and output head are)."""
+
+    def __init__(self, part: str, tied: bool) -> None:
+        super().__init__()
+        self.part, self.tied = part, tied
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.w, self.part)
+        return (x @ weight) @ weight.T if self.tied else x @ weight
+
+
+@pytest.mark.parametrize("part", ["real", "imag"])
+def test_a_part_of_a_complex_parameter_the_mapping_puts_in_two_places_is_refused_naming_it(
+    part: str,
+) -> None:
+    # Probed as NaN + 0j, w.imag held no NaN: an imaginary part given JAX as two leaves passed
+    # the check, and equal functions failed at grad params['w_in'] and ['w_out']
+    module = _ComplexPartProjection(part, tied=True)
+
+    def twice(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_in": getattr(d["w"], part), "w_out": getattr(d["w"], part)}
+
+    params = {k: jnp.asarray(v) for k, v in twice(to_numpy_params(module)).items()}
+    named = "real" if part == "real" else "imaginary"
+    message = (
+        rf"^torch parameter 'w' \(its {named} part\): params_from_torch puts its 16 entries "
+        r"into 32 entries of the JAX params \(params\['w_in'\] \(16\), params\['w_out'\] \(16\)\)"
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(
+            module,
+            lambda p, x: (x @ p["w_in"]) @ p["w_out"].T,
+            (sample(2, 4),),
+            params=params,
+            params_from_torch=twice,
+        )
+
+
+@pytest.mark.parametrize("part", ["real", "imag"])
+def test_a_mapping_of_the_one_part_of_a_complex_parameter_torch_fn_uses_passes(part: str) -> None:
+    # Probing both parts at once, the imaginary part's NaN would stand in for the real part's
+    # (or count twice where w.real and w.imag are two leaves): each part is probed alone
+    module = _ComplexPartProjection(part, tied=False)
+
+    def one_part(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": getattr(d["w"], part)}
+
+    params = {k: jnp.asarray(v) for k, v in one_part(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module, lambda p, x: x @ p["w"], (sample(2, 4),), params=params, params_from_torch=one_part
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+
+
 class LinearPlusTable(torch.nn.Module):
     """A linear layer plus a buffer's table, which the JAX params hold as a leaf."""
 

@@ -381,12 +381,14 @@ def _refuse_repeated_entries(
     entry of the JAX params (a tied weight given JAX as two leaves, a scalar broadcast into a
     leaf): torch's gradient of the entry is the sum over its uses, JAX's is one per place, so
     the two would fail as if the functions differed. Found by mapping the trained parameters
-    as NaN (the others as 0) and counting the NaN that come out; each parameter is mapped
-    alone only when there are more than went in."""
+    as NaN (the others as 0) and counting the entries with NaN that come out, a complex
+    parameter part by part (:func:`_probed_parts`; entries, not parts, since complex arithmetic
+    spreads a NaN into both parts: ``w * 1j``); each parameter is mapped alone only when more
+    come out than went in."""
 
-    def marked(names: set[str]) -> list[tuple[str, int]]:
+    def marked(marks: Mapping[str, complex | float]) -> list[tuple[str, int]]:
         given = {
-            name: np.full_like(a, np.nan) if name in names else np.zeros_like(a)
+            name: np.full_like(a, marks[name]) if name in marks else np.zeros_like(a)
             for name, a in arrays.items()
         }
         leaves = (np.asarray(x) for x in spec.flatten(params.from_torch(given)))
@@ -397,21 +399,33 @@ def _refuse_repeated_entries(
         ]
         return [(path, count) for path, count in counts if count]
 
-    if sum(n for _, n in marked(trained)) <= sum(arrays[name].size for name in trained):
-        return
-    for name in sorted(trained):
-        reached = marked({name})
-        count = sum(n for _, n in reached)
-        if count > arrays[name].size:
-            places = ", ".join(f"params{path} ({n})" for path, n in reached)
-            raise DualgraphError(
-                f"torch parameter {name!r}: params_from_torch puts its {arrays[name].size} "
-                f"entries into {count} entries of the JAX params ({clip_text(places)}): an "
-                "entry used in two places (a tied weight given JAX as two leaves, a value "
-                "broadcast) has one gradient in torch, the sum over its uses, and one per "
-                "place in JAX, so they would differ whatever the functions. Give the JAX "
-                "function one leaf for it and use that leaf in each place"
-            )
+    for probe in ("real", "imaginary"):
+        # (name, part) marked by this probe: a real parameter's entries are its real parts
+        units = [
+            (name, part)
+            for name in sorted(trained)
+            for part in _probed_parts(arrays[name])
+            if part == probe or (part is None and probe == "real")
+        ]
+        if not units:
+            continue
+        marks = {name: _nan_in(part) for name, part in units}
+        if sum(n for _, n in marked(marks)) <= sum(arrays[name].size for name, _ in units):
+            continue
+        for name, part in units:
+            reached = marked({name: _nan_in(part)})
+            count = sum(n for _, n in reached)
+            if count > arrays[name].size:
+                places = ", ".join(f"params{path} ({n})" for path, n in reached)
+                raise DualgraphError(
+                    f"torch parameter {_named(name, part)}: params_from_torch puts its "
+                    f"{arrays[name].size} entries into {count} entries of the JAX params "
+                    f"({clip_text(places)}): an entry used in two places (a tied weight given "
+                    "JAX as two leaves, a value broadcast) has one gradient in torch, the sum "
+                    "over its uses, and one per place in JAX, so they would differ whatever "
+                    "the functions. Give the JAX function one leaf for it and use that leaf "
+                    "in each place"
+                )
 
 
 def _host(leaf: Any) -> np.ndarray:
@@ -926,19 +940,13 @@ def _unmapped_trained_param(
     left out.
     """
     # (name, part): part None for a real parameter, else "real" or "imaginary"
-    candidates: list[tuple[str, str | None]] = []
-    for name, grad in torch_grads.items():
-        values = as_numpy[name]
-        if grad is None or not _floating(values):
-            continue
-        if values.dtype.kind == "c":
-            candidates += [
-                (name, part)
-                for part, values_part in (("real", values.real), ("imaginary", values.imag))
-                if np.any(values_part != 0)
-            ]
-        elif np.any(values != 0):
-            candidates.append((name, None))
+    candidates = [
+        (name, part)
+        for name, grad in torch_grads.items()
+        if grad is not None and _floating(as_numpy[name])
+        for part in _probed_parts(as_numpy[name])
+        if np.any(_part_of(as_numpy[name], part) != 0)
+    ]
     if not candidates:
         return None
     ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
@@ -950,18 +958,46 @@ def _unmapped_trained_param(
         leaves = (np.asarray(x) for x in params_spec.flatten(tree))
         return sum(int(np.count_nonzero(np.isnan(parts(x)))) for x in leaves if _floating(x))
 
-    def mark(part: str | None) -> complex | float:
-        return np.nan if part is None else _NAN_PART[part]
-
     marks: dict[str, complex | float] = {}
     for name, part in candidates:  # both parts of a complex one: NaN in each
-        marks[name] = mark(part) + marks.get(name, 0)
+        marks[name] = _nan_in(part) + marks.get(name, 0)
     if nan_parts(marks) >= sum(as_numpy[name].size for name, _ in candidates):
         return None
     for name, part in candidates:
-        if nan_parts({name: mark(part)}) == 0:
-            return repr(name) if part is None else f"{name!r} (its {part} part)"
+        if nan_parts({name: _nan_in(part)}) == 0:
+            return _named(name, part)
     return None
+
+
+def _probed_parts(a: np.ndarray) -> tuple[str | None, ...]:
+    """The parts of a parameter the mapping is probed in one by one: a complex one's real and
+    imaginary parts (NaN in both at once hides a part mapped twice behind one dropped, and
+    counts ``w.real`` and ``w.imag`` leaves as two uses), a real one whole (``None``).
+
+    >>> _probed_parts(np.zeros(2, np.complex64)), _probed_parts(np.zeros(2, np.float32))
+    (('real', 'imaginary'), (None,))
+    """
+    return ("real", "imaginary") if a.dtype.kind == "c" else (None,)
+
+
+def _nan_in(part: str | None) -> complex | float:
+    """The value that marks ``part`` of a parameter (:func:`_probed_parts`) as NaN alone: a
+    complex one's other part 0 (``np.nan`` as a complex is ``nan+0j``: its real part only).
+
+    >>> _nan_in("imaginary"), _nan_in(None)
+    (nanj, nan)
+    """
+    return np.nan if part is None else _NAN_PART[part]
+
+
+def _part_of(a: np.ndarray, part: str | None) -> np.ndarray:
+    """``part`` of ``a`` (:func:`_probed_parts`): ``a.real``, ``a.imag``, or ``a`` itself."""
+    return a if part is None else a.real if part == "real" else a.imag
+
+
+def _named(name: str, part: str | None) -> str:
+    """A torch parameter, or a part of a complex one, for messages: ``'w' (its real part)``."""
+    return repr(name) if part is None else f"{name!r} (its {part} part)"
 
 
 #: A complex value with one part NaN (the other 0), by the part's name.
