@@ -2011,6 +2011,46 @@ def test_a_part_of_a_trained_complex_parameter_the_mapping_drops_is_refused(kept
         compare(module, reference, (sample(2, 3),), params=params, params_from_torch=one_part)
 
 
+@pytest.mark.parametrize("kept", ["real", "imag"])
+def test_a_part_the_mapping_drops_after_complex_arithmetic_is_refused(kept: str) -> None:
+    # (-1 * w) multiplies by -1 + 0j, and NaN * 0 is NaN: a NaN in one part spread into both,
+    # so the dropped part looked mapped, its gradient was never compared, and a JAX reference
+    # lacking the shift passed 'parity OK'
+    module = _ComplexScale()
+
+    def negated_part(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_" + kept: getattr(-1 * d["w"], kept)}
+
+    def reference(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return -x * p["w_real"] if kept == "real" else x - p["w_imag"]
+
+    params = {k: jnp.asarray(v) for k, v in negated_part(to_numpy_params(module)).items()}
+    dropped = "imaginary" if kept == "real" else "real"
+    message = rf"torch parameter 'w' \(its {dropped} part\) has a gradient, but .* no leaf"
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(module, reference, (sample(2, 3),), params=params, params_from_torch=negated_part)
+
+
+def test_complex_parameters_split_after_complex_arithmetic_pass() -> None:
+    # The NaN of one part, spread into both by (-1 * w), counted as two uses of it: refused as
+    # a tied weight
+    module = _ComplexScale()
+
+    def negated_parts(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        negated = -1 * d["w"]
+        return {"w_re": negated.real, "w_im": negated.imag}
+
+    params = {k: jnp.asarray(v) for k, v in negated_parts(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module,
+        lambda p, x: -x * p["w_re"] - p["w_im"],
+        (sample(2, 3),),
+        params=params,
+        params_from_torch=negated_parts,
+    )
+    assert [e.path for e in report.entries][-2:] == ["grad params['w_im']", "grad params['w_re']"]
+
+
 @pytest.mark.parametrize("how", ["offsets", "scales or combines"])
 def test_a_mapping_that_changes_the_imaginary_part_of_a_complex_parameter_is_refused(
     how: str,
