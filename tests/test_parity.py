@@ -2309,6 +2309,56 @@ def test_a_mapping_of_the_one_part_of_a_complex_parameter_torch_fn_uses_passes(p
     assert "grad params['w']" in [entry.path for entry in report.entries]
 
 
+class _Scale(torch.nn.Module):
+    """``x * w``, ``w`` of values that float4_e2m1fn and float6 hold exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 0.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_a_trained_parameter_mapped_into_a_leaf_of_a_dtype_without_nan_is_compared() -> None:
+    # NaN cast to float4_e2m1fn (or float6) is -0: a parameter probed as NaN reached no entry of
+    # the leaf, and was refused as 'maps it into no leaf of the JAX params'
+    def cast(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": d["w"].astype(ml_dtypes.float4_e2m1fn)}
+
+    module = _Scale()
+    params = {k: jnp.asarray(v) for k, v in cast(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module,
+        lambda p, x: x * p["w"].astype(jnp.float32),
+        (np.ones((2, 3), np.float32),),
+        params=params,
+        params_from_torch=cast,
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+
+
+def test_a_trained_parameter_put_in_two_leaves_of_a_dtype_without_nan_is_refused() -> None:
+    # Probed as NaN, which float4_e2m1fn casts to -0, the tie was unseen
+    def twice(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        weight = d["w"].astype(ml_dtypes.float4_e2m1fn)
+        return {"a": weight, "b": weight.copy()}
+
+    module = _Scale()
+    params = {k: jnp.asarray(v) for k, v in twice(to_numpy_params(module)).items()}
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"^torch parameter 'w': params_from_torch puts its 3 entries into 6 entries",
+    ):
+        compare(
+            module,
+            lambda p, x: x * p["a"].astype(jnp.float32),
+            (np.ones((2, 3), np.float32),),
+            params=params,
+            params_from_torch=twice,
+        )
+
+
 class LinearPlusTable(torch.nn.Module):
     """A linear layer plus a buffer's table, which the JAX params hold as a leaf."""
 

@@ -20,6 +20,7 @@ it is ``-w.real``), and a clip (``max(w, 5)``) is 5 at 0, 1 and 2 alike.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from .._dtypes import is_differentiable_dtype
 from ._arrays import parts
 
-__all__ = ["PROBE_VALUES", "mark", "probed_parts", "reached_entries", "unit_name"]
+__all__ = ["PROBE_VALUES", "holds_nan", "mark", "probed_parts", "reached_entries", "unit_name"]
 
 #: A unit of a parameter: its name and part (``None``, ``"real"`` or ``"imaginary"``).
 Unit = tuple[str, str | None]
@@ -80,7 +81,8 @@ def reached_entries(
     is not floating): NaN where the units are NaN, and apart from ``reference`` (the leaves of
     ``base``, in which the units' parameters are 0) where they are one of ``values``; the
     other parameters as in ``base``. Both parts of a complex parameter among ``units`` are set
-    together."""
+    together. A leaf of a dtype without NaN (float4_e2m1fn, float6: NaN is cast to -0) is
+    probed by ``values`` alone."""
     units = list(units)
 
     def leaves_with(value: float) -> list[np.ndarray]:
@@ -91,13 +93,27 @@ def reached_entries(
         return [np.asarray(x) for x in leaves_of(given)]
 
     found: list[np.ndarray | None] = [
-        np.isnan(leaf) if _floating(leaf) else None for leaf in leaves_with(np.nan)
+        (np.isnan(leaf) if holds_nan(leaf.dtype) else np.ones(leaf.shape, bool))
+        if _floating(leaf)
+        else None
+        for leaf in leaves_with(np.nan)
     ]
     moved = [_apart(leaves, reference) for leaves in map(leaves_with, values)]
     return [
         None if nan is None else nan & np.logical_or.reduce([m[i] for m in moved])
         for i, nan in enumerate(found)
     ]
+
+
+@functools.cache
+def holds_nan(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` has a NaN (float4_e2m1fn and the float6 formats cast it to -0).
+
+    >>> import ml_dtypes
+    >>> holds_nan(np.dtype(np.float32)), holds_nan(np.dtype(ml_dtypes.float4_e2m1fn))
+    (True, False)
+    """
+    return bool(np.isnan(np.array(np.nan).astype(dtype)))
 
 
 def _apart(leaves: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> list[np.ndarray]:
