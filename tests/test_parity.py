@@ -2011,6 +2011,46 @@ def test_a_part_of_a_trained_complex_parameter_the_mapping_drops_is_refused(kept
         compare(module, reference, (sample(2, 3),), params=params, params_from_torch=one_part)
 
 
+@pytest.mark.parametrize("kept", ["real", "imag"])
+def test_a_part_the_mapping_drops_after_complex_arithmetic_is_refused(kept: str) -> None:
+    # (-1 * w) multiplies by -1 + 0j, and NaN * 0 is NaN: a NaN in one part spread into both,
+    # so the dropped part looked mapped, its gradient was never compared, and a JAX reference
+    # lacking the shift passed 'parity OK'
+    module = _ComplexScale()
+
+    def negated_part(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_" + kept: getattr(-1 * d["w"], kept)}
+
+    def reference(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        return -x * p["w_real"] if kept == "real" else x - p["w_imag"]
+
+    params = {k: jnp.asarray(v) for k, v in negated_part(to_numpy_params(module)).items()}
+    dropped = "imaginary" if kept == "real" else "real"
+    message = rf"torch parameter 'w' \(its {dropped} part\) has a gradient, but .* no leaf"
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(module, reference, (sample(2, 3),), params=params, params_from_torch=negated_part)
+
+
+def test_complex_parameters_split_after_complex_arithmetic_pass() -> None:
+    # The NaN of one part, spread into both by (-1 * w), counted as two uses of it: refused as
+    # a tied weight
+    module = _ComplexScale()
+
+    def negated_parts(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        negated = -1 * d["w"]
+        return {"w_re": negated.real, "w_im": negated.imag}
+
+    params = {k: jnp.asarray(v) for k, v in negated_parts(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module,
+        lambda p, x: -x * p["w_re"] - p["w_im"],
+        (sample(2, 3),),
+        params=params,
+        params_from_torch=negated_parts,
+    )
+    assert [e.path for e in report.entries][-2:] == ["grad params['w_im']", "grad params['w_re']"]
+
+
 @pytest.mark.parametrize("how", ["offsets", "scales or combines"])
 def test_a_mapping_that_changes_the_imaginary_part_of_a_complex_parameter_is_refused(
     how: str,
@@ -2209,6 +2249,113 @@ def test_torch_params_holding_a_tied_weight_under_two_names_are_refused_naming_b
             params=params,
             params_from_torch=mapping,
             torch_params=torch_params,
+        )
+
+
+class _ComplexPartProjection(torch.nn.Module):
+    """``x @ w.real`` or ``x @ w.imag`` of a complex ``w`` (its other part unused), then by
+    the same part again where ``tied`` (as a tied embedding and output head are)."""
+
+    def __init__(self, part: str, tied: bool) -> None:
+        super().__init__()
+        self.part, self.tied = part, tied
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self.w, self.part)
+        return (x @ weight) @ weight.T if self.tied else x @ weight
+
+
+@pytest.mark.parametrize("part", ["real", "imag"])
+def test_a_part_of_a_complex_parameter_the_mapping_puts_in_two_places_is_refused_naming_it(
+    part: str,
+) -> None:
+    # Probed as NaN + 0j, w.imag held no NaN: an imaginary part given JAX as two leaves passed
+    # the check, and equal functions failed at grad params['w_in'] and ['w_out']
+    module = _ComplexPartProjection(part, tied=True)
+
+    def twice(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w_in": getattr(d["w"], part), "w_out": getattr(d["w"], part)}
+
+    params = {k: jnp.asarray(v) for k, v in twice(to_numpy_params(module)).items()}
+    named = "real" if part == "real" else "imaginary"
+    message = (
+        rf"^torch parameter 'w' \(its {named} part\): params_from_torch puts its 16 entries "
+        r"into 32 entries of the JAX params \(params\['w_in'\] \(16\), params\['w_out'\] \(16\)\)"
+    )
+    with pytest.raises(dualgraph.DualgraphError, match=message):
+        compare(
+            module,
+            lambda p, x: (x @ p["w_in"]) @ p["w_out"].T,
+            (sample(2, 4),),
+            params=params,
+            params_from_torch=twice,
+        )
+
+
+@pytest.mark.parametrize("part", ["real", "imag"])
+def test_a_mapping_of_the_one_part_of_a_complex_parameter_torch_fn_uses_passes(part: str) -> None:
+    # Probing both parts at once, the imaginary part's NaN would stand in for the real part's
+    # (or count twice where w.real and w.imag are two leaves): each part is probed alone
+    module = _ComplexPartProjection(part, tied=False)
+
+    def one_part(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": getattr(d["w"], part)}
+
+    params = {k: jnp.asarray(v) for k, v in one_part(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module, lambda p, x: x @ p["w"], (sample(2, 4),), params=params, params_from_torch=one_part
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+
+
+class _Scale(torch.nn.Module):
+    """``x * w``, ``w`` of values that float4_e2m1fn and float6 hold exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 0.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_a_trained_parameter_mapped_into_a_leaf_of_a_dtype_without_nan_is_compared() -> None:
+    # NaN cast to float4_e2m1fn (or float6) is -0: a parameter probed as NaN reached no entry of
+    # the leaf, and was refused as 'maps it into no leaf of the JAX params'
+    def cast(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"w": d["w"].astype(ml_dtypes.float4_e2m1fn)}
+
+    module = _Scale()
+    params = {k: jnp.asarray(v) for k, v in cast(to_numpy_params(module)).items()}
+    report = assert_parity(
+        module,
+        lambda p, x: x * p["w"].astype(jnp.float32),
+        (np.ones((2, 3), np.float32),),
+        params=params,
+        params_from_torch=cast,
+    )
+    assert "grad params['w']" in [entry.path for entry in report.entries]
+
+
+def test_a_trained_parameter_put_in_two_leaves_of_a_dtype_without_nan_is_refused() -> None:
+    # Probed as NaN, which float4_e2m1fn casts to -0, the tie was unseen
+    def twice(d: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        weight = d["w"].astype(ml_dtypes.float4_e2m1fn)
+        return {"a": weight, "b": weight.copy()}
+
+    module = _Scale()
+    params = {k: jnp.asarray(v) for k, v in twice(to_numpy_params(module)).items()}
+    with pytest.raises(
+        dualgraph.DualgraphError,
+        match=r"^torch parameter 'w': params_from_torch puts its 3 entries into 6 entries",
+    ):
+        compare(
+            module,
+            lambda p, x: x * p["a"].astype(jnp.float32),
+            (np.ones((2, 3), np.float32),),
+            params=params,
+            params_from_torch=twice,
         )
 
 

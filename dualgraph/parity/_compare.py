@@ -25,9 +25,10 @@ from .._nodes import clip, clip_text
 from .._orders import key_order_difference
 from .._spec import LeafSpec, TreeSpec, describe
 from ..jax import GraphedCallable, enable_x64, x64_enabled
-from ._arrays import compare_arrays, first_difference, parts
+from ._arrays import compare_arrays, first_difference
 from ._bridge import as_torch, random_like, to_numpy, unreadable
 from ._jax_side import JaxRun, reference_settings, run_jax
+from ._probes import PROBE_VALUES, probed_parts, reached_entries, unit_name
 from ._report import LeafReport, ParityReport
 from ._tolerances import Tolerance, check_tolerances
 from ._torch_side import (
@@ -380,38 +381,52 @@ def _refuse_repeated_entries(
     """Refuse a ``params_from_torch`` that puts a trained torch entry into more than one
     entry of the JAX params (a tied weight given JAX as two leaves, a scalar broadcast into a
     leaf): torch's gradient of the entry is the sum over its uses, JAX's is one per place, so
-    the two would fail as if the functions differed. Found by mapping the trained parameters
-    as NaN (the others as 0) and counting the NaN that come out; each parameter is mapped
-    alone only when there are more than went in."""
+    the two would fail as if the functions differed. Found by counting the entries the trained
+    parameters reach (:func:`~dualgraph.parity._probes.reached_entries`, the others as 0), a
+    complex one part by part: the real parts (real parameters whole), then the imaginary ones;
+    each parameter is counted alone only when more come out than went in."""
 
-    def marked(names: set[str]) -> list[tuple[str, int]]:
-        given = {
-            name: np.full_like(a, np.nan) if name in names else np.zeros_like(a)
-            for name, a in arrays.items()
-        }
-        leaves = (np.asarray(x) for x in spec.flatten(params.from_torch(given)))
+    def leaves_of(given: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(x) for x in spec.flatten(params.from_torch(given))]
+
+    base = {name: np.zeros_like(a) for name, a in arrays.items()}
+    reference = leaves_of(base)
+
+    def reached(units: list[tuple[str, str | None]]) -> list[tuple[str, int]]:
+        masks = reached_entries(leaves_of, base, reference, units)
         counts = [
-            (path, int(np.count_nonzero(np.isnan(x))))
-            for path, x in zip(spec.array_paths, leaves, strict=True)
-            if _floating(x)
+            (path, int(np.count_nonzero(mask)))
+            for path, mask in zip(spec.array_paths, masks, strict=True)
+            if mask is not None
         ]
         return [(path, count) for path, count in counts if count]
 
-    if sum(n for _, n in marked(trained)) <= sum(arrays[name].size for name in trained):
-        return
-    for name in sorted(trained):
-        reached = marked({name})
-        count = sum(n for _, n in reached)
-        if count > arrays[name].size:
-            places = ", ".join(f"params{path} ({n})" for path, n in reached)
-            raise DualgraphError(
-                f"torch parameter {name!r}: params_from_torch puts its {arrays[name].size} "
-                f"entries into {count} entries of the JAX params ({clip_text(places)}): an "
-                "entry used in two places (a tied weight given JAX as two leaves, a value "
-                "broadcast) has one gradient in torch, the sum over its uses, and one per "
-                "place in JAX, so they would differ whatever the functions. Give the JAX "
-                "function one leaf for it and use that leaf in each place"
-            )
+    for probe in ("real", "imaginary"):
+        # the units this probe marks: a real parameter's entries are its real parts
+        units = [
+            (name, part)
+            for name in sorted(trained)
+            for part in probed_parts(arrays[name])
+            if (part or "real") == probe
+        ]
+        if not units:
+            continue
+        if sum(n for _, n in reached(units)) <= sum(arrays[name].size for name, _ in units):
+            continue
+        for name, part in units:
+            places_reached = reached([(name, part)])
+            count = sum(n for _, n in places_reached)
+            if count > arrays[name].size:
+                places = ", ".join(f"params{path} ({n})" for path, n in places_reached)
+                raise DualgraphError(
+                    f"torch parameter {unit_name(name, part)}: params_from_torch puts its "
+                    f"{arrays[name].size} entries into {count} entries of the JAX params "
+                    f"({clip_text(places)}): an entry used in two places (a tied weight given "
+                    "JAX as two leaves, a value broadcast) has one gradient in torch, the sum "
+                    "over its uses, and one per place in JAX, so they would differ whatever "
+                    "the functions. Give the JAX function one leaf for it and use that leaf "
+                    "in each place"
+                )
 
 
 def _host(leaf: Any) -> np.ndarray:
@@ -916,56 +931,54 @@ def _unmapped_trained_param(
     convert: Callable[[dict[str, np.ndarray]], Any],
 ) -> str | None:
     """The first trained torch parameter with a nonzero gradient whose entries reach no leaf of
-    the JAX params through ``params_from_torch`` (found by mapping it as NaN), as
-    ``"'w'"``, or ``"'w' (its imaginary part)"`` for a part of a complex one with a nonzero
-    gradient there (a mapping keeping ``w.real`` only); ``None`` if none.
+    the JAX params through ``params_from_torch``
+    (:func:`~dualgraph.parity._probes.reached_entries`), as ``"'w'"``, or
+    ``"'w' (its imaginary part)"`` for a part of a complex one with a nonzero gradient there
+    (a mapping keeping ``w.real`` only); ``None`` if none.
 
-    One mapping marks them all, and its count of NaN parts settles the usual case; only when
-    fewer come out than went in (a parameter or a part dropped, or entries summed together)
-    is each part mapped alone. A parameter without a gradient (unused by ``torch_fn``) may be
-    left out.
+    The real parts (real parameters whole), then the imaginary ones, are probed together, and
+    their count of entries reached settles the usual case; only when fewer come out than went
+    in (a parameter or a part dropped, entries summed together, a clip) is each part probed
+    alone. A parameter without a gradient (unused by ``torch_fn``) may be left out.
     """
     # (name, part): part None for a real parameter, else "real" or "imaginary"
-    candidates: list[tuple[str, str | None]] = []
-    for name, grad in torch_grads.items():
-        values = as_numpy[name]
-        if grad is None or not _floating(values):
-            continue
-        if values.dtype.kind == "c":
-            candidates += [
-                (name, part)
-                for part, values_part in (("real", values.real), ("imaginary", values.imag))
-                if np.any(values_part != 0)
-            ]
-        elif np.any(values != 0):
-            candidates.append((name, None))
+    candidates = [
+        (name, part)
+        for name, grad in torch_grads.items()
+        if grad is not None and _floating(as_numpy[name])
+        for part in probed_parts(as_numpy[name])
+        if np.any(_part_of(as_numpy[name], part) != 0)
+    ]
     if not candidates:
         return None
-    ones = {name: np.ones_like(a) for name, a in as_numpy.items()}
+    base = {name: np.ones_like(a) for name, a in as_numpy.items()}
+    base.update((name, np.zeros_like(base[name])) for name, _ in candidates)
 
-    def nan_parts(marked: Mapping[str, complex | float]) -> int:
-        tree = convert(
-            {n: np.full_like(a, marked[n]) if n in marked else a for n, a in ones.items()}
-        )
-        leaves = (np.asarray(x) for x in params_spec.flatten(tree))
-        return sum(int(np.count_nonzero(np.isnan(parts(x)))) for x in leaves if _floating(x))
+    def leaves_of(given: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(x) for x in params_spec.flatten(convert(given))]
 
-    def mark(part: str | None) -> complex | float:
-        return np.nan if part is None else _NAN_PART[part]
+    reference = leaves_of(base)
 
-    marks: dict[str, complex | float] = {}
-    for name, part in candidates:  # both parts of a complex one: NaN in each
-        marks[name] = mark(part) + marks.get(name, 0)
-    if nan_parts(marks) >= sum(as_numpy[name].size for name, _ in candidates):
+    def count(units: list[tuple[str, str | None]], values: tuple[float, ...]) -> int:
+        masks = reached_entries(leaves_of, base, reference, units, values)
+        return sum(int(np.count_nonzero(mask)) for mask in masks if mask is not None)
+
+    for probe in ("real", "imaginary"):
+        units = [(name, part) for name, part in candidates if (part or "real") == probe]
+        if units and count(units, PROBE_VALUES[:1]) < sum(as_numpy[n].size for n, _ in units):
+            break
+    else:
         return None
     for name, part in candidates:
-        if nan_parts({name: mark(part)}) == 0:
-            return repr(name) if part is None else f"{name!r} (its {part} part)"
+        if count([(name, part)], PROBE_VALUES) == 0:
+            return unit_name(name, part)
     return None
 
 
-#: A complex value with one part NaN (the other 0), by the part's name.
-_NAN_PART = {"real": complex(np.nan, 0.0), "imaginary": complex(0.0, np.nan)}
+def _part_of(a: np.ndarray, part: str | None) -> np.ndarray:
+    """``part`` of ``a`` (:func:`~dualgraph.parity._probes.probed_parts`): ``a.real``,
+    ``a.imag``, or ``a`` itself."""
+    return a if part is None else a.real if part == "real" else a.imag
 
 
 def _filled(a: np.ndarray, value: float) -> np.ndarray:
