@@ -11,7 +11,18 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Layout", "copier_of", "empty_from_layout", "empty_laid_out_like", "layout_of"]
+__all__ = [
+    "Layout",
+    "clone_placed_like",
+    "copier_of",
+    "empty_from_layout",
+    "empty_laid_out_like",
+    "layout_of",
+]
+
+#: The alignment each device's caching allocator gives every allocation, in bytes: an address
+#: within it is as far past such a boundary as the allocator lets a tensor of its own lie.
+_ALLOCATOR_ALIGNMENT = {"cpu": 64, "cuda": 512}
 
 #: What :func:`empty_from_layout` needs to allocate a tensor laid out as another: a tensor on
 #: the meta device laid out so (no memory), and the device to allocate on.
@@ -98,3 +109,39 @@ def copier_of(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     if torch.empty_like(tensor, device="meta").stride() != tensor.stride():
         return _copy_laid_out
     return torch.Tensor.clone
+
+
+def clone_placed_like(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach().clone()`` (its layout: dense strides kept, others made contiguous) at
+    an address as far past the device allocator's alignment as ``tensor``'s: a slice past the
+    start of its storage (``big[1:]``, one of several chunks) lies where no allocation starts,
+    and kernels vectorize by alignment, so an op over it can round otherwise than over an
+    aligned copy. Not a view (its ``_base`` is ``None``); a conjugate or negative view, or an
+    address no element of its dtype can start at, gets the plain clone.
+
+    >>> big = torch.arange(9.0)
+    >>> placed = clone_placed_like(big[1:])
+    >>> (placed.data_ptr() - big.data_ptr()) % 64, placed._base is None, placed.tolist()[:3]
+    (4, True, [1.0, 2.0, 3.0])
+    """
+    made = tensor.detach().clone()
+    unit = _ALLOCATOR_ALIGNMENT.get(tensor.device.type, 0)
+    size = tensor.element_size()
+    want = tensor.data_ptr() % unit if unit else 0
+    if (
+        not unit
+        or made.numel() == 0
+        or made.data_ptr() % unit == want
+        or want % size
+        or made.is_conj()
+        or made.is_neg()
+    ):
+        return made
+    span = made.untyped_storage().nbytes()
+    room = torch.empty(span + unit, dtype=torch.uint8, device=tensor.device)
+    shift = (want - room.data_ptr()) % unit
+    if shift % size:
+        return made
+    placed = torch.empty(0, dtype=made.dtype, device=made.device)
+    placed.set_(room.untyped_storage(), shift // size, made.shape, made.stride())
+    return placed.copy_(made)
