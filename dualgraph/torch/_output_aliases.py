@@ -183,6 +183,9 @@ def find_output_aliases(
     for members in groups.values():
         if len(members) > 1:
             steps += _views_within(members, outputs, out_paths)
+    # The views (with their nodes) made in the order eager's forward made them: the engine adds
+    # the grads meeting at their base in the order of their nodes, the latest made first.
+    steps.sort(key=lambda step: _made_at(outputs[step.output]))
     # An output met again is the tensor at its first position, whatever that one became.
     steps += [
         _Step(k, first[id(tensor)]) for k, tensor in enumerate(outputs) if first[id(tensor)] != k
@@ -190,6 +193,13 @@ def find_output_aliases(
     if not steps:
         return None
     return OutputAliases(steps=tuple(steps), input_views=tuple(input_views))
+
+
+def _made_at(tensor: torch.Tensor) -> int:
+    """When eager made ``tensor``'s autograd node (its sequence number); -1 for a tensor
+    without one (a leaf, a detached alias), which a replay hands out without a node."""
+    node = tensor.grad_fn
+    return -1 if node is None else int(node._sequence_nr())
 
 
 def _held_view(k: int, tensor: torch.Tensor, owner: torch.Tensor) -> _Step:
