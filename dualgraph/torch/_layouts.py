@@ -36,7 +36,9 @@ def empty_laid_out_like(
     share memory (a non-dense view such as a complex tensor's ``.real`` or ``h[:, ::2]``
     included, which ``empty_like`` makes contiguous), and its conjugate and negative bits; an
     expanded tensor's is contiguous (no copy could write into it). As a CUDA graph's own
-    outputs are laid out. On ``device`` where given (else ``tensor``'s).
+    outputs are laid out. On ``device`` where given (else ``tensor``'s), as far past the
+    allocator's alignment as ``tensor`` (:func:`clone_placed_like`; on the meta device, its
+    storage offset holds how far, in elements).
 
     >>> empty_laid_out_like(torch.zeros(3, 4, dtype=torch.complex64).real).stride()
     (8, 2)
@@ -44,6 +46,8 @@ def empty_laid_out_like(
     True
     >>> empty_laid_out_like(torch.zeros(1, 4).expand(3, 4)).stride()
     (4, 1)
+    >>> empty_laid_out_like(torch.zeros(9)[1:]).data_ptr() % 64  # 4 bytes off, as the slice
+    4
     """
     tensor = tensor.detach()
     where = tensor.device if device is None else device
@@ -51,6 +55,7 @@ def empty_laid_out_like(
         made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=where)
     else:
         made = torch.empty_like(tensor, memory_format=torch.contiguous_format, device=where)
+    made = _placed(made, _shift_of(tensor))
     if tensor.is_conj():
         made = made.conj()
     if tensor.is_neg():
@@ -97,13 +102,14 @@ def _copy_laid_out(tensor: torch.Tensor) -> torch.Tensor:
 
 def copier_of(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """What copies a tensor laid out as ``tensor`` into one of its own, laid out so too:
-    ``Tensor.clone`` where that keeps the layout (a dense tensor), else a strided copy.
+    ``Tensor.clone`` where that keeps the layout (a dense tensor at the allocator's
+    alignment), else a strided copy placed as ``tensor`` is.
 
     >>> real = torch.ones(2, 3, dtype=torch.complex64).real
     >>> copier_of(real)(real).stride(), copier_of(real.contiguous()) is torch.Tensor.clone
     ((6, 2), True)
     """
-    if tensor.is_conj() or tensor.is_neg():
+    if tensor.is_conj() or tensor.is_neg() or _shift_of(tensor):
         return _copy_laid_out
     # asked of a tensor on the meta device: the answer is its strides, no memory is needed
     if torch.empty_like(tensor, device="meta").stride() != tensor.stride():
@@ -125,23 +131,39 @@ def clone_placed_like(tensor: torch.Tensor) -> torch.Tensor:
     (4, True, [1.0, 2.0, 3.0])
     """
     made = tensor.detach().clone()
-    unit = _ALLOCATOR_ALIGNMENT.get(tensor.device.type, 0)
-    size = tensor.element_size()
-    want = tensor.data_ptr() % unit if unit else 0
-    if (
-        not unit
-        or made.numel() == 0
-        or made.data_ptr() % unit == want
-        or want % size
-        or made.is_conj()
-        or made.is_neg()
-    ):
+    if made.is_conj() or made.is_neg():
+        return made
+    placed = _placed(made, _shift_of(tensor))
+    return made if placed is made else placed.copy_(made)
+
+
+def _alignment(device: torch.device) -> int:
+    return _ALLOCATOR_ALIGNMENT.get(device.type, 0)
+
+
+def _shift_of(tensor: torch.Tensor) -> int:
+    """How many bytes past its device allocator's alignment ``tensor`` starts (0 where the
+    device has none known); on the meta device, as :func:`layout_of` noted it."""
+    if tensor.device.type == "meta":
+        return int(tensor.storage_offset()) * tensor.element_size()
+    unit = _alignment(tensor.device)
+    return tensor.data_ptr() % unit if unit and tensor.numel() else 0
+
+
+def _placed(made: torch.Tensor, shift: int) -> torch.Tensor:
+    """``made`` (new, at its storage's start), or a tensor laid out as it in memory of its own
+    starting ``shift`` bytes past the allocator's alignment (on the meta device: at a storage
+    offset of that many bytes), where an element of its dtype can start there."""
+    size = made.element_size()
+    device = made.device
+    unit = max(_ALLOCATOR_ALIGNMENT.values()) if device.type == "meta" else _alignment(device)
+    shift %= unit or 1
+    if not shift or shift % size or not made.numel() or _shift_of(made) == shift:
         return made
     span = made.untyped_storage().nbytes()
-    room = torch.empty(span + unit, dtype=torch.uint8, device=tensor.device)
-    shift = (want - room.data_ptr()) % unit
-    if shift % size:
+    room = torch.empty(span + unit, dtype=torch.uint8, device=device)
+    start = shift if device.type == "meta" else (shift - room.data_ptr()) % unit
+    if start % size:
         return made
-    placed = torch.empty(0, dtype=made.dtype, device=made.device)
-    placed.set_(room.untyped_storage(), shift // size, made.shape, made.stride())
-    return placed.copy_(made)
+    placed = torch.empty(0, dtype=made.dtype, device=device)
+    return placed.set_(room.untyped_storage(), start // size, made.shape, made.stride())
