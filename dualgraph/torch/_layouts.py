@@ -78,6 +78,8 @@ def empty_from_layout(layout: Layout) -> torch.Tensor:
 
     >>> empty_from_layout(layout_of(torch.zeros(4, 6)[:, ::2])).stride()
     (6, 2)
+    >>> empty_from_layout(layout_of(torch.zeros(9)[1:])).data_ptr() % 64  # placed as the slice
+    4
     """
     like, device = layout
     return empty_laid_out_like(like, device=device)
