@@ -15,8 +15,10 @@ __all__ = [
     "Layout",
     "clone_placed_like",
     "copier_of",
+    "copy_laid_out",
     "empty_from_layout",
     "empty_laid_out_like",
+    "expanded_dims",
     "layout_of",
 ]
 
@@ -35,8 +37,9 @@ def empty_laid_out_like(
     """An uninitialised tensor laid out as ``tensor``: its strides, where no two of its elements
     share memory (a non-dense view such as a complex tensor's ``.real`` or ``h[:, ::2]``
     included, which ``empty_like`` makes contiguous), and its conjugate and negative bits; an
-    expanded tensor's is contiguous (no copy could write into it). As a CUDA graph's own
-    outputs are laid out. On ``device`` where given (else ``tensor``'s), as far past the
+    expanded tensor's too (stride 0 over the memory of one slice: written with
+    :func:`copy_laid_out`), any other whose elements overlap (``unfold``) contiguous. As a CUDA
+    graph's own outputs are laid out. On ``device`` where given (else ``tensor``'s), as far past the
     allocator's alignment as ``tensor`` (:func:`clone_placed_like`; on the meta device, its
     storage offset holds how far, in elements).
 
@@ -45,7 +48,9 @@ def empty_laid_out_like(
     >>> empty_laid_out_like(torch.zeros(2, dtype=torch.complex64).conj()).is_conj()
     True
     >>> empty_laid_out_like(torch.zeros(1, 4).expand(3, 4)).stride()
-    (4, 1)
+    (0, 1)
+    >>> empty_laid_out_like(torch.zeros(5).unfold(0, 2, 1)).stride()
+    (2, 1)
     >>> empty_laid_out_like(torch.zeros(9)[1:]).data_ptr() % 64  # 4 bytes off, as the slice
     4
     """
@@ -53,6 +58,11 @@ def empty_laid_out_like(
     where = tensor.device if device is None else device
     if _elements_apart(tensor):
         made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=where)
+    elif dims := expanded_dims(tensor):
+        one = narrowed(tensor, dims)
+        memory = torch.empty_strided(one.shape, one.stride(), dtype=tensor.dtype, device=where)
+        made = torch.empty(0, dtype=tensor.dtype, device=where)
+        made.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
     else:
         made = torch.empty_like(tensor, memory_format=torch.contiguous_format, device=where)
     made = _placed(made, _shift_of(tensor))
@@ -98,8 +108,46 @@ def _elements_apart(tensor: torch.Tensor) -> bool:
     return True
 
 
+def expanded_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The dims ``tensor`` repeats (stride 0 over more than one element) where it is an
+    expanded tensor of its own otherwise (one slice of them shares no memory); else none.
+
+    >>> expanded_dims(torch.zeros(4, 1, 3).expand(4, 2, 3)), expanded_dims(torch.zeros(4, 3))
+    ((1,), ())
+    """
+    dims = tuple(
+        d
+        for d, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True))
+        if size > 1 and stride == 0
+    )
+    return dims if dims and _elements_apart(narrowed(tensor, dims)) else ()
+
+
+def narrowed(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``tensor``'s first slice along each of ``dims``."""
+    for d in dims:
+        tensor = tensor.narrow(d, 0, 1)
+    return tensor
+
+
+def copy_laid_out(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(tensor)``, also where ``target`` is expanded (:func:`expanded_dims`):
+    through one slice of the dims it repeats, where ``tensor`` repeats them too (else
+    ``copy_`` raises, as writing into an expanded tensor does).
+
+    >>> target = empty_laid_out_like(torch.zeros(1, 3).expand(2, 3))
+    >>> copy_laid_out(target, torch.arange(3.0).expand(2, 3)).tolist()
+    [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    """
+    dims = expanded_dims(target)
+    if dims and all(tensor.stride(d) == 0 for d in dims):
+        narrowed(target, dims).copy_(narrowed(tensor, dims))
+        return target
+    return target.copy_(tensor)
+
+
 def _copy_laid_out(tensor: torch.Tensor) -> torch.Tensor:
-    return empty_laid_out_like(tensor).copy_(tensor)
+    return copy_laid_out(empty_laid_out_like(tensor), tensor)
 
 
 def copier_of(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
