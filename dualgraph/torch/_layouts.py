@@ -1,8 +1,11 @@
-"""Tensors laid out as others: the static outputs, and owned copies of them, as eager's are.
+"""Tensors laid out as others: the static inputs and outputs, and owned copies of them, as
+eager's are.
 
-A non-dense view (a complex tensor's ``.real``, ``h[:, ::2]``) keeps its strides, and a
-conjugate or negative view its bit, where ``empty_like`` and ``clone`` would make them dense
-or resolve them.
+A non-dense view (a complex tensor's ``.real``, ``h[:, ::2]``) keeps its strides, an expanded
+one its stride 0, and a conjugate or negative view its bit, where ``empty_like`` and
+``clone`` would make them dense or resolve them; and each lies as far past its allocator's
+alignment as the tensor it is laid out like (a slice ``big[1:]``), since kernels vectorize by
+it.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def empty_laid_out_like(
     if _elements_apart(tensor):
         made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=where)
     elif dims := expanded_dims(tensor):
-        one = narrowed(tensor, dims)
+        one = _narrowed(tensor, dims)
         memory = torch.empty_strided(one.shape, one.stride(), dtype=tensor.dtype, device=where)
         made = torch.empty(0, dtype=tensor.dtype, device=where)
         made.set_(memory.untyped_storage(), 0, tensor.shape, tensor.stride())
@@ -120,10 +123,10 @@ def expanded_dims(tensor: torch.Tensor) -> tuple[int, ...]:
         for d, (size, stride) in enumerate(zip(tensor.shape, tensor.stride(), strict=True))
         if size > 1 and stride == 0
     )
-    return dims if dims and _elements_apart(narrowed(tensor, dims)) else ()
+    return dims if dims and _elements_apart(_narrowed(tensor, dims)) else ()
 
 
-def narrowed(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+def _narrowed(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """``tensor``'s first slice along each of ``dims``."""
     for d in dims:
         tensor = tensor.narrow(d, 0, 1)
@@ -141,7 +144,7 @@ def copy_laid_out(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """
     dims = expanded_dims(target)
     if dims and all(tensor.stride(d) == 0 for d in dims):
-        narrowed(target, dims).copy_(narrowed(tensor, dims))
+        _narrowed(target, dims).copy_(_narrowed(tensor, dims))
         return target
     return target.copy_(tensor)
 
