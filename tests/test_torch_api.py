@@ -8,6 +8,7 @@ and ``eager`` on the CPU, ``cuda`` (real graphs, marked ``cuda``) on a GPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from torch_cases import (
     CASES,
     CUDA,
     GRAPH_BACKENDS,
+    GRAPH_GRAD_MODES,
     TinyMLP,
     assert_grads_match,
     assert_tensors_match,
@@ -712,6 +714,126 @@ def test_inputs_with_other_strides_are_copied_in_by_value(backend: str, layout: 
     )
     x = _layouts(device)[layout]
     assert_trees_match(graphed(x), scaled_sum(x.contiguous()), tolerance(backend))
+
+
+class _PatchTokens(nn.Module):
+    """ViT's patch tokens, ``h[:, 1:]``: an output starting past the start of its memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 33)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)[:, 1:]
+
+
+@pytest.mark.parametrize("clone_outputs", [False, True])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_output_off_the_allocators_alignment_lies_as_far_off_it_as_eagers(
+    backend: str, clone_outputs: bool
+) -> None:
+    # The caller's ops over an output (a head, a loss) vectorize by where it starts: an output
+    # handed out aligned where eager's is not rounds them otherwise.
+    device = device_of(backend)
+    torch.manual_seed(0)
+    eager = _PatchTokens().to(device)
+    head = nn.Linear(32, 5).to(device)
+    graphed = dgt.make_graphed_callables(
+        copy.deepcopy(eager),
+        (torch.randn(4, 8, device=device, requires_grad=True),),
+        backend=backend,
+        clone_outputs=clone_outputs,
+    )
+    unit = 512 if device.type == "cuda" else 64
+    for _ in range(3):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, want = graphed(x), eager(x_eager)
+        assert out.data_ptr() % unit == want.data_ptr() % unit
+        assert out.stride() == want.stride()
+        mine, theirs = head(out), head(want)
+        assert_tensors_match(mine, theirs, "head's output", tolerance(backend))
+        mine.square().sum().backward()
+        theirs.square().sum().backward()
+        assert_tensors_match(x.grad, x_eager.grad, "x.grad", tolerance(backend))
+
+
+class _BroadcastMean(nn.Module):
+    """Returns its hidden state and the mean over the batch expanded back to it (stride 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, h.mean(0, keepdim=True).expand(4, 8)
+
+
+@pytest.mark.parametrize("clone_outputs", [False, True])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_expanded_output_keeps_eagers_strides_and_refuses_writes_as_eagers(
+    backend: str, clone_outputs: bool
+) -> None:
+    device = device_of(backend)
+    torch.manual_seed(0)
+    eager = _BroadcastMean().to(device)
+    graphed = dgt.make_graphed_callables(
+        copy.deepcopy(eager),
+        (torch.randn(4, 8, device=device, requires_grad=True),),
+        backend=backend,
+        clone_outputs=clone_outputs,
+    )
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        ours, theirs = graphed(x), eager(x_eager)
+        assert [t.stride() for t in ours] == [t.stride() for t in theirs] == [(8, 1), (0, 1)]
+        assert_trees_match(ours, theirs, tolerance(backend))
+        for mean in (ours[1], theirs[1]):  # one memory location per column
+            with pytest.raises(RuntimeError, match="more than one element"), torch.no_grad():
+                mean.add_(1.0)
+        sum(t.square().sum() for t in ours).backward()
+        sum(t.square().sum() for t in theirs).backward()
+        assert_tensors_match(x.grad, x_eager.grad, "x.grad", tolerance(backend))
+
+
+class _ScaledBroadcast(nn.Module):
+    """An expanded output that the backward reads (saved by the product with ``w``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = self.fc(x).mean(0, keepdim=True).expand(4, 8)
+        return mean, mean * self.w
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_an_expanded_output_the_backward_reads_replays_as_eager(
+    backend: str, param_grads: str
+) -> None:
+    device = device_of(backend)
+    torch.manual_seed(0)
+    eager = _ScaledBroadcast().to(device)
+    graphed = dgt.make_graphed_callables(
+        copy.deepcopy(eager),
+        (torch.randn(4, 8, device=device, requires_grad=True),),
+        backend=backend,
+        param_grads=param_grads,
+    )
+    for _ in range(2):
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        ours, theirs = graphed(x), eager(x_eager)
+        assert_trees_match(ours, theirs, tolerance(backend))
+        sum(t.square().sum() for t in ours).backward()
+        sum(t.square().sum() for t in theirs).backward()
+        assert_tensors_match(x.grad, x_eager.grad, "x.grad", tolerance(backend))
+    for mine, theirs_param in zip(graphed.parameters(), eager.parameters(), strict=True):
+        assert_tensors_match(mine.grad, theirs_param.grad, "a parameter's grad", tolerance(backend))
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

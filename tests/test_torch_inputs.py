@@ -814,3 +814,44 @@ def test_a_transposed_call_of_a_transposed_sample_replays_as_eager() -> None:
             assert torch.equal(mine.grad, theirs.grad)
             assert mine.grad.stride() == theirs.grad.stride()
     assert dgt.diagnostics(layer).replays == 2
+
+
+def test_a_call_sliced_out_of_a_bigger_tensor_as_its_sample_replays_as_eager() -> None:
+    # A slice past the start of its storage (big[1:], one of several chunks) lies at an address
+    # the allocator never hands out: kernels vectorize by alignment, so on the CPU a Linear of
+    # it rounds otherwise than of an aligned copy. The static buffer lies as far past the
+    # allocator's alignment as its sample, so calls sliced as the sample replay eager's bits.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    twin = copy.deepcopy(layer)
+
+    def sliced() -> torch.Tensor:
+        return torch.randn(33)[1:].view(4, 8).requires_grad_()
+
+    dgt.make_graphed_callables(layer, (sliced(),), backend="emulate")
+    for _ in range(3):
+        x = sliced()
+        y = torch.randn(33)[1:].view(4, 8)
+        y.copy_(x.detach())
+        y.requires_grad_()
+        out, want = layer(x), twin(y)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        assert torch.equal(out, want)
+        for mine, theirs in [(x, y), *zip(layer.parameters(), twin.parameters(), strict=True)]:
+            assert mine.grad is not None and theirs.grad is not None
+            assert torch.equal(mine.grad, theirs.grad)
+    assert dgt.diagnostics(layer).replays == 3
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_static_input_lies_as_far_past_the_allocators_alignment_as_its_sample(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    sample = torch.randn(4 * 8 + 3, device=device)[3:].view(4, 8)
+    graphed = dgt.make_graphed_callables(lambda x: x * 2, (sample,), backend=backend)
+    (static,) = runner_of(graphed).static_inputs
+    unit = 512 if device.type == "cuda" else 64
+    assert static.data_ptr() % unit == sample.data_ptr() % unit
+    assert static._base is None and static.stride() == sample.stride()

@@ -22,7 +22,7 @@ from ._ambient import outside_autocast
 from ._blas_workspaces import capture_stream, prime_capture_stream
 from ._capture_failure import Progress
 from ._capture_state import _Capture, grad_output_buffers
-from ._layouts import empty_from_layout
+from ._layouts import copy_laid_out, empty_from_layout
 from ._probe import raise_on_lint_errors
 from ._replay_backends import CudaGraphForward, accumulate_into
 from ._transformer_engine import transformer_engine_capture
@@ -133,9 +133,9 @@ def _capture_cuda_graphs(
         ):
             flat = item.record_outputs(item.run())  # (reads Python objects only)
             for static, tensor in zip(kept, flat, strict=False):  # none without kept buffers
-                static.copy_(tensor.detach())
+                copy_laid_out(static, tensor.detach())
             for i, static in outside.items():
-                static.copy_(flat[i].detach())
+                copy_laid_out(static, flat[i].detach())
             item.copy_into_donor(outputs=flat)
         live_outputs[id(item)] = flat
         del flat

@@ -29,7 +29,7 @@ from ._closed_over import (
 from ._diagnostics import CaptureDiagnostics
 from ._held_tensors import modules_named_by
 from ._inputs import unsupported_tensor
-from ._layouts import Layout, layout_of
+from ._layouts import Layout, clone_placed_like, copy_laid_out, layout_of
 from ._modes import modes_meaning, modes_now
 from ._module_side_effects import SideEffects, globals_named
 from ._output_aliases import OutputAliases
@@ -72,7 +72,7 @@ class _Capture:
             buffers_from.static_inputs
             if buffers_from is not None
             else tuple(
-                t.detach().clone().requires_grad_(t.requires_grad) for t in request.sample_tensors
+                clone_placed_like(t).requires_grad_(t.requires_grad) for t in request.sample_tensors
             )
         )
         # what the callable's Python reads of the samples' attributes (x.scale) it reads there
@@ -493,7 +493,7 @@ class _Capture:
         if donor is None:
             return
         for static, output in zip(donor.static_outputs, outputs, strict=False):
-            static.copy_(output.detach())
+            copy_laid_out(static, output.detach())  # (an expanded one through one slice)
         targets: list[torch.Tensor | None] = [donor.input_grads[i] for i in self.grad_input_indices]
         if not self.fuses_accumulation:
             targets += donor.param_grads

@@ -166,7 +166,11 @@ def find_output_aliases(
         if parameter is not None:
             steps.append(_Step(k, k, parameter=parameter))
             continue
-        if not tensor.numel():
+        if not tensor.numel():  # shares no element: a view only by its _base
+            # (its layout at the call is not checked: a view with no element is any layout)
+            empty = _empty_view(k, tensor, inputs, outputs, held_ids, out_paths)
+            if empty is not None:
+                steps.append(empty)
             continue
         storage = storage_key(tensor)
         owner = storage_of_held.get(storage)
@@ -183,6 +187,9 @@ def find_output_aliases(
     for members in groups.values():
         if len(members) > 1:
             steps += _views_within(members, outputs, out_paths)
+    # The views (with their nodes) made in the order eager's forward made them: the engine adds
+    # the grads meeting at their base in the order of their nodes, the latest made first.
+    steps.sort(key=lambda step: _made_at(outputs[step.output]))
     # An output met again is the tensor at its first position, whatever that one became.
     steps += [
         _Step(k, first[id(tensor)]) for k, tensor in enumerate(outputs) if first[id(tensor)] != k
@@ -190,6 +197,66 @@ def find_output_aliases(
     if not steps:
         return None
     return OutputAliases(steps=tuple(steps), input_views=tuple(input_views))
+
+
+def _empty_view(
+    k: int,
+    tensor: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    held: dict[int, torch.Tensor],
+    out_paths: Sequence[str],
+) -> _Step | None:
+    """Output ``k``, with no element, as a view of what eager's is a view of (its ``_base``:
+    an input, another output, a module tensor needing no grad), or ``None``: ``x[:0]`` shares
+    no memory, but is ``x``'s view (``_base``, and a grad to ``x`` through its node)."""
+    base = tensor._base
+    if base is None:
+        return None
+    for i, source in enumerate(inputs):
+        if source is base:
+            if tensor.requires_grad != source.requires_grad or tensor.dtype != source.dtype:
+                return None  # (made under no_grad: a tensor of its own, as before)
+            return _Step(
+                k,
+                i,
+                from_input=True,
+                size=tuple(tensor.shape),
+                stride=tensor.stride(),
+                offset=int(tensor.storage_offset() - source.storage_offset()),
+                source_stride=source.stride(),
+                conj=tensor.is_conj() != source.is_conj(),
+                neg=tensor.is_neg() != source.is_neg(),
+            )
+    owner = held.get(id(base))
+    if owner is not None and not tensor.requires_grad and tensor.dtype == owner.dtype:
+        return _held_view(k, tensor, owner)
+    root = next((j for j, t in enumerate(outputs) if t is base), None)
+    if root is None or tensor.dtype != base.dtype:
+        return None
+    if tensor.requires_grad and not base.requires_grad:
+        raise Refused(
+            f"output{out_paths[k]} requires grad and is a view of output{out_paths[root]}, "
+            f"which does not (a detached alias), which a replay cannot hand out as eager "
+            f"does; {_ADVICE}"
+        )
+    return _Step(
+        k,
+        root,
+        detach=base.requires_grad and not tensor.requires_grad,
+        size=tuple(tensor.shape),
+        stride=tensor.stride(),
+        offset=int(tensor.storage_offset() - base.storage_offset()),
+        conj=tensor.is_conj() != base.is_conj(),
+        neg=tensor.is_neg() != base.is_neg(),
+    )
+
+
+def _made_at(tensor: torch.Tensor) -> int:
+    """When eager made ``tensor``'s autograd node (its sequence number); -1 for a tensor
+    without one (a leaf, a detached alias), which a replay hands out without a node."""
+    node = tensor.grad_fn
+    return -1 if node is None else int(node._sequence_nr())
 
 
 def _held_view(k: int, tensor: torch.Tensor, owner: torch.Tensor) -> _Step:

@@ -13,6 +13,7 @@ import torch
 
 from .._errors import DualgraphError
 from .._spec import TreeSpec
+from ._layouts import copy_laid_out, expanded_dims
 from ._nesting import replay_scope
 from ._params import suspended_tensor_hooks
 from ._saved_hooks import KEEPING_ACTIVATIONS
@@ -55,6 +56,7 @@ class EmulatedReplay:
         "_args",
         "_diff_inputs",
         "_diff_outputs",
+        "_expanded",
         "_fn",
         "_grad_outputs",
         "_hooked_params",
@@ -90,6 +92,7 @@ class EmulatedReplay:
         self._kwargs = static_kwargs
         self._out_spec = out_spec
         self._static_outputs = static_outputs
+        self._expanded = tuple(bool(expanded_dims(static)) for static in static_outputs)
         self._diff_outputs = diff_outputs
         self._diff_inputs = diff_inputs
         self._grad_outputs = grad_outputs
@@ -138,8 +141,11 @@ class EmulatedReplay:
         self._saved_live = [(statics[i], flat[i]) for i in self._saved] if grad_enabled else []
         # Through ``.data``, which has a version counter of its own: a graph writes its outputs
         # without autograd knowing, and the replay (``_replay.py``) tells autograd itself.
-        for static, tensor in zip(self._static_outputs, flat, strict=True):
-            static.data.copy_(tensor.detach())
+        for static, expanded, tensor in zip(statics, self._expanded, flat, strict=True):
+            if expanded:  # eager's repeats memory (stride 0): written through one slice
+                copy_laid_out(static.data, tensor.detach())
+            else:
+                static.data.copy_(tensor.detach())
 
     def backward(self) -> None:
         live, self._live = self._live, []  # one backward per forward, as with a graph
@@ -152,7 +158,7 @@ class EmulatedReplay:
         # what it differentiates with; this run's backward reads its own tensors: give them
         # the static outputs' values, through ``.data`` (no version moves, as in the graph).
         for static, own in saved_live:
-            own.data.copy_(static)
+            copy_laid_out(own.data, static)
         grad_outputs: Sequence[torch.Tensor] = self._grad_outputs
         allow_unused = self._allow_unused
         if incoming is not None:  # the static buffers hold the same values (copied before)
