@@ -1090,6 +1090,39 @@ def test_padded_calls_return_the_callers_input_and_one_output_twice_as_eager(
     assert_tensors_match(y, torch.tanh(x), "output[1]", tolerance(backend) or PAD_TOLERANCE)
 
 
+def tripled_if_one_tensor(
+    query: torch.Tensor, key: torch.Tensor, valid_length: Any = None
+) -> torch.Tensor:
+    """Branches on identity, as ``nn.MultiheadAttention`` packs its projections where
+    ``query is key``."""
+    return query * 3 if query is key else query + key
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_a_padded_call_passing_one_tensor_twice_hands_the_callable_one_padded_tensor(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        tripled_if_one_tensor,
+        buckets=[
+            tuple(torch.randn(2, n, device=device, requires_grad=True) for _ in range(2))
+            for n in (4, 8)
+        ],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+    )
+    x = torch.randn(2, 6, device=device, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()
+    out = graphed(x, x)
+    expected = tripled_if_one_tensor(twin, twin)
+    assert_tensors_match(out, expected, "output", tolerance(backend) or PAD_TOLERANCE)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_tensors_match(x.grad, twin.grad, "args[0].grad", tolerance(backend) or PAD_TOLERANCE)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_padded_call_refuses_an_earlier_output_it_would_hand_back_overwritten(
     backend: str,

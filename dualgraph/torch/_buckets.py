@@ -460,11 +460,19 @@ class BucketedCallable:
                 tensors[index].requires_grad_()
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
+        # One tensor passed at several padded inputs (q and k of self-attention) is padded
+        # once: the callable gets one tensor there, as eager's does (its Python may tell them
+        # apart by identity, and the runner then runs it eagerly, as for any such call).
+        made: dict[tuple[int, int], torch.Tensor] = {}
         for index, dim in padding.inputs:
             tensor = tensors[index]
-            padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
-            if tensor.__dict__:  # what the caller hung on it (x.scale), which the callable reads
-                padded[index].__dict__.update(tensor.__dict__)
+            padded_copy = made.get((id(tensor), dim))
+            if padded_copy is None:
+                padded_copy = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
+                made[id(tensor), dim] = padded_copy
+                if tensor.__dict__:  # what the caller hung on it (x.scale), the callable reads
+                    padded_copy.__dict__.update(tensor.__dict__)
+            padded[index] = padded_copy
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
         replayed = False
