@@ -223,6 +223,7 @@ class GraphedCallable:
         "_graph_grads_places",
         "_has_backward",
         "_held_nodes",
+        "_history_read",
         "_holder_baseline",
         "_holder_probes",
         "_holder_totals_baseline",
@@ -438,6 +439,9 @@ class GraphedCallable:
         self._flags_read = (
             tuple((i, plan.inputs.requires_grad[i]) for i in plan.reads_requires_grad) or None
         )
+        # Of these, those whose grad_fn or is_leaf it read: each a leaf at capture, so a call's
+        # tensor computed under grad (not a leaf) takes eager's other branch.
+        self._history_read = plan.reads_history or None
         # A call passing one tensor at several inputs runs eagerly too: its Python may tell
         # them apart by identity (nn.MultiheadAttention packs its projections where query is
         # key), where the replay's inputs are buffers of their own, distinct at capture.
@@ -867,7 +871,16 @@ class GraphedCallable:
             count = self._identities_checked
             own = self._own_params_checked
             if (
-                (flags is not None and _flags_differ(tensors, flags))
+                (
+                    flags is not None
+                    and (
+                        _flags_differ(tensors, flags)
+                        or (
+                            self._history_read is not None
+                            and _not_leaves(tensors, self._history_read)
+                        )
+                    )
+                )
                 or (
                     count
                     and (  # one tensor at two inputs: `is` for two (15 ns), a set of ids for more
@@ -2264,6 +2277,12 @@ def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool]
     """Whether an input whose ``requires_grad`` the forward read (``flags``: its position and
     its sample's) has another."""
     return any(tensors[i].requires_grad is not expected for i, expected in flags)
+
+
+def _not_leaves(tensors: Sequence[torch.Tensor], positions: tuple[int, ...]) -> bool:
+    """Whether an input whose ``grad_fn`` or ``is_leaf`` the forward read (``positions``; a
+    leaf at capture) is no leaf: computed under grad, it has a ``grad_fn``."""
+    return any(not tensors[i].is_leaf for i in positions)
 
 
 def _checked_already(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
