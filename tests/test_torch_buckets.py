@@ -1123,6 +1123,52 @@ def test_a_padded_call_passing_one_tensor_twice_hands_the_callable_one_padded_te
     assert_tensors_match(x.grad, twin.grad, "args[0].grad", tolerance(backend) or PAD_TOLERANCE)
 
 
+def scaled_by_requires_grad(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return x * (2.0 if x.requires_grad else 3.0)
+
+
+def scaled_by_leaf(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return x * (2.0 if x.is_leaf else 3.0)
+
+
+@pytest.mark.parametrize(
+    ("fn", "call"),
+    [
+        (scaled_by_requires_grad, "no_grad"),
+        (scaled_by_requires_grad, "inference_mode"),
+        (scaled_by_leaf, "leaf"),
+        (scaled_by_leaf, "computed"),
+    ],
+    ids=["requires_grad-no_grad", "requires_grad-inference_mode", "leaf", "computed"],
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_padded_call_takes_the_branch_its_callers_input_flags_take_in_eager(
+    backend: str, fn: Any, call: str
+) -> None:
+    # The padded copy is no leaf where the caller's tensor requires grad, and requires no grad
+    # under no_grad: the callable reading them must see the caller's, as eager's call does.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        fn,
+        buckets=[(torch.randn(2, n, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+    )
+    leaf = torch.randn(2, 6, device=device, requires_grad=True)
+    twin = leaf.detach().clone().requires_grad_()
+    if call in ("no_grad", "inference_mode"):
+        with getattr(torch, call)():
+            out, expected = graphed(leaf), fn(twin)
+    else:
+        x, x_twin = (leaf * 1.5, twin * 1.5) if call == "computed" else (leaf, twin)
+        out, expected = graphed(x), fn(x_twin)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_tensors_match(leaf.grad, twin.grad, "grad", tolerance(backend) or PAD_TOLERANCE)
+    assert_tensors_match(out, expected, "output", tolerance(backend) or PAD_TOLERANCE)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_padded_call_refuses_an_earlier_output_it_would_hand_back_overwritten(
     backend: str,

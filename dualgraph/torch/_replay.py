@@ -213,6 +213,7 @@ class GraphedCallable:
         "_emulated",
         "_expired_nodes",
         "_first_param",
+        "_flags_judged",
         "_flags_read",
         "_generation",
         "_grad_dtypes",
@@ -442,6 +443,9 @@ class GraphedCallable:
         # Of these, those whose grad_fn or is_leaf it read: each a leaf at capture, so a call's
         # tensor computed under grad (not a leaf) takes eager's other branch.
         self._history_read = plan.reads_history or None
+        # Set by a shape bucket around a padded call it judged on the caller's tensors (the
+        # padded copies are no leaves, and require no grad under no_grad): not judged again.
+        self._flags_judged = False
         # A call passing one tensor at several inputs runs eagerly too: its Python may tell
         # them apart by identity (nn.MultiheadAttention packs its projections where query is
         # key), where the replay's inputs are buffers of their own, distinct at capture.
@@ -736,6 +740,27 @@ class GraphedCallable:
         return tuple(self._inputs.paths[i] for i, _ in self._returned_inputs)
 
     @property
+    def input_flags_read(self) -> tuple[tuple[str, bool, bool], ...]:
+        """The inputs whose flags the forward's Python reads, as ``(path, the sample's
+        requires_grad, whether grad_fn or is_leaf was read)``; a call differing there runs
+        eagerly (a shape bucket judges a padded call by the caller's tensors)."""
+        history = self._history_read or ()
+        return tuple(
+            (self._inputs.paths[i], expected, i in history)
+            for i, expected in self._flags_read or ()
+        )
+
+    @property
+    def reads_grad_mode(self) -> bool:
+        """Whether the forward's Python reads grad mode (a call without grad runs eagerly)."""
+        return self._reads_grad_mode
+
+    def judged_flags(self) -> contextlib.AbstractContextManager[None]:
+        """Around a call whose tensors a shape bucket judged by the caller's (padded copies):
+        the replay does not judge the copies' flags again."""
+        return _FlagsJudged(self)
+
+    @property
     def checked_tensors(self) -> ModuleTensors | None:
         """What each call checks: the module's own tensors and plain values, or those a
         function's code names (``None``: it names none)."""
@@ -873,6 +898,7 @@ class GraphedCallable:
             if (
                 (
                     flags is not None
+                    and not self._flags_judged
                     and (
                         _flags_differ(tensors, flags)
                         or (
@@ -2277,6 +2303,21 @@ def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool]
     """Whether an input whose ``requires_grad`` the forward read (``flags``: its position and
     its sample's) has another."""
     return any(tensors[i].requires_grad is not expected for i, expected in flags)
+
+
+class _FlagsJudged:
+    """:meth:`GraphedCallable.judged_flags`."""
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: GraphedCallable) -> None:
+        self._runner = runner
+
+    def __enter__(self) -> None:
+        self._runner._flags_judged = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._runner._flags_judged = False
 
 
 def _not_leaves(tensors: Sequence[torch.Tensor], positions: tuple[int, ...]) -> bool:
