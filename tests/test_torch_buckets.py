@@ -1169,6 +1169,38 @@ def test_a_padded_call_takes_the_branch_its_callers_input_flags_take_in_eager(
     assert_tensors_match(out, expected, "output", tolerance(backend) or PAD_TOLERANCE)
 
 
+class _PaddedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.fc(x)  # saves x for the weight's grad
+
+
+@pytest.mark.parametrize("length", [4, 5], ids=["exact", "padded"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_inference_tensor_the_backward_reads_is_refused_padded_or_not(
+    backend: str, length: int
+) -> None:
+    # eager raises 'Inference tensors cannot be saved for backward'; a padded call's copy is
+    # no inference tensor, so its replay ran where eager raises
+    device = device_of(backend)
+    module = _PaddedLinear().to(device)
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 6)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+    )
+    with torch.inference_mode():
+        x = torch.randn(2, length, 3, device=device)
+    with pytest.raises(DualgraphError, match=r"args\[0\] is an inference tensor"):
+        module(x)
+    assert module(x.clone()).shape == (2, length, 3)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_padded_call_refuses_an_earlier_output_it_would_hand_back_overwritten(
     backend: str,

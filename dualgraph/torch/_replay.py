@@ -1741,12 +1741,15 @@ class GraphedCallable:
         """
         for i in self._saved_inputs:
             if inputs[i].is_inference():
-                raise DualgraphError(
-                    f"{self.name}: {self._inputs.paths[i]} is an inference tensor (made under "
-                    "torch.inference_mode()), and the backward reads it: eager raises "
-                    "'Inference tensors cannot be saved for backward'. Pass a clone made "
-                    "outside inference mode, or call under torch.no_grad()"
-                )
+                raise self._inference_input_error(i)
+
+    def _inference_input_error(self, index: int) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: {self._inputs.paths[index]} is an inference tensor (made under "
+            "torch.inference_mode()), and the backward reads it: eager raises "
+            "'Inference tensors cannot be saved for backward'. Pass a clone made "
+            "outside inference mode, or call under torch.no_grad()"
+        )
 
     def _changed_input_error(self, index: int, before: int, after: int) -> DualgraphError:
         return DualgraphError(
@@ -1762,13 +1765,19 @@ class GraphedCallable:
         """The caller's tensors of the replay just run that a padded call handed it as padded
         copies (``(input index, caller's tensor)``): one the backward reads, changed in place
         before that backward, is refused there as an input of an exact call is (eager's
-        backward reads the caller's tensor, and would raise)."""
+        backward reads the caller's tensor, and would raise). One that is an inference tensor
+        is refused, as an exact call's is (the padded copy is none; eager raises)."""
         saved = self._saved_inputs
         if not saved or not self._nodes:
             return
         node = self._nodes[-1]()
         if node is None or node.graphed is not self or node.generation != self._generation:
             return  # no backward follows this replay
+        callers = tuple(callers)
+        if node.input_versions:  # checked for this call's grads, as an exact call's are
+            for i, tensor in callers:
+                if i in saved and tensor.is_inference():
+                    raise self._inference_input_error(i)
         node.padded_callers = tuple(
             (i, tensor, tensor._version)
             for i, tensor in callers
