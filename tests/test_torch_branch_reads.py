@@ -51,6 +51,18 @@ def test_reading_an_inputs_flag_names_that_input_only() -> None:
     assert not seen.grad_mode and seen.requires_grad == (1,)
 
 
+@pytest.mark.parametrize(
+    ("flag", "history"), [("requires_grad", ()), ("grad_fn", (0,)), ("is_leaf", (0,))]
+)
+def test_reading_an_inputs_grad_fn_or_is_leaf_reads_whether_it_is_a_leaf(
+    flag: str, history: tuple[int, ...]
+) -> None:
+    x = torch.ones(2, requires_grad=True)
+    with branch_reads([x]) as seen:
+        getattr(x, flag)
+    assert seen.requires_grad == (0,) and seen.history == history
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_a_transformer_layer_reads_grad_mode_in_eval_only(training: bool) -> None:
     # its fast path (eval, grad off) is another kernel; in training it never looks

@@ -1090,6 +1090,117 @@ def test_padded_calls_return_the_callers_input_and_one_output_twice_as_eager(
     assert_tensors_match(y, torch.tanh(x), "output[1]", tolerance(backend) or PAD_TOLERANCE)
 
 
+def tripled_if_one_tensor(
+    query: torch.Tensor, key: torch.Tensor, valid_length: Any = None
+) -> torch.Tensor:
+    """Branches on identity, as ``nn.MultiheadAttention`` packs its projections where
+    ``query is key``."""
+    return query * 3 if query is key else query + key
+
+
+@pytest.mark.parametrize("backend", [*GRAPH_BACKENDS, "eager"])
+def test_a_padded_call_passing_one_tensor_twice_hands_the_callable_one_padded_tensor(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        tripled_if_one_tensor,
+        buckets=[
+            tuple(torch.randn(2, n, device=device, requires_grad=True) for _ in range(2))
+            for n in (4, 8)
+        ],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "args[1]": 1, "output": 1},
+    )
+    x = torch.randn(2, 6, device=device, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()
+    out = graphed(x, x)
+    expected = tripled_if_one_tensor(twin, twin)
+    assert_tensors_match(out, expected, "output", tolerance(backend) or PAD_TOLERANCE)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_tensors_match(x.grad, twin.grad, "args[0].grad", tolerance(backend) or PAD_TOLERANCE)
+
+
+def scaled_by_requires_grad(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return x * (2.0 if x.requires_grad else 3.0)
+
+
+def scaled_by_leaf(x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+    return x * (2.0 if x.is_leaf else 3.0)
+
+
+@pytest.mark.parametrize(
+    ("fn", "call"),
+    [
+        (scaled_by_requires_grad, "no_grad"),
+        (scaled_by_requires_grad, "inference_mode"),
+        (scaled_by_leaf, "leaf"),
+        (scaled_by_leaf, "computed"),
+    ],
+    ids=["requires_grad-no_grad", "requires_grad-inference_mode", "leaf", "computed"],
+)
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_padded_call_takes_the_branch_its_callers_input_flags_take_in_eager(
+    backend: str, fn: Any, call: str
+) -> None:
+    # The padded copy is no leaf where the caller's tensor requires grad, and requires no grad
+    # under no_grad: the callable reading them must see the caller's, as eager's call does.
+    device = device_of(backend)
+    graphed = dgt.make_graphed_callables(
+        fn,
+        buckets=[(torch.randn(2, n, device=device, requires_grad=True),) for n in (4, 8)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+    )
+    leaf = torch.randn(2, 6, device=device, requires_grad=True)
+    twin = leaf.detach().clone().requires_grad_()
+    if call in ("no_grad", "inference_mode"):
+        with getattr(torch, call)():
+            out, expected = graphed(leaf), fn(twin)
+    else:
+        x, x_twin = (leaf * 1.5, twin * 1.5) if call == "computed" else (leaf, twin)
+        out, expected = graphed(x), fn(x_twin)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_tensors_match(leaf.grad, twin.grad, "grad", tolerance(backend) or PAD_TOLERANCE)
+    assert_tensors_match(out, expected, "output", tolerance(backend) or PAD_TOLERANCE)
+
+
+class _PaddedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, valid_length: Any = None) -> torch.Tensor:
+        return self.fc(x)  # saves x for the weight's grad
+
+
+@pytest.mark.parametrize("length", [4, 5], ids=["exact", "padded"])
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_an_inference_tensor_the_backward_reads_is_refused_padded_or_not(
+    backend: str, length: int
+) -> None:
+    # eager raises 'Inference tensors cannot be saved for backward'; a padded call's copy is
+    # no inference tensor, so its replay ran where eager raises
+    device = device_of(backend)
+    module = _PaddedLinear().to(device)
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, n, 3, device=device),) for n in (4, 6)],
+        backend=backend,
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+    )
+    with torch.inference_mode():
+        x = torch.randn(2, length, 3, device=device)
+    with pytest.raises(DualgraphError, match=r"args\[0\] is an inference tensor"):
+        module(x)
+    assert module(x.clone()).shape == (2, length, 3)
+
+
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)
 def test_a_padded_call_refuses_an_earlier_output_it_would_hand_back_overwritten(
     backend: str,

@@ -5330,6 +5330,47 @@ def test_a_callable_branching_on_an_inputs_requires_grad_runs_eagerly_where_it_d
     assert dgt.diagnostics(module).eager_calls == 1
 
 
+class _BranchesOnHistory(nn.Module):
+    """Scales by 2 where its input is a leaf (``x.is_leaf``, or ``x.grad_fn is None``), by 3
+    where it was computed under grad (a previous layer's output)."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.flag = flag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leaf = x.is_leaf if self.flag == "is_leaf" else x.grad_fn is None
+        return self.fc(x) * (2.0 if leaf else 3.0)
+
+
+@pytest.mark.parametrize("flag", ["is_leaf", "grad_fn"])
+@pytest.mark.parametrize(("backend", "param_grads"), GRAPH_GRAD_MODES)
+def test_a_callable_branching_on_whether_an_input_is_a_leaf_runs_eagerly_where_it_is_not(
+    backend: str, param_grads: str, flag: str
+) -> None:
+    # The replay's inputs are leaves, as at capture: a replay would take the leaf's branch for
+    # a caller's tensor computed under grad, which eager scales by 3.
+    device = device_of(backend)
+    module = _BranchesOnHistory(flag).to(device)
+    twin = copy.deepcopy(module)
+    sample = torch.randn(2, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, param_grads=param_grads)
+    leaf = torch.randn(2, 4, device=device, requires_grad=True)
+    twin_leaf = leaf.detach().clone().requires_grad_()
+    out, expected = module(leaf * 1.5), twin(twin_leaf * 1.5)
+    assert_tensors_match(out, expected, "output", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
+    out.sum().backward()
+    expected.sum().backward()
+    assert_tensors_match(leaf.grad, twin_leaf.grad, "leaf.grad", tolerance(backend))
+    for p, q in zip(module.parameters(), twin.parameters(), strict=True):
+        assert_tensors_match(p.grad, q.grad, "parameter grad", tolerance(backend))
+    x = torch.randn(2, 4, device=device, requires_grad=True)  # a leaf, as the sample: replayed
+    assert_tensors_match(module(x), twin(x), "output", tolerance(backend))
+    assert dgt.diagnostics(module).eager_calls == 1
+
+
 class _TurnsRequiresGradOn(nn.Module):
     """Turns its input's requires_grad on (a saliency map's pattern: ``x.grad`` after the
     backward), through the method or the attribute."""

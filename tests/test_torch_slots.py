@@ -819,6 +819,36 @@ def test_a_scheduled_call_that_would_run_eagerly_is_refused_before_it_runs(backe
     assert module.fc.weight.grad is not None
 
 
+class _BranchesOnLeaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if x.is_leaf else 3.0)
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_scheduled_call_of_a_tensor_computed_under_grad_read_as_a_leaf_is_refused(
+    backend: str,
+) -> None:
+    device = device_of(backend)
+    module = _BranchesOnLeaf().to(device)
+    sample = torch.randn(3, 4, device=device, requires_grad=True)
+    dgt.make_graphed_callables(module, (sample,), backend=backend, schedule=[1, -1])
+    computed = torch.randn(3, 4, device=device, requires_grad=True) * 2
+    with pytest.raises(
+        DualgraphError,
+        match=r"args\[0\]: _BranchesOnLeaf's Python reads whether this input is a leaf "
+        r"\(grad_fn, is_leaf\); its sample was one and this call's is computed under grad.*"
+        r"Nothing ran",
+    ):
+        module(computed)
+    assert dgt.diagnostics(module).in_flight == ()
+    module(computed.detach().requires_grad_()).sum().backward()  # the step, replayed
+    assert module.fc.weight.grad is not None
+
+
 def test_a_schedule_cannot_share_a_pool_passed_in() -> None:
     # Another call's graphs in the schedule's pool replay outside the schedule's order: a replay
     # of the stage could overwrite the activations of the other's pending backward (on CUDA,

@@ -63,21 +63,28 @@ _RECORD_FLAGS = frozenset({"requires_grad", "grad_fn", "is_leaf"})
 
 class BranchReads:
     """What :func:`branch_reads` saw: whether grad mode was read, and of which inputs (their
-    positions) ``requires_grad`` was."""
+    positions) ``requires_grad`` was, and ``grad_fn`` or ``is_leaf``."""
 
-    __slots__ = ("_all", "_inputs", "_requires_grad", "_turned_on", "grad_mode")
+    __slots__ = ("_all", "_history", "_inputs", "_requires_grad", "_turned_on", "grad_mode")
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         self.grad_mode = False
         self._inputs = {id(t): i for i, t in enumerate(inputs)}
         self._all = tuple(range(len(inputs)))
         self._requires_grad: set[int] = set()
+        self._history: set[int] = set()
         self._turned_on: set[int] = set()
 
     @property
     def requires_grad(self) -> tuple[int, ...]:
         """The inputs whose ``requires_grad`` the forward's Python read, in order."""
         return tuple(sorted(self._requires_grad))
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """The inputs whose ``grad_fn`` or ``is_leaf`` the forward's Python read, in order: they
+        tell a leaf (as every input is at capture) from a tensor computed under grad."""
+        return tuple(sorted(self._history))
 
     @property
     def turned_on(self) -> tuple[int, ...]:
@@ -93,12 +100,17 @@ class BranchReads:
             self._requires_grad.add(position)
             self._turned_on.add(position)
 
-    def note_flag_read(self, tensor: Any, *, of_grad_mode: bool = True) -> None:
-        """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``);
+    def note_flag_read(
+        self, tensor: Any, *, of_grad_mode: bool = True, of_history: bool = False
+    ) -> None:
+        """Note a read of ``tensor``'s ``requires_grad`` (``grad_fn``, ``is_leaf``: then
+        ``of_history``, as they also tell whether an input is a leaf);
         ``of_grad_mode=False`` where the reader's branch matters only with grad mode on."""
         position = self._inputs.get(id(tensor))
         if position is not None:
             self._requires_grad.add(position)
+            if of_history:
+                self._history.add(position)
         elif isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
             # computed from the inputs under grad mode: its flag tells both
             self.grad_mode = self.grad_mode or of_grad_mode
@@ -144,6 +156,7 @@ class _WatchedFlag:
         self.__name__ = found.__name__
         self._found = found
         self._watchers = watchers
+        self._of_history = found.__name__ != "requires_grad"  # grad_fn, is_leaf
 
     def __get__(self, tensor: Any, owner: Any = None) -> Any:
         if tensor is None:
@@ -152,7 +165,7 @@ class _WatchedFlag:
         if _from_the_callable(frame):
             of_grad_mode = not _for_a_backward_hook(frame)
             for seen in self._watchers():
-                seen.note_flag_read(tensor, of_grad_mode=of_grad_mode)
+                seen.note_flag_read(tensor, of_grad_mode=of_grad_mode, of_history=self._of_history)
         return self._found.__get__(tensor, owner)
 
     def __set__(self, tensor: Any, value: Any) -> None:

@@ -141,6 +141,7 @@ class _Bucket:
     __slots__ = (
         "cut",
         "diagnostics",
+        "flag_reads",
         "full_length",
         "hands_out_length",
         "index",
@@ -168,6 +169,9 @@ class _Bucket:
         self.cut: tuple[tuple[int, int], ...] | None = None  # (output array, dim), found lazily
         # the padded inputs (the caller's positions) whose requires_grad the callable turns on
         self.turned_on: tuple[int, ...] | None = None  # found lazily, as cut
+        # the inputs whose flags the callable reads (the caller's positions, the sample's
+        # requires_grad, whether grad_fn or is_leaf was read): a padded call is judged by them
+        self.flag_reads: tuple[tuple[int, bool, bool], ...] | None = None  # found lazily
         # An output is valid_length (or views it): the caller gets the tensor it was told, so
         # each call gets one of its own (the one tensor per length, changed in place through
         # an output, would tell every later call another length; eager's are the caller's own).
@@ -387,27 +391,40 @@ class BucketedCallable:
                     self.name,
                     self._show(shapes),
                 )
-            replay_hooks = self._hooks.replay
-            with own_changes_taken_of(self._records):
-                if replay_hooks is None:
-                    outputs = self.fn(*args, **kwargs)
-                else:  # the hooks run around an eager call as around a replay
-                    outputs = call_eagerly(
-                        replay_hooks,
-                        self.fn,
-                        args,
-                        kwargs,
-                        check=_checked,
-                        run=self._hooks.run_eager,
-                    )
-            self._check_outputs(outputs)
-            if self._eager_graphs is not None and self._out_spec is not None:
-                self._eager_graphs.track(self._out_spec.flatten(outputs))
-            self._fallback_calls += 1
-            return outputs
+            return self._call_eagerly(args, kwargs)
         error = self._no_bucket(shapes)
         logger.debug("%s: a call was refused: %s", self.name, error)
         raise error
+
+    def _call_eagerly(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, branched: bool = False
+    ) -> Any:
+        """The callable run eagerly on the call's own tensors (``fallback="eager"``; or a padded
+        call whose caller's tensors take another branch than the capture's, ``branched``, whose
+        outputs are eager's, of whatever structure that branch returns)."""
+        replay_hooks = self._hooks.replay
+        with own_changes_taken_of(self._records):
+            if replay_hooks is None:
+                outputs = self.fn(*args, **kwargs)
+            else:  # the hooks run around an eager call as around a replay
+                outputs = call_eagerly(
+                    replay_hooks,
+                    self.fn,
+                    args,
+                    kwargs,
+                    check=_checked,
+                    run=self._hooks.run_eager,
+                )
+        if not branched:
+            self._check_outputs(outputs)
+        if self._eager_graphs is not None and self._out_spec is not None:
+            try:
+                flat = self._out_spec.flatten(outputs)
+            except DualgraphError:  # another branch's structure
+                flat = describe(outputs).flatten(outputs)
+            self._eager_graphs.track(flat)
+        self._fallback_calls += 1
+        return outputs
 
     def _padded(self, tensors: list[torch.Tensor], run: Callable[..., Any] | None = None) -> Any:
         """The call padded to the smallest bucket that holds it, replayed there (or handed to
@@ -458,19 +475,52 @@ class BucketedCallable:
             # would turn on instead, and which no grad of the caller's tensor comes through)
             if not tensors[index].requires_grad:
                 tensors[index].requires_grad_()
+        judged = False
+        if run is None and isinstance(runner, GraphedCallable):
+            reads = bucket.flag_reads
+            if reads is None:
+                reads = bucket.flag_reads = _flag_reads(runner, self._guard.paths)
+            if reads:
+                # The padded copies are no leaves where the caller's tensors require grad, and
+                # require no grad under no_grad: the callable's Python, which reads them, would
+                # see other flags than eager's call. Judged by the caller's tensors: a call
+                # whose branch may differ from the capture's runs eagerly on them, unpadded,
+                # as eager runs it; else the replay does not judge the copies again.
+                if _branches_otherwise(tensors, reads, runner.reads_grad_mode):
+                    logger.debug(
+                        "%s: a call of length %d reads input flags other than the samples'; "
+                        "it runs eagerly, unpadded",
+                        self.name,
+                        length,
+                    )
+                    args, kwargs = self._spec.unflatten(tensors)
+                    return self._call_eagerly(args, kwargs, branched=True)
+                judged = True
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
+        # One tensor passed at several padded inputs (q and k of self-attention) is padded
+        # once: the callable gets one tensor there, as eager's does (its Python may tell them
+        # apart by identity, and the runner then runs it eagerly, as for any such call).
+        made: dict[tuple[int, int], torch.Tensor] = {}
         for index, dim in padding.inputs:
             tensor = tensors[index]
-            padded[index] = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
-            if tensor.__dict__:  # what the caller hung on it (x.scale), which the callable reads
-                padded[index].__dict__.update(tensor.__dict__)
+            padded_copy = made.get((id(tensor), dim))
+            if padded_copy is None:
+                padded_copy = F.pad(tensor, (0, 0) * (tensor.dim() - 1 - dim) + (0, extra))
+                made[id(tensor), dim] = padded_copy
+                if tensor.__dict__:  # what the caller hung on it (x.scale), the callable reads
+                    padded_copy.__dict__.update(tensor.__dict__)
+            padded[index] = padded_copy
         args, kwargs = self._spec.unflatten(padded)
         kwargs[VALID_LENGTH] = self._length_tensor(length, bucket)
         replayed = False
         if run is None and isinstance(runner, GraphedCallable):
             generation = runner.generation
-            outputs = self._replay(bucket, args, kwargs, length)
+            if judged:
+                with runner.judged_flags():
+                    outputs = self._replay(bucket, args, kwargs, length)
+            else:
+                outputs = self._replay(bucket, args, kwargs, length)
             # What follows notes this call's tensors on the replay just run; a call the runner
             # ran eagerly (its Python reads grad mode or requires_grad) left the latest replay
             # as it was, and its backward is eager's own.
@@ -744,6 +794,35 @@ def _turned_on_padded(
     runner_paths = runner.plan.inputs.paths
     turned = {runner_paths[i] for i in runner.plan.turns_requires_grad_on}
     return tuple(index for index, _ in padding.inputs if paths[index] in turned)
+
+
+def _flag_reads(
+    runner: GraphedCallable, paths: Sequence[str]
+) -> tuple[tuple[int, bool, bool], ...]:
+    """The inputs whose flags the runner's callable reads: their positions in the caller's
+    order (``paths``), their samples' ``requires_grad``, whether ``grad_fn`` or ``is_leaf`` was
+    read (``valid_length``, the bucket's own tensor, left out)."""
+    index_of = {path: i for i, path in enumerate(paths)}
+    return tuple(
+        (index_of[path], expected, history)
+        for path, expected, history in runner.input_flags_read
+        if path in index_of
+    )
+
+
+def _branches_otherwise(
+    tensors: Sequence[torch.Tensor],
+    reads: tuple[tuple[int, bool, bool], ...],
+    reads_grad_mode: bool,
+) -> bool:
+    """Whether the caller's tensors (or grad mode) may take another branch than the capture's,
+    whose inputs were leaves requiring grad as their samples, under grad."""
+    if reads_grad_mode and not autograd_records():
+        return True
+    return any(
+        tensors[i].requires_grad is not expected or (history and not tensors[i].is_leaf)
+        for i, expected, history in reads
+    )
 
 
 def _note_padded_inputs(

@@ -201,6 +201,8 @@ class _Capture:
         # the inspected warmup ran a convolution or another op cuDNN may compute (_cudnn_ops)
         self.cudnn_ops = (False, False)  # (convolution, rnn)
         self.reads_requires_grad: tuple[int, ...] = ()
+        # and of which inputs grad_fn or is_leaf (a leaf at capture, as every input is)
+        self.reads_history: tuple[int, ...] = ()
         # and which inputs' requires_grad it turned on (x.requires_grad_(): padded calls)
         self.turns_requires_grad_on: tuple[int, ...] = ()
         self.saved_module_tensors: tuple[int, ...] = ()
@@ -254,6 +256,7 @@ class _Capture:
         self.reads_grad_mode = original.reads_grad_mode
         self.cudnn_ops = original.cudnn_ops
         self.reads_requires_grad = original.reads_requires_grad
+        self.reads_history = original.reads_history
         self.turns_requires_grad_on = original.turns_requires_grad_on
         self.saved_module_tensors = original.saved_module_tensors
         self.saved_closure_tensors = original.saved_closure_tensors
@@ -580,6 +583,7 @@ class _Capture:
             records_under_no_grad=self.records_under_no_grad,
             reads_grad_mode=self.reads_grad_mode,
             reads_requires_grad=self.reads_requires_grad,
+            reads_history=self.reads_history,
             turns_requires_grad_on=self.turns_requires_grad_on,
             saved_module_tensors=self.saved_module_tensors,
             saved_closure_tensors=self.saved_closure_tensors,

@@ -191,6 +191,9 @@ class ReplayPlan:
     # other than their samples', runs eagerly (a replay would take the capture's branch)
     reads_grad_mode: bool = False
     reads_requires_grad: tuple[int, ...] = ()
+    # the inputs whose grad_fn or is_leaf it read (each a leaf at capture): a call passing a
+    # tensor computed under grad there (grad_fn set, not a leaf) runs eagerly
+    reads_history: tuple[int, ...] = ()
     # the inputs whose requires_grad it turns on (x.requires_grad_(), counted among those read):
     # a padded call turns the caller's tensor's on before padding, as eager's call turns it on
     turns_requires_grad_on: tuple[int, ...] = ()

@@ -213,6 +213,7 @@ class GraphedCallable:
         "_emulated",
         "_expired_nodes",
         "_first_param",
+        "_flags_judged",
         "_flags_read",
         "_generation",
         "_grad_dtypes",
@@ -223,6 +224,7 @@ class GraphedCallable:
         "_graph_grads_places",
         "_has_backward",
         "_held_nodes",
+        "_history_read",
         "_holder_baseline",
         "_holder_probes",
         "_holder_totals_baseline",
@@ -438,6 +440,12 @@ class GraphedCallable:
         self._flags_read = (
             tuple((i, plan.inputs.requires_grad[i]) for i in plan.reads_requires_grad) or None
         )
+        # Of these, those whose grad_fn or is_leaf it read: each a leaf at capture, so a call's
+        # tensor computed under grad (not a leaf) takes eager's other branch.
+        self._history_read = plan.reads_history or None
+        # Set by a shape bucket around a padded call it judged on the caller's tensors (the
+        # padded copies are no leaves, and require no grad under no_grad): not judged again.
+        self._flags_judged = False
         # A call passing one tensor at several inputs runs eagerly too: its Python may tell
         # them apart by identity (nn.MultiheadAttention packs its projections where query is
         # key), where the replay's inputs are buffers of their own, distinct at capture.
@@ -732,6 +740,27 @@ class GraphedCallable:
         return tuple(self._inputs.paths[i] for i, _ in self._returned_inputs)
 
     @property
+    def input_flags_read(self) -> tuple[tuple[str, bool, bool], ...]:
+        """The inputs whose flags the forward's Python reads, as ``(path, the sample's
+        requires_grad, whether grad_fn or is_leaf was read)``; a call differing there runs
+        eagerly (a shape bucket judges a padded call by the caller's tensors)."""
+        history = self._history_read or ()
+        return tuple(
+            (self._inputs.paths[i], expected, i in history)
+            for i, expected in self._flags_read or ()
+        )
+
+    @property
+    def reads_grad_mode(self) -> bool:
+        """Whether the forward's Python reads grad mode (a call without grad runs eagerly)."""
+        return self._reads_grad_mode
+
+    def judged_flags(self) -> contextlib.AbstractContextManager[None]:
+        """Around a call whose tensors a shape bucket judged by the caller's (padded copies):
+        the replay does not judge the copies' flags again."""
+        return _FlagsJudged(self)
+
+    @property
     def checked_tensors(self) -> ModuleTensors | None:
         """What each call checks: the module's own tensors and plain values, or those a
         function's code names (``None``: it names none)."""
@@ -867,7 +896,17 @@ class GraphedCallable:
             count = self._identities_checked
             own = self._own_params_checked
             if (
-                (flags is not None and _flags_differ(tensors, flags))
+                (
+                    flags is not None
+                    and not self._flags_judged
+                    and (
+                        _flags_differ(tensors, flags)
+                        or (
+                            self._history_read is not None
+                            and _not_leaves(tensors, self._history_read)
+                        )
+                    )
+                )
                 or (
                     count
                     and (  # one tensor at two inputs: `is` for two (15 ns), a set of ids for more
@@ -1704,12 +1743,15 @@ class GraphedCallable:
         """
         for i in self._saved_inputs:
             if inputs[i].is_inference():
-                raise DualgraphError(
-                    f"{self.name}: {self._inputs.paths[i]} is an inference tensor (made under "
-                    "torch.inference_mode()), and the backward reads it: eager raises "
-                    "'Inference tensors cannot be saved for backward'. Pass a clone made "
-                    "outside inference mode, or call under torch.no_grad()"
-                )
+                raise self._inference_input_error(i)
+
+    def _inference_input_error(self, index: int) -> DualgraphError:
+        return DualgraphError(
+            f"{self.name}: {self._inputs.paths[index]} is an inference tensor (made under "
+            "torch.inference_mode()), and the backward reads it: eager raises "
+            "'Inference tensors cannot be saved for backward'. Pass a clone made "
+            "outside inference mode, or call under torch.no_grad()"
+        )
 
     def _changed_input_error(self, index: int, before: int, after: int) -> DualgraphError:
         return DualgraphError(
@@ -1725,13 +1767,19 @@ class GraphedCallable:
         """The caller's tensors of the replay just run that a padded call handed it as padded
         copies (``(input index, caller's tensor)``): one the backward reads, changed in place
         before that backward, is refused there as an input of an exact call is (eager's
-        backward reads the caller's tensor, and would raise)."""
+        backward reads the caller's tensor, and would raise). One that is an inference tensor
+        is refused, as an exact call's is (the padded copy is none; eager raises)."""
         saved = self._saved_inputs
         if not saved or not self._nodes:
             return
         node = self._nodes[-1]()
         if node is None or node.graphed is not self or node.generation != self._generation:
             return  # no backward follows this replay
+        callers = tuple(callers)
+        if node.input_versions:  # checked for this call's grads, as an exact call's are
+            for i, tensor in callers:
+                if i in saved and tensor.is_inference():
+                    raise self._inference_input_error(i)
         node.padded_callers = tuple(
             (i, tensor, tensor._version)
             for i, tensor in callers
@@ -2250,6 +2298,27 @@ def _flags_differ(tensors: Sequence[torch.Tensor], flags: tuple[tuple[int, bool]
     """Whether an input whose ``requires_grad`` the forward read (``flags``: its position and
     its sample's) has another."""
     return any(tensors[i].requires_grad is not expected for i, expected in flags)
+
+
+class _FlagsJudged:
+    """:meth:`GraphedCallable.judged_flags`."""
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: GraphedCallable) -> None:
+        self._runner = runner
+
+    def __enter__(self) -> None:
+        self._runner._flags_judged = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._runner._flags_judged = False
+
+
+def _not_leaves(tensors: Sequence[torch.Tensor], positions: tuple[int, ...]) -> bool:
+    """Whether an input whose ``grad_fn`` or ``is_leaf`` the forward read (``positions``; a
+    leaf at capture) is no leaf: computed under grad, it has a ``grad_fn``."""
+    return any(not tensors[i].is_leaf for i in positions)
 
 
 def _checked_already(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

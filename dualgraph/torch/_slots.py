@@ -138,6 +138,15 @@ class SlotReplay(GraphedCallable):
         found = next(
             ((paths[i], flag) for i, flag in flags if tensors[i].requires_grad is not flag), None
         )
+        if found is None:
+            computed = next((i for i in self._history_read or () if not tensors[i].is_leaf), None)
+            if computed is not None:
+                return DualgraphError(
+                    f"{paths[computed]}: {self.name}'s Python reads whether this input is a leaf "
+                    "(grad_fn, is_leaf); its sample was one and this call's is computed under "
+                    f"grad, so eager's branch may differ from the replay's {due}pass a leaf "
+                    "(a detached copy requiring grad), or graph with samples like the calls"
+                )
         twice = same_tensor_twice(paths, tensors) if found is None else None
         if twice is not None:
             earlier, path = twice

@@ -388,8 +388,9 @@ def _why_eager(
     if branched and not (isinstance(runner, BucketedCallable) and runner.fallback == "eager"):
         return (
             "its Python reads grad mode or an input's requires_grad (seen at warmup), so a "
-            "call whose inputs' requires_grad differs from the samples' runs eagerly (pass "
-            "inputs requiring grad as the samples did)"
+            "call whose inputs' requires_grad differs from the samples' (or, where it reads "
+            "grad_fn or is_leaf, whose input is no leaf) runs eagerly (pass inputs requiring "
+            "grad as the samples did, leaves where those are read)"
         )
     return (
         'with fallback="eager", a call of shapes no bucket takes runs eagerly (pass inputs '

@@ -575,6 +575,7 @@ def _warmup(
                 outputs = _run(item)
     item.reads_grad_mode |= reads.grad_mode
     item.reads_requires_grad = tuple(sorted({*item.reads_requires_grad, *reads.requires_grad}))
+    item.reads_history = tuple(sorted({*item.reads_history, *reads.history}))
     item.turns_requires_grad_on = tuple(sorted({*item.turns_requires_grad_on, *reads.turned_on}))
     _refuse_changed_containers(item)
     _refuse_inputs_relaid(item, layouts)
