@@ -38,6 +38,7 @@ from ._containers import brief_of
 from ._errors import SpecMismatchError
 from ._nodes import clip
 from ._paths import Index, Key, format_path
+from ._signatures import signature_of
 from ._spec import describe
 
 __all__ = ["CallSpelling"]
@@ -99,7 +100,7 @@ class CallSpelling:
         self._signature: inspect.Signature | None = None
         self._plans: dict[tuple[int, tuple[str, ...]], _Plan | None] = {}
         try:
-            signature = inspect.signature(fn)
+            signature = signature_of(fn)  # read once for the callables of one graphing
             signature.bind(*args, **kwargs)
         except Exception:  # no signature to read (a builtin), or one the sample does not fit
             return
