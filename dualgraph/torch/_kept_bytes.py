@@ -41,9 +41,10 @@ BATCH_BYTES = 1 << 16
 
 
 def _flat(tensors: Sequence[torch.Tensor], *, copy: bool) -> torch.Tensor:
-    """The elements of ``tensors`` (one device and dtype, no conjugate or negative bit), in
-    order, as one tensor of bytes: their :func:`bytes_of`, concatenated; a new tensor where
-    ``copy`` (torch's flatten hands one tensor back as a view of itself)."""
+    """The elements of ``tensors`` (plain strided tensors of one device and dtype), in order,
+    as one tensor of bytes: their :func:`bytes_of`, concatenated (the concatenation resolves a
+    conjugate or negative bit, as ``bytes_of`` does); a new tensor where ``copy`` (torch's
+    flatten hands one tensor back as a view of itself)."""
     if len(tensors) == 1:
         return bytes_of(tensors[0]) if copy else bytes_now(tensors[0])
     with torch.no_grad():  # no autograd history of parameters (a copy records none anyway)
@@ -80,7 +81,8 @@ class _Batch:
 
 
 class KeptBytes:
-    """The bytes of ``tensors`` as they are now (as :func:`bytes_of` copies each)."""
+    """The bytes of ``tensors`` (strided ones: each has an address) as they are now (as
+    :func:`bytes_of` copies each)."""
 
     __slots__ = ("_batches", "_kept", "_layouts", "_tensors")
 
