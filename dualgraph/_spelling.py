@@ -38,6 +38,7 @@ from ._containers import brief_of
 from ._errors import SpecMismatchError
 from ._nodes import clip
 from ._paths import Index, Key, format_path
+from ._signatures import signature_of
 from ._spec import describe
 
 __all__ = ["CallSpelling", "binding_signature"]
@@ -62,7 +63,7 @@ def binding_signature(fn: Callable[..., Any], /) -> inspect.Signature:
     >>> binding_signature(functools.wraps(f)(lambda *args, **kwargs: f(*args, scale=3.0)))
     <Signature (*args, **kwargs)>
     """
-    return inspect.signature(fn, follow_wrapped=False)
+    return signature_of(fn)
 
 
 class _Slot:
@@ -116,7 +117,7 @@ class CallSpelling:
         self._signature: inspect.Signature | None = None
         self._plans: dict[tuple[int, tuple[str, ...]], _Plan | None] = {}
         try:
-            signature = binding_signature(fn)
+            signature = binding_signature(fn)  # read once for the callables of one graphing
             signature.bind(*args, **kwargs)
         except Exception:  # no signature to read (a builtin), or one the sample does not fit
             return

@@ -414,26 +414,59 @@ def test_recording_a_modules_tensors_walks_its_submodules_once(
     assert [len(hooks[0]) for hooks in record.hooks_at_capture[:4]] == [0, 1, 0, 0]
 
 
-def test_warmup_copies_a_modules_tensors_once_and_compares_them_in_place(
+def test_warmup_copies_a_modules_large_tensors_once_and_compares_them_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Around warmup each parameter's bytes were copied before and again after, to compare the
-    # two copies; the tensor's own memory, in element order, is compared with the one copy.
-    from dualgraph.torch import _warmup
+    # two copies; a large tensor's own memory, in element order, is compared with the one copy.
+    from dualgraph.torch import _kept_bytes, _warmup
 
     copied: list[torch.Tensor] = []
-    bytes_of = _warmup.bytes_of
+    flattened: list[torch.Tensor] = []
+    bytes_of, flatten = _kept_bytes.bytes_of, _kept_bytes._flatten_dense_tensors
 
     def noting(tensor: torch.Tensor) -> torch.Tensor:
         copied.append(tensor)
         return bytes_of(tensor)
 
-    monkeypatch.setattr(_warmup, "bytes_of", noting)
-    module, sample = nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
-    dgt.make_graphed_callables(module, (sample,))
-    params = [module.weight, module.bias]
-    assert sum(any(t is p for p in params) for t in copied) == len(params)
-    assert len(copied) == len(params) + 1  # and the inspected warmup's input, once
+    def noting_flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        flattened.extend(tensors)
+        return flatten(tensors)
+
+    monkeypatch.setattr(_kept_bytes, "bytes_of", noting)
+    monkeypatch.setattr(_kept_bytes, "_flatten_dense_tensors", noting_flat)
+    inputs: list[torch.Tensor] = []
+    warmup_bytes_of = _warmup.bytes_of
+    monkeypatch.setattr(_warmup, "bytes_of", lambda t: inputs.append(t) or warmup_bytes_of(t))
+    module = nn.Linear(128, 128)  # a weight of _kept_bytes.BATCHED_BELOW bytes or more
+    assert module.weight.numel() * 4 >= _kept_bytes.BATCHED_BELOW
+    dgt.make_graphed_callables(module, (torch.randn(2, 128, requires_grad=True),))
+    assert sum(t is module.weight for t in copied) == 1
+    assert not any(t is module.weight for t in flattened)
+    assert len(inputs) == 1  # and the inspected warmup's input, once
+
+
+def test_warmup_copies_a_modules_small_tensors_once_together_and_compares_them_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy and a comparison each (a dozen small ops, on CUDA a synchronizing torch.equal) per
+    # bias and norm weight was most of the warmup's host time for a layer: one flat copy of
+    # them before, one flat copy to compare with after.
+    from dualgraph.torch import _kept_bytes
+
+    flattened: list[list[torch.Tensor]] = []
+    flatten = _kept_bytes._flatten_dense_tensors
+
+    def noting_flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        flattened.append(list(tensors))
+        return flatten(tensors)
+
+    monkeypatch.setattr(_kept_bytes, "_flatten_dense_tensors", noting_flat)
+    monkeypatch.setattr(_kept_bytes, "bytes_of", lambda t: pytest.fail("copied on its own"))
+    module = TinyMLP()
+    params = list(module.parameters())
+    dgt.make_graphed_callables(module, (torch.randn(2, 8, requires_grad=True),))
+    assert [[id(t) for t in batch] for batch in flattened] == [[id(p) for p in params]] * 2
 
 
 def test_the_inspected_warmup_finds_a_modules_plain_tensor_attributes_once(

@@ -97,3 +97,16 @@ def test_accumulators_on_the_cpu_never_ask_cuda(monkeypatch: pytest.MonkeyPatch)
     SumStart([accumulator])()
     assert asked == []
     assert _all_negative_zero(accumulator)
+
+
+def test_accumulators_of_one_size_start_from_one_view_of_the_buffer() -> None:
+    """A block's norm weights and biases (and a model's many biases) are of a few sizes: one view
+    of the shared buffer is made per size, and each accumulator is copied into as itself (a
+    slice of itself and a view of the buffer each took two ops an accumulator)."""
+    accumulators = [_held_values(6), _held_values(2, 3), _held_values(4)]
+    start = SumStart(accumulators)
+    ((targets, sources),) = start._copies
+    assert sources[0] is sources[1] and sources[2] is not sources[0]
+    assert [t.data_ptr() for t in targets] == [a.data_ptr() for a in accumulators]
+    start()
+    assert all(map(_all_negative_zero, accumulators))

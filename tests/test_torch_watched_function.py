@@ -164,3 +164,44 @@ def test_a_watch_of_every_thread_hears_another_threads_call_and_a_plain_one_does
     assert everywhere == [5, 7]
     assert here == [7]
     assert box.double is original
+
+
+def _noting(found: Any, watchers: Callable[[], list[list[int]]]) -> Any:
+    def noted(x: int) -> int:
+        for seen in watchers():
+            seen.append(x)
+        return found(x)  # type: ignore[no-any-return]
+
+    return noted
+
+
+def test_a_watch_of_its_own_thread_ends_taking_the_lock_once() -> None:
+    # Every warmup forward begins and ends a dozen watches: the end of one begun for this thread
+    # only takes the lock for the count alone (none of every thread's watchers is its own).
+    box = types.SimpleNamespace(double=lambda x: 2 * x)
+    watch: WatchedFunction[list[int]] = WatchedFunction(box, "double", _noting)
+
+    class CountingLock:
+        def __init__(self) -> None:
+            self.taken = 0
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            self.taken += 1
+            self._lock.acquire()
+
+        def __exit__(self, *_: object) -> None:
+            self._lock.release()
+
+    lock = CountingLock()
+    object.__setattr__(watch, "_lock", lock)  # a slot
+    held: list[int] = []
+    watch.begin(held)  # the function replaced, and stays so
+    seen: list[int] = []
+    watch.begin(seen)
+    lock.taken = 0
+    watch.end(seen)
+    assert lock.taken == 1
+    assert box.double(3) == 6 and seen == [] and held == [3]
+    watch.end(held)
+    assert box.double(3) == 6 and held == [3]

@@ -13,6 +13,7 @@ import torch
 
 from .._containers import NAMESPACE
 from .._errors import CaptureError, DualgraphError, SpecMismatchError
+from .._signatures import signatures_read_once
 from .._spec import map_arrays
 from ._ambient import outside_inference_mode
 from ._bucket_capture import BucketRequest, capture_buckets
@@ -349,10 +350,11 @@ def make_graphed_callables(
     fns, all_args, all_kwargs = _samples_per_callable(callables, sample_args, sample_kwargs, single)
     slots, schedule = checked_slots(slots, schedule, callables=len(fns), pool=pool)
     forwards = [_forward_of(fn) for fn in fns]
-    guards = [
-        InputGuard(args, kwargs, forward)
-        for args, kwargs, forward in zip(all_args, all_kwargs, forwards, strict=True)
-    ]
+    with signatures_read_once():  # the blocks of a model: one forward's signature, read once
+        guards = [
+            InputGuard(args, kwargs, forward)
+            for args, kwargs, forward in zip(all_args, all_kwargs, forwards, strict=True)
+        ]
     resolved = _resolve_backend(backend, all_args, all_kwargs)
     names = [_name_of(fn) for fn in fns]
     if resolved == "cuda":

@@ -75,6 +75,7 @@ class _Position(tuple):
 
 #: values a position holds as they are (the others by identity, by position or by length)
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 def _position(iterator: Any) -> _Position:
@@ -322,7 +323,8 @@ class SideEffects:
         for _, module in self._modules:
             state: _State = {}
             for name, value in module.__dict__.items():
-                if name in _MODULE_INTERNALS or not _watched(value):
+                # a plain value (most of a module's own: Linear's in_features) is never watched
+                if type(value) in _PLAIN_TYPES or name in _MODULE_INTERNALS or not _watched(value):
                     continue
                 if isinstance(value, torch.Tensor):
                     state[name] = (value, None)

@@ -69,6 +69,9 @@ class SumStart:
     def __init__(self, accumulators: Sequence[torch.Tensor]) -> None:
         copies: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], ...]] = {}
         others = []  # not dense (nor contiguous, where larger than a chunk), during a capture
+        # the views of the shared buffers made here, by device, dtype and size (a block's norm
+        # weights and biases share one)
+        sized: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
         # asked only of CUDA accumulators: the query initializes CUDA, which CPU graphs never need
         capturing = (
             any(a.is_cuda for a in accumulators) and torch.cuda.is_current_stream_capturing()
@@ -77,18 +80,26 @@ class SumStart:
             numel = accumulator.numel()
             if numel == 0:
                 continue
-            if capturing or not (
-                accumulator.is_contiguous() or (is_dense(accumulator) and numel <= CHUNK)
-            ):
+            contiguous = accumulator.is_contiguous()
+            if capturing or not (contiguous or (is_dense(accumulator) and numel <= CHUNK)):
                 others.append(accumulator)
                 continue
-            zeros = _negative_zeros(accumulator.device, accumulator.dtype, min(numel, CHUNK))
-            targets, sources = copies.setdefault((accumulator.device, accumulator.dtype), ([], []))
-            if not accumulator.is_contiguous():  # dense, permuted (channels_last, say)
+            device, dtype = accumulator.device, accumulator.dtype
+            zeros = _negative_zeros(device, dtype, min(numel, CHUNK))
+            targets, sources = copies.setdefault((device, dtype), ([], []))
+            if not contiguous:  # dense, permuted (channels_last, say)
                 targets.append(accumulator)
                 sources.append(zeros[:numel].as_strided(accumulator.size(), accumulator.stride()))
                 continue
             flat = accumulator.view(-1)
+            if numel <= CHUNK:  # the usual one: itself, from a view of the buffer per size
+                key = (device, dtype, numel)
+                source = sized.get(key)
+                if source is None:
+                    source = sized[key] = zeros[:numel]
+                targets.append(flat)
+                sources.append(source)
+                continue
             for begin in range(0, numel, CHUNK):
                 piece = flat[begin : begin + CHUNK]
                 targets.append(piece)

@@ -42,6 +42,7 @@ from ._cudnn_ops import cudnn_ops_run
 from ._grad_mode_set import turns_grad_mode_on
 from ._grad_order import reaching_order
 from ._held_tensors import Held, held_tensors, modules_named_by
+from ._kept_bytes import KeptBytes
 from ._layouts import Layout, layout_of
 from ._leaves import dtype_name
 from ._output_aliases import OutputAliases, find_output_aliases
@@ -100,18 +101,20 @@ def module_tensors_kept(item: _Capture) -> Iterator[None]:
     """
     with _unobserved():
         # its .data too (no copy): a `.data = other` is put back by setting it again
-        kept = [(name, t, t._version, bytes_of(t), t.data) for name, t in _writable_tensors(item)]
+        kept = [(name, t, t._version, t.data) for name, t in _writable_tensors(item)]
+        # their bytes in one copy per device and dtype, compared at once
+        kept_bytes = KeptBytes([t for _, t, _, _ in kept])
     try:
         yield
     finally:
         with _unobserved():
+            # laid out anew (.data = other) or other bytes; the version read before putting back
             changed = [
-                (name, t, t._version == version, copy, data)  # before putting back bumps it
-                for name, t, version, copy, data in kept
-                if _moved(t, data) or not same_bytes(copy, bytes_now(t))
+                (name, t, t._version == version, kept_bytes.of(i), data)
+                for i, (name, t, version, data) in ((i, kept[i]) for i in kept_bytes.changed())
             ]
             shown = _shown(changed[0][1], changed[0][3], changed[0][4]) if changed else ""
-            del kept
+            del kept, kept_bytes
             _put_back(changed)
     if changed:
         name, t, quietly, _, _ = changed[0]

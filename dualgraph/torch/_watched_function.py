@@ -116,15 +116,21 @@ class WatchedFunction(Generic[W]):
     def end(self, watcher: W) -> None:
         """:meth:`watching`'s end: ``watcher`` no longer notes; the function is put back if no
         watch runs in any thread."""
-        with self._lock:
-            if any(watcher is other for other in self._everywhere):
+        # Only this watch's begin puts its watcher among every thread's (a new list each time,
+        # read whole): where the list read now holds none, no later one will.
+        everywhere = self._everywhere
+        if everywhere and any(watcher is other for other in everywhere):
+            with self._lock:
                 self._everywhere = [w for w in self._everywhere if w is not watcher]
         watchers = self._watchers()
         # by identity (a watcher may compare equal to another: two empty dicts)
-        for i in range(len(watchers) - 1, -1, -1):  # the latest first: usually the last one
-            if watchers[i] is watcher:
-                del watchers[i]
-                break
+        if watchers and watchers[-1] is watcher:  # the latest: usually the one ending
+            del watchers[-1]
+        else:
+            for i in range(len(watchers) - 1, -1, -1):
+                if watchers[i] is watcher:
+                    del watchers[i]
+                    break
         with self._lock:
             self._count -= 1
             if not self._count:
