@@ -299,8 +299,8 @@ class BucketedCallable:
         tensors, args, kwargs = self._flattened(args, kwargs)
         try:
             bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
-        except (AttributeError, TypeError):  # a leaf that is no tensor: explained below
-            bucket = None
+        except (AttributeError, TypeError, RuntimeError):  # no tensor, or one without a shape
+            bucket = None  # (a nested tensor): explained below
         if bucket is None:
             return self._unmatched(args, kwargs, tensors)
         told = bucket.full_length
