@@ -293,14 +293,50 @@ def _loss(out: dict[str, Any]) -> torch.Tensor:
     return out["h"].square().sum()
 
 
+def _inference(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return tensor.clone()
+
+
+#: Bad calls that only a backend with static buffers refuses: eager's own error is the eager
+#: backend's. name -> (how to spoil a good call, the path the error must start with)
+GRAPH_BAD_CALLS: dict[str, tuple[Bad, str]] = {
+    # a tensor the backward reads (the mask multiplies h), made under torch.inference_mode():
+    # eager raises 'Inference tensors cannot be saved for backward' (refused after the replay)
+    "inference_saved": (
+        _extra(lambda e: [_with(e[0], m=_inference(e[0]["m"]))]),
+        "kwargs['extra'][0]['m']",
+    ),
+}
+
+
 @pytest.mark.parametrize("bad", list(BAD_CALLS))
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize(("backend", "param_grads"), MODES, ids=[f"{b}-{p}" for b, p in MODES])
 def test_a_bad_call_is_refused_by_path_and_touches_nothing(
     backend: str, param_grads: str, entry: str, bad: str
 ) -> None:
+    _refused_by_path_touching_nothing(backend, param_grads, entry, *BAD_CALLS[bad])
+
+
+GRAPH_MODES = [mode for mode in MODES if mode[0] != "eager"]
+
+
+@pytest.mark.parametrize("bad", list(GRAPH_BAD_CALLS))
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), GRAPH_MODES, ids=[f"{b}-{p}" for b, p in GRAPH_MODES]
+)
+def test_a_bad_call_only_a_replay_refuses_is_refused_by_path_and_touches_nothing(
+    backend: str, param_grads: str, entry: str, bad: str
+) -> None:
+    _refused_by_path_touching_nothing(backend, param_grads, entry, *GRAPH_BAD_CALLS[bad])
+
+
+def _refused_by_path_touching_nothing(
+    backend: str, param_grads: str, entry: str, spoil: Bad, path: str
+) -> None:
     graphed, twin, modules = _graph(entry, backend, param_grads)
-    spoil, path = BAD_CALLS[bad]
     # an earlier call whose backward is pending across the bad call
     a1, kw1 = good(1)
     e1, ekw1 = copy.deepcopy((a1, kw1))

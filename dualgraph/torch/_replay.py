@@ -37,7 +37,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.autograd.graph as _autograd_graph
 from torch.utils._pytree import tree_leaves as _tree_leaves
 
-from .._errors import DualgraphError
+from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec
 from ._address_ranges import StorageIndex, first_sharing, memory_of, storage_spans
 from ._ambient import (
@@ -918,6 +918,11 @@ class GraphedCallable:
                 )
                 if self._returned_inputs:
                     self.check_returned_inputs(tensors)
+            if self._saved_inputs and self._has_backward and grad_enabled:
+                for i in self._saved_inputs:  # one is_inference() a saved input
+                    if tensors[i].is_inference():
+                        self._refuse_inference_inputs_read(tensors)
+                        break
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -1697,6 +1702,16 @@ class GraphedCallable:
                 return self._changed_input_error(i, before, after)
         return None
 
+    def _refuse_inference_inputs_read(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before anything is written, a call passing an inference tensor where this
+        call's backward reads the input (:meth:`refuse_inference_inputs`); a call needing other
+        grads than the capture's (an input passed without grad) may read none (``x * y`` saves
+        ``y`` only for ``x``'s grad): its inputs are not checked, as their versions are not."""
+        needs = (False, *(t.requires_grad for t in (*tensors, *self._edges)))
+        if self.params_frozen(needs) or needs[1 : self._first_param] != self._captured_input_grads:
+            return
+        self.refuse_inference_inputs(tensors)
+
     def refuse_inference_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         """Refuse a call with grad passing, where the backward reads an input, a tensor made
         under ``torch.inference_mode()`` (eager raises 'Inference tensors cannot be saved for
@@ -1704,11 +1719,13 @@ class GraphedCallable:
         """
         for i in self._saved_inputs:
             if inputs[i].is_inference():
-                raise DualgraphError(
-                    f"{self.name}: {self._inputs.paths[i]} is an inference tensor (made under "
-                    "torch.inference_mode()), and the backward reads it: eager raises "
-                    "'Inference tensors cannot be saved for backward'. Pass a clone made "
-                    "outside inference mode, or call under torch.no_grad()"
+                path = self._inputs.paths[i]
+                raise SpecMismatchError(
+                    f"{path}: an inference tensor (made under torch.inference_mode()), which "
+                    f"the backward of {self.name} reads: eager raises 'Inference tensors cannot "
+                    "be saved for backward'. Pass a clone made outside inference mode, or call "
+                    "under torch.no_grad()",
+                    path=path,
                 )
 
     def _changed_input_error(self, index: int, before: int, after: int) -> DualgraphError:
