@@ -3020,6 +3020,34 @@ def test_a_padded_call_turns_on_the_callers_tensor_the_callable_turns_on(backend
         assert_tensors_match(x.grad, x_twin.grad, "args[0].grad", PAD_TOLERANCE)
 
 
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_a_refused_padded_call_leaves_the_callers_requires_grad_as_it_was(backend: str) -> None:
+    # The caller's tensor was turned on before the replay checked the call: a padded call
+    # refused (here under an autocast the capture had not) left x requiring grad.
+    device = device_of(backend)
+    module = AttendsToItsTokens().to(device)
+    twin = copy.deepcopy(module)
+    dgt.make_graphed_callables(
+        module,
+        buckets=[(torch.randn(2, n, 4, device=device, requires_grad=True),) for n in (4, 8)],
+        fallback="pad",
+        dynamic_dims={"args[0]": 1, "output": 1},
+        backend=backend,
+    )
+    x = torch.randn(2, 3, 4, device=device)
+    with (
+        torch.autocast(device.type, dtype=torch.bfloat16),
+        pytest.raises(DualgraphError, match="captured outside torch"),
+    ):
+        module(x)
+    assert not x.requires_grad
+    x_twin = x.clone()
+    module(x).square().sum().backward()  # the next good call, as eager's
+    twin(x_twin).square().sum().backward()
+    assert x.requires_grad and x.grad is not None
+    assert_tensors_match(x.grad, x_twin.grad, "args[0].grad", PAD_TOLERANCE)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_padded_calls_output_carries_what_the_callable_set_on_it(backend: str) -> None:
     # A padded call hands out a copy cut back to the call's length: it lacked the attributes

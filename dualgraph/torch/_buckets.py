@@ -452,12 +452,14 @@ class BucketedCallable:
         turned_on = bucket.turned_on
         if turned_on is None:
             turned_on = bucket.turned_on = _turned_on_padded(runner, self._guard.paths, padding)
+        turned = []
         for index in turned_on:
             # as eager's call turns the caller's tensor's on: the padded copy then carries its
             # history (a copy that does not is another leaf, which the callable's eager run
             # would turn on instead, and which no grad of the caller's tensor comes through)
             if not tensors[index].requires_grad:
                 tensors[index].requires_grad_()
+                turned.append(index)
         extra = bucket.length - length  # type: ignore[operator]
         padded = list(tensors)
         for index, dim in padding.inputs:
@@ -470,7 +472,13 @@ class BucketedCallable:
         replayed = False
         if run is None and isinstance(runner, GraphedCallable):
             generation = runner.generation
-            outputs = self._replay(bucket, args, kwargs, length)
+            try:
+                outputs = self._replay(bucket, args, kwargs, length)
+            except DualgraphError:
+                if runner.generation == generation:  # refused: the call changes nothing
+                    for index in turned:
+                        tensors[index].requires_grad_(False)
+                raise
             # What follows notes this call's tensors on the replay just run; a call the runner
             # ran eagerly (its Python reads grad mode or requires_grad) left the latest replay
             # as it was, and its backward is eager's own.
