@@ -333,8 +333,18 @@ def test_a_bad_call_only_a_replay_refuses_is_refused_by_path_and_touches_nothing
     _refused_by_path_touching_nothing(backend, param_grads, entry, *GRAPH_BAD_CALLS[bad])
 
 
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+@pytest.mark.parametrize(("backend", "param_grads"), MODES, ids=[f"{b}-{p}" for b, p in MODES])
+def test_a_bad_call_padded_into_a_bucket_is_refused_by_its_own_path(
+    backend: str, param_grads: str, bad: str
+) -> None:
+    # A call of 1 row (padded into the 2-row bucket) with another leaf bad: an input of other
+    # dims than every bucket's was named by the first shape no bucket has, the padded x's.
+    _refused_by_path_touching_nothing(backend, param_grads, "pad", *BAD_CALLS[bad], rows=1)
+
+
 def _refused_by_path_touching_nothing(
-    backend: str, param_grads: str, entry: str, spoil: Bad, path: str
+    backend: str, param_grads: str, entry: str, spoil: Bad, path: str, rows: int = 2
 ) -> None:
     graphed, twin, modules = _graph(entry, backend, param_grads)
     # an earlier call whose backward is pending across the bad call
@@ -343,7 +353,7 @@ def _refused_by_path_touching_nothing(
     out1 = graphed(*a1, **kw1)
     eager1 = twin(*e1, **ekw1)
     out1_value = out1["h"].detach().clone()
-    bad_args, bad_kwargs = spoil(*good(2))
+    bad_args, bad_kwargs = spoil(*good(2, rows))
     with pytest.raises(DualgraphError) as caught:
         graphed(*bad_args, **bad_kwargs)
     message = str(caught.value)

@@ -420,10 +420,17 @@ class BucketedCallable:
         path = padding.input_paths[0]
         dim = padding.inputs[0][1]
         if group is None:
+            # named by the first input whose other dims no bucket has (a padded input's
+            # length is any, up to the largest bucket's)
+            position = _differing_position(
+                padding.fixed_shapes(shapes),
+                [padding.fixed_shapes(bucket.shapes) for bucket in self._buckets],
+            )
             raise self._no_bucket(
                 shapes,
                 f"fallback='pad' pads only along dynamic_dims ({self._show_dynamic()}), and no "
                 "bucket has this call's other dims",
+                position,
             )
         lengths, members = group
         position = bisect.bisect_left(lengths, length)
@@ -646,9 +653,14 @@ class BucketedCallable:
                     path=f"output{leaf.path}",
                 )
 
-    def _no_bucket(self, shapes: tuple[Any, ...], why: str = "") -> SpecMismatchError:
+    def _no_bucket(
+        self, shapes: tuple[Any, ...], why: str = "", position: int | None = None
+    ) -> SpecMismatchError:
+        """The refusal of a call of ``shapes`` that no bucket takes, naming the input at
+        ``position`` (by default, the one :func:`_differing_position` finds)."""
         paths = self._guard.paths
-        position = _differing_position(shapes, [bucket.shapes for bucket in self._buckets])
+        if position is None:
+            position = _differing_position(shapes, [bucket.shapes for bucket in self._buckets])
         path = paths[position]
         shape = list(shapes[position])
         reason = why or (
