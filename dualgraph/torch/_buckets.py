@@ -456,6 +456,8 @@ class BucketedCallable:
             # and a caller's tensor handed out for a padded input the callable returns
             runner.check_returned_inputs(tensors, self._guard.paths)
             _refuse_updates_seen_through_padded(runner, tensors, self._guard.paths, padding)
+            if any(tensors[index].is_inference() for index, _ in padding.inputs):
+                _refuse_inference_padded(runner, tensors, self._guard.paths, bucket.full_length)
         turned_on = bucket.turned_on
         if turned_on is None:
             turned_on = bucket.turned_on = _turned_on_padded(runner, self._guard.paths, padding)
@@ -764,6 +766,24 @@ def _turned_on_padded(
     runner_paths = runner.plan.inputs.paths
     turned = {runner_paths[i] for i in runner.plan.turns_requires_grad_on}
     return tuple(index for index, _ in padding.inputs if paths[index] in turned)
+
+
+def _refuse_inference_padded(
+    runner: GraphedCallable,
+    tensors: Sequence[torch.Tensor],
+    paths: Sequence[str],
+    full_length: torch.Tensor | None,
+) -> None:
+    """Refuse a padded call passing an inference tensor at a padded input the backward reads,
+    as an exact call is refused (:meth:`GraphedCallable.refuse_padded_inference_inputs`).
+    ``tensors`` and ``paths`` are the caller's, in the guard's order; ``valid_length`` stands
+    at its own input."""
+    index_of = {path: i for i, path in enumerate(paths)}
+    in_runner_order = [
+        tensors[index_of[path]] if path in index_of else full_length
+        for path in runner.plan.inputs.paths
+    ]
+    runner.refuse_padded_inference_inputs(in_runner_order)  # type: ignore[arg-type]
 
 
 def _note_padded_inputs(

@@ -1712,6 +1712,17 @@ class GraphedCallable:
             return
         self.refuse_inference_inputs(tensors)
 
+    def refuse_padded_inference_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`_refuse_inference_inputs_read` for a padded call (``tensors``: its caller's,
+        in this callable's input order): the replay reads padded copies, which are no inference
+        tensors, where eager's call saves the caller's (and raises)."""
+        if not (self._saved_inputs and self._has_backward and _is_grad_enabled()):
+            return
+        if _is_inference_mode_enabled():
+            return
+        if any(tensors[i].is_inference() for i in self._saved_inputs):
+            self._refuse_inference_inputs_read(tensors)
+
     def refuse_inference_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         """Refuse a call with grad passing, where the backward reads an input, a tensor made
         under ``torch.inference_mode()`` (eager raises 'Inference tensors cannot be saved for
