@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -159,6 +160,14 @@ class Subclassed(torch.Tensor):
     pass
 
 
+def _nested(tensor: torch.Tensor) -> torch.Tensor:
+    """A nested tensor of the strided layout: a plain ``torch.Tensor`` by its class and layout,
+    with no strides to read (torch's C guard of a call's tensors aborted the process on it)."""
+    with warnings.catch_warnings():  # torch's notice that nested tensors are a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([tensor.detach()])
+
+
 #: name -> (how to spoil a good call, the path the error must start with)
 BAD_CALLS: dict[str, tuple[Bad, str]] = {
     "shape": (_x(lambda x: torch.randn(2, 5, requires_grad=True)), "args[0]"),
@@ -167,6 +176,8 @@ BAD_CALLS: dict[str, tuple[Bad, str]] = {
     "complex_dtype": (_x(lambda x: torch.randn(2, 4, dtype=torch.complex64)), "args[0]"),
     "device": (_x(lambda x: torch.empty(2, 4, device="meta")), "args[0]"),
     "sparse": (_pair(b=lambda p: p.b.detach().to_sparse()), "args[1].b"),
+    "nested": (_pair(b=lambda p: _nested(p.b)), "args[1].b"),
+    "nested_first": (_x(_nested), "args[0]"),
     "subclass": (_pair(b=lambda p: p.b.detach().as_subclass(Subclassed)), "args[1].b"),
     "numpy_for_tensor": (_pair(b=lambda p: p.b.detach().numpy()), "args[1].b"),
     "list_for_tensor": (_pair(b=lambda p: p.b.tolist()), "args[1].b"),
@@ -282,21 +293,67 @@ def _loss(out: dict[str, Any]) -> torch.Tensor:
     return out["h"].square().sum()
 
 
+def _inference(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return tensor.clone()
+
+
+#: Bad calls that only a backend with static buffers refuses: eager's own error is the eager
+#: backend's. name -> (how to spoil a good call, the path the error must start with)
+GRAPH_BAD_CALLS: dict[str, tuple[Bad, str]] = {
+    # a tensor the backward reads (the mask multiplies h), made under torch.inference_mode():
+    # eager raises 'Inference tensors cannot be saved for backward' (refused after the replay)
+    "inference_saved": (
+        _extra(lambda e: [_with(e[0], m=_inference(e[0]["m"]))]),
+        "kwargs['extra'][0]['m']",
+    ),
+}
+
+
 @pytest.mark.parametrize("bad", list(BAD_CALLS))
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize(("backend", "param_grads"), MODES, ids=[f"{b}-{p}" for b, p in MODES])
 def test_a_bad_call_is_refused_by_path_and_touches_nothing(
     backend: str, param_grads: str, entry: str, bad: str
 ) -> None:
+    _refused_by_path_touching_nothing(backend, param_grads, entry, *BAD_CALLS[bad])
+
+
+GRAPH_MODES = [mode for mode in MODES if mode[0] != "eager"]
+
+
+@pytest.mark.parametrize("bad", list(GRAPH_BAD_CALLS))
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(
+    ("backend", "param_grads"), GRAPH_MODES, ids=[f"{b}-{p}" for b, p in GRAPH_MODES]
+)
+def test_a_bad_call_only_a_replay_refuses_is_refused_by_path_and_touches_nothing(
+    backend: str, param_grads: str, entry: str, bad: str
+) -> None:
+    _refused_by_path_touching_nothing(backend, param_grads, entry, *GRAPH_BAD_CALLS[bad])
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+@pytest.mark.parametrize(("backend", "param_grads"), MODES, ids=[f"{b}-{p}" for b, p in MODES])
+def test_a_bad_call_padded_into_a_bucket_is_refused_by_its_own_path(
+    backend: str, param_grads: str, bad: str
+) -> None:
+    # A call of 1 row (padded into the 2-row bucket) with another leaf bad: an input of other
+    # dims than every bucket's was named by the first shape no bucket has, the padded x's.
+    _refused_by_path_touching_nothing(backend, param_grads, "pad", *BAD_CALLS[bad], rows=1)
+
+
+def _refused_by_path_touching_nothing(
+    backend: str, param_grads: str, entry: str, spoil: Bad, path: str, rows: int = 2
+) -> None:
     graphed, twin, modules = _graph(entry, backend, param_grads)
-    spoil, path = BAD_CALLS[bad]
     # an earlier call whose backward is pending across the bad call
     a1, kw1 = good(1)
     e1, ekw1 = copy.deepcopy((a1, kw1))
     out1 = graphed(*a1, **kw1)
     eager1 = twin(*e1, **ekw1)
     out1_value = out1["h"].detach().clone()
-    bad_args, bad_kwargs = spoil(*good(2))
+    bad_args, bad_kwargs = spoil(*good(2, rows))
     with pytest.raises(DualgraphError) as caught:
         graphed(*bad_args, **bad_kwargs)
     message = str(caught.value)
@@ -370,3 +427,27 @@ def test_a_call_spelled_otherwise_than_the_sample_runs_as_eager(
             [p.grad for p in modules[0].parameters()], [p.grad for p in modules[1].parameters()]
         )
         assert_trees_match(list(modules[0].buffers()), list(modules[1].buffers()))
+
+
+@pytest.mark.parametrize(("backend", "param_grads"), MODES, ids=[f"{b}-{p}" for b, p in MODES])
+def test_a_nested_tensor_is_refused_by_path_where_the_samples_are_checked_in_one_c_call(
+    backend: str, param_grads: str
+) -> None:
+    # Samples with no dimension of size 1 are checked by torch's C guard, which reads a nested
+    # tensor's strides in C++: the process aborted ("NestedTensorImpl doesn't support strides").
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    twin = copy.deepcopy(model)
+    graphed = dgt.make_graphed_callables(
+        model, (torch.randn(2, 3, requires_grad=True),), backend=backend, param_grads=param_grads
+    )
+    with pytest.raises(DualgraphError, match=r"^args\[0\]: .*a nested tensor"):
+        graphed(_nested(torch.randn(2, 3)))
+    x = torch.randn(2, 3, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    graphed(x).square().sum().backward()
+    twin(x_eager).square().sum().backward()
+    assert_trees_match(
+        [x.grad, *[p.grad for p in model.parameters()]],
+        [x_eager.grad, *[p.grad for p in twin.parameters()]],
+    )

@@ -303,8 +303,8 @@ class BucketedCallable:
         tensors, args, kwargs = self._flattened(args, kwargs)
         try:
             bucket = self._by_shapes.get(tuple(map(_shape, tensors)))
-        except (AttributeError, TypeError):  # a leaf that is no tensor: explained below
-            bucket = None
+        except (AttributeError, TypeError, RuntimeError):  # no tensor, or one without a shape
+            bucket = None  # (a nested tensor): explained below
         if bucket is None:
             return self._unmatched(args, kwargs, tensors)
         told = bucket.full_length
@@ -437,10 +437,17 @@ class BucketedCallable:
         path = padding.input_paths[0]
         dim = padding.inputs[0][1]
         if group is None:
+            # named by the first input whose other dims no bucket has (a padded input's
+            # length is any, up to the largest bucket's)
+            position = _differing_position(
+                padding.fixed_shapes(shapes),
+                [padding.fixed_shapes(bucket.shapes) for bucket in self._buckets],
+            )
             raise self._no_bucket(
                 shapes,
                 f"fallback='pad' pads only along dynamic_dims ({self._show_dynamic()}), and no "
                 "bucket has this call's other dims",
+                position,
             )
         lengths, members = group
         position = bisect.bisect_left(lengths, length)
@@ -466,15 +473,19 @@ class BucketedCallable:
             # and a caller's tensor handed out for a padded input the callable returns
             runner.check_returned_inputs(tensors, self._guard.paths)
             _refuse_updates_seen_through_padded(runner, tensors, self._guard.paths, padding)
+            if any(tensors[index].is_inference() for index, _ in padding.inputs):
+                _refuse_inference_padded(runner, tensors, self._guard.paths, bucket.full_length)
         turned_on = bucket.turned_on
         if turned_on is None:
             turned_on = bucket.turned_on = _turned_on_padded(runner, self._guard.paths, padding)
+        turned = []
         for index in turned_on:
             # as eager's call turns the caller's tensor's on: the padded copy then carries its
             # history (a copy that does not is another leaf, which the callable's eager run
             # would turn on instead, and which no grad of the caller's tensor comes through)
             if not tensors[index].requires_grad:
                 tensors[index].requires_grad_()
+                turned.append(index)
         judged = False
         if run is None and isinstance(runner, GraphedCallable):
             reads = bucket.flag_reads
@@ -516,11 +527,17 @@ class BucketedCallable:
         replayed = False
         if run is None and isinstance(runner, GraphedCallable):
             generation = runner.generation
-            if judged:
-                with runner.judged_flags():
+            try:
+                if judged:
+                    with runner.judged_flags():
+                        outputs = self._replay(bucket, args, kwargs, length)
+                else:
                     outputs = self._replay(bucket, args, kwargs, length)
-            else:
-                outputs = self._replay(bucket, args, kwargs, length)
+            except DualgraphError:
+                if runner.generation == generation:  # refused: the call changes nothing
+                    for index in turned:
+                        tensors[index].requires_grad_(False)
+                raise
             # What follows notes this call's tensors on the replay just run; a call the runner
             # ran eagerly (its Python reads grad mode or requires_grad) left the latest replay
             # as it was, and its backward is eager's own.
@@ -688,9 +705,14 @@ class BucketedCallable:
                     path=f"output{leaf.path}",
                 )
 
-    def _no_bucket(self, shapes: tuple[Any, ...], why: str = "") -> SpecMismatchError:
+    def _no_bucket(
+        self, shapes: tuple[Any, ...], why: str = "", position: int | None = None
+    ) -> SpecMismatchError:
+        """The refusal of a call of ``shapes`` that no bucket takes, naming the input at
+        ``position`` (by default, the one :func:`_differing_position` finds)."""
         paths = self._guard.paths
-        position = _differing_position(shapes, [bucket.shapes for bucket in self._buckets])
+        if position is None:
+            position = _differing_position(shapes, [bucket.shapes for bucket in self._buckets])
         path = paths[position]
         shape = list(shapes[position])
         reason = why or (
@@ -823,6 +845,24 @@ def _branches_otherwise(
         tensors[i].requires_grad is not expected or (history and not tensors[i].is_leaf)
         for i, expected, history in reads
     )
+
+
+def _refuse_inference_padded(
+    runner: GraphedCallable,
+    tensors: Sequence[torch.Tensor],
+    paths: Sequence[str],
+    full_length: torch.Tensor | None,
+) -> None:
+    """Refuse a padded call passing an inference tensor at a padded input the backward reads,
+    as an exact call is refused (:meth:`GraphedCallable.refuse_padded_inference_inputs`).
+    ``tensors`` and ``paths`` are the caller's, in the guard's order; ``valid_length`` stands
+    at its own input."""
+    index_of = {path: i for i, path in enumerate(paths)}
+    in_runner_order = [
+        tensors[index_of[path]] if path in index_of else full_length
+        for path in runner.plan.inputs.paths
+    ]
+    runner.refuse_padded_inference_inputs(in_runner_order)  # type: ignore[arg-type]
 
 
 def _note_padded_inputs(

@@ -11,6 +11,7 @@ also checks that each tensor is laid out in memory as its sample was
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
 _stride = torch.Tensor.stride
+_is_nested = attrgetter("is_nested")
 
 
 def _needs_grad_unexpected(tensor: torch.Tensor, expected: bool) -> bool:
@@ -293,6 +295,11 @@ class InputGuard:
                 else:
                     tensors = self._flatten_args(args, root="args")
             except SpecMismatchError:  # (the error path) checked one by one, and worded
+                return self._checked_one_by_one(args, kwargs, grad_enabled)
+            if any(map(_is_nested, tensors)):
+                # a nested tensor of the strided layout (a plain Tensor by class and layout)
+                # has no strides: torch's guard reads them in C++, where the error it throws
+                # aborts the process. Refused one by one, by path.
                 return self._checked_one_by_one(args, kwargs, grad_enabled)
             latest, previous = guards
             if latest.check(*tensors) or (previous.check(*tensors) and self._swap_guards()):

@@ -37,7 +37,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.autograd.graph as _autograd_graph
 from torch.utils._pytree import tree_leaves as _tree_leaves
 
-from .._errors import DualgraphError
+from .._errors import DualgraphError, SpecMismatchError
 from .._spec import TreeSpec
 from ._address_ranges import StorageIndex, first_sharing, memory_of, storage_spans
 from ._ambient import (
@@ -957,6 +957,11 @@ class GraphedCallable:
                 )
                 if self._returned_inputs:
                     self.check_returned_inputs(tensors)
+            if self._saved_inputs and self._has_backward and grad_enabled:
+                for i in self._saved_inputs:  # one is_inference() a saved input
+                    if tensors[i].is_inference():
+                        self._refuse_inference_inputs_read(tensors)
+                        break
             if hooks is not None:
                 call = self._replay_call = hooks.before_forward(
                     self.backend, grad_enabled and self._has_backward, replay_kwargs
@@ -1736,6 +1741,27 @@ class GraphedCallable:
                 return self._changed_input_error(i, before, after)
         return None
 
+    def _refuse_inference_inputs_read(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse, before anything is written, a call passing an inference tensor where this
+        call's backward reads the input (:meth:`refuse_inference_inputs`); a call needing other
+        grads than the capture's (an input passed without grad) may read none (``x * y`` saves
+        ``y`` only for ``x``'s grad): its inputs are not checked, as their versions are not."""
+        needs = (False, *(t.requires_grad for t in (*tensors, *self._edges)))
+        if self.params_frozen(needs) or needs[1 : self._first_param] != self._captured_input_grads:
+            return
+        self.refuse_inference_inputs(tensors)
+
+    def refuse_padded_inference_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`_refuse_inference_inputs_read` for a padded call (``tensors``: its caller's,
+        in this callable's input order): the replay reads padded copies, which are no inference
+        tensors, where eager's call saves the caller's (and raises)."""
+        if not (self._saved_inputs and self._has_backward and _is_grad_enabled()):
+            return
+        if _is_inference_mode_enabled():
+            return
+        if any(tensors[i].is_inference() for i in self._saved_inputs):
+            self._refuse_inference_inputs_read(tensors)
+
     def refuse_inference_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         """Refuse a call with grad passing, where the backward reads an input, a tensor made
         under ``torch.inference_mode()`` (eager raises 'Inference tensors cannot be saved for
@@ -1745,12 +1771,14 @@ class GraphedCallable:
             if inputs[i].is_inference():
                 raise self._inference_input_error(i)
 
-    def _inference_input_error(self, index: int) -> DualgraphError:
-        return DualgraphError(
-            f"{self.name}: {self._inputs.paths[index]} is an inference tensor (made under "
-            "torch.inference_mode()), and the backward reads it: eager raises "
-            "'Inference tensors cannot be saved for backward'. Pass a clone made "
-            "outside inference mode, or call under torch.no_grad()"
+    def _inference_input_error(self, index: int) -> SpecMismatchError:
+        path = self._inputs.paths[index]
+        return SpecMismatchError(
+            f"{path}: an inference tensor (made under torch.inference_mode()), which "
+            f"the backward of {self.name} reads: eager raises 'Inference tensors cannot "
+            "be saved for backward'. Pass a clone made outside inference mode, or call "
+            "under torch.no_grad()",
+            path=path,
         )
 
     def _changed_input_error(self, index: int, before: int, after: int) -> DualgraphError:
@@ -1767,19 +1795,14 @@ class GraphedCallable:
         """The caller's tensors of the replay just run that a padded call handed it as padded
         copies (``(input index, caller's tensor)``): one the backward reads, changed in place
         before that backward, is refused there as an input of an exact call is (eager's
-        backward reads the caller's tensor, and would raise). One that is an inference tensor
-        is refused, as an exact call's is (the padded copy is none; eager raises)."""
+        backward reads the caller's tensor, and would raise). An inference tensor there was
+        refused before the replay (:meth:`refuse_padded_inference_inputs`)."""
         saved = self._saved_inputs
         if not saved or not self._nodes:
             return
         node = self._nodes[-1]()
         if node is None or node.graphed is not self or node.generation != self._generation:
             return  # no backward follows this replay
-        callers = tuple(callers)
-        if node.input_versions:  # checked for this call's grads, as an exact call's are
-            for i, tensor in callers:
-                if i in saved and tensor.is_inference():
-                    raise self._inference_input_error(i)
         node.padded_callers = tuple(
             (i, tensor, tensor._version)
             for i, tensor in callers
