@@ -221,6 +221,53 @@ def test_verify_catches_a_replay_that_ignores_its_new_inputs(
     assert any(c.path.startswith("step 2 output") for c in report.failures)
 
 
+class DropsItselfNever(nn.Module):
+    """A layer drop of probability 0: its coin, drawn from torch's CPU generator, never drops,
+    so outputs and grads do not depend on it; a replay on the GPU does not draw it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand([]) >= 0.0
+        return self.fc(x) * keep
+
+
+def replays_leave_the_cpu_generator_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay leave torch's CPU generator where it was, as a CUDA graph does with a
+    draw on the host: it is not part of the graph."""
+    call = GraphedCallable.__call__
+
+    def without_host_draws(self: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+        state = torch.get_rng_state()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    monkeypatch.setattr(GraphedCallable, "__call__", without_host_draws)
+
+
+def test_verify_catches_a_replay_that_leaves_torchs_rng_elsewhere_than_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Same outputs and grads, but the graph drew fewer numbers: whatever draws next in training
+    # (another layer's dropout, a shuffle) gets other numbers than it would in eager.
+    graphed = dgt.make_graphed_callables(
+        DropsItselfNever(), (torch.randn(2, 4, requires_grad=True),), backend="emulate", lint="off"
+    )
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True)).ok  # draws as eager
+    replays_leave_the_cpu_generator_alone(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True))
+    assert not report.ok
+    assert [c.path for c in report.failures] == [
+        "step 1 torch's RNG (CPU) after the call",
+        "step 2 torch's RNG (CPU) after the call",
+    ]
+    assert "another state than eager's" in report.failures[0].problem
+
+
 def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 

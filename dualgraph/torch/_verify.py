@@ -8,8 +8,11 @@ leaf and step by step: the outputs (the ``None`` and constant positions and whic
 grad as well as the values), the grads of the inputs that require grad, the parameters' ``.grad``,
 and the inputs, buffers (a graphed function's: what :func:`closed_over_tensors` finds) and tensor
 attributes of the parameters (a fused weight-grad accumulation's ``main_grad``, where the backward
-adds the weight grad and hands autograd a dummy) the calls changed. Both sides backpropagate the
-same seeded random output grads. A call that shape buckets pad (``fallback="pad"``) reaches the
+adds the weight grad and hands autograd a dummy) the calls changed, and the state torch's
+generators (the CPU's, each GPU's) are left in where a call drew from them: a replay that draws
+other numbers than eager, or none where eager draws on the host (a layer drop's coin), leaves
+what draws next in training other numbers. Both sides backpropagate the same seeded random
+output grads. A call that shape buckets pad (``fallback="pad"``) reaches the
 eager side as it reaches the replay: padded, with ``valid_length``, its outputs cut back; the
 capture compared that with the call as it is, up to rounding, at a few lengths per bucket, and
 verify compares them again at the length of the call it runs (a leaf ``padding``, failing with
@@ -411,6 +414,10 @@ class _Step:
     param_grads: dict[str, torch.Tensor | None]
     after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean", ...: after it
     changed: set[str]  # the keys of ``after`` whose values the call changed
+    # torch's generators after the call ("torch's RNG (CPU)", "torch's RNG (cuda:0)", ...), and
+    # those the call (forward and backward) moved
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    rng_changed: set[str] = field(default_factory=set)
     varied: bool = False  # whether its inputs' values differed from the given ones (_vary_inputs)
 
 
@@ -431,6 +438,7 @@ def _run_steps(
         varied = _vary_inputs(inputs, given, step)
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
         before.update({label: b.detach().clone() for label, b in buffers})
+        rng_before = _torch_rng_states()
         with torch.enable_grad():
             out = call(*call_args, **call_kwargs)
         spec = describe(out, root="output")
@@ -443,6 +451,7 @@ def _run_steps(
                 torch.autograd.backward(live, cotangents)
         after = {f"input {p}": t.detach().clone() for p, t in inputs}
         after.update({label: b.detach().clone() for label, b in buffers})
+        rng = _torch_rng_states()
         results.append(
             _Step(
                 spec=spec,
@@ -453,9 +462,26 @@ def _run_steps(
                 # bit for bit: by value a NaN is never itself, and -0.0 is 0.0
                 changed={key for key, value in after.items() if not same_bits(value, before[key])},
                 varied=varied,
+                rng=rng,
+                rng_changed={
+                    key
+                    for key, state in rng.items()
+                    if key not in rng_before or not torch.equal(state, rng_before[key])
+                },
             )
         )
     return results
+
+
+def _torch_rng_states() -> dict[str, torch.Tensor]:
+    """Torch's default generators' states: the CPU's, and each GPU's where CUDA is initialised
+    (a replay moves a GPU's offset as eager's kernels do; a draw on the host it does not
+    repeat)."""
+    states = {"torch's RNG (CPU)": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"torch's RNG (cuda:{index})"] = state
+    return states
 
 
 @contextlib.contextmanager
@@ -700,7 +726,27 @@ def _compare_step(
     for key in sorted(ours.changed | theirs.changed):  # inputs and buffers a call changed
         path = f"{prefix}{key} after the call"
         checks.append(_compare(path, ours.after[key], theirs.after[key], rtol, atol))
+    for key in sorted(ours.rng_changed | theirs.rng_changed):  # the generators a call drew from
+        checks.append(_compare_rng(f"{prefix}{key} after the call", ours.rng[key], theirs.rng[key]))
     return checks
+
+
+def _compare_rng(path: str, actual: torch.Tensor, expected: torch.Tensor) -> LeafCheck:
+    """A generator's state after the call: the same bytes, or a problem (the graphed call drew
+    other random numbers than eager's, so whatever draws next gets other numbers).
+
+    >>> state = torch.get_rng_state()
+    >>> _compare_rng("rng", state, state).ok, _compare_rng("rng", state, state + 1).ok
+    (True, False)
+    """
+    if torch.equal(actual, expected):
+        return LeafCheck(path, dtype_name(expected.dtype), tuple(expected.shape), 0, 0, 0, 0, 0)
+    return _problem(
+        path,
+        "the graphed call left the generator in another state than eager's (it drew other "
+        "random numbers, or as many on the host that a graph does not draw again): what "
+        "draws next in training (dropout, a shuffle) gets other numbers than in eager",
+    )
 
 
 def _structure_problem(ours: _Step, theirs: _Step) -> str:
