@@ -268,6 +268,55 @@ def test_verify_catches_a_replay_that_leaves_torchs_rng_elsewhere_than_eager(
     assert "another state than eager's" in report.failures[0].problem
 
 
+class Aliases(nn.Module):
+    """Outputs that share memory in eager: one tensor twice, a view of another output, the input."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return {"twice": (h, h), "view": (h, h.t()), "input": (x, h)}[self.kind]
+
+
+def replays_hand_out_copies_of_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay hand out an output that is an input, another output or a view as a
+    tensor of its own, with the same values and grads (the relations eager has are lost)."""
+    call = GraphedCallable.__call__
+
+    def copying(self: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+        seen = [arg for arg in args if isinstance(arg, torch.Tensor)]
+        copied = []
+        for output in call(self, *args, **kwargs):
+            aliased = output._is_view() or any(output is other for other in seen)
+            copied.append(output.clone() if aliased else output)
+            seen.append(output)
+        return tuple(copied)
+
+    monkeypatch.setattr(GraphedCallable, "__call__", copying)
+
+
+@pytest.mark.parametrize(("kind", "failed"), [("twice", 1), ("view", 1), ("input", 0)])
+def test_verify_catches_a_replay_whose_outputs_lose_eagers_aliasing(
+    kind: str, failed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Same values and grads, but a change through one output is no longer seen through the other
+    graphed = dgt.make_graphed_callables(
+        Aliases(kind), (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+    )
+    assert dgt.verify(graphed, torch.randn(3, 4, requires_grad=True)).ok
+    replays_hand_out_copies_of_aliases(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True))
+    assert [c.path for c in report.failures] == [
+        f"step 1 output[{failed}]",
+        f"step 2 output[{failed}]",
+    ]
+    eager = {"twice": "output[0] itself", "view": "a view of output[0]", "input": "args[0] itself"}
+    assert report.failures[0].problem == f"graphed a tensor of its own, eager {eager[kind]}"
+
+
 def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 

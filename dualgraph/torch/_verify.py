@@ -4,8 +4,9 @@
 model back as it was and runs the original (eager) callable the same way from the same state: the
 same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` starting from ``None`` and
 accumulating over the steps on both sides (a ``main_grad`` from its values). It compares, leaf by
-leaf and step by step: the outputs (the ``None`` and constant positions and which tensors require
-grad as well as the values), the grads of the inputs that require grad, the parameters' ``.grad``,
+leaf and step by step: the outputs (the ``None`` and constant positions, which tensors require
+grad, and which output is another output, an input, a buffer or a view of one, as well as the
+values), the grads of the inputs that require grad, the parameters' ``.grad``,
 and the inputs, buffers (a graphed function's: what :func:`closed_over_tensors` finds) and tensor
 attributes of the parameters (a fused weight-grad accumulation's ``main_grad``, where the backward
 adds the weight grad and hands autograd a dummy) the calls changed, and the state torch's
@@ -414,6 +415,9 @@ class _Step:
     param_grads: dict[str, torch.Tensor | None]
     after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean", ...: after it
     changed: set[str]  # the keys of ``after`` whose values the call changed
+    # per output leaf, what it is or views among the outputs, inputs and the module's tensors
+    # (:func:`_relations`; "" for a tensor of its own)
+    relations: list[str] = field(default_factory=list)
     # torch's generators after the call ("torch's RNG (CPU)", "torch's RNG (cuda:0)", ...), and
     # those the call (forward and backward) moved
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -444,6 +448,7 @@ def _run_steps(
         spec = describe(out, root="output")
         flat = spec.flatten(out)
         outputs = [_owned(t) for t in flat]
+        relations = _relations(spec, flat, inputs, [*params, *buffers])
         live = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if live:
             cotangents = [_cotangent(t, step, i) for i, t in enumerate(live)]
@@ -462,6 +467,7 @@ def _run_steps(
                 # bit for bit: by value a NaN is never itself, and -0.0 is 0.0
                 changed={key for key, value in after.items() if not same_bits(value, before[key])},
                 varied=varied,
+                relations=relations,
                 rng=rng,
                 rng_changed={
                     key
@@ -471,6 +477,49 @@ def _run_steps(
             )
         )
     return results
+
+
+_OWN = "a tensor of its own"
+
+
+def _relations(
+    spec: TreeSpec,
+    flat: Sequence[Any],
+    inputs: Sequence[tuple[str, torch.Tensor]],
+    module_tensors: Sequence[tuple[str, torch.Tensor]],
+) -> list[str]:
+    """What each output leaf is, or is a view of, among the outputs before it, the call's inputs
+    and the module's parameters and buffers: ``"output[0] itself"``, ``"a view of args[0]"``,
+    ``""`` for a tensor of its own (or a view of a tensor none of those is). A replay promises
+    eager's relations (one tensor returned twice is one object, ``h.t()`` a view of ``h``, an
+    input returned is the caller's tensor), which values alone do not show.
+
+    >>> x = torch.ones(2, 2)
+    >>> h = x * 2
+    >>> out = (h, h, h.t(), x, x[0], torch.ones(1))
+    >>> spec = describe(out, root="output")
+    >>> _relations(spec, spec.flatten(out), [("args[0]", x)], [])
+    ['', 'output[0] itself', 'a view of output[0]', 'args[0] itself', 'a view of args[0]', '']
+    """
+    named: dict[int, str] = {}
+    for label, tensor in module_tensors:
+        named.setdefault(id(tensor), label)
+    for path, tensor in inputs:
+        named.setdefault(id(tensor), path.removeprefix("input "))
+    found: list[str] = []
+    for path, leaf in zip(spec.array_paths, flat, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            found.append("")
+            continue
+        if id(leaf) in named:
+            found.append(f"{named[id(leaf)]} itself")
+            continue
+        base = leaf._base if leaf._is_view() else None
+        found.append(
+            "" if base is None or id(base) not in named else f"a view of {named[id(base)]}"
+        )
+        named[id(leaf)] = f"output{path}"
+    return found
 
 
 def _torch_rng_states() -> dict[str, torch.Tensor]:
@@ -715,8 +764,21 @@ def _compare_step(
     if problem:
         checks.append(_problem(prefix + "output", problem))
     else:
-        for path, a, b in zip(theirs.spec.array_paths, ours.outputs, theirs.outputs, strict=True):
-            checks.append(_compare(f"{prefix}output{path}", a, b, rtol, atol))
+        for path, a, b, graphed_is, eager_is in zip(
+            theirs.spec.array_paths,
+            ours.outputs,
+            theirs.outputs,
+            ours.relations,
+            theirs.relations,
+            strict=True,
+        ):
+            check = _compare(f"{prefix}output{path}", a, b, rtol, atol)
+            if graphed_is != eager_is and check.ok:
+                check = _problem(
+                    check.path,
+                    f"graphed {graphed_is or _OWN}, eager {eager_is or _OWN}",
+                )
+            checks.append(check)
     for mine, other in (
         (ours.input_grads, theirs.input_grads),
         (ours.param_grads, theirs.param_grads),
