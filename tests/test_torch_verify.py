@@ -25,6 +25,7 @@ from dualgraph import DualgraphError
 from dualgraph.torch import _verify
 from dualgraph.torch._probe import cloned_inputs
 from dualgraph.torch._replay import GraphedCallable
+from dualgraph.torch._slots import SlotReplay
 
 
 class Block(nn.Module):
@@ -602,6 +603,34 @@ def test_a_callable_with_replay_slots_is_verified(layout: dict[str, Any]) -> Non
     assert report.ok, str(report)
     assert "step 2 grad fc.weight" in [c.path for c in report.checks]
     assert dgt.diagnostics(graphed).replays == 2  # read afresh: counts verify's two calls
+
+
+def slot_1_replays_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the replays of slot 1 (and only those) hand out an output of zeros, as a slot whose
+    buffers another slot overwrites would."""
+    forward = SlotReplay._forward
+
+    def wrong(self: SlotReplay, tensors: Any, grad_enabled: bool = False) -> Any:
+        outputs = forward(self, tensors, grad_enabled)
+        if self.index == 1:
+            with torch.no_grad():
+                outputs[0].zero_()
+        return outputs
+
+    monkeypatch.setattr(SlotReplay, "_forward", wrong)
+
+
+def test_verify_replays_every_slot_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each step runs forward then backward, freeing its slot: the lowest free slot (0) took every
+    # step, and a wrong slot 1, used only with two micro-batches in flight, passed.
+    graphed = dgt.make_graphed_callables(
+        nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate", slots=2
+    )
+    slot_1_replays_wrong(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=3)
+    assert [c.path for c in report.failures] == ["step 2 output"], str(report)
+    x = torch.randn(2, 4, requires_grad=True)
+    assert graphed(x).abs().sum() > 0  # training takes slot 0 again, as before verify
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,10 @@ the capture check's refusal). Afterwards parameters, buffers, ``.grad`` (the sam
 with their values), the RNG states (torch's, Python's ``random``, numpy's global one) and the
 Python attributes of the module and its submodules (a counter ``self.calls += 1``) are as they
 were; the last two are not reset between the sides, since a graph on the GPU does not rerun
-Python. Usable in a training script between steps (after ``optimizer.step()``, not between a
-forward and its backward); like any replay, the calls overwrite the static outputs of earlier
-replays.
+Python. With replay slots (``slots=k``) the steps replay the slots in turn, step ``i`` slot
+``(i - 1) % k``: ``steps >= k`` verifies every slot. Usable in a training script between
+steps (after ``optimizer.step()``, not between a forward and its backward); like any replay,
+the calls overwrite the static outputs of earlier replays.
 
 Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
 (and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
@@ -102,7 +103,7 @@ from ._params import is_tensor_subclass, same_bits, set_versions, write_back
 from ._probe import cloned_inputs, module_of
 from ._process_state import kept_process_state
 from ._replay import GraphedCallable
-from ._slots import ScheduleCursor, SlottedCallable
+from ._slots import FreeSlots, ScheduleCursor, SlottedCallable
 from ._te_state import fp8_state_kept
 
 __all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
@@ -297,7 +298,10 @@ def verify(
         )
         try:
             replays, eager_calls = info.replays, info.eager_calls
-            graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
+            with _each_slot_in_turn(runner) as before_step:
+                graphed_steps = _run_steps(
+                    graphed, args, kwargs, steps, params, buffers, before_step
+                )
             # read afresh: a slotted callable's diagnostics are made at each read
             after = diagnostics(graphed)
             replayed = after.replays - replays
@@ -432,12 +436,15 @@ def _run_steps(
     steps: int,
     params: Sequence[tuple[str, torch.Tensor]],
     buffers: Sequence[tuple[str, torch.Tensor]],
+    before_step: Callable[[int], None] | None = None,
 ) -> list[_Step]:
     for _, param in params:
         param.grad = None
     given = _given_tensors(args, kwargs)
     results = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         call_args, call_kwargs, inputs = cloned_inputs(tuple(args), dict(kwargs))
         varied = _vary_inputs(inputs, given, step)
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
@@ -531,6 +538,43 @@ def _torch_rng_states() -> dict[str, torch.Tensor]:
         for index, state in enumerate(torch.cuda.get_rng_state_all()):
             states[f"torch's RNG (cuda:{index})"] = state
     return states
+
+
+class _SlotInTurn(FreeSlots):
+    """``slots=k`` under verify: step ``i`` (0-based) takes slot ``i % k``, so that ``k`` steps
+    replay every slot (each step's backward frees its slot, so the lowest free one, slot 0,
+    would take them all); a slot in flight from before verify is passed over as usual."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.slots = slots
+        self.step = 0
+
+    def take(self, front: SlottedCallable, grad_enabled: bool) -> int:
+        index = self.step % self.slots
+        if not front._is_in_flight(index):
+            return index
+        return super().take(front, grad_enabled)
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+
+@contextlib.contextmanager
+def _each_slot_in_turn(runner: Any) -> Iterator[Callable[[int], None] | None]:
+    """For a callable with replay slots (``slots=k``): a function telling it which step runs
+    next, each step then replaying slot ``step % k``; the usual choice is back afterwards.
+    ``None`` for one slot or a schedule (which picks its own slots)."""
+    if not (isinstance(runner, SlottedCallable) and type(runner._gate) is FreeSlots):
+        yield None
+        return
+    usual = runner._gate
+    turn = _SlotInTurn(len(runner._replays))
+    runner._gate = turn
+    try:
+        yield turn.set_step
+    finally:
+        runner._gate = usual
 
 
 @contextlib.contextmanager
