@@ -318,6 +318,50 @@ def test_verify_catches_a_replay_whose_outputs_lose_eagers_aliasing(
     assert report.failures[0].problem == f"graphed a tensor of its own, eager {eager[kind]}"
 
 
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, self.head(h)
+
+
+def backwards_keep_the_grad_of_an_output_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay's backward take, for an output the loss left out, the grad of the last
+    backward that had one (a static grad buffer left as it was instead of zeroed)."""
+    backward = GraphedCallable._backward
+    last: dict[int, Any] = {}
+
+    def stale(
+        self: GraphedCallable, generation: int, needs: Any, inputs: Any, grads: Any, *rest: Any
+    ) -> Any:
+        grads = [last.get(i) if g is None else g for i, g in enumerate(grads)]
+        last.update((i, g) for i, g in enumerate(grads) if g is not None)
+        return backward(self, generation, needs, inputs, grads, *rest)
+
+    monkeypatch.setattr(GraphedCallable, "_backward", stale)
+
+
+def test_verify_leaves_an_output_out_of_later_steps_backward_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A loss of one head only (an auxiliary output unused this step) gives the other no grad;
+    # verify gave every output one, so a replay adding a stale grad for it passed.
+    graphed = dgt.make_graphed_callables(
+        TwoHeads(), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=3).ok
+    backwards_keep_the_grad_of_an_output_left_out(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=3)
+    failed = {c.path.split(" ")[1] for c in report.failures}
+    assert failed == {"2", "3"}, str(report)
+    assert "step 2 grad args[0]" in [c.path for c in report.failures]
+    assert "step 2: output[0] left out of the backward" in str(report)
+
+
 def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 

@@ -4,27 +4,28 @@
 model back as it was and runs the original (eager) callable the same way from the same state: the
 same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` starting from ``None`` and
 accumulating over the steps on both sides (a ``main_grad`` from its values). It compares, leaf by
-leaf and step by step: the outputs (the ``None`` and constant positions, which tensors require
-grad, and which output is another output, an input, a buffer or a view of one, as well as the
-values), the grads of the inputs that require grad, the parameters' ``.grad``,
-and the inputs, buffers (a graphed function's: what :func:`closed_over_tensors` finds) and tensor
-attributes of the parameters (a fused weight-grad accumulation's ``main_grad``, where the backward
-adds the weight grad and hands autograd a dummy) the calls changed, and the state torch's
-generators (the CPU's, each GPU's) are left in where a call drew from them: a replay that draws
-other numbers than eager, or none where eager draws on the host (a layer drop's coin), leaves
-what draws next in training other numbers. Both sides backpropagate the same seeded random
-output grads. A call that shape buckets pad (``fallback="pad"``) reaches the
-eager side as it reaches the replay: padded, with ``valid_length``, its outputs cut back; the
-capture compared that with the call as it is, up to rounding, at a few lengths per bucket, and
-verify compares them again at the length of the call it runs (a leaf ``padding``, failing with
-the capture check's refusal). Afterwards parameters, buffers, ``.grad`` (the same tensor objects,
-with their values), the RNG states (torch's, Python's ``random``, numpy's global one) and the
-Python attributes of the module and its submodules (a counter ``self.calls += 1``) are as they
-were; the last two are not reset between the sides, since a graph on the GPU does not rerun
-Python. With replay slots (``slots=k``) the steps replay the slots in turn, step ``i`` slot
-``(i - 1) % k``: ``steps >= k`` verifies every slot. Usable in a training script between
-steps (after ``optimizer.step()``, not between a forward and its backward); like any replay,
-the calls overwrite the static outputs of earlier replays.
+leaf and step by step: the outputs (the ``None`` and constant positions, which tensors require grad,
+and which output is another output, an input, a buffer or a view of one, as well as the values), the
+grads of the inputs that require grad, the parameters' ``.grad``, and the inputs, buffers (a graphed
+function's: what :func:`closed_over_tensors` finds) and tensor attributes of the parameters (a fused
+weight-grad accumulation's ``main_grad``, where the backward adds the weight grad and hands autograd
+a dummy) the calls changed, and the state torch's generators (the CPU's, each GPU's) are left in
+where a call drew from them: a replay that draws other numbers than eager, or none where eager draws
+on the host (a layer drop's coin), leaves what draws next in training other numbers. Both sides
+backpropagate the same seeded random output grads; from step 2 on, where several outputs require
+grad, each step leaves one out of the backward in turn (``report.left_out``), as a loss of some
+outputs does, so a replay that gives an output no loss used a stale grad differs. A call that shape
+buckets pad (``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
+``valid_length``, its outputs cut back; the capture compared that with the call as it is, up to
+rounding, at a few lengths per bucket, and verify compares them again at the length of the call it
+runs (a leaf ``padding``, failing with the capture check's refusal). Afterwards parameters, buffers,
+``.grad`` (the same tensor objects, with their values), the RNG states (torch's, Python's
+``random``, numpy's global one) and the Python attributes of the module and its submodules (a
+counter ``self.calls += 1``) are as they were; the last two are not reset between the sides, since a
+graph on the GPU does not rerun Python. With replay slots (``slots=k``) the steps replay the slots
+in turn, step ``i`` slot ``(i - 1) % k``: ``steps >= k`` verifies every slot. Usable in a training
+script between steps (after ``optimizer.step()``, not between a forward and its backward); like any
+replay, the calls overwrite the static outputs of earlier replays.
 
 Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
 (and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
@@ -157,6 +158,10 @@ class VerifyReport:
     checks: tuple[LeafCheck, ...] = field(default=())
     #: the steps (1-based, as in the leaves' paths) whose inputs differed from the given ones
     varied_steps: tuple[int, ...] = ()
+    #: ``(step, output path)`` for the steps whose backward left an output out (no grad for
+    #: it, as a loss of some outputs only gives): from step 2 on, one in turn where several
+    #: outputs require grad
+    left_out: tuple[tuple[int, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -197,6 +202,10 @@ class VerifyReport:
             )
         if self.steps > 1:
             header += "\n" + _inputs_line(self.steps, self.varied_steps)
+        if self.left_out:
+            header += "\nbackward: every output in step 1; " + "; ".join(
+                f"step {step}: {path} left out of the backward" for step, path in self.left_out
+            )
         if self.backend == "eager":
             header += "\n(the eager backend runs the callable itself: both sides are eager)"
         titles = ("leaf", "dtype", "shape", "max abs", "max rel", "rtol", "atol", "score", "")
@@ -325,7 +334,10 @@ def verify(
     for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
         checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
     varied = tuple(step for step, ours in enumerate(graphed_steps, 1) if ours.varied)
-    return VerifyReport(info.name, info.backend, steps, tuple(checks), varied)
+    left_out = tuple(
+        (step, ours.left_out) for step, ours in enumerate(graphed_steps, 1) if ours.left_out
+    )
+    return VerifyReport(info.name, info.backend, steps, tuple(checks), varied, left_out)
 
 
 def _parameter_tensors(
@@ -427,6 +439,7 @@ class _Step:
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     rng_changed: set[str] = field(default_factory=set)
     varied: bool = False  # whether its inputs' values differed from the given ones (_vary_inputs)
+    left_out: str = ""  # the output given no grad in the backward ("output[0]"), or ""
 
 
 def _run_steps(
@@ -456,11 +469,19 @@ def _run_steps(
         flat = spec.flatten(out)
         outputs = [_owned(t) for t in flat]
         relations = _relations(spec, flat, inputs, [*params, *buffers])
-        live = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        live = [
+            (path, t)
+            for path, t in zip(spec.array_paths, flat, strict=True)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        # from step 2 on, with several outputs requiring grad, one is left out of the backward in
+        # turn (a loss of some outputs only): its replay gets no grad for it, as training's may
+        left_out = (step - 1) % len(live) if step and len(live) > 1 else None
         if live:
-            cotangents = [_cotangent(t, step, i) for i, t in enumerate(live)]
+            cotangents = [_cotangent(t, step, i) for i, (_, t) in enumerate(live)]
+            kept = [i for i in range(len(live)) if i != left_out]
             with outside_autocast():  # torch's AMP recipe: autocast wraps the forward alone
-                torch.autograd.backward(live, cotangents)
+                torch.autograd.backward([live[i][1] for i in kept], [cotangents[i] for i in kept])
         after = {f"input {p}": t.detach().clone() for p, t in inputs}
         after.update({label: b.detach().clone() for label, b in buffers})
         rng = _torch_rng_states()
@@ -474,6 +495,7 @@ def _run_steps(
                 # bit for bit: by value a NaN is never itself, and -0.0 is 0.0
                 changed={key for key, value in after.items() if not same_bits(value, before[key])},
                 varied=varied,
+                left_out="" if left_out is None else f"output{live[left_out][0]}",
                 relations=relations,
                 rng=rng,
                 rng_changed={
