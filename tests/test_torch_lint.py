@@ -7,6 +7,7 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
 import importlib
@@ -240,6 +241,12 @@ def decays_with_the_clock(x: torch.Tensor) -> torch.Tensor:
     return x * math.exp(-time.monotonic() % 1.0)  # lint: host-clock
 
 
+def warms_up_by_the_date(x: torch.Tensor) -> torch.Tensor:
+    # datetime's clock reads are compiled: no time.time() call for the profile to see
+    started = datetime.datetime.now()  # lint: datetime-clock
+    return x * min(1.0, started.microsecond / 1e6 + 0.5)
+
+
 def reseeds(x: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(0)  # lint: manual-seed
     return F.dropout(x, 0.5)
@@ -337,6 +344,9 @@ FINDINGS = {
     ),
     "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
     "host-clock": Finding(decays_with_the_clock, _lint.HOST_CLOCK, "time.monotonic", "host-clock"),
+    "datetime-clock": Finding(
+        warms_up_by_the_date, _lint.HOST_CLOCK, "datetime.datetime.now", "datetime-clock"
+    ),
 }
 
 

@@ -28,6 +28,7 @@ tensors made with no device, or ``device="cpu"``, would stay on the CPU. So ``.i
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import linecache
 import logging
@@ -749,7 +750,7 @@ class _HostCallLint:
                 # a log record's time is no clock read of the callable's (nor is a collector
                 # callback's: _made_by_the_user leaves those out)
                 if not frame.f_code.co_filename.startswith(_LOGGING_DIR):
-                    self._report((HOST_CLOCK, f"time.{arg.__name__}", ()), frame)
+                    self._report((HOST_CLOCK, _CLOCKS[arg], ()), frame)
             elif arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED:
                 # through warmup's watch of the read (a replacement): its caller's
                 caller = frame.f_back if frame.f_code is MODE_READ_WATCH else frame
@@ -1215,22 +1216,30 @@ _TORCH_WRAPPER_FILES = frozenset(
     os.path.join(_TORCH_DIR, *name.split("/")) for name in ("_compile.py", "_dynamo/eval_frame.py")
 )
 _FUNCTION_FILE = torch.autograd.function.__file__
-#: The host clocks a forward may read (``time.time()`` for a schedule, a seed, a decay).
-_CLOCKS = frozenset(
-    getattr(time, name)
-    for name in (
-        "time",
-        "time_ns",
-        "perf_counter",
-        "perf_counter_ns",
-        "monotonic",
-        "monotonic_ns",
-        "process_time",
-        "process_time_ns",
-        "thread_time",
-        "thread_time_ns",
-    )
-)
+#: The host clocks a forward may read (``time.time()`` for a schedule, a seed, a decay), by the
+#: name a finding gives them: ``time``'s, and ``datetime``'s, which read the clock in compiled
+#: code (no ``time.time()`` call to see).
+_CLOCKS = {
+    **{
+        getattr(time, name): f"time.{name}"
+        for name in (
+            "time",
+            "time_ns",
+            "perf_counter",
+            "perf_counter_ns",
+            "monotonic",
+            "monotonic_ns",
+            "process_time",
+            "process_time_ns",
+            "thread_time",
+            "thread_time_ns",
+        )
+    },
+    datetime.datetime.now: "datetime.datetime.now",
+    datetime.datetime.utcnow: "datetime.datetime.utcnow",
+    datetime.datetime.today: "datetime.datetime.today",
+    datetime.date.today: "datetime.date.today",
+}
 #: logging stamps each record with time.time(): a log call is no clock read of the callable's
 _LOGGING_DIR = os.path.dirname(logging.__file__)
 #: What ``random`` offers besides draws: reading, restoring and seeding its state.
