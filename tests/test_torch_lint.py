@@ -19,6 +19,7 @@ import random
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -247,6 +248,15 @@ def warms_up_by_the_date(x: torch.Tensor) -> torch.Tensor:
     return x * min(1.0, started.microsecond / 1e6 + 0.5)
 
 
+def salted_by_the_os(x: torch.Tensor) -> torch.Tensor:
+    # the operating system's random bytes (os.urandom, what uuid4 and secrets draw from)
+    return x * (1 + os.urandom(1)[0] % 2)  # lint: os-random
+
+
+def tagged_with_a_uuid(x: torch.Tensor) -> torch.Tensor:
+    return x * (1 + uuid.uuid4().int % 2)  # lint: uuid-random
+
+
 def reseeds(x: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(0)  # lint: manual-seed
     return F.dropout(x, 0.5)
@@ -342,6 +352,8 @@ FINDINGS = {
     "python-uniform": Finding(
         python_random_uniform, _lint.HOST_RANDOM, "Random.uniform", "python-uniform"
     ),
+    "os-random": Finding(salted_by_the_os, _lint.HOST_RANDOM, "os.urandom", "os-random"),
+    "uuid-random": Finding(tagged_with_a_uuid, _lint.HOST_RANDOM, "os.urandom", "uuid-random"),
     "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
     "host-clock": Finding(decays_with_the_clock, _lint.HOST_CLOCK, "time.monotonic", "host-clock"),
     "datetime-clock": Finding(

@@ -35,6 +35,7 @@ import logging
 import os
 import random
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -746,6 +747,8 @@ class _HostCallLint:
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
+            elif arg in _OS_RANDOM:  # os.urandom: what uuid4 and secrets draw from
+                self._report((HOST_RANDOM, _OS_RANDOM[arg], ()), _outside_the_stdlib(frame))
             elif arg in _CLOCKS:
                 # a log record's time is no clock read of the callable's (nor is a collector
                 # callback's: _made_by_the_user leaves those out)
@@ -1240,6 +1243,32 @@ _CLOCKS = {
     datetime.datetime.today: "datetime.datetime.today",
     datetime.date.today: "datetime.date.today",
 }
+#: The operating system's random bytes (``uuid.uuid4()``, ``secrets`` and ``SystemRandom`` read
+#: them too), compiled: no ``random`` call to see.
+_OS_RANDOM = {
+    getattr(os, name): f"os.{name}" for name in ("urandom", "getrandom") if hasattr(os, name)
+}
+#: Python's own library (``uuid``, ``secrets``), without the packages installed beside it.
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_SITE_DIR = sysconfig.get_paths()["purelib"] + os.sep
+
+
+def _outside_the_stdlib(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame that called into Python's own library (``uuid.uuid4()`` reading
+    ``os.urandom``): the user's line, as for a draw through ``random``.
+
+    >>> import sys
+    >>> _outside_the_stdlib(sys._getframe()) is sys._getframe()
+    True
+    """
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not file.startswith(_STDLIB_DIR) or file.startswith(_SITE_DIR):
+            return frame
+        frame = frame.f_back
+    return None
+
+
 #: logging stamps each record with time.time(): a log call is no clock read of the callable's
 _LOGGING_DIR = os.path.dirname(logging.__file__)
 #: What ``random`` offers besides draws: reading, restoring and seeding its state.
