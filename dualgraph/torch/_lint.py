@@ -741,7 +741,11 @@ class _HostCallLint:
         # called on every Python and C call and return while the lint runs: kept short
         if event == "call":
             found = _HOST_PYTHON_CALLS.get(frame.f_code)
-            if found is not None:
+            # seeding a generator of the callable's own (random.Random(3)) is no change of the
+            # process's stream
+            if found is not None and (
+                frame.f_code is not _SEEDS_HOST_STREAM or frame.f_locals.get("self") is _INST
+            ):
                 self._report(found, frame.f_back)
         elif event == "c_call":
             owner = getattr(arg, "__self__", None)
@@ -1275,9 +1279,10 @@ _LOGGING_DIR = os.path.dirname(logging.__file__)
 _NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
 _HOST_CALL_HINTS = {
     HOST_RANDOM: (
-        "Draws a random number on the host (Python's random, numpy.random): a CUDA graph keeps "
-        "the number drawn at capture and every replay reuses it, where eager draws a new one on "
-        "each call. Draw on the device from torch's default generator (torch.rand(..., "
+        "Draws a random number on the host (Python's random, numpy.random), or seeds the "
+        "host's stream: a CUDA graph keeps the number drawn at capture and every replay reuses "
+        "it (and seeds nothing), where eager draws a new one (or restarts the stream) on each "
+        "call. Draw on the device from torch's default generator (torch.rand(..., "
         "device=x.device)), or draw outside the callable and pass the value in as a tensor."
     ),
     RNG_RESEEDED: (
@@ -1331,6 +1336,9 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
             public = isinstance(method, types.FunctionType) and not name.startswith("_")
             if public and name not in _NOT_DRAWS:
                 calls[method.__code__] = (HOST_RANDOM, f"Random.{name}", _RANDOM_FILES)
+    # the process's stream only (_SEEDS_HOST_STREAM); not setstate, which torch.compile calls
+    # around a compilation from wherever it starts
+    calls[random.Random.seed.__code__] = (HOST_RANDOM, "random.seed", ())
     seeding = {
         "torch.manual_seed": torch.manual_seed,
         "torch.seed": torch.seed,
@@ -1360,3 +1368,7 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
 
 
 _HOST_PYTHON_CALLS = _python_calls()
+#: Python's random stream, which ``random.seed`` seeds (the module's functions are this
+#: instance's methods); seeding another instance is not reported.
+_INST = random._inst
+_SEEDS_HOST_STREAM = random.Random.seed.__code__
