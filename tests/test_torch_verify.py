@@ -362,6 +362,61 @@ def test_verify_leaves_an_output_out_of_later_steps_backward_in_turn(
     assert "step 2: output[0] left out of the backward" in str(report)
 
 
+class StepsInBackward(nn.Module):
+    """An optimizer in the backward: each weight takes an SGD step as its grad is accumulated,
+    and its .grad is dropped (torch's _apply_optimizer_in_backward does as much)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        for param in self.parameters():
+            param.register_post_accumulate_grad_hook(_sgd_step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _sgd_step(param: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.sub_(param.grad, alpha=0.1)
+    param.grad = None
+
+
+def replays_step_the_weight_twice(monkeypatch: pytest.MonkeyPatch, weight: torch.Tensor) -> None:
+    """Make every replay's backward move ``weight`` once more, leaving every ``.grad`` as is (a
+    step taken twice: by the graph, and by the hook)."""
+    backward = GraphedCallable._backward
+
+    def twice(self: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+        grads = backward(self, *args, **kwargs)
+        with torch.no_grad():
+            weight.sub_(0.01)
+        return grads
+
+    monkeypatch.setattr(GraphedCallable, "_backward", twice)
+
+
+def test_verify_compares_the_parameters_a_call_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The step leaves no .grad to compare: only the parameters show what the backward did
+    module = StepsInBackward()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    weight = module.fc.weight.detach().clone()
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 parameter fc.weight after the call" in [c.path for c in report.checks]
+    assert torch.equal(module.fc.weight, weight)  # put back
+    replays_step_the_weight_twice(monkeypatch, module.fc.weight)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True))
+    failed = [c.path for c in report.failures]
+    # step 1's outputs and grads match: only the parameter shows it (step 2 then runs on it)
+    assert [p for p in failed if p.startswith("step 1")] == [
+        "step 1 parameter fc.weight after the call"
+    ], str(report)
+    assert "step 2 parameter fc.weight after the call" in failed
+
+
 def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 

@@ -9,13 +9,14 @@ and which output is another output, an input, a buffer or a view of one, as well
 grads of the inputs that require grad, the parameters' ``.grad``, and the inputs, buffers (a graphed
 function's: what :func:`closed_over_tensors` finds) and tensor attributes of the parameters (a fused
 weight-grad accumulation's ``main_grad``, where the backward adds the weight grad and hands autograd
-a dummy) the calls changed, and the state torch's generators (the CPU's, each GPU's) are left in
-where a call drew from them: a replay that draws other numbers than eager, or none where eager draws
-on the host (a layer drop's coin), leaves what draws next in training other numbers. Both sides
-backpropagate the same seeded random output grads; from step 2 on, where several outputs require
-grad, each step leaves one out of the backward in turn (``report.left_out``), as a loss of some
-outputs does, so a replay that gives an output no loss used a stale grad differs. A call that shape
-buckets pad (``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
+a dummy) the calls changed, the trained parameters a call changed (an optimizer step in its
+backward, which leaves no ``.grad``), and the state torch's generators (the CPU's, each GPU's) are
+left in where a call drew from them: a replay that draws other numbers than eager, or none where
+eager draws on the host (a layer drop's coin), leaves what draws next in training other numbers.
+Both sides backpropagate the same seeded random output grads; from step 2 on, where several outputs
+require grad, each step leaves one out of the backward in turn (``report.left_out``), as a loss of
+some outputs does, so a replay that gives an output no loss used a stale grad differs. A call that
+shape buckets pad (``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
 ``valid_length``, its outputs cut back; the capture compared that with the call as it is, up to
 rounding, at a few lengths per bucket, and verify compares them again at the length of the call it
 runs (a leaf ``padding``, failing with the capture check's refusal). Afterwards parameters, buffers,
@@ -440,6 +441,9 @@ class _Step:
     rng_changed: set[str] = field(default_factory=set)
     varied: bool = False  # whether its inputs' values differed from the given ones (_vary_inputs)
     left_out: str = ""  # the output given no grad in the backward ("output[0]"), or ""
+    # the parameters the call (an optimizer step in its backward) changed, by label
+    # ("parameter fc.weight"), with their values after it; unchanged ones are not kept
+    params_after: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _run_steps(
@@ -463,6 +467,7 @@ def _run_steps(
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
         before.update({label: b.detach().clone() for label, b in buffers})
         rng_before = _torch_rng_states()
+        params_before = [p.detach().clone() for _, p in params]
         with torch.enable_grad():
             out = call(*call_args, **call_kwargs)
         spec = describe(out, root="output")
@@ -485,6 +490,12 @@ def _run_steps(
         after = {f"input {p}": t.detach().clone() for p, t in inputs}
         after.update({label: b.detach().clone() for label, b in buffers})
         rng = _torch_rng_states()
+        params_after = {
+            f"parameter {name}": param.detach().clone()
+            for (name, param), was in zip(params, params_before, strict=True)
+            if not same_bits(param.detach(), was)
+        }
+        del params_before
         results.append(
             _Step(
                 spec=spec,
@@ -496,6 +507,7 @@ def _run_steps(
                 changed={key for key, value in after.items() if not same_bits(value, before[key])},
                 varied=varied,
                 left_out="" if left_out is None else f"output{live[left_out][0]}",
+                params_after=params_after,
                 relations=relations,
                 rng=rng,
                 rng_changed={
@@ -854,6 +866,14 @@ def _compare_step(
     for key in sorted(ours.changed | theirs.changed):  # inputs and buffers a call changed
         path = f"{prefix}{key} after the call"
         checks.append(_compare(path, ours.after[key], theirs.after[key], rtol, atol))
+    for key in sorted(ours.params_after.keys() | theirs.params_after.keys()):
+        path = f"{prefix}{key} after the call"
+        graphed_value, eager_value = ours.params_after.get(key), theirs.params_after.get(key)
+        if graphed_value is None or eager_value is None:
+            which = "eager" if graphed_value is None else "graphed"
+            checks.append(_problem(path, f"only the {which} call changed it"))
+        else:
+            checks.append(_compare(path, graphed_value, eager_value, rtol, atol))
     for key in sorted(ours.rng_changed | theirs.rng_changed):  # the generators a call drew from
         checks.append(_compare_rng(f"{prefix}{key} after the call", ours.rng[key], theirs.rng[key]))
     return checks
