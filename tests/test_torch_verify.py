@@ -417,6 +417,29 @@ def test_verify_compares_the_parameters_a_call_changed(monkeypatch: pytest.Monke
     assert "step 2 parameter fc.weight after the call" in failed
 
 
+class ReturnsItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.fc(x)
+
+
+def test_a_schedule_callable_gets_every_output_in_every_backward() -> None:
+    # A backward of x alone (h left out) never reaches the replay, and the schedule's next pass
+    # is that backward: verify's next forward was refused, the step left half run.
+    graphed = dgt.make_graphed_callables(
+        ReturnsItsInput(),
+        (torch.randn(3, 4, requires_grad=True),),
+        backend="emulate",
+        schedule=[1, -1],
+    )
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True), steps=3)
+    assert report.ok and report.left_out == (), str(report)
+    graphed(torch.randn(3, 4, requires_grad=True))[1].sum().backward()  # the step goes on
+
+
 def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
     seen: list[tuple[torch.Tensor, ...]] = []
 

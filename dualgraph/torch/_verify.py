@@ -14,19 +14,20 @@ backward, which leaves no ``.grad``), and the state torch's generators (the CPU'
 left in where a call drew from them: a replay that draws other numbers than eager, or none where
 eager draws on the host (a layer drop's coin), leaves what draws next in training other numbers.
 Both sides backpropagate the same seeded random output grads; from step 2 on, where several outputs
-require grad, each step leaves one out of the backward in turn (``report.left_out``), as a loss of
-some outputs does, so a replay that gives an output no loss used a stale grad differs. A call that
-shape buckets pad (``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with
-``valid_length``, its outputs cut back; the capture compared that with the call as it is, up to
-rounding, at a few lengths per bucket, and verify compares them again at the length of the call it
-runs (a leaf ``padding``, failing with the capture check's refusal). Afterwards parameters, buffers,
-``.grad`` (the same tensor objects, with their values), the RNG states (torch's, Python's
-``random``, numpy's global one) and the Python attributes of the module and its submodules (a
-counter ``self.calls += 1``) are as they were; the last two are not reset between the sides, since a
-graph on the GPU does not rerun Python. With replay slots (``slots=k``) the steps replay the slots
-in turn, step ``i`` slot ``(i - 1) % k``: ``steps >= k`` verifies every slot. Usable in a training
-script between steps (after ``optimizer.step()``, not between a forward and its backward); like any
-replay, the calls overwrite the static outputs of earlier replays.
+require grad, each step leaves one out of the backward in turn (``report.left_out``; not under a
+``schedule=``, whose next pass must be that backward), as a loss of some outputs does, so a replay
+that gives an output no loss used a stale grad differs. A call that shape buckets pad
+(``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with ``valid_length``,
+its outputs cut back; the capture compared that with the call as it is, up to rounding, at a few
+lengths per bucket, and verify compares them again at the length of the call it runs (a leaf
+``padding``, failing with the capture check's refusal). Afterwards parameters, buffers, ``.grad``
+(the same tensor objects, with their values), the RNG states (torch's, Python's ``random``, numpy's
+global one) and the Python attributes of the module and its submodules (a counter ``self.calls +=
+1``) are as they were; the last two are not reset between the sides, since a graph on the GPU does
+not rerun Python. With replay slots (``slots=k``) the steps replay the slots in turn, step ``i``
+slot ``(i - 1) % k``: ``steps >= k`` verifies every slot. Usable in a training script between steps
+(after ``optimizer.step()``, not between a forward and its backward); like any replay, the calls
+overwrite the static outputs of earlier replays.
 
 Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
 (and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
@@ -276,10 +277,15 @@ def verify(
             raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
     runner = runner_of(graphed)
+    scheduled = False
     if isinstance(runner, SlottedCallable) and isinstance(runner._gate, ScheduleCursor):
+        scheduled = True
         refusal = runner._gate.refuses_calls(runner, steps)
         if refusal is not None:  # before anything runs: a half-run step would stay in flight
             raise refusal
+    # outputs left out of later steps' backwards, in turn; not under a schedule, whose next pass
+    # must be the backward (a backward of the rest alone may not reach the replay: return x, h)
+    leave_out = not scheduled
     # a graphed module, or the module whose method was graphed (its parameters are frozen: the
     # capture refuses a function whose outputs depend on parameters it does not take)
     original = _original(graphed)
@@ -310,7 +316,7 @@ def verify(
             replays, eager_calls = info.replays, info.eager_calls
             with _each_slot_in_turn(runner) as before_step:
                 graphed_steps = _run_steps(
-                    graphed, args, kwargs, steps, params, buffers, before_step
+                    graphed, args, kwargs, steps, params, buffers, before_step, leave_out
                 )
             # read afresh: a slotted callable's diagnostics are made at each read
             after = diagnostics(graphed)
@@ -325,7 +331,9 @@ def verify(
             process.put_back_torch_rng()
             fp8.put_back()
             with eager_twin(graphed, as_replayed=True) as eager, _eager_context(graphed):
-                eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
+                eager_steps = _run_steps(
+                    eager, args, kwargs, steps, params, buffers, leave_out=leave_out
+                )
         finally:
             fp8.put_back()
 
@@ -454,6 +462,7 @@ def _run_steps(
     params: Sequence[tuple[str, torch.Tensor]],
     buffers: Sequence[tuple[str, torch.Tensor]],
     before_step: Callable[[int], None] | None = None,
+    leave_out: bool = True,
 ) -> list[_Step]:
     for _, param in params:
         param.grad = None
@@ -481,7 +490,7 @@ def _run_steps(
         ]
         # from step 2 on, with several outputs requiring grad, one is left out of the backward in
         # turn (a loss of some outputs only): its replay gets no grad for it, as training's may
-        left_out = (step - 1) % len(live) if step and len(live) > 1 else None
+        left_out = (step - 1) % len(live) if leave_out and step and len(live) > 1 else None
         if live:
             cotangents = [_cotangent(t, step, i) for i, (_, t) in enumerate(live)]
             kept = [i for i in range(len(live)) if i != left_out]
