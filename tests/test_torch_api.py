@@ -357,6 +357,23 @@ def test_restore_puts_back_a_forward_the_module_had_before() -> None:
     assert torch.equal(module(torch.zeros(2, 8)), torch.ones(2, 8))
 
 
+def test_restore_puts_back_a_getstate_the_module_had_before_and_copies_use_it() -> None:
+    # graphing set its own instance-level __getstate__ (copies drop the graphs) over the user's,
+    # and restore deleted it: the module copied and pickled otherwise than before graphing
+    module = TinyMLP()
+
+    def getstate() -> dict[str, Any]:
+        return {**nn.Module.__getstate__(module), "tag": "mine"}
+
+    module.__getstate__ = getstate  # type: ignore[method-assign]
+    dgt.make_graphed_callables(module, (torch.zeros(4, 8),), backend="emulate")
+    copied = copy.copy(module)
+    assert copied.tag == "mine" and copied.__dict__["__getstate__"] is getstate
+    assert "forward" not in copied.__dict__  # the copy runs eagerly, as before
+    dgt.restore(module)
+    assert module.__dict__["__getstate__"] is getstate
+
+
 def test_restore_leaves_a_forward_installed_after_graphing() -> None:
     module = TinyMLP()
     dgt.make_graphed_callables(module, (torch.zeros(4, 8),), backend="emulate")

@@ -7,6 +7,7 @@ op and source line (the line holding the case's ``# lint:`` marker) the lint mus
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
 import importlib
@@ -18,6 +19,7 @@ import random
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -240,6 +242,28 @@ def decays_with_the_clock(x: torch.Tensor) -> torch.Tensor:
     return x * math.exp(-time.monotonic() % 1.0)  # lint: host-clock
 
 
+def warms_up_by_the_date(x: torch.Tensor) -> torch.Tensor:
+    # datetime's clock reads are compiled: no time.time() call for the profile to see
+    started = datetime.datetime.now()  # lint: datetime-clock
+    return x * min(1.0, started.microsecond / 1e6 + 0.5)
+
+
+def salted_by_the_os(x: torch.Tensor) -> torch.Tensor:
+    # the operating system's random bytes (os.urandom, what uuid4 and secrets draw from)
+    return x * (1 + os.urandom(1)[0] % 2)  # lint: os-random
+
+
+def tagged_with_a_uuid(x: torch.Tensor) -> torch.Tensor:
+    return x * (1 + uuid.uuid4().int % 2)  # lint: uuid-random
+
+
+def reseeds_the_host(x: torch.Tensor) -> torch.Tensor:
+    # eager restarts Python's random stream on every call, a replay never: what the program
+    # draws after the call (an augmentation, a shuffle) differs from eager's
+    random.seed(0)  # lint: python-seed
+    return x * 2
+
+
 def reseeds(x: torch.Tensor) -> torch.Tensor:
     torch.manual_seed(0)  # lint: manual-seed
     return F.dropout(x, 0.5)
@@ -335,8 +359,14 @@ FINDINGS = {
     "python-uniform": Finding(
         python_random_uniform, _lint.HOST_RANDOM, "Random.uniform", "python-uniform"
     ),
+    "os-random": Finding(salted_by_the_os, _lint.HOST_RANDOM, "os.urandom", "os-random"),
+    "uuid-random": Finding(tagged_with_a_uuid, _lint.HOST_RANDOM, "os.urandom", "uuid-random"),
+    "python-seed": Finding(reseeds_the_host, _lint.HOST_RANDOM, "random.seed", "python-seed"),
     "manual-seed": Finding(reseeds, _lint.RNG_RESEEDED, "torch.manual_seed", "manual-seed"),
     "host-clock": Finding(decays_with_the_clock, _lint.HOST_CLOCK, "time.monotonic", "host-clock"),
+    "datetime-clock": Finding(
+        warms_up_by_the_date, _lint.HOST_CLOCK, "datetime.datetime.now", "datetime-clock"
+    ),
 }
 
 
@@ -398,6 +428,16 @@ def test_the_lint_during_an_emulated_capture_reports_what_a_real_capture_rejects
     assert message.startswith(f"capturing {name} (emulate) failed during warmup: ")
     assert f"test_torch_lint.py:{line_of(case.marker)}" in message
     assert the_finding(caught.value.report, case).line == line_of(case.marker)
+
+
+def test_a_random_generator_of_the_callables_own_is_seeded_without_a_finding() -> None:
+    # Random(3) seeds an instance of its own (no draw from it here): the process's stream is
+    # untouched, as in eager
+    def makes_a_generator(x: torch.Tensor) -> torch.Tensor:
+        random.Random(3)
+        return x * 2
+
+    assert dgt.lint(makes_a_generator, torch.ones(2, requires_grad=True)).findings == ()
 
 
 def test_a_backward_op_of_torch_is_placed_at_the_forward_line_that_made_it() -> None:

@@ -25,6 +25,7 @@ from dualgraph import DualgraphError
 from dualgraph.torch import _verify
 from dualgraph.torch._probe import cloned_inputs
 from dualgraph.torch._replay import GraphedCallable
+from dualgraph.torch._slots import SlotReplay
 
 
 class Block(nn.Module):
@@ -219,6 +220,224 @@ def test_verify_catches_a_replay_that_ignores_its_new_inputs(
     failed = {c.path.split(" ")[1] for c in report.failures}
     assert failed == {"2", "3"}, str(report)  # step 1 ran on what the buffers held: right
     assert any(c.path.startswith("step 2 output") for c in report.failures)
+
+
+class DropsItselfNever(nn.Module):
+    """A layer drop of probability 0: its coin, drawn from torch's CPU generator, never drops,
+    so outputs and grads do not depend on it; a replay on the GPU does not draw it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand([]) >= 0.0
+        return self.fc(x) * keep
+
+
+def replays_leave_the_cpu_generator_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay leave torch's CPU generator where it was, as a CUDA graph does with a
+    draw on the host: it is not part of the graph."""
+    call = GraphedCallable.__call__
+
+    def without_host_draws(self: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+        state = torch.get_rng_state()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    monkeypatch.setattr(GraphedCallable, "__call__", without_host_draws)
+
+
+def test_verify_catches_a_replay_that_leaves_torchs_rng_elsewhere_than_eager(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Same outputs and grads, but the graph drew fewer numbers: whatever draws next in training
+    # (another layer's dropout, a shuffle) gets other numbers than it would in eager.
+    graphed = dgt.make_graphed_callables(
+        DropsItselfNever(), (torch.randn(2, 4, requires_grad=True),), backend="emulate", lint="off"
+    )
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True)).ok  # draws as eager
+    replays_leave_the_cpu_generator_alone(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True))
+    assert not report.ok
+    assert [c.path for c in report.failures] == [
+        "step 1 torch's RNG (CPU) after the call",
+        "step 2 torch's RNG (CPU) after the call",
+    ]
+    assert "another state than eager's" in report.failures[0].problem
+
+
+class Aliases(nn.Module):
+    """Outputs that share memory in eager: one tensor twice, a view of another output, the input."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return {"twice": (h, h), "view": (h, h.t()), "input": (x, h)}[self.kind]
+
+
+def replays_hand_out_copies_of_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay hand out an output that is an input, another output or a view as a
+    tensor of its own, with the same values and grads (the relations eager has are lost)."""
+    call = GraphedCallable.__call__
+
+    def copying(self: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+        seen = [arg for arg in args if isinstance(arg, torch.Tensor)]
+        copied = []
+        for output in call(self, *args, **kwargs):
+            aliased = output._is_view() or any(output is other for other in seen)
+            copied.append(output.clone() if aliased else output)
+            seen.append(output)
+        return tuple(copied)
+
+    monkeypatch.setattr(GraphedCallable, "__call__", copying)
+
+
+@pytest.mark.parametrize(("kind", "failed"), [("twice", 1), ("view", 1), ("input", 0)])
+def test_verify_catches_a_replay_whose_outputs_lose_eagers_aliasing(
+    kind: str, failed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Same values and grads, but a change through one output is no longer seen through the other
+    graphed = dgt.make_graphed_callables(
+        Aliases(kind), (torch.randn(3, 4, requires_grad=True),), backend="emulate"
+    )
+    assert dgt.verify(graphed, torch.randn(3, 4, requires_grad=True)).ok
+    replays_hand_out_copies_of_aliases(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True))
+    assert [c.path for c in report.failures] == [
+        f"step 1 output[{failed}]",
+        f"step 2 output[{failed}]",
+    ]
+    eager = {"twice": "output[0] itself", "view": "a view of output[0]", "input": "args[0] itself"}
+    assert report.failures[0].problem == f"graphed a tensor of its own, eager {eager[kind]}"
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, self.head(h)
+
+
+def backwards_keep_the_grad_of_an_output_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every replay's backward take, for an output the loss left out, the grad of the last
+    backward that had one (a static grad buffer left as it was instead of zeroed)."""
+    backward = GraphedCallable._backward
+    last: dict[int, Any] = {}
+
+    def stale(
+        self: GraphedCallable, generation: int, needs: Any, inputs: Any, grads: Any, *rest: Any
+    ) -> Any:
+        grads = [last.get(i) if g is None else g for i, g in enumerate(grads)]
+        last.update((i, g) for i, g in enumerate(grads) if g is not None)
+        return backward(self, generation, needs, inputs, grads, *rest)
+
+    monkeypatch.setattr(GraphedCallable, "_backward", stale)
+
+
+def test_verify_leaves_an_output_out_of_later_steps_backward_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A loss of one head only (an auxiliary output unused this step) gives the other no grad;
+    # verify gave every output one, so a replay adding a stale grad for it passed.
+    graphed = dgt.make_graphed_callables(
+        TwoHeads(), (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    assert dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=3).ok
+    backwards_keep_the_grad_of_an_output_left_out(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=3)
+    failed = {c.path.split(" ")[1] for c in report.failures}
+    assert failed == {"2", "3"}, str(report)
+    assert "step 2 grad args[0]" in [c.path for c in report.failures]
+    assert "step 2: output[0] left out of the backward" in str(report)
+
+
+class StepsInBackward(nn.Module):
+    """An optimizer in the backward: each weight takes an SGD step as its grad is accumulated,
+    and its .grad is dropped (torch's _apply_optimizer_in_backward does as much)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        for param in self.parameters():
+            param.register_post_accumulate_grad_hook(_sgd_step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _sgd_step(param: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.sub_(param.grad, alpha=0.1)
+    param.grad = None
+
+
+def replays_step_the_weight_twice(monkeypatch: pytest.MonkeyPatch, weight: torch.Tensor) -> None:
+    """Make every replay's backward move ``weight`` once more, leaving every ``.grad`` as is (a
+    step taken twice: by the graph, and by the hook)."""
+    backward = GraphedCallable._backward
+
+    def twice(self: GraphedCallable, *args: Any, **kwargs: Any) -> Any:
+        grads = backward(self, *args, **kwargs)
+        with torch.no_grad():
+            weight.sub_(0.01)
+        return grads
+
+    monkeypatch.setattr(GraphedCallable, "_backward", twice)
+
+
+def test_verify_compares_the_parameters_a_call_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The step leaves no .grad to compare: only the parameters show what the backward did
+    module = StepsInBackward()
+    graphed = dgt.make_graphed_callables(
+        module, (torch.randn(2, 4, requires_grad=True),), backend="emulate"
+    )
+    weight = module.fc.weight.detach().clone()
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True))
+    assert report.ok, str(report)
+    assert "step 2 parameter fc.weight after the call" in [c.path for c in report.checks]
+    assert torch.equal(module.fc.weight, weight)  # put back
+    replays_step_the_weight_twice(monkeypatch, module.fc.weight)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True))
+    failed = [c.path for c in report.failures]
+    # step 1's outputs and grads match: only the parameter shows it (step 2 then runs on it)
+    assert [p for p in failed if p.startswith("step 1")] == [
+        "step 1 parameter fc.weight after the call"
+    ], str(report)
+    assert "step 2 parameter fc.weight after the call" in failed
+
+
+class ReturnsItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.fc(x)
+
+
+def test_a_schedule_callable_gets_every_output_in_every_backward() -> None:
+    # A backward of x alone (h left out) never reaches the replay, and the schedule's next pass
+    # is that backward: verify's next forward was refused, the step left half run.
+    graphed = dgt.make_graphed_callables(
+        ReturnsItsInput(),
+        (torch.randn(3, 4, requires_grad=True),),
+        backend="emulate",
+        schedule=[1, -1],
+    )
+    report = dgt.verify(graphed, torch.randn(3, 4, requires_grad=True), steps=3)
+    assert report.ok and report.left_out == (), str(report)
+    graphed(torch.randn(3, 4, requires_grad=True))[1].sum().backward()  # the step goes on
 
 
 def test_later_steps_scale_floating_inputs_and_keep_integers_and_bools() -> None:
@@ -506,6 +725,34 @@ def test_a_callable_with_replay_slots_is_verified(layout: dict[str, Any]) -> Non
     assert report.ok, str(report)
     assert "step 2 grad fc.weight" in [c.path for c in report.checks]
     assert dgt.diagnostics(graphed).replays == 2  # read afresh: counts verify's two calls
+
+
+def slot_1_replays_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the replays of slot 1 (and only those) hand out an output of zeros, as a slot whose
+    buffers another slot overwrites would."""
+    forward = SlotReplay._forward
+
+    def wrong(self: SlotReplay, tensors: Any, grad_enabled: bool = False) -> Any:
+        outputs = forward(self, tensors, grad_enabled)
+        if self.index == 1:
+            with torch.no_grad():
+                outputs[0].zero_()
+        return outputs
+
+    monkeypatch.setattr(SlotReplay, "_forward", wrong)
+
+
+def test_verify_replays_every_slot_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each step runs forward then backward, freeing its slot: the lowest free slot (0) took every
+    # step, and a wrong slot 1, used only with two micro-batches in flight, passed.
+    graphed = dgt.make_graphed_callables(
+        nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),), backend="emulate", slots=2
+    )
+    slot_1_replays_wrong(monkeypatch)
+    report = dgt.verify(graphed, torch.randn(2, 4, requires_grad=True), steps=3)
+    assert [c.path for c in report.failures] == ["step 2 output"], str(report)
+    x = torch.randn(2, 4, requires_grad=True)
+    assert graphed(x).abs().sum() > 0  # training takes slot 0 again, as before verify
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,14 @@ tensors made with no device, or ``device="cpu"``, would stay on the CPU. So ``.i
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import linecache
 import logging
 import os
 import random
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -739,17 +741,23 @@ class _HostCallLint:
         # called on every Python and C call and return while the lint runs: kept short
         if event == "call":
             found = _HOST_PYTHON_CALLS.get(frame.f_code)
-            if found is not None:
+            # seeding a generator of the callable's own (random.Random(3)) is no change of the
+            # process's stream
+            if found is not None and (
+                frame.f_code is not _SEEDS_HOST_STREAM or frame.f_locals.get("self") is _INST
+            ):
                 self._report(found, frame.f_back)
         elif event == "c_call":
             owner = getattr(arg, "__self__", None)
             if isinstance(owner, random.Random):
                 self._report(_host_c_call(arg), frame)
+            elif arg in _OS_RANDOM:  # os.urandom: what uuid4 and secrets draw from
+                self._report((HOST_RANDOM, _OS_RANDOM[arg], ()), _outside_the_stdlib(frame))
             elif arg in _CLOCKS:
                 # a log record's time is no clock read of the callable's (nor is a collector
                 # callback's: _made_by_the_user leaves those out)
                 if not frame.f_code.co_filename.startswith(_LOGGING_DIR):
-                    self._report((HOST_CLOCK, f"time.{arg.__name__}", ()), frame)
+                    self._report((HOST_CLOCK, _CLOCKS[arg], ()), frame)
             elif arg is _IS_GRAD_ENABLED or arg is _IS_INFERENCE_MODE_ENABLED:
                 # through warmup's watch of the read (a replacement): its caller's
                 caller = frame.f_back if frame.f_code is MODE_READ_WATCH else frame
@@ -1215,31 +1223,66 @@ _TORCH_WRAPPER_FILES = frozenset(
     os.path.join(_TORCH_DIR, *name.split("/")) for name in ("_compile.py", "_dynamo/eval_frame.py")
 )
 _FUNCTION_FILE = torch.autograd.function.__file__
-#: The host clocks a forward may read (``time.time()`` for a schedule, a seed, a decay).
-_CLOCKS = frozenset(
-    getattr(time, name)
-    for name in (
-        "time",
-        "time_ns",
-        "perf_counter",
-        "perf_counter_ns",
-        "monotonic",
-        "monotonic_ns",
-        "process_time",
-        "process_time_ns",
-        "thread_time",
-        "thread_time_ns",
-    )
-)
+#: The host clocks a forward may read (``time.time()`` for a schedule, a seed, a decay), by the
+#: name a finding gives them: ``time``'s, and ``datetime``'s, which read the clock in compiled
+#: code (no ``time.time()`` call to see).
+_CLOCKS = {
+    **{
+        getattr(time, name): f"time.{name}"
+        for name in (
+            "time",
+            "time_ns",
+            "perf_counter",
+            "perf_counter_ns",
+            "monotonic",
+            "monotonic_ns",
+            "process_time",
+            "process_time_ns",
+            "thread_time",
+            "thread_time_ns",
+        )
+    },
+    datetime.datetime.now: "datetime.datetime.now",
+    datetime.datetime.utcnow: "datetime.datetime.utcnow",
+    datetime.datetime.today: "datetime.datetime.today",
+    datetime.date.today: "datetime.date.today",
+}
+#: The operating system's random bytes (``uuid.uuid4()``, ``secrets`` and ``SystemRandom`` read
+#: them too), compiled: no ``random`` call to see.
+_OS_RANDOM = {
+    getattr(os, name): f"os.{name}" for name in ("urandom", "getrandom") if hasattr(os, name)
+}
+#: Python's own library (``uuid``, ``secrets``), without the packages installed beside it.
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_SITE_DIR = sysconfig.get_paths()["purelib"] + os.sep
+
+
+def _outside_the_stdlib(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame that called into Python's own library (``uuid.uuid4()`` reading
+    ``os.urandom``): the user's line, as for a draw through ``random``.
+
+    >>> import sys
+    >>> _outside_the_stdlib(sys._getframe()) is sys._getframe()
+    True
+    """
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not file.startswith(_STDLIB_DIR) or file.startswith(_SITE_DIR):
+            return frame
+        frame = frame.f_back
+    return None
+
+
 #: logging stamps each record with time.time(): a log call is no clock read of the callable's
 _LOGGING_DIR = os.path.dirname(logging.__file__)
 #: What ``random`` offers besides draws: reading, restoring and seeding its state.
 _NOT_DRAWS = frozenset({"getstate", "setstate", "seed"})
 _HOST_CALL_HINTS = {
     HOST_RANDOM: (
-        "Draws a random number on the host (Python's random, numpy.random): a CUDA graph keeps "
-        "the number drawn at capture and every replay reuses it, where eager draws a new one on "
-        "each call. Draw on the device from torch's default generator (torch.rand(..., "
+        "Draws a random number on the host (Python's random, numpy.random), or seeds the "
+        "host's stream: a CUDA graph keeps the number drawn at capture and every replay reuses "
+        "it (and seeds nothing), where eager draws a new one (or restarts the stream) on each "
+        "call. Draw on the device from torch's default generator (torch.rand(..., "
         "device=x.device)), or draw outside the callable and pass the value in as a tensor."
     ),
     RNG_RESEEDED: (
@@ -1293,6 +1336,9 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
             public = isinstance(method, types.FunctionType) and not name.startswith("_")
             if public and name not in _NOT_DRAWS:
                 calls[method.__code__] = (HOST_RANDOM, f"Random.{name}", _RANDOM_FILES)
+    # the process's stream only (_SEEDS_HOST_STREAM); not setstate, which torch.compile calls
+    # around a compilation from wherever it starts
+    calls[random.Random.seed.__code__] = (HOST_RANDOM, "random.seed", ())
     seeding = {
         "torch.manual_seed": torch.manual_seed,
         "torch.seed": torch.seed,
@@ -1322,3 +1368,7 @@ def _python_calls() -> dict[types.CodeType, tuple[str, str, tuple[str, ...]]]:
 
 
 _HOST_PYTHON_CALLS = _python_calls()
+#: Python's random stream, which ``random.seed`` seeds (the module's functions are this
+#: instance's methods); seeding another instance is not reported.
+_INST = random._inst
+_SEEDS_HOST_STREAM = random.Random.seed.__code__

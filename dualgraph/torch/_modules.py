@@ -45,12 +45,13 @@ class _Graphed:
     Copies of the module get a :class:`_Copied` in its place, without the runner.
     """
 
-    __slots__ = ("previous", "runner", "training")
+    __slots__ = ("getstate", "previous", "runner", "training")
 
-    def __init__(self, runner: Runner, training: bool, previous: Any) -> None:
+    def __init__(self, runner: Runner, training: bool, previous: Any, getstate: Any) -> None:
         self.runner = runner
         self.training = training
         self.previous = previous  # an instance-level forward the module had before, or None
+        self.getstate = getstate  # an instance-level __getstate__ it had before, or None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Copied:
         return _Copied(copy.deepcopy(self.previous, memo))
@@ -110,7 +111,10 @@ def install(fn: Any, runner: Runner) -> Any:
     module = fn
     if isinstance(module.__dict__.get(_STATE), _Copied):
         _ungraph(module)
-    state = _Graphed(runner, module.training, module.__dict__.get("forward"))
+    getstate = module.__dict__.get(_GETSTATE)
+    if type(getstate) is functools.partial and getstate.func is _state_of_a_copy:
+        getstate = None  # ours, left by a copy made while graphed
+    state = _Graphed(runner, module.training, module.__dict__.get("forward"), getstate)
     module.__dict__[_STATE] = state
     module.__dict__["forward"] = functools.partial(_graphed_forward, module)
     # copy.copy, copy.deepcopy and pickle read a module's state through the instance's
@@ -126,10 +130,14 @@ _GETSTATE = "__getstate__"
 def _state_of_a_copy(module: torch.nn.Module) -> Any:
     """What a copy of graphed ``module`` is made from: its class's state, without the graphs (a
     :class:`_Copied` in their place, for the messages of a copy)."""
-    state = type(module).__getstate__(module)
+    graphed = module.__dict__.get(_STATE)
+    users = graphed.getstate if type(graphed) is _Graphed else None
+    state = users() if users is not None else type(module).__getstate__(module)
     if not isinstance(state, dict):
         return state
     state = {key: value for key, value in state.items() if key != _GETSTATE}
+    if users is not None:  # the copy keeps the user's, as a copy of the module before graphing
+        state[_GETSTATE] = users
     graphed = state.get(_STATE)
     if type(graphed) is not _Graphed:
         return state
@@ -239,6 +247,9 @@ def _ungraph(module: torch.nn.Module) -> None:
     getstate = module.__dict__.get(_GETSTATE)
     if type(getstate) is functools.partial and getstate.func is _state_of_a_copy:
         del module.__dict__[_GETSTATE]
+        users = getattr(state, "getstate", None)
+        if users is not None:  # the user's, from before graphing
+            module.__dict__[_GETSTATE] = users
     previous = getattr(state, "previous", None)
     forward = module.__dict__.get("forward")
     if not (isinstance(forward, functools.partial) and forward.func is _graphed_forward):

@@ -4,22 +4,30 @@
 model back as it was and runs the original (eager) callable the same way from the same state: the
 same parameters and buffers, the same CPU and CUDA RNG states, ``.grad`` starting from ``None`` and
 accumulating over the steps on both sides (a ``main_grad`` from its values). It compares, leaf by
-leaf and step by step: the outputs (the ``None`` and constant positions and which tensors require
-grad as well as the values), the grads of the inputs that require grad, the parameters' ``.grad``,
-and the inputs, buffers (a graphed function's: what :func:`closed_over_tensors` finds) and tensor
-attributes of the parameters (a fused weight-grad accumulation's ``main_grad``, where the backward
-adds the weight grad and hands autograd a dummy) the calls changed. Both sides backpropagate the
-same seeded random output grads. A call that shape buckets pad (``fallback="pad"``) reaches the
-eager side as it reaches the replay: padded, with ``valid_length``, its outputs cut back; the
-capture compared that with the call as it is, up to rounding, at a few lengths per bucket, and
-verify compares them again at the length of the call it runs (a leaf ``padding``, failing with
-the capture check's refusal). Afterwards parameters, buffers, ``.grad`` (the same tensor objects,
-with their values), the RNG states (torch's, Python's ``random``, numpy's global one) and the
-Python attributes of the module and its submodules (a counter ``self.calls += 1``) are as they
-were; the last two are not reset between the sides, since a graph on the GPU does not rerun
-Python. Usable in a training script between steps (after ``optimizer.step()``, not between a
-forward and its backward); like any replay, the calls overwrite the static outputs of earlier
-replays.
+leaf and step by step: the outputs (the ``None`` and constant positions, which tensors require grad,
+and which output is another output, an input, a buffer or a view of one, as well as the values), the
+grads of the inputs that require grad, the parameters' ``.grad``, and the inputs, buffers (a graphed
+function's: what :func:`closed_over_tensors` finds) and tensor attributes of the parameters (a fused
+weight-grad accumulation's ``main_grad``, where the backward adds the weight grad and hands autograd
+a dummy) the calls changed, the trained parameters a call changed (an optimizer step in its
+backward, which leaves no ``.grad``), and the state torch's generators (the CPU's, each GPU's) are
+left in where a call drew from them: a replay that draws other numbers than eager, or none where
+eager draws on the host (a layer drop's coin), leaves what draws next in training other numbers.
+Both sides backpropagate the same seeded random output grads; from step 2 on, where several outputs
+require grad, each step leaves one out of the backward in turn (``report.left_out``; not under a
+``schedule=``, whose next pass must be that backward), as a loss of some outputs does, so a replay
+that gives an output no loss used a stale grad differs. A call that shape buckets pad
+(``fallback="pad"``) reaches the eager side as it reaches the replay: padded, with ``valid_length``,
+its outputs cut back; the capture compared that with the call as it is, up to rounding, at a few
+lengths per bucket, and verify compares them again at the length of the call it runs (a leaf
+``padding``, failing with the capture check's refusal). Afterwards parameters, buffers, ``.grad``
+(the same tensor objects, with their values), the RNG states (torch's, Python's ``random``, numpy's
+global one) and the Python attributes of the module and its submodules (a counter ``self.calls +=
+1``) are as they were; the last two are not reset between the sides, since a graph on the GPU does
+not rerun Python. With replay slots (``slots=k``) the steps replay the slots in turn, step ``i``
+slot ``(i - 1) % k``: ``steps >= k`` verifies every slot. Usable in a training script between steps
+(after ``optimizer.step()``, not between a forward and its backward); like any replay, the calls
+overwrite the static outputs of earlier replays.
 
 Inputs vary. Step 1 gets the inputs as given; each later step gets them with every floating
 (and complex) tensor scaled toward zero by a step's factor (31/32, 15/16, 29/32, 7/8, then
@@ -98,7 +106,7 @@ from ._params import is_tensor_subclass, same_bits, set_versions, write_back
 from ._probe import cloned_inputs, module_of
 from ._process_state import kept_process_state
 from ._replay import GraphedCallable
-from ._slots import ScheduleCursor, SlottedCallable
+from ._slots import FreeSlots, ScheduleCursor, SlottedCallable
 from ._te_state import fp8_state_kept
 
 __all__ = ["CUDA_TOLERANCES", "LeafCheck", "VerifyReport", "eager_twin", "verify"]
@@ -152,6 +160,10 @@ class VerifyReport:
     checks: tuple[LeafCheck, ...] = field(default=())
     #: the steps (1-based, as in the leaves' paths) whose inputs differed from the given ones
     varied_steps: tuple[int, ...] = ()
+    #: ``(step, output path)`` for the steps whose backward left an output out (no grad for
+    #: it, as a loss of some outputs only gives): from step 2 on, one in turn where several
+    #: outputs require grad
+    left_out: tuple[tuple[int, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -192,6 +204,10 @@ class VerifyReport:
             )
         if self.steps > 1:
             header += "\n" + _inputs_line(self.steps, self.varied_steps)
+        if self.left_out:
+            header += "\nbackward: every output in step 1; " + "; ".join(
+                f"step {step}: {path} left out of the backward" for step, path in self.left_out
+            )
         if self.backend == "eager":
             header += "\n(the eager backend runs the callable itself: both sides are eager)"
         titles = ("leaf", "dtype", "shape", "max abs", "max rel", "rtol", "atol", "score", "")
@@ -261,10 +277,15 @@ def verify(
             raise DualgraphError(f"{name} must be a number >= 0, got {value!r}")
     info = diagnostics(graphed)
     runner = runner_of(graphed)
+    scheduled = False
     if isinstance(runner, SlottedCallable) and isinstance(runner._gate, ScheduleCursor):
+        scheduled = True
         refusal = runner._gate.refuses_calls(runner, steps)
         if refusal is not None:  # before anything runs: a half-run step would stay in flight
             raise refusal
+    # outputs left out of later steps' backwards, in turn; not under a schedule, whose next pass
+    # must be the backward (a backward of the rest alone may not reach the replay: return x, h)
+    leave_out = not scheduled
     # a graphed module, or the module whose method was graphed (its parameters are frozen: the
     # capture refuses a function whose outputs depend on parameters it does not take)
     original = _original(graphed)
@@ -293,7 +314,10 @@ def verify(
         )
         try:
             replays, eager_calls = info.replays, info.eager_calls
-            graphed_steps = _run_steps(graphed, args, kwargs, steps, params, buffers)
+            with _each_slot_in_turn(runner) as before_step:
+                graphed_steps = _run_steps(
+                    graphed, args, kwargs, steps, params, buffers, before_step, leave_out
+                )
             # read afresh: a slotted callable's diagnostics are made at each read
             after = diagnostics(graphed)
             replayed = after.replays - replays
@@ -307,7 +331,9 @@ def verify(
             process.put_back_torch_rng()
             fp8.put_back()
             with eager_twin(graphed, as_replayed=True) as eager, _eager_context(graphed):
-                eager_steps = _run_steps(eager, args, kwargs, steps, params, buffers)
+                eager_steps = _run_steps(
+                    eager, args, kwargs, steps, params, buffers, leave_out=leave_out
+                )
         finally:
             fp8.put_back()
 
@@ -317,7 +343,10 @@ def verify(
     for step, (ours, theirs) in enumerate(zip(graphed_steps, eager_steps, strict=True), 1):
         checks += _compare_step(f"step {step} ", ours, theirs, rtol, atol)
     varied = tuple(step for step, ours in enumerate(graphed_steps, 1) if ours.varied)
-    return VerifyReport(info.name, info.backend, steps, tuple(checks), varied)
+    left_out = tuple(
+        (step, ours.left_out) for step, ours in enumerate(graphed_steps, 1) if ours.left_out
+    )
+    return VerifyReport(info.name, info.backend, steps, tuple(checks), varied, left_out)
 
 
 def _parameter_tensors(
@@ -411,7 +440,18 @@ class _Step:
     param_grads: dict[str, torch.Tensor | None]
     after: dict[str, torch.Tensor]  # "input args[0]", "buffer bn.running_mean", ...: after it
     changed: set[str]  # the keys of ``after`` whose values the call changed
+    # per output leaf, what it is or views among the outputs, inputs and the module's tensors
+    # (:func:`_relations`; "" for a tensor of its own)
+    relations: list[str] = field(default_factory=list)
+    # torch's generators after the call ("torch's RNG (CPU)", "torch's RNG (cuda:0)", ...), and
+    # those the call (forward and backward) moved
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    rng_changed: set[str] = field(default_factory=set)
     varied: bool = False  # whether its inputs' values differed from the given ones (_vary_inputs)
+    left_out: str = ""  # the output given no grad in the backward ("output[0]"), or ""
+    # the parameters the call (an optimizer step in its backward) changed, by label
+    # ("parameter fc.weight"), with their values after it; unchanged ones are not kept
+    params_after: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _run_steps(
@@ -421,28 +461,50 @@ def _run_steps(
     steps: int,
     params: Sequence[tuple[str, torch.Tensor]],
     buffers: Sequence[tuple[str, torch.Tensor]],
+    before_step: Callable[[int], None] | None = None,
+    leave_out: bool = True,
 ) -> list[_Step]:
     for _, param in params:
         param.grad = None
     given = _given_tensors(args, kwargs)
     results = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         call_args, call_kwargs, inputs = cloned_inputs(tuple(args), dict(kwargs))
         varied = _vary_inputs(inputs, given, step)
         before = {f"input {p}": t.detach().clone() for p, t in inputs}
         before.update({label: b.detach().clone() for label, b in buffers})
+        rng_before = _torch_rng_states()
+        params_before = [p.detach().clone() for _, p in params]
         with torch.enable_grad():
             out = call(*call_args, **call_kwargs)
         spec = describe(out, root="output")
         flat = spec.flatten(out)
         outputs = [_owned(t) for t in flat]
-        live = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        relations = _relations(spec, flat, inputs, [*params, *buffers])
+        live = [
+            (path, t)
+            for path, t in zip(spec.array_paths, flat, strict=True)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        # from step 2 on, with several outputs requiring grad, one is left out of the backward in
+        # turn (a loss of some outputs only): its replay gets no grad for it, as training's may
+        left_out = (step - 1) % len(live) if leave_out and step and len(live) > 1 else None
         if live:
-            cotangents = [_cotangent(t, step, i) for i, t in enumerate(live)]
+            cotangents = [_cotangent(t, step, i) for i, (_, t) in enumerate(live)]
+            kept = [i for i in range(len(live)) if i != left_out]
             with outside_autocast():  # torch's AMP recipe: autocast wraps the forward alone
-                torch.autograd.backward(live, cotangents)
+                torch.autograd.backward([live[i][1] for i in kept], [cotangents[i] for i in kept])
         after = {f"input {p}": t.detach().clone() for p, t in inputs}
         after.update({label: b.detach().clone() for label, b in buffers})
+        rng = _torch_rng_states()
+        params_after = {
+            f"parameter {name}": param.detach().clone()
+            for (name, param), was in zip(params, params_before, strict=True)
+            if not same_bits(param.detach(), was)
+        }
+        del params_before
         results.append(
             _Step(
                 spec=spec,
@@ -453,9 +515,109 @@ def _run_steps(
                 # bit for bit: by value a NaN is never itself, and -0.0 is 0.0
                 changed={key for key, value in after.items() if not same_bits(value, before[key])},
                 varied=varied,
+                left_out="" if left_out is None else f"output{live[left_out][0]}",
+                params_after=params_after,
+                relations=relations,
+                rng=rng,
+                rng_changed={
+                    key
+                    for key, state in rng.items()
+                    if key not in rng_before or not torch.equal(state, rng_before[key])
+                },
             )
         )
     return results
+
+
+_OWN = "a tensor of its own"
+
+
+def _relations(
+    spec: TreeSpec,
+    flat: Sequence[Any],
+    inputs: Sequence[tuple[str, torch.Tensor]],
+    module_tensors: Sequence[tuple[str, torch.Tensor]],
+) -> list[str]:
+    """What each output leaf is, or is a view of, among the outputs before it, the call's inputs
+    and the module's parameters and buffers: ``"output[0] itself"``, ``"a view of args[0]"``,
+    ``""`` for a tensor of its own (or a view of a tensor none of those is). A replay promises
+    eager's relations (one tensor returned twice is one object, ``h.t()`` a view of ``h``, an
+    input returned is the caller's tensor), which values alone do not show.
+
+    >>> x = torch.ones(2, 2)
+    >>> h = x * 2
+    >>> out = (h, h, h.t(), x, x[0], torch.ones(1))
+    >>> spec = describe(out, root="output")
+    >>> _relations(spec, spec.flatten(out), [("args[0]", x)], [])
+    ['', 'output[0] itself', 'a view of output[0]', 'args[0] itself', 'a view of args[0]', '']
+    """
+    named: dict[int, str] = {}
+    for label, tensor in module_tensors:
+        named.setdefault(id(tensor), label)
+    for path, tensor in inputs:
+        named.setdefault(id(tensor), path.removeprefix("input "))
+    found: list[str] = []
+    for path, leaf in zip(spec.array_paths, flat, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            found.append("")
+            continue
+        if id(leaf) in named:
+            found.append(f"{named[id(leaf)]} itself")
+            continue
+        base = leaf._base if leaf._is_view() else None
+        found.append(
+            "" if base is None or id(base) not in named else f"a view of {named[id(base)]}"
+        )
+        named[id(leaf)] = f"output{path}"
+    return found
+
+
+def _torch_rng_states() -> dict[str, torch.Tensor]:
+    """Torch's default generators' states: the CPU's, and each GPU's where CUDA is initialised
+    (a replay moves a GPU's offset as eager's kernels do; a draw on the host it does not
+    repeat)."""
+    states = {"torch's RNG (CPU)": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"torch's RNG (cuda:{index})"] = state
+    return states
+
+
+class _SlotInTurn(FreeSlots):
+    """``slots=k`` under verify: step ``i`` (0-based) takes slot ``i % k``, so that ``k`` steps
+    replay every slot (each step's backward frees its slot, so the lowest free one, slot 0,
+    would take them all); a slot in flight from before verify is passed over as usual."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.slots = slots
+        self.step = 0
+
+    def take(self, front: SlottedCallable, grad_enabled: bool) -> int:
+        index = self.step % self.slots
+        if not front._is_in_flight(index):
+            return index
+        return super().take(front, grad_enabled)
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+
+@contextlib.contextmanager
+def _each_slot_in_turn(runner: Any) -> Iterator[Callable[[int], None] | None]:
+    """For a callable with replay slots (``slots=k``): a function telling it which step runs
+    next, each step then replaying slot ``step % k``; the usual choice is back afterwards.
+    ``None`` for one slot or a schedule (which picks its own slots)."""
+    if not (isinstance(runner, SlottedCallable) and type(runner._gate) is FreeSlots):
+        yield None
+        return
+    usual = runner._gate
+    turn = _SlotInTurn(len(runner._replays))
+    runner._gate = turn
+    try:
+        yield turn.set_step
+    finally:
+        runner._gate = usual
 
 
 @contextlib.contextmanager
@@ -689,8 +851,21 @@ def _compare_step(
     if problem:
         checks.append(_problem(prefix + "output", problem))
     else:
-        for path, a, b in zip(theirs.spec.array_paths, ours.outputs, theirs.outputs, strict=True):
-            checks.append(_compare(f"{prefix}output{path}", a, b, rtol, atol))
+        for path, a, b, graphed_is, eager_is in zip(
+            theirs.spec.array_paths,
+            ours.outputs,
+            theirs.outputs,
+            ours.relations,
+            theirs.relations,
+            strict=True,
+        ):
+            check = _compare(f"{prefix}output{path}", a, b, rtol, atol)
+            if graphed_is != eager_is and check.ok:
+                check = _problem(
+                    check.path,
+                    f"graphed {graphed_is or _OWN}, eager {eager_is or _OWN}",
+                )
+            checks.append(check)
     for mine, other in (
         (ours.input_grads, theirs.input_grads),
         (ours.param_grads, theirs.param_grads),
@@ -700,7 +875,35 @@ def _compare_step(
     for key in sorted(ours.changed | theirs.changed):  # inputs and buffers a call changed
         path = f"{prefix}{key} after the call"
         checks.append(_compare(path, ours.after[key], theirs.after[key], rtol, atol))
+    for key in sorted(ours.params_after.keys() | theirs.params_after.keys()):
+        path = f"{prefix}{key} after the call"
+        graphed_value, eager_value = ours.params_after.get(key), theirs.params_after.get(key)
+        if graphed_value is None or eager_value is None:
+            which = "eager" if graphed_value is None else "graphed"
+            checks.append(_problem(path, f"only the {which} call changed it"))
+        else:
+            checks.append(_compare(path, graphed_value, eager_value, rtol, atol))
+    for key in sorted(ours.rng_changed | theirs.rng_changed):  # the generators a call drew from
+        checks.append(_compare_rng(f"{prefix}{key} after the call", ours.rng[key], theirs.rng[key]))
     return checks
+
+
+def _compare_rng(path: str, actual: torch.Tensor, expected: torch.Tensor) -> LeafCheck:
+    """A generator's state after the call: the same bytes, or a problem (the graphed call drew
+    other random numbers than eager's, so whatever draws next gets other numbers).
+
+    >>> state = torch.get_rng_state()
+    >>> _compare_rng("rng", state, state).ok, _compare_rng("rng", state, state + 1).ok
+    (True, False)
+    """
+    if torch.equal(actual, expected):
+        return LeafCheck(path, dtype_name(expected.dtype), tuple(expected.shape), 0, 0, 0, 0, 0)
+    return _problem(
+        path,
+        "the graphed call left the generator in another state than eager's (it drew other "
+        "random numbers, or as many on the host that a graph does not draw again): what "
+        "draws next in training (dropout, a shuffle) gets other numbers than in eager",
+    )
 
 
 def _structure_problem(ours: _Step, theirs: _Step) -> str:
