@@ -58,7 +58,9 @@ class TripleData:
 class Block(torch.nn.Module):
     """A small block whose composition and output tree a config fixes."""
 
-    def __init__(self, ops: list[str], outputs: list[tuple[str, str]], container: str) -> None:
+    def __init__(
+        self, ops: list[str], outputs: list[tuple[str, str]], container: str, p: float = 0.0
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.outputs = outputs
@@ -68,7 +70,7 @@ class Block(torch.nn.Module):
         self.frozen = torch.nn.Linear(WIDTH, WIDTH)
         self.frozen.requires_grad_(False)
         self.bn = torch.nn.BatchNorm1d(WIDTH)
-        self.drop = torch.nn.Dropout(0.0)
+        self.drop = torch.nn.Dropout(p)  # draws from torch's RNG, seeded alike for both calls
         self.cat = torch.nn.Linear(2 * WIDTH, WIDTH)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
@@ -81,7 +83,6 @@ class Block(torch.nn.Module):
         bias: torch.Tensor | None = None,
     ) -> Any:
         h = x
-        self.calls += 1  # a counter buffer the forward updates in place
         for op in self.ops:
             if op == "fc":
                 h = self.fc(h)
@@ -108,11 +109,10 @@ class Block(torch.nn.Module):
                 h = a * b
             elif op == "scale":
                 h = h * scale
-            elif op == "dropout":  # draws from torch's RNG, seeded alike before both calls
-                h = torch.nn.functional.dropout(h, 0.5, self.training)
             elif op == "bias" and bias is not None:
                 h = h + bias
-            elif op == "count":
+            elif op == "count":  # a counter buffer the forward updates in place
+                self.calls += 1
                 h = h + self.calls.to(h.dtype) * 0.125
         z = h * 2.0
         values = {
@@ -165,7 +165,6 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
                     "cat",
                     "chunk",
                     "scale",
-                    "dropout",
                     "bias",
                     "count",
                 ]
@@ -186,6 +185,7 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
         "outputs": outputs,
         "container": draw(st.sampled_from(["tuple", "list", "dict", "namedtuple", "dataclass"])),
         "bias": draw(st.sampled_from(["none", "grad", "no_grad"])),
+        "p": draw(st.sampled_from([0.0, 0.0, 0.5])),
         "x_grad": draw(st.booleans()),
         "y_grad": draw(st.booleans()),
         "scale_grad": draw(st.booleans()),
@@ -306,7 +306,7 @@ def _check_in_graph_refusal(
 
 def run_program(cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"])
-    eager = Block(cfg["ops"], cfg["outputs"], cfg["container"])
+    eager = Block(cfg["ops"], cfg["outputs"], cfg["container"], cfg["p"])
     graphed = copy.deepcopy(eager)
     gen = torch.Generator().manual_seed(cfg["seed"])
     sx, sy, ss, sb = _inputs(cfg, gen, False)
