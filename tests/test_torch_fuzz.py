@@ -5,13 +5,15 @@ value, grad and buffer must be equal bit for bit."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+import dataclasses
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dualgraph
 import dualgraph.torch as dgt
 from dualgraph import DualgraphError
 
@@ -31,13 +33,34 @@ OUTPUT_KINDS = (
     "x",
     "z",
     "y_out",
+    "h_t",
+    "mask",
+    "float",
+    "calls",
+    "bias",
 )
+
+
+class Triple(NamedTuple):
+    first: Any
+    second: Any
+    rest: Any
+
+
+@dualgraph.register_dataclass
+@dataclasses.dataclass
+class TripleData:
+    first: Any
+    second: Any
+    rest: Any
 
 
 class Block(torch.nn.Module):
     """A small block whose composition and output tree a config fixes."""
 
-    def __init__(self, ops: list[str], outputs: list[tuple[str, str]], container: str) -> None:
+    def __init__(
+        self, ops: list[str], outputs: list[tuple[str, str]], container: str, p: float = 0.0
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.outputs = outputs
@@ -47,10 +70,18 @@ class Block(torch.nn.Module):
         self.frozen = torch.nn.Linear(WIDTH, WIDTH)
         self.frozen.requires_grad_(False)
         self.bn = torch.nn.BatchNorm1d(WIDTH)
-        self.drop = torch.nn.Dropout(0.0)
+        self.drop = torch.nn.Dropout(p)  # draws from torch's RNG, seeded alike for both calls
         self.cat = torch.nn.Linear(2 * WIDTH, WIDTH)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor) -> Any:
+    def forward(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> Any:
         h = x
         for op in self.ops:
             if op == "fc":
@@ -78,6 +109,11 @@ class Block(torch.nn.Module):
                 h = a * b
             elif op == "scale":
                 h = h * scale
+            elif op == "bias" and bias is not None:
+                h = h + bias
+            elif op == "count":  # a counter buffer the forward updates in place
+                self.calls += 1
+                h = h + self.calls.to(h.dtype) * 0.125
         z = h * 2.0
         values = {
             "h": h,
@@ -92,12 +128,22 @@ class Block(torch.nn.Module):
             "x": x,
             "z": z,
             "y_out": y * 3,
+            "h_t": h.t(),
+            "mask": h > 0,
+            "float": 0.5,
+            "calls": self.calls,
+            "bias": bias,
         }
         items = [(key, values[kind]) for key, kind in self.outputs]
         if self.container == "tuple":
             return tuple(v for _, v in items)
         if self.container == "list":
             return [v for _, v in items]
+        if self.container in ("namedtuple", "dataclass"):
+            made = Triple if self.container == "namedtuple" else TripleData
+            return made(
+                items[0][1], items[1][1] if len(items) > 1 else None, [v for _, v in items[2:]]
+            )
         return dict(items)
 
 
@@ -119,6 +165,8 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
                     "cat",
                     "chunk",
                     "scale",
+                    "bias",
+                    "count",
                 ]
             ),
             min_size=1,
@@ -129,13 +177,15 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
     if not any(k in ("h", "z") for k in kinds):
         kinds.append("h")
     # views of h need h itself handed out (README: views of another output)
-    if any(k in ("h_view", "h_chunk0") for k in kinds) and "h" not in kinds:
+    if any(k in ("h_view", "h_chunk0", "h_t") for k in kinds) and "h" not in kinds:
         kinds.append("h")
     outputs = [(f"o{i}", k) for i, k in enumerate(kinds)]
     return {
         "ops": ops,
         "outputs": outputs,
-        "container": draw(st.sampled_from(["tuple", "list", "dict"])),
+        "container": draw(st.sampled_from(["tuple", "list", "dict", "namedtuple", "dataclass"])),
+        "bias": draw(st.sampled_from(["none", "grad", "no_grad"])),
+        "p": draw(st.sampled_from([0.0, 0.0, 0.5])),
         "x_grad": draw(st.booleans()),
         "y_grad": draw(st.booleans()),
         "scale_grad": draw(st.booleans()),
@@ -163,18 +213,33 @@ def _inputs(cfg: dict[str, Any], gen: torch.Generator, drop_grad: bool) -> tuple
     x = torch.randn(3, WIDTH, generator=gen).requires_grad_(cfg["x_grad"] and not drop_grad)
     y = torch.randn(3, WIDTH, generator=gen).requires_grad_(cfg["y_grad"])
     scale = torch.randn(WIDTH, generator=gen).requires_grad_(cfg["scale_grad"])
-    return x, y, scale
+    bias = torch.randn(WIDTH, generator=gen).requires_grad_(cfg["bias"] == "grad")
+    return x, y, scale, None if cfg["bias"] == "none" else bias
 
 
 def _clone_inputs(ins: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in ins)
+    return tuple(
+        None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in ins
+    )
+
+
+def _call(module: torch.nn.Module, ins: tuple[Any, ...], rng_seed: int) -> Any:
+    """``module`` on ``ins`` (the optional ``bias`` left out where it is ``None``), from a
+    seeded RNG: the graphed and the eager call draw the same dropout masks (README)."""
+    torch.manual_seed(rng_seed)
+    bias = {} if ins[3] is None else {"bias": ins[3]}
+    return module(ins[0], ins[1], scale=ins[2], **bias)
 
 
 def _flat(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` with the containers' types and keys among them."""
     if isinstance(tree, dict):
-        return [v for k in tree for v in _flat(tree[k])]
+        return [type(tree), *tree, *(v for k in tree for v in _flat(tree[k]))]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        fields = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+        return [type(tree), *(v for item in fields for v in _flat(item))]
     if isinstance(tree, (list, tuple)):
-        return [v for item in tree for v in _flat(item)]
+        return [type(tree), *(v for item in tree for v in _flat(item))]
     return [tree]
 
 
@@ -241,14 +306,14 @@ def _check_in_graph_refusal(
 
 def run_program(cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"])
-    eager = Block(cfg["ops"], cfg["outputs"], cfg["container"])
+    eager = Block(cfg["ops"], cfg["outputs"], cfg["container"], cfg["p"])
     graphed = copy.deepcopy(eager)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    sx, sy, ss = _inputs(cfg, gen, False)
+    sx, sy, ss, sb = _inputs(cfg, gen, False)
     dgt.make_graphed_callables(
         graphed,
         (sx, sy),
-        sample_kwargs={"scale": ss},
+        sample_kwargs={"scale": ss} if sb is None else {"scale": ss, "bias": sb},
         backend="emulate",
         param_grads=cfg["mode"],
         clone_outputs=cfg["clone"],
@@ -263,14 +328,12 @@ def run_program(cfg: dict[str, Any]) -> None:
         if kind in ("no_grad", "inference"):
             ctx = torch.no_grad if kind == "no_grad" else torch.inference_mode
             with ctx():
-                go = graphed(gi[0], gi[1], scale=gi[2])
-                eo = eager(ei[0], ei[1], scale=ei[2])
+                go, eo = _call(graphed, gi, n), _call(eager, ei, n)
             for a, b in zip(_flat(go), _flat(eo), strict=True):
                 _same(a, b, what)
             _same_state(graphed, eager, what)
             continue
-        go = graphed(gi[0], gi[1], scale=gi[2])
-        eo = eager(ei[0], ei[1], scale=ei[2])
+        go, eo = _call(graphed, gi, n), _call(eager, ei, n)
         assert len(_flat(go)) == len(_flat(eo))
         for a, b in zip(_flat(go), _flat(eo), strict=True):
             _same(a, b, f"{what} output")
@@ -278,14 +341,15 @@ def run_program(cfg: dict[str, Any]) -> None:
         gl, el = _loss(go, pick), _loss(eo, pick)
         if gl is not None and kind != "skip":
             _same(gl, el, f"{what} loss")
-            targets_g = [t for t in (*gi, *graphed.parameters()) if t.requires_grad]
-            targets_e = [t for t in (*ei, *eager.parameters()) if t.requires_grad]
+            leaves_g = [t for t in (*gi, *graphed.parameters()) if t is not None]
+            targets_g = [t for t in leaves_g if t.requires_grad]
+            targets_e = [t for t in (*ei, *eager.parameters()) if t is not None and t.requires_grad]
             refused = None
             if cfg["mode"] == "in_graph" and kind != "backward":
                 # README: under "in_graph" these are refused where they reach the replay, and
                 # one that asks for parameters only never reaches it (torch's own answer); the
                 # program parts from eager's there, so it ends after that is checked
-                _check_in_graph_refusal(kind, pick, gl, targets_g, (*gi, *graphed.parameters()))
+                _check_in_graph_refusal(kind, pick, gl, targets_g, leaves_g)
                 return
             if kind == "backward":
                 gl.backward()
@@ -315,7 +379,7 @@ def run_program(cfg: dict[str, Any]) -> None:
                 assert cfg["mode"] == "in_graph", f"{what}: refused {refused}"
                 return
             for i, (a, b) in enumerate(zip(gi, ei, strict=True)):
-                if a.requires_grad:
+                if a is not None and a.requires_grad:
                     assert (a.grad is None) == (b.grad is None), f"{what} input {i} grad None"
                     if a.grad is not None:
                         assert torch.equal(a.grad, b.grad), f"{what} input {i} grad"

@@ -7,15 +7,18 @@ buffers of their own, so :func:`find_output_aliases` records at capture, from th
 outputs, which output is another one (or an input), or a view of one, and
 :meth:`OutputAliases.hand_out` rebuilds those relations on every replay from the outputs handed
 out (views by ``as_strided`` with the captured size, stride and offset, under the caller's grad
-mode, so autograd sees an ordinary view). A callable whose outputs share no memory has no
+mode, so autograd sees an ordinary view; one that needs grad by the view ops eager's was made
+with, as their backwards hand on the grad in eager's layout: ``h.t()``'s keeps a ``.sum()``
+loss's expanded grad expanded, which a BatchNorm's backward rounds otherwise than a dense one).
+A callable whose outputs share no memory has no
 ``OutputAliases`` and pays nothing. What a replay cannot give as eager does is refused at
 capture, naming the outputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,6 +55,10 @@ class _Step:
     conj: bool = False
     neg: bool = False
     parameter: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # makes the view from its source with eager's view ops (held by a meta tensor), or None
+    view: Callable[[torch.Tensor], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,9 @@ class OutputAliases:
                 base = inputs[step.source] if step.from_input else result[step.source]
             if step.detach:
                 base = base.detach()
-            if step.size is not None:
+            if step.view is not None:
+                base = step.view(base)
+            elif step.size is not None:
                 base = base.as_strided(step.size, step.stride, base.storage_offset() + step.offset)
             if step.conj:
                 base = base.conj()
@@ -196,7 +205,46 @@ def find_output_aliases(
     ]
     if not steps:
         return None
-    return OutputAliases(steps=tuple(steps), input_views=tuple(input_views))
+    views = {id(step): _with_view_ops(step, outputs, inputs) for step in steps}
+    return OutputAliases(
+        steps=tuple(views[id(s)] for s in steps),
+        input_views=tuple(views[id(s)] for s in input_views),
+    )
+
+
+def _with_view_ops(
+    step: _Step, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> _Step:
+    """``step`` making its view by the ops eager's output was made with, where it is a view
+    needing grad of its source itself (found on the first warmup, which records views' ops).
+
+    Their backwards hand on the grad as eager's do (``h.t()``'s and ``h.view(-1)``'s keep an
+    expanded grad expanded), where ``as_strided``'s makes it dense, which kernels such as
+    BatchNorm's backward round otherwise. The ops are kept on a ``meta`` stand-in of the
+    source, so no memory of the warmup stays held. Else ``step`` as it is (``as_strided``).
+    """
+    if step.size is None or step.parameter is not None or step.detach or step.conj or step.neg:
+        return step
+    tensor = outputs[step.output]
+    source = inputs[step.source] if step.from_input else outputs[step.source]
+    if not tensor.requires_grad or tensor._base is not source:
+        return step
+    stand_in = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device="meta")
+    with torch.autograd._force_original_view_tracking(True):
+        held: torch.Tensor | None = tensor._view_func(stand_in)  # type: ignore[attr-defined]
+        view = getattr(held, "_view_func", None) if held is not None and held._is_view() else None
+        if view is None:
+            return step
+        made = view(source.detach())
+    if (
+        tuple(made.shape) != step.size
+        or made.stride() != step.stride
+        or made.storage_offset() - source.storage_offset() != step.offset
+        or made.is_conj() != source.is_conj()
+        or made.is_neg() != source.is_neg()
+    ):
+        return step
+    return replace(step, view=view)
 
 
 def _empty_view(

@@ -564,6 +564,9 @@ def _warmup(
                 branch_reads(item.static_inputs) as reads,
                 rng_rewinds() as forward_rewound,
                 _RETAIN_GRAD.watching([]) as retained,
+                # views record their own ops, so that a replay makes its view outputs with
+                # eager's ops (see _output_aliases)
+                torch.autograd._force_original_view_tracking(True),
             ):
                 outputs = _run(item)
             _refuse_inputs_retaining_grad(item, retained)
