@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -265,17 +266,7 @@ def _empty_view(
         if source is base:
             if tensor.requires_grad != source.requires_grad or tensor.dtype != source.dtype:
                 return None  # (made under no_grad: a tensor of its own, as before)
-            return _Step(
-                k,
-                i,
-                from_input=True,
-                size=tuple(tensor.shape),
-                stride=tensor.stride(),
-                offset=int(tensor.storage_offset() - source.storage_offset()),
-                source_stride=source.stride(),
-                conj=tensor.is_conj() != source.is_conj(),
-                neg=tensor.is_neg() != source.is_neg(),
-            )
+            return _view_step(k, i, tensor, source, from_input=True)
     owner = held.get(id(base))
     if owner is not None and not tensor.requires_grad and tensor.dtype == owner.dtype:
         return _held_view(k, tensor, owner)
@@ -288,15 +279,26 @@ def _empty_view(
             f"which does not (a detached alias), which a replay cannot hand out as eager "
             f"does; {_ADVICE}"
         )
+    return _view_step(k, root, tensor, base, detach=base.requires_grad and not tensor.requires_grad)
+
+
+def _view_step(
+    k: int, source_index: int, tensor: torch.Tensor, source: torch.Tensor, **how: Any
+) -> _Step:
+    """Output ``k`` made as a view of ``source`` (at ``source_index``) laid out as ``tensor``:
+    its size, stride, offset past ``source``'s and the conjugate and negative bits it flips;
+    ``how``: the step's other fields (``from_input``, ``detach``, ``parameter``)."""
+    if how.get("from_input"):
+        how["source_stride"] = source.stride()
     return _Step(
         k,
-        root,
-        detach=base.requires_grad and not tensor.requires_grad,
+        source_index,
         size=tuple(tensor.shape),
         stride=tensor.stride(),
-        offset=int(tensor.storage_offset() - base.storage_offset()),
-        conj=tensor.is_conj() != base.is_conj(),
-        neg=tensor.is_neg() != base.is_neg(),
+        offset=int(tensor.storage_offset() - source.storage_offset()),
+        conj=tensor.is_conj() != source.is_conj(),
+        neg=tensor.is_neg() != source.is_neg(),
+        **how,
     )
 
 
@@ -319,16 +321,7 @@ def _held_view(k: int, tensor: torch.Tensor, owner: torch.Tensor) -> _Step:
         and not (conj or neg)
     ):
         return _Step(k, k, detach=True, parameter=owner)
-    return _Step(
-        k,
-        k,
-        size=tuple(tensor.shape),
-        stride=tensor.stride(),
-        offset=int(tensor.storage_offset() - owner.storage_offset()),
-        conj=conj,
-        neg=neg,
-        parameter=owner,
-    )
+    return _view_step(k, k, tensor, owner, parameter=owner)
 
 
 def _input_view(
@@ -351,17 +344,7 @@ def _input_view(
             f"output{out_paths[k]} is a view of {input_paths[i]} as another dtype, which a "
             f"replay cannot hand out as eager does; {_ADVICE}"
         )
-    return _Step(
-        k,
-        i,
-        from_input=True,
-        size=tuple(tensor.shape),
-        stride=tensor.stride(),
-        offset=int(tensor.storage_offset() - source.storage_offset()),
-        source_stride=source.stride(),
-        conj=tensor.is_conj() != source.is_conj(),
-        neg=tensor.is_neg() != source.is_neg(),
-    )
+    return _view_step(k, i, tensor, source, from_input=True)
 
 
 def _views_within(
@@ -427,18 +410,7 @@ def _views_within(
         if detach and same_layout and tensor._base is None and not (conj or neg):
             steps.append(_Step(k, root, detach=True))  # .detach() of it
         else:
-            steps.append(
-                _Step(
-                    k,
-                    root,
-                    detach=detach,
-                    size=tuple(tensor.shape),
-                    stride=tensor.stride(),
-                    offset=int(tensor.storage_offset() - base.storage_offset()),
-                    conj=conj,
-                    neg=neg,
-                )
-            )
+            steps.append(_view_step(k, root, tensor, base, detach=detach))
     return steps
 
 
